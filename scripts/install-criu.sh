@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Install CRIU >= 4.0: the system's if it is new enough and `criu check` passes, else build it from
+# Debian trixie's source package (bookworm's 3.17 fails on this kernel: FACTS.md). The built binary is
+# cached under .cache/criu so a second run is instant. Prints the path of the criu to use.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+cache="$root/.cache/criu"
+want_major=4
+
+usable() {  # $1 = criu binary
+    local v
+    v=$("$1" --version 2>/dev/null | sed -n 's/^Version: *\([0-9]*\).*/\1/p') || return 1
+    [ -n "$v" ] && [ "$v" -ge "$want_major" ] && "$1" check >/dev/null 2>&1
+}
+
+if command -v criu >/dev/null && usable "$(command -v criu)"; then command -v criu; exit 0; fi
+if [ -x "$cache/bin/criu" ] && usable "$cache/bin/criu"; then echo "$cache/bin/criu"; exit 0; fi
+
+export DEBIAN_FRONTEND=noninteractive
+apt-get install -y -q --no-install-recommends libprotobuf-c-dev protobuf-c-compiler libprotobuf-dev \
+    protobuf-compiler libnl-3-dev libnet1-dev libcap-dev libnftables-dev libgnutls28-dev libbsd-dev \
+    pkg-config python3-protobuf uuid-dev libaio-dev iproute2 xz-utils gcc make >&2
+
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+# The mirror is whatever this machine's own apt configuration names; never a hard-coded host.
+mirror=$(sed -n 's/^URIs: *\([^ ]*\).*/\1/p' /etc/apt/sources.list.d/debian.sources 2>/dev/null | grep -v security | head -n1)
+[ -n "$mirror" ] || mirror=$(awk '$1=="deb" && $2 !~ /security/ {print $2; exit}' /etc/apt/sources.list)
+echo "deb-src $mirror trixie main" > "$work/trixie-src.list"
+opts=(-o Dir::Etc::sourcelist="$work/trixie-src.list" -o Dir::Etc::sourceparts=- -o Dir::State::Lists="$work/lists")
+mkdir -p "$work/lists/partial"
+apt-get "${opts[@]}" update >&2
+(cd "$work" && apt-get "${opts[@]}" source --download-only criu >&2 || true)
+orig=$(ls "$work"/criu_*.orig.tar.* | head -n1)
+mkdir "$work/src" && tar -C "$work/src" --strip-components=1 -xf "$orig"
+make -C "$work/src" -j"$(nproc)" criu >&2
+mkdir -p "$cache/bin"
+install -m 0755 "$work/src/criu/criu" "$cache/bin/criu"
+usable "$cache/bin/criu" || { echo "built criu does not pass 'criu check'" >&2; exit 1; }
+echo "$cache/bin/criu"

@@ -1,0 +1,124 @@
+"""CPU codecs for chunk payloads (raw, zstd) and the per-chunk choice between them.
+
+Each codec is a tiny object with encode/decode, named and numbered as in FORMAT.md. GPU codecs
+(nvCOMP) share the numbering and live in storage/gpu_codecs.py so that this module imports without a GPU.
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Protocol
+
+import zstandard
+
+# Numbering is part of the on-disk format (FORMAT.md); never reuse an id.
+CODEC_IDS: dict[str, int] = {"raw": 0, "zstd": 1, "nvcomp-ans": 16, "nvcomp-bitcomp": 17, "nvcomp-lz4": 18}
+CODEC_NAMES: dict[int, str] = {v: k for k, v in CODEC_IDS.items()}
+ZERO = "zero"  # not a codec id: a chunk reference with no file
+
+# A chunk whose compressed size is above this fraction of its raw size is stored raw: the CPU time
+# spent decompressing it later would buy almost nothing.
+PAYS_OFF_RATIO = 0.97
+_SAMPLE = 64 * 1024
+
+
+class CodecError(Exception):
+    """A payload that does not decode, or a codec this build does not know."""
+
+
+class Codec(Protocol):
+    name: str
+
+    def encode(self, data: memoryview) -> bytes | memoryview: ...
+
+    def decode(self, payload: memoryview, raw_len: int) -> bytes | memoryview: ...
+
+
+class RawCodec:
+    name = "raw"
+
+    def encode(self, data: memoryview) -> memoryview:
+        return data
+
+    def decode(self, payload: memoryview, raw_len: int) -> memoryview:
+        if len(payload) != raw_len:
+            raise CodecError(f"raw payload is {len(payload)} bytes, expected {raw_len}")
+        return payload
+
+
+class ZstdCodec:
+    """zstd, one frame per chunk. Compressor objects are not thread-safe: one per thread."""
+
+    name = "zstd"
+
+    def __init__(self, level: int = 1) -> None:
+        self.level = level
+        self._local = threading.local()
+
+    def _cctx(self) -> zstandard.ZstdCompressor:
+        c = getattr(self._local, "c", None)
+        if c is None:
+            c = self._local.c = zstandard.ZstdCompressor(level=self.level, write_content_size=True)
+        return c
+
+    def _dctx(self) -> zstandard.ZstdDecompressor:
+        d = getattr(self._local, "d", None)
+        if d is None:
+            d = self._local.d = zstandard.ZstdDecompressor()
+        return d
+
+    def encode(self, data: memoryview) -> bytes:
+        return self._cctx().compress(data)
+
+    def decode(self, payload: memoryview, raw_len: int) -> bytes:
+        try:
+            out = self._dctx().decompress(payload, max_output_size=raw_len)
+        except zstandard.ZstdError as e:
+            raise CodecError(f"zstd payload does not decode: {e}") from None
+        if len(out) != raw_len:
+            raise CodecError(f"zstd payload decoded to {len(out)} bytes, expected {raw_len}")
+        return out
+
+
+@dataclass(frozen=True)
+class Encoded:
+    codec: str
+    payload: bytes | memoryview
+
+
+class HostCodecChooser:
+    """Picks the codec for each host chunk: zstd when it pays, raw when it does not.
+
+    A 64 KiB sample is compressed first so that incompressible data (random, encrypted, already
+    compressed) costs one small probe instead of a full compression pass.
+    """
+
+    def __init__(self, level: int = 1, compress: bool = True) -> None:
+        self.zstd = ZstdCodec(level)
+        self.raw = RawCodec()
+        self.compress = compress
+
+    def encode(self, data: memoryview) -> Encoded:
+        if not self.compress or len(data) < 512:
+            return Encoded("raw", data)
+        if len(data) > 4 * _SAMPLE:
+            sample = data[:_SAMPLE]
+            if len(self.zstd.encode(sample)) > PAYS_OFF_RATIO * len(sample):
+                return Encoded("raw", data)
+        payload = self.zstd.encode(data)
+        if len(payload) > PAYS_OFF_RATIO * len(data):
+            return Encoded("raw", data)
+        return Encoded("zstd", payload)
+
+
+_HOST_DECODERS: dict[str, Codec] = {"raw": RawCodec(), "zstd": ZstdCodec()}
+
+
+def decode_host(codec: str, payload: memoryview, raw_len: int) -> bytes | memoryview:
+    """Decode a chunk payload on the CPU; GPU codecs are decoded by storage.gpu_codecs."""
+    dec = _HOST_DECODERS.get(codec)
+    if dec is None:
+        if codec in CODEC_IDS:
+            raise CodecError(f"chunk codec {codec!r} needs the GPU path (nvCOMP) to decode")
+        raise CodecError(f"unknown chunk codec {codec!r}")
+    return dec.decode(payload, raw_len)

@@ -1,0 +1,124 @@
+"""Snapshot manifests: the versioned, self-checksummed JSON record naming a snapshot's streams.
+
+Guarantee kept here: Manifest.loads accepts only a manifest whose checksum matches its content and
+whose format and version this code knows (FORMAT.md, "Manifests").
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any
+
+import blake3
+
+from .codecs import CODEC_IDS, ZERO
+from .names import validate_snapshot_name, validate_stream_name
+
+FORMAT = "gpusnap-manifest"
+VERSION = 1
+
+
+class ManifestError(Exception):
+    """A manifest that does not parse, fails its checksum, or is of an unknown format."""
+
+
+@dataclass(frozen=True)
+class ChunkRef:
+    id: str | None
+    raw_len: int
+    codec: str
+    stored_len: int
+
+    @property
+    def is_zero(self) -> bool:
+        return self.codec == ZERO
+
+    def to_json(self) -> list[Any]:
+        return [self.id, self.raw_len, self.codec, self.stored_len]
+
+    @classmethod
+    def from_json(cls, v: Any) -> "ChunkRef":
+        if not (isinstance(v, list) and len(v) == 4):
+            raise ManifestError(f"bad chunk reference {v!r}")
+        cid, raw_len, codec, stored = v
+        if codec == ZERO:
+            if cid is not None or stored != 0:
+                raise ManifestError("zero chunk with an id or stored bytes")
+        elif codec not in CODEC_IDS or not isinstance(cid, str) or len(cid) != 64:
+            raise ManifestError(f"bad chunk reference {v!r}")
+        if not isinstance(raw_len, int) or not isinstance(stored, int) or raw_len < 0 or stored < 0:
+            raise ManifestError(f"bad chunk lengths in {v!r}")
+        return cls(cid, raw_len, codec, stored)
+
+
+@dataclass
+class Stream:
+    name: str
+    attrs: dict[str, Any]
+    chunks: list[ChunkRef] = field(default_factory=list)
+
+    @property
+    def size(self) -> int:
+        return sum(c.raw_len for c in self.chunks)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "size": self.size, "attrs": self.attrs,
+                "chunks": [c.to_json() for c in self.chunks]}
+
+    @classmethod
+    def from_json(cls, v: dict[str, Any]) -> "Stream":
+        s = cls(validate_stream_name(v["name"]), dict(v["attrs"]), [ChunkRef.from_json(c) for c in v["chunks"]])
+        if s.size != v["size"]:
+            raise ManifestError(f"stream {s.name!r}: size {v['size']} but chunks add up to {s.size}")
+        return s
+
+
+@dataclass
+class Manifest:
+    name: str
+    streams: list[Stream]
+    meta: dict[str, Any] = field(default_factory=dict)
+    created: str = field(default_factory=lambda: datetime.now(timezone.utc).isoformat())
+
+    @property
+    def size(self) -> int:
+        return sum(s.size for s in self.streams)
+
+    def chunk_ids(self) -> set[str]:
+        return {c.id for s in self.streams for c in s.chunks if c.id is not None}
+
+    def _body(self) -> dict[str, Any]:
+        return {"format": FORMAT, "version": VERSION, "name": self.name, "created": self.created,
+                "hash": "blake3", "meta": self.meta, "streams": [s.to_json() for s in self.streams]}
+
+    def dumps(self) -> bytes:
+        body = self._body()
+        body["checksum"] = _checksum(body)
+        return json.dumps(body, sort_keys=True, indent=1).encode()
+
+    @classmethod
+    def loads(cls, data: bytes, where: str = "manifest") -> "Manifest":
+        try:
+            body = json.loads(data)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ManifestError(f"{where} does not parse (truncated or corrupted): {e.msg if hasattr(e, 'msg') else e}") from None
+        if not isinstance(body, dict) or body.get("format") != FORMAT:
+            raise ManifestError(f"{where} is not a gpusnap manifest")
+        if body.get("version") != VERSION:
+            raise ManifestError(f"{where} has format version {body.get('version')!r}; this gpusnap reads {VERSION}")
+        want = body.pop("checksum", None)
+        if want != _checksum(body):
+            raise ManifestError(f"{where} fails its checksum (corrupted)")
+        try:
+            streams = [Stream.from_json(s) for s in body["streams"]]
+            m = cls(validate_snapshot_name(body["name"]), streams, dict(body["meta"]), body["created"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise ManifestError(f"{where} is malformed: {e}") from None
+        if len({s.name for s in streams}) != len(streams):
+            raise ManifestError(f"{where} names a stream twice")
+        return m
+
+
+def _checksum(body: dict[str, Any]) -> str:
+    return blake3.blake3(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()

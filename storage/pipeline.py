@@ -1,0 +1,311 @@
+"""The staged, bounded pipeline that moves named byte streams into the store and back out.
+
+put:  source --read--> staging buffer --zero test--> --encode--> --hash+write chunk--> manifest
+get:  manifest --read chunk + verify--> --decode--> sink.write_at
+
+One reader feeds N workers through a fixed pool of page-aligned staging buffers (allocated once,
+reused); a full pool blocks the reader, so memory stays bounded whatever the input size. Sources and
+sinks are small protocols: files (storage/filetree.py), CRIU/runsc image streams and pipes, and the
+GPU region engine (storage/gpu_engine.py) use the same store underneath.
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Protocol
+
+import numpy as np
+
+from .chunkfile import HEADER_SIZE, ChunkError
+from .codecs import HostCodecChooser, decode_host, CodecError
+from .directio import AlignedBuffer, BufferPool
+from .manifest import ChunkRef, Manifest, Stream
+from .store import SnapshotStore, SnapshotWriter, StoreError
+
+DEFAULT_CHUNK = 4 << 20
+
+
+class PipelineError(Exception):
+    """A source or sink failed while moving a stream; nothing was committed."""
+
+
+@dataclass(frozen=True)
+class StreamSpec:
+    name: str
+    attrs: dict[str, Any]
+    size: int | None = None  # None: unknown (a pipe); read to EOF
+
+    @property
+    def has_data(self) -> bool:
+        return self.attrs.get("type") in ("file", "blob")
+
+
+class StreamReader(Protocol):
+    def readinto(self, view: memoryview) -> int:
+        """Fill VIEW completely unless the stream ends first; return bytes read (0 at EOF)."""
+
+
+class Source(Protocol):
+    def streams(self) -> Iterator[StreamSpec]: ...
+
+    def open(self, spec: StreamSpec) -> AbstractContextManager[StreamReader]: ...
+
+
+class StreamWriter(Protocol):
+    def write_at(self, offset: int, data: bytes | memoryview) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class Sink(Protocol):
+    def open(self, spec: StreamSpec) -> StreamWriter | None:
+        """Create the stream (zero-filled to spec.size); None for streams without data."""
+
+    def commit(self) -> None: ...
+
+    def abort(self) -> None: ...
+
+
+@dataclass
+class Stages:
+    """Seconds spent per stage, summed over threads, and bytes through each."""
+
+    seconds: dict[str, float] = field(default_factory=dict)
+    nbytes: dict[str, int] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add(self, stage: str, seconds: float, nbytes: int) -> None:
+        with self._lock:
+            self.seconds[stage] = self.seconds.get(stage, 0.0) + seconds
+            self.nbytes[stage] = self.nbytes.get(stage, 0) + nbytes
+
+    def table(self) -> dict[str, dict[str, float]]:
+        return {k: {"thread_seconds": round(self.seconds[k], 4), "bytes": self.nbytes[k],
+                    "GBps_per_thread": round(self.nbytes[k] / self.seconds[k] / 1e9, 3) if self.seconds[k] else 0.0}
+                for k in self.seconds}
+
+
+@dataclass
+class Result:
+    raw_bytes: int
+    stored_bytes: int
+    seconds: float
+    stages: Stages
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def gbps(self) -> float:
+        return self.raw_bytes / self.seconds / 1e9 if self.seconds else 0.0
+
+
+def is_zero(view: memoryview) -> bool:
+    """True if every byte of VIEW is zero (a 64-byte probe first: data rarely starts with zeros by chance)."""
+    n = len(view)
+    if n == 0:
+        return True
+    head = min(n, 64)
+    if any(view[:head]):
+        return False
+    words = n // 8
+    if words and np.frombuffer(view, dtype=np.uint64, count=words).any():
+        return False
+    return not any(view[words * 8:])
+
+
+class _Failure:
+    """The first exception raised by any worker; later ones are dropped."""
+
+    def __init__(self) -> None:
+        self.exc: BaseException | None = None
+        self._lock = threading.Lock()
+
+    def set(self, e: BaseException) -> None:
+        with self._lock:
+            if self.exc is None:
+                self.exc = e
+
+    def raise_if_set(self) -> None:
+        if self.exc is not None:
+            raise self.exc
+
+
+def default_workers() -> int:
+    return max(2, min(16, os.cpu_count() or 2))
+
+
+def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHUNK,
+        workers: int | None = None, compress: bool = True, zstd_level: int = 1,
+        progress: Any = None) -> Result:
+    """Read every stream of SOURCE into WRITER's snapshot (the caller commits)."""
+    workers = workers or default_workers()
+    chooser = HostCodecChooser(level=zstd_level, compress=compress)
+    stages = Stages()
+    fail = _Failure()
+    t_start = time.perf_counter()
+    with BufferPool(workers * 2, chunk_size) as staging, \
+            BufferPool(workers, HEADER_SIZE + chunk_size) as scratch, \
+            ThreadPoolExecutor(workers, thread_name_prefix="gpusnap-put") as ex:
+
+        def process(stream: Stream, idx: int, buf: AlignedBuffer, n: int) -> None:
+            try:
+                if fail.exc is not None:
+                    return
+                view = buf.view[:n]
+                t0 = time.perf_counter()
+                zero = is_zero(view)
+                t1 = time.perf_counter()
+                stages.add("zero-test", t1 - t0, n)
+                if zero:
+                    stream.chunks[idx] = writer.note_zero(n)
+                else:
+                    enc = chooser.encode(view)
+                    t2 = time.perf_counter()
+                    stages.add("compress", t2 - t1, n)
+                    with scratch.borrowed() as s:
+                        stream.chunks[idx] = writer.put_chunk(enc.codec, n, enc.payload, s)
+                    stages.add("hash+write", time.perf_counter() - t2, len(enc.payload))
+                if progress is not None:
+                    progress.advance(n)
+            except BaseException as e:  # noqa: BLE001 - handed to the submitting thread
+                fail.set(e)
+            finally:
+                staging.release(buf)
+
+        futures: list[Future[None]] = []
+        for spec in source.streams():
+            fail.raise_if_set()
+            stream = Stream(spec.name, dict(spec.attrs))
+            writer.add_stream(stream)
+            if not spec.has_data:
+                continue
+            with source.open(spec) as reader:
+                idx = 0
+                while True:
+                    buf = staging.acquire()
+                    if fail.exc is not None:
+                        staging.release(buf)
+                        break
+                    t0 = time.perf_counter()
+                    try:
+                        n = reader.readinto(buf.view[:chunk_size])
+                    except OSError as e:
+                        staging.release(buf)
+                        raise PipelineError(f"reading {spec.name}: {e.strerror or e}") from None
+                    except BaseException:
+                        staging.release(buf)
+                        raise
+                    stages.add("read", time.perf_counter() - t0, n)
+                    if n == 0:
+                        staging.release(buf)
+                        break
+                    stream.chunks.append(None)  # type: ignore[arg-type] # filled by the worker
+                    futures.append(ex.submit(process, stream, idx, buf, n))
+                    idx += 1
+                    if n < chunk_size:
+                        break
+        for f in futures:
+            f.result()
+        fail.raise_if_set()
+    seconds = time.perf_counter() - t_start
+    st = writer.stats
+    return Result(st.raw_bytes, st.bytes_new, seconds, stages,
+                  {"bytes_dedup": st.bytes_dedup, "zero_bytes": st.zero_bytes, "chunks_new": st.chunks_new,
+                   "chunks_dedup": st.chunks_dedup, "chunks_zero": st.chunks_zero})
+
+
+class _OpenStream:
+    """A sink stream shared by several workers; closed by whoever finishes its last chunk."""
+
+    def __init__(self, writer: StreamWriter, pending: int) -> None:
+        self.writer = writer
+        self.pending = pending
+        self._lock = threading.Lock()
+
+    def done_one(self) -> None:
+        with self._lock:
+            self.pending -= 1
+            last = self.pending == 0
+        if last:
+            self.writer.close()
+
+
+def missing_chunks(store: SnapshotStore, manifest: Manifest) -> list[str]:
+    """Chunk ids the manifest names that have no file (a cheap stat pass before any output)."""
+    return [cid for cid in sorted(manifest.chunk_ids()) if not os.path.exists(store.chunk_path(cid))]
+
+
+def get(store: SnapshotStore, manifest: Manifest, sink: Sink, *, workers: int | None = None,
+        progress: Any = None) -> Result:
+    """Materialize MANIFEST's streams into SINK, every chunk verified; sink.abort() on any failure."""
+    workers = workers or default_workers()
+    stages = Stages()
+    fail = _Failure()
+    missing = missing_chunks(store, manifest)
+    if missing:
+        raise StoreError(f"snapshot {manifest.name!r} is damaged: {len(missing)} chunk(s) missing "
+                         f"(first {missing[0][:16]}…); nothing was written")
+    t_start = time.perf_counter()
+    stored = 0
+    try:
+        with BufferPool(workers * 2, store.chunk_buffer_size([manifest])) as bufs, \
+                ThreadPoolExecutor(workers, thread_name_prefix="gpusnap-get") as ex:
+
+            def fetch(s: Stream, i: int, ref: ChunkRef, offset: int, out: _OpenStream) -> None:
+                try:
+                    if fail.exc is not None:
+                        return
+                    with bufs.borrowed() as buf:
+                        t0 = time.perf_counter()
+                        payload = store.read_chunk(ref, buf)
+                        t1 = time.perf_counter()
+                        stages.add("read+verify", t1 - t0, ref.stored_len)
+                        data = decode_host(ref.codec, payload, ref.raw_len)
+                        t2 = time.perf_counter()
+                        stages.add("decompress", t2 - t1, ref.raw_len)
+                        out.writer.write_at(offset, data)
+                        stages.add("write", time.perf_counter() - t2, ref.raw_len)
+                    if progress is not None:
+                        progress.advance(ref.raw_len)
+                except ChunkError as e:
+                    fail.set(StoreError(f"snapshot {manifest.name!r} is damaged: {s.name} chunk {i}: {e.what}"))
+                except CodecError as e:
+                    fail.set(StoreError(f"snapshot {manifest.name!r}: {s.name} chunk {i}: {e}"))
+                except OSError as e:
+                    fail.set(PipelineError(f"writing {s.name}: {e.strerror or e}"))
+                except BaseException as e:  # noqa: BLE001
+                    fail.set(e)
+                finally:
+                    out.done_one()
+
+            futures: list[Future[None]] = []
+            for s in manifest.streams:
+                fail.raise_if_set()
+                spec = StreamSpec(s.name, s.attrs, s.size)
+                w = sink.open(spec)
+                if w is None:
+                    continue
+                data_chunks = [(i, c) for i, c in enumerate(s.chunks)]
+                nonzero = sum(1 for _, c in data_chunks if not c.is_zero)
+                out = _OpenStream(w, nonzero + 1)
+                offset = 0
+                for i, c in data_chunks:
+                    if c.is_zero:
+                        if progress is not None:
+                            progress.advance(c.raw_len)
+                    else:
+                        stored += c.stored_len
+                        futures.append(ex.submit(fetch, s, i, c, offset, out))
+                    offset += c.raw_len
+                out.done_one()  # the submitter's own reference
+            for f in futures:
+                f.result()
+            fail.raise_if_set()
+        sink.commit()
+    except BaseException:
+        sink.abort()
+        raise
+    return Result(manifest.size, stored, time.perf_counter() - t_start, stages)
