@@ -103,7 +103,7 @@ def store() -> None:
 
 @store.command("put")
 @click.argument("name")
-@click.argument("paths", nargs=-1, required=True, type=click.Path())
+@click.argument("paths", nargs=-1, required=True)
 @click.option("--replace", is_flag=True, help="Replace an existing snapshot of the same name.")
 @click.option("--chunk-size", default="4M", show_default=True, help="Chunk size (K/M suffix).")
 @click.option("--workers", type=int, default=None, help="Worker threads (default: CPU count, max 16).")
@@ -133,7 +133,7 @@ def store_put(ctx: click.Context, name: str, paths: tuple[str, ...], replace: bo
 
 @store.command("get")
 @click.argument("name")
-@click.argument("dest", type=click.Path())
+@click.argument("dest")
 @click.option("--workers", type=int, default=None, help="Worker threads (default: CPU count, max 16).")
 @json_option
 @click.pass_context

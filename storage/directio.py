@@ -38,8 +38,13 @@ class AlignedBuffer:
         self.view = memoryview(self._map)
 
     def close(self) -> None:
-        self.view.release()
-        self._map.close()
+        try:
+            self.view.release()
+            self._map.close()
+        except BufferError:
+            # A slice is still referenced (e.g. by an exception's traceback on the error path);
+            # the mapping is unmapped when the last reference goes.
+            pass
 
 
 class BufferPool:

@@ -41,8 +41,10 @@ class FileTreeSource:
         self.roots: list[tuple[str, str]] = []
         seen: set[str] = set()
         for p in paths:
-            if not os.path.lexists(p):
-                raise FileTreeError(f"{p}: no such file or directory")
+            try:
+                os.lstat(p)
+            except OSError as e:
+                raise FileTreeError(f"{p}: {e.strerror.lower()}") from None
             base = os.path.basename(os.path.normpath(os.path.abspath(p)))
             if base in ("", "/"):
                 raise FileTreeError(f"{p}: cannot store the root directory itself; name a directory under it")

@@ -244,13 +244,13 @@ def get(store: SnapshotStore, manifest: Manifest, sink: Sink, *, workers: int | 
     workers = workers or default_workers()
     stages = Stages()
     fail = _Failure()
-    missing = missing_chunks(store, manifest)
-    if missing:
-        raise StoreError(f"snapshot {manifest.name!r} is damaged: {len(missing)} chunk(s) missing "
-                         f"(first {missing[0][:16]}…); nothing was written")
     t_start = time.perf_counter()
     stored = 0
     try:
+        missing = missing_chunks(store, manifest)
+        if missing:
+            raise StoreError(f"snapshot {manifest.name!r} is damaged: {len(missing)} chunk(s) missing "
+                             f"(first {missing[0][:16]}…); nothing was written")
         with BufferPool(workers * 2, store.chunk_buffer_size([manifest])) as bufs, \
                 ThreadPoolExecutor(workers, thread_name_prefix="gpusnap-get") as ex:
 

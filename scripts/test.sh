@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Set up (idempotent, cached) and run the whole CPU test suite against real CRIU, runsc, namespaces and
+# disk. GPU tests skip here; scripts/gpu-tests.sh runs them on a GPU machine. Exit code 5 (pytest found
+# no tests) is a failure, not a pass.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+scripts/setup.sh
+export PATH="$root/.cache/criu/bin:$PATH"
+set +e
+.venv/bin/python -m pytest -m "not gpu" "$@" tests
+rc=$?
+set -e
+if [ "$rc" -eq 5 ]; then echo "test.sh: pytest collected no tests: failing" >&2; exit 1; fi
+exit "$rc"

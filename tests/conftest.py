@@ -1,0 +1,104 @@
+"""Shared fixtures: a real store on the real disk, the CLI run as a real subprocess, GPU skipping."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+GPUSNAP = [sys.executable, "-m", "sandbox.cli"]
+
+
+def have_gpu() -> bool:
+    if not (os.path.exists("/dev/nvidiactl") or shutil.which("nvidia-smi")):
+        return False
+    try:
+        from cuda.bindings import driver  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if have_gpu():
+        return
+    skip = pytest.mark.skip(reason="no NVIDIA GPU/driver here (GPU tests run on the H200 via scripts/gpu-tests.sh)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+class Cli:
+    def __init__(self, store: Path) -> None:
+        self.store = store
+
+    def run(self, *args: str, check: bool = True, env: dict[str, str] | None = None,
+            timeout: float = 300) -> subprocess.CompletedProcess[str]:
+        e = dict(os.environ, PYTHONPATH=str(REPO), **(env or {}))
+        p = subprocess.run([*GPUSNAP, "--store", str(self.store), *args], capture_output=True, text=True,
+                           cwd=REPO, env=e, timeout=timeout)
+        if check and p.returncode != 0:
+            raise AssertionError(f"gpusnap {' '.join(args)} exited {p.returncode}: {p.stderr}")
+        return p
+
+    def json(self, *args: str) -> Any:
+        return json.loads(self.run(*args, "--json").stdout)
+
+
+@pytest.fixture
+def store_dir(tmp_path: Path) -> Path:
+    # tmp_path is on the real disk here (not tmpfs): see test_store_on_real_disk
+    return tmp_path / "store"
+
+
+@pytest.fixture
+def cli(store_dir: Path) -> Cli:
+    return Cli(store_dir)
+
+
+def make_mixed_tree(root: Path, mb: int = 24, seed: int = 0) -> Path:
+    """A directory of the data mixes that matter: zeros, random, bf16-like N(0, 0.02), small files."""
+    rng = np.random.default_rng(seed)
+    root.mkdir(parents=True)
+    n = mb << 20
+    (root / "zeros.bin").write_bytes(bytes(n // 3))
+    (root / "random.bin").write_bytes(rng.bytes(n // 3))
+    w = rng.normal(0, 0.02, n // 6).astype(np.float32)
+    (root / "weights.bf16").write_bytes((w.view(np.uint32) >> 16).astype(np.uint16).tobytes())
+    sub = root / "sub" / "deeper"
+    sub.mkdir(parents=True)
+    (sub / "small.txt").write_text("hello gpusnap\n")
+    (sub / "empty").write_bytes(b"")
+    (root / "exec.sh").write_text("#!/bin/sh\necho hi\n")
+    (root / "exec.sh").chmod(0o750)
+    (root / "link").symlink_to("sub/deeper/small.txt")
+    (root / "emptydir").mkdir()
+    return root
+
+
+def tree_digest(root: Path) -> dict[str, Any]:
+    """Everything get must reproduce: relative path -> (type, mode, mtime, content or link target)."""
+    out: dict[str, Any] = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for n in dirnames + filenames:
+            p = Path(dirpath) / n
+            st = p.lstat()
+            rel = str(p.relative_to(root))
+            if p.is_symlink():
+                out[rel] = ("link", os.readlink(p))
+            elif p.is_dir():
+                out[rel] = ("dir", st.st_mode & 0o7777)
+            else:
+                out[rel] = ("file", st.st_mode & 0o7777, st.st_mtime_ns, p.read_bytes())
+    return out
+
+
+def chunk_files(store: Path) -> list[Path]:
+    return sorted(p for p in (store / "chunks").rglob("*") if p.is_file())
