@@ -1,0 +1,130 @@
+"""An in-memory stand-in for the CUDA driver's checkpoint state machine (for CI, which has no GPU).
+
+It implements the documented transitions and refuses every other one with the error the driver
+gives (CUDA_ERROR_ILLEGAL_STATE); each process's "GPU memory" is a bytearray so tests can check that
+rollback never loses or changes it. Faults are injected per pid and call.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+from sandbox.cuda_driver import CustomOperation, DeviceRegion, ProcessState, driver_error
+
+S = ProcessState
+
+
+@dataclass
+class Proc:
+    gpu: bytearray                       # device memory while RUNNING/LOCKED
+    host: bytearray | None = None        # the driver's host copy while CHECKPOINTED (host path)
+    state: ProcessState = S.RUNNING
+    external: bytearray | None = None    # custom storage: the mapped region while CHECKPOINTING/RESTORING
+    alive: bool = True
+    ckpt_size: int = 0                   # custom storage: bytes the last custom checkpoint held
+
+
+@dataclass
+class StandInDriver:
+    procs: dict[int, Proc] = field(default_factory=dict)
+    fail: dict[tuple[int, str], str] = field(default_factory=dict)   # (pid, call) -> CUresult name
+    delay: dict[tuple[int, str], float] = field(default_factory=dict)
+    die_during: set[tuple[int, str]] = field(default_factory=set)   # the process exits mid-call
+    calls: list[tuple[int, str]] = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _handles: dict[int, tuple[int, str]] = field(default_factory=dict)
+
+    def add(self, pid: int, data: bytes) -> None:
+        self.procs[pid] = Proc(bytearray(data))
+
+    def _enter(self, pid: int, call: str, allowed: tuple[ProcessState, ...]) -> Proc:
+        with self._lock:
+            self.calls.append((pid, call))
+        d = self.delay.get((pid, call))
+        if d:
+            time.sleep(d)
+        p = self.procs.get(pid)
+        if p is None or not p.alive:
+            raise driver_error(pid, call, "CUDA_ERROR_NOT_FOUND")
+        if (pid, call) in self.die_during:
+            p.alive = False
+            raise driver_error(pid, call, "CUDA_ERROR_NOT_FOUND", "process exited")
+        r = self.fail.get((pid, call))
+        if r:
+            raise driver_error(pid, call, r)
+        if p.state not in allowed:
+            raise driver_error(pid, call, "CUDA_ERROR_ILLEGAL_STATE", f"is {p.state.name}")
+        return p
+
+    def get_state(self, pid: int) -> ProcessState:
+        p = self.procs.get(pid)
+        if p is None or not p.alive:
+            raise driver_error(pid, "get_state", "CUDA_ERROR_NOT_FOUND")
+        return p.state
+
+    def lock(self, pid: int, timeout_ms: int) -> None:
+        p = self._enter(pid, "lock", (S.RUNNING,))
+        p.state = S.LOCKED
+
+    def unlock(self, pid: int) -> None:
+        p = self._enter(pid, "unlock", (S.LOCKED,))
+        p.state = S.RUNNING
+
+    def checkpoint(self, pid: int) -> None:
+        p = self._enter(pid, "checkpoint", (S.LOCKED,))
+        p.host, p.gpu, p.state = bytearray(p.gpu), bytearray(), S.CHECKPOINTED
+
+    def restore(self, pid: int, gpu_map: dict[str, str] | None = None) -> None:
+        p = self._enter(pid, "restore", (S.CHECKPOINTED,))
+        assert p.host is not None
+        p.gpu, p.host, p.state = bytearray(p.host), None, S.LOCKED
+
+    def restore_thread_id(self, pid: int) -> int:
+        self._enter(pid, "restore_thread_id", (S.CHECKPOINTED,))
+        return pid
+
+    def checkpoint_custom(self, pid: int) -> CustomOperation:
+        p = self._enter(pid, "checkpoint_custom", (S.LOCKED,))
+        p.external, p.gpu, p.state = p.gpu, bytearray(), S.CHECKPOINTING
+        h = id(p.external)
+        self._handles[h] = (pid, "checkpoint")
+        return CustomOperation(h, [DeviceRegion(0, h, len(p.external), 0)])
+
+    def restore_custom(self, pid: int, gpu_map: dict[str, str] | None = None) -> CustomOperation:
+        p = self._enter(pid, "restore_custom", (S.CHECKPOINTED,))
+        p.external, p.state = bytearray(p.ckpt_size), S.RESTORING
+        h = id(p.external)
+        self._handles[h] = (pid, "restore")
+        return CustomOperation(h, [DeviceRegion(0, h, len(p.external), 0)])
+
+    def complete(self, pid: int, op: CustomOperation) -> None:
+        owner, kind = self._handles.pop(op.handle, (None, None))
+        if owner != pid:
+            raise driver_error(pid, "complete", "CUDA_ERROR_INVALID_HANDLE")
+        p = self.procs[pid]
+        if kind == "checkpoint":
+            p.ckpt_size = len(p.external)
+            p.external, p.state = None, S.CHECKPOINTED
+        else:
+            p.gpu, p.external, p.state = p.external, None, S.LOCKED
+
+    def region_bytes(self, pid: int) -> bytearray:
+        """What a region's devPtr points at (the test's stand-in for cuMemcpy)."""
+        ext = self.procs[pid].external
+        assert ext is not None
+        return ext
+
+
+class MemorySpill:
+    """RegionSpill over the stand-in: copies the mapped bytes out and back."""
+
+    def __init__(self, drv: StandInDriver, pid: int) -> None:
+        self.drv, self.pid = drv, pid
+        self.saved = b""
+
+    def save(self, regions: list[DeviceRegion]) -> None:
+        self.saved = bytes(self.drv.region_bytes(self.pid))
+
+    def load(self, regions: list[DeviceRegion]) -> None:
+        self.drv.region_bytes(self.pid)[:] = self.saved
