@@ -54,26 +54,27 @@ def chunk_id(header: ChunkHeader, payload: bytes | memoryview) -> str:
     return h.hexdigest()
 
 
-def write_chunk_file(path: str, header: ChunkHeader, payload: bytes | memoryview,
-                     scratch: AlignedBuffer, direct: bool) -> None:
-    """Write header + payload to a new file at PATH and fsync it.
+def write_chunk_file(path: str, header: ChunkHeader, frame: memoryview, direct: bool) -> None:
+    """Write a new chunk file at PATH from FRAME and fsync it.
 
-    SCRATCH is an aligned buffer of at least HEADER_SIZE + align_up(len(payload)) bytes; the
-    payload is copied into it so one aligned write carries the whole file (O_DIRECT needs it).
+    FRAME is a buffer laid out like the file: the payload already sits at FRAME[HEADER_SIZE:], and
+    FRAME has room up to the next ALIGN boundary after it. The header and the zero padding are filled
+    in place, so the payload is never copied and one write carries the whole file (O_DIRECT needs
+    aligned address, offset and length: pass an aligned frame when DIRECT).
     """
-    n = len(payload)
+    n = header.stored_len
+    end = HEADER_SIZE + n
     total = HEADER_SIZE + align_up(n)
-    v = scratch.view
     hdr = header.pack()
-    v[:len(hdr)] = hdr
-    v[len(hdr):HEADER_SIZE] = bytes(HEADER_SIZE - len(hdr))
-    v[HEADER_SIZE:HEADER_SIZE + n] = payload
-    v[HEADER_SIZE + n:total] = bytes(total - HEADER_SIZE - n)
+    frame[:len(hdr)] = hdr
+    frame[len(hdr):HEADER_SIZE] = bytes(HEADER_SIZE - len(hdr))
     fd = open_for_write(path, direct)
     try:
-        # O_DIRECT writes whole blocks (the header's stored length says where the payload ends);
-        # buffered writes stop at the payload's last byte.
-        write_all(fd, v[:total] if direct else v[:HEADER_SIZE + n], 0)
+        if direct:
+            frame[end:total] = bytes(total - end)  # never leak stale buffer bytes into the padding
+            write_all(fd, frame[:total], 0)
+        else:
+            write_all(fd, frame[:end], 0)
         os.fsync(fd)
     finally:
         os.close(fd)

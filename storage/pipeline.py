@@ -146,7 +146,9 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
     stages = Stages()
     fail = _Failure()
     t_start = time.perf_counter()
-    with BufferPool(workers * 2, chunk_size) as staging, \
+    # staging buffers are laid out like chunk files (payload at HEADER_SIZE) so raw chunks are
+    # written from where they were read, with no copy
+    with BufferPool(workers * 2, HEADER_SIZE + chunk_size) as staging, \
             BufferPool(workers, HEADER_SIZE + chunk_size) as scratch, \
             ThreadPoolExecutor(workers, thread_name_prefix="gpusnap-put") as ex:
 
@@ -154,7 +156,7 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
             try:
                 if fail.exc is not None:
                     return
-                view = buf.view[:n]
+                view = buf.view[HEADER_SIZE:HEADER_SIZE + n]
                 t0 = time.perf_counter()
                 zero = is_zero(view)
                 t1 = time.perf_counter()
@@ -163,11 +165,14 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
                     stream.chunks[idx] = writer.note_zero(n)
                 else:
                     enc = chooser.encode(view)
-                    t2 = time.perf_counter()
-                    stages.add("compress", t2 - t1, n)
-                    with scratch.borrowed() as s:
-                        stream.chunks[idx] = writer.put_chunk(enc.codec, n, enc.payload, s)
-                    stages.add("hash+write", time.perf_counter() - t2, len(enc.payload))
+                    stages.add("compress", time.perf_counter() - t1, n)
+                    m = len(enc.payload)
+                    if enc.codec == "raw":
+                        stream.chunks[idx] = writer.put_chunk("raw", n, buf.view, n)
+                    else:
+                        with scratch.borrowed() as s:
+                            s.view[HEADER_SIZE:HEADER_SIZE + m] = enc.payload
+                            stream.chunks[idx] = writer.put_chunk(enc.codec, n, s.view, m)
                 if progress is not None:
                     progress.advance(n)
             except BaseException as e:  # noqa: BLE001 - handed to the submitting thread
@@ -191,7 +196,7 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
                         break
                     t0 = time.perf_counter()
                     try:
-                        n = reader.readinto(buf.view[:chunk_size])
+                        n = reader.readinto(buf.view[HEADER_SIZE:HEADER_SIZE + chunk_size])
                     except OSError as e:
                         staging.release(buf)
                         raise PipelineError(f"reading {spec.name}: {e.strerror or e}") from None
@@ -212,6 +217,8 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
         fail.raise_if_set()
     seconds = time.perf_counter() - t_start
     st = writer.stats
+    stages.add("hash", st.hash_s, st.raw_bytes - st.zero_bytes)
+    stages.add("write", st.write_s, st.bytes_new)
     return Result(st.raw_bytes, st.bytes_new, seconds, stages,
                   {"bytes_dedup": st.bytes_dedup, "zero_bytes": st.zero_bytes, "chunks_new": st.chunks_new,
                    "chunks_dedup": st.chunks_dedup, "chunks_zero": st.chunks_zero})

@@ -54,6 +54,8 @@ class WriteStats:
     bytes_dedup: int = 0    # stored bytes found already present
     raw_bytes: int = 0      # logical bytes, zeros included
     zero_bytes: int = 0
+    hash_s: float = 0.0     # thread-seconds hashing chunk payloads
+    write_s: float = 0.0    # thread-seconds writing + fsyncing chunk files
 
 
 @dataclass
@@ -397,13 +399,20 @@ class SnapshotWriter:
             self.stats.raw_bytes += raw_len
         return ChunkRef(None, raw_len, "zero", 0)
 
-    def put_chunk(self, codec: str, raw_len: int, payload: bytes | memoryview, scratch: AlignedBuffer) -> ChunkRef:
-        """Store one encoded chunk (thread-safe). SCRATCH: aligned, >= HEADER_SIZE + len(payload)."""
-        header = ChunkHeader(codec, raw_len, len(payload))
+    def put_chunk(self, codec: str, raw_len: int, frame: memoryview, stored_len: int) -> ChunkRef:
+        """Store one encoded chunk (thread-safe) whose payload sits at FRAME[HEADER_SIZE:][:stored_len].
+
+        FRAME must have room up to the next 4096-byte boundary after the payload (see
+        chunkfile.write_chunk_file); the header is written into its first HEADER_SIZE bytes.
+        """
+        header = ChunkHeader(codec, raw_len, stored_len)
+        payload = frame[HEADER_SIZE:HEADER_SIZE + stored_len]
+        t0 = time.perf_counter()
         cid = chunk_id(header, payload)
+        t1 = time.perf_counter()
         final = self.store.chunk_path(cid)
         try:
-            present = os.stat(final).st_size >= HEADER_SIZE + len(payload)
+            present = os.stat(final).st_size >= HEADER_SIZE + stored_len
         except FileNotFoundError:
             present = False
         if not present:
@@ -411,23 +420,26 @@ class SnapshotWriter:
             with self._lock:
                 self._tmp_files.add(tmp)
             try:
-                write_chunk_file(tmp, header, payload, scratch, self.store.direct)
+                write_chunk_file(tmp, header, frame, self.store.direct)
                 os.rename(tmp, final)
             except OSError as e:
                 raise StoreError(_io_message("writing a chunk", e, self.store.path)) from None
             finally:
                 with self._lock:
                     self._tmp_files.discard(tmp)
+        t2 = time.perf_counter()
         with self._lock:
+            self.stats.hash_s += t1 - t0
+            self.stats.write_s += t2 - t1
             self.stats.raw_bytes += raw_len
             if present:
                 self.stats.chunks_dedup += 1
-                self.stats.bytes_dedup += len(payload)
+                self.stats.bytes_dedup += stored_len
             else:
                 self.stats.chunks_new += 1
-                self.stats.bytes_new += len(payload)
+                self.stats.bytes_new += stored_len
                 self._touched.add(os.path.dirname(final))
-        return ChunkRef(cid, raw_len, codec, len(payload))
+        return ChunkRef(cid, raw_len, codec, stored_len)
 
     def add_stream(self, stream: Stream) -> None:
         with self._lock:

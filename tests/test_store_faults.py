@@ -166,8 +166,9 @@ def test_gc_waits_for_a_commit_in_progress(cli: Cli, tmp_path: Path, store_dir: 
     from storage.directio import AlignedBuffer
     st = SnapshotStore(str(store_dir))
     buf = AlignedBuffer(8192)
+    buf.view[4096:4196] = b"x" * 100
     with st.writer("inflight") as w:
-        ref = w.put_chunk("raw", 100, b"x" * 100, buf)
+        ref = w.put_chunk("raw", 100, buf.view, 100)
         p = cli.run("store", "gc", "--wait", "0.5", check=False)
         assert p.returncode == 1 and "busy" in p.stderr
         assert Path(st.chunk_path(ref.id)).exists()
