@@ -126,7 +126,11 @@ class CudaDriver:
         self.d = driver
         self._init_lock = threading.Lock()
         self._ctxs: dict[int, Any] = {}
-        (err,) = driver.cuInit(0)
+        try:
+            (err,) = driver.cuInit(0)
+        except Exception as e:  # noqa: BLE001 - DynamicLibNotFoundError: no libcuda on this machine
+            raise CudaDriverError(f"no NVIDIA driver here ({type(e).__name__}: libcuda not found)",
+                                  call="cuInit", result="NO_DRIVER") from None
         self._check(err, "cuInit", None)
 
     # -- plumbing -----------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """CPU codecs for chunk payloads (raw, zstd) and the per-chunk choice between them.
 
 Each codec is a tiny object with encode/decode, named and numbered as in FORMAT.md. GPU codecs
-(nvCOMP) share the numbering and live in storage/gpu_codecs.py so that this module imports without a GPU.
+(nvCOMP) share the numbering and live in storage/gpu_engine.py so that this module imports without a GPU.
 """
 from __future__ import annotations
 
@@ -115,7 +115,7 @@ _HOST_DECODERS: dict[str, Codec] = {"raw": RawCodec(), "zstd": ZstdCodec()}
 
 
 def decode_host(codec: str, payload: memoryview, raw_len: int) -> bytes | memoryview:
-    """Decode a chunk payload on the CPU; GPU codecs are decoded by storage.gpu_codecs."""
+    """Decode a chunk payload on the CPU; GPU codecs are decoded by storage.gpu_engine."""
     dec = _HOST_DECODERS.get(codec)
     if dec is None:
         if codec in CODEC_IDS:

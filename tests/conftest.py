@@ -16,6 +16,11 @@ REPO = Path(__file__).resolve().parents[1]
 GPUSNAP = [sys.executable, "-m", "sandbox.cli"]
 
 
+def pythonpath() -> str:
+    """The repo first, then whatever the caller had (the GPU machine carries wheels on PYTHONPATH)."""
+    return os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+
+
 def have_gpu() -> bool:
     if not (os.path.exists("/dev/nvidiactl") or shutil.which("nvidia-smi")):
         return False
@@ -41,7 +46,7 @@ class Cli:
 
     def run(self, *args: str, check: bool = True, env: dict[str, str] | None = None,
             timeout: float = 300) -> subprocess.CompletedProcess[str]:
-        e = dict(os.environ, PYTHONPATH=str(REPO), **(env or {}))
+        e = dict(os.environ, PYTHONPATH=pythonpath(), **(env or {}))
         p = subprocess.run([*GPUSNAP, "--store", str(self.store), *args], capture_output=True, text=True,
                            cwd=REPO, env=e, timeout=timeout)
         if check and p.returncode != 0:

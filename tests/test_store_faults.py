@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import GPUSNAP, REPO, Cli, chunk_files, make_mixed_tree
+from conftest import GPUSNAP, REPO, Cli, chunk_files, make_mixed_tree, pythonpath
 
 
 @pytest.fixture
@@ -120,7 +120,7 @@ def test_kill_9_mid_put_leaves_no_snapshot(cli: Cli, tmp_path: Path, store_dir: 
                 f.write(block)
         have = len(chunk_files(store_dir))
         kill_at = have + rnd.randint(1, 40)
-        env = dict(os.environ, PYTHONPATH=str(REPO))
+        env = dict(os.environ, PYTHONPATH=pythonpath())
         p = subprocess.Popen([*GPUSNAP, "--store", str(store_dir), "store", "put", f"k{attempt}", str(big)],
                              env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 60
@@ -147,7 +147,7 @@ def test_two_puts_of_the_same_name_one_wins(cli: Cli, tmp_path: Path) -> None:
     src.mkdir()
     (src / "r").write_bytes(np.random.default_rng(9).bytes(64 << 20))
     cli.run("store", "ls")
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env = dict(os.environ, PYTHONPATH=pythonpath())
     procs = [subprocess.Popen([*GPUSNAP, "--store", str(cli.store), "store", "put", "same", str(src)], env=env,
                               cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
     outs = [p.communicate(timeout=120) for p in procs]

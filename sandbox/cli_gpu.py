@@ -1,0 +1,85 @@
+"""`gpusnap doctor` and `gpusnap gpu checkpoint|restore`."""
+from __future__ import annotations
+
+import click
+
+from storage.gpu_engine import GpuEngineError
+from storage.progress import Progress
+
+from .cli import emit, json_option, main, one_line_errors, open_store, register_errors
+from .cuda_driver import CudaDriverError
+from .cuda_processes import DiscoveryError
+from .doctor import render, report
+from .gpu_checkpoint import GpuCheckpointError
+from .gpu_snapshot import GpuSnapshotError, gpu_checkpoint, gpu_restore
+from .hugepages import HugePagesError
+
+register_errors(CudaDriverError, GpuCheckpointError, GpuSnapshotError, DiscoveryError, HugePagesError, GpuEngineError)
+
+THP_CHOICE = click.Choice(["always", "keep"])
+
+
+@main.command()
+@json_option
+@one_line_errors
+def doctor(as_json: bool) -> None:
+    """What this machine can do: driver, checkpoint API, custom storage, GPUs, nvCOMP, CRIU, runsc."""
+    import shutil
+    from .criu_runner import find_criu
+    r = report(criu=find_criu() or "criu", runsc=shutil.which("runsc") or "runsc")
+    emit(as_json, r, render(r))
+
+
+@main.group()
+def gpu() -> None:
+    """Swap a process's GPU state out to the store and back in (model swapping)."""
+
+
+@gpu.command("checkpoint")
+@click.argument("pid", type=int)
+@click.argument("name")
+@click.option("--lock-timeout", default=10.0, show_default=True, help="Seconds to wait for running CUDA work.")
+@click.option("--thp", type=THP_CHOICE, default="always", show_default=True,
+              help="Transparent huge pages during the driver's host copy ('always' is measured faster; "
+                   "the previous setting is put back).")
+@click.option("--replace", is_flag=True, help="Replace an existing snapshot of the same name.")
+@json_option
+@click.pass_context
+@one_line_errors
+def gpu_checkpoint_cmd(ctx: click.Context, pid: int, name: str, lock_timeout: float,
+                       thp: str, replace: bool, as_json: bool) -> None:
+    """Swap out the GPU state of PID and its CUDA children into snapshot NAME.
+
+    With a driver that has custom storage (CUDA 13.4+), the GPU memory streams into the store,
+    compressed on the GPU; otherwise the driver's own host copy keeps it inside the process, and the
+    snapshot records that. The processes are left locked and CHECKPOINTED (their GPU memory
+    released) until `gpu restore`. On failure every process is left running with its memory intact.
+    """
+    st = open_store(ctx)
+    with Progress(f"gpu checkpoint {pid}", ctx.obj["progress"]) as prog:
+        rep = gpu_checkpoint(st, pid, name, lock_timeout_s=lock_timeout, replace=replace,
+                             thp_mode=None if thp == "keep" else thp, progress=prog)
+    d = rep.as_dict()
+    emit(as_json, d, f"{name}: {len(rep.pids)} CUDA process(es) {rep.pids} checkpointed via {rep.path} "
+         f"({', '.join(f'{k} {v:.2f} s' for k, v in rep.seconds.items())}); they stay locked until "
+         f"`gpusnap gpu restore {name} {pid}`")
+
+
+@gpu.command("restore")
+@click.argument("name")
+@click.argument("pid", type=int)
+@click.option("--device-map", multiple=True, metavar="OLD=NEW",
+              help="Restore GPU OLD's state onto GPU NEW (index or UUID); list every checkpointed GPU.")
+@click.option("--thp", type=THP_CHOICE, default="always", show_default=True)
+@json_option
+@click.pass_context
+@one_line_errors
+def gpu_restore_cmd(ctx: click.Context, name: str, pid: int, device_map: tuple[str, ...], thp: str,
+                    as_json: bool) -> None:
+    """Swap the GPU state of snapshot NAME back into PID's processes and unlock them."""
+    st = open_store(ctx, create=False)
+    with Progress(f"gpu restore {name}", ctx.obj["progress"]) as prog:
+        rep = gpu_restore(st, name, pid, device_map=list(device_map), thp_mode=None if thp == "keep" else thp,
+                          progress=prog)
+    emit(as_json, rep.as_dict(), f"{name}: {len(rep.pids)} process(es) restored via {rep.path} and running "
+         f"({', '.join(f'{k} {v:.2f} s' for k, v in rep.seconds.items())})")

@@ -1,0 +1,140 @@
+"""Run CRIU 4.x: dump and restore process trees with argv lists, keep its log, explain its failures."""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from dataclasses import dataclass, field
+from typing import Sequence
+
+REPO_CRIU = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".cache", "criu", "bin", "criu")
+MIN_MAJOR = 4
+
+
+class CriuError(Exception):
+    """CRIU is missing, too old, or a dump/restore failed (the message carries CRIU's own reason)."""
+
+    def __init__(self, message: str, log_tail: list[str] | None = None) -> None:
+        super().__init__(message)
+        self.log_tail = log_tail or []
+
+
+def criu_version(binary: str) -> tuple[int, int, int] | None:
+    try:
+        out = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    m = re.search(r"Version:\s*(\d+)\.(\d+)(?:\.(\d+))?", out)
+    return (int(m.group(1)), int(m.group(2)), int(m.group(3) or 0)) if m else None
+
+
+def find_criu() -> str | None:
+    """$GPUSNAP_CRIU, else the first CRIU >= 4 on PATH or in the project's cache (scripts/install-criu.sh)."""
+    cands = [os.environ.get("GPUSNAP_CRIU"), shutil.which("criu"), REPO_CRIU, "/usr/local/sbin/criu"]
+    for c in cands:
+        if c and os.access(c, os.X_OK):
+            v = criu_version(c)
+            if v and v[0] >= MIN_MAJOR:
+                return c
+    return None
+
+
+@dataclass(frozen=True)
+class DumpOptions:
+    leave_running: bool = False
+    shell_job: bool = False
+    ext_unix_sk: bool = False
+    file_locks: bool = False
+    link_remap: bool = False
+    tcp_established: bool = False
+    action_script: str | None = None
+    extra: tuple[str, ...] = ()
+
+    def argv(self) -> list[str]:
+        a = []
+        for flag, on in (("--leave-running", self.leave_running), ("--shell-job", self.shell_job),
+                         ("--ext-unix-sk", self.ext_unix_sk), ("--file-locks", self.file_locks),
+                         ("--link-remap", self.link_remap), ("--tcp-established", self.tcp_established)):
+            if on:
+                a.append(flag)
+        if self.action_script:
+            a += ["--action-script", self.action_script]
+        return a + list(self.extra)
+
+
+@dataclass
+class CriuRun:
+    argv: list[str]
+    log_path: str
+    returncode: int
+    log_tail: list[str] = field(default_factory=list)
+
+
+# CRIU's own noise that says nothing about why it failed (FACTS.md: printed as root, harmless)
+_NOISE = ("RLIMIT_NOFILE",)
+
+
+def explain(log_path: str, n: int = 6) -> list[str]:
+    """The lines of a CRIU log that explain a failure: errors first, else the last lines."""
+    try:
+        with open(log_path, errors="replace") as f:
+            lines = [l.rstrip() for l in f]
+    except OSError:
+        return []
+    errs = [l for l in lines if ("Error" in l or "error" in l or "Can't" in l or "can't" in l)
+            and not any(x in l for x in _NOISE)]
+    return (errs or lines)[-n:]
+
+
+class Criu:
+    """One CRIU binary; every call an argv list, every log kept in the images directory."""
+
+    def __init__(self, binary: str | None = None) -> None:
+        b = binary or find_criu()
+        if not b:
+            raise CriuError("CRIU >= 4.0 not found (run scripts/setup.sh, or set GPUSNAP_CRIU)")
+        self.binary = b
+        self.version = criu_version(b)
+
+    def _run(self, argv: Sequence[str], log_path: str, what: str, timeout: float) -> CriuRun:
+        full = [self.binary, *argv, "-v4", "-o", log_path]
+        try:
+            p = subprocess.run(full, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise CriuError(f"criu {what} did not finish within {timeout:g} s") from None
+        run = CriuRun(full, log_path, p.returncode)
+        if p.returncode != 0:
+            run.log_tail = explain(log_path) or p.stderr.strip().splitlines()[-6:]
+            reason = run.log_tail[-1] if run.log_tail else f"exit {p.returncode}"
+            raise CriuError(f"criu {what} failed: {_strip_prefix(reason)} (log: {log_path})", run.log_tail)
+        return run
+
+    def dump(self, pid: int, images_dir: str, opts: DumpOptions = DumpOptions(), timeout: float = 3600) -> CriuRun:
+        return self._run(["dump", "-t", str(pid), "-D", images_dir, *opts.argv()],
+                         os.path.join(images_dir, "dump.log"), f"dump of pid {pid}", timeout)
+
+    def restore(self, images_dir: str, *, detach: bool = True, shell_job: bool = False,
+                action_script: str | None = None, pidfile: str | None = None, extra: Sequence[str] = (),
+                timeout: float = 3600) -> CriuRun:
+        argv = ["restore", "-D", images_dir]
+        if detach:
+            argv.append("-d")
+        if shell_job:
+            argv.append("--shell-job")
+        if action_script:
+            argv += ["--action-script", action_script]
+        if pidfile:
+            argv += ["--pidfile", pidfile]
+        return self._run([*argv, *extra], os.path.join(images_dir, "restore.log"), "restore", timeout)
+
+    def check(self) -> str:
+        p = subprocess.run([self.binary, "check"], capture_output=True, text=True, timeout=60)
+        if p.returncode != 0:
+            raise CriuError(f"criu check failed: {(p.stderr or p.stdout).strip().splitlines()[-1:]}")
+        return p.stdout.strip()
+
+
+def _strip_prefix(line: str) -> str:
+    # "(00.012345) Error (criu/cr-dump.c:1234): msg" -> "msg"
+    return re.sub(r"^\(\s*[\d.]+\)\s*(?:\d+:\s*)?(?:Error\s*\([^)]*\):\s*)?", "", line).strip()

@@ -1,0 +1,83 @@
+"""What this machine can do for gpusnap: driver and checkpoint API, custom storage, GPUs, nvCOMP,
+huge pages, NUMA, CRIU and runsc. Never fails: what is missing is reported as missing."""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from dataclasses import asdict
+from typing import Any
+
+from .cuda_driver import nvidia_driver_version, probe
+from .hugepages import hugetlb_pages, thp_mode
+
+
+def _version(argv: list[str], pattern: str) -> str | None:
+    if not shutil.which(argv[0]):
+        return None
+    try:
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    m = re.search(pattern, out.stdout + out.stderr)
+    return m.group(1) if m else None
+
+
+def _numa_nodes() -> int:
+    try:
+        return len([d for d in os.listdir("/sys/devices/system/node") if re.fullmatch(r"node\d+", d)])
+    except OSError:
+        return 1
+
+
+def _nvcomp() -> str | None:
+    try:
+        from nvidia import nvcomp  # noqa: PLC0415
+        return str(nvcomp.__version__)
+    except Exception:  # noqa: BLE001 - any import failure means "not usable here"
+        return None
+
+
+def report(criu: str = "criu", runsc: str = "runsc") -> dict[str, Any]:
+    f = probe()
+    gpus = [asdict(g) for g in f.gpus]
+    return {
+        "gpu_path": f.path,
+        "nvidia_kernel_driver": nvidia_driver_version(),
+        "cuda_driver_api": f.driver_version,
+        "cuda_bindings": f.bindings,
+        "checkpoint_api": f.checkpoint_api,
+        "custom_storage": f.custom_storage,
+        "gpus": gpus,
+        "decompression_engine": any(g["decompression_engine"] for g in gpus),
+        "nvcomp": _nvcomp(),
+        "transparent_hugepages": thp_mode(),
+        "hugetlb": hugetlb_pages(),
+        "numa_nodes": _numa_nodes(),
+        "criu": _version([criu, "--version"], r"Version:\s*(\S+)"),
+        "runsc": _version([runsc, "--version"], r"runsc version\s*(\S+)"),
+        "why_no_gpu": f.reason,
+    }
+
+
+def render(r: dict[str, Any]) -> str:
+    yes = lambda b: "yes" if b else "no"  # noqa: E731
+    lines = [f"GPU path             {r['gpu_path']}"
+             + ("" if r["gpu_path"] != "none" else f"  ({r['why_no_gpu'] or 'no GPU'})"),
+             f"NVIDIA driver        {r['nvidia_kernel_driver'] or 'not loaded'}"
+             f"  (CUDA driver API {r['cuda_driver_api'] or '-'}, cuda-bindings {r['cuda_bindings'] or 'not installed'})",
+             f"checkpoint API       {yes(r['checkpoint_api'])}",
+             f"custom storage       {yes(r['custom_storage'])}"]
+    for g in r["gpus"]:
+        cc = ".".join(map(str, g["compute_capability"]))
+        lines.append(f"GPU {g['index']}                {g['name']} sm_{cc.replace('.', '')} {g['total_bytes'] / 2**30:.0f} GiB "
+                     f"{g['uuid']} NUMA {g['numa_node'] if g['numa_node'] is not None else '-'} "
+                     f"decompression engine {yes(g['decompression_engine'])}")
+    lines += [f"nvCOMP               {r['nvcomp'] or 'not installed'}",
+              f"huge pages           THP {r['transparent_hugepages'] or '-'}, hugetlb pool "
+              f"{r['hugetlb'].get('HugePages_Total', 0)} pages",
+              f"NUMA nodes           {r['numa_nodes']}",
+              f"CRIU                 {r['criu'] or 'not found'}",
+              f"runsc                {r['runsc'] or 'not found'}"]
+    return "\n".join(lines)

@@ -1,0 +1,206 @@
+"""GPU state alone into the store and back (model swap-out / swap-in), by the fastest path the driver offers.
+
+custom-storage (driver with cuCheckpointOperationComplete): the driver maps each process's GPU memory
+into this process and storage.gpu_engine streams it, compressed on the GPU, into the snapshot.
+host-staged (drivers 550..580): the driver copies GPU memory into the process's own host memory; the
+snapshot then records which processes hold their state and how to bring it back (the bytes stay in
+the process until CRIU or runsc dumps it). Every snapshot's meta says which path made it.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from storage.manifest import Manifest, Stream
+from storage.store import SnapshotStore
+
+from .cuda_driver import CheckpointDriver, CudaDriver, CudaDriverError, Features, ProcessState, probe
+from .cuda_processes import cuda_processes
+from .gpu_checkpoint import GpuCheckpointError, checkpoint_all, custom_checkpoint, custom_restore, restore_all
+from .hugepages import thp
+
+
+class GpuSnapshotError(Exception):
+    """A GPU swap-out/in request that cannot be done as asked (bad pid, bad map, wrong snapshot)."""
+
+
+@dataclass
+class GpuReport:
+    name: str
+    path: str
+    pids: list[int]
+    seconds: dict[str, float]
+    raw_bytes: int = 0
+    stored_bytes: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "path": self.path, "pids": self.pids,
+                "seconds": {k: round(v, 3) for k, v in self.seconds.items()},
+                "raw_bytes": self.raw_bytes, "stored_bytes": self.stored_bytes}
+
+
+class _DeviceSpill:
+    """RegionSpill for the real driver: the mapped regions copied to host memory and back."""
+
+    def __init__(self) -> None:
+        self.saved: list[bytearray] = []
+
+    def save(self, regions: list[Any]) -> None:
+        from cuda.bindings import driver as d
+        self.saved = []
+        for r in regions:
+            buf = bytearray(r.size)
+            d.cuMemcpyDtoH(buf, r.dev_ptr, r.size)
+            self.saved.append(buf)
+
+    def load(self, regions: list[Any]) -> None:
+        from cuda.bindings import driver as d
+        for r, buf in zip(regions, self.saved):
+            d.cuMemcpyHtoD(r.dev_ptr, buf, min(r.size, len(buf)))
+
+
+def _pids_for(root: int, drv: CheckpointDriver) -> list[int]:
+    try:
+        pids = cuda_processes(root, drv)
+    except Exception as e:  # noqa: BLE001 - DiscoveryError: no such pid
+        raise GpuSnapshotError(str(e)) from None
+    if not pids:
+        raise GpuSnapshotError(f"pid {root} and its children have no CUDA process (no /dev/nvidia* open, "
+                               "and the driver knows none of them)")
+    return pids
+
+
+def gpu_checkpoint(store: SnapshotStore, root_pid: int, name: str, *, driver: CudaDriver | None = None,
+                   lock_timeout_s: float = 10.0, thp_mode: str | None = "always", replace: bool = False,
+                   progress: Any = None, features: Features | None = None) -> GpuReport:
+    """Swap out the GPU state of ROOT_PID's CUDA processes into snapshot NAME.
+
+    They are left CHECKPOINTED (GPU memory released) until gpu_restore. On any failure they are
+    put back to RUNNING with their memory intact and no snapshot is left.
+    """
+    drv = driver or CudaDriver()
+    feats = features or probe(drv)
+    pids = _pids_for(root_pid, drv)
+    states = {p: drv.get_state(p) for p in pids}
+    busy = {p: s for p, s in states.items() if s != ProcessState.RUNNING}
+    if busy:
+        raise GpuSnapshotError("; ".join(f"pid {p} is {s.name}, not RUNNING" for p, s in busy.items()))
+    gpus = [{"index": g.index, "uuid": g.uuid, "name": g.name} for g in feats.gpus]
+    meta = {"kind": "gpu", "path": feats.path, "root_pid": root_pid, "pids": pids, "gpus": gpus,
+            "driver": feats.driver_version}
+    seconds: dict[str, float] = {}
+    with store.writer(name, replace=replace, meta=meta) as w:
+        if feats.custom_storage:
+            from storage.gpu_engine import GpuEngine, Region
+            t0 = time.perf_counter()
+            locked = []
+            try:
+                for p in pids:
+                    drv.lock(p, int(lock_timeout_s * 1000))
+                    locked.append(p)
+            except CudaDriverError as e:
+                for p in locked:
+                    drv.unlock(p)
+                raise GpuCheckpointError(f"lock failed: {e}; every process left running") from None
+            seconds["lock"] = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            done: list[int] = []
+            with GpuEngine() as eng:
+                try:
+                    for p in pids:
+                        with custom_checkpoint(drv, p, _DeviceSpill()) as regions:
+                            res = eng.checkpoint(w, [Region(f"gpu/{p}/{r.index}", r.dev_ptr, r.size)
+                                                     for r in regions], progress=progress)
+                        done.append(p)
+                        w.meta["stages"] = res.stages.table()
+                    w.commit()
+                except BaseException:
+                    # processes already swapped out get their memory back from the chunks just
+                    # written (not committed, but on disk and verified on read), then run on
+                    for p in done:
+                        _swap_back(drv, eng, store, w.streams, name, p)
+                    for p in pids:
+                        if p not in done and drv.get_state(p) == ProcessState.LOCKED:
+                            drv.unlock(p)
+                    raise
+            seconds["checkpoint+stream"] = time.perf_counter() - t0
+            return GpuReport(name, feats.path, pids, seconds, w.stats.raw_bytes, w.stats.bytes_new)
+        if not feats.checkpoint_api:
+            raise GpuSnapshotError(f"this driver has no checkpoint API ({feats.reason or 'driver too old'})")
+        with thp(thp_mode):
+            t = checkpoint_all(drv, pids, lock_timeout_s=lock_timeout_s)
+        seconds.update(lock=t.lock_s, checkpoint=t.checkpoint_s)
+        w.meta["held_by"] = "process host memory (driver host copy)"
+        try:
+            w.commit()
+        except BaseException:
+            restore_all(drv, pids)
+            raise
+    return GpuReport(name, feats.path, pids, seconds)
+
+
+def _swap_back(drv: CheckpointDriver, eng: Any, store: SnapshotStore, streams: list[Stream], name: str,
+               pid: int, gpu_map: dict[str, str] | None = None) -> None:
+    """Custom-storage restore of PID from STREAMS (named gpu/PID/INDEX), then unlock it."""
+    from storage.gpu_engine import Region
+    with custom_restore(drv, pid, gpu_map) as op:
+        targets = {f"gpu/{pid}/{r.index}": Region(f"gpu/{pid}/{r.index}", r.dev_ptr, r.size) for r in op.regions}
+        eng.restore(store, Manifest(name, [s for s in streams if s.name in targets]), targets)
+    drv.unlock(pid)
+
+
+def parse_device_map(items: list[str], snapshot_gpus: list[dict[str, Any]], here: list[Any]) -> dict[str, str]:
+    """--device-map OLD=NEW (index or UUID each) -> {old uuid: new uuid}, checked against both machines."""
+    if not items:
+        return {}
+    def find(spec: str, gpus: list[dict[str, Any]], where: str) -> dict[str, Any]:
+        for g in gpus:
+            if spec == str(g["index"]) or spec == g["uuid"]:
+                return g
+        raise GpuSnapshotError(f"--device-map: no GPU {spec!r} {where}")
+    here_d = [{"index": g.index, "uuid": g.uuid, "name": g.name} for g in here]
+    out: dict[str, str] = {}
+    for item in items:
+        old, sep, new = item.partition("=")
+        if not sep or not old or not new:
+            raise GpuSnapshotError(f"--device-map {item!r}: expected OLD=NEW (GPU index or UUID)")
+        g_old = find(old, snapshot_gpus, "in the snapshot")
+        g_new = find(new, here_d, "on this machine")
+        if g_old["name"] != g_new["name"]:
+            raise GpuSnapshotError(f"--device-map {item}: {g_old['name']} state cannot be restored onto a {g_new['name']}")
+        out[g_old["uuid"]] = g_new["uuid"]
+    if len(set(out.values())) != len(out):
+        raise GpuSnapshotError("--device-map maps two GPUs onto one")
+    missing = [g["uuid"] for g in snapshot_gpus if g["uuid"] not in out]
+    if missing:
+        raise GpuSnapshotError(f"--device-map must list every checkpointed GPU; missing {', '.join(missing)}")
+    return out
+
+
+def gpu_restore(store: SnapshotStore, name: str, root_pid: int, *, device_map: list[str] | None = None,
+                driver: CudaDriver | None = None, thp_mode: str | None = "always", progress: Any = None,
+                features: Features | None = None) -> GpuReport:
+    """Swap the GPU state of snapshot NAME back into its processes and unlock them."""
+    m = store.load(name)
+    if m.meta.get("kind") != "gpu":
+        raise GpuSnapshotError(f"snapshot {name!r} is a {m.meta.get('kind')!r} snapshot, not a GPU one")
+    pids = list(m.meta["pids"])
+    if root_pid != m.meta["root_pid"] and root_pid not in pids:
+        raise GpuSnapshotError(f"snapshot {name!r} was taken of pid {m.meta['root_pid']}, not {root_pid}")
+    drv = driver or CudaDriver()
+    feats = features or probe(drv)
+    gpu_map = parse_device_map(device_map or [], m.meta.get("gpus", []), feats.gpus)
+    seconds: dict[str, float] = {}
+    if m.meta["path"] == "custom-storage":
+        from storage.gpu_engine import GpuEngine
+        t0 = time.perf_counter()
+        with GpuEngine() as eng:
+            for p in pids:
+                _swap_back(drv, eng, store, m.streams, m.name, p, gpu_map)
+        seconds["restore+unlock"] = time.perf_counter() - t0
+    else:
+        with thp(thp_mode):
+            t = restore_all(drv, pids, gpu_map=gpu_map)
+        seconds.update(restore=t.restore_s, unlock=t.unlock_s)
+    return GpuReport(name, m.meta["path"], pids, seconds)

@@ -1,0 +1,166 @@
+#!/usr/bin/env python3
+"""Benchmark of the GPU data path (issue 4): another process's GPU memory, mapped the way custom storage
+maps it (CUDA IPC stand-in), into the store on the memory tier (/dev/shm) and on disk, and back.
+
+Prints per stage seconds and GB/s, and each total against its floor measured in the same run:
+PCIe (pinned D2H/H2D of the same bytes, same lanes) and the disk (O_DIRECT write/read of the bytes
+actually stored). Usage: bench_gpu_engine.py [--gb 24] [--mix realistic,pessimistic] [--json OUT]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [os.path.dirname(HERE), HERE]
+
+from storage.directio import AlignedBuffer, open_for_read, open_for_write, read_into, write_all  # noqa: E402
+from storage.gpu_engine import GpuEngine, PinnedBuffer, Region, _ck, _drv  # noqa: E402
+from storage.store import SnapshotStore  # noqa: E402
+from workload_control import Workload, ipc_region  # noqa: E402
+
+
+def drop_caches() -> None:
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3")
+    except OSError:
+        pass
+
+
+def pcie_floor(ptr: int, size: int, lanes: int = 8, piece: int = 256 << 20) -> tuple[float, float]:
+    """Seconds for pinned D2H and H2D of SIZE bytes at PTR over LANES streams (the copy floor)."""
+    d = _drv()
+    bufs = [PinnedBuffer(piece) for _ in range(lanes)]
+    streams = [_ck(d.cuStreamCreate(1), "stream") for _ in range(lanes)]
+    out = []
+    for direction in ("d2h", "h2d"):
+        t0 = time.perf_counter()
+        for i, off in enumerate(range(0, size, piece)):
+            n = min(piece, size - off)
+            k = i % lanes
+            if direction == "d2h":
+                _ck(d.cuMemcpyDtoHAsync(bufs[k].ptr, ptr + off, n, streams[k]), "d2h")
+            else:
+                _ck(d.cuMemcpyHtoDAsync(ptr + off, bufs[k].ptr, n, streams[k]), "h2d")
+        for s in streams:
+            _ck(d.cuStreamSynchronize(s), "sync")
+        out.append(time.perf_counter() - t0)
+    for b in bufs:
+        b.close()
+    return out[0], out[1]
+
+
+def disk_floor(directory: str, nbytes: int, threads: int = 8, block: int = 8 << 20) -> tuple[float, float]:
+    """GB/s of O_DIRECT writes (+fsync) and cold reads of NBYTES in `threads` files, like the store does."""
+    per = max(block, nbytes // threads // block * block)
+    paths = [os.path.join(directory, f"floor.{i}") for i in range(threads)]
+    def w(p: str) -> None:
+        b = AlignedBuffer(block)
+        b.view[:] = os.urandom(1024) * (block // 1024)
+        fd = open_for_write(p, True)
+        for off in range(0, per, block):
+            write_all(fd, b.view, off)
+        os.fsync(fd)
+        os.close(fd)
+        b.close()
+    def r(p: str) -> None:
+        b = AlignedBuffer(block)
+        fd, _ = open_for_read(p, True)
+        for off in range(0, per, block):
+            read_into(fd, b.view, off)
+        os.close(fd)
+        b.close()
+    res = []
+    for fn in (w, r):
+        if fn is r:
+            drop_caches()
+        ts = [threading.Thread(target=fn, args=(p,)) for p in paths]
+        t0 = time.perf_counter()
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        res.append(per * threads / (time.perf_counter() - t0) / 1e9)
+    for p in paths:
+        os.unlink(p)
+    return res[0], res[1]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--gb", type=float, default=24)
+    ap.add_argument("--mix", default="realistic,pessimistic")
+    ap.add_argument("--tiers", default="shm,disk")
+    ap.add_argument("--lanes", type=int, default=int(os.environ.get("GPUSNAP_LANES", "12")))
+    ap.add_argument("--chunk-mb", type=int, default=64)
+    ap.add_argument("--codec", default="nvcomp-ans")
+    ap.add_argument("--disk-dir", default=os.environ.get("GPUSNAP_DISK_DIR", "/var/tmp"))
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    rows = []
+    disk_w, disk_r = disk_floor(a.disk_dir, 4 << 30) if "disk" in a.tiers else (0.0, 0.0)
+    print(f"disk floor (O_DIRECT, 8 threads, 4 GiB): write {disk_w:.2f} GB/s, cold read {disk_r:.2f} GB/s")
+    for mix in a.mix.split(","):
+        with Workload(a.gb, mix=mix, seed=11) as w, GpuEngine(lanes=a.lanes, chunk_size=a.chunk_mb << 20,
+                                                                codec=a.codec) as eng, ipc_region(w.info["ipc"]) as ptr:
+            size = w.size
+            d2h, h2d = pcie_floor(ptr, size)
+            assert w.verify(), "workload memory changed by the floor measurement"
+            print(f"\n{mix}: {size / 1e9:.1f} GB; PCIe floor D2H {d2h:.3f} s ({size / d2h / 1e9:.1f} GB/s), "
+                  f"H2D {h2d:.3f} s ({size / h2d / 1e9:.1f} GB/s)")
+            for tier in a.tiers.split(","):
+                base = "/dev/shm" if tier == "shm" else a.disk_dir
+                sdir = tempfile.mkdtemp(prefix="gpusnap-bench-", dir=base)
+                try:
+                    st = SnapshotStore(os.path.join(sdir, "store"))
+                    region = Region("gpu/0", ptr, size)
+                    t0 = time.perf_counter()
+                    with st.writer("b") as wr:
+                        ck = eng.checkpoint(wr, [region])
+                        wr.commit()
+                    t_ck = time.perf_counter() - t0
+                    w.cmd("clear")
+                    drop_caches()
+                    t0 = time.perf_counter()
+                    rs = eng.restore(st, st.load("b"), {"gpu/0": region})
+                    t_rs = time.perf_counter() - t0
+                    ok = w.verify()
+                    stored = ck.stored_bytes
+                    if tier == "disk":
+                        floor_ck = max(d2h, stored / (disk_w * 1e9))
+                        floor_rs = max(h2d, stored / (disk_r * 1e9))
+                    else:
+                        floor_ck, floor_rs = d2h, h2d
+                    row = {"mix": mix, "tier": tier, "gb": size / 1e9, "stored_gb": stored / 1e9,
+                           "ratio": size / max(stored, 1), "checkpoint_s": t_ck, "restore_s": t_rs,
+                           "cycle_s": t_ck + t_rs, "floor_checkpoint_s": floor_ck, "floor_restore_s": floor_rs,
+                           "x_floor": (t_ck + t_rs) / (floor_ck + floor_rs), "verified": ok,
+                           "stages_checkpoint": ck.stages.table(), "stages_restore": rs.stages.table(),
+                           "lanes": a.lanes, "chunk_mb": a.chunk_mb, "codec": a.codec}
+                    rows.append(row)
+                    print(f"  {tier:5} stored {stored / 1e9:6.2f} GB ({row['ratio']:.2f}x)  checkpoint {t_ck:6.3f} s "
+                          f"({size / t_ck / 1e9:6.1f} GB/s)  restore {t_rs:6.3f} s ({size / t_rs / 1e9:6.1f} GB/s)  "
+                          f"cycle {t_ck + t_rs:6.3f} s = {row['x_floor']:.2f}x floor {floor_ck + floor_rs:.3f} s  "
+                          f"verified={ok}")
+                    for label, stages in (("ckpt", ck.stages.table()), ("rest", rs.stages.table())):
+                        print("        " + label + ": " + ", ".join(
+                            f"{k} {v['thread_seconds']:.2f} thr-s {v['GBps_per_thread']:.1f} GB/s/thr"
+                            for k, v in stages.items()))
+                finally:
+                    shutil.rmtree(sdir, ignore_errors=True)
+    result = {"date": time.strftime("%Y-%m-%d"), "disk_write_GBps": disk_w, "disk_read_GBps": disk_r, "rows": rows}
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

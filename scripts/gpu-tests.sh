@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Run the GPU tests (marker `gpu`) on a machine with an NVIDIA GPU, e.g. the H200 test machine:
+#   scripts/gpu-tests.sh [pytest args]
+# With carried wheels in .whl/ (no network there) they are installed to /tmp/site first.
+# Results (JSON lines) go to ${GPUSNAP_RESULTS:-gpu-results.jsonl}.
+set -uo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl >&2 || exit 1
+    export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
+export GPUSNAP_RESULTS=${GPUSNAP_RESULTS:-$root/gpu-results.jsonl}
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
+python3 -m pytest -p no:cacheprovider -m gpu -v -s "$@" tests
+rc=$?
+[ "$rc" -eq 5 ] && { echo "gpu-tests.sh: no GPU tests collected" >&2; exit 1; }
+exit $rc

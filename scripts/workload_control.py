@@ -1,0 +1,88 @@
+"""Drive scripts/gpu_workload.py from tests and benchmarks, and open its memory through CUDA IPC
+(the stand-in for the custom-storage mapping on drivers that lack it; never used by the product)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+class Workload:
+    def __init__(self, gb: float, mix: str = "realistic", seed: int = 1, timeout: float = 300) -> None:
+        self.dir = tempfile.mkdtemp(prefix="gpusnap-wl-")  # fresh per run: no stale waiter shares it
+        self.proc = subprocess.Popen([sys.executable, os.path.join(HERE, "gpu_workload.py"), "--gb", str(gb),
+                                      "--mix", mix, "--seed", str(seed), "--dir", self.dir])
+        deadline = time.monotonic() + timeout
+        ready = os.path.join(self.dir, "ready")
+        while not os.path.exists(ready):
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"workload exited with {self.proc.returncode} before it was ready")
+            if time.monotonic() > deadline:
+                self.proc.kill()
+                raise RuntimeError("workload not ready in time")
+            time.sleep(0.05)
+        with open(ready) as f:
+            self.info: dict[str, Any] = json.load(f)
+        self.pid: int = self.info["pid"]
+        self.size: int = self.info["size"]
+
+    def cmd(self, line: str, timeout: float = 600) -> dict[str, Any]:
+        done = os.path.join(self.dir, "cmd.done")
+        if os.path.exists(done):
+            os.unlink(done)
+        tmp = os.path.join(self.dir, "cmd.tmp")
+        with open(tmp, "w") as f:
+            f.write(line)
+        os.rename(tmp, os.path.join(self.dir, "cmd"))
+        deadline = time.monotonic() + timeout
+        while not os.path.exists(done):
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"workload exited with {self.proc.returncode} during {line!r}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"workload did not answer {line!r}")
+            time.sleep(0.01)
+        with open(done) as f:
+            return json.load(f)
+
+    def verify(self) -> bool:
+        return bool(self.cmd("verify")["ok"])
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.cmd("exit", timeout=30)
+            except RuntimeError:
+                pass
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def __enter__(self) -> "Workload":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+@contextmanager
+def ipc_region(handle_hex: str) -> Iterator[int]:
+    """Open another process's cuMemAlloc block in this process (current context); yields the pointer."""
+    from cuda.bindings import driver as d
+    h = d.CUipcMemHandle()
+    h.reserved = bytes.fromhex(handle_hex)
+    err, ptr = d.cuIpcOpenMemHandle(h, d.CUipcMem_flags.CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS)
+    if int(err) != 0:
+        raise RuntimeError(f"cuIpcOpenMemHandle failed: {err}")
+    try:
+        yield int(ptr)
+    finally:
+        d.cuIpcCloseMemHandle(ptr)

@@ -1,0 +1,366 @@
+"""The GPU data path: device regions into the store and back, compressed on the GPU by nvCOMP.
+
+checkpoint: region chunk --nvCOMP encode (GPU)--> --D2H into a pinned frame--> zero test --> hash + write
+restore:    read + verify into a pinned frame --H2D--> --nvCOMP decode straight into the target region
+
+Each of N lanes owns a CUDA stream, a pinned host frame (laid out like a chunk file, so the bytes the
+GPU produced are written from where they landed), a device scratch buffer and its own nvCOMP codec
+(codecs are not thread-safe); lanes are allocated once per engine and reused for every chunk.
+A chunk is stored raw when compression does not pay, and as nothing when it is all zeros: a
+chunk whose encoding equals the encoding of zeros of the same length decodes to zeros (decoding is
+deterministic), so zero detection costs no extra kernel.
+
+The regions are device pointers valid in this process: what cuCheckpointProcessCheckpoint's custom
+storage maps, or (tests and benchmarks on drivers without it) another process's memory opened
+through CUDA IPC. Imports cuda.bindings and nvidia.nvcomp lazily; nothing here runs without a GPU.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import queue
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+from .chunkfile import HEADER_SIZE, ChunkError
+from .directio import ALIGN, align_up
+from .manifest import ChunkRef, Manifest, Stream
+from .pipeline import Result, Stages, _Failure, missing_chunks
+from .store import SnapshotStore, SnapshotWriter, StoreError
+
+NVCOMP_ALGORITHMS = {"nvcomp-ans": "ANS", "nvcomp-bitcomp": "Bitcomp", "nvcomp-lz4": "LZ4"}
+PAYS_OFF_RATIO = 0.97
+
+
+class GpuEngineError(Exception):
+    """A CUDA or nvCOMP call in the GPU data path failed, or the GPU path is unavailable here."""
+
+
+def _drv() -> Any:
+    try:
+        from cuda.bindings import driver  # noqa: PLC0415
+    except ImportError as e:
+        raise GpuEngineError(f"the GPU data path needs cuda-bindings: {e}") from None
+    return driver
+
+
+def _nvcomp() -> Any:
+    try:
+        from nvidia import nvcomp  # noqa: PLC0415
+    except ImportError as e:
+        raise GpuEngineError(f"the GPU data path needs nvidia-nvcomp-cu13: {e}") from None
+    return nvcomp
+
+
+def _ck(out: Any, what: str) -> Any:
+    err = out[0] if isinstance(out, tuple) else out
+    if int(err) != 0:
+        raise GpuEngineError(f"{what} failed: {getattr(err, 'name', err)}")
+    if isinstance(out, tuple):
+        return out[1] if len(out) == 2 else out[1:]
+    return None
+
+
+@dataclass(frozen=True)
+class Region:
+    """A named device region in this process's address space (one GPU's checkpoint memory)."""
+
+    name: str
+    dev_ptr: int
+    size: int
+
+
+class DeviceBytes:
+    """A device pointer and length seen by nvCOMP as a uint8 array (CUDA array interface v3)."""
+
+    def __init__(self, ptr: int, n: int) -> None:
+        self.__cuda_array_interface__ = {"shape": (n,), "typestr": "|u1", "data": (ptr, False),
+                                         "version": 3, "strides": None}
+
+
+class PinnedBuffer:
+    """Page-locked host memory from cuMemHostAlloc, exposed as a memoryview (DMA-able, O_DIRECT-able)."""
+
+    def __init__(self, size: int) -> None:
+        d = _drv()
+        self.size = align_up(size)
+        self.ptr = int(_ck(d.cuMemHostAlloc(self.size, 0), f"cuMemHostAlloc({self.size})"))
+        if self.ptr % ALIGN:
+            raise GpuEngineError("pinned allocation is not page aligned")
+        self.view = memoryview((ctypes.c_char * self.size).from_address(self.ptr)).cast("B")
+
+    def close(self) -> None:
+        self.view.release()
+        _drv().cuMemFreeHost(self.ptr)
+
+
+class _Lane:
+    def __init__(self, engine: "GpuEngine") -> None:
+        d = _drv()
+        self.stream = _ck(d.cuStreamCreate(1), "cuStreamCreate")  # non-blocking w.r.t. the null stream
+        self.frame = PinnedBuffer(HEADER_SIZE + engine.chunk_size + ALIGN)
+        self.scratch = int(_ck(d.cuMemAlloc(engine.chunk_size + (1 << 20)), "cuMemAlloc"))
+        self.codec = None if engine.codec == "raw" else _nvcomp().Codec(
+            algorithm=NVCOMP_ALGORITHMS[engine.codec], uncomp_chunk_size=engine.nvcomp_chunk,
+            cuda_stream=int(self.stream), device_id=engine.device)
+
+    def sync(self) -> None:
+        _ck(_drv().cuStreamSynchronize(self.stream), "cuStreamSynchronize")
+
+    def close(self) -> None:
+        d = _drv()
+        self.sync()
+        d.cuMemFree(self.scratch)
+        d.cuStreamDestroy(self.stream)
+        self.frame.close()
+
+
+class GpuEngine:
+    """Lanes of streams, pinned frames and codecs on one GPU; a context manager."""
+
+    def __init__(self, device: int = 0, *, codec: str = "nvcomp-ans", chunk_size: int = 64 << 20,
+                 lanes: int = 8, nvcomp_chunk: int = 64 << 10) -> None:
+        if codec != "raw" and codec not in NVCOMP_ALGORITHMS:
+            raise GpuEngineError(f"unknown GPU codec {codec!r}; choose from raw, {', '.join(NVCOMP_ALGORITHMS)}")
+        if chunk_size % ALIGN:
+            raise GpuEngineError("chunk size must be a multiple of 4096")
+        d = _drv()
+        try:
+            init = d.cuInit(0)
+        except Exception as e:  # noqa: BLE001 - no libcuda on this machine
+            raise GpuEngineError(f"no NVIDIA driver here ({type(e).__name__})") from None
+        _ck(init, "cuInit")
+        self.device, self.codec, self.chunk_size, self.nvcomp_chunk = device, codec, chunk_size, nvcomp_chunk
+        dev = _ck(d.cuDeviceGet(device), "cuDeviceGet")
+        self._dev = dev
+        self.ctx = _ck(d.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
+        self.bind_thread()
+        self._lanes: queue.SimpleQueue[_Lane] = queue.SimpleQueue()
+        self._all = [_Lane(self) for _ in range(lanes)]
+        for lane in self._all:
+            self._lanes.put(lane)
+        self.nlanes = lanes
+        self._zero_sig: dict[int, bytes] = {}
+        self._zero_lock = threading.Lock()
+
+    def bind_thread(self) -> None:
+        _ck(_drv().cuCtxSetCurrent(self.ctx), "cuCtxSetCurrent")
+
+    def close(self) -> None:
+        self.bind_thread()
+        for lane in self._all:
+            lane.close()
+        _drv().cuDevicePrimaryCtxRelease(self._dev)
+
+    def __enter__(self) -> "GpuEngine":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- helpers -----------------------------------------------------------------------------
+    def _encode(self, lane: _Lane, ptr: int, n: int) -> tuple[str, int, int]:
+        """Encode N bytes at PTR on LANE; returns (codec, device pointer of the payload, its size)."""
+        if lane.codec is None:
+            return "raw", ptr, n
+        nv = _nvcomp()
+        enc = lane.codec.encode(nv.as_array(DeviceBytes(ptr, n)))
+        lane._keep = enc  # the encoded array must outlive the copy that follows
+        m = int(enc.buffer_size)
+        if m > PAYS_OFF_RATIO * n or m > self.chunk_size:
+            return "raw", ptr, n
+        return self.codec, int(enc.__cuda_array_interface__["data"][0]), m
+
+    def zero_signature(self, lane: _Lane, n: int) -> bytes | None:
+        """The encoding of N zero bytes (computed once per length), or None for the raw codec."""
+        if lane.codec is None:
+            return None
+        with self._zero_lock:
+            sig = self._zero_sig.get(n)
+        if sig is not None:
+            return sig
+        d = _drv()
+        _ck(d.cuMemsetD8Async(lane.scratch, 0, n, lane.stream), "cuMemsetD8Async")
+        codec, ptr, m = self._encode(lane, lane.scratch, n)
+        if codec == "raw":
+            sig = b"\x00"  # zeros did not compress: never matches a real payload length
+        else:
+            _ck(d.cuMemcpyDtoHAsync(lane.frame.ptr + HEADER_SIZE, ptr, m, lane.stream), "cuMemcpyDtoHAsync")
+            lane.sync()
+            sig = bytes(lane.frame.view[HEADER_SIZE:HEADER_SIZE + m])
+        with self._zero_lock:
+            self._zero_sig[n] = sig
+        return sig
+
+    # -- checkpoint ----------------------------------------------------------------------------
+    def checkpoint(self, writer: SnapshotWriter, regions: list[Region], *, progress: Any = None,
+                   attrs: dict[str, Any] | None = None) -> Result:
+        """Stream every region into WRITER as a `blob` stream (the caller commits)."""
+        stages = Stages()
+        fail = _Failure()
+        t_start = time.perf_counter()
+        d = _drv()
+        raw_total = 0
+        # zero signatures for each chunk length we will meet, before the timed fan-out
+        lane0 = self._lanes.get()
+        try:
+            for r in regions:
+                for n in {min(self.chunk_size, r.size), r.size % self.chunk_size or self.chunk_size}:
+                    if n:
+                        self.zero_signature(lane0, n)
+        finally:
+            self._lanes.put(lane0)
+
+        def one(stream: Stream, idx: int, ptr: int, n: int) -> None:
+            if fail.exc is not None:
+                return
+            lane = self._lanes.get()
+            try:
+                self.bind_thread()
+                t0 = time.perf_counter()
+                codec, src, m = self._encode(lane, ptr, n)
+                _ck(d.cuMemcpyDtoHAsync(lane.frame.ptr + HEADER_SIZE, src, m, lane.stream), "cuMemcpyDtoHAsync")
+                lane.sync()
+                lane._keep = None
+                t1 = time.perf_counter()
+                stages.add("encode+D2H", t1 - t0, n)
+                sig = self._zero_sig.get(n) if codec != "raw" else None
+                if sig is not None and m == len(sig) and bytes(lane.frame.view[HEADER_SIZE:HEADER_SIZE + m]) == sig:
+                    stream.chunks[idx] = writer.note_zero(n)
+                else:
+                    stream.chunks[idx] = writer.put_chunk(codec, n, lane.frame.view, m)
+                stages.add("hash+write", time.perf_counter() - t1, m)
+                if progress is not None:
+                    progress.advance(n)
+            except BaseException as e:  # noqa: BLE001
+                fail.set(e)
+            finally:
+                self._lanes.put(lane)
+
+        with ThreadPoolExecutor(self.nlanes, thread_name_prefix="gpusnap-gpu",
+                                initializer=self.bind_thread) as ex:
+            futs = []
+            for r in regions:
+                s = Stream(r.name, {"type": "blob", "device": self.device, **(attrs or {})})
+                writer.add_stream(s)
+                for idx, off in enumerate(range(0, r.size, self.chunk_size)):
+                    n = min(self.chunk_size, r.size - off)
+                    s.chunks.append(None)  # type: ignore[arg-type]
+                    futs.append(ex.submit(one, s, idx, r.dev_ptr + off, n))
+                raw_total += r.size
+            for f in futs:
+                f.result()
+        fail.raise_if_set()
+        st = writer.stats
+        stages.add("hash", st.hash_s, st.raw_bytes - st.zero_bytes)
+        stages.add("write", st.write_s, st.bytes_new)
+        return Result(raw_total, st.bytes_new, time.perf_counter() - t_start, stages,
+                      {"bytes_dedup": st.bytes_dedup, "zero_bytes": st.zero_bytes, "chunks_new": st.chunks_new,
+                       "chunks_dedup": st.chunks_dedup, "chunks_zero": st.chunks_zero})
+
+    # -- restore -------------------------------------------------------------------------------
+    def restore(self, store: SnapshotStore, manifest: Manifest, targets: dict[str, Region], *,
+                progress: Any = None) -> Result:
+        """Write every blob stream of MANIFEST into the target region of the same name, verified."""
+        d = _drv()
+        nv = _nvcomp()
+        stages = Stages()
+        fail = _Failure()
+        t_start = time.perf_counter()
+        streams = [s for s in manifest.streams if s.attrs.get("type") == "blob"]
+        for s in streams:
+            t = targets.get(s.name)
+            if t is None:
+                raise GpuEngineError(f"no target region for stream {s.name!r}")
+            if t.size < s.size:
+                raise GpuEngineError(f"target region for {s.name!r} holds {t.size} bytes, snapshot has {s.size}")
+            for c in s.chunks:
+                if c.raw_len > self.chunk_size or c.stored_len > self.chunk_size:
+                    raise GpuEngineError(f"snapshot chunks of {c.raw_len} bytes exceed this engine's "
+                                         f"{self.chunk_size}-byte lanes; open the engine with a larger chunk size")
+        missing = missing_chunks(store, manifest)
+        if missing:
+            raise StoreError(f"snapshot {manifest.name!r} is damaged: {len(missing)} chunk(s) missing; "
+                             "no GPU memory was written")
+        stored = 0
+
+        def one(s: Stream, i: int, ref: ChunkRef, dst: int) -> None:
+            if fail.exc is not None:
+                return
+            lane = self._lanes.get()
+            try:
+                self.bind_thread()
+                n = ref.raw_len
+                if ref.is_zero:
+                    _ck(d.cuMemsetD8Async(dst, 0, n, lane.stream), "cuMemsetD8Async")
+                    lane.sync()
+                else:
+                    t0 = time.perf_counter()
+                    store.read_chunk(ref, lane.frame)  # verified; payload at HEADER_SIZE
+                    t1 = time.perf_counter()
+                    stages.add("read+verify", t1 - t0, ref.stored_len)
+                    src = lane.frame.ptr + HEADER_SIZE
+                    if ref.codec == "raw":
+                        _ck(d.cuMemcpyHtoDAsync(dst, src, n, lane.stream), "cuMemcpyHtoDAsync")
+                    elif ref.codec in NVCOMP_ALGORITHMS:
+                        if lane.codec is None:
+                            raise GpuEngineError("a raw-only engine cannot decode nvCOMP chunks")
+                        _ck(d.cuMemcpyHtoDAsync(lane.scratch, src, ref.stored_len, lane.stream), "cuMemcpyHtoDAsync")
+                        _decode_into(nv, lane, ref.stored_len, dst, n)
+                    else:
+                        raise GpuEngineError(f"chunk codec {ref.codec!r} is not a GPU codec")
+                    lane.sync()
+                    stages.add("H2D+decode", time.perf_counter() - t1, n)
+                if progress is not None:
+                    progress.advance(n)
+            except ChunkError as e:
+                fail.set(StoreError(f"snapshot {manifest.name!r} is damaged: {s.name} chunk {i}: {e.what}"))
+            except BaseException as e:  # noqa: BLE001
+                fail.set(e)
+            finally:
+                self._lanes.put(lane)
+
+        with ThreadPoolExecutor(self.nlanes, thread_name_prefix="gpusnap-gpu",
+                                initializer=self.bind_thread) as ex:
+            futs = []
+            for s in streams:
+                off = 0
+                for i, c in enumerate(s.chunks):
+                    stored += c.stored_len
+                    futs.append(ex.submit(one, s, i, c, targets[s.name].dev_ptr + off))
+                    off += c.raw_len
+            for f in futs:
+                f.result()
+        fail.raise_if_set()
+        return Result(sum(s.size for s in streams), stored, time.perf_counter() - t_start, stages)
+
+
+def gpu_available() -> bool:
+    """True where a CUDA driver with at least one GPU answers (no exception either way)."""
+    try:
+        d = _drv()
+        if int(d.cuInit(0)[0]) != 0:
+            return False
+        err, n = d.cuDeviceGetCount()
+        return int(err) == 0 and n > 0
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def _decode_into(nv: Any, lane: _Lane, stored: int, dst: int, n: int) -> None:
+    """Decode LANE.scratch[:stored] into DST (N bytes) on the lane's stream, in place when nvCOMP can."""
+    src = nv.as_array(DeviceBytes(lane.scratch, stored))
+    try:
+        lane.codec.decode(src, out=nv.as_array(DeviceBytes(dst, n)))  # type: ignore[union-attr]
+        return
+    except TypeError:
+        pass  # an nvCOMP without external output buffers: decode, then copy on the device
+    out = lane.codec.decode(src)  # type: ignore[union-attr]
+    if int(out.buffer_size) != n:
+        raise GpuEngineError(f"nvCOMP decoded {int(out.buffer_size)} bytes, expected {n}")
+    ptr = int(out.__cuda_array_interface__["data"][0])
+    _ck(_drv().cuMemcpyDtoDAsync(dst, ptr, n, lane.stream), "cuMemcpyDtoDAsync")
+    lane.sync()
