@@ -168,9 +168,15 @@ class CudaDriver:
 
     def _uuid_obj(self, s: str) -> Any:
         u = self.d.CUuuid()
-        hexs = s.removeprefix("GPU-").replace("-", "")
-        u.bytes = bytes.fromhex(hexs)
+        raw = bytes.fromhex(s.removeprefix("GPU-").replace("-", ""))
+        if len(raw) != 16:
+            raise CudaDriverError(f"{s!r} is not a GPU UUID")
+        ctypes.memmove(u.getPtr(), raw, 16)  # the binding's fields are read-only; write the struct
         return u
+
+    def _handle(self, h: int) -> Any:
+        make = getattr(self.d, "CUcheckpointOperationHandle", None)
+        return make(h) if make is not None else h
 
     def ensure_contexts(self) -> None:
         """Retain the primary context on every GPU (custom storage needs one per GPU in this process)."""
@@ -239,7 +245,7 @@ class CudaDriver:
         return self._custom_info(slot, pid, "cuCheckpointProcessRestore")
 
     def complete(self, pid: int, op: CustomOperation) -> None:
-        self._call("cuCheckpointOperationComplete", pid, op.handle)
+        self._call("cuCheckpointOperationComplete", pid, self._handle(op.handle))
 
     # -- what is here -------------------------------------------------------------------------
     def gpus(self) -> list[GpuInfo]:
@@ -299,7 +305,7 @@ def probe(driver: CudaDriver | None = None) -> Features:
     # Completing handle 0 is harmless: a driver with the entry point answers with an error code
     # (invalid handle); one without it raises FunctionNotFound, which is what we look for.
     f.custom_storage = f.checkpoint_api and _has_entry(
-        drv, "cuCheckpointOperationComplete", lambda: drv._call("cuCheckpointOperationComplete", None, 0))
+        drv, "cuCheckpointOperationComplete", lambda: drv._call("cuCheckpointOperationComplete", None, drv._handle(0)))
     return f
 
 
@@ -308,6 +314,8 @@ def _has_entry(drv: CudaDriver, name: str, call: Any) -> bool:
         call()
     except CudaDriverError as e:
         return e.result != "FUNCTION_NOT_FOUND" and "not in this cuda-bindings" not in str(e)
+    except Exception:  # noqa: BLE001 - a binding that cannot even make the call: treat as absent
+        return False
     return True
 
 

@@ -14,6 +14,7 @@ Commands: verify | clear | mutate PERCENT | exit.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import time
@@ -75,7 +76,8 @@ def main() -> None:
         fill(mem[i * BLOCK:(i + 1) * BLOCK], kinds[i], s)
     torch.cuda.synchronize()
     handle = ck(d.cuIpcGetMemHandle(ptr))
-    ready = {"pid": os.getpid(), "size": size, "ipc": bytes(handle.reserved).hex(), "mix": a.mix}
+    ipc = ctypes.string_at(handle.getPtr(), 64)  # CUipcMemHandle is 64 opaque bytes
+    ready = {"pid": os.getpid(), "size": size, "ipc": ipc.hex(), "mix": a.mix}
     tmp = os.path.join(a.dir, "ready.tmp")
     with open(tmp, "w") as f:
         json.dump(ready, f)

@@ -77,8 +77,9 @@ class Workload:
 def ipc_region(handle_hex: str) -> Iterator[int]:
     """Open another process's cuMemAlloc block in this process (current context); yields the pointer."""
     from cuda.bindings import driver as d
+    import ctypes
     h = d.CUipcMemHandle()
-    h.reserved = bytes.fromhex(handle_hex)
+    ctypes.memmove(h.getPtr(), bytes.fromhex(handle_hex), 64)
     err, ptr = d.cuIpcOpenMemHandle(h, d.CUipcMem_flags.CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS)
     if int(err) != 0:
         raise RuntimeError(f"cuIpcOpenMemHandle failed: {err}")

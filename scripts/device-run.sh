@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# One batch on the lent GPU machine (the `device` tool): GPU tests, then the benchmarks named in $1
+# ("tests", "engine", "e2e", or several, comma-separated). Results land in $OUT (or ./device-out).
+set -uo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+out=${OUT:-$root/device-out}
+mkdir -p "$out"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl 2>&1 | tail -2
+export PYTHONPATH="$root:/tmp/site" PYTHONUNBUFFERED=1
+if [ -d .carry/criu ]; then export GPUSNAP_CRIU="$root/.carry/criu/criu" LD_LIBRARY_PATH="$root/.carry/criu/lib"; fi
+{ date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; uname -r; nproc; } > "$out/machine.txt" 2>&1
+python3 -m sandbox.cli doctor > "$out/doctor.txt" 2>&1
+python3 -m sandbox.cli doctor --json > "$out/doctor.json" 2>&1
+for what in ${1//,/ }; do
+  case "$what" in
+    tests)  GPUSNAP_RESULTS="$out/gpu-results.jsonl" timeout 560 python3 -m pytest -p no:cacheprovider -m gpu -v -s ${PYTEST_ARGS:-} tests 2>&1 | tee "$out/gpu-tests.log" | grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|^E " ;;
+    engine) timeout 560 python3 scripts/bench_gpu_engine.py --json "$out/engine.json" ${BENCH_ARGS:-} 2>&1 | tee "$out/engine.log" ;;
+    e2e)    timeout 560 python3 scripts/bench_e2e.py --json "$out/e2e.json" ${BENCH_ARGS:-} 2>&1 | tee "$out/e2e.log" ;;
+  esac
+done
