@@ -280,4 +280,7 @@ def _load_commands() -> None:
 _load_commands()
 
 if __name__ == "__main__":
-    main()
+    # `python -m sandbox.cli`: this file runs as __main__, but the command modules attached their
+    # commands to sandbox.cli.main; run that one
+    from sandbox.cli import main as _main
+    _main()

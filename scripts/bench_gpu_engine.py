@@ -39,6 +39,7 @@ def pcie_floor(ptr: int, size: int, lanes: int = 8, piece: int = 256 << 20) -> t
     """Seconds for pinned D2H and H2D of SIZE bytes at PTR over LANES streams (the copy floor)."""
     d = _drv()
     bufs = [PinnedBuffer(piece) for _ in range(lanes)]
+    scratch = [int(_ck(d.cuMemAlloc(piece), "cuMemAlloc")) for _ in range(lanes)]  # H2D must not touch PTR
     streams = [_ck(d.cuStreamCreate(1), "stream") for _ in range(lanes)]
     out = []
     for direction in ("d2h", "h2d"):
@@ -49,12 +50,14 @@ def pcie_floor(ptr: int, size: int, lanes: int = 8, piece: int = 256 << 20) -> t
             if direction == "d2h":
                 _ck(d.cuMemcpyDtoHAsync(bufs[k].ptr, ptr + off, n, streams[k]), "d2h")
             else:
-                _ck(d.cuMemcpyHtoDAsync(ptr + off, bufs[k].ptr, n, streams[k]), "h2d")
+                _ck(d.cuMemcpyHtoDAsync(scratch[k], bufs[k].ptr, n, streams[k]), "h2d")
         for s in streams:
             _ck(d.cuStreamSynchronize(s), "sync")
         out.append(time.perf_counter() - t0)
     for b in bufs:
         b.close()
+    for p in scratch:
+        d.cuMemFree(p)
     return out[0], out[1]
 
 
@@ -99,7 +102,7 @@ def main() -> None:
     ap.add_argument("--gb", type=float, default=24)
     ap.add_argument("--mix", default="realistic,pessimistic")
     ap.add_argument("--tiers", default="shm,disk")
-    ap.add_argument("--lanes", type=int, default=int(os.environ.get("GPUSNAP_LANES", "12")))
+    ap.add_argument("--lanes", type=int, default=int(os.environ.get("GPUSNAP_LANES", "16")))
     ap.add_argument("--chunk-mb", type=int, default=64)
     ap.add_argument("--codec", default="nvcomp-ans")
     ap.add_argument("--disk-dir", default=os.environ.get("GPUSNAP_DISK_DIR", "/var/tmp"))

@@ -14,7 +14,7 @@ python3 -m sandbox.cli doctor > "$out/doctor.txt" 2>&1
 python3 -m sandbox.cli doctor --json > "$out/doctor.json" 2>&1
 for what in ${1//,/ }; do
   case "$what" in
-    tests)  GPUSNAP_RESULTS="$out/gpu-results.jsonl" timeout 560 python3 -m pytest -p no:cacheprovider -m gpu -v -s ${PYTEST_ARGS:-} tests 2>&1 | tee "$out/gpu-tests.log" | grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|^E " ;;
+    tests)  GPUSNAP_RESULTS="$out/gpu-results.jsonl" timeout 560 python3 -m pytest -p no:cacheprovider -m gpu -v -s ${PYTEST_K:+-k "$PYTEST_K"} tests 2>&1 | tee "$out/gpu-tests.log" | grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|^E " ;;
     engine) timeout 560 python3 scripts/bench_gpu_engine.py --json "$out/engine.json" ${BENCH_ARGS:-} 2>&1 | tee "$out/engine.log" ;;
     e2e)    timeout 560 python3 scripts/bench_e2e.py --json "$out/e2e.json" ${BENCH_ARGS:-} 2>&1 | tee "$out/e2e.log" ;;
   esac

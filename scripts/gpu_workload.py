@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """A CUDA process holding N GB of known data, for GPU tests and benchmarks.
 
-The memory is one cuMemAlloc block (so a CUDA IPC handle covers it exactly), filled in 256 MiB blocks
-by a deterministic recipe: `realistic` = 40% bf16 values from N(0, 0.02) (weights), 5% random bytes,
+The memory is one cuMemAlloc block (so a CUDA IPC handle covers it exactly), filled
+(64 MiB blocks, 20-block period) by a deterministic recipe: `realistic` = 40% bf16 values from N(0, 0.02) (weights), 5% random bytes,
 55% zeros (an idle KV-cache pool); `pessimistic` = half random, half zeros; `random`; `zeros`.
 It regenerates any block from its seed to verify itself, so a restore is checked against the recipe,
 not against a copy that went through the same path.
@@ -22,7 +22,7 @@ import time
 import torch
 from cuda.bindings import driver as d
 
-BLOCK = 256 << 20
+BLOCK = 64 << 20
 
 
 def ck(out):

@@ -97,15 +97,46 @@ class PinnedBuffer:
         _drv().cuMemFreeHost(self.ptr)
 
 
+_ANS_LOCK = threading.Lock()
+_CONTEXTS: dict[int, Any] = {}
+_CONTEXTS_LOCK = threading.Lock()
+
+
+def primary_context(device: int) -> Any:
+    """The device's primary context, retained once per process and kept (shared with nvCOMP/torch)."""
+    with _CONTEXTS_LOCK:
+        ctx = _CONTEXTS.get(device)
+        if ctx is None:
+            d = _drv()
+            dev = _ck(d.cuDeviceGet(device), "cuDeviceGet")
+            ctx = _CONTEXTS[device] = _ck(d.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
+        return ctx
+
+
 class _Lane:
     def __init__(self, engine: "GpuEngine") -> None:
         d = _drv()
+        self._keep: Any = None
+        self.frame_dirty = False
         self.stream = _ck(d.cuStreamCreate(1), "cuStreamCreate")  # non-blocking w.r.t. the null stream
         self.frame = PinnedBuffer(HEADER_SIZE + engine.chunk_size + ALIGN)
         self.scratch = int(_ck(d.cuMemAlloc(engine.chunk_size + (1 << 20)), "cuMemAlloc"))
-        self.codec = None if engine.codec == "raw" else _nvcomp().Codec(
-            algorithm=NVCOMP_ALGORITHMS[engine.codec], uncomp_chunk_size=engine.nvcomp_chunk,
-            cuda_stream=int(self.stream), device_id=engine.device)
+        # nvCOMP leaves padding between its compressed blocks unwritten: encoding into a zeroed buffer
+        # of the worst-case size (ANS asks for ~1.41x) makes equal input give equal bytes, which
+        # content addressing (dedup) and the zero signature depend on (measured: scripts/probe_nvcomp_determinism.py)
+        self.out_cap = engine.chunk_size * 3 // 2 + (4 << 20)
+        self.out = int(_ck(d.cuMemAlloc(self.out_cap), "cuMemAlloc"))
+        self._algo = NVCOMP_ALGORITHMS.get(engine.codec)
+        self._nvchunk, self._device = engine.nvcomp_chunk, engine.device
+        self.codec = None if self._algo is None else self.new_codec()
+        # Measured (scripts/probe_engine_dedup.py, nvCOMP 6.0.0.12, H200): ANS encodes of equal input
+        # give different bytes when codecs are reused or several lanes encode at once; Bitcomp and LZ4
+        # do not. Dedup needs equal bytes, so ANS encodes run one at a time from a fresh codec.
+        self.fresh_encoder = self._algo == "ANS"
+
+    def new_codec(self) -> Any:
+        return _nvcomp().Codec(algorithm=self._algo, uncomp_chunk_size=self._nvchunk,
+                               cuda_stream=int(self.stream), device_id=self._device)
 
     def sync(self) -> None:
         _ck(_drv().cuStreamSynchronize(self.stream), "cuStreamSynchronize")
@@ -113,7 +144,10 @@ class _Lane:
     def close(self) -> None:
         d = _drv()
         self.sync()
+        self._keep = None
+        self.codec = None  # nvCOMP's own buffers are freed here, while the context is alive
         d.cuMemFree(self.scratch)
+        d.cuMemFree(self.out)
         d.cuStreamDestroy(self.stream)
         self.frame.close()
 
@@ -134,9 +168,7 @@ class GpuEngine:
             raise GpuEngineError(f"no NVIDIA driver here ({type(e).__name__})") from None
         _ck(init, "cuInit")
         self.device, self.codec, self.chunk_size, self.nvcomp_chunk = device, codec, chunk_size, nvcomp_chunk
-        dev = _ck(d.cuDeviceGet(device), "cuDeviceGet")
-        self._dev = dev
-        self.ctx = _ck(d.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
+        self.ctx = primary_context(device)
         self.bind_thread()
         self._lanes: queue.SimpleQueue[_Lane] = queue.SimpleQueue()
         self._all = [_Lane(self) for _ in range(lanes)]
@@ -153,7 +185,9 @@ class GpuEngine:
         self.bind_thread()
         for lane in self._all:
             lane.close()
-        _drv().cuDevicePrimaryCtxRelease(self._dev)
+        self._all.clear()
+        # The primary context stays retained for the life of the process (primary_context):
+        # nvCOMP keeps per-context state that must not outlive it.
 
     def __enter__(self) -> "GpuEngine":
         return self
@@ -167,12 +201,22 @@ class GpuEngine:
         if lane.codec is None:
             return "raw", ptr, n
         nv = _nvcomp()
-        enc = lane.codec.encode(nv.as_array(DeviceBytes(ptr, n)))
-        lane._keep = enc  # the encoded array must outlive the copy that follows
+        _ck(_drv().cuMemsetD8Async(lane.out, 0, lane.out_cap, lane.stream), "cuMemsetD8Async")
+        if lane.fresh_encoder:
+            # ANS: one encode at a time, from a fresh codec, on a settled buffer (see _Lane)
+            with _ANS_LOCK:
+                lane.sync()
+                codec = lane.new_codec()
+                enc = codec.encode(nv.as_array(DeviceBytes(ptr, n)), out=nv.as_array(DeviceBytes(lane.out, lane.out_cap)))
+                lane.sync()
+        else:
+            codec = lane.codec
+            enc = codec.encode(nv.as_array(DeviceBytes(ptr, n)), out=nv.as_array(DeviceBytes(lane.out, lane.out_cap)))
+        lane._keep = (enc, codec)  # both must outlive the stream work that follows
         m = int(enc.buffer_size)
         if m > PAYS_OFF_RATIO * n or m > self.chunk_size:
             return "raw", ptr, n
-        return self.codec, int(enc.__cuda_array_interface__["data"][0]), m
+        return self.codec, lane.out, m
 
     def zero_signature(self, lane: _Lane, n: int) -> bytes | None:
         """The encoding of N zero bytes (computed once per length), or None for the raw codec."""
@@ -194,6 +238,22 @@ class GpuEngine:
         with self._zero_lock:
             self._zero_sig[n] = sig
         return sig
+
+    def _is_zero_chunk(self, lane: _Lane, codec: str, ptr: int, n: int, m: int) -> bool:
+        """Exact: the payload equals the encoding of zeros, or (same size, other bytes) the raw chunk,
+        copied to the host, is all zeros."""
+        if codec == "raw":
+            return False
+        sig = self._zero_sig.get(n)
+        if sig is None or m != len(sig):
+            return False
+        if bytes(lane.frame.view[HEADER_SIZE:HEADER_SIZE + m]) == sig:
+            return True
+        from .pipeline import is_zero
+        _ck(_drv().cuMemcpyDtoHAsync(lane.frame.ptr + HEADER_SIZE, ptr, n, lane.stream), "cuMemcpyDtoHAsync")
+        lane.sync()
+        lane.frame_dirty = True
+        return is_zero(lane.frame.view[HEADER_SIZE:HEADER_SIZE + n])
 
     # -- checkpoint ----------------------------------------------------------------------------
     def checkpoint(self, writer: SnapshotWriter, regions: list[Region], *, progress: Any = None,
@@ -227,10 +287,14 @@ class GpuEngine:
                 lane._keep = None
                 t1 = time.perf_counter()
                 stages.add("encode+D2H", t1 - t0, n)
-                sig = self._zero_sig.get(n) if codec != "raw" else None
-                if sig is not None and m == len(sig) and bytes(lane.frame.view[HEADER_SIZE:HEADER_SIZE + m]) == sig:
+                if self._is_zero_chunk(lane, codec, ptr, n, m):
                     stream.chunks[idx] = writer.note_zero(n)
                 else:
+                    if lane.frame_dirty:  # the zero check used the frame: fetch the payload again
+                        codec, src, m = self._encode(lane, ptr, n)
+                        _ck(d.cuMemcpyDtoHAsync(lane.frame.ptr + HEADER_SIZE, src, m, lane.stream), "cuMemcpyDtoHAsync")
+                        lane.sync()
+                        lane.frame_dirty = False
                     stream.chunks[idx] = writer.put_chunk(codec, n, lane.frame.view, m)
                 stages.add("hash+write", time.perf_counter() - t1, m)
                 if progress is not None:
