@@ -97,7 +97,6 @@ class PinnedBuffer:
         _drv().cuMemFreeHost(self.ptr)
 
 
-_ANS_LOCK = threading.Lock()
 _CONTEXTS: dict[int, Any] = {}
 _CONTEXTS_LOCK = threading.Lock()
 
@@ -122,17 +121,16 @@ class _Lane:
         self.frame = PinnedBuffer(HEADER_SIZE + engine.chunk_size + ALIGN)
         self.scratch = int(_ck(d.cuMemAlloc(engine.chunk_size + (1 << 20)), "cuMemAlloc"))
         # nvCOMP leaves padding between its compressed blocks unwritten: encoding into a zeroed buffer
-        # of the worst-case size (ANS asks for ~1.41x) makes equal input give equal bytes, which
-        # content addressing (dedup) and the zero signature depend on (measured: scripts/probe_nvcomp_determinism.py)
+        # of the worst-case size (ANS asks for ~1.41x) keeps stale bytes out of chunks and makes
+        # Bitcomp and LZ4 output equal for equal input, which dedup and the zero signature rely on.
+        # ANS output still varies when several lanes encode at once (measured on nvCOMP 6.0.0.12:
+        # scripts/probe_nvcomp_determinism.py, scripts/probe_engine_dedup.py), so ANS chunks seldom
+        # dedup; choose nvcomp-bitcomp where dedup matters more than the ratio.
         self.out_cap = engine.chunk_size * 3 // 2 + (4 << 20)
         self.out = int(_ck(d.cuMemAlloc(self.out_cap), "cuMemAlloc"))
         self._algo = NVCOMP_ALGORITHMS.get(engine.codec)
         self._nvchunk, self._device = engine.nvcomp_chunk, engine.device
         self.codec = None if self._algo is None else self.new_codec()
-        # Measured (scripts/probe_engine_dedup.py, nvCOMP 6.0.0.12, H200): ANS encodes of equal input
-        # give different bytes when codecs are reused or several lanes encode at once; Bitcomp and LZ4
-        # do not. Dedup needs equal bytes, so ANS encodes run one at a time from a fresh codec.
-        self.fresh_encoder = self._algo == "ANS"
 
     def new_codec(self) -> Any:
         return _nvcomp().Codec(algorithm=self._algo, uncomp_chunk_size=self._nvchunk,
@@ -202,16 +200,8 @@ class GpuEngine:
             return "raw", ptr, n
         nv = _nvcomp()
         _ck(_drv().cuMemsetD8Async(lane.out, 0, lane.out_cap, lane.stream), "cuMemsetD8Async")
-        if lane.fresh_encoder:
-            # ANS: one encode at a time, from a fresh codec, on a settled buffer (see _Lane)
-            with _ANS_LOCK:
-                lane.sync()
-                codec = lane.new_codec()
-                enc = codec.encode(nv.as_array(DeviceBytes(ptr, n)), out=nv.as_array(DeviceBytes(lane.out, lane.out_cap)))
-                lane.sync()
-        else:
-            codec = lane.codec
-            enc = codec.encode(nv.as_array(DeviceBytes(ptr, n)), out=nv.as_array(DeviceBytes(lane.out, lane.out_cap)))
+        codec = lane.codec
+        enc = codec.encode(nv.as_array(DeviceBytes(ptr, n)), out=nv.as_array(DeviceBytes(lane.out, lane.out_cap)))
         lane._keep = (enc, codec)  # both must outlive the stream work that follows
         m = int(enc.buffer_size)
         if m > PAYS_OFF_RATIO * n or m > self.chunk_size:

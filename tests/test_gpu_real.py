@@ -228,11 +228,14 @@ def test_engine_refuses_a_corrupted_stream(tmp_path: Path) -> None:
 
 
 def test_engine_dedup_after_5_percent_change(tmp_path: Path) -> None:
+    """With a deterministic codec (Bitcomp) a second snapshot writes only what changed. (ANS output
+    is not byte-stable under concurrent lanes in nvCOMP 6.0: see storage/gpu_engine.py.)"""
     from storage.gpu_engine import GpuEngine, Region
     from storage.store import SnapshotStore
     from workload_control import Workload, ipc_region
     st = SnapshotStore(str(tmp_path / "s"))
-    with Workload(GB * 2, mix="realistic", seed=8) as w, GpuEngine() as eng, ipc_region(w.info["ipc"]) as ptr:
+    with Workload(GB * 2, mix="realistic", seed=8) as w, GpuEngine(codec="nvcomp-bitcomp") as eng, \
+            ipc_region(w.info["ipc"]) as ptr:
         region = Region("gpu/0", ptr, w.size)
         with st.writer("d1") as wr:
             first = eng.checkpoint(wr, [region])
