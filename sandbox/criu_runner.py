@@ -15,9 +15,17 @@ MIN_MAJOR = 4
 class CriuError(Exception):
     """CRIU is missing, too old, or a dump/restore failed (the message carries CRIU's own reason)."""
 
-    def __init__(self, message: str, log_tail: list[str] | None = None) -> None:
-        super().__init__(message)
+    def __init__(self, message: str, log_tail: list[str] | None = None, log_path: str | None = None,
+                 what: str = "") -> None:
+        super().__init__(message + (f" (log: {log_path})" if log_path else ""))
+        self.reason = message
         self.log_tail = log_tail or []
+        self.log_path = log_path
+        self.what = what
+
+    def with_log(self, path: str) -> "CriuError":
+        """The same error pointing at a kept copy of the log."""
+        return CriuError(self.reason, self.log_tail, path, self.what)
 
 
 def criu_version(binary: str) -> tuple[int, int, int] | None:
@@ -76,7 +84,8 @@ _NOISE = ("RLIMIT_NOFILE",)
 
 
 def explain(log_path: str, n: int = 6) -> list[str]:
-    """The lines of a CRIU log that explain a failure: errors first, else the last lines."""
+    """The lines of a CRIU log that explain a failure: its error lines in order (the first is the
+    most specific), else the last lines."""
     try:
         with open(log_path, errors="replace") as f:
             lines = [l.rstrip() for l in f]
@@ -84,7 +93,7 @@ def explain(log_path: str, n: int = 6) -> list[str]:
         return []
     errs = [l for l in lines if ("Error" in l or "error" in l or "Can't" in l or "can't" in l)
             and not any(x in l for x in _NOISE)]
-    return (errs or lines)[-n:]
+    return errs[:n] if errs else lines[-n:]
 
 
 class Criu:
@@ -106,8 +115,8 @@ class Criu:
         run = CriuRun(full, log_path, p.returncode)
         if p.returncode != 0:
             run.log_tail = explain(log_path) or p.stderr.strip().splitlines()[-6:]
-            reason = run.log_tail[-1] if run.log_tail else f"exit {p.returncode}"
-            raise CriuError(f"criu {what} failed: {_strip_prefix(reason)} (log: {log_path})", run.log_tail)
+            reason = run.log_tail[0] if run.log_tail else f"exit {p.returncode}"
+            raise CriuError(f"criu {what} failed: {_strip_prefix(reason)}", run.log_tail, log_path, what)
         return run
 
     def dump(self, pid: int, images_dir: str, opts: DumpOptions = DumpOptions(), timeout: float = 3600) -> CriuRun:

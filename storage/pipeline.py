@@ -133,14 +133,48 @@ class _Failure:
             raise self.exc
 
 
+PAGE = 4096
+_CDC_MIN = 256 << 10   # no chunk shorter than this (except a stream's last)
+_CDC_MASK = 0xFF       # a page whose fingerprint has these bits clear may end a chunk: ~1 in 256
+_K1, _K2 = np.uint64(0x9E3779B97F4A7C15), np.uint64(0xC2B2AE3D27D4EB4F)
+
+
+def page_cut(view: memoryview, limit: int) -> int:
+    """Content-defined chunk end within VIEW (page granular): the end of the first page at or after
+    _CDC_MIN whose fingerprint matches the mask, else LIMIT.
+
+    CRIU page images (and other page-structured data) shift by whole pages when a process maps or
+    unmaps memory between dumps; cutting where the content says, not at fixed offsets, lets the
+    unchanged runs of pages produce the same chunks again. Only the cut depends on the sampled words:
+    every chunk is still hashed in full.
+    """
+    pages = len(view) // PAGE
+    first = _CDC_MIN // PAGE
+    if pages <= first:
+        return limit
+    w = np.frombuffer(view, dtype=np.uint64, count=pages * (PAGE // 8)).reshape(pages, PAGE // 8)[first:]
+    with np.errstate(over="ignore"):
+        fp = (w[:, 0] * _K1) ^ (w[:, 255] * _K2) ^ w[:, 511] ^ (w[:, 128] >> np.uint64(7))
+    hits = np.flatnonzero((fp & np.uint64(_CDC_MASK)) == 0)
+    if len(hits) == 0:
+        return limit
+    return (first + int(hits[0]) + 1) * PAGE
+
+
 def default_workers() -> int:
     return max(2, min(16, os.cpu_count() or 2))
 
 
 def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHUNK,
         workers: int | None = None, compress: bool = True, zstd_level: int = 1,
-        progress: Any = None) -> Result:
-    """Read every stream of SOURCE into WRITER's snapshot (the caller commits)."""
+        progress: Any = None, chunker: str = "fixed") -> Result:
+    """Read every stream of SOURCE into WRITER's snapshot (the caller commits).
+
+    chunker: "fixed" (chunk_size pieces) or "pages" (content-defined cuts on page boundaries, at most
+    chunk_size; see page_cut).
+    """
+    if chunker not in ("fixed", "pages"):
+        raise PipelineError(f"unknown chunker {chunker!r}")
     workers = workers or default_workers()
     chooser = HostCodecChooser(level=zstd_level, compress=compress)
     stages = Stages()
@@ -189,29 +223,39 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
                 continue
             with source.open(spec) as reader:
                 idx = 0
-                while True:
+                carry = b""  # bytes read past the last content-defined cut, to start the next chunk
+                eof = False
+                while not eof or carry:
                     buf = staging.acquire()
                     if fail.exc is not None:
                         staging.release(buf)
                         break
+                    body = buf.view[HEADER_SIZE:HEADER_SIZE + chunk_size]
+                    have = len(carry)
+                    body[:have] = carry
                     t0 = time.perf_counter()
                     try:
-                        n = reader.readinto(buf.view[HEADER_SIZE:HEADER_SIZE + chunk_size])
+                        got = 0 if eof else reader.readinto(body[have:])
                     except OSError as e:
                         staging.release(buf)
                         raise PipelineError(f"reading {spec.name}: {e.strerror or e}") from None
                     except BaseException:
                         staging.release(buf)
                         raise
-                    stages.add("read", time.perf_counter() - t0, n)
+                    stages.add("read", time.perf_counter() - t0, got)
+                    if got < chunk_size - have:
+                        eof = True
+                    n = have + got
                     if n == 0:
                         staging.release(buf)
                         break
+                    cut = n
+                    if chunker == "pages" and not eof:
+                        cut = page_cut(body[:n], n)
+                    carry = bytes(body[cut:n])
                     stream.chunks.append(None)  # type: ignore[arg-type] # filled by the worker
-                    futures.append(ex.submit(process, stream, idx, buf, n))
+                    futures.append(ex.submit(process, stream, idx, buf, cut))
                     idx += 1
-                    if n < chunk_size:
-                        break
         for f in futures:
             f.result()
         fail.raise_if_set()

@@ -1,0 +1,62 @@
+"""`gpusnap criu dump|restore`: a process tree's CPU and GPU state through CRIU into the store."""
+from __future__ import annotations
+
+import click
+
+from storage.progress import Progress
+
+from .cli import emit, human, json_option, main, one_line_errors, open_store, register_errors
+from .criu_runner import CriuError, DumpOptions
+from .criu_snapshot import CriuSnapshotError, criu_dump, criu_restore
+
+register_errors(CriuError, CriuSnapshotError)
+
+
+@main.group()
+def criu() -> None:
+    """Checkpoint a process tree (CPU through CRIU 4.x, GPU through the driver) into the store."""
+
+
+@criu.command("dump")
+@click.argument("pid", type=int)
+@click.argument("name")
+@click.option("--leave-running", is_flag=True, help="Keep the processes running after the dump.")
+@click.option("--shell-job", is_flag=True, help="The tree was started from a shell (CRIU --shell-job).")
+@click.option("--ext-unix-sk", is_flag=True, help="Allow external unix sockets (CRIU --ext-unix-sk).")
+@click.option("--file-locks", is_flag=True, help="Dump file locks (CRIU --file-locks).")
+@click.option("--link-remap", is_flag=True, help="Allow deleted/linked files (CRIU --link-remap).")
+@click.option("--tcp-established", is_flag=True, help="Dump established TCP connections.")
+@click.option("--staging", default=None, metavar="DIR", help="Where CRIU writes images before ingest "
+              "(default /dev/shm when they fit, else the store's tmp/).")
+@click.option("--replace", is_flag=True, help="Replace an existing snapshot of the same name.")
+@json_option
+@click.pass_context
+@one_line_errors
+def criu_dump_cmd(ctx: click.Context, pid: int, name: str, leave_running: bool, shell_job: bool,
+                  ext_unix_sk: bool, file_locks: bool, link_remap: bool, tcp_established: bool,
+                  staging: str | None, replace: bool, as_json: bool) -> None:
+    """Dump PID and its descendants into snapshot NAME. On any failure the tree keeps running."""
+    st = open_store(ctx)
+    opts = DumpOptions(shell_job=shell_job, ext_unix_sk=ext_unix_sk, file_locks=file_locks,
+                       link_remap=link_remap, tcp_established=tcp_established)
+    with Progress(f"criu dump {pid}", ctx.obj["progress"]) as prog:
+        r = criu_dump(st, pid, name, leave_running=leave_running, options=opts, replace=replace,
+                      staging=staging, progress=prog)
+    emit(as_json, r.as_dict(), f"{name}: {len(r.pids)} process(es), {len(r.cuda_pids)} with CUDA; "
+         f"{human(r.raw_bytes)} of images, {human(r.new_bytes)} written, {human(r.dedup_bytes)} deduplicated "
+         f"({', '.join(f'{k} {v:.2f} s' for k, v in r.seconds.items())})")
+
+
+@criu.command("restore")
+@click.argument("name")
+@click.option("--staging", default=None, metavar="DIR", help="Where the images are materialized for CRIU.")
+@json_option
+@click.pass_context
+@one_line_errors
+def criu_restore_cmd(ctx: click.Context, name: str, staging: str | None, as_json: bool) -> None:
+    """Restore snapshot NAME (verified before any process starts); GPU state is restored and unlocked."""
+    st = open_store(ctx, create=False)
+    with Progress(f"criu restore {name}", ctx.obj["progress"]) as prog:
+        r = criu_restore(st, name, staging=staging, progress=prog)
+    emit(as_json, r.as_dict(), f"{name}: restored, root pid {r.restored_pid} "
+         f"({', '.join(f'{k} {v:.2f} s' for k, v in r.seconds.items())})")

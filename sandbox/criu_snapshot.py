@@ -1,0 +1,212 @@
+"""A process tree's whole state (CPU through CRIU, GPU through the driver) into the store and back.
+
+Design (chosen, measured in BENCHMARKS.md): CRIU dumps into a staging directory (tmpfs when it fits,
+else the store's own tmp/), the images are ingested into the store (chunked, zero-elided, compressed,
+deduplicated, checksummed) and the staging copy removed; restore materializes the verified images into
+staging and runs `criu restore` on them. CRIU's --stream / image-streamer protocol is not used yet.
+
+Guarantees kept here:
+- a failed dump (the GPU lock/checkpoint, CRIU itself, or the ingest) leaves every process running,
+  GPU state restored and unlocked; if CRIU had already killed the tree, it is restored from staging;
+- a damaged snapshot is refused before any process is started (get verifies every chunk first).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from storage import pipeline
+from storage.filetree import FileTreeSink, FileTreeSource
+from storage.store import SnapshotStore
+
+from .criu_runner import Criu, CriuError, DumpOptions
+from .cuda_processes import process_tree, uses_gpu
+
+
+class CriuSnapshotError(Exception):
+    """A CRIU dump/restore through the store that cannot go ahead or could not be rolled back."""
+
+
+@dataclass
+class CriuReport:
+    name: str
+    pids: list[int]
+    cuda_pids: list[int]
+    seconds: dict[str, float] = field(default_factory=dict)
+    raw_bytes: int = 0
+    new_bytes: int = 0
+    dedup_bytes: int = 0
+    restored_pid: int | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "pids": self.pids, "cuda_pids": self.cuda_pids,
+                "seconds": {k: round(v, 3) for k, v in self.seconds.items()}, "raw_bytes": self.raw_bytes,
+                "new_bytes": self.new_bytes, "dedup_bytes": self.dedup_bytes, "restored_pid": self.restored_pid}
+
+
+def _rss_bytes(pids: list[int]) -> int:
+    total = 0
+    for p in pids:
+        try:
+            with open(f"/proc/{p}/statm") as f:
+                total += int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        except OSError:
+            pass
+    return total
+
+
+def staging_dir(store: SnapshotStore, need: int, prefer: str | None = None) -> str:
+    """A fresh private directory for CRIU images: PREFER, else /dev/shm when NEED fits twice, else the store's tmp/."""
+    if prefer:
+        base = prefer
+    elif os.path.isdir("/dev/shm") and shutil.disk_usage("/dev/shm").free > 2 * need + (256 << 20):
+        base = "/dev/shm"
+    else:
+        base = store.tmp_dir
+    return tempfile.mkdtemp(prefix="gpusnap-criu-", dir=base)
+
+
+def _gpu_driver(cuda_pids: list[int]) -> Any:
+    if not cuda_pids:
+        return None
+    from .cuda_driver import CudaDriver
+    return CudaDriver()
+
+
+def criu_dump(store: SnapshotStore, pid: int, name: str, *, leave_running: bool = False,
+              options: DumpOptions | None = None, replace: bool = False, staging: str | None = None,
+              lock_timeout_s: float = 10.0, progress: Any = None, criu: Criu | None = None) -> CriuReport:
+    from .gpu_checkpoint import checkpoint_all, restore_all
+    from .hugepages import thp
+    criu = criu or Criu()
+    opts = options or DumpOptions()
+    opts = DumpOptions(**{**opts.__dict__, "leave_running": leave_running})
+    try:
+        pids = process_tree(pid)
+    except Exception as e:  # noqa: BLE001 - DiscoveryError
+        raise CriuSnapshotError(str(e)) from None
+    cuda_pids = [p for p in pids if uses_gpu(p)]
+    report = CriuReport(name, pids, cuda_pids)
+    meta = {"kind": "criu", "root_pid": pid, "pids": pids, "cuda_pids": cuda_pids,
+            "criu": ".".join(map(str, criu.version or ())), "options": opts.argv(),
+            "gpu_path": "host-staged" if cuda_pids else None}
+    with store.writer(name, replace=replace, meta=meta) as w:
+        drv = _gpu_driver(cuda_pids)
+        stage = staging_dir(store, _rss_bytes(pids), staging)
+        images = os.path.join(stage, "images")
+        os.mkdir(images, 0o700)
+        dumped = False
+        try:
+            if drv is not None:
+                t0 = time.perf_counter()
+                with thp("always"):
+                    checkpoint_all(drv, cuda_pids, lock_timeout_s=lock_timeout_s)
+                report.seconds["gpu_checkpoint"] = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            try:
+                criu.dump(pid, images, opts)
+            except CriuError as e:
+                if drv is not None:
+                    restore_all(drv, cuda_pids)
+                raise e.with_log(keep_log(store, e, f"dump-{name}")) from None
+            dumped = True
+            report.seconds["criu_dump"] = time.perf_counter() - t0
+            if leave_running and drv is not None:
+                t0 = time.perf_counter()
+                restore_all(drv, cuda_pids)
+                report.seconds["gpu_resume"] = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            src = FileTreeSource([images])
+            if progress is not None:
+                progress.start(src.total_bytes)
+            res = pipeline.put(w, src, progress=progress, chunker="pages")
+            w.meta["ingest_stages"] = res.stages.table()
+            w.commit()
+            report.seconds["ingest"] = time.perf_counter() - t0
+        except BaseException as e:
+            if dumped and not leave_running:
+                _resurrect(criu, images, cuda_pids, drv, e)
+            raise
+        finally:
+            shutil.rmtree(stage, ignore_errors=True)
+    report.raw_bytes, report.new_bytes, report.dedup_bytes = w.stats.raw_bytes, w.stats.bytes_new, w.stats.bytes_dedup
+    return report
+
+
+def keep_log(store: SnapshotStore, e: CriuError, what: str) -> str:
+    """Copy CRIU's log out of the staging directory (removed afterwards) into STORE/logs/."""
+    logs = os.path.join(store.path, "logs")
+    os.makedirs(logs, mode=0o700, exist_ok=True)
+    dst = os.path.join(logs, f"criu-{what}-{time.strftime('%Y%m%dT%H%M%S')}.log")
+    try:
+        shutil.copyfile(e.log_path or "", dst)
+    except OSError:
+        return e.log_path or "(no log)"
+    return dst
+
+
+def _resurrect(criu: Criu, images: str, cuda_pids: list[int], drv: Any, cause: BaseException) -> None:
+    """CRIU killed the tree but the snapshot did not commit: bring the tree back from staging."""
+    try:
+        criu.restore(images, detach=True)
+        if drv is not None:
+            from .gpu_checkpoint import restore_all
+            restore_all(drv, cuda_pids)
+    except Exception as e:  # noqa: BLE001
+        raise CriuSnapshotError(f"storing the dump failed ({cause}) and restoring the processes from "
+                                f"{images} failed too ({e}); the images are kept there") from None
+
+
+def _pids_in_use(pids: list[int], grace_s: float = 5.0) -> list[int]:
+    """PIDS still taken after a short grace (a just-killed tree can take a moment to be reaped)."""
+    deadline = time.monotonic() + grace_s
+    while True:
+        taken = [p for p in pids if os.path.exists(f"/proc/{p}")]
+        if not taken or time.monotonic() >= deadline:
+            return taken
+        time.sleep(0.05)
+
+
+def criu_restore(store: SnapshotStore, name: str, *, staging: str | None = None, progress: Any = None,
+                 criu: Criu | None = None) -> CriuReport:
+    from .gpu_checkpoint import restore_all
+    criu = criu or Criu()
+    with store.shared():
+        m = store.load(name)
+        if m.meta.get("kind") != "criu":
+            raise CriuSnapshotError(f"snapshot {name!r} is a {m.meta.get('kind')!r} snapshot, not a CRIU one")
+        taken = _pids_in_use(m.meta["pids"])
+        if taken:
+            raise CriuSnapshotError(f"pid(s) {taken} of snapshot {name!r} are in use here; CRIU restores "
+                                    "processes with their original pids (stop them, or restore in a new pid namespace)")
+        report = CriuReport(name, m.meta["pids"], m.meta.get("cuda_pids", []))
+        stage = staging_dir(store, m.size, staging)
+        try:
+            t0 = time.perf_counter()
+            if progress is not None:
+                progress.start(m.size)
+            pipeline.get(store, m, FileTreeSink(os.path.join(stage, "out")), progress=progress)
+            report.seconds["materialize"] = time.perf_counter() - t0
+            images = os.path.join(stage, "out", "images")
+            t0 = time.perf_counter()
+            shell_job = "--shell-job" in m.meta.get("options", [])
+            pidfile = os.path.join(stage, "restored.pid")
+            try:
+                criu.restore(images, detach=True, shell_job=shell_job, pidfile=pidfile)
+            except CriuError as e:
+                raise e.with_log(keep_log(store, e, f"restore-{name}")) from None
+            report.seconds["criu_restore"] = time.perf_counter() - t0
+            with open(pidfile) as f:
+                report.restored_pid = int(f.read().strip())
+            if report.cuda_pids:
+                from .cuda_driver import CudaDriver
+                t0 = time.perf_counter()
+                restore_all(CudaDriver(), report.cuda_pids)
+                report.seconds["gpu_restore"] = time.perf_counter() - t0
+        finally:
+            shutil.rmtree(stage, ignore_errors=True)
+    return report

@@ -1,0 +1,71 @@
+"""A process tree for CRIU tests: a parent with a thread, a pipe to a child, a file open at an offset,
+and anonymous memory holding known data. It checks all of that from inside and reports through files
+in its control directory (argv[1]): `ready` (pids), then on `cmd` = report it writes `report.json`.
+Started with stdin/stdout/stderr on /dev/null or files and in its own session, as CRIU wants."""
+import hashlib
+import json
+import os
+import sys
+import threading
+import time
+
+d = sys.argv[1]
+mb = int(sys.argv[2]) if len(sys.argv) > 2 else 32
+seed = sys.argv[3] if len(sys.argv) > 3 else "gpusnap"
+import random
+memory = bytearray(random.Random(seed).randbytes(mb << 20))  # known, incompressible bytes
+want = hashlib.sha256(memory).hexdigest()
+
+r, w = os.pipe()
+child = os.fork()
+if child == 0:
+    os.close(w)
+    with os.fdopen(r, "rb", buffering=0) as rp:
+        while True:
+            line = b""
+            while not line.endswith(b"\n"):
+                c = rp.read(1)
+                if not c:
+                    os._exit(0)
+                line += c
+            with open(os.path.join(d, "child-" + line.decode().strip()), "w") as f:
+                f.write(str(os.getpid()))
+
+os.close(r)
+counter = [0]
+
+
+def tick() -> None:
+    while True:
+        counter[0] += 1
+        time.sleep(0.01)
+
+
+threading.Thread(target=tick, daemon=True).start()
+data = open(os.path.join(d, "data.txt"), "w+")
+data.write("0123456789" * 100)
+data.flush()
+data.seek(1234 % 1000)
+with open(os.path.join(d, "ready.tmp"), "w") as f:
+    json.dump({"pid": os.getpid(), "child": child}, f)
+os.rename(os.path.join(d, "ready.tmp"), os.path.join(d, "ready"))
+n = 0
+while True:
+    cmd = os.path.join(d, "cmd")
+    if os.path.exists(cmd):
+        os.unlink(cmd)
+        n += 1
+        c0 = counter[0]
+        os.write(w, f"{n}\n".encode())
+        deadline = time.time() + 10
+        while not os.path.exists(os.path.join(d, f"child-{n}")) and time.time() < deadline:
+            time.sleep(0.01)
+        rep = {"pid": os.getpid(), "memory_ok": hashlib.sha256(memory).hexdigest() == want,
+               "file_offset": data.tell(), "pipe_ok": os.path.exists(os.path.join(d, f"child-{n}")),
+               "thread_ok": counter[0] > c0, "n": n}
+        time.sleep(0.05)
+        rep["thread_ok"] = counter[0] > c0
+        with open(os.path.join(d, "report.tmp"), "w") as f:
+            json.dump(rep, f)
+        os.rename(os.path.join(d, "report.tmp"), os.path.join(d, "report.json"))
+    time.sleep(0.02)

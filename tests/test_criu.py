@@ -1,0 +1,215 @@
+"""CRIU integration against the real CRIU 4.x (scripts/setup.sh installs it): dump into the store,
+restore from it, state verified from inside the restored processes; failures leave the tree running."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, Cli, chunk_files
+
+pytestmark = pytest.mark.root
+
+
+@pytest.fixture(scope="module", autouse=True)
+def need_criu() -> None:
+    if os.geteuid() != 0:
+        pytest.skip("CRIU needs root")
+    from sandbox.criu_runner import find_criu
+    if not find_criu():
+        pytest.fail("CRIU >= 4 not installed: run scripts/setup.sh (CI must not skip these)")
+
+
+class Tree:
+    """The criu_workload.py tree, in its own session, its control dir fresh per run."""
+
+    def __init__(self, mb: int = 32) -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix="gpusnap-criu-wl-"))
+        self.log = open(self.dir / "log", "w")
+        self.proc = subprocess.Popen([sys.executable, str(REPO / "tests" / "criu_workload.py"), str(self.dir), str(mb)],
+                                     stdin=subprocess.DEVNULL, stdout=self.log, stderr=self.log,
+                                     start_new_session=True, cwd="/")
+        deadline = time.monotonic() + 30
+        while not (self.dir / "ready").exists():
+            assert self.proc.poll() is None and time.monotonic() < deadline, "workload did not start"
+            time.sleep(0.02)
+        info = json.loads((self.dir / "ready").read_text())
+        self.pid, self.child = info["pid"], info["child"]
+
+    def report(self, timeout: float = 20) -> dict:
+        rep = self.dir / "report.json"
+        if rep.exists():
+            rep.unlink()
+        (self.dir / "cmd").write_text("report")
+        deadline = time.monotonic() + timeout
+        while not rep.exists():
+            assert time.monotonic() < deadline, "the tree did not answer"
+            time.sleep(0.02)
+        return json.loads(rep.read_text())
+
+    def alive(self) -> bool:
+        return os.path.exists(f"/proc/{self.pid}") and _state(self.pid) != "Z"
+
+    def reap(self) -> None:
+        """Collect the original parent after CRIU killed it (a zombie would block the restore)."""
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def kill(self) -> None:
+        for p in (self.child, self.pid):
+            try:
+                os.kill(p, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.reap()
+        deadline = time.monotonic() + 10
+        while any(os.path.exists(f"/proc/{p}") and _state(p) != "Z" for p in (self.pid, self.child)) \
+                and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+
+def _state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"
+
+
+def healthy(rep: dict) -> bool:
+    return rep["memory_ok"] and rep["pipe_ok"] and rep["thread_ok"] and rep["file_offset"] == 234
+
+
+@pytest.fixture
+def tree():
+    t = Tree()
+    yield t
+    t.kill()
+
+
+def test_dump_restore_through_the_store(cli: Cli, tree: Tree, store_dir: Path) -> None:
+    assert healthy(tree.report())
+    rep = cli.json("criu", "dump", str(tree.pid), "t1")
+    assert set(rep["pids"]) == {tree.pid, tree.child} and rep["cuda_pids"] == []
+    tree.reap()
+    assert not tree.alive(), "the tree must be gone after a dump without --leave-running"
+    assert cli.json("store", "verify", "t1")["ok"]
+    info = cli.json("store", "inspect", "t1")
+    assert info["meta"]["kind"] == "criu" and any(s["name"].startswith("images/pages-") for s in info["streams"])
+    r = cli.json("criu", "restore", "t1")
+    assert r["restored_pid"] == tree.pid
+    after = tree.report()
+    assert healthy(after), after
+    assert after["pid"] == tree.pid
+
+
+def test_leave_running_and_second_dump_dedups(cli: Cli) -> None:
+    tree = Tree(mb=96)  # known data dominates; the interpreter's own heap churns between dumps
+    try:
+        _leave_running_and_dedup(cli, tree)
+    finally:
+        tree.kill()
+
+
+def _leave_running_and_dedup(cli: Cli, tree: Tree) -> None:
+    first = cli.json("criu", "dump", "--leave-running", str(tree.pid), "a")
+    assert tree.alive() and healthy(tree.report())
+    second = cli.json("criu", "dump", "--leave-running", str(tree.pid), "b")
+    assert tree.alive()
+    assert second["new_bytes"] <= 0.15 * first["new_bytes"], (first, second)
+    assert second["dedup_bytes"] > 0
+    tree.kill()
+    cli.json("criu", "restore", "b")
+    assert healthy(tree.report())
+
+
+def test_dump_criu_refuses_leaves_tree_running(cli: Cli, store_dir: Path) -> None:
+    """An established TCP connection without --tcp-established: CRIU refuses; nothing changes."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+    port = srv.getsockname()[1]
+    d = Path(tempfile.mkdtemp(prefix="gpusnap-criu-tcp-"))
+    prog = ("import socket,time,os,sys;s=socket.create_connection(('127.0.0.1',%d));"
+            "open(sys.argv[1]+'/ready','w').write(str(os.getpid()));time.sleep(600)" % port)
+    p = subprocess.Popen([sys.executable, "-c", prog, str(d)], stdin=subprocess.DEVNULL,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    conn, _ = srv.accept()
+    try:
+        while not (d / "ready").exists():
+            time.sleep(0.02)
+        r = cli.run("criu", "dump", str(p.pid), "tcp", check=False)
+        assert r.returncode == 1 and "criu dump" in r.stderr and len(r.stderr.splitlines()) == 1, r.stderr
+        assert "TCP" in r.stderr or "tcp" in r.stderr
+        assert p.poll() is None, "the process must still run"
+        assert cli.json("store", "ls") == []
+        assert not list((store_dir / "tmp").iterdir())
+    finally:
+        p.kill()
+        p.wait()
+        conn.close()
+        srv.close()
+
+
+@pytest.mark.parametrize("damage", ["flip", "missing"])
+def test_damaged_snapshot_refused_before_any_process_starts(cli: Cli, tree: Tree, store_dir: Path, damage: str) -> None:
+    cli.json("criu", "dump", str(tree.pid), "d")
+    tree.reap()
+    victim = max(chunk_files(store_dir), key=lambda p: p.stat().st_size)
+    if damage == "flip":
+        data = bytearray(victim.read_bytes())
+        data[4096 + 100] ^= 0xFF
+        victim.write_bytes(bytes(data))
+    else:
+        victim.unlink()
+    r = cli.run("criu", "restore", "d", check=False)
+    assert r.returncode == 1 and "damaged" in r.stderr and len(r.stderr.splitlines()) == 1, r.stderr
+    assert not tree.alive(), "no process may start from a damaged snapshot"
+
+
+def test_restore_refuses_when_pids_are_taken(cli: Cli, tree: Tree) -> None:
+    cli.json("criu", "dump", "--leave-running", str(tree.pid), "busy")
+    r = cli.run("criu", "restore", "busy", check=False)
+    assert r.returncode == 1 and "in use" in r.stderr
+    assert healthy(tree.report())
+
+
+def test_dump_of_missing_pid_and_bad_name(cli: Cli) -> None:
+    r = cli.run("criu", "dump", "4194000", "x", check=False)
+    assert r.returncode == 1 and "no process with pid 4194000" in r.stderr
+    r = cli.run("criu", "dump", str(os.getpid()), "../x", check=False)
+    assert r.returncode == 1 and "path separator" in r.stderr
+
+
+@pytest.mark.parametrize("action", ["network-lock", "network-unlock", "setup-namespaces", "post-setup-namespaces",
+                                    "pre-restore", "post-restore", "pre-resume", "orphan-pts-master", "query-ext-files", ""])
+def test_hook_ignores_actions_it_does_not_handle(action: str) -> None:
+    env = dict(os.environ, CRTOOLS_SCRIPT_ACTION=action, CRTOOLS_INIT_PID=str(os.getpid()), CRTOOLS_IMAGE_DIR="/nonexistent",
+               PYTHONPATH=str(REPO))
+    p = subprocess.run([sys.executable, "-m", "criu_hooks.action_script"], env=env, capture_output=True, text=True)
+    assert p.returncode == 0 and p.stdout == "" and p.stderr == ""
+
+
+def test_hook_as_criu_action_script_on_a_cpu_tree(tree: Tree, tmp_path: Path) -> None:
+    """CRIU runs the hook at every stage of a real dump; with no CUDA process it does nothing, and the dump succeeds."""
+    from sandbox.criu_runner import Criu, DumpOptions
+    hook = tmp_path / "hook.sh"
+    hook.write_text(f"#!/bin/sh\necho \"$CRTOOLS_SCRIPT_ACTION $CRTOOLS_INIT_PID\" >> {tmp_path}/actions\n"
+                    f"PYTHONPATH={REPO} exec {sys.executable} -m criu_hooks.action_script\n")
+    hook.chmod(0o755)
+    images = tmp_path / "img"
+    images.mkdir()
+    Criu().dump(tree.pid, str(images), DumpOptions(leave_running=True, action_script=str(hook)))
+    actions = (tmp_path / "actions").read_text().split("\n")
+    assert any(a.startswith("pre-dump") for a in actions) and any(a.startswith("post-dump") for a in actions)
+    assert healthy(tree.report())
