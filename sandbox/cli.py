@@ -108,11 +108,14 @@ def store() -> None:
 @click.option("--chunk-size", default="4M", show_default=True, help="Chunk size (K/M suffix).")
 @click.option("--workers", type=int, default=None, help="Worker threads (default: CPU count, max 16).")
 @click.option("--no-compress", is_flag=True, help="Store chunks raw (zero chunks are still elided).")
+@click.option("--chunker", type=click.Choice(["fixed", "pages"]), default="fixed", show_default=True,
+              help="fixed: CHUNK_SIZE pieces; pages: content-defined cuts on 4 KiB pages (dedups data that "
+                   "moved by whole pages, e.g. memory images).")
 @json_option
 @click.pass_context
 @one_line_errors
 def store_put(ctx: click.Context, name: str, paths: tuple[str, ...], replace: bool, chunk_size: str,
-              workers: int | None, no_compress: bool, as_json: bool) -> None:
+              workers: int | None, no_compress: bool, chunker: str, as_json: bool) -> None:
     """Store PATHS (files or directories, each under its base name) as snapshot NAME."""
     validate_snapshot_name(name)
     size = parse_size(chunk_size)
@@ -121,7 +124,8 @@ def store_put(ctx: click.Context, name: str, paths: tuple[str, ...], replace: bo
     with st.writer(name, replace=replace, meta={"kind": "files", "paths": [os.path.abspath(p) for p in paths]}) as w, \
             Progress(f"put {name}", ctx.obj["progress"]) as prog:
         prog.start(source.total_bytes)
-        res = pipeline.put(w, source, chunk_size=size, workers=workers, compress=not no_compress, progress=prog)
+        res = pipeline.put(w, source, chunk_size=size, workers=workers, compress=not no_compress, progress=prog,
+                           chunker=chunker)
         w.commit()
     report = {"name": name, "raw_bytes": res.raw_bytes, "new_bytes": res.stored_bytes,
               "seconds": round(res.seconds, 3), "GBps": round(res.gbps, 3), **res.extra,

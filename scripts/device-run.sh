@@ -8,7 +8,7 @@ out=${OUT:-$root/device-out}
 mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl 2>&1 | tail -2
 export PYTHONPATH="$root:/tmp/site" PYTHONUNBUFFERED=1
-if [ -d .carry/criu ]; then export GPUSNAP_CRIU="$root/.carry/criu/criu" LD_LIBRARY_PATH="$root/.carry/criu/lib"; fi
+if [ -d .carry/criu ]; then export GPUSNAP_CRIU="$root/.carry/criu/criu-wrapper"; fi
 { date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; uname -r; nproc; } > "$out/machine.txt" 2>&1
 python3 -m sandbox.cli doctor > "$out/doctor.txt" 2>&1
 python3 -m sandbox.cli doctor --json > "$out/doctor.json" 2>&1

@@ -15,10 +15,18 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 class Workload:
-    def __init__(self, gb: float, mix: str = "realistic", seed: int = 1, timeout: float = 300) -> None:
+    def __init__(self, gb: float, mix: str = "realistic", seed: int = 1, timeout: float = 300,
+                 detached: bool = False) -> None:
+        """detached: own session, stdio on a log file (what CRIU needs to dump it without --shell-job)."""
         self.dir = tempfile.mkdtemp(prefix="gpusnap-wl-")  # fresh per run: no stale waiter shares it
-        self.proc = subprocess.Popen([sys.executable, os.path.join(HERE, "gpu_workload.py"), "--gb", str(gb),
-                                      "--mix", mix, "--seed", str(seed), "--dir", self.dir])
+        argv = [sys.executable, os.path.join(HERE, "gpu_workload.py"), "--gb", str(gb),
+                "--mix", mix, "--seed", str(seed), "--dir", self.dir]
+        if detached:
+            self.log = open(os.path.join(self.dir, "log"), "w")
+            self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=self.log, stderr=self.log,
+                                         start_new_session=True, cwd="/")
+        else:
+            self.proc = subprocess.Popen(argv)
         deadline = time.monotonic() + timeout
         ready = os.path.join(self.dir, "ready")
         while not os.path.exists(ready):
@@ -43,28 +51,46 @@ class Workload:
         os.rename(tmp, os.path.join(self.dir, "cmd"))
         deadline = time.monotonic() + timeout
         while not os.path.exists(done):
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"workload exited with {self.proc.returncode} during {line!r}")
+            if not self.alive():
+                raise RuntimeError(f"workload {self.pid} is gone during {line!r}")
             if time.monotonic() > deadline:
                 raise RuntimeError(f"workload did not answer {line!r}")
             time.sleep(0.01)
         with open(done) as f:
             return json.load(f)
 
+    def alive(self) -> bool:
+        try:
+            with open(f"/proc/{self.pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        except OSError:
+            return False
+
+    def reap(self) -> None:
+        """Collect our child after CRIU killed it (a zombie holding the pid blocks restore)."""
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pass
+
     def verify(self) -> bool:
         return bool(self.cmd("verify")["ok"])
 
     def close(self) -> None:
-        if self.proc.poll() is None:
+        if self.alive():
             try:
                 self.cmd("exit", timeout=30)
             except RuntimeError:
                 pass
+        if self.proc.poll() is None:
             try:
                 self.proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        if self.alive():  # a restored copy is not our child
+            import signal
+            os.kill(self.pid, signal.SIGKILL)
 
     def __enter__(self) -> "Workload":
         return self

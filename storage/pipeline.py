@@ -139,30 +139,97 @@ _CDC_MASK = 0xFF       # a page whose fingerprint has these bits clear may end a
 _K1, _K2 = np.uint64(0x9E3779B97F4A7C15), np.uint64(0xC2B2AE3D27D4EB4F)
 
 
-def page_cut(view: memoryview, limit: int) -> int:
-    """Content-defined chunk end within VIEW (page granular): the end of the first page at or after
-    _CDC_MIN whose fingerprint matches the mask, else LIMIT.
+def page_cuts(view: memoryview, max_len: int) -> list[int]:
+    """Content-defined chunk ends in VIEW, on page boundaries: after _CDC_MIN, the end of the first page
+    whose fingerprint matches the mask; never more than MAX_LEN apart. Bytes after the last cut are
+    the caller's to carry into the next call.
 
     CRIU page images (and other page-structured data) shift by whole pages when a process maps or
     unmaps memory between dumps; cutting where the content says, not at fixed offsets, lets the
-    unchanged runs of pages produce the same chunks again. Only the cut depends on the sampled words:
+    unchanged runs of pages produce the same chunks again. Only the cuts depend on the sampled words:
     every chunk is still hashed in full.
     """
     pages = len(view) // PAGE
-    first = _CDC_MIN // PAGE
-    if pages <= first:
-        return limit
-    w = np.frombuffer(view, dtype=np.uint64, count=pages * (PAGE // 8)).reshape(pages, PAGE // 8)[first:]
+    if pages == 0:
+        return []
+    w = np.frombuffer(view, dtype=np.uint64, count=pages * (PAGE // 8)).reshape(pages, PAGE // 8)
     with np.errstate(over="ignore"):
         fp = (w[:, 0] * _K1) ^ (w[:, 255] * _K2) ^ w[:, 511] ^ (w[:, 128] >> np.uint64(7))
-    hits = np.flatnonzero((fp & np.uint64(_CDC_MASK)) == 0)
-    if len(hits) == 0:
-        return limit
-    return (first + int(hits[0]) + 1) * PAGE
+    cand = np.flatnonzero((fp & np.uint64(_CDC_MASK)) == 0) + 1  # page-end indices
+    minp, maxp = _CDC_MIN // PAGE, max(1, max_len // PAGE)
+    cuts: list[int] = []
+    last = 0
+    while True:
+        i = int(np.searchsorted(cand, last + minp))
+        nxt = int(cand[i]) if i < len(cand) else None
+        if nxt is None or nxt - last > maxp:
+            if last + maxp > pages:
+                break
+            nxt = last + maxp
+        cuts.append(nxt)
+        last = nxt
+    return [c * PAGE for c in cuts]
 
 
 def default_workers() -> int:
     return max(2, min(16, os.cpu_count() or 2))
+
+
+_READ_BLOCK = 16 << 20
+
+
+def _read(reader: StreamReader, view: memoryview, stages: Stages, name: str) -> int:
+    t0 = time.perf_counter()
+    try:
+        n = reader.readinto(view)
+    except OSError as e:
+        raise PipelineError(f"reading {name}: {e.strerror or e}") from None
+    stages.add("read", time.perf_counter() - t0, n)
+    return n
+
+
+def _fixed_pieces(reader: StreamReader, staging: BufferPool, chunk_size: int, stages: Stages,
+                  name: str) -> Iterator[tuple[AlignedBuffer, int]]:
+    """chunk_size pieces read straight into staging frames (payload at HEADER_SIZE, no copy)."""
+    while True:
+        buf = staging.acquire()
+        try:
+            n = _read(reader, buf.view[HEADER_SIZE:HEADER_SIZE + chunk_size], stages, name)
+        except BaseException:
+            staging.release(buf)
+            raise
+        if n == 0:
+            staging.release(buf)
+            return
+        yield buf, n
+        if n < chunk_size:
+            return
+
+
+def _page_pieces(reader: StreamReader, staging: BufferPool, chunk_size: int, stages: Stages, name: str,
+                 readbuf: AlignedBuffer) -> Iterator[tuple[AlignedBuffer, int]]:
+    """Content-defined pieces (page_cuts): read in large blocks, each piece copied once into a frame."""
+    rb = readbuf.view
+    have = 0
+    eof = False
+    while not eof or have:
+        got = 0 if eof else _read(reader, rb[have:have + _READ_BLOCK], stages, name)
+        eof = eof or got < _READ_BLOCK
+        n = have + got
+        cuts = page_cuts(rb[:n], chunk_size)
+        if eof and n > (cuts[-1] if cuts else 0):
+            cuts.append(n)
+        prev = 0
+        for c in cuts:
+            buf = staging.acquire()
+            buf.view[HEADER_SIZE:HEADER_SIZE + c - prev] = rb[prev:c]
+            yield buf, c - prev
+            prev = c
+        tail = bytes(rb[prev:n])
+        rb[:len(tail)] = tail
+        have = len(tail)
+        if eof and have == 0:
+            return
 
 
 def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHUNK,
@@ -171,7 +238,7 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
     """Read every stream of SOURCE into WRITER's snapshot (the caller commits).
 
     chunker: "fixed" (chunk_size pieces) or "pages" (content-defined cuts on page boundaries, at most
-    chunk_size; see page_cut).
+    chunk_size; see page_cuts).
     """
     if chunker not in ("fixed", "pages"):
         raise PipelineError(f"unknown chunker {chunker!r}")
@@ -184,7 +251,9 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
     # written from where they were read, with no copy
     with BufferPool(workers * 2, HEADER_SIZE + chunk_size) as staging, \
             BufferPool(workers, HEADER_SIZE + chunk_size) as scratch, \
+            BufferPool(1 if chunker == "pages" else 0, _READ_BLOCK + chunk_size) as readpool, \
             ThreadPoolExecutor(workers, thread_name_prefix="gpusnap-put") as ex:
+        readbuf = readpool.acquire() if chunker == "pages" else None
 
         def process(stream: Stream, idx: int, buf: AlignedBuffer, n: int) -> None:
             try:
@@ -222,40 +291,14 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
             if not spec.has_data:
                 continue
             with source.open(spec) as reader:
-                idx = 0
-                carry = b""  # bytes read past the last content-defined cut, to start the next chunk
-                eof = False
-                while not eof or carry:
-                    buf = staging.acquire()
+                pieces = (_fixed_pieces(reader, staging, chunk_size, stages, spec.name) if chunker == "fixed"
+                          else _page_pieces(reader, staging, chunk_size, stages, spec.name, readbuf))
+                for idx, (buf, n) in enumerate(pieces):
                     if fail.exc is not None:
                         staging.release(buf)
                         break
-                    body = buf.view[HEADER_SIZE:HEADER_SIZE + chunk_size]
-                    have = len(carry)
-                    body[:have] = carry
-                    t0 = time.perf_counter()
-                    try:
-                        got = 0 if eof else reader.readinto(body[have:])
-                    except OSError as e:
-                        staging.release(buf)
-                        raise PipelineError(f"reading {spec.name}: {e.strerror or e}") from None
-                    except BaseException:
-                        staging.release(buf)
-                        raise
-                    stages.add("read", time.perf_counter() - t0, got)
-                    if got < chunk_size - have:
-                        eof = True
-                    n = have + got
-                    if n == 0:
-                        staging.release(buf)
-                        break
-                    cut = n
-                    if chunker == "pages" and not eof:
-                        cut = page_cut(body[:n], n)
-                    carry = bytes(body[cut:n])
                     stream.chunks.append(None)  # type: ignore[arg-type] # filled by the worker
-                    futures.append(ex.submit(process, stream, idx, buf, cut))
-                    idx += 1
+                    futures.append(ex.submit(process, stream, idx, buf, n))
         for f in futures:
             f.result()
         fail.raise_if_set()

@@ -175,3 +175,10 @@ def test_help_explains(cli: Cli) -> None:
     for cmd in ("put", "get", "ls", "inspect", "verify", "rm", "gc"):
         assert cmd in out
     assert "GPUSNAP_STORE" in cli.run("--help").stdout
+
+
+def test_page_chunker_round_trip(cli: Cli, tmp_path: Path) -> None:
+    src = make_mixed_tree(tmp_path / "img", mb=12)
+    cli.run("store", "put", "--chunker", "pages", "p", str(src))
+    cli.run("store", "get", "p", str(tmp_path / "o"))
+    assert tree_digest(tmp_path / "o" / "img") == tree_digest(src)

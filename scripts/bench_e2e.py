@@ -1,0 +1,135 @@
+#!/usr/bin/env python3
+"""The whole-system benchmark (issues 5 and 7): a CUDA process holding N GB, checkpointed and restored
+
+  1. baseline, NVIDIA's own path: driver lock+checkpoint, plain `criu dump` into a directory on disk
+     (synced), process gone, caches dropped, `criu restore -d`, driver restore+unlock, memory verified;
+  2. gpusnap host-staged: `gpusnap criu dump` into a store on the same disk, process gone, caches
+     dropped, `gpusnap criu restore`, memory verified;
+  3. dedup: a second `gpusnap criu dump` after the process rewrote 5% of its GPU memory.
+
+Same disk, same durability (sync inside the timed region for the baseline; gpusnap fsyncs its chunks),
+page cache dropped before both restores. Prints seconds per stage and the ratio to the baseline.
+Usage: bench_e2e.py [--gb 24] [--mix realistic] [--dir /var/tmp] [--json OUT]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+sys.path[:0] = [REPO, HERE]
+
+from sandbox.criu_runner import Criu  # noqa: E402
+from sandbox.cuda_driver import CudaDriver, ProcessState  # noqa: E402
+from sandbox.gpu_checkpoint import checkpoint_all, restore_all  # noqa: E402
+from workload_control import Workload  # noqa: E402
+
+
+def drop_caches() -> None:
+    os.sync()
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+        f.write("3")
+
+
+def gpusnap(store: str, *args: str) -> dict:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
+    p = subprocess.run([sys.executable, "-m", "sandbox.cli", "--store", store, *args, "--json"],
+                       capture_output=True, text=True, env=env)
+    if p.returncode != 0:
+        raise SystemExit(f"gpusnap {' '.join(args)} failed: {p.stderr.strip()}")
+    return json.loads(p.stdout)
+
+
+def du(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
+
+
+def timed(stages: dict, name: str, fn, *a, **k):
+    t0 = time.perf_counter()
+    out = fn(*a, **k)
+    stages[name] = time.perf_counter() - t0
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--gb", type=float, default=24)
+    ap.add_argument("--mix", default="realistic")
+    ap.add_argument("--dir", default=os.environ.get("GPUSNAP_DISK_DIR", "/var/tmp"))
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--skip-baseline", action="store_true")
+    a = ap.parse_args()
+    criu = Criu()
+    drv = CudaDriver()
+    work = tempfile.mkdtemp(prefix="gpusnap-e2e-", dir=a.dir)
+    result: dict = {"date": time.strftime("%Y-%m-%d"), "gb": a.gb, "mix": a.mix, "criu": criu.version}
+    try:
+        if not a.skip_baseline:
+          try:
+            base: dict = {}
+            with Workload(a.gb, mix=a.mix, seed=21, detached=True) as w:
+                images = os.path.join(work, "baseline")
+                os.mkdir(images)
+                timed(base, "driver_lock+checkpoint", checkpoint_all, drv, [w.pid])
+                def dump() -> None:
+                    criu.dump(w.pid, images)
+                    os.sync()
+                timed(base, "criu_dump+sync", dump)
+                w.reap()
+                base["image_bytes"] = du(images)
+                drop_caches()
+                timed(base, "criu_restore", criu.restore, images, detach=True)
+                timed(base, "driver_restore+unlock", restore_all, drv, [w.pid])
+                base["verified"] = w.verify()
+                shutil.rmtree(images)
+            base["total"] = sum(v for k, v in base.items() if isinstance(v, float))
+            result["baseline"] = base
+            print("baseline", json.dumps(base))
+          except Exception as e:  # noqa: BLE001 - report and still measure gpusnap
+            result["baseline_error"] = repr(e)
+            print("baseline failed:", repr(e))
+        g: dict = {}
+        store = os.path.join(work, "store")
+        with Workload(a.gb, mix=a.mix, seed=21, detached=True) as w:
+            d = timed(g, "gpusnap_criu_dump", gpusnap, store, "criu", "dump", str(w.pid), "e2e")
+            g["dump_stages"] = d["seconds"]
+            g["stored_bytes"] = d["new_bytes"]
+            g["image_bytes"] = d["raw_bytes"]
+            w.reap()
+            drop_caches()
+            r = timed(g, "gpusnap_criu_restore", gpusnap, store, "criu", "restore", "e2e")
+            g["restore_stages"] = r["seconds"]
+            g["verified"] = w.verify()
+            # dedup: dump again (leave running), rewrite 5%, dump again
+            d1 = gpusnap(store, "criu", "dump", "--leave-running", str(w.pid), "e2e-a")
+            w.cmd("mutate 5")
+            d2 = gpusnap(store, "criu", "dump", "--leave-running", str(w.pid), "e2e-b")
+            g["dedup"] = {"first_new": d1["new_bytes"], "second_new": d2["new_bytes"],
+                          "second_over_first": d2["new_bytes"] / max(1, g["stored_bytes"]),
+                          "first_dump_s": d1["seconds"], "second_dump_s": d2["seconds"]}
+            g["verified_after_dedup_dumps"] = w.verify()
+        g["total"] = g["gpusnap_criu_dump"] + g["gpusnap_criu_restore"]
+        result["gpusnap"] = g
+        print("gpusnap", json.dumps(g))
+        if "baseline" in result:
+            b = result["baseline"]["total"]
+            print(f"\ncycle: baseline {b:.1f} s, gpusnap {g['total']:.1f} s -> {b / g['total']:.2f}x; "
+                  f"image {result['baseline']['image_bytes'] / 1e9:.1f} GB vs stored {g['stored_bytes'] / 1e9:.1f} GB; "
+                  f"dedup second dump wrote {g['dedup']['second_new'] / 1e9:.2f} GB "
+                  f"({100 * g['dedup']['second_over_first']:.1f}% of the first)")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,142 @@
+#!/usr/bin/env python3
+"""Store benchmark (issue 2): `gpusnap store put/get` against `tar -I 'zstd -T0'` and `cp` on the same
+disk and the same data, in one run; then the dedup figure for a second put after 5% of the data changed.
+
+Data: a directory of files in three kinds, 1/3 each: zeros, random bytes, bf16 values from N(0, 0.02).
+Durability is the same on all sides: every write is followed by sync inside the timed region, and the
+page cache is dropped before each timed read. Usage: bench_store.py [--gb 3] [--dir /var/tmp] [--json F]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def drop_caches() -> None:
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3")
+    except OSError:
+        print("(cannot drop caches: not root; read figures include the page cache)", file=sys.stderr)
+
+
+def timed(argv: list[str], **kw) -> float:
+    t0 = time.perf_counter()
+    subprocess.run(argv, check=True, stdout=subprocess.DEVNULL, **kw)
+    os.sync()
+    return time.perf_counter() - t0
+
+
+def make_data(root: str, gb: float, seed: int = 0) -> int:
+    rng = np.random.default_rng(seed)
+    os.makedirs(root)
+    per = int(gb * 1e9 / 3) // (64 << 20) * (64 << 20)
+    block = 64 << 20
+    for kind in ("zeros", "random", "bf16"):
+        with open(os.path.join(root, kind + ".bin"), "wb") as f:
+            for _ in range(per // block):
+                if kind == "zeros":
+                    f.write(bytes(block))
+                elif kind == "random":
+                    f.write(rng.bytes(block))
+                else:
+                    w = rng.normal(0, 0.02, block // 2).astype(np.float32)
+                    f.write((w.view(np.uint32) >> 16).astype(np.uint16).tobytes())
+    return 3 * per
+
+
+def change_5_percent(root: str, total: int, seed: int = 1) -> None:
+    """Overwrite 5% of the bytes, as contiguous 16 MiB runs spread over the files."""
+    rng = np.random.default_rng(seed)
+    run = 16 << 20
+    todo = total * 5 // 100
+    files = sorted(os.path.join(root, f) for f in os.listdir(root))
+    i = 0
+    while todo > 0:
+        path = files[i % len(files)]
+        size = os.path.getsize(path)
+        off = (size // 4 + (i // len(files)) * 4 * run) % (size - run)
+        with open(path, "r+b") as f:
+            f.seek(off)
+            f.write(rng.bytes(run))
+        todo -= run
+        i += 1
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--gb", type=float, default=3.0)
+    ap.add_argument("--dir", default="/var/tmp")
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    work = tempfile.mkdtemp(prefix="gpusnap-bench-", dir=a.dir)
+    gpusnap = [sys.executable, "-m", "sandbox.cli", "--store", os.path.join(work, "store")]
+    env = dict(os.environ, PYTHONPATH=REPO)
+    res: dict = {"date": time.strftime("%Y-%m-%d"), "machine": f"{platform.node()} {os.cpu_count()} cores",
+                 "kernel": platform.release()}
+    try:
+        data = os.path.join(work, "data")
+        total = make_data(data, a.gb)
+        res["bytes"] = total
+        drop_caches()
+        res["cp_put"] = timed(["cp", "-r", data, os.path.join(work, "cp")])
+        drop_caches()
+        res["tar_put"] = timed(["tar", "-I", "zstd -T0", "-cf", os.path.join(work, "x.tar.zst"), "-C", work, "data"])
+        res["tar_bytes"] = os.path.getsize(os.path.join(work, "x.tar.zst"))
+        drop_caches()
+        t0 = time.perf_counter()
+        out = subprocess.run([*gpusnap, "store", "put", "s1", data, "--json"], check=True, capture_output=True,
+                             text=True, env=env, cwd=REPO).stdout
+        res["gpusnap_put"] = time.perf_counter() - t0
+        put = json.loads(out)
+        res["gpusnap_bytes"] = put["new_bytes"]
+        res["gpusnap_put_stages"] = put["stages"]
+        drop_caches()
+        res["cp_get"] = timed(["cp", "-r", os.path.join(work, "cp"), os.path.join(work, "cp2")])
+        drop_caches()
+        os.mkdir(os.path.join(work, "untar"))
+        res["tar_get"] = timed(["tar", "-I", "zstd -T0", "-xf", os.path.join(work, "x.tar.zst"), "-C", os.path.join(work, "untar")])
+        drop_caches()
+        t0 = time.perf_counter()
+        out = subprocess.run([*gpusnap, "store", "get", "s1", os.path.join(work, "got"), "--json"], check=True,
+                             capture_output=True, text=True, env=env, cwd=REPO).stdout
+        os.sync()
+        res["gpusnap_get"] = time.perf_counter() - t0
+        res["gpusnap_get_stages"] = json.loads(out)["stages"]
+        same = subprocess.run(["cmp", os.path.join(data, "bf16.bin"), os.path.join(work, "got", "data", "bf16.bin")])
+        res["verified"] = same.returncode == 0
+        change_5_percent(data, total)
+        out = subprocess.run([*gpusnap, "store", "put", "s2", data, "--json"], check=True, capture_output=True,
+                             text=True, env=env, cwd=REPO).stdout
+        res["second_put_new_bytes"] = json.loads(out)["new_bytes"]
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    gb = res["bytes"] / 1e9
+    print(f"{res['machine']}, {gb:.2f} GB (1/3 zeros, 1/3 random, 1/3 bf16 N(0,0.02)), sync + cold cache\n")
+    print(f"{'':10} {'put s':>7} {'put GB/s':>9} {'get s':>7} {'get GB/s':>9} {'stored GB':>10} {'ratio':>6}")
+    for k, stored in (("cp", res["bytes"]), ("tar", res["tar_bytes"]), ("gpusnap", res["gpusnap_bytes"])):
+        print(f"{k:10} {res[k + '_put']:7.2f} {gb / res[k + '_put']:9.2f} {res[k + '_get']:7.2f} "
+              f"{gb / res[k + '_get']:9.2f} {stored / 1e9:10.2f} {res['bytes'] / stored:6.2f}")
+    for k in ("cp", "tar"):
+        print(f"gpusnap vs {k}: put {res[k + '_put'] / res['gpusnap_put']:.2f}x, get {res[k + '_get'] / res['gpusnap_get']:.2f}x faster")
+    print(f"second put after 5% changed: {res['second_put_new_bytes'] / 1e9:.3f} GB written "
+          f"({100 * res['second_put_new_bytes'] / res['gpusnap_bytes']:.1f}% of the first); verified={res['verified']}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

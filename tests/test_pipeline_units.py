@@ -1,0 +1,92 @@
+"""Units of the pipeline that need no disk: zero test, content-defined page cuts, codec choice, pool."""
+from __future__ import annotations
+
+import os
+import threading
+
+import numpy as np
+import pytest
+
+from storage.codecs import CodecError, HostCodecChooser, decode_host
+from storage.directio import BufferPool, DirectIOError
+from storage.pipeline import PAGE, _CDC_MIN, is_zero, page_cuts
+
+
+def test_is_zero() -> None:
+    z = bytearray(1 << 20)
+    assert is_zero(memoryview(z))
+    for pos in (0, 63, 64, 4097, len(z) - 1):
+        z[pos] = 1
+        assert not is_zero(memoryview(z)), pos
+        z[pos] = 0
+    assert is_zero(memoryview(bytearray(13)))
+
+
+def _chunks(data: bytes, max_len: int = 4 << 20) -> list[bytes]:
+    cuts = page_cuts(memoryview(data), max_len)
+    ends = cuts + ([len(data)] if not cuts or cuts[-1] < len(data) else [])
+    out, prev = [], 0
+    for c in ends:
+        out.append(data[prev:c])
+        prev = c
+    return out
+
+
+def test_page_cuts_bounds_and_alignment() -> None:
+    data = np.random.default_rng(1).bytes(32 << 20)
+    cuts = page_cuts(memoryview(data), 4 << 20)
+    assert cuts and all(c % PAGE == 0 for c in cuts)
+    gaps = np.diff([0] + cuts)
+    assert gaps.min() >= _CDC_MIN and gaps.max() <= 4 << 20
+    assert 1.5 * _CDC_MIN < gaps.mean() < 3 << 20  # content-defined, not all at the limits
+
+
+def test_page_cuts_resynchronize_after_inserted_pages() -> None:
+    """Pages inserted near the start change only the chunks around them, as CRIU images need."""
+    rng = np.random.default_rng(2)
+    data = rng.bytes(24 << 20)
+    shifted = data[: 3 << 20] + rng.bytes(5 * PAGE) + data[3 << 20:]
+    a, b = set(_chunks(data)), set(_chunks(shifted))
+    shared = sum(len(c) for c in a & b)
+    assert shared > 0.8 * len(data)
+
+
+def test_page_cuts_zero_pages_and_small_inputs() -> None:
+    assert page_cuts(memoryview(bytes(100)), 4 << 20) == []
+    cuts = page_cuts(memoryview(bytes(8 << 20)), 4 << 20)
+    assert cuts and all(c % PAGE == 0 for c in cuts)
+
+
+def test_codec_choice() -> None:
+    ch = HostCodecChooser()
+    rnd = memoryview(os.urandom(1 << 20))
+    assert ch.encode(rnd).codec == "raw"
+    text = memoryview(b"gpusnap " * 100000)
+    enc = ch.encode(text)
+    assert enc.codec == "zstd" and len(enc.payload) < len(text) // 10
+    assert bytes(decode_host("zstd", memoryview(enc.payload), len(text))) == bytes(text)
+    with pytest.raises(CodecError, match="decoded to"):
+        decode_host("zstd", memoryview(enc.payload), len(text) + 1)
+    with pytest.raises(CodecError, match="GPU path"):
+        decode_host("nvcomp-ans", memoryview(b"x"), 1)
+    with pytest.raises(CodecError, match="unknown"):
+        decode_host("lzma", memoryview(b"x"), 1)
+    assert HostCodecChooser(compress=False).encode(text).codec == "raw"
+
+
+def test_buffer_pool_accounting_and_backpressure() -> None:
+    with BufferPool(2, 10000) as pool:
+        assert pool.size % 4096 == 0
+        a, b = pool.acquire(), pool.acquire()
+        with pytest.raises(DirectIOError):
+            pool.acquire(timeout=0.05)  # all in use: the reader would block here
+        got = []
+        t = threading.Thread(target=lambda: got.append(pool.acquire(timeout=5)))
+        t.start()
+        pool.release(a)
+        t.join()
+        assert got == [a]
+        pool.release(b)
+        pool.release(got[0])
+        with pool.borrowed() as c:
+            assert c in (a, b)
