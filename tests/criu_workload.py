@@ -13,7 +13,8 @@ d = sys.argv[1]
 mb = int(sys.argv[2]) if len(sys.argv) > 2 else 32
 seed = sys.argv[3] if len(sys.argv) > 3 else "gpusnap"
 import random
-memory = bytearray(random.Random(seed).randbytes(mb << 20))  # known, incompressible bytes
+_rng = random.Random(seed)
+memory = bytearray(b"".join(_rng.randbytes(1 << 20) for _ in range(mb)))  # known, incompressible bytes
 want = hashlib.sha256(memory).hexdigest()
 
 r, w = os.pipe()
