@@ -205,7 +205,7 @@ def store_inspect(ctx: click.Context, name: str, as_json: bool) -> None:
                         for s in m.streams]}
     text = [f"snapshot {m.name}  created {m.created}", f"  logical size {human(m.size)}, "
             f"{len(m.streams)} streams, {human(info['stored_bytes_unique'])} stored (unique chunks)",
-            f"  meta: {json.dumps(m.meta, sort_keys=True)}"]
+            f"  meta: {json.dumps({k: v for k, v in m.meta.items() if not k.endswith('stages')}, sort_keys=True)}"]
     for k, v in sorted(codecs.items()):
         text.append(f"  {k:15} {v['chunks']:7} chunks  {human(v['raw_bytes']):>10} raw  {human(v['stored_bytes']):>10} stored")
     emit(as_json, info, "\n".join(text))
