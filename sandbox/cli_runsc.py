@@ -1,0 +1,94 @@
+"""`gpusnap runsc run|checkpoint|restore|delete`: gVisor sandboxes through the store."""
+from __future__ import annotations
+
+import os
+
+import click
+
+from storage.progress import Progress
+
+from . import netns as nets
+from . import runsc_snapshot as rs
+from .cli import emit, human, json_option, main, one_line_errors, open_store, register_errors
+from .oci_bundle import BundleError
+from .runsc_runner import RunscError
+
+register_errors(RunscError, rs.RunscSnapshotError, nets.NetnsError, BundleError)
+
+runsc_arg = click.option("--runsc-arg", "runsc_args", multiple=True, metavar="ARG",
+                         help="A runsc global flag (repeatable), e.g. --runsc-arg=--network=none; recorded in "
+                              "the snapshot and reused by restore unless given again.")
+
+
+@main.group()
+def runsc() -> None:
+    """Run gVisor sandboxes and checkpoint/restore them through the store."""
+
+
+@runsc.command("run")
+@click.argument("container")
+@click.option("--bundle", required=True, help="OCI bundle directory (config.json).")
+@click.option("--net-subnet", default=None, metavar="CIDR",
+              help="Give the sandbox its own network namespace with a veth pair in CIDR (e.g. 10.77.0.0/24).")
+@click.option("--output", default=None, help="File for the sandbox's stdout/stderr (default: the store's logs/).")
+@runsc_arg
+@click.pass_context
+@one_line_errors
+def runsc_run(ctx: click.Context, container: str, bundle: str, net_subnet: str | None, output: str | None,
+              runsc_args: tuple[str, ...]) -> None:
+    """Start sandbox CONTAINER from BUNDLE (detached)."""
+    st = open_store(ctx)
+    net = nets.NetConfig.for_sandbox(f"gpusnap-{container}", net_subnet) if net_subnet else None
+    out = output or os.path.join(st.path, "logs", f"runsc-{container}.out")
+    os.makedirs(os.path.dirname(out), mode=0o700, exist_ok=True)
+    rs.run(container, bundle, runsc_args, out, net)
+    click.echo(f"{container}: running" + (f" at {net.address} (netns {net.name})" if net else ""))
+
+
+@runsc.command("checkpoint")
+@click.argument("container")
+@click.argument("name")
+@click.option("--leave-running", is_flag=True, help="Keep the sandbox running after the checkpoint.")
+@click.option("--replace", is_flag=True)
+@runsc_arg
+@json_option
+@click.pass_context
+@one_line_errors
+def runsc_checkpoint(ctx: click.Context, container: str, name: str, leave_running: bool, replace: bool,
+                     runsc_args: tuple[str, ...], as_json: bool) -> None:
+    """Checkpoint sandbox CONTAINER into snapshot NAME; on failure it keeps running."""
+    st = open_store(ctx)
+    with Progress(f"runsc checkpoint {container}", ctx.obj["progress"]) as prog:
+        r = rs.checkpoint(st, container, name, runsc_args, leave_running=leave_running, replace=replace, progress=prog)
+    emit(as_json, r.as_dict(), f"{name}: {human(r.raw_bytes)} of images, {human(r.new_bytes)} written, "
+         f"{human(r.dedup_bytes)} deduplicated ({', '.join(f'{k} {v:.2f} s' for k, v in r.seconds.items())})")
+
+
+@runsc.command("restore")
+@click.argument("name")
+@click.argument("container")
+@click.option("--bundle", required=True, help="OCI bundle directory to restore with.")
+@click.option("--output", default=None, help="File for the sandbox's stdout/stderr.")
+@runsc_arg
+@json_option
+@click.pass_context
+@one_line_errors
+def runsc_restore(ctx: click.Context, name: str, container: str, bundle: str, output: str | None,
+                  runsc_args: tuple[str, ...], as_json: bool) -> None:
+    """Restore snapshot NAME as a new sandbox CONTAINER (network recreated at the same address)."""
+    st = open_store(ctx, create=False)
+    out = output or os.path.join(st.path, "logs", f"runsc-{container}.out")
+    os.makedirs(os.path.dirname(out), mode=0o700, exist_ok=True)
+    with Progress(f"runsc restore {name}", ctx.obj["progress"]) as prog:
+        r = rs.restore(st, name, container, bundle, runsc_args=runsc_args or None, output=out, progress=prog)
+    emit(as_json, r.as_dict(), f"{container}: restored from {name}" + (f" at {r.address}" if r.address else ""))
+
+
+@runsc.command("delete")
+@click.argument("container")
+@runsc_arg
+@click.pass_context
+@one_line_errors
+def runsc_delete(ctx: click.Context, container: str, runsc_args: tuple[str, ...]) -> None:
+    """Delete sandbox CONTAINER and the network gpusnap made for it."""
+    rs.delete(container, runsc_args)

@@ -1,0 +1,124 @@
+"""A network namespace per sandbox, made with pyroute2: veth pair, addresses, default route.
+
+The configuration is a small record (NetConfig) that is saved in a snapshot and recreated from it on
+restore, so the sandbox answers at the same address. `network()` is the context manager that owns it:
+whatever it created is removed on exit, also when creation failed halfway.
+"""
+from __future__ import annotations
+
+import ipaddress
+import os
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from typing import Any, Iterator
+
+from pyroute2 import IPRoute, NetNS, netns
+
+
+class NetnsError(Exception):
+    """A namespace or link that cannot be created, found or removed."""
+
+
+NETNS_DIR = "/var/run/netns"  # where pyroute2 (and so gpusnap) keeps named namespaces
+
+
+@dataclass(frozen=True)
+class NetConfig:
+    name: str
+    host_if: str
+    peer_if: str
+    host_cidr: str   # e.g. 10.77.0.1/24, on the host side of the veth
+    ns_cidr: str     # e.g. 10.77.0.2/24, inside the namespace; the default route points at host_cidr's address
+
+    @property
+    def path(self) -> str:
+        return os.path.join(NETNS_DIR, self.name)
+
+    @property
+    def address(self) -> str:
+        return str(ipaddress.ip_interface(self.ns_cidr).ip)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "NetConfig":
+        return cls(**{k: d[k] for k in ("name", "host_if", "peer_if", "host_cidr", "ns_cidr")})
+
+    @classmethod
+    def for_sandbox(cls, name: str, subnet: str) -> "NetConfig":
+        net = ipaddress.ip_network(subnet)
+        hosts = list(net.hosts())
+        tag = name[-8:]
+        return cls(name, f"gs-{tag}"[:15], f"gp-{tag}"[:15], f"{hosts[0]}/{net.prefixlen}", f"{hosts[1]}/{net.prefixlen}")
+
+
+def exists(cfg: NetConfig) -> bool:
+    return cfg.name in netns.listnetns()
+
+
+def create(cfg: NetConfig) -> None:
+    """Create the namespace, the veth pair, addresses, links up and the default route."""
+    if exists(cfg):
+        raise NetnsError(f"network namespace {cfg.name!r} already exists")
+    host = ipaddress.ip_interface(cfg.host_cidr)
+    inner = ipaddress.ip_interface(cfg.ns_cidr)
+    with IPRoute() as ip:
+        for a in ip.get_addr(family=2):
+            addr = ipaddress.ip_address(a.get_attr("IFA_ADDRESS"))
+            if addr in host.network:
+                raise NetnsError(f"subnet {host.network} is already in use here ({addr} on interface "
+                                 f"{a['index']}); choose another --net-subnet")
+    try:
+        netns.create(cfg.name)
+        with IPRoute() as ip:
+            ip.link("add", ifname=cfg.host_if, kind="veth", peer=cfg.peer_if)
+            peer = ip.link_lookup(ifname=cfg.peer_if)[0]
+            ip.link("set", index=peer, net_ns_fd=cfg.name)
+            hidx = ip.link_lookup(ifname=cfg.host_if)[0]
+            ip.addr("add", index=hidx, address=str(host.ip), prefixlen=host.network.prefixlen)
+            ip.link("set", index=hidx, state="up")
+        with NetNS(cfg.name) as ns:
+            lo = ns.link_lookup(ifname="lo")[0]
+            ns.link("set", index=lo, state="up")
+            pidx = ns.link_lookup(ifname=cfg.peer_if)[0]
+            ns.addr("add", index=pidx, address=str(inner.ip), prefixlen=inner.network.prefixlen)
+            ns.link("set", index=pidx, state="up")
+            ns.route("add", dst="0.0.0.0/0", gateway=str(host.ip))
+    except Exception as e:  # noqa: BLE001 - undo what was made, then one clear error
+        remove(cfg)
+        raise NetnsError(f"cannot create network {cfg.name!r}: {e}") from None
+
+
+def remove(cfg: NetConfig) -> None:
+    """Remove the veth pair and the namespace; absent pieces are fine."""
+    with IPRoute() as ip:
+        for idx in ip.link_lookup(ifname=cfg.host_if):
+            ip.link("del", index=idx)
+    if exists(cfg):
+        netns.remove(cfg.name)
+
+
+def leftovers(cfg: NetConfig) -> list[str]:
+    """What of CFG still exists (tests: nothing may be left behind)."""
+    out = []
+    if exists(cfg):
+        out.append(f"netns {cfg.name}")
+    with IPRoute() as ip:
+        if ip.link_lookup(ifname=cfg.host_if):
+            out.append(f"link {cfg.host_if}")
+    return out
+
+
+@contextmanager
+def network(cfg: NetConfig) -> Iterator[NetConfig]:
+    create(cfg)
+    try:
+        yield cfg
+    finally:
+        remove(cfg)
+
+
+def enter(name: str) -> None:
+    """Move the calling process into namespace NAME (a subprocess preexec_fn: runsc then runs there)."""
+    netns.setns(name)

@@ -1,0 +1,135 @@
+"""Run gVisor's runsc: run, exec, checkpoint, restore, delete, state, list; argv lists, logs kept.
+
+runsc's global flags (platform, network, root, ...) go before the subcommand and are recorded by the
+caller so that restore uses the same ones. What the installed runsc supports is read from its own
+--help output, never assumed (Debian's 20221219 build has no nvproxy, no --compression, no --direct).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+
+class RunscError(Exception):
+    """runsc is missing, or one of its commands failed (the message carries runsc's own reason)."""
+
+
+@dataclass(frozen=True)
+class RunscFeatures:
+    version: str | None
+    platforms: tuple[str, ...]
+    nvproxy: bool
+    checkpoint_flags: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def can_leave_running(self) -> bool:
+        return "leave-running" in self.checkpoint_flags
+
+    @property
+    def can_store_uncompressed(self) -> bool:
+        """Newer runsc: `checkpoint -compression=none`, so that the store can dedup the image."""
+        return "compression" in self.checkpoint_flags
+
+
+def _flags(help_text: str) -> tuple[str, ...]:
+    return tuple(sorted(set(re.findall(r"^\s+-{1,2}([a-z0-9][a-z0-9-]*)", help_text, re.M))))
+
+
+def parse_features(version_text: str, global_help: str, checkpoint_help: str) -> RunscFeatures:
+    """Features from runsc's own words (pure: tested against captured help texts)."""
+    m = re.search(r"runsc version\s+(\S+)", version_text)
+    plats = re.search(r"-platform string\s*\n\s*specifies which platform to use: ([^\n]*)", global_help)
+    platforms: tuple[str, ...] = ()
+    if plats:
+        text = re.sub(r"\(default[^)]*\)", "", plats.group(1))
+        platforms = tuple(w for w in (p.strip(" .") for p in text.split(",")) if re.fullmatch(r"[a-z0-9]+", w))
+    return RunscFeatures(m.group(1) if m else None, platforms, "nvproxy" in _flags(global_help),
+                         _flags(checkpoint_help))
+
+
+class Runsc:
+    """One runsc binary with fixed global flags."""
+
+    def __init__(self, global_args: Sequence[str] = (), binary: str | None = None,
+                 log_dir: str | None = None) -> None:
+        b = binary or shutil.which("runsc")
+        if not b:
+            raise RunscError("runsc not found (run scripts/setup.sh, or install gVisor)")
+        self.binary = b
+        self.global_args = list(global_args)
+        self.log_dir = log_dir
+
+    def argv(self, *args: str) -> list[str]:
+        return [self.binary, *self.global_args, *args]
+
+    def _run(self, what: str, *args: str, timeout: float = 600, stdout: Any = None, stderr: Any = None,
+             preexec: Callable[[], None] | None = None) -> subprocess.CompletedProcess[str]:
+        capture = stdout is None
+        try:
+            p = subprocess.run(self.argv(*args), text=True, timeout=timeout, stdin=subprocess.DEVNULL,
+                               stdout=subprocess.PIPE if capture else stdout,
+                               stderr=subprocess.PIPE if stderr is None else stderr, preexec_fn=preexec)
+        except subprocess.TimeoutExpired:
+            raise RunscError(f"runsc {what} did not finish within {timeout:g} s") from None
+        if p.returncode != 0:
+            err = (p.stderr or "").strip().splitlines() if isinstance(p.stderr, str) else []
+            self._keep_log(what, p)
+            raise RunscError(f"runsc {what} failed: {_reason(err) or f'exit {p.returncode}'}")
+        return p
+
+    def _keep_log(self, what: str, p: subprocess.CompletedProcess[str]) -> None:
+        if self.log_dir and isinstance(p.stderr, str):
+            os.makedirs(self.log_dir, mode=0o700, exist_ok=True)
+            with open(os.path.join(self.log_dir, f"runsc-{what.split()[0]}.log"), "a") as f:
+                f.write(" ".join(self.argv()) + "\n" + p.stderr + "\n")
+
+    def features(self) -> RunscFeatures:
+        v = subprocess.run([self.binary, "--version"], capture_output=True, text=True).stdout
+        g = subprocess.run([self.binary, "flags"], capture_output=True, text=True)  # the global flags
+        c = subprocess.run([self.binary, "checkpoint", "--help"], capture_output=True, text=True)
+        return parse_features(v, g.stdout + g.stderr, c.stdout + c.stderr)
+
+    def run(self, cid: str, bundle: str, *, stdout: Any, stderr: Any, preexec: Callable[[], None] | None = None) -> None:
+        self._run(f"run {cid}", "run", "-detach", "-bundle", bundle, cid, stdout=stdout, stderr=stderr, preexec=preexec)
+
+    def exec(self, cid: str, argv: Sequence[str], timeout: float = 60) -> str:
+        return self._run(f"exec {cid}", "exec", cid, *argv, timeout=timeout).stdout
+
+    def checkpoint(self, cid: str, image_path: str, *, leave_running: bool = False,
+                   uncompressed: bool = False) -> None:
+        args = ["checkpoint", "-image-path", image_path]
+        if leave_running:
+            args.append("-leave-running")
+        if uncompressed:
+            args.append("-compression=none")
+        self._run(f"checkpoint {cid}", *args, cid)
+
+    def restore(self, cid: str, bundle: str, image_path: str, *, stdout: Any, stderr: Any,
+                preexec: Callable[[], None] | None = None) -> None:
+        self._run(f"restore {cid}", "restore", "-image-path", image_path, "-bundle", bundle, "-detach", cid,
+                  stdout=stdout, stderr=stderr, preexec=preexec)
+
+    def delete(self, cid: str, force: bool = True) -> None:
+        self._run(f"delete {cid}", "delete", *(["-force"] if force else []), cid)
+
+    def state(self, cid: str) -> dict[str, Any] | None:
+        p = subprocess.run(self.argv("state", cid), capture_output=True, text=True)
+        if p.returncode != 0:
+            return None
+        return json.loads(p.stdout)
+
+    def list(self) -> list[str]:
+        p = self._run("list", "list", "-quiet")
+        return [l for l in p.stdout.split() if l]
+
+
+def _reason(lines: list[str]) -> str:
+    """runsc's most telling stderr line, without its log prefix."""
+    pick = [l for l in lines if "error" in l.lower() or "fail" in l.lower() or "not supported" in l.lower()]
+    line = (pick or lines or [""])[-1]
+    return re.sub(r"^[A-Z]\d{4} [\d:.]+\s+\d+\s+\S+\]\s*", "", line).strip()

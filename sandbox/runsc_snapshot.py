@@ -1,0 +1,230 @@
+"""gVisor sandboxes through the store: run (with a pyroute2 network), checkpoint, restore, delete.
+
+checkpoint: `runsc checkpoint` into a staging directory, ingested into the store (page-granular
+content-defined chunks, zero-elided, compressed, deduplicated), with runsc's global flags and the
+sandbox's network configuration recorded in the snapshot. restore: the images are materialized
+(every chunk verified, so a damaged snapshot is refused before anything starts), the network is
+recreated with the same address, and `runsc restore` runs with the recorded flags under a new id.
+A failed checkpoint leaves the sandbox running; a failed restore leaves nothing behind.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from storage import pipeline
+from storage.filetree import FileTreeSink, FileTreeSource
+from storage.store import SnapshotStore
+
+from . import netns as nets
+from .criu_snapshot import staging_dir
+from .oci_bundle import bundle_netns, set_bundle_netns
+from .runsc_runner import Runsc, RunscError
+
+NET_SIDECAR = "gpusnap-net.json"  # in the bundle: the NetConfig gpusnap made for this sandbox
+RUN_SIDECAR = "gpusnap-run.json"  # in the bundle: where the sandbox's output goes
+
+
+class RunscSnapshotError(Exception):
+    """A sandbox request that cannot be done as asked."""
+
+
+@dataclass
+class RunscReport:
+    name: str
+    container: str
+    seconds: dict[str, float] = field(default_factory=dict)
+    raw_bytes: int = 0
+    new_bytes: int = 0
+    dedup_bytes: int = 0
+    address: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "container": self.container, "address": self.address,
+                "seconds": {k: round(v, 3) for k, v in self.seconds.items()},
+                "raw_bytes": self.raw_bytes, "new_bytes": self.new_bytes, "dedup_bytes": self.dedup_bytes}
+
+
+def _hostinet(args: Sequence[str]) -> bool:
+    return any(a in ("--network=host", "-network=host") for a in args) or any(
+        a in ("--network", "-network") and b == "host" for a, b in zip(args, list(args)[1:]))
+
+
+def _net_of(bundle: str) -> nets.NetConfig | None:
+    try:
+        with open(os.path.join(bundle, NET_SIDECAR)) as f:
+            return nets.NetConfig.from_dict(json.load(f))
+    except FileNotFoundError:
+        return None
+
+
+def _with_reason(e: RunscError, output: str) -> RunscError:
+    """runsc -detach shares stderr with the sandbox: take the reason from the output file's tail."""
+    if "exit " not in str(e):
+        return e
+    try:
+        with open(output, "rb") as f:
+            f.seek(max(0, os.path.getsize(output) - 4096))
+            tail = [l for l in f.read().decode(errors="replace").splitlines() if l.strip()]
+    except OSError:
+        return e
+    return RunscError(f"{e}: {tail[-1].strip()}" if tail else str(e))
+
+
+def run(cid: str, bundle: str, runsc_args: Sequence[str], output: str, net: nets.NetConfig | None = None) -> None:
+    """Start sandbox CID from BUNDLE; with NET, in its own namespace (made here, recorded in the bundle)."""
+    r = Runsc(runsc_args)
+    if r.state(cid) is not None:
+        raise RunscSnapshotError(f"container {cid!r} already exists")
+    if net is not None:
+        nets.create(net)
+        set_bundle_netns(bundle, net.path)
+        with open(os.path.join(bundle, NET_SIDECAR), "w") as f:
+            json.dump(net.as_dict(), f)
+    with open(os.path.join(bundle, RUN_SIDECAR), "w") as f:
+        json.dump({"output": os.path.abspath(output)}, f)
+    try:
+        with open(output, "ab") as out:
+            try:
+                r.run(cid, bundle, stdout=out, stderr=out)
+            except RunscError as e:
+                raise _with_reason(e, output) from None
+    except BaseException:
+        if net is not None:
+            nets.remove(net)
+            os.unlink(os.path.join(bundle, NET_SIDECAR))
+        raise
+
+
+def delete(cid: str, runsc_args: Sequence[str]) -> None:
+    """Delete the sandbox and the network gpusnap made for it."""
+    r = Runsc(runsc_args)
+    st = r.state(cid)
+    if st is None:
+        raise RunscSnapshotError(f"no container {cid!r}")
+    r.delete(cid)
+    net = _net_of(st["bundle"])
+    if net is not None:
+        nets.remove(net)
+
+
+def checkpoint(store: SnapshotStore, cid: str, name: str, runsc_args: Sequence[str], *, leave_running: bool = False,
+               replace: bool = False, progress: Any = None) -> RunscReport:
+    r = Runsc(runsc_args, log_dir=os.path.join(store.path, "logs"))
+    st = r.state(cid)
+    if st is None:
+        raise RunscSnapshotError(f"no container {cid!r} (runsc {' '.join(runsc_args)})")
+    if st.get("status") != "running":
+        raise RunscSnapshotError(f"container {cid!r} is {st.get('status')}, not running")
+    if _hostinet(runsc_args):
+        raise RunscSnapshotError(f"cannot checkpoint {cid!r}: it uses the host network (--network=host), which "
+                                 "runsc cannot checkpoint; run it with --network=none or its own netstack")
+    bundle = st["bundle"]
+    net = _net_of(bundle)
+    report = RunscReport(name, cid, address=net.address if net else None)
+    meta = {"kind": "runsc", "container": cid, "runsc_args": list(runsc_args), "bundle": bundle,
+            "net": net.as_dict() if net else None, "netns_path": bundle_netns(bundle)}
+    with store.writer(name, replace=replace, meta=meta) as w:
+        stage = staging_dir(store, 1 << 30)
+        images = os.path.join(stage, "images")
+        os.mkdir(images, 0o700)
+        try:
+            t0 = time.perf_counter()
+            try:
+                # runsc's own -leave-running hangs or exits 120 with Debian's 20221219 build here
+                # (seen 2026-11-29); gpusnap restarts the sandbox from the checkpoint it just took
+                # runsc compresses its image unless told not to (newer builds): an uncompressed image
+                # is what the store can deduplicate and compress per chunk
+                r.checkpoint(cid, images, uncompressed=r.features().can_store_uncompressed)
+            except RunscError as e:
+                if "hostinet" in str(e):
+                    raise RunscSnapshotError(f"cannot checkpoint {cid!r}: it uses the host network, which this "
+                                             "runsc cannot checkpoint") from None
+                raise
+            report.seconds["runsc_checkpoint"] = time.perf_counter() - t0
+            if leave_running:
+                t0 = time.perf_counter()
+                _restart(r, cid, bundle, images, net)
+                report.seconds["restart"] = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            src = FileTreeSource([images])
+            if progress is not None:
+                progress.start(src.total_bytes)
+            pipeline.put(w, src, progress=progress, chunker="pages")
+            w.commit()
+            report.seconds["ingest"] = time.perf_counter() - t0
+        except BaseException:
+            state = r.state(cid)
+            if state is not None and state.get("status") != "running" and os.listdir(images):
+                # runsc stopped it but the snapshot did not commit: bring it back from staging
+                _restart(r, cid, bundle, images, net)
+            raise
+        finally:
+            shutil.rmtree(stage, ignore_errors=True)
+    report.raw_bytes, report.new_bytes, report.dedup_bytes = w.stats.raw_bytes, w.stats.bytes_new, w.stats.bytes_dedup
+    return report
+
+
+def _restart(r: Runsc, cid: str, bundle: str, images: str, net: nets.NetConfig | None) -> None:
+    """Run CID again, under the same id, from the checkpoint images just taken."""
+    try:
+        with open(os.path.join(bundle, RUN_SIDECAR)) as f:
+            output = json.load(f)["output"]
+    except (OSError, ValueError, KeyError):
+        output = os.devnull
+    r.delete(cid)
+    with open(output, "ab") as out:
+        r.restore(cid, bundle, images, stdout=out, stderr=out)
+
+
+def restore(store: SnapshotStore, name: str, cid: str, bundle: str, *, runsc_args: Sequence[str] | None = None,
+            output: str, progress: Any = None) -> RunscReport:
+    with store.shared():
+        m = store.load(name)
+        if m.meta.get("kind") != "runsc":
+            raise RunscSnapshotError(f"snapshot {name!r} is a {m.meta.get('kind')!r} snapshot, not a runsc one")
+        args = list(runsc_args) if runsc_args else list(m.meta["runsc_args"])
+        r = Runsc(args, log_dir=os.path.join(store.path, "logs"))
+        if r.state(cid) is not None:
+            raise RunscSnapshotError(f"container {cid!r} already exists; restore under a new id")
+        if not os.path.exists(os.path.join(bundle, "config.json")):
+            raise RunscSnapshotError(f"{bundle}: no config.json (not an OCI bundle)")
+        net = nets.NetConfig.from_dict(m.meta["net"]) if m.meta.get("net") else None
+        report = RunscReport(name, cid, address=net.address if net else None)
+        stage = staging_dir(store, m.size)
+        made_net = False
+        try:
+            t0 = time.perf_counter()
+            pipeline.get(store, m, FileTreeSink(os.path.join(stage, "out")), progress=progress)
+            report.seconds["materialize"] = time.perf_counter() - t0
+            if net is not None:
+                if not nets.exists(net):
+                    nets.create(net)
+                    made_net = True
+                set_bundle_netns(bundle, net.path)
+                with open(os.path.join(bundle, NET_SIDECAR), "w") as f:
+                    json.dump(net.as_dict(), f)
+            t0 = time.perf_counter()
+            with open(output, "ab") as out:
+                try:
+                    r.restore(cid, bundle, os.path.join(stage, "out", "images"), stdout=out,
+                              stderr=out)
+                except RunscError as e:
+                    raise _with_reason(e, output) from None
+            report.seconds["runsc_restore"] = time.perf_counter() - t0
+        except BaseException:
+            if r.state(cid) is not None:
+                try:
+                    r.delete(cid)
+                except RunscError:
+                    pass
+            if made_net and net is not None:
+                nets.remove(net)
+            raise
+        finally:
+            shutil.rmtree(stage, ignore_errors=True)
+    return report
