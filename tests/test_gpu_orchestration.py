@@ -150,3 +150,19 @@ def test_illegal_transitions_are_refused_like_the_driver() -> None:
         d.checkpoint(101)  # not locked
     with pytest.raises(CudaDriverError, match="NOT_FOUND"):
         d.lock(999, 10)
+
+
+def test_device_map_is_checked_against_both_machines() -> None:
+    from sandbox.cuda_driver import GpuInfo
+    from sandbox.gpu_snapshot import GpuSnapshotError, parse_device_map
+    snap = [{"index": 0, "uuid": "GPU-a", "name": "NVIDIA H200"}, {"index": 1, "uuid": "GPU-b", "name": "NVIDIA H200"}]
+    here = [GpuInfo(0, "NVIDIA H200", "GPU-x", 1, (9, 0), None, False),
+            GpuInfo(1, "NVIDIA H200", "GPU-y", 1, (9, 0), None, False),
+            GpuInfo(2, "NVIDIA B200", "GPU-z", 1, (10, 0), None, True)]
+    assert parse_device_map([], snap, here) == {}
+    assert parse_device_map(["0=1", "GPU-b=GPU-x"], snap, here) == {"GPU-a": "GPU-y", "GPU-b": "GPU-x"}
+    for bad, why in ((["0=7", "1=0"], "no GPU '7' on this machine"), (["5=0", "1=1"], "no GPU '5' in the snapshot"),
+                     (["0=2", "1=1"], "cannot be restored onto a NVIDIA B200"), (["0=1"], "must list every"),
+                     (["0=1", "1=1"], "two GPUs onto one"), (["01"], "expected OLD=NEW")):
+        with pytest.raises(GpuSnapshotError, match=why):
+            parse_device_map(bad, snap, here)
