@@ -21,13 +21,10 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+from page_cache import drop_caches  # noqa: E402
 from sandbox.criu_runner import Criu  # noqa: E402
 
 
-def drop_caches() -> None:
-    os.sync()
-    with open("/proc/sys/vm/drop_caches", "w") as f:
-        f.write("3")
 
 
 class Tree:
@@ -98,7 +95,7 @@ def main() -> None:
         res["plain_dump"] = time.perf_counter() - t0
         res["plain_bytes"] = sum(os.path.getsize(os.path.join(img, f)) for f in os.listdir(img))
         t.gone()
-        drop_caches()
+        drop_caches(required=True)
         t0 = time.perf_counter()
         criu.restore(img, detach=True)
         res["plain_restore"] = time.perf_counter() - t0
@@ -113,7 +110,7 @@ def main() -> None:
         res["gpusnap_dump_stages"] = d["seconds"]
         res["gpusnap_bytes"] = d["new_bytes"]
         t.gone()
-        drop_caches()
+        drop_caches(required=True)
         t0 = time.perf_counter()
         r = gpusnap(store, "criu", "restore", "b")
         res["gpusnap_restore"] = time.perf_counter() - t0

@@ -29,13 +29,10 @@ sys.path[:0] = [REPO, HERE]
 from sandbox.criu_runner import Criu  # noqa: E402
 from sandbox.cuda_driver import CudaDriver, ProcessState  # noqa: E402
 from sandbox.gpu_checkpoint import checkpoint_all, restore_all  # noqa: E402
+from page_cache import drop_caches  # noqa: E402
 from workload_control import Workload  # noqa: E402
 
 
-def drop_caches() -> None:
-    os.sync()
-    with open("/proc/sys/vm/drop_caches", "w") as f:
-        f.write("3")
 
 
 def gpusnap(store: str, *args: str) -> dict:
@@ -84,7 +81,7 @@ def main() -> None:
                 timed(base, "criu_dump+sync", dump)
                 w.reap()
                 base["image_bytes"] = du(images)
-                drop_caches()
+                drop_caches(required=True)
                 timed(base, "criu_restore", criu.restore, images, detach=True)
                 timed(base, "driver_restore+unlock", restore_all, drv, [w.pid])
                 base["verified"] = w.verify()
@@ -103,7 +100,7 @@ def main() -> None:
             g["stored_bytes"] = d["new_bytes"]
             g["image_bytes"] = d["raw_bytes"]
             w.reap()
-            drop_caches()
+            drop_caches(required=True)
             r = timed(g, "gpusnap_criu_restore", gpusnap, store, "criu", "restore", "e2e")
             g["restore_stages"] = r["seconds"]
             g["verified"] = w.verify()

@@ -20,19 +20,13 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(HERE), HERE]
 
+from page_cache import drop_caches  # noqa: E402
 from storage.directio import AlignedBuffer, open_for_read, open_for_write, read_into, write_all  # noqa: E402
 from storage.gpu_engine import GpuEngine, PinnedBuffer, Region, _ck, _drv  # noqa: E402
 from storage.store import SnapshotStore  # noqa: E402
 from workload_control import Workload, ipc_region  # noqa: E402
 
 
-def drop_caches() -> None:
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3")
-    except OSError:
-        pass
 
 
 def pcie_floor(ptr: int, size: int, lanes: int = 8, piece: int = 256 << 20) -> tuple[float, float]:

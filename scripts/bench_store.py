@@ -20,16 +20,11 @@ import time
 
 import numpy as np
 
+from page_cache import drop_caches
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def drop_caches() -> None:
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3")
-    except OSError:
-        print("(cannot drop caches: not root; read figures include the page cache)", file=sys.stderr)
 
 
 def timed(argv: list[str], **kw) -> float:
