@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # One batch on the lent GPU machine (the `device` tool): GPU tests, then the benchmarks named in $1
 # ("tests", "engine", "e2e", or several, comma-separated). Results land in $OUT (or ./device-out).
+# The GPU machine has no network: carry .whl/ (pip download of the gpu extras and zstandard, blake3,
+# click for cp312, see the device tool's README) and, for e2e, .carry/criu/ (CRIU built here by
+# scripts/install-criu.sh, its non-libc .so files in lib/, and criu-wrapper setting LD_LIBRARY_PATH).
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
