@@ -9,7 +9,6 @@ import functools
 import json
 import os
 import sys
-import time
 from typing import Any, Callable
 
 import click

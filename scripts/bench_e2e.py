@@ -27,7 +27,7 @@ REPO = os.path.dirname(HERE)
 sys.path[:0] = [REPO, HERE]
 
 from sandbox.criu_runner import Criu  # noqa: E402
-from sandbox.cuda_driver import CudaDriver, ProcessState  # noqa: E402
+from sandbox.cuda_driver import CudaDriver  # noqa: E402
 from sandbox.gpu_checkpoint import checkpoint_all, restore_all  # noqa: E402
 from page_cache import drop_caches  # noqa: E402
 from workload_control import Workload  # noqa: E402

@@ -17,13 +17,12 @@ through CUDA IPC. Imports cuda.bindings and nvidia.nvcomp lazily; nothing here r
 from __future__ import annotations
 
 import ctypes
-import os
 import queue
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 from .chunkfile import HEADER_SIZE, ChunkError
 from .directio import ALIGN, align_up

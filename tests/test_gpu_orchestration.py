@@ -3,7 +3,6 @@ parallelism, failures and timeouts in the middle, and rollback that never loses 
 from __future__ import annotations
 
 import os
-import threading
 
 import pytest
 
@@ -124,7 +123,7 @@ def test_custom_storage_round_trip() -> None:
         assert d.get_state(pid) == S.CHECKPOINTING and regions[0].size == len(before)
         stored = bytes(d.region_bytes(pid))
     assert d.get_state(pid) == S.CHECKPOINTED
-    with custom_restore(d, pid) as op:
+    with custom_restore(d, pid):
         assert d.get_state(pid) == S.RESTORING
         d.region_bytes(pid)[:] = stored
     assert d.get_state(pid) == S.LOCKED

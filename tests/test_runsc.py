@@ -2,7 +2,6 @@
 real network namespaces made with pyroute2. FACTS.md: this runsc checkpoints only --network=none."""
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import socket
