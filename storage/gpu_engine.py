@@ -21,13 +21,14 @@ import queue
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 from .chunkfile import HEADER_SIZE, ChunkError
 from .directio import ALIGN, align_up
 from .manifest import ChunkRef, Manifest, Stream
-from .pipeline import Result, Stages, _Failure, missing_chunks
+from .pipeline import Result, Stages, _Failure, is_zero, missing_chunks, writer_result
 from .store import SnapshotStore, SnapshotWriter, StoreError
 
 NVCOMP_ALGORITHMS = {"nvcomp-ans": "ANS", "nvcomp-bitcomp": "Bitcomp", "nvcomp-lz4": "LZ4"}
@@ -175,6 +176,24 @@ class GpuEngine:
         self._zero_sig: dict[int, bytes] = {}
         self._zero_lock = threading.Lock()
 
+    @contextmanager
+    def _lane(self) -> Iterator[_Lane]:
+        """Borrow a lane (stream, pinned frame, scratch, codec) for one chunk; blocks while all are busy."""
+        lane = self._lanes.get()
+        try:
+            yield lane
+        finally:
+            self._lanes.put(lane)
+
+    def _fetch(self, lane: _Lane, ptr: int, n: int) -> tuple[str, int]:
+        """Encode N bytes at PTR and copy the payload into LANE's frame; returns (codec, payload size)."""
+        codec, src, m = self._encode(lane, ptr, n)
+        _ck(_drv().cuMemcpyDtoHAsync(lane.frame.ptr + HEADER_SIZE, src, m, lane.stream), "cuMemcpyDtoHAsync")
+        lane.sync()
+        lane._keep = None
+        lane.frame_dirty = False
+        return codec, m
+
     def bind_thread(self) -> None:
         _ck(_drv().cuCtxSetCurrent(self.ctx), "cuCtxSetCurrent")
 
@@ -215,15 +234,10 @@ class GpuEngine:
             sig = self._zero_sig.get(n)
         if sig is not None:
             return sig
-        d = _drv()
-        _ck(d.cuMemsetD8Async(lane.scratch, 0, n, lane.stream), "cuMemsetD8Async")
-        codec, ptr, m = self._encode(lane, lane.scratch, n)
-        if codec == "raw":
-            sig = b"\x00"  # zeros did not compress: never matches a real payload length
-        else:
-            _ck(d.cuMemcpyDtoHAsync(lane.frame.ptr + HEADER_SIZE, ptr, m, lane.stream), "cuMemcpyDtoHAsync")
-            lane.sync()
-            sig = bytes(lane.frame.view[HEADER_SIZE:HEADER_SIZE + m])
+        _ck(_drv().cuMemsetD8Async(lane.scratch, 0, n, lane.stream), "cuMemsetD8Async")
+        codec, m = self._fetch(lane, lane.scratch, n)
+        # zeros that did not compress give b"\x00", which never matches a real payload length
+        sig = b"\x00" if codec == "raw" else bytes(lane.frame.view[HEADER_SIZE:HEADER_SIZE + m])
         with self._zero_lock:
             self._zero_sig[n] = sig
         return sig
@@ -238,7 +252,6 @@ class GpuEngine:
             return False
         if bytes(lane.frame.view[HEADER_SIZE:HEADER_SIZE + m]) == sig:
             return True
-        from .pipeline import is_zero
         _ck(_drv().cuMemcpyDtoHAsync(lane.frame.ptr + HEADER_SIZE, ptr, n, lane.stream), "cuMemcpyDtoHAsync")
         lane.sync()
         lane.frame_dirty = True
@@ -251,47 +264,34 @@ class GpuEngine:
         stages = Stages()
         fail = _Failure()
         t_start = time.perf_counter()
-        d = _drv()
         raw_total = 0
         # zero signatures for each chunk length we will meet, before the timed fan-out
-        lane0 = self._lanes.get()
-        try:
+        with self._lane() as lane0:
             for r in regions:
                 for n in {min(self.chunk_size, r.size), r.size % self.chunk_size or self.chunk_size}:
                     if n:
                         self.zero_signature(lane0, n)
-        finally:
-            self._lanes.put(lane0)
 
         def one(stream: Stream, idx: int, ptr: int, n: int) -> None:
             if fail.exc is not None:
                 return
-            lane = self._lanes.get()
             try:
-                self.bind_thread()
-                t0 = time.perf_counter()
-                codec, src, m = self._encode(lane, ptr, n)
-                _ck(d.cuMemcpyDtoHAsync(lane.frame.ptr + HEADER_SIZE, src, m, lane.stream), "cuMemcpyDtoHAsync")
-                lane.sync()
-                lane._keep = None
-                t1 = time.perf_counter()
-                stages.add("encode+D2H", t1 - t0, n)
-                if self._is_zero_chunk(lane, codec, ptr, n, m):
-                    stream.chunks[idx] = writer.note_zero(n)
-                else:
-                    if lane.frame_dirty:  # the zero check used the frame: fetch the payload again
-                        codec, src, m = self._encode(lane, ptr, n)
-                        _ck(d.cuMemcpyDtoHAsync(lane.frame.ptr + HEADER_SIZE, src, m, lane.stream), "cuMemcpyDtoHAsync")
-                        lane.sync()
-                        lane.frame_dirty = False
-                    stream.chunks[idx] = writer.put_chunk(codec, n, lane.frame.view, m)
-                stages.add("hash+write", time.perf_counter() - t1, m)
+                with self._lane() as lane:
+                    t0 = time.perf_counter()
+                    codec, m = self._fetch(lane, ptr, n)
+                    t1 = time.perf_counter()
+                    stages.add("encode+D2H", t1 - t0, n)
+                    if self._is_zero_chunk(lane, codec, ptr, n, m):
+                        stream.chunks[idx] = writer.note_zero(n)
+                    else:
+                        if lane.frame_dirty:  # the zero check used the frame: fetch the payload again
+                            codec, m = self._fetch(lane, ptr, n)
+                        stream.chunks[idx] = writer.put_chunk(codec, n, lane.frame.view, m)
+                    stages.add("hash+write", time.perf_counter() - t1, m)
                 if progress is not None:
                     progress.advance(n)
             except BaseException as e:  # noqa: BLE001
                 fail.set(e)
-            finally:
-                self._lanes.put(lane)
 
         with ThreadPoolExecutor(self.nlanes, thread_name_prefix="gpusnap-gpu",
                                 initializer=self.bind_thread) as ex:
@@ -307,19 +307,37 @@ class GpuEngine:
             for f in futs:
                 f.result()
         fail.raise_if_set()
-        st = writer.stats
-        stages.add("hash", st.hash_s, st.raw_bytes - st.zero_bytes)
-        stages.add("write", st.write_s, st.bytes_new)
-        return Result(raw_total, st.bytes_new, time.perf_counter() - t_start, stages,
-                      {"bytes_dedup": st.bytes_dedup, "zero_bytes": st.zero_bytes, "chunks_new": st.chunks_new,
-                       "chunks_dedup": st.chunks_dedup, "chunks_zero": st.chunks_zero})
+        return writer_result(writer, stages, time.perf_counter() - t_start, raw_total)
 
     # -- restore -------------------------------------------------------------------------------
+    def _restore_chunk(self, lane: _Lane, store: SnapshotStore, ref: ChunkRef, dst: int, stages: Stages) -> None:
+        """One chunk into DST: memset for zeros, else read + verify, H2D, and decode on the GPU."""
+        d = _drv()
+        n = ref.raw_len
+        if ref.is_zero:
+            _ck(d.cuMemsetD8Async(dst, 0, n, lane.stream), "cuMemsetD8Async")
+            lane.sync()
+            return
+        t0 = time.perf_counter()
+        store.read_chunk(ref, lane.frame)  # verified; payload at HEADER_SIZE
+        t1 = time.perf_counter()
+        stages.add("read+verify", t1 - t0, ref.stored_len)
+        src = lane.frame.ptr + HEADER_SIZE
+        if ref.codec == "raw":
+            _ck(d.cuMemcpyHtoDAsync(dst, src, n, lane.stream), "cuMemcpyHtoDAsync")
+        elif ref.codec in NVCOMP_ALGORITHMS:
+            if lane.codec is None:
+                raise GpuEngineError("a raw-only engine cannot decode nvCOMP chunks")
+            _ck(d.cuMemcpyHtoDAsync(lane.scratch, src, ref.stored_len, lane.stream), "cuMemcpyHtoDAsync")
+            _decode_into(_nvcomp(), lane, ref.stored_len, dst, n)
+        else:
+            raise GpuEngineError(f"chunk codec {ref.codec!r} is not a GPU codec")
+        lane.sync()
+        stages.add("H2D+decode", time.perf_counter() - t1, n)
+
     def restore(self, store: SnapshotStore, manifest: Manifest, targets: dict[str, Region], *,
                 progress: Any = None) -> Result:
         """Write every blob stream of MANIFEST into the target region of the same name, verified."""
-        d = _drv()
-        nv = _nvcomp()
         stages = Stages()
         fail = _Failure()
         t_start = time.perf_counter()
@@ -343,38 +361,15 @@ class GpuEngine:
         def one(s: Stream, i: int, ref: ChunkRef, dst: int) -> None:
             if fail.exc is not None:
                 return
-            lane = self._lanes.get()
             try:
-                self.bind_thread()
-                n = ref.raw_len
-                if ref.is_zero:
-                    _ck(d.cuMemsetD8Async(dst, 0, n, lane.stream), "cuMemsetD8Async")
-                    lane.sync()
-                else:
-                    t0 = time.perf_counter()
-                    store.read_chunk(ref, lane.frame)  # verified; payload at HEADER_SIZE
-                    t1 = time.perf_counter()
-                    stages.add("read+verify", t1 - t0, ref.stored_len)
-                    src = lane.frame.ptr + HEADER_SIZE
-                    if ref.codec == "raw":
-                        _ck(d.cuMemcpyHtoDAsync(dst, src, n, lane.stream), "cuMemcpyHtoDAsync")
-                    elif ref.codec in NVCOMP_ALGORITHMS:
-                        if lane.codec is None:
-                            raise GpuEngineError("a raw-only engine cannot decode nvCOMP chunks")
-                        _ck(d.cuMemcpyHtoDAsync(lane.scratch, src, ref.stored_len, lane.stream), "cuMemcpyHtoDAsync")
-                        _decode_into(nv, lane, ref.stored_len, dst, n)
-                    else:
-                        raise GpuEngineError(f"chunk codec {ref.codec!r} is not a GPU codec")
-                    lane.sync()
-                    stages.add("H2D+decode", time.perf_counter() - t1, n)
+                with self._lane() as lane:
+                    self._restore_chunk(lane, store, ref, dst, stages)
                 if progress is not None:
-                    progress.advance(n)
+                    progress.advance(ref.raw_len)
             except ChunkError as e:
                 fail.set(StoreError(f"snapshot {manifest.name!r} is damaged: {s.name} chunk {i}: {e.what}"))
             except BaseException as e:  # noqa: BLE001
                 fail.set(e)
-            finally:
-                self._lanes.put(lane)
 
         with ThreadPoolExecutor(self.nlanes, thread_name_prefix="gpusnap-gpu",
                                 initializer=self.bind_thread) as ex:
@@ -389,18 +384,6 @@ class GpuEngine:
                 f.result()
         fail.raise_if_set()
         return Result(sum(s.size for s in streams), stored, time.perf_counter() - t_start, stages)
-
-
-def gpu_available() -> bool:
-    """True where a CUDA driver with at least one GPU answers (no exception either way)."""
-    try:
-        d = _drv()
-        if int(d.cuInit(0)[0]) != 0:
-            return False
-        err, n = d.cuDeviceGetCount()
-        return int(err) == 0 and n > 0
-    except Exception:  # noqa: BLE001
-        return False
 
 
 def _decode_into(nv: Any, lane: _Lane, stored: int, dst: int, n: int) -> None:

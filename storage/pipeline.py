@@ -302,11 +302,15 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
         for f in futures:
             f.result()
         fail.raise_if_set()
-    seconds = time.perf_counter() - t_start
+    return writer_result(writer, stages, time.perf_counter() - t_start)
+
+
+def writer_result(writer: SnapshotWriter, stages: Stages, seconds: float, raw_bytes: int | None = None) -> Result:
+    """The Result of a put into WRITER: its hash/write stage times and its dedup/zero counts added."""
     st = writer.stats
     stages.add("hash", st.hash_s, st.raw_bytes - st.zero_bytes)
     stages.add("write", st.write_s, st.bytes_new)
-    return Result(st.raw_bytes, st.bytes_new, seconds, stages,
+    return Result(st.raw_bytes if raw_bytes is None else raw_bytes, st.bytes_new, seconds, stages,
                   {"bytes_dedup": st.bytes_dedup, "zero_bytes": st.zero_bytes, "chunks_new": st.chunks_new,
                    "chunks_dedup": st.chunks_dedup, "chunks_zero": st.chunks_zero})
 
