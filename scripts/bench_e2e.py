@@ -55,6 +55,29 @@ def timed(stages: dict, name: str, fn, *a, **k):
     return out
 
 
+def baseline(criu: Criu, drv: CudaDriver, gb: float, mix: str, work: str) -> dict:
+    """NVIDIA's own path: driver lock+checkpoint, plain CRIU to disk (+sync), cold restore, driver restore."""
+    base: dict = {}
+    with Workload(gb, mix=mix, seed=21, detached=True) as w:
+        images = os.path.join(work, "baseline")
+        os.mkdir(images)
+        timed(base, "driver_lock+checkpoint", checkpoint_all, drv, [w.pid])
+
+        def dump() -> None:
+            criu.dump(w.pid, images)
+            os.sync()
+        timed(base, "criu_dump+sync", dump)
+        w.reap()
+        base["image_bytes"] = du(images)
+        drop_caches(required=True)
+        timed(base, "criu_restore", criu.restore, images, detach=True)
+        timed(base, "driver_restore+unlock", restore_all, drv, [w.pid])
+        base["verified"] = w.verify()
+        shutil.rmtree(images)
+    base["total"] = sum(v for v in base.values() if isinstance(v, float))
+    return base
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--gb", type=float, default=24)
@@ -69,29 +92,12 @@ def main() -> None:
     result: dict = {"date": time.strftime("%Y-%m-%d"), "gb": a.gb, "mix": a.mix, "criu": criu.version}
     try:
         if not a.skip_baseline:
-          try:
-            base: dict = {}
-            with Workload(a.gb, mix=a.mix, seed=21, detached=True) as w:
-                images = os.path.join(work, "baseline")
-                os.mkdir(images)
-                timed(base, "driver_lock+checkpoint", checkpoint_all, drv, [w.pid])
-                def dump() -> None:
-                    criu.dump(w.pid, images)
-                    os.sync()
-                timed(base, "criu_dump+sync", dump)
-                w.reap()
-                base["image_bytes"] = du(images)
-                drop_caches(required=True)
-                timed(base, "criu_restore", criu.restore, images, detach=True)
-                timed(base, "driver_restore+unlock", restore_all, drv, [w.pid])
-                base["verified"] = w.verify()
-                shutil.rmtree(images)
-            base["total"] = sum(v for k, v in base.items() if isinstance(v, float))
-            result["baseline"] = base
-            print("baseline", json.dumps(base))
-          except Exception as e:  # noqa: BLE001 - report and still measure gpusnap
-            result["baseline_error"] = repr(e)
-            print("baseline failed:", repr(e))
+            try:
+                result["baseline"] = baseline(criu, drv, a.gb, a.mix, work)
+                print("baseline", json.dumps(result["baseline"]))
+            except Exception as e:  # noqa: BLE001 - report and still measure gpusnap
+                result["baseline_error"] = repr(e)
+                print("baseline failed:", repr(e))
         g: dict = {}
         store = os.path.join(work, "store")
         with Workload(a.gb, mix=a.mix, seed=21, detached=True) as w:

@@ -386,11 +386,10 @@ def get(store: SnapshotStore, manifest: Manifest, sink: Sink, *, workers: int | 
                 w = sink.open(spec)
                 if w is None:
                     continue
-                data_chunks = [(i, c) for i, c in enumerate(s.chunks)]
-                nonzero = sum(1 for _, c in data_chunks if not c.is_zero)
+                nonzero = sum(1 for c in s.chunks if not c.is_zero)
                 out = _OpenStream(w, nonzero + 1)
                 offset = 0
-                for i, c in data_chunks:
+                for i, c in enumerate(s.chunks):
                     if c.is_zero:
                         if progress is not None:
                             progress.advance(c.raw_len)
