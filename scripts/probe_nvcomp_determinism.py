@@ -6,7 +6,7 @@ sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
 import numpy as np
 import torch
 from nvidia import nvcomp
-from storage.gpu_engine import DeviceBytes
+from storage.device import DeviceBytes
 
 n = 64 << 20
 g = torch.Generator(device="cuda").manual_seed(1)

@@ -1,67 +1,44 @@
-"""The GPU data path: device regions into the store and back, compressed on the GPU by nvCOMP.
+"""The GPU data path: device regions into the store or the memory tier and back, compressed on the GPU.
 
-checkpoint: region chunk --nvCOMP encode (GPU)--> --D2H into a pinned frame--> zero test --> hash + write
-restore:    read + verify into a pinned frame --H2D--> --nvCOMP decode straight into the target region
+checkpoint: region chunk --encode on the device--> --D2H into its landing place--> zero test --> hash (+ write)
+restore:    payload (read + verify, or straight from the memory tier) --H2D--> --decode into the target region
 
-Each of N lanes owns a CUDA stream, a pinned host frame (laid out like a chunk file, so the bytes the
-GPU produced are written from where they landed), a device scratch buffer and its own nvCOMP codec
-(codecs are not thread-safe); lanes are allocated once per engine and reused for every chunk.
-A chunk is stored raw when compression does not pay, and as nothing when it is all zeros: a
-chunk whose encoding equals the encoding of zeros of the same length decodes to zeros (decoding is
-deterministic), so zero detection costs no extra kernel.
+Each of N lanes owns a stream, a pinned host frame (laid out like a chunk file, so the bytes the
+device produced are written from where they landed), device scratch and output buffers and its own
+codec (nvCOMP codecs are not thread-safe); lanes are allocated once per engine and reused.
+Where the chunks land depends on the target: a SnapshotWriter (directory store: the lane's frame,
+then a chunk file) or a memtier.PoolWriter (resident pinned pool: the D2H lands in the pool slot
+itself, no further copy). A chunk is stored raw when compression does not pay, and as nothing when it
+is all zeros: a chunk whose encoding equals the encoding of zeros of the same length decodes to zeros
+(decoding is deterministic), so zero detection costs no extra kernel.
 
-The regions are device pointers valid in this process: what cuCheckpointProcessCheckpoint's custom
-storage maps, or (tests and benchmarks on drivers without it) another process's memory opened
-through CUDA IPC. Imports cuda.bindings and nvidia.nvcomp lazily; nothing here runs without a GPU.
+The device is a storage.device.Device: CudaDevice (the product: regions are device pointers valid in
+this process, what cuCheckpointProcessCheckpoint's custom storage maps, or, on drivers without it,
+another process's memory opened through CUDA IPC in tests and benchmarks) or HostDevice (host memory
+standing in for device memory, zstd on the CPU: the same engine tested in CI without a GPU).
 """
 from __future__ import annotations
 
-import ctypes
 import queue
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Iterator, Union
 
 from .chunkfile import HEADER_SIZE, ChunkError
-from .directio import ALIGN, align_up
+from .device import NVCOMP_ALGORITHMS, CudaDevice, Device, DeviceError, HostBuffer
+from .directio import ALIGN
 from .manifest import ChunkRef, Manifest, Stream
+from .memtier import MemoryTierError, PinnedPool, PoolWriter, Slot
 from .pipeline import Result, Stages, _Failure, is_zero, missing_chunks, writer_result
 from .store import SnapshotStore, SnapshotWriter, StoreError
 
-NVCOMP_ALGORITHMS = {"nvcomp-ans": "ANS", "nvcomp-bitcomp": "Bitcomp", "nvcomp-lz4": "LZ4"}
 PAYS_OFF_RATIO = 0.97
-
-
-class GpuEngineError(Exception):
-    """A CUDA or nvCOMP call in the GPU data path failed, or the GPU path is unavailable here."""
-
-
-def _drv() -> Any:
-    try:
-        from cuda.bindings import driver  # noqa: PLC0415
-    except ImportError as e:
-        raise GpuEngineError(f"the GPU data path needs cuda-bindings: {e}") from None
-    return driver
-
-
-def _nvcomp() -> Any:
-    try:
-        from nvidia import nvcomp  # noqa: PLC0415
-    except ImportError as e:
-        raise GpuEngineError(f"the GPU data path needs nvidia-nvcomp-cu13: {e}") from None
-    return nvcomp
-
-
-def _ck(out: Any, what: str) -> Any:
-    err = out[0] if isinstance(out, tuple) else out
-    if int(err) != 0:
-        raise GpuEngineError(f"{what} failed: {getattr(err, 'name', err)}")
-    if isinstance(out, tuple):
-        return out[1] if len(out) == 2 else out[1:]
-    return None
+GpuEngineError = DeviceError  # one exception type for the GPU data path (device.py raises it)
+Target = Union[SnapshotWriter, PoolWriter]
+Source = Union[SnapshotStore, PinnedPool]
 
 
 @dataclass(frozen=True)
@@ -73,53 +50,13 @@ class Region:
     size: int
 
 
-class DeviceBytes:
-    """A device pointer and length seen by nvCOMP as a uint8 array (CUDA array interface v3)."""
-
-    def __init__(self, ptr: int, n: int) -> None:
-        self.__cuda_array_interface__ = {"shape": (n,), "typestr": "|u1", "data": (ptr, False),
-                                         "version": 3, "strides": None}
-
-
-class PinnedBuffer:
-    """Page-locked host memory from cuMemHostAlloc, exposed as a memoryview (DMA-able, O_DIRECT-able)."""
-
-    def __init__(self, size: int) -> None:
-        d = _drv()
-        self.size = align_up(size)
-        self.ptr = int(_ck(d.cuMemHostAlloc(self.size, 0), f"cuMemHostAlloc({self.size})"))
-        if self.ptr % ALIGN:
-            raise GpuEngineError("pinned allocation is not page aligned")
-        self.view = memoryview((ctypes.c_char * self.size).from_address(self.ptr)).cast("B")
-
-    def close(self) -> None:
-        self.view.release()
-        _drv().cuMemFreeHost(self.ptr)
-
-
-_CONTEXTS: dict[int, Any] = {}
-_CONTEXTS_LOCK = threading.Lock()
-
-
-def primary_context(device: int) -> Any:
-    """The device's primary context, retained once per process and kept (shared with nvCOMP/torch)."""
-    with _CONTEXTS_LOCK:
-        ctx = _CONTEXTS.get(device)
-        if ctx is None:
-            d = _drv()
-            dev = _ck(d.cuDeviceGet(device), "cuDeviceGet")
-            ctx = _CONTEXTS[device] = _ck(d.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
-        return ctx
-
-
 class _Lane:
     def __init__(self, engine: "GpuEngine") -> None:
-        d = _drv()
-        self._keep: Any = None
+        dev = self.dev = engine.dev
+        self.stream = dev.new_stream()
+        self.frame: HostBuffer = dev.pinned(HEADER_SIZE + engine.chunk_size + ALIGN)
         self.frame_dirty = False
-        self.stream = _ck(d.cuStreamCreate(1), "cuStreamCreate")  # non-blocking w.r.t. the null stream
-        self.frame = PinnedBuffer(HEADER_SIZE + engine.chunk_size + ALIGN)
-        self.scratch = int(_ck(d.cuMemAlloc(engine.chunk_size + (1 << 20)), "cuMemAlloc"))
+        self.scratch = dev.alloc(engine.chunk_size + (1 << 20))
         # nvCOMP leaves padding between its compressed blocks unwritten: encoding into a zeroed buffer
         # of the worst-case size (ANS asks for ~1.41x) keeps stale bytes out of chunks and makes
         # Bitcomp and LZ4 output equal for equal input, which dedup and the zero signature rely on.
@@ -127,49 +64,81 @@ class _Lane:
         # scripts/probe_nvcomp_determinism.py, scripts/probe_engine_dedup.py), so ANS chunks seldom
         # dedup; choose nvcomp-bitcomp where dedup matters more than the ratio.
         self.out_cap = engine.chunk_size * 3 // 2 + (4 << 20)
-        self.out = int(_ck(d.cuMemAlloc(self.out_cap), "cuMemAlloc"))
-        self._algo = NVCOMP_ALGORITHMS.get(engine.codec)
-        self._nvchunk, self._device = engine.nvcomp_chunk, engine.device
-        self.codec = None if self._algo is None else self.new_codec()
-
-    def new_codec(self) -> Any:
-        return _nvcomp().Codec(algorithm=self._algo, uncomp_chunk_size=self._nvchunk,
-                               cuda_stream=int(self.stream), device_id=self._device)
+        self.out = dev.alloc(self.out_cap)
+        self.codec = None if engine.codec == "raw" else dev.codec(engine.codec, self.stream, engine.nvcomp_chunk)
 
     def sync(self) -> None:
-        _ck(_drv().cuStreamSynchronize(self.stream), "cuStreamSynchronize")
+        self.dev.sync(self.stream)
 
     def close(self) -> None:
-        d = _drv()
+        dev = self.dev
         self.sync()
-        self._keep = None
         self.codec = None  # nvCOMP's own buffers are freed here, while the context is alive
-        d.cuMemFree(self.scratch)
-        d.cuMemFree(self.out)
-        d.cuStreamDestroy(self.stream)
+        dev.free(self.scratch)
+        dev.free(self.out)
+        dev.destroy_stream(self.stream)
         self.frame.close()
 
 
-class GpuEngine:
-    """Lanes of streams, pinned frames and codecs on one GPU; a context manager."""
+class _Landing:
+    """Where one chunk's encoded bytes land on the host, and how they are kept or dropped."""
 
-    def __init__(self, device: int = 0, *, codec: str = "nvcomp-ans", chunk_size: int = 64 << 20,
+    def __init__(self, lane: _Lane, target: Target, m: int) -> None:
+        self.slot: Slot | None = None
+        if isinstance(target, PoolWriter):
+            self.slot = target.pool.reserve(m)
+            self.ptr, self.view = self.slot.ptr, self.slot.view[:m]
+        else:
+            self.ptr = lane.frame.ptr + HEADER_SIZE
+            self.view = lane.frame.view[HEADER_SIZE:HEADER_SIZE + m]
+
+    def keep(self, lane: _Lane, target: Target, codec: str, n: int, m: int) -> ChunkRef:
+        self.view.release()
+        if self.slot is not None:
+            assert isinstance(target, PoolWriter)
+            ref = target.put_slot(self.slot, codec, n, m)
+            self.slot = None
+            return ref
+        assert isinstance(target, SnapshotWriter)
+        return target.put_chunk(codec, n, lane.frame.view, m)
+
+    def drop(self, target: Target) -> None:
+        self.view.release()
+        if self.slot is not None:
+            assert isinstance(target, PoolWriter)
+            target.pool.release(self.slot)
+            self.slot = None
+
+
+class GpuEngine:
+    """Lanes of streams, pinned frames and codecs on one device; a context manager.
+
+    device: a GPU index (CudaDevice) or a Device. codec: "raw" or one of the device's codecs
+    (default: the device's first, nvcomp-ans on a GPU, zstd on the host stand-in).
+    """
+
+    def __init__(self, device: int | Device = 0, *, codec: str | None = None, chunk_size: int = 64 << 20,
                  lanes: int = 8, nvcomp_chunk: int = 64 << 10) -> None:
-        if codec != "raw" and codec not in NVCOMP_ALGORITHMS:
-            raise GpuEngineError(f"unknown GPU codec {codec!r}; choose from raw, {', '.join(NVCOMP_ALGORITHMS)}")
-        if chunk_size % ALIGN:
-            raise GpuEngineError("chunk size must be a multiple of 4096")
-        d = _drv()
-        try:
-            init = d.cuInit(0)
-        except Exception as e:  # noqa: BLE001 - no libcuda on this machine
-            raise GpuEngineError(f"no NVIDIA driver here ({type(e).__name__})") from None
-        _ck(init, "cuInit")
-        self.device, self.codec, self.chunk_size, self.nvcomp_chunk = device, codec, chunk_size, nvcomp_chunk
-        self.ctx = primary_context(device)
+        if chunk_size % ALIGN or chunk_size <= 0:
+            raise GpuEngineError("chunk size must be a positive multiple of 4096")
+        if lanes < 1:
+            raise GpuEngineError("an engine needs at least one lane")
+        self.dev: Device = CudaDevice(device) if isinstance(device, int) else device
+        codec = codec or self.dev.codecs[0]
+        if codec != "raw" and codec not in self.dev.codecs:
+            raise GpuEngineError(f"unknown codec {codec!r} for {self.dev.name}; choose from raw, "
+                                 f"{', '.join(self.dev.codecs)}")
+        self.codec, self.chunk_size, self.nvcomp_chunk = codec, chunk_size, nvcomp_chunk
+        self.device = getattr(self.dev, "index", 0)
         self.bind_thread()
         self._lanes: queue.SimpleQueue[_Lane] = queue.SimpleQueue()
-        self._all = [_Lane(self) for _ in range(lanes)]
+        self._all: list[_Lane] = []
+        try:
+            for _ in range(lanes):
+                self._all.append(_Lane(self))
+        except BaseException:
+            self.close()
+            raise
         for lane in self._all:
             self._lanes.put(lane)
         self.nlanes = lanes
@@ -185,25 +154,21 @@ class GpuEngine:
         finally:
             self._lanes.put(lane)
 
-    def _fetch(self, lane: _Lane, ptr: int, n: int) -> tuple[str, int]:
-        """Encode N bytes at PTR and copy the payload into LANE's frame; returns (codec, payload size)."""
-        codec, src, m = self._encode(lane, ptr, n)
-        _ck(_drv().cuMemcpyDtoHAsync(lane.frame.ptr + HEADER_SIZE, src, m, lane.stream), "cuMemcpyDtoHAsync")
-        lane.sync()
-        lane._keep = None
-        lane.frame_dirty = False
-        return codec, m
+    @property
+    def lanes_free(self) -> int:
+        """Lanes not borrowed right now (all of them between operations: the staging pool accounting)."""
+        return self._lanes.qsize()
 
     def bind_thread(self) -> None:
-        _ck(_drv().cuCtxSetCurrent(self.ctx), "cuCtxSetCurrent")
+        self.dev.bind_thread()
 
     def close(self) -> None:
         self.bind_thread()
         for lane in self._all:
             lane.close()
         self._all.clear()
-        # The primary context stays retained for the life of the process (primary_context):
-        # nvCOMP keeps per-context state that must not outlive it.
+        # A CUDA device's primary context stays retained for the life of the process
+        # (device.primary_context): nvCOMP keeps per-context state that must not outlive it.
 
     def __enter__(self) -> "GpuEngine":
         return self
@@ -216,15 +181,17 @@ class GpuEngine:
         """Encode N bytes at PTR on LANE; returns (codec, device pointer of the payload, its size)."""
         if lane.codec is None:
             return "raw", ptr, n
-        nv = _nvcomp()
-        _ck(_drv().cuMemsetD8Async(lane.out, 0, lane.out_cap, lane.stream), "cuMemsetD8Async")
-        codec = lane.codec
-        enc = codec.encode(nv.as_array(DeviceBytes(ptr, n)), out=nv.as_array(DeviceBytes(lane.out, lane.out_cap)))
-        lane._keep = (enc, codec)  # both must outlive the stream work that follows
-        m = int(enc.buffer_size)
+        self.dev.memset0(lane.out, lane.out_cap, lane.stream)
+        m = lane.codec.encode(ptr, n, lane.out, lane.out_cap)
         if m > PAYS_OFF_RATIO * n or m > self.chunk_size:
             return "raw", ptr, n
         return self.codec, lane.out, m
+
+    def _d2h(self, lane: _Lane, dst: int, src: int, m: int) -> None:
+        self.dev.d2h(dst, src, m, lane.stream)
+        lane.sync()
+        if lane.codec is not None and hasattr(lane.codec, "release"):
+            lane.codec.release()
 
     def zero_signature(self, lane: _Lane, n: int) -> bytes | None:
         """The encoding of N zero bytes (computed once per length), or None for the raw codec."""
@@ -234,33 +201,59 @@ class GpuEngine:
             sig = self._zero_sig.get(n)
         if sig is not None:
             return sig
-        _ck(_drv().cuMemsetD8Async(lane.scratch, 0, n, lane.stream), "cuMemsetD8Async")
-        codec, m = self._fetch(lane, lane.scratch, n)
+        self.dev.memset0(lane.scratch, n, lane.stream)
+        codec, src, m = self._encode(lane, lane.scratch, n)
+        self._d2h(lane, lane.frame.ptr + HEADER_SIZE, src, m)
         # zeros that did not compress give b"\x00", which never matches a real payload length
         sig = b"\x00" if codec == "raw" else bytes(lane.frame.view[HEADER_SIZE:HEADER_SIZE + m])
         with self._zero_lock:
             self._zero_sig[n] = sig
         return sig
 
-    def _is_zero_chunk(self, lane: _Lane, codec: str, ptr: int, n: int, m: int) -> bool:
-        """Exact: the payload equals the encoding of zeros, or (same size, other bytes) the raw chunk,
+    def _is_zero_chunk(self, lane: _Lane, codec: str, ptr: int, n: int, payload: memoryview) -> bool:
+        """Exact: PAYLOAD equals the encoding of zeros, or (same size, other bytes) the raw chunk,
         copied to the host, is all zeros."""
         if codec == "raw":
             return False
         sig = self._zero_sig.get(n)
-        if sig is None or m != len(sig):
+        if sig is None or len(payload) != len(sig):
             return False
-        if bytes(lane.frame.view[HEADER_SIZE:HEADER_SIZE + m]) == sig:
+        if payload == sig:
             return True
-        _ck(_drv().cuMemcpyDtoHAsync(lane.frame.ptr + HEADER_SIZE, ptr, n, lane.stream), "cuMemcpyDtoHAsync")
-        lane.sync()
+        self._d2h(lane, lane.frame.ptr + HEADER_SIZE, ptr, n)
         lane.frame_dirty = True
         return is_zero(lane.frame.view[HEADER_SIZE:HEADER_SIZE + n])
 
+    def _checkpoint_chunk(self, lane: _Lane, target: Target, ptr: int, n: int, stages: Stages) -> ChunkRef:
+        t0 = time.perf_counter()
+        codec, src, m = self._encode(lane, ptr, n)
+        land = _Landing(lane, target, m)
+        try:
+            self._d2h(lane, land.ptr, src, m)
+            t1 = time.perf_counter()
+            stages.add("encode+D2H", t1 - t0, n)
+            lane.frame_dirty = False
+            if self._is_zero_chunk(lane, codec, ptr, n, land.view):
+                land.drop(target)
+                return target.note_zero(n)
+            if lane.frame_dirty and land.slot is None:  # the zero check used the frame: fetch again
+                codec, src, m = self._encode(lane, ptr, n)
+                land.view.release()
+                land = _Landing(lane, target, m)
+                self._d2h(lane, land.ptr, src, m)
+            pooled = land.slot is not None
+            ref = land.keep(lane, target, codec, n, m)
+            stages.add("hash+index" if pooled else "hash+write", time.perf_counter() - t1, m)
+            return ref
+        except BaseException:
+            land.drop(target)
+            raise
+
     # -- checkpoint ----------------------------------------------------------------------------
-    def checkpoint(self, writer: SnapshotWriter, regions: list[Region], *, progress: Any = None,
+    def checkpoint(self, writer: Target, regions: list[Region], *, progress: Any = None,
                    attrs: dict[str, Any] | None = None) -> Result:
-        """Stream every region into WRITER as a `blob` stream (the caller commits)."""
+        """Stream every region into WRITER (a store's SnapshotWriter or the memory tier's PoolWriter)
+        as `blob` streams; the caller commits."""
         stages = Stages()
         fail = _Failure()
         t_start = time.perf_counter()
@@ -277,17 +270,7 @@ class GpuEngine:
                 return
             try:
                 with self._lane() as lane:
-                    t0 = time.perf_counter()
-                    codec, m = self._fetch(lane, ptr, n)
-                    t1 = time.perf_counter()
-                    stages.add("encode+D2H", t1 - t0, n)
-                    if self._is_zero_chunk(lane, codec, ptr, n, m):
-                        stream.chunks[idx] = writer.note_zero(n)
-                    else:
-                        if lane.frame_dirty:  # the zero check used the frame: fetch the payload again
-                            codec, m = self._fetch(lane, ptr, n)
-                        stream.chunks[idx] = writer.put_chunk(codec, n, lane.frame.view, m)
-                    stages.add("hash+write", time.perf_counter() - t1, m)
+                    stream.chunks[idx] = self._checkpoint_chunk(lane, writer, ptr, n, stages)
                 if progress is not None:
                     progress.advance(n)
             except BaseException as e:  # noqa: BLE001
@@ -307,37 +290,45 @@ class GpuEngine:
             for f in futs:
                 f.result()
         fail.raise_if_set()
-        return writer_result(writer, stages, time.perf_counter() - t_start, raw_total)
+        return writer_result(writer, stages, time.perf_counter() - t_start, raw_total)  # type: ignore[arg-type]
 
     # -- restore -------------------------------------------------------------------------------
-    def _restore_chunk(self, lane: _Lane, store: SnapshotStore, ref: ChunkRef, dst: int, stages: Stages) -> None:
-        """One chunk into DST: memset for zeros, else read + verify, H2D, and decode on the GPU."""
-        d = _drv()
+    def _restore_chunk(self, lane: _Lane, source: Source, ref: ChunkRef, dst: int, stages: Stages) -> None:
+        """One chunk into DST: memset for zeros, else the verified payload, H2D, and decode on the device."""
+        dev = self.dev
         n = ref.raw_len
         if ref.is_zero:
-            _ck(d.cuMemsetD8Async(dst, 0, n, lane.stream), "cuMemsetD8Async")
+            dev.memset0(dst, n, lane.stream)
             lane.sync()
             return
         t0 = time.perf_counter()
-        store.read_chunk(ref, lane.frame)  # verified; payload at HEADER_SIZE
-        t1 = time.perf_counter()
-        stages.add("read+verify", t1 - t0, ref.stored_len)
-        src = lane.frame.ptr + HEADER_SIZE
-        if ref.codec == "raw":
-            _ck(d.cuMemcpyHtoDAsync(dst, src, n, lane.stream), "cuMemcpyHtoDAsync")
-        elif ref.codec in NVCOMP_ALGORITHMS:
-            if lane.codec is None:
-                raise GpuEngineError("a raw-only engine cannot decode nvCOMP chunks")
-            _ck(d.cuMemcpyHtoDAsync(lane.scratch, src, ref.stored_len, lane.stream), "cuMemcpyHtoDAsync")
-            _decode_into(_nvcomp(), lane, ref.stored_len, dst, n)
+        if isinstance(source, PinnedPool):
+            src, view = source.payload(ref)  # verified when the pool verifies reads
+            view.release()
+            stages.add("verify" if source.verify_reads else "lookup", time.perf_counter() - t0, ref.stored_len)
         else:
-            raise GpuEngineError(f"chunk codec {ref.codec!r} is not a GPU codec")
+            source.read_chunk(ref, lane.frame)  # verified; payload at HEADER_SIZE
+            src = lane.frame.ptr + HEADER_SIZE
+            stages.add("read+verify", time.perf_counter() - t0, ref.stored_len)
+        t1 = time.perf_counter()
+        if ref.codec == "raw":
+            dev.h2d(dst, src, n, lane.stream)
+        elif ref.codec in dev.codecs:
+            if lane.codec is None:
+                raise GpuEngineError("a raw-only engine cannot decode compressed chunks")
+            dev.h2d(lane.scratch, src, ref.stored_len, lane.stream)
+            lane.codec.decode(lane.scratch, ref.stored_len, dst, n)
+        else:
+            raise GpuEngineError(f"chunk codec {ref.codec!r} is not a codec of {dev.name}")
         lane.sync()
+        if hasattr(lane.codec, "release"):
+            lane.codec.release()  # type: ignore[union-attr]
         stages.add("H2D+decode", time.perf_counter() - t1, n)
 
-    def restore(self, store: SnapshotStore, manifest: Manifest, targets: dict[str, Region], *,
+    def restore(self, source: Source, manifest: Manifest, targets: dict[str, Region], *,
                 progress: Any = None) -> Result:
-        """Write every blob stream of MANIFEST into the target region of the same name, verified."""
+        """Write every blob stream of MANIFEST (from a SnapshotStore or the memory tier) into the
+        target region of the same name, every payload verified before it is used."""
         stages = Stages()
         fail = _Failure()
         t_start = time.perf_counter()
@@ -352,10 +343,11 @@ class GpuEngine:
                 if c.raw_len > self.chunk_size or c.stored_len > self.chunk_size:
                     raise GpuEngineError(f"snapshot chunks of {c.raw_len} bytes exceed this engine's "
                                          f"{self.chunk_size}-byte lanes; open the engine with a larger chunk size")
-        missing = missing_chunks(store, manifest)
+        missing = source.missing(manifest) if isinstance(source, PinnedPool) else missing_chunks(source, manifest)
         if missing:
-            raise StoreError(f"snapshot {manifest.name!r} is damaged: {len(missing)} chunk(s) missing; "
-                             "no GPU memory was written")
+            err = MemoryTierError if isinstance(source, PinnedPool) else StoreError
+            raise err(f"snapshot {manifest.name!r} is damaged: {len(missing)} chunk(s) missing; "
+                      "no GPU memory was written")
         stored = 0
 
         def one(s: Stream, i: int, ref: ChunkRef, dst: int) -> None:
@@ -363,11 +355,12 @@ class GpuEngine:
                 return
             try:
                 with self._lane() as lane:
-                    self._restore_chunk(lane, store, ref, dst, stages)
+                    self._restore_chunk(lane, source, ref, dst, stages)
                 if progress is not None:
                     progress.advance(ref.raw_len)
             except ChunkError as e:
-                fail.set(StoreError(f"snapshot {manifest.name!r} is damaged: {s.name} chunk {i}: {e.what}"))
+                err = MemoryTierError if isinstance(source, PinnedPool) else StoreError
+                fail.set(err(f"snapshot {manifest.name!r} is damaged: {s.name} chunk {i}: {e.what}"))
             except BaseException as e:  # noqa: BLE001
                 fail.set(e)
 
@@ -384,19 +377,3 @@ class GpuEngine:
                 f.result()
         fail.raise_if_set()
         return Result(sum(s.size for s in streams), stored, time.perf_counter() - t_start, stages)
-
-
-def _decode_into(nv: Any, lane: _Lane, stored: int, dst: int, n: int) -> None:
-    """Decode LANE.scratch[:stored] into DST (N bytes) on the lane's stream, in place when nvCOMP can."""
-    src = nv.as_array(DeviceBytes(lane.scratch, stored))
-    try:
-        lane.codec.decode(src, out=nv.as_array(DeviceBytes(dst, n)))  # type: ignore[union-attr]
-        return
-    except TypeError:
-        pass  # an nvCOMP without external output buffers: decode, then copy on the device
-    out = lane.codec.decode(src)  # type: ignore[union-attr]
-    if int(out.buffer_size) != n:
-        raise GpuEngineError(f"nvCOMP decoded {int(out.buffer_size)} bytes, expected {n}")
-    ptr = int(out.__cuda_array_interface__["data"][0])
-    _ck(_drv().cuMemcpyDtoDAsync(dst, ptr, n, lane.stream), "cuMemcpyDtoDAsync")
-    lane.sync()

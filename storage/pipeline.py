@@ -309,7 +309,8 @@ def writer_result(writer: SnapshotWriter, stages: Stages, seconds: float, raw_by
     """The Result of a put into WRITER: its hash/write stage times and its dedup/zero counts added."""
     st = writer.stats
     stages.add("hash", st.hash_s, st.raw_bytes - st.zero_bytes)
-    stages.add("write", st.write_s, st.bytes_new)
+    if st.write_s:
+        stages.add("write", st.write_s, st.bytes_new)
     return Result(st.raw_bytes if raw_bytes is None else raw_bytes, st.bytes_new, seconds, stages,
                   {"bytes_dedup": st.bytes_dedup, "zero_bytes": st.zero_bytes, "chunks_new": st.chunks_new,
                    "chunks_dedup": st.chunks_dedup, "chunks_zero": st.chunks_zero})

@@ -183,17 +183,18 @@ def test_thp_always_vs_madvise_on_the_drivers_host_copy(drv) -> None:
 
 # ---- the GPU data path engine, driven through CUDA IPC (the stand-in for custom storage) ----
 
-@pytest.mark.parametrize("tier", ["shm", "disk"])
+@pytest.mark.parametrize("tier", ["shm", "disk", "pool"])
 @pytest.mark.parametrize("mix", ["realistic", "pessimistic", "random", "zeros"])
 def test_engine_round_trip(tmp_path: Path, tier: str, mix: str) -> None:
     from storage.gpu_engine import GpuEngine, Region
+    from storage.memtier import PinnedPool
     from storage.store import SnapshotStore
     from workload_control import Workload, ipc_region
     root = Path("/dev/shm") if tier == "shm" else tmp_path
     sdir = Path(os.path.join(root, f"gpusnap-test-{os.getpid()}-{mix}"))
     try:
-        st = SnapshotStore(str(sdir))
         with Workload(GB, mix=mix, seed=3) as w, GpuEngine() as eng, ipc_region(w.info["ipc"]) as ptr:
+            st = PinnedPool(eng.dev.pinned(int(w.size * 1.05))) if tier == "pool" else SnapshotStore(str(sdir))
             region = Region("gpu/0", ptr, w.size)
             with st.writer("e1") as wr:
                 res = eng.checkpoint(wr, [region])
@@ -201,6 +202,10 @@ def test_engine_round_trip(tmp_path: Path, tier: str, mix: str) -> None:
             assert w.cmd("clear")["ok"] and not w.verify()
             back = eng.restore(st, st.load("e1"), {"gpu/0": region})
             assert w.verify()
+            assert eng.lanes_free == eng.nlanes
+            if tier == "pool":
+                assert st.usage()["used"] >= res.stored_bytes
+                st.close()
             record("engine", {"mix": mix, "tier": tier, "gb": w.size / 1e9, "stored": res.stored_bytes,
                               "ckpt_GBps": res.gbps, "restore_GBps": back.gbps,
                               "stages": res.stages.table(), "restore_stages": back.stages.table()})

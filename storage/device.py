@@ -1,0 +1,322 @@
+"""What the GPU data path needs from a device, and two devices that provide it.
+
+CudaDevice is the product: streams, device and pinned host memory, async copies through the CUDA
+driver (cuda.bindings), and nvCOMP codecs that encode and decode device memory on the GPU.
+
+HostDevice runs the same engine with host memory standing in for device memory: "device pointers"
+are addresses in this process, copies are memmove, the codec is zstd on the CPU. It exists so that
+everything the engine does besides the CUDA calls themselves (lanes, the pinned frames, zero
+detection by signature, raw-when-it-does-not-pay, the memory tier, verified restore straight into the
+target) is tested in CI on machines without a GPU. It is not a fast path.
+
+Both import their heavy dependencies lazily: this module imports anywhere.
+"""
+from __future__ import annotations
+
+import ctypes
+import mmap
+import threading
+from typing import Any, Protocol
+
+from .directio import ALIGN, align_up
+
+NVCOMP_ALGORITHMS = {"nvcomp-ans": "ANS", "nvcomp-bitcomp": "Bitcomp", "nvcomp-lz4": "LZ4"}
+
+
+class DeviceError(Exception):
+    """A CUDA or nvCOMP call failed, or the device (driver, library) is not available here."""
+
+
+class HostBuffer(Protocol):
+    """Page-aligned host memory the device can copy to and from: its address, size and a view."""
+
+    ptr: int
+    size: int
+    view: memoryview
+
+    def close(self) -> None: ...
+
+
+class DeviceCodec(Protocol):
+    def encode(self, src: int, n: int, out: int, cap: int) -> int:
+        """Encode N bytes at SRC into OUT (CAP bytes, zeroed by the caller); returns the encoded size.
+        The bytes are ready once the codec's stream is synchronized."""
+
+    def decode(self, src: int, m: int, dst: int, n: int) -> None:
+        """Decode M bytes at SRC into exactly N bytes at DST (on the codec's stream)."""
+
+
+class Device(Protocol):
+    """The operations the engine uses; every pointer is valid in this process."""
+
+    name: str
+    codecs: tuple[str, ...]      # codecs this device encodes/decodes, first is the default
+
+    def bind_thread(self) -> None: ...
+    def pinned(self, size: int) -> HostBuffer: ...
+    def alloc(self, size: int) -> int: ...
+    def free(self, ptr: int) -> None: ...
+    def new_stream(self) -> Any: ...
+    def destroy_stream(self, stream: Any) -> None: ...
+    def memset0(self, ptr: int, n: int, stream: Any) -> None: ...
+    def d2h(self, dst: int, src: int, n: int, stream: Any) -> None: ...
+    def h2d(self, dst: int, src: int, n: int, stream: Any) -> None: ...
+    def sync(self, stream: Any) -> None: ...
+    def codec(self, name: str, stream: Any, nvcomp_chunk: int) -> DeviceCodec: ...
+
+
+# --------------------------------------------------------------------------------------------- CUDA
+def _drv() -> Any:
+    try:
+        from cuda.bindings import driver  # noqa: PLC0415
+    except ImportError as e:
+        raise DeviceError(f"the GPU data path needs cuda-bindings: {e}") from None
+    return driver
+
+
+def _nvcomp() -> Any:
+    try:
+        from nvidia import nvcomp  # noqa: PLC0415
+    except ImportError as e:
+        raise DeviceError(f"the GPU data path needs nvidia-nvcomp-cu13: {e}") from None
+    return nvcomp
+
+
+def _ck(out: Any, what: str) -> Any:
+    err = out[0] if isinstance(out, tuple) else out
+    if int(err) != 0:
+        raise DeviceError(f"{what} failed: {getattr(err, 'name', err)}")
+    if isinstance(out, tuple):
+        return out[1] if len(out) == 2 else out[1:]
+    return None
+
+
+class DeviceBytes:
+    """A device pointer and length seen by nvCOMP as a uint8 array (CUDA array interface v3)."""
+
+    def __init__(self, ptr: int, n: int) -> None:
+        self.__cuda_array_interface__ = {"shape": (n,), "typestr": "|u1", "data": (ptr, False),
+                                         "version": 3, "strides": None}
+
+
+class PinnedBuffer:
+    """Page-locked host memory from cuMemHostAlloc, exposed as a memoryview (DMA-able, O_DIRECT-able).
+
+    portable: usable from every context of the process (cuMemHostAlloc flag PORTABLE)."""
+
+    def __init__(self, size: int) -> None:
+        d = _drv()
+        self.size = align_up(size)
+        self.ptr = int(_ck(d.cuMemHostAlloc(self.size, 1), f"cuMemHostAlloc({self.size})"))
+        if self.ptr % ALIGN:
+            raise DeviceError("pinned allocation is not page aligned")
+        self.view = memoryview((ctypes.c_char * self.size).from_address(self.ptr)).cast("B")
+
+    def close(self) -> None:
+        self.view.release()
+        _drv().cuMemFreeHost(self.ptr)
+
+
+_CONTEXTS: dict[int, Any] = {}
+_CONTEXTS_LOCK = threading.Lock()
+
+
+def primary_context(device: int) -> Any:
+    """The device's primary context, retained once per process and kept (shared with nvCOMP/torch)."""
+    with _CONTEXTS_LOCK:
+        ctx = _CONTEXTS.get(device)
+        if ctx is None:
+            d = _drv()
+            dev = _ck(d.cuDeviceGet(device), "cuDeviceGet")
+            ctx = _CONTEXTS[device] = _ck(d.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
+        return ctx
+
+
+class _NvcompCodec:
+    """One nvCOMP codec bound to one stream (nvCOMP codecs are not thread-safe: one per lane)."""
+
+    def __init__(self, algorithm: str, stream: Any, nvcomp_chunk: int, device: int) -> None:
+        self._nv = _nvcomp()
+        self._stream = stream
+        self._codec = self._nv.Codec(algorithm=algorithm, uncomp_chunk_size=nvcomp_chunk,
+                                     cuda_stream=int(stream), device_id=device)
+        self._keep: Any = None
+
+    def encode(self, src: int, n: int, out: int, cap: int) -> int:
+        nv = self._nv
+        enc = self._codec.encode(nv.as_array(DeviceBytes(src, n)), out=nv.as_array(DeviceBytes(out, cap)))
+        self._keep = enc  # must outlive the stream work that follows (the D2H of its bytes)
+        return int(enc.buffer_size)
+
+    def decode(self, src: int, m: int, dst: int, n: int) -> None:
+        nv = self._nv
+        arr = nv.as_array(DeviceBytes(src, m))
+        try:
+            self._codec.decode(arr, out=nv.as_array(DeviceBytes(dst, n)))
+            return
+        except TypeError:
+            pass  # an nvCOMP without external output buffers: decode, then copy on the device
+        out = self._codec.decode(arr)
+        if int(out.buffer_size) != n:
+            raise DeviceError(f"nvCOMP decoded {int(out.buffer_size)} bytes, expected {n}")
+        self._keep = out
+        ptr = int(out.__cuda_array_interface__["data"][0])
+        _ck(_drv().cuMemcpyDtoDAsync(dst, ptr, n, self._stream), "cuMemcpyDtoDAsync")
+
+    def release(self) -> None:
+        self._keep = None
+
+
+class CudaDevice:
+    """One GPU through the CUDA driver; nvCOMP for the codecs."""
+
+    codecs = tuple(NVCOMP_ALGORITHMS)
+
+    def __init__(self, index: int = 0) -> None:
+        d = _drv()
+        try:
+            init = d.cuInit(0)
+        except Exception as e:  # noqa: BLE001 - no libcuda on this machine
+            raise DeviceError(f"no NVIDIA driver here ({type(e).__name__})") from None
+        _ck(init, "cuInit")
+        self.index = index
+        self.name = f"cuda:{index}"
+        self.ctx = primary_context(index)
+        self.bind_thread()
+
+    def bind_thread(self) -> None:
+        _ck(_drv().cuCtxSetCurrent(self.ctx), "cuCtxSetCurrent")
+
+    def pinned(self, size: int) -> HostBuffer:
+        return PinnedBuffer(size)
+
+    def alloc(self, size: int) -> int:
+        return int(_ck(_drv().cuMemAlloc(size), f"cuMemAlloc({size})"))
+
+    def free(self, ptr: int) -> None:
+        _drv().cuMemFree(ptr)
+
+    def new_stream(self) -> Any:
+        return _ck(_drv().cuStreamCreate(1), "cuStreamCreate")  # non-blocking w.r.t. the null stream
+
+    def destroy_stream(self, stream: Any) -> None:
+        _drv().cuStreamDestroy(stream)
+
+    def memset0(self, ptr: int, n: int, stream: Any) -> None:
+        _ck(_drv().cuMemsetD8Async(ptr, 0, n, stream), "cuMemsetD8Async")
+
+    def d2h(self, dst: int, src: int, n: int, stream: Any) -> None:
+        _ck(_drv().cuMemcpyDtoHAsync(dst, src, n, stream), "cuMemcpyDtoHAsync")
+
+    def h2d(self, dst: int, src: int, n: int, stream: Any) -> None:
+        _ck(_drv().cuMemcpyHtoDAsync(dst, src, n, stream), "cuMemcpyHtoDAsync")
+
+    def sync(self, stream: Any) -> None:
+        _ck(_drv().cuStreamSynchronize(stream), "cuStreamSynchronize")
+
+    def codec(self, name: str, stream: Any, nvcomp_chunk: int) -> DeviceCodec:
+        if name not in NVCOMP_ALGORITHMS:
+            raise DeviceError(f"{self.name} has no codec {name!r}; choose from raw, {', '.join(self.codecs)}")
+        return _NvcompCodec(NVCOMP_ALGORITHMS[name], stream, nvcomp_chunk, self.index)
+
+
+# --------------------------------------------------------------------------------------------- host
+class HostMemory:
+    """Page-aligned anonymous host memory with a stable address (mmap)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = align_up(max(size, 1))
+        self._map = mmap.mmap(-1, self.size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self._anchor = ctypes.c_char.from_buffer(self._map)
+        self.ptr = ctypes.addressof(self._anchor)
+        self.view = memoryview(self._map)
+
+    def close(self) -> None:
+        self.view.release()
+        del self._anchor
+        self._map.close()
+
+
+def host_view(ptr: int, n: int) -> memoryview:
+    """A writable view of N bytes at host address PTR (the caller keeps the memory alive)."""
+    return memoryview((ctypes.c_char * n).from_address(ptr)).cast("B")
+
+
+class _ZstdAt:
+    """zstd on the CPU between host addresses (HostDevice's codec)."""
+
+    def __init__(self, level: int = 1) -> None:
+        import zstandard  # noqa: PLC0415
+        self._c = zstandard.ZstdCompressor(level=level)
+        self._d = zstandard.ZstdDecompressor()
+
+    def encode(self, src: int, n: int, out: int, cap: int) -> int:
+        data = self._c.compress(host_view(src, n))
+        if len(data) > cap:
+            return cap + 1  # did not fit: the caller stores the chunk raw
+        ctypes.memmove(out, data, len(data))
+        return len(data)
+
+    def decode(self, src: int, m: int, dst: int, n: int) -> None:
+        try:
+            data = self._d.decompress(host_view(src, m), max_output_size=n)
+        except Exception as e:  # noqa: BLE001 - zstd.ZstdError
+            raise DeviceError(f"zstd decode failed: {e}") from None
+        if len(data) != n:
+            raise DeviceError(f"zstd decoded {len(data)} bytes, expected {n}")
+        ctypes.memmove(dst, data, n)
+
+
+class HostDevice:
+    """Host memory standing in for device memory (CI and CPU-only machines); codec zstd."""
+
+    name = "host"
+    codecs = ("zstd",)
+
+    def __init__(self) -> None:
+        self._allocs: dict[int, HostMemory] = {}
+        self._lock = threading.Lock()
+
+    def bind_thread(self) -> None:
+        pass
+
+    def pinned(self, size: int) -> HostBuffer:
+        return HostMemory(size)
+
+    def alloc(self, size: int) -> int:
+        m = HostMemory(size)
+        with self._lock:
+            self._allocs[m.ptr] = m
+        return m.ptr
+
+    def free(self, ptr: int) -> None:
+        with self._lock:
+            m = self._allocs.pop(ptr)
+        m.close()
+
+    def new_stream(self) -> Any:
+        return None
+
+    def destroy_stream(self, stream: Any) -> None:
+        pass
+
+    def memset0(self, ptr: int, n: int, stream: Any) -> None:
+        ctypes.memset(ptr, 0, n)
+
+    def d2h(self, dst: int, src: int, n: int, stream: Any) -> None:
+        ctypes.memmove(dst, src, n)
+
+    h2d = d2h
+
+    def sync(self, stream: Any) -> None:
+        pass
+
+    def codec(self, name: str, stream: Any, nvcomp_chunk: int) -> DeviceCodec:
+        if name != "zstd":
+            raise DeviceError(f"the host device has no codec {name!r}; choose raw or zstd")
+        return _ZstdAt()
+
+    @property
+    def live_allocations(self) -> int:
+        with self._lock:
+            return len(self._allocs)
