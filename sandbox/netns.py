@@ -12,11 +12,19 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import Any, Iterator
 
-from pyroute2 import IPRoute, NetNS, netns
 
 
 class NetnsError(Exception):
     """A namespace or link that cannot be created, found or removed."""
+
+
+def _pr2() -> Any:
+    """pyroute2, imported when a sandbox network is used (the rest of gpusnap runs without it)."""
+    try:
+        import pyroute2  # noqa: PLC0415
+    except ImportError as e:
+        raise NetnsError(f"sandbox networks need pyroute2 ({e}); install gpusnap's dependencies") from None
+    return pyroute2
 
 
 NETNS_DIR = "/var/run/netns"  # where pyroute2 (and so gpusnap) keeps named namespaces
@@ -54,7 +62,7 @@ class NetConfig:
 
 
 def exists(cfg: NetConfig) -> bool:
-    return cfg.name in netns.listnetns()
+    return cfg.name in _pr2().netns.listnetns()
 
 
 def create(cfg: NetConfig) -> None:
@@ -63,22 +71,22 @@ def create(cfg: NetConfig) -> None:
         raise NetnsError(f"network namespace {cfg.name!r} already exists")
     host = ipaddress.ip_interface(cfg.host_cidr)
     inner = ipaddress.ip_interface(cfg.ns_cidr)
-    with IPRoute() as ip:
+    with _pr2().IPRoute() as ip:
         for a in ip.get_addr(family=2):
             addr = ipaddress.ip_address(a.get_attr("IFA_ADDRESS"))
             if addr in host.network:
                 raise NetnsError(f"subnet {host.network} is already in use here ({addr} on interface "
                                  f"{a['index']}); choose another --net-subnet")
     try:
-        netns.create(cfg.name)
-        with IPRoute() as ip:
+        _pr2().netns.create(cfg.name)
+        with _pr2().IPRoute() as ip:
             ip.link("add", ifname=cfg.host_if, kind="veth", peer=cfg.peer_if)
             peer = ip.link_lookup(ifname=cfg.peer_if)[0]
             ip.link("set", index=peer, net_ns_fd=cfg.name)
             hidx = ip.link_lookup(ifname=cfg.host_if)[0]
             ip.addr("add", index=hidx, address=str(host.ip), prefixlen=host.network.prefixlen)
             ip.link("set", index=hidx, state="up")
-        with NetNS(cfg.name) as ns:
+        with _pr2().NetNS(cfg.name) as ns:
             lo = ns.link_lookup(ifname="lo")[0]
             ns.link("set", index=lo, state="up")
             pidx = ns.link_lookup(ifname=cfg.peer_if)[0]
@@ -92,11 +100,11 @@ def create(cfg: NetConfig) -> None:
 
 def remove(cfg: NetConfig) -> None:
     """Remove the veth pair and the namespace; absent pieces are fine."""
-    with IPRoute() as ip:
+    with _pr2().IPRoute() as ip:
         for idx in ip.link_lookup(ifname=cfg.host_if):
             ip.link("del", index=idx)
     if exists(cfg):
-        netns.remove(cfg.name)
+        _pr2().netns.remove(cfg.name)
 
 
 def leftovers(cfg: NetConfig) -> list[str]:
@@ -104,7 +112,7 @@ def leftovers(cfg: NetConfig) -> list[str]:
     out = []
     if exists(cfg):
         out.append(f"netns {cfg.name}")
-    with IPRoute() as ip:
+    with _pr2().IPRoute() as ip:
         if ip.link_lookup(ifname=cfg.host_if):
             out.append(f"link {cfg.host_if}")
     return out
@@ -121,4 +129,4 @@ def network(cfg: NetConfig) -> Iterator[NetConfig]:
 
 def enter(name: str) -> None:
     """Move the calling process into namespace NAME (a subprocess preexec_fn: runsc then runs there)."""
-    netns.setns(name)
+    _pr2().netns.setns(name)

@@ -46,7 +46,7 @@ class Cli:
 
     def run(self, *args: str, check: bool = True, env: dict[str, str] | None = None,
             timeout: float = 300) -> subprocess.CompletedProcess[str]:
-        e = dict(os.environ, PYTHONPATH=pythonpath(), **(env or {}))
+        e = {**os.environ, "PYTHONPATH": pythonpath(), **(env or {})}
         p = subprocess.run([*GPUSNAP, "--store", str(self.store), *args], capture_output=True, text=True,
                            cwd=REPO, env=e, timeout=timeout)
         if check and p.returncode != 0:

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import Cli, chunk_files, make_mixed_tree, tree_digest
+from conftest import Cli, chunk_files, make_mixed_tree, pythonpath, tree_digest
 
 
 def test_round_trip_is_exact(cli: Cli, tmp_path: Path) -> None:
@@ -182,3 +182,19 @@ def test_page_chunker_round_trip(cli: Cli, tmp_path: Path) -> None:
     cli.run("store", "put", "--chunker", "pages", "p", str(src))
     cli.run("store", "get", "p", str(tmp_path / "o"))
     assert tree_digest(tmp_path / "o" / "img") == tree_digest(src)
+
+
+def test_cli_runs_without_pyroute2(tmp_path: Path, cli: Cli) -> None:
+    """Only sandbox networks need pyroute2: without it the store and GPU commands work, and a runsc
+    command that needs a network says what is missing in one line (the H200 image has no pyroute2)."""
+    fake = tmp_path / "fake"
+    (fake / "pyroute2").mkdir(parents=True)
+    (fake / "pyroute2" / "__init__.py").write_text("raise ImportError('No module named pyroute2 (test)')\n")
+    env = {"PYTHONPATH": os.pathsep.join([str(fake), pythonpath()])}
+    assert cli.run("store", "ls", env=env).returncode == 0
+    bundle = tmp_path / "bundle"
+    bundle.mkdir()
+    (bundle / "config.json").write_text('{"ociVersion": "1.0.2", "process": {"args": ["true"]}, "root": {"path": "rootfs"}}')
+    p = cli.run("runsc", "run", "gs-nopyroute2", "--bundle", str(bundle), check=False, env=env)
+    assert p.returncode != 0
+    assert "pyroute2" in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
