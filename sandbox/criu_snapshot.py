@@ -1,9 +1,11 @@
 """A process tree's whole state (CPU through CRIU, GPU through the driver) into the store and back.
 
 Design (chosen, measured in BENCHMARKS.md): CRIU dumps into a staging directory (tmpfs when it fits,
-else the store's own tmp/), the images are ingested into the store (chunked, zero-elided, compressed,
-deduplicated, checksummed) and the staging copy removed; restore materializes the verified images into
-staging and runs `criu restore` on them. CRIU's --stream / image-streamer protocol is not used yet.
+else the store's own tmp/) and the images are ingested into the store (chunked, zero-elided, compressed,
+deduplicated, checksummed) while CRIU writes them: the page images are read as they grow
+(storage.follow), the small images after CRIU exits; then the staging copy is removed. Restore
+materializes the verified images into staging and runs `criu restore` on them. CRIU's --stream /
+image-streamer protocol is not used (criu-image-streamer is not packaged for Debian 12).
 
 Guarantees kept here:
 - a failed dump (the GPU lock/checkpoint, CRIU itself, or the ingest) leaves every process running,
@@ -15,12 +17,14 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from storage import pipeline
-from storage.filetree import FileTreeSink, FileTreeSource
+from storage.filetree import FileTreeSink
+from storage.follow import FollowedDirSource
 from storage.store import SnapshotStore
 
 from .criu_runner import Criu, CriuError, DumpOptions
@@ -99,42 +103,81 @@ def criu_dump(store: SnapshotStore, pid: int, name: str, *, leave_running: bool 
         stage = staging_dir(store, _rss_bytes(pids), staging)
         images = os.path.join(stage, "images")
         os.mkdir(images, 0o700)
-        dumped = False
         try:
             if drv is not None:
                 t0 = time.perf_counter()
                 with thp("always"):
                     checkpoint_all(drv, cuda_pids, lock_timeout_s=lock_timeout_s)
                 report.seconds["gpu_checkpoint"] = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            try:
-                criu.dump(pid, images, opts)
-            except CriuError as e:
-                if drv is not None:
-                    restore_all(drv, cuda_pids)
-                raise e.with_log(keep_log(store, e, f"dump-{name}")) from None
-            dumped = True
-            report.seconds["criu_dump"] = time.perf_counter() - t0
-            if leave_running and drv is not None:
-                t0 = time.perf_counter()
-                restore_all(drv, cuda_pids)
-                report.seconds["gpu_resume"] = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            src = FileTreeSource([images])
-            if progress is not None:
-                progress.start(src.total_bytes)
-            res = pipeline.put(w, src, progress=progress, chunker="pages")
-            w.meta["ingest_stages"] = res.stages.table()
+            _dump_and_ingest(criu, pid, images, opts, w, report, drv, cuda_pids, leave_running,
+                             store, name, progress, pids)
             w.commit()
-            report.seconds["ingest"] = time.perf_counter() - t0
         except BaseException as e:
-            if dumped and not leave_running:
-                _resurrect(criu, images, cuda_pids, drv, e)
+            if "criu_dump" in report.seconds and not leave_running:  # CRIU dumped (and killed) the tree
+                _resurrect(criu, images, pids, cuda_pids, drv, e)
             raise
         finally:
             shutil.rmtree(stage, ignore_errors=True)
     report.raw_bytes, report.new_bytes, report.dedup_bytes = w.stats.raw_bytes, w.stats.bytes_new, w.stats.bytes_dedup
     return report
+
+
+def _is_page_image(name: str) -> bool:
+    return name.startswith("pages-") and name.endswith(".img")
+
+
+def _dump_and_ingest(criu: Criu, pid: int, images: str, opts: DumpOptions, w: Any, report: CriuReport, drv: Any,
+                     cuda_pids: list[int], leave_running: bool, store: SnapshotStore, name: str, progress: Any,
+                     pids: list[int]) -> None:
+    """`criu dump` into IMAGES while the pipeline ingests its page images as they grow
+    (storage.follow); the rest of the images after CRIU exits. report.seconds["criu_dump"] is set as
+    soon as CRIU has dumped (its images are complete in staging), also when the ingest then fails;
+    if CRIU failed, raises its error with the log kept (GPU state restored first). With leave_running
+    the GPU state is restored as soon as CRIU is done."""
+    from .gpu_checkpoint import restore_all
+    done = threading.Event()
+    box: dict[str, Any] = {}
+
+    def run_criu() -> None:
+        t0 = time.perf_counter()
+        try:
+            criu.dump(pid, images, opts)
+            box["criu_dump"] = time.perf_counter() - t0
+            if leave_running and drv is not None:
+                t1 = time.perf_counter()
+                restore_all(drv, cuda_pids)
+                box["gpu_resume"] = time.perf_counter() - t1
+        except BaseException as e:  # noqa: BLE001 - handed to the ingesting thread
+            box["error"] = e
+        finally:
+            done.set()
+
+    t0 = time.perf_counter()
+    with FollowedDirSource(images, follow=_is_page_image, writer_done=done,
+                           writer_failed=lambda: box.get("error")) as src:
+        th = threading.Thread(target=run_criu, name="gpusnap-criu-dump", daemon=True)
+        th.start()
+        if progress is not None:
+            progress.start(_rss_bytes(pids))
+        try:
+            res = pipeline.put(w, src, progress=progress, chunker="pages")
+        finally:
+            th.join()
+            if "criu_dump" in box:
+                report.seconds["criu_dump"] = box["criu_dump"]
+            err = box.get("error")
+            if isinstance(err, CriuError):
+                if drv is not None and "criu_dump" not in box:
+                    restore_all(drv, cuda_pids)
+                raise err.with_log(keep_log(store, err, f"dump-{name}")) from None
+            if err is not None:
+                raise err
+    if "gpu_resume" in box:
+        report.seconds["gpu_resume"] = box["gpu_resume"]
+    report.seconds["dump+ingest"] = time.perf_counter() - t0
+    report.seconds["ingest_after_dump"] = report.seconds["dump+ingest"] - box["criu_dump"]
+    w.meta["ingest_stages"] = res.stages.table()
+    w.meta["ingested_while_dumping"] = src.followed
 
 
 def keep_log(store: SnapshotStore, e: CriuError, what: str) -> str:
@@ -149,9 +192,13 @@ def keep_log(store: SnapshotStore, e: CriuError, what: str) -> str:
     return dst
 
 
-def _resurrect(criu: Criu, images: str, cuda_pids: list[int], drv: Any, cause: BaseException) -> None:
-    """CRIU killed the tree but the snapshot did not commit: bring the tree back from staging."""
+def _resurrect(criu: Criu, images: str, pids: list[int], cuda_pids: list[int], drv: Any, cause: BaseException) -> None:
+    """CRIU killed the tree but the snapshot did not commit: bring the tree back from staging
+    (once its pids are free: the killed tree's parent may take a moment to reap it)."""
     try:
+        taken = _pids_in_use(pids, grace_s=10.0)
+        if taken:
+            raise CriuSnapshotError(f"pid(s) {taken} are still taken (the killed tree was not reaped by its parent)")
         criu.restore(images, detach=True)
         if drv is not None:
             from .gpu_checkpoint import restore_all

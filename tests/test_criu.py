@@ -31,15 +31,19 @@ def need_criu() -> None:
 class Tree:
     """The criu_workload.py tree, in its own session, its control dir fresh per run."""
 
-    def __init__(self, mb: int = 32) -> None:
+    def __init__(self, mb: int = 32, detached: bool = False) -> None:
+        """detached: the tree is not our child (an intermediate shell exits), so when CRIU kills it
+        the zombie is reaped by init, as for a real workload, and gpusnap itself can restore it."""
         self.dir = Path(tempfile.mkdtemp(prefix="gpusnap-criu-wl-"))
         self.log = open(self.dir / "log", "w")
-        self.proc = subprocess.Popen([sys.executable, str(REPO / "tests" / "criu_workload.py"), str(self.dir), str(mb)],
-                                     stdin=subprocess.DEVNULL, stdout=self.log, stderr=self.log,
+        argv = [sys.executable, str(REPO / "tests" / "criu_workload.py"), str(self.dir), str(mb)]
+        if detached:
+            argv = ["sh", "-c", 'setsid "$@" </dev/null >/dev/null 2>&1 &', "sh", *argv]
+        self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=self.log, stderr=self.log,
                                      start_new_session=True, cwd="/")
         deadline = time.monotonic() + 30
         while not (self.dir / "ready").exists():
-            assert self.proc.poll() is None and time.monotonic() < deadline, "workload did not start"
+            assert (detached or self.proc.poll() is None) and time.monotonic() < deadline, "workload did not start"
             time.sleep(0.02)
         info = json.loads((self.dir / "ready").read_text())
         self.pid, self.child = info["pid"], info["child"]
@@ -106,6 +110,7 @@ def test_dump_restore_through_the_store(cli: Cli, tree: Tree, store_dir: Path) -
     assert cli.json("store", "verify", "t1")["ok"]
     info = cli.json("store", "inspect", "t1")
     assert info["meta"]["kind"] == "criu" and any(s["name"].startswith("images/pages-") for s in info["streams"])
+    assert info["meta"]["ingested_while_dumping"], "the page images are read while CRIU writes them"
     r = cli.json("criu", "restore", "t1")
     assert r["restored_pid"] == tree.pid
     after = tree.report()
@@ -159,6 +164,25 @@ def test_dump_criu_refuses_leaves_tree_running(cli: Cli, store_dir: Path) -> Non
         p.wait()
         conn.close()
         srv.close()
+
+
+def test_store_full_during_the_dump_brings_the_tree_back(tmp_path: Path) -> None:
+    """The store (a 12 MiB tmpfs) fills up while CRIU is still dumping 64 MiB of random memory: no
+    snapshot, one-line error, and the tree CRIU had killed is restored from staging and still healthy."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=12m", "tmpfs", str(mnt)], check=True)
+    tree = Tree(mb=64, detached=True)
+    try:
+        small = Cli(mnt / "store")
+        r = small.run("criu", "dump", str(tree.pid), "full", check=False)
+        assert r.returncode != 0 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert "space" in r.stderr.lower() or "full" in r.stderr.lower(), r.stderr
+        assert tree.alive() and healthy(tree.report()), r.stderr
+        assert small.json("store", "ls") == []
+    finally:
+        tree.kill()
+        subprocess.run(["umount", str(mnt)], check=False)
 
 
 @pytest.mark.parametrize("damage", ["flip", "missing"])
