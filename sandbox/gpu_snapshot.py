@@ -40,24 +40,87 @@ class GpuReport:
                 "raw_bytes": self.raw_bytes, "stored_bytes": self.stored_bytes}
 
 
-class _DeviceSpill:
-    """RegionSpill for the real driver: the mapped regions copied to host memory and back."""
+class EngineSpill:
+    """RegionSpill through the engine's device: mapped regions parked in host memory and put back
+    (the rollback of a custom-storage checkpoint whose streaming failed)."""
 
-    def __init__(self) -> None:
-        self.saved: list[bytearray] = []
+    def __init__(self, dev: Any) -> None:
+        self.dev = dev
+        self.saved: list[Any] = []
+
+    def _copy(self, regions: list[Any], out: bool) -> None:
+        stream = self.dev.new_stream()
+        try:
+            for r, buf in zip(regions, self.saved):
+                if out:
+                    self.dev.d2h(buf.ptr, r.dev_ptr, r.size, stream)
+                else:
+                    self.dev.h2d(r.dev_ptr, buf.ptr, min(r.size, buf.size), stream)
+            self.dev.sync(stream)
+        finally:
+            self.dev.destroy_stream(stream)
 
     def save(self, regions: list[Any]) -> None:
-        from cuda.bindings import driver as d
-        self.saved = []
-        for r in regions:
-            buf = bytearray(r.size)
-            d.cuMemcpyDtoH(buf, r.dev_ptr, r.size)
-            self.saved.append(buf)
+        self.saved = [self.dev.pinned(r.size) for r in regions]
+        self._copy(regions, out=True)
 
     def load(self, regions: list[Any]) -> None:
-        from cuda.bindings import driver as d
-        for r, buf in zip(regions, self.saved):
-            d.cuMemcpyHtoD(r.dev_ptr, buf, min(r.size, len(buf)))
+        try:
+            self._copy(regions, out=False)
+        finally:
+            for b in self.saved:
+                b.close()
+            self.saved = []
+
+
+def swap_out_custom(drv: CheckpointDriver, eng: Any, writer: Any, pids: list[int], *,
+                    lock_timeout_s: float = 10.0, progress: Any = None) -> dict[str, float]:
+    """Custom storage: lock PIDS, stream each one's mapped GPU memory into WRITER (streams
+    gpu/PID/INDEX) through the engine, leaving them CHECKPOINTED (GPU memory released).
+
+    All or nothing: on failure the processes already streamed get their memory back from the chunks
+    just written, the rest are rolled back by custom_checkpoint, and every process is unlocked."""
+    from storage.gpu_engine import Region
+    seconds: dict[str, float] = {}
+    t0 = time.perf_counter()
+    locked: list[int] = []
+    try:
+        for p in pids:
+            drv.lock(p, int(lock_timeout_s * 1000))
+            locked.append(p)
+    except CudaDriverError as e:
+        for p in locked:
+            drv.unlock(p)
+        raise GpuCheckpointError(f"lock failed: {e}; every process left running") from None
+    seconds["lock"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    done: list[int] = []
+    try:
+        for p in pids:
+            with custom_checkpoint(drv, p, EngineSpill(eng.dev)) as regions:
+                res = eng.checkpoint(writer, [Region(f"gpu/{p}/{r.index}", r.dev_ptr, r.size) for r in regions],
+                                     progress=progress)
+            done.append(p)
+            writer.meta.setdefault("gpu_stages", {})[str(p)] = res.stages.table()
+    except BaseException:
+        for p in done:
+            _swap_back(drv, eng, writer.store if hasattr(writer, "store") else writer.pool,
+                       writer.streams, writer.name, p)
+        for p in pids:
+            if p not in done and drv.get_state(p) == ProcessState.LOCKED:
+                drv.unlock(p)
+        raise
+    seconds["checkpoint+stream"] = time.perf_counter() - t0
+    return seconds
+
+
+def swap_in_custom(drv: CheckpointDriver, eng: Any, source: Any, manifest: Manifest, pids: list[int],
+                   gpu_map: dict[str, str] | None = None) -> dict[str, float]:
+    """Custom storage: each CHECKPOINTED pid's GPU memory filled from MANIFEST's gpu/PID/* streams, then unlocked."""
+    t0 = time.perf_counter()
+    for p in pids:
+        _swap_back(drv, eng, source, manifest.streams, manifest.name, p, gpu_map)
+    return {"restore+unlock": time.perf_counter() - t0}
 
 
 def _pids_for(root: int, drv: CheckpointDriver) -> list[int]:
@@ -73,11 +136,12 @@ def _pids_for(root: int, drv: CheckpointDriver) -> list[int]:
 
 def gpu_checkpoint(store: SnapshotStore, root_pid: int, name: str, *, driver: CudaDriver | None = None,
                    lock_timeout_s: float = 10.0, thp_mode: str | None = "always", replace: bool = False,
-                   progress: Any = None, features: Features | None = None) -> GpuReport:
+                   progress: Any = None, features: Features | None = None, device: Any = None) -> GpuReport:
     """Swap out the GPU state of ROOT_PID's CUDA processes into snapshot NAME.
 
     They are left CHECKPOINTED (GPU memory released) until gpu_restore. On any failure they are
-    put back to RUNNING with their memory intact and no snapshot is left.
+    put back to RUNNING with their memory intact and no snapshot is left. device: the engine's
+    storage.device.Device for the custom-storage path (default: GPU 0).
     """
     drv = driver or CudaDriver()
     feats = features or probe(drv)
@@ -92,39 +156,15 @@ def gpu_checkpoint(store: SnapshotStore, root_pid: int, name: str, *, driver: Cu
     seconds: dict[str, float] = {}
     with store.writer(name, replace=replace, meta=meta) as w:
         if feats.custom_storage:
-            from storage.gpu_engine import GpuEngine, Region
-            t0 = time.perf_counter()
-            locked = []
-            try:
-                for p in pids:
-                    drv.lock(p, int(lock_timeout_s * 1000))
-                    locked.append(p)
-            except CudaDriverError as e:
-                for p in locked:
-                    drv.unlock(p)
-                raise GpuCheckpointError(f"lock failed: {e}; every process left running") from None
-            seconds["lock"] = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            done: list[int] = []
-            with GpuEngine() as eng:
+            from storage.gpu_engine import GpuEngine
+            with GpuEngine(0 if device is None else device) as eng:
+                seconds.update(swap_out_custom(drv, eng, w, pids, lock_timeout_s=lock_timeout_s, progress=progress))
                 try:
-                    for p in pids:
-                        with custom_checkpoint(drv, p, _DeviceSpill()) as regions:
-                            res = eng.checkpoint(w, [Region(f"gpu/{p}/{r.index}", r.dev_ptr, r.size)
-                                                     for r in regions], progress=progress)
-                        done.append(p)
-                        w.meta["stages"] = res.stages.table()
                     w.commit()
                 except BaseException:
-                    # processes already swapped out get their memory back from the chunks just
-                    # written (not committed, but on disk and verified on read), then run on
-                    for p in done:
-                        _swap_back(drv, eng, store, w.streams, name, p)
                     for p in pids:
-                        if p not in done and drv.get_state(p) == ProcessState.LOCKED:
-                            drv.unlock(p)
+                        _swap_back(drv, eng, store, w.streams, name, p)
                     raise
-            seconds["checkpoint+stream"] = time.perf_counter() - t0
             return GpuReport(name, feats.path, pids, seconds, w.stats.raw_bytes, w.stats.bytes_new)
         if not feats.checkpoint_api:
             raise GpuSnapshotError(f"this driver has no checkpoint API ({feats.reason or 'driver too old'})")
@@ -180,7 +220,7 @@ def parse_device_map(items: list[str], snapshot_gpus: list[dict[str, Any]], here
 
 def gpu_restore(store: SnapshotStore, name: str, root_pid: int, *, device_map: list[str] | None = None,
                 driver: CudaDriver | None = None, thp_mode: str | None = "always", progress: Any = None,
-                features: Features | None = None) -> GpuReport:
+                features: Features | None = None, device: Any = None) -> GpuReport:
     """Swap the GPU state of snapshot NAME back into its processes and unlock them."""
     m = store.load(name)
     if m.meta.get("kind") != "gpu":
@@ -194,11 +234,8 @@ def gpu_restore(store: SnapshotStore, name: str, root_pid: int, *, device_map: l
     seconds: dict[str, float] = {}
     if m.meta["path"] == "custom-storage":
         from storage.gpu_engine import GpuEngine
-        t0 = time.perf_counter()
-        with GpuEngine() as eng:
-            for p in pids:
-                _swap_back(drv, eng, store, m.streams, m.name, p, gpu_map)
-        seconds["restore+unlock"] = time.perf_counter() - t0
+        with GpuEngine(0 if device is None else device) as eng:
+            seconds.update(swap_in_custom(drv, eng, store, m, pids, gpu_map))
     else:
         with thp(thp_mode):
             t = restore_all(drv, pids, gpu_map=gpu_map)

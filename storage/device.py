@@ -113,7 +113,10 @@ class PinnedBuffer:
         self.view = memoryview((ctypes.c_char * self.size).from_address(self.ptr)).cast("B")
 
     def close(self) -> None:
-        self.view.release()
+        try:
+            self.view.release()
+        except BufferError:
+            return  # a slice is still referenced (error path): keep the memory rather than free it under it
         _drv().cuMemFreeHost(self.ptr)
 
 
@@ -232,9 +235,14 @@ class HostMemory:
         self.view = memoryview(self._map)
 
     def close(self) -> None:
-        self.view.release()
-        del self._anchor
-        self._map.close()
+        try:
+            self.view.release()
+            del self._anchor
+            self._map.close()
+        except (BufferError, AttributeError):
+            # a slice is still referenced (an exception's traceback on the error path): the mapping
+            # is unmapped when the last reference goes
+            pass
 
 
 def host_view(ptr: int, n: int) -> memoryview:

@@ -6,6 +6,7 @@ rollback never loses or changes it. Faults are injected per pid and call.
 """
 from __future__ import annotations
 
+import ctypes
 import threading
 import time
 from dataclasses import dataclass, field
@@ -13,6 +14,12 @@ from dataclasses import dataclass, field
 from sandbox.cuda_driver import CustomOperation, DeviceRegion, ProcessState, driver_error
 
 S = ProcessState
+
+
+def address_of(b: bytearray) -> int:
+    """The address of B's bytes: a region's devPtr in this process, as custom storage maps it (valid
+    while B is not resized; the stand-in replaces buffers, never resizes them)."""
+    return ctypes.addressof((ctypes.c_char * len(b)).from_buffer(b)) if len(b) else 0
 
 
 @dataclass
@@ -89,14 +96,14 @@ class StandInDriver:
         p.external, p.gpu, p.state = p.gpu, bytearray(), S.CHECKPOINTING
         h = id(p.external)
         self._handles[h] = (pid, "checkpoint")
-        return CustomOperation(h, [DeviceRegion(0, h, len(p.external), 0)])
+        return CustomOperation(h, [DeviceRegion(0, address_of(p.external), len(p.external), 0)])
 
     def restore_custom(self, pid: int, gpu_map: dict[str, str] | None = None) -> CustomOperation:
         p = self._enter(pid, "restore_custom", (S.CHECKPOINTED,))
         p.external, p.state = bytearray(p.ckpt_size), S.RESTORING
         h = id(p.external)
         self._handles[h] = (pid, "restore")
-        return CustomOperation(h, [DeviceRegion(0, h, len(p.external), 0)])
+        return CustomOperation(h, [DeviceRegion(0, address_of(p.external), len(p.external), 0)])
 
     def complete(self, pid: int, op: CustomOperation) -> None:
         owner, kind = self._handles.pop(op.handle, (None, None))
