@@ -74,18 +74,87 @@ def staging_dir(store: SnapshotStore, need: int, prefer: str | None = None) -> s
     return tempfile.mkdtemp(prefix="gpusnap-criu-", dir=base)
 
 
-def _gpu_driver(cuda_pids: list[int]) -> Any:
-    if not cuda_pids:
-        return None
-    from .cuda_driver import CudaDriver
-    return CudaDriver()
+class _GpuSide:
+    """The CUDA processes of a tree and how their GPU state moves: the driver's host copy (it then
+    travels inside CRIU's images) or custom storage (the engine streams it into the same snapshot as
+    gpu/PID/INDEX streams and CRIU dumps processes that hold no GPU bytes). The probe decides."""
+
+    def __init__(self, pids: list[int], cuda_pids: list[int], driver: Any, features: Any, device: Any) -> None:
+        self.pids, self.cuda_pids, self.driver, self.device = pids, cuda_pids, driver, device
+        self.custom = bool(cuda_pids and features is not None and features.custom_storage)
+        self.engine: Any = None
+
+    @classmethod
+    def discover(cls, pids: list[int], root: int, driver: Any, features: Any, device: Any,
+                 recorded: list[int] | None = None) -> "_GpuSide":
+        if recorded is not None:
+            cuda = list(recorded)
+        elif driver is not None:
+            from .cuda_processes import cuda_processes
+            cuda = [p for p in cuda_processes(root, driver) if p in pids]
+        else:
+            cuda = [p for p in pids if uses_gpu(p)]
+        if cuda and driver is None:
+            from .cuda_driver import CudaDriver
+            driver = CudaDriver()
+        if cuda and features is None:
+            from .cuda_driver import probe
+            features = probe(driver)
+        return cls(pids, cuda, driver, features, device)
+
+    @property
+    def path(self) -> str | None:
+        return None if not self.cuda_pids else "custom-storage" if self.custom else "host-staged"
+
+    def __enter__(self) -> "_GpuSide":
+        if self.custom:
+            from storage.gpu_engine import GpuEngine
+            self.engine = GpuEngine(0 if self.device is None else self.device)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.engine is not None:
+            self.engine.close()
+
+    def swap_out(self, w: Any, lock_timeout_s: float, progress: Any) -> None:
+        """Before CRIU: every CUDA process locked and checkpointed (custom storage: streamed into W)."""
+        if self.custom:
+            from .gpu_snapshot import swap_out_custom
+            swap_out_custom(self.driver, self.engine, w, self.cuda_pids, lock_timeout_s=lock_timeout_s,
+                            progress=progress)
+            return
+        from .gpu_checkpoint import checkpoint_all
+        from .hugepages import thp
+        with thp("always"):
+            checkpoint_all(self.driver, self.cuda_pids, lock_timeout_s=lock_timeout_s)
+
+    def swap_in(self, store: SnapshotStore, name: str, streams: list[Any]) -> None:
+        """After CRIU (restore, or a dump that must leave the tree as it was): GPU state back, unlocked."""
+        if self.custom:
+            from storage.manifest import Manifest
+            from .gpu_snapshot import swap_in_custom
+            swap_in_custom(self.driver, self.engine, store, Manifest(name, [s for s in streams if _is_gpu(s)]),
+                           self.cuda_pids)
+            return
+        from .gpu_checkpoint import restore_all
+        from .hugepages import thp
+        with thp("always"):
+            restore_all(self.driver, self.cuda_pids)
+
+
+def _is_gpu(stream: Any) -> bool:
+    return stream.attrs.get("type") == "blob" and stream.name.startswith("gpu/")
 
 
 def criu_dump(store: SnapshotStore, pid: int, name: str, *, leave_running: bool = False,
               options: DumpOptions | None = None, replace: bool = False, staging: str | None = None,
-              lock_timeout_s: float = 10.0, progress: Any = None, criu: Criu | None = None) -> CriuReport:
-    from .gpu_checkpoint import checkpoint_all, restore_all
-    from .hugepages import thp
+              lock_timeout_s: float = 10.0, progress: Any = None, criu: Criu | None = None,
+              gpu_driver: Any = None, features: Any = None, device: Any = None) -> CriuReport:
+    """The tree at PID into snapshot NAME: GPU state first (custom storage or the driver's host copy,
+    as the probe says), then CRIU, its page images ingested as they are written.
+
+    gpu_driver/features/device: the CheckpointDriver, its Features and the engine's Device (default:
+    the real driver, probed, and GPU 0); tests pass stand-ins."""
     criu = criu or Criu()
     opts = options or DumpOptions()
     opts = DumpOptions(**{**opts.__dict__, "leave_running": leave_running})
@@ -93,28 +162,24 @@ def criu_dump(store: SnapshotStore, pid: int, name: str, *, leave_running: bool 
         pids = process_tree(pid)
     except Exception as e:  # noqa: BLE001 - DiscoveryError
         raise CriuSnapshotError(str(e)) from None
-    cuda_pids = [p for p in pids if uses_gpu(p)]
-    report = CriuReport(name, pids, cuda_pids)
-    meta = {"kind": "criu", "root_pid": pid, "pids": pids, "cuda_pids": cuda_pids,
-            "criu": ".".join(map(str, criu.version or ())), "options": opts.argv(),
-            "gpu_path": "host-staged" if cuda_pids else None}
-    with store.writer(name, replace=replace, meta=meta) as w:
-        drv = _gpu_driver(cuda_pids)
+    gpu = _GpuSide.discover(pids, pid, gpu_driver, features, device)
+    report = CriuReport(name, pids, gpu.cuda_pids)
+    meta = {"kind": "criu", "root_pid": pid, "pids": pids, "cuda_pids": gpu.cuda_pids,
+            "criu": ".".join(map(str, criu.version or ())), "options": opts.argv(), "gpu_path": gpu.path}
+    with store.writer(name, replace=replace, meta=meta) as w, gpu:
         stage = staging_dir(store, _rss_bytes(pids), staging)
         images = os.path.join(stage, "images")
         os.mkdir(images, 0o700)
         try:
-            if drv is not None:
+            if gpu.cuda_pids:
                 t0 = time.perf_counter()
-                with thp("always"):
-                    checkpoint_all(drv, cuda_pids, lock_timeout_s=lock_timeout_s)
+                gpu.swap_out(w, lock_timeout_s, progress)
                 report.seconds["gpu_checkpoint"] = time.perf_counter() - t0
-            _dump_and_ingest(criu, pid, images, opts, w, report, drv, cuda_pids, leave_running,
-                             store, name, progress, pids)
+            _dump_and_ingest(criu, pid, images, opts, w, report, gpu, leave_running, store, name, progress, pids)
             w.commit()
         except BaseException as e:
             if "criu_dump" in report.seconds and not leave_running:  # CRIU dumped (and killed) the tree
-                _resurrect(criu, images, pids, cuda_pids, drv, e)
+                _resurrect(criu, images, pids, gpu, store, name, w.streams, e)
             raise
         finally:
             shutil.rmtree(stage, ignore_errors=True)
@@ -126,15 +191,14 @@ def _is_page_image(name: str) -> bool:
     return name.startswith("pages-") and name.endswith(".img")
 
 
-def _dump_and_ingest(criu: Criu, pid: int, images: str, opts: DumpOptions, w: Any, report: CriuReport, drv: Any,
-                     cuda_pids: list[int], leave_running: bool, store: SnapshotStore, name: str, progress: Any,
+def _dump_and_ingest(criu: Criu, pid: int, images: str, opts: DumpOptions, w: Any, report: CriuReport,
+                     gpu: _GpuSide, leave_running: bool, store: SnapshotStore, name: str, progress: Any,
                      pids: list[int]) -> None:
     """`criu dump` into IMAGES while the pipeline ingests its page images as they grow
     (storage.follow); the rest of the images after CRIU exits. report.seconds["criu_dump"] is set as
     soon as CRIU has dumped (its images are complete in staging), also when the ingest then fails;
     if CRIU failed, raises its error with the log kept (GPU state restored first). With leave_running
     the GPU state is restored as soon as CRIU is done."""
-    from .gpu_checkpoint import restore_all
     done = threading.Event()
     box: dict[str, Any] = {}
 
@@ -143,9 +207,9 @@ def _dump_and_ingest(criu: Criu, pid: int, images: str, opts: DumpOptions, w: An
         try:
             criu.dump(pid, images, opts)
             box["criu_dump"] = time.perf_counter() - t0
-            if leave_running and drv is not None:
+            if leave_running and gpu.cuda_pids:
                 t1 = time.perf_counter()
-                restore_all(drv, cuda_pids)
+                gpu.swap_in(store, name, w.streams)
                 box["gpu_resume"] = time.perf_counter() - t1
         except BaseException as e:  # noqa: BLE001 - handed to the ingesting thread
             box["error"] = e
@@ -167,8 +231,8 @@ def _dump_and_ingest(criu: Criu, pid: int, images: str, opts: DumpOptions, w: An
                 report.seconds["criu_dump"] = box["criu_dump"]
             err = box.get("error")
             if isinstance(err, CriuError):
-                if drv is not None and "criu_dump" not in box:
-                    restore_all(drv, cuda_pids)
+                if gpu.cuda_pids and "criu_dump" not in box:
+                    gpu.swap_in(store, name, w.streams)
                 raise err.with_log(keep_log(store, err, f"dump-{name}")) from None
             if err is not None:
                 raise err
@@ -192,7 +256,8 @@ def keep_log(store: SnapshotStore, e: CriuError, what: str) -> str:
     return dst
 
 
-def _resurrect(criu: Criu, images: str, pids: list[int], cuda_pids: list[int], drv: Any, cause: BaseException) -> None:
+def _resurrect(criu: Criu, images: str, pids: list[int], gpu: _GpuSide, store: SnapshotStore, name: str,
+               streams: list[Any], cause: BaseException) -> None:
     """CRIU killed the tree but the snapshot did not commit: bring the tree back from staging
     (once its pids are free: the killed tree's parent may take a moment to reap it)."""
     try:
@@ -200,9 +265,8 @@ def _resurrect(criu: Criu, images: str, pids: list[int], cuda_pids: list[int], d
         if taken:
             raise CriuSnapshotError(f"pid(s) {taken} are still taken (the killed tree was not reaped by its parent)")
         criu.restore(images, detach=True)
-        if drv is not None:
-            from .gpu_checkpoint import restore_all
-            restore_all(drv, cuda_pids)
+        if gpu.cuda_pids:
+            gpu.swap_in(store, name, streams)
     except Exception as e:  # noqa: BLE001
         raise CriuSnapshotError(f"storing the dump failed ({cause}) and restoring the processes from "
                                 f"{images} failed too ({e}); the images are kept there") from None
@@ -219,8 +283,10 @@ def _pids_in_use(pids: list[int], grace_s: float = 5.0) -> list[int]:
 
 
 def criu_restore(store: SnapshotStore, name: str, *, staging: str | None = None, progress: Any = None,
-                 criu: Criu | None = None) -> CriuReport:
-    from .gpu_checkpoint import restore_all
+                 criu: Criu | None = None, gpu_driver: Any = None, device: Any = None) -> CriuReport:
+    """Snapshot NAME back: images materialized (verified) into staging, `criu restore`, then the GPU
+    state by the path that took it (the driver's host copy, or custom storage from the gpu/ streams)."""
+    from storage.manifest import Manifest
     criu = criu or Criu()
     with store.shared():
         m = store.load(name)
@@ -234,9 +300,10 @@ def criu_restore(store: SnapshotStore, name: str, *, staging: str | None = None,
         stage = staging_dir(store, m.size, staging)
         try:
             t0 = time.perf_counter()
+            files = Manifest(m.name, [s for s in m.streams if not _is_gpu(s)], m.meta)
             if progress is not None:
-                progress.start(m.size)
-            pipeline.get(store, m, FileTreeSink(os.path.join(stage, "out")), progress=progress)
+                progress.start(files.size)
+            pipeline.get(store, files, FileTreeSink(os.path.join(stage, "out")), progress=progress)
             report.seconds["materialize"] = time.perf_counter() - t0
             images = os.path.join(stage, "out", "images")
             t0 = time.perf_counter()
@@ -250,9 +317,11 @@ def criu_restore(store: SnapshotStore, name: str, *, staging: str | None = None,
             with open(pidfile) as f:
                 report.restored_pid = int(f.read().strip())
             if report.cuda_pids:
-                from .cuda_driver import CudaDriver
+                from .cuda_driver import CudaDriver, Features
                 t0 = time.perf_counter()
-                restore_all(CudaDriver(), report.cuda_pids)
+                feats = Features(custom_storage=m.meta.get("gpu_path") == "custom-storage", checkpoint_api=True)
+                with _GpuSide(report.pids, report.cuda_pids, gpu_driver or CudaDriver(), feats, device) as gpu:
+                    gpu.swap_in(store, name, m.streams)
                 report.seconds["gpu_restore"] = time.perf_counter() - t0
         finally:
             shutil.rmtree(stage, ignore_errors=True)
