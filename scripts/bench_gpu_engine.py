@@ -120,8 +120,11 @@ def main() -> None:
             pool = None
             if "pool" in a.tiers:
                 t0 = time.perf_counter()
-                pool = PinnedPool(eng.dev.pinned(int((a.pool_gb or 0.75 * size / 1e9) * 1e9)))
-                print(f"  pinned pool of {pool.capacity / 1e9:.1f} GB allocated in {time.perf_counter() - t0:.2f} s "
+                pool = PinnedPool(eng.dev.pool_memory(int((a.pool_gb or 0.75 * size / 1e9) * 1e9)))
+                t_alloc = time.perf_counter() - t0
+                buf = pool.buffer
+                print(f"  pinned pool of {pool.capacity / 1e9:.1f} GB (huge pages advised: {getattr(buf, 'huge', None)}, "
+                      f"NUMA node: {getattr(buf, 'numa_node', None)}) registered in {t_alloc:.2f} s "
                       "(once, when the resident process starts; not in the timings)")
             for tier in a.tiers.split(","):
                 sdir = None

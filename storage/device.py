@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import mmap
+import os
 import threading
 from typing import Any, Protocol
 
@@ -54,6 +55,7 @@ class Device(Protocol):
 
     def bind_thread(self) -> None: ...
     def pinned(self, size: int) -> HostBuffer: ...
+    def pool_memory(self, size: int) -> HostBuffer: ...
     def alloc(self, size: int) -> int: ...
     def free(self, ptr: int) -> None: ...
     def new_stream(self) -> Any: ...
@@ -118,6 +120,75 @@ class PinnedBuffer:
         except BufferError:
             return  # a slice is still referenced (error path): keep the memory rather than free it under it
         _drv().cuMemFreeHost(self.ptr)
+
+
+_SYS_MBIND = {"x86_64": 237, "aarch64": 235}
+_MPOL_PREFERRED = 1
+
+
+def numa_nodes() -> int:
+    """How many NUMA nodes have memory here (1 when sysfs does not say)."""
+    try:
+        with open("/sys/devices/system/node/has_memory") as f:
+            spec = f.read().strip()
+    except OSError:
+        return 1
+    n = 0
+    for part in spec.split(","):
+        a, _, b = part.partition("-")
+        n += (int(b) - int(a) + 1) if b else 1
+    return max(n, 1)
+
+
+def prefer_node(ptr: int, size: int, node: int) -> bool:
+    """mbind(MPOL_PREFERRED) the not-yet-touched range to NUMA NODE; False where the kernel refuses."""
+    nr = _SYS_MBIND.get(os.uname().machine)
+    if nr is None or node < 0 or node >= 64:
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    mask = ctypes.c_ulong(1 << node)
+    r = libc.syscall(ctypes.c_long(nr), ctypes.c_void_p(ptr), ctypes.c_ulong(size), ctypes.c_int(_MPOL_PREFERRED),
+                     ctypes.byref(mask), ctypes.c_ulong(65), ctypes.c_uint(0))
+    return r == 0
+
+
+class RegisteredBuffer:
+    """Large pinned host memory for the memory tier: an anonymous mapping advised to transparent huge
+    pages, placed on the GPU's NUMA node when the machine has several, then page-locked with
+    cuMemHostRegister (pinning 2 MiB pages is much cheaper than cuMemHostAlloc's 4 KiB ones)."""
+
+    HUGE = 2 << 20
+
+    def __init__(self, size: int, numa_node: int | None = None) -> None:
+        self.size = align_up(max(size, 1), self.HUGE)
+        self._map = mmap.mmap(-1, self.size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self._anchor = ctypes.c_char.from_buffer(self._map)
+        self.ptr = ctypes.addressof(self._anchor)
+        self.huge = False
+        if hasattr(mmap, "MADV_HUGEPAGE"):
+            try:
+                self._map.madvise(mmap.MADV_HUGEPAGE)
+                self.huge = True
+            except OSError:
+                pass
+        self.numa_node = numa_node if numa_node is not None and numa_nodes() > 1 and \
+            prefer_node(self.ptr, self.size, numa_node) else None
+        try:
+            _ck(_drv().cuMemHostRegister(self.ptr, self.size, 1), f"cuMemHostRegister({self.size})")  # PORTABLE
+        except BaseException:
+            del self._anchor
+            self._map.close()
+            raise
+        self.view = memoryview(self._map)
+
+    def close(self) -> None:
+        try:
+            self.view.release()
+        except BufferError:
+            return  # a slice is still referenced (error path): keep it registered rather than unmap it
+        _drv().cuMemHostUnregister(self.ptr)
+        del self._anchor
+        self._map.close()
 
 
 _CONTEXTS: dict[int, Any] = {}
@@ -192,6 +263,18 @@ class CudaDevice:
 
     def pinned(self, size: int) -> HostBuffer:
         return PinnedBuffer(size)
+
+    def pool_memory(self, size: int) -> HostBuffer:
+        """Host memory for a resident pool: huge pages, on this GPU's NUMA node, registered."""
+        return RegisteredBuffer(size, self.numa_node())
+
+    def numa_node(self) -> int | None:
+        d = _drv()
+        attr = getattr(d.CUdevice_attribute, "CU_DEVICE_ATTRIBUTE_HOST_NUMA_ID", None)
+        if attr is None:
+            return None
+        err, v = d.cuDeviceGetAttribute(attr, self.index)
+        return int(v) if int(err) == 0 and int(v) >= 0 else None
 
     def alloc(self, size: int) -> int:
         return int(_ck(_drv().cuMemAlloc(size), f"cuMemAlloc({size})"))
@@ -290,6 +373,8 @@ class HostDevice:
 
     def pinned(self, size: int) -> HostBuffer:
         return HostMemory(size)
+
+    pool_memory = pinned
 
     def alloc(self, size: int) -> int:
         m = HostMemory(size)

@@ -225,3 +225,17 @@ def test_extents_against_a_model() -> None:
         assert a is not None
         ext.free(a, 4096)
         ext.free(a, 4096)
+
+
+def test_numa_helpers() -> None:
+    """NUMA placement: the node count parses from sysfs; binding to a node that exists works, to one
+    that does not is refused (not silently ignored). (Machines here have one node: the placement
+    itself is not observable, and RegisteredBuffer only binds where there are several.)"""
+    from storage.device import numa_nodes, prefer_node
+    assert numa_nodes() >= 1
+    mem = HostMemory(4 << 20)
+    try:
+        assert prefer_node(mem.ptr, mem.size, 0)
+        assert not prefer_node(mem.ptr, mem.size, 63)
+    finally:
+        mem.close()

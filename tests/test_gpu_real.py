@@ -194,7 +194,7 @@ def test_engine_round_trip(tmp_path: Path, tier: str, mix: str) -> None:
     sdir = Path(os.path.join(root, f"gpusnap-test-{os.getpid()}-{mix}"))
     try:
         with Workload(GB, mix=mix, seed=3) as w, GpuEngine() as eng, ipc_region(w.info["ipc"]) as ptr:
-            st = PinnedPool(eng.dev.pinned(int(w.size * 1.05))) if tier == "pool" else SnapshotStore(str(sdir))
+            st = PinnedPool(eng.dev.pool_memory(int(w.size * 1.05))) if tier == "pool" else SnapshotStore(str(sdir))
             region = Region("gpu/0", ptr, w.size)
             with st.writer("e1") as wr:
                 res = eng.checkpoint(wr, [region])
