@@ -20,6 +20,21 @@ runsc_arg = click.option("--runsc-arg", "runsc_args", multiple=True, metavar="AR
                               "the snapshot and reused by restore unless given again.")
 
 
+def parse_gpus(spec: str | None, dev_root: str = "/dev") -> list[int]:
+    """'all' -> every /dev/nvidiaN here; '0,1' -> [0, 1]; None -> []."""
+    if not spec:
+        return []
+    if spec == "all":
+        found = sorted(int(n[6:]) for n in os.listdir(dev_root) if n.startswith("nvidia") and n[6:].isdigit())
+        if not found:
+            raise click.UsageError("--gpus all: no /dev/nvidiaN device here")
+        return found
+    try:
+        return [int(x) for x in spec.split(",") if x.strip()]
+    except ValueError:
+        raise click.UsageError(f"--gpus {spec!r}: expected 'all' or GPU indices like 0,1") from None
+
+
 @main.group()
 def runsc() -> None:
     """Run gVisor sandboxes and checkpoint/restore them through the store."""
@@ -31,17 +46,28 @@ def runsc() -> None:
 @click.option("--net-subnet", default=None, metavar="CIDR",
               help="Give the sandbox its own network namespace with a veth pair in CIDR (e.g. 10.77.0.0/24).")
 @click.option("--output", default=None, help="File for the sandbox's stdout/stderr (default: the store's logs/).")
+@click.option("--gpus", default=None, metavar="LIST",
+              help="GPUs for the sandbox: 'all' or indices like 0,1. Adds the NVIDIA devices to the bundle and "
+                   "runsc's nvproxy flags (refused where the installed runsc has no nvproxy), and mounts gpusnap's "
+                   "GPU agent and the store inside, so that checkpoint can handle the GPU state.")
+@click.option("--gpu-agent", is_flag=True,
+              help="Mount the GPU agent and the store without adding devices (GPUs given to the sandbox by other "
+                   "means, e.g. CDI); checkpoint then runs the agent.")
+@click.option("--nvproxy-driver-version", default=None, metavar="VER",
+              help="Pin nvproxy's driver ABI (runsc --nvproxy-driver-version), where runsc has the flag.")
 @runsc_arg
 @click.pass_context
 @one_line_errors
 def runsc_run(ctx: click.Context, container: str, bundle: str, net_subnet: str | None, output: str | None,
+              gpus: str | None, gpu_agent: bool, nvproxy_driver_version: str | None,
               runsc_args: tuple[str, ...]) -> None:
     """Start sandbox CONTAINER from BUNDLE (detached)."""
     st = open_store(ctx)
     net = nets.NetConfig.for_sandbox(f"gpusnap-{container}", net_subnet) if net_subnet else None
     out = output or os.path.join(st.path, "logs", f"runsc-{container}.out")
     os.makedirs(os.path.dirname(out), mode=0o700, exist_ok=True)
-    rs.run(container, bundle, runsc_args, out, net)
+    rs.run(container, bundle, runsc_args, out, net, gpus=parse_gpus(gpus), gpu_agent=gpu_agent,
+           store_path=st.path, driver_version=nvproxy_driver_version)
     click.echo(f"{container}: running" + (f" at {net.address} (netns {net.name})" if net else ""))
 
 

@@ -25,6 +25,28 @@ class RunscFeatures:
     platforms: tuple[str, ...]
     nvproxy: bool
     checkpoint_flags: tuple[str, ...] = field(default_factory=tuple)
+    global_flags: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def save_restore_exec(self) -> bool:
+        """Newer runsc runs a command inside the container around save and restore
+        (`checkpoint --save-restore-exec-argv`): its own hook for cuda-checkpoint."""
+        return "save-restore-exec-argv" in self.checkpoint_flags
+
+    def gpu_args(self, *, driver_version: str | None = None, capabilities: Sequence[str] = ("compute", "utility"),
+                 ) -> list[str]:
+        """The global flags a GPU sandbox needs with this runsc (nvproxy), or RunscError saying why none can run."""
+        if not self.nvproxy:
+            raise RunscError(f"this runsc ({self.version or 'unknown version'}) has no nvproxy, so it cannot run GPU "
+                             "sandboxes; install a gVisor release with nvproxy (2023 or later)")
+        args = ["--nvproxy=true"]
+        if driver_version:
+            if "nvproxy-driver-version" not in self.global_flags:
+                raise RunscError(f"this runsc ({self.version}) cannot pin the NVIDIA driver ABI (--nvproxy-driver-version)")
+            args.append(f"--nvproxy-driver-version={driver_version}")
+        if capabilities and "nvproxy-allowed-driver-capabilities" in self.global_flags:
+            args.append(f"--nvproxy-allowed-driver-capabilities={','.join(capabilities)}")
+        return args
 
     @property
     def can_leave_running(self) -> bool:
@@ -48,8 +70,8 @@ def parse_features(version_text: str, global_help: str, checkpoint_help: str) ->
     if plats:
         text = re.sub(r"\(default[^)]*\)", "", plats.group(1))
         platforms = tuple(w for w in (p.strip(" .") for p in text.split(",")) if re.fullmatch(r"[a-z0-9]+", w))
-    return RunscFeatures(m.group(1) if m else None, platforms, "nvproxy" in _flags(global_help),
-                         _flags(checkpoint_help))
+    gflags = _flags(global_help)
+    return RunscFeatures(m.group(1) if m else None, platforms, "nvproxy" in gflags, _flags(checkpoint_help), gflags)
 
 
 class Runsc:
@@ -97,8 +119,9 @@ class Runsc:
     def run(self, cid: str, bundle: str, *, stdout: Any, stderr: Any, preexec: Callable[[], None] | None = None) -> None:
         self._run(f"run {cid}", "run", "-detach", "-bundle", bundle, cid, stdout=stdout, stderr=stderr, preexec=preexec)
 
-    def exec(self, cid: str, argv: Sequence[str], timeout: float = 60) -> str:
-        return self._run(f"exec {cid}", "exec", cid, *argv, timeout=timeout).stdout
+    def exec(self, cid: str, argv: Sequence[str], timeout: float = 60, env: dict[str, str] | None = None) -> str:
+        envs = [a for k, v in (env or {}).items() for a in ("-env", f"{k}={v}")]
+        return self._run(f"exec {cid}", "exec", *envs, cid, *argv, timeout=timeout).stdout
 
     def checkpoint(self, cid: str, image_path: str, *, leave_running: bool = False,
                    uncompressed: bool = False) -> None:

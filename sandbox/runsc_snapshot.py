@@ -22,11 +22,15 @@ from storage.store import SnapshotStore
 
 from . import netns as nets
 from .criu_snapshot import staging_dir
-from .oci_bundle import bundle_netns, set_bundle_netns
+from .oci_bundle import _load, add_bind, add_gpus, bundle_netns, save_spec, set_bundle_netns
 from .runsc_runner import Runsc, RunscError
 
 NET_SIDECAR = "gpusnap-net.json"  # in the bundle: the NetConfig gpusnap made for this sandbox
 RUN_SIDECAR = "gpusnap-run.json"  # in the bundle: where the sandbox's output goes
+GPU_SIDECAR = "gpusnap-gpu.json"  # in the bundle: GPUs, nvproxy flags, where the GPU agent finds code and store
+AGENT_CODE = "/run/gpusnap/code"   # gpusnap's code inside a GPU sandbox (read-only bind)
+AGENT_STORE = "/run/gpusnap/store"  # the store inside a GPU sandbox (bind), for custom storage
+CODE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 class RunscSnapshotError(Exception):
@@ -75,11 +79,71 @@ def _with_reason(e: RunscError, output: str) -> RunscError:
     return RunscError(f"{e}: {tail[-1].strip()}" if tail else str(e))
 
 
-def run(cid: str, bundle: str, runsc_args: Sequence[str], output: str, net: nets.NetConfig | None = None) -> None:
-    """Start sandbox CID from BUNDLE; with NET, in its own namespace (made here, recorded in the bundle)."""
+def _gpu_of(bundle: str) -> dict[str, Any] | None:
+    try:
+        with open(os.path.join(bundle, GPU_SIDECAR)) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return None
+
+
+def prepare_gpu(bundle: str, r: Runsc, gpus: Sequence[int], store_path: str, *, agent: bool = True,
+                driver_version: str | None = None) -> list[str]:
+    """Make BUNDLE a GPU sandbox: the NVIDIA devices (nvproxy) for GPUS, gpusnap's code and the store
+    bind-mounted for the GPU agent; recorded in the bundle. Returns the extra runsc global flags.
+    Refuses, before touching the bundle, when this runsc has no nvproxy."""
+    gpu_args = r.features().gpu_args(driver_version=driver_version) if gpus else []
+    cfg = _load(bundle)
+    if gpus:
+        add_gpus(cfg, gpus)
+    if agent:
+        add_bind(cfg, CODE_ROOT, AGENT_CODE, readonly=True)
+        add_bind(cfg, store_path, AGENT_STORE)
+    save_spec(bundle, cfg)
+    with open(os.path.join(bundle, GPU_SIDECAR), "w") as f:
+        json.dump({"gpus": list(gpus), "runsc_args": gpu_args, "agent": agent}, f)
+    return gpu_args
+
+
+def agent(r: Runsc, cid: str, action: str, *, name: str | None = None, pids: Sequence[int] | None = None,
+          timeout: float = 600) -> dict[str, Any]:
+    """Run the GPU agent (criu_hooks/gpu_agent.py) inside sandbox CID through `runsc exec`."""
+    py = os.environ.get("GPUSNAP_AGENT_PYTHON", "python3")
+    argv = [py, "-m", "criu_hooks.gpu_agent", action]
+    if name:
+        argv += ["--store", AGENT_STORE, "--name", name]
+    if pids is not None:
+        argv += ["--pids", ",".join(map(str, pids))]
+    try:
+        out = r.exec(cid, argv, timeout=timeout, env={"PYTHONPATH": AGENT_CODE})
+    except RunscError as e:
+        raise RunscSnapshotError(f"the GPU agent in {cid!r} failed to {action}: {e}") from None
+    try:
+        return json.loads(out.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        raise RunscSnapshotError(f"the GPU agent in {cid!r} gave no report for {action}: {out[-200:]!r}") from None
+
+
+def run(cid: str, bundle: str, runsc_args: Sequence[str], output: str, net: nets.NetConfig | None = None, *,
+        gpus: Sequence[int] = (), gpu_agent: bool = False, store_path: str | None = None,
+        driver_version: str | None = None) -> None:
+    """Start sandbox CID from BUNDLE; with NET, in its own namespace (made here, recorded in the bundle);
+    with GPUS (or gpu_agent), as a GPU sandbox (prepare_gpu) whose GPU state checkpoint handles."""
     r = Runsc(runsc_args)
     if r.state(cid) is not None:
         raise RunscSnapshotError(f"container {cid!r} already exists")
+    spec_path = os.path.join(bundle, "config.json")
+    original = None
+    if gpus or gpu_agent:
+        if store_path is None:
+            raise RunscSnapshotError("a GPU sandbox needs the store path (for the GPU agent)")
+        with open(spec_path) as f:
+            original = f.read()
+        try:
+            r = Runsc([*runsc_args, *prepare_gpu(bundle, r, gpus, store_path, driver_version=driver_version)])
+        except BaseException:
+            _undo_gpu(bundle, original)
+            raise
     if net is not None:
         nets.create(net)
         set_bundle_netns(bundle, net.path)
@@ -97,7 +161,19 @@ def run(cid: str, bundle: str, runsc_args: Sequence[str], output: str, net: nets
         if net is not None:
             nets.remove(net)
             os.unlink(os.path.join(bundle, NET_SIDECAR))
+        if original is not None:
+            _undo_gpu(bundle, original)
         raise
+
+
+def _undo_gpu(bundle: str, original: str) -> None:
+    """Put BUNDLE's spec back as it was and forget the GPU record (a GPU sandbox that did not start)."""
+    with open(os.path.join(bundle, "config.json"), "w") as f:
+        f.write(original)
+    try:
+        os.unlink(os.path.join(bundle, GPU_SIDECAR))
+    except FileNotFoundError:
+        pass
 
 
 def delete(cid: str, runsc_args: Sequence[str]) -> None:
@@ -112,8 +188,15 @@ def delete(cid: str, runsc_args: Sequence[str]) -> None:
         nets.remove(net)
 
 
+def _gpu_name(name: str) -> str:
+    return f"{name}.gpu"
+
+
 def checkpoint(store: SnapshotStore, cid: str, name: str, runsc_args: Sequence[str], *, leave_running: bool = False,
                replace: bool = False, progress: Any = None) -> RunscReport:
+    """Sandbox CID into snapshot NAME: the GPU agent first where it is a GPU sandbox (custom storage
+    into snapshot NAME.gpu, or the driver's host copy that runsc then saves), then `runsc checkpoint`
+    and the ingest. A failure at any step leaves the sandbox running with its GPU state back."""
     r = Runsc(runsc_args, log_dir=os.path.join(store.path, "logs"))
     st = r.state(cid)
     if st is None:
@@ -125,14 +208,23 @@ def checkpoint(store: SnapshotStore, cid: str, name: str, runsc_args: Sequence[s
                                  "runsc cannot checkpoint; run it with --network=none or its own netstack")
     bundle = st["bundle"]
     net = _net_of(bundle)
+    gpu = _gpu_of(bundle)
+    if gpu and gpu.get("runsc_args"):
+        r = Runsc([*runsc_args, *gpu["runsc_args"]], log_dir=r.log_dir)
     report = RunscReport(name, cid, address=net.address if net else None)
     meta = {"kind": "runsc", "container": cid, "runsc_args": list(runsc_args), "bundle": bundle,
-            "net": net.as_dict() if net else None, "netns_path": bundle_netns(bundle)}
+            "net": net.as_dict() if net else None, "netns_path": bundle_netns(bundle), "gpu": None}
     with store.writer(name, replace=replace, meta=meta) as w:
         stage = staging_dir(store, 1 << 30)
         images = os.path.join(stage, "images")
         os.mkdir(images, 0o700)
+        gpu_rep: dict[str, Any] | None = None
         try:
+            if gpu and gpu.get("agent"):
+                t0 = time.perf_counter()
+                gpu_rep = agent(r, cid, "checkpoint", name=_gpu_name(name))
+                meta["gpu"] = {**gpu, "agent_report": gpu_rep}
+                report.seconds["gpu_checkpoint"] = time.perf_counter() - t0
             t0 = time.perf_counter()
             try:
                 # runsc's own -leave-running hangs or exits 120 with Debian's 20221219 build here
@@ -149,6 +241,7 @@ def checkpoint(store: SnapshotStore, cid: str, name: str, runsc_args: Sequence[s
             if leave_running:
                 t0 = time.perf_counter()
                 _restart(r, cid, bundle, images, net)
+                _gpu_back(r, cid, gpu_rep)
                 report.seconds["restart"] = time.perf_counter() - t0
             t0 = time.perf_counter()
             src = FileTreeSource([images])
@@ -162,11 +255,21 @@ def checkpoint(store: SnapshotStore, cid: str, name: str, runsc_args: Sequence[s
             if state is not None and state.get("status") != "running" and os.listdir(images):
                 # runsc stopped it but the snapshot did not commit: bring it back from staging
                 _restart(r, cid, bundle, images, net)
+            if not leave_running or "restart" not in report.seconds:
+                _gpu_back(r, cid, gpu_rep)
+            if gpu_rep and gpu_rep.get("snapshot") and store.exists(gpu_rep["snapshot"]):
+                store.remove(gpu_rep["snapshot"])
             raise
         finally:
             shutil.rmtree(stage, ignore_errors=True)
     report.raw_bytes, report.new_bytes, report.dedup_bytes = w.stats.raw_bytes, w.stats.bytes_new, w.stats.bytes_dedup
     return report
+
+
+def _gpu_back(r: Runsc, cid: str, rep: dict[str, Any] | None) -> None:
+    """The agent's restore for the CUDA processes its checkpoint reported (none: nothing to do)."""
+    if rep and rep.get("cuda_pids"):
+        agent(r, cid, "restore", name=rep.get("snapshot"), pids=rep["cuda_pids"])
 
 
 def _restart(r: Runsc, cid: str, bundle: str, images: str, net: nets.NetConfig | None) -> None:
@@ -188,7 +291,8 @@ def restore(store: SnapshotStore, name: str, cid: str, bundle: str, *, runsc_arg
         if m.meta.get("kind") != "runsc":
             raise RunscSnapshotError(f"snapshot {name!r} is a {m.meta.get('kind')!r} snapshot, not a runsc one")
         args = list(runsc_args) if runsc_args else list(m.meta["runsc_args"])
-        r = Runsc(args, log_dir=os.path.join(store.path, "logs"))
+        gpu = m.meta.get("gpu") or {}
+        r = Runsc([*args, *gpu.get("runsc_args", [])], log_dir=os.path.join(store.path, "logs"))
         if r.state(cid) is not None:
             raise RunscSnapshotError(f"container {cid!r} already exists; restore under a new id")
         if not os.path.exists(os.path.join(bundle, "config.json")):
@@ -201,6 +305,8 @@ def restore(store: SnapshotStore, name: str, cid: str, bundle: str, *, runsc_arg
             t0 = time.perf_counter()
             pipeline.get(store, m, FileTreeSink(os.path.join(stage, "out")), progress=progress)
             report.seconds["materialize"] = time.perf_counter() - t0
+            if gpu:
+                prepare_gpu(bundle, Runsc(args), gpu.get("gpus", []), store.path, agent=bool(gpu.get("agent")))
             if net is not None:
                 if not nets.exists(net):
                     nets.create(net)
@@ -216,6 +322,10 @@ def restore(store: SnapshotStore, name: str, cid: str, bundle: str, *, runsc_arg
                 except RunscError as e:
                     raise _with_reason(e, output) from None
             report.seconds["runsc_restore"] = time.perf_counter() - t0
+            if gpu.get("agent_report", {}).get("cuda_pids"):
+                t0 = time.perf_counter()
+                _gpu_back(r, cid, gpu["agent_report"])
+                report.seconds["gpu_restore"] = time.perf_counter() - t0
         except BaseException:
             if r.state(cid) is not None:
                 try:

@@ -2,6 +2,7 @@
 real network namespaces made with pyroute2. FACTS.md: this runsc checkpoints only --network=none."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import Cli, chunk_files
+from conftest import REPO, Cli, chunk_files
 
 pytestmark = pytest.mark.root
 # The sandboxes see the host's / read-only with a fresh tmpfs on /tmp, so the venv (maybe under /tmp in
@@ -222,3 +223,44 @@ def test_feature_detection_from_runsc_help() -> None:
     g = parse_features("runsc version release-20250101.0\n", newer_global, newer_ckpt)
     assert g.nvproxy and g.platforms == ("systrap", "ptrace", "kvm") and g.version == "release-20250101.0"
     assert {"compression", "direct", "exclude-committed-zero-pages", "leave-running"} <= set(g.checkpoint_flags)
+
+
+def test_gpu_sandbox_refused_by_a_runsc_without_nvproxy(cli: Cli, env: dict) -> None:
+    """`--gpus` with this runsc (no nvproxy): one line saying so, the bundle untouched, no sandbox."""
+    bundle = env["tmp"] / "bundle-g0"
+    env["build"](str(bundle), [PY, "-c", COUNTER])
+    spec = (bundle / "config.json").read_text()
+    p = cli.run("runsc", "run", U("g0"), "--bundle", str(bundle), "--gpus", "0", *env["args"],
+                "--runsc-arg=--network=none", check=False)
+    assert p.returncode == 1 and "no nvproxy" in p.stderr and len(p.stderr.splitlines()) == 1, p.stderr
+    assert (bundle / "config.json").read_text() == spec and not (bundle / "gpusnap-gpu.json").exists()
+    root = env["args"][0].split("=", 2)[2]
+    assert subprocess.run(["runsc", f"--root={root}", "state", U("g0")], capture_output=True).returncode != 0
+
+
+def test_gpu_agent_runs_inside_the_sandbox_around_checkpoint_and_restore(cli: Cli, env: dict) -> None:
+    """A sandbox started with --gpu-agent (gpusnap's code and the store bind-mounted; no GPU here):
+    checkpoint runs the agent inside through `runsc exec` before `runsc checkpoint`; it sees the
+    sandbox's own processes (pid 1 is the counter), finds no CUDA process, and the flow goes on; the
+    restored sandbox (new id, a fresh bundle prepared the same way) continues counting."""
+    bundle, out1 = start_counter(cli, env, U("ga"), ["--gpu-agent"])
+    spec = json.loads((bundle / "config.json").read_text())
+    binds = {m["destination"]: m["source"] for m in spec["mounts"] if m.get("type") == "bind"}
+    assert binds["/run/gpusnap/code"] == str(REPO) and binds["/run/gpusnap/store"] == str(cli.store)
+    agent_env = {"GPUSNAP_AGENT_PYTHON": PY}
+    r = cli.run("runsc", "checkpoint", U("ga"), "gs", *env["args"], "--runsc-arg=--network=none", "--json", env=agent_env)
+    rep = json.loads(r.stdout)
+    assert "gpu_checkpoint" in rep["seconds"]
+    meta = cli.json("store", "inspect", "gs")["meta"]
+    agent = meta["gpu"]["agent_report"]
+    assert agent["action"] == "checkpoint" and agent["cuda_pids"] == [] and agent["path"] is None
+    assert agent["init"] == [PY, "-c"], agent  # it ran inside: pid 1 there is the sandbox's counter
+    last = int(lines(out1)[-1][0])
+    fresh = env["tmp"] / "bundle-gb"
+    env["build"](str(fresh), [PY, "-c", COUNTER])
+    out2 = env["tmp"] / (U("gb") + ".out")
+    cli.run("runsc", "restore", "gs", U("gb"), "--bundle", str(fresh), "--output", str(out2), env=agent_env)
+    env["made"].append((U("gb"), env["args"]))
+    assert int(wait_lines(out2, 2)[0][0]) == last + 1
+    restored = json.loads((fresh / "config.json").read_text())
+    assert any(m.get("destination") == "/run/gpusnap/code" for m in restored["mounts"])
