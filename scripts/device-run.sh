@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batch on the lent GPU machine (the `device` tool): GPU tests, then the benchmarks named in $1
-# ("tests", "engine", "e2e", "bench" = scripts/bench_h200.sh, "pinned", or several, comma-separated). Results land in $OUT (or ./device-out).
+# ("tests", "engine", "e2e", "bench" = scripts/bench_h200.sh, "pinned", "ingest", "pool", or several, comma-separated). Results land in $OUT (or ./device-out).
 # The GPU machine has no network: carry .whl/ (pip download of the gpu extras and zstandard, blake3,
 # click for cp312, see the device tool's README) and, for e2e, .carry/criu/ (CRIU built here by
 # scripts/install-criu.sh, its non-libc .so files in lib/, and criu-wrapper setting LD_LIBRARY_PATH).
@@ -20,6 +20,8 @@ for what in ${1//,/ }; do
     tests)  GPUSNAP_RESULTS="$out/gpu-results.jsonl" timeout 560 python3 -m pytest -p no:cacheprovider -m gpu -v -s ${PYTEST_K:+-k "$PYTEST_K"} tests 2>&1 | tee "$out/gpu-tests.log" | grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|^E " ;;
     engine) timeout 560 python3 scripts/bench_gpu_engine.py --json "$out/engine.json" ${BENCH_ARGS:-} 2>&1 | tee "$out/engine.log" ;;
     bench)  OUT="$out" bash scripts/bench_h200.sh ;;
+    ingest) timeout 300 python3 scripts/bench_ingest.py --json "$out/ingest.json" ${INGEST_ARGS:-} 2>&1 | tee "$out/ingest.log" ;;
+    pool)   for l in ${POOL_LANES:-16 24}; do timeout 200 python3 scripts/bench_gpu_engine.py --mix realistic --tiers shm,pool --repeat 5 --lanes $l --json "$out/pool-lanes$l.json" 2>&1 | tee "$out/pool-lanes$l.log"; done ;;
     pinned) timeout 120 python3 scripts/probe_pinned_alloc.py 16 2>&1 | tee "$out/pinned-alloc.json" ;;
     e2e)    timeout 560 python3 scripts/bench_e2e.py --json "$out/e2e.json" ${BENCH_ARGS:-} 2>&1 | tee "$out/e2e.log" ;;
   esac

@@ -1,0 +1,82 @@
+#!/usr/bin/env python3
+"""The host pipeline's ingest alone (what `gpusnap criu dump` does after CRIU): a page-image-like
+file on /dev/shm into a store on disk with the page chunker, per stage (thread-seconds, GB/s per
+thread) and wall time, against the disk floor for the bytes stored. The file: the realistic mix in
+64 MiB runs (40% bf16 N(0, 0.02), 55% zeros, 5% random), every page made distinct so nothing dedups.
+Usage: bench_ingest.py [--gb 24] [--workers N] [--dir /var/tmp] [--json OUT]"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [os.path.dirname(HERE), HERE]
+
+from storage import pipeline  # noqa: E402
+from storage.filetree import FileTreeSource  # noqa: E402
+from storage.store import SnapshotStore  # noqa: E402
+
+
+def make_image(path: str, gb: float) -> int:
+    rng = np.random.default_rng(5)
+    run = 64 << 20
+    bf16 = (rng.normal(0, 0.02, run // 2).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    rnd = np.frombuffer(rng.bytes(run), dtype=np.uint64).copy()
+    n = int(gb * 1e9) // run
+    with open(path, "wb") as f:
+        for i in range(n):
+            k = i % 20
+            if k < 8:
+                a = bf16.view(np.uint64).copy()
+            elif k < 19:
+                f.write(bytes(run))
+                continue
+            else:
+                a = rnd.copy()
+            a[::512] += np.uint64(i + 1)  # one word per page: no two pages equal across runs
+            f.write(a.tobytes())
+    return n * run
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--gb", type=float, default=24)
+    ap.add_argument("--workers", type=int, default=None)
+    ap.add_argument("--dir", default=os.environ.get("GPUSNAP_DISK_DIR", "/var/tmp"))
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    src_dir = tempfile.mkdtemp(prefix="gpusnap-ingest-", dir="/dev/shm")
+    work = tempfile.mkdtemp(prefix="gpusnap-ingest-", dir=a.dir)
+    try:
+        images = os.path.join(src_dir, "images")
+        os.mkdir(images)
+        t0 = time.perf_counter()
+        size = make_image(os.path.join(images, "pages-1.img"), a.gb)
+        print(f"image: {size / 1e9:.1f} GB written to /dev/shm in {time.perf_counter() - t0:.1f} s", flush=True)
+        st = SnapshotStore(os.path.join(work, "store"))
+        t0 = time.perf_counter()
+        with st.writer("i") as w:
+            res = pipeline.put(w, FileTreeSource([images]), chunker="pages", workers=a.workers)
+            w.commit()
+        wall = time.perf_counter() - t0
+        out = {"date": time.strftime("%Y-%m-%d"), "gb": size / 1e9, "stored_gb": res.stored_bytes / 1e9,
+               "wall_s": wall, "GBps": size / wall / 1e9, "workers": a.workers or pipeline.default_workers(),
+               "stages": res.stages.table()}
+        print(json.dumps(out))
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(out, f, indent=1)
+    finally:
+        shutil.rmtree(src_dir, ignore_errors=True)
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
