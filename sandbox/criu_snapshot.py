@@ -45,9 +45,10 @@ class CriuReport:
     new_bytes: int = 0
     dedup_bytes: int = 0
     restored_pid: int | None = None
+    stages: dict[str, Any] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "pids": self.pids, "cuda_pids": self.cuda_pids,
+        return {"name": self.name, "pids": self.pids, "cuda_pids": self.cuda_pids, "stages": self.stages,
                 "seconds": {k: round(v, 3) for k, v in self.seconds.items()}, "raw_bytes": self.raw_bytes,
                 "new_bytes": self.new_bytes, "dedup_bytes": self.dedup_bytes, "restored_pid": self.restored_pid}
 
@@ -240,7 +241,7 @@ def _dump_and_ingest(criu: Criu, pid: int, images: str, opts: DumpOptions, w: An
         report.seconds["gpu_resume"] = box["gpu_resume"]
     report.seconds["dump+ingest"] = time.perf_counter() - t0
     report.seconds["ingest_after_dump"] = report.seconds["dump+ingest"] - box["criu_dump"]
-    w.meta["ingest_stages"] = res.stages.table()
+    w.meta["ingest_stages"] = report.stages = res.stages.table()
     w.meta["ingested_while_dumping"] = src.followed
 
 

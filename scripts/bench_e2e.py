@@ -103,6 +103,7 @@ def main() -> None:
         with Workload(a.gb, mix=a.mix, seed=21, detached=True) as w:
             d = timed(g, "gpusnap_criu_dump", gpusnap, store, "criu", "dump", str(w.pid), "e2e")
             g["dump_stages"] = d["seconds"]
+            g["ingest_stages"] = d.get("stages")
             g["stored_bytes"] = d["new_bytes"]
             g["image_bytes"] = d["raw_bytes"]
             w.reap()

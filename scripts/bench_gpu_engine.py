@@ -100,7 +100,7 @@ def main() -> None:
     ap.add_argument("--mix", default="realistic,pessimistic")
     ap.add_argument("--tiers", default="shm,pool,disk")
     ap.add_argument("--pool-gb", type=float, default=0.0, help="pinned pool size (default: 0.75 x the data)")
-    ap.add_argument("--lanes", type=int, default=int(os.environ.get("GPUSNAP_LANES", "16")))
+    ap.add_argument("--lanes", type=int, default=int(os.environ.get("GPUSNAP_LANES", "24")))
     ap.add_argument("--chunk-mb", type=int, default=64)
     ap.add_argument("--codec", default="nvcomp-ans")
     ap.add_argument("--disk-dir", default=os.environ.get("GPUSNAP_DISK_DIR", "/var/tmp"))

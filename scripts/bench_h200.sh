@@ -13,7 +13,7 @@ out=${OUT:-$root/results/$(date +%F)-h200}
 mkdir -p "$out"
 t0=$(date +%s)
 timeout 280 python3 "$root/scripts/bench_gpu_engine.py" --gb "${BENCH_GB:-24}" --mix realistic,pessimistic \
-  --tiers shm,pool,disk --json "$out/engine.json" 2>&1 | tee "$out/engine.log"
+  --tiers shm,pool,disk --repeat 3 --json "$out/engine.json" 2>&1 | tee "$out/engine.log"
 t1=$(date +%s)
 timeout 420 python3 "$root/scripts/bench_e2e.py" --gb "${BENCH_GB:-24}" --mix realistic --json "$out/e2e.json" 2>&1 | tee "$out/e2e.log"
 t2=$(date +%s)

@@ -6,6 +6,7 @@ filesystem refuses O_DIRECT (tmpfs, some overlay setups) the same calls use the 
 """
 from __future__ import annotations
 
+import ctypes
 import errno
 import mmap
 import os
@@ -14,6 +15,27 @@ from contextlib import contextmanager
 from typing import Iterator
 
 ALIGN = 4096
+
+
+_NOGIL_MIN = 64 << 10
+
+
+def address_of(view: memoryview | bytes) -> int:
+    """The address of a contiguous buffer's first byte (read-only buffers too)."""
+    import numpy as np  # noqa: PLC0415
+    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data) if len(view) else 0
+
+
+def copy_into(dst: memoryview, src: memoryview | bytes) -> None:
+    """dst[:len(src)] = src, without holding the GIL for large copies (memoryview assignment holds it
+    for the whole memcpy, which stalls every other pipeline thread; ctypes.memmove releases it)."""
+    n = len(src)
+    if n > len(dst):
+        raise ValueError(f"copy of {n} bytes into {len(dst)}")
+    if n < _NOGIL_MIN:
+        dst[:n] = src
+        return
+    ctypes.memmove(address_of(dst), src if isinstance(src, bytes) else address_of(src), n)
 
 
 class DirectIOError(OSError):

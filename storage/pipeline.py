@@ -10,6 +10,7 @@ GPU region engine (storage/gpu_engine.py) use the same store underneath.
 """
 from __future__ import annotations
 
+import ctypes
 import os
 import threading
 import time
@@ -22,7 +23,7 @@ import numpy as np
 
 from .chunkfile import HEADER_SIZE, ChunkError
 from .codecs import HostCodecChooser, decode_host, CodecError
-from .directio import AlignedBuffer, BufferPool
+from .directio import AlignedBuffer, BufferPool, address_of, copy_into
 from .manifest import ChunkRef, Manifest, Stream
 from .store import SnapshotStore, SnapshotWriter, StoreError
 
@@ -222,12 +223,12 @@ def _page_pieces(reader: StreamReader, staging: BufferPool, chunk_size: int, sta
         prev = 0
         for c in cuts:
             buf = staging.acquire()
-            buf.view[HEADER_SIZE:HEADER_SIZE + c - prev] = rb[prev:c]
+            copy_into(buf.view[HEADER_SIZE:], rb[prev:c])
             yield buf, c - prev
             prev = c
-        tail = bytes(rb[prev:n])
-        rb[:len(tail)] = tail
-        have = len(tail)
+        have = n - prev
+        if have:
+            ctypes.memmove(address_of(rb), address_of(rb[prev:n]), have)  # the carry, to the front
         if eof and have == 0:
             return
 
@@ -274,7 +275,7 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
                         stream.chunks[idx] = writer.put_chunk("raw", n, buf.view, n)
                     else:
                         with scratch.borrowed() as s:
-                            s.view[HEADER_SIZE:HEADER_SIZE + m] = enc.payload
+                            copy_into(s.view[HEADER_SIZE:], enc.payload)
                             stream.chunks[idx] = writer.put_chunk(enc.codec, n, s.view, m)
                 if progress is not None:
                     progress.advance(n)
