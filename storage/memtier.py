@@ -265,24 +265,14 @@ class PoolWriter:
 
     def note_zero(self, raw_len: int) -> ChunkRef:
         with self._lock:
-            self.stats.chunks_zero += 1
-            self.stats.zero_bytes += raw_len
-            self.stats.raw_bytes += raw_len
-        return ChunkRef(None, raw_len, "zero", 0)
+            return self.stats.add_zero(raw_len)
 
     def put_slot(self, slot: Slot, codec: str, raw_len: int, stored_len: int) -> ChunkRef:
         """Keep the payload the device copied into SLOT as one chunk (thread-safe)."""
         ref, new, hash_s = self.pool._adopt(slot, codec, raw_len, stored_len)
         with self._lock:
-            self.stats.hash_s += hash_s
             self._held.append(ref.id)  # type: ignore[arg-type]
-            self.stats.raw_bytes += raw_len
-            if new:
-                self.stats.chunks_new += 1
-                self.stats.bytes_new += stored_len
-            else:
-                self.stats.chunks_dedup += 1
-                self.stats.bytes_dedup += stored_len
+            self.stats.add_chunk(raw_len, stored_len, new, hash_s)
         return ref
 
     def add_stream(self, stream: Stream) -> None:

@@ -57,6 +57,25 @@ class WriteStats:
     hash_s: float = 0.0     # thread-seconds hashing chunk payloads
     write_s: float = 0.0    # thread-seconds writing + fsyncing chunk files
 
+    def add_zero(self, raw_len: int) -> ChunkRef:
+        """Count an all-zero chunk (the caller holds its writer's lock); returns its reference."""
+        self.chunks_zero += 1
+        self.zero_bytes += raw_len
+        self.raw_bytes += raw_len
+        return ChunkRef(None, raw_len, "zero", 0)
+
+    def add_chunk(self, raw_len: int, stored_len: int, new: bool, hash_s: float, write_s: float = 0.0) -> None:
+        """Count a stored chunk, NEW or found already present (the caller holds its writer's lock)."""
+        self.hash_s += hash_s
+        self.write_s += write_s
+        self.raw_bytes += raw_len
+        if new:
+            self.chunks_new += 1
+            self.bytes_new += stored_len
+        else:
+            self.chunks_dedup += 1
+            self.bytes_dedup += stored_len
+
 
 @dataclass
 class Problem:
@@ -394,10 +413,7 @@ class SnapshotWriter:
 
     def note_zero(self, raw_len: int) -> ChunkRef:
         with self._lock:
-            self.stats.chunks_zero += 1
-            self.stats.zero_bytes += raw_len
-            self.stats.raw_bytes += raw_len
-        return ChunkRef(None, raw_len, "zero", 0)
+            return self.stats.add_zero(raw_len)
 
     def put_chunk(self, codec: str, raw_len: int, frame: memoryview, stored_len: int) -> ChunkRef:
         """Store one encoded chunk (thread-safe) whose payload sits at FRAME[HEADER_SIZE:][:stored_len].
@@ -429,15 +445,8 @@ class SnapshotWriter:
                     self._tmp_files.discard(tmp)
         t2 = time.perf_counter()
         with self._lock:
-            self.stats.hash_s += t1 - t0
-            self.stats.write_s += t2 - t1
-            self.stats.raw_bytes += raw_len
-            if present:
-                self.stats.chunks_dedup += 1
-                self.stats.bytes_dedup += stored_len
-            else:
-                self.stats.chunks_new += 1
-                self.stats.bytes_new += stored_len
+            self.stats.add_chunk(raw_len, stored_len, not present, t1 - t0, t2 - t1)
+            if not present:
                 self._touched.add(os.path.dirname(final))
         return ChunkRef(cid, raw_len, codec, stored_len)
 

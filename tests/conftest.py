@@ -6,8 +6,9 @@ import os
 import shutil
 import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import pytest
@@ -19,6 +20,19 @@ GPUSNAP = [sys.executable, "-m", "sandbox.cli"]
 def pythonpath() -> str:
     """The repo first, then whatever the caller had (the GPU machine carries wheels on PYTHONPATH)."""
     return os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+
+
+@contextmanager
+def small_tmpfs(where: Path, size: str) -> Iterator[Path]:
+    """A real tmpfs of SIZE mounted at WHERE for the block (a disk that fills up); needs root."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to mount a small tmpfs")
+    where.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)], check=True)
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", str(where)], check=False)
 
 
 def have_gpu() -> bool:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, Cli, chunk_files
+from conftest import REPO, Cli, chunk_files, small_tmpfs
 
 pytestmark = pytest.mark.root
 
@@ -169,9 +169,11 @@ def test_dump_criu_refuses_leaves_tree_running(cli: Cli, store_dir: Path) -> Non
 def test_store_full_during_the_dump_brings_the_tree_back(tmp_path: Path) -> None:
     """The store (a 12 MiB tmpfs) fills up while CRIU is still dumping 64 MiB of random memory: no
     snapshot, one-line error, and the tree CRIU had killed is restored from staging and still healthy."""
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=12m", "tmpfs", str(mnt)], check=True)
+    with small_tmpfs(tmp_path / "small", "12m") as mnt:
+        _store_full_during_dump(mnt)
+
+
+def _store_full_during_dump(mnt: Path) -> None:
     tree = Tree(mb=64, detached=True)
     try:
         small = Cli(mnt / "store")
@@ -182,7 +184,6 @@ def test_store_full_during_the_dump_brings_the_tree_back(tmp_path: Path) -> None
         assert small.json("store", "ls") == []
     finally:
         tree.kill()
-        subprocess.run(["umount", str(mnt)], check=False)
 
 
 @pytest.mark.parametrize("damage", ["flip", "missing"])

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from conftest import small_tmpfs
 from driver_standin import StandInDriver
 from sandbox.cuda_driver import Features, GpuInfo, ProcessState as S
 from sandbox.gpu_snapshot import gpu_checkpoint, gpu_restore
@@ -62,12 +63,7 @@ def test_gpu_swap_out_and_in_through_custom_storage(tmp_path: Path, child: int) 
 def test_store_full_mid_swap_out_rolls_everything_back(tmp_path: Path, child: int) -> None:
     """The first process streams fine, the second does not fit: the first gets its memory back from
     the chunks already written, the second from the spill, both run on, no snapshot exists."""
-    if os.geteuid() != 0:
-        pytest.skip("needs root to mount a small tmpfs")
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mnt)], check=True)
-    try:
+    with small_tmpfs(tmp_path / "small", "3m") as mnt:
         d = StandInDriver()
         me = os.getpid()
         d.add(me, gpu_bytes(3, 1))                                   # ~0.5 MiB stored
@@ -79,8 +75,6 @@ def test_store_full_mid_swap_out_rolls_everything_back(tmp_path: Path, child: in
         assert all(d.get_state(p) == S.RUNNING for p in (me, child))
         assert {p: bytes(d.procs[p].gpu) for p in (me, child)} == before
         assert st.names() == []
-    finally:
-        subprocess.run(["umount", str(mnt)], check=False)
 
 
 @pytest.mark.root

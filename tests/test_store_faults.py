@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import GPUSNAP, REPO, Cli, chunk_files, make_mixed_tree, pythonpath
+from conftest import GPUSNAP, REPO, Cli, chunk_files, make_mixed_tree, pythonpath, small_tmpfs
 
 
 @pytest.fixture
@@ -80,12 +80,7 @@ def test_damaged_manifest(stored: tuple[Cli, Path], store_dir: Path, tmp_path: P
 
 
 def test_disk_full_mid_put(tmp_path: Path) -> None:
-    if os.geteuid() != 0:
-        pytest.skip("needs root to mount a small tmpfs")
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m", "tmpfs", str(mnt)], check=True)
-    try:
+    with small_tmpfs(tmp_path / "small", "24m") as mnt:
         cli = Cli(mnt / "store")
         keep = tmp_path / "keep"
         keep.write_bytes(np.random.default_rng(1).bytes(4 << 20))
@@ -101,8 +96,6 @@ def test_disk_full_mid_put(tmp_path: Path) -> None:
         cli.run("store", "get", "keep", str(tmp_path / "o"))
         assert (tmp_path / "o" / "keep").read_bytes() == keep.read_bytes()
         assert cli.json("store", "verify")["ok"]
-    finally:
-        subprocess.run(["umount", str(mnt)], check=False)
 
 
 def test_kill_9_mid_put_leaves_no_snapshot(cli: Cli, tmp_path: Path, store_dir: Path) -> None:
