@@ -239,3 +239,37 @@ def test_numa_helpers() -> None:
         assert not prefer_node(mem.ptr, mem.size, 63)
     finally:
         mem.close()
+
+
+def test_pool_concurrent_writers_share_chunks(dev: HostDevice, region_mem: HostMemory) -> None:
+    """Two engines checkpoint the same memory into one pool at the same time: both snapshots are
+    whole, shared chunks are held once and counted twice, and removing both frees everything."""
+    import threading
+    _fill(region_mem, seed=6)
+    region = Region("gpu/0", region_mem.ptr, region_mem.size)
+    original = bytes(region_mem.view)
+    errors: list[BaseException] = []
+    with PinnedPool(dev.pinned(32 * CHUNK)) as pool:
+        def one(name: str) -> None:
+            try:
+                with _engine(dev) as eng, pool.writer(name) as w:
+                    eng.checkpoint(w, [region])
+                    w.commit()
+            except BaseException as e:  # noqa: BLE001
+                errors.append(e)
+        ts = [threading.Thread(target=one, args=(n,)) for n in ("x", "y")]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        assert not errors and pool.names() == ["x", "y"]
+        unique = {c.id: c.stored_len for c in pool.load("x").streams[0].chunks if c.id}
+        assert pool.used == sum(-(-n // 4096) * 4096 for n in unique.values())
+        with _engine(dev) as eng:
+            ctypes.memset(region_mem.ptr, 0, region_mem.size)
+            eng.restore(pool, pool.load("y"), {"gpu/0": region})
+        assert bytes(region_mem.view) == original
+        pool.remove("x")
+        assert pool.used == sum(-(-n // 4096) * 4096 for n in unique.values())
+        pool.remove("y")
+        assert pool.used == 0

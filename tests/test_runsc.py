@@ -264,3 +264,15 @@ def test_gpu_agent_runs_inside_the_sandbox_around_checkpoint_and_restore(cli: Cl
     assert int(wait_lines(out2, 2)[0][0]) == last + 1
     restored = json.loads((fresh / "config.json").read_text())
     assert any(m.get("destination") == "/run/gpusnap/code" for m in restored["mounts"])
+
+
+def test_gpu_agent_failure_leaves_the_sandbox_running(cli: Cli, env: dict) -> None:
+    """The GPU agent cannot run inside (its interpreter is missing): checkpoint fails in one line
+    naming the agent, no snapshot appears, and the sandbox keeps counting."""
+    _, out = start_counter(cli, env, U("gf"), ["--gpu-agent"])
+    p = cli.run("runsc", "checkpoint", U("gf"), "nope", *env["args"], "--runsc-arg=--network=none", check=False,
+                env={"GPUSNAP_AGENT_PYTHON": "/nonexistent/python3"})
+    assert p.returncode == 1 and "GPU agent" in p.stderr and len(p.stderr.splitlines()) == 1, p.stderr
+    assert cli.json("store", "ls") == []
+    n = len(lines(out))
+    wait_lines(out, n + 3)
