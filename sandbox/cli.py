@@ -272,7 +272,7 @@ def parse_size(s: str) -> int:
 def _load_commands() -> None:
     """Attach the command groups of the other sandbox modules (each optional on import failure)."""
     from importlib import import_module
-    for mod in ("sandbox.cli_gpu", "sandbox.cli_criu", "sandbox.cli_runsc"):
+    for mod in ("sandbox.cli_gpu", "sandbox.cli_pool", "sandbox.cli_criu", "sandbox.cli_runsc"):
         try:
             import_module(mod)
         except ModuleNotFoundError as e:

@@ -13,10 +13,18 @@ from .doctor import render, report
 from .gpu_checkpoint import GpuCheckpointError
 from .gpu_snapshot import GpuSnapshotError, gpu_checkpoint, gpu_restore
 from .hugepages import HugePagesError
+from .pool_daemon import PoolDaemonError, request
 
-register_errors(CudaDriverError, GpuCheckpointError, GpuSnapshotError, DiscoveryError, HugePagesError, GpuEngineError)
+register_errors(CudaDriverError, GpuCheckpointError, GpuSnapshotError, DiscoveryError, HugePagesError, GpuEngineError,
+                PoolDaemonError)
 
 THP_CHOICE = click.Choice(["always", "keep"])
+
+
+def _socket(path: str | None) -> str:
+    import os
+    from .pool_daemon import DEFAULT_SOCKET
+    return path or os.environ.get("GPUSNAP_POOL_SOCKET", DEFAULT_SOCKET)
 
 
 @main.command()
@@ -43,11 +51,14 @@ def gpu() -> None:
               help="Transparent huge pages during the driver's host copy ('always' is measured faster; "
                    "the previous setting is put back).")
 @click.option("--replace", is_flag=True, help="Replace an existing snapshot of the same name.")
+@click.option("--tier", type=click.Choice(["store", "memory"]), default="store", show_default=True,
+              help="'memory': into the resident pool of `gpusnap pool serve` (custom storage only).")
+@click.option("--pool-socket", default=None, metavar="PATH", help="The pool daemon's socket (with --tier memory).")
 @json_option
 @click.pass_context
 @one_line_errors
 def gpu_checkpoint_cmd(ctx: click.Context, pid: int, name: str, lock_timeout: float,
-                       thp: str, replace: bool, as_json: bool) -> None:
+                       thp: str, replace: bool, tier: str, pool_socket: str | None, as_json: bool) -> None:
     """Swap out the GPU state of PID and its CUDA children into snapshot NAME.
 
     With a driver that has custom storage (CUDA 13.4+), the GPU memory streams into the store,
@@ -55,6 +66,11 @@ def gpu_checkpoint_cmd(ctx: click.Context, pid: int, name: str, lock_timeout: fl
     snapshot records that. The processes are left locked and CHECKPOINTED (their GPU memory
     released) until `gpu restore`. On failure every process is left running with its memory intact.
     """
+    if tier == "memory":
+        r = request(_socket(pool_socket), {"op": "swap_out", "pid": pid, "name": name})
+        emit(as_json, r, f"{name}: {len(r['pids'])} CUDA process(es) {r['pids']} swapped out to the memory tier "
+             f"({r['seconds']['total']:.2f} s); `gpusnap gpu restore {name} {pid} --tier memory` brings them back")
+        return
     st = open_store(ctx)
     with Progress(f"gpu checkpoint {pid}", ctx.obj["progress"]) as prog:
         rep = gpu_checkpoint(st, pid, name, lock_timeout_s=lock_timeout, replace=replace,
@@ -71,12 +87,21 @@ def gpu_checkpoint_cmd(ctx: click.Context, pid: int, name: str, lock_timeout: fl
 @click.option("--device-map", multiple=True, metavar="OLD=NEW",
               help="Restore GPU OLD's state onto GPU NEW (index or UUID); list every checkpointed GPU.")
 @click.option("--thp", type=THP_CHOICE, default="always", show_default=True)
+@click.option("--tier", type=click.Choice(["store", "memory"]), default="store", show_default=True,
+              help="'memory': from the resident pool of `gpusnap pool serve`.")
+@click.option("--pool-socket", default=None, metavar="PATH", help="The pool daemon's socket (with --tier memory).")
 @json_option
 @click.pass_context
 @one_line_errors
 def gpu_restore_cmd(ctx: click.Context, name: str, pid: int, device_map: tuple[str, ...], thp: str,
-                    as_json: bool) -> None:
+                    tier: str, pool_socket: str | None, as_json: bool) -> None:
     """Swap the GPU state of snapshot NAME back into PID's processes and unlock them."""
+    if tier == "memory":
+        if device_map:
+            raise click.UsageError("--device-map is not supported with --tier memory")
+        r = request(_socket(pool_socket), {"op": "swap_in", "pid": pid, "name": name})
+        emit(as_json, r, f"{name}: {len(r['pids'])} process(es) swapped in from the memory tier and running")
+        return
     st = open_store(ctx, create=False)
     with Progress(f"gpu restore {name}", ctx.obj["progress"]) as prog:
         rep = gpu_restore(st, name, pid, device_map=list(device_map), thp_mode=None if thp == "keep" else thp,
