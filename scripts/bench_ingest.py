@@ -49,6 +49,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--gb", type=float, default=24)
     ap.add_argument("--workers", type=int, default=None)
+    ap.add_argument("--readers", default="", help="comma-separated producer counts to compare on the same image")
     ap.add_argument("--dir", default=os.environ.get("GPUSNAP_DISK_DIR", "/var/tmp"))
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
@@ -60,19 +61,24 @@ def main() -> None:
         t0 = time.perf_counter()
         size = make_image(os.path.join(images, "pages-1.img"), a.gb)
         print(f"image: {size / 1e9:.1f} GB written to /dev/shm in {time.perf_counter() - t0:.1f} s", flush=True)
-        st = SnapshotStore(os.path.join(work, "store"))
-        t0 = time.perf_counter()
-        with st.writer("i") as w:
-            res = pipeline.put(w, FileTreeSource([images]), chunker="pages", workers=a.workers)
-            w.commit()
-        wall = time.perf_counter() - t0
-        out = {"date": time.strftime("%Y-%m-%d"), "gb": size / 1e9, "stored_gb": res.stored_bytes / 1e9,
-               "wall_s": wall, "GBps": size / wall / 1e9, "workers": a.workers or pipeline.default_workers(),
-               "stages": res.stages.table()}
-        print(json.dumps(out))
+        rows = []
+        for readers in [int(x) for x in a.readers.split(",") if x] or [None]:
+            shutil.rmtree(os.path.join(work, "store"), ignore_errors=True)
+            st = SnapshotStore(os.path.join(work, "store"))
+            os.sync()
+            t0 = time.perf_counter()
+            with st.writer("i") as w:
+                res = pipeline.put(w, FileTreeSource([images]), chunker="pages", workers=a.workers, readers=readers)
+                w.commit()
+            wall = time.perf_counter() - t0
+            out = {"date": time.strftime("%Y-%m-%d"), "gb": size / 1e9, "stored_gb": res.stored_bytes / 1e9,
+                   "wall_s": wall, "GBps": size / wall / 1e9, "workers": a.workers or pipeline.default_workers(),
+                   "readers": readers, "stages": res.stages.table()}
+            print(json.dumps(out), flush=True)
+            rows.append(out)
         if a.json:
             with open(a.json, "w") as f:
-                json.dump(out, f, indent=1)
+                json.dump(rows if len(rows) > 1 else rows[0], f, indent=1)
     finally:
         shutil.rmtree(src_dir, ignore_errors=True)
         shutil.rmtree(work, ignore_errors=True)

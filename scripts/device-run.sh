@@ -20,6 +20,7 @@ for what in ${1//,/ }; do
     tests)  GPUSNAP_RESULTS="$out/gpu-results.jsonl" timeout 560 python3 -m pytest -p no:cacheprovider -m gpu -v -s ${PYTEST_K:+-k "$PYTEST_K"} tests 2>&1 | tee "$out/gpu-tests.log" | grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|^E " ;;
     engine) timeout 560 python3 scripts/bench_gpu_engine.py --json "$out/engine.json" ${BENCH_ARGS:-} 2>&1 | tee "$out/engine.log" ;;
     bench)  OUT="$out" bash scripts/bench_h200.sh ;;
+    readers) timeout 100 python3 scripts/bench_ingest.py --gb ${INGEST_GB:-8} --readers 1,4 --json "$out/ingest-readers.json" 2>&1 | tee "$out/ingest-readers.log" ;;
     ingest) timeout 300 python3 scripts/bench_ingest.py --json "$out/ingest.json" ${INGEST_ARGS:-} 2>&1 | tee "$out/ingest.log" ;;
     pool)   for l in ${POOL_LANES:-16 24}; do timeout 200 python3 scripts/bench_gpu_engine.py --mix realistic --tiers shm,pool --repeat 5 --lanes $l --json "$out/pool-lanes$l.json" 2>&1 | tee "$out/pool-lanes$l.log"; done ;;
     pinned) timeout 120 python3 scripts/probe_pinned_alloc.py 16 2>&1 | tee "$out/pinned-alloc.json" ;;

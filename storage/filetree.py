@@ -30,6 +30,24 @@ class _FdReader:
         return n
 
 
+class RangeReader:
+    """Reads [offset, offset + length) of an open file; short only at the range's end."""
+
+    def __init__(self, fd: int, offset: int, length: int) -> None:
+        self.fd, self.offset, self.end = fd, offset, offset + length
+
+    def readinto(self, view: memoryview) -> int:
+        want = min(len(view), self.end - self.offset)
+        got = 0
+        while got < want:
+            n = os.preadv(self.fd, [view[got:want]], self.offset)
+            if n <= 0:
+                raise PipelineError(f"file shrank while being read (at byte {self.offset})")
+            got += n
+            self.offset += n
+        return got
+
+
 class FileTreeSource:
     """Streams for PATHS: each path stored under its base name, directories recursively.
 
@@ -105,6 +123,19 @@ class FileTreeSource:
         try:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
             yield _FdReader(fd)
+        finally:
+            os.close(fd)
+
+    @contextmanager
+    def open_range(self, spec: StreamSpec, offset: int, length: int) -> Iterator["RangeReader"]:
+        """A reader of LENGTH bytes of SPEC's file from OFFSET (one of several reading it at once)."""
+        path = self._path(spec)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        except OSError as e:
+            raise PipelineError(f"{path}: {e.strerror}") from None
+        try:
+            yield RangeReader(fd, offset, length)
         finally:
             os.close(fd)
 

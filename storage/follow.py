@@ -26,6 +26,7 @@ import threading
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
+from .filetree import RangeReader
 from .pipeline import PipelineError, StreamSpec
 
 IN_CLOSE_WRITE = 0x00000008
@@ -187,6 +188,21 @@ class FollowedDirSource:
             if name not in self._yielded:
                 self._yielded.add(name)
                 yield self._spec(name, os.lstat(os.path.join(self.path, name)).st_size)
+
+    @contextmanager
+    def open_range(self, spec: StreamSpec, offset: int, length: int) -> Iterator[RangeReader]:
+        """Part of a file read after the writer has finished (its size known): one of several readers."""
+        if spec.size is None:
+            raise PipelineError(f"{spec.name} is still growing: it cannot be read in ranges")
+        path = os.path.join(self.path, spec.name.partition("/")[2])
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        except OSError as e:
+            raise PipelineError(f"{path}: {e.strerror}") from None
+        try:
+            yield RangeReader(fd, offset, length)
+        finally:
+            os.close(fd)
 
     @contextmanager
     def open(self, spec: StreamSpec) -> Iterator[_FollowReader | _FdReader]:

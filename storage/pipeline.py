@@ -235,15 +235,17 @@ def _page_pieces(reader: StreamReader, staging: BufferPool, chunk_size: int, sta
 
 def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHUNK,
         workers: int | None = None, compress: bool = True, zstd_level: int = 1,
-        progress: Any = None, chunker: str = "fixed") -> Result:
+        progress: Any = None, chunker: str = "fixed", readers: int | None = None) -> Result:
     """Read every stream of SOURCE into WRITER's snapshot (the caller commits).
 
     chunker: "fixed" (chunk_size pieces) or "pages" (content-defined cuts on page boundaries, at most
-    chunk_size; see page_cuts).
+    chunk_size; see page_cuts). readers: producer threads for page images larger than two SEGMENTs
+    (default: one per four workers, at most four).
     """
     if chunker not in ("fixed", "pages"):
         raise PipelineError(f"unknown chunker {chunker!r}")
     workers = workers or default_workers()
+    producers = readers or max(1, min(4, workers // 4))
     chooser = HostCodecChooser(level=zstd_level, compress=compress)
     stages = Stages()
     fail = _Failure()
@@ -252,11 +254,13 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
     # written from where they were read, with no copy
     with BufferPool(workers * 2, HEADER_SIZE + chunk_size) as staging, \
             BufferPool(workers, HEADER_SIZE + chunk_size) as scratch, \
-            BufferPool(1 if chunker == "pages" else 0, _READ_BLOCK + chunk_size) as readpool, \
+            BufferPool(producers if chunker == "pages" else 0, _READ_BLOCK + chunk_size) as readpool, \
             ThreadPoolExecutor(workers, thread_name_prefix="gpusnap-put") as ex:
-        readbuf = readpool.acquire() if chunker == "pages" else None
+        futures: list[Future[None]] = []
+        flock = threading.Lock()
+        whole: list[tuple[Stream, list[list[ChunkRef]]]] = []
 
-        def process(stream: Stream, idx: int, buf: AlignedBuffer, n: int) -> None:
+        def process(chunks: list[ChunkRef], idx: int, buf: AlignedBuffer, n: int) -> None:
             try:
                 if fail.exc is not None:
                     return
@@ -266,17 +270,17 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
                 t1 = time.perf_counter()
                 stages.add("zero-test", t1 - t0, n)
                 if zero:
-                    stream.chunks[idx] = writer.note_zero(n)
+                    chunks[idx] = writer.note_zero(n)
                 else:
                     enc = chooser.encode(view)
                     stages.add("compress", time.perf_counter() - t1, n)
                     m = len(enc.payload)
                     if enc.codec == "raw":
-                        stream.chunks[idx] = writer.put_chunk("raw", n, buf.view, n)
+                        chunks[idx] = writer.put_chunk("raw", n, buf.view, n)
                     else:
                         with scratch.borrowed() as s:
                             copy_into(s.view[HEADER_SIZE:], enc.payload)
-                            stream.chunks[idx] = writer.put_chunk(enc.codec, n, s.view, m)
+                            chunks[idx] = writer.put_chunk(enc.codec, n, s.view, m)
                 if progress is not None:
                     progress.advance(n)
             except BaseException as e:  # noqa: BLE001 - handed to the submitting thread
@@ -284,26 +288,62 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
             finally:
                 staging.release(buf)
 
-        futures: list[Future[None]] = []
+        def produce(chunks: list[ChunkRef], reader: StreamReader, name: str) -> None:
+            """Cut READER into pieces and hand them to the workers; CHUNKS gets their refs in order."""
+            readbuf = readpool.acquire() if chunker == "pages" else None
+            try:
+                pieces = (_fixed_pieces(reader, staging, chunk_size, stages, name) if readbuf is None
+                          else _page_pieces(reader, staging, chunk_size, stages, name, readbuf))
+                for buf, n in pieces:
+                    if fail.exc is not None:
+                        staging.release(buf)
+                        break
+                    chunks.append(None)  # type: ignore[arg-type] # filled by the worker
+                    f = ex.submit(process, chunks, len(chunks) - 1, buf, n)
+                    with flock:
+                        futures.append(f)
+            finally:
+                if readbuf is not None:
+                    readpool.release(readbuf)
+
         for spec in source.streams():
             fail.raise_if_set()
             stream = Stream(spec.name, dict(spec.attrs))
             writer.add_stream(stream)
             if not spec.has_data:
                 continue
-            with source.open(spec) as reader:
-                pieces = (_fixed_pieces(reader, staging, chunk_size, stages, spec.name) if chunker == "fixed"
-                          else _page_pieces(reader, staging, chunk_size, stages, spec.name, readbuf))
-                for idx, (buf, n) in enumerate(pieces):
-                    if fail.exc is not None:
-                        staging.release(buf)
-                        break
-                    stream.chunks.append(None)  # type: ignore[arg-type] # filled by the worker
-                    futures.append(ex.submit(process, stream, idx, buf, n))
-        for f in futures:
+            segs = _segments(spec, source, chunker)
+            if segs is None:
+                with source.open(spec) as reader:
+                    produce(stream.chunks, reader, spec.name)
+                continue
+            # a large page image: several producers, each on its own segment (a cut is forced at
+            # every segment boundary); the stream's chunk list is their lists in order
+            parts: list[list[ChunkRef]] = [[] for _ in segs]
+            whole.append((stream, parts))
+
+            def segment(i: int, spec: StreamSpec = spec, parts: list[list[ChunkRef]] = parts) -> None:
+                with source.open_range(spec, *segs[i]) as r:  # type: ignore[attr-defined]
+                    produce(parts[i], r, spec.name)
+
+            with ThreadPoolExecutor(producers, thread_name_prefix="gpusnap-read") as px:
+                for f in [px.submit(segment, i) for i in range(len(segs))]:
+                    f.result()
+        for f in list(futures):
             f.result()
         fail.raise_if_set()
+        for stream, parts in whole:
+            stream.chunks[:] = [c for p in parts for c in p]
     return writer_result(writer, stages, time.perf_counter() - t_start)
+
+
+SEGMENT = 1 << 30  # page images larger than two of these are read by several producers
+
+
+def _segments(spec: StreamSpec, source: Source, chunker: str) -> list[tuple[int, int]] | None:
+    if chunker != "pages" or spec.size is None or spec.size <= 2 * SEGMENT or not hasattr(source, "open_range"):
+        return None
+    return [(off, min(SEGMENT, spec.size - off)) for off in range(0, spec.size, SEGMENT)]
 
 
 def writer_result(writer: SnapshotWriter, stages: Stages, seconds: float, raw_bytes: int | None = None) -> Result:
