@@ -104,8 +104,7 @@ def swap_out_custom(drv: CheckpointDriver, eng: Any, writer: Any, pids: list[int
             writer.meta.setdefault("gpu_stages", {})[str(p)] = res.stages.table()
     except BaseException:
         for p in done:
-            _swap_back(drv, eng, writer.store if hasattr(writer, "store") else writer.pool,
-                       writer.streams, writer.name, p)
+            _swap_back(drv, eng, writer.source, writer.streams, writer.name, p)
         for p in pids:
             if p not in done and drv.get_state(p) == ProcessState.LOCKED:
                 drv.unlock(p)

@@ -263,6 +263,11 @@ class PoolWriter:
                 p._unref_locked(self._held)
                 self._held.clear()
 
+    @property
+    def source(self) -> PinnedPool:
+        """Where this writer's chunks can be read back from, also before it commits."""
+        return self.pool
+
     def note_zero(self, raw_len: int) -> ChunkRef:
         with self._lock:
             return self.stats.add_zero(raw_len)

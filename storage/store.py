@@ -411,6 +411,11 @@ class SnapshotWriter:
     def _tmp_path(self, what: str) -> str:
         return os.path.join(self.store.tmp_dir, f"{what}.{os.getpid()}.{threading.get_ident()}.{time.monotonic_ns()}")
 
+    @property
+    def source(self) -> SnapshotStore:
+        """Where this writer's chunks can be read back from, also before it commits."""
+        return self.store
+
     def note_zero(self, raw_len: int) -> ChunkRef:
         with self._lock:
             return self.stats.add_zero(raw_len)
