@@ -39,6 +39,18 @@ def _nvcomp() -> str | None:
         return None
 
 
+def _runsc_features(runsc: str) -> dict[str, Any] | None:
+    if not shutil.which(runsc):
+        return None
+    try:
+        from .runsc_runner import Runsc  # noqa: PLC0415
+        f = Runsc(binary=shutil.which(runsc)).features()
+    except Exception:  # noqa: BLE001 - reported as unknown
+        return None
+    return {"nvproxy": f.nvproxy, "uncompressed_checkpoint": f.can_store_uncompressed,
+            "save_restore_exec": f.save_restore_exec, "platforms": list(f.platforms)}
+
+
 def report(criu: str = "criu", runsc: str = "runsc") -> dict[str, Any]:
     f = probe()
     gpus = [asdict(g) for g in f.gpus]
@@ -57,6 +69,8 @@ def report(criu: str = "criu", runsc: str = "runsc") -> dict[str, Any]:
         "numa_nodes": _numa_nodes(),
         "criu": _version([criu, "--version"], r"Version:\s*(\S+)"),
         "runsc": _version([runsc, "--version"], r"runsc version\s*(\S+)"),
+        "runsc_features": _runsc_features(runsc),
+        "memory_tier": f.custom_storage,
         "why_no_gpu": f.reason,
     }
 
@@ -78,6 +92,11 @@ def render(r: dict[str, Any]) -> str:
               f"huge pages           THP {r['transparent_hugepages'] or '-'}, hugetlb pool "
               f"{r['hugetlb'].get('HugePages_Total', 0)} pages",
               f"NUMA nodes           {r['numa_nodes']}",
+              f"memory tier          {'yes (gpusnap pool serve)' if r['memory_tier'] else 'no (needs custom storage)'}",
               f"CRIU                 {r['criu'] or 'not found'}",
               f"runsc                {r['runsc'] or 'not found'}"]
+    rf = r.get("runsc_features")
+    if rf:
+        lines.append(f"runsc features       GPU sandboxes (nvproxy) {yes(rf['nvproxy'])}, uncompressed checkpoint "
+                     f"(dedup) {yes(rf['uncompressed_checkpoint'])}, platforms {', '.join(rf['platforms']) or '-'}")
     return "\n".join(lines)
