@@ -218,8 +218,8 @@ def _dump_and_ingest(criu: Criu, pid: int, images: str, opts: DumpOptions, w: An
             done.set()
 
     t0 = time.perf_counter()
-    with FollowedDirSource(images, follow=_is_page_image, writer_done=done,
-                           writer_failed=lambda: box.get("error")) as src:
+    with FollowedDirSource(images, follow=_is_page_image, writer_done=done, writer_failed=lambda: box.get("error"),
+                           handoff_min=2 * pipeline.SEGMENT) as src:
         th = threading.Thread(target=run_criu, name="gpusnap-criu-dump", daemon=True)
         th.start()
         if progress is not None:

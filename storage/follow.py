@@ -78,8 +78,16 @@ class _FollowReader:
 
     def __init__(self, src: "FollowedDirSource", name: str, fd: int) -> None:
         self.src, self.name, self.fd, self.offset = src, name, fd, 0
+        self.handoff: tuple[int, int] | None = None  # (offset, length) left for others to read
 
     def readinto(self, view: memoryview) -> int:
+        if self.src.handoff_min and self.handoff is None and self.src.finished(self.name):
+            left = os.fstat(self.fd).st_size - self.offset
+            if left >= self.src.handoff_min:
+                # the file is complete and much is left: end here, the pipeline reads the rest
+                # with several readers (FollowedDirSource.open_range)
+                self.handoff = (self.offset, left)
+                return 0
         got = 0
         while got < len(view):
             n = os.preadv(self.fd, [view[got:]], self.offset)
@@ -120,10 +128,14 @@ class FollowedDirSource:
     Create it before the writer starts (the watch must see every file appear)."""
 
     def __init__(self, path: str, *, follow: Callable[[str], bool], writer_done: threading.Event,
-                 writer_failed: Callable[[], BaseException | None], poll_s: float = 0.005) -> None:
+                 writer_failed: Callable[[], BaseException | None], poll_s: float = 0.005,
+                 handoff_min: int = 0) -> None:
+        """handoff_min: when a followed file is complete and at least this much of it is unread, its
+        reader stops there and reports the rest as `handoff` (0: never)."""
         self.path = os.path.abspath(path)
         self.base = os.path.basename(self.path)
         self._follow, self._done, self._failed, self._poll = follow, writer_done, writer_failed, poll_s
+        self.handoff_min = handoff_min
         self._ino = _Inotify(self.path, IN_CREATE | IN_CLOSE_WRITE | IN_MOVED_TO)
         self._created: list[str] = sorted(os.listdir(self.path))
         self._closed: set[str] = set()
@@ -191,9 +203,7 @@ class FollowedDirSource:
 
     @contextmanager
     def open_range(self, spec: StreamSpec, offset: int, length: int) -> Iterator[RangeReader]:
-        """Part of a file read after the writer has finished (its size known): one of several readers."""
-        if spec.size is None:
-            raise PipelineError(f"{spec.name} is still growing: it cannot be read in ranges")
+        """Part of a file the writer has finished: one of several readers."""
         path = os.path.join(self.path, spec.name.partition("/")[2])
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)

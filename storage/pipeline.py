@@ -313,16 +313,22 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
             if not spec.has_data:
                 continue
             segs = _segments(spec, source, chunker)
+            head: list[ChunkRef] = []
             if segs is None:
                 with source.open(spec) as reader:
                     produce(stream.chunks, reader, spec.name)
-                continue
+                    rest = getattr(reader, "handoff", None)
+                if rest is None:
+                    continue
+                # a followed file whose writer finished with much left to read: the rest in segments
+                segs, head = _split(*rest), stream.chunks
             # a large page image: several producers, each on its own segment (a cut is forced at
             # every segment boundary); the stream's chunk list is their lists in order
             parts: list[list[ChunkRef]] = [[] for _ in segs]
-            whole.append((stream, parts))
+            whole.append((stream, [head, *parts]))
 
-            def segment(i: int, spec: StreamSpec = spec, parts: list[list[ChunkRef]] = parts) -> None:
+            def segment(i: int, spec: StreamSpec = spec, segs: list[tuple[int, int]] = segs,
+                        parts: list[list[ChunkRef]] = parts) -> None:
                 with source.open_range(spec, *segs[i]) as r:  # type: ignore[attr-defined]
                     produce(parts[i], r, spec.name)
 
@@ -343,7 +349,11 @@ SEGMENT = 1 << 30  # page images larger than two of these are read by several pr
 def _segments(spec: StreamSpec, source: Source, chunker: str) -> list[tuple[int, int]] | None:
     if chunker != "pages" or spec.size is None or spec.size <= 2 * SEGMENT or not hasattr(source, "open_range"):
         return None
-    return [(off, min(SEGMENT, spec.size - off)) for off in range(0, spec.size, SEGMENT)]
+    return _split(0, spec.size)
+
+
+def _split(offset: int, length: int) -> list[tuple[int, int]]:
+    return [(off, min(SEGMENT, offset + length - off)) for off in range(offset, offset + length, SEGMENT)]
 
 
 def writer_result(writer: SnapshotWriter, stages: Stages, seconds: float, raw_bytes: int | None = None) -> Result:

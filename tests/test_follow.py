@@ -106,3 +106,48 @@ def test_a_failing_writer_stops_the_ingest(tmp_path: Path) -> None:
                 wr.commit()
         th.join()
     assert st.names() == [] and os.listdir(st.tmp_dir) == []
+
+
+def test_a_finished_file_with_much_left_is_read_by_several_readers(tmp_path: Path, monkeypatch) -> None:
+    """The writer is already done with pages-1.img when the ingest reaches it: the reader hands the
+    unread part over (handoff) and the pipeline cuts it in segments; the stream is still byte-exact."""
+    monkeypatch.setattr(pipeline, "SEGMENT", 2 << 20)
+    d = tmp_path / "images"
+    d.mkdir()
+    rng = np.random.default_rng(3)
+    blob = rng.bytes(9 << 20) + bytes(5 << 20) + rng.bytes(7 << 20)
+    done = threading.Event()
+    handoffs: list[tuple[int, int]] = []
+    real_open = FollowedDirSource.open
+
+    def spy_open(self, spec):  # records the handoff each followed reader reports
+        cm = real_open(self, spec)
+
+        class Wrap:
+            def __enter__(s):
+                s.r = cm.__enter__()
+                return s.r
+
+            def __exit__(s, *e):
+                if getattr(s.r, "handoff", None):
+                    handoffs.append(s.r.handoff)
+                return cm.__exit__(*e)
+        return Wrap()
+    monkeypatch.setattr(FollowedDirSource, "open", spy_open)
+    st = SnapshotStore(str(tmp_path / "store"))
+    with FollowedDirSource(str(d), follow=lambda n: n.startswith("pages-"), writer_done=done,
+                           writer_failed=lambda: None, handoff_min=4 << 20) as src:
+        (d / "pages-1.img").write_bytes(blob)   # written and closed before the ingest starts
+        (d / "core-1.img").write_bytes(b"core")
+
+        def finish() -> None:
+            time.sleep(0.3)
+            done.set()
+        threading.Thread(target=finish).start()
+        with st.writer("h") as w:
+            pipeline.put(w, src, chunker="pages", chunk_size=1 << 20, workers=8, readers=3)
+            w.commit()
+    assert handoffs == [(0, len(blob))]
+    pipeline.get(st, st.load("h"), FileTreeSink(str(tmp_path / "out")))
+    assert (tmp_path / "out" / "images" / "pages-1.img").read_bytes() == blob
+    assert (tmp_path / "out" / "images" / "core-1.img").read_bytes() == b"core"
