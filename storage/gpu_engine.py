@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Union
 
 from .chunkfile import HEADER_SIZE, ChunkError
-from .device import NVCOMP_ALGORITHMS, CudaDevice, Device, DeviceError, HostBuffer
+from .device import CudaDevice, Device, DeviceError, HostBuffer
 from .directio import ALIGN
 from .manifest import ChunkRef, Manifest, Stream
 from .memtier import MemoryTierError, PinnedPool, PoolWriter, Slot

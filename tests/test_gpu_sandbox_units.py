@@ -95,7 +95,6 @@ def test_agent_without_cuda_processes_needs_no_driver() -> None:
 def test_agent_checkpoint_and_restore_with_custom_storage(tmp_path: Path) -> None:
     from criu_hooks.gpu_agent import run
     from driver_standin import StandInDriver
-    from sandbox.cuda_driver import ProcessState as S
     from storage.device import HostDevice
     from test_custom_storage_flow import FEATS, gpu_bytes
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
