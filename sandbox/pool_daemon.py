@@ -24,6 +24,7 @@ import time
 from typing import Any
 
 DEFAULT_SOCKET = "/run/gpusnap/pool.sock"
+IDLE_S = 60.0
 
 
 class PoolDaemonError(Exception):
@@ -50,20 +51,31 @@ class PoolServer:
             raise
         self.meta: dict[str, dict[str, Any]] = {}
         self.path = socket_path
-        os.makedirs(os.path.dirname(os.path.abspath(socket_path)), mode=0o700, exist_ok=True)
-        if os.path.exists(socket_path):
-            if _alive(socket_path):
-                self.close()
-                raise PoolDaemonError(f"a pool daemon already serves {socket_path}")
-            os.unlink(socket_path)
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._stop = threading.Event()
+        try:
+            self.sock = self._listen(socket_path)
+        except BaseException:
+            self.close()
+            raise
+
+    @staticmethod
+    def _listen(path: str) -> socket.socket:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), mode=0o700, exist_ok=True)
+        if os.path.exists(path):
+            if _alive(path):
+                raise PoolDaemonError(f"a pool daemon already serves {path}")
+            os.unlink(path)  # left by a daemon that died
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         old = os.umask(0o177)
         try:
-            self.sock.bind(socket_path)
+            sock.bind(path)
+        except OSError as e:
+            sock.close()
+            raise PoolDaemonError(f"cannot listen on {path}: {e.strerror}") from None
         finally:
             os.umask(old)
-        self.sock.listen(8)
-        self._stop = threading.Event()
+        sock.listen(8)
+        return sock
 
     def __enter__(self) -> "PoolServer":
         return self
@@ -75,12 +87,18 @@ class PoolServer:
         sock = getattr(self, "sock", None)
         if sock is not None:
             sock.close()
+            self.sock = None
             try:
                 os.unlink(self.path)
             except FileNotFoundError:
                 pass
-        self.pool.close() if hasattr(self, "pool") else None
-        self.engine.close()
+        pool = getattr(self, "pool", None)
+        if pool is not None:
+            pool.close()
+            self.pool = None
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
 
     # -- serving -------------------------------------------------------------------------------
     def serve_forever(self) -> None:
@@ -93,13 +111,16 @@ class PoolServer:
             except OSError:
                 break
             with conn:
-                conn.settimeout(None)
+                conn.settimeout(IDLE_S)  # a client that sends nothing does not hold the daemon
                 f = conn.makefile("rwb")
-                for line in f:
-                    f.write((json.dumps(self.handle(line)) + "\n").encode())
-                    f.flush()
-                    if self._stop.is_set():
-                        break
+                try:
+                    for line in f:
+                        f.write((json.dumps(self.handle(line)) + "\n").encode())
+                        f.flush()
+                        if self._stop.is_set():
+                            break
+                except OSError:
+                    pass  # the client went away or idled out; the next one is served
 
     def handle(self, line: bytes) -> dict[str, Any]:
         try:

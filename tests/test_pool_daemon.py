@@ -91,3 +91,20 @@ def test_full_pool_rolls_back_and_host_only_driver_is_refused(tmp_path: Path, ch
             PoolServer(str(tmp_path / "host.sock"), 1 << 20, driver=d, features=host_only, device=HostDevice())
     finally:
         run.stop()
+
+
+def test_an_idle_client_does_not_hold_the_daemon(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import socket
+    import time
+    from sandbox import pool_daemon
+    monkeypatch.setattr(pool_daemon, "IDLE_S", 0.3)
+    run = Running(tmp_path / "p.sock", StandInDriver())
+    try:
+        idle = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        idle.connect(str(tmp_path / "p.sock"))  # connects, never speaks
+        t0 = time.monotonic()
+        assert request(str(tmp_path / "p.sock"), {"op": "usage"})["usage"]["used"] == 0
+        assert time.monotonic() - t0 < 5
+        idle.close()
+    finally:
+        run.stop()
