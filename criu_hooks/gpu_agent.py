@@ -94,7 +94,7 @@ def run(action: str, store: str | None, name: str | None, *, driver: Any = None,
         st = SnapshotStore(store)  # type: ignore[arg-type]
         if action == "checkpoint":
             gpu_checkpoint(st, min(cuda), name, driver=drv, features=feats, device=device, replace=True,  # type: ignore[arg-type]
-                           thp_mode=None)
+                           thp_mode=None, pids=cuda)
             report["snapshot"] = name
         elif action == "restore":
             gpu_restore(st, name, min(cuda), driver=drv, features=feats, device=device, thp_mode=None)  # type: ignore[arg-type]

@@ -135,16 +135,18 @@ def _pids_for(root: int, drv: CheckpointDriver) -> list[int]:
 
 def gpu_checkpoint(store: SnapshotStore, root_pid: int, name: str, *, driver: CudaDriver | None = None,
                    lock_timeout_s: float = 10.0, thp_mode: str | None = "always", replace: bool = False,
-                   progress: Any = None, features: Features | None = None, device: Any = None) -> GpuReport:
+                   progress: Any = None, features: Features | None = None, device: Any = None,
+                   pids: list[int] | None = None) -> GpuReport:
     """Swap out the GPU state of ROOT_PID's CUDA processes into snapshot NAME.
 
     They are left CHECKPOINTED (GPU memory released) until gpu_restore. On any failure they are
     put back to RUNNING with their memory intact and no snapshot is left. device: the engine's
-    storage.device.Device for the custom-storage path (default: GPU 0).
+    storage.device.Device for the custom-storage path (default: GPU 0). pids: the CUDA processes when
+    the caller has found them already (the in-sandbox agent: they need not descend from ROOT_PID).
     """
     drv = driver or CudaDriver()
     feats = features or probe(drv)
-    pids = _pids_for(root_pid, drv)
+    pids = list(pids) if pids else _pids_for(root_pid, drv)
     states = {p: drv.get_state(p) for p in pids}
     busy = {p: s for p, s in states.items() if s != ProcessState.RUNNING}
     if busy:
