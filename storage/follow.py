@@ -29,6 +29,10 @@ from typing import Callable, Iterator
 from .filetree import RangeReader
 from .pipeline import PipelineError, StreamSpec
 
+class FollowError(PipelineError):
+    """The directory cannot be watched or read, or its writer failed."""
+
+
 IN_CLOSE_WRITE = 0x00000008
 IN_MOVED_TO = 0x00000080
 IN_CREATE = 0x00000100
@@ -46,12 +50,12 @@ class _Inotify:
         fd = _libc.inotify_init1(_IN_NONBLOCK | _IN_CLOEXEC)
         if fd < 0:
             e = ctypes.get_errno()
-            raise PipelineError(f"inotify_init1: {os.strerror(e)}")
+            raise FollowError(f"inotify_init1: {os.strerror(e)}")
         self.fd = fd
         if _libc.inotify_add_watch(fd, os.fsencode(path), mask) < 0:
             e = ctypes.get_errno()
             os.close(fd)
-            raise PipelineError(f"watching {path}: {os.strerror(e)}")
+            raise FollowError(f"watching {path}: {os.strerror(e)}")
 
     def events(self, timeout: float) -> list[tuple[int, str]]:
         r, _, _ = select.select([self.fd], [], [], timeout)
@@ -159,7 +163,7 @@ class FollowedDirSource:
     def _check_writer(self) -> None:
         e = self._failed()
         if e is not None:
-            raise PipelineError(f"the writer of {self.path} failed ({str(e).splitlines()[0] if str(e) else type(e).__name__})")
+            raise FollowError(f"the writer of {self.path} failed ({str(e).splitlines()[0] if str(e) else type(e).__name__})")
 
     def wait(self) -> None:
         """Block briefly for the writer's next step; raises if it failed."""
@@ -177,9 +181,9 @@ class FollowedDirSource:
         try:
             st = os.lstat(p)
         except OSError as e:
-            raise PipelineError(f"{p}: {e.strerror}") from None
+            raise FollowError(f"{p}: {e.strerror}") from None
         if not stat.S_ISREG(st.st_mode):
-            raise PipelineError(f"{p}: not a regular file; a followed directory holds only files")
+            raise FollowError(f"{p}: not a regular file; a followed directory holds only files")
         return StreamSpec(f"{self.base}/{name}", {"type": "file", "mode": stat.S_IMODE(st.st_mode),
                                                   "mtime_ns": st.st_mtime_ns}, size)
 
@@ -208,7 +212,7 @@ class FollowedDirSource:
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
         except OSError as e:
-            raise PipelineError(f"{path}: {e.strerror}") from None
+            raise FollowError(f"{path}: {e.strerror}") from None
         try:
             yield RangeReader(fd, offset, length)
         finally:
@@ -220,7 +224,7 @@ class FollowedDirSource:
         try:
             fd = os.open(os.path.join(self.path, name), os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
         except OSError as e:
-            raise PipelineError(f"{os.path.join(self.path, name)}: {e.strerror or errno.errorcode.get(e.errno)}") from None
+            raise FollowError(f"{os.path.join(self.path, name)}: {e.strerror or errno.errorcode.get(e.errno)}") from None
         try:
             yield _FollowReader(self, name, fd) if spec.size is None else _FdReader(fd)
         finally:

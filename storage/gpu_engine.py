@@ -26,20 +26,30 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Iterator, Union
+from typing import Any, Iterator, Protocol, Union
 
 from .chunkfile import HEADER_SIZE, ChunkError
 from .device import CudaDevice, Device, DeviceError, HostBuffer
 from .directio import ALIGN
 from .manifest import ChunkRef, Manifest, Stream
-from .memtier import MemoryTierError, PinnedPool, PoolWriter, Slot
-from .pipeline import Result, Stages, _Failure, is_zero, missing_chunks, writer_result
-from .store import SnapshotStore, SnapshotWriter, StoreError
+from .memtier import PoolWriter, Slot
+from .pipeline import Result, Stages, _Failure, is_zero, writer_result
+from .store import SnapshotWriter
 
 PAYS_OFF_RATIO = 0.97
 GpuEngineError = DeviceError  # one exception type for the GPU data path (device.py raises it)
 Target = Union[SnapshotWriter, PoolWriter]
-Source = Union[SnapshotStore, PinnedPool]
+
+
+class ChunkSource(Protocol):
+    """Where restore finds chunks: the directory store or the memory tier (both implement this)."""
+
+    error: type[Exception]  # what a damaged snapshot raises from this source
+
+    def missing(self, manifest: Manifest) -> list[str]: ...
+
+    def payload_at(self, ref: ChunkRef, frame: Any) -> tuple[int, str]:
+        """(host address of REF's verified payload, name of the stage that found it); may use FRAME."""
 
 
 @dataclass(frozen=True)
@@ -302,7 +312,7 @@ class GpuEngine:
         return writer_result(writer, stages, time.perf_counter() - t_start, raw_total)  # type: ignore[arg-type]
 
     # -- restore -------------------------------------------------------------------------------
-    def _restore_chunk(self, lane: _Lane, source: Source, ref: ChunkRef, dst: int, stages: Stages) -> None:
+    def _restore_chunk(self, lane: _Lane, source: ChunkSource, ref: ChunkRef, dst: int, stages: Stages) -> None:
         """One chunk into DST: memset for zeros, else the verified payload, H2D, and decode on the device."""
         dev = self.dev
         n = ref.raw_len
@@ -311,14 +321,8 @@ class GpuEngine:
             lane.sync()
             return
         t0 = time.perf_counter()
-        if isinstance(source, PinnedPool):
-            src, view = source.payload(ref)  # verified when the pool verifies reads
-            view.release()
-            stages.add("verify" if source.verify_reads else "lookup", time.perf_counter() - t0, ref.stored_len)
-        else:
-            source.read_chunk(ref, lane.frame)  # verified; payload at HEADER_SIZE
-            src = lane.frame.ptr + HEADER_SIZE
-            stages.add("read+verify", time.perf_counter() - t0, ref.stored_len)
+        src, stage = source.payload_at(ref, lane.frame)
+        stages.add(stage, time.perf_counter() - t0, ref.stored_len)
         t1 = time.perf_counter()
         if ref.codec == "raw":
             dev.h2d(dst, src, n, lane.stream)
@@ -334,7 +338,7 @@ class GpuEngine:
             lane.codec.release()  # type: ignore[union-attr]
         stages.add("H2D+decode", time.perf_counter() - t1, n)
 
-    def restore(self, source: Source, manifest: Manifest, targets: dict[str, Region], *,
+    def restore(self, source: ChunkSource, manifest: Manifest, targets: dict[str, Region], *,
                 progress: Any = None) -> Result:
         """Write every blob stream of MANIFEST (from a SnapshotStore or the memory tier) into the
         target region of the same name, every payload verified before it is used."""
@@ -352,10 +356,9 @@ class GpuEngine:
                 if c.raw_len > self.chunk_size or c.stored_len > self.chunk_size:
                     raise GpuEngineError(f"snapshot chunks of {c.raw_len} bytes exceed this engine's "
                                          f"{self.chunk_size}-byte lanes; open the engine with a larger chunk size")
-        missing = source.missing(manifest) if isinstance(source, PinnedPool) else missing_chunks(source, manifest)
+        missing = source.missing(manifest)
         if missing:
-            err = MemoryTierError if isinstance(source, PinnedPool) else StoreError
-            raise err(f"snapshot {manifest.name!r} is damaged: {len(missing)} chunk(s) missing; "
+            raise source.error(f"snapshot {manifest.name!r} is damaged: {len(missing)} chunk(s) missing; "
                       "no GPU memory was written")
         stored = 0
 
@@ -368,8 +371,7 @@ class GpuEngine:
                 if progress is not None:
                     progress.advance(ref.raw_len)
             except ChunkError as e:
-                err = MemoryTierError if isinstance(source, PinnedPool) else StoreError
-                fail.set(err(f"snapshot {manifest.name!r} is damaged: {s.name} chunk {i}: {e.what}"))
+                fail.set(source.error(f"snapshot {manifest.name!r} is damaged: {s.name} chunk {i}: {e.what}"))
             except BaseException as e:  # noqa: BLE001
                 fail.set(e)
 

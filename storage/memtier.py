@@ -102,6 +102,8 @@ class _Entry:
 class PinnedPool:
     """Snapshots held in one block of host memory (pinned when the buffer comes from a CUDA device)."""
 
+    error = MemoryTierError  # what a damaged snapshot raises (gpu_engine.ChunkSource)
+
     def __init__(self, buffer: Any, *, verify_reads: bool = True) -> None:
         self.buffer = buffer
         self.verify_reads = verify_reads
@@ -225,6 +227,12 @@ class PinnedPool:
         if self.verify_reads and chunk_id(ChunkHeader(ref.codec, ref.raw_len, ref.stored_len), view) != ref.id:
             raise ChunkError(ref.id, "payload in the memory tier does not match its id (memory corrupted)")
         return self.buffer.ptr + e.offset, view
+
+    def payload_at(self, ref: ChunkRef, frame: Any = None) -> tuple[int, str]:
+        """The address of REF's payload in the pool (verified when verify_reads); no copy."""
+        addr, view = self.payload(ref)
+        view.release()
+        return addr, "verify" if self.verify_reads else "lookup"
 
     def missing(self, manifest: Manifest) -> list[str]:
         with self._lock:

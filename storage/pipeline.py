@@ -383,11 +383,6 @@ class _OpenStream:
             self.writer.close()
 
 
-def missing_chunks(store: SnapshotStore, manifest: Manifest) -> list[str]:
-    """Chunk ids the manifest names that have no file (a cheap stat pass before any output)."""
-    return [cid for cid in sorted(manifest.chunk_ids()) if not os.path.exists(store.chunk_path(cid))]
-
-
 def get(store: SnapshotStore, manifest: Manifest, sink: Sink, *, workers: int | None = None,
         progress: Any = None) -> Result:
     """Materialize MANIFEST's streams into SINK, every chunk verified; sink.abort() on any failure."""
@@ -397,7 +392,7 @@ def get(store: SnapshotStore, manifest: Manifest, sink: Sink, *, workers: int | 
     t_start = time.perf_counter()
     stored = 0
     try:
-        missing = missing_chunks(store, manifest)
+        missing = store.missing(manifest)
         if missing:
             raise StoreError(f"snapshot {manifest.name!r} is damaged: {len(missing)} chunk(s) missing "
                              f"(first {missing[0][:16]}…); nothing was written")

@@ -143,6 +143,8 @@ class _FileLock:
 class SnapshotStore:
     """A store directory (FORMAT.md). Cheap to open; safe to share between processes."""
 
+    error = StoreError  # what a damaged snapshot raises (gpu_engine.ChunkSource)
+
     def __init__(self, path: str, create: bool = True) -> None:
         self.path = os.path.abspath(path)
         self._open(create)
@@ -272,6 +274,16 @@ class SnapshotStore:
         if (header.codec, header.raw_len, header.stored_len) != (ref.codec, ref.raw_len, ref.stored_len):
             raise ChunkError(ref.id, "header disagrees with the manifest's reference")
         return payload
+
+    def payload_at(self, ref: ChunkRef, frame: Any) -> tuple[int, str]:
+        """Read REF's verified payload into FRAME (a host buffer with .ptr, laid out like a chunk
+        file) and return its address there (gpu_engine.ChunkSource)."""
+        self.read_chunk(ref, frame)
+        return frame.ptr + HEADER_SIZE, "read+verify"
+
+    def missing(self, manifest: Manifest) -> list[str]:
+        """Chunk ids MANIFEST names that have no file here (a cheap stat pass before any output)."""
+        return [cid for cid in sorted(manifest.chunk_ids()) if not os.path.exists(self.chunk_path(cid))]
 
     def chunk_buffer_size(self, manifests: list[Manifest]) -> int:
         most = max((c.stored_len for m in manifests for s in m.streams for c in s.chunks), default=0)
