@@ -8,7 +8,7 @@ IN_CLOSE_WRITE) or the writer has finished. Every other file is read after the w
 
 The writer is an opaque job: `writer_done` is set when it has ended (successfully or not) and
 `writer_failed()` returns its exception, if any; a failed writer stops the ingest with a
-PipelineError (the caller reports the writer's own error). A followed file must only ever grow and
+FollowError, a PipelineError (the caller reports the writer's own error). A followed file must only ever grow and
 must not be reopened for writing once closed (true of CRIU's page images).
 
 Linux only (inotify through libc, no extra dependency).
