@@ -5,6 +5,7 @@ never holds a partial result.
 """
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import stat
@@ -28,6 +29,19 @@ class _FdReader:
         n = read_into(self.fd, view, self.offset)
         self.offset += n
         return n
+
+
+@contextmanager
+def read_fd(path: str, error: type[Exception] = PipelineError) -> Iterator[int]:
+    """PATH opened read-only (no symlink followed) for the block; ERROR with the reason if it cannot be."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError as e:
+        raise error(f"{path}: {e.strerror or errno.errorcode.get(e.errno or 0, e)}") from None
+    try:
+        yield fd
+    finally:
+        os.close(fd)
 
 
 class RangeReader:
@@ -115,29 +129,15 @@ class FileTreeSource:
 
     @contextmanager
     def open(self, spec: StreamSpec) -> Iterator[_FdReader]:
-        path = self._path(spec)
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-        except OSError as e:
-            raise PipelineError(f"{path}: {e.strerror}") from None
-        try:
+        with read_fd(self._path(spec)) as fd:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
             yield _FdReader(fd)
-        finally:
-            os.close(fd)
 
     @contextmanager
-    def open_range(self, spec: StreamSpec, offset: int, length: int) -> Iterator["RangeReader"]:
+    def open_range(self, spec: StreamSpec, offset: int, length: int) -> Iterator[RangeReader]:
         """A reader of LENGTH bytes of SPEC's file from OFFSET (one of several reading it at once)."""
-        path = self._path(spec)
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-        except OSError as e:
-            raise PipelineError(f"{path}: {e.strerror}") from None
-        try:
+        with read_fd(self._path(spec)) as fd:
             yield RangeReader(fd, offset, length)
-        finally:
-            os.close(fd)
 
     @property
     def total_bytes(self) -> int:

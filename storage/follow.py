@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import errno
 import os
 import select
 import stat
@@ -26,7 +25,7 @@ import threading
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
-from .filetree import RangeReader
+from .filetree import RangeReader, read_fd
 from .pipeline import PipelineError, StreamSpec
 
 class FollowError(PipelineError):
@@ -108,21 +107,6 @@ class _FollowReader:
                 self.offset += n
                 continue
             self.src.wait()
-        return got
-
-
-class _FdReader:
-    def __init__(self, fd: int) -> None:
-        self.fd, self.offset = fd, 0
-
-    def readinto(self, view: memoryview) -> int:
-        got = 0
-        while got < len(view):
-            n = os.preadv(self.fd, [view[got:]], self.offset)
-            if n <= 0:
-                break
-            got += n
-            self.offset += n
         return got
 
 
@@ -208,24 +192,12 @@ class FollowedDirSource:
     @contextmanager
     def open_range(self, spec: StreamSpec, offset: int, length: int) -> Iterator[RangeReader]:
         """Part of a file the writer has finished: one of several readers."""
-        path = os.path.join(self.path, spec.name.partition("/")[2])
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-        except OSError as e:
-            raise FollowError(f"{path}: {e.strerror}") from None
-        try:
+        with read_fd(os.path.join(self.path, spec.name.partition("/")[2]), FollowError) as fd:
             yield RangeReader(fd, offset, length)
-        finally:
-            os.close(fd)
 
     @contextmanager
-    def open(self, spec: StreamSpec) -> Iterator[_FollowReader | _FdReader]:
+    def open(self, spec: StreamSpec) -> Iterator[_FollowReader | RangeReader]:
+        """A followed file (size unknown) is read as it grows; any other one, whole."""
         name = spec.name.partition("/")[2]
-        try:
-            fd = os.open(os.path.join(self.path, name), os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-        except OSError as e:
-            raise FollowError(f"{os.path.join(self.path, name)}: {e.strerror or errno.errorcode.get(e.errno)}") from None
-        try:
-            yield _FollowReader(self, name, fd) if spec.size is None else _FdReader(fd)
-        finally:
-            os.close(fd)
+        with read_fd(os.path.join(self.path, name), FollowError) as fd:
+            yield _FollowReader(self, name, fd) if spec.size is None else RangeReader(fd, 0, spec.size)
