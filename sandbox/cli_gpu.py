@@ -1,6 +1,8 @@
 """`gpusnap doctor` and `gpusnap gpu checkpoint|restore`."""
 from __future__ import annotations
 
+from typing import Any
+
 import click
 
 from storage.gpu_engine import GpuEngineError
@@ -19,6 +21,14 @@ register_errors(CudaDriverError, GpuCheckpointError, GpuSnapshotError, Discovery
                 PoolDaemonError)
 
 THP_CHOICE = click.Choice(["always", "keep"])
+
+
+def tier_options(fn: Any) -> Any:
+    """--tier store|memory and --pool-socket, shared by `gpu checkpoint` and `gpu restore`."""
+    fn = click.option("--pool-socket", default=None, metavar="PATH",
+                      help="The pool daemon's socket (with --tier memory; env GPUSNAP_POOL_SOCKET).")(fn)
+    return click.option("--tier", type=click.Choice(["store", "memory"]), default="store", show_default=True,
+                        help="'memory': the resident pool of `gpusnap pool serve` (custom storage only).")(fn)
 
 
 def _socket(path: str | None) -> str:
@@ -51,9 +61,7 @@ def gpu() -> None:
               help="Transparent huge pages during the driver's host copy ('always' is measured faster; "
                    "the previous setting is put back).")
 @click.option("--replace", is_flag=True, help="Replace an existing snapshot of the same name.")
-@click.option("--tier", type=click.Choice(["store", "memory"]), default="store", show_default=True,
-              help="'memory': into the resident pool of `gpusnap pool serve` (custom storage only).")
-@click.option("--pool-socket", default=None, metavar="PATH", help="The pool daemon's socket (with --tier memory).")
+@tier_options
 @json_option
 @click.pass_context
 @one_line_errors
@@ -87,9 +95,7 @@ def gpu_checkpoint_cmd(ctx: click.Context, pid: int, name: str, lock_timeout: fl
 @click.option("--device-map", multiple=True, metavar="OLD=NEW",
               help="Restore GPU OLD's state onto GPU NEW (index or UUID); list every checkpointed GPU.")
 @click.option("--thp", type=THP_CHOICE, default="always", show_default=True)
-@click.option("--tier", type=click.Choice(["store", "memory"]), default="store", show_default=True,
-              help="'memory': from the resident pool of `gpusnap pool serve`.")
-@click.option("--pool-socket", default=None, metavar="PATH", help="The pool daemon's socket (with --tier memory).")
+@tier_options
 @json_option
 @click.pass_context
 @one_line_errors
