@@ -26,7 +26,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Iterator, Protocol, Union
+from typing import Any, Callable, Iterator, Protocol, Union
 
 from .chunkfile import HEADER_SIZE, ChunkError
 from .device import CudaDevice, Device, DeviceError, HostBuffer
@@ -274,7 +274,6 @@ class GpuEngine:
         """Stream every region into WRITER (a store's SnapshotWriter or the memory tier's PoolWriter)
         as `blob` streams; the caller commits."""
         stages = Stages()
-        fail = _Failure()
         t_start = time.perf_counter()
         raw_total = 0
         # zero signatures for each chunk length we will meet, before the timed fan-out
@@ -284,32 +283,41 @@ class GpuEngine:
                     if n:
                         self.zero_signature(lane0, n)
 
-        def one(stream: Stream, idx: int, ptr: int, n: int) -> None:
+        def put(lane: _Lane, stream: Stream, idx: int, ptr: int, n: int) -> None:
+            stream.chunks[idx] = self._checkpoint_chunk(lane, writer, ptr, n, stages)
+
+        jobs: list[tuple[Callable[..., None], tuple[Any, ...], int]] = []
+        for r in regions:
+            s = Stream(r.name, {"type": "blob", "device": self.device, **(attrs or {})})
+            writer.add_stream(s)
+            for idx, off in enumerate(range(0, r.size, self.chunk_size)):
+                n = min(self.chunk_size, r.size - off)
+                s.chunks.append(None)  # type: ignore[arg-type]
+                jobs.append((put, (s, idx, r.dev_ptr + off, n), n))
+            raw_total += r.size
+        self._on_lanes(jobs, progress)
+        return writer_result(writer, stages, time.perf_counter() - t_start, raw_total)  # type: ignore[arg-type]
+
+    def _on_lanes(self, jobs: list[tuple[Callable[..., None], tuple[Any, ...], int]], progress: Any) -> None:
+        """Run every job FN(lane, *ARGS) on a borrowed lane, NBYTES of progress each; after the first
+        failure the rest are skipped, and it is raised once all have ended."""
+        fail = _Failure()
+
+        def one(fn: Callable[..., None], args: tuple[Any, ...], nbytes: int) -> None:
             if fail.exc is not None:
                 return
             try:
                 with self._lane() as lane:
-                    stream.chunks[idx] = self._checkpoint_chunk(lane, writer, ptr, n, stages)
+                    fn(lane, *args)
                 if progress is not None:
-                    progress.advance(n)
-            except BaseException as e:  # noqa: BLE001
+                    progress.advance(nbytes)
+            except BaseException as e:  # noqa: BLE001 - handed to the caller below
                 fail.set(e)
 
-        with ThreadPoolExecutor(self.nlanes, thread_name_prefix="gpusnap-gpu",
-                                initializer=self.bind_thread) as ex:
-            futs = []
-            for r in regions:
-                s = Stream(r.name, {"type": "blob", "device": self.device, **(attrs or {})})
-                writer.add_stream(s)
-                for idx, off in enumerate(range(0, r.size, self.chunk_size)):
-                    n = min(self.chunk_size, r.size - off)
-                    s.chunks.append(None)  # type: ignore[arg-type]
-                    futs.append(ex.submit(one, s, idx, r.dev_ptr + off, n))
-                raw_total += r.size
-            for f in futs:
+        with ThreadPoolExecutor(self.nlanes, thread_name_prefix="gpusnap-gpu", initializer=self.bind_thread) as ex:
+            for f in [ex.submit(one, *job) for job in jobs]:
                 f.result()
         fail.raise_if_set()
-        return writer_result(writer, stages, time.perf_counter() - t_start, raw_total)  # type: ignore[arg-type]
 
     # -- restore -------------------------------------------------------------------------------
     def _restore_chunk(self, lane: _Lane, source: ChunkSource, ref: ChunkRef, dst: int, stages: Stages) -> None:
@@ -343,7 +351,6 @@ class GpuEngine:
         """Write every blob stream of MANIFEST (from a SnapshotStore or the memory tier) into the
         target region of the same name, every payload verified before it is used."""
         stages = Stages()
-        fail = _Failure()
         t_start = time.perf_counter()
         streams = [s for s in manifest.streams if s.attrs.get("type") == "blob"]
         for s in streams:
@@ -359,32 +366,20 @@ class GpuEngine:
         missing = source.missing(manifest)
         if missing:
             raise source.error(f"snapshot {manifest.name!r} is damaged: {len(missing)} chunk(s) missing; "
-                      "no GPU memory was written")
-        stored = 0
+                               "no GPU memory was written")
 
-        def one(s: Stream, i: int, ref: ChunkRef, dst: int) -> None:
-            if fail.exc is not None:
-                return
+        def get(lane: _Lane, s: Stream, i: int, ref: ChunkRef, dst: int) -> None:
             try:
-                with self._lane() as lane:
-                    self._restore_chunk(lane, source, ref, dst, stages)
-                if progress is not None:
-                    progress.advance(ref.raw_len)
+                self._restore_chunk(lane, source, ref, dst, stages)
             except ChunkError as e:
-                fail.set(source.error(f"snapshot {manifest.name!r} is damaged: {s.name} chunk {i}: {e.what}"))
-            except BaseException as e:  # noqa: BLE001
-                fail.set(e)
+                raise source.error(f"snapshot {manifest.name!r} is damaged: {s.name} chunk {i}: {e.what}") from None
 
-        with ThreadPoolExecutor(self.nlanes, thread_name_prefix="gpusnap-gpu",
-                                initializer=self.bind_thread) as ex:
-            futs = []
-            for s in streams:
-                off = 0
-                for i, c in enumerate(s.chunks):
-                    stored += c.stored_len
-                    futs.append(ex.submit(one, s, i, c, targets[s.name].dev_ptr + off))
-                    off += c.raw_len
-            for f in futs:
-                f.result()
-        fail.raise_if_set()
+        jobs: list[tuple[Callable[..., None], tuple[Any, ...], int]] = []
+        for s in streams:
+            off = 0
+            for i, c in enumerate(s.chunks):
+                jobs.append((get, (s, i, c, targets[s.name].dev_ptr + off), c.raw_len))
+                off += c.raw_len
+        self._on_lanes(jobs, progress)
+        stored = sum(c.stored_len for s in streams for c in s.chunks)
         return Result(sum(s.size for s in streams), stored, time.perf_counter() - t_start, stages)
