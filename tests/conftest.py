@@ -72,6 +72,15 @@ class Cli:
 
 
 @pytest.fixture
+def child() -> Iterator[int]:
+    """A real process that only sleeps: a pid for the driver stand-in to treat as a CUDA process."""
+    p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    yield p.pid
+    p.kill()
+    p.wait()
+
+
+@pytest.fixture
 def store_dir(tmp_path: Path) -> Path:
     # tmp_path is on the real disk here (not tmpfs): see test_store_on_real_disk
     return tmp_path / "store"

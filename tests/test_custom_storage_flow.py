@@ -31,14 +31,6 @@ def gpu_bytes(seed: int, mb: int) -> bytes:
     return w + bytes(n // 2) + rng.bytes(n - len(w) - n // 2)
 
 
-@pytest.fixture()
-def child() -> int:
-    p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
-    yield p.pid
-    p.kill()
-    p.wait()
-
-
 def test_gpu_swap_out_and_in_through_custom_storage(tmp_path: Path, child: int) -> None:
     d = StandInDriver()
     me = os.getpid()

@@ -92,27 +92,22 @@ def test_agent_without_cuda_processes_needs_no_driver() -> None:
     assert rep["action"] == "status" and rep["cuda_pids"] == [] and rep["path"] is None
 
 
-def test_agent_checkpoint_and_restore_with_custom_storage(tmp_path: Path) -> None:
+def test_agent_checkpoint_and_restore_with_custom_storage(tmp_path: Path, child: int) -> None:
     from criu_hooks.gpu_agent import run
     from driver_standin import StandInDriver
     from storage.device import HostDevice
     from test_custom_storage_flow import FEATS, gpu_bytes
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    try:
-        d = StandInDriver()
-        d.add(child.pid, gpu_bytes(9, 2))
-        before = bytes(d.procs[child.pid].gpu)
-        store = str(tmp_path / "store")
-        kw = dict(driver=d, features=FEATS, device=HostDevice(), pids=[child.pid])
-        rep = run("checkpoint", store, "sb.gpu", **kw)
-        assert rep["path"] == "custom-storage" and rep["snapshot"] == "sb.gpu"
-        assert rep["states"] == {str(child.pid): "CHECKPOINTED"} and len(d.procs[child.pid].gpu) == 0
-        rep = run("restore", store, "sb.gpu", **kw)
-        assert rep["states"] == {str(child.pid): "RUNNING"} and bytes(d.procs[child.pid].gpu) == before
-        # without a store: the driver's host copy; toggle flips it
-        assert run("toggle", None, None, **kw)["states"] == {str(child.pid): "CHECKPOINTED"}
-        assert run("toggle", None, None, **kw)["states"] == {str(child.pid): "RUNNING"}
-        assert bytes(d.procs[child.pid].gpu) == before
-    finally:
-        child.kill()
-        child.wait()
+    d = StandInDriver()
+    d.add(child, gpu_bytes(9, 2))
+    before = bytes(d.procs[child].gpu)
+    store = str(tmp_path / "store")
+    kw = dict(driver=d, features=FEATS, device=HostDevice(), pids=[child])
+    rep = run("checkpoint", store, "sb.gpu", **kw)
+    assert rep["path"] == "custom-storage" and rep["snapshot"] == "sb.gpu"
+    assert rep["states"] == {str(child): "CHECKPOINTED"} and len(d.procs[child].gpu) == 0
+    rep = run("restore", store, "sb.gpu", **kw)
+    assert rep["states"] == {str(child): "RUNNING"} and bytes(d.procs[child].gpu) == before
+    # without a store: the driver's host copy; toggle flips it
+    assert run("toggle", None, None, **kw)["states"] == {str(child): "CHECKPOINTED"}
+    assert run("toggle", None, None, **kw)["states"] == {str(child): "RUNNING"}
+    assert bytes(d.procs[child].gpu) == before

@@ -3,8 +3,6 @@ process with the driver stand-in (custom storage, regions in real memory) and th
 memory; the real `gpusnap` CLI talks to it over its real Unix socket."""
 from __future__ import annotations
 
-import subprocess
-import sys
 import threading
 from pathlib import Path
 
@@ -16,14 +14,6 @@ from sandbox.cuda_driver import Features, ProcessState as S
 from sandbox.pool_daemon import PoolDaemonError, PoolServer, request
 from storage.device import HostDevice
 from test_custom_storage_flow import FEATS, gpu_bytes
-
-
-@pytest.fixture()
-def child() -> int:
-    p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
-    yield p.pid
-    p.kill()
-    p.wait()
 
 
 class Running:
