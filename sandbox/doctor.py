@@ -2,12 +2,13 @@
 huge pages, NUMA, CRIU and runsc. Never fails: what is missing is reported as missing."""
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import subprocess
 from dataclasses import asdict
 from typing import Any
+
+from storage.device import numa_nodes
 
 from .cuda_driver import nvidia_driver_version, probe
 from .hugepages import hugetlb_pages, thp_mode
@@ -22,13 +23,6 @@ def _version(argv: list[str], pattern: str) -> str | None:
         return None
     m = re.search(pattern, out.stdout + out.stderr)
     return m.group(1) if m else None
-
-
-def _numa_nodes() -> int:
-    try:
-        return len([d for d in os.listdir("/sys/devices/system/node") if re.fullmatch(r"node\d+", d)])
-    except OSError:
-        return 1
 
 
 def _nvcomp() -> str | None:
@@ -66,7 +60,7 @@ def report(criu: str = "criu", runsc: str = "runsc") -> dict[str, Any]:
         "nvcomp": _nvcomp(),
         "transparent_hugepages": thp_mode(),
         "hugetlb": hugetlb_pages(),
-        "numa_nodes": _numa_nodes(),
+        "numa_nodes": numa_nodes(),
         "criu": _version([criu, "--version"], r"Version:\s*(\S+)"),
         "runsc": _version([runsc, "--version"], r"runsc version\s*(\S+)"),
         "runsc_features": _runsc_features(runsc),

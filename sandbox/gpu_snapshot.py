@@ -122,7 +122,7 @@ def swap_in_custom(drv: CheckpointDriver, eng: Any, source: Any, manifest: Manif
     return {"restore+unlock": time.perf_counter() - t0}
 
 
-def _pids_for(root: int, drv: CheckpointDriver) -> list[int]:
+def cuda_pids_of(root: int, drv: CheckpointDriver) -> list[int]:
     try:
         pids = cuda_processes(root, drv)
     except Exception as e:  # noqa: BLE001 - DiscoveryError: no such pid
@@ -146,7 +146,7 @@ def gpu_checkpoint(store: SnapshotStore, root_pid: int, name: str, *, driver: Cu
     """
     drv = driver or CudaDriver()
     feats = features or probe(drv)
-    pids = list(pids) if pids else _pids_for(root_pid, drv)
+    pids = list(pids) if pids else cuda_pids_of(root_pid, drv)
     states = {p: drv.get_state(p) for p in pids}
     busy = {p: s for p, s in states.items() if s != ProcessState.RUNNING}
     if busy:

@@ -51,11 +51,11 @@ def add_gpus(cfg: dict[str, Any], gpus: Sequence[int], *, dev_root: str = "/dev"
 
 def bundle_gpus(bundle: str) -> list[str]:
     """The NVIDIA device nodes a bundle's spec gives the sandbox (empty: not a GPU sandbox)."""
-    cfg = _load(bundle)
+    cfg = load_spec(bundle)
     return [d["path"] for d in cfg.get("linux", {}).get("devices", []) if str(d.get("path", "")).startswith("/dev/nvidia")]
 
 
-def _load(bundle: str) -> dict[str, Any]:
+def load_spec(bundle: str) -> dict[str, Any]:
     try:
         with open(os.path.join(bundle, "config.json")) as f:
             return json.load(f)
@@ -112,7 +112,7 @@ def build_bundle(directory: str, argv: Sequence[str], *, rootfs: str = "/", read
 
 def bundle_netns(bundle: str) -> str | None:
     """The network namespace path a bundle joins, if any."""
-    cfg = _load(bundle)
+    cfg = load_spec(bundle)
     for ns in cfg.get("linux", {}).get("namespaces", []):
         if ns.get("type") == "network":
             return ns.get("path")
@@ -123,7 +123,7 @@ def set_bundle_netns(bundle: str, path: str | None) -> None:
     """Make BUNDLE join the network namespace at PATH (None: a new, empty one). runsc takes the
     namespace from the spec; started inside a namespace by setns instead, this runsc's sandbox
     stopped within a second here (seen 2026-11-29), so the spec is the way."""
-    cfg = _load(bundle)
+    cfg = load_spec(bundle)
     spaces = [ns for ns in cfg.setdefault("linux", {}).setdefault("namespaces", []) if ns.get("type") != "network"]
     spaces.append({"type": "network", **({"path": path} if path else {})})
     cfg["linux"]["namespaces"] = spaces

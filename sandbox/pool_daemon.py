@@ -154,12 +154,12 @@ class PoolServer:
         return {}
 
     def op_swap_out(self, req: dict[str, Any]) -> dict[str, Any]:
-        from .gpu_snapshot import _pids_for, swap_out_custom
+        from .gpu_snapshot import cuda_pids_of, swap_out_custom
         if not self.features.custom_storage:
             raise PoolDaemonError("the memory tier needs the driver's custom-storage API (CUDA 13.4, driver R615+); "
                                   f"this driver offers {self.features.path}: use `gpusnap gpu checkpoint` into a store")
         pid, name = int(req["pid"]), str(req["name"])
-        pids = _pids_for(pid, self.driver)
+        pids = cuda_pids_of(pid, self.driver)
         t0 = time.perf_counter()
         with self.pool.writer(name) as w:
             seconds = swap_out_custom(self.driver, self.engine, w, pids)

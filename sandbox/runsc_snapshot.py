@@ -22,7 +22,7 @@ from storage.store import SnapshotStore
 
 from . import netns as nets
 from .criu_snapshot import staging_dir
-from .oci_bundle import _load, add_bind, add_gpus, bundle_netns, save_spec, set_bundle_netns
+from .oci_bundle import add_bind, add_gpus, bundle_netns, load_spec, save_spec, set_bundle_netns
 from .runsc_runner import Runsc, RunscError
 
 NET_SIDECAR = "gpusnap-net.json"  # in the bundle: the NetConfig gpusnap made for this sandbox
@@ -93,7 +93,7 @@ def prepare_gpu(bundle: str, r: Runsc, gpus: Sequence[int], store_path: str, *, 
     bind-mounted for the GPU agent; recorded in the bundle. Returns the extra runsc global flags.
     Refuses, before touching the bundle, when this runsc has no nvproxy."""
     gpu_args = r.features().gpu_args(driver_version=driver_version) if gpus else []
-    cfg = _load(bundle)
+    cfg = load_spec(bundle)
     if gpus:
         add_gpus(cfg, gpus)
     if agent:
