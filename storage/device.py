@@ -46,6 +46,9 @@ class DeviceCodec(Protocol):
     def decode(self, src: int, m: int, dst: int, n: int) -> None:
         """Decode M bytes at SRC into exactly N bytes at DST (on the codec's stream)."""
 
+    def release(self) -> None:
+        """Drop what the last call kept alive for its stream work (call after the stream synced)."""
+
 
 class Device(Protocol):
     """The operations the engine uses; every pointer is valid in this process."""
@@ -356,6 +359,9 @@ class _ZstdAt:
         if len(data) != n:
             raise DeviceError(f"zstd decoded {len(data)} bytes, expected {n}")
         ctypes.memmove(dst, data, n)
+
+    def release(self) -> None:
+        pass  # synchronous: nothing outlives a call
 
 
 class HostDevice:

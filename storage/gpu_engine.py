@@ -73,7 +73,6 @@ class _Lane:
         dev = self.dev = engine.dev
         self.stream = dev.new_stream()
         self.frame: HostBuffer = dev.pinned(HEADER_SIZE + engine.chunk_size + ALIGN)
-        self.frame_dirty = False
         self.scratch = dev.alloc(engine.chunk_size + (1 << 20))
         # nvCOMP leaves padding between its compressed blocks unwritten: encoding into a zeroed buffer
         # of the worst-case size (ANS asks for ~1.41x) keeps stale bytes out of chunks and makes
@@ -209,7 +208,7 @@ class GpuEngine:
     def _d2h(self, lane: _Lane, dst: int, src: int, m: int) -> None:
         self.dev.d2h(dst, src, m, lane.stream)
         lane.sync()
-        if lane.codec is not None and hasattr(lane.codec, "release"):
+        if lane.codec is not None:
             lane.codec.release()
 
     def zero_signature(self, lane: _Lane, n: int) -> bytes | None:
@@ -229,19 +228,18 @@ class GpuEngine:
             self._zero_sig[n] = sig
         return sig
 
-    def _is_zero_chunk(self, lane: _Lane, codec: str, ptr: int, n: int, payload: memoryview) -> bool:
-        """Exact: PAYLOAD equals the encoding of zeros, or (same size, other bytes) the raw chunk,
-        copied to the host, is all zeros."""
+    def _is_zero_chunk(self, lane: _Lane, codec: str, ptr: int, n: int, payload: memoryview) -> tuple[bool, bool]:
+        """(all zeros, whether LANE's frame was overwritten to find out). Exact: PAYLOAD equals the
+        encoding of zeros, or (same size, other bytes) the raw chunk, copied into the frame, is all zeros."""
         if codec == "raw":
-            return False
+            return False, False
         sig = self._zero_sig.get(n)
         if sig is None or len(payload) != len(sig):
-            return False
+            return False, False
         if payload == sig:
-            return True
+            return True, False
         self._d2h(lane, lane.frame.ptr + HEADER_SIZE, ptr, n)
-        lane.frame_dirty = True
-        return is_zero(lane.frame.view[HEADER_SIZE:HEADER_SIZE + n])
+        return is_zero(lane.frame.view[HEADER_SIZE:HEADER_SIZE + n]), True
 
     def _checkpoint_chunk(self, lane: _Lane, target: Target, ptr: int, n: int, stages: Stages) -> ChunkRef:
         t0 = time.perf_counter()
@@ -251,11 +249,11 @@ class GpuEngine:
             self._d2h(lane, land.ptr, src, m)
             t1 = time.perf_counter()
             stages.add("encode+D2H", t1 - t0, n)
-            lane.frame_dirty = False
-            if self._is_zero_chunk(lane, codec, ptr, n, land.view):
+            zero, frame_used = self._is_zero_chunk(lane, codec, ptr, n, land.view)
+            if zero:
                 land.drop(target)
                 return target.note_zero(n)
-            if lane.frame_dirty and land.slot is None:  # the zero check used the frame: fetch again
+            if frame_used and land.slot is None:  # the zero check overwrote the payload: fetch again
                 codec, src, m = self._encode(lane, ptr, n)
                 land.view.release()
                 land = _Landing(lane, target, m)
@@ -342,8 +340,8 @@ class GpuEngine:
         else:
             raise GpuEngineError(f"chunk codec {ref.codec!r} is not a codec of {dev.name}")
         lane.sync()
-        if hasattr(lane.codec, "release"):
-            lane.codec.release()  # type: ignore[union-attr]
+        if lane.codec is not None:
+            lane.codec.release()
         stages.add("H2D+decode", time.perf_counter() - t1, n)
 
     def restore(self, source: ChunkSource, manifest: Manifest, targets: dict[str, Region], *,
