@@ -207,10 +207,6 @@ class PinnedPool:
                 self._ext.free(slot.offset, slot.size)
                 new = False
             else:
-                # keep only the payload's pages; the slot was reserved for the worst case
-                keep = align_up(max(stored_len, 1))
-                if keep < slot.size:
-                    self._ext.free(slot.offset + keep, slot.size - keep)
                 self._chunks[cid] = _Entry(slot.offset, ref, 1)
                 new = True
         slot.view.release()
