@@ -306,6 +306,10 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
                 if readbuf is not None:
                     readpool.release(readbuf)
 
+        def segment(spec: StreamSpec, part: list[ChunkRef], offset: int, length: int) -> None:
+            with source.open_range(spec, offset, length) as r:  # type: ignore[attr-defined]
+                produce(part, r, spec.name)
+
         for spec in source.streams():
             fail.raise_if_set()
             stream = Stream(spec.name, dict(spec.attrs))
@@ -327,13 +331,8 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
             parts: list[list[ChunkRef]] = [[] for _ in segs]
             whole.append((stream, [head, *parts]))
 
-            def segment(i: int, spec: StreamSpec = spec, segs: list[tuple[int, int]] = segs,
-                        parts: list[list[ChunkRef]] = parts) -> None:
-                with source.open_range(spec, *segs[i]) as r:  # type: ignore[attr-defined]
-                    produce(parts[i], r, spec.name)
-
             with ThreadPoolExecutor(producers, thread_name_prefix="gpusnap-read") as px:
-                for f in [px.submit(segment, i) for i in range(len(segs))]:
+                for f in [px.submit(segment, spec, part, *seg) for part, seg in zip(parts, segs)]:
                     f.result()
         for f in list(futures):
             f.result()
