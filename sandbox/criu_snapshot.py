@@ -80,9 +80,9 @@ class _GpuSide:
     travels inside CRIU's images) or custom storage (the engine streams it into the same snapshot as
     gpu/PID/INDEX streams and CRIU dumps processes that hold no GPU bytes). The probe decides."""
 
-    def __init__(self, pids: list[int], cuda_pids: list[int], driver: Any, features: Any, device: Any) -> None:
+    def __init__(self, pids: list[int], cuda_pids: list[int], driver: Any, custom: bool, device: Any) -> None:
         self.pids, self.cuda_pids, self.driver, self.device = pids, cuda_pids, driver, device
-        self.custom = bool(cuda_pids and features is not None and features.custom_storage)
+        self.custom = bool(cuda_pids) and custom
         self.engine: Any = None
 
     @classmethod
@@ -101,7 +101,7 @@ class _GpuSide:
         if cuda and features is None:
             from .cuda_driver import probe
             features = probe(driver)
-        return cls(pids, cuda, driver, features, device)
+        return cls(pids, cuda, driver, bool(features is not None and features.custom_storage), device)
 
     @property
     def path(self) -> str | None:
@@ -318,10 +318,10 @@ def criu_restore(store: SnapshotStore, name: str, *, staging: str | None = None,
             with open(pidfile) as f:
                 report.restored_pid = int(f.read().strip())
             if report.cuda_pids:
-                from .cuda_driver import CudaDriver, Features
+                from .cuda_driver import CudaDriver
                 t0 = time.perf_counter()
-                feats = Features(custom_storage=m.meta.get("gpu_path") == "custom-storage", checkpoint_api=True)
-                with _GpuSide(report.pids, report.cuda_pids, gpu_driver or CudaDriver(), feats, device) as gpu:
+                custom = m.meta.get("gpu_path") == "custom-storage"
+                with _GpuSide(report.pids, report.cuda_pids, gpu_driver or CudaDriver(), custom, device) as gpu:
                     gpu.swap_in(store, name, m.streams)
                 report.seconds["gpu_restore"] = time.perf_counter() - t0
         finally:
