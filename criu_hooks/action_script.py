@@ -23,10 +23,10 @@ HANDLED = ("pre-dump", "post-dump", "post-resume")
 
 
 def _cuda_pids(root: int) -> list[int]:
-    from sandbox.cuda_processes import cuda_processes, process_tree, uses_gpu
+    from sandbox.gpu.processes import cuda_processes, process_tree, uses_gpu
     if not any(uses_gpu(p) for p in process_tree(root)) and not os.path.exists("/dev/nvidiactl"):
         return []
-    from sandbox.cuda_driver import CudaDriver
+    from sandbox.gpu.driver import CudaDriver
     return cuda_processes(root, CudaDriver())
 
 
@@ -35,7 +35,7 @@ def _custom_target(drv: Any, features: Any) -> tuple[Any, str] | None:
     name = os.environ.get("GPUSNAP_GPU_SNAPSHOT")
     if not name:
         return None
-    from sandbox.cuda_driver import probe
+    from sandbox.gpu.driver import probe
     feats = features or probe(drv)
     if not feats.custom_storage:
         return None
@@ -51,16 +51,16 @@ def run(action: str, init_pid: int | None, *, driver: Any = None, features: Any 
     if init_pid is None:
         print(f"gpusnap-criu-hook: {action}: CRTOOLS_INIT_PID is not set", file=sys.stderr)
         return 1
-    from sandbox.cuda_driver import CudaDriver, ProcessState
-    from sandbox.gpu_checkpoint import checkpoint_all, restore_all
-    from sandbox.hugepages import thp
+    from sandbox.gpu.driver import CudaDriver, ProcessState
+    from sandbox.gpu.checkpoint import checkpoint_all, restore_all
+    from sandbox.gpu.hugepages import thp
     pids = _cuda_pids(init_pid) if pids is None else pids
     if not pids:
         return 0
     drv = driver or CudaDriver()
     custom = _custom_target(drv, features)
     if custom is not None:
-        from sandbox.gpu_snapshot import gpu_checkpoint, gpu_restore
+        from sandbox.gpu.snapshot import gpu_checkpoint, gpu_restore
         store, name = custom
         if action == "pre-dump":
             gpu_checkpoint(store, init_pid, name, driver=drv, features=features, device=device, replace=True)

@@ -28,7 +28,7 @@ from typing import Any
 def _cuda_pids() -> list[int]:
     """CUDA processes in this (sandbox) pid namespace, found by their open NVIDIA device files; the
     agent itself and its ancestors (runsc exec's helpers) are not candidates."""
-    from sandbox.cuda_processes import uses_gpu
+    from sandbox.gpu.processes import uses_gpu
     mine = {os.getpid()}
     p = os.getppid()
     while p > 1 and p not in mine:
@@ -53,7 +53,7 @@ def _init_cmdline() -> list[str]:
 
 def _checkpointed_pids(drv: Any) -> list[int]:
     """After a checkpoint the device files are closed: ask the driver about every process instead."""
-    from sandbox.cuda_driver import ProcessState
+    from sandbox.gpu.driver import ProcessState
     out = []
     for d in os.listdir("/proc"):
         if d.isdigit() and int(d) != os.getpid():
@@ -75,7 +75,7 @@ def run(action: str, store: str | None, name: str | None, *, driver: Any = None,
         found = pids
     if found is not None and not found and driver is None:
         return report  # nothing to do, and no reason to load the driver
-    from sandbox.cuda_driver import CudaDriver, ProcessState, probe
+    from sandbox.gpu.driver import CudaDriver, ProcessState, probe
     drv = driver or CudaDriver()
     cuda = found if found is not None else _checkpointed_pids(drv)
     report["cuda_pids"] = cuda
@@ -87,9 +87,9 @@ def run(action: str, store: str | None, name: str | None, *, driver: Any = None,
     report["states"] = {str(p): drv.get_state(p).name for p in cuda}
     if action == "status":
         return report
-    from sandbox.gpu_checkpoint import checkpoint_all, restore_all
+    from sandbox.gpu.checkpoint import checkpoint_all, restore_all
     if custom:
-        from sandbox.gpu_snapshot import gpu_checkpoint, gpu_restore
+        from sandbox.gpu.snapshot import gpu_checkpoint, gpu_restore
         from storage.store import SnapshotStore
         st = SnapshotStore(store)  # type: ignore[arg-type]
         if action == "checkpoint":

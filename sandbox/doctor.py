@@ -10,8 +10,8 @@ from typing import Any
 
 from storage.device import numa_nodes
 
-from .cuda_driver import nvidia_driver_version, probe
-from .hugepages import hugetlb_pages, thp_mode
+from sandbox.gpu.driver import nvidia_driver_version, probe
+from sandbox.gpu.hugepages import hugetlb_pages, thp_mode
 
 
 def _version(argv: list[str], pattern: str) -> str | None:
@@ -37,7 +37,7 @@ def _runsc_features(runsc: str) -> dict[str, Any] | None:
     if not shutil.which(runsc):
         return None
     try:
-        from .runsc_runner import Runsc  # noqa: PLC0415
+        from sandbox.runsc.runner import Runsc  # noqa: PLC0415
         f = Runsc(binary=shutil.which(runsc)).features()
     except Exception:  # noqa: BLE001 - reported as unknown
         return None

@@ -14,7 +14,9 @@ from typing import Any, Iterator
 
 
 
-class NetnsError(Exception):
+from storage.errors import GpusnapError
+
+class NetnsError(GpusnapError):
     """A namespace or link that cannot be created, found or removed."""
 
 

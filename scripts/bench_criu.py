@@ -22,7 +22,7 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 from page_cache import drop_caches  # noqa: E402
-from sandbox.criu_runner import Criu  # noqa: E402
+from sandbox.criu.runner import Criu  # noqa: E402
 
 
 

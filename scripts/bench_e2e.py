@@ -26,9 +26,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path[:0] = [REPO, HERE]
 
-from sandbox.criu_runner import Criu  # noqa: E402
-from sandbox.cuda_driver import CudaDriver  # noqa: E402
-from sandbox.gpu_checkpoint import checkpoint_all, restore_all  # noqa: E402
+from sandbox.criu.runner import Criu  # noqa: E402
+from sandbox.gpu.driver import CudaDriver  # noqa: E402
+from sandbox.gpu.checkpoint import checkpoint_all, restore_all  # noqa: E402
 from page_cache import drop_caches  # noqa: E402
 from workload_control import Workload  # noqa: E402
 

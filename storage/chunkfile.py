@@ -14,13 +14,15 @@ import blake3
 from .codecs import CODEC_IDS, CODEC_NAMES
 from .directio import ALIGN, AlignedBuffer, align_up, open_for_read, open_for_write, read_into, write_all
 
+from .errors import GpusnapError
+
 MAGIC = b"GSNPCHK1"
 HEADER_SIZE = ALIGN
 _HDR = struct.Struct("<8sH6xQQ")  # magic, codec id, reserved, raw length, stored length
 _BOUND = 32  # bytes of the header bound into the id
 
 
-class ChunkError(Exception):
+class ChunkError(GpusnapError):
     """A chunk file that is missing, short, malformed or does not match its id."""
 
     def __init__(self, chunk_id: str, what: str) -> None:

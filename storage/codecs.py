@@ -12,6 +12,8 @@ from typing import Protocol
 import zstandard
 
 # Numbering is part of the on-disk format (FORMAT.md); never reuse an id.
+from .errors import GpusnapError
+
 CODEC_IDS: dict[str, int] = {"raw": 0, "zstd": 1, "nvcomp-ans": 16, "nvcomp-bitcomp": 17, "nvcomp-lz4": 18}
 CODEC_NAMES: dict[int, str] = {v: k for k, v in CODEC_IDS.items()}
 ZERO = "zero"  # not a codec id: a chunk reference with no file
@@ -22,7 +24,7 @@ PAYS_OFF_RATIO = 0.97
 _SAMPLE = 64 * 1024
 
 
-class CodecError(Exception):
+class CodecError(GpusnapError):
     """A payload that does not decode, or a codec this build does not know."""
 
 

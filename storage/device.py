@@ -21,10 +21,12 @@ from typing import Any, Protocol
 
 from .directio import ALIGN, align_up
 
+from .errors import GpusnapError
+
 NVCOMP_ALGORITHMS = {"nvcomp-ans": "ANS", "nvcomp-bitcomp": "Bitcomp", "nvcomp-lz4": "LZ4"}
 
 
-class DeviceError(Exception):
+class DeviceError(GpusnapError):
     """A CUDA or nvCOMP call failed, or the device (driver, library) is not available here."""
 
 

@@ -38,7 +38,10 @@ def copy_into(dst: memoryview, src: memoryview | bytes) -> None:
     ctypes.memmove(address_of(dst), src if isinstance(src, bytes) else address_of(src), n)
 
 
-class DirectIOError(OSError):
+from .errors import GpusnapError
+
+
+class DirectIOError(GpusnapError, OSError):
     """An I/O call on a store file failed."""
 
 

@@ -16,7 +16,9 @@ from .directio import read_into
 from .pipeline import PipelineError, StreamSpec, StreamWriter
 
 
-class FileTreeError(Exception):
+from .errors import GpusnapError
+
+class FileTreeError(GpusnapError):
     """An input path that cannot be stored, or a destination that cannot be written."""
 
 

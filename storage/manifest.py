@@ -15,11 +15,13 @@ import blake3
 from .codecs import CODEC_IDS, ZERO
 from .names import validate_snapshot_name, validate_stream_name
 
+from .errors import GpusnapError
+
 FORMAT = "gpusnap-manifest"
 VERSION = 1
 
 
-class ManifestError(Exception):
+class ManifestError(GpusnapError):
     """A manifest that does not parse, fails its checksum, or is of an unknown format."""
 
 

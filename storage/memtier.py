@@ -28,7 +28,9 @@ from .names import validate_snapshot_name
 from .store import WriteStats
 
 
-class MemoryTierError(Exception):
+from .errors import GpusnapError
+
+class MemoryTierError(GpusnapError):
     """The pool is full, a snapshot name is taken or unknown, or a chunk is not in the pool."""
 
 

@@ -3,11 +3,13 @@ from __future__ import annotations
 
 import re
 
+from .errors import GpusnapError
+
 NAME_MAX = 128
 _NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+=@-]{0,%d}" % (NAME_MAX - 1))
 
 
-class InvalidNameError(ValueError):
+class InvalidNameError(GpusnapError, ValueError):
     """A snapshot or stream name that could escape the store or is otherwise unusable."""
 
 

@@ -27,10 +27,12 @@ from .directio import AlignedBuffer, BufferPool, address_of, copy_into
 from .manifest import ChunkRef, Manifest, Stream
 from .store import SnapshotStore, SnapshotWriter, StoreError
 
+from .errors import GpusnapError
+
 DEFAULT_CHUNK = 4 << 20
 
 
-class PipelineError(Exception):
+class PipelineError(GpusnapError):
     """A source or sink failed while moving a stream; nothing was committed."""
 
 

@@ -26,11 +26,13 @@ from .directio import AlignedBuffer, BufferPool, align_up, direct_io_supported, 
 from .manifest import ChunkRef, Manifest, ManifestError, Stream
 from .names import validate_snapshot_name
 
+from .errors import GpusnapError
+
 STORE_FORMAT = "gpusnap-store"
 STORE_VERSION = 1
 
 
-class StoreError(Exception):
+class StoreError(GpusnapError):
     """A store operation that cannot be done; the message says what to do about it."""
 
 

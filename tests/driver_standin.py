@@ -11,7 +11,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from sandbox.cuda_driver import CustomOperation, DeviceRegion, ProcessState, driver_error
+from sandbox.gpu.driver import CustomOperation, DeviceRegion, ProcessState, driver_error
 
 S = ProcessState
 

@@ -23,7 +23,7 @@ pytestmark = pytest.mark.root
 def need_criu() -> None:
     if os.geteuid() != 0:
         pytest.skip("CRIU needs root")
-    from sandbox.criu_runner import find_criu
+    from sandbox.criu.runner import find_criu
     if not find_criu():
         pytest.fail("CRIU >= 4 not installed: run scripts/setup.sh (CI must not skip these)")
 
@@ -227,7 +227,7 @@ def test_hook_ignores_actions_it_does_not_handle(action: str) -> None:
 
 def test_hook_as_criu_action_script_on_a_cpu_tree(tree: Tree, tmp_path: Path) -> None:
     """CRIU runs the hook at every stage of a real dump; with no CUDA process it does nothing, and the dump succeeds."""
-    from sandbox.criu_runner import Criu, DumpOptions
+    from sandbox.criu.runner import Criu, DumpOptions
     hook = tmp_path / "hook.sh"
     hook.write_text(f"#!/bin/sh\necho \"$CRTOOLS_SCRIPT_ACTION $CRTOOLS_INIT_PID\" >> {tmp_path}/actions\n"
                     f"PYTHONPATH={REPO} exec {sys.executable} -m criu_hooks.action_script\n")

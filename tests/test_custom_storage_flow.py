@@ -15,8 +15,8 @@ import pytest
 
 from conftest import small_tmpfs
 from driver_standin import StandInDriver
-from sandbox.cuda_driver import Features, GpuInfo, ProcessState as S
-from sandbox.gpu_snapshot import gpu_checkpoint, gpu_restore
+from sandbox.gpu.driver import Features, GpuInfo, ProcessState as S
+from sandbox.gpu.snapshot import gpu_checkpoint, gpu_restore
 from storage.device import HostDevice
 from storage.store import SnapshotStore
 
@@ -74,8 +74,8 @@ def test_criu_dump_and_restore_with_custom_storage(tmp_path: Path) -> None:
     """A real CRIU tree whose two processes the stand-in driver treats as CUDA processes: their GPU
     memory goes through the engine into the snapshot (gpu/PID/0 streams), CRIU dumps them
     CHECKPOINTED, and restore brings back the tree (real CRIU) and then the GPU memory, byte-exact."""
-    from sandbox.criu_runner import find_criu
-    from sandbox.criu_snapshot import criu_dump, criu_restore
+    from sandbox.criu.runner import find_criu
+    from sandbox.criu.snapshot import criu_dump, criu_restore
     from test_criu import Tree, healthy
     if os.geteuid() != 0 or not find_criu():
         pytest.skip("CRIU needs root and scripts/setup.sh")
@@ -110,8 +110,8 @@ def test_criu_refusal_with_custom_storage_gives_gpu_memory_back(tmp_path: Path) 
     """CRIU refuses (an external unix socket pair is fine, a TCP connection is not): the GPU memory
     already streamed into the uncommitted snapshot goes back, the processes are RUNNING, no snapshot."""
     import socket
-    from sandbox.criu_runner import find_criu
-    from sandbox.criu_snapshot import criu_dump
+    from sandbox.criu.runner import find_criu
+    from sandbox.criu.snapshot import criu_dump
     if os.geteuid() != 0 or not find_criu():
         pytest.skip("CRIU needs root and scripts/setup.sh")
     srv = socket.socket()

@@ -7,8 +7,8 @@ import os
 import pytest
 
 from driver_standin import MemorySpill, StandInDriver
-from sandbox.cuda_driver import CudaDriverError, ProcessState as S
-from sandbox.gpu_checkpoint import (GpuCheckpointError, checkpoint_all, custom_checkpoint, custom_restore,
+from sandbox.gpu.driver import CudaDriverError, ProcessState as S
+from sandbox.gpu.checkpoint import (GpuCheckpointError, checkpoint_all, custom_checkpoint, custom_restore,
                                     restore_all)
 
 PIDS = [101, 102, 103, 104, 105]
@@ -152,8 +152,8 @@ def test_illegal_transitions_are_refused_like_the_driver() -> None:
 
 
 def test_device_map_is_checked_against_both_machines() -> None:
-    from sandbox.cuda_driver import GpuInfo
-    from sandbox.gpu_snapshot import GpuSnapshotError, parse_device_map
+    from sandbox.gpu.driver import GpuInfo
+    from sandbox.gpu.snapshot import GpuSnapshotError, parse_device_map
     snap = [{"index": 0, "uuid": "GPU-a", "name": "NVIDIA H200"}, {"index": 1, "uuid": "GPU-b", "name": "NVIDIA H200"}]
     here = [GpuInfo(0, "NVIDIA H200", "GPU-x", 1, (9, 0), None, False),
             GpuInfo(1, "NVIDIA H200", "GPU-y", 1, (9, 0), None, False),

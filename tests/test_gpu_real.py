@@ -22,7 +22,7 @@ GB = float(os.environ.get("GPUSNAP_TEST_GB", "2"))
 
 @pytest.fixture(scope="module")
 def drv():
-    from sandbox.cuda_driver import CudaDriver
+    from sandbox.gpu.driver import CudaDriver
     return CudaDriver()
 
 
@@ -37,7 +37,7 @@ def record(name: str, data: dict) -> None:
 
 
 def test_probe_on_the_real_driver(drv) -> None:
-    from sandbox.cuda_driver import probe
+    from sandbox.gpu.driver import probe
     f = probe(drv)
     assert f.checkpoint_api, f.reason
     assert f.gpus and f.gpus[0].uuid.startswith("GPU-")
@@ -53,8 +53,8 @@ def test_probe_on_the_real_driver(drv) -> None:
 
 
 def test_one_process_checkpoint_restore_data_verified(drv) -> None:
-    from sandbox.cuda_driver import ProcessState as S
-    from sandbox.gpu_checkpoint import checkpoint_all, restore_all
+    from sandbox.gpu.driver import ProcessState as S
+    from sandbox.gpu.checkpoint import checkpoint_all, restore_all
     from workload_control import Workload
     with Workload(GB) as w:
         t = checkpoint_all(drv, [w.pid])
@@ -67,8 +67,8 @@ def test_one_process_checkpoint_restore_data_verified(drv) -> None:
 
 
 def test_three_processes_at_once(drv) -> None:
-    from sandbox.cuda_driver import ProcessState as S
-    from sandbox.gpu_checkpoint import checkpoint_all, restore_all
+    from sandbox.gpu.driver import ProcessState as S
+    from sandbox.gpu.checkpoint import checkpoint_all, restore_all
     from workload_control import Workload
     ws = [Workload(GB / 2, mix=m, seed=i) for i, m in enumerate(["realistic", "pessimistic", "random"])]
     try:
@@ -84,8 +84,8 @@ def test_three_processes_at_once(drv) -> None:
 
 
 def test_rollback_when_one_fails(drv) -> None:
-    from sandbox.cuda_driver import ProcessState as S
-    from sandbox.gpu_checkpoint import GpuCheckpointError, checkpoint_all
+    from sandbox.gpu.driver import ProcessState as S
+    from sandbox.gpu.checkpoint import GpuCheckpointError, checkpoint_all
     from workload_control import Workload
     sleeper = subprocess.Popen(["sleep", "60"])
     ws = [Workload(GB / 2, seed=i) for i in range(2)]
@@ -101,7 +101,7 @@ def test_rollback_when_one_fails(drv) -> None:
 
 
 def test_cli_gpu_checkpoint_and_restore(tmp_path: Path, drv) -> None:
-    from sandbox.cuda_driver import ProcessState as S
+    from sandbox.gpu.driver import ProcessState as S
     from workload_control import Workload
     cli = Cli(tmp_path / "store")
     with Workload(GB) as w:
@@ -138,8 +138,8 @@ def test_cli_errors_for_non_cuda_and_missing_pids(tmp_path: Path) -> None:
 def test_process_exiting_mid_checkpoint_leaves_others_running(drv) -> None:
     """A process killed while the others are being checkpointed: clear error, the rest run on."""
     import threading
-    from sandbox.cuda_driver import ProcessState as S
-    from sandbox.gpu_checkpoint import GpuCheckpointError, checkpoint_all
+    from sandbox.gpu.driver import ProcessState as S
+    from sandbox.gpu.checkpoint import GpuCheckpointError, checkpoint_all
     from workload_control import Workload
     victim, keeper = Workload(GB, seed=5), Workload(GB / 2, seed=6)
     try:
@@ -154,7 +154,7 @@ def test_process_exiting_mid_checkpoint_leaves_others_running(drv) -> None:
         victim.proc.wait()
         st = drv.get_state(keeper.pid)
         if st == S.CHECKPOINTED:  # it finished first: bring it back the normal way
-            from sandbox.gpu_checkpoint import restore_all
+            from sandbox.gpu.checkpoint import restore_all
             restore_all(drv, [keeper.pid])
         assert drv.get_state(keeper.pid) == S.RUNNING
         assert keeper.verify()
@@ -165,8 +165,8 @@ def test_process_exiting_mid_checkpoint_leaves_others_running(drv) -> None:
 
 
 def test_thp_always_vs_madvise_on_the_drivers_host_copy(drv) -> None:
-    from sandbox.gpu_checkpoint import checkpoint_all, restore_all
-    from sandbox.hugepages import thp, thp_mode
+    from sandbox.gpu.checkpoint import checkpoint_all, restore_all
+    from sandbox.gpu.hugepages import thp, thp_mode
     from workload_control import Workload
     before = thp_mode()
     res = {}

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from sandbox.oci_bundle import BundleError, build_bundle, bundle_gpus
-from sandbox.runsc_runner import RunscError, parse_features
+from sandbox.runsc.oci_bundle import BundleError, build_bundle, bundle_gpus
+from sandbox.runsc.runner import RunscError, parse_features
 
 DATA = Path(__file__).parent / "data"
 
@@ -75,7 +75,7 @@ def test_bundle_gets_gpu_devices_rules_and_env(tmp_path: Path, dev_root: Path) -
 
 def test_parse_gpus(dev_root: Path) -> None:
     import click
-    from sandbox.cli_runsc import parse_gpus
+    from sandbox.cli.runsc_cmd import parse_gpus
     assert parse_gpus(None) == [] and parse_gpus("0,2") == [0, 2]
     assert parse_gpus("all", str(dev_root)) == [0, 1]
     with pytest.raises(click.UsageError):

@@ -10,8 +10,8 @@ import pytest
 
 from conftest import Cli
 from driver_standin import StandInDriver
-from sandbox.cuda_driver import Features, ProcessState as S
-from sandbox.pool_daemon import PoolDaemonError, PoolServer, request
+from sandbox.gpu.driver import Features, ProcessState as S
+from sandbox.gpu.pool_daemon import PoolDaemonError, PoolServer, request
 from storage.device import HostDevice
 from test_custom_storage_flow import FEATS, gpu_bytes
 
@@ -86,7 +86,7 @@ def test_full_pool_rolls_back_and_host_only_driver_is_refused(tmp_path: Path, ch
 def test_an_idle_client_does_not_hold_the_daemon(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import socket
     import time
-    from sandbox import pool_daemon
+    from sandbox.gpu import pool_daemon
     monkeypatch.setattr(pool_daemon, "IDLE_S", 0.3)
     run = Running(tmp_path / "p.sock", StandInDriver())
     try:

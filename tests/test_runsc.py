@@ -44,7 +44,7 @@ def need_runsc() -> None:
 
 @pytest.fixture
 def env(tmp_path: Path):
-    from sandbox.oci_bundle import build_bundle
+    from sandbox.runsc.oci_bundle import build_bundle
     import tempfile
     # short: this runsc derives abstract socket names from the root path and truncates long ones,
     # which makes two sandboxes' control sockets collide
@@ -110,7 +110,7 @@ def test_leave_running(cli: Cli, env: dict) -> None:
 
 
 def test_second_checkpoint_dedups(cli: Cli, env: dict) -> None:
-    from sandbox.runsc_runner import Runsc
+    from sandbox.runsc.runner import Runsc
     if not Runsc().features().can_store_uncompressed:
         pytest.skip("this runsc always compresses checkpoint.img (no -compression flag: Debian's 20221219 "
                     "build), so no two images share bytes; dedup needs a runsc with -compression=none")
@@ -200,7 +200,7 @@ def test_hostinet_sandbox_serves_tcp_and_refuses_checkpoint_cleanly(cli: Cli, en
 def test_netstack_checkpoint_where_runsc_supports_it(env: dict) -> None:
     """The full network flow needs a runsc whose own netstack runs here and checkpoints (FACTS.md:
     Debian's 20221219 build fails with --network=sandbox on this kernel). Probed, not assumed."""
-    from sandbox.oci_bundle import build_bundle
+    from sandbox.runsc.oci_bundle import build_bundle
     root = env["tmp"] / "probe-root"
     bundle = build_bundle(str(env["tmp"] / "probe"), ["/bin/true"])
     p = subprocess.run(["runsc", f"--root={root}", "--platform=ptrace", "--network=sandbox", "run", "-bundle",
@@ -212,7 +212,7 @@ def test_netstack_checkpoint_where_runsc_supports_it(env: dict) -> None:
 
 
 def test_feature_detection_from_runsc_help() -> None:
-    from sandbox.runsc_runner import Runsc, parse_features
+    from sandbox.runsc.runner import Runsc, parse_features
     f = Runsc().features()
     assert "ptrace" in f.platforms and f.can_leave_running and not f.nvproxy
     assert "compression" not in f.checkpoint_flags  # Debian's build predates it

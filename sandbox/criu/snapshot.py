@@ -27,11 +27,13 @@ from storage.filetree import FileTreeSink
 from storage.follow import FollowedDirSource
 from storage.store import SnapshotStore
 
-from .criu_runner import Criu, CriuError, DumpOptions
-from .cuda_processes import process_tree, uses_gpu
+from sandbox.criu.runner import Criu, CriuError, DumpOptions
+from sandbox.gpu.processes import process_tree, uses_gpu
 
 
-class CriuSnapshotError(Exception):
+from storage.errors import GpusnapError
+
+class CriuSnapshotError(GpusnapError):
     """A CRIU dump/restore through the store that cannot go ahead or could not be rolled back."""
 
 
@@ -91,15 +93,15 @@ class _GpuSide:
         if recorded is not None:
             cuda = list(recorded)
         elif driver is not None:
-            from .cuda_processes import cuda_processes
+            from sandbox.gpu.processes import cuda_processes
             cuda = [p for p in cuda_processes(root, driver) if p in pids]
         else:
             cuda = [p for p in pids if uses_gpu(p)]
         if cuda and driver is None:
-            from .cuda_driver import CudaDriver
+            from sandbox.gpu.driver import CudaDriver
             driver = CudaDriver()
         if cuda and features is None:
-            from .cuda_driver import probe
+            from sandbox.gpu.driver import probe
             features = probe(driver)
         return cls(pids, cuda, driver, bool(features is not None and features.custom_storage), device)
 
@@ -120,12 +122,12 @@ class _GpuSide:
     def swap_out(self, w: Any, lock_timeout_s: float, progress: Any) -> None:
         """Before CRIU: every CUDA process locked and checkpointed (custom storage: streamed into W)."""
         if self.custom:
-            from .gpu_snapshot import swap_out_custom
+            from sandbox.gpu.snapshot import swap_out_custom
             swap_out_custom(self.driver, self.engine, w, self.cuda_pids, lock_timeout_s=lock_timeout_s,
                             progress=progress)
             return
-        from .gpu_checkpoint import checkpoint_all
-        from .hugepages import thp
+        from sandbox.gpu.checkpoint import checkpoint_all
+        from sandbox.gpu.hugepages import thp
         with thp("always"):
             checkpoint_all(self.driver, self.cuda_pids, lock_timeout_s=lock_timeout_s)
 
@@ -133,12 +135,12 @@ class _GpuSide:
         """After CRIU (restore, or a dump that must leave the tree as it was): GPU state back, unlocked."""
         if self.custom:
             from storage.manifest import Manifest
-            from .gpu_snapshot import swap_in_custom
+            from sandbox.gpu.snapshot import swap_in_custom
             swap_in_custom(self.driver, self.engine, store, Manifest(name, [s for s in streams if _is_gpu(s)]),
                            self.cuda_pids)
             return
-        from .gpu_checkpoint import restore_all
-        from .hugepages import thp
+        from sandbox.gpu.checkpoint import restore_all
+        from sandbox.gpu.hugepages import thp
         with thp("always"):
             restore_all(self.driver, self.cuda_pids)
 
@@ -318,7 +320,7 @@ def criu_restore(store: SnapshotStore, name: str, *, staging: str | None = None,
             with open(pidfile) as f:
                 report.restored_pid = int(f.read().strip())
             if report.cuda_pids:
-                from .cuda_driver import CudaDriver
+                from sandbox.gpu.driver import CudaDriver
                 t0 = time.perf_counter()
                 custom = m.meta.get("gpu_path") == "custom-storage"
                 with _GpuSide(report.pids, report.cuda_pids, gpu_driver or CudaDriver(), custom, device) as gpu:

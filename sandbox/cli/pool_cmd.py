@@ -1,31 +1,21 @@
-"""`gpusnap pool serve|ls|usage|rm|stop`: the memory tier's resident process (sandbox/pool_daemon.py)."""
+"""`gpusnap pool serve|ls|usage|rm|stop`: the memory tier's resident process (sandbox/gpu/pool_daemon.py)."""
 from __future__ import annotations
 
 import os
-import re
 import signal
 
 import click
 
-from storage.memtier import MemoryTierError
 
-from .cli import emit, human, json_option, main, one_line_errors, register_errors
-from .pool_daemon import DEFAULT_SOCKET, PoolDaemonError, PoolServer, request
+from sandbox.cli.common import emit, human, json_option, one_line_errors, parse_size
+from sandbox.gpu.pool_daemon import DEFAULT_SOCKET, PoolServer, request
 
-register_errors(PoolDaemonError, MemoryTierError)
 
 socket_option = click.option("--socket", "socket_path", default=os.environ.get("GPUSNAP_POOL_SOCKET", DEFAULT_SOCKET),
                              show_default=True, metavar="PATH", help="The pool daemon's socket (env GPUSNAP_POOL_SOCKET).")
 
 
-def parse_size(text: str) -> int:
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)i?B?\s*", text, re.I)
-    if not m:
-        raise click.BadParameter(f"{text!r}: expected a size like 64G or 512M")
-    return int(float(m.group(1)) * {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}[m.group(2).upper()])
-
-
-@main.group()
+@click.group()
 def pool() -> None:
     """The memory tier: a resident pool of pinned host memory for swapping GPU state out and in."""
 
@@ -86,3 +76,6 @@ def pool_rm(name: str, socket_path: str) -> None:
 def pool_stop(socket_path: str) -> None:
     """Stop the daemon (the pool's contents are gone with it)."""
     request(socket_path, {"op": "stop"})
+
+
+COMMANDS = [pool]

@@ -5,14 +5,13 @@ import click
 
 from storage.progress import Progress
 
-from .cli import emit, human, json_option, main, one_line_errors, open_store, register_errors
-from .criu_runner import CriuError, DumpOptions
-from .criu_snapshot import CriuSnapshotError, criu_dump, criu_restore
-
-register_errors(CriuError, CriuSnapshotError)
+from sandbox.cli.common import emit, human, json_option, one_line_errors, open_store
+from sandbox.criu.runner import DumpOptions
+from sandbox.criu.snapshot import criu_dump, criu_restore
 
 
-@main.group()
+
+@click.group()
 def criu() -> None:
     """Checkpoint a process tree (CPU through CRIU 4.x, GPU through the driver) into the store."""
 
@@ -60,3 +59,6 @@ def criu_restore_cmd(ctx: click.Context, name: str, staging: str | None, as_json
         r = criu_restore(st, name, staging=staging, progress=prog)
     emit(as_json, r.as_dict(), f"{name}: restored, root pid {r.restored_pid} "
          f"({', '.join(f'{k} {v:.2f} s' for k, v in r.seconds.items())})")
+
+
+COMMANDS = [criu]

@@ -13,7 +13,9 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 
-class CudaDriverError(Exception):
+from storage.errors import GpusnapError
+
+class CudaDriverError(GpusnapError):
     """A driver checkpoint call that failed, with the pid, the call and the CUresult name."""
 
     def __init__(self, message: str, *, pid: int | None = None, call: str | None = None,

@@ -7,13 +7,10 @@ import click
 
 from storage.progress import Progress
 
-from . import netns as nets
-from . import runsc_snapshot as rs
-from .cli import emit, human, json_option, main, one_line_errors, open_store, register_errors
-from .oci_bundle import BundleError
-from .runsc_runner import RunscError
+from sandbox import netns as nets
+from sandbox.runsc import snapshot as rs
+from sandbox.cli.common import emit, human, json_option, one_line_errors, open_store
 
-register_errors(RunscError, rs.RunscSnapshotError, nets.NetnsError, BundleError)
 
 runsc_arg = click.option("--runsc-arg", "runsc_args", multiple=True, metavar="ARG",
                          help="A runsc global flag (repeatable), e.g. --runsc-arg=--network=none; recorded in "
@@ -35,7 +32,7 @@ def parse_gpus(spec: str | None, dev_root: str = "/dev") -> list[int]:
         raise click.UsageError(f"--gpus {spec!r}: expected 'all' or GPU indices like 0,1") from None
 
 
-@main.group()
+@click.group()
 def runsc() -> None:
     """Run gVisor sandboxes and checkpoint/restore them through the store."""
 
@@ -118,3 +115,6 @@ def runsc_restore(ctx: click.Context, name: str, container: str, bundle: str, ou
 def runsc_delete(ctx: click.Context, container: str, runsc_args: tuple[str, ...]) -> None:
     """Delete sandbox CONTAINER and the network gpusnap made for it."""
     rs.delete(container, runsc_args)
+
+
+COMMANDS = [runsc]

@@ -20,20 +20,22 @@ from storage import pipeline
 from storage.filetree import FileTreeSink, FileTreeSource
 from storage.store import SnapshotStore
 
-from . import netns as nets
-from .criu_snapshot import staging_dir
-from .oci_bundle import add_bind, add_gpus, bundle_netns, load_spec, save_spec, set_bundle_netns
-from .runsc_runner import Runsc, RunscError
+from sandbox import netns as nets
+from sandbox.criu.snapshot import staging_dir
+from sandbox.runsc.oci_bundle import add_bind, add_gpus, bundle_netns, load_spec, save_spec, set_bundle_netns
+from sandbox.runsc.runner import Runsc, RunscError
+
+from storage.errors import GpusnapError
 
 NET_SIDECAR = "gpusnap-net.json"  # in the bundle: the NetConfig gpusnap made for this sandbox
 RUN_SIDECAR = "gpusnap-run.json"  # in the bundle: where the sandbox's output goes
 GPU_SIDECAR = "gpusnap-gpu.json"  # in the bundle: GPUs, nvproxy flags, where the GPU agent finds code and store
 AGENT_CODE = "/run/gpusnap/code"   # gpusnap's code inside a GPU sandbox (read-only bind)
 AGENT_STORE = "/run/gpusnap/store"  # the store inside a GPU sandbox (bind), for custom storage
-CODE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CODE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-class RunscSnapshotError(Exception):
+class RunscSnapshotError(GpusnapError):
     """A sandbox request that cannot be done as asked."""
 
 

@@ -15,7 +15,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 
-class RunscError(Exception):
+from storage.errors import GpusnapError
+
+class RunscError(GpusnapError):
     """runsc is missing, or one of its commands failed (the message carries runsc's own reason)."""
 
 

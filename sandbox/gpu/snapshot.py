@@ -15,13 +15,15 @@ from typing import Any
 from storage.manifest import Manifest, Stream
 from storage.store import SnapshotStore
 
-from .cuda_driver import CheckpointDriver, CudaDriver, CudaDriverError, Features, ProcessState, probe
-from .cuda_processes import cuda_processes
-from .gpu_checkpoint import GpuCheckpointError, checkpoint_all, custom_checkpoint, custom_restore, restore_all
-from .hugepages import thp
+from sandbox.gpu.driver import CheckpointDriver, CudaDriver, CudaDriverError, Features, ProcessState, probe
+from sandbox.gpu.processes import cuda_processes
+from sandbox.gpu.checkpoint import GpuCheckpointError, checkpoint_all, custom_checkpoint, custom_restore, restore_all
+from sandbox.gpu.hugepages import thp
 
 
-class GpuSnapshotError(Exception):
+from storage.errors import GpusnapError
+
+class GpuSnapshotError(GpusnapError):
     """A GPU swap-out/in request that cannot be done as asked (bad pid, bad map, wrong snapshot)."""
 
 

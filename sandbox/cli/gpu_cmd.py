@@ -5,20 +5,13 @@ from typing import Any
 
 import click
 
-from storage.gpu_engine import GpuEngineError
 from storage.progress import Progress
 
-from .cli import emit, json_option, main, one_line_errors, open_store, register_errors
-from .cuda_driver import CudaDriverError
-from .cuda_processes import DiscoveryError
-from .doctor import render, report
-from .gpu_checkpoint import GpuCheckpointError
-from .gpu_snapshot import GpuSnapshotError, gpu_checkpoint, gpu_restore
-from .hugepages import HugePagesError
-from .pool_daemon import PoolDaemonError, request
+from sandbox.cli.common import emit, json_option, one_line_errors, open_store
+from sandbox.doctor import render, report
+from sandbox.gpu.snapshot import gpu_checkpoint, gpu_restore
+from sandbox.gpu.pool_daemon import request
 
-register_errors(CudaDriverError, GpuCheckpointError, GpuSnapshotError, DiscoveryError, HugePagesError, GpuEngineError,
-                PoolDaemonError)
 
 THP_CHOICE = click.Choice(["always", "keep"])
 
@@ -33,22 +26,22 @@ def tier_options(fn: Any) -> Any:
 
 def _socket(path: str | None) -> str:
     import os
-    from .pool_daemon import DEFAULT_SOCKET
+    from sandbox.gpu.pool_daemon import DEFAULT_SOCKET
     return path or os.environ.get("GPUSNAP_POOL_SOCKET", DEFAULT_SOCKET)
 
 
-@main.command()
+@click.command()
 @json_option
 @one_line_errors
 def doctor(as_json: bool) -> None:
     """What this machine can do: driver, checkpoint API, custom storage, GPUs, nvCOMP, CRIU, runsc."""
     import shutil
-    from .criu_runner import find_criu
+    from sandbox.criu.runner import find_criu
     r = report(criu=find_criu() or "criu", runsc=shutil.which("runsc") or "runsc")
     emit(as_json, r, render(r))
 
 
-@main.group()
+@click.group()
 def gpu() -> None:
     """Swap a process's GPU state out to the store and back in (model swapping)."""
 
@@ -114,3 +107,6 @@ def gpu_restore_cmd(ctx: click.Context, name: str, pid: int, device_map: tuple[s
                           progress=prog)
     emit(as_json, rep.as_dict(), f"{name}: {len(rep.pids)} process(es) restored via {rep.path} and running "
          f"({', '.join(f'{k} {v:.2f} s' for k, v in rep.seconds.items())})")
+
+
+COMMANDS = [doctor, gpu]

@@ -4,7 +4,9 @@ from __future__ import annotations
 import os
 
 
-class DiscoveryError(Exception):
+from storage.errors import GpusnapError
+
+class DiscoveryError(GpusnapError):
     """A pid or cgroup that does not exist or cannot be inspected."""
 
 

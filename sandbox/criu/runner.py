@@ -8,11 +8,13 @@ import subprocess
 from dataclasses import dataclass, field
 from typing import Sequence
 
-REPO_CRIU = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".cache", "criu", "bin", "criu")
+from storage.errors import GpusnapError
+
+REPO_CRIU = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), ".cache", "criu", "bin", "criu")
 MIN_MAJOR = 4
 
 
-class CriuError(Exception):
+class CriuError(GpusnapError):
     """CRIU is missing, too old, or a dump/restore failed (the message carries CRIU's own reason)."""
 
     def __init__(self, message: str, log_tail: list[str] | None = None, log_path: str | None = None,

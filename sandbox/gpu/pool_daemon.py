@@ -23,11 +23,13 @@ import threading
 import time
 from typing import Any
 
+from storage.errors import GpusnapError
+
 DEFAULT_SOCKET = "/run/gpusnap/pool.sock"
 IDLE_S = 60.0
 
 
-class PoolDaemonError(Exception):
+class PoolDaemonError(GpusnapError):
     """The pool daemon cannot be reached, refused a request, or cannot start."""
 
 
@@ -38,7 +40,7 @@ class PoolServer:
                  device: Any = None) -> None:
         from storage.gpu_engine import GpuEngine
         from storage.memtier import PinnedPool
-        from .cuda_driver import CudaDriver, probe
+        from sandbox.gpu.driver import CudaDriver, probe
         self.driver = driver or CudaDriver()
         self.features = features or probe(self.driver)
         self.engine = GpuEngine(0 if device is None else device)
@@ -154,7 +156,7 @@ class PoolServer:
         return {}
 
     def op_swap_out(self, req: dict[str, Any]) -> dict[str, Any]:
-        from .gpu_snapshot import cuda_pids_of, swap_out_custom
+        from sandbox.gpu.snapshot import cuda_pids_of, swap_out_custom
         if not self.features.custom_storage:
             raise PoolDaemonError("the memory tier needs the driver's custom-storage API (CUDA 13.4, driver R615+); "
                                   f"this driver offers {self.features.path}: use `gpusnap gpu checkpoint` into a store")
@@ -170,7 +172,7 @@ class PoolServer:
                 "raw_bytes": w.stats.raw_bytes, "new_bytes": w.stats.bytes_new}
 
     def op_swap_in(self, req: dict[str, Any]) -> dict[str, Any]:
-        from .gpu_snapshot import swap_in_custom
+        from sandbox.gpu.snapshot import swap_in_custom
         name = str(req["name"])
         m = self.pool.load(name)
         info = self.meta.get(name)

@@ -11,10 +11,12 @@ import re
 from contextlib import contextmanager
 from typing import Iterator
 
+from storage.errors import GpusnapError
+
 THP_ENABLED = "/sys/kernel/mm/transparent_hugepage/enabled"
 
 
-class HugePagesError(Exception):
+class HugePagesError(GpusnapError):
     """The THP setting could not be read or changed."""
 
 

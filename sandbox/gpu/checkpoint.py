@@ -19,10 +19,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Protocol
 
-from .cuda_driver import CheckpointDriver, CudaDriverError, CustomOperation, DeviceRegion, ProcessState
+from sandbox.gpu.driver import CheckpointDriver, CudaDriverError, CustomOperation, DeviceRegion, ProcessState
 
 
-class GpuCheckpointError(Exception):
+from storage.errors import GpusnapError
+
+class GpuCheckpointError(GpusnapError):
     """A multi-process checkpoint or restore that failed; says what was rolled back."""
 
 

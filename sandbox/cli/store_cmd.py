@@ -1,101 +1,23 @@
-"""The `gpusnap` command line: parses arguments, calls the layers, turns every error into one line.
-
-Exit codes: 0 success; 1 the operation failed (the one-line reason is on stderr); 2 usage error;
-3 `store verify` found damage.
-"""
+"""`gpusnap store ...`: files and directories as snapshots, and the store's own upkeep."""
 from __future__ import annotations
 
-import functools
 import json
 import os
 import sys
-from typing import Any, Callable
 
 import click
 
 from storage import pipeline
-from storage.chunkfile import ChunkError
-from storage.codecs import CodecError
-from storage.directio import DirectIOError
-from storage.filetree import FileTreeError, FileTreeSink, FileTreeSource
+from storage.errors import EXIT_DAMAGED
+from storage.filetree import FileTreeSink, FileTreeSource
 from storage.manifest import ManifestError
-from storage.names import InvalidNameError, validate_snapshot_name
-from storage.pipeline import PipelineError
+from storage.names import validate_snapshot_name
 from storage.progress import Progress
-from storage.store import SnapshotStore, StoreError, default_store_path
+from storage.store import StoreError
 
-EXIT_FAILED, EXIT_DAMAGED = 1, 3
+from sandbox.cli.common import emit, human, json_option, one_line_errors, open_store, parse_chunk_size
 
-# Every module's own exception type; each becomes one line on stderr and exit 1.
-KNOWN_ERRORS: list[type[BaseException]] = [StoreError, ManifestError, InvalidNameError, PipelineError,
-                                          FileTreeError, ChunkError, CodecError, DirectIOError]
-
-
-def register_errors(*types: type[BaseException]) -> None:
-    KNOWN_ERRORS.extend(types)
-
-
-def human(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1000
-    return str(n)
-
-
-def fail(message: str, code: int = EXIT_FAILED) -> None:
-    click.echo(f"gpusnap: {message}", err=True)
-    sys.exit(code)
-
-
-def one_line_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Run FN; a known error becomes `gpusnap: <reason>` on stderr and exit 1 (traceback with GPUSNAP_DEBUG=1)."""
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return fn(*args, **kwargs)
-        except KeyboardInterrupt:
-            fail("interrupted; nothing was committed", 130)
-        except tuple(KNOWN_ERRORS) as e:  # type: ignore[misc]
-            if os.environ.get("GPUSNAP_DEBUG"):
-                raise
-            fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
-        except OSError as e:
-            if os.environ.get("GPUSNAP_DEBUG"):
-                raise
-            where = f"{e.filename}: " if e.filename else ""
-            fail(f"{where}{e.strerror or e}")
-    return wrapper
-
-
-def emit(ctx_json: bool, data: Any, text: str) -> None:
-    click.echo(json.dumps(data, indent=2, sort_keys=True) if ctx_json else text)
-
-
-json_option = click.option("--json", "as_json", is_flag=True, help="Print a JSON report instead of text.")
-
-
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--store", "store_path", envvar="GPUSNAP_STORE", default=None, metavar="DIR",
-              help="Snapshot store directory (env GPUSNAP_STORE; default /var/lib/gpusnap as root, "
-                   "else $XDG_DATA_HOME/gpusnap). Created 0700 on first use.")
-@click.option("--progress/--no-progress", default=None,
-              help="Show a progress bar (default: only when stderr is a terminal).")
-@click.pass_context
-def main(ctx: click.Context, store_path: str | None, progress: bool | None) -> None:
-    """gpusnap: fast, safe snapshots of GPU processes and sandboxes.
-
-    Snapshots live in a content-addressed store: chunks are deduplicated across snapshots,
-    compressed where it pays, checksummed, and committed atomically.
-    """
-    ctx.obj = {"store": store_path or default_store_path(), "progress": progress}
-
-
-def open_store(ctx: click.Context, create: bool = True) -> SnapshotStore:
-    return SnapshotStore(ctx.obj["store"], create=create)
-
-
-@main.group()
+@click.group()
 def store() -> None:
     """Store files and directories as snapshots, and manage the store."""
 
@@ -117,7 +39,7 @@ def store_put(ctx: click.Context, name: str, paths: tuple[str, ...], replace: bo
               workers: int | None, no_compress: bool, chunker: str, as_json: bool) -> None:
     """Store PATHS (files or directories, each under its base name) as snapshot NAME."""
     validate_snapshot_name(name)
-    size = parse_size(chunk_size)
+    size = parse_chunk_size(chunk_size)
     source = FileTreeSource(list(paths))
     st = open_store(ctx)
     with st.writer(name, replace=replace, meta={"kind": "files", "paths": [os.path.abspath(p) for p in paths]}) as w, \
@@ -258,32 +180,5 @@ def store_gc(ctx: click.Context, wait: float, as_json: bool) -> None:
          f"removed {rep.chunks_removed} chunks ({human(rep.bytes_freed)}) and {rep.tmp_removed} temporary files")
 
 
-def parse_size(s: str) -> int:
-    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    try:
-        v = int(s[:-1]) * mult[s[-1].upper()] if s and s[-1].upper() in mult else int(s)
-    except ValueError:
-        raise click.BadParameter(f"{s!r} is not a size (e.g. 4M)") from None
-    if v < 64 << 10 or v > 1 << 30 or v % 4096:
-        raise click.BadParameter(f"{s!r}: chunk size must be a multiple of 4 KiB between 64K and 1G")
-    return v
 
-
-def _load_commands() -> None:
-    """Attach the command groups of the other sandbox modules (each optional on import failure)."""
-    from importlib import import_module
-    for mod in ("sandbox.cli_gpu", "sandbox.cli_pool", "sandbox.cli_criu", "sandbox.cli_runsc"):
-        try:
-            import_module(mod)
-        except ModuleNotFoundError as e:
-            if e.name != mod:
-                raise
-
-
-_load_commands()
-
-if __name__ == "__main__":
-    # `python -m sandbox.cli`: this file runs as __main__, but the command modules attached their
-    # commands to sandbox.cli.main; run that one
-    from sandbox.cli import main as _main
-    _main()
+COMMANDS = [store]

@@ -6,10 +6,12 @@ import os
 import stat
 from typing import Any, Sequence
 
+from storage.errors import GpusnapError
+
 NVIDIA_CONTROL = ("nvidiactl", "nvidia-uvm", "nvidia-uvm-tools")
 
 
-class BundleError(Exception):
+class BundleError(GpusnapError):
     """A bundle that cannot be written or read."""
 
 

@@ -1,0 +1,81 @@
+"""What every command module of the CLI shares: one-line errors, JSON/text output, the store option."""
+from __future__ import annotations
+
+import functools
+import json
+import os
+import re
+import sys
+from typing import Any, Callable
+
+import click
+
+from storage.errors import EXIT_FAILED, GpusnapError
+from storage.store import SnapshotStore
+
+def human(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1000
+    return str(n)
+
+
+def fail(message: str, code: int = EXIT_FAILED, as_json: bool = False) -> None:
+    """Exit CODE with `gpusnap: MESSAGE` on stderr (and, under --json, {"error", "exit_code"} on stdout)."""
+    if as_json:
+        click.echo(json.dumps({"error": message, "exit_code": code}))
+    click.echo(f"gpusnap: {message}", err=True)
+    sys.exit(code)
+
+
+def one_line_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Run FN; a GpusnapError or OSError becomes `gpusnap: <reason>` on stderr and its exit code
+    (under --json also a JSON error object on stdout; the traceback instead with GPUSNAP_DEBUG=1)."""
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except KeyboardInterrupt:
+            fail("interrupted; nothing was committed", 130, kwargs.get("as_json", False))
+        except GpusnapError as e:
+            if os.environ.get("GPUSNAP_DEBUG"):
+                raise
+            fail(str(e).splitlines()[0] if str(e) else type(e).__name__, e.exit_code, kwargs.get("as_json", False))
+        except OSError as e:
+            if os.environ.get("GPUSNAP_DEBUG"):
+                raise
+            where = f"{e.filename}: " if e.filename else ""
+            fail(f"{where}{e.strerror or e}", EXIT_FAILED, kwargs.get("as_json", False))
+    return wrapper
+
+
+def emit(ctx_json: bool, data: Any, text: str) -> None:
+    click.echo(json.dumps(data, indent=2, sort_keys=True) if ctx_json else text)
+
+
+json_option = click.option("--json", "as_json", is_flag=True, help="Print a JSON report instead of text.")
+
+
+def open_store(ctx: click.Context, create: bool = True) -> SnapshotStore:
+    return SnapshotStore(ctx.obj["store"], create=create)
+
+
+_SIZE_RE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)i?B?\s*", re.I)
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """'4M', '64G', '512KiB', '4096' -> bytes (binary units); a click usage error otherwise."""
+    m = _SIZE_RE.fullmatch(text)
+    if not m:
+        raise click.BadParameter(f"{text!r}: expected a size like 4M or 64G")
+    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+
+
+def parse_chunk_size(text: str) -> int:
+    """A chunk size: a multiple of 4 KiB between 64 KiB and 1 GiB."""
+    v = parse_size(text)
+    if v < 64 << 10 or v > 1 << 30 or v % 4096:
+        raise click.BadParameter(f"{text!r}: chunk size must be a multiple of 4 KiB between 64K and 1G")
+    return v

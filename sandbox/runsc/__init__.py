@@ -1,0 +1,1 @@
+"""gVisor: the runsc runner, OCI bundles and sandbox snapshots."""
