@@ -18,7 +18,7 @@ echo "== what this machine can do"
 $g doctor
 echo
 echo "== start a process that counts and holds 256 MiB of state"
-setsid python3 scripts/demo_counter.py "$work/count" </dev/null >/dev/null 2>&1 &
+setsid python3 scripts/workloads/demo_counter.py "$work/count" </dev/null >/dev/null 2>&1 &
 pid=$!
 sleep 2
 echo "pid $pid, counted to $(tail -n1 "$work/count" | cut -d' ' -f1)"
@@ -45,7 +45,7 @@ digests=$(cut -d' ' -f2 "$work/count" | sort -u | wc -l)
 kill "$pid"
 echo
 echo "== a second snapshot of the same state costs almost nothing (dedup), then clean up"
-setsid python3 scripts/demo_counter.py "$work/count2" </dev/null >/dev/null 2>&1 &
+setsid python3 scripts/workloads/demo_counter.py "$work/count2" </dev/null >/dev/null 2>&1 &
 pid2=$!
 sleep 1
 $g criu dump --leave-running "$pid2" "$name-a"

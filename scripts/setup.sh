@@ -18,7 +18,7 @@ if [ ${#missing[@]} -gt 0 ]; then
     apt-get install -y -q --no-install-recommends "${missing[@]}" >&2
 fi
 
-criu=$(scripts/install-criu.sh)
+criu=$(scripts/setup/install-criu.sh)
 ln -sf "$criu" .cache/criu-bin
 
 py=${PYTHON:-python3}

@@ -98,6 +98,11 @@ def _ck(out: Any, what: str) -> Any:
     return None
 
 
+# The same two, public, for the benchmarks and probes in scripts/ that drive CUDA directly.
+cuda_driver = _drv
+check_cuda = _ck
+
+
 class DeviceBytes:
     """A device pointer and length seen by nvCOMP as a uint8 array (CUDA array interface v3)."""
 

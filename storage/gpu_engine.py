@@ -78,7 +78,7 @@ class _Lane:
         # of the worst-case size (ANS asks for ~1.41x) keeps stale bytes out of chunks and makes
         # Bitcomp and LZ4 output equal for equal input, which dedup and the zero signature rely on.
         # ANS output still varies when several lanes encode at once (measured on nvCOMP 6.0.0.12:
-        # scripts/probe_nvcomp_determinism.py, scripts/probe_engine_dedup.py), so ANS chunks seldom
+        # scripts/device/probe_nvcomp_determinism.py, scripts/device/probe_engine_dedup.py), so ANS chunks seldom
         # dedup; choose nvcomp-bitcomp where dedup matters more than the ratio.
         self.out_cap = engine.chunk_size * 3 // 2 + (4 << 20)
         self.out = dev.alloc(self.out_cap)

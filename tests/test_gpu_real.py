@@ -7,14 +7,12 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import REPO, Cli
+from conftest import Cli
 
-sys.path.insert(0, str(REPO / "scripts"))
 pytestmark = pytest.mark.gpu
 
 GB = float(os.environ.get("GPUSNAP_TEST_GB", "2"))
@@ -55,7 +53,7 @@ def test_probe_on_the_real_driver(drv) -> None:
 def test_one_process_checkpoint_restore_data_verified(drv) -> None:
     from sandbox.gpu.driver import ProcessState as S
     from sandbox.gpu.checkpoint import checkpoint_all, restore_all
-    from workload_control import Workload
+    from scripts.workloads.workload_control import Workload
     with Workload(GB) as w:
         t = checkpoint_all(drv, [w.pid])
         assert drv.get_state(w.pid) == S.CHECKPOINTED
@@ -69,7 +67,7 @@ def test_one_process_checkpoint_restore_data_verified(drv) -> None:
 def test_three_processes_at_once(drv) -> None:
     from sandbox.gpu.driver import ProcessState as S
     from sandbox.gpu.checkpoint import checkpoint_all, restore_all
-    from workload_control import Workload
+    from scripts.workloads.workload_control import Workload
     ws = [Workload(GB / 2, mix=m, seed=i) for i, m in enumerate(["realistic", "pessimistic", "random"])]
     try:
         pids = [w.pid for w in ws]
@@ -86,7 +84,7 @@ def test_three_processes_at_once(drv) -> None:
 def test_rollback_when_one_fails(drv) -> None:
     from sandbox.gpu.driver import ProcessState as S
     from sandbox.gpu.checkpoint import GpuCheckpointError, checkpoint_all
-    from workload_control import Workload
+    from scripts.workloads.workload_control import Workload
     sleeper = subprocess.Popen(["sleep", "60"])
     ws = [Workload(GB / 2, seed=i) for i in range(2)]
     try:
@@ -102,7 +100,7 @@ def test_rollback_when_one_fails(drv) -> None:
 
 def test_cli_gpu_checkpoint_and_restore(tmp_path: Path, drv) -> None:
     from sandbox.gpu.driver import ProcessState as S
-    from workload_control import Workload
+    from scripts.workloads.workload_control import Workload
     cli = Cli(tmp_path / "store")
     with Workload(GB) as w:
         rep = cli.json("gpu", "checkpoint", str(w.pid), "swap1")
@@ -140,7 +138,7 @@ def test_process_exiting_mid_checkpoint_leaves_others_running(drv) -> None:
     import threading
     from sandbox.gpu.driver import ProcessState as S
     from sandbox.gpu.checkpoint import GpuCheckpointError, checkpoint_all
-    from workload_control import Workload
+    from scripts.workloads.workload_control import Workload
     victim, keeper = Workload(GB, seed=5), Workload(GB / 2, seed=6)
     try:
         killer = threading.Timer(0.05, victim.proc.kill)
@@ -167,7 +165,7 @@ def test_process_exiting_mid_checkpoint_leaves_others_running(drv) -> None:
 def test_thp_always_vs_madvise_on_the_drivers_host_copy(drv) -> None:
     from sandbox.gpu.checkpoint import checkpoint_all, restore_all
     from sandbox.gpu.hugepages import thp, thp_mode
-    from workload_control import Workload
+    from scripts.workloads.workload_control import Workload
     before = thp_mode()
     res = {}
     for mode in ("madvise", "always"):
@@ -189,7 +187,7 @@ def test_engine_round_trip(tmp_path: Path, tier: str, mix: str) -> None:
     from storage.gpu_engine import GpuEngine, Region
     from storage.memtier import PinnedPool
     from storage.store import SnapshotStore
-    from workload_control import Workload, ipc_region
+    from scripts.workloads.workload_control import Workload, ipc_region
     root = Path("/dev/shm") if tier == "shm" else tmp_path
     sdir = Path(os.path.join(root, f"gpusnap-test-{os.getpid()}-{mix}"))
     try:
@@ -216,7 +214,7 @@ def test_engine_round_trip(tmp_path: Path, tier: str, mix: str) -> None:
 def test_engine_refuses_a_corrupted_stream(tmp_path: Path) -> None:
     from storage.gpu_engine import GpuEngine, Region
     from storage.store import SnapshotStore, StoreError
-    from workload_control import Workload, ipc_region
+    from scripts.workloads.workload_control import Workload, ipc_region
     st = SnapshotStore(str(tmp_path / "s"))
     with Workload(0.5, mix="realistic", seed=4) as w, GpuEngine() as eng, ipc_region(w.info["ipc"]) as ptr:
         region = Region("gpu/0", ptr, w.size)
@@ -236,7 +234,7 @@ def test_engine_dedup_after_5_percent_change(tmp_path: Path) -> None:
     is not byte-stable under concurrent lanes in nvCOMP 6.0: see storage/gpu_engine.py.)"""
     from storage.gpu_engine import GpuEngine, Region
     from storage.store import SnapshotStore
-    from workload_control import Workload, ipc_region
+    from scripts.workloads.workload_control import Workload, ipc_region
     st = SnapshotStore(str(tmp_path / "s"))
     with Workload(GB * 2, mix="realistic", seed=8) as w, GpuEngine(codec="nvcomp-bitcomp") as eng, \
             ipc_region(w.info["ipc"]) as ptr:

@@ -40,7 +40,7 @@ def criu_version(binary: str) -> tuple[int, int, int] | None:
 
 
 def find_criu() -> str | None:
-    """$GPUSNAP_CRIU, else the first CRIU >= 4 on PATH or in the project's cache (scripts/install-criu.sh)."""
+    """$GPUSNAP_CRIU, else the first CRIU >= 4 on PATH or in the project's cache (scripts/setup/install-criu.sh)."""
     cands = [os.environ.get("GPUSNAP_CRIU"), shutil.which("criu"), REPO_CRIU, "/usr/local/sbin/criu"]
     for c in cands:
         if c and os.access(c, os.X_OK):

@@ -4,7 +4,7 @@
 A CPU process tree (tests/criu_workload.py) holding N MiB of known memory: plain `criu dump` into a
 directory + sync, caches dropped, `criu restore`; then `gpusnap criu dump` / `gpusnap criu restore`
 (store on the same disk). Both restores are checked from inside the restored process.
-Usage: bench_criu.py [--mb 1024] [--dir /var/tmp] [--json F]
+Usage: python3 -m scripts.bench.bench_criu [--mb 1024] [--dir /var/tmp] [--json F]
 """
 from __future__ import annotations
 
@@ -19,10 +19,8 @@ import sys
 import tempfile
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
-from page_cache import drop_caches  # noqa: E402
-from sandbox.criu.runner import Criu  # noqa: E402
+from sandbox.criu.runner import Criu
+from scripts.helpers import REPO, drop_caches
 
 
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""Draw BENCHMARKS.md's figure from one recorded H200 run of scripts/bench_h200.sh.
-Usage: plot_benchmarks.py [RESULTS_DIR] [OUT.png] (default: the final run of 2026-11-29)."""
+"""Draw BENCHMARKS.md's figure from one recorded H200 run of scripts/bench/bench_h200.sh.
+Usage: python3 -m scripts.bench.plot_benchmarks [RESULTS_DIR] [OUT.png] (default: the final run of 2026-11-29)."""
 import json
 import os
 import sys
@@ -10,7 +10,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from scripts.helpers import REPO  # noqa: E402
 R = sys.argv[1] if len(sys.argv) > 1 else os.path.join(REPO, "results", "2026-11-29-h200", "s2-5-ingest-bench")
 e2e = json.load(open(os.path.join(R, "e2e.json")))
 eng = json.load(open(os.path.join(R, "engine.json")))

@@ -5,7 +5,7 @@ pinned pool of storage/memtier.py) and a directory store on disk, and back.
 
 Prints per stage seconds and GB/s, and each total against its floor measured in the same run:
 PCIe (pinned D2H/H2D of the same bytes, same lanes) and the disk (O_DIRECT write/read of the bytes
-actually stored). Usage: bench_gpu_engine.py [--gb 24] [--mix realistic,pessimistic] [--tiers shm,pool,disk] [--json OUT]
+actually stored). Usage: python3 -m scripts.bench.bench_gpu_engine [--gb 24] [--mix realistic,pessimistic] [--tiers shm,pool,disk] [--json OUT]
 """
 from __future__ import annotations
 
@@ -13,31 +13,27 @@ import argparse
 import json
 import os
 import shutil
-import sys
 import tempfile
 import threading
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [os.path.dirname(HERE), HERE]
-
-from page_cache import drop_caches  # noqa: E402
-from storage.directio import AlignedBuffer, open_for_read, open_for_write, read_into, write_all  # noqa: E402
-from storage.device import PinnedBuffer, _ck, _drv  # noqa: E402
-from storage.gpu_engine import GpuEngine, Region  # noqa: E402
-from storage.memtier import PinnedPool  # noqa: E402
-from storage.store import SnapshotStore  # noqa: E402
-from workload_control import Workload, ipc_region  # noqa: E402
+from scripts.helpers import drop_caches
+from scripts.workloads.workload_control import Workload, ipc_region
+from storage.directio import AlignedBuffer, open_for_read, open_for_write, read_into, write_all
+from storage.device import PinnedBuffer, check_cuda, cuda_driver
+from storage.gpu_engine import GpuEngine, Region
+from storage.memtier import PinnedPool
+from storage.store import SnapshotStore
 
 
 
 
 def pcie_floor(ptr: int, size: int, lanes: int = 8, piece: int = 256 << 20) -> tuple[float, float]:
     """Seconds for pinned D2H and H2D of SIZE bytes at PTR over LANES streams (the copy floor)."""
-    d = _drv()
+    d = cuda_driver()
     bufs = [PinnedBuffer(piece) for _ in range(lanes)]
-    scratch = [int(_ck(d.cuMemAlloc(piece), "cuMemAlloc")) for _ in range(lanes)]  # H2D must not touch PTR
-    streams = [_ck(d.cuStreamCreate(1), "stream") for _ in range(lanes)]
+    scratch = [int(check_cuda(d.cuMemAlloc(piece), "cuMemAlloc")) for _ in range(lanes)]  # H2D must not touch PTR
+    streams = [check_cuda(d.cuStreamCreate(1), "stream") for _ in range(lanes)]
     out = []
     for direction in ("d2h", "h2d"):
         t0 = time.perf_counter()
@@ -45,11 +41,11 @@ def pcie_floor(ptr: int, size: int, lanes: int = 8, piece: int = 256 << 20) -> t
             n = min(piece, size - off)
             k = i % lanes
             if direction == "d2h":
-                _ck(d.cuMemcpyDtoHAsync(bufs[k].ptr, ptr + off, n, streams[k]), "d2h")
+                check_cuda(d.cuMemcpyDtoHAsync(bufs[k].ptr, ptr + off, n, streams[k]), "d2h")
             else:
-                _ck(d.cuMemcpyHtoDAsync(scratch[k], bufs[k].ptr, n, streams[k]), "h2d")
+                check_cuda(d.cuMemcpyHtoDAsync(scratch[k], bufs[k].ptr, n, streams[k]), "h2d")
         for s in streams:
-            _ck(d.cuStreamSynchronize(s), "sync")
+            check_cuda(d.cuStreamSynchronize(s), "sync")
         out.append(time.perf_counter() - t0)
     for b in bufs:
         b.close()

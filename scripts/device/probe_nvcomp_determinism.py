@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Is nvCOMP's output deterministic? Encode the same device bytes twice per algorithm and bitstream
 kind, and report where the outputs differ (this decides how chunk ids and zero detection work)."""
-import sys, os
-sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
+import os
+
 import numpy as np
 import torch
 from nvidia import nvcomp

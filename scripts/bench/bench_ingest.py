@@ -3,25 +3,21 @@
 file on /dev/shm into a store on disk with the page chunker, per stage (thread-seconds, GB/s per
 thread) and wall time, against the disk floor for the bytes stored. The file: the realistic mix in
 64 MiB runs (40% bf16 N(0, 0.02), 55% zeros, 5% random), every page made distinct so nothing dedups.
-Usage: bench_ingest.py [--gb 24] [--workers N] [--dir /var/tmp] [--json OUT]"""
+Usage: python3 -m scripts.bench.bench_ingest [--gb 24] [--workers N] [--dir /var/tmp] [--json OUT]"""
 from __future__ import annotations
 
 import argparse
 import json
 import os
 import shutil
-import sys
 import tempfile
 import time
 
 import numpy as np
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [os.path.dirname(HERE), HERE]
-
-from storage import pipeline  # noqa: E402
-from storage.filetree import FileTreeSource  # noqa: E402
-from storage.store import SnapshotStore  # noqa: E402
+from storage import pipeline
+from storage.filetree import FileTreeSource
+from storage.store import SnapshotStore
 
 
 def make_image(path: str, gb: float) -> int:

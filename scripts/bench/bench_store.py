@@ -4,7 +4,7 @@ disk and the same data, in one run; then the dedup figure for a second put after
 
 Data: a directory of files in three kinds, 1/3 each: zeros, random bytes, bf16 values from N(0, 0.02).
 Durability is the same on all sides: every write is followed by sync inside the timed region, and the
-page cache is dropped before each timed read. Usage: bench_store.py [--gb 3] [--dir /var/tmp] [--json F]
+page cache is dropped before each timed read. Usage: python3 -m scripts.bench.bench_store [--gb 3] [--dir /var/tmp] [--json F]
 """
 from __future__ import annotations
 
@@ -20,9 +20,7 @@ import time
 
 import numpy as np
 
-from page_cache import drop_caches
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from scripts.helpers import REPO, drop_caches
 
 
 

@@ -1,11 +1,9 @@
 #!/usr/bin/env python3
 """Does a second engine checkpoint of unchanged GPU memory deduplicate? Per lane count and codec."""
 import os, sys, tempfile, shutil
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [os.path.dirname(HERE), HERE]
+from scripts.workloads.workload_control import Workload, ipc_region
 from storage.gpu_engine import GpuEngine, Region
 from storage.store import SnapshotStore
-from workload_control import Workload, ipc_region
 
 with Workload(1, mix="realistic", seed=2) as w, GpuEngine(lanes=1) as _ctx, ipc_region(w.info["ipc"]) as ptr:
     for codec in ("nvcomp-ans", "nvcomp-bitcomp"):

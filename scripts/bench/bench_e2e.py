@@ -22,15 +22,11 @@ import sys
 import tempfile
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(HERE)
-sys.path[:0] = [REPO, HERE]
-
-from sandbox.criu.runner import Criu  # noqa: E402
-from sandbox.gpu.driver import CudaDriver  # noqa: E402
-from sandbox.gpu.checkpoint import checkpoint_all, restore_all  # noqa: E402
-from page_cache import drop_caches  # noqa: E402
-from workload_control import Workload  # noqa: E402
+from sandbox.criu.runner import Criu
+from sandbox.gpu.driver import CudaDriver
+from sandbox.gpu.checkpoint import checkpoint_all, restore_all
+from scripts.helpers import REPO, drop_caches
+from scripts.workloads.workload_control import Workload
 
 
 

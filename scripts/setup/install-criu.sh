@@ -3,7 +3,7 @@
 # Debian trixie's source package (bookworm's 3.17 fails on this kernel: FACTS.md). The built binary is
 # cached under .cache/criu so a second run is instant. Prints the path of the criu to use.
 set -euo pipefail
-root=$(cd "$(dirname "$0")/.." && pwd)
+root=$(cd "$(dirname "$0")/../.." && pwd)
 cache="$root/.cache/criu"
 want_major=4
 

@@ -1,4 +1,4 @@
-"""Drive scripts/gpu_workload.py from tests and benchmarks, and open its memory through CUDA IPC
+"""Drive scripts/workloads/gpu_workload.py from tests and benchmarks, and open its memory through CUDA IPC
 (the stand-in for the custom-storage mapping on drivers that lack it; never used by the product)."""
 from __future__ import annotations
 

@@ -6,15 +6,16 @@
 #        pessimistic, to the memory tier (/dev/shm store and the resident pinned pool) and to disk,
 #        with the PCIe and disk floors measured in the same run.
 # Results: $OUT (or results/<date>-h200/) engine.json/.log, e2e.json/.log, wall.txt.
-# Usage (on the GPU machine, wheels carried): bash scripts/device-run.sh bench
+# Usage (on the GPU machine, wheels carried): bash scripts/device/device-run.sh bench
 set -uo pipefail
-root=$(cd "$(dirname "$0")/.." && pwd)
+root=$(cd "$(dirname "$0")/../.." && pwd)
+cd "$root"
 out=${OUT:-$root/results/$(date +%F)-h200}
 mkdir -p "$out"
 t0=$(date +%s)
-timeout 280 python3 "$root/scripts/bench_gpu_engine.py" --gb "${BENCH_GB:-24}" --mix realistic,pessimistic \
+timeout 280 python3 -m scripts.bench.bench_gpu_engine --gb "${BENCH_GB:-24}" --mix realistic,pessimistic \
   --tiers shm,pool,disk --repeat 3 --json "$out/engine.json" 2>&1 | tee "$out/engine.log"
 t1=$(date +%s)
-timeout 420 python3 "$root/scripts/bench_e2e.py" --gb "${BENCH_GB:-24}" --mix realistic --json "$out/e2e.json" 2>&1 | tee "$out/e2e.log"
+timeout 420 python3 -m scripts.bench.bench_e2e --gb "${BENCH_GB:-24}" --mix realistic --json "$out/e2e.json" 2>&1 | tee "$out/e2e.log"
 t2=$(date +%s)
 echo "engine $((t1 - t0)) s, e2e $((t2 - t1)) s, total $((t2 - t0)) s" | tee "$out/wall.txt"

@@ -1,0 +1,1 @@
+"""Runs and probes for the lent GPU machine (device-run.sh drives one batch there)."""

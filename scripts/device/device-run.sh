@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# One batch on the lent GPU machine (the `device` tool): GPU tests, then the benchmarks named in $1
+# ("tests", "engine", "e2e", "bench" = scripts/bench/bench_h200.sh, "pinned", "ingest", "pool", or several, comma-separated). Results land in $OUT (or ./device-out).
+# The GPU machine has no network: carry .whl/ (pip download of the gpu extras and zstandard, blake3,
+# click for cp312, see the device tool's README) and, for e2e, .carry/criu/ (CRIU built here by
+# scripts/setup/install-criu.sh, its non-libc .so files in lib/, and criu-wrapper setting LD_LIBRARY_PATH).
+set -uo pipefail
+root=$(cd "$(dirname "$0")/../.." && pwd)
+cd "$root"
+out=${OUT:-$root/device-out}
+mkdir -p "$out"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl 2>&1 | tail -2
+export PYTHONPATH="$root:/tmp/site" PYTHONUNBUFFERED=1
+if [ -d .carry/criu ]; then export GPUSNAP_CRIU="$root/.carry/criu/criu-wrapper"; fi
+{ date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; uname -r; nproc; } > "$out/machine.txt" 2>&1
+python3 -m sandbox.cli doctor > "$out/doctor.txt" 2>&1
+python3 -m sandbox.cli doctor --json > "$out/doctor.json" 2>&1
+for what in ${1//,/ }; do
+  case "$what" in
+    tests)  GPUSNAP_RESULTS="$out/gpu-results.jsonl" timeout 560 python3 -m pytest -p no:cacheprovider -m gpu -v -s ${PYTEST_K:+-k "$PYTEST_K"} tests 2>&1 | tee "$out/gpu-tests.log" | grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|^E " ;;
+    engine) timeout 560 python3 -m scripts.bench.bench_gpu_engine --json "$out/engine.json" ${BENCH_ARGS:-} 2>&1 | tee "$out/engine.log" ;;
+    bench)  OUT="$out" bash scripts/bench/bench_h200.sh ;;
+    readers) timeout 100 python3 -m scripts.bench.bench_ingest --gb ${INGEST_GB:-8} --readers 1,4 --json "$out/ingest-readers.json" 2>&1 | tee "$out/ingest-readers.log" ;;
+    ingest) timeout 300 python3 -m scripts.bench.bench_ingest --json "$out/ingest.json" ${INGEST_ARGS:-} 2>&1 | tee "$out/ingest.log" ;;
+    pool)   for l in ${POOL_LANES:-16 24}; do timeout 200 python3 -m scripts.bench.bench_gpu_engine --mix realistic --tiers shm,pool --repeat 5 --lanes $l --json "$out/pool-lanes$l.json" 2>&1 | tee "$out/pool-lanes$l.log"; done ;;
+    pinned) timeout 120 python3 -m scripts.device.probe_pinned_alloc 16 2>&1 | tee "$out/pinned-alloc.json" ;;
+    e2e)    timeout 560 python3 -m scripts.bench.bench_e2e --json "$out/e2e.json" ${BENCH_ARGS:-} 2>&1 | tee "$out/e2e.log" ;;
+  esac
+done
