@@ -6,6 +6,8 @@ whose format and version this code knows (FORMAT.md, "Manifests").
 from __future__ import annotations
 
 import json
+import re
+import socket
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
@@ -23,6 +25,26 @@ VERSION = 1
 
 class ManifestError(GpusnapError):
     """A manifest that does not parse, fails its checksum, or is of an unknown format."""
+
+
+_TAG_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:=@+-]{0,63}")
+MAX_TAGS = 32
+
+
+def validate_tag(tag: str) -> str:
+    """TAG if it is a valid tag (1-64 of letters, digits and _.:=@+-, not starting with a symbol)."""
+    if not isinstance(tag, str) or not _TAG_RE.fullmatch(tag):
+        raise ManifestError(f"bad tag {tag!r}: use 1-64 letters, digits and _.:=@+- (not first)")
+    return tag
+
+
+def tool_version() -> str:
+    """This gpusnap's version, recorded in every manifest it writes."""
+    try:
+        from importlib.metadata import version
+        return version("gpusnap")
+    except Exception:  # noqa: BLE001 - running from a checkout that is not installed
+        return "unknown"
 
 
 @dataclass(frozen=True)
@@ -82,6 +104,9 @@ class Manifest:
     streams: list[Stream]
     meta: dict[str, Any] = field(default_factory=dict)
     created: str = field(default_factory=lambda: datetime.now(timezone.utc).isoformat())
+    tags: tuple[str, ...] = ()
+    host: str = field(default_factory=socket.gethostname)
+    tool: str = field(default_factory=tool_version)
 
     @property
     def size(self) -> int:
@@ -92,7 +117,8 @@ class Manifest:
 
     def _body(self) -> dict[str, Any]:
         return {"format": FORMAT, "version": VERSION, "name": self.name, "created": self.created,
-                "hash": "blake3", "meta": self.meta, "streams": [s.to_json() for s in self.streams]}
+                "hash": "blake3", "meta": self.meta, "streams": [s.to_json() for s in self.streams],
+                "tags": list(self.tags), "host": self.host, "gpusnap_version": self.tool}
 
     def dumps(self) -> bytes:
         body = self._body()
@@ -114,7 +140,14 @@ class Manifest:
             raise ManifestError(f"{where} fails its checksum (corrupted)")
         try:
             streams = [Stream.from_json(s) for s in body["streams"]]
-            m = cls(validate_snapshot_name(body["name"]), streams, dict(body["meta"]), body["created"])
+            tags = body.get("tags", [])
+            if not isinstance(tags, list) or len(tags) > MAX_TAGS:
+                raise ManifestError(f"{where} has a bad tag list")
+            host, tool = body.get("host", ""), body.get("gpusnap_version", "")
+            if not isinstance(host, str) or not isinstance(tool, str) or len(host) > 255 or len(tool) > 64:
+                raise ManifestError(f"{where} has a bad host or version field")
+            m = cls(validate_snapshot_name(body["name"]), streams, dict(body["meta"]), body["created"],
+                    tuple(validate_tag(t) for t in tags), host, tool)
         except (KeyError, TypeError, ValueError) as e:
             raise ManifestError(f"{where} is malformed: {e}") from None
         if len({s.name for s in streams}) != len(streams):

@@ -23,7 +23,7 @@ from typing import Any, Iterator
 
 from .chunkfile import HEADER_SIZE, ChunkError, ChunkHeader, chunk_id, read_chunk_file, write_chunk_file
 from .directio import AlignedBuffer, BufferPool, align_up, direct_io_supported, fsync_dir
-from .manifest import ChunkRef, Manifest, ManifestError, Stream
+from .manifest import ChunkRef, Manifest, ManifestError, Stream, validate_tag
 from .names import validate_snapshot_name
 
 from .errors import GpusnapError
@@ -257,8 +257,9 @@ class SnapshotStore:
             raise ManifestError(f"snapshot {name!r}: manifest says its name is {m.name!r}")
         return m
 
-    def writer(self, name: str, *, replace: bool = False, meta: dict[str, Any] | None = None) -> "SnapshotWriter":
-        return SnapshotWriter(self, name, replace=replace, meta=meta or {})
+    def writer(self, name: str, *, replace: bool = False, meta: dict[str, Any] | None = None,
+               tags: tuple[str, ...] | list[str] = ()) -> "SnapshotWriter":
+        return SnapshotWriter(self, name, replace=replace, meta=meta or {}, tags=tags)
 
     def remove(self, name: str) -> None:
         path = self.manifest_path(name)
@@ -379,11 +380,14 @@ class SnapshotWriter:
     because a concurrent writer may already reference them.
     """
 
-    def __init__(self, store: SnapshotStore, name: str, *, replace: bool, meta: dict[str, Any]) -> None:
+    def __init__(self, store: SnapshotStore, name: str, *, replace: bool, meta: dict[str, Any],
+                 tags: tuple[str, ...] | list[str] = ()) -> None:
         self.store = store
         self.name = validate_snapshot_name(name)
         self.replace = replace
         self.meta = meta
+        self.tags = tuple(validate_tag(t) for t in tags)
+        self.created: str | None = None  # the creation time to record (default: at commit); import keeps the original
         self.streams: list[Stream] = []
         self.stats = WriteStats()
         self._lock = threading.Lock()
@@ -475,7 +479,9 @@ class SnapshotWriter:
 
     def commit(self) -> Manifest:
         """Make the snapshot visible, atomically and durably (FORMAT.md, "What is atomic")."""
-        manifest = Manifest(self.name, self.streams, self.meta)
+        manifest = Manifest(self.name, self.streams, self.meta, tags=self.tags)
+        if self.created is not None:
+            manifest.created = self.created
         data = manifest.dumps()
         final = self.store.manifest_path(self.name)
         tmp = self._tmp_path("manifest")

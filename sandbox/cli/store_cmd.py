@@ -10,7 +10,7 @@ import click
 from storage import pipeline
 from storage.errors import EXIT_DAMAGED
 from storage.filetree import FileTreeSink, FileTreeSource
-from storage.manifest import ManifestError
+from storage.manifest import Manifest, ManifestError
 from storage.names import validate_snapshot_name
 from storage.progress import Progress
 from storage.store import StoreError
@@ -29,6 +29,7 @@ def store() -> None:
 @click.option("--chunk-size", default="4M", show_default=True, help="Chunk size (K/M suffix).")
 @click.option("--workers", type=int, default=None, help="Worker threads (default: CPU count, max 16).")
 @click.option("--no-compress", is_flag=True, help="Store chunks raw (zero chunks are still elided).")
+@click.option("--tag", "tags", multiple=True, metavar="TAG", help="Tag the snapshot (repeatable; `ls --tag`, `forget --tag`).")
 @click.option("--chunker", type=click.Choice(["fixed", "pages"]), default="fixed", show_default=True,
               help="fixed: CHUNK_SIZE pieces; pages: content-defined cuts on 4 KiB pages (dedups data that "
                    "moved by whole pages, e.g. memory images).")
@@ -36,13 +37,14 @@ def store() -> None:
 @click.pass_context
 @one_line_errors
 def store_put(ctx: click.Context, name: str, paths: tuple[str, ...], replace: bool, chunk_size: str,
-              workers: int | None, no_compress: bool, chunker: str, as_json: bool) -> None:
+              workers: int | None, no_compress: bool, tags: tuple[str, ...], chunker: str, as_json: bool) -> None:
     """Store PATHS (files or directories, each under its base name) as snapshot NAME."""
     validate_snapshot_name(name)
     size = parse_chunk_size(chunk_size)
     source = FileTreeSource(list(paths))
     st = open_store(ctx)
-    with st.writer(name, replace=replace, meta={"kind": "files", "paths": [os.path.abspath(p) for p in paths]}) as w, \
+    with st.writer(name, replace=replace, meta={"kind": "files", "paths": [os.path.abspath(p) for p in paths]},
+                   tags=tags) as w, \
             Progress(f"put {name}", ctx.obj["progress"]) as prog:
         prog.start(source.total_bytes)
         res = pipeline.put(w, source, chunk_size=size, workers=workers, compress=not no_compress, progress=prog,
@@ -59,15 +61,20 @@ def store_put(ctx: click.Context, name: str, paths: tuple[str, ...], replace: bo
 @store.command("get")
 @click.argument("name")
 @click.argument("dest")
+@click.option("--include", "include", multiple=True, metavar="PATTERN",
+              help="Only streams matching this glob (and the directories above them); repeatable.")
 @click.option("--workers", type=int, default=None, help="Worker threads (default: CPU count, max 16).")
 @json_option
 @click.pass_context
 @one_line_errors
-def store_get(ctx: click.Context, name: str, dest: str, workers: int | None, as_json: bool) -> None:
+def store_get(ctx: click.Context, name: str, dest: str, include: tuple[str, ...], workers: int | None,
+              as_json: bool) -> None:
     """Materialize snapshot NAME into DEST (a new directory), every chunk verified; all or nothing."""
     st = open_store(ctx, create=False)
     with st.shared():
         m = st.load(validate_snapshot_name(name))
+        if include:
+            m = select_streams(m, include)
         sink = FileTreeSink(dest)
         with Progress(f"get {name}", ctx.obj["progress"]) as prog:
             prog.start(m.size)
@@ -78,18 +85,25 @@ def store_get(ctx: click.Context, name: str, dest: str, workers: int | None, as_
 
 
 @store.command("ls")
+@click.option("--tag", "tags", multiple=True, metavar="TAG", help="Only snapshots carrying this tag (repeatable).")
+@click.option("--kind", default=None, type=click.Choice(["files", "gpu", "criu", "runsc"]), help="Only this kind.")
+@click.option("--since", default=None, metavar="WHEN", help="Only snapshots created since WHEN (ISO time, or an age: 36h, 7d).")
 @json_option
 @click.pass_context
 @one_line_errors
-def store_ls(ctx: click.Context, as_json: bool) -> None:
-    """List snapshots."""
+def store_ls(ctx: click.Context, tags: tuple[str, ...], kind: str | None, since: str | None, as_json: bool) -> None:
+    """List snapshots (with --tag/--kind/--since, those that match; damaged ones are always listed)."""
+    from sandbox.cli.archive_cmd import matches, parse_since
+    since_t = parse_since(since)
     st = open_store(ctx)
     rows = []
     for n in st.names():
         try:
             m = st.load(n)
+            if not matches(m, tags, kind, since_t):
+                continue
             rows.append({"name": n, "created": m.created, "size": m.size, "streams": len(m.streams),
-                         "kind": m.meta.get("kind", "")})
+                         "kind": m.meta.get("kind", ""), "tags": list(m.tags), "host": m.host})
         except (ManifestError, StoreError) as e:
             rows.append({"name": n, "error": str(e)})
     lines = [f"{'NAME':32} {'KIND':8} {'SIZE':>12} {'STREAMS':>8}  CREATED"]
@@ -97,7 +111,8 @@ def store_ls(ctx: click.Context, as_json: bool) -> None:
         if "error" in r:
             lines.append(f"{r['name']:32} DAMAGED: {r['error']}")
         else:
-            lines.append(f"{r['name']:32} {r['kind']:8} {human(r['size']):>12} {r['streams']:>8}  {r['created']}")
+            lines.append(f"{r['name']:32} {r['kind']:8} {human(r['size']):>12} {r['streams']:>8}  {r['created']}"
+                         + (f"  [{','.join(r['tags'])}]" if r["tags"] else ""))
     emit(as_json, rows, "\n".join(lines))
 
 
@@ -182,3 +197,14 @@ def store_gc(ctx: click.Context, wait: float, as_json: bool) -> None:
 
 
 COMMANDS = [store]
+
+
+def select_streams(m: Manifest, patterns: tuple[str, ...]) -> Manifest:
+    """M restricted to the streams matching any glob in PATTERNS, plus the directories above them."""
+    import fnmatch
+    picked = {s.name for s in m.streams if any(fnmatch.fnmatchcase(s.name, p) for p in patterns)}
+    if not picked:
+        raise StoreError(f"no stream of {m.name!r} matches {', '.join(patterns)} (`store inspect` lists them)")
+    parents = {"/".join(n.split("/")[:i]) for n in picked for i in range(1, n.count("/") + 1)}
+    keep = picked | parents
+    return Manifest(m.name, [s for s in m.streams if s.name in keep], m.meta, m.created, m.tags, m.host, m.tool)

@@ -1,0 +1,274 @@
+"""`gpusnap store forget|stats|cat|diff|export|import|lock|break-lock`: keeping many snapshots on NVMe.
+
+Attached to the `store` group by sandbox/cli/__init__.py (STORE_COMMANDS).
+"""
+from __future__ import annotations
+
+import sys
+from datetime import datetime, timedelta, timezone
+from typing import IO, Any
+
+import click
+
+from storage.errors import GpusnapError
+from storage.locks import break_locks, lock_status
+from storage.manifest import Manifest, validate_tag
+from storage.names import validate_snapshot_name
+from storage.portable import cat, export, import_
+from storage.retention import Entry, Policy, companion_parent, decide, parse_created
+from storage.stats import compute, diff
+from storage.store import SnapshotStore
+
+from sandbox.cli.common import emit, human, json_option, one_line_errors, open_store
+
+
+def load_all(st: SnapshotStore) -> tuple[list[Manifest], list[str]]:
+    """Every loadable manifest, and one line per snapshot that could not be loaded."""
+    out, bad = [], []
+    for n in st.names():
+        try:
+            out.append(st.load(n))
+        except GpusnapError as e:
+            bad.append(f"{n}: {e}")
+    return out, bad
+
+
+def matches(m: Manifest, tags: tuple[str, ...], kind: str | None, since: datetime | None = None) -> bool:
+    """Whether M carries every tag in TAGS, is of KIND and was created at or after SINCE."""
+    if any(t not in m.tags for t in tags):
+        return False
+    if kind is not None and m.meta.get("kind", "files") != kind:
+        return False
+    return since is None or parse_created(m.created) >= since
+
+
+def parse_since(text: str | None) -> datetime | None:
+    """--since: an ISO date/time, or an age like 90m, 36h, 7d, 2w."""
+    if text is None:
+        return None
+    units = {"m": "minutes", "h": "hours", "d": "days", "w": "weeks"}
+    if text[-1:] in units and text[:-1].isdigit():
+        return datetime.now(timezone.utc) - timedelta(**{units[text[-1]]: int(text[:-1])})
+    try:
+        return parse_created(text)
+    except GpusnapError:
+        raise click.BadParameter(f"{text!r}: give an ISO time (2026-11-30T10:00) or an age (90m, 36h, 7d, 2w)") from None
+
+
+def tag_option(fn: Any) -> Any:
+    return click.option("--tag", "tags", multiple=True, metavar="TAG",
+                        help="Only snapshots carrying this tag (repeatable: all must match).")(fn)
+
+
+kind_option = click.option("--kind", default=None, type=click.Choice(["files", "gpu", "criu", "runsc"]),
+                           help="Only snapshots of this kind.")
+
+
+@click.command("forget")
+@click.option("--keep-last", default=0, type=click.IntRange(0), help="Keep the N most recent snapshots.")
+@click.option("--keep-hourly", default=0, type=click.IntRange(0), help="Keep the last snapshot of each of the N latest hours.")
+@click.option("--keep-daily", default=0, type=click.IntRange(0), help="... of each of the N latest days.")
+@click.option("--keep-weekly", default=0, type=click.IntRange(0), help="... of each of the N latest ISO weeks.")
+@click.option("--keep-monthly", default=0, type=click.IntRange(0), help="... of each of the N latest months.")
+@click.option("--keep-yearly", default=0, type=click.IntRange(0), help="... of each of the N latest years.")
+@tag_option
+@kind_option
+@click.option("--dry-run", is_flag=True, help="Say what would be removed; remove nothing.")
+@click.option("--prune", is_flag=True, help="Run `store gc` afterwards to free the chunks no snapshot needs any more.")
+@json_option
+@click.pass_context
+@one_line_errors
+def forget(ctx: click.Context, keep_last: int, keep_hourly: int, keep_daily: int, keep_weekly: int,
+           keep_monthly: int, keep_yearly: int, tags: tuple[str, ...], kind: str | None, dry_run: bool,
+           prune: bool, as_json: bool) -> None:
+    """Remove snapshots a retention policy does not keep (restic's `forget` rules).
+
+    Per group of snapshots of the same kind and host, a snapshot is kept when it is one of the
+    --keep-last most recent, or the most recent of one of the last N hours/days/weeks/months/years
+    that have snapshots. Only snapshots matching --tag/--kind are considered. A snapshot being
+    written or removed by another process is kept; a NAME.gpu companion follows NAME. Chunks are
+    freed by --prune (or a later `store gc`).
+    """
+    for t in tags:
+        validate_tag(t)
+    policy = Policy(keep_last, keep_hourly, keep_daily, keep_weekly, keep_monthly, keep_yearly)
+    st = open_store(ctx, create=False)
+    manifests, bad = load_all(st)
+    chosen = [m for m in manifests if matches(m, tags, kind)]
+    names = {m.name for m in chosen}
+    # a companion is judged with its parent even when the filters would leave it out
+    chosen += [m for m in manifests if m.name not in names and companion_parent(m.name) in names]
+    entries = [Entry(m.name, parse_created(m.created), m.meta.get("kind", "files"), m.host, m.tags) for m in chosen]
+    decision = decide(entries, policy)
+    removed, busy = [], []
+    if not dry_run:
+        for n in decision.remove:
+            try:
+                st.remove(n)
+                removed.append(n)
+            except GpusnapError as e:
+                busy.append(f"{n}: {e}")
+    report: dict[str, Any] = {"keep": [{"name": n, "reasons": r} for n, r in decision.keep],
+                              "remove": decision.remove, "removed": removed, "not_removed": busy,
+                              "dry_run": dry_run, "unreadable": bad}
+    lines = [f"keep   {n:40} {', '.join(r)}" for n, r in decision.keep]
+    lines += [f"{'would remove' if dry_run else 'remove'} {n}" for n in decision.remove]
+    lines += [f"NOT removed {b}" for b in busy]
+    lines += [f"unreadable (left alone) {b}" for b in bad]
+    if prune and not dry_run:
+        rep = st.gc()
+        report["prune"] = {"chunks_removed": rep.chunks_removed, "bytes_freed": rep.bytes_freed}
+        lines.append(f"prune: removed {rep.chunks_removed} chunks ({human(rep.bytes_freed)})")
+    emit(as_json, report, "\n".join(lines) or "no snapshots matched")
+    if busy:
+        sys.exit(1)
+
+
+@click.command("stats")
+@click.argument("names", nargs=-1)
+@json_option
+@click.pass_context
+@one_line_errors
+def stats(ctx: click.Context, names: tuple[str, ...], as_json: bool) -> None:
+    """Raw, stored, unique ("freed by rm") and shared bytes per snapshot, and the store's totals."""
+    st = open_store(ctx, create=False)
+    for n in names:
+        validate_snapshot_name(n)
+        if not st.exists(n):
+            raise GpusnapError(f"no snapshot named {n!r} in {st.path}")
+    with st.shared():
+        manifests, bad = load_all(st)
+    per, repo = compute(manifests, list(names) or None)
+    data = {"snapshots": [s.to_json() for s in per], "repository": repo.to_json(), "unreadable": bad}
+    lines = [f"{'NAME':32} {'RAW':>10} {'STORED':>10} {'UNIQUE':>10} {'SHARED':>10} {'CHUNKS':>7}"]
+    for s in per:
+        lines.append(f"{s.name:32} {human(s.raw_bytes):>10} {human(s.stored_bytes):>10} "
+                     f"{human(s.unique_bytes):>10} {human(s.shared_bytes):>10} {s.chunks:>7}")
+    lines.append(f"store: {repo.snapshots} snapshots, {human(repo.raw_bytes)} raw, {human(repo.stored_bytes)} "
+                 f"stored in {repo.chunks} chunks ({repo.dedup_ratio:.2f}x)")
+    for codec, c in sorted(repo.codecs.items()):
+        lines.append(f"  {codec:15} {c.chunks:7} chunks {human(c.raw_bytes):>10} raw {human(c.stored_bytes):>10} stored")
+    lines += [f"unreadable: {b}" for b in bad]
+    emit(as_json, data, "\n".join(lines))
+
+
+@click.command("cat")
+@click.argument("name")
+@click.argument("stream")
+@click.pass_context
+@one_line_errors
+def cat_cmd(ctx: click.Context, name: str, stream: str) -> None:
+    """Write one file stream of NAME to stdout, every chunk verified before its bytes go out."""
+    st = open_store(ctx, create=False)
+    with st.shared():
+        m = st.load(validate_snapshot_name(name))
+        cat(st, m, stream, sys.stdout.buffer)
+
+
+@click.command("diff")
+@click.argument("a")
+@click.argument("b")
+@json_option
+@click.pass_context
+@one_line_errors
+def diff_cmd(ctx: click.Context, a: str, b: str, as_json: bool) -> None:
+    """Streams added (+), removed (-), changed (M) or with changed attributes (U) from A to B."""
+    st = open_store(ctx, create=False)
+    with st.shared():
+        d = diff(st.load(validate_snapshot_name(a)), st.load(validate_snapshot_name(b)))
+    marks = {"added": "+", "removed": "-", "changed": "M", "attrs": "U"}
+    lines = [f"{marks[c.change]} {c.name}" + (f"  ({human(c.changed_bytes)} changed)" if c.change == "changed" else "")
+             for c in d.changes]
+    lines.append(f"{len(d.changes)} stream(s) differ, {d.unchanged} unchanged, {human(d.changed_bytes)} changed")
+    emit(as_json, d.to_json(), "\n".join(lines))
+
+
+def _open_out(path: str) -> IO[bytes]:
+    if path == "-":
+        return sys.stdout.buffer
+    import os
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    return os.fdopen(fd, "wb")
+
+
+@click.command("export")
+@click.argument("name")
+@click.argument("archive", default="-")
+@json_option
+@click.pass_context
+@one_line_errors
+def export_cmd(ctx: click.Context, name: str, archive: str, as_json: bool) -> None:
+    """Write snapshot NAME as one archive (zstd-compressed tar of its manifest and chunks) to
+    ARCHIVE (a new file; default stdout), for `store import` into another store."""
+    import os
+    st = open_store(ctx, create=False)
+    out = _open_out(archive)
+    try:
+        rep = export(st, name, out)
+    except BaseException:
+        if archive != "-":
+            out.close()
+            os.unlink(archive)
+        raise
+    if archive != "-":
+        out.flush()
+        os.fsync(out.fileno())
+        out.close()
+        emit(as_json, {"name": name, "archive": archive, **rep},
+             f"{name} -> {archive}: {rep['chunks']} chunks, {human(rep['stored_bytes'])} stored, {human(rep['raw_bytes'])} raw")
+
+
+@click.command("import")
+@click.argument("archive", default="-")
+@click.option("--name", default=None, help="Import under this name (default: the archive's).")
+@click.option("--replace", is_flag=True, help="Replace an existing snapshot of the same name.")
+@json_option
+@click.pass_context
+@one_line_errors
+def import_cmd(ctx: click.Context, archive: str, name: str | None, replace: bool, as_json: bool) -> None:
+    """Take in an archive made by `store export` (file or - for stdin); every chunk verified, the
+    snapshot visible only once complete."""
+    st = open_store(ctx)
+    if archive == "-":
+        rep = import_(st, sys.stdin.buffer, name, replace=replace)
+    else:
+        with open(archive, "rb") as f:
+            rep = import_(st, f, name, replace=replace)
+    emit(as_json, rep, f"imported {rep['name']}: {rep['chunks']} chunks ({rep['chunks_received']} received), "
+         f"{human(int(rep['raw_bytes']))} raw")  # type: ignore[call-overload]
+
+
+@click.group("lock")
+def lock() -> None:
+    """The store's locks: who holds them."""
+
+
+@lock.command("status")
+@json_option
+@click.pass_context
+@one_line_errors
+def lock_status_cmd(ctx: click.Context, as_json: bool) -> None:
+    """Every lock file of the store and the live processes holding it."""
+    st = open_store(ctx, create=False)
+    infos = lock_status(st.path)
+    rows = [{"lock": i.kind, "name": i.name, "held": i.held, "holders": [{"pid": p, "mode": m} for p, m in i.holders]}
+            for i in infos]
+    lines = [f"{(i.name or '(store)'):32} " + (", ".join(f"pid {p} {m}" for p, m in i.holders) if i.held else "free")
+             for i in infos]
+    emit(as_json, rows, "\n".join(lines))
+
+
+@click.command("break-lock")
+@click.argument("names", nargs=-1)
+@json_option
+@click.pass_context
+@one_line_errors
+def break_lock(ctx: click.Context, names: tuple[str, ...], as_json: bool) -> None:
+    """Remove lock files whose holder is gone (of NAMES, default: every name with no snapshot);
+    refuses while a live process holds one."""
+    st = open_store(ctx, create=False)
+    removed = break_locks(st.path, [validate_snapshot_name(n) for n in names] or None, st.exists)
+    emit(as_json, {"removed": removed}, f"removed {len(removed)} lock file(s)")
+
+
+STORE_COMMANDS = [forget, stats, cat_cmd, diff_cmd, export_cmd, import_cmd, lock, break_lock]

@@ -1,0 +1,158 @@
+"""What snapshots hold and share (`store stats`, `store diff`): sizes from manifests, no chunk reads.
+
+Per snapshot: raw bytes (logical, zeros included), stored bytes (its distinct chunks' stored sizes),
+unique bytes (chunks no other snapshot names: what `rm` + `gc` would free) and shared bytes; by
+construction unique + shared = stored. Repository totals count every distinct chunk once.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from .manifest import ChunkRef, Manifest
+
+
+@dataclass
+class CodecStats:
+    chunks: int = 0
+    raw_bytes: int = 0
+    stored_bytes: int = 0
+
+    def add(self, ref: ChunkRef) -> None:
+        self.chunks += 1
+        self.raw_bytes += ref.raw_len
+        self.stored_bytes += ref.stored_len
+
+
+@dataclass
+class SnapshotStats:
+    name: str
+    raw_bytes: int = 0
+    zero_bytes: int = 0
+    stored_bytes: int = 0
+    unique_bytes: int = 0
+    shared_bytes: int = 0
+    chunks: int = 0          # distinct stored chunks
+    unique_chunks: int = 0
+    codecs: dict[str, CodecStats] = field(default_factory=dict)   # distinct chunks per codec
+
+    def to_json(self) -> dict[str, Any]:
+        d = {k: v for k, v in self.__dict__.items() if k != "codecs"}
+        d["codecs"] = {k: v.__dict__ for k, v in sorted(self.codecs.items())}
+        return d
+
+
+@dataclass
+class RepoStats:
+    snapshots: int = 0
+    raw_bytes: int = 0
+    stored_bytes: int = 0
+    chunks: int = 0
+    codecs: dict[str, CodecStats] = field(default_factory=dict)
+
+    @property
+    def dedup_ratio(self) -> float:
+        return self.raw_bytes / self.stored_bytes if self.stored_bytes else 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {"snapshots": self.snapshots, "raw_bytes": self.raw_bytes, "stored_bytes": self.stored_bytes,
+                "chunks": self.chunks, "dedup_ratio": round(self.dedup_ratio, 3),
+                "codecs": {k: v.__dict__ for k, v in sorted(self.codecs.items())}}
+
+
+def _distinct(m: Manifest) -> dict[str, ChunkRef]:
+    return {c.id: c for s in m.streams for c in s.chunks if c.id is not None}
+
+
+def compute(all_manifests: list[Manifest], names: list[str] | None = None) -> tuple[list[SnapshotStats], RepoStats]:
+    """Stats of the snapshots NAMES (default all) against every manifest in ALL_MANIFESTS."""
+    refs_by_snap = {m.name: _distinct(m) for m in all_manifests}
+    users: dict[str, int] = {}
+    for refs in refs_by_snap.values():
+        for cid in refs:
+            users[cid] = users.get(cid, 0) + 1
+    repo = RepoStats(snapshots=len(all_manifests))
+    every: dict[str, ChunkRef] = {}
+    for m in all_manifests:
+        repo.raw_bytes += m.size
+        every.update(refs_by_snap[m.name])
+    repo.chunks = len(every)
+    for ref in every.values():
+        repo.stored_bytes += ref.stored_len
+        repo.codecs.setdefault(ref.codec, CodecStats()).add(ref)
+    wanted = set(names) if names is not None else None
+    out: list[SnapshotStats] = []
+    for m in all_manifests:
+        if wanted is not None and m.name not in wanted:
+            continue
+        st = SnapshotStats(m.name, raw_bytes=m.size,
+                           zero_bytes=sum(c.raw_len for s in m.streams for c in s.chunks if c.is_zero))
+        for cid, ref in refs_by_snap[m.name].items():
+            st.chunks += 1
+            st.stored_bytes += ref.stored_len
+            st.codecs.setdefault(ref.codec, CodecStats()).add(ref)
+            if users[cid] == 1:
+                st.unique_chunks += 1
+                st.unique_bytes += ref.stored_len
+            else:
+                st.shared_bytes += ref.stored_len
+        out.append(st)
+    return out, repo
+
+
+@dataclass
+class StreamChange:
+    name: str
+    change: str            # added | removed | changed | attrs
+    size_a: int
+    size_b: int
+    changed_bytes: int     # raw bytes of B's chunks that A's same stream does not have at that place
+
+
+@dataclass
+class Diff:
+    a: str
+    b: str
+    changes: list[StreamChange] = field(default_factory=list)
+    unchanged: int = 0
+
+    @property
+    def changed_bytes(self) -> int:
+        return sum(c.changed_bytes for c in self.changes)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"a": self.a, "b": self.b, "unchanged_streams": self.unchanged, "changed_bytes": self.changed_bytes,
+                "changes": [c.__dict__ for c in self.changes]}
+
+
+def _chunk_map(chunks: list[ChunkRef]) -> dict[int, ChunkRef]:
+    out, off = {}, 0
+    for c in chunks:
+        out[off] = c
+        off += c.raw_len
+    return out
+
+
+def diff(a: Manifest, b: Manifest) -> Diff:
+    """Streams added, removed, changed (content) or with changed attributes between A and B; the
+    changed bytes of a stream are B's chunks whose (offset, content) A lacks."""
+    sa = {s.name: s for s in a.streams}
+    sb = {s.name: s for s in b.streams}
+    d = Diff(a.name, b.name)
+    for name in sorted(sa.keys() | sb.keys()):
+        x, y = sa.get(name), sb.get(name)
+        if x is None:
+            d.changes.append(StreamChange(name, "added", 0, y.size, y.size))  # type: ignore[union-attr]
+        elif y is None:
+            d.changes.append(StreamChange(name, "removed", x.size, 0, 0))
+        elif x.chunks == y.chunks:
+            if {k: v for k, v in x.attrs.items() if k != "mtime_ns"} != {k: v for k, v in y.attrs.items() if k != "mtime_ns"}:
+                d.changes.append(StreamChange(name, "attrs", x.size, y.size, 0))
+            else:
+                d.unchanged += 1
+        else:
+            ma = _chunk_map(x.chunks)
+            changed = sum(c.raw_len for off, c in _chunk_map(y.chunks).items()
+                          if ma.get(off) is None or (ma[off].id, ma[off].raw_len, ma[off].codec) != (c.id, c.raw_len, c.codec))
+            d.changes.append(StreamChange(name, "changed", x.size, y.size, changed))
+    return d
