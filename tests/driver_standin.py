@@ -135,3 +135,61 @@ class MemorySpill:
 
     def load(self, regions: list[DeviceRegion]) -> None:
         self.drv.region_bytes(self.pid)[:] = self.saved
+
+
+class SharedStandIn:
+    """The stand-in's state in a file (locked per call), so that a hook CRIU runs (another process)
+    and the test act on one driver. Host-staged calls only (custom storage maps memory in one process)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    @classmethod
+    def create(cls, path: str, procs: dict[int, bytes]) -> "SharedStandIn":
+        d = StandInDriver()
+        for pid, data in procs.items():
+            d.add(pid, data)
+        s = cls(path)
+        s._save(d)
+        return s
+
+    def _save(self, d: StandInDriver) -> None:
+        import os
+        import pickle
+        tmp = f"{self.path}.{os.getpid()}.tmp"
+        with open(tmp, "wb") as f:
+            pickle.dump({"procs": d.procs, "fail": d.fail, "calls": d.calls}, f)
+        os.replace(tmp, self.path)
+
+    def load(self) -> StandInDriver:
+        import pickle
+        with open(self.path, "rb") as f:
+            return StandInDriver(**pickle.load(f))
+
+    def _call(self, name: str, *args: object) -> object:
+        import fcntl
+        with open(self.path + ".lock", "a") as lk:
+            fcntl.flock(lk, fcntl.LOCK_EX)
+            d = self.load()
+            try:
+                return getattr(d, name)(*args)
+            finally:
+                self._save(d)
+
+    def get_state(self, pid: int) -> ProcessState:
+        return self._call("get_state", pid)  # type: ignore[return-value]
+
+    def lock(self, pid: int, timeout_ms: int) -> None:
+        self._call("lock", pid, timeout_ms)
+
+    def unlock(self, pid: int) -> None:
+        self._call("unlock", pid)
+
+    def checkpoint(self, pid: int) -> None:
+        self._call("checkpoint", pid)
+
+    def restore(self, pid: int, gpu_map: dict[str, str] | None = None) -> None:
+        self._call("restore", pid, gpu_map)
+
+    def restore_thread_id(self, pid: int) -> int:
+        return self._call("restore_thread_id", pid)  # type: ignore[return-value]
