@@ -173,7 +173,7 @@ def agent_checkpoint(r: Runsc, cid: str, store: SnapshotStore, gpu_name: str,
     as snapshot GPU_NAME, which the host names. Returns its validated report (+ "snapshot"). On any
     failure the processes whose memory already reached the host get it back, and none stays frozen."""
     meta = {"kind": "gpu", "path": "custom-storage", "root_pid": None, "pids": [], "gpus": [],
-            "driver": None, "sandbox": cid}
+            "driver": None}
     with _AgentExec(r, cid, ["checkpoint"]) as a, store.writer(gpu_name, replace=True, meta=meta) as w:
         frames = AgentFrames(a.stdout, "checkpoint", limits)
         try:
