@@ -53,17 +53,17 @@ def _init_cmdline() -> list[str]:
         return []
 
 
-def _checkpointed_pids(drv: Any) -> list[int]:
-    """After a checkpoint the device files are closed: ask the driver about every process instead."""
-    from sandbox.gpu.driver import ProcessState
+def _driver_pids(drv: Any) -> list[int]:
+    """The processes the driver knows (in any state): after a checkpoint the device files are closed,
+    so the driver is asked about every process instead."""
     out = []
     for d in os.listdir("/proc"):
         if d.isdigit() and int(d) != os.getpid():
             try:
-                if drv.get_state(int(d)) != ProcessState.RUNNING:
-                    out.append(int(d))
+                drv.get_state(int(d))
             except Exception:  # noqa: BLE001 - not a CUDA process
-                pass
+                continue
+            out.append(int(d))
     return sorted(out)
 
 
@@ -74,12 +74,12 @@ def run(action: str, *, out: BinaryIO, inp: BinaryIO | None = None, path: str | 
     report: dict[str, Any] = {"action": action, "init": _init_cmdline(), "cuda_pids": [], "path": None}
     found = _cuda_pids() if pids is None and action in ("checkpoint", "status") else pids
     if found is not None and not found and driver is None:
-        return report  # nothing to do, and no reason to load the driver
+        return report  # no NVIDIA device open: nothing to do, and no reason to load the driver
     from sandbox.gpu import state
     from sandbox.gpu.channel import PipeRegions, send_need
     from sandbox.gpu.driver import CudaDriver, ProcessState, probe
     drv = driver or CudaDriver()
-    cuda = found if found is not None else _checkpointed_pids(drv)
+    cuda = found if found else _driver_pids(drv)
     report["cuda_pids"] = cuda
     if not cuda:
         return report
@@ -111,7 +111,8 @@ def run(action: str, *, out: BinaryIO, inp: BinaryIO | None = None, path: str | 
     return report
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None, *, driver: Any = None, features: Any = None, device: Any = None) -> None:
+    """The entry point; driver/features/device: stand-ins for tests (default: the real ones)."""
     ap = argparse.ArgumentParser(prog="gpusnap-gpu-agent", description=__doc__.split("\n\n")[0])
     ap.add_argument("action", choices=["checkpoint", "restore", "toggle", "status"])
     ap.add_argument("--pids", default=None, help="comma-separated CUDA pids (restore: those the checkpoint reported)")
@@ -121,7 +122,8 @@ def main(argv: list[str] | None = None) -> None:
     out = sys.stdout.buffer
     try:
         pids = [int(x) for x in a.pids.split(",") if x] if a.pids is not None else None
-        rep = run(a.action, out=out, inp=sys.stdin.buffer, path=a.path, pids=pids)
+        rep = run(a.action, out=out, inp=sys.stdin.buffer, path=a.path, pids=pids, driver=driver,
+                  features=features, device=device)
     except Exception as e:  # noqa: BLE001 - one line for gpusnap to show
         print(f"gpusnap-gpu-agent: {a.action}: {e}".splitlines()[0], file=sys.stderr)
         sys.exit(1)

@@ -139,10 +139,12 @@ class MemorySpill:
 
 class SharedStandIn:
     """The stand-in's state in a file (locked per call), so that a hook CRIU runs (another process)
-    and the test act on one driver. Host-staged calls only (custom storage maps memory in one process)."""
+    and the test act on one driver. A custom-storage operation maps memory of the process that runs
+    it: from checkpoint_custom/restore_custom to complete, that process keeps its copy of the state."""
 
     def __init__(self, path: str) -> None:
         self.path = path
+        self._held: StandInDriver | None = None  # during a custom-storage operation: its mapped memory lives here
 
     @classmethod
     def create(cls, path: str, procs: dict[int, bytes]) -> "SharedStandIn":
@@ -170,9 +172,14 @@ class SharedStandIn:
         import fcntl
         with open(self.path + ".lock", "a") as lk:
             fcntl.flock(lk, fcntl.LOCK_EX)
-            d = self.load()
+            d = self._held or self.load()
             try:
-                return getattr(d, name)(*args)
+                out = getattr(d, name)(*args)
+                if name in ("checkpoint_custom", "restore_custom"):
+                    self._held = d  # the regions point into this process's copy until complete()
+                elif name == "complete":
+                    self._held = None
+                return out
             finally:
                 self._save(d)
 
@@ -193,3 +200,12 @@ class SharedStandIn:
 
     def restore_thread_id(self, pid: int) -> int:
         return self._call("restore_thread_id", pid)  # type: ignore[return-value]
+
+    def checkpoint_custom(self, pid: int) -> CustomOperation:
+        return self._call("checkpoint_custom", pid)  # type: ignore[return-value]
+
+    def restore_custom(self, pid: int, gpu_map: dict[str, str] | None = None) -> CustomOperation:
+        return self._call("restore_custom", pid, gpu_map)  # type: ignore[return-value]
+
+    def complete(self, pid: int, op: CustomOperation) -> None:
+        self._call("complete", pid, op)

@@ -359,3 +359,65 @@ def test_agent_channel_through_a_real_sandbox(cli: Cli, env: dict) -> None:
     want = hashlib.sha256(random.Random(5).randbytes(3 << 20) + bytes(2 << 20)).hexdigest()
     assert "released 0" in err and f"digest {want}" in err, err
     assert st.verify(["sb.gpu"]).ok
+
+
+STANDIN_AGENT = "/run/gpusnap/code/tests/agent_standin.py"
+
+
+def standin_digest(env: dict, cid: str) -> list[str]:
+    root = env["args"][0].split("=", 2)[2]
+    p = subprocess.run(["runsc", f"--root={root}", "--platform=ptrace", "exec", cid, STANDIN_AGENT, "digest"],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    return p.stdout.split()
+
+
+def test_gpu_sandbox_checkpoint_and_restore_through_the_agent_channel(cli: Cli, env: dict) -> None:
+    """`gpusnap runsc checkpoint/restore` of a sandbox whose agent has custom storage (the stand-in,
+    its state in the sandbox's /tmp): the GPU memory leaves through the agent's pipes into snapshot
+    NAME.gpu on the host, the sandbox is checkpointed holding none of it, and after the restore under
+    a new id the agent gets it back, byte for byte."""
+    import hashlib
+    from agent_standin import memory
+    _, out1 = start_counter(cli, env, U("gs"), ["--gpu-agent"])
+    want = hashlib.sha256(memory()).hexdigest()
+    assert standin_digest(env, U("gs")) == ["RUNNING", want]
+    agent_env = {"GPUSNAP_AGENT_PYTHON": STANDIN_AGENT}
+    cli.run("runsc", "checkpoint", U("gs"), "gsc", *env["args"], "--runsc-arg=--network=none", env=agent_env)
+    meta = cli.json("store", "inspect", "gsc")["meta"]
+    rep = meta["gpu"]["agent_report"]
+    assert rep["path"] == "custom-storage" and rep["cuda_pids"] == [1] and rep["snapshot"] == "gsc.gpu"
+    assert rep["states"] == {"1": "CHECKPOINTED"}
+    gpu = cli.json("store", "inspect", "gsc.gpu")
+    assert [(s["name"], s["size"]) for s in gpu["streams"]] == [("gpu/1/0", len(memory()))], gpu
+    assert gpu["meta"]["kind"] == "gpu" and gpu["meta"]["pids"] == [1]
+    fresh = env["tmp"] / "bundle-gr"
+    env["build"](str(fresh), [PY, "-c", COUNTER])
+    out2 = env["tmp"] / (U("gr") + ".out")
+    cli.run("runsc", "restore", "gsc", U("gr"), "--bundle", str(fresh), "--output", str(out2), env=agent_env)
+    env["made"].append((U("gr"), env["args"]))
+    wait_lines(out2, 2)
+    assert standin_digest(env, U("gr")) == ["RUNNING", want]
+
+
+def test_gpu_agent_channel_refusal_leaves_the_gpu_process_running(cli: Cli, env: dict) -> None:
+    """The host refuses the agent's bytes (over its limit): the agent, its pipe closed, gives the
+    process its memory back; no NAME.gpu snapshot; the sandbox runs on."""
+    import hashlib
+    from agent_standin import memory
+    from sandbox.gpu.channel import ChannelLimits
+    from sandbox.runsc.runner import Runsc
+    from sandbox.runsc.snapshot import RunscSnapshotError, agent_checkpoint
+    from storage.store import SnapshotStore
+    _, out = start_counter(cli, env, U("gl"), ["--gpu-agent"])
+    r = Runsc([a.split("=", 1)[1] for a in env["args"]])
+    os.environ["GPUSNAP_AGENT_PYTHON"] = STANDIN_AGENT
+    try:
+        with pytest.raises(RunscSnapshotError, match="GPU agent .* failed to checkpoint: .*more than 1024 bytes"):
+            agent_checkpoint(r, U("gl"), SnapshotStore(str(cli.store)), "gl.gpu", ChannelLimits(max_total=1024))
+    finally:
+        del os.environ["GPUSNAP_AGENT_PYTHON"]
+    assert standin_digest(env, U("gl")) == ["RUNNING", hashlib.sha256(memory()).hexdigest()]
+    assert cli.json("store", "ls") == []
+    n = len(lines(out))
+    wait_lines(out, n + 2)

@@ -110,6 +110,10 @@ def prepare_gpu(bundle: str, r: Runsc, gpus: Sequence[int], *, agent: bool = Tru
     return gpu_args
 
 
+class _AgentExit(Exception):
+    """The agent exited non-zero (its own stderr line says why)."""
+
+
 class _AgentExec:
     """The GPU agent (criu_hooks/gpu_agent.py) running inside sandbox CID through `runsc exec`, its
     stdin and stdout piped to this process (the channel, sandbox/gpu/channel.py)."""
@@ -157,14 +161,16 @@ class _AgentExec:
             rc = self.p.wait()
         self.err.seek(0)
         lines = [l for l in self.err.read().decode(errors="replace").splitlines() if l.strip()]
-        why = lines[-1].strip() if rc and lines else str(e).splitlines()[0] if str(e) else type(e).__name__
-        return RunscSnapshotError(f"the GPU agent in {self.cid!r} failed to {self.action}: {why}")
+        agent_says = lines[-1].strip() if rc and lines else None
+        ours = None if isinstance(e, _AgentExit) else (str(e).splitlines() or [type(e).__name__])[0]
+        why = "; ".join(w for w in (ours, f"the agent: {agent_says}" if ours and agent_says else agent_says) if w)
+        return RunscSnapshotError(f"the GPU agent in {self.cid!r} failed to {self.action}: {why or f'exit {rc}'}")
 
     def finish(self) -> None:
         self._close()
         rc = self.p.wait(timeout=AGENT_TIMEOUT_S)
         if rc:
-            raise self.failed(RuntimeError(f"exit {rc}"))
+            raise self.failed(_AgentExit())
 
 
 def agent_checkpoint(r: Runsc, cid: str, store: SnapshotStore, gpu_name: str,
