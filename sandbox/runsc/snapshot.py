@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -116,7 +117,8 @@ class _AgentExit(Exception):
 
 class _AgentExec:
     """The GPU agent (criu_hooks/gpu_agent.py) running inside sandbox CID through `runsc exec`, its
-    stdin and stdout piped to this process (the channel, sandbox/gpu/channel.py)."""
+    stdin and stdout piped to this process (the channel, sandbox/gpu/channel.py). An agent that has
+    not finished within AGENT_TIMEOUT_S is killed, which ends every read and write on its pipes."""
 
     def __init__(self, r: Runsc, cid: str, args: Sequence[str]) -> None:
         py = os.environ.get("GPUSNAP_AGENT_PYTHON", "python3")
@@ -129,20 +131,27 @@ class _AgentExec:
             self.err.close()
             raise RunscSnapshotError(f"cannot start the GPU agent in {cid!r}: {e.strerror}") from None
         self.stdin, self.stdout = self.p.stdin, self.p.stdout
+        self.watchdog = threading.Timer(AGENT_TIMEOUT_S, self.p.kill)
+        self.watchdog.daemon = True
+        self.watchdog.start()
 
     def __enter__(self) -> "_AgentExec":
         return self
 
     def __exit__(self, et: Any, *exc: object) -> None:
-        if self.p.poll() is None:  # left early (an error here): our ends closed, the agent rolls back
-            self._close()
-            try:
-                self.p.wait(timeout=AGENT_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                self.p.kill()
-                self.p.wait()
-        self._close()
+        self.stop()
         self.err.close()
+
+    def stop(self) -> None:
+        """Our ends closed (an agent still streaming then fails its next write and rolls back), and
+        the agent waited for."""
+        self._close()
+        try:
+            self.p.wait(timeout=AGENT_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            self.p.kill()
+            self.p.wait()
+        self.watchdog.cancel()
 
     def _close(self) -> None:
         for f in (self.stdin, self.stdout):
@@ -153,12 +162,8 @@ class _AgentExec:
 
     def failed(self, e: BaseException) -> RunscSnapshotError:
         """E as the agent's failure, with the agent's own one-line reason where it gave one."""
-        self._close()
-        try:
-            rc = self.p.wait(timeout=AGENT_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            self.p.kill()
-            rc = self.p.wait()
+        self.stop()
+        rc = self.p.returncode
         self.err.seek(0)
         lines = [l for l in self.err.read().decode(errors="replace").splitlines() if l.strip()]
         agent_says = lines[-1].strip() if rc and lines else None
@@ -167,9 +172,8 @@ class _AgentExec:
         return RunscSnapshotError(f"the GPU agent in {self.cid!r} failed to {self.action}: {why or f'exit {rc}'}")
 
     def finish(self) -> None:
-        self._close()
-        rc = self.p.wait(timeout=AGENT_TIMEOUT_S)
-        if rc:
+        self.stop()
+        if self.p.returncode:
             raise self.failed(_AgentExit())
 
 
@@ -198,10 +202,15 @@ def agent_checkpoint(r: Runsc, cid: str, store: SnapshotStore, gpu_name: str,
                 w.commit()
                 out["snapshot"] = gpu_name
             return out
-        except BaseException:
+        except BaseException as e:
+            a.stop()
             if frames.complete:  # their memory is in this (uncommitted) writer: hand it back
-                agent_restore(r, cid, pids=None, path="custom-storage", source=store, streams=w.streams,
-                              have=frames.complete)
+                try:
+                    agent_restore(r, cid, pids=None, path="custom-storage", source=store, streams=w.streams,
+                                  have=frames.complete)
+                except Exception as u:  # noqa: BLE001 - both failures, in one line
+                    raise RunscSnapshotError(f"{str(e).splitlines()[0] if str(e) else type(e).__name__}; and giving "
+                                             f"the GPU memory back failed too: {u}") from None
             raise
 
 
