@@ -21,7 +21,6 @@ exit 1. Only the standard library is needed until there is a CUDA process to act
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from typing import Any, BinaryIO
