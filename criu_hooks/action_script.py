@@ -300,6 +300,7 @@ def run(action: str, init_pid: int | None, *, driver: Any = None, features: Any 
         data = record.read() or {"pids": found}
         target = (data["store"], data["snapshot"]) if data.get("snapshot") else None
         rep = _thaw(drv, found, data.get("path", "host-staged"), target, device)
+        record.remove()
         return f"GPUSNAP_LEAVE_RUNNING: restored {len(rep.restored)}, already running {len(rep.running)}"
     # post-resume: the restored tree; custom storage: from the snapshot the dump streamed into
     from sandbox.gpu.driver import ProcessState
