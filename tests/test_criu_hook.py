@@ -42,9 +42,9 @@ def need_criu() -> None:
 class NetnsTree:
     """A parent and a child in their own network namespace (CRIU runs network-lock/unlock only then)."""
 
-    def __init__(self, tmp: Path) -> None:
+    def __init__(self, tmp: Path, netns: bool = True) -> None:
         ready = tmp / "ready"
-        self.proc = subprocess.Popen(["unshare", "-n", sys.executable, "-c", TREE, str(ready)], cwd="/",
+        self.proc = subprocess.Popen([*(["unshare", "-n"] if netns else []), sys.executable, "-c", TREE, str(ready)], cwd="/",
                                      stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                      start_new_session=True)
         deadline = time.monotonic() + 20
@@ -151,6 +151,24 @@ def test_twice_run_actions_and_leave_running_resume_every_process(tree: NetnsTre
     assert acts[0][1].startswith("checkpointed 2 ") and "checkpointed 0 " in acts[1][1] and "already checkpointed 2" in acts[1][1]
     assert acts[6][1].startswith("dump failed or left running: restored 2") and acts[7][1].startswith("nothing this CRIU run froze")
     assert os.listdir(tmp_path / "state") == []  # the record of this dump is gone with it
+
+
+def test_leave_running_in_the_host_network_namespace_with_the_variable(hook: dict, tmp_path: Path) -> None:
+    """A tree in the host's network namespace gets no network-unlock from CRIU: GPUSNAP_LEAVE_RUNNING=1
+    makes post-dump resume it (the second post-dump finds nothing to do)."""
+    tree = NetnsTree(tmp_path, netns=False)
+    try:
+        d, mem = standin_for(hook, tree)
+        (tmp_path / "img").mkdir()
+        criu("dump", "-t", str(tree.pid), "-D", str(tmp_path / "img"), "-R", "--action-script", hook["script"],
+             "--action-script", hook["script"], env={**hook["env"], "GPUSNAP_LEAVE_RUNNING": "1"})
+        now = d.load()
+        assert tree.alive() and all(now.get_state(p) == S.RUNNING and bytes(now.procs[p].gpu) == mem[p] for p in tree.pids)
+        acts = dict_of(log_lines(hook))
+        assert "network-unlock" not in acts
+        assert acts["post-dump"][0].startswith("GPUSNAP_LEAVE_RUNNING: restored 2") and "restored 0" in acts["post-dump"][1]
+    finally:
+        tree.kill()
 
 
 def test_failed_dump_resumes_every_process_at_network_unlock(tree: NetnsTree, hook: dict, tmp_path: Path) -> None:
