@@ -167,6 +167,8 @@ REPORT = hdr(t="report", action="checkpoint", cuda_pids=[7], path="custom-storag
     (b"not json\n", "not JSON"),
     (hdr(t="store", name="other", path="/var/lib/gpusnap") + REPORT, "unexpected 'store'"),
     (hdr(t="region", pid=7, index=0, size=2) + b"ab", "without a report"),
+    (b"".join(hdr(t="region", pid=1 + i // 256, index=i % 256, size=0) for i in range(4097)) + REPORT,
+     "more than 4096 GPU regions"),
     (hdr(t="report", action="checkpoint", cuda_pids=["x"], path=None), "bad pid"),
     (hdr(t="report", action="checkpoint", cuda_pids=[7], path="/tmp/x"), "unknown path"),
     (hdr(t="report", action="restore", cuda_pids=[7], path=None), "answered 'restore'"),

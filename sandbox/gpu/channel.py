@@ -35,6 +35,7 @@ MAX_HEADER = 4096
 MAX_PID = 1 << 22            # Linux's pid_max ceiling
 MAX_INDEX = 255              # GPUs per process
 MAX_PIDS = 4096
+MAX_REGIONS = 4096           # (process, GPU) pairs in one checkpoint
 MAX_INIT = 256               # characters of each init cmdline word kept from a report
 PIECE = 16 << 20             # the agent's copy unit between device memory and the pipe
 PATHS = ("host-staged", "custom-storage")
@@ -48,6 +49,11 @@ class ChannelError(GpusnapError):
 class ChannelLimits:
     max_region: int = 288 << 30      # one GPU's checkpoint (the largest data-center GPU's memory)
     max_total: int = 8 * (288 << 30)
+
+    @classmethod
+    def for_gpus(cls, n: int) -> "ChannelLimits":
+        """A sandbox given N GPUs (0: unknown, e.g. devices from CDI) sends at most N GPUs' memory."""
+        return cls(max_total=(n or 8) * cls.max_region)
 
 
 def _int(v: Any, lo: int, hi: int, what: str) -> int:
@@ -240,8 +246,8 @@ class AgentFrames:
             size = _int(h.get("size"), 0, self.limits.max_region, "region size")
             if (pid, index) in self._seen:
                 raise ChannelError(f"the GPU agent sent pid {pid} GPU {index} twice")
-            if len({p for p, _ in self._seen} | {pid}) > MAX_PIDS:
-                raise ChannelError("the GPU agent sent too many processes")
+            if len(self._seen) >= MAX_REGIONS:
+                raise ChannelError(f"the GPU agent sent more than {MAX_REGIONS} GPU regions")
             self.total += size
             if self.total > self.limits.max_total:
                 raise ChannelError(f"the GPU agent sent more than {self.limits.max_total} bytes of GPU memory")

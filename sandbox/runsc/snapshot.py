@@ -342,7 +342,7 @@ def checkpoint(store: SnapshotStore, cid: str, name: str, runsc_args: Sequence[s
         try:
             if gpu and gpu.get("agent"):
                 t0 = time.perf_counter()
-                gpu_rep = agent_checkpoint(r, cid, store, _gpu_name(name))
+                gpu_rep = agent_checkpoint(r, cid, store, _gpu_name(name), ChannelLimits.for_gpus(len(gpu.get("gpus") or [])))
                 meta["gpu"] = {**gpu, "agent_report": gpu_rep}
                 report.seconds["gpu_checkpoint"] = time.perf_counter() - t0
             t0 = time.perf_counter()
