@@ -24,7 +24,7 @@ from storage.filetree import FileTreeSink, FileTreeSource
 from storage.store import SnapshotStore
 
 from sandbox import netns as nets
-from sandbox.gpu.channel import AgentFrames, ChannelLimits, read_report, receive, send
+from sandbox.gpu.channel import AgentFrames, AgentReport, ChannelError, ChannelLimits, read_report, receive, send
 from sandbox.criu.snapshot import staging_dir
 from sandbox.runsc.oci_bundle import add_bind, add_gpus, bundle_netns, load_spec, save_spec, set_bundle_netns
 from sandbox.runsc.runner import Runsc, RunscError
@@ -361,7 +361,7 @@ def checkpoint(store: SnapshotStore, cid: str, name: str, runsc_args: Sequence[s
             if leave_running:
                 t0 = time.perf_counter()
                 _restart(r, cid, bundle, images, net)
-                _gpu_back(r, cid, gpu_rep, store)
+                _gpu_back(r, cid, gpu_rep, store, name)
                 report.seconds["restart"] = time.perf_counter() - t0
             t0 = time.perf_counter()
             src = FileTreeSource([images])
@@ -376,7 +376,7 @@ def checkpoint(store: SnapshotStore, cid: str, name: str, runsc_args: Sequence[s
                 # runsc stopped it but the snapshot did not commit: bring it back from staging
                 _restart(r, cid, bundle, images, net)
             if not leave_running or "restart" not in report.seconds:
-                _gpu_back(r, cid, gpu_rep, store)
+                _gpu_back(r, cid, gpu_rep, store, name)
             if gpu_rep and gpu_rep.get("snapshot") and store.exists(gpu_rep["snapshot"]):
                 store.remove(gpu_rep["snapshot"])
             raise
@@ -386,13 +386,19 @@ def checkpoint(store: SnapshotStore, cid: str, name: str, runsc_args: Sequence[s
     return report
 
 
-def _gpu_back(r: Runsc, cid: str, rep: dict[str, Any] | None, store: SnapshotStore) -> None:
-    """The agent's restore for the CUDA processes its checkpoint reported (none: nothing to do), their
-    GPU memory fed from the snapshot it went into where it took custom storage."""
-    if rep and rep.get("cuda_pids"):
-        m = store.load(rep["snapshot"]) if rep.get("snapshot") else None
-        agent_restore(r, cid, pids=rep["cuda_pids"], path=rep.get("path"), source=store,
-                      streams=m.streams if m is not None else None)
+def _gpu_back(r: Runsc, cid: str, rep: dict[str, Any] | None, store: SnapshotStore, name: str) -> None:
+    """The agent's restore for the CUDA processes the checkpoint of snapshot NAME reported (none:
+    nothing to do), their GPU memory fed from NAME.gpu where it took custom storage. The report comes
+    from a manifest: only its pids (checked as integers) and path are used, never a snapshot name."""
+    if not rep or not rep.get("cuda_pids"):
+        return
+    try:
+        report = AgentReport.from_frame({**rep, "states": {}, "init": []}, str(rep.get("action")))
+    except ChannelError as e:
+        raise RunscSnapshotError(f"snapshot {name!r}: its GPU agent record is damaged ({e})") from None
+    m = store.load(_gpu_name(name)) if report.path == "custom-storage" else None
+    agent_restore(r, cid, pids=list(report.cuda_pids), path=report.path, source=store,
+                  streams=m.streams if m is not None else None)
 
 
 def _restart(r: Runsc, cid: str, bundle: str, images: str, net: nets.NetConfig | None) -> None:
@@ -447,7 +453,7 @@ def restore(store: SnapshotStore, name: str, cid: str, bundle: str, *, runsc_arg
             report.seconds["runsc_restore"] = time.perf_counter() - t0
             if gpu.get("agent_report", {}).get("cuda_pids"):
                 t0 = time.perf_counter()
-                _gpu_back(r, cid, gpu["agent_report"], store)
+                _gpu_back(r, cid, gpu["agent_report"], store, name)
                 report.seconds["gpu_restore"] = time.perf_counter() - t0
         except BaseException:
             if r.state(cid) is not None:
