@@ -1,96 +1,365 @@
-"""`gpusnap-criu-hook`: the CRIU action script (criu --action-script, or `action-script` in a CRIU
-config file such as runc's /etc/criu/runc.conf).
+"""`gpusnap-criu-hook`: the CRIU action script that checkpoints and restores the GPU state of the CUDA
+processes in a tree CRIU dumps (runc, Podman, containerd, plain `criu`), safe when CRIU runs an action
+twice, when a dump fails, and with --leave-running.
 
-CRIU runs it at each stage with CRTOOLS_SCRIPT_ACTION, CRTOOLS_INIT_PID and CRTOOLS_IMAGE_DIR set.
-It handles the GPU state of the CUDA processes in the tree:
-  pre-dump     lock and checkpoint every CUDA process (all or nothing; a failure aborts the dump
-               with the processes running and unlocked)
-  post-dump    with GPUSNAP_LEAVE_RUNNING=1 (the dump keeps the tree running): restore and unlock
-  post-resume  after `criu restore`: restore GPU memory and unlock
-By default through the driver's host copy (the GPU memory becomes part of the CPU image CRIU dumps).
-Where the driver offers custom storage and GPUSNAP_GPU_SNAPSHOT names a snapshot (in GPUSNAP_STORE,
-or the default store), the GPU memory is streamed into that snapshot instead (replaced if it exists)
-and CRIU dumps processes that hold no GPU bytes; post-dump/post-resume bring it back from there.
-Every other action does nothing and exits 0. Errors: one line on stderr, exit 1 (CRIU then aborts).
+Guarantees kept here (GPU freeze/thaw itself is sandbox/gpu/state.py's):
+- every action is idempotent: a second pre-dump finds the processes CHECKPOINTED and leaves them; a
+  second post-dump, network-unlock or post-resume finds nothing left to do;
+- a dump that fails after pre-dump, or one with --leave-running, gives the GPU processes back at
+  network-unlock (the action CRIU runs in both cases), with no environment variable needed; the
+  network-unlock of a restore (CRIU runs one before the processes resume) changes nothing: only the
+  CRIU run that froze the processes thaws them at network-unlock (a record per run, under the state
+  directory, keyed by CRIU's pid and start time);
+- gpusnap's own CRIU runs (marked with GPUSNAP_OWN_CRIU_CALL) are left to gpusnap: the hook does nothing;
+- where CRIU's own cuda plugin is installed it handles the GPUs: the hook steps aside and says so;
+- one log line per action, to stderr (CRIU's log) and to the log file.
 """
 from __future__ import annotations
 
+import argparse
+import json
 import os
+import re
+import stat
 import sys
+import time
 from typing import Any
 
-HANDLED = ("pre-dump", "post-dump", "post-resume")
+HELP = """\
+gpusnap-criu-hook is a CRIU action script: CRIU runs it at every stage of a dump or restore, with
+CRTOOLS_SCRIPT_ACTION, CRTOOLS_INIT_PID and CRTOOLS_IMAGE_DIR set. It checkpoints the GPU state of the
+CUDA processes in the tree so that CRIU can dump them, and brings it back afterwards:
+
+  pre-dump        lock and checkpoint every CUDA process of the tree (all or nothing; on a failure
+                  they keep running and CRIU aborts the dump); already checkpointed ones are left
+  network-unlock  after a failed dump or a --leave-running one: restore and unlock the processes
+                  this dump checkpointed (on a restore: nothing)
+  post-resume     after a restore: restore and unlock the tree's CUDA processes
+  other actions   nothing
+Every action may run twice (CRIU 4.1.1 does that when runc passes its config): the second is harmless.
+By default the driver keeps the GPU memory in each process's host memory, which CRIU then dumps.
+
+Install it with `gpusnap hook install` (it writes `action-script PATH` into the CRIU configuration
+file your runtime reads). It does nothing when CRIU's own cuda plugin (cuda_plugin.so in CRIU's plugin
+directory) is installed, and nothing inside gpusnap's own CRIU runs.
+
+Environment:
+  GPUSNAP_GPU_SNAPSHOT=NAME  where the driver has custom storage: stream the GPU memory into snapshot
+                             NAME of GPUSNAP_STORE (or the default store) instead; CRIU's image then
+                             holds no GPU bytes
+  GPUSNAP_LOCK_TIMEOUT=S     how long a process may take to finish its CUDA calls before the lock
+                             fails (default 10 s)
+  GPUSNAP_HOOK_LOG=FILE      the log (default /var/log/gpusnap/criu-hook.log; stderr goes to CRIU's log)
+  GPUSNAP_HOOK_STATE=DIR     the per-dump records (default /run/gpusnap/criu-hook)
+  GPUSNAP_LEAVE_RUNNING=1    also resume at post-dump (for trees in the host's network namespace,
+                             where CRIU runs no network-unlock)
+  CRIU_LIBS_DIR              CRIU's plugin directory, as CRIU reads it (default /usr/lib/criu)
+
+By hand: `gpusnap-criu-hook resume PID` restores and unlocks every CUDA process in PID's tree (after
+a dump CRIU aborted without running network-unlock).
+"""
+
+DEFAULT_LOG = "/var/log/gpusnap/criu-hook.log"
+DEFAULT_STATE = "/run/gpusnap/criu-hook"
+HANDLED = ("pre-dump", "post-dump", "network-unlock", "post-resume")
 
 
-def _cuda_pids(root: int) -> list[int]:
-    from sandbox.gpu.processes import cuda_processes, process_tree, uses_gpu
-    if not any(uses_gpu(p) for p in process_tree(root)) and not os.path.exists("/dev/nvidiactl"):
+class HookError(Exception):
+    """A hook step that failed; the message says what state the processes are in and what to do."""
+
+
+# ------------------------------------------------------------------------------ files, safely
+def _safe_dir(path: str) -> int:
+    """An fd of directory PATH, made 0700 if missing; refuses a link or a directory not ours."""
+    parent = os.path.dirname(path.rstrip("/")) or "/"
+    os.makedirs(parent, mode=0o755, exist_ok=True)
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    st = os.fstat(fd)
+    if st.st_uid != os.geteuid() or st.st_mode & 0o022:
+        os.close(fd)
+        raise OSError(f"{path} is not a private directory of uid {os.geteuid()}")
+    return fd
+
+
+def _open_in(dir_path: str, name: str, flags: int) -> int:
+    dfd = _safe_dir(dir_path)
+    try:
+        fd = os.open(name, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dfd)
+    finally:
+        os.close(dfd)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(f"{dir_path}/{name} is not a regular file")
+    return fd
+
+
+def log(action: str, msg: str) -> None:
+    """One line to stderr (it lands in CRIU's log) and to the hook's log file (best effort)."""
+    line = f"gpusnap-criu-hook: {action}: {msg}"
+    print(line, file=sys.stderr, flush=True)
+    path = os.environ.get("GPUSNAP_HOOK_LOG") or DEFAULT_LOG
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    try:
+        fd = _open_in(os.path.dirname(path), os.path.basename(path), os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+        try:
+            os.write(fd, f"{stamp} criu={_criu_pid()} {line.split(': ', 1)[1]}\n".encode())
+        finally:
+            os.close(fd)
+    except OSError as e:
+        print(f"gpusnap-criu-hook: cannot write the log {path}: {e}", file=sys.stderr)
+
+
+# ---------------------------------------------------------------------------- who is calling
+def _criu_pid() -> int:
+    """The CRIU process running this action (CRTOOLS_IMAGE_DIR is /proc/CRIUPID/fd/N)."""
+    m = re.fullmatch(r"/proc/(\d+)/fd/\d+", os.environ.get("CRTOOLS_IMAGE_DIR", ""))
+    return int(m.group(1)) if m else os.getppid()
+
+
+def _start_time(pid: int) -> str | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def _criu_argv(pid: int) -> list[str]:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
+    except OSError:
         return []
+
+
+def _libdir(argv: list[str]) -> str | None:
+    for i, a in enumerate(argv):
+        if a in ("-L", "--libdir") and i + 1 < len(argv):
+            return argv[i + 1]
+        if a.startswith("--libdir="):
+            return a.split("=", 1)[1]
+    return None
+
+
+# ------------------------------------------------------------------ what this dump froze
+class DumpRecord:
+    """What the CRIU run that is dumping froze, so that its network-unlock (and only its) thaws it."""
+
+    def __init__(self, criu_pid: int) -> None:
+        self.dir = os.environ.get("GPUSNAP_HOOK_STATE") or DEFAULT_STATE
+        self.name = f"dump-{criu_pid}-{_start_time(criu_pid)}.json"
+
+    def write(self, data: dict[str, Any]) -> None:
+        fd = _open_in(self.dir, self.name + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f)
+        dfd = _safe_dir(self.dir)
+        try:
+            os.rename(self.name + ".tmp", self.name, src_dir_fd=dfd, dst_dir_fd=dfd)
+        finally:
+            os.close(dfd)
+
+    def read(self) -> dict[str, Any] | None:
+        try:
+            fd = _open_in(self.dir, self.name, os.O_RDONLY)
+        except FileNotFoundError:
+            return None
+        with os.fdopen(fd) as f:
+            data = json.load(f)
+        if not isinstance(data, dict) or not all(type(p) is int for p in data.get("pids", [])):
+            raise HookError(f"{self.dir}/{self.name} is damaged; remove it")
+        return data
+
+    def remove(self) -> None:
+        dfd = _safe_dir(self.dir)
+        try:
+            os.unlink(self.name, dir_fd=dfd)
+        except FileNotFoundError:
+            pass
+        finally:
+            os.close(dfd)
+
+    def remove_stale(self) -> None:
+        """Records of CRIU runs that are gone (a killing dump ends with no network-unlock)."""
+        dfd = _safe_dir(self.dir)
+        try:
+            for n in os.listdir(dfd):
+                m = re.fullmatch(r"dump-(\d+)-(\d+|None)\.json(\.tmp)?", n)
+                if m and _start_time(int(m.group(1))) != m.group(2):
+                    os.unlink(n, dir_fd=dfd)
+        finally:
+            os.close(dfd)
+
+
+# -------------------------------------------------------------------------------- the actions
+def _cuda_pids(root: int, driver: Any) -> list[int]:
+    from sandbox.gpu.processes import cuda_processes, process_tree, uses_gpu
+    if driver is None and not os.path.exists("/dev/nvidiactl") and not any(uses_gpu(p) for p in process_tree(root)):
+        return []
+    return cuda_processes(root, driver or _real_driver())
+
+
+def _real_driver() -> Any:
     from sandbox.gpu.driver import CudaDriver
-    return cuda_processes(root, CudaDriver())
+    return CudaDriver()
 
 
-def _custom_target(drv: Any, features: Any) -> tuple[Any, str] | None:
-    """(store, snapshot name) when GPU state goes through custom storage, else None (host copy)."""
+def _custom_target() -> tuple[str, str] | None:
     name = os.environ.get("GPUSNAP_GPU_SNAPSHOT")
     if not name:
         return None
-    from sandbox.gpu.driver import probe
-    feats = features or probe(drv)
-    if not feats.custom_storage:
-        return None
-    from storage.store import SnapshotStore, default_store_path
-    return SnapshotStore(os.environ.get("GPUSNAP_STORE") or default_store_path()), name
+    from storage.store import default_store_path
+    return os.environ.get("GPUSNAP_STORE") or default_store_path(), name
+
+
+def _thaw(drv: Any, pids: list[int], path: str, target: tuple[str, str] | None, device: Any) -> Any:
+    from sandbox.gpu import state
+    if path != state.GpuPath.CUSTOM_STORAGE.value or target is None:
+        return state.thaw(drv, pids, state.backend_for(state.GpuPath.HOST_STAGED))
+    from sandbox.gpu.regions import EngineRegions
+    from storage.gpu_engine import GpuEngine
+    from storage.store import SnapshotStore
+    store = SnapshotStore(target[0], create=False)
+    m = store.load(target[1])
+    with GpuEngine(0 if device is None else device) as eng:
+        return state.thaw(drv, pids, state.backend_for(state.GpuPath.CUSTOM_STORAGE,
+                                                       regions=EngineRegions.of(eng, store, m)))
+
+
+def _freeze(drv: Any, pids: list[int], features: Any, device: Any) -> tuple[Any, str, tuple[str, str] | None]:
+    """Checkpoint PIDS (idempotent): custom storage into GPUSNAP_GPU_SNAPSHOT where asked and offered."""
+    from sandbox.gpu import state
+    from sandbox.gpu.driver import ProcessState
+    limits = state.Limits(lock_timeout_s=float(os.environ.get("GPUSNAP_LOCK_TIMEOUT", "10")))
+    target = _custom_target()
+    if target is not None:
+        from sandbox.gpu.driver import probe
+        if not (features or probe(drv)).custom_storage:
+            target = None
+    running = [p for p in pids if drv.get_state(p) == ProcessState.RUNNING]
+    if target is None or not running:  # nothing to stream: never replace the snapshot with an empty one
+        return state.checkpoint(drv, pids, state.backend_for(state.GpuPath.HOST_STAGED), limits), "host-staged", None
+    from sandbox.gpu.regions import EngineRegions
+    from storage.gpu_engine import GpuEngine
+    from storage.store import SnapshotStore
+    store = SnapshotStore(target[0])
+    meta = {"kind": "gpu", "path": "custom-storage", "root_pid": min(pids), "pids": pids, "gpus": [], "driver": None}
+    with store.writer(target[1], replace=True, meta=meta) as w, GpuEngine(0 if device is None else device) as eng:
+        regions = EngineRegions.into(eng, w)
+        backend = state.backend_for(state.GpuPath.CUSTOM_STORAGE, regions=regions, spill=regions.spill())
+        with state.freeze(drv, pids, backend, limits) as rep:
+            w.commit()
+    return rep, "custom-storage", target
 
 
 def run(action: str, init_pid: int | None, *, driver: Any = None, features: Any = None, device: Any = None,
-        pids: list[int] | None = None) -> int:
-    """One CRIU action (driver/features/device/pids: stand-ins for tests; default the real driver)."""
+        pids: list[int] | None = None) -> str:
+    """One CRIU action; returns what it did (one line). driver/features/device/pids: stand-ins for tests
+    (default: the real driver, probed, and GPU 0). Raises HookError saying what to do."""
+    if os.environ.get("GPUSNAP_OWN_CRIU_CALL"):
+        return "gpusnap's own CRIU run: gpusnap handles the GPU state itself"
     if action not in HANDLED:
-        return 0
+        return "nothing to do"
+    from sandbox.criu.runner import cuda_plugin
+    criu_pid = _criu_pid()
+    plugin = cuda_plugin(_libdir(_criu_argv(criu_pid)))
+    if plugin is not None:
+        return (f"CRIU's cuda plugin ({plugin}) handles the GPU processes: gpusnap-criu-hook steps aside "
+                "(uninstall one of the two: `gpusnap hook uninstall`, or remove the plugin)")
     if init_pid is None:
-        print(f"gpusnap-criu-hook: {action}: CRTOOLS_INIT_PID is not set", file=sys.stderr)
-        return 1
-    from sandbox.gpu.driver import CudaDriver, ProcessState
-    from sandbox.gpu.checkpoint import checkpoint_all, restore_all
-    from sandbox.gpu.hugepages import thp
-    pids = _cuda_pids(init_pid) if pids is None else pids
-    if not pids:
-        return 0
-    drv = driver or CudaDriver()
-    custom = _custom_target(drv, features)
-    if custom is not None:
-        from sandbox.gpu.snapshot import gpu_checkpoint, gpu_restore
-        store, name = custom
-        if action == "pre-dump":
-            gpu_checkpoint(store, init_pid, name, driver=drv, features=features, device=device, replace=True)
-        elif action == "post-resume" or os.environ.get("GPUSNAP_LEAVE_RUNNING") == "1":
-            if any(drv.get_state(p) == ProcessState.CHECKPOINTED for p in pids):
-                gpu_restore(store, name, init_pid, driver=drv, features=features, device=device)
-        return 0
+        raise HookError("CRTOOLS_INIT_PID is not set (run by CRIU as an action script? see --help)")
+    record = DumpRecord(criu_pid)
+    if action == "network-unlock":
+        data = record.read()
+        if data is None:
+            return "nothing this CRIU run froze (a restore, or no GPU process): nothing to do"
+        target = (data["store"], data["snapshot"]) if data.get("snapshot") else None
+        rep = _thaw(driver or _real_driver(), list(data["pids"]), data.get("path", "host-staged"), target, device)
+        record.remove()
+        return f"dump failed or left running: restored {len(rep.restored)}, unlocked {len(rep.unlocked)}, " \
+               f"already running {len(rep.running)} (pids {list(data['pids'])})"
+    found = _cuda_pids(init_pid, driver) if pids is None else pids
+    if not found:
+        return "no CUDA process in the tree: nothing to do"
+    drv = driver or _real_driver()
     if action == "pre-dump":
-        with thp("always"):
-            checkpoint_all(drv, pids, lock_timeout_s=float(os.environ.get("GPUSNAP_LOCK_TIMEOUT", "10")))
-    elif action == "post-dump":
-        if os.environ.get("GPUSNAP_LEAVE_RUNNING") == "1":
-            restore_all(drv, pids)
-    elif action == "post-resume":
-        ready = [p for p in pids if drv.get_state(p) == ProcessState.CHECKPOINTED]
-        if ready:
-            with thp("always"):
-                restore_all(drv, ready)
-    return 0
+        record.remove_stale()
+        rep, path, target = _freeze(drv, found, features, device)
+        if rep.frozen:  # only what this dump froze is thawed at its network-unlock
+            record.write({"pids": found, "path": path, "store": target[0] if target else None,
+                          "snapshot": target[1] if target else None})
+        return f"checkpointed {len(rep.frozen)} CUDA process(es) via {path}, already checkpointed " \
+               f"{len(rep.already)} (pids {found})"
+    if action == "post-dump":
+        if os.environ.get("GPUSNAP_LEAVE_RUNNING") != "1":
+            return "nothing to do (the dump kills them next; a failed or --leave-running one resumes them at network-unlock)"
+        data = record.read() or {"pids": found}
+        target = (data["store"], data["snapshot"]) if data.get("snapshot") else None
+        rep = _thaw(drv, found, data.get("path", "host-staged"), target, device)
+        record.remove()
+        return f"GPUSNAP_LEAVE_RUNNING: restored {len(rep.restored)}, already running {len(rep.running)}"
+    # post-resume: the restored tree; custom storage: from the snapshot the dump streamed into
+    from sandbox.gpu.driver import ProcessState
+    target = _custom_target()
+    waiting = [p for p in found if drv.get_state(p) == ProcessState.CHECKPOINTED]
+    path = "custom-storage" if target is not None and waiting and _in_snapshot(target, waiting) else "host-staged"
+    rep = _thaw(drv, found, path, target, device)
+    return f"restored {len(rep.restored)} CUDA process(es) via {path}, unlocked {len(rep.unlocked)}, " \
+           f"already running {len(rep.running)}"
 
 
-def main() -> None:
-    action = os.environ.get("CRTOOLS_SCRIPT_ACTION", "")
-    pid_s = os.environ.get("CRTOOLS_INIT_PID")
+def _in_snapshot(target: tuple[str, str], pids: list[int]) -> bool:
+    """Whether snapshot TARGET holds custom-storage GPU memory for PIDS."""
+    from storage.store import SnapshotStore
     try:
-        code = run(action, int(pid_s) if pid_s and pid_s.isdigit() else None)
+        m = SnapshotStore(target[0], create=False).load(target[1])
+    except Exception:  # noqa: BLE001 - no such store or snapshot: the driver's host copy
+        return False
+    return m.meta.get("path") == "custom-storage" and set(pids) <= set(m.meta.get("pids", []))
+
+
+def _what_to_do(action: str) -> str:
+    return {"pre-dump": "the GPU processes were left running and unlocked; CRIU aborts this dump",
+            "post-resume": "the GPU processes stay CHECKPOINTED; retry with `gpusnap-criu-hook resume PID`",
+            "network-unlock": "run `gpusnap-criu-hook resume PID` to bring the GPU processes back",
+            "post-dump": "run `gpusnap-criu-hook resume PID` to bring the GPU processes back"}.get(action, "")
+
+
+def main(argv: list[str] | None = None, *, driver: Any = None) -> None:
+    """The entry point; DRIVER: a stand-in for tests (default: the real driver)."""
+    ap = argparse.ArgumentParser(prog="gpusnap-criu-hook", description=HELP,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("command", nargs="?", choices=["resume"], help="resume PID: by hand, see above")
+    ap.add_argument("pid", nargs="?", type=int)
+    a = ap.parse_args(argv)
+    if a.command == "resume":
+        if a.pid is None:
+            ap.error("resume needs the PID of the tree")
+        action, init = "resume", a.pid
+    else:
+        action = os.environ.get("CRTOOLS_SCRIPT_ACTION", "")
+        if not action:
+            ap.error("CRTOOLS_SCRIPT_ACTION is not set: CRIU runs this as an action script (see --help)")
+        pid_s = os.environ.get("CRTOOLS_INIT_PID", "")
+        init = int(pid_s) if pid_s.isdigit() else None
+    try:
+        if action == "resume":
+            from sandbox.gpu.state import resume
+            drv = driver or _real_driver()
+            r = resume(drv, _cuda_pids(init, drv))
+            msg = f"restored {r.restored}, unlocked {r.unlocked}, already running {r.running}"
+        else:
+            msg = run(action, init, driver=driver)
     except Exception as e:  # noqa: BLE001 - one line for CRIU's log, non-zero to abort the dump
-        print(f"gpusnap-criu-hook: {action}: {e}".splitlines()[0], file=sys.stderr)
-        code = 1
-    sys.exit(code)
+        first = (str(e).splitlines() or [type(e).__name__])[0]
+        log(action, f"FAILED: {first}" + (f"; {_what_to_do(action)}" if _what_to_do(action) else ""))
+        sys.exit(1)
+    log(action, msg)
+    sys.exit(0)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from typing import Any
 
 from storage.device import numa_nodes
 
+from sandbox.criu.runner import cuda_plugin
 from sandbox.gpu.driver import nvidia_driver_version, probe
 from sandbox.gpu.hugepages import hugetlb_pages, thp_mode
 
@@ -45,6 +46,15 @@ def _runsc_features(runsc: str) -> dict[str, Any] | None:
             "save_restore_exec": f.save_restore_exec, "platforms": list(f.platforms)}
 
 
+def gpu_handler(libdir: str | None = None) -> str:
+    """Who checkpoints the GPU processes of the CRIU dumps runc, Podman or a plain `criu` make."""
+    plugin = cuda_plugin(libdir)
+    if plugin is not None:
+        return f"CRIU's cuda plugin ({plugin}); gpusnap-criu-hook steps aside where it is installed"
+    return ("gpusnap-criu-hook where it is installed as CRIU's action script (no CRIU cuda plugin); "
+            "`gpusnap criu dump` handles GPUs itself")
+
+
 def report(criu: str = "criu", runsc: str = "runsc") -> dict[str, Any]:
     f = probe()
     gpus = [asdict(g) for g in f.gpus]
@@ -62,6 +72,7 @@ def report(criu: str = "criu", runsc: str = "runsc") -> dict[str, Any]:
         "hugetlb": hugetlb_pages(),
         "numa_nodes": numa_nodes(),
         "criu": _version([criu, "--version"], r"Version:\s*(\S+)"),
+        "criu_gpu_handler": gpu_handler(),
         "runsc": _version([runsc, "--version"], r"runsc version\s*(\S+)"),
         "runsc_features": _runsc_features(runsc),
         "memory_tier": f.custom_storage,
@@ -88,6 +99,7 @@ def render(r: dict[str, Any]) -> str:
               f"NUMA nodes           {r['numa_nodes']}",
               f"memory tier          {'yes (gpusnap pool serve)' if r['memory_tier'] else 'no (needs custom storage)'}",
               f"CRIU                 {r['criu'] or 'not found'}",
+              f"GPUs in CRIU dumps   {r['criu_gpu_handler']}",
               f"runsc                {r['runsc'] or 'not found'}"]
     rf = r.get("runsc_features")
     if rf:

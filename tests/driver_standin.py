@@ -135,3 +135,77 @@ class MemorySpill:
 
     def load(self, regions: list[DeviceRegion]) -> None:
         self.drv.region_bytes(self.pid)[:] = self.saved
+
+
+class SharedStandIn:
+    """The stand-in's state in a file (locked per call), so that a hook CRIU runs (another process)
+    and the test act on one driver. A custom-storage operation maps memory of the process that runs
+    it: from checkpoint_custom/restore_custom to complete, that process keeps its copy of the state."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._held: StandInDriver | None = None  # during a custom-storage operation: its mapped memory lives here
+
+    @classmethod
+    def create(cls, path: str, procs: dict[int, bytes]) -> "SharedStandIn":
+        d = StandInDriver()
+        for pid, data in procs.items():
+            d.add(pid, data)
+        s = cls(path)
+        s._save(d)
+        return s
+
+    def _save(self, d: StandInDriver) -> None:
+        import os
+        import pickle
+        tmp = f"{self.path}.{os.getpid()}.tmp"
+        with open(tmp, "wb") as f:
+            pickle.dump({"procs": d.procs, "fail": d.fail, "calls": d.calls}, f)
+        os.replace(tmp, self.path)
+
+    def load(self) -> StandInDriver:
+        import pickle
+        with open(self.path, "rb") as f:
+            return StandInDriver(**pickle.load(f))
+
+    def _call(self, name: str, *args: object) -> object:
+        import fcntl
+        with open(self.path + ".lock", "a") as lk:
+            fcntl.flock(lk, fcntl.LOCK_EX)
+            d = self._held or self.load()
+            try:
+                out = getattr(d, name)(*args)
+                if name in ("checkpoint_custom", "restore_custom"):
+                    self._held = d  # the regions point into this process's copy until complete()
+                elif name == "complete":
+                    self._held = None
+                return out
+            finally:
+                self._save(d)
+
+    def get_state(self, pid: int) -> ProcessState:
+        return self._call("get_state", pid)  # type: ignore[return-value]
+
+    def lock(self, pid: int, timeout_ms: int) -> None:
+        self._call("lock", pid, timeout_ms)
+
+    def unlock(self, pid: int) -> None:
+        self._call("unlock", pid)
+
+    def checkpoint(self, pid: int) -> None:
+        self._call("checkpoint", pid)
+
+    def restore(self, pid: int, gpu_map: dict[str, str] | None = None) -> None:
+        self._call("restore", pid, gpu_map)
+
+    def restore_thread_id(self, pid: int) -> int:
+        return self._call("restore_thread_id", pid)  # type: ignore[return-value]
+
+    def checkpoint_custom(self, pid: int) -> CustomOperation:
+        return self._call("checkpoint_custom", pid)  # type: ignore[return-value]
+
+    def restore_custom(self, pid: int, gpu_map: dict[str, str] | None = None) -> CustomOperation:
+        return self._call("restore_custom", pid, gpu_map)  # type: ignore[return-value]
+
+    def complete(self, pid: int, op: CustomOperation) -> None:
+        self._call("complete", pid, op)

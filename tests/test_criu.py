@@ -217,17 +217,22 @@ def test_dump_of_missing_pid_and_bad_name(cli: Cli) -> None:
 
 
 @pytest.mark.parametrize("action", ["network-lock", "network-unlock", "setup-namespaces", "post-setup-namespaces",
-                                    "pre-restore", "post-restore", "pre-resume", "orphan-pts-master", "query-ext-files", ""])
-def test_hook_ignores_actions_it_does_not_handle(action: str) -> None:
+                                    "pre-restore", "post-restore", "pre-resume", "orphan-pts-master", "query-ext-files"])
+def test_hook_ignores_actions_it_does_not_handle(action: str, tmp_path: Path) -> None:
+    log = tmp_path / "log" / "criu-hook.log"
     env = dict(os.environ, CRTOOLS_SCRIPT_ACTION=action, CRTOOLS_INIT_PID=str(os.getpid()), CRTOOLS_IMAGE_DIR="/nonexistent",
-               PYTHONPATH=str(REPO))
+               PYTHONPATH=str(REPO), GPUSNAP_HOOK_LOG=str(log), GPUSNAP_HOOK_STATE=str(tmp_path / "state"))
+    env.pop("GPUSNAP_OWN_CRIU_CALL", None)
     p = subprocess.run([sys.executable, "-m", "criu_hooks.action_script"], env=env, capture_output=True, text=True)
-    assert p.returncode == 0 and p.stdout == "" and p.stderr == ""
+    assert p.returncode == 0 and p.stdout == "", p.stderr
+    assert p.stderr.startswith(f"gpusnap-criu-hook: {action}: nothing") and len(p.stderr.splitlines()) == 1
+    assert len(log.read_text().splitlines()) == 1
 
 
-def test_hook_as_criu_action_script_on_a_cpu_tree(tree: Tree, tmp_path: Path) -> None:
+def test_hook_as_criu_action_script_on_a_cpu_tree(tree: Tree, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """CRIU runs the hook at every stage of a real dump; with no CUDA process it does nothing, and the dump succeeds."""
     from sandbox.criu.runner import Criu, DumpOptions
+    monkeypatch.setenv("GPUSNAP_HOOK_LOG", str(tmp_path / "hook.log"))
     hook = tmp_path / "hook.sh"
     hook.write_text(f"#!/bin/sh\necho \"$CRTOOLS_SCRIPT_ACTION $CRTOOLS_INIT_PID\" >> {tmp_path}/actions\n"
                     f"PYTHONPATH={REPO} exec {sys.executable} -m criu_hooks.action_script\n")

@@ -135,28 +135,3 @@ def test_criu_refusal_with_custom_storage_gives_gpu_memory_back(tmp_path: Path) 
         p.wait()
         conn.close()
         srv.close()
-
-
-def test_criu_hook_streams_gpu_state_through_custom_storage(tmp_path: Path, child: int,
-                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    """The action script with GPUSNAP_GPU_SNAPSHOT set and custom storage offered: pre-dump streams
-    the GPU memory into that snapshot, post-resume brings it back; without the variable it keeps to
-    the driver's host copy."""
-    from criu_hooks.action_script import run
-    d = StandInDriver()
-    d.add(child, gpu_bytes(8, 2))
-    before = bytes(d.procs[child].gpu)
-    monkeypatch.setenv("GPUSNAP_STORE", str(tmp_path / "store"))
-    monkeypatch.setenv("GPUSNAP_GPU_SNAPSHOT", "hook-gpu")
-    kw = dict(driver=d, features=FEATS, device=HostDevice(), pids=[child])
-    assert run("pre-dump", child, **kw) == 0
-    assert d.get_state(child) == S.CHECKPOINTED and len(d.procs[child].gpu) == 0
-    st = SnapshotStore(str(tmp_path / "store"))
-    assert st.load("hook-gpu").meta["path"] == "custom-storage"
-    assert run("post-resume", child, **kw) == 0
-    assert d.get_state(child) == S.RUNNING and bytes(d.procs[child].gpu) == before
-    monkeypatch.delenv("GPUSNAP_GPU_SNAPSHOT")
-    assert run("pre-dump", child, **kw) == 0        # host copy: the driver keeps the bytes
-    assert d.get_state(child) == S.CHECKPOINTED and d.procs[child].host == bytearray(before)
-    assert run("post-resume", child, **kw) == 0
-    assert d.get_state(child) == S.RUNNING and bytes(d.procs[child].gpu) == before

@@ -90,24 +90,3 @@ def test_agent_without_cuda_processes_needs_no_driver() -> None:
     assert p.returncode == 0, p.stderr
     rep = json.loads(p.stdout)
     assert rep["action"] == "status" and rep["cuda_pids"] == [] and rep["path"] is None
-
-
-def test_agent_checkpoint_and_restore_with_custom_storage(tmp_path: Path, child: int) -> None:
-    from criu_hooks.gpu_agent import run
-    from driver_standin import StandInDriver
-    from storage.device import HostDevice
-    from test_custom_storage_flow import FEATS, gpu_bytes
-    d = StandInDriver()
-    d.add(child, gpu_bytes(9, 2))
-    before = bytes(d.procs[child].gpu)
-    store = str(tmp_path / "store")
-    kw = dict(driver=d, features=FEATS, device=HostDevice(), pids=[child])
-    rep = run("checkpoint", store, "sb.gpu", **kw)
-    assert rep["path"] == "custom-storage" and rep["snapshot"] == "sb.gpu"
-    assert rep["states"] == {str(child): "CHECKPOINTED"} and len(d.procs[child].gpu) == 0
-    rep = run("restore", store, "sb.gpu", **kw)
-    assert rep["states"] == {str(child): "RUNNING"} and bytes(d.procs[child].gpu) == before
-    # without a store: the driver's host copy; toggle flips it
-    assert run("toggle", None, None, **kw)["states"] == {str(child): "CHECKPOINTED"}
-    assert run("toggle", None, None, **kw)["states"] == {str(child): "RUNNING"}
-    assert bytes(d.procs[child].gpu) == before

@@ -239,14 +239,14 @@ def test_gpu_sandbox_refused_by_a_runsc_without_nvproxy(cli: Cli, env: dict) -> 
 
 
 def test_gpu_agent_runs_inside_the_sandbox_around_checkpoint_and_restore(cli: Cli, env: dict) -> None:
-    """A sandbox started with --gpu-agent (gpusnap's code and the store bind-mounted; no GPU here):
+    """A sandbox started with --gpu-agent (gpusnap's code bind-mounted, the store not; no GPU here):
     checkpoint runs the agent inside through `runsc exec` before `runsc checkpoint`; it sees the
     sandbox's own processes (pid 1 is the counter), finds no CUDA process, and the flow goes on; the
     restored sandbox (new id, a fresh bundle prepared the same way) continues counting."""
     bundle, out1 = start_counter(cli, env, U("ga"), ["--gpu-agent"])
     spec = json.loads((bundle / "config.json").read_text())
     binds = {m["destination"]: m["source"] for m in spec["mounts"] if m.get("type") == "bind"}
-    assert binds["/run/gpusnap/code"] == str(REPO) and binds["/run/gpusnap/store"] == str(cli.store)
+    assert binds == {"/run/gpusnap/code": str(REPO)}
     agent_env = {"GPUSNAP_AGENT_PYTHON": PY}
     r = cli.run("runsc", "checkpoint", U("ga"), "gs", *env["args"], "--runsc-arg=--network=none", "--json", env=agent_env)
     rep = json.loads(r.stdout)
@@ -276,3 +276,148 @@ def test_gpu_agent_failure_leaves_the_sandbox_running(cli: Cli, env: dict) -> No
     assert cli.json("store", "ls") == []
     n = len(lines(out))
     wait_lines(out, n + 3)
+
+
+def test_gpu_sandbox_cannot_see_the_store(cli: Cli, env: dict) -> None:
+    """From inside a real GPU-agent sandbox: the former store mount point is gone, nothing under /run
+    shows the store (a marker file planted in it is found nowhere), only gpusnap's code is mounted."""
+    cli.run("store", "ls")  # the store exists
+    marker = f"marker-{os.getpid()}-{time.monotonic_ns()}"
+    (cli.store / marker).write_text("secret")
+    start_counter(cli, env, U("gn"), ["--gpu-agent"])
+    # (the sandbox's root here is the host's / read-only, so an empty /run/gpusnap/store directory
+    # left on the host by an earlier sandbox may show: what matters is that nothing is mounted there)
+    probe = ("import json,os,sys\n"
+             "mounts=[l.split()[4] for l in open('/proc/self/mountinfo')]\n"
+             "st='/run/gpusnap/store'\n"
+             "found=[os.path.join(d,f) for d,_,fs in os.walk('/run') for f in fs if f==sys.argv[1]]\n"
+             "print(json.dumps({'mounted': [m for m in mounts if m.startswith('/run/gpusnap')],"
+             " 'store_listing': sorted(os.listdir(st)) if os.path.isdir(st) else [],"
+             " 'store_path': os.path.exists(sys.argv[2]), 'found': found}))\n")
+    root = env["args"][0].split("=", 2)[2]
+    p = subprocess.run(["runsc", f"--root={root}", "--platform=ptrace", "exec", U("gn"), PY, "-c", probe, marker,
+                        str(cli.store)], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    seen = json.loads(p.stdout.strip().splitlines()[-1])
+    assert seen == {"mounted": ["/run/gpusnap/code"], "store_listing": [], "store_path": False, "found": []}
+
+
+CHANNEL_AGENT = """
+import hashlib, os, random, sys
+sys.path.insert(0, "/run/gpusnap/code/tests")
+from driver_standin import StandInDriver
+from criu_hooks.gpu_agent import run
+from sandbox.gpu.channel import report_frame, write_header
+from sandbox.gpu.driver import Features
+from storage.device import HostDevice
+feats = Features(checkpoint_api=True, custom_storage=True)
+d = StandInDriver()
+me = os.getpid()
+d.add(me, random.Random(5).randbytes(3 << 20) + bytes(2 << 20))
+out, inp = sys.stdout.buffer, sys.stdin.buffer
+kw = dict(driver=d, features=feats, device=HostDevice(), pids=[me])
+write_header(out, report_frame(run("checkpoint", out=out, **kw)))
+out.flush()
+print("released", len(d.procs[me].gpu), file=sys.stderr)
+write_header(out, report_frame(run("restore", out=out, inp=inp, path="custom-storage", **kw)))
+out.flush()
+print("digest", hashlib.sha256(d.procs[me].gpu).hexdigest(), file=sys.stderr)
+"""
+
+
+def test_agent_channel_through_a_real_sandbox(cli: Cli, env: dict) -> None:
+    """The agent's real code inside a real sandbox (its 'GPU memory' the stand-in's real memory there)
+    streams a checkpoint over `runsc exec`'s pipes into the host's store, and takes it back."""
+    import hashlib
+    import random
+    from sandbox.gpu.channel import AgentFrames, read_report, receive, send
+    from sandbox.runsc.runner import Runsc
+    from storage.store import SnapshotStore
+    start_counter(cli, env, U("gc"), ["--gpu-agent"])
+    r = Runsc([a.split("=", 1)[1] for a in env["args"]])
+    p = r.exec_piped(U("gc"), [PY, "-c", CHANNEL_AGENT], env={"PYTHONPATH": "/run/gpusnap/code"},
+                     stderr=subprocess.PIPE)
+    st = SnapshotStore(str(cli.store))
+    try:
+        with st.writer("sb.gpu", meta={"kind": "gpu", "path": "custom-storage"}) as w:
+            frames = AgentFrames(p.stdout, "checkpoint")
+            receive(frames, w)
+            w.commit()
+        assert frames.report is not None and frames.report.states == {str(frames.report.cuda_pids[0]): "CHECKPOINTED"}
+        pid = frames.report.cuda_pids[0]
+        m = st.load("sb.gpu")
+        assert [(s.name, s.size) for s in m.streams] == [(f"gpu/{pid}/0", 5 << 20)]
+        assert send(p.stdin, p.stdout, st, m.streams) == [pid]
+        p.stdin.close()
+        assert read_report(p.stdout, "restore").states == {str(pid): "RUNNING"}
+        assert p.wait(timeout=60) == 0
+        err = p.stderr.read().decode()
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    want = hashlib.sha256(random.Random(5).randbytes(3 << 20) + bytes(2 << 20)).hexdigest()
+    assert "released 0" in err and f"digest {want}" in err, err
+    assert st.verify(["sb.gpu"]).ok
+
+
+STANDIN_AGENT = "/run/gpusnap/code/tests/agent_standin.py"
+
+
+def standin_digest(env: dict, cid: str) -> list[str]:
+    root = env["args"][0].split("=", 2)[2]
+    p = subprocess.run(["runsc", f"--root={root}", "--platform=ptrace", "exec", cid, STANDIN_AGENT, "digest"],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    return p.stdout.split()
+
+
+def test_gpu_sandbox_checkpoint_and_restore_through_the_agent_channel(cli: Cli, env: dict) -> None:
+    """`gpusnap runsc checkpoint/restore` of a sandbox whose agent has custom storage (the stand-in,
+    its state in the sandbox's /tmp): the GPU memory leaves through the agent's pipes into snapshot
+    NAME.gpu on the host, the sandbox is checkpointed holding none of it, and after the restore under
+    a new id the agent gets it back, byte for byte."""
+    import hashlib
+    from agent_standin import memory
+    _, out1 = start_counter(cli, env, U("gs"), ["--gpu-agent"])
+    want = hashlib.sha256(memory()).hexdigest()
+    assert standin_digest(env, U("gs")) == ["RUNNING", want]
+    agent_env = {"GPUSNAP_AGENT_PYTHON": STANDIN_AGENT}
+    cli.run("runsc", "checkpoint", U("gs"), "gsc", *env["args"], "--runsc-arg=--network=none", env=agent_env)
+    meta = cli.json("store", "inspect", "gsc")["meta"]
+    rep = meta["gpu"]["agent_report"]
+    assert rep["path"] == "custom-storage" and rep["cuda_pids"] == [1] and rep["snapshot"] == "gsc.gpu"
+    assert rep["states"] == {"1": "CHECKPOINTED"}
+    gpu = cli.json("store", "inspect", "gsc.gpu")
+    assert [(s["name"], s["size"]) for s in gpu["streams"]] == [("gpu/1/0", len(memory()))], gpu
+    assert gpu["meta"]["kind"] == "gpu" and gpu["meta"]["pids"] == [1]
+    fresh = env["tmp"] / "bundle-gr"
+    env["build"](str(fresh), [PY, "-c", COUNTER])
+    out2 = env["tmp"] / (U("gr") + ".out")
+    cli.run("runsc", "restore", "gsc", U("gr"), "--bundle", str(fresh), "--output", str(out2), env=agent_env)
+    env["made"].append((U("gr"), env["args"]))
+    wait_lines(out2, 2)
+    assert standin_digest(env, U("gr")) == ["RUNNING", want]
+
+
+def test_gpu_agent_channel_refusal_leaves_the_gpu_process_running(cli: Cli, env: dict) -> None:
+    """The host refuses the agent's bytes (over its limit): the agent, its pipe closed, gives the
+    process its memory back; no NAME.gpu snapshot; the sandbox runs on."""
+    import hashlib
+    from agent_standin import memory
+    from sandbox.gpu.channel import ChannelLimits
+    from sandbox.runsc.runner import Runsc
+    from sandbox.runsc.snapshot import RunscSnapshotError, agent_checkpoint
+    from storage.store import SnapshotStore
+    _, out = start_counter(cli, env, U("gl"), ["--gpu-agent"])
+    r = Runsc([a.split("=", 1)[1] for a in env["args"]])
+    os.environ["GPUSNAP_AGENT_PYTHON"] = STANDIN_AGENT
+    try:
+        with pytest.raises(RunscSnapshotError, match="GPU agent .* failed to checkpoint: .*more than 1024 bytes"):
+            agent_checkpoint(r, U("gl"), SnapshotStore(str(cli.store)), "gl.gpu", ChannelLimits(max_total=1024))
+    finally:
+        del os.environ["GPUSNAP_AGENT_PYTHON"]
+    assert standin_digest(env, U("gl")) == ["RUNNING", hashlib.sha256(memory()).hexdigest()]
+    assert cli.json("store", "ls") == []
+    n = len(lines(out))
+    wait_lines(out, n + 2)

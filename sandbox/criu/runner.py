@@ -1,4 +1,10 @@
-"""Run CRIU 4.x: dump and restore process trees with argv lists, keep its log, explain its failures."""
+"""Run CRIU 4.x: dump and restore process trees with argv lists, keep its log, explain its failures.
+
+gpusnap's own CRIU calls never read a CRIU configuration file (`--no-default-config`, and
+CRIU_CONFIG_FILE, which CRIU reads even then, is dropped from its environment), so an `action-script`
+installed there for runc or Podman does not run on top of gpusnap's own GPU handling; OWN_CALL_ENV is
+set in CRIU's environment too, and the action script steps aside when it sees it.
+"""
 from __future__ import annotations
 
 import os
@@ -12,6 +18,25 @@ from storage.errors import GpusnapError
 
 REPO_CRIU = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), ".cache", "criu", "bin", "criu")
 MIN_MAJOR = 4
+OWN_CALL_ENV = "GPUSNAP_OWN_CRIU_CALL"   # set in the environment of gpusnap's own CRIU runs
+PLUGIN_DIR = "/usr/lib/criu"            # CRIU's default plugin directory (--libdir, CRIU_LIBS_DIR override it)
+CUDA_PLUGIN = "cuda_plugin.so"
+
+
+def cuda_plugin(libdir: str | None = None, env: dict[str, str] | None = None) -> str | None:
+    """The path of CRIU's own cuda plugin where CRIU would load it (LIBDIR as `--libdir`, else
+    $CRIU_LIBS_DIR, else /usr/lib/criu, as CRIU looks), or None."""
+    env = os.environ if env is None else env
+    d = libdir or env.get("CRIU_LIBS_DIR") or PLUGIN_DIR
+    p = os.path.join(d, CUDA_PLUGIN)
+    return p if os.path.isfile(p) else None
+
+
+def own_call_env() -> dict[str, str]:
+    """The environment for gpusnap's own CRIU runs: no CRIU_CONFIG_FILE, the marker set."""
+    env = {k: v for k, v in os.environ.items() if k != "CRIU_CONFIG_FILE"}
+    env[OWN_CALL_ENV] = "1"
+    return env
 
 
 class CriuError(GpusnapError):
@@ -109,9 +134,9 @@ class Criu:
         self.version = criu_version(b)
 
     def _run(self, argv: Sequence[str], log_path: str, what: str, timeout: float) -> CriuRun:
-        full = [self.binary, *argv, "-v4", "-o", log_path]
+        full = [self.binary, *argv, "--no-default-config", "-v4", "-o", log_path]
         try:
-            p = subprocess.run(full, capture_output=True, text=True, timeout=timeout)
+            p = subprocess.run(full, capture_output=True, text=True, timeout=timeout, env=own_call_env())
         except subprocess.TimeoutExpired:
             raise CriuError(f"criu {what} did not finish within {timeout:g} s") from None
         run = CriuRun(full, log_path, p.returncode)

@@ -119,30 +119,25 @@ class _GpuSide:
         if self.engine is not None:
             self.engine.close()
 
+    def _backend(self, regions: Any) -> Any:
+        from sandbox.gpu.state import GpuPath, backend_for
+        path = GpuPath.CUSTOM_STORAGE if self.custom else GpuPath.HOST_STAGED
+        return backend_for(path, regions=regions, spill=regions.spill() if regions is not None else None)
+
     def swap_out(self, w: Any, lock_timeout_s: float, progress: Any) -> None:
         """Before CRIU: every CUDA process locked and checkpointed (custom storage: streamed into W)."""
-        if self.custom:
-            from sandbox.gpu.snapshot import swap_out_custom
-            swap_out_custom(self.driver, self.engine, w, self.cuda_pids, lock_timeout_s=lock_timeout_s,
-                            progress=progress)
-            return
-        from sandbox.gpu.checkpoint import checkpoint_all
-        from sandbox.gpu.hugepages import thp
-        with thp("always"):
-            checkpoint_all(self.driver, self.cuda_pids, lock_timeout_s=lock_timeout_s)
+        from sandbox.gpu.regions import EngineRegions
+        from sandbox.gpu.state import Limits, checkpoint
+        regions = EngineRegions.into(self.engine, w, progress) if self.custom else None
+        checkpoint(self.driver, self.cuda_pids, self._backend(regions), Limits(lock_timeout_s=lock_timeout_s))
 
     def swap_in(self, store: SnapshotStore, name: str, streams: list[Any]) -> None:
         """After CRIU (restore, or a dump that must leave the tree as it was): GPU state back, unlocked."""
-        if self.custom:
-            from storage.manifest import Manifest
-            from sandbox.gpu.snapshot import swap_in_custom
-            swap_in_custom(self.driver, self.engine, store, Manifest(name, [s for s in streams if _is_gpu(s)]),
-                           self.cuda_pids)
-            return
-        from sandbox.gpu.checkpoint import restore_all
-        from sandbox.gpu.hugepages import thp
-        with thp("always"):
-            restore_all(self.driver, self.cuda_pids)
+        from sandbox.gpu.regions import EngineRegions
+        from sandbox.gpu.state import thaw
+        regions = (EngineRegions(self.engine, source=store, name=name, streams=[s for s in streams if _is_gpu(s)])
+                   if self.custom else None)
+        thaw(self.driver, self.cuda_pids, self._backend(regions))
 
 
 def _is_gpu(stream: Any) -> bool:

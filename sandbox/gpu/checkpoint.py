@@ -65,6 +65,34 @@ def _safe(fn: Callable[[], None], errors: list[str]) -> None:
         errors.append(str(e))
 
 
+def _lock_all(driver: CheckpointDriver, pids: list[int], lock_timeout_s: float, grace_s: float,
+              ex: ThreadPoolExecutor) -> float:
+    t0 = time.perf_counter()
+    locked, bad, stuck = _run_all(pids, lambda p: driver.lock(p, int(lock_timeout_s * 1000)),
+                                  lock_timeout_s + grace_s, ex)
+    if bad or stuck:
+        errs: list[str] = []
+        if stuck:  # a lock still pending cannot be cancelled: wait out the grace, then undo it too
+            _run_all(stuck, lambda p: _wait_not_busy(driver, p, grace_s), grace_s + 1, ex)
+            locked += [p for p in stuck if _state(driver, p) == ProcessState.LOCKED]
+        for p in locked:
+            _safe(lambda p=p: driver.unlock(p), errs)
+        raise GpuCheckpointError(f"lock failed: {_describe(bad, stuck, 'lock', lock_timeout_s)}; "
+                                 f"unlocked {len(locked)} process(es), all left running"
+                                 + (f"; could not undo: {'; '.join(errs)}" if errs else ""))
+    return time.perf_counter() - t0
+
+
+def lock_all(driver: CheckpointDriver, pids: list[int], *, lock_timeout_s: float = 10.0,
+             grace_s: float = 60.0) -> float:
+    """Lock every pid in parallel (seconds taken); on any failure or timeout every pid this call
+    locked is unlocked again (a late lock after a grace period too) and the error names the culprit."""
+    if not pids:
+        raise GpuCheckpointError("no CUDA processes to lock")
+    with ThreadPoolExecutor(len(pids)) as ex:
+        return _lock_all(driver, pids, lock_timeout_s, grace_s, ex)
+
+
 def checkpoint_all(driver: CheckpointDriver, pids: list[int], *, lock_timeout_s: float = 10.0,
                    op_timeout_s: float = 600.0, grace_s: float = 60.0) -> Timing:
     """Lock every pid, then checkpoint all in parallel; roll everything back on any failure."""
@@ -72,17 +100,7 @@ def checkpoint_all(driver: CheckpointDriver, pids: list[int], *, lock_timeout_s:
         raise GpuCheckpointError("no CUDA processes to checkpoint")
     t = Timing()
     with ThreadPoolExecutor(max(1, len(pids))) as ex:
-        t0 = time.perf_counter()
-        locked, bad, stuck = _run_all(pids, lambda p: driver.lock(p, int(lock_timeout_s * 1000)),
-                                      lock_timeout_s + grace_s, ex)
-        t.lock_s = time.perf_counter() - t0
-        if bad or stuck:
-            errs: list[str] = []
-            for p in locked:
-                _safe(lambda p=p: driver.unlock(p), errs)
-            raise GpuCheckpointError(f"lock failed: {_describe(bad, stuck, 'lock', lock_timeout_s)}; "
-                                     f"unlocked {len(locked)} process(es), all left running"
-                                     + (f"; could not undo: {'; '.join(errs)}" if errs else ""))
+        t.lock_s = _lock_all(driver, pids, lock_timeout_s, grace_s, ex)
 
         def one(p: int) -> None:
             s = time.perf_counter()

@@ -156,7 +156,9 @@ class PoolServer:
         return {}
 
     def op_swap_out(self, req: dict[str, Any]) -> dict[str, Any]:
-        from sandbox.gpu.snapshot import cuda_pids_of, swap_out_custom
+        from sandbox.gpu.regions import EngineRegions
+        from sandbox.gpu.snapshot import cuda_pids_of
+        from sandbox.gpu.state import GpuPath, backend_for, freeze
         if not self.features.custom_storage:
             raise PoolDaemonError("the memory tier needs the driver's custom-storage API (CUDA 13.4, driver R615+); "
                                   f"this driver offers {self.features.path}: use `gpusnap gpu checkpoint` into a store")
@@ -164,15 +166,18 @@ class PoolServer:
         pids = cuda_pids_of(pid, self.driver)
         t0 = time.perf_counter()
         with self.pool.writer(name) as w:
-            seconds = swap_out_custom(self.driver, self.engine, w, pids)
-            w.commit()
+            regions = EngineRegions.into(self.engine, w)
+            with freeze(self.driver, pids, backend_for(GpuPath.CUSTOM_STORAGE, regions=regions,
+                                                       spill=regions.spill())) as rep:
+                w.commit()
         self.meta[name] = {"pids": pids, "root_pid": pid, "swapped_out": True,
                            "raw_bytes": w.stats.raw_bytes, "stored_bytes": w.stats.bytes_new + w.stats.bytes_dedup}
-        return {"name": name, "pids": pids, "seconds": {**seconds, "total": time.perf_counter() - t0},
+        return {"name": name, "pids": pids, "seconds": {**rep.seconds, "total": time.perf_counter() - t0},
                 "raw_bytes": w.stats.raw_bytes, "new_bytes": w.stats.bytes_new}
 
     def op_swap_in(self, req: dict[str, Any]) -> dict[str, Any]:
-        from sandbox.gpu.snapshot import swap_in_custom
+        from sandbox.gpu.regions import EngineRegions
+        from sandbox.gpu.state import GpuPath, backend_for, thaw
         name = str(req["name"])
         m = self.pool.load(name)
         info = self.meta.get(name)
@@ -180,9 +185,10 @@ class PoolServer:
             raise PoolDaemonError(f"{name!r} is not swapped out")
         if int(req["pid"]) not in (info["root_pid"], *info["pids"]):
             raise PoolDaemonError(f"{name!r} was taken of pid {info['root_pid']}, not {req['pid']}")
-        seconds = swap_in_custom(self.driver, self.engine, self.pool, m, info["pids"])
+        rep = thaw(self.driver, info["pids"], backend_for(GpuPath.CUSTOM_STORAGE,
+                                                          regions=EngineRegions.of(self.engine, self.pool, m)))
         info["swapped_out"] = False
-        return {"name": name, "pids": info["pids"], "seconds": seconds}
+        return {"name": name, "pids": info["pids"], "seconds": rep.seconds}
 
 
 def _alive(path: str) -> bool:

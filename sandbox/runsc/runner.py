@@ -125,6 +125,13 @@ class Runsc:
         envs = [a for k, v in (env or {}).items() for a in ("-env", f"{k}={v}")]
         return self._run(f"exec {cid}", "exec", *envs, cid, *argv, timeout=timeout).stdout
 
+    def exec_piped(self, cid: str, argv: Sequence[str], env: dict[str, str] | None = None,
+                   stderr: Any = None) -> subprocess.Popen[bytes]:
+        """`runsc exec` of ARGV in CID with its stdin and stdout as binary pipes to the caller."""
+        envs = [a for k, v in (env or {}).items() for a in ("-env", f"{k}={v}")]
+        return subprocess.Popen(self.argv("exec", *envs, cid, *argv), stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=stderr)
+
     def checkpoint(self, cid: str, image_path: str, *, leave_running: bool = False,
                    uncompressed: bool = False) -> None:
         args = ["checkpoint", "-image-path", image_path]

@@ -12,6 +12,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -21,6 +24,7 @@ from storage.filetree import FileTreeSink, FileTreeSource
 from storage.store import SnapshotStore
 
 from sandbox import netns as nets
+from sandbox.gpu.channel import AgentFrames, AgentReport, ChannelError, ChannelLimits, read_report, receive, send
 from sandbox.criu.snapshot import staging_dir
 from sandbox.runsc.oci_bundle import add_bind, add_gpus, bundle_netns, load_spec, save_spec, set_bundle_netns
 from sandbox.runsc.runner import Runsc, RunscError
@@ -29,9 +33,9 @@ from storage.errors import GpusnapError
 
 NET_SIDECAR = "gpusnap-net.json"  # in the bundle: the NetConfig gpusnap made for this sandbox
 RUN_SIDECAR = "gpusnap-run.json"  # in the bundle: where the sandbox's output goes
-GPU_SIDECAR = "gpusnap-gpu.json"  # in the bundle: GPUs, nvproxy flags, where the GPU agent finds code and store
-AGENT_CODE = "/run/gpusnap/code"   # gpusnap's code inside a GPU sandbox (read-only bind)
-AGENT_STORE = "/run/gpusnap/store"  # the store inside a GPU sandbox (bind), for custom storage
+GPU_SIDECAR = "gpusnap-gpu.json"  # in the bundle: GPUs, nvproxy flags, whether the GPU agent is wired in
+AGENT_CODE = "/run/gpusnap/code"   # gpusnap's code inside a GPU sandbox (read-only bind; the store is never mounted)
+AGENT_TIMEOUT_S = 3600.0
 CODE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -89,45 +93,161 @@ def _gpu_of(bundle: str) -> dict[str, Any] | None:
         return None
 
 
-def prepare_gpu(bundle: str, r: Runsc, gpus: Sequence[int], store_path: str, *, agent: bool = True,
+def prepare_gpu(bundle: str, r: Runsc, gpus: Sequence[int], *, agent: bool = True,
                 driver_version: str | None = None) -> list[str]:
-    """Make BUNDLE a GPU sandbox: the NVIDIA devices (nvproxy) for GPUS, gpusnap's code and the store
-    bind-mounted for the GPU agent; recorded in the bundle. Returns the extra runsc global flags.
-    Refuses, before touching the bundle, when this runsc has no nvproxy."""
+    """Make BUNDLE a GPU sandbox: the NVIDIA devices (nvproxy) for GPUS, gpusnap's code bind-mounted
+    read-only for the GPU agent (the store is not: GPU memory reaches it over the agent's pipes);
+    recorded in the bundle. Returns the extra runsc global flags. Refuses, before touching the
+    bundle, when this runsc has no nvproxy."""
     gpu_args = r.features().gpu_args(driver_version=driver_version) if gpus else []
     cfg = load_spec(bundle)
     if gpus:
         add_gpus(cfg, gpus)
     if agent:
         add_bind(cfg, CODE_ROOT, AGENT_CODE, readonly=True)
-        add_bind(cfg, store_path, AGENT_STORE)
     save_spec(bundle, cfg)
     with open(os.path.join(bundle, GPU_SIDECAR), "w") as f:
         json.dump({"gpus": list(gpus), "runsc_args": gpu_args, "agent": agent}, f)
     return gpu_args
 
 
-def agent(r: Runsc, cid: str, action: str, *, name: str | None = None, pids: Sequence[int] | None = None,
-          timeout: float = 600) -> dict[str, Any]:
-    """Run the GPU agent (criu_hooks/gpu_agent.py) inside sandbox CID through `runsc exec`."""
-    py = os.environ.get("GPUSNAP_AGENT_PYTHON", "python3")
-    argv = [py, "-m", "criu_hooks.gpu_agent", action]
-    if name:
-        argv += ["--store", AGENT_STORE, "--name", name]
-    if pids is not None:
-        argv += ["--pids", ",".join(map(str, pids))]
-    try:
-        out = r.exec(cid, argv, timeout=timeout, env={"PYTHONPATH": AGENT_CODE})
-    except RunscError as e:
-        raise RunscSnapshotError(f"the GPU agent in {cid!r} failed to {action}: {e}") from None
-    try:
-        return json.loads(out.strip().splitlines()[-1])
-    except (ValueError, IndexError):
-        raise RunscSnapshotError(f"the GPU agent in {cid!r} gave no report for {action}: {out[-200:]!r}") from None
+class _AgentExit(Exception):
+    """The agent exited non-zero (its own stderr line says why)."""
+
+
+class _AgentExec:
+    """The GPU agent (criu_hooks/gpu_agent.py) running inside sandbox CID through `runsc exec`, its
+    stdin and stdout piped to this process (the channel, sandbox/gpu/channel.py). An agent that has
+    not finished within AGENT_TIMEOUT_S is killed, which ends every read and write on its pipes."""
+
+    def __init__(self, r: Runsc, cid: str, args: Sequence[str]) -> None:
+        py = os.environ.get("GPUSNAP_AGENT_PYTHON", "python3")
+        self.cid, self.action = cid, args[0]
+        self.err = tempfile.TemporaryFile()
+        try:
+            self.p = r.exec_piped(cid, [py, "-m", "criu_hooks.gpu_agent", *args], env={"PYTHONPATH": AGENT_CODE},
+                                  stderr=self.err)
+        except OSError as e:
+            self.err.close()
+            raise RunscSnapshotError(f"cannot start the GPU agent in {cid!r}: {e.strerror}") from None
+        self.stdin, self.stdout = self.p.stdin, self.p.stdout
+        self.watchdog = threading.Timer(AGENT_TIMEOUT_S, self.p.kill)
+        self.watchdog.daemon = True
+        self.watchdog.start()
+
+    def __enter__(self) -> "_AgentExec":
+        return self
+
+    def __exit__(self, et: Any, *exc: object) -> None:
+        self.stop()
+        self.err.close()
+
+    def stop(self) -> None:
+        """Our ends closed (an agent still streaming then fails its next write and rolls back), and
+        the agent waited for."""
+        self._close()
+        try:
+            self.p.wait(timeout=AGENT_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            self.p.kill()
+            self.p.wait()
+        self.watchdog.cancel()
+
+    def _close(self) -> None:
+        for f in (self.stdin, self.stdout):
+            try:
+                f.close()
+            except OSError:
+                pass
+
+    def failed(self, e: BaseException) -> RunscSnapshotError:
+        """E as the agent's failure, with the agent's own one-line reason where it gave one."""
+        self.stop()
+        rc = self.p.returncode
+        self.err.seek(0)
+        lines = [l for l in self.err.read().decode(errors="replace").splitlines() if l.strip()]
+        agent_says = lines[-1].strip() if rc and lines else None
+        ours = None if isinstance(e, _AgentExit) else (str(e).splitlines() or [type(e).__name__])[0]
+        why = "; ".join(w for w in (ours, f"the agent: {agent_says}" if ours and agent_says else agent_says) if w)
+        return RunscSnapshotError(f"the GPU agent in {self.cid!r} failed to {self.action}: {why or f'exit {rc}'}")
+
+    def finish(self) -> None:
+        self.stop()
+        if self.p.returncode:
+            raise self.failed(_AgentExit())
+
+
+def agent_checkpoint(r: Runsc, cid: str, store: SnapshotStore, gpu_name: str,
+                     limits: ChannelLimits = ChannelLimits()) -> dict[str, Any]:
+    """The agent's checkpoint in sandbox CID; GPU memory it streams out (custom storage) is committed
+    as snapshot GPU_NAME, which the host names. Returns its validated report (+ "snapshot"). On any
+    failure the processes whose memory already reached the host get it back, and none stays frozen."""
+    meta = {"kind": "gpu", "path": "custom-storage", "root_pid": None, "pids": [], "gpus": [],
+            "driver": None}
+    with _AgentExec(r, cid, ["checkpoint"]) as a, store.writer(gpu_name, replace=True, meta=meta) as w:
+        frames = AgentFrames(a.stdout, "checkpoint", limits)
+        try:
+            try:
+                receive(frames, w)
+                a.finish()
+            except RunscSnapshotError:
+                raise
+            except Exception as e:  # noqa: BLE001 - the agent's or the channel's failure, one line
+                raise a.failed(e) from None
+            rep = frames.report
+            assert rep is not None
+            out = {**rep.as_dict(), "snapshot": None}
+            if frames.complete:
+                w.meta.update(pids=list(rep.cuda_pids), root_pid=min(rep.cuda_pids, default=None))
+                w.commit()
+                out["snapshot"] = gpu_name
+            return out
+        except BaseException as e:
+            a.stop()
+            if frames.complete:  # their memory is in this (uncommitted) writer: hand it back
+                try:
+                    agent_restore(r, cid, pids=None, path="custom-storage", source=store, streams=w.streams,
+                                  have=frames.complete)
+                except Exception as u:  # noqa: BLE001 - both failures, in one line
+                    raise RunscSnapshotError(f"{str(e).splitlines()[0] if str(e) else type(e).__name__}; and giving "
+                                             f"the GPU memory back failed too: {u}") from None
+            raise
+
+
+def agent_restore(r: Runsc, cid: str, *, pids: Sequence[int] | None, path: str | None, source: Any = None,
+                  streams: list[Any] | None = None, have: dict[int, list[int]] | None = None) -> dict[str, Any]:
+    """The agent's restore in sandbox CID for PIDS (None: every process the driver knows there); with
+    custom storage, the GPU memory it asks for is sent from STREAMS (only processes in HAVE, if given)."""
+    args = ["restore"] + (["--pids", ",".join(map(str, pids))] if pids is not None else [])
+    args += ["--path", path] if path else []
+    with _AgentExec(r, cid, args) as a:
+        try:
+            if path == "custom-storage":
+                send(a.stdin, a.stdout, source, streams or [], have)
+            rep = read_report(a.stdout, "restore")
+            a.finish()
+        except RunscSnapshotError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            raise a.failed(e) from None
+    return rep.as_dict()
+
+
+def agent(r: Runsc, cid: str, action: str) -> dict[str, Any]:
+    """An agent action that moves no GPU memory (status, toggle), its validated report."""
+    with _AgentExec(r, cid, [action]) as a:
+        try:
+            rep = read_report(a.stdout, action)
+            a.finish()
+        except RunscSnapshotError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            raise a.failed(e) from None
+    return rep.as_dict()
 
 
 def run(cid: str, bundle: str, runsc_args: Sequence[str], output: str, net: nets.NetConfig | None = None, *,
-        gpus: Sequence[int] = (), gpu_agent: bool = False, store_path: str | None = None,
+        gpus: Sequence[int] = (), gpu_agent: bool = False,
         driver_version: str | None = None) -> None:
     """Start sandbox CID from BUNDLE; with NET, in its own namespace (made here, recorded in the bundle);
     with GPUS (or gpu_agent), as a GPU sandbox (prepare_gpu) whose GPU state checkpoint handles."""
@@ -137,12 +257,10 @@ def run(cid: str, bundle: str, runsc_args: Sequence[str], output: str, net: nets
     spec_path = os.path.join(bundle, "config.json")
     original = None
     if gpus or gpu_agent:
-        if store_path is None:
-            raise RunscSnapshotError("a GPU sandbox needs the store path (for the GPU agent)")
         with open(spec_path) as f:
             original = f.read()
         try:
-            r = Runsc([*runsc_args, *prepare_gpu(bundle, r, gpus, store_path, driver_version=driver_version)])
+            r = Runsc([*runsc_args, *prepare_gpu(bundle, r, gpus, driver_version=driver_version)])
         except BaseException:
             _undo_gpu(bundle, original)
             raise
@@ -224,7 +342,7 @@ def checkpoint(store: SnapshotStore, cid: str, name: str, runsc_args: Sequence[s
         try:
             if gpu and gpu.get("agent"):
                 t0 = time.perf_counter()
-                gpu_rep = agent(r, cid, "checkpoint", name=_gpu_name(name))
+                gpu_rep = agent_checkpoint(r, cid, store, _gpu_name(name), ChannelLimits.for_gpus(len(gpu.get("gpus") or [])))
                 meta["gpu"] = {**gpu, "agent_report": gpu_rep}
                 report.seconds["gpu_checkpoint"] = time.perf_counter() - t0
             t0 = time.perf_counter()
@@ -243,7 +361,7 @@ def checkpoint(store: SnapshotStore, cid: str, name: str, runsc_args: Sequence[s
             if leave_running:
                 t0 = time.perf_counter()
                 _restart(r, cid, bundle, images, net)
-                _gpu_back(r, cid, gpu_rep)
+                _gpu_back(r, cid, gpu_rep, store, name)
                 report.seconds["restart"] = time.perf_counter() - t0
             t0 = time.perf_counter()
             src = FileTreeSource([images])
@@ -258,7 +376,7 @@ def checkpoint(store: SnapshotStore, cid: str, name: str, runsc_args: Sequence[s
                 # runsc stopped it but the snapshot did not commit: bring it back from staging
                 _restart(r, cid, bundle, images, net)
             if not leave_running or "restart" not in report.seconds:
-                _gpu_back(r, cid, gpu_rep)
+                _gpu_back(r, cid, gpu_rep, store, name)
             if gpu_rep and gpu_rep.get("snapshot") and store.exists(gpu_rep["snapshot"]):
                 store.remove(gpu_rep["snapshot"])
             raise
@@ -268,10 +386,19 @@ def checkpoint(store: SnapshotStore, cid: str, name: str, runsc_args: Sequence[s
     return report
 
 
-def _gpu_back(r: Runsc, cid: str, rep: dict[str, Any] | None) -> None:
-    """The agent's restore for the CUDA processes its checkpoint reported (none: nothing to do)."""
-    if rep and rep.get("cuda_pids"):
-        agent(r, cid, "restore", name=rep.get("snapshot"), pids=rep["cuda_pids"])
+def _gpu_back(r: Runsc, cid: str, rep: dict[str, Any] | None, store: SnapshotStore, name: str) -> None:
+    """The agent's restore for the CUDA processes the checkpoint of snapshot NAME reported (none:
+    nothing to do), their GPU memory fed from NAME.gpu where it took custom storage. The report comes
+    from a manifest: only its pids (checked as integers) and path are used, never a snapshot name."""
+    if not rep or not rep.get("cuda_pids"):
+        return
+    try:
+        report = AgentReport.from_frame({**rep, "states": {}, "init": []}, str(rep.get("action")))
+    except ChannelError as e:
+        raise RunscSnapshotError(f"snapshot {name!r}: its GPU agent record is damaged ({e})") from None
+    m = store.load(_gpu_name(name)) if report.path == "custom-storage" else None
+    agent_restore(r, cid, pids=list(report.cuda_pids), path=report.path, source=store,
+                  streams=m.streams if m is not None else None)
 
 
 def _restart(r: Runsc, cid: str, bundle: str, images: str, net: nets.NetConfig | None) -> None:
@@ -308,7 +435,7 @@ def restore(store: SnapshotStore, name: str, cid: str, bundle: str, *, runsc_arg
             pipeline.get(store, m, FileTreeSink(os.path.join(stage, "out")), progress=progress)
             report.seconds["materialize"] = time.perf_counter() - t0
             if gpu:
-                prepare_gpu(bundle, Runsc(args), gpu.get("gpus", []), store.path, agent=bool(gpu.get("agent")))
+                prepare_gpu(bundle, Runsc(args), gpu.get("gpus", []), agent=bool(gpu.get("agent")))
             if net is not None:
                 if not nets.exists(net):
                     nets.create(net)
@@ -326,7 +453,7 @@ def restore(store: SnapshotStore, name: str, cid: str, bundle: str, *, runsc_arg
             report.seconds["runsc_restore"] = time.perf_counter() - t0
             if gpu.get("agent_report", {}).get("cuda_pids"):
                 t0 = time.perf_counter()
-                _gpu_back(r, cid, gpu["agent_report"])
+                _gpu_back(r, cid, gpu["agent_report"], store, name)
                 report.seconds["gpu_restore"] = time.perf_counter() - t0
         except BaseException:
             if r.state(cid) is not None:
