@@ -1,0 +1,381 @@
+"""`gpusnap hook install|status|uninstall`: make runc, Podman and CRI-O checkpoints run gpusnap's CRIU hook.
+
+What install does (as root), each step idempotent (two installs = one):
+- writes LIB_DIR/gpusnap-criu-hook, a small shell script that runs the `gpusnap-criu-hook` entry point
+  with the Python and module path of this installation (CRIU execs a path; this one always exists),
+  and checks that it starts;
+- adds gpusnap's block (a marker comment and `action-script PATH`) to the CRIU config file the runtime's
+  CRIU reads: CONFIG_DIR/runc.conf for all three (runc passes it to CRIU over RPC for every
+  checkpoint/restore unless the container's `org.criu.config` annotation names another file; Podman
+  and CRI-O checkpoint through runc);
+- makes CRIU >= 4 the first `criu` on PATH, which is where runc and Podman look: only when the first
+  one found is missing or older, by a link SBIN_DIR/criu to the CRIU gpusnap uses;
+- records what it created in LIB_DIR/hook-install.json.
+Uninstall removes exactly that: gpusnap's lines from the configs (a config that existed before is
+byte-identical afterwards, one gpusnap created is deleted), the link it made, the script, the record.
+"""
+from __future__ import annotations
+
+import enum
+import importlib.metadata
+import importlib.util
+import json
+import os
+import shlex
+import shutil
+import stat
+import subprocess
+import sys
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from storage.errors import GpusnapError, UnavailableError
+
+from sandbox.containers import config_block
+from sandbox.containers.pinned_dir import PinnedDir, PinnedDirError, pinned, remove_if_empty
+from sandbox.criu.runner import MIN_MAJOR, criu_version, find_criu
+
+HOOK_NAME = "gpusnap-criu-hook"
+RECORD_NAME = "hook-install.json"
+ENTRY_POINT_DEFAULT = "criu_hooks.action_script:main"
+PODMAN_MIN = (3, 11, 0)          # Podman refuses older CRIU: "requires at least CRIU 31100"
+CUDA_PLUGIN_DIRS = ("/usr/lib/criu", "/usr/local/lib/criu", "/usr/lib64/criu")
+
+
+class HookInstallError(GpusnapError):
+    """The hook cannot be installed, inspected or removed as asked (the message says what to do)."""
+
+
+class Runtime(enum.Enum):
+    RUNC = "runc"
+    PODMAN = "podman"
+    CRIO = "crio"
+
+
+# The CRIU config file each runtime's CRIU reads (all through runc's RPC call to CRIU).
+CONFIG_FILE = {Runtime.RUNC: "runc.conf", Runtime.PODMAN: "runc.conf", Runtime.CRIO: "runc.conf"}
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where install puts things (the defaults are the real locations; tests point them elsewhere)."""
+
+    config_dir: str = "/etc/criu"
+    lib_dir: str = "/usr/local/lib/gpusnap"
+    sbin_dir: str = "/usr/local/sbin"
+
+    @property
+    def hook_path(self) -> str:
+        return os.path.join(self.lib_dir, HOOK_NAME)
+
+
+@dataclass(frozen=True)
+class ConfigRecord:
+    path: str
+    created_file: bool
+    created_dir: bool
+    added_newline: bool
+
+
+@dataclass(frozen=True)
+class Record:
+    """What install created, so uninstall removes only that."""
+
+    hook: str
+    runtimes: tuple[str, ...]
+    configs: tuple[ConfigRecord, ...]
+    criu_link: str | None = None
+    criu_link_target: str | None = None
+    created_lib_dir: bool = False
+
+    def to_json(self) -> bytes:
+        return (json.dumps(asdict(self), indent=2, sort_keys=True) + "\n").encode()
+
+    @classmethod
+    def from_json(cls, data: bytes, where: str) -> "Record":
+        try:
+            v = json.loads(data)
+            configs = tuple(ConfigRecord(str(c["path"]), bool(c["created_file"]), bool(c["created_dir"]),
+                                         bool(c["added_newline"])) for c in v["configs"])
+            rec = cls(str(v["hook"]), tuple(str(r) for r in v["runtimes"]), configs,
+                      v.get("criu_link") and str(v["criu_link"]), v.get("criu_link_target") and str(v["criu_link_target"]),
+                      bool(v.get("created_lib_dir", False)))
+        except (ValueError, KeyError, TypeError) as e:
+            raise HookInstallError(f"{where}: not a gpusnap install record ({e}); remove gpusnap's lines by hand") from None
+        if any(not os.path.isabs(p) for p in [rec.hook, *(c.path for c in rec.configs)]):
+            raise HookInstallError(f"{where}: paths in the record must be absolute")
+        return rec
+
+
+@dataclass(frozen=True)
+class CriuOnPath:
+    path: str | None
+    version: tuple[int, int, int] | None
+
+    @property
+    def usable(self) -> bool:
+        return self.version is not None and self.version[0] >= MIN_MAJOR
+
+    def describe(self) -> str:
+        if self.path is None:
+            return "no criu on PATH"
+        v = ".".join(map(str, self.version)) if self.version else "version unknown"
+        return f"{self.path} ({v})"
+
+
+@dataclass(frozen=True)
+class InstallReport:
+    hook: str
+    configs: tuple[str, ...]
+    changed: tuple[str, ...]       # what this run created or modified (empty: already installed)
+    criu: str                      # the criu runc and Podman will find on PATH
+    warnings: tuple[str, ...] = field(default=())
+
+
+def require_root() -> None:
+    if os.geteuid() != 0:
+        raise HookInstallError("must run as root: it writes CRIU's configuration and a program CRIU runs as root")
+
+
+def criu_on_path(path_env: str | None = None) -> CriuOnPath:
+    """The `criu` that runc and Podman exec: the first one on PATH."""
+    found = shutil.which("criu", path=path_env if path_env is not None else os.environ.get("PATH", ""))
+    return CriuOnPath(found, criu_version(found) if found else None)
+
+
+def cuda_plugins() -> list[str]:
+    """CRIU cuda plugins installed where CRIU loads plugins from (they would handle GPUs too)."""
+    dirs = [d for d in (os.environ.get("CRIU_LIBS_DIR"), *CUDA_PLUGIN_DIRS) if d]
+    return [p for p in (os.path.join(d, "cuda_plugin.so") for d in dirs) if os.path.exists(p)]
+
+
+# --- the hook script ---------------------------------------------------------------------------
+
+def _entry_point() -> tuple[str, str]:
+    """(module, function) of the installed `gpusnap-criu-hook` entry point (the package's default if
+    this copy is used without being pip-installed)."""
+    eps = importlib.metadata.entry_points(group="console_scripts", name=HOOK_NAME)
+    value = next(iter(eps)).value if eps else ENTRY_POINT_DEFAULT
+    module, _, func = value.partition(":")
+    return module.strip(), (func or "main").strip()
+
+
+def hook_script() -> bytes:
+    """The shell script CRIU execs: this Python, isolated from the caller's environment (-I), with
+    this installation's module path, calling the entry point."""
+    module, func = _entry_point()
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.origin:
+        raise HookInstallError(f"the hook module {module} is not importable by {sys.executable}")
+    levels = module.count(".") + (2 if os.path.basename(spec.origin) == "__init__.py" else 1)
+    root = spec.origin
+    for _ in range(levels):
+        root = os.path.dirname(root)
+    extra = [root, *(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if os.path.isabs(p))]
+    code = (f"import sys; sys.path[:0] = {list(dict.fromkeys(extra))!r}; sys.argv[0] = {HOOK_NAME!r}; "
+            f"from {module} import {func} as main; sys.exit(main())")
+    return ("#!/bin/sh\n"
+            f"# {HOOK_NAME}: written by `gpusnap hook install`, removed by `gpusnap hook uninstall`.\n"
+            "# CRIU runs it as its action script; it runs gpusnap's hook with the Python that installed it.\n"
+            f"exec {shlex.quote(os.path.abspath(sys.executable))} -I -c {shlex.quote(code)} \"$@\"\n").encode()
+
+
+def _check_hook_runs(path: str) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CRTOOLS_")}
+    try:
+        p = subprocess.run([path, "--help"], capture_output=True, text=True, timeout=60, env=env)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise HookInstallError(f"{path} does not run: {e}") from None
+    if p.returncode != 0:
+        last = (p.stderr.strip().splitlines() or [f"exit {p.returncode}"])[-1]
+        raise HookInstallError(f"{path} does not run: {last}")
+
+
+# --- install / uninstall -----------------------------------------------------------------------
+
+def _load_record(lib: PinnedDir) -> Record | None:
+    data = lib.read(RECORD_NAME)
+    return None if data is None else Record.from_json(data, os.path.join(lib.path, RECORD_NAME))
+
+
+def _source_criu(explicit: str | None) -> str:
+    c = explicit or find_criu()
+    if c is None:
+        raise UnavailableError(f"no CRIU >= {MIN_MAJOR} on this machine: install it (scripts/install-criu.sh) "
+                               f"and pass --criu PATH")
+    v = criu_version(c)
+    if v is None or v[0] < MIN_MAJOR:
+        raise HookInstallError(f"{c}: not CRIU >= {MIN_MAJOR} (criu --version says {v})")
+    return os.path.realpath(c)
+
+
+def _make_criu_findable(layout: Layout, old: Record | None, explicit: str | None, path_env: str,
+                        changed: list[str], warnings: list[str]) -> tuple[str | None, str | None]:
+    """(link, target) made or kept so that CRIU >= 4 is first on PATH; (None, None) if it already was."""
+    if old and old.criu_link and os.path.islink(old.criu_link) and os.readlink(old.criu_link) == old.criu_link_target:
+        return old.criu_link, old.criu_link_target
+    first = criu_on_path(path_env)
+    if first.usable:
+        return None, None
+    target = _source_criu(explicit)
+    link = os.path.join(layout.sbin_dir, "criu")
+    with pinned(layout.sbin_dir, create=True) as sbin:
+        if sbin.lstat("criu") is not None:
+            raise HookInstallError(f"{link} exists and was not made by gpusnap ({first.describe()} is first on "
+                                   f"PATH); replace it with CRIU >= {MIN_MAJOR} yourself, or put one earlier on PATH")
+        sbin.symlink("criu", target)
+        changed.append(link)
+    now = criu_on_path(path_env)
+    if not now.usable:
+        warnings.append(f"{link} -> {target} is not what PATH finds first ({now.describe()}); put "
+                        f"{layout.sbin_dir} before it on PATH for runc and Podman")
+    return link, target
+
+
+def install(runtimes: list[Runtime], layout: Layout = Layout(), criu: str | None = None,
+            path_env: str | None = None) -> InstallReport:
+    require_root()
+    path_env = os.environ.get("PATH", "") if path_env is None else path_env
+    changed: list[str] = []
+    warnings: list[str] = []
+    if cuda_plugins():
+        warnings.append(f"a CRIU cuda plugin is installed ({', '.join(cuda_plugins())}): it checkpoints GPU "
+                        f"processes too; keep only one of the plugin and this hook")
+    with pinned(layout.lib_dir, create=True) as lib:
+        old = _load_record(lib)
+        script = hook_script()
+        if lib.read(HOOK_NAME) != script:
+            lib.write(HOOK_NAME, script, 0o755)
+            changed.append(layout.hook_path)
+        _check_hook_runs(layout.hook_path)
+        link, target = _make_criu_findable(layout, old, criu, path_env, changed, warnings)
+        configs = {c.path: c for c in (old.configs if old else ())}
+        names = sorted({CONFIG_FILE[r] for r in runtimes})
+        with pinned(layout.config_dir, create=True) as cfg:
+            for name in names:
+                path = os.path.join(cfg.path, name)
+                before = cfg.read(name)
+                try:
+                    added = config_block.add(before or b"", layout.hook_path)
+                except config_block.BadHookPath as e:
+                    raise HookInstallError(str(e)) from None
+                if added.changed:
+                    cfg.write(name, added.data, 0o644)
+                    changed.append(path)
+                if path not in configs:
+                    configs[path] = ConfigRecord(path, before is None, cfg.created, added.added_newline)
+        all_runtimes = sorted({*(old.runtimes if old else ()), *(r.value for r in runtimes)})
+        rec = Record(layout.hook_path, tuple(all_runtimes), tuple(configs.values()), link, target,
+                     old.created_lib_dir if old else lib.created)
+        if old != rec:
+            lib.write(RECORD_NAME, rec.to_json(), 0o644)
+    return InstallReport(layout.hook_path, tuple(configs), tuple(changed), criu_on_path(path_env).describe(),
+                         tuple(warnings))
+
+
+def _remove_config(c: ConfigRecord) -> list[str]:
+    d, name = os.path.split(c.path)
+    done = []
+    try:
+        with pinned(d) as cfg:
+            data = cfg.read(name)
+            if data is not None:
+                new = config_block.remove(data, c.added_newline)
+                if c.created_file and not new.strip():
+                    cfg.unlink(name)
+                    done.append(f"removed {c.path}")
+                elif new != data:
+                    cfg.write(name, new)
+                    done.append(f"restored {c.path}")
+    except PinnedDirError:
+        return done
+    if c.created_dir and remove_if_empty(d):
+        done.append(f"removed {d}")
+    return done
+
+
+def _remove_link(rec: Record) -> list[str]:
+    if not rec.criu_link:
+        return []
+    d, name = os.path.split(rec.criu_link)
+    try:
+        with pinned(d) as sbin:
+            if sbin.readlink(name) == rec.criu_link_target and sbin.unlink(name):
+                return [f"removed {rec.criu_link}"]
+    except PinnedDirError:
+        pass
+    return []
+
+
+def uninstall(layout: Layout = Layout()) -> list[str]:
+    """Remove what install made; returns what was done ("removed PATH", "restored PATH"; [] if nothing
+    was installed)."""
+    require_root()
+    if not os.path.lexists(layout.lib_dir):
+        return []
+    with pinned(layout.lib_dir) as lib:
+        rec = _load_record(lib)
+        if rec is None:
+            return []
+        done = [p for c in rec.configs for p in _remove_config(c)] + _remove_link(rec)
+        if lib.lstat(HOOK_NAME) is not None and lib.unlink(HOOK_NAME):
+            done.append(f"removed {rec.hook}")
+        lib.unlink(RECORD_NAME)
+    if rec.created_lib_dir and remove_if_empty(layout.lib_dir):
+        done.append(f"removed {layout.lib_dir}")
+    return done
+
+
+# --- status ------------------------------------------------------------------------------------
+
+def status(layout: Layout = Layout(), path_env: str | None = None) -> dict[str, Any]:
+    """What is installed where, which criu each runtime uses, and anything that would break a checkpoint."""
+    path_env = os.environ.get("PATH", "") if path_env is None else path_env
+    first = criu_on_path(path_env)
+    hook = layout.hook_path
+    hook_ok = os.path.isfile(hook) and os.access(hook, os.X_OK)
+    rec = None
+    problems: list[str] = []
+    try:
+        with pinned(layout.lib_dir) as lib:
+            rec = _load_record(lib)
+    except (PinnedDirError, HookInstallError) as e:
+        if not isinstance(e, PinnedDirError) or "no such directory" not in str(e):
+            problems.append(str(e))
+    configs = []
+    for name in sorted({*CONFIG_FILE.values(), "default.conf"}):
+        path = os.path.join(layout.config_dir, name)
+        try:
+            with pinned(layout.config_dir) as cfg:
+                data = cfg.read(name)
+        except PinnedDirError as e:
+            data = None
+            if "no such directory" not in str(e):
+                problems.append(str(e))
+        scripts = config_block.action_scripts(data or b"")
+        for p, _ in scripts:
+            if not (os.path.isfile(p) and os.access(p, os.X_OK)):
+                problems.append(f"{path}: action-script {p} does not exist or is not executable; every "
+                                f"checkpoint that reads this file fails (criu: type NOTIFY errno 0)")
+        configs.append({"path": path, "exists": data is not None,
+                        "read_by": [r.value for r in Runtime if CONFIG_FILE[r] == name] if name != "default.conf"
+                        else ["every plain criu command line", "runc's CRIU too"],
+                        "action_scripts": [{"path": p, "gpusnap": ours} for p, ours in scripts]})
+    installed = hook_ok and any(s["gpusnap"] and s["path"] == hook for c in configs for s in c["action_scripts"])
+    runtimes = {}
+    for r in Runtime:
+        need = PODMAN_MIN if r is Runtime.PODMAN else (MIN_MAJOR, 0, 0)
+        ok = first.version is not None and first.version >= need and first.usable
+        runtimes[r.value] = {"config": os.path.join(layout.config_dir, CONFIG_FILE[r]), "criu": first.path,
+                             "criu_version": ".".join(map(str, first.version)) if first.version else None,
+                             "criu_ok": ok}
+    if not first.usable:
+        problems.append(f"runc and Podman run the first criu on PATH: {first.describe()}; CRIU >= {MIN_MAJOR} "
+                        f"is needed (`gpusnap hook install` links one)")
+    plugins = cuda_plugins()
+    if plugins and installed:
+        problems.append(f"both a CRIU cuda plugin ({', '.join(plugins)}) and gpusnap's hook handle GPUs; keep one")
+    return {"installed": installed, "hook": hook, "hook_executable": hook_ok,
+            "record": asdict(rec) if rec else None, "configs": configs, "runtimes": runtimes,
+            "criu_on_path": first.describe(), "criu_for_gpusnap": find_criu(),
+            "cuda_plugins": plugins, "problems": problems}
