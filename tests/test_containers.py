@@ -20,8 +20,8 @@ from typing import Iterator
 import pytest
 
 from conftest import GPUSNAP, Cli, pythonpath
-from containers import (BUSYBOX, PODMAN_LIMITS, RuncContainer, assert_continues, need, podman, read_count, run,
-                        runc_container, runtime_env, wait_count)
+from containers import (BUSYBOX, RuncContainer, assert_continues, need, podman, read_count, runc_container,
+                        runtime_env, wait_count)
 from sandbox.containers import config_block
 from sandbox.containers.hook_install import HOOK_NAME
 
@@ -138,6 +138,7 @@ def test_install_refuses_symlinked_config_and_non_root(tmp_path: Path) -> None:
         p = gpusnap("hook", "install", *opts, check=False)
         assert p.returncode != 0 and "symbolic link" in p.stderr and len(p.stderr.strip().splitlines()) == 1
         assert target.read_bytes() == b"keep me\n" and (etc / "runc.conf").is_symlink()
+        assert not (tmp_path / "lib").exists(), "a failed install takes back what it wrote"
     (etc / "runc.conf").unlink()
     tmp_path.chmod(0o755)
     env = {"PATH": os.environ["PATH"], "PYTHONPATH": pythonpath()}
@@ -440,11 +441,11 @@ def test_gpu_leave_running_ends_running(tmp_path: Path) -> None:
 
 
 def test_gpu_standin_hook_reaches_the_stand_in(tmp_path: Path) -> None:
-    """What works with today's hook: a dump's first pre-dump checkpoints the stand-in's process, and
-    a failed dump is reported by runc (the hook's error ends the dump, the container keeps running)."""
+    """Passes with today's hook too: gpusnap's hook reaches the container's "GPU process" at the dump's
+    first pre-dump (lock, then checkpoint)."""
     env = runtime_env()
     with standin_gpu_container(tmp_path, env) as (c, state):
-        v = wait_count(c.count_file, 10)
+        wait_count(c.count_file, 10)
         c.checkpoint(tmp_path / "img", tmp_path / "work", check=False)
         import standin_file
         calls = standin_file.load(str(state))["calls"]

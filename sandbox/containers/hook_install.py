@@ -23,11 +23,10 @@ import json
 import os
 import shlex
 import shutil
-import stat
 import subprocess
 import sys
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from storage.errors import GpusnapError, UnavailableError
 
@@ -209,68 +208,101 @@ def _source_criu(explicit: str | None) -> str:
     return os.path.realpath(c)
 
 
-def _make_criu_findable(layout: Layout, old: Record | None, explicit: str | None, path_env: str,
-                        changed: list[str], warnings: list[str]) -> tuple[str | None, str | None]:
-    """(link, target) made or kept so that CRIU >= 4 is first on PATH; (None, None) if it already was."""
+def _criu_plan(old: Record | None, explicit: str | None, path_env: str) -> tuple[bool, str | None]:
+    """(keep the link an earlier install made, CRIU to link now or None); raises before anything is
+    written when a link is needed and no CRIU >= 4 exists."""
     if old and old.criu_link and os.path.islink(old.criu_link) and os.readlink(old.criu_link) == old.criu_link_target:
-        return old.criu_link, old.criu_link_target
-    first = criu_on_path(path_env)
-    if first.usable:
-        return None, None
-    target = _source_criu(explicit)
+        return True, None
+    if criu_on_path(path_env).usable:
+        return False, None
+    return False, _source_criu(explicit)
+
+
+def install(runtimes: list[Runtime], layout: Layout = Layout(), criu: str | None = None,
+            path_env: str | None = None) -> InstallReport:
+    """Install for RUNTIMES (idempotent). On any failure everything this run changed is put back."""
+    require_root()
+    path_env = os.environ.get("PATH", "") if path_env is None else path_env
+    changed: list[str] = []
+    warnings: list[str] = []
+    undo: list[Callable[[], Any]] = []
+    if cuda_plugins():
+        warnings.append(f"a CRIU cuda plugin is installed ({', '.join(cuda_plugins())}): it checkpoints GPU "
+                        f"processes too; keep only one of the plugin and this hook")
+    try:
+        with pinned(layout.lib_dir, create=True) as lib:
+            if lib.created:
+                undo.append(lambda: remove_if_empty(layout.lib_dir))
+            old = _load_record(lib)
+            keep_link, link_target = _criu_plan(old, criu, path_env)
+            script, before_script = hook_script(), lib.read(HOOK_NAME)
+            if before_script != script:
+                lib.write(HOOK_NAME, script, 0o755)
+                undo.append(lambda: _put_back(layout.lib_dir, HOOK_NAME, before_script))
+                changed.append(layout.hook_path)
+            _check_hook_runs(layout.hook_path)
+            link = target = None
+            if keep_link and old:
+                link, target = old.criu_link, old.criu_link_target
+            elif link_target:
+                link, target = _link_criu(layout, link_target, path_env, warnings)
+                undo.append(lambda: _remove_link(Record("", (), (), link, target)))
+                changed.append(link)
+            configs = {c.path: c for c in (old.configs if old else ())}
+            with pinned(layout.config_dir, create=True) as cfg:
+                if cfg.created:
+                    undo.append(lambda: remove_if_empty(layout.config_dir))
+                for name in sorted({CONFIG_FILE[r] for r in runtimes}):
+                    path = os.path.join(cfg.path, name)
+                    before = cfg.read(name)
+                    try:
+                        added = config_block.add(before or b"", layout.hook_path)
+                    except config_block.BadHookPath as e:
+                        raise HookInstallError(str(e)) from None
+                    if added.changed:
+                        cfg.write(name, added.data, 0o644)
+                        undo.append(lambda name=name, before=before: _put_back(layout.config_dir, name, before))
+                        changed.append(path)
+                    if path not in configs:
+                        configs[path] = ConfigRecord(path, before is None, cfg.created, added.added_newline)
+            all_runtimes = sorted({*(old.runtimes if old else ()), *(r.value for r in runtimes)})
+            rec = Record(layout.hook_path, tuple(all_runtimes), tuple(configs.values()), link, target,
+                         old.created_lib_dir if old else lib.created)
+            if old != rec:
+                lib.write(RECORD_NAME, rec.to_json(), 0o644)
+    except BaseException:
+        for step in reversed(undo):
+            try:
+                step()
+            except (OSError, GpusnapError):
+                pass
+        raise
+    return InstallReport(layout.hook_path, tuple(configs), tuple(changed), criu_on_path(path_env).describe(),
+                         tuple(warnings))
+
+
+def _put_back(directory: str, name: str, data: bytes | None) -> None:
+    """NAME in DIRECTORY as it was: DATA, or absent when DATA is None."""
+    with pinned(directory) as d:
+        if data is None:
+            d.unlink(name)
+        else:
+            d.write(name, data)
+
+
+def _link_criu(layout: Layout, target: str, path_env: str, warnings: list[str]) -> tuple[str, str]:
     link = os.path.join(layout.sbin_dir, "criu")
     with pinned(layout.sbin_dir, create=True) as sbin:
         if sbin.lstat("criu") is not None:
-            raise HookInstallError(f"{link} exists and was not made by gpusnap ({first.describe()} is first on "
-                                   f"PATH); replace it with CRIU >= {MIN_MAJOR} yourself, or put one earlier on PATH")
+            raise HookInstallError(f"{link} exists and was not made by gpusnap ({criu_on_path(path_env).describe()} "
+                                   f"is first on PATH); replace it with CRIU >= {MIN_MAJOR} yourself, or put one "
+                                   f"earlier on PATH")
         sbin.symlink("criu", target)
-        changed.append(link)
     now = criu_on_path(path_env)
     if not now.usable:
         warnings.append(f"{link} -> {target} is not what PATH finds first ({now.describe()}); put "
                         f"{layout.sbin_dir} before it on PATH for runc and Podman")
     return link, target
-
-
-def install(runtimes: list[Runtime], layout: Layout = Layout(), criu: str | None = None,
-            path_env: str | None = None) -> InstallReport:
-    require_root()
-    path_env = os.environ.get("PATH", "") if path_env is None else path_env
-    changed: list[str] = []
-    warnings: list[str] = []
-    if cuda_plugins():
-        warnings.append(f"a CRIU cuda plugin is installed ({', '.join(cuda_plugins())}): it checkpoints GPU "
-                        f"processes too; keep only one of the plugin and this hook")
-    with pinned(layout.lib_dir, create=True) as lib:
-        old = _load_record(lib)
-        script = hook_script()
-        if lib.read(HOOK_NAME) != script:
-            lib.write(HOOK_NAME, script, 0o755)
-            changed.append(layout.hook_path)
-        _check_hook_runs(layout.hook_path)
-        link, target = _make_criu_findable(layout, old, criu, path_env, changed, warnings)
-        configs = {c.path: c for c in (old.configs if old else ())}
-        names = sorted({CONFIG_FILE[r] for r in runtimes})
-        with pinned(layout.config_dir, create=True) as cfg:
-            for name in names:
-                path = os.path.join(cfg.path, name)
-                before = cfg.read(name)
-                try:
-                    added = config_block.add(before or b"", layout.hook_path)
-                except config_block.BadHookPath as e:
-                    raise HookInstallError(str(e)) from None
-                if added.changed:
-                    cfg.write(name, added.data, 0o644)
-                    changed.append(path)
-                if path not in configs:
-                    configs[path] = ConfigRecord(path, before is None, cfg.created, added.added_newline)
-        all_runtimes = sorted({*(old.runtimes if old else ()), *(r.value for r in runtimes)})
-        rec = Record(layout.hook_path, tuple(all_runtimes), tuple(configs.values()), link, target,
-                     old.created_lib_dir if old else lib.created)
-        if old != rec:
-            lib.write(RECORD_NAME, rec.to_json(), 0o644)
-    return InstallReport(layout.hook_path, tuple(configs), tuple(changed), criu_on_path(path_env).describe(),
-                         tuple(warnings))
 
 
 def _remove_config(c: ConfigRecord) -> list[str]:
