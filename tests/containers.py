@@ -131,12 +131,12 @@ class RuncContainer:
         return self.runc("checkpoint", "--image-path", str(images), "--work-path", str(work), *extra, self.id,
                          check=check, env=env)
 
-    def restore(self, images: Path, work: Path) -> None:
+    def restore(self, images: Path, work: Path, env: dict[str, str] | None = None) -> None:
         log = self.base / "runc.log"
         p = subprocess.run(["runc", "--root", str(self.root), "--log", str(log), "restore", "-d", "--image-path",
                             str(images), "--work-path", str(work), "--bundle", str(self.bundle), self.id],
                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                           env=self.env, timeout=120)
+                           env=env or self.env, timeout=120)
         if p.returncode != 0:
             tail = (work / "restore.log").read_text()[-1500:] if (work / "restore.log").exists() else ""
             raise AssertionError(f"runc restore exited {p.returncode}: {log.read_text()[-1000:]} {tail}")

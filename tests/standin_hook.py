@@ -22,7 +22,8 @@ def main() -> int:
     pid_s = os.environ.get("CRTOOLS_INIT_PID", "")
     pid = int(pid_s) if pid_s.isdigit() else None
     try:
-        code = run(action, pid, driver=FileStandIn(state), pids=None if pid is None else [pid])
+        out = run(action, pid, driver=FileStandIn(state), pids=None if pid is None else [pid])
+        code = out if isinstance(out, int) else 0   # an exit status, or (newer hooks) what it did
     except Exception as e:  # noqa: BLE001 - as the real hook: one line, non-zero
         print(f"standin-hook: {action}: {e}".splitlines()[0], file=sys.stderr)
         code = 1

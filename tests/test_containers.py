@@ -86,6 +86,13 @@ def actions(log: Path) -> list[tuple[str, int]]:
     return [(a, int(rc)) for a, rc in (ln.split() for ln in log.read_text().splitlines())] if log.exists() else []
 
 
+def hook_writes_log() -> bool:
+    """Whether the installed hook keeps its own log (GPUSNAP_HOOK_LOG, one line per action): then the
+    tests read it too."""
+    from criu_hooks import action_script
+    return "GPUSNAP_HOOK_LOG" in (getattr(action_script, "HELP", "") or "")
+
+
 # --- install / status / uninstall on config files --------------------------------------------------
 
 CONFIG_CASES = {
@@ -197,6 +204,8 @@ def test_runc_checkpoint_restore_runs_the_hook(tmp_path: Path) -> None:
     original = b"# site config\nghost-limit 1M"   # no final newline: uninstall must not add one
     (etc / "runc.conf").write_bytes(original)
     log = tmp_path / "hook-runs.log"
+    hook_log = tmp_path / "hook.log"   # the hook's own log, where it keeps one (runc's environment reaches it)
+    env = {**env, "GPUSNAP_HOOK_LOG": str(hook_log), "GPUSNAP_HOOK_STATE": str(tmp_path / "hook-state")}
     with layout(tmp_path) as opts:
         gpusnap("hook", "install", "--runtime", "runc", *opts, env=env)
         record_hook_runs(tmp_path / "lib", log)
@@ -217,6 +226,11 @@ def test_runc_checkpoint_restore_runs_the_hook(tmp_path: Path) -> None:
                 restored = [a for a, _ in actions(log)][len(dumped):]
                 for a in ("pre-restore", "post-restore", "network-unlock", "post-resume"):
                     assert restored.count(a) in (1, 2), restored
+                if hook_writes_log():
+                    logged = hook_log.read_text()
+                    for a in ("pre-dump", "network-unlock", "post-resume"):
+                        assert f" {a}: " in logged, logged
+                    assert "FAILED" not in logged, logged
         finally:
             unrecord(tmp_path / "lib")
         gpusnap("hook", "uninstall", *opts)
@@ -382,8 +396,9 @@ def standin_gpu_container(tmp_path: Path, env: dict[str, str]) -> Iterator[tuple
     standin_file.create(str(state), GPU_BYTES)
     script = tmp_path / "standin-hook"
     tests = Path(__file__).resolve().parent
-    script.write_text(f"#!/bin/sh\nPYTHONPATH={pythonpath()} exec {sys.executable} {tests / 'standin_hook.py'} "
-                      f"{state} \"$@\"\n")
+    # the hook's own log and per-dump records (where the hook keeps them) stay in this test's directory
+    script.write_text(f"#!/bin/sh\nexport GPUSNAP_HOOK_LOG={tmp_path / 'hook.log'} GPUSNAP_HOOK_STATE={tmp_path / 'hook-state'}\n"
+                      f"PYTHONPATH={pythonpath()} exec {sys.executable} {tests / 'standin_hook.py'} {state} \"$@\"\n")
     script.chmod(0o755)
     conf = tmp_path / "runc.conf"
     conf.write_text(f"action-script {script}\n")
