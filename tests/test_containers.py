@@ -294,6 +294,9 @@ def test_podman_export_import_through_the_store(tmp_path: Path, cli: Cli) -> Non
         name = f"gpusnap-test-{uuid.uuid4().hex[:10]}"
         pm.start_counter(name)
         pm.wait_count(name, 15)
+        pid = pm("inspect", "-f", "{{.State.Pid}}", name).stdout.strip()
+        p = cli.run("criu", "dump", pid, "x", check=False)
+        assert p.returncode == 1 and "runs in podman container" in p.stderr, p.stderr
         archive = tmp_path / "ckpt.tar.zst"
         pm("container", "checkpoint", "--export", str(archive), name)
         with tarfile.open(fileobj=io.BytesIO(subprocess.run(

@@ -170,8 +170,14 @@ def hook_script() -> bytes:
     root = spec.origin
     for _ in range(levels):
         root = os.path.dirname(root)
-    extra = [root, *(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if os.path.isabs(p))]
-    code = (f"import sys; sys.path[:0] = {list(dict.fromkeys(extra))!r}; sys.argv[0] = {HOOK_NAME!r}; "
+    extra = list(dict.fromkeys([root, *(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+                                         if os.path.isabs(p))]))
+    for d in extra:
+        st = os.stat(d)
+        if st.st_mode & 0o022 or st.st_uid != 0:
+            raise HookInstallError(f"{d} (where the hook's Python code is found) is not root-owned or is writable "
+                                   f"by others; CRIU runs the hook as root: install gpusnap somewhere only root can write")
+    code = (f"import sys; sys.path[:0] = {extra!r}; sys.argv[0] = {HOOK_NAME!r}; "
             f"from {module} import {func} as main; sys.exit(main())")
     return ("#!/bin/sh\n"
             f"# {HOOK_NAME}: written by `gpusnap hook install`, removed by `gpusnap hook uninstall`.\n"
