@@ -103,6 +103,23 @@ CONFIG_CASES = {
 }
 
 
+def test_config_block_keeps_lines_others_add_around_it() -> None:
+    hook = "/usr/local/lib/gpusnap/gpusnap-criu-hook"
+    a = config_block.add(b"tcp-established", hook)
+    assert a.added_newline and a.data.startswith(b"tcp-established\n")
+    assert config_block.add(a.data, hook).changed is False
+    moved = config_block.add(a.data, "/opt/gpusnap/hook")
+    assert moved.changed and config_block.action_scripts(moved.data) == [("/opt/gpusnap/hook", True)]
+    edited = b"# admin\n" + a.data + b"link-remap\n"        # lines added after install
+    assert config_block.remove(edited, a.added_newline) == b"# admin\ntcp-established\nlink-remap\n"
+    assert config_block.remove(a.data, a.added_newline) == b"tcp-established"
+    by_hand = b"action-script " + hook.encode() + b"\n"    # the same line written by hand: not doubled
+    assert config_block.add(by_hand, hook).data == by_hand
+    for bad in ("relative/hook", "/with space/hook", "/quote'd"):
+        with pytest.raises(config_block.BadHookPath):
+            config_block.add(b"", bad)
+
+
 @pytest.mark.parametrize("case", sorted(CONFIG_CASES))
 def test_install_twice_then_uninstall_leaves_config_as_it_was(tmp_path: Path, case: str) -> None:
     need()
