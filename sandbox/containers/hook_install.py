@@ -21,6 +21,7 @@ import importlib.metadata
 import importlib.util
 import json
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -155,8 +156,11 @@ def _entry_point() -> tuple[str, str]:
     this copy is used without being pip-installed)."""
     eps = importlib.metadata.entry_points(group="console_scripts", name=HOOK_NAME)
     value = next(iter(eps)).value if eps else ENTRY_POINT_DEFAULT
-    module, _, func = value.partition(":")
-    return module.strip(), (func or "main").strip()
+    module, _, func = (v.strip() for v in value.partition(":"))
+    func = func or "main"
+    if not re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", module) or not func.isidentifier():
+        raise HookInstallError(f"the {HOOK_NAME} entry point {value!r} is not module:function")
+    return module, func
 
 
 def hook_script() -> bytes:
@@ -171,7 +175,7 @@ def hook_script() -> bytes:
     for _ in range(levels):
         root = os.path.dirname(root)
     extra = list(dict.fromkeys([root, *(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
-                                         if os.path.isabs(p))]))
+                                         if os.path.isabs(p) and os.path.isdir(p))]))
     for d in extra:
         st = os.stat(d)
         if st.st_mode & 0o022 or st.st_uid != 0:
