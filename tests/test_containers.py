@@ -209,6 +209,17 @@ def test_status_flags_a_missing_action_script(tmp_path: Path) -> None:
                             "--json").stdout)
     assert not st["installed"]
     assert any("gpusnap-criu-hook-missing does not exist" in p for p in st["problems"])
+    # CRIU's own cuda plugin where CRIU loads plugins from (CRIU_LIBS_DIR): install warns, status says so
+    plugins = tmp_path / "criu-plugins"
+    plugins.mkdir()
+    (plugins / "cuda_plugin.so").write_bytes(b"\x7fELF")
+    env = {**runtime_env(), "CRIU_LIBS_DIR": str(plugins)}
+    with layout(tmp_path) as opts:
+        p = gpusnap("hook", "install", *opts, env=env)
+        assert "cuda plugin" in p.stderr
+        st = json.loads(gpusnap("hook", "status", *opts, "--json", env=env).stdout)
+        assert st["cuda_plugins"] == [str(plugins / "cuda_plugin.so")]
+        assert any("keep one" in p for p in st["problems"])
 
 
 # --- runc and Podman checkpoints with the hook -----------------------------------------------------
