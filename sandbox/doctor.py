@@ -55,6 +55,26 @@ def gpu_handler(libdir: str | None = None) -> str:
             "`gpusnap criu dump` handles GPUs itself")
 
 
+def _container_hook() -> dict[str, Any]:
+    """The CRIU hook for container runtimes: installed or not, which criu runc/Podman and gpusnap run."""
+    try:
+        from sandbox.containers.hook_install import status  # noqa: PLC0415
+        s = status()
+    except Exception as e:  # noqa: BLE001 - reported, never fatal
+        return {"installed": False, "error": str(e).splitlines()[0] if str(e) else type(e).__name__}
+    return {"installed": s["installed"], "hook": s["hook"], "criu_for_runtimes": s["criu_on_path"],
+            "criu_for_gpusnap": s["criu_for_gpusnap"], "problems": s["problems"]}
+
+
+def _render_container_hook(h: dict[str, Any]) -> list[str]:
+    if "error" in h:
+        return [f"container hook       unknown ({h['error']})"]
+    lines = [f"container hook       {'installed: ' + h['hook'] if h['installed'] else 'not installed (gpusnap hook install)'}",
+             f"criu binary          gpusnap runs {h['criu_for_gpusnap'] or 'none found'}; "
+             f"runc/Podman run {h['criu_for_runtimes']}"]
+    return lines + [f"  problem: {p}" for p in h["problems"]]
+
+
 def report(criu: str = "criu", runsc: str = "runsc") -> dict[str, Any]:
     f = probe()
     gpus = [asdict(g) for g in f.gpus]
@@ -75,6 +95,7 @@ def report(criu: str = "criu", runsc: str = "runsc") -> dict[str, Any]:
         "criu_gpu_handler": gpu_handler(),
         "runsc": _version([runsc, "--version"], r"runsc version\s*(\S+)"),
         "runsc_features": _runsc_features(runsc),
+        "container_hook": _container_hook(),
         "memory_tier": f.custom_storage,
         "why_no_gpu": f.reason,
     }
@@ -101,6 +122,7 @@ def render(r: dict[str, Any]) -> str:
               f"CRIU                 {r['criu'] or 'not found'}",
               f"GPUs in CRIU dumps   {r['criu_gpu_handler']}",
               f"runsc                {r['runsc'] or 'not found'}"]
+    lines += _render_container_hook(r["container_hook"])
     rf = r.get("runsc_features")
     if rf:
         lines.append(f"runsc features       GPU sandboxes (nvproxy) {yes(rf['nvproxy'])}, uncompressed checkpoint "

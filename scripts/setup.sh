@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Idempotent setup on Debian 12: system packages (CRIU >= 4, runsc, iproute2, zstd), a virtual env in
+# Idempotent setup on Debian 12: system packages (CRIU >= 4, runsc, runc, Podman, busybox-static for
+# container tests, iproute2, zstd), a virtual env in
 # .venv with gpusnap installed editable with its dev extras. A second run with nothing changed takes
 # about a second (stamp files in .cache/). Run as root for the system packages.
 set -euo pipefail
@@ -8,7 +9,10 @@ cd "$root"
 mkdir -p .cache
 export DEBIAN_FRONTEND=noninteractive
 
-apt_pkgs=(python3-venv runsc iproute2 zstd tar procps util-linux)
+# runc and Podman (with runc as its runtime: crun is not installed, Debian 12's has no CRIU support) and
+# busybox-static (the containers' root filesystem: no image registry is needed) for the container tests.
+apt_pkgs=(python3-venv runsc iproute2 zstd tar procps util-linux runc podman conmon
+          golang-github-containers-common containernetworking-plugins busybox-static)
 missing=()
 for p in "${apt_pkgs[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
 if [ ${#missing[@]} -gt 0 ]; then

@@ -8,6 +8,7 @@ from storage.progress import Progress
 from sandbox.cli.common import emit, human, json_option, one_line_errors, open_store
 from sandbox.criu.runner import DumpOptions
 from sandbox.criu.snapshot import criu_dump, criu_restore
+from sandbox.containers.process_check import refuse_container_process
 
 
 
@@ -35,6 +36,7 @@ def criu_dump_cmd(ctx: click.Context, pid: int, name: str, leave_running: bool, 
                   ext_unix_sk: bool, file_locks: bool, link_remap: bool, tcp_established: bool,
                   staging: str | None, replace: bool, as_json: bool) -> None:
     """Dump PID and its descendants into snapshot NAME. On any failure the tree keeps running."""
+    refuse_container_process(pid)
     st = open_store(ctx)
     opts = DumpOptions(shell_job=shell_job, ext_unix_sk=ext_unix_sk, file_locks=file_locks,
                        link_remap=link_remap, tcp_established=tcp_established)
