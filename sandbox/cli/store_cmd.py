@@ -40,9 +40,8 @@ def store_put(ctx: click.Context, name: str, paths: tuple[str, ...], replace: bo
     """Store PATHS (files or directories, each under its base name) as snapshot NAME."""
     validate_snapshot_name(name)
     size = parse_chunk_size(chunk_size)
-    source = FileTreeSource(list(paths))
     st = open_store(ctx)
-    with st.writer(name, replace=replace, meta={"kind": "files", "paths": [os.path.abspath(p) for p in paths]}) as w, \
+    with FileTreeSource(list(paths)) as source, st.writer(name, replace=replace, meta={"kind": "files", "paths": [os.path.abspath(p) for p in paths]}) as w, \
             Progress(f"put {name}", ctx.obj["progress"]) as prog:
         prog.start(source.total_bytes)
         res = pipeline.put(w, source, chunk_size=size, workers=workers, compress=not no_compress, progress=prog,
@@ -60,15 +59,19 @@ def store_put(ctx: click.Context, name: str, paths: tuple[str, ...], replace: bo
 @click.argument("name")
 @click.argument("dest")
 @click.option("--workers", type=int, default=None, help="Worker threads (default: CPU count, max 16).")
+@click.option("--no-same-owner", is_flag=True,
+              help="Do not restore recorded owners (the default as root restores them); setuid/setgid bits "
+                   "are then dropped, as they are whenever an owner is not restored.")
 @json_option
 @click.pass_context
 @one_line_errors
-def store_get(ctx: click.Context, name: str, dest: str, workers: int | None, as_json: bool) -> None:
+def store_get(ctx: click.Context, name: str, dest: str, workers: int | None, no_same_owner: bool,
+              as_json: bool) -> None:
     """Materialize snapshot NAME into DEST (a new directory), every chunk verified; all or nothing."""
     st = open_store(ctx, create=False)
     with st.shared():
         m = st.load(validate_snapshot_name(name))
-        sink = FileTreeSink(dest)
+        sink = FileTreeSink(dest, same_owner=False if no_same_owner else None)
         with Progress(f"get {name}", ctx.obj["progress"]) as prog:
             prog.start(m.size)
             res = pipeline.get(st, m, sink, workers=workers, progress=prog)
