@@ -15,6 +15,7 @@ from storage.names import validate_snapshot_name
 from storage.progress import Progress
 from storage.store import StoreError
 
+from sandbox.snapshot_meta import remove_with_companions
 from sandbox.cli.common import emit, human, json_option, one_line_errors, open_store, parse_chunk_size
 
 @click.group()
@@ -163,10 +164,10 @@ def store_verify(ctx: click.Context, name: str | None, as_json: bool) -> None:
 @click.pass_context
 @one_line_errors
 def store_rm(ctx: click.Context, names: tuple[str, ...]) -> None:
-    """Remove snapshots (their chunks are reclaimed by `gc`)."""
+    """Remove snapshots and their companions (`NAME.gpu` of a GPU sandbox); chunks are reclaimed by `gc`."""
     st = open_store(ctx, create=False)
     for n in names:
-        st.remove(validate_snapshot_name(n))
+        remove_with_companions(st, validate_snapshot_name(n))  # a runsc snapshot's NAME.gpu goes with it
 
 
 @store.command("gc")

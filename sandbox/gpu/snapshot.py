@@ -19,6 +19,7 @@ from sandbox.gpu.driver import CheckpointDriver, CudaDriver, CudaDriverError, Fe
 from sandbox.gpu.processes import cuda_processes
 from sandbox.gpu.checkpoint import GpuCheckpointError, checkpoint_all, custom_checkpoint, custom_restore, restore_all
 from sandbox.gpu.hugepages import thp
+from sandbox.snapshot_meta import GpuMeta, GpuPath
 
 
 from storage.errors import GpusnapError
@@ -154,7 +155,7 @@ def gpu_checkpoint(store: SnapshotStore, root_pid: int, name: str, *, driver: Cu
     if busy:
         raise GpuSnapshotError("; ".join(f"pid {p} is {s.name}, not RUNNING" for p, s in busy.items()))
     gpus = [{"index": g.index, "uuid": g.uuid, "name": g.name} for g in feats.gpus]
-    meta = {"kind": "gpu", "path": feats.path, "root_pid": root_pid, "pids": pids, "gpus": gpus,
+    meta = {"kind": "gpu", "gpu_path": feats.path, "root_pid": root_pid, "pids": pids, "gpus": gpus,
             "driver": feats.driver_version}
     seconds: dict[str, float] = {}
     with store.writer(name, replace=replace, meta=meta) as w:
@@ -226,16 +227,15 @@ def gpu_restore(store: SnapshotStore, name: str, root_pid: int, *, device_map: l
                 features: Features | None = None, device: Any = None) -> GpuReport:
     """Swap the GPU state of snapshot NAME back into its processes and unlock them."""
     m = store.load(name)
-    if m.meta.get("kind") != "gpu":
-        raise GpuSnapshotError(f"snapshot {name!r} is a {m.meta.get('kind')!r} snapshot, not a GPU one")
-    pids = list(m.meta["pids"])
-    if root_pid != m.meta["root_pid"] and root_pid not in pids:
-        raise GpuSnapshotError(f"snapshot {name!r} was taken of pid {m.meta['root_pid']}, not {root_pid}")
+    meta = GpuMeta.of(m)
+    pids = list(meta.pids)
+    if root_pid != meta.root_pid and root_pid not in pids:
+        raise GpuSnapshotError(f"snapshot {name!r} was taken of pid {meta.root_pid}, not {root_pid}")
     drv = driver or CudaDriver()
     feats = features or probe(drv)
-    gpu_map = parse_device_map(device_map or [], m.meta.get("gpus", []), feats.gpus)
+    gpu_map = parse_device_map(device_map or [], meta.gpus_json, feats.gpus)
     seconds: dict[str, float] = {}
-    if m.meta["path"] == "custom-storage":
+    if meta.gpu_path == GpuPath.CUSTOM_STORAGE:
         from storage.gpu_engine import GpuEngine
         with GpuEngine(0 if device is None else device) as eng:
             seconds.update(swap_in_custom(drv, eng, store, m, pids, gpu_map))
@@ -243,4 +243,4 @@ def gpu_restore(store: SnapshotStore, name: str, root_pid: int, *, device_map: l
         with thp(thp_mode):
             t = restore_all(drv, pids, gpu_map=gpu_map)
         seconds.update(restore=t.restore_s, unlock=t.unlock_s)
-    return GpuReport(name, m.meta["path"], pids, seconds)
+    return GpuReport(name, meta.gpu_path.value, pids, seconds)
