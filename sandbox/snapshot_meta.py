@@ -390,6 +390,16 @@ def parse_meta(manifest: Manifest) -> SnapshotMeta | None:
     return RECORDS[kind].of(manifest)
 
 
+def meta_problems(manifest: Manifest) -> list[str]:
+    """What is wrong with MANIFEST's metadata for its kind (for `store verify`, which reports it as
+    damage); empty when it is valid, untyped, or of a kind the sandbox layer does not make."""
+    try:
+        parse_meta(manifest)
+    except SnapshotMetaError as e:
+        return [str(e)]
+    return []
+
+
 def companions(manifest: Manifest) -> list[str]:
     """Snapshots that belong to MANIFEST and go with it (`store rm`): a runsc snapshot's `NAME.gpu`."""
     meta = parse_meta(manifest)

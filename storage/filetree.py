@@ -216,14 +216,21 @@ class FileTreeSource:
         return FileTreeError(f"{self._display(name)} changed while it was being stored ({how}); nothing was "
                              "stored: store it again when nothing modifies it")
 
-    def _check(self, fd: int, name: str) -> None:
-        """FD must be the object the scan saw at NAME (same device, inode and type); else close it and raise."""
-        now, then = _Seen.of(os.fstat(fd)), self._seen[name]
+    def _same(self, st: os.stat_result, name: str) -> None:
+        """ST must be of the object the scan saw at NAME (same device, inode and type), else raise."""
+        now, then = _Seen.of(st), self._seen[name]
         if now != then:
-            os.close(fd)
             how = (f"was a {_KINDS.get(then.fmt, 'special file')}, now a {_KINDS.get(now.fmt, 'special file')}"
                    if now.fmt != then.fmt else "replaced by another file")
             raise self._changed(name, how)
+
+    def _check(self, fd: int, name: str) -> None:
+        """FD must be what the scan saw at NAME; else it is closed and the error raised."""
+        try:
+            self._same(os.fstat(fd), name)
+        except BaseException:
+            os.close(fd)
+            raise
 
     def _open_dir(self, dfd: int, entry: str, name: str) -> int:
         try:
@@ -243,10 +250,13 @@ class FileTreeSource:
             for i in range(len(parts) - 1):
                 dfd = self._open_dir(dfd, parts[i], "/".join(parts[:i + 1]))
                 held.append(dfd)
-            try:
+            try:  # checked before the open too: opening a device can act on it
+                self._same(os.stat(parts[-1], dir_fd=dfd, follow_symlinks=False), spec.name)
                 fd = os.open(parts[-1], _READ_FLAGS, dir_fd=dfd)
             except OSError as e:
-                if e.errno in (errno.ELOOP, errno.ENOENT, errno.ENXIO):
+                if e.errno == errno.ENOENT:
+                    raise self._changed(spec.name, "removed") from None
+                if e.errno in (errno.ELOOP, errno.ENXIO):
                     raise self._changed(spec.name, "no longer a regular file") from None
                 raise PipelineError(f"{self._display(spec.name)}: {_reason(e)}") from None
             self._check(fd, spec.name)

@@ -237,6 +237,39 @@ def test_setuid_without_recorded_owner_is_stripped(cli: Cli, store_dir: Path, tm
     assert (st.st_uid, stat.S_IMODE(st.st_mode)) == (0, 0o755)
 
 
+@root_only
+def test_non_root_get_restores_no_owner_and_strips_what_is_not_its_own(tmp_path: Path) -> None:
+    """`store get` run as an unprivileged user (setpriv to nobody): nothing is chowned, the setuid
+    file of uid 1234 loses its special bits, a setuid file the user already owns keeps them."""
+    import shutil
+    import tempfile
+    nobody = 65534
+    top = Path(tempfile.mkdtemp(prefix="gpusnap-trust-"))
+    try:
+        top.chmod(0o755)
+        src = _setuid_tree(top)
+        mine = src / "mine"
+        mine.write_bytes(b"nobody's own tool\n")
+        os.chown(mine, nobody, nobody)
+        mine.chmod(0o4755)
+        cli = Cli(top / "store")
+        cli.run("store", "put", "s", str(src))
+        out = top / "restore"
+        out.mkdir()
+        for d in (cli.store, out):
+            subprocess.run(["chown", "-R", f"{nobody}:{nobody}", str(d)], check=True)
+        env = {**os.environ, "PYTHONPATH": pythonpath(), "PYTHONDONTWRITEBYTECODE": "1"}
+        p = subprocess.run(["setpriv", f"--reuid={nobody}", f"--regid={nobody}", "--clear-groups", "--",
+                            *GPUSNAP, "--store", str(cli.store), "store", "get", "s", str(out / "d")],
+                           cwd="/", env=env, capture_output=True, text=True, timeout=120)
+        assert p.returncode == 0, p.stderr
+        tool, own = (out / "d" / "bin" / "tool").stat(), (out / "d" / "bin" / "mine").stat()
+        assert (tool.st_uid, stat.S_IMODE(tool.st_mode)) == (nobody, 0o755)
+        assert (own.st_uid, stat.S_IMODE(own.st_mode)) == (nobody, 0o4755)
+    finally:
+        shutil.rmtree(top, ignore_errors=True)
+
+
 def test_hard_links_stay_links(cli: Cli, tmp_path: Path) -> None:
     src = tmp_path / "t"
     (src / "d").mkdir(parents=True)

@@ -77,7 +77,7 @@ def test_gpu_path_key_is_unified_and_old_snapshots_read() -> None:
     ({**RUNSC, "net": {**GOOD_NET, "extra": 1}}, "exactly the fields"),
 ])
 def test_what_gpusnap_would_not_write_is_damage(meta: dict, why: str) -> None:
-    with pytest.raises(SnapshotMetaError, match=None) as e:
+    with pytest.raises(SnapshotMetaError) as e:
         parse_meta(_m(meta))
     assert why in str(e.value) and e.value.exit_code == 3, str(e.value)
 
@@ -232,3 +232,10 @@ def test_runsc_restore_refuses_flags_and_networks_outside_what_gpusnap_records(c
 def test_runsc_checkpoint_refuses_to_record_a_flag_restore_would_refuse(cli: Cli, tmp_path: Path) -> None:
     p = cli.run("runsc", "checkpoint", "nosuch", "x", "--runsc-arg=--debug-log=/tmp/d", check=False)
     assert p.returncode == 1 and "'--debug-log=/tmp/d' is not one gpusnap records" in p.stderr, p.stderr
+
+
+def test_meta_problems_for_verify() -> None:
+    from sandbox.snapshot_meta import meta_problems
+    assert meta_problems(_m(RUNSC)) == [] and meta_problems(_m({})) == [] and meta_problems(_m({"kind": "other"})) == []
+    bad = meta_problems(_m({**RUNSC, "runsc_args": ["--debug"]}))
+    assert len(bad) == 1 and "'--debug' is not one gpusnap records" in bad[0]
