@@ -50,7 +50,8 @@ class NetConfig:
     ns_cidr: str     # e.g. 10.77.0.2/24, inside the namespace; the default route points at host_cidr's address
 
     def __post_init__(self) -> None:
-        for what, v, pattern in (("namespace name", self.name, _NETNS_RE), ("host interface", self.host_if, _HOST_IF_RE),
+        for what, v, pattern in (("namespace name", self.name, _NETNS_RE),
+                                 ("host interface", self.host_if, _HOST_IF_RE),
                                  ("sandbox interface", self.peer_if, _PEER_IF_RE)):
             if not (isinstance(v, str) and pattern.fullmatch(v)):
                 raise NetnsError(f"network {what} {v!r} is not one gpusnap makes ({pattern.pattern})")
@@ -95,7 +96,8 @@ class NetConfig:
             raise NetnsError(f"--net-subnet {subnet}: too small for two hosts")
         hosts = [net.network_address + 1, net.network_address + 2]
         tag = name[-8:]
-        return cls(name, f"gs-{tag}"[:15], f"gp-{tag}"[:15], f"{hosts[0]}/{net.prefixlen}", f"{hosts[1]}/{net.prefixlen}")
+        return cls(name, f"gs-{tag}"[:15], f"gp-{tag}"[:15], f"{hosts[0]}/{net.prefixlen}",
+                   f"{hosts[1]}/{net.prefixlen}")
 
 
 def exists(cfg: NetConfig) -> bool:

@@ -339,7 +339,8 @@ class RunscGpu:
             raise _fail(where, f"the GPU agent's snapshot {snap!r} is not this snapshot's companion "
                                f"{companion_name(name)!r}")
         return cls(tuple(_int(g, where, "GPU index", 0, 1023) for g in gpus),
-                   check_runsc_args(v.get("runsc_args", []), "gpu.runsc_args"), _bool(v.get("agent", False), where, "gpu.agent"),
+                   check_runsc_args(v.get("runsc_args", []), "gpu.runsc_args"),
+                   _bool(v.get("agent", False), where, "gpu.agent"),
                    report)
 
 

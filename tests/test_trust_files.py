@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import stat
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -135,7 +134,8 @@ class _Paused:
 
 
 @root_only
-def test_put_refuses_a_directory_swapped_for_a_symlink_after_the_scan(cli: Cli, store_dir: Path, tmp_path: Path) -> None:
+def test_put_refuses_a_directory_swapped_for_a_symlink_after_the_scan(cli: Cli, store_dir: Path,
+                                                                     tmp_path: Path) -> None:
     secret = tmp_path / "rootonly"
     secret.mkdir(mode=0o700)
     (secret / "f.txt").write_text("root's secret\n")
@@ -322,7 +322,7 @@ def test_get_fsyncs_every_file_and_directory_before_the_rename(cli: Cli, tmp_pat
     subprocess.run(["strace", "-f", "-qq", "-e", "trace=fsync,rename,renameat,renameat2", "-o", str(log),
                     *GPUSNAP, "--store", str(cli.store), "store", "get", "dur", str(tmp_path / "out")],
                    cwd=REPO, env=env, check=True, capture_output=True)
-    calls = [l.split(None, 1)[1] for l in log.read_text().splitlines() if " = " in l]
+    calls = [line.split(None, 1)[1] for line in log.read_text().splitlines() if " = " in line]
     ren = [i for i, c in enumerate(calls) if c.startswith("rename") and "out" in c]
     assert len(ren) == 1, calls
     before = [c for c in calls[:ren[0]] if "fsync" in c]  # `fsync(N) = 0` or a thread's `<... fsync resumed>`

@@ -16,7 +16,7 @@ from conftest import Cli
 from crafted import rewrite_manifest
 
 from sandbox.netns import NetConfig, NetnsError
-from sandbox.snapshot_meta import (CriuMeta, FilesMeta, GpuMeta, GpuPath, RunscFlagError, RunscMeta, SnapshotKindError,
+from sandbox.snapshot_meta import (CriuMeta, FilesMeta, GpuMeta, GpuPath, RunscFlagError, SnapshotKindError,
                                    SnapshotMetaError, check_runsc_args, parse_meta)
 from storage.manifest import Manifest
 
@@ -63,7 +63,8 @@ def test_gpu_path_key_is_unified_and_old_snapshots_read() -> None:
     ({"kind": "criu", "root_pid": 5, "pids": [5], "cuda_pids": [6], "gpu_path": "host-staged"}, "cuda_pids"),
     ({"kind": "criu", "root_pid": 7, "pids": [5], "cuda_pids": []}, "root_pid"),
     ({"kind": "criu", "root_pid": 5, "pids": [5], "cuda_pids": [], "meta_version": 9}, "version 9"),
-    ({**RUNSC, "runsc_args": ["--network=none", "--debug", "--debug-log=/tmp/x"]}, "'--debug' is not one gpusnap records"),
+    ({**RUNSC, "runsc_args": ["--network=none", "--debug", "--debug-log=/tmp/x"]},
+     "'--debug' is not one gpusnap records"),
     ({**RUNSC, "runsc_args": ["--root", "/tmp/../etc"]}, "climbs"),
     ({**RUNSC, "runsc_args": ["--platform=ptrace; touch /x"]}, "--platform has a value"),
     ({**RUNSC, "container": "../x"}, "container"),
@@ -95,8 +96,9 @@ def test_runsc_flags_allowlist() -> None:
             check_runsc_args(bad)
 
 
-@pytest.mark.parametrize("name,subnet,why", [("gpusnap-a", "8.8.8.0/24", "private"), ("gpusnap-a", "10.0.0.0/31", "too small"),
-                                               ("other", "10.0.0.0/24", "namespace name")])
+@pytest.mark.parametrize("name,subnet,why", [("gpusnap-a", "8.8.8.0/24", "private"),
+                                              ("gpusnap-a", "10.0.0.0/31", "too small"),
+                                              ("other", "10.0.0.0/24", "namespace name")])
 def test_netconfig_for_sandbox_validates(name: str, subnet: str, why: str) -> None:
     with pytest.raises(NetnsError, match=why):
         NetConfig.for_sandbox(name, subnet)
