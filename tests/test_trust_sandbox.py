@@ -125,6 +125,14 @@ def test_store_rm_removes_the_gpu_companion_and_nothing_else(cli: Cli, store_dir
     assert [r["name"] for r in cli.json("store", "ls")] == ["other"]
 
 
+def test_verify_reports_metadata_gpusnap_would_not_write(cli: Cli, store_dir: Path, tmp_path: Path) -> None:
+    _as_runsc(cli, store_dir, tmp_path, "sb", "sb.gpu")
+    assert cli.run("store", "verify", "sb").returncode == 0
+    rewrite_manifest(store_dir / "snapshots" / "sb.json", lambda b: b["meta"]["runsc_args"].append("--debug"))
+    v = cli.run("store", "verify", check=False)
+    assert v.returncode == 3 and "DAMAGED sb: snapshot 'sb' metadata: runsc_args: runsc flag '--debug'" in v.stdout, v.stdout
+
+
 def test_a_crafted_companion_cannot_make_rm_remove_another_snapshot(cli: Cli, store_dir: Path, tmp_path: Path) -> None:
     (tmp_path / "victim").mkdir()
     (tmp_path / "victim" / "f").write_text("keep me")

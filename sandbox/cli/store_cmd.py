@@ -1,6 +1,7 @@
 """`gpusnap store ...`: files and directories as snapshots, and the store's own upkeep."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -13,9 +14,10 @@ from storage.filetree import FileTreeSink, FileTreeSource
 from storage.manifest import ManifestError
 from storage.names import validate_snapshot_name
 from storage.progress import Progress
-from storage.store import StoreError
+from storage.errors import GpusnapError
+from storage.store import Problem, StoreError
 
-from sandbox.snapshot_meta import remove_with_companions
+from sandbox.snapshot_meta import meta_problems, remove_with_companions
 from sandbox.cli.common import emit, human, json_option, one_line_errors, open_store, parse_chunk_size
 
 @click.group()
@@ -149,6 +151,9 @@ def store_verify(ctx: click.Context, name: str | None, as_json: bool) -> None:
         raise StoreError(f"no snapshot named {name!r} in {st.path}")
     with Progress("verify", ctx.obj["progress"]) as prog:
         rep = st.verify(names, progress=prog)
+    for n in rep.snapshots:  # what each sandbox kind's metadata must be (storage does not know it)
+        with contextlib.suppress(GpusnapError):  # an unreadable manifest is already a problem
+            rep.problems += [Problem(n, None, None, p) for p in meta_problems(st.load(n))]
     data = {"ok": rep.ok, "snapshots": rep.snapshots, "chunks_checked": rep.chunks_checked,
             "bytes_checked": rep.bytes_checked, "problems": [str(p) for p in rep.problems]}
     text = [f"{len(rep.snapshots)} snapshot(s), {rep.chunks_checked} chunks, {human(rep.bytes_checked)} checked: "
