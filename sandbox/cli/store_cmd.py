@@ -17,7 +17,7 @@ from storage.progress import Progress
 from storage.errors import GpusnapError
 from storage.store import Problem, StoreError
 
-from sandbox.snapshot_meta import meta_problems, remove_with_companions
+from sandbox.snapshot_meta import FilesMeta, meta_problems, remove_with_companions
 from sandbox.cli.common import emit, human, json_option, one_line_errors, open_store, parse_chunk_size
 
 @click.group()
@@ -43,13 +43,14 @@ def store_put(ctx: click.Context, name: str, paths: tuple[str, ...], replace: bo
     """Store PATHS (files or directories, each under its base name) as snapshot NAME."""
     validate_snapshot_name(name)
     size = parse_chunk_size(chunk_size)
-    st = open_store(ctx)
-    with FileTreeSource(list(paths)) as source, st.writer(name, replace=replace, meta={"kind": "files", "paths": [os.path.abspath(p) for p in paths]}) as w, \
-            Progress(f"put {name}", ctx.obj["progress"]) as prog:
-        prog.start(source.total_bytes)
-        res = pipeline.put(w, source, chunk_size=size, workers=workers, compress=not no_compress, progress=prog,
-                           chunker=chunker)
-        w.commit()
+    meta = FilesMeta(tuple(os.path.abspath(p) for p in paths)).to_json()
+    with FileTreeSource(list(paths)) as source:  # scanned (and refused) before a store is made
+        st = open_store(ctx)
+        with st.writer(name, replace=replace, meta=meta) as w, Progress(f"put {name}", ctx.obj["progress"]) as prog:
+            prog.start(source.total_bytes)
+            res = pipeline.put(w, source, chunk_size=size, workers=workers, compress=not no_compress,
+                               progress=prog, chunker=chunker)
+            w.commit()
     report = {"name": name, "raw_bytes": res.raw_bytes, "new_bytes": res.stored_bytes,
               "seconds": round(res.seconds, 3), "GBps": round(res.gbps, 3), **res.extra,
               "stages": res.stages.table(), "direct_io": st.direct}
