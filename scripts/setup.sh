@@ -8,7 +8,7 @@ cd "$root"
 mkdir -p .cache
 export DEBIAN_FRONTEND=noninteractive
 
-apt_pkgs=(python3-venv runsc iproute2 zstd tar procps util-linux)
+apt_pkgs=(python3-venv runsc iproute2 zstd tar procps util-linux strace)
 missing=()
 for p in "${apt_pkgs[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
 if [ ${#missing[@]} -gt 0 ]; then
