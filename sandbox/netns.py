@@ -3,11 +3,17 @@
 The configuration is a small record (NetConfig) that is saved in a snapshot and recreated from it on
 restore, so the sandbox answers at the same address. `network()` is the context manager that owns it:
 whatever it created is removed on exit, also when creation failed halfway.
+
+A NetConfig is validated whenever one is made (also from a snapshot, which may come from another
+node): the namespace is named `gpusnap-...`, the veth ends `gs-...`/`gp-...` (so create and remove
+can only ever touch links gpusnap names), and the two addresses are distinct hosts of one private
+IPv4 subnet (so a snapshot cannot route public addresses into a sandbox).
 """
 from __future__ import annotations
 
 import ipaddress
 import os
+import re
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import Any, Iterator
@@ -30,6 +36,9 @@ def _pr2() -> Any:
 
 
 NETNS_DIR = "/var/run/netns"  # where pyroute2 (and so gpusnap) keeps named namespaces
+_NETNS_RE = re.compile(r"gpusnap-[A-Za-z0-9_][A-Za-z0-9_.+=@-]{0,55}")
+_HOST_IF_RE = re.compile(r"gs-[A-Za-z0-9_.+=@-]{1,12}")
+_PEER_IF_RE = re.compile(r"gp-[A-Za-z0-9_.+=@-]{1,12}")
 
 
 @dataclass(frozen=True)
@@ -39,6 +48,25 @@ class NetConfig:
     peer_if: str
     host_cidr: str   # e.g. 10.77.0.1/24, on the host side of the veth
     ns_cidr: str     # e.g. 10.77.0.2/24, inside the namespace; the default route points at host_cidr's address
+
+    def __post_init__(self) -> None:
+        for what, v, pattern in (("namespace name", self.name, _NETNS_RE),
+                                 ("host interface", self.host_if, _HOST_IF_RE),
+                                 ("sandbox interface", self.peer_if, _PEER_IF_RE)):
+            if not (isinstance(v, str) and pattern.fullmatch(v)):
+                raise NetnsError(f"network {what} {v!r} is not one gpusnap makes ({pattern.pattern})")
+        try:
+            host, inner = ipaddress.IPv4Interface(self.host_cidr), ipaddress.IPv4Interface(self.ns_cidr)
+        except (ipaddress.AddressValueError, ipaddress.NetmaskValueError, TypeError, ValueError) as e:
+            raise NetnsError(f"network addresses {self.host_cidr!r}, {self.ns_cidr!r}: {e}") from None
+        net = host.network
+        if not 8 <= net.prefixlen <= 30 or inner.network != net or host.ip == inner.ip:
+            raise NetnsError(f"network addresses {self.host_cidr}, {self.ns_cidr}: expected two distinct hosts of "
+                             "one subnet between /8 and /30")
+        if not net.is_private or net.is_loopback or net.is_link_local or net.is_multicast or \
+                any(a in (net.network_address, net.broadcast_address) for a in (host.ip, inner.ip)):
+            raise NetnsError(f"network {net}: a sandbox subnet must be private (RFC 1918) and its two hosts "
+                             "neither the network nor the broadcast address")
 
     @property
     def path(self) -> str:
@@ -53,14 +81,23 @@ class NetConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "NetConfig":
-        return cls(**{k: d[k] for k in ("name", "host_if", "peer_if", "host_cidr", "ns_cidr")})
+        keys = ("name", "host_if", "peer_if", "host_cidr", "ns_cidr")
+        if not isinstance(d, dict) or set(d) != set(keys):
+            raise NetnsError(f"a network record has exactly the fields {', '.join(keys)}")
+        return cls(**{k: d[k] for k in keys})
 
     @classmethod
     def for_sandbox(cls, name: str, subnet: str) -> "NetConfig":
-        net = ipaddress.ip_network(subnet)
-        hosts = list(net.hosts())
+        try:
+            net = ipaddress.IPv4Network(subnet)
+        except ValueError as e:
+            raise NetnsError(f"--net-subnet {subnet!r}: {e}") from None
+        if net.prefixlen > 30:
+            raise NetnsError(f"--net-subnet {subnet}: too small for two hosts")
+        hosts = [net.network_address + 1, net.network_address + 2]
         tag = name[-8:]
-        return cls(name, f"gs-{tag}"[:15], f"gp-{tag}"[:15], f"{hosts[0]}/{net.prefixlen}", f"{hosts[1]}/{net.prefixlen}")
+        return cls(name, f"gs-{tag}"[:15], f"gp-{tag}"[:15], f"{hosts[0]}/{net.prefixlen}",
+                   f"{hosts[1]}/{net.prefixlen}")
 
 
 def exists(cfg: NetConfig) -> bool:

@@ -12,7 +12,7 @@ export DEBIAN_FRONTEND=noninteractive
 # runc and Podman (with runc as its runtime: crun is not installed, Debian 12's has no CRIU support) and
 # busybox-static (the containers' root filesystem: no image registry is needed) for the container tests.
 apt_pkgs=(python3-venv runsc iproute2 zstd tar procps util-linux runc podman conmon
-          golang-github-containers-common containernetworking-plugins busybox-static)
+          golang-github-containers-common containernetworking-plugins busybox-static strace)
 missing=()
 for p in "${apt_pkgs[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
 if [ ${#missing[@]} -gt 0 ]; then

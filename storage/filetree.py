@@ -1,7 +1,15 @@
 """Files and directories as pipeline streams: the source that `store put` reads, the sink `get` writes.
 
-The sink materializes into a hidden sibling of DEST and renames it into place only on commit, so DEST
-never holds a partial result.
+Guarantees kept here:
+- Below the paths a user names, nothing is reached through a path string: both sides walk with
+  directory file descriptors (openat/mkdirat with O_NOFOLLOW and O_DIRECTORY), so neither a symlink
+  in a tree being stored nor one a manifest defines can make gpusnap read or write outside that tree.
+- Put reads what it scanned: every directory and file opened for reading is compared (device, inode,
+  type) with the scan; a changed entry is an error naming it, never a silent swap. Files are opened
+  O_NONBLOCK and checked with fstat, so a FIFO, socket or device swapped in is refused, never read.
+- Get is all or nothing and durable: it materializes into a hidden sibling of DEST, fsyncs every file
+  and directory, and renames it into place only on commit. Owners are restored when asked for (by
+  default as root, as tar and borg do); whatever's owner is not restored loses setuid/setgid.
 """
 from __future__ import annotations
 
@@ -9,14 +17,22 @@ import errno
 import os
 import shutil
 import stat
+import time
 from contextlib import contextmanager
-from typing import Iterator
+from dataclasses import dataclass
+from typing import Any, Iterator
 
 from .directio import read_into
+from .names import validate_stream_name
 from .pipeline import PipelineError, StreamSpec, StreamWriter
 
 
 from .errors import GpusnapError
+
+PAUSE_ENV = "GPUSNAP_TEST_PAUSE_AFTER_SCAN"  # test hook, see pause_after_scan
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+_SPECIAL_BITS = stat.S_ISUID | stat.S_ISGID
 
 class FileTreeError(GpusnapError):
     """An input path that cannot be stored, or a destination that cannot be written."""
@@ -64,81 +80,212 @@ class RangeReader:
         return got
 
 
+@dataclass(frozen=True)
+class _Seen:
+    """What the scan saw at a path: a later open must find the same object there."""
+    dev: int
+    ino: int
+    fmt: int
+
+    @classmethod
+    def of(cls, st: os.stat_result) -> "_Seen":
+        return cls(st.st_dev, st.st_ino, stat.S_IFMT(st.st_mode))
+
+
+_KINDS = {stat.S_IFREG: "file", stat.S_IFDIR: "directory", stat.S_IFLNK: "symlink", stat.S_IFIFO: "FIFO",
+          stat.S_IFSOCK: "socket", stat.S_IFCHR: "character device", stat.S_IFBLK: "block device"}
+
+
+def _reason(e: OSError) -> str:
+    return e.strerror or errno.errorcode.get(e.errno or 0, str(e))
+
+
+def pause_after_scan() -> None:
+    """Test hook: with $GPUSNAP_TEST_PAUSE_AFTER_SCAN=DIR, a put creates DIR/scanned once its scan is
+    done and waits (up to 120 s) until DIR/go exists, so that a test can change the tree between the
+    scan and the reads at an exact point, not by timing luck. Does nothing when the variable is unset."""
+    d = os.environ.get(PAUSE_ENV)
+    if not d:
+        return
+    with open(os.path.join(d, "scanned"), "w"):
+        pass
+    deadline = time.monotonic() + 120
+    while not os.path.exists(os.path.join(d, "go")):
+        if time.monotonic() > deadline:
+            raise FileTreeError(f"{PAUSE_ENV}: no {d}/go within 120 s")
+        time.sleep(0.01)
+
+
 class FileTreeSource:
     """Streams for PATHS: each path stored under its base name, directories recursively.
 
-    Regular files, directories and symbolic links are stored (mode and mtime kept); anything else
-    (sockets, fifos, devices) is refused up front, as is an unreadable or missing path.
+    Regular files, directories and symbolic links are stored (mode, mtime, uid and gid kept; a file
+    seen again through another hard link is stored as a `hardlink` to the first name); anything else
+    (sockets, FIFOs, devices) is refused up front, as is an unreadable or missing path. The directory
+    holding each named path is opened once and kept open (close() or the context manager releases it):
+    every later access goes down from it by directory fds, and must find what the scan found.
     """
 
     def __init__(self, paths: list[str]) -> None:
         self.roots: list[tuple[str, str]] = []
-        seen: set[str] = set()
-        for p in paths:
-            try:
-                os.lstat(p)
-            except OSError as e:
-                raise FileTreeError(f"{p}: {e.strerror.lower()}") from None
-            base = os.path.basename(os.path.normpath(os.path.abspath(p)))
-            if base in ("", "/"):
-                raise FileTreeError(f"{p}: cannot store the root directory itself; name a directory under it")
-            if base in seen:
-                raise FileTreeError(f"two inputs are named {base!r}; they would overwrite each other")
-            seen.add(base)
-            self.roots.append((os.path.abspath(p), base))
-        self.specs = list(self._scan())
-
-    def _spec(self, path: str, name: str) -> StreamSpec:
+        self._anchors: dict[str, int] = {}      # base name -> fd of the directory holding it
+        self._seen: dict[str, _Seen] = {}       # stream name -> what the scan found there
+        self._links: dict[tuple[int, int], str] = {}  # (dev, ino) of multiply linked files -> first name
         try:
-            st = os.lstat(path)
-        except OSError as e:
-            raise FileTreeError(f"{path}: {e.strerror}") from None
-        attrs = {"mode": stat.S_IMODE(st.st_mode), "mtime_ns": st.st_mtime_ns}
+            for p in paths:
+                base = os.path.basename(os.path.normpath(os.path.abspath(p)))
+                if base in ("", "/"):
+                    raise FileTreeError(f"{p}: cannot store the root directory itself; name a directory under it")
+                if base in self._anchors:
+                    raise FileTreeError(f"two inputs are named {base!r}; they would overwrite each other")
+                path = os.path.abspath(p)
+                try:
+                    self._anchors[base] = os.open(os.path.dirname(path), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+                    os.stat(base, dir_fd=self._anchors[base], follow_symlinks=False)
+                except OSError as e:
+                    raise FileTreeError(f"{p}: {_reason(e).lower()}") from None
+                self.roots.append((path, base))
+            self.specs = list(self._scan())
+        except BaseException:
+            self.close()
+            raise
+        pause_after_scan()
+
+    def close(self) -> None:
+        for fd in self._anchors.values():
+            os.close(fd)
+        self._anchors.clear()
+
+    def __enter__(self) -> "FileTreeSource":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if getattr(self, "_anchors", None):
+            self.close()
+
+    def _display(self, name: str) -> str:
+        base, _, rest = name.partition("/")
+        root = next(p for p, b in self.roots if b == base)
+        return os.path.join(root, rest) if rest else root
+
+    def _spec(self, dfd: int, entry: str, name: str, st: os.stat_result) -> StreamSpec:
+        attrs: dict[str, Any] = {"mode": stat.S_IMODE(st.st_mode), "mtime_ns": st.st_mtime_ns,
+                                 "uid": st.st_uid, "gid": st.st_gid}
         if stat.S_ISREG(st.st_mode):
-            if not os.access(path, os.R_OK):
-                raise FileTreeError(f"{path}: permission denied")
+            if not os.access(entry, os.R_OK, dir_fd=dfd):
+                raise FileTreeError(f"{self._display(name)}: permission denied")
+            if st.st_nlink > 1:
+                first = self._links.setdefault((st.st_dev, st.st_ino), name)
+                if first != name:
+                    return StreamSpec(name, {"type": "hardlink", "target": first}, 0)
             return StreamSpec(name, {"type": "file", **attrs}, st.st_size)
         if stat.S_ISDIR(st.st_mode):
-            if not os.access(path, os.R_OK | os.X_OK):
-                raise FileTreeError(f"{path}: permission denied")
+            if not os.access(entry, os.R_OK | os.X_OK, dir_fd=dfd):
+                raise FileTreeError(f"{self._display(name)}: permission denied")
             return StreamSpec(name, {"type": "dir", **attrs}, 0)
         if stat.S_ISLNK(st.st_mode):
-            return StreamSpec(name, {"type": "symlink", "target": os.readlink(path), **attrs}, 0)
-        raise FileTreeError(f"{path}: not a regular file, directory or symlink; gpusnap does not store it")
+            return StreamSpec(name, {"type": "symlink", "target": os.readlink(entry, dir_fd=dfd), **attrs}, 0)
+        raise FileTreeError(f"{self._display(name)}: a {_KINDS.get(stat.S_IFMT(st.st_mode), 'special file')}, not a "
+                            "regular file, directory or symlink; gpusnap does not store it")
 
     def _scan(self) -> Iterator[StreamSpec]:
-        for path, base in self.roots:
-            top = self._spec(path, base)
-            yield top
-            if top.attrs["type"] != "dir":
-                continue
-            for dirpath, dirnames, filenames in os.walk(path, onerror=_raise):
-                dirnames.sort()
-                rel = os.path.relpath(dirpath, path)
-                prefix = base if rel == "." else f"{base}/{rel}"
-                for n in sorted(dirnames + filenames):
-                    yield self._spec(os.path.join(dirpath, n), f"{prefix}/{n}")
-                # symlinks to directories appear in dirnames but os.walk does not follow them
-                dirnames[:] = [d for d in dirnames if not os.path.islink(os.path.join(dirpath, d))]
+        for _, base in self.roots:
+            yield from self._entry(self._anchors[base], base, base)
+
+    def _entry(self, dfd: int, entry: str, name: str) -> Iterator[StreamSpec]:
+        try:
+            st = os.stat(entry, dir_fd=dfd, follow_symlinks=False)
+        except OSError as e:
+            raise FileTreeError(f"{self._display(name)}: {_reason(e)}") from None
+        spec = self._spec(dfd, entry, name, st)
+        self._seen[name] = _Seen.of(st)
+        yield spec
+        if spec.attrs["type"] != "dir":
+            return
+        fd = self._open_dir(dfd, entry, name)
+        try:
+            for child in sorted(os.listdir(fd)):
+                yield from self._entry(fd, child, f"{name}/{child}")
+        finally:
+            os.close(fd)
+
+    def _changed(self, name: str, how: str) -> FileTreeError:
+        return FileTreeError(f"{self._display(name)} changed while it was being stored ({how}); nothing was "
+                             "stored: store it again when nothing modifies it")
+
+    def _same(self, st: os.stat_result, name: str) -> None:
+        """ST must be of the object the scan saw at NAME (same device, inode and type), else raise."""
+        now, then = _Seen.of(st), self._seen[name]
+        if now != then:
+            how = (f"was a {_KINDS.get(then.fmt, 'special file')}, now a {_KINDS.get(now.fmt, 'special file')}"
+                   if now.fmt != then.fmt else "replaced by another file")
+            raise self._changed(name, how)
+
+    def _check(self, fd: int, name: str) -> None:
+        """FD must be what the scan saw at NAME; else it is closed and the error raised."""
+        try:
+            self._same(os.fstat(fd), name)
+        except BaseException:
+            os.close(fd)
+            raise
+
+    def _open_dir(self, dfd: int, entry: str, name: str) -> int:
+        try:
+            fd = os.open(entry, _DIR_FLAGS, dir_fd=dfd)
+        except OSError as e:
+            if e.errno in (errno.ELOOP, errno.ENOTDIR, errno.ENOENT):
+                raise self._changed(name, "no longer a directory") from None
+            raise FileTreeError(f"{self._display(name)}: {_reason(e)}") from None
+        self._check(fd, name)
+        return fd
+
+    def _open_file(self, spec: StreamSpec) -> int:
+        """The file of SPEC, reached from its anchor by directory fds, checked against the scan."""
+        parts = spec.name.split("/")
+        dfd, held = self._anchors[parts[0]], []
+        try:
+            for i in range(len(parts) - 1):
+                dfd = self._open_dir(dfd, parts[i], "/".join(parts[:i + 1]))
+                held.append(dfd)
+            try:  # checked before the open too: opening a device can act on it
+                self._same(os.stat(parts[-1], dir_fd=dfd, follow_symlinks=False), spec.name)
+                fd = os.open(parts[-1], _READ_FLAGS, dir_fd=dfd)
+            except OSError as e:
+                if e.errno == errno.ENOENT:
+                    raise self._changed(spec.name, "removed") from None
+                if e.errno in (errno.ELOOP, errno.ENXIO):
+                    raise self._changed(spec.name, "no longer a regular file") from None
+                raise PipelineError(f"{self._display(spec.name)}: {_reason(e)}") from None
+            self._check(fd, spec.name)
+            return fd
+        finally:
+            for d in held:
+                os.close(d)
+
+    @contextmanager
+    def _opened(self, spec: StreamSpec) -> Iterator[int]:
+        fd = self._open_file(spec)
+        try:
+            yield fd
+        finally:
+            os.close(fd)
 
     def streams(self) -> Iterator[StreamSpec]:
         return iter(self.specs)
 
-    def _path(self, spec: StreamSpec) -> str:
-        base, _, rest = spec.name.partition("/")
-        root = next(p for p, b in self.roots if b == base)
-        return os.path.join(root, rest) if rest else root
-
     @contextmanager
     def open(self, spec: StreamSpec) -> Iterator[_FdReader]:
-        with read_fd(self._path(spec)) as fd:
+        with self._opened(spec) as fd:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
             yield _FdReader(fd)
 
     @contextmanager
     def open_range(self, spec: StreamSpec, offset: int, length: int) -> Iterator[RangeReader]:
         """A reader of LENGTH bytes of SPEC's file from OFFSET (one of several reading it at once)."""
-        with read_fd(self._path(spec)) as fd:
+        with self._opened(spec) as fd:
             yield RangeReader(fd, offset, length)
 
     @property
@@ -146,13 +293,13 @@ class FileTreeSource:
         return sum(s.size or 0 for s in self.specs if s.has_data)
 
 
-def _raise(e: OSError) -> None:
-    raise FileTreeError(f"{e.filename}: {e.strerror}")
-
-
 class _FileWriter:
-    def __init__(self, fd: int) -> None:
+    """A file being restored: written at offsets by workers; on close its owner, mode and times are
+    set through its fd (after the last write, so nothing clears the special bits) and it is fsynced."""
+
+    def __init__(self, fd: int, settle: Any) -> None:
         self.fd = fd
+        self._settle = settle
 
     def write_at(self, offset: int, data: bytes | memoryview) -> None:
         view = memoryview(data)
@@ -162,54 +309,176 @@ class _FileWriter:
             offset += n
 
     def close(self) -> None:
-        os.close(self.fd)
+        try:
+            self._settle(self.fd)
+            os.fsync(self.fd)
+        finally:
+            os.close(self.fd)
 
 
 class FileTreeSink:
-    """Writes streams as files under DEST, which must not exist; all or nothing."""
+    """Writes streams as files under DEST, which must not exist; all or nothing, fsynced before the
+    final rename. same_owner: restore recorded owners (default: when running as root)."""
 
-    def __init__(self, dest: str) -> None:
+    def __init__(self, dest: str, *, same_owner: bool | None = None) -> None:
         self.dest = os.path.abspath(dest)
-        if os.path.lexists(self.dest):
-            raise FileTreeError(f"{dest} already exists; give a new path to materialize into")
-        parent = os.path.dirname(self.dest)
-        if not os.path.isdir(parent):
-            raise FileTreeError(f"{parent}: no such directory")
-        self.tmp = os.path.join(parent, f".{os.path.basename(self.dest)}.gpusnap-{os.getpid()}")
+        self.same_owner = os.geteuid() == 0 if same_owner is None else same_owner
+        parent, base = os.path.split(self.dest)
         try:
-            os.mkdir(self.tmp, 0o700)
+            self._parent = os.open(parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError:
+            raise FileTreeError(f"{parent}: no such directory") from None
+        try:
+            os.stat(base, dir_fd=self._parent, follow_symlinks=False)
+            os.close(self._parent)
+            raise FileTreeError(f"{dest} already exists; give a new path to materialize into")
+        except FileNotFoundError:
+            pass
+        self._tmp = f".{base}.gpusnap-{os.getpid()}"
+        self.tmp = os.path.join(parent, self._tmp)
+        try:
+            os.mkdir(self._tmp, 0o700, dir_fd=self._parent)
+            self._root = os.open(self._tmp, _DIR_FLAGS, dir_fd=self._parent)
         except OSError as e:
-            raise FileTreeError(f"cannot write under {parent}: {e.strerror}") from None
-        self._dirs: list[tuple[str, dict]] = []
-        self._times: list[tuple[str, int]] = []
+            os.close(self._parent)
+            raise FileTreeError(f"cannot write under {parent}: {_reason(e)}") from None
+        self._chain: list[tuple[str, int]] = []   # open fds of the directories down to the last parent used
+        self._dirs: dict[tuple[str, ...], dict[str, Any] | None] = {}  # made here, in order; attrs once known
 
-    def _path(self, name: str) -> str:
-        return os.path.join(self.tmp, *name.split("/"))
+    # ---- directories, reached only through fds -------------------------------------------------
+    def _step(self, dfd: int, comp: str, stream: str, create: bool) -> int:
+        try:
+            return os.open(comp, _DIR_FLAGS, dir_fd=dfd)
+        except FileNotFoundError:
+            if not create:
+                raise FileTreeError(f"{stream}: {comp!r} vanished from the tree being restored") from None
+        except OSError as e:
+            if e.errno in (errno.ELOOP, errno.ENOTDIR):
+                raise FileTreeError(f"{stream}: {comp!r} is a link or not a directory in the restored tree; "
+                                    "refusing to write through it (damaged manifest)") from None
+            raise
+        os.mkdir(comp, 0o700, dir_fd=dfd)
+        return self._step(dfd, comp, stream, create=False)
 
+    def _dir(self, parts: list[str], stream: str) -> int:
+        """The fd of directory PARTS under the tree's root, made (0700) where missing; borrowed from
+        the chain of open directory fds, valid until the next call."""
+        keep = 0
+        while keep < min(len(parts), len(self._chain)) and self._chain[keep][0] == parts[keep]:
+            keep += 1
+        for _, fd in self._chain[keep:]:
+            os.close(fd)
+        del self._chain[keep:]
+        for i in range(keep, len(parts)):
+            dfd = self._chain[-1][1] if self._chain else self._root
+            self._chain.append((parts[i], self._step(dfd, parts[i], stream, create=True)))
+            self._dirs.setdefault(tuple(parts[:i + 1]), None)
+        return self._chain[-1][1] if self._chain else self._root
+
+    def _open_dir(self, parts: tuple[str, ...] | list[str]) -> int:
+        """An fd of its own for directory PARTS (already made), walked down from the root."""
+        fd = os.dup(self._root)
+        for comp in parts:
+            try:
+                nxt = self._step(fd, comp, "/".join(parts), create=False)
+            finally:
+                os.close(fd)
+            fd = nxt
+        return fd
+
+    # ---- owners and modes ----------------------------------------------------------------------
+    def _settle(self, attrs: dict[str, Any], default_mode: int) -> Any:
+        """A function of an fd that gives it ATTRS' owner (when restored), mode and mtime. The special
+        bits survive only where the owner is restored (or is the restoring user already)."""
+        uid, gid = attrs.get("uid"), attrs.get("gid")
+        chown = self.same_owner and uid is not None and gid is not None
+        mine = uid == os.geteuid() and gid == os.getegid()
+        mode = attrs.get("mode", default_mode)
+        if not (chown or mine):
+            mode &= ~_SPECIAL_BITS
+        ns = attrs.get("mtime_ns")
+
+        def settle(fd: int) -> None:
+            if chown:
+                os.fchown(fd, uid, gid)  # first: chown clears setuid/setgid
+            os.fchmod(fd, mode)
+            if ns is not None:
+                os.utime(fd, ns=(ns, ns))
+        return settle
+
+    # ---- the Sink protocol ---------------------------------------------------------------------
     def open(self, spec: StreamSpec) -> StreamWriter | None:
-        path = self._path(spec.name)
+        parts = validate_stream_name(spec.name).split("/")
         kind = spec.attrs.get("type")
+        pfd = self._dir(parts[:-1], spec.name)
+        leaf = parts[-1]
         if kind == "dir":
-            os.makedirs(path, 0o700, exist_ok=True)
-            self._dirs.append((path, spec.attrs))
+            try:
+                os.mkdir(leaf, 0o700, dir_fd=pfd)
+            except FileExistsError:
+                pass  # made as the parent of an earlier stream; _dir checks it is a real directory
+            self._dir(parts, spec.name)
+            self._dirs[tuple(parts)] = spec.attrs
             return None
-        os.makedirs(os.path.dirname(path), 0o700, exist_ok=True)
         if kind == "symlink":
-            os.symlink(spec.attrs["target"], path)
+            os.symlink(spec.attrs["target"], leaf, dir_fd=pfd)
+            a = spec.attrs
+            if self.same_owner and a.get("uid") is not None and a.get("gid") is not None:
+                os.chown(leaf, a["uid"], a["gid"], dir_fd=pfd, follow_symlinks=False)
+            if a.get("mtime_ns") is not None:
+                os.utime(leaf, ns=(a["mtime_ns"],) * 2, dir_fd=pfd, follow_symlinks=False)
             return None
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        os.ftruncate(fd, spec.size or 0)
-        os.fchmod(fd, spec.attrs.get("mode", 0o644))
-        self._times.append((path, spec.attrs.get("mtime_ns", 0)))
-        return _FileWriter(fd)
+        if kind == "hardlink":
+            target = validate_stream_name(spec.attrs["target"]).split("/")
+            tfd = self._open_dir(target[:-1])
+            try:
+                os.link(target[-1], leaf, src_dir_fd=tfd, dst_dir_fd=pfd, follow_symlinks=False)
+            finally:
+                os.close(tfd)
+            return None
+        if kind not in ("file", "blob"):
+            raise FileTreeError(f"{spec.name}: unknown stream type {kind!r}")
+        fd = os.open(leaf, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=pfd)
+        try:
+            os.ftruncate(fd, spec.size or 0)
+        except BaseException:
+            os.close(fd)
+            raise
+        return _FileWriter(fd, self._settle(spec.attrs, 0o644))
+
+    def _close_fds(self) -> None:
+        for _, fd in self._chain:
+            os.close(fd)
+        self._chain.clear()
+        for fd in (self._root, self._parent):
+            if fd >= 0:
+                os.close(fd)
+        self._root = self._parent = -1
 
     def commit(self) -> None:
-        for path, ns in self._times:
-            os.utime(path, ns=(ns, ns))
-        for path, attrs in reversed(self._dirs):  # children before parents: mtimes stick
-            os.chmod(path, attrs.get("mode", 0o755))
-            os.utime(path, ns=(attrs.get("mtime_ns", 0),) * 2)
-        os.rename(self.tmp, self.dest)
+        """Directories get their attributes children first (so their mtimes stick), every directory
+        is fsynced (the files were at close), then the tree is renamed to DEST and DEST's directory
+        fsynced: after a crash DEST is either absent or complete."""
+        for _, fd in self._chain:
+            os.close(fd)
+        self._chain.clear()
+        for parts, attrs in reversed(list(self._dirs.items())):
+            fd = self._open_dir(parts)
+            try:
+                if attrs is not None:
+                    self._settle(attrs, 0o755)(fd)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        os.fsync(self._root)
+        os.rename(self._tmp, os.path.basename(self.dest), src_dir_fd=self._parent, dst_dir_fd=self._parent)
+        os.fsync(self._parent)
+        self._close_fds()
 
     def abort(self) -> None:
-        shutil.rmtree(self.tmp, ignore_errors=True)
+        if self._parent < 0:
+            return
+        try:
+            shutil.rmtree(self._tmp, dir_fd=self._parent, ignore_errors=True)
+        finally:
+            self._close_fds()

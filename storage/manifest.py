@@ -1,10 +1,14 @@
 """Snapshot manifests: the versioned, self-checksummed JSON record naming a snapshot's streams.
 
-Guarantee kept here: Manifest.loads accepts only a manifest whose checksum matches its content and
-whose format and version this code knows (FORMAT.md, "Manifests").
+Guarantees kept here: Manifest.loads accepts only a manifest whose checksum matches its content,
+whose format and version this code knows (FORMAT.md, "Manifests"), whose `meta` is a JSON object with
+a `kind`, and whose streams form a tree that can be materialized without following a link: no
+stream lies under a stream that is not a directory (a symlink `x/l` and then `x/l/file` is damage),
+every attribute has its documented type, and a hard link names an earlier file stream (check_tree).
 """
 from __future__ import annotations
 
+import functools
 import json
 import re
 import socket
@@ -20,7 +24,11 @@ from .names import validate_snapshot_name, validate_stream_name
 from .errors import GpusnapError
 
 FORMAT = "gpusnap-manifest"
-VERSION = 1
+VERSION = 2               # what this code writes: v2 added owners (uid/gid) and `hardlink` streams
+READABLE = (1, 2)         # what it reads
+STREAM_TYPES = ("file", "dir", "symlink", "blob", "hardlink")
+_NO_DATA = ("dir", "symlink", "hardlink")
+_KIND_RE = re.compile(r"[a-z][a-z0-9_-]{0,31}")
 
 
 class ManifestError(GpusnapError):
@@ -38,6 +46,7 @@ def validate_tag(tag: str) -> str:
     return tag
 
 
+@functools.cache
 def tool_version() -> str:
     """This gpusnap's version, recorded in every manifest it writes."""
     try:
@@ -133,8 +142,9 @@ class Manifest:
             raise ManifestError(f"{where} does not parse (truncated or corrupted): {e.msg if hasattr(e, 'msg') else e}") from None
         if not isinstance(body, dict) or body.get("format") != FORMAT:
             raise ManifestError(f"{where} is not a gpusnap manifest")
-        if body.get("version") != VERSION:
-            raise ManifestError(f"{where} has format version {body.get('version')!r}; this gpusnap reads {VERSION}")
+        if body.get("version") not in READABLE:
+            raise ManifestError(f"{where} has format version {body.get('version')!r}; this gpusnap reads "
+                                f"{', '.join(map(str, READABLE))}")
         want = body.pop("checksum", None)
         if want != _checksum(body):
             raise ManifestError(f"{where} fails its checksum (corrupted)")
@@ -152,7 +162,64 @@ class Manifest:
             raise ManifestError(f"{where} is malformed: {e}") from None
         if len({s.name for s in streams}) != len(streams):
             raise ManifestError(f"{where} names a stream twice")
+        problems = check_meta(m.meta) + check_tree(streams, body["version"])
+        if problems:
+            raise ManifestError(f"{where} is damaged: {problems[0]}")
         return m
+
+
+def check_meta(meta: Any) -> list[str]:
+    """What is wrong with a manifest's META: a JSON object whose `kind` (when present; snapshots
+    written through the library without one are untyped) is a short lowercase word. What each kind
+    holds is validated by the layer that made it (sandbox/snapshot_meta.py)."""
+    if not isinstance(meta, dict):
+        return ["meta is not a JSON object"]
+    kind = meta.get("kind")
+    if kind is not None and not (isinstance(kind, str) and _KIND_RE.fullmatch(kind)):
+        return [f"meta kind {kind!r} is not a snapshot kind"]
+    return []
+
+
+def _is_int(v: Any, low: int, high: int) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and low <= v <= high
+
+
+def check_tree(streams: list[Stream], version: int = VERSION) -> list[str]:
+    """Problems that make STREAMS unsafe or impossible to materialize as a tree (empty: none).
+
+    Each stream's attributes must have their documented types; a stream may lie only under streams
+    of type `dir` (never under a symlink, file, blob or hard link the manifest itself defines, which
+    would make a restore write through a link); a hard link must name an earlier `file` stream."""
+    problems: list[str] = []
+    types: dict[str, str] = {}
+    for s in streams:
+        a = s.attrs
+        t = a.get("type")
+        if t not in STREAM_TYPES or (t == "hardlink" and version < 2):
+            problems.append(f"stream {s.name!r} has unknown type {t!r}")
+            continue
+        for key, low, high in (("mode", 0, 0o7777), ("mtime_ns", -(1 << 63), (1 << 63) - 1),
+                               ("uid", 0, 0xFFFFFFFE), ("gid", 0, 0xFFFFFFFE)):
+            if key in a and not _is_int(a[key], low, high):
+                problems.append(f"stream {s.name!r} has a bad {key} {a[key]!r}")
+        if t in _NO_DATA and s.chunks:
+            problems.append(f"stream {s.name!r} is a {t} but has data")
+        if t in ("symlink", "hardlink") and not (isinstance(a.get("target"), str) and a["target"]
+                                                 and "\x00" not in a["target"]):
+            problems.append(f"stream {s.name!r} has a bad link target")
+            continue
+        if t == "hardlink" and types.get(a["target"]) != "file":
+            problems.append(f"hard link {s.name!r} names {a['target']!r}, which is not an earlier file stream")
+        types[s.name] = t
+    for s in streams:  # order-independent: a child listed before the link it lies under is as bad
+        parts = s.name.split("/")
+        for i in range(1, len(parts)):
+            above = "/".join(parts[:i])
+            if types.get(above, "dir") != "dir":
+                problems.append(f"stream {s.name!r} lies under {above!r}, a {types[above]}: restoring it "
+                                "would write through a link or into a non-directory")
+                break
+    return problems
 
 
 def _checksum(body: dict[str, Any]) -> str:

@@ -44,7 +44,7 @@ def test_gpu_swap_out_and_in_through_custom_storage(tmp_path: Path, child: int) 
     assert all(len(d.procs[p].gpu) == 0 for p in (me, child)), "GPU memory released"
     m = st.load("swap")
     assert {s.name for s in m.streams} == {f"gpu/{me}/0", f"gpu/{child}/0"}
-    assert m.meta["path"] == "custom-storage" and 0 < rep.stored_bytes < rep.raw_bytes
+    assert m.meta["gpu_path"] == "custom-storage" and 0 < rep.stored_bytes < rep.raw_bytes
     assert st.verify(["swap"]).ok
     gpu_restore(st, "swap", me, driver=d, features=FEATS, device=HostDevice(), thp_mode=None)
     assert all(d.get_state(p) == S.RUNNING for p in (me, child))

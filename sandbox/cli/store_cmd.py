@@ -1,6 +1,7 @@
 """`gpusnap store ...`: files and directories as snapshots, and the store's own upkeep."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -13,8 +14,10 @@ from storage.filetree import FileTreeSink, FileTreeSource
 from storage.manifest import Manifest, ManifestError
 from storage.names import validate_snapshot_name
 from storage.progress import Progress
-from storage.store import StoreError
+from storage.errors import GpusnapError
+from storage.store import Problem, StoreError
 
+from sandbox.snapshot_meta import FilesMeta, meta_problems, remove_with_companions
 from sandbox.cli.common import emit, human, json_option, one_line_errors, open_store, parse_chunk_size
 
 @click.group()
@@ -41,15 +44,15 @@ def store_put(ctx: click.Context, name: str, paths: tuple[str, ...], replace: bo
     """Store PATHS (files or directories, each under its base name) as snapshot NAME."""
     validate_snapshot_name(name)
     size = parse_chunk_size(chunk_size)
-    source = FileTreeSource(list(paths))
-    st = open_store(ctx)
-    with st.writer(name, replace=replace, meta={"kind": "files", "paths": [os.path.abspath(p) for p in paths]},
-                   tags=tags) as w, \
-            Progress(f"put {name}", ctx.obj["progress"]) as prog:
-        prog.start(source.total_bytes)
-        res = pipeline.put(w, source, chunk_size=size, workers=workers, compress=not no_compress, progress=prog,
-                           chunker=chunker)
-        w.commit()
+    meta = FilesMeta(tuple(os.path.abspath(p) for p in paths)).to_json()
+    with FileTreeSource(list(paths)) as source:  # scanned (and refused) before a store is made
+        st = open_store(ctx)
+        with st.writer(name, replace=replace, meta=meta, tags=tags) as w, \
+                Progress(f"put {name}", ctx.obj["progress"]) as prog:
+            prog.start(source.total_bytes)
+            res = pipeline.put(w, source, chunk_size=size, workers=workers, compress=not no_compress,
+                               progress=prog, chunker=chunker)
+            w.commit()
     report = {"name": name, "raw_bytes": res.raw_bytes, "new_bytes": res.stored_bytes,
               "seconds": round(res.seconds, 3), "GBps": round(res.gbps, 3), **res.extra,
               "stages": res.stages.table(), "direct_io": st.direct}
@@ -64,10 +67,14 @@ def store_put(ctx: click.Context, name: str, paths: tuple[str, ...], replace: bo
 @click.option("--include", "include", multiple=True, metavar="PATTERN",
               help="Only streams matching this glob (and the directories above them); repeatable.")
 @click.option("--workers", type=int, default=None, help="Worker threads (default: CPU count, max 16).")
+@click.option("--no-same-owner", is_flag=True,
+              help="Do not restore recorded owners (the default as root restores them); setuid/setgid bits "
+                   "are then dropped, as they are whenever an owner is not restored.")
 @json_option
 @click.pass_context
 @one_line_errors
 def store_get(ctx: click.Context, name: str, dest: str, include: tuple[str, ...], workers: int | None,
+              no_same_owner: bool,
               as_json: bool) -> None:
     """Materialize snapshot NAME into DEST (a new directory), every chunk verified; all or nothing."""
     st = open_store(ctx, create=False)
@@ -75,7 +82,7 @@ def store_get(ctx: click.Context, name: str, dest: str, include: tuple[str, ...]
         m = st.load(validate_snapshot_name(name))
         if include:
             m = select_streams(m, include)
-        sink = FileTreeSink(dest)
+        sink = FileTreeSink(dest, same_owner=False if no_same_owner else None)
         with Progress(f"get {name}", ctx.obj["progress"]) as prog:
             prog.start(m.size)
             res = pipeline.get(st, m, sink, workers=workers, progress=prog)
@@ -160,6 +167,9 @@ def store_verify(ctx: click.Context, name: str | None, as_json: bool) -> None:
         raise StoreError(f"no snapshot named {name!r} in {st.path}")
     with Progress("verify", ctx.obj["progress"]) as prog:
         rep = st.verify(names, progress=prog)
+    for n in rep.snapshots:  # what each sandbox kind's metadata must be (storage does not know it)
+        with contextlib.suppress(GpusnapError):  # an unreadable manifest is already a problem
+            rep.problems += [Problem(n, None, None, p) for p in meta_problems(st.load(n))]
     data = {"ok": rep.ok, "snapshots": rep.snapshots, "chunks_checked": rep.chunks_checked,
             "bytes_checked": rep.bytes_checked, "problems": [str(p) for p in rep.problems]}
     text = [f"{len(rep.snapshots)} snapshot(s), {rep.chunks_checked} chunks, {human(rep.bytes_checked)} checked: "
@@ -175,10 +185,10 @@ def store_verify(ctx: click.Context, name: str | None, as_json: bool) -> None:
 @click.pass_context
 @one_line_errors
 def store_rm(ctx: click.Context, names: tuple[str, ...]) -> None:
-    """Remove snapshots (their chunks are reclaimed by `gc`)."""
+    """Remove snapshots and their companions (`NAME.gpu` of a GPU sandbox); chunks are reclaimed by `gc`."""
     st = open_store(ctx, create=False)
     for n in names:
-        st.remove(validate_snapshot_name(n))
+        remove_with_companions(st, validate_snapshot_name(n))  # a runsc snapshot's NAME.gpu goes with it
 
 
 @store.command("gc")

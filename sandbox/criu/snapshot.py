@@ -29,6 +29,8 @@ from storage.store import SnapshotStore
 
 from sandbox.criu.runner import Criu, CriuError, DumpOptions
 from sandbox.gpu.processes import process_tree, uses_gpu
+from sandbox.gpu.state import GpuPath
+from sandbox.snapshot_meta import CriuMeta
 
 
 from storage.errors import GpusnapError
@@ -288,13 +290,12 @@ def criu_restore(store: SnapshotStore, name: str, *, staging: str | None = None,
     criu = criu or Criu()
     with store.shared():
         m = store.load(name)
-        if m.meta.get("kind") != "criu":
-            raise CriuSnapshotError(f"snapshot {name!r} is a {m.meta.get('kind')!r} snapshot, not a CRIU one")
-        taken = _pids_in_use(m.meta["pids"])
+        meta = CriuMeta.of(m)
+        taken = _pids_in_use(list(meta.pids))
         if taken:
             raise CriuSnapshotError(f"pid(s) {taken} of snapshot {name!r} are in use here; CRIU restores "
                                     "processes with their original pids (stop them, or restore in a new pid namespace)")
-        report = CriuReport(name, m.meta["pids"], m.meta.get("cuda_pids", []))
+        report = CriuReport(name, list(meta.pids), list(meta.cuda_pids))
         stage = staging_dir(store, m.size, staging)
         try:
             t0 = time.perf_counter()
@@ -305,7 +306,7 @@ def criu_restore(store: SnapshotStore, name: str, *, staging: str | None = None,
             report.seconds["materialize"] = time.perf_counter() - t0
             images = os.path.join(stage, "out", "images")
             t0 = time.perf_counter()
-            shell_job = "--shell-job" in m.meta.get("options", [])
+            shell_job = meta.shell_job
             pidfile = os.path.join(stage, "restored.pid")
             try:
                 criu.restore(images, detach=True, shell_job=shell_job, pidfile=pidfile)
@@ -317,7 +318,7 @@ def criu_restore(store: SnapshotStore, name: str, *, staging: str | None = None,
             if report.cuda_pids:
                 from sandbox.gpu.driver import CudaDriver
                 t0 = time.perf_counter()
-                custom = m.meta.get("gpu_path") == "custom-storage"
+                custom = meta.gpu_path == GpuPath.CUSTOM_STORAGE
                 with _GpuSide(report.pids, report.cuda_pids, gpu_driver or CudaDriver(), custom, device) as gpu:
                     gpu.swap_in(store, name, m.streams)
                 report.seconds["gpu_restore"] = time.perf_counter() - t0

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import stat
 import threading
 import time
 from typing import Any
@@ -62,10 +63,23 @@ class PoolServer:
 
     @staticmethod
     def _listen(path: str) -> socket.socket:
+        """A listening socket at PATH, made only where nothing is, or where a stale socket of ours is
+        (a socket owned by this user that nobody answers on: left by a daemon that died). Anything
+        else at PATH (a regular file, a link, a live daemon's socket) is left alone and refused."""
         os.makedirs(os.path.dirname(os.path.abspath(path)), mode=0o700, exist_ok=True)
-        if os.path.exists(path):
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            st = None
+        if st is not None:
+            if not stat.S_ISSOCK(st.st_mode) or st.st_uid != os.geteuid():
+                what = "a socket of another user" if stat.S_ISSOCK(st.st_mode) else "not a socket"
+                raise PoolDaemonError(f"{path} exists and is {what}; not replacing it (give another --socket)")
             if _alive(path):
                 raise PoolDaemonError(f"a pool daemon already serves {path}")
+            now = os.lstat(path)
+            if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
+                raise PoolDaemonError(f"{path} changed while it was checked; not replacing it")
             os.unlink(path)  # left by a daemon that died
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         old = os.umask(0o177)

@@ -18,6 +18,7 @@ from sandbox.gpu.driver import CheckpointDriver, CudaDriver, Features, ProcessSt
 from sandbox.gpu.processes import cuda_processes
 from sandbox.gpu.regions import EngineRegions
 from sandbox.gpu.state import GpuPath, Limits, backend_for, freeze, path_for, thaw
+from sandbox.snapshot_meta import GpuMeta
 
 
 from storage.errors import GpusnapError
@@ -72,7 +73,7 @@ def gpu_checkpoint(store: SnapshotStore, root_pid: int, name: str, *, driver: Cu
     if busy:  # a snapshot of an already checkpointed process would not hold its GPU memory
         raise GpuSnapshotError("; ".join(f"pid {p} is {s.name}, not RUNNING" for p, s in busy.items()))
     gpus = [{"index": g.index, "uuid": g.uuid, "name": g.name} for g in feats.gpus]
-    meta = {"kind": "gpu", "path": path.value, "root_pid": root_pid, "pids": pids, "gpus": gpus,
+    meta = {"kind": "gpu", "gpu_path": path.value, "root_pid": root_pid, "pids": pids, "gpus": gpus,
             "driver": feats.driver_version}
     with store.writer(name, replace=replace, meta=meta) as w, _engine(path, device) as eng:
         regions = EngineRegions.into(eng, w, progress) if eng is not None else None
@@ -129,15 +130,14 @@ def gpu_restore(store: SnapshotStore, name: str, root_pid: int, *, device_map: l
     """Swap the GPU state of snapshot NAME back into its processes and unlock them (those already
     RUNNING are left alone)."""
     m = store.load(name)
-    if m.meta.get("kind") != "gpu":
-        raise GpuSnapshotError(f"snapshot {name!r} is a {m.meta.get('kind')!r} snapshot, not a GPU one")
-    pids = list(m.meta["pids"])
-    if root_pid != m.meta["root_pid"] and root_pid not in pids:
-        raise GpuSnapshotError(f"snapshot {name!r} was taken of pid {m.meta['root_pid']}, not {root_pid}")
+    meta = GpuMeta.of(m)
+    pids = list(meta.pids)
+    if root_pid != meta.root_pid and root_pid not in pids:
+        raise GpuSnapshotError(f"snapshot {name!r} was taken of pid {meta.root_pid}, not {root_pid}")
     drv = driver or CudaDriver()
     feats = features or probe(drv)
-    gpu_map = parse_device_map(device_map or [], m.meta.get("gpus", []), feats.gpus)
-    path = GpuPath(m.meta["path"])
+    gpu_map = parse_device_map(device_map or [], meta.gpus_json, feats.gpus)
+    path = meta.gpu_path
     with _engine(path, device) as eng:
         regions = EngineRegions.of(eng, store, m, progress) if eng is not None else None
         rep = thaw(drv, pids, backend_for(path, regions=regions, thp_mode=thp_mode), gpu_map=gpu_map)

@@ -28,6 +28,7 @@ from sandbox.gpu.channel import AgentFrames, AgentReport, ChannelError, ChannelL
 from sandbox.criu.snapshot import staging_dir
 from sandbox.runsc.oci_bundle import add_bind, add_gpus, bundle_netns, load_spec, save_spec, set_bundle_netns
 from sandbox.runsc.runner import Runsc, RunscError
+from sandbox.snapshot_meta import RunscMeta, check_runsc_args
 
 from storage.errors import GpusnapError
 
@@ -317,7 +318,7 @@ def checkpoint(store: SnapshotStore, cid: str, name: str, runsc_args: Sequence[s
     """Sandbox CID into snapshot NAME: the GPU agent first where it is a GPU sandbox (custom storage
     into snapshot NAME.gpu, or the driver's host copy that runsc then saves), then `runsc checkpoint`
     and the ingest. A failure at any step leaves the sandbox running with its GPU state back."""
-    r = Runsc(runsc_args, log_dir=os.path.join(store.path, "logs"))
+    r = Runsc(check_runsc_args(list(runsc_args), "--runsc-arg"), log_dir=os.path.join(store.path, "logs"))
     st = r.state(cid)
     if st is None:
         raise RunscSnapshotError(f"no container {cid!r} (runsc {' '.join(runsc_args)})")
@@ -417,16 +418,15 @@ def restore(store: SnapshotStore, name: str, cid: str, bundle: str, *, runsc_arg
             output: str, progress: Any = None) -> RunscReport:
     with store.shared():
         m = store.load(name)
-        if m.meta.get("kind") != "runsc":
-            raise RunscSnapshotError(f"snapshot {name!r} is a {m.meta.get('kind')!r} snapshot, not a runsc one")
-        args = list(runsc_args) if runsc_args else list(m.meta["runsc_args"])
-        gpu = m.meta.get("gpu") or {}
+        meta = RunscMeta.of(m)
+        args = list(runsc_args) if runsc_args else list(meta.runsc_args)
+        gpu = meta.gpu_json
         r = Runsc([*args, *gpu.get("runsc_args", [])], log_dir=os.path.join(store.path, "logs"))
         if r.state(cid) is not None:
             raise RunscSnapshotError(f"container {cid!r} already exists; restore under a new id")
         if not os.path.exists(os.path.join(bundle, "config.json")):
             raise RunscSnapshotError(f"{bundle}: no config.json (not an OCI bundle)")
-        net = nets.NetConfig.from_dict(m.meta["net"]) if m.meta.get("net") else None
+        net = meta.net
         report = RunscReport(name, cid, address=net.address if net else None)
         stage = staging_dir(store, m.size)
         made_net = False
