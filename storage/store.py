@@ -22,6 +22,7 @@ import fcntl
 import json
 import os
 import re
+import shlex
 import stat
 import threading
 import time
@@ -777,7 +778,8 @@ class SnapshotStore:
         report = GcReport()
         with self.exclusive(timeout):
             names, strays = self.scan()
-            report.damage += [f"{s} (left alone; `gpusnap store rm {s.entry}` removes it)" for s in strays]
+            report.damage += [f"{s} (left alone; `gpusnap store rm -- {shlex.quote(s.entry)}` removes it)"
+                              for s in strays]
             live: set[str] = set()
             for n in names:
                 try:
