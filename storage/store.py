@@ -706,7 +706,7 @@ class SnapshotStore:
                     for cid, why in again.items():
                         if not why.startswith("missing") and self._quarantine(cid, why):
                             report.quarantined.append(cid)
-            except StoreError as e:
+            except (GpusnapError, OSError) as e:  # busy, or a store this user may only read
                 report.not_quarantined = str(e)
         return report
 
@@ -764,14 +764,22 @@ class SnapshotStore:
         owner = this_owner()
         rec = {"pid": owner.pid, "start": owner.start, "boot": owner.boot, "uid": os.geteuid(),
                "dest": os.path.abspath(dest)}
-        name = owned_name("get")
-        with self._dir("tmp") as tmp:
-            _write_file(tmp, name, json.dumps(rec).encode())
+        name: str | None = owned_name("get")
+        try:
+            with self._dir("tmp") as tmp:
+                _write_file(tmp, name, json.dumps(rec).encode())  # type: ignore[arg-type]
+        except (PermissionError, StoreAccessError):
+            name = None  # a reader of a store it may not write: nothing to record, nothing gc could do
+        except OSError as e:
+            if e.errno != errno.EROFS:
+                raise
+            name = None
         try:
             yield
         finally:
-            with self._dir("tmp") as tmp:
-                _unlink_quietly(tmp, name)
+            if name is not None:
+                with self._dir("tmp") as tmp:
+                    _unlink_quietly(tmp, name)
 
     # ---- gc -----------------------------------------------------------------------------------
     def gc(self, timeout: float = 30.0) -> GcReport:

@@ -403,3 +403,26 @@ def test_a_store_the_user_cannot_read_says_permission_denied(cli: Cli, tmp_path:
             assert "not a gpusnap store" not in p.stderr and len(p.stderr.splitlines()) == 1
     finally:
         shutil.rmtree(code)
+
+
+def test_put_into_a_store_whose_directories_are_links_writes_nothing_through_them(cli: Cli, store_dir: Path,
+                                                                                   tmp_path: Path) -> None:
+    cli.run("store", "init")
+    f = tmp_path / "f"
+    f.write_bytes(np.random.default_rng(8).bytes(1 << 20))
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    shutil.rmtree(store_dir / "tmp")
+    (store_dir / "tmp").symlink_to(victim)
+    p = cli.run("store", "put", "x", str(f), check=False)
+    assert p.returncode == 3 and "tmp is a symbolic link" in p.stderr and len(p.stderr.splitlines()) == 1, p.stderr
+    assert not list(victim.iterdir())
+    (store_dir / "tmp").unlink()
+    (store_dir / "tmp").mkdir(mode=0o700)
+    for xy in {f"{i:02x}" for i in range(256)}:  # every chunk directory a link: whatever id the data gets
+        shutil.rmtree(store_dir / "chunks" / xy)
+        (store_dir / "chunks" / xy).symlink_to(victim)
+    p = cli.run("store", "put", "x", str(f), check=False)
+    assert p.returncode == 3 and "is a symbolic link" in p.stderr, p.stderr
+    assert not list(victim.iterdir()) and not list((store_dir / "tmp").iterdir())
+    assert cli.json("store", "ls") == []
