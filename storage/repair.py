@@ -1,6 +1,7 @@
-"""Rebuilding missing or damaged chunks from wherever their exact bytes still are (`store repair --from`).
+"""Repair: rewrite missing or damaged chunks from wherever their exact bytes still are; report what is lost.
 
-Guarantee kept here: a chunk is written back only if the bytes found hash to the id a snapshot asks
+Guarantees kept here: repair holds the store lock exclusively; damaged chunk files go to quarantine/
+first (FORMAT.md, "Damage and healing"); a chunk is written back only if the bytes found hash to the id a snapshot asks
 for, so a source can heal a store but never change what any snapshot means. Sources: another gpusnap
 store (its chunk of the same id, verified), or files and directories, re-read at the offsets and
 lengths the snapshots record for each chunk and re-encoded with the chunk's codec (CPU codecs only:
@@ -11,13 +12,15 @@ from __future__ import annotations
 
 import os
 import stat
-from typing import TYPE_CHECKING, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 from .chunkfile import HEADER_SIZE, ChunkError, ChunkHeader, chunk_id
 from .codecs import ZstdCodec
-from .directio import AlignedBuffer, copy_into
+from .directio import AlignedBuffer, BufferPool, copy_into
 from .errors import GpusnapError
 from .manifest import ChunkRef, Manifest
+from .store import Problem, Stray, chunk_refs
 
 if TYPE_CHECKING:
     from .store import SnapshotStore
@@ -27,6 +30,55 @@ _ENCODERS = {"zstd": ZstdCodec(level=1)}  # what `put` uses for host chunks
 
 class RepairError(GpusnapError):
     """A repair source that cannot be used."""
+
+
+@dataclass
+class RepairReport:
+    damaged: int = 0                                        # wanted chunks that were missing or damaged
+    repaired: dict[str, str] = field(default_factory=dict)  # chunk id -> where its bytes came from
+    lost: list[Problem] = field(default_factory=list)
+    strays: list[Stray] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.lost and not self.strays
+
+
+def repair(store: "SnapshotStore", sources: Sequence[str] = (), *, workers: int = 4, timeout: float = 30.0,
+           progress: Any = None) -> RepairReport:
+    """Verify every snapshot of STORE, quarantine damaged chunks, and rewrite every missing or damaged
+    chunk from the first place that has its exact bytes: its quarantined copy if that verifies after
+    all, then SOURCES in order (another gpusnap store, or files and directories). What no source has is
+    reported, per snapshot, stream and chunk, as lost."""
+    report = RepairReport()
+    with store.exclusive(timeout):
+        names, report.strays = store.scan()
+        manifests = store.load_all(names, report.lost)
+        refs = chunk_refs(manifests)
+        size = store.chunk_buffer_size(manifests)
+        bad = store.check_chunks(refs, size, workers, progress)
+        report.damaged = len(bad)
+        need = {cid: refs[cid] for cid in bad}
+        with BufferPool(1, size) as pool, pool.borrowed() as buf:
+            for cid, why in bad.items():
+                if not why.startswith("missing"):
+                    store.quarantine_chunk(cid, why)
+            for cid, ref in list(need.items()):
+                if store.unquarantine_chunk(ref, buf):
+                    report.repaired[cid] = "quarantine/ (the copy there verifies)"
+                    del need[cid]
+        if need:
+            with store.subdir("tmp") as tmp, store.subdir("chunks") as chunks:
+                for cid, where in rebuild(store, tmp, chunks, manifests, need, list(sources), size).items():
+                    report.repaired[cid] = where
+                    del need[cid]
+        for m in manifests:
+            for s in m.streams:
+                for i, c in enumerate(s.chunks):
+                    if c.id in need:
+                        report.lost.append(Problem(m.name, s.name, i, f"chunk {c.id[:16]}… lost: "
+                                                   f"{bad[c.id]}; no source has its bytes"))
+    return report
 
 
 def rebuild(store: "SnapshotStore", tmp_fd: int, chunks_fd: int, manifests: list[Manifest],
@@ -65,7 +117,7 @@ def _keep(store: "SnapshotStore", tmp_fd: int, chunks_fd: int, ref: ChunkRef, pa
 
 def _from_store(store: "SnapshotStore", tmp_fd: int, chunks_fd: int, path: str, need: dict[str, ChunkRef],
                 buf: AlignedBuffer) -> dict[str, str]:
-    from .store import SnapshotStore  # noqa: PLC0415 - a cycle only at import time
+    from .store import SnapshotStore  # noqa: PLC0415 - the type is imported for checking only above
     other = SnapshotStore(path, create=False)
     got: dict[str, str] = {}
     with other.shared():

@@ -22,7 +22,7 @@ import fcntl
 import json
 import os
 import re
-import shlex
+import shutil
 import stat
 import threading
 import time
@@ -30,7 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 from .chunkfile import (HEADER_SIZE, ChunkError, ChunkHeader, chunk_id, file_kind, header_matches, read_chunk_file,
                         write_chunk_file)
@@ -39,18 +39,18 @@ from .errors import GpusnapError
 from .manifest import ChunkRef, Manifest, ManifestError, Stream
 from .names import InvalidNameError, validate_snapshot_name
 from .owner import ProcessOwner
-from .storedir import StoreAccessError, StoreDamage, entries, lstat_at, open_dir, opened_dir, opened_root, remove_tree
+from .storedir import StoreAccessError, StoreDamage, entries, lstat_at, opened_child, opened_dir, opened_root
+
+if TYPE_CHECKING:
+    from .gc import GcReport
+    from .repair import RepairReport
 
 STORE_FORMAT = "gpusnap-store"
 STORE_VERSION = 1
 MARKER = "gpusnap-store.json"
 SUBDIRS = ("snapshots", "chunks", "tmp", "names")
 QUARANTINE = "quarantine"
-_ID = re.compile(r"[0-9a-f]{64}")
-# tmp/KIND.PID-START-BOOT.REST: an entry whose owner is written in its name (FORMAT.md)
-_OWNED = re.compile(r"([a-z]+)\.(\d+-\d+-[0-9a-f]{8})\.([A-Za-z0-9_.-]+)")
-# what gpusnap versions before owner records left in tmp/: writers' files named by pid, the O_DIRECT probe
-_LEGACY = re.compile(r"(?:chunk|manifest)\.(\d+)\.\d+\.\d+|\.odirect-probe-(\d+)")
+CHUNK_ID = re.compile(r"[0-9a-f]{64}")
 _RECORD_MAX = 1 << 16
 
 
@@ -165,31 +165,6 @@ class VerifyReport:
         return not self.problems and not self.strays
 
 
-@dataclass
-class GcReport:
-    chunks_removed: int = 0
-    bytes_freed: int = 0
-    tmp_removed: int = 0
-    gets_cleaned: int = 0        # staging trees of killed `get`s removed
-    locks_removed: int = 0
-    quarantine_removed: int = 0
-    in_use: int = 0              # tmp/ entries whose owner still runs
-    left: list[str] = field(default_factory=list)     # entries gpusnap did not make: reported, kept
-    damage: list[str] = field(default_factory=list)   # store entries that are not what they should be
-
-
-@dataclass
-class RepairReport:
-    damaged: int = 0                                       # wanted chunks that were missing or damaged
-    repaired: dict[str, str] = field(default_factory=dict)  # chunk id -> where its bytes came from
-    lost: list[Problem] = field(default_factory=list)
-    strays: list[Stray] = field(default_factory=list)
-
-    @property
-    def ok(self) -> bool:
-        return not self.lost and not self.strays
-
-
 class _FileLock:
     """flock(2) on a file opened without following a link; shared or exclusive, with a deadline or not."""
 
@@ -276,7 +251,7 @@ class SnapshotStore:
         """Whether chunk files here are written and read with O_DIRECT (probed once, on first use)."""
         if self._direct is None:
             try:
-                with self._dir("tmp") as tmp:
+                with self.subdir("tmp") as tmp:
                     # the probe goes through the checked fd, never through a path that could be a link
                     self._direct = direct_io_supported(f"/proc/self/fd/{tmp}")
             except (OSError, GpusnapError):
@@ -284,7 +259,7 @@ class SnapshotStore:
         return self._direct
 
     @contextmanager
-    def _dir(self, *parts: str) -> Iterator[int]:
+    def subdir(self, *parts: str) -> Iterator[int]:
         """The store directory PARTS (e.g. "chunks", "ab") as a checked fd for the block."""
         with ExitStack() as stack:
             fd, uid = stack.enter_context(opened_root(self.path))
@@ -295,7 +270,7 @@ class SnapshotStore:
             yield fd
 
     @contextmanager
-    def _root(self) -> Iterator[tuple[int, int]]:
+    def root(self) -> Iterator[tuple[int, int]]:
         with opened_root(self.path) as r:
             yield r
 
@@ -311,7 +286,7 @@ class SnapshotStore:
             raise StoreAccessError(f"{self.path}: permission denied") from None
         if not stat.S_ISDIR(st.st_mode):
             raise StoreError(f"{self.path} is not a directory, so not a gpusnap store")
-        with self._root() as (root, _):
+        with self.root() as (root, _):
             try:
                 fd = os.open(MARKER, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=root)
             except FileNotFoundError:
@@ -345,7 +320,7 @@ class SnapshotStore:
         try:
             os.makedirs(self.path, mode=0o700, exist_ok=True)
             os.chmod(self.path, 0o700)
-            with self._root() as (root, uid):
+            with self.root() as (root, uid):
                 for d in SUBDIRS:
                     try:
                         os.mkdir(d, 0o700, dir_fd=root)
@@ -370,7 +345,7 @@ class SnapshotStore:
     # ---- locks --------------------------------------------------------------------------------
     @contextmanager
     def shared(self) -> Iterator[None]:
-        with self._root() as (root, _):
+        with self.root() as (root, _):
             lock = _FileLock(root, "lock", "lock")
             lock.acquire(exclusive=False, timeout=None)
         try:
@@ -380,7 +355,7 @@ class SnapshotStore:
 
     @contextmanager
     def exclusive(self, timeout: float) -> Iterator[None]:
-        with self._root() as (root, _):
+        with self.root() as (root, _):
             lock = _FileLock(root, "lock", "lock")
             got = lock.acquire(exclusive=True, timeout=timeout)
         if not got:
@@ -395,7 +370,7 @@ class SnapshotStore:
         """NAME's writer lock (names/NAME.lock), taken without waiting. Only writers and rm of an
         existing snapshot take it, so no lock file is made for a name that never had a snapshot."""
         lock_name = validate_snapshot_name(name) + ".lock"
-        with self._dir("names") as names:
+        with self.subdir("names") as names:
             lock = _FileLock(names, lock_name, f"names/{lock_name}")
             got = lock.acquire(exclusive=True, timeout=0)
         if not got:
@@ -409,14 +384,14 @@ class SnapshotStore:
     def exists(self, name: str) -> bool:
         """Whether anything occupies NAME's manifest entry (a snapshot, or a damaged entry in its place)."""
         entry = validate_snapshot_name(name) + ".json"
-        with self._dir("snapshots") as snaps:
+        with self.subdir("snapshots") as snaps:
             return lstat_at(snaps, entry) is not None
 
     def scan(self) -> tuple[list[str], list[Stray]]:
         """The snapshot names (sorted) and the stray entries of snapshots/."""
         names: list[str] = []
         strays: list[Stray] = []
-        with self._dir("snapshots") as snaps:
+        with self.subdir("snapshots") as snaps:
             for e in entries(snaps):
                 what = _stray_reason(e)
                 if what is None:
@@ -430,7 +405,7 @@ class SnapshotStore:
 
     def load(self, name: str) -> Manifest:
         entry = validate_snapshot_name(name) + ".json"
-        with self._dir("snapshots") as snaps:
+        with self.subdir("snapshots") as snaps:
             try:
                 fd = os.open(entry, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=snaps)
             except FileNotFoundError:
@@ -470,10 +445,10 @@ class SnapshotStore:
             valid = None
         with self.shared():
             if valid is not None:
-                with self._dir("snapshots") as snaps:
+                with self.subdir("snapshots") as snaps:
                     st = lstat_at(snaps, valid + ".json")
                 if st is not None and stat.S_ISREG(st.st_mode):
-                    with self.name_lock(valid), self._dir("snapshots") as snaps:
+                    with self.name_lock(valid), self.subdir("snapshots") as snaps:
                         try:
                             os.unlink(valid + ".json", dir_fd=snaps)
                         except FileNotFoundError:
@@ -484,10 +459,9 @@ class SnapshotStore:
             stray = strays.get(name) or strays.get(name + ".json")
             if stray is None:
                 raise StoreError(f"no snapshot named {name!r} in {self.path}")
-            with self._dir("snapshots") as snaps:
+            with self.subdir("snapshots") as snaps:
                 st = lstat_at(snaps, stray.entry)
                 if st is not None and stat.S_ISDIR(st.st_mode):
-                    import shutil  # noqa: PLC0415
                     shutil.rmtree(stray.entry, dir_fd=snaps)  # fd-relative: descends through no link
                 elif st is not None:
                     os.unlink(stray.entry, dir_fd=snaps)
@@ -496,11 +470,11 @@ class SnapshotStore:
 
     # ---- chunks -------------------------------------------------------------------------------
     @contextmanager
-    def _chunk_dir(self, cid: str) -> Iterator[int]:
-        if not _ID.fullmatch(cid):
+    def chunk_dir(self, cid: str) -> Iterator[int]:
+        if not CHUNK_ID.fullmatch(cid):
             raise ChunkError(cid, "is not a chunk id (64 lowercase hex digits)")
         try:
-            with self._dir("chunks", cid[:2]) as d:
+            with self.subdir("chunks", cid[:2]) as d:
                 yield d
         except FileNotFoundError:
             raise ChunkError(cid, "missing (its directory is gone)") from None
@@ -510,7 +484,7 @@ class SnapshotStore:
     def read_chunk(self, ref: ChunkRef, buf: AlignedBuffer) -> memoryview:
         """The verified payload of REF (read into BUF); raises ChunkError when damaged."""
         assert ref.id is not None
-        with self._chunk_dir(ref.id) as d:
+        with self.chunk_dir(ref.id) as d:
             header, payload = read_chunk_file(d, ref.id, buf, self.direct)
         if (header.codec, header.raw_len, header.stored_len) != (ref.codec, ref.raw_len, ref.stored_len):
             raise ChunkError(ref.id, "header disagrees with the manifest's reference")
@@ -527,7 +501,7 @@ class SnapshotStore:
         out = []
         for cid in sorted(manifest.chunk_ids()):
             try:
-                with self._chunk_dir(cid) as d:
+                with self.chunk_dir(cid) as d:
                     st = lstat_at(d, cid)
             except ChunkError:
                 st = None
@@ -538,7 +512,7 @@ class SnapshotStore:
     def absence(self, cid: str) -> str:
         """Why chunk CID cannot be read: what verify found when it quarantined it, or "missing"."""
         try:
-            with self._chunk_dir(cid) as d:
+            with self.chunk_dir(cid) as d:
                 st = lstat_at(d, cid)
         except ChunkError as e:
             return e.what
@@ -561,7 +535,7 @@ class SnapshotStore:
         if cid is None:
             cid = chunk_id(header, frame[HEADER_SIZE:HEADER_SIZE + header.stored_len])
         hash_s = time.perf_counter() - t0
-        with self._checked(open_dir, chunks_fd, cid[:2], f"chunks/{cid[:2]}") as d:
+        with opened_child(chunks_fd, cid[:2], f"chunks/{cid[:2]}") as d:
             if header_matches(d, cid, header):
                 return cid, False, hash_s
             tmp = owned_name("chunk")
@@ -573,36 +547,27 @@ class SnapshotStore:
                 raise
         return cid, True, hash_s
 
-    @contextmanager
-    def _checked(self, opener: Any, parent_fd: int, name: str, where: str) -> Iterator[int]:
-        uid = os.fstat(parent_fd).st_uid
-        fd = opener(parent_fd, name, uid, where)
-        try:
-            yield fd
-        finally:
-            os.close(fd)
-
     # ---- quarantine ---------------------------------------------------------------------------
     def quarantined(self, cid: str) -> str | None:
         """What verify found wrong with CID when it moved it to quarantine/, None if it did not."""
         try:
-            with self._dir(QUARANTINE) as q:
-                rec = _read_record(q, cid + ".json")
+            with self.subdir(QUARANTINE) as q:
+                rec = read_record(q, cid + ".json")
         except (FileNotFoundError, GpusnapError, OSError):
             return None
         if rec is None:
             return None
         return str(rec.get("why", "damaged")) if isinstance(rec, dict) else "damaged"
 
-    def _quarantine(self, cid: str, why: str) -> bool:
+    def quarantine_chunk(self, cid: str, why: str) -> bool:
         """Move chunk CID (damaged: WHY) from chunks/XY/ to quarantine/ (the caller holds the store
         exclusively); False if there was nothing to move."""
-        with self._root() as (root, uid):
+        with self.root() as (root, uid):
             try:
                 os.mkdir(QUARANTINE, 0o700, dir_fd=root)
             except FileExistsError:
                 pass
-            with opened_dir(root, QUARANTINE, uid, QUARANTINE) as q, self._chunk_dir(cid) as d:
+            with opened_dir(root, QUARANTINE, uid, QUARANTINE) as q, self.chunk_dir(cid) as d:
                 if lstat_at(d, cid) is None:
                     return False
                 os.rename(cid, cid, src_dir_fd=d, dst_dir_fd=q)  # moves the entry itself, whatever it is
@@ -615,27 +580,26 @@ class SnapshotStore:
                 os.fsync(q)
         return True
 
-    def _unquarantine(self, ref: ChunkRef, buf: AlignedBuffer) -> bool:
+    def unquarantine_chunk(self, ref: ChunkRef, buf: AlignedBuffer) -> bool:
         """Put quarantine/CID back if it verifies after all (the caller holds the store exclusively)."""
         assert ref.id is not None
         cid = ref.id
         try:
-            with self._dir(QUARANTINE) as q:
+            with self.subdir(QUARANTINE) as q:
                 header, _ = read_chunk_file(q, cid, buf, False)
                 if (header.codec, header.raw_len, header.stored_len) != (ref.codec, ref.raw_len, ref.stored_len):
                     return False
-                with self._chunk_dir(cid) as d:
-                    if lstat_at(d, cid) is not None:
-                        os.unlink(cid, dir_fd=d)
-                    os.rename(cid, cid, src_dir_fd=q, dst_dir_fd=d)
+                with self.chunk_dir(cid) as d:
+                    os.rename(cid, cid, src_dir_fd=q, dst_dir_fd=d)  # over whatever damaged file is there
                     os.fsync(d)
                 _unlink_quietly(q, cid + ".json")
-        except (FileNotFoundError, GpusnapError):
+        except (OSError, GpusnapError):
             return False
         return True
 
     # ---- verify / repair ----------------------------------------------------------------------
-    def _wanted(self, names: list[str], problems: list[Problem]) -> list[Manifest]:
+    def load_all(self, names: list[str], problems: list[Problem]) -> list[Manifest]:
+        """The manifests of NAMES that load; a Problem in PROBLEMS for each that does not."""
         manifests: list[Manifest] = []
         for n in names:
             try:
@@ -644,8 +608,8 @@ class SnapshotStore:
                 problems.append(Problem(n, None, None, str(e)))
         return manifests
 
-    def _check(self, refs: dict[str, ChunkRef], size: int, workers: int, progress: Any,
-               counts: VerifyReport | None = None) -> dict[str, str]:
+    def check_chunks(self, refs: dict[str, ChunkRef], size: int, workers: int, progress: Any,
+                     counts: VerifyReport | None = None) -> dict[str, str]:
         """Read and verify every chunk of REFS; returns id -> what is wrong, for the damaged ones."""
         if progress is not None:
             progress.start(sum(c.stored_len for c in refs.values()))
@@ -685,9 +649,9 @@ class SnapshotStore:
             if names is None:
                 names, report.strays = self.scan()
             report.snapshots = list(names)
-            manifests = self._wanted(names, report.problems)
-            refs = _refs(manifests)
-            bad = self._check(refs, self.chunk_buffer_size(manifests), workers, progress, report)
+            manifests = self.load_all(names, report.problems)
+            refs = chunk_refs(manifests)
+            bad = self.check_chunks(refs, self.chunk_buffer_size(manifests), workers, progress, report)
             for cid in list(bad):
                 if bad[cid] == "missing":
                     bad[cid] = self.absence(cid)
@@ -701,59 +665,28 @@ class SnapshotStore:
         if quarantine and damaged:
             try:
                 with self.exclusive(quarantine_wait):
-                    again = self._check({cid: refs[cid] for cid in damaged}, self.chunk_buffer_size(manifests),
-                                        1, None)
+                    again = self.check_chunks({cid: refs[cid] for cid in damaged},
+                                              self.chunk_buffer_size(manifests), 1, None)
                     for cid, why in again.items():
-                        if not why.startswith("missing") and self._quarantine(cid, why):
+                        if not why.startswith("missing") and self.quarantine_chunk(cid, why):
                             report.quarantined.append(cid)
             except (GpusnapError, OSError) as e:  # busy, or a store this user may only read
                 report.not_quarantined = str(e)
         return report
 
-    def repair(self, sources: list[str] = (), workers: int = 4, timeout: float = 30.0,  # type: ignore[assignment]
-               progress: Any = None) -> RepairReport:
-        """Verify every snapshot, quarantine damaged chunks, and rewrite every missing or damaged
-        chunk from wherever its exact bytes still are: a quarantined copy that verifies after all,
-        another gpusnap store, or files (a path given in SOURCES is re-read at the offsets the
-        snapshots record, re-encoded, and kept where the result has the wanted id). What no source
-        has is reported, per snapshot, stream and chunk, as lost."""
-        from .repair import rebuild  # noqa: PLC0415 - repair's sources are used only here
-        report = RepairReport()
-        with self.exclusive(timeout):
-            names, report.strays = self.scan()
-            manifests = self._wanted(names, report.lost)
-            refs = _refs(manifests)
-            size = self.chunk_buffer_size(manifests)
-            bad = self._check(refs, size, workers, progress)
-            report.damaged = len(bad)
-            need = {cid: refs[cid] for cid in bad}
-            with BufferPool(1, size) as pool, pool.borrowed() as buf:
-                for cid, why in bad.items():
-                    if not why.startswith("missing"):
-                        self._quarantine(cid, why)
-                for cid, ref in list(need.items()):
-                    if self._unquarantine(ref, buf):
-                        report.repaired[cid] = "quarantine/ (the copy there verifies)"
-                        del need[cid]
-            if need:
-                with self._dir("tmp") as tmp, self._dir("chunks") as chunks:
-                    for cid, where in rebuild(self, tmp, chunks, manifests, need, list(sources), size).items():
-                        report.repaired[cid] = where
-                        del need[cid]
-            for m in manifests:
-                for s in m.streams:
-                    for i, c in enumerate(s.chunks):
-                        if c.id in need:
-                            report.lost.append(Problem(m.name, s.name, i, f"chunk {c.id[:16]}… lost: "
-                                                       f"{bad[c.id]}; no source has its bytes"))
-        return report
+    def repair(self, sources: Sequence[str] = (), workers: int = 4, timeout: float = 30.0,
+               progress: Any = None) -> "RepairReport":
+        """Rewrite every missing or damaged chunk that a source still has; report what is lost
+        (storage/repair.py)."""
+        from .repair import repair  # noqa: PLC0415 - repair's module uses this one
+        return repair(self, sources, workers=workers, timeout=timeout, progress=progress)
 
     # ---- temporary entries: staging directories and in-flight gets -----------------------------
     def new_staging_dir(self, kind: str = "staging") -> str:
         """A new private directory in tmp/ owned by this process (its owner is in its name: gc removes
         it once this process is gone). Returns its absolute path."""
         name = owned_name(kind)
-        with self._dir("tmp") as tmp:
+        with self.subdir("tmp") as tmp:
             os.mkdir(name, 0o700, dir_fd=tmp)
         return os.path.join(self.tmp_dir, name)
 
@@ -766,7 +699,7 @@ class SnapshotStore:
                "dest": os.path.abspath(dest)}
         name: str | None = owned_name("get")
         try:
-            with self._dir("tmp") as tmp:
+            with self.subdir("tmp") as tmp:
                 _write_file(tmp, name, json.dumps(rec).encode())  # type: ignore[arg-type]
         except (PermissionError, StoreAccessError):
             name = None  # a reader of a store it may not write: nothing to record, nothing gc could do
@@ -778,184 +711,14 @@ class SnapshotStore:
             yield
         finally:
             if name is not None:
-                with self._dir("tmp") as tmp:
+                with self.subdir("tmp") as tmp:
                     _unlink_quietly(tmp, name)
 
     # ---- gc -----------------------------------------------------------------------------------
-    def gc(self, timeout: float = 30.0) -> GcReport:
-        report = GcReport()
-        with self.exclusive(timeout):
-            names, strays = self.scan()
-            report.damage += [f"{s} (left alone; `gpusnap store rm -- {shlex.quote(s.entry)}` removes it)"
-                              for s in strays]
-            live: set[str] = set()
-            for n in names:
-                try:
-                    live |= self.load(n).chunk_ids()
-                except GpusnapError as e:
-                    raise StoreError(f"gc stopped, nothing deleted: {e}; "
-                                     f"`gpusnap store rm {n}` it first if it cannot be repaired") from None
-            with self._root() as (root, uid):
-                for part, fn in (("tmp", self._gc_tmp), ("names", lambda fd, u, r: self._gc_names(fd, r, names)),
-                                 ("chunks", lambda fd, u, r: self._gc_chunks(fd, u, r, live)),
-                                 (QUARANTINE, lambda fd, u, r: self._gc_quarantine(fd, r, live))):
-                    try:
-                        with opened_dir(root, part, uid, part) as fd:
-                            fn(fd, uid, report)
-                    except FileNotFoundError:
-                        if part != QUARANTINE:
-                            report.damage.append(f"{part}/ is missing")
-                    except StoreDamage as e:
-                        report.damage.append(str(e))
-        return report
-
-    def _gc_tmp(self, tmp: int, uid: int, report: GcReport) -> None:
-        removed = False
-        for e in entries(tmp):
-            st = e.stat(follow_symlinks=False)
-            m = _OWNED.fullmatch(e.name)
-            legacy = _LEGACY.fullmatch(e.name)
-            if m is not None:
-                owner = ProcessOwner.parse(m.group(2))
-                alive = owner is not None and owner.alive()
-            elif legacy is not None and stat.S_ISREG(st.st_mode):
-                pid = int(legacy.group(1) or legacy.group(2))
-                alive = pid != os.getpid() and os.path.exists(f"/proc/{pid}")
-            else:
-                report.left.append(f"tmp/{e.name}: not made by gpusnap (no owner in its name); left alone")
-                continue
-            if alive:
-                report.in_use += 1
-                continue
-            try:
-                if stat.S_ISDIR(st.st_mode):
-                    remove_tree(tmp, e.name, uid, f"tmp/{e.name}")
-                elif stat.S_ISREG(st.st_mode):
-                    if m is not None and m.group(1) == "get":
-                        report.gets_cleaned += self._gc_get(tmp, e.name, report)
-                    os.unlink(e.name, dir_fd=tmp)
-                else:
-                    report.damage.append(f"tmp/{e.name} is {file_kind(st.st_mode)}; left alone")
-                    continue
-            except StoreDamage as ex:
-                report.damage.append(str(ex))
-                continue
-            except OSError as ex:
-                report.damage.append(f"tmp/{e.name}: cannot remove it: {ex.strerror or ex}")
-                continue
-            report.tmp_removed += 1
-            removed = True
-        if removed:
-            os.fsync(tmp)
-
-    def _gc_get(self, tmp: int, name: str, report: GcReport) -> int:
-        """Remove the staging tree the dead `get` recorded in tmp/NAME left beside its DEST (1 if removed)."""
-        rec = _read_record(tmp, name)
-        try:
-            dest, pid, uid = rec["dest"], int(rec["pid"]), int(rec["uid"])  # type: ignore[index]
-            if not isinstance(dest, str) or not os.path.isabs(dest) or os.path.normpath(dest) != dest or dest == "/":
-                raise ValueError(dest)
-        except (TypeError, KeyError, ValueError):
-            report.damage.append(f"tmp/{name}: not a valid record of a get; removed, nothing else touched")
-            return 0
-        staging = get_staging_name(dest, pid)
-        try:
-            parent = os.open(os.path.dirname(dest), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        except OSError:
-            return 0  # its directory is gone, and the partial tree with it
-        try:
-            st = lstat_at(parent, staging)
-            if st is None:
-                return 0
-            if not stat.S_ISDIR(st.st_mode) or st.st_uid != uid:
-                report.damage.append(f"{os.path.join(os.path.dirname(dest), staging)}: not the directory the "
-                                     f"killed get (pid {pid}) made; left alone")
-                return 0
-            remove_tree(parent, staging, uid, os.path.join(os.path.dirname(dest), staging))
-            os.fsync(parent)
-            return 1
-        except (StoreDamage, OSError) as e:
-            report.damage.append(f"{os.path.join(os.path.dirname(dest), staging)}: {e}")
-            return 0
-        finally:
-            os.close(parent)
-
-    def _gc_names(self, names_fd: int, report: GcReport, snapshots: list[str]) -> None:
-        have = set(snapshots)
-        removed = False
-        for e in entries(names_fd):
-            base = e.name[:-5] if e.name.endswith(".lock") else None
-            try:
-                valid = base is not None and validate_snapshot_name(base) == base
-            except InvalidNameError:
-                valid = False
-            if not valid:
-                report.left.append(f"names/{e.name}: not a lock file gpusnap makes; left alone")
-            elif not e.is_file(follow_symlinks=False):
-                report.damage.append(f"names/{e.name} is {file_kind(e.stat(follow_symlinks=False).st_mode)}; "
-                                     "left alone")
-            elif base not in have:
-                os.unlink(e.name, dir_fd=names_fd)
-                report.locks_removed += 1
-                removed = True
-        if removed:
-            os.fsync(names_fd)
-
-    def _gc_chunks(self, chunks: int, uid: int, report: GcReport, live: set[str]) -> None:
-        for d in entries(chunks):
-            if not re.fullmatch(r"[0-9a-f]{2}", d.name):
-                report.left.append(f"chunks/{d.name}: not a chunk directory; left alone")
-                continue
-            try:
-                xy = open_dir(chunks, d.name, uid, f"chunks/{d.name}")
-            except StoreDamage as e:
-                report.damage.append(str(e))
-                continue
-            try:
-                removed = False
-                for e in entries(xy):
-                    if not (_ID.fullmatch(e.name) and e.name.startswith(d.name)):
-                        report.left.append(f"chunks/{d.name}/{e.name}: not a chunk file name; left alone")
-                        continue
-                    if e.name in live:
-                        continue
-                    st = e.stat(follow_symlinks=False)
-                    if stat.S_ISDIR(st.st_mode):
-                        report.damage.append(f"chunks/{d.name}/{e.name} is a directory; left alone")
-                        continue
-                    os.unlink(e.name, dir_fd=xy)  # a link or FIFO under a chunk's name goes too, unopened
-                    report.chunks_removed += 1
-                    report.bytes_freed += st.st_size if stat.S_ISREG(st.st_mode) else 0
-                    removed = True
-                if removed:
-                    os.fsync(xy)
-            finally:
-                os.close(xy)
-
-    def _gc_quarantine(self, q: int, report: GcReport, live: set[str]) -> None:
-        """Quarantined chunks go once no snapshot names them or a good copy is back in chunks/."""
-        removed = False
-        for e in entries(q):
-            cid = e.name[:-5] if e.name.endswith(".json") else e.name
-            if not _ID.fullmatch(cid):
-                report.left.append(f"{QUARANTINE}/{e.name}: not made by gpusnap; left alone")
-                continue
-            if cid in live:
-                try:
-                    with self._chunk_dir(cid) as d:
-                        st = lstat_at(d, cid)
-                except ChunkError:
-                    st = None
-                if st is None or not stat.S_ISREG(st.st_mode):
-                    continue  # still the only copy of a wanted chunk: evidence for repair
-            if e.is_dir(follow_symlinks=False):
-                report.damage.append(f"{QUARANTINE}/{e.name} is a directory; left alone")
-                continue
-            os.unlink(e.name, dir_fd=q)
-            report.quarantine_removed += e.name == cid
-            removed = True
-        if removed:
-            os.fsync(q)
+    def gc(self, timeout: float = 30.0) -> "GcReport":
+        """Delete what gpusnap owns and no longer needs; report the rest (storage/gc.py)."""
+        from .gc import collect  # noqa: PLC0415 - gc's module uses this one
+        return collect(self, timeout)
 
 
 def _stray_reason(e: os.DirEntry[str]) -> str | None:
@@ -972,7 +735,7 @@ def _stray_reason(e: os.DirEntry[str]) -> str | None:
     return None
 
 
-def _refs(manifests: list[Manifest]) -> dict[str, ChunkRef]:
+def chunk_refs(manifests: list[Manifest]) -> dict[str, ChunkRef]:
     refs: dict[str, ChunkRef] = {}
     for m in manifests:
         for s in m.streams:
@@ -997,7 +760,7 @@ def _write_file(dir_fd: int, name: str, data: bytes) -> None:
     os.close(fd)
 
 
-def _read_record(dir_fd: int, name: str) -> Any:
+def read_record(dir_fd: int, name: str) -> Any:
     """The JSON in the small regular file NAME of DIR_FD; None if absent, unreadable or not JSON."""
     try:
         fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
@@ -1046,9 +809,9 @@ class SnapshotWriter:
         try:
             self._stack.enter_context(self.store.shared())
             self._stack.enter_context(self.store.name_lock(self.name))
-            self._tmp = self._stack.enter_context(self.store._dir("tmp"))
-            self._chunks = self._stack.enter_context(self.store._dir("chunks"))
-            self._snaps = self._stack.enter_context(self.store._dir("snapshots"))
+            self._tmp = self._stack.enter_context(self.store.subdir("tmp"))
+            self._chunks = self._stack.enter_context(self.store.subdir("chunks"))
+            self._snaps = self._stack.enter_context(self.store.subdir("snapshots"))
             if lstat_at(self._snaps, self.name + ".json") is not None and not self.replace:
                 raise StoreError(f"snapshot {self.name!r} already exists (use --replace to overwrite it)")
         except BaseException:
@@ -1098,7 +861,7 @@ class SnapshotWriter:
         tmp = owned_name("manifest")
         try:
             for xy in sorted(self._touched):
-                with self.store._checked(open_dir, self._chunks, xy, f"chunks/{xy}") as d:
+                with opened_child(self._chunks, xy, f"chunks/{xy}") as d:
                     os.fsync(d)
             _write_file(self._tmp, tmp, manifest.dumps())
             try:

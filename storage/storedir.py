@@ -71,6 +71,13 @@ def opened_dir(parent_fd: int, name: str, uid: int, where: str) -> Iterator[int]
 
 
 @contextmanager
+def opened_child(parent_fd: int, name: str, where: str) -> Iterator[int]:
+    """NAME under the checked store directory PARENT_FD, held to the same owner as its parent."""
+    with opened_dir(parent_fd, name, os.fstat(parent_fd).st_uid, where) as fd:
+        yield fd
+
+
+@contextmanager
 def opened_root(path: str) -> Iterator[tuple[int, int]]:
     """The store directory PATH (links in PATH itself are the user's choice) and its owner's uid."""
     try:
