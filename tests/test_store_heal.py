@@ -426,3 +426,30 @@ def test_put_into_a_store_whose_directories_are_links_writes_nothing_through_the
     assert p.returncode == 3 and "is a symbolic link" in p.stderr, p.stderr
     assert not list(victim.iterdir()) and not list((store_dir / "tmp").iterdir())
     assert cli.json("store", "ls") == []
+
+
+def test_an_owner_is_alive_only_as_the_same_process_of_the_same_boot() -> None:
+    from storage.owner import ProcessOwner, boot_tag
+    me = ProcessOwner.current()
+    assert me.alive() and ProcessOwner.parse(me.token) == me
+    assert not ProcessOwner(me.pid, me.start + 1, me.boot).alive()          # the pid, reused later
+    other_boot = "0" * 8 if boot_tag() != "0" * 8 else "1" * 8
+    assert not ProcessOwner(me.pid, me.start, other_boot).alive()            # the pid, after a reboot
+    p = subprocess.Popen(["true"])
+    p.wait()
+    assert not ProcessOwner(p.pid, me.start, me.boot).alive()
+    assert ProcessOwner.parse("12-x-abcdef01") is None and ProcessOwner.parse("12-3-abcdef0") is None
+
+
+def test_verify_during_a_put_reports_damage_and_says_why_nothing_was_moved(stored: tuple[Cli, Path],
+                                                                           store_dir: Path) -> None:
+    from storage.store import SnapshotStore
+    cli, _ = stored
+    victim = _biggest(store_dir)
+    _flip(victim)
+    with SnapshotStore(str(store_dir)).writer("busy"):  # holds the store lock shared, as a put does
+        v = cli.run("store", "verify", "--json", check=False)
+    rep = json.loads(v.stdout)
+    assert v.returncode == 3 and rep["quarantined"] == [] and "busy" in rep["not_quarantined"], rep
+    assert victim.exists()
+    assert json.loads(cli.run("store", "verify", "--json", check=False).stdout)["quarantined"] == [victim.name]
