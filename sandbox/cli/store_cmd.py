@@ -12,7 +12,7 @@ from storage.errors import EXIT_DAMAGED, EXIT_FAILED, GpusnapError
 from storage.filetree import FileTreeSink, FileTreeSource
 from storage.names import validate_snapshot_name
 from storage.progress import Progress
-from storage.store import SnapshotStore, StoreError
+from storage.store import StoreError
 
 from sandbox.cli.common import emit, human, json_option, one_line_errors, open_store, parse_chunk_size
 
@@ -63,7 +63,7 @@ def store_init(ctx: click.Context, as_json: bool) -> None:
     """Create an empty store at --store (put and the dump commands also create it on first use)."""
     path = os.path.abspath(ctx.obj["store"])
     existed = os.path.isfile(os.path.join(path, "gpusnap-store.json"))
-    st = SnapshotStore(path, create=True)
+    st = open_store(ctx, create=True)
     emit(as_json, {"store": st.path, "created": not existed},
          f"{st.path}: {'already a gpusnap store' if existed else 'empty gpusnap store created'}")
 
