@@ -226,6 +226,7 @@ class SnapshotStore:
         self.path = os.path.abspath(path)
         self._open(create)
         self._direct: bool | None = None
+        self._probe_lock = threading.Lock()
 
     # ---- layout -------------------------------------------------------------------------------
     @property
@@ -249,14 +250,15 @@ class SnapshotStore:
     @property
     def direct(self) -> bool:
         """Whether chunk files here are written and read with O_DIRECT (probed once, on first use)."""
-        if self._direct is None:
-            try:
-                with self.subdir("tmp") as tmp:
-                    # the probe goes through the checked fd, never through a path that could be a link
-                    self._direct = direct_io_supported(f"/proc/self/fd/{tmp}")
-            except (OSError, GpusnapError):
-                self._direct = False
-        return self._direct
+        with self._probe_lock:  # one probe, whichever worker thread asks first
+            if self._direct is None:
+                try:
+                    with self.subdir("tmp") as tmp:
+                        # the probe goes through the checked fd, never through a path that could be a link
+                        self._direct = direct_io_supported(f"/proc/self/fd/{tmp}")
+                except (OSError, GpusnapError):
+                    self._direct = False
+            return self._direct
 
     @contextmanager
     def subdir(self, *parts: str) -> Iterator[int]:
