@@ -1,18 +1,23 @@
 """One chunk file: its 4096-byte header, its content-derived id, writing it durably, reading it verified.
 
-Guarantee kept here: read_chunk returns a payload only after BLAKE3(header[:32] + payload) equals
-the id the caller asked for (FORMAT.md, "Chunk files").
+Guarantees kept here: read_chunk_file returns a payload only after BLAKE3(header[:32] + payload)
+equals the id the caller asked for (FORMAT.md, "Chunk files"); a chunk file is opened relative to its
+directory's fd with O_NOFOLLOW | O_NONBLOCK and used only if it is a regular file, so a link, a FIFO
+or a device in its place is damage found at once, never followed and never waited on; a writer that
+fails removes the partial file it was writing.
 """
 from __future__ import annotations
 
+import errno
 import os
+import stat
 import struct
 from dataclasses import dataclass
 
 import blake3
 
 from .codecs import CODEC_IDS, CODEC_NAMES
-from .directio import ALIGN, AlignedBuffer, align_up, open_for_read, open_for_write, read_into, write_all
+from .directio import ALIGN, AlignedBuffer, align_up, read_into, write_all
 
 from .errors import GpusnapError
 
@@ -56,8 +61,9 @@ def chunk_id(header: ChunkHeader, payload: bytes | memoryview) -> str:
     return h.hexdigest()
 
 
-def write_chunk_file(path: str, header: ChunkHeader, frame: memoryview, direct: bool) -> None:
-    """Write a new chunk file at PATH from FRAME and fsync it.
+def write_chunk_file(dir_fd: int, name: str, header: ChunkHeader, frame: memoryview, direct: bool) -> None:
+    """Write a new chunk file NAME in the directory DIR_FD from FRAME and fsync it; on failure (a full
+    disk) the partial file is removed before the error is raised.
 
     FRAME is a buffer laid out like the file: the payload already sits at FRAME[HEADER_SIZE:], and
     FRAME has room up to the next ALIGN boundary after it. The header and the zero padding are filled
@@ -70,7 +76,8 @@ def write_chunk_file(path: str, header: ChunkHeader, frame: memoryview, direct: 
     hdr = header.pack()
     frame[:len(hdr)] = hdr
     frame[len(hdr):HEADER_SIZE] = bytes(HEADER_SIZE - len(hdr))
-    fd = open_for_write(path, direct)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_DIRECT if direct else 0)
+    fd = os.open(name, flags, 0o600, dir_fd=dir_fd)
     try:
         if direct:
             frame[end:total] = bytes(total - end)  # never leak stale buffer bytes into the padding
@@ -78,16 +85,74 @@ def write_chunk_file(path: str, header: ChunkHeader, frame: memoryview, direct: 
         else:
             write_all(fd, frame[:end], 0)
         os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        try:
+            os.unlink(name, dir_fd=dir_fd)
+        except OSError:
+            pass
+        raise
+    os.close(fd)
+
+
+_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+
+
+def open_chunk(dir_fd: int, cid: str, direct: bool) -> int:
+    """The chunk file CID in DIR_FD opened read-only; ChunkError unless it is a regular file."""
+    st = None
+    try:
+        st = os.stat(cid, dir_fd=dir_fd, follow_symlinks=False)
+        if not stat.S_ISREG(st.st_mode):  # never open a FIFO or a device: opening one can block or act
+            raise ChunkError(cid, f"is {file_kind(st.st_mode)}, not a chunk file")
+        try:
+            fd = os.open(cid, _READ | (os.O_DIRECT if direct else 0), dir_fd=dir_fd)
+        except OSError as e:
+            if not direct or e.errno != errno.EINVAL:
+                raise
+            fd = os.open(cid, _READ, dir_fd=dir_fd)
+    except FileNotFoundError:
+        raise ChunkError(cid, "missing") from None
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise ChunkError(cid, "is a symbolic link, not a chunk file") from None
+        raise
+    got = os.fstat(fd)
+    if not stat.S_ISREG(got.st_mode) or (got.st_dev, got.st_ino) != (st.st_dev, st.st_ino):
+        os.close(fd)
+        raise ChunkError(cid, "was replaced while being opened")
+    return fd
+
+
+def file_kind(mode: int) -> str:
+    for test, what in ((stat.S_ISDIR, "a directory"), (stat.S_ISLNK, "a symbolic link"), (stat.S_ISFIFO, "a FIFO"),
+                       (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return what
+    return "not a regular file"
+
+
+def header_matches(dir_fd: int, cid: str, header: ChunkHeader) -> bool:
+    """True if the chunk file CID in DIR_FD is a regular file with HEADER's first bytes and at least
+    its stored length (the check a writer makes before it reuses a chunk instead of writing it)."""
+    try:
+        fd = open_chunk(dir_fd, cid, direct=False)
+    except (ChunkError, OSError):
+        return False
+    try:
+        return (os.fstat(fd).st_size >= HEADER_SIZE + header.stored_len
+                and os.pread(fd, _BOUND, 0) == header.pack())
+    except OSError:
+        return False
     finally:
         os.close(fd)
 
 
-def read_chunk_file(path: str, cid: str, buf: AlignedBuffer, direct: bool) -> tuple[ChunkHeader, memoryview]:
-    """Read and verify the chunk CID at PATH into BUF; returns its header and a view of its payload."""
-    try:
-        fd, _ = open_for_read(path, direct)
-    except FileNotFoundError:
-        raise ChunkError(cid, "missing") from None
+def read_chunk_file(dir_fd: int, cid: str, buf: AlignedBuffer, direct: bool) -> tuple[ChunkHeader, memoryview]:
+    """Read and verify the chunk CID in the directory DIR_FD into BUF; returns its header and a view
+    of its payload."""
+    fd = open_chunk(dir_fd, cid, direct)
     try:
         size = os.fstat(fd).st_size
         if size < HEADER_SIZE:

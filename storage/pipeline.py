@@ -395,8 +395,8 @@ def get(store: SnapshotStore, manifest: Manifest, sink: Sink, *, workers: int | 
     try:
         missing = store.missing(manifest)
         if missing:
-            raise StoreError(f"snapshot {manifest.name!r} is damaged: {len(missing)} chunk(s) missing "
-                             f"(first {missing[0][:16]}…); nothing was written")
+            raise StoreError(f"snapshot {manifest.name!r} is damaged: {len(missing)} chunk(s) cannot be read "
+                             f"(first {missing[0][:16]}…: {store.absence(missing[0])}); nothing was written")
         with BufferPool(workers * 2, store.chunk_buffer_size([manifest])) as bufs, \
                 ThreadPoolExecutor(workers, thread_name_prefix="gpusnap-get") as ex:
 

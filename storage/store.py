@@ -3,9 +3,17 @@
 Guarantees kept here (FORMAT.md has the full contract):
 - a snapshot becomes visible only after every chunk it names is durable, by link/rename of a fsynced
   manifest; a failed or killed writer leaves no visible snapshot;
-- every chunk read is verified against its id before its bytes are returned;
-- writers and readers hold the store lock shared, gc holds it exclusively, so gc never deletes a chunk
-  that a live snapshot or a commit in progress needs; one writer per name at a time.
+- every chunk read is verified against its id before its bytes are returned; a chunk is reused by a
+  writer only if its file is a regular file with the right header and length, and `verify` moves a
+  damaged chunk to quarantine/ so that the next put of the same bytes writes it again;
+- writers and readers hold the store lock shared, gc and repair hold it exclusively, so gc never
+  deletes a chunk that a live snapshot or a commit in progress needs; one writer per name at a time;
+- no link inside the store is ever followed: every store directory is opened relative to a checked
+  directory fd (storage/storedir.py), and anything that is not the store owner's real directory is
+  reported as damage and left alone;
+- gc removes only what gpusnap owns: chunks no snapshot names, temporary entries whose owning process
+  (recorded in their names, storage/owner.py) is gone, the staging trees of killed `get`s recorded in
+  tmp/, lock files of names that have no snapshot; everything else is reported, never deleted.
 """
 from __future__ import annotations
 
@@ -13,23 +21,37 @@ import errno
 import fcntl
 import json
 import os
+import re
+import shutil
+import stat
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
-from .chunkfile import HEADER_SIZE, ChunkError, ChunkHeader, chunk_id, read_chunk_file, write_chunk_file
-from .directio import AlignedBuffer, BufferPool, align_up, direct_io_supported, fsync_dir
-from .manifest import ChunkRef, Manifest, ManifestError, Stream, validate_tag
-from .names import validate_snapshot_name
-
+from .chunkfile import (HEADER_SIZE, ChunkError, ChunkHeader, chunk_id, file_kind, header_matches, read_chunk_file,
+                        write_chunk_file)
+from .directio import AlignedBuffer, BufferPool, align_up, direct_io_supported
 from .errors import GpusnapError
+from .manifest import ChunkRef, Manifest, ManifestError, Stream, validate_tag
+from .names import InvalidNameError, validate_snapshot_name
+from .owner import ProcessOwner
+from .storedir import StoreAccessError, StoreDamage, entries, lstat_at, opened_child, opened_dir, opened_root
+
+if TYPE_CHECKING:
+    from .gc import GcReport
+    from .repair import RepairReport
 
 STORE_FORMAT = "gpusnap-store"
 STORE_VERSION = 1
+MARKER = "gpusnap-store.json"
+SUBDIRS = ("snapshots", "chunks", "tmp", "names")
+QUARANTINE = "quarantine"
+CHUNK_ID = re.compile(r"[0-9a-f]{64}")
+_RECORD_MAX = 1 << 16
 
 
 class StoreError(GpusnapError):
@@ -45,6 +67,28 @@ def default_store_path() -> str:
         return "/var/lib/gpusnap"
     xdg = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
     return os.path.join(xdg, "gpusnap")
+
+
+_owner_cache: dict[int, ProcessOwner] = {}
+
+
+def this_owner() -> ProcessOwner:
+    """This process as the owner of the temporary entries it creates (recomputed after a fork)."""
+    pid = os.getpid()
+    if pid not in _owner_cache:
+        _owner_cache.clear()
+        _owner_cache[pid] = ProcessOwner.current()
+    return _owner_cache[pid]
+
+
+def owned_name(kind: str) -> str:
+    """A fresh name for a tmp/ entry of KIND owned by this process and thread."""
+    return f"{kind}.{this_owner().token}.{threading.get_ident()}.{time.monotonic_ns()}"
+
+
+def get_staging_name(dest: str, pid: int) -> str:
+    """The hidden sibling of DEST that `get` process PID materializes into (storage/filetree.py)."""
+    return f".{os.path.basename(os.path.abspath(dest))}.gpusnap-{pid}"
 
 
 @dataclass
@@ -95,34 +139,61 @@ class Problem:
         return f"{where}: {self.what}"
 
 
+@dataclass(frozen=True)
+class Stray:
+    """An entry of snapshots/ that is not a snapshot (a bad name, or not a regular file)."""
+
+    entry: str
+    what: str
+
+    def __str__(self) -> str:
+        return f"snapshots/{self.entry}: {self.what}"
+
+
 @dataclass
 class VerifyReport:
     snapshots: list[str] = field(default_factory=list)
     chunks_checked: int = 0
     bytes_checked: int = 0
     problems: list[Problem] = field(default_factory=list)
+    strays: list[Stray] = field(default_factory=list)
+    quarantined: list[str] = field(default_factory=list)   # chunk ids moved aside by this run
+    not_quarantined: str | None = None                      # why damaged chunks stayed where they are
 
     @property
     def ok(self) -> bool:
-        return not self.problems
-
-
-@dataclass
-class GcReport:
-    chunks_removed: int = 0
-    bytes_freed: int = 0
-    tmp_removed: int = 0
+        return not self.problems and not self.strays
 
 
 class _FileLock:
-    """flock(2) on a file; shared or exclusive, blocking with a deadline or not at all."""
+    """flock(2) on a file opened without following a link; shared or exclusive, with a deadline or not."""
 
-    def __init__(self, path: str) -> None:
-        self.path = path
+    def __init__(self, dir_fd: int, name: str, where: str) -> None:
+        self.dir_fd, self.name, self.where = dir_fd, name, where
         self.fd = -1
 
+    def _open(self, exclusive: bool) -> int:
+        flags = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+        try:
+            return os.open(self.name, os.O_RDWR | os.O_CREAT | flags, 0o600, dir_fd=self.dir_fd)
+        except PermissionError:
+            if exclusive:
+                raise StoreAccessError(f"{self.where}: permission denied") from None
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise StoreDamage(f"{self.where} is a symbolic link; left alone") from None
+            raise
+        try:  # a reader of a store it may not write still takes the shared lock
+            return os.open(self.name, os.O_RDONLY | flags, dir_fd=self.dir_fd)
+        except PermissionError:
+            raise StoreAccessError(f"{self.where}: permission denied") from None
+
     def acquire(self, exclusive: bool, timeout: float | None) -> bool:
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        self.fd = self._open(exclusive)
+        if not stat.S_ISREG(os.fstat(self.fd).st_mode):
+            os.close(self.fd)
+            self.fd = -1
+            raise StoreDamage(f"{self.where} is not a regular file; left alone")
         mode = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
@@ -143,14 +214,19 @@ class _FileLock:
 
 
 class SnapshotStore:
-    """A store directory (FORMAT.md). Cheap to open; safe to share between processes."""
+    """A store directory (FORMAT.md). Cheap to open; safe to share between processes.
+
+    create: make an empty store when PATH does not exist or is an empty directory (writers);
+    readers pass False and get a clear error instead of an empty store at a mistyped path.
+    """
 
     error = StoreError  # what a damaged snapshot raises (gpu_engine.ChunkSource)
 
     def __init__(self, path: str, create: bool = True) -> None:
         self.path = os.path.abspath(path)
         self._open(create)
-        self.direct = direct_io_supported(self.tmp_dir)
+        self._direct: bool | None = None
+        self._probe_lock = threading.Lock()
 
     # ---- layout -------------------------------------------------------------------------------
     @property
@@ -171,45 +247,109 @@ class SnapshotStore:
     def manifest_path(self, name: str) -> str:
         return os.path.join(self.snapshots_dir, validate_snapshot_name(name) + ".json")
 
+    @property
+    def direct(self) -> bool:
+        """Whether chunk files here are written and read with O_DIRECT (probed once, on first use)."""
+        with self._probe_lock:  # one probe, whichever worker thread asks first
+            if self._direct is None:
+                try:
+                    with self.subdir("tmp") as tmp:
+                        # the probe goes through the checked fd, never through a path that could be a link
+                        self._direct = direct_io_supported(f"/proc/self/fd/{tmp}")
+                except (OSError, GpusnapError):
+                    self._direct = False
+            return self._direct
+
+    @contextmanager
+    def subdir(self, *parts: str) -> Iterator[int]:
+        """The store directory PARTS (e.g. "chunks", "ab") as a checked fd for the block."""
+        with ExitStack() as stack:
+            fd, uid = stack.enter_context(opened_root(self.path))
+            where = []
+            for p in parts:
+                where.append(p)
+                fd = stack.enter_context(opened_dir(fd, p, uid, "/".join(where)))
+            yield fd
+
+    @contextmanager
+    def root(self) -> Iterator[tuple[int, int]]:
+        with opened_root(self.path) as r:
+            yield r
+
     def _open(self, create: bool) -> None:
-        marker = os.path.join(self.path, "gpusnap-store.json")
-        if os.path.exists(marker):
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            if not create:
+                raise StoreError(f"no gpusnap store at {self.path} (check --store or GPUSNAP_STORE; "
+                                 "`gpusnap store init` creates one)") from None
+            return self._create()
+        except PermissionError:
+            raise StoreAccessError(f"{self.path}: permission denied") from None
+        if not stat.S_ISDIR(st.st_mode):
+            raise StoreError(f"{self.path} is not a directory, so not a gpusnap store")
+        with self.root() as (root, _):
             try:
-                with open(marker, "rb") as f:
-                    info = json.load(f)
+                fd = os.open(MARKER, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=root)
+            except FileNotFoundError:
+                try:
+                    empty = not os.listdir(root)
+                except PermissionError:
+                    raise StoreAccessError(f"{self.path}: permission denied") from None
+                if not create or not empty:
+                    raise StoreError(f"{self.path} exists, is not empty and is not a gpusnap store"
+                                     if not empty else f"{self.path} is an empty directory, not a gpusnap store "
+                                     "(`gpusnap store init` makes it one)") from None
+                return self._create()
+            except PermissionError:
+                raise StoreAccessError(f"{self.path}: permission denied (the store is readable only by "
+                                       f"uid {st.st_uid})") from None
+            except OSError as e:
+                raise StoreError(f"{self.path}/{MARKER}: {e.strerror or e}") from None
+            try:
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    raise StoreDamage(f"{self.path}/{MARKER} is not a regular file")
+                info = json.loads(os.read(fd, _RECORD_MAX))
             except (OSError, ValueError) as e:
                 raise StoreError(f"{self.path}: unreadable store marker: {e}") from None
-            if info.get("format") != STORE_FORMAT or info.get("version") != STORE_VERSION:
-                raise StoreError(f"{self.path}: store format {info.get('format')} v{info.get('version')} "
-                                 f"is not {STORE_FORMAT} v{STORE_VERSION}")
-            return
-        if not create:
-            raise StoreError(f"{self.path} is not a gpusnap store (no gpusnap-store.json)")
-        if os.path.isdir(self.path) and os.listdir(self.path):
-            raise StoreError(f"{self.path} exists, is not empty and is not a gpusnap store")
+            finally:
+                os.close(fd)
+        if not isinstance(info, dict) or info.get("format") != STORE_FORMAT or info.get("version") != STORE_VERSION:
+            got = info if not isinstance(info, dict) else f"{info.get('format')} v{info.get('version')}"
+            raise StoreError(f"{self.path}: store format {got} is not {STORE_FORMAT} v{STORE_VERSION}")
+
+    def _create(self) -> None:
         try:
             os.makedirs(self.path, mode=0o700, exist_ok=True)
             os.chmod(self.path, 0o700)
-            for d in ("snapshots", "chunks", "tmp", "names"):
-                os.makedirs(os.path.join(self.path, d), mode=0o700, exist_ok=True)
-            for i in range(256):
-                os.makedirs(os.path.join(self.chunks_dir, f"{i:02x}"), mode=0o700, exist_ok=True)
-            tmp = os.path.join(self.tmp_dir, "store.json.tmp")
-            with open(tmp, "w") as f:
-                json.dump({"format": STORE_FORMAT, "version": STORE_VERSION,
-                           "created": datetime.now(timezone.utc).isoformat()}, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.rename(tmp, marker)
-            fsync_dir(self.path)
+            with self.root() as (root, uid):
+                for d in SUBDIRS:
+                    try:
+                        os.mkdir(d, 0o700, dir_fd=root)
+                    except FileExistsError:
+                        pass
+                with opened_dir(root, "chunks", uid, "chunks") as chunks:
+                    for i in range(256):
+                        try:
+                            os.mkdir(f"{i:02x}", 0o700, dir_fd=chunks)
+                        except FileExistsError:
+                            pass
+                with opened_dir(root, "tmp", uid, "tmp") as tmp:
+                    name = owned_name("marker")
+                    data = json.dumps({"format": STORE_FORMAT, "version": STORE_VERSION,
+                                       "created": datetime.now(timezone.utc).isoformat()}).encode()
+                    _write_file(tmp, name, data)
+                    os.rename(name, MARKER, src_dir_fd=tmp, dst_dir_fd=root)
+                os.fsync(root)
         except OSError as e:
             raise StoreError(f"cannot create store at {self.path}: {e.strerror or e}") from None
 
     # ---- locks --------------------------------------------------------------------------------
     @contextmanager
     def shared(self) -> Iterator[None]:
-        lock = _FileLock(os.path.join(self.path, "lock"))
-        lock.acquire(exclusive=False, timeout=None)
+        with self.root() as (root, _):
+            lock = _FileLock(root, "lock", "lock")
+            lock.acquire(exclusive=False, timeout=None)
         try:
             yield
         finally:
@@ -217,8 +357,10 @@ class SnapshotStore:
 
     @contextmanager
     def exclusive(self, timeout: float) -> Iterator[None]:
-        lock = _FileLock(os.path.join(self.path, "lock"))
-        if not lock.acquire(exclusive=True, timeout=timeout):
+        with self.root() as (root, _):
+            lock = _FileLock(root, "lock", "lock")
+            got = lock.acquire(exclusive=True, timeout=timeout)
+        if not got:
             raise StoreError("store is busy (a put, get or verify is running); try again when it ends")
         try:
             yield
@@ -227,8 +369,13 @@ class SnapshotStore:
 
     @contextmanager
     def name_lock(self, name: str) -> Iterator[None]:
-        lock = _FileLock(os.path.join(self.path, "names", validate_snapshot_name(name) + ".lock"))
-        if not lock.acquire(exclusive=True, timeout=0):
+        """NAME's writer lock (names/NAME.lock), taken without waiting. Only writers and rm of an
+        existing snapshot take it, so no lock file is made for a name that never had a snapshot."""
+        lock_name = validate_snapshot_name(name) + ".lock"
+        with self.subdir("names") as names:
+            lock = _FileLock(names, lock_name, f"names/{lock_name}")
+            got = lock.acquire(exclusive=True, timeout=0)
+        if not got:
             raise StoreError(f"snapshot {name!r} is being written by another process")
         try:
             yield
@@ -237,21 +384,52 @@ class SnapshotStore:
 
     # ---- snapshots ----------------------------------------------------------------------------
     def exists(self, name: str) -> bool:
-        return os.path.exists(self.manifest_path(name))
+        """Whether anything occupies NAME's manifest entry (a snapshot, or a damaged entry in its place)."""
+        entry = validate_snapshot_name(name) + ".json"
+        with self.subdir("snapshots") as snaps:
+            return lstat_at(snaps, entry) is not None
+
+    def scan(self) -> tuple[list[str], list[Stray]]:
+        """The snapshot names (sorted) and the stray entries of snapshots/."""
+        names: list[str] = []
+        strays: list[Stray] = []
+        with self.subdir("snapshots") as snaps:
+            for e in entries(snaps):
+                what = _stray_reason(e)
+                if what is None:
+                    names.append(e.name[:-5])
+                else:
+                    strays.append(Stray(e.name, what))
+        return names, strays
 
     def names(self) -> list[str]:
-        try:
-            return sorted(f[:-5] for f in os.listdir(self.snapshots_dir) if f.endswith(".json"))
-        except FileNotFoundError:
-            return []
+        return self.scan()[0]
 
     def load(self, name: str) -> Manifest:
-        path = self.manifest_path(name)
+        entry = validate_snapshot_name(name) + ".json"
+        with self.subdir("snapshots") as snaps:
+            try:
+                fd = os.open(entry, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=snaps)
+            except FileNotFoundError:
+                raise StoreError(f"no snapshot named {name!r} in {self.path}") from None
+            except OSError as e:
+                if e.errno == errno.ELOOP:
+                    raise StoreDamage(f"snapshot {name!r}: snapshots/{entry} is a symbolic link, "
+                                      "not a manifest") from None
+                raise
         try:
-            with open(path, "rb") as f:
-                data = f.read()
-        except FileNotFoundError:
-            raise StoreError(f"no snapshot named {name!r} in {self.path}") from None
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise StoreDamage(f"snapshot {name!r}: snapshots/{entry} is {file_kind(st.st_mode)}, not a manifest")
+            chunks = []
+            while True:
+                b = os.read(fd, 1 << 20)
+                if not b:
+                    break
+                chunks.append(b)
+            data = b"".join(chunks)
+        finally:
+            os.close(fd)
         m = Manifest.loads(data, where=f"snapshot {name!r}")
         if m.name != name:
             raise ManifestError(f"snapshot {name!r}: manifest says its name is {m.name!r}")
@@ -261,19 +439,56 @@ class SnapshotStore:
                tags: tuple[str, ...] | list[str] = ()) -> "SnapshotWriter":
         return SnapshotWriter(self, name, replace=replace, meta=meta or {}, tags=tags)
 
-    def remove(self, name: str) -> None:
-        path = self.manifest_path(name)
-        with self.name_lock(name):
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                raise StoreError(f"no snapshot named {name!r} in {self.path}") from None
-            fsync_dir(self.snapshots_dir)
+    def remove(self, name: str) -> str:
+        """Remove snapshot NAME, or the stray entry of snapshots/ listed as NAME (with or without its
+        ".json"); returns what was removed. Chunks stay until gc."""
+        try:
+            valid = validate_snapshot_name(name)
+        except InvalidNameError:
+            valid = None
+        with self.shared():
+            if valid is not None:
+                with self.subdir("snapshots") as snaps:
+                    st = lstat_at(snaps, valid + ".json")
+                if st is not None and stat.S_ISREG(st.st_mode):
+                    with self.name_lock(valid), self.subdir("snapshots") as snaps:
+                        try:
+                            os.unlink(valid + ".json", dir_fd=snaps)
+                        except FileNotFoundError:
+                            raise StoreError(f"no snapshot named {name!r} in {self.path}") from None
+                        os.fsync(snaps)
+                    return f"snapshot {valid}"
+            strays = {s.entry: s for s in self.scan()[1]}
+            stray = strays.get(name) or strays.get(name + ".json")
+            if stray is None:
+                raise StoreError(f"no snapshot named {name!r} in {self.path}")
+            with self.subdir("snapshots") as snaps:
+                st = lstat_at(snaps, stray.entry)
+                if st is not None and stat.S_ISDIR(st.st_mode):
+                    shutil.rmtree(stray.entry, dir_fd=snaps)  # fd-relative: descends through no link
+                elif st is not None:
+                    os.unlink(stray.entry, dir_fd=snaps)
+                os.fsync(snaps)
+            return f"stray entry snapshots/{stray.entry}"
+
+    # ---- chunks -------------------------------------------------------------------------------
+    @contextmanager
+    def chunk_dir(self, cid: str) -> Iterator[int]:
+        if not CHUNK_ID.fullmatch(cid):
+            raise ChunkError(cid, "is not a chunk id (64 lowercase hex digits)")
+        try:
+            with self.subdir("chunks", cid[:2]) as d:
+                yield d
+        except FileNotFoundError:
+            raise ChunkError(cid, "missing (its directory is gone)") from None
+        except StoreDamage as e:
+            raise ChunkError(cid, str(e)) from None
 
     def read_chunk(self, ref: ChunkRef, buf: AlignedBuffer) -> memoryview:
         """The verified payload of REF (read into BUF); raises ChunkError when damaged."""
         assert ref.id is not None
-        header, payload = read_chunk_file(self.chunk_path(ref.id), ref.id, buf, self.direct)
+        with self.chunk_dir(ref.id) as d:
+            header, payload = read_chunk_file(d, ref.id, buf, self.direct)
         if (header.codec, header.raw_len, header.stored_len) != (ref.codec, ref.raw_len, ref.stored_len):
             raise ChunkError(ref.id, "header disagrees with the manifest's reference")
         return payload
@@ -285,91 +500,290 @@ class SnapshotStore:
         return frame.ptr + HEADER_SIZE, "read+verify"
 
     def missing(self, manifest: Manifest) -> list[str]:
-        """Chunk ids MANIFEST names that have no file here (a cheap stat pass before any output)."""
-        return [cid for cid in sorted(manifest.chunk_ids()) if not os.path.exists(self.chunk_path(cid))]
+        """Chunk ids MANIFEST names that have no regular file here (a cheap stat pass before any output)."""
+        out = []
+        for cid in sorted(manifest.chunk_ids()):
+            try:
+                with self.chunk_dir(cid) as d:
+                    st = lstat_at(d, cid)
+            except ChunkError:
+                st = None
+            if st is None or not stat.S_ISREG(st.st_mode):
+                out.append(cid)
+        return out
+
+    def absence(self, cid: str) -> str:
+        """Why chunk CID cannot be read: what verify found when it quarantined it, or "missing"."""
+        try:
+            with self.chunk_dir(cid) as d:
+                st = lstat_at(d, cid)
+        except ChunkError as e:
+            return e.what
+        if st is not None and not stat.S_ISREG(st.st_mode):
+            return f"is {file_kind(st.st_mode)}, not a chunk file"
+        why = self.quarantined(cid)
+        return "missing" if why is None else f"{why} (moved to quarantine/ by verify)"
 
     def chunk_buffer_size(self, manifests: list[Manifest]) -> int:
         most = max((c.stored_len for m in manifests for s in m.streams for c in s.chunks), default=0)
         return HEADER_SIZE + align_up(max(most, 1))
 
-    # ---- verify / gc --------------------------------------------------------------------------
-    def verify(self, names: list[str] | None = None, workers: int = 4,
-               progress: Any = None) -> VerifyReport:
+    def store_chunk(self, tmp_fd: int, chunks_fd: int, header: ChunkHeader, frame: memoryview,
+                    cid: str | None = None) -> tuple[str, bool, float]:
+        """Make chunk HEADER + FRAME[HEADER_SIZE:] present: (id, whether a file was written, hash seconds).
+
+        A present file is reused only if it is a regular file with this header and length; anything
+        else in its place (damaged, a link, a FIFO) is replaced by a new, fsynced file."""
+        t0 = time.perf_counter()
+        if cid is None:
+            cid = chunk_id(header, frame[HEADER_SIZE:HEADER_SIZE + header.stored_len])
+        hash_s = time.perf_counter() - t0
+        with opened_child(chunks_fd, cid[:2], f"chunks/{cid[:2]}") as d:
+            if header_matches(d, cid, header):
+                return cid, False, hash_s
+            tmp = owned_name("chunk")
+            write_chunk_file(tmp_fd, tmp, header, frame, self.direct)
+            try:
+                os.rename(tmp, cid, src_dir_fd=tmp_fd, dst_dir_fd=d)
+            except BaseException:
+                _unlink_quietly(tmp_fd, tmp)
+                raise
+        return cid, True, hash_s
+
+    # ---- quarantine ---------------------------------------------------------------------------
+    def quarantined(self, cid: str) -> str | None:
+        """What verify found wrong with CID when it moved it to quarantine/, None if it did not."""
+        try:
+            with self.subdir(QUARANTINE) as q:
+                rec = read_record(q, cid + ".json")
+        except (FileNotFoundError, GpusnapError, OSError):
+            return None
+        if rec is None:
+            return None
+        return str(rec.get("why", "damaged")) if isinstance(rec, dict) else "damaged"
+
+    def quarantine_chunk(self, cid: str, why: str) -> bool:
+        """Move chunk CID (damaged: WHY) from chunks/XY/ to quarantine/ (the caller holds the store
+        exclusively); False if there was nothing to move."""
+        with self.root() as (root, uid):
+            try:
+                os.mkdir(QUARANTINE, 0o700, dir_fd=root)
+            except FileExistsError:
+                pass
+            with opened_dir(root, QUARANTINE, uid, QUARANTINE) as q, self.chunk_dir(cid) as d:
+                if lstat_at(d, cid) is None:
+                    return False
+                os.rename(cid, cid, src_dir_fd=d, dst_dir_fd=q)  # moves the entry itself, whatever it is
+                os.fsync(d)
+                rec = json.dumps({"id": cid, "why": why, "when": datetime.now(timezone.utc).isoformat()}).encode()
+                with opened_dir(root, "tmp", uid, "tmp") as tmp:
+                    name = owned_name("record")
+                    _write_file(tmp, name, rec)
+                    os.rename(name, cid + ".json", src_dir_fd=tmp, dst_dir_fd=q)
+                os.fsync(q)
+        return True
+
+    def unquarantine_chunk(self, ref: ChunkRef, buf: AlignedBuffer) -> bool:
+        """Put quarantine/CID back if it verifies after all (the caller holds the store exclusively)."""
+        assert ref.id is not None
+        cid = ref.id
+        try:
+            with self.subdir(QUARANTINE) as q:
+                header, _ = read_chunk_file(q, cid, buf, False)
+                if (header.codec, header.raw_len, header.stored_len) != (ref.codec, ref.raw_len, ref.stored_len):
+                    return False
+                with self.chunk_dir(cid) as d:
+                    os.rename(cid, cid, src_dir_fd=q, dst_dir_fd=d)  # over whatever damaged file is there
+                    os.fsync(d)
+                _unlink_quietly(q, cid + ".json")
+        except (OSError, GpusnapError):
+            return False
+        return True
+
+    # ---- verify / repair ----------------------------------------------------------------------
+    def load_all(self, names: list[str], problems: list[Problem]) -> list[Manifest]:
+        """The manifests of NAMES that load; a Problem in PROBLEMS for each that does not."""
+        manifests: list[Manifest] = []
+        for n in names:
+            try:
+                manifests.append(self.load(n))
+            except GpusnapError as e:
+                problems.append(Problem(n, None, None, str(e)))
+        return manifests
+
+    def check_chunks(self, refs: dict[str, ChunkRef], size: int, workers: int, progress: Any,
+                     counts: VerifyReport | None = None) -> dict[str, str]:
+        """Read and verify every chunk of REFS; returns id -> what is wrong, for the damaged ones."""
+        if progress is not None:
+            progress.start(sum(c.stored_len for c in refs.values()))
+        bad: dict[str, str] = {}
+        lock = threading.Lock()
+        with BufferPool(workers, size) as pool:
+            def check(ref: ChunkRef) -> None:
+                assert ref.id is not None
+                with pool.borrowed() as buf:
+                    try:
+                        self.read_chunk(ref, buf)
+                    except ChunkError as e:
+                        with lock:
+                            bad[ref.id] = e.what
+                    except OSError as e:
+                        with lock:
+                            bad[ref.id] = f"unreadable: {e.strerror or e}"
+                with lock:
+                    if counts is not None:
+                        counts.chunks_checked += 1
+                        counts.bytes_checked += ref.stored_len
+                if progress is not None:
+                    progress.advance(ref.stored_len)
+            with ThreadPoolExecutor(workers) as ex:
+                list(ex.map(check, refs.values()))
+        return bad
+
+    def verify(self, names: list[str] | None = None, workers: int = 4, progress: Any = None,
+               quarantine: bool = True, quarantine_wait: float = 5.0) -> VerifyReport:
+        """Check every chunk of NAMES (default: every snapshot, and the strays of snapshots/ too).
+
+        With QUARANTINE, damaged chunk files are then moved to quarantine/ (under the store lock held
+        exclusively, waiting at most QUARANTINE_WAIT seconds), so that the next put of the same
+        bytes writes them again instead of reusing them."""
         report = VerifyReport()
         with self.shared():
-            wanted = names if names is not None else self.names()
-            manifests: list[Manifest] = []
-            for n in wanted:
-                report.snapshots.append(n)
-                try:
-                    manifests.append(self.load(n))
-                except (ManifestError, StoreError) as e:
-                    report.problems.append(Problem(n, None, None, str(e)))
-            refs: dict[str, ChunkRef] = {}
-            for m in manifests:
-                for s in m.streams:
-                    for c in s.chunks:
-                        if c.id is not None:
-                            refs.setdefault(c.id, c)
-            if progress is not None:
-                progress.start(sum(c.stored_len for c in refs.values()))
-            bad: dict[str, str] = {}
-            lock = threading.Lock()
-            size = self.chunk_buffer_size(manifests)
-            with BufferPool(workers, size) as pool:
-                def check(ref: ChunkRef) -> None:
-                    with pool.borrowed() as buf:
-                        try:
-                            self.read_chunk(ref, buf)
-                        except ChunkError as e:
-                            with lock:
-                                bad[ref.id] = e.what  # type: ignore[index]
-                        except OSError as e:
-                            with lock:
-                                bad[ref.id] = f"unreadable: {e.strerror or e}"  # type: ignore[index]
-                    with lock:
-                        report.chunks_checked += 1
-                        report.bytes_checked += ref.stored_len
-                    if progress is not None:
-                        progress.advance(ref.stored_len)
-                with ThreadPoolExecutor(workers) as ex:
-                    list(ex.map(check, refs.values()))
+            if names is None:
+                names, report.strays = self.scan()
+            report.snapshots = list(names)
+            manifests = self.load_all(names, report.problems)
+            refs = chunk_refs(manifests)
+            bad = self.check_chunks(refs, self.chunk_buffer_size(manifests), workers, progress, report)
+            for cid in list(bad):
+                if bad[cid] == "missing":
+                    bad[cid] = self.absence(cid)
             for m in manifests:
                 for s in m.streams:
                     for i, c in enumerate(s.chunks):
                         if c.id in bad:
                             report.problems.append(Problem(m.name, s.name, i, f"chunk {c.id[:16]}… {bad[c.id]}"))
+        damaged = {cid: why for cid, why in bad.items() if not why.startswith("missing")
+                   and "quarantine/" not in why}
+        if quarantine and damaged:
+            try:
+                with self.exclusive(quarantine_wait):
+                    again = self.check_chunks({cid: refs[cid] for cid in damaged},
+                                              self.chunk_buffer_size(manifests), 1, None)
+                    for cid, why in again.items():
+                        if not why.startswith("missing") and self.quarantine_chunk(cid, why):
+                            report.quarantined.append(cid)
+            except (GpusnapError, OSError) as e:  # busy, or a store this user may only read
+                report.not_quarantined = str(e)
         return report
 
-    def gc(self, timeout: float = 30.0) -> GcReport:
-        report = GcReport()
-        with self.exclusive(timeout):
-            live: set[str] = set()
-            for n in self.names():
-                try:
-                    live |= self.load(n).chunk_ids()
-                except (ManifestError, StoreError) as e:
-                    raise StoreError(f"gc stopped, nothing deleted: {e}; "
-                                     f"`gpusnap store rm {n}` it first if it cannot be repaired") from None
-            for entry in os.scandir(self.tmp_dir):
-                try:
-                    os.unlink(entry.path)
-                    report.tmp_removed += 1
-                except OSError:
-                    pass
-            for d in os.scandir(self.chunks_dir):
-                if not d.is_dir():
-                    continue
-                removed = False
-                for entry in os.scandir(d.path):
-                    if entry.name not in live:
-                        report.bytes_freed += entry.stat().st_size
-                        os.unlink(entry.path)
-                        report.chunks_removed += 1
-                        removed = True
-                if removed:
-                    fsync_dir(d.path)
-        return report
+    def repair(self, sources: Sequence[str] = (), workers: int = 4, timeout: float = 30.0,
+               progress: Any = None) -> "RepairReport":
+        """Rewrite every missing or damaged chunk that a source still has; report what is lost
+        (storage/repair.py)."""
+        from .repair import repair  # noqa: PLC0415 - repair's module uses this one
+        return repair(self, sources, workers=workers, timeout=timeout, progress=progress)
+
+    # ---- temporary entries: staging directories and in-flight gets -----------------------------
+    def new_staging_dir(self, kind: str = "staging") -> str:
+        """A new private directory in tmp/ owned by this process (its owner is in its name: gc removes
+        it once this process is gone). Returns its absolute path."""
+        name = owned_name(kind)
+        with self.subdir("tmp") as tmp:
+            os.mkdir(name, 0o700, dir_fd=tmp)
+        return os.path.join(self.tmp_dir, name)
+
+    @contextmanager
+    def inflight_get(self, dest: str) -> Iterator[None]:
+        """Record in tmp/ that this process materializes into DEST, for the block: if it is killed, gc
+        finds the record and removes the staging sibling it left (get_staging_name)."""
+        owner = this_owner()
+        rec = {"pid": owner.pid, "start": owner.start, "boot": owner.boot, "uid": os.geteuid(),
+               "dest": os.path.abspath(dest)}
+        name: str | None = owned_name("get")
+        try:
+            with self.subdir("tmp") as tmp:
+                _write_file(tmp, name, json.dumps(rec).encode())  # type: ignore[arg-type]
+        except (PermissionError, StoreAccessError):
+            name = None  # a reader of a store it may not write: nothing to record, nothing gc could do
+        except OSError as e:
+            if e.errno != errno.EROFS:
+                raise
+            name = None
+        try:
+            yield
+        finally:
+            if name is not None:
+                with self.subdir("tmp") as tmp:
+                    _unlink_quietly(tmp, name)
+
+    # ---- gc -----------------------------------------------------------------------------------
+    def gc(self, timeout: float = 30.0) -> "GcReport":
+        """Delete what gpusnap owns and no longer needs; report the rest (storage/gc.py)."""
+        from .gc import collect  # noqa: PLC0415 - gc's module uses this one
+        return collect(self, timeout)
+
+
+def _stray_reason(e: os.DirEntry[str]) -> str | None:
+    """Why the snapshots/ entry E is not a snapshot, or None when it is one."""
+    if not e.name.endswith(".json"):
+        return "not a manifest (its name does not end in .json)"
+    try:
+        validate_snapshot_name(e.name[:-5])
+    except InvalidNameError as ex:
+        return f"not a snapshot: {ex}"
+    st = e.stat(follow_symlinks=False)
+    if not stat.S_ISREG(st.st_mode):
+        return f"is {file_kind(st.st_mode)}, not a manifest"
+    return None
+
+
+def chunk_refs(manifests: list[Manifest]) -> dict[str, ChunkRef]:
+    refs: dict[str, ChunkRef] = {}
+    for m in manifests:
+        for s in m.streams:
+            for c in s.chunks:
+                if c.id is not None:
+                    refs.setdefault(c.id, c)
+    return refs
+
+
+def _write_file(dir_fd: int, name: str, data: bytes) -> None:
+    """A new file NAME in DIR_FD holding DATA, fsynced (removed again if writing fails)."""
+    fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        _unlink_quietly(dir_fd, name)
+        raise
+    os.close(fd)
+
+
+def read_record(dir_fd: int, name: str) -> Any:
+    """The JSON in the small regular file NAME of DIR_FD; None if absent, unreadable or not JSON."""
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        return json.loads(os.read(fd, _RECORD_MAX))
+    except (OSError, ValueError):
+        return None
+    finally:
+        os.close(fd)
+
+
+def _unlink_quietly(dir_fd: int, name: str) -> None:
+    try:
+        os.unlink(name, dir_fd=dir_fd)
+    except OSError:
+        pass
 
 
 class SnapshotWriter:
@@ -377,7 +791,8 @@ class SnapshotWriter:
 
     Used as a context manager; leaving it without commit() (an exception, a Ctrl-C) removes this
     writer's temporary files and leaves no snapshot. Chunks it already published stay until gc,
-    because a concurrent writer may already reference them.
+    because a concurrent writer may already reference them. A chunk file it fails to write (a full
+    disk) is removed at once, not left for gc.
     """
 
     def __init__(self, store: SnapshotStore, name: str, *, replace: bool, meta: dict[str, Any],
@@ -392,42 +807,26 @@ class SnapshotWriter:
         self.stats = WriteStats()
         self._lock = threading.Lock()
         self._touched: set[str] = set()
-        self._tmp_files: set[str] = set()
         self._committed = False
-        self._stack: list[Any] = []
+        self._stack = ExitStack()
+        self._tmp = self._chunks = self._snaps = -1
 
     def __enter__(self) -> "SnapshotWriter":
-        shared = self.store.shared()
-        shared.__enter__()
-        self._stack.append(shared)
         try:
-            nl = self.store.name_lock(self.name)
-            nl.__enter__()
-            self._stack.append(nl)
-            if self.store.exists(self.name) and not self.replace:
+            self._stack.enter_context(self.store.shared())
+            self._stack.enter_context(self.store.name_lock(self.name))
+            self._tmp = self._stack.enter_context(self.store.subdir("tmp"))
+            self._chunks = self._stack.enter_context(self.store.subdir("chunks"))
+            self._snaps = self._stack.enter_context(self.store.subdir("snapshots"))
+            if lstat_at(self._snaps, self.name + ".json") is not None and not self.replace:
                 raise StoreError(f"snapshot {self.name!r} already exists (use --replace to overwrite it)")
         except BaseException:
-            self._unwind()
+            self._stack.close()
             raise
         return self
 
     def __exit__(self, et: Any, ev: Any, tb: Any) -> None:
-        try:
-            if not self._committed:
-                for p in list(self._tmp_files):
-                    try:
-                        os.unlink(p)
-                    except OSError:
-                        pass
-        finally:
-            self._unwind()
-
-    def _unwind(self) -> None:
-        while self._stack:
-            self._stack.pop().__exit__(None, None, None)
-
-    def _tmp_path(self, what: str) -> str:
-        return os.path.join(self.store.tmp_dir, f"{what}.{os.getpid()}.{threading.get_ident()}.{time.monotonic_ns()}")
+        self._stack.close()
 
     @property
     def source(self) -> SnapshotStore:
@@ -445,32 +844,16 @@ class SnapshotWriter:
         chunkfile.write_chunk_file); the header is written into its first HEADER_SIZE bytes.
         """
         header = ChunkHeader(codec, raw_len, stored_len)
-        payload = frame[HEADER_SIZE:HEADER_SIZE + stored_len]
         t0 = time.perf_counter()
-        cid = chunk_id(header, payload)
-        t1 = time.perf_counter()
-        final = self.store.chunk_path(cid)
         try:
-            present = os.stat(final).st_size >= HEADER_SIZE + stored_len
-        except FileNotFoundError:
-            present = False
-        if not present:
-            tmp = self._tmp_path("chunk")
-            with self._lock:
-                self._tmp_files.add(tmp)
-            try:
-                write_chunk_file(tmp, header, frame, self.store.direct)
-                os.rename(tmp, final)
-            except OSError as e:
-                raise StoreError(_io_message("writing a chunk", e, self.store.path)) from None
-            finally:
-                with self._lock:
-                    self._tmp_files.discard(tmp)
+            cid, new, hash_s = self.store.store_chunk(self._tmp, self._chunks, header, frame)
+        except OSError as e:
+            raise StoreError(_io_message("writing a chunk", e, self.store.path)) from None
         t2 = time.perf_counter()
         with self._lock:
-            self.stats.add_chunk(raw_len, stored_len, not present, t1 - t0, t2 - t1)
-            if not present:
-                self._touched.add(os.path.dirname(final))
+            self.stats.add_chunk(raw_len, stored_len, new, hash_s, t2 - t0 - hash_s)
+            if new:
+                self._touched.add(cid[:2])
         return ChunkRef(cid, raw_len, codec, stored_len)
 
     def add_stream(self, stream: Stream) -> None:
@@ -482,31 +865,24 @@ class SnapshotWriter:
         manifest = Manifest(self.name, self.streams, self.meta, tags=self.tags)
         if self.created is not None:
             manifest.created = self.created
-        data = manifest.dumps()
-        final = self.store.manifest_path(self.name)
-        tmp = self._tmp_path("manifest")
-        self._tmp_files.add(tmp)
+        final = self.name + ".json"
+        tmp = owned_name("manifest")
         try:
-            for d in sorted(self._touched):
-                fsync_dir(d)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            for xy in sorted(self._touched):
+                with opened_child(self._chunks, xy, f"chunks/{xy}") as d:
+                    os.fsync(d)
+            _write_file(self._tmp, tmp, manifest.dumps())
             try:
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(fd, view):]
-                os.fsync(fd)
+                if self.replace:
+                    os.rename(tmp, final, src_dir_fd=self._tmp, dst_dir_fd=self._snaps)
+                else:
+                    try:
+                        os.link(tmp, final, src_dir_fd=self._tmp, dst_dir_fd=self._snaps, follow_symlinks=False)
+                    except FileExistsError:
+                        raise StoreError(f"snapshot {self.name!r} was created by another writer meanwhile") from None
             finally:
-                os.close(fd)
-            if self.replace:
-                os.rename(tmp, final)
-            else:
-                try:
-                    os.link(tmp, final)
-                except FileExistsError:
-                    raise StoreError(f"snapshot {self.name!r} was created by another writer meanwhile") from None
-                os.unlink(tmp)
-            self._tmp_files.discard(tmp)
-            fsync_dir(self.store.snapshots_dir)
+                _unlink_quietly(self._tmp, tmp)
+            os.fsync(self._snaps)
         except OSError as e:
             raise StoreError(_io_message("committing the manifest", e, self.store.path)) from None
         self._committed = True
@@ -516,7 +892,8 @@ class SnapshotWriter:
 def _io_message(doing: str, e: OSError, store: str) -> str:
     if e.errno == errno.ENOSPC:
         return (f"no space left on the store's disk while {doing}; nothing was committed "
-                f"(`gpusnap --store {store} store gc` reclaims what this attempt left)")
+                f"(what this attempt wrote was removed; `gpusnap --store {store} store gc` reclaims "
+                "chunks no snapshot needs)")
     if e.errno == errno.EDQUOT:
         return f"disk quota exceeded while {doing}; nothing was committed"
     return f"I/O error while {doing}: {e.strerror or e}"

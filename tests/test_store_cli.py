@@ -21,7 +21,7 @@ def test_round_trip_is_exact(cli: Cli, tmp_path: Path) -> None:
 
 
 def test_store_dir_is_private_and_on_real_disk(cli: Cli, store_dir: Path) -> None:
-    cli.run("store", "ls")
+    cli.run("store", "init")
     assert stat.S_IMODE(store_dir.stat().st_mode) == 0o700
     fs = os.statvfs(store_dir)
     assert fs.f_blocks > 0
@@ -67,6 +67,7 @@ def test_second_put_after_5_percent_change_writes_only_changed_chunks(cli: Cli, 
 
 @pytest.mark.parametrize("bad", ["../x", ".hidden", "", "a" * 300, "a/b", "-rf"])
 def test_invalid_names_rejected(cli: Cli, tmp_path: Path, bad: str) -> None:
+    cli.run("store", "init")
     f = tmp_path / "f"
     f.write_bytes(b"x")
     p = cli.run("store", "put", "--", bad, str(f), check=False)
@@ -83,6 +84,7 @@ def test_nul_in_name_rejected_by_the_library(store_dir: Path) -> None:
 
 
 def test_missing_input_path(cli: Cli, tmp_path: Path) -> None:
+    cli.run("store", "init")
     p = cli.run("store", "put", "x", str(tmp_path / "nope"), check=False)
     assert p.returncode == 1 and "no such file" in p.stderr and len(p.stderr.splitlines()) == 1
     assert cli.json("store", "ls") == []
@@ -133,7 +135,7 @@ def test_get_into_existing_dest_refused(cli: Cli, tmp_path: Path) -> None:
 
 
 def test_unknown_snapshot_and_not_a_store(cli: Cli, tmp_path: Path) -> None:
-    cli.run("store", "ls")
+    cli.run("store", "init")
     for args in (["get", "ghost", str(tmp_path / "o")], ["inspect", "ghost"], ["rm", "ghost"], ["verify", "ghost"]):
         p = cli.run("store", *args, check=False)
         assert p.returncode == 1 and "no snapshot named 'ghost'" in p.stderr, (args, p.stderr)
@@ -191,6 +193,7 @@ def test_cli_runs_without_pyroute2(tmp_path: Path, cli: Cli) -> None:
     (fake / "pyroute2").mkdir(parents=True)
     (fake / "pyroute2" / "__init__.py").write_text("raise ImportError('No module named pyroute2 (test)')\n")
     env = {"PYTHONPATH": os.pathsep.join([str(fake), pythonpath()])}
+    assert cli.run("store", "init", env=env).returncode == 0
     assert cli.run("store", "ls", env=env).returncode == 0
     bundle = tmp_path / "bundle"
     bundle.mkdir()

@@ -101,7 +101,7 @@ def test_disk_full_mid_put(tmp_path: Path) -> None:
 def test_kill_9_mid_put_leaves_no_snapshot(cli: Cli, tmp_path: Path, store_dir: Path) -> None:
     rng = np.random.default_rng(5)
     block = bytearray(rng.bytes(4 << 20))
-    cli.run("store", "ls")
+    cli.run("store", "init")
     rnd = random.Random(os.getpid())
     killed_before_commit = 0
     for attempt in range(3):
@@ -138,7 +138,7 @@ def test_two_puts_of_the_same_name_one_wins(cli: Cli, tmp_path: Path) -> None:
     src = tmp_path / "d"
     src.mkdir()
     (src / "r").write_bytes(np.random.default_rng(9).bytes(64 << 20))
-    cli.run("store", "ls")
+    cli.run("store", "init")
     env = dict(os.environ, PYTHONPATH=pythonpath())
     procs = [subprocess.Popen([*GPUSNAP, "--store", str(cli.store), "store", "put", "same", str(src)], env=env,
                               cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]

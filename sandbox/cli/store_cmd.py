@@ -9,12 +9,11 @@ import sys
 import click
 
 from storage import pipeline
-from storage.errors import EXIT_DAMAGED
+from storage.errors import EXIT_DAMAGED, EXIT_FAILED, GpusnapError
 from storage.filetree import FileTreeSink, FileTreeSource
-from storage.manifest import Manifest, ManifestError
+from storage.manifest import Manifest
 from storage.names import validate_snapshot_name
 from storage.progress import Progress
-from storage.errors import GpusnapError
 from storage.store import Problem, StoreError
 
 from sandbox.snapshot_meta import FilesMeta, meta_problems, remove_with_companions
@@ -61,6 +60,19 @@ def store_put(ctx: click.Context, name: str, paths: tuple[str, ...], replace: bo
          f"{human(res.extra['zero_bytes'])} zeros elided")
 
 
+@store.command("init")
+@json_option
+@click.pass_context
+@one_line_errors
+def store_init(ctx: click.Context, as_json: bool) -> None:
+    """Create an empty store at --store (put and the dump commands also create it on first use)."""
+    path = os.path.abspath(ctx.obj["store"])
+    existed = os.path.isfile(os.path.join(path, "gpusnap-store.json"))
+    st = open_store(ctx, create=True)
+    emit(as_json, {"store": st.path, "created": not existed},
+         f"{st.path}: {'already a gpusnap store' if existed else 'empty gpusnap store created'}")
+
+
 @store.command("get")
 @click.argument("name")
 @click.argument("dest")
@@ -74,18 +86,21 @@ def store_put(ctx: click.Context, name: str, paths: tuple[str, ...], replace: bo
 @click.pass_context
 @one_line_errors
 def store_get(ctx: click.Context, name: str, dest: str, include: tuple[str, ...], workers: int | None,
-              no_same_owner: bool,
-              as_json: bool) -> None:
-    """Materialize snapshot NAME into DEST (a new directory), every chunk verified; all or nothing."""
+              no_same_owner: bool, as_json: bool) -> None:
+    """Materialize snapshot NAME into DEST (a new directory), every chunk verified; all or nothing.
+
+    While it runs, a record in the store's tmp/ names DEST: if the get is killed, `store gc` removes
+    the partial hidden tree it left beside DEST."""
     st = open_store(ctx, create=False)
     with st.shared():
         m = st.load(validate_snapshot_name(name))
         if include:
             m = select_streams(m, include)
-        sink = FileTreeSink(dest, same_owner=False if no_same_owner else None)
-        with Progress(f"get {name}", ctx.obj["progress"]) as prog:
-            prog.start(m.size)
-            res = pipeline.get(st, m, sink, workers=workers, progress=prog)
+        with st.inflight_get(dest):
+            sink = FileTreeSink(dest, same_owner=False if no_same_owner else None)
+            with Progress(f"get {name}", ctx.obj["progress"]) as prog:
+                prog.start(m.size)
+                res = pipeline.get(st, m, sink, workers=workers, progress=prog)
     emit(as_json, {"name": name, "dest": os.path.abspath(dest), "raw_bytes": res.raw_bytes,
                    "seconds": round(res.seconds, 3), "GBps": round(res.gbps, 3), "stages": res.stages.table()},
          f"{name} -> {dest}: {human(res.raw_bytes)} in {res.seconds:.2f} s ({res.gbps:.2f} GB/s), verified")
@@ -99,20 +114,23 @@ def store_get(ctx: click.Context, name: str, dest: str, include: tuple[str, ...]
 @click.pass_context
 @one_line_errors
 def store_ls(ctx: click.Context, tags: tuple[str, ...], kind: str | None, since: str | None, as_json: bool) -> None:
-    """List snapshots (with --tag/--kind/--since, those that match; damaged ones are always listed)."""
+    """List snapshots (with --tag/--kind/--since, those that match) and, marked DAMAGED, snapshots that
+    do not load and entries of snapshots/ that are not snapshots."""
     from sandbox.cli.archive_cmd import matches, parse_since
     since_t = parse_since(since)
-    st = open_store(ctx)
+    st = open_store(ctx, create=False)
+    names, strays = st.scan()
     rows = []
-    for n in st.names():
+    for n in names:
         try:
             m = st.load(n)
             if not matches(m, tags, kind, since_t):
                 continue
             rows.append({"name": n, "created": m.created, "size": m.size, "streams": len(m.streams),
                          "kind": m.meta.get("kind", ""), "tags": list(m.tags), "host": m.host})
-        except (ManifestError, StoreError) as e:
+        except GpusnapError as e:
             rows.append({"name": n, "error": str(e)})
+    rows += [{"name": s.entry, "error": str(s), "stray": True} for s in strays]
     lines = [f"{'NAME':32} {'KIND':8} {'SIZE':>12} {'STREAMS':>8}  CREATED"]
     for r in rows:
         if "error" in r:
@@ -129,19 +147,23 @@ def store_ls(ctx: click.Context, tags: tuple[str, ...], kind: str | None, since:
 @click.pass_context
 @one_line_errors
 def store_inspect(ctx: click.Context, name: str, as_json: bool) -> None:
-    """Show a snapshot's streams, codecs, sizes and metadata."""
+    """Show a snapshot's streams, codecs, sizes and metadata.
+
+    Per codec: chunk references, their raw bytes, and the bytes stored for its distinct chunks (a
+    chunk named twice is stored once)."""
     st = open_store(ctx, create=False)
     m = st.load(validate_snapshot_name(name))
     codecs: dict[str, dict[str, int]] = {}
     unique: dict[str, int] = {}
     for s in m.streams:
         for c in s.chunks:
-            e = codecs.setdefault(c.codec, {"chunks": 0, "raw_bytes": 0, "stored_bytes": 0})
+            e = codecs.setdefault(c.codec, {"chunks": 0, "unique_chunks": 0, "raw_bytes": 0, "stored_bytes": 0})
             e["chunks"] += 1
             e["raw_bytes"] += c.raw_len
-            e["stored_bytes"] += c.stored_len
-            if c.id:
+            if c.id and c.id not in unique:
                 unique[c.id] = c.stored_len
+                e["unique_chunks"] += 1
+                e["stored_bytes"] += c.stored_len
     info = {"name": m.name, "created": m.created, "meta": m.meta, "size": m.size,
             "stored_bytes_unique": sum(unique.values()), "codecs": codecs,
             "streams": [{"name": s.name, "size": s.size, "type": s.attrs.get("type"), "chunks": len(s.chunks)}
@@ -150,17 +172,33 @@ def store_inspect(ctx: click.Context, name: str, as_json: bool) -> None:
             f"{len(m.streams)} streams, {human(info['stored_bytes_unique'])} stored (unique chunks)",
             f"  meta: {json.dumps({k: v for k, v in m.meta.items() if not k.endswith('stages')}, sort_keys=True)}"]
     for k, v in sorted(codecs.items()):
-        text.append(f"  {k:15} {v['chunks']:7} chunks  {human(v['raw_bytes']):>10} raw  {human(v['stored_bytes']):>10} stored")
+        text.append(f"  {k:15} {v['chunks']:7} chunks  {human(v['raw_bytes']):>10} raw  "
+                    f"{human(v['stored_bytes']):>10} stored ({v['unique_chunks']} unique)")
     emit(as_json, info, "\n".join(text))
+
+
+_from_option = click.option("--from", "sources", multiple=True, metavar="PATH",
+                            help="Where lost chunks may still be: another gpusnap store, or the files and "
+                                 "directories that were stored (re-read and kept where they give the wanted "
+                                 "chunk ids). Repeatable.")
 
 
 @store.command("verify")
 @click.argument("name", required=False)
+@click.option("--repair", is_flag=True, help="Then rewrite what can be rewritten (as `store repair`).")
+@_from_option
 @json_option
 @click.pass_context
 @one_line_errors
-def store_verify(ctx: click.Context, name: str | None, as_json: bool) -> None:
-    """Read and check every chunk of NAME (or of every snapshot); exit 3 and name what is damaged."""
+def store_verify(ctx: click.Context, name: str | None, repair: bool, sources: tuple[str, ...],
+                 as_json: bool) -> None:
+    """Read and check every chunk of NAME (or of every snapshot); exit 3 and name what is damaged.
+
+    Damaged chunk files are moved to the store's quarantine/ so that the next put of the same data
+    writes them again (which heals every snapshot that names them); --repair rewrites them now."""
+    if repair or sources:
+        ctx.invoke(store_repair, sources=sources, wait=30.0, as_json=as_json)
+        return
     st = open_store(ctx, create=False)
     names = [validate_snapshot_name(name)] if name else None
     if name and not st.exists(name):
@@ -170,11 +208,43 @@ def store_verify(ctx: click.Context, name: str | None, as_json: bool) -> None:
     for n in rep.snapshots:  # what each sandbox kind's metadata must be (storage does not know it)
         with contextlib.suppress(GpusnapError):  # an unreadable manifest is already a problem
             rep.problems += [Problem(n, None, None, p) for p in meta_problems(st.load(n))]
+    problems = [str(p) for p in rep.strays] + [str(p) for p in rep.problems]
     data = {"ok": rep.ok, "snapshots": rep.snapshots, "chunks_checked": rep.chunks_checked,
-            "bytes_checked": rep.bytes_checked, "problems": [str(p) for p in rep.problems]}
+            "bytes_checked": rep.bytes_checked, "problems": problems, "quarantined": rep.quarantined,
+            "not_quarantined": rep.not_quarantined}
     text = [f"{len(rep.snapshots)} snapshot(s), {rep.chunks_checked} chunks, {human(rep.bytes_checked)} checked: "
-            + ("OK" if rep.ok else f"{len(rep.problems)} problem(s)")]
-    text += [f"DAMAGED {p}" for p in rep.problems]
+            + ("OK" if rep.ok else f"{len(problems)} problem(s)")]
+    text += [f"DAMAGED {p}" for p in problems]
+    if rep.quarantined:
+        text.append(f"{len(rep.quarantined)} damaged chunk file(s) moved to quarantine/: the next put of the "
+                    "same data rewrites them; `gpusnap store repair --from PATH` rewrites them from PATH")
+    if rep.not_quarantined:
+        text.append(f"damaged chunks not moved to quarantine/: {rep.not_quarantined}")
+    emit(as_json, data, "\n".join(text))
+    if not rep.ok:
+        sys.exit(EXIT_DAMAGED)
+
+
+@store.command("repair")
+@_from_option
+@click.option("--wait", default=30.0, show_default=True, help="Seconds to wait for running puts/gets.")
+@json_option
+@click.pass_context
+@one_line_errors
+def store_repair(ctx: click.Context, sources: tuple[str, ...], wait: float, as_json: bool) -> None:
+    """Verify every snapshot and rewrite each missing or damaged chunk from wherever its exact bytes
+    still are (a quarantined copy that is fine after all, or --from PATH); report what is lost.
+
+    Exit 0 when every snapshot is whole again, 3 when something is lost (the report names it)."""
+    st = open_store(ctx, create=False)
+    with Progress("repair", ctx.obj["progress"]) as prog:
+        rep = st.repair(list(sources), timeout=wait, progress=prog)
+    lost = [str(p) for p in rep.strays] + [str(p) for p in rep.lost]
+    data = {"ok": rep.ok, "damaged_chunks": rep.damaged, "repaired": rep.repaired, "lost": lost}
+    text = [f"{rep.damaged} chunk(s) missing or damaged, {len(rep.repaired)} rewritten, "
+            + ("every snapshot is whole" if rep.ok else f"{len(lost)} problem(s) remain")]
+    text += [f"REPAIRED {cid[:16]}… from {where}" for cid, where in sorted(rep.repaired.items())]
+    text += [f"LOST {p}" for p in lost]
     emit(as_json, data, "\n".join(text))
     if not rep.ok:
         sys.exit(EXIT_DAMAGED)
@@ -182,13 +252,28 @@ def store_verify(ctx: click.Context, name: str | None, as_json: bool) -> None:
 
 @store.command("rm")
 @click.argument("names", nargs=-1, required=True)
+@json_option
 @click.pass_context
 @one_line_errors
-def store_rm(ctx: click.Context, names: tuple[str, ...]) -> None:
-    """Remove snapshots and their companions (`NAME.gpu` of a GPU sandbox); chunks are reclaimed by `gc`."""
+def store_rm(ctx: click.Context, names: tuple[str, ...], as_json: bool) -> None:
+    """Remove snapshots and their companions (`NAME.gpu` of a GPU sandbox), or stray entries that `ls`
+    lists as DAMAGED; chunks are reclaimed by `gc`.
+
+    Every NAME is tried; those that cannot be removed are reported and the exit status is 1."""
     st = open_store(ctx, create=False)
+    removed: list[str] = []
+    errors: list[dict[str, str]] = []
     for n in names:
-        remove_with_companions(st, validate_snapshot_name(n))  # a runsc snapshot's NAME.gpu goes with it
+        try:
+            removed += remove_with_companions(st, n)  # a runsc snapshot's NAME.gpu goes with it
+        except GpusnapError as e:
+            errors.append({"name": n, "error": str(e)})
+    text = [f"removed {r}" for r in removed]
+    emit(as_json, {"removed": removed, "errors": errors}, "\n".join(text))
+    for e in errors:
+        click.echo(f"gpusnap: {e['error']}", err=True)
+    if errors:
+        sys.exit(EXIT_FAILED)
 
 
 @store.command("gc")
@@ -197,13 +282,25 @@ def store_rm(ctx: click.Context, names: tuple[str, ...]) -> None:
 @click.pass_context
 @one_line_errors
 def store_gc(ctx: click.Context, wait: float, as_json: bool) -> None:
-    """Delete chunks no snapshot references, and leftovers of interrupted writes."""
+    """Delete what gpusnap owns and no longer needs: chunks no snapshot references, leftovers of
+    interrupted puts and gets whose process is gone, lock files of names without a snapshot.
+
+    Anything else found in the store is reported and left alone; damage found exits 3."""
     st = open_store(ctx, create=False)
     rep = st.gc(timeout=wait)
-    emit(as_json, {"chunks_removed": rep.chunks_removed, "bytes_freed": rep.bytes_freed,
-                   "tmp_removed": rep.tmp_removed},
-         f"removed {rep.chunks_removed} chunks ({human(rep.bytes_freed)}) and {rep.tmp_removed} temporary files")
-
+    data = {"chunks_removed": rep.chunks_removed, "bytes_freed": rep.bytes_freed, "tmp_removed": rep.tmp_removed,
+            "gets_cleaned": rep.gets_cleaned, "locks_removed": rep.locks_removed,
+            "quarantine_removed": rep.quarantine_removed, "in_use": rep.in_use, "left": rep.left,
+            "damage": rep.damage}
+    text = [f"removed {rep.chunks_removed} chunks ({human(rep.bytes_freed)}), {rep.tmp_removed} temporary entries "
+            f"({rep.gets_cleaned} partial get trees), {rep.locks_removed} stale lock files, "
+            f"{rep.quarantine_removed} quarantined chunks"]
+    if rep.in_use:
+        text.append(f"kept {rep.in_use} temporary entries of processes still running")
+    text += [f"LEFT {x}" for x in rep.left] + [f"DAMAGED {x}" for x in rep.damage]
+    emit(as_json, data, "\n".join(text))
+    if rep.damage:
+        sys.exit(EXIT_DAMAGED)
 
 
 COMMANDS = [store]

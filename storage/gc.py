@@ -1,0 +1,226 @@
+"""gc: delete what the store owns and no longer needs; report everything else, delete nothing of it.
+
+Guarantees kept here (FORMAT.md, "What is atomic" and "Temporary entries and their owners"): gc holds
+the store lock exclusively; a manifest that does not load stops it before anything is deleted; it
+deletes only chunk files no manifest names, tmp/ entries whose owner process is gone (and the staging
+tree of a killed `get` its record names, if that is a real directory of the get's user), lock files
+of names without a snapshot, and quarantined chunks no longer needed. It descends into no link and no
+directory the store's owner does not own; anything unexpected is reported as left or as damage.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import stat
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from .chunkfile import ChunkError, file_kind
+from .errors import GpusnapError
+from .names import InvalidNameError, validate_snapshot_name
+from .owner import ProcessOwner
+from .store import CHUNK_ID, QUARANTINE, get_staging_name, read_record
+from .storedir import StoreDamage, entries, lstat_at, open_dir, opened_dir, remove_tree
+
+if TYPE_CHECKING:
+    from .store import SnapshotStore
+
+# tmp/KIND.PID-START-BOOT.REST: an entry whose owner is written in its name
+_OWNED = re.compile(r"([a-z]+)\.(\d+-\d+-[0-9a-f]{8})\.([A-Za-z0-9_.-]+)")
+# what gpusnap versions before owner records left in tmp/: writers' files named by pid, the O_DIRECT probe
+_LEGACY = re.compile(r"(?:chunk|manifest)\.(\d+)\.\d+\.\d+|\.odirect-probe-(\d+)")
+
+
+class GcStopped(GpusnapError):
+    """gc found a snapshot it cannot read, so it cannot know what that snapshot needs: nothing deleted."""
+
+
+@dataclass
+class GcReport:
+    chunks_removed: int = 0
+    bytes_freed: int = 0
+    tmp_removed: int = 0
+    gets_cleaned: int = 0        # staging trees of killed `get`s removed
+    locks_removed: int = 0
+    quarantine_removed: int = 0
+    in_use: int = 0              # tmp/ entries whose owner still runs
+    left: list[str] = field(default_factory=list)     # entries gpusnap did not make: reported, kept
+    damage: list[str] = field(default_factory=list)   # store entries that are not what they should be
+
+
+def collect(store: "SnapshotStore", timeout: float = 30.0) -> GcReport:
+    """Run gc on STORE (waiting at most TIMEOUT seconds for the store lock)."""
+    report = GcReport()
+    with store.exclusive(timeout):
+        names, strays = store.scan()
+        report.damage += [f"{s} (left alone; `gpusnap store rm -- {shlex.quote(s.entry)}` removes it)"
+                          for s in strays]
+        live: set[str] = set()
+        for n in names:
+            try:
+                live |= store.load(n).chunk_ids()
+            except GpusnapError as e:
+                raise GcStopped(f"gc stopped, nothing deleted: {e}; "
+                                 f"`gpusnap store rm {n}` it first if it cannot be repaired") from None
+        with store.root() as (root, uid):
+            for part, fn in (("tmp", _tmp), ("names", lambda fd, u, r: _names(fd, r, names)),
+                             ("chunks", lambda fd, u, r: _chunks(fd, u, r, live)),
+                             (QUARANTINE, lambda fd, u, r: _quarantine(store, fd, r, live))):
+                try:
+                    with opened_dir(root, part, uid, part) as fd:
+                        fn(fd, uid, report)
+                except FileNotFoundError:
+                    if part != QUARANTINE:
+                        report.damage.append(f"{part}/ is missing")
+                except StoreDamage as e:
+                    report.damage.append(str(e))
+    return report
+
+def _tmp(tmp: int, uid: int, report: GcReport) -> None:
+    removed = False
+    for e in entries(tmp):
+        st = e.stat(follow_symlinks=False)
+        m = _OWNED.fullmatch(e.name)
+        legacy = _LEGACY.fullmatch(e.name)
+        if m is not None:
+            owner = ProcessOwner.parse(m.group(2))
+            alive = owner is not None and owner.alive()
+        elif legacy is not None and stat.S_ISREG(st.st_mode):
+            pid = int(legacy.group(1) or legacy.group(2))
+            alive = pid != os.getpid() and os.path.exists(f"/proc/{pid}")
+        else:
+            report.left.append(f"tmp/{e.name}: not made by gpusnap (no owner in its name); left alone")
+            continue
+        if alive:
+            report.in_use += 1
+            continue
+        try:
+            if stat.S_ISDIR(st.st_mode):
+                remove_tree(tmp, e.name, uid, f"tmp/{e.name}")
+            elif stat.S_ISREG(st.st_mode):
+                if m is not None and m.group(1) == "get":
+                    report.gets_cleaned += _get(tmp, e.name, report)
+                os.unlink(e.name, dir_fd=tmp)
+            else:
+                report.damage.append(f"tmp/{e.name} is {file_kind(st.st_mode)}; left alone")
+                continue
+        except StoreDamage as ex:
+            report.damage.append(str(ex))
+            continue
+        except OSError as ex:
+            report.damage.append(f"tmp/{e.name}: cannot remove it: {ex.strerror or ex}")
+            continue
+        report.tmp_removed += 1
+        removed = True
+    if removed:
+        os.fsync(tmp)
+
+def _get(tmp: int, name: str, report: GcReport) -> int:
+    """Remove the staging tree the dead `get` recorded in tmp/NAME left beside its DEST (1 if removed)."""
+    rec = read_record(tmp, name)
+    try:
+        dest, pid, uid = rec["dest"], int(rec["pid"]), int(rec["uid"])  # type: ignore[index]
+        if not isinstance(dest, str) or not os.path.isabs(dest) or os.path.normpath(dest) != dest or dest == "/":
+            raise ValueError(dest)
+    except (TypeError, KeyError, ValueError):
+        report.damage.append(f"tmp/{name}: not a valid record of a get; removed, nothing else touched")
+        return 0
+    staging = get_staging_name(dest, pid)
+    try:
+        parent = os.open(os.path.dirname(dest), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return 0  # its directory is gone, and the partial tree with it
+    try:
+        st = lstat_at(parent, staging)
+        if st is None:
+            return 0
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != uid:
+            report.damage.append(f"{os.path.join(os.path.dirname(dest), staging)}: not the directory the "
+                                 f"killed get (pid {pid}) made; left alone")
+            return 0
+        remove_tree(parent, staging, uid, os.path.join(os.path.dirname(dest), staging))
+        os.fsync(parent)
+        return 1
+    except (StoreDamage, OSError) as e:
+        report.damage.append(f"{os.path.join(os.path.dirname(dest), staging)}: {e}")
+        return 0
+    finally:
+        os.close(parent)
+
+def _names(names_fd: int, report: GcReport, snapshots: list[str]) -> None:
+    have = set(snapshots)
+    removed = False
+    for e in entries(names_fd):
+        base = e.name[:-5] if e.name.endswith(".lock") else None
+        try:
+            valid = base is not None and validate_snapshot_name(base) == base
+        except InvalidNameError:
+            valid = False
+        if not valid:
+            report.left.append(f"names/{e.name}: not a lock file gpusnap makes; left alone")
+        elif not e.is_file(follow_symlinks=False):
+            report.damage.append(f"names/{e.name} is {file_kind(e.stat(follow_symlinks=False).st_mode)}; "
+                                 "left alone")
+        elif base not in have:
+            os.unlink(e.name, dir_fd=names_fd)
+            report.locks_removed += 1
+            removed = True
+    if removed:
+        os.fsync(names_fd)
+
+def _chunks(chunks: int, uid: int, report: GcReport, live: set[str]) -> None:
+    for d in entries(chunks):
+        if not re.fullmatch(r"[0-9a-f]{2}", d.name):
+            report.left.append(f"chunks/{d.name}: not a chunk directory; left alone")
+            continue
+        try:
+            xy = open_dir(chunks, d.name, uid, f"chunks/{d.name}")
+        except StoreDamage as e:
+            report.damage.append(str(e))
+            continue
+        try:
+            removed = False
+            for e in entries(xy):
+                if not (CHUNK_ID.fullmatch(e.name) and e.name.startswith(d.name)):
+                    report.left.append(f"chunks/{d.name}/{e.name}: not a chunk file name; left alone")
+                    continue
+                if e.name in live:
+                    continue
+                st = e.stat(follow_symlinks=False)
+                if stat.S_ISDIR(st.st_mode):
+                    report.damage.append(f"chunks/{d.name}/{e.name} is a directory; left alone")
+                    continue
+                os.unlink(e.name, dir_fd=xy)  # a link or FIFO under a chunk's name goes too, unopened
+                report.chunks_removed += 1
+                report.bytes_freed += st.st_size if stat.S_ISREG(st.st_mode) else 0
+                removed = True
+            if removed:
+                os.fsync(xy)
+        finally:
+            os.close(xy)
+
+def _quarantine(store: "SnapshotStore", q: int, report: GcReport, live: set[str]) -> None:
+    """Quarantined chunks go once no snapshot names them or a good copy is back in chunks/."""
+    removed = False
+    for e in entries(q):
+        cid = e.name[:-5] if e.name.endswith(".json") else e.name
+        if not CHUNK_ID.fullmatch(cid):
+            report.left.append(f"{QUARANTINE}/{e.name}: not made by gpusnap; left alone")
+            continue
+        if cid in live:
+            try:
+                with store.chunk_dir(cid) as d:
+                    st = lstat_at(d, cid)
+            except ChunkError:
+                st = None
+            if st is None or not stat.S_ISREG(st.st_mode):
+                continue  # still the only copy of a wanted chunk: evidence for repair
+        if e.is_dir(follow_symlinks=False):
+            report.damage.append(f"{QUARANTINE}/{e.name} is a directory; left alone")
+            continue
+        os.unlink(e.name, dir_fd=q)
+        report.quarantine_removed += e.name == cid
+        removed = True
+    if removed:
+        os.fsync(q)

@@ -1,0 +1,189 @@
+"""Repair: rewrite missing or damaged chunks from wherever their exact bytes still are; report what is lost.
+
+Guarantees kept here: repair holds the store lock exclusively; damaged chunk files go to quarantine/
+first (FORMAT.md, "Damage and healing"); a chunk is written back only if the bytes found hash to the id a snapshot asks
+for, so a source can heal a store but never change what any snapshot means. Sources: another gpusnap
+store (its chunk of the same id, verified), or files and directories, re-read at the offsets and
+lengths the snapshots record for each chunk and re-encoded with the chunk's codec (CPU codecs only:
+raw and zstd; a chunk encoded on the GPU can come back only from a store that has it). Files are
+opened without following links and only if regular: a FIFO or device among the sources is skipped.
+"""
+from __future__ import annotations
+
+import os
+import stat
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
+
+from .chunkfile import HEADER_SIZE, ChunkError, ChunkHeader, chunk_id
+from .codecs import ZstdCodec
+from .directio import AlignedBuffer, BufferPool, copy_into
+from .errors import GpusnapError
+from .manifest import ChunkRef, Manifest
+from .store import Problem, Stray, chunk_refs
+
+if TYPE_CHECKING:
+    from .store import SnapshotStore
+
+_ENCODERS = {"zstd": ZstdCodec(level=1)}  # what `put` uses for host chunks
+
+
+class RepairError(GpusnapError):
+    """A repair source that cannot be used."""
+
+
+@dataclass
+class RepairReport:
+    damaged: int = 0                                        # wanted chunks that were missing or damaged
+    repaired: dict[str, str] = field(default_factory=dict)  # chunk id -> where its bytes came from
+    lost: list[Problem] = field(default_factory=list)
+    strays: list[Stray] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.lost and not self.strays
+
+
+def repair(store: "SnapshotStore", sources: Sequence[str] = (), *, workers: int = 4, timeout: float = 30.0,
+           progress: Any = None) -> RepairReport:
+    """Verify every snapshot of STORE, quarantine damaged chunks, and rewrite every missing or damaged
+    chunk from the first place that has its exact bytes: its quarantined copy if that verifies after
+    all, then SOURCES in order (another gpusnap store, or files and directories). What no source has is
+    reported, per snapshot, stream and chunk, as lost."""
+    report = RepairReport()
+    with store.exclusive(timeout):
+        names, report.strays = store.scan()
+        manifests = store.load_all(names, report.lost)
+        refs = chunk_refs(manifests)
+        size = store.chunk_buffer_size(manifests)
+        bad = store.check_chunks(refs, size, workers, progress)
+        report.damaged = len(bad)
+        need = {cid: refs[cid] for cid in bad}
+        with BufferPool(1, size) as pool, pool.borrowed() as buf:
+            for cid, why in bad.items():
+                if not why.startswith("missing"):
+                    store.quarantine_chunk(cid, why)
+            for cid, ref in list(need.items()):
+                if store.unquarantine_chunk(ref, buf):
+                    report.repaired[cid] = "quarantine/ (the copy there verifies)"
+                    del need[cid]
+        if need:
+            with store.subdir("tmp") as tmp, store.subdir("chunks") as chunks:
+                for cid, where in rebuild(store, tmp, chunks, manifests, need, list(sources), size).items():
+                    report.repaired[cid] = where
+                    del need[cid]
+        for m in manifests:
+            for s in m.streams:
+                for i, c in enumerate(s.chunks):
+                    if c.id in need:
+                        report.lost.append(Problem(m.name, s.name, i, f"chunk {c.id[:16]}… lost: "
+                                                   f"{bad[c.id]}; no source has its bytes"))
+    return report
+
+
+def rebuild(store: "SnapshotStore", tmp_fd: int, chunks_fd: int, manifests: list[Manifest],
+            need: dict[str, ChunkRef], sources: list[str], size: int) -> dict[str, str]:
+    """Write every chunk of NEED that a source in SOURCES has; returns id -> the source it came from."""
+    found: dict[str, str] = {}
+    buf = AlignedBuffer(max(size, HEADER_SIZE + max((r.raw_len for r in need.values()), default=1)) * 2)
+    try:
+        for src in sources:
+            if not need.keys() - found.keys():
+                break
+            src = os.path.abspath(src)
+            if os.path.isfile(os.path.join(src, "gpusnap-store.json")):
+                got = _from_store(store, tmp_fd, chunks_fd, src, {k: v for k, v in need.items() if k not in found},
+                                  buf)
+            else:
+                got = _from_files(store, tmp_fd, chunks_fd, src, manifests,
+                                  {k: v for k, v in need.items() if k not in found}, buf)
+            found.update(got)
+    finally:
+        buf.close()
+    return found
+
+
+def _keep(store: "SnapshotStore", tmp_fd: int, chunks_fd: int, ref: ChunkRef, payload: bytes | memoryview,
+          buf: AlignedBuffer) -> bool:
+    """Write PAYLOAD as chunk REF if it hashes to REF's id."""
+    assert ref.id is not None
+    header = ChunkHeader(ref.codec, ref.raw_len, ref.stored_len)
+    if len(payload) != ref.stored_len or chunk_id(header, payload) != ref.id:
+        return False
+    copy_into(buf.view[HEADER_SIZE:], payload)
+    store.store_chunk(tmp_fd, chunks_fd, header, buf.view, ref.id)
+    return True
+
+
+def _from_store(store: "SnapshotStore", tmp_fd: int, chunks_fd: int, path: str, need: dict[str, ChunkRef],
+                buf: AlignedBuffer) -> dict[str, str]:
+    from .store import SnapshotStore  # noqa: PLC0415 - the type is imported for checking only above
+    other = SnapshotStore(path, create=False)
+    got: dict[str, str] = {}
+    with other.shared():
+        for cid, ref in need.items():
+            try:
+                payload = other.read_chunk(ref, buf)
+            except (ChunkError, OSError):
+                continue
+            data = bytes(payload)
+            if _keep(store, tmp_fd, chunks_fd, ref, data, buf):
+                got[cid] = f"store {path}"
+    return got
+
+
+def _regular_files(top: str) -> Iterator[tuple[str, str]]:
+    """(path, name as `put` would store it) of every file under TOP, links not followed."""
+    base = os.path.basename(os.path.normpath(top))
+    if not os.path.isdir(top) or os.path.islink(top):
+        yield top, base
+        return
+    for dirpath, dirnames, filenames in os.walk(top):
+        dirnames.sort()
+        rel = os.path.relpath(dirpath, top)
+        for n in sorted(filenames):
+            yield os.path.join(dirpath, n), f"{base}/{n}" if rel == "." else f"{base}/{rel}/{n}"
+
+
+def _from_files(store: "SnapshotStore", tmp_fd: int, chunks_fd: int, top: str, manifests: list[Manifest],
+                need: dict[str, ChunkRef], buf: AlignedBuffer) -> dict[str, str]:
+    # where each needed chunk sits in its streams: stream name -> [(offset, ref)], and stream sizes
+    wanted: dict[str, list[tuple[int, ChunkRef]]] = {}
+    sizes: dict[str, int] = {}
+    for m in manifests:
+        for s in m.streams:
+            off = 0
+            for c in s.chunks:
+                if c.id in need:
+                    wanted.setdefault(s.name, []).append((off, c))
+                    sizes[s.name] = s.size
+                off += c.raw_len
+    got: dict[str, str] = {}
+    for path, name in _regular_files(top):
+        if not wanted:
+            break
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                continue
+            # the stream stored under this file's name first, then any stream of the same size
+            streams = [n for n in wanted if n == name] + [n for n in wanted if n != name and sizes[n] == st.st_size]
+            for sname in streams:
+                for off, ref in list(wanted.get(sname, [])):
+                    if ref.id in got or ref.codec not in ("raw", *_ENCODERS) or off + ref.raw_len > st.st_size:
+                        continue
+                    raw = os.pread(fd, ref.raw_len, off)
+                    payload = raw if ref.codec == "raw" else _ENCODERS[ref.codec].encode(memoryview(raw))
+                    if _keep(store, tmp_fd, chunks_fd, ref, payload, buf):
+                        got[ref.id] = f"{path} at offset {off}"  # type: ignore[index]
+                for sn in list(wanted):
+                    wanted[sn] = [(o, r) for o, r in wanted[sn] if r.id not in got]
+                    if not wanted[sn]:
+                        del wanted[sn]
+        finally:
+            os.close(fd)
+    return got

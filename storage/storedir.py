@@ -1,0 +1,110 @@
+"""Directories inside the store, opened without following links: the store owner's real directory, or damage.
+
+Guarantees kept here: every directory is opened relative to a directory fd already checked, with
+O_NOFOLLOW | O_DIRECTORY, and accepted only if fstat says it is a directory owned by the store's
+owner; a symlink, a file or a directory of another user where a store directory belongs raises
+StoreDamage naming it, and nothing in or under it is read, written or deleted. Trees are removed
+with fd-relative calls that never descend through a link.
+"""
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import stat
+from contextlib import contextmanager
+from typing import Iterator
+
+from .errors import DamageError, GpusnapError
+
+_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+class StoreDamage(DamageError):
+    """A store entry that is not what the format says it is (a link, a foreign or misplaced entry)."""
+
+
+class StoreAccessError(GpusnapError):
+    """A store directory this user may not read or write."""
+
+
+def _describe(dir_fd: int, name: str) -> str:
+    try:
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except OSError as e:
+        return e.strerror or str(e)
+    if stat.S_ISLNK(st.st_mode):
+        return f"a symbolic link (to {os.readlink(name, dir_fd=dir_fd)!r})"
+    if stat.S_ISDIR(st.st_mode):
+        return f"a directory owned by uid {st.st_uid}"
+    return "not a directory"
+
+
+def open_dir(parent_fd: int, name: str, uid: int, where: str) -> int:
+    """NAME under PARENT_FD opened as a directory fd; StoreDamage unless a real directory of UID.
+
+    WHERE names it in messages (e.g. "chunks/ab"). FileNotFoundError is raised as is."""
+    try:
+        fd = os.open(name, _DIR, dir_fd=parent_fd)
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise StoreDamage(f"{where} is {_describe(parent_fd, name)}, not a directory of the store; "
+                              "left alone") from None
+        if e.errno == errno.EACCES:
+            raise StoreAccessError(f"{where}: permission denied") from None
+        raise
+    st = os.fstat(fd)
+    if st.st_uid != uid:
+        os.close(fd)
+        raise StoreDamage(f"{where} is owned by uid {st.st_uid}, not by the store's owner (uid {uid}); "
+                          "left alone")
+    return fd
+
+
+@contextmanager
+def opened_dir(parent_fd: int, name: str, uid: int, where: str) -> Iterator[int]:
+    fd = open_dir(parent_fd, name, uid, where)
+    try:
+        yield fd
+    finally:
+        os.close(fd)
+
+
+@contextmanager
+def opened_child(parent_fd: int, name: str, where: str) -> Iterator[int]:
+    """NAME under the checked store directory PARENT_FD, held to the same owner as its parent."""
+    with opened_dir(parent_fd, name, os.fstat(parent_fd).st_uid, where) as fd:
+        yield fd
+
+
+@contextmanager
+def opened_root(path: str) -> Iterator[tuple[int, int]]:
+    """The store directory PATH (links in PATH itself are the user's choice) and its owner's uid."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except PermissionError:
+        raise StoreAccessError(f"{path}: permission denied") from None
+    try:
+        yield fd, os.fstat(fd).st_uid
+    finally:
+        os.close(fd)
+
+
+def entries(dir_fd: int) -> list[os.DirEntry[str]]:
+    """The entries of DIR_FD, sorted by name (DirEntry.stat on them never follows a link when asked not to)."""
+    with os.scandir(dir_fd) as it:
+        return sorted(it, key=lambda e: e.name)
+
+
+def lstat_at(dir_fd: int, name: str) -> os.stat_result | None:
+    try:
+        return os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return None
+
+
+def remove_tree(dir_fd: int, name: str, uid: int, where: str) -> None:
+    """Remove the directory NAME under DIR_FD and everything in it, descending through no link;
+    StoreDamage (nothing removed) unless it is a real directory of UID."""
+    os.close(open_dir(dir_fd, name, uid, where))
+    shutil.rmtree(name, dir_fd=dir_fd)
