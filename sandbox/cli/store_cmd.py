@@ -27,7 +27,7 @@ def store() -> None:
 @click.argument("paths", nargs=-1, required=True)
 @click.option("--replace", is_flag=True, help="Replace an existing snapshot of the same name.")
 @click.option("--chunk-size", default="4M", show_default=True, help="Chunk size (K/M suffix).")
-@click.option("--workers", type=int, default=None, help="Worker threads (default: CPU count, max 16).")
+@click.option("--workers", type=click.IntRange(1, 256), default=None, help="Worker threads (default: CPU count, max 16).")
 @click.option("--no-compress", is_flag=True, help="Store chunks raw (zero chunks are still elided).")
 @click.option("--chunker", type=click.Choice(["fixed", "pages"]), default="fixed", show_default=True,
               help="fixed: CHUNK_SIZE pieces; pages: content-defined cuts on 4 KiB pages (dedups data that "
@@ -59,7 +59,7 @@ def store_put(ctx: click.Context, name: str, paths: tuple[str, ...], replace: bo
 @store.command("get")
 @click.argument("name")
 @click.argument("dest")
-@click.option("--workers", type=int, default=None, help="Worker threads (default: CPU count, max 16).")
+@click.option("--workers", type=click.IntRange(1, 256), default=None, help="Worker threads (default: CPU count, max 16).")
 @json_option
 @click.pass_context
 @one_line_errors
