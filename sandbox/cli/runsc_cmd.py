@@ -11,6 +11,8 @@ from storage.progress import Progress
 
 from sandbox import netns as nets
 from sandbox.runsc import snapshot as rs
+from sandbox.runsc.records import check_id
+from sandbox.runsc.snapshot import check_bundle
 from sandbox.cli.common import emit, human, json_option, one_line_errors, open_store
 
 
@@ -69,6 +71,8 @@ def runsc_run(ctx: click.Context, container: str, bundle: str, net_subnet: str |
               gpus: str | None, gpu_agent: bool, nvproxy_driver_version: str | None,
               runsc_args: tuple[str, ...]) -> None:
     """Start sandbox CONTAINER from BUNDLE (detached)."""
+    check_id(container)
+    check_bundle(bundle)
     st = open_store(ctx)
     net = nets.NetConfig.for_sandbox(f"gpusnap-{container}", net_subnet) if net_subnet else None
     out = output or os.path.join(st.path, "logs", f"runsc-{container}.out")
@@ -102,8 +106,8 @@ def runsc_checkpoint(ctx: click.Context, container: str, name: str, leave_runnin
 @click.argument("name")
 @click.argument("container")
 @click.option("--bundle", required=True, help="OCI bundle directory to restore with.")
-@click.option("--output", default=None, help="File for the sandbox's stdout/stderr (default: the output file "
-              "the checkpointed sandbox had).")
+@click.option("--output", default=None, help="File for the sandbox's stdout/stderr (default: the store's "
+              "logs/runsc-CONTAINER.out; restore says where, and where the checkpointed sandbox wrote).")
 @runsc_arg_option(RESTORE_FLAGS)
 @json_option
 @click.pass_context
@@ -111,12 +115,16 @@ def runsc_checkpoint(ctx: click.Context, container: str, name: str, leave_runnin
 def runsc_restore(ctx: click.Context, name: str, container: str, bundle: str, output: str | None,
                   runsc_args: tuple[str, ...], as_json: bool) -> None:
     """Restore snapshot NAME as a new sandbox CONTAINER (network recreated at the same address)."""
+    check_id(container)
     st = open_store(ctx, create=False)
     out = output or os.path.join(st.path, "logs", f"runsc-{container}.out")
     os.makedirs(os.path.dirname(out), mode=0o700, exist_ok=True)
     with Progress(f"runsc restore {name}", ctx.obj["progress"]) as prog:
         r = rs.restore(st, name, container, bundle, runsc_args=runsc_args or None, output=out, progress=prog)
-    emit(as_json, r.as_dict(), f"{container}: restored from {name}" + (f" at {r.address}" if r.address else ""))
+    moved = (f"; the checkpointed sandbox wrote to {r.recorded_output} (--output to continue there)"
+             if r.recorded_output and r.recorded_output != r.output and r.recorded_output.isprintable() else "")
+    emit(as_json, r.as_dict(), f"{container}: restored from {name}" + (f" at {r.address}" if r.address else "")
+         + f"; output goes to {r.output}{moved}")
 
 
 @runsc.command("delete")
