@@ -114,7 +114,7 @@ class CriuRun:
     log_tail: list[str] = field(default_factory=list)
 
 
-# CRIU's own noise that says nothing about why it failed (FACTS.md: printed as root, harmless)
+# CRIU's own noise that says nothing about why it failed (printed when run as root, and harmless)
 _NOISE = ("RLIMIT_NOFILE",)
 
 
