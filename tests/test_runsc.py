@@ -285,3 +285,82 @@ def test_gpu_agent_failure_leaves_the_sandbox_running(cli: Cli, env: dict) -> No
     assert cli.json("store", "ls") == []
     n = len(lines(out))
     wait_lines(out, n + 3)
+
+
+# ---------------------------------------------------------------- what a new user trips over (issue 14)
+def _records(root: str, cid: str) -> Path:
+    from sandbox.runsc import records
+    return Path(records._dir(root, cid))
+
+
+def test_missing_or_empty_bundle_is_one_line(cli: Cli, env: dict) -> None:
+    missing = env["tmp"] / "missing"
+    p = cli.run("runsc", "run", U("mb"), "--bundle", str(missing), *env["args"], check=False)
+    assert p.returncode == 1 and p.stderr == f"gpusnap: --bundle {missing}: no such directory\n", p.stderr
+    assert not missing.exists()
+    (env["tmp"] / "empty").mkdir()
+    p = cli.run("runsc", "run", U("mb"), "--bundle", str(env["tmp"] / "empty"), *env["args"], check=False)
+    assert p.returncode == 1 and "no config.json (not an OCI bundle)" in p.stderr and len(p.stderr.splitlines()) == 1
+    assert os.listdir(env["tmp"] / "empty") == []
+
+
+def test_nothing_is_written_into_the_bundle(cli: Cli, env: dict) -> None:
+    """gpusnap keeps its record of a sandbox outside the user's bundle, and removes it when the start
+    fails and when the sandbox is deleted; a failed start leaves the bundle exactly as it was."""
+    root = env["args"][0].split("=", 2)[2]
+    bundle, _ = start_counter(cli, env, U("nb"), ["--net-subnet", SUBNET(44)])
+    assert sorted(os.listdir(bundle)) == ["config.json"]
+    rec = _records(root, U("nb"))
+    assert json.loads((rec / "run.json").read_text())["output"].endswith(f"{U('nb')}.out")
+    assert json.loads((rec / "net.json").read_text())["name"] == "gpusnap-" + U("nb")
+    cli.run("runsc", "delete", U("nb"), *env["args"])
+    assert not rec.exists()
+    from sandbox.netns import NetConfig, leftovers
+    assert leftovers(NetConfig.for_sandbox("gpusnap-" + U("nb"), SUBNET(44))) == []
+    broken = env["tmp"] / "broken"
+    env["build"](str(broken), ["/nonexistent/program"])
+    spec = (broken / "config.json").read_text()
+    p = cli.run("runsc", "run", U("fb"), "--bundle", str(broken), "--net-subnet", SUBNET(45), *env["args"],
+                "--runsc-arg=--network=none", "--output", str(env["tmp"] / "fb.out"), check=False)
+    env["made"].append((U("fb"), env["args"]))
+    assert p.returncode == 1 and len(p.stderr.splitlines()) == 1 and "runsc run" in p.stderr, p.stderr
+    assert sorted(os.listdir(broken)) == ["config.json"] and (broken / "config.json").read_text() == spec
+    assert not _records(root, U("fb")).exists()
+    assert leftovers(NetConfig.for_sandbox("gpusnap-" + U("fb"), SUBNET(45))) == []
+
+
+def test_container_messages_name_the_root_and_runsc_reason(cli: Cli, env: dict) -> None:
+    """No container: the message names the runsc root searched (no empty '(runsc )'). runsc matches ids
+    by prefix; gpusnap acts only on the exact id, and says runsc's own reason for an ambiguous one."""
+    p = cli.run("runsc", "checkpoint", "nosuch", "x", check=False)
+    assert p.returncode == 1 and p.stderr == "gpusnap: no container 'nosuch' under runsc root /var/run/runsc\n", p.stderr
+    root = env["args"][0].split("=", 2)[2]
+    stem = U("amb")
+    start_counter(cli, env, f"{stem}-1")
+    p = cli.run("runsc", "delete", stem, *env["args"], check=False)
+    assert p.returncode == 1 and "no container" in p.stderr and f"{stem}-1" in p.stderr, p.stderr
+    assert cli.run("runsc", "checkpoint", stem, "y", *env["args"], check=False).returncode == 1
+    st = subprocess.run(["runsc", f"--root={root}", "state", f"{stem}-1"], capture_output=True, text=True)
+    assert json.loads(st.stdout)["status"] == "running", "a prefix must never delete another sandbox"
+    start_counter(cli, env, f"{stem}-2")
+    p = cli.run("runsc", "delete", stem, *env["args"], check=False)
+    assert p.returncode == 1 and "ambiguous" in p.stderr and len(p.stderr.splitlines()) == 1, p.stderr
+    assert cli.json("store", "ls") == []
+
+
+def test_restore_says_where_the_output_goes(cli: Cli, env: dict, store_dir: Path) -> None:
+    _, out1 = start_counter(cli, env, U("ro"))
+    cli.json("runsc", "checkpoint", U("ro"), "ro", *env["args"], "--runsc-arg=--network=none")
+    last = int(lines(out1)[-1][0])
+    p = cli.run("runsc", "restore", "ro", U("rp"), "--bundle", str(env["tmp"] / f"bundle-{U('ro')}"))
+    env["made"].append((U("rp"), env["args"]))
+    logs = store_dir / "logs" / f"runsc-{U('rp')}.out"
+    assert f"output goes to {logs}" in p.stdout and f"the checkpointed sandbox wrote to {out1}" in p.stdout, p.stdout
+    assert int(wait_lines(logs, 2)[0][0]) == last + 1  # it really goes there
+    cli.run("runsc", "delete", U("rp"), *env["args"])
+    out3 = env["tmp"] / "again.out"
+    r = cli.json("runsc", "restore", "ro", U("rq"), "--bundle", str(env["tmp"] / f"bundle-{U('ro')}"),
+                 "--output", str(out3))
+    env["made"].append((U("rq"), env["args"]))
+    assert r["output"] == str(out3) and r["recorded_output"] == str(out1)
+    assert int(wait_lines(out3, 2)[0][0]) == last + 1

@@ -138,18 +138,24 @@ def run(cid: str, bundle: str, runsc_args: Sequence[str], output: str, net: nets
     records.forget(r.root, cid)  # whatever a sandbox of this id that runsc no longer knows left
     spec_path = os.path.join(bundle, "config.json")
     original = None
+    if gpus or gpu_agent or net is not None:  # the spec is changed below: put back if the start fails
+        with open(spec_path) as f:
+            original = f.read()
     if gpus or gpu_agent:
         if store_path is None:
             raise RunscSnapshotError("a GPU sandbox needs the store path (for the GPU agent)")
-        with open(spec_path) as f:
-            original = f.read()
         try:
             r = Runsc([*runsc_args, *prepare_gpu(bundle, r, cid, gpus, store_path, driver_version=driver_version)])
         except BaseException:
-            _undo_gpu(bundle, original, r, cid)
+            _put_back(bundle, original, r, cid)
             raise
     if net is not None:
-        nets.create(net)
+        try:
+            nets.create(net)  # refuses a namespace that exists: never removed below, not ours
+        except BaseException:
+            if original is not None:
+                _put_back(bundle, original, r, cid)
+            raise
         set_bundle_netns(bundle, net.path)
         records.write(r.root, cid, Kind.NET, net.as_dict())
     records.write(r.root, cid, Kind.RUN, {"output": os.path.abspath(output)})
@@ -163,13 +169,13 @@ def run(cid: str, bundle: str, runsc_args: Sequence[str], output: str, net: nets
         if net is not None:
             nets.remove(net)
         if original is not None:
-            _undo_gpu(bundle, original, r, cid)
+            _put_back(bundle, original, r, cid)
         records.forget(r.root, cid)
         raise
 
 
-def _undo_gpu(bundle: str, original: str, r: Runsc, cid: str) -> None:
-    """Put BUNDLE's spec back as it was and forget the GPU record (a GPU sandbox that did not start)."""
+def _put_back(bundle: str, original: str, r: Runsc, cid: str) -> None:
+    """Put BUNDLE's spec back as it was and forget CID's records (a sandbox that did not start)."""
     with open(os.path.join(bundle, "config.json"), "w") as f:
         f.write(original)
     records.forget(r.root, cid)
