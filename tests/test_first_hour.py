@@ -283,3 +283,21 @@ def test_demo_waits_for_its_counter() -> None:
     assert first and gone and on, out
     assert 0 < int(first.group(1)) <= int(gone.group(1)) == int(on.group(1)) < int(on.group(2))
     assert "Killed" not in out and "tail:" not in out and "Terminated" not in out, out
+
+
+# --------------------------------------------------------------------------------------- structure
+def test_scripts_are_modules_without_path_patches() -> None:
+    """scripts/ is a package of folders run as `python3 -m scripts.X.Y` from the repo root: no script
+    patches sys.path or imports another module's private name."""
+    private_import = re.compile(r"^\s*from\s+\S+\s+import\s+.*\b_[a-z]\w*", re.M)
+    for p in sorted((REPO / "scripts").rglob("*.py")):
+        text = p.read_text()
+        assert "sys.path" not in text, p
+        assert not private_import.search(text), p
+    for sub in ("setup", "bench", "device", "workloads"):
+        assert (REPO / "scripts" / sub).is_dir(), sub
+    for kept in ("test.sh", "demo.sh", "setup.sh", "gpu-tests.sh"):
+        assert os.access(REPO / "scripts" / kept, os.X_OK), kept
+    p = subprocess.run([sys.executable, "-m", "scripts.bench.bench_store", "--help"], cwd=REPO,
+                       capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=pythonpath()))
+    assert p.returncode == 0 and "--gb" in p.stdout, p.stderr

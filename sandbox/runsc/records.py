@@ -48,6 +48,8 @@ def _dir(runsc_root: str, cid: str) -> str:
 
 def write(runsc_root: str, cid: str, kind: Kind, data: dict[str, Any]) -> None:
     d = _dir(runsc_root, cid)
+    os.makedirs(RECORDS_DIR, mode=0o700, exist_ok=True)
+    os.chmod(RECORDS_DIR, 0o700)  # makedirs leaves an existing one as it was
     os.makedirs(d, mode=0o700, exist_ok=True)
     tmp = os.path.join(d, f".{kind.value}.tmp")
     with open(tmp, "w") as f:
