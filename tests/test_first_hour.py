@@ -292,7 +292,7 @@ def test_scripts_are_modules_without_path_patches() -> None:
     private_import = re.compile(r"^\s*from\s+\S+\s+import\s+.*\b_[a-z]\w*", re.M)
     for p in sorted((REPO / "scripts").rglob("*.py")):
         text = p.read_text()
-        assert "sys.path" not in text, p
+        assert not re.search(r"sys\.path\s*(\.insert|\.append|\.extend|\[|\+?=)", text), p
         assert not private_import.search(text), p
     for sub in ("setup", "bench", "device", "workloads"):
         assert (REPO / "scripts" / sub).is_dir(), sub
