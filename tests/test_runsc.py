@@ -349,7 +349,14 @@ def test_container_messages_name_the_root_and_runsc_reason(cli: Cli, env: dict) 
 
 
 def test_restore_says_where_the_output_goes(cli: Cli, env: dict, store_dir: Path) -> None:
-    _, out1 = start_counter(cli, env, U("ro"))
+    bundle = env["tmp"] / f"bundle-{U('ro')}"
+    env["build"](str(bundle), [PY, "-c", COUNTER])
+    out1 = env["tmp"] / "ro.out"
+    p = cli.run("runsc", "run", U("ro"), "--bundle", str(bundle), "--output", str(out1), *env["args"],
+                "--runsc-arg=--network=none")
+    env["made"].append((U("ro"), env["args"]))
+    assert p.stdout == f"{U('ro')}: running; output goes to {out1}\n", p.stdout
+    wait_lines(out1, 3)
     cli.json("runsc", "checkpoint", U("ro"), "ro", *env["args"], "--runsc-arg=--network=none")
     last = int(lines(out1)[-1][0])
     p = cli.run("runsc", "restore", "ro", U("rp"), "--bundle", str(env["tmp"] / f"bundle-{U('ro')}"))

@@ -79,7 +79,8 @@ def runsc_run(ctx: click.Context, container: str, bundle: str, net_subnet: str |
     os.makedirs(os.path.dirname(out), mode=0o700, exist_ok=True)
     rs.run(container, bundle, runsc_args, out, net, gpus=parse_gpus(gpus), gpu_agent=gpu_agent,
            store_path=st.path, driver_version=nvproxy_driver_version)
-    click.echo(f"{container}: running" + (f" at {net.address} (netns {net.name})" if net else ""))
+    click.echo(f"{container}: running" + (f" at {net.address} (netns {net.name})" if net else "")
+               + f"; output goes to {os.path.abspath(out)}")
 
 
 @runsc.command("checkpoint")
