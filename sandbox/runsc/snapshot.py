@@ -151,7 +151,7 @@ def run(cid: str, bundle: str, runsc_args: Sequence[str], output: str, net: nets
             raise
     if net is not None:
         try:
-            nets.create(net)  # refuses a namespace that exists: never removed below, not ours
+            nets.create(net)  # refuses a namespace that exists already (not ours: left alone)
         except BaseException:
             if original is not None:
                 _put_back(bundle, original, r, cid)
