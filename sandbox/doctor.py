@@ -34,6 +34,34 @@ def _nvcomp() -> str | None:
         return None
 
 
+def nvcomp_missing() -> str | None:
+    """What exactly keeps nvCOMP from loading, in words naming the wheel to install; None when it loads.
+    Two wheels make it: nvidia-nvcomp-cu13 (the Python package) and nvidia-libnvcomp-cu13 (libnvcomp.so.6,
+    which pip installs as its dependency, but not with --no-deps or a copied site-packages)."""
+    import importlib.util  # noqa: PLC0415
+    try:
+        if importlib.util.find_spec("nvidia.nvcomp") is None:
+            raise ModuleNotFoundError
+    except (ModuleNotFoundError, ValueError):
+        return "the Python package is missing: install nvidia-nvcomp-cu13 (pip install -e '.[gpu]')"
+    try:
+        from nvidia import nvcomp  # noqa: PLC0415, F401
+    except Exception as e:  # noqa: BLE001 - reported, never raised
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        if "libnvcomp" in first:
+            return (f"the package nvidia-nvcomp-cu13 is installed but its library is not ({first}): "
+                    "install nvidia-libnvcomp-cu13")
+        return f"nvidia-nvcomp-cu13 does not load: {first}"
+    return None
+
+
+def criu_choice() -> dict[str, Any]:
+    """Which CRIU binary gpusnap uses, why (GPUSNAP_CRIU, PATH, the project's build), and what it passed over."""
+    from sandbox.criu.runner import locate_criu  # noqa: PLC0415
+    c = locate_criu()
+    return {"path": c.path, "why": c.why, "passed_over": list(c.passed_over)}
+
+
 def _runsc_features(runsc: str) -> dict[str, Any] | None:
     if not shutil.which(runsc):
         return None
@@ -88,17 +116,25 @@ def report(criu: str = "criu", runsc: str = "runsc") -> dict[str, Any]:
         "gpus": gpus,
         "decompression_engine": any(g["decompression_engine"] for g in gpus),
         "nvcomp": _nvcomp(),
+        "nvcomp_missing": nvcomp_missing(),
         "transparent_hugepages": thp_mode(),
         "hugetlb": hugetlb_pages(),
         "numa_nodes": numa_nodes(),
         "criu": _version([criu, "--version"], r"Version:\s*(\S+)"),
         "criu_gpu_handler": gpu_handler(),
+        "criu_binary": criu_choice(),
         "runsc": _version([runsc, "--version"], r"runsc version\s*(\S+)"),
         "runsc_features": _runsc_features(runsc),
         "container_hook": _container_hook(),
         "memory_tier": f.custom_storage,
         "why_no_gpu": f.reason,
     }
+
+
+def render_criu_binary(c: dict[str, Any]) -> str:
+    line = (f"CRIU binary          {c['path']} (chosen: {c['why']})" if c["path"] else
+            "CRIU binary          none usable (run scripts/setup.sh, or set GPUSNAP_CRIU to a CRIU >= 4)")
+    return line + "".join(f"\n                     passed over {p}" for p in c["passed_over"])
 
 
 def render(r: dict[str, Any]) -> str:
@@ -114,13 +150,14 @@ def render(r: dict[str, Any]) -> str:
         lines.append(f"GPU {g['index']}                {g['name']} sm_{cc.replace('.', '')} {g['total_bytes'] / 2**30:.0f} GiB "
                      f"{g['uuid']} NUMA {g['numa_node'] if g['numa_node'] is not None else '-'} "
                      f"decompression engine {yes(g['decompression_engine'])}")
-    lines += [f"nvCOMP               {r['nvcomp'] or 'not installed'}",
+    lines += [f"nvCOMP               {r['nvcomp'] or 'not usable: ' + (r['nvcomp_missing'] or 'unknown reason')}",
               f"huge pages           THP {r['transparent_hugepages'] or '-'}, hugetlb pool "
               f"{r['hugetlb'].get('HugePages_Total', 0)} pages",
               f"NUMA nodes           {r['numa_nodes']}",
               f"memory tier          {'yes (gpusnap pool serve)' if r['memory_tier'] else 'no (needs custom storage)'}",
               f"CRIU                 {r['criu'] or 'not found'}",
               f"GPUs in CRIU dumps   {r['criu_gpu_handler']}",
+              render_criu_binary(r["criu_binary"]),
               f"runsc                {r['runsc'] or 'not found'}"]
     lines += _render_container_hook(r["container_hook"])
     rf = r.get("runsc_features")

@@ -3,12 +3,29 @@
 # container tests, iproute2, zstd), a virtual env in
 # .venv with gpusnap installed editable with its dev extras. A second run with nothing changed takes
 # about a second (stamp files in .cache/). Run as root for the system packages.
+# Quiet: one summary line; every step's output goes to .cache/setup.log, shown in full if a step fails.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 mkdir -p .cache
 export DEBIAN_FRONTEND=noninteractive
+log=.cache/setup.log
+: > "$log"
+t0=$SECONDS
 
+step() {  # step WHAT CMD...: run CMD with its output in the log; on failure show the log and stop
+    local what=$1
+    shift
+    echo "== $what: $*" >> "$log"
+    if ! "$@" >> "$log" 2>&1; then
+        echo "setup: $what failed; the whole log ($root/$log):" >&2
+        cat "$log" >&2
+        exit 1
+    fi
+}
+
+# wait up to 5 minutes for another apt/dpkg run (unattended-upgrades, a parallel setup) to finish
+apt=(apt-get -q -o DPkg::Lock::Timeout=300)
 # runc and Podman (with runc as its runtime: crun is not installed, Debian 12's has no CRIU support) and
 # busybox-static (the containers' root filesystem: no image registry is needed) for the container tests.
 apt_pkgs=(python3-venv runsc iproute2 zstd tar procps util-linux runc podman conmon
@@ -17,21 +34,24 @@ missing=()
 for p in "${apt_pkgs[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
 if [ ${#missing[@]} -gt 0 ]; then
     if [ "$(id -u)" -ne 0 ]; then echo "setup: need root to install ${missing[*]}" >&2; exit 1; fi
-    echo "setup: installing ${missing[*]}" >&2
-    apt-get update -q >&2
-    apt-get install -y -q --no-install-recommends "${missing[@]}" >&2
+    echo "setup: installing ${missing[*]} (log: $log)" >&2
+    step "apt-get update" "${apt[@]}" update
+    step "apt-get install" "${apt[@]}" install -y --no-install-recommends "${missing[@]}"
 fi
 
-criu=$(scripts/setup/install-criu.sh)
+[ -x .cache/criu/bin/criu ] || echo "setup: building CRIU 4 (once, about a minute; log: $log)" >&2
+step "CRIU" sh -c 'scripts/setup/install-criu.sh > .cache/criu-path'
+criu=$(cat .cache/criu-path)
 ln -sf "$criu" .cache/criu-bin
 
 py=${PYTHON:-python3}
-if [ ! -x .venv/bin/python ]; then "$py" -m venv .venv; fi
+if [ ! -x .venv/bin/python ]; then step "venv" "$py" -m venv .venv; fi
 stamp=.cache/venv.stamp
 want=$(sha256sum pyproject.toml | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-    .venv/bin/pip install -q --upgrade pip >&2
-    .venv/bin/pip install -q -e ".[dev]" >&2
+    step "pip" .venv/bin/pip install -q --upgrade pip
+    step "pip" .venv/bin/pip install -q -e ".[dev]"
     echo "$want" > "$stamp"
 fi
-echo "setup: ok (criu: $criu, runsc: $(command -v runsc), venv: $root/.venv)" >&2
+echo "setup: ok in $((SECONDS - t0)) s (criu $("$criu" --version | sed -n 's/^Version: *//p') at $criu," \
+     "runsc $(command -v runsc), venv $root/.venv; log $root/$log)" >&2

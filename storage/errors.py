@@ -8,6 +8,7 @@ what it claims to be), 4 the environment lacks something the command needs (no G
 """
 from __future__ import annotations
 
+EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_USAGE = 2
 EXIT_DAMAGED = 3

@@ -286,7 +286,8 @@ class GpuEngine:
 
         jobs: list[tuple[Callable[..., None], tuple[Any, ...], int]] = []
         for r in regions:
-            s = Stream(r.name, {"type": "blob", "device": self.device, **(attrs or {})})
+            s = Stream(r.name, {"type": "blob", "device": self.device, **(attrs or {}),
+                                "chunker": {"name": "fixed", "size": self.chunk_size}})
             writer.add_stream(s)
             for idx, off in enumerate(range(0, r.size, self.chunk_size)):
                 n = min(self.chunk_size, r.size - off)

@@ -235,6 +235,16 @@ def _page_pieces(reader: StreamReader, staging: BufferPool, chunk_size: int, sta
             return
 
 
+def chunker_record(chunker: str, chunk_size: int) -> dict[str, Any]:
+    """What cut a stream into chunks, with every parameter that decides where the cuts fall (recorded in
+    each data stream's attrs as `chunker`, storage/FORMAT.md): enough to cut the same bytes the same way."""
+    if chunker == "fixed":
+        return {"name": "fixed", "size": chunk_size}
+    return {"name": "pages", "max": chunk_size, "min": _CDC_MIN, "page": PAGE, "mask": _CDC_MASK,
+            "fingerprint": "(w[0]*k1) ^ (w[255]*k2) ^ w[511] ^ (w[128] >> 7)", "k1": f"{int(_K1):#x}",
+            "k2": f"{int(_K2):#x}", "segment": SEGMENT}
+
+
 def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHUNK,
         workers: int | None = None, compress: bool = True, zstd_level: int = 1,
         progress: Any = None, chunker: str = "fixed", readers: int | None = None) -> Result:
@@ -312,9 +322,10 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
             with source.open_range(spec, offset, length) as r:  # type: ignore[attr-defined]
                 produce(part, r, spec.name)
 
+        cut_by = chunker_record(chunker, chunk_size)
         for spec in source.streams():
             fail.raise_if_set()
-            stream = Stream(spec.name, dict(spec.attrs))
+            stream = Stream(spec.name, {**spec.attrs, "chunker": cut_by} if spec.has_data else dict(spec.attrs))
             writer.add_stream(stream)
             if not spec.has_data:
                 continue

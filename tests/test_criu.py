@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -81,6 +82,12 @@ class Tree:
                 and time.monotonic() < deadline:
             time.sleep(0.05)
 
+    def close(self) -> None:
+        """Kill the tree and remove its control dir (kill() alone keeps it for a restore)."""
+        self.kill()
+        self.log.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
 
 def _state(pid: int) -> str:
     try:
@@ -98,7 +105,7 @@ def healthy(rep: dict) -> bool:
 def tree():
     t = Tree()
     yield t
-    t.kill()
+    t.close()
 
 
 def test_dump_restore_through_the_store(cli: Cli, tree: Tree, store_dir: Path) -> None:
@@ -123,7 +130,7 @@ def test_leave_running_and_second_dump_dedups(cli: Cli) -> None:
     try:
         _leave_running_and_dedup(cli, tree)
     finally:
-        tree.kill()
+        tree.close()
 
 
 def _leave_running_and_dedup(cli: Cli, tree: Tree) -> None:
@@ -164,6 +171,7 @@ def test_dump_criu_refuses_leaves_tree_running(cli: Cli, store_dir: Path) -> Non
         p.wait()
         conn.close()
         srv.close()
+        shutil.rmtree(d, ignore_errors=True)
 
 
 def test_store_full_during_the_dump_brings_the_tree_back(tmp_path: Path) -> None:
@@ -183,7 +191,7 @@ def _store_full_during_dump(mnt: Path) -> None:
         assert tree.alive() and healthy(tree.report()), r.stderr
         assert small.json("store", "ls") == []
     finally:
-        tree.kill()
+        tree.close()
 
 
 @pytest.mark.parametrize("damage", ["flip", "missing"])

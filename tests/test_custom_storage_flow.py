@@ -102,7 +102,7 @@ def test_criu_dump_and_restore_with_custom_storage(tmp_path: Path) -> None:
         assert all(d.get_state(p) == S.RUNNING for p in (tree.pid, tree.child))
         assert {p: bytes(d.procs[p].gpu) for p in (tree.pid, tree.child)} == before
     finally:
-        tree.kill()
+        tree.close()
 
 
 @pytest.mark.root

@@ -1,5 +1,7 @@
 """gVisor integration against the real runsc (Debian's 20221219 build with the ptrace platform) and
-real network namespaces made with pyroute2. FACTS.md: this runsc checkpoints only --network=none."""
+real network namespaces made with pyroute2. This runsc checkpoints only --network=none sandboxes
+(docs/PLATFORM.md). Every name a test makes (runsc root, container ids, netns, veth, subnet) is unique
+to the run, so two suites on one machine do not collide."""
 from __future__ import annotations
 
 import json
@@ -24,6 +26,11 @@ PY = os.path.realpath(sys.executable)
 def U(cid: str) -> str:
     """Container ids unique to this run: runsc's control sockets are host-global (@runsc-sandbox.ID)."""
     return f"{cid}-{os.getpid() % 100000}"
+
+
+def SUBNET(n: int) -> str:
+    """A /24 unique to this run (and to N): the host side of each veth takes an address in it."""
+    return f"10.{100 + os.getpid() % 150}.{n}.0/24"
 
 COUNTER = ("import os,sys,time,hashlib,random\n"
            "d=bytearray(random.Random(7).randbytes(4<<20))+bytearray(4<<20)\n"
@@ -55,8 +62,10 @@ def env(tmp_path: Path):
     from sandbox.netns import NetConfig, remove
     for cid, a in made:
         subprocess.run(["runsc", f"--root={root}", "delete", "-force", cid], capture_output=True)
-    for cid, subnet in (("e1", "10.77.41.0/24"), ("n1", "10.77.42.0/24"), ("h1", "10.77.43.0/24")):
-        remove(NetConfig.for_sandbox("gpusnap-" + U(cid), subnet))  # whatever a failed test left
+    for cid, n in (("e1", 41), ("n1", 42), ("h1", 43)):
+        remove(NetConfig.for_sandbox("gpusnap-" + U(cid), SUBNET(n)))  # whatever a failed test left
+    from sandbox.runsc.records import forget_root
+    forget_root(str(root))
     shutil.rmtree(root, ignore_errors=True)
 
 
@@ -124,8 +133,8 @@ def test_errors_leave_nothing_behind(cli: Cli, env: dict, store_dir: Path) -> No
     from sandbox.netns import NetConfig, leftovers
     p = cli.run("runsc", "checkpoint", "ghost", "x", *env["args"], check=False)
     assert p.returncode == 1 and "no container 'ghost'" in p.stderr and len(p.stderr.splitlines()) == 1
-    bundle, _ = start_counter(cli, env, U("e1"), ["--net-subnet", "10.77.41.0/24"])
-    net = NetConfig.for_sandbox("gpusnap-" + U("e1"), "10.77.41.0/24")
+    bundle, _ = start_counter(cli, env, U("e1"), ["--net-subnet", SUBNET(41)])
+    net = NetConfig.for_sandbox("gpusnap-" + U("e1"), SUBNET(41))
     cli.json("runsc", "checkpoint", "--leave-running", U("e1"), "snap", *env["args"], "--runsc-arg=--network=none")
     p = cli.run("runsc", "restore", "snap", U("e1"), "--bundle", str(bundle), check=False)
     assert p.returncode == 1 and "already exists" in p.stderr
@@ -145,8 +154,8 @@ def test_errors_leave_nothing_behind(cli: Cli, env: dict, store_dir: Path) -> No
 
 def test_network_config_saved_and_recreated_at_the_same_address(cli: Cli, env: dict) -> None:
     from sandbox.netns import NetConfig, enter, leftovers
-    bundle, out = start_counter(cli, env, U("n1"), ["--net-subnet", "10.77.42.0/24"])
-    net = NetConfig.for_sandbox("gpusnap-" + U("n1"), "10.77.42.0/24")
+    bundle, out = start_counter(cli, env, U("n1"), ["--net-subnet", SUBNET(42)])
+    net = NetConfig.for_sandbox("gpusnap-" + U("n1"), SUBNET(42))
     rep = cli.json("runsc", "checkpoint", U("n1"), "net1", *env["args"], "--runsc-arg=--network=none")
     assert rep["address"] == net.address
     assert cli.json("store", "inspect", "net1")["meta"]["net"]["ns_cidr"] == net.ns_cidr
@@ -183,9 +192,9 @@ def test_hostinet_sandbox_serves_tcp_and_refuses_checkpoint_cleanly(cli: Cli, en
     from sandbox.netns import NetConfig, leftovers
     bundle = env["tmp"] / ("bundle-" + U("h1"))
     env["build"](str(bundle), [PY, "-c", SERVER])
-    net = NetConfig.for_sandbox("gpusnap-" + U("h1"), "10.77.43.0/24")
+    net = NetConfig.for_sandbox("gpusnap-" + U("h1"), SUBNET(43))
     args = [*env["args"], "--runsc-arg=--network=host"]
-    cli.run("runsc", "run", U("h1"), "--bundle", str(bundle), "--net-subnet", "10.77.43.0/24",
+    cli.run("runsc", "run", U("h1"), "--bundle", str(bundle), "--net-subnet", SUBNET(43),
             "--output", str(env["tmp"] / (U("h1") + ".out")), *args)
     env["made"].append((U("h1"), env["args"]))
     assert _ask(net.address) == b"hello from the sandbox"
@@ -198,14 +207,14 @@ def test_hostinet_sandbox_serves_tcp_and_refuses_checkpoint_cleanly(cli: Cli, en
 
 
 def test_netstack_checkpoint_where_runsc_supports_it(env: dict) -> None:
-    """The full network flow needs a runsc whose own netstack runs here and checkpoints (FACTS.md:
-    Debian's 20221219 build fails with --network=sandbox on this kernel). Probed, not assumed."""
+    """The full network flow needs a runsc whose own netstack runs here and checkpoints (Debian's
+    20221219 build fails with --network=sandbox on this kernel: docs/PLATFORM.md). Probed, not assumed."""
     from sandbox.runsc.oci_bundle import build_bundle
     root = env["tmp"] / "probe-root"
     bundle = build_bundle(str(env["tmp"] / "probe"), ["/bin/true"])
     p = subprocess.run(["runsc", f"--root={root}", "--platform=ptrace", "--network=sandbox", "run", "-bundle",
-                        bundle, "probe"], capture_output=True, text=True, timeout=60)
-    subprocess.run(["runsc", f"--root={root}", "delete", "-force", "probe"], capture_output=True)
+                        bundle, U("probe")], capture_output=True, text=True, timeout=60)
+    subprocess.run(["runsc", f"--root={root}", "delete", "-force", U("probe")], capture_output=True)
     if p.returncode != 0:
         pytest.skip(f"this runsc cannot run its netstack here: {p.stderr.strip().splitlines()[-1][:120]}")
     pytest.fail("this runsc runs its netstack here: extend this test to checkpoint/restore a serving sandbox")
@@ -233,7 +242,7 @@ def test_gpu_sandbox_refused_by_a_runsc_without_nvproxy(cli: Cli, env: dict) -> 
     p = cli.run("runsc", "run", U("g0"), "--bundle", str(bundle), "--gpus", "0", *env["args"],
                 "--runsc-arg=--network=none", check=False)
     assert p.returncode == 1 and "no nvproxy" in p.stderr and len(p.stderr.splitlines()) == 1, p.stderr
-    assert (bundle / "config.json").read_text() == spec and not (bundle / "gpusnap-gpu.json").exists()
+    assert (bundle / "config.json").read_text() == spec and sorted(os.listdir(bundle)) == ["config.json"]
     root = env["args"][0].split("=", 2)[2]
     assert subprocess.run(["runsc", f"--root={root}", "state", U("g0")], capture_output=True).returncode != 0
 
@@ -421,3 +430,89 @@ def test_gpu_agent_channel_refusal_leaves_the_gpu_process_running(cli: Cli, env:
     assert cli.json("store", "ls") == []
     n = len(lines(out))
     wait_lines(out, n + 2)
+
+
+# ---------------------------------------------------------------- what a new user trips over (issue 14)
+def _records(root: str, cid: str) -> Path:
+    from sandbox.runsc import records
+    return Path(records._dir(root, cid))
+
+
+def test_missing_or_empty_bundle_is_one_line(cli: Cli, env: dict) -> None:
+    missing = env["tmp"] / "missing"
+    p = cli.run("runsc", "run", U("mb"), "--bundle", str(missing), *env["args"], check=False)
+    assert p.returncode == 1 and p.stderr == f"gpusnap: --bundle {missing}: no such directory\n", p.stderr
+    assert not missing.exists()
+    (env["tmp"] / "empty").mkdir()
+    p = cli.run("runsc", "run", U("mb"), "--bundle", str(env["tmp"] / "empty"), *env["args"], check=False)
+    assert p.returncode == 1 and "no config.json (not an OCI bundle)" in p.stderr and len(p.stderr.splitlines()) == 1
+    assert os.listdir(env["tmp"] / "empty") == []
+
+
+def test_nothing_is_written_into_the_bundle(cli: Cli, env: dict) -> None:
+    """gpusnap keeps its record of a sandbox outside the user's bundle, and removes it when the start
+    fails and when the sandbox is deleted; a failed start leaves the bundle exactly as it was."""
+    root = env["args"][0].split("=", 2)[2]
+    bundle, _ = start_counter(cli, env, U("nb"), ["--net-subnet", SUBNET(44)])
+    assert sorted(os.listdir(bundle)) == ["config.json"]
+    rec = _records(root, U("nb"))
+    assert json.loads((rec / "run.json").read_text())["output"].endswith(f"{U('nb')}.out")
+    assert json.loads((rec / "net.json").read_text())["name"] == "gpusnap-" + U("nb")
+    cli.run("runsc", "delete", U("nb"), *env["args"])
+    assert not rec.exists()
+    from sandbox.netns import NetConfig, leftovers
+    assert leftovers(NetConfig.for_sandbox("gpusnap-" + U("nb"), SUBNET(44))) == []
+    broken = env["tmp"] / "broken"
+    env["build"](str(broken), ["/nonexistent/program"])
+    spec = (broken / "config.json").read_text()
+    p = cli.run("runsc", "run", U("fb"), "--bundle", str(broken), "--net-subnet", SUBNET(45), *env["args"],
+                "--runsc-arg=--network=none", "--output", str(env["tmp"] / "fb.out"), check=False)
+    env["made"].append((U("fb"), env["args"]))
+    assert p.returncode == 1 and len(p.stderr.splitlines()) == 1 and "runsc run" in p.stderr, p.stderr
+    assert sorted(os.listdir(broken)) == ["config.json"] and (broken / "config.json").read_text() == spec
+    assert not _records(root, U("fb")).exists()
+    assert leftovers(NetConfig.for_sandbox("gpusnap-" + U("fb"), SUBNET(45))) == []
+
+
+def test_container_messages_name_the_root_and_runsc_reason(cli: Cli, env: dict) -> None:
+    """No container: the message names the runsc root searched (no empty '(runsc )'). runsc matches ids
+    by prefix; gpusnap acts only on the exact id, and says runsc's own reason for an ambiguous one."""
+    p = cli.run("runsc", "checkpoint", "nosuch", "x", check=False)
+    assert p.returncode == 1 and p.stderr == "gpusnap: no container 'nosuch' under runsc root /var/run/runsc\n", p.stderr
+    root = env["args"][0].split("=", 2)[2]
+    stem = U("amb")
+    start_counter(cli, env, f"{stem}-1")
+    p = cli.run("runsc", "delete", stem, *env["args"], check=False)
+    assert p.returncode == 1 and "no container" in p.stderr and f"{stem}-1" in p.stderr, p.stderr
+    assert cli.run("runsc", "checkpoint", stem, "y", *env["args"], check=False).returncode == 1
+    st = subprocess.run(["runsc", f"--root={root}", "state", f"{stem}-1"], capture_output=True, text=True)
+    assert json.loads(st.stdout)["status"] == "running", "a prefix must never delete another sandbox"
+    start_counter(cli, env, f"{stem}-2")
+    p = cli.run("runsc", "delete", stem, *env["args"], check=False)
+    assert p.returncode == 1 and "ambiguous" in p.stderr and len(p.stderr.splitlines()) == 1, p.stderr
+    assert cli.json("store", "ls") == []
+
+
+def test_restore_says_where_the_output_goes(cli: Cli, env: dict, store_dir: Path) -> None:
+    bundle = env["tmp"] / f"bundle-{U('ro')}"
+    env["build"](str(bundle), [PY, "-c", COUNTER])
+    out1 = env["tmp"] / "ro.out"
+    p = cli.run("runsc", "run", U("ro"), "--bundle", str(bundle), "--output", str(out1), *env["args"],
+                "--runsc-arg=--network=none")
+    env["made"].append((U("ro"), env["args"]))
+    assert p.stdout == f"{U('ro')}: running; output goes to {out1}\n", p.stdout
+    wait_lines(out1, 3)
+    cli.json("runsc", "checkpoint", U("ro"), "ro", *env["args"], "--runsc-arg=--network=none")
+    last = int(lines(out1)[-1][0])
+    p = cli.run("runsc", "restore", "ro", U("rp"), "--bundle", str(env["tmp"] / f"bundle-{U('ro')}"))
+    env["made"].append((U("rp"), env["args"]))
+    logs = store_dir / "logs" / f"runsc-{U('rp')}.out"
+    assert f"output goes to {logs}" in p.stdout and f"the checkpointed sandbox wrote to {out1}" in p.stdout, p.stdout
+    assert int(wait_lines(logs, 2)[0][0]) == last + 1  # it really goes there
+    cli.run("runsc", "delete", U("rp"), *env["args"])
+    out3 = env["tmp"] / "again.out"
+    r = cli.json("runsc", "restore", "ro", U("rq"), "--bundle", str(env["tmp"] / f"bundle-{U('ro')}"),
+                 "--output", str(out3))
+    env["made"].append((U("rq"), env["args"]))
+    assert r["output"] == str(out3) and r["recorded_output"] == str(out1)
+    assert int(wait_lines(out3, 2)[0][0]) == last + 1

@@ -91,26 +91,26 @@ def test_missing_input_path(cli: Cli, tmp_path: Path) -> None:
 
 
 def test_unreadable_input_path(tmp_path: Path) -> None:
-    """As an unprivileged user (root reads everything), an unreadable file is refused up front."""
+    """A file the caller may not read is refused up front, in one line, nothing stored. Root reads
+    everything, so the CLI runs as root without the two capabilities that bypass file permissions
+    (CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH): the kernel's real permission check, wherever the checkout
+    sits (switching to another uid would need the checkout and its venv readable by that user, which a
+    clone under a 0700 directory is not)."""
     import shutil
     import subprocess
-    import sys
+    from conftest import GPUSNAP, REPO, pythonpath
     if os.geteuid() != 0 or not shutil.which("setpriv"):
-        pytest.skip("needs root to switch to an unprivileged user")
-    import tempfile
-    work = Path(tempfile.mkdtemp(dir="/var/tmp"))
-    work.chmod(0o777)
-    secret = work / "secret"
+        pytest.skip("needs root (and setpriv) to run the CLI without the file-permission capabilities")
+    secret = tmp_path / "secret"
     secret.write_bytes(b"x" * 100)
     secret.chmod(0o000)
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]), HOME=str(work))
-    p = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-m",
-                        "sandbox.cli", "--store", str(work / "store"), "store", "put", "x", str(secret)],
-                       capture_output=True, text=True, env=env, cwd="/")
+    drop = "-dac_override,-dac_read_search"
+    p = subprocess.run(["setpriv", f"--bounding-set={drop}", f"--inh-caps={drop}", *GPUSNAP,
+                        "--store", str(tmp_path / "store"), "store", "put", "x", str(secret)],
+                       capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=pythonpath()), cwd=REPO)
     assert p.returncode == 1, p.stderr
-    assert "permission denied" in p.stderr.lower() and len(p.stderr.splitlines()) == 1
-    assert not list((work / "store" / "snapshots").glob("*"))
-    shutil.rmtree(work)
+    assert "permission denied" in p.stderr.lower() and len(p.stderr.splitlines()) == 1, p.stderr
+    assert not list((tmp_path / "store" / "snapshots").glob("*"))
 
 
 def test_existing_name_needs_replace(cli: Cli, tmp_path: Path) -> None:

@@ -9,17 +9,43 @@ from __future__ import annotations
 
 import click
 
+from storage.errors import (EXIT_DAMAGED, EXIT_FAILED, EXIT_OK, EXIT_RECOVER, EXIT_UNAVAILABLE,
+                            EXIT_USAGE)
 from storage.store import default_store_path
 
 from sandbox.cli import archive_cmd, container_cmd, criu_cmd, gpu_cmd, hook_cmd, pool_cmd, runsc_cmd, store_cmd
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+EPILOG = f"""\b
+Exit codes:
+  {EXIT_OK}  success
+  {EXIT_FAILED}  the operation failed (the reason in one line on stderr; with --json also
+     {{"error": ..., "exit_code": ...}} on stdout)
+  {EXIT_USAGE}  usage error: a bad command, option or argument
+  {EXIT_DAMAGED}  damage found: a snapshot or the store is not what it claims to be
+  {EXIT_UNAVAILABLE}  this machine lacks something the command needs (a GPU, CRIU, runsc, a driver feature)
+  {EXIT_RECOVER}  an interrupted operation must be finished first (`gpusnap recover`)
+
+\b
+Environment:
+  GPUSNAP_STORE   the store directory (as --store)
+  GPUSNAP_CRIU    the CRIU binary to use; default: the first CRIU >= 4 on PATH, then the
+                  project's own build (.cache/criu/bin/criu, made by scripts/setup.sh);
+                  `gpusnap doctor` says which one is used and why
+  GPUSNAP_DEBUG   set to 1 to print the traceback instead of the one-line error
+  GPUSNAP_POOL_SOCKET  the memory tier's socket (`gpusnap pool`)
+"""
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]}, epilog=EPILOG)
 @click.option("--store", "store_path", envvar="GPUSNAP_STORE", default=None, metavar="DIR",
               help="Snapshot store directory (env GPUSNAP_STORE; default /var/lib/gpusnap as root, "
                    "else $XDG_DATA_HOME/gpusnap). Created 0700 on first use.")
 @click.option("--progress/--no-progress", default=None,
-              help="Show a progress bar (default: only when stderr is a terminal).")
+              help="Report progress on stderr. Default: a bar when stderr is a terminal, nothing "
+                   "otherwise. --progress where stderr is not a terminal (CI, journald, a log): one plain "
+                   "line every 5 s (stage, bytes done of total, GB/s) and one when done. --no-progress: "
+                   "nothing.")
 @click.pass_context
 def main(ctx: click.Context, store_path: str | None, progress: bool | None) -> None:
     """gpusnap: fast, safe snapshots of GPU processes and sandboxes.

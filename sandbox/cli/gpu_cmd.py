@@ -52,7 +52,7 @@ def gpu() -> None:
 @click.option("--lock-timeout", default=10.0, show_default=True, help="Seconds to wait for running CUDA work.")
 @click.option("--thp", type=THP_CHOICE, default="always", show_default=True,
               help="Transparent huge pages during the driver's host copy ('always' is measured faster; "
-                   "the previous setting is put back).")
+                   "the previous setting is put back; 'keep' leaves the setting alone).")
 @click.option("--replace", is_flag=True, help="Replace an existing snapshot of the same name.")
 @tier_options
 @json_option
@@ -87,7 +87,9 @@ def gpu_checkpoint_cmd(ctx: click.Context, pid: int, name: str, lock_timeout: fl
 @click.argument("pid", type=int)
 @click.option("--device-map", multiple=True, metavar="OLD=NEW",
               help="Restore GPU OLD's state onto GPU NEW (index or UUID); list every checkpointed GPU.")
-@click.option("--thp", type=THP_CHOICE, default="always", show_default=True)
+@click.option("--thp", type=THP_CHOICE, default="always", show_default=True,
+              help="Transparent huge pages while the driver copies the state back ('always' is measured "
+                   "faster; the previous setting is put back; 'keep' leaves the setting alone).")
 @tier_options
 @json_option
 @click.pass_context

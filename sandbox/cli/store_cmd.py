@@ -29,7 +29,7 @@ def store() -> None:
 @click.argument("paths", nargs=-1, required=True)
 @click.option("--replace", is_flag=True, help="Replace an existing snapshot of the same name.")
 @click.option("--chunk-size", default="4M", show_default=True, help="Chunk size (K/M suffix).")
-@click.option("--workers", type=int, default=None, help="Worker threads (default: CPU count, max 16).")
+@click.option("--workers", type=click.IntRange(1, 256), default=None, help="Worker threads (default: CPU count, max 16).")
 @click.option("--no-compress", is_flag=True, help="Store chunks raw (zero chunks are still elided).")
 @click.option("--tag", "tags", multiple=True, metavar="TAG", help="Tag the snapshot (repeatable; `ls --tag`, `forget --tag`).")
 @click.option("--chunker", type=click.Choice(["fixed", "pages"]), default="fixed", show_default=True,
@@ -78,7 +78,7 @@ def store_init(ctx: click.Context, as_json: bool) -> None:
 @click.argument("dest")
 @click.option("--include", "include", multiple=True, metavar="PATTERN",
               help="Only streams matching this glob (and the directories above them); repeatable.")
-@click.option("--workers", type=int, default=None, help="Worker threads (default: CPU count, max 16).")
+@click.option("--workers", type=click.IntRange(1, 256), default=None, help="Worker threads (default: CPU count, max 16).")
 @click.option("--no-same-owner", is_flag=True,
               help="Do not restore recorded owners (the default as root restores them); setuid/setgid bits "
                    "are then dropped, as they are whenever an owner is not restored.")

@@ -14,7 +14,7 @@ import subprocess
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from storage.errors import GpusnapError
+from storage.errors import EXIT_UNAVAILABLE, GpusnapError
 
 REPO_CRIU = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), ".cache", "criu", "bin", "criu")
 MIN_MAJOR = 4
@@ -55,6 +55,12 @@ class CriuError(GpusnapError):
         return CriuError(self.reason, self.log_tail, path, self.what)
 
 
+class CriuMissing(CriuError):
+    """No usable CRIU >= 4 on this machine (exit 4: the environment, not the request)."""
+
+    exit_code = EXIT_UNAVAILABLE
+
+
 def criu_version(binary: str) -> tuple[int, int, int] | None:
     try:
         out = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=10).stdout
@@ -64,15 +70,42 @@ def criu_version(binary: str) -> tuple[int, int, int] | None:
     return (int(m.group(1)), int(m.group(2)), int(m.group(3) or 0)) if m else None
 
 
+@dataclass(frozen=True)
+class CriuChoice:
+    """Which CRIU binary gpusnap uses and why; `passed_over` names each candidate before it that was
+    not usable, with the reason (e.g. Debian 12's own criu 3.17)."""
+    path: str | None
+    why: str | None
+    passed_over: tuple[str, ...] = ()
+
+
+def _candidates() -> list[tuple[str | None, str]]:
+    return [(os.environ.get("GPUSNAP_CRIU"), "GPUSNAP_CRIU"), (shutil.which("criu"), "PATH"),
+            (REPO_CRIU, "the project's build by scripts/setup.sh"), ("/usr/local/sbin/criu", "/usr/local/sbin")]
+
+
+def locate_criu() -> CriuChoice:
+    """The first usable CRIU >= 4 of: $GPUSNAP_CRIU, `criu` on PATH, the project's own build in
+    .cache/criu (scripts/setup/install-criu.sh), /usr/local/sbin/criu."""
+    passed: list[str] = []
+    for path, why in _candidates():
+        if not path:
+            continue
+        if not os.access(path, os.X_OK):
+            if why == "GPUSNAP_CRIU" or os.path.lexists(path):
+                passed.append(f"{path} ({why}): not an executable file")
+            continue
+        v = criu_version(path)
+        if v and v[0] >= MIN_MAJOR:
+            return CriuChoice(path, why, tuple(passed))
+        passed.append(f"{path} ({why}): " + (f"version {'.'.join(map(str, v))}, need {MIN_MAJOR}.0 or later"
+                                             if v else "does not report a CRIU version"))
+    return CriuChoice(None, None, tuple(passed))
+
+
 def find_criu() -> str | None:
-    """$GPUSNAP_CRIU, else the first CRIU >= 4 on PATH or in the project's cache (scripts/setup/install-criu.sh)."""
-    cands = [os.environ.get("GPUSNAP_CRIU"), shutil.which("criu"), REPO_CRIU, "/usr/local/sbin/criu"]
-    for c in cands:
-        if c and os.access(c, os.X_OK):
-            v = criu_version(c)
-            if v and v[0] >= MIN_MAJOR:
-                return c
-    return None
+    """The path locate_criu() chooses, or None."""
+    return locate_criu().path
 
 
 @dataclass(frozen=True)
@@ -106,7 +139,7 @@ class CriuRun:
     log_tail: list[str] = field(default_factory=list)
 
 
-# CRIU's own noise that says nothing about why it failed (FACTS.md: printed as root, harmless)
+# CRIU's own noise that says nothing about why it failed (printed when run as root, and harmless)
 _NOISE = ("RLIMIT_NOFILE",)
 
 
@@ -129,7 +162,8 @@ class Criu:
     def __init__(self, binary: str | None = None) -> None:
         b = binary or find_criu()
         if not b:
-            raise CriuError("CRIU >= 4.0 not found (run scripts/setup.sh, or set GPUSNAP_CRIU)")
+            raise CriuMissing("CRIU >= 4.0 not found (run scripts/setup.sh, or set GPUSNAP_CRIU; "
+                              "`gpusnap doctor` lists what was tried)")
         self.binary = b
         self.version = criu_version(b)
 

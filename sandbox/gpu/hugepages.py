@@ -1,8 +1,8 @@
 """Transparent huge pages for the duration of a driver host copy, put back afterwards even on failure.
 
-FACTS.md measured the driver's own checkpoint at 1.64 GB/s with THP `madvise` and 2.43 GB/s with
-`always` (restore 4.99 -> 6.48 GB/s): the driver's host buffers are not madvised, so only `always`
-gives them huge pages. The kernel has no per-process "always" switch (prctl only disables THP), so
+On an H200 the driver's own checkpoint of 16 GB ran at 1.64 GB/s with THP `madvise` and 2.43 GB/s
+with `always` (restore 4.99 -> 6.48 GB/s; docs/PLATFORM.md): the driver's host buffers are not
+madvised, so only `always` gives them huge pages. The kernel has no per-process "always" switch (prctl only disables THP), so
 this changes the system setting and restores the previous value on exit.
 """
 from __future__ import annotations

@@ -15,10 +15,23 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 
-from storage.errors import GpusnapError
+from storage.errors import EXIT_UNAVAILABLE, GpusnapError
+
+DEFAULT_ROOT = "/var/run/runsc"
+
 
 class RunscError(GpusnapError):
     """runsc is missing, or one of its commands failed (the message carries runsc's own reason)."""
+
+
+class NoSuchContainer(RunscError):
+    """runsc knows no container of exactly that id under the root it was given."""
+
+
+class RunscMissing(RunscError):
+    """No runsc on this machine (exit 4: the environment, not the request)."""
+
+    exit_code = EXIT_UNAVAILABLE
 
 
 @dataclass(frozen=True)
@@ -83,10 +96,21 @@ class Runsc:
                  log_dir: str | None = None) -> None:
         b = binary or shutil.which("runsc")
         if not b:
-            raise RunscError("runsc not found (run scripts/setup.sh, or install gVisor)")
+            raise RunscMissing("runsc not found (run scripts/setup.sh, or install gVisor)")
         self.binary = b
         self.global_args = list(global_args)
         self.log_dir = log_dir
+
+    @property
+    def root(self) -> str:
+        """runsc's state directory these global flags select (--root), where container ids live."""
+        root = DEFAULT_ROOT
+        for a, nxt in zip(self.global_args, [*self.global_args[1:], ""]):
+            if a.lstrip("-") == "root" and a.startswith("-"):
+                root = nxt
+            elif a.startswith(("--root=", "-root=")):
+                root = a.split("=", 1)[1]
+        return root
 
     def argv(self, *args: str) -> list[str]:
         return [self.binary, *self.global_args, *args]
@@ -150,10 +174,31 @@ class Runsc:
         self._run(f"delete {cid}", "delete", *(["-force"] if force else []), cid)
 
     def state(self, cid: str) -> dict[str, Any] | None:
+        """The state of exactly CID, or None when runsc has none (or cannot tell which one is meant)."""
+        try:
+            return self.lookup(cid)
+        except RunscError:
+            return None
+
+    def lookup(self, cid: str) -> dict[str, Any]:
+        """The state of exactly CID. runsc also answers for an id prefix: a container whose id is not
+        CID is refused (NoSuchContainer), as is none; any other failure is RunscError with runsc's own
+        reason (e.g. `id "app" is ambiguous`)."""
+        where = f"under runsc root {self.root}"
         p = subprocess.run(self.argv("state", cid), capture_output=True, text=True)
         if p.returncode != 0:
-            return None
-        return json.loads(p.stdout)
+            reason = _reason(p.stderr.strip().splitlines())
+            if "does not exist" in reason or not reason:
+                raise NoSuchContainer(f"no container {cid!r} {where}")
+            raise RunscError(f"container {cid!r} {where}: {re.sub(r'^loading container[^:]*: ', '', reason)}")
+        try:
+            st = json.loads(p.stdout)
+        except ValueError:
+            raise RunscError(f"runsc state {cid}: unreadable answer {p.stdout[:100]!r}") from None
+        if st.get("id") != cid:
+            raise NoSuchContainer(f"no container {cid!r} {where} (runsc would take {st.get('id')!r}, whose id "
+                                  "starts with it; give the full id)")
+        return st
 
     def list(self) -> list[str]:
         p = self._run("list", "list", "-quiet")

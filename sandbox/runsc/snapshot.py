@@ -27,14 +27,13 @@ from sandbox import netns as nets
 from sandbox.gpu.channel import AgentFrames, AgentReport, ChannelError, ChannelLimits, read_report, receive, send
 from sandbox.criu.snapshot import staging_dir
 from sandbox.runsc.oci_bundle import add_bind, add_gpus, bundle_netns, load_spec, save_spec, set_bundle_netns
+from sandbox.runsc import records
+from sandbox.runsc.records import Kind
 from sandbox.runsc.runner import Runsc, RunscError
 from sandbox.snapshot_meta import RunscMeta, check_runsc_args
 
 from storage.errors import GpusnapError
 
-NET_SIDECAR = "gpusnap-net.json"  # in the bundle: the NetConfig gpusnap made for this sandbox
-RUN_SIDECAR = "gpusnap-run.json"  # in the bundle: where the sandbox's output goes
-GPU_SIDECAR = "gpusnap-gpu.json"  # in the bundle: GPUs, nvproxy flags, whether the GPU agent is wired in
 AGENT_CODE = "/run/gpusnap/code"   # gpusnap's code inside a GPU sandbox (read-only bind; the store is never mounted)
 AGENT_TIMEOUT_S = 3600.0
 CODE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -53,9 +52,12 @@ class RunscReport:
     new_bytes: int = 0
     dedup_bytes: int = 0
     address: str | None = None
+    output: str | None = None           # restore: where the restored sandbox's stdout/stderr go
+    recorded_output: str | None = None  # restore: where the checkpointed sandbox's went
 
     def as_dict(self) -> dict[str, Any]:
         return {"name": self.name, "container": self.container, "address": self.address,
+                "output": self.output, "recorded_output": self.recorded_output,
                 "seconds": {k: round(v, 3) for k, v in self.seconds.items()},
                 "raw_bytes": self.raw_bytes, "new_bytes": self.new_bytes, "dedup_bytes": self.dedup_bytes}
 
@@ -65,12 +67,17 @@ def _hostinet(args: Sequence[str]) -> bool:
         a in ("--network", "-network") and b == "host" for a, b in zip(args, list(args)[1:]))
 
 
-def _net_of(bundle: str) -> nets.NetConfig | None:
-    try:
-        with open(os.path.join(bundle, NET_SIDECAR)) as f:
-            return nets.NetConfig.from_dict(json.load(f))
-    except FileNotFoundError:
-        return None
+def _net_of(r: Runsc, cid: str) -> nets.NetConfig | None:
+    d = records.read(r.root, cid, Kind.NET)
+    return nets.NetConfig.from_dict(d) if d else None
+
+
+def check_bundle(bundle: str) -> None:
+    """BUNDLE must be a directory holding config.json (an OCI bundle); a one-line error otherwise."""
+    if not os.path.isdir(bundle):
+        raise RunscSnapshotError(f"--bundle {bundle}: no such directory")
+    if not os.path.isfile(os.path.join(bundle, "config.json")):
+        raise RunscSnapshotError(f"--bundle {bundle}: no config.json (not an OCI bundle)")
 
 
 def _with_reason(e: RunscError, output: str) -> RunscError:
@@ -86,20 +93,12 @@ def _with_reason(e: RunscError, output: str) -> RunscError:
     return RunscError(f"{e}: {tail[-1].strip()}" if tail else str(e))
 
 
-def _gpu_of(bundle: str) -> dict[str, Any] | None:
-    try:
-        with open(os.path.join(bundle, GPU_SIDECAR)) as f:
-            return json.load(f)
-    except FileNotFoundError:
-        return None
-
-
-def prepare_gpu(bundle: str, r: Runsc, gpus: Sequence[int], *, agent: bool = True,
+def prepare_gpu(bundle: str, r: Runsc, cid: str, gpus: Sequence[int], *, agent: bool = True,
                 driver_version: str | None = None) -> list[str]:
     """Make BUNDLE a GPU sandbox: the NVIDIA devices (nvproxy) for GPUS, gpusnap's code bind-mounted
     read-only for the GPU agent (the store is not: GPU memory reaches it over the agent's pipes);
-    recorded in the bundle. Returns the extra runsc global flags. Refuses, before touching the
-    bundle, when this runsc has no nvproxy."""
+    recorded for CID (records.py). Returns the extra runsc global flags. Refuses, before touching
+    the bundle, when this runsc has no nvproxy."""
     gpu_args = r.features().gpu_args(driver_version=driver_version) if gpus else []
     cfg = load_spec(bundle)
     if gpus:
@@ -107,8 +106,7 @@ def prepare_gpu(bundle: str, r: Runsc, gpus: Sequence[int], *, agent: bool = Tru
     if agent:
         add_bind(cfg, CODE_ROOT, AGENT_CODE, readonly=True)
     save_spec(bundle, cfg)
-    with open(os.path.join(bundle, GPU_SIDECAR), "w") as f:
-        json.dump({"gpus": list(gpus), "runsc_args": gpu_args, "agent": agent}, f)
+    records.write(r.root, cid, Kind.GPU, {"gpus": list(gpus), "runsc_args": gpu_args, "agent": agent})
     return gpu_args
 
 
@@ -250,28 +248,36 @@ def agent(r: Runsc, cid: str, action: str) -> dict[str, Any]:
 def run(cid: str, bundle: str, runsc_args: Sequence[str], output: str, net: nets.NetConfig | None = None, *,
         gpus: Sequence[int] = (), gpu_agent: bool = False,
         driver_version: str | None = None) -> None:
-    """Start sandbox CID from BUNDLE; with NET, in its own namespace (made here, recorded in the bundle);
-    with GPUS (or gpu_agent), as a GPU sandbox (prepare_gpu) whose GPU state checkpoint handles."""
+    """Start sandbox CID from BUNDLE; with NET, in its own namespace (made here); with GPUS (or
+    gpu_agent), as a GPU sandbox (prepare_gpu) whose GPU state checkpoint handles. What gpusnap made is
+    recorded for CID (records.py, not in the bundle) and undone, record included, if the start fails."""
+    records.check_id(cid)
+    check_bundle(bundle)
     r = Runsc(runsc_args)
     if r.state(cid) is not None:
-        raise RunscSnapshotError(f"container {cid!r} already exists")
+        raise RunscSnapshotError(f"container {cid!r} already exists under runsc root {r.root}")
+    records.forget(r.root, cid)  # whatever a sandbox of this id that runsc no longer knows left
     spec_path = os.path.join(bundle, "config.json")
     original = None
-    if gpus or gpu_agent:
+    if gpus or gpu_agent or net is not None:  # the spec is changed below: put back if the start fails
         with open(spec_path) as f:
             original = f.read()
+    if gpus or gpu_agent:
         try:
-            r = Runsc([*runsc_args, *prepare_gpu(bundle, r, gpus, driver_version=driver_version)])
+            r = Runsc([*runsc_args, *prepare_gpu(bundle, r, cid, gpus, driver_version=driver_version)])
         except BaseException:
-            _undo_gpu(bundle, original)
+            _put_back(bundle, original, r, cid)
             raise
     if net is not None:
-        nets.create(net)
+        try:
+            nets.create(net)  # refuses a namespace that exists already (not ours: left alone)
+        except BaseException:
+            if original is not None:
+                _put_back(bundle, original, r, cid)
+            raise
         set_bundle_netns(bundle, net.path)
-        with open(os.path.join(bundle, NET_SIDECAR), "w") as f:
-            json.dump(net.as_dict(), f)
-    with open(os.path.join(bundle, RUN_SIDECAR), "w") as f:
-        json.dump({"output": os.path.abspath(output)}, f)
+        records.write(r.root, cid, Kind.NET, net.as_dict())
+    records.write(r.root, cid, Kind.RUN, {"output": os.path.abspath(output)})
     try:
         with open(output, "ab") as out:
             try:
@@ -281,32 +287,29 @@ def run(cid: str, bundle: str, runsc_args: Sequence[str], output: str, net: nets
     except BaseException:
         if net is not None:
             nets.remove(net)
-            os.unlink(os.path.join(bundle, NET_SIDECAR))
         if original is not None:
-            _undo_gpu(bundle, original)
+            _put_back(bundle, original, r, cid)
+        records.forget(r.root, cid)
         raise
 
 
-def _undo_gpu(bundle: str, original: str) -> None:
-    """Put BUNDLE's spec back as it was and forget the GPU record (a GPU sandbox that did not start)."""
+def _put_back(bundle: str, original: str, r: Runsc, cid: str) -> None:
+    """Put BUNDLE's spec back as it was and forget CID's records (a sandbox that did not start)."""
     with open(os.path.join(bundle, "config.json"), "w") as f:
         f.write(original)
-    try:
-        os.unlink(os.path.join(bundle, GPU_SIDECAR))
-    except FileNotFoundError:
-        pass
+    records.forget(r.root, cid)
 
 
 def delete(cid: str, runsc_args: Sequence[str]) -> None:
-    """Delete the sandbox and the network gpusnap made for it."""
+    """Delete the sandbox, the network gpusnap made for it and gpusnap's record of it. runsc's own
+    reason when it cannot find exactly CID (none, or an ambiguous id)."""
     r = Runsc(runsc_args)
-    st = r.state(cid)
-    if st is None:
-        raise RunscSnapshotError(f"no container {cid!r}")
+    r.lookup(cid)
     r.delete(cid)
-    net = _net_of(st["bundle"])
+    net = _net_of(r, cid)
     if net is not None:
         nets.remove(net)
+    records.forget(r.root, cid)
 
 
 def _gpu_name(name: str) -> str:
@@ -319,22 +322,21 @@ def checkpoint(store: SnapshotStore, cid: str, name: str, runsc_args: Sequence[s
     into snapshot NAME.gpu, or the driver's host copy that runsc then saves), then `runsc checkpoint`
     and the ingest. A failure at any step leaves the sandbox running with its GPU state back."""
     r = Runsc(check_runsc_args(list(runsc_args), "--runsc-arg"), log_dir=os.path.join(store.path, "logs"))
-    st = r.state(cid)
-    if st is None:
-        raise RunscSnapshotError(f"no container {cid!r} (runsc {' '.join(runsc_args)})")
+    st = r.lookup(cid)
     if st.get("status") != "running":
         raise RunscSnapshotError(f"container {cid!r} is {st.get('status')}, not running")
     if _hostinet(runsc_args):
         raise RunscSnapshotError(f"cannot checkpoint {cid!r}: it uses the host network (--network=host), which "
                                  "runsc cannot checkpoint; run it with --network=none or its own netstack")
     bundle = st["bundle"]
-    net = _net_of(bundle)
-    gpu = _gpu_of(bundle)
+    net = _net_of(r, cid)
+    gpu = records.read(r.root, cid, Kind.GPU)
     if gpu and gpu.get("runsc_args"):
         r = Runsc([*runsc_args, *gpu["runsc_args"]], log_dir=r.log_dir)
     report = RunscReport(name, cid, address=net.address if net else None)
     meta = {"kind": "runsc", "container": cid, "runsc_args": list(runsc_args), "bundle": bundle,
-            "net": net.as_dict() if net else None, "netns_path": bundle_netns(bundle), "gpu": None}
+            "net": net.as_dict() if net else None, "netns_path": bundle_netns(bundle), "gpu": None,
+            "output": (records.read(r.root, cid, Kind.RUN) or {}).get("output")}
     with store.writer(name, replace=replace, meta=meta) as w:
         stage = staging_dir(store, 1 << 30)
         images = os.path.join(stage, "images")
@@ -404,11 +406,7 @@ def _gpu_back(r: Runsc, cid: str, rep: dict[str, Any] | None, store: SnapshotSto
 
 def _restart(r: Runsc, cid: str, bundle: str, images: str, net: nets.NetConfig | None) -> None:
     """Run CID again, under the same id, from the checkpoint images just taken."""
-    try:
-        with open(os.path.join(bundle, RUN_SIDECAR)) as f:
-            output = json.load(f)["output"]
-    except (OSError, ValueError, KeyError):
-        output = os.devnull
+    output = (records.read(r.root, cid, Kind.RUN) or {}).get("output") or os.devnull
     r.delete(cid)
     with open(output, "ab") as out:
         r.restore(cid, bundle, images, stdout=out, stderr=out)
@@ -424,25 +422,28 @@ def restore(store: SnapshotStore, name: str, cid: str, bundle: str, *, runsc_arg
         r = Runsc([*args, *gpu.get("runsc_args", [])], log_dir=os.path.join(store.path, "logs"))
         if r.state(cid) is not None:
             raise RunscSnapshotError(f"container {cid!r} already exists; restore under a new id")
-        if not os.path.exists(os.path.join(bundle, "config.json")):
-            raise RunscSnapshotError(f"{bundle}: no config.json (not an OCI bundle)")
+        records.check_id(cid)
+        check_bundle(bundle)
         net = meta.net
-        report = RunscReport(name, cid, address=net.address if net else None)
+        recorded = meta.extra.get("output")
+        report = RunscReport(name, cid, address=net.address if net else None, output=os.path.abspath(output),
+                             recorded_output=recorded if isinstance(recorded, str) else None)
         stage = staging_dir(store, m.size)
         made_net = False
         try:
             t0 = time.perf_counter()
             pipeline.get(store, m, FileTreeSink(os.path.join(stage, "out")), progress=progress)
             report.seconds["materialize"] = time.perf_counter() - t0
+            records.forget(r.root, cid)
             if gpu:
-                prepare_gpu(bundle, Runsc(args), gpu.get("gpus", []), agent=bool(gpu.get("agent")))
+                prepare_gpu(bundle, Runsc(args), cid, gpu.get("gpus", []), agent=bool(gpu.get("agent")))
             if net is not None:
                 if not nets.exists(net):
                     nets.create(net)
                     made_net = True
                 set_bundle_netns(bundle, net.path)
-                with open(os.path.join(bundle, NET_SIDECAR), "w") as f:
-                    json.dump(net.as_dict(), f)
+                records.write(r.root, cid, Kind.NET, net.as_dict())
+            records.write(r.root, cid, Kind.RUN, {"output": os.path.abspath(output)})
             t0 = time.perf_counter()
             with open(output, "ab") as out:
                 try:
@@ -463,6 +464,7 @@ def restore(store: SnapshotStore, name: str, cid: str, bundle: str, *, runsc_arg
                     pass
             if made_net and net is not None:
                 nets.remove(net)
+            records.forget(r.root, cid)
             raise
         finally:
             shutil.rmtree(stage, ignore_errors=True)

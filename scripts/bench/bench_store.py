@@ -20,7 +20,7 @@ import time
 
 import numpy as np
 
-from scripts.helpers import REPO, drop_caches
+from scripts.helpers import REPO, child_env, drop_caches
 
 
 
@@ -76,7 +76,7 @@ def main() -> None:
     a = ap.parse_args()
     work = tempfile.mkdtemp(prefix="gpusnap-bench-", dir=a.dir)
     gpusnap = [sys.executable, "-m", "sandbox.cli", "--store", os.path.join(work, "store")]
-    env = dict(os.environ, PYTHONPATH=REPO)
+    env = child_env()
     res: dict = {"date": time.strftime("%Y-%m-%d"), "machine": f"{platform.node()} {os.cpu_count()} cores",
                  "kernel": platform.release()}
     try:

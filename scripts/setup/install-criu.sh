@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Install CRIU >= 4.0: the system's if it is new enough and `criu check` passes, else build it from
-# Debian trixie's source package (bookworm's 3.17 fails on this kernel: FACTS.md). The built binary is
-# cached under .cache/criu so a second run is instant. Prints the path of the criu to use.
+# Debian trixie's source package (bookworm's own CRIU 3.17 fails `criu check` on recent kernels:
+# docs/PLATFORM.md). The built binary is cached under .cache/criu so a second run is instant. Prints the
+# path of the criu to use on stdout; progress on stderr.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 cache="$root/.cache/criu"
@@ -17,7 +18,7 @@ if command -v criu >/dev/null && usable "$(command -v criu)"; then command -v cr
 if [ -x "$cache/bin/criu" ] && usable "$cache/bin/criu"; then echo "$cache/bin/criu"; exit 0; fi
 
 export DEBIAN_FRONTEND=noninteractive
-apt-get install -y -q --no-install-recommends libprotobuf-c-dev protobuf-c-compiler libprotobuf-dev \
+apt-get install -y -q -o DPkg::Lock::Timeout=300 --no-install-recommends libprotobuf-c-dev protobuf-c-compiler libprotobuf-dev \
     protobuf-compiler libnl-3-dev libnet1-dev libcap-dev libnftables-dev libgnutls28-dev libbsd-dev \
     pkg-config python3-protobuf uuid-dev libaio-dev iproute2 xz-utils gcc make >&2
 
@@ -30,8 +31,12 @@ echo "deb-src $mirror trixie main" > "$work/trixie-src.list"
 opts=(-o Dir::Etc::sourcelist="$work/trixie-src.list" -o Dir::Etc::sourceparts=- -o Dir::State::Lists="$work/lists")
 mkdir -p "$work/lists/partial"
 apt-get "${opts[@]}" update >&2
-(cd "$work" && apt-get "${opts[@]}" source --download-only criu >&2 || true)
-orig=$(ls "$work"/criu_*.orig.tar.* | head -n1)
+# Only the upstream tarball (criu_*.orig.tar.*) is used; mirrors that lack the .dsc or the Debian
+# patch tarball answer 404 for those, which is harmless: those lines are left out.
+(cd "$work" && apt-get "${opts[@]}" source --download-only criu 2>&1 || true) |
+    grep -v -E '404 +Not Found|^Err:.* criu .*\((dsc|diff)\)|^E: Failed to fetch .*criu_.*\.(dsc|debian\.tar\.xz)|^E: Failed to fetch some archives' >&2 || true
+orig=$(ls "$work"/criu_*.orig.tar.* 2>/dev/null | head -n1)
+[ -n "$orig" ] || { echo "install-criu: the CRIU source tarball could not be downloaded (see above)" >&2; exit 1; }
 mkdir "$work/src" && tar -C "$work/src" --strip-components=1 -xf "$orig"
 make -C "$work/src" -j"$(nproc)" criu >&2
 mkdir -p "$cache/bin"
