@@ -9,7 +9,6 @@ A failed checkpoint leaves the sandbox running; a failed restore leaves nothing 
 """
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Does a second engine checkpoint of unchanged GPU memory deduplicate? Per lane count and codec."""
-import os, sys, tempfile, shutil
+import os, tempfile, shutil
 from scripts.workloads.workload_control import Workload, ipc_region
 from storage.gpu_engine import GpuEngine, Region
 from storage.store import SnapshotStore

@@ -3,7 +3,6 @@
 cuMemHostAlloc (4 KiB pages) vs an mmap advised to huge pages + cuMemHostRegister (RegisteredBuffer).
 Usage: python3 -m scripts.device.probe_pinned_alloc [GB]   (prints one JSON line)"""
 import json
-import os
 import sys
 import time
 
