@@ -416,7 +416,5 @@ def remove_with_companions(store: Any, name: str) -> list[str]:
     removed = []
     for c in extra:
         if c != name and store.exists(c):
-            store.remove(c)
-            removed.append(c)
-    store.remove(name)
-    return [*removed, name]
+            removed.append(store.remove(c))
+    return [*removed, store.remove(name)]

@@ -290,7 +290,7 @@ def test_gpu_agent_failure_leaves_the_sandbox_running(cli: Cli, env: dict) -> No
 def test_gpu_sandbox_cannot_see_the_store(cli: Cli, env: dict) -> None:
     """From inside a real GPU-agent sandbox: the former store mount point is gone, nothing under /run
     shows the store (a marker file planted in it is found nowhere), only gpusnap's code is mounted."""
-    cli.run("store", "ls")  # the store exists
+    cli.run("store", "init")  # the store exists
     marker = f"marker-{os.getpid()}-{time.monotonic_ns()}"
     (cli.store / marker).write_text("secret")
     start_counter(cli, env, U("gn"), ["--gpu-agent"])
