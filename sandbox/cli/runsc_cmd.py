@@ -8,6 +8,7 @@ import click
 from storage.progress import Progress
 
 from sandbox import netns as nets
+from sandbox.interrupts import undo_on_signals
 from sandbox.runsc import snapshot as rs
 from sandbox.cli.common import emit, human, json_option, one_line_errors, open_store
 
@@ -81,7 +82,7 @@ def runsc_checkpoint(ctx: click.Context, container: str, name: str, leave_runnin
                      runsc_args: tuple[str, ...], as_json: bool) -> None:
     """Checkpoint sandbox CONTAINER into snapshot NAME; on failure it keeps running."""
     st = open_store(ctx)
-    with Progress(f"runsc checkpoint {container}", ctx.obj["progress"]) as prog:
+    with undo_on_signals(), Progress(f"runsc checkpoint {container}", ctx.obj["progress"]) as prog:
         r = rs.checkpoint(st, container, name, runsc_args, leave_running=leave_running, replace=replace, progress=prog)
     emit(as_json, r.as_dict(), f"{name}: {human(r.raw_bytes)} of images, {human(r.new_bytes)} written, "
          f"{human(r.dedup_bytes)} deduplicated ({', '.join(f'{k} {v:.2f} s' for k, v in r.seconds.items())})")
@@ -102,7 +103,7 @@ def runsc_restore(ctx: click.Context, name: str, container: str, bundle: str, ou
     st = open_store(ctx, create=False)
     out = output or os.path.join(st.path, "logs", f"runsc-{container}.out")
     os.makedirs(os.path.dirname(out), mode=0o700, exist_ok=True)
-    with Progress(f"runsc restore {name}", ctx.obj["progress"]) as prog:
+    with undo_on_signals(), Progress(f"runsc restore {name}", ctx.obj["progress"]) as prog:
         r = rs.restore(st, name, container, bundle, runsc_args=runsc_args or None, output=out, progress=prog)
     emit(as_json, r.as_dict(), f"{container}: restored from {name}" + (f" at {r.address}" if r.address else ""))
 
