@@ -25,7 +25,7 @@ from storage.errors import GpusnapError
 from sandbox.journal import Proc
 
 THP_ENABLED = "/sys/kernel/mm/transparent_hugepage/enabled"
-RECORD_DIR = "/run/gpusnap"
+RECORD_DIR = os.environ.get("GPUSNAP_RUN_DIR", "/run/gpusnap")  # env: tests, or a machine without /run
 
 
 class HugePagesError(GpusnapError):

@@ -1,0 +1,315 @@
+"""gpusnap killed (SIGKILL) or stopped (SIGTERM) at every stage of a dump or checkpoint, with real CRIU
+and real runsc: the workload runs on with its state intact, or the snapshot is committed and restores
+it; nothing is left in staging, the store's tmp/ or /dev/shm. The stages are reached exactly through
+the test hook GPUSNAP_TEST_PAUSE=STAGE:FILE (gpusnap writes FILE and waits until it is removed); the
+stage inside runsc's checkpoint through a runsc wrapper that waits after the real checkpoint."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import GPUSNAP, REPO, Cli, pythonpath
+from test_criu import Tree, healthy
+from test_runsc import U, env, lines, start_counter, wait_lines  # noqa: F401 - env is a fixture
+
+pytestmark = pytest.mark.root
+STAGES = ["before-dump", "dumping", "ingest", "before-commit", "after-commit"]
+SIGNALS = [signal.SIGKILL, signal.SIGTERM]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def need_root() -> None:
+    if os.geteuid() != 0:
+        pytest.skip("CRIU and runsc need root")
+
+
+class Paused:
+    """A gpusnap command started with the pause hook at STAGE, waiting there."""
+
+    def __init__(self, store: Path, args: list[str], stage: str, tmp: Path, path_prefix: str | None = None) -> None:
+        self.store = store
+        self.file = tmp / f"pause-{stage}"
+        env = {**os.environ, "PYTHONPATH": pythonpath(), "GPUSNAP_TEST_PAUSE": f"{stage}:{self.file}"}
+        if path_prefix:
+            env["PATH"] = f"{path_prefix}:{env['PATH']}"
+        self.proc = subprocess.Popen([*GPUSNAP, "--store", str(store), *args, "--json"], stdin=subprocess.DEVNULL,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO,
+                                     start_new_session=True)
+        deadline = time.monotonic() + 120
+        while not self.file.exists():
+            if self.proc.poll() is not None:
+                raise AssertionError(f"gpusnap ended before {stage}: {self.proc.communicate()}")
+            assert time.monotonic() < deadline, f"gpusnap never reached {stage}"
+            time.sleep(0.02)
+        recs = [json.loads(p.read_text()) for p in (store / "journal").glob("*.json")]
+        assert len(recs) == 1, recs
+        self.record = recs[0]
+
+    def stop(self, sig: int) -> subprocess.CompletedProcess[str]:
+        """Send SIG, then release whatever still waits at the pause (CRIU's action script, the runsc
+        wrapper, or gpusnap's own undo path waiting for them); gpusnap's exit."""
+        os.kill(self.proc.pid, sig)
+        if sig == signal.SIGKILL:
+            self.proc.wait()
+        time.sleep(0.2)
+        self.file.unlink()
+        out, err = self.proc.communicate(timeout=180)
+        return subprocess.CompletedProcess(self.proc.args, self.proc.returncode, out, err)
+
+
+def assert_nothing_left(store: Path, staging: str) -> None:
+    assert not os.path.exists(staging), f"staging {staging} left behind"
+    assert list((store / "tmp").iterdir()) == [], "temporary store files left behind"
+    assert list((store / "journal").glob("*")) == [], "journal records left behind"
+
+
+def expect_exit(sig: int, stage: str, r: subprocess.CompletedProcess[str]) -> None:
+    if sig == signal.SIGKILL:
+        assert r.returncode == -signal.SIGKILL
+    elif stage == "after-commit":  # a signal after the commit only hurries the end: the dump succeeded
+        assert r.returncode == 0, r.stderr
+    else:
+        assert r.returncode == 128 + signal.SIGTERM and "SIGTERM" in r.stderr, (r.returncode, r.stderr)
+
+
+def wait_dead(tree: Tree, timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while tree.alive() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not tree.alive()
+
+
+@pytest.mark.parametrize("sig", SIGNALS, ids=["kill9", "term"])
+@pytest.mark.parametrize("stage", STAGES)
+def test_criu_dump_interrupted(stage: str, sig: int, tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    cli = Cli(store)
+    tree = Tree(mb=16, detached=True)
+    try:
+        c0 = tree.report()["counter"]
+        p = Paused(store, ["criu", "dump", str(tree.pid), "snap"], stage, tmp_path)
+        staging = p.record["staging"]
+        assert p.record["kind"] == "criu-dump" and {x["pid"] for x in p.record["procs"]} == {tree.pid, tree.child}
+        r = p.stop(sig)
+        expect_exit(sig, stage, r)
+        if sig == signal.SIGKILL:
+            assert cli.run("criu", "dump", str(tree.pid), "other", check=False).returncode == 5, \
+                "a state-changing command must refuse while an interrupted operation waits"
+            rec = cli.json("recover")
+            assert rec["ok"] and len(rec["operations"]) == 1, rec
+            assert rec["operations"][0]["stage"] != "started" or stage == "before-dump"
+        else:
+            assert cli.json("recover") == {"ok": True, "operations": [], "thp_put_back": []}
+        assert_nothing_left(store, staging)
+        if stage == "after-commit":
+            wait_dead(tree)  # killed only now that the snapshot is committed
+            assert cli.json("store", "verify", "snap")["ok"]
+            cli.json("criu", "restore", "snap")
+        else:
+            assert cli.json("store", "ls") == []
+        after = tree.report()
+        assert healthy(after) and after["pid"] == tree.pid, after
+        assert after["counter"] >= c0, "the counter continues from its value"
+    finally:
+        tree.kill()
+
+
+RUNSC_WRAPPER = """\
+#!/bin/sh
+# runsc as usual, except that `checkpoint` waits after the real checkpoint until {pause} is removed
+for a in "$@"; do
+  if [ "$a" = checkpoint ]; then
+    {real} "$@"; rc=$?
+    echo $$ > {pause}.tmp && mv {pause}.tmp {pause}
+    while [ -e {pause} ]; do sleep 0.05; done
+    exit $rc
+  fi
+done
+exec {real} "$@"
+"""
+
+
+def _counting(out: Path) -> list[int]:
+    ls = lines(out)
+    nums = [int(l[0]) for l in ls]
+    assert nums == list(range(nums[0], nums[0] + len(nums))), "the counter must continue without a gap or a restart"
+    assert len({l[1] for l in ls}) == 1, "in-memory data changed"
+    return nums
+
+
+@pytest.mark.parametrize("sig", SIGNALS, ids=["kill9", "term"])
+@pytest.mark.parametrize("stage", STAGES)
+def test_runsc_checkpoint_interrupted(stage: str, sig: int, tmp_path: Path, env: dict, cli: Cli, store_dir: Path) -> None:
+    import shutil
+    cid = U(f"k{STAGES.index(stage)}{sig}")
+    bundle, out = start_counter(cli, env, cid)
+    wrapper_dir = None
+    if stage == "dumping":
+        wrapper_dir = tmp_path / "bin"
+        wrapper_dir.mkdir()
+        w = wrapper_dir / "runsc"
+        w.write_text(RUNSC_WRAPPER.format(real=shutil.which("runsc"), pause=tmp_path / "pause-dumping"))
+        w.chmod(0o755)
+    p = Paused(store_dir, ["runsc", "checkpoint", cid, "snap", *env["args"], "--runsc-arg=--network=none"], stage,
+               tmp_path, str(wrapper_dir) if wrapper_dir else None)
+    staging = p.record["staging"]
+    r = p.stop(sig)
+    expect_exit(sig, stage, r)
+    if sig == signal.SIGKILL:
+        rec = cli.json("recover")
+        assert rec["ok"] and len(rec["operations"]) == 1, rec
+    else:
+        assert cli.json("recover")["operations"] == []
+    assert_nothing_left(store_dir, staging)
+    if stage == "after-commit":  # committed: the sandbox stays stopped, as asked, and the snapshot restores it
+        before = lines(out)
+        time.sleep(0.5)
+        assert lines(out) == before
+        out2 = tmp_path / "restored.out"
+        cid2 = U(f"r{STAGES.index(stage)}{sig}")
+        cli.json("runsc", "restore", "snap", cid2, "--bundle", str(bundle), "--output", str(out2))
+        env["made"].append((cid2, env["args"]))
+        after = wait_lines(out2, 3)
+        assert int(after[0][0]) == int(before[-1][0]) + 1 and after[0][1] == before[-1][1]
+    else:
+        assert cli.json("store", "ls") == []
+        n = len(lines(out))
+        wait_lines(out, n + 3)  # running again (restarted from the staged checkpoint where it had stopped)
+        _counting(out)
+
+
+def _processes_mentioning(text: str) -> list[str]:
+    found = []
+    for n in os.listdir("/proc"):
+        if n.isdigit() and int(n) != os.getpid():
+            try:
+                cmd = Path(f"/proc/{n}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if text.encode() in cmd:
+                found.append(cmd.replace(b"\0", b" ").decode(errors="replace"))
+    return found
+
+
+def test_hanging_runsc_is_timed_out_and_leaves_nothing(tmp_path: Path, env: dict) -> None:
+    """A runsc whose `run` starts the sandbox for real and then hangs: after the timeout the command's
+    group, the container and its sandbox and gofer processes (re-parented to init) are all gone."""
+    import shutil
+    from sandbox.runsc.runner import Runsc, RunscError
+    root = env["args"][0].split("=", 2)[2]
+    wrapper = tmp_path / "runsc"
+    wrapper.write_text(f"#!/bin/sh\n{shutil.which('runsc')} \"$@\"\nwhile :; do sleep 1; done\n")
+    wrapper.chmod(0o755)
+    cid = U("hang")
+    bundle = tmp_path / "bundle"
+    env["build"](str(bundle), [sys.executable, "-c", "import time; time.sleep(600)"])
+    r = Runsc([f"--root={root}", "--platform=ptrace", "--network=none"], binary=str(wrapper), timeout=8)
+    with open(tmp_path / "out", "ab") as f, pytest.raises(RunscError, match="did not finish within 8 s"):
+        r.run(cid, str(bundle), stdout=f, stderr=f)
+    assert _processes_mentioning(str(wrapper)) == [], "the hung runsc command's group must be gone"
+    assert _processes_mentioning(root) == [], "runsc-sandbox and runsc-gofer must be gone"
+    assert Runsc([f"--root={root}"]).state(cid) is None, "the container must be deleted"
+
+
+def test_thp_put_back_after_kill(tmp_path: Path) -> None:
+    """thp() records the value before switching; a kill -9 inside the block leaves the record, and
+    `gpusnap recover` puts the value back and removes it (a file stands in for the sysfs setting)."""
+    setting = tmp_path / "enabled"
+    setting.write_text("always [madvise] never\n")
+    rundir = tmp_path / "run"
+    ready = tmp_path / "ready"
+    prog = textwrap.dedent(f"""
+        import os, time
+        from sandbox.gpu.hugepages import thp
+        with thp("always", path={str(setting)!r}, record_dir={str(rundir)!r}):
+            open({str(ready)!r}, "w").close()
+            time.sleep(600)
+    """)
+    p = subprocess.Popen([sys.executable, "-c", prog], env={**os.environ, "PYTHONPATH": pythonpath()})
+    deadline = time.monotonic() + 30
+    while not ready.exists():
+        assert time.monotonic() < deadline and p.poll() is None
+        time.sleep(0.02)
+    assert setting.read_text() == "always"
+    assert len(list(rundir.iterdir())) == 1
+    p.kill()
+    p.wait()
+    cli = Cli(tmp_path / "store")
+    cli.run("store", "ls")  # makes the store
+    rep = json.loads(cli.run("recover", "--json", env={"GPUSNAP_RUN_DIR": str(rundir)}).stdout)
+    assert rep["thp_put_back"] == [{"path": str(setting), "value": "madvise"}]
+    assert setting.read_text() == "madvise" and list(rundir.iterdir()) == []
+
+
+def test_thp_record_removed_after_a_normal_block(tmp_path: Path) -> None:
+    from sandbox.gpu.hugepages import put_back, thp
+    setting = tmp_path / "enabled"
+    setting.write_text("always [madvise] never\n")
+    with thp("always", path=str(setting), record_dir=str(tmp_path / "run")):
+        assert setting.read_text() == "always"
+        assert put_back(str(tmp_path / "run")) == [], "a live owner's record is not touched"
+    assert setting.read_text() == "madvise" and list((tmp_path / "run").iterdir()) == []
+
+
+GPU_DUMP = """
+import sys
+sys.path.insert(0, {tests!r})
+from file_standin import FileStandIn
+from sandbox.criu.snapshot import criu_dump
+from sandbox.gpu.driver import Features
+from storage.store import SnapshotStore
+criu_dump(SnapshotStore({store!r}), {pid}, "g", gpu_driver=FileStandIn({state!r}),
+          features=Features(checkpoint_api=True, custom_storage=False))
+"""
+
+
+@pytest.mark.parametrize("stage", ["before-dump", "ingest", "before-commit"])
+def test_gpu_dump_killed_then_recovered(stage: str, tmp_path: Path) -> None:
+    """The driver-stand-in variant: the tree's two processes are CUDA processes (a file-backed stand-in,
+    host-staged path); gpusnap is killed -9 with them CHECKPOINTED (and the tree stopped by CRIU):
+    recovery resumes the tree and restores and unlocks their GPU memory, byte-exact."""
+    import random
+    from file_standin import FileStandIn
+    from sandbox.gpu.driver import ProcessState
+    from sandbox.recover import recover
+    from storage.store import SnapshotStore
+    tree = Tree(mb=16, detached=True)
+    try:
+        state = str(tmp_path / "driver.json")
+        d = FileStandIn(state)
+        before = {pid: random.Random(pid).randbytes(64 << 10) for pid in (tree.pid, tree.child)}
+        for pid, data in before.items():
+            d.add(pid, data)
+        store = tmp_path / "store"
+        pause = tmp_path / "pause"
+        prog = GPU_DUMP.format(tests=str(REPO / "tests"), store=str(store), pid=tree.pid, state=state)
+        env = {**os.environ, "PYTHONPATH": pythonpath(), "GPUSNAP_TEST_PAUSE": f"{stage}:{pause}",
+               "GPUSNAP_RUN_DIR": str(tmp_path / "run")}
+        p = subprocess.Popen([sys.executable, "-c", prog], env=env, start_new_session=True)
+        deadline = time.monotonic() + 120
+        while not pause.exists():
+            assert p.poll() is None and time.monotonic() < deadline, "the dump did not reach the pause"
+            time.sleep(0.02)
+        assert {FileStandIn(state).get_state(x) for x in before} == {ProcessState.CHECKPOINTED}
+        staging = json.loads(next((store / "journal").glob("*.json")).read_text())["staging"]
+        p.kill()
+        p.wait()
+        pause.unlink()
+        rep = recover(SnapshotStore(str(store), create=False), gpu_driver=lambda: FileStandIn(state),
+                      thp_record_dir=str(tmp_path / "run"))
+        assert rep.ok, rep.as_dict()
+        d = FileStandIn(state)
+        assert all(d.get_state(x) == ProcessState.RUNNING for x in before)
+        assert {x: bytes(d.procs[x].gpu) for x in before} == before
+        assert_nothing_left(store, staging)
+        assert healthy(tree.report())
+    finally:
+        tree.kill()
