@@ -313,3 +313,42 @@ def test_gpu_dump_killed_then_recovered(stage: str, tmp_path: Path) -> None:
         assert healthy(tree.report())
     finally:
         tree.kill()
+
+
+def test_criu_without_privilege_says_so_and_keeps_its_log(tmp_path: Path) -> None:
+    """CRIU run without root or CAP_CHECKPOINT_RESTORE (setpriv to nobody) exits before writing its log:
+    the error says what is missing, the tree runs on, and the log it points at exists and holds CRIU's words."""
+    import re
+    import shutil
+    from sandbox.criu.runner import Criu, CriuError, find_criu
+    from sandbox.criu.snapshot import criu_dump
+    from storage.store import SnapshotStore
+    if not shutil.which("setpriv"):
+        pytest.skip("setpriv (util-linux) is needed to drop privileges")
+    wrapper = tmp_path / "criu"
+    wrapper.write_text(f"#!/bin/sh\nexec setpriv --reuid=65534 --regid=65534 --clear-groups --inh-caps=-all "
+                       f"{find_criu()} \"$@\"\n")
+    wrapper.chmod(0o755)
+    tree = Tree(mb=4, detached=True)
+    try:
+        with pytest.raises(CriuError) as ei:
+            criu_dump(SnapshotStore(str(tmp_path / "store")), tree.pid, "np", criu=Criu(str(wrapper)))
+        msg = str(ei.value)
+        assert "needs root or the CAP_CHECKPOINT_RESTORE capability" in msg, msg
+        log = re.search(r"\(log: (\S+)\)$", msg).group(1)
+        assert os.path.exists(log) and "CAP_CHECKPOINT_RESTORE" in Path(log).read_text()
+        assert healthy(tree.report())
+    finally:
+        tree.kill()
+
+
+def test_criu_error_names_the_cause_not_its_consequence(tmp_path: Path) -> None:
+    """CRIU's log when it may not seize a task: the warning that says why comes before the first Error line
+    (lines as CRIU 4.1.1 wrote them for `dump -t 1` here)."""
+    from sandbox.criu.runner import _strip_prefix, explain
+    log = tmp_path / "dump.log"
+    log.write_text("(00.108052) Error (criu/util.c:1533): rlimit: Can't setup RLIMIT_NOFILE for self: Operation not permitted\n"
+                   "(00.108771) Warn  (compel/src/lib/infect.c:133): Unable to interrupt task: 1 (Operation not permitted)\n"
+                   "(00.108796) Error (compel/src/lib/infect.c:418): Unable to detach from 1: No such process\n"
+                   "(00.108804) Error (criu/cr-dump.c:2111): Dumping FAILED.\n")
+    assert _strip_prefix(explain(str(log))[0]) == "Unable to interrupt task: 1 (Operation not permitted)"

@@ -2,8 +2,8 @@
 
 Guarantees kept here: CRIU runs in its own session (a Ctrl-C on gpusnap's terminal does not reach
 it); a timeout or an exception while it runs ends its whole process group, so nothing it started is
-left running; the log a failure points at exists (CRIU's stderr is written there when CRIU exited
-before opening it, as it does when it lacks the capabilities it needs).
+left running; the log a failure points at exists and holds what CRIU printed too (where CRIU says
+that it lacks the capabilities it needs).
 """
 from __future__ import annotations
 
@@ -130,14 +130,14 @@ class Criu:
             raise CriuError(f"criu {what} did not finish within {timeout:g} s (stopped)") from None
         run = CriuRun(full, log_path, p.returncode)
         if p.returncode != 0:
-            if not os.path.exists(log_path):  # CRIU exited before opening its log: keep what it said
-                with open(log_path, "w") as f:
-                    f.write(p.stderr)
-            run.log_tail = explain(log_path) or p.stderr.strip().splitlines()[-6:]
+            said = (p.stdout or "") + (p.stderr or "")
+            if said.strip():  # what CRIU printed rather than logged (e.g. missing capabilities) goes in the log too
+                with open(log_path, "a") as f:
+                    f.write("--- printed by criu ---\n" + said)
+            run.log_tail = explain(log_path) or said.strip().splitlines()[-6:]
             reason = _strip_prefix(run.log_tail[0]) if run.log_tail else f"exit {p.returncode}"
             if "CAP_CHECKPOINT_RESTORE" in reason:
-                reason = (f"it needs root or the CAP_CHECKPOINT_RESTORE capability (gpusnap runs as uid "
-                          f"{os.geteuid()} without it)")
+                reason = "it needs root or the CAP_CHECKPOINT_RESTORE capability, and ran without both"
             raise CriuError(f"criu {what} failed: {reason}", run.log_tail, log_path, what)
         return run
 
