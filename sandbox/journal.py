@@ -88,13 +88,7 @@ class Proc:
 
     def alive(self) -> bool:
         """The same process still exists (a zombie counts as gone)."""
-        if start_time(self.pid) != self.start:
-            return False
-        try:
-            with open(f"/proc/{self.pid}/stat") as f:
-                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-        except OSError:
-            return False
+        return start_time(self.pid) == self.start and _state(self.pid) not in ("Z", "gone")
 
     def signal(self, sig: int) -> bool:
         """Send SIG if this is still the same process; True if it was sent."""

@@ -7,6 +7,7 @@ import click
 
 from storage.progress import Progress
 
+from sandbox import journal
 from sandbox import netns as nets
 from sandbox.interrupts import undo_on_signals
 from sandbox.runsc import snapshot as rs
@@ -64,8 +65,10 @@ def runsc_run(ctx: click.Context, container: str, bundle: str, net_subnet: str |
     net = nets.NetConfig.for_sandbox(f"gpusnap-{container}", net_subnet) if net_subnet else None
     out = output or os.path.join(st.path, "logs", f"runsc-{container}.out")
     os.makedirs(os.path.dirname(out), mode=0o700, exist_ok=True)
-    rs.run(container, bundle, runsc_args, out, net, gpus=parse_gpus(gpus), gpu_agent=gpu_agent,
-           store_path=st.path, driver_version=nvproxy_driver_version)
+    journal.require_clean(st.path)
+    with undo_on_signals():
+        rs.run(container, bundle, runsc_args, out, net, gpus=parse_gpus(gpus), gpu_agent=gpu_agent,
+               store_path=st.path, driver_version=nvproxy_driver_version)
     click.echo(f"{container}: running" + (f" at {net.address} (netns {net.name})" if net else ""))
 
 
