@@ -352,3 +352,52 @@ def test_criu_error_names_the_cause_not_its_consequence(tmp_path: Path) -> None:
                    "(00.108796) Error (compel/src/lib/infect.c:418): Unable to detach from 1: No such process\n"
                    "(00.108804) Error (criu/cr-dump.c:2111): Dumping FAILED.\n")
     assert _strip_prefix(explain(str(log))[0]) == "Unable to interrupt task: 1 (Operation not permitted)"
+
+
+@pytest.mark.parametrize("stage", ["before-restore", "after-restore"])
+def test_criu_restore_killed(stage: str, tmp_path: Path) -> None:
+    """kill -9 of `criu restore` before CRIU runs (nothing started; the snapshot restores afterwards)
+    or after it (the restored tree runs on); recover removes the materialized images either way."""
+    store = tmp_path / "store"
+    cli = Cli(store)
+    tree = Tree(mb=8, detached=True)
+    try:
+        cli.json("criu", "dump", str(tree.pid), "r")
+        wait_dead(tree)
+        p = Paused(store, ["criu", "restore", "r"], stage, tmp_path)
+        staging = p.record["staging"]
+        assert p.stop(signal.SIGKILL).returncode == -signal.SIGKILL
+        assert cli.run("criu", "restore", "r", check=False).returncode == 5
+        rec = cli.json("recover")
+        assert rec["ok"] and rec["operations"][0]["kind"] == "criu-restore", rec
+        assert_nothing_left(store, staging)
+        if stage == "before-restore":
+            assert not tree.alive(), "no process may have started"
+            cli.json("criu", "restore", "r")
+        assert healthy(tree.report())
+    finally:
+        tree.kill()
+
+
+@pytest.mark.parametrize("stage", ["before-restore", "after-restore"])
+def test_runsc_restore_killed(stage: str, tmp_path: Path, env: dict, cli: Cli, store_dir: Path) -> None:
+    """kill -9 of `runsc restore` before runsc runs (no sandbox; a new restore works) or after it (the
+    restored sandbox runs on, counting from the checkpoint); recover removes the materialized images."""
+    cid = U(f"rk{stage[0]}")
+    bundle, out = start_counter(cli, env, cid)
+    cli.json("runsc", "checkpoint", cid, "s", *env["args"], "--runsc-arg=--network=none")
+    last = int(lines(out)[-1][0])
+    cid2 = U(f"rr{stage[0]}")
+    out2 = tmp_path / "restored.out"
+    env["made"].append((cid2, env["args"]))
+    p = Paused(store_dir, ["runsc", "restore", "s", cid2, "--bundle", str(bundle), "--output", str(out2)], stage, tmp_path)
+    staging = p.record["staging"]
+    assert p.stop(signal.SIGKILL).returncode == -signal.SIGKILL
+    rec = cli.json("recover")
+    assert rec["ok"] and rec["operations"][0]["kind"] == "runsc-restore", rec
+    assert_nothing_left(store_dir, staging)
+    if stage == "before-restore":
+        assert not out2.exists() or lines(out2) == [], "no sandbox may have started"
+        cli.json("runsc", "restore", "s", cid2, "--bundle", str(bundle), "--output", str(out2))
+    after = wait_lines(out2, 3)
+    assert int(after[0][0]) == last + 1

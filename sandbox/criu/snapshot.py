@@ -179,6 +179,7 @@ def criu_dump(store: SnapshotStore, pid: int, name: str, *, leave_running: bool 
     gpu_driver/features/device: the CheckpointDriver, its Features and the engine's Device (default:
     the real driver, probed, and GPU 0); tests pass stand-ins."""
     criu = criu or Criu()
+    journal.require_clean(store.path)
     opts = options or DumpOptions()
     opts = DumpOptions(**{**opts.__dict__, "leave_running": leave_running, "leave_stopped": not leave_running})
     try:
@@ -368,6 +369,7 @@ def criu_restore(store: SnapshotStore, name: str, *, staging: str | None = None,
     """Snapshot NAME back: images materialized (verified) into staging, `criu restore`, then the GPU
     state by the path that took it (the driver's host copy, or custom storage from the gpu/ streams)."""
     criu = criu or Criu()
+    journal.require_clean(store.path)
     with store.shared():
         m = store.load(name)
         if m.meta.get("kind") != "criu":
@@ -402,6 +404,7 @@ def _restore_from(store: SnapshotStore, m: Any, stage: str, report: CriuReport, 
     t0 = time.perf_counter()
     shell_job = "--shell-job" in m.meta.get("options", [])
     pidfile = os.path.join(stage, "restored.pid")
+    journal.pause("before-restore")
     op.advance(Stage.DUMPING)
     try:
         criu.restore(images, detach=True, shell_job=shell_job, pidfile=pidfile)
@@ -411,6 +414,7 @@ def _restore_from(store: SnapshotStore, m: Any, stage: str, report: CriuReport, 
     with open(pidfile) as f:
         report.restored_pid = int(f.read().strip())
     op.advance(Stage.DUMPED, procs=tuple(p for p in (journal.Proc.of(x) for x in report.pids) if p is not None))
+    journal.pause("after-restore")
     if report.cuda_pids:
         from sandbox.gpu.driver import CudaDriver
         t0 = time.perf_counter()

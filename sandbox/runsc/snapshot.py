@@ -205,6 +205,7 @@ def checkpoint(store: SnapshotStore, cid: str, name: str, runsc_args: Sequence[s
     """Sandbox CID into snapshot NAME: the GPU agent first where it is a GPU sandbox (custom storage
     into snapshot NAME.gpu, or the driver's host copy that runsc then saves), then `runsc checkpoint`
     and the ingest. A failure at any step leaves the sandbox running with its GPU state back."""
+    journal.require_clean(store.path)
     r = Runsc(runsc_args, log_dir=os.path.join(store.path, "logs"))
     st = r.state(cid)
     if st is None:
@@ -331,6 +332,7 @@ def _restart(r: Runsc, cid: str, bundle: str, images: str, net: nets.NetConfig |
 
 def restore(store: SnapshotStore, name: str, cid: str, bundle: str, *, runsc_args: Sequence[str] | None = None,
             output: str, progress: Any = None) -> RunscReport:
+    journal.require_clean(store.path)
     with store.shared():
         m = store.load(name)
         if m.meta.get("kind") != "runsc":
@@ -363,6 +365,7 @@ def restore(store: SnapshotStore, name: str, cid: str, bundle: str, *, runsc_arg
                     with open(os.path.join(bundle, NET_SIDECAR), "w") as f:
                         json.dump(net.as_dict(), f)
                 t0 = time.perf_counter()
+                journal.pause("before-restore")
                 op.advance(Stage.DUMPING)
                 with open(output, "ab") as out:
                     try:
@@ -371,6 +374,8 @@ def restore(store: SnapshotStore, name: str, cid: str, bundle: str, *, runsc_arg
                     except RunscError as e:
                         raise _with_reason(e, output) from None
                 report.seconds["runsc_restore"] = time.perf_counter() - t0
+                op.advance(Stage.DUMPED)
+                journal.pause("after-restore")
                 if gpu.get("agent_report", {}).get("cuda_pids"):
                     t0 = time.perf_counter()
                     _gpu_back(r, cid, gpu["agent_report"])
