@@ -18,12 +18,14 @@ recovery failed stays (the next `gpusnap recover` tries again) and the failure i
 """
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import shutil
 import signal
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from storage.store import SnapshotStore
 
@@ -75,6 +77,26 @@ def recover(store: SnapshotStore, *, gpu_driver: DriverFactory = _real_driver, h
     CheckpointDriver when a record names CUDA processes (tests pass a stand-in's factory)."""
     j = Journal(store.path)
     report = RecoverReport()
+    with _recover_lock(j):
+        _recover_all(store, j, report, gpu_driver, helper_wait_s)
+    report.thp_put_back = [{"path": r.path, "value": r.before} for r in hugepages.put_back(thp_record_dir)]
+    return report
+
+
+@contextmanager
+def _recover_lock(j: Journal) -> Iterator[None]:
+    """One recovery at a time per store (a second waits): no record is handled twice."""
+    os.makedirs(j.dir, mode=0o700, exist_ok=True)
+    fd = os.open(os.path.join(j.dir, "recover.lock"), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _recover_all(store: SnapshotStore, j: Journal, report: RecoverReport, gpu_driver: DriverFactory,
+                 helper_wait_s: float) -> None:
     for rec in j.unfinished():
         done = Recovered(rec.op, rec.kind.value, rec.snapshot, rec.stage.value)
         report.operations.append(done)
@@ -88,8 +110,6 @@ def recover(store: SnapshotStore, *, gpu_driver: DriverFactory = _real_driver, h
             done.error = str(e) or type(e).__name__
     for tmp in j.stale_temps():
         os.unlink(tmp)
-    report.thp_put_back = [{"path": r.path, "value": r.before} for r in hugepages.put_back(thp_record_dir)]
-    return report
 
 
 def _wait_for_helpers(rec: OpRecord, wait_s: float, done: Recovered) -> None:

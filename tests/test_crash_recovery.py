@@ -68,7 +68,8 @@ class Paused:
 def assert_nothing_left(store: Path, staging: str) -> None:
     assert not os.path.exists(staging), f"staging {staging} left behind"
     assert list((store / "tmp").iterdir()) == [], "temporary store files left behind"
-    assert list((store / "journal").glob("*")) == [], "journal records left behind"
+    left = [n.name for n in (store / "journal").iterdir() if n.name != "recover.lock"]
+    assert left == [], f"journal records left behind: {left}"
 
 
 def expect_exit(sig: int, stage: str, r: subprocess.CompletedProcess[str]) -> None:
@@ -401,3 +402,36 @@ def test_runsc_restore_killed(stage: str, tmp_path: Path, env: dict, cli: Cli, s
         cli.json("runsc", "restore", "s", cid2, "--bundle", str(bundle), "--output", str(out2))
     after = wait_lines(out2, 3)
     assert int(after[0][0]) == last + 1
+
+
+def test_recover_leaves_a_live_operation_alone(tmp_path: Path) -> None:
+    """`gpusnap recover` while a dump is in flight (its gpusnap alive, paused before the commit): nothing
+    is touched; the dump then completes normally."""
+    store = tmp_path / "store"
+    cli = Cli(store)
+    tree = Tree(mb=8, detached=True)
+    try:
+        p = Paused(store, ["criu", "dump", "--leave-running", str(tree.pid), "live"], "before-commit", tmp_path)
+        assert cli.json("recover")["operations"] == []
+        assert len(list((store / "journal").glob("*.json"))) == 1
+        p.file.unlink()
+        out, err = p.proc.communicate(timeout=120)
+        assert p.proc.returncode == 0, err
+        assert cli.json("store", "verify", "live")["ok"] and healthy(tree.report())
+    finally:
+        tree.kill()
+
+
+def test_a_reused_pid_is_never_signalled() -> None:
+    """Processes are named by pid and start time: a record's pid now held by another process is left alone."""
+    from sandbox.journal import Proc
+    p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        me = Proc.of(p.pid)
+        assert me is not None and me.alive()
+        assert not Proc(p.pid, me.start + 1).signal(signal.SIGKILL)
+        time.sleep(0.2)
+        assert p.poll() is None
+    finally:
+        p.kill()
+        p.wait()
