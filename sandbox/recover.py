@@ -201,9 +201,14 @@ def _runsc_checkpoint(store: SnapshotStore, rec: OpRecord, gpu_driver: DriverFac
     else:
         raise journal.JournalError(f"sandbox {cid!r} is {st.get('status') if st else 'gone'} and no staged "
                                    "checkpoint is there to restart it from")
-    if sb.get("gpu_report") and not committed:
-        _gpu_back(r, cid, sb["gpu_report"])
+    rep = sb.get("gpu_report")
+    if isinstance(rep, dict) and not committed:
+        _gpu_back(r, cid, rep)
         done.actions.append(f"GPU state of sandbox {cid!r} restored by its agent")
+        gpu_snap = rep.get("snapshot")
+        if isinstance(gpu_snap, str) and store.exists(gpu_snap):
+            store.remove(gpu_snap)  # the GPU part of a checkpoint that did not commit
+            done.actions.append(f"removed the uncommitted checkpoint's GPU snapshot {gpu_snap!r}")
 
 
 def _runsc_restore(store: SnapshotStore, rec: OpRecord, gpu_driver: DriverFactory, done: Recovered) -> None:
