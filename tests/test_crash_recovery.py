@@ -435,3 +435,20 @@ def test_a_reused_pid_is_never_signalled() -> None:
     finally:
         p.kill()
         p.wait()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGINT], ids=["hup", "int"])
+def test_criu_dump_hup_and_int_run_the_same_undo(sig: int, tmp_path: Path) -> None:
+    """SIGHUP (terminal closed) and SIGINT (Ctrl-C) with CRIU's images complete and the tree stopped:
+    gpusnap undoes the dump itself, as for SIGTERM."""
+    store = tmp_path / "store"
+    cli = Cli(store)
+    tree = Tree(mb=8, detached=True)
+    try:
+        p = Paused(store, ["criu", "dump", str(tree.pid), "s"], "ingest", tmp_path)
+        r = p.stop(sig)
+        assert r.returncode == 128 + sig and signal.Signals(sig).name in r.stderr, (r.returncode, r.stderr)
+        assert_nothing_left(store, p.record["staging"])
+        assert cli.json("store", "ls") == [] and healthy(tree.report())
+    finally:
+        tree.kill()

@@ -90,7 +90,7 @@ def _staging_base(store: SnapshotStore, need: int, prefer: str | None) -> str:
 def new_staging(store: SnapshotStore, need: int, prefer: str | None, op: journal.Op) -> str:
     """staging_dir for operation OP, named after it and recorded in its journal before it is made
     (so that recovery finds it whenever it exists)."""
-    path = os.path.join(_staging_base(store, need, prefer), f"gpusnap-op-{op.id}")
+    path = os.path.join(os.path.abspath(_staging_base(store, need, prefer)), f"gpusnap-op-{op.id}")
     op.advance(staging=path)
     os.mkdir(path, 0o700)
     return path
