@@ -452,3 +452,25 @@ def test_criu_dump_hup_and_int_run_the_same_undo(sig: int, tmp_path: Path) -> No
         assert cli.json("store", "ls") == [] and healthy(tree.report())
     finally:
         tree.kill()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("stage", ["before-dump", "ingest"])
+def test_real_gpu_dump_killed_then_recovered(stage: str, tmp_path: Path) -> None:
+    """On a GPU machine: a real CUDA process (scripts/gpu_workload.py) is locked and checkpointed by the
+    driver, gpusnap is killed -9 (before CRIU, or with CRIU done and the process stopped); `gpusnap
+    recover` resumes it and restores and unlocks its GPU memory, verified by the process itself."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    from workload_control import Workload
+    store = tmp_path / "store"
+    cli = Cli(store)
+    with Workload(float(os.environ.get("GPUSNAP_TEST_GB", "1")), seed=5, detached=True) as w:
+        p = Paused(store, ["criu", "dump", str(w.pid), "g"], stage, tmp_path)
+        assert p.record["cuda_pids"] == [w.pid] and p.record["stage"] == ("gpu-frozen" if stage == "before-dump" else "dumped")
+        assert p.stop(signal.SIGKILL).returncode == -signal.SIGKILL
+        rec = cli.json("recover")
+        assert rec["ok"], rec
+        assert any("GPU state resumed" in a for a in rec["operations"][0]["actions"]), rec
+        assert_nothing_left(store, p.record["staging"])
+        assert w.verify(), "the GPU memory must be intact after recovery"
+        assert cli.json("store", "ls") == []
