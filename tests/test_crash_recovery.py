@@ -207,7 +207,8 @@ def test_hanging_runsc_is_timed_out_and_leaves_nothing(tmp_path: Path, env: dict
     from sandbox.runsc.runner import Runsc, RunscError
     root = env["args"][0].split("=", 2)[2]
     wrapper = tmp_path / "runsc"
-    wrapper.write_text(f"#!/bin/sh\n{shutil.which('runsc')} \"$@\"\nwhile :; do sleep 1; done\n")
+    wrapper.write_text(f"#!/bin/sh\n{shutil.which('runsc')} \"$@\"\n"  # `run` hangs after starting the sandbox
+                       'case " $* " in *" run "*) while :; do sleep 1; done;; esac\n')
     wrapper.chmod(0o755)
     cid = U("hang")
     bundle = tmp_path / "bundle"
@@ -218,6 +219,7 @@ def test_hanging_runsc_is_timed_out_and_leaves_nothing(tmp_path: Path, env: dict
     assert _processes_mentioning(str(wrapper)) == [], "the hung runsc command's group must be gone"
     assert _processes_mentioning(root) == [], "runsc-sandbox and runsc-gofer must be gone"
     assert Runsc([f"--root={root}"]).state(cid) is None, "the container must be deleted"
+    assert [n for n in os.listdir(root) if cid in n] == [], "no state or lock file of the container may be left"
 
 
 def test_thp_put_back_after_kill(tmp_path: Path) -> None:
