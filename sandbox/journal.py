@@ -305,11 +305,15 @@ def pause_script(images_dir: str) -> str | None:
 
 def signal_group_of(pattern: str, sig: int = signal.SIGKILL) -> list[int]:
     """Processes whose command line contains PATTERN (a unique staging path): the helpers (CRIU,
-    runsc) an operation started. Sends SIG to each one's process group; returns their pids."""
+    runsc) an operation started. Sends SIG to the process group of each that leads its own (as
+    gpusnap starts them), else to the process alone; returns their pids."""
     found = helpers_of(pattern)
     for pid in found:
         try:
-            os.killpg(os.getpgid(pid), sig)
+            if os.getpgid(pid) == pid:
+                os.killpg(pid, sig)
+            else:
+                os.kill(pid, sig)
         except (ProcessLookupError, PermissionError):
             pass
     return found

@@ -476,3 +476,22 @@ def test_real_gpu_dump_killed_then_recovered(stage: str, tmp_path: Path) -> None
         assert_nothing_left(store, p.record["staging"])
         assert w.verify(), "the GPU memory must be intact after recovery"
         assert cli.json("store", "ls") == []
+
+
+def test_recover_ends_a_helper_that_does_not_finish(tmp_path: Path) -> None:
+    """gpusnap killed -9 while CRIU is inside the dump (held at post-dump by the test hook, which is
+    never released): `recover --wait 2` kills CRIU's process group, resumes the tree, removes staging."""
+    store = tmp_path / "store"
+    cli = Cli(store)
+    tree = Tree(mb=8, detached=True)
+    try:
+        p = Paused(store, ["criu", "dump", str(tree.pid), "h"], "dumping", tmp_path)
+        os.kill(p.proc.pid, signal.SIGKILL)
+        p.proc.wait()
+        rec = cli.json("recover", "--wait", "2")
+        assert rec["ok"] and any("killed helper" in a for a in rec["operations"][0]["actions"]), rec
+        assert _processes_mentioning(p.record["staging"]) == []
+        assert_nothing_left(store, p.record["staging"])
+        assert healthy(tree.report())
+    finally:
+        tree.kill()
