@@ -63,7 +63,7 @@ while True:
             time.sleep(0.01)
         rep = {"pid": os.getpid(), "memory_ok": hashlib.sha256(memory).hexdigest() == want,
                "file_offset": data.tell(), "pipe_ok": os.path.exists(os.path.join(d, f"child-{n}")),
-               "thread_ok": counter[0] > c0, "n": n}
+               "thread_ok": counter[0] > c0, "n": n, "counter": c0}
         time.sleep(0.05)
         rep["thread_ok"] = counter[0] > c0
         with open(os.path.join(d, "report.tmp"), "w") as f:

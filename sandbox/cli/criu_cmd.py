@@ -9,6 +9,7 @@ from sandbox.cli.common import emit, human, json_option, one_line_errors, open_s
 from sandbox.criu.runner import DumpOptions
 from sandbox.criu.snapshot import criu_dump, criu_restore
 from sandbox.containers.process_check import refuse_container_process
+from sandbox.interrupts import undo_on_signals
 
 
 
@@ -40,7 +41,7 @@ def criu_dump_cmd(ctx: click.Context, pid: int, name: str, leave_running: bool, 
     st = open_store(ctx)
     opts = DumpOptions(shell_job=shell_job, ext_unix_sk=ext_unix_sk, file_locks=file_locks,
                        link_remap=link_remap, tcp_established=tcp_established)
-    with Progress(f"criu dump {pid}", ctx.obj["progress"]) as prog:
+    with undo_on_signals(), Progress(f"criu dump {pid}", ctx.obj["progress"]) as prog:
         r = criu_dump(st, pid, name, leave_running=leave_running, options=opts, replace=replace,
                       staging=staging, progress=prog)
     emit(as_json, r.as_dict(), f"{name}: {len(r.pids)} process(es), {len(r.cuda_pids)} with CUDA; "
@@ -57,7 +58,7 @@ def criu_dump_cmd(ctx: click.Context, pid: int, name: str, leave_running: bool, 
 def criu_restore_cmd(ctx: click.Context, name: str, staging: str | None, as_json: bool) -> None:
     """Restore snapshot NAME (verified before any process starts); GPU state is restored and unlocked."""
     st = open_store(ctx, create=False)
-    with Progress(f"criu restore {name}", ctx.obj["progress"]) as prog:
+    with undo_on_signals(), Progress(f"criu restore {name}", ctx.obj["progress"]) as prog:
         r = criu_restore(st, name, staging=staging, progress=prog)
     emit(as_json, r.as_dict(), f"{name}: restored, root pid {r.restored_pid} "
          f"({', '.join(f'{k} {v:.2f} s' for k, v in r.seconds.items())})")

@@ -9,7 +9,9 @@ import click
 from storage.errors import UnavailableError
 from storage.progress import Progress
 
+from sandbox import journal
 from sandbox import netns as nets
+from sandbox.interrupts import undo_on_signals
 from sandbox.runsc import snapshot as rs
 from sandbox.runsc.records import check_id
 from sandbox.runsc.snapshot import check_bundle
@@ -77,8 +79,10 @@ def runsc_run(ctx: click.Context, container: str, bundle: str, net_subnet: str |
     net = nets.NetConfig.for_sandbox(f"gpusnap-{container}", net_subnet) if net_subnet else None
     out = output or os.path.join(st.path, "logs", f"runsc-{container}.out")
     os.makedirs(os.path.dirname(out), mode=0o700, exist_ok=True)
-    rs.run(container, bundle, runsc_args, out, net, gpus=parse_gpus(gpus), gpu_agent=gpu_agent,
-           driver_version=nvproxy_driver_version)
+    journal.require_clean(st.path)
+    with undo_on_signals():
+        rs.run(container, bundle, runsc_args, out, net, gpus=parse_gpus(gpus), gpu_agent=gpu_agent,
+               driver_version=nvproxy_driver_version)
     click.echo(f"{container}: running" + (f" at {net.address} (netns {net.name})" if net else "")
                + f"; output goes to {os.path.abspath(out)}")
 
@@ -97,7 +101,7 @@ def runsc_checkpoint(ctx: click.Context, container: str, name: str, leave_runnin
                      runsc_args: tuple[str, ...], as_json: bool) -> None:
     """Checkpoint sandbox CONTAINER into snapshot NAME; on failure it keeps running."""
     st = open_store(ctx)
-    with Progress(f"runsc checkpoint {container}", ctx.obj["progress"]) as prog:
+    with undo_on_signals(), Progress(f"runsc checkpoint {container}", ctx.obj["progress"]) as prog:
         r = rs.checkpoint(st, container, name, runsc_args, leave_running=leave_running, replace=replace, progress=prog)
     emit(as_json, r.as_dict(), f"{name}: {human(r.raw_bytes)} of images, {human(r.new_bytes)} written, "
          f"{human(r.dedup_bytes)} deduplicated ({', '.join(f'{k} {v:.2f} s' for k, v in r.seconds.items())})")
@@ -120,7 +124,7 @@ def runsc_restore(ctx: click.Context, name: str, container: str, bundle: str, ou
     st = open_store(ctx, create=False)
     out = output or os.path.join(st.path, "logs", f"runsc-{container}.out")
     os.makedirs(os.path.dirname(out), mode=0o700, exist_ok=True)
-    with Progress(f"runsc restore {name}", ctx.obj["progress"]) as prog:
+    with undo_on_signals(), Progress(f"runsc restore {name}", ctx.obj["progress"]) as prog:
         r = rs.restore(st, name, container, bundle, runsc_args=runsc_args or None, output=out, progress=prog)
     moved = (f"; the checkpointed sandbox wrote to {r.recorded_output} (--output to continue there)"
              if r.recorded_output and r.recorded_output != r.output and r.recorded_output.isprintable() else "")

@@ -124,9 +124,9 @@ def import_runc(store: SnapshotStore, image_dir: str, name: str, *, replace: boo
         raise ArchiveError(f"{path}: not a directory (a runc checkpoint is the --image-path directory)")
     if not os.path.exists(os.path.join(path, "inventory.img")):
         raise ArchiveError(f"{path}: no inventory.img; not a CRIU image directory")
-    source = FileTreeSource([path])
     meta = {"kind": CheckpointKind.RUNC.value, "source": path, "root": os.path.basename(path)}
-    res = _put(store, name, source, meta, replace, progress)
+    with FileTreeSource([path]) as source:
+        res = _put(store, name, source, meta, replace, progress)
     return Moved(name, CheckpointKind.RUNC, path, res.raw_bytes, res.stored_bytes, res.seconds)
 
 

@@ -4,6 +4,11 @@ gpusnap's own CRIU calls never read a CRIU configuration file (`--no-default-con
 CRIU_CONFIG_FILE, which CRIU reads even then, is dropped from its environment), so an `action-script`
 installed there for runc or Podman does not run on top of gpusnap's own GPU handling; OWN_CALL_ENV is
 set in CRIU's environment too, and the action script steps aside when it sees it.
+
+Guarantees kept here: CRIU runs in its own session (a Ctrl-C on gpusnap's terminal does not reach
+it); a timeout or an exception while it runs ends its whole process group, so nothing it started is
+left running; the log a failure points at exists and holds what CRIU printed too (where CRIU says
+that it lacks the capabilities it needs).
 """
 from __future__ import annotations
 
@@ -15,6 +20,8 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from storage.errors import EXIT_UNAVAILABLE, GpusnapError
+
+from sandbox.procgroup import run_group
 
 REPO_CRIU = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), ".cache", "criu", "bin", "criu")
 MIN_MAJOR = 4
@@ -111,6 +118,7 @@ def find_criu() -> str | None:
 @dataclass(frozen=True)
 class DumpOptions:
     leave_running: bool = False
+    leave_stopped: bool = False   # the tree stays there, stopped, until the caller kills or resumes it
     shell_job: bool = False
     ext_unix_sk: bool = False
     file_locks: bool = False
@@ -121,7 +129,8 @@ class DumpOptions:
 
     def argv(self) -> list[str]:
         a = []
-        for flag, on in (("--leave-running", self.leave_running), ("--shell-job", self.shell_job),
+        for flag, on in (("--leave-running", self.leave_running), ("--leave-stopped", self.leave_stopped),
+                         ("--shell-job", self.shell_job),
                          ("--ext-unix-sk", self.ext_unix_sk), ("--file-locks", self.file_locks),
                          ("--link-remap", self.link_remap), ("--tcp-established", self.tcp_established)):
             if on:
@@ -141,19 +150,23 @@ class CriuRun:
 
 # CRIU's own noise that says nothing about why it failed (printed when run as root, and harmless)
 _NOISE = ("RLIMIT_NOFILE",)
+# lines that name the cause where CRIU's first Error line names only a consequence (e.g. the warning
+# "Unable to interrupt task: 1 (Operation not permitted)" before "Error: Unable to detach from 1")
+_CAUSES = ("Unable to interrupt task", "Unable to seize", "CAP_CHECKPOINT_RESTORE")
 
 
 def explain(log_path: str, n: int = 6) -> list[str]:
-    """The lines of a CRIU log that explain a failure: its error lines in order (the first is the
-    most specific), else the last lines."""
+    """The lines of a CRIU log that explain a failure: a line naming a known cause first, then its
+    error lines in order (the first is the most specific), else the last lines."""
     try:
         with open(log_path, errors="replace") as f:
             lines = [l.rstrip() for l in f]
     except OSError:
         return []
+    causes = [l for l in lines if any(c in l for c in _CAUSES)]
     errs = [l for l in lines if ("Error" in l or "error" in l or "Can't" in l or "can't" in l)
-            and not any(x in l for x in _NOISE)]
-    return errs[:n] if errs else lines[-n:]
+            and not any(x in l for x in _NOISE) and l not in causes]
+    return (causes + errs)[:n] if causes or errs else lines[-n:]
 
 
 class Criu:
@@ -170,14 +183,20 @@ class Criu:
     def _run(self, argv: Sequence[str], log_path: str, what: str, timeout: float) -> CriuRun:
         full = [self.binary, *argv, "--no-default-config", "-v4", "-o", log_path]
         try:
-            p = subprocess.run(full, capture_output=True, text=True, timeout=timeout, env=own_call_env())
+            p = run_group(full, timeout, env=own_call_env())
         except subprocess.TimeoutExpired:
-            raise CriuError(f"criu {what} did not finish within {timeout:g} s") from None
+            raise CriuError(f"criu {what} did not finish within {timeout:g} s (stopped)") from None
         run = CriuRun(full, log_path, p.returncode)
         if p.returncode != 0:
-            run.log_tail = explain(log_path) or p.stderr.strip().splitlines()[-6:]
-            reason = run.log_tail[0] if run.log_tail else f"exit {p.returncode}"
-            raise CriuError(f"criu {what} failed: {_strip_prefix(reason)}", run.log_tail, log_path, what)
+            said = (p.stdout or "") + (p.stderr or "")
+            if said.strip():  # what CRIU printed rather than logged (e.g. missing capabilities) goes in the log too
+                with open(log_path, "a") as f:
+                    f.write("--- printed by criu ---\n" + said)
+            run.log_tail = explain(log_path) or said.strip().splitlines()[-6:]
+            reason = _strip_prefix(run.log_tail[0]) if run.log_tail else f"exit {p.returncode}"
+            if "CAP_CHECKPOINT_RESTORE" in reason:
+                reason = "it needs root or the CAP_CHECKPOINT_RESTORE capability, and ran without both"
+            raise CriuError(f"criu {what} failed: {reason}", run.log_tail, log_path, what)
         return run
 
     def dump(self, pid: int, images_dir: str, opts: DumpOptions = DumpOptions(), timeout: float = 3600) -> CriuRun:
@@ -207,4 +226,4 @@ class Criu:
 
 def _strip_prefix(line: str) -> str:
     # "(00.012345) Error (criu/cr-dump.c:1234): msg" -> "msg"
-    return re.sub(r"^\(\s*[\d.]+\)\s*(?:\d+:\s*)?(?:Error\s*\([^)]*\):\s*)?", "", line).strip()
+    return re.sub(r"^\(\s*[\d.]+\)\s*(?:\d+:\s*)?(?:(?:Error|Warn)\s*\([^)]*\):\s*)?", "", line).strip()

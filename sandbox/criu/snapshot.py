@@ -8,14 +8,19 @@ materializes the verified images into staging and runs `criu restore` on them. C
 image-streamer protocol is not used (criu-image-streamer is not packaged for Debian 12).
 
 Guarantees kept here:
-- a failed dump (the GPU lock/checkpoint, CRIU itself, or the ingest) leaves every process running,
-  GPU state restored and unlocked; if CRIU had already killed the tree, it is restored from staging;
+- the tree is killed only after its snapshot is committed: CRIU dumps with --leave-stopped, the
+  snapshot commits, then gpusnap kills the stopped tree (pid and start time checked);
+- a failed or interrupted dump (the GPU lock/checkpoint, CRIU itself, the ingest, SIGTERM/SIGHUP/
+  SIGINT) leaves every process running, GPU state restored and unlocked, staging removed;
+- every step is in the operation journal before it starts, so that if gpusnap itself dies,
+  `gpusnap recover` resumes the stopped tree (or, when the snapshot committed, finishes the kill);
 - a damaged snapshot is refused before any process is started (get verifies every chunk first).
 """
 from __future__ import annotations
 
 import os
 import shutil
+import signal
 import tempfile
 import threading
 import time
@@ -27,10 +32,13 @@ from storage.filetree import FileTreeSink
 from storage.follow import FollowedDirSource
 from storage.store import SnapshotStore
 
+from sandbox import journal
 from sandbox.criu.runner import Criu, CriuError, DumpOptions
 from sandbox.gpu.processes import process_tree, uses_gpu
 from sandbox.gpu.state import GpuPath
 from sandbox.snapshot_meta import CriuMeta
+from sandbox.interrupts import Interrupted
+from sandbox.journal import OpKind, Stage
 
 
 from storage.errors import GpusnapError
@@ -70,13 +78,24 @@ def _rss_bytes(pids: list[int]) -> int:
 
 def staging_dir(store: SnapshotStore, need: int, prefer: str | None = None) -> str:
     """A fresh private directory for CRIU images: PREFER, else /dev/shm when NEED fits twice, else the store's tmp/."""
+    return tempfile.mkdtemp(prefix="gpusnap-criu-", dir=_staging_base(store, need, prefer))
+
+
+def _staging_base(store: SnapshotStore, need: int, prefer: str | None) -> str:
     if prefer:
-        base = prefer
-    elif os.path.isdir("/dev/shm") and shutil.disk_usage("/dev/shm").free > 2 * need + (256 << 20):
-        base = "/dev/shm"
-    else:
-        base = store.tmp_dir
-    return tempfile.mkdtemp(prefix="gpusnap-criu-", dir=base)
+        return prefer
+    if os.path.isdir("/dev/shm") and shutil.disk_usage("/dev/shm").free > 2 * need + (256 << 20):
+        return "/dev/shm"
+    return store.tmp_dir
+
+
+def new_staging(store: SnapshotStore, need: int, prefer: str | None, op: journal.Op) -> str:
+    """staging_dir for operation OP, named after it and recorded in its journal before it is made
+    (so that recovery finds it whenever it exists)."""
+    path = os.path.join(os.path.abspath(_staging_base(store, need, prefer)), f"gpusnap-op-{op.id}")
+    op.advance(staging=path)
+    os.mkdir(path, 0o700)
+    return path
 
 
 class _GpuSide:
@@ -151,13 +170,15 @@ def criu_dump(store: SnapshotStore, pid: int, name: str, *, leave_running: bool 
               lock_timeout_s: float = 10.0, progress: Any = None, criu: Criu | None = None,
               gpu_driver: Any = None, features: Any = None, device: Any = None) -> CriuReport:
     """The tree at PID into snapshot NAME: GPU state first (custom storage or the driver's host copy,
-    as the probe says), then CRIU, its page images ingested as they are written.
+    as the probe says), then CRIU (the tree left stopped), its page images ingested as they are
+    written, the commit, and only then the kill (unless leave_running).
 
     gpu_driver/features/device: the CheckpointDriver, its Features and the engine's Device (default:
     the real driver, probed, and GPU 0); tests pass stand-ins."""
     criu = criu or Criu()
+    journal.require_clean(store.path)
     opts = options or DumpOptions()
-    opts = DumpOptions(**{**opts.__dict__, "leave_running": leave_running})
+    opts = DumpOptions(**{**opts.__dict__, "leave_running": leave_running, "leave_stopped": not leave_running})
     try:
         pids = process_tree(pid)
     except Exception as e:  # noqa: BLE001 - DiscoveryError
@@ -166,25 +187,84 @@ def criu_dump(store: SnapshotStore, pid: int, name: str, *, leave_running: bool 
     report = CriuReport(name, pids, gpu.cuda_pids)
     meta = {"kind": "criu", "root_pid": pid, "pids": pids, "cuda_pids": gpu.cuda_pids,
             "criu": ".".join(map(str, criu.version or ())), "options": opts.argv(), "gpu_path": gpu.path}
-    with store.writer(name, replace=replace, meta=meta) as w, gpu:
-        stage = staging_dir(store, _rss_bytes(pids), staging)
+    with journal.operation(store.path, OpKind.CRIU_DUMP, name, pids=pids, cuda_pids=tuple(gpu.cuda_pids),
+                           gpu_path=gpu.path, leave_running=leave_running) as op, \
+            store.writer(name, replace=replace, meta=meta) as w, gpu:
+        meta["op"] = op.id  # how recovery tells this commit from an older snapshot of the same name
+        stage = new_staging(store, _rss_bytes(pids), staging, op)
         images = os.path.join(stage, "images")
         os.mkdir(images, 0o700)
+        if opts.action_script is None:
+            opts = DumpOptions(**{**opts.__dict__, "action_script": journal.pause_script(images)})
         try:
             if gpu.cuda_pids:
+                op.advance(Stage.GPU_FROZEN)
                 t0 = time.perf_counter()
                 gpu.swap_out(w, lock_timeout_s, progress)
                 report.seconds["gpu_checkpoint"] = time.perf_counter() - t0
-            _dump_and_ingest(criu, pid, images, opts, w, report, gpu, leave_running, store, name, progress, pids)
+            journal.pause("before-dump")
+            _dump_and_ingest(criu, pid, images, opts, w, report, gpu, leave_running, store, name, progress, pids, op)
+            journal.pause("before-commit")
+            op.advance(Stage.COMMITTING)
             w.commit()
+            op.advance(Stage.COMMITTED)
+            journal.pause("after-commit")
         except BaseException as e:
-            if "criu_dump" in report.seconds and not leave_running:  # CRIU dumped (and killed) the tree
-                _resurrect(criu, images, pids, gpu, store, name, w.streams, e)
-            raise
+            # a signal after the commit only hurries the end: the snapshot is there, the kill follows
+            if not (op.rec.stage == Stage.COMMITTED and isinstance(e, Interrupted)):
+                _undo_dump(op, gpu, leave_running, store, name, w.streams, e)
+                raise
         finally:
             shutil.rmtree(stage, ignore_errors=True)
+        if not leave_running:  # committed: now the tree ends, as asked
+            kill_tree(op.rec.procs)
     report.raw_bytes, report.new_bytes, report.dedup_bytes = w.stats.raw_bytes, w.stats.bytes_new, w.stats.bytes_dedup
     return report
+
+
+def _undo_dump(op: journal.Op, gpu: "_GpuSide", leave_running: bool, store: SnapshotStore, name: str,
+               streams: list[Any], cause: BaseException) -> None:
+    """Put the tree back as it was before the dump, by the stage the dump reached: GPU state back
+    once it was touched, and a tree CRIU left stopped running again (SIGCONT). If that fails, the
+    journal record stays for `gpusnap recover`."""
+    stopped = op.rec.stage.at_least(Stage.DUMPED) and not leave_running
+    try:
+        resume_tree(op.rec.procs if stopped else (), gpu if op.rec.stage.at_least(Stage.GPU_FROZEN) else None,
+                    store, name, streams)
+    except Exception as e:  # noqa: BLE001
+        op.keep = True
+        raise CriuSnapshotError(f"the dump failed ({cause}) and putting the processes back failed too ({e}); "
+                                "run `gpusnap recover`") from None
+
+
+def resume_tree(procs: tuple[journal.Proc, ...], gpu: "_GpuSide | None", store: SnapshotStore, name: str,
+                streams: list[Any]) -> None:
+    """A tree CRIU left stopped, running again: SIGCONT to each process still the one dumped, then its
+    GPU state back and unlocked (idempotent: processes already running are left alone)."""
+    for p in procs:
+        p.signal(signal.SIGCONT)
+    if gpu is None or not gpu.cuda_pids:
+        return
+    if gpu.custom:
+        from sandbox.gpu.driver import ProcessState
+        if any(_gpu_state(gpu.driver, p) not in (ProcessState.RUNNING, None) for p in gpu.cuda_pids):
+            gpu.swap_in(store, name, streams)
+        return
+    from sandbox.gpu import state
+    state.resume(gpu.driver, list(gpu.cuda_pids))
+
+
+def _gpu_state(driver: Any, pid: int) -> Any:
+    try:
+        return driver.get_state(pid)
+    except Exception:  # noqa: BLE001 - gone
+        return None
+
+
+def kill_tree(procs: tuple[journal.Proc, ...]) -> None:
+    """SIGKILL each process of a committed dump that is still the one dumped (a reused pid is left alone)."""
+    for p in procs:
+        p.signal(signal.SIGKILL)
 
 
 def _is_page_image(name: str) -> bool:
@@ -193,20 +273,24 @@ def _is_page_image(name: str) -> bool:
 
 def _dump_and_ingest(criu: Criu, pid: int, images: str, opts: DumpOptions, w: Any, report: CriuReport,
                      gpu: _GpuSide, leave_running: bool, store: SnapshotStore, name: str, progress: Any,
-                     pids: list[int]) -> None:
+                     pids: list[int], op: journal.Op) -> None:
     """`criu dump` into IMAGES while the pipeline ingests its page images as they grow
     (storage.follow); the rest of the images after CRIU exits. report.seconds["criu_dump"] is set as
     soon as CRIU has dumped (its images are complete in staging), also when the ingest then fails;
-    if CRIU failed, raises its error with the log kept (GPU state restored first). With leave_running
-    the GPU state is restored as soon as CRIU is done."""
+    if CRIU failed, raises its error with the log kept (the caller's undo puts the GPU state back).
+    With leave_running the GPU state is restored as soon as CRIU is done. A signal during the ingest
+    is raised only after CRIU has ended (its end decides what the undo must do)."""
     done = threading.Event()
     box: dict[str, Any] = {}
 
     def run_criu() -> None:
         t0 = time.perf_counter()
         try:
+            op.advance(Stage.DUMPING)
             criu.dump(pid, images, opts)
             box["criu_dump"] = time.perf_counter() - t0
+            op.advance(Stage.DUMPED)
+            journal.pause("ingest")  # the pipeline is mid-ingest, waiting for CRIU's end
             if leave_running and gpu.cuda_pids:
                 t1 = time.perf_counter()
                 gpu.swap_in(store, name, w.streams)
@@ -226,13 +310,13 @@ def _dump_and_ingest(criu: Criu, pid: int, images: str, opts: DumpOptions, w: An
         try:
             res = pipeline.put(w, src, progress=progress, chunker="pages")
         finally:
-            th.join()
+            interrupted = _join(th)  # CRIU's end is awaited even when a signal came: the undo needs it
             if "criu_dump" in box:
                 report.seconds["criu_dump"] = box["criu_dump"]
+            if interrupted is not None:
+                raise interrupted
             err = box.get("error")
             if isinstance(err, CriuError):
-                if gpu.cuda_pids and "criu_dump" not in box:
-                    gpu.swap_in(store, name, w.streams)
                 raise err.with_log(keep_log(store, err, f"dump-{name}")) from None
             if err is not None:
                 raise err
@@ -242,6 +326,17 @@ def _dump_and_ingest(criu: Criu, pid: int, images: str, opts: DumpOptions, w: An
     report.seconds["ingest_after_dump"] = report.seconds["dump+ingest"] - box["criu_dump"]
     w.meta["ingest_stages"] = report.stages = res.stages.table()
     w.meta["ingested_while_dumping"] = src.followed
+
+
+def _join(th: threading.Thread) -> BaseException | None:
+    """Join TH even if a signal's exception interrupts the wait; that exception, if one came."""
+    caught = None
+    while th.is_alive():
+        try:
+            th.join()
+        except BaseException as e:  # noqa: BLE001 - Interrupted (later signals are ignored)
+            caught = caught or e
+    return caught
 
 
 def keep_log(store: SnapshotStore, e: CriuError, what: str) -> str:
@@ -254,22 +349,6 @@ def keep_log(store: SnapshotStore, e: CriuError, what: str) -> str:
     except OSError:
         return e.log_path or "(no log)"
     return dst
-
-
-def _resurrect(criu: Criu, images: str, pids: list[int], gpu: _GpuSide, store: SnapshotStore, name: str,
-               streams: list[Any], cause: BaseException) -> None:
-    """CRIU killed the tree but the snapshot did not commit: bring the tree back from staging
-    (once its pids are free: the killed tree's parent may take a moment to reap it)."""
-    try:
-        taken = _pids_in_use(pids, grace_s=10.0)
-        if taken:
-            raise CriuSnapshotError(f"pid(s) {taken} are still taken (the killed tree was not reaped by its parent)")
-        criu.restore(images, detach=True)
-        if gpu.cuda_pids:
-            gpu.swap_in(store, name, streams)
-    except Exception as e:  # noqa: BLE001
-        raise CriuSnapshotError(f"storing the dump failed ({cause}) and restoring the processes from "
-                                f"{images} failed too ({e}); the images are kept there") from None
 
 
 def _pids_in_use(pids: list[int], grace_s: float = 5.0) -> list[int]:
@@ -286,8 +365,8 @@ def criu_restore(store: SnapshotStore, name: str, *, staging: str | None = None,
                  criu: Criu | None = None, gpu_driver: Any = None, device: Any = None) -> CriuReport:
     """Snapshot NAME back: images materialized (verified) into staging, `criu restore`, then the GPU
     state by the path that took it (the driver's host copy, or custom storage from the gpu/ streams)."""
-    from storage.manifest import Manifest
     criu = criu or Criu()
+    journal.require_clean(store.path)
     with store.shared():
         m = store.load(name)
         meta = CriuMeta.of(m)
@@ -296,32 +375,46 @@ def criu_restore(store: SnapshotStore, name: str, *, staging: str | None = None,
             raise CriuSnapshotError(f"pid(s) {taken} of snapshot {name!r} are in use here; CRIU restores "
                                     "processes with their original pids (stop them, or restore in a new pid namespace)")
         report = CriuReport(name, list(meta.pids), list(meta.cuda_pids))
-        stage = staging_dir(store, m.size, staging)
-        try:
-            t0 = time.perf_counter()
-            files = Manifest(m.name, [s for s in m.streams if not _is_gpu(s)], m.meta)
-            if progress is not None:
-                progress.start(files.size)
-            pipeline.get(store, files, FileTreeSink(os.path.join(stage, "out")), progress=progress)
-            report.seconds["materialize"] = time.perf_counter() - t0
-            images = os.path.join(stage, "out", "images")
-            t0 = time.perf_counter()
-            shell_job = meta.shell_job
-            pidfile = os.path.join(stage, "restored.pid")
+        with journal.operation(store.path, OpKind.CRIU_RESTORE, name, cuda_pids=tuple(report.cuda_pids),
+                               gpu_path=meta.gpu_path.value if meta.gpu_path else None) as op:
+            stage = new_staging(store, m.size, staging, op)
             try:
-                criu.restore(images, detach=True, shell_job=shell_job, pidfile=pidfile)
-            except CriuError as e:
-                raise e.with_log(keep_log(store, e, f"restore-{name}")) from None
-            report.seconds["criu_restore"] = time.perf_counter() - t0
-            with open(pidfile) as f:
-                report.restored_pid = int(f.read().strip())
-            if report.cuda_pids:
-                from sandbox.gpu.driver import CudaDriver
-                t0 = time.perf_counter()
-                custom = meta.gpu_path == GpuPath.CUSTOM_STORAGE
-                with _GpuSide(report.pids, report.cuda_pids, gpu_driver or CudaDriver(), custom, device) as gpu:
-                    gpu.swap_in(store, name, m.streams)
-                report.seconds["gpu_restore"] = time.perf_counter() - t0
-        finally:
-            shutil.rmtree(stage, ignore_errors=True)
+                _restore_from(store, m, meta, stage, report, criu, op, progress, gpu_driver, device)
+            finally:
+                shutil.rmtree(stage, ignore_errors=True)
     return report
+
+
+def _restore_from(store: SnapshotStore, m: Any, meta: CriuMeta, stage: str, report: CriuReport, criu: Criu,
+                  op: journal.Op, progress: Any, gpu_driver: Any, device: Any) -> None:
+    """Materialize M's images into STAGE, `criu restore` them, then the GPU state (journaled)."""
+    from storage.manifest import Manifest
+    name = m.name
+    t0 = time.perf_counter()
+    files = Manifest(m.name, [s for s in m.streams if not _is_gpu(s)], m.meta)
+    if progress is not None:
+        progress.start(files.size)
+    pipeline.get(store, files, FileTreeSink(os.path.join(stage, "out")), progress=progress)
+    report.seconds["materialize"] = time.perf_counter() - t0
+    images = os.path.join(stage, "out", "images")
+    t0 = time.perf_counter()
+    shell_job = meta.shell_job
+    pidfile = os.path.join(stage, "restored.pid")
+    journal.pause("before-restore")
+    op.advance(Stage.DUMPING)
+    try:
+        criu.restore(images, detach=True, shell_job=shell_job, pidfile=pidfile)
+    except CriuError as e:
+        raise e.with_log(keep_log(store, e, f"restore-{name}")) from None
+    report.seconds["criu_restore"] = time.perf_counter() - t0
+    with open(pidfile) as f:
+        report.restored_pid = int(f.read().strip())
+    op.advance(Stage.DUMPED, procs=tuple(p for p in (journal.Proc.of(x) for x in report.pids) if p is not None))
+    journal.pause("after-restore")
+    if report.cuda_pids:
+        from sandbox.gpu.driver import CudaDriver
+        t0 = time.perf_counter()
+        custom = meta.gpu_path == GpuPath.CUSTOM_STORAGE
+        with _GpuSide(report.pids, report.cuda_pids, gpu_driver or CudaDriver(), custom, device) as gpu:
+            gpu.swap_in(store, name, m.streams)
+        report.seconds["gpu_restore"] = time.perf_counter() - t0

@@ -3,6 +3,12 @@
 runsc's global flags (platform, network, root, ...) go before the subcommand and are recorded by the
 caller so that restore uses the same ones. What the installed runsc supports is read from its own
 --help output, never assumed (Debian's 20221219 build has no nvproxy, no --compression, no --direct).
+
+Guarantees kept here: every runsc command runs in its own process group with a timeout; a timeout,
+an error or an exception (a signal turned into one) while `run` or `restore` creates a sandbox ends
+the group, force-deletes the container and kills the sandbox and gofer processes of that container
+(they leave runsc's group with setsid and are found by container id and root), so nothing is left
+running or holding a lock.
 """
 from __future__ import annotations
 
@@ -10,9 +16,13 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
+
+from sandbox.procgroup import run_group
 
 
 from storage.errors import EXIT_UNAVAILABLE, GpusnapError
@@ -93,13 +103,14 @@ class Runsc:
     """One runsc binary with fixed global flags."""
 
     def __init__(self, global_args: Sequence[str] = (), binary: str | None = None,
-                 log_dir: str | None = None) -> None:
+                 log_dir: str | None = None, timeout: float = 600) -> None:
         b = binary or shutil.which("runsc")
         if not b:
             raise RunscMissing("runsc not found (run scripts/setup.sh, or install gVisor)")
         self.binary = b
         self.global_args = list(global_args)
         self.log_dir = log_dir
+        self.timeout = timeout
 
     @property
     def root(self) -> str:
@@ -115,15 +126,25 @@ class Runsc:
     def argv(self, *args: str) -> list[str]:
         return [self.binary, *self.global_args, *args]
 
-    def _run(self, what: str, *args: str, timeout: float = 600, stdout: Any = None, stderr: Any = None,
-             preexec: Callable[[], None] | None = None) -> subprocess.CompletedProcess[str]:
-        capture = stdout is None
+    def _run(self, what: str, *args: str, timeout: float | None = None, stdout: Any = None, stderr: Any = None,
+             preexec: Callable[[], None] | None = None, creates: str | None = None,
+             finish: bool = False) -> subprocess.CompletedProcess[str]:
+        """One runsc command as its own process group. CREATES: the container id the command brings
+        into being (run, restore), cleaned away whole if the command times out, fails or is interrupted."""
+        timeout = self.timeout if timeout is None else timeout
         try:
-            p = subprocess.run(self.argv(*args), text=True, timeout=timeout, stdin=subprocess.DEVNULL,
-                               stdout=subprocess.PIPE if capture else stdout,
-                               stderr=subprocess.PIPE if stderr is None else stderr, preexec_fn=preexec)
+            p = run_group(self.argv(*args), timeout, stdout=subprocess.PIPE if stdout is None else stdout,
+                          stderr=subprocess.PIPE if stderr is None else stderr, preexec_fn=preexec, finish=finish)
         except subprocess.TimeoutExpired:
-            raise RunscError(f"runsc {what} did not finish within {timeout:g} s") from None
+            if creates:
+                self.clean_up(creates, _bundle_of(args))
+            raise RunscError(f"runsc {what} did not finish within {timeout:g} s (stopped, nothing left running)") from None
+        except BaseException:
+            if creates:
+                self.clean_up(creates, _bundle_of(args))
+            raise
+        if p.returncode != 0 and creates and (self.state(creates) or {}).get("status") != "running":
+            self.clean_up(creates, _bundle_of(args))
         if p.returncode != 0:
             err = (p.stderr or "").strip().splitlines() if isinstance(p.stderr, str) else []
             self._keep_log(what, p)
@@ -143,7 +164,8 @@ class Runsc:
         return parse_features(v, g.stdout + g.stderr, c.stdout + c.stderr)
 
     def run(self, cid: str, bundle: str, *, stdout: Any, stderr: Any, preexec: Callable[[], None] | None = None) -> None:
-        self._run(f"run {cid}", "run", "-detach", "-bundle", bundle, cid, stdout=stdout, stderr=stderr, preexec=preexec)
+        self._run(f"run {cid}", "run", "-detach", "-bundle", bundle, cid, stdout=stdout, stderr=stderr, preexec=preexec,
+                  creates=cid)
 
     def exec(self, cid: str, argv: Sequence[str], timeout: float = 60, env: dict[str, str] | None = None) -> str:
         envs = [a for k, v in (env or {}).items() for a in ("-env", f"{k}={v}")]
@@ -163,12 +185,12 @@ class Runsc:
             args.append("-leave-running")
         if uncompressed:
             args.append("-compression=none")
-        self._run(f"checkpoint {cid}", *args, cid)
+        self._run(f"checkpoint {cid}", *args, cid, finish=True)  # never cut in half: the sandbox stops at its end
 
     def restore(self, cid: str, bundle: str, image_path: str, *, stdout: Any, stderr: Any,
                 preexec: Callable[[], None] | None = None) -> None:
         self._run(f"restore {cid}", "restore", "-image-path", image_path, "-bundle", bundle, "-detach", cid,
-                  stdout=stdout, stderr=stderr, preexec=preexec)
+                  stdout=stdout, stderr=stderr, preexec=preexec, creates=cid)
 
     def delete(self, cid: str, force: bool = True) -> None:
         self._run(f"delete {cid}", "delete", *(["-force"] if force else []), cid)
@@ -185,7 +207,10 @@ class Runsc:
         CID is refused (NoSuchContainer), as is none; any other failure is RunscError with runsc's own
         reason (e.g. `id "app" is ambiguous`)."""
         where = f"under runsc root {self.root}"
-        p = subprocess.run(self.argv("state", cid), capture_output=True, text=True)
+        try:
+            p = run_group(self.argv("state", cid), 60)
+        except subprocess.TimeoutExpired:
+            raise RunscError(f"runsc state {cid} did not answer within 60 s") from None
         if p.returncode != 0:
             reason = _reason(p.stderr.strip().splitlines())
             if "does not exist" in reason or not reason:
@@ -200,9 +225,61 @@ class Runsc:
                                   "starts with it; give the full id)")
         return st
 
+    def sandbox_processes(self, cid: str, bundle: str | None = None) -> list[int]:
+        """runsc's own processes serving container CID (or started with BUNDLE) under this root
+        (runsc-sandbox, runsc-gofer, a hung runsc command), found by their command lines: they may
+        have left runsc's process group."""
+        root = self.root
+        out = []
+        for n in os.listdir("/proc"):
+            if not n.isdigit() or int(n) == os.getpid():
+                continue
+            try:
+                with open(f"/proc/{n}/cmdline", "rb") as f:
+                    argv = f.read().decode(errors="replace").split("\0")
+            except OSError:
+                continue
+            if (os.path.basename(argv[0]).startswith("runsc")
+                    and (cid in argv or (bundle is not None and os.path.basename(argv[0]) == "runsc-gofer"
+                                         and (bundle in argv or f"--bundle={bundle}" in argv)))
+                    and (root in argv or f"--root={root}" in argv or f"-root={root}" in argv
+                         or (root == "/var/run/runsc" and not any("root" in a for a in argv)))):
+                out.append(int(n))
+        return out
+
+    def clean_up(self, cid: str, bundle: str | None = None) -> list[int]:
+        """Container CID gone whole: `runsc delete -force`, then any of its processes still there
+        killed (SIGKILL) and waited for. Returns the pids that had to be killed."""
+        try:
+            run_group(self.argv("delete", "-force", cid), 60)
+        except subprocess.TimeoutExpired:
+            pass
+        left = self.sandbox_processes(cid, bundle)
+        for pid in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + 10
+        while self.sandbox_processes(cid, bundle) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if left:  # a sandbox killed before delete could see it: its state is still recorded
+            try:
+                run_group(self.argv("delete", "-force", cid), 60)
+            except subprocess.TimeoutExpired:
+                pass
+        return left
+
     def list(self) -> list[str]:
         p = self._run("list", "list", "-quiet")
         return [l for l in p.stdout.split() if l]
+
+
+def _bundle_of(args: Sequence[str]) -> str | None:
+    for a, b in zip(args, [*args[1:], None]):
+        if a in ("-bundle", "--bundle"):
+            return b
+    return None
 
 
 def _reason(lines: list[str]) -> str:

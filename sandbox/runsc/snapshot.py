@@ -5,7 +5,10 @@ content-defined chunks, zero-elided, compressed, deduplicated), with runsc's glo
 sandbox's network configuration recorded in the snapshot. restore: the images are materialized
 (every chunk verified, so a damaged snapshot is refused before anything starts), the network is
 recreated with the same address, and `runsc restore` runs with the recorded flags under a new id.
-A failed checkpoint leaves the sandbox running; a failed restore leaves nothing behind.
+A failed or interrupted checkpoint (SIGTERM/SIGHUP/SIGINT included) leaves the sandbox running; a
+failed restore leaves nothing behind. Both are in the operation journal before each step, so that
+if gpusnap dies, `gpusnap recover` restarts a sandbox the checkpoint stopped from the staged images
+(runsc has no --leave-stopped) and removes the staging.
 """
 from __future__ import annotations
 
@@ -22,9 +25,12 @@ from storage import pipeline
 from storage.filetree import FileTreeSink, FileTreeSource
 from storage.store import SnapshotStore
 
+from sandbox import journal
 from sandbox import netns as nets
 from sandbox.gpu.channel import AgentFrames, AgentReport, ChannelError, ChannelLimits, read_report, receive, send
-from sandbox.criu.snapshot import staging_dir
+from sandbox.criu.snapshot import new_staging
+from sandbox.interrupts import Interrupted
+from sandbox.journal import OpKind, Stage
 from sandbox.runsc.oci_bundle import add_bind, add_gpus, bundle_netns, load_spec, save_spec, set_bundle_netns
 from sandbox.runsc import records
 from sandbox.runsc.records import Kind
@@ -320,6 +326,7 @@ def checkpoint(store: SnapshotStore, cid: str, name: str, runsc_args: Sequence[s
     """Sandbox CID into snapshot NAME: the GPU agent first where it is a GPU sandbox (custom storage
     into snapshot NAME.gpu, or the driver's host copy that runsc then saves), then `runsc checkpoint`
     and the ingest. A failure at any step leaves the sandbox running with its GPU state back."""
+    journal.require_clean(store.path)
     r = Runsc(check_runsc_args(list(runsc_args), "--runsc-arg"), log_dir=os.path.join(store.path, "logs"))
     st = r.lookup(cid)
     if st.get("status") != "running":
@@ -336,17 +343,25 @@ def checkpoint(store: SnapshotStore, cid: str, name: str, runsc_args: Sequence[s
     meta = {"kind": "runsc", "container": cid, "runsc_args": list(runsc_args), "bundle": bundle,
             "net": net.as_dict() if net else None, "netns_path": bundle_netns(bundle), "gpu": None,
             "output": (records.read(r.root, cid, Kind.RUN) or {}).get("output")}
-    with store.writer(name, replace=replace, meta=meta) as w:
-        stage = staging_dir(store, 1 << 30)
+    sandbox = {"container": cid, "runsc_args": list(r.global_args), "bundle": bundle,
+               "net": net.as_dict() if net else None, "gpu_report": None}
+    with journal.operation(store.path, OpKind.RUNSC_CHECKPOINT, name, leave_running=leave_running,
+                           runsc=sandbox) as op, store.writer(name, replace=replace, meta=meta) as w:
+        meta["op"] = op.id  # how recovery tells this commit from an older snapshot of the same name
+        stage = new_staging(store, 1 << 30, None, op)
         images = os.path.join(stage, "images")
         os.mkdir(images, 0o700)
         gpu_rep: dict[str, Any] | None = None
         try:
             if gpu and gpu.get("agent"):
+                op.advance(Stage.GPU_FROZEN)
                 t0 = time.perf_counter()
                 gpu_rep = agent_checkpoint(r, cid, store, _gpu_name(name), ChannelLimits.for_gpus(len(gpu.get("gpus") or [])))
+                op.advance(runsc={**sandbox, "gpu_report": gpu_rep})
                 meta["gpu"] = {**gpu, "agent_report": gpu_rep}
                 report.seconds["gpu_checkpoint"] = time.perf_counter() - t0
+            journal.pause("before-dump")
+            op.advance(Stage.DUMPING)
             t0 = time.perf_counter()
             try:
                 # runsc's own -leave-running hangs or exits 120 with Debian's 20221219 build here
@@ -360,32 +375,62 @@ def checkpoint(store: SnapshotStore, cid: str, name: str, runsc_args: Sequence[s
                                              "runsc cannot checkpoint") from None
                 raise
             report.seconds["runsc_checkpoint"] = time.perf_counter() - t0
+            op.advance(Stage.DUMPED)
             if leave_running:
                 t0 = time.perf_counter()
                 _restart(r, cid, bundle, images, net)
                 _gpu_back(r, cid, gpu_rep, store, name)
                 report.seconds["restart"] = time.perf_counter() - t0
             t0 = time.perf_counter()
-            src = FileTreeSource([images])
-            if progress is not None:
-                progress.start(src.total_bytes)
-            pipeline.put(w, src, progress=progress, chunker="pages")
+            journal.pause("ingest")
+            with FileTreeSource([images]) as src:
+                if progress is not None:
+                    progress.start(src.total_bytes)
+                pipeline.put(w, src, progress=progress, chunker="pages")
+            journal.pause("before-commit")
+            op.advance(Stage.COMMITTING)
             w.commit()
+            op.advance(Stage.COMMITTED)
             report.seconds["ingest"] = time.perf_counter() - t0
-        except BaseException:
-            state = r.state(cid)
-            if state is not None and state.get("status") != "running" and os.listdir(images):
-                # runsc stopped it but the snapshot did not commit: bring it back from staging
-                _restart(r, cid, bundle, images, net)
-            if not leave_running or "restart" not in report.seconds:
-                _gpu_back(r, cid, gpu_rep, store, name)
-            if gpu_rep and gpu_rep.get("snapshot") and store.exists(gpu_rep["snapshot"]):
-                store.remove(gpu_rep["snapshot"])
+            journal.pause("after-commit")
+        except Interrupted:
+            if op.rec.stage != Stage.COMMITTED:  # after the commit a signal only hurries the end
+                _undo_checkpoint(r, cid, bundle, images, net, leave_running, report, gpu_rep, store, name, op)
+                raise
+        except BaseException as e:
+            _undo_checkpoint(r, cid, bundle, images, net, leave_running, report, gpu_rep, store, name, op, e)
             raise
         finally:
             shutil.rmtree(stage, ignore_errors=True)
     report.raw_bytes, report.new_bytes, report.dedup_bytes = w.stats.raw_bytes, w.stats.bytes_new, w.stats.bytes_dedup
     return report
+
+
+def _undo_checkpoint(r: Runsc, cid: str, bundle: str, images: str, net: nets.NetConfig | None, leave_running: bool,
+                     report: RunscReport, gpu_rep: dict[str, Any] | None, store: SnapshotStore, name: str,
+                     op: journal.Op, cause: BaseException | None = None) -> None:
+    """The sandbox running again as before the checkpoint: restarted from the staged images if runsc
+    had stopped it, GPU state back, the GPU snapshot of this attempt removed. If that fails, the
+    journal record stays for `gpusnap recover`."""
+    try:
+        _back_to_running(r, cid, bundle, images, net, leave_running, report, gpu_rep, store, name)
+    except Exception as e:  # noqa: BLE001
+        op.keep = True
+        raise RunscSnapshotError(f"the checkpoint failed ({cause or 'interrupted'}) and restarting {cid!r} failed "
+                                 f"too ({e}); run `gpusnap recover`") from None
+
+
+def _back_to_running(r: Runsc, cid: str, bundle: str, images: str, net: nets.NetConfig | None,
+                     leave_running: bool, report: RunscReport, gpu_rep: dict[str, Any] | None, store: SnapshotStore,
+                     name: str) -> None:
+    state = r.state(cid)
+    if state is not None and state.get("status") != "running" and os.listdir(images):
+        # runsc stopped it but the snapshot did not commit: bring it back from staging
+        _restart(r, cid, bundle, images, net)
+    if not leave_running or "restart" not in report.seconds:
+        _gpu_back(r, cid, gpu_rep, store, name)
+    if gpu_rep and gpu_rep.get("snapshot") and store.exists(gpu_rep["snapshot"]):
+        store.remove(gpu_rep["snapshot"])
 
 
 def _gpu_back(r: Runsc, cid: str, rep: dict[str, Any] | None, store: SnapshotStore, name: str) -> None:
@@ -413,6 +458,7 @@ def _restart(r: Runsc, cid: str, bundle: str, images: str, net: nets.NetConfig |
 
 def restore(store: SnapshotStore, name: str, cid: str, bundle: str, *, runsc_args: Sequence[str] | None = None,
             output: str, progress: Any = None) -> RunscReport:
+    journal.require_clean(store.path)
     with store.shared():
         m = store.load(name)
         meta = RunscMeta.of(m)
@@ -427,44 +473,52 @@ def restore(store: SnapshotStore, name: str, cid: str, bundle: str, *, runsc_arg
         recorded = meta.extra.get("output")
         report = RunscReport(name, cid, address=net.address if net else None, output=os.path.abspath(output),
                              recorded_output=recorded if isinstance(recorded, str) else None)
-        stage = staging_dir(store, m.size)
-        made_net = False
-        try:
-            t0 = time.perf_counter()
-            pipeline.get(store, m, FileTreeSink(os.path.join(stage, "out")), progress=progress)
-            report.seconds["materialize"] = time.perf_counter() - t0
-            records.forget(r.root, cid)
-            if gpu:
-                prepare_gpu(bundle, Runsc(args), cid, gpu.get("gpus", []), agent=bool(gpu.get("agent")))
-            if net is not None:
-                if not nets.exists(net):
-                    nets.create(net)
-                    made_net = True
-                set_bundle_netns(bundle, net.path)
-                records.write(r.root, cid, Kind.NET, net.as_dict())
-            records.write(r.root, cid, Kind.RUN, {"output": os.path.abspath(output)})
-            t0 = time.perf_counter()
-            with open(output, "ab") as out:
-                try:
-                    r.restore(cid, bundle, os.path.join(stage, "out", "images"), stdout=out,
-                              stderr=out)
-                except RunscError as e:
-                    raise _with_reason(e, output) from None
-            report.seconds["runsc_restore"] = time.perf_counter() - t0
-            if gpu.get("agent_report", {}).get("cuda_pids"):
+        with journal.operation(store.path, OpKind.RUNSC_RESTORE, name,
+                               runsc={"container": cid, "runsc_args": [*args, *gpu.get("runsc_args", [])],
+                                      "bundle": bundle, "net": net.as_dict() if net else None,
+                                      "gpu_report": None}) as op:
+            stage = new_staging(store, m.size, None, op)
+            made_net = False
+            try:
                 t0 = time.perf_counter()
-                _gpu_back(r, cid, gpu["agent_report"], store, name)
-                report.seconds["gpu_restore"] = time.perf_counter() - t0
-        except BaseException:
-            if r.state(cid) is not None:
-                try:
-                    r.delete(cid)
-                except RunscError:
-                    pass
-            if made_net and net is not None:
-                nets.remove(net)
-            records.forget(r.root, cid)
-            raise
-        finally:
-            shutil.rmtree(stage, ignore_errors=True)
+                pipeline.get(store, m, FileTreeSink(os.path.join(stage, "out")), progress=progress)
+                report.seconds["materialize"] = time.perf_counter() - t0
+                records.forget(r.root, cid)
+                if gpu:
+                    prepare_gpu(bundle, Runsc(args), cid, gpu.get("gpus", []), agent=bool(gpu.get("agent")))
+                if net is not None:
+                    if not nets.exists(net):
+                        nets.create(net)
+                        made_net = True
+                    set_bundle_netns(bundle, net.path)
+                    records.write(r.root, cid, Kind.NET, net.as_dict())
+                records.write(r.root, cid, Kind.RUN, {"output": os.path.abspath(output)})
+                t0 = time.perf_counter()
+                journal.pause("before-restore")
+                op.advance(Stage.DUMPING)
+                with open(output, "ab") as out:
+                    try:
+                        r.restore(cid, bundle, os.path.join(stage, "out", "images"), stdout=out,
+                                  stderr=out)
+                    except RunscError as e:
+                        raise _with_reason(e, output) from None
+                report.seconds["runsc_restore"] = time.perf_counter() - t0
+                op.advance(Stage.DUMPED)
+                journal.pause("after-restore")
+                if gpu.get("agent_report", {}).get("cuda_pids"):
+                    t0 = time.perf_counter()
+                    _gpu_back(r, cid, gpu["agent_report"], store, name)
+                    report.seconds["gpu_restore"] = time.perf_counter() - t0
+            except BaseException:
+                if r.state(cid) is not None:
+                    try:
+                        r.delete(cid)
+                    except RunscError:
+                        pass
+                if made_net and net is not None:
+                    nets.remove(net)
+                records.forget(r.root, cid)
+                raise
+            finally:
+                shutil.rmtree(stage, ignore_errors=True)
     return report

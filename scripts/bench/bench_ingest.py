@@ -64,7 +64,8 @@ def main() -> None:
             os.sync()
             t0 = time.perf_counter()
             with st.writer("i") as w:
-                res = pipeline.put(w, FileTreeSource([images]), chunker="pages", workers=a.workers, readers=readers)
+                with FileTreeSource([images]) as src:
+                    res = pipeline.put(w, src, chunker="pages", workers=a.workers, readers=readers)
                 w.commit()
             wall = time.perf_counter() - t0
             out = {"date": time.strftime("%Y-%m-%d"), "gb": size / 1e9, "stored_gb": res.stored_bytes / 1e9,

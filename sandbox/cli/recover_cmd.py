@@ -1,0 +1,40 @@
+"""`gpusnap recover`: finish or undo the operations a killed gpusnap left, and say what was done."""
+from __future__ import annotations
+
+import click
+
+from storage.errors import EXIT_FAILED
+
+from sandbox.cli.common import emit, fail, json_option, one_line_errors, open_store
+from sandbox.recover import recover
+
+
+@click.command("recover")
+@click.option("--wait", "wait_s", default=600.0, show_default=True, metavar="SECONDS",
+              help="How long to let a CRIU or runsc the dead gpusnap left running finish before killing it.")
+@json_option
+@click.pass_context
+@one_line_errors
+def recover_cmd(ctx: click.Context, wait_s: float, as_json: bool) -> None:
+    """Finish or undo every interrupted dump, checkpoint or restore (its gpusnap process died).
+
+    A dump whose snapshot was committed is finished (the tree is killed, as asked); any other is
+    undone (the stopped tree or sandbox runs again, GPU state restored and unlocked). Staging and
+    temporary files are removed and the huge-pages setting is put back. Safe to run at any time:
+    operations whose gpusnap is still running are left alone.
+    """
+    st = open_store(ctx, create=False)
+    rep = recover(st, helper_wait_s=wait_s)
+    lines = []
+    for o in rep.operations:
+        lines.append(f"{o.kind} of {o.snapshot!r} (stopped at {o.stage}): "
+                     + ("; ".join(o.actions) or "nothing to do") + (f"; FAILED: {o.error}" if o.error else ""))
+    for t in rep.thp_put_back:
+        lines.append(f"transparent huge pages put back to {t['value']!r} ({t['path']})")
+    emit(as_json, rep.as_dict(), "\n".join(lines) or "nothing to recover")
+    if not rep.ok:
+        fail("some operations could not be recovered (see above); run `gpusnap recover` again after fixing the cause",
+             EXIT_FAILED, False)
+
+
+COMMANDS = [recover_cmd]

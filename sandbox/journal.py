@@ -1,0 +1,355 @@
+"""The journal of operations in flight: what a dump, checkpoint or restore is doing, on disk before it does it.
+
+Each operation that can leave a workload stopped or leave files behind (a CRIU dump or restore, a
+runsc checkpoint or restore) keeps one record in STORE/journal/OP.json while it runs (storage/FORMAT.md,
+"journal/"). `gpusnap recover` (sandbox.recover) reads the records whose owner died and finishes or
+undoes what each describes; every other state-changing command refuses to start while one exists.
+
+Guarantees kept here:
+- a record reaches the disk (temp file, fsync, rename, directory fsync) before the step it
+  describes starts, and is removed only after the operation finished or was undone;
+- processes are named by pid AND start time (Proc), so a pid reused by an unrelated process is
+  never taken for the owner or the workload, and is never signalled;
+- the test hook (pause, env GPUSNAP_TEST_PAUSE=STAGE:FILE) does nothing unless that variable names
+  the stage reached.
+"""
+from __future__ import annotations
+
+import enum
+import json
+import os
+import re
+import signal
+import threading
+import time
+import uuid
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, replace
+from typing import Any, Iterator
+
+from storage.errors import EXIT_RECOVER, GpusnapError
+
+PAUSE_ENV = "GPUSNAP_TEST_PAUSE"
+_OP_RE = re.compile(r"[0-9a-f]{32}")
+
+
+class JournalError(GpusnapError):
+    """A journal record that cannot be written or read."""
+
+
+class RecoveryNeeded(GpusnapError):
+    """An operation was interrupted (its process died); `gpusnap recover` must finish or undo it first."""
+
+    exit_code = EXIT_RECOVER
+
+
+class OpKind(str, enum.Enum):
+    CRIU_DUMP = "criu-dump"
+    CRIU_RESTORE = "criu-restore"
+    RUNSC_CHECKPOINT = "runsc-checkpoint"
+    RUNSC_RESTORE = "runsc-restore"
+
+
+class Stage(str, enum.Enum):
+    """How far an operation got, in order; recovery decides by the last stage recorded."""
+
+    STARTED = "started"          # staging named, nothing changed yet
+    GPU_FROZEN = "gpu-frozen"    # the CUDA processes are being (or were) locked and checkpointed
+    DUMPING = "dumping"          # CRIU / runsc checkpoint (or restore) runs
+    DUMPED = "dumped"            # images complete in staging; the tree is stopped (not killed)
+    COMMITTING = "committing"    # the manifest is being written
+    COMMITTED = "committed"      # the snapshot exists; what is left is the kill the user asked for
+
+    def at_least(self, other: "Stage") -> bool:
+        order = list(Stage)
+        return order.index(self) >= order.index(other)
+
+
+def start_time(pid: int) -> int | None:
+    """PID's start time in clock ticks since boot (/proc/PID/stat field 22), None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+@dataclass(frozen=True)
+class Proc:
+    """One process, by pid and start time."""
+
+    pid: int
+    start: int
+
+    @classmethod
+    def of(cls, pid: int) -> "Proc | None":
+        st = start_time(pid)
+        return None if st is None else cls(pid, st)
+
+    def alive(self) -> bool:
+        """The same process still exists (a zombie counts as gone)."""
+        return start_time(self.pid) == self.start and _state(self.pid) not in ("Z", "gone")
+
+    def signal(self, sig: int) -> bool:
+        """Send SIG if this is still the same process; True if it was sent."""
+        if not self.alive():
+            return False
+        try:
+            os.kill(self.pid, sig)
+        except ProcessLookupError:
+            return False
+        return True
+
+
+@dataclass(frozen=True)
+class OpRecord:
+    """What one operation in flight is doing (the JSON of a journal file)."""
+
+    op: str
+    kind: OpKind
+    stage: Stage
+    owner: Proc
+    snapshot: str
+    staging: str | None = None
+    procs: tuple[Proc, ...] = ()
+    cuda_pids: tuple[int, ...] = ()
+    gpu_path: str | None = None
+    leave_running: bool = False
+    runsc: dict[str, Any] | None = None     # container, runsc_args, bundle, net (runsc kinds)
+    started: float = 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["kind"], d["stage"] = self.kind.value, self.stage.value
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "OpRecord":
+        try:
+            if not _OP_RE.fullmatch(d["op"]):
+                raise ValueError("bad op id")
+            staging = d.get("staging")
+            if staging is not None and (not isinstance(staging, str) or not os.path.isabs(staging)):
+                raise ValueError("staging is not an absolute path")
+            return cls(op=d["op"], kind=OpKind(d["kind"]), stage=Stage(d["stage"]),
+                       owner=Proc(int(d["owner"]["pid"]), int(d["owner"]["start"])), snapshot=str(d["snapshot"]),
+                       staging=staging, procs=tuple(Proc(int(p["pid"]), int(p["start"])) for p in d.get("procs", ())),
+                       cuda_pids=tuple(int(p) for p in d.get("cuda_pids", ())), gpu_path=d.get("gpu_path"),
+                       leave_running=bool(d.get("leave_running")), runsc=d.get("runsc"),
+                       started=float(d.get("started", 0.0)))
+        except (KeyError, TypeError, ValueError) as e:
+            raise JournalError(f"unreadable journal record: {e}") from None
+
+    def describe(self) -> str:
+        return f"{self.kind.value} of snapshot {self.snapshot!r} (pid {self.owner.pid}, stage {self.stage.value})"
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class Journal:
+    """STORE/journal/: one file per operation in flight."""
+
+    def __init__(self, store_path: str) -> None:
+        self.dir = os.path.join(store_path, "journal")
+
+    def _path(self, op: str) -> str:
+        return os.path.join(self.dir, f"{op}.json")
+
+    def write(self, rec: OpRecord) -> None:
+        """REC on disk, atomically and durably, before the caller goes on."""
+        os.makedirs(self.dir, mode=0o700, exist_ok=True)
+        tmp = os.path.join(self.dir, f".{rec.op}.{os.getpid()}.tmp")
+        data = json.dumps(rec.as_dict(), sort_keys=True).encode()
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            try:
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view):]
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.rename(tmp, self._path(rec.op))
+            _fsync_dir(self.dir)
+        except OSError as e:
+            raise JournalError(f"cannot write the operation journal in {self.dir}: {e.strerror or e}") from None
+
+    def remove(self, op: str) -> None:
+        try:
+            os.unlink(self._path(op))
+            _fsync_dir(self.dir)
+        except FileNotFoundError:
+            pass
+
+    def records(self) -> list[OpRecord]:
+        """Every readable record (unreadable ones raise JournalError naming the file)."""
+        try:
+            names = sorted(os.listdir(self.dir))
+        except FileNotFoundError:
+            return []
+        out = []
+        for n in names:
+            if not (n.endswith(".json") and _OP_RE.fullmatch(n[:-5])):
+                continue
+            try:
+                fd = os.open(os.path.join(self.dir, n), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+                with os.fdopen(fd, "rb") as f:
+                    d = json.loads(f.read(1 << 20))
+            except (OSError, ValueError) as e:
+                raise JournalError(f"{os.path.join(self.dir, n)}: unreadable journal record: {e}") from None
+            out.append(OpRecord.from_dict(d))
+        return out
+
+    def unfinished(self) -> list[OpRecord]:
+        """Records whose owner died: interrupted operations `gpusnap recover` must finish or undo."""
+        return [r for r in self.records() if not r.owner.alive()]
+
+    def stale_temps(self) -> list[str]:
+        """Half-written record files of owners that died (the record they were replacing is intact)."""
+        out = []
+        try:
+            names = os.listdir(self.dir)
+        except FileNotFoundError:
+            return []
+        for n in names:
+            m = re.fullmatch(r"\.([0-9a-f]{32})\.(\d+)\.tmp", n)
+            if m and start_time(int(m.group(2))) is None:
+                out.append(os.path.join(self.dir, n))
+        return out
+
+
+def require_clean(store_path: str) -> None:
+    """Refuse (exit 5) while an interrupted operation waits for `gpusnap recover`."""
+    left = Journal(store_path).unfinished()
+    if left:
+        raise RecoveryNeeded(f"an interrupted {left[0].describe()} must be finished first: run `gpusnap recover`"
+                             + (f" ({len(left)} operations)" if len(left) > 1 else ""))
+
+
+class Op:
+    """One operation's record, kept current as it advances (thread-safe)."""
+
+    def __init__(self, journal: Journal, rec: OpRecord) -> None:
+        self.journal, self.rec = journal, rec
+        self.keep = False  # set when the in-process undo failed: recovery must try again
+        self._lock = threading.Lock()
+
+    @property
+    def id(self) -> str:
+        return self.rec.op
+
+    def advance(self, stage: Stage | None = None, **changes: Any) -> None:
+        """Record the next stage (and any changed fields) before doing it."""
+        with self._lock:
+            if stage is not None:
+                changes["stage"] = stage
+            self.rec = replace(self.rec, **changes)
+            self.journal.write(self.rec)
+
+
+@contextmanager
+def operation(store_path: str, kind: OpKind, snapshot: str, *, pids: list[int] = (), **fields: Any) -> Iterator[Op]:
+    """Record an operation for the block; the record goes when the block ends (finished or undone),
+    unless the undo failed (op.keep), when it stays for `gpusnap recover`."""
+    require_clean(store_path)
+    owner = Proc.of(os.getpid())
+    assert owner is not None
+    procs = tuple(p for p in (Proc.of(x) for x in pids) if p is not None)
+    op = Op(Journal(store_path), OpRecord(uuid.uuid4().hex, kind, Stage.STARTED, owner, snapshot, procs=procs,
+                                          started=time.time(), **fields))
+    op.journal.write(op.rec)
+    try:
+        yield op
+    except BaseException:
+        if not op.keep:
+            op.journal.remove(op.id)
+        raise
+    op.journal.remove(op.id)
+
+
+def pause(stage: str) -> None:
+    """Test hook: with GPUSNAP_TEST_PAUSE=STAGE:FILE, write our pid to FILE and wait until it is removed,
+    so that a test can kill or signal gpusnap at exactly this point. Does nothing otherwise."""
+    want, _, path = os.environ.get(PAUSE_ENV, "").partition(":")
+    if want != stage or not path:
+        return
+    with open(path + ".tmp", "w") as f:
+        f.write(str(os.getpid()))
+    os.rename(path + ".tmp", path)
+    while os.path.exists(path):
+        time.sleep(0.02)
+
+
+def pause_script(images_dir: str) -> str | None:
+    """Test hook for the stage inside CRIU ("dumping"): a CRIU action script, written into
+    IMAGES_DIR's parent, that pauses at post-dump (every page written, the tree still frozen); None
+    unless GPUSNAP_TEST_PAUSE names that stage."""
+    want, _, path = os.environ.get(PAUSE_ENV, "").partition(":")
+    if want != "dumping" or not path:
+        return None
+    import shlex
+    script = os.path.join(os.path.dirname(images_dir), "test-pause.sh")
+    q = shlex.quote(path)
+    with open(script, "w") as f:
+        f.write(f'#!/bin/sh\n[ "$CRTOOLS_SCRIPT_ACTION" = post-dump ] || exit 0\n'
+                f"echo $$ > {q}.tmp && mv {q}.tmp {q}\nwhile [ -e {q} ]; do sleep 0.05; done\n")
+    os.chmod(script, 0o700)
+    return script
+
+
+def signal_group_of(pattern: str, sig: int = signal.SIGKILL) -> list[int]:
+    """Processes whose command line contains PATTERN (a unique staging path): the helpers (CRIU,
+    runsc) an operation started. Sends SIG to the process group of each that leads its own (as
+    gpusnap starts them), else to the process alone; returns their pids."""
+    found = helpers_of(pattern)
+    for pid in found:
+        try:
+            if os.getpgid(pid) == pid:
+                os.killpg(pid, sig)
+            else:
+                os.kill(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+    return found
+
+
+def helpers_of(pattern: str) -> list[int]:
+    """Pids (not ours) whose command line contains PATTERN."""
+    out = []
+    me = os.getpid()
+    for n in os.listdir("/proc"):
+        if not n.isdigit() or int(n) == me:
+            continue
+        try:
+            with open(f"/proc/{n}/cmdline", "rb") as f:
+                if pattern.encode() in f.read():
+                    out.append(int(n))
+        except OSError:
+            pass
+    return out
+
+
+def wait_gone(pids: list[int], timeout: float) -> list[int]:
+    """Wait until PIDS exit (or TIMEOUT); the ones still there."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = [p for p in pids if os.path.exists(f"/proc/{p}") and start_time(p) is not None
+                and _state(p) != "Z"]
+        if not left or time.monotonic() >= deadline:
+            return left
+        time.sleep(0.05)
+
+
+def _state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"
+

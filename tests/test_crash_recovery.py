@@ -1,0 +1,497 @@
+"""gpusnap killed (SIGKILL) or stopped (SIGTERM) at every stage of a dump or checkpoint, with real CRIU
+and real runsc: the workload runs on with its state intact, or the snapshot is committed and restores
+it; nothing is left in staging, the store's tmp/ or /dev/shm. The stages are reached exactly through
+the test hook GPUSNAP_TEST_PAUSE=STAGE:FILE (gpusnap writes FILE and waits until it is removed); the
+stage inside runsc's checkpoint through a runsc wrapper that waits after the real checkpoint."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import GPUSNAP, REPO, Cli, pythonpath
+from test_criu import Tree, healthy
+from test_runsc import U, env, lines, start_counter, wait_lines  # noqa: F401 - env is a fixture
+
+pytestmark = pytest.mark.root
+STAGES = ["before-dump", "dumping", "ingest", "before-commit", "after-commit"]
+SIGNALS = [signal.SIGKILL, signal.SIGTERM]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def need_root() -> None:
+    if os.geteuid() != 0:
+        pytest.skip("CRIU and runsc need root")
+
+
+class Paused:
+    """A gpusnap command started with the pause hook at STAGE, waiting there."""
+
+    def __init__(self, store: Path, args: list[str], stage: str, tmp: Path, path_prefix: str | None = None) -> None:
+        self.store = store
+        self.file = tmp / f"pause-{stage}"
+        env = {**os.environ, "PYTHONPATH": pythonpath(), "GPUSNAP_TEST_PAUSE": f"{stage}:{self.file}"}
+        if path_prefix:
+            env["PATH"] = f"{path_prefix}:{env['PATH']}"
+        self.proc = subprocess.Popen([*GPUSNAP, "--store", str(store), *args, "--json"], stdin=subprocess.DEVNULL,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO,
+                                     start_new_session=True)
+        deadline = time.monotonic() + 120
+        while not self.file.exists():
+            if self.proc.poll() is not None:
+                raise AssertionError(f"gpusnap ended before {stage}: {self.proc.communicate()}")
+            assert time.monotonic() < deadline, f"gpusnap never reached {stage}"
+            time.sleep(0.02)
+        recs = [json.loads(p.read_text()) for p in (store / "journal").glob("*.json")]
+        assert len(recs) == 1, recs
+        self.record = recs[0]
+
+    def stop(self, sig: int) -> subprocess.CompletedProcess[str]:
+        """Send SIG, then release whatever still waits at the pause (CRIU's action script, the runsc
+        wrapper, or gpusnap's own undo path waiting for them); gpusnap's exit."""
+        os.kill(self.proc.pid, sig)
+        if sig == signal.SIGKILL:
+            self.proc.wait()
+        time.sleep(0.2)
+        self.file.unlink()
+        out, err = self.proc.communicate(timeout=180)
+        return subprocess.CompletedProcess(self.proc.args, self.proc.returncode, out, err)
+
+
+def assert_nothing_left(store: Path, staging: str) -> None:
+    assert not os.path.exists(staging), f"staging {staging} left behind"
+    assert list((store / "tmp").iterdir()) == [], "temporary store files left behind"
+    left = [n.name for n in (store / "journal").iterdir() if n.name != "recover.lock"]
+    assert left == [], f"journal records left behind: {left}"
+
+
+def expect_exit(sig: int, stage: str, r: subprocess.CompletedProcess[str]) -> None:
+    if sig == signal.SIGKILL:
+        assert r.returncode == -signal.SIGKILL
+    elif stage == "after-commit":  # a signal after the commit only hurries the end: the dump succeeded
+        assert r.returncode == 0, r.stderr
+    else:
+        assert r.returncode == 128 + signal.SIGTERM and "SIGTERM" in r.stderr, (r.returncode, r.stderr)
+
+
+def wait_dead(tree: Tree, timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while tree.alive() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not tree.alive()
+
+
+@pytest.mark.parametrize("sig", SIGNALS, ids=["kill9", "term"])
+@pytest.mark.parametrize("stage", STAGES)
+def test_criu_dump_interrupted(stage: str, sig: int, tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    cli = Cli(store)
+    tree = Tree(mb=16, detached=True)
+    try:
+        c0 = tree.report()["counter"]
+        p = Paused(store, ["criu", "dump", str(tree.pid), "snap"], stage, tmp_path)
+        staging = p.record["staging"]
+        assert p.record["kind"] == "criu-dump" and {x["pid"] for x in p.record["procs"]} == {tree.pid, tree.child}
+        r = p.stop(sig)
+        expect_exit(sig, stage, r)
+        if sig == signal.SIGKILL:
+            assert cli.run("criu", "dump", str(tree.pid), "other", check=False).returncode == 5, \
+                "a state-changing command must refuse while an interrupted operation waits"
+            rec = cli.json("recover")
+            assert rec["ok"] and len(rec["operations"]) == 1, rec
+            assert rec["operations"][0]["stage"] != "started" or stage == "before-dump"
+        else:
+            assert cli.json("recover")["operations"] == [], "gpusnap undid it itself"
+        assert_nothing_left(store, staging)
+        if stage == "after-commit":
+            wait_dead(tree)  # killed only now that the snapshot is committed
+            assert cli.json("store", "verify", "snap")["ok"]
+            cli.json("criu", "restore", "snap")
+        else:
+            assert cli.json("store", "ls") == []
+        after = tree.report()
+        assert healthy(after) and after["pid"] == tree.pid, after
+        assert after["counter"] >= c0, "the counter continues from its value"
+    finally:
+        tree.kill()
+
+
+RUNSC_WRAPPER = """\
+#!/bin/sh
+# runsc as usual, except that `checkpoint` waits after the real checkpoint until {pause} is removed
+for a in "$@"; do
+  if [ "$a" = checkpoint ]; then
+    {real} "$@"; rc=$?
+    echo $$ > {pause}.tmp && mv {pause}.tmp {pause}
+    while [ -e {pause} ]; do sleep 0.05; done
+    exit $rc
+  fi
+done
+exec {real} "$@"
+"""
+
+
+def _counting(out: Path) -> list[int]:
+    ls = lines(out)
+    nums = [int(l[0]) for l in ls]
+    assert nums == list(range(nums[0], nums[0] + len(nums))), "the counter must continue without a gap or a restart"
+    assert len({l[1] for l in ls}) == 1, "in-memory data changed"
+    return nums
+
+
+@pytest.mark.parametrize("sig", SIGNALS, ids=["kill9", "term"])
+@pytest.mark.parametrize("stage", STAGES)
+def test_runsc_checkpoint_interrupted(stage: str, sig: int, tmp_path: Path, env: dict, cli: Cli, store_dir: Path) -> None:
+    import shutil
+    cid = U(f"k{STAGES.index(stage)}{sig}")
+    bundle, out = start_counter(cli, env, cid)
+    wrapper_dir = None
+    if stage == "dumping":
+        wrapper_dir = tmp_path / "bin"
+        wrapper_dir.mkdir()
+        w = wrapper_dir / "runsc"
+        w.write_text(RUNSC_WRAPPER.format(real=shutil.which("runsc"), pause=tmp_path / "pause-dumping"))
+        w.chmod(0o755)
+    p = Paused(store_dir, ["runsc", "checkpoint", cid, "snap", *env["args"], "--runsc-arg=--network=none"], stage,
+               tmp_path, str(wrapper_dir) if wrapper_dir else None)
+    staging = p.record["staging"]
+    r = p.stop(sig)
+    expect_exit(sig, stage, r)
+    if sig == signal.SIGKILL:
+        rec = cli.json("recover")
+        assert rec["ok"] and len(rec["operations"]) == 1, rec
+    else:
+        assert cli.json("recover")["operations"] == []
+    assert_nothing_left(store_dir, staging)
+    if stage == "after-commit":  # committed: the sandbox stays stopped, as asked, and the snapshot restores it
+        before = lines(out)
+        time.sleep(0.5)
+        assert lines(out) == before
+        out2 = tmp_path / "restored.out"
+        cid2 = U(f"r{STAGES.index(stage)}{sig}")
+        cli.json("runsc", "restore", "snap", cid2, "--bundle", str(bundle), "--output", str(out2))
+        env["made"].append((cid2, env["args"]))
+        after = wait_lines(out2, 3)
+        assert int(after[0][0]) == int(before[-1][0]) + 1 and after[0][1] == before[-1][1]
+    else:
+        assert cli.json("store", "ls") == []
+        n = len(lines(out))
+        wait_lines(out, n + 3)  # running again (restarted from the staged checkpoint where it had stopped)
+        _counting(out)
+
+
+def _processes_mentioning(text: str) -> list[str]:
+    found = []
+    for n in os.listdir("/proc"):
+        if n.isdigit() and int(n) != os.getpid():
+            try:
+                cmd = Path(f"/proc/{n}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if text.encode() in cmd:
+                found.append(cmd.replace(b"\0", b" ").decode(errors="replace"))
+    return found
+
+
+def test_hanging_runsc_is_timed_out_and_leaves_nothing(tmp_path: Path, env: dict) -> None:
+    """A runsc whose `run` starts the sandbox for real and then hangs: after the timeout the command's
+    group, the container and its sandbox and gofer processes (re-parented to init) are all gone."""
+    import shutil
+    from sandbox.runsc.runner import Runsc, RunscError
+    root = env["args"][0].split("=", 2)[2]
+    wrapper = tmp_path / "runsc"
+    wrapper.write_text(f"#!/bin/sh\n{shutil.which('runsc')} \"$@\"\n"  # `run` hangs after starting the sandbox
+                       'case " $* " in *" run "*) while :; do sleep 1; done;; esac\n')
+    wrapper.chmod(0o755)
+    cid = U("hang")
+    bundle = tmp_path / "bundle"
+    env["build"](str(bundle), [sys.executable, "-c", "import time; time.sleep(600)"])
+    r = Runsc([f"--root={root}", "--platform=ptrace", "--network=none"], binary=str(wrapper), timeout=8)
+    with open(tmp_path / "out", "ab") as f, pytest.raises(RunscError, match="did not finish within 8 s"):
+        r.run(cid, str(bundle), stdout=f, stderr=f)
+    assert _processes_mentioning(str(wrapper)) == [], "the hung runsc command's group must be gone"
+    assert _processes_mentioning(root) == [], "runsc-sandbox and runsc-gofer must be gone"
+    assert Runsc([f"--root={root}"]).state(cid) is None, "the container must be deleted"
+    assert [n for n in os.listdir(root) if cid in n] == [], "no state or lock file of the container may be left"
+
+
+def test_thp_put_back_after_kill(tmp_path: Path) -> None:
+    """thp() records the value before switching; a kill -9 inside the block leaves the record, and
+    `gpusnap recover` puts the value back and removes it (a file stands in for the sysfs setting)."""
+    setting = tmp_path / "enabled"
+    setting.write_text("always [madvise] never\n")
+    rundir = tmp_path / "run"
+    ready = tmp_path / "ready"
+    prog = textwrap.dedent(f"""
+        import os, time
+        from sandbox.gpu.hugepages import thp
+        with thp("always", path={str(setting)!r}, record_dir={str(rundir)!r}):
+            open({str(ready)!r}, "w").close()
+            time.sleep(600)
+    """)
+    p = subprocess.Popen([sys.executable, "-c", prog], env={**os.environ, "PYTHONPATH": pythonpath()})
+    deadline = time.monotonic() + 30
+    while not ready.exists():
+        assert time.monotonic() < deadline and p.poll() is None
+        time.sleep(0.02)
+    assert setting.read_text() == "always"
+    assert len(list(rundir.iterdir())) == 1
+    p.kill()
+    p.wait()
+    cli = Cli(tmp_path / "store")
+    cli.run("store", "ls")  # makes the store
+    rep = json.loads(cli.run("recover", "--json", env={"GPUSNAP_RUN_DIR": str(rundir)}).stdout)
+    assert rep["thp_put_back"] == [{"path": str(setting), "value": "madvise"}]
+    assert setting.read_text() == "madvise" and list(rundir.iterdir()) == []
+
+
+def test_thp_record_removed_after_a_normal_block(tmp_path: Path) -> None:
+    from sandbox.gpu.hugepages import put_back, thp
+    setting = tmp_path / "enabled"
+    setting.write_text("always [madvise] never\n")
+    with thp("always", path=str(setting), record_dir=str(tmp_path / "run")):
+        assert setting.read_text() == "always"
+        assert put_back(str(tmp_path / "run")) == [], "a live owner's record is not touched"
+    assert setting.read_text() == "madvise" and list((tmp_path / "run").iterdir()) == []
+
+
+GPU_DUMP = """
+import sys
+sys.path.insert(0, {tests!r})
+from file_standin import FileStandIn
+from sandbox.criu.snapshot import criu_dump
+from sandbox.gpu.driver import Features
+from storage.store import SnapshotStore
+criu_dump(SnapshotStore({store!r}), {pid}, "g", gpu_driver=FileStandIn({state!r}),
+          features=Features(checkpoint_api=True, custom_storage=False))
+"""
+
+
+@pytest.mark.parametrize("stage", ["before-dump", "ingest", "before-commit"])
+def test_gpu_dump_killed_then_recovered(stage: str, tmp_path: Path) -> None:
+    """The driver-stand-in variant: the tree's two processes are CUDA processes (a file-backed stand-in,
+    host-staged path); gpusnap is killed -9 with them CHECKPOINTED (and the tree stopped by CRIU):
+    recovery resumes the tree and restores and unlocks their GPU memory, byte-exact."""
+    import random
+    from file_standin import FileStandIn
+    from sandbox.gpu.driver import ProcessState
+    from sandbox.recover import recover
+    from storage.store import SnapshotStore
+    tree = Tree(mb=16, detached=True)
+    try:
+        state = str(tmp_path / "driver.json")
+        d = FileStandIn(state)
+        before = {pid: random.Random(pid).randbytes(64 << 10) for pid in (tree.pid, tree.child)}
+        for pid, data in before.items():
+            d.add(pid, data)
+        store = tmp_path / "store"
+        pause = tmp_path / "pause"
+        prog = GPU_DUMP.format(tests=str(REPO / "tests"), store=str(store), pid=tree.pid, state=state)
+        env = {**os.environ, "PYTHONPATH": pythonpath(), "GPUSNAP_TEST_PAUSE": f"{stage}:{pause}",
+               "GPUSNAP_RUN_DIR": str(tmp_path / "run")}
+        p = subprocess.Popen([sys.executable, "-c", prog], env=env, start_new_session=True)
+        deadline = time.monotonic() + 120
+        while not pause.exists():
+            assert p.poll() is None and time.monotonic() < deadline, "the dump did not reach the pause"
+            time.sleep(0.02)
+        assert {FileStandIn(state).get_state(x) for x in before} == {ProcessState.CHECKPOINTED}
+        staging = json.loads(next((store / "journal").glob("*.json")).read_text())["staging"]
+        p.kill()
+        p.wait()
+        pause.unlink()
+        rep = recover(SnapshotStore(str(store), create=False), gpu_driver=lambda: FileStandIn(state),
+                      thp_record_dir=str(tmp_path / "run"))
+        assert rep.ok, rep.as_dict()
+        d = FileStandIn(state)
+        assert all(d.get_state(x) == ProcessState.RUNNING for x in before)
+        assert {x: bytes(d.procs[x].gpu) for x in before} == before
+        assert_nothing_left(store, staging)
+        assert healthy(tree.report())
+    finally:
+        tree.kill()
+
+
+def test_criu_without_privilege_says_so_and_keeps_its_log(tmp_path: Path) -> None:
+    """CRIU run without root or CAP_CHECKPOINT_RESTORE (setpriv to nobody) exits before writing its log:
+    the error says what is missing, the tree runs on, and the log it points at exists and holds CRIU's words."""
+    import re
+    import shutil
+    from sandbox.criu.runner import Criu, CriuError, find_criu
+    from sandbox.criu.snapshot import criu_dump
+    from storage.store import SnapshotStore
+    if not shutil.which("setpriv"):
+        pytest.skip("setpriv (util-linux) is needed to drop privileges")
+    wrapper = tmp_path / "criu"
+    wrapper.write_text(f"#!/bin/sh\nexec setpriv --reuid=65534 --regid=65534 --clear-groups --inh-caps=-all "
+                       f"{find_criu()} \"$@\"\n")
+    wrapper.chmod(0o755)
+    tree = Tree(mb=4, detached=True)
+    try:
+        with pytest.raises(CriuError) as ei:
+            criu_dump(SnapshotStore(str(tmp_path / "store")), tree.pid, "np", criu=Criu(str(wrapper)))
+        msg = str(ei.value)
+        assert "needs root or the CAP_CHECKPOINT_RESTORE capability" in msg, msg
+        log = re.search(r"\(log: (\S+)\)$", msg).group(1)
+        assert os.path.exists(log) and "CAP_CHECKPOINT_RESTORE" in Path(log).read_text()
+        assert healthy(tree.report())
+    finally:
+        tree.kill()
+
+
+def test_criu_error_names_the_cause_not_its_consequence(tmp_path: Path) -> None:
+    """CRIU's log when it may not seize a task: the warning that says why comes before the first Error line
+    (lines as CRIU 4.1.1 wrote them for `dump -t 1` here)."""
+    from sandbox.criu.runner import _strip_prefix, explain
+    log = tmp_path / "dump.log"
+    log.write_text("(00.108052) Error (criu/util.c:1533): rlimit: Can't setup RLIMIT_NOFILE for self: Operation not permitted\n"
+                   "(00.108771) Warn  (compel/src/lib/infect.c:133): Unable to interrupt task: 1 (Operation not permitted)\n"
+                   "(00.108796) Error (compel/src/lib/infect.c:418): Unable to detach from 1: No such process\n"
+                   "(00.108804) Error (criu/cr-dump.c:2111): Dumping FAILED.\n")
+    assert _strip_prefix(explain(str(log))[0]) == "Unable to interrupt task: 1 (Operation not permitted)"
+
+
+@pytest.mark.parametrize("stage", ["before-restore", "after-restore"])
+def test_criu_restore_killed(stage: str, tmp_path: Path) -> None:
+    """kill -9 of `criu restore` before CRIU runs (nothing started; the snapshot restores afterwards)
+    or after it (the restored tree runs on); recover removes the materialized images either way."""
+    store = tmp_path / "store"
+    cli = Cli(store)
+    tree = Tree(mb=8, detached=True)
+    try:
+        cli.json("criu", "dump", str(tree.pid), "r")
+        wait_dead(tree)
+        p = Paused(store, ["criu", "restore", "r"], stage, tmp_path)
+        staging = p.record["staging"]
+        assert p.stop(signal.SIGKILL).returncode == -signal.SIGKILL
+        assert cli.run("criu", "restore", "r", check=False).returncode == 5
+        rec = cli.json("recover")
+        assert rec["ok"] and rec["operations"][0]["kind"] == "criu-restore", rec
+        assert_nothing_left(store, staging)
+        if stage == "before-restore":
+            assert not tree.alive(), "no process may have started"
+            cli.json("criu", "restore", "r")
+        assert healthy(tree.report())
+    finally:
+        tree.kill()
+
+
+@pytest.mark.parametrize("stage", ["before-restore", "after-restore"])
+def test_runsc_restore_killed(stage: str, tmp_path: Path, env: dict, cli: Cli, store_dir: Path) -> None:
+    """kill -9 of `runsc restore` before runsc runs (no sandbox; a new restore works) or after it (the
+    restored sandbox runs on, counting from the checkpoint); recover removes the materialized images."""
+    cid = U(f"rk{stage[0]}")
+    bundle, out = start_counter(cli, env, cid)
+    cli.json("runsc", "checkpoint", cid, "s", *env["args"], "--runsc-arg=--network=none")
+    last = int(lines(out)[-1][0])
+    cid2 = U(f"rr{stage[0]}")
+    out2 = tmp_path / "restored.out"
+    env["made"].append((cid2, env["args"]))
+    p = Paused(store_dir, ["runsc", "restore", "s", cid2, "--bundle", str(bundle), "--output", str(out2)], stage, tmp_path)
+    staging = p.record["staging"]
+    assert p.stop(signal.SIGKILL).returncode == -signal.SIGKILL
+    rec = cli.json("recover")
+    assert rec["ok"] and rec["operations"][0]["kind"] == "runsc-restore", rec
+    assert_nothing_left(store_dir, staging)
+    if stage == "before-restore":
+        assert not out2.exists() or lines(out2) == [], "no sandbox may have started"
+        cli.json("runsc", "restore", "s", cid2, "--bundle", str(bundle), "--output", str(out2))
+    after = wait_lines(out2, 3)
+    assert int(after[0][0]) == last + 1
+
+
+def test_recover_leaves_a_live_operation_alone(tmp_path: Path) -> None:
+    """`gpusnap recover` while a dump is in flight (its gpusnap alive, paused before the commit): nothing
+    is touched; the dump then completes normally."""
+    store = tmp_path / "store"
+    cli = Cli(store)
+    tree = Tree(mb=8, detached=True)
+    try:
+        p = Paused(store, ["criu", "dump", "--leave-running", str(tree.pid), "live"], "before-commit", tmp_path)
+        assert cli.json("recover")["operations"] == []
+        assert len(list((store / "journal").glob("*.json"))) == 1
+        p.file.unlink()
+        out, err = p.proc.communicate(timeout=120)
+        assert p.proc.returncode == 0, err
+        assert cli.json("store", "verify", "live")["ok"] and healthy(tree.report())
+    finally:
+        tree.kill()
+
+
+def test_a_reused_pid_is_never_signalled() -> None:
+    """Processes are named by pid and start time: a record's pid now held by another process is left alone."""
+    from sandbox.journal import Proc
+    p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        me = Proc.of(p.pid)
+        assert me is not None and me.alive()
+        assert not Proc(p.pid, me.start + 1).signal(signal.SIGKILL)
+        time.sleep(0.2)
+        assert p.poll() is None
+    finally:
+        p.kill()
+        p.wait()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGINT], ids=["hup", "int"])
+def test_criu_dump_hup_and_int_run_the_same_undo(sig: int, tmp_path: Path) -> None:
+    """SIGHUP (terminal closed) and SIGINT (Ctrl-C) with CRIU's images complete and the tree stopped:
+    gpusnap undoes the dump itself, as for SIGTERM."""
+    store = tmp_path / "store"
+    cli = Cli(store)
+    tree = Tree(mb=8, detached=True)
+    try:
+        p = Paused(store, ["criu", "dump", str(tree.pid), "s"], "ingest", tmp_path)
+        r = p.stop(sig)
+        assert r.returncode == 128 + sig and signal.Signals(sig).name in r.stderr, (r.returncode, r.stderr)
+        assert_nothing_left(store, p.record["staging"])
+        assert cli.json("store", "ls") == [] and healthy(tree.report())
+    finally:
+        tree.kill()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("stage", ["before-dump", "ingest"])
+def test_real_gpu_dump_killed_then_recovered(stage: str, tmp_path: Path) -> None:
+    """On a GPU machine: a real CUDA process (scripts/gpu_workload.py) is locked and checkpointed by the
+    driver, gpusnap is killed -9 (before CRIU, or with CRIU done and the process stopped); `gpusnap
+    recover` resumes it and restores and unlocks its GPU memory, verified by the process itself."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    from workload_control import Workload
+    store = tmp_path / "store"
+    cli = Cli(store)
+    with Workload(float(os.environ.get("GPUSNAP_TEST_GB", "1")), seed=5, detached=True) as w:
+        p = Paused(store, ["criu", "dump", str(w.pid), "g"], stage, tmp_path)
+        assert p.record["cuda_pids"] == [w.pid] and p.record["stage"] == ("gpu-frozen" if stage == "before-dump" else "dumped")
+        assert p.stop(signal.SIGKILL).returncode == -signal.SIGKILL
+        rec = cli.json("recover")
+        assert rec["ok"], rec
+        assert any("GPU state resumed" in a for a in rec["operations"][0]["actions"]), rec
+        assert_nothing_left(store, p.record["staging"])
+        assert w.verify(), "the GPU memory must be intact after recovery"
+        assert cli.json("store", "ls") == []
+
+
+def test_recover_ends_a_helper_that_does_not_finish(tmp_path: Path) -> None:
+    """gpusnap killed -9 while CRIU is inside the dump (held at post-dump by the test hook, which is
+    never released): `recover --wait 2` kills CRIU's process group, resumes the tree, removes staging."""
+    store = tmp_path / "store"
+    cli = Cli(store)
+    tree = Tree(mb=8, detached=True)
+    try:
+        p = Paused(store, ["criu", "dump", str(tree.pid), "h"], "dumping", tmp_path)
+        os.kill(p.proc.pid, signal.SIGKILL)
+        p.proc.wait()
+        rec = cli.json("recover", "--wait", "2")
+        assert rec["ok"] and any("killed helper" in a for a in rec["operations"][0]["actions"]), rec
+        assert _processes_mentioning(p.record["staging"]) == []
+        assert_nothing_left(store, p.record["staging"])
+        assert healthy(tree.report())
+    finally:
+        tree.kill()
