@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import fcntl
 import os
-import re
 import shutil
 import signal
 from contextlib import contextmanager
@@ -240,13 +239,15 @@ def _remove_staging(rec: OpRecord, done: Recovered) -> None:
 
 
 def _remove_owner_temps(store: SnapshotStore, rec: OpRecord, done: Recovered) -> None:
-    """Temporary store files (tmp/WHAT.PID.THREAD.NS) of the dead owner, while no process has its pid."""
-    if journal.start_time(rec.owner.pid) is not None:
-        return  # the pid is someone else's now: its files may be live; gc reclaims ours later
+    """Temporary store files of the dead owner: tmp/KIND.PID-START-BOOT.... (storage.owner names them),
+    this owner's pid and start time, and no longer alive."""
+    from storage.owner import ProcessOwner
     n = 0
     for e in os.scandir(store.tmp_dir):
-        m = re.fullmatch(r"[a-z]+\.(\d+)\.\d+\.\d+", e.name)
-        if m and int(m.group(1)) == rec.owner.pid and e.is_file(follow_symlinks=False):
+        parts = e.name.split(".")
+        owner = ProcessOwner.parse(parts[1]) if len(parts) > 2 else None
+        if (owner is not None and (owner.pid, owner.start) == (rec.owner.pid, rec.owner.start)
+                and not owner.alive() and e.is_file(follow_symlinks=False)):
             os.unlink(e.path)
             n += 1
     if n:

@@ -246,7 +246,7 @@ def test_thp_put_back_after_kill(tmp_path: Path) -> None:
     p.kill()
     p.wait()
     cli = Cli(tmp_path / "store")
-    cli.run("store", "ls")  # makes the store
+    cli.run("store", "init")  # makes the store
     rep = json.loads(cli.run("recover", "--json", env={"GPUSNAP_RUN_DIR": str(rundir)}).stdout)
     assert rep["thp_put_back"] == [{"path": str(setting), "value": "madvise"}]
     assert setting.read_text() == "madvise" and list(rundir.iterdir()) == []
