@@ -257,8 +257,10 @@ class SnapshotStore:
             raise ManifestError(f"snapshot {name!r}: manifest says its name is {m.name!r}")
         return m
 
-    def writer(self, name: str, *, replace: bool = False, meta: dict[str, Any] | None = None) -> "SnapshotWriter":
-        return SnapshotWriter(self, name, replace=replace, meta=meta or {})
+    def writer(self, name: str, *, replace: bool = False, meta: dict[str, Any] | None = None,
+               created: str | None = None) -> "SnapshotWriter":
+        """CREATED keeps the creation time of a snapshot copied from elsewhere (a pull)."""
+        return SnapshotWriter(self, name, replace=replace, meta=meta or {}, created=created)
 
     def remove(self, name: str) -> None:
         path = self.manifest_path(name)
@@ -379,11 +381,13 @@ class SnapshotWriter:
     because a concurrent writer may already reference them.
     """
 
-    def __init__(self, store: SnapshotStore, name: str, *, replace: bool, meta: dict[str, Any]) -> None:
+    def __init__(self, store: SnapshotStore, name: str, *, replace: bool, meta: dict[str, Any],
+                 created: str | None = None) -> None:
         self.store = store
         self.name = validate_snapshot_name(name)
         self.replace = replace
         self.meta = meta
+        self.created = created
         self.streams: list[Stream] = []
         self.stats = WriteStats()
         self._lock = threading.Lock()
@@ -476,6 +480,8 @@ class SnapshotWriter:
     def commit(self) -> Manifest:
         """Make the snapshot visible, atomically and durably (FORMAT.md, "What is atomic")."""
         manifest = Manifest(self.name, self.streams, self.meta)
+        if self.created is not None:
+            manifest.created = self.created
         data = manifest.dumps()
         final = self.store.manifest_path(self.name)
         tmp = self._tmp_path("manifest")

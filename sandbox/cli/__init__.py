@@ -11,7 +11,7 @@ import click
 
 from storage.store import default_store_path
 
-from sandbox.cli import criu_cmd, gpu_cmd, pool_cmd, runsc_cmd, store_cmd
+from sandbox.cli import criu_cmd, gpu_cmd, pool_cmd, remote_cmd, runsc_cmd, store_cmd
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -32,6 +32,6 @@ def main(ctx: click.Context, store_path: str | None, progress: bool | None) -> N
 
 
 
-for _module in (store_cmd, gpu_cmd, pool_cmd, criu_cmd, runsc_cmd):
+for _module in (store_cmd, gpu_cmd, pool_cmd, criu_cmd, runsc_cmd, remote_cmd):
     for _command in _module.COMMANDS:
         main.add_command(_command)
