@@ -4,7 +4,7 @@
 # starts the four servers in the background with pid files, and waits until every /healthcheck answers.
 # Idempotent: a second `start` with the servers up only checks their health. Prints the S3 endpoint.
 #
-#   scripts/swift-setup.sh [start|stop|status]
+#   scripts/swift-setup.sh [start|install|stop|status]   (install: packages and configs, no servers)
 #   GPUSNAP_SWIFT_DIR   state directory (default /var/lib/gpusnap-swift): configs, rings, data, logs, pids
 #   GPUSNAP_SWIFT_PORT  proxy port (default 18480); the account/container/object servers take the next three
 # S3 access: path-style, region us-east-1, SigV4, access key "test:tester", secret "testing".
@@ -191,11 +191,12 @@ case $action in
         fi
         echo "http://127.0.0.1:$port"
         ;;
+    install) install_packages; write_configs ;;
     stop) stop_all ;;
     status)
         for s in "${servers[@]}"; do
             if running "$s" && healthy "$s"; then echo "$s: up"; else echo "$s: down"; fi
         done
         ;;
-    *) echo "usage: $0 [start|stop|status]" >&2; exit 2 ;;
+    *) echo "usage: $0 [start|install|stop|status]" >&2; exit 2 ;;
 esac

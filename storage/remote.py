@@ -599,16 +599,18 @@ class Remote:
             self.check()
             with self.lock("push") as lk:
                 old = self.manifest_bytes(name)
-                if old is not None:
-                    if self._parse(name, old).dumps() == data:
-                        rep.already_there = True
-                        rep.seconds = time.perf_counter() - t0
-                        return rep
-                    if not replace:
-                        raise RemoteError(f"remote {self.cfg.name!r} already has a different snapshot "
-                                          f"named {name!r} (use --replace to overwrite it)")
+                same = old is not None and self._parse(name, old).dumps() == data
+                if old is not None and not same and not replace:
+                    raise RemoteError(f"remote {self.cfg.name!r} already has a different snapshot "
+                                      f"named {name!r} (use --replace to overwrite it)")
                 have = self.chunk_sizes()
+                # missing, or of the wrong size (a truncated object): sent again, also under a
+                # manifest already there, which is how a damaged remote snapshot is repaired
                 todo = [r for r in refs if have.get(r.id) != HEADER_SIZE + r.stored_len]
+                if same and not todo:
+                    rep.already_there = True
+                    rep.seconds = time.perf_counter() - t0
+                    return rep
                 self._upload(store, todo, rep, progress)
                 if lk.lost():
                     # gc took our lock for stale and may have deleted chunks we found present: check all
