@@ -19,6 +19,7 @@ if [ ${#missing[@]} -gt 0 ]; then
 fi
 
 criu=$(scripts/install-criu.sh)
+scripts/swift-setup.sh install  # the object store the remote-tier tests use (started by scripts/test.sh)
 ln -sf "$criu" .cache/criu-bin
 
 py=${PYTHON:-python3}

@@ -6,13 +6,14 @@
 #
 #   scripts/swift-setup.sh [start|install|stop|status]   (install: packages and configs, no servers)
 #   GPUSNAP_SWIFT_DIR   state directory (default /var/lib/gpusnap-swift): configs, rings, data, logs, pids
-#   GPUSNAP_SWIFT_PORT  proxy port (default 18480); the account/container/object servers take the next three
+#   GPUSNAP_SWIFT_PORT  proxy port (default 18480); the account/container/object servers take the next
+#                       three, memcached (the proxy's cache of account/container info) the fourth
 # S3 access: path-style, region us-east-1, SigV4, access key "test:tester", secret "testing".
 set -euo pipefail
 action=${1:-start}
 dir=${GPUSNAP_SWIFT_DIR:-/var/lib/gpusnap-swift}
 port=${GPUSNAP_SWIFT_PORT:-18480}
-acct=$((port + 1)) cont=$((port + 2)) obj=$((port + 3))
+acct=$((port + 1)) cont=$((port + 2)) obj=$((port + 3)) mc=$((port + 4))
 servers=(account container object proxy)
 export DEBIAN_FRONTEND=noninteractive
 
@@ -34,7 +35,7 @@ running() {  # running SERVER: its pid file names a live process
 }
 
 stop_all() {
-    for s in "${servers[@]}"; do
+    for s in "${servers[@]}" memcached; do
         local pf="$dir/run/$s.pid"
         [ -f "$pf" ] || continue
         local pid
@@ -48,7 +49,7 @@ stop_all() {
 }
 
 install_packages() {
-    local pkgs=(swift swift-proxy swift-account swift-container swift-object python3-swift) missing=()
+    local pkgs=(swift swift-proxy swift-account swift-container swift-object python3-swift memcached) missing=()
     for p in "${pkgs[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
     [ ${#missing[@]} -eq 0 ] && return
     if [ "$(id -u)" -ne 0 ]; then echo "swift-setup: need root to install ${missing[*]}" >&2; exit 1; fi
@@ -141,6 +142,7 @@ use = egg:swift#healthcheck
 use = egg:swift#proxy_logging
 [filter:cache]
 use = egg:swift#memcache
+memcache_servers = 127.0.0.1:$mc
 [filter:listing_formats]
 use = egg:swift#listing_formats
 [filter:copy]
@@ -163,6 +165,10 @@ EOF
 }
 
 start_all() {
+    if ! running memcached; then
+        setsid memcached -u root -l 127.0.0.1 -p "$mc" -U 0 -m 64 >>"$dir/log/memcached.log" 2>&1 </dev/null &
+        echo $! > "$dir/run/memcached.pid"
+    fi
     for s in account container object proxy; do
         if running "$s"; then continue; fi
         # -v: log to stderr (there is no /dev/log here); the server setsid()s itself
@@ -182,6 +188,7 @@ start_all() {
 case $action in
     start)
         all_up=1
+        running memcached || all_up=0
         for s in "${servers[@]}"; do { running "$s" && healthy "$s"; } || { all_up=0; break; }; done
         if [ $all_up -eq 0 ]; then
             install_packages

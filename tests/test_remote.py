@@ -269,7 +269,7 @@ def _free_port_block() -> int:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             base = s.getsockname()[1]
-        if base + 3 < 65536 and all(_port_free(base + i) for i in range(4)):
+        if base + 4 < 65536 and all(_port_free(base + i) for i in range(5)):
             return base
 
 
