@@ -347,3 +347,39 @@ def test_criu_restore_from_remote_on_another_store(nodes: tuple[Node, Node]) -> 
         assert b.json("store", "verify")["ok"]
     finally:
         tree.kill()
+
+
+# ---- a GPU snapshot (custom-storage streams) restored on node B from the object store ----------------
+def test_gpu_restore_from_remote_on_another_store(tmp_path: Path, endpoint: str, child: int,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GPU path of `gpu restore --from`: the driver stand-in's processes swapped out into store A,
+    pushed, pulled by ensure_local into empty store B, swapped back in from B with the bytes intact."""
+    from driver_standin import StandInDriver
+    from test_custom_storage_flow import FEATS, gpu_bytes
+    from sandbox.gpu.driver import ProcessState as S
+    from sandbox.gpu.snapshot import gpu_checkpoint, gpu_restore
+    from storage.device import HostDevice
+    from storage.remote import Remote, RemoteConfig, add_remote, ensure_local
+    from storage.store import SnapshotStore
+    for k, v in CREDS.items():
+        monkeypatch.setenv(k, v)
+    bucket, prefix = url_for("gpu")[5:].split("/", 1)
+    cfg = RemoteConfig("r", bucket, prefix, endpoint)
+    a, b = SnapshotStore(str(tmp_path / "A")), SnapshotStore(str(tmp_path / "B"))
+    add_remote(a, cfg)
+    add_remote(b, cfg)
+    Remote.open(a, "r").init()
+    d = StandInDriver()
+    me = os.getpid()
+    d.add(me, gpu_bytes(1, 6))
+    d.add(child, gpu_bytes(2, 3))
+    before = {p: bytes(d.procs[p].gpu) for p in (me, child)}
+    gpu_checkpoint(a, me, "swap", driver=d, features=FEATS, device=HostDevice(), thp_mode=None)
+    assert all(d.get_state(p) == S.CHECKPOINTED for p in (me, child))
+    assert Remote.open(a, "r").push(a, "swap").chunks_sent > 0
+    rep = ensure_local(b, "swap", "r")
+    assert rep is not None and rep.chunks_sent == rep.chunks_total > 0
+    assert ensure_local(b, "swap", "r") is None  # local now: nothing to pull
+    gpu_restore(b, "swap", me, driver=d, features=FEATS, device=HostDevice(), thp_mode=None)
+    assert all(d.get_state(p) == S.RUNNING for p in (me, child))
+    assert {p: bytes(d.procs[p].gpu) for p in (me, child)} == before

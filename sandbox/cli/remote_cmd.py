@@ -23,7 +23,7 @@ def _transfer_line(r: dict) -> str:
         return f"{r['snapshot']}: already on both sides, nothing sent"
     verb = "sent" if r["direction"] == "push" else "fetched"
     return (f"{r['snapshot']}: {r['direction']} {r['remote']}: {r['chunks_sent']} of {r['chunks_total']} chunks "
-            f"{verb}, {human(r['bytes_sent'])} of {human(r['bytes_total'])} in {r['seconds']:.2f} s")
+            f"{verb}, {human(r['bytes_sent'])} in {r['seconds']:.2f} s (all its chunks: {human(r['bytes_total'])})")
 
 
 @click.group()
