@@ -235,6 +235,24 @@ def test_corrupted_remote_chunk_is_refused_and_reported(nodes: tuple[Node, Node]
     b.json("pull", "c")
 
 
+def test_chunk_larger_than_the_multipart_threshold_goes_up_in_parts(nodes: tuple[Node, Node], tmp_path: Path,
+                                                                   endpoint: str) -> None:
+    a, b = nodes
+    d = tmp_path / "data"
+    d.mkdir()
+    (d / "huge.bin").write_bytes(np.random.default_rng(5).integers(0, 256, 70 << 20, dtype=np.uint8).tobytes())
+    a.run("store", "put", "m", str(d), "--chunk-size", "128M", "--no-compress")
+    assert a.json("push", "m")["chunks_sent"] == 1
+    bucket, prefix = url_for("test_chunk_larger_than_the_multipart_threshold_goes_up_in_parts")[5:].split("/", 1)
+    s3 = _s3(endpoint)
+    [obj] = s3.list_objects_v2(Bucket=bucket, Prefix=prefix + "/chunks/")["Contents"]
+    assert obj["Size"] == 4096 + (70 << 20)
+    assert obj["ETag"].strip('"').endswith("-5"), obj["ETag"]  # 16 MiB parts: a multipart upload
+    b.json("pull", "m")
+    b.run("store", "get", "m", str(tmp_path / "out"))
+    assert same_tree(d, tmp_path / "out" / "data")
+
+
 def test_credentials_wrong_missing_or_readable_by_others_give_one_line(tmp_path: Path, endpoint: str) -> None:
     cli = Cli(tmp_path / "A")
     no_env = {"GPUSNAP_S3_ACCESS_KEY_ID": "", "GPUSNAP_S3_SECRET_ACCESS_KEY": "",
