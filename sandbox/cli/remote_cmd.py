@@ -10,7 +10,8 @@ import os
 import click
 
 from storage.progress import Progress
-from storage.remote import DEFAULT_JOBS, Remote, RemoteConfig, add_remote, load_credentials, parse_url
+from storage.remote import (DEFAULT_JOBS, Remote, RemoteConfig, RemoteDamageError, add_remote,
+                            load_credentials)
 
 from sandbox.cli.common import emit, human, json_option, one_line_errors, open_store
 
@@ -46,7 +47,6 @@ def remote_add(ctx: click.Context, name: str, url: str, endpoint: str, region: s
                credentials_file: str | None, as_json: bool) -> None:
     """Add remote NAME at URL (the bucket is created if missing) and check that it answers."""
     st = open_store(ctx)
-    bucket, prefix = parse_url(url)
     cf = os.path.abspath(credentials_file) if credentials_file else None
     cfg = RemoteConfig.from_json({"name": name, "url": url, "endpoint": endpoint, "region": region,
                                   "credentials_file": cf})
@@ -66,9 +66,13 @@ def remote_ls(ctx: click.Context, name: str | None, as_json: bool) -> None:
     r.check()
     rows = []
     for n in r.names():
-        m = r.load(n)
-        rows.append({"name": n, "size": m.size, "created": m.created, "kind": m.meta.get("kind")})
-    emit(as_json, rows, "\n".join(f"{x['name']}\t{human(x['size'])}\t{x['created']}" for x in rows)
+        try:
+            m = r.load(n)
+            rows.append({"name": n, "size": m.size, "created": m.created, "kind": m.meta.get("kind")})
+        except RemoteDamageError as e:
+            rows.append({"name": n, "error": str(e)})
+    emit(as_json, rows, "\n".join(f"{x['name']}\tDAMAGED: {x['error']}" if "error" in x else
+                                   f"{x['name']}\t{human(x['size'])}\t{x['created']}" for x in rows)
          or "(no snapshots)")
 
 
