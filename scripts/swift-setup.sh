@@ -60,6 +60,7 @@ install_packages() {
 write_configs() {
     mkdir -p "$dir/etc" "$dir/srv/d1" "$dir/run" "$dir/log" /etc/swift
     # Swift 2.30 reads /etc/swift/swift.conf whatever swift_dir says; keep one that is already there
+    # (Debian's package ships one: its hash suffix and default policy serve a test instance as well)
     if [ ! -f /etc/swift/swift.conf ]; then
         cat > /etc/swift/swift.conf <<EOF
 [swift-hash]
@@ -143,6 +144,10 @@ use = egg:swift#proxy_logging
 [filter:cache]
 use = egg:swift#memcache
 memcache_servers = 127.0.0.1:$mc
+# the default (2 connections per worker) times out under parallel requests and then error-limits
+memcache_max_connections = 32
+connect_timeout = 1
+pool_timeout = 2
 [filter:listing_formats]
 use = egg:swift#listing_formats
 [filter:copy]
