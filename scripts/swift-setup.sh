@@ -29,15 +29,22 @@ with urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}/healthcheck", timeo
 EOF
 }
 
-running() {  # running SERVER: its pid file names a live process
-    local pf="$dir/run/$1.pid"
-    [ -f "$pf" ] && kill -0 "$(cat "$pf")" 2>/dev/null
+running() {  # running SERVER: its pid file names a live process that is that server of this instance
+    local pf="$dir/run/$1.pid" cmd
+    [ -f "$pf" ] || return 1
+    cmd=$(tr '\0' ' ' < "/proc/$(cat "$pf")/cmdline" 2>/dev/null) || return 1
+    case $1 in
+        memcached) [[ $cmd == *"memcached "*"-p $mc "* ]] ;;
+        *) [[ $cmd == *"swift-$1-server $dir/etc/"* ]] ;;
+    esac
 }
 
 stop_all() {
     for s in "${servers[@]}" memcached; do
         local pf="$dir/run/$s.pid"
         [ -f "$pf" ] || continue
+        # a pid file left from an earlier boot may name someone else's process now: never signal that
+        if ! running "$s"; then rm -f "$pf"; continue; fi
         local pid
         pid=$(cat "$pf")
         # the servers call setsid: the pid is its process group (parent and workers)
