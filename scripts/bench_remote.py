@@ -85,17 +85,15 @@ def change_5_percent(d: Path, mb: int) -> None:
     f.write_bytes(bytes(data))
 
 
-def clients(endpoint: str, sizes_mb: list[int], count: int, jobs: int) -> list[tuple[str, int, float, float]]:
-    """(client, object MiB, PUT MiB/s, GET MiB/s) for COUNT objects, JOBS in parallel."""
+def clients(endpoint: str, sizes_mb: list[int], count: int, jobs: int, bucket: str) -> list[tuple[str, int, float, float]]:
+    """(client, object MiB, PUT MiB/s, GET MiB/s) for COUNT objects, JOBS in parallel, in BUCKET/clients/."""
     import boto3
     from botocore.config import Config
-    bucket = f"gpusnap-bench-clients-{uuid.uuid4().hex[:8]}"
     s3 = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id=ACCESS,
                       aws_secret_access_key=SECRET,
                       config=Config(s3={"addressing_style": "path"}, max_pool_connections=2 * jobs,
                                     request_checksum_calculation="when_required",
                                     response_checksum_validation="when_required"))
-    s3.create_bucket(Bucket=bucket)
     rows = []
     try:
         import obstore
@@ -111,7 +109,7 @@ def clients(endpoint: str, sizes_mb: list[int], count: int, jobs: int) -> list[t
         if obstore is not None:
             impls.append(("obstore", lambda k: obstore.put(ost, k, data), lambda k: obstore.get(ost, k).bytes()))
         for name, put, get in impls:
-            keys = [f"{name}/{mb}/{i}" for i in range(count)]
+            keys = [f"clients/{name}/{mb}/{i}" for i in range(count)]
             with ThreadPoolExecutor(jobs) as ex:
                 t0 = time.perf_counter()
                 list(ex.map(put, keys))
@@ -207,10 +205,13 @@ def main() -> None:
             print(f"| ratio object store / local | {remote_s / local:.2f} |")
         if args.clients:
             print("\n| client | object MiB | PUT MiB/s | GET MiB/s |\n|---|---|---|---|")
-            for name, mb, put, get in clients(endpoint, [4, 16, 64], 16, args.jobs):
+            for name, mb, put, get in clients(endpoint, [4, 16, 64], 16, args.jobs, bucket):
                 print(f"| {name} | {mb} | {put:.0f} | {get:.0f} |")
     finally:
         shutil.rmtree(work, ignore_errors=True)
+        sys.path.insert(0, str(REPO / "tests"))
+        from test_remote import drop_bucket
+        drop_bucket(endpoint, bucket)
 
 
 if __name__ == "__main__":

@@ -34,8 +34,24 @@ def swift_start(env: dict[str, str] | None = None) -> str:
 
 
 @pytest.fixture(scope="module")
-def endpoint() -> str:
-    return swift_start()
+def endpoint() -> Iterator[str]:
+    ep = swift_start()
+    yield ep
+    drop_bucket(ep, f"gpusnap-test-{RUN}")
+
+
+def drop_bucket(endpoint: str, bucket: str) -> None:
+    """Delete the test run's bucket and everything in it (Swift keeps its data on this machine's disk)."""
+    from concurrent.futures import ThreadPoolExecutor
+    s3 = _s3(endpoint)
+    try:
+        keys = [o["Key"] for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket)
+                for o in page.get("Contents", [])]
+    except s3.exceptions.NoSuchBucket:
+        return
+    with ThreadPoolExecutor(8) as ex:
+        list(ex.map(lambda k: s3.delete_object(Bucket=bucket, Key=k), keys))
+    s3.delete_bucket(Bucket=bucket)
 
 
 class Node:
