@@ -42,6 +42,7 @@ fi
 [ -x .cache/criu/bin/criu ] || echo "setup: building CRIU 4 (once, about a minute; log: $log)" >&2
 step "CRIU" sh -c 'scripts/setup/install-criu.sh > .cache/criu-path'
 criu=$(cat .cache/criu-path)
+step "Swift" scripts/setup/swift-setup.sh install  # the object store the remote-tier tests use (started by scripts/test.sh)
 ln -sf "$criu" .cache/criu-bin
 
 py=${PYTHON:-python3}

@@ -7,6 +7,7 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 scripts/setup.sh
 export PATH="$root/.cache/criu/bin:$PATH"
+scripts/setup/swift-setup.sh start >/dev/null  # one-node Swift with its S3 API on 127.0.0.1 (tests/test_remote.py)
 set +e
 .venv/bin/python -m pytest -m "not gpu" "$@" tests
 rc=$?

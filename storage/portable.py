@@ -169,8 +169,7 @@ def _import(store: SnapshotStore, src: IO[bytes], name: str | None, replace: boo
     got: set[str] = set()
     buf = AlignedBuffer(HEADER_SIZE + align_up(max((c.stored_len for c in wanted.values()), default=1)))
     try:
-        with store.writer(target, replace=replace, meta=m.meta, tags=m.tags) as w:
-            w.created = m.created
+        with store.writer(target, replace=replace, meta=m.meta, tags=m.tags, created=m.created, host=m.host) as w:
             for info, f in members:
                 cid = info.name.removeprefix("chunks/")
                 ref = wanted.get(cid)

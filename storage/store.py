@@ -436,8 +436,11 @@ class SnapshotStore:
         return m
 
     def writer(self, name: str, *, replace: bool = False, meta: dict[str, Any] | None = None,
-               tags: tuple[str, ...] | list[str] = ()) -> "SnapshotWriter":
-        return SnapshotWriter(self, name, replace=replace, meta=meta or {}, tags=tags)
+               tags: tuple[str, ...] | list[str] = (), created: str | None = None,
+               host: str | None = None) -> "SnapshotWriter":
+        """CREATED and HOST keep the creation time and host of a snapshot copied from elsewhere (a pull,
+        an import)."""
+        return SnapshotWriter(self, name, replace=replace, meta=meta or {}, tags=tags, created=created, host=host)
 
     def remove(self, name: str) -> str:
         """Remove snapshot NAME, or the stray entry of snapshots/ listed as NAME (with or without its
@@ -796,13 +799,15 @@ class SnapshotWriter:
     """
 
     def __init__(self, store: SnapshotStore, name: str, *, replace: bool, meta: dict[str, Any],
-                 tags: tuple[str, ...] | list[str] = ()) -> None:
+                 tags: tuple[str, ...] | list[str] = (), created: str | None = None,
+                 host: str | None = None) -> None:
         self.store = store
         self.name = validate_snapshot_name(name)
         self.replace = replace
         self.meta = meta
         self.tags = tuple(validate_tag(t) for t in tags)
-        self.created: str | None = None  # the creation time to record (default: at commit); import keeps the original
+        self.created = created  # the creation time to record (default: at commit)
+        self.host = host        # the host to record (default: this one)
         self.streams: list[Stream] = []
         self.stats = WriteStats()
         self._lock = threading.Lock()
@@ -865,6 +870,8 @@ class SnapshotWriter:
         manifest = Manifest(self.name, self.streams, self.meta, tags=self.tags)
         if self.created is not None:
             manifest.created = self.created
+        if self.host is not None:
+            manifest.host = self.host
         final = self.name + ".json"
         tmp = owned_name("manifest")
         try:

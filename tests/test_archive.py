@@ -30,8 +30,7 @@ def _snap(store: Path, name: str, created: str, data: bytes = b"x", kind: str = 
     from sandbox.snapshot_meta import FilesMeta, GpuMeta
     meta = (GpuMeta(root_pid=1, pids=(1,)) if kind == "gpu" else FilesMeta((str(src),))).to_json()
     st = SnapshotStore(str(store))
-    with st.writer(name, meta=meta, tags=tags) as w:
-        w.created = created
+    with st.writer(name, meta=meta, tags=tags, created=created) as w:
         pipeline.put(w, FileTreeSource([str(src)]))
         w.commit()
 

@@ -13,8 +13,8 @@ from storage.errors import (EXIT_DAMAGED, EXIT_FAILED, EXIT_OK, EXIT_RECOVER, EX
                             EXIT_USAGE)
 from storage.store import default_store_path
 
-from sandbox.cli import (archive_cmd, container_cmd, criu_cmd, gpu_cmd, hook_cmd, pool_cmd, recover_cmd, runsc_cmd,
-                         store_cmd)
+from sandbox.cli import (archive_cmd, container_cmd, criu_cmd, gpu_cmd, hook_cmd, pool_cmd, recover_cmd, remote_cmd,
+                         runsc_cmd, store_cmd)
 
 
 EPILOG = f"""\b
@@ -59,7 +59,7 @@ def main(ctx: click.Context, store_path: str | None, progress: bool | None) -> N
 
 
 
-for _module in (store_cmd, gpu_cmd, pool_cmd, criu_cmd, runsc_cmd, hook_cmd, container_cmd, recover_cmd):
+for _module in (store_cmd, gpu_cmd, pool_cmd, criu_cmd, runsc_cmd, hook_cmd, container_cmd, recover_cmd, remote_cmd):
     for _command in _module.COMMANDS:
         main.add_command(_command)
 for _command in archive_cmd.STORE_COMMANDS:

@@ -5,7 +5,9 @@ import click
 
 from storage.progress import Progress
 
-from sandbox.cli.common import emit, human, json_option, one_line_errors, open_store
+from storage.remote import ensure_local
+
+from sandbox.cli.common import emit, from_remote_option, human, json_option, one_line_errors, open_store
 from sandbox.criu.runner import DumpOptions
 from sandbox.criu.snapshot import criu_dump, criu_restore
 from sandbox.containers.process_check import refuse_container_process
@@ -52,13 +54,17 @@ def criu_dump_cmd(ctx: click.Context, pid: int, name: str, leave_running: bool, 
 @criu.command("restore")
 @click.argument("name")
 @click.option("--staging", default=None, metavar="DIR", help="Where the images are materialized for CRIU.")
+@from_remote_option
 @json_option
 @click.pass_context
 @one_line_errors
-def criu_restore_cmd(ctx: click.Context, name: str, staging: str | None, as_json: bool) -> None:
+def criu_restore_cmd(ctx: click.Context, name: str, staging: str | None, from_remote: str | None,
+                     as_json: bool) -> None:
     """Restore snapshot NAME (verified before any process starts); GPU state is restored and unlocked."""
     st = open_store(ctx, create=False)
     with undo_on_signals(), Progress(f"criu restore {name}", ctx.obj["progress"]) as prog:
+        if from_remote:
+            ensure_local(st, name, from_remote, progress=prog)
         r = criu_restore(st, name, staging=staging, progress=prog)
     emit(as_json, r.as_dict(), f"{name}: restored, root pid {r.restored_pid} "
          f"({', '.join(f'{k} {v:.2f} s' for k, v in r.seconds.items())})")

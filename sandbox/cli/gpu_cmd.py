@@ -7,7 +7,9 @@ import click
 
 from storage.progress import Progress
 
-from sandbox.cli.common import emit, json_option, one_line_errors, open_store
+from storage.remote import ensure_local
+
+from sandbox.cli.common import emit, from_remote_option, json_option, one_line_errors, open_store
 from sandbox.doctor import render, report
 from sandbox.gpu.snapshot import gpu_checkpoint, gpu_restore
 from sandbox.gpu.pool_daemon import request
@@ -91,11 +93,12 @@ def gpu_checkpoint_cmd(ctx: click.Context, pid: int, name: str, lock_timeout: fl
               help="Transparent huge pages while the driver copies the state back ('always' is measured "
                    "faster; the previous setting is put back; 'keep' leaves the setting alone).")
 @tier_options
+@from_remote_option
 @json_option
 @click.pass_context
 @one_line_errors
 def gpu_restore_cmd(ctx: click.Context, name: str, pid: int, device_map: tuple[str, ...], thp: str,
-                    tier: str, pool_socket: str | None, as_json: bool) -> None:
+                    tier: str, pool_socket: str | None, from_remote: str | None, as_json: bool) -> None:
     """Swap the GPU state of snapshot NAME back into PID's processes and unlock them."""
     if tier == "memory":
         if device_map:
@@ -105,6 +108,8 @@ def gpu_restore_cmd(ctx: click.Context, name: str, pid: int, device_map: tuple[s
         return
     st = open_store(ctx, create=False)
     with Progress(f"gpu restore {name}", ctx.obj["progress"]) as prog:
+        if from_remote:
+            ensure_local(st, name, from_remote, progress=prog)
         rep = gpu_restore(st, name, pid, device_map=list(device_map), thp_mode=None if thp == "keep" else thp,
                           progress=prog)
     emit(as_json, rep.as_dict(), f"{name}: {len(rep.pids)} process(es) restored via {rep.path} and running "

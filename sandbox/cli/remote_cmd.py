@@ -1,0 +1,165 @@
+"""`gpusnap remote add|ls|verify|rm|gc` and `gpusnap push|pull`: the store's snapshots in an S3 object store.
+
+Credentials are never options: GPUSNAP_S3_ACCESS_KEY_ID / GPUSNAP_S3_SECRET_ACCESS_KEY (or the AWS_
+names) in the environment, or a 0600 file named with `remote add --credentials-file`.
+"""
+from __future__ import annotations
+
+import os
+
+import click
+
+from storage.progress import Progress
+from storage.remote import (DEFAULT_JOBS, Remote, RemoteConfig, RemoteDamageError, add_remote,
+                            load_credentials)
+
+from sandbox.cli.common import emit, human, json_option, one_line_errors, open_store
+
+jobs_option = click.option("--jobs", "-j", default=DEFAULT_JOBS, show_default=True,
+                           help="Requests in flight at once.")
+
+
+def _transfer_line(r: dict) -> str:
+    if r["already_there"]:
+        return f"{r['snapshot']}: already on both sides, nothing sent"
+    verb = "sent" if r["direction"] == "push" else "fetched"
+    return (f"{r['snapshot']}: {r['direction']} {r['remote']}: {r['chunks_sent']} of {r['chunks_total']} chunks "
+            f"{verb}, {human(r['bytes_sent'])} in {r['seconds']:.2f} s (all its chunks: {human(r['bytes_total'])})")
+
+
+@click.group()
+def remote() -> None:
+    """Remotes: S3-compatible object stores this store pushes snapshots to and pulls them from."""
+
+
+@remote.command("add")
+@click.argument("name")
+@click.argument("url", metavar="s3://BUCKET/PREFIX")
+@click.option("--endpoint", required=True, metavar="URL", help="The S3 endpoint, e.g. http://127.0.0.1:18480.")
+@click.option("--region", default="us-east-1", show_default=True)
+@click.option("--credentials-file", default=None, metavar="PATH",
+              help="A 0600 file with `access_key_id = ...` and `secret_access_key = ...` lines "
+                   "(used when the environment has no GPUSNAP_S3_ACCESS_KEY_ID).")
+@json_option
+@click.pass_context
+@one_line_errors
+def remote_add(ctx: click.Context, name: str, url: str, endpoint: str, region: str,
+               credentials_file: str | None, as_json: bool) -> None:
+    """Add remote NAME at URL (the bucket is created if missing) and check that it answers."""
+    st = open_store(ctx)
+    cf = os.path.abspath(credentials_file) if credentials_file else None
+    cfg = RemoteConfig.from_json({"name": name, "url": url, "endpoint": endpoint, "region": region,
+                                  "credentials_file": cf})
+    Remote(cfg, load_credentials(cfg)).init()
+    add_remote(st, cfg)
+    emit(as_json, cfg.to_json(), f"remote {name}: {cfg.url} at {cfg.endpoint}")
+
+
+@remote.command("ls")
+@click.argument("name", required=False)
+@json_option
+@click.pass_context
+@one_line_errors
+def remote_ls(ctx: click.Context, name: str | None, as_json: bool) -> None:
+    """The snapshots on remote NAME (the only remote when there is one)."""
+    r = Remote.open(open_store(ctx), name)
+    r.check()
+    rows = []
+    for n in r.names():
+        try:
+            m = r.load(n)
+            rows.append({"name": n, "size": m.size, "created": m.created, "kind": m.meta.get("kind")})
+        except RemoteDamageError as e:
+            rows.append({"name": n, "error": str(e)})
+    emit(as_json, rows, "\n".join(f"{x['name']}\tDAMAGED: {x['error']}" if "error" in x else
+                                   f"{x['name']}\t{human(x['size'])}\t{x['created']}" for x in rows)
+         or "(no snapshots)")
+
+
+@remote.command("verify")
+@click.argument("name", required=False)
+@click.option("--read-data", is_flag=True, help="Fetch and hash every chunk (else: presence and size).")
+@click.option("--snapshot", "snapshots", multiple=True, help="Only these snapshots (repeatable).")
+@jobs_option
+@json_option
+@click.pass_context
+@one_line_errors
+def remote_verify(ctx: click.Context, name: str | None, read_data: bool, snapshots: tuple[str, ...],
+                  jobs: int, as_json: bool) -> None:
+    """Check remote NAME's manifests and chunks; exit 3 when anything is damaged or missing."""
+    r = Remote.open(open_store(ctx), name, jobs)
+    with Progress(f"remote verify {r.cfg.name}", ctx.obj["progress"]) as prog:
+        rep = r.verify(list(snapshots) or None, read_data=read_data, progress=prog)
+    d = {"ok": rep.ok, "snapshots": rep.snapshots, "chunks_checked": rep.chunks_checked,
+         "bytes_checked": rep.bytes_checked, "read_data": read_data, "problems": [str(p) for p in rep.problems]}
+    emit(as_json, d, "\n".join([f"{len(rep.snapshots)} snapshot(s), {rep.chunks_checked} chunk(s) "
+                                f"{'read and hashed' if read_data else 'present'}: "
+                                f"{'ok' if rep.ok else f'{len(rep.problems)} problem(s)'}",
+                                *map(str, rep.problems)]))
+    if not rep.ok:
+        raise SystemExit(3)
+
+
+@remote.command("rm")
+@click.argument("snapshot")
+@click.argument("name", required=False)
+@json_option
+@click.pass_context
+@one_line_errors
+def remote_rm(ctx: click.Context, snapshot: str, name: str | None, as_json: bool) -> None:
+    """Remove SNAPSHOT from remote NAME (its chunks stay until `remote gc`)."""
+    r = Remote.open(open_store(ctx), name)
+    r.check()
+    r.remove(snapshot)
+    emit(as_json, {"removed": snapshot, "remote": r.cfg.name}, f"{snapshot}: removed from {r.cfg.name}")
+
+
+@remote.command("gc")
+@click.argument("name", required=False)
+@jobs_option
+@json_option
+@click.pass_context
+@one_line_errors
+def remote_gc(ctx: click.Context, name: str | None, jobs: int, as_json: bool) -> None:
+    """Delete the chunks on remote NAME that no remote snapshot names (refused while a push runs)."""
+    r = Remote.open(open_store(ctx), name, jobs)
+    rep = r.gc()
+    emit(as_json, dict(rep.__dict__), f"{r.cfg.name}: {rep.chunks_removed} chunk(s) removed, "
+         f"{human(rep.bytes_freed)} freed, {rep.stale_locks_removed} stale lock(s) removed")
+
+
+@click.command()
+@click.argument("snapshot")
+@click.argument("name", required=False)
+@click.option("--replace", is_flag=True, help="Overwrite a different remote snapshot of the same name.")
+@jobs_option
+@json_option
+@click.pass_context
+@one_line_errors
+def push(ctx: click.Context, snapshot: str, name: str | None, replace: bool, jobs: int, as_json: bool) -> None:
+    """Send SNAPSHOT to remote NAME: only the chunks it lacks, then the manifest."""
+    st = open_store(ctx, create=False)
+    r = Remote.open(st, name, jobs)
+    with Progress(f"push {snapshot}", ctx.obj["progress"]) as prog:
+        rep = r.push(st, snapshot, replace=replace, progress=prog).as_dict()
+    emit(as_json, rep, _transfer_line(rep))
+
+
+@click.command()
+@click.argument("snapshot")
+@click.argument("name", required=False)
+@click.option("--replace", is_flag=True, help="Overwrite a different local snapshot of the same name.")
+@jobs_option
+@json_option
+@click.pass_context
+@one_line_errors
+def pull(ctx: click.Context, snapshot: str, name: str | None, replace: bool, jobs: int, as_json: bool) -> None:
+    """Fetch SNAPSHOT from remote NAME: only the chunks this store lacks, each verified on arrival."""
+    st = open_store(ctx)
+    r = Remote.open(st, name, jobs)
+    with Progress(f"pull {snapshot}", ctx.obj["progress"]) as prog:
+        rep = r.pull(st, snapshot, replace=replace, progress=prog).as_dict()
+    emit(as_json, rep, _transfer_line(rep))
+
+
+COMMANDS = [remote, push, pull]

@@ -1,0 +1,861 @@
+"""The remote tier: a store's snapshots pushed to and pulled from an S3-compatible object store.
+
+Guarantees kept here (FORMAT.md, "Remote stores", has the layout and the protocol):
+- a remote snapshot is visible only once its manifest object exists, and a push writes that object
+  only after every chunk the manifest names is present remotely: a killed push leaves no snapshot;
+- nothing relies on conditional writes (Swift's S3 API has none): objects have content-derived or
+  unique names, and gc and push exclude each other through lock objects with server-side times;
+- only chunks the other side lacks travel (a listing of the remote's chunks, the local store's files);
+- every chunk fetched is verified against its id before it enters the local store; one that does not
+  hash to its id is refetched once, then reported as damage; a remote manifest is validated by
+  Manifest.loads like a local one; a pulled snapshot is committed through the local store's writer;
+- remote gc deletes only chunks no remote manifest names, never while a fresh push lock exists, and a
+  push whose lock was removed as stale re-checks every chunk before it commits;
+- credentials come from the environment or a 0600 file; they are never in an argument, a message or
+  a remote's config.
+Nothing here knows CRIU or runsc: a snapshot is a manifest and chunks.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import stat
+import threading
+import time
+import uuid
+from concurrent.futures import FIRST_COMPLETED, FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Iterator
+
+from .chunkfile import HEADER_SIZE, ChunkHeader, ChunkError, chunk_id
+from .directio import AlignedBuffer, BufferPool
+from .errors import DamageError, GpusnapError, UnavailableError
+from .manifest import ChunkRef, Manifest, ManifestError
+from .names import validate_snapshot_name
+from .store import Problem, SnapshotStore, StoreError, VerifyReport
+
+REMOTE_FORMAT = "gpusnap-remote"
+REMOTE_VERSION = 1
+MULTIPART_THRESHOLD = 64 << 20  # objects larger than this go up in parts
+PART_SIZE = 16 << 20            # S3 wants parts of at least 5 MiB, at most 10000 of them
+LOCK_REFRESH_S = 60.0
+LOCK_STALE_S = float(os.environ.get("GPUSNAP_REMOTE_LOCK_STALE_S", 30 * 60))
+DEFAULT_JOBS = 8
+_ID_RE = re.compile(r"[0-9a-f]{64}")
+_REMOTE_NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")
+_AUTH_CODES = {"InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "InvalidToken", "403",
+               "Forbidden", "AuthorizationHeaderMalformed"}
+
+
+class RemoteError(GpusnapError):
+    """A remote operation that cannot be done; the message says what to do about it."""
+
+
+class RemoteUnreachableError(RemoteError, UnavailableError):
+    """The object store did not answer (down, refused, timed out) after the retries."""
+
+
+class RemoteDamageError(RemoteError, DamageError):
+    """A remote manifest or chunk that is not what it claims to be."""
+
+
+# ---- configuration and credentials ----------------------------------------------------------------
+@dataclass(frozen=True)
+class RemoteConfig:
+    """One configured remote: `s3://BUCKET/PREFIX` at ENDPOINT. Holds no secret."""
+    name: str
+    bucket: str
+    prefix: str
+    endpoint: str
+    region: str = "us-east-1"
+    credentials_file: str | None = None
+
+    @property
+    def url(self) -> str:
+        return f"s3://{self.bucket}/{self.prefix}" if self.prefix else f"s3://{self.bucket}"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "url": self.url, "endpoint": self.endpoint, "region": self.region,
+                "credentials_file": self.credentials_file}
+
+    @classmethod
+    def from_json(cls, v: Any) -> "RemoteConfig":
+        if not isinstance(v, dict):
+            raise RemoteError("remote config is not a JSON object")
+        try:
+            bucket, prefix = parse_url(v["url"])
+            cf = v.get("credentials_file")
+            if cf is not None and not isinstance(cf, str):
+                raise TypeError("credentials_file")
+            return cls(validate_remote_name(v["name"]), bucket, prefix, _endpoint(v["endpoint"]),
+                       str(v.get("region") or "us-east-1"), cf)
+        except (KeyError, TypeError) as e:
+            raise RemoteError(f"remote config is malformed ({e})") from None
+
+
+@dataclass(frozen=True)
+class Credentials:
+    access_key: str
+    secret_key: str = field(repr=False)
+
+
+def validate_remote_name(name: str) -> str:
+    if not isinstance(name, str) or not _REMOTE_NAME_RE.fullmatch(name):
+        raise RemoteError(f"remote name {name!r} is invalid: letters, digits, _ . -, at most 64")
+    return name
+
+
+def parse_url(url: str) -> tuple[str, str]:
+    """'s3://BUCKET/PREFIX' -> (BUCKET, PREFIX without slashes at either end)."""
+    m = re.fullmatch(r"s3://([a-z0-9][a-z0-9.-]{1,61}[a-z0-9])(?:/(.*))?", url or "")
+    if not m:
+        raise RemoteError(f"{url!r} is not s3://BUCKET/PREFIX (bucket: 3-63 lowercase letters, digits, . -)")
+    prefix = (m.group(2) or "").strip("/")
+    if any(p in ("", ".", "..") for p in prefix.split("/")) and prefix:
+        raise RemoteError(f"{url!r}: the prefix has an empty, '.' or '..' component")
+    return m.group(1), prefix
+
+
+def _endpoint(url: str) -> str:
+    if not isinstance(url, str) or not re.fullmatch(r"https?://[^\s/@]+(/[^\s@]*)?", url):
+        raise RemoteError(f"endpoint {url!r} is not an http(s):// URL (without credentials in it)")
+    return url.rstrip("/")
+
+
+def _remotes_dir(store: SnapshotStore) -> str:
+    return os.path.join(store.path, "remotes")
+
+
+def add_remote(store: SnapshotStore, cfg: RemoteConfig) -> None:
+    """Record CFG in STORE/remotes/NAME.json (0600), replacing an older entry of that name."""
+    d = _remotes_dir(store)
+    os.makedirs(d, mode=0o700, exist_ok=True)
+    tmp = os.path.join(store.tmp_dir, f"remote.{uuid.uuid4().hex}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(cfg.to_json(), f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.rename(tmp, os.path.join(d, cfg.name + ".json"))
+
+
+def list_remotes(store: SnapshotStore) -> list[RemoteConfig]:
+    try:
+        names = sorted(f[:-5] for f in os.listdir(_remotes_dir(store)) if f.endswith(".json"))
+    except FileNotFoundError:
+        return []
+    return [load_remote(store, n) for n in names]
+
+
+def load_remote(store: SnapshotStore, name: str | None) -> RemoteConfig:
+    """The remote NAME, or the only one configured when NAME is None."""
+    if name is None:
+        try:
+            names = sorted(f[:-5] for f in os.listdir(_remotes_dir(store)) if f.endswith(".json"))
+        except FileNotFoundError:
+            names = []
+        if len(names) != 1:
+            raise RemoteError("name the remote: " + (f"this store has {', '.join(names)}" if names else
+                              "none is configured (`gpusnap remote add NAME s3://BUCKET/PREFIX --endpoint URL`)"))
+        name = names[0]
+    path = os.path.join(_remotes_dir(store), validate_remote_name(name) + ".json")
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise RemoteError(f"no remote named {name!r} (`gpusnap remote add` it first)") from None
+    with os.fdopen(fd, "rb") as f:
+        try:
+            return RemoteConfig.from_json(json.load(f))
+        except ValueError as e:
+            raise RemoteError(f"remote {name!r}: unreadable config ({e})") from None
+
+
+def load_credentials(cfg: RemoteConfig, env: dict[str, str] | None = None) -> Credentials:
+    """From GPUSNAP_S3_ACCESS_KEY_ID/GPUSNAP_S3_SECRET_ACCESS_KEY (or the AWS_ names), else from the
+    remote's credentials file, which must be a regular file of ours that nobody else can read."""
+    env = os.environ if env is None else env
+    for a, s in (("GPUSNAP_S3_ACCESS_KEY_ID", "GPUSNAP_S3_SECRET_ACCESS_KEY"),
+                 ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")):
+        if env.get(a) and env.get(s):
+            return Credentials(env[a], env[s])
+    if cfg.credentials_file is None:
+        raise RemoteError(f"remote {cfg.name!r}: no credentials (set GPUSNAP_S3_ACCESS_KEY_ID and "
+                          "GPUSNAP_S3_SECRET_ACCESS_KEY, or `remote add --credentials-file`)")
+    return read_credentials_file(cfg.credentials_file)
+
+
+def read_credentials_file(path: str) -> Credentials:
+    """`access_key_id = ...` and `secret_access_key = ...` lines; the file must be mode 0600 or stricter."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        raise RemoteError(f"credentials file {path}: {e.strerror}") from None
+    with os.fdopen(fd, "r") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise RemoteError(f"credentials file {path} is not a regular file")
+        if st.st_mode & 0o077:
+            raise RemoteError(f"credentials file {path} is readable by others (mode "
+                              f"{stat.S_IMODE(st.st_mode):04o}); `chmod 600` it")
+        if st.st_uid != os.geteuid():
+            raise RemoteError(f"credentials file {path} belongs to another user")
+        values: dict[str, str] = {}
+        for line in f:
+            k, sep, v = line.partition("=")
+            if sep and not line.lstrip().startswith("#"):
+                values[k.strip()] = v.strip()
+    if not values.get("access_key_id") or not values.get("secret_access_key"):
+        raise RemoteError(f"credentials file {path} needs access_key_id = ... and secret_access_key = ...")
+    return Credentials(values["access_key_id"], values["secret_access_key"])
+
+
+# ---- the S3 client -------------------------------------------------------------------------------
+class ObjectStore:
+    """The few S3 calls the remote tier makes, through boto3, with errors turned into one line.
+
+    Retries with exponential backoff on 5xx, throttling and timeouts are botocore's "standard" mode
+    (GPUSNAP_S3_MAX_ATTEMPTS, default 5). Counts the payload bytes sent and received.
+    """
+
+    def __init__(self, cfg: RemoteConfig, creds: Credentials, pool: int = 16) -> None:
+        import boto3
+        from botocore.config import Config
+        self.cfg = cfg
+        self.bucket = cfg.bucket
+        attempts = int(os.environ.get("GPUSNAP_S3_MAX_ATTEMPTS", "5"))
+        self.client = boto3.session.Session().client(
+            "s3", endpoint_url=cfg.endpoint, region_name=cfg.region,
+            aws_access_key_id=creds.access_key, aws_secret_access_key=creds.secret_key,
+            config=Config(signature_version="s3v4", s3={"addressing_style": "path"},
+                          retries={"mode": "standard", "max_attempts": attempts},
+                          connect_timeout=5, read_timeout=120, max_pool_connections=pool,
+                          request_checksum_calculation="when_required",
+                          response_checksum_validation="when_required"))
+        self._lock = threading.Lock()
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self.requests = 0
+
+    def _count(self, sent: int = 0, received: int = 0) -> None:
+        with self._lock:
+            self.bytes_sent += sent
+            self.bytes_received += received
+            self.requests += 1
+
+    @contextmanager
+    def errors(self, doing: str) -> Iterator[None]:
+        """botocore's exceptions as a RemoteError with one line saying what failed and why."""
+        from botocore.exceptions import BotoCoreError, ClientError
+        try:
+            yield
+        except ClientError as e:
+            err = e.response.get("Error", {})
+            code = str(err.get("Code", ""))
+            status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            if code in _AUTH_CODES or status == 403:
+                raise RemoteError(f"remote {self.cfg.name!r}: the object store refused the credentials "
+                                  f"while {doing} ({code or status})") from None
+            if code == "NoSuchBucket":
+                raise RemoteError(f"remote {self.cfg.name!r}: bucket {self.bucket!r} does not exist at "
+                                  f"{self.cfg.endpoint}") from None
+            if status is not None and status >= 500:
+                raise RemoteUnreachableError(f"remote {self.cfg.name!r}: the object store failed while {doing} "
+                                             f"(HTTP {status} {code}) after retries") from None
+            raise RemoteError(f"remote {self.cfg.name!r}: {doing} failed: {code or status} "
+                              f"{err.get('Message', '')}".rstrip()) from None
+        except BotoCoreError as e:
+            raise RemoteUnreachableError(f"remote {self.cfg.name!r}: cannot reach the object store at "
+                                         f"{self.cfg.endpoint} while {doing} ({type(e).__name__})") from None
+
+    def is_missing(self, e: Exception) -> bool:
+        from botocore.exceptions import ClientError
+        return isinstance(e, ClientError) and (
+            e.response.get("Error", {}).get("Code") in ("NoSuchKey", "404", "NotFound")
+            or e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 404)
+
+    def ensure_bucket(self) -> None:
+        from botocore.exceptions import ClientError
+        with self.errors(f"checking bucket {self.bucket!r}"):
+            try:
+                self.client.head_bucket(Bucket=self.bucket)
+                return
+            except ClientError as e:
+                if not self.is_missing(e):
+                    raise
+            self.client.create_bucket(Bucket=self.bucket)
+
+    def put(self, key: str, data: bytes | memoryview) -> None:
+        """One object; multipart above MULTIPART_THRESHOLD (an aborted upload leaves nothing visible)."""
+        n = len(data)
+        with self.errors(f"writing {key}"):
+            if n <= MULTIPART_THRESHOLD:
+                self.client.put_object(Bucket=self.bucket, Key=key, Body=bytes(data))
+                self._count(sent=n)
+                return
+            up = self.client.create_multipart_upload(Bucket=self.bucket, Key=key)["UploadId"]
+            try:
+                parts = []
+                for i, off in enumerate(range(0, n, PART_SIZE), 1):
+                    piece = bytes(data[off:off + PART_SIZE])
+                    r = self.client.upload_part(Bucket=self.bucket, Key=key, UploadId=up, PartNumber=i, Body=piece)
+                    self._count(sent=len(piece))
+                    parts.append({"PartNumber": i, "ETag": r["ETag"]})
+                self.client.complete_multipart_upload(Bucket=self.bucket, Key=key, UploadId=up,
+                                                      MultipartUpload={"Parts": parts})
+            except BaseException:
+                try:
+                    self.client.abort_multipart_upload(Bucket=self.bucket, Key=key, UploadId=up)
+                except Exception:
+                    pass
+                raise
+
+    def get_into(self, key: str, buf: memoryview) -> int | None:
+        """Object KEY's bytes into BUF; its length, or None when there is no such object."""
+        from botocore.exceptions import ClientError
+        with self.errors(f"reading {key}"):
+            try:
+                r = self.client.get_object(Bucket=self.bucket, Key=key)
+            except ClientError as e:
+                if self.is_missing(e):
+                    return None
+                raise
+            size = int(r["ContentLength"])
+            if size > len(buf):
+                r["Body"].close()
+                raise RemoteDamageError(f"remote {self.cfg.name!r}: {key} is {size} bytes, larger than it can be")
+            got = 0
+            for piece in r["Body"].iter_chunks(1 << 20):
+                buf[got:got + len(piece)] = piece
+                got += len(piece)
+            self._count(received=got)
+            return got
+
+    def get(self, key: str) -> bytes | None:
+        from botocore.exceptions import ClientError
+        with self.errors(f"reading {key}"):
+            try:
+                data = self.client.get_object(Bucket=self.bucket, Key=key)["Body"].read()
+            except ClientError as e:
+                if self.is_missing(e):
+                    return None
+                raise
+            self._count(received=len(data))
+            return data
+
+    def head(self, key: str) -> int | None:
+        from botocore.exceptions import ClientError
+        with self.errors(f"checking {key}"):
+            try:
+                return int(self.client.head_object(Bucket=self.bucket, Key=key)["ContentLength"])
+            except ClientError as e:
+                if self.is_missing(e):
+                    return None
+                raise
+
+    def list(self, prefix: str) -> Iterator[tuple[str, int, float]]:
+        """(key, size, last-modified epoch seconds, by the server's clock) under PREFIX."""
+        with self.errors(f"listing {prefix}"):
+            pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix)
+            for page in pages:
+                self._count()
+                for o in page.get("Contents", []):
+                    yield o["Key"], int(o["Size"]), o["LastModified"].timestamp()
+
+    def delete(self, key: str) -> None:
+        with self.errors(f"deleting {key}"):
+            self.client.delete_object(Bucket=self.bucket, Key=key)
+            self._count()
+
+    def server_time(self) -> float:
+        """The object store's clock (from a Date header), so lock ages never mix two machines' clocks."""
+        from email.utils import parsedate_to_datetime
+        with self.errors("reading the server's time"):
+            r = self.client.head_bucket(Bucket=self.bucket)
+        return parsedate_to_datetime(r["ResponseMetadata"]["HTTPHeaders"]["date"]).timestamp()
+
+
+# ---- reports -------------------------------------------------------------------------------------
+@dataclass
+class TransferReport:
+    snapshot: str
+    remote: str
+    direction: str
+    chunks_total: int = 0       # distinct chunks the manifest names
+    chunks_sent: int = 0        # chunks that travelled
+    bytes_total: int = 0        # stored bytes of all distinct chunks
+    bytes_sent: int = 0         # payload bytes that travelled (chunk objects and the manifest)
+    refetched: int = 0
+    rechecked_after_gc: bool = False
+    already_there: bool = False
+    seconds: float = 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class RemoteGcReport:
+    chunks_removed: int = 0
+    bytes_freed: int = 0
+    stale_locks_removed: int = 0
+
+
+# ---- the remote ----------------------------------------------------------------------------------
+def _pause_for_tests(done: int) -> None:
+    """GPUSNAP_TEST_PAUSE_TRANSFER=N:PATH: after the N-th chunk moved, create PATH and wait until it is
+    removed (lets tests kill -9 or stop the object store at a known point of a real transfer)."""
+    spec = os.environ.get("GPUSNAP_TEST_PAUSE_TRANSFER")
+    if not spec:
+        return
+    n, _, path = spec.partition(":")
+    if done != int(n):
+        return
+    with open(path, "w") as f:
+        f.write(str(os.getpid()))
+    while os.path.exists(path):
+        time.sleep(0.05)
+
+
+def _run_bounded(fn: Callable[[Any], None], items: Iterable[Any], jobs: int) -> None:
+    """FN over ITEMS on JOBS threads with at most 2*JOBS queued (back-pressure); the first error stops
+    the submission and is raised once the running calls end."""
+    with ThreadPoolExecutor(jobs) as ex:
+        pending: set[Future[None]] = set()
+        try:
+            for item in items:
+                if len(pending) >= 2 * jobs:
+                    done, pending = wait(pending, return_when=FIRST_COMPLETED)
+                    for f in done:
+                        f.result()
+                pending.add(ex.submit(fn, item))
+            done, pending = wait(pending, return_when=FIRST_EXCEPTION)
+            for f in done:
+                f.result()
+        except BaseException:
+            for f in pending:
+                f.cancel()
+            raise
+
+
+class Remote:
+    """A gpusnap remote: `PREFIX/` in a bucket laid out as FORMAT.md, "Remote stores", says."""
+
+    def __init__(self, cfg: RemoteConfig, creds: Credentials, jobs: int = DEFAULT_JOBS) -> None:
+        self.cfg = cfg
+        self.jobs = max(1, jobs)
+        self.s3 = ObjectStore(cfg, creds, pool=2 * self.jobs + 2)
+
+    @classmethod
+    def open(cls, store: SnapshotStore, name: str | None, jobs: int = DEFAULT_JOBS) -> "Remote":
+        cfg = load_remote(store, name)
+        return cls(cfg, load_credentials(cfg), jobs)
+
+    # ---- keys ----
+    def key(self, *parts: str) -> str:
+        return "/".join(p for p in (self.cfg.prefix, *parts) if p)
+
+    def chunk_key(self, cid: str) -> str:
+        return self.key("chunks", cid[:2], cid)
+
+    def manifest_key(self, name: str) -> str:
+        return self.key("snapshots", validate_snapshot_name(name) + ".json")
+
+    # ---- setup ----
+    def init(self) -> None:
+        """Create the bucket if missing and mark PREFIX as a gpusnap remote (checks one already there)."""
+        self.s3.ensure_bucket()
+        marker = self.s3.get(self.key("gpusnap-remote.json"))
+        if marker is None:
+            self.s3.put(self.key("gpusnap-remote.json"),
+                        json.dumps({"format": REMOTE_FORMAT, "version": REMOTE_VERSION}).encode())
+        else:
+            self._check_marker(marker)
+
+    def check(self) -> None:
+        marker = self.s3.get(self.key("gpusnap-remote.json"))
+        if marker is None:
+            raise RemoteError(f"remote {self.cfg.name!r}: {self.cfg.url} is not a gpusnap remote "
+                              "(`gpusnap remote add` creates it)")
+        self._check_marker(marker)
+
+    def _check_marker(self, data: bytes) -> None:
+        try:
+            info = json.loads(data)
+        except ValueError:
+            info = None
+        if not isinstance(info, dict) or info.get("format") != REMOTE_FORMAT or info.get("version") != REMOTE_VERSION:
+            raise RemoteError(f"remote {self.cfg.name!r}: {self.cfg.url} holds something other than a "
+                              f"{REMOTE_FORMAT} v{REMOTE_VERSION}")
+
+    # ---- snapshots ----
+    def names(self) -> list[str]:
+        base = self.key("snapshots") + "/"
+        out = []
+        for k, _, _ in self.s3.list(base):
+            rest = k[len(base):]
+            if rest.endswith(".json") and "/" not in rest:
+                try:
+                    out.append(validate_snapshot_name(rest[:-5]))
+                except GpusnapError:
+                    continue  # not ours: never becomes a name we use
+        return sorted(out)
+
+    def manifest_bytes(self, name: str) -> bytes | None:
+        return self.s3.get(self.manifest_key(name))
+
+    def load(self, name: str) -> Manifest:
+        data = self.manifest_bytes(name)
+        if data is None:
+            raise RemoteError(f"remote {self.cfg.name!r} has no snapshot named {name!r}")
+        return self._parse(name, data)
+
+    def _parse(self, name: str, data: bytes) -> Manifest:
+        try:
+            m = Manifest.loads(data, where=f"remote {self.cfg.name!r} snapshot {name!r}")
+        except ManifestError as e:
+            raise RemoteDamageError(str(e)) from None
+        if m.name != name:
+            raise RemoteDamageError(f"remote snapshot {name!r}: manifest says its name is {m.name!r}")
+        return m
+
+    def chunk_sizes(self) -> dict[str, int]:
+        """Every chunk object present remotely, by id, with its size (one listing)."""
+        base = self.key("chunks") + "/"
+        out: dict[str, int] = {}
+        for k, size, _ in self.s3.list(base):
+            cid = k.rsplit("/", 1)[-1]
+            if _ID_RE.fullmatch(cid) and k == self.chunk_key(cid):
+                out[cid] = size
+        return out
+
+    def remove(self, name: str) -> None:
+        if self.s3.head(self.manifest_key(name)) is None:
+            raise RemoteError(f"remote {self.cfg.name!r} has no snapshot named {name!r}")
+        self.s3.delete(self.manifest_key(name))
+
+    # ---- locks ----
+    def _locks(self) -> list[tuple[str, str, float]]:
+        """(key, kind, last-modified) of every lock object."""
+        base = self.key("locks") + "/"
+        out = []
+        for k, _, t in self.s3.list(base):
+            kind = k[len(base):].split("-", 1)[0]
+            out.append((k, kind, t))
+        return out
+
+    @contextmanager
+    def lock(self, kind: str) -> Iterator["_Lock"]:
+        """A lock object for the duration: `push` is shared with other pushes, `gc` is exclusive.
+
+        Created first, then the others are listed (so of two racing sides at least one sees the
+        other and backs off); refreshed every LOCK_REFRESH_S; a lock not refreshed for LOCK_STALE_S
+        (by the server's clock) is stale and ignored.
+        """
+        lk = _Lock(self, kind)
+        lk.write()
+        try:
+            conflict = self._conflicting_lock(lk)
+            if conflict is not None:
+                raise RemoteError(f"remote {self.cfg.name!r} is locked by a running {conflict}; "
+                                  "try again when it ends")
+            lk.start_refresh()
+            yield lk
+        finally:
+            lk.release()
+
+    def _conflicting_lock(self, lk: "_Lock") -> str | None:
+        """The first fresh lock that excludes LK ('gc' or 'push' plus its object name), or None."""
+        now = self.s3.server_time()
+        for key, other, t in self._locks():
+            if key == lk.key or now - t > LOCK_STALE_S:
+                continue
+            if lk.kind == "gc" or other == "gc":
+                return f"{other} ({key.rsplit('/', 1)[-1]})"
+        return None
+
+    def _reacquire(self, lk: "_Lock", timeout: float = 600.0) -> None:
+        """LK again after gc removed it as stale: rewritten, then wait for a running gc to end."""
+        lk.write()
+        deadline = time.monotonic() + timeout
+        while (conflict := self._conflicting_lock(lk)) is not None:
+            if time.monotonic() > deadline:
+                raise RemoteError(f"remote {self.cfg.name!r}: waited {timeout:.0f} s for {conflict} to end; "
+                                  "nothing was committed")
+            time.sleep(1.0)
+
+    # ---- push ----
+    def push(self, store: SnapshotStore, name: str, *, replace: bool = False, progress: Any = None) -> TransferReport:
+        t0 = time.perf_counter()
+        rep = TransferReport(name, self.cfg.name, "push")
+        with store.shared():
+            m = store.load(name)
+            data = m.dumps()
+            refs = _distinct_refs(m)
+            rep.chunks_total = len(refs)
+            rep.bytes_total = sum(HEADER_SIZE + r.stored_len for r in refs)
+            self.check()
+            with self.lock("push") as lk:
+                old = self.manifest_bytes(name)
+                same = old is not None and self._parse(name, old).dumps() == data
+                if old is not None and not same and not replace:
+                    raise RemoteError(f"remote {self.cfg.name!r} already has a different snapshot "
+                                      f"named {name!r} (use --replace to overwrite it)")
+                have = self.chunk_sizes()
+                # missing, or of the wrong size (a truncated object): sent again, also under a
+                # manifest already there, which is how a damaged remote snapshot is repaired
+                todo = [r for r in refs if have.get(r.id) != HEADER_SIZE + r.stored_len]
+                if same and not todo:
+                    rep.already_there = True
+                    rep.seconds = time.perf_counter() - t0
+                    return rep
+                self._upload(store, todo, rep, progress)
+                if lk.lost():
+                    # gc took our lock for stale and may have deleted chunks we found present: check all
+                    rep.rechecked_after_gc = True
+                    self._reacquire(lk)
+                    have = self.chunk_sizes()
+                    self._upload(store, [r for r in refs if have.get(r.id) != HEADER_SIZE + r.stored_len],
+                                 rep, progress)
+                self.s3.put(self.manifest_key(name), data)  # last: the snapshot is visible from here on
+                rep.bytes_sent += len(data)
+        rep.seconds = time.perf_counter() - t0
+        return rep
+
+    def _upload(self, store: SnapshotStore, refs: list[ChunkRef], rep: TransferReport, progress: Any) -> None:
+        if progress is not None:
+            progress.start(sum(HEADER_SIZE + r.stored_len for r in refs))
+        size = max((HEADER_SIZE + r.stored_len for r in refs), default=HEADER_SIZE) + HEADER_SIZE
+        lock = threading.Lock()
+        with BufferPool(self.jobs, size) as pool:
+            def send(ref: ChunkRef) -> None:
+                with pool.borrowed() as buf:
+                    try:
+                        store.read_chunk(ref, buf)  # verified: a damaged local chunk never travels
+                    except ChunkError as e:
+                        raise StoreError(f"local snapshot damaged, nothing pushed: {e}") from None
+                    n = HEADER_SIZE + ref.stored_len
+                    self.s3.put(self.chunk_key(ref.id), buf.view[:n])  # type: ignore[arg-type]
+                with lock:
+                    rep.chunks_sent += 1
+                    rep.bytes_sent += n
+                    done = rep.chunks_sent
+                if progress is not None:
+                    progress.advance(n)
+                _pause_for_tests(done)
+            _run_bounded(send, refs, self.jobs)
+
+    # ---- pull ----
+    def pull(self, store: SnapshotStore, name: str, *, replace: bool = False, progress: Any = None) -> TransferReport:
+        """Snapshot NAME into STORE: chunks it lacks, smallest streams first (what a restore opens
+        first), each verified on arrival; then the remote's manifest, committed by the store's writer."""
+        t0 = time.perf_counter()
+        rep = TransferReport(name, self.cfg.name, "pull")
+        self.check()
+        m = self.load(name)
+        refs = _distinct_refs(m, smallest_streams_first=True)
+        rep.chunks_total = len(refs)
+        rep.bytes_total = sum(HEADER_SIZE + r.stored_len for r in refs)
+        if store.exists(name):
+            if store.load(name).dumps() == m.dumps():
+                rep.already_there = True
+                rep.seconds = time.perf_counter() - t0
+                return rep
+            if not replace:
+                raise StoreError(f"snapshot {name!r} already exists locally and differs from the remote's "
+                                 "(use --replace to overwrite it)")
+        with store.writer(name, replace=replace, meta=m.meta, tags=m.tags, created=m.created, host=m.host) as w:
+            missing = set(store.missing(m))
+            todo = [r for r in refs if r.id in missing]
+            if progress is not None:
+                progress.start(sum(HEADER_SIZE + r.stored_len for r in todo))
+            size = max((HEADER_SIZE + r.stored_len for r in todo), default=HEADER_SIZE) + HEADER_SIZE
+            lock = threading.Lock()
+            with BufferPool(self.jobs, size) as pool:
+                def fetch(ref: ChunkRef) -> None:
+                    with pool.borrowed() as buf:
+                        for attempt in (1, 2):
+                            n = self.s3.get_into(self.chunk_key(ref.id), buf.view)  # type: ignore[arg-type]
+                            with lock:
+                                rep.bytes_sent += n or 0
+                            why = _check_fetched(ref, buf, n)
+                            if why is None:
+                                break
+                            if attempt == 2:
+                                raise RemoteDamageError(f"remote {self.cfg.name!r}: chunk {ref.id[:16]}… of "
+                                                        f"{name!r} {why} (fetched twice); nothing was committed "
+                                                        "locally")
+                            with lock:
+                                rep.refetched += 1
+                        got = w.put_chunk(ref.codec, ref.raw_len, buf.view, ref.stored_len)
+                        assert got.id == ref.id
+                    with lock:
+                        rep.chunks_sent += 1
+                        done = rep.chunks_sent
+                    if progress is not None:
+                        progress.advance(HEADER_SIZE + ref.stored_len)
+                    _pause_for_tests(done)
+                _run_bounded(fetch, todo, self.jobs)
+            for s in m.streams:
+                w.add_stream(s)
+            w.commit()
+        rep.seconds = time.perf_counter() - t0
+        return rep
+
+    # ---- verify / gc ----
+    def verify(self, names: list[str] | None = None, read_data: bool = False, progress: Any = None) -> VerifyReport:
+        """Every named snapshot's manifest valid and every chunk present at its size; with READ_DATA
+        every chunk also fetched and hashed."""
+        report = VerifyReport()
+        self.check()
+        manifests = []
+        for n in (names if names is not None else self.names()):
+            report.snapshots.append(n)
+            try:
+                manifests.append(self.load(n))
+            except RemoteError as e:
+                report.problems.append(Problem(n, None, None, str(e)))
+        have = self.chunk_sizes()
+        bad: dict[str, str] = {}
+        refs = {r.id: r for m in manifests for r in _distinct_refs(m)}
+        for cid, r in refs.items():
+            if cid not in have:
+                bad[cid] = "missing on the remote"
+            elif have[cid] != HEADER_SIZE + r.stored_len:
+                bad[cid] = f"is {have[cid]} bytes on the remote, not {HEADER_SIZE + r.stored_len}"
+        if read_data:
+            todo = [r for cid, r in refs.items() if cid not in bad]
+            if progress is not None:
+                progress.start(sum(HEADER_SIZE + r.stored_len for r in todo))
+            size = max((HEADER_SIZE + r.stored_len for r in todo), default=HEADER_SIZE) + HEADER_SIZE
+            lock = threading.Lock()
+            with BufferPool(self.jobs, size) as pool:
+                def check(ref: ChunkRef) -> None:
+                    with pool.borrowed() as buf:
+                        why = _check_fetched(ref, buf, self.s3.get_into(self.chunk_key(ref.id), buf.view))  # type: ignore[arg-type]
+                    with lock:
+                        if why is not None:
+                            bad[ref.id] = why  # type: ignore[index]
+                        report.chunks_checked += 1
+                        report.bytes_checked += HEADER_SIZE + ref.stored_len
+                    if progress is not None:
+                        progress.advance(HEADER_SIZE + ref.stored_len)
+                _run_bounded(check, todo, self.jobs)
+        else:
+            report.chunks_checked = len(refs)
+        for m in manifests:
+            for s in m.streams:
+                for i, c in enumerate(s.chunks):
+                    if c.id in bad:
+                        report.problems.append(Problem(m.name, s.name, i, f"chunk {c.id[:16]}… {bad[c.id]}"))
+        return report
+
+    def gc(self) -> RemoteGcReport:
+        """Delete the chunk objects no remote manifest names, holding the exclusive gc lock."""
+        report = RemoteGcReport()
+        self.check()
+        with self.lock("gc") as lk:
+            now = self.s3.server_time()
+            for key, _, t in self._locks():
+                if key != lk.key and now - t > LOCK_STALE_S:
+                    self.s3.delete(key)  # a push that wakes up finds its lock gone and re-checks
+                    report.stale_locks_removed += 1
+            live: set[str] = set()
+            for n in self.names():
+                try:
+                    live |= self.load(n).chunk_ids()
+                except RemoteError as e:
+                    raise RemoteError(f"remote gc stopped, nothing deleted: {e}; `gpusnap remote rm {n}` "
+                                      "it first if it cannot be repaired") from None
+            dead = [(cid, size) for cid, size in self.chunk_sizes().items() if cid not in live]
+            lock = threading.Lock()
+
+            def drop(item: tuple[str, int]) -> None:
+                self.s3.delete(self.chunk_key(item[0]))
+                with lock:
+                    report.chunks_removed += 1
+                    report.bytes_freed += item[1]
+            _run_bounded(drop, dead, self.jobs)
+        return report
+
+
+class _Lock:
+    """One lock object `locks/KIND-HOST-PID-RANDOM.json`, rewritten by a thread to keep it fresh."""
+
+    def __init__(self, remote: Remote, kind: str) -> None:
+        self.remote = remote
+        self.kind = kind
+        host = re.sub(r"[^A-Za-z0-9.-]", "_", socket.gethostname())[:64]
+        self.key = remote.key("locks", f"{kind}-{host}-{os.getpid()}-{uuid.uuid4().hex[:12]}.json")
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def write(self) -> None:
+        body = {"kind": self.kind, "host": socket.gethostname(), "pid": os.getpid(), "time": time.time()}
+        self.remote.s3.put(self.key, json.dumps(body).encode())
+
+    def lost(self) -> bool:
+        return self.remote.s3.head(self.key) is None
+
+    def start_refresh(self) -> None:
+        def run() -> None:
+            while not self._stop.wait(LOCK_REFRESH_S):
+                try:
+                    self.write()
+                except GpusnapError:
+                    pass  # the next refresh tries again; lost() catches a lock gc removed
+        self._thread = threading.Thread(target=run, name="gpusnap-remote-lock", daemon=True)
+        self._thread.start()
+
+    def release(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        try:
+            self.remote.s3.delete(self.key)
+        except GpusnapError:
+            pass  # a lock left behind goes stale by itself
+
+
+def _distinct_refs(m: Manifest, smallest_streams_first: bool = False) -> list[ChunkRef]:
+    """M's stored chunks, each once, in stream order (smallest streams first if asked)."""
+    streams = sorted(m.streams, key=lambda s: s.size) if smallest_streams_first else m.streams
+    seen: set[str] = set()
+    out = []
+    for s in streams:
+        for c in s.chunks:
+            if c.id is not None and c.id not in seen:
+                seen.add(c.id)
+                out.append(c)
+    return out
+
+
+def _check_fetched(ref: ChunkRef, buf: AlignedBuffer, n: int | None) -> str | None:
+    """Why the N bytes fetched into BUF are not chunk REF (None when they are)."""
+    assert ref.id is not None
+    if n is None:
+        return "is missing on the remote"
+    if n != HEADER_SIZE + ref.stored_len:
+        return f"is {n} bytes, not {HEADER_SIZE + ref.stored_len}"
+    try:
+        header = ChunkHeader.unpack(buf.view[:32], ref.id)
+    except ChunkError as e:
+        return e.what
+    except Exception:
+        return "has a malformed header"
+    if (header.codec, header.raw_len, header.stored_len) != (ref.codec, ref.raw_len, ref.stored_len):
+        return "has a header that disagrees with the manifest"
+    if chunk_id(header, buf.view[HEADER_SIZE:n]) != ref.id:
+        return "does not match its hash (corrupted)"
+    return None
+
+
+def ensure_local(store: SnapshotStore, name: str, remote: str, *, progress: Any = None,
+                 jobs: int = DEFAULT_JOBS) -> TransferReport | None:
+    """Make snapshot NAME local before a restore, pulling it from REMOTE when this store lacks it
+    (smallest streams first, each chunk verified on arrival). None when it was already here."""
+    if store.exists(name):
+        return None
+    return Remote.open(store, remote, jobs).pull(store, name, progress=progress)

@@ -1,0 +1,419 @@
+"""The remote tier against a real OpenStack Swift with its S3 API (scripts/setup/swift-setup.sh starts it):
+two stores stand for two nodes; push, pull, restore, kills, damage, an object store that goes away."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+import uuid
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import pytest
+
+from conftest import GPUSNAP, REPO, Cli, pythonpath
+
+pytestmark = pytest.mark.root
+
+CREDS = {"GPUSNAP_S3_ACCESS_KEY_ID": "test:tester", "GPUSNAP_S3_SECRET_ACCESS_KEY": "testing"}
+RUN = uuid.uuid4().hex[:8]
+
+
+def swift_start(env: dict[str, str] | None = None) -> str:
+    if os.geteuid() != 0:
+        pytest.skip("starting Swift needs root")
+    p = subprocess.run([str(REPO / "scripts" / "setup" / "swift-setup.sh"), "start"], capture_output=True, text=True,
+                       env={**os.environ, **(env or {})}, timeout=600)
+    if p.returncode != 0:
+        pytest.fail(f"Swift did not start: {p.stderr[-2000:]}")
+    return p.stdout.strip().splitlines()[-1]
+
+
+@pytest.fixture(scope="module")
+def endpoint() -> Iterator[str]:
+    ep = swift_start()
+    yield ep
+    drop_bucket(ep, f"gpusnap-test-{RUN}")
+
+
+def drop_bucket(endpoint: str, bucket: str) -> None:
+    """Delete the test run's bucket and everything in it (Swift keeps its data on this machine's disk)."""
+    from concurrent.futures import ThreadPoolExecutor
+    s3 = _s3(endpoint)
+    try:
+        keys = [o["Key"] for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket)
+                for o in page.get("Contents", [])]
+    except s3.exceptions.NoSuchBucket:
+        return
+    with ThreadPoolExecutor(8) as ex:
+        list(ex.map(lambda k: s3.delete_object(Bucket=bucket, Key=k), keys))
+    s3.delete_bucket(Bucket=bucket)
+
+
+class Node:
+    """One node: its own store, the remote `r` at s3://BUCKET/PREFIX configured in it."""
+
+    def __init__(self, store: Path, endpoint: str, url: str) -> None:
+        self.cli = Cli(store)
+        self.store = store
+        self.cli.run("remote", "add", "r", url, "--endpoint", endpoint, env=CREDS)
+
+    def run(self, *args: str, check: bool = True, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+        return self.cli.run(*args, check=check, env={**CREDS, **(env or {})})
+
+    def json(self, *args: str, env: dict[str, str] | None = None) -> dict:
+        return json.loads(self.run(*args, "--json", env=env).stdout)
+
+    def popen(self, *args: str, env: dict[str, str]) -> subprocess.Popen[str]:
+        e = {**os.environ, "PYTHONPATH": pythonpath(), **CREDS, **env}
+        return subprocess.Popen([*GPUSNAP, "--store", str(self.store), *args, "--json"], cwd=REPO, env=e,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def url_for(test: str) -> str:
+    return f"s3://gpusnap-test-{RUN}/{test}"
+
+
+@pytest.fixture
+def nodes(tmp_path: Path, endpoint: str, request: pytest.FixtureRequest) -> tuple[Node, Node]:
+    url = url_for(request.node.name.replace("[", "-").replace("]", ""))
+    return Node(tmp_path / "A", endpoint, url), Node(tmp_path / "B", endpoint, url)
+
+
+def make_data(d: Path, mb: int = 24, seed: int = 1) -> Path:
+    d.mkdir(parents=True)
+    rng = np.random.default_rng(seed)
+    (d / "big.bin").write_bytes(rng.integers(0, 256, mb << 20, dtype=np.uint8).tobytes())
+    (d / "small.txt").write_text("hello from node A\n" * 100)
+    (d / "sub").mkdir()
+    (d / "sub" / "zeros.bin").write_bytes(bytes(3 << 20))
+    return d
+
+
+def same_tree(a: Path, b: Path) -> bool:
+    fa = sorted(p.relative_to(a) for p in a.rglob("*"))
+    fb = sorted(p.relative_to(b) for p in b.rglob("*"))
+    return fa == fb and all((a / p).is_dir() or (a / p).read_bytes() == (b / p).read_bytes() for p in fa)
+
+
+def wait_for(path: Path, proc: subprocess.Popen[str], timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "the transfer did not reach the pause point"
+        time.sleep(0.02)
+
+
+def one_line(p: subprocess.CompletedProcess[str] | tuple[str, str]) -> str:
+    err = p.stderr if isinstance(p, subprocess.CompletedProcess) else p[1]
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+def test_push_pull_restore_byte_identical(nodes: tuple[Node, Node], tmp_path: Path) -> None:
+    a, b = nodes
+    data = make_data(tmp_path / "data")
+    a.run("store", "put", "s1", str(data))
+    pushed = a.json("push", "s1")
+    assert pushed["chunks_sent"] == pushed["chunks_total"] > 0
+    assert b.json("store", "ls") == []
+    assert [s["name"] for s in b.json("remote", "ls")] == ["s1"]
+    pulled = b.json("pull", "s1")
+    assert pulled["chunks_sent"] == pulled["chunks_total"] == pushed["chunks_total"]
+    b.run("store", "get", "s1", str(tmp_path / "out"))
+    assert same_tree(data, tmp_path / "out" / "data")
+    assert b.json("store", "verify")["ok"]
+    assert b.json("store", "inspect", "s1")["created"] == a.json("store", "inspect", "s1")["created"]
+    assert b.json("remote", "verify", "--read-data")["ok"]
+    assert a.json("push", "s1")["already_there"] and b.json("pull", "s1")["already_there"]
+
+
+def test_second_push_after_5_percent_change_sends_5_percent(nodes: tuple[Node, Node], tmp_path: Path) -> None:
+    a, b = nodes
+    data = make_data(tmp_path / "data", mb=40)
+    a.run("store", "put", "v1", str(data), "--chunk-size", "1M", "--no-compress")
+    first = a.json("push", "v1")
+    big = bytearray((data / "big.bin").read_bytes())
+    for i in range(2):  # 2 of 40 MiB rewritten: 5%, in two places
+        off = (7 + 20 * i) << 20
+        big[off:off + (1 << 20)] = np.random.default_rng(9 + i).integers(0, 256, 1 << 20, dtype=np.uint8).tobytes()
+    (data / "big.bin").write_bytes(bytes(big))
+    a.run("store", "put", "v2", str(data), "--chunk-size", "1M", "--no-compress")
+    second = a.json("push", "v2")
+    ratio = second["bytes_sent"] / first["bytes_sent"]
+    assert 0.03 < ratio < 0.08, (first, second)
+    assert second["chunks_sent"] == 2
+    b.json("pull", "v1")
+    again = b.json("pull", "v2")
+    assert again["chunks_sent"] == 2 and again["bytes_sent"] / first["bytes_sent"] < 0.08
+    b.run("store", "get", "v2", str(tmp_path / "out"))
+    assert same_tree(data, tmp_path / "out" / "data")
+
+
+def test_killed_push_leaves_no_snapshot_and_next_push_completes(nodes: tuple[Node, Node], tmp_path: Path) -> None:
+    a, b = nodes
+    data = make_data(tmp_path / "data")
+    a.run("store", "put", "k", str(data), "--chunk-size", "1M")
+    pause = tmp_path / "paused"
+    p = a.popen("push", "k", "--jobs", "1", env={"GPUSNAP_TEST_PAUSE_TRANSFER": f"4:{pause}"})
+    wait_for(pause, p)
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    assert b.json("remote", "ls") == []
+    r = b.run("pull", "k", check=False)
+    assert r.returncode == 1 and "no snapshot named 'k'" in one_line(r)
+    done = a.json("push", "k")
+    assert 0 < done["chunks_sent"] <= done["chunks_total"] - 4, done  # the 4 that arrived are not sent again
+    b.json("pull", "k")
+    b.run("store", "get", "k", str(tmp_path / "out"))
+    assert same_tree(data, tmp_path / "out" / "data")
+    # the killed push's lock is still fresh: gc refuses, until it is stale
+    r = a.run("remote", "gc", check=False)
+    assert r.returncode == 1 and "locked by a running push" in one_line(r)
+    gc = a.json("remote", "gc", env={"GPUSNAP_REMOTE_LOCK_STALE_S": "0"})
+    assert gc["stale_locks_removed"] == 1 and gc["chunks_removed"] == 0
+    assert b.json("remote", "verify", "--read-data")["ok"]
+
+
+def test_gc_deletes_only_unreferenced_chunks_and_a_push_it_raced_rechecks(nodes: tuple[Node, Node], tmp_path: Path) -> None:
+    a, b = nodes
+    d1 = make_data(tmp_path / "d1", mb=8, seed=1)
+    d2 = make_data(tmp_path / "d2", mb=8, seed=2)
+    d3 = make_data(tmp_path / "d3", mb=8, seed=3)
+    for name, d in (("g1", d1), ("g2", d2), ("g3", d3)):
+        a.run("store", "put", name, str(d), "--chunk-size", "1M")
+    a.json("push", "g1")
+    a.json("push", "g2")
+    a.run("remote", "rm", "g1")
+    # a push paused after uploading some chunks holds a fresh lock: gc refuses
+    pause = tmp_path / "paused"
+    p = a.popen("push", "g3", "--jobs", "1", env={"GPUSNAP_TEST_PAUSE_TRANSFER": f"3:{pause}"})
+    wait_for(pause, p)
+    r = a.run("remote", "gc", check=False)
+    assert r.returncode == 1 and "locked by a running push" in one_line(r)
+    # a gc that takes that lock for stale deletes g1's chunks and the 3 the push had sent ...
+    gc = a.json("remote", "gc", env={"GPUSNAP_REMOTE_LOCK_STALE_S": "0"})
+    assert gc["stale_locks_removed"] == 1 and gc["chunks_removed"] >= 8 + 3, gc
+    # ... and the push, resumed, finds its lock gone, checks again and sends them again before committing
+    pause.unlink()
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 0, err
+    rep = json.loads(out)
+    # every chunk of g3 but small.txt's (shared with g2) once, then the 3 gc deleted again
+    assert rep["rechecked_after_gc"] and rep["chunks_sent"] == rep["chunks_total"] - 1 + 3, rep
+    assert b.json("remote", "verify", "--read-data")["ok"]
+    assert [s["name"] for s in b.json("remote", "ls")] == ["g2", "g3"]
+    b.json("pull", "g3")
+    b.run("store", "get", "g3", str(tmp_path / "out"))
+    assert same_tree(d3, tmp_path / "out" / "d3")
+
+
+def _s3(endpoint: str):  # the test's own client, to damage objects behind gpusnap's back
+    import boto3
+    from botocore.config import Config
+    return boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="test:tester",
+                        aws_secret_access_key="testing",
+                        config=Config(s3={"addressing_style": "path"}, request_checksum_calculation="when_required",
+                                      response_checksum_validation="when_required"))
+
+
+def test_corrupted_remote_chunk_is_refused_and_reported(nodes: tuple[Node, Node], tmp_path: Path, endpoint: str) -> None:
+    a, b = nodes
+    data = make_data(tmp_path / "data", mb=8)
+    a.run("store", "put", "c", str(data), "--chunk-size", "1M")
+    a.json("push", "c")
+    s3 = _s3(endpoint)
+    bucket, prefix = url_for("test_corrupted_remote_chunk_is_refused_and_reported")[5:].split("/", 1)
+    keys = [o["Key"] for o in s3.list_objects_v2(Bucket=bucket, Prefix=prefix + "/chunks/")["Contents"]]
+    victim = keys[len(keys) // 2]
+    body = bytearray(s3.get_object(Bucket=bucket, Key=victim)["Body"].read())
+    body[5000] ^= 0xFF
+    s3.put_object(Bucket=bucket, Key=victim, Body=bytes(body))
+    r = b.run("remote", "verify", "--read-data", check=False)
+    assert r.returncode == 3 and "does not match its hash" in r.stdout, r.stdout
+    assert b.run("remote", "verify", check=False).returncode == 0  # presence and sizes are fine
+    r = b.run("pull", "c", check=False)
+    assert r.returncode == 3, r.stderr
+    assert "does not match its hash" in one_line(r) and "fetched twice" in r.stderr
+    assert b.json("store", "ls") == []
+    assert not list((b.store / "tmp").iterdir())
+    # a truncated object is seen by a cheap verify, and the next push sends it again
+    s3.put_object(Bucket=bucket, Key=victim, Body=bytes(body[:100]))
+    r = b.run("remote", "verify", check=False)
+    assert r.returncode == 3 and "bytes on the remote" in r.stdout
+    assert a.json("push", "c")["chunks_sent"] == 1
+    assert b.json("remote", "verify", "--read-data")["ok"]
+    b.json("pull", "c")
+
+
+def test_chunk_larger_than_the_multipart_threshold_goes_up_in_parts(nodes: tuple[Node, Node], tmp_path: Path,
+                                                                   endpoint: str) -> None:
+    a, b = nodes
+    d = tmp_path / "data"
+    d.mkdir()
+    (d / "huge.bin").write_bytes(np.random.default_rng(5).integers(0, 256, 70 << 20, dtype=np.uint8).tobytes())
+    a.run("store", "put", "m", str(d), "--chunk-size", "128M", "--no-compress")
+    assert a.json("push", "m")["chunks_sent"] == 1
+    bucket, prefix = url_for("test_chunk_larger_than_the_multipart_threshold_goes_up_in_parts")[5:].split("/", 1)
+    s3 = _s3(endpoint)
+    [obj] = s3.list_objects_v2(Bucket=bucket, Prefix=prefix + "/chunks/")["Contents"]
+    assert obj["Size"] == 4096 + (70 << 20)
+    assert obj["ETag"].strip('"').endswith("-5"), obj["ETag"]  # 16 MiB parts: a multipart upload
+    b.json("pull", "m")
+    b.run("store", "get", "m", str(tmp_path / "out"))
+    assert same_tree(d, tmp_path / "out" / "data")
+
+
+def test_credentials_wrong_missing_or_readable_by_others_give_one_line(tmp_path: Path, endpoint: str) -> None:
+    cli = Cli(tmp_path / "A")
+    no_env = {"GPUSNAP_S3_ACCESS_KEY_ID": "", "GPUSNAP_S3_SECRET_ACCESS_KEY": "",
+              "AWS_ACCESS_KEY_ID": "", "AWS_SECRET_ACCESS_KEY": ""}
+    url = url_for("creds")
+    bad = {"GPUSNAP_S3_ACCESS_KEY_ID": "test:tester", "GPUSNAP_S3_SECRET_ACCESS_KEY": "not-the-secret-42"}
+    r = cli.run("remote", "add", "r", url, "--endpoint", endpoint, check=False, env=bad)
+    assert r.returncode == 1 and "refused the credentials" in one_line(r)
+    assert "not-the-secret-42" not in r.stderr + r.stdout
+    r = cli.run("remote", "add", "r", url, "--endpoint", endpoint, check=False, env=no_env)
+    assert r.returncode == 1 and "no credentials" in one_line(r)
+    cred = tmp_path / "creds"
+    cred.write_text("access_key_id = test:tester\nsecret_access_key = testing\n")
+    cred.chmod(0o644)
+    r = cli.run("remote", "add", "r", url, "--endpoint", endpoint, "--credentials-file", str(cred),
+                check=False, env=no_env)
+    assert r.returncode == 1 and "readable by others" in one_line(r)
+    cred.chmod(0o600)
+    cli.run("remote", "add", "r", url, "--endpoint", endpoint, "--credentials-file", str(cred), env=no_env)
+    cfg = (tmp_path / "A" / "remotes" / "r.json")
+    assert "testing" not in cfg.read_text() and (cfg.stat().st_mode & 0o077) == 0
+    assert json.loads(cli.run("remote", "ls", "--json", env=no_env).stdout) == []
+    r = cli.run("remote", "ls", check=False, env=bad)
+    assert r.returncode == 1 and "refused the credentials" in one_line(r)
+    r = cli.run("remote", "ls", check=False, env={**bad, "GPUSNAP_S3_ACCESS_KEY_ID": "nobody:nouser"})
+    assert r.returncode == 1 and "refused the credentials" in one_line(r)
+
+
+# ---- Swift going away: a private instance on its own ports, so other tests keep theirs --------------
+def _free_port_block() -> int:
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + 4 < 65536 and all(_port_free(base + i) for i in range(5)):
+            return base
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+@pytest.fixture
+def private_swift(tmp_path: Path) -> Iterator[tuple[str, dict[str, str]]]:
+    env = {"GPUSNAP_SWIFT_DIR": str(tmp_path / "swift"), "GPUSNAP_SWIFT_PORT": str(_free_port_block())}
+    ep = swift_start(env)
+    yield ep, env
+    subprocess.run([str(REPO / "scripts" / "setup" / "swift-setup.sh"), "stop"], env={**os.environ, **env}, check=False)
+
+
+def test_swift_stopped_mid_transfer_gives_one_line_and_loses_nothing(private_swift: tuple[str, dict[str, str]],
+                                                                    tmp_path: Path) -> None:
+    ep, senv = private_swift
+    url = url_for("down")
+    a, b = Node(tmp_path / "A", ep, url), Node(tmp_path / "B", ep, url)
+    data = make_data(tmp_path / "data", mb=12)
+    a.run("store", "put", "s", str(data), "--chunk-size", "1M")
+    fast_fail = {"GPUSNAP_S3_MAX_ATTEMPTS": "2"}
+    swift = [str(REPO / "scripts" / "setup" / "swift-setup.sh")]
+    senv = {**os.environ, **senv}
+
+    for direction, node in (("push", a), ("pull", b)):
+        pause = tmp_path / f"paused-{direction}"
+        p = node.popen(direction, "s", "--jobs", "1",
+                       env={**fast_fail, "GPUSNAP_TEST_PAUSE_TRANSFER": f"3:{pause}"})
+        wait_for(pause, p)
+        subprocess.run([*swift, "stop"], env=senv, check=True)
+        pause.unlink()
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 4, (out, err)
+        assert "cannot reach the object store" in one_line((out, err))
+        subprocess.run([*swift, "start"], env=senv, check=True, capture_output=True)
+        # nothing lost: the local side is intact and no partial snapshot is visible anywhere
+        assert a.json("store", "verify")["ok"]
+        if direction == "push":
+            assert b.json("remote", "ls") == []
+            a.json("push", "s")
+        else:
+            assert b.json("store", "ls") == [] and not list((b.store / "tmp").iterdir())
+            b.json("pull", "s")
+    b.run("store", "get", "s", str(tmp_path / "out"))
+    assert same_tree(data, tmp_path / "out" / "data")
+
+
+# ---- CRIU restore on node B, straight from the object store ------------------------------------------
+def test_criu_restore_from_remote_on_another_store(nodes: tuple[Node, Node]) -> None:
+    from sandbox.criu.runner import find_criu
+    if not find_criu():
+        pytest.fail("CRIU >= 4 not installed: run scripts/setup.sh (CI must not skip these)")
+    from test_criu import Tree, healthy
+    a, b = nodes
+    tree = Tree()
+    try:
+        assert healthy(tree.report())
+        a.json("criu", "dump", str(tree.pid), "t")
+        tree.reap()
+        assert not tree.alive()
+        a.json("push", "t")
+        assert b.json("store", "ls") == []
+        r = b.json("criu", "restore", "t", "--from", "r")
+        assert r["restored_pid"] == tree.pid
+        after = tree.report()
+        assert healthy(after) and after["pid"] == tree.pid, after
+        assert [s["name"] for s in b.json("store", "ls")] == ["t"]
+        assert b.json("store", "verify")["ok"]
+    finally:
+        tree.kill()
+
+
+# ---- a GPU snapshot (custom-storage streams) restored on node B from the object store ----------------
+def test_gpu_restore_from_remote_on_another_store(tmp_path: Path, endpoint: str, child: int,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GPU path of `gpu restore --from`: the driver stand-in's processes swapped out into store A,
+    pushed, pulled by ensure_local into empty store B, swapped back in from B with the bytes intact."""
+    from driver_standin import StandInDriver
+    from test_custom_storage_flow import FEATS, gpu_bytes
+    from sandbox.gpu.driver import ProcessState as S
+    from sandbox.gpu.snapshot import gpu_checkpoint, gpu_restore
+    from storage.device import HostDevice
+    from storage.remote import Remote, RemoteConfig, add_remote, ensure_local
+    from storage.store import SnapshotStore
+    for k, v in CREDS.items():
+        monkeypatch.setenv(k, v)
+    bucket, prefix = url_for("gpu")[5:].split("/", 1)
+    cfg = RemoteConfig("r", bucket, prefix, endpoint)
+    a, b = SnapshotStore(str(tmp_path / "A")), SnapshotStore(str(tmp_path / "B"))
+    add_remote(a, cfg)
+    add_remote(b, cfg)
+    Remote.open(a, "r").init()
+    d = StandInDriver()
+    me = os.getpid()
+    d.add(me, gpu_bytes(1, 6))
+    d.add(child, gpu_bytes(2, 3))
+    before = {p: bytes(d.procs[p].gpu) for p in (me, child)}
+    gpu_checkpoint(a, me, "swap", driver=d, features=FEATS, device=HostDevice(), thp_mode=None)
+    assert all(d.get_state(p) == S.CHECKPOINTED for p in (me, child))
+    assert Remote.open(a, "r").push(a, "swap").chunks_sent > 0
+    rep = ensure_local(b, "swap", "r")
+    assert rep is not None and rep.chunks_sent == rep.chunks_total > 0
+    assert ensure_local(b, "swap", "r") is None  # local now: nothing to pull
+    gpu_restore(b, "swap", me, driver=d, features=FEATS, device=HostDevice(), thp_mode=None)
+    assert all(d.get_state(p) == S.RUNNING for p in (me, child))
+    assert {p: bytes(d.procs[p].gpu) for p in (me, child)} == before
