@@ -27,6 +27,7 @@ from storage.filetree import FileTreeSink
 from storage.follow import FollowedDirSource
 from storage.store import SnapshotStore
 
+from sandbox.criu import streamer
 from sandbox.criu.runner import Criu, CriuError, DumpOptions
 from sandbox.gpu.processes import process_tree, uses_gpu
 
@@ -48,11 +49,13 @@ class CriuReport:
     dedup_bytes: int = 0
     restored_pid: int | None = None
     stages: dict[str, Any] = field(default_factory=dict)
+    images_path: str = "staging"  # how CRIU's images moved: "stream" (sandbox.criu.streamer) or "staging"
 
     def as_dict(self) -> dict[str, Any]:
         return {"name": self.name, "pids": self.pids, "cuda_pids": self.cuda_pids, "stages": self.stages,
                 "seconds": {k: round(v, 3) for k, v in self.seconds.items()}, "raw_bytes": self.raw_bytes,
-                "new_bytes": self.new_bytes, "dedup_bytes": self.dedup_bytes, "restored_pid": self.restored_pid}
+                "new_bytes": self.new_bytes, "dedup_bytes": self.dedup_bytes, "restored_pid": self.restored_pid,
+                "images_path": self.images_path}
 
 
 def _rss_bytes(pids: list[int]) -> int:
@@ -166,7 +169,7 @@ def criu_dump(store: SnapshotStore, pid: int, name: str, *, leave_running: bool 
     except Exception as e:  # noqa: BLE001 - DiscoveryError
         raise CriuSnapshotError(str(e)) from None
     gpu = _GpuSide.discover(pids, pid, gpu_driver, features, device)
-    report = CriuReport(name, pids, gpu.cuda_pids)
+    report = CriuReport(name, pids, gpu.cuda_pids, images_path=streamer.images_path())
     meta = {"kind": "criu", "root_pid": pid, "pids": pids, "cuda_pids": gpu.cuda_pids,
             "criu": ".".join(map(str, criu.version or ())), "options": opts.argv(), "gpu_path": gpu.path}
     with store.writer(name, replace=replace, meta=meta) as w, gpu:
@@ -178,10 +181,14 @@ def criu_dump(store: SnapshotStore, pid: int, name: str, *, leave_running: bool 
                 t0 = time.perf_counter()
                 gpu.swap_out(w, lock_timeout_s, progress)
                 report.seconds["gpu_checkpoint"] = time.perf_counter() - t0
-            _dump_and_ingest(criu, pid, images, opts, w, report, gpu, leave_running, store, name, progress, pids)
-            w.commit()
+            if report.images_path == "stream":
+                _dump_streamed(criu, pid, images, opts, w, report, gpu, leave_running, store, name, progress, pids)
+            else:
+                _dump_and_ingest(criu, pid, images, opts, w, report, gpu, leave_running, store, name, progress, pids)
+                w.commit()
         except BaseException as e:
-            if "criu_dump" in report.seconds and not leave_running:  # CRIU dumped (and killed) the tree
+            if "criu_dump" in report.seconds and not leave_running and report.images_path == "staging":
+                # CRIU dumped (and killed) the tree
                 _resurrect(criu, images, pids, gpu, store, name, w.streams, e)
             raise
         finally:
@@ -247,6 +254,38 @@ def _dump_and_ingest(criu: Criu, pid: int, images: str, opts: DumpOptions, w: An
     w.meta["ingested_while_dumping"] = src.followed
 
 
+def _dump_streamed(criu: Criu, pid: int, images: str, opts: DumpOptions, w: Any, report: CriuReport,
+                   gpu: _GpuSide, leave_running: bool, store: SnapshotStore, name: str, progress: Any,
+                   pids: list[int]) -> None:
+    """`criu dump --stream --leave-stopped` straight into the store (sandbox.criu.streamer), committed
+    before the tree is killed; any failure continues the tree, GPU state restored."""
+    def gpu_back() -> None:
+        if gpu.cuda_pids:
+            gpu.swap_in(store, name, w.streams)
+
+    with streamer.StoppedTree(pids, leave_running, gpu_back) as tree:
+        def dumped() -> None:
+            tree.dumped = True  # from here the tree is stopped (or, leave_running, resumed by CRIU)
+            if leave_running:
+                gpu_back()
+
+        if progress is not None:
+            progress.start(_rss_bytes(pids))
+        try:
+            res, secs, followed = streamer.dump(criu, pid, images, opts, w, progress=progress, on_dumped=dumped)
+        except CriuError as e:
+            gpu_back()
+            raise e.with_log(keep_log(store, e, f"dump-{name}")) from None
+        except BaseException:
+            if not tree.dumped:
+                gpu_back()  # CRIU failed on the broken pipe and resumed the tree
+            raise
+        report.seconds.update(secs)
+        w.meta["ingest_stages"] = report.stages = res.stages.table()
+        w.meta["ingested_while_dumping"] = followed
+        w.commit()
+
+
 def keep_log(store: SnapshotStore, e: CriuError, what: str) -> str:
     """Copy CRIU's log out of the staging directory (removed afterwards) into STORE/logs/."""
     logs = os.path.join(store.path, "logs")
@@ -302,21 +341,34 @@ def criu_restore(store: SnapshotStore, name: str, *, staging: str | None = None,
         report = CriuReport(name, m.meta["pids"], m.meta.get("cuda_pids", []))
         stage = staging_dir(store, m.size, staging)
         try:
-            t0 = time.perf_counter()
+            shell_job = "--shell-job" in m.meta.get("options", [])
+            pidfile = os.path.join(stage, "restored.pid")
             files = Manifest(m.name, [s for s in m.streams if not _is_gpu(s)], m.meta)
             if progress is not None:
                 progress.start(files.size)
-            pipeline.get(store, files, FileTreeSink(os.path.join(stage, "out")), progress=progress)
-            report.seconds["materialize"] = time.perf_counter() - t0
-            images = os.path.join(stage, "out", "images")
-            t0 = time.perf_counter()
-            shell_job = "--shell-job" in m.meta.get("options", [])
-            pidfile = os.path.join(stage, "restored.pid")
-            try:
-                criu.restore(images, detach=True, shell_job=shell_job, pidfile=pidfile)
-            except CriuError as e:
-                raise e.with_log(keep_log(store, e, f"restore-{name}")) from None
-            report.seconds["criu_restore"] = time.perf_counter() - t0
+            report.images_path = streamer.images_path()
+            if report.images_path == "stream":
+                images = os.path.join(stage, "images")
+                os.mkdir(images, 0o700)
+                try:
+                    secs, report.stages["served"] = streamer.restore(criu, store, files, images, shell_job=shell_job,
+                                                                     pidfile=pidfile)
+                except CriuError as e:
+                    raise e.with_log(keep_log(store, e, f"restore-{name}")) from None
+                report.seconds.update(secs)
+            else:
+                t0 = time.perf_counter()
+                pipeline.get(store, files, FileTreeSink(os.path.join(stage, "out")), progress=progress)
+                report.seconds["materialize"] = time.perf_counter() - t0
+                images = os.path.join(stage, "out", "images")
+                t0 = time.perf_counter()
+                try:
+                    from sandbox.gpu.hugepages import thp
+                    with thp("always"):  # CRIU faults every page in: huge pages make that ~1.4x faster
+                        criu.restore(images, detach=True, shell_job=shell_job, pidfile=pidfile)
+                except CriuError as e:
+                    raise e.with_log(keep_log(store, e, f"restore-{name}")) from None
+                report.seconds["criu_restore"] = time.perf_counter() - t0
             with open(pidfile) as f:
                 report.restored_pid = int(f.read().strip())
             if report.cuda_pids:
