@@ -352,7 +352,7 @@ def criu_restore(store: SnapshotStore, name: str, *, staging: str | None = None,
                 os.mkdir(images, 0o700)
                 try:
                     secs, report.stages["served"] = streamer.restore(criu, store, files, images, shell_job=shell_job,
-                                                                     pidfile=pidfile)
+                                                                     pidfile=pidfile, pids=m.meta["pids"])
                 except CriuError as e:
                     raise e.with_log(keep_log(store, e, f"restore-{name}")) from None
                 report.seconds.update(secs)

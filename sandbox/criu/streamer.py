@@ -47,6 +47,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
+from sandbox.criu import split
 from storage import pipeline
 from storage.chunkfile import ChunkError
 from storage.codecs import CodecError, decode_host
@@ -456,7 +457,9 @@ class ServeSource:
     ahead of CRIU per image, and written into CRIU's pipe in order."""
 
     def __init__(self, store: SnapshotStore, manifest: Manifest, directory: str, *, workers: int | None = None,
-                 window: int | None = None) -> None:
+                 window: int | None = None, split_min: int = 0) -> None:
+        """split_min: page runs of at least this many bytes are left out of what CRIU gets, for
+        split.fill to write after CRIU (0: CRIU restores everything)."""
         self.store, self.manifest = store, manifest
         self.images = {s.name.partition("/")[2]: s for s in manifest.streams
                        if s.name.startswith(IMAGES + "/") and s.attrs.get("type") == "file"}
@@ -469,6 +472,15 @@ class ServeSource:
         self._bufs = BufferPool(self.workers, store.chunk_buffer_size([manifest]))
         self._ex = ThreadPoolExecutor(self.workers, thread_name_prefix="gpusnap-serve")
         self._zeros = bytes(max((c.raw_len for s in self.images.values() for c in s.chunks), default=0))
+        self.plans: dict[str, split.Plan] = {}    # page image -> its split
+        self._rewritten: dict[str, bytes] = {}    # pagemap image -> what CRIU gets instead
+        if split_min > 0:
+            for name, s in self.images.items():
+                if split.PAGEMAP_NAME.fullmatch(name):
+                    pl = split.plan(name, b"".join(bytes(self._chunk(s, i, c)) for i, c in enumerate(s.chunks)), split_min)
+                    if pl is not None and pl.pages_image in self.images:
+                        self.plans[pl.pages_image] = pl
+                        self._rewritten[name] = pl.pagemap
         self._listener = _Listener(directory, SERVE_SOCKET)
         self._closing = False
         self._feeds: list[threading.Thread] = []
@@ -508,7 +520,9 @@ class ServeSource:
                         self.refused.append(name)
                         continue
                     fd = _recv_pipe(conn, writable=True)
-                    t = threading.Thread(target=self._feed, args=(s, fd), daemon=True, name="gpusnap-serve-feed")
+                    pl = self.plans.get(name)
+                    t = threading.Thread(target=self._feed, args=(s, fd, pl.kept if pl else None, self._rewritten.get(name)),
+                                         daemon=True, name="gpusnap-serve-feed")
                     self._feeds.append(t)
                     t.start()
         except BaseException as e:  # noqa: BLE001 - reported by raise_if_failed
@@ -517,6 +531,9 @@ class ServeSource:
     def _fail(self, e: BaseException) -> None:
         with self._lock:
             self.errors.append(e)
+
+    def _chunk(self, s: Stream, i: int, ref: ChunkRef) -> bytes | memoryview:
+        return memoryview(self._zeros)[:ref.raw_len] if ref.is_zero else self._fetch(s, i, ref)
 
     def _fetch(self, s: Stream, i: int, ref: ChunkRef) -> bytes | memoryview:
         with self._bufs.borrowed() as buf:
@@ -530,32 +547,52 @@ class ServeSource:
                 raise StoreError(f"snapshot {self.manifest.name!r}: {s.name} chunk {i}: {e}") from None
             return bytes(data) if isinstance(data, memoryview) else data  # the buffer goes back now
 
-    def _feed(self, s: Stream, fd: int) -> None:
-        pending: deque[Future[bytes | memoryview] | int] = deque()
-        it = iter(enumerate(s.chunks))
+    def _feed(self, s: Stream, fd: int, ranges: tuple[tuple[int, int], ...] | None = None,
+              replacement: bytes | None = None) -> None:
+        """Stream S (only its RANGES; or REPLACEMENT instead) into CRIU's pipe FD, chunks fetched a window ahead."""
+        pending: deque[tuple[Future[bytes | memoryview] | None, int, int, int]] = deque()
+        it = iter(split.pieces(s, ranges) if replacement is None else ())
+        last: tuple[int, Future[bytes | memoryview] | None] | None = None
         try:
+            if replacement is not None:
+                _write_all(fd, replacement)
+                self.bytes += len(replacement)
             while True:
                 while len(pending) < self.window:
                     nxt = next(it, None)
                     if nxt is None:
                         break
-                    i, ref = nxt
-                    pending.append(ref.raw_len if ref.is_zero else self._ex.submit(self._fetch, s, i, ref))
+                    i, ref, lo, hi = nxt
+                    if last is not None and last[0] == i:
+                        fut = last[1]  # the same chunk again: fetched once
+                    else:
+                        fut = None if ref.is_zero else self._ex.submit(self._fetch, s, i, ref)
+                        last = (i, fut)
+                    pending.append((fut, ref.raw_len, lo, hi))
                 if not pending:
                     break
-                head = pending.popleft()
-                data = memoryview(self._zeros)[:head] if isinstance(head, int) else head.result()
+                fut, n, lo, hi = pending.popleft()
+                data = memoryview(self._zeros)[lo:hi] if fut is None else memoryview(fut.result())[lo:hi]
                 _write_all(fd, data)
                 self.bytes += len(data)
             self.served.append(s.name)
         except BaseException as e:  # noqa: BLE001 - CRIU sees the broken pipe; reported by raise_if_failed
-            for f in pending:
-                if not isinstance(f, int):
+            for f, *_ in pending:
+                if f is not None:
                     f.cancel()
             self._fail(e if not isinstance(e, OSError) else
                        StreamerError(f"writing image {s.name} to CRIU: {e.strerror}"))
         finally:
             os.close(fd)
+
+    def fill(self, pids_ok: Callable[[int], bool]) -> dict[str, int]:
+        """After CRIU: the moved runs written into the (stopped) processes; PIDS_OK(pid) says a
+        planned pid is one CRIU restored."""
+        plans = list(self.plans.values())
+        for p in plans:
+            if not pids_ok(p.pid):
+                raise split.SplitError(f"pid {p.pid} of the snapshot was not restored by CRIU")
+        return split.fill(plans, self.images, self._fetch, self.workers)
 
     def raise_if_failed(self) -> None:
         """The first failure of the store side (a damaged chunk before a broken pipe)."""
@@ -577,23 +614,59 @@ def _write_all(fd: int, data: bytes | memoryview) -> None:
         view = view[n:]
 
 
+def split_min() -> int:
+    """$GPUSNAP_CRIU_SPLIT_MIN: page runs of at least this many bytes are filled by gpusnap after
+    CRIU (0: off); default split.DEFAULT_MIN."""
+    v = os.environ.get("GPUSNAP_CRIU_SPLIT_MIN")
+    if v is None or v.strip() == "":
+        return split.DEFAULT_MIN
+    try:
+        return int(v)
+    except ValueError:
+        raise StreamerError(f"GPUSNAP_CRIU_SPLIT_MIN={v!r}: expected a number of bytes") from None
+
+
 def restore(criu: Any, store: SnapshotStore, manifest: Manifest, images: str, *, shell_job: bool,
-            pidfile: str, thp_mode: str | None = "always") -> tuple[dict[str, float], dict[str, Any]]:
+            pidfile: str, pids: list[int], thp_mode: str | None = "always",
+            split_bytes: int | None = None) -> tuple[dict[str, float], dict[str, Any]]:
     """`criu restore --stream -d` of MANIFEST's images served from STORE (IMAGES: a private directory
     for the socket and CRIU's log), THP set to THP_MODE meanwhile (CRIU faults the whole image in).
+    With a split (runs of at least SPLIT_BYTES, default split_min()), CRIU leaves the tree PIDS
+    stopped, the moved runs are written in, then the tree continues; if that fails the tree is killed.
     Returns seconds per stage and what was served. A CRIU failure caused by the store (a damaged
     chunk) is raised as the store's error; otherwise CRIU's."""
     from sandbox.criu.runner import CriuError
     from sandbox.gpu.hugepages import thp
     seconds: dict[str, float] = {}
     t0 = time.perf_counter()
-    with ServeSource(store, manifest, images) as srv:
-        try:
-            with thp(thp_mode):
-                criu.restore(images, detach=True, shell_job=shell_job, pidfile=pidfile, extra=("--stream",))
-        except CriuError:
+    info: dict[str, Any] = {}
+    with ServeSource(store, manifest, images, split_min=split_min() if split_bytes is None else split_bytes) as srv:
+        extra = ("--stream", "--leave-stopped") if srv.plans else ("--stream",)
+        with thp(thp_mode):
+            try:
+                criu.restore(images, detach=True, shell_job=shell_job, pidfile=pidfile, extra=extra)
+            except CriuError:
+                srv.raise_if_failed()
+                raise
             srv.raise_if_failed()
-            raise
-        srv.raise_if_failed()
-    seconds["criu_restore"] = time.perf_counter() - t0
-    return seconds, {"served": len(srv.served), "refused": srv.refused, "bytes": srv.bytes}
+            seconds["criu_restore"] = time.perf_counter() - t0
+            if srv.plans:
+                t1 = time.perf_counter()
+                try:
+                    info["split"] = srv.fill(lambda p: os.path.exists(f"/proc/{p}"))
+                except BaseException:
+                    _signal_all(pids, signal.SIGKILL)
+                    raise
+                _signal_all(pids, signal.SIGCONT)
+                seconds["split_fill"] = time.perf_counter() - t1
+        info.update(served=len(srv.served), refused=srv.refused, bytes=srv.bytes,
+                    moved_bytes=sum(p.moved_bytes for p in srv.plans.values()))
+    return seconds, info
+
+
+def _signal_all(pids: list[int], sig: int) -> None:
+    for p in pids:
+        try:
+            os.kill(p, sig)
+        except ProcessLookupError:
+            pass
