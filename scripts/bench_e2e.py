@@ -210,6 +210,7 @@ def main() -> None:
     ap.add_argument("--dir", default=os.environ.get("GPUSNAP_DISK_DIR", "/var/tmp"))
     ap.add_argument("--json", default=None)
     ap.add_argument("--skip-baseline", action="store_true")
+    ap.add_argument("--no-dedup", action="store_true", help="skip the second dump and the warm restore")
     a = ap.parse_args()
     ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER: restored trees come back to us to reap
     criu = Criu()
@@ -228,7 +229,7 @@ def main() -> None:
                 print("baseline failed:", repr(e), flush=True)
         for i, path in enumerate(paths):
             try:
-                result[f"gpusnap_{path}"] = g = run_gpusnap(a, work, path, dedup=(i == 0))
+                result[f"gpusnap_{path}"] = g = run_gpusnap(a, work, path, dedup=(i == 0 and not a.no_dedup))
                 print(f"gpusnap_{path}", json.dumps(g), flush=True)
             except (Exception, SystemExit) as e:  # noqa: BLE001 - report and go on with the next path
                 result[f"gpusnap_{path}_error"] = repr(e)

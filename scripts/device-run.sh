@@ -30,7 +30,11 @@ for what in ${1//,/ }; do
             timeout 120 python3 scripts/serving_smoke.py 2>&1 | tee "$out/serving-smoke.log" | tail -3 || wl=synthetic
             grep -q '"ok": true' "$out/serving-smoke.log" || wl=synthetic
             timeout ${E2E_TIMEOUT:-540} python3 scripts/bench_e2e.py --gb ${BENCH_GB:-20} --workload $wl --paths ${BENCH_PATHS:-stream,staging} \
-              --json "$out/e2e-speed-${BENCH_GB:-20}.json" 2>&1 | tee "$out/e2e-speed-${BENCH_GB:-20}.log" ;;
+              --json "$out/e2e-speed-${BENCH_GB:-20}.json" 2>&1 | tee "$out/e2e-speed-${BENCH_GB:-20}.log"
+            if [ -n "${BENCH_GB2:-}" ]; then  # a second, larger size: baseline and the first path only
+              timeout ${E2E_TIMEOUT2:-300} python3 scripts/bench_e2e.py --gb $BENCH_GB2 --workload $wl --paths ${BENCH_PATHS%%,*} --no-dedup \
+                --json "$out/e2e-speed-$BENCH_GB2.json" 2>&1 | tee "$out/e2e-speed-$BENCH_GB2.log"
+            fi ;;
     e2e)    timeout 560 python3 scripts/bench_e2e.py --json "$out/e2e.json" ${BENCH_ARGS:-} 2>&1 | tee "$out/e2e.log" ;;
   esac
 done

@@ -8,8 +8,10 @@ allocation through PyTorch's caching allocator; a KV pool per layer, mostly zero
 --gb sizes it: about 55% weights (whole layers), the rest KV pool.
 
 It checks itself: before the checkpoint it records the decode step's logits (eager and graph replay)
-and an exact integer checksum of every tensor; `verify` recomputes all of them and compares exactly
-(a relative error is reported too). Control protocol as scripts/gpu_workload.py (a fresh --dir:
+and an exact, position-weighted integer checksum of every tensor; `verify` recomputes them: every
+checksum must be equal (the memory came back bit for bit) and the logits within LOGITS_TOL (seen on
+the H200: the same process's logits differ by ~0.75% relative after a driver restore, baseline path
+included, while every tensor is bit-identical: reduction order, not data). Control protocol as scripts/gpu_workload.py (a fresh --dir:
 `ready`, then `cmd` -> `cmd.done`): verify | mutate PERCENT (fills that share of the KV pool's empty
 blocks: new decode state) | exit.
 """
@@ -88,12 +90,22 @@ class Model:
 
 
 def checksums(ts: list[torch.Tensor]) -> list[int]:
-    """An exact integer checksum per tensor (int16 view summed in int64, position-weighted per row)."""
+    """An exact integer checksum per tensor: its int16 words weighted by position (a moved, swapped
+    or zeroed page changes it), summed in int64, in slices to bound the temporaries."""
     out = []
+    step = 1 << 25
     for t in ts:
         v = t.view(torch.int16).reshape(-1)
-        out.append(int(v.sum(dtype=torch.int64)) * 1_000_003 + int(v[::4097].sum(dtype=torch.int64)))
+        acc = torch.zeros((), dtype=torch.int64, device=v.device)
+        for lo in range(0, v.numel(), step):
+            part = v[lo:lo + step].to(torch.int64)
+            w = torch.arange(lo, lo + part.numel(), device=v.device, dtype=torch.int64) % 1_000_003 + 1
+            acc += (part * w).sum()
+        out.append(int(acc))
     return out
+
+
+LOGITS_TOL = 2e-2  # bf16 through every layer: kernels may reduce in another order after a restore
 
 
 def main() -> None:
@@ -111,7 +123,7 @@ def main() -> None:
     kv_blocks = max(64, (total - layers * layer_bytes() - 4 * VOCAB * HIDDEN) // (layers * kv_block_bytes))
     m = Model(layers, kv_blocks, a.seed)
     ref = m.decode()
-    deterministic = bool(torch.equal(m.decode(), ref))  # else verify allows a bf16-level difference
+    deterministic = bool(torch.equal(m.decode(), ref))  # reported in `ready`
     graph, static_out = None, None
     if not a.no_graph:
         s = torch.cuda.Stream()
@@ -151,14 +163,16 @@ def main() -> None:
             bad = [i for i, (x, y) in enumerate(zip(now, sums)) if x != y]
             logits = m.decode()
             rel = float((logits - ref).norm() / ref.norm())
-            eager_ok = bool(torch.equal(logits, ref)) if deterministic else rel < 1e-3
+            eager_ok = rel < LOGITS_TOL
             graph_ok = True
             if graph is not None:
                 graph.replay()
                 torch.cuda.synchronize()
-                graph_ok = bool(torch.equal(static_out, graph_ref))
-            out.update(ok=not bad and eager_ok and graph_ok, bad_tensors=bad[:20], eager_equal=eager_ok,
-                       graph_equal=graph_ok, logits_rel_err=rel)
+                graph_rel = float((static_out - graph_ref).norm() / graph_ref.norm())
+                graph_ok = graph_rel < LOGITS_TOL
+                out.update(graph_equal=bool(torch.equal(static_out, graph_ref)), graph_rel_err=graph_rel)
+            out.update(ok=not bad and eager_ok and graph_ok, bad_tensors=bad[:20], tensors_equal=not bad,
+                       eager_equal=bool(torch.equal(logits, ref)), logits_rel_err=rel)
         elif cmd[0] == "mutate":
             pct = float(cmd[1])
             nblk = max(1, round(kv_blocks * pct / 100))

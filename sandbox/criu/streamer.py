@@ -65,6 +65,7 @@ _MAX_REQUEST = 4096
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,254}")
 _F_SETPIPE_SZ = 1031
 _PIPE_SIZE = 1 << 20       # the unprivileged maximum by default; fewer syscalls per GB
+_BIG_PIPE = 16 << 20       # root may go past it: fewer wake-ups between CRIU and the pipeline
 _ACCEPT_POLL_S = 0.1
 
 
@@ -180,10 +181,12 @@ def _recv_pipe(conn: socket.socket, writable: bool) -> int:
     if not stat.S_ISFIFO(st.st_mode) or mode != (os.O_WRONLY if writable else os.O_RDONLY):
         os.close(fd)
         raise StreamerError("CRIU passed something other than the expected pipe end")
-    try:
-        fcntl.fcntl(fd, _F_SETPIPE_SZ, _PIPE_SIZE)
-    except OSError:
-        pass  # a smaller pipe still works
+    for size in (_BIG_PIPE, _PIPE_SIZE):
+        try:
+            fcntl.fcntl(fd, _F_SETPIPE_SZ, size)
+            break
+        except OSError:
+            continue  # over pipe-max-size without CAP_SYS_RESOURCE: a smaller pipe still works
     return fd
 
 
