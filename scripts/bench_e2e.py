@@ -139,6 +139,7 @@ def run_gpusnap(a: argparse.Namespace, work: str, path: str, dedup: bool) -> dic
         r = timed(g, "restore", gpusnap, store, "criu", "restore", "e2e", path=path)
         g["restore_report_path"] = r.get("images_path")
         g["restore_stages"] = r["seconds"]
+        g["restore_served"] = r.get("stages", {}).get("served")
         g["verify"] = verify(w)
         g["verified"] = g["verify"]["ok"]
         if dedup:

@@ -3,7 +3,7 @@
 CRIU restores pages on one thread (~2 GB/s), and on the host-staged GPU path most of a process's
 image is the driver's host copy of GPU memory. A pagemap image lists each run of dumped pages
 (vaddr, page count, flags); its page image holds the present runs' bytes back to back. Here the
-runs of at least `min_bytes` are *moved*: the pagemap served to CRIU leaves them out (CRIU then
+runs (records contiguous in memory and in the image) of at least `min_bytes` are *moved*: the pagemap served to CRIU leaves them out (CRIU then
 maps their areas with no content) and the page image served to CRIU skips their bytes; CRIU
 restores the tree left stopped (--leave-stopped), and `fill` writes the moved runs straight into the
 stopped processes with process_vm_writev from many threads (chunks verified and decoded in
@@ -111,29 +111,54 @@ def parse_pagemap(data: bytes) -> Pagemap:
 
 
 @dataclass(frozen=True)
+class Run:
+    """Pages contiguous in memory and in the page image (CRIU writes at most a pipe's worth of
+    pages per pagemap record, ~1 MiB, so a large area is many records)."""
+    vaddr: int
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
 class Plan:
     """One process's split: the pagemap CRIU gets, the page-image ranges it gets, the runs moved."""
     pid: int
     pages_image: str
     pagemap: bytes
     kept: tuple[tuple[int, int], ...]      # (offset, length) in the page image, in order
-    moved: tuple[Entry, ...]
+    moved: tuple[Run, ...]
 
     @property
     def moved_bytes(self) -> int:
-        return sum(e.nbytes for e in self.moved)
+        return sum(r.nbytes for r in self.moved)
+
+
+def _runs(entries: tuple[Entry, ...]) -> list[list[Entry]]:
+    """The present entries grouped into runs contiguous in memory and in the page image."""
+    runs: list[list[Entry]] = []
+    for e in entries:
+        if e.offset is None:
+            continue
+        last = runs[-1][-1] if runs else None
+        if last is not None and last.offset is not None and e.vaddr == last.vaddr + last.nbytes \
+                and e.offset == last.offset + last.nbytes:
+            runs[-1].append(e)
+        else:
+            runs.append([e])
+    return runs
 
 
 def plan(name: str, data: bytes, min_bytes: int) -> Plan | None:
-    """The split of pagemap image NAME (DATA), or None when nothing is large enough to move."""
+    """The split of pagemap image NAME (DATA), or None when no run is large enough to move."""
     m = PAGEMAP_NAME.fullmatch(name)
     if m is None or min_bytes <= 0:
         return None
     pm = parse_pagemap(data)
-    moved = tuple(e for e in pm.entries if e.offset is not None and e.nbytes >= min_bytes)
-    if not moved:
+    big = [r for r in _runs(pm.entries) if sum(e.nbytes for e in r) >= min_bytes]
+    if not big:
         return None
-    gone = {id(e) for e in moved}
+    moved = tuple(Run(r[0].vaddr, r[0].offset or 0, sum(e.nbytes for e in r)) for r in big)
+    gone = {id(e) for r in big for e in r}
     keep = [e for e in pm.entries if id(e) not in gone]
     kept: list[tuple[int, int]] = []
     for e in keep:
@@ -201,10 +226,9 @@ def fill(plans: list[Plan], streams: dict[str, Stream], fetch: Callable[[Stream,
     jobs: dict[tuple[str, int], list[tuple[int, int, int, int]]] = {}  # (image, chunk) -> (pid, addr, lo, hi)
     for p in plans:
         s = streams[p.pages_image]
-        for e in p.moved:
-            assert e.offset is not None
-            addr = e.vaddr
-            for i, _c, lo, hi in pieces(s, ((e.offset, e.nbytes),)):
+        for run in p.moved:
+            addr = run.vaddr
+            for i, _c, lo, hi in pieces(s, ((run.offset, run.nbytes),)):
                 jobs.setdefault((p.pages_image, i), []).append((p.pid, addr, lo, hi))
                 addr += hi - lo
     stats = {"written": 0, "zero_skipped": 0}
