@@ -73,7 +73,7 @@ class StreamerError(GpusnapError):
     """The image streamer could not serve CRIU (socket, protocol or pipe failure)."""
 
 
-def images_path(criu_help: str | None = None) -> str:
+def images_path() -> str:
     """Which path CRIU's images take: $GPUSNAP_CRIU_IMAGES ('stream' or 'staging'), default 'stream'."""
     want = os.environ.get("GPUSNAP_CRIU_IMAGES", "stream").strip().lower()
     if want not in ("stream", "staging"):
