@@ -138,14 +138,16 @@ def _start(cli: Cli, env: dict[str, str], *args: str) -> subprocess.Popen:
 
 
 def _criu_of(proc: subprocess.Popen, timeout: float = 30) -> int:
+    """The `criu dump|restore` that PROC runs (not its `criu --version` probe)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         for c in _children(proc.pid):
             try:
-                if Path(f"/proc/{c}/comm").read_text().strip() == "criu":
-                    return c
+                argv = Path(f"/proc/{c}/cmdline").read_bytes().split(b"\0")
             except OSError:
-                pass
+                continue
+            if Path(argv[0].decode()).name == "criu" and argv[1:2] in ([b"dump"], [b"restore"]):
+                return c
         assert proc.poll() is None, proc.communicate()
         time.sleep(0.01)
     raise AssertionError("CRIU did not start")
@@ -189,6 +191,27 @@ def test_kill_9_mid_dump_leaves_the_tree_running(cli: Cli, store_dir: Path, vict
         tree.kill()
 
 
+def _rchar(pid: int) -> int:
+    try:
+        io = dict(line.split(": ") for line in Path(f"/proc/{pid}/io").read_text().splitlines())
+    except OSError:
+        return 0
+    return int(io["rchar"])
+
+
+def _wait_read(pid: int, nbytes: int, timeout: float = 60) -> None:
+    """Until CRIU (PID) and the tasks it forks have read NBYTES (rchar: pipe reads count; each task
+    reads its own pages)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not os.path.exists(f"/proc/{pid}"):
+            raise AssertionError("CRIU finished before it could be interrupted")
+        if _rchar(pid) + sum(_rchar(c) for c in _children(pid)) >= nbytes:
+            return
+        time.sleep(0.002)
+    raise AssertionError("CRIU did not read its images")
+
+
 @pytest.mark.parametrize("victim", ["gpusnap", "criu"])
 def test_kill_9_mid_restore_leaves_the_snapshot_restorable(cli: Cli, store_dir: Path, victim: str) -> None:
     tree = Tree(mb=384, detached=True)
@@ -197,15 +220,15 @@ def test_kill_9_mid_restore_leaves_the_snapshot_restorable(cli: Cli, store_dir: 
         _wait_gone(tree.pid)
         proc = _start(cli, NO_SPLIT, "criu", "restore", "r")
         criu = _criu_of(proc)
-        time.sleep(0.3)  # CRIU is reading the page image from the pipe by now (384 MiB take a few seconds here)
+        _wait_read(criu, 64 << 20)  # mid-stream: CRIU has read 64 of the ~400 MiB
         os.kill(proc.pid if victim == "gpusnap" else criu, signal.SIGKILL)
         proc.communicate(timeout=60)
         _wait_gone(criu)
-        for p in (tree.pid, tree.child):  # whatever CRIU had started is gone, or we clear it
+        assert proc.returncode != 0, "the restore must fail"
+        for p in (tree.pid, tree.child):  # no half-restored task is left holding the snapshot's pids
             _wait_gone(p, timeout=10)
-            if os.path.exists(f"/proc/{p}") and _state(p) != "Z":
-                os.kill(p, signal.SIGKILL)
-                _wait_gone(p)
+            assert not os.path.exists(f"/proc/{p}") or _state(p) == "Z", (p, _state(p))
+        assert cli.json("store", "verify", "r")["ok"]
         r = cli_json(cli, SPLIT, "criu", "restore", "r")
         assert r["restored_pid"] == tree.pid
         assert healthy(tree.report())

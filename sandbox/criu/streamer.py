@@ -21,7 +21,9 @@ Guarantees kept here:
   tree where it was. If gpusnap dies mid-stream, CRIU sees a broken pipe, fails, and resumes the
   tree itself;
 - restore: every chunk is verified before its bytes enter CRIU's pipe; a damaged chunk, or gpusnap
-  dying, breaks the pipe and CRIU fails before any restored process runs;
+  dying, breaks the pipe and CRIU fails before any restored process runs (and removes its tasks);
+  if CRIU itself dies mid-restore, the tasks it had created come back to gpusnap (child subreaper
+  meanwhile) and are killed, so the snapshot's pids are free for the next restore;
 - the snapshot's layout is the staging path's (`images/NAME` files), so either path restores what
   the other dumped;
 - filenames from the socket are checked (one plain name, no path), pipes are the only fds taken.
@@ -31,6 +33,7 @@ declared-but-unused aiofiles dependency was dropped rather than used here).
 """
 from __future__ import annotations
 
+import ctypes
 import errno
 import fcntl
 import os
@@ -647,7 +650,12 @@ def restore(criu: Any, store: SnapshotStore, manifest: Manifest, images: str, *,
         extra = ("--stream", "--leave-stopped") if srv.plans else ("--stream",)
         with thp(thp_mode):
             try:
-                criu.restore(images, detach=True, shell_job=shell_job, pidfile=pidfile, extra=extra)
+                with _adopting_orphans():
+                    try:
+                        criu.restore(images, detach=True, shell_job=shell_job, pidfile=pidfile, extra=extra)
+                    except CriuError:
+                        _kill_half_restored(pids)
+                        raise
             except CriuError:
                 srv.raise_if_failed()
                 raise
@@ -665,6 +673,48 @@ def restore(criu: Any, store: SnapshotStore, manifest: Manifest, images: str, *,
         info.update(served=len(srv.served), refused=srv.refused, bytes=srv.bytes,
                     moved_bytes=sum(p.moved_bytes for p in srv.plans.values()))
     return seconds, info
+
+
+_PR_SET_CHILD_SUBREAPER, _PR_GET_CHILD_SUBREAPER = 36, 37
+
+
+@contextmanager
+def _adopting_orphans() -> Iterator[None]:
+    """This process as the child subreaper meanwhile: the tasks of a CRIU that dies mid-restore
+    (killed, say) come back to us instead of init, so they can be told from anyone else's."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    prev = ctypes.c_int(0)
+    libc.prctl(_PR_GET_CHILD_SUBREAPER, ctypes.byref(prev), 0, 0, 0)
+    libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    try:
+        yield
+    finally:
+        libc.prctl(_PR_SET_CHILD_SUBREAPER, prev.value, 0, 0, 0)
+
+
+def _kill_half_restored(pids: list[int]) -> None:
+    """After a failed `criu restore`: the snapshot's pids that are now our children are tasks CRIU
+    created and never resumed (CRIU cleans up after its own errors, not after being killed); they
+    would hold the pids and block the next restore."""
+    me = os.getpid()
+    for _ in range(len(pids) + 1):  # a killed task's children come to us next: until none is left
+        killed = 0
+        for p in pids:
+            try:
+                with open(f"/proc/{p}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            if ppid != me:
+                continue
+            try:
+                os.kill(p, signal.SIGKILL)
+                os.waitpid(p, 0)
+                killed += 1
+            except (ProcessLookupError, ChildProcessError):
+                pass
+        if not killed:
+            return
 
 
 def _signal_all(pids: list[int], sig: int) -> None:
