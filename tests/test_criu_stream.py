@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -234,3 +235,37 @@ def test_kill_9_mid_restore_leaves_the_snapshot_restorable(cli: Cli, store_dir: 
         assert healthy(tree.report())
     finally:
         tree.kill()
+
+
+def test_split_restore_fills_a_read_only_area(cli: Cli) -> None:
+    """A large run in a read-only mapping (process_vm_writev refuses it) is written through
+    /proc/PID/mem instead; the process finds its bytes intact."""
+    import json as _json
+    import tempfile
+    d = Path(tempfile.mkdtemp(prefix="gpusnap-rodata-"))
+    p = subprocess.Popen([sys.executable,
+                          str(REPO / "tests" / "criu_rodata.py"), str(d)], stdin=subprocess.DEVNULL,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, cwd="/")
+    try:
+        deadline = time.monotonic() + 30
+        while not (d / "ready").exists():
+            assert p.poll() is None and time.monotonic() < deadline
+            time.sleep(0.02)
+        pid = _json.loads((d / "ready").read_text())["pid"]
+        cli_json(cli, STREAM, "criu", "dump", str(pid), "ro")
+        p.wait(timeout=30)
+        r = cli_json(cli, SPLIT, "criu", "restore", "ro")
+        assert r["stages"]["served"]["moved_bytes"] >= 24 << 20
+        (d / "cmd").write_text("report")
+        deadline = time.monotonic() + 20
+        while not (d / "report.json").exists():
+            assert time.monotonic() < deadline, "the restored process did not answer"
+            time.sleep(0.02)
+        assert _json.loads((d / "report.json").read_text()) == {"ok": True, "pid": pid}
+    finally:
+        for q in (p.pid,):
+            try:
+                os.kill(q, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        p.wait()

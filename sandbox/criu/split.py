@@ -17,6 +17,7 @@ Records the split does not move are passed to CRIU byte for byte.
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 import re
 import struct
@@ -207,7 +208,9 @@ _libc.process_vm_writev.argtypes = [ctypes.c_int, ctypes.POINTER(_Iovec), ctypes
 
 
 def write_into(pid: int, addr: int, data: bytes | memoryview) -> None:
-    """DATA into process PID's memory at ADDR (process_vm_writev; the GIL is released)."""
+    """DATA into process PID's memory at ADDR: process_vm_writev (the GIL is released); where the
+    area is not writable (a read-only mapping: the call stops with EFAULT), through /proc/PID/mem,
+    which writes as a debugger does."""
     from storage.directio import address_of
     base, n, done = address_of(data), len(data), 0
     while done < n:
@@ -215,8 +218,26 @@ def write_into(pid: int, addr: int, data: bytes | memoryview) -> None:
         r = _libc.process_vm_writev(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
         if r <= 0:
             e = ctypes.get_errno()
+            if e == errno.EFAULT:
+                _write_mem(pid, addr + done, memoryview(data)[done:])
+                return
             raise SplitError(f"writing {n - done} bytes into pid {pid} at {addr + done:#x}: {os.strerror(e) if e else 'no progress'}")
         done += r
+
+
+def _write_mem(pid: int, addr: int, data: memoryview) -> None:
+    try:
+        fd = os.open(f"/proc/{pid}/mem", os.O_WRONLY | os.O_CLOEXEC)
+    except OSError as e:
+        raise SplitError(f"opening the memory of pid {pid}: {e.strerror}") from None
+    try:
+        done = 0
+        while done < len(data):
+            done += os.pwrite(fd, data[done:], addr + done)
+    except OSError as e:
+        raise SplitError(f"writing into pid {pid} at {addr + done:#x}: {e.strerror}") from None
+    finally:
+        os.close(fd)
 
 
 def fill(plans: list[Plan], streams: dict[str, Stream], fetch: Callable[[Stream, int, ChunkRef], Any],
