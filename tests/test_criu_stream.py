@@ -12,7 +12,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import GPUSNAP, REPO, Cli, chunk_files, pythonpath
 from test_criu import Tree, _state, healthy
 
@@ -48,8 +47,9 @@ def test_protocol_rejects_names_that_are_paths() -> None:
 
 
 def test_pagemap_split_plan_keeps_small_runs_and_offsets() -> None:
-    from sandbox.criu import split
     import struct
+
+    from sandbox.criu import split
 
     def rec(body: bytes) -> bytes:
         return struct.pack("<I", len(body)) + body

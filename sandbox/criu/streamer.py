@@ -556,7 +556,7 @@ class ServeSource:
     def _feed(self, s: Stream, fd: int, ranges: tuple[tuple[int, int], ...] | None = None,
               replacement: bytes | None = None) -> None:
         """Stream S (only its RANGES; or REPLACEMENT instead) into CRIU's pipe FD, chunks fetched a window ahead."""
-        pending: deque[tuple[Future[bytes | memoryview] | None, int, int, int]] = deque()
+        pending: deque[tuple[Future[bytes | memoryview] | None, int, int]] = deque()
         it = iter(split.pieces(s, ranges) if replacement is None else ())
         last: tuple[int, Future[bytes | memoryview] | None] | None = None
         try:
@@ -574,10 +574,10 @@ class ServeSource:
                     else:
                         fut = None if ref.is_zero else self._ex.submit(self._fetch, s, i, ref)
                         last = (i, fut)
-                    pending.append((fut, ref.raw_len, lo, hi))
+                    pending.append((fut, lo, hi))
                 if not pending:
                     break
-                fut, n, lo, hi = pending.popleft()
+                fut, lo, hi = pending.popleft()
                 data = memoryview(self._zeros)[lo:hi] if fut is None else memoryview(fut.result())[lo:hi]
                 _write_all(fd, data)
                 self.bytes += len(data)
