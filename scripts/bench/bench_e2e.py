@@ -1,22 +1,29 @@
 #!/usr/bin/env python3
-"""The whole-system benchmark (issues 5 and 7): a CUDA process holding N GB, checkpointed and restored
+"""The whole-system benchmark (issues 5, 7, 17): a CUDA process holding N GB, checkpointed and restored
 
   1. baseline, NVIDIA's own path: driver lock+checkpoint, plain `criu dump` into a directory on disk
      (synced), process gone, caches dropped, `criu restore -d`, driver restore+unlock, memory verified;
-  2. gpusnap host-staged: `gpusnap criu dump` into a store on the same disk, process gone, caches
-     dropped, `gpusnap criu restore`, memory verified;
-  3. dedup: a second `gpusnap criu dump` of the restored process after it rewrote 5% of its GPU memory.
+     then the floor: the same images restored again from memory (page cache) with THP `always`;
+  2. gpusnap host-staged, for each images path asked (`stream`: CRIU's --stream served by gpusnap;
+     `staging`: CRIU files on /dev/shm): `gpusnap criu dump` into a store on the same disk, process
+     gone, caches dropped, `gpusnap criu restore`, verified by the process itself;
+  3. dedup: a second dump of the restored process after it changed 5% of its state, then a warm
+     restore of that snapshot (its chunks still in the page cache), verified again.
 
+Workloads: `serving` (scripts/workloads/serving_workload.py: a Llama-shaped bf16 model, paged KV pool, CUDA
+graph; checks its own logits and every tensor's checksum) or `synthetic` (scripts/gpu_workload.py).
 Same disk, same durability (sync inside the timed region for the baseline; gpusnap fsyncs its chunks),
-page cache dropped before both restores. Prints seconds per stage and the ratio to the baseline.
-Usage: bench_e2e.py [--gb 24] [--mix realistic] [--dir /var/tmp] [--json OUT]
+page cache dropped before both cold restores. Prints seconds per stage and the ratios to the baseline.
+Usage: bench_e2e.py [--gb 20] [--workload serving] [--paths stream,staging] [--dir /var/tmp] [--json OUT]
 """
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -25,14 +32,19 @@ import time
 from sandbox.criu.runner import Criu
 from sandbox.gpu.driver import CudaDriver
 from sandbox.gpu.checkpoint import checkpoint_all, restore_all
+from sandbox.gpu.hugepages import thp
 from scripts.helpers import REPO, drop_caches
 from scripts.workloads.workload_control import Workload
 
 
 
 
-def gpusnap(store: str, *args: str) -> dict:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
+SCRIPTS = {"serving": "serving_workload.py", "synthetic": "gpu_workload.py"}
+
+
+def gpusnap(store: str, *args: str, path: str = "stream") -> dict:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]),
+               GPUSNAP_CRIU_IMAGES=path)
     p = subprocess.run([sys.executable, "-m", "sandbox.cli", "--store", store, *args, "--json"],
                        capture_output=True, text=True, env=env)
     if p.returncode != 0:
@@ -51,10 +63,32 @@ def timed(stages: dict, name: str, fn, *a, **k):
     return out
 
 
-def baseline(criu: Criu, drv: CudaDriver, gb: float, mix: str, work: str) -> dict:
-    """NVIDIA's own path: driver lock+checkpoint, plain CRIU to disk (+sync), cold restore, driver restore."""
+def kill_restored(pid: int) -> None:
+    """Kill a restored process (not our child unless we are its subreaper) and wait until its pid is free."""
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + 30
+    while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
+        try:
+            os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            pass
+        time.sleep(0.05)
+
+
+def verify(w: Workload) -> dict:
+    r = w.cmd("verify")
+    return {k: v for k, v in r.items() if k != "cmd"}
+
+
+def baseline(criu: Criu, drv: CudaDriver, a: argparse.Namespace, work: str) -> dict:
+    """NVIDIA's own path: driver lock+checkpoint, plain CRIU to disk (+sync), cold restore, driver
+    restore; then the floor: the same images restored from the page cache with THP `always`."""
     base: dict = {}
-    with Workload(gb, mix=mix, seed=21, detached=True) as w:
+    with Workload(a.gb, mix=a.mix, seed=21, detached=True, script=SCRIPTS[a.workload]) as w:
+        base["workload"] = w.info
         images = os.path.join(work, "baseline")
         os.mkdir(images)
         timed(base, "driver_lock+checkpoint", checkpoint_all, drv, [w.pid])
@@ -68,60 +102,136 @@ def baseline(criu: Criu, drv: CudaDriver, gb: float, mix: str, work: str) -> dic
         drop_caches(required=True)
         timed(base, "criu_restore", criu.restore, images, detach=True)
         timed(base, "driver_restore+unlock", restore_all, drv, [w.pid])
-        base["verified"] = w.verify()
+        base["verify"] = verify(w)
+        base["verified"] = base["verify"]["ok"]
+        base["dump"] = base["driver_lock+checkpoint"] + base["criu_dump+sync"]
+        base["restore"] = base["criu_restore"] + base["driver_restore+unlock"]
+        base["total"] = base["dump"] + base["restore"]
+        # the floor of a restore: CRIU from memory (the image is in the page cache now) with huge pages
+        kill_restored(w.pid)
+        floor: dict = {}
+        with thp("always"):
+            timed(floor, "criu_restore", criu.restore, images, detach=True)
+            timed(floor, "driver_restore+unlock", restore_all, drv, [w.pid])
+        floor["verified"] = verify(w)["ok"]
+        floor["restore"] = floor["criu_restore"] + floor["driver_restore+unlock"]
+        base["floor_warm_thp"] = floor
         shutil.rmtree(images)
-    base["total"] = sum(v for v in base.values() if isinstance(v, float))
     return base
+
+
+def run_gpusnap(a: argparse.Namespace, work: str, path: str, dedup: bool) -> dict:
+    g: dict = {"images_path": path}
+    store = os.path.join(work, f"store-{path}")
+    with Workload(a.gb, mix=a.mix, seed=21, detached=True, script=SCRIPTS[a.workload]) as w:
+        d = timed(g, "dump", gpusnap, store, "criu", "dump", str(w.pid), "e2e", path=path)
+        g["dump_report_path"] = d.get("images_path")
+        g["dump_stages"] = d["seconds"]
+        g["ingest_stages"] = d.get("stages")
+        g["stored_bytes"] = d["new_bytes"]
+        g["image_bytes"] = d["raw_bytes"]
+        w.reap()
+        drop_caches(required=True)
+        r = timed(g, "restore", gpusnap, store, "criu", "restore", "e2e", path=path)
+        g["restore_report_path"] = r.get("images_path")
+        g["restore_stages"] = r["seconds"]
+        g["restore_served"] = r.get("stages", {}).get("served")
+        g["verify"] = verify(w)
+        g["verified"] = g["verify"]["ok"]
+        if dedup:
+            # the restored process changes 5% of its state, then a second dump (left running)
+            w.cmd("mutate 5")
+            d2 = gpusnap(store, "criu", "dump", "--leave-running", str(w.pid), "e2e-b", path=path)
+            g["dedup"] = {"second_new": d2["new_bytes"], "second_over_first": d2["new_bytes"] / max(1, g["stored_bytes"]),
+                          "second_dump_s": d2["seconds"]}
+            g["verified_after_dedup_dump"] = verify(w)["ok"]
+            # warm restore: the second snapshot, its chunks still in the page cache
+            kill_restored(w.pid)
+            r2 = timed(g, "warm_restore", gpusnap, store, "criu", "restore", "e2e-b", path=path)
+            g["warm_restore_stages"] = r2["seconds"]
+            g["verified_after_warm_restore"] = verify(w)["ok"]
+    g["total"] = g["dump"] + g["restore"]
+    g["fixed_dump"], g["fixed_restore"] = fixed_dump(g), fixed_restore(g)
+    g["store_bytes_on_disk"] = du(store)
+    shutil.rmtree(store, ignore_errors=True)
+    return g
+
+
+def fixed_dump(g: dict) -> float:
+    """Seconds of a gpusnap dump outside its stages: process start, imports, discovery, cleanup."""
+    return g["dump"] - g["dump_stages"].get("gpu_checkpoint", 0.0) - g["dump_stages"].get("dump+ingest", 0.0)
+
+
+def fixed_restore(g: dict) -> float:
+    s = g["restore_stages"]
+    return g["restore"] - sum(s.get(k, 0.0) for k in ("materialize", "criu_restore", "gpu_restore"))
+
+
+def table(result: dict) -> None:
+    b = result.get("baseline")
+    print(f"\n== {result['workload']} {result['gb']} GB, {result['date']} ==")
+    if b:
+        f = b["floor_warm_thp"]
+        print(f"baseline   dump {b['dump']:6.1f} s (driver {b['driver_lock+checkpoint']:.1f} + criu+sync {b['criu_dump+sync']:.1f})"
+              f"  restore {b['restore']:6.1f} s (criu {b['criu_restore']:.1f} + driver {b['driver_restore+unlock']:.1f})"
+              f"  cycle {b['total']:.1f} s  image {b['image_bytes'] / 1e9:.1f} GB  verified {b['verified']}")
+        print(f"floor      restore {f['restore']:6.1f} s (criu from memory, THP always {f['criu_restore']:.1f} + driver "
+              f"{f['driver_restore+unlock']:.1f})  verified {f['verified']}")
+    for path in result.get("paths", []):
+        g = result.get(f"gpusnap_{path}")
+        if not g:
+            continue
+        ds, rs = g["dump_stages"], g["restore_stages"]
+        print(f"gpusnap/{path:7s} dump {g['dump']:6.1f} s ({', '.join(f'{k} {v:.1f}' for k, v in ds.items())}; "
+              f"process start, imports, discovery, cleanup {fixed_dump(g):.1f})")
+        print(f"{'':15s} restore {g['restore']:6.1f} s ({', '.join(f'{k} {v:.1f}' for k, v in rs.items())}; "
+              f"the rest {fixed_restore(g):.1f})  "
+              f"verified {g['verified']}  stored {g['stored_bytes'] / 1e9:.2f} GB")
+        if "warm_restore" in g:
+            print(f"{'':15s} warm restore {g['warm_restore']:.1f} s  verified {g['verified_after_warm_restore']}; "
+                  f"dedup: second dump wrote {g['dedup']['second_new'] / 1e9:.2f} GB "
+                  f"({100 * g['dedup']['second_over_first']:.1f}% of the first) in {g['dedup']['second_dump_s']}")
+        if b:
+            print(f"{'':15s} ratios (gpusnap / baseline): dump {g['dump'] / b['dump']:.2f}  restore {g['restore'] / b['restore']:.2f}"
+                  f"  cycle speed-up {b['total'] / g['total']:.2f}x  bytes {g['stored_bytes'] / b['image_bytes']:.2f}"
+                  f"  restore / floor {g['restore'] / b['floor_warm_thp']['restore']:.2f}"
+                  + (f"  warm restore / floor {g['warm_restore'] / b['floor_warm_thp']['restore']:.2f}" if "warm_restore" in g else ""))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--gb", type=float, default=24)
+    ap.add_argument("--gb", type=float, default=20)
+    ap.add_argument("--workload", choices=sorted(SCRIPTS), default="serving")
     ap.add_argument("--mix", default="realistic")
+    ap.add_argument("--paths", default="stream,staging")
     ap.add_argument("--dir", default=os.environ.get("GPUSNAP_DISK_DIR", "/var/tmp"))
     ap.add_argument("--json", default=None)
     ap.add_argument("--skip-baseline", action="store_true")
+    ap.add_argument("--no-dedup", action="store_true", help="skip the second dump and the warm restore")
     a = ap.parse_args()
+    ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER: restored trees come back to us to reap
     criu = Criu()
     drv = CudaDriver()
     work = tempfile.mkdtemp(prefix="gpusnap-e2e-", dir=a.dir)
-    result: dict = {"date": time.strftime("%Y-%m-%d"), "gb": a.gb, "mix": a.mix, "criu": criu.version}
+    paths = [p for p in a.paths.split(",") if p]
+    result: dict = {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "gb": a.gb, "workload": a.workload,
+                    "criu": criu.version, "paths": paths}
     try:
         if not a.skip_baseline:
             try:
-                result["baseline"] = baseline(criu, drv, a.gb, a.mix, work)
-                print("baseline", json.dumps(result["baseline"]))
+                result["baseline"] = baseline(criu, drv, a, work)
+                print("baseline", json.dumps(result["baseline"]), flush=True)
             except Exception as e:  # noqa: BLE001 - report and still measure gpusnap
                 result["baseline_error"] = repr(e)
-                print("baseline failed:", repr(e))
-        g: dict = {}
-        store = os.path.join(work, "store")
-        with Workload(a.gb, mix=a.mix, seed=21, detached=True) as w:
-            d = timed(g, "gpusnap_criu_dump", gpusnap, store, "criu", "dump", str(w.pid), "e2e")
-            g["dump_stages"] = d["seconds"]
-            g["ingest_stages"] = d.get("stages")
-            g["stored_bytes"] = d["new_bytes"]
-            g["image_bytes"] = d["raw_bytes"]
-            w.reap()
-            drop_caches(required=True)
-            r = timed(g, "gpusnap_criu_restore", gpusnap, store, "criu", "restore", "e2e")
-            g["restore_stages"] = r["seconds"]
-            g["verified"] = w.verify()
-            # dedup: the restored process rewrites 5% of its GPU memory, then a second dump (left running)
-            w.cmd("mutate 5")
-            d2 = gpusnap(store, "criu", "dump", "--leave-running", str(w.pid), "e2e-b")
-            g["dedup"] = {"second_new": d2["new_bytes"], "second_over_first": d2["new_bytes"] / max(1, g["stored_bytes"]),
-                          "second_dump_s": d2["seconds"]}
-            g["verified_after_dedup_dumps"] = w.verify()
-        g["total"] = g["gpusnap_criu_dump"] + g["gpusnap_criu_restore"]
-        result["gpusnap"] = g
-        print("gpusnap", json.dumps(g))
-        if "baseline" in result:
-            b = result["baseline"]["total"]
-            print(f"\ncycle: baseline {b:.1f} s, gpusnap {g['total']:.1f} s -> {b / g['total']:.2f}x; "
-                  f"image {result['baseline']['image_bytes'] / 1e9:.1f} GB vs stored {g['stored_bytes'] / 1e9:.1f} GB; "
-                  f"dedup second dump wrote {g['dedup']['second_new'] / 1e9:.2f} GB "
-                  f"({100 * g['dedup']['second_over_first']:.1f}% of the first)")
+                print("baseline failed:", repr(e), flush=True)
+        for i, path in enumerate(paths):
+            try:
+                result[f"gpusnap_{path}"] = g = run_gpusnap(a, work, path, dedup=(i == 0 and not a.no_dedup))
+                print(f"gpusnap_{path}", json.dumps(g), flush=True)
+            except (Exception, SystemExit) as e:  # noqa: BLE001 - report and go on with the next path
+                result[f"gpusnap_{path}_error"] = repr(e)
+                print(f"gpusnap {path} failed:", repr(e), flush=True)
+        table(result)
     finally:
         shutil.rmtree(work, ignore_errors=True)
         if a.json:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batch on the lent GPU machine (the `device` tool): GPU tests, then the benchmarks named in $1
-# ("tests", "engine", "e2e", "bench" = scripts/bench/bench_h200.sh, "pinned", "ingest", "pool", or several, comma-separated). Results land in $OUT (or ./device-out).
+# ("tests", "engine", "e2e", "speed", "bench" = scripts/bench/bench_h200.sh, "pinned", "ingest", "pool", or several, comma-separated). Results land in $OUT (or ./device-out).
 # The GPU machine has no network: carry .whl/ (pip download of the gpu extras and zstandard, blake3,
 # click for cp312, see the device tool's README) and, for e2e, .carry/criu/ (CRIU built here by
 # scripts/setup/install-criu.sh, its non-libc .so files in lib/, and criu-wrapper setting LD_LIBRARY_PATH).
@@ -24,6 +24,17 @@ for what in ${1//,/ }; do
     ingest) timeout 300 python3 -m scripts.bench.bench_ingest --json "$out/ingest.json" ${INGEST_ARGS:-} 2>&1 | tee "$out/ingest.log" ;;
     pool)   for l in ${POOL_LANES:-16 24}; do timeout 200 python3 -m scripts.bench.bench_gpu_engine --mix realistic --tiers shm,pool --repeat 5 --lanes $l --json "$out/pool-lanes$l.json" 2>&1 | tee "$out/pool-lanes$l.log"; done ;;
     pinned) timeout 120 python3 -m scripts.device.probe_pinned_alloc 16 2>&1 | tee "$out/pinned-alloc.json" ;;
+    speed)  # issue 17: the serving workload smoke-tested at 1 GB, then baseline vs gpusnap (stream, staging) at $BENCH_GB
+            python3 -X importtime -m sandbox.cli --help 2> "$out/importtime.txt" > /dev/null
+            wl=serving
+            timeout 120 python3 -m scripts.workloads.serving_smoke 2>&1 | tee "$out/serving-smoke.log" | tail -3 || wl=synthetic
+            grep -q '"ok": true' "$out/serving-smoke.log" || wl=synthetic
+            timeout ${E2E_TIMEOUT:-540} python3 -m scripts.bench.bench_e2e --gb ${BENCH_GB:-20} --workload $wl --paths ${BENCH_PATHS:-stream,staging} \
+              --json "$out/e2e-speed-${BENCH_GB:-20}.json" 2>&1 | tee "$out/e2e-speed-${BENCH_GB:-20}.log"
+            if [ -n "${BENCH_GB2:-}" ]; then  # a second, larger size: baseline and the first path only
+              timeout ${E2E_TIMEOUT2:-300} python3 -m scripts.bench.bench_e2e --gb $BENCH_GB2 --workload $wl --paths ${BENCH_PATHS%%,*} --no-dedup \
+                --json "$out/e2e-speed-$BENCH_GB2.json" 2>&1 | tee "$out/e2e-speed-$BENCH_GB2.log"
+            fi ;;
     e2e)    timeout 560 python3 -m scripts.bench.bench_e2e --json "$out/e2e.json" ${BENCH_ARGS:-} 2>&1 | tee "$out/e2e.log" ;;
   esac
 done

@@ -16,10 +16,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 class Workload:
     def __init__(self, gb: float, mix: str = "realistic", seed: int = 1, timeout: float = 300,
-                 detached: bool = False) -> None:
-        """detached: own session, stdio on a log file (what CRIU needs to dump it without --shell-job)."""
+                 detached: bool = False, script: str = "gpu_workload.py") -> None:
+        """detached: own session, stdio on a log file (what CRIU needs to dump it without --shell-job).
+        script: gpu_workload.py (one block of known data) or serving_workload.py (a model server)."""
         self.dir = tempfile.mkdtemp(prefix="gpusnap-wl-")  # fresh per run: no stale waiter shares it
-        argv = [sys.executable, os.path.join(HERE, "gpu_workload.py"), "--gb", str(gb),
+        argv = [sys.executable, os.path.join(HERE, script), "--gb", str(gb),
                 "--mix", mix, "--seed", str(seed), "--dir", self.dir]
         if detached:
             self.log = open(os.path.join(self.dir, "log"), "w")

@@ -1,0 +1,273 @@
+"""Split restore: CRIU restores the small part of each process's memory, gpusnap fills the large runs.
+
+CRIU restores pages on one thread (~2 GB/s), and on the host-staged GPU path most of a process's
+image is the driver's host copy of GPU memory. A pagemap image lists each run of dumped pages
+(vaddr, page count, flags); its page image holds the present runs' bytes back to back. Here the
+runs (records contiguous in memory and in the image) of at least `min_bytes` are *moved*: the pagemap served to CRIU leaves them out (CRIU then
+maps their areas with no content) and the page image served to CRIU skips their bytes; CRIU
+restores the tree left stopped (--leave-stopped), and `fill` writes the moved runs straight into the
+stopped processes with process_vm_writev from many threads (chunks verified and decoded in
+parallel; all-zero chunks are skipped: the fresh mapping already reads as zero). Then the tree is
+continued. Nothing of the tree runs before every byte is back.
+
+Pagemap format (CRIU 4): two u32 magics, then records of a u32 length and a protobuf: first
+PagemapHead {1: pages_id}, then PagemapEntry {1: vaddr, 2: nr_pages, 3: in_parent, 4: flags}.
+Records the split does not move are passed to CRIU byte for byte.
+"""
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import re
+import struct
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from storage.errors import GpusnapError
+from storage.manifest import ChunkRef, Stream
+
+PAGE = 4096
+PE_PARENT, PE_LAZY, PE_PRESENT = 1, 2, 4
+_LEN = struct.Struct("<I")
+_MAGICS = 8
+PAGEMAP_NAME = re.compile(r"pagemap-(\d+)\.img")
+DEFAULT_MIN = 64 << 20
+
+
+class SplitError(GpusnapError):
+    """A pagemap that cannot be parsed, or a moved run that could not be written into its process."""
+
+
+@dataclass(frozen=True)
+class Entry:
+    vaddr: int
+    nr_pages: int
+    flags: int
+    record: bytes          # the record as stored (length prefix included), passed on unchanged
+    offset: int | None     # where its bytes start in the page image (None: not in this image)
+
+    @property
+    def nbytes(self) -> int:
+        return self.nr_pages * PAGE
+
+
+@dataclass(frozen=True)
+class Pagemap:
+    head: bytes            # the magics and the PagemapHead record
+    pages_id: int
+    entries: tuple[Entry, ...]
+
+
+def _varint(b: bytes, i: int) -> tuple[int, int]:
+    v, shift = 0, 0
+    while i < len(b) and shift < 70:
+        c = b[i]
+        v |= (c & 0x7F) << shift
+        i += 1
+        if not c & 0x80:
+            return v, i
+        shift += 7
+    raise SplitError("pagemap: malformed varint")
+
+
+def _fields(body: bytes) -> dict[int, int]:
+    out: dict[int, int] = {}
+    i = 0
+    while i < len(body):
+        key, i = _varint(body, i)
+        if key & 7 != 0:
+            raise SplitError(f"pagemap: unexpected wire type {key & 7}")
+        out[key >> 3], i = _varint(body, i)
+    return out
+
+
+def parse_pagemap(data: bytes) -> Pagemap:
+    if len(data) < _MAGICS + _LEN.size:
+        raise SplitError("pagemap: too short")
+    i = _MAGICS
+    (n,) = _LEN.unpack_from(data, i)
+    head_end = i + _LEN.size + n
+    if head_end > len(data):
+        raise SplitError("pagemap: truncated head")
+    pages_id = _fields(data[i + _LEN.size:head_end]).get(1, 0)
+    entries, i, off = [], head_end, 0
+    while i < len(data):
+        if i + _LEN.size > len(data):
+            raise SplitError("pagemap: truncated record")
+        (n,) = _LEN.unpack_from(data, i)
+        end = i + _LEN.size + n
+        if end > len(data):
+            raise SplitError("pagemap: truncated record")
+        f = _fields(data[i + _LEN.size:end])
+        flags = f.get(4, PE_PARENT if f.get(3) else PE_PRESENT)
+        nr = f.get(2, 0)
+        present = bool(flags & PE_PRESENT) and not flags & PE_PARENT
+        entries.append(Entry(f.get(1, 0), nr, flags, data[i:end], off if present else None))
+        if present:
+            off += nr * PAGE
+        i = end
+    return Pagemap(data[:head_end], pages_id, tuple(entries))
+
+
+@dataclass(frozen=True)
+class Run:
+    """Pages contiguous in memory and in the page image (CRIU writes at most a pipe's worth of
+    pages per pagemap record, ~1 MiB, so a large area is many records)."""
+    vaddr: int
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One process's split: the pagemap CRIU gets, the page-image ranges it gets, the runs moved."""
+    pid: int
+    pages_image: str
+    pagemap: bytes
+    kept: tuple[tuple[int, int], ...]      # (offset, length) in the page image, in order
+    moved: tuple[Run, ...]
+
+    @property
+    def moved_bytes(self) -> int:
+        return sum(r.nbytes for r in self.moved)
+
+
+def _runs(entries: tuple[Entry, ...]) -> list[list[Entry]]:
+    """The present entries grouped into runs contiguous in memory and in the page image."""
+    runs: list[list[Entry]] = []
+    for e in entries:
+        if e.offset is None:
+            continue
+        last = runs[-1][-1] if runs else None
+        if last is not None and last.offset is not None and e.vaddr == last.vaddr + last.nbytes \
+                and e.offset == last.offset + last.nbytes:
+            runs[-1].append(e)
+        else:
+            runs.append([e])
+    return runs
+
+
+def plan(name: str, data: bytes, min_bytes: int) -> Plan | None:
+    """The split of pagemap image NAME (DATA), or None when no run is large enough to move."""
+    m = PAGEMAP_NAME.fullmatch(name)
+    if m is None or min_bytes <= 0:
+        return None
+    pm = parse_pagemap(data)
+    big = [r for r in _runs(pm.entries) if sum(e.nbytes for e in r) >= min_bytes]
+    if not big:
+        return None
+    moved = tuple(Run(r[0].vaddr, r[0].offset or 0, sum(e.nbytes for e in r)) for r in big)
+    gone = {id(e) for r in big for e in r}
+    keep = [e for e in pm.entries if id(e) not in gone]
+    kept: list[tuple[int, int]] = []
+    for e in keep:
+        if e.offset is None:
+            continue
+        if kept and kept[-1][0] + kept[-1][1] == e.offset:
+            kept[-1] = (kept[-1][0], kept[-1][1] + e.nbytes)
+        else:
+            kept.append((e.offset, e.nbytes))
+    return Plan(int(m.group(1)), f"pages-{pm.pages_id}.img", pm.head + b"".join(e.record for e in keep),
+                tuple(kept), moved)
+
+
+def pieces(stream: Stream, ranges: tuple[tuple[int, int], ...] | None) -> list[tuple[int, ChunkRef, int, int]]:
+    """(chunk index, chunk, start, end within the chunk) covering RANGES of STREAM in order (None: all)."""
+    starts, off = [], 0
+    for c in stream.chunks:
+        starts.append(off)
+        off += c.raw_len
+    if ranges is None:
+        return [(i, c, 0, c.raw_len) for i, c in enumerate(stream.chunks)]
+    out: list[tuple[int, ChunkRef, int, int]] = []
+    import bisect
+    for lo, ln in ranges:
+        hi = lo + ln
+        if hi > off:
+            raise SplitError(f"{stream.name}: the pagemap names bytes past the image's end ({hi} > {off})")
+        i = max(0, bisect.bisect_right(starts, lo) - 1)
+        while lo < hi:
+            c, s = stream.chunks[i], starts[i]
+            e = min(hi, s + c.raw_len)
+            out.append((i, c, lo - s, e - s))
+            lo = e
+            i += 1
+    return out
+
+
+class _Iovec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.process_vm_writev.restype = ctypes.c_ssize_t
+_libc.process_vm_writev.argtypes = [ctypes.c_int, ctypes.POINTER(_Iovec), ctypes.c_ulong,
+                                    ctypes.POINTER(_Iovec), ctypes.c_ulong, ctypes.c_ulong]
+
+
+def write_into(pid: int, addr: int, data: bytes | memoryview) -> None:
+    """DATA into process PID's memory at ADDR: process_vm_writev (the GIL is released); where the
+    area is not writable (a read-only mapping: the call stops with EFAULT), through /proc/PID/mem,
+    which writes as a debugger does."""
+    from storage.directio import address_of
+    base, n, done = address_of(data), len(data), 0
+    while done < n:
+        local, remote = _Iovec(base + done, n - done), _Iovec(addr + done, n - done)
+        r = _libc.process_vm_writev(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
+        if r <= 0:
+            e = ctypes.get_errno()
+            if e == errno.EFAULT:
+                _write_mem(pid, addr + done, memoryview(data)[done:])
+                return
+            raise SplitError(f"writing {n - done} bytes into pid {pid} at {addr + done:#x}: {os.strerror(e) if e else 'no progress'}")
+        done += r
+
+
+def _write_mem(pid: int, addr: int, data: memoryview) -> None:
+    try:
+        fd = os.open(f"/proc/{pid}/mem", os.O_WRONLY | os.O_CLOEXEC)
+    except OSError as e:
+        raise SplitError(f"opening the memory of pid {pid}: {e.strerror}") from None
+    try:
+        done = 0
+        while done < len(data):
+            done += os.pwrite(fd, data[done:], addr + done)
+    except OSError as e:
+        raise SplitError(f"writing into pid {pid} at {addr + done:#x}: {e.strerror}") from None
+    finally:
+        os.close(fd)
+
+
+def fill(plans: list[Plan], streams: dict[str, Stream], fetch: Callable[[Stream, int, ChunkRef], Any],
+         workers: int) -> dict[str, int]:
+    """Every moved run of PLANS written into its process; FETCH(stream, index, chunk) gives a chunk's
+    verified, decoded bytes. Chunks that are all zero are skipped. Returns bytes written/skipped."""
+    jobs: dict[tuple[str, int], list[tuple[int, int, int, int]]] = {}  # (image, chunk) -> (pid, addr, lo, hi)
+    for p in plans:
+        s = streams[p.pages_image]
+        for run in p.moved:
+            addr = run.vaddr
+            for i, _c, lo, hi in pieces(s, ((run.offset, run.nbytes),)):
+                jobs.setdefault((p.pages_image, i), []).append((p.pid, addr, lo, hi))
+                addr += hi - lo
+    stats = {"written": 0, "zero_skipped": 0}
+
+    def one(key: tuple[str, int]) -> tuple[int, int]:
+        s = streams[key[0]]
+        ref = s.chunks[key[1]]
+        targets = jobs[key]
+        n = sum(hi - lo for _, _, lo, hi in targets)
+        if ref.is_zero:
+            return 0, n
+        data = memoryview(fetch(s, key[1], ref))
+        for pid, addr, lo, hi in targets:
+            write_into(pid, addr, data[lo:hi])
+        return n, 0
+
+    with ThreadPoolExecutor(workers, thread_name_prefix="gpusnap-fill") as ex:
+        for w, z in ex.map(one, list(jobs)):
+            stats["written"] += w
+            stats["zero_skipped"] += z
+    return stats

@@ -1,0 +1,271 @@
+"""CRIU's images streamed through gpusnap's image streamer (`criu --stream`), against the real CRIU 4.x:
+dump and restore of a process tree, the split restore, either path restoring what the other dumped,
+and kill -9 of either side mid-stream leaving the workload running or restorable."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import GPUSNAP, REPO, Cli, chunk_files, pythonpath
+from test_criu import Tree, _state, healthy
+
+pytestmark = pytest.mark.root
+
+STREAM = {"GPUSNAP_CRIU_IMAGES": "stream"}
+STAGING = {"GPUSNAP_CRIU_IMAGES": "staging"}
+SPLIT = {**STREAM, "GPUSNAP_CRIU_SPLIT_MIN": str(8 << 20)}  # the 24-48 MiB areas move, the rest stays with CRIU
+NO_SPLIT = {**STREAM, "GPUSNAP_CRIU_SPLIT_MIN": "0"}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def need_criu() -> None:
+    if os.geteuid() != 0:
+        pytest.skip("CRIU needs root")
+    from sandbox.criu.runner import find_criu
+    if not find_criu():
+        pytest.fail("CRIU >= 4 not installed: run scripts/setup.sh (CI must not skip these)")
+
+
+def cli_json(cli: Cli, env: dict[str, str], *args: str) -> dict:
+    return json.loads(cli.run(*args, "--json", env=env).stdout)
+
+
+def test_protocol_rejects_names_that_are_paths() -> None:
+    from sandbox.criu.streamer import StreamerError, encode_request, parse_request
+    assert parse_request(encode_request("pages-1.img")[4:]) == "pages-1.img"
+    for bad in ("../inventory.img", "a/b.img", "", "streamer-serve.sock", ".hidden"):
+        with pytest.raises(StreamerError):
+            parse_request(encode_request(bad)[4:])
+    with pytest.raises(StreamerError):
+        parse_request(b"\x0a\x20abc")  # a length past the message's end
+
+
+def test_pagemap_split_plan_keeps_small_runs_and_offsets() -> None:
+    import struct
+
+    from sandbox.criu import split
+
+    def rec(body: bytes) -> bytes:
+        return struct.pack("<I", len(body)) + body
+
+    def entry(vaddr: int, nr: int, flags: int = split.PE_PRESENT) -> bytes:
+        def v(x: int) -> bytes:
+            out = bytearray()
+            while True:
+                b, x = x & 0x7F, x >> 7
+                out.append(b | (0x80 if x else 0))
+                if not x:
+                    return bytes(out)
+        return rec(b"\x08" + v(vaddr) + b"\x10" + v(nr) + b"\x20" + v(flags))
+
+    # a 2 MiB area written as two 1 MiB records (CRIU's pipe-sized records) is one run
+    data = b"\x19\x43\x56\x54\x25\x40\x08\x56" + rec(b"\x08\x07") + entry(0x1000, 2) + entry(0x100000, 256) \
+        + entry(0x200000, 256) + entry(0x400000, 1, split.PE_PARENT) + entry(0x800000, 3)
+    pl = split.plan("pagemap-42.img", data, 2 << 20)
+    assert pl is not None and pl.pid == 42 and pl.pages_image == "pages-7.img"
+    assert pl.moved == (split.Run(0x100000, 2 * 4096, 512 * 4096),) and pl.moved_bytes == 512 * 4096
+    assert pl.kept == ((0, 2 * 4096), (514 * 4096, 3 * 4096))  # the parent run has no bytes here
+    again = split.parse_pagemap(pl.pagemap)
+    assert [e.vaddr for e in again.entries] == [0x1000, 0x400000, 0x800000]
+    assert split.plan("pagemap-42.img", data, 3 << 20) is None
+    assert split.plan("pagemap-shmem-3.img", data, 1 << 20) is None
+
+
+@pytest.mark.parametrize("restore_env", [SPLIT, NO_SPLIT], ids=["split", "criu-restores-all"])
+def test_stream_dump_and_restore_of_a_tree(cli: Cli, store_dir: Path, restore_env: dict[str, str]) -> None:
+    tree = Tree(mb=48)
+    try:
+        assert healthy(tree.report())
+        d = cli_json(cli, STREAM, "criu", "dump", str(tree.pid), "s1")
+        assert d["images_path"] == "stream" and d["raw_bytes"] >= 48 << 20
+        assert d["seconds"]["ingest_after_dump"] < d["seconds"]["criu_dump"]
+        tree.reap()
+        assert not tree.alive(), "the tree is killed once the snapshot is committed"
+        assert not list((store_dir / "tmp").iterdir())
+        assert cli.json("store", "verify", "s1")["ok"]
+        r = cli_json(cli, restore_env, "criu", "restore", "s1")
+        assert r["images_path"] == "stream" and r["restored_pid"] == tree.pid
+        served = r["stages"]["served"]
+        if restore_env is SPLIT:
+            assert served["moved_bytes"] >= 48 << 20 and served["split"]["written"] >= 48 << 20, served
+            assert "split_fill" in r["seconds"]
+        else:
+            assert served["moved_bytes"] == 0 and "split" not in served
+        after = tree.report()
+        assert healthy(after), after
+        assert _state(tree.pid) in ("S", "R"), "the tree runs (not left stopped) after the restore"
+    finally:
+        tree.kill()
+
+
+@pytest.mark.parametrize("dump_env,restore_env", [(STREAM, STAGING), (STAGING, SPLIT)],
+                         ids=["stream-then-staging", "staging-then-stream"])
+def test_either_path_restores_what_the_other_dumped(cli: Cli, dump_env: dict, restore_env: dict) -> None:
+    tree = Tree(mb=24)
+    try:
+        d = cli_json(cli, dump_env, "criu", "dump", str(tree.pid), "x")
+        assert d["images_path"] == dump_env["GPUSNAP_CRIU_IMAGES"]
+        tree.reap()
+        r = cli_json(cli, restore_env, "criu", "restore", "x")
+        assert r["images_path"] == restore_env["GPUSNAP_CRIU_IMAGES"]
+        assert healthy(tree.report())
+    finally:
+        tree.kill()
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for p in os.listdir("/proc"):
+        if p.isdigit():
+            try:
+                with open(f"/proc/{p}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        out.append(int(p))
+            except OSError:
+                pass
+    return out
+
+
+def _start(cli: Cli, env: dict[str, str], *args: str) -> subprocess.Popen:
+    e = {**os.environ, "PYTHONPATH": pythonpath(), **env}
+    return subprocess.Popen([*GPUSNAP, "--store", str(cli.store), *args], cwd=REPO, env=e,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _criu_of(proc: subprocess.Popen, timeout: float = 30) -> int:
+    """The `criu dump|restore` that PROC runs (not its `criu --version` probe)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for c in _children(proc.pid):
+            try:
+                argv = Path(f"/proc/{c}/cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if Path(argv[0].decode()).name == "criu" and argv[1:2] in ([b"dump"], [b"restore"]):
+                return c
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.01)
+    raise AssertionError("CRIU did not start")
+
+
+def _wait_gone(pid: int, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while os.path.exists(f"/proc/{pid}") and _state(pid) != "Z" and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def _mid_dump(cli: Cli, store_dir: Path, proc: subprocess.Popen) -> int:
+    """Wait until the page data is flowing (chunks landing in the store); CRIU's pid."""
+    criu = _criu_of(proc)
+    deadline = time.monotonic() + 60
+    while not chunk_files(store_dir) and time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.005)
+    return criu
+
+
+@pytest.mark.parametrize("victim", ["gpusnap", "criu"])
+def test_kill_9_mid_dump_leaves_the_tree_running(cli: Cli, store_dir: Path, victim: str) -> None:
+    tree = Tree(mb=384, detached=True)
+    try:
+        proc = _start(cli, STREAM, "criu", "dump", str(tree.pid), "k")
+        criu = _mid_dump(cli, store_dir, proc)
+        os.kill(proc.pid if victim == "gpusnap" else criu, signal.SIGKILL)
+        proc.communicate(timeout=60)
+        assert proc.returncode != 0
+        _wait_gone(criu)
+        assert tree.alive() and _state(tree.pid) in ("S", "R"), _state(tree.pid)
+        assert healthy(tree.report()), "the tree runs on, intact"
+        assert cli.json("store", "ls") == [], "nothing half-written was committed"
+        # and it is still restorable: a new dump and restore through the stream
+        cli_json(cli, STREAM, "criu", "dump", str(tree.pid), "k2")
+        _wait_gone(tree.pid)
+        cli_json(cli, SPLIT, "criu", "restore", "k2")
+        assert healthy(tree.report())
+    finally:
+        tree.kill()
+
+
+def _rchar(pid: int) -> int:
+    try:
+        io = dict(line.split(": ") for line in Path(f"/proc/{pid}/io").read_text().splitlines())
+    except OSError:
+        return 0
+    return int(io["rchar"])
+
+
+def _wait_read(pid: int, nbytes: int, timeout: float = 60) -> None:
+    """Until CRIU (PID) and the tasks it forks have read NBYTES (rchar: pipe reads count; each task
+    reads its own pages)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not os.path.exists(f"/proc/{pid}"):
+            raise AssertionError("CRIU finished before it could be interrupted")
+        if _rchar(pid) + sum(_rchar(c) for c in _children(pid)) >= nbytes:
+            return
+        time.sleep(0.002)
+    raise AssertionError("CRIU did not read its images")
+
+
+@pytest.mark.parametrize("victim", ["gpusnap", "criu"])
+def test_kill_9_mid_restore_leaves_the_snapshot_restorable(cli: Cli, store_dir: Path, victim: str) -> None:
+    tree = Tree(mb=384, detached=True)
+    try:
+        cli_json(cli, STREAM, "criu", "dump", str(tree.pid), "r")
+        _wait_gone(tree.pid)
+        proc = _start(cli, NO_SPLIT, "criu", "restore", "r")
+        criu = _criu_of(proc)
+        _wait_read(criu, 64 << 20)  # mid-stream: CRIU has read 64 of the ~400 MiB
+        os.kill(proc.pid if victim == "gpusnap" else criu, signal.SIGKILL)
+        proc.communicate(timeout=60)
+        _wait_gone(criu)
+        assert proc.returncode != 0, "the restore must fail"
+        for p in (tree.pid, tree.child):  # no half-restored task is left holding the snapshot's pids
+            _wait_gone(p, timeout=10)
+            assert not os.path.exists(f"/proc/{p}") or _state(p) == "Z", (p, _state(p))
+        assert cli.json("store", "verify", "r")["ok"]
+        r = cli_json(cli, SPLIT, "criu", "restore", "r")
+        assert r["restored_pid"] == tree.pid
+        assert healthy(tree.report())
+    finally:
+        tree.kill()
+
+
+def test_split_restore_fills_a_read_only_area(cli: Cli) -> None:
+    """A large run in a read-only mapping (process_vm_writev refuses it) is written through
+    /proc/PID/mem instead; the process finds its bytes intact."""
+    import json as _json
+    import tempfile
+    d = Path(tempfile.mkdtemp(prefix="gpusnap-rodata-"))
+    p = subprocess.Popen([sys.executable,
+                          str(REPO / "tests" / "criu_rodata.py"), str(d)], stdin=subprocess.DEVNULL,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, cwd="/")
+    try:
+        deadline = time.monotonic() + 30
+        while not (d / "ready").exists():
+            assert p.poll() is None and time.monotonic() < deadline
+            time.sleep(0.02)
+        pid = _json.loads((d / "ready").read_text())["pid"]
+        cli_json(cli, STREAM, "criu", "dump", str(pid), "ro")
+        p.wait(timeout=30)
+        r = cli_json(cli, SPLIT, "criu", "restore", "ro")
+        assert r["stages"]["served"]["moved_bytes"] >= 24 << 20
+        (d / "cmd").write_text("report")
+        deadline = time.monotonic() + 20
+        while not (d / "report.json").exists():
+            assert time.monotonic() < deadline, "the restored process did not answer"
+            time.sleep(0.02)
+        assert _json.loads((d / "report.json").read_text()) == {"ok": True, "pid": pid}
+    finally:
+        for q in (p.pid,):
+            try:
+                os.kill(q, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        p.wait()
