@@ -98,8 +98,7 @@ def _render_container_hook(h: dict[str, Any]) -> list[str]:
     if "error" in h:
         return [f"container hook       unknown ({h['error']})"]
     lines = [f"container hook       {'installed: ' + h['hook'] if h['installed'] else 'not installed (gpusnap hook install)'}",
-             f"criu binary          gpusnap runs {h['criu_for_gpusnap'] or 'none found'}; "
-             f"runc/Podman run {h['criu_for_runtimes']}"]
+             f"criu for runtimes    runc/Podman run {h['criu_for_runtimes']}"]
     return lines + [f"  problem: {p}" for p in h["problems"]]
 
 

@@ -459,11 +459,10 @@ def test_criu_dump_hup_and_int_run_the_same_undo(sig: int, tmp_path: Path) -> No
 @pytest.mark.gpu
 @pytest.mark.parametrize("stage", ["before-dump", "ingest"])
 def test_real_gpu_dump_killed_then_recovered(stage: str, tmp_path: Path) -> None:
-    """On a GPU machine: a real CUDA process (scripts/gpu_workload.py) is locked and checkpointed by the
+    """On a GPU machine: a real CUDA process (scripts/workloads/gpu_workload.py) is locked and checkpointed by the
     driver, gpusnap is killed -9 (before CRIU, or with CRIU done and the process stopped); `gpusnap
     recover` resumes it and restores and unlocks its GPU memory, verified by the process itself."""
-    sys.path.insert(0, str(REPO / "scripts"))
-    from workload_control import Workload
+    from scripts.workloads.workload_control import Workload
     store = tmp_path / "store"
     cli = Cli(store)
     with Workload(float(os.environ.get("GPUSNAP_TEST_GB", "1")), seed=5, detached=True) as w:
