@@ -36,7 +36,8 @@ def remote() -> None:
 @click.argument("name")
 @click.argument("url", metavar="s3://BUCKET/PREFIX")
 @click.option("--endpoint", required=True, metavar="URL", help="The S3 endpoint, e.g. http://127.0.0.1:18480.")
-@click.option("--region", default="us-east-1", show_default=True)
+@click.option("--region", default="us-east-1", show_default=True,
+              help="The S3 region the requests are signed for (Swift and MinIO take us-east-1).")
 @click.option("--credentials-file", default=None, metavar="PATH",
               help="A 0600 file with `access_key_id = ...` and `secret_access_key = ...` lines "
                    "(used when the environment has no GPUSNAP_S3_ACCESS_KEY_ID).")
