@@ -18,6 +18,8 @@ Guarantees kept here (FORMAT.md has the full contract):
 from __future__ import annotations
 
 import errno
+import math
+import random
 import fcntl
 import json
 import os
@@ -159,6 +161,8 @@ class VerifyReport:
     strays: list[Stray] = field(default_factory=list)
     quarantined: list[str] = field(default_factory=list)   # chunk ids moved aside by this run
     not_quarantined: str | None = None                      # why damaged chunks stayed where they are
+    chunks_total: int = 0       # distinct chunks the verified snapshots name
+    chunks_unchecked: int = 0   # left out by a sample or by the time limit (not known to be sound)
 
     @property
     def ok(self) -> bool:
@@ -615,8 +619,10 @@ class SnapshotStore:
         return manifests
 
     def check_chunks(self, refs: dict[str, ChunkRef], size: int, workers: int, progress: Any,
-                     counts: VerifyReport | None = None) -> dict[str, str]:
-        """Read and verify every chunk of REFS; returns id -> what is wrong, for the damaged ones."""
+                     counts: VerifyReport | None = None, deadline: float | None = None) -> dict[str, str]:
+        """Read and verify every chunk of REFS (until DEADLINE, a time.monotonic() value, where one is
+        given: the chunks not reached are counted in COUNTS.chunks_unchecked); returns id -> what is
+        wrong, for the damaged ones."""
         if progress is not None:
             progress.start(sum(c.stored_len for c in refs.values()))
         bad: dict[str, str] = {}
@@ -624,6 +630,11 @@ class SnapshotStore:
         with BufferPool(workers, size) as pool:
             def check(ref: ChunkRef) -> None:
                 assert ref.id is not None
+                if deadline is not None and time.monotonic() >= deadline:
+                    if counts is not None:
+                        with lock:
+                            counts.chunks_unchecked += 1
+                    return
                 with pool.borrowed() as buf:
                     try:
                         self.read_chunk(ref, buf)
@@ -644,8 +655,14 @@ class SnapshotStore:
         return bad
 
     def verify(self, names: list[str] | None = None, workers: int = 4, progress: Any = None,
-               quarantine: bool = True, quarantine_wait: float = 5.0) -> VerifyReport:
+               quarantine: bool = True, quarantine_wait: float = 5.0, sample: float | None = None,
+               max_seconds: float | None = None) -> VerifyReport:
         """Check every chunk of NAMES (default: every snapshot, and the strays of snapshots/ too).
+
+        SAMPLE (0 < SAMPLE <= 1): read only that fraction of the distinct chunks, chosen at random
+        anew each run (as restic's --read-data-subset), so that repeated runs cover the store;
+        MAX_SECONDS: stop reading chunks after that long (as borg's --max-duration). Manifests are
+        always all checked; what was not read is counted in chunks_unchecked.
 
         With QUARANTINE, damaged chunk files are then moved to quarantine/ (under the store lock held
         exclusively, waiting at most QUARANTINE_WAIT seconds), so that the next put of the same
@@ -657,7 +674,13 @@ class SnapshotStore:
             report.snapshots = list(names)
             manifests = self.load_all(names, report.problems)
             refs = chunk_refs(manifests)
-            bad = self.check_chunks(refs, self.chunk_buffer_size(manifests), workers, progress, report)
+            report.chunks_total = len(refs)
+            if sample is not None and sample < 1:
+                picked = random.SystemRandom().sample(sorted(refs), math.ceil(sample * len(refs)))
+                report.chunks_unchecked = len(refs) - len(picked)
+                refs = {cid: refs[cid] for cid in picked}
+            deadline = None if max_seconds is None else time.monotonic() + max_seconds
+            bad = self.check_chunks(refs, self.chunk_buffer_size(manifests), workers, progress, report, deadline)
             for cid in list(bad):
                 if bad[cid] == "missing":
                     bad[cid] = self.absence(cid)

@@ -218,3 +218,60 @@ def test_diff_of_two_criu_snapshots_names_changed_page_images(cli: Cli) -> None:
     assert 0 < d["changed_bytes"] < total
     same = cli.json("store", "diff", "c1", "c1")
     assert same["changes"] == [] and same["changed_bytes"] == 0
+
+
+def test_sampled_verify_reads_a_fresh_subset_and_finds_a_flipped_chunk(cli: Cli, store_dir: Path,
+                                                                        tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(40):   # 40 distinct, incompressible chunks
+        (src / f"f{i}").write_bytes(os.urandom(70_000))
+    cli.run("store", "put", "s", str(src))
+    total = len(chunk_files(store_dir))
+    assert total == 40
+    rep = cli.json("store", "verify", "--read-data-subset", "25%")
+    assert rep["chunks_checked"] == 10 and rep["chunks_unchecked"] == 30 and rep["chunks_total"] == 40
+    victim = sorted(chunk_files(store_dir))[17]
+    b = bytearray(victim.read_bytes())
+    b[4096] ^= 1
+    victim.write_bytes(bytes(b))
+    # each run reads a new random quarter: the flipped chunk is found within a bounded number of runs
+    # (missed 30 times in a row with probability 0.75^30 < 0.0002)
+    for run in range(30):
+        p = cli.run("store", "verify", "--read-data-subset", "25%", "--json", check=False)
+        if p.returncode == 3:
+            break
+        assert p.returncode == 0, p.stderr
+    else:
+        raise AssertionError("sampled verify never found the flipped chunk in 30 runs")
+    import json
+    assert any(victim.name[:16] in pr for pr in json.loads(p.stdout)["problems"])
+    # a time limit of zero reads nothing and says so; a bad percentage is a usage error
+    rep0 = cli.run("store", "verify", "--max-duration", "0", "--json", check=False)
+    assert json.loads(rep0.stdout)["chunks_checked"] == 0
+    assert cli.run("store", "verify", "--read-data-subset", "0%", check=False).returncode == 2
+
+
+def test_commands_that_change_the_store_wait_for_recover(cli: Cli, store_dir: Path, tmp_path: Path) -> None:
+    """An operation whose gpusnap died (a journal record with a dead owner): put, rm and gc refuse with
+    exit 5 until `gpusnap recover` has handled it; read commands still work."""
+    cli.run("store", "init")
+    d = tmp_path / "d"
+    d.mkdir()
+    (d / "x").write_bytes(b"x")
+    cli.run("store", "put", "before", str(d))
+    prog = ("import os, sys, time\nfrom sandbox import journal\n"
+            "with journal.operation(sys.argv[1], journal.OpKind.CRIU_RESTORE, 'before') as op:\n"
+            "    print('recorded', flush=True)\n    time.sleep(600)\n")
+    p = subprocess.Popen([sys.executable, "-c", prog, str(store_dir)], stdout=subprocess.PIPE, text=True,
+                         env={**os.environ, "PYTHONPATH": pythonpath()})
+    assert p.stdout is not None and p.stdout.readline().strip() == "recorded"
+    p.kill()
+    p.wait()
+    for args in (("store", "put", "after", str(d)), ("store", "rm", "before"), ("store", "gc")):
+        r = cli.run(*args, check=False)
+        assert r.returncode == 5 and "gpusnap recover" in r.stderr, (args, r.stderr)
+    assert [r["name"] for r in cli.json("store", "ls")] == ["before"]
+    cli.run("recover")
+    cli.run("store", "put", "after", str(d))
+    cli.run("store", "rm", "before")

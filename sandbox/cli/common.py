@@ -55,6 +55,9 @@ def emit(ctx_json: bool, data: Any, text: str) -> None:
 
 
 json_option = click.option("--json", "as_json", is_flag=True, help="Print a JSON report instead of text.")
+
+tag_option = click.option("--tag", "tags", multiple=True, metavar="TAG",
+                          help="Tag the snapshot (repeatable; `store ls --tag`, `store forget --tag` select by it).")
 from_remote_option = click.option(
     "--from", "from_remote", default=None, metavar="REMOTE",
     help="Pull the snapshot from REMOTE first when this store lacks it (each chunk verified on arrival).")

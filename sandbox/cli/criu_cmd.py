@@ -7,7 +7,8 @@ from storage.progress import Progress
 
 from storage.remote import ensure_local
 
-from sandbox.cli.common import emit, from_remote_option, human, json_option, one_line_errors, open_store
+from sandbox.cli.common import (emit, from_remote_option, human, json_option, one_line_errors, open_store,
+                                tag_option)
 from sandbox.criu.runner import DumpOptions
 from sandbox.criu.snapshot import criu_dump, criu_restore
 from sandbox.containers.process_check import refuse_container_process
@@ -32,12 +33,13 @@ def criu() -> None:
 @click.option("--staging", default=None, metavar="DIR", help="Where CRIU writes images before ingest "
               "(default /dev/shm when they fit, else the store's tmp/).")
 @click.option("--replace", is_flag=True, help="Replace an existing snapshot of the same name.")
+@tag_option
 @json_option
 @click.pass_context
 @one_line_errors
 def criu_dump_cmd(ctx: click.Context, pid: int, name: str, leave_running: bool, shell_job: bool,
                   ext_unix_sk: bool, file_locks: bool, link_remap: bool, tcp_established: bool,
-                  staging: str | None, replace: bool, as_json: bool) -> None:
+                  staging: str | None, replace: bool, tags: tuple[str, ...], as_json: bool) -> None:
     """Dump PID and its descendants into snapshot NAME. On any failure the tree keeps running."""
     refuse_container_process(pid)
     st = open_store(ctx)
@@ -45,7 +47,7 @@ def criu_dump_cmd(ctx: click.Context, pid: int, name: str, leave_running: bool, 
                        link_remap=link_remap, tcp_established=tcp_established)
     with undo_on_signals(), Progress(f"criu dump {pid}", ctx.obj["progress"]) as prog:
         r = criu_dump(st, pid, name, leave_running=leave_running, options=opts, replace=replace,
-                      staging=staging, progress=prog)
+                      staging=staging, progress=prog, tags=tags)
     emit(as_json, r.as_dict(), f"{name}: {len(r.pids)} process(es), {len(r.cuda_pids)} with CUDA; "
          f"{human(r.raw_bytes)} of images, {human(r.new_bytes)} written, {human(r.dedup_bytes)} deduplicated "
          f"({', '.join(f'{k} {v:.2f} s' for k, v in r.seconds.items())})")

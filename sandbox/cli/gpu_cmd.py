@@ -9,7 +9,8 @@ from storage.progress import Progress
 
 from storage.remote import ensure_local
 
-from sandbox.cli.common import emit, from_remote_option, json_option, one_line_errors, open_store
+from sandbox import journal
+from sandbox.cli.common import emit, from_remote_option, json_option, one_line_errors, open_store, tag_option
 from sandbox.doctor import render, report
 from sandbox.gpu.snapshot import gpu_checkpoint, gpu_restore
 from sandbox.gpu.pool_daemon import request
@@ -56,12 +57,14 @@ def gpu() -> None:
               help="Transparent huge pages during the driver's host copy ('always' is measured faster; "
                    "the previous setting is put back; 'keep' leaves the setting alone).")
 @click.option("--replace", is_flag=True, help="Replace an existing snapshot of the same name.")
+@tag_option
 @tier_options
 @json_option
 @click.pass_context
 @one_line_errors
 def gpu_checkpoint_cmd(ctx: click.Context, pid: int, name: str, lock_timeout: float,
-                       thp: str, replace: bool, tier: str, pool_socket: str | None, as_json: bool) -> None:
+                       thp: str, replace: bool, tags: tuple[str, ...], tier: str, pool_socket: str | None,
+                       as_json: bool) -> None:
     """Swap out the GPU state of PID and its CUDA children into snapshot NAME.
 
     With a driver that has custom storage (CUDA 13.4+), the GPU memory streams into the store,
@@ -75,8 +78,9 @@ def gpu_checkpoint_cmd(ctx: click.Context, pid: int, name: str, lock_timeout: fl
              f"({r['seconds']['total']:.2f} s); `gpusnap gpu restore {name} {pid} --tier memory` brings them back")
         return
     st = open_store(ctx)
+    journal.require_clean(st.path)
     with Progress(f"gpu checkpoint {pid}", ctx.obj["progress"]) as prog:
-        rep = gpu_checkpoint(st, pid, name, lock_timeout_s=lock_timeout, replace=replace,
+        rep = gpu_checkpoint(st, pid, name, lock_timeout_s=lock_timeout, replace=replace, tags=tags,
                              thp_mode=None if thp == "keep" else thp, progress=prog)
     d = rep.as_dict()
     emit(as_json, d, f"{name}: {len(rep.pids)} CUDA process(es) {rep.pids} checkpointed via {rep.path} "
@@ -107,6 +111,7 @@ def gpu_restore_cmd(ctx: click.Context, name: str, pid: int, device_map: tuple[s
         emit(as_json, r, f"{name}: {len(r['pids'])} process(es) swapped in from the memory tier and running")
         return
     st = open_store(ctx, create=False)
+    journal.require_clean(st.path)
     with Progress(f"gpu restore {name}", ctx.obj["progress"]) as prog:
         if from_remote:
             ensure_local(st, name, from_remote, progress=prog)

@@ -15,7 +15,7 @@ from sandbox.interrupts import undo_on_signals
 from sandbox.runsc import snapshot as rs
 from sandbox.runsc.records import check_id
 from sandbox.runsc.snapshot import check_bundle
-from sandbox.cli.common import emit, human, json_option, one_line_errors, open_store
+from sandbox.cli.common import emit, human, json_option, one_line_errors, open_store, tag_option
 
 
 def runsc_arg_option(what: str) -> Any:
@@ -94,15 +94,17 @@ def runsc_run(ctx: click.Context, container: str, bundle: str, net_subnet: str |
 @click.option("--replace", is_flag=True, help="Replace an existing snapshot of the same name (the old one "
               "stays until the new one is committed).")
 @runsc_arg_option(CHECKPOINT_FLAGS)
+@tag_option
 @json_option
 @click.pass_context
 @one_line_errors
 def runsc_checkpoint(ctx: click.Context, container: str, name: str, leave_running: bool, replace: bool,
-                     runsc_args: tuple[str, ...], as_json: bool) -> None:
+                     runsc_args: tuple[str, ...], tags: tuple[str, ...], as_json: bool) -> None:
     """Checkpoint sandbox CONTAINER into snapshot NAME; on failure it keeps running."""
     st = open_store(ctx)
     with undo_on_signals(), Progress(f"runsc checkpoint {container}", ctx.obj["progress"]) as prog:
-        r = rs.checkpoint(st, container, name, runsc_args, leave_running=leave_running, replace=replace, progress=prog)
+        r = rs.checkpoint(st, container, name, runsc_args, leave_running=leave_running, replace=replace, progress=prog,
+                          tags=tags)
     emit(as_json, r.as_dict(), f"{name}: {human(r.raw_bytes)} of images, {human(r.new_bytes)} written, "
          f"{human(r.dedup_bytes)} deduplicated ({', '.join(f'{k} {v:.2f} s' for k, v in r.seconds.items())})")
 

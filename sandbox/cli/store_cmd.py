@@ -16,8 +16,9 @@ from storage.names import validate_snapshot_name
 from storage.progress import Progress
 from storage.store import Problem, StoreError
 
+from sandbox import journal
 from sandbox.snapshot_meta import FilesMeta, meta_problems, remove_with_companions
-from sandbox.cli.common import emit, human, json_option, one_line_errors, open_store, parse_chunk_size
+from sandbox.cli.common import emit, human, json_option, one_line_errors, open_store, parse_chunk_size, tag_option
 
 @click.group()
 def store() -> None:
@@ -31,7 +32,7 @@ def store() -> None:
 @click.option("--chunk-size", default="4M", show_default=True, help="Chunk size (K/M suffix).")
 @click.option("--workers", type=click.IntRange(1, 256), default=None, help="Worker threads (default: CPU count, max 16).")
 @click.option("--no-compress", is_flag=True, help="Store chunks raw (zero chunks are still elided).")
-@click.option("--tag", "tags", multiple=True, metavar="TAG", help="Tag the snapshot (repeatable; `ls --tag`, `forget --tag`).")
+@tag_option
 @click.option("--chunker", type=click.Choice(["fixed", "pages"]), default="fixed", show_default=True,
               help="fixed: CHUNK_SIZE pieces; pages: content-defined cuts on 4 KiB pages (dedups data that "
                    "moved by whole pages, e.g. memory images).")
@@ -46,6 +47,7 @@ def store_put(ctx: click.Context, name: str, paths: tuple[str, ...], replace: bo
     meta = FilesMeta(tuple(os.path.abspath(p) for p in paths)).to_json()
     with FileTreeSource(list(paths)) as source:  # scanned (and refused) before a store is made
         st = open_store(ctx)
+        journal.require_clean(st.path)  # an interrupted dump's workload comes first: `gpusnap recover`
         with st.writer(name, replace=replace, meta=meta, tags=tags) as w, \
                 Progress(f"put {name}", ctx.obj["progress"]) as prog:
             prog.start(source.total_bytes)
@@ -183,15 +185,44 @@ _from_option = click.option("--from", "sources", multiple=True, metavar="PATH",
                                  "chunk ids). Repeatable.")
 
 
+def _percent(ctx: click.Context, param: click.Parameter, value: str | None) -> float | None:
+    if value is None:
+        return None
+    try:
+        v = float(value.rstrip("%"))
+    except ValueError:
+        v = -1.0
+    if not value.endswith("%") or not 0 < v <= 100:
+        raise click.BadParameter(f"{value!r}: give a percentage above 0 and at most 100, e.g. 10%")
+    return v / 100
+
+
+def _duration(ctx: click.Context, param: click.Parameter, value: str | None) -> float | None:
+    if value is None:
+        return None
+    units = {"s": 1, "m": 60, "h": 3600}
+    try:
+        v = float(value[:-1]) * units[value[-1]] if value[-1:] in units else float(value)
+    except ValueError:
+        v = -1.0
+    if v < 0:
+        raise click.BadParameter(f"{value!r}: give seconds, or a number with s, m or h (e.g. 90s, 10m)")
+    return v
+
+
 @store.command("verify")
 @click.argument("name", required=False)
 @click.option("--repair", is_flag=True, help="Then rewrite what can be rewritten (as `store repair`).")
+@click.option("--read-data-subset", "subset", default=None, metavar="N%", callback=_percent,
+              help="Read only N% of the chunks, a new random choice each run (repeated runs cover the store).")
+@click.option("--max-duration", "max_duration", default=None, metavar="TIME", callback=_duration,
+              help="Stop reading chunks after TIME (seconds, or 90s/10m/2h); what was not read is reported.")
 @_from_option
 @json_option
 @click.pass_context
 @one_line_errors
-def store_verify(ctx: click.Context, name: str | None, repair: bool, sources: tuple[str, ...],
-                 as_json: bool) -> None:
+def store_verify(ctx: click.Context, name: str | None, repair: bool, subset: float | None,
+                 max_duration: float | None, sources: tuple[str, ...], as_json: bool) -> None:
     """Read and check every chunk of NAME (or of every snapshot); exit 3 and name what is damaged.
 
     Damaged chunk files are moved to the store's quarantine/ so that the next put of the same data
@@ -204,16 +235,20 @@ def store_verify(ctx: click.Context, name: str | None, repair: bool, sources: tu
     if name and not st.exists(name):
         raise StoreError(f"no snapshot named {name!r} in {st.path}")
     with Progress("verify", ctx.obj["progress"]) as prog:
-        rep = st.verify(names, progress=prog)
+        rep = st.verify(names, progress=prog, sample=subset, max_seconds=max_duration)
     for n in rep.snapshots:  # what each sandbox kind's metadata must be (storage does not know it)
         with contextlib.suppress(GpusnapError):  # an unreadable manifest is already a problem
             rep.problems += [Problem(n, None, None, p) for p in meta_problems(st.load(n))]
     problems = [str(p) for p in rep.strays] + [str(p) for p in rep.problems]
     data = {"ok": rep.ok, "snapshots": rep.snapshots, "chunks_checked": rep.chunks_checked,
             "bytes_checked": rep.bytes_checked, "problems": problems, "quarantined": rep.quarantined,
-            "not_quarantined": rep.not_quarantined}
+            "not_quarantined": rep.not_quarantined, "chunks_total": rep.chunks_total,
+            "chunks_unchecked": rep.chunks_unchecked}
     text = [f"{len(rep.snapshots)} snapshot(s), {rep.chunks_checked} chunks, {human(rep.bytes_checked)} checked: "
             + ("OK" if rep.ok else f"{len(problems)} problem(s)")]
+    if rep.chunks_unchecked:
+        text.append(f"{rep.chunks_unchecked} of {rep.chunks_total} chunks not read this run "
+                    f"({'--read-data-subset' if subset is not None else '--max-duration'}); run again to cover them")
     text += [f"DAMAGED {p}" for p in problems]
     if rep.quarantined:
         text.append(f"{len(rep.quarantined)} damaged chunk file(s) moved to quarantine/: the next put of the "
@@ -261,6 +296,7 @@ def store_rm(ctx: click.Context, names: tuple[str, ...], as_json: bool) -> None:
 
     Every NAME is tried; those that cannot be removed are reported and the exit status is 1."""
     st = open_store(ctx, create=False)
+    journal.require_clean(st.path)
     removed: list[str] = []
     errors: list[dict[str, str]] = []
     for n in names:
@@ -287,6 +323,7 @@ def store_gc(ctx: click.Context, wait: float, as_json: bool) -> None:
 
     Anything else found in the store is reported and left alone; damage found exits 3."""
     st = open_store(ctx, create=False)
+    journal.require_clean(st.path)
     rep = st.gc(timeout=wait)
     data = {"chunks_removed": rep.chunks_removed, "bytes_freed": rep.bytes_freed, "tmp_removed": rep.tmp_removed,
             "gets_cleaned": rep.gets_cleaned, "locks_removed": rep.locks_removed,

@@ -24,7 +24,7 @@ import signal
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 from storage import pipeline
 from storage.filetree import FileTreeSink
@@ -166,7 +166,7 @@ def _is_gpu(stream: Any) -> bool:
 
 def criu_dump(store: SnapshotStore, pid: int, name: str, *, leave_running: bool = False,
               options: DumpOptions | None = None, replace: bool = False, staging: str | None = None,
-              lock_timeout_s: float = 10.0, progress: Any = None, criu: Criu | None = None,
+              lock_timeout_s: float = 10.0, progress: Any = None, criu: Criu | None = None, tags: Sequence[str] = (),
               gpu_driver: Any = None, features: Any = None, device: Any = None) -> CriuReport:
     """The tree at PID into snapshot NAME: GPU state first (custom storage or the driver's host copy,
     as the probe says), then CRIU (the tree left stopped), its page images ingested as they are
@@ -188,7 +188,7 @@ def criu_dump(store: SnapshotStore, pid: int, name: str, *, leave_running: bool 
             "criu": ".".join(map(str, criu.version or ())), "options": opts.argv(), "gpu_path": gpu.path}
     with journal.operation(store.path, OpKind.CRIU_DUMP, name, pids=pids, cuda_pids=tuple(gpu.cuda_pids),
                            gpu_path=gpu.path, leave_running=leave_running) as op, \
-            store.writer(name, replace=replace, meta=meta) as w, gpu:
+            store.writer(name, replace=replace, meta=meta, tags=tuple(tags)) as w, gpu:
         meta["op"] = op.id  # how recovery tells this commit from an older snapshot of the same name
         stage = new_staging(store, _rss_bytes(pids), staging, op)
         images = os.path.join(stage, "images")

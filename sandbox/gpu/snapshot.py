@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 from storage.store import SnapshotStore
 
@@ -56,6 +56,7 @@ def cuda_pids_of(root: int, drv: CheckpointDriver) -> list[int]:
 def gpu_checkpoint(store: SnapshotStore, root_pid: int, name: str, *, driver: CudaDriver | None = None,
                    lock_timeout_s: float = 10.0, thp_mode: str | None = "always", replace: bool = False,
                    progress: Any = None, features: Features | None = None, device: Any = None,
+                   tags: Sequence[str] = (),
                    pids: list[int] | None = None) -> GpuReport:
     """Swap out the GPU state of ROOT_PID's CUDA processes into snapshot NAME.
 
@@ -75,7 +76,7 @@ def gpu_checkpoint(store: SnapshotStore, root_pid: int, name: str, *, driver: Cu
     gpus = [{"index": g.index, "uuid": g.uuid, "name": g.name} for g in feats.gpus]
     meta = {"kind": "gpu", "gpu_path": path.value, "root_pid": root_pid, "pids": pids, "gpus": gpus,
             "driver": feats.driver_version}
-    with store.writer(name, replace=replace, meta=meta) as w, _engine(path, device) as eng:
+    with store.writer(name, replace=replace, meta=meta, tags=tuple(tags)) as w, _engine(path, device) as eng:
         regions = EngineRegions.into(eng, w, progress) if eng is not None else None
         backend = backend_for(path, regions=regions, spill=regions.spill() if regions else None, thp_mode=thp_mode)
         with freeze(drv, pids, backend, Limits(lock_timeout_s=lock_timeout_s)) as rep:

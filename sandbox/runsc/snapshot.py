@@ -322,7 +322,7 @@ def _gpu_name(name: str) -> str:
 
 
 def checkpoint(store: SnapshotStore, cid: str, name: str, runsc_args: Sequence[str], *, leave_running: bool = False,
-               replace: bool = False, progress: Any = None) -> RunscReport:
+               replace: bool = False, progress: Any = None, tags: Sequence[str] = ()) -> RunscReport:
     """Sandbox CID into snapshot NAME: the GPU agent first where it is a GPU sandbox (custom storage
     into snapshot NAME.gpu, or the driver's host copy that runsc then saves), then `runsc checkpoint`
     and the ingest. A failure at any step leaves the sandbox running with its GPU state back."""
@@ -346,7 +346,7 @@ def checkpoint(store: SnapshotStore, cid: str, name: str, runsc_args: Sequence[s
     sandbox = {"container": cid, "runsc_args": list(r.global_args), "bundle": bundle,
                "net": net.as_dict() if net else None, "gpu_report": None}
     with journal.operation(store.path, OpKind.RUNSC_CHECKPOINT, name, leave_running=leave_running,
-                           runsc=sandbox) as op, store.writer(name, replace=replace, meta=meta) as w:
+                           runsc=sandbox) as op, store.writer(name, replace=replace, meta=meta, tags=tuple(tags)) as w:
         meta["op"] = op.id  # how recovery tells this commit from an older snapshot of the same name
         stage = new_staging(store, 1 << 30, None, op)
         images = os.path.join(stage, "images")
