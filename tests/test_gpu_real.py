@@ -7,7 +7,9 @@ import json
 import os
 import shutil
 import subprocess
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -253,3 +255,126 @@ def test_engine_dedup_after_5_percent_change(tmp_path: Path) -> None:
         eng.restore(st, st.load("d2"), {"gpu/0": region})
         assert w.verify()
         record("engine_dedup", {"first": first.stored_bytes, "second": second.stored_bytes})
+
+
+class IpcDriver:
+    """The custom-storage half of the driver's state machine over one real GPU allocation of another
+    process, opened through CUDA IPC: the stand-in for the driver mapping a checkpointed process's
+    GPU memory into ours (driver 580 has no custom-storage API)."""
+
+    def __init__(self, pid: int, ptr: int, size: int) -> None:
+        from sandbox.gpu.driver import ProcessState as S
+        self.pid, self.ptr, self.size, self.state = pid, ptr, size, S.RUNNING
+
+    def _move(self, pid: int, call: str, want: Any, to: Any) -> None:
+        from sandbox.gpu.driver import driver_error
+        if pid != self.pid or self.state != want:
+            raise driver_error(pid, call, "CUDA_ERROR_ILLEGAL_STATE", f"is {self.state.name}")
+        self.state = to
+
+    def get_state(self, pid: int) -> Any:
+        from sandbox.gpu.driver import driver_error
+        if pid != self.pid:
+            raise driver_error(pid, "cuCheckpointProcessGetState", "CUDA_ERROR_NOT_FOUND")
+        return self.state
+
+    def lock(self, pid: int, timeout_ms: int) -> None:
+        from sandbox.gpu.driver import ProcessState as S
+        self._move(pid, "cuCheckpointProcessLock", S.RUNNING, S.LOCKED)
+
+    def unlock(self, pid: int) -> None:
+        from sandbox.gpu.driver import ProcessState as S
+        self._move(pid, "cuCheckpointProcessUnlock", S.LOCKED, S.RUNNING)
+
+    def _op(self) -> Any:
+        from sandbox.gpu.driver import CustomOperation, DeviceRegion
+        return CustomOperation(1, [DeviceRegion(0, self.ptr, self.size, 0)])
+
+    def checkpoint_custom(self, pid: int) -> Any:
+        from sandbox.gpu.driver import ProcessState as S
+        self._move(pid, "cuCheckpointProcessCheckpoint", S.LOCKED, S.CHECKPOINTING)
+        return self._op()
+
+    def restore_custom(self, pid: int, gpu_map: Any = None) -> Any:
+        from sandbox.gpu.driver import ProcessState as S
+        self._move(pid, "cuCheckpointProcessRestore", S.CHECKPOINTED, S.RESTORING)
+        return self._op()
+
+    def complete(self, pid: int, op: Any) -> None:
+        from sandbox.gpu.driver import ProcessState as S
+        self._move(pid, "cuCheckpointOperationComplete", self.state,
+                   S.CHECKPOINTED if self.state == S.CHECKPOINTING else S.LOCKED)
+
+
+def _agent(action: str, drv: IpcDriver, **kw: Any) -> tuple[Any, Any, Any]:
+    """criu_hooks.gpu_agent.run on its own thread (its own CUDA device binding, as in a sandbox), its
+    stdout/stdin real pipes: (host's read end, host's write end, thread with .error)."""
+    import threading
+    from criu_hooks.gpu_agent import run
+    from sandbox.gpu.channel import report_frame, write_header
+    from sandbox.gpu.driver import Features
+    r_out, w_out = os.pipe()
+    r_in, w_in = os.pipe()
+    a_out, a_in = os.fdopen(w_out, "wb"), os.fdopen(r_in, "rb")
+
+    def body() -> None:
+        try:
+            rep = run(action, out=a_out, inp=a_in, driver=drv, pids=[drv.pid],
+                      features=Features(checkpoint_api=True, custom_storage=True), **kw)
+            write_header(a_out, report_frame(rep))
+        except BaseException as e:  # noqa: BLE001 - the test looks at it
+            th.error = e  # type: ignore[attr-defined]
+        finally:
+            a_out.close()
+            a_in.close()
+
+    th = threading.Thread(target=body, daemon=True)
+    th.error = None  # type: ignore[attr-defined]
+    th.start()
+    return os.fdopen(r_out, "rb"), os.fdopen(w_in, "wb"), th
+
+
+def test_agent_channel_on_the_gpu_through_the_ipc_stand_in(tmp_path: Path) -> None:
+    """Issue 11's channel on real hardware: the in-sandbox agent's code copies another process's GPU
+    memory (opened by CUDA IPC, as custom storage maps it) over its stdout pipe into the host's store,
+    and back from the store over its stdin after the process's memory was wiped; the process verifies
+    its own data. The host names the streams; the agent sees no store."""
+    from sandbox.gpu.channel import AgentFrames, read_report, receive, send
+    from sandbox.gpu.driver import ProcessState as S
+    from storage.device import CudaDevice
+    from storage.store import SnapshotStore
+    from scripts.workloads.workload_control import Workload, ipc_region
+    st = SnapshotStore(str(tmp_path / "store"))
+    with Workload(GB, mix="realistic", seed=6) as w:
+        CudaDevice(0)  # the primary context, current in this thread, for the IPC mapping
+        with ipc_region(w.info["ipc"]) as ptr:
+            drv = IpcDriver(w.pid, ptr, w.size)
+            out, inp, th = _agent("checkpoint", drv)
+            t0 = time.perf_counter()
+            with st.writer("sb.gpu", meta={"kind": "gpu", "gpu_path": "custom-storage", "root_pid": w.pid,
+                                           "pids": [w.pid]}) as wr:
+                frames = AgentFrames(out, "checkpoint")
+                receive(frames, wr)
+                wr.commit()
+            ckpt_s = time.perf_counter() - t0
+            th.join(120)
+            out.close()
+            inp.close()
+            assert th.error is None, th.error
+            assert drv.state == S.CHECKPOINTED and frames.report is not None
+            m = st.load("sb.gpu")
+            assert [(s.name, s.size) for s in m.streams] == [(f"gpu/{w.pid}/0", w.size)]
+            assert st.verify(["sb.gpu"]).ok
+            assert w.cmd("clear")["ok"] and not w.verify()
+            out, inp, th = _agent("restore", drv, path="custom-storage")
+            t0 = time.perf_counter()
+            assert send(inp, out, st, m.streams) == [w.pid]
+            inp.close()
+            assert read_report(out, "restore").states == {str(w.pid): "RUNNING"}
+            restore_s = time.perf_counter() - t0
+            th.join(120)
+            out.close()
+            assert th.error is None, th.error
+        assert w.verify(), "the process's GPU memory is back, byte for byte"
+    record("agent_channel", {"gb": w.size / 1e9, "checkpoint_s": round(ckpt_s, 2), "restore_s": round(restore_s, 2),
+                             "stored": m.size})
