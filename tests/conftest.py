@@ -22,6 +22,37 @@ def pythonpath() -> str:
     return os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
 
 
+def _link_tree(src: Path, dst: Path) -> None:
+    """DST: SRC's files hard-linked (copied across file systems) under world-readable directories."""
+    def link(a: str, b: str) -> None:
+        try:
+            os.link(a, b)
+        except OSError:
+            shutil.copy2(a, b)
+    shutil.copytree(src, dst, symlinks=True, copy_function=link, ignore=shutil.ignore_patterns("__pycache__"))
+    for d, _, _ in os.walk(dst):
+        os.chmod(d, 0o755)
+
+
+@pytest.fixture(scope="session")
+def nobody_pythonpath() -> Iterator[str]:
+    """A PYTHONPATH from which an unprivileged user (uid 65534) imports gpusnap and its dependencies,
+    wherever this checkout and its venv sit: a clone under a 0700 directory (where CI may put it) is
+    not readable by other users, so the code packages and the running interpreter's site-packages are
+    linked into a world-readable temporary directory for the session."""
+    import sysconfig
+    import tempfile
+    top = Path(tempfile.mkdtemp(prefix="gpusnap-nobody-", dir="/var/tmp"))
+    try:
+        top.chmod(0o755)
+        for pkg in ("storage", "sandbox", "criu_hooks"):
+            _link_tree(REPO / pkg, top / "code" / pkg)
+        _link_tree(Path(sysconfig.get_paths()["purelib"]), top / "site")
+        yield os.pathsep.join((str(top / "code"), str(top / "site")))
+    finally:
+        shutil.rmtree(top, ignore_errors=True)
+
+
 @contextmanager
 def small_tmpfs(where: Path, size: str) -> Iterator[Path]:
     """A real tmpfs of SIZE mounted at WHERE for the block (a disk that fills up); needs root."""

@@ -238,7 +238,7 @@ def test_setuid_without_recorded_owner_is_stripped(cli: Cli, store_dir: Path, tm
 
 
 @root_only
-def test_non_root_get_restores_no_owner_and_strips_what_is_not_its_own(tmp_path: Path) -> None:
+def test_non_root_get_restores_no_owner_and_strips_what_is_not_its_own(tmp_path: Path, nobody_pythonpath: str) -> None:
     """`store get` run as an unprivileged user (setpriv to nobody): nothing is chowned, the setuid
     file of uid 1234 loses its special bits, a setuid file the user already owns keeps them."""
     import shutil
@@ -258,7 +258,7 @@ def test_non_root_get_restores_no_owner_and_strips_what_is_not_its_own(tmp_path:
         out.mkdir()
         for d in (cli.store, out):
             subprocess.run(["chown", "-R", f"{nobody}:{nobody}", str(d)], check=True)
-        env = {**os.environ, "PYTHONPATH": pythonpath(), "PYTHONDONTWRITEBYTECODE": "1"}
+        env = {**os.environ, "PYTHONPATH": nobody_pythonpath, "PYTHONDONTWRITEBYTECODE": "1"}
         p = subprocess.run(["setpriv", f"--reuid={nobody}", f"--regid={nobody}", "--clear-groups", "--",
                             *GPUSNAP, "--store", str(cli.store), "store", "get", "s", str(out / "d")],
                            cwd="/", env=env, capture_output=True, text=True, timeout=120)
