@@ -759,7 +759,9 @@ class Remote:
         with self.lock("gc") as lk:
             now = self.s3.server_time()
             for key, _, t in self._locks():
-                if key != lk.key and now - t > LOCK_STALE_S:
+                # (a limit of 0 takes every other lock for stale: a refresh can land between the
+                # server-time read and the listing, in the same second)
+                if key != lk.key and (LOCK_STALE_S <= 0 or now - t > LOCK_STALE_S):
                     self.s3.delete(key)  # a push that wakes up finds its lock gone and re-checks
                     report.stale_locks_removed += 1
             live: set[str] = set()
