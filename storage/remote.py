@@ -570,7 +570,7 @@ class Remote:
         """The first fresh lock that excludes LK ('gc' or 'push' plus its object name), or None."""
         now = self.s3.server_time()
         for key, other, t in self._locks():
-            if key == lk.key or now - t > LOCK_STALE_S:
+            if key == lk.key or _stale(now, t):
                 continue
             if lk.kind == "gc" or other == "gc":
                 return f"{other} ({key.rsplit('/', 1)[-1]})"
@@ -759,9 +759,7 @@ class Remote:
         with self.lock("gc") as lk:
             now = self.s3.server_time()
             for key, _, t in self._locks():
-                # (a limit of 0 takes every other lock for stale: a refresh can land between the
-                # server-time read and the listing, in the same second)
-                if key != lk.key and (LOCK_STALE_S <= 0 or now - t > LOCK_STALE_S):
+                if key != lk.key and _stale(now, t):
                     self.s3.delete(key)  # a push that wakes up finds its lock gone and re-checks
                     report.stale_locks_removed += 1
             live: set[str] = set()
@@ -781,6 +779,13 @@ class Remote:
                     report.bytes_freed += item[1]
             _run_bounded(drop, dead, self.jobs)
         return report
+
+
+def _stale(now: float, modified: float) -> bool:
+    """Whether a lock last written at MODIFIED is stale at NOW (both the server's clock). A limit of 0
+    (the test hook GPUSNAP_REMOTE_LOCK_STALE_S) takes every lock for stale: a refresh can land between
+    the server-time read and the listing, within the same second."""
+    return LOCK_STALE_S <= 0 or now - modified > LOCK_STALE_S
 
 
 class _Lock:
