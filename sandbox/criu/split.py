@@ -60,16 +60,26 @@ class Pagemap:
     entries: tuple[Entry, ...]
 
 
-def _varint(b: bytes, i: int) -> tuple[int, int]:
+def read_varint(data: bytes, i: int, max_shift: int = 70) -> tuple[int, int] | None:
+    """The protobuf varint at DATA[I:] (its bytes' shifts below MAX_SHIFT: 70 for 64-bit fields, 35
+    for 32-bit ones) and the index after it; None when it is malformed or cut short. Shared with the
+    streamer's request parser."""
     v, shift = 0, 0
-    while i < len(b) and shift < 70:
-        c = b[i]
+    while i < len(data) and shift < max_shift:
+        c = data[i]
         v |= (c & 0x7F) << shift
         i += 1
         if not c & 0x80:
             return v, i
         shift += 7
-    raise SplitError("pagemap: malformed varint")
+    return None
+
+
+def _varint(b: bytes, i: int) -> tuple[int, int]:
+    r = read_varint(b, i)
+    if r is None:
+        raise SplitError("pagemap: malformed varint")
+    return r
 
 
 def _fields(body: bytes) -> dict[int, int]:

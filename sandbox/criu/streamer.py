@@ -103,15 +103,10 @@ def _recv_exact(conn: socket.socket, n: int) -> bytes | None:
 
 
 def _varint(data: bytes, i: int) -> tuple[int, int]:
-    v, shift = 0, 0
-    while i < len(data) and shift < 35:
-        b = data[i]
-        v |= (b & 0x7F) << shift
-        i += 1
-        if not b & 0x80:
-            return v, i
-        shift += 7
-    raise StreamerError("malformed request from CRIU (bad varint)")
+    r = split.read_varint(data, i, max_shift=35)
+    if r is None:
+        raise StreamerError("malformed request from CRIU (bad varint)")
+    return r
 
 
 def parse_request(msg: bytes) -> str:
