@@ -417,7 +417,7 @@ def get(store: SnapshotStore, manifest: Manifest, sink: Sink, *, workers: int | 
                         return
                     with bufs.borrowed() as buf:
                         t0 = time.perf_counter()
-                        payload = store.read_chunk(ref, buf)
+                        payload = store.read_chunk(ref, buf, cached=True)
                         t1 = time.perf_counter()
                         stages.add("read+verify", t1 - t0, ref.stored_len)
                         data = decode_host(ref.codec, payload, ref.raw_len)

@@ -491,11 +491,13 @@ class SnapshotStore:
         except StoreDamage as e:
             raise ChunkError(cid, str(e)) from None
 
-    def read_chunk(self, ref: ChunkRef, buf: AlignedBuffer) -> memoryview:
-        """The verified payload of REF (read into BUF); raises ChunkError when damaged."""
+    def read_chunk(self, ref: ChunkRef, buf: AlignedBuffer, cached: bool = False) -> memoryview:
+        """The verified payload of REF (read into BUF); raises ChunkError when damaged. CACHED: read
+        through the page cache (restores: a repeated restore is served from memory, a cold one gets
+        the kernel's readahead); otherwise around it where the store can (verify, repair, export)."""
         assert ref.id is not None
         with self.chunk_dir(ref.id) as d:
-            header, payload = read_chunk_file(d, ref.id, buf, self.direct)
+            header, payload = read_chunk_file(d, ref.id, buf, self.direct and not cached)
         if (header.codec, header.raw_len, header.stored_len) != (ref.codec, ref.raw_len, ref.stored_len):
             raise ChunkError(ref.id, "header disagrees with the manifest's reference")
         return payload
@@ -503,7 +505,7 @@ class SnapshotStore:
     def payload_at(self, ref: ChunkRef, frame: Any) -> tuple[int, str]:
         """Read REF's verified payload into FRAME (a host buffer with .ptr, laid out like a chunk
         file) and return its address there (gpu_engine.ChunkSource)."""
-        self.read_chunk(ref, frame)
+        self.read_chunk(ref, frame, cached=True)
         return frame.ptr + HEADER_SIZE, "read+verify"
 
     def missing(self, manifest: Manifest) -> list[str]:

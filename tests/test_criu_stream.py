@@ -77,6 +77,64 @@ def test_pagemap_split_plan_keeps_small_runs_and_offsets() -> None:
     assert split.plan("pagemap-shmem-3.img", data, 1 << 20) is None
 
 
+def _filler_case(nchunks: int, chunk: int, fetch, budget: int):
+    """A Filler whose one moved run is a buffer of this very process (process_vm_writev into our own pid)."""
+    import ctypes
+    from sandbox.criu import split
+    from storage.manifest import ChunkRef, Stream
+    target = ctypes.create_string_buffer(nchunks * chunk)
+    refs = [ChunkRef(None, chunk, "zero", 0) if i == 1 else ChunkRef(f"{i:064x}", chunk, "raw", chunk) for i in range(nchunks)]
+    stream = Stream("pages-1.img", {"type": "file"}, refs)
+    plan = split.Plan(os.getpid(), "pages-1.img", b"", (), (split.Run(ctypes.addressof(target), 0, nchunks * chunk),))
+    return target, split.Filler([plan], {"pages-1.img": stream}, fetch, 4, budget)
+
+
+def test_split_filler_reads_ahead_within_its_budget_and_writes_every_byte() -> None:
+    import threading
+    import time
+    chunk, n = 64 << 10, 24
+    lock, state = threading.Lock(), {"fetched": 0}
+
+    def fetch(s, i, ref):
+        with lock:
+            state["fetched"] += 1
+        return bytes([i]) * ref.raw_len
+
+    target, filler = _filler_case(n, chunk, fetch, budget=3 * chunk)
+    with filler:
+        deadline = time.monotonic() + 5
+        while state["fetched"] < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.2)  # reading ahead before anyone writes, but no further than the budget allows
+        assert state["fetched"] == 3
+        stats = filler.write(lambda pid: True)
+    assert stats == {"written": (n - 1) * chunk, "zero_skipped": chunk}
+    assert state["fetched"] == n - 1  # the zero chunk is never fetched
+    for i in range(n):
+        want = 0 if i == 1 else i
+        assert target.raw[i * chunk:(i + 1) * chunk] == bytes([want]) * chunk, i
+
+
+def test_split_filler_stops_at_the_first_damaged_chunk() -> None:
+    from storage.errors import GpusnapError
+    chunk, n = 64 << 10, 40
+    fetched: list[int] = []
+
+    class Damaged(GpusnapError):
+        pass
+
+    def fetch(s, i, ref):
+        fetched.append(i)
+        if i == 5:
+            raise Damaged("chunk 5 is damaged")
+        return bytes(ref.raw_len)
+
+    _target, filler = _filler_case(n, chunk, fetch, budget=2 * chunk)
+    with filler, pytest.raises(Damaged, match="chunk 5"):
+        filler.write(lambda pid: True)
+    assert max(fetched) < n - 1, fetched  # nothing much past the failure was read
+
+
 @pytest.mark.parametrize("restore_env", [SPLIT, NO_SPLIT], ids=["split", "criu-restores-all"])
 def test_stream_dump_and_restore_of_a_tree(cli: Cli, store_dir: Path, restore_env: dict[str, str]) -> None:
     tree = Tree(mb=48)

@@ -5,10 +5,10 @@ image is the driver's host copy of GPU memory. A pagemap image lists each run of
 (vaddr, page count, flags); its page image holds the present runs' bytes back to back. Here the
 runs (records contiguous in memory and in the image) of at least `min_bytes` are *moved*: the pagemap served to CRIU leaves them out (CRIU then
 maps their areas with no content) and the page image served to CRIU skips their bytes; CRIU
-restores the tree left stopped (--leave-stopped), and `fill` writes the moved runs straight into the
-stopped processes with process_vm_writev from many threads (chunks verified and decoded in
-parallel; all-zero chunks are skipped: the fresh mapping already reads as zero). Then the tree is
-continued. Nothing of the tree runs before every byte is back.
+restores the tree left stopped (--leave-stopped), and a `Filler` writes the moved runs straight into
+the stopped processes with process_vm_writev from many threads (chunks verified and decoded in
+parallel, fetched from the store while CRIU still runs; all-zero chunks are skipped: the fresh
+mapping already reads as zero). Then the tree is continued. Nothing of the tree runs before every byte is back.
 
 Pagemap format (CRIU 4): two u32 magics, then records of a u32 length and a protobuf: first
 PagemapHead {1: pages_id}, then PagemapEntry {1: vaddr, 2: nr_pages, 3: in_parent, 4: flags}.
@@ -21,7 +21,8 @@ import errno
 import os
 import re
 import struct
-from concurrent.futures import ThreadPoolExecutor
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -250,34 +251,109 @@ def _write_mem(pid: int, addr: int, data: memoryview) -> None:
         os.close(fd)
 
 
-def fill(plans: list[Plan], streams: dict[str, Stream], fetch: Callable[[Stream, int, ChunkRef], Any],
-         workers: int) -> dict[str, int]:
-    """Every moved run of PLANS written into its process; FETCH(stream, index, chunk) gives a chunk's
-    verified, decoded bytes. Chunks that are all zero are skipped. Returns bytes written/skipped."""
-    jobs: dict[tuple[str, int], list[tuple[int, int, int, int]]] = {}  # (image, chunk) -> (pid, addr, lo, hi)
-    for p in plans:
-        s = streams[p.pages_image]
-        for run in p.moved:
-            addr = run.vaddr
-            for i, _c, lo, hi in pieces(s, ((run.offset, run.nbytes),)):
-                jobs.setdefault((p.pages_image, i), []).append((p.pid, addr, lo, hi))
-                addr += hi - lo
-    stats = {"written": 0, "zero_skipped": 0}
+class Filler:
+    """The moved runs of PLANS, fetched from the moment the plan is known and written once CRIU has
+    made the processes; a context manager.
 
-    def one(key: tuple[str, int]) -> tuple[int, int]:
-        s = streams[key[0]]
-        ref = s.chunks[key[1]]
-        targets = jobs[key]
-        n = sum(hi - lo for _, _, lo, hi in targets)
-        if ref.is_zero:
-            return 0, n
-        data = memoryview(fetch(s, key[1], ref))
-        for pid, addr, lo, hi in targets:
-            write_into(pid, addr, data[lo:hi])
-        return n, 0
+    CRIU restores only the small part (seconds), so the store reads of the large part would
+    otherwise wait for it: here they start at once, WORKERS threads fetching (FETCH(stream, index,
+    chunk) gives a chunk's verified, decoded bytes) in address order, at most BUDGET decoded bytes
+    held ahead of the writer. `write` then writes every run with process_vm_writev from WORKERS
+    threads, releasing each chunk as it lands. All-zero chunks are neither fetched nor written: the
+    fresh mapping already reads as zero. Closing before `write` cancels what is still queued."""
 
-    with ThreadPoolExecutor(workers, thread_name_prefix="gpusnap-fill") as ex:
-        for w, z in ex.map(one, list(jobs)):
-            stats["written"] += w
-            stats["zero_skipped"] += z
-    return stats
+    def __init__(self, plans: list[Plan], streams: dict[str, Stream], fetch: Callable[[Stream, int, ChunkRef], Any],
+                 workers: int, budget: int) -> None:
+        self.plans, self.streams, self.workers, self.budget = plans, streams, workers, budget
+        self._fetch = fetch
+        self.jobs: dict[tuple[str, int], list[tuple[int, int, int, int]]] = {}  # (image, chunk) -> (pid, addr, lo, hi)
+        for p in plans:
+            s = streams[p.pages_image]
+            for run in p.moved:
+                addr = run.vaddr
+                for i, _c, lo, hi in pieces(s, ((run.offset, run.nbytes),)):
+                    self.jobs.setdefault((p.pages_image, i), []).append((p.pid, addr, lo, hi))
+                    addr += hi - lo
+        self._futures: dict[tuple[str, int], Future[Any]] = {}
+        self._cond = threading.Condition()
+        self._held = 0
+        self._closing = False
+        self._ex = ThreadPoolExecutor(workers, thread_name_prefix="gpusnap-fill-read")
+        self._feeder = threading.Thread(target=self._feed, name="gpusnap-fill-feed", daemon=True)
+        self._feeder.start()
+
+    def _ref(self, key: tuple[str, int]) -> ChunkRef:
+        return self.streams[key[0]].chunks[key[1]]
+
+    def _feed(self) -> None:
+        for key in self.jobs:
+            ref = self._ref(key)
+            if ref.is_zero:
+                continue
+            with self._cond:  # back-pressure: one chunk may always be in flight, however large
+                self._cond.wait_for(lambda: self._closing or self._held == 0 or self._held + ref.raw_len <= self.budget)
+                if self._closing:
+                    return
+                self._held += ref.raw_len
+                self._futures[key] = self._ex.submit(self._fetch, self.streams[key[0]], key[1], ref)
+                self._cond.notify_all()
+
+    def _take(self, key: tuple[str, int]) -> Any:
+        with self._cond:
+            self._cond.wait_for(lambda: key in self._futures or self._closing)
+            if key not in self._futures:
+                raise SplitError("the split restore was stopped")
+            fut = self._futures[key]
+        return fut.result()
+
+    def _release(self, key: tuple[str, int]) -> None:
+        with self._cond:
+            self._futures.pop(key, None)
+            self._held -= self._ref(key).raw_len
+            self._cond.notify_all()
+
+    def write(self, pids_ok: Callable[[int], bool]) -> dict[str, int]:
+        """Every moved run written into its (stopped) process; PIDS_OK(pid) says a planned pid is one
+        CRIU restored. Returns bytes written / skipped as zero."""
+        for p in self.plans:
+            if not pids_ok(p.pid):
+                raise SplitError(f"pid {p.pid} of the snapshot was not restored by CRIU")
+        stats = {"written": 0, "zero_skipped": 0}
+
+        def one(key: tuple[str, int]) -> tuple[int, int]:
+            targets = self.jobs[key]
+            n = sum(hi - lo for _, _, lo, hi in targets)
+            if self._ref(key).is_zero:
+                return 0, n
+            try:
+                data = memoryview(self._take(key))
+                for pid, addr, lo, hi in targets:
+                    write_into(pid, addr, data[lo:hi])
+            except BaseException:
+                self._stop()  # the first failure ends the fill: nothing more is fetched
+                raise
+            finally:
+                self._release(key)
+            return n, 0
+
+        with ThreadPoolExecutor(self.workers, thread_name_prefix="gpusnap-fill") as ex:
+            for w, z in ex.map(one, list(self.jobs)):
+                stats["written"] += w
+                stats["zero_skipped"] += z
+        return stats
+
+    def _stop(self) -> None:
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        self._stop()
+        self._feeder.join()
+        self._ex.shutdown(wait=True, cancel_futures=True)
+
+    def __enter__(self) -> "Filler":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -444,7 +444,7 @@ class ServeSource:
                              f"(first {missing[0][:16]}…); nothing was started")
         self.workers = workers or pipeline.default_workers()
         self.window = window or 2 * self.workers
-        self._bufs = BufferPool(self.workers, store.chunk_buffer_size([manifest]))
+        self._bufs = BufferPool(2 * self.workers, store.chunk_buffer_size([manifest]))  # CRIU's feeds + the fill
         self._ex = ThreadPoolExecutor(self.workers, thread_name_prefix="gpusnap-serve")
         self._zeros = bytes(max((c.raw_len for s in self.images.values() for c in s.chunks), default=0))
         self.plans: dict[str, split.Plan] = {}    # page image -> its split
@@ -457,6 +457,9 @@ class ServeSource:
                         self.plans[pl.pages_image] = pl
                         self._rewritten[name] = pl.pagemap
         self._listener = _Listener(directory, SERVE_SOCKET)
+        # the moved runs are read from the store from now on, while CRIU restores the rest
+        self._filler = split.Filler(list(self.plans.values()), self.images, self._fetch, self.workers,
+                                    fill_budget()) if self.plans else None
         self._closing = False
         self._feeds: list[threading.Thread] = []
         self.errors: list[BaseException] = []
@@ -477,6 +480,8 @@ class ServeSource:
         for t in self._feeds:
             t.join()
         self._ex.shutdown(wait=True, cancel_futures=True)
+        if self._filler is not None:
+            self._filler.close()
         self._bufs.close()
 
     def _serve(self) -> None:
@@ -513,7 +518,7 @@ class ServeSource:
     def _fetch(self, s: Stream, i: int, ref: ChunkRef) -> bytes | memoryview:
         with self._bufs.borrowed() as buf:
             try:
-                payload = self.store.read_chunk(ref, buf)
+                payload = self.store.read_chunk(ref, buf, cached=True)
             except ChunkError as e:
                 raise StoreError(f"snapshot {self.manifest.name!r} is damaged: {s.name} chunk {i}: {e.what}") from None
             try:
@@ -563,11 +568,9 @@ class ServeSource:
     def fill(self, pids_ok: Callable[[int], bool]) -> dict[str, int]:
         """After CRIU: the moved runs written into the (stopped) processes; PIDS_OK(pid) says a
         planned pid is one CRIU restored."""
-        plans = list(self.plans.values())
-        for p in plans:
-            if not pids_ok(p.pid):
-                raise split.SplitError(f"pid {p.pid} of the snapshot was not restored by CRIU")
-        return split.fill(plans, self.images, self._fetch, self.workers)
+        if self._filler is None:
+            return {"written": 0, "zero_skipped": 0}
+        return self._filler.write(pids_ok)
 
     def raise_if_failed(self) -> None:
         """The first failure of the store side (a damaged chunk before a broken pipe)."""
@@ -587,6 +590,21 @@ def _write_all(fd: int, data: bytes | memoryview) -> None:
         if n <= 0:
             raise OSError(errno.EPIPE, "short write")
         view = view[n:]
+
+
+def fill_budget() -> int:
+    """Decoded bytes the split restore may hold ahead of its writes: an eighth of the memory
+    available now, at most 8 GiB, at least 256 MiB."""
+    avail = 0
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    avail = int(line.split()[1]) * 1024
+                    break
+    except (OSError, ValueError, IndexError):
+        pass
+    return max(256 << 20, min(8 << 30, avail // 8))
 
 
 def split_min() -> int:

@@ -164,7 +164,7 @@ def fixed_dump(g: dict) -> float:
 
 def fixed_restore(g: dict) -> float:
     s = g["restore_stages"]
-    return g["restore"] - sum(s.get(k, 0.0) for k in ("materialize", "criu_restore", "gpu_restore"))
+    return g["restore"] - sum(s.get(k, 0.0) for k in ("materialize", "criu_restore", "split_fill", "gpu_restore"))
 
 
 def table(result: dict) -> None:
