@@ -22,12 +22,14 @@ import os
 import re
 import struct
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from storage.errors import GpusnapError
 from storage.manifest import ChunkRef, Stream
+from storage.pipeline import Stages
 
 PAGE = 4096
 PE_PARENT, PE_LAZY, PE_PRESENT = 1, 2, 4
@@ -218,10 +220,10 @@ _libc.process_vm_writev.argtypes = [ctypes.c_int, ctypes.POINTER(_Iovec), ctypes
                                     ctypes.POINTER(_Iovec), ctypes.c_ulong, ctypes.c_ulong]
 
 
-def write_into(pid: int, addr: int, data: bytes | memoryview) -> None:
+def write_into(pid: int, addr: int, data: bytes | memoryview) -> int:
     """DATA into process PID's memory at ADDR: process_vm_writev (the GIL is released); where the
     area is not writable (a read-only mapping: the call stops with EFAULT), through /proc/PID/mem,
-    which writes as a debugger does."""
+    which writes as a debugger does. Returns how many bytes went the second way."""
     from storage.directio import address_of
     base, n, done = address_of(data), len(data), 0
     while done < n:
@@ -231,9 +233,10 @@ def write_into(pid: int, addr: int, data: bytes | memoryview) -> None:
             e = ctypes.get_errno()
             if e == errno.EFAULT:
                 _write_mem(pid, addr + done, memoryview(data)[done:])
-                return
+                return n - done
             raise SplitError(f"writing {n - done} bytes into pid {pid} at {addr + done:#x}: {os.strerror(e) if e else 'no progress'}")
         done += r
+    return 0
 
 
 def _write_mem(pid: int, addr: int, data: memoryview) -> None:
@@ -263,8 +266,9 @@ class Filler:
     fresh mapping already reads as zero. Closing before `write` cancels what is still queued."""
 
     def __init__(self, plans: list[Plan], streams: dict[str, Stream], fetch: Callable[[Stream, int, ChunkRef], Any],
-                 workers: int, budget: int) -> None:
+                 workers: int, budget: int, stages: Stages | None = None) -> None:
         self.plans, self.streams, self.workers, self.budget = plans, streams, workers, budget
+        self.stages = stages if stages is not None else Stages()
         self._fetch = fetch
         self.jobs: dict[tuple[str, int], list[tuple[int, int, int, int]]] = {}  # (image, chunk) -> (pid, addr, lo, hi)
         for p in plans:
@@ -308,9 +312,9 @@ class Filler:
 
     def _release(self, key: tuple[str, int]) -> None:
         with self._cond:
-            self._futures.pop(key, None)
-            self._held -= self._ref(key).raw_len
-            self._cond.notify_all()
+            if self._futures.pop(key, None) is not None:  # a key never fetched (stopped) held nothing
+                self._held -= self._ref(key).raw_len
+                self._cond.notify_all()
 
     def write(self, pids_ok: Callable[[int], bool]) -> dict[str, int]:
         """Every moved run written into its (stopped) process; PIDS_OK(pid) says a planned pid is one
@@ -326,9 +330,14 @@ class Filler:
             if self._ref(key).is_zero:
                 return 0, n
             try:
+                t0 = time.perf_counter()
                 data = memoryview(self._take(key))
-                for pid, addr, lo, hi in targets:
-                    write_into(pid, addr, data[lo:hi])
+                t1 = time.perf_counter()
+                self.stages.add("fill-wait", t1 - t0, n)
+                slow = sum(write_into(pid, addr, data[lo:hi]) for pid, addr, lo, hi in targets)
+                self.stages.add("write", time.perf_counter() - t1, n)
+                if slow:
+                    self.stages.add("write-procmem", 0.0, slow)
             except BaseException:
                 self._stop()  # the first failure ends the fill: nothing more is fetched
                 raise

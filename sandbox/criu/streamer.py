@@ -57,7 +57,7 @@ from storage.codecs import CodecError, decode_host
 from storage.directio import BufferPool
 from storage.errors import GpusnapError
 from storage.manifest import ChunkRef, Manifest, Stream
-from storage.pipeline import PipelineError, StreamSpec
+from storage.pipeline import PipelineError, Stages, StreamSpec
 from storage.store import SnapshotStore, StoreError
 
 CAPTURE_SOCKET = "streamer-capture.sock"
@@ -446,6 +446,7 @@ class ServeSource:
         self.window = window or 2 * self.workers
         self._bufs = BufferPool(2 * self.workers, store.chunk_buffer_size([manifest]))  # CRIU's feeds + the fill
         self._ex = ThreadPoolExecutor(self.workers, thread_name_prefix="gpusnap-serve")
+        self.stages = Stages()  # thread-seconds of the store side: read+verify, decode, the fill's stages
         self._zeros = bytes(max((c.raw_len for s in self.images.values() for c in s.chunks), default=0))
         self.plans: dict[str, split.Plan] = {}    # page image -> its split
         self._rewritten: dict[str, bytes] = {}    # pagemap image -> what CRIU gets instead
@@ -459,7 +460,7 @@ class ServeSource:
         self._listener = _Listener(directory, SERVE_SOCKET)
         # the moved runs are read from the store from now on, while CRIU restores the rest
         self._filler = split.Filler(list(self.plans.values()), self.images, self._fetch, self.workers,
-                                    fill_budget()) if self.plans else None
+                                    fill_budget(), self.stages) if self.plans else None
         self._closing = False
         self._feeds: list[threading.Thread] = []
         self.errors: list[BaseException] = []
@@ -517,15 +518,21 @@ class ServeSource:
 
     def _fetch(self, s: Stream, i: int, ref: ChunkRef) -> bytes | memoryview:
         with self._bufs.borrowed() as buf:
+            t0 = time.perf_counter()
             try:
                 payload = self.store.read_chunk(ref, buf, cached=True)
             except ChunkError as e:
                 raise StoreError(f"snapshot {self.manifest.name!r} is damaged: {s.name} chunk {i}: {e.what}") from None
+            t1 = time.perf_counter()
             try:
                 data = decode_host(ref.codec, payload, ref.raw_len)
             except CodecError as e:
                 raise StoreError(f"snapshot {self.manifest.name!r}: {s.name} chunk {i}: {e}") from None
-            return bytes(data) if isinstance(data, memoryview) else data  # the buffer goes back now
+            out = bytes(data) if isinstance(data, memoryview) else data  # the buffer goes back now
+            t2 = time.perf_counter()
+            self.stages.add("read+verify", t1 - t0, ref.stored_len)
+            self.stages.add("decode", t2 - t1, ref.raw_len)
+            return out
 
     def _feed(self, s: Stream, fd: int, ranges: tuple[tuple[int, int], ...] | None = None,
               replacement: bytes | None = None) -> None:
@@ -657,7 +664,7 @@ def restore(criu: Any, store: SnapshotStore, manifest: Manifest, images: str, *,
                     raise
                 _signal_all(pids, signal.SIGCONT)
                 seconds["split_fill"] = time.perf_counter() - t1
-        info.update(served=len(srv.served), refused=srv.refused, bytes=srv.bytes,
+        info.update(served=len(srv.served), refused=srv.refused, bytes=srv.bytes, stages=srv.stages.table(),
                     moved_bytes=sum(p.moved_bytes for p in srv.plans.values()))
     return seconds, info
 
