@@ -218,43 +218,84 @@ def primary_context(device: int) -> Any:
         return ctx
 
 
+class _Blocks:
+    """The device blocks one codec's nvCOMP calls used, kept for its next calls on its stream.
+
+    nvCOMP allocates its scratch on every call and drops it after; a block given back here is reused
+    by the next call of the same size (stream-ordered: the same stream, so never while in use), which
+    spares a device allocation per chunk. Freed when the codec and every block it handed out are gone.
+    """
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+        self.ctx = _ck(_drv().cuCtxGetCurrent(), "cuCtxGetCurrent")
+        self._spare: dict[int, list[int]] = {}
+        self._lock = threading.Lock()
+
+    def take(self, size: int) -> int:
+        with self._lock:
+            free = self._spare.get(size)
+            if free:
+                return free.pop()
+        return int(_ck(_drv().cuMemAllocAsync(size, self.stream), f"cuMemAllocAsync({size})"))
+
+    def give(self, ptr: int, size: int) -> None:
+        with self._lock:
+            self._spare.setdefault(size, []).append(ptr)
+
+    def __del__(self) -> None:
+        for ptrs in self._spare.values():
+            for ptr in ptrs:
+                _free_device(self.ctx, ptr, self.stream)
+
+
+def _free_device(ctx: Any, ptr: int, stream: Any) -> None:
+    """Free device memory from any thread (CTX pushed for the call); quiet at interpreter shutdown."""
+    try:
+        d = _drv()
+        pushed = _err(d.cuCtxPushCurrent(ctx)) == 0
+    except Exception:  # noqa: BLE001 - interpreter shutdown: the driver frees it with the context
+        return
+    try:
+        if stream is None or _err(d.cuMemFreeAsync(ptr, stream)) != 0:
+            d.cuMemFree(ptr)  # also frees stream-ordered memory once its stream is gone
+    finally:
+        if pushed:
+            d.cuCtxPopCurrent()
+
+
 class _ScratchBuffer:
-    """Device memory nvCOMP asked for (its scratch and temporary buffers), zeroed before it is used.
+    """Device memory nvCOMP asked for (its scratch), zeroed before nvCOMP can use it.
 
-    nvCOMP's kernels leave gaps in what they stage in scratch and then copy into the output, so
-    whatever scratch held before (an earlier chunk, another tenant's data) would reach the payload:
-    payloads would differ between encodes of equal input (no dedup) and leak stale bytes. Scratch
-    allocated while a codec runs is bound to it: zeroed on its stream when handed out and again
-    before each of its encodes (_NvcompCodec.encode). Anything else is zeroed synchronously."""
+    nvCOMP's kernels leave gaps in what they stage in scratch and copy into the output, so whatever
+    scratch held before (an earlier chunk, another snapshot's or tenant's data) would reach the
+    payload: encodes of equal input would differ (no dedup) and carry stale bytes. Scratch asked for
+    while a codec runs comes from the codec's _Blocks and is zeroed on its stream when handed out;
+    what nvCOMP keeps across calls is zeroed again before each encode (_NvcompCodec.encode).
+    Anything else is allocated and zeroed synchronously."""
 
-    __slots__ = ("ptr", "size", "_stream", "_ctx", "__weakref__")
+    __slots__ = ("__weakref__", "_blocks", "_ctx", "ptr", "size")
 
     def __init__(self, nbytes: int, owner: "_NvcompCodec | None") -> None:
         d = _drv()
         self.size = max(int(nbytes), 1)
-        self._ctx = _ck(d.cuCtxGetCurrent(), "cuCtxGetCurrent")
-        self._stream = owner.stream if owner is not None else None
-        if self._stream is not None:
-            self.ptr = int(_ck(d.cuMemAllocAsync(self.size, self._stream), f"cuMemAllocAsync({self.size})"))
-            _ck(d.cuMemsetD8Async(self.ptr, 0, self.size, self._stream), "cuMemsetD8Async")
+        self._blocks = owner.blocks if owner is not None else None
+        if self._blocks is not None:
+            self._ctx = self._blocks.ctx
+            self.ptr = self._blocks.take(self.size)
+            _ck(d.cuMemsetD8Async(self.ptr, 0, self.size, self._blocks.stream), "cuMemsetD8Async")
             owner.scratch.add(self)
         else:
+            self._ctx = _ck(d.cuCtxGetCurrent(), "cuCtxGetCurrent")
             self.ptr = int(_ck(d.cuMemAlloc(self.size), f"cuMemAlloc({self.size})"))
             _ck(d.cuMemsetD8(self.ptr, 0, self.size), "cuMemsetD8")
             _ck(d.cuCtxSynchronize(), "cuCtxSynchronize")  # before any stream of ours can use it
 
     def __del__(self) -> None:
-        try:
-            d = _drv()
-            pushed = _err(d.cuCtxPushCurrent(self._ctx)) == 0
-        except Exception:  # noqa: BLE001 - interpreter shutdown: the driver frees it with the context
-            return
-        try:
-            if self._stream is None or _err(d.cuMemFreeAsync(self.ptr, self._stream)) != 0:
-                d.cuMemFree(self.ptr)  # also frees stream-ordered memory once its stream is gone
-        finally:
-            if pushed:
-                d.cuCtxPopCurrent()
+        if self._blocks is not None:
+            self._blocks.give(self.ptr, self.size)
+        else:
+            _free_device(self._ctx, self.ptr, None)
 
 
 def _err(out: Any) -> int:
@@ -284,12 +325,13 @@ class _NvcompCodec:
     """One nvCOMP codec bound to one stream (nvCOMP codecs are not thread-safe: one per lane).
 
     Its output is a function of its input only: every buffer nvCOMP allocates for it is zeroed on
-    its stream before each encode (see _ScratchBuffer), and the caller zeroes OUT."""
+    its stream before nvCOMP uses it (see _ScratchBuffer), and the caller zeroes OUT."""
 
     def __init__(self, algorithm: str, stream: Any, nvcomp_chunk: int, device: int) -> None:
         self._nv = _nvcomp()
         _install_nvcomp_allocator(self._nv)
         self.stream = stream
+        self.blocks = _Blocks(stream)
         self.scratch: weakref.WeakSet[_ScratchBuffer] = weakref.WeakSet()
         with self._owning():
             self._codec = self._nv.Codec(algorithm=algorithm, uncomp_chunk_size=nvcomp_chunk,
