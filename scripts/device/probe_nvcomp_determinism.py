@@ -10,7 +10,7 @@ Per algorithm (ANS, Bitcomp, LZ4), 64 MiB chunks of model-like bytes, nvCOMP's n
   fixed (storage.device's codec: every scratch buffer nvCOMP allocates zeroed before each encode):
   the same, then the cost per chunk of the memsets (output buffer, scratch) against the encode.
 Prints one JSON document (and writes it to $OUT/probe-nvcomp-determinism.json when OUT is set);
-PROBE_ONLY=baseline or fixed runs one half.
+PROBE_ONLY=baseline or fixed runs one half, PROBE_K=TEXT the steps whose name has TEXT.
 """
 from __future__ import annotations
 
@@ -81,6 +81,12 @@ class Lane:
             m = int(enc.buffer_size)
         dev.sync(self.stream)
         return m, download(self.out, m)
+
+
+def uploads(into: list[int]) -> list[int]:
+    """16 chunks of other bytes on the device (for the concurrent runs), made once."""
+    into.extend(upload(model_bytes(10 + i)) for i in range(16))
+    return into
 
 
 def digest(a: np.ndarray) -> str:
@@ -166,7 +172,7 @@ def timed(lane: Lane, src: int, reps: int = 10) -> dict[str, float]:
 
 def main() -> None:
     x, y = upload(model_bytes(1)), upload(model_bytes(2))
-    many = [upload(model_bytes(10 + i)) for i in range(16)]
+    many: list[int] = []
     res: dict[str, Any] = {"nvcomp_chunk": NV_CHUNK, "chunk": N, "out_cap": CAP}
     try:
         from nvidia import nvcomp
@@ -179,9 +185,10 @@ def main() -> None:
         tag = "fixed" if fixed else "baseline"
         for algo in NVCOMP_ALGORITHMS.values():
             steps.append((f"{tag}/{algo}/sequence", lambda a=algo, f=fixed: sequence(a, f, x, y)))
-            steps.append((f"{tag}/{algo}/concurrent", lambda a=algo, f=fixed: concurrent(a, f, many)))
+            steps.append((f"{tag}/{algo}/concurrent", lambda a=algo, f=fixed: concurrent(a, f, many or uploads(many))))
             steps.append((f"{tag}/{algo}/cost", lambda a=algo, f=fixed: timed(Lane(a, f), x)))
-    for name, fn in steps:
+    only = os.environ.get("PROBE_K")
+    for name, fn in [s for s in steps if not only or only in s[0]]:
         try:
             res[name] = fn()
         except Exception as e:  # noqa: BLE001 - one failing step must not hide the others
