@@ -1,7 +1,10 @@
 """What the GPU data path needs from a device, and two devices that provide it.
 
 CudaDevice is the product: streams, device and pinned host memory, async copies through the CUDA
-driver (cuda.bindings), and nvCOMP codecs that encode and decode device memory on the GPU.
+driver (cuda.bindings), and nvCOMP codecs that encode and decode device memory on the GPU. Guarantee:
+an nvCOMP payload depends on the chunk's bytes alone — every scratch buffer nvCOMP uses is zeroed
+before it does (nvCOMP's device allocator in this process is ours: _ScratchBuffer), so equal memory
+gives equal chunk ids and no byte of an earlier chunk reaches a later payload.
 
 HostDevice runs the same engine with host memory standing in for device memory: "device pointers"
 are addresses in this process, copies are memmove, the codec is zstd on the CPU. It exists so that

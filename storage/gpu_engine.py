@@ -74,12 +74,12 @@ class _Lane:
         self.stream = dev.new_stream()
         self.frame: HostBuffer = dev.pinned(HEADER_SIZE + engine.chunk_size + ALIGN)
         self.scratch = dev.alloc(engine.chunk_size + (1 << 20))
-        # nvCOMP leaves gaps in its output unwritten, and copies gaps of its scratch into it: an
-        # encode's payload would carry whatever those buffers held before (an earlier chunk, another
-        # snapshot's or tenant's data), and equal input would not give equal bytes (no dedup, no zero
-        # signature). So every encode runs on zeroed buffers: the output buffer here (memset on the
-        # lane's stream before each encode, _encode) and nvCOMP's own scratch (device._ScratchBuffer).
-        # Measured on the H200: scripts/device/probe_nvcomp_determinism.py, BENCHMARKS.md.
+        # nvCOMP leaves bytes of its output unwritten and copies unwritten scratch bytes into it
+        # (measured, nvCOMP 6.0: ANS ~22 KB per 64 MiB chunk): a payload would carry whatever those
+        # buffers held before (an earlier chunk, another snapshot's or tenant's data), and equal input
+        # would not give equal bytes (no dedup, no zero signature). So every encode runs on zeroed
+        # buffers: the output buffer here (memset on the lane's stream, _encode) and nvCOMP's scratch
+        # (device._ScratchBuffer). scripts/device/probe_nvcomp_determinism.py; BENCHMARKS.md.
         self.out_cap = engine.chunk_size * 3 // 2 + (4 << 20)
         self.out = dev.alloc(self.out_cap)
         self.codec = None if engine.codec == "raw" else dev.codec(engine.codec, self.stream, engine.nvcomp_chunk)
