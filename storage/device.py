@@ -1,7 +1,10 @@
 """What the GPU data path needs from a device, and two devices that provide it.
 
 CudaDevice is the product: streams, device and pinned host memory, async copies through the CUDA
-driver (cuda.bindings), and nvCOMP codecs that encode and decode device memory on the GPU.
+driver (cuda.bindings), and nvCOMP codecs that encode and decode device memory on the GPU. Guarantee:
+an nvCOMP payload depends on the chunk's bytes alone — every scratch buffer nvCOMP uses is zeroed
+before it does (nvCOMP's device allocator in this process is ours: _ScratchBuffer), so equal memory
+gives equal chunk ids and no byte of an earlier chunk reaches a later payload.
 
 HostDevice runs the same engine with host memory standing in for device memory: "device pointers"
 are addresses in this process, copies are memmove, the codec is zstd on the CPU. It exists so that
@@ -17,7 +20,9 @@ import ctypes
 import mmap
 import os
 import threading
-from typing import Any, Protocol
+import weakref
+from contextlib import contextmanager
+from typing import Any, Iterator, Protocol
 
 from .directio import ALIGN, align_up
 
@@ -216,36 +221,164 @@ def primary_context(device: int) -> Any:
         return ctx
 
 
+class _Blocks:
+    """The device blocks one codec's nvCOMP calls used, kept for its next calls on its stream.
+
+    nvCOMP allocates its scratch on every call and drops it after; a block given back here is reused
+    by the next call of the same size (stream-ordered: the same stream, so never while in use), which
+    spares a device allocation per chunk. Freed when the codec and every block it handed out are gone.
+    """
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+        self.ctx = _ck(_drv().cuCtxGetCurrent(), "cuCtxGetCurrent")
+        self._spare: dict[int, list[int]] = {}
+        self._lock = threading.Lock()
+
+    def take(self, size: int) -> int:
+        with self._lock:
+            free = self._spare.get(size)
+            if free:
+                return free.pop()
+        return int(_ck(_drv().cuMemAllocAsync(size, self.stream), f"cuMemAllocAsync({size})"))
+
+    def give(self, ptr: int, size: int) -> None:
+        with self._lock:
+            self._spare.setdefault(size, []).append(ptr)
+
+    def __del__(self) -> None:
+        for ptrs in self._spare.values():
+            for ptr in ptrs:
+                _free_device(self.ctx, ptr, self.stream)
+
+
+def _free_device(ctx: Any, ptr: int, stream: Any) -> None:
+    """Free device memory from any thread (CTX pushed for the call); quiet at interpreter shutdown."""
+    try:
+        d = _drv()
+        pushed = _err(d.cuCtxPushCurrent(ctx)) == 0
+    except Exception:  # noqa: BLE001 - interpreter shutdown: the driver frees it with the context
+        return
+    try:
+        if stream is None or _err(d.cuMemFreeAsync(ptr, stream)) != 0:
+            d.cuMemFree(ptr)  # also frees stream-ordered memory once its stream is gone
+    finally:
+        if pushed:
+            d.cuCtxPopCurrent()
+
+
+class _ScratchBuffer:
+    """Device memory nvCOMP asked for (its scratch), zeroed before nvCOMP can use it.
+
+    nvCOMP's kernels leave gaps in what they stage in scratch and copy into the output, so whatever
+    scratch held before (an earlier chunk, another snapshot's or tenant's data) would reach the
+    payload: encodes of equal input would differ (no dedup) and carry stale bytes. Scratch asked for
+    while a codec runs comes from the codec's _Blocks and is zeroed on its stream when handed out;
+    what nvCOMP keeps across calls is zeroed again before each encode (_NvcompCodec.encode).
+    Anything else is allocated and zeroed synchronously."""
+
+    __slots__ = ("__weakref__", "_blocks", "_ctx", "ptr", "size")
+
+    def __init__(self, nbytes: int, owner: "_NvcompCodec | None") -> None:
+        d = _drv()
+        self.size = max(int(nbytes), 1)
+        self._blocks = owner.blocks if owner is not None else None
+        if self._blocks is not None:
+            self._ctx = self._blocks.ctx
+            self.ptr = self._blocks.take(self.size)
+            _ck(d.cuMemsetD8Async(self.ptr, 0, self.size, self._blocks.stream), "cuMemsetD8Async")
+            owner.scratch.add(self)
+        else:
+            self._ctx = _ck(d.cuCtxGetCurrent(), "cuCtxGetCurrent")
+            self.ptr = int(_ck(d.cuMemAlloc(self.size), f"cuMemAlloc({self.size})"))
+            _ck(d.cuMemsetD8(self.ptr, 0, self.size), "cuMemsetD8")
+            _ck(d.cuCtxSynchronize(), "cuCtxSynchronize")  # before any stream of ours can use it
+
+    def __del__(self) -> None:
+        if self._blocks is not None:
+            self._blocks.give(self.ptr, self.size)
+        else:
+            _free_device(self._ctx, self.ptr, None)
+
+
+def _err(out: Any) -> int:
+    """The status code of a cuda.bindings call's result."""
+    return int(out[0] if isinstance(out, tuple) else out)
+
+
+_OWNER = threading.local()  # .codec: the _NvcompCodec whose call runs on this thread
+_ALLOCATOR_LOCK = threading.Lock()
+_ALLOCATOR_SET = False
+
+
+def _nvcomp_device_alloc(nbytes: int, stream: Any) -> _ScratchBuffer:
+    """nvCOMP's device allocator in this process (nvcomp.set_device_allocator): zeroed scratch."""
+    return _ScratchBuffer(nbytes, getattr(_OWNER, "codec", None))
+
+
+def _install_nvcomp_allocator(nv: Any) -> None:
+    global _ALLOCATOR_SET
+    with _ALLOCATOR_LOCK:
+        if not _ALLOCATOR_SET:
+            nv.set_device_allocator(_nvcomp_device_alloc)
+            _ALLOCATOR_SET = True
+
+
 class _NvcompCodec:
-    """One nvCOMP codec bound to one stream (nvCOMP codecs are not thread-safe: one per lane)."""
+    """One nvCOMP codec bound to one stream (nvCOMP codecs are not thread-safe: one per lane).
+
+    Its output is a function of its input only: every buffer nvCOMP allocates for it is zeroed on
+    its stream before nvCOMP uses it (see _ScratchBuffer), and the caller zeroes OUT."""
 
     def __init__(self, algorithm: str, stream: Any, nvcomp_chunk: int, device: int) -> None:
         self._nv = _nvcomp()
-        self._stream = stream
-        self._codec = self._nv.Codec(algorithm=algorithm, uncomp_chunk_size=nvcomp_chunk,
-                                     cuda_stream=int(stream), device_id=device)
+        _install_nvcomp_allocator(self._nv)
+        self.stream = stream
+        self.blocks = _Blocks(stream)
+        self.scratch: weakref.WeakSet[_ScratchBuffer] = weakref.WeakSet()
+        with self._owning():
+            self._codec = self._nv.Codec(algorithm=algorithm, uncomp_chunk_size=nvcomp_chunk,
+                                         cuda_stream=int(stream), device_id=device)
         self._keep: Any = None
 
+    @contextmanager
+    def _owning(self) -> Iterator[None]:
+        """Bind what nvCOMP allocates on this thread meanwhile to this codec (and its stream)."""
+        prev = getattr(_OWNER, "codec", None)
+        _OWNER.codec = self
+        try:
+            yield
+        finally:
+            _OWNER.codec = prev
+
+    @property
+    def scratch_bytes(self) -> int:
+        return sum(b.size for b in list(self.scratch))
+
     def encode(self, src: int, n: int, out: int, cap: int) -> int:
-        nv = self._nv
-        enc = self._codec.encode(nv.as_array(DeviceBytes(src, n)), out=nv.as_array(DeviceBytes(out, cap)))
+        nv, d = self._nv, _drv()
+        with self._owning():
+            for b in list(self.scratch):
+                _ck(d.cuMemsetD8Async(b.ptr, 0, b.size, self.stream), "cuMemsetD8Async")
+            enc = self._codec.encode(nv.as_array(DeviceBytes(src, n)), out=nv.as_array(DeviceBytes(out, cap)))
         self._keep = enc  # must outlive the stream work that follows (the D2H of its bytes)
         return int(enc.buffer_size)
 
     def decode(self, src: int, m: int, dst: int, n: int) -> None:
         nv = self._nv
         arr = nv.as_array(DeviceBytes(src, m))
-        try:
-            self._codec.decode(arr, out=nv.as_array(DeviceBytes(dst, n)))
-            return
-        except TypeError:
-            pass  # an nvCOMP without external output buffers: decode, then copy on the device
-        out = self._codec.decode(arr)
+        with self._owning():
+            try:
+                self._codec.decode(arr, out=nv.as_array(DeviceBytes(dst, n)))
+                return
+            except TypeError:
+                pass  # an nvCOMP without external output buffers: decode, then copy on the device
+            out = self._codec.decode(arr)
         if int(out.buffer_size) != n:
             raise DeviceError(f"nvCOMP decoded {int(out.buffer_size)} bytes, expected {n}")
         self._keep = out
         ptr = int(out.__cuda_array_interface__["data"][0])
-        _ck(_drv().cuMemcpyDtoDAsync(dst, ptr, n, self._stream), "cuMemcpyDtoDAsync")
+        _ck(_drv().cuMemcpyDtoDAsync(dst, ptr, n, self.stream), "cuMemcpyDtoDAsync")
 
     def release(self) -> None:
         self._keep = None

@@ -74,12 +74,12 @@ class _Lane:
         self.stream = dev.new_stream()
         self.frame: HostBuffer = dev.pinned(HEADER_SIZE + engine.chunk_size + ALIGN)
         self.scratch = dev.alloc(engine.chunk_size + (1 << 20))
-        # nvCOMP leaves padding between its compressed blocks unwritten: encoding into a zeroed buffer
-        # of the worst-case size (ANS asks for ~1.41x) keeps stale bytes out of chunks and makes
-        # Bitcomp and LZ4 output equal for equal input, which dedup and the zero signature rely on.
-        # ANS output still varies when several lanes encode at once (measured on nvCOMP 6.0.0.12:
-        # scripts/device/probe_nvcomp_determinism.py, scripts/device/probe_engine_dedup.py), so ANS chunks seldom
-        # dedup; choose nvcomp-bitcomp where dedup matters more than the ratio.
+        # nvCOMP leaves bytes of its output unwritten and copies unwritten scratch bytes into it
+        # (measured, nvCOMP 6.0: ANS ~22 KB per 64 MiB chunk): a payload would carry whatever those
+        # buffers held before (an earlier chunk, another snapshot's or tenant's data), and equal input
+        # would not give equal bytes (no dedup, no zero signature). So every encode runs on zeroed
+        # buffers: the output buffer here (memset on the lane's stream, _encode) and nvCOMP's scratch
+        # (device._ScratchBuffer). scripts/device/probe_nvcomp_determinism.py; BENCHMARKS.md.
         self.out_cap = engine.chunk_size * 3 // 2 + (4 << 20)
         self.out = dev.alloc(self.out_cap)
         self.codec = None if engine.codec == "raw" else dev.codec(engine.codec, self.stream, engine.nvcomp_chunk)

@@ -273,3 +273,36 @@ def test_pool_concurrent_writers_share_chunks(dev: HostDevice, region_mem: HostM
         assert pool.used == sum(-(-n // 4096) * 4096 for n in unique.values())
         pool.remove("y")
         assert pool.used == 0
+
+
+@pytest.mark.parametrize("direct", [False, True])
+def test_no_byte_of_an_earlier_chunk_in_a_later_chunk_file(tmp_path: Path, dev: HostDevice, direct: bool) -> None:
+    """Chunk A (random bytes: stored raw, so all of it passes through the lane's frame and output
+    buffer), then a smaller chunk B through the same single lane: B's file (header, payload, padding
+    to 4096) holds no run of A's bytes, written with O_DIRECT (whole aligned blocks) or without."""
+    from stale_bytes import leaked_runs, word_index
+    rng = np.random.default_rng(7)
+    a_mem, b_mem = HostMemory(CHUNK), HostMemory(CHUNK)
+    try:
+        a_mem.view[:] = rng.bytes(CHUNK)
+        b_mem.view[:] = bytes(CHUNK)
+        b_mem.view[:CHUNK // 4] = _bf16_weights(rng, CHUNK // 4)  # compresses to well under A's length
+        st = SnapshotStore(str(tmp_path / "s"))
+        if direct and not st.direct:
+            pytest.skip("this file system has no O_DIRECT")
+        st._direct = direct  # noqa: SLF001 - the write path under test, both ways on one file system
+        with GpuEngine(dev, chunk_size=CHUNK, lanes=1) as eng:
+            for name, mem in (("a", a_mem), ("b", b_mem)):
+                with st.writer(name) as w:
+                    eng.checkpoint(w, [Region("gpu/0", mem.ptr, CHUNK)])
+                    w.commit()
+        (a,), (b,) = st.load("a").streams[0].chunks, st.load("b").streams[0].chunks
+        assert a.codec == "raw" and b.codec == "zstd" and b.stored_len < CHUNK // 3
+        data = (tmp_path / "s" / "chunks" / b.id[:2] / b.id).read_bytes()
+        assert len(data) == 4096 + (-(-b.stored_len // 4096) * 4096 if direct else b.stored_len)
+        assert data[4096 + b.stored_len:] == bytes(len(data) - 4096 - b.stored_len)  # padding: zeros only
+        assert leaked_runs(word_index(a_mem.view), data) == []
+        assert leaked_runs(word_index(a_mem.view), a_mem.view[100:200]) != []  # the search finds a real run
+    finally:
+        a_mem.close()
+        b_mem.close()

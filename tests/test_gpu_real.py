@@ -234,8 +234,8 @@ def test_engine_refuses_a_corrupted_stream(tmp_path: Path) -> None:
 
 
 def test_engine_dedup_after_5_percent_change(tmp_path: Path) -> None:
-    """With a deterministic codec (Bitcomp) a second snapshot writes only what changed. (ANS output
-    is not byte-stable under concurrent lanes in nvCOMP 6.0: see storage/gpu_engine.py.)"""
+    """A second snapshot after 5% of the memory changed writes only what changed (Bitcomp here; the
+    default codec's unchanged re-checkpoint: tests/test_gpu_determinism.py)."""
     from storage.gpu_engine import GpuEngine, Region
     from storage.store import SnapshotStore
     from scripts.workloads.workload_control import Workload, ipc_region
