@@ -265,11 +265,11 @@ def test_thp_record_removed_after_a_normal_block(tmp_path: Path) -> None:
 GPU_DUMP = """
 import sys
 sys.path.insert(0, {tests!r})
-from file_standin import FileStandIn
+from driver_standin import SharedStandIn
 from sandbox.criu.snapshot import criu_dump
 from sandbox.gpu.driver import Features
 from storage.store import SnapshotStore
-criu_dump(SnapshotStore({store!r}), {pid}, "g", gpu_driver=FileStandIn({state!r}),
+criu_dump(SnapshotStore({store!r}), {pid}, "g", gpu_driver=SharedStandIn({state!r}),
           features=Features(checkpoint_api=True, custom_storage=False))
 """
 
@@ -280,17 +280,15 @@ def test_gpu_dump_killed_then_recovered(stage: str, tmp_path: Path) -> None:
     host-staged path); gpusnap is killed -9 with them CHECKPOINTED (and the tree stopped by CRIU):
     recovery resumes the tree and restores and unlocks their GPU memory, byte-exact."""
     import random
-    from file_standin import FileStandIn
+    from driver_standin import SharedStandIn
     from sandbox.gpu.driver import ProcessState
     from sandbox.recover import recover
     from storage.store import SnapshotStore
     tree = Tree(mb=16, detached=True)
     try:
-        state = str(tmp_path / "driver.json")
-        d = FileStandIn(state)
+        state = str(tmp_path / "driver.pkl")
         before = {pid: random.Random(pid).randbytes(64 << 10) for pid in (tree.pid, tree.child)}
-        for pid, data in before.items():
-            d.add(pid, data)
+        SharedStandIn.create(state, before)
         store = tmp_path / "store"
         pause = tmp_path / "pause"
         prog = GPU_DUMP.format(tests=str(REPO / "tests"), store=str(store), pid=tree.pid, state=state)
@@ -301,15 +299,15 @@ def test_gpu_dump_killed_then_recovered(stage: str, tmp_path: Path) -> None:
         while not pause.exists():
             assert p.poll() is None and time.monotonic() < deadline, "the dump did not reach the pause"
             time.sleep(0.02)
-        assert {FileStandIn(state).get_state(x) for x in before} == {ProcessState.CHECKPOINTED}
+        assert {SharedStandIn(state).get_state(x) for x in before} == {ProcessState.CHECKPOINTED}
         staging = json.loads(next((store / "journal").glob("*.json")).read_text())["staging"]
         p.kill()
         p.wait()
         pause.unlink()
-        rep = recover(SnapshotStore(str(store), create=False), gpu_driver=lambda: FileStandIn(state),
+        rep = recover(SnapshotStore(str(store), create=False), gpu_driver=lambda: SharedStandIn(state),
                       thp_record_dir=str(tmp_path / "run"))
         assert rep.ok, rep.as_dict()
-        d = FileStandIn(state)
+        d = SharedStandIn(state)
         assert all(d.get_state(x) == ProcessState.RUNNING for x in before)
         assert {x: bytes(d.procs[x].gpu) for x in before} == before
         assert_nothing_left(store, staging)
