@@ -11,14 +11,16 @@ left running (CRIU or runsc still finishing; killed as a group after a grace per
   up is removed whole;
 - gpu-checkpoint: snapshot committed -> the processes stay CHECKPOINTED, as asked; otherwise their
   GPU state is resumed;
-GPU state is resumed by the path that took it: host-staged through the driver's own copy; custom
-storage through the same custom-storage restore `gpu restore` uses, fed from the chunks the
-operation's reference log (journal/OP.refs, storage.reflog) lists for each process, or from the
-committed snapshot. A process whose list is incomplete (or that the driver still holds mid-operation)
-cannot get its memory back: recovery says exactly which regions are lost and the state the process
-stays in, and counts that as the final outcome (the record goes, its chunks are gc's to reclaim);
 and always the staging directory and the dead owner's temporary store files are removed and the
-record deleted. Finally THP values left switched by dead processes are put back.
+record deleted (then its reference log). Finally THP values left switched by dead processes are put back.
+
+GPU state is resumed by the path that took it: host-staged through the driver's own copy; custom
+storage through the same custom-storage restore `gpu restore` uses (sandbox.gpu.state.thaw), fed
+from the chunks the operation's reference log (journal/OP.refs, storage.reflog) lists for each
+process, or from the snapshot a restore reads or the operation committed. A process whose list is
+incomplete, or that the driver still holds mid-operation, cannot get its memory back: recovery names
+each lost region and the state the process stays in (Recovered.lost, and `ok` is false), and takes
+that as the final outcome: the record goes, and its chunks are gc's to reclaim.
 
 Guarantees kept here: only processes named in a record with the same pid AND start time are
 signalled; only the staging directory named after the record's operation is removed; a record whose
