@@ -506,7 +506,7 @@ from storage.device import HostDevice
 # the real `gpusnap gpu checkpoint` command, with the driver stand-in (custom storage offered) and the
 # engine on host memory in place of the CUDA driver and GPU 0
 gpu_cmd.gpu_checkpoint = functools.partial(gpu_cmd.gpu_checkpoint, driver=SharedStandIn({state!r}),
-                                           features=Features(checkpoint_api=True, custom_storage=True),
+                                           features=Features(checkpoint_api=True, custom_storage={custom}),
                                            device=HostDevice())
 main(["--store", {store!r}, "gpu", "checkpoint", "{pid}", "g", "--json"], prog_name="gpusnap")
 """
@@ -559,10 +559,14 @@ def _logged_chunks(store: Path) -> set[str]:
             if '"k":"chunk"' in line} - {None}
 
 
-def _gpu_checkpoint_paused(store: Path, w: GpuWorkload, stage: str, tmp: Path) -> tuple[subprocess.Popen, Path]:
+def _gpu_checkpoint_paused(store: Path, w: GpuWorkload, stage: str, tmp: Path,
+                           custom: bool = True) -> tuple[subprocess.Popen, Path]:
     pause = tmp / f"pause-{stage}"
-    prog = GPU_CHECKPOINT_CLI.format(tests=str(REPO / "tests"), store=str(store), pid=w.pids[0], state=w.state)
-    env = {**os.environ, "PYTHONPATH": pythonpath(), "GPUSNAP_TEST_PAUSE": f"{stage}:{pause}"}
+    prog = GPU_CHECKPOINT_CLI.format(tests=str(REPO / "tests"), store=str(store), pid=w.pids[0], state=w.state,
+                                     custom=custom)
+    # a THP switch (host-staged path) is recorded where _recover puts it back
+    env = {**os.environ, "PYTHONPATH": pythonpath(), "GPUSNAP_TEST_PAUSE": f"{stage}:{pause}",
+           "GPUSNAP_RUN_DIR": str(tmp / "run")}
     p = subprocess.Popen([sys.executable, "-c", prog], env=env, cwd=REPO, start_new_session=True, text=True,
                          stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 120
@@ -639,6 +643,28 @@ def test_custom_storage_gpu_checkpoint_interrupted(stage: str, sig: int, tmp_pat
         assert left, "the killed checkpoint's chunks are still there before gc"
         g = _gc(store)
         assert g.chunks_removed == len(left) and _chunk_files(store) == set(), "gc reclaims the orphaned chunks"
+    finally:
+        w.close()
+
+
+def test_host_staged_gpu_checkpoint_killed_before_commit(tmp_path: Path) -> None:
+    """The same kill on the host-staged path (the driver's copy stays inside each process): recover
+    restores and unlocks both through the driver, byte-identical; no reference log was kept."""
+    store = tmp_path / "store"
+    w = GpuWorkload(tmp_path)
+    try:
+        p, pause = _gpu_checkpoint_paused(store, w, "before-commit", tmp_path, custom=False)
+        assert w.states() == {x: "CHECKPOINTED" for x in w.pids}
+        p.kill()
+        p.wait()
+        pause.unlink()
+        p.communicate()
+        assert list((store / "journal").glob("*.refs")) == []
+        rep = _recover(store, w)
+        assert rep.ok and "GPU state resumed" in rep.operations[0].actions[0], rep.as_dict()
+        assert w.states() == {x: "RUNNING" for x in w.pids} and w.memory() == w.before
+        assert [n.name for n in (store / "journal").iterdir()] == ["recover.lock"]
+        assert list((store / "tmp").iterdir()) == []
     finally:
         w.close()
 
