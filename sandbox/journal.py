@@ -1,17 +1,20 @@
 """The journal of operations in flight: what a dump, checkpoint or restore is doing, on disk before it does it.
 
 Each operation that can leave a workload stopped or leave files behind (a CRIU dump or restore, a
-runsc checkpoint or restore) keeps one record in STORE/journal/OP.json while it runs (storage/FORMAT.md,
-"journal/"). `gpusnap recover` (sandbox.recover) reads the records whose owner died and finishes or
-undoes what each describes; every other state-changing command refuses to start while one exists.
+runsc checkpoint or restore, a `gpu checkpoint`) keeps one record in STORE/journal/OP.json while it
+runs (storage/FORMAT.md, "The journal"); one that streams GPU memory through custom storage also keeps
+the chunk references of its gpu/ streams in STORE/journal/OP.refs (storage.reflog) as they are
+stored. `gpusnap recover` (sandbox.recover) reads the records whose owner died and finishes or undoes
+what each describes; every other state-changing command refuses to start while one exists.
 
 Guarantees kept here:
 - a record reaches the disk (temp file, fsync, rename, directory fsync) before the step it
-  describes starts, and is removed only after the operation finished or was undone;
+  describes starts, and is removed only after the operation finished or was undone; its reference
+  log goes after it (a log without a record names nothing gc keeps, and recover removes it);
 - processes are named by pid AND start time (Proc), so a pid reused by an unrelated process is
   never taken for the owner or the workload, and is never signalled;
 - the test hook (pause, env GPUSNAP_TEST_PAUSE=STAGE:FILE) does nothing unless that variable names
-  the stage reached.
+  the stage reached, and pauses at most once per process.
 """
 from __future__ import annotations
 
@@ -48,6 +51,7 @@ class OpKind(str, enum.Enum):
     CRIU_RESTORE = "criu-restore"
     RUNSC_CHECKPOINT = "runsc-checkpoint"
     RUNSC_RESTORE = "runsc-restore"
+    GPU_CHECKPOINT = "gpu-checkpoint"
 
 
 class Stage(str, enum.Enum):
@@ -181,11 +185,19 @@ class Journal:
             raise JournalError(f"cannot write the operation journal in {self.dir}: {e.strerror or e}") from None
 
     def remove(self, op: str) -> None:
-        try:
-            os.unlink(self._path(op))
-            _fsync_dir(self.dir)
-        except FileNotFoundError:
-            pass
+        """OP's record, then its reference log (gc honours a log only while its record exists)."""
+        from storage import reflog  # lazily: the in-sandbox agent imports this module without blake3
+        for path in (self._path(op), os.path.join(self.dir, op + reflog.SUFFIX)):
+            try:
+                os.unlink(path)
+                _fsync_dir(self.dir)
+            except FileNotFoundError:
+                pass
+
+    def ref_log(self, op: str) -> Any:
+        """The chunk references OP's gpu/ streams recorded, a storage.reflog.RefLog (None if it kept no log)."""
+        from storage import reflog
+        return reflog.read(self.dir, op)
 
     def records(self) -> list[OpRecord]:
         """Every readable record (unreadable ones raise JournalError naming the file)."""
@@ -211,7 +223,9 @@ class Journal:
         return [r for r in self.records() if not r.owner.alive()]
 
     def stale_temps(self) -> list[str]:
-        """Half-written record files of owners that died (the record they were replacing is intact)."""
+        """Half-written record files of owners that died (the record they were replacing is intact),
+        and reference logs whose record is gone (removed between the two unlinks of remove())."""
+        from storage import reflog
         out = []
         try:
             names = os.listdir(self.dir)
@@ -220,6 +234,9 @@ class Journal:
         for n in names:
             m = re.fullmatch(r"\.([0-9a-f]{32})\.(\d+)\.tmp", n)
             if m and start_time(int(m.group(2))) is None:
+                out.append(os.path.join(self.dir, n))
+            m = re.fullmatch(r"([0-9a-f]{32})" + re.escape(reflog.SUFFIX), n)
+            if m and m.group(1) + ".json" not in names:
                 out.append(os.path.join(self.dir, n))
         return out
 
@@ -243,6 +260,12 @@ class Op:
     @property
     def id(self) -> str:
         return self.rec.op
+
+    def ref_log(self, durable: Any) -> Any:
+        """The storage.reflog.RefLogWriter of this operation's chunk-reference log (DURABLE(refs) makes
+        the chunks durable before their references are written: the store writer's sync_chunks)."""
+        from storage import reflog
+        return reflog.RefLogWriter(self.journal.dir, self.id, durable)
 
     def advance(self, stage: Stage | None = None, **changes: Any) -> None:
         """Record the next stage (and any changed fields) before doing it."""
@@ -273,12 +296,17 @@ def operation(store_path: str, kind: OpKind, snapshot: str, *, pids: list[int] =
     op.journal.remove(op.id)
 
 
+_paused: set[str] = set()
+
+
 def pause(stage: str) -> None:
     """Test hook: with GPUSNAP_TEST_PAUSE=STAGE:FILE, write our pid to FILE and wait until it is removed,
-    so that a test can kill or signal gpusnap at exactly this point. Does nothing otherwise."""
+    so that a test can kill or signal gpusnap at exactly this point (the first time it is reached in
+    this process). Does nothing otherwise."""
     want, _, path = os.environ.get(PAUSE_ENV, "").partition(":")
-    if want != stage or not path:
+    if want != stage or not path or stage in _paused:
         return
+    _paused.add(stage)
     with open(path + ".tmp", "w") as f:
         f.write(str(os.getpid()))
     os.rename(path + ".tmp", path)

@@ -9,8 +9,18 @@ left running (CRIU or runsc still finishing; killed as a group after a grace per
   asked; otherwise a sandbox the checkpoint stopped is restarted from the staged checkpoint;
 - criu-restore: GPU state of restored processes resumed; runsc-restore: a sandbox that did not come
   up is removed whole;
+- gpu-checkpoint: snapshot committed -> the processes stay CHECKPOINTED, as asked; otherwise their
+  GPU state is resumed;
 and always the staging directory and the dead owner's temporary store files are removed and the
-record deleted. Finally THP values left switched by dead processes are put back.
+record deleted (then its reference log). Finally THP values left switched by dead processes are put back.
+
+GPU state is resumed by the path that took it: host-staged through the driver's own copy; custom
+storage through the same custom-storage restore `gpu restore` uses (sandbox.gpu.state.thaw), fed
+from the chunks the operation's reference log (journal/OP.refs, storage.reflog) lists for each
+process, or from the snapshot a restore reads or the operation committed. A process whose list is
+incomplete, or that the driver still holds mid-operation, cannot get its memory back: recovery names
+each lost region and the state the process stays in (Recovered.lost, and `ok` is false), and takes
+that as the final outcome: the record goes, and its chunks are gc's to reclaim.
 
 Guarantees kept here: only processes named in a record with the same pid AND start time are
 signalled; only the staging directory named after the record's operation is removed; a record whose
@@ -42,11 +52,12 @@ class Recovered:
     snapshot: str
     stage: str
     actions: list[str] = field(default_factory=list)
-    error: str | None = None
+    error: str | None = None     # recovery failed; the record stays for another try
+    lost: list[str] = field(default_factory=list)   # what no recovery can give back (final)
 
     def as_dict(self) -> dict[str, Any]:
         return {"op": self.op, "kind": self.kind, "snapshot": self.snapshot, "stage": self.stage,
-                "actions": self.actions, "error": self.error}
+                "actions": self.actions, "error": self.error, "lost": self.lost}
 
 
 @dataclass
@@ -56,7 +67,7 @@ class RecoverReport:
 
     @property
     def ok(self) -> bool:
-        return all(o.error is None for o in self.operations)
+        return all(o.error is None and not o.lost for o in self.operations)
 
     def as_dict(self) -> dict[str, Any]:
         return {"ok": self.ok, "operations": [o.as_dict() for o in self.operations], "thp_put_back": self.thp_put_back}
@@ -70,14 +81,24 @@ def _real_driver() -> Any:
     return CudaDriver()
 
 
-def recover(store: SnapshotStore, *, gpu_driver: DriverFactory = _real_driver, helper_wait_s: float = 600.0,
-            thp_record_dir: str = hugepages.RECORD_DIR) -> RecoverReport:
+@dataclass(frozen=True)
+class GpuAccess:
+    """How recovery reaches the GPU: the CheckpointDriver, and the engine's device (storage.device.Device
+    or a GPU index) for a custom-storage restore; both made only when a record needs them."""
+
+    driver: DriverFactory = _real_driver
+    device: Callable[[], Any] = lambda: 0
+
+
+def recover(store: SnapshotStore, *, gpu_driver: DriverFactory = _real_driver, gpu_device: Callable[[], Any] = lambda: 0,
+            helper_wait_s: float = 600.0, thp_record_dir: str = hugepages.RECORD_DIR) -> RecoverReport:
     """Finish or undo every interrupted operation in STORE's journal; put THP back. GPU_DRIVER makes the
-    CheckpointDriver when a record names CUDA processes (tests pass a stand-in's factory)."""
+    CheckpointDriver when a record names CUDA processes, GPU_DEVICE the engine's device for a
+    custom-storage restore (tests pass a stand-in's factory and HostDevice)."""
     j = Journal(store.path)
     report = RecoverReport()
     with _recover_lock(j):
-        _recover_all(store, j, report, gpu_driver, helper_wait_s)
+        _recover_all(store, j, report, GpuAccess(gpu_driver, gpu_device), helper_wait_s)
     report.thp_put_back = [{"path": r.path, "value": r.before} for r in hugepages.put_back(thp_record_dir)]
     return report
 
@@ -94,14 +115,14 @@ def _recover_lock(j: Journal) -> Iterator[None]:
         os.close(fd)
 
 
-def _recover_all(store: SnapshotStore, j: Journal, report: RecoverReport, gpu_driver: DriverFactory,
+def _recover_all(store: SnapshotStore, j: Journal, report: RecoverReport, gpu: GpuAccess,
                  helper_wait_s: float) -> None:
     for rec in j.unfinished():
         done = Recovered(rec.op, rec.kind.value, rec.snapshot, rec.stage.value)
         report.operations.append(done)
         try:
             _wait_for_helpers(rec, helper_wait_s, done)
-            _RECOVER[rec.kind](store, rec, gpu_driver, done)
+            _RECOVER[rec.kind](store, rec, gpu, done)
             _remove_staging(rec, done)
             _remove_owner_temps(store, rec, done)
             j.remove(rec.op)
@@ -138,19 +159,101 @@ def _committed(store: SnapshotStore, rec: OpRecord) -> bool:
         return False
 
 
-def _resume_gpu(rec: OpRecord, gpu_driver: DriverFactory, done: Recovered) -> None:
+def _resume_gpu(store: SnapshotStore, rec: OpRecord, gpu: GpuAccess, done: Recovered) -> None:
     if not rec.cuda_pids:
         return
-    if rec.gpu_path == "custom-storage":
-        raise journal.JournalError(f"GPU processes {list(rec.cuda_pids)} were checkpointed through custom storage, "
-                                   "whose uncommitted GPU data recovery cannot read back; they stay locked")
     from sandbox.gpu import state
-    r = state.resume(gpu_driver(), list(rec.cuda_pids))
+    if rec.gpu_path == "custom-storage":
+        _resume_custom(store, rec, gpu, done)
+        return
+    r = state.resume(gpu.driver(), list(rec.cuda_pids))
     done.actions.append(f"GPU state resumed (restored {r.restored}, unlocked {r.unlocked}, running {r.running}, "
                         f"gone {r.gone})")
 
 
-def _criu_dump(store: SnapshotStore, rec: OpRecord, gpu_driver: DriverFactory, done: Recovered) -> None:
+def _custom_streams(store: SnapshotStore, rec: OpRecord) -> Callable[[int], tuple[list[Any], str | None]]:
+    """pid -> (its gpu/ streams, None) where they are complete, else ([], what is missing): from the
+    snapshot a restore reads or this operation committed, else from the operation's reference log."""
+    if rec.kind == OpKind.CRIU_RESTORE or _committed(store, rec):
+        m = store.load(rec.snapshot)
+
+        def from_snapshot(pid: int) -> tuple[list[Any], str | None]:
+            mine = [s for s in m.streams if s.name.startswith(f"gpu/{pid}/")]
+            return (mine, None) if mine else ([], f"snapshot {rec.snapshot!r} has no GPU stream of it")
+        return from_snapshot
+    log = Journal(store.path).ref_log(rec.op)
+
+    def from_log(pid: int) -> tuple[list[Any], str | None]:
+        if log is None:
+            return [], "the operation recorded no chunk of its GPU streams"
+        why = log.group_problem(str(pid), f"gpu/{pid}/")
+        return ([], why) if why else (log.streams([str(pid)]), None)
+    return from_log
+
+
+def _resume_custom(store: SnapshotStore, rec: OpRecord, gpu: GpuAccess, done: Recovered) -> None:
+    """Processes whose GPU memory went through custom storage, back to RUNNING: a CHECKPOINTED one is
+    restored through the custom-storage restore from its recorded chunks (sandbox.gpu.state.thaw,
+    as `gpu restore` does), a LOCKED one unlocked; one that cannot be is named in done.lost."""
+    from contextlib import nullcontext
+    from sandbox.gpu import state
+    from sandbox.gpu.driver import ProcessState as S
+    from sandbox.gpu.regions import EngineRegions
+    drv = gpu.driver()
+    streams_of = _custom_streams(store, rec)
+    thawable: list[int] = []
+    streams: list[Any] = []
+    for p in rec.cuda_pids:
+        st = state._state(drv, p)
+        if st is None:
+            done.actions.append(f"pid {p} is gone (not a CUDA process any more)")
+        elif st in (S.RUNNING, S.LOCKED):
+            thawable.append(p)
+        elif st == S.CHECKPOINTED:
+            mine, why = streams_of(p)
+            if why is None:
+                thawable.append(p)
+                streams += mine
+            else:
+                done.lost.append(f"pid {p}: its GPU memory is lost ({why}); it stays CHECKPOINTED (locked, "
+                                 "without GPU memory: it cannot run again; end it)")
+        else:
+            done.lost.append(f"pid {p}: its GPU memory is lost (gpusnap died while the driver had it mapped "
+                             f"into gpusnap's process); the driver holds it {st.name}: it cannot run again; end it")
+    if not thawable:
+        return
+    # lanes large enough for the biggest chunk (the engine refuses chunks over its lane size)
+    chunk = (max([4096, *(max(c.raw_len, c.stored_len) for s in streams for c in s.chunks)]) + 4095) & ~4095
+    with (_engine(gpu, chunk) if streams else nullcontext()) as eng:
+        regions = EngineRegions(eng, source=store, name=rec.snapshot, streams=streams) if eng is not None else None
+        backend = (state.backend_for(state.GpuPath.CUSTOM_STORAGE, regions=regions) if regions is not None
+                   else state.HostStaged(None))  # nothing to restore: only unlocks
+        r = state.thaw(drv, thawable, backend)
+    if r.restored:
+        n = sum(len(s.chunks) for s in streams)
+        done.actions.append(f"GPU memory of {list(r.restored)} restored through custom storage from the {n} "
+                            "recorded chunk(s) and unlocked")
+    if r.unlocked:
+        done.actions.append(f"unlocked {list(r.unlocked)}")
+    if r.running:
+        done.actions.append(f"{list(r.running)} already running")
+
+
+def _engine(gpu: GpuAccess, chunk_size: int) -> Any:
+    from storage.gpu_engine import GpuEngine
+    return GpuEngine(gpu.device(), chunk_size=chunk_size, lanes=2)
+
+
+def _gpu_checkpoint(store: SnapshotStore, rec: OpRecord, gpu: GpuAccess, done: Recovered) -> None:
+    if _committed(store, rec):
+        done.actions.append(f"snapshot {rec.snapshot!r} was committed: its processes stay CHECKPOINTED, as asked "
+                            f"(`gpusnap gpu restore {rec.snapshot}` brings them back)")
+        return
+    if rec.stage.at_least(Stage.GPU_FROZEN):
+        _resume_gpu(store, rec, gpu, done)
+
+
+def _criu_dump(store: SnapshotStore, rec: OpRecord, gpu: GpuAccess, done: Recovered) -> None:
     if _committed(store, rec):
         if not rec.leave_running:
             killed = [p.pid for p in rec.procs if p.signal(signal.SIGKILL)]
@@ -158,18 +261,18 @@ def _criu_dump(store: SnapshotStore, rec: OpRecord, gpu_driver: DriverFactory, d
         else:
             done.actions.append(f"snapshot {rec.snapshot!r} was committed")
             if rec.stage.at_least(Stage.GPU_FROZEN):
-                _resume_gpu(rec, gpu_driver, done)
+                _resume_gpu(store, rec, gpu, done)
         return
     if rec.stage.at_least(Stage.DUMPING):
         resumed = [p.pid for p in rec.procs if p.signal(signal.SIGCONT)]
         done.actions.append(f"no snapshot was committed: resumed the tree {resumed}")
     if rec.stage.at_least(Stage.GPU_FROZEN):
-        _resume_gpu(rec, gpu_driver, done)
+        _resume_gpu(store, rec, gpu, done)
 
 
-def _criu_restore(store: SnapshotStore, rec: OpRecord, gpu_driver: DriverFactory, done: Recovered) -> None:
+def _criu_restore(store: SnapshotStore, rec: OpRecord, gpu: GpuAccess, done: Recovered) -> None:
     if rec.stage.at_least(Stage.DUMPING) and rec.cuda_pids:
-        _resume_gpu(rec, gpu_driver, done)
+        _resume_gpu(store, rec, gpu, done)
 
 
 def _runsc(store: SnapshotStore, rec: OpRecord) -> tuple[Any, dict[str, Any]]:
@@ -180,7 +283,7 @@ def _runsc(store: SnapshotStore, rec: OpRecord) -> tuple[Any, dict[str, Any]]:
     return Runsc([str(a) for a in sb["runsc_args"]], log_dir=os.path.join(store.path, "logs")), sb
 
 
-def _runsc_checkpoint(store: SnapshotStore, rec: OpRecord, gpu_driver: DriverFactory, done: Recovered) -> None:
+def _runsc_checkpoint(store: SnapshotStore, rec: OpRecord, gpu: GpuAccess, done: Recovered) -> None:
     from sandbox import netns as nets
     from sandbox.runsc.snapshot import _gpu_back, _restart
     r, sb = _runsc(store, rec)
@@ -210,7 +313,7 @@ def _runsc_checkpoint(store: SnapshotStore, rec: OpRecord, gpu_driver: DriverFac
             done.actions.append(f"removed the uncommitted checkpoint's GPU snapshot {gpu_snap!r}")
 
 
-def _runsc_restore(store: SnapshotStore, rec: OpRecord, gpu_driver: DriverFactory, done: Recovered) -> None:
+def _runsc_restore(store: SnapshotStore, rec: OpRecord, gpu: GpuAccess, done: Recovered) -> None:
     r, sb = _runsc(store, rec)
     cid = sb["container"]
     st = r.state(cid)
@@ -222,9 +325,10 @@ def _runsc_restore(store: SnapshotStore, rec: OpRecord, gpu_driver: DriverFactor
         done.actions.append(f"removed the half-restored sandbox {cid!r}" + (f" (killed {killed})" if killed else ""))
 
 
-_RECOVER: dict[OpKind, Callable[[SnapshotStore, OpRecord, DriverFactory, Recovered], None]] = {
+_RECOVER: dict[OpKind, Callable[[SnapshotStore, OpRecord, GpuAccess, Recovered], None]] = {
     OpKind.CRIU_DUMP: _criu_dump, OpKind.CRIU_RESTORE: _criu_restore,
     OpKind.RUNSC_CHECKPOINT: _runsc_checkpoint, OpKind.RUNSC_RESTORE: _runsc_restore,
+    OpKind.GPU_CHECKPOINT: _gpu_checkpoint,
 }
 
 

@@ -4,7 +4,10 @@ Guarantees kept here (FORMAT.md, "What is atomic" and "Temporary entries and the
 the store lock exclusively; a manifest that does not load stops it before anything is deleted; it
 deletes only chunk files no manifest names, tmp/ entries whose owner process is gone (and the staging
 tree of a killed `get` its record names, if that is a real directory of the get's user), lock files
-of names without a snapshot, and quarantined chunks no longer needed. It descends into no link and no
+of names without a snapshot, and quarantined chunks no longer needed. A chunk named by the
+chunk-reference log of an operation still in the journal (storage.reflog: data of a killed writer
+that `gpusnap recover` may still restore) counts as in use; a log it cannot read stops it before
+anything is deleted. It descends into no link and no
 directory the store's owner does not own; anything unexpected is reported as left or as damage.
 """
 from __future__ import annotations
@@ -20,6 +23,7 @@ from .chunkfile import ChunkError, file_kind
 from .errors import GpusnapError
 from .names import InvalidNameError, validate_snapshot_name
 from .owner import ProcessOwner
+from .reflog import RefLogError, pinned
 from .store import CHUNK_ID, QUARANTINE, get_staging_name, read_record
 from .storedir import StoreDamage, entries, lstat_at, open_dir, opened_dir, remove_tree
 
@@ -64,6 +68,7 @@ def collect(store: "SnapshotStore", timeout: float = 30.0) -> GcReport:
                 raise GcStopped(f"gc stopped, nothing deleted: {e}; "
                                  f"`gpusnap store rm {n}` it first if it cannot be repaired") from None
         with store.root() as (root, uid):
+            live |= _journal_pins(root, uid)
             for part, fn in (("tmp", _tmp), ("names", lambda fd, u, r: _names(fd, r, names)),
                              ("chunks", lambda fd, u, r: _chunks(fd, u, r, live)),
                              (QUARANTINE, lambda fd, u, r: _quarantine(store, fd, r, live))):
@@ -76,6 +81,18 @@ def collect(store: "SnapshotStore", timeout: float = 30.0) -> GcReport:
                 except StoreDamage as e:
                     report.damage.append(str(e))
     return report
+
+def _journal_pins(root: int, uid: int) -> set[str]:
+    """Chunks the journal's reference logs name (FORMAT.md, "The journal"): kept, as if a manifest named them."""
+    try:
+        with opened_dir(root, "journal", uid, "journal") as j:
+            return pinned(j)
+    except FileNotFoundError:
+        return set()
+    except (RefLogError, StoreDamage, OSError) as e:
+        raise GcStopped(f"gc stopped, nothing deleted: {e}; it may name chunks an interrupted operation needs "
+                        "(`gpusnap recover` first)") from None
+
 
 def _tmp(tmp: int, uid: int, report: GcReport) -> None:
     removed = False

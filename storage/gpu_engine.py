@@ -268,9 +268,11 @@ class GpuEngine:
 
     # -- checkpoint ----------------------------------------------------------------------------
     def checkpoint(self, writer: Target, regions: list[Region], *, progress: Any = None,
-                   attrs: dict[str, Any] | None = None) -> Result:
+                   attrs: dict[str, Any] | None = None,
+                   on_chunk: Callable[[str, int, ChunkRef], None] | None = None) -> Result:
         """Stream every region into WRITER (a store's SnapshotWriter or the memory tier's PoolWriter)
-        as `blob` streams; the caller commits."""
+        as `blob` streams; the caller commits. ON_CHUNK(stream, index, ref) is told of each chunk once
+        the writer has stored it (from the lane threads, in any order)."""
         stages = Stages()
         t_start = time.perf_counter()
         raw_total = 0
@@ -282,7 +284,9 @@ class GpuEngine:
                         self.zero_signature(lane0, n)
 
         def put(lane: _Lane, stream: Stream, idx: int, ptr: int, n: int) -> None:
-            stream.chunks[idx] = self._checkpoint_chunk(lane, writer, ptr, n, stages)
+            stream.chunks[idx] = ref = self._checkpoint_chunk(lane, writer, ptr, n, stages)
+            if on_chunk is not None:
+                on_chunk(stream.name, idx, ref)
 
         jobs: list[tuple[Callable[..., None], tuple[Any, ...], int]] = []
         for r in regions:

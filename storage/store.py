@@ -886,6 +886,16 @@ class SnapshotWriter:
                 self._touched.add(cid[:2])
         return ChunkRef(cid, raw_len, codec, stored_len)
 
+    def sync_chunks(self, refs: list[ChunkRef]) -> None:
+        """Make the directory entries of REFS' chunk files durable now (commit() does it for all it
+        touched; a chunk-reference log, storage.reflog, names chunks before any commit)."""
+        try:
+            for xy in sorted({r.id[:2] for r in refs if r.id is not None}):
+                with opened_child(self._chunks, xy, f"chunks/{xy}") as d:
+                    os.fsync(d)
+        except OSError as e:
+            raise StoreError(_io_message("syncing chunk directories", e, self.store.path)) from None
+
     def add_stream(self, stream: Stream) -> None:
         with self._lock:
             self.streams.append(stream)

@@ -1,8 +1,11 @@
-"""An in-memory stand-in for the CUDA driver's checkpoint state machine (for CI, which has no GPU).
+"""The stand-in for the CUDA driver's checkpoint state machine (for CI, which has no GPU): the one module tests use.
 
-It implements the documented transitions and refuses every other one with the error the driver
-gives (CUDA_ERROR_ILLEGAL_STATE); each process's "GPU memory" is a bytearray so tests can check that
-rollback never loses or changes it. Faults are injected per pid and call.
+StandInDriver implements the documented transitions in memory and refuses every other one with the
+error the driver gives (CUDA_ERROR_ILLEGAL_STATE); each process's "GPU memory" is a bytearray so tests
+can check that rollback never loses or changes it. Faults are injected per pid and call.
+SharedStandIn is the same state machine with its state in a file, for everything that drives the
+driver from more than one process (CRIU action scripts, the in-sandbox agent, a gpusnap killed -9 and
+the `recover` after it). MemorySpill is a RegionSpill over the in-memory one.
 """
 from __future__ import annotations
 
@@ -138,20 +141,33 @@ class MemorySpill:
 
 
 class SharedStandIn:
-    """The stand-in's state in a file (locked per call), so that a hook CRIU runs (another process)
-    and the test act on one driver. A custom-storage operation maps memory of the process that runs
-    it: from checkpoint_custom/restore_custom to complete, that process keeps its copy of the state."""
+    """The stand-in with its state in a file: one driver for every process that drives it, and one that
+    outlives any of them (the real driver's state lives in the kernel and the GPU, not in gpusnap).
 
-    def __init__(self, path: str) -> None:
+    Every call takes an exclusive lock (PATH.lock), loads the state (every process's state, GPU memory,
+    host copy, injected faults and the calls made so far), runs StandInDriver's transition and writes
+    the state back atomically. So a CRIU action script, an agent run per `runsc exec`, a gpusnap killed
+    -9 and the `recover` after it all see one driver. A custom-storage operation maps memory into the
+    process that runs it: from checkpoint_custom/restore_custom to complete(), that process keeps its
+    copy of the state (the mapped region is its memory), and a process that dies in between leaves the
+    state as the file last had it (the target CHECKPOINTING or RESTORING).
+
+    alias: every pid a caller names is taken for this one process (a container's process, which the
+    driver knows as one CUDA process while runc shows it under another host pid after a restore).
+    """
+
+    def __init__(self, path: str, *, alias: int | None = None) -> None:
         self.path = path
+        self.alias = alias
         self._held: StandInDriver | None = None  # during a custom-storage operation: its mapped memory lives here
 
     @classmethod
-    def create(cls, path: str, procs: dict[int, bytes]) -> "SharedStandIn":
+    def create(cls, path: str, procs: dict[int, bytes], *, alias: int | None = None) -> "SharedStandIn":
+        """A state file with PROCS (pid -> GPU memory) RUNNING."""
         d = StandInDriver()
         for pid, data in procs.items():
             d.add(pid, data)
-        s = cls(path)
+        s = cls(path, alias=alias)
         s._save(d)
         return s
 
@@ -164,17 +180,28 @@ class SharedStandIn:
         os.replace(tmp, self.path)
 
     def load(self) -> StandInDriver:
+        """The state as the file holds it now (an in-memory StandInDriver: procs, calls, fail)."""
         import pickle
         with open(self.path, "rb") as f:
             return StandInDriver(**pickle.load(f))
 
-    def _call(self, name: str, *args: object) -> object:
+    @property
+    def procs(self) -> dict[int, Proc]:
+        return self.load().procs
+
+    def add(self, pid: int, data: bytes) -> None:
+        """One more RUNNING process holding GPU memory DATA."""
+        self._call("add", pid, data)
+
+    def _call(self, name: str, pid: int, *args: object) -> object:
         import fcntl
+        if self.alias is not None:
+            pid = self.alias
         with open(self.path + ".lock", "a") as lk:
             fcntl.flock(lk, fcntl.LOCK_EX)
             d = self._held or self.load()
             try:
-                out = getattr(d, name)(*args)
+                out = getattr(d, name)(pid, *args)
                 if name in ("checkpoint_custom", "restore_custom"):
                     self._held = d  # the regions point into this process's copy until complete()
                 elif name == "complete":

@@ -1,5 +1,6 @@
 """A CRIU action script for tests: gpusnap's hook (criu_hooks.action_script.run) with the file-backed
-driver stand-in, the container's init process standing for its one GPU process.
+driver stand-in (driver_standin.SharedStandIn), the container's init process standing for its one GPU
+process (STANDIN_PID: whatever host pid CRIU names, the driver knows one CUDA process).
 
 usage: standin_hook.py STATE_FILE   (CRIU sets CRTOOLS_SCRIPT_ACTION and CRTOOLS_INIT_PID)
 A file STATE_FILE.fail-at-ACTION makes the script exit 1 at ACTION after the hook ran (a failed dump).
@@ -13,7 +14,9 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from criu_hooks.action_script import run  # noqa: E402
-from standin_file import FileStandIn  # noqa: E402
+from driver_standin import SharedStandIn  # noqa: E402
+
+STANDIN_PID = 1  # the key of the one GPU process of the container in the state file
 
 
 def main() -> int:
@@ -22,7 +25,7 @@ def main() -> int:
     pid_s = os.environ.get("CRTOOLS_INIT_PID", "")
     pid = int(pid_s) if pid_s.isdigit() else None
     try:
-        out = run(action, pid, driver=FileStandIn(state), pids=None if pid is None else [pid])
+        out = run(action, pid, driver=SharedStandIn(state, alias=STANDIN_PID), pids=None if pid is None else [pid])
         code = out if isinstance(out, int) else 0   # an exit status, or (newer hooks) what it did
     except Exception as e:  # noqa: BLE001 - as the real hook: one line, non-zero
         print(f"standin-hook: {action}: {e}".splitlines()[0], file=sys.stderr)

@@ -420,9 +420,10 @@ def standin_gpu_container(tmp_path: Path, env: dict[str, str]) -> Iterator[tuple
     """A runc container whose init process is a "GPU process" of the file-backed driver stand-in, and a
     CRIU config (runc.conf, read over RPC: every action runs twice) with the test hook around gpusnap's."""
     need("runc", BUSYBOX)
-    import standin_file
-    state = tmp_path / "gpu-state.json"
-    standin_file.create(str(state), GPU_BYTES)
+    from driver_standin import SharedStandIn
+    from standin_hook import STANDIN_PID
+    state = tmp_path / "gpu-state.pkl"
+    SharedStandIn.create(str(state), {STANDIN_PID: GPU_BYTES})
     script = tmp_path / "standin-hook"
     tests = Path(__file__).resolve().parent
     # the hook's own log and per-dump records (where the hook keeps them) stay in this test's directory
@@ -436,10 +437,11 @@ def standin_gpu_container(tmp_path: Path, env: dict[str, str]) -> Iterator[tuple
 
 
 def gpu_state(state: Path) -> tuple[str, bool]:
-    import standin_file
-    s = standin_file.load(str(state))
-    data = s["gpu"] if s["state"] != "CHECKPOINTED" else s["host"]
-    return s["state"], data == GPU_BYTES.hex()
+    from driver_standin import SharedStandIn
+    from standin_hook import STANDIN_PID
+    p = SharedStandIn(str(state)).procs[STANDIN_PID]
+    data = p.gpu if p.state.name != "CHECKPOINTED" else p.host
+    return p.state.name, data == GPU_BYTES
 
 
 def hook_runs(state: Path) -> list[str]:
@@ -488,7 +490,7 @@ def test_gpu_standin_hook_reaches_the_stand_in(tmp_path: Path) -> None:
     with standin_gpu_container(tmp_path, env) as (c, state):
         wait_count(c.count_file, 10)
         c.checkpoint(tmp_path / "img", tmp_path / "work", check=False)
-        import standin_file
-        calls = standin_file.load(str(state))["calls"]
+        from driver_standin import SharedStandIn
+        calls = [c for _, c in SharedStandIn(str(state)).load().calls]
         assert calls[:2] == ["lock", "checkpoint"], calls
         assert hook_runs(state)[0] == "pre-dump 0"

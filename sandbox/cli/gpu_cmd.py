@@ -14,6 +14,7 @@ from sandbox.cli.common import emit, from_remote_option, json_option, one_line_e
 from sandbox.doctor import render, report
 from sandbox.gpu.snapshot import gpu_checkpoint, gpu_restore
 from sandbox.gpu.pool_daemon import request
+from sandbox.interrupts import undo_on_signals
 
 
 THP_CHOICE = click.Choice(["always", "keep"])
@@ -70,7 +71,8 @@ def gpu_checkpoint_cmd(ctx: click.Context, pid: int, name: str, lock_timeout: fl
     With a driver that has custom storage (CUDA 13.4+), the GPU memory streams into the store,
     compressed on the GPU; otherwise the driver's own host copy keeps it inside the process, and the
     snapshot records that. The processes are left locked and CHECKPOINTED (their GPU memory
-    released) until `gpu restore`. On failure every process is left running with its memory intact.
+    released) until `gpu restore`. On failure, SIGTERM, SIGHUP or Ctrl-C every process is left running
+    with its memory intact; if gpusnap is killed, `gpusnap recover` gives it back.
     """
     if tier == "memory":
         r = request(_socket(pool_socket), {"op": "swap_out", "pid": pid, "name": name})
@@ -79,7 +81,7 @@ def gpu_checkpoint_cmd(ctx: click.Context, pid: int, name: str, lock_timeout: fl
         return
     st = open_store(ctx)
     journal.require_clean(st.path)
-    with Progress(f"gpu checkpoint {pid}", ctx.obj["progress"]) as prog:
+    with undo_on_signals(), Progress(f"gpu checkpoint {pid}", ctx.obj["progress"]) as prog:
         rep = gpu_checkpoint(st, pid, name, lock_timeout_s=lock_timeout, replace=replace, tags=tags,
                              thp_mode=None if thp == "keep" else thp, progress=prog)
     d = rep.as_dict()

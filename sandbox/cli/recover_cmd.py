@@ -19,7 +19,8 @@ def recover_cmd(ctx: click.Context, wait_s: float, as_json: bool) -> None:
     """Finish or undo every interrupted dump, checkpoint or restore (its gpusnap process died).
 
     A dump whose snapshot was committed is finished (the tree is killed, as asked); any other is
-    undone (the stopped tree or sandbox runs again, GPU state restored and unlocked). Staging and
+    undone (the stopped tree or sandbox runs again, GPU state restored and unlocked; GPU memory taken
+    through custom storage is fed back from the chunks the operation recorded). Staging and
     temporary files are removed and the huge-pages setting is put back. Safe to run at any time:
     operations whose gpusnap is still running are left alone.
     """
@@ -28,10 +29,14 @@ def recover_cmd(ctx: click.Context, wait_s: float, as_json: bool) -> None:
     lines = []
     for o in rep.operations:
         lines.append(f"{o.kind} of {o.snapshot!r} (stopped at {o.stage}): "
-                     + ("; ".join(o.actions) or "nothing to do") + (f"; FAILED: {o.error}" if o.error else ""))
+                     + ("; ".join(o.actions) or "nothing to do") + (f"; FAILED: {o.error}" if o.error else "")
+                     + "".join(f"; LOST: {x}" for x in o.lost))
     for t in rep.thp_put_back:
         lines.append(f"transparent huge pages put back to {t['value']!r} ({t['path']})")
     emit(as_json, rep.as_dict(), "\n".join(lines) or "nothing to recover")
+    if not rep.ok and all(o.error is None for o in rep.operations):
+        fail("GPU memory that only the killed gpusnap held is lost (see above); those processes cannot run "
+             "again; the records are cleared", EXIT_FAILED, False)
     if not rep.ok:
         fail("some operations could not be recovered (see above); run `gpusnap recover` again after fixing the cause",
              EXIT_FAILED, False)

@@ -144,12 +144,15 @@ class _GpuSide:
         path = GpuPath.CUSTOM_STORAGE if self.custom else GpuPath.HOST_STAGED
         return backend_for(path, regions=regions, spill=regions.spill() if regions is not None else None)
 
-    def swap_out(self, w: Any, lock_timeout_s: float, progress: Any) -> None:
-        """Before CRIU: every CUDA process locked and checkpointed (custom storage: streamed into W)."""
+    def swap_out(self, w: Any, lock_timeout_s: float, progress: Any, op: journal.Op) -> None:
+        """Before CRIU: every CUDA process locked and checkpointed (custom storage: streamed into W,
+        the chunk references logged in OP's journal for recovery)."""
+        from contextlib import nullcontext
         from sandbox.gpu.regions import EngineRegions
         from sandbox.gpu.state import Limits, checkpoint
-        regions = EngineRegions.into(self.engine, w, progress) if self.custom else None
-        checkpoint(self.driver, self.cuda_pids, self._backend(regions), Limits(lock_timeout_s=lock_timeout_s))
+        with (op.ref_log(w.sync_chunks) if self.custom else nullcontext()) as log:
+            regions = EngineRegions.into(self.engine, w, progress, log=log) if self.custom else None
+            checkpoint(self.driver, self.cuda_pids, self._backend(regions), Limits(lock_timeout_s=lock_timeout_s))
 
     def swap_in(self, store: SnapshotStore, name: str, streams: list[Any]) -> None:
         """After CRIU (restore, or a dump that must leave the tree as it was): GPU state back, unlocked."""
@@ -199,7 +202,7 @@ def criu_dump(store: SnapshotStore, pid: int, name: str, *, leave_running: bool 
             if gpu.cuda_pids:
                 op.advance(Stage.GPU_FROZEN)
                 t0 = time.perf_counter()
-                gpu.swap_out(w, lock_timeout_s, progress)
+                gpu.swap_out(w, lock_timeout_s, progress, op)
                 report.seconds["gpu_checkpoint"] = time.perf_counter() - t0
             journal.pause("before-dump")
             if report.images_path == "stream":

@@ -3,6 +3,9 @@
 EngineRegions is the RegionStore (sandbox.gpu.state) of every host-side flow: save() streams one
 process's mapped regions through the engine into a writer as streams gpu/PID/INDEX; load() fills the
 regions from those streams (of the uncommitted writer, for a rollback, or of a committed snapshot).
+With a chunk-reference log (storage.reflog, the operation's journal), save() records each region,
+each chunk once stored, the region's end and then the process as complete, in that order, so that
+`gpusnap recover` can give a process whose gpusnap died its memory back from the log alone.
 EngineSpill parks mapped regions in host memory through the engine's device when streaming fails, so
 the process can be given its memory back.
 """
@@ -10,6 +13,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from sandbox import journal
 from sandbox.gpu.driver import DeviceRegion
 
 if TYPE_CHECKING:  # storage.manifest needs blake3, which the in-sandbox agent (importing this) may lack
@@ -25,15 +29,16 @@ class EngineRegions:
     """RegionStore through a storage.gpu_engine.GpuEngine (the writer and/or the chunk source)."""
 
     def __init__(self, engine: Any, *, source: Any, name: str, streams: list[Stream], writer: Any = None,
-                 progress: Any = None) -> None:
+                 progress: Any = None, log: Any = None) -> None:
         self.engine, self.source, self.name, self.streams = engine, source, name, streams
-        self.writer, self.progress = writer, progress
+        self.writer, self.progress, self.log = writer, progress, log
 
     @classmethod
-    def into(cls, engine: Any, writer: Any, progress: Any = None) -> "EngineRegions":
-        """Save into WRITER (a SnapshotWriter or memtier PoolWriter); load from what it holds so far."""
+    def into(cls, engine: Any, writer: Any, progress: Any = None, log: Any = None) -> "EngineRegions":
+        """Save into WRITER (a SnapshotWriter or memtier PoolWriter); load from what it holds so far.
+        LOG: a storage.reflog.RefLogWriter that records what save() stores (None: not recorded)."""
         return cls(engine, source=writer.source, name=writer.name, streams=writer.streams, writer=writer,
-                   progress=progress)
+                   progress=progress, log=log)
 
     @classmethod
     def of(cls, engine: Any, source: Any, manifest: Manifest, progress: Any = None) -> "EngineRegions":
@@ -44,9 +49,24 @@ class EngineRegions:
         from storage.gpu_engine import Region
         if self.writer is None:
             raise ValueError("EngineRegions.of() only loads")
-        res = self.engine.checkpoint(self.writer, [Region(stream_name(pid, r.index), r.dev_ptr, r.size)
-                                                   for r in regions], progress=self.progress)
+        targets = [Region(stream_name(pid, r.index), r.dev_ptr, r.size) for r in regions]
+        log, cs = self.log, self.engine.chunk_size
+        if log is not None:
+            for t in targets:
+                log.region(t.name, t.size, -(-t.size // cs), cs)
+        res = self.engine.checkpoint(self.writer, targets, progress=self.progress,
+                                     on_chunk=None if log is None else self._logged)
+        if log is not None:
+            for t in targets:
+                log.end(t.name)
+            log.group(str(pid), [t.name for t in targets])  # durable before the driver completes
         self.writer.meta.setdefault("gpu_stages", {})[str(pid)] = res.stages.table()
+
+    def _logged(self, stream: str, index: int, ref: Any) -> None:
+        self.log.chunk(stream, index, ref)
+        if index == 0:
+            self.log.flush()  # a region's first reference is on disk early (one more fsync per region)
+            journal.pause("gpu-chunk")  # test hook: a region's first chunk recorded, the rest not yet
 
     def load(self, pid: int, regions: list[DeviceRegion]) -> None:
         from storage.gpu_engine import Region

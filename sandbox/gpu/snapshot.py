@@ -5,19 +5,28 @@ into this process and storage.gpu_engine streams it, compressed on the GPU, into
 host-staged (drivers 550..580): the driver copies GPU memory into the process's own host memory; the
 snapshot then records which processes hold their state and how to bring it back (the bytes stay in
 the process until CRIU or runsc dumps it). Every snapshot's meta says which path made it.
+
+A checkpoint is an operation in the journal (sandbox.journal, kind gpu-checkpoint): its record is on
+disk before the first process is locked, and on the custom-storage path the chunk references of every
+gpu/ stream are logged as they are stored (each process's list complete and durable before the
+driver releases its memory), so that if gpusnap dies before the commit `gpusnap recover` gives every
+process its GPU memory back from the store and unlocks it.
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
 from storage.store import SnapshotStore
 
+from sandbox import journal
+
 from sandbox.gpu.driver import CheckpointDriver, CudaDriver, Features, ProcessState, probe
 from sandbox.gpu.processes import cuda_processes
 from sandbox.gpu.regions import EngineRegions
 from sandbox.gpu.state import GpuPath, Limits, backend_for, freeze, path_for, thaw
+from sandbox.journal import OpKind, Stage
 from sandbox.snapshot_meta import GpuMeta
 
 
@@ -76,14 +85,38 @@ def gpu_checkpoint(store: SnapshotStore, root_pid: int, name: str, *, driver: Cu
     gpus = [{"index": g.index, "uuid": g.uuid, "name": g.name} for g in feats.gpus]
     meta = {"kind": "gpu", "gpu_path": path.value, "root_pid": root_pid, "pids": pids, "gpus": gpus,
             "driver": feats.driver_version}
-    with store.writer(name, replace=replace, meta=meta, tags=tuple(tags)) as w, _engine(path, device) as eng:
-        regions = EngineRegions.into(eng, w, progress) if eng is not None else None
+    with journal.operation(store.path, OpKind.GPU_CHECKPOINT, name, pids=pids, cuda_pids=tuple(pids),
+                           gpu_path=path.value) as op, \
+            store.writer(name, replace=replace, meta=meta, tags=tuple(tags)) as w, _engine(path, device) as eng, \
+            (op.ref_log(w.sync_chunks) if eng is not None else nullcontext()) as log:
+        meta["op"] = op.id  # how recovery tells this commit from an older snapshot of the same name
+        regions = EngineRegions.into(eng, w, progress, log=log) if eng is not None else None
         backend = backend_for(path, regions=regions, spill=regions.spill() if regions else None, thp_mode=thp_mode)
-        with freeze(drv, pids, backend, Limits(lock_timeout_s=lock_timeout_s)) as rep:
-            if path == GpuPath.HOST_STAGED:
-                w.meta["held_by"] = "process host memory (driver host copy)"
-            w.commit()
+        op.advance(Stage.GPU_FROZEN)
+        try:
+            with freeze(drv, pids, backend, Limits(lock_timeout_s=lock_timeout_s)) as rep:
+                if path == GpuPath.HOST_STAGED:
+                    w.meta["held_by"] = "process host memory (driver host copy)"
+                journal.pause("before-commit")
+                op.advance(Stage.COMMITTING)
+                w.commit()
+                op.advance(Stage.COMMITTED)
+        except BaseException:
+            # the undo (freeze's) failed to give some process its memory back: recovery must try again
+            op.keep = not _all_running(drv, pids)
+            raise
     return GpuReport(name, path.value, pids, dict(rep.seconds), w.stats.raw_bytes, w.stats.bytes_new)
+
+
+def _all_running(drv: CheckpointDriver, pids: list[int]) -> bool:
+    """Every pid RUNNING (or gone: nothing to give back)."""
+    for p in pids:
+        try:
+            if drv.get_state(p) != ProcessState.RUNNING:
+                return False
+        except Exception:  # noqa: BLE001 - gone
+            continue
+    return True
 
 
 @contextmanager

@@ -35,6 +35,7 @@ from typing import Iterator, Protocol
 
 from storage.errors import GpusnapError
 
+from sandbox import journal
 from sandbox.gpu.checkpoint import (GpuCheckpointError, RegionSpill, checkpoint_all, custom_checkpoint,
                                     custom_restore, lock_all, restore_all)
 from sandbox.gpu.driver import CheckpointDriver, DeviceRegion, Features, ProcessState
@@ -134,6 +135,7 @@ class CustomStorage:
                 with custom_checkpoint(drv, p, self.spill) as regions:
                     self.regions.save(p, regions)
                 done.append(p)
+                journal.pause("gpu-stream")  # test hook: a process CHECKPOINTED, the next not yet streamed
         except BaseException as e:
             errs: list[str] = []
             for p in pids:
