@@ -113,7 +113,40 @@ class HostCodecChooser:
         return Encoded("zstd", payload)
 
 
-_HOST_DECODERS: dict[str, Codec] = {"raw": RawCodec(), "zstd": ZstdCodec()}
+_ZSTD = ZstdCodec()
+_HOST_DECODERS: dict[str, Codec] = {"raw": RawCodec(), "zstd": _ZSTD}
+
+
+def decode_host_into(codec: str, payload: memoryview, raw_len: int, out: memoryview) -> memoryview:
+    """PAYLOAD decoded with no allocation: a `raw` payload is its own bytes (the view returned is
+    PAYLOAD), a `zstd` one is decoded into OUT (at least RAW_LEN bytes); other host codecs through
+    decode_host and a copy into OUT."""
+    if codec == "raw":
+        if len(payload) != raw_len:
+            raise CodecError(f"raw payload of {len(payload)} bytes, expected {raw_len}")
+        return payload
+    if codec == "zstd":
+        dst = out[:raw_len]
+        try:
+            # the calling thread's own decompressor (they are not thread-safe)
+            reader = _ZSTD._dctx().stream_reader(payload, read_size=max(1, len(payload)), read_across_frames=False)
+            done = 0
+            while done < raw_len:
+                n = reader.readinto(dst[done:])
+                if n == 0:
+                    break
+                done += n
+            extra = reader.read(1)
+        except zstandard.ZstdError as e:
+            raise CodecError(f"zstd payload does not decode: {e}") from None
+        if extra:
+            raise CodecError(f"zstd payload decodes to more than the {raw_len} bytes expected")
+        if done != raw_len:
+            raise CodecError(f"zstd payload decoded to {done} bytes, expected {raw_len}")
+        return dst
+    data = decode_host(codec, payload, raw_len)
+    out[:raw_len] = data
+    return out[:raw_len]
 
 
 def decode_host(codec: str, payload: memoryview, raw_len: int) -> bytes | memoryview:

@@ -86,7 +86,12 @@ def _filler_case(nchunks: int, chunk: int, fetch, budget: int):
     refs = [ChunkRef(None, chunk, "zero", 0) if i == 1 else ChunkRef(f"{i:064x}", chunk, "raw", chunk) for i in range(nchunks)]
     stream = Stream("pages-1.img", {"type": "file"}, refs)
     plan = split.Plan(os.getpid(), "pages-1.img", b"", (), (split.Run(ctypes.addressof(target), 0, nchunks * chunk),))
-    return target, split.Filler([plan], {"pages-1.img": stream}, fetch, 4, budget)
+    def fetch_into(s, i, ref, slot):  # the test's FETCH gives bytes; a Filler's FETCH fills the slot
+        data = fetch(s, i, ref)
+        slot.out.view[:len(data)] = data
+        return slot.out.view[:len(data)]
+
+    return target, split.Filler([plan], {"pages-1.img": stream}, fetch_into, 4, budget, 4096)
 
 
 def test_split_filler_reads_ahead_within_its_budget_and_writes_every_byte() -> None:
@@ -100,7 +105,7 @@ def test_split_filler_reads_ahead_within_its_budget_and_writes_every_byte() -> N
             state["fetched"] += 1
         return bytes([i]) * ref.raw_len
 
-    target, filler = _filler_case(n, chunk, fetch, budget=3 * chunk)
+    target, filler = _filler_case(n, chunk, fetch, budget=3 * (chunk + 4096))
     with filler:
         deadline = time.monotonic() + 5
         while state["fetched"] < 3 and time.monotonic() < deadline:
@@ -129,7 +134,7 @@ def test_split_filler_stops_at_the_first_damaged_chunk() -> None:
             raise Damaged("chunk 5 is damaged")
         return bytes(ref.raw_len)
 
-    _target, filler = _filler_case(n, chunk, fetch, budget=2 * chunk)
+    _target, filler = _filler_case(n, chunk, fetch, budget=2 * (chunk + 4096))
     with filler, pytest.raises(Damaged, match="chunk 5"):
         filler.write(lambda pid: True)
     assert max(fetched) < n - 1, fetched  # nothing much past the failure was read

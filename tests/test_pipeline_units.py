@@ -119,3 +119,23 @@ def test_large_page_images_read_by_several_producers(tmp_path, monkeypatch) -> N
         second = pipeline.put(w, FileTreeSource([str(img)]), chunker="pages", chunk_size=1 << 20, workers=8)
         w.commit()
     assert second.stored_bytes < 0.25 * first.stored_bytes, (first.stored_bytes, second.stored_bytes)
+
+
+def test_decode_host_into_decodes_in_place_and_refuses_what_does_not_fit() -> None:
+    import zstandard
+    from storage.codecs import CodecError, decode_host_into
+    raw = (b"gpusnap " * 70000)[:500000]
+    out = memoryview(bytearray(600000))
+    frame = zstandard.ZstdCompressor(level=1).compress(raw)
+    got = decode_host_into("zstd", memoryview(frame), len(raw), out)
+    assert bytes(got) == raw and got.obj is out.obj  # into OUT, nothing allocated for the bytes
+    payload = memoryview(raw)
+    assert decode_host_into("raw", payload, len(raw), out) is payload  # a raw chunk is used where it was read
+    with pytest.raises(CodecError, match="more than"):
+        decode_host_into("zstd", memoryview(frame), len(raw) - 1, out)
+    with pytest.raises(CodecError, match="decoded to"):
+        decode_host_into("zstd", memoryview(frame), len(raw) + 1, out)
+    with pytest.raises(CodecError):
+        decode_host_into("zstd", memoryview(frame[: len(frame) // 2]), len(raw), out)
+    with pytest.raises(CodecError, match="raw payload"):
+        decode_host_into("raw", payload[:10], len(raw), out)

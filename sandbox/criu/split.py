@@ -27,6 +27,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from storage.directio import AlignedBuffer
 from storage.errors import GpusnapError
 from storage.manifest import ChunkRef, Stream
 from storage.pipeline import Stages
@@ -254,20 +255,36 @@ def _write_mem(pid: int, addr: int, data: memoryview) -> None:
         os.close(fd)
 
 
+@dataclass
+class Slot:
+    """Where one chunk in flight lives: its file read into `raw_file`, decoded into `out` (a raw
+    chunk's bytes are used where they were read). Slots are allocated once and reused: the fill
+    allocates nothing per chunk (a fresh 4 MiB per chunk means page faults, and unmapping it means
+    TLB shootdowns across every thread)."""
+    raw_file: AlignedBuffer
+    out: AlignedBuffer
+
+    def close(self) -> None:
+        self.raw_file.close()
+        self.out.close()
+
+
 class Filler:
     """The moved runs of PLANS, fetched from the moment the plan is known and written once CRIU has
     made the processes; a context manager.
 
     CRIU restores only the small part (seconds), so the store reads of the large part would
     otherwise wait for it: here they start at once, WORKERS threads fetching (FETCH(stream, index,
-    chunk) gives a chunk's verified, decoded bytes) in address order, at most BUDGET decoded bytes
-    held ahead of the writer. `write` then writes every run with process_vm_writev from WORKERS
-    threads, releasing each chunk as it lands. All-zero chunks are neither fetched nor written: the
-    fresh mapping already reads as zero. Closing before `write` cancels what is still queued."""
+    chunk, slot) reads the chunk into the slot and gives a view of its verified, decoded bytes) in
+    address order, at most BUDGET bytes of slots held ahead of the writer. `write` then writes every
+    run with process_vm_writev from WORKERS threads, giving each slot back as its chunk lands.
+    All-zero chunks are neither fetched nor written: the fresh mapping already reads as zero.
+    Closing before `write` cancels what is still queued."""
 
-    def __init__(self, plans: list[Plan], streams: dict[str, Stream], fetch: Callable[[Stream, int, ChunkRef], Any],
-                 workers: int, budget: int, stages: Stages | None = None) -> None:
-        self.plans, self.streams, self.workers, self.budget = plans, streams, workers, budget
+    def __init__(self, plans: list[Plan], streams: dict[str, Stream],
+                 fetch: Callable[[Stream, int, ChunkRef, Slot], memoryview], workers: int, budget: int,
+                 file_size: int, stages: Stages | None = None) -> None:
+        self.plans, self.streams, self.workers = plans, streams, workers
         self.stages = stages if stages is not None else Stages()
         self._fetch = fetch
         self.jobs: dict[tuple[str, int], list[tuple[int, int, int, int]]] = {}  # (image, chunk) -> (pid, addr, lo, hi)
@@ -278,9 +295,13 @@ class Filler:
                 for i, _c, lo, hi in pieces(s, ((run.offset, run.nbytes),)):
                     self.jobs.setdefault((p.pages_image, i), []).append((p.pid, addr, lo, hi))
                     addr += hi - lo
-        self._futures: dict[tuple[str, int], Future[Any]] = {}
+        self._file_size = file_size
+        self._out_size = max((self._ref(k).raw_len for k in self.jobs), default=1)
+        self.max_slots = max(2, budget // (file_size + self._out_size))
+        self._slots: list[Slot] = []   # every slot made (closed at the end)
+        self._free: list[Slot] = []
+        self._futures: dict[tuple[str, int], tuple[Future[memoryview], Slot]] = {}
         self._cond = threading.Condition()
-        self._held = 0
         self._closing = False
         self._ex = ThreadPoolExecutor(workers, thread_name_prefix="gpusnap-fill-read")
         self._feeder = threading.Thread(target=self._feed, name="gpusnap-fill-feed", daemon=True)
@@ -289,31 +310,42 @@ class Filler:
     def _ref(self, key: tuple[str, int]) -> ChunkRef:
         return self.streams[key[0]].chunks[key[1]]
 
+    def _slot(self) -> Slot | None:
+        """A free slot (a new one while fewer than max_slots exist); None once closing. Holds _cond."""
+        self._cond.wait_for(lambda: self._closing or self._free or len(self._slots) < self.max_slots)
+        if self._closing:
+            return None
+        if self._free:
+            return self._free.pop()
+        slot = Slot(AlignedBuffer(self._file_size), AlignedBuffer(self._out_size))
+        self._slots.append(slot)
+        return slot
+
     def _feed(self) -> None:
         for key in self.jobs:
             ref = self._ref(key)
             if ref.is_zero:
                 continue
-            with self._cond:  # back-pressure: one chunk may always be in flight, however large
-                self._cond.wait_for(lambda: self._closing or self._held == 0 or self._held + ref.raw_len <= self.budget)
-                if self._closing:
+            with self._cond:  # back-pressure: at most max_slots chunks read ahead of the writers
+                slot = self._slot()
+                if slot is None:
                     return
-                self._held += ref.raw_len
-                self._futures[key] = self._ex.submit(self._fetch, self.streams[key[0]], key[1], ref)
+                self._futures[key] = (self._ex.submit(self._fetch, self.streams[key[0]], key[1], ref, slot), slot)
                 self._cond.notify_all()
 
-    def _take(self, key: tuple[str, int]) -> Any:
+    def _take(self, key: tuple[str, int]) -> memoryview:
         with self._cond:
             self._cond.wait_for(lambda: key in self._futures or self._closing)
             if key not in self._futures:
                 raise SplitError("the split restore was stopped")
-            fut = self._futures[key]
+            fut = self._futures[key][0]
         return fut.result()
 
     def _release(self, key: tuple[str, int]) -> None:
         with self._cond:
-            if self._futures.pop(key, None) is not None:  # a key never fetched (stopped) held nothing
-                self._held -= self._ref(key).raw_len
+            got = self._futures.pop(key, None)
+            if got is not None:  # a key never fetched (stopped) held no slot
+                self._free.append(got[1])
                 self._cond.notify_all()
 
     def write(self, pids_ok: Callable[[int], bool]) -> dict[str, int]:
@@ -331,7 +363,7 @@ class Filler:
                 return 0, n
             try:
                 t0 = time.perf_counter()
-                data = memoryview(self._take(key))
+                data = self._take(key)
                 t1 = time.perf_counter()
                 self.stages.add("fill-wait", t1 - t0, n)
                 slow = sum(write_into(pid, addr, data[lo:hi]) for pid, addr, lo, hi in targets)
@@ -360,6 +392,9 @@ class Filler:
         self._stop()
         self._feeder.join()
         self._ex.shutdown(wait=True, cancel_futures=True)
+        for slot in self._slots:
+            slot.close()
+        self._slots.clear()
 
     def __enter__(self) -> "Filler":
         return self

@@ -53,7 +53,7 @@ from typing import Any, Callable, Iterator
 from sandbox.criu import split
 from storage import pipeline
 from storage.chunkfile import ChunkError
-from storage.codecs import CodecError, decode_host
+from storage.codecs import CodecError, decode_host, decode_host_into
 from storage.directio import BufferPool
 from storage.errors import GpusnapError
 from storage.manifest import ChunkRef, Manifest, Stream
@@ -444,7 +444,7 @@ class ServeSource:
                              f"(first {missing[0][:16]}…); nothing was started")
         self.workers = workers or pipeline.default_workers()
         self.window = window or 2 * self.workers
-        self._bufs = BufferPool(2 * self.workers, store.chunk_buffer_size([manifest]))  # CRIU's feeds + the fill
+        self._bufs = BufferPool(self.workers, store.chunk_buffer_size([manifest]))  # CRIU's feeds (the fill has its own)
         self._ex = ThreadPoolExecutor(self.workers, thread_name_prefix="gpusnap-serve")
         self.stages = Stages()  # thread-seconds of the store side: read+verify, decode, the fill's stages
         self._zeros = bytes(max((c.raw_len for s in self.images.values() for c in s.chunks), default=0))
@@ -459,8 +459,8 @@ class ServeSource:
                         self._rewritten[name] = pl.pagemap
         self._listener = _Listener(directory, SERVE_SOCKET)
         # the moved runs are read from the store from now on, while CRIU restores the rest
-        self._filler = split.Filler(list(self.plans.values()), self.images, self._fetch, self.workers,
-                                    fill_budget(), self.stages) if self.plans else None
+        self._filler = split.Filler(list(self.plans.values()), self.images, self._fetch_into, self.workers,
+                                    fill_budget(), self._bufs.size, self.stages) if self.plans else None
         self._closing = False
         self._feeds: list[threading.Thread] = []
         self.errors: list[BaseException] = []
@@ -534,6 +534,22 @@ class ServeSource:
             self.stages.add("decode", t2 - t1, ref.raw_len)
             return out
 
+    def _fetch_into(self, s: Stream, i: int, ref: ChunkRef, slot: split.Slot) -> memoryview:
+        """REF's verified, decoded bytes in SLOT (the split fill's path: nothing allocated per chunk)."""
+        t0 = time.perf_counter()
+        try:
+            payload = self.store.read_chunk(ref, slot.raw_file, cached=True)
+        except ChunkError as e:
+            raise StoreError(f"snapshot {self.manifest.name!r} is damaged: {s.name} chunk {i}: {e.what}") from None
+        t1 = time.perf_counter()
+        try:
+            data = decode_host_into(ref.codec, payload, ref.raw_len, slot.out.view)
+        except CodecError as e:
+            raise StoreError(f"snapshot {self.manifest.name!r}: {s.name} chunk {i}: {e}") from None
+        self.stages.add("read+verify", t1 - t0, ref.stored_len)
+        self.stages.add("decode", time.perf_counter() - t1, ref.raw_len)
+        return data
+
     def _feed(self, s: Stream, fd: int, ranges: tuple[tuple[int, int], ...] | None = None,
               replacement: bytes | None = None) -> None:
         """Stream S (only its RANGES; or REPLACEMENT instead) into CRIU's pipe FD, chunks fetched a window ahead."""
@@ -600,8 +616,9 @@ def _write_all(fd: int, data: bytes | memoryview) -> None:
 
 
 def fill_budget() -> int:
-    """Decoded bytes the split restore may hold ahead of its writes: an eighth of the memory
-    available now, at most 8 GiB, at least 256 MiB."""
+    """Bytes of buffers the split restore may read ahead of its writes: an eighth of the memory
+    available now, at most 2 GiB (more buys nothing: the reads only need to stay ahead of the
+    writers while CRIU runs), at least 256 MiB."""
     avail = 0
     try:
         with open("/proc/meminfo") as f:
@@ -611,7 +628,7 @@ def fill_budget() -> int:
                     break
     except (OSError, ValueError, IndexError):
         pass
-    return max(256 << 20, min(8 << 30, avail // 8))
+    return max(256 << 20, min(2 << 30, avail // 8))
 
 
 def split_min() -> int:
