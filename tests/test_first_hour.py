@@ -301,3 +301,35 @@ def test_scripts_are_modules_without_path_patches() -> None:
     p = subprocess.run([sys.executable, "-m", "scripts.bench.bench_store", "--help"], cwd=REPO,
                        capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=pythonpath()))
     assert p.returncode == 0 and "--gb" in p.stdout, p.stderr
+
+
+def test_workload_command_protocol_round_trip(tmp_path: Path) -> None:
+    """The GPU workloads' control protocol (scripts/workloads/command_loop.py) spoken by a CPU process
+    and driven by the controller the benchmarks use."""
+    from scripts.workloads.workload_control import Workload
+    code = ("import os, sys\n"
+            "from scripts.workloads.command_loop import announce, serve\n"
+            "state = {'n': 0}\n"
+            "def handle(cmd):\n"
+            "    if cmd[0] == 'add':\n"
+            "        state['n'] += int(cmd[1]); return {'ok': True, 'n': state['n']}\n"
+            "    return {'ok': False, 'error': 'unknown ' + cmd[0]}\n"
+            "announce(sys.argv[1], {'pid': os.getpid(), 'size': 0})\n"
+            "serve(sys.argv[1], handle)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], cwd=REPO,
+                            env=dict(os.environ, PYTHONPATH=pythonpath()))
+    try:
+        deadline = time.monotonic() + 30
+        while not (tmp_path / "ready").exists():
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.02)
+        w = Workload.__new__(Workload)  # the controller without starting a GPU workload
+        w.dir, w.proc, w.pid = str(tmp_path), proc, json.loads((tmp_path / "ready").read_text())["pid"]
+        assert w.cmd("add 2") == {"cmd": "add", "ok": True, "n": 2, "seconds": pytest.approx(0, abs=5)}
+        assert w.cmd("add 5")["n"] == 7
+        assert w.cmd("nonsense")["ok"] is False
+        w.close()  # `exit`: the workload ends
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import json
 import os
-import time
 
 import torch
 from cuda.bindings import driver as d
+
+from scripts.workloads.command_loop import announce, serve
 
 BLOCK = 64 << 20
 
@@ -77,21 +77,9 @@ def main() -> None:
     torch.cuda.synchronize()
     handle = ck(d.cuIpcGetMemHandle(ptr))
     ipc = ctypes.string_at(handle.getPtr(), 64)  # CUipcMemHandle is 64 opaque bytes
-    ready = {"pid": os.getpid(), "size": size, "ipc": ipc.hex(), "mix": a.mix}
-    tmp = os.path.join(a.dir, "ready.tmp")
-    with open(tmp, "w") as f:
-        json.dump(ready, f)
-    os.rename(tmp, os.path.join(a.dir, "ready"))
-    cmdf = os.path.join(a.dir, "cmd")
-    while True:
-        if not os.path.exists(cmdf):
-            time.sleep(0.01)
-            continue
-        with open(cmdf) as f:
-            cmd = f.read().split()
-        os.unlink(cmdf)
-        t0 = time.perf_counter()
-        out: dict = {"cmd": cmd[0]}
+    announce(a.dir, {"pid": os.getpid(), "size": size, "ipc": ipc.hex(), "mix": a.mix})
+
+    def handle(cmd: list[str]) -> dict:
         if cmd[0] == "verify":
             bad = []
             scratch = torch.empty(BLOCK, dtype=torch.uint8, device="cuda")
@@ -100,11 +88,11 @@ def main() -> None:
                 if not torch.equal(scratch, mem[i * BLOCK:(i + 1) * BLOCK]):
                     bad.append(i)
             del scratch
-            out.update(ok=not bad, bad_blocks=bad[:20])
-        elif cmd[0] == "clear":
+            return {"ok": not bad, "bad_blocks": bad[:20]}
+        if cmd[0] == "clear":
             mem.fill_(0xA5)
-            out.update(ok=True)
-        elif cmd[0] == "mutate":
+            return {"ok": True}
+        if cmd[0] == "mutate":
             pct = float(cmd[1])
             nblk = max(1, round(len(seeds) * pct / 100))
             start = len(seeds) // 3
@@ -112,15 +100,10 @@ def main() -> None:
                 seeds[i] = seeds[i] + 7_777_777
                 kinds[i] = "random"
                 fill(mem[i * BLOCK:(i + 1) * BLOCK], "random", seeds[i])
-            out.update(ok=True, blocks=nblk)
-        elif cmd[0] == "exit":
-            break
-        torch.cuda.synchronize()
-        out["seconds"] = time.perf_counter() - t0
-        tmp = os.path.join(a.dir, "cmd.done.tmp")
-        with open(tmp, "w") as f:
-            json.dump(out, f)
-        os.rename(tmp, os.path.join(a.dir, "cmd.done"))
+            return {"ok": True, "blocks": nblk}
+        return {"ok": False, "error": f"unknown command {cmd[0]!r}"}
+
+    serve(a.dir, handle, torch.cuda.synchronize)
 
 
 if __name__ == "__main__":

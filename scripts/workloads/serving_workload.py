@@ -18,11 +18,11 @@ blocks: new decode state) | exit.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import time
 
 import torch
+
+from scripts.workloads.command_loop import announce, serve
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, VOCAB = 4096, 32, 8, 128, 14336, 32000
 BLOCK_TOKENS = 16
@@ -140,25 +140,14 @@ def main() -> None:
     sums = checksums(m.tensors())
     torch.cuda.synchronize()
     torch.cuda.empty_cache()  # the footprint is the model, the pool and the graph, not set-up temporaries
-    ready = {"pid": os.getpid(), "size": torch.cuda.memory_allocated(), "reserved": torch.cuda.memory_reserved(),
-             "layers": layers, "kv_blocks": kv_blocks, "tensors": len(sums), "graph": graph is not None,
-             "deterministic": deterministic,
-             "mix": "serving"}
-    tmp = os.path.join(a.dir, "ready.tmp")
-    with open(tmp, "w") as f:
-        json.dump(ready, f)
-    os.rename(tmp, os.path.join(a.dir, "ready"))
-    cmdf = os.path.join(a.dir, "cmd")
-    while True:
-        if not os.path.exists(cmdf):
-            time.sleep(0.01)
-            continue
-        with open(cmdf) as f:
-            cmd = f.read().split()
-        os.unlink(cmdf)
-        t0 = time.perf_counter()
-        out: dict = {"cmd": cmd[0]}
+    announce(a.dir, {"pid": os.getpid(), "size": torch.cuda.memory_allocated(), "reserved": torch.cuda.memory_reserved(),
+                     "layers": layers, "kv_blocks": kv_blocks, "tensors": len(sums), "graph": graph is not None,
+                     "deterministic": deterministic, "mix": "serving"})
+
+    def handle(cmd: list[str]) -> dict:
+        nonlocal sums
         if cmd[0] == "verify":
+            out: dict = {}
             now = checksums(m.tensors())
             bad = [i for i, (x, y) in enumerate(zip(now, sums)) if x != y]
             logits = m.decode()
@@ -173,7 +162,8 @@ def main() -> None:
                 out.update(graph_equal=bool(torch.equal(static_out, graph_ref)), graph_rel_err=graph_rel)
             out.update(ok=not bad and eager_ok and graph_ok, bad_tensors=bad[:20], tensors_equal=not bad,
                        eager_equal=bool(torch.equal(logits, ref)), logits_rel_err=rel)
-        elif cmd[0] == "mutate":
+            return out
+        if cmd[0] == "mutate":
             pct = float(cmd[1])
             nblk = max(1, round(kv_blocks * pct / 100))
             lo, hi = m.filled, min(kv_blocks, m.filled + nblk)
@@ -182,15 +172,10 @@ def main() -> None:
                                             device="cuda").to(torch.bfloat16))
             m.filled = hi
             sums = checksums(m.tensors())
-            out.update(ok=True, blocks=hi - lo)
-        elif cmd[0] == "exit":
-            break
-        torch.cuda.synchronize()
-        out["seconds"] = time.perf_counter() - t0
-        tmp = os.path.join(a.dir, "cmd.done.tmp")
-        with open(tmp, "w") as f:
-            json.dump(out, f)
-        os.rename(tmp, os.path.join(a.dir, "cmd.done"))
+            return {"ok": True, "blocks": hi - lo}
+        return {"ok": False, "error": f"unknown command {cmd[0]!r}"}
+
+    serve(a.dir, handle, torch.cuda.synchronize)
 
 
 if __name__ == "__main__":

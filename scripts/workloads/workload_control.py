@@ -20,14 +20,16 @@ class Workload:
         """detached: own session, stdio on a log file (what CRIU needs to dump it without --shell-job).
         script: gpu_workload.py (one block of known data) or serving_workload.py (a model server)."""
         self.dir = tempfile.mkdtemp(prefix="gpusnap-wl-")  # fresh per run: no stale waiter shares it
-        argv = [sys.executable, os.path.join(HERE, script), "--gb", str(gb),
-                "--mix", mix, "--seed", str(seed), "--dir", self.dir]
+        module = "scripts.workloads." + os.path.splitext(os.path.basename(script))[0]
+        argv = [sys.executable, "-m", module, "--gb", str(gb), "--mix", mix, "--seed", str(seed), "--dir", self.dir]
+        root = os.path.dirname(os.path.dirname(HERE))  # the repository: the workloads run as modules of it
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
         if detached:
             self.log = open(os.path.join(self.dir, "log"), "w")
             self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=self.log, stderr=self.log,
-                                         start_new_session=True, cwd="/")
+                                         start_new_session=True, cwd="/", env=env)
         else:
-            self.proc = subprocess.Popen(argv)
+            self.proc = subprocess.Popen(argv, env=env)
         deadline = time.monotonic() + timeout
         ready = os.path.join(self.dir, "ready")
         while not os.path.exists(ready):
