@@ -650,59 +650,10 @@ class Remote:
     # ---- pull ----
     def pull(self, store: SnapshotStore, name: str, *, replace: bool = False, progress: Any = None) -> TransferReport:
         """Snapshot NAME into STORE: chunks it lacks, smallest streams first (what a restore opens
-        first), each verified on arrival; then the remote's manifest, committed by the store's writer."""
-        t0 = time.perf_counter()
-        rep = TransferReport(name, self.cfg.name, "pull")
-        self.check()
-        m = self.load(name)
-        refs = _distinct_refs(m, smallest_streams_first=True)
-        rep.chunks_total = len(refs)
-        rep.bytes_total = sum(HEADER_SIZE + r.stored_len for r in refs)
-        if store.exists(name):
-            if store.load(name).dumps() == m.dumps():
-                rep.already_there = True
-                rep.seconds = time.perf_counter() - t0
-                return rep
-            if not replace:
-                raise StoreError(f"snapshot {name!r} already exists locally and differs from the remote's "
-                                 "(use --replace to overwrite it)")
-        with store.writer(name, replace=replace, meta=m.meta, tags=m.tags, created=m.created, host=m.host) as w:
-            missing = set(store.missing(m))
-            todo = [r for r in refs if r.id in missing]
-            if progress is not None:
-                progress.start(sum(HEADER_SIZE + r.stored_len for r in todo))
-            size = max((HEADER_SIZE + r.stored_len for r in todo), default=HEADER_SIZE) + HEADER_SIZE
-            lock = threading.Lock()
-            with BufferPool(self.jobs, size) as pool:
-                def fetch(ref: ChunkRef) -> None:
-                    with pool.borrowed() as buf:
-                        for attempt in (1, 2):
-                            n = self.s3.get_into(self.chunk_key(ref.id), buf.view)  # type: ignore[arg-type]
-                            with lock:
-                                rep.bytes_sent += n or 0
-                            why = _check_fetched(ref, buf, n)
-                            if why is None:
-                                break
-                            if attempt == 2:
-                                raise RemoteDamageError(f"remote {self.cfg.name!r}: chunk {ref.id[:16]}… of "
-                                                        f"{name!r} {why} (fetched twice); nothing was committed "
-                                                        "locally")
-                            with lock:
-                                rep.refetched += 1
-                        got = w.put_chunk(ref.codec, ref.raw_len, buf.view, ref.stored_len)
-                        assert got.id == ref.id
-                    with lock:
-                        rep.chunks_sent += 1
-                        done = rep.chunks_sent
-                    if progress is not None:
-                        progress.advance(HEADER_SIZE + ref.stored_len)
-                    _pause_for_tests(done)
-                _run_bounded(fetch, todo, self.jobs)
-            for s in m.streams:
-                w.add_stream(s)
-            w.commit()
-        rep.seconds = time.perf_counter() - t0
-        return rep
+        first), each verified on arrival; then the remote's manifest, committed by the store's writer
+        (storage.remote_fill, which a restore from a remote also uses while it reads the chunks)."""
+        from .remote_fill import pull  # it builds on this module
+        return pull(self, store, name, replace=replace, progress=progress)
 
     # ---- verify / gc ----
     def verify(self, names: list[str] | None = None, read_data: bool = False, progress: Any = None) -> VerifyReport:

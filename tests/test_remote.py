@@ -359,10 +359,32 @@ def test_swift_stopped_mid_transfer_gives_one_line_and_loses_nothing(private_swi
 
 
 # ---- CRIU restore on node B, straight from the object store ------------------------------------------
-def test_criu_restore_from_remote_on_another_store(nodes: tuple[Node, Node]) -> None:
+def _need_criu() -> None:
     from sandbox.criu.runner import find_criu
     if not find_criu():
         pytest.fail("CRIU >= 4 not installed: run scripts/setup.sh (CI must not skip these)")
+
+
+def _chunk_count(node: Node, name: str) -> int:
+    from storage.store import SnapshotStore
+    return len(SnapshotStore(str(node.store)).load(name).chunk_ids())
+
+
+def _gone(pid: int, timeout: float = 10) -> bool:
+    from test_criu import _state
+    deadline = time.monotonic() + timeout
+    while os.path.exists(f"/proc/{pid}") and _state(pid) != "Z":
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def test_criu_restore_from_remote_on_another_store(nodes: tuple[Node, Node], tmp_path: Path) -> None:
+    """`criu restore --from` on an empty store: CRIU starts while the pull runs. The one fetch thread
+    is held before the snapshot's last chunk; CRIU must already have recreated the tree's processes
+    then (a restore that waited for the whole pull could not), and nothing is visible locally yet."""
+    _need_criu()
     from test_criu import Tree, healthy
     a, b = nodes
     tree = Tree()
@@ -373,12 +395,70 @@ def test_criu_restore_from_remote_on_another_store(nodes: tuple[Node, Node]) -> 
         assert not tree.alive()
         a.json("push", "t")
         assert b.json("store", "ls") == []
-        r = b.json("criu", "restore", "t", "--from", "r")
+        total = _chunk_count(a, "t")
+        pause = tmp_path / "paused"
+        p = b.popen("criu", "restore", "t", "--from", "r", "--jobs", "1",
+                    env={"GPUSNAP_TEST_PAUSE_TRANSFER": f"{total - 1}:{pause}"})
+        wait_for(pause, p)
+        deadline = time.monotonic() + 60
+        while not os.path.exists(f"/proc/{tree.pid}"):  # CRIU recreates the tree with its pids
+            assert p.poll() is None and time.monotonic() < deadline, "CRIU did not start before the last chunk"
+            time.sleep(0.02)
+        assert pause.exists() and b.json("store", "ls") == [], "the snapshot is committed only when all is local"
+        pause.unlink()
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err
+        r = json.loads(out)
         assert r["restored_pid"] == tree.pid
+        assert r["stages"]["pull"]["chunks_sent"] == r["stages"]["pull"]["chunks_total"] == total
+        assert r["seconds"]["criu_started"] < r["seconds"]["all_local"], r["seconds"]
         after = tree.report()
         assert healthy(after) and after["pid"] == tree.pid, after
         assert [s["name"] for s in b.json("store", "ls")] == ["t"]
         assert b.json("store", "verify")["ok"]
+    finally:
+        tree.kill()
+
+
+def test_swift_stopped_mid_restore_fails_cleanly_and_a_retry_completes(private_swift: tuple[str, dict[str, str]],
+                                                                       tmp_path: Path) -> None:
+    """The object store stops while CRIU restores from it: one line, no process of the snapshot left,
+    no snapshot visible in B; once it is back the same command completes, reusing what was fetched."""
+    _need_criu()
+    from test_criu import Tree, healthy
+    ep, senv = private_swift
+    url = url_for("down-restore")
+    a, b = Node(tmp_path / "A", ep, url), Node(tmp_path / "B", ep, url)
+    swift = [str(REPO / "scripts" / "setup" / "swift-setup.sh")]
+    senv = {**os.environ, **senv}
+    tree = Tree()
+    try:
+        a.json("criu", "dump", str(tree.pid), "t")
+        tree.reap()
+        a.json("push", "t")
+        total = _chunk_count(a, "t")
+        pause = tmp_path / "paused"
+        p = b.popen("criu", "restore", "t", "--from", "r", "--jobs", "1",
+                    env={"GPUSNAP_S3_MAX_ATTEMPTS": "2", "GPUSNAP_TEST_PAUSE_TRANSFER": f"{total - 3}:{pause}"})
+        wait_for(pause, p)
+        deadline = time.monotonic() + 60
+        while not os.path.exists(f"/proc/{tree.pid}"):  # mid-restore: CRIU has recreated the tree
+            assert p.poll() is None and time.monotonic() < deadline, "CRIU did not start"
+            time.sleep(0.02)
+        subprocess.run([*swift, "stop"], env=senv, check=True)
+        pause.unlink()
+        out, err = p.communicate(timeout=180)
+        assert p.returncode == 4, (out, err)
+        assert "cannot reach the object store" in one_line((out, err))
+        assert _gone(tree.pid) and _gone(tree.child), "a half-restored process was left"
+        assert b.json("store", "ls") == [] and not list((b.store / "tmp").iterdir())
+        subprocess.run([*swift, "start"], env=senv, check=True, capture_output=True)
+        r = b.json("criu", "restore", "t", "--from", "r")
+        assert r["restored_pid"] == tree.pid
+        pulled = r["stages"]["pull"]
+        assert pulled["chunks_total"] == total and pulled["chunks_sent"] == 3, pulled  # the rest was kept
+        assert healthy(tree.report())
+        assert [s["name"] for s in b.json("store", "ls")] == ["t"] and b.json("store", "verify")["ok"]
     finally:
         tree.kill()
 
