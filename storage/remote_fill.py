@@ -34,15 +34,20 @@ from .remote import (Remote, RemoteDamageError, RemoteError, TransferReport, _ch
 from .store import SnapshotStore, StoreError
 
 
+HANDOFF_BYTES = 128 << 20  # verified payloads held for the reader, at most
+
+
 class RemoteFill:
     """Snapshot NAME of REMOTE into STORE, fetched in the background; a context manager.
 
     In the context: `manifest` (validated), `already_there` (the same snapshot is local: nothing to
     do), `start()` launches the fetches, `first(refs)` moves chunks to the front, `wait(id)` blocks
-    until a chunk is local, `finish()` waits for all and commits."""
+    until a chunk is local, `take(id)` hands over its verified payload when it is still held (the
+    chunks the reader asked for, up to HANDOFF_BYTES, so the reader need not read and hash them
+    again), `finish()` waits for all and commits."""
 
     def __init__(self, remote: Remote, store: SnapshotStore, name: str, *, replace: bool = False,
-                 progress: Any = None) -> None:
+                 progress: Any = None, handoff_bytes: int = HANDOFF_BYTES) -> None:
         self.remote, self.store, self.name = remote, store, name
         self.replace, self.progress = replace, progress
         self.report = TransferReport(name, remote.cfg.name, "pull")
@@ -58,6 +63,10 @@ class RemoteFill:
         self._error: BaseException | None = None
         self._stop = False
         self._threads: list[threading.Thread] = []
+        self._wanted: set[str] = set()             # chunks a reader asked for (first): kept for take()
+        self._kept: dict[str, bytes] = {}          # verified payloads not yet taken
+        self._kept_bytes = 0
+        self.handoff_bytes = handoff_bytes
         self.began = time.monotonic()
         self.seconds_to_all_local: float | None = None  # from began
 
@@ -129,6 +138,7 @@ class RemoteFill:
         """Fetch these chunks (those still queued) before any other, in this order."""
         ids = [c.id for c in refs if c.id is not None]
         with self._lock:
+            self._wanted.update(cid for cid in ids if cid in self._events)
             front = [cid for cid in dict.fromkeys(ids) if cid in self._events and cid not in self._started]
             if not front:
                 return
@@ -168,8 +178,9 @@ class RemoteFill:
                                             "(fetched twice); nothing was committed locally")
                 with self._lock:
                     rep.refetched += 1
-            got = self._w.put_chunk(ref.codec, ref.raw_len, buf.view, ref.stored_len)
+            got = self._w.put_chunk(ref.codec, ref.raw_len, buf.view, ref.stored_len, verified_id=ref.id)
             assert got.id == ref.id
+            self._keep(ref, buf.view[HEADER_SIZE:HEADER_SIZE + ref.stored_len])
         with self._lock:
             rep.chunks_sent += 1
             done = rep.chunks_sent
@@ -177,6 +188,21 @@ class RemoteFill:
         if self.progress is not None:
             self.progress.advance(HEADER_SIZE + ref.stored_len)
         _pause_for_tests(done)
+
+    def _keep(self, ref: ChunkRef, payload: memoryview) -> None:
+        with self._lock:
+            if ref.id in self._wanted and self._kept_bytes + len(payload) <= self.handoff_bytes:
+                self._kept[ref.id] = bytes(payload)  # type: ignore[index]
+                self._kept_bytes += len(payload)
+
+    def take(self, cid: str) -> bytes | None:
+        """The verified stored payload of chunk CID, once, if it arrived from the remote and is still
+        held; None otherwise (read it from the store)."""
+        with self._lock:
+            data = self._kept.pop(cid, None)
+            if data is not None:
+                self._kept_bytes -= len(data)
+            return data
 
     def _fail(self, e: BaseException) -> None:
         with self._lock:
