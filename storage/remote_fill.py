@@ -129,11 +129,6 @@ class RemoteFill:
             self._threads.append(t)
             t.start()
 
-    @property
-    def pending(self) -> int:
-        """Chunks not yet local."""
-        return sum(1 for e in self._events.values() if not e.is_set())
-
     def first(self, refs: Iterable[ChunkRef]) -> None:
         """Fetch these chunks (those still queued) before any other, in this order."""
         ids = [c.id for c in refs if c.id is not None]
@@ -184,6 +179,8 @@ class RemoteFill:
         with self._lock:
             rep.chunks_sent += 1
             done = rep.chunks_sent
+            if done == len(self._events):
+                self.seconds_to_all_local = time.monotonic() - self.began
         self._events[ref.id].set()
         if self.progress is not None:
             self.progress.advance(HEADER_SIZE + ref.stored_len)
@@ -244,7 +241,8 @@ class RemoteFill:
             for ev in self._events.values():
                 ev.wait()
             self._raise()
-            self.seconds_to_all_local = time.monotonic() - self.began
+            if self.seconds_to_all_local is None:  # nothing was missing
+                self.seconds_to_all_local = time.monotonic() - self.began
             for s in self.manifest.streams:
                 self._w.add_stream(s)
             self._w.commit()
