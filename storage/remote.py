@@ -9,8 +9,8 @@ Guarantees kept here (FORMAT.md, "Remote stores", has the layout and the protoco
 - every chunk fetched is verified against its id before it enters the local store; one that does not
   hash to its id is refetched once, then reported as damage; a remote manifest is validated by
   Manifest.loads like a local one; a pulled snapshot is committed through the local store's writer;
-- remote gc deletes only chunks no remote manifest names, never while a fresh push lock exists, and a
-  push whose lock was removed as stale re-checks every chunk before it commits;
+- remote gc deletes only chunks no remote manifest names, never while a fresh push or pull lock
+  exists, and a push whose lock was removed as stale re-checks every chunk before it commits;
 - credentials come from the environment or a 0600 file; they are never in an argument, a message or
   a remote's config.
 Nothing here knows CRIU or runsc: a snapshot is a manifest and chunks.
@@ -548,7 +548,7 @@ class Remote:
 
     @contextmanager
     def lock(self, kind: str) -> Iterator["_Lock"]:
-        """A lock object for the duration: `push` is shared with other pushes, `gc` is exclusive.
+        """A lock object for the duration: `push` and `pull` are shared with each other, `gc` is exclusive.
 
         Created first, then the others are listed (so of two racing sides at least one sees the
         other and backs off); refreshed every LOCK_REFRESH_S; a lock not refreshed for LOCK_STALE_S
@@ -567,7 +567,7 @@ class Remote:
             lk.release()
 
     def _conflicting_lock(self, lk: "_Lock") -> str | None:
-        """The first fresh lock that excludes LK ('gc' or 'push' plus its object name), or None."""
+        """The first fresh lock that excludes LK (its kind plus its object name), or None."""
         now = self.s3.server_time()
         for key, other, t in self._locks():
             if key == lk.key or _stale(now, t):

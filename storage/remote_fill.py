@@ -15,7 +15,10 @@ Guarantees kept here:
   nothing: no half snapshot is visible, the chunks already stored are reused by the next attempt
   (until the local gc, which the writer's shared lock keeps away meanwhile);
 - a fetch that fails (the object store down after the retries, damage) stops the other fetches and
-  is raised to every waiter and by `finish`, so a reader fails at once instead of hanging.
+  is raised to every waiter and by `finish`, so a reader fails at once instead of hanging;
+- the remote's `pull` lock object is held from before the manifest is read to the end, so a
+  `remote gc` cannot delete chunks this pull is about to fetch (a gc that took the lock for stale
+  may have: the missing chunk then fails the pull, which commits nothing).
 """
 from __future__ import annotations
 
@@ -55,6 +58,7 @@ class RemoteFill:
         self.already_there = False
         self._stack = ExitStack()
         self._w: Any = None
+        self._lk: Any = None
         self._refs: dict[str, ChunkRef] = {}
         self._events: dict[str, threading.Event] = {}
         self._queue: deque[str] = deque()
@@ -82,6 +86,7 @@ class RemoteFill:
     def _open(self) -> None:
         r, rep = self.remote, self.report
         r.check()
+        self._lk = self._stack.enter_context(r.lock("pull"))  # before the manifest is read: gc deletes nothing meanwhile
         m = self.manifest = r.load(self.name)
         refs = _distinct_refs(m, smallest_streams_first=True)
         rep.chunks_total = len(refs)
@@ -169,6 +174,10 @@ class RemoteFill:
                 if why is None:
                     break
                 if attempt == 2:
+                    if n is None and self._lk.lost():
+                        raise RemoteError(f"remote {r.cfg.name!r}: a gc took this pull's lock for stale (the pull was "
+                                          f"stopped for longer than the stale time) and deleted chunk {ref.id[:16]}…; "
+                                          "nothing was committed locally")
                     raise RemoteDamageError(f"remote {r.cfg.name!r}: chunk {ref.id[:16]}… of {self.name!r} {why} "
                                             "(fetched twice); nothing was committed locally")
                 with self._lock:

@@ -213,6 +213,43 @@ def test_gc_deletes_only_unreferenced_chunks_and_a_push_it_raced_rechecks(nodes:
     assert same_tree(d3, tmp_path / "out" / "d3")
 
 
+def test_gc_waits_for_a_pull_and_one_that_takes_its_lock_for_stale_fails_it_cleanly(nodes: tuple[Node, Node],
+                                                                                    tmp_path: Path) -> None:
+    a, b = nodes
+    d1 = make_data(tmp_path / "d1", mb=8, seed=1)
+    a.run("store", "put", "g1", str(d1), "--chunk-size", "1M")
+    a.json("push", "g1")
+    # a pull paused after fetching some chunks holds a fresh lock: the snapshot is removed remotely
+    # meanwhile, and gc, which would now delete the chunks the pull has yet to fetch, refuses
+    pause = tmp_path / "paused"
+    p = b.popen("pull", "g1", "--jobs", "1", env={"GPUSNAP_TEST_PAUSE_TRANSFER": f"3:{pause}"})
+    wait_for(pause, p)
+    a.run("remote", "rm", "g1")
+    r = a.run("remote", "gc", check=False)
+    assert r.returncode == 1 and "locked by a running pull" in one_line(r)
+    pause.unlink()
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 0, err
+    b.run("store", "get", "g1", str(tmp_path / "out"))
+    assert same_tree(d1, tmp_path / "out" / "d1")
+    assert a.json("remote", "gc")["chunks_removed"] >= 8  # the pull has ended: now they go
+    # a gc that takes a stopped pull's lock for stale deletes what it had yet to fetch: the pull fails
+    # with one line and commits nothing
+    b.run("store", "rm", "g1")
+    b.run("store", "gc")
+    a.json("push", "g1")
+    p = b.popen("pull", "g1", "--jobs", "1", env={"GPUSNAP_TEST_PAUSE_TRANSFER": f"3:{pause}"})
+    wait_for(pause, p)
+    a.run("remote", "rm", "g1")
+    gc = a.json("remote", "gc", env={"GPUSNAP_REMOTE_LOCK_STALE_S": "0"})
+    assert gc["stale_locks_removed"] == 1 and gc["chunks_removed"] >= 8, gc
+    pause.unlink()
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 1, (out, err)
+    assert "a gc took this pull's lock for stale" in one_line((out, err))
+    assert b.json("store", "ls") == [] and not list((b.store / "tmp").iterdir())
+
+
 def _s3(endpoint: str):  # the test's own client, to damage objects behind gpusnap's back
     import boto3
     from botocore.config import Config
