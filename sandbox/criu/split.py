@@ -253,25 +253,30 @@ def _write_mem(pid: int, addr: int, data: memoryview) -> None:
 def fill(plans: list[Plan], streams: dict[str, Stream], fetch: Callable[[Stream, int, ChunkRef], Any],
          workers: int) -> dict[str, int]:
     """Every moved run of PLANS written into its process; FETCH(stream, index, chunk) gives a chunk's
-    verified, decoded bytes. Chunks that are all zero are skipped. Returns bytes written/skipped."""
-    jobs: dict[tuple[str, int], list[tuple[int, int, int, int]]] = {}  # (image, chunk) -> (pid, addr, lo, hi)
+    verified, decoded bytes, once per distinct chunk (processes forked from one another share most
+    of their pages, so their images share chunks). Chunks that are all zero are skipped. Returns
+    bytes written/skipped."""
+    # a chunk id (or, for a zero chunk, its place) -> where it was first met, and every
+    # (pid, addr, lo, hi) it is written to
+    jobs: dict[str | tuple[str, int], tuple[tuple[str, int], list[tuple[int, int, int, int]]]] = {}
     for p in plans:
         s = streams[p.pages_image]
         for run in p.moved:
             addr = run.vaddr
-            for i, _c, lo, hi in pieces(s, ((run.offset, run.nbytes),)):
-                jobs.setdefault((p.pages_image, i), []).append((p.pid, addr, lo, hi))
+            for i, c, lo, hi in pieces(s, ((run.offset, run.nbytes),)):
+                key = c.id if c.id is not None else (p.pages_image, i)
+                jobs.setdefault(key, ((p.pages_image, i), []))[1].append((p.pid, addr, lo, hi))
                 addr += hi - lo
     stats = {"written": 0, "zero_skipped": 0}
 
-    def one(key: tuple[str, int]) -> tuple[int, int]:
-        s = streams[key[0]]
-        ref = s.chunks[key[1]]
-        targets = jobs[key]
+    def one(key: str | tuple[str, int]) -> tuple[int, int]:
+        (image, i), targets = jobs[key]
+        s = streams[image]
+        ref = s.chunks[i]
         n = sum(hi - lo for _, _, lo, hi in targets)
         if ref.is_zero:
             return 0, n
-        data = memoryview(fetch(s, key[1], ref))
+        data = memoryview(fetch(s, i, ref))
         for pid, addr, lo, hi in targets:
             write_into(pid, addr, data[lo:hi])
         return n, 0
