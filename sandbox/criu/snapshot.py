@@ -467,8 +467,9 @@ def _restore_from(store: SnapshotStore, m: Any, meta: CriuMeta, stage: str, repo
             raise e.with_log(keep_log(store, e, f"restore-{name}")) from None
         report.seconds.update(secs)
         connected = report.stages["served"].pop("criu_connected_monotonic", None)
-        if fill is not None and connected is not None:  # both from the start of the pull
+        if fill is not None and connected is not None:  # from the start of the pull
             report.seconds["criu_started"] = connected - fill.began
+            report.seconds["tree_running"] = time.monotonic() - fill.began
     else:
         t0 = time.perf_counter()
         pipeline.get(store, files, FileTreeSink(os.path.join(stage, "out")), progress=progress)

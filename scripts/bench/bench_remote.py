@@ -127,11 +127,13 @@ def clients(endpoint: str, sizes_mb: list[int], count: int, jobs: int, bucket: s
 def criu_restore_times(a: Path, b: Path, url: str, endpoint: str, mb: int, runs: int) -> dict[str, list[float]]:
     """Seconds to a restored tree (the command's end: the tree runs), RUNS times each, interleaved:
     `local` from store A; `pull+restore` = `pull` then `criu restore` into a fresh store B; `overlapped` =
-    `criu restore --from` into a fresh store B; and, of the overlapped runs, when CRIU connected and when
-    the last chunk was local (from the start of the pull, gpusnap's own report)."""
+    `criu restore --from` into a fresh store B; and, of the overlapped runs, when CRIU connected, when
+    the last chunk was local and when the tree ran (before the local commit), from the start of the
+    pull inside that command (gpusnap's own report; the command's start-up comes before it)."""
     from scripts.bench.bench_criu import Tree
     out: dict[str, list[float]] = {k: [] for k in ("local", "pull+restore", "pull of it", "overlapped",
-                                                   "overlapped: criu started", "overlapped: all local")}
+                                                   "overlapped: criu started", "overlapped: all local",
+                                                   "overlapped: tree running")}
 
     def fresh_b() -> None:
         shutil.rmtree(b, ignore_errors=True)
@@ -167,6 +169,7 @@ def criu_restore_times(a: Path, b: Path, url: str, endpoint: str, mb: int, runs:
                 if kind == "overlapped":
                     out["overlapped: criu started"].append(r["seconds"]["criu_started"])
                     out["overlapped: all local"].append(r["seconds"]["all_local"])
+                    out["overlapped: tree running"].append(r["seconds"]["tree_running"])
                 print(f"run {i} {kind}: {dt:.2f} s", flush=True)
         return out
     finally:
