@@ -77,6 +77,29 @@ def test_pagemap_split_plan_keeps_small_runs_and_offsets() -> None:
     assert split.plan("pagemap-shmem-3.img", data, 1 << 20) is None
 
 
+def test_read_order_is_what_criu_reads_first_then_what_the_split_fills() -> None:
+    """What a restore from a remote fetches first: the inventory and the process tree, the other
+    small images (smallest first), each page image's ranges CRIU reads (by image number), and only
+    then the runs the split writes after CRIU."""
+    from sandbox.criu import split
+    from sandbox.criu.streamer import read_order
+    from storage.manifest import ChunkRef, Stream
+
+    def ref(tag: str, n: int = 4096) -> ChunkRef:
+        return ChunkRef(tag * 64, n, "raw", n)
+
+    def img(*chunks: ChunkRef) -> Stream:
+        return Stream("images/x", {"type": "file"}, list(chunks))
+
+    images = {"core-1.img": img(ref("c", 100)), "mm-1.img": img(ref("d", 50)), "pstree.img": img(ref("b", 200)),
+              "inventory.img": img(ref("a", 300)),
+              "pages-2.img": img(ref("e")), "pages-1.img": img(ref("1"), ref("2", 8192), ref("3", 8192), ref("4"))}
+    plan = split.Plan(1, "pages-1.img", b"", kept=((0, 4096), (20480, 4096)), moved=(split.Run(0x7000, 4096, 16384),))
+    assert [c.id[0] for c in read_order(images, None)] == list("abdc")
+    assert [c.id[0] for c in read_order(images, {"pages-1.img": plan})] == list("abdc14e23")
+    assert [c.id[0] for c in read_order(images, {})] == list("abdc1234e")
+
+
 @pytest.mark.parametrize("restore_env", [SPLIT, NO_SPLIT], ids=["split", "criu-restores-all"])
 def test_stream_dump_and_restore_of_a_tree(cli: Cli, store_dir: Path, restore_env: dict[str, str]) -> None:
     tree = Tree(mb=48)

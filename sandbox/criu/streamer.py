@@ -24,7 +24,8 @@ Guarantees kept here:
   tree where it was. If gpusnap dies mid-stream, CRIU sees a broken pipe, fails, and resumes the
   tree itself;
 - restore: every chunk is verified before its bytes enter CRIU's pipe; a damaged chunk, a remote
-  that fails mid-restore, or gpusnap dying, breaks the pipe and CRIU fails before any restored process runs (and removes its tasks);
+  that fails mid-restore, or gpusnap dying, breaks the pipe and CRIU fails before any restored
+  process runs (and removes its tasks);
   if CRIU itself dies mid-restore, the tasks it had created come back to gpusnap (child subreaper
   meanwhile) and are killed, so the snapshot's pids are free for the next restore;
 - the snapshot's layout is the staging path's (`images/NAME` files), so either path restores what
@@ -450,8 +451,7 @@ def read_order(images: dict[str, Stream], plans: dict[str, split.Plan] | None) -
     the dump met the processes); the runs a split moves are written after CRIU. Without PLANS (the
     pagemaps not read yet) the small images only."""
     small = sorted((n for n in images if not is_page_image(n)),
-                   key=lambda n: (n not in _READ_FIRST, _READ_FIRST.index(n) if n in _READ_FIRST else 0,
-                                  images[n].size, n))
+                   key=lambda n: (_READ_FIRST.index(n) if n in _READ_FIRST else len(_READ_FIRST), images[n].size, n))
     out = [c for n in small for c in images[n].chunks]
     if plans is None:
         return out
