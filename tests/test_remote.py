@@ -500,6 +500,37 @@ def test_swift_stopped_mid_restore_fails_cleanly_and_a_retry_completes(private_s
         tree.kill()
 
 
+def test_kill_9_mid_restore_from_remote_leaves_nothing_visible_and_a_retry_reuses_the_chunks(
+        nodes: tuple[Node, Node], tmp_path: Path) -> None:
+    _need_criu()
+    from test_criu import Tree, healthy
+    from test_criu_stream import _criu_of
+    a, b = nodes
+    tree = Tree()
+    try:
+        a.json("criu", "dump", str(tree.pid), "t")
+        tree.reap()
+        a.json("push", "t")
+        total = _chunk_count(a, "t")
+        pause = tmp_path / "paused"
+        p = b.popen("criu", "restore", "t", "--from", "r", "--jobs", "1",
+                    env={"GPUSNAP_TEST_PAUSE_TRANSFER": f"{total - 2}:{pause}"})
+        wait_for(pause, p)
+        criu = _criu_of(p)
+        os.kill(p.pid, signal.SIGKILL)  # CRIU's pipes break: it fails and removes its tasks
+        p.communicate(timeout=60)
+        assert _gone(criu, 30) and _gone(tree.pid) and _gone(tree.child), "a half-restored process was left"
+        assert b.json("store", "ls") == []
+        b.json("recover")  # the killed command's journal record
+        r = b.json("criu", "restore", "t", "--from", "r")
+        assert r["restored_pid"] == tree.pid
+        assert r["stages"]["pull"]["chunks_sent"] == 2, r["stages"]["pull"]  # what the killed one stored stays
+        assert healthy(tree.report())
+        assert [s["name"] for s in b.json("store", "ls")] == ["t"] and b.json("store", "verify")["ok"]
+    finally:
+        tree.kill()
+
+
 # ---- a GPU snapshot (custom-storage streams) restored on node B from the object store ----------------
 def test_gpu_restore_from_remote_on_another_store(tmp_path: Path, endpoint: str, child: int,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
