@@ -32,10 +32,16 @@ from .chunkfile import HEADER_SIZE
 from .directio import BufferPool
 from .errors import GpusnapError
 from .manifest import ChunkRef, Manifest
-from .remote import (Remote, RemoteDamageError, RemoteError, TransferReport, _check_fetched, _distinct_refs,
-                     _pause_for_tests)
+from .remote import (
+    Remote,
+    RemoteDamageError,
+    RemoteError,
+    TransferReport,
+    _check_fetched,
+    _distinct_refs,
+    _pause_for_tests,
+)
 from .store import SnapshotStore, StoreError
-
 
 HANDOFF_BYTES = 128 << 20  # verified payloads held for the reader, at most
 
