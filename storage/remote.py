@@ -9,8 +9,8 @@ Guarantees kept here (FORMAT.md, "Remote stores", has the layout and the protoco
 - every chunk fetched is verified against its id before it enters the local store; one that does not
   hash to its id is refetched once, then reported as damage; a remote manifest is validated by
   Manifest.loads like a local one; a pulled snapshot is committed through the local store's writer;
-- remote gc deletes only chunks no remote manifest names, never while a fresh push lock exists, and a
-  push whose lock was removed as stale re-checks every chunk before it commits;
+- remote gc deletes only chunks no remote manifest names, never while a fresh push or pull lock
+  exists, and a push whose lock was removed as stale re-checks every chunk before it commits;
 - credentials come from the environment or a 0600 file; they are never in an argument, a message or
   a remote's config.
 Nothing here knows CRIU or runsc: a snapshot is a manifest and chunks.
@@ -548,7 +548,7 @@ class Remote:
 
     @contextmanager
     def lock(self, kind: str) -> Iterator["_Lock"]:
-        """A lock object for the duration: `push` is shared with other pushes, `gc` is exclusive.
+        """A lock object for the duration: `push` and `pull` are shared with each other, `gc` is exclusive.
 
         Created first, then the others are listed (so of two racing sides at least one sees the
         other and backs off); refreshed every LOCK_REFRESH_S; a lock not refreshed for LOCK_STALE_S
@@ -567,7 +567,7 @@ class Remote:
             lk.release()
 
     def _conflicting_lock(self, lk: "_Lock") -> str | None:
-        """The first fresh lock that excludes LK ('gc' or 'push' plus its object name), or None."""
+        """The first fresh lock that excludes LK (its kind plus its object name), or None."""
         now = self.s3.server_time()
         for key, other, t in self._locks():
             if key == lk.key or _stale(now, t):
@@ -650,59 +650,10 @@ class Remote:
     # ---- pull ----
     def pull(self, store: SnapshotStore, name: str, *, replace: bool = False, progress: Any = None) -> TransferReport:
         """Snapshot NAME into STORE: chunks it lacks, smallest streams first (what a restore opens
-        first), each verified on arrival; then the remote's manifest, committed by the store's writer."""
-        t0 = time.perf_counter()
-        rep = TransferReport(name, self.cfg.name, "pull")
-        self.check()
-        m = self.load(name)
-        refs = _distinct_refs(m, smallest_streams_first=True)
-        rep.chunks_total = len(refs)
-        rep.bytes_total = sum(HEADER_SIZE + r.stored_len for r in refs)
-        if store.exists(name):
-            if store.load(name).dumps() == m.dumps():
-                rep.already_there = True
-                rep.seconds = time.perf_counter() - t0
-                return rep
-            if not replace:
-                raise StoreError(f"snapshot {name!r} already exists locally and differs from the remote's "
-                                 "(use --replace to overwrite it)")
-        with store.writer(name, replace=replace, meta=m.meta, tags=m.tags, created=m.created, host=m.host) as w:
-            missing = set(store.missing(m))
-            todo = [r for r in refs if r.id in missing]
-            if progress is not None:
-                progress.start(sum(HEADER_SIZE + r.stored_len for r in todo))
-            size = max((HEADER_SIZE + r.stored_len for r in todo), default=HEADER_SIZE) + HEADER_SIZE
-            lock = threading.Lock()
-            with BufferPool(self.jobs, size) as pool:
-                def fetch(ref: ChunkRef) -> None:
-                    with pool.borrowed() as buf:
-                        for attempt in (1, 2):
-                            n = self.s3.get_into(self.chunk_key(ref.id), buf.view)  # type: ignore[arg-type]
-                            with lock:
-                                rep.bytes_sent += n or 0
-                            why = _check_fetched(ref, buf, n)
-                            if why is None:
-                                break
-                            if attempt == 2:
-                                raise RemoteDamageError(f"remote {self.cfg.name!r}: chunk {ref.id[:16]}… of "
-                                                        f"{name!r} {why} (fetched twice); nothing was committed "
-                                                        "locally")
-                            with lock:
-                                rep.refetched += 1
-                        got = w.put_chunk(ref.codec, ref.raw_len, buf.view, ref.stored_len)
-                        assert got.id == ref.id
-                    with lock:
-                        rep.chunks_sent += 1
-                        done = rep.chunks_sent
-                    if progress is not None:
-                        progress.advance(HEADER_SIZE + ref.stored_len)
-                    _pause_for_tests(done)
-                _run_bounded(fetch, todo, self.jobs)
-            for s in m.streams:
-                w.add_stream(s)
-            w.commit()
-        rep.seconds = time.perf_counter() - t0
-        return rep
+        first), each verified on arrival; then the remote's manifest, committed by the store's writer
+        (storage.remote_fill, which a restore from a remote also uses while it reads the chunks)."""
+        from .remote_fill import pull  # it builds on this module
+        return pull(self, store, name, replace=replace, progress=progress)
 
     # ---- verify / gc ----
     def verify(self, names: list[str] | None = None, read_data: bool = False, progress: Any = None) -> VerifyReport:

@@ -867,16 +867,19 @@ class SnapshotWriter:
         with self._lock:
             return self.stats.add_zero(raw_len)
 
-    def put_chunk(self, codec: str, raw_len: int, frame: memoryview, stored_len: int) -> ChunkRef:
+    def put_chunk(self, codec: str, raw_len: int, frame: memoryview, stored_len: int,
+                  verified_id: str | None = None) -> ChunkRef:
         """Store one encoded chunk (thread-safe) whose payload sits at FRAME[HEADER_SIZE:][:stored_len].
 
         FRAME must have room up to the next 4096-byte boundary after the payload (see
         chunkfile.write_chunk_file); the header is written into its first HEADER_SIZE bytes.
+        VERIFIED_ID: the caller has just hashed exactly this header and payload to that id (a chunk
+        fetched from a remote), so it is not hashed again.
         """
         header = ChunkHeader(codec, raw_len, stored_len)
         t0 = time.perf_counter()
         try:
-            cid, new, hash_s = self.store.store_chunk(self._tmp, self._chunks, header, frame)
+            cid, new, hash_s = self.store.store_chunk(self._tmp, self._chunks, header, frame, verified_id)
         except OSError as e:
             raise StoreError(_io_message("writing a chunk", e, self.store.path)) from None
         t2 = time.perf_counter()

@@ -140,6 +140,54 @@ def test_split_filler_stops_at_the_first_damaged_chunk() -> None:
     assert max(fetched) < n - 1, fetched  # nothing much past the failure was read
 
 
+def test_split_filler_fetches_a_chunk_shared_by_two_images_once() -> None:
+    """A forked child's page image names its parent's chunks: each is fetched once, written into both."""
+    import ctypes
+    from sandbox.criu import split
+    from storage.manifest import ChunkRef, Stream
+    chunk, n = 64 << 10, 6
+    targets = [ctypes.create_string_buffer(n * chunk) for _ in range(2)]
+    refs = [ChunkRef(f"{i:064x}", chunk, "raw", chunk) for i in range(n)]
+    streams = {f"pages-{k}.img": Stream(f"pages-{k}.img", {"type": "file"}, refs) for k in (1, 2)}
+    plans = [split.Plan(os.getpid(), f"pages-{k}.img", b"", (), (split.Run(ctypes.addressof(targets[k - 1]), 0, n * chunk),))
+             for k in (1, 2)]
+    fetched: list[int] = []
+
+    def fetch_into(s, i, ref, slot):
+        fetched.append(i)
+        slot.out.view[:chunk] = bytes([i + 1]) * chunk
+        return slot.out.view[:chunk]
+
+    with split.Filler(plans, streams, fetch_into, 3, 4 * (chunk + 4096), 4096) as filler:
+        stats = filler.write(lambda pid: True)
+    assert sorted(fetched) == list(range(n)) and stats["written"] == 2 * n * chunk
+    for t in targets:
+        assert t.raw == b"".join(bytes([i + 1]) * chunk for i in range(n))
+
+
+def test_read_order_is_what_criu_reads_first_then_what_the_split_fills() -> None:
+    """What a restore from a remote fetches first: the inventory and the process tree, the other
+    small images (smallest first), each page image's ranges CRIU reads (by image number), and only
+    then the runs the split writes after CRIU."""
+    from sandbox.criu import split
+    from sandbox.criu.streamer import read_order
+    from storage.manifest import ChunkRef, Stream
+
+    def ref(tag: str, n: int = 4096) -> ChunkRef:
+        return ChunkRef(tag * 64, n, "raw", n)
+
+    def img(*chunks: ChunkRef) -> Stream:
+        return Stream("images/x", {"type": "file"}, list(chunks))
+
+    images = {"core-1.img": img(ref("c", 100)), "mm-1.img": img(ref("d", 50)), "pstree.img": img(ref("b", 200)),
+              "inventory.img": img(ref("a", 300)),
+              "pages-2.img": img(ref("e")), "pages-1.img": img(ref("1"), ref("2", 8192), ref("3", 8192), ref("4"))}
+    plan = split.Plan(1, "pages-1.img", b"", kept=((0, 4096), (20480, 4096)), moved=(split.Run(0x7000, 4096, 16384),))
+    assert [c.id[0] for c in read_order(images, None)] == list("abdc")
+    assert [c.id[0] for c in read_order(images, {"pages-1.img": plan})] == list("abdc14e23")
+    assert [c.id[0] for c in read_order(images, {})] == list("abdc1234e")
+
+
 @pytest.mark.parametrize("restore_env", [SPLIT, NO_SPLIT], ids=["split", "criu-restores-all"])
 def test_stream_dump_and_restore_of_a_tree(cli: Cli, store_dir: Path, restore_env: dict[str, str]) -> None:
     tree = Tree(mb=48)

@@ -213,6 +213,43 @@ def test_gc_deletes_only_unreferenced_chunks_and_a_push_it_raced_rechecks(nodes:
     assert same_tree(d3, tmp_path / "out" / "d3")
 
 
+def test_gc_waits_for_a_pull_and_one_that_takes_its_lock_for_stale_fails_it_cleanly(nodes: tuple[Node, Node],
+                                                                                    tmp_path: Path) -> None:
+    a, b = nodes
+    d1 = make_data(tmp_path / "d1", mb=8, seed=1)
+    a.run("store", "put", "g1", str(d1), "--chunk-size", "1M")
+    a.json("push", "g1")
+    # a pull paused after fetching some chunks holds a fresh lock: the snapshot is removed remotely
+    # meanwhile, and gc, which would now delete the chunks the pull has yet to fetch, refuses
+    pause = tmp_path / "paused"
+    p = b.popen("pull", "g1", "--jobs", "1", env={"GPUSNAP_TEST_PAUSE_TRANSFER": f"3:{pause}"})
+    wait_for(pause, p)
+    a.run("remote", "rm", "g1")
+    r = a.run("remote", "gc", check=False)
+    assert r.returncode == 1 and "locked by a running pull" in one_line(r)
+    pause.unlink()
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 0, err
+    b.run("store", "get", "g1", str(tmp_path / "out"))
+    assert same_tree(d1, tmp_path / "out" / "d1")
+    assert a.json("remote", "gc")["chunks_removed"] >= 8  # the pull has ended: now they go
+    # a gc that takes a stopped pull's lock for stale deletes what it had yet to fetch: the pull fails
+    # with one line and commits nothing
+    b.run("store", "rm", "g1")
+    b.run("store", "gc")
+    a.json("push", "g1")
+    p = b.popen("pull", "g1", "--jobs", "1", env={"GPUSNAP_TEST_PAUSE_TRANSFER": f"3:{pause}"})
+    wait_for(pause, p)
+    a.run("remote", "rm", "g1")
+    gc = a.json("remote", "gc", env={"GPUSNAP_REMOTE_LOCK_STALE_S": "0"})
+    assert gc["stale_locks_removed"] == 1 and gc["chunks_removed"] >= 8, gc
+    pause.unlink()
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 1, (out, err)
+    assert "a gc took this pull's lock for stale" in one_line((out, err))
+    assert b.json("store", "ls") == [] and not list((b.store / "tmp").iterdir())
+
+
 def _s3(endpoint: str):  # the test's own client, to damage objects behind gpusnap's back
     import boto3
     from botocore.config import Config
@@ -359,10 +396,32 @@ def test_swift_stopped_mid_transfer_gives_one_line_and_loses_nothing(private_swi
 
 
 # ---- CRIU restore on node B, straight from the object store ------------------------------------------
-def test_criu_restore_from_remote_on_another_store(nodes: tuple[Node, Node]) -> None:
+def _need_criu() -> None:
     from sandbox.criu.runner import find_criu
     if not find_criu():
         pytest.fail("CRIU >= 4 not installed: run scripts/setup.sh (CI must not skip these)")
+
+
+def _chunk_count(node: Node, name: str) -> int:
+    from storage.store import SnapshotStore
+    return len(SnapshotStore(str(node.store)).load(name).chunk_ids())
+
+
+def _gone(pid: int, timeout: float = 10) -> bool:
+    from test_criu import _state
+    deadline = time.monotonic() + timeout
+    while os.path.exists(f"/proc/{pid}") and _state(pid) != "Z":
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def test_criu_restore_from_remote_on_another_store(nodes: tuple[Node, Node], tmp_path: Path) -> None:
+    """`criu restore --from` on an empty store: CRIU starts while the pull runs. The one fetch thread
+    is held before the snapshot's last chunk; CRIU must already have recreated the tree's processes
+    then (a restore that waited for the whole pull could not), and nothing is visible locally yet."""
+    _need_criu()
     from test_criu import Tree, healthy
     a, b = nodes
     tree = Tree()
@@ -373,12 +432,101 @@ def test_criu_restore_from_remote_on_another_store(nodes: tuple[Node, Node]) -> 
         assert not tree.alive()
         a.json("push", "t")
         assert b.json("store", "ls") == []
-        r = b.json("criu", "restore", "t", "--from", "r")
+        total = _chunk_count(a, "t")
+        pause = tmp_path / "paused"
+        p = b.popen("criu", "restore", "t", "--from", "r", "--jobs", "1",
+                    env={"GPUSNAP_TEST_PAUSE_TRANSFER": f"{total - 1}:{pause}"})
+        wait_for(pause, p)
+        deadline = time.monotonic() + 60
+        while not os.path.exists(f"/proc/{tree.pid}"):  # CRIU recreates the tree with its pids
+            assert p.poll() is None and time.monotonic() < deadline, "CRIU did not start before the last chunk"
+            time.sleep(0.02)
+        assert pause.exists() and b.json("store", "ls") == [], "the snapshot is committed only when all is local"
+        pause.unlink()
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err
+        r = json.loads(out)
         assert r["restored_pid"] == tree.pid
+        assert r["stages"]["pull"]["chunks_sent"] == r["stages"]["pull"]["chunks_total"] == total
+        assert r["seconds"]["criu_started"] < r["seconds"]["all_local"], r["seconds"]
         after = tree.report()
         assert healthy(after) and after["pid"] == tree.pid, after
         assert [s["name"] for s in b.json("store", "ls")] == ["t"]
         assert b.json("store", "verify")["ok"]
+    finally:
+        tree.kill()
+
+
+def test_swift_stopped_mid_restore_fails_cleanly_and_a_retry_completes(private_swift: tuple[str, dict[str, str]],
+                                                                       tmp_path: Path) -> None:
+    """The object store stops while CRIU restores from it: one line, no process of the snapshot left,
+    no snapshot visible in B; once it is back the same command completes, reusing what was fetched."""
+    _need_criu()
+    from test_criu import Tree, healthy
+    ep, senv = private_swift
+    url = url_for("down-restore")
+    a, b = Node(tmp_path / "A", ep, url), Node(tmp_path / "B", ep, url)
+    swift = [str(REPO / "scripts" / "setup" / "swift-setup.sh")]
+    senv = {**os.environ, **senv}
+    tree = Tree()
+    try:
+        a.json("criu", "dump", str(tree.pid), "t")
+        tree.reap()
+        a.json("push", "t")
+        total = _chunk_count(a, "t")
+        pause = tmp_path / "paused"
+        p = b.popen("criu", "restore", "t", "--from", "r", "--jobs", "1",
+                    env={"GPUSNAP_S3_MAX_ATTEMPTS": "2", "GPUSNAP_TEST_PAUSE_TRANSFER": f"{total - 3}:{pause}"})
+        wait_for(pause, p)
+        deadline = time.monotonic() + 60
+        while not os.path.exists(f"/proc/{tree.pid}"):  # mid-restore: CRIU has recreated the tree
+            assert p.poll() is None and time.monotonic() < deadline, "CRIU did not start"
+            time.sleep(0.02)
+        subprocess.run([*swift, "stop"], env=senv, check=True)
+        pause.unlink()
+        out, err = p.communicate(timeout=180)
+        assert p.returncode == 4, (out, err)
+        assert "cannot reach the object store" in one_line((out, err))
+        assert _gone(tree.pid) and _gone(tree.child), "a half-restored process was left"
+        assert b.json("store", "ls") == [] and not list((b.store / "tmp").iterdir())
+        subprocess.run([*swift, "start"], env=senv, check=True, capture_output=True)
+        r = b.json("criu", "restore", "t", "--from", "r")
+        assert r["restored_pid"] == tree.pid
+        pulled = r["stages"]["pull"]
+        assert pulled["chunks_total"] == total and pulled["chunks_sent"] == 3, pulled  # the rest was kept
+        assert healthy(tree.report())
+        assert [s["name"] for s in b.json("store", "ls")] == ["t"] and b.json("store", "verify")["ok"]
+    finally:
+        tree.kill()
+
+
+def test_kill_9_mid_restore_from_remote_leaves_nothing_visible_and_a_retry_reuses_the_chunks(
+        nodes: tuple[Node, Node], tmp_path: Path) -> None:
+    _need_criu()
+    from test_criu import Tree, healthy
+    from test_criu_stream import _criu_of
+    a, b = nodes
+    tree = Tree()
+    try:
+        a.json("criu", "dump", str(tree.pid), "t")
+        tree.reap()
+        a.json("push", "t")
+        total = _chunk_count(a, "t")
+        pause = tmp_path / "paused"
+        p = b.popen("criu", "restore", "t", "--from", "r", "--jobs", "1",
+                    env={"GPUSNAP_TEST_PAUSE_TRANSFER": f"{total - 2}:{pause}"})
+        wait_for(pause, p)
+        criu = _criu_of(p)
+        os.kill(p.pid, signal.SIGKILL)  # CRIU's pipes break: it fails and removes its tasks
+        p.communicate(timeout=60)
+        assert _gone(criu, 30) and _gone(tree.pid) and _gone(tree.child), "a half-restored process was left"
+        assert b.json("store", "ls") == []
+        b.json("recover")  # the killed command's journal record
+        r = b.json("criu", "restore", "t", "--from", "r")
+        assert r["restored_pid"] == tree.pid
+        assert r["stages"]["pull"]["chunks_sent"] == 2, r["stages"]["pull"]  # what the killed one stored stays
+        assert healthy(tree.report())
+        assert [s["name"] for s in b.json("store", "ls")] == ["t"] and b.json("store", "verify")["ok"]
     finally:
         tree.kill()
 

@@ -11,6 +11,7 @@ from typing import Any, Callable
 import click
 
 from storage.errors import EXIT_FAILED, GpusnapError
+from storage.remote import DEFAULT_JOBS
 from storage.store import SnapshotStore
 
 def human(n: float) -> str:
@@ -60,7 +61,9 @@ tag_option = click.option("--tag", "tags", multiple=True, metavar="TAG",
                           help="Tag the snapshot (repeatable; `store ls --tag`, `store forget --tag` select by it).")
 from_remote_option = click.option(
     "--from", "from_remote", default=None, metavar="REMOTE",
-    help="Pull the snapshot from REMOTE first when this store lacks it (each chunk verified on arrival).")
+    help="Pull the snapshot from REMOTE when this store lacks it (each chunk verified on arrival).")
+from_jobs_option = click.option("--jobs", "-j", "jobs", default=DEFAULT_JOBS, show_default=True,
+                                help="With --from: requests to the remote in flight at once.")
 
 
 def open_store(ctx: click.Context, create: bool = True) -> SnapshotStore:

@@ -14,7 +14,10 @@ Guarantees kept here:
   SIGINT) leaves every process running, GPU state restored and unlocked, staging removed;
 - every step is in the operation journal before it starts, so that if gpusnap itself dies,
   `gpusnap recover` resumes the stopped tree (or, when the snapshot committed, finishes the kill);
-- a damaged snapshot is refused before any process is started (get verifies every chunk first).
+- a damaged snapshot is refused before any process is started (get verifies every chunk first);
+- a restore from a remote (`--from`) commits the local snapshot only once every chunk is local and
+  verified; if the remote fails meanwhile, CRIU's pipe breaks and the restore fails like one of a
+  damaged chunk, and a tree CRIU had restored is killed: nothing runs half-restored.
 """
 from __future__ import annotations
 
@@ -23,12 +26,15 @@ import shutil
 import signal
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 from storage import pipeline
 from storage.filetree import FileTreeSink
 from storage.follow import FollowedDirSource
+from storage.remote import DEFAULT_JOBS, Remote, ensure_local
+from storage.remote_fill import RemoteFill
 from storage.store import SnapshotStore
 
 from sandbox import journal
@@ -394,14 +400,32 @@ def _pids_in_use(pids: list[int], grace_s: float = 5.0) -> list[int]:
         time.sleep(0.05)
 
 
+@contextmanager
+def _from_remote(store: SnapshotStore, name: str, remote: str | None, jobs: int,
+                 progress: Any) -> Iterator[RemoteFill | None]:
+    """NAME on its way from REMOTE when this store lacks it: a RemoteFill the streamed restore reads
+    through while it fetches. The staging path reads every image before CRIU starts, so there the
+    snapshot is pulled first. None when NAME is local (or no remote was named)."""
+    if remote is None or store.exists(name):
+        yield None
+    elif streamer.images_path() != "stream":
+        ensure_local(store, name, remote, progress=progress, jobs=jobs)
+        yield None
+    else:
+        with RemoteFill(Remote.open(store, remote, jobs), store, name, progress=progress) as fill:
+            yield fill
+
+
 def criu_restore(store: SnapshotStore, name: str, *, staging: str | None = None, progress: Any = None,
-                 criu: Criu | None = None, gpu_driver: Any = None, device: Any = None) -> CriuReport:
-    """Snapshot NAME back: images materialized (verified) into staging, `criu restore`, then the GPU
-    state by the path that took it (the driver's host copy, or custom storage from the gpu/ streams)."""
+                 criu: Criu | None = None, gpu_driver: Any = None, device: Any = None,
+                 from_remote: str | None = None, jobs: int = DEFAULT_JOBS) -> CriuReport:
+    """Snapshot NAME back: images served (verified) to `criu restore`, then the GPU state by the path
+    that took it (the driver's host copy, or custom storage from the gpu/ streams). FROM_REMOTE: a
+    store that lacks NAME gets it from that remote (JOBS requests at once) while CRIU restores."""
     criu = criu or Criu()
     journal.require_clean(store.path)
-    with store.shared():
-        m = store.load(name)
+    with store.shared(), _from_remote(store, name, from_remote, jobs, progress) as fill:
+        m = fill.manifest if fill is not None else store.load(name)
         meta = CriuMeta.of(m)
         taken = _pids_in_use(list(meta.pids))
         if taken:
@@ -412,15 +436,20 @@ def criu_restore(store: SnapshotStore, name: str, *, staging: str | None = None,
                                gpu_path=meta.gpu_path.value if meta.gpu_path else None) as op:
             stage = new_staging(store, m.size, staging, op)
             try:
-                _restore_from(store, m, meta, stage, report, criu, op, progress, gpu_driver, device)
+                if fill is not None:
+                    fill.start()
+                _restore_from(store, m, meta, stage, report, criu, op, None if fill else progress, gpu_driver,
+                              device, fill)
             finally:
                 shutil.rmtree(stage, ignore_errors=True)
     return report
 
 
 def _restore_from(store: SnapshotStore, m: Any, meta: CriuMeta, stage: str, report: CriuReport, criu: Criu,
-                  op: journal.Op, progress: Any, gpu_driver: Any, device: Any) -> None:
-    """Materialize M's images into STAGE, `criu restore` them, then the GPU state (journaled)."""
+                  op: journal.Op, progress: Any, gpu_driver: Any, device: Any, fill: RemoteFill | None = None) -> None:
+    """M's images served to (or materialized in STAGE for) `criu restore`, then the GPU state
+    (journaled). FILL: M's chunks are still arriving from a remote; it commits once CRIU is done
+    (before the GPU state, which is read from the store), or the restored tree is killed."""
     from storage.manifest import Manifest
     name = m.name
     files = Manifest(m.name, [s for s in m.streams if not _is_gpu(s)], m.meta)
@@ -436,10 +465,14 @@ def _restore_from(store: SnapshotStore, m: Any, meta: CriuMeta, stage: str, repo
         os.mkdir(images, 0o700)
         try:
             secs, report.stages["served"] = streamer.restore(criu, store, files, images, shell_job=shell_job,
-                                                             pidfile=pidfile, pids=list(meta.pids))
+                                                             pidfile=pidfile, pids=list(meta.pids), arrivals=fill)
         except CriuError as e:
             raise e.with_log(keep_log(store, e, f"restore-{name}")) from None
         report.seconds.update(secs)
+        connected = report.stages["served"].pop("criu_connected_monotonic", None)
+        if fill is not None and connected is not None:  # from the start of the pull
+            report.seconds["criu_started"] = connected - fill.began
+            report.seconds["tree_running"] = time.monotonic() - fill.began
     else:
         t0 = time.perf_counter()
         pipeline.get(store, files, FileTreeSink(os.path.join(stage, "out")), progress=progress)
@@ -455,6 +488,14 @@ def _restore_from(store: SnapshotStore, m: Any, meta: CriuMeta, stage: str, repo
     with open(pidfile) as f:
         report.restored_pid = int(f.read().strip())
     op.advance(Stage.DUMPED, procs=tuple(p for p in (journal.Proc.of(x) for x in report.pids) if p is not None))
+    if fill is not None:  # CRIU has read its images; what is left (GPU streams) arrives, then the commit
+        try:
+            pulled = fill.finish()
+        except BaseException:
+            kill_tree(op.rec.procs)
+            raise
+        report.stages["pull"] = pulled.as_dict()
+        report.seconds["all_local"] = fill.seconds_to_all_local or 0.0
     journal.pause("after-restore")
     if report.cuda_pids:
         from sandbox.gpu.driver import CudaDriver

@@ -25,7 +25,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Union
 
 from storage.directio import AlignedBuffer
 from storage.errors import GpusnapError
@@ -255,6 +255,9 @@ def _write_mem(pid: int, addr: int, data: memoryview) -> None:
         os.close(fd)
 
 
+Key = Union[str, tuple[str, int]]  # a chunk id, or (image, index) of an all-zero chunk
+
+
 @dataclass
 class Slot:
     """Where one chunk in flight lives: its file read into `raw_file`, decoded into `out` (a raw
@@ -287,28 +290,33 @@ class Filler:
         self.plans, self.streams, self.workers = plans, streams, workers
         self.stages = stages if stages is not None else Stages()
         self._fetch = fetch
-        self.jobs: dict[tuple[str, int], list[tuple[int, int, int, int]]] = {}  # (image, chunk) -> (pid, addr, lo, hi)
+        # a chunk id (a zero chunk: its place) -> where it was first met, and every (pid, addr, lo, hi)
+        # it is written to: each distinct chunk is fetched once (processes forked from one another
+        # share most of their pages, so their images share chunks)
+        self.jobs: dict[Key, tuple[tuple[str, int], list[tuple[int, int, int, int]]]] = {}
         for p in plans:
             s = streams[p.pages_image]
             for run in p.moved:
                 addr = run.vaddr
-                for i, _c, lo, hi in pieces(s, ((run.offset, run.nbytes),)):
-                    self.jobs.setdefault((p.pages_image, i), []).append((p.pid, addr, lo, hi))
+                for i, c, lo, hi in pieces(s, ((run.offset, run.nbytes),)):
+                    key = c.id if c.id is not None else (p.pages_image, i)
+                    self.jobs.setdefault(key, ((p.pages_image, i), []))[1].append((p.pid, addr, lo, hi))
                     addr += hi - lo
         self._file_size = file_size
         self._out_size = max((self._ref(k).raw_len for k in self.jobs), default=1)
         self.max_slots = max(2, budget // (file_size + self._out_size))
         self._slots: list[Slot] = []   # every slot made (closed at the end)
         self._free: list[Slot] = []
-        self._futures: dict[tuple[str, int], tuple[Future[memoryview], Slot]] = {}
+        self._futures: dict[Key, tuple[Future[memoryview], Slot]] = {}
         self._cond = threading.Condition()
         self._closing = False
         self._ex = ThreadPoolExecutor(workers, thread_name_prefix="gpusnap-fill-read")
         self._feeder = threading.Thread(target=self._feed, name="gpusnap-fill-feed", daemon=True)
         self._feeder.start()
 
-    def _ref(self, key: tuple[str, int]) -> ChunkRef:
-        return self.streams[key[0]].chunks[key[1]]
+    def _ref(self, key: Key) -> ChunkRef:
+        image, i = self.jobs[key][0]
+        return self.streams[image].chunks[i]
 
     def _slot(self) -> Slot | None:
         """A free slot (a new one while fewer than max_slots exist); None once closing. Holds _cond."""
@@ -330,10 +338,11 @@ class Filler:
                 slot = self._slot()
                 if slot is None:
                     return
-                self._futures[key] = (self._ex.submit(self._fetch, self.streams[key[0]], key[1], ref, slot), slot)
+                image, i = self.jobs[key][0]
+                self._futures[key] = (self._ex.submit(self._fetch, self.streams[image], i, ref, slot), slot)
                 self._cond.notify_all()
 
-    def _take(self, key: tuple[str, int]) -> memoryview:
+    def _take(self, key: Key) -> memoryview:
         with self._cond:
             self._cond.wait_for(lambda: key in self._futures or self._closing)
             if key not in self._futures:
@@ -341,7 +350,7 @@ class Filler:
             fut = self._futures[key][0]
         return fut.result()
 
-    def _release(self, key: tuple[str, int]) -> None:
+    def _release(self, key: Key) -> None:
         with self._cond:
             got = self._futures.pop(key, None)
             if got is not None:  # a key never fetched (stopped) held no slot
@@ -356,8 +365,8 @@ class Filler:
                 raise SplitError(f"pid {p.pid} of the snapshot was not restored by CRIU")
         stats = {"written": 0, "zero_skipped": 0}
 
-        def one(key: tuple[str, int]) -> tuple[int, int]:
-            targets = self.jobs[key]
+        def one(key: Key) -> tuple[int, int]:
+            targets = self.jobs[key][1]
             n = sum(hi - lo for _, _, lo, hi in targets)
             if self._ref(key).is_zero:
                 return 0, n

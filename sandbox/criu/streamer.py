@@ -14,14 +14,18 @@ This module is that streamer, served by gpusnap itself:
   nothing is left to ingest after CRIU exits.
 - restore: for each image CRIU asks for, its chunks are read, verified and decoded by a pool of
   threads a window ahead of CRIU and written into CRIU's pipe in order; no image is materialized.
+  A restore from a remote (storage.remote_fill) starts before the snapshot is local: the chunks
+  still on their way are asked for in the order CRIU reads them (`read_order`), and a chunk is
+  waited for only when CRIU needs it before it has arrived.
 
 Guarantees kept here:
 - CRIU is run with --leave-stopped: the tree is killed only after the snapshot commits (the caller,
   sandbox/criu/snapshot.py, journals each stage); any failure before that (CRIU's, the store's, or the streamer's) continues the
   tree where it was. If gpusnap dies mid-stream, CRIU sees a broken pipe, fails, and resumes the
   tree itself;
-- restore: every chunk is verified before its bytes enter CRIU's pipe; a damaged chunk, or gpusnap
-  dying, breaks the pipe and CRIU fails before any restored process runs (and removes its tasks);
+- restore: every chunk is verified before its bytes enter CRIU's pipe; a damaged chunk, a remote
+  that fails mid-restore, or gpusnap dying, breaks the pipe and CRIU fails before any restored
+  process runs (and removes its tasks);
   if CRIU itself dies mid-restore, the tasks it had created come back to gpusnap (child subreaper
   meanwhile) and are killed, so the snapshot's pids are free for the next restore;
 - the snapshot's layout is the staging path's (`images/NAME` files), so either path restores what
@@ -48,7 +52,7 @@ import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator, Protocol
 
 from sandbox.criu import split
 from storage import pipeline
@@ -426,19 +430,60 @@ def dump(criu: Any, pid: int, images: str, opts: Any, w: Any, *, on_dumped: Call
 
 
 # -- restore ---------------------------------------------------------------------------------------
+class Arrivals(Protocol):
+    """Chunks still on their way into the store while it serves (storage.remote_fill.RemoteFill)."""
+
+    def wait(self, cid: str) -> None: ...
+
+    def first(self, refs: Iterable[ChunkRef]) -> None: ...
+
+    def take(self, cid: str) -> bytes | None: ...
+
+
+_PAGES_ID = re.compile(r"pages-(\d+)\.img")
+_READ_FIRST = ("inventory.img", "pstree.img")
+
+
+def read_order(images: dict[str, Stream], plans: dict[str, split.Plan] | None) -> list[ChunkRef]:
+    """IMAGES' chunks in the order a streamed restore reads them (what a restore from a remote
+    fetches first). CRIU asks for the inventory and the process tree, then each process's small
+    images, pagemap and page image, the root's first (page images are numbered in that order, as
+    the dump met the processes); the runs a split moves are written after CRIU. Without PLANS (the
+    pagemaps not read yet) the small images only."""
+    small = sorted((n for n in images if not is_page_image(n)),
+                   key=lambda n: (_READ_FIRST.index(n) if n in _READ_FIRST else len(_READ_FIRST), images[n].size, n))
+    out = [c for n in small for c in images[n].chunks]
+    if plans is None:
+        return out
+    pages = sorted((n for n in images if is_page_image(n)),
+                   key=lambda n: (int(m.group(1)) if (m := _PAGES_ID.fullmatch(n)) else 1 << 62, n))
+    for n in pages:  # what CRIU reads: the kept ranges of a split image, else all of it
+        pl = plans.get(n)
+        out += [c for _, c, _, _ in split.pieces(images[n], pl.kept if pl else None)]
+    for n in pages:  # then what split.fill writes
+        pl = plans.get(n)
+        if pl is not None:
+            out += [c for _, c, _, _ in split.pieces(images[n], tuple((r.offset, r.nbytes) for r in pl.moved))]
+    return out
+
+
 class ServeSource:
     """Serves MANIFEST's images to `criu restore --stream` through the serve socket in DIRECTORY;
     a context manager. Chunks are read, verified and decoded by WORKERS threads, up to WINDOW chunks
     ahead of CRIU per image, and written into CRIU's pipe in order."""
 
     def __init__(self, store: SnapshotStore, manifest: Manifest, directory: str, *, workers: int | None = None,
-                 window: int | None = None, split_min: int = 0) -> None:
+                 window: int | None = None, split_min: int = 0, arrivals: Arrivals | None = None) -> None:
         """split_min: page runs of at least this many bytes are left out of what CRIU gets, for
-        split.fill to write after CRIU (0: CRIU restores everything)."""
-        self.store, self.manifest = store, manifest
+        split.fill to write after CRIU (0: CRIU restores everything). arrivals: the chunks the store
+        lacks are on their way (a restore from a remote): asked for in read order, each waited for
+        when it is needed."""
+        self.store, self.manifest, self.arrivals = store, manifest, arrivals
         self.images = {s.name.partition("/")[2]: s for s in manifest.streams
                        if s.name.startswith(IMAGES + "/") and s.attrs.get("type") == "file"}
-        missing = store.missing(manifest)
+        missing = store.missing(manifest) if arrivals is None else []
+        if arrivals is not None:
+            arrivals.first(read_order(self.images, None))
         if missing:
             raise StoreError(f"snapshot {manifest.name!r} is damaged: {len(missing)} chunk(s) missing "
                              f"(first {missing[0][:16]}…); nothing was started")
@@ -457,6 +502,9 @@ class ServeSource:
                     if pl is not None and pl.pages_image in self.images:
                         self.plans[pl.pages_image] = pl
                         self._rewritten[name] = pl.pagemap
+        if arrivals is not None:
+            arrivals.first(read_order(self.images, self.plans))
+        self.connected_at: float | None = None  # time.monotonic() when CRIU connected
         self._listener = _Listener(directory, SERVE_SOCKET)
         # the moved runs are read from the store from now on, while CRIU restores the rest
         self._filler = split.Filler(list(self.plans.values()), self.images, self._fetch_into, self.workers,
@@ -490,6 +538,7 @@ class ServeSource:
             conn = self._listener.accept(lambda: self._closing)
             if conn is None:
                 return
+            self.connected_at = time.monotonic()
             with conn:
                 while True:
                     name = _read_request(conn)
@@ -517,33 +566,38 @@ class ServeSource:
         return memoryview(self._zeros)[:ref.raw_len] if ref.is_zero else self._fetch(s, i, ref)
 
     def _fetch(self, s: Stream, i: int, ref: ChunkRef) -> bytes | memoryview:
+        """REF's verified, decoded bytes, as an object of their own (CRIU's feeds hold them a window ahead)."""
+        fresh = self._arrived(ref)  # before taking a buffer: the waits hold none
         with self._bufs.borrowed() as buf:
-            t0 = time.perf_counter()
-            try:
-                payload = self.store.read_chunk(ref, buf, cached=True)
-            except ChunkError as e:
-                raise StoreError(f"snapshot {self.manifest.name!r} is damaged: {s.name} chunk {i}: {e.what}") from None
-            t1 = time.perf_counter()
-            try:
-                data = decode_host(ref.codec, payload, ref.raw_len)
-            except CodecError as e:
-                raise StoreError(f"snapshot {self.manifest.name!r}: {s.name} chunk {i}: {e}") from None
-            out = bytes(data) if isinstance(data, memoryview) else data  # the buffer goes back now
-            t2 = time.perf_counter()
-            self.stages.add("read+verify", t1 - t0, ref.stored_len)
-            self.stages.add("decode", t2 - t1, ref.raw_len)
-            return out
+            data = self._decoded(s, i, ref, fresh, buf, None)
+            return bytes(data) if isinstance(data, memoryview) else data  # the buffer goes back now
 
     def _fetch_into(self, s: Stream, i: int, ref: ChunkRef, slot: split.Slot) -> memoryview:
         """REF's verified, decoded bytes in SLOT (the split fill's path: nothing allocated per chunk)."""
+        return self._decoded(s, i, ref, self._arrived(ref), slot.raw_file, slot.out.view)
+
+    def _arrived(self, ref: ChunkRef) -> bytes | None:
+        """On a restore --from a remote: REF's file once it has arrived, if the fill hands it over
+        (verified on arrival: no read, no second hash); None: read it from the store."""
+        if self.arrivals is None:
+            return None
+        assert ref.id is not None
+        self.arrivals.wait(ref.id)
+        return self.arrivals.take(ref.id)
+
+    def _decoded(self, s: Stream, i: int, ref: ChunkRef, fresh: bytes | None, buf: Any,
+                 out: memoryview | None) -> bytes | memoryview:
+        """REF's payload (FRESH, or read from the store into BUF, verified) decoded: into OUT when
+        given (nothing allocated), else as decode_host returns it."""
         t0 = time.perf_counter()
         try:
-            payload = self.store.read_chunk(ref, slot.raw_file, cached=True)
+            payload = memoryview(fresh) if fresh is not None else self.store.read_chunk(ref, buf, cached=True)
         except ChunkError as e:
             raise StoreError(f"snapshot {self.manifest.name!r} is damaged: {s.name} chunk {i}: {e.what}") from None
         t1 = time.perf_counter()
         try:
-            data = decode_host_into(ref.codec, payload, ref.raw_len, slot.out.view)
+            data = (decode_host(ref.codec, payload, ref.raw_len) if out is None
+                    else decode_host_into(ref.codec, payload, ref.raw_len, out))
         except CodecError as e:
             raise StoreError(f"snapshot {self.manifest.name!r}: {s.name} chunk {i}: {e}") from None
         self.stages.add("read+verify", t1 - t0, ref.stored_len)
@@ -596,8 +650,9 @@ class ServeSource:
         return self._filler.write(pids_ok)
 
     def raise_if_failed(self) -> None:
-        """The first failure of the store side (a damaged chunk before a broken pipe)."""
-        errs = [e for e in self.errors if isinstance(e, StoreError)] or self.errors
+        """The first failure of the store side (a damaged chunk, a remote that failed) before a broken pipe."""
+        errs = [e for e in self.errors if isinstance(e, GpusnapError) and not isinstance(e, StreamerError)] \
+            or self.errors
         if errs:
             e = errs[0]
             raise e if isinstance(e, GpusnapError) else StreamerError(f"serving images to CRIU: {e}")
@@ -645,19 +700,20 @@ def split_min() -> int:
 
 def restore(criu: Any, store: SnapshotStore, manifest: Manifest, images: str, *, shell_job: bool,
             pidfile: str, pids: list[int], thp_mode: str | None = "always",
-            split_bytes: int | None = None) -> tuple[dict[str, float], dict[str, Any]]:
+            split_bytes: int | None = None, arrivals: Arrivals | None = None) -> tuple[dict[str, float], dict[str, Any]]:
     """`criu restore --stream -d` of MANIFEST's images served from STORE (IMAGES: a private directory
     for the socket and CRIU's log), THP set to THP_MODE meanwhile (CRIU faults the whole image in).
     With a split (runs of at least SPLIT_BYTES, default split_min()), CRIU leaves the tree PIDS
     stopped, the moved runs are written in, then the tree continues; if that fails the tree is killed.
     Returns seconds per stage and what was served. A CRIU failure caused by the store (a damaged
-    chunk) is raised as the store's error; otherwise CRIU's."""
+    chunk, a remote that failed: ARRIVALS' error) is raised as that error; otherwise CRIU's."""
     from sandbox.criu.runner import CriuError
     from sandbox.gpu.hugepages import thp
     seconds: dict[str, float] = {}
     t0 = time.perf_counter()
     info: dict[str, Any] = {}
-    with ServeSource(store, manifest, images, split_min=split_min() if split_bytes is None else split_bytes) as srv:
+    with ServeSource(store, manifest, images, split_min=split_min() if split_bytes is None else split_bytes,
+                     arrivals=arrivals) as srv:
         extra = ("--stream", "--leave-stopped") if srv.plans else ("--stream",)
         with thp(thp_mode):
             try:
@@ -683,6 +739,8 @@ def restore(criu: Any, store: SnapshotStore, manifest: Manifest, images: str, *,
                 seconds["split_fill"] = time.perf_counter() - t1
         info.update(served=len(srv.served), refused=srv.refused, bytes=srv.bytes, stages=srv.stages.table(),
                     moved_bytes=sum(p.moved_bytes for p in srv.plans.values()))
+        if srv.connected_at is not None:
+            info["criu_connected_monotonic"] = srv.connected_at
     return seconds, info
 
 

@@ -4,11 +4,14 @@
 Phases: push of a first snapshot, pull into an empty store, then a second snapshot after 5% of the
 data changed (push, and pull into the store that has the first). rclone copies the same directory to
 and from the same bucket. Optionally (--clients) S3 client throughput (boto3 vs obstore) on many
-parallel objects, and (--criu) time to a restored process from the object store vs the local store.
+parallel objects, and (--criu) time to a restored process from the object store vs the local store:
+`criu restore --from` into an empty store (the pull overlapping the restore) against the same
+snapshot pulled first and then restored (what `--from` did before), and the local store, --runs times
+each, interleaved.
 
     scripts/setup/swift-setup.sh start        # a one-node Swift with s3api on 127.0.0.1:18480
     apt-get install rclone              # Debian's
-    .venv/bin/python -m scripts.bench.bench_remote --mb 512 [--clients] [--criu MB]
+    .venv/bin/python -m scripts.bench.bench_remote --mb 512 [--clients] [--criu MB [--runs N]] [--criu-only]
 """
 from __future__ import annotations
 
@@ -121,29 +124,54 @@ def clients(endpoint: str, sizes_mb: list[int], count: int, jobs: int, bucket: s
     return rows
 
 
-def criu_restore_times(a: Path, b: Path, mb: int) -> tuple[float, float, float]:
-    """Seconds to a restored tree: from store A (local) and from the remote into store B; and B's pull."""
+def criu_restore_times(a: Path, b: Path, url: str, endpoint: str, mb: int, runs: int) -> dict[str, list[float]]:
+    """Seconds to a restored tree (the command's end: the tree runs), RUNS times each, interleaved:
+    `local` from store A; `pull+restore` = `pull` then `criu restore` into a fresh store B; `overlapped` =
+    `criu restore --from` into a fresh store B; and, of the overlapped runs, when CRIU connected, when
+    the last chunk was local and when the tree ran (before the local commit), from the start of the
+    pull inside that command (gpusnap's own report; the command's start-up comes before it)."""
     from scripts.bench.bench_criu import Tree
+    out: dict[str, list[float]] = {k: [] for k in ("local", "pull+restore", "pull of it", "overlapped",
+                                                   "overlapped: criu started", "overlapped: all local",
+                                                   "overlapped: tree running")}
+
+    def fresh_b() -> None:
+        shutil.rmtree(b, ignore_errors=True)
+        gpusnap(b, "remote", "add", "r", url, "--endpoint", endpoint)
+
     tree = Tree(mb=mb)
     try:
         gpusnap(a, "criu", "dump", str(tree.pid), "proc")
         tree.gone()
         gpusnap(a, "push", "proc")
-        t0 = time.perf_counter()
-        gpusnap(a, "criu", "restore", "proc")
-        local = time.perf_counter() - t0
-        assert tree.ok()
-        tree.kill()
-        t0 = time.perf_counter()
-        gpusnap(b, "criu", "restore", "proc", "--from", "r")
-        remote = time.perf_counter() - t0
-        assert tree.ok()
-        gpusnap(b, "store", "rm", "proc", as_json=False)
-        gpusnap(b, "store", "gc", as_json=False)
-        t0 = time.perf_counter()
-        gpusnap(b, "pull", "proc")
-        pull = time.perf_counter() - t0
-        return local, remote, pull
+        for i in range(runs + 1):  # the first round warms the caches and is not counted
+            for kind in ("overlapped", "pull+restore", "local"):
+                if kind != "local":
+                    fresh_b()
+                t0 = time.perf_counter()
+                if kind == "local":
+                    gpusnap(a, "criu", "restore", "proc")
+                elif kind == "pull+restore":
+                    gpusnap(b, "pull", "proc")
+                    pulled = time.perf_counter() - t0
+                    gpusnap(b, "criu", "restore", "proc")
+                else:
+                    r = gpusnap(b, "criu", "restore", "proc", "--from", "r")
+                dt = time.perf_counter() - t0
+                if not tree.ok():
+                    raise SystemExit(f"{kind}: the restored tree is not healthy")
+                tree.kill()
+                if i == 0:
+                    continue
+                out[kind].append(dt)
+                if kind == "pull+restore":
+                    out["pull of it"].append(pulled)
+                if kind == "overlapped":
+                    out["overlapped: criu started"].append(r["seconds"]["criu_started"])
+                    out["overlapped: all local"].append(r["seconds"]["all_local"])
+                    out["overlapped: tree running"].append(r["seconds"]["tree_running"])
+                print(f"run {i} {kind}: {dt:.2f} s", flush=True)
+        return out
     finally:
         tree.kill()
 
@@ -172,10 +200,12 @@ def main() -> None:
     ap.add_argument("--clients", action="store_true", help="Also compare S3 clients on parallel objects.")
     ap.add_argument("--criu", type=int, default=0, metavar="MB",
                     help="Also time `criu restore` of an MB-sized process tree from the local store vs --from the remote.")
+    ap.add_argument("--runs", type=int, default=3, help="With --criu: rounds of each restore (after one warm-up).")
+    ap.add_argument("--criu-only", action="store_true", help="With --criu: skip the push/pull vs rclone phases.")
     args = ap.parse_args()
     endpoint = subprocess.run([str(REPO / "scripts" / "setup" / "swift-setup.sh"), "start"], check=True,
                               capture_output=True, text=True).stdout.strip().splitlines()[-1]
-    if not shutil.which("rclone"):
+    if not shutil.which("rclone") and not args.criu_only:
         raise SystemExit("rclone is not installed (apt-get install rclone)")
     work = Path(tempfile.mkdtemp(prefix="gpusnap-bench-remote-"))
     bucket = f"gpusnap-bench-{uuid.uuid4().hex[:8]}"
@@ -187,7 +217,7 @@ def main() -> None:
             gpusnap(s, "remote", "add", "r", f"s3://{bucket}/gpusnap", "--endpoint", endpoint)
         rows = []
         j = ["--jobs", str(args.jobs)]
-        for phase, snap in (("first", "v1"), ("second (5% changed)", "v2")):
+        for phase, snap in () if args.criu_only else (("first", "v1"), ("second (5% changed)", "v2")):
             if snap == "v2":
                 change_5_percent(data, args.mb)
             gpusnap(a, "store", "put", snap, str(data))
@@ -213,12 +243,13 @@ def main() -> None:
             print(f"| {phase} | ratio gpusnap/rclone (time) | {gps / rps:.2f} | | {gpb / max(rpb, 1):.2f} (bytes) | "
                   f"{gls / rls:.2f} | | {glb / max(rlb, 1):.2f} (bytes) |")
         if args.criu:
-            local, remote_s, pull_s = criu_restore_times(a, b, args.criu)
-            print(f"\n| restore of a {args.criu} MiB process tree | seconds |\n|---|---|")
-            print(f"| `criu restore` from the local store | {local:.2f} |")
-            print(f"| `criu restore --from` the object store (empty local store) | {remote_s:.2f} "
-                  f"(pull {pull_s:.2f}) |")
-            print(f"| ratio object store / local | {remote_s / local:.2f} |")
+            import statistics
+            t = criu_restore_times(a, b, f"s3://{bucket}/gpusnap", endpoint, args.criu, args.runs)
+            print(f"\n| restore of a {args.criu} MiB process tree ({args.runs} runs) | median s | runs |\n|---|---|---|")
+            for k, v in t.items():
+                print(f"| {k} | {statistics.median(v):.2f} | {', '.join(f'{x:.2f}' for x in v)} |")
+            print(f"| ratio overlapped / pull+restore | "
+                  f"{statistics.median(t['overlapped']) / statistics.median(t['pull+restore']):.2f} | |")
         if args.clients:
             print("\n| client | object MiB | PUT MiB/s | GET MiB/s |\n|---|---|---|---|")
             for name, mb, put, get in clients(endpoint, [4, 16, 64], 16, args.jobs, bucket):

@@ -1,0 +1,273 @@
+"""A remote snapshot pulled into the local store in the background while a reader waits for its chunks.
+
+RemoteFill is what `gpusnap pull` and a restore `--from` a remote use: it reads and validates the
+remote manifest, then a fixed number of fetch threads (the back-pressure: at most JOBS requests in
+flight, one chunk buffer each) fetch every chunk the local store lacks, in an order the reader may
+change while they run (`first`), each verified against its id on arrival and written through the
+local store's writer. A reader (the CRIU image streamer) calls `wait(id)` before it reads a chunk:
+it returns as soon as that chunk is local (a chunk not yet fetched is moved to the front).
+
+Guarantees kept here:
+- nothing unverified enters the local store (storage.remote's check; a bad chunk is fetched once
+  more, then reported as damage);
+- the local manifest is committed only by `finish`, once every chunk is local and verified; leaving
+  the context without it (a failure, a signal, a failed restore) stops the fetches and commits
+  nothing: no half snapshot is visible, the chunks already stored are reused by the next attempt
+  (until the local gc, which the writer's shared lock keeps away meanwhile);
+- a fetch that fails (the object store down after the retries, damage) stops the other fetches and
+  is raised to every waiter and by `finish`, so a reader fails at once instead of hanging;
+- the remote's `pull` lock object is held from before the manifest is read to the end, so a
+  `remote gc` cannot delete chunks this pull is about to fetch (a gc that took the lock for stale
+  may have: the missing chunk then fails the pull, which commits nothing).
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from contextlib import ExitStack
+from typing import Any, Iterable
+
+from .chunkfile import HEADER_SIZE
+from .directio import BufferPool
+from .errors import GpusnapError
+from .manifest import ChunkRef, Manifest
+from .remote import (
+    Remote,
+    RemoteDamageError,
+    RemoteError,
+    TransferReport,
+    _check_fetched,
+    _distinct_refs,
+    _pause_for_tests,
+)
+from .store import SnapshotStore, StoreError
+
+HANDOFF_BYTES = 128 << 20  # verified payloads held for the reader, at most
+
+
+class RemoteFill:
+    """Snapshot NAME of REMOTE into STORE, fetched in the background; a context manager.
+
+    In the context: `manifest` (validated), `already_there` (the same snapshot is local: nothing to
+    do), `start()` launches the fetches, `first(refs)` moves chunks to the front, `wait(id)` blocks
+    until a chunk is local, `take(id)` hands over its verified payload when it is still held (the
+    chunks the reader asked for, up to HANDOFF_BYTES, so the reader need not read and hash them
+    again), `finish()` waits for all and commits."""
+
+    def __init__(self, remote: Remote, store: SnapshotStore, name: str, *, replace: bool = False,
+                 progress: Any = None, handoff_bytes: int = HANDOFF_BYTES) -> None:
+        self.remote, self.store, self.name = remote, store, name
+        self.replace, self.progress = replace, progress
+        self.report = TransferReport(name, remote.cfg.name, "pull")
+        self.manifest: Manifest | None = None
+        self.already_there = False
+        self._stack = ExitStack()
+        self._w: Any = None
+        self._lk: Any = None
+        self._refs: dict[str, ChunkRef] = {}
+        self._events: dict[str, threading.Event] = {}
+        self._queue: deque[str] = deque()
+        self._lock = threading.Lock()  # the queue, the report, the error
+        self._started: set[str] = set()
+        self._error: BaseException | None = None
+        self._stop = False
+        self._threads: list[threading.Thread] = []
+        self._wanted: set[str] = set()             # chunks a reader asked for (first): kept for take()
+        self._kept: dict[str, bytes] = {}          # verified payloads not yet taken
+        self._kept_bytes = 0
+        self.handoff_bytes = handoff_bytes
+        self.began = time.monotonic()
+        self.seconds_to_all_local: float | None = None  # from began
+
+    # ---- setup ----
+    def __enter__(self) -> "RemoteFill":
+        try:
+            self._open()
+        except BaseException:
+            self._stack.close()
+            raise
+        return self
+
+    def _open(self) -> None:
+        r, rep = self.remote, self.report
+        r.check()
+        self._lk = self._stack.enter_context(r.lock("pull"))  # before the manifest is read: gc deletes nothing meanwhile
+        m = self.manifest = r.load(self.name)
+        refs = _distinct_refs(m, smallest_streams_first=True)
+        rep.chunks_total = len(refs)
+        rep.bytes_total = sum(HEADER_SIZE + c.stored_len for c in refs)
+        if self.store.exists(self.name):
+            if self.store.load(self.name).dumps() == m.dumps():
+                self.already_there = True
+                return
+            if not self.replace:
+                raise StoreError(f"snapshot {self.name!r} already exists locally and differs from the remote's "
+                                 "(use --replace to overwrite it)")
+        self._w = self._stack.enter_context(self.store.writer(
+            self.name, replace=self.replace, meta=m.meta, tags=m.tags, created=m.created, host=m.host))
+        missing = set(self.store.missing(m))
+        for c in refs:
+            if c.id in missing:
+                assert c.id is not None
+                self._refs[c.id] = c
+                self._events[c.id] = threading.Event()
+                self._queue.append(c.id)
+
+    def __exit__(self, *exc: object) -> None:
+        self._halt()
+        self._stack.close()  # an uncommitted writer leaves no snapshot; the lock object goes
+
+    def _halt(self) -> None:
+        with self._lock:
+            self._stop = True
+        for t in self._threads:
+            t.join()
+
+    # ---- the fetches ----
+    def start(self) -> None:
+        """Launch the fetch threads (JOBS of the remote), each with one chunk buffer."""
+        if self._threads or not self._queue:
+            return
+        todo = [self._refs[c] for c in self._queue]
+        if self.progress is not None:
+            self.progress.start(sum(HEADER_SIZE + c.stored_len for c in todo))
+        jobs = min(self.remote.jobs, len(todo))
+        size = max(HEADER_SIZE + c.stored_len for c in todo) + HEADER_SIZE
+        pool = self._stack.enter_context(BufferPool(jobs, size))
+        for i in range(jobs):
+            t = threading.Thread(target=self._run, args=(pool,), name=f"gpusnap-remote-fill-{i}", daemon=True)
+            self._threads.append(t)
+            t.start()
+
+    def first(self, refs: Iterable[ChunkRef]) -> None:
+        """Fetch these chunks (those still queued) before any other, in this order."""
+        ids = [c.id for c in refs if c.id is not None]
+        with self._lock:
+            self._wanted.update(cid for cid in ids if cid in self._events)
+            front = [cid for cid in dict.fromkeys(ids) if cid in self._events and cid not in self._started]
+            if not front:
+                return
+            chosen = set(front)
+            self._queue = deque(front + [cid for cid in self._queue if cid not in chosen])
+
+    def _next(self) -> str | None:
+        with self._lock:
+            while self._queue and not self._stop:
+                cid = self._queue.popleft()
+                if cid not in self._started:
+                    self._started.add(cid)
+                    return cid
+            return None
+
+    def _run(self, pool: BufferPool) -> None:
+        while (cid := self._next()) is not None:
+            try:
+                self._fetch(pool, self._refs[cid])
+            except BaseException as e:  # noqa: BLE001 - handed to every waiter and to finish()
+                self._fail(e)
+                return
+
+    def _fetch(self, pool: BufferPool, ref: ChunkRef) -> None:
+        r, rep = self.remote, self.report
+        assert ref.id is not None
+        with pool.borrowed() as buf:
+            for attempt in (1, 2):
+                n = r.s3.get_into(r.chunk_key(ref.id), buf.view)  # type: ignore[arg-type]
+                with self._lock:
+                    rep.bytes_sent += n or 0
+                why = _check_fetched(ref, buf, n)
+                if why is None:
+                    break
+                if attempt == 2:
+                    if n is None and self._lk.lost():
+                        raise RemoteError(f"remote {r.cfg.name!r}: a gc took this pull's lock for stale (the pull was "
+                                          f"stopped for longer than the stale time) and deleted chunk {ref.id[:16]}…; "
+                                          "nothing was committed locally")
+                    raise RemoteDamageError(f"remote {r.cfg.name!r}: chunk {ref.id[:16]}… of {self.name!r} {why} "
+                                            "(fetched twice); nothing was committed locally")
+                with self._lock:
+                    rep.refetched += 1
+            got = self._w.put_chunk(ref.codec, ref.raw_len, buf.view, ref.stored_len, verified_id=ref.id)
+            assert got.id == ref.id
+            self._keep(ref, buf.view[HEADER_SIZE:HEADER_SIZE + ref.stored_len])
+        with self._lock:
+            rep.chunks_sent += 1
+            done = rep.chunks_sent
+            if done == len(self._events):
+                self.seconds_to_all_local = time.monotonic() - self.began
+        self._events[ref.id].set()
+        if self.progress is not None:
+            self.progress.advance(HEADER_SIZE + ref.stored_len)
+        _pause_for_tests(done)
+
+    def _keep(self, ref: ChunkRef, payload: memoryview) -> None:
+        with self._lock:
+            if ref.id in self._wanted and self._kept_bytes + len(payload) <= self.handoff_bytes:
+                self._kept[ref.id] = bytes(payload)  # type: ignore[index]
+                self._kept_bytes += len(payload)
+
+    def take(self, cid: str) -> bytes | None:
+        """The verified stored payload of chunk CID, once, if it arrived from the remote and is still
+        held; None otherwise (read it from the store)."""
+        with self._lock:
+            data = self._kept.pop(cid, None)
+            if data is not None:
+                self._kept_bytes -= len(data)
+            return data
+
+    def _fail(self, e: BaseException) -> None:
+        with self._lock:
+            if self._error is None:
+                self._error = e if isinstance(e, GpusnapError) else RemoteError(
+                    f"remote {self.remote.cfg.name!r}: pulling {self.name!r} failed: {e}")
+            self._stop = True
+        for ev in self._events.values():
+            ev.set()  # waiters wake and find the error
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    # ---- the reader's side ----
+    def wait(self, cid: str) -> None:
+        """Until chunk CID is in the local store (at once for a chunk that was already there); raises
+        the fill's error if it failed first."""
+        ev = self._events.get(cid)
+        if ev is None:
+            return
+        if not ev.is_set():
+            with self._lock:
+                if cid not in self._started and self._queue and self._queue[0] != cid:
+                    self._queue.remove(cid)
+                    self._queue.appendleft(cid)
+            ev.wait()
+        with self._lock:
+            self._raise()
+
+    def finish(self) -> TransferReport:
+        """Every chunk fetched (start() first if not yet), then the local manifest committed."""
+        rep = self.report
+        if self.already_there:
+            rep.already_there = True
+        else:
+            assert self.manifest is not None
+            self.start()
+            for ev in self._events.values():
+                ev.wait()
+            self._raise()
+            if self.seconds_to_all_local is None:  # nothing was missing
+                self.seconds_to_all_local = time.monotonic() - self.began
+            for s in self.manifest.streams:
+                self._w.add_stream(s)
+            self._w.commit()
+        rep.seconds = time.monotonic() - self.began
+        return rep
+
+
+def pull(remote: Remote, store: SnapshotStore, name: str, *, replace: bool = False,
+         progress: Any = None) -> TransferReport:
+    """Snapshot NAME into STORE: the chunks it lacks, smallest streams first (what a restore opens
+    first), each verified on arrival; then the remote's manifest, committed by the store's writer."""
+    with RemoteFill(remote, store, name, replace=replace, progress=progress) as f:
+        return f.finish()
