@@ -53,7 +53,7 @@ from typing import Any, Callable, Iterator
 from sandbox.criu import split
 from storage import pipeline
 from storage.chunkfile import ChunkError
-from storage.codecs import CodecError, decode_host
+from storage.codecs import CodecError
 from storage.directio import BufferPool
 from storage.errors import GpusnapError
 from storage.manifest import ChunkRef, Manifest, Stream
@@ -513,11 +513,9 @@ class ServeSource:
     def _fetch(self, s: Stream, i: int, ref: ChunkRef) -> bytes | memoryview:
         with self._bufs.borrowed() as buf:
             try:
-                payload = self.store.read_chunk(ref, buf)
+                data = self.store.read_raw(ref, buf)  # decoded and bound to its id
             except ChunkError as e:
                 raise StoreError(f"snapshot {self.manifest.name!r} is damaged: {s.name} chunk {i}: {e.what}") from None
-            try:
-                data = decode_host(ref.codec, payload, ref.raw_len)
             except CodecError as e:
                 raise StoreError(f"snapshot {self.manifest.name!r}: {s.name} chunk {i}: {e}") from None
             return bytes(data) if isinstance(data, memoryview) else data  # the buffer goes back now
