@@ -125,9 +125,9 @@ def full_check(header: ChunkHeader, payload: memoryview, cid: str, checked: bool
     except CodecError as e:
         if not header.raw_id:
             raise  # a GPU codec, or a verified payload that does not decode: not this chunk's damage
-        raise ChunkError(cid, f"payload does not decode ({e})") from None
+        raise ChunkError(cid, f"content does not decode (corrupted): {e}") from None
     if header.raw_id and raw_chunk_id(data) != cid:
-        raise ChunkError(cid, "raw bytes do not match its id (corrupted or forged)")
+        raise ChunkError(cid, "decoded content does not match its hash (corrupted or forged)")
     return data
 
 

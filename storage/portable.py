@@ -186,7 +186,8 @@ def _import(store: SnapshotStore, src: IO[bytes], name: str | None, replace: boo
                 try:
                     header = check_received(cid, ref.codec, ref.raw_len, ref.stored_len, view)
                 except ChunkError as e:
-                    raise DamageError(f"export archive chunk {cid[:16]}… {e.what}; nothing was imported") from None
+                    raise DamageError(f"export archive chunk {cid[:16]}… does not match its id (corrupted or forged: "
+                                      f"{e.what}); nothing was imported") from None
                 w.put_chunk(header.codec, header.raw_len, buf.view, header.stored_len,
                             raw_id=cid if header.raw_id else None)
                 got.add(cid)
