@@ -29,6 +29,7 @@ MAGIC = b"GSNPCHK1"      # stored-addressed
 MAGIC_RAW = b"GSNPCHK2"  # raw-addressed
 RAW_ID_CONTEXT = "gpusnap 2026-11-30 chunk id v2: raw bytes"  # BLAKE3 key derivation: its own id space
 RAW_CODECS = ("raw", "zstd")  # the codecs a GSNPCHK2 file may use (decodable on the host)
+MAX_RAW_CHUNK = 1 << 30  # a GSNPCHK2 chunk's raw length at most (the largest chunk size put accepts)
 HEADER_SIZE = ALIGN
 _HDR = struct.Struct("<8sH6xQQ")  # magic, codec id, reserved, raw length, stored length
 _BOUND = 32  # bytes of the header bound into the id (GSNPCHK1) or the stored checksum (GSNPCHK2)
@@ -85,7 +86,7 @@ class ChunkHeader:
             return cls(codec, raw_len, stored_len)
         if codec not in RAW_CODECS:
             raise ChunkError(chunk_id, f"raw-addressed chunk with codec {codec!r} (only {', '.join(RAW_CODECS)})")
-        if stored_len > raw_len or (codec == "raw" and stored_len != raw_len):
+        if stored_len > raw_len or (codec == "raw" and stored_len != raw_len) or raw_len > MAX_RAW_CHUNK:
             raise ChunkError(chunk_id, f"raw-addressed chunk of {stored_len} stored bytes for {raw_len} raw bytes")
         return cls(codec, raw_len, stored_len, True, bytes(data[_BOUND:_BOUND + _CHECKSUM]))
 
@@ -114,11 +115,11 @@ def stored_check(header: ChunkHeader, payload: bytes | memoryview, cid: str) -> 
         raise ChunkError(cid, "content does not match its hash (corrupted)")
 
 
-def full_check(header: ChunkHeader, payload: memoryview, cid: str, checked: bool = False) -> bytes | memoryview:
-    """The raw bytes of chunk CID, bound to it: GSNPCHK1: the stored check (skipped when CHECKED: the
-    caller made it), then decoding; GSNPCHK2: decoding, then the raw bytes must derive CID (the id
-    covers every byte, so the stored checksum is not needed). ChunkError when damaged."""
-    if not header.raw_id and not checked:
+def full_check(header: ChunkHeader, payload: memoryview, cid: str) -> bytes | memoryview:
+    """The raw bytes of chunk CID, bound to it: GSNPCHK1: the stored check, then decoding; GSNPCHK2:
+    decoding (at most its raw length), then the raw bytes must derive CID (the id covers every byte,
+    so the stored checksum is not needed). ChunkError when damaged."""
+    if not header.raw_id:
         stored_check(header, payload, cid)
     try:
         data = decode_host(header.codec, payload, header.raw_len)

@@ -7,6 +7,7 @@ Per checkout and round, each on a fresh store: first put; second put after 5% of
 verify --read-data (where the checkout has it). Every put ends with sync inside the timed region and
 the page cache is dropped before every timed command. Prints medians and each put's counters.
 Usage (root): python3 -m scripts.bench.bench_rawid [--before DIR] [--gb 1.4] [--rounds 2] [--json F]
+       python3 -m scripts.bench.bench_rawid --micro     (per-chunk CPU costs of each step)
 """
 from __future__ import annotations
 
@@ -61,7 +62,12 @@ def one_round(label: str, code: str, work: str, gb: float) -> dict[str, float]:
         for c in counters:
             if rep is not None and c in rep:
                 out[f"{what}_{c}"] = rep[c]
-    out["get_s"], _ = run(code, [*g, "store", "get", "s2", os.path.join(work, f"out-{label}")], work)
+        for stage in ("compress", "hash", "read", "write"):  # thread-seconds, summed over workers
+            if rep is not None and stage in rep.get("stages", {}):
+                out[f"{what}_{stage}_thr"] = rep["stages"][stage]["thread_seconds"]
+    out["get_s"], rep = run(code, [*g, "store", "get", "s2", os.path.join(work, f"out-{label}"), "--json"], work)
+    for stage, t in (rep or {}).get("stages", {}).items():  # read+verify/decompress, or read/decompress+verify
+        out[f"get_{stage}_thr"] = t["thread_seconds"]
     out["verify_s"], _ = run(code, [*g, "store", "verify"], work)
     if has_read_data(code):
         out["verify_read_data_s"], _ = run(code, [*g, "store", "verify", "--read-data"], work)
@@ -75,6 +81,39 @@ def one_round(label: str, code: str, work: str, gb: float) -> dict[str, float]:
     return out
 
 
+def micro(reps: int = 40) -> dict[str, dict[str, float]]:
+    """Per 4 MiB chunk, milliseconds of one thread: the hashes and codec steps a put and a read make
+    (bf16-like and random data), so that the per-chunk trade can be read without the disk."""
+    import blake3
+    import numpy as np
+    import zstandard
+
+    from storage.chunkfile import RAW_ID_CONTEXT
+    rng = np.random.default_rng(1)
+    w = rng.normal(0, 0.02, 2 << 20).astype(np.float32)
+    kinds = {"bf16": (w.view(np.uint32) >> 16).astype(np.uint16).tobytes(), "random": rng.bytes(4 << 20)}
+    cctx, dctx = zstandard.ZstdCompressor(level=1, write_content_size=True), zstandard.ZstdDecompressor()
+    out: dict[str, dict[str, float]] = {}
+    for kind, data in kinds.items():
+        comp = cctx.compress(data)
+        steps = {
+            "hash raw (derived, 1 thread)": lambda: blake3.blake3(data, derive_key_context=RAW_ID_CONTEXT).digest(),
+            "hash raw (derived, max_threads AUTO)": lambda: blake3.blake3(
+                data, derive_key_context=RAW_ID_CONTEXT, max_threads=blake3.blake3.AUTO).digest(),
+            "hash stored (zstd payload)": lambda: blake3.blake3(comp).digest(),
+            "zstd-1 compress": lambda: cctx.compress(data),
+            "zstd decompress": lambda: dctx.decompress(comp, max_output_size=len(data)),
+        }
+        out[kind] = {"stored_ratio": round(len(comp) / len(data), 3)}
+        for name, fn in steps.items():
+            fn()
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                fn()
+            out[kind][name] = round((time.perf_counter() - t0) / reps * 1e3, 3)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--before", default=None, help="another gpusnap checkout to compare with")
@@ -82,7 +121,12 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--dir", default="/var/tmp")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--micro", action="store_true", help="only the per-chunk CPU costs (no disk)")
     a = ap.parse_args()
+    if a.micro:
+        res = {"machine": f"{platform.node()} {os.cpu_count()} cores", "load": os.getloadavg(), "ms_per_4MiB": micro()}
+        print(json.dumps(res, indent=1))
+        return
     codes = {"after": str(REPO)} if a.before is None else {"before": os.path.abspath(a.before), "after": str(REPO)}
     work = tempfile.mkdtemp(prefix="gpusnap-rawid-", dir=a.dir)
     res: dict = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": f"{platform.node()} {os.cpu_count()} cores",
