@@ -17,7 +17,7 @@ import stat
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
-from .chunkfile import HEADER_SIZE, ChunkError, ChunkHeader, chunk_id, id_check, raw_chunk_id
+from .chunkfile import HEADER_SIZE, ChunkHeader, chunk_id, id_check, raw_chunk_id
 from .codecs import HostCodecChooser, ZstdCodec
 from .directio import AlignedBuffer, BufferPool, copy_into
 from .errors import GpusnapError
