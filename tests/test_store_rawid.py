@@ -173,3 +173,33 @@ def test_raw_ids_are_their_own_id_space() -> None:
     assert raw_chunk_id(header.bound() + payload) != stored_id
     assert blake3.blake3(header.bound() + payload).hexdigest() == stored_id
     assert raw_chunk_id(payload) != blake3.blake3(payload).hexdigest()
+
+
+def test_a_raw_addressed_chunk_encoded_otherwise_than_the_manifest_says_still_reads(cli: Cli, store_dir: Path,
+                                                                                  tmp_path: Path) -> None:
+    """The same raw bytes encoded by another zstd level (as another host or a later put may): the id
+    binds the raw bytes, so readers take codec and length from the file (FORMAT.md)."""
+    src = make_mixed_tree(tmp_path / "model", mb=6)
+    cli.run("store", "put", "m", str(src), "--chunk-size", "1M")
+    victim = next(p for p in chunk_files(store_dir) if ChunkHeader.unpack(p.read_bytes()[:64], p.name).codec == "zstd")
+    data = victim.read_bytes()
+    hdr = ChunkHeader.unpack(data[:64], victim.name)
+    raw = zstandard.ZstdDecompressor().decompress(data[HEADER_SIZE:HEADER_SIZE + hdr.stored_len])
+    assert raw_chunk_id(raw) == victim.name
+    payload = zstandard.ZstdCompressor(level=19, write_content_size=True).compress(raw)
+    assert len(payload) != hdr.stored_len
+    other = ChunkHeader("zstd", hdr.raw_len, len(payload), raw_id=True).with_checksum(payload)
+    victim.write_bytes(other.pack().ljust(HEADER_SIZE, b"\0") + payload)
+    assert cli.json("store", "verify")["ok"] and cli.json("store", "verify", "--read-data")["ok"]
+    cli.run("store", "get", "m", str(tmp_path / "out"))
+    assert tree_digest(tmp_path / "out" / "model") == tree_digest(src)
+    # a put of the same data reuses that file as it is and records what it holds
+    again = cli.json("store", "put", "m2", str(src), "--chunk-size", "1M")
+    assert again["chunks_new"] == 0 and again["chunks_compressed"] == 0, again
+    refs = [c for s in SnapshotStore(str(store_dir)).load("m2").streams for c in s.chunks if c.id == victim.name]
+    assert refs and all((c.codec, c.stored_len) == ("zstd", len(payload)) for c in refs)
+    # but a raw length other than the reference's is damage
+    wrong = ChunkHeader("zstd", hdr.raw_len + 1, len(payload), raw_id=True).with_checksum(payload)
+    victim.write_bytes(wrong.pack().ljust(HEADER_SIZE, b"\0") + payload)
+    r = cli.run("store", "verify", "--json", check=False)
+    assert r.returncode == 3 and "disagrees with the manifest" in r.stdout, r.stdout
