@@ -2,11 +2,12 @@
 (a whole snapshot as one zstd-compressed tar that another store can take in).
 
 Export format (FORMAT.md, "Export archives"): a tar whose first member is `gpusnap-export.json`
-({"format": "gpusnap-export", "version": 1, "snapshot": NAME}), then `manifest.json` (the manifest as
+({"format": "gpusnap-export", "version": 2, "snapshot": NAME}; version 1 archives are read too), then `manifest.json` (the manifest as
 stored, self-checksummed), then `chunks/<id>` for every distinct chunk (the chunk file: header +
 payload, no padding), the whole tar compressed with zstd.
-Guarantees kept here: export reads every chunk verified; import trusts nothing in the archive: the
-manifest must pass its checksum and validation, every chunk must hash to the id it is filed under and
+Guarantees kept here: export reads every chunk checked (its stored bytes); import trusts nothing in the
+archive: the manifest must pass its checksum and validation, every chunk must be bound to the id it is
+filed under (chunkfile.check_received: a raw-addressed one decoded and its raw bytes hashed) and
 be one the manifest names, member names and sizes are bounded, and the snapshot is committed through
 the store's writer (visible only once every chunk it names is durable), so a truncated or forged
 archive leaves no snapshot.

@@ -6,8 +6,9 @@ Guarantees kept here (FORMAT.md, "Remote stores", has the layout and the protoco
 - nothing relies on conditional writes (Swift's S3 API has none): objects have content-derived or
   unique names, and gc and push exclude each other through lock objects with server-side times;
 - only chunks the other side lacks travel (a listing of the remote's chunks, the local store's files);
-- every chunk fetched is verified against its id before it enters the local store; one that does not
-  hash to its id is refetched once, then reported as damage; a remote manifest is validated by
+- every chunk fetched is verified against its id before it enters the local store (a raw-addressed
+  one decoded and its raw bytes hashed); one that does not match is refetched once, then reported as
+  damage; a remote manifest is validated by
   Manifest.loads like a local one; a pulled snapshot is committed through the local store's writer;
 - remote gc deletes only chunks no remote manifest names, never while a fresh push lock exists, and a
   push whose lock was removed as stale re-checks every chunk before it commits;

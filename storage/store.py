@@ -3,9 +3,12 @@
 Guarantees kept here (FORMAT.md has the full contract):
 - a snapshot becomes visible only after every chunk it names is durable, by link/rename of a fsynced
   manifest; a failed or killed writer leaves no visible snapshot;
-- every chunk read is verified against its id before its bytes are returned; a chunk is reused by a
-  writer only if its file is a regular file with the right header and length, and `verify` moves a
-  damaged chunk to quarantine/ so that the next put of the same bytes writes it again;
+- every chunk read is checked before its bytes are returned (read_chunk: its stored bytes; read_raw,
+  what get and restores use: its raw bytes bound to its id, FORMAT.md "Chunk files"); a chunk is
+  reused by a writer only if its file is a regular file with a sane header and length, and `verify`
+  moves a damaged chunk to quarantine/ so that the next put of the same bytes writes it again;
+- host-path chunks are raw-addressed (GSNPCHK2): a writer hashes the raw bytes first and encodes and
+  writes only chunks not present; a version 1 store is upgraded before its first such chunk;
 - writers and readers hold the store lock shared, gc and repair hold it exclusively, so gc never
   deletes a chunk that a live snapshot or a commit in progress needs; one writer per name at a time;
 - no link inside the store is ever followed: every store directory is opened relative to a checked
