@@ -1,7 +1,11 @@
 """One chunk file: its 4096-byte header, its content-derived id, writing it durably, reading it verified.
 
-Guarantees kept here: read_chunk_file returns a payload only after BLAKE3(header[:32] + payload)
-equals the id the caller asked for (FORMAT.md, "Chunk files"); a chunk file is opened relative to its
+Two kinds (FORMAT.md, "Chunk files"): GSNPCHK1, stored-addressed (id = BLAKE3 of header[:32] + payload),
+and GSNPCHK2, raw-addressed (id = BLAKE3 derived over the raw bytes; header[32:64] holds the stored
+checksum). Guarantees kept here: read_chunk_file returns a payload only after its stored check passed
+(GSNPCHK1: the hash equals the id; GSNPCHK2: it equals the stored checksum), and full_check returns raw
+bytes only after they are bound to the id (GSNPCHK2: decoded, then the raw bytes derive the id); a
+chunk file is opened relative to its
 directory's fd with O_NOFOLLOW | O_NONBLOCK and used only if it is a regular file, so a link, a FIFO
 or a device in its place is damage found at once, never followed and never waited on; a writer that
 fails removes the partial file it was writing.
@@ -12,19 +16,24 @@ import errno
 import os
 import stat
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import blake3
 
-from .codecs import CODEC_IDS, CODEC_NAMES
+from .codecs import CODEC_IDS, CODEC_NAMES, CodecError, decode_host, decode_host_into
 from .directio import ALIGN, AlignedBuffer, align_up, read_into, write_all
 
 from .errors import GpusnapError
 
-MAGIC = b"GSNPCHK1"
+MAGIC = b"GSNPCHK1"      # stored-addressed
+MAGIC_RAW = b"GSNPCHK2"  # raw-addressed
+RAW_ID_CONTEXT = "gpusnap 2026-11-30 chunk id v2: raw bytes"  # BLAKE3 key derivation: its own id space
+RAW_CODECS = ("raw", "zstd")  # the codecs a GSNPCHK2 file may use (decodable on the host)
+MAX_RAW_CHUNK = 1 << 30  # a GSNPCHK2 chunk's raw length at most (the largest chunk size put accepts)
 HEADER_SIZE = ALIGN
 _HDR = struct.Struct("<8sH6xQQ")  # magic, codec id, reserved, raw length, stored length
-_BOUND = 32  # bytes of the header bound into the id
+_BOUND = 32  # bytes of the header bound into the id (GSNPCHK1) or the stored checksum (GSNPCHK2)
+_CHECKSUM = 32  # GSNPCHK2: header[32:64]
 
 
 class ChunkError(GpusnapError):
@@ -41,24 +50,120 @@ class ChunkHeader:
     codec: str
     raw_len: int
     stored_len: int
+    raw_id: bool = False         # GSNPCHK2: the id is derived from the raw bytes
+    checksum: bytes = bytes(32)  # GSNPCHK2: BLAKE3 of bound() + payload (with_checksum fills it in)
+
+    def bound(self) -> bytes:
+        """The header's first 32 bytes: what the GSNPCHK1 id and the GSNPCHK2 checksum cover."""
+        magic = MAGIC_RAW if self.raw_id else MAGIC
+        return _HDR.pack(magic, CODEC_IDS[self.codec], self.raw_len, self.stored_len).ljust(_BOUND, b"\0")
 
     def pack(self) -> bytes:
-        return _HDR.pack(MAGIC, CODEC_IDS[self.codec], self.raw_len, self.stored_len).ljust(_BOUND, b"\0")
+        """The header bytes a file starts with (the rest of its 4096 bytes are zero)."""
+        return self.bound() + self.checksum if self.raw_id else self.bound()
+
+    def with_checksum(self, payload: bytes | memoryview) -> "ChunkHeader":
+        """This GSNPCHK2 header with the stored checksum of PAYLOAD."""
+        return replace(self, checksum=stored_digest(self, payload))
+
+    def fits(self, ref_codec: str, ref_raw_len: int, ref_stored_len: int) -> bool:
+        """Whether a file with this header can be what a manifest reference names: GSNPCHK1 exactly;
+        GSNPCHK2 by raw length (the same raw bytes may be encoded otherwise: FORMAT.md)."""
+        if self.raw_id:
+            return self.raw_len == ref_raw_len
+        return (self.codec, self.raw_len, self.stored_len) == (ref_codec, ref_raw_len, ref_stored_len)
 
     @classmethod
     def unpack(cls, data: bytes | memoryview, chunk_id: str) -> "ChunkHeader":
+        """Parse the first 64 bytes of a chunk file (ChunkError when they are not a header)."""
         magic, codec_id, raw_len, stored_len = _HDR.unpack_from(data)
-        if magic != MAGIC:
+        if magic not in (MAGIC, MAGIC_RAW):
             raise ChunkError(chunk_id, "bad magic (not a gpusnap chunk, or overwritten)")
         if codec_id not in CODEC_NAMES:
             raise ChunkError(chunk_id, f"unknown codec id {codec_id}")
-        return cls(CODEC_NAMES[codec_id], raw_len, stored_len)
+        codec = CODEC_NAMES[codec_id]
+        if magic == MAGIC:
+            return cls(codec, raw_len, stored_len)
+        if codec not in RAW_CODECS:
+            raise ChunkError(chunk_id, f"raw-addressed chunk with codec {codec!r} (only {', '.join(RAW_CODECS)})")
+        if stored_len > raw_len or (codec == "raw" and stored_len != raw_len) or raw_len > MAX_RAW_CHUNK:
+            raise ChunkError(chunk_id, f"raw-addressed chunk of {stored_len} stored bytes for {raw_len} raw bytes")
+        return cls(codec, raw_len, stored_len, True, bytes(data[_BOUND:_BOUND + _CHECKSUM]))
 
 
 def chunk_id(header: ChunkHeader, payload: bytes | memoryview) -> str:
-    h = blake3.blake3(header.pack())
+    """The GSNPCHK1 (stored-addressed) id of HEADER + PAYLOAD."""
+    return stored_digest(header, payload).hex()
+
+
+def stored_digest(header: ChunkHeader, payload: bytes | memoryview) -> bytes:
+    """BLAKE3 of the header's first 32 bytes and PAYLOAD: the GSNPCHK1 id, the GSNPCHK2 stored checksum."""
+    h = blake3.blake3(header.bound())
     h.update(payload)
-    return h.hexdigest()
+    return h.digest()
+
+
+def raw_chunk_id(data: bytes | memoryview) -> str:
+    """The GSNPCHK2 (raw-addressed) id of the raw bytes DATA."""
+    return blake3.blake3(data, derive_key_context=RAW_ID_CONTEXT).hexdigest()
+
+
+def stored_check(header: ChunkHeader, payload: bytes | memoryview, cid: str) -> None:
+    """The check that needs no decoding: ChunkError unless PAYLOAD is what was stored under CID."""
+    digest = stored_digest(header, payload)
+    if (digest != header.checksum) if header.raw_id else (digest.hex() != cid):
+        raise ChunkError(cid, "content does not match its hash (corrupted)")
+
+
+def full_check(header: ChunkHeader, payload: memoryview, cid: str,
+               out: memoryview | None = None) -> bytes | memoryview:
+    """The raw bytes of chunk CID, bound to it: GSNPCHK1: the stored check, then decoding; GSNPCHK2:
+    decoding (at most its raw length), then the raw bytes must derive CID (the id covers every byte,
+    so the stored checksum is not needed). ChunkError when damaged. OUT: decode into it (nothing
+    allocated; a `raw` payload is returned where it lies)."""
+    if not header.raw_id:
+        stored_check(header, payload, cid)
+    try:
+        data = (decode_host(header.codec, payload, header.raw_len) if out is None
+                else decode_host_into(header.codec, payload, header.raw_len, out))
+    except CodecError as e:
+        if not header.raw_id:
+            raise  # a GPU codec, or a verified payload that does not decode: not this chunk's damage
+        raise ChunkError(cid, f"content does not decode (corrupted): {e}") from None
+    if header.raw_id and raw_chunk_id(data) != cid:
+        raise ChunkError(cid, "decoded content does not match its hash (corrupted or forged)")
+    return data
+
+
+def id_check(header: ChunkHeader, payload: memoryview, cid: str) -> None:
+    """Bind PAYLOAD to CID, the strongest check the host can make of any chunk: GSNPCHK1, the stored
+    check (its id covers the stored bytes, whatever the codec); GSNPCHK2, the full check (decoded)."""
+    if header.raw_id:
+        full_check(header, payload, cid)
+    else:
+        stored_check(header, payload, cid)
+
+
+def check_received(cid: str, ref_codec: str, ref_raw_len: int, ref_stored_len: int,
+                   image: memoryview) -> ChunkHeader:
+    """The header of IMAGE, a whole chunk file received from elsewhere (a remote object, an export
+    archive's member, padding excluded), once it is chunk CID as a manifest references it (codec,
+    raw and stored length) and passes id_check; ChunkError otherwise (nothing unverified is stored)."""
+    if len(image) < HEADER_SIZE:
+        raise ChunkError(cid, f"is {len(image)} bytes, shorter than a chunk header")
+    header = ChunkHeader.unpack(image[:_BOUND + _CHECKSUM], cid)
+    if len(image) != HEADER_SIZE + header.stored_len:
+        raise ChunkError(cid, f"is {len(image)} bytes, not {HEADER_SIZE + header.stored_len}")
+    if not header.fits(ref_codec, ref_raw_len, ref_stored_len):
+        raise ChunkError(cid, "has a header that disagrees with the manifest")
+    id_check(header, image[HEADER_SIZE:], cid)
+    return header
+
+
+def max_stored_len(codec: str, raw_len: int, stored_len: int) -> int:
+    """The most payload bytes a file named by the reference (CODEC, RAW_LEN, STORED_LEN) may hold:
+    a GSNPCHK2 file may encode the raw bytes otherwise, never in more than RAW_LEN bytes."""
+    return max(stored_len, raw_len) if codec in RAW_CODECS else stored_len
 
 
 def write_chunk_file(dir_fd: int, name: str, header: ChunkHeader, frame: memoryview, direct: bool) -> None:
@@ -133,25 +238,41 @@ def file_kind(mode: int) -> str:
     return "not a regular file"
 
 
-def header_matches(dir_fd: int, cid: str, header: ChunkHeader) -> bool:
-    """True if the chunk file CID in DIR_FD is a regular file with HEADER's first bytes and at least
-    its stored length (the check a writer makes before it reuses a chunk instead of writing it)."""
+def reusable(dir_fd: int, cid: str, header: ChunkHeader) -> ChunkHeader | None:
+    """The header of the chunk file CID in DIR_FD if a writer about to store HEADER may reuse it
+    instead of writing it (FORMAT.md, "Damage and healing"): a regular file of at least its stored
+    length whose first 32 bytes are HEADER's (GSNPCHK1), or a sane GSNPCHK2 header of HEADER's raw
+    length (any host codec: the same raw bytes, possibly encoded otherwise). None otherwise."""
     try:
         fd = open_chunk(dir_fd, cid, direct=False)
     except (ChunkError, OSError):
-        return False
+        return None
     try:
-        return (os.fstat(fd).st_size >= HEADER_SIZE + header.stored_len
-                and os.pread(fd, _BOUND, 0) == header.pack())
+        head = os.pread(fd, _BOUND + _CHECKSUM, 0)
+        if len(head) < _BOUND + _CHECKSUM:
+            return None
+        if header.raw_id:
+            try:
+                got = ChunkHeader.unpack(head, cid)
+            except (ChunkError, struct.error):
+                return None
+            if not got.raw_id or got.raw_len != header.raw_len:
+                return None
+        elif head[:_BOUND] == header.bound():
+            got = header
+        else:
+            return None
+        return got if os.fstat(fd).st_size >= HEADER_SIZE + got.stored_len else None
     except OSError:
-        return False
+        return None
     finally:
         os.close(fd)
 
 
-def read_chunk_file(dir_fd: int, cid: str, buf: AlignedBuffer, direct: bool) -> tuple[ChunkHeader, memoryview]:
-    """Read and verify the chunk CID in the directory DIR_FD into BUF; returns its header and a view
-    of its payload."""
+def read_chunk_file(dir_fd: int, cid: str, buf: AlignedBuffer, direct: bool,
+                    check: bool = True) -> tuple[ChunkHeader, memoryview]:
+    """Read the chunk CID in the directory DIR_FD into BUF; returns its header and a view of its
+    payload, after the stored check (unless not CHECK: the caller makes the full check instead)."""
     fd = open_chunk(dir_fd, cid, direct)
     try:
         size = os.fstat(fd).st_size
@@ -163,11 +284,11 @@ def read_chunk_file(dir_fd: int, cid: str, buf: AlignedBuffer, direct: bool) -> 
         got = read_into(fd, buf.view[:want], 0)
     finally:
         os.close(fd)
-    header = ChunkHeader.unpack(buf.view[:_BOUND], cid)
+    header = ChunkHeader.unpack(buf.view[:_BOUND + _CHECKSUM], cid)
     end = HEADER_SIZE + header.stored_len
     if got < end:
         raise ChunkError(cid, f"truncated ({got} bytes, header says {end})")
     payload = buf.view[HEADER_SIZE:end]
-    if chunk_id(header, payload) != cid:
-        raise ChunkError(cid, "content does not match its hash (corrupted)")
+    if check:
+        stored_check(header, payload, cid)
     return header, payload

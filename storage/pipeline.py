@@ -1,7 +1,11 @@
 """The staged, bounded pipeline that moves named byte streams into the store and back out.
 
-put:  source --read--> staging buffer --zero test--> --encode--> --hash+write chunk--> manifest
-get:  manifest --read chunk + verify--> --decode--> sink.write_at
+put:  source --read--> staging buffer --zero test--> --hash raw bytes: present?--> (new only) --encode-->
+      --write chunk--> manifest
+get:  manifest --read chunk--> --decode + verify--> sink.write_at
+
+Host chunks are raw-addressed (FORMAT.md, GSNPCHK2): the id is the hash of the raw bytes, so a chunk
+already in the store costs one hash and is neither compressed nor written again.
 
 One reader feeds N workers through a fixed pool of page-aligned staging buffers (allocated once,
 reused); a full pool blocks the reader, so memory stays bounded whatever the input size. Sources and
@@ -21,8 +25,8 @@ from typing import Any, Iterator, Protocol
 
 import numpy as np
 
-from .chunkfile import HEADER_SIZE, ChunkError
-from .codecs import HostCodecChooser, decode_host, CodecError
+from .chunkfile import HEADER_SIZE, ChunkError, full_check
+from .codecs import HostCodecChooser, CodecError
 from .directio import AlignedBuffer, BufferPool, address_of, copy_into
 from .manifest import ChunkRef, Manifest, Stream
 from .store import SnapshotStore, SnapshotWriter, StoreError
@@ -284,15 +288,21 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
                 if zero:
                     chunks[idx] = writer.note_zero(n)
                 else:
-                    enc = chooser.encode(view)
-                    stages.add("compress", time.perf_counter() - t1, n)
-                    m = len(enc.payload)
-                    if enc.codec == "raw":
-                        chunks[idx] = writer.put_chunk("raw", n, buf.view, n)
+                    cid, present = writer.find_raw(view)
+                    if present is not None:
+                        chunks[idx] = present
                     else:
-                        with scratch.borrowed() as s:
-                            copy_into(s.view[HEADER_SIZE:], enc.payload)
-                            chunks[idx] = writer.put_chunk(enc.codec, n, s.view, m)
+                        t2 = time.perf_counter()
+                        enc = chooser.encode(view)
+                        writer.note_compressed()
+                        stages.add("compress", time.perf_counter() - t2, n)
+                        m = len(enc.payload)
+                        if enc.codec == "raw":
+                            chunks[idx] = writer.put_chunk("raw", n, buf.view, n, raw_id=cid)
+                        else:
+                            with scratch.borrowed() as s:
+                                copy_into(s.view[HEADER_SIZE:], enc.payload)
+                                chunks[idx] = writer.put_chunk(enc.codec, n, s.view, m, raw_id=cid)
                 if progress is not None:
                     progress.advance(n)
             except BaseException as e:  # noqa: BLE001 - handed to the submitting thread
@@ -376,7 +386,8 @@ def writer_result(writer: SnapshotWriter, stages: Stages, seconds: float, raw_by
         stages.add("write", st.write_s, st.bytes_new)
     return Result(st.raw_bytes if raw_bytes is None else raw_bytes, st.bytes_new, seconds, stages,
                   {"bytes_dedup": st.bytes_dedup, "zero_bytes": st.zero_bytes, "chunks_new": st.chunks_new,
-                   "chunks_dedup": st.chunks_dedup, "chunks_zero": st.chunks_zero})
+                   "chunks_dedup": st.chunks_dedup, "chunks_zero": st.chunks_zero,
+                   "chunks_compressed": st.chunks_compressed})
 
 
 class _OpenStream:
@@ -417,12 +428,12 @@ def get(store: SnapshotStore, manifest: Manifest, sink: Sink, *, workers: int | 
                         return
                     with bufs.borrowed() as buf:
                         t0 = time.perf_counter()
-                        payload = store.read_chunk(ref, buf, cached=True)
+                        header, payload = store.read_stored(ref, buf, check=False, cached=True)
                         t1 = time.perf_counter()
-                        stages.add("read+verify", t1 - t0, ref.stored_len)
-                        data = decode_host(ref.codec, payload, ref.raw_len)
+                        stages.add("read", t1 - t0, header.stored_len)
+                        data = full_check(header, payload, ref.id)  # type: ignore[arg-type]
                         t2 = time.perf_counter()
-                        stages.add("decompress", t2 - t1, ref.raw_len)
+                        stages.add("decompress+verify", t2 - t1, ref.raw_len)
                         out.writer.write_at(offset, data)
                         stages.add("write", time.perf_counter() - t2, ref.raw_len)
                     if progress is not None:

@@ -2,11 +2,12 @@
 (a whole snapshot as one zstd-compressed tar that another store can take in).
 
 Export format (FORMAT.md, "Export archives"): a tar whose first member is `gpusnap-export.json`
-({"format": "gpusnap-export", "version": 1, "snapshot": NAME}), then `manifest.json` (the manifest as
+({"format": "gpusnap-export", "version": 2, "snapshot": NAME}; version 1 archives are read too), then `manifest.json` (the manifest as
 stored, self-checksummed), then `chunks/<id>` for every distinct chunk (the chunk file: header +
 payload, no padding), the whole tar compressed with zstd.
-Guarantees kept here: export reads every chunk verified; import trusts nothing in the archive: the
-manifest must pass its checksum and validation, every chunk must hash to the id it is filed under and
+Guarantees kept here: export reads every chunk checked (its stored bytes); import trusts nothing in the
+archive: the manifest must pass its checksum and validation, every chunk must be bound to the id it is
+filed under (chunkfile.check_received: a raw-addressed one decoded and its raw bytes hashed) and
 be one the manifest names, member names and sizes are bounded, and the snapshot is committed through
 the store's writer (visible only once every chunk it names is durable), so a truncated or forged
 archive leaves no snapshot.
@@ -21,8 +22,7 @@ from typing import IO, Iterator
 
 import zstandard
 
-from .chunkfile import HEADER_SIZE, ChunkHeader, chunk_id
-from .codecs import decode_host
+from .chunkfile import HEADER_SIZE, ChunkError, check_received, max_stored_len
 from .directio import AlignedBuffer, align_up
 from .errors import DamageError, GpusnapError
 from .manifest import Manifest, ManifestError
@@ -30,7 +30,8 @@ from .names import validate_snapshot_name
 from .store import SnapshotStore
 
 EXPORT_FORMAT = "gpusnap-export"
-EXPORT_VERSION = 1
+EXPORT_VERSION = 2  # version 2 archives may hold raw-addressed (GSNPCHK2) chunks
+READ_VERSIONS = (1, 2)
 MAX_MANIFEST = 256 << 20
 _ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 
@@ -60,10 +61,10 @@ def cat(store: SnapshotStore, manifest: Manifest, stream: str, out: IO[bytes]) -
                     left -= n
             else:
                 try:
-                    payload = store.read_chunk(ref, buf)
+                    data = store.read_raw(ref, buf)
                 except GpusnapError as e:
                     raise DamageError(f"snapshot {manifest.name!r}: {stream} chunk {i}: {e}") from None
-                out.write(decode_host(ref.codec, payload, ref.raw_len))
+                out.write(data)
             written += ref.raw_len
         out.flush()
     finally:
@@ -94,12 +95,11 @@ def export(store: SnapshotStore, name: str, out: IO[bytes], level: int = 3) -> d
                 _add(tar, "manifest.json", m.dumps())
                 for cid, ref in sorted(refs.items()):
                     try:
-                        payload = store.read_chunk(ref, buf)
+                        header, payload = store.read_stored(ref, buf)
                     except GpusnapError as e:
                         raise DamageError(f"snapshot {name!r} is damaged, not exported: {e}") from None
-                    _add(tar, f"chunks/{cid}", ChunkHeader(ref.codec, ref.raw_len, ref.stored_len).pack()
-                         .ljust(HEADER_SIZE, b"\0") + bytes(payload))
-                    stored += ref.stored_len
+                    _add(tar, f"chunks/{cid}", header.pack().ljust(HEADER_SIZE, b"\0") + bytes(payload))
+                    stored += header.stored_len
         finally:
             buf.close()
     return {"chunks": len(refs), "stored_bytes": stored, "raw_bytes": m.size}
@@ -155,7 +155,7 @@ def _import(store: SnapshotStore, src: IO[bytes], name: str | None, replace: boo
         head = json.loads(f.read())
     except (ValueError, UnicodeDecodeError):
         raise DamageError("not a gpusnap export archive (unreadable header)") from None
-    if not isinstance(head, dict) or head.get("format") != EXPORT_FORMAT or head.get("version") != EXPORT_VERSION:
+    if not isinstance(head, dict) or head.get("format") != EXPORT_FORMAT or head.get("version") not in READ_VERSIONS:
         raise DamageError(f"not a gpusnap export archive this version reads ({head!r:.80})")
     info, f = next(members, (None, None))  # type: ignore[arg-type]
     if info is None or info.name != "manifest.json" or info.size > MAX_MANIFEST:
@@ -167,7 +167,8 @@ def _import(store: SnapshotStore, src: IO[bytes], name: str | None, replace: boo
     target = validate_snapshot_name(name or m.name)
     wanted = {c.id: c for s in m.streams for c in s.chunks if c.id is not None}
     got: set[str] = set()
-    buf = AlignedBuffer(HEADER_SIZE + align_up(max((c.stored_len for c in wanted.values()), default=1)))
+    buf = AlignedBuffer(HEADER_SIZE + align_up(max((max_stored_len(c.codec, c.raw_len, c.stored_len)
+                                                    for c in wanted.values()), default=1)))
     try:
         with store.writer(target, replace=replace, meta=m.meta, tags=m.tags, created=m.created, host=m.host) as w:
             for info, f in members:
@@ -175,17 +176,21 @@ def _import(store: SnapshotStore, src: IO[bytes], name: str | None, replace: boo
                 ref = wanted.get(cid)
                 if not info.name.startswith("chunks/") or ref is None:
                     raise DamageError(f"export archive member {info.name!r} is not a chunk its manifest names")
-                if info.size != HEADER_SIZE + ref.stored_len:
-                    raise DamageError(f"export archive chunk {cid[:16]}… has {info.size} bytes, the manifest says "
-                                      f"{HEADER_SIZE + ref.stored_len}")
+                most = HEADER_SIZE + max_stored_len(ref.codec, ref.raw_len, ref.stored_len)
+                if not HEADER_SIZE <= info.size <= most:
+                    raise DamageError(f"export archive chunk {cid[:16]}… has {info.size} bytes, the manifest allows "
+                                      f"at most {most}")
                 view = buf.view[: info.size]
                 n = f.readinto(view)  # type: ignore[attr-defined]
                 if n != info.size:
                     raise DamageError(f"export archive chunk {cid[:16]}… is truncated")
-                header = ChunkHeader(ref.codec, ref.raw_len, ref.stored_len)
-                if bytes(view[:32]) != header.pack() or chunk_id(header, view[HEADER_SIZE:]) != cid:
-                    raise DamageError(f"export archive chunk {cid[:16]}… does not match its id (corrupted or forged)")
-                w.put_chunk(ref.codec, ref.raw_len, buf.view, ref.stored_len)
+                try:
+                    header = check_received(cid, ref.codec, ref.raw_len, ref.stored_len, view)
+                except ChunkError as e:
+                    raise DamageError(f"export archive chunk {cid[:16]}… does not match its id (corrupted or forged: "
+                                      f"{e.what}); nothing was imported") from None
+                w.put_chunk(header.codec, header.raw_len, buf.view, header.stored_len,
+                            raw_id=cid if header.raw_id else None)
                 got.add(cid)
             absent = store.missing(m)
             if absent:

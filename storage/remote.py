@@ -6,8 +6,9 @@ Guarantees kept here (FORMAT.md, "Remote stores", has the layout and the protoco
 - nothing relies on conditional writes (Swift's S3 API has none): objects have content-derived or
   unique names, and gc and push exclude each other through lock objects with server-side times;
 - only chunks the other side lacks travel (a listing of the remote's chunks, the local store's files);
-- every chunk fetched is verified against its id before it enters the local store; one that does not
-  hash to its id is refetched once, then reported as damage; a remote manifest is validated by
+- every chunk fetched is verified against its id before it enters the local store (a raw-addressed
+  one decoded and its raw bytes hashed); one that does not match is refetched once, then reported as
+  damage; a remote manifest is validated by
   Manifest.loads like a local one; a pulled snapshot is committed through the local store's writer;
 - remote gc deletes only chunks no remote manifest names, never while a fresh push or pull lock
   exists, and a push whose lock was removed as stale re-checks every chunk before it commits;
@@ -30,7 +31,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator
 
-from .chunkfile import HEADER_SIZE, ChunkHeader, ChunkError, chunk_id
+from .chunkfile import HEADER_SIZE, ChunkError, ChunkHeader, check_received, max_stored_len
 from .directio import AlignedBuffer, BufferPool
 from .errors import DamageError, GpusnapError, UnavailableError
 from .manifest import ChunkRef, Manifest, ManifestError
@@ -606,7 +607,7 @@ class Remote:
                 have = self.chunk_sizes()
                 # missing, or of the wrong size (a truncated object): sent again, also under a
                 # manifest already there, which is how a damaged remote snapshot is repaired
-                todo = [r for r in refs if have.get(r.id) != HEADER_SIZE + r.stored_len]
+                todo = [r for r in refs if not _size_fits(r, have.get(r.id))]
                 if same and not todo:
                     rep.already_there = True
                     rep.seconds = time.perf_counter() - t0
@@ -617,8 +618,7 @@ class Remote:
                     rep.rechecked_after_gc = True
                     self._reacquire(lk)
                     have = self.chunk_sizes()
-                    self._upload(store, [r for r in refs if have.get(r.id) != HEADER_SIZE + r.stored_len],
-                                 rep, progress)
+                    self._upload(store, [r for r in refs if not _size_fits(r, have.get(r.id))], rep, progress)
                 self.s3.put(self.manifest_key(name), data)  # last: the snapshot is visible from here on
                 rep.bytes_sent += len(data)
         rep.seconds = time.perf_counter() - t0
@@ -627,16 +627,17 @@ class Remote:
     def _upload(self, store: SnapshotStore, refs: list[ChunkRef], rep: TransferReport, progress: Any) -> None:
         if progress is not None:
             progress.start(sum(HEADER_SIZE + r.stored_len for r in refs))
-        size = max((HEADER_SIZE + r.stored_len for r in refs), default=HEADER_SIZE) + HEADER_SIZE
+        size = _buffer_size(refs)
         lock = threading.Lock()
         with BufferPool(self.jobs, size) as pool:
             def send(ref: ChunkRef) -> None:
                 with pool.borrowed() as buf:
                     try:
-                        store.read_chunk(ref, buf)  # verified: a damaged local chunk never travels
+                        # the stored check: a damaged local chunk never travels (a pull checks in full)
+                        header, _ = store.read_stored(ref, buf)
                     except ChunkError as e:
                         raise StoreError(f"local snapshot damaged, nothing pushed: {e}") from None
-                    n = HEADER_SIZE + ref.stored_len
+                    n = HEADER_SIZE + header.stored_len
                     self.s3.put(self.chunk_key(ref.id), buf.view[:n])  # type: ignore[arg-type]
                 with lock:
                     rep.chunks_sent += 1
@@ -674,18 +675,18 @@ class Remote:
         for cid, r in refs.items():
             if cid not in have:
                 bad[cid] = "missing on the remote"
-            elif have[cid] != HEADER_SIZE + r.stored_len:
+            elif not _size_fits(r, have[cid]):
                 bad[cid] = f"is {have[cid]} bytes on the remote, not {HEADER_SIZE + r.stored_len}"
         if read_data:
             todo = [r for cid, r in refs.items() if cid not in bad]
             if progress is not None:
                 progress.start(sum(HEADER_SIZE + r.stored_len for r in todo))
-            size = max((HEADER_SIZE + r.stored_len for r in todo), default=HEADER_SIZE) + HEADER_SIZE
+            size = _buffer_size(todo)
             lock = threading.Lock()
             with BufferPool(self.jobs, size) as pool:
                 def check(ref: ChunkRef) -> None:
                     with pool.borrowed() as buf:
-                        why = _check_fetched(ref, buf, self.s3.get_into(self.chunk_key(ref.id), buf.view))  # type: ignore[arg-type]
+                        why, _ = _check_fetched(ref, buf, self.s3.get_into(self.chunk_key(ref.id), buf.view))  # type: ignore[arg-type]
                     with lock:
                         if why is not None:
                             bad[ref.id] = why  # type: ignore[index]
@@ -790,24 +791,35 @@ def _distinct_refs(m: Manifest, smallest_streams_first: bool = False) -> list[Ch
     return out
 
 
-def _check_fetched(ref: ChunkRef, buf: AlignedBuffer, n: int | None) -> str | None:
-    """Why the N bytes fetched into BUF are not chunk REF (None when they are)."""
+def _check_fetched(ref: ChunkRef, buf: AlignedBuffer, n: int | None) -> tuple[str | None, ChunkHeader | None]:
+    """(why the N bytes fetched into BUF are not chunk REF, None) or (None, their header) when they are
+    (chunkfile.check_received: a GSNPCHK2 object is decoded and its raw bytes hashed)."""
     assert ref.id is not None
     if n is None:
-        return "is missing on the remote"
-    if n != HEADER_SIZE + ref.stored_len:
-        return f"is {n} bytes, not {HEADER_SIZE + ref.stored_len}"
+        return "is missing on the remote", None
     try:
-        header = ChunkHeader.unpack(buf.view[:32], ref.id)
+        return None, check_received(ref.id, ref.codec, ref.raw_len, ref.stored_len, buf.view[:n])
     except ChunkError as e:
-        return e.what
-    except Exception:
-        return "has a malformed header"
-    if (header.codec, header.raw_len, header.stored_len) != (ref.codec, ref.raw_len, ref.stored_len):
-        return "has a header that disagrees with the manifest"
-    if chunk_id(header, buf.view[HEADER_SIZE:n]) != ref.id:
-        return "does not match its hash (corrupted)"
-    return None
+        return e.what, None
+    except Exception:  # noqa: BLE001 - whatever a hostile object makes the parser or decoder raise
+        return "has a malformed header or payload", None
+
+
+def _size_fits(ref: ChunkRef, size: int | None) -> bool:
+    """Whether an object of SIZE bytes can be chunk REF without reading it: exactly its file for a GPU
+    codec; for raw/zstd, also any other encoding of the same raw bytes (a GSNPCHK2 chunk pushed from
+    another host: FORMAT.md, "Trust")."""
+    if size is None:
+        return False
+    if size == HEADER_SIZE + ref.stored_len:
+        return True
+    return HEADER_SIZE < size <= HEADER_SIZE + max_stored_len(ref.codec, ref.raw_len, ref.stored_len)
+
+
+def _buffer_size(refs: list[ChunkRef]) -> int:
+    """A buffer that holds any object that may be one of REFS (and detects a larger one)."""
+    return max((HEADER_SIZE + max_stored_len(r.codec, r.raw_len, r.stored_len) for r in refs),
+               default=HEADER_SIZE) + HEADER_SIZE
 
 
 def ensure_local(store: SnapshotStore, name: str, remote: str, *, progress: Any = None,

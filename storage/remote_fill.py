@@ -74,7 +74,7 @@ class RemoteFill:
         self._stop = False
         self._threads: list[threading.Thread] = []
         self._wanted: set[str] = set()             # chunks a reader asked for (first): kept for take()
-        self._kept: dict[str, bytes] = {}          # verified payloads not yet taken
+        self._kept: dict[str, tuple[str, bytes]] = {}  # verified (codec, payload) not yet taken
         self._kept_bytes = 0
         self.handoff_bytes = handoff_bytes
         self.began = time.monotonic()
@@ -176,7 +176,7 @@ class RemoteFill:
                 n = r.s3.get_into(r.chunk_key(ref.id), buf.view)  # type: ignore[arg-type]
                 with self._lock:
                     rep.bytes_sent += n or 0
-                why = _check_fetched(ref, buf, n)
+                why, header = _check_fetched(ref, buf, n)
                 if why is None:
                     break
                 if attempt == 2:
@@ -188,9 +188,12 @@ class RemoteFill:
                                             "(fetched twice); nothing was committed locally")
                 with self._lock:
                     rep.refetched += 1
-            got = self._w.put_chunk(ref.codec, ref.raw_len, buf.view, ref.stored_len, verified_id=ref.id)
+            assert header is not None
+            got = self._w.put_chunk(header.codec, header.raw_len, buf.view, header.stored_len,
+                                    raw_id=ref.id if header.raw_id else None,
+                                    verified_id=None if header.raw_id else ref.id)
             assert got.id == ref.id
-            self._keep(ref, buf.view[HEADER_SIZE:HEADER_SIZE + ref.stored_len])
+            self._keep(ref, header.codec, buf.view[HEADER_SIZE:HEADER_SIZE + header.stored_len])
         with self._lock:
             rep.chunks_sent += 1
             done = rep.chunks_sent
@@ -201,20 +204,21 @@ class RemoteFill:
             self.progress.advance(HEADER_SIZE + ref.stored_len)
         _pause_for_tests(done)
 
-    def _keep(self, ref: ChunkRef, payload: memoryview) -> None:
+    def _keep(self, ref: ChunkRef, codec: str, payload: memoryview) -> None:
         with self._lock:
             if ref.id in self._wanted and self._kept_bytes + len(payload) <= self.handoff_bytes:
-                self._kept[ref.id] = bytes(payload)  # type: ignore[index]
+                self._kept[ref.id] = (codec, bytes(payload))  # type: ignore[index]
                 self._kept_bytes += len(payload)
 
-    def take(self, cid: str) -> bytes | None:
-        """The verified stored payload of chunk CID, once, if it arrived from the remote and is still
-        held; None otherwise (read it from the store)."""
+    def take(self, cid: str) -> tuple[str, bytes] | None:
+        """(codec, payload) of chunk CID, verified on arrival (for a raw-addressed chunk: decoded and
+        bound to its id), once, if it arrived from the remote and is still held; None otherwise (read
+        it from the store)."""
         with self._lock:
-            data = self._kept.pop(cid, None)
-            if data is not None:
-                self._kept_bytes -= len(data)
-            return data
+            got = self._kept.pop(cid, None)
+            if got is not None:
+                self._kept_bytes -= len(got[1])
+            return got
 
     def _fail(self, e: BaseException) -> None:
         with self._lock:

@@ -3,9 +3,11 @@
 Guarantees kept here: repair holds the store lock exclusively; damaged chunk files go to quarantine/
 first (FORMAT.md, "Damage and healing"); a chunk is written back only if the bytes found hash to the id a snapshot asks
 for, so a source can heal a store but never change what any snapshot means. Sources: another gpusnap
-store (its chunk of the same id, verified), or files and directories, re-read at the offsets and
-lengths the snapshots record for each chunk and re-encoded with the chunk's codec (CPU codecs only:
-raw and zstd; a chunk encoded on the GPU can come back only from a store that has it). Files are
+store (its chunk of the same id, bound to it by chunkfile.id_check), or files and directories, re-read
+at the offsets and lengths the snapshots record for each chunk: raw bytes that derive the id are
+written raw-addressed (GSNPCHK2, encoded as put encodes); else they are re-encoded with the chunk's
+codec and must hash to its stored-addressed id (CPU codecs only: raw and zstd; a chunk encoded on the
+GPU can come back only from a store that has it). Files are
 opened without following links and only if regular: a FIFO or device among the sources is skipped.
 """
 from __future__ import annotations
@@ -15,8 +17,8 @@ import stat
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
-from .chunkfile import HEADER_SIZE, ChunkError, ChunkHeader, chunk_id
-from .codecs import ZstdCodec
+from .chunkfile import HEADER_SIZE, ChunkHeader, chunk_id, id_check, raw_chunk_id
+from .codecs import HostCodecChooser, ZstdCodec
 from .directio import AlignedBuffer, BufferPool, copy_into
 from .errors import GpusnapError
 from .manifest import ChunkRef, Manifest
@@ -103,16 +105,35 @@ def rebuild(store: "SnapshotStore", tmp_fd: int, chunks_fd: int, manifests: list
     return found
 
 
-def _keep(store: "SnapshotStore", tmp_fd: int, chunks_fd: int, ref: ChunkRef, payload: bytes | memoryview,
-          buf: AlignedBuffer) -> bool:
-    """Write PAYLOAD as chunk REF if it hashes to REF's id."""
+def _keep(store: "SnapshotStore", tmp_fd: int, chunks_fd: int, ref: ChunkRef, header: ChunkHeader,
+          payload: bytes | memoryview, buf: AlignedBuffer) -> bool:
+    """Write PAYLOAD as chunk REF (its file's header: HEADER) if it is bound to REF's id: a GSNPCHK1
+    payload hashes to it; a GSNPCHK2 one was checked by the caller (its raw bytes derive the id)."""
     assert ref.id is not None
-    header = ChunkHeader(ref.codec, ref.raw_len, ref.stored_len)
-    if len(payload) != ref.stored_len or chunk_id(header, payload) != ref.id:
+    if len(payload) != header.stored_len or (not header.raw_id and chunk_id(header, payload) != ref.id):
         return False
     copy_into(buf.view[HEADER_SIZE:], payload)
     store.store_chunk(tmp_fd, chunks_fd, header, buf.view, ref.id)
     return True
+
+
+_PUT_ENCODER = HostCodecChooser()  # how put encodes a new host chunk (zstd level 1 where it pays)
+
+
+def _keep_raw(store: "SnapshotStore", tmp_fd: int, chunks_fd: int, ref: ChunkRef, raw: bytes,
+              buf: AlignedBuffer) -> bool:
+    """Write the raw bytes RAW as chunk REF: raw-addressed if they derive its id, else re-encoded
+    with REF's codec if that hashes to its stored-addressed id."""
+    assert ref.id is not None
+    if raw_chunk_id(raw) == ref.id:
+        enc = _PUT_ENCODER.encode(memoryview(raw))
+        n = len(enc.payload)
+        return _keep(store, tmp_fd, chunks_fd, ref, ChunkHeader(enc.codec, len(raw), n, raw_id=True),
+                     enc.payload, buf)
+    if ref.codec not in ("raw", *_ENCODERS):
+        return False
+    payload = raw if ref.codec == "raw" else _ENCODERS[ref.codec].encode(memoryview(raw))
+    return _keep(store, tmp_fd, chunks_fd, ref, ChunkHeader(ref.codec, ref.raw_len, ref.stored_len), payload, buf)
 
 
 def _from_store(store: "SnapshotStore", tmp_fd: int, chunks_fd: int, path: str, need: dict[str, ChunkRef],
@@ -123,11 +144,12 @@ def _from_store(store: "SnapshotStore", tmp_fd: int, chunks_fd: int, path: str, 
     with other.shared():
         for cid, ref in need.items():
             try:
-                payload = other.read_chunk(ref, buf)
-            except (ChunkError, OSError):
+                header, payload = other.read_stored(ref, buf, check=False)
+                id_check(header, payload, cid)
+            except (GpusnapError, OSError):
                 continue
             data = bytes(payload)
-            if _keep(store, tmp_fd, chunks_fd, ref, data, buf):
+            if _keep(store, tmp_fd, chunks_fd, ref, header, data, buf):
                 got[cid] = f"store {path}"
     return got
 
@@ -177,8 +199,7 @@ def _from_files(store: "SnapshotStore", tmp_fd: int, chunks_fd: int, top: str, m
                     if ref.id in got or ref.codec not in ("raw", *_ENCODERS) or off + ref.raw_len > st.st_size:
                         continue
                     raw = os.pread(fd, ref.raw_len, off)
-                    payload = raw if ref.codec == "raw" else _ENCODERS[ref.codec].encode(memoryview(raw))
-                    if _keep(store, tmp_fd, chunks_fd, ref, payload, buf):
+                    if _keep_raw(store, tmp_fd, chunks_fd, ref, raw, buf):
                         got[ref.id] = f"{path} at offset {off}"  # type: ignore[index]
                 for sn in list(wanted):
                     wanted[sn] = [(o, r) for o, r in wanted[sn] if r.id not in got]

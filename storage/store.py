@@ -3,9 +3,12 @@
 Guarantees kept here (FORMAT.md has the full contract):
 - a snapshot becomes visible only after every chunk it names is durable, by link/rename of a fsynced
   manifest; a failed or killed writer leaves no visible snapshot;
-- every chunk read is verified against its id before its bytes are returned; a chunk is reused by a
-  writer only if its file is a regular file with the right header and length, and `verify` moves a
-  damaged chunk to quarantine/ so that the next put of the same bytes writes it again;
+- every chunk read is checked before its bytes are returned (read_chunk: its stored bytes; read_raw,
+  what get and restores use: its raw bytes bound to its id, FORMAT.md "Chunk files"); a chunk is
+  reused by a writer only if its file is a regular file with a sane header and length, and `verify`
+  moves a damaged chunk to quarantine/ so that the next put of the same bytes writes it again;
+- host-path chunks are raw-addressed (GSNPCHK2): a writer hashes the raw bytes first and encodes and
+  writes only chunks not present; a version 1 store is upgraded before its first such chunk;
 - writers and readers hold the store lock shared, gc and repair hold it exclusively, so gc never
   deletes a chunk that a live snapshot or a commit in progress needs; one writer per name at a time;
 - no link inside the store is ever followed: every store directory is opened relative to a checked
@@ -34,8 +37,8 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
-from .chunkfile import (HEADER_SIZE, ChunkError, ChunkHeader, chunk_id, file_kind, header_matches, read_chunk_file,
-                        write_chunk_file)
+from .chunkfile import (HEADER_SIZE, ChunkError, ChunkHeader, chunk_id, file_kind, full_check, max_stored_len,
+                        id_check, raw_chunk_id, read_chunk_file, reusable, write_chunk_file)
 from .directio import AlignedBuffer, BufferPool, align_up, direct_io_supported
 from .errors import GpusnapError
 from .manifest import ChunkRef, Manifest, ManifestError, Stream, validate_tag
@@ -48,7 +51,8 @@ if TYPE_CHECKING:
     from .repair import RepairReport
 
 STORE_FORMAT = "gpusnap-store"
-STORE_VERSION = 1
+STORE_VERSION = 2
+READ_VERSIONS = (1, 2)  # version 1: GSNPCHK1 chunks only; upgraded by the first GSNPCHK2 write
 MARKER = "gpusnap-store.json"
 SUBDIRS = ("snapshots", "chunks", "tmp", "names")
 QUARANTINE = "quarantine"
@@ -98,6 +102,7 @@ class WriteStats:
     chunks_new: int = 0
     chunks_dedup: int = 0
     chunks_zero: int = 0
+    chunks_compressed: int = 0  # chunks the host encoder ran on (a raw-addressed chunk found present: none)
     bytes_new: int = 0      # stored bytes of chunk files this writer created
     bytes_dedup: int = 0    # stored bytes found already present
     raw_bytes: int = 0      # logical bytes, zeros included
@@ -231,6 +236,7 @@ class SnapshotStore:
         self._open(create)
         self._direct: bool | None = None
         self._probe_lock = threading.Lock()
+        self._upgrade_lock = threading.Lock()
 
     # ---- layout -------------------------------------------------------------------------------
     @property
@@ -318,11 +324,42 @@ class SnapshotStore:
                 raise StoreError(f"{self.path}: unreadable store marker: {e}") from None
             finally:
                 os.close(fd)
-        if not isinstance(info, dict) or info.get("format") != STORE_FORMAT or info.get("version") != STORE_VERSION:
+        if not isinstance(info, dict) or info.get("format") != STORE_FORMAT or info.get("version") not in READ_VERSIONS:
             got = info if not isinstance(info, dict) else f"{info.get('format')} v{info.get('version')}"
             raise StoreError(f"{self.path}: store format {got} is not {STORE_FORMAT} v{STORE_VERSION}")
+        self.version: int = info["version"]
+        self._created = info.get("created")
+
+    def _write_marker(self, created: str | None) -> None:
+        """Write the store marker (this version) through tmp/: fsynced, renamed, the store fsynced."""
+        with self.root() as (root, uid), opened_dir(root, "tmp", uid, "tmp") as tmp:
+            name = owned_name("marker")
+            data = json.dumps({"format": STORE_FORMAT, "version": STORE_VERSION,
+                               "created": created or datetime.now(timezone.utc).isoformat()}).encode()
+            _write_file(tmp, name, data)
+            try:
+                os.rename(name, MARKER, src_dir_fd=tmp, dst_dir_fd=root)
+            except BaseException:
+                _unlink_quietly(tmp, name)
+                raise
+            os.fsync(root)
+
+    def upgrade(self) -> None:
+        """Make a version 1 store version 2 before its first GSNPCHK2 chunk is written (FORMAT.md, "Store
+        versions"): a gpusnap that reads only version 1 then refuses the store instead of misreading it.
+        Idempotent; several writers may race to do it (each renames a complete marker)."""
+        with self._upgrade_lock:
+            if self.version == STORE_VERSION:
+                return
+            try:
+                self._write_marker(self._created)
+            except OSError as e:
+                raise StoreError(_io_message("upgrading the store marker to version 2", e, self.path)) from None
+            self.version = STORE_VERSION
 
     def _create(self) -> None:
+        self.version = STORE_VERSION
+        self._created = None
         try:
             os.makedirs(self.path, mode=0o700, exist_ok=True)
             os.chmod(self.path, 0o700)
@@ -338,13 +375,7 @@ class SnapshotStore:
                             os.mkdir(f"{i:02x}", 0o700, dir_fd=chunks)
                         except FileExistsError:
                             pass
-                with opened_dir(root, "tmp", uid, "tmp") as tmp:
-                    name = owned_name("marker")
-                    data = json.dumps({"format": STORE_FORMAT, "version": STORE_VERSION,
-                                       "created": datetime.now(timezone.utc).isoformat()}).encode()
-                    _write_file(tmp, name, data)
-                    os.rename(name, MARKER, src_dir_fd=tmp, dst_dir_fd=root)
-                os.fsync(root)
+            self._write_marker(None)
         except OSError as e:
             raise StoreError(f"cannot create store at {self.path}: {e.strerror or e}") from None
 
@@ -491,22 +522,44 @@ class SnapshotStore:
         except StoreDamage as e:
             raise ChunkError(cid, str(e)) from None
 
-    def read_chunk(self, ref: ChunkRef, buf: AlignedBuffer, cached: bool = False) -> memoryview:
-        """The verified payload of REF (read into BUF); raises ChunkError when damaged. CACHED: read
-        through the page cache (restores: a repeated restore is served from memory, a cold one gets
-        the kernel's readahead); otherwise around it where the store can (verify, repair, export)."""
+    def read_stored(self, ref: ChunkRef, buf: AlignedBuffer, check: bool = True,
+                    cached: bool = False) -> tuple[ChunkHeader, memoryview]:
+        """REF's file read into BUF: its header (checked against REF) and its payload, after the stored
+        check unless not CHECK (the caller then makes the full check); ChunkError when damaged.
+        CACHED: read through the page cache (restores: a repeated restore is served from memory, a
+        cold one gets the kernel's readahead); otherwise around it where the store can (verify,
+        repair, export)."""
         assert ref.id is not None
         with self.chunk_dir(ref.id) as d:
-            header, payload = read_chunk_file(d, ref.id, buf, self.direct and not cached)
-        if (header.codec, header.raw_len, header.stored_len) != (ref.codec, ref.raw_len, ref.stored_len):
+            header, payload = read_chunk_file(d, ref.id, buf, self.direct and not cached, check)
+        if not header.fits(ref.codec, ref.raw_len, ref.stored_len):
             raise ChunkError(ref.id, "header disagrees with the manifest's reference")
-        return payload
+        return header, payload
+
+    def read_chunk(self, ref: ChunkRef, buf: AlignedBuffer) -> memoryview:
+        """REF's payload (read into BUF) after the stored check (FORMAT.md: no decoding; a GSNPCHK2
+        payload is not yet bound to its id: readers of the raw bytes use read_raw)."""
+        return self.read_stored(ref, buf)[1]
+
+    def read_raw(self, ref: ChunkRef, buf: AlignedBuffer, out: memoryview | None = None,
+                 cached: bool = False) -> bytes | memoryview:
+        """REF's raw bytes after the full check (decoded; GSNPCHK2: they derive the id); ChunkError
+        when damaged, CodecError for a codec the host cannot decode. OUT: decoded into it (see
+        chunkfile.full_check); CACHED: as read_stored."""
+        header, payload = self.read_stored(ref, buf, check=False, cached=cached)
+        return full_check(header, payload, ref.id, out)  # type: ignore[arg-type]
 
     def payload_at(self, ref: ChunkRef, frame: Any) -> tuple[int, str]:
         """Read REF's verified payload into FRAME (a host buffer with .ptr, laid out like a chunk
-        file) and return its address there (gpu_engine.ChunkSource)."""
-        self.read_chunk(ref, frame, cached=True)
-        return frame.ptr + HEADER_SIZE, "read+verify"
+        file) and return its address there (gpu_engine.ChunkSource). The GPU path writes GSNPCHK1
+        chunks; a GSNPCHK2 one (named by a host-path snapshot) is decoded on the host once to bind it
+        to its id, and must be encoded as REF says, which is what the device decodes by."""
+        header, payload = self.read_stored(ref, frame, check=False, cached=True)
+        if header.raw_id and (header.codec, header.stored_len) != (ref.codec, ref.stored_len):
+            raise ChunkError(ref.id or "", f"is encoded as {header.codec} in {header.stored_len} bytes, "
+                             f"not as the snapshot says ({ref.codec}, {ref.stored_len})")
+        id_check(header, payload, ref.id)  # type: ignore[arg-type]
+        return frame.ptr + HEADER_SIZE, "read+decode+verify" if header.raw_id else "read+verify"
 
     def missing(self, manifest: Manifest) -> list[str]:
         """Chunk ids MANIFEST names that have no regular file here (a cheap stat pass before any output)."""
@@ -534,22 +587,34 @@ class SnapshotStore:
         return "missing" if why is None else f"{why} (moved to quarantine/ by verify)"
 
     def chunk_buffer_size(self, manifests: list[Manifest]) -> int:
-        most = max((c.stored_len for m in manifests for s in m.streams for c in s.chunks), default=0)
+        most = max((max_stored_len(c.codec, c.raw_len, c.stored_len) for m in manifests for s in m.streams
+                    for c in s.chunks), default=0)
         return HEADER_SIZE + align_up(max(most, 1))
 
     def store_chunk(self, tmp_fd: int, chunks_fd: int, header: ChunkHeader, frame: memoryview,
-                    cid: str | None = None) -> tuple[str, bool, float]:
-        """Make chunk HEADER + FRAME[HEADER_SIZE:] present: (id, whether a file was written, hash seconds).
+                    cid: str | None = None) -> tuple[str, ChunkHeader, bool, float]:
+        """Make chunk HEADER + FRAME[HEADER_SIZE:] present: (id, the header of the file there, whether
+        a file was written, hash seconds). For a raw-addressed HEADER, CID is the raw id (the caller
+        hashed the raw bytes) and the stored checksum is computed here, if the file is written.
 
-        A present file is reused only if it is a regular file with this header and length; anything
-        else in its place (damaged, a link, a FIFO) is replaced by a new, fsynced file."""
+        A present file is reused only if chunkfile.reusable() says so (a GSNPCHK2 one may encode the
+        raw bytes otherwise: its header is returned); anything else in its place (damaged, a link, a
+        FIFO) is replaced by a new, fsynced file."""
         t0 = time.perf_counter()
+        payload = frame[HEADER_SIZE:HEADER_SIZE + header.stored_len]
         if cid is None:
-            cid = chunk_id(header, frame[HEADER_SIZE:HEADER_SIZE + header.stored_len])
+            assert not header.raw_id, "a raw-addressed chunk's id is hashed from its raw bytes"
+            cid = chunk_id(header, payload)
         hash_s = time.perf_counter() - t0
         with opened_child(chunks_fd, cid[:2], f"chunks/{cid[:2]}") as d:
-            if header_matches(d, cid, header):
-                return cid, False, hash_s
+            got = reusable(d, cid, header)
+            if got is not None:
+                return cid, got, False, hash_s
+            if header.raw_id:
+                self.upgrade()
+                t1 = time.perf_counter()
+                header = header.with_checksum(payload)
+                hash_s += time.perf_counter() - t1
             tmp = owned_name("chunk")
             write_chunk_file(tmp_fd, tmp, header, frame, self.direct)
             try:
@@ -557,7 +622,7 @@ class SnapshotStore:
             except BaseException:
                 _unlink_quietly(tmp_fd, tmp)
                 raise
-        return cid, True, hash_s
+        return cid, header, True, hash_s
 
     # ---- quarantine ---------------------------------------------------------------------------
     def quarantined(self, cid: str) -> str | None:
@@ -598,9 +663,10 @@ class SnapshotStore:
         cid = ref.id
         try:
             with self.subdir(QUARANTINE) as q:
-                header, _ = read_chunk_file(q, cid, buf, False)
-                if (header.codec, header.raw_len, header.stored_len) != (ref.codec, ref.raw_len, ref.stored_len):
+                header, payload = read_chunk_file(q, cid, buf, False, check=False)
+                if not header.fits(ref.codec, ref.raw_len, ref.stored_len):
                     return False
+                id_check(header, payload, cid)
                 with self.chunk_dir(cid) as d:
                     os.rename(cid, cid, src_dir_fd=q, dst_dir_fd=d)  # over whatever damaged file is there
                     os.fsync(d)
@@ -621,10 +687,12 @@ class SnapshotStore:
         return manifests
 
     def check_chunks(self, refs: dict[str, ChunkRef], size: int, workers: int, progress: Any,
-                     counts: VerifyReport | None = None, deadline: float | None = None) -> dict[str, str]:
+                     counts: VerifyReport | None = None, deadline: float | None = None,
+                     read_data: bool = False) -> dict[str, str]:
         """Read and verify every chunk of REFS (until DEADLINE, a time.monotonic() value, where one is
         given: the chunks not reached are counted in COUNTS.chunks_unchecked); returns id -> what is
-        wrong, for the damaged ones."""
+        wrong, for the damaged ones. The stored check, or with READ_DATA the strongest check
+        (chunkfile.id_check: GSNPCHK2 chunks decoded and their raw bytes hashed)."""
         if progress is not None:
             progress.start(sum(c.stored_len for c in refs.values()))
         bad: dict[str, str] = {}
@@ -639,7 +707,11 @@ class SnapshotStore:
                     return
                 with pool.borrowed() as buf:
                     try:
-                        self.read_chunk(ref, buf)
+                        if read_data:
+                            header, payload = self.read_stored(ref, buf, check=False)
+                            id_check(header, payload, ref.id)
+                        else:
+                            self.read_chunk(ref, buf)
                     except ChunkError as e:
                         with lock:
                             bad[ref.id] = e.what
@@ -658,13 +730,14 @@ class SnapshotStore:
 
     def verify(self, names: list[str] | None = None, workers: int = 4, progress: Any = None,
                quarantine: bool = True, quarantine_wait: float = 5.0, sample: float | None = None,
-               max_seconds: float | None = None) -> VerifyReport:
+               max_seconds: float | None = None, read_data: bool = False) -> VerifyReport:
         """Check every chunk of NAMES (default: every snapshot, and the strays of snapshots/ too).
 
         SAMPLE (0 < SAMPLE <= 1): read only that fraction of the distinct chunks, chosen at random
         anew each run (as restic's --read-data-subset), so that repeated runs cover the store;
         MAX_SECONDS: stop reading chunks after that long (as borg's --max-duration). Manifests are
-        always all checked; what was not read is counted in chunks_unchecked.
+        always all checked; what was not read is counted in chunks_unchecked. READ_DATA: the full
+        check (FORMAT.md: GSNPCHK2 chunks decoded and bound to their ids), else the stored check.
 
         With QUARANTINE, damaged chunk files are then moved to quarantine/ (under the store lock held
         exclusively, waiting at most QUARANTINE_WAIT seconds), so that the next put of the same
@@ -682,7 +755,8 @@ class SnapshotStore:
                 report.chunks_unchecked = len(refs) - len(picked)
                 refs = {cid: refs[cid] for cid in picked}
             deadline = None if max_seconds is None else time.monotonic() + max_seconds
-            bad = self.check_chunks(refs, self.chunk_buffer_size(manifests), workers, progress, report, deadline)
+            bad = self.check_chunks(refs, self.chunk_buffer_size(manifests), workers, progress, report, deadline,
+                                    read_data)
             for cid in list(bad):
                 if bad[cid] == "missing":
                     bad[cid] = self.absence(cid)
@@ -697,7 +771,7 @@ class SnapshotStore:
             try:
                 with self.exclusive(quarantine_wait):
                     again = self.check_chunks({cid: refs[cid] for cid in damaged},
-                                              self.chunk_buffer_size(manifests), 1, None)
+                                              self.chunk_buffer_size(manifests), 1, None, read_data=read_data)
                     for cid, why in again.items():
                         if not why.startswith("missing") and self.quarantine_chunk(cid, why):
                             report.quarantined.append(cid)
@@ -867,27 +941,54 @@ class SnapshotWriter:
         with self._lock:
             return self.stats.add_zero(raw_len)
 
+    def note_compressed(self) -> None:
+        """Count one chunk the host encoder ran on (WriteStats.chunks_compressed)."""
+        with self._lock:
+            self.stats.chunks_compressed += 1
+
+    def find_raw(self, data: memoryview) -> tuple[str, ChunkRef | None]:
+        """The raw-addressed id of the raw bytes DATA and, when a sound file of that id is present
+        (chunkfile.reusable), the reference to it, counted as deduplicated: the caller then neither
+        encodes nor writes DATA. Otherwise (id, None): encode DATA and put_chunk(..., raw_id=id)."""
+        t0 = time.perf_counter()
+        cid = raw_chunk_id(data)
+        hash_s = time.perf_counter() - t0
+        want = ChunkHeader("raw", len(data), len(data), raw_id=True)
+        try:
+            with opened_child(self._chunks, cid[:2], f"chunks/{cid[:2]}") as d:
+                got = reusable(d, cid, want)
+        except OSError as e:
+            raise StoreError(_io_message("looking up a chunk", e, self.store.path)) from None
+        with self._lock:
+            if got is None:
+                self.stats.hash_s += hash_s
+                return cid, None
+            self.stats.add_chunk(got.raw_len, got.stored_len, False, hash_s, time.perf_counter() - t0 - hash_s)
+        return cid, ChunkRef(cid, got.raw_len, got.codec, got.stored_len)
+
     def put_chunk(self, codec: str, raw_len: int, frame: memoryview, stored_len: int,
-                  verified_id: str | None = None) -> ChunkRef:
-        """Store one encoded chunk (thread-safe) whose payload sits at FRAME[HEADER_SIZE:][:stored_len].
+                  raw_id: str | None = None, verified_id: str | None = None) -> ChunkRef:
+        """Store one encoded chunk (thread-safe) whose payload sits at FRAME[HEADER_SIZE:][:stored_len];
+        RAW_ID: store it raw-addressed (GSNPCHK2) under that id, the raw id of its raw bytes (find_raw,
+        or a caller that checked it), else stored-addressed (GSNPCHK1, the GPU path). VERIFIED_ID
+        (GSNPCHK1): the caller has just hashed exactly this header and payload to that id (a chunk
+        fetched from a remote), so it is not hashed again.
 
         FRAME must have room up to the next 4096-byte boundary after the payload (see
-        chunkfile.write_chunk_file); the header is written into its first HEADER_SIZE bytes.
-        VERIFIED_ID: the caller has just hashed exactly this header and payload to that id (a chunk
-        fetched from a remote), so it is not hashed again.
-        """
-        header = ChunkHeader(codec, raw_len, stored_len)
+        chunkfile.write_chunk_file); the header is written into its first HEADER_SIZE bytes. The
+        reference returned names the file now present (for GSNPCHK2, possibly another encoding)."""
+        header = ChunkHeader(codec, raw_len, stored_len, raw_id is not None)
         t0 = time.perf_counter()
         try:
-            cid, new, hash_s = self.store.store_chunk(self._tmp, self._chunks, header, frame, verified_id)
+            cid, got, new, hash_s = self.store.store_chunk(self._tmp, self._chunks, header, frame, raw_id or verified_id)
         except OSError as e:
             raise StoreError(_io_message("writing a chunk", e, self.store.path)) from None
         t2 = time.perf_counter()
         with self._lock:
-            self.stats.add_chunk(raw_len, stored_len, new, hash_s, t2 - t0 - hash_s)
+            self.stats.add_chunk(raw_len, got.stored_len, new, hash_s, t2 - t0 - hash_s)
             if new:
                 self._touched.add(cid[:2])
-        return ChunkRef(cid, raw_len, codec, stored_len)
+        return ChunkRef(cid, raw_len, got.codec, got.stored_len)
 
     def sync_chunks(self, refs: list[ChunkRef]) -> None:
         """Make the directory entries of REFS' chunk files durable now (commit() does it for all it

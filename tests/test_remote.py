@@ -288,6 +288,34 @@ def test_corrupted_remote_chunk_is_refused_and_reported(nodes: tuple[Node, Node]
     b.json("pull", "c")
 
 
+def test_forged_raw_addressed_object_is_refused_by_pull(nodes: tuple[Node, Node], tmp_path: Path,
+                                                        endpoint: str) -> None:
+    """An object whose stored checksum is sound but whose payload is other raw bytes (GSNPCHK2): the
+    sizes and the stored check pass, the full check on arrival does not."""
+    from storage.chunkfile import HEADER_SIZE, ChunkHeader
+    a, b = nodes
+    data = make_data(tmp_path / "data", mb=4)
+    a.run("store", "put", "f", str(data), "--chunk-size", "1M")
+    a.json("push", "f")
+    s3 = _s3(endpoint)
+    bucket, prefix = url_for("test_forged_raw_addressed_object_is_refused_by_pull")[5:].split("/", 1)
+    objs = s3.list_objects_v2(Bucket=bucket, Prefix=prefix + "/chunks/")["Contents"]
+    victim = max(objs, key=lambda o: o["Size"])["Key"]
+    body = s3.get_object(Bucket=bucket, Key=victim)["Body"].read()
+    hdr = ChunkHeader.unpack(body[:64], victim)
+    assert hdr.raw_id and hdr.codec == "raw"
+    payload = np.random.default_rng(99).integers(0, 256, hdr.stored_len, dtype=np.uint8).tobytes()
+    forged = hdr.with_checksum(payload)
+    s3.put_object(Bucket=bucket, Key=victim, Body=forged.pack().ljust(HEADER_SIZE, b"\0") + payload)
+    assert b.run("remote", "verify", check=False).returncode == 0  # sizes are right
+    r = b.run("remote", "verify", "--read-data", check=False)
+    assert r.returncode == 3 and "does not match its hash" in r.stdout, r.stdout
+    r = b.run("pull", "f", check=False)
+    assert r.returncode == 3 and "does not match its hash" in one_line(r), r.stderr
+    assert b.json("store", "ls") == []
+    assert not list((b.store / "tmp").iterdir())
+
+
 def test_chunk_larger_than_the_multipart_threshold_goes_up_in_parts(nodes: tuple[Node, Node], tmp_path: Path,
                                                                    endpoint: str) -> None:
     a, b = nodes

@@ -213,6 +213,9 @@ def _duration(ctx: click.Context, param: click.Parameter, value: str | None) -> 
 @store.command("verify")
 @click.argument("name", required=False)
 @click.option("--repair", is_flag=True, help="Then rewrite what can be rewritten (as `store repair`).")
+@click.option("--read-data", "read_data", is_flag=True,
+              help="Also decode every chunk read and check its raw bytes against its id (slower; the default "
+                   "check of the stored bytes finds every flipped or lost byte without decompressing).")
 @click.option("--read-data-subset", "subset", default=None, metavar="N%", callback=_percent,
               help="Read only N% of the chunks, a new random choice each run (repeated runs cover the store).")
 @click.option("--max-duration", "max_duration", default=None, metavar="TIME", callback=_duration,
@@ -221,7 +224,7 @@ def _duration(ctx: click.Context, param: click.Parameter, value: str | None) -> 
 @json_option
 @click.pass_context
 @one_line_errors
-def store_verify(ctx: click.Context, name: str | None, repair: bool, subset: float | None,
+def store_verify(ctx: click.Context, name: str | None, repair: bool, read_data: bool, subset: float | None,
                  max_duration: float | None, sources: tuple[str, ...], as_json: bool) -> None:
     """Read and check every chunk of NAME (or of every snapshot); exit 3 and name what is damaged.
 
@@ -235,7 +238,7 @@ def store_verify(ctx: click.Context, name: str | None, repair: bool, subset: flo
     if name and not st.exists(name):
         raise StoreError(f"no snapshot named {name!r} in {st.path}")
     with Progress("verify", ctx.obj["progress"]) as prog:
-        rep = st.verify(names, progress=prog, sample=subset, max_seconds=max_duration)
+        rep = st.verify(names, progress=prog, sample=subset, max_seconds=max_duration, read_data=read_data)
     for n in rep.snapshots:  # what each sandbox kind's metadata must be (storage does not know it)
         with contextlib.suppress(GpusnapError):  # an unreadable manifest is already a problem
             rep.problems += [Problem(n, None, None, p) for p in meta_problems(st.load(n))]

@@ -576,32 +576,32 @@ class ServeSource:
         """REF's verified, decoded bytes in SLOT (the split fill's path: nothing allocated per chunk)."""
         return self._decoded(s, i, ref, self._arrived(ref), slot.raw_file, slot.out.view)
 
-    def _arrived(self, ref: ChunkRef) -> bytes | None:
-        """On a restore --from a remote: REF's file once it has arrived, if the fill hands it over
-        (verified on arrival: no read, no second hash); None: read it from the store."""
+    def _arrived(self, ref: ChunkRef) -> tuple[str, bytes] | None:
+        """On a restore --from a remote: (codec, payload) of REF once it has arrived, if the fill
+        hands it over (verified on arrival: no read, no second check); None: read it from the store."""
         if self.arrivals is None:
             return None
         assert ref.id is not None
         self.arrivals.wait(ref.id)
         return self.arrivals.take(ref.id)
 
-    def _decoded(self, s: Stream, i: int, ref: ChunkRef, fresh: bytes | None, buf: Any,
+    def _decoded(self, s: Stream, i: int, ref: ChunkRef, fresh: tuple[str, bytes] | None, buf: Any,
                  out: memoryview | None) -> bytes | memoryview:
-        """REF's payload (FRESH, or read from the store into BUF, verified) decoded: into OUT when
-        given (nothing allocated), else as decode_host returns it."""
+        """REF's raw bytes: FRESH decoded, or read from the store into BUF and decoded with the full
+        check (the bytes bound to REF's id); into OUT when given (nothing allocated)."""
         t0 = time.perf_counter()
         try:
-            payload = memoryview(fresh) if fresh is not None else self.store.read_chunk(ref, buf, cached=True)
+            if fresh is not None:
+                codec, payload = fresh
+                data = (decode_host(codec, memoryview(payload), ref.raw_len) if out is None
+                        else decode_host_into(codec, memoryview(payload), ref.raw_len, out))
+            else:
+                data = self.store.read_raw(ref, buf, out, cached=True)
         except ChunkError as e:
             raise StoreError(f"snapshot {self.manifest.name!r} is damaged: {s.name} chunk {i}: {e.what}") from None
-        t1 = time.perf_counter()
-        try:
-            data = (decode_host(ref.codec, payload, ref.raw_len) if out is None
-                    else decode_host_into(ref.codec, payload, ref.raw_len, out))
         except CodecError as e:
             raise StoreError(f"snapshot {self.manifest.name!r}: {s.name} chunk {i}: {e}") from None
-        self.stages.add("read+verify", t1 - t0, ref.stored_len)
-        self.stages.add("decode", time.perf_counter() - t1, ref.raw_len)
+        self.stages.add("read+decode+verify", time.perf_counter() - t0, ref.raw_len)
         return data
 
     def _feed(self, s: Stream, fd: int, ranges: tuple[tuple[int, int], ...] | None = None,

@@ -274,7 +274,6 @@ def send(inp: BinaryIO, out: BinaryIO, source: Any, streams: list[Any], have: di
     each process it needs, from STREAMS (gpu/PID/INDEX) read verified from SOURCE. HAVE: the processes
     (and their GPU indexes) the host may give back (default: every process in STREAMS). Returns the
     pids sent. Refuses a process it has no complete memory for."""
-    from storage.codecs import decode_host
     from storage.directio import AlignedBuffer
     by_pid: dict[int, list[Any]] = {}
     for s in streams:
@@ -301,7 +300,7 @@ def send(inp: BinaryIO, out: BinaryIO, source: Any, streams: list[Any], have: di
                     if c.is_zero:
                         _write_zeros(inp, c.raw_len)
                     else:
-                        inp.write(decode_host(c.codec, source.read_chunk(c, buf), c.raw_len))
+                        inp.write(source.read_raw(c, buf))  # decoded and bound to its id
         inp.flush()
     finally:
         buf.close()

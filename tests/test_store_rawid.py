@@ -1,0 +1,205 @@
+"""Raw-addressed chunks (FORMAT.md, GSNPCHK2): a put of unchanged data hashes and finds its chunks
+without compressing them; version 1 stores (GSNPCHK1 only) still read, verify and restore, and are
+upgraded by the first raw-addressed write; a forged GSNPCHK2 file (sound stored checksum, other raw
+bytes) is damage for every reader of raw bytes and for `verify --read-data`. Real files on the real
+disk, the real CLI."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import blake3
+import numpy as np
+import pytest
+import zstandard
+
+from conftest import Cli, chunk_files, make_mixed_tree, tree_digest
+from storage import pipeline
+from storage.chunkfile import HEADER_SIZE, MAGIC, MAGIC_RAW, ChunkHeader, chunk_id, raw_chunk_id
+from storage.filetree import FileTreeSource
+from storage.store import SnapshotStore
+
+
+def _magic(p: Path) -> bytes:
+    with open(p, "rb") as f:
+        return f.read(8)
+
+
+def _marker_version(store: Path) -> int:
+    return json.loads((store / "gpusnap-store.json").read_text())["version"]
+
+
+def test_second_put_of_unchanged_data_compresses_and_writes_nothing(cli: Cli, store_dir: Path,
+                                                                    tmp_path: Path) -> None:
+    src = make_mixed_tree(tmp_path / "model", mb=12)
+    first = cli.json("store", "put", "a", str(src), "--chunk-size", "1M")
+    assert first["chunks_compressed"] == first["chunks_new"] > 0, first
+    assert {_magic(p) for p in chunk_files(store_dir)} == {MAGIC_RAW}
+    assert _marker_version(store_dir) == 2
+    second = cli.json("store", "put", "b", str(src), "--chunk-size", "1M")
+    assert second["chunks_compressed"] == 0 and second["chunks_new"] == 0 and second["new_bytes"] == 0, second
+    assert second["chunks_dedup"] == first["chunks_new"] and second["chunks_zero"] == first["chunks_zero"]
+    # one chunk's worth of bytes changed: that chunk alone is compressed and written
+    w = src / "weights.bf16"
+    data = bytearray(w.read_bytes())
+    data[100:200] = bytes(range(100))
+    w.write_bytes(bytes(data))
+    third = cli.json("store", "put", "c", str(src), "--chunk-size", "1M")
+    assert third["chunks_compressed"] == third["chunks_new"] == 1, third
+    for name in ("a", "b", "c"):
+        cli.run("store", "get", name, str(tmp_path / f"out-{name}"))
+    assert tree_digest(tmp_path / "out-c" / "model") == tree_digest(src)
+    assert (tmp_path / "out-a" / "model" / "weights.bf16").read_bytes() != data
+    assert cli.json("store", "verify", "--read-data")["ok"]
+
+
+class _StoredAddressed:
+    """A writer as the GPU path and every version before store version 2 used it: GSNPCHK1 only."""
+
+    def __init__(self, w: Any) -> None:
+        self._w = w
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._w, name)
+
+    def find_raw(self, data: memoryview) -> tuple[str, None]:
+        return "", None
+
+    def put_chunk(self, codec: str, raw_len: int, frame: memoryview, stored_len: int, raw_id: str | None = None) -> Any:
+        return self._w.put_chunk(codec, raw_len, frame, stored_len)
+
+
+def _version_1_store(path: Path, src: Path, name: str) -> None:
+    st = SnapshotStore(str(path))
+    with st.writer(name) as w, FileTreeSource([str(src)]) as source:
+        pipeline.put(_StoredAddressed(w), source, chunk_size=1 << 20)  # type: ignore[arg-type]
+        w.commit()
+    marker = json.loads((path / "gpusnap-store.json").read_text())
+    (path / "gpusnap-store.json").write_text(json.dumps({**marker, "version": 1}))
+
+
+def test_a_version_1_store_reads_verifies_restores_then_is_upgraded_and_mixed(cli: Cli, store_dir: Path,
+                                                                              tmp_path: Path) -> None:
+    src = make_mixed_tree(tmp_path / "model", mb=8)
+    _version_1_store(store_dir, src, "old")
+    old_chunks = chunk_files(store_dir)
+    assert old_chunks and {_magic(p) for p in old_chunks} == {MAGIC} and _marker_version(store_dir) == 1
+    assert [s["name"] for s in cli.json("store", "ls")] == ["old"]
+    assert cli.json("store", "verify")["ok"] and cli.json("store", "verify", "--read-data")["ok"]
+    cli.run("store", "get", "old", str(tmp_path / "o1"))
+    assert tree_digest(tmp_path / "o1" / "model") == tree_digest(src)
+    assert _marker_version(store_dir) == 1  # reading never upgrades
+    # a put finds only raw-addressed chunks: the same data is stored once more, raw-addressed
+    put = cli.json("store", "put", "new", str(src), "--chunk-size", "1M")
+    assert put["chunks_new"] == len(old_chunks) and put["chunks_compressed"] == put["chunks_new"], put
+    assert _marker_version(store_dir) == 2
+    assert {_magic(p) for p in chunk_files(store_dir)} == {MAGIC, MAGIC_RAW}
+    assert cli.json("store", "verify", "--read-data")["ok"]
+    for name in ("old", "new"):
+        cli.run("store", "get", name, str(tmp_path / f"o-{name}"))
+        assert tree_digest(tmp_path / f"o-{name}" / "model") == tree_digest(src)
+    cli.run("store", "rm", "old")
+    gc = cli.json("store", "gc")
+    assert {_magic(p) for p in chunk_files(store_dir)} == {MAGIC_RAW}, gc
+
+
+def test_a_store_of_an_unknown_version_is_refused(cli: Cli, store_dir: Path, tmp_path: Path) -> None:
+    cli.run("store", "init")
+    marker = json.loads((store_dir / "gpusnap-store.json").read_text())
+    (store_dir / "gpusnap-store.json").write_text(json.dumps({**marker, "version": 3}))
+    r = cli.run("store", "ls", check=False)
+    assert r.returncode != 0 and "v3 is not gpusnap-store v2" in r.stderr, r.stderr
+
+
+def _forge(victim: Path, codec: str) -> None:
+    """Replace VICTIM's payload by an encoding of other raw bytes of the same length, with a stored
+    checksum that matches: what only someone writing the store's files by hand can make."""
+    data = victim.read_bytes()
+    hdr = ChunkHeader.unpack(data[:64], victim.name)
+    assert hdr.raw_id
+    raw = np.random.default_rng(7).normal(0, 0.02, hdr.raw_len // 2).astype(np.float32)
+    raw_bytes = (raw.view(np.uint32) >> 16).astype(np.uint16).tobytes()
+    payload = raw_bytes if codec == "raw" else zstandard.ZstdCompressor(level=1, write_content_size=True).compress(raw_bytes)
+    forged = ChunkHeader(codec, hdr.raw_len, len(payload), raw_id=True)
+    forged = forged.with_checksum(payload)
+    victim.write_bytes(forged.pack().ljust(HEADER_SIZE, b"\0") + payload)
+
+
+@pytest.mark.parametrize("codec", ["raw", "zstd"])
+def test_a_forged_raw_addressed_chunk_is_damage_for_readers_and_verify_read_data(cli: Cli, store_dir: Path,
+                                                                                 tmp_path: Path, codec: str) -> None:
+    src = make_mixed_tree(tmp_path / "model", mb=6)
+    cli.run("store", "put", "m", str(src), "--chunk-size", "1M")
+    victim = max(chunk_files(store_dir), key=lambda p: p.stat().st_size)
+    _forge(victim, codec)
+    # the stored check alone cannot see it (its checksum is sound): that is what --read-data is for
+    assert cli.json("store", "verify")["ok"]
+    g = cli.run("store", "get", "m", str(tmp_path / "out"), check=False)
+    assert g.returncode != 0 and "does not match its hash" in g.stderr, g.stderr
+    assert not (tmp_path / "out").exists()
+    r = cli.run("store", "verify", "--read-data", "--json", check=False)
+    assert r.returncode == 3, r.stdout
+    rep = json.loads(r.stdout)
+    assert rep["quarantined"] == [victim.name] and not victim.exists(), rep
+    # the next put of the true bytes writes the chunk again
+    put = cli.json("store", "put", "m2", str(src), "--chunk-size", "1M")
+    assert put["chunks_new"] == 1, put
+    cli.run("store", "get", "m", str(tmp_path / "out"))
+    assert tree_digest(tmp_path / "out" / "model") == tree_digest(src)
+
+
+def test_verify_without_read_data_finds_a_flipped_byte_of_a_raw_addressed_chunk(cli: Cli, store_dir: Path,
+                                                                                tmp_path: Path) -> None:
+    src = make_mixed_tree(tmp_path / "model", mb=6)
+    cli.run("store", "put", "m", str(src))
+    for victim in chunk_files(store_dir):
+        assert _magic(victim) == MAGIC_RAW
+        data = bytearray(victim.read_bytes())
+        data[HEADER_SIZE + 10] ^= 0x40
+        victim.write_bytes(bytes(data))
+        r = cli.run("store", "verify", "--json", check=False)
+        assert r.returncode == 3 and "corrupted" in r.stdout, r.stdout
+        assert json.loads(r.stdout)["quarantined"] == [victim.name]
+        cli.run("store", "put", "heal", str(src), "--replace")
+        assert cli.json("store", "verify")["ok"]
+
+
+def test_raw_ids_are_their_own_id_space() -> None:
+    """A raw chunk whose bytes are a GSNPCHK1 file's bound header and payload does not get its id."""
+    payload = b"some stored bytes" * 100
+    header = ChunkHeader("raw", len(payload), len(payload))
+    stored_id = chunk_id(header, payload)
+    assert raw_chunk_id(header.bound() + payload) != stored_id
+    assert blake3.blake3(header.bound() + payload).hexdigest() == stored_id
+    assert raw_chunk_id(payload) != blake3.blake3(payload).hexdigest()
+
+
+def test_a_raw_addressed_chunk_encoded_otherwise_than_the_manifest_says_still_reads(cli: Cli, store_dir: Path,
+                                                                                  tmp_path: Path) -> None:
+    """The same raw bytes encoded by another zstd level (as another host or a later put may): the id
+    binds the raw bytes, so readers take codec and length from the file (FORMAT.md)."""
+    src = make_mixed_tree(tmp_path / "model", mb=6)
+    cli.run("store", "put", "m", str(src), "--chunk-size", "1M")
+    victim = next(p for p in chunk_files(store_dir) if ChunkHeader.unpack(p.read_bytes()[:64], p.name).codec == "zstd")
+    data = victim.read_bytes()
+    hdr = ChunkHeader.unpack(data[:64], victim.name)
+    raw = zstandard.ZstdDecompressor().decompress(data[HEADER_SIZE:HEADER_SIZE + hdr.stored_len])
+    assert raw_chunk_id(raw) == victim.name
+    payload = zstandard.ZstdCompressor(level=19, write_content_size=True).compress(raw)
+    assert len(payload) != hdr.stored_len
+    other = ChunkHeader("zstd", hdr.raw_len, len(payload), raw_id=True).with_checksum(payload)
+    victim.write_bytes(other.pack().ljust(HEADER_SIZE, b"\0") + payload)
+    assert cli.json("store", "verify")["ok"] and cli.json("store", "verify", "--read-data")["ok"]
+    cli.run("store", "get", "m", str(tmp_path / "out"))
+    assert tree_digest(tmp_path / "out" / "model") == tree_digest(src)
+    # a put of the same data reuses that file as it is and records what it holds
+    again = cli.json("store", "put", "m2", str(src), "--chunk-size", "1M")
+    assert again["chunks_new"] == 0 and again["chunks_compressed"] == 0, again
+    refs = [c for s in SnapshotStore(str(store_dir)).load("m2").streams for c in s.chunks if c.id == victim.name]
+    assert refs and all((c.codec, c.stored_len) == ("zstd", len(payload)) for c in refs)
+    # but a raw length other than the reference's is damage
+    wrong = ChunkHeader("zstd", hdr.raw_len + 1, len(payload), raw_id=True).with_checksum(payload)
+    victim.write_bytes(wrong.pack().ljust(HEADER_SIZE, b"\0") + payload)
+    r = cli.run("store", "verify", "--json", check=False)
+    assert r.returncode == 3 and "disagrees with the manifest" in r.stdout, r.stdout
