@@ -79,6 +79,7 @@ class RemoteFill:
         self.handoff_bytes = handoff_bytes
         self.began = time.monotonic()
         self.seconds_to_all_local: float | None = None  # from began
+        self.seconds_to_first_read: float | None = None  # from began: a reader had its first chunk
 
     # ---- setup ----
     def __enter__(self) -> "RemoteFill":
@@ -248,6 +249,8 @@ class RemoteFill:
             ev.wait()
         with self._lock:
             self._raise()
+            if self.seconds_to_first_read is None:
+                self.seconds_to_first_read = time.monotonic() - self.began
 
     def finish(self) -> TransferReport:
         """Every chunk fetched (start() first if not yet), then the local manifest committed."""
@@ -267,6 +270,27 @@ class RemoteFill:
             self._w.commit()
         rep.seconds = time.monotonic() - self.began
         return rep
+
+
+class ArrivingSource:
+    """A gpu_engine.ChunkSource over STORE while FILL brings the snapshot's chunks: the engine's
+    lanes read a chunk from the local store as soon as it has arrived (waiting for it, and moving it
+    to the front of the fetches, if it has not), so a GPU restore runs while the pull does."""
+
+    error = StoreError
+
+    def __init__(self, store: SnapshotStore, fill: RemoteFill) -> None:
+        self.store, self.fill = store, fill
+
+    def missing(self, manifest: Manifest) -> list[str]:
+        """Nothing is missing up front: what the local store lacks is on its way (a chunk the remote
+        lacks fails its wait)."""
+        return []
+
+    def payload_at(self, ref: ChunkRef, frame: Any) -> tuple[int, str]:
+        assert ref.id is not None
+        self.fill.wait(ref.id)
+        return self.store.payload_at(ref, frame)
 
 
 def pull(remote: Remote, store: SnapshotStore, name: str, *, replace: bool = False,

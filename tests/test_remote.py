@@ -7,6 +7,7 @@ import os
 import signal
 import socket
 import subprocess
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -587,9 +588,27 @@ def test_gpu_restore_from_remote_on_another_store(tmp_path: Path, endpoint: str,
     gpu_checkpoint(a, me, "swap", driver=d, features=FEATS, device=HostDevice(), thp_mode=None)
     assert all(d.get_state(p) == S.CHECKPOINTED for p in (me, child))
     assert Remote.open(a, "r").push(a, "swap").chunks_sent > 0
-    rep = ensure_local(b, "swap", "r")
-    assert rep is not None and rep.chunks_sent == rep.chunks_total > 0
-    assert ensure_local(b, "swap", "r") is None  # local now: nothing to pull
-    gpu_restore(b, "swap", me, driver=d, features=FEATS, device=HostDevice(), thp_mode=None)
+    # B restores while it pulls: one fetch at a time, held for a second before the last chunk
+    nchunks = len({c.id for s in a.load("swap").streams for c in s.chunks if c.id is not None})
+    assert nchunks >= 2
+    hold = tmp_path / "hold-last-chunk"
+    monkeypatch.setenv("GPUSNAP_TEST_PAUSE_TRANSFER", f"{nchunks - 1}:{hold}")
+
+    def release() -> None:
+        deadline = time.monotonic() + 60
+        while not hold.exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not b.exists("swap")  # nothing is visible in B while chunks are still coming
+        time.sleep(1.0)
+        hold.unlink()
+
+    t = threading.Thread(target=release)
+    t.start()
+    rep = gpu_restore(b, "swap", me, driver=d, features=FEATS, device=HostDevice(), thp_mode=None,
+                      from_remote="r", jobs=1)
+    t.join()
     assert all(d.get_state(p) == S.RUNNING for p in (me, child))
     assert {p: bytes(d.procs[p].gpu) for p in (me, child)} == before
+    # the engine read its first chunk a second before the last one arrived: restore and pull overlapped
+    assert rep.seconds["first_chunk_read"] + 0.9 < rep.seconds["all_local"], rep.seconds
+    assert b.exists("swap") and ensure_local(b, "swap", "r") is None  # committed once all was local

@@ -7,7 +7,6 @@ import click
 
 from storage.progress import Progress
 
-from storage.remote import ensure_local
 
 from sandbox import journal
 from sandbox.cli.common import emit, from_remote_option, json_option, one_line_errors, open_store, tag_option
@@ -115,10 +114,8 @@ def gpu_restore_cmd(ctx: click.Context, name: str, pid: int, device_map: tuple[s
     st = open_store(ctx, create=False)
     journal.require_clean(st.path)
     with Progress(f"gpu restore {name}", ctx.obj["progress"]) as prog:
-        if from_remote:
-            ensure_local(st, name, from_remote, progress=prog)
         rep = gpu_restore(st, name, pid, device_map=list(device_map), thp_mode=None if thp == "keep" else thp,
-                          progress=prog)
+                          progress=prog, from_remote=from_remote)
     emit(as_json, rep.as_dict(), f"{name}: {len(rep.pids)} process(es) restored via {rep.path} and running "
          f"({', '.join(f'{k} {v:.2f} s' for k, v in rep.seconds.items())})")
 

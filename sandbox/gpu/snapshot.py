@@ -14,7 +14,7 @@ process its GPU memory back from the store and unlocks it.
 """
 from __future__ import annotations
 
-from contextlib import contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
@@ -160,19 +160,42 @@ def parse_device_map(items: list[str], snapshot_gpus: list[dict[str, Any]], here
 
 def gpu_restore(store: SnapshotStore, name: str, root_pid: int, *, device_map: list[str] | None = None,
                 driver: CudaDriver | None = None, thp_mode: str | None = "always", progress: Any = None,
-                features: Features | None = None, device: Any = None) -> GpuReport:
+                features: Features | None = None, device: Any = None, from_remote: str | None = None,
+                jobs: int | None = None) -> GpuReport:
     """Swap the GPU state of snapshot NAME back into its processes and unlock them (those already
-    RUNNING are left alone)."""
-    m = store.load(name)
-    meta = GpuMeta.of(m)
-    pids = list(meta.pids)
-    if root_pid != meta.root_pid and root_pid not in pids:
-        raise GpuSnapshotError(f"snapshot {name!r} was taken of pid {meta.root_pid}, not {root_pid}")
-    drv = driver or CudaDriver()
-    feats = features or probe(drv)
-    gpu_map = parse_device_map(device_map or [], meta.gpus_json, feats.gpus)
-    path = meta.gpu_path
-    with _engine(path, device) as eng:
-        regions = EngineRegions.of(eng, store, m, progress) if eng is not None else None
-        rep = thaw(drv, pids, backend_for(path, regions=regions, thp_mode=thp_mode), gpu_map=gpu_map)
-    return GpuReport(name, path.value, pids, dict(rep.seconds))
+    RUNNING are left alone). FROM_REMOTE: a store that lacks NAME gets it from that remote (JOBS
+    requests at once) while the engine restores: each region's chunks are read as they arrive, and
+    the local snapshot is committed once every chunk is local; a failure commits nothing."""
+    with ExitStack() as stack:
+        fill = None
+        if from_remote is not None and not store.exists(name):
+            from storage.remote import DEFAULT_JOBS, Remote
+            from storage.remote_fill import RemoteFill
+            fill = stack.enter_context(RemoteFill(Remote.open(store, from_remote, jobs or DEFAULT_JOBS), store, name,
+                                                  progress=progress))
+        m = fill.manifest if fill is not None else store.load(name)
+        assert m is not None
+        meta = GpuMeta.of(m)
+        pids = list(meta.pids)
+        if root_pid != meta.root_pid and root_pid not in pids:
+            raise GpuSnapshotError(f"snapshot {name!r} was taken of pid {meta.root_pid}, not {root_pid}")
+        drv = driver or CudaDriver()
+        feats = features or probe(drv)
+        gpu_map = parse_device_map(device_map or [], meta.gpus_json, feats.gpus)
+        path = meta.gpu_path
+        source: Any = store
+        if fill is not None:
+            from storage.remote_fill import ArrivingSource
+            source = ArrivingSource(store, fill)
+            fill.first([c for s in m.streams for c in s.chunks])  # in the order the engine restores them
+            fill.start()
+        with _engine(path, device) as eng:
+            regions = EngineRegions.of(eng, source, m, progress) if eng is not None else None
+            rep = thaw(drv, pids, backend_for(path, regions=regions, thp_mode=thp_mode), gpu_map=gpu_map)
+        seconds = dict(rep.seconds)
+        if fill is not None:  # the processes run; the local copy is committed once every chunk is in
+            fill.finish()
+            seconds["all_local"] = fill.seconds_to_all_local or 0.0
+            if fill.seconds_to_first_read is not None:
+                seconds["first_chunk_read"] = fill.seconds_to_first_read
+    return GpuReport(name, path.value, pids, seconds)
