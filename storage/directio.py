@@ -165,6 +165,18 @@ def read_into(fd: int, view: memoryview, offset: int) -> int:
     return done
 
 
+def read_to_end(fd: int, limit: int | None = None) -> bytes:
+    """What is left in FD up to its end (at most LIMIT bytes), in reads of 1 MiB."""
+    parts, got = [], 0
+    while limit is None or got < limit:
+        b = os.read(fd, 1 << 20 if limit is None else min(1 << 20, limit - got))
+        if not b:
+            break
+        parts.append(b)
+        got += len(b)
+    return b"".join(parts)
+
+
 def open_for_read(path: str, direct: bool) -> tuple[int, bool]:
     """Open PATH read-only, with O_DIRECT when asked and allowed; returns (fd, is_direct)."""
     if direct and hasattr(os, "O_DIRECT"):

@@ -26,6 +26,7 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
+from .directio import read_to_end
 from .errors import GpusnapError
 from .manifest import ChunkRef, ManifestError, Stream
 from .names import InvalidNameError, validate_stream_name
@@ -249,13 +250,7 @@ def read_at(dir_fd: int, name: str) -> RefLog:
             raise RefLogError(f"journal/{name} is not a regular file")
         if st.st_size > MAX_LOG:
             raise RefLogError(f"journal/{name} is larger than {MAX_LOG} bytes")
-        chunks = []
-        while True:
-            b = os.read(fd, 1 << 20)
-            if not b:
-                break
-            chunks.append(b)
-        return parse(b"".join(chunks)[:MAX_LOG])
+        return parse(read_to_end(fd, MAX_LOG))
     finally:
         os.close(fd)
 

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 from .chunkfile import (HEADER_SIZE, ChunkError, ChunkHeader, chunk_id, file_kind, full_check, max_stored_len,
                         id_check, raw_chunk_id, read_chunk_file, reusable, write_chunk_file)
-from .directio import AlignedBuffer, BufferPool, align_up, direct_io_supported
+from .directio import AlignedBuffer, BufferPool, align_up, direct_io_supported, read_to_end
 from .errors import GpusnapError
 from .manifest import ChunkRef, Manifest, ManifestError, Stream, validate_tag
 from .names import InvalidNameError, validate_snapshot_name
@@ -456,13 +456,7 @@ class SnapshotStore:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
                 raise StoreDamage(f"snapshot {name!r}: snapshots/{entry} is {file_kind(st.st_mode)}, not a manifest")
-            chunks = []
-            while True:
-                b = os.read(fd, 1 << 20)
-                if not b:
-                    break
-                chunks.append(b)
-            data = b"".join(chunks)
+            data = read_to_end(fd)
         finally:
             os.close(fd)
         m = Manifest.loads(data, where=f"snapshot {name!r}")

@@ -11,7 +11,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import numpy as np
 import pytest
@@ -499,14 +499,8 @@ def test_swift_stopped_mid_restore_fails_cleanly_and_a_retry_completes(private_s
     senv = {**os.environ, **senv}
     tree = Tree()
     try:
-        a.json("criu", "dump", str(tree.pid), "t")
-        tree.reap()
-        a.json("push", "t")
-        total = _chunk_count(a, "t")
         pause = tmp_path / "paused"
-        p = b.popen("criu", "restore", "t", "--from", "r", "--jobs", "1",
-                    env={"GPUSNAP_S3_MAX_ATTEMPTS": "2", "GPUSNAP_TEST_PAUSE_TRANSFER": f"{total - 3}:{pause}"})
-        wait_for(pause, p)
+        p, total = _restore_from_remote_paused(a, b, tree, pause, 3, {"GPUSNAP_S3_MAX_ATTEMPTS": "2"})
         deadline = time.monotonic() + 60
         while not os.path.exists(f"/proc/{tree.pid}"):  # mid-restore: CRIU has recreated the tree
             assert p.poll() is None and time.monotonic() < deadline, "CRIU did not start"
@@ -529,6 +523,20 @@ def test_swift_stopped_mid_restore_fails_cleanly_and_a_retry_completes(private_s
         tree.kill()
 
 
+def _restore_from_remote_paused(a: "Node", b: "Node", tree: Any, pause: Path, keep_back: int,
+                                env: dict[str, str] | None = None) -> tuple[subprocess.Popen, int]:
+    """Node A dumps TREE as "t" and pushes it; node B starts `criu restore t --from r`, one fetch at a
+    time, paused at PAUSE with KEEP_BACK chunks still to come. Returns B's process and the chunk count."""
+    a.json("criu", "dump", str(tree.pid), "t")
+    tree.reap()
+    a.json("push", "t")
+    total = _chunk_count(a, "t")
+    p = b.popen("criu", "restore", "t", "--from", "r", "--jobs", "1",
+                env={**(env or {}), "GPUSNAP_TEST_PAUSE_TRANSFER": f"{total - keep_back}:{pause}"})
+    wait_for(pause, p)
+    return p, total
+
+
 def test_kill_9_mid_restore_from_remote_leaves_nothing_visible_and_a_retry_reuses_the_chunks(
         nodes: tuple[Node, Node], tmp_path: Path) -> None:
     _need_criu()
@@ -537,14 +545,8 @@ def test_kill_9_mid_restore_from_remote_leaves_nothing_visible_and_a_retry_reuse
     a, b = nodes
     tree = Tree()
     try:
-        a.json("criu", "dump", str(tree.pid), "t")
-        tree.reap()
-        a.json("push", "t")
-        total = _chunk_count(a, "t")
         pause = tmp_path / "paused"
-        p = b.popen("criu", "restore", "t", "--from", "r", "--jobs", "1",
-                    env={"GPUSNAP_TEST_PAUSE_TRANSFER": f"{total - 2}:{pause}"})
-        wait_for(pause, p)
+        p, total = _restore_from_remote_paused(a, b, tree, pause, 2)
         criu = _criu_of(p)
         os.kill(p.pid, signal.SIGKILL)  # CRIU's pipes break: it fails and removes its tasks
         p.communicate(timeout=60)
