@@ -405,7 +405,7 @@ class RemoteGcReport:
 
 
 # ---- the remote ----------------------------------------------------------------------------------
-def _pause_for_tests(done: int) -> None:
+def pause_for_tests(done: int) -> None:
     """GPUSNAP_TEST_PAUSE_TRANSFER=N:PATH: after the N-th chunk moved, create PATH and wait until it is
     removed (lets tests kill -9 or stop the object store at a known point of a real transfer)."""
     spec = os.environ.get("GPUSNAP_TEST_PAUSE_TRANSFER")
@@ -594,7 +594,7 @@ class Remote:
         with store.shared():
             m = store.load(name)
             data = m.dumps()
-            refs = _distinct_refs(m)
+            refs = distinct_refs(m)
             rep.chunks_total = len(refs)
             rep.bytes_total = sum(HEADER_SIZE + r.stored_len for r in refs)
             self.check()
@@ -645,16 +645,8 @@ class Remote:
                     done = rep.chunks_sent
                 if progress is not None:
                     progress.advance(n)
-                _pause_for_tests(done)
+                pause_for_tests(done)
             _run_bounded(send, refs, self.jobs)
-
-    # ---- pull ----
-    def pull(self, store: SnapshotStore, name: str, *, replace: bool = False, progress: Any = None) -> TransferReport:
-        """Snapshot NAME into STORE: chunks it lacks, smallest streams first (what a restore opens
-        first), each verified on arrival; then the remote's manifest, committed by the store's writer
-        (storage.remote_fill, which a restore from a remote also uses while it reads the chunks)."""
-        from .remote_fill import pull  # it builds on this module
-        return pull(self, store, name, replace=replace, progress=progress)
 
     # ---- verify / gc ----
     def verify(self, names: list[str] | None = None, read_data: bool = False, progress: Any = None) -> VerifyReport:
@@ -671,7 +663,7 @@ class Remote:
                 report.problems.append(Problem(n, None, None, str(e)))
         have = self.chunk_sizes()
         bad: dict[str, str] = {}
-        refs = {r.id: r for m in manifests for r in _distinct_refs(m)}
+        refs = {r.id: r for m in manifests for r in distinct_refs(m)}
         for cid, r in refs.items():
             if cid not in have:
                 bad[cid] = "missing on the remote"
@@ -686,7 +678,7 @@ class Remote:
             with BufferPool(self.jobs, size) as pool:
                 def check(ref: ChunkRef) -> None:
                     with pool.borrowed() as buf:
-                        why, _ = _check_fetched(ref, buf, self.s3.get_into(self.chunk_key(ref.id), buf.view))  # type: ignore[arg-type]
+                        why, _ = check_fetched(ref, buf, self.s3.get_into(self.chunk_key(ref.id), buf.view))  # type: ignore[arg-type]
                     with lock:
                         if why is not None:
                             bad[ref.id] = why  # type: ignore[index]
@@ -778,7 +770,7 @@ class _Lock:
             pass  # a lock left behind goes stale by itself
 
 
-def _distinct_refs(m: Manifest, smallest_streams_first: bool = False) -> list[ChunkRef]:
+def distinct_refs(m: Manifest, smallest_streams_first: bool = False) -> list[ChunkRef]:
     """M's stored chunks, each once, in stream order (smallest streams first if asked)."""
     streams = sorted(m.streams, key=lambda s: s.size) if smallest_streams_first else m.streams
     seen: set[str] = set()
@@ -791,7 +783,7 @@ def _distinct_refs(m: Manifest, smallest_streams_first: bool = False) -> list[Ch
     return out
 
 
-def _check_fetched(ref: ChunkRef, buf: AlignedBuffer, n: int | None) -> tuple[str | None, ChunkHeader | None]:
+def check_fetched(ref: ChunkRef, buf: AlignedBuffer, n: int | None) -> tuple[str | None, ChunkHeader | None]:
     """(why the N bytes fetched into BUF are not chunk REF, None) or (None, their header) when they are
     (chunkfile.check_received: a GSNPCHK2 object is decoded and its raw bytes hashed)."""
     assert ref.id is not None
@@ -821,11 +813,3 @@ def _buffer_size(refs: list[ChunkRef]) -> int:
     return max((HEADER_SIZE + max_stored_len(r.codec, r.raw_len, r.stored_len) for r in refs),
                default=HEADER_SIZE) + HEADER_SIZE
 
-
-def ensure_local(store: SnapshotStore, name: str, remote: str, *, progress: Any = None,
-                 jobs: int = DEFAULT_JOBS) -> TransferReport | None:
-    """Make snapshot NAME local before a restore, pulling it from REMOTE when this store lacks it
-    (smallest streams first, each chunk verified on arrival). None when it was already here."""
-    if store.exists(name):
-        return None
-    return Remote.open(store, remote, jobs).pull(store, name, progress=progress)

@@ -33,13 +33,14 @@ from .directio import BufferPool
 from .errors import GpusnapError
 from .manifest import ChunkRef, Manifest
 from .remote import (
+    DEFAULT_JOBS,
     Remote,
     RemoteDamageError,
     RemoteError,
     TransferReport,
-    _check_fetched,
-    _distinct_refs,
-    _pause_for_tests,
+    check_fetched,
+    distinct_refs,
+    pause_for_tests,
 )
 from .store import SnapshotStore, StoreError
 
@@ -95,7 +96,7 @@ class RemoteFill:
         r.check()
         self._lk = self._stack.enter_context(r.lock("pull"))  # before the manifest is read: gc deletes nothing meanwhile
         m = self.manifest = r.load(self.name)
-        refs = _distinct_refs(m, smallest_streams_first=True)
+        refs = distinct_refs(m, smallest_streams_first=True)
         rep.chunks_total = len(refs)
         rep.bytes_total = sum(HEADER_SIZE + c.stored_len for c in refs)
         if self.store.exists(self.name):
@@ -177,7 +178,7 @@ class RemoteFill:
                 n = r.s3.get_into(r.chunk_key(ref.id), buf.view)  # type: ignore[arg-type]
                 with self._lock:
                     rep.bytes_sent += n or 0
-                why, header = _check_fetched(ref, buf, n)
+                why, header = check_fetched(ref, buf, n)
                 if why is None:
                     break
                 if attempt == 2:
@@ -203,7 +204,7 @@ class RemoteFill:
         self._events[ref.id].set()
         if self.progress is not None:
             self.progress.advance(HEADER_SIZE + ref.stored_len)
-        _pause_for_tests(done)
+        pause_for_tests(done)
 
     def _keep(self, ref: ChunkRef, codec: str, payload: memoryview) -> None:
         with self._lock:
@@ -299,3 +300,12 @@ def pull(remote: Remote, store: SnapshotStore, name: str, *, replace: bool = Fal
     first), each verified on arrival; then the remote's manifest, committed by the store's writer."""
     with RemoteFill(remote, store, name, replace=replace, progress=progress) as f:
         return f.finish()
+
+
+def ensure_local(store: SnapshotStore, name: str, remote: str, *, progress: Any = None,
+                 jobs: int = DEFAULT_JOBS) -> TransferReport | None:
+    """Make snapshot NAME local before a restore that reads it whole first, pulling it from REMOTE
+    when this store lacks it. None when it was already here."""
+    if store.exists(name):
+        return None
+    return pull(Remote.open(store, remote, jobs), store, name, progress=progress)

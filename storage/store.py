@@ -35,7 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import TYPE_CHECKING, Any, Iterator, Sequence
+from typing import Any, Iterator
 
 from .chunkfile import (HEADER_SIZE, ChunkError, ChunkHeader, chunk_id, file_kind, full_check, max_stored_len,
                         id_check, raw_chunk_id, read_chunk_file, reusable, write_chunk_file)
@@ -45,10 +45,6 @@ from .manifest import ChunkRef, Manifest, ManifestError, Stream, validate_tag
 from .names import InvalidNameError, validate_snapshot_name
 from .owner import ProcessOwner
 from .storedir import StoreAccessError, StoreDamage, entries, lstat_at, opened_child, opened_dir, opened_root
-
-if TYPE_CHECKING:
-    from .gc import GcReport
-    from .repair import RepairReport
 
 STORE_FORMAT = "gpusnap-store"
 STORE_VERSION = 2
@@ -773,13 +769,6 @@ class SnapshotStore:
                 report.not_quarantined = str(e)
         return report
 
-    def repair(self, sources: Sequence[str] = (), workers: int = 4, timeout: float = 30.0,
-               progress: Any = None) -> "RepairReport":
-        """Rewrite every missing or damaged chunk that a source still has; report what is lost
-        (storage/repair.py)."""
-        from .repair import repair  # noqa: PLC0415 - repair's module uses this one
-        return repair(self, sources, workers=workers, timeout=timeout, progress=progress)
-
     # ---- temporary entries: staging directories and in-flight gets -----------------------------
     def new_staging_dir(self, kind: str = "staging") -> str:
         """A new private directory in tmp/ owned by this process (its owner is in its name: gc removes
@@ -812,12 +801,6 @@ class SnapshotStore:
             if name is not None:
                 with self.subdir("tmp") as tmp:
                     _unlink_quietly(tmp, name)
-
-    # ---- gc -----------------------------------------------------------------------------------
-    def gc(self, timeout: float = 30.0) -> "GcReport":
-        """Delete what gpusnap owns and no longer needs; report the rest (storage/gc.py)."""
-        from .gc import collect  # noqa: PLC0415 - gc's module uses this one
-        return collect(self, timeout)
 
 
 def _stray_reason(e: os.DirEntry[str]) -> str | None:

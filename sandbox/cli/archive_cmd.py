@@ -11,6 +11,7 @@ from typing import IO, Any
 import click
 
 from storage.errors import GpusnapError
+from storage.gc import collect
 from storage.locks import break_locks, lock_status
 from storage.manifest import Manifest, validate_tag
 from storage.names import validate_snapshot_name
@@ -116,7 +117,7 @@ def forget(ctx: click.Context, keep_last: int, keep_hourly: int, keep_daily: int
     lines += [f"NOT removed {b}" for b in busy]
     lines += [f"unreadable (left alone) {b}" for b in bad]
     if prune and not dry_run:
-        rep = st.gc()
+        rep = collect(st)
         report["prune"] = {"chunks_removed": rep.chunks_removed, "bytes_freed": rep.bytes_freed}
         lines.append(f"prune: removed {rep.chunks_removed} chunks ({human(rep.bytes_freed)})")
     emit(as_json, report, "\n".join(lines) or "no snapshots matched")

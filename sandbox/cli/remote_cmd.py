@@ -12,6 +12,7 @@ import click
 from storage.progress import Progress
 from storage.remote import (DEFAULT_JOBS, Remote, RemoteConfig, RemoteDamageError, add_remote,
                             load_credentials)
+from storage.remote_fill import pull as pull_snapshot
 
 from sandbox.cli.common import emit, human, json_option, one_line_errors, open_store
 
@@ -159,7 +160,7 @@ def pull(ctx: click.Context, snapshot: str, name: str | None, replace: bool, job
     st = open_store(ctx)
     r = Remote.open(st, name, jobs)
     with Progress(f"pull {snapshot}", ctx.obj["progress"]) as prog:
-        rep = r.pull(st, snapshot, replace=replace, progress=prog).as_dict()
+        rep = pull_snapshot(r, st, snapshot, replace=replace, progress=prog).as_dict()
     emit(as_json, rep, _transfer_line(rep))
 
 

@@ -11,9 +11,11 @@ import click
 from storage import pipeline
 from storage.errors import EXIT_DAMAGED, EXIT_FAILED, GpusnapError
 from storage.filetree import FileTreeSink, FileTreeSource
+from storage.gc import collect
 from storage.manifest import Manifest
 from storage.names import validate_snapshot_name
 from storage.progress import Progress
+from storage.repair import repair as repair_store
 from storage.store import Problem, StoreError
 
 from sandbox import journal
@@ -276,7 +278,7 @@ def store_repair(ctx: click.Context, sources: tuple[str, ...], wait: float, as_j
     Exit 0 when every snapshot is whole again, 3 when something is lost (the report names it)."""
     st = open_store(ctx, create=False)
     with Progress("repair", ctx.obj["progress"]) as prog:
-        rep = st.repair(list(sources), timeout=wait, progress=prog)
+        rep = repair_store(st, list(sources), timeout=wait, progress=prog)
     lost = [str(p) for p in rep.strays] + [str(p) for p in rep.lost]
     data = {"ok": rep.ok, "damaged_chunks": rep.damaged, "repaired": rep.repaired, "lost": lost}
     text = [f"{rep.damaged} chunk(s) missing or damaged, {len(rep.repaired)} rewritten, "
@@ -327,7 +329,7 @@ def store_gc(ctx: click.Context, wait: float, as_json: bool) -> None:
     Anything else found in the store is reported and left alone; damage found exits 3."""
     st = open_store(ctx, create=False)
     journal.require_clean(st.path)
-    rep = st.gc(timeout=wait)
+    rep = collect(st, wait)
     data = {"chunks_removed": rep.chunks_removed, "bytes_freed": rep.bytes_freed, "tmp_removed": rep.tmp_removed,
             "gets_cleaned": rep.gets_cleaned, "locks_removed": rep.locks_removed,
             "quarantine_removed": rep.quarantine_removed, "in_use": rep.in_use, "left": rep.left,

@@ -33,8 +33,8 @@ from typing import Any, Iterator, Sequence
 from storage import pipeline
 from storage.filetree import FileTreeSink
 from storage.follow import FollowedDirSource
-from storage.remote import DEFAULT_JOBS, Remote, ensure_local
-from storage.remote_fill import RemoteFill
+from storage.remote import DEFAULT_JOBS, Remote
+from storage.remote_fill import RemoteFill, ensure_local
 from storage.store import SnapshotStore
 
 from sandbox import journal
