@@ -165,6 +165,24 @@ def test_split_filler_fetches_a_chunk_shared_by_two_images_once() -> None:
         assert t.raw == b"".join(bytes([i + 1]) * chunk for i in range(n))
 
 
+def test_split_writes_only_into_processes_the_restore_made() -> None:
+    """A page image names its process by pid: the fill writes only into one of the snapshot's pids
+    that started after the restore began, never into a process that was already there."""
+    from sandbox.criu.streamer import boot_ticks, restored_by_criu
+    mine = os.getpid()  # started long before
+    born_after = boot_ticks()
+    assert not restored_by_criu(mine, [mine], born_after)
+    time.sleep(0.05)
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        assert restored_by_criu(child.pid, [child.pid], born_after)
+        assert not restored_by_criu(child.pid, [mine], born_after)  # not one of the snapshot's pids
+    finally:
+        child.kill()
+        child.wait()
+    assert not restored_by_criu(child.pid, [child.pid], born_after)  # gone
+
+
 def test_read_order_is_what_criu_reads_first_then_what_the_split_fills() -> None:
     """What a restore from a remote fetches first: the inventory and the process tree, the other
     small images (smallest first), each page image's ranges CRIU reads (by image number), and only

@@ -712,6 +712,7 @@ def restore(criu: Any, store: SnapshotStore, manifest: Manifest, images: str, *,
     seconds: dict[str, float] = {}
     t0 = time.perf_counter()
     info: dict[str, Any] = {}
+    born_after = boot_ticks()  # what CRIU restores starts after this
     with ServeSource(store, manifest, images, split_min=split_min() if split_bytes is None else split_bytes,
                      arrivals=arrivals) as srv:
         extra = ("--stream", "--leave-stopped") if srv.plans else ("--stream",)
@@ -731,7 +732,7 @@ def restore(criu: Any, store: SnapshotStore, manifest: Manifest, images: str, *,
             if srv.plans:
                 t1 = time.perf_counter()
                 try:
-                    info["split"] = srv.fill(lambda p: os.path.exists(f"/proc/{p}"))
+                    info["split"] = srv.fill(lambda p: restored_by_criu(p, pids, born_after))
                 except BaseException:
                     _signal_all(pids, signal.SIGKILL)
                     raise
@@ -742,6 +743,20 @@ def restore(criu: Any, store: SnapshotStore, manifest: Manifest, images: str, *,
         if srv.connected_at is not None:
             info["criu_connected_monotonic"] = srv.connected_at
     return seconds, info
+
+
+def boot_ticks() -> int:
+    """Now, in the clock ticks since boot that /proc/PID/stat's start time counts."""
+    return int(time.clock_gettime(time.CLOCK_BOOTTIME) * os.sysconf("SC_CLK_TCK"))
+
+
+def restored_by_criu(pid: int, pids: list[int], born_after: int) -> bool:
+    """Whether the split may write into PID: one of the snapshot's PIDS (all checked free before the
+    restore) and started after BORN_AFTER, so a process of someone else's that a snapshot's page
+    image names is never written into."""
+    from sandbox.journal import start_time
+    started = start_time(pid) if pid in pids else None
+    return started is not None and started >= born_after - 1
 
 
 _PR_SET_CHILD_SUBREAPER, _PR_GET_CHILD_SUBREAPER = 36, 37
