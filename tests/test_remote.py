@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 
 from conftest import GPUSNAP, REPO, Cli, pythonpath
+from scripts.bench.bench_remote import CREDS, drop_bucket  # the same Swift account and clean-up as the benchmark
 
 pytestmark = pytest.mark.root
 
-CREDS = {"GPUSNAP_S3_ACCESS_KEY_ID": "test:tester", "GPUSNAP_S3_SECRET_ACCESS_KEY": "testing"}
 RUN = uuid.uuid4().hex[:8]
 
 
@@ -39,20 +39,6 @@ def endpoint() -> Iterator[str]:
     ep = swift_start()
     yield ep
     drop_bucket(ep, f"gpusnap-test-{RUN}")
-
-
-def drop_bucket(endpoint: str, bucket: str) -> None:
-    """Delete the test run's bucket and everything in it (Swift keeps its data on this machine's disk)."""
-    from concurrent.futures import ThreadPoolExecutor
-    s3 = _s3(endpoint)
-    try:
-        keys = [o["Key"] for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket)
-                for o in page.get("Contents", [])]
-    except s3.exceptions.NoSuchBucket:
-        return
-    with ThreadPoolExecutor(8) as ex:
-        list(ex.map(lambda k: s3.delete_object(Bucket=bucket, Key=k), keys))
-    s3.delete_bucket(Bucket=bucket)
 
 
 class Node:
