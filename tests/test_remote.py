@@ -246,14 +246,22 @@ def _s3(endpoint: str):  # the test's own client, to damage objects behind gpusn
                                       response_checksum_validation="when_required"))
 
 
+def _pushed_chunk_objects(a: Node, tmp_path: Path, endpoint: str, name: str, mb: int,
+                          test: str) -> tuple[Any, str, list[dict[str, Any]]]:
+    """MB of data put as snapshot NAME on node A (1 MiB chunks) and pushed; the test's own S3 client,
+    the bucket, and the chunk objects now in the remote (TEST names the remote's prefix)."""
+    a.run("store", "put", name, str(make_data(tmp_path / "data", mb=mb)), "--chunk-size", "1M")
+    a.json("push", name)
+    s3 = _s3(endpoint)
+    bucket, prefix = url_for(test)[5:].split("/", 1)
+    return s3, bucket, s3.list_objects_v2(Bucket=bucket, Prefix=prefix + "/chunks/")["Contents"]
+
+
 def test_corrupted_remote_chunk_is_refused_and_reported(nodes: tuple[Node, Node], tmp_path: Path, endpoint: str) -> None:
     a, b = nodes
-    data = make_data(tmp_path / "data", mb=8)
-    a.run("store", "put", "c", str(data), "--chunk-size", "1M")
-    a.json("push", "c")
-    s3 = _s3(endpoint)
-    bucket, prefix = url_for("test_corrupted_remote_chunk_is_refused_and_reported")[5:].split("/", 1)
-    keys = [o["Key"] for o in s3.list_objects_v2(Bucket=bucket, Prefix=prefix + "/chunks/")["Contents"]]
+    s3, bucket, objs = _pushed_chunk_objects(a, tmp_path, endpoint, "c", 8,
+                                             "test_corrupted_remote_chunk_is_refused_and_reported")
+    keys = [o["Key"] for o in objs]
     victim = keys[len(keys) // 2]
     body = bytearray(s3.get_object(Bucket=bucket, Key=victim)["Body"].read())
     body[5000] ^= 0xFF
@@ -281,12 +289,8 @@ def test_forged_raw_addressed_object_is_refused_by_pull(nodes: tuple[Node, Node]
     sizes and the stored check pass, the full check on arrival does not."""
     from storage.chunkfile import HEADER_SIZE, ChunkHeader
     a, b = nodes
-    data = make_data(tmp_path / "data", mb=4)
-    a.run("store", "put", "f", str(data), "--chunk-size", "1M")
-    a.json("push", "f")
-    s3 = _s3(endpoint)
-    bucket, prefix = url_for("test_forged_raw_addressed_object_is_refused_by_pull")[5:].split("/", 1)
-    objs = s3.list_objects_v2(Bucket=bucket, Prefix=prefix + "/chunks/")["Contents"]
+    s3, bucket, objs = _pushed_chunk_objects(a, tmp_path, endpoint, "f", 4,
+                                             "test_forged_raw_addressed_object_is_refused_by_pull")
     victim = max(objs, key=lambda o: o["Size"])["Key"]
     body = s3.get_object(Bucket=bucket, Key=victim)["Body"].read()
     hdr = ChunkHeader.unpack(body[:64], victim)
