@@ -1,1 +1,2 @@
-"""gpusnap criu_hooks layer: entry points that CRIU, OCI runtimes and sandboxes run. Thin: read env/args, call sandbox/."""
+"""gpusnap criu_hooks layer: what CRIU and OCI runtimes (runc, Podman) run on the host: the CRIU action
+script. Thin: read env/args, call sandbox/."""

@@ -1,2 +1,3 @@
-"""gpusnap sandbox layer: what gets frozen and how (CUDA driver checkpoint API, CRIU, runsc,
-network namespaces) and the `gpusnap` CLI. Depends on storage/, never the other way round."""
+"""gpusnap sandbox layer: what gets frozen and how (CUDA driver checkpoint API, CRIU, runsc, containers),
+the operations that freeze a workload and their journal and recovery (ops/), and host-level settings
+(host/: THP, network namespaces, process groups, signals). Depends on storage/, never the other way round."""

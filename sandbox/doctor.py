@@ -12,7 +12,7 @@ from storage.device import numa_nodes
 
 from sandbox.criu.runner import cuda_plugin
 from sandbox.gpu.driver import nvidia_driver_version, probe
-from sandbox.gpu.hugepages import hugetlb_pages, thp_mode
+from sandbox.host.hugepages import hugetlb_pages, thp_mode
 
 
 def _version(argv: list[str], pattern: str) -> str | None:

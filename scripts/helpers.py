@@ -12,7 +12,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def child_env(**extra: str) -> dict[str, str]:
-    """os.environ with the checkout first on PYTHONPATH (for `python -m sandbox.cli` children)."""
+    """os.environ with the checkout first on PYTHONPATH (for `python -m cli` children)."""
     path = os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH", "")) if p)
     return {**os.environ, "PYTHONPATH": path, **extra}
 

@@ -171,7 +171,7 @@ class Manifest:
 def check_meta(meta: Any) -> list[str]:
     """What is wrong with a manifest's META: a JSON object whose `kind` (when present; snapshots
     written through the library without one are untyped) is a short lowercase word. What each kind
-    holds is validated by the layer that made it (sandbox/snapshot_meta.py)."""
+    holds is validated by the layer that made it (sandbox/ops/snapshot_meta.py)."""
     if not isinstance(meta, dict):
         return ["meta is not a JSON object"]
     kind = meta.get("kind")

@@ -14,7 +14,9 @@ import numpy as np
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-GPUSNAP = [sys.executable, "-m", "sandbox.cli"]
+GPUSNAP = [sys.executable, "-m", "cli"]
+# the code packages of the project, from the top layer down (pyproject.toml installs the same)
+CODE_PACKAGES = ("cli", "agents", "criu_hooks", "sandbox", "storage")
 
 
 def pythonpath() -> str:
@@ -45,7 +47,7 @@ def nobody_pythonpath() -> Iterator[str]:
     top = Path(tempfile.mkdtemp(prefix="gpusnap-nobody-", dir="/var/tmp"))
     try:
         top.chmod(0o755)
-        for pkg in ("storage", "sandbox", "criu_hooks"):
+        for pkg in CODE_PACKAGES:
             _link_tree(REPO / pkg, top / "code" / pkg)
         _link_tree(Path(sysconfig.get_paths()["purelib"]), top / "site")
         yield os.pathsep.join((str(top / "code"), str(top / "site")))

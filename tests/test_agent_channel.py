@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from driver_standin import StandInDriver
+from support.driver_standin import StandInDriver
 from sandbox.gpu.channel import (AgentFrames, ChannelError, ChannelLimits, read_report, receive, report_frame, send,
                                  write_header)
 from sandbox.gpu.driver import ProcessState as S
@@ -22,10 +22,10 @@ from test_custom_storage_flow import FEATS, gpu_bytes
 
 
 class Agent:
-    """criu_hooks.gpu_agent.run on a thread, its stdout/stdin real pipes; the report frame last, as main() writes it."""
+    """agents.gpu_agent.run on a thread, its stdout/stdin real pipes; the report frame last, as main() writes it."""
 
     def __init__(self, action: str, d: StandInDriver, pids: list[int], path: str | None = None) -> None:
-        from criu_hooks.gpu_agent import run
+        from agents.gpu_agent import run
         r_out, w_out = os.pipe()
         r_in, w_in = os.pipe()
         self.out = os.fdopen(r_out, "rb")           # the host reads the agent's stdout here
@@ -209,7 +209,7 @@ def test_the_agent_and_its_host_staged_toggle(child: int) -> None:
     d = fleet(child)
     before = bytes(d.procs[child].gpu)
     sink = io.BytesIO()
-    from criu_hooks.gpu_agent import run
+    from agents.gpu_agent import run
     kw: dict[str, Any] = dict(out=sink, driver=d, features=FEATS, device=HostDevice(), pids=[child])
     assert run("toggle", **kw)["states"] == {str(child): "CHECKPOINTED"} and d.procs[child].host == bytearray(before)
     assert run("toggle", **kw)["states"] == {str(child): "RUNNING"} and bytes(d.procs[child].gpu) == before

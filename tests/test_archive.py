@@ -27,7 +27,7 @@ def _snap(store: Path, name: str, created: str, data: bytes = b"x", kind: str = 
     src = store.parent / f"src-{name}"
     src.mkdir()
     (src / "f").write_bytes(data)
-    from sandbox.snapshot_meta import FilesMeta, GpuMeta
+    from sandbox.ops.snapshot_meta import FilesMeta, GpuMeta
     meta = (GpuMeta(root_pid=1, pids=(1,)) if kind == "gpu" else FilesMeta((str(src),))).to_json()
     st = SnapshotStore(str(store))
     with st.writer(name, meta=meta, tags=tags, created=created) as w:
@@ -159,7 +159,7 @@ def test_partial_get_and_cat_are_exact_and_verified(cli: Cli, store_dir: Path, t
 
 
 def sys_gpusnap() -> list[str]:
-    return [sys.executable, "-m", "sandbox.cli"]
+    return [sys.executable, "-m", "cli"]
 
 
 def test_export_import_round_trip_and_forgery_refused(cli: Cli, store_dir: Path, tmp_path: Path) -> None:
@@ -260,7 +260,7 @@ def test_commands_that_change_the_store_wait_for_recover(cli: Cli, store_dir: Pa
     d.mkdir()
     (d / "x").write_bytes(b"x")
     cli.run("store", "put", "before", str(d))
-    prog = ("import os, sys, time\nfrom sandbox import journal\n"
+    prog = ("import os, sys, time\nfrom sandbox.ops import journal\n"
             "with journal.operation(sys.argv[1], journal.OpKind.CRIU_RESTORE, 'before') as op:\n"
             "    print('recorded', flush=True)\n    time.sleep(600)\n")
     p = subprocess.Popen([sys.executable, "-c", prog, str(store_dir)], stdout=subprocess.PIPE, text=True,

@@ -20,7 +20,7 @@ from typing import Iterator
 import pytest
 
 from conftest import GPUSNAP, Cli, pythonpath
-from containers import (BUSYBOX, RuncContainer, assert_continues, need, podman, read_count, runc_container,
+from support.containers import (BUSYBOX, RuncContainer, assert_continues, need, podman, read_count, runc_container,
                         runtime_env, wait_count)
 from sandbox.containers import config_block
 from sandbox.containers.hook_install import HOOK_NAME
@@ -420,15 +420,15 @@ def standin_gpu_container(tmp_path: Path, env: dict[str, str]) -> Iterator[tuple
     """A runc container whose init process is a "GPU process" of the file-backed driver stand-in, and a
     CRIU config (runc.conf, read over RPC: every action runs twice) with the test hook around gpusnap's."""
     need("runc", BUSYBOX)
-    from driver_standin import SharedStandIn
-    from standin_hook import STANDIN_PID
+    from support.driver_standin import SharedStandIn
+    from support.standin_hook import STANDIN_PID
     state = tmp_path / "gpu-state.pkl"
     SharedStandIn.create(str(state), {STANDIN_PID: GPU_BYTES})
     script = tmp_path / "standin-hook"
     tests = Path(__file__).resolve().parent
     # the hook's own log and per-dump records (where the hook keeps them) stay in this test's directory
     script.write_text(f"#!/bin/sh\nexport GPUSNAP_HOOK_LOG={tmp_path / 'hook.log'} GPUSNAP_HOOK_STATE={tmp_path / 'hook-state'}\n"
-                      f"PYTHONPATH={pythonpath()} exec {sys.executable} {tests / 'standin_hook.py'} {state} \"$@\"\n")
+                      f"PYTHONPATH={pythonpath()} exec {sys.executable} {tests / "support" / "standin_hook.py"} {state} \"$@\"\n")
     script.chmod(0o755)
     conf = tmp_path / "runc.conf"
     conf.write_text(f"action-script {script}\n")
@@ -437,8 +437,8 @@ def standin_gpu_container(tmp_path: Path, env: dict[str, str]) -> Iterator[tuple
 
 
 def gpu_state(state: Path) -> tuple[str, bool]:
-    from driver_standin import SharedStandIn
-    from standin_hook import STANDIN_PID
+    from support.driver_standin import SharedStandIn
+    from support.standin_hook import STANDIN_PID
     p = SharedStandIn(str(state)).procs[STANDIN_PID]
     data = p.gpu if p.state.name != "CHECKPOINTED" else p.host
     return p.state.name, data == GPU_BYTES
@@ -490,7 +490,7 @@ def test_gpu_standin_hook_reaches_the_stand_in(tmp_path: Path) -> None:
     with standin_gpu_container(tmp_path, env) as (c, state):
         wait_count(c.count_file, 10)
         c.checkpoint(tmp_path / "img", tmp_path / "work", check=False)
-        from driver_standin import SharedStandIn
+        from support.driver_standin import SharedStandIn
         calls = [c for _, c in SharedStandIn(str(state)).load().calls]
         assert calls[:2] == ["lock", "checkpoint"], calls
         assert hook_runs(state)[0] == "pre-dump 0"

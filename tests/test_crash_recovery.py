@@ -231,7 +231,7 @@ def test_thp_put_back_after_kill(tmp_path: Path) -> None:
     ready = tmp_path / "ready"
     prog = textwrap.dedent(f"""
         import os, time
-        from sandbox.gpu.hugepages import thp
+        from sandbox.host.hugepages import thp
         with thp("always", path={str(setting)!r}, record_dir={str(rundir)!r}):
             open({str(ready)!r}, "w").close()
             time.sleep(600)
@@ -253,7 +253,7 @@ def test_thp_put_back_after_kill(tmp_path: Path) -> None:
 
 
 def test_thp_record_removed_after_a_normal_block(tmp_path: Path) -> None:
-    from sandbox.gpu.hugepages import put_back, thp
+    from sandbox.host.hugepages import put_back, thp
     setting = tmp_path / "enabled"
     setting.write_text("always [madvise] never\n")
     with thp("always", path=str(setting), record_dir=str(tmp_path / "run")):
@@ -265,7 +265,7 @@ def test_thp_record_removed_after_a_normal_block(tmp_path: Path) -> None:
 GPU_DUMP = """
 import sys
 sys.path.insert(0, {tests!r})
-from driver_standin import SharedStandIn
+from support.driver_standin import SharedStandIn
 from sandbox.criu.snapshot import criu_dump
 from sandbox.gpu.driver import Features
 from storage.store import SnapshotStore
@@ -280,9 +280,9 @@ def test_gpu_dump_killed_then_recovered(stage: str, tmp_path: Path) -> None:
     host-staged path); gpusnap is killed -9 with them CHECKPOINTED (and the tree stopped by CRIU):
     recovery resumes the tree and restores and unlocks their GPU memory, byte-exact."""
     import random
-    from driver_standin import SharedStandIn
+    from support.driver_standin import SharedStandIn
     from sandbox.gpu.driver import ProcessState
-    from sandbox.recover import recover
+    from sandbox.ops.recover import recover
     from storage.store import SnapshotStore
     tree = Tree(mb=16, detached=True)
     try:
@@ -424,7 +424,7 @@ def test_recover_leaves_a_live_operation_alone(tmp_path: Path) -> None:
 
 def test_a_reused_pid_is_never_signalled() -> None:
     """Processes are named by pid and start time: a record's pid now held by another process is left alone."""
-    from sandbox.journal import Proc
+    from sandbox.ops.journal import Proc
     p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         me = Proc.of(p.pid)
@@ -499,8 +499,8 @@ def test_recover_ends_a_helper_that_does_not_finish(tmp_path: Path) -> None:
 GPU_CHECKPOINT_CLI = """
 import functools, sys
 sys.path.insert(0, {tests!r})
-from driver_standin import SharedStandIn
-from sandbox.cli import gpu_cmd, main
+from support.driver_standin import SharedStandIn
+from cli import gpu_cmd, main
 from sandbox.gpu.driver import Features
 from storage.device import HostDevice
 # the real `gpusnap gpu checkpoint` command, with the driver stand-in (custom storage offered) and the
@@ -518,7 +518,7 @@ class GpuWorkload:
 
     def __init__(self, tmp: Path) -> None:
         import random
-        from driver_standin import SharedStandIn
+        from support.driver_standin import SharedStandIn
         self.proc = subprocess.Popen([sys.executable, "-c", "import subprocess, time; "
                                       "subprocess.Popen(['sleep', '600']); time.sleep(600)"], start_new_session=True)
         deadline = time.monotonic() + 10
@@ -532,7 +532,7 @@ class GpuWorkload:
         SharedStandIn.create(self.state, self.before)
 
     def driver(self):  # noqa: ANN201 - tests' SharedStandIn
-        from driver_standin import SharedStandIn
+        from support.driver_standin import SharedStandIn
         return SharedStandIn(self.state)
 
     def states(self) -> dict[int, str]:
@@ -578,8 +578,8 @@ def _gpu_checkpoint_paused(store: Path, w: GpuWorkload, stage: str, tmp: Path,
     return p, pause
 
 
-def _recover(store: Path, w: GpuWorkload):  # noqa: ANN202 - sandbox.recover.RecoverReport
-    from sandbox.recover import recover
+def _recover(store: Path, w: GpuWorkload):  # noqa: ANN202 - sandbox.ops.recover.RecoverReport
+    from sandbox.ops.recover import recover
     from storage.device import HostDevice
     from storage.store import SnapshotStore
     return recover(SnapshotStore(str(store), create=False), gpu_driver=w.driver, gpu_device=HostDevice,
@@ -729,7 +729,7 @@ def test_custom_storage_torn_reference_log_is_known_incomplete(tmp_path: Path) -
 CUSTOM_DUMP = """
 import sys
 sys.path.insert(0, {tests!r})
-from driver_standin import SharedStandIn
+from support.driver_standin import SharedStandIn
 from sandbox.criu.snapshot import criu_dump
 from sandbox.gpu.driver import Features
 from storage.device import HostDevice
@@ -746,7 +746,7 @@ def test_custom_storage_criu_dump_killed_then_recovered(stage: str, tmp_path: Pa
     uncommitted snapshot and released by the driver (before CRIU, or with CRIU done and the tree
     stopped): recover resumes the tree and feeds the memory back from the journal's chunk references."""
     import random
-    from driver_standin import SharedStandIn
+    from support.driver_standin import SharedStandIn
     store = tmp_path / "store"
     tree = Tree(mb=16, detached=True)
     try:
@@ -770,7 +770,7 @@ def test_custom_storage_criu_dump_killed_then_recovered(stage: str, tmp_path: Pa
         named = _logged_chunks(store)
         _gc(store)  # may take CRIU's page chunks (the tree itself is still there), never the GPU streams'
         assert named and named <= _chunk_files(store)
-        from sandbox.recover import recover
+        from sandbox.ops.recover import recover
         from storage.device import HostDevice
         from storage.store import SnapshotStore
         rep = recover(SnapshotStore(str(store), create=False), gpu_driver=lambda: SharedStandIn(state),

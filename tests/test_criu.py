@@ -37,7 +37,7 @@ class Tree:
         the zombie is reaped by init, as for a real workload, and gpusnap itself can restore it."""
         self.dir = Path(tempfile.mkdtemp(prefix="gpusnap-criu-wl-"))
         self.log = open(self.dir / "log", "w")
-        argv = [sys.executable, str(REPO / "tests" / "criu_workload.py"), str(self.dir), str(mb)]
+        argv = [sys.executable, str(REPO / "tests" / "support" / "criu_workload.py"), str(self.dir), str(mb)]
         if detached:
             argv = ["sh", "-c", 'setsid "$@" </dev/null >/dev/null 2>&1 &', "sh", *argv]
         self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=self.log, stderr=self.log,

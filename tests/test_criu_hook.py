@@ -16,7 +16,7 @@ from typing import Iterator
 import pytest
 
 from conftest import REPO
-from driver_standin import SharedStandIn
+from support.driver_standin import SharedStandIn
 from sandbox.gpu.driver import Features, GpuInfo, ProcessState as S
 
 pytestmark = pytest.mark.root
@@ -95,7 +95,7 @@ def hook(tmp_path: Path) -> dict:
     """The hook as CRIU runs it, its driver the shared stand-in named by $STANDIN; log and records here."""
     w = tmp_path / "gpusnap-criu-hook"
     w.write_text(f"#!{sys.executable}\nimport os, sys\nsys.path[:0] = [{str(REPO)!r}, {str(REPO / 'tests')!r}]\n"
-                 "from driver_standin import SharedStandIn\nfrom criu_hooks.action_script import main\n"
+                 "from support.driver_standin import SharedStandIn\nfrom criu_hooks.action_script import main\n"
                  "main(driver=SharedStandIn(os.environ['STANDIN']))\n")
     w.chmod(0o755)
     env = {k: v for k, v in os.environ.items() if k not in ("GPUSNAP_OWN_CRIU_CALL", "CRIU_CONFIG_FILE")}
@@ -265,7 +265,7 @@ def test_hook_steps_aside_for_criu_cuda_plugin(tmp_path: Path, child: int, monke
     """cuda_plugin.so in CRIU's plugin directory ($CRIU_LIBS_DIR here, as CRIU reads it): the hook
     touches nothing and says why; doctor says the plugin handles GPUs in CRIU dumps."""
     from criu_hooks.action_script import run
-    from driver_standin import StandInDriver
+    from support.driver_standin import StandInDriver
     from sandbox import doctor
     libs = tmp_path / "criu-libs"
     libs.mkdir()
@@ -331,7 +331,7 @@ def test_custom_storage_hook_double_pre_dump_keeps_the_snapshot(tmp_path: Path, 
     CHECKPOINTED) does not replace the snapshot with an empty one; post-resume twice brings the memory
     back once."""
     from criu_hooks.action_script import run
-    from driver_standin import StandInDriver
+    from support.driver_standin import StandInDriver
     from storage.device import HostDevice
     from storage.store import SnapshotStore
     from test_custom_storage_flow import FEATS, gpu_bytes

@@ -378,7 +378,7 @@ def test_split_restore_fills_a_read_only_area(cli: Cli) -> None:
     import tempfile
     d = Path(tempfile.mkdtemp(prefix="gpusnap-rodata-"))
     p = subprocess.Popen([sys.executable,
-                          str(REPO / "tests" / "criu_rodata.py"), str(d)], stdin=subprocess.DEVNULL,
+                          str(REPO / "tests" / "support" / "criu_rodata.py"), str(d)], stdin=subprocess.DEVNULL,
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, cwd="/")
     try:
         deadline = time.monotonic() + 30

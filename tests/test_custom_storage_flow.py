@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from conftest import small_tmpfs
-from driver_standin import StandInDriver
+from support.driver_standin import StandInDriver
 from sandbox.gpu.driver import Features, GpuInfo, ProcessState as S
 from sandbox.gpu.snapshot import gpu_checkpoint, gpu_restore
 from storage.device import HostDevice

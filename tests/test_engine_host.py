@@ -280,7 +280,7 @@ def test_no_byte_of_an_earlier_chunk_in_a_later_chunk_file(tmp_path: Path, dev: 
     """Chunk A (random bytes: stored raw, so all of it passes through the lane's frame and output
     buffer), then a smaller chunk B through the same single lane: B's file (header, payload, padding
     to 4096) holds no run of A's bytes, written with O_DIRECT (whole aligned blocks) or without."""
-    from stale_bytes import leaked_runs, word_index
+    from support.stale_bytes import leaked_runs, word_index
     rng = np.random.default_rng(7)
     a_mem, b_mem = HostMemory(CHUNK), HostMemory(CHUNK)
     try:

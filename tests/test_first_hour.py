@@ -19,7 +19,7 @@ from pathlib import Path
 import click
 import pytest
 
-from conftest import GPUSNAP, REPO, Cli, pythonpath
+from conftest import CODE_PACKAGES, GPUSNAP, REPO, Cli, pythonpath
 
 from storage import errors
 
@@ -78,7 +78,7 @@ def test_progress_without_a_terminal(cli: Cli, tmp_path: Path) -> None:
 def test_progress_lines_are_periodic() -> None:
     """The periodic line (every interval, here 0.05 s instead of 5): stage, done of total with the
     percentage, rate; then the final line; a failure says 'stopped'."""
-    from storage.progress import Progress, Style
+    from cli.progress import Progress, Style
     r, w = os.pipe()
     with os.fdopen(w, "w") as stream, os.fdopen(r) as reader:
         with Progress("restore x", True, interval_s=0.05, stream=stream) as prog:
@@ -102,11 +102,11 @@ def test_progress_lines_are_periodic() -> None:
 
 
 def test_progress_default_is_a_bar_on_a_terminal_only() -> None:
-    from storage.progress import Style, choose_style
+    from cli.progress import Style, choose_style
     assert choose_style(None, True) is Style.BAR and choose_style(None, False) is Style.OFF
     assert choose_style(True, True) is Style.BAR and choose_style(True, False) is Style.LINES
     assert choose_style(False, True) is Style.OFF and choose_style(False, False) is Style.OFF
-    from storage.progress import Progress
+    from cli.progress import Progress
     assert Progress("x", None, stream=io.StringIO()).enabled is False  # not a terminal, not asked
 
 
@@ -125,7 +125,7 @@ def test_help_names_exit_codes_and_environment(cli: Cli) -> None:
 
 def test_every_option_has_help(cli: Cli) -> None:
     """Every option of every command explains itself; the two that did not, checked through --help."""
-    from sandbox.cli import main
+    from cli import main
     missing = []
 
     def walk(cmd: click.Command, path: str) -> None:
@@ -181,7 +181,7 @@ def test_no_criu_exits_4(tmp_path: Path) -> None:
     if os.access("/usr/local/sbin/criu", os.X_OK):
         pytest.skip("/usr/local/sbin/criu is always found")
     code = tmp_path / "code"
-    for pkg in ("sandbox", "storage", "criu_hooks"):
+    for pkg in CODE_PACKAGES:
         shutil.copytree(REPO / pkg, code / pkg, ignore=shutil.ignore_patterns("__pycache__"))
     empty = tmp_path / "bin"
     empty.mkdir()

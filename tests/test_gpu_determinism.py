@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from stale_bytes import leaked_runs, word_index
+from support.stale_bytes import leaked_runs, word_index
 from test_gpu_real import GB, record
 
 pytestmark = pytest.mark.gpu

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from driver_standin import MemorySpill, StandInDriver
+from support.driver_standin import MemorySpill, StandInDriver
 from sandbox.gpu.driver import CudaDriverError, ProcessState as S
 from sandbox.gpu.checkpoint import (GpuCheckpointError, checkpoint_all, custom_checkpoint, custom_restore,
                                     restore_all)

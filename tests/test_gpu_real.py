@@ -168,7 +168,7 @@ def test_process_exiting_mid_checkpoint_leaves_others_running(drv) -> None:
 
 def test_thp_always_vs_madvise_on_the_drivers_host_copy(drv) -> None:
     from sandbox.gpu.checkpoint import checkpoint_all, restore_all
-    from sandbox.gpu.hugepages import thp, thp_mode
+    from sandbox.host.hugepages import thp, thp_mode
     from scripts.workloads.workload_control import Workload
     before = thp_mode()
     res = {}
@@ -307,10 +307,10 @@ class IpcDriver:
 
 
 def _agent(action: str, drv: IpcDriver, **kw: Any) -> tuple[Any, Any, Any]:
-    """criu_hooks.gpu_agent.run on its own thread (its own CUDA device binding, as in a sandbox), its
+    """agents.gpu_agent.run on its own thread (its own CUDA device binding, as in a sandbox), its
     stdout/stdin real pipes: (host's read end, host's write end, thread with .error)."""
     import threading
-    from criu_hooks.gpu_agent import run
+    from agents.gpu_agent import run
     from sandbox.gpu.channel import report_frame, write_header
     from sandbox.gpu.driver import Features
     r_out, w_out = os.pipe()

@@ -75,7 +75,7 @@ def test_bundle_gets_gpu_devices_rules_and_env(tmp_path: Path, dev_root: Path) -
 
 def test_parse_gpus(dev_root: Path) -> None:
     import click
-    from sandbox.cli.runsc_cmd import parse_gpus
+    from cli.runsc_cmd import parse_gpus
     assert parse_gpus(None) == [] and parse_gpus("0,2") == [0, 2]
     assert parse_gpus("all", str(dev_root)) == [0, 1]
     with pytest.raises(click.UsageError):
@@ -85,7 +85,7 @@ def test_parse_gpus(dev_root: Path) -> None:
 def test_agent_without_cuda_processes_needs_no_driver() -> None:
     """Inside a sandbox with no CUDA process the agent reports so and never loads the driver."""
     from conftest import REPO
-    p = subprocess.run([sys.executable, "-m", "criu_hooks.gpu_agent", "status"], capture_output=True, text=True,
+    p = subprocess.run([sys.executable, "-m", "agents.gpu_agent", "status"], capture_output=True, text=True,
                        cwd="/", env={**os.environ, "PYTHONPATH": str(REPO)})
     assert p.returncode == 0, p.stderr
     rep = json.loads(p.stdout)

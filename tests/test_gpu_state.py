@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from driver_standin import StandInDriver
+from support.driver_standin import StandInDriver
 from sandbox.gpu import state
 from sandbox.gpu.driver import DeviceRegion, Features, ProcessState as S
 from sandbox.gpu.regions import EngineSpill

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from conftest import Cli
-from driver_standin import StandInDriver
+from support.driver_standin import StandInDriver
 from sandbox.gpu.driver import Features, ProcessState as S
 from sandbox.gpu.pool_daemon import PoolDaemonError, PoolServer, request
 from storage.device import HostDevice

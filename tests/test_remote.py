@@ -557,7 +557,7 @@ def test_gpu_restore_from_remote_on_another_store(tmp_path: Path, endpoint: str,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """The GPU path of `gpu restore --from`: the driver stand-in's processes swapped out into store A,
     pushed, pulled by ensure_local into empty store B, swapped back in from B with the bytes intact."""
-    from driver_standin import StandInDriver
+    from support.driver_standin import StandInDriver
     from test_custom_storage_flow import FEATS, gpu_bytes
     from sandbox.gpu.driver import ProcessState as S
     from sandbox.gpu.snapshot import gpu_checkpoint, gpu_restore

@@ -59,7 +59,7 @@ def env(tmp_path: Path):
     args = [f"--runsc-arg=--root={root}", "--runsc-arg=--platform=ptrace"]
     made: list[tuple[str, list[str]]] = []
     yield {"tmp": tmp_path, "args": args, "made": made, "build": build_bundle}
-    from sandbox.netns import NetConfig, remove
+    from sandbox.host.netns import NetConfig, remove
     for cid, a in made:
         subprocess.run(["runsc", f"--root={root}", "delete", "-force", cid], capture_output=True)
     for cid, n in (("e1", 41), ("n1", 42), ("h1", 43)):
@@ -130,7 +130,7 @@ def test_second_checkpoint_dedups(cli: Cli, env: dict) -> None:
 
 
 def test_errors_leave_nothing_behind(cli: Cli, env: dict, store_dir: Path) -> None:
-    from sandbox.netns import NetConfig, leftovers
+    from sandbox.host.netns import NetConfig, leftovers
     p = cli.run("runsc", "checkpoint", "ghost", "x", *env["args"], check=False)
     assert p.returncode == 1 and "no container 'ghost'" in p.stderr and len(p.stderr.splitlines()) == 1
     bundle, _ = start_counter(cli, env, U("e1"), ["--net-subnet", SUBNET(41)])
@@ -153,7 +153,7 @@ def test_errors_leave_nothing_behind(cli: Cli, env: dict, store_dir: Path) -> No
 
 
 def test_network_config_saved_and_recreated_at_the_same_address(cli: Cli, env: dict) -> None:
-    from sandbox.netns import NetConfig, enter, leftovers
+    from sandbox.host.netns import NetConfig, enter, leftovers
     bundle, out = start_counter(cli, env, U("n1"), ["--net-subnet", SUBNET(42)])
     net = NetConfig.for_sandbox("gpusnap-" + U("n1"), SUBNET(42))
     rep = cli.json("runsc", "checkpoint", U("n1"), "net1", *env["args"], "--runsc-arg=--network=none")
@@ -189,7 +189,7 @@ def _ask(addr: str, timeout: float = 20) -> bytes:
 
 
 def test_hostinet_sandbox_serves_tcp_and_refuses_checkpoint_cleanly(cli: Cli, env: dict) -> None:
-    from sandbox.netns import NetConfig, leftovers
+    from sandbox.host.netns import NetConfig, leftovers
     bundle = env["tmp"] / ("bundle-" + U("h1"))
     env["build"](str(bundle), [PY, "-c", SERVER])
     net = NetConfig.for_sandbox("gpusnap-" + U("h1"), SUBNET(43))
@@ -314,8 +314,8 @@ def test_gpu_sandbox_cannot_see_the_store(cli: Cli, env: dict) -> None:
 CHANNEL_AGENT = """
 import hashlib, os, random, sys
 sys.path.insert(0, "/run/gpusnap/code/tests")
-from driver_standin import StandInDriver
-from criu_hooks.gpu_agent import run
+from support.driver_standin import StandInDriver
+from agents.gpu_agent import run
 from sandbox.gpu.channel import report_frame, write_header
 from sandbox.gpu.driver import Features
 from storage.device import HostDevice
@@ -370,7 +370,7 @@ def test_agent_channel_through_a_real_sandbox(cli: Cli, env: dict) -> None:
     assert st.verify(["sb.gpu"]).ok
 
 
-STANDIN_AGENT = "/run/gpusnap/code/tests/agent_standin.py"
+STANDIN_AGENT = "/run/gpusnap/code/tests/support/agent_standin.py"
 
 
 def standin_digest(env: dict, cid: str) -> list[str]:
@@ -387,7 +387,7 @@ def test_gpu_sandbox_checkpoint_and_restore_through_the_agent_channel(cli: Cli, 
     NAME.gpu on the host, the sandbox is checkpointed holding none of it, and after the restore under
     a new id the agent gets it back, byte for byte."""
     import hashlib
-    from agent_standin import memory
+    from support.agent_standin import memory
     _, out1 = start_counter(cli, env, U("gs"), ["--gpu-agent"])
     want = hashlib.sha256(memory()).hexdigest()
     assert standin_digest(env, U("gs")) == ["RUNNING", want]
@@ -413,7 +413,7 @@ def test_gpu_agent_channel_refusal_leaves_the_gpu_process_running(cli: Cli, env:
     """The host refuses the agent's bytes (over its limit): the agent, its pipe closed, gives the
     process its memory back; no NAME.gpu snapshot; the sandbox runs on."""
     import hashlib
-    from agent_standin import memory
+    from support.agent_standin import memory
     from sandbox.gpu.channel import ChannelLimits
     from sandbox.runsc.runner import Runsc
     from sandbox.runsc.snapshot import RunscSnapshotError, agent_checkpoint
@@ -460,7 +460,7 @@ def test_nothing_is_written_into_the_bundle(cli: Cli, env: dict) -> None:
     assert json.loads((rec / "net.json").read_text())["name"] == "gpusnap-" + U("nb")
     cli.run("runsc", "delete", U("nb"), *env["args"])
     assert not rec.exists()
-    from sandbox.netns import NetConfig, leftovers
+    from sandbox.host.netns import NetConfig, leftovers
     assert leftovers(NetConfig.for_sandbox("gpusnap-" + U("nb"), SUBNET(44))) == []
     broken = env["tmp"] / "broken"
     env["build"](str(broken), ["/nonexistent/program"])

@@ -132,7 +132,7 @@ def _run_get_killed_at_commit(cli: Cli, name: str, dest: Path, sig: int) -> subp
     prog = ("import os, signal, sys\n"
             "from storage import filetree\n"
             f"filetree.FileTreeSink.commit = lambda self: os.kill(os.getpid(), {int(sig)})\n"
-            "from sandbox.cli import main\n"
+            "from cli import main\n"
             "main()\n")
     return subprocess.run([sys.executable, "-c", prog, "--store", str(cli.store), "store", "get", name, str(dest)],
                           env={**os.environ, "PYTHONPATH": pythonpath()}, cwd=REPO, capture_output=True, text=True,
@@ -392,7 +392,7 @@ def test_a_store_the_user_cannot_read_says_permission_denied(cli: Cli, tmp_path:
     try:
         for args in (["ls"], ["verify"], ["get", "s", str(tmp_path / "never")], ["gc"]):
             p = subprocess.run(["setpriv", f"--bounding-set={drop}", f"--inh-caps={drop}", sys.executable, "-m",
-                                "sandbox.cli", "--store", str(cli.store), "store", *args],
+                                "cli", "--store", str(cli.store), "store", *args],
                                capture_output=True, text=True, env={**os.environ, "PYTHONPATH": pythonpath()},
                                cwd=REPO)
             assert p.returncode == 1 and "permission denied" in p.stderr, (args, p.stderr)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from conftest import GPUSNAP, REPO, Cli, pythonpath
-from crafted import rewrite_manifest
+from support.crafted import rewrite_manifest
 
 root_only = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (owners, chown)")
 

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 
 from conftest import Cli
-from crafted import rewrite_manifest
+from support.crafted import rewrite_manifest
 
-from sandbox.netns import NetConfig, NetnsError
-from sandbox.snapshot_meta import (CriuMeta, FilesMeta, GpuMeta, GpuPath, RunscFlagError, SnapshotKindError,
+from sandbox.host.netns import NetConfig, NetnsError
+from sandbox.ops.snapshot_meta import (CriuMeta, FilesMeta, GpuMeta, GpuPath, RunscFlagError, SnapshotKindError,
                                    SnapshotMetaError, check_runsc_args, parse_meta)
 from storage.manifest import Manifest
 
@@ -145,7 +145,7 @@ def test_a_crafted_companion_cannot_make_rm_remove_another_snapshot(cli: Cli, st
 
 # ---- pool socket -----------------------------------------------------------------------------------
 def _server(path: Path):  # noqa: ANN202
-    from driver_standin import StandInDriver
+    from support.driver_standin import StandInDriver
     from sandbox.gpu.pool_daemon import PoolServer
     from storage.device import HostDevice
     from test_custom_storage_flow import FEATS
@@ -246,7 +246,7 @@ def test_runsc_checkpoint_refuses_to_record_a_flag_restore_would_refuse(cli: Cli
 
 
 def test_meta_problems_for_verify() -> None:
-    from sandbox.snapshot_meta import meta_problems
+    from sandbox.ops.snapshot_meta import meta_problems
     assert meta_problems(_m(RUNSC)) == [] and meta_problems(_m({})) == [] and meta_problems(_m({"kind": "other"})) == []
     bad = meta_problems(_m({**RUNSC, "runsc_args": ["--debug"]}))
     assert len(bad) == 1 and "'--debug' is not one gpusnap records" in bad[0]

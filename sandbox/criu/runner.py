@@ -21,7 +21,7 @@ from typing import Sequence
 
 from storage.errors import EXIT_UNAVAILABLE, GpusnapError
 
-from sandbox.procgroup import run_group
+from sandbox.host.procgroup import run_group
 
 REPO_CRIU = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), ".cache", "criu", "bin", "criu")
 MIN_MAJOR = 4

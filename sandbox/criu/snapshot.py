@@ -37,15 +37,15 @@ from storage.remote import DEFAULT_JOBS, Remote
 from storage.remote_fill import RemoteFill, ensure_local
 from storage.store import SnapshotStore
 
-from sandbox import journal
+from sandbox.ops import journal
 from sandbox.criu import streamer
 from sandbox.criu.runner import Criu, CriuError, DumpOptions
-from sandbox.gpu.hugepages import thp
+from sandbox.host.hugepages import thp
 from sandbox.gpu.processes import process_tree, uses_gpu
 from sandbox.gpu.state import GpuPath
-from sandbox.snapshot_meta import CriuMeta
-from sandbox.interrupts import Interrupted
-from sandbox.journal import OpKind, Stage
+from sandbox.ops.snapshot_meta import CriuMeta
+from sandbox.host.interrupts import Interrupted
+from sandbox.ops.journal import OpKind, Stage
 
 
 from storage.errors import GpusnapError

@@ -708,7 +708,7 @@ def restore(criu: Any, store: SnapshotStore, manifest: Manifest, images: str, *,
     Returns seconds per stage and what was served. A CRIU failure caused by the store (a damaged
     chunk, a remote that failed: ARRIVALS' error) is raised as that error; otherwise CRIU's."""
     from sandbox.criu.runner import CriuError
-    from sandbox.gpu.hugepages import thp
+    from sandbox.host.hugepages import thp
     seconds: dict[str, float] = {}
     t0 = time.perf_counter()
     info: dict[str, Any] = {}
@@ -754,7 +754,7 @@ def restored_by_criu(pid: int, pids: list[int], born_after: int) -> bool:
     """Whether the split may write into PID: one of the snapshot's PIDS (all checked free before the
     restore) and started after BORN_AFTER, so a process of someone else's that a snapshot's page
     image names is never written into."""
-    from sandbox.journal import start_time
+    from sandbox.ops.journal import start_time
     started = start_time(pid) if pid in pids else None
     return started is not None and started >= born_after - 1
 

@@ -1,6 +1,6 @@
 """The in-sandbox GPU agent's channel to the host: its own checkpoint's GPU bytes over its stdin/stdout.
 
-A GPU sandbox gets no store. Where the driver has custom storage, the agent (criu_hooks/gpu_agent.py,
+A GPU sandbox gets no store. Where the driver has custom storage, the agent (agents/gpu_agent.py,
 started by `runsc exec`) hands each process's mapped GPU memory to the host over its stdout and takes
 it back over its stdin; the host chunks, hashes and commits the bytes through the normal store
 writer, into the snapshot the HOST names, under stream names the host formats (gpu/PID/INDEX).

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from sandbox import journal
+from sandbox.ops import journal
 from sandbox.gpu.driver import DeviceRegion
 
 if TYPE_CHECKING:  # storage.manifest needs blake3, which the in-sandbox agent (importing this) may lack

@@ -6,7 +6,7 @@ host-staged (drivers 550..580): the driver copies GPU memory into the process's 
 snapshot then records which processes hold their state and how to bring it back (the bytes stay in
 the process until CRIU or runsc dumps it). Every snapshot's meta says which path made it.
 
-A checkpoint is an operation in the journal (sandbox.journal, kind gpu-checkpoint): its record is on
+A checkpoint is an operation in the journal (sandbox.ops.journal, kind gpu-checkpoint): its record is on
 disk before the first process is locked, and on the custom-storage path the chunk references of every
 gpu/ stream are logged as they are stored (each process's list complete and durable before the
 driver releases its memory), so that if gpusnap dies before the commit `gpusnap recover` gives every
@@ -20,14 +20,14 @@ from typing import Any, Iterator, Sequence
 
 from storage.store import SnapshotStore
 
-from sandbox import journal
+from sandbox.ops import journal
 
 from sandbox.gpu.driver import CheckpointDriver, CudaDriver, Features, ProcessState, probe
 from sandbox.gpu.processes import cuda_processes
 from sandbox.gpu.regions import EngineRegions
 from sandbox.gpu.state import GpuPath, Limits, backend_for, freeze, path_for, thaw
-from sandbox.journal import OpKind, Stage
-from sandbox.snapshot_meta import GpuMeta
+from sandbox.ops.journal import OpKind, Stage
+from sandbox.ops.snapshot_meta import GpuMeta
 
 
 from storage.errors import GpusnapError

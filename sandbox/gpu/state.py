@@ -35,11 +35,11 @@ from typing import Iterator, Protocol
 
 from storage.errors import GpusnapError
 
-from sandbox import journal
+from sandbox.ops import journal
 from sandbox.gpu.checkpoint import (GpuCheckpointError, RegionSpill, checkpoint_all, custom_checkpoint,
                                     custom_restore, lock_all, restore_all)
 from sandbox.gpu.driver import CheckpointDriver, DeviceRegion, Features, ProcessState
-from sandbox.gpu.hugepages import thp
+from sandbox.host.hugepages import thp
 
 
 class GpuStateError(GpusnapError):

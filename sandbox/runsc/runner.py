@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from sandbox.procgroup import run_group
+from sandbox.host.procgroup import run_group
 
 
 from storage.errors import EXIT_UNAVAILABLE, GpusnapError

@@ -25,17 +25,17 @@ from storage import pipeline
 from storage.filetree import FileTreeSink, FileTreeSource
 from storage.store import SnapshotStore
 
-from sandbox import journal
-from sandbox import netns as nets
+from sandbox.ops import journal
+from sandbox.host import netns as nets
 from sandbox.gpu.channel import AgentFrames, AgentReport, ChannelError, ChannelLimits, read_report, receive, send
 from sandbox.criu.snapshot import new_staging
-from sandbox.interrupts import Interrupted
-from sandbox.journal import OpKind, Stage
+from sandbox.host.interrupts import Interrupted
+from sandbox.ops.journal import OpKind, Stage
 from sandbox.runsc.oci_bundle import add_bind, add_gpus, bundle_netns, load_spec, save_spec, set_bundle_netns
 from sandbox.runsc import records
 from sandbox.runsc.records import Kind
 from sandbox.runsc.runner import Runsc, RunscError
-from sandbox.snapshot_meta import RunscMeta, check_runsc_args
+from sandbox.ops.snapshot_meta import RunscMeta, check_runsc_args
 
 from storage.errors import GpusnapError
 
@@ -120,7 +120,7 @@ class _AgentExit(Exception):
 
 
 class _AgentExec:
-    """The GPU agent (criu_hooks/gpu_agent.py) running inside sandbox CID through `runsc exec`, its
+    """The GPU agent (agents/gpu_agent.py) running inside sandbox CID through `runsc exec`, its
     stdin and stdout piped to this process (the channel, sandbox/gpu/channel.py). An agent that has
     not finished within AGENT_TIMEOUT_S is killed, which ends every read and write on its pipes."""
 
@@ -129,7 +129,7 @@ class _AgentExec:
         self.cid, self.action = cid, args[0]
         self.err = tempfile.TemporaryFile()
         try:
-            self.p = r.exec_piped(cid, [py, "-m", "criu_hooks.gpu_agent", *args], env={"PYTHONPATH": AGENT_CODE},
+            self.p = r.exec_piped(cid, [py, "-m", "agents.gpu_agent", *args], env={"PYTHONPATH": AGENT_CODE},
                                   stderr=self.err)
         except OSError as e:
             self.err.close()

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """CRIU through the store vs plain CRIU to a directory, same process, same disk, same run (issue 5).
 
-A CPU process tree (tests/criu_workload.py) holding N MiB of known memory: plain `criu dump` into a
+A CPU process tree (tests/support/criu_workload.py) holding N MiB of known memory: plain `criu dump` into a
 directory + sync, caches dropped, `criu restore`; then `gpusnap criu dump` / `gpusnap criu restore`
 (store on the same disk). Both restores are checked from inside the restored process.
 Usage: python3 -m scripts.bench.bench_criu [--mb 1024] [--dir /var/tmp] [--json F]
@@ -29,7 +29,7 @@ class Tree:
     def __init__(self, mb: int) -> None:
         self.dir = tempfile.mkdtemp(prefix="gpusnap-bench-tree-")
         log = open(os.path.join(self.dir, "log"), "w")
-        self.proc = subprocess.Popen([sys.executable, os.path.join(REPO, "tests", "criu_workload.py"), self.dir, str(mb)],
+        self.proc = subprocess.Popen([sys.executable, os.path.join(REPO, "tests", "support", "criu_workload.py"), self.dir, str(mb)],
                                      stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True, cwd="/")
         while not os.path.exists(os.path.join(self.dir, "ready")):
             if self.proc.poll() is not None:
@@ -67,7 +67,7 @@ class Tree:
 
 
 def gpusnap(store: str, *args: str) -> dict:
-    p = subprocess.run([sys.executable, "-m", "sandbox.cli", "--store", store, *args, "--json"], capture_output=True,
+    p = subprocess.run([sys.executable, "-m", "cli", "--store", store, *args, "--json"], capture_output=True,
                        text=True, cwd=REPO, env=dict(os.environ, PYTHONPATH=REPO))
     if p.returncode:
         raise SystemExit(p.stderr)

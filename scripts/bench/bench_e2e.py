@@ -32,7 +32,7 @@ import time
 from sandbox.criu.runner import Criu
 from sandbox.gpu.driver import CudaDriver
 from sandbox.gpu.checkpoint import checkpoint_all, restore_all
-from sandbox.gpu.hugepages import thp
+from sandbox.host.hugepages import thp
 from scripts.helpers import REPO, drop_caches
 from scripts.workloads.workload_control import Workload
 
@@ -45,7 +45,7 @@ SCRIPTS = {"serving": "serving_workload.py", "synthetic": "gpu_workload.py"}
 def gpusnap(store: str, *args: str, path: str = "stream") -> dict:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]),
                GPUSNAP_CRIU_IMAGES=path)
-    p = subprocess.run([sys.executable, "-m", "sandbox.cli", "--store", store, *args, "--json"],
+    p = subprocess.run([sys.executable, "-m", "cli", "--store", store, *args, "--json"],
                        capture_output=True, text=True, env=env)
     if p.returncode != 0:
         raise SystemExit(f"gpusnap {' '.join(args)} failed: {p.stderr.strip()}")

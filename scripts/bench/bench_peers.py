@@ -70,7 +70,7 @@ def main() -> None:
     renv = {**os.environ, "RESTIC_PASSWORD": "bench", "RESTIC_REPOSITORY": rrepo, "RESTIC_CACHE_DIR": os.path.join(work, "rcache")}
     benv = {**os.environ, "BORG_REPO": brepo, "BORG_UNKNOWN_UNENCRYPTED_REPO_ACCESS_IS_OK": "yes",
             "BORG_RELOCATED_REPO_ACCESS_IS_OK": "yes", "BORG_BASE_DIR": os.path.join(work, "bbase")}
-    gpusnap = [sys.executable, "-m", "sandbox.cli", "--store", store]
+    gpusnap = [sys.executable, "-m", "cli", "--store", store]
     res: dict = {"date": time.strftime("%Y-%m-%d"), "machine": f"{platform.node()} {os.cpu_count()} cores",
                  "kernel": platform.release(), "restic": tool_version(["restic", "version"]),
                  "borg": tool_version(["borg", "--version"])}

@@ -31,7 +31,7 @@ def run(code: str, argv: list[str], cwd: str) -> tuple[float, dict | None]:
     env = {**os.environ, "PYTHONPATH": code}
     drop_caches(required=True)
     t0 = time.perf_counter()
-    p = subprocess.run([sys.executable, "-m", "sandbox.cli", *argv], env=env, cwd=code, capture_output=True, text=True)
+    p = subprocess.run([sys.executable, "-m", "cli", *argv], env=env, cwd=code, capture_output=True, text=True)
     os.sync()
     dt = time.perf_counter() - t0
     if p.returncode != 0:
@@ -43,7 +43,7 @@ def run(code: str, argv: list[str], cwd: str) -> tuple[float, dict | None]:
 
 
 def has_read_data(code: str) -> bool:
-    p = subprocess.run([sys.executable, "-m", "sandbox.cli", "store", "verify", "--help"], cwd=code,
+    p = subprocess.run([sys.executable, "-m", "cli", "store", "verify", "--help"], cwd=code,
                        env={**os.environ, "PYTHONPATH": code}, capture_output=True, text=True)
     return "--read-data " in p.stdout
 

@@ -36,7 +36,7 @@ CREDS = {"GPUSNAP_S3_ACCESS_KEY_ID": ACCESS, "GPUSNAP_S3_SECRET_ACCESS_KEY": SEC
 
 def gpusnap(store: Path, *args: str, as_json: bool = True) -> dict:
     env = {**os.environ, **CREDS, "PYTHONPATH": str(REPO)}
-    p = subprocess.run([sys.executable, "-m", "sandbox.cli", "--store", str(store), *args,
+    p = subprocess.run([sys.executable, "-m", "cli", "--store", str(store), *args,
                         *(["--json"] if as_json else [])], capture_output=True, text=True, env=env, cwd=REPO)
     if p.returncode != 0:
         raise SystemExit(f"gpusnap {' '.join(args)}: {p.stderr.strip()}")

@@ -75,7 +75,7 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     work = tempfile.mkdtemp(prefix="gpusnap-bench-", dir=a.dir)
-    gpusnap = [sys.executable, "-m", "sandbox.cli", "--store", os.path.join(work, "store")]
+    gpusnap = [sys.executable, "-m", "cli", "--store", os.path.join(work, "store")]
     env = child_env()
     res: dict = {"date": time.strftime("%Y-%m-%d"), "machine": f"{platform.node()} {os.cpu_count()} cores",
                  "kernel": platform.release()}

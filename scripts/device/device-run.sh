@@ -13,8 +13,8 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH="$root:/tmp/site" PYTHONUNBUFFERED=1
 if [ -d .carry/criu ]; then export GPUSNAP_CRIU="$root/.carry/criu/criu-wrapper"; fi
 { date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; uname -r; nproc; } > "$out/machine.txt" 2>&1
-python3 -m sandbox.cli doctor > "$out/doctor.txt" 2>&1
-python3 -m sandbox.cli doctor --json > "$out/doctor.json" 2>&1
+python3 -m cli doctor > "$out/doctor.txt" 2>&1
+python3 -m cli doctor --json > "$out/doctor.json" 2>&1
 for what in ${1//,/ }; do
   case "$what" in
     tests)  GPUSNAP_RESULTS="$out/gpu-results.jsonl" timeout ${TESTS_TIMEOUT:-560} python3 -m pytest -p no:cacheprovider -m gpu -v -s ${PYTEST_K:+-k "$PYTEST_K"} tests 2>&1 | tee "$out/gpu-tests.log" | grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|^E " ;;
@@ -25,7 +25,7 @@ for what in ${1//,/ }; do
     pool)   for l in ${POOL_LANES:-16 24}; do timeout 200 python3 -m scripts.bench.bench_gpu_engine --mix realistic --tiers shm,pool --repeat 5 --lanes $l --json "$out/pool-lanes$l.json" 2>&1 | tee "$out/pool-lanes$l.log"; done ;;
     pinned) timeout 120 python3 -m scripts.device.probe_pinned_alloc 16 2>&1 | tee "$out/pinned-alloc.json" ;;
     speed)  # issue 17: the serving workload smoke-tested at 1 GB, then baseline vs gpusnap (stream, staging) at $BENCH_GB
-            python3 -X importtime -m sandbox.cli --help 2> "$out/importtime.txt" > /dev/null
+            python3 -X importtime -m cli --help 2> "$out/importtime.txt" > /dev/null
             wl=serving
             timeout 120 python3 -m scripts.workloads.serving_smoke 2>&1 | tee "$out/serving-smoke.log" | tail -3 || wl=synthetic
             grep -q '"ok": true' "$out/serving-smoke.log" || wl=synthetic

@@ -5,8 +5,8 @@ import click
 
 from storage.errors import EXIT_FAILED
 
-from sandbox.cli.common import emit, fail, json_option, one_line_errors, open_store
-from sandbox.recover import recover
+from cli.common import emit, fail, json_option, one_line_errors, open_store
+from sandbox.ops.recover import recover
 
 
 @click.command("recover")

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The GPU agent with the driver stand-in in place of the CUDA driver, for runsc tests without a GPU.
 
-gpusnap starts the agent as `$GPUSNAP_AGENT_PYTHON -m criu_hooks.gpu_agent ACTION ...` through
+gpusnap starts the agent as `$GPUSNAP_AGENT_PYTHON -m agents.gpu_agent ACTION ...` through
 `runsc exec`; with GPUSNAP_AGENT_PYTHON naming this file (as the sandbox sees it), that argv runs
 the real agent with a stand-in driver (custom storage offered) whose state lives in the sandbox's own
 /tmp, so it survives from one exec to the next and through runsc checkpoint/restore. Its one "CUDA
@@ -11,9 +11,9 @@ import os
 import random
 import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [HERE, os.path.dirname(HERE)]
-from driver_standin import SharedStandIn  # noqa: E402
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [TESTS, os.path.dirname(TESTS)]
+from support.driver_standin import SharedStandIn  # noqa: E402
 
 STATE = "/tmp/gpusnap-standin.pkl"
 
@@ -30,8 +30,8 @@ if __name__ == "__main__":
         now = d.load()
         print(now.get_state(1).name, hashlib.sha256(now.procs[1].gpu).hexdigest())
         sys.exit(0)
-    assert sys.argv[1:3] == ["-m", "criu_hooks.gpu_agent"], sys.argv
-    from criu_hooks.gpu_agent import main
+    assert sys.argv[1:3] == ["-m", "agents.gpu_agent"], sys.argv
+    from agents.gpu_agent import main
     from sandbox.gpu.driver import Features
     from storage.device import HostDevice
     main(sys.argv[3:], driver=d, features=Features(checkpoint_api=True, custom_storage=True), device=HostDevice())

@@ -13,7 +13,7 @@ from storage.errors import (EXIT_DAMAGED, EXIT_FAILED, EXIT_OK, EXIT_RECOVER, EX
                             EXIT_USAGE)
 from storage.store import default_store_path
 
-from sandbox.cli import (archive_cmd, container_cmd, criu_cmd, gpu_cmd, hook_cmd, pool_cmd, recover_cmd, remote_cmd,
+from cli import (archive_cmd, container_cmd, criu_cmd, gpu_cmd, hook_cmd, pool_cmd, recover_cmd, remote_cmd,
                          runsc_cmd, store_cmd)
 
 

@@ -9,12 +9,12 @@ import os
 
 import click
 
-from storage.progress import Progress
+from cli.progress import Progress
 from storage.remote import (DEFAULT_JOBS, Remote, RemoteConfig, RemoteDamageError, add_remote,
                             load_credentials)
 from storage.remote_fill import pull as pull_snapshot
 
-from sandbox.cli.common import emit, human, json_option, one_line_errors, open_store
+from cli.common import emit, human, json_option, one_line_errors, open_store
 
 jobs_option = click.option("--jobs", "-j", default=DEFAULT_JOBS, show_default=True,
                            help="Requests in flight at once.")

@@ -11,10 +11,10 @@ from __future__ import annotations
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/, for support.*
 
 from criu_hooks.action_script import run  # noqa: E402
-from driver_standin import SharedStandIn  # noqa: E402
+from support.driver_standin import SharedStandIn  # noqa: E402
 
 STANDIN_PID = 1  # the key of the one GPU process of the container in the state file
 

@@ -4,7 +4,7 @@ Each operation that can leave a workload stopped or leave files behind (a CRIU d
 runsc checkpoint or restore, a `gpu checkpoint`) keeps one record in STORE/journal/OP.json while it
 runs (storage/FORMAT.md, "The journal"); one that streams GPU memory through custom storage also keeps
 the chunk references of its gpu/ streams in STORE/journal/OP.refs (storage.reflog) as they are
-stored. `gpusnap recover` (sandbox.recover) reads the records whose owner died and finishes or undoes
+stored. `gpusnap recover` (sandbox.ops.recover) reads the records whose owner died and finishes or undoes
 what each describes; every other state-changing command refuses to start while one exists.
 
 Guarantees kept here:

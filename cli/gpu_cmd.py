@@ -5,15 +5,15 @@ from typing import Any
 
 import click
 
-from storage.progress import Progress
+from cli.progress import Progress
 
 
-from sandbox import journal
-from sandbox.cli.common import emit, from_remote_option, json_option, one_line_errors, open_store, tag_option
+from sandbox.ops import journal
+from cli.common import emit, from_remote_option, json_option, one_line_errors, open_store, tag_option
 from sandbox.doctor import render, report
 from sandbox.gpu.snapshot import gpu_checkpoint, gpu_restore
 from sandbox.gpu.pool_daemon import request
-from sandbox.interrupts import undo_on_signals
+from sandbox.host.interrupts import undo_on_signals
 
 
 THP_CHOICE = click.Choice(["always", "keep"])

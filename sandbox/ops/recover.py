@@ -1,6 +1,6 @@
 """`gpusnap recover`: finish or undo every operation whose gpusnap process died, as its journal says.
 
-For each journal record whose owner is gone (sandbox.journal), in this order: wait for the helper it
+For each journal record whose owner is gone (sandbox.ops.journal), in this order: wait for the helper it
 left running (CRIU or runsc still finishing; killed as a group after a grace period); then
 - criu-dump: snapshot committed by this operation -> the stopped tree is killed, as the user asked
   (unless --leave-running); otherwise the tree is resumed (SIGCONT) and its GPU state restored and
@@ -38,9 +38,9 @@ from typing import Any, Callable, Iterator
 
 from storage.store import SnapshotStore
 
-from sandbox import journal
-from sandbox.gpu import hugepages
-from sandbox.journal import Journal, OpKind, OpRecord, Stage
+from sandbox.ops import journal
+from sandbox.host import hugepages
+from sandbox.ops.journal import Journal, OpKind, OpRecord, Stage
 
 
 @dataclass
@@ -284,7 +284,7 @@ def _runsc(store: SnapshotStore, rec: OpRecord) -> tuple[Any, dict[str, Any]]:
 
 
 def _runsc_checkpoint(store: SnapshotStore, rec: OpRecord, gpu: GpuAccess, done: Recovered) -> None:
-    from sandbox import netns as nets
+    from sandbox.host import netns as nets
     from sandbox.runsc.snapshot import _gpu_back, _restart
     r, sb = _runsc(store, rec)
     cid = sb["container"]

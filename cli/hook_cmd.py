@@ -6,7 +6,7 @@ from typing import Any, Callable
 
 import click
 
-from sandbox.cli.common import emit, json_option, one_line_errors
+from cli.common import emit, json_option, one_line_errors
 from sandbox.containers.hook_install import Layout, Runtime, install, status, uninstall
 
 RUNTIME_CHOICES = [r.value for r in Runtime] + ["all"]

@@ -7,15 +7,15 @@ from typing import Any
 import click
 
 from storage.errors import UnavailableError
-from storage.progress import Progress
+from cli.progress import Progress
 
-from sandbox import journal
-from sandbox import netns as nets
-from sandbox.interrupts import undo_on_signals
+from sandbox.ops import journal
+from sandbox.host import netns as nets
+from sandbox.host.interrupts import undo_on_signals
 from sandbox.runsc import snapshot as rs
 from sandbox.runsc.records import check_id
 from sandbox.runsc.snapshot import check_bundle
-from sandbox.cli.common import emit, human, json_option, one_line_errors, open_store, tag_option
+from cli.common import emit, human, json_option, one_line_errors, open_store, tag_option
 
 
 def runsc_arg_option(what: str) -> Any:

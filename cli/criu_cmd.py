@@ -3,14 +3,14 @@ from __future__ import annotations
 
 import click
 
-from storage.progress import Progress
+from cli.progress import Progress
 
-from sandbox.cli.common import (emit, from_jobs_option, from_remote_option, human, json_option, one_line_errors, open_store,
+from cli.common import (emit, from_jobs_option, from_remote_option, human, json_option, one_line_errors, open_store,
                                 tag_option)
 from sandbox.criu.runner import DumpOptions
 from sandbox.criu.snapshot import criu_dump, criu_restore
 from sandbox.containers.process_check import refuse_container_process
-from sandbox.interrupts import undo_on_signals
+from sandbox.host.interrupts import undo_on_signals
 
 
 

@@ -1,6 +1,6 @@
 """`gpusnap store forget|stats|cat|diff|export|import|lock|break-lock`: keeping many snapshots on NVMe.
 
-Attached to the `store` group by sandbox/cli/__init__.py (STORE_COMMANDS).
+Attached to the `store` group by cli/__init__.py (STORE_COMMANDS).
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from storage.retention import Entry, Policy, companion_parent, decide, parse_cre
 from storage.stats import compute, diff
 from storage.store import SnapshotStore
 
-from sandbox.cli.common import emit, human, json_option, one_line_errors, open_store
+from cli.common import emit, human, json_option, one_line_errors, open_store
 
 
 def load_all(st: SnapshotStore) -> tuple[list[Manifest], list[str]]:

@@ -1,4 +1,4 @@
-"""`python -m criu_hooks.gpu_agent ACTION [--pids P,..] [--path PATH]`: the GPU agent inside a gVisor sandbox.
+"""`python -m agents.gpu_agent ACTION [--pids P,..] [--path PATH]`: the GPU agent inside a gVisor sandbox.
 
 `gpusnap runsc checkpoint/restore` starts it with `runsc exec` (gpusnap's code is bind-mounted
 read-only into GPU sandboxes at /run/gpusnap/code; the store is NOT: the sandbox never sees it). It

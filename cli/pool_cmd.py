@@ -7,7 +7,7 @@ import signal
 import click
 
 
-from sandbox.cli.common import emit, human, json_option, one_line_errors, parse_size
+from cli.common import emit, human, json_option, one_line_errors, parse_size
 from sandbox.gpu.pool_daemon import DEFAULT_SOCKET, PoolServer, request
 
 

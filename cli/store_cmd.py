@@ -14,13 +14,13 @@ from storage.filetree import FileTreeSink, FileTreeSource
 from storage.gc import collect
 from storage.manifest import Manifest
 from storage.names import validate_snapshot_name
-from storage.progress import Progress
+from cli.progress import Progress
 from storage.repair import repair as repair_store
 from storage.store import Problem, StoreError
 
-from sandbox import journal
-from sandbox.snapshot_meta import FilesMeta, meta_problems, remove_with_companions
-from sandbox.cli.common import emit, human, json_option, one_line_errors, open_store, parse_chunk_size, tag_option
+from sandbox.ops import journal
+from sandbox.ops.snapshot_meta import FilesMeta, meta_problems, remove_with_companions
+from cli.common import emit, human, json_option, one_line_errors, open_store, parse_chunk_size, tag_option
 
 @click.group()
 def store() -> None:
@@ -120,7 +120,7 @@ def store_get(ctx: click.Context, name: str, dest: str, include: tuple[str, ...]
 def store_ls(ctx: click.Context, tags: tuple[str, ...], kind: str | None, since: str | None, as_json: bool) -> None:
     """List snapshots (with --tag/--kind/--since, those that match) and, marked DAMAGED, snapshots that
     do not load and entries of snapshots/ that are not snapshots."""
-    from sandbox.cli.archive_cmd import matches, parse_since
+    from cli.archive_cmd import matches, parse_since
     since_t = parse_since(since)
     st = open_store(ctx, create=False)
     names, strays = st.scan()

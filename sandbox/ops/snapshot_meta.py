@@ -5,7 +5,7 @@ what each kind gpusnap makes holds (storage/FORMAT.md, "Snapshot kinds") and is 
 Guarantees kept here: a restore acts only on metadata that gpusnap itself would have written — pids
 that are pids, a GPU path it knows, CRIU options of its own, runsc flags from an allowlist (anything
 else, e.g. `--debug-log=DIR` appended to a snapshot from another node, is refused with the flag
-named), a network record that sandbox/netns.py validates, and a GPU companion snapshot that can only
+named), a network record that sandbox/host/netns.py validates, and a GPU companion snapshot that can only
 be `NAME.gpu`. Fields a restore never acts on (timings, reports) are kept as `extra`, unread.
 Anything else is damage (exit 3), reported before a process, sandbox or network is touched.
 """
@@ -20,7 +20,7 @@ from storage.errors import DamageError, GpusnapError
 from storage.manifest import Manifest
 
 from sandbox.gpu.state import GpuPath
-from sandbox.netns import NetConfig
+from sandbox.host.netns import NetConfig
 
 META_VERSION = 1  # of the records below; a meta without `meta_version` is version 1
 PID_MAX = 1 << 22  # the kernel's limit on pid_max

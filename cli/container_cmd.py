@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import click
 
-from storage.progress import Progress
+from cli.progress import Progress
 
-from sandbox.cli.common import emit, human, json_option, one_line_errors, open_store
+from cli.common import emit, human, json_option, one_line_errors, open_store
 from sandbox.containers.checkpoint_archive import Moved, export, import_podman, import_runc
 
 
