@@ -1,17 +1,24 @@
 #!/usr/bin/env bash
-# Install CRIU >= 4.0: the system's if it is new enough and `criu check` passes, else build it from
-# Debian trixie's source package (bookworm's own CRIU 3.17 fails `criu check` on recent kernels:
-# docs/PLATFORM.md). The built binary is cached under .cache/criu so a second run is instant. Prints the
+# Install a CRIU that works on the running kernel: the system's if it is new enough and `criu check`
+# passes, else build it from Debian unstable's source package. Bookworm's CRIU 3.17 fails `criu check`
+# on recent kernels, and CRIU 4.1.x passes `criu check` on kernels >= 6.16 but cannot dump any TCP
+# socket there (6.16 restricted SO_PASSCRED/SO_PASSSEC to AF_UNIX/netlink; fixed in CRIU 4.2):
+# docs/PLATFORM.md. The built binary is cached under .cache/criu so a second run is instant. Prints the
 # path of the criu to use on stdout; progress on stderr.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 cache="$root/.cache/criu"
-want_major=4
+# The oldest CRIU that works on this kernel, as MAJOR*100+MINOR (kernel >= 6.16 needs 4.2).
+kmaj=$(uname -r | cut -d. -f1); kmin=$(uname -r | cut -d. -f2 | sed 's/[^0-9].*//')
+if [ $((kmaj * 100 + kmin)) -ge 616 ]; then want=402; else want=400; fi
+suite=${GPUSNAP_CRIU_SUITE:-sid}
 
 usable() {  # $1 = criu binary
     local v
-    v=$("$1" --version 2>/dev/null | sed -n 's/^Version: *\([0-9]*\).*/\1/p') || return 1
-    [ -n "$v" ] && [ "$v" -ge "$want_major" ] && "$1" check >/dev/null 2>&1
+    v=$("$1" --version 2>/dev/null | sed -n 's/^Version: *\([0-9]*\)\.\([0-9]*\).*/\1 \2/p') || return 1
+    [ -n "$v" ] || return 1
+    set -- "$1" $v
+    [ $(($2 * 100 + $3)) -ge "$want" ] && "$1" check >/dev/null 2>&1
 }
 
 if command -v criu >/dev/null && usable "$(command -v criu)"; then command -v criu; exit 0; fi
@@ -27,8 +34,8 @@ trap 'rm -rf "$work"' EXIT
 # The mirror is whatever this machine's own apt configuration names; never a hard-coded host.
 mirror=$(sed -n 's/^URIs: *\([^ ]*\).*/\1/p' /etc/apt/sources.list.d/debian.sources 2>/dev/null | grep -v security | head -n1)
 [ -n "$mirror" ] || mirror=$(awk '$1=="deb" && $2 !~ /security/ {print $2; exit}' /etc/apt/sources.list)
-echo "deb-src $mirror trixie main" > "$work/trixie-src.list"
-opts=(-o Dir::Etc::sourcelist="$work/trixie-src.list" -o Dir::Etc::sourceparts=- -o Dir::State::Lists="$work/lists")
+echo "deb-src $mirror $suite main" > "$work/src.list"
+opts=(-o Dir::Etc::sourcelist="$work/src.list" -o Dir::Etc::sourceparts=- -o Dir::State::Lists="$work/lists")
 mkdir -p "$work/lists/partial"
 apt-get "${opts[@]}" update >&2
 # Only the upstream tarball (criu_*.orig.tar.*) is used; mirrors that lack the .dsc or the Debian
