@@ -57,6 +57,16 @@ def test_unknown_figures_skip_the_memory_check_and_say_so() -> None:
     assert "free memory unknown" in (check_memory({U0: U1}, {11: {U0: 5}}, GPUS)[1] or "")
 
 
+def test_only_the_gpus_the_processes_held_must_be_mapped() -> None:
+    """A process that held GPU 0 alone is moved with `0=1`; a map missing GPU 0 is refused; with no
+    record of what was held, every GPU of the snapshot must be named."""
+    assert plan(["0=1"], SNAP, GPUS, {11: {U0: 5}}).gpu_map == {U0: U1}
+    with pytest.raises(DeviceMapError, match="missing " + U0):
+        plan(["1=0"], SNAP, GPUS, {11: {U0: 5}})
+    with pytest.raises(DeviceMapError, match="missing " + U1):
+        plan(["0=1"], SNAP, GPUS, None)
+
+
 def test_identity_map_is_checked_then_dropped() -> None:
     assert plan(["0=0", "1=1"], SNAP, GPUS, None).gpu_map == {}
     with pytest.raises(DeviceMapError, match="no GPU '2' on this machine"):
@@ -150,7 +160,7 @@ BAD_MAPS = [  # (the map, what the one line says, the exit code)
     (["0=7,1=0"], "no GPU '7' on this machine (2 GPU(s) here)", 4),
     (["0=1", "0=0"], "names the snapshot's GPU 0", 2),
     (["0=1,1=1"], "maps two GPUs onto one", 2),
-    (["0=1"], "must list every checkpointed GPU; missing " + U1, 2),
+    (["1=0"], "must list every checkpointed GPU; missing " + U0, 2),  # GPU 0 held both, GPU 1 neither
     (["3=0,1=1"], "no GPU '3' in the snapshot", 2),
     (["0:1"], "expected OLD=NEW", 2),
     (["0=1,1=0"], "GPU 1 (" + U1 + ") has 2.00 GiB free, the 2 process(es)", 4),  # both land on GPU 1

@@ -7,9 +7,10 @@ plan() checks all of it against the snapshot's record and this machine's GPUs be
 restored, so a bad map costs nothing.
 
 Guarantees kept here:
-- plan() returns {old uuid: new uuid} naming every GPU of the snapshot exactly once and no target
-  twice, each a GPU of this machine of the same model, or raises DeviceMapError (one line); it
-  reads and changes nothing but its arguments;
+- plan() returns {old uuid: new uuid} naming every checkpointed GPU (those the snapshot's processes
+  held memory on, as recorded at checkpoint; every GPU the snapshot lists where that is not
+  recorded), no GPU twice and no target twice, each a GPU of this machine of the same model, or
+  raises DeviceMapError (one line); it reads and changes nothing but its arguments;
 - the memory check sums, for each target GPU, the bytes every process of the snapshot held on the
   GPUs mapped onto it (as recorded at checkpoint) and refuses when that exceeds the target's free
   memory now. Where either figure is unknown (no NVML, an older snapshot) it is skipped and said so
@@ -48,9 +49,18 @@ def _gib(n: int) -> str:
     return f"{n / (1 << 30):.2f} GiB"
 
 
-def parse(items: Sequence[str], snapshot_gpus: Sequence[Mapping[str, Any]], here: Sequence[GpuInfo]) -> dict[str, str]:
+def used_gpus(usage: Mapping[int, Mapping[str, int]] | None) -> set[str] | None:
+    """The GPUs the snapshot's processes held memory on (the checkpointed ones); None: not recorded."""
+    if not usage:
+        return None
+    return {u for per in usage.values() for u in per}
+
+
+def parse(items: Sequence[str], snapshot_gpus: Sequence[Mapping[str, Any]], here: Sequence[GpuInfo],
+          checkpointed: set[str] | None = None) -> dict[str, str]:
     """OLD=NEW items (GPU index or UUID on each side) -> {old uuid: new uuid}, checked against the
-    snapshot's GPUs and this machine's; {} for no items."""
+    snapshot's GPUs and this machine's; {} for no items. CHECKPOINTED: the GPUs the map must cover
+    (those the processes held memory on); None: every GPU the snapshot records."""
     if not items:
         return {}
     def find(spec: str, gpus: Sequence[Mapping[str, Any]], where: str, code: int) -> Mapping[str, Any]:
@@ -77,7 +87,8 @@ def parse(items: Sequence[str], snapshot_gpus: Sequence[Mapping[str, Any]], here
     if twice:
         raise DeviceMapError(f"--device-map maps two GPUs onto one ({', '.join(twice)}); the driver restores "
                              "each checkpointed GPU onto a GPU of its own")
-    missing = [str(g["uuid"]) for g in snapshot_gpus if g["uuid"] not in out]
+    missing = [str(g["uuid"]) for g in snapshot_gpus
+               if g["uuid"] not in out and (checkpointed is None or g["uuid"] in checkpointed)]
     if missing:
         raise DeviceMapError(f"--device-map must list every checkpointed GPU; missing {', '.join(missing)}")
     return out
@@ -117,7 +128,7 @@ def plan(items: Sequence[str], snapshot_gpus: Sequence[Mapping[str, Any]], here:
     """parse() and check_memory() in one: the map to hand the driver, or DeviceMapError. A map of
     every GPU onto itself (`0=0`) is checked like any other and then dropped: the driver gets no
     pairs, exactly as for a restore without a map."""
-    gpu_map = parse(items, snapshot_gpus, here)
+    gpu_map = parse(items, snapshot_gpus, here, used_gpus(usage))
     need, unchecked = check_memory(gpu_map, usage, here)
     if all(o == n for o, n in gpu_map.items()):
         gpu_map = {}
