@@ -84,8 +84,8 @@ def gpu_checkpoint(store: SnapshotStore, root_pid: int, name: str, *, driver: Cu
     if busy:  # a snapshot of an already checkpointed process would not hold its GPU memory
         raise GpuSnapshotError("; ".join(f"pid {p} is {s.name}, not RUNNING" for p, s in busy.items()))
     gpus = [{"index": g.index, "uuid": g.uuid, "name": g.name} for g in feats.gpus]
-    meta = {"kind": "gpu", "gpu_path": path.value, "root_pid": root_pid, "pids": pids, "gpus": gpus,
-            "driver": feats.driver_version}
+    meta: dict[str, Any] = {"kind": "gpu", "gpu_path": path.value, "root_pid": root_pid, "pids": pids,
+                            "gpus": gpus, "driver": feats.driver_version}
     usage = _recorded_usage(drv, pids, gpus)
     if usage:  # what a --device-map restore checks against the target GPUs' free memory
         meta["gpu_bytes"] = usage
