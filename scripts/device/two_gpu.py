@@ -79,6 +79,14 @@ def gbps(nbytes: int, seconds: float | None) -> float | None:
 def step_env(b: Batch, a: argparse.Namespace) -> None:
     from sandbox.gpu.driver import CudaDriver, probe
     drv = CudaDriver()
+    from sandbox.gpu import nvml
+    t0 = time.perf_counter()
+    mem = nvml.memory()
+    t1 = time.perf_counter()
+    procs = nvml.process_memory([os.getpid()])
+    b.emit("env", "NVML (what --device-map checks with; its cost is paid by every checkpoint)", mem is not None,
+           memory=mem, first_call_s=round(t1 - t0, 4), process_call_s=round(time.perf_counter() - t1, 4),
+           this_process=procs)
     f = probe(drv)
     b.emit("env", "probe", f.checkpoint_api, driver=f.driver_version, path=f.path, reason=f.reason,
            gpus=[{"index": g.index, "name": g.name, "uuid": g.uuid, "total": g.total_bytes, "free": g.free_bytes}
@@ -267,7 +275,12 @@ def _tp_round(b: Batch, tree: Any, variant: str, swap: bool) -> bool:
     rc, ck, err = b.gpusnap("gpu", "checkpoint", str(tree.pid), name, timeout=120)
     b.emit("b", f"[{variant}] gpu checkpoint of the tree", rc == 0, err=err, report=ck,
            states={p: _state(p) for p in tree.workers})
-    if rc != 0:
+    if rc != 0:  # refused or rolled back: the workers must run on with their data and communicator
+        ar = _allreduce(tree)
+        v = tree.cmd_all("verify") if ar["ok"] else []
+        b.emit("b", f"[{variant}] after the failed checkpoint: every worker RUNNING, all-reduce and data intact",
+               ar["ok"] and all(x["ok"] for x in v) and all(_state(p) == "RUNNING" for p in tree.workers),
+               allreduce=ar, verify=v, states={p: _state(p) for p in tree.workers})
         return False
     args = ["--device-map", "0=1,1=0"] if swap else []
     rc, rs, err = b.gpusnap("gpu", "restore", name, str(tree.pid), *args, timeout=120)
