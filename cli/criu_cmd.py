@@ -5,6 +5,7 @@ import click
 
 from cli.progress import Progress
 
+from cli.gpu_cmd import split_map
 from cli.common import (emit, from_jobs_option, from_remote_option, human, json_option, one_line_errors, open_store,
                                 tag_option)
 from sandbox.criu.runner import DumpOptions
@@ -54,19 +55,23 @@ def criu_dump_cmd(ctx: click.Context, pid: int, name: str, leave_running: bool, 
 @criu.command("restore")
 @click.argument("name")
 @click.option("--staging", default=None, metavar="DIR", help="Where the images are materialized for CRIU.")
+@click.option("--device-map", multiple=True, metavar="OLD=NEW",
+              help="Restore GPU OLD's state onto GPU NEW (index or UUID; repeatable or comma-separated); "
+                   "list every checkpointed GPU. Checked before any process is restored.")
 @from_remote_option
 @from_jobs_option
 @json_option
 @click.pass_context
 @one_line_errors
-def criu_restore_cmd(ctx: click.Context, name: str, staging: str | None, from_remote: str | None, jobs: int,
-                     as_json: bool) -> None:
+def criu_restore_cmd(ctx: click.Context, name: str, staging: str | None, device_map: tuple[str, ...],
+                     from_remote: str | None, jobs: int, as_json: bool) -> None:
     """Restore snapshot NAME (every chunk verified before its bytes reach CRIU); GPU state is restored
     and unlocked. With --from REMOTE, a snapshot this store lacks is fetched while CRIU restores (the
     images CRIU reads first, first), and committed locally once all of it is here."""
     st = open_store(ctx, create=False)
     with undo_on_signals(), Progress(f"criu restore {name}", ctx.obj["progress"]) as prog:
-        r = criu_restore(st, name, staging=staging, progress=prog, from_remote=from_remote, jobs=jobs)
+        r = criu_restore(st, name, staging=staging, progress=prog, from_remote=from_remote, jobs=jobs,
+                         device_map=split_map(device_map))
     emit(as_json, r.as_dict(), f"{name}: restored, root pid {r.restored_pid} "
          f"({', '.join(f'{k} {v:.2f} s' for k, v in r.seconds.items())})")
 

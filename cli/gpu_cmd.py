@@ -27,6 +27,11 @@ def tier_options(fn: Any) -> Any:
                         help="'memory': the resident pool of `gpusnap pool serve` (custom storage only).")(fn)
 
 
+def split_map(items: tuple[str, ...]) -> list[str]:
+    """--device-map values, each OLD=NEW or several comma-separated (`0=1,1=0`), as one list."""
+    return [part for item in items for part in item.split(",")]
+
+
 def _socket(path: str | None) -> str:
     import os
     from sandbox.gpu.pool_daemon import DEFAULT_SOCKET
@@ -93,7 +98,8 @@ def gpu_checkpoint_cmd(ctx: click.Context, pid: int, name: str, lock_timeout: fl
 @click.argument("name")
 @click.argument("pid", type=int)
 @click.option("--device-map", multiple=True, metavar="OLD=NEW",
-              help="Restore GPU OLD's state onto GPU NEW (index or UUID); list every checkpointed GPU.")
+              help="Restore GPU OLD's state onto GPU NEW (index or UUID; repeatable or comma-separated); "
+                   "list every checkpointed GPU. Checked before any process is restored.")
 @click.option("--thp", type=THP_CHOICE, default="always", show_default=True,
               help="Transparent huge pages while the driver copies the state back ('always' is measured "
                    "faster; the previous setting is put back; 'keep' leaves the setting alone).")
@@ -114,7 +120,7 @@ def gpu_restore_cmd(ctx: click.Context, name: str, pid: int, device_map: tuple[s
     st = open_store(ctx, create=False)
     journal.require_clean(st.path)
     with Progress(f"gpu restore {name}", ctx.obj["progress"]) as prog:
-        rep = gpu_restore(st, name, pid, device_map=list(device_map), thp_mode=None if thp == "keep" else thp,
+        rep = gpu_restore(st, name, pid, device_map=split_map(device_map), thp_mode=None if thp == "keep" else thp,
                           progress=prog, from_remote=from_remote)
     emit(as_json, rep.as_dict(), f"{name}: {len(rep.pids)} process(es) restored via {rep.path} and running "
          f"({', '.join(f'{k} {v:.2f} s' for k, v in rep.seconds.items())})")

@@ -152,16 +152,22 @@ def test_illegal_transitions_are_refused_like_the_driver() -> None:
 
 
 def test_device_map_is_checked_against_both_machines() -> None:
+    from sandbox.gpu.device_map import DeviceMapError
     from sandbox.gpu.driver import GpuInfo
-    from sandbox.gpu.snapshot import GpuSnapshotError, parse_device_map
+    from sandbox.gpu.snapshot import parse_device_map
     snap = [{"index": 0, "uuid": "GPU-a", "name": "NVIDIA H200"}, {"index": 1, "uuid": "GPU-b", "name": "NVIDIA H200"}]
     here = [GpuInfo(0, "NVIDIA H200", "GPU-x", 1, (9, 0), None, False),
             GpuInfo(1, "NVIDIA H200", "GPU-y", 1, (9, 0), None, False),
             GpuInfo(2, "NVIDIA B200", "GPU-z", 1, (10, 0), None, True)]
     assert parse_device_map([], snap, here) == {}
     assert parse_device_map(["0=1", "GPU-b=GPU-x"], snap, here) == {"GPU-a": "GPU-y", "GPU-b": "GPU-x"}
-    for bad, why in ((["0=7", "1=0"], "no GPU '7' on this machine"), (["5=0", "1=1"], "no GPU '5' in the snapshot"),
-                     (["0=2", "1=1"], "cannot be restored onto a NVIDIA B200"), (["0=1"], "must list every"),
-                     (["0=1", "1=1"], "two GPUs onto one"), (["01"], "expected OLD=NEW")):
-        with pytest.raises(GpuSnapshotError, match=why):
+    # a map wrong in itself is a usage error (2); one this machine cannot meet, machine-lacks (4)
+    for bad, why, code in ((["0=7", "1=0"], "no GPU '7' on this machine", 4),
+                           (["5=0", "1=1"], "no GPU '5' in the snapshot", 2),
+                           (["0=2", "1=1"], "cannot be restored onto a NVIDIA B200", 4),
+                           (["0=1"], "must list every", 2), (["0=1", "1=1"], "two GPUs onto one", 2),
+                           (["0=1", "0=0"], "names the snapshot's GPU 0 .* twice", 2),
+                           (["01"], "expected OLD=NEW", 2)):
+        with pytest.raises(DeviceMapError, match=why) as ei:
             parse_device_map(bad, snap, here)
+        assert ei.value.exit_code == code, (bad, ei.value.exit_code)

@@ -114,7 +114,7 @@ def test_cli_gpu_checkpoint_and_restore(tmp_path: Path, drv) -> None:
         assert info["meta"]["kind"] == "gpu" and info["meta"]["gpu_path"] == rep["path"]
         # a wrong device map is refused before anything changes
         bad = cli.run("gpu", "restore", "swap1", str(w.pid), "--device-map", "0=7", check=False)
-        assert bad.returncode == 1 and "no GPU '7'" in bad.stderr and len(bad.stderr.splitlines()) == 1
+        assert bad.returncode == 4 and "no GPU '7'" in bad.stderr and len(bad.stderr.splitlines()) == 1
         assert drv.get_state(w.pid) == S.CHECKPOINTED
         uuid = info["meta"]["gpus"][0]["uuid"]
         cli.json("gpu", "restore", "swap1", str(w.pid), "--device-map", f"{uuid}=0")

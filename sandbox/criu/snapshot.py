@@ -112,6 +112,7 @@ class _GpuSide:
         self.pids, self.cuda_pids, self.driver, self.device = pids, cuda_pids, driver, device
         self.custom = bool(cuda_pids) and custom
         self.engine: Any = None
+        self.gpus: list[dict[str, Any]] = []  # this machine's GPUs, as the snapshot records them
 
     @classmethod
     def discover(cls, pids: list[int], root: int, driver: Any, features: Any, device: Any,
@@ -129,7 +130,9 @@ class _GpuSide:
         if cuda and features is None:
             from sandbox.gpu.driver import probe
             features = probe(driver)
-        return cls(pids, cuda, driver, bool(features is not None and features.custom_storage), device)
+        side = cls(pids, cuda, driver, bool(features is not None and features.custom_storage), device)
+        side.gpus = [{"index": g.index, "uuid": g.uuid, "name": g.name} for g in features.gpus] if cuda else []
+        return side
 
     @property
     def path(self) -> str | None:
@@ -160,13 +163,18 @@ class _GpuSide:
             regions = EngineRegions.into(self.engine, w, progress, log=log) if self.custom else None
             checkpoint(self.driver, self.cuda_pids, self._backend(regions), Limits(lock_timeout_s=lock_timeout_s))
 
-    def swap_in(self, store: SnapshotStore, name: str, streams: list[Any]) -> None:
-        """After CRIU (restore, or a dump that must leave the tree as it was): GPU state back, unlocked."""
+    def swap_in(self, store: SnapshotStore, name: str, streams: list[Any], gpu_map: dict[str, str] | None = None,
+                usage: Any = None) -> None:
+        """After CRIU (restore, or a dump that must leave the tree as it was): GPU state back, unlocked;
+        onto other GPUs by GPU_MAP (checked by sandbox.gpu.device_map.plan; USAGE: the snapshot's
+        gpu_bytes, which GPUs each process held)."""
+        from sandbox.gpu.device_map import for_restore
         from sandbox.gpu.regions import EngineRegions
         from sandbox.gpu.state import thaw
         regions = (EngineRegions(self.engine, source=store, name=name, streams=[s for s in streams if _is_gpu(s)])
                    if self.custom else None)
-        thaw(self.driver, self.cuda_pids, self._backend(regions))
+        thaw(for_restore(self.driver, gpu_map or {}, usage), self.cuda_pids, self._backend(regions),
+             gpu_map=gpu_map or None)
 
 
 def _is_gpu(stream: Any) -> bool:
@@ -195,6 +203,12 @@ def criu_dump(store: SnapshotStore, pid: int, name: str, *, leave_running: bool 
     report = CriuReport(name, pids, gpu.cuda_pids, images_path=streamer.images_path())
     meta = {"kind": "criu", "root_pid": pid, "pids": pids, "cuda_pids": gpu.cuda_pids,
             "criu": ".".join(map(str, criu.version or ())), "options": opts.argv(), "gpu_path": gpu.path}
+    if gpu.cuda_pids:  # what `criu restore --device-map` checks a map against
+        from sandbox.gpu.device_map import usage_of
+        known = {g["uuid"] for g in gpu.gpus}
+        usage = {str(p): {u: n for u, n in per.items() if u in known}
+                 for p, per in usage_of(gpu.driver, gpu.cuda_pids).items() if any(u in known for u in per)}
+        meta.update(gpus=gpu.gpus, **({"gpu_bytes": usage} if usage else {}))
     with journal.operation(store.path, OpKind.CRIU_DUMP, name, pids=pids, cuda_pids=tuple(gpu.cuda_pids),
                            gpu_path=gpu.path, leave_running=leave_running) as op, \
             store.writer(name, replace=replace, meta=meta, tags=tuple(tags)) as w, gpu:
@@ -418,10 +432,12 @@ def _from_remote(store: SnapshotStore, name: str, remote: str | None, jobs: int,
 
 def criu_restore(store: SnapshotStore, name: str, *, staging: str | None = None, progress: Any = None,
                  criu: Criu | None = None, gpu_driver: Any = None, device: Any = None,
-                 from_remote: str | None = None, jobs: int = DEFAULT_JOBS) -> CriuReport:
+                 from_remote: str | None = None, jobs: int = DEFAULT_JOBS, device_map: Sequence[str] = (),
+                 features: Any = None) -> CriuReport:
     """Snapshot NAME back: images served (verified) to `criu restore`, then the GPU state by the path
     that took it (the driver's host copy, or custom storage from the gpu/ streams). FROM_REMOTE: a
-    store that lacks NAME gets it from that remote (JOBS requests at once) while CRIU restores."""
+    store that lacks NAME gets it from that remote (JOBS requests at once) while CRIU restores.
+    DEVICE_MAP (OLD=NEW items): the GPU state onto other GPUs, the map checked before CRIU starts."""
     criu = criu or Criu()
     journal.require_clean(store.path)
     with store.shared(), _from_remote(store, name, from_remote, jobs, progress) as fill:
@@ -431,6 +447,16 @@ def criu_restore(store: SnapshotStore, name: str, *, staging: str | None = None,
         if taken:
             raise CriuSnapshotError(f"pid(s) {taken} of snapshot {name!r} are in use here; CRIU restores "
                                     "processes with their original pids (stop them, or restore in a new pid namespace)")
+        gpu_map: dict[str, str] = {}
+        if device_map:  # checked before a process is restored: a bad map changes nothing
+            if not meta.cuda_pids:
+                from sandbox.gpu.device_map import DeviceMapError
+                raise DeviceMapError(f"--device-map: snapshot {name!r} holds no GPU state")
+            from sandbox.gpu import device_map as dmap
+            if gpu_driver is None:
+                from sandbox.gpu.driver import CudaDriver
+                gpu_driver = CudaDriver()
+            gpu_map = dmap.plan(device_map, meta.gpus_json, dmap.gpus_here(gpu_driver, features), meta.gpu_bytes).gpu_map
         report = CriuReport(name, list(meta.pids), list(meta.cuda_pids))
         with journal.operation(store.path, OpKind.CRIU_RESTORE, name, cuda_pids=tuple(report.cuda_pids),
                                gpu_path=meta.gpu_path.value if meta.gpu_path else None) as op:
@@ -439,14 +465,15 @@ def criu_restore(store: SnapshotStore, name: str, *, staging: str | None = None,
                 if fill is not None:
                     fill.start()
                 _restore_from(store, m, meta, stage, report, criu, op, None if fill else progress, gpu_driver,
-                              device, fill)
+                              device, fill, gpu_map)
             finally:
                 shutil.rmtree(stage, ignore_errors=True)
     return report
 
 
 def _restore_from(store: SnapshotStore, m: Any, meta: CriuMeta, stage: str, report: CriuReport, criu: Criu,
-                  op: journal.Op, progress: Any, gpu_driver: Any, device: Any, fill: RemoteFill | None = None) -> None:
+                  op: journal.Op, progress: Any, gpu_driver: Any, device: Any, fill: RemoteFill | None = None,
+                  gpu_map: dict[str, str] | None = None) -> None:
     """M's images served to (or materialized in STAGE for) `criu restore`, then the GPU state
     (journaled). FILL: M's chunks are still arriving from a remote; it commits once CRIU is done
     (before the GPU state, which is read from the store), or the restored tree is killed."""
@@ -502,5 +529,5 @@ def _restore_from(store: SnapshotStore, m: Any, meta: CriuMeta, stage: str, repo
         t0 = time.perf_counter()
         custom = meta.gpu_path == GpuPath.CUSTOM_STORAGE
         with _GpuSide(report.pids, report.cuda_pids, gpu_driver or CudaDriver(), custom, device) as gpu:
-            gpu.swap_in(store, name, m.streams)
+            gpu.swap_in(store, name, m.streams, gpu_map, meta.gpu_bytes)
         report.seconds["gpu_restore"] = time.perf_counter() - t0

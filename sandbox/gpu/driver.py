@@ -7,6 +7,7 @@ never as a crash. The import of cuda.bindings is lazy: this module loads on mach
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import enum
 import threading
 from dataclasses import dataclass, field
@@ -58,6 +59,7 @@ class GpuInfo:
     compute_capability: tuple[int, int]
     numa_node: int | None
     decompression_engine: bool
+    free_bytes: int | None = None  # free device memory when probed (NVML); None: unknown
 
 
 @dataclass
@@ -279,7 +281,14 @@ class CudaDriver:
                 except CudaDriverError:
                     engine = False
             out.append(GpuInfo(i, name, uuid, total, (major, minor), numa, engine))
-        return out
+        from sandbox.gpu import nvml
+        free = nvml.memory() or {}
+        return [dataclasses.replace(g, free_bytes=free[g.uuid][1]) if g.uuid in free else g for g in out]
+
+    def gpu_bytes(self, pids: list[int]) -> dict[int, dict[str, int]] | None:
+        """{pid: {GPU uuid: bytes}} each of PIDS holds on each GPU now (NVML); None: unknown."""
+        from sandbox.gpu import nvml
+        return nvml.process_memory(pids)
 
 
 def probe(driver: CudaDriver | None = None) -> Features:

@@ -22,6 +22,7 @@ from storage.store import SnapshotStore
 
 from sandbox.ops import journal
 
+from sandbox.gpu import device_map as dmap
 from sandbox.gpu.driver import CheckpointDriver, CudaDriver, Features, ProcessState, probe
 from sandbox.gpu.processes import cuda_processes
 from sandbox.gpu.regions import EngineRegions
@@ -83,8 +84,11 @@ def gpu_checkpoint(store: SnapshotStore, root_pid: int, name: str, *, driver: Cu
     if busy:  # a snapshot of an already checkpointed process would not hold its GPU memory
         raise GpuSnapshotError("; ".join(f"pid {p} is {s.name}, not RUNNING" for p, s in busy.items()))
     gpus = [{"index": g.index, "uuid": g.uuid, "name": g.name} for g in feats.gpus]
-    meta = {"kind": "gpu", "gpu_path": path.value, "root_pid": root_pid, "pids": pids, "gpus": gpus,
-            "driver": feats.driver_version}
+    meta: dict[str, Any] = {"kind": "gpu", "gpu_path": path.value, "root_pid": root_pid, "pids": pids,
+                            "gpus": gpus, "driver": feats.driver_version}
+    usage = _recorded_usage(drv, pids, gpus)
+    if usage:  # what a --device-map restore checks against the target GPUs' free memory
+        meta["gpu_bytes"] = usage
     with journal.operation(store.path, OpKind.GPU_CHECKPOINT, name, pids=pids, cuda_pids=tuple(pids),
                            gpu_path=path.value) as op, \
             store.writer(name, replace=replace, meta=meta, tags=tuple(tags)) as w, _engine(path, device) as eng, \
@@ -106,6 +110,13 @@ def gpu_checkpoint(store: SnapshotStore, root_pid: int, name: str, *, driver: Cu
             op.keep = not _all_running(drv, pids)
             raise
     return GpuReport(name, path.value, pids, dict(rep.seconds), w.stats.raw_bytes, w.stats.bytes_new)
+
+
+def _recorded_usage(drv: CheckpointDriver, pids: list[int], gpus: list[dict[str, Any]]) -> dict[str, dict[str, int]]:
+    """{"PID": {GPU uuid: bytes}} the processes hold now, on the GPUs the snapshot records ({}: unknown)."""
+    known = {g["uuid"] for g in gpus}
+    return {str(p): {u: n for u, n in per.items() if u in known}
+            for p, per in dmap.usage_of(drv, pids).items() if any(u in known for u in per)}
 
 
 def _all_running(drv: CheckpointDriver, pids: list[int]) -> bool:
@@ -131,31 +142,9 @@ def _engine(path: GpuPath, device: Any) -> Iterator[Any]:
 
 
 def parse_device_map(items: list[str], snapshot_gpus: list[dict[str, Any]], here: list[Any]) -> dict[str, str]:
-    """--device-map OLD=NEW (index or UUID each) -> {old uuid: new uuid}, checked against both machines."""
-    if not items:
-        return {}
-    def find(spec: str, gpus: list[dict[str, Any]], where: str) -> dict[str, Any]:
-        for g in gpus:
-            if spec == str(g["index"]) or spec == g["uuid"]:
-                return g
-        raise GpuSnapshotError(f"--device-map: no GPU {spec!r} {where}")
-    here_d = [{"index": g.index, "uuid": g.uuid, "name": g.name} for g in here]
-    out: dict[str, str] = {}
-    for item in items:
-        old, sep, new = item.partition("=")
-        if not sep or not old or not new:
-            raise GpuSnapshotError(f"--device-map {item!r}: expected OLD=NEW (GPU index or UUID)")
-        g_old = find(old, snapshot_gpus, "in the snapshot")
-        g_new = find(new, here_d, "on this machine")
-        if g_old["name"] != g_new["name"]:
-            raise GpuSnapshotError(f"--device-map {item}: {g_old['name']} state cannot be restored onto a {g_new['name']}")
-        out[g_old["uuid"]] = g_new["uuid"]
-    if len(set(out.values())) != len(out):
-        raise GpuSnapshotError("--device-map maps two GPUs onto one")
-    missing = [g["uuid"] for g in snapshot_gpus if g["uuid"] not in out]
-    if missing:
-        raise GpuSnapshotError(f"--device-map must list every checkpointed GPU; missing {', '.join(missing)}")
-    return out
+    """--device-map OLD=NEW (index or UUID each) -> {old uuid: new uuid}, checked against both machines
+    (sandbox.gpu.device_map.parse; DeviceMapError names what is wrong)."""
+    return dmap.parse(items, snapshot_gpus, here)
 
 
 def gpu_restore(store: SnapshotStore, name: str, root_pid: int, *, device_map: list[str] | None = None,
@@ -181,7 +170,9 @@ def gpu_restore(store: SnapshotStore, name: str, root_pid: int, *, device_map: l
             raise GpuSnapshotError(f"snapshot {name!r} was taken of pid {meta.root_pid}, not {root_pid}")
         drv = driver or CudaDriver()
         feats = features or probe(drv)
-        gpu_map = parse_device_map(device_map or [], meta.gpus_json, feats.gpus)
+        gpu_map: dict[str, str] = {}
+        if device_map:  # checked before anything is pulled or restored: a bad map changes nothing
+            gpu_map = dmap.plan(device_map, meta.gpus_json, dmap.gpus_here(drv, feats), meta.gpu_bytes).gpu_map
         path = meta.gpu_path
         source: Any = store
         if fill is not None:
@@ -191,7 +182,8 @@ def gpu_restore(store: SnapshotStore, name: str, root_pid: int, *, device_map: l
             fill.start()
         with _engine(path, device) as eng:
             regions = EngineRegions.of(eng, source, m, progress) if eng is not None else None
-            rep = thaw(drv, pids, backend_for(path, regions=regions, thp_mode=thp_mode), gpu_map=gpu_map)
+            rep = thaw(dmap.for_restore(drv, gpu_map, meta.gpu_bytes), pids,
+                       backend_for(path, regions=regions, thp_mode=thp_mode), gpu_map=gpu_map or None)
         seconds = dict(rep.seconds)
         if fill is not None:  # the processes run; the local copy is committed once every chunk is in
             fill.finish()

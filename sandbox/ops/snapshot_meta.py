@@ -99,6 +99,31 @@ def _gpu_path(v: Any, where: str, *, optional: bool) -> GpuPath | None:
         raise _fail(where, f"GPU path {v!r} is not one of {', '.join(p.value for p in GpuPath)}") from None
 
 
+def _gpu_bytes(v: Any, where: str, pids: tuple[int, ...], gpus: tuple["GpuInfo", ...]) -> dict[int, dict[str, int]]:
+    """`gpu_bytes` ({"PID": {"GPU uuid": bytes}}, what each process held on each GPU at checkpoint):
+    only the snapshot's pids and GPUs, counts in 0..2^50 (a PiB); absent in older snapshots."""
+    if v is None:
+        return {}
+    if not isinstance(v, dict) or len(v) > len(pids):
+        raise _fail(where, "gpu_bytes is not an object of the snapshot's pids")
+    uuids = {g.uuid for g in gpus}
+    out: dict[int, dict[str, int]] = {}
+    for k, per in v.items():
+        pid = _pid(int(k) if isinstance(k, str) and k.isdigit() and len(k) <= 8 else k, where, "gpu_bytes pid")
+        if pid not in pids or not isinstance(per, dict) or not set(per) <= uuids:
+            raise _fail(where, f"gpu_bytes of {k!r} names a pid or GPU the snapshot does not")
+        out[pid] = {u: _int(n, where, "gpu_bytes count", 0, 1 << 50) for u, n in per.items()}
+    return out
+
+
+def _gpus(v: Any, where: str) -> tuple["GpuInfo", ...]:
+    if v is None:
+        return ()
+    if not isinstance(v, list) or len(v) > 1024:
+        raise _fail(where, "gpus is not a list")
+    return tuple(GpuInfo.from_json(g, where) for g in v)
+
+
 # ---- runsc flags -------------------------------------------------------------------------------
 _BOOL = r"true|false"
 # the runsc global flags gpusnap records (from --runsc-arg and the GPU sandbox setup), with their values
@@ -227,28 +252,28 @@ class FilesMeta(SnapshotMeta):
 class GpuMeta(SnapshotMeta):
     """`gpu` snapshots: GPU state of a process tree (custom storage: gpu/PID/INDEX streams)."""
     KIND = SnapshotKind.GPU
-    FIELDS = ("gpu_path", "path", "root_pid", "pids", "gpus", "driver")
+    FIELDS = ("gpu_path", "path", "root_pid", "pids", "gpus", "driver", "gpu_bytes")
     gpu_path: GpuPath = GpuPath.HOST_STAGED
     root_pid: int = 1
     pids: tuple[int, ...] = ()
     gpus: tuple[GpuInfo, ...] = ()
     driver: str | None = None
+    gpu_bytes: Mapping[int, Mapping[str, int]] = field(default_factory=dict)
 
     def _fields(self) -> dict[str, Any]:
         return {"gpu_path": self.gpu_path.value, "root_pid": self.root_pid, "pids": list(self.pids),
-                "gpus": [g.to_json() for g in self.gpus], "driver": self.driver}
+                "gpus": [g.to_json() for g in self.gpus], "driver": self.driver,
+                **({"gpu_bytes": {str(p): dict(u) for p, u in self.gpu_bytes.items()}} if self.gpu_bytes else {})}
 
     @classmethod
     def _parse(cls, meta: dict[str, Any], where: str, name: str, extra: dict[str, Any]) -> "GpuMeta":
         path = meta.get("gpu_path", meta.get("path"))  # `path` before the key was unified
-        gpus = meta.get("gpus", [])
-        if not isinstance(gpus, list):
-            raise _fail(where, "gpus is not a list")
+        pids = _pids(meta.get("pids"), where, "pids")
+        gpus = _gpus(meta.get("gpus", []), where)
         return cls(_gpu_path(path, where, optional=False),  # type: ignore[arg-type]
-                   _pid(meta.get("root_pid"), where, "root_pid"), _pids(meta.get("pids"), where, "pids"),
-                   tuple(GpuInfo.from_json(g, where) for g in gpus),
+                   _pid(meta.get("root_pid"), where, "root_pid"), pids, gpus,
                    _str(meta.get("driver"), where, "driver version", r"[0-9A-Za-z.+-]{0,64}", optional=True),
-                   extra=extra)
+                   _gpu_bytes(meta.get("gpu_bytes"), where, pids, gpus), extra=extra)
 
     @property
     def gpus_json(self) -> list[dict[str, Any]]:
@@ -259,18 +284,26 @@ class GpuMeta(SnapshotMeta):
 class CriuMeta(SnapshotMeta):
     """`criu` snapshots: CRIU images under images/, GPU state by gpu_path."""
     KIND = SnapshotKind.CRIU
-    FIELDS = ("root_pid", "pids", "cuda_pids", "criu", "options", "gpu_path")
+    FIELDS = ("root_pid", "pids", "cuda_pids", "criu", "options", "gpu_path", "gpus", "gpu_bytes")
     root_pid: int = 1
     pids: tuple[int, ...] = ()
     cuda_pids: tuple[int, ...] = ()
     criu: str = ""
     options: tuple[str, ...] = ()
     gpu_path: GpuPath | None = None
+    gpus: tuple[GpuInfo, ...] = ()
+    gpu_bytes: Mapping[int, Mapping[str, int]] = field(default_factory=dict)
 
     def _fields(self) -> dict[str, Any]:
         return {"root_pid": self.root_pid, "pids": list(self.pids), "cuda_pids": list(self.cuda_pids),
                 "criu": self.criu, "options": list(self.options),
-                "gpu_path": self.gpu_path.value if self.gpu_path else None}
+                "gpu_path": self.gpu_path.value if self.gpu_path else None,
+                **({"gpus": [g.to_json() for g in self.gpus]} if self.gpus else {}),
+                **({"gpu_bytes": {str(p): dict(u) for p, u in self.gpu_bytes.items()}} if self.gpu_bytes else {})}
+
+    @property
+    def gpus_json(self) -> list[dict[str, Any]]:
+        return [g.to_json() for g in self.gpus]
 
     @property
     def shell_job(self) -> bool:
@@ -291,8 +324,9 @@ class CriuMeta(SnapshotMeta):
         gpu_path = _gpu_path(meta.get("gpu_path"), where, optional=True)
         if bool(cuda) != (gpu_path is not None):
             raise _fail(where, f"gpu_path {meta.get('gpu_path')!r} does not match cuda_pids {list(cuda)}")
+        gpus = _gpus(meta.get("gpus"), where)
         return cls(root, pids, cuda, _str(meta.get("criu", ""), where, "CRIU version", r"[0-9.]{0,32}"),
-                   tuple(options), gpu_path, extra=extra)
+                   tuple(options), gpu_path, gpus, _gpu_bytes(meta.get("gpu_bytes"), where, cuda, gpus), extra=extra)
 
 
 @dataclass(frozen=True)

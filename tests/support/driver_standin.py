@@ -3,6 +3,11 @@
 StandInDriver implements the documented transitions in memory and refuses every other one with the
 error the driver gives (CUDA_ERROR_ILLEGAL_STATE); each process's "GPU memory" is a bytearray so tests
 can check that rollback never loses or changes it. Faults are injected per pid and call.
+GPUs (gpu_list) and where each process's memory sits on them (Proc.placement: GPU uuid -> bytes) are
+modelled too: gpus() reports each GPU's free memory (total, less what other tenants hold (reserved)
+and what RUNNING/LOCKED processes hold there), gpu_bytes() what a process holds (as NVML would), and
+a restore with a GPU map refuses like the driver (a checkpointed GPU missing: INVALID_VALUE; too
+little free memory on a target: OUT_OF_MEMORY) or moves the placement; Proc.maps records every map.
 SharedStandIn is the same state machine with its state in a file, for everything that drives the
 driver from more than one process (CRIU action scripts, the in-sandbox agent, a gpusnap killed -9 and
 the `recover` after it). MemorySpill is a RegionSpill over the in-memory one.
@@ -14,7 +19,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from sandbox.gpu.driver import CustomOperation, DeviceRegion, ProcessState, driver_error
+from sandbox.gpu.driver import CustomOperation, DeviceRegion, GpuInfo, ProcessState, driver_error
 
 S = ProcessState
 
@@ -33,6 +38,14 @@ class Proc:
     external: bytearray | None = None    # custom storage: the mapped region while CHECKPOINTING/RESTORING
     alive: bool = True
     ckpt_size: int = 0                   # custom storage: bytes the last custom checkpoint held
+    placement: dict[str, int] = field(default_factory=dict)   # GPU uuid -> bytes it holds there
+    maps: list[dict[str, str] | None] = field(default_factory=list)  # the GPU map of every restore
+
+
+def standin_gpus(n: int, total: int = 1 << 30, name: str = "Stand-in GPU") -> list[GpuInfo]:
+    """N stand-in GPUs of TOTAL bytes each, uuids GPU-0000000N-... (index N-1)."""
+    return [GpuInfo(i, name, f"GPU-{i:08x}-0000-0000-0000-000000000000", total, (9, 0), None, False)
+            for i in range(n)]
 
 
 @dataclass
@@ -44,9 +57,42 @@ class StandInDriver:
     calls: list[tuple[int, str]] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _handles: dict[int, tuple[int, str]] = field(default_factory=dict)
+    gpu_list: list[GpuInfo] = field(default_factory=list)
+    reserved: dict[str, int] = field(default_factory=dict)   # GPU uuid -> bytes other tenants hold
 
-    def add(self, pid: int, data: bytes) -> None:
-        self.procs[pid] = Proc(bytearray(data))
+    def add(self, pid: int, data: bytes, placement: dict[str, int] | None = None) -> None:
+        self.procs[pid] = Proc(bytearray(data), placement=dict(placement or {}))
+
+    # -- the GPUs (what CudaDriver.gpus() and gpu_bytes() report through NVML) ---------------------
+    def gpus(self) -> list[GpuInfo]:
+        from dataclasses import replace
+        held: dict[str, int] = {}
+        for p in self.procs.values():
+            if p.alive and p.state not in (S.CHECKPOINTED,):
+                for u, n in p.placement.items():
+                    held[u] = held.get(u, 0) + n
+        return [replace(g, free_bytes=max(0, g.total_bytes - self.reserved.get(g.uuid, 0) - held.get(g.uuid, 0)))
+                for g in self.gpu_list]
+
+    def gpu_bytes(self, pids: list[int]) -> dict[int, dict[str, int]]:
+        return {p: dict(self.procs[p].placement) for p in pids
+                if p in self.procs and self.procs[p].placement and self.procs[p].state != S.CHECKPOINTED}
+
+    def _remap(self, pid: int, p: Proc, call: str, gpu_map: dict[str, str] | None) -> None:
+        """The driver's checks of a GPU map, then the placement moved (the state is not changed)."""
+        p.maps.append(dict(gpu_map) if gpu_map else None)
+        if not gpu_map:
+            return
+        uuids = {g.uuid for g in self.gpu_list}
+        if not set(p.placement) <= set(gpu_map) or not set(gpu_map.values()) <= uuids:
+            raise driver_error(pid, call, "CUDA_ERROR_INVALID_VALUE", "the GPU map misses a checkpointed GPU")
+        free = {g.uuid: g.free_bytes or 0 for g in self.gpus()}
+        moved: dict[str, int] = {}
+        for u, n in p.placement.items():
+            moved[gpu_map[u]] = moved.get(gpu_map[u], 0) + n
+        if any(n > free[u] for u, n in moved.items()):
+            raise driver_error(pid, call, "CUDA_ERROR_OUT_OF_MEMORY")
+        p.placement = moved
 
     def _enter(self, pid: int, call: str, allowed: tuple[ProcessState, ...]) -> Proc:
         with self._lock:
@@ -88,6 +134,7 @@ class StandInDriver:
     def restore(self, pid: int, gpu_map: dict[str, str] | None = None) -> None:
         p = self._enter(pid, "restore", (S.CHECKPOINTED,))
         assert p.host is not None
+        self._remap(pid, p, "restore", gpu_map)
         p.gpu, p.host, p.state = bytearray(p.host), None, S.LOCKED
 
     def restore_thread_id(self, pid: int) -> int:
@@ -103,6 +150,7 @@ class StandInDriver:
 
     def restore_custom(self, pid: int, gpu_map: dict[str, str] | None = None) -> CustomOperation:
         p = self._enter(pid, "restore_custom", (S.CHECKPOINTED,))
+        self._remap(pid, p, "restore_custom", gpu_map)
         p.external, p.state = bytearray(p.ckpt_size), S.RESTORING
         h = id(p.external)
         self._handles[h] = (pid, "restore")
@@ -162,11 +210,14 @@ class SharedStandIn:
         self._held: StandInDriver | None = None  # during a custom-storage operation: its mapped memory lives here
 
     @classmethod
-    def create(cls, path: str, procs: dict[int, bytes], *, alias: int | None = None) -> "SharedStandIn":
-        """A state file with PROCS (pid -> GPU memory) RUNNING."""
-        d = StandInDriver()
+    def create(cls, path: str, procs: dict[int, bytes], *, alias: int | None = None, gpus: list[GpuInfo] | None = None,
+               placement: dict[int, dict[str, int]] | None = None, reserved: dict[str, int] | None = None
+               ) -> "SharedStandIn":
+        """A state file with PROCS (pid -> GPU memory) RUNNING; GPUS, each process's PLACEMENT on them
+        and what other tenants hold (RESERVED) as StandInDriver models them."""
+        d = StandInDriver(gpu_list=list(gpus or []), reserved=dict(reserved or {}))
         for pid, data in procs.items():
-            d.add(pid, data)
+            d.add(pid, data, (placement or {}).get(pid))
         s = cls(path, alias=alias)
         s._save(d)
         return s
@@ -176,7 +227,8 @@ class SharedStandIn:
         import pickle
         tmp = f"{self.path}.{os.getpid()}.tmp"
         with open(tmp, "wb") as f:
-            pickle.dump({"procs": d.procs, "fail": d.fail, "calls": d.calls}, f)
+            pickle.dump({"procs": d.procs, "fail": d.fail, "calls": d.calls, "gpu_list": d.gpu_list,
+                         "reserved": d.reserved}, f)
         os.replace(tmp, self.path)
 
     def load(self) -> StandInDriver:
@@ -212,6 +264,12 @@ class SharedStandIn:
 
     def get_state(self, pid: int) -> ProcessState:
         return self._call("get_state", pid)  # type: ignore[return-value]
+
+    def gpus(self) -> list[GpuInfo]:
+        return self.load().gpus()
+
+    def gpu_bytes(self, pids: list[int]) -> dict[int, dict[str, int]]:
+        return self.load().gpu_bytes(pids)
 
     def lock(self, pid: int, timeout_ms: int) -> None:
         self._call("lock", pid, timeout_ms)
