@@ -495,13 +495,14 @@ class ServeSource:
         self._zeros = bytes(max((c.raw_len for s in self.images.values() for c in s.chunks), default=0))
         self.plans: dict[str, split.Plan] = {}    # page image -> its split
         self._rewritten: dict[str, bytes] = {}    # pagemap image -> what CRIU gets instead
+        # why the split did not engage (None when it did), for the restore report
+        self.split_skipped_because: str | None = "the split is off (GPUSNAP_CRIU_SPLIT_MIN=0)"
         if split_min > 0:
-            for name, s in self.images.items():
-                if split.PAGEMAP_NAME.fullmatch(name):
-                    pl = split.plan(name, b"".join(bytes(self._chunk(s, i, c)) for i, c in enumerate(s.chunks)), split_min)
-                    if pl is not None and pl.pages_image in self.images:
-                        self.plans[pl.pages_image] = pl
-                        self._rewritten[name] = pl.pagemap
+            pagemaps = {name: b"".join(bytes(self._chunk(s, i, c)) for i, c in enumerate(s.chunks))
+                        for name, s in self.images.items() if split.PAGEMAP_NAME.fullmatch(name)}
+            self.plans, self.split_skipped_because = split.choose(
+                pagemaps, {n: s.size for n, s in self.images.items() if is_page_image(n)}, split_min)
+            self._rewritten = {f"pagemap-{pl.pid}.img": pl.pagemap for pl in self.plans.values()}
         if arrivals is not None:
             arrivals.first(read_order(self.images, self.plans))
         self.connected_at: float | None = None  # time.monotonic() when CRIU connected
@@ -740,6 +741,8 @@ def restore(criu: Any, store: SnapshotStore, manifest: Manifest, images: str, *,
                 seconds["split_fill"] = time.perf_counter() - t1
         info.update(served=len(srv.served), refused=srv.refused, bytes=srv.bytes, stages=srv.stages.table(),
                     moved_bytes=sum(p.moved_bytes for p in srv.plans.values()))
+        if srv.split_skipped_because is not None:
+            info["split_skipped_because"] = srv.split_skipped_because
         if srv.connected_at is not None:
             info["criu_connected_monotonic"] = srv.connected_at
     return seconds, info
