@@ -27,7 +27,8 @@ def criu() -> None:
 @click.option("--ext-unix-sk", is_flag=True, help="Allow external unix sockets (CRIU --ext-unix-sk).")
 @click.option("--file-locks", is_flag=True, help="Dump file locks (CRIU --file-locks).")
 @click.option("--link-remap", is_flag=True, help="Allow deleted/linked files (CRIU --link-remap).")
-@click.option("--tcp-established", is_flag=True, help="Dump established TCP connections.")
+@click.option("--tcp-established", is_flag=True, help="Dump established TCP connections (CRIU "
+              "--tcp-established; the restore then restores them).")
 @click.option("--staging", default=None, metavar="DIR", help="Where CRIU writes images before ingest "
               "(default /dev/shm when they fit, else the store's tmp/).")
 @click.option("--replace", is_flag=True, help="Replace an existing snapshot of the same name.")
@@ -54,19 +55,22 @@ def criu_dump_cmd(ctx: click.Context, pid: int, name: str, leave_running: bool, 
 @criu.command("restore")
 @click.argument("name")
 @click.option("--staging", default=None, metavar="DIR", help="Where the images are materialized for CRIU.")
+@click.option("--tcp-established", is_flag=True, help="Restore established TCP connections (CRIU "
+              "--tcp-established; given anyway when the dump used it).")
 @from_remote_option
 @from_jobs_option
 @json_option
 @click.pass_context
 @one_line_errors
-def criu_restore_cmd(ctx: click.Context, name: str, staging: str | None, from_remote: str | None, jobs: int,
-                     as_json: bool) -> None:
+def criu_restore_cmd(ctx: click.Context, name: str, staging: str | None, tcp_established: bool,
+                     from_remote: str | None, jobs: int, as_json: bool) -> None:
     """Restore snapshot NAME (every chunk verified before its bytes reach CRIU); GPU state is restored
     and unlocked. With --from REMOTE, a snapshot this store lacks is fetched while CRIU restores (the
     images CRIU reads first, first), and committed locally once all of it is here."""
     st = open_store(ctx, create=False)
     with undo_on_signals(), Progress(f"criu restore {name}", ctx.obj["progress"]) as prog:
-        r = criu_restore(st, name, staging=staging, progress=prog, from_remote=from_remote, jobs=jobs)
+        r = criu_restore(st, name, staging=staging, progress=prog, from_remote=from_remote, jobs=jobs,
+                         tcp_established=tcp_established)
     emit(as_json, r.as_dict(), f"{name}: restored, root pid {r.restored_pid} "
          f"({', '.join(f'{k} {v:.2f} s' for k, v in r.seconds.items())})")
 

@@ -701,7 +701,8 @@ def split_min() -> int:
 
 def restore(criu: Any, store: SnapshotStore, manifest: Manifest, images: str, *, shell_job: bool,
             pidfile: str, pids: list[int], thp_mode: str | None = "always",
-            split_bytes: int | None = None, arrivals: Arrivals | None = None) -> tuple[dict[str, float], dict[str, Any]]:
+            split_bytes: int | None = None, arrivals: Arrivals | None = None,
+            extra: tuple[str, ...] = ()) -> tuple[dict[str, float], dict[str, Any]]:
     """`criu restore --stream -d` of MANIFEST's images served from STORE (IMAGES: a private directory
     for the socket and CRIU's log), THP set to THP_MODE meanwhile (CRIU faults the whole image in).
     With a split (runs of at least SPLIT_BYTES, default split_min()), CRIU leaves the tree PIDS
@@ -716,7 +717,7 @@ def restore(criu: Any, store: SnapshotStore, manifest: Manifest, images: str, *,
     born_after = boot_ticks()  # what CRIU restores starts after this
     with ServeSource(store, manifest, images, split_min=split_min() if split_bytes is None else split_bytes,
                      arrivals=arrivals) as srv:
-        extra = ("--stream", "--leave-stopped") if srv.plans else ("--stream",)
+        extra = extra + (("--stream", "--leave-stopped") if srv.plans else ("--stream",))  # EXTRA: CRIU options
         with thp(thp_mode):
             try:
                 with _adopting_orphans():
