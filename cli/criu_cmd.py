@@ -29,6 +29,9 @@ def criu() -> None:
 @click.option("--link-remap", is_flag=True, help="Allow deleted/linked files (CRIU --link-remap).")
 @click.option("--tcp-established", is_flag=True, help="Dump established TCP connections (CRIU "
               "--tcp-established; the restore then restores them).")
+@click.option("--skip-in-flight", is_flag=True, help="Drop TCP connections not yet accepted (CRIU "
+              "--skip-in-flight; without it CRIU refuses a server with connections in its accept queue: "
+              "`In-flight connection`).")
 @click.option("--staging", default=None, metavar="DIR", help="Where CRIU writes images before ingest "
               "(default /dev/shm when they fit, else the store's tmp/).")
 @click.option("--replace", is_flag=True, help="Replace an existing snapshot of the same name.")
@@ -38,12 +41,13 @@ def criu() -> None:
 @one_line_errors
 def criu_dump_cmd(ctx: click.Context, pid: int, name: str, leave_running: bool, shell_job: bool,
                   ext_unix_sk: bool, file_locks: bool, link_remap: bool, tcp_established: bool,
-                  staging: str | None, replace: bool, tags: tuple[str, ...], as_json: bool) -> None:
+                  skip_in_flight: bool, staging: str | None, replace: bool, tags: tuple[str, ...], as_json: bool) -> None:
     """Dump PID and its descendants into snapshot NAME. On any failure the tree keeps running."""
     refuse_container_process(pid)
     st = open_store(ctx)
     opts = DumpOptions(shell_job=shell_job, ext_unix_sk=ext_unix_sk, file_locks=file_locks,
-                       link_remap=link_remap, tcp_established=tcp_established)
+                       link_remap=link_remap, tcp_established=tcp_established,
+                       skip_in_flight=skip_in_flight)
     with undo_on_signals(), Progress(f"criu dump {pid}", ctx.obj["progress"]) as prog:
         r = criu_dump(st, pid, name, leave_running=leave_running, options=opts, replace=replace,
                       staging=staging, progress=prog, tags=tags)

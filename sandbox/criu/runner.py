@@ -187,6 +187,7 @@ class DumpOptions:
     file_locks: bool = False
     link_remap: bool = False
     tcp_established: bool = False
+    skip_in_flight: bool = False  # connections not yet accepted are dropped (their clients retry)
     action_script: str | None = None
     extra: tuple[str, ...] = ()
 
@@ -195,7 +196,8 @@ class DumpOptions:
         for flag, on in (("--leave-running", self.leave_running), ("--leave-stopped", self.leave_stopped),
                          ("--shell-job", self.shell_job),
                          ("--ext-unix-sk", self.ext_unix_sk), ("--file-locks", self.file_locks),
-                         ("--link-remap", self.link_remap), ("--tcp-established", self.tcp_established)):
+                         ("--link-remap", self.link_remap), ("--tcp-established", self.tcp_established),
+                         ("--skip-in-flight", self.skip_in_flight)):
             if on:
                 a.append(flag)
         if self.action_script:
@@ -224,10 +226,11 @@ _PRINTED = "--- printed by criu ---"
 
 
 def cause_from_log(lines: Sequence[str], n: int = 6) -> list[str]:
-    """The lines of a CRIU log that say why it failed, the cause first: a line naming a known cause
-    (where CRIU's error names its consequence), else CRIU's first Error line that is neither noise
-    (the RLIMIT_NOFILE and kdat cache lines) nor a summary ("Dumping FAILED.", "... failed with -1"),
-    then the rest in order. Without Error lines: what CRIU printed (e.g. missing capabilities), else
+    """The lines of a CRIU log that say why it failed, the cause first: CRIU's first Error line that
+    is neither noise (the RLIMIT_NOFILE and kdat cache lines) nor a summary ("Dumping FAILED.",
+    "... failed with -1", "Unable to detach"), else a warning naming a known cause (where CRIU's
+    errors name only its consequence; the same warning is harmless when CRIU goes on, e.g. for a
+    child exiting while it is seized), then the rest in order. Without Error lines: what CRIU printed (e.g. missing capabilities), else
     lines saying "Can't"/"fail", else the last lines. CRIU prints the most specific error first: the
     function that failed logs before each caller adds its own line."""
     lines = [l.rstrip("\n") for l in lines]
@@ -238,7 +241,7 @@ def cause_from_log(lines: Sequence[str], n: int = 6) -> list[str]:
     errors = [l for l in quiet if _ERROR.match(l) and l not in causes]
     specific = [l for l in errors if not _CONSEQUENCE.search(l)]
     summaries = [l for l in errors if _CONSEQUENCE.search(l)]
-    found = causes + specific + summaries
+    found = specific + causes + summaries
     if not found:
         found = [l for l in printed if l.strip()] or \
             [l for l in quiet if re.search(r"[Cc]an't|[Ff]ail|[Ee]rror", l)]
