@@ -168,8 +168,9 @@ def locate_criu(kernel: Version | None = None) -> CriuChoice:
             usable.append((path, why, v, fails))
         passed.append(f"{path} ({why}): {fails[0]}")
     if usable:
-        path, why, v, fails = usable[0]
-        return CriuChoice(path, why, tuple(p for p in passed if not p.startswith(f"{path} ({why})")), v, tuple(fails))
+        first, first_why, first_v, first_fails = usable[0]
+        return CriuChoice(first, first_why, tuple(p for p in passed if not p.startswith(f"{first} ({first_why})")),
+                          first_v, tuple(first_fails))
     return CriuChoice(None, None, tuple(passed))
 
 
