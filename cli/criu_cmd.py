@@ -75,8 +75,10 @@ def criu_restore_cmd(ctx: click.Context, name: str, staging: str | None, tcp_est
     with undo_on_signals(), Progress(f"criu restore {name}", ctx.obj["progress"]) as prog:
         r = criu_restore(st, name, staging=staging, progress=prog, from_remote=from_remote, jobs=jobs,
                          tcp_established=tcp_established)
+    skipped = r.stages.get("served", {}).get("split_skipped_because")
     emit(as_json, r.as_dict(), f"{name}: restored, root pid {r.restored_pid} "
-         f"({', '.join(f'{k} {v:.2f} s' for k, v in r.seconds.items())})")
+         f"({', '.join(f'{k} {v:.2f} s' for k, v in r.seconds.items())})"
+         + (f"; no split restore: {skipped}" if skipped else ""))
 
 
 COMMANDS = [criu]
