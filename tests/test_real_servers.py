@@ -215,6 +215,34 @@ def test_shell_pipeline_that_forks_leaves_nothing_behind_and_restores(cli: Cli) 
         w.kill()
 
 
+@pytest.mark.parametrize("stage", ["ingest", "after-commit"])
+def test_gpusnap_killed_mid_dump_of_a_forking_tree_then_recover_leaves_none_stopped(cli: Cli, tmp_path: Path,
+                                                                                   stage: str) -> None:
+    """kill -9 of gpusnap once CRIU has left the pipeline stopped: `recover` resumes all CRIU froze
+    (not committed) or kills all of it (committed), children forked during the freeze included."""
+    import signal
+    from test_crash_recovery import Paused
+    w = Workload(["sh", "-c", PIPELINE])
+    try:
+        until("the pipeline counts", lambda: (w.dir / "count").exists() and _count(w) > 0, timeout=60)
+        p = Paused(cli.store, ["criu", "dump", str(w.pid), "killed"], stage, tmp_path)
+        p.stop(signal.SIGKILL)
+        assert cli.json("recover")["ok"]
+        if stage == "after-commit":
+            until("nothing of the dumped tree is left", lambda: not session_procs(w.sid), timeout=60)
+            until("the dumped tree's zombies reaped", lambda: session_gone(w.sid), timeout=120)
+            frozen = _count(w)
+            cli_json(cli, "criu", "restore", "killed")
+        else:
+            frozen = _count(w)
+            stopped = [x for x in session_procs(w.sid) if x.split()[2] in ("T", "t")]
+            assert not stopped, f"left stopped after recover: {stopped}"
+        _runs_on(w, frozen)
+        assert not [x for x in session_procs(w.sid) if x.split()[2] in ("T", "t")]
+    finally:
+        w.kill()
+
+
 def test_multiprocessing_pool_that_forks_a_worker_per_task(cli: Cli) -> None:
     w = python_workload("forking_pool.py")
     try:
