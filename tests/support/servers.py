@@ -51,7 +51,10 @@ def session_procs(sid: int) -> list[str]:
             continue
         st = _stat(int(e))
         if st and st[2] == sid and st[0] != "Z":
-            comm = Path(f"/proc/{e}/comm").read_text().strip() if os.path.exists(f"/proc/{e}/comm") else "?"
+            try:
+                comm = Path(f"/proc/{e}/comm").read_text().strip()
+            except OSError:  # it ended meanwhile
+                continue
             out.append(f"{e} {comm} {st[0]} ppid {st[1]}")
     return out
 
