@@ -243,6 +243,36 @@ def test_gpusnap_killed_mid_dump_of_a_forking_tree_then_recover_leaves_none_stop
         w.kill()
 
 
+def test_pstree_image_lists_what_criu_dumped() -> None:
+    """A pstree image as CRIU 4.2.1 wrote it here for `sh -c 'sleep 300 & sleep 300'` (three processes)."""
+    from sandbox.criu import split
+    data = bytes.fromhex("1943565430302750" "0e000000" "0885471000188547208547288547"
+                         "0f000000" "088747108547188547208547288747" "0f000000" "088847108547188547208547288847")
+    assert split.pstree_pids(data) == [9093, 9095, 9096]
+    with pytest.raises(split.SplitError):
+        split.pstree_pids(data[:-3])
+
+
+def test_leave_running_dump_of_a_forking_tree_restores_with_the_split(cli: Cli) -> None:
+    """The restore takes the pids to fill and continue from CRIU's pstree image, so a child forked
+    while CRIU froze a --leave-running dump (not in the list made before it) is filled and continued."""
+    env = {"GPUSNAP_CRIU_IMAGES": "stream", "GPUSNAP_CRIU_SPLIT_MIN": str(16 << 10)}  # sh's heap is split too
+    w = Workload(["sh", "-c", PIPELINE])
+    try:
+        until("the pipeline counts", lambda: (w.dir / "count").exists() and _count(w) > 0, timeout=60)
+        cli_json(cli, "criu", "dump", "--leave-running", str(w.pid), "lr", env=env)
+        w.kill()
+        until("the tree is gone", lambda: session_gone(w.sid), timeout=120)
+        frozen = _count(w)
+        r = cli_json(cli, "criu", "restore", "lr", env=env)
+        served = r["stages"]["served"]
+        assert served.get("split", {}).get("written", 0) > 0, served
+        _runs_on(w, frozen)
+        assert not [x for x in session_procs(w.sid) if x.split()[2] in ("T", "t")]
+    finally:
+        w.kill()
+
+
 def test_multiprocessing_pool_that_forks_a_worker_per_task(cli: Cli) -> None:
     w = python_workload("forking_pool.py")
     try:

@@ -127,6 +127,30 @@ def parse_pagemap(data: bytes) -> Pagemap:
     return Pagemap(data[:head_end], pages_id, tuple(entries))
 
 
+def pstree_pids(data: bytes) -> list[int]:
+    """The pids a CRIU pstree image lists (PstreeEntry {1: pid, 2: ppid, 3: pgid, 4: sid, 5: threads},
+    framed as a pagemap is): every process CRIU dumped, children forked while it froze the tree included."""
+    pids, i = [], _MAGICS
+    while i + _LEN.size <= len(data):
+        (n,) = _LEN.unpack_from(data, i)
+        end = i + _LEN.size + n
+        if end > len(data):
+            raise SplitError("pstree: truncated record")
+        j, pid = i + _LEN.size, None
+        while j < end:
+            key, j = _varint(data, j)
+            if key & 7 != 0:
+                raise SplitError(f"pstree: unexpected wire type {key & 7}")
+            v, j = _varint(data, j)
+            if key >> 3 == 1:
+                pid = v
+        if pid is None or not 0 < pid < 1 << 22:
+            raise SplitError("pstree: a record without a valid pid")
+        pids.append(pid)
+        i = end
+    return pids
+
+
 @dataclass(frozen=True)
 class Run:
     """Pages contiguous in memory and in the page image (CRIU writes at most a pipe's worth of

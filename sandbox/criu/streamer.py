@@ -495,6 +495,14 @@ class ServeSource:
         self._zeros = bytes(max((c.raw_len for s in self.images.values() for c in s.chunks), default=0))
         self.plans: dict[str, split.Plan] = {}    # page image -> its split
         self._rewritten: dict[str, bytes] = {}    # pagemap image -> what CRIU gets instead
+        # the pids CRIU restores, as its pstree image lists them (a snapshot's own list may lack a child
+        # forked while CRIU froze the tree: a --leave-running dump, or one made before that was fixed)
+        ps = self.images.get("pstree.img")
+        try:
+            self.pstree = split.pstree_pids(b"".join(bytes(self._chunk(ps, i, c)) for i, c in enumerate(ps.chunks))) \
+                if ps is not None else []
+        except split.SplitError:
+            self.pstree = []  # CRIU refuses the image itself
         # why the split did not engage (None when it did), for the restore report
         self.split_skipped_because: str | None = "the split is off (GPUSNAP_CRIU_SPLIT_MIN=0)"
         if split_min > 0:
@@ -718,6 +726,7 @@ def restore(criu: Any, store: SnapshotStore, manifest: Manifest, images: str, *,
     with ServeSource(store, manifest, images, split_min=split_min() if split_bytes is None else split_bytes,
                      arrivals=arrivals) as srv:
         extra = extra + (("--stream", "--leave-stopped") if srv.plans else ("--stream",))  # EXTRA: CRIU options
+        pids = list(dict.fromkeys([*pids, *srv.pstree]))
         with thp(thp_mode):
             try:
                 with _adopting_orphans():
@@ -736,9 +745,9 @@ def restore(criu: Any, store: SnapshotStore, manifest: Manifest, images: str, *,
                 try:
                     info["split"] = srv.fill(lambda p: restored_by_criu(p, pids, born_after))
                 except BaseException:
-                    _signal_all(pids, signal.SIGKILL)
+                    _signal_all([p for p in pids if restored_by_criu(p, pids, born_after)], signal.SIGKILL)
                     raise
-                _signal_all(pids, signal.SIGCONT)
+                _signal_all([p for p in pids if restored_by_criu(p, pids, born_after)], signal.SIGCONT)
                 seconds["split_fill"] = time.perf_counter() - t1
         info.update(served=len(srv.served), refused=srv.refused, bytes=srv.bytes, stages=srv.stages.table(),
                     moved_bytes=sum(p.moved_bytes for p in srv.plans.values()))
