@@ -76,7 +76,7 @@ def test_tcp_server_on_v4_and_v6_is_dumped_restored_and_answers(cli: Cli, images
         for a in ADDRS:
             assert answers(a, ports[a]) == 200
     finally:
-        w.kill()
+        w.close()
 
 
 def test_tcp_established_connection_keeps_working_after_restore(cli: Cli) -> None:
@@ -103,7 +103,7 @@ def test_tcp_established_connection_keeps_working_after_restore(cli: Cli) -> Non
     finally:
         for c in conns:
             c.close()
-        w.kill()
+        w.close()
     rules = subprocess.run(["iptables-save"], capture_output=True, text=True).stdout
     assert "CRIU" not in rules, "CRIU's network lock was left behind"
 
@@ -123,7 +123,7 @@ def test_established_connection_without_the_flag_names_criu_s_cause(cli: Cli) ->
     finally:
         if c is not None:
             c.close()
-        w.kill()
+        w.close()
 
 
 # -- CRIU's cause, from real failures and from captured logs -------------------------------------
@@ -145,7 +145,7 @@ def test_dump_failure_names_the_cause_for_an_external_unix_socket(cli: Cli, tmp_
         assert "External socket is used" in line, line
         assert os.path.exists(f"/proc/{w.pid}"), "the process runs on after the failed dump"
     finally:
-        w.kill()
+        w.close()
         for e in os.listdir("/proc"):  # the socketpair's other end, in a session of its own
             try:
                 if e.isdigit() and str(script).encode() in Path(f"/proc/{e}/cmdline").read_bytes():
@@ -212,7 +212,7 @@ def test_shell_pipeline_that_forks_leaves_nothing_behind_and_restores(cli: Cli) 
             assert r["restored_pid"] == w.pid and len(d["pids"]) >= 3
             _runs_on(w, frozen)
     finally:
-        w.kill()
+        w.close()
 
 
 @pytest.mark.parametrize("stage", ["ingest", "after-commit"])
@@ -240,7 +240,7 @@ def test_gpusnap_killed_mid_dump_of_a_forking_tree_then_recover_leaves_none_stop
         _runs_on(w, frozen)
         assert not [x for x in session_procs(w.sid) if x.split()[2] in ("T", "t")]
     finally:
-        w.kill()
+        w.close()
 
 
 def test_pstree_image_lists_what_criu_dumped() -> None:
@@ -270,7 +270,7 @@ def test_leave_running_dump_of_a_forking_tree_restores_with_the_split(cli: Cli) 
         _runs_on(w, frozen)
         assert not [x for x in session_procs(w.sid) if x.split()[2] in ("T", "t")]
     finally:
-        w.kill()
+        w.close()
 
 
 def test_multiprocessing_pool_that_forks_a_worker_per_task(cli: Cli) -> None:
@@ -282,7 +282,7 @@ def test_multiprocessing_pool_that_forks_a_worker_per_task(cli: Cli) -> None:
         cli_json(cli, "criu", "restore", "pool")
         _runs_on(w, frozen)
     finally:
-        w.kill()
+        w.close()
 
 
 def test_server_forking_per_connection_while_a_client_hammers_it(cli: Cli) -> None:
@@ -312,7 +312,7 @@ def test_server_forking_per_connection_while_a_client_hammers_it(cli: Cli) -> No
     finally:
         stop.set()
         t.join(timeout=30)
-        w.kill()
+        w.close()
 
 
 def test_restore_names_who_holds_a_pid_in_use(cli: Cli) -> None:
@@ -324,7 +324,7 @@ def test_restore_names_who_holds_a_pid_in_use(cli: Cli) -> None:
         line, = p.stderr.strip().splitlines()
         assert f"pid {w.pid} (sleep, state S" in line and "in use" in line, line
     finally:
-        w.kill()
+        w.close()
 
 
 # -- the same under runc and Podman ------------------------------------------------------------

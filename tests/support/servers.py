@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -90,6 +91,11 @@ class Workload:
 
     def kill(self) -> None:
         kill_session(self.sid)
+
+    def close(self) -> None:
+        """Kill the session and remove the control dir (kill() alone keeps it for a restore)."""
+        self.kill()
+        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 def python_workload(script: str, *args: str) -> Workload:
