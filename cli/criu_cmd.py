@@ -28,7 +28,11 @@ def criu() -> None:
 @click.option("--ext-unix-sk", is_flag=True, help="Allow external unix sockets (CRIU --ext-unix-sk).")
 @click.option("--file-locks", is_flag=True, help="Dump file locks (CRIU --file-locks).")
 @click.option("--link-remap", is_flag=True, help="Allow deleted/linked files (CRIU --link-remap).")
-@click.option("--tcp-established", is_flag=True, help="Dump established TCP connections.")
+@click.option("--tcp-established", is_flag=True, help="Dump established TCP connections (CRIU "
+              "--tcp-established; the restore then restores them).")
+@click.option("--skip-in-flight", is_flag=True, help="Drop TCP connections not yet accepted (CRIU "
+              "--skip-in-flight; without it CRIU refuses a server with connections in its accept queue: "
+              "`In-flight connection`).")
 @click.option("--staging", default=None, metavar="DIR", help="Where CRIU writes images before ingest "
               "(default /dev/shm when they fit, else the store's tmp/).")
 @click.option("--replace", is_flag=True, help="Replace an existing snapshot of the same name.")
@@ -38,12 +42,13 @@ def criu() -> None:
 @one_line_errors
 def criu_dump_cmd(ctx: click.Context, pid: int, name: str, leave_running: bool, shell_job: bool,
                   ext_unix_sk: bool, file_locks: bool, link_remap: bool, tcp_established: bool,
-                  staging: str | None, replace: bool, tags: tuple[str, ...], as_json: bool) -> None:
+                  skip_in_flight: bool, staging: str | None, replace: bool, tags: tuple[str, ...], as_json: bool) -> None:
     """Dump PID and its descendants into snapshot NAME. On any failure the tree keeps running."""
     refuse_container_process(pid)
     st = open_store(ctx)
     opts = DumpOptions(shell_job=shell_job, ext_unix_sk=ext_unix_sk, file_locks=file_locks,
-                       link_remap=link_remap, tcp_established=tcp_established)
+                       link_remap=link_remap, tcp_established=tcp_established,
+                       skip_in_flight=skip_in_flight)
     with undo_on_signals(), Progress(f"criu dump {pid}", ctx.obj["progress"]) as prog:
         r = criu_dump(st, pid, name, leave_running=leave_running, options=opts, replace=replace,
                       staging=staging, progress=prog, tags=tags)
@@ -58,12 +63,15 @@ def criu_dump_cmd(ctx: click.Context, pid: int, name: str, leave_running: bool, 
 @click.option("--device-map", multiple=True, metavar="OLD=NEW",
               help="Restore GPU OLD's state onto GPU NEW (index or UUID; repeatable or comma-separated); "
                    "list every checkpointed GPU. Checked before any process is restored.")
+@click.option("--tcp-established", is_flag=True, help="Restore established TCP connections (CRIU "
+              "--tcp-established; given anyway when the dump used it).")
 @from_remote_option
 @from_jobs_option
 @json_option
 @click.pass_context
 @one_line_errors
 def criu_restore_cmd(ctx: click.Context, name: str, staging: str | None, device_map: tuple[str, ...],
+                     tcp_established: bool,
                      from_remote: str | None, jobs: int, as_json: bool) -> None:
     """Restore snapshot NAME (every chunk verified before its bytes reach CRIU); GPU state is restored
     and unlocked. With --from REMOTE, a snapshot this store lacks is fetched while CRIU restores (the
@@ -71,9 +79,11 @@ def criu_restore_cmd(ctx: click.Context, name: str, staging: str | None, device_
     st = open_store(ctx, create=False)
     with undo_on_signals(), Progress(f"criu restore {name}", ctx.obj["progress"]) as prog:
         r = criu_restore(st, name, staging=staging, progress=prog, from_remote=from_remote, jobs=jobs,
-                         device_map=split_map(device_map))
+                         device_map=split_map(device_map), tcp_established=tcp_established)
+    skipped = r.stages.get("served", {}).get("split_skipped_because")
     emit(as_json, r.as_dict(), f"{name}: restored, root pid {r.restored_pid} "
-         f"({', '.join(f'{k} {v:.2f} s' for k, v in r.seconds.items())})")
+         f"({', '.join(f'{k} {v:.2f} s' for k, v in r.seconds.items())})"
+         + (f"; no split restore: {skipped}" if skipped else ""))
 
 
 COMMANDS = [criu]

@@ -59,7 +59,17 @@ def criu_choice() -> dict[str, Any]:
     """Which CRIU binary gpusnap uses, why (GPUSNAP_CRIU, PATH, the project's build), and what it passed over."""
     from sandbox.criu.runner import locate_criu  # noqa: PLC0415
     c = locate_criu()
-    return {"path": c.path, "why": c.why, "passed_over": list(c.passed_over)}
+    return {"path": c.path, "why": c.why, "passed_over": list(c.passed_over),
+            "version": ".".join(map(str, c.version)) if c.version else None,
+            "known_failures": list(c.known_failures)}
+
+
+def runtime_criu_failures() -> list[str]:
+    """What the `criu` runc and Podman run (the first on PATH) is known to fail at on this kernel."""
+    from sandbox.criu.runner import criu_version, known_failures  # noqa: PLC0415
+    found = shutil.which("criu")
+    v = criu_version(found) if found else None
+    return [f"{found}: {f}" for f in known_failures(v)] if v else []
 
 
 def _runsc_features(runsc: str) -> dict[str, Any] | None:
@@ -122,6 +132,7 @@ def report(criu: str = "criu", runsc: str = "runsc") -> dict[str, Any]:
         "criu": _version([criu, "--version"], r"Version:\s*(\S+)"),
         "criu_gpu_handler": gpu_handler(),
         "criu_binary": criu_choice(),
+        "criu_for_runtimes_known_failures": runtime_criu_failures(),
         "runsc": _version([runsc, "--version"], r"runsc version\s*(\S+)"),
         "runsc_features": _runsc_features(runsc),
         "container_hook": _container_hook(),
@@ -133,7 +144,8 @@ def report(criu: str = "criu", runsc: str = "runsc") -> dict[str, Any]:
 def render_criu_binary(c: dict[str, Any]) -> str:
     line = (f"CRIU binary          {c['path']} (chosen: {c['why']})" if c["path"] else
             "CRIU binary          none usable (run scripts/setup.sh, or set GPUSNAP_CRIU to a CRIU >= 4)")
-    return line + "".join(f"\n                     passed over {p}" for p in c["passed_over"])
+    line += "".join(f"\n                     passed over {p}" for p in c["passed_over"])
+    return line + "".join(f"\n  warning: {f}" for f in c.get("known_failures", []))
 
 
 def render(r: dict[str, Any]) -> str:
@@ -159,6 +171,7 @@ def render(r: dict[str, Any]) -> str:
               render_criu_binary(r["criu_binary"]),
               f"runsc                {r['runsc'] or 'not found'}"]
     lines += _render_container_hook(r["container_hook"])
+    lines += [f"  warning: runc/Podman run {f}" for f in r.get("criu_for_runtimes_known_failures", [])]
     rf = r.get("runsc_features")
     if rf:
         lines.append(f"runsc features       GPU sandboxes (nvproxy) {yes(rf['nvproxy'])}, uncompressed checkpoint "

@@ -77,6 +77,30 @@ def test_pagemap_split_plan_keeps_small_runs_and_offsets() -> None:
     assert split.plan("pagemap-shmem-3.img", data, 1 << 20) is None
 
 
+def test_pagemap_of_criu_4_2_counts_pages_in_field_5_and_a_mismatch_skips_the_split() -> None:
+    """CRIU 4.2 writes each record's page count in field 5 (64-bit) and 0 in field 2; the records
+    below are as CRIU 4.2.1 wrote them here (one 8 KiB record, one 1 MiB record, PE_LAZY|PE_PRESENT).
+    A pagemap whose records do not add up to its page image is not split, and the reason says so."""
+    import struct
+
+    from sandbox.criu import split
+
+    head = b"\x19\x43\x56\x54\x25\x40\x08\x56" + struct.pack("<I", 2) + b"\x08\x01"
+    small = bytes.fromhex("0e0000000880e0d1afb0c815100020042802")               # 2 pages
+    big = [bytes.fromhex("0f0000000880c0daf1b1c81510002006288002"),            # 256 pages
+           bytes.fromhex("0f0000000880c09af2b1c81510002006288002")]            # the next 1 MiB
+    data = head + small + b"".join(big)
+    pm = split.parse_pagemap(data)
+    assert [e.nr_pages for e in pm.entries] == [2, 256, 256] and split.present_bytes(pm) == (2 + 512) * 4096
+    plans, why = split.choose({"pagemap-9.img": data}, {"pages-1.img": (2 + 512) * 4096}, 2 << 20)
+    assert why is None and plans["pages-1.img"].moved_bytes == 512 * 4096
+    plans, why = split.choose({"pagemap-9.img": data}, {"pages-1.img": 99 << 20}, 2 << 20)
+    assert plans == {} and "format gpusnap does not know" in why, why
+    plans, why = split.choose({"pagemap-9.img": data}, {"pages-1.img": (2 + 512) * 4096}, 4 << 20)
+    assert plans == {} and "the largest is 2097152" in why, why
+    assert split.choose({"pagemap-9.img": data}, {}, 0) == ({}, "the split is off (GPUSNAP_CRIU_SPLIT_MIN=0)")
+
+
 def _filler_case(nchunks: int, chunk: int, fetch, budget: int):
     """A Filler whose one moved run is a buffer of this very process (process_vm_writev into our own pid)."""
     import ctypes
@@ -223,9 +247,10 @@ def test_stream_dump_and_restore_of_a_tree(cli: Cli, store_dir: Path, restore_en
         served = r["stages"]["served"]
         if restore_env is SPLIT:
             assert served["moved_bytes"] >= 48 << 20 and served["split"]["written"] >= 48 << 20, served
-            assert "split_fill" in r["seconds"]
+            assert "split_fill" in r["seconds"] and "split_skipped_because" not in served
         else:
             assert served["moved_bytes"] == 0 and "split" not in served
+            assert served["split_skipped_because"] == "the split is off (GPUSNAP_CRIU_SPLIT_MIN=0)"
         after = tree.report()
         assert healthy(after), after
         assert _state(tree.pid) in ("S", "R"), "the tree runs (not left stopped) after the restore"

@@ -201,7 +201,9 @@ def test_doctor_says_which_criu_and_why(cli: Cli, tmp_path: Path) -> None:
     assert chosen["path"] == real and chosen["why"] in ("PATH", "the project's build by scripts/setup.sh",
                                                          "/usr/local/sbin")
     pinned = Cli(cli.store).run("doctor", "--json", env={"GPUSNAP_CRIU": real})
-    assert json.loads(pinned.stdout)["criu_binary"] == {"path": real, "why": "GPUSNAP_CRIU", "passed_over": []}
+    got = json.loads(pinned.stdout)["criu_binary"]
+    assert {k: got[k] for k in ("path", "why", "passed_over")} == {"path": real, "why": "GPUSNAP_CRIU", "passed_over": []}
+    assert got["known_failures"] == [] and got["version"]
     bogus = tmp_path / "criu"
     bogus.write_text("not a program\n")  # mode 0644: not executable
     p = Cli(cli.store).run("doctor", env={"GPUSNAP_CRIU": str(bogus)})

@@ -77,13 +77,64 @@ def criu_version(binary: str) -> tuple[int, int, int] | None:
     return (int(m.group(1)), int(m.group(2)), int(m.group(3) or 0)) if m else None
 
 
+Version = tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class KnownFailure:
+    """A CRIU release range that is known to fail on a kernel range: what fails, and the fix.
+    Ranges are half-open: [kernel_from, kernel_below) and [criu_from, criu_below); None: no bound."""
+    kernel_from: Version
+    kernel_below: Version | None
+    criu_from: Version
+    criu_below: Version | None
+    fails: str
+    fix: str
+
+    def applies(self, kernel: Version, criu: Version) -> bool:
+        return (kernel >= self.kernel_from and (self.kernel_below is None or kernel < self.kernel_below)
+                and criu >= self.criu_from and (self.criu_below is None or criu < self.criu_below))
+
+    def describe(self, kernel: Version, criu: Version) -> str:
+        return (f"CRIU {'.'.join(map(str, criu))} on kernel {'.'.join(map(str, kernel))}: {self.fails}; "
+                f"fix: {self.fix}")
+
+
+# The one table of kernel/CRIU combinations known to fail (docs/PLATFORM.md says the same in words).
+KNOWN_FAILURES: tuple[KnownFailure, ...] = (
+    KnownFailure((6, 16), None, (0,), (4, 2),
+                 "no process with a TCP socket can be dumped (`sockets: Can't get 1:16 opt: Operation not "
+                 "supported`: Linux 6.16 allows SO_PASSCRED/SO_PASSSEC on UNIX and netlink sockets only); "
+                 "`criu check` still passes",
+                 "CRIU 4.2 or later (scripts/setup/install-criu.sh builds 4.2.1 from Debian unstable's source)"),
+    KnownFailure((0,), None, (0,), (4, 0),
+                 "`criu check` fails on recent kernels (`vdso: Unexpected rt vDSO area bounds`, seen on 6.18)",
+                 "CRIU 4.0 or later (scripts/setup/install-criu.sh)"),
+)
+
+
+def kernel_version(release: str | None = None) -> Version:
+    """The running kernel's version (RELEASE as `uname -r` prints it), e.g. (6, 18, 0)."""
+    nums = re.findall(r"\d+", (release or os.uname().release).split("-")[0])[:3]
+    return tuple(int(x) for x in nums) or (0,)
+
+
+def known_failures(criu: Version, kernel: Version | None = None) -> list[str]:
+    """What KNOWN_FAILURES says CRIU version CRIU fails at on KERNEL (default: the running one), with the fix."""
+    k = kernel_version() if kernel is None else kernel
+    return [f.describe(k, criu) for f in KNOWN_FAILURES if f.applies(k, criu)]
+
+
 @dataclass(frozen=True)
 class CriuChoice:
     """Which CRIU binary gpusnap uses and why; `passed_over` names each candidate before it that was
-    not usable, with the reason (e.g. Debian 12's own criu 3.17)."""
+    not usable, with the reason (e.g. Debian 12's own criu 3.17); `known_failures`: what the chosen
+    one is known to fail at on this kernel (KNOWN_FAILURES), empty when nothing is known."""
     path: str | None
     why: str | None
     passed_over: tuple[str, ...] = ()
+    version: Version | None = None
+    known_failures: tuple[str, ...] = ()
 
 
 def _candidates() -> list[tuple[str | None, str]]:
@@ -91,10 +142,13 @@ def _candidates() -> list[tuple[str | None, str]]:
             (REPO_CRIU, "the project's build by scripts/setup.sh"), ("/usr/local/sbin/criu", "/usr/local/sbin")]
 
 
-def locate_criu() -> CriuChoice:
-    """The first usable CRIU >= 4 of: $GPUSNAP_CRIU, `criu` on PATH, the project's own build in
-    .cache/criu (scripts/setup/install-criu.sh), /usr/local/sbin/criu."""
+def locate_criu(kernel: Version | None = None) -> CriuChoice:
+    """The CRIU >= 4 to use: $GPUSNAP_CRIU when it is one (the user's choice, even one known to fail
+    here: `doctor` warns), else the first of `criu` on PATH, the project's own build in .cache/criu
+    (scripts/setup/install-criu.sh) and /usr/local/sbin/criu that is not known to fail on this KERNEL
+    (default: the running one), else the first usable one of those, with what it fails at."""
     passed: list[str] = []
+    usable: list[tuple[str, str, Version, list[str]]] = []
     for path, why in _candidates():
         if not path:
             continue
@@ -103,10 +157,20 @@ def locate_criu() -> CriuChoice:
                 passed.append(f"{path} ({why}): not an executable file")
             continue
         v = criu_version(path)
-        if v and v[0] >= MIN_MAJOR:
-            return CriuChoice(path, why, tuple(passed))
-        passed.append(f"{path} ({why}): " + (f"version {'.'.join(map(str, v))}, need {MIN_MAJOR}.0 or later"
-                                             if v else "does not report a CRIU version"))
+        if not v or v[0] < MIN_MAJOR:
+            passed.append(f"{path} ({why}): " + (f"version {'.'.join(map(str, v))}, need {MIN_MAJOR}.0 or later"
+                                                 if v else "does not report a CRIU version"))
+            continue
+        fails = known_failures(v, kernel)
+        if why == "GPUSNAP_CRIU" or not fails:
+            return CriuChoice(path, why, tuple(passed), v, tuple(fails))
+        if all(u[0] != path for u in usable):
+            usable.append((path, why, v, fails))
+        passed.append(f"{path} ({why}): {fails[0]}")
+    if usable:
+        first, first_why, first_v, first_fails = usable[0]
+        return CriuChoice(first, first_why, tuple(p for p in passed if not p.startswith(f"{first} ({first_why})")),
+                          first_v, tuple(first_fails))
     return CriuChoice(None, None, tuple(passed))
 
 
@@ -124,6 +188,7 @@ class DumpOptions:
     file_locks: bool = False
     link_remap: bool = False
     tcp_established: bool = False
+    skip_in_flight: bool = False  # connections not yet accepted are dropped (their clients retry)
     action_script: str | None = None
     extra: tuple[str, ...] = ()
 
@@ -132,7 +197,8 @@ class DumpOptions:
         for flag, on in (("--leave-running", self.leave_running), ("--leave-stopped", self.leave_stopped),
                          ("--shell-job", self.shell_job),
                          ("--ext-unix-sk", self.ext_unix_sk), ("--file-locks", self.file_locks),
-                         ("--link-remap", self.link_remap), ("--tcp-established", self.tcp_established)):
+                         ("--link-remap", self.link_remap), ("--tcp-established", self.tcp_established),
+                         ("--skip-in-flight", self.skip_in_flight)):
             if on:
                 a.append(flag)
         if self.action_script:
@@ -148,25 +214,48 @@ class CriuRun:
     log_tail: list[str] = field(default_factory=list)
 
 
-# CRIU's own noise that says nothing about why it failed (printed when run as root, and harmless)
-_NOISE = ("RLIMIT_NOFILE",)
+# CRIU's own lines that say nothing about why it failed: printed when run as root, or where /run is no
+# tmpfs (CRIU 4.1 prints that one as a warning with "Can't" in it), and harmless
+_NOISE = ("RLIMIT_NOFILE", "kdat cache")
 # lines that name the cause where CRIU's first Error line names only a consequence (e.g. the warning
 # "Unable to interrupt task: 1 (Operation not permitted)" before "Error: Unable to detach from 1")
 _CAUSES = ("Unable to interrupt task", "Unable to seize", "CAP_CHECKPOINT_RESTORE")
+# CRIU's summaries of a failure it has already named: "Dump files (pid: 7) failed with -1", "Dumping FAILED."
+_CONSEQUENCE = re.compile(r"(?:Dumping|Restoring|Pre-dumping) FAILED|failed with -?\d+\s*$|Unable to detach from")
+_ERROR = re.compile(r"^\(\s*[\d.]+\)\s*(?:\d+:\s*)?Error\s*\(")
+_PRINTED = "--- printed by criu ---"
+
+
+def cause_from_log(lines: Sequence[str], n: int = 6) -> list[str]:
+    """The lines of a CRIU log that say why it failed, the cause first: CRIU's first Error line that
+    is neither noise (the RLIMIT_NOFILE and kdat cache lines) nor a summary ("Dumping FAILED.",
+    "... failed with -1", "Unable to detach"), else a warning naming a known cause (where CRIU's
+    errors name only its consequence; the same warning is harmless when CRIU goes on, e.g. for a
+    child exiting while it is seized), then the rest in order. Without Error lines: what CRIU printed (e.g. missing capabilities), else
+    lines saying "Can't"/"fail", else the last lines. CRIU prints the most specific error first: the
+    function that failed logs before each caller adds its own line."""
+    lines = [l.rstrip("\n") for l in lines]
+    printed = lines[lines.index(_PRINTED) + 1:] if _PRINTED in lines else []
+    logged = lines[:lines.index(_PRINTED)] if _PRINTED in lines else lines
+    quiet = [l for l in logged if not any(x in l for x in _NOISE)]
+    causes = [l for l in quiet if any(c in l for c in _CAUSES)]
+    errors = [l for l in quiet if _ERROR.match(l) and l not in causes]
+    specific = [l for l in errors if not _CONSEQUENCE.search(l)]
+    summaries = [l for l in errors if _CONSEQUENCE.search(l)]
+    found = specific + causes + summaries
+    if not found:
+        found = [l for l in printed if l.strip()] or \
+            [l for l in quiet if re.search(r"[Cc]an't|[Ff]ail|[Ee]rror", l)]
+    return found[:n] if found else [l for l in lines if l.strip()][-n:]
 
 
 def explain(log_path: str, n: int = 6) -> list[str]:
-    """The lines of a CRIU log that explain a failure: a line naming a known cause first, then its
-    error lines in order (the first is the most specific), else the last lines."""
+    """cause_from_log of the log at LOG_PATH ([] if it cannot be read)."""
     try:
         with open(log_path, errors="replace") as f:
-            lines = [l.rstrip() for l in f]
+            return cause_from_log(f.readlines(), n)
     except OSError:
         return []
-    causes = [l for l in lines if any(c in l for c in _CAUSES)]
-    errs = [l for l in lines if ("Error" in l or "error" in l or "Can't" in l or "can't" in l)
-            and not any(x in l for x in _NOISE) and l not in causes]
-    return (causes + errs)[:n] if causes or errs else lines[-n:]
 
 
 class Criu:

@@ -9,7 +9,9 @@ image-streamer protocol is not used (criu-image-streamer is not packaged for Deb
 
 Guarantees kept here:
 - the tree is killed only after its snapshot is committed: CRIU dumps with --leave-stopped, the
-  snapshot commits, then gpusnap kills the stopped tree (pid and start time checked);
+  snapshot commits, then gpusnap kills the stopped tree (pid and start time checked), all of it: what
+  CRIU froze is read from /proc once CRIU is done (nothing forks then), so a child forked while CRIU
+  was freezing the tree is journaled, recorded in the snapshot's pids, and killed (or resumed) with it;
 - a failed or interrupted dump (the GPU lock/checkpoint, CRIU itself, the ingest, SIGTERM/SIGHUP/
   SIGINT) leaves every process running, GPU state restored and unlocked, staging removed;
 - every step is in the operation journal before it starts, so that if gpusnap itself dies,
@@ -230,6 +232,8 @@ def criu_dump(store: SnapshotStore, pid: int, name: str, *, leave_running: bool 
             else:
                 _dump_and_ingest(criu, pid, images, opts, w, report, gpu, leave_running, store, name, progress,
                                  pids, op)
+            if not leave_running:  # what CRIU froze, children forked during the dump included
+                report.pids = w.meta["pids"] = [p.pid for p in op.rec.procs]
             journal.pause("before-commit")
             op.advance(Stage.COMMITTING)
             w.commit()
@@ -267,7 +271,7 @@ def resume_tree(procs: tuple[journal.Proc, ...], gpu: "_GpuSide | None", store: 
                 streams: list[Any]) -> None:
     """A tree CRIU left stopped, running again: SIGCONT to each process still the one dumped, then its
     GPU state back and unlocked (idempotent: processes already running are left alone)."""
-    for p in procs:
+    for p in journal.with_descendants(procs):
         p.signal(signal.SIGCONT)
     if gpu is None or not gpu.cuda_pids:
         return
@@ -288,9 +292,16 @@ def _gpu_state(driver: Any, pid: int) -> Any:
 
 
 def kill_tree(procs: tuple[journal.Proc, ...]) -> None:
-    """SIGKILL each process of a committed dump that is still the one dumped (a reused pid is left alone)."""
-    for p in procs:
+    """SIGKILL each process of a committed dump that is still the one dumped (a reused pid is left
+    alone), and every descendant it has now: the tree is stopped, so that is all CRIU froze."""
+    for p in journal.with_descendants(procs):
         p.signal(signal.SIGKILL)
+
+
+def _frozen(op: journal.Op, leave_running: bool) -> dict[str, Any]:
+    """The journal's change once CRIU has dumped: unless the tree runs on, the processes CRIU left
+    stopped (the list taken before the dump lacks any child forked while CRIU froze the tree)."""
+    return {} if leave_running else {"procs": journal.with_descendants(op.rec.procs)}
 
 
 def _is_page_image(name: str) -> bool:
@@ -315,7 +326,7 @@ def _dump_and_ingest(criu: Criu, pid: int, images: str, opts: DumpOptions, w: An
             op.advance(Stage.DUMPING)
             criu.dump(pid, images, opts)
             box["criu_dump"] = time.perf_counter() - t0
-            op.advance(Stage.DUMPED)
+            op.advance(Stage.DUMPED, **_frozen(op, leave_running))
             journal.pause("ingest")  # the pipeline is mid-ingest, waiting for CRIU's end
             if leave_running and gpu.cuda_pids:
                 t1 = time.perf_counter()
@@ -373,7 +384,7 @@ def _dump_streamed(criu: Criu, pid: int, images: str, opts: DumpOptions, w: Any,
     CRIU is done) for the caller to commit, then kill; a failure is undone by the caller from the stage
     the journal says. With leave_running the GPU state comes back as soon as CRIU is done."""
     def dumped() -> None:
-        op.advance(Stage.DUMPED)
+        op.advance(Stage.DUMPED, **_frozen(op, leave_running))
         journal.pause("ingest")  # CRIU is done, the pipeline still draining its pipes
         if leave_running and gpu.cuda_pids:
             t1 = time.perf_counter()
@@ -402,6 +413,30 @@ def keep_log(store: SnapshotStore, e: CriuError, what: str) -> str:
     except OSError:
         return e.log_path or "(no log)"
     return dst
+
+
+def describe_pids(pids: list[int]) -> str:
+    """Who holds each of PIDS, for an error a user can act on: 'pid 7 (sleep, state T, ppid 1, session 5)'."""
+    out = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                stat = f.read()
+            comm = stat[stat.index("(") + 1:stat.rindex(")")]
+            state, ppid, _pgrp, sid = stat[stat.rindex(")") + 2:].split()[:4]
+            out.append(f"pid {pid} ({comm}, state {state}, ppid {ppid}, session {sid})")
+        except (OSError, ValueError):
+            out.append(f"pid {pid} (gone now)")
+    return ", ".join(out)
+
+
+def _held(e: CriuError, pids: list[int]) -> CriuError:
+    """E, naming who holds the snapshot's pids when CRIU could not fork one (a pid taken meanwhile)."""
+    if "File exists" not in e.reason:
+        return e
+    taken = [p for p in pids if os.path.exists(f"/proc/{p}")]
+    return CriuError(f"{e.reason}; held by {describe_pids(taken)}" if taken else e.reason, e.log_tail, e.log_path,
+                     e.what)
 
 
 def _pids_in_use(pids: list[int], grace_s: float = 5.0) -> list[int]:
@@ -433,11 +468,13 @@ def _from_remote(store: SnapshotStore, name: str, remote: str | None, jobs: int,
 def criu_restore(store: SnapshotStore, name: str, *, staging: str | None = None, progress: Any = None,
                  criu: Criu | None = None, gpu_driver: Any = None, device: Any = None,
                  from_remote: str | None = None, jobs: int = DEFAULT_JOBS, device_map: Sequence[str] = (),
-                 features: Any = None) -> CriuReport:
+                 features: Any = None, tcp_established: bool = False) -> CriuReport:
     """Snapshot NAME back: images served (verified) to `criu restore`, then the GPU state by the path
     that took it (the driver's host copy, or custom storage from the gpu/ streams). FROM_REMOTE: a
     store that lacks NAME gets it from that remote (JOBS requests at once) while CRIU restores.
-    DEVICE_MAP (OLD=NEW items): the GPU state onto other GPUs, the map checked before CRIU starts."""
+    DEVICE_MAP (OLD=NEW items): the GPU state onto other GPUs, the map checked before CRIU starts.
+    The dump's --tcp-established/--ext-unix-sk/--file-locks are given to CRIU again;
+    TCP_ESTABLISHED asks for the first even when the dump did not record it."""
     criu = criu or Criu()
     journal.require_clean(store.path)
     with store.shared(), _from_remote(store, name, from_remote, jobs, progress) as fill:
@@ -445,8 +482,9 @@ def criu_restore(store: SnapshotStore, name: str, *, staging: str | None = None,
         meta = CriuMeta.of(m)
         taken = _pids_in_use(list(meta.pids))
         if taken:
-            raise CriuSnapshotError(f"pid(s) {taken} of snapshot {name!r} are in use here; CRIU restores "
-                                    "processes with their original pids (stop them, or restore in a new pid namespace)")
+            raise CriuSnapshotError(f"pid(s) of snapshot {name!r} in use here: {describe_pids(taken)}; CRIU "
+                                    "restores processes with their original pids (stop them, or restore in a new "
+                                    "pid namespace)")
         gpu_map: dict[str, str] = {}
         if device_map:  # checked before a process is restored: a bad map changes nothing
             if not meta.cuda_pids:
@@ -465,15 +503,19 @@ def criu_restore(store: SnapshotStore, name: str, *, staging: str | None = None,
                 if fill is not None:
                     fill.start()
                 _restore_from(store, m, meta, stage, report, criu, op, None if fill else progress, gpu_driver,
-                              device, fill, gpu_map)
+                              device, fill, gpu_map, ("--tcp-established",) if tcp_established else ())
             finally:
                 shutil.rmtree(stage, ignore_errors=True)
     return report
 
 
+# dump options that CRIU needs again on restore (a snapshot's own options say which were used)
+RESTORE_TOO = ("--tcp-established", "--ext-unix-sk", "--file-locks")
+
+
 def _restore_from(store: SnapshotStore, m: Any, meta: CriuMeta, stage: str, report: CriuReport, criu: Criu,
                   op: journal.Op, progress: Any, gpu_driver: Any, device: Any, fill: RemoteFill | None = None,
-                  gpu_map: dict[str, str] | None = None) -> None:
+                  gpu_map: dict[str, str] | None = None, tcp: tuple[str, ...] = ()) -> None:
     """M's images served to (or materialized in STAGE for) `criu restore`, then the GPU state
     (journaled). FILL: M's chunks are still arriving from a remote; it commits once CRIU is done
     (before the GPU state, which is read from the store), or the restored tree is killed."""
@@ -483,6 +525,7 @@ def _restore_from(store: SnapshotStore, m: Any, meta: CriuMeta, stage: str, repo
     if progress is not None:
         progress.start(files.size)
     shell_job = meta.shell_job
+    extra = tuple(o for o in meta.options if o in RESTORE_TOO) + tuple(o for o in tcp if o not in meta.options)
     pidfile = os.path.join(stage, "restored.pid")
     report.images_path = streamer.images_path()
     journal.pause("before-restore")
@@ -492,9 +535,10 @@ def _restore_from(store: SnapshotStore, m: Any, meta: CriuMeta, stage: str, repo
         os.mkdir(images, 0o700)
         try:
             secs, report.stages["served"] = streamer.restore(criu, store, files, images, shell_job=shell_job,
-                                                             pidfile=pidfile, pids=list(meta.pids), arrivals=fill)
+                                                             pidfile=pidfile, pids=list(meta.pids), arrivals=fill,
+                                                             extra=extra)
         except CriuError as e:
-            raise e.with_log(keep_log(store, e, f"restore-{name}")) from None
+            raise _held(e, list(meta.pids)).with_log(keep_log(store, e, f"restore-{name}")) from None
         report.seconds.update(secs)
         connected = report.stages["served"].pop("criu_connected_monotonic", None)
         if fill is not None and connected is not None:  # from the start of the pull
@@ -508,9 +552,9 @@ def _restore_from(store: SnapshotStore, m: Any, meta: CriuMeta, stage: str, repo
         t0 = time.perf_counter()
         try:
             with thp("always"):  # CRIU faults every page in: huge pages make that ~1.4x faster
-                criu.restore(images, detach=True, shell_job=shell_job, pidfile=pidfile)
+                criu.restore(images, detach=True, shell_job=shell_job, pidfile=pidfile, extra=extra)
         except CriuError as e:
-            raise e.with_log(keep_log(store, e, f"restore-{name}")) from None
+            raise _held(e, list(meta.pids)).with_log(keep_log(store, e, f"restore-{name}")) from None
         report.seconds["criu_restore"] = time.perf_counter() - t0
     with open(pidfile) as f:
         report.restored_pid = int(f.read().strip())

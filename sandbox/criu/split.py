@@ -11,8 +11,10 @@ parallel, fetched from the store while CRIU still runs; all-zero chunks are skip
 mapping already reads as zero). Then the tree is continued. Nothing of the tree runs before every byte is back.
 
 Pagemap format (CRIU 4): two u32 magics, then records of a u32 length and a protobuf: first
-PagemapHead {1: pages_id}, then PagemapEntry {1: vaddr, 2: nr_pages, 3: in_parent, 4: flags}.
-Records the split does not move are passed to CRIU byte for byte.
+PagemapHead {1: pages_id}, then PagemapEntry {1: vaddr, 2: nr_pages (u32), 3: in_parent, 4: flags,
+5: nr_pages (u64, CRIU >= 4.2, which then writes 0 in field 2)}. Records the split does not move are
+passed to CRIU byte for byte. A pagemap whose present pages do not add up to its page image's size is
+not understood (a format this module does not know): then nothing is split and `choose` says why.
 """
 from __future__ import annotations
 
@@ -116,13 +118,37 @@ def parse_pagemap(data: bytes) -> Pagemap:
             raise SplitError("pagemap: truncated record")
         f = _fields(data[i + _LEN.size:end])
         flags = f.get(4, PE_PARENT if f.get(3) else PE_PRESENT)
-        nr = f.get(2, 0)
+        nr = f[5] if 5 in f else f.get(2, 0)  # CRIU 4.2 writes the 64-bit count in field 5, 0 in field 2
         present = bool(flags & PE_PRESENT) and not flags & PE_PARENT
         entries.append(Entry(f.get(1, 0), nr, flags, data[i:end], off if present else None))
         if present:
             off += nr * PAGE
         i = end
     return Pagemap(data[:head_end], pages_id, tuple(entries))
+
+
+def pstree_pids(data: bytes) -> list[int]:
+    """The pids a CRIU pstree image lists (PstreeEntry {1: pid, 2: ppid, 3: pgid, 4: sid, 5: threads},
+    framed as a pagemap is): every process CRIU dumped, children forked while it froze the tree included."""
+    pids, i = [], _MAGICS
+    while i + _LEN.size <= len(data):
+        (n,) = _LEN.unpack_from(data, i)
+        end = i + _LEN.size + n
+        if end > len(data):
+            raise SplitError("pstree: truncated record")
+        j, pid = i + _LEN.size, None
+        while j < end:
+            key, j = _varint(data, j)
+            if key & 7 != 0:
+                raise SplitError(f"pstree: unexpected wire type {key & 7}")
+            v, j = _varint(data, j)
+            if key >> 3 == 1:
+                pid = v
+        if pid is None or not 0 < pid < 1 << 22:
+            raise SplitError("pstree: a record without a valid pid")
+        pids.append(pid)
+        i = end
+    return pids
 
 
 @dataclass(frozen=True)
@@ -185,6 +211,44 @@ def plan(name: str, data: bytes, min_bytes: int) -> Plan | None:
             kept.append((e.offset, e.nbytes))
     return Plan(int(m.group(1)), f"pages-{pm.pages_id}.img", pm.head + b"".join(e.record for e in keep),
                 tuple(kept), moved)
+
+
+def present_bytes(pm: Pagemap) -> int:
+    """How many bytes of its page image PM's records name."""
+    return sum(e.nbytes for e in pm.entries if e.offset is not None)
+
+
+def choose(pagemaps: dict[str, bytes], page_sizes: dict[str, int],
+           min_bytes: int) -> tuple[dict[str, Plan], str | None]:
+    """The splits of PAGEMAPS (pagemap image name -> its bytes; PAGE_SIZES: page image name -> its
+    size), by page image, and when there is none, why (for the restore report): the split is off, a
+    pagemap is not understood (its records do not add up to its page image: nothing is split then,
+    CRIU restores everything), or no run is large enough."""
+    if min_bytes <= 0:
+        return {}, "the split is off (GPUSNAP_CRIU_SPLIT_MIN=0)"
+    plans: dict[str, Plan] = {}
+    largest = 0
+    for name in sorted(pagemaps):
+        if PAGEMAP_NAME.fullmatch(name) is None:
+            continue
+        try:
+            pm = parse_pagemap(pagemaps[name])
+        except SplitError as e:
+            return {}, f"{name} is not understood ({e}); CRIU restored every page"
+        image = f"pages-{pm.pages_id}.img"
+        if image not in page_sizes:
+            return {}, f"{name} names {image}, which the snapshot lacks; CRIU restored every page"
+        named = present_bytes(pm)
+        if named != page_sizes[image]:
+            return {}, (f"{name} names {named} bytes of {image}, which holds {page_sizes[image]}: a pagemap "
+                        "format gpusnap does not know; CRIU restored every page")
+        largest = max([largest] + [sum(e.nbytes for e in r) for r in _runs(pm.entries)])
+        pl = plan(name, pagemaps[name], min_bytes)
+        if pl is not None:
+            plans[pl.pages_image] = pl
+    if not plans:
+        return {}, f"no run of pages is at least {min_bytes} bytes (the largest is {largest})"
+    return plans, None
 
 
 def pieces(stream: Stream, ranges: tuple[tuple[int, int], ...] | None) -> list[tuple[int, ChunkRef, int, int]]:

@@ -495,13 +495,22 @@ class ServeSource:
         self._zeros = bytes(max((c.raw_len for s in self.images.values() for c in s.chunks), default=0))
         self.plans: dict[str, split.Plan] = {}    # page image -> its split
         self._rewritten: dict[str, bytes] = {}    # pagemap image -> what CRIU gets instead
+        # the pids CRIU restores, as its pstree image lists them (a snapshot's own list may lack a child
+        # forked while CRIU froze the tree: a --leave-running dump, or one made before that was fixed)
+        ps = self.images.get("pstree.img")
+        try:
+            self.pstree = split.pstree_pids(b"".join(bytes(self._chunk(ps, i, c)) for i, c in enumerate(ps.chunks))) \
+                if ps is not None else []
+        except split.SplitError:
+            self.pstree = []  # CRIU refuses the image itself
+        # why the split did not engage (None when it did), for the restore report
+        self.split_skipped_because: str | None = "the split is off (GPUSNAP_CRIU_SPLIT_MIN=0)"
         if split_min > 0:
-            for name, s in self.images.items():
-                if split.PAGEMAP_NAME.fullmatch(name):
-                    pl = split.plan(name, b"".join(bytes(self._chunk(s, i, c)) for i, c in enumerate(s.chunks)), split_min)
-                    if pl is not None and pl.pages_image in self.images:
-                        self.plans[pl.pages_image] = pl
-                        self._rewritten[name] = pl.pagemap
+            pagemaps = {name: b"".join(bytes(self._chunk(s, i, c)) for i, c in enumerate(s.chunks))
+                        for name, s in self.images.items() if split.PAGEMAP_NAME.fullmatch(name)}
+            self.plans, self.split_skipped_because = split.choose(
+                pagemaps, {n: s.size for n, s in self.images.items() if is_page_image(n)}, split_min)
+            self._rewritten = {f"pagemap-{pl.pid}.img": pl.pagemap for pl in self.plans.values()}
         if arrivals is not None:
             arrivals.first(read_order(self.images, self.plans))
         self.connected_at: float | None = None  # time.monotonic() when CRIU connected
@@ -700,7 +709,8 @@ def split_min() -> int:
 
 def restore(criu: Any, store: SnapshotStore, manifest: Manifest, images: str, *, shell_job: bool,
             pidfile: str, pids: list[int], thp_mode: str | None = "always",
-            split_bytes: int | None = None, arrivals: Arrivals | None = None) -> tuple[dict[str, float], dict[str, Any]]:
+            split_bytes: int | None = None, arrivals: Arrivals | None = None,
+            extra: tuple[str, ...] = ()) -> tuple[dict[str, float], dict[str, Any]]:
     """`criu restore --stream -d` of MANIFEST's images served from STORE (IMAGES: a private directory
     for the socket and CRIU's log), THP set to THP_MODE meanwhile (CRIU faults the whole image in).
     With a split (runs of at least SPLIT_BYTES, default split_min()), CRIU leaves the tree PIDS
@@ -715,7 +725,8 @@ def restore(criu: Any, store: SnapshotStore, manifest: Manifest, images: str, *,
     born_after = boot_ticks()  # what CRIU restores starts after this
     with ServeSource(store, manifest, images, split_min=split_min() if split_bytes is None else split_bytes,
                      arrivals=arrivals) as srv:
-        extra = ("--stream", "--leave-stopped") if srv.plans else ("--stream",)
+        extra = extra + (("--stream", "--leave-stopped") if srv.plans else ("--stream",))  # EXTRA: CRIU options
+        pids = list(dict.fromkeys([*pids, *srv.pstree]))
         with thp(thp_mode):
             try:
                 with _adopting_orphans():
@@ -734,12 +745,14 @@ def restore(criu: Any, store: SnapshotStore, manifest: Manifest, images: str, *,
                 try:
                     info["split"] = srv.fill(lambda p: restored_by_criu(p, pids, born_after))
                 except BaseException:
-                    _signal_all(pids, signal.SIGKILL)
+                    _signal_all([p for p in pids if restored_by_criu(p, pids, born_after)], signal.SIGKILL)
                     raise
-                _signal_all(pids, signal.SIGCONT)
+                _signal_all([p for p in pids if restored_by_criu(p, pids, born_after)], signal.SIGCONT)
                 seconds["split_fill"] = time.perf_counter() - t1
         info.update(served=len(srv.served), refused=srv.refused, bytes=srv.bytes, stages=srv.stages.table(),
                     moved_bytes=sum(p.moved_bytes for p in srv.plans.values()))
+        if srv.split_skipped_because is not None:
+            info["split_skipped_because"] = srv.split_skipped_because
         if srv.connected_at is not None:
             info["criu_connected_monotonic"] = srv.connected_at
     return seconds, info

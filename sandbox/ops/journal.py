@@ -105,6 +105,28 @@ class Proc:
         return True
 
 
+def with_descendants(procs: tuple[Proc, ...]) -> tuple[Proc, ...]:
+    """PROCS (those still the recorded process) and every descendant each has now, parents first.
+    For a tree CRIU left stopped this is exactly what CRIU froze: a child forked while CRIU was
+    seizing the tree is in its image and stopped with it, though no list taken before the dump has it."""
+    from sandbox.gpu.processes import DiscoveryError, process_tree  # noqa: PLC0415
+    out: list[Proc] = []
+    seen: set[int] = set()
+    for p in procs:
+        if not p.alive() or p.pid in seen:
+            continue
+        try:
+            tree = process_tree(p.pid)
+        except DiscoveryError:
+            continue
+        for pid in tree:
+            q = p if pid == p.pid else Proc.of(pid)
+            if q is not None and pid not in seen:
+                seen.add(pid)
+                out.append(q)
+    return tuple(out)
+
+
 @dataclass(frozen=True)
 class OpRecord:
     """What one operation in flight is doing (the JSON of a journal file)."""

@@ -256,7 +256,7 @@ def _gpu_checkpoint(store: SnapshotStore, rec: OpRecord, gpu: GpuAccess, done: R
 def _criu_dump(store: SnapshotStore, rec: OpRecord, gpu: GpuAccess, done: Recovered) -> None:
     if _committed(store, rec):
         if not rec.leave_running:
-            killed = [p.pid for p in rec.procs if p.signal(signal.SIGKILL)]
+            killed = [p.pid for p in journal.with_descendants(rec.procs) if p.signal(signal.SIGKILL)]
             done.actions.append(f"snapshot {rec.snapshot!r} was committed: killed the dumped tree {killed}, as asked")
         else:
             done.actions.append(f"snapshot {rec.snapshot!r} was committed")
@@ -264,7 +264,7 @@ def _criu_dump(store: SnapshotStore, rec: OpRecord, gpu: GpuAccess, done: Recove
                 _resume_gpu(store, rec, gpu, done)
         return
     if rec.stage.at_least(Stage.DUMPING):
-        resumed = [p.pid for p in rec.procs if p.signal(signal.SIGCONT)]
+        resumed = [p.pid for p in journal.with_descendants(rec.procs) if p.signal(signal.SIGCONT)]
         done.actions.append(f"no snapshot was committed: resumed the tree {resumed}")
     if rec.stage.at_least(Stage.GPU_FROZEN):
         _resume_gpu(store, rec, gpu, done)
