@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batch on the lent GPU machine (the `device` tool): GPU tests, then the benchmarks named in $1
-# ("tests", "engine", "e2e", "speed", "bench" = scripts/bench/bench_h200.sh, "pinned", "ingest", "pool", or several, comma-separated). Results land in $OUT (or ./device-out).
+# ("tests", "engine", "e2e", "speed", "moe", "codecs", "bench" = scripts/bench/bench_h200.sh, "pinned", "ingest", "pool", or several, comma-separated). Results land in $OUT (or ./device-out).
 # The GPU machine has no network: carry .whl/ (pip download of the gpu extras and zstandard, blake3,
 # click for cp312, see the device tool's README) and, for e2e, .carry/criu/ (CRIU built here by
 # scripts/setup/install-criu.sh, its non-libc .so files in lib/, and criu-wrapper setting LD_LIBRARY_PATH).
@@ -35,6 +35,8 @@ for what in ${1//,/ }; do
               timeout ${E2E_TIMEOUT2:-300} python3 -m scripts.bench.bench_e2e --gb $BENCH_GB2 --workload $wl --paths ${BENCH_PATHS%%,*} --no-dedup \
                 --json "$out/e2e-speed-$BENCH_GB2.json" 2>&1 | tee "$out/e2e-speed-$BENCH_GB2.log"
             fi ;;
+    codecs) timeout ${CODECS_TIMEOUT:-300} python3 -m scripts.bench.bench_codecs --mib ${CODECS_MIB:-256} --threads 1,$(nproc) \
+              --json "$out/codecs.json" 2>&1 | tee "$out/codecs.log" ;;
     e2e)    timeout 560 python3 -m scripts.bench.bench_e2e --json "$out/e2e.json" ${BENCH_ARGS:-} 2>&1 | tee "$out/e2e.log" ;;
   esac
 done
