@@ -37,6 +37,10 @@ for what in ${1//,/ }; do
             fi ;;
     codecs) timeout ${CODECS_TIMEOUT:-300} python3 -m scripts.bench.bench_codecs --mib ${CODECS_MIB:-256} --threads 1,$(nproc) \
               --json "$out/codecs.json" 2>&1 | tee "$out/codecs.log" ;;
+    moe)    # issue 21: the weights-dominated two-process tree smoke-tested at 1 GB, then baseline vs gpusnap at $BENCH_GB
+            timeout 120 python3 -m scripts.workloads.serving_smoke moe_workload.py 2>&1 | tee "$out/moe-smoke.log" | tail -3
+            timeout ${E2E_TIMEOUT:-540} python3 -m scripts.bench.bench_e2e --gb ${BENCH_GB:-20} --workload moe --paths ${BENCH_PATHS:-stream} \
+              ${BENCH_ARGS:-} --json "$out/e2e-moe-${BENCH_GB:-20}.json" 2>&1 | tee "$out/e2e-moe-${BENCH_GB:-20}.log" ;;
     e2e)    timeout 560 python3 -m scripts.bench.bench_e2e --json "$out/e2e.json" ${BENCH_ARGS:-} 2>&1 | tee "$out/e2e.log" ;;
   esac
 done
