@@ -12,8 +12,8 @@ present: the data sits in pinned host memory and goes through in 64 MiB batches 
 encode = copy in, compress, copy the payload out; decode = copy the payload in, decompress, copy the
 raw bytes out (host-staged bytes, what a restore between the driver's checkpoint and its restore
 has); `dev` columns are the device work alone. One more GPU row, `nvcomp-zstd(host frames)`: nvCOMP's
-Zstd decoding the zstd frames the host path itself stores (storage.codecs, unchanged format). Every decode is checked byte for byte. CPU figures
-are the best of 3 passes (a shared machine disturbs some); a `raw` chunk decodes to its own bytes
+Zstd decoding the zstd frames the host path itself stores (storage.codecs, unchanged format). Every
+decode is checked byte for byte. CPU figures are the best of 3 passes (a shared machine disturbs some); a `raw` chunk decodes to its own bytes
 (no copy), so `auto` on random data shows no decode cost at all.
 """
 from __future__ import annotations
