@@ -24,6 +24,18 @@ store already trusts. Its second half is what blosc2 does not do: the planes are
 with zstd or stored as it is, chosen on a sample, so the mantissa plane of weights (noise) costs no
 compression pass at all; and the exponent plane is compressed with parameters that favour zstd's
 entropy coder over short matches (PLANE_ZSTD: 2.9x on that plane, ~2.5x faster than level 1 there).
+
+nvCOMP for host-staged bytes (issue 21; scripts/bench/bench_codecs.py measures it, not yet wired in):
+the host path stores only host codecs (any machine can decode a snapshot), and nvCOMP's Zstd reads
+standard zstd frames (bench row `nvcomp-zstd(host frames)`), so using a free GPU is a choice of the
+reader, not of the format. Between the driver's checkpoint and its restore the GPU holds none of the
+process's memory; a restore there would send batches of ~64 MiB of zstd frames (whole zstd chunks,
+the zstd planes of shuffle2-zstd chunks) from pinned memory to the GPU, decode them in one batched
+call, merge planes with an elementwise kernel, copy the raw bytes back and bind them to their ids on
+the host as now (the full check needs the raw bytes on the host anyway). It would be chosen per
+restore, where nvCOMP is registered and the GPU is free, only if that machine's measured
+host-to-host rate beats the CPU decode pool's by a margin (a threshold in the block below once it
+exists); it is not built because it needs GPU runs to validate.
 """
 from __future__ import annotations
 
