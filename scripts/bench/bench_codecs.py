@@ -4,17 +4,23 @@
 
 Data (each --mib MiB): `weights` bf16 N(0, 0.02); `kv30` a KV pool of 4 KiB pages, 30% of them (at
 scattered places) holding bf16 values, the rest zeros; `random` bytes; `text` this project's own
-source and docs, repeated. CPU rows, per 4 MiB chunk (the host path's chunk): zstd-1, shuffle2-zstd,
-`auto` (storage.codecs.HostCodecChooser: what `put` stores), and python-blosc2 SHUFFLE+ZSTD clevel 1
-typesize 2 where blosc2 is importable; GB/s is raw bytes per second of one thread (and of N threads
-for each N in --threads). nvCOMP rows (ANS, GDeflate, LZ4, Bitcomp), where a GPU and nvCOMP are
-present: the data sits in pinned host memory and goes through in 64 MiB batches on one stream:
-encode = copy in, compress, copy the payload out; decode = copy the payload in, decompress, copy the
-raw bytes out (host-staged bytes, what a restore between the driver's checkpoint and its restore
-has); `dev` columns are the device work alone. One more GPU row, `nvcomp-zstd(host frames)`: nvCOMP's
-Zstd decoding the zstd frames the host path itself stores (storage.codecs, unchanged format). Every
-decode is checked byte for byte. CPU figures are the best of 3 passes (a shared machine disturbs some); a `raw` chunk decodes to its own bytes
-(no copy), so `auto` on random data shows no decode cost at all.
+source and docs, repeated.
+
+CPU rows, per 4 MiB chunk (the host path's chunk): zstd-1, shuffle2-zstd, `auto`
+(storage.codecs.HostCodecChooser: what `put` stores), and python-blosc2 SHUFFLE+ZSTD clevel 1
+typesize 2 where blosc2 is importable. GB/s is raw bytes per second of wall time, with one thread
+and with N threads for each N in --threads; the `cpu` columns of one-thread rows count that
+thread's CPU seconds instead (a core's rate, whatever else the machine runs). CPU figures are the
+best of 3 passes (a shared machine disturbs some); a `raw` chunk decodes to its own bytes (no
+copy), so `auto` on random data shows no decode cost at all.
+
+nvCOMP rows (ANS, GDeflate, LZ4, Bitcomp), where a GPU and nvCOMP are present: the data sits in
+pinned host memory and goes through in 64 MiB batches on one stream: encode = copy in, compress,
+copy the payload out; decode = copy the payload in, decompress, copy the raw bytes out (host-staged
+bytes, what a restore between the driver's checkpoint and its restore has); the `dev` columns are
+the device work alone. One more GPU row, `nvcomp-zstd(host frames)`: nvCOMP's Zstd decoding the
+zstd frames the host path itself stores (storage.codecs, unchanged format). Every decode is checked
+byte for byte.
 """
 from __future__ import annotations
 
@@ -118,24 +124,32 @@ def bench_cpu(codec: CpuCodec, data: np.ndarray, threads: int) -> dict[str, Any]
             buf = local.buf = np.empty(CHUNK, np.uint8)
         return memoryview(buf)
 
-    def run(fn: Callable[[int], Any]) -> tuple[float, list[Any]]:
-        """The best of REPEATS passes (the machine may be shared: the best is the least disturbed)."""
+    cpu_best = {"enc": float("inf"), "dec": float("inf")}
+
+    def run(fn: Callable[[int], Any], what: str) -> tuple[float, list[Any]]:
+        """The best of REPEATS passes (the machine may be shared: the best is the least disturbed);
+        with one thread, also the best thread CPU time (what a core costs, whatever else runs)."""
         best, res = float("inf"), []
         with ThreadPoolExecutor(threads) as ex:
             for _ in range(REPEATS):
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.thread_time()
                 res = [fn(i) for i in range(len(chunks))] if threads == 1 else list(ex.map(fn, range(len(chunks))))
                 best = min(best, time.perf_counter() - t0)
+                cpu_best[what] = min(cpu_best[what], time.thread_time() - c0)
         return best, res
 
-    enc_s, payloads = run(lambda i: codec.encode(chunks[i]))
+    enc_s, payloads = run(lambda i: codec.encode(chunks[i]), "enc")
     stored = sum(_size(p) for p in payloads)
     exact = all(bytes(codec.decode(p, len(c), out())) == bytes(c) for p, c in zip(payloads, chunks))
-    dec_s, _ = run(lambda i: codec.decode(payloads[i], len(chunks[i]), out()))
+    dec_s, _ = run(lambda i: codec.decode(payloads[i], len(chunks[i]), out()), "dec")
     n = len(data)
-    return {"codec": codec.name, "where": "cpu", "threads": threads, "ratio": round(n / stored, 3),
-            "encode_gbps": round(n / enc_s / 1e9, 3), "decode_gbps": round(n / dec_s / 1e9, 3), "exact": exact,
-            "codecs_chosen": _chosen(payloads)}
+    row = {"codec": codec.name, "where": "cpu", "threads": threads, "ratio": round(n / stored, 3),
+           "encode_gbps": round(n / enc_s / 1e9, 3), "decode_gbps": round(n / dec_s / 1e9, 3), "exact": exact,
+           "codecs_chosen": _chosen(payloads)}
+    if threads == 1:  # per core: raw bytes per CPU second of the one thread
+        row["encode_gbps_cpu"] = round(n / max(cpu_best["enc"], 1e-9) / 1e9, 3)
+        row["decode_gbps_cpu"] = round(n / max(cpu_best["dec"], 1e-9) / 1e9, 3)
+    return row
 
 
 def _chosen(payloads: list[Any]) -> dict[str, int] | None:
@@ -330,8 +344,8 @@ def main(argv: list[str] | None = None) -> int:
     machine = {"cpu": _cpu_name(), "cores": os.cpu_count(), "zstandard": zstandard.__version__,
                "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "nvcomp": why_not or "yes"}
     print(f"# {machine}", flush=True)
-    print(f"{'data':8} {'codec':20} {'where':5} {'thr':>3} {'ratio':>6} {'enc GB/s':>9} {'dec GB/s':>9} "
-          f"{'dev enc':>8} {'dev dec':>8} exact", flush=True)
+    print(f"{'data':8} {'codec':24} {'where':5} {'thr':>3} {'ratio':>6} {'enc GB/s':>9} {'dec GB/s':>9} "
+          f"{'cpu/dev enc':>11} {'cpu/dev dec':>11} exact", flush=True)
     for kind in a.data.split(","):
         data = make_data(kind, n)
         todo: list[Callable[[], dict[str, Any]]] = []
@@ -351,8 +365,10 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             r["data"] = kind
             rows.append(r)
-            print(f"{kind:8} {r['codec']:20} {r['where']:5} {r['threads']:>3} {r['ratio']:>6} {r['encode_gbps']:>9} "
-                  f"{r['decode_gbps']:>9} {r.get('encode_dev_gbps', ''):>8} {r.get('decode_dev_gbps', ''):>8} "
+            enc2 = r.get("encode_dev_gbps", r.get("encode_gbps_cpu", ""))
+            dec2 = r.get("decode_dev_gbps", r.get("decode_gbps_cpu", ""))
+            print(f"{kind:8} {r['codec']:24} {r['where']:5} {r['threads']:>3} {r['ratio']:>6} {r['encode_gbps']:>9} "
+                  f"{r['decode_gbps']:>9} {enc2:>11} {dec2:>11} "
                   f"{r['exact']}" + (f"  {r['codecs_chosen']}" if r.get("codecs_chosen") else ""), flush=True)
     verdict = decode_verdict(rows, max(threads))
     for line in verdict:
