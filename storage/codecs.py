@@ -226,7 +226,7 @@ class Shuffle2Codec:
         h = len(data) // 2
         n, pays = self._HEAD.size, []
         for i in (0, 1):
-            z = len(self.zstd.encode(memoryview(planes[i * h:(i + 1) * h])))
+            z = len(self.zstd.encode(planes[i * h:(i + 1) * h].data))
             pays.append(z <= PLANE_PAYS_OFF * h)
             n += z if pays[-1] else h
         return (pays[0], pays[1]), n
@@ -239,9 +239,10 @@ class Shuffle2Codec:
         h = len(data) // 2
         planes = self._scratch(len(data))
         self.split(data, planes)
-        parts, kinds = [], []
+        parts: list[bytes | memoryview] = []
+        kinds: list[int] = []
         for i in (0, 1):
-            p = memoryview(planes[i * h:(i + 1) * h])
+            p = planes[i * h:(i + 1) * h].data
             z = self.zstd.encode(p) if which[i] else None
             if z is not None and len(z) <= PLANE_PAYS_OFF * h:
                 parts.append(z)
@@ -258,7 +259,7 @@ class Shuffle2Codec:
                 raise CodecError(f"shuffle2-zstd plane of {len(stored)} bytes, expected {h}")
             return np.frombuffer(stored, np.uint8)
         if kind == 1:
-            self.zstd.decode_into(stored, h, memoryview(scratch))
+            self.zstd.decode_into(stored, h, scratch.data)
             return scratch
         raise CodecError(f"shuffle2-zstd plane kind {kind} unknown")
 
