@@ -10,7 +10,8 @@ Every threshold of the choice lives in the "Thresholds" block below, and only th
 
 Guarantees kept here: a decoder never produces, nor allocates for its output, more than the raw
 length it is given (the caller's bound: a chunk's declared raw length, itself bounded by
-chunkfile.MAX_RAW_CHUNK), and returns exactly that many bytes or raises CodecError; a chunk is
+chunkfile.MAX_RAW_CHUNK), allocates working memory only after the payload's own header agrees with
+that length, and returns exactly that many bytes or raises CodecError; a chunk is
 stored with a codec only when it saves more than PAYS_OFF_RATIO allows, else raw. Decoding is not
 verification: the caller binds the decoded bytes to the chunk id (chunkfile.full_check).
 
@@ -252,19 +253,34 @@ class Shuffle2Codec:
                 kinds.append(0)
         return b"".join([self._HEAD.pack(1, kinds[0], kinds[1], len(parts[0])), parts[0], parts[1]])
 
-    def _plane(self, kind: int, stored: memoryview, h: int, scratch: np.ndarray) -> np.ndarray:
-        """One plane's H bytes: a stored plane where it lies, a zstd one decoded into SCRATCH."""
+    @staticmethod
+    def _check_plane(kind: int, stored: memoryview, h: int) -> None:
+        """What can be checked of one plane before anything is allocated for it: a stored plane's
+        length; a zstd plane's frame header, which must declare exactly H bytes."""
         if kind == 0:
             if len(stored) != h:
                 raise CodecError(f"shuffle2-zstd plane of {len(stored)} bytes, expected {h}")
+        elif kind == 1:
+            try:
+                declared = zstandard.frame_content_size(stored)
+            except zstandard.ZstdError as e:
+                raise CodecError(f"shuffle2-zstd plane is not a zstd frame: {e}") from None
+            if declared != h:
+                raise CodecError(f"shuffle2-zstd plane declares {declared} bytes, expected {h}")
+        else:
+            raise CodecError(f"shuffle2-zstd plane kind {kind} unknown")
+
+    def _plane(self, kind: int, stored: memoryview, h: int, scratch: np.ndarray) -> np.ndarray:
+        """One plane's H bytes: a stored plane where it lies, a zstd one decoded into SCRATCH."""
+        if kind == 0:
             return np.frombuffer(stored, np.uint8)
-        if kind == 1:
-            self.zstd.decode_into(stored, h, scratch.data)
-            return scratch
-        raise CodecError(f"shuffle2-zstd plane kind {kind} unknown")
+        self.zstd.decode_into(stored, h, scratch.data)
+        return scratch
 
     def decode(self, payload: memoryview, raw_len: int, out: memoryview | None = None) -> bytes | memoryview:
-        """Exactly RAW_LEN bytes (into OUT when given, else a new buffer of RAW_LEN bytes)."""
+        """Exactly RAW_LEN bytes (into OUT when given, else a new buffer of RAW_LEN bytes). Working
+        memory: half of RAW_LEN per zstd plane (this thread's, reused), allocated only once the
+        header, the planes' lengths and the frames' declared sizes agree with RAW_LEN."""
         payload = memoryview(payload).cast("B")
         if raw_len % 2 or len(payload) < self._HEAD.size:
             raise CodecError(f"shuffle2-zstd payload of {len(payload)} bytes for {raw_len} raw bytes")
@@ -272,13 +288,16 @@ class Shuffle2Codec:
         if version != 1 or n0 > len(payload) - self._HEAD.size:
             raise CodecError(f"shuffle2-zstd header unknown (layout {version}, plane 0 of {n0} bytes)")
         h = raw_len // 2
-        planes = self._scratch(raw_len)
         body = payload[self._HEAD.size:]
-        lo = self._plane(k0, body[:n0], h, planes[:h])
-        hi = self._plane(k1, body[n0:], h, planes[h:])
+        p0, p1 = body[:n0], body[n0:]
+        self._check_plane(k0, p0, h)
+        self._check_plane(k1, p1, h)
+        if out is not None and len(out) < raw_len:
+            raise CodecError(f"decode buffer of {len(out)} bytes for {raw_len}")
+        planes = self._scratch(h * (k0 + k1))
+        lo = self._plane(k0, p0, h, planes[:h])
+        hi = self._plane(k1, p1, h, planes[k0 * h:k0 * h + h])
         dst = memoryview(bytearray(raw_len)) if out is None else out[:raw_len]
-        if len(dst) != raw_len:
-            raise CodecError(f"decode buffer of {len(dst)} bytes for {raw_len}")
         o = np.frombuffer(dst, "<u2")
         np.left_shift(hi, 8, out=o, dtype="<u2")
         np.bitwise_or(o, lo, out=o)

@@ -78,6 +78,11 @@ def test_hostile_shuffle2_payloads_are_refused_within_their_raw_length() -> None
         "an unknown layout": memoryview(b"\x02" + bytes(ok[1:])),
         "a short header": memoryview(b"\x01\x00"),
         "garbage for a zstd plane": _payload(1, 0, b"\x28\xb5\x2f\xfd" + bytes(50), plane[:h]),
+        "a zstd plane that does not declare its size": _payload(
+            1, 0, zstandard.ZstdCompressor(write_content_size=False).compress(plane[:h]), plane[:h]),
+        "a zstd plane declaring its half but holding more": _payload(
+            1, 0, zstandard.ZstdCompressor().compress(plane[:h]) + zstandard.ZstdCompressor().compress(b"x" * 10),
+            plane[:h]),
     }
     for what, p in cases.items():
         with pytest.raises(C.CodecError):
