@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
 # One batch on the lent GPU machine (the `device` tool): GPU tests, then the benchmarks named in $1
 # ("tests", "engine", "e2e", "speed", "moe", "codecs", "bench" = scripts/bench/bench_h200.sh, "pinned", "ingest", "pool", or several, comma-separated). Results land in $OUT (or ./device-out).
-# The GPU machine has no network: carry .whl/ (pip download of the gpu extras and zstandard, blake3,
-# click for cp312, see the device tool's README) and, for e2e, .carry/criu/ (CRIU built here by
-# scripts/setup/install-criu.sh, its non-libc .so files in lib/, and criu-wrapper setting LD_LIBRARY_PATH).
+# The GPU machine has no network: carry .whl/ and .carry/ (both git-ignored, ~58 MiB together):
+#   .whl/: pip download --only-binary=:all: --python-version 3.12 --no-deps --platform manylinux2014_x86_64
+#          --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 --platform any -d .whl \
+#          zstandard blake3 click rich markdown-it-py mdurl pygments pyroute2 \
+#          nvidia-nvcomp-cu13 nvidia-libnvcomp-cu13 cuda-bindings cuda-pathfinder   (numpy comes with torch there)
+#   .carry/criu/: CRIU 4.2.1 built here by scripts/setup/install-criu.sh (stripped), every shared library
+#          ldd lists for it except glibc's in lib/, and criu-wrapper setting LD_LIBRARY_PATH (needs glibc >= 2.35).
 set -uo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$root"
