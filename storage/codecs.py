@@ -16,27 +16,30 @@ stored with a codec only when it saves more than PAYS_OFF_RATIO allows, else raw
 verification: the caller binds the decoded bytes to the chunk id (chunkfile.full_check).
 
 Why `shuffle2-zstd` (id 2) is our own and not python-blosc2's SHUFFLE+ZSTD (both measured on the dev
-VM on the same data, BENCHMARKS.md "Host codecs"): the two reach the same ratio on bf16 weights
-(1.46x against zstd-1's 1.28x); blosc2 decodes a little faster, but `import blosc2` takes ~1.4 s and
-pulls in httpx, pydantic, numexpr and rich (every CLI call that restores would pay it, and the GPU
-machine would have to carry them), and its C chunk parser would read hostile payloads before any
-hash check. Ours is numpy's vectorized shift/mask (~7 GB/s per core each way) and zstd, which the
-store already trusts. Its second half is what blosc2 does not do: the planes are encoded apart, each
-with zstd or stored as it is, chosen on a sample, so the mantissa plane of weights (noise) costs no
-compression pass at all; and the exponent plane is compressed with parameters that favour zstd's
-entropy coder over short matches (PLANE_ZSTD: 2.9x on that plane, ~2.5x faster than level 1 there).
+VM on the same data, BENCHMARKS.md section 9): ours has the better ratio (bf16 weights 1.49x against
+blosc2's 1.45x and zstd-1's 1.28x; a KV pool 30% filled 4.93x against 4.78x and 4.25x), encodes
+faster on both and decodes faster on weights (blosc2 decodes the KV-like data faster). And `import
+blosc2` takes ~1.4 s and pulls in httpx, pydantic, numexpr and rich (every CLI call that restores
+would pay it, and the GPU machine would have to carry them), and its C chunk parser would read
+hostile payloads before any hash check. Ours is numpy's vectorized shift/mask (~7 GB/s per core to
+split, ~5 to merge) and zstd, which the store already trusts, behind a 16-byte header. Its second
+half is what blosc2 does not do: the planes are encoded apart, each with zstd or stored as it is,
+chosen on a sample, so the mantissa plane of weights (noise) costs no compression pass at all; and
+the exponent plane is compressed with parameters that favour zstd's entropy coder over short
+matches (PLANE_ZSTD: 2.94x on that plane against level 1's 2.71x, ~2.7x faster there).
 
-nvCOMP for host-staged bytes (issue 21; scripts/bench/bench_codecs.py measures it, not yet wired in):
-the host path stores only host codecs (any machine can decode a snapshot), and nvCOMP's Zstd reads
-standard zstd frames (bench row `nvcomp-zstd(host frames)`), so using a free GPU is a choice of the
-reader, not of the format. Between the driver's checkpoint and its restore the GPU holds none of the
-process's memory; a restore there would send batches of ~64 MiB of zstd frames (whole zstd chunks,
-the zstd planes of shuffle2-zstd chunks) from pinned memory to the GPU, decode them in one batched
-call, merge planes with an elementwise kernel, copy the raw bytes back and bind them to their ids on
-the host as now (the full check needs the raw bytes on the host anyway). It would be chosen per
-restore, where nvCOMP is registered and the GPU is free, only if that machine's measured
-host-to-host rate beats the CPU decode pool's by a margin (a threshold in the block below once it
-exists); it is not built because it needs GPU runs to validate.
+nvCOMP for host-staged bytes (issue 21; scripts/bench/bench_codecs.py measures it, not wired in):
+the host path stores only host codecs (any machine can decode a snapshot), and nvCOMP's Zstd with
+the RAW bitstream takes plain zstd frames (the bench row `nvcomp-zstd(host frames)` checks that on
+the host path's own frames), so using a free GPU would be a choice of the reader, not of the format.
+Between the driver's checkpoint and its restore the GPU holds none of the process's memory; a
+restore there would send batches of ~64 MiB of zstd frames (whole zstd chunks, the zstd planes of
+shuffle2-zstd chunks) from pinned memory to the GPU, decode them in one batched call, merge planes
+with an elementwise kernel, copy the raw bytes back and bind them to their ids on the host as now
+(the full check needs the raw bytes on the host anyway). It would be chosen per restore, where
+nvCOMP is registered and the GPU is free, only if that machine's measured host-to-host rate beats
+the CPU decode pool's by a margin (one more threshold for the block below). Not built: it needs the
+H200's figures first, and GPU runs to validate it.
 """
 from __future__ import annotations
 
