@@ -256,6 +256,9 @@ def rates(result: dict) -> dict:
             f["restore_host_gbps"] = img / host / 1e9
             f["restore_read_gbps"] = stored / host / 1e9
         out[f"gpusnap_{path}"] = f
+        # every stage's rate over the image's bytes (what each stage moves at, whatever it spends)
+        out[f"gpusnap_{path}_stages_gbps"] = {f"{side}:{k}": img / v / 1e9 for side, st in (("dump", ds), ("restore", rs))
+                                              for k, v in st.items() if isinstance(v, (int, float)) and v > 0}
     return out
 
 
