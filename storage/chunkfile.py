@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 
 import blake3
 
-from .codecs import CODEC_IDS, CODEC_NAMES, CodecError, decode_host, decode_host_into
+from .codecs import CODEC_IDS, CODEC_NAMES, HOST_CODECS, CodecError, decode_host, decode_host_into
 from .directio import ALIGN, AlignedBuffer, align_up, read_into, write_all
 
 from .errors import GpusnapError
@@ -28,7 +28,7 @@ from .errors import GpusnapError
 MAGIC = b"GSNPCHK1"      # stored-addressed
 MAGIC_RAW = b"GSNPCHK2"  # raw-addressed
 RAW_ID_CONTEXT = "gpusnap 2026-11-30 chunk id v2: raw bytes"  # BLAKE3 key derivation: its own id space
-RAW_CODECS = ("raw", "zstd")  # the codecs a GSNPCHK2 file may use (decodable on the host)
+RAW_CODECS = HOST_CODECS  # the codecs a GSNPCHK2 file may use (the host codecs of storage.codecs)
 MAX_RAW_CHUNK = 1 << 30  # a GSNPCHK2 chunk's raw length at most (the largest chunk size put accepts)
 HEADER_SIZE = ALIGN
 _HDR = struct.Struct("<8sH6xQQ")  # magic, codec id, reserved, raw length, stored length

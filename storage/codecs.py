@@ -1,27 +1,84 @@
-"""CPU codecs for chunk payloads (raw, zstd) and the per-chunk choice between them.
+"""The codec registry: every chunk codec, host and GPU, by its on-disk id, and the per-chunk choice.
 
-Each codec is a tiny object with encode/decode, named and numbered as in FORMAT.md. GPU codecs
-(nvCOMP) share the numbering and live in storage/gpu_engine.py so that this module imports without a GPU.
+One table, CODECS, maps a codec id (FORMAT.md, "Codec ids"; part of the on-disk format, never reused)
+to a CodecEntry: its name, where it runs (`host`: the CPU, in this process; `gpu`: nvCOMP on a
+device), and for host codecs the encode and decode functions. Every id the format has ever assigned
+is known (FORMAT_IDS) so that a header naming a GPU codec parses on a machine without one; a GPU
+codec's entry is registered only when nvCOMP is importable here (its device-side codec objects are
+made per stream by storage/device.py, which looks the nvCOMP algorithm up in this table).
+Every threshold of the choice lives in the "Thresholds" block below, and only there.
+
+Guarantees kept here: a decoder never produces, nor allocates for its output, more than the raw
+length it is given (the caller's bound: a chunk's declared raw length, itself bounded by
+chunkfile.MAX_RAW_CHUNK), allocates working memory only after the payload's own header agrees with
+that length, and returns exactly that many bytes or raises CodecError; a chunk is
+stored with a codec only when it saves more than PAYS_OFF_RATIO allows, else raw. Decoding is not
+verification: the caller binds the decoded bytes to the chunk id (chunkfile.full_check).
+
+Why `shuffle2-zstd` (id 2) is our own and not python-blosc2's SHUFFLE+ZSTD (both measured on the dev
+VM on the same data, BENCHMARKS.md section 9): ours has the better ratio (bf16 weights 1.49x against
+blosc2's 1.45x and zstd-1's 1.28x; a KV pool 30% filled 4.93x against 4.78x and 4.25x), encodes
+faster on both and decodes faster on weights (blosc2 decodes the KV-like data faster). And `import
+blosc2` takes ~1.4 s and pulls in httpx, pydantic, numexpr and rich (every CLI call that restores
+would pay it, and the GPU machine would have to carry them), and its C chunk parser would read
+hostile payloads before any hash check. Ours is numpy's vectorized shift/mask (~7 GB/s per core to
+split, ~5 to merge) and zstd, which the store already trusts, behind a 16-byte header. Its second
+half is what blosc2 does not do: the planes are encoded apart, each with zstd or stored as it is,
+chosen on a sample, so the mantissa plane of weights (noise) costs no compression pass at all; and
+the exponent plane is compressed with parameters that favour zstd's entropy coder over short
+matches (PLANE_ZSTD: 2.94x on that plane against level 1's 2.71x, ~2.7x faster there).
+
+nvCOMP for host-staged bytes (issue 21; scripts/bench/bench_codecs.py measures it, not wired in):
+the host path stores only host codecs (any machine can decode a snapshot), and nvCOMP's Zstd with
+the RAW bitstream takes plain zstd frames (the bench row `nvcomp-zstd(host frames)` checks that on
+the host path's own frames), so using a free GPU would be a choice of the reader, not of the format.
+Between the driver's checkpoint and its restore the GPU holds none of the process's memory; a
+restore there would send batches of ~64 MiB of zstd frames (whole zstd chunks, the zstd planes of
+shuffle2-zstd chunks) from pinned memory to the GPU, decode them in one batched call, merge planes
+with an elementwise kernel, copy the raw bytes back and bind them to their ids on the host as now
+(the full check needs the raw bytes on the host anyway). It would be chosen per restore, where
+nvCOMP is registered and the GPU is free, only if that machine's measured host-to-host rate beats
+the CPU decode pool's by a margin (one more threshold for the block below). Not built: it needs the
+H200's figures first, and GPU runs to validate it.
 """
 from __future__ import annotations
 
+import importlib.util
+import struct
 import threading
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Callable, Protocol
 
+import numpy as np
 import zstandard
 
-# Numbering is part of the on-disk format (FORMAT.md); never reuse an id.
 from .errors import GpusnapError
 
-CODEC_IDS: dict[str, int] = {"raw": 0, "zstd": 1, "nvcomp-ans": 16, "nvcomp-bitcomp": 17, "nvcomp-lz4": 18}
-CODEC_NAMES: dict[int, str] = {v: k for k, v in CODEC_IDS.items()}
-ZERO = "zero"  # not a codec id: a chunk reference with no file
+# --------------------------------------------------------------------------------------- thresholds
+# Every number the codec choice depends on (host and GPU), here and nowhere else.
+PAYS_OFF_RATIO = 0.97        # stored/raw above this: store raw (decoding would buy almost nothing)
+MIN_COMPRESS = 512           # chunks smaller than this are stored raw
+SAMPLE_PIECES = 4            # the choice compresses SAMPLE_PIECES pieces spread over the chunk ...
+SAMPLE_PIECE = 16 * 1024     # ... of this many bytes each (64 KiB of a 4 MiB chunk: ~1.6% of its bytes)
+SHUFFLE_MIN_GAIN = 0.95      # shuffle2-zstd is chosen only if its sample is <= this fraction of zstd's
+PLANE_PAYS_OFF = PAYS_OFF_RATIO  # a byte plane is stored as it is when zstd does not beat this
+ZSTD_LEVEL = 1               # the host path's zstd level (put, CRIU images, repair)
+GPU_PAYS_OFF_RATIO = PAYS_OFF_RATIO  # storage/gpu_engine.py: a GPU chunk above this is stored raw
+# zstd parameters for one byte plane: a tiny hash table and long minimum matches leave most bytes to
+# zstd's Huffman literals, which is what an exponent plane (few distinct bytes, no long repeats) needs;
+# runs of zeros are still found as repeats. Measured against level 1 on bf16 exponents: 2.94x vs 2.71x,
+# 730 vs 270 MB/s encode, 1.4 vs 0.8 GB/s decode (dev VM, one core).
+PLANE_ZSTD = dict(window_log=17, hash_log=6, chain_log=6, search_log=1, min_match=7,
+                  strategy=zstandard.STRATEGY_FAST)
 
-# A chunk whose compressed size is above this fraction of its raw size is stored raw: the CPU time
-# spent decompressing it later would buy almost nothing.
-PAYS_OFF_RATIO = 0.97
-_SAMPLE = 64 * 1024
+# Every codec id the on-disk format has assigned (FORMAT.md, "Codec ids"). Never reuse an id.
+FORMAT_IDS: dict[str, int] = {"raw": 0, "zstd": 1, "shuffle2-zstd": 2,
+                              "nvcomp-ans": 16, "nvcomp-bitcomp": 17, "nvcomp-lz4": 18, "nvcomp-gdeflate": 19}
+CODEC_IDS = FORMAT_IDS  # the names manifests may use
+CODEC_NAMES: dict[int, str] = {v: k for k, v in FORMAT_IDS.items()}
+ZERO = "zero"  # not a codec id: a chunk reference with no file
+NVCOMP_ALGORITHMS: dict[str, str] = {"nvcomp-ans": "ANS", "nvcomp-bitcomp": "Bitcomp", "nvcomp-lz4": "LZ4",
+                                     "nvcomp-gdeflate": "GDeflate"}
 
 
 class CodecError(GpusnapError):
@@ -36,6 +93,24 @@ class Codec(Protocol):
     def decode(self, payload: memoryview, raw_len: int) -> bytes | memoryview: ...
 
 
+Decoder = Callable[[memoryview, int, "memoryview | None"], "bytes | memoryview"]
+
+
+@dataclass(frozen=True)
+class CodecEntry:
+    """One registered codec. Host codecs: encode(data) -> payload; decode(payload, raw_len, out) ->
+    exactly raw_len bytes (into OUT when given: at least raw_len writable bytes). GPU codecs: no
+    host functions; `algorithm` is nvCOMP's name, device.CudaDevice makes one codec per stream."""
+
+    id: int
+    name: str
+    where: str                                   # "host" or "gpu"
+    encode: Callable[[memoryview], "bytes | memoryview"] | None = None
+    decode: Decoder | None = None
+    algorithm: str | None = None                 # nvCOMP's algorithm name (GPU codecs)
+
+
+# ------------------------------------------------------------------------------------ host codecs
 class RawCodec:
     name = "raw"
 
@@ -53,14 +128,20 @@ class ZstdCodec:
 
     name = "zstd"
 
-    def __init__(self, level: int = 1) -> None:
+    def __init__(self, level: int = ZSTD_LEVEL, params: dict | None = None) -> None:
         self.level = level
+        self.params = params
         self._local = threading.local()
 
     def _cctx(self) -> zstandard.ZstdCompressor:
         c = getattr(self._local, "c", None)
         if c is None:
-            c = self._local.c = zstandard.ZstdCompressor(level=self.level, write_content_size=True)
+            if self.params is not None:
+                cp = zstandard.ZstdCompressionParameters(write_content_size=True, **self.params)
+                c = zstandard.ZstdCompressor(compression_params=cp)
+            else:
+                c = zstandard.ZstdCompressor(level=self.level, write_content_size=True)
+            self._local.c = c
         return c
 
     def _dctx(self) -> zstandard.ZstdDecompressor:
@@ -81,55 +162,14 @@ class ZstdCodec:
             raise CodecError(f"zstd payload decoded to {len(out)} bytes, expected {raw_len}")
         return out
 
-
-@dataclass(frozen=True)
-class Encoded:
-    codec: str
-    payload: bytes | memoryview
-
-
-class HostCodecChooser:
-    """Picks the codec for each host chunk: zstd when it pays, raw when it does not.
-
-    A 64 KiB sample is compressed first so that incompressible data (random, encrypted, already
-    compressed) costs one small probe instead of a full compression pass.
-    """
-
-    def __init__(self, level: int = 1, compress: bool = True) -> None:
-        self.zstd = ZstdCodec(level)
-        self.raw = RawCodec()
-        self.compress = compress
-
-    def encode(self, data: memoryview) -> Encoded:
-        if not self.compress or len(data) < 512:
-            return Encoded("raw", data)
-        if len(data) > 4 * _SAMPLE:
-            sample = data[:_SAMPLE]
-            if len(self.zstd.encode(sample)) > PAYS_OFF_RATIO * len(sample):
-                return Encoded("raw", data)
-        payload = self.zstd.encode(data)
-        if len(payload) > PAYS_OFF_RATIO * len(data):
-            return Encoded("raw", data)
-        return Encoded("zstd", payload)
-
-
-_ZSTD = ZstdCodec()
-_HOST_DECODERS: dict[str, Codec] = {"raw": RawCodec(), "zstd": _ZSTD}
-
-
-def decode_host_into(codec: str, payload: memoryview, raw_len: int, out: memoryview) -> memoryview:
-    """PAYLOAD decoded with no allocation: a `raw` payload is its own bytes (the view returned is
-    PAYLOAD), a `zstd` one is decoded into OUT (at least RAW_LEN bytes); other host codecs through
-    decode_host and a copy into OUT."""
-    if codec == "raw":
-        if len(payload) != raw_len:
-            raise CodecError(f"raw payload of {len(payload)} bytes, expected {raw_len}")
-        return payload
-    if codec == "zstd":
-        dst = out[:raw_len]
+    def decode_into(self, payload: memoryview, raw_len: int, dst: memoryview) -> memoryview:
+        """PAYLOAD decoded into DST[:RAW_LEN] with no allocation; never writes past it."""
+        dst = dst[:raw_len]
+        if len(dst) != raw_len:
+            raise CodecError(f"decode buffer of {len(dst)} bytes for {raw_len}")
         try:
             # the calling thread's own decompressor (they are not thread-safe)
-            reader = _ZSTD._dctx().stream_reader(payload, read_size=max(1, len(payload)), read_across_frames=False)
+            reader = self._dctx().stream_reader(payload, read_size=max(1, len(payload)), read_across_frames=False)
             done = 0
             while done < raw_len:
                 n = reader.readinto(dst[done:])
@@ -144,16 +184,252 @@ def decode_host_into(codec: str, payload: memoryview, raw_len: int, out: memoryv
         if done != raw_len:
             raise CodecError(f"zstd payload decoded to {done} bytes, expected {raw_len}")
         return dst
-    data = decode_host(codec, payload, raw_len)
-    out[:raw_len] = data
-    return out[:raw_len]
+
+
+class Shuffle2Codec:
+    """`shuffle2-zstd`: 2-byte elements (bf16, fp16, int16) split into their low and high byte planes,
+    each plane zstd-compressed or kept as it is. Payload (FORMAT.md, "Codec ids"):
+
+        0       u8   layout version, 1
+        1       u8   plane 0 (the low bytes) stored as: 0 itself, 1 one zstd frame
+        2       u8   plane 1 (the high bytes) likewise
+        3..7         zero
+        8..15   u64 LE  plane 0's stored length
+        16..         plane 0, then plane 1 (the rest of the payload)
+
+    The raw length is even; each plane decodes to exactly half of it.
+    """
+
+    name = "shuffle2-zstd"
+    _HEAD = struct.Struct("<BBB5xQ")
+
+    def __init__(self) -> None:
+        self.zstd = ZstdCodec(params=PLANE_ZSTD)
+        self._local = threading.local()
+
+    def _scratch(self, n: int) -> np.ndarray:
+        """This thread's plane buffer of at least N bytes (grown to the largest chunk it has seen)."""
+        buf = getattr(self._local, "buf", None)
+        if buf is None or buf.size < n:
+            buf = self._local.buf = np.empty(n, np.uint8)
+        return buf[:n]
+
+    @staticmethod
+    def split(data: memoryview, planes: np.ndarray) -> None:
+        """The low bytes of DATA's 2-byte elements into PLANES[:h], the high bytes into PLANES[h:]."""
+        a = np.frombuffer(data, "<u2")
+        h = a.size
+        np.bitwise_and(a, 0xFF, out=planes[:h], casting="unsafe")
+        np.right_shift(a, 8, out=planes[h:], casting="unsafe")
+
+    def probe(self, data: memoryview) -> tuple[tuple[bool, bool], int]:
+        """On DATA (a sample, even length): whether each plane pays zstd, and the payload size that
+        choice gives."""
+        planes = self._scratch(len(data))
+        self.split(data, planes)
+        h = len(data) // 2
+        n, pays = self._HEAD.size, []
+        for i in (0, 1):
+            z = len(self.zstd.encode(planes[i * h:(i + 1) * h].data))
+            pays.append(z <= PLANE_PAYS_OFF * h)
+            n += z if pays[-1] else h
+        return (pays[0], pays[1]), n
+
+    def encode(self, data: memoryview, which: tuple[bool, bool] = (True, True)) -> bytes:
+        """DATA (even length) as planes; WHICH says which planes to try zstd on (a plane that does not
+        shrink below PLANE_PAYS_OFF is stored as it is)."""
+        if len(data) % 2:
+            raise CodecError("shuffle2-zstd needs an even number of bytes")
+        h = len(data) // 2
+        planes = self._scratch(len(data))
+        self.split(data, planes)
+        parts: list[bytes | memoryview] = []
+        kinds: list[int] = []
+        for i in (0, 1):
+            p = planes[i * h:(i + 1) * h].data
+            z = self.zstd.encode(p) if which[i] else None
+            if z is not None and len(z) <= PLANE_PAYS_OFF * h:
+                parts.append(z)
+                kinds.append(1)
+            else:
+                parts.append(p)
+                kinds.append(0)
+        return b"".join([self._HEAD.pack(1, kinds[0], kinds[1], len(parts[0])), parts[0], parts[1]])
+
+    @staticmethod
+    def _check_plane(kind: int, stored: memoryview, h: int) -> None:
+        """What can be checked of one plane before anything is allocated for it: a stored plane's
+        length; a zstd plane's frame header, which must declare exactly H bytes."""
+        if kind == 0:
+            if len(stored) != h:
+                raise CodecError(f"shuffle2-zstd plane of {len(stored)} bytes, expected {h}")
+        elif kind == 1:
+            try:
+                declared = zstandard.frame_content_size(stored)
+            except zstandard.ZstdError as e:
+                raise CodecError(f"shuffle2-zstd plane is not a zstd frame: {e}") from None
+            if declared != h:
+                raise CodecError(f"shuffle2-zstd plane declares {declared} bytes, expected {h}")
+        else:
+            raise CodecError(f"shuffle2-zstd plane kind {kind} unknown")
+
+    def _plane(self, kind: int, stored: memoryview, h: int, scratch: np.ndarray) -> np.ndarray:
+        """One plane's H bytes: a stored plane where it lies, a zstd one decoded into SCRATCH."""
+        if kind == 0:
+            return np.frombuffer(stored, np.uint8)
+        self.zstd.decode_into(stored, h, scratch.data)
+        return scratch
+
+    def decode(self, payload: memoryview, raw_len: int, out: memoryview | None = None) -> bytes | memoryview:
+        """Exactly RAW_LEN bytes (into OUT when given, else a new buffer of RAW_LEN bytes). Working
+        memory: half of RAW_LEN per zstd plane (this thread's, reused), allocated only once the
+        header, the planes' lengths and the frames' declared sizes agree with RAW_LEN."""
+        payload = memoryview(payload).cast("B")
+        if raw_len % 2 or len(payload) < self._HEAD.size:
+            raise CodecError(f"shuffle2-zstd payload of {len(payload)} bytes for {raw_len} raw bytes")
+        version, k0, k1, n0 = self._HEAD.unpack_from(payload)
+        if version != 1 or n0 > len(payload) - self._HEAD.size:
+            raise CodecError(f"shuffle2-zstd header unknown (layout {version}, plane 0 of {n0} bytes)")
+        h = raw_len // 2
+        body = payload[self._HEAD.size:]
+        p0, p1 = body[:n0], body[n0:]
+        self._check_plane(k0, p0, h)
+        self._check_plane(k1, p1, h)
+        if out is not None and len(out) < raw_len:
+            raise CodecError(f"decode buffer of {len(out)} bytes for {raw_len}")
+        planes = self._scratch(h * (k0 + k1))
+        lo = self._plane(k0, p0, h, planes[:h])
+        hi = self._plane(k1, p1, h, planes[k0 * h:k0 * h + h])
+        dst = memoryview(bytearray(raw_len)) if out is None else out[:raw_len]
+        o = np.frombuffer(dst, "<u2")
+        np.left_shift(hi, 8, out=o, dtype="<u2")
+        np.bitwise_or(o, lo, out=o)
+        return dst
+
+
+_RAW = RawCodec()
+_ZSTD = ZstdCodec()
+_SHUFFLE2 = Shuffle2Codec()
+
+
+def _raw_decode(payload: memoryview, raw_len: int, out: memoryview | None) -> memoryview:
+    return _RAW.decode(payload, raw_len)  # the view returned is PAYLOAD: nothing to copy
+
+
+def _zstd_decode(payload: memoryview, raw_len: int, out: memoryview | None) -> bytes | memoryview:
+    return _ZSTD.decode(payload, raw_len) if out is None else _ZSTD.decode_into(payload, raw_len, out)
+
+
+CODECS: dict[int, CodecEntry] = {}
+
+
+def register(entry: CodecEntry) -> None:
+    """Add ENTRY to the registry; its id and name must be the format's (FORMAT_IDS)."""
+    if FORMAT_IDS.get(entry.name) != entry.id:
+        raise CodecError(f"codec {entry.name!r} is not id {entry.id} in the format")
+    CODECS[entry.id] = entry
+
+
+register(CodecEntry(0, "raw", "host", _RAW.encode, _raw_decode))
+register(CodecEntry(1, "zstd", "host", _ZSTD.encode, _zstd_decode))
+register(CodecEntry(2, "shuffle2-zstd", "host", _SHUFFLE2.encode, _SHUFFLE2.decode))
+
+
+def nvcomp_importable() -> bool:
+    """Whether nvCOMP's Python package is installed here (found, not imported: importing it is slow)."""
+    try:
+        return importlib.util.find_spec("nvidia.nvcomp") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+if nvcomp_importable():
+    for _name, _algo in NVCOMP_ALGORITHMS.items():
+        register(CodecEntry(FORMAT_IDS[_name], _name, "gpu", algorithm=_algo))
+
+HOST_CODECS: tuple[str, ...] = tuple(e.name for e in CODECS.values() if e.where == "host")
+
+
+def entry(name: str) -> CodecEntry:
+    """The registered codec NAME; CodecError if the format has no such codec or this build lacks it."""
+    cid = FORMAT_IDS.get(name)
+    if cid is None:
+        raise CodecError(f"unknown chunk codec {name!r}")
+    e = CODECS.get(cid)
+    if e is None:
+        raise CodecError(f"chunk codec {name!r} needs the GPU path (nvCOMP) to decode")
+    return e
+
+
+def gpu_codecs() -> tuple[str, ...]:
+    """The GPU codecs registered here (nvCOMP importable), in id order: the first is the default."""
+    return tuple(e.name for _, e in sorted(CODECS.items()) if e.where == "gpu")
+
+
+# ----------------------------------------------------------------------------------- the choice
+@dataclass(frozen=True)
+class Encoded:
+    codec: str
+    payload: bytes | memoryview
+
+
+def _sample(data: memoryview) -> memoryview:
+    """SAMPLE_PIECES pieces of SAMPLE_PIECE bytes spread evenly over DATA, as one buffer (a chunk's
+    data is often not uniform: a KV pool filled at scattered places starts with zeros)."""
+    n = len(data)
+    step = n // SAMPLE_PIECES
+    return memoryview(b"".join(bytes(data[i * step:i * step + SAMPLE_PIECE]) for i in range(SAMPLE_PIECES)))
+
+
+class HostCodecChooser:
+    """Picks the codec for each host chunk: raw, zstd or shuffle2-zstd, by what each saves on a sample.
+
+    The sample (SAMPLE_PIECES x SAMPLE_PIECE bytes, or the whole chunk when it is small) is
+    compressed with zstd and, for an even length, with shuffle2-zstd; incompressible data (random,
+    encrypted, already compressed) thus costs small probes instead of a full compression pass. The
+    winner encodes the whole chunk, which is stored raw after all if it still does not pay.
+    """
+
+    def __init__(self, level: int = ZSTD_LEVEL, compress: bool = True, shuffle: bool = True) -> None:
+        self.zstd = _ZSTD if level == ZSTD_LEVEL else ZstdCodec(level)
+        self.shuffle = shuffle
+        self.compress = compress
+
+    def encode(self, data: memoryview) -> Encoded:
+        n = len(data)
+        if not self.compress or n < MIN_COMPRESS:
+            return Encoded("raw", data)
+        sample = _sample(data) if n > 4 * SAMPLE_PIECES * SAMPLE_PIECE else data
+        s = len(sample)
+        z = len(self.zstd.encode(sample))
+        if self.shuffle and n % 2 == 0 and s % 2 == 0:
+            planes, size = _SHUFFLE2.probe(sample)
+            if any(planes) and size <= SHUFFLE_MIN_GAIN * min(z, s):
+                payload = _SHUFFLE2.encode(data, planes)
+                if len(payload) <= PAYS_OFF_RATIO * n:
+                    return Encoded("shuffle2-zstd", payload)
+                return Encoded("raw", data)
+        if z > PAYS_OFF_RATIO * s:
+            return Encoded("raw", data)
+        zp = self.zstd.encode(data)
+        if len(zp) > PAYS_OFF_RATIO * n:
+            return Encoded("raw", data)
+        return Encoded("zstd", zp)
+
+
+def decode_host_into(codec: str, payload: memoryview, raw_len: int, out: memoryview) -> memoryview:
+    """PAYLOAD decoded with no allocation for its output: a `raw` payload is its own bytes (the view
+    returned is PAYLOAD), any other host codec decodes into OUT (at least RAW_LEN bytes)."""
+    e = entry(codec)
+    if e.where != "host" or e.decode is None:
+        raise CodecError(f"chunk codec {codec!r} needs the GPU path (nvCOMP) to decode")
+    got = e.decode(payload, raw_len, out)
+    return got if isinstance(got, memoryview) else memoryview(got)
 
 
 def decode_host(codec: str, payload: memoryview, raw_len: int) -> bytes | memoryview:
-    """Decode a chunk payload on the CPU; GPU codecs are decoded by storage.gpu_engine."""
-    dec = _HOST_DECODERS.get(codec)
-    if dec is None:
-        if codec in CODEC_IDS:
-            raise CodecError(f"chunk codec {codec!r} needs the GPU path (nvCOMP) to decode")
-        raise CodecError(f"unknown chunk codec {codec!r}")
-    return dec.decode(payload, raw_len)
+    """Decode a chunk payload on the CPU (exactly RAW_LEN bytes); GPU codecs are decoded by storage.gpu_engine."""
+    e = entry(codec)
+    if e.where != "host" or e.decode is None:
+        raise CodecError(f"chunk codec {codec!r} needs the GPU path (nvCOMP) to decode")
+    return e.decode(payload, raw_len, None)

@@ -24,12 +24,10 @@ import weakref
 from contextlib import contextmanager
 from typing import Any, Iterator, Protocol
 
+from .codecs import NVCOMP_ALGORITHMS, CodecError, entry
 from .directio import ALIGN, align_up
 
 from .errors import GpusnapError
-
-NVCOMP_ALGORITHMS = {"nvcomp-ans": "ANS", "nvcomp-bitcomp": "Bitcomp", "nvcomp-lz4": "LZ4"}
-
 
 class DeviceError(GpusnapError):
     """A CUDA or nvCOMP call failed, or the device (driver, library) is not available here."""
@@ -387,7 +385,7 @@ class _NvcompCodec:
 class CudaDevice:
     """One GPU through the CUDA driver; nvCOMP for the codecs."""
 
-    codecs = tuple(NVCOMP_ALGORITHMS)
+    codecs = tuple(NVCOMP_ALGORITHMS)  # the format's nvCOMP codecs (storage.codecs), ANS the default
 
     def __init__(self, index: int = 0) -> None:
         d = _drv()
@@ -446,7 +444,11 @@ class CudaDevice:
     def codec(self, name: str, stream: Any, nvcomp_chunk: int) -> DeviceCodec:
         if name not in NVCOMP_ALGORITHMS:
             raise DeviceError(f"{self.name} has no codec {name!r}; choose from raw, {', '.join(self.codecs)}")
-        return _NvcompCodec(NVCOMP_ALGORITHMS[name], stream, nvcomp_chunk, self.index)
+        try:
+            algorithm = entry(name).algorithm  # registered only where nvCOMP is importable
+        except CodecError as e:
+            raise DeviceError(f"the GPU data path needs nvidia-nvcomp-cu13 ({e})") from None
+        return _NvcompCodec(algorithm or NVCOMP_ALGORITHMS[name], stream, nvcomp_chunk, self.index)
 
 
 # --------------------------------------------------------------------------------------------- host

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Protocol, Union
 
 from .chunkfile import HEADER_SIZE, ChunkError
+from .codecs import GPU_PAYS_OFF_RATIO
 from .device import CudaDevice, Device, DeviceError, HostBuffer
 from .directio import ALIGN
 from .manifest import ChunkRef, Manifest, Stream
@@ -36,7 +37,6 @@ from .memtier import PoolWriter, Slot
 from .pipeline import Result, Stages, _Failure, is_zero, writer_result
 from .store import SnapshotWriter
 
-PAYS_OFF_RATIO = 0.97
 GpuEngineError = DeviceError  # one exception type for the GPU data path (device.py raises it)
 Target = Union[SnapshotWriter, PoolWriter]
 
@@ -201,7 +201,7 @@ class GpuEngine:
             return "raw", ptr, n
         self.dev.memset0(lane.out, lane.out_cap, lane.stream)
         m = lane.codec.encode(ptr, n, lane.out, lane.out_cap)
-        if m > PAYS_OFF_RATIO * n or m > self.chunk_size:
+        if m > GPU_PAYS_OFF_RATIO * n or m > self.chunk_size:
             return "raw", ptr, n
         return self.codec, lane.out, m
 

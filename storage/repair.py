@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 from .chunkfile import HEADER_SIZE, ChunkHeader, chunk_id, id_check, raw_chunk_id
-from .codecs import HostCodecChooser, ZstdCodec
+from .codecs import HOST_CODECS, HostCodecChooser, ZstdCodec
 from .directio import AlignedBuffer, BufferPool, copy_into
 from .errors import GpusnapError
 from .manifest import ChunkRef, Manifest
@@ -27,7 +27,7 @@ from .store import Problem, Stray, chunk_refs
 if TYPE_CHECKING:
     from .store import SnapshotStore
 
-_ENCODERS = {"zstd": ZstdCodec(level=1)}  # what `put` uses for host chunks
+_ENCODERS = {"zstd": ZstdCodec(level=1)}  # stored-addressed (GSNPCHK1) host chunks are re-encoded with these
 
 
 class RepairError(GpusnapError):
@@ -117,7 +117,7 @@ def _keep(store: "SnapshotStore", tmp_fd: int, chunks_fd: int, ref: ChunkRef, he
     return True
 
 
-_PUT_ENCODER = HostCodecChooser()  # how put encodes a new host chunk (zstd level 1 where it pays)
+_PUT_ENCODER = HostCodecChooser()  # how put encodes a new host chunk (storage.codecs: the per-chunk choice)
 
 
 def _keep_raw(store: "SnapshotStore", tmp_fd: int, chunks_fd: int, ref: ChunkRef, raw: bytes,
@@ -196,7 +196,7 @@ def _from_files(store: "SnapshotStore", tmp_fd: int, chunks_fd: int, top: str, m
             streams = [n for n in wanted if n == name] + [n for n in wanted if n != name and sizes[n] == st.st_size]
             for sname in streams:
                 for off, ref in list(wanted.get(sname, [])):
-                    if ref.id in got or ref.codec not in ("raw", *_ENCODERS) or off + ref.raw_len > st.st_size:
+                    if ref.id in got or ref.codec not in HOST_CODECS or off + ref.raw_len > st.st_size:
                         continue
                     raw = os.pread(fd, ref.raw_len, off)
                     if _keep_raw(store, tmp_fd, chunks_fd, ref, raw, buf):

@@ -39,8 +39,8 @@ def test_zeros_elided_random_raw_weights_compressed(cli: Cli, tmp_path: Path, st
     codecs = info["codecs"]
     assert codecs["zero"]["raw_bytes"] == 8 << 20 and codecs["zero"]["stored_bytes"] == 0
     assert codecs["raw"]["raw_bytes"] >= 8 << 20  # random data: compression does not pay
-    z = codecs["zstd"]
-    assert z["stored_bytes"] < 0.85 * z["raw_bytes"]  # bf16 N(0, 0.02): exponent bits compress
+    z = codecs["shuffle2-zstd"]  # bf16 N(0, 0.02): the byte planes apart, the exponent plane compressed
+    assert z["raw_bytes"] == 8 << 20 and z["stored_bytes"] < z["raw_bytes"] / 1.4
     on_disk = sum(p.stat().st_size for p in chunk_files(store_dir))
     assert on_disk < 0.75 * info["size"]
 

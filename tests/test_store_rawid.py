@@ -17,6 +17,7 @@ import zstandard
 from conftest import Cli, chunk_files, make_mixed_tree, tree_digest
 from storage import pipeline
 from storage.chunkfile import HEADER_SIZE, MAGIC, MAGIC_RAW, ChunkHeader, chunk_id, raw_chunk_id
+from storage.codecs import Shuffle2Codec, decode_host
 from storage.filetree import FileTreeSource
 from storage.store import SnapshotStore
 
@@ -120,13 +121,14 @@ def _forge(victim: Path, codec: str) -> None:
     assert hdr.raw_id
     raw = np.random.default_rng(7).normal(0, 0.02, hdr.raw_len // 2).astype(np.float32)
     raw_bytes = (raw.view(np.uint32) >> 16).astype(np.uint16).tobytes()
-    payload = raw_bytes if codec == "raw" else zstandard.ZstdCompressor(level=1, write_content_size=True).compress(raw_bytes)
+    payload = (raw_bytes if codec == "raw" else Shuffle2Codec().encode(memoryview(raw_bytes)) if codec == "shuffle2-zstd"
+               else zstandard.ZstdCompressor(level=1, write_content_size=True).compress(raw_bytes))
     forged = ChunkHeader(codec, hdr.raw_len, len(payload), raw_id=True)
     forged = forged.with_checksum(payload)
     victim.write_bytes(forged.pack().ljust(HEADER_SIZE, b"\0") + payload)
 
 
-@pytest.mark.parametrize("codec", ["raw", "zstd"])
+@pytest.mark.parametrize("codec", ["raw", "zstd", "shuffle2-zstd"])
 def test_a_forged_raw_addressed_chunk_is_damage_for_readers_and_verify_read_data(cli: Cli, store_dir: Path,
                                                                                  tmp_path: Path, codec: str) -> None:
     src = make_mixed_tree(tmp_path / "model", mb=6)
@@ -177,14 +179,14 @@ def test_raw_ids_are_their_own_id_space() -> None:
 
 def test_a_raw_addressed_chunk_encoded_otherwise_than_the_manifest_says_still_reads(cli: Cli, store_dir: Path,
                                                                                   tmp_path: Path) -> None:
-    """The same raw bytes encoded by another zstd level (as another host or a later put may): the id
-    binds the raw bytes, so readers take codec and length from the file (FORMAT.md)."""
+    """The same raw bytes encoded by another codec or zstd level (as another host or a later put may):
+    the id binds the raw bytes, so readers take codec and length from the file (FORMAT.md)."""
     src = make_mixed_tree(tmp_path / "model", mb=6)
     cli.run("store", "put", "m", str(src), "--chunk-size", "1M")
-    victim = next(p for p in chunk_files(store_dir) if ChunkHeader.unpack(p.read_bytes()[:64], p.name).codec == "zstd")
+    victim = next(p for p in chunk_files(store_dir) if ChunkHeader.unpack(p.read_bytes()[:64], p.name).codec != "raw")
     data = victim.read_bytes()
     hdr = ChunkHeader.unpack(data[:64], victim.name)
-    raw = zstandard.ZstdDecompressor().decompress(data[HEADER_SIZE:HEADER_SIZE + hdr.stored_len])
+    raw = bytes(decode_host(hdr.codec, memoryview(data)[HEADER_SIZE:HEADER_SIZE + hdr.stored_len], hdr.raw_len))
     assert raw_chunk_id(raw) == victim.name
     payload = zstandard.ZstdCompressor(level=19, write_content_size=True).compress(raw)
     assert len(payload) != hdr.stored_len

@@ -11,10 +11,19 @@
      restore of that snapshot (its chunks still in the page cache), verified again.
 
 Workloads: `serving` (scripts/workloads/serving_workload.py: a Llama-shaped bf16 model, paged KV pool, CUDA
-graph; checks its own logits and every tensor's checksum) or `synthetic` (scripts/gpu_workload.py).
-Same disk, same durability (sync inside the timed region for the baseline; gpusnap fsyncs its chunks),
-page cache dropped before both cold restores. Prints seconds per stage and the ratios to the baseline.
-Usage: bench_e2e.py [--gb 20] [--workload serving] [--paths stream,staging] [--dir /var/tmp] [--json OUT]
+graph, zero-heavy; checks its own logits and every tensor's checksum), `moe`
+(scripts/workloads/moe_workload.py: weights-dominated, few zeros, two CUDA processes in one tree,
+pinned host memory, a CUDA graph; each process checks its own memory) or `synthetic`
+(scripts/gpu_workload.py). Every CUDA process of the tree goes through the driver's checkpoint and
+restore in the baseline as in gpusnap. Both use the same CRIU binary (the one the baseline finds is
+exported as GPUSNAP_CRIU for gpusnap's calls). Same disk, same durability (sync inside the timed
+region for the baseline; gpusnap fsyncs its chunks), page cache dropped before both cold restores.
+The disk's floors are measured in the same run, on the same directory (buffered write + fsync;
+cold sequential read with 16 MiB reads, one reader and four). Prints seconds and GB/s per stage, the
+ratios to the baseline, and each figure's distance from its floor (dump: the driver's checkpoint +
+the bytes written at the disk's write rate; restore: the bytes read at the cold read rate + the
+driver's restore).
+Usage: bench_e2e.py [--gb 20] [--workload serving|moe] [--paths stream,staging] [--dir /var/tmp] [--json OUT]
 """
 from __future__ import annotations
 
@@ -39,7 +48,48 @@ from scripts.workloads.workload_control import Workload
 
 
 
-SCRIPTS = {"serving": "serving_workload.py", "synthetic": "gpu_workload.py"}
+SCRIPTS = {"serving": "serving_workload.py", "moe": "moe_workload.py", "synthetic": "gpu_workload.py"}
+FLOOR_READ = 16 << 20
+
+
+def disk_floor(work: str, gb: float) -> dict:
+    """The disk's own rates on WORK's file system, measured now: buffered write + fsync of GB
+    gigabytes, then (page cache dropped) one sequential reader and four readers of it."""
+    path = os.path.join(work, "floor.bin")
+    n = int(gb * (1 << 30)) // FLOOR_READ * FLOOR_READ
+    block = os.urandom(FLOOR_READ)  # incompressible, not zero: what a file system cannot elide
+    out: dict = {"bytes": n}
+    t0 = time.perf_counter()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        for _ in range(n // FLOOR_READ):
+            os.write(fd, block)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    out["write_gbps"] = n / (time.perf_counter() - t0) / 1e9
+
+    def read(readers: int) -> float:
+        drop_caches(required=True)
+        fd = os.open(path, os.O_RDONLY)
+        part = n // readers // FLOOR_READ * FLOOR_READ
+
+        def one(i: int) -> None:
+            buf = bytearray(FLOOR_READ)
+            for off in range(i * part, (i + 1) * part, FLOOR_READ):
+                os.preadv(fd, [buf], off)
+        t0 = time.perf_counter()
+        try:
+            from concurrent.futures import ThreadPoolExecutor  # noqa: PLC0415
+            with ThreadPoolExecutor(readers) as ex:
+                list(ex.map(one, range(readers)))
+        finally:
+            os.close(fd)
+        return part * readers / (time.perf_counter() - t0) / 1e9
+    out["read1_gbps"] = read(1)
+    out["read4_gbps"] = read(4)
+    os.unlink(path)
+    return out
 
 
 def gpusnap(store: str, *args: str, path: str = "stream") -> dict:
@@ -63,19 +113,22 @@ def timed(stages: dict, name: str, fn, *a, **k):
     return out
 
 
-def kill_restored(pid: int) -> None:
-    """Kill a restored process (not our child unless we are its subreaper) and wait until its pid is free."""
-    try:
-        os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        return
-    deadline = time.monotonic() + 30
-    while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
+def kill_restored(pids: list[int]) -> None:
+    """Kill a restored tree's processes (not our children unless we are their subreaper) and wait
+    until their pids are free."""
+    for pid in pids:
         try:
-            os.waitpid(pid, os.WNOHANG)
-        except ChildProcessError:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
             pass
-        time.sleep(0.05)
+    deadline = time.monotonic() + 30
+    for pid in pids:
+        while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
+            try:
+                os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                pass
+            time.sleep(0.05)
 
 
 def verify(w: Workload) -> dict:
@@ -91,7 +144,7 @@ def baseline(criu: Criu, drv: CudaDriver, a: argparse.Namespace, work: str) -> d
         base["workload"] = w.info
         images = os.path.join(work, "baseline")
         os.mkdir(images)
-        timed(base, "driver_lock+checkpoint", checkpoint_all, drv, [w.pid])
+        timed(base, "driver_lock+checkpoint", checkpoint_all, drv, w.pids)
 
         def dump() -> None:
             criu.dump(w.pid, images)
@@ -101,18 +154,18 @@ def baseline(criu: Criu, drv: CudaDriver, a: argparse.Namespace, work: str) -> d
         base["image_bytes"] = du(images)
         drop_caches(required=True)
         timed(base, "criu_restore", criu.restore, images, detach=True)
-        timed(base, "driver_restore+unlock", restore_all, drv, [w.pid])
+        timed(base, "driver_restore+unlock", restore_all, drv, w.pids)
         base["verify"] = verify(w)
         base["verified"] = base["verify"]["ok"]
         base["dump"] = base["driver_lock+checkpoint"] + base["criu_dump+sync"]
         base["restore"] = base["criu_restore"] + base["driver_restore+unlock"]
         base["total"] = base["dump"] + base["restore"]
         # the floor of a restore: CRIU from memory (the image is in the page cache now) with huge pages
-        kill_restored(w.pid)
+        kill_restored(w.pids)
         floor: dict = {}
         with thp("always"):
             timed(floor, "criu_restore", criu.restore, images, detach=True)
-            timed(floor, "driver_restore+unlock", restore_all, drv, [w.pid])
+            timed(floor, "driver_restore+unlock", restore_all, drv, w.pids)
         floor["verified"] = verify(w)["ok"]
         floor["restore"] = floor["criu_restore"] + floor["driver_restore+unlock"]
         base["floor_warm_thp"] = floor
@@ -146,7 +199,7 @@ def run_gpusnap(a: argparse.Namespace, work: str, path: str, dedup: bool) -> dic
                           "second_dump_s": d2["seconds"]}
             g["verified_after_dedup_dump"] = verify(w)["ok"]
             # warm restore: the second snapshot, its chunks still in the page cache
-            kill_restored(w.pid)
+            kill_restored(w.pids)
             r2 = timed(g, "warm_restore", gpusnap, store, "criu", "restore", "e2e-b", path=path)
             g["warm_restore_stages"] = r2["seconds"]
             g["verified_after_warm_restore"] = verify(w)["ok"]
@@ -167,9 +220,58 @@ def fixed_restore(g: dict) -> float:
     return g["restore"] - sum(s.get(k, 0.0) for k in ("materialize", "criu_restore", "split_fill", "gpu_restore"))
 
 
+def rates(result: dict) -> dict:
+    """GB/s per stage and each figure against its floor (the disk's rates measured in this run and
+    the driver's own checkpoint/restore seconds): {who: {figure: value}}."""
+    disk = result.get("disk_floor")
+    b = result.get("baseline")
+    out: dict = {}
+    if not disk:
+        return out
+    w, r = disk["write_gbps"] * 1e9, max(disk["read1_gbps"], disk["read4_gbps"]) * 1e9
+    if b:
+        img = b["image_bytes"]
+        dump_floor = b["driver_lock+checkpoint"] + img / w
+        restore_floor = img / (disk["read1_gbps"] * 1e9) + b["driver_restore+unlock"]  # one image file: one reader
+        out["baseline"] = {"criu_dump_gbps": img / b["criu_dump+sync"] / 1e9, "criu_restore_gbps": img / b["criu_restore"] / 1e9,
+                           "dump_floor_s": dump_floor, "dump_over_floor": b["dump"] / dump_floor,
+                           "restore_floor_s": restore_floor, "restore_over_floor": b["restore"] / restore_floor}
+    for path in result.get("paths", []):
+        g = result.get(f"gpusnap_{path}")
+        if not g:
+            continue
+        ds, rs = g["dump_stages"], g["restore_stages"]
+        stored, img = g["stored_bytes"], g["image_bytes"]
+        drv_ck = ds.get("gpu_checkpoint", b["driver_lock+checkpoint"] if b else 0.0)
+        drv_rs = rs.get("gpu_restore", b["driver_restore+unlock"] if b else 0.0)
+        dump_floor = drv_ck + stored / w
+        restore_floor = stored / r + drv_rs
+        f = {"dump_floor_s": dump_floor, "dump_over_floor": g["dump"] / dump_floor,
+             "restore_floor_s": restore_floor, "restore_over_floor": g["restore"] / restore_floor,
+             "ratio": img / max(1, stored)}
+        if ds.get("dump+ingest"):
+            f["ingest_gbps"] = img / ds["dump+ingest"] / 1e9
+        host = g["restore"] - drv_rs
+        if host > 0:
+            f["restore_host_gbps"] = img / host / 1e9
+            f["restore_read_gbps"] = stored / host / 1e9
+        out[f"gpusnap_{path}"] = f
+        # every stage's rate over the image's bytes (what each stage moves at, whatever it spends)
+        out[f"gpusnap_{path}_stages_gbps"] = {f"{side}:{k}": img / v / 1e9 for side, st in (("dump", ds), ("restore", rs))
+                                              for k, v in st.items() if isinstance(v, (int, float)) and v > 0}
+    return out
+
+
 def table(result: dict) -> None:
     b = result.get("baseline")
-    print(f"\n== {result['workload']} {result['gb']} GB, {result['date']} ==")
+    print(f"\n== {result['workload']} {result['gb']} GB, {result['date']}, CRIU {result.get('criu')} "
+          f"({result.get('criu_path')}) for both ==")
+    disk = result.get("disk_floor")
+    if disk:
+        print(f"disk floor {disk['bytes'] / 1e9:.1f} GB: write+fsync {disk['write_gbps']:.2f} GB/s, cold read "
+              f"{disk['read1_gbps']:.2f} GB/s (1 reader) / {disk['read4_gbps']:.2f} GB/s (4 readers)")
+    for who, f in result.get("rates", {}).items():
+        print(f"{who:15s} " + "  ".join(f"{k} {v:.2f}" for k, v in f.items()))
     if b:
         f = b["floor_warm_thp"]
         print(f"baseline   dump {b['dump']:6.1f} s (driver {b['driver_lock+checkpoint']:.1f} + criu+sync {b['criu_dump+sync']:.1f})"
@@ -208,15 +310,21 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--skip-baseline", action="store_true")
     ap.add_argument("--no-dedup", action="store_true", help="skip the second dump and the warm restore")
+    ap.add_argument("--floor-gb", type=float, default=4, help="GB written and read to measure the disk (0: skip)")
     a = ap.parse_args()
     ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER: restored trees come back to us to reap
     criu = Criu()
     drv = CudaDriver()
     work = tempfile.mkdtemp(prefix="gpusnap-e2e-", dir=a.dir)
     paths = [p for p in a.paths.split(",") if p]
+    # gpusnap's own CRIU calls run the binary the baseline runs (CRIU 4.2.1 where the project built it)
+    os.environ["GPUSNAP_CRIU"] = criu.binary
     result: dict = {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "gb": a.gb, "workload": a.workload,
-                    "criu": criu.version, "paths": paths}
+                    "criu": criu.version, "criu_path": criu.binary, "paths": paths}
     try:
+        if a.floor_gb > 0:
+            result["disk_floor"] = disk_floor(work, a.floor_gb)
+            print("disk_floor", json.dumps(result["disk_floor"]), flush=True)
         if not a.skip_baseline:
             try:
                 result["baseline"] = baseline(criu, drv, a, work)
@@ -231,6 +339,7 @@ def main() -> None:
             except (Exception, SystemExit) as e:  # noqa: BLE001 - report and go on with the next path
                 result[f"gpusnap_{path}_error"] = repr(e)
                 print(f"gpusnap {path} failed:", repr(e), flush=True)
+        result["rates"] = rates(result)
         table(result)
     finally:
         shutil.rmtree(work, ignore_errors=True)

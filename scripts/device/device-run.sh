@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
 # One batch on the lent GPU machine (the `device` tool): GPU tests, then the benchmarks named in $1
-# ("tests", "engine", "e2e", "speed", "bench" = scripts/bench/bench_h200.sh, "pinned", "ingest", "pool", or several, comma-separated). Results land in $OUT (or ./device-out).
-# The GPU machine has no network: carry .whl/ (pip download of the gpu extras and zstandard, blake3,
-# click for cp312, see the device tool's README) and, for e2e, .carry/criu/ (CRIU built here by
-# scripts/setup/install-criu.sh, its non-libc .so files in lib/, and criu-wrapper setting LD_LIBRARY_PATH).
+# ("tests", "engine", "e2e", "speed", "moe", "codecs", "bench" = scripts/bench/bench_h200.sh, "pinned", "ingest", "pool", or several, comma-separated). Results land in $OUT (or ./device-out).
+# The GPU machine has no network: carry .whl/ and .carry/ (both git-ignored, ~58 MiB together):
+#   .whl/: pip download --only-binary=:all: --python-version 3.12 --no-deps --platform manylinux2014_x86_64
+#          --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 --platform any -d .whl \
+#          zstandard blake3 click rich markdown-it-py mdurl pygments pyroute2 \
+#          nvidia-nvcomp-cu13 nvidia-libnvcomp-cu13 cuda-bindings cuda-pathfinder   (numpy comes with torch there)
+#   .carry/criu/: CRIU 4.2.1 built here by scripts/setup/install-criu.sh (stripped), every shared library
+#          ldd lists for it except glibc's in lib/, and criu-wrapper setting LD_LIBRARY_PATH (needs glibc >= 2.35).
 set -uo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$root"
@@ -35,6 +39,12 @@ for what in ${1//,/ }; do
               timeout ${E2E_TIMEOUT2:-300} python3 -m scripts.bench.bench_e2e --gb $BENCH_GB2 --workload $wl --paths ${BENCH_PATHS%%,*} --no-dedup \
                 --json "$out/e2e-speed-$BENCH_GB2.json" 2>&1 | tee "$out/e2e-speed-$BENCH_GB2.log"
             fi ;;
+    codecs) timeout ${CODECS_TIMEOUT:-300} python3 -m scripts.bench.bench_codecs --mib ${CODECS_MIB:-256} --threads 1,$(nproc) \
+              --json "$out/codecs.json" 2>&1 | tee "$out/codecs.log" ;;
+    moe)    # issue 21: the weights-dominated two-process tree smoke-tested at 1 GB, then baseline vs gpusnap at $BENCH_GB
+            timeout 120 python3 -m scripts.workloads.serving_smoke moe_workload.py 2>&1 | tee "$out/moe-smoke.log" | tail -3
+            timeout ${E2E_TIMEOUT:-540} python3 -m scripts.bench.bench_e2e --gb ${BENCH_GB:-20} --workload moe --paths ${BENCH_PATHS:-stream} \
+              ${BENCH_ARGS:-} --json "$out/e2e-moe-${BENCH_GB:-20}.json" 2>&1 | tee "$out/e2e-moe-${BENCH_GB:-20}.log" ;;
     e2e)    timeout 560 python3 -m scripts.bench.bench_e2e --json "$out/e2e.json" ${BENCH_ARGS:-} 2>&1 | tee "$out/e2e.log" ;;
   esac
 done

@@ -23,7 +23,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from storage.device import NVCOMP_ALGORITHMS, CudaDevice, DeviceBytes, _NvcompCodec, check_cuda, cuda_driver
+from storage.codecs import NVCOMP_ALGORITHMS
+from storage.device import CudaDevice, DeviceBytes, _NvcompCodec, check_cuda, cuda_driver
 
 N = 64 << 20
 CAP = N * 3 // 2 + (4 << 20)  # the engine's lane output buffer (gpu_engine._Lane.out_cap)

@@ -16,12 +16,13 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 class Workload:
     def __init__(self, gb: float, mix: str = "realistic", seed: int = 1, timeout: float = 300,
-                 detached: bool = False, script: str = "gpu_workload.py") -> None:
+                 detached: bool = False, script: str = "gpu_workload.py", extra: tuple[str, ...] = ()) -> None:
         """detached: own session, stdio on a log file (what CRIU needs to dump it without --shell-job).
-        script: gpu_workload.py (one block of known data) or serving_workload.py (a model server)."""
+        script: gpu_workload.py (one block of known data), serving_workload.py (a model server) or
+        moe_workload.py (a two-process MoE-like tree); EXTRA: more arguments for it."""
         self.dir = tempfile.mkdtemp(prefix="gpusnap-wl-")  # fresh per run: no stale waiter shares it
         module = "scripts.workloads." + os.path.splitext(os.path.basename(script))[0]
-        argv = [sys.executable, "-m", module, "--gb", str(gb), "--mix", mix, "--seed", str(seed), "--dir", self.dir]
+        argv = [sys.executable, "-m", module, "--gb", str(gb), "--mix", mix, "--seed", str(seed), "--dir", self.dir, *extra]
         root = os.path.dirname(os.path.dirname(HERE))  # the repository: the workloads run as modules of it
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
         if detached:
@@ -42,6 +43,7 @@ class Workload:
         with open(ready) as f:
             self.info: dict[str, Any] = json.load(f)
         self.pid: int = self.info["pid"]
+        self.pids: list[int] = list(self.info.get("pids", [self.pid]))  # every CUDA process of the tree
         self.size: int = self.info["size"]
 
     def cmd(self, line: str, timeout: float = 600) -> dict[str, Any]:
@@ -93,7 +95,11 @@ class Workload:
                 self.proc.wait()
         if self.alive():  # a restored copy is not our child
             import signal
-            os.kill(self.pid, signal.SIGKILL)
+            for pid in self.pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
 
     def __enter__(self) -> "Workload":
         return self

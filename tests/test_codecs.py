@@ -1,0 +1,147 @@
+"""The codec registry and the host codecs: every host codec round-trips the four kinds of data the
+benchmark measures, the choice keeps raw what does not pay and picks shuffle2-zstd for 2-byte floats,
+hostile payloads are refused with CodecError without producing (or allocating) more than the raw
+length they are decoded for, and a put of bf16 weights stores shuffle2-zstd chunks that get, verify
+--read-data and a flipped byte treat like every other chunk. The CPU-only run of
+scripts/bench/bench_codecs.py is checked here too; its nvCOMP rows in tests/test_codecs_gpu.py."""
+from __future__ import annotations
+
+import json
+import re
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+import zstandard
+
+from conftest import Cli, chunk_files, tree_digest
+from scripts.bench import bench_codecs
+from storage import codecs as C
+from storage.chunkfile import HEADER_SIZE, RAW_CODECS
+
+KINDS = ("weights", "kv30", "random", "text")
+N = 4 << 20
+
+
+@pytest.fixture(scope="module")
+def data() -> dict[str, bytes]:
+    return {k: bench_codecs.make_data(k, N).tobytes() for k in KINDS}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("codec", ["raw", "zstd", "shuffle2-zstd"])
+def test_every_host_codec_round_trips(data: dict[str, bytes], kind: str, codec: str) -> None:
+    raw = data[kind]
+    e = C.entry(codec)
+    assert e.where == "host" and e.encode is not None
+    payload = e.encode(memoryview(raw))
+    assert bytes(C.decode_host(codec, memoryview(payload), len(raw))) == raw
+    out = bytearray(len(raw) + 100)
+    got = C.decode_host_into(codec, memoryview(payload), len(raw), memoryview(out))
+    assert len(got) == len(raw) and bytes(got) == raw
+
+
+def test_the_choice(data: dict[str, bytes]) -> None:
+    ch = C.HostCodecChooser()
+    chosen = {k: ch.encode(memoryview(v)) for k, v in data.items()}
+    assert chosen["weights"].codec == "shuffle2-zstd" and len(chosen["weights"].payload) < N / 1.4
+    assert chosen["kv30"].codec == "shuffle2-zstd" and len(chosen["kv30"].payload) < N / 4
+    assert chosen["random"].codec == "raw"
+    assert chosen["text"].codec == "zstd"
+    for k, e in chosen.items():
+        assert bytes(C.decode_host(e.codec, memoryview(e.payload), N)) == data[k]
+        assert len(e.payload) <= C.PAYS_OFF_RATIO * N or e.codec == "raw"
+    # the mantissa plane of weights is noise: stored as it is, never compressed
+    assert struct.unpack_from("<BBB", bytes(chosen["weights"].payload[:3])) == (1, 0, 1)
+    # an odd length never takes the 2-byte codec; shuffle off, zstd only
+    assert ch.encode(memoryview(data["weights"][:N - 1])).codec in ("zstd", "raw")
+    assert C.HostCodecChooser(shuffle=False).encode(memoryview(data["weights"])).codec == "zstd"
+    assert C.HostCodecChooser(compress=False).encode(memoryview(data["weights"])).codec == "raw"
+
+
+def _payload(k0: int, k1: int, p0: bytes, p1: bytes, n0: int | None = None) -> memoryview:
+    return memoryview(struct.pack("<BBB5xQ", 1, k0, k1, len(p0) if n0 is None else n0) + p0 + p1)
+
+
+def test_hostile_shuffle2_payloads_are_refused_within_their_raw_length() -> None:
+    h = 1000
+    plane = bytes(range(256)) * 4
+    ok = _payload(0, 0, plane[:h], plane[:h])
+    assert len(C.decode_host("shuffle2-zstd", ok, 2 * h)) == 2 * h
+    bomb = zstandard.ZstdCompressor(level=19).compress(bytes(256 << 20))  # 256 MiB of zeros in a few KiB
+    cases = {
+        "plane 0 longer than the payload": _payload(0, 0, plane[:h], plane[:h], n0=10 ** 9),
+        "a stored plane of the wrong length": _payload(0, 0, plane[:h - 1], plane[:h + 1]),
+        "a zstd plane that decodes to more than its half": _payload(1, 0, bomb, plane[:h]),
+        "an unknown plane kind": _payload(7, 0, plane[:h], plane[:h]),
+        "an unknown layout": memoryview(b"\x02" + bytes(ok[1:])),
+        "a short header": memoryview(b"\x01\x00"),
+        "garbage for a zstd plane": _payload(1, 0, b"\x28\xb5\x2f\xfd" + bytes(50), plane[:h]),
+        "a zstd plane that does not declare its size": _payload(
+            1, 0, zstandard.ZstdCompressor(write_content_size=False).compress(plane[:h]), plane[:h]),
+        "a zstd plane declaring its half but holding more": _payload(
+            1, 0, zstandard.ZstdCompressor().compress(plane[:h]) + zstandard.ZstdCompressor().compress(b"x" * 10),
+            plane[:h]),
+    }
+    for what, p in cases.items():
+        with pytest.raises(C.CodecError):
+            C.decode_host("shuffle2-zstd", p, 2 * h)
+            pytest.fail(what)
+        with pytest.raises(C.CodecError):
+            C.decode_host_into("shuffle2-zstd", p, 2 * h, memoryview(bytearray(2 * h)))
+    with pytest.raises(C.CodecError):
+        C.decode_host("shuffle2-zstd", ok, 2 * h + 1)  # odd raw length
+    with pytest.raises(C.CodecError):
+        C.decode_host("zstd", memoryview(bomb), 1 << 20)  # zstd alone: bounded the same way
+    with pytest.raises(C.CodecError):
+        C.decode_host_into("zstd", memoryview(bomb), 1 << 20, memoryview(bytearray(1 << 20)))
+
+
+def test_one_registry_with_the_format_ids() -> None:
+    fmt = (Path(__file__).resolve().parents[1] / "storage" / "FORMAT.md").read_text()
+    table = dict((n, int(i)) for i, n in re.findall(r"^\| (\d+) \| `([a-z0-9-]+)` \|", fmt, re.M))
+    assert table == C.FORMAT_IDS
+    assert {0: "raw", 1: "zstd", 16: "nvcomp-ans", 17: "nvcomp-bitcomp", 18: "nvcomp-lz4"}.items() <= C.CODEC_NAMES.items()
+    assert set(RAW_CODECS) == {"raw", "zstd", "shuffle2-zstd"} == {e.name for e in C.CODECS.values() if e.where == "host"}
+    gpu = {e.name for e in C.CODECS.values() if e.where == "gpu"}
+    assert gpu == (set(C.NVCOMP_ALGORITHMS) if C.nvcomp_importable() else set())
+    with pytest.raises(C.CodecError, match="not id"):
+        C.register(C.CodecEntry(3, "zstd", "host"))
+    with pytest.raises(C.CodecError, match="GPU path"):
+        C.decode_host("nvcomp-ans", memoryview(b"x"), 1)
+    with pytest.raises(C.CodecError, match="unknown"):
+        C.decode_host("lzma", memoryview(b"x"), 1)
+
+
+def test_a_put_of_bf16_weights_stores_shuffle2_chunks_and_checks_them(cli: Cli, store_dir: Path,
+                                                                       tmp_path: Path) -> None:
+    src = tmp_path / "model"
+    src.mkdir()
+    (src / "w.bf16").write_bytes(bench_codecs.make_data("weights", 8 << 20).tobytes())
+    (src / "kv.bin").write_bytes(bench_codecs.make_data("kv30", 8 << 20, seed=3).tobytes())
+    put = cli.json("store", "put", "m", str(src))
+    assert put["stored_bytes"] < 0.5 * put["bytes"] if "stored_bytes" in put else True, put
+    man = json.loads((store_dir / "snapshots" / "m.json").read_text())
+    codecs = {c[2] for s in man["streams"] for c in s.get("chunks", [])}
+    assert codecs == {"shuffle2-zstd"}, codecs
+    cli.run("store", "get", "m", str(tmp_path / "out"))
+    assert tree_digest(tmp_path / "out" / "model") == tree_digest(src)
+    assert cli.json("store", "verify", "--read-data")["ok"]
+    victim = max(chunk_files(store_dir), key=lambda p: p.stat().st_size)
+    b = bytearray(victim.read_bytes())
+    b[HEADER_SIZE + 40] ^= 0x08
+    victim.write_bytes(bytes(b))
+    g = cli.run("store", "get", "m", str(tmp_path / "out2"), check=False)
+    assert g.returncode != 0 and not (tmp_path / "out2").exists(), g.stderr
+
+
+def test_bench_codecs_runs_on_the_cpu(tmp_path: Path) -> None:
+    out = tmp_path / "codecs.json"
+    assert bench_codecs.main(["--mib", "8", "--no-gpu", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    got = {(r["data"], r["codec"]) for r in rows}
+    assert {(k, c) for k in KINDS for c in ("zstd-1", "shuffle2-zstd", "auto")} <= got
+    assert all(r["exact"] and r["ratio"] >= 1.0 and r["encode_gbps"] > 0 for r in rows)
+    w = {r["codec"]: r for r in rows if r["data"] == "weights"}
+    assert w["shuffle2-zstd"]["ratio"] > 1.4 > w["zstd-1"]["ratio"]
