@@ -72,11 +72,20 @@ class Workload:
             return False
 
     def reap(self) -> None:
-        """Collect our child after CRIU killed it (a zombie holding the pid blocks restore)."""
+        """Collect the tree after CRIU killed it: a zombie holding a pid blocks restore. Our child is
+        waited for; the tree's other processes come back to us when we are their subreaper (the
+        benchmarks are), so every zombie child is collected until none of the tree's pids is left."""
         try:
             self.proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             pass
+        deadline = time.monotonic() + 30
+        while any(os.path.exists(f"/proc/{p}") for p in self.pids) and time.monotonic() < deadline:
+            try:
+                os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                pass
+            time.sleep(0.02)
 
     def verify(self) -> bool:
         return bool(self.cmd("verify")["ok"])
