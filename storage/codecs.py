@@ -64,6 +64,13 @@ SHUFFLE_MIN_GAIN = 0.95      # shuffle2-zstd is chosen only if its sample is <= 
 PLANE_PAYS_OFF = PAYS_OFF_RATIO  # a byte plane is stored as it is when zstd does not beat this
 ZSTD_LEVEL = 1               # the host path's zstd level (put, CRIU images, repair)
 GPU_PAYS_OFF_RATIO = PAYS_OFF_RATIO  # storage/gpu_engine.py: a GPU chunk above this is stored raw
+
+
+def nvcomp_out_bound(n: int) -> int:
+    """Bytes an nvCOMP encode of N bytes may need for its output, for every registered nvCOMP codec:
+    GDeflate's bound is just over 2x its input (134,529,088 bytes for 64 MiB, seen on the H200); ANS,
+    Bitcomp and LZ4 stay under 1.5x. nvCOMP refuses an external output buffer below the bound."""
+    return 2 * n + (4 << 20)
 # zstd parameters for one byte plane: a tiny hash table and long minimum matches leave most bytes to
 # zstd's Huffman literals, which is what an exponent plane (few distinct bytes, no long repeats) needs;
 # runs of zeros are still found as repeats. Measured against level 1 on bf16 exponents: 2.94x vs 2.71x,

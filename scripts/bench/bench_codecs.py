@@ -180,7 +180,7 @@ def bench_nvcomp(algo: str, data: np.ndarray) -> dict[str, Any]:
     dev = CudaDevice(0)
     n = len(data)
     batch = min(BATCH, n)
-    cap = batch * 3 // 2 + (4 << 20)
+    cap = C.nvcomp_out_bound(batch)
     src = PinnedBuffer(n)
     np.frombuffer(src.view, np.uint8, n)[:] = data
     back = PinnedBuffer(n)
