@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Protocol, Union
 
 from .chunkfile import HEADER_SIZE, ChunkError
+from . import codecs
 from .codecs import GPU_PAYS_OFF_RATIO
 from .device import CudaDevice, Device, DeviceError, HostBuffer
 from .directio import ALIGN
