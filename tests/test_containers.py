@@ -428,7 +428,7 @@ def standin_gpu_container(tmp_path: Path, env: dict[str, str]) -> Iterator[tuple
     tests = Path(__file__).resolve().parent
     # the hook's own log and per-dump records (where the hook keeps them) stay in this test's directory
     script.write_text(f"#!/bin/sh\nexport GPUSNAP_HOOK_LOG={tmp_path / 'hook.log'} GPUSNAP_HOOK_STATE={tmp_path / 'hook-state'}\n"
-                      f"PYTHONPATH={pythonpath()} exec {sys.executable} {tests / "support" / "standin_hook.py"} {state} \"$@\"\n")
+                      f"PYTHONPATH={pythonpath()} exec {sys.executable} {tests / 'support' / 'standin_hook.py'} {state} \"$@\"\n")
     script.chmod(0o755)
     conf = tmp_path / "runc.conf"
     conf.write_text(f"action-script {script}\n")
