@@ -251,7 +251,7 @@ def test_runc_checkpoint_restore_runs_the_hook(tmp_path: Path) -> None:
                     assert dumped.count(a) in (1, 2), dumped
                 assert "Running pre-dump scripts" in (tmp_path / "work" / "dump.log").read_text()
                 c.restore(tmp_path / "img", tmp_path / "work2")
-                assert_continues(c.count_file, frozen)
+                assert_continues(c, frozen)
                 restored = [a for a, _ in actions(log)][len(dumped):]
                 for a in ("pre-restore", "post-restore", "network-unlock", "post-resume"):
                     assert restored.count(a) in (1, 2), restored
@@ -283,7 +283,7 @@ def test_real_etc_criu_runc_and_podman(tmp_path: Path) -> None:
                 frozen = read_count(c.count_file)
                 assert "pre-dump" in [a for a, _ in actions(log)]
                 c.restore(tmp_path / "img", tmp_path / "work2")
-                assert_continues(c.count_file, frozen)
+                assert_continues(c, frozen)
             n = len(actions(log))
             with podman(tmp_path / "p", env) as pm:
                 name = f"gpusnap-test-{uuid.uuid4().hex[:10]}"
@@ -371,7 +371,7 @@ def test_runc_image_dir_through_the_store(tmp_path: Path, cli: Cli) -> None:
         cli.json("export", "runc1", str(back))
         assert sorted(p.name for p in back.iterdir()) == files
         c.restore(back, tmp_path / "work2")
-        assert_continues(c.count_file, frozen)
+        assert_continues(c, frozen)
 
 
 def test_criu_dump_of_a_container_process_points_at_the_runtime(tmp_path: Path, cli: Cli) -> None:
@@ -454,11 +454,12 @@ def test_gpu_double_pre_dump_then_restore_ends_running(tmp_path: Path) -> None:
     with standin_gpu_container(tmp_path, env) as (c, state):
         wait_count(c.count_file, 10)
         c.checkpoint(tmp_path / "img", tmp_path / "work")
-        assert hook_runs(state).count("pre-dump 0") == 2, "CRIU 4.1.1 runs it twice; both must succeed"
+        # CRIU 4.1.1 runs it twice through runc, 4.2 once (tests/test_criu_hook.py gives every action twice)
+        assert hook_runs(state).count("pre-dump 0") in (1, 2) and "pre-dump 1" not in hook_runs(state)
         assert gpu_state(state) == ("CHECKPOINTED", True)
         frozen = read_count(c.count_file)
         c.restore(tmp_path / "img", tmp_path / "work2")
-        assert_continues(c.count_file, frozen)
+        assert_continues(c, frozen)
         assert gpu_state(state) == ("RUNNING", True)
 
 
