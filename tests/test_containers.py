@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import time
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
@@ -264,6 +265,38 @@ def test_runc_checkpoint_restore_runs_the_hook(tmp_path: Path) -> None:
             unrecord(tmp_path / "lib")
         gpusnap("hook", "uninstall", *opts)
     assert (etc / "runc.conf").read_bytes() == original
+
+
+def test_podman_checkpoint_restore_runs_the_hook(tmp_path: Path) -> None:
+    """Podman (runc runtime) with the hook installed, through the container's `org.criu.config`
+    annotation (the real /etc/criu is left alone): checkpoint and restore run the hook at each action,
+    none fails, none takes long, and the counter goes on."""
+    need("runc", "podman", BUSYBOX)
+    env = runtime_env()
+    etc = tmp_path / "etc-criu"
+    log = tmp_path / "hook-runs.log"   # Podman does not pass its environment to runc: a wrapper records
+    with layout(tmp_path) as opts, podman(tmp_path / "p", env) as pm:
+        gpusnap("hook", "install", "--runtime", "podman", *opts, env=env)
+        record_hook_runs(tmp_path / "lib", log)
+        try:
+            name = f"gpusnap-test-{uuid.uuid4().hex[:10]}"
+            pm.start_counter(name, "--annotation", f"org.criu.config={etc / 'runc.conf'}")
+            pm.wait_count(name, 15)
+            pm("container", "checkpoint", name, timeout=300)
+            frozen = pm.count_file(name)
+            t0 = time.monotonic()
+            pm("container", "restore", name, timeout=300)
+            took = time.monotonic() - t0
+            v = pm.wait_count(name, frozen + 1)
+            assert v <= frozen + 2 + 10 * (time.monotonic() - t0), f"counter jumped from {frozen} to {v}"
+            assert pm.wait_count(name, v + 3) > v
+            ran = actions(log)
+            for a in ("pre-dump", "post-dump", "pre-restore", "network-unlock", "post-resume"):
+                assert a in [x for x, _ in ran], ran
+            assert all(rc == 0 for _, rc in ran), ran
+            assert took < 120, f"podman restore took {took:.0f} s"
+        finally:
+            unrecord(tmp_path / "lib")
 
 
 def test_real_etc_criu_runc_and_podman(tmp_path: Path) -> None:

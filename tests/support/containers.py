@@ -196,8 +196,15 @@ class Podman:
         if p.returncode != 0:
             raise AssertionError(f"podman import: {p.stderr.decode()[-2000:]}")
 
-    def __call__(self, *args: str, check: bool = True, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-        return run([*self.argv, *args], env or self.env, check)
+    def __call__(self, *args: str, check: bool = True, env: dict[str, str] | None = None,
+                 timeout: float = 120) -> subprocess.CompletedProcess[str]:
+        return run([*self.argv, *args], env or self.env, check, timeout)
+
+    def count_file(self, name: str) -> int:
+        """The counter's last value, read from the container's stopped root filesystem (after a
+        checkpoint the container is not running, so `exec` cannot read it)."""
+        upper = self("inspect", "-f", "{{.GraphDriver.Data.UpperDir}}", name).stdout.strip()
+        return read_count(Path(upper) / "tmp" / "count").value
 
     def start_counter(self, name: str, *extra: str) -> None:
         self("run", "-d", "--name", name, "--network", "none", *PODMAN_LIMITS, *extra, self.image,
