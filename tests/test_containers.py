@@ -37,7 +37,7 @@ def gpusnap(*args: str, env: dict[str, str] | None = None, check: bool = True) -
 def layout(tmp: Path, config_dir: str | None = None) -> Iterator[list[str]]:
     """Layout options for `gpusnap hook ...` in TMP (CONFIG_DIR: the real one instead); uninstalls at the end."""
     opts = ["--config-dir", config_dir or str(tmp / "etc-criu"), "--lib-dir", str(tmp / "lib"),
-            "--sbin-dir", str(tmp / "sbin")]
+            "--sbin-dir", str(tmp / "sbin"), "--libexec-dir", str(tmp / "libexec")]
     try:
         yield opts
     finally:
@@ -152,6 +152,35 @@ def test_install_twice_then_uninstall_leaves_config_as_it_was(tmp_path: Path, ca
     assert not (tmp_path / "lib").exists()
 
 
+def test_uninstall_per_runtime_and_with_installs_flags(tmp_path: Path) -> None:
+    """`hook uninstall` takes install's flags: --runtime takes one runtime off (the shared runc.conf
+    block, the hook and its code stay while another installed runtime reads them), --criu must name
+    the CRIU install copied (else nothing is removed); the last runtime's uninstall removes it all."""
+    env = runtime_env()
+    criu = env["PATH"].split(":")[0] + "/criu"
+    bare = {**os.environ, "PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}
+    if shutil.which("criu", path=bare["PATH"]):
+        pytest.skip("a criu is installed in the system's directories")
+    etc = tmp_path / "etc-criu"
+    with layout(tmp_path) as opts:
+        gpusnap("hook", "install", "--runtime", "runc", "--runtime", "podman", "--criu", criu, *opts, env=bare)
+        conf = (etc / "runc.conf").read_bytes()
+        wrong = gpusnap("hook", "uninstall", "--criu", "/bin/true", *opts, check=False)
+        assert wrong.returncode == 1 and "not /usr/bin/true" in wrong.stderr and len(wrong.stderr.splitlines()) == 1
+        assert (tmp_path / "lib" / HOOK_NAME).exists() and (tmp_path / "libexec" / "criu").exists()
+        part = json.loads(gpusnap("hook", "uninstall", "--runtime", "podman", "--criu", criu, *opts, "--json").stdout)
+        assert "removed runtime podman" in part["undone"] and any(u.startswith("kept ") for u in part["undone"])
+        assert (etc / "runc.conf").read_bytes() == conf and (tmp_path / "lib" / HOOK_NAME).exists()
+        rec = json.loads((tmp_path / "lib" / "hook-install.json").read_text())
+        assert rec["runtimes"] == ["runc"]
+        st = json.loads(gpusnap("hook", "status", *opts, "--json", env={**bare, "PATH": f"{tmp_path / 'sbin'}:{bare['PATH']}"}).stdout)
+        assert st["installed"] and st["problems"] == [], st["problems"]
+        rest = json.loads(gpusnap("hook", "uninstall", "--runtime", "runc", *opts, "--json").stdout)["undone"]
+        assert f"removed {tmp_path / 'libexec' / 'criu'}" in rest and f"removed {tmp_path / 'lib' / 'python'}" in rest
+    for d in ("lib", "libexec", "sbin", "etc-criu"):
+        assert not (tmp_path / d).exists(), d
+
+
 def test_install_refuses_symlinked_config_and_non_root(tmp_path: Path) -> None:
     need("unshare")
     etc = tmp_path / "etc-criu"
@@ -182,9 +211,11 @@ def test_install_links_criu_only_when_path_has_none(tmp_path: Path) -> None:
         pytest.skip("a criu is installed in /usr/bin")
     with layout(tmp_path) as opts:
         out = json.loads(gpusnap("hook", "install", *opts, "--criu", criu, "--json", env=bare).stdout)
-        link = tmp_path / "sbin" / "criu"
-        assert link.is_symlink() and os.readlink(link) == os.path.realpath(criu)
-        assert str(link) in out["changed"]
+        link, copy = tmp_path / "sbin" / "criu", tmp_path / "libexec" / "criu"
+        # a copy of CRIU that install owns, never a link into the tree CRIU was built in
+        assert link.is_symlink() and os.readlink(link) == str(copy)
+        assert copy.read_bytes() == Path(criu).read_bytes() and copy.stat().st_mode & 0o777 == 0o755
+        assert str(link) in out["changed"] and str(copy) in out["changed"]
         assert out["warnings"], "sbin dir is not on PATH: install must say so"
         # with the sbin dir on PATH, runc and Podman find it
         on_path = {**bare, "PATH": f"{tmp_path / 'sbin'}:/usr/bin:/bin"}
@@ -197,6 +228,7 @@ def test_install_links_criu_only_when_path_has_none(tmp_path: Path) -> None:
         assert link.is_symlink()   # the one install made is kept until uninstall
         undone = json.loads(gpusnap("hook", "uninstall", *opts, "--json").stdout)["undone"]
         assert f"removed {link}" in undone and not link.exists()
+        assert f"removed {copy}" in undone and not (tmp_path / "libexec").exists()
     with layout(tmp_path / "second") as opts:
         gpusnap("hook", "install", *opts, env=env)
         assert not (tmp_path / "second" / "sbin" / "criu").exists()
@@ -297,6 +329,52 @@ def test_podman_checkpoint_restore_runs_the_hook(tmp_path: Path) -> None:
             assert took < 120, f"podman restore took {took:.0f} s"
         finally:
             unrecord(tmp_path / "lib")
+
+
+def test_hook_outlives_the_tree_it_was_installed_from(tmp_path: Path) -> None:
+    """Install from a copy of the code, delete that copy: a runc checkpoint and restore (through the
+    CRIU copy install linked, no other CRIU on PATH) still run the hook, nothing installed names the
+    copy, and uninstall leaves none of the directories install made."""
+    need("runc", BUSYBOX)
+    src = tmp_path / "checkout"
+    src.mkdir()
+    for pkg in ("cli", "agents", "criu_hooks", "sandbox", "storage"):
+        shutil.copytree(Path(__file__).resolve().parents[1] / pkg, src / pkg,
+                        ignore=shutil.ignore_patterns("__pycache__"))
+    criu = runtime_env()["PATH"].split(":")[0] + "/criu"
+    system = "/usr/sbin:/usr/bin:/sbin:/bin"   # iptables-restore, which CRIU runs, is in /usr/sbin
+    bare = {**os.environ, "PATH": f"{tmp_path / 'sbin'}:{system}", "PYTHONPATH": str(src)}
+    if shutil.which("criu", path=system):
+        pytest.skip("a criu is installed in the system's directories")
+    etc = tmp_path / "etc-criu"
+    hook_log = tmp_path / "hook.log"
+    with layout(tmp_path) as opts:
+        p = subprocess.run([sys.executable, "-m", "cli", "hook", "install", "--runtime", "runc", "--criu", criu, *opts],
+                           capture_output=True, text=True, env=bare, cwd="/", timeout=300)
+        assert p.returncode == 0, p.stderr
+        shutil.rmtree(src)
+        installed = [tmp_path / "lib", tmp_path / "libexec", tmp_path / "sbin", etc]
+        for top in installed:
+            for f in top.rglob("*"):
+                if f.is_symlink():
+                    assert str(src) not in os.readlink(f) and not os.readlink(f).startswith(os.path.dirname(criu)), f
+                elif f.is_file() and f.stat().st_size < 1 << 20:
+                    assert str(src).encode() not in f.read_bytes(), f"{f} names the deleted copy"
+        env = {k: v for k, v in bare.items() if k != "PYTHONPATH"}
+        env.update(GPUSNAP_HOOK_LOG=str(hook_log), GPUSNAP_HOOK_STATE=str(tmp_path / "hook-state"))
+        assert shutil.which("criu", path=env["PATH"]) == str(tmp_path / "sbin" / "criu"), "runc runs the copy"
+        with runc_container(tmp_path / "c", env, criu_config=str(etc / "runc.conf")) as c:
+            wait_count(c.count_file, 10)
+            c.checkpoint(tmp_path / "img", tmp_path / "work")
+            frozen = read_count(c.count_file)
+            c.restore(tmp_path / "img", tmp_path / "work2")
+            assert_continues(c, frozen)
+        logged = hook_log.read_text()
+        for a in ("pre-dump", "network-unlock", "post-resume"):
+            assert f" {a}: " in logged, logged
+        assert "FAILED" not in logged, logged
+        undone = json.loads(gpusnap("hook", "uninstall", *opts, "--json").stdout)["undone"]
+        assert undone and all(not d.exists() for d in installed), (undone, [d for d in installed if d.exists()])
 
 
 def test_real_etc_criu_runc_and_podman(tmp_path: Path) -> None:

@@ -15,25 +15,38 @@ py=${PYTHON:-$root/.venv/bin/python}
 [ -x "$py" ] || py=$(command -v python3)
 [ -x "$root/.cache/criu/bin/criu" ] && export PATH="$root/.cache/criu/bin:$PATH"
 
+cd "$root"
 pids=()
-stop() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null; done; wait 2>/dev/null; }
-trap stop EXIT INT TERM
+run_pid=
+stop() {
+    [ -n "$run_pid" ] && kill "$run_pid" 2>/dev/null
+    for p in "${pids[@]}"; do kill "$p" 2>/dev/null; done
+    wait 2>/dev/null
+}
+trap stop EXIT
+trap 'exit 130' INT TERM
 for _ in $(seq "$burners"); do
-    ( while :; do :; done ) &
+    sh -c 'while :; do :; done' &
     pids+=($!)
 done
 
 pass=0; fail=0; hang=0; times=()
 for i in $(seq "$n"); do
     t0=$(date +%s.%N)
-    (cd "$root" && timeout -k 30 "$limit" "$py" -m pytest -q -x -p no:cacheprovider tests/test_containers.py -k "$expr" \
-        >"/tmp/soak-containers-$$-$i.log" 2>&1)
+    # its own base temp: pytest's clean-up of old numbered directories is not shared with other suites
+    bt=$(mktemp -d /tmp/soak-containers-bt-XXXXXX)
+    timeout -k 30 "$limit" "$py" -m pytest -q -x -p no:cacheprovider --basetemp="$bt" tests/test_containers.py \
+        -k "$expr" >"/tmp/soak-containers-$$-$i.log" 2>&1 &
+    run_pid=$!
+    wait "$run_pid"
     rc=$?
+    run_pid=
+
     t=$(echo "$(date +%s.%N) - $t0" | bc)
     times+=("$t")
     load=$(cut -d' ' -f1 /proc/loadavg)
     case $rc in
-        0) pass=$((pass + 1)); what=pass; rm -f "/tmp/soak-containers-$$-$i.log" ;;
+        0) pass=$((pass + 1)); what=pass; rm -rf "/tmp/soak-containers-$$-$i.log" "$bt" ;;
         124|137) hang=$((hang + 1)); what="HANG (over ${limit} s): /tmp/soak-containers-$$-$i.log" ;;
         *) fail=$((fail + 1)); what="FAIL rc=$rc: /tmp/soak-containers-$$-$i.log" ;;
     esac
