@@ -528,7 +528,7 @@ def status(layout: Layout = Layout(), path_env: str | None = None) -> dict[str, 
                              "criu_ok": ok}
     if not first.usable:
         problems.append(f"runc and Podman run the first criu on PATH: {first.describe()}; CRIU >= {MIN_MAJOR} "
-                        f"is needed (`gpusnap hook install` links one)")
+                        f"is needed (`gpusnap hook install` copies and links one)")
     plugins = cuda_plugins()
     if plugins and installed:
         problems.append(f"both a CRIU cuda plugin ({', '.join(plugins)}) and gpusnap's hook handle GPUs; keep one")
