@@ -53,10 +53,11 @@ ln -sf "$criu" .cache/criu-bin
 # unreadable to other users and is not what the system install should depend on. PYTHON= overrides.
 py=${PYTHON:-/usr/bin/python3}
 [ -x "$py" ] || py=$(command -v python3)
-if [ ! -x .venv/bin/python ] || [ "$(cat .cache/venv.python 2>/dev/null)" != "$py" ]; then
+# a .venv made from another python (pyenv's, say) is made again from this one
+venv_home=$(sed -n 's/^home *= *//p' .venv/pyvenv.cfg 2>/dev/null || true)
+if [ ! -x .venv/bin/python ] || [ "$venv_home" != "$(dirname "$py")" ]; then
     rm -rf .venv
     step "venv" "$py" -m venv .venv
-    echo "$py" > .cache/venv.python
     rm -f .cache/venv.stamp
 fi
 stamp=.cache/venv.stamp
