@@ -539,6 +539,7 @@ def standin_gpu_container(tmp_path: Path, env: dict[str, str]) -> Iterator[tuple
     tests = Path(__file__).resolve().parent
     # the hook's own log and per-dump records (where the hook keeps them) stay in this test's directory
     script.write_text(f"#!/bin/sh\nexport GPUSNAP_HOOK_LOG={tmp_path / 'hook.log'} GPUSNAP_HOOK_STATE={tmp_path / 'hook-state'}\n"
+                      f"export GPUSNAP_HOOK_TIMEOUT={os.environ.get('GPUSNAP_HOOK_TIMEOUT', '180')}\n"
                       f"PYTHONPATH={pythonpath()} exec {sys.executable} {tests / 'support' / 'standin_hook.py'} {state} \"$@\"\n")
     script.chmod(0o755)
     conf = tmp_path / "runc.conf"
@@ -606,3 +607,38 @@ def test_gpu_standin_hook_reaches_the_stand_in(tmp_path: Path) -> None:
         calls = [c for _, c in SharedStandIn(str(state)).load().calls]
         assert calls[:2] == ["lock", "checkpoint"], calls
         assert hook_runs(state)[0] == "pre-dump 0"
+
+
+@pytest.mark.parametrize("action", ["network-unlock", "post-resume"])
+def test_a_stalled_hook_at_restore_lets_the_restore_finish(tmp_path: Path, action: str,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """The hook hangs at a restore-side action (as a driver call that never returns): its deadline
+    ends it and CRIU goes on; the restore finishes and the container counts on."""
+    monkeypatch.setenv("GPUSNAP_HOOK_TIMEOUT", "3")
+    env = runtime_env()
+    with standin_gpu_container(tmp_path, env) as (c, state):
+        wait_count(c.count_file, 10)
+        c.checkpoint(tmp_path / "img", tmp_path / "work")
+        frozen = read_count(c.count_file)
+        Path(f"{state}.stall-at-{action}").touch()
+        t0 = time.monotonic()
+        c.restore(tmp_path / "img", tmp_path / "work2")
+        assert time.monotonic() - t0 < 90
+        assert_continues(c, frozen)
+        assert f"{action} 1" in hook_runs(state), hook_runs(state)
+        assert "did not finish in 3 s" in (tmp_path / "work2" / "restore.log").read_text()
+
+
+def test_a_stalled_pre_dump_aborts_the_checkpoint_and_the_container_runs_on(tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GPUSNAP_HOOK_TIMEOUT", "3")
+    env = runtime_env()
+    with standin_gpu_container(tmp_path, env) as (c, state):
+        v = wait_count(c.count_file, 10)
+        Path(f"{state}.stall-at-pre-dump").touch()
+        t0 = time.monotonic()
+        p = c.checkpoint(tmp_path / "img", tmp_path / "work", check=False)
+        assert p.returncode != 0 and time.monotonic() - t0 < 90
+        assert "pre-dump 1" in hook_runs(state)
+        assert c.state() is not None and wait_count(c.count_file, v + 5) > v, "the container keeps running"
+        assert gpu_state(state) == ("RUNNING", True)
