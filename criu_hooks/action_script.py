@@ -12,18 +12,27 @@ Guarantees kept here (GPU freeze/thaw itself is sandbox/gpu/state.py's):
   directory, keyed by CRIU's pid and start time);
 - gpusnap's own CRIU runs (marked with GPUSNAP_OWN_CRIU_CALL) are left to gpusnap: the hook does nothing;
 - where CRIU's own cuda plugin is installed it handles the GPUs: the hook steps aside and says so;
-- one log line per action, to stderr (CRIU's log) and to the log file.
+- one log line per action, to stderr (CRIU's log) and to the log file;
+- no action blocks: each runs under a deadline (GPUSNAP_HOOK_TIMEOUT, default 180 s). At the deadline
+  the action is interrupted (a pre-dump undoes what it froze on the way out), one FAILED line is logged
+  and the hook exits with the status that lets CRIU go on safely (EXIT_ON_FAILURE); if Python cannot
+  even run that (a driver call stuck in C), a watchdog thread ends the process GRACE_S later. Signals
+  CRIU left blocked are unblocked first, files are opened non-blocking (a FIFO planted at the log or
+  record path fails at once), and the process ends with os._exit (no wait for leftover threads).
 """
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import re
+import signal
 import stat
 import sys
 import time
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 HELP = """\
 gpusnap-criu-hook is a CRIU action script: CRIU runs it at every stage of a dump or restore, with
@@ -49,6 +58,9 @@ Environment:
                              holds no GPU bytes
   GPUSNAP_LOCK_TIMEOUT=S     how long a process may take to finish its CUDA calls before the lock
                              fails (default 10 s)
+  GPUSNAP_HOOK_TIMEOUT=S     the most one action may take (default 180 s); at the deadline it logs
+                             FAILED and exits (pre-dump/post-dump: 1, so CRIU aborts the dump and
+                             the processes keep running; network-unlock/post-resume: CRIU goes on)
   GPUSNAP_HOOK_LOG=FILE      the log (default /var/log/gpusnap/criu-hook.log; stderr goes to CRIU's log)
   GPUSNAP_HOOK_STATE=DIR     the per-dump records (default /run/gpusnap/criu-hook)
   GPUSNAP_LEAVE_RUNNING=1    also resume at post-dump (for trees in the host's network namespace,
@@ -62,10 +74,75 @@ a dump CRIU aborted without running network-unlock).
 DEFAULT_LOG = "/var/log/gpusnap/criu-hook.log"
 DEFAULT_STATE = "/run/gpusnap/criu-hook"
 HANDLED = ("pre-dump", "post-dump", "network-unlock", "post-resume")
+DEFAULT_TIMEOUT_S = 180.0
+GRACE_S = 20.0   # after the deadline: how long the interrupted action may take to undo, then _exit
+
+# The exit status of an action that failed or ran out of time, chosen so that CRIU goes on safely:
+# - before the dump's commit (pre-dump, network-lock, post-dump) non-zero makes CRIU abort the dump,
+#   and the tree keeps running (a pre-dump undoes its own freeze on the way out);
+# - CRIU ignores the status of network-unlock, pre-resume and post-resume (the restore goes on; the
+#   log line says how to bring the GPU processes back);
+# - on the restore side CRIU kills the restored tree when pre-restore, setup-namespaces,
+#   post-setup-namespaces or post-restore fail; the hook does nothing there, so it never fails them.
+EXIT_ON_FAILURE = {"pre-dump": 1, "network-lock": 1, "post-dump": 1, "network-unlock": 1, "pre-resume": 1,
+                   "post-resume": 1, "resume": 1}
+
+
+def exit_on_failure(action: str) -> int:
+    return EXIT_ON_FAILURE.get(action, 0)
 
 
 class HookError(Exception):
     """A hook step that failed; the message says what state the processes are in and what to do."""
+
+
+class HookTimeout(BaseException):
+    """The action ran past GPUSNAP_HOOK_TIMEOUT: raised in the action by the deadline's alarm. A
+    BaseException, as KeyboardInterrupt is, so that no `except Exception` on the way (process
+    discovery skips pids that way) swallows it and works on past the deadline."""
+
+
+def hook_timeout() -> float:
+    try:
+        t = float(os.environ.get("GPUSNAP_HOOK_TIMEOUT", DEFAULT_TIMEOUT_S))
+    except ValueError:
+        return DEFAULT_TIMEOUT_S
+    return t if 0 < t <= 24 * 3600 else DEFAULT_TIMEOUT_S
+
+
+@contextmanager
+def deadline(seconds: float) -> Iterator[None]:
+    """Run the block under a deadline: HookTimeout is raised in it after SECONDS; if the block cannot
+    even be interrupted (stuck in C with the GIL), a watchdog thread ends the process SECONDS + GRACE_S
+    after the start (exit 1, a traceback on stderr).
+
+    Why: the hang seen under Podman (the second network-unlock started, then nothing for 593 s until
+    Podman gave up, and a `criu restore --rpc` that SIGTERM did not end) is a hook that never returns
+    while CRIU waits for it. CRIU restores with every signal but SIGCHLD blocked, and versions of CRIU
+    whose action-script child does not clear that mask (see criu PR #827, "Action scripts should be
+    invoked with normal signal behavior") hand it to the script across exec: the hook then cannot be
+    ended by SIGTERM, and an alarm armed without unblocking would never fire. While the hook runs,
+    the restored tasks wait in CRIU's restorer (still named `criu restore --rpc`, all signals
+    blocked) on the futex of the next restore stage, which is the futex wait that was seen. So the
+    mask is cleared here first, SIGTERM/SIGALRM get their default/handler back, and nothing the hook
+    does may wait without this deadline."""
+    signal.pthread_sigmask(signal.SIG_SETMASK, set())
+    for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        if signal.getsignal(s) == signal.SIG_IGN:
+            signal.signal(s, signal.SIG_DFL)
+
+    def on_alarm(signum: int, frame: Any) -> None:
+        raise HookTimeout(f"did not finish in {seconds:g} s (GPUSNAP_HOOK_TIMEOUT)")
+
+    old = signal.signal(signal.SIGALRM, on_alarm)
+    faulthandler.dump_traceback_later(seconds + GRACE_S, exit=True, file=sys.stderr)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+        faulthandler.cancel_dump_traceback_later()
 
 
 # ------------------------------------------------------------------------------ files, safely
@@ -87,13 +164,14 @@ def _safe_dir(path: str) -> int:
 
 def _open_in(dir_path: str, name: str, flags: int) -> int:
     dfd = _safe_dir(dir_path)
-    try:
-        fd = os.open(name, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dfd)
+    try:   # O_NONBLOCK: a FIFO planted here fails (ENXIO) or is refused below instead of blocking the hook
+        fd = os.open(name, flags | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, 0o600, dir_fd=dfd)
     finally:
         os.close(dfd)
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
         raise OSError(f"{dir_path}/{name} is not a regular file")
+    os.set_blocking(fd, True)
     return fd
 
 
@@ -330,7 +408,8 @@ def _what_to_do(action: str) -> str:
 
 
 def main(argv: list[str] | None = None, *, driver: Any = None) -> None:
-    """The entry point; DRIVER: a stand-in for tests (default: the real driver)."""
+    """The entry point; DRIVER: a stand-in for tests (default: the real driver). Always ends the
+    process (os._exit: leftover threads of an interrupted action are not waited for)."""
     ap = argparse.ArgumentParser(prog="gpusnap-criu-hook", description=HELP,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("command", nargs="?", choices=["resume"], help="resume PID: by hand, see above")
@@ -346,20 +425,30 @@ def main(argv: list[str] | None = None, *, driver: Any = None) -> None:
             ap.error("CRTOOLS_SCRIPT_ACTION is not set: CRIU runs this as an action script (see --help)")
         pid_s = os.environ.get("CRTOOLS_INIT_PID", "")
         init = int(pid_s) if pid_s.isdigit() else None
+    code = 0
     try:
-        if action == "resume":
-            from sandbox.gpu.state import resume
-            drv = driver or _real_driver()
-            r = resume(drv, _cuda_pids(init, drv))
-            msg = f"restored {r.restored}, unlocked {r.unlocked}, already running {r.running}"
-        else:
-            msg = run(action, init, driver=driver)
-    except Exception as e:  # noqa: BLE001 - one line for CRIU's log, non-zero to abort the dump
+        with deadline(hook_timeout()):
+            if action == "resume":
+                from sandbox.gpu.state import resume
+                drv = driver or _real_driver()
+                r = resume(drv, _cuda_pids(init, drv))
+                msg = f"restored {r.restored}, unlocked {r.unlocked}, already running {r.running}"
+            else:
+                msg = run(action, init, driver=driver)
+    except BaseException as e:  # noqa: BLE001 - one line for CRIU's log, the status that lets CRIU go on
+        if isinstance(e, SystemExit):
+            raise
         first = (str(e).splitlines() or [type(e).__name__])[0]
-        log(action, f"FAILED: {first}" + (f"; {_what_to_do(action)}" if _what_to_do(action) else ""))
-        sys.exit(1)
-    log(action, msg)
-    sys.exit(0)
+        msg = f"FAILED: {first}" + (f"; {_what_to_do(action)}" if _what_to_do(action) else "")
+        code = exit_on_failure(action)
+    try:
+        with deadline(10):
+            log(action, msg)
+    except BaseException:  # noqa: BLE001 - the log is best effort; the exit status is what CRIU needs
+        pass
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

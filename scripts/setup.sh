@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
 # Idempotent setup on Debian 12: system packages (CRIU >= 4, runsc, runc, Podman, busybox-static for
-# container tests, iproute2, zstd), a virtual env in
-# .venv with gpusnap installed editable with its dev extras. A second run with nothing changed takes
-# about a second (stamp files in .cache/). Run as root for the system packages.
+# container tests, iproute2, zstd), a virtual env in .venv (made from the system's python3, not
+# whatever python3 is first on PATH) with gpusnap installed editable with its dev extras, and, as root,
+# gpusnap installed as software (scripts/setup/install-system.sh): a copy (not editable) in the system
+# venv /opt/gpusnap, its commands linked as /usr/local/bin/gpusnap and /usr/local/bin/gpusnap-criu-hook,
+# and the CRIU built here copied to /opt/gpusnap/libexec/criu (linked as /usr/local/sbin/criu when
+# nothing is there yet), so that `gpusnap` works for every user and outlives this checkout. A second run with nothing changed takes
+# about a second (stamp files in .cache/). Run as root for the system packages and the system install.
 # Quiet: one summary line; every step's output goes to .cache/setup.log, shown in full if a step fails.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -45,8 +49,17 @@ criu=$(cat .cache/criu-path)
 step "Swift" scripts/setup/swift-setup.sh install  # the object store the remote-tier tests use (started by scripts/test.sh)
 ln -sf "$criu" .cache/criu-bin
 
-py=${PYTHON:-python3}
-if [ ! -x .venv/bin/python ]; then step "venv" "$py" -m venv .venv; fi
+# The system's python3 (Debian's, with python3-venv): a pyenv or other python first on PATH may be
+# unreadable to other users and is not what the system install should depend on. PYTHON= overrides.
+py=${PYTHON:-/usr/bin/python3}
+[ -x "$py" ] || py=$(command -v python3)
+# a .venv made from another python (pyenv's, say) is made again from this one
+venv_home=$(sed -n 's/^home *= *//p' .venv/pyvenv.cfg 2>/dev/null || true)
+if [ ! -x .venv/bin/python ] || [ "$venv_home" != "$(dirname "$py")" ]; then
+    rm -rf .venv
+    step "venv" "$py" -m venv .venv
+    rm -f .cache/venv.stamp
+fi
 stamp=.cache/venv.stamp
 want=$(sha256sum pyproject.toml | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
@@ -54,5 +67,13 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     step "pip" .venv/bin/pip install -q -e ".[dev]"
     echo "$want" > "$stamp"
 fi
+
+# gpusnap as software, for every user (root only): /opt/gpusnap, /usr/local/bin/gpusnap (install-system.sh)
+if [ "$(id -u)" -eq 0 ]; then
+    step "system install" sh -c "scripts/setup/install-system.sh --python '$py' --criu '$criu' > .cache/gpusnap-path"
+    on_path=$(cat .cache/gpusnap-path)
+else
+    on_path="not installed system-wide (run as root); use $root/.venv/bin/gpusnap"
+fi
 echo "setup: ok in $((SECONDS - t0)) s (criu $("$criu" --version | sed -n 's/^Version: *//p') at $criu," \
-     "runsc $(command -v runsc), venv $root/.venv; log $root/$log)" >&2
+     "runsc $(command -v runsc), dev venv $root/.venv, gpusnap on PATH: $on_path; log $root/$log)" >&2

@@ -81,11 +81,16 @@ def expect_exit(sig: int, stage: str, r: subprocess.CompletedProcess[str]) -> No
         assert r.returncode == 128 + signal.SIGTERM and "SIGTERM" in r.stderr, (r.returncode, r.stderr)
 
 
-def wait_dead(tree: Tree, timeout: float = 10) -> None:
+def wait_dead(tree: Tree, timeout: float = 60) -> None:
+    """Until the whole tree is gone and its pids are free again: a zombie still holds its pid, and
+    init reaps the detached tree's only when it gets to it (seconds on a loaded machine), while CRIU
+    restores every process with its own pid."""
     deadline = time.monotonic() + timeout
-    while tree.alive() and time.monotonic() < deadline:
+    while any(os.path.exists(f"/proc/{p}") for p in (tree.pid, tree.child)) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not tree.alive()
+    assert not tree.alive(), "the tree still runs"
+    held = [p for p in (tree.pid, tree.child) if os.path.exists(f"/proc/{p}")]
+    assert not held, f"pids {held} of the dead tree were not reaped in {timeout:g} s"
 
 
 @pytest.mark.parametrize("sig", SIGNALS, ids=["kill9", "term"])

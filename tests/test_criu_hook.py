@@ -352,3 +352,97 @@ def test_custom_storage_hook_double_pre_dump_keeps_the_snapshot(tmp_path: Path, 
     assert run("post-resume", child, **kw).startswith("restored 0 ")
     assert d.get_state(child) == S.RUNNING and bytes(d.procs[child].gpu) == before
     assert json.loads(json.dumps(st.load("hook-gpu").meta))["path"] == "custom-storage"
+
+
+# --- no action blocks ------------------------------------------------------------------------------
+
+STALL = """\
+import os, signal, sys, time
+sys.path[:0] = [{repo!r}]
+from criu_hooks import action_script
+action_script.GRACE_S = {grace}
+
+class Stall:
+    '''A driver whose every call hangs: in Python (interruptible), or with SIGALRM blocked (as a call
+    stuck in C: only the watchdog can end it).'''
+    def __getattr__(self, name):
+        def call(*a, **k):
+            if {in_c}:
+                signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGALRM])
+            time.sleep(3600)
+        return call
+
+action_script.main(driver=Stall())
+"""
+
+
+def _blocked_like_criu() -> None:
+    """As an action script of a CRIU whose child keeps CRIU's restore mask: every signal but SIGCHLD
+    blocked, and SIGTERM ignored for good measure."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, set(signal.Signals) - {signal.SIGCHLD, signal.SIGKILL, signal.SIGSTOP})
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+def _run_stalled(tmp_path: Path, action: str, *, in_c: bool = False, grace: float = 20,
+                 extra: dict | None = None) -> tuple[subprocess.CompletedProcess[str], float]:
+    script = tmp_path / "stalled-hook.py"
+    script.write_text(STALL.format(repo=str(REPO), grace=grace, in_c=in_c))
+    sleeper = subprocess.Popen(["sleep", "60"])
+    env = {k: v for k, v in os.environ.items() if k not in ("GPUSNAP_OWN_CRIU_CALL", "CRIU_CONFIG_FILE")}
+    env.update(CRTOOLS_SCRIPT_ACTION=action, CRTOOLS_INIT_PID=str(sleeper.pid), GPUSNAP_HOOK_TIMEOUT="1",
+               GPUSNAP_HOOK_LOG=str(tmp_path / "log" / "hook.log"), GPUSNAP_HOOK_STATE=str(tmp_path / "state"),
+               **(extra or {}))
+    t0 = time.monotonic()
+    try:
+        p = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=60,
+                           preexec_fn=_blocked_like_criu)
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    return p, time.monotonic() - t0
+
+
+@pytest.mark.parametrize("action,code", [("pre-dump", 1), ("post-resume", 1)])
+def test_a_stalled_action_ends_at_its_deadline_with_one_line(tmp_path: Path, action: str, code: int) -> None:
+    """A driver call that never returns, in a hook started with CRIU's restore signal mask (SIGTERM
+    and SIGALRM blocked): the action ends at GPUSNAP_HOOK_TIMEOUT with one FAILED line and the status
+    that lets CRIU go on (pre-dump: 1, CRIU aborts the dump; post-resume: CRIU ignores it)."""
+    p, took = _run_stalled(tmp_path, action)
+    assert p.returncode == code, p.stderr
+    assert took < 15, f"the hook took {took:.1f} s past a 1 s deadline"
+    line, = p.stderr.strip().splitlines()
+    assert f"{action}: FAILED: did not finish in 1 s (GPUSNAP_HOOK_TIMEOUT)" in line, line
+    assert "FAILED: did not finish" in (tmp_path / "log" / "hook.log").read_text()
+
+
+def test_an_action_stuck_in_c_is_ended_by_the_watchdog(tmp_path: Path) -> None:
+    """A call that Python cannot interrupt (SIGALRM blocked, as a driver call stuck in C): the
+    watchdog thread ends the process GRACE_S after the deadline."""
+    p, took = _run_stalled(tmp_path, "pre-dump", in_c=True, grace=2)
+    assert p.returncode == 1 and took < 15, (p.returncode, took)
+    assert "Timeout" in p.stderr and "Stall" not in p.stdout
+
+
+def test_a_fifo_at_the_log_or_record_path_does_not_block(tmp_path: Path) -> None:
+    """Files the hook opens are opened non-blocking: a FIFO planted where the record or the log is
+    fails at once instead of waiting for a writer/reader."""
+    from criu_hooks.action_script import DumpRecord
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    (tmp_path / "log").mkdir(mode=0o700)
+    os.mkfifo(tmp_path / "log" / "hook.log", 0o600)
+    env_state = {"GPUSNAP_HOOK_STATE": str(state)}
+    script = tmp_path / "unlock.py"
+    script.write_text(f"import sys; sys.path[:0] = [{str(REPO)!r}]\n"
+                      "from criu_hooks.action_script import main; main()\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("GPUSNAP_OWN_CRIU_CALL", "CRTOOLS_IMAGE_DIR")}
+    env.update(CRTOOLS_SCRIPT_ACTION="network-unlock", CRTOOLS_INIT_PID="1", GPUSNAP_HOOK_TIMEOUT="30",
+               GPUSNAP_HOOK_LOG=str(tmp_path / "log" / "hook.log"), **env_state)
+    # without CRTOOLS_IMAGE_DIR the CRIU run is the hook's parent: this test's process
+    os.mkfifo(state / DumpRecord(os.getpid()).name, 0o600)
+    t0 = time.monotonic()
+    p = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=60)
+    assert time.monotonic() - t0 < 20
+    err = p.stderr
+    assert p.returncode == 1 and "is not a regular file" in err, err
+    assert "cannot write the log" in err

@@ -29,8 +29,10 @@ if child == 0:
                 if not c:
                     os._exit(0)
                 line += c
-            with open(os.path.join(d, "child-" + line.decode().strip()), "w") as f:
+            name = os.path.join(d, "child-" + line.decode().strip())
+            with open(name + ".tmp", "w") as f:   # whole or absent: written aside, then renamed
                 f.write(str(os.getpid()))
+            os.rename(name + ".tmp", name)
 
 os.close(r)
 counter = [0]
