@@ -17,6 +17,7 @@ byte-identical afterwards, one gpusnap created is deleted), the link it made, th
 from __future__ import annotations
 
 import enum
+import functools
 import importlib.metadata
 import importlib.util
 import json
@@ -270,7 +271,7 @@ def install(runtimes: list[Runtime], layout: Layout = Layout(), criu: str | None
                         raise HookInstallError(str(e)) from None
                     if added.changed:
                         cfg.write(name, added.data, 0o644)
-                        undo.append(lambda name=name, before=before: _put_back(layout.config_dir, name, before))
+                        undo.append(functools.partial(_put_back, layout.config_dir, name, before))
                         changed.append(path)
                     if path not in configs:
                         configs[path] = ConfigRecord(path, before is None, cfg.created, added.added_newline)
@@ -383,7 +384,7 @@ def status(layout: Layout = Layout(), path_env: str | None = None) -> dict[str, 
     except (PinnedDirError, HookInstallError) as e:
         if not isinstance(e, PinnedDirError) or "no such directory" not in str(e):
             problems.append(str(e))
-    configs = []
+    configs: list[dict[str, Any]] = []
     for name in sorted({*CONFIG_FILE.values(), "default.conf"}):
         path = os.path.join(layout.config_dir, name)
         try:

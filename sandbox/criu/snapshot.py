@@ -30,6 +30,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
 
+from storage.progress import Progress
 from storage import pipeline
 from storage.filetree import FileTreeSink
 from storage.follow import FollowedDirSource
@@ -150,7 +151,7 @@ class _GpuSide:
         path = GpuPath.CUSTOM_STORAGE if self.custom else GpuPath.HOST_STAGED
         return backend_for(path, regions=regions, spill=regions.spill() if regions is not None else None)
 
-    def swap_out(self, w: Any, lock_timeout_s: float, progress: Any, op: journal.Op) -> None:
+    def swap_out(self, w: Any, lock_timeout_s: float, progress: Progress | None, op: journal.Op) -> None:
         """Before CRIU: every CUDA process locked and checkpointed (custom storage: streamed into W,
         the chunk references logged in OP's journal for recovery)."""
         from contextlib import nullcontext
@@ -175,7 +176,7 @@ def _is_gpu(stream: Any) -> bool:
 
 def criu_dump(store: SnapshotStore, pid: int, name: str, *, leave_running: bool = False,
               options: DumpOptions | None = None, replace: bool = False, staging: str | None = None,
-              lock_timeout_s: float = 10.0, progress: Any = None, criu: Criu | None = None, tags: Sequence[str] = (),
+              lock_timeout_s: float = 10.0, progress: Progress | None = None, criu: Criu | None = None, tags: Sequence[str] = (),
               gpu_driver: Any = None, features: Any = None, device: Any = None) -> CriuReport:
     """The tree at PID into snapshot NAME: GPU state first (custom storage or the driver's host copy,
     as the probe says), then CRIU (the tree left stopped), its page images ingested as they are
@@ -284,7 +285,7 @@ def _is_page_image(name: str) -> bool:
 
 
 def _dump_and_ingest(criu: Criu, pid: int, images: str, opts: DumpOptions, w: Any, report: CriuReport,
-                     gpu: _GpuSide, leave_running: bool, store: SnapshotStore, name: str, progress: Any,
+                     gpu: _GpuSide, leave_running: bool, store: SnapshotStore, name: str, progress: Progress | None,
                      pids: list[int], op: journal.Op) -> None:
     """`criu dump` into IMAGES while the pipeline ingests its page images as they grow
     (storage.follow); the rest of the images after CRIU exits. report.seconds["criu_dump"] is set as
@@ -352,7 +353,7 @@ def _join(th: threading.Thread) -> BaseException | None:
 
 
 def _dump_streamed(criu: Criu, pid: int, images: str, opts: DumpOptions, w: Any, report: CriuReport,
-                   gpu: _GpuSide, leave_running: bool, store: SnapshotStore, name: str, progress: Any,
+                   gpu: _GpuSide, leave_running: bool, store: SnapshotStore, name: str, progress: Progress | None,
                    pids: list[int], op: journal.Op) -> None:
     """`criu dump --stream` straight into the store (sandbox.criu.streamer): the page data flows from
     CRIU's pipe into the pipeline, no staging copy. The tree is left stopped (journaled as DUMPED once
@@ -402,7 +403,7 @@ def _pids_in_use(pids: list[int], grace_s: float = 5.0) -> list[int]:
 
 @contextmanager
 def _from_remote(store: SnapshotStore, name: str, remote: str | None, jobs: int,
-                 progress: Any) -> Iterator[RemoteFill | None]:
+                 progress: Progress | None) -> Iterator[RemoteFill | None]:
     """NAME on its way from REMOTE when this store lacks it: a RemoteFill the streamed restore reads
     through while it fetches. The staging path reads every image before CRIU starts, so there the
     snapshot is pulled first. None when NAME is local (or no remote was named)."""
@@ -416,7 +417,7 @@ def _from_remote(store: SnapshotStore, name: str, remote: str | None, jobs: int,
             yield fill
 
 
-def criu_restore(store: SnapshotStore, name: str, *, staging: str | None = None, progress: Any = None,
+def criu_restore(store: SnapshotStore, name: str, *, staging: str | None = None, progress: Progress | None = None,
                  criu: Criu | None = None, gpu_driver: Any = None, device: Any = None,
                  from_remote: str | None = None, jobs: int = DEFAULT_JOBS) -> CriuReport:
     """Snapshot NAME back: images served (verified) to `criu restore`, then the GPU state by the path
@@ -425,7 +426,7 @@ def criu_restore(store: SnapshotStore, name: str, *, staging: str | None = None,
     criu = criu or Criu()
     journal.require_clean(store.path)
     with store.shared(), _from_remote(store, name, from_remote, jobs, progress) as fill:
-        m = fill.manifest if fill is not None else store.load(name)
+        m = (fill.manifest if fill is not None else None) or store.load(name)
         meta = CriuMeta.of(m)
         taken = _pids_in_use(list(meta.pids))
         if taken:
@@ -446,7 +447,7 @@ def criu_restore(store: SnapshotStore, name: str, *, staging: str | None = None,
 
 
 def _restore_from(store: SnapshotStore, m: Any, meta: CriuMeta, stage: str, report: CriuReport, criu: Criu,
-                  op: journal.Op, progress: Any, gpu_driver: Any, device: Any, fill: RemoteFill | None = None) -> None:
+                  op: journal.Op, progress: Progress | None, gpu_driver: Any, device: Any, fill: RemoteFill | None = None) -> None:
     """M's images served to (or materialized in STAGE for) `criu restore`, then the GPU state
     (journaled). FILL: M's chunks are still arriving from a remote; it commits once CRIU is done
     (before the GPU state, which is read from the store), or the restored tree is killed."""

@@ -54,6 +54,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any, Callable, Iterable, Iterator, Protocol
 
+from storage.progress import Progress
 from sandbox.criu import split
 from storage import pipeline
 from storage.chunkfile import ChunkError
@@ -383,7 +384,7 @@ class CaptureSource:
 
 
 def dump(criu: Any, pid: int, images: str, opts: Any, w: Any, *, on_dumped: Callable[[], None] | None = None,
-         progress: Any = None) -> tuple[pipeline.Result, dict[str, float], list[str]]:
+         progress: Progress | None = None) -> tuple[pipeline.Result, dict[str, float], list[str]]:
     """`criu dump --stream` of PID (OPTS, with --leave-stopped unless it keeps running) into writer W
     through a CaptureSource in IMAGES. Returns the put's Result, seconds per stage and the page images
     streamed. ON_DUMPED runs in CRIU's thread right after CRIU succeeds (e.g. the GPU resume of a
@@ -437,7 +438,7 @@ class Arrivals(Protocol):
 
     def first(self, refs: Iterable[ChunkRef]) -> None: ...
 
-    def take(self, cid: str) -> bytes | None: ...
+    def take(self, cid: str) -> tuple[str, bytes] | None: ...
 
 
 _PAGES_ID = re.compile(r"pages-(\d+)\.img")
@@ -574,7 +575,7 @@ class ServeSource:
 
     def _fetch_into(self, s: Stream, i: int, ref: ChunkRef, slot: split.Slot) -> memoryview:
         """REF's verified, decoded bytes in SLOT (the split fill's path: nothing allocated per chunk)."""
-        return self._decoded(s, i, ref, self._arrived(ref), slot.raw_file, slot.out.view)
+        return memoryview(self._decoded(s, i, ref, self._arrived(ref), slot.raw_file, slot.out.view))
 
     def _arrived(self, ref: ChunkRef) -> tuple[str, bytes] | None:
         """On a restore --from a remote: (codec, payload) of REF once it has arrived, if the fill

@@ -103,7 +103,7 @@ class PoolServer:
         sock = getattr(self, "sock", None)
         if sock is not None:
             sock.close()
-            self.sock = None
+            del self.sock
             try:
                 os.unlink(self.path)
             except FileNotFoundError:
@@ -111,10 +111,11 @@ class PoolServer:
         pool = getattr(self, "pool", None)
         if pool is not None:
             pool.close()
-            self.pool = None
-        if self.engine is not None:
-            self.engine.close()
-            self.engine = None
+            del self.pool
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.close()
+            del self.engine
 
     # -- serving -------------------------------------------------------------------------------
     def serve_forever(self) -> None:

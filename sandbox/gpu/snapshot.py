@@ -18,6 +18,7 @@ from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
+from storage.progress import Progress
 from storage.store import SnapshotStore
 
 from sandbox.ops import journal
@@ -64,7 +65,7 @@ def cuda_pids_of(root: int, drv: CheckpointDriver) -> list[int]:
 
 def gpu_checkpoint(store: SnapshotStore, root_pid: int, name: str, *, driver: CudaDriver | None = None,
                    lock_timeout_s: float = 10.0, thp_mode: str | None = "always", replace: bool = False,
-                   progress: Any = None, features: Features | None = None, device: Any = None,
+                   progress: Progress | None = None, features: Features | None = None, device: Any = None,
                    tags: Sequence[str] = (),
                    pids: list[int] | None = None) -> GpuReport:
     """Swap out the GPU state of ROOT_PID's CUDA processes into snapshot NAME.
@@ -159,7 +160,7 @@ def parse_device_map(items: list[str], snapshot_gpus: list[dict[str, Any]], here
 
 
 def gpu_restore(store: SnapshotStore, name: str, root_pid: int, *, device_map: list[str] | None = None,
-                driver: CudaDriver | None = None, thp_mode: str | None = "always", progress: Any = None,
+                driver: CudaDriver | None = None, thp_mode: str | None = "always", progress: Progress | None = None,
                 features: Features | None = None, device: Any = None, from_remote: str | None = None,
                 jobs: int | None = None) -> GpuReport:
     """Swap the GPU state of snapshot NAME back into its processes and unlock them (those already

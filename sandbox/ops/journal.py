@@ -28,7 +28,7 @@ import time
 import uuid
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 from storage.errors import EXIT_RECOVER, GpusnapError
 
@@ -277,7 +277,7 @@ class Op:
 
 
 @contextmanager
-def operation(store_path: str, kind: OpKind, snapshot: str, *, pids: list[int] = (), **fields: Any) -> Iterator[Op]:
+def operation(store_path: str, kind: OpKind, snapshot: str, *, pids: Sequence[int] = (), **fields: Any) -> Iterator[Op]:
     """Record an operation for the block; the record goes when the block ends (finished or undone),
     unless the undo failed (op.keep), when it stays for `gpusnap recover`."""
     require_clean(store_path)

@@ -19,8 +19,9 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, BinaryIO, Sequence, cast
 
+from storage.progress import Progress
 from storage import pipeline
 from storage.filetree import FileTreeSink, FileTreeSource
 from storage.store import SnapshotStore
@@ -134,7 +135,9 @@ class _AgentExec:
         except OSError as e:
             self.err.close()
             raise RunscSnapshotError(f"cannot start the GPU agent in {cid!r}: {e.strerror}") from None
-        self.stdin, self.stdout = self.p.stdin, self.p.stdout
+        if self.p.stdin is None or self.p.stdout is None:  # exec_piped pipes both
+            raise RunscSnapshotError(f"cannot start the GPU agent in {cid!r}: no pipes")
+        self.stdin, self.stdout = cast(BinaryIO, self.p.stdin), cast(BinaryIO, self.p.stdout)
         self.watchdog = threading.Timer(AGENT_TIMEOUT_S, self.p.kill)
         self.watchdog.daemon = True
         self.watchdog.start()
@@ -186,7 +189,7 @@ def agent_checkpoint(r: Runsc, cid: str, store: SnapshotStore, gpu_name: str,
     """The agent's checkpoint in sandbox CID; GPU memory it streams out (custom storage) is committed
     as snapshot GPU_NAME, which the host names. Returns its validated report (+ "snapshot"). On any
     failure the processes whose memory already reached the host get it back, and none stays frozen."""
-    meta = {"kind": "gpu", "path": "custom-storage", "root_pid": None, "pids": [], "gpus": [],
+    meta: dict[str, Any] = {"kind": "gpu", "path": "custom-storage", "root_pid": None, "pids": [], "gpus": [],
             "driver": None}
     with _AgentExec(r, cid, ["checkpoint"]) as a, store.writer(gpu_name, replace=True, meta=meta) as w:
         frames = AgentFrames(a.stdout, "checkpoint", limits)
@@ -271,7 +274,8 @@ def run(cid: str, bundle: str, runsc_args: Sequence[str], output: str, net: nets
         try:
             r = Runsc([*runsc_args, *prepare_gpu(bundle, r, cid, gpus, driver_version=driver_version)])
         except BaseException:
-            _put_back(bundle, original, r, cid)
+            if original is not None:
+                _put_back(bundle, original, r, cid)
             raise
     if net is not None:
         try:
@@ -322,7 +326,7 @@ def _gpu_name(name: str) -> str:
 
 
 def checkpoint(store: SnapshotStore, cid: str, name: str, runsc_args: Sequence[str], *, leave_running: bool = False,
-               replace: bool = False, progress: Any = None, tags: Sequence[str] = ()) -> RunscReport:
+               replace: bool = False, progress: Progress | None = None, tags: Sequence[str] = ()) -> RunscReport:
     """Sandbox CID into snapshot NAME: the GPU agent first where it is a GPU sandbox (custom storage
     into snapshot NAME.gpu, or the driver's host copy that runsc then saves), then `runsc checkpoint`
     and the ingest. A failure at any step leaves the sandbox running with its GPU state back."""
@@ -457,7 +461,7 @@ def _restart(r: Runsc, cid: str, bundle: str, images: str, net: nets.NetConfig |
 
 
 def restore(store: SnapshotStore, name: str, cid: str, bundle: str, *, runsc_args: Sequence[str] | None = None,
-            output: str, progress: Any = None) -> RunscReport:
+            output: str, progress: Progress | None = None) -> RunscReport:
     journal.require_clean(store.path)
     with store.shared():
         m = store.load(name)
