@@ -11,7 +11,8 @@ parallel, fetched from the store while CRIU still runs; all-zero chunks are skip
 mapping already reads as zero). Then the tree is continued. Nothing of the tree runs before every byte is back.
 
 Pagemap format (CRIU 4): two u32 magics, then records of a u32 length and a protobuf: first
-PagemapHead {1: pages_id}, then PagemapEntry {1: vaddr, 2: nr_pages, 3: in_parent, 4: flags}.
+PagemapHead {1: pages_id}, then PagemapEntry {1: vaddr, 2: nr_pages, 3: in_parent, 4: flags, 5: pages}
+(CRIU 4.2 writes the page count as `pages`, field 5, and 0 in nr_pages).
 Records the split does not move are passed to CRIU byte for byte.
 """
 from __future__ import annotations
@@ -116,7 +117,7 @@ def parse_pagemap(data: bytes) -> Pagemap:
             raise SplitError("pagemap: truncated record")
         f = _fields(data[i + _LEN.size:end])
         flags = f.get(4, PE_PARENT if f.get(3) else PE_PRESENT)
-        nr = f.get(2, 0)
+        nr = f.get(5, f.get(2, 0))  # CRIU >= 4.2 writes the page count as field 5 (uint64), 2 as 0
         present = bool(flags & PE_PRESENT) and not flags & PE_PARENT
         entries.append(Entry(f.get(1, 0), nr, flags, data[i:end], off if present else None))
         if present:
