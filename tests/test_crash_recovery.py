@@ -68,7 +68,7 @@ class Paused:
 def assert_nothing_left(store: Path, staging: str) -> None:
     assert not os.path.exists(staging), f"staging {staging} left behind"
     assert list((store / "tmp").iterdir()) == [], "temporary store files left behind"
-    left = [n.name for n in (store / "journal").iterdir() if n.name != "recover.lock"]
+    left = [n.name for n in (store / "journal").iterdir() if n.name not in ("recover.lock", "key")]
     assert left == [], f"journal records left behind: {left}"
 
 
@@ -637,7 +637,7 @@ def test_custom_storage_gpu_checkpoint_interrupted(stage: str, sig: int, tmp_pat
         assert w.states() == {x: "RUNNING" for x in w.pids}
         assert w.memory() == w.before, "GPU memory must come back byte-identical"
         assert list((store / "tmp").iterdir()) == []
-        assert [n.name for n in (store / "journal").iterdir()] == ["recover.lock"]
+        assert sorted(n.name for n in (store / "journal").iterdir()) == ["key", "recover.lock"]
         assert cli.json("store", "ls") == []
         left = _chunk_files(store)
         assert left, "the killed checkpoint's chunks are still there before gc"
@@ -663,7 +663,7 @@ def test_host_staged_gpu_checkpoint_killed_before_commit(tmp_path: Path) -> None
         rep = _recover(store, w)
         assert rep.ok and "GPU state resumed" in rep.operations[0].actions[0], rep.as_dict()
         assert w.states() == {x: "RUNNING" for x in w.pids} and w.memory() == w.before
-        assert [n.name for n in (store / "journal").iterdir()] == ["recover.lock"]
+        assert sorted(n.name for n in (store / "journal").iterdir()) == ["key", "recover.lock"]
         assert list((store / "tmp").iterdir()) == []
     finally:
         w.close()
@@ -688,7 +688,7 @@ def test_custom_storage_gpu_checkpoint_killed_mid_region_says_what_is_lost(tmp_p
         assert len(op.lost) == 1 and f"pid {w.pids[0]}" in op.lost[0] and "CHECKPOINTING" in op.lost[0], op.lost
         assert w.states() == {w.pids[0]: "CHECKPOINTING", w.pids[1]: "RUNNING"}
         assert w.memory()[w.pids[1]] == w.before[w.pids[1]]
-        assert [n.name for n in (store / "journal").iterdir()] == ["recover.lock"]
+        assert sorted(n.name for n in (store / "journal").iterdir()) == ["key", "recover.lock"]
         assert list((store / "tmp").iterdir()) == []
         assert _chunk_files(store), "the partial region's chunk was stored"
         _gc(store)
@@ -721,7 +721,7 @@ def test_custom_storage_torn_reference_log_is_known_incomplete(tmp_path: Path) -
         assert "CHECKPOINTED" in op.lost[0]
         assert w.states() == {w.pids[0]: "RUNNING", w.pids[1]: "CHECKPOINTED"}
         assert w.memory()[w.pids[0]] == w.before[w.pids[0]]
-        assert [n.name for n in (store / "journal").iterdir()] == ["recover.lock"]
+        assert sorted(n.name for n in (store / "journal").iterdir()) == ["key", "recover.lock"]
     finally:
         w.close()
 

@@ -47,6 +47,7 @@ from sandbox.gpu.state import GpuPath
 from sandbox.ops.snapshot_meta import CriuMeta
 from sandbox.host.interrupts import Interrupted
 from sandbox.ops.journal import OpKind, Stage
+from sandbox.ops.operations import GpuAccess, Undo, undone_on_failure
 
 
 from storage.errors import GpusnapError
@@ -194,18 +195,34 @@ def criu_dump(store: SnapshotStore, pid: int, name: str, *, leave_running: bool 
         raise CriuSnapshotError(str(e)) from None
     gpu = _GpuSide.discover(pids, pid, gpu_driver, features, device)
     report = CriuReport(name, pids, gpu.cuda_pids, images_path=streamer.images_path())
-    meta = {"kind": "criu", "root_pid": pid, "pids": pids, "cuda_pids": gpu.cuda_pids,
-            "criu": ".".join(map(str, criu.version or ())), "options": opts.argv(), "gpu_path": gpu.path}
     with journal.operation(store.path, OpKind.CRIU_DUMP, name, pids=pids, cuda_pids=tuple(gpu.cuda_pids),
-                           gpu_path=gpu.path, leave_running=leave_running) as op, \
-            store.writer(name, replace=replace, meta=meta, tags=tuple(tags)) as w, gpu:
-        meta["op"] = op.id  # how recovery tells this commit from an older snapshot of the same name
-        stage = new_staging(store, _rss_bytes(pids), staging, op)
-        images = os.path.join(stage, "images")
-        os.mkdir(images, 0o700)
-        if opts.action_script is None:
-            opts = DumpOptions(**{**opts.__dict__, "action_script": journal.pause_script(images)})
-        try:
+                           gpu_path=gpu.path, leave_running=leave_running) as op:
+        # op and op_mac: how recovery tells this operation's commit from any other manifest of the name
+        meta = CriuMeta(pid, tuple(pids), tuple(gpu.cuda_pids), ".".join(map(str, criu.version or ())),
+                        tuple(opts.argv()), GpuPath(gpu.path) if gpu.path else None,
+                        extra={"op": op.id, "op_mac": op.commit_mac(pids)}).to_json()
+        with store.writer(name, replace=replace, meta=meta, tags=tuple(tags)) as w, gpu:
+            _dump_in(op, w, gpu, criu, pid, opts, report, leave_running, store, name, staging, lock_timeout_s,
+                     progress, pids)
+    report.raw_bytes, report.new_bytes, report.dedup_bytes = w.stats.raw_bytes, w.stats.bytes_new, w.stats.bytes_dedup
+    return report
+
+
+def _dump_in(op: journal.Op, w: Any, gpu: "_GpuSide", criu: Criu, pid: int, opts: DumpOptions, report: CriuReport,
+             leave_running: bool, store: SnapshotStore, name: str, staging: str | None, lock_timeout_s: float,
+             progress: Progress | None, pids: list[int]) -> None:
+    """The dump's stages inside its journal record and writer; on a failure, the operation's undo
+    (sandbox.ops.operations.CriuDump) from the stage the record reached."""
+    stage = new_staging(store, _rss_bytes(pids), staging, op)
+    images = os.path.join(stage, "images")
+    os.mkdir(images, 0o700)
+    if opts.action_script is None:
+        opts = DumpOptions(**{**opts.__dict__, "action_script": journal.pause_script(images)})
+    # a signal after the commit only hurries the end: the snapshot is there, the kill follows
+    after_commit = lambda e: op.rec.stage == Stage.COMMITTED and isinstance(e, Interrupted)  # noqa: E731
+    try:
+        with undone_on_failure(op, Undo(store, GpuAccess.of_flow(gpu.driver, gpu.engine)), CriuSnapshotError,
+                               what="dump", keep_going=after_commit):
             if gpu.cuda_pids:
                 op.advance(Stage.GPU_FROZEN)
                 t0 = time.perf_counter()
@@ -222,56 +239,10 @@ def criu_dump(store: SnapshotStore, pid: int, name: str, *, leave_running: bool 
             w.commit()
             op.advance(Stage.COMMITTED)
             journal.pause("after-commit")
-        except BaseException as e:
-            # a signal after the commit only hurries the end: the snapshot is there, the kill follows
-            if not (op.rec.stage == Stage.COMMITTED and isinstance(e, Interrupted)):
-                _undo_dump(op, gpu, leave_running, store, name, w.streams, e)
-                raise
-        finally:
-            shutil.rmtree(stage, ignore_errors=True)
-        if not leave_running:  # committed: now the tree ends, as asked
-            kill_tree(op.rec.procs)
-    report.raw_bytes, report.new_bytes, report.dedup_bytes = w.stats.raw_bytes, w.stats.bytes_new, w.stats.bytes_dedup
-    return report
-
-
-def _undo_dump(op: journal.Op, gpu: "_GpuSide", leave_running: bool, store: SnapshotStore, name: str,
-               streams: list[Any], cause: BaseException) -> None:
-    """Put the tree back as it was before the dump, by the stage the dump reached: GPU state back
-    once it was touched, and a tree CRIU left stopped running again (SIGCONT). If that fails, the
-    journal record stays for `gpusnap recover`."""
-    stopped = op.rec.stage.at_least(Stage.DUMPED) and not leave_running
-    try:
-        resume_tree(op.rec.procs if stopped else (), gpu if op.rec.stage.at_least(Stage.GPU_FROZEN) else None,
-                    store, name, streams)
-    except Exception as e:  # noqa: BLE001
-        op.keep = True
-        raise CriuSnapshotError(f"the dump failed ({cause}) and putting the processes back failed too ({e}); "
-                                "run `gpusnap recover`") from None
-
-
-def resume_tree(procs: tuple[journal.Proc, ...], gpu: "_GpuSide | None", store: SnapshotStore, name: str,
-                streams: list[Any]) -> None:
-    """A tree CRIU left stopped, running again: SIGCONT to each process still the one dumped, then its
-    GPU state back and unlocked (idempotent: processes already running are left alone)."""
-    for p in procs:
-        p.signal(signal.SIGCONT)
-    if gpu is None or not gpu.cuda_pids:
-        return
-    if gpu.custom:
-        from sandbox.gpu.driver import ProcessState
-        if any(_gpu_state(gpu.driver, p) not in (ProcessState.RUNNING, None) for p in gpu.cuda_pids):
-            gpu.swap_in(store, name, streams)
-        return
-    from sandbox.gpu import state
-    state.resume(gpu.driver, list(gpu.cuda_pids))
-
-
-def _gpu_state(driver: Any, pid: int) -> Any:
-    try:
-        return driver.get_state(pid)
-    except Exception:  # noqa: BLE001 - gone
-        return None
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+    if not leave_running:  # committed: now the tree ends, as asked
+        kill_tree(op.rec.procs)
 
 
 def kill_tree(procs: tuple[journal.Proc, ...]) -> None:
@@ -436,14 +407,27 @@ def criu_restore(store: SnapshotStore, name: str, *, staging: str | None = None,
         with journal.operation(store.path, OpKind.CRIU_RESTORE, name, cuda_pids=tuple(report.cuda_pids),
                                gpu_path=meta.gpu_path.value if meta.gpu_path else None) as op:
             stage = new_staging(store, m.size, staging, op)
+            gpu = GpuAccess(driver=lambda: gpu_driver or _cuda_driver(), device=lambda: 0 if device is None else device)
             try:
-                if fill is not None:
-                    fill.start()
-                _restore_from(store, m, meta, stage, report, criu, op, None if fill else progress, gpu_driver,
-                              device, fill)
+                with undone_on_failure(op, Undo(store, gpu), CriuSnapshotError, what="restore"):
+                    if fill is not None:
+                        fill.start()
+                    _restore_from(store, m, meta, stage, report, criu, op, None if fill else progress, gpu_driver,
+                                  device, fill)
             finally:
                 shutil.rmtree(stage, ignore_errors=True)
     return report
+
+
+def _restored(pids: list[int], born_after: int) -> tuple[journal.Proc, ...]:
+    """The snapshot's PIDS that this restore made (started after BORN_AFTER), by pid and start time."""
+    procs = (journal.Proc.of(x) for x in pids)
+    return tuple(p for p in procs if p is not None and p.start >= born_after - 1)
+
+
+def _cuda_driver() -> Any:
+    from sandbox.gpu.driver import CudaDriver
+    return CudaDriver()
 
 
 def _restore_from(store: SnapshotStore, m: Any, meta: CriuMeta, stage: str, report: CriuReport, criu: Criu,
@@ -461,12 +445,19 @@ def _restore_from(store: SnapshotStore, m: Any, meta: CriuMeta, stage: str, repo
     report.images_path = streamer.images_path()
     journal.pause("before-restore")
     op.advance(Stage.DUMPING)
+    born_after = streamer.boot_ticks()  # what this restore makes starts after this
+
+    def restored_stopped() -> None:  # CRIU is done, the tree stopped for the split fill: journaled first
+        op.advance(Stage.FILLING, procs=_restored(report.pids, born_after))
+        journal.pause("split-fill")
+
     if report.images_path == "stream":  # chunks decoded straight into CRIU's pipes: no materialize step
         images = os.path.join(stage, "images")
         os.mkdir(images, 0o700)
         try:
             secs, report.stages["served"] = streamer.restore(criu, store, files, images, shell_job=shell_job,
-                                                             pidfile=pidfile, pids=list(meta.pids), arrivals=fill)
+                                                             pidfile=pidfile, pids=list(meta.pids), arrivals=fill,
+                                                             on_stopped=restored_stopped)
         except CriuError as e:
             raise e.with_log(keep_log(store, e, f"restore-{name}")) from None
         report.seconds.update(secs)
@@ -488,7 +479,7 @@ def _restore_from(store: SnapshotStore, m: Any, meta: CriuMeta, stage: str, repo
         report.seconds["criu_restore"] = time.perf_counter() - t0
     with open(pidfile) as f:
         report.restored_pid = int(f.read().strip())
-    op.advance(Stage.DUMPED, procs=tuple(p for p in (journal.Proc.of(x) for x in report.pids) if p is not None))
+    op.advance(Stage.DUMPED, procs=_restored(report.pids, born_after))
     if fill is not None:  # CRIU has read its images; what is left (GPU streams) arrives, then the commit
         try:
             pulled = fill.finish()

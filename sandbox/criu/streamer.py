@@ -701,11 +701,13 @@ def split_min() -> int:
 
 def restore(criu: Any, store: SnapshotStore, manifest: Manifest, images: str, *, shell_job: bool,
             pidfile: str, pids: list[int], thp_mode: str | None = "always",
-            split_bytes: int | None = None, arrivals: Arrivals | None = None) -> tuple[dict[str, float], dict[str, Any]]:
+            split_bytes: int | None = None, arrivals: Arrivals | None = None,
+            on_stopped: Callable[[], None] | None = None) -> tuple[dict[str, float], dict[str, Any]]:
     """`criu restore --stream -d` of MANIFEST's images served from STORE (IMAGES: a private directory
     for the socket and CRIU's log), THP set to THP_MODE meanwhile (CRIU faults the whole image in).
     With a split (runs of at least SPLIT_BYTES, default split_min()), CRIU leaves the tree PIDS
-    stopped, the moved runs are written in, then the tree continues; if that fails the tree is killed.
+    stopped, ON_STOPPED runs (the caller journals the stopped tree), the moved runs are written in, then
+    the tree continues; if that fails the tree is killed.
     Returns seconds per stage and what was served. A CRIU failure caused by the store (a damaged
     chunk, a remote that failed: ARRIVALS' error) is raised as that error; otherwise CRIU's."""
     from sandbox.criu.runner import CriuError
@@ -733,6 +735,8 @@ def restore(criu: Any, store: SnapshotStore, manifest: Manifest, images: str, *,
             if srv.plans:
                 t1 = time.perf_counter()
                 try:
+                    if on_stopped is not None:
+                        on_stopped()
                     info["split"] = srv.fill(lambda p: restored_by_criu(p, pids, born_after))
                 except BaseException:
                     _signal_all(pids, signal.SIGKILL)

@@ -84,29 +84,36 @@ def gpu_checkpoint(store: SnapshotStore, root_pid: int, name: str, *, driver: Cu
     if busy:  # a snapshot of an already checkpointed process would not hold its GPU memory
         raise GpuSnapshotError("; ".join(f"pid {p} is {s.name}, not RUNNING" for p, s in busy.items()))
     gpus = [{"index": g.index, "uuid": g.uuid, "name": g.name} for g in feats.gpus]
-    meta = {"kind": "gpu", "gpu_path": path.value, "root_pid": root_pid, "pids": pids, "gpus": gpus,
-            "driver": feats.driver_version}
     with journal.operation(store.path, OpKind.GPU_CHECKPOINT, name, pids=pids, cuda_pids=tuple(pids),
-                           gpu_path=path.value) as op, \
-            store.writer(name, replace=replace, meta=meta, tags=tuple(tags)) as w, _engine(path, device) as eng, \
-            (op.ref_log(w.sync_chunks) if eng is not None else nullcontext()) as log:
-        meta["op"] = op.id  # how recovery tells this commit from an older snapshot of the same name
-        regions = EngineRegions.into(eng, w, progress, log=log) if eng is not None else None
-        backend = backend_for(path, regions=regions, spill=regions.spill() if regions else None, thp_mode=thp_mode)
-        op.advance(Stage.GPU_FROZEN)
-        try:
-            with freeze(drv, pids, backend, Limits(lock_timeout_s=lock_timeout_s)) as rep:
-                if path == GpuPath.HOST_STAGED:
-                    w.meta["held_by"] = "process host memory (driver host copy)"
-                journal.pause("before-commit")
-                op.advance(Stage.COMMITTING)
-                w.commit()
-                op.advance(Stage.COMMITTED)
-        except BaseException:
-            # the undo (freeze's) failed to give some process its memory back: recovery must try again
-            op.keep = not _all_running(drv, pids)
-            raise
+                           gpu_path=path.value) as op:
+        # op and op_mac: how recovery tells this operation's commit from any other manifest of the name
+        meta = {"kind": "gpu", "gpu_path": path.value, "root_pid": root_pid, "pids": pids, "gpus": gpus,
+                "driver": feats.driver_version, "op": op.id, "op_mac": op.commit_mac(pids)}
+        with store.writer(name, replace=replace, meta=meta, tags=tuple(tags)) as w, _engine(path, device) as eng, \
+                (op.ref_log(w.sync_chunks) if eng is not None else nullcontext()) as log:
+            rep = _checkpoint_in(op, w, eng, log, drv, pids, path, thp_mode, lock_timeout_s, progress)
     return GpuReport(name, path.value, pids, dict(rep.seconds), w.stats.raw_bytes, w.stats.bytes_new)
+
+
+def _checkpoint_in(op: journal.Op, w: Any, eng: Any, log: Any, drv: CheckpointDriver, pids: list[int],
+                   path: GpuPath, thp_mode: str | None, lock_timeout_s: float, progress: Progress | None) -> Any:
+    """Freeze, stream (custom storage) and commit inside the operation's record and writer."""
+    regions = EngineRegions.into(eng, w, progress, log=log) if eng is not None else None
+    backend = backend_for(path, regions=regions, spill=regions.spill() if regions else None, thp_mode=thp_mode)
+    op.advance(Stage.GPU_FROZEN)
+    try:
+        with freeze(drv, pids, backend, Limits(lock_timeout_s=lock_timeout_s)) as rep:
+            if path == GpuPath.HOST_STAGED:
+                w.meta["held_by"] = "process host memory (driver host copy)"
+            journal.pause("before-commit")
+            op.advance(Stage.COMMITTING)
+            w.commit()
+            op.advance(Stage.COMMITTED)
+    except BaseException:
+        # the undo (freeze's) failed to give some process its memory back: recovery must try again
+        op.keep = not _all_running(drv, pids)
+        raise
+    return rep
 
 
 def _all_running(drv: CheckpointDriver, pids: list[int]) -> bool:
