@@ -41,9 +41,8 @@ from storage.store import SnapshotStore
 from sandbox.ops import journal
 from sandbox.criu import streamer
 from sandbox.criu.runner import Criu, CriuError, DumpOptions
-from sandbox.host.hugepages import thp
 from sandbox.gpu.processes import process_tree, uses_gpu
-from sandbox.gpu.state import GpuPath
+from sandbox.gpu.state import GpuPath, Plan as GpuPlan, plan as gpu_plan, restore_huge_pages
 from sandbox.ops.snapshot_meta import CriuMeta
 from sandbox.host.interrupts import Interrupted
 from sandbox.ops.journal import OpKind, Stage
@@ -110,9 +109,10 @@ class _GpuSide:
     travels inside CRIU's images) or custom storage (the engine streams it into the same snapshot as
     gpu/PID/INDEX streams and CRIU dumps processes that hold no GPU bytes). The probe decides."""
 
-    def __init__(self, pids: list[int], cuda_pids: list[int], driver: Any, custom: bool, device: Any) -> None:
+    def __init__(self, pids: list[int], cuda_pids: list[int], driver: Any, plan: GpuPlan, device: Any) -> None:
         self.pids, self.cuda_pids, self.driver, self.device = pids, cuda_pids, driver, device
-        self.custom = bool(cuda_pids) and custom
+        self.plan = plan
+        self.custom = bool(cuda_pids) and plan.streams
         self.engine: Any = None
 
     @classmethod
@@ -131,7 +131,7 @@ class _GpuSide:
         if cuda and features is None:
             from sandbox.gpu.driver import probe
             features = probe(driver)
-        return cls(pids, cuda, driver, bool(features is not None and features.custom_storage), device)
+        return cls(pids, cuda, driver, gpu_plan(features=features if cuda else None), device)
 
     @property
     def path(self) -> str | None:
@@ -148,9 +148,7 @@ class _GpuSide:
             self.engine.close()
 
     def _backend(self, regions: Any) -> Any:
-        from sandbox.gpu.state import GpuPath, backend_for
-        path = GpuPath.CUSTOM_STORAGE if self.custom else GpuPath.HOST_STAGED
-        return backend_for(path, regions=regions, spill=regions.spill() if regions is not None else None)
+        return self.plan.backend(regions)
 
     def swap_out(self, w: Any, lock_timeout_s: float, progress: Progress | None, op: journal.Op) -> None:
         """Before CRIU: every CUDA process locked and checkpointed (custom storage: streamed into W,
@@ -472,7 +470,7 @@ def _restore_from(store: SnapshotStore, m: Any, meta: CriuMeta, stage: str, repo
         images = os.path.join(stage, "out", "images")
         t0 = time.perf_counter()
         try:
-            with thp("always"):  # CRIU faults every page in: huge pages make that ~1.4x faster
+            with restore_huge_pages("always"):  # CRIU faults every page in
                 criu.restore(images, detach=True, shell_job=shell_job, pidfile=pidfile)
         except CriuError as e:
             raise e.with_log(keep_log(store, e, f"restore-{name}")) from None
@@ -492,7 +490,7 @@ def _restore_from(store: SnapshotStore, m: Any, meta: CriuMeta, stage: str, repo
     if report.cuda_pids:
         from sandbox.gpu.driver import CudaDriver
         t0 = time.perf_counter()
-        custom = meta.gpu_path == GpuPath.CUSTOM_STORAGE
-        with _GpuSide(report.pids, report.cuda_pids, gpu_driver or CudaDriver(), custom, device) as gpu:
+        with _GpuSide(report.pids, report.cuda_pids, gpu_driver or CudaDriver(), gpu_plan(recorded=meta.gpu_path),
+                      device) as gpu:
             gpu.swap_in(store, name, m.streams)
         report.seconds["gpu_restore"] = time.perf_counter() - t0

@@ -711,7 +711,7 @@ def restore(criu: Any, store: SnapshotStore, manifest: Manifest, images: str, *,
     Returns seconds per stage and what was served. A CRIU failure caused by the store (a damaged
     chunk, a remote that failed: ARRIVALS' error) is raised as that error; otherwise CRIU's."""
     from sandbox.criu.runner import CriuError
-    from sandbox.host.hugepages import thp
+    from sandbox.gpu.state import restore_huge_pages
     seconds: dict[str, float] = {}
     t0 = time.perf_counter()
     info: dict[str, Any] = {}
@@ -719,7 +719,7 @@ def restore(criu: Any, store: SnapshotStore, manifest: Manifest, images: str, *,
     with ServeSource(store, manifest, images, split_min=split_min() if split_bytes is None else split_bytes,
                      arrivals=arrivals) as srv:
         extra = ("--stream", "--leave-stopped") if srv.plans else ("--stream",)
-        with thp(thp_mode):
+        with restore_huge_pages(thp_mode):
             try:
                 with _adopting_orphans():
                     try:

@@ -26,7 +26,7 @@ from sandbox.ops import journal
 from sandbox.gpu.driver import CheckpointDriver, CudaDriver, Features, ProcessState, probe
 from sandbox.gpu.processes import cuda_processes
 from sandbox.gpu.regions import EngineRegions
-from sandbox.gpu.state import GpuPath, Limits, backend_for, freeze, path_for, thaw
+from sandbox.gpu.state import GpuPath, Limits, Plan, freeze, plan, thaw
 from sandbox.ops.journal import OpKind, Stage
 from sandbox.ops.snapshot_meta import GpuMeta
 
@@ -77,7 +77,8 @@ def gpu_checkpoint(store: SnapshotStore, root_pid: int, name: str, *, driver: Cu
     """
     drv = driver or CudaDriver()
     feats = features or probe(drv)
-    path = path_for(feats)
+    gp = plan(features=feats, thp_mode=thp_mode)
+    path = gp.path
     pids = list(pids) if pids else cuda_pids_of(root_pid, drv)
     busy = {p: drv.get_state(p) for p in pids}
     busy = {p: s for p, s in busy.items() if s != ProcessState.RUNNING}
@@ -91,19 +92,19 @@ def gpu_checkpoint(store: SnapshotStore, root_pid: int, name: str, *, driver: Cu
                 "driver": feats.driver_version, "op": op.id, "op_mac": op.commit_mac(pids)}
         with store.writer(name, replace=replace, meta=meta, tags=tuple(tags)) as w, _engine(path, device) as eng, \
                 (op.ref_log(w.sync_chunks) if eng is not None else nullcontext()) as log:
-            rep = _checkpoint_in(op, w, eng, log, drv, pids, path, thp_mode, lock_timeout_s, progress)
+            rep = _checkpoint_in(op, w, eng, log, drv, pids, gp, lock_timeout_s, progress)
     return GpuReport(name, path.value, pids, dict(rep.seconds), w.stats.raw_bytes, w.stats.bytes_new)
 
 
 def _checkpoint_in(op: journal.Op, w: Any, eng: Any, log: Any, drv: CheckpointDriver, pids: list[int],
-                   path: GpuPath, thp_mode: str | None, lock_timeout_s: float, progress: Progress | None) -> Any:
+                   gp: Plan, lock_timeout_s: float, progress: Progress | None) -> Any:
     """Freeze, stream (custom storage) and commit inside the operation's record and writer."""
     regions = EngineRegions.into(eng, w, progress, log=log) if eng is not None else None
-    backend = backend_for(path, regions=regions, spill=regions.spill() if regions else None, thp_mode=thp_mode)
+    backend = gp.backend(regions)
     op.advance(Stage.GPU_FROZEN)
     try:
         with freeze(drv, pids, backend, Limits(lock_timeout_s=lock_timeout_s)) as rep:
-            if path == GpuPath.HOST_STAGED:
+            if gp.path == GpuPath.HOST_STAGED:
                 w.meta["held_by"] = "process host memory (driver host copy)"
             journal.pause("before-commit")
             op.advance(Stage.COMMITTING)
@@ -190,7 +191,8 @@ def gpu_restore(store: SnapshotStore, name: str, root_pid: int, *, device_map: l
         drv = driver or CudaDriver()
         feats = features or probe(drv)
         gpu_map = parse_device_map(device_map or [], meta.gpus_json, feats.gpus)
-        path = meta.gpu_path
+        gp = plan(recorded=meta.gpu_path, thp_mode=thp_mode)
+        path = gp.path
         source: Any = store
         if fill is not None:
             from storage.remote_fill import ArrivingSource
@@ -199,7 +201,7 @@ def gpu_restore(store: SnapshotStore, name: str, root_pid: int, *, device_map: l
             fill.start()
         with _engine(path, device) as eng:
             regions = EngineRegions.of(eng, source, m, progress) if eng is not None else None
-            rep = thaw(drv, pids, backend_for(path, regions=regions, thp_mode=thp_mode), gpu_map=gpu_map)
+            rep = thaw(drv, pids, gp.backend(regions), gpu_map=gpu_map)
         seconds = dict(rep.seconds)
         if fill is not None:  # the processes run; the local copy is committed once every chunk is in
             fill.finish()

@@ -205,9 +205,9 @@ def _resume_custom(rec: OpRecord, ctx: Undo, done: Recovered) -> None:
     with (ctx.gpu.new_engine(chunk) if streams else nullcontext()) as eng:
         regions = (EngineRegions(eng, source=ctx.store, name=rec.snapshot, streams=streams)
                    if eng is not None else None)
-        backend = (state.backend_for(state.GpuPath.CUSTOM_STORAGE, regions=regions) if regions is not None
-                   else state.HostStaged(None))  # nothing to restore: only unlocks
-        r = state.thaw(drv, thawable, backend)
+        # the way the memory left; with nothing to restore (no streams) only unlocks
+        gp = state.plan(recorded=state.GpuPath.CUSTOM_STORAGE, streams=regions is not None, thp_mode=None)
+        r = state.thaw(drv, thawable, gp.backend(regions))
     if r.restored:
         n = sum(len(s.chunks) for s in streams)
         done.actions.append(f"GPU memory of {list(r.restored)} restored through custom storage from the {n} "
