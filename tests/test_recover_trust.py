@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from conftest import Cli
-from test_criu import Tree, _state, healthy
-from test_crash_recovery import Paused, assert_nothing_left, wait_dead
+from support.criu import Tree, _state, healthy
+from support.crash import Paused, assert_nothing_left, wait_dead
 
 pytestmark = pytest.mark.root
 SPLIT = {"GPUSNAP_CRIU_IMAGES": "stream", "GPUSNAP_CRIU_SPLIT_MIN": str(4 << 20)}
