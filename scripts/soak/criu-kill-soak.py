@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -106,7 +107,7 @@ class Soak:
     rng: random.Random
     kill_p: float
     env: dict[str, str]
-    seconds: dict[str, float] = field(default_factory=lambda: {"dump": 2.0, "restore": 2.0})
+    seconds: dict[str, float] = field(default_factory=lambda: {"dump": 1.0, "restore": 1.0})  # after the record
     kills: dict[str, int] = field(default_factory=lambda: {"dump": 0, "restore": 0})
     recovered: list[dict[str, Any]] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
@@ -119,23 +120,34 @@ class Soak:
             raise AssertionError(f"gpusnap {' '.join(args)} exited {p.returncode}: {p.stderr.strip()}")
         return p
 
+    def _journaled(self, p: subprocess.Popen[str]) -> float | None:
+        """When P's journal record appeared (its operation began), None if P ended first."""
+        journal = self.store / "journal"
+        while p.poll() is None:
+            if journal.is_dir() and any(n.endswith(".json") and len(n) == 37 for n in os.listdir(journal)):
+                return time.monotonic()
+            time.sleep(0.003)
+        return None
+
     def attempt(self, what: str, *args: str) -> bool:
-        """`gpusnap ARGS`, maybe SIGKILLed at a random moment; True if it ran to its end (any exit)."""
-        kill_after = self.rng.uniform(0, 1.2 * self.seconds[what]) if self.rng.random() < self.kill_p else None
-        t0 = time.monotonic()
+        """`gpusnap ARGS`, maybe SIGKILLed at a random moment of its operation (a uniform time after its
+        journal record appeared, up to a little past how long the rest usually takes); True if it ran
+        to its end (any exit)."""
+        kill = self.rng.random() < self.kill_p
         p = subprocess.Popen([sys.executable, "-m", "cli", "--store", str(self.store), *args, "--json"],
                              stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                              cwd=REPO, env=self.env, start_new_session=True)
+        began = self._journaled(p)
         try:
-            p.communicate(timeout=kill_after)
+            p.communicate(timeout=self.rng.uniform(0, 1.2 * self.seconds[what]) if kill and began else None)
         except subprocess.TimeoutExpired:
             p.kill()  # SIGKILL of gpusnap alone: its helpers (CRIU) live on, as after a crash
             p.communicate()
             self.kills[what] += 1
             self.recover()
             return False
-        if p.returncode == 0:
-            self.seconds[what] = 0.7 * self.seconds[what] + 0.3 * (time.monotonic() - t0)
+        if p.returncode == 0 and began is not None:
+            self.seconds[what] = 0.7 * self.seconds[what] + 0.3 * (time.monotonic() - began)
         elif p.returncode == 5:
             self.recover()
         return True
@@ -149,7 +161,8 @@ class Soak:
             return
         if r.returncode != 0 or not rep.get("ok"):
             self.problems.append(f"recover failed: {rep}")
-        self.recovered += [{"kind": o["kind"], "stage": o["stage"], "actions": o["actions"]} for o in rep["operations"]]
+        self.recovered += [{"kind": o["kind"], "stage": o["stage"], "actions": o["actions"]}
+                           for o in rep.get("operations", [])]
 
     def committed(self, name: str) -> bool:
         return any(s.get("name") == name for s in json.loads(self.gpusnap("store", "ls", "--json").stdout))
@@ -216,6 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     env = {**os.environ, "PYTHONPATH": pythonpath, "GPUSNAP_CRIU_IMAGES": "stream",
            "GPUSNAP_CRIU_SPLIT_MIN": str(4 << 20)}
     soak = Soak(store, random.Random(seed), a.kill_p, env)
+    soak.gpusnap("store", "init")
     w = Workload(a.mb)
     t0 = time.monotonic()
     done, last = 0, int(w.report()["counter"])
@@ -232,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     actions: dict[str, int] = {}
     for r in soak.recovered:
         for act in r["actions"] or ["nothing to do"]:
-            key = f"{r['kind']}@{r['stage']}: {act.split(':')[0].split(' [')[0].split(' (')[0]}"
+            key = f"{r['kind']}@{r['stage']}: " + re.sub(r"'[^']*'|\[[^\]]*\]|/\S+|\d+(\.\d+)? s\b", "…", act)
             actions[key] = actions.get(key, 0) + 1
     out = {"ok": not soak.problems and done == a.cycles, "cycles": done, "asked": a.cycles, "seed": seed,
            "kills": soak.kills, "recoveries": len(soak.recovered), "restore_retries": soak.retries,
