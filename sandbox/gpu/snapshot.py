@@ -28,7 +28,7 @@ from sandbox.gpu.processes import cuda_processes
 from sandbox.gpu.regions import EngineRegions
 from sandbox.gpu.state import GpuPath, Limits, Plan, freeze, plan, thaw
 from sandbox.ops.journal import OpKind, Stage
-from sandbox.ops.snapshot_meta import GpuMeta
+from sandbox.ops.snapshot_meta import GpuInfo, GpuMeta
 
 
 from storage.errors import GpusnapError
@@ -84,12 +84,11 @@ def gpu_checkpoint(store: SnapshotStore, root_pid: int, name: str, *, driver: Cu
     busy = {p: s for p, s in busy.items() if s != ProcessState.RUNNING}
     if busy:  # a snapshot of an already checkpointed process would not hold its GPU memory
         raise GpuSnapshotError("; ".join(f"pid {p} is {s.name}, not RUNNING" for p, s in busy.items()))
-    gpus = [{"index": g.index, "uuid": g.uuid, "name": g.name} for g in feats.gpus]
     with journal.operation(store.path, OpKind.GPU_CHECKPOINT, name, pids=pids, cuda_pids=tuple(pids),
                            gpu_path=path.value) as op:
         # op and op_mac: how recovery tells this operation's commit from any other manifest of the name
-        meta = {"kind": "gpu", "gpu_path": path.value, "root_pid": root_pid, "pids": pids, "gpus": gpus,
-                "driver": feats.driver_version, "op": op.id, "op_mac": op.commit_mac(pids)}
+        meta = GpuMeta(path, root_pid, tuple(pids), tuple(GpuInfo(g.index, g.uuid, g.name) for g in feats.gpus),
+                       feats.driver_version, extra={"op": op.id, "op_mac": op.commit_mac(pids)}).to_json()
         with store.writer(name, replace=replace, meta=meta, tags=tuple(tags)) as w, _engine(path, device) as eng, \
                 (op.ref_log(w.sync_chunks) if eng is not None else nullcontext()) as log:
             rep = _checkpoint_in(op, w, eng, log, drv, pids, gp, lock_timeout_s, progress)
