@@ -1,11 +1,13 @@
 """A process tree's whole state (CPU through CRIU, GPU through the driver) into the store and back.
 
-Design (chosen, measured in BENCHMARKS.md): CRIU dumps into a staging directory (tmpfs when it fits,
-else the store's own tmp/) and the images are ingested into the store (chunked, zero-elided, compressed,
-deduplicated, checksummed) while CRIU writes them: the page images are read as they grow
-(storage.follow), the small images after CRIU exits; then the staging copy is removed. Restore
-materializes the verified images into staging and runs `criu restore` on them. CRIU's --stream /
-image-streamer protocol is not used (criu-image-streamer is not packaged for Debian 12).
+Design (chosen, measured in BENCHMARKS.md): by default CRIU's images stream (`criu --stream`, gpusnap
+itself serving CRIU's image-streamer protocol: sandbox.criu.streamer) straight into the store on a
+dump (chunked, zero-elided, compressed, deduplicated, checksummed) and out of it on a restore, with
+the large page runs written by gpusnap after CRIU (the split fill). GPUSNAP_CRIU_IMAGES=staging takes
+the other path: CRIU dumps into a staging directory (tmpfs when it fits, else the store's tmp/) whose
+page images are ingested as they grow (storage.follow), and a restore materializes the verified images
+there first. Every failure path runs the operation's one undo (sandbox.ops.operations), the same one
+`gpusnap recover` runs after a crash.
 
 Guarantees kept here:
 - the tree is killed only after its snapshot is committed: CRIU dumps with --leave-stopped, the
