@@ -128,6 +128,34 @@ def test_a_record_with_a_mac_of_another_journal_is_refused(tmp_path: Path) -> No
         victim.wait()
 
 
+def test_a_committed_dump_kills_only_what_its_own_manifest_names(tmp_path: Path) -> None:
+    """Even a record with a valid MAC (here written with the journal's key) gets a kill only for pids
+    that the committed manifest names and that carry this operation's commit MAC: a victim the record
+    adds is left alone, and a record of another operation id gets no kill at all."""
+    from sandbox.ops.journal import Journal, OpKind, OpRecord, Proc, Stage
+    from storage.store import SnapshotStore
+    store = tmp_path / "store"
+    cli = Cli(store)
+    tree = Tree(mb=4, detached=True)
+    victim = _victim("victim")
+    try:
+        cli.json("criu", "dump", "--leave-running", str(tree.pid), "snap")
+        op = SnapshotStore(str(store)).load("snap").meta["op"]
+        named = (Proc(victim.pid, _start(victim.pid)),)
+        for rec_op in (uuid.uuid4().hex, op):  # another operation's id; then this snapshot's own
+            Journal(str(store)).write(OpRecord(rec_op, OpKind.CRIU_DUMP, Stage.COMMITTED, Proc(1, 1), "snap",
+                                               procs=named))
+            rep = cli.json("recover")
+            assert rep["ok"], rep
+            time.sleep(0.3)
+            assert _alive_and_running(victim), (rec_op == op, rep)
+        assert healthy(tree.report())
+    finally:
+        victim.kill()
+        victim.wait()
+        tree.kill()
+
+
 def test_restore_killed_during_the_split_fill_is_recovered_and_retried(tmp_path: Path) -> None:
     """kill -9 of `gpusnap criu restore` while it writes the large runs into the tree CRIU restored
     stopped: the restored pids were journaled before the fill, so recover kills the half-filled tree
