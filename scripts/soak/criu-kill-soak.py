@@ -246,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     actions: dict[str, int] = {}
     for r in soak.recovered:
         for act in r["actions"] or ["nothing to do"]:
-            key = f"{r['kind']}@{r['stage']}: " + re.sub(r"'[^']*'|\[[^\]]*\]|/\S+|\d+(\.\d+)? s\b", "…", act)
+            key = f"{r['kind']}@{r['stage']}: " + re.sub(r"'[^']*'|\[[^\]]*\]|/\S+|\d+(\.\d+)?", "…", act)
             actions[key] = actions.get(key, 0) + 1
     out = {"ok": not soak.problems and done == a.cycles, "cycles": done, "asked": a.cycles, "seed": seed,
            "kills": soak.kills, "recoveries": len(soak.recovered), "restore_retries": soak.retries,
