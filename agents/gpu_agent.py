@@ -82,22 +82,22 @@ def run(action: str, *, out: BinaryIO, inp: BinaryIO | None = None, path: str | 
     report["cuda_pids"] = cuda
     if not cuda:
         return report
-    gpath = state.GpuPath(path) if path else state.path_for(features or probe(drv))
-    if action == "toggle":  # runsc's save/restore exec: the driver's host copy, which runsc saves
-        gpath = state.GpuPath.HOST_STAGED
-    report["path"] = gpath.value
+    # runsc's save/restore exec (toggle): the driver's host copy, which runsc saves; inside gVisor the
+    # host's THP setting is out of reach: left alone
+    plan = state.plan(recorded=path or None, features=None if path else (features or probe(drv)),
+                      streams=action != "toggle", thp_mode=None)
+    report["path"] = plan.path.value
     report["states"] = {str(p): drv.get_state(p).name for p in cuda}
     if action == "status":
         return report
     regions = spill = None
-    if gpath == state.GpuPath.CUSTOM_STORAGE:
+    if plan.streams:
         from sandbox.gpu.regions import EngineSpill
         from storage.device import CudaDevice
         dev = device if device is not None else CudaDevice(0)
         # a checkpoint only sends: a process already streamed comes back through a later restore
         regions, spill = PipeRegions(dev, out, inp if action == "restore" else None), EngineSpill(dev)
-    # inside gVisor the host's THP setting is out of reach: leave it alone
-    backend = state.backend_for(gpath, regions=regions, spill=spill, thp_mode=None)
+    backend = plan.backend(regions, spill)
     if action == "toggle":
         action = "checkpoint" if any(drv.get_state(p) == ProcessState.RUNNING for p in cuda) else "restore"
     if action == "checkpoint":

@@ -8,7 +8,7 @@ import threading
 import time
 from enum import Enum
 from types import TracebackType
-from typing import TextIO
+from typing import Any, TextIO
 
 PLAIN_INTERVAL_S = 5.0
 
@@ -46,8 +46,8 @@ class Progress:
         self.done = 0
         self.total: int | None = None
         self._lock = threading.Lock()
-        self._bar = None
-        self._task = None
+        self._bar: Any = None
+        self._task: Any = None
         self._stop = threading.Event()
         self._ticker: threading.Thread | None = None
         self._started = False

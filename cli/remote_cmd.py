@@ -6,6 +6,7 @@ names) in the environment, or a 0600 file named with `remote add --credentials-f
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import click
 
@@ -66,7 +67,7 @@ def remote_ls(ctx: click.Context, name: str | None, as_json: bool) -> None:
     """The snapshots on remote NAME (the only remote when there is one)."""
     r = Remote.open(open_store(ctx), name)
     r.check()
-    rows = []
+    rows: list[dict[str, Any]] = []
     for n in r.names():
         try:
             m = r.load(n)

@@ -5,6 +5,7 @@ import contextlib
 import json
 import os
 import sys
+from typing import Any
 
 import click
 
@@ -168,7 +169,7 @@ def store_inspect(ctx: click.Context, name: str, as_json: bool) -> None:
                 unique[c.id] = c.stored_len
                 e["unique_chunks"] += 1
                 e["stored_bytes"] += c.stored_len
-    info = {"name": m.name, "created": m.created, "meta": m.meta, "size": m.size,
+    info: dict[str, Any] = {"name": m.name, "created": m.created, "meta": m.meta, "size": m.size,
             "stored_bytes_unique": sum(unique.values()), "codecs": codecs,
             "streams": [{"name": s.name, "size": s.size, "type": s.attrs.get("type"), "chunks": len(s.chunks)}
                         for s in m.streams]}
@@ -311,8 +312,8 @@ def store_rm(ctx: click.Context, names: tuple[str, ...], as_json: bool) -> None:
             errors.append({"name": n, "error": str(e)})
     text = [f"removed {r}" for r in removed]
     emit(as_json, {"removed": removed, "errors": errors}, "\n".join(text))
-    for e in errors:
-        click.echo(f"gpusnap: {e['error']}", err=True)
+    for err in errors:
+        click.echo(f"gpusnap: {err['error']}", err=True)
     if errors:
         sys.exit(EXIT_FAILED)
 

@@ -296,16 +296,16 @@ def _custom_target() -> tuple[str, str] | None:
 
 def _thaw(drv: Any, pids: list[int], path: str, target: tuple[str, str] | None, device: Any) -> Any:
     from sandbox.gpu import state
-    if path != state.GpuPath.CUSTOM_STORAGE.value or target is None:
-        return state.thaw(drv, pids, state.backend_for(state.GpuPath.HOST_STAGED))
+    plan = state.plan(recorded=path, streams=target is not None)
+    if target is None or not plan.streams:
+        return state.thaw(drv, pids, plan.backend())
     from sandbox.gpu.regions import EngineRegions
     from storage.gpu_engine import GpuEngine
     from storage.store import SnapshotStore
     store = SnapshotStore(target[0], create=False)
     m = store.load(target[1])
     with GpuEngine(0 if device is None else device) as eng:
-        return state.thaw(drv, pids, state.backend_for(state.GpuPath.CUSTOM_STORAGE,
-                                                       regions=EngineRegions.of(eng, store, m)))
+        return state.thaw(drv, pids, plan.backend(EngineRegions.of(eng, store, m)))
 
 
 def _freeze(drv: Any, pids: list[int], features: Any, device: Any) -> tuple[Any, str, tuple[str, str] | None]:
@@ -316,20 +316,19 @@ def _freeze(drv: Any, pids: list[int], features: Any, device: Any) -> tuple[Any,
     target = _custom_target()
     if target is not None:
         from sandbox.gpu.driver import probe
-        if not (features or probe(drv)).custom_storage:
-            target = None
+        features = features or probe(drv)
     running = [p for p in pids if drv.get_state(p) == ProcessState.RUNNING]
-    if target is None or not running:  # nothing to stream: never replace the snapshot with an empty one
-        return state.checkpoint(drv, pids, state.backend_for(state.GpuPath.HOST_STAGED), limits), "host-staged", None
+    # nothing to stream (no target, or nothing running): never replace the snapshot with an empty one
+    plan = state.plan(features=features if target is not None else None, streams=target is not None and bool(running))
+    if target is None or not plan.streams:
+        return state.checkpoint(drv, pids, plan.backend(), limits), plan.path.value, None
     from sandbox.gpu.regions import EngineRegions
     from storage.gpu_engine import GpuEngine
     from storage.store import SnapshotStore
     store = SnapshotStore(target[0])
     meta = {"kind": "gpu", "path": "custom-storage", "root_pid": min(pids), "pids": pids, "gpus": [], "driver": None}
     with store.writer(target[1], replace=True, meta=meta) as w, GpuEngine(0 if device is None else device) as eng:
-        regions = EngineRegions.into(eng, w)
-        backend = state.backend_for(state.GpuPath.CUSTOM_STORAGE, regions=regions, spill=regions.spill())
-        with state.freeze(drv, pids, backend, limits) as rep:
+        with state.freeze(drv, pids, plan.backend(EngineRegions.into(eng, w)), limits) as rep:
             w.commit()
     return rep, "custom-storage", target
 

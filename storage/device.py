@@ -281,7 +281,7 @@ class _ScratchBuffer:
         d = _drv()
         self.size = max(int(nbytes), 1)
         self._blocks = owner.blocks if owner is not None else None
-        if self._blocks is not None:
+        if owner is not None and self._blocks is not None:
             self._ctx = self._blocks.ctx
             self.ptr = self._blocks.take(self.size)
             _ck(d.cuMemsetD8Async(self.ptr, 0, self.size, self._blocks.stream), "cuMemsetD8Async")

@@ -399,7 +399,7 @@ class FileTreeSink:
         ns = attrs.get("mtime_ns")
 
         def settle(fd: int) -> None:
-            if chown:
+            if chown and uid is not None and gid is not None:
                 os.fchown(fd, uid, gid)  # first: chown clears setuid/setgid
             os.fchmod(fd, mode)
             if ns is not None:

@@ -137,7 +137,7 @@ def _get(tmp: int, name: str, report: GcReport) -> int:
     """Remove the staging tree the dead `get` recorded in tmp/NAME left beside its DEST (1 if removed)."""
     rec = read_record(tmp, name)
     try:
-        dest, pid, uid = rec["dest"], int(rec["pid"]), int(rec["uid"])  # type: ignore[index]
+        dest, pid, uid = rec["dest"], int(rec["pid"]), int(rec["uid"])
         if not isinstance(dest, str) or not os.path.isabs(dest) or os.path.normpath(dest) != dest or dest == "/":
             raise ValueError(dest)
     except (TypeError, KeyError, ValueError):
@@ -198,17 +198,17 @@ def _chunks(chunks: int, uid: int, report: GcReport, live: set[str]) -> None:
             continue
         try:
             removed = False
-            for e in entries(xy):
-                if not (CHUNK_ID.fullmatch(e.name) and e.name.startswith(d.name)):
-                    report.left.append(f"chunks/{d.name}/{e.name}: not a chunk file name; left alone")
+            for ent in entries(xy):
+                if not (CHUNK_ID.fullmatch(ent.name) and ent.name.startswith(d.name)):
+                    report.left.append(f"chunks/{d.name}/{ent.name}: not a chunk file name; left alone")
                     continue
-                if e.name in live:
+                if ent.name in live:
                     continue
-                st = e.stat(follow_symlinks=False)
+                st = ent.stat(follow_symlinks=False)
                 if stat.S_ISDIR(st.st_mode):
-                    report.damage.append(f"chunks/{d.name}/{e.name} is a directory; left alone")
+                    report.damage.append(f"chunks/{d.name}/{ent.name} is a directory; left alone")
                     continue
-                os.unlink(e.name, dir_fd=xy)  # a link or FIFO under a chunk's name goes too, unopened
+                os.unlink(ent.name, dir_fd=xy)  # a link or FIFO under a chunk's name goes too, unopened
                 report.chunks_removed += 1
                 report.bytes_freed += st.st_size if stat.S_ISREG(st.st_mode) else 0
                 removed = True

@@ -28,6 +28,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Protocol, Union
 
+from .progress import Progress
 from .chunkfile import HEADER_SIZE, ChunkError
 from . import codecs
 from .codecs import GPU_PAYS_OFF_RATIO
@@ -268,7 +269,7 @@ class GpuEngine:
             raise
 
     # -- checkpoint ----------------------------------------------------------------------------
-    def checkpoint(self, writer: Target, regions: list[Region], *, progress: Any = None,
+    def checkpoint(self, writer: Target, regions: list[Region], *, progress: Progress | None = None,
                    attrs: dict[str, Any] | None = None,
                    on_chunk: Callable[[str, int, ChunkRef], None] | None = None) -> Result:
         """Stream every region into WRITER (a store's SnapshotWriter or the memory tier's PoolWriter)
@@ -302,7 +303,7 @@ class GpuEngine:
         self._on_lanes(jobs, progress)
         return writer_result(writer, stages, time.perf_counter() - t_start, raw_total)  # type: ignore[arg-type]
 
-    def _on_lanes(self, jobs: list[tuple[Callable[..., None], tuple[Any, ...], int]], progress: Any) -> None:
+    def _on_lanes(self, jobs: list[tuple[Callable[..., None], tuple[Any, ...], int]], progress: Progress | None) -> None:
         """Run every job FN(lane, *ARGS) on a borrowed lane, NBYTES of progress each; after the first
         failure the rest are skipped, and it is raised once all have ended."""
         fail = _Failure()
@@ -351,7 +352,7 @@ class GpuEngine:
         stages.add("H2D+decode", time.perf_counter() - t1, n)
 
     def restore(self, source: ChunkSource, manifest: Manifest, targets: dict[str, Region], *,
-                progress: Any = None) -> Result:
+                progress: Progress | None = None) -> Result:
         """Write every blob stream of MANIFEST (from a SnapshotStore or the memory tier) into the
         target region of the same name, every payload verified before it is used."""
         stages = Stages()

@@ -7,6 +7,7 @@ removes such files (for names with no snapshot) and refuses while a live process
 from __future__ import annotations
 
 import os
+from typing import Callable
 from dataclasses import dataclass
 
 from .errors import GpusnapError
@@ -74,7 +75,7 @@ def lock_status(store_path: str) -> list[LockInfo]:
     return out
 
 
-def break_locks(store_path: str, names: list[str] | None, exists: "callable[[str], bool]") -> list[str]:  # type: ignore[valid-type]
+def break_locks(store_path: str, names: list[str] | None, exists: Callable[[str], bool]) -> list[str]:
     """Remove the unheld lock files of NAMES (default: every name lock with no snapshot); refuse with
     LockError naming the holder while a live process holds one. Returns the paths removed."""
     removed = []

@@ -25,6 +25,7 @@ from typing import Any, Iterator, Protocol
 
 import numpy as np
 
+from .progress import Progress
 from .chunkfile import HEADER_SIZE, ChunkError, full_check
 from .codecs import HostCodecChooser, CodecError
 from .directio import AlignedBuffer, BufferPool, address_of, copy_into
@@ -251,7 +252,7 @@ def chunker_record(chunker: str, chunk_size: int) -> dict[str, Any]:
 
 def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHUNK,
         workers: int | None = None, compress: bool = True, zstd_level: int = 1,
-        progress: Any = None, chunker: str = "fixed", readers: int | None = None) -> Result:
+        progress: Progress | None = None, chunker: str = "fixed", readers: int | None = None) -> Result:
     """Read every stream of SOURCE into WRITER's snapshot (the caller commits).
 
     chunker: "fixed" (chunk_size pieces) or "pages" (content-defined cuts on page boundaries, at most
@@ -407,7 +408,7 @@ class _OpenStream:
 
 
 def get(store: SnapshotStore, manifest: Manifest, sink: Sink, *, workers: int | None = None,
-        progress: Any = None) -> Result:
+        progress: Progress | None = None) -> Result:
     """Materialize MANIFEST's streams into SINK, every chunk verified; sink.abort() on any failure."""
     workers = workers or default_workers()
     stages = Stages()

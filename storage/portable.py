@@ -107,8 +107,8 @@ def export(store: SnapshotStore, name: str, out: IO[bytes], level: int = 3) -> d
 
 def _members(fileobj: IO[bytes]) -> Iterator[tuple[tarfile.TarInfo, IO[bytes]]]:
     head = fileobj.read(4)
-    rest = io.BufferedReader(_Prefixed(head, fileobj))  # type: ignore[arg-type]
-    stream: IO[bytes] = zstandard.ZstdDecompressor().stream_reader(rest) if head == _ZSTD_MAGIC else rest  # type: ignore[assignment]
+    rest = io.BufferedReader(_Prefixed(head, fileobj))
+    stream: IO[bytes] = zstandard.ZstdDecompressor().stream_reader(rest) if head == _ZSTD_MAGIC else rest
     with tarfile.open(fileobj=stream, mode="r|") as tar:
         for info in tar:
             if not info.isfile():
@@ -148,18 +148,20 @@ def import_(store: SnapshotStore, src: IO[bytes], name: str | None = None, *, re
 
 def _import(store: SnapshotStore, src: IO[bytes], name: str | None, replace: bool) -> dict[str, object]:
     members = _members(src)
-    info, f = next(members, (None, None))  # type: ignore[arg-type]
-    if info is None or info.name != "gpusnap-export.json" or info.size > 4096:
+    first = next(members, None)
+    if first is None or first[0].name != "gpusnap-export.json" or first[0].size > 4096:
         raise DamageError("not a gpusnap export archive (its first member is not gpusnap-export.json)")
+    info, f = first
     try:
         head = json.loads(f.read())
     except (ValueError, UnicodeDecodeError):
         raise DamageError("not a gpusnap export archive (unreadable header)") from None
     if not isinstance(head, dict) or head.get("format") != EXPORT_FORMAT or head.get("version") not in READ_VERSIONS:
         raise DamageError(f"not a gpusnap export archive this version reads ({head!r:.80})")
-    info, f = next(members, (None, None))  # type: ignore[arg-type]
-    if info is None or info.name != "manifest.json" or info.size > MAX_MANIFEST:
+    second = next(members, None)
+    if second is None or second[0].name != "manifest.json" or second[0].size > MAX_MANIFEST:
         raise DamageError("export archive has no manifest.json after its header")
+    info, f = second
     try:
         m = Manifest.loads(f.read(), "the archive's manifest")
     except ManifestError as e:

@@ -180,8 +180,8 @@ class RefLog:
                 return "no region of it was recorded"
             return "its streaming did not finish: " + "; ".join(self.regions[n].problem() or f"{n}: complete"
                                                                for n in begun)
-        probs = [self.regions[s].problem() if s in self.regions else f"{s}: not in the log" for s in streams]
-        probs = [p for p in probs if p]
+        found = [self.regions[s].problem() if s in self.regions else f"{s}: not in the log" for s in streams]
+        probs = [p for p in found if p]
         return "; ".join(probs) if probs else None
 
     def streams(self, keys: Iterable[str]) -> list[Stream]:

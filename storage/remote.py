@@ -29,8 +29,9 @@ import uuid
 from concurrent.futures import FIRST_COMPLETED, FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
+from .progress import Progress
 from .chunkfile import HEADER_SIZE, ChunkError, ChunkHeader, check_received, max_stored_len
 from .directio import AlignedBuffer, BufferPool
 from .errors import DamageError, GpusnapError, UnavailableError
@@ -177,11 +178,11 @@ def load_remote(store: SnapshotStore, name: str | None) -> RemoteConfig:
 def load_credentials(cfg: RemoteConfig, env: dict[str, str] | None = None) -> Credentials:
     """From GPUSNAP_S3_ACCESS_KEY_ID/GPUSNAP_S3_SECRET_ACCESS_KEY (or the AWS_ names), else from the
     remote's credentials file, which must be a regular file of ours that nobody else can read."""
-    env = os.environ if env is None else env
+    environ: Mapping[str, str] = os.environ if env is None else env
     for a, s in (("GPUSNAP_S3_ACCESS_KEY_ID", "GPUSNAP_S3_SECRET_ACCESS_KEY"),
                  ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")):
-        if env.get(a) and env.get(s):
-            return Credentials(env[a], env[s])
+        if environ.get(a) and environ.get(s):
+            return Credentials(environ[a], environ[s])
     if cfg.credentials_file is None:
         raise RemoteError(f"remote {cfg.name!r}: no credentials (set GPUSNAP_S3_ACCESS_KEY_ID and "
                           "GPUSNAP_S3_SECRET_ACCESS_KEY, or `remote add --credentials-file`)")
@@ -588,7 +589,7 @@ class Remote:
             time.sleep(1.0)
 
     # ---- push ----
-    def push(self, store: SnapshotStore, name: str, *, replace: bool = False, progress: Any = None) -> TransferReport:
+    def push(self, store: SnapshotStore, name: str, *, replace: bool = False, progress: Progress | None = None) -> TransferReport:
         t0 = time.perf_counter()
         rep = TransferReport(name, self.cfg.name, "push")
         with store.shared():
@@ -607,7 +608,7 @@ class Remote:
                 have = self.chunk_sizes()
                 # missing, or of the wrong size (a truncated object): sent again, also under a
                 # manifest already there, which is how a damaged remote snapshot is repaired
-                todo = [r for r in refs if not _size_fits(r, have.get(r.id))]
+                todo = [r for r in refs if not _size_fits(r, have.get(_stored_id(r)))]
                 if same and not todo:
                     rep.already_there = True
                     rep.seconds = time.perf_counter() - t0
@@ -618,13 +619,13 @@ class Remote:
                     rep.rechecked_after_gc = True
                     self._reacquire(lk)
                     have = self.chunk_sizes()
-                    self._upload(store, [r for r in refs if not _size_fits(r, have.get(r.id))], rep, progress)
+                    self._upload(store, [r for r in refs if not _size_fits(r, have.get(_stored_id(r)))], rep, progress)
                 self.s3.put(self.manifest_key(name), data)  # last: the snapshot is visible from here on
                 rep.bytes_sent += len(data)
         rep.seconds = time.perf_counter() - t0
         return rep
 
-    def _upload(self, store: SnapshotStore, refs: list[ChunkRef], rep: TransferReport, progress: Any) -> None:
+    def _upload(self, store: SnapshotStore, refs: list[ChunkRef], rep: TransferReport, progress: Progress | None) -> None:
         if progress is not None:
             progress.start(sum(HEADER_SIZE + r.stored_len for r in refs))
         size = _buffer_size(refs)
@@ -649,7 +650,7 @@ class Remote:
             _run_bounded(send, refs, self.jobs)
 
     # ---- verify / gc ----
-    def verify(self, names: list[str] | None = None, read_data: bool = False, progress: Any = None) -> VerifyReport:
+    def verify(self, names: list[str] | None = None, read_data: bool = False, progress: Progress | None = None) -> VerifyReport:
         """Every named snapshot's manifest valid and every chunk present at its size; with READ_DATA
         every chunk also fetched and hashed."""
         report = VerifyReport()
@@ -663,7 +664,7 @@ class Remote:
                 report.problems.append(Problem(n, None, None, str(e)))
         have = self.chunk_sizes()
         bad: dict[str, str] = {}
-        refs = {r.id: r for m in manifests for r in distinct_refs(m)}
+        refs = {_stored_id(r): r for m in manifests for r in distinct_refs(m)}
         for cid, r in refs.items():
             if cid not in have:
                 bad[cid] = "missing on the remote"
@@ -768,6 +769,13 @@ class _Lock:
             self.remote.s3.delete(self.key)
         except GpusnapError:
             pass  # a lock left behind goes stale by itself
+
+
+def _stored_id(r: ChunkRef) -> str:
+    """The id of a stored (not zero) chunk, as distinct_refs returns them."""
+    if r.id is None:
+        raise RemoteError("internal: a zero chunk where a stored one was expected")
+    return r.id
 
 
 def distinct_refs(m: Manifest, smallest_streams_first: bool = False) -> list[ChunkRef]:

@@ -28,6 +28,7 @@ from collections import deque
 from contextlib import ExitStack
 from typing import Any, Iterable
 
+from .progress import Progress
 from .chunkfile import HEADER_SIZE
 from .directio import BufferPool
 from .errors import GpusnapError
@@ -57,7 +58,7 @@ class RemoteFill:
     again), `finish()` waits for all and commits."""
 
     def __init__(self, remote: Remote, store: SnapshotStore, name: str, *, replace: bool = False,
-                 progress: Any = None, handoff_bytes: int = HANDOFF_BYTES) -> None:
+                 progress: Progress | None = None, handoff_bytes: int = HANDOFF_BYTES) -> None:
         self.remote, self.store, self.name = remote, store, name
         self.replace, self.progress = replace, progress
         self.report = TransferReport(name, remote.cfg.name, "pull")
@@ -175,7 +176,7 @@ class RemoteFill:
         assert ref.id is not None
         with pool.borrowed() as buf:
             for attempt in (1, 2):
-                n = r.s3.get_into(r.chunk_key(ref.id), buf.view)  # type: ignore[arg-type]
+                n = r.s3.get_into(r.chunk_key(ref.id), buf.view)
                 with self._lock:
                     rep.bytes_sent += n or 0
                 why, header = check_fetched(ref, buf, n)
@@ -209,7 +210,7 @@ class RemoteFill:
     def _keep(self, ref: ChunkRef, codec: str, payload: memoryview) -> None:
         with self._lock:
             if ref.id in self._wanted and self._kept_bytes + len(payload) <= self.handoff_bytes:
-                self._kept[ref.id] = (codec, bytes(payload))  # type: ignore[index]
+                self._kept[ref.id] = (codec, bytes(payload))
                 self._kept_bytes += len(payload)
 
     def take(self, cid: str) -> tuple[str, bytes] | None:
@@ -295,14 +296,14 @@ class ArrivingSource:
 
 
 def pull(remote: Remote, store: SnapshotStore, name: str, *, replace: bool = False,
-         progress: Any = None) -> TransferReport:
+         progress: Progress | None = None) -> TransferReport:
     """Snapshot NAME into STORE: the chunks it lacks, smallest streams first (what a restore opens
     first), each verified on arrival; then the remote's manifest, committed by the store's writer."""
     with RemoteFill(remote, store, name, replace=replace, progress=progress) as f:
         return f.finish()
 
 
-def ensure_local(store: SnapshotStore, name: str, remote: str, *, progress: Any = None,
+def ensure_local(store: SnapshotStore, name: str, remote: str, *, progress: Progress | None = None,
                  jobs: int = DEFAULT_JOBS) -> TransferReport | None:
     """Make snapshot NAME local before a restore that reads it whole first, pulling it from REMOTE
     when this store lacks it. None when it was already here."""

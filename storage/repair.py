@@ -17,6 +17,7 @@ import stat
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
+from .progress import Progress
 from .chunkfile import HEADER_SIZE, ChunkHeader, chunk_id, id_check, raw_chunk_id
 from .codecs import HOST_CODECS, HostCodecChooser, ZstdCodec
 from .directio import AlignedBuffer, BufferPool, copy_into
@@ -47,7 +48,7 @@ class RepairReport:
 
 
 def repair(store: "SnapshotStore", sources: Sequence[str] = (), *, workers: int = 4, timeout: float = 30.0,
-           progress: Any = None) -> RepairReport:
+           progress: Progress | None = None) -> RepairReport:
     """Verify every snapshot of STORE, quarantine damaged chunks, and rewrite every missing or damaged
     chunk from the first place that has its exact bytes: its quarantined copy if that verifies after
     all, then SOURCES in order (another gpusnap store, or files and directories). What no source has is

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, Iterator
 
+from .progress import Progress
 from .chunkfile import (HEADER_SIZE, ChunkError, ChunkHeader, chunk_id, file_kind, full_check, max_stored_len,
                         id_check, raw_chunk_id, read_chunk_file, reusable, write_chunk_file)
 from .directio import AlignedBuffer, BufferPool, align_up, direct_io_supported, read_to_end
@@ -676,7 +677,7 @@ class SnapshotStore:
                 problems.append(Problem(n, None, None, str(e)))
         return manifests
 
-    def check_chunks(self, refs: dict[str, ChunkRef], size: int, workers: int, progress: Any,
+    def check_chunks(self, refs: dict[str, ChunkRef], size: int, workers: int, progress: Progress | None,
                      counts: VerifyReport | None = None, deadline: float | None = None,
                      read_data: bool = False) -> dict[str, str]:
         """Read and verify every chunk of REFS (until DEADLINE, a time.monotonic() value, where one is
@@ -718,7 +719,7 @@ class SnapshotStore:
                 list(ex.map(check, refs.values()))
         return bad
 
-    def verify(self, names: list[str] | None = None, workers: int = 4, progress: Any = None,
+    def verify(self, names: list[str] | None = None, workers: int = 4, progress: Progress | None = None,
                quarantine: bool = True, quarantine_wait: float = 5.0, sample: float | None = None,
                max_seconds: float | None = None, read_data: bool = False) -> VerifyReport:
         """Check every chunk of NAMES (default: every snapshot, and the strays of snapshots/ too).

@@ -16,89 +16,14 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, Cli, chunk_files, small_tmpfs
+from support.criu import Tree, _state, healthy, require_criu  # noqa: F401 - re-exported for older imports
 
 pytestmark = pytest.mark.root
 
 
 @pytest.fixture(scope="module", autouse=True)
 def need_criu() -> None:
-    if os.geteuid() != 0:
-        pytest.skip("CRIU needs root")
-    from sandbox.criu.runner import find_criu
-    if not find_criu():
-        pytest.fail("CRIU >= 4 not installed: run scripts/setup.sh (CI must not skip these)")
-
-
-class Tree:
-    """The criu_workload.py tree, in its own session, its control dir fresh per run."""
-
-    def __init__(self, mb: int = 32, detached: bool = False) -> None:
-        """detached: the tree is not our child (an intermediate shell exits), so when CRIU kills it
-        the zombie is reaped by init, as for a real workload, and gpusnap itself can restore it."""
-        self.dir = Path(tempfile.mkdtemp(prefix="gpusnap-criu-wl-"))
-        self.log = open(self.dir / "log", "w")
-        argv = [sys.executable, str(REPO / "tests" / "support" / "criu_workload.py"), str(self.dir), str(mb)]
-        if detached:
-            argv = ["sh", "-c", 'setsid "$@" </dev/null >/dev/null 2>&1 &', "sh", *argv]
-        self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=self.log, stderr=self.log,
-                                     start_new_session=True, cwd="/")
-        deadline = time.monotonic() + 30
-        while not (self.dir / "ready").exists():
-            assert (detached or self.proc.poll() is None) and time.monotonic() < deadline, "workload did not start"
-            time.sleep(0.02)
-        info = json.loads((self.dir / "ready").read_text())
-        self.pid, self.child = info["pid"], info["child"]
-
-    def report(self, timeout: float = 20) -> dict:
-        rep = self.dir / "report.json"
-        if rep.exists():
-            rep.unlink()
-        (self.dir / "cmd").write_text("report")
-        deadline = time.monotonic() + timeout
-        while not rep.exists():
-            assert time.monotonic() < deadline, "the tree did not answer"
-            time.sleep(0.02)
-        return json.loads(rep.read_text())
-
-    def alive(self) -> bool:
-        return os.path.exists(f"/proc/{self.pid}") and _state(self.pid) != "Z"
-
-    def reap(self) -> None:
-        """Collect the original parent after CRIU killed it (a zombie would block the restore)."""
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            pass
-
-    def kill(self) -> None:
-        for p in (self.child, self.pid):
-            try:
-                os.kill(p, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        self.reap()
-        deadline = time.monotonic() + 10
-        while any(os.path.exists(f"/proc/{p}") and _state(p) != "Z" for p in (self.pid, self.child)) \
-                and time.monotonic() < deadline:
-            time.sleep(0.05)
-
-    def close(self) -> None:
-        """Kill the tree and remove its control dir (kill() alone keeps it for a restore)."""
-        self.kill()
-        self.log.close()
-        shutil.rmtree(self.dir, ignore_errors=True)
-
-
-def _state(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return "gone"
-
-
-def healthy(rep: dict) -> bool:
-    return rep["memory_ok"] and rep["pipe_ok"] and rep["thread_ok"] and rep["file_offset"] == 234
+    require_criu()
 
 
 @pytest.fixture

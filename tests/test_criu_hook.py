@@ -17,6 +17,7 @@ import pytest
 
 from conftest import REPO
 from support.driver_standin import SharedStandIn
+from support.criu import require_criu
 from sandbox.gpu.driver import Features, GpuInfo, ProcessState as S
 
 pytestmark = pytest.mark.root
@@ -32,11 +33,7 @@ TREE = ("import os,sys,time\n"
 
 @pytest.fixture(scope="module", autouse=True)
 def need_criu() -> None:
-    if os.geteuid() != 0:
-        pytest.skip("CRIU needs root")
-    from sandbox.criu.runner import find_criu
-    if not find_criu():
-        pytest.fail("CRIU >= 4 not installed: run scripts/setup.sh (CI must not skip these)")
+    require_criu()
 
 
 class NetnsTree:

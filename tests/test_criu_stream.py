@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from conftest import GPUSNAP, REPO, Cli, chunk_files, pythonpath
-from test_criu import Tree, _state, healthy
+from support.criu import Tree, _state, healthy, require_criu
 
 pytestmark = pytest.mark.root
 
@@ -25,11 +25,7 @@ NO_SPLIT = {**STREAM, "GPUSNAP_CRIU_SPLIT_MIN": "0"}
 
 @pytest.fixture(scope="module", autouse=True)
 def need_criu() -> None:
-    if os.geteuid() != 0:
-        pytest.skip("CRIU needs root")
-    from sandbox.criu.runner import find_criu
-    if not find_criu():
-        pytest.fail("CRIU >= 4 not installed: run scripts/setup.sh (CI must not skip these)")
+    require_criu()
 
 
 def cli_json(cli: Cli, env: dict[str, str], *args: str) -> dict:

@@ -195,6 +195,26 @@ def test_path_is_chosen_from_the_probe() -> None:
         state.backend_for(state.GpuPath.CUSTOM_STORAGE)
 
 
+def test_plan_is_the_one_choice_of_a_path() -> None:
+    """A restore goes back the way its memory left; a checkpoint takes what the probe offers; custom
+    storage only where its bytes have somewhere to go; the plan's backend is wired to where they go."""
+    both = Features(checkpoint_api=True, custom_storage=True)
+    assert state.plan(features=both).path == state.GpuPath.CUSTOM_STORAGE
+    assert state.plan(features=both, streams=False).path == state.GpuPath.HOST_STAGED
+    assert state.plan(features=Features(checkpoint_api=True)).path == state.GpuPath.HOST_STAGED
+    assert state.plan(recorded="custom-storage", features=Features(checkpoint_api=True)).path \
+        == state.GpuPath.CUSTOM_STORAGE
+    assert state.plan(recorded=state.GpuPath.HOST_STAGED, features=both).path == state.GpuPath.HOST_STAGED
+    assert state.plan().path == state.GpuPath.HOST_STAGED
+    with pytest.raises(state.GpuStateError, match="no checkpoint API"):
+        state.plan(features=Features(reason="driver 535"))
+    _, regions = custom(fleet())
+    p = state.plan(features=both)
+    assert p.streams and isinstance(p.backend(regions), state.CustomStorage)
+    host = state.plan(features=Features(checkpoint_api=True), thp_mode=None)
+    assert not host.streams and isinstance(host.backend(regions), state.HostStaged)
+
+
 def test_resume_brings_back_whatever_an_interrupted_operation_left() -> None:
     d = fleet()
     d.lock(201, 10)

@@ -221,7 +221,7 @@ def test_gpusnap_killed_mid_dump_of_a_forking_tree_then_recover_leaves_none_stop
     """kill -9 of gpusnap once CRIU has left the pipeline stopped: `recover` resumes all CRIU froze
     (not committed) or kills all of it (committed), children forked during the freeze included."""
     import signal
-    from test_crash_recovery import Paused
+    from support.crash import Paused
     w = Workload(["sh", "-c", PIPELINE])
     try:
         until("the pipeline counts", lambda: (w.dir / "count").exists() and _count(w) > 0, timeout=60)

@@ -22,6 +22,7 @@ from contextlib import contextmanager
 
 import zstandard
 
+from storage.progress import Progress
 from storage import pipeline
 from storage.errors import GpusnapError
 from storage.filetree import FileTreeSink, FileTreeSource
@@ -92,7 +93,7 @@ def _uncompressed(path: str, tmp_dir: str) -> Iterator[tuple[BinaryIO, str]]:
 
 
 def _put(store: SnapshotStore, name: str, source: Any, meta: dict[str, Any], replace: bool,
-         progress: Any) -> pipeline.Result:
+         progress: Progress | None) -> pipeline.Result:
     with store.writer(name, replace=replace, meta=meta) as w:
         if progress is not None:
             progress.start(source.total_bytes)
@@ -102,7 +103,7 @@ def _put(store: SnapshotStore, name: str, source: Any, meta: dict[str, Any], rep
 
 
 def import_podman(store: SnapshotStore, archive: str, name: str, *, replace: bool = False,
-                  progress: Any = None) -> Moved:
+                  progress: Progress | None = None) -> Moved:
     """Store a `podman container checkpoint --export` archive (tar; none, gzip or zstd) as NAME."""
     validate_snapshot_name(name)
     path = os.path.abspath(archive)
@@ -116,7 +117,7 @@ def import_podman(store: SnapshotStore, archive: str, name: str, *, replace: boo
 
 
 def import_runc(store: SnapshotStore, image_dir: str, name: str, *, replace: bool = False,
-                progress: Any = None) -> Moved:
+                progress: Progress | None = None) -> Moved:
     """Store a runc checkpoint image directory (`runc checkpoint --image-path DIR`) as NAME."""
     validate_snapshot_name(name)
     path = os.path.abspath(image_dir)
@@ -130,7 +131,7 @@ def import_runc(store: SnapshotStore, image_dir: str, name: str, *, replace: boo
     return Moved(name, CheckpointKind.RUNC, path, res.raw_bytes, res.stored_bytes, res.seconds)
 
 
-def export(store: SnapshotStore, name: str, dest: str, *, progress: Any = None) -> Moved:
+def export(store: SnapshotStore, name: str, dest: str, *, progress: Progress | None = None) -> Moved:
     """Write snapshot NAME back as the runtime reads it: a tar archive (Podman) or a directory (runc)."""
     dest = os.path.abspath(dest)
     if os.path.lexists(dest):
@@ -151,7 +152,7 @@ def export(store: SnapshotStore, name: str, dest: str, *, progress: Any = None) 
     return Moved(name, kind, dest, res.raw_bytes, 0, res.seconds)
 
 
-def _export_dir(store: SnapshotStore, m: Any, dest: str, progress: Any) -> pipeline.Result:
+def _export_dir(store: SnapshotStore, m: Any, dest: str, progress: Progress | None) -> pipeline.Result:
     root = m.meta.get("root")
     if not isinstance(root, str) or not root or "/" in root or root in (".", ".."):
         raise ArchiveError(f"snapshot {m.name!r}: its recorded image directory name {root!r} is not a plain name")

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import importlib.metadata
 import json
 import os
@@ -330,7 +331,7 @@ def install(runtimes: list[Runtime], layout: Layout = Layout(), criu: str | None
                         raise HookInstallError(str(e)) from None
                     if added.changed:
                         cfg.write(name, added.data, 0o644)
-                        undo.append(lambda name=name, before=before: _put_back(layout.config_dir, name, before))
+                        undo.append(functools.partial(_put_back, layout.config_dir, name, before))
                         changed.append(path)
                     if path not in configs:
                         configs[path] = ConfigRecord(path, before is None, cfg.created, added.added_newline)
@@ -495,7 +496,7 @@ def status(layout: Layout = Layout(), path_env: str | None = None) -> dict[str, 
     except (PinnedDirError, HookInstallError) as e:
         if not isinstance(e, PinnedDirError) or "no such directory" not in str(e):
             problems.append(str(e))
-    configs = []
+    configs: list[dict[str, Any]] = []
     for name in sorted({*CONFIG_FILE.values(), "default.conf"}):
         path = os.path.join(layout.config_dir, name)
         try:

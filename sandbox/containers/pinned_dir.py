@@ -49,7 +49,7 @@ class PinnedDir:
         try:
             if not stat.S_ISREG(os.fstat(fd).st_mode):
                 raise PinnedDirError(f"{os.path.join(self.path, name)}: not a regular file")
-            chunks = []
+            chunks: list[bytes] = []
             while True:
                 b = os.read(fd, 1 << 20)
                 if not b:

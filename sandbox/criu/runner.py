@@ -17,7 +17,7 @@ import re
 import shutil
 import subprocess
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from storage.errors import EXIT_UNAVAILABLE, GpusnapError
 
@@ -33,8 +33,8 @@ CUDA_PLUGIN = "cuda_plugin.so"
 def cuda_plugin(libdir: str | None = None, env: dict[str, str] | None = None) -> str | None:
     """The path of CRIU's own cuda plugin where CRIU would load it (LIBDIR as `--libdir`, else
     $CRIU_LIBS_DIR, else /usr/lib/criu, as CRIU looks), or None."""
-    env = os.environ if env is None else env
-    d = libdir or env.get("CRIU_LIBS_DIR") or PLUGIN_DIR
+    environ: Mapping[str, str] = os.environ if env is None else env
+    d = libdir or environ.get("CRIU_LIBS_DIR") or PLUGIN_DIR
     p = os.path.join(d, CUDA_PLUGIN)
     return p if os.path.isfile(p) else None
 

@@ -1,11 +1,13 @@
 """A process tree's whole state (CPU through CRIU, GPU through the driver) into the store and back.
 
-Design (chosen, measured in BENCHMARKS.md): CRIU dumps into a staging directory (tmpfs when it fits,
-else the store's own tmp/) and the images are ingested into the store (chunked, zero-elided, compressed,
-deduplicated, checksummed) while CRIU writes them: the page images are read as they grow
-(storage.follow), the small images after CRIU exits; then the staging copy is removed. Restore
-materializes the verified images into staging and runs `criu restore` on them. CRIU's --stream /
-image-streamer protocol is not used (criu-image-streamer is not packaged for Debian 12).
+Design (chosen, measured in BENCHMARKS.md): by default CRIU's images stream (`criu --stream`, gpusnap
+itself serving CRIU's image-streamer protocol: sandbox.criu.streamer) straight into the store on a
+dump (chunked, zero-elided, compressed, deduplicated, checksummed) and out of it on a restore, with
+the large page runs written by gpusnap after CRIU (the split fill). GPUSNAP_CRIU_IMAGES=staging takes
+the other path: CRIU dumps into a staging directory (tmpfs when it fits, else the store's tmp/) whose
+page images are ingested as they grow (storage.follow), and a restore materializes the verified images
+there first. Every failure path runs the operation's one undo (sandbox.ops.operations), the same one
+`gpusnap recover` runs after a crash.
 
 Guarantees kept here:
 - the tree is killed only after its snapshot is committed: CRIU dumps with --leave-stopped, the
@@ -32,6 +34,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
 
+from storage.progress import Progress
 from storage import pipeline
 from storage.filetree import FileTreeSink
 from storage.follow import FollowedDirSource
@@ -42,12 +45,12 @@ from storage.store import SnapshotStore
 from sandbox.ops import journal
 from sandbox.criu import streamer
 from sandbox.criu.runner import Criu, CriuError, DumpOptions
-from sandbox.host.hugepages import thp
 from sandbox.gpu.processes import process_tree, uses_gpu
-from sandbox.gpu.state import GpuPath
-from sandbox.ops.snapshot_meta import CriuMeta
+from sandbox.gpu.state import GpuPath, Plan as GpuPlan, plan as gpu_plan, restore_huge_pages
+from sandbox.ops.snapshot_meta import CriuMeta, GpuInfo
 from sandbox.host.interrupts import Interrupted
 from sandbox.ops.journal import OpKind, Stage
+from sandbox.ops.operations import GpuAccess, Undo, undone_on_failure
 
 
 from storage.errors import GpusnapError
@@ -110,9 +113,10 @@ class _GpuSide:
     travels inside CRIU's images) or custom storage (the engine streams it into the same snapshot as
     gpu/PID/INDEX streams and CRIU dumps processes that hold no GPU bytes). The probe decides."""
 
-    def __init__(self, pids: list[int], cuda_pids: list[int], driver: Any, custom: bool, device: Any) -> None:
+    def __init__(self, pids: list[int], cuda_pids: list[int], driver: Any, plan: GpuPlan, device: Any) -> None:
         self.pids, self.cuda_pids, self.driver, self.device = pids, cuda_pids, driver, device
-        self.custom = bool(cuda_pids) and custom
+        self.plan = plan
+        self.custom = bool(cuda_pids) and plan.streams
         self.engine: Any = None
         self.gpus: list[dict[str, Any]] = []  # this machine's GPUs, as the snapshot records them
 
@@ -132,7 +136,7 @@ class _GpuSide:
         if cuda and features is None:
             from sandbox.gpu.driver import probe
             features = probe(driver)
-        side = cls(pids, cuda, driver, bool(features is not None and features.custom_storage), device)
+        side = cls(pids, cuda, driver, gpu_plan(features=features if cuda else None), device)
         side.gpus = [{"index": g.index, "uuid": g.uuid, "name": g.name} for g in features.gpus] if cuda else []
         return side
 
@@ -151,11 +155,9 @@ class _GpuSide:
             self.engine.close()
 
     def _backend(self, regions: Any) -> Any:
-        from sandbox.gpu.state import GpuPath, backend_for
-        path = GpuPath.CUSTOM_STORAGE if self.custom else GpuPath.HOST_STAGED
-        return backend_for(path, regions=regions, spill=regions.spill() if regions is not None else None)
+        return self.plan.backend(regions)
 
-    def swap_out(self, w: Any, lock_timeout_s: float, progress: Any, op: journal.Op) -> None:
+    def swap_out(self, w: Any, lock_timeout_s: float, progress: Progress | None, op: journal.Op) -> None:
         """Before CRIU: every CUDA process locked and checkpointed (custom storage: streamed into W,
         the chunk references logged in OP's journal for recovery)."""
         from contextlib import nullcontext
@@ -185,7 +187,7 @@ def _is_gpu(stream: Any) -> bool:
 
 def criu_dump(store: SnapshotStore, pid: int, name: str, *, leave_running: bool = False,
               options: DumpOptions | None = None, replace: bool = False, staging: str | None = None,
-              lock_timeout_s: float = 10.0, progress: Any = None, criu: Criu | None = None, tags: Sequence[str] = (),
+              lock_timeout_s: float = 10.0, progress: Progress | None = None, criu: Criu | None = None, tags: Sequence[str] = (),
               gpu_driver: Any = None, features: Any = None, device: Any = None) -> CriuReport:
     """The tree at PID into snapshot NAME: GPU state first (custom storage or the driver's host copy,
     as the probe says), then CRIU (the tree left stopped), its page images ingested as they are
@@ -203,24 +205,41 @@ def criu_dump(store: SnapshotStore, pid: int, name: str, *, leave_running: bool 
         raise CriuSnapshotError(str(e)) from None
     gpu = _GpuSide.discover(pids, pid, gpu_driver, features, device)
     report = CriuReport(name, pids, gpu.cuda_pids, images_path=streamer.images_path())
-    meta = {"kind": "criu", "root_pid": pid, "pids": pids, "cuda_pids": gpu.cuda_pids,
-            "criu": ".".join(map(str, criu.version or ())), "options": opts.argv(), "gpu_path": gpu.path}
+    usage: dict[int, dict[str, int]] = {}
     if gpu.cuda_pids:  # what `criu restore --device-map` checks a map against
         from sandbox.gpu.device_map import usage_of
         known = {g["uuid"] for g in gpu.gpus}
-        usage = {str(p): {u: n for u, n in per.items() if u in known}
+        usage = {int(p): {u: n for u, n in per.items() if u in known}
                  for p, per in usage_of(gpu.driver, gpu.cuda_pids).items() if any(u in known for u in per)}
-        meta.update(gpus=gpu.gpus, **({"gpu_bytes": usage} if usage else {}))
     with journal.operation(store.path, OpKind.CRIU_DUMP, name, pids=pids, cuda_pids=tuple(gpu.cuda_pids),
-                           gpu_path=gpu.path, leave_running=leave_running) as op, \
-            store.writer(name, replace=replace, meta=meta, tags=tuple(tags)) as w, gpu:
-        meta["op"] = op.id  # how recovery tells this commit from an older snapshot of the same name
-        stage = new_staging(store, _rss_bytes(pids), staging, op)
-        images = os.path.join(stage, "images")
-        os.mkdir(images, 0o700)
-        if opts.action_script is None:
-            opts = DumpOptions(**{**opts.__dict__, "action_script": journal.pause_script(images)})
-        try:
+                           gpu_path=gpu.path, leave_running=leave_running) as op:
+        # op and op_mac: how recovery tells this operation's commit from any other manifest of the name
+        meta = CriuMeta(pid, tuple(pids), tuple(gpu.cuda_pids), ".".join(map(str, criu.version or ())),
+                        tuple(opts.argv()), GpuPath(gpu.path) if gpu.path else None,
+                        gpus=tuple(GpuInfo(g["index"], g["uuid"], g["name"]) for g in gpu.gpus), gpu_bytes=usage,
+                        extra={"op": op.id, "op_mac": op.commit_mac(pids)}).to_json()
+        with store.writer(name, replace=replace, meta=meta, tags=tuple(tags)) as w, gpu:
+            _dump_in(op, w, gpu, criu, pid, opts, report, leave_running, store, name, staging, lock_timeout_s,
+                     progress, pids)
+    report.raw_bytes, report.new_bytes, report.dedup_bytes = w.stats.raw_bytes, w.stats.bytes_new, w.stats.bytes_dedup
+    return report
+
+
+def _dump_in(op: journal.Op, w: Any, gpu: "_GpuSide", criu: Criu, pid: int, opts: DumpOptions, report: CriuReport,
+             leave_running: bool, store: SnapshotStore, name: str, staging: str | None, lock_timeout_s: float,
+             progress: Progress | None, pids: list[int]) -> None:
+    """The dump's stages inside its journal record and writer; on a failure, the operation's undo
+    (sandbox.ops.operations.CriuDump) from the stage the record reached."""
+    stage = new_staging(store, _rss_bytes(pids), staging, op)
+    images = os.path.join(stage, "images")
+    os.mkdir(images, 0o700)
+    if opts.action_script is None:
+        opts = DumpOptions(**{**opts.__dict__, "action_script": journal.pause_script(images)})
+    # a signal after the commit only hurries the end: the snapshot is there, the kill follows
+    after_commit = lambda e: op.rec.stage == Stage.COMMITTED and isinstance(e, Interrupted)  # noqa: E731
+    try:
+        with undone_on_failure(op, Undo(store, GpuAccess.of_flow(gpu.driver, gpu.engine)), CriuSnapshotError,
+                               what="dump", keep_going=after_commit):
             if gpu.cuda_pids:
                 op.advance(Stage.GPU_FROZEN)
                 t0 = time.perf_counter()
@@ -234,61 +253,16 @@ def criu_dump(store: SnapshotStore, pid: int, name: str, *, leave_running: bool 
                                  pids, op)
             if not leave_running:  # what CRIU froze, children forked during the dump included
                 report.pids = w.meta["pids"] = [p.pid for p in op.rec.procs]
+                w.meta["op_mac"] = op.commit_mac(report.pids)  # the MAC names the pids the commit names
             journal.pause("before-commit")
             op.advance(Stage.COMMITTING)
             w.commit()
             op.advance(Stage.COMMITTED)
             journal.pause("after-commit")
-        except BaseException as e:
-            # a signal after the commit only hurries the end: the snapshot is there, the kill follows
-            if not (op.rec.stage == Stage.COMMITTED and isinstance(e, Interrupted)):
-                _undo_dump(op, gpu, leave_running, store, name, w.streams, e)
-                raise
-        finally:
-            shutil.rmtree(stage, ignore_errors=True)
-        if not leave_running:  # committed: now the tree ends, as asked
-            kill_tree(op.rec.procs)
-    report.raw_bytes, report.new_bytes, report.dedup_bytes = w.stats.raw_bytes, w.stats.bytes_new, w.stats.bytes_dedup
-    return report
-
-
-def _undo_dump(op: journal.Op, gpu: "_GpuSide", leave_running: bool, store: SnapshotStore, name: str,
-               streams: list[Any], cause: BaseException) -> None:
-    """Put the tree back as it was before the dump, by the stage the dump reached: GPU state back
-    once it was touched, and a tree CRIU left stopped running again (SIGCONT). If that fails, the
-    journal record stays for `gpusnap recover`."""
-    stopped = op.rec.stage.at_least(Stage.DUMPED) and not leave_running
-    try:
-        resume_tree(op.rec.procs if stopped else (), gpu if op.rec.stage.at_least(Stage.GPU_FROZEN) else None,
-                    store, name, streams)
-    except Exception as e:  # noqa: BLE001
-        op.keep = True
-        raise CriuSnapshotError(f"the dump failed ({cause}) and putting the processes back failed too ({e}); "
-                                "run `gpusnap recover`") from None
-
-
-def resume_tree(procs: tuple[journal.Proc, ...], gpu: "_GpuSide | None", store: SnapshotStore, name: str,
-                streams: list[Any]) -> None:
-    """A tree CRIU left stopped, running again: SIGCONT to each process still the one dumped, then its
-    GPU state back and unlocked (idempotent: processes already running are left alone)."""
-    for p in journal.with_descendants(procs):
-        p.signal(signal.SIGCONT)
-    if gpu is None or not gpu.cuda_pids:
-        return
-    if gpu.custom:
-        from sandbox.gpu.driver import ProcessState
-        if any(_gpu_state(gpu.driver, p) not in (ProcessState.RUNNING, None) for p in gpu.cuda_pids):
-            gpu.swap_in(store, name, streams)
-        return
-    from sandbox.gpu import state
-    state.resume(gpu.driver, list(gpu.cuda_pids))
-
-
-def _gpu_state(driver: Any, pid: int) -> Any:
-    try:
-        return driver.get_state(pid)
-    except Exception:  # noqa: BLE001 - gone
-        return None
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+    if not leave_running:  # committed: now the tree ends, as asked
+        kill_tree(op.rec.procs)
 
 
 def kill_tree(procs: tuple[journal.Proc, ...]) -> None:
@@ -309,7 +283,7 @@ def _is_page_image(name: str) -> bool:
 
 
 def _dump_and_ingest(criu: Criu, pid: int, images: str, opts: DumpOptions, w: Any, report: CriuReport,
-                     gpu: _GpuSide, leave_running: bool, store: SnapshotStore, name: str, progress: Any,
+                     gpu: _GpuSide, leave_running: bool, store: SnapshotStore, name: str, progress: Progress | None,
                      pids: list[int], op: journal.Op) -> None:
     """`criu dump` into IMAGES while the pipeline ingests its page images as they grow
     (storage.follow); the rest of the images after CRIU exits. report.seconds["criu_dump"] is set as
@@ -377,7 +351,7 @@ def _join(th: threading.Thread) -> BaseException | None:
 
 
 def _dump_streamed(criu: Criu, pid: int, images: str, opts: DumpOptions, w: Any, report: CriuReport,
-                   gpu: _GpuSide, leave_running: bool, store: SnapshotStore, name: str, progress: Any,
+                   gpu: _GpuSide, leave_running: bool, store: SnapshotStore, name: str, progress: Progress | None,
                    pids: list[int], op: journal.Op) -> None:
     """`criu dump --stream` straight into the store (sandbox.criu.streamer): the page data flows from
     CRIU's pipe into the pipeline, no staging copy. The tree is left stopped (journaled as DUMPED once
@@ -451,7 +425,7 @@ def _pids_in_use(pids: list[int], grace_s: float = 5.0) -> list[int]:
 
 @contextmanager
 def _from_remote(store: SnapshotStore, name: str, remote: str | None, jobs: int,
-                 progress: Any) -> Iterator[RemoteFill | None]:
+                 progress: Progress | None) -> Iterator[RemoteFill | None]:
     """NAME on its way from REMOTE when this store lacks it: a RemoteFill the streamed restore reads
     through while it fetches. The staging path reads every image before CRIU starts, so there the
     snapshot is pulled first. None when NAME is local (or no remote was named)."""
@@ -465,7 +439,7 @@ def _from_remote(store: SnapshotStore, name: str, remote: str | None, jobs: int,
             yield fill
 
 
-def criu_restore(store: SnapshotStore, name: str, *, staging: str | None = None, progress: Any = None,
+def criu_restore(store: SnapshotStore, name: str, *, staging: str | None = None, progress: Progress | None = None,
                  criu: Criu | None = None, gpu_driver: Any = None, device: Any = None,
                  from_remote: str | None = None, jobs: int = DEFAULT_JOBS, device_map: Sequence[str] = (),
                  features: Any = None, tcp_established: bool = False) -> CriuReport:
@@ -478,7 +452,7 @@ def criu_restore(store: SnapshotStore, name: str, *, staging: str | None = None,
     criu = criu or Criu()
     journal.require_clean(store.path)
     with store.shared(), _from_remote(store, name, from_remote, jobs, progress) as fill:
-        m = fill.manifest if fill is not None else store.load(name)
+        m = (fill.manifest if fill is not None else None) or store.load(name)
         meta = CriuMeta.of(m)
         taken = _pids_in_use(list(meta.pids))
         if taken:
@@ -499,11 +473,13 @@ def criu_restore(store: SnapshotStore, name: str, *, staging: str | None = None,
         with journal.operation(store.path, OpKind.CRIU_RESTORE, name, cuda_pids=tuple(report.cuda_pids),
                                gpu_path=meta.gpu_path.value if meta.gpu_path else None) as op:
             stage = new_staging(store, m.size, staging, op)
+            gpu = GpuAccess(driver=lambda: gpu_driver or _cuda_driver(), device=lambda: 0 if device is None else device)
             try:
-                if fill is not None:
-                    fill.start()
-                _restore_from(store, m, meta, stage, report, criu, op, None if fill else progress, gpu_driver,
-                              device, fill, gpu_map, ("--tcp-established",) if tcp_established else ())
+                with undone_on_failure(op, Undo(store, gpu), CriuSnapshotError, what="restore"):
+                    if fill is not None:
+                        fill.start()
+                    _restore_from(store, m, meta, stage, report, criu, op, None if fill else progress, gpu_driver,
+                                  device, fill, gpu_map, ("--tcp-established",) if tcp_established else ())
             finally:
                 shutil.rmtree(stage, ignore_errors=True)
     return report
@@ -513,8 +489,19 @@ def criu_restore(store: SnapshotStore, name: str, *, staging: str | None = None,
 RESTORE_TOO = ("--tcp-established", "--ext-unix-sk", "--file-locks")
 
 
+def _restored(pids: list[int], born_after: int) -> tuple[journal.Proc, ...]:
+    """The snapshot's PIDS that this restore made (started after BORN_AFTER), by pid and start time."""
+    procs = (journal.Proc.of(x) for x in pids)
+    return tuple(p for p in procs if p is not None and p.start >= born_after - 1)
+
+
+def _cuda_driver() -> Any:
+    from sandbox.gpu.driver import CudaDriver
+    return CudaDriver()
+
+
 def _restore_from(store: SnapshotStore, m: Any, meta: CriuMeta, stage: str, report: CriuReport, criu: Criu,
-                  op: journal.Op, progress: Any, gpu_driver: Any, device: Any, fill: RemoteFill | None = None,
+                  op: journal.Op, progress: Progress | None, gpu_driver: Any, device: Any, fill: RemoteFill | None = None,
                   gpu_map: dict[str, str] | None = None, tcp: tuple[str, ...] = ()) -> None:
     """M's images served to (or materialized in STAGE for) `criu restore`, then the GPU state
     (journaled). FILL: M's chunks are still arriving from a remote; it commits once CRIU is done
@@ -530,13 +517,19 @@ def _restore_from(store: SnapshotStore, m: Any, meta: CriuMeta, stage: str, repo
     report.images_path = streamer.images_path()
     journal.pause("before-restore")
     op.advance(Stage.DUMPING)
+    born_after = streamer.boot_ticks()  # what this restore makes starts after this
+
+    def restored_stopped() -> None:  # CRIU is done, the tree stopped for the split fill: journaled first
+        op.advance(Stage.FILLING, procs=_restored(report.pids, born_after))
+        journal.pause("split-fill")
+
     if report.images_path == "stream":  # chunks decoded straight into CRIU's pipes: no materialize step
         images = os.path.join(stage, "images")
         os.mkdir(images, 0o700)
         try:
             secs, report.stages["served"] = streamer.restore(criu, store, files, images, shell_job=shell_job,
                                                              pidfile=pidfile, pids=list(meta.pids), arrivals=fill,
-                                                             extra=extra)
+                                                             extra=extra, on_stopped=restored_stopped)
         except CriuError as e:
             raise _held(e, list(meta.pids)).with_log(keep_log(store, e, f"restore-{name}")) from None
         report.seconds.update(secs)
@@ -551,14 +544,14 @@ def _restore_from(store: SnapshotStore, m: Any, meta: CriuMeta, stage: str, repo
         images = os.path.join(stage, "out", "images")
         t0 = time.perf_counter()
         try:
-            with thp("always"):  # CRIU faults every page in: huge pages make that ~1.4x faster
+            with restore_huge_pages("always"):  # CRIU faults every page in: huge pages make that ~1.4x faster
                 criu.restore(images, detach=True, shell_job=shell_job, pidfile=pidfile, extra=extra)
         except CriuError as e:
             raise _held(e, list(meta.pids)).with_log(keep_log(store, e, f"restore-{name}")) from None
         report.seconds["criu_restore"] = time.perf_counter() - t0
     with open(pidfile) as f:
         report.restored_pid = int(f.read().strip())
-    op.advance(Stage.DUMPED, procs=tuple(p for p in (journal.Proc.of(x) for x in report.pids) if p is not None))
+    op.advance(Stage.DUMPED, procs=_restored(report.pids, born_after))
     if fill is not None:  # CRIU has read its images; what is left (GPU streams) arrives, then the commit
         try:
             pulled = fill.finish()
@@ -571,7 +564,7 @@ def _restore_from(store: SnapshotStore, m: Any, meta: CriuMeta, stage: str, repo
     if report.cuda_pids:
         from sandbox.gpu.driver import CudaDriver
         t0 = time.perf_counter()
-        custom = meta.gpu_path == GpuPath.CUSTOM_STORAGE
-        with _GpuSide(report.pids, report.cuda_pids, gpu_driver or CudaDriver(), custom, device) as gpu:
+        with _GpuSide(report.pids, report.cuda_pids, gpu_driver or CudaDriver(), gpu_plan(recorded=meta.gpu_path),
+                      device) as gpu:
             gpu.swap_in(store, name, m.streams, gpu_map, meta.gpu_bytes)
         report.seconds["gpu_restore"] = time.perf_counter() - t0

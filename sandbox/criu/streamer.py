@@ -54,6 +54,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any, Callable, Iterable, Iterator, Protocol
 
+from storage.progress import Progress
 from sandbox.criu import split
 from storage import pipeline
 from storage.chunkfile import ChunkError
@@ -383,7 +384,7 @@ class CaptureSource:
 
 
 def dump(criu: Any, pid: int, images: str, opts: Any, w: Any, *, on_dumped: Callable[[], None] | None = None,
-         progress: Any = None) -> tuple[pipeline.Result, dict[str, float], list[str]]:
+         progress: Progress | None = None) -> tuple[pipeline.Result, dict[str, float], list[str]]:
     """`criu dump --stream` of PID (OPTS, with --leave-stopped unless it keeps running) into writer W
     through a CaptureSource in IMAGES. Returns the put's Result, seconds per stage and the page images
     streamed. ON_DUMPED runs in CRIU's thread right after CRIU succeeds (e.g. the GPU resume of a
@@ -437,7 +438,7 @@ class Arrivals(Protocol):
 
     def first(self, refs: Iterable[ChunkRef]) -> None: ...
 
-    def take(self, cid: str) -> bytes | None: ...
+    def take(self, cid: str) -> tuple[str, bytes] | None: ...
 
 
 _PAGES_ID = re.compile(r"pages-(\d+)\.img")
@@ -583,7 +584,7 @@ class ServeSource:
 
     def _fetch_into(self, s: Stream, i: int, ref: ChunkRef, slot: split.Slot) -> memoryview:
         """REF's verified, decoded bytes in SLOT (the split fill's path: nothing allocated per chunk)."""
-        return self._decoded(s, i, ref, self._arrived(ref), slot.raw_file, slot.out.view)
+        return memoryview(self._decoded(s, i, ref, self._arrived(ref), slot.raw_file, slot.out.view))
 
     def _arrived(self, ref: ChunkRef) -> tuple[str, bytes] | None:
         """On a restore --from a remote: (codec, payload) of REF once it has arrived, if the fill
@@ -710,15 +711,17 @@ def split_min() -> int:
 def restore(criu: Any, store: SnapshotStore, manifest: Manifest, images: str, *, shell_job: bool,
             pidfile: str, pids: list[int], thp_mode: str | None = "always",
             split_bytes: int | None = None, arrivals: Arrivals | None = None,
-            extra: tuple[str, ...] = ()) -> tuple[dict[str, float], dict[str, Any]]:
+            extra: tuple[str, ...] = (),
+            on_stopped: Callable[[], None] | None = None) -> tuple[dict[str, float], dict[str, Any]]:
     """`criu restore --stream -d` of MANIFEST's images served from STORE (IMAGES: a private directory
     for the socket and CRIU's log), THP set to THP_MODE meanwhile (CRIU faults the whole image in).
     With a split (runs of at least SPLIT_BYTES, default split_min()), CRIU leaves the tree PIDS
-    stopped, the moved runs are written in, then the tree continues; if that fails the tree is killed.
+    stopped, ON_STOPPED runs (the caller journals the stopped tree), the moved runs are written in, then
+    the tree continues; if that fails the tree is killed.
     Returns seconds per stage and what was served. A CRIU failure caused by the store (a damaged
     chunk, a remote that failed: ARRIVALS' error) is raised as that error; otherwise CRIU's."""
     from sandbox.criu.runner import CriuError
-    from sandbox.host.hugepages import thp
+    from sandbox.gpu.state import restore_huge_pages
     seconds: dict[str, float] = {}
     t0 = time.perf_counter()
     info: dict[str, Any] = {}
@@ -727,7 +730,7 @@ def restore(criu: Any, store: SnapshotStore, manifest: Manifest, images: str, *,
                      arrivals=arrivals) as srv:
         extra = extra + (("--stream", "--leave-stopped") if srv.plans else ("--stream",))  # EXTRA: CRIU options
         pids = list(dict.fromkeys([*pids, *srv.pstree]))
-        with thp(thp_mode):
+        with restore_huge_pages(thp_mode):
             try:
                 with _adopting_orphans():
                     try:
@@ -743,6 +746,8 @@ def restore(criu: Any, store: SnapshotStore, manifest: Manifest, images: str, *,
             if srv.plans:
                 t1 = time.perf_counter()
                 try:
+                    if on_stopped is not None:
+                        on_stopped()
                     info["split"] = srv.fill(lambda p: restored_by_criu(p, pids, born_after))
                 except BaseException:
                     _signal_all([p for p in pids if restored_by_criu(p, pids, born_after)], signal.SIGKILL)

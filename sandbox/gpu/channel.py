@@ -21,11 +21,13 @@ complete bytes for. The agent trusts the host (it runs it).
 """
 from __future__ import annotations
 
+import io
 import json
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, BinaryIO, Iterator
+from typing import Any, BinaryIO, Iterator, cast
 
+from storage.progress import Progress
 from storage.errors import GpusnapError
 
 from sandbox.gpu.driver import DeviceRegion, ProcessState
@@ -172,9 +174,9 @@ class PipeRegions:
             with self._staging(r.size) as (buf, stream):
                 for off in range(0, size, PIECE):
                     n = min(PIECE, size - off)
-                    got = self.inp.readinto(buf.view[:n])
+                    got = _readinto(self.inp, buf.view[:n])
                     while got < n:
-                        more = self.inp.readinto(buf.view[got:n])
+                        more = _readinto(self.inp, buf.view[got:n])
                         if not more:
                             raise ChannelError(f"pid {pid} GPU {r.index}: the host's stream ended early")
                         got += more
@@ -183,6 +185,11 @@ class PipeRegions:
                 if size < r.size:
                     self.dev.memset0(r.dev_ptr + size, r.size - size, stream)
                     self.dev.sync(stream)
+
+
+def _readinto(f: BinaryIO, view: memoryview) -> int:
+    """F.readinto(VIEW): every binary file the channel reads has it; typing.BinaryIO does not declare it."""
+    return cast(io.BufferedIOBase, f).readinto(view) or 0
 
 
 def send_need(out: BinaryIO, pids: list[int]) -> None:
@@ -201,7 +208,7 @@ class _Exactly:
         want = min(len(view), self.left)
         got = 0
         while got < want:
-            n = self.f.readinto(view[got:want])
+            n = _readinto(self.f, view[got:want])
             if not n:
                 raise ChannelError(f"the GPU agent's stream ended inside {self.what}")
             got += n
@@ -261,7 +268,7 @@ class AgentFrames:
         yield self._open[2]
 
 
-def receive(frames: AgentFrames, writer: Any, progress: Any = None) -> None:
+def receive(frames: AgentFrames, writer: Any, progress: Progress | None = None) -> None:
     """Read the agent's checkpoint FRAMES into WRITER (chunked, hashed, written; the caller commits)
     until its report (frames.report; frames.complete: the processes whose memory fully arrived)."""
     from storage import pipeline

@@ -13,6 +13,7 @@ Guarantees kept here:
 """
 from __future__ import annotations
 
+import functools
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
@@ -76,7 +77,7 @@ def _lock_all(driver: CheckpointDriver, pids: list[int], lock_timeout_s: float, 
             _run_all(stuck, lambda p: _wait_not_busy(driver, p, grace_s), grace_s + 1, ex)
             locked += [p for p in stuck if _state(driver, p) == ProcessState.LOCKED]
         for p in locked:
-            _safe(lambda p=p: driver.unlock(p), errs)
+            _safe(functools.partial(driver.unlock, p), errs)
         raise GpuCheckpointError(f"lock failed: {_describe(bad, stuck, 'lock', lock_timeout_s)}; "
                                  f"unlocked {len(locked)} process(es), all left running"
                                  + (f"; could not undo: {'; '.join(errs)}" if errs else ""))
@@ -123,10 +124,10 @@ def checkpoint_all(driver: CheckpointDriver, pids: list[int], *, lock_timeout_s:
                     continue
                 st = _state(driver, p)
                 if st == ProcessState.CHECKPOINTED:
-                    _safe(lambda p=p: driver.restore(p), errs)
+                    _safe(functools.partial(driver.restore, p), errs)
                     st = _state(driver, p)
                 if st == ProcessState.LOCKED:
-                    _safe(lambda p=p: driver.unlock(p), errs)
+                    _safe(functools.partial(driver.unlock, p), errs)
             raise GpuCheckpointError(f"checkpoint failed: {msg}; every other process was restored and "
                                      "unlocked" + (f"; could not undo: {'; '.join(errs)}" if errs else ""))
     return t
@@ -178,7 +179,7 @@ def restore_all(driver: CheckpointDriver, pids: list[int], *, gpu_map: dict[str,
         if bad or stuck:
             errs: list[str] = []
             for p in done:
-                _safe(lambda p=p: driver.checkpoint(p), errs)
+                _safe(functools.partial(driver.checkpoint, p), errs)
             raise GpuCheckpointError(
                 f"restore failed: {_describe(bad, stuck, 'restore', op_timeout_s)}; the "
                 f"{len(done)} process(es) already restored were checkpointed again, all stay CHECKPOINTED"

@@ -103,7 +103,7 @@ class PoolServer:
         sock = getattr(self, "sock", None)
         if sock is not None:
             sock.close()
-            self.sock = None
+            del self.sock
             try:
                 os.unlink(self.path)
             except FileNotFoundError:
@@ -111,10 +111,11 @@ class PoolServer:
         pool = getattr(self, "pool", None)
         if pool is not None:
             pool.close()
-            self.pool = None
-        if self.engine is not None:
-            self.engine.close()
-            self.engine = None
+            del self.pool
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.close()
+            del self.engine
 
     # -- serving -------------------------------------------------------------------------------
     def serve_forever(self) -> None:
@@ -172,17 +173,16 @@ class PoolServer:
     def op_swap_out(self, req: dict[str, Any]) -> dict[str, Any]:
         from sandbox.gpu.regions import EngineRegions
         from sandbox.gpu.snapshot import cuda_pids_of
-        from sandbox.gpu.state import GpuPath, backend_for, freeze
-        if not self.features.custom_storage:
+        from sandbox.gpu.state import freeze, plan
+        gp = plan(features=self.features) if self.features.checkpoint_api or self.features.custom_storage else None
+        if gp is None or not gp.streams:
             raise PoolDaemonError("the memory tier needs the driver's custom-storage API (CUDA 13.4, driver R615+); "
                                   f"this driver offers {self.features.path}: use `gpusnap gpu checkpoint` into a store")
         pid, name = int(req["pid"]), str(req["name"])
         pids = cuda_pids_of(pid, self.driver)
         t0 = time.perf_counter()
         with self.pool.writer(name) as w:
-            regions = EngineRegions.into(self.engine, w)
-            with freeze(self.driver, pids, backend_for(GpuPath.CUSTOM_STORAGE, regions=regions,
-                                                       spill=regions.spill())) as rep:
+            with freeze(self.driver, pids, gp.backend(EngineRegions.into(self.engine, w))) as rep:
                 w.commit()
         self.meta[name] = {"pids": pids, "root_pid": pid, "swapped_out": True,
                            "raw_bytes": w.stats.raw_bytes, "stored_bytes": w.stats.bytes_new + w.stats.bytes_dedup}
@@ -191,7 +191,7 @@ class PoolServer:
 
     def op_swap_in(self, req: dict[str, Any]) -> dict[str, Any]:
         from sandbox.gpu.regions import EngineRegions
-        from sandbox.gpu.state import GpuPath, backend_for, thaw
+        from sandbox.gpu.state import GpuPath, plan, thaw
         name = str(req["name"])
         m = self.pool.load(name)
         info = self.meta.get(name)
@@ -199,8 +199,8 @@ class PoolServer:
             raise PoolDaemonError(f"{name!r} is not swapped out")
         if int(req["pid"]) not in (info["root_pid"], *info["pids"]):
             raise PoolDaemonError(f"{name!r} was taken of pid {info['root_pid']}, not {req['pid']}")
-        rep = thaw(self.driver, info["pids"], backend_for(GpuPath.CUSTOM_STORAGE,
-                                                          regions=EngineRegions.of(self.engine, self.pool, m)))
+        gp = plan(recorded=GpuPath.CUSTOM_STORAGE)  # what the memory tier holds
+        rep = thaw(self.driver, info["pids"], gp.backend(EngineRegions.of(self.engine, self.pool, m)))
         info["swapped_out"] = False
         return {"name": name, "pids": info["pids"], "seconds": rep.seconds}
 

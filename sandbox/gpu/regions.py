@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from storage.progress import Progress
 from sandbox.ops import journal
 from sandbox.gpu.driver import DeviceRegion
 
@@ -29,19 +30,19 @@ class EngineRegions:
     """RegionStore through a storage.gpu_engine.GpuEngine (the writer and/or the chunk source)."""
 
     def __init__(self, engine: Any, *, source: Any, name: str, streams: list[Stream], writer: Any = None,
-                 progress: Any = None, log: Any = None) -> None:
+                 progress: Progress | None = None, log: Any = None) -> None:
         self.engine, self.source, self.name, self.streams = engine, source, name, streams
         self.writer, self.progress, self.log = writer, progress, log
 
     @classmethod
-    def into(cls, engine: Any, writer: Any, progress: Any = None, log: Any = None) -> "EngineRegions":
+    def into(cls, engine: Any, writer: Any, progress: Progress | None = None, log: Any = None) -> "EngineRegions":
         """Save into WRITER (a SnapshotWriter or memtier PoolWriter); load from what it holds so far.
         LOG: a storage.reflog.RefLogWriter that records what save() stores (None: not recorded)."""
         return cls(engine, source=writer.source, name=writer.name, streams=writer.streams, writer=writer,
                    progress=progress, log=log)
 
     @classmethod
-    def of(cls, engine: Any, source: Any, manifest: Manifest, progress: Any = None) -> "EngineRegions":
+    def of(cls, engine: Any, source: Any, manifest: Manifest, progress: Progress | None = None) -> "EngineRegions":
         """Load from snapshot MANIFEST in SOURCE (a SnapshotStore or the memory tier)."""
         return cls(engine, source=source, name=manifest.name, streams=manifest.streams, progress=progress)
 

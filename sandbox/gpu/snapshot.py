@@ -18,6 +18,7 @@ from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
+from storage.progress import Progress
 from storage.store import SnapshotStore
 
 from sandbox.ops import journal
@@ -26,9 +27,9 @@ from sandbox.gpu import device_map as dmap
 from sandbox.gpu.driver import CheckpointDriver, CudaDriver, Features, ProcessState, probe
 from sandbox.gpu.processes import cuda_processes
 from sandbox.gpu.regions import EngineRegions
-from sandbox.gpu.state import GpuPath, Limits, backend_for, freeze, path_for, thaw
+from sandbox.gpu.state import GpuPath, Limits, Plan, freeze, plan, thaw
 from sandbox.ops.journal import OpKind, Stage
-from sandbox.ops.snapshot_meta import GpuMeta
+from sandbox.ops.snapshot_meta import GpuInfo, GpuMeta
 
 
 from storage.errors import GpusnapError
@@ -65,7 +66,7 @@ def cuda_pids_of(root: int, drv: CheckpointDriver) -> list[int]:
 
 def gpu_checkpoint(store: SnapshotStore, root_pid: int, name: str, *, driver: CudaDriver | None = None,
                    lock_timeout_s: float = 10.0, thp_mode: str | None = "always", replace: bool = False,
-                   progress: Any = None, features: Features | None = None, device: Any = None,
+                   progress: Progress | None = None, features: Features | None = None, device: Any = None,
                    tags: Sequence[str] = (),
                    pids: list[int] | None = None) -> GpuReport:
     """Swap out the GPU state of ROOT_PID's CUDA processes into snapshot NAME.
@@ -77,38 +78,24 @@ def gpu_checkpoint(store: SnapshotStore, root_pid: int, name: str, *, driver: Cu
     """
     drv = driver or CudaDriver()
     feats = features or probe(drv)
-    path = path_for(feats)
+    gp = plan(features=feats, thp_mode=thp_mode)
+    path = gp.path
     pids = list(pids) if pids else cuda_pids_of(root_pid, drv)
     busy = {p: drv.get_state(p) for p in pids}
     busy = {p: s for p, s in busy.items() if s != ProcessState.RUNNING}
     if busy:  # a snapshot of an already checkpointed process would not hold its GPU memory
         raise GpuSnapshotError("; ".join(f"pid {p} is {s.name}, not RUNNING" for p, s in busy.items()))
     gpus = [{"index": g.index, "uuid": g.uuid, "name": g.name} for g in feats.gpus]
-    meta: dict[str, Any] = {"kind": "gpu", "gpu_path": path.value, "root_pid": root_pid, "pids": pids,
-                            "gpus": gpus, "driver": feats.driver_version}
-    usage = _recorded_usage(drv, pids, gpus)
-    if usage:  # what a --device-map restore checks against the target GPUs' free memory
-        meta["gpu_bytes"] = usage
+    usage = _recorded_usage(drv, pids, gpus)  # what a --device-map restore checks against free memory
     with journal.operation(store.path, OpKind.GPU_CHECKPOINT, name, pids=pids, cuda_pids=tuple(pids),
-                           gpu_path=path.value) as op, \
-            store.writer(name, replace=replace, meta=meta, tags=tuple(tags)) as w, _engine(path, device) as eng, \
-            (op.ref_log(w.sync_chunks) if eng is not None else nullcontext()) as log:
-        meta["op"] = op.id  # how recovery tells this commit from an older snapshot of the same name
-        regions = EngineRegions.into(eng, w, progress, log=log) if eng is not None else None
-        backend = backend_for(path, regions=regions, spill=regions.spill() if regions else None, thp_mode=thp_mode)
-        op.advance(Stage.GPU_FROZEN)
-        try:
-            with freeze(drv, pids, backend, Limits(lock_timeout_s=lock_timeout_s)) as rep:
-                if path == GpuPath.HOST_STAGED:
-                    w.meta["held_by"] = "process host memory (driver host copy)"
-                journal.pause("before-commit")
-                op.advance(Stage.COMMITTING)
-                w.commit()
-                op.advance(Stage.COMMITTED)
-        except BaseException:
-            # the undo (freeze's) failed to give some process its memory back: recovery must try again
-            op.keep = not _all_running(drv, pids)
-            raise
+                           gpu_path=path.value) as op:
+        # op and op_mac: how recovery tells this operation's commit from any other manifest of the name
+        meta = GpuMeta(path, root_pid, tuple(pids), tuple(GpuInfo(g.index, g.uuid, g.name) for g in feats.gpus),
+                       feats.driver_version, {int(p): u for p, u in usage.items()},
+                       extra={"op": op.id, "op_mac": op.commit_mac(pids)}).to_json()
+        with store.writer(name, replace=replace, meta=meta, tags=tuple(tags)) as w, _engine(path, device) as eng, \
+                (op.ref_log(w.sync_chunks) if eng is not None else nullcontext()) as log:
+            rep = _checkpoint_in(op, w, eng, log, drv, pids, gp, lock_timeout_s, progress)
     return GpuReport(name, path.value, pids, dict(rep.seconds), w.stats.raw_bytes, w.stats.bytes_new)
 
 
@@ -117,6 +104,27 @@ def _recorded_usage(drv: CheckpointDriver, pids: list[int], gpus: list[dict[str,
     known = {g["uuid"] for g in gpus}
     return {str(p): {u: n for u, n in per.items() if u in known}
             for p, per in dmap.usage_of(drv, pids).items() if any(u in known for u in per)}
+
+
+def _checkpoint_in(op: journal.Op, w: Any, eng: Any, log: Any, drv: CheckpointDriver, pids: list[int],
+                   gp: Plan, lock_timeout_s: float, progress: Progress | None) -> Any:
+    """Freeze, stream (custom storage) and commit inside the operation's record and writer."""
+    regions = EngineRegions.into(eng, w, progress, log=log) if eng is not None else None
+    backend = gp.backend(regions)
+    op.advance(Stage.GPU_FROZEN)
+    try:
+        with freeze(drv, pids, backend, Limits(lock_timeout_s=lock_timeout_s)) as rep:
+            if gp.path == GpuPath.HOST_STAGED:
+                w.meta["held_by"] = "process host memory (driver host copy)"
+            journal.pause("before-commit")
+            op.advance(Stage.COMMITTING)
+            w.commit()
+            op.advance(Stage.COMMITTED)
+    except BaseException:
+        # the undo (freeze's) failed to give some process its memory back: recovery must try again
+        op.keep = not _all_running(drv, pids)
+        raise
+    return rep
 
 
 def _all_running(drv: CheckpointDriver, pids: list[int]) -> bool:
@@ -148,7 +156,7 @@ def parse_device_map(items: list[str], snapshot_gpus: list[dict[str, Any]], here
 
 
 def gpu_restore(store: SnapshotStore, name: str, root_pid: int, *, device_map: list[str] | None = None,
-                driver: CudaDriver | None = None, thp_mode: str | None = "always", progress: Any = None,
+                driver: CudaDriver | None = None, thp_mode: str | None = "always", progress: Progress | None = None,
                 features: Features | None = None, device: Any = None, from_remote: str | None = None,
                 jobs: int | None = None) -> GpuReport:
     """Swap the GPU state of snapshot NAME back into its processes and unlock them (those already
@@ -173,7 +181,8 @@ def gpu_restore(store: SnapshotStore, name: str, root_pid: int, *, device_map: l
         gpu_map: dict[str, str] = {}
         if device_map:  # checked before anything is pulled or restored: a bad map changes nothing
             gpu_map = dmap.plan(device_map, meta.gpus_json, dmap.gpus_here(drv, feats), meta.gpu_bytes).gpu_map
-        path = meta.gpu_path
+        gp = plan(recorded=meta.gpu_path, thp_mode=thp_mode)
+        path = gp.path
         source: Any = store
         if fill is not None:
             from storage.remote_fill import ArrivingSource
@@ -182,8 +191,8 @@ def gpu_restore(store: SnapshotStore, name: str, root_pid: int, *, device_map: l
             fill.start()
         with _engine(path, device) as eng:
             regions = EngineRegions.of(eng, source, m, progress) if eng is not None else None
-            rep = thaw(dmap.for_restore(drv, gpu_map, meta.gpu_bytes), pids,
-                       backend_for(path, regions=regions, thp_mode=thp_mode), gpu_map=gpu_map or None)
+            rep = thaw(dmap.for_restore(drv, gpu_map, meta.gpu_bytes), pids, gp.backend(regions),
+                       gpu_map=gpu_map or None)
         seconds = dict(rep.seconds)
         if fill is not None:  # the processes run; the local copy is committed once every chunk is in
             fill.finish()

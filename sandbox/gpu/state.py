@@ -2,9 +2,10 @@
 
 Every caller (the `gpu`, `criu` and `runsc` flows, the pool daemon, the CRIU action script, the
 in-sandbox agent, crash recovery) goes through this module; none calls the driver's checkpoint
-sequence itself. Its shape is CRIU's cuda plugin's: one table of operations (Backend: checkpoint
-locked processes, restore checkpointed ones) and a backend per mechanism, chosen once from the driver
-probe (for a restore: from what the snapshot says made it):
+sequence itself, and none picks a mechanism: plan() chooses, from the driver probe (for a restore:
+from what the snapshot says made it) and whether the bytes have somewhere to go, and the Plan wires
+the backend to where they go. Its shape is CRIU's cuda plugin's: one table of operations (Backend:
+checkpoint locked processes, restore checkpointed ones) and a backend per mechanism:
 
   host-staged     the driver copies GPU memory into each process's own host memory (parallel, THP
                   `always` for the duration of the copies, set once per operation)
@@ -29,7 +30,7 @@ from __future__ import annotations
 import enum
 import time
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from typing import Iterator, Protocol
 
@@ -192,12 +193,58 @@ def _check_in(drv: CheckpointDriver, pid: int) -> None:
 
 def backend_for(path: GpuPath, *, regions: RegionStore | None = None, spill: RegionSpill | None = None,
                 thp_mode: str | None = "always") -> Backend:
-    """The backend of PATH (custom storage needs where the bytes go: REGIONS, and a SPILL to checkpoint)."""
+    """The backend of PATH (custom storage needs where the bytes go: REGIONS, and a SPILL to checkpoint;
+    by default the region store's own, where it has one)."""
     if path == GpuPath.HOST_STAGED:
         return HostStaged(thp_mode)
     if regions is None:
         raise GpuStateError("the custom-storage path needs a place for the GPU memory (a snapshot or a pool)")
+    if spill is None and callable(getattr(regions, "spill", None)):
+        spill = regions.spill()  # type: ignore[attr-defined]
     return CustomStorage(regions, spill)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How one operation's GPU memory moves: the path chosen, and THP for the host-staged copies."""
+
+    path: GpuPath
+    thp_mode: str | None = "always"
+
+    @property
+    def streams(self) -> bool:
+        """The bytes go through a RegionStore (custom storage): the caller provides one to backend()."""
+        return self.path == GpuPath.CUSTOM_STORAGE
+
+    def backend(self, regions: RegionStore | None = None, spill: RegionSpill | None = None) -> Backend:
+        """The backend of this plan, its bytes going to (and coming from) REGIONS where it streams."""
+        return backend_for(self.path, regions=regions if self.streams else None, spill=spill, thp_mode=self.thp_mode)
+
+
+def plan(*, features: Features | None = None, recorded: GpuPath | str | None = None, streams: bool = True,
+         thp_mode: str | None = "always") -> Plan:
+    """The one choice of a GPU path. A restore goes back the way its memory left (RECORDED, from the
+    snapshot); a checkpoint takes what the probed driver offers (FEATURES: custom storage where it can,
+    refused without the checkpoint API); host-staged when neither is known. Custom storage only where
+    its bytes have somewhere to go (STREAMS: a snapshot writer, the memory tier, the agent's channel);
+    otherwise the driver's host copy. THP_MODE: THP during host-staged copies (None: leave it alone,
+    as inside gVisor)."""
+    if recorded is not None:
+        path = GpuPath(recorded)
+    elif features is not None:
+        path = path_for(features)
+    else:
+        path = GpuPath.HOST_STAGED
+    if path == GpuPath.CUSTOM_STORAGE and not streams:
+        path = GpuPath.HOST_STAGED
+    return Plan(path, thp_mode)
+
+
+def restore_huge_pages(mode: str | None = "always") -> AbstractContextManager[object]:
+    """THP MODE (None: unchanged) for a restore that faults a whole memory image in: CRIU's restore
+    (about 1.4x faster with huge pages) and the host-staged copies. The one place a restore sets THP;
+    sandbox.host.hugepages does the switching and puts it back (also after a crash, via recover)."""
+    return thp(mode)
 
 
 @dataclass(frozen=True)
@@ -340,5 +387,5 @@ def resume(driver: CheckpointDriver, pids: list[int]) -> ResumeReport:
 
 
 __all__ = ["Backend", "CustomStorage", "FreezeReport", "GpuCheckpointError", "GpuPath", "GpuStateError",
-           "HostStaged", "Limits", "RegionStore", "ResumeReport", "ThawReport", "backend_for", "checkpoint",
-           "freeze", "path_for", "resume", "thaw"]
+           "HostStaged", "Limits", "Plan", "RegionStore", "ResumeReport", "ThawReport", "backend_for", "checkpoint",
+           "freeze", "path_for", "plan", "restore_huge_pages", "resume", "thaw"]

@@ -4,14 +4,42 @@ Guarantees kept here: a helper never receives the signals meant for gpusnap's te
 session), and a timeout or any exception while it runs (a signal turned into one) SIGKILLs its whole
 process group and reaps it before the exception propagates, so no child of it is left running.
 Processes that leave the group themselves (runsc's sandbox calls setsid) are the caller's to find.
+Each helper is told, as it starts, to whoever records helpers (recording_helpers: the operation
+journal), so that a later `gpusnap recover` finds it by its recorded pid and process group, never by
+its command line.
 """
 from __future__ import annotations
 
 import os
 import signal
 import subprocess
+import threading
 import time
-from typing import Any, Sequence
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Sequence
+
+_recorders: list[Callable[[int], None]] = []
+_recorders_lock = threading.Lock()
+
+
+@contextmanager
+def recording_helpers(record: Callable[[int], None]) -> Iterator[None]:
+    """RECORD(pid) for every helper run_group starts meanwhile (from any thread), right after it
+    started and before it is waited for."""
+    with _recorders_lock:
+        _recorders.append(record)
+    try:
+        yield
+    finally:
+        with _recorders_lock:
+            _recorders.remove(record)
+
+
+def _started(pid: int) -> None:
+    with _recorders_lock:
+        recorders = list(_recorders)
+    for record in recorders:
+        record(pid)
 
 
 def run_group(argv: Sequence[str], timeout: float, *, stdout: Any = subprocess.PIPE, stderr: Any = subprocess.PIPE,
@@ -24,6 +52,7 @@ def run_group(argv: Sequence[str], timeout: float, *, stdout: Any = subprocess.P
     p = subprocess.Popen(list(argv), stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr, text=True,
                          start_new_session=True, **kw)
     try:
+        _started(p.pid)
         out, err = p.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         end_group(p)

@@ -13,6 +13,11 @@ Guarantees kept here:
   log goes after it (a log without a record names nothing gc keeps, and recover removes it);
 - processes are named by pid AND start time (Proc), so a pid reused by an unrelated process is
   never taken for the owner or the workload, and is never signalled;
+- every record carries an HMAC under the journal's key (sandbox.ops.trust) over all it says, its
+  owner (pid and start time) included; a record read without a valid one is marked untrusted
+  (OpRecord.untrusted) and recovery signals nothing it names;
+- the helpers an operation starts (CRIU, runsc: sandbox.host.procgroup) are recorded by pid, start
+  time and process group as they start, never looked up by command line;
 - the test hook (pause, env GPUSNAP_TEST_PAUSE=STAGE:FILE) does nothing unless that variable names
   the stage reached, and pauses at most once per process.
 """
@@ -27,10 +32,13 @@ import threading
 import time
 import uuid
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, replace
-from typing import Any, Iterator
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Iterator, Sequence
 
 from storage.errors import EXIT_RECOVER, GpusnapError
+
+from sandbox.host import procgroup
+from sandbox.ops.trust import JournalKey
 
 PAUSE_ENV = "GPUSNAP_TEST_PAUSE"
 _OP_RE = re.compile(r"[0-9a-f]{32}")
@@ -60,6 +68,7 @@ class Stage(str, enum.Enum):
     STARTED = "started"          # staging named, nothing changed yet
     GPU_FROZEN = "gpu-frozen"    # the CUDA processes are being (or were) locked and checkpointed
     DUMPING = "dumping"          # CRIU / runsc checkpoint (or restore) runs
+    FILLING = "filling"          # restore: CRIU is done, the tree (procs) stopped while gpusnap writes its large runs
     DUMPED = "dumped"            # images complete in staging; the tree is stopped (not killed)
     COMMITTING = "committing"    # the manifest is being written
     COMMITTED = "committed"      # the snapshot exists; what is left is the kill the user asked for
@@ -143,15 +152,23 @@ class OpRecord:
     leave_running: bool = False
     runsc: dict[str, Any] | None = None     # container, runsc_args, bundle, net (runsc kinds)
     started: float = 0.0
+    helpers: tuple[Proc, ...] = ()           # CRIU / runsc processes it started, each leading its group
+    untrusted: str | None = field(default=None, compare=False)  # why this record is not one we wrote (read side)
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
+        d.pop("untrusted")
         d["kind"], d["stage"] = self.kind.value, self.stage.value
         return d
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "OpRecord":
+    def from_dict(cls, d: dict[str, Any], key: JournalKey | None = None) -> "OpRecord":
+        """The record D, checked against its MAC under KEY (untrusted when it has none or a wrong one)."""
         try:
+            if not isinstance(d, dict):
+                raise TypeError("not an object")
+            d = dict(d)
+            mac = d.pop("mac", None)
             if not _OP_RE.fullmatch(d["op"]):
                 raise ValueError("bad op id")
             staging = d.get("staging")
@@ -162,8 +179,11 @@ class OpRecord:
                        staging=staging, procs=tuple(Proc(int(p["pid"]), int(p["start"])) for p in d.get("procs", ())),
                        cuda_pids=tuple(int(p) for p in d.get("cuda_pids", ())), gpu_path=d.get("gpu_path"),
                        leave_running=bool(d.get("leave_running")), runsc=d.get("runsc"),
-                       started=float(d.get("started", 0.0)))
-        except (KeyError, TypeError, ValueError) as e:
+                       started=float(d.get("started", 0.0)),
+                       helpers=tuple(Proc(int(p["pid"]), int(p["start"])) for p in d.get("helpers", ())),
+                       untrusted=None if key is not None and key.check("journal-record", d, mac) else
+                       "it carries no valid MAC under this journal's key: gpusnap did not write it")
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise JournalError(f"unreadable journal record: {e}") from None
 
     def describe(self) -> str:
@@ -183,6 +203,14 @@ class Journal:
 
     def __init__(self, store_path: str) -> None:
         self.dir = os.path.join(store_path, "journal")
+        self._key: JournalKey | None = None
+
+    @property
+    def key(self) -> JournalKey:
+        """This journal's HMAC key (created on first use)."""
+        if self._key is None:
+            self._key = JournalKey.of(self.dir)
+        return self._key
 
     def _path(self, op: str) -> str:
         return os.path.join(self.dir, f"{op}.json")
@@ -191,7 +219,9 @@ class Journal:
         """REC on disk, atomically and durably, before the caller goes on."""
         os.makedirs(self.dir, mode=0o700, exist_ok=True)
         tmp = os.path.join(self.dir, f".{rec.op}.{os.getpid()}.tmp")
-        data = json.dumps(rec.as_dict(), sort_keys=True).encode()
+        d = rec.as_dict()
+        d["mac"] = self.key.mac("journal-record", d)
+        data = json.dumps(d, sort_keys=True).encode()
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
             try:
@@ -235,10 +265,18 @@ class Journal:
                 fd = os.open(os.path.join(self.dir, n), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
                 with os.fdopen(fd, "rb") as f:
                     d = json.loads(f.read(1 << 20))
-            except (OSError, ValueError) as e:
+            except (OSError, ValueError, RecursionError) as e:
                 raise JournalError(f"{os.path.join(self.dir, n)}: unreadable journal record: {e}") from None
-            out.append(OpRecord.from_dict(d))
+            out.append(OpRecord.from_dict(d, self.key))
         return out
+
+    def set_aside(self, op: str) -> str:
+        """Move OP's record out of the way (journal/rejected-OP.json), so that it blocks nothing and is kept
+        for whoever investigates; its path."""
+        dst = os.path.join(self.dir, f"rejected-{op}.json")
+        os.rename(self._path(op), dst)
+        _fsync_dir(self.dir)
+        return dst
 
     def unfinished(self) -> list[OpRecord]:
         """Records whose owner died: interrupted operations `gpusnap recover` must finish or undo."""
@@ -289,6 +327,19 @@ class Op:
         from storage import reflog
         return reflog.RefLogWriter(self.journal.dir, self.id, durable)
 
+    def helper_started(self, pid: int) -> None:
+        """Record a helper (CRIU, runsc) this operation just started (sandbox.host.procgroup calls it)."""
+        p = Proc.of(pid)
+        if p is not None:
+            with self._lock:
+                self.rec = replace(self.rec, helpers=(*self.rec.helpers, p))
+                self.journal.write(self.rec)
+
+    def commit_mac(self, pids: Sequence[int]) -> str:
+        """What a snapshot this operation commits carries as meta.op_mac: proof that this operation,
+        and not whoever else wrote a manifest, committed it with these pids (sandbox.ops.trust)."""
+        return commit_mac(self.journal.key, self.id, self.rec.snapshot, pids)
+
     def advance(self, stage: Stage | None = None, **changes: Any) -> None:
         """Record the next stage (and any changed fields) before doing it."""
         with self._lock:
@@ -299,7 +350,7 @@ class Op:
 
 
 @contextmanager
-def operation(store_path: str, kind: OpKind, snapshot: str, *, pids: list[int] = (), **fields: Any) -> Iterator[Op]:
+def operation(store_path: str, kind: OpKind, snapshot: str, *, pids: Sequence[int] = (), **fields: Any) -> Iterator[Op]:
     """Record an operation for the block; the record goes when the block ends (finished or undone),
     unless the undo failed (op.keep), when it stays for `gpusnap recover`."""
     require_clean(store_path)
@@ -310,12 +361,26 @@ def operation(store_path: str, kind: OpKind, snapshot: str, *, pids: list[int] =
                                           started=time.time(), **fields))
     op.journal.write(op.rec)
     try:
-        yield op
+        with procgroup.recording_helpers(op.helper_started):
+            yield op
     except BaseException:
         if not op.keep:
             op.journal.remove(op.id)
         raise
     op.journal.remove(op.id)
+
+
+def commit_mac(key: JournalKey, op: str, snapshot: str, pids: Sequence[int]) -> str:
+    return key.mac("commit", {"op": op, "snapshot": snapshot, "pids": sorted(int(p) for p in pids)})
+
+
+def committed_by(key: JournalKey, rec: OpRecord, meta: dict[str, Any]) -> bool:
+    """A snapshot's META says operation REC committed it: its op id and the MAC over the op id, the
+    snapshot name and the pids it names (the ones a committed dump then kills) check out."""
+    pids = meta.get("pids", [])
+    if meta.get("op") != rec.op or not isinstance(pids, list) or not all(isinstance(p, int) for p in pids):
+        return False
+    return key.check("commit", {"op": rec.op, "snapshot": rec.snapshot, "pids": sorted(pids)}, meta.get("op_mac"))
 
 
 _paused: set[str] = set()
@@ -353,34 +418,18 @@ def pause_script(images_dir: str) -> str | None:
     return script
 
 
-def signal_group_of(pattern: str, sig: int = signal.SIGKILL) -> list[int]:
-    """Processes whose command line contains PATTERN (a unique staging path): the helpers (CRIU,
-    runsc) an operation started. Sends SIG to the process group of each that leads its own (as
-    gpusnap starts them), else to the process alone; returns their pids."""
-    found = helpers_of(pattern)
-    for pid in found:
-        try:
-            if os.getpgid(pid) == pid:
-                os.killpg(pid, sig)
-            else:
-                os.kill(pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
-    return found
-
-
-def helpers_of(pattern: str) -> list[int]:
-    """Pids (not ours) whose command line contains PATTERN."""
+def signal_helpers(helpers: Sequence[Proc], sig: int = signal.SIGKILL) -> list[int]:
+    """SIG to the process group of each recorded helper that is still the one started and still
+    leads its own group (as run_group starts them); the pids signalled."""
     out = []
-    me = os.getpid()
-    for n in os.listdir("/proc"):
-        if not n.isdigit() or int(n) == me:
+    for h in helpers:
+        if not h.alive():
             continue
         try:
-            with open(f"/proc/{n}/cmdline", "rb") as f:
-                if pattern.encode() in f.read():
-                    out.append(int(n))
-        except OSError:
+            if os.getpgid(h.pid) == h.pid and start_time(h.pid) == h.start:
+                os.killpg(h.pid, sig)
+                out.append(h.pid)
+        except (ProcessLookupError, PermissionError):
             pass
     return out
 
@@ -394,6 +443,11 @@ def wait_gone(pids: list[int], timeout: float) -> list[int]:
         if not left or time.monotonic() >= deadline:
             return left
         time.sleep(0.05)
+
+
+def state_of(pid: int) -> str:
+    """PID's state letter (R, S, T, Z, ...), "gone" if there is no such process."""
+    return _state(pid)
 
 
 def _state(pid: int) -> str:

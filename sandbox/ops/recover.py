@@ -1,14 +1,18 @@
 """`gpusnap recover`: finish or undo every operation whose gpusnap process died, as its journal says.
 
-For each journal record whose owner is gone (sandbox.ops.journal), in this order: wait for the helper it
-left running (CRIU or runsc still finishing; killed as a group after a grace period); then
-- criu-dump: snapshot committed by this operation -> the stopped tree is killed, as the user asked
-  (unless --leave-running); otherwise the tree is resumed (SIGCONT) and its GPU state restored and
-  unlocked (sandbox.gpu.state.resume);
+For each journal record whose owner is gone (sandbox.ops.journal), in this order: check that gpusnap
+wrote it (its MAC under the journal's key, sandbox.ops.trust; a record that fails is set aside,
+nothing it names is signalled, and the report is not ok); wait for the helpers it recorded as they
+started (CRIU or runsc still finishing; killed as a group after a grace period); then the undo of its
+kind (sandbox.ops.operations: the same undo the operation runs itself when it fails):
+- criu-dump: snapshot committed by this operation (its manifest names the operation and carries the
+  commit MAC) -> the stopped tree is killed, as the user asked (unless --leave-running); otherwise the
+  tree is resumed (SIGCONT) and its GPU state restored and unlocked;
+- criu-restore: a tree restored stopped for the split fill and not yet filled is killed (it never ran;
+  the snapshot restores again); otherwise GPU state of restored processes resumed;
 - runsc-checkpoint: snapshot committed (without --leave-running) -> the sandbox stays stopped, as
-  asked; otherwise a sandbox the checkpoint stopped is restarted from the staged checkpoint;
-- criu-restore: GPU state of restored processes resumed; runsc-restore: a sandbox that did not come
-  up is removed whole;
+  asked; otherwise a sandbox the checkpoint stopped is restarted from the staged checkpoint
+  (sandbox.runsc.operations); runsc-restore: a sandbox that did not come up is removed whole;
 - gpu-checkpoint: snapshot committed -> the processes stay CHECKPOINTED, as asked; otherwise their
   GPU state is resumed;
 and always the staging directory and the dead owner's temporary store files are removed and the
@@ -22,8 +26,9 @@ incomplete, or that the driver still holds mid-operation, cannot get its memory 
 each lost region and the state the process stays in (Recovered.lost, and `ok` is false), and takes
 that as the final outcome: the record goes, and its chunks are gc's to reclaim.
 
-Guarantees kept here: only processes named in a record with the same pid AND start time are
-signalled; only the staging directory named after the record's operation is removed; a record whose
+Guarantees kept here: only processes named in a record gpusnap wrote (valid MAC) with the same pid
+AND start time are signalled, helpers only through the process group they were recorded leading (never
+found by command line); only the staging directory named after the record's operation is removed; a record whose
 recovery failed stays (the next `gpusnap recover` tries again) and the failure is reported.
 """
 from __future__ import annotations
@@ -40,24 +45,8 @@ from storage.store import SnapshotStore
 
 from sandbox.ops import journal
 from sandbox.host import hugepages
-from sandbox.ops.journal import Journal, OpKind, OpRecord, Stage
-
-
-@dataclass
-class Recovered:
-    """What recovery did for one interrupted operation."""
-
-    op: str
-    kind: str
-    snapshot: str
-    stage: str
-    actions: list[str] = field(default_factory=list)
-    error: str | None = None     # recovery failed; the record stays for another try
-    lost: list[str] = field(default_factory=list)   # what no recovery can give back (final)
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"op": self.op, "kind": self.kind, "snapshot": self.snapshot, "stage": self.stage,
-                "actions": self.actions, "error": self.error, "lost": self.lost}
+from sandbox.ops.journal import Journal, OpRecord
+from sandbox.ops.operations import GpuAccess, Recovered, Undo, real_driver, operation_for
 
 
 @dataclass
@@ -76,21 +65,7 @@ class RecoverReport:
 DriverFactory = Callable[[], Any]
 
 
-def _real_driver() -> Any:
-    from sandbox.gpu.driver import CudaDriver
-    return CudaDriver()
-
-
-@dataclass(frozen=True)
-class GpuAccess:
-    """How recovery reaches the GPU: the CheckpointDriver, and the engine's device (storage.device.Device
-    or a GPU index) for a custom-storage restore; both made only when a record needs them."""
-
-    driver: DriverFactory = _real_driver
-    device: Callable[[], Any] = lambda: 0
-
-
-def recover(store: SnapshotStore, *, gpu_driver: DriverFactory = _real_driver, gpu_device: Callable[[], Any] = lambda: 0,
+def recover(store: SnapshotStore, *, gpu_driver: DriverFactory = real_driver, gpu_device: Callable[[], Any] = lambda: 0,
             helper_wait_s: float = 600.0, thp_record_dir: str = hugepages.RECORD_DIR) -> RecoverReport:
     """Finish or undo every interrupted operation in STORE's journal; put THP back. GPU_DRIVER makes the
     CheckpointDriver when a record names CUDA processes, GPU_DEVICE the engine's device for a
@@ -98,7 +73,7 @@ def recover(store: SnapshotStore, *, gpu_driver: DriverFactory = _real_driver, g
     j = Journal(store.path)
     report = RecoverReport()
     with _recover_lock(j):
-        _recover_all(store, j, report, GpuAccess(gpu_driver, gpu_device), helper_wait_s)
+        _recover_all(store, j, report, GpuAccess(driver=gpu_driver, device=gpu_device), helper_wait_s)
     report.thp_put_back = [{"path": r.path, "value": r.before} for r in hugepages.put_back(thp_record_dir)]
     return report
 
@@ -118,11 +93,14 @@ def _recover_lock(j: Journal) -> Iterator[None]:
 def _recover_all(store: SnapshotStore, j: Journal, report: RecoverReport, gpu: GpuAccess,
                  helper_wait_s: float) -> None:
     for rec in j.unfinished():
-        done = Recovered(rec.op, rec.kind.value, rec.snapshot, rec.stage.value)
+        done = Recovered.of(rec)
         report.operations.append(done)
+        if rec.untrusted is not None:
+            _refuse(j, rec, done)
+            continue
         try:
             _wait_for_helpers(rec, helper_wait_s, done)
-            _RECOVER[rec.kind](store, rec, gpu, done)
+            operation_for(rec, Undo(store, gpu)).undo(done)
             _remove_staging(rec, done)
             _remove_owner_temps(store, rec, done)
             j.remove(rec.op)
@@ -132,204 +110,31 @@ def _recover_all(store: SnapshotStore, j: Journal, report: RecoverReport, gpu: G
         os.unlink(tmp)
 
 
+def _refuse(j: Journal, rec: OpRecord, done: Recovered) -> None:
+    """A record gpusnap did not write (no valid MAC): nothing it names is signalled or removed; it is
+    set aside so that it blocks no other command, and the report says so (not ok)."""
+    try:
+        where = j.set_aside(rec.op)
+    except OSError as e:
+        where = f"left in place ({e.strerror or e})"
+    done.error = (f"journal record {rec.op} is not one gpusnap wrote ({rec.untrusted}): nothing it names was "
+                  f"signalled or removed; the record was set aside as {where}")
+
+
 def _wait_for_helpers(rec: OpRecord, wait_s: float, done: Recovered) -> None:
-    """CRIU or runsc started by the dead owner (their command lines name its staging directory) end
-    first: their end decides the state of the workload. Killed as a group after WAIT_S."""
-    if not rec.staging:
-        return
-    helpers = journal.helpers_of(rec.staging)
+    """CRIU or runsc started by the dead owner (recorded with pid, start time and process group as they
+    started) end first: their end decides the state of the workload. Killed as a group after WAIT_S."""
+    helpers = [h for h in rec.helpers if h.alive()]
     if not helpers:
         return
-    left = journal.wait_gone(helpers, wait_s)
+    pids = [h.pid for h in helpers]
+    left = journal.wait_gone(pids, wait_s)
     if left:
-        journal.signal_group_of(rec.staging, signal.SIGKILL)
+        killed = journal.signal_helpers([h for h in helpers if h.pid in left], signal.SIGKILL)
         journal.wait_gone(left, 10)
-        done.actions.append(f"killed helper process(es) {left} still running after {wait_s:g} s")
+        done.actions.append(f"killed helper process(es) {killed} still running after {wait_s:g} s")
     else:
-        done.actions.append(f"waited for helper process(es) {helpers} to finish")
-
-
-def _committed(store: SnapshotStore, rec: OpRecord) -> bool:
-    """The snapshot this operation wrote exists (its manifest carries the operation's id)."""
-    if not rec.stage.at_least(Stage.COMMITTING):
-        return False
-    try:
-        return store.exists(rec.snapshot) and store.load(rec.snapshot).meta.get("op") == rec.op
-    except Exception:  # noqa: BLE001 - unreadable: not ours to trust
-        return False
-
-
-def _resume_gpu(store: SnapshotStore, rec: OpRecord, gpu: GpuAccess, done: Recovered) -> None:
-    if not rec.cuda_pids:
-        return
-    from sandbox.gpu import state
-    if rec.gpu_path == "custom-storage":
-        _resume_custom(store, rec, gpu, done)
-        return
-    r = state.resume(gpu.driver(), list(rec.cuda_pids))
-    done.actions.append(f"GPU state resumed (restored {r.restored}, unlocked {r.unlocked}, running {r.running}, "
-                        f"gone {r.gone})")
-
-
-def _custom_streams(store: SnapshotStore, rec: OpRecord) -> Callable[[int], tuple[list[Any], str | None]]:
-    """pid -> (its gpu/ streams, None) where they are complete, else ([], what is missing): from the
-    snapshot a restore reads or this operation committed, else from the operation's reference log."""
-    if rec.kind == OpKind.CRIU_RESTORE or _committed(store, rec):
-        m = store.load(rec.snapshot)
-
-        def from_snapshot(pid: int) -> tuple[list[Any], str | None]:
-            mine = [s for s in m.streams if s.name.startswith(f"gpu/{pid}/")]
-            return (mine, None) if mine else ([], f"snapshot {rec.snapshot!r} has no GPU stream of it")
-        return from_snapshot
-    log = Journal(store.path).ref_log(rec.op)
-
-    def from_log(pid: int) -> tuple[list[Any], str | None]:
-        if log is None:
-            return [], "the operation recorded no chunk of its GPU streams"
-        why = log.group_problem(str(pid), f"gpu/{pid}/")
-        return ([], why) if why else (log.streams([str(pid)]), None)
-    return from_log
-
-
-def _resume_custom(store: SnapshotStore, rec: OpRecord, gpu: GpuAccess, done: Recovered) -> None:
-    """Processes whose GPU memory went through custom storage, back to RUNNING: a CHECKPOINTED one is
-    restored through the custom-storage restore from its recorded chunks (sandbox.gpu.state.thaw,
-    as `gpu restore` does), a LOCKED one unlocked; one that cannot be is named in done.lost."""
-    from contextlib import nullcontext
-    from sandbox.gpu import state
-    from sandbox.gpu.driver import ProcessState as S
-    from sandbox.gpu.regions import EngineRegions
-    drv = gpu.driver()
-    streams_of = _custom_streams(store, rec)
-    thawable: list[int] = []
-    streams: list[Any] = []
-    for p in rec.cuda_pids:
-        st = state._state(drv, p)
-        if st is None:
-            done.actions.append(f"pid {p} is gone (not a CUDA process any more)")
-        elif st in (S.RUNNING, S.LOCKED):
-            thawable.append(p)
-        elif st == S.CHECKPOINTED:
-            mine, why = streams_of(p)
-            if why is None:
-                thawable.append(p)
-                streams += mine
-            else:
-                done.lost.append(f"pid {p}: its GPU memory is lost ({why}); it stays CHECKPOINTED (locked, "
-                                 "without GPU memory: it cannot run again; end it)")
-        else:
-            done.lost.append(f"pid {p}: its GPU memory is lost (gpusnap died while the driver had it mapped "
-                             f"into gpusnap's process); the driver holds it {st.name}: it cannot run again; end it")
-    if not thawable:
-        return
-    # lanes large enough for the biggest chunk (the engine refuses chunks over its lane size)
-    chunk = (max([4096, *(max(c.raw_len, c.stored_len) for s in streams for c in s.chunks)]) + 4095) & ~4095
-    with (_engine(gpu, chunk) if streams else nullcontext()) as eng:
-        regions = EngineRegions(eng, source=store, name=rec.snapshot, streams=streams) if eng is not None else None
-        backend = (state.backend_for(state.GpuPath.CUSTOM_STORAGE, regions=regions) if regions is not None
-                   else state.HostStaged(None))  # nothing to restore: only unlocks
-        r = state.thaw(drv, thawable, backend)
-    if r.restored:
-        n = sum(len(s.chunks) for s in streams)
-        done.actions.append(f"GPU memory of {list(r.restored)} restored through custom storage from the {n} "
-                            "recorded chunk(s) and unlocked")
-    if r.unlocked:
-        done.actions.append(f"unlocked {list(r.unlocked)}")
-    if r.running:
-        done.actions.append(f"{list(r.running)} already running")
-
-
-def _engine(gpu: GpuAccess, chunk_size: int) -> Any:
-    from storage.gpu_engine import GpuEngine
-    return GpuEngine(gpu.device(), chunk_size=chunk_size, lanes=2)
-
-
-def _gpu_checkpoint(store: SnapshotStore, rec: OpRecord, gpu: GpuAccess, done: Recovered) -> None:
-    if _committed(store, rec):
-        done.actions.append(f"snapshot {rec.snapshot!r} was committed: its processes stay CHECKPOINTED, as asked "
-                            f"(`gpusnap gpu restore {rec.snapshot}` brings them back)")
-        return
-    if rec.stage.at_least(Stage.GPU_FROZEN):
-        _resume_gpu(store, rec, gpu, done)
-
-
-def _criu_dump(store: SnapshotStore, rec: OpRecord, gpu: GpuAccess, done: Recovered) -> None:
-    if _committed(store, rec):
-        if not rec.leave_running:
-            killed = [p.pid for p in journal.with_descendants(rec.procs) if p.signal(signal.SIGKILL)]
-            done.actions.append(f"snapshot {rec.snapshot!r} was committed: killed the dumped tree {killed}, as asked")
-        else:
-            done.actions.append(f"snapshot {rec.snapshot!r} was committed")
-            if rec.stage.at_least(Stage.GPU_FROZEN):
-                _resume_gpu(store, rec, gpu, done)
-        return
-    if rec.stage.at_least(Stage.DUMPING):
-        resumed = [p.pid for p in journal.with_descendants(rec.procs) if p.signal(signal.SIGCONT)]
-        done.actions.append(f"no snapshot was committed: resumed the tree {resumed}")
-    if rec.stage.at_least(Stage.GPU_FROZEN):
-        _resume_gpu(store, rec, gpu, done)
-
-
-def _criu_restore(store: SnapshotStore, rec: OpRecord, gpu: GpuAccess, done: Recovered) -> None:
-    if rec.stage.at_least(Stage.DUMPING) and rec.cuda_pids:
-        _resume_gpu(store, rec, gpu, done)
-
-
-def _runsc(store: SnapshotStore, rec: OpRecord) -> tuple[Any, dict[str, Any]]:
-    from sandbox.runsc.runner import Runsc
-    sb = rec.runsc or {}
-    if not isinstance(sb.get("container"), str) or not isinstance(sb.get("runsc_args"), list):
-        raise journal.JournalError("runsc record without container or runsc flags")
-    return Runsc([str(a) for a in sb["runsc_args"]], log_dir=os.path.join(store.path, "logs")), sb
-
-
-def _runsc_checkpoint(store: SnapshotStore, rec: OpRecord, gpu: GpuAccess, done: Recovered) -> None:
-    from sandbox.host import netns as nets
-    from sandbox.runsc.snapshot import _gpu_back, _restart
-    r, sb = _runsc(store, rec)
-    cid = sb["container"]
-    committed = _committed(store, rec)
-    st = r.state(cid)
-    images = os.path.join(rec.staging or "/nonexistent", "images")
-    if committed and not rec.leave_running:
-        done.actions.append(f"snapshot {rec.snapshot!r} was committed: sandbox {cid!r} stays stopped, as asked")
-        return
-    if st is not None and st.get("status") == "running":
-        done.actions.append(f"sandbox {cid!r} is running")
-    elif st is not None and os.path.isdir(images) and os.listdir(images):
-        net = nets.NetConfig.from_dict(sb["net"]) if sb.get("net") else None
-        _restart(r, cid, str(sb["bundle"]), images, net)
-        done.actions.append(f"restarted sandbox {cid!r} from the staged checkpoint")
-    else:
-        raise journal.JournalError(f"sandbox {cid!r} is {st.get('status') if st else 'gone'} and no staged "
-                                   "checkpoint is there to restart it from")
-    rep = sb.get("gpu_report")
-    if isinstance(rep, dict) and not committed:
-        _gpu_back(r, cid, rep, store, str(rec.snapshot))
-        done.actions.append(f"GPU state of sandbox {cid!r} restored by its agent")
-        gpu_snap = rep.get("snapshot")
-        if isinstance(gpu_snap, str) and store.exists(gpu_snap):
-            store.remove(gpu_snap)  # the GPU part of a checkpoint that did not commit
-            done.actions.append(f"removed the uncommitted checkpoint's GPU snapshot {gpu_snap!r}")
-
-
-def _runsc_restore(store: SnapshotStore, rec: OpRecord, gpu: GpuAccess, done: Recovered) -> None:
-    r, sb = _runsc(store, rec)
-    cid = sb["container"]
-    st = r.state(cid)
-    if st is not None and st.get("status") == "running" and rec.stage.at_least(Stage.DUMPING):
-        done.actions.append(f"sandbox {cid!r} was restored and runs")
-        return
-    if st is not None or r.sandbox_processes(cid):
-        killed = r.clean_up(cid, sb.get("bundle"))
-        done.actions.append(f"removed the half-restored sandbox {cid!r}" + (f" (killed {killed})" if killed else ""))
-
-
-_RECOVER: dict[OpKind, Callable[[SnapshotStore, OpRecord, GpuAccess, Recovered], None]] = {
-    OpKind.CRIU_DUMP: _criu_dump, OpKind.CRIU_RESTORE: _criu_restore,
-    OpKind.RUNSC_CHECKPOINT: _runsc_checkpoint, OpKind.RUNSC_RESTORE: _runsc_restore,
-    OpKind.GPU_CHECKPOINT: _gpu_checkpoint,
-}
+        done.actions.append(f"waited for helper process(es) {pids} to finish")
 
 
 def _remove_staging(rec: OpRecord, done: Recovered) -> None:

@@ -152,10 +152,10 @@ def check_runsc_args(args: Any, where: str = "runsc arguments") -> tuple[str, ..
     while i < len(args):
         m = _FLAG_RE.fullmatch(args[i])
         name = m.group(1) if m else None
-        if name not in RUNSC_FLAGS:
+        if m is None or name is None or name not in RUNSC_FLAGS:
             raise RunscFlagError(f"{where}: runsc flag {args[i]!r} is not one gpusnap records (allowed: "
                                  f"{', '.join(sorted(RUNSC_FLAGS))}); refusing to pass it to runsc")
-        value = m.group(2)  # type: ignore[union-attr]
+        value = m.group(2)
         if value is None and name not in _BOOL_FLAGS:
             if i + 1 >= len(args):
                 raise RunscFlagError(f"{where}: runsc flag {args[i]!r} has no value")

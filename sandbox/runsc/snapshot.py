@@ -19,8 +19,9 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, BinaryIO, Sequence, cast
 
+from storage.progress import Progress
 from storage import pipeline
 from storage.filetree import FileTreeSink, FileTreeSource
 from storage.store import SnapshotStore
@@ -35,6 +36,8 @@ from sandbox.runsc.oci_bundle import add_bind, add_gpus, bundle_netns, load_spec
 from sandbox.runsc import records
 from sandbox.runsc.records import Kind
 from sandbox.runsc.runner import Runsc, RunscError
+from sandbox.runsc.operations import SandboxRecord
+from sandbox.ops.operations import Recovered, Undo, operation_for, undone_on_failure
 from sandbox.ops.snapshot_meta import RunscMeta, check_runsc_args
 
 from storage.errors import GpusnapError
@@ -134,7 +137,9 @@ class _AgentExec:
         except OSError as e:
             self.err.close()
             raise RunscSnapshotError(f"cannot start the GPU agent in {cid!r}: {e.strerror}") from None
-        self.stdin, self.stdout = self.p.stdin, self.p.stdout
+        if self.p.stdin is None or self.p.stdout is None:  # exec_piped pipes both
+            raise RunscSnapshotError(f"cannot start the GPU agent in {cid!r}: no pipes")
+        self.stdin, self.stdout = cast(BinaryIO, self.p.stdin), cast(BinaryIO, self.p.stdout)
         self.watchdog = threading.Timer(AGENT_TIMEOUT_S, self.p.kill)
         self.watchdog.daemon = True
         self.watchdog.start()
@@ -186,7 +191,7 @@ def agent_checkpoint(r: Runsc, cid: str, store: SnapshotStore, gpu_name: str,
     """The agent's checkpoint in sandbox CID; GPU memory it streams out (custom storage) is committed
     as snapshot GPU_NAME, which the host names. Returns its validated report (+ "snapshot"). On any
     failure the processes whose memory already reached the host get it back, and none stays frozen."""
-    meta = {"kind": "gpu", "path": "custom-storage", "root_pid": None, "pids": [], "gpus": [],
+    meta: dict[str, Any] = {"kind": "gpu", "path": "custom-storage", "root_pid": None, "pids": [], "gpus": [],
             "driver": None}
     with _AgentExec(r, cid, ["checkpoint"]) as a, store.writer(gpu_name, replace=True, meta=meta) as w:
         frames = AgentFrames(a.stdout, "checkpoint", limits)
@@ -271,7 +276,8 @@ def run(cid: str, bundle: str, runsc_args: Sequence[str], output: str, net: nets
         try:
             r = Runsc([*runsc_args, *prepare_gpu(bundle, r, cid, gpus, driver_version=driver_version)])
         except BaseException:
-            _put_back(bundle, original, r, cid)
+            if original is not None:
+                _put_back(bundle, original, r, cid)
             raise
     if net is not None:
         try:
@@ -322,7 +328,7 @@ def _gpu_name(name: str) -> str:
 
 
 def checkpoint(store: SnapshotStore, cid: str, name: str, runsc_args: Sequence[str], *, leave_running: bool = False,
-               replace: bool = False, progress: Any = None, tags: Sequence[str] = ()) -> RunscReport:
+               replace: bool = False, progress: Progress | None = None, tags: Sequence[str] = ()) -> RunscReport:
     """Sandbox CID into snapshot NAME: the GPU agent first where it is a GPU sandbox (custom storage
     into snapshot NAME.gpu, or the driver's host copy that runsc then saves), then `runsc checkpoint`
     and the ingest. A failure at any step leaves the sandbox running with its GPU state back."""
@@ -340,25 +346,39 @@ def checkpoint(store: SnapshotStore, cid: str, name: str, runsc_args: Sequence[s
     if gpu and gpu.get("runsc_args"):
         r = Runsc([*runsc_args, *gpu["runsc_args"]], log_dir=r.log_dir)
     report = RunscReport(name, cid, address=net.address if net else None)
-    meta = {"kind": "runsc", "container": cid, "runsc_args": list(runsc_args), "bundle": bundle,
-            "net": net.as_dict() if net else None, "netns_path": bundle_netns(bundle), "gpu": None,
-            "output": (records.read(r.root, cid, Kind.RUN) or {}).get("output")}
-    sandbox = {"container": cid, "runsc_args": list(r.global_args), "bundle": bundle,
-               "net": net.as_dict() if net else None, "gpu_report": None}
+    sandbox = SandboxRecord(cid, tuple(r.global_args), bundle, net.as_dict() if net else None)
     with journal.operation(store.path, OpKind.RUNSC_CHECKPOINT, name, leave_running=leave_running,
-                           runsc=sandbox) as op, store.writer(name, replace=replace, meta=meta, tags=tuple(tags)) as w:
-        meta["op"] = op.id  # how recovery tells this commit from an older snapshot of the same name
-        stage = new_staging(store, 1 << 30, None, op)
-        images = os.path.join(stage, "images")
-        os.mkdir(images, 0o700)
-        gpu_rep: dict[str, Any] | None = None
-        try:
-            if gpu and gpu.get("agent"):
+                           runsc=sandbox.as_dict()) as op:
+        # op and op_mac: how recovery tells this operation's commit from any other manifest of the name
+        meta = {"kind": "runsc", "container": cid, "runsc_args": list(runsc_args), "bundle": bundle,
+                "net": net.as_dict() if net else None, "netns_path": bundle_netns(bundle),
+                "gpu": None, "output": (records.read(r.root, cid, Kind.RUN) or {}).get("output"),
+                "op": op.id, "op_mac": op.commit_mac([])}
+        with store.writer(name, replace=replace, meta=meta, tags=tuple(tags)) as w:
+            _checkpoint_in(op, w, r, cid, bundle, net, gpu, leave_running, report, store, name, progress)
+    report.raw_bytes, report.new_bytes, report.dedup_bytes = w.stats.raw_bytes, w.stats.bytes_new, w.stats.bytes_dedup
+    return report
+
+
+def _checkpoint_in(op: journal.Op, w: Any, r: Runsc, cid: str, bundle: str, net: nets.NetConfig | None,
+                   gpu: dict[str, Any] | None, leave_running: bool, report: RunscReport, store: SnapshotStore, name: str,
+                   progress: Progress | None) -> None:
+    """The checkpoint's stages inside its journal record and writer; on a failure, the operation's undo
+    (sandbox.runsc.operations.RunscCheckpoint) from the stage the record reached."""
+    stage = new_staging(store, 1 << 30, None, op)
+    images = os.path.join(stage, "images")
+    os.mkdir(images, 0o700)
+    # after the commit a signal only hurries the end
+    after_commit = lambda e: op.rec.stage == Stage.COMMITTED and isinstance(e, Interrupted)  # noqa: E731
+    try:
+        with undone_on_failure(op, Undo(store), RunscSnapshotError, what="checkpoint", keep_going=after_commit):
+            if gpu and gpu.get("agent"):  # a GPU sandbox's GPU state out through its agent, first
                 op.advance(Stage.GPU_FROZEN)
                 t0 = time.perf_counter()
-                gpu_rep = agent_checkpoint(r, cid, store, _gpu_name(name), ChannelLimits.for_gpus(len(gpu.get("gpus") or [])))
-                op.advance(runsc={**sandbox, "gpu_report": gpu_rep})
-                meta["gpu"] = {**gpu, "agent_report": gpu_rep}
+                gpu_rep = agent_checkpoint(r, cid, store, _gpu_name(name),
+                                           ChannelLimits.for_gpus(len(gpu.get("gpus") or [])))
+                op.advance(runsc=SandboxRecord.of(op.rec).with_(gpu_report=gpu_rep))
+                w.meta["gpu"] = {**gpu, "agent_report": gpu_rep}
                 report.seconds["gpu_checkpoint"] = time.perf_counter() - t0
             journal.pause("before-dump")
             op.advance(Stage.DUMPING)
@@ -378,8 +398,11 @@ def checkpoint(store: SnapshotStore, cid: str, name: str, runsc_args: Sequence[s
             op.advance(Stage.DUMPED)
             if leave_running:
                 t0 = time.perf_counter()
-                _restart(r, cid, bundle, images, net)
-                _gpu_back(r, cid, gpu_rep, store, name)
+                restart(r, cid, bundle, images, net)
+                sb = SandboxRecord.of(op.rec)
+                if sb.gpu_report is not None:
+                    gpu_back(r, cid, sb.gpu_report, store, name)
+                    op.advance(runsc=sb.with_(gpu_back=True))
                 report.seconds["restart"] = time.perf_counter() - t0
             t0 = time.perf_counter()
             journal.pause("ingest")
@@ -393,47 +416,11 @@ def checkpoint(store: SnapshotStore, cid: str, name: str, runsc_args: Sequence[s
             op.advance(Stage.COMMITTED)
             report.seconds["ingest"] = time.perf_counter() - t0
             journal.pause("after-commit")
-        except Interrupted:
-            if op.rec.stage != Stage.COMMITTED:  # after the commit a signal only hurries the end
-                _undo_checkpoint(r, cid, bundle, images, net, leave_running, report, gpu_rep, store, name, op)
-                raise
-        except BaseException as e:
-            _undo_checkpoint(r, cid, bundle, images, net, leave_running, report, gpu_rep, store, name, op, e)
-            raise
-        finally:
-            shutil.rmtree(stage, ignore_errors=True)
-    report.raw_bytes, report.new_bytes, report.dedup_bytes = w.stats.raw_bytes, w.stats.bytes_new, w.stats.bytes_dedup
-    return report
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
 
 
-def _undo_checkpoint(r: Runsc, cid: str, bundle: str, images: str, net: nets.NetConfig | None, leave_running: bool,
-                     report: RunscReport, gpu_rep: dict[str, Any] | None, store: SnapshotStore, name: str,
-                     op: journal.Op, cause: BaseException | None = None) -> None:
-    """The sandbox running again as before the checkpoint: restarted from the staged images if runsc
-    had stopped it, GPU state back, the GPU snapshot of this attempt removed. If that fails, the
-    journal record stays for `gpusnap recover`."""
-    try:
-        _back_to_running(r, cid, bundle, images, net, leave_running, report, gpu_rep, store, name)
-    except Exception as e:  # noqa: BLE001
-        op.keep = True
-        raise RunscSnapshotError(f"the checkpoint failed ({cause or 'interrupted'}) and restarting {cid!r} failed "
-                                 f"too ({e}); run `gpusnap recover`") from None
-
-
-def _back_to_running(r: Runsc, cid: str, bundle: str, images: str, net: nets.NetConfig | None,
-                     leave_running: bool, report: RunscReport, gpu_rep: dict[str, Any] | None, store: SnapshotStore,
-                     name: str) -> None:
-    state = r.state(cid)
-    if state is not None and state.get("status") != "running" and os.listdir(images):
-        # runsc stopped it but the snapshot did not commit: bring it back from staging
-        _restart(r, cid, bundle, images, net)
-    if not leave_running or "restart" not in report.seconds:
-        _gpu_back(r, cid, gpu_rep, store, name)
-    if gpu_rep and gpu_rep.get("snapshot") and store.exists(gpu_rep["snapshot"]):
-        store.remove(gpu_rep["snapshot"])
-
-
-def _gpu_back(r: Runsc, cid: str, rep: dict[str, Any] | None, store: SnapshotStore, name: str) -> None:
+def gpu_back(r: Runsc, cid: str, rep: dict[str, Any] | None, store: SnapshotStore, name: str) -> None:
     """The agent's restore for the CUDA processes the checkpoint of snapshot NAME reported (none:
     nothing to do), their GPU memory fed from NAME.gpu where it took custom storage. The report comes
     from a manifest: only its pids (checked as integers) and path are used, never a snapshot name."""
@@ -448,7 +435,7 @@ def _gpu_back(r: Runsc, cid: str, rep: dict[str, Any] | None, store: SnapshotSto
                   streams=m.streams if m is not None else None)
 
 
-def _restart(r: Runsc, cid: str, bundle: str, images: str, net: nets.NetConfig | None) -> None:
+def restart(r: Runsc, cid: str, bundle: str, images: str, net: nets.NetConfig | None) -> None:
     """Run CID again, under the same id, from the checkpoint images just taken."""
     output = (records.read(r.root, cid, Kind.RUN) or {}).get("output") or os.devnull
     r.delete(cid)
@@ -457,7 +444,7 @@ def _restart(r: Runsc, cid: str, bundle: str, images: str, net: nets.NetConfig |
 
 
 def restore(store: SnapshotStore, name: str, cid: str, bundle: str, *, runsc_args: Sequence[str] | None = None,
-            output: str, progress: Any = None) -> RunscReport:
+            output: str, progress: Progress | None = None) -> RunscReport:
     journal.require_clean(store.path)
     with store.shared():
         m = store.load(name)
@@ -473,10 +460,10 @@ def restore(store: SnapshotStore, name: str, cid: str, bundle: str, *, runsc_arg
         recorded = meta.extra.get("output")
         report = RunscReport(name, cid, address=net.address if net else None, output=os.path.abspath(output),
                              recorded_output=recorded if isinstance(recorded, str) else None)
-        with journal.operation(store.path, OpKind.RUNSC_RESTORE, name,
-                               runsc={"container": cid, "runsc_args": [*args, *gpu.get("runsc_args", [])],
-                                      "bundle": bundle, "net": net.as_dict() if net else None,
-                                      "gpu_report": None}) as op:
+        owed = gpu.get("agent_report") if gpu.get("agent_report", {}).get("cuda_pids") else None
+        sandbox = SandboxRecord(cid, (*args, *gpu.get("runsc_args", [])), bundle, net.as_dict() if net else None,
+                                gpu_report=owed)
+        with journal.operation(store.path, OpKind.RUNSC_RESTORE, name, runsc=sandbox.as_dict()) as op:
             stage = new_staging(store, m.size, None, op)
             made_net = False
             try:
@@ -505,16 +492,16 @@ def restore(store: SnapshotStore, name: str, cid: str, bundle: str, *, runsc_arg
                 report.seconds["runsc_restore"] = time.perf_counter() - t0
                 op.advance(Stage.DUMPED)
                 journal.pause("after-restore")
-                if gpu.get("agent_report", {}).get("cuda_pids"):
+                if owed is not None:
                     t0 = time.perf_counter()
-                    _gpu_back(r, cid, gpu["agent_report"], store, name)
+                    gpu_back(r, cid, owed, store, name)
+                    op.advance(runsc=sandbox.with_(gpu_back=True))
                     report.seconds["gpu_restore"] = time.perf_counter() - t0
             except BaseException:
-                if r.state(cid) is not None:
-                    try:
-                        r.delete(cid)
-                    except RunscError:
-                        pass
+                try:  # the operation's undo (sandbox.runsc.operations.RunscRestore): the container gone whole
+                    operation_for(op.rec, Undo(store)).undo(Recovered.of(op.rec))
+                except Exception:  # noqa: BLE001 - the record stays: `gpusnap recover` tries again
+                    op.keep = True
                 if made_net and net is not None:
                     nets.remove(net)
                 records.forget(r.root, cid)

@@ -1,0 +1,394 @@
+"""gpusnap killed at the GPU stages of a dump or `gpu checkpoint` (the driver stand-in, and a real GPU under
+the `gpu` marker): `gpusnap recover` gives every process its GPU memory back (host-staged through the
+driver's copy; custom storage from the chunks the journal's reference log lists) or says exactly what
+is lost; gc keeps what a record still names and reclaims the rest once it is gone."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import GPUSNAP, REPO, Cli, pythonpath
+from support.crash import SIGNALS, STAGES, Paused, assert_nothing_left, expect_exit, processes_mentioning, wait_dead
+from support.criu import Tree, healthy
+
+pytestmark = pytest.mark.root
+
+@pytest.fixture(scope="module", autouse=True)
+def need_root() -> None:
+    if os.geteuid() != 0:
+        pytest.skip("CRIU and runsc need root")
+
+
+GPU_DUMP = """
+import sys
+sys.path.insert(0, {tests!r})
+from support.driver_standin import SharedStandIn
+from sandbox.criu.snapshot import criu_dump
+from sandbox.gpu.driver import Features
+from storage.store import SnapshotStore
+criu_dump(SnapshotStore({store!r}), {pid}, "g", gpu_driver=SharedStandIn({state!r}),
+          features=Features(checkpoint_api=True, custom_storage=False))
+"""
+
+
+@pytest.mark.parametrize("stage", ["before-dump", "ingest", "before-commit"])
+def test_gpu_dump_killed_then_recovered(stage: str, tmp_path: Path) -> None:
+    """The driver-stand-in variant: the tree's two processes are CUDA processes (a file-backed stand-in,
+    host-staged path); gpusnap is killed -9 with them CHECKPOINTED (and the tree stopped by CRIU):
+    recovery resumes the tree and restores and unlocks their GPU memory, byte-exact."""
+    import random
+    from support.driver_standin import SharedStandIn
+    from sandbox.gpu.driver import ProcessState
+    from sandbox.ops.recover import recover
+    from storage.store import SnapshotStore
+    tree = Tree(mb=16, detached=True)
+    try:
+        state = str(tmp_path / "driver.pkl")
+        before = {pid: random.Random(pid).randbytes(64 << 10) for pid in (tree.pid, tree.child)}
+        SharedStandIn.create(state, before)
+        store = tmp_path / "store"
+        pause = tmp_path / "pause"
+        prog = GPU_DUMP.format(tests=str(REPO / "tests"), store=str(store), pid=tree.pid, state=state)
+        env = {**os.environ, "PYTHONPATH": pythonpath(), "GPUSNAP_TEST_PAUSE": f"{stage}:{pause}",
+               "GPUSNAP_RUN_DIR": str(tmp_path / "run")}
+        p = subprocess.Popen([sys.executable, "-c", prog], env=env, start_new_session=True)
+        deadline = time.monotonic() + 120
+        while not pause.exists():
+            assert p.poll() is None and time.monotonic() < deadline, "the dump did not reach the pause"
+            time.sleep(0.02)
+        assert {SharedStandIn(state).get_state(x) for x in before} == {ProcessState.CHECKPOINTED}
+        staging = json.loads(next((store / "journal").glob("*.json")).read_text())["staging"]
+        p.kill()
+        p.wait()
+        pause.unlink()
+        rep = recover(SnapshotStore(str(store), create=False), gpu_driver=lambda: SharedStandIn(state),
+                      thp_record_dir=str(tmp_path / "run"))
+        assert rep.ok, rep.as_dict()
+        d = SharedStandIn(state)
+        assert all(d.get_state(x) == ProcessState.RUNNING for x in before)
+        assert {x: bytes(d.procs[x].gpu) for x in before} == before
+        assert_nothing_left(store, staging)
+        assert healthy(tree.report())
+    finally:
+        tree.kill()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("stage", ["before-dump", "ingest"])
+def test_real_gpu_dump_killed_then_recovered(stage: str, tmp_path: Path) -> None:
+    """On a GPU machine: a real CUDA process (scripts/workloads/gpu_workload.py) is locked and checkpointed by the
+    driver, gpusnap is killed -9 (before CRIU, or with CRIU done and the process stopped); `gpusnap
+    recover` resumes it and restores and unlocks its GPU memory, verified by the process itself."""
+    from scripts.workloads.workload_control import Workload
+    store = tmp_path / "store"
+    cli = Cli(store)
+    with Workload(float(os.environ.get("GPUSNAP_TEST_GB", "1")), seed=5, detached=True) as w:
+        p = Paused(store, ["criu", "dump", str(w.pid), "g"], stage, tmp_path)
+        assert p.record["cuda_pids"] == [w.pid] and p.record["stage"] == ("gpu-frozen" if stage == "before-dump" else "dumped")
+        assert p.stop(signal.SIGKILL).returncode == -signal.SIGKILL
+        rec = cli.json("recover")
+        assert rec["ok"], rec
+        assert any("GPU state resumed" in a for a in rec["operations"][0]["actions"]), rec
+        assert_nothing_left(store, p.record["staging"])
+        assert w.verify(), "the GPU memory must be intact after recovery"
+        assert cli.json("store", "ls") == []
+
+
+GPU_CHECKPOINT_CLI = """
+import functools, sys
+sys.path.insert(0, {tests!r})
+from support.driver_standin import SharedStandIn
+from cli import gpu_cmd, main
+from sandbox.gpu.driver import Features
+from storage.device import HostDevice
+# the real `gpusnap gpu checkpoint` command, with the driver stand-in (custom storage offered) and the
+# engine on host memory in place of the CUDA driver and GPU 0
+gpu_cmd.gpu_checkpoint = functools.partial(gpu_cmd.gpu_checkpoint, driver=SharedStandIn({state!r}),
+                                           features=Features(checkpoint_api=True, custom_storage={custom}),
+                                           device=HostDevice())
+main(["--store", {store!r}, "gpu", "checkpoint", "{pid}", "g", "--json"], prog_name="gpusnap")
+"""
+
+
+class GpuWorkload:
+    """Two real processes (a parent and its child) the file-backed driver stand-in holds as CUDA
+    processes with known GPU memory."""
+
+    def __init__(self, tmp: Path) -> None:
+        import random
+        from support.driver_standin import SharedStandIn
+        self.proc = subprocess.Popen([sys.executable, "-c", "import subprocess, time; "
+                                      "subprocess.Popen(['sleep', '600']); time.sleep(600)"], start_new_session=True)
+        deadline = time.monotonic() + 10
+        while not (kids := Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split()):
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        self.pids = [self.proc.pid, int(kids[0])]
+        self.state = str(tmp / "driver.pkl")
+        # a random part (stored as a chunk file) and a zero part per process
+        self.before = {p: random.Random(p).randbytes(3 << 20) + bytes(1 << 20) for p in self.pids}
+        SharedStandIn.create(self.state, self.before)
+
+    def driver(self):  # noqa: ANN201 - tests' SharedStandIn
+        from support.driver_standin import SharedStandIn
+        return SharedStandIn(self.state)
+
+    def states(self) -> dict[int, str]:
+        d = self.driver().load()
+        return {p: d.procs[p].state.name for p in self.pids}
+
+    def memory(self) -> dict[int, bytes]:
+        d = self.driver().load()
+        return {p: bytes(d.procs[p].gpu) for p in self.pids}
+
+    def close(self) -> None:
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+
+def _chunk_files(store: Path) -> set[str]:
+    return {f.name for f in (store / "chunks").glob("*/*")}
+
+
+def _logged_chunks(store: Path) -> set[str]:
+    """The chunk ids the one reference log in the journal names."""
+    (log,) = (store / "journal").glob("*.refs")
+    return {json.loads(line.split(" ", 1)[1])["ref"][0] for line in log.read_text().splitlines()
+            if '"k":"chunk"' in line} - {None}
+
+
+def _gpu_checkpoint_paused(store: Path, w: GpuWorkload, stage: str, tmp: Path,
+                           custom: bool = True) -> tuple[subprocess.Popen, Path]:
+    pause = tmp / f"pause-{stage}"
+    prog = GPU_CHECKPOINT_CLI.format(tests=str(REPO / "tests"), store=str(store), pid=w.pids[0], state=w.state,
+                                     custom=custom)
+    # a THP switch (host-staged path) is recorded where _recover puts it back
+    env = {**os.environ, "PYTHONPATH": pythonpath(), "GPUSNAP_TEST_PAUSE": f"{stage}:{pause}",
+           "GPUSNAP_RUN_DIR": str(tmp / "run")}
+    p = subprocess.Popen([sys.executable, "-c", prog], env=env, cwd=REPO, start_new_session=True, text=True,
+                         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 120
+    while not pause.exists():
+        if p.poll() is not None:
+            raise AssertionError(f"gpusnap ended before {stage}: {p.communicate()}")
+        assert time.monotonic() < deadline, f"gpusnap never reached {stage}"
+        time.sleep(0.02)
+    return p, pause
+
+
+def _recover(store: Path, w: GpuWorkload):  # noqa: ANN202 - sandbox.ops.recover.RecoverReport
+    from sandbox.ops.recover import recover
+    from storage.device import HostDevice
+    from storage.store import SnapshotStore
+    return recover(SnapshotStore(str(store), create=False), gpu_driver=w.driver, gpu_device=HostDevice,
+                   thp_record_dir=str(store.parent / "run"))
+
+
+def _gc(store: Path):  # noqa: ANN202 - storage.gc.GcReport
+    from storage.gc import collect
+    from storage.store import SnapshotStore
+    return collect(SnapshotStore(str(store), create=False))
+
+
+@pytest.mark.parametrize("sig", SIGNALS, ids=["kill9", "term"])
+@pytest.mark.parametrize("stage", ["gpu-stream", "before-commit"])
+def test_custom_storage_gpu_checkpoint_interrupted(stage: str, sig: int, tmp_path: Path) -> None:
+    """`gpusnap gpu checkpoint` on the custom-storage path, stopped (a) after the driver checkpointed the
+    first process and its memory was streamed, the second not yet (gpu-stream), (b) with every GPU
+    stream written, before the commit. kill -9: the journal's reference log names the chunks, gc
+    between the kill and recover keeps them, and `recover` feeds them back through the custom-storage
+    restore; SIGTERM: gpusnap gives the memory back itself. Either way both processes are RUNNING with
+    their GPU memory byte-identical, nothing is left in tmp/ or journal/, and gc then reclaims the
+    orphaned chunks."""
+    store = tmp_path / "store"
+    cli = Cli(store)
+    w = GpuWorkload(tmp_path)
+    try:
+        p, pause = _gpu_checkpoint_paused(store, w, stage, tmp_path)
+        rec = json.loads(next((store / "journal").glob("*.json")).read_text())
+        assert rec["kind"] == "gpu-checkpoint" and rec["gpu_path"] == "custom-storage" and rec["stage"] == "gpu-frozen"
+        assert rec["cuda_pids"] == w.pids
+        want = ({w.pids[0]: "CHECKPOINTED", w.pids[1]: "LOCKED"} if stage == "gpu-stream"
+                else {x: "CHECKPOINTED" for x in w.pids})
+        assert w.states() == want, "the driver released the memory of every CHECKPOINTED process"
+        os.kill(p.pid, sig)
+        if sig == signal.SIGKILL:
+            p.wait()
+        time.sleep(0.2)
+        pause.unlink()
+        out, err = p.communicate(timeout=120)
+        if sig == signal.SIGKILL:
+            assert p.returncode == -signal.SIGKILL
+            named = _logged_chunks(store)
+            assert named and named <= _chunk_files(store), "the log names only durable chunk files"
+            assert cli.run("store", "gc", check=False).returncode == 5, "gc refuses until recover has run"
+            g = _gc(store)  # and gc itself keeps what the journal names, whoever calls it
+            assert g.chunks_removed == 0 and named <= _chunk_files(store)
+            assert cli.run("gpu", "restore", "g", str(w.pids[0]), check=False).returncode == 5
+            rep = _recover(store, w)
+            assert rep.ok, rep.as_dict()
+            (op,) = rep.operations
+            assert op.kind == "gpu-checkpoint" and any("restored through custom storage" in a for a in op.actions), op
+        else:
+            assert p.returncode == 128 + signal.SIGTERM and "SIGTERM" in err, (p.returncode, err)
+            assert _recover(store, w).operations == [], "gpusnap undid it itself"
+        assert w.states() == {x: "RUNNING" for x in w.pids}
+        assert w.memory() == w.before, "GPU memory must come back byte-identical"
+        assert list((store / "tmp").iterdir()) == []
+        assert sorted(n.name for n in (store / "journal").iterdir()) == ["key", "recover.lock"]
+        assert cli.json("store", "ls") == []
+        left = _chunk_files(store)
+        assert left, "the killed checkpoint's chunks are still there before gc"
+        g = _gc(store)
+        assert g.chunks_removed == len(left) and _chunk_files(store) == set(), "gc reclaims the orphaned chunks"
+    finally:
+        w.close()
+
+
+def test_host_staged_gpu_checkpoint_killed_before_commit(tmp_path: Path) -> None:
+    """The same kill on the host-staged path (the driver's copy stays inside each process): recover
+    restores and unlocks both through the driver, byte-identical; no reference log was kept."""
+    store = tmp_path / "store"
+    w = GpuWorkload(tmp_path)
+    try:
+        p, pause = _gpu_checkpoint_paused(store, w, "before-commit", tmp_path, custom=False)
+        assert w.states() == {x: "CHECKPOINTED" for x in w.pids}
+        p.kill()
+        p.wait()
+        pause.unlink()
+        p.communicate()
+        assert list((store / "journal").glob("*.refs")) == []
+        rep = _recover(store, w)
+        assert rep.ok and "GPU state resumed" in rep.operations[0].actions[0], rep.as_dict()
+        assert w.states() == {x: "RUNNING" for x in w.pids} and w.memory() == w.before
+        assert sorted(n.name for n in (store / "journal").iterdir()) == ["key", "recover.lock"]
+        assert list((store / "tmp").iterdir()) == []
+    finally:
+        w.close()
+
+
+def test_custom_storage_gpu_checkpoint_killed_mid_region_says_what_is_lost(tmp_path: Path) -> None:
+    """kill -9 while the first process's region streams (the driver holds it CHECKPOINTING, its memory
+    mapped into the dead gpusnap): recover unlocks the second process, says the first one's memory is
+    lost and the state it stays in, clears the record, and gc then reclaims the partial chunks."""
+    store = tmp_path / "store"
+    w = GpuWorkload(tmp_path)
+    try:
+        p, pause = _gpu_checkpoint_paused(store, w, "gpu-chunk", tmp_path)
+        assert w.states() == {w.pids[0]: "CHECKPOINTING", w.pids[1]: "LOCKED"}
+        p.kill()
+        p.wait()
+        pause.unlink()
+        p.communicate()
+        rep = _recover(store, w)
+        (op,) = rep.operations
+        assert not rep.ok and op.error is None, op
+        assert len(op.lost) == 1 and f"pid {w.pids[0]}" in op.lost[0] and "CHECKPOINTING" in op.lost[0], op.lost
+        assert w.states() == {w.pids[0]: "CHECKPOINTING", w.pids[1]: "RUNNING"}
+        assert w.memory()[w.pids[1]] == w.before[w.pids[1]]
+        assert sorted(n.name for n in (store / "journal").iterdir()) == ["key", "recover.lock"]
+        assert list((store / "tmp").iterdir()) == []
+        assert _chunk_files(store), "the partial region's chunk was stored"
+        _gc(store)
+        assert _chunk_files(store) == set()
+    finally:
+        w.close()
+
+
+def test_custom_storage_torn_reference_log_is_known_incomplete(tmp_path: Path) -> None:
+    """A log whose tail was torn (the second process's last lines cut in the middle, as a crash of the
+    disk could leave it): recover restores the first process from its complete list and says exactly
+    which region of the second is incomplete; it stays CHECKPOINTED."""
+    store = tmp_path / "store"
+    w = GpuWorkload(tmp_path)
+    try:
+        p, pause = _gpu_checkpoint_paused(store, w, "before-commit", tmp_path)
+        p.kill()
+        p.wait()
+        pause.unlink()
+        p.communicate()
+        log = next((store / "journal").glob("*.refs"))
+        data = log.read_bytes()
+        second = data.index(f'"stream":"gpu/{w.pids[1]}/0"'.encode())
+        cut = data.index(b"\n", data.index(b'"k":"chunk"', second)) - 5   # inside the second region's chunk line
+        log.write_bytes(data[:cut])
+        rep = _recover(store, w)
+        (op,) = rep.operations
+        assert op.error is None and len(op.lost) == 1, op
+        assert f"pid {w.pids[1]}" in op.lost[0] and f"gpu/{w.pids[1]}/0: 0 of 1 chunks recorded" in op.lost[0], op.lost
+        assert "CHECKPOINTED" in op.lost[0]
+        assert w.states() == {w.pids[0]: "RUNNING", w.pids[1]: "CHECKPOINTED"}
+        assert w.memory()[w.pids[0]] == w.before[w.pids[0]]
+        assert sorted(n.name for n in (store / "journal").iterdir()) == ["key", "recover.lock"]
+    finally:
+        w.close()
+
+
+CUSTOM_DUMP = """
+import sys
+sys.path.insert(0, {tests!r})
+from support.driver_standin import SharedStandIn
+from sandbox.criu.snapshot import criu_dump
+from sandbox.gpu.driver import Features
+from storage.device import HostDevice
+from storage.store import SnapshotStore
+criu_dump(SnapshotStore({store!r}), {pid}, "g", gpu_driver=SharedStandIn({state!r}),
+          features=Features(checkpoint_api=True, custom_storage=True), device=HostDevice())
+"""
+
+
+@pytest.mark.parametrize("stage", ["before-dump", "before-commit"])
+def test_custom_storage_criu_dump_killed_then_recovered(stage: str, tmp_path: Path) -> None:
+    """`criu dump` of a tree whose two processes are CUDA processes on the custom-storage path (the
+    file-backed stand-in, the engine on host memory), killed -9 with their GPU memory streamed into the
+    uncommitted snapshot and released by the driver (before CRIU, or with CRIU done and the tree
+    stopped): recover resumes the tree and feeds the memory back from the journal's chunk references."""
+    import random
+    from support.driver_standin import SharedStandIn
+    store = tmp_path / "store"
+    tree = Tree(mb=16, detached=True)
+    try:
+        state = str(tmp_path / "driver.pkl")
+        before = {pid: random.Random(pid).randbytes(2 << 20) for pid in (tree.pid, tree.child)}
+        SharedStandIn.create(state, before)
+        pause = tmp_path / "pause"
+        prog = CUSTOM_DUMP.format(tests=str(REPO / "tests"), store=str(store), pid=tree.pid, state=state)
+        env = {**os.environ, "PYTHONPATH": pythonpath(), "GPUSNAP_TEST_PAUSE": f"{stage}:{pause}"}
+        p = subprocess.Popen([sys.executable, "-c", prog], env=env, start_new_session=True)
+        deadline = time.monotonic() + 120
+        while not pause.exists():
+            assert p.poll() is None and time.monotonic() < deadline, "the dump did not reach the pause"
+            time.sleep(0.02)
+        d = SharedStandIn(state).load()
+        assert {d.procs[x].state.name for x in before} == {"CHECKPOINTED"} and not any(d.procs[x].gpu for x in before)
+        staging = json.loads(next((store / "journal").glob("*.json")).read_text())["staging"]
+        p.kill()
+        p.wait()
+        pause.unlink()
+        named = _logged_chunks(store)
+        _gc(store)  # may take CRIU's page chunks (the tree itself is still there), never the GPU streams'
+        assert named and named <= _chunk_files(store)
+        from sandbox.ops.recover import recover
+        from storage.device import HostDevice
+        from storage.store import SnapshotStore
+        rep = recover(SnapshotStore(str(store), create=False), gpu_driver=lambda: SharedStandIn(state),
+                      gpu_device=HostDevice, thp_record_dir=str(tmp_path / "run"))
+        assert rep.ok, rep.as_dict()
+        assert any("restored through custom storage" in a for a in rep.operations[0].actions), rep.as_dict()
+        d = SharedStandIn(state).load()
+        assert {d.procs[x].state.name for x in before} == {"RUNNING"}
+        assert {x: bytes(d.procs[x].gpu) for x in before} == before
+        assert_nothing_left(store, staging)
+        assert healthy(tree.report())
+        _gc(store)
+        assert _chunk_files(store) == set()
+    finally:
+        tree.kill()
