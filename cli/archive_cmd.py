@@ -131,7 +131,10 @@ def forget(ctx: click.Context, keep_last: int, keep_hourly: int, keep_daily: int
 @click.pass_context
 @one_line_errors
 def stats(ctx: click.Context, names: tuple[str, ...], as_json: bool) -> None:
-    """Raw, stored, unique ("freed by rm") and shared bytes per snapshot, and the store's totals."""
+    """Raw, zero, deduplicated, stored, unique ("freed by rm") and shared bytes per snapshot, and totals.
+
+    ZEROS are all-zero chunks, elided (nothing stored); DEDUP are bytes named more than once but stored
+    once (within the snapshot; the totals across snapshots); compression is reported apart from both."""
     st = open_store(ctx, create=False)
     for n in names:
         validate_snapshot_name(n)
@@ -141,12 +144,14 @@ def stats(ctx: click.Context, names: tuple[str, ...], as_json: bool) -> None:
         manifests, bad = load_all(st)
     per, repo = compute(manifests, list(names) or None)
     data = {"snapshots": [s.to_json() for s in per], "repository": repo.to_json(), "unreadable": bad}
-    lines = [f"{'NAME':32} {'RAW':>10} {'STORED':>10} {'UNIQUE':>10} {'SHARED':>10} {'CHUNKS':>7}"]
+    lines = [f"{'NAME':32} {'RAW':>10} {'ZEROS':>10} {'DEDUP':>10} {'STORED':>10} {'UNIQUE':>10} {'SHARED':>10} {'CHUNKS':>7}"]
     for s in per:
-        lines.append(f"{s.name:32} {human(s.raw_bytes):>10} {human(s.stored_bytes):>10} "
-                     f"{human(s.unique_bytes):>10} {human(s.shared_bytes):>10} {s.chunks:>7}")
-    lines.append(f"store: {repo.snapshots} snapshots, {human(repo.raw_bytes)} raw, {human(repo.stored_bytes)} "
-                 f"stored in {repo.chunks} chunks ({repo.dedup_ratio:.2f}x)")
+        lines.append(f"{s.name:32} {human(s.raw_bytes):>10} {human(s.zero_bytes):>10} {human(s.dedup_bytes):>10} "
+                     f"{human(s.stored_bytes):>10} {human(s.unique_bytes):>10} {human(s.shared_bytes):>10} {s.chunks:>7}")
+    lines.append(f"store: {repo.snapshots} snapshots, {human(repo.raw_bytes)} raw: {human(repo.zero_bytes)} zeros "
+                 f"elided, {human(repo.dedup_bytes)} deduplicated ({repo.dedup_ratio:.2f}x), "
+                 f"{human(repo.distinct_raw_bytes)} distinct compressed to {human(repo.stored_bytes)} "
+                 f"({repo.compression_ratio:.2f}x) in {repo.chunks} chunks")
     for codec, c in sorted(repo.codecs.items()):
         lines.append(f"  {codec:15} {c.chunks:7} chunks {human(c.raw_bytes):>10} raw {human(c.stored_bytes):>10} stored")
     lines += [f"unreadable: {b}" for b in bad]
