@@ -38,7 +38,17 @@ Environment:
 """
 
 
+def _print_version(ctx: click.Context, param: click.Parameter, value: bool) -> None:
+    if not value or ctx.resilient_parsing:
+        return
+    from storage.manifest import tool_version
+    click.echo(f"gpusnap {tool_version()}")
+    ctx.exit(0)
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]}, epilog=EPILOG)
+@click.option("--version", is_flag=True, expose_value=False, is_eager=True, callback=_print_version,
+              help="Print gpusnap's version (the one every manifest it writes records) and exit.")
 @click.option("--store", "store_path", envvar="GPUSNAP_STORE", default=None, metavar="DIR",
               help="Snapshot store directory (env GPUSNAP_STORE; default /var/lib/gpusnap as root, "
                    "else $XDG_DATA_HOME/gpusnap). Created 0700 on first use.")

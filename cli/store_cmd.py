@@ -81,7 +81,9 @@ def store_init(ctx: click.Context, as_json: bool) -> None:
 @click.argument("name")
 @click.argument("dest")
 @click.option("--include", "include", multiple=True, metavar="PATTERN",
-              help="Only streams matching this glob (and the directories above them); repeatable.")
+              help="Only paths matching this glob (and the directories above them); repeatable. Paths start "
+                   "at the top directory that was stored, without a leading /: after `store put NAME "
+                   "/srv/data`, `--include 'data/models/*'` (`*` also matches /). `store ls NAME` lists them.")
 @click.option("--workers", type=click.IntRange(1, 256), default=None, help="Worker threads (default: CPU count, max 16).")
 @click.option("--no-same-owner", is_flag=True,
               help="Do not restore recorded owners (the default as root restores them); setuid/setgid bits "
@@ -111,27 +113,48 @@ def store_get(ctx: click.Context, name: str, dest: str, include: tuple[str, ...]
 
 
 @store.command("ls")
+@click.argument("name", required=False)
+@click.argument("prefix", required=False)
 @click.option("--tag", "tags", multiple=True, metavar="TAG", help="Only snapshots carrying this tag (repeatable).")
 @click.option("--kind", default=None, type=click.Choice(["files", "gpu", "criu", "runsc"]), help="Only this kind.")
 @click.option("--since", default=None, metavar="WHEN", help="Only snapshots created since WHEN (ISO time, or an age: 36h, 7d).")
 @json_option
 @click.pass_context
 @one_line_errors
-def store_ls(ctx: click.Context, tags: tuple[str, ...], kind: str | None, since: str | None, as_json: bool) -> None:
-    """List snapshots (with --tag/--kind/--since, those that match) and, marked DAMAGED, snapshots that
-    do not load and entries of snapshots/ that are not snapshots."""
+def store_ls(ctx: click.Context, name: str | None, prefix: str | None, tags: tuple[str, ...], kind: str | None,
+             since: str | None, as_json: bool) -> None:
+    """List snapshots, or with NAME the files of snapshot NAME (as `restic ls`, `borg list ARCHIVE`).
+
+    \b
+    gpusnap store ls                      the snapshots (--tag/--kind/--since: those that match)
+    gpusnap store ls NAME                 every file, directory and link of NAME
+    gpusnap store ls NAME data/sub        only data/sub and what lies under it
+
+    Snapshots that do not load, entries of snapshots/ that are not snapshots, and snapshots naming a
+    chunk that the last `store verify` found damaged are marked DAMAGED. Paths start at the top
+    directory that was stored (`store put NAME /srv/data` stores data/...): the same paths that
+    `store get --include` and `store cat` take."""
+    if name is not None:
+        if tags or kind or since:
+            raise click.UsageError("--tag/--kind/--since select snapshots; give them without NAME")
+        _list_files(ctx, validate_snapshot_name(name), prefix, as_json)
+        return
     from cli.archive_cmd import matches, parse_since
+    from storage.damage import DamageMarks
     since_t = parse_since(since)
     st = open_store(ctx, create=False)
     names, strays = st.scan()
+    marks = DamageMarks.load(st)
     rows = []
     for n in names:
         try:
             m = st.load(n)
             if not matches(m, tags, kind, since_t):
                 continue
+            bad = marks.damaged_in(m)
             rows.append({"name": n, "created": m.created, "size": m.size, "streams": len(m.streams),
-                         "kind": m.meta.get("kind", ""), "tags": list(m.tags), "host": m.host})
+                         "kind": m.meta.get("kind", ""), "tags": list(m.tags), "host": m.host,
+                         "damaged_chunks": len(bad)})
         except GpusnapError as e:
             rows.append({"name": n, "error": str(e)})
     rows += [{"name": s.entry, "error": str(s), "stray": True} for s in strays]
@@ -141,8 +164,75 @@ def store_ls(ctx: click.Context, tags: tuple[str, ...], kind: str | None, since:
             lines.append(f"{r['name']:32} DAMAGED: {r['error']}")
         else:
             lines.append(f"{r['name']:32} {r['kind']:8} {human(r['size']):>12} {r['streams']:>8}  {r['created']}"
-                         + (f"  [{','.join(r['tags'])}]" if r["tags"] else ""))
+                         + (f"  [{','.join(r['tags'])}]" if r["tags"] else "")
+                         + (f"  DAMAGED: {r['damaged_chunks']} damaged chunk(s) found by verify; "
+                            "`store repair` rewrites them" if r["damaged_chunks"] else ""))
     emit(as_json, rows, "\n".join(lines))
+
+
+_TYPE_CHARS = {"file": "-", "dir": "d", "symlink": "l", "hardlink": "h", "blob": "b", "fifo": "p"}
+
+
+def _mode_text(attrs: dict[str, object]) -> str:
+    """`ls -l`'s mode column for a stream: its type letter and rwx bits (h: a hard link, b: a blob)."""
+    import stat as _stat
+    t = str(attrs.get("type"))
+    mode = attrs.get("mode")
+    bits = _stat.filemode(mode)[1:] if isinstance(mode, int) else "?????????"
+    return _TYPE_CHARS.get(t, "?") + bits
+
+
+def _list_files(ctx: click.Context, name: str, prefix: str | None, as_json: bool) -> None:
+    st = open_store(ctx, create=False)
+    m = st.load(name)
+    want = (prefix or "").strip("/")
+    streams = [s for s in m.streams if not want or s.name == want or s.name.startswith(want + "/")]
+    if want and not streams:
+        raise StoreError(f"snapshot {name!r} has no path {want!r} (`gpusnap store ls {name}` lists them all)")
+    rows = []
+    for s in streams:
+        a = s.attrs
+        rows.append({"path": s.name, "type": a.get("type"), "mode": a.get("mode"), "size": s.size,
+                     "uid": a.get("uid"), "gid": a.get("gid"), "mtime_ns": a.get("mtime_ns"),
+                     **({"target": a["target"]} if "target" in a else {})})
+    lines = [f"{'MODE':10} {'OWNER':>11} {'SIZE':>10}  PATH"]
+    for r, s in zip(rows, streams):
+        owner = f"{r['uid']}:{r['gid']}" if r["uid"] is not None else "-"
+        link = f" -> {r['target']}" if r["type"] == "symlink" else (f" => {r['target']}" if r["type"] == "hardlink" else "")
+        lines.append(f"{_mode_text(s.attrs)} {owner:>11} {r['size']:>10}  {r['path']}{link}")
+    emit(as_json, rows, "\n".join(lines))
+
+
+@store.command("tag")
+@click.argument("names", nargs=-1, required=True)
+@click.option("--add", "add", multiple=True, metavar="TAG", help="Add TAG (repeatable; a tag already there stays once).")
+@click.option("--remove", "remove", multiple=True, metavar="TAG", help="Remove TAG (repeatable; an absent tag is no error).")
+@click.option("--set", "set_to", multiple=True, metavar="TAG",
+              help="Replace every tag with these (repeatable; --set '' removes them all). Not with --add/--remove.")
+@json_option
+@click.pass_context
+@one_line_errors
+def store_tag(ctx: click.Context, names: tuple[str, ...], add: tuple[str, ...], remove: tuple[str, ...],
+              set_to: tuple[str, ...], as_json: bool) -> None:
+    """Change the tags of snapshots NAMES (as `restic tag`): --add, --remove, or --set.
+
+    \b
+    gpusnap store tag model-v3 --add release --remove nightly
+    gpusnap store tag model-v3 --set prod --set llama
+
+    The manifest is rewritten atomically (FORMAT.md, "Changing tags"); its streams are untouched."""
+    from storage.tagging import retag
+    if not (add or remove or set_to):
+        raise click.UsageError("give --add, --remove or --set")
+    if set_to and (add or remove):
+        raise click.UsageError("--set replaces every tag; give it without --add/--remove")
+    st = open_store(ctx, create=False)
+    rows = []
+    for n in names:
+        old, new, changed = retag(st, n, add, remove, [t for t in set_to if t] if set_to else None)
+        rows.append({"name": n, "old_tags": list(old), "tags": list(new), "changed": changed})
+    emit(as_json, rows, "\n".join(f"{r['name']}: [{','.join(r['tags'])}]" + ("" if r["changed"] else " (unchanged)")
+                                  for r in rows))
 
 
 @store.command("inspect")
@@ -151,10 +241,11 @@ def store_ls(ctx: click.Context, tags: tuple[str, ...], kind: str | None, since:
 @click.pass_context
 @one_line_errors
 def store_inspect(ctx: click.Context, name: str, as_json: bool) -> None:
-    """Show a snapshot's streams, codecs, sizes and metadata.
+    """Show a snapshot's metadata (kind, tags, host, the gpusnap version that wrote it), codecs, sizes
+    and stream names.
 
     Per codec: chunk references, their raw bytes, and the bytes stored for its distinct chunks (a
-    chunk named twice is stored once)."""
+    chunk named twice is stored once). `store ls NAME` lists the files with modes and owners."""
     st = open_store(ctx, create=False)
     m = st.load(validate_snapshot_name(name))
     codecs: dict[str, dict[str, int]] = {}
@@ -168,16 +259,22 @@ def store_inspect(ctx: click.Context, name: str, as_json: bool) -> None:
                 unique[c.id] = c.stored_len
                 e["unique_chunks"] += 1
                 e["stored_bytes"] += c.stored_len
-    info = {"name": m.name, "created": m.created, "meta": m.meta, "size": m.size,
+    info = {"name": m.name, "created": m.created, "meta": m.meta, "size": m.size, "tags": list(m.tags),
+            "host": m.host, "gpusnap_version": m.tool,
             "stored_bytes_unique": sum(unique.values()), "codecs": codecs,
             "streams": [{"name": s.name, "size": s.size, "type": s.attrs.get("type"), "chunks": len(s.chunks)}
                         for s in m.streams]}
-    text = [f"snapshot {m.name}  created {m.created}", f"  logical size {human(m.size)}, "
+    text = [f"snapshot {m.name}  created {m.created}",
+            f"  host {m.host or 'unknown'}, written by gpusnap {m.tool or 'unknown'}, "
+            f"tags: {', '.join(m.tags) if m.tags else '(none)'}",
+            f"  logical size {human(m.size)}, "
             f"{len(m.streams)} streams, {human(info['stored_bytes_unique'])} stored (unique chunks)",
             f"  meta: {json.dumps({k: v for k, v in m.meta.items() if not k.endswith('stages')}, sort_keys=True)}"]
     for k, v in sorted(codecs.items()):
         text.append(f"  {k:15} {v['chunks']:7} chunks  {human(v['raw_bytes']):>10} raw  "
                     f"{human(v['stored_bytes']):>10} stored ({v['unique_chunks']} unique)")
+    text.append("  streams:")
+    text += [f"    {str(s.attrs.get('type')):8} {human(s.size):>10}  {s.name}" for s in m.streams]
     emit(as_json, info, "\n".join(text))
 
 
@@ -353,7 +450,7 @@ def select_streams(m: Manifest, patterns: tuple[str, ...]) -> Manifest:
     import fnmatch
     picked = {s.name for s in m.streams if any(fnmatch.fnmatchcase(s.name, p) for p in patterns)}
     if not picked:
-        raise StoreError(f"no stream of {m.name!r} matches {', '.join(patterns)} (`store inspect` lists them)")
+        raise StoreError(f"no stream of {m.name!r} matches {', '.join(patterns)} (`gpusnap store ls {m.name}` lists them)")
     parents = {"/".join(n.split("/")[:i]) for n in picked for i in range(1, n.count("/") + 1)}
     keep = picked | parents
     return Manifest(m.name, [s for s in m.streams if s.name in keep], m.meta, m.created, m.tags, m.host, m.tool)

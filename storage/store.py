@@ -745,8 +745,10 @@ class SnapshotStore:
                 report.chunks_unchecked = len(refs) - len(picked)
                 refs = {cid: refs[cid] for cid in picked}
             deadline = None if max_seconds is None else time.monotonic() + max_seconds
+            skipped_before = report.chunks_unchecked
             bad = self.check_chunks(refs, self.chunk_buffer_size(manifests), workers, progress, report, deadline,
                                     read_data)
+            cut_short = report.chunks_unchecked > skipped_before  # --max-duration: not every ref was read
             for cid in list(bad):
                 if bad[cid] == "missing":
                     bad[cid] = self.absence(cid)
@@ -767,7 +769,20 @@ class SnapshotStore:
                             report.quarantined.append(cid)
             except (GpusnapError, OSError) as e:  # busy, or a store this user may only read
                 report.not_quarantined = str(e)
+        self._record_damage([] if cut_short else [c for c in refs if c not in bad], bad, quarantine_wait)
         return report
+
+    def _record_damage(self, whole: list[str], bad: dict[str, str], wait: float) -> None:
+        """Note BAD in damaged.json and clear WHOLE there (storage/damage.py), for `store ls`; a busy or
+        read-only store keeps the old record (it is only a listing's hint)."""
+        from . import damage
+        if not bad and not os.path.lexists(os.path.join(self.path, damage.RECORD)):
+            return
+        try:
+            with self.exclusive(wait):
+                damage.update(self, whole, bad)
+        except (GpusnapError, OSError):
+            pass
 
     # ---- temporary entries: staging directories and in-flight gets -----------------------------
     def new_staging_dir(self, kind: str = "staging") -> str:

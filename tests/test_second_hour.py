@@ -1,0 +1,161 @@
+"""What a restic/borg user misses in the second hour (issue 25), through the real CLI: listing a
+snapshot's files, inspect's metadata, --version, retagging, damage marks in `store ls`, stats that
+tell zeros from dedup, FIFOs and excludes, xattrs, the files cache, reports and words."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from conftest import GPUSNAP, REPO, Cli, chunk_files, make_mixed_tree, pythonpath
+
+
+def _tree(root: Path) -> Path:
+    (root / "sub").mkdir(parents=True)
+    (root / "sub" / "a.txt").write_text("alpha\n")
+    (root / "b.bin").write_bytes(os.urandom(300_000))
+    (root / "l").symlink_to("sub/a.txt")
+    return root
+
+
+# ------------------------------------------------------------------------------------------- item 1
+def test_ls_lists_a_snapshots_files_and_errors_point_to_it(cli: Cli, tmp_path: Path) -> None:
+    src = _tree(tmp_path / "data")
+    os.chmod(src / "sub" / "a.txt", 0o640)
+    cli.run("store", "put", "s", str(src))
+    text = cli.run("store", "ls", "s").stdout.splitlines()
+    assert text[0].split() == ["MODE", "OWNER", "SIZE", "PATH"]
+    rows = {r["path"]: r for r in cli.json("store", "ls", "s")}
+    assert set(rows) == {"data", "data/sub", "data/sub/a.txt", "data/b.bin", "data/l"}
+    assert rows["data/b.bin"]["size"] == 300_000 and rows["data/sub/a.txt"]["mode"] == 0o640
+    assert rows["data/l"]["type"] == "symlink" and rows["data/l"]["target"] == "sub/a.txt"
+    assert any(line.startswith("-rw-r-----") and line.endswith("data/sub/a.txt") for line in text)
+    assert any(line.startswith("l") and line.endswith("data/l -> sub/a.txt") for line in text)
+    assert [r["path"] for r in cli.json("store", "ls", "s", "data/sub")] == ["data/sub", "data/sub/a.txt"]
+    assert [r["path"] for r in cli.json("store", "ls", "s", "/data/sub/")] == ["data/sub", "data/sub/a.txt"]
+    p = cli.run("store", "ls", "s", "data/su", check=False)
+    assert p.returncode == 1 and "`gpusnap store ls s`" in p.stderr
+    # inspect names the streams; get --include and cat point to `store ls NAME`
+    assert "data/sub/a.txt" in cli.run("store", "inspect", "s").stdout
+    p = cli.run("store", "get", "s", str(tmp_path / "out"), "--include", "sub/*", check=False)
+    assert p.returncode == 1 and "`gpusnap store ls s` lists them" in p.stderr
+    p = cli.run("store", "cat", "s", "a.txt", check=False)
+    assert p.returncode == 1 and "`gpusnap store ls s` lists them" in p.stderr
+    cli.run("store", "get", "s", str(tmp_path / "out"), "--include", "data/sub/*")
+    assert (tmp_path / "out" / "data" / "sub" / "a.txt").read_text() == "alpha\n"
+    assert not (tmp_path / "out" / "data" / "b.bin").exists()
+    helptext = " ".join(cli.run("store", "get", "--help").stdout.split())
+    assert "start at the top directory" in helptext and "--include 'data/models/*'" in helptext
+
+
+# ------------------------------------------------------------------------------------------- item 2
+def test_inspect_shows_tags_host_version_and_version_flag(cli: Cli, tmp_path: Path) -> None:
+    from importlib.metadata import version
+    src = _tree(tmp_path / "data")
+    cli.run("store", "put", "s", str(src), "--tag", "nightly", "--tag", "model=x")
+    info = cli.json("store", "inspect", "s")
+    assert info["tags"] == ["nightly", "model=x"] and info["host"] == os.uname().nodename
+    assert info["gpusnap_version"] == version("gpusnap")
+    text = cli.run("store", "inspect", "s").stdout
+    assert "nightly, model=x" in text and os.uname().nodename in text and f"gpusnap {version('gpusnap')}" in text
+    p = cli.run("--version")
+    assert p.stdout.strip() == f"gpusnap {version('gpusnap')}"
+
+
+# ------------------------------------------------------------------------------------------- item 3
+def test_tags_change_after_creation_atomically(cli: Cli, store_dir: Path, tmp_path: Path) -> None:
+    src = _tree(tmp_path / "data")
+    cli.run("store", "put", "s", str(src), "--tag", "nightly")
+    before = json.loads((store_dir / "snapshots" / "s.json").read_text())
+    ino = (store_dir / "snapshots" / "s.json").stat().st_ino
+    rows = cli.json("store", "tag", "s", "--add", "release", "--add", "nightly", "--remove", "absent")
+    assert rows == [{"name": "s", "old_tags": ["nightly"], "tags": ["nightly", "release"], "changed": True}]
+    after = json.loads((store_dir / "snapshots" / "s.json").read_text())
+    assert (store_dir / "snapshots" / "s.json").stat().st_ino != ino  # a new file renamed into place
+    for key in ("created", "host", "gpusnap_version", "meta", "streams", "name"):
+        assert after[key] == before[key], key
+    assert after["checksum"] != before["checksum"]
+    cli.run("store", "verify", "s")  # the rewritten manifest loads: its checksum is valid
+    assert cli.json("store", "tag", "s", "--remove", "nightly")[0]["tags"] == ["release"]
+    assert cli.json("store", "tag", "s", "--set", "a", "--set", "b")[0]["tags"] == ["a", "b"]
+    assert [r["name"] for r in cli.json("store", "ls", "--tag", "b")] == ["s"]
+    assert cli.json("store", "tag", "s", "--set", "")[0]["tags"] == []
+    assert cli.run("store", "tag", "s", "--set", "a", "--add", "c", check=False).returncode == 2
+    assert cli.run("store", "tag", "s", check=False).returncode == 2
+    p = cli.run("store", "tag", "s", "--add", "bad tag", check=False)
+    assert p.returncode == 1 and "bad tag" in p.stderr
+    assert cli.run("store", "tag", "nope", "--add", "x", check=False).returncode == 1
+    assert list((store_dir / "tmp").iterdir()) == []
+    assert "Changing tags" in (REPO / "storage" / "FORMAT.md").read_text() or \
+        "store tag NAME" in (REPO / "storage" / "FORMAT.md").read_text()
+
+
+# ------------------------------------------------------------------------------------------- item 4
+def test_ls_marks_snapshots_with_damaged_chunks_until_repaired(cli: Cli, store_dir: Path, tmp_path: Path) -> None:
+    src = tmp_path / "data"
+    src.mkdir()
+    (src / "r.bin").write_bytes(os.urandom(1 << 20))
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "o.bin").write_bytes(os.urandom(1 << 20))
+    cli.run("store", "put", "hit", str(src))
+    cli.run("store", "put", "whole", str(other))
+    hit_ids = {c[0] for s in json.loads((store_dir / "snapshots" / "hit.json").read_text())["streams"]
+               for c in s["chunks"] if c[0]}
+    victim = next(p for p in chunk_files(store_dir) if p.name in hit_ids)
+    with open(victim, "r+b") as f:
+        f.seek(4096 + 100)
+        b = f.read(1)
+        f.seek(4096 + 100)
+        f.write(bytes([b[0] ^ 0xFF]))
+    assert {r["name"]: r["damaged_chunks"] for r in cli.json("store", "ls")} == {"hit": 0, "whole": 0}
+    assert cli.run("store", "verify", check=False).returncode == 3
+    rows = {r["name"]: r for r in cli.json("store", "ls")}
+    assert rows["hit"]["damaged_chunks"] == 1 and rows["whole"]["damaged_chunks"] == 0
+    line = next(x for x in cli.run("store", "ls").stdout.splitlines() if x.startswith("hit "))
+    assert "DAMAGED" in line and "store repair" in line
+    assert "DAMAGED" not in next(x for x in cli.run("store", "ls").stdout.splitlines() if x.startswith("whole "))
+    # a forged record is validated on load: garbage or a link is no record, never an error
+    rec = store_dir / "damaged.json"
+    saved = rec.read_bytes()
+    rec.write_bytes(b'{"format": "gpusnap-damage", "version": 1, "chunks": {"../x": {}}}')
+    assert cli.json("store", "ls")[0]["damaged_chunks"] == 0
+    rec.unlink()
+    rec.symlink_to("/etc/passwd")
+    assert cli.json("store", "ls")[0]["damaged_chunks"] == 0
+    rec.unlink()
+    rec.write_bytes(saved)
+    cli.run("store", "repair", "--from", str(src))
+    assert {r["name"]: r["damaged_chunks"] for r in cli.json("store", "ls")} == {"hit": 0, "whole": 0}
+    assert not rec.exists()
+    # a later verify that finds the chunk whole clears the mark too
+    rec.write_bytes(saved)
+    assert cli.json("store", "ls")[0]["damaged_chunks"] == 1
+    cli.run("store", "verify")
+    assert cli.json("store", "ls")[0]["damaged_chunks"] == 0
+
+
+# ------------------------------------------------------------------------------------------- item 5
+def test_stats_report_zeros_apart_from_dedup(cli: Cli, tmp_path: Path) -> None:
+    src = tmp_path / "data"
+    src.mkdir()
+    (src / "r.bin").write_bytes(os.urandom(4 << 20))
+    (src / "z.bin").write_bytes(bytes(8 << 20))
+    cli.run("store", "put", "a", str(src))
+    one = cli.json("store", "stats")
+    a = one["snapshots"][0]
+    assert a["zero_bytes"] == 8 << 20 and a["dedup_bytes"] == 0 and a["dedup_ratio"] == 1.0
+    assert one["repository"]["dedup_ratio"] == 1.0 and one["repository"]["zero_bytes"] == 8 << 20
+    text = cli.run("store", "stats").stdout
+    assert "(1.00x)" in text and "zeros elided" in text and "3.00x" not in text
+    (src / "copy.bin").write_bytes((src / "r.bin").read_bytes())
+    cli.run("store", "put", "b", str(src))
+    rep = cli.json("store", "stats")
+    b = next(s for s in rep["snapshots"] if s["name"] == "b")
+    assert b["dedup_bytes"] == 4 << 20 and b["dedup_ratio"] == 2.0
+    repo = rep["repository"]
+    assert repo["referenced_bytes"] == 12 << 20 and repo["distinct_raw_bytes"] == 4 << 20
+    assert repo["dedup_bytes"] == 8 << 20 and repo["dedup_ratio"] == 3.0
