@@ -34,6 +34,15 @@ def store() -> None:
 @click.option("--chunk-size", default="4M", show_default=True, help="Chunk size (K/M suffix).")
 @click.option("--workers", type=click.IntRange(1, 256), default=None, help="Worker threads (default: CPU count, max 16).")
 @click.option("--no-compress", is_flag=True, help="Store chunks raw (zero chunks are still elided).")
+@click.option("--exclude", "exclude", multiple=True, metavar="PATTERN",
+              help="Leave out what matches this glob (repeatable). Without a /, it matches a base name "
+                   "anywhere ('*.o', '.cache'); with one, the path from the top directory stored "
+                   "('data/tmp/*'). An excluded directory is left out with all below it.")
+@click.option("--exclude-file", "exclude_files", multiple=True, metavar="FILE", type=click.Path(dir_okay=False),
+              help="Read --exclude patterns from FILE, one per line (blank lines and lines starting with # "
+                   "are ignored; repeatable).")
+@click.option("--no-xattrs", is_flag=True, help="Do not store extended attributes (stored by default: user.*, "
+                                                "and security.*/trusted.* where readable).")
 @tag_option
 @click.option("--chunker", type=click.Choice(["fixed", "pages"]), default="fixed", show_default=True,
               help="fixed: CHUNK_SIZE pieces; pages: content-defined cuts on 4 KiB pages (dedups data that "
@@ -42,12 +51,20 @@ def store() -> None:
 @click.pass_context
 @one_line_errors
 def store_put(ctx: click.Context, name: str, paths: tuple[str, ...], replace: bool, chunk_size: str,
-              workers: int | None, no_compress: bool, tags: tuple[str, ...], chunker: str, as_json: bool) -> None:
-    """Store PATHS (files or directories, each under its base name) as snapshot NAME."""
+              workers: int | None, no_compress: bool, exclude: tuple[str, ...], exclude_files: tuple[str, ...],
+              no_xattrs: bool, tags: tuple[str, ...], chunker: str, as_json: bool) -> None:
+    """Store PATHS (files or directories, each under its base name) as snapshot NAME.
+
+    Regular files, directories, symlinks and FIFOs (as entries: a FIFO is never opened) are stored
+    with their modes, owners, times, extended attributes and hard links; sockets are skipped with a
+    note on stderr (as tar does); devices are refused (--exclude them)."""
     validate_snapshot_name(name)
     size = parse_chunk_size(chunk_size)
+    patterns = list(exclude) + [p for f in exclude_files for p in _read_patterns(f)]
     meta = FilesMeta(tuple(os.path.abspath(p) for p in paths)).to_json()
-    with FileTreeSource(list(paths)) as source:  # scanned (and refused) before a store is made
+    with FileTreeSource(list(paths), exclude=patterns, xattrs=not no_xattrs) as source:  # scanned (and refused) before a store is made
+        for note in source.skipped:
+            click.echo(f"gpusnap: note: skipped {note}", err=True)
         st = open_store(ctx)
         journal.require_clean(st.path)  # an interrupted dump's workload comes first: `gpusnap recover`
         with st.writer(name, replace=replace, meta=meta, tags=tags) as w, \
@@ -58,10 +75,24 @@ def store_put(ctx: click.Context, name: str, paths: tuple[str, ...], replace: bo
             w.commit()
     report = {"name": name, "raw_bytes": res.raw_bytes, "new_bytes": res.stored_bytes,
               "seconds": round(res.seconds, 3), "GBps": round(res.gbps, 3), **res.extra,
-              "stages": res.stages.table(), "direct_io": st.direct}
+              "stages": res.stages.table(), "direct_io": st.direct, "skipped": source.skipped,
+              "excluded": source.excluded}
     emit(as_json, report, f"{name}: {human(res.raw_bytes)} in {res.seconds:.2f} s ({res.gbps:.2f} GB/s), "
          f"{human(res.stored_bytes)} written, {human(res.extra['bytes_dedup'])} deduplicated, "
          f"{human(res.extra['zero_bytes'])} zeros elided")
+
+
+def _read_patterns(path: str) -> list[str]:
+    """--exclude-file: one pattern per line; blank lines and # comments ignored; at most 1 MiB."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read((1 << 20) + 1)
+    except OSError as e:
+        raise click.BadParameter(f"{path}: {e.strerror or e}", param_hint="--exclude-file") from None
+    if len(data) > 1 << 20:
+        raise click.BadParameter(f"{path}: over 1 MiB of patterns", param_hint="--exclude-file")
+    lines = data.decode(errors="replace").splitlines()
+    return [ln.strip() for ln in lines if ln.strip() and not ln.lstrip().startswith("#")]
 
 
 @store.command("init")

@@ -159,3 +159,93 @@ def test_stats_report_zeros_apart_from_dedup(cli: Cli, tmp_path: Path) -> None:
     repo = rep["repository"]
     assert repo["referenced_bytes"] == 12 << 20 and repo["distinct_raw_bytes"] == 4 << 20
     assert repo["dedup_bytes"] == 8 << 20 and repo["dedup_ratio"] == 3.0
+
+
+# ------------------------------------------------------------------------------------------- item 6
+def test_put_stores_fifos_skips_sockets_and_excludes(cli: Cli, store_dir: Path, tmp_path: Path) -> None:
+    import socket
+    import stat
+    src = tmp_path / "data"
+    (src / "d").mkdir(parents=True)
+    os.mkfifo(src / "d" / "pipe", 0o640)
+    sock = socket.socket(socket.AF_UNIX)
+    sock.bind(str(src / "d" / "sock"))
+    (src / "d" / "keep.txt").write_text("k")
+    (src / "d" / "x.o").write_text("o")
+    (src / "cache").mkdir()
+    (src / "cache" / "big").write_bytes(b"c" * 1000)
+    (src / "d" / "notes.tmp").write_text("t")
+    pats = tmp_path / "excl"
+    pats.write_text("# build output\n\n*.tmp\n")
+    try:
+        # a writer holding the FIFO open would block a put that opened it: the put must not open it
+        p = cli.run("store", "put", "s", str(src), "--exclude", "*.o", "--exclude", "data/cache",
+                    "--exclude-file", str(pats), "--json", timeout=60)
+    finally:
+        sock.close()
+    rep = json.loads(p.stdout)
+    assert rep["excluded"] == 3 and len(rep["skipped"]) == 1 and "socket" in rep["skipped"][0]
+    assert "note: skipped" in p.stderr and "sock" in p.stderr
+    paths = {r["path"]: r for r in cli.json("store", "ls", "s")}
+    assert set(paths) == {"data", "data/d", "data/d/keep.txt", "data/d/pipe"}
+    assert paths["data/d/pipe"]["type"] == "fifo" and paths["data/d/pipe"]["mode"] == 0o640
+    assert any(x.startswith("prw-r-----") for x in cli.run("store", "ls", "s").stdout.splitlines())
+    out = tmp_path / "out"
+    cli.run("store", "get", "s", str(out))
+    st = (out / "data" / "d" / "pipe").lstat()
+    assert stat.S_ISFIFO(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o640
+    assert st.st_mtime_ns == (src / "d" / "pipe").lstat().st_mtime_ns
+    assert (out / "data" / "d" / "keep.txt").read_text() == "k"
+    # devices are still refused, naming --exclude
+    if os.geteuid() == 0:
+        dev = tmp_path / "devs"
+        dev.mkdir()
+        os.mknod(dev / "null", 0o600 | stat.S_IFCHR, os.makedev(1, 3))
+        p = cli.run("store", "put", "dev", str(dev), check=False)
+        assert p.returncode == 1 and "--exclude" in p.stderr
+        cli.run("store", "put", "dev", str(dev), "--exclude", "null")
+
+
+# ------------------------------------------------------------------------------------------- item 7
+def test_xattrs_kept_and_restored_with_owners_and_links(cli: Cli, store_dir: Path, tmp_path: Path) -> None:
+    src = tmp_path / "data"
+    src.mkdir()
+    f = src / "f"
+    f.write_text("x")
+    os.link(f, src / "f2")
+    os.setxattr(f, "user.color", b"blue")
+    os.setxattr(src, "user.dir", b"\x00\x01binary")
+    if os.geteuid() == 0:
+        os.setxattr(f, "trusted.t", b"secret")
+        os.chown(f, 1234, 5678)
+    cli.run("store", "put", "s", str(src))
+    m = json.loads((store_dir / "snapshots" / "s.json").read_text())
+    assert m["version"] == 3
+    out = tmp_path / "out"
+    cli.run("store", "get", "s", str(out))
+    g = out / "data" / "f"
+    assert os.getxattr(g, "user.color") == b"blue"
+    assert os.getxattr(out / "data", "user.dir") == b"\x00\x01binary"
+    assert (out / "data" / "f2").stat().st_ino == g.stat().st_ino
+    if os.geteuid() == 0:
+        assert os.getxattr(g, "trusted.t") == b"secret" and (g.stat().st_uid, g.stat().st_gid) == (1234, 5678)
+        # without owners, the privileged namespaces are not restored
+        cli.run("store", "get", "s", str(tmp_path / "out2"), "--no-same-owner")
+        assert "trusted.t" not in os.listxattr(tmp_path / "out2" / "data" / "f")
+        assert os.getxattr(tmp_path / "out2" / "data" / "f", "user.color") == b"blue"
+    # --no-xattrs stores none, and a manifest without them is version 2 (older readers take it)
+    cli.run("store", "put", "plain", str(src), "--no-xattrs")
+    assert json.loads((store_dir / "snapshots" / "plain.json").read_text())["version"] == 2
+    # bounded on load: an oversized or foreign-namespace xattr is damage, refused before any write
+    import base64
+    import blake3
+    for bad in ({"system.posix_acl_access": "AA=="}, {"user.big": base64.b64encode(bytes(70 << 10)).decode()}):
+        body = json.loads((store_dir / "snapshots" / "s.json").read_text())
+        body["name"] = "forged"
+        body["streams"][0]["attrs"]["xattrs"] = bad
+        body.pop("checksum")
+        body["checksum"] = blake3.blake3(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+        (store_dir / "snapshots" / "forged.json").write_text(json.dumps(body))
+        p = cli.run("store", "get", "forged", str(tmp_path / "never"), check=False)
+        assert p.returncode != 0 and "damaged" in p.stderr and "xattr" in p.stderr, p.stderr
+        assert not (tmp_path / "never").exists()
