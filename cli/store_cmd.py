@@ -6,6 +6,8 @@ import json
 import os
 import sys
 
+from typing import TYPE_CHECKING, Any
+
 import click
 
 from storage import pipeline
@@ -20,6 +22,8 @@ from storage.store import Problem, StoreError
 
 from sandbox.ops import journal
 from sandbox.ops.snapshot_meta import FilesMeta, meta_problems, remove_with_companions
+if TYPE_CHECKING:
+    from storage.files_cache import FilesCache
 from cli.common import emit, human, json_option, one_line_errors, open_store, parse_chunk_size, tag_option
 
 @click.group()
@@ -41,6 +45,9 @@ def store() -> None:
 @click.option("--exclude-file", "exclude_files", multiple=True, metavar="FILE", type=click.Path(dir_okay=False),
               help="Read --exclude patterns from FILE, one per line (blank lines and lines starting with # "
                    "are ignored; repeatable).")
+@click.option("--force", is_flag=True, help="Read every file, even those the files cache says are unchanged "
+                                             "(the cache is then rewritten from what was read).")
+@click.option("--no-cache", is_flag=True, help="Neither use nor update the files cache: read every file.")
 @click.option("--no-xattrs", is_flag=True, help="Do not store extended attributes (stored by default: user.*, "
                                                 "and security.*/trusted.* where readable).")
 @tag_option
@@ -52,12 +59,17 @@ def store() -> None:
 @one_line_errors
 def store_put(ctx: click.Context, name: str, paths: tuple[str, ...], replace: bool, chunk_size: str,
               workers: int | None, no_compress: bool, exclude: tuple[str, ...], exclude_files: tuple[str, ...],
-              no_xattrs: bool, tags: tuple[str, ...], chunker: str, as_json: bool) -> None:
+              force: bool, no_cache: bool, no_xattrs: bool, tags: tuple[str, ...], chunker: str,
+              as_json: bool) -> None:
     """Store PATHS (files or directories, each under its base name) as snapshot NAME.
 
     Regular files, directories, symlinks and FIFOs (as entries: a FIFO is never opened) are stored
     with their modes, owners, times, extended attributes and hard links; sockets are skipped with a
-    note on stderr (as tar does); devices are refused (--exclude them)."""
+    note on stderr (as tar does); devices are refused (--exclude them).
+
+    A file whose path, size, mtime, ctime and inode are what the files cache recorded when it was
+    last stored into this store is not read again: its chunks are taken from the cache, each checked
+    to be present and sound (borg's files cache; --force or --no-cache read everything)."""
     validate_snapshot_name(name)
     size = parse_chunk_size(chunk_size)
     patterns = list(exclude) + [p for f in exclude_files for p in _read_patterns(f)]
@@ -67,19 +79,51 @@ def store_put(ctx: click.Context, name: str, paths: tuple[str, ...], replace: bo
             click.echo(f"gpusnap: note: skipped {note}", err=True)
         st = open_store(ctx)
         journal.require_clean(st.path)  # an interrupted dump's workload comes first: `gpusnap recover`
+        from storage.files_cache import FilesCache
+        cache = FilesCache() if no_cache or force else FilesCache.load(st)
         with st.writer(name, replace=replace, meta=meta, tags=tags) as w, \
                 Progress(f"put {name}", ctx.obj["progress"]) as prog:
             prog.start(source.total_bytes)
             res = pipeline.put(w, source, chunk_size=size, workers=workers, compress=not no_compress,
-                               progress=prog, chunker=chunker)
-            w.commit()
+                               progress=prog, chunker=chunker, known=None if no_cache else _lookup(source, cache))
+            manifest = w.commit()
+        if not no_cache:
+            _update_cache(st, source, manifest, force)
     report = {"name": name, "raw_bytes": res.raw_bytes, "new_bytes": res.stored_bytes,
               "seconds": round(res.seconds, 3), "GBps": round(res.gbps, 3), **res.extra,
               "stages": res.stages.table(), "direct_io": st.direct, "skipped": source.skipped,
               "excluded": source.excluded}
     emit(as_json, report, f"{name}: {human(res.raw_bytes)} in {res.seconds:.2f} s ({res.gbps:.2f} GB/s), "
          f"{human(res.stored_bytes)} written, {human(res.extra['bytes_dedup'])} deduplicated, "
-         f"{human(res.extra['zero_bytes'])} zeros elided")
+         f"{human(res.extra['zero_bytes'])} zeros elided"
+         + (f", {res.extra['files_unchanged']} unchanged files not read (files cache)"
+            if res.extra.get("files_unchanged") else ""))
+
+
+def _lookup(source: FileTreeSource, cache: "FilesCache") -> Any:
+    """pipeline.put's `known`: the files cache's references for a file stream of SOURCE."""
+    def known(spec: Any, chunker: dict[str, Any]) -> Any:
+        k = source.keys.get(spec.name)
+        return cache.lookup(k[0], k[1], chunker) if k else None
+    return known
+
+
+def _update_cache(st: Any, source: FileTreeSource, manifest: Manifest, force: bool) -> None:
+    """Record MANIFEST's files in the store's files cache (entries under this put's inputs that it no
+    longer saw are dropped); a cache that cannot be written is only a slower next put."""
+    from storage.files_cache import FilesCache
+    cache = FilesCache.load(st)
+    roots = [p for p, _ in source.roots]
+    for path in [p for p in cache.entries if any(p == r or p.startswith(r.rstrip("/") + "/") for r in roots)]:
+        del cache.entries[path]
+    for s in manifest.streams:
+        k = source.keys.get(s.name)
+        if k is not None and s.attrs.get("type") == "file":
+            cache.record(k[0], k[1], s.attrs.get("chunker", {}), s.chunks, source.scanned_ns)
+    try:
+        cache.save(st)
+    except (OSError, GpusnapError) as e:
+        click.echo(f"gpusnap: note: the files cache was not updated: {e}", err=True)
 
 
 def _read_patterns(path: str) -> list[str]:

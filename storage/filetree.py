@@ -25,6 +25,7 @@ from typing import Any, Iterator
 from .directio import read_into
 from .names import validate_stream_name
 from .pipeline import PipelineError, StreamSpec, StreamWriter
+from .files_cache import stat_key
 from .xattrs import read_xattrs, restore_xattrs
 
 
@@ -139,6 +140,8 @@ class FileTreeSource:
         self.skipped: list[str] = []            # what was not stored, and why (sockets)
         self.excluded = 0
         self.xattrs = xattrs
+        self.keys: dict[str, tuple[str, Any]] = {}  # file stream name -> (its absolute path, files_cache.Key)
+        self.scanned_ns = time.time_ns()
         self._anchors: dict[str, int] = {}      # base name -> fd of the directory holding it
         self._seen: dict[str, _Seen] = {}       # stream name -> what the scan found there
         self._links: dict[tuple[int, int], str] = {}  # (dev, ino) of multiply linked files -> first name
@@ -205,6 +208,7 @@ class FileTreeSource:
                 first = self._links.setdefault((st.st_dev, st.st_ino), name)
                 if first != name:
                     return StreamSpec(name, {"type": "hardlink", "target": first}, 0)
+            self.keys[name] = (self._display(name), stat_key(st))
             return StreamSpec(name, {"type": "file", **attrs}, st.st_size)
         if stat.S_ISDIR(st.st_mode):
             if not os.access(entry, os.R_OK | os.X_OK, dir_fd=dfd):

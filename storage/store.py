@@ -958,6 +958,30 @@ class SnapshotWriter:
             self.stats.add_chunk(got.raw_len, got.stored_len, False, hash_s, time.perf_counter() - t0 - hash_s)
         return cid, ChunkRef(cid, got.raw_len, got.codec, got.stored_len)
 
+    def reuse_ref(self, ref: ChunkRef) -> ChunkRef | None:
+        """REF (a raw-addressed chunk a files cache remembers) as the reference to the sound file of
+        its id present now (chunkfile.reusable: a GSNPCHK2 header of its raw length); None when there
+        is none: the caller then reads the file's bytes again. Counted by note_reused, not here."""
+        if ref.id is None or not CHUNK_ID.fullmatch(ref.id):
+            return None
+        want = ChunkHeader("raw", ref.raw_len, ref.raw_len, raw_id=True)
+        try:
+            with opened_child(self._chunks, ref.id[:2], f"chunks/{ref.id[:2]}") as d:
+                got = reusable(d, ref.id, want)
+        except (OSError, GpusnapError):
+            return None
+        if got is None:
+            return None
+        return ChunkRef(ref.id, got.raw_len, got.codec, got.stored_len)
+
+    def note_reused(self, ref: ChunkRef) -> None:
+        """Count REF (from reuse_ref, or a zero chunk) as found present: deduplicated, nothing written."""
+        with self._lock:
+            if ref.is_zero:
+                self.stats.add_zero(ref.raw_len)
+            else:
+                self.stats.add_chunk(ref.raw_len, ref.stored_len, False, 0.0)
+
     def put_chunk(self, codec: str, raw_len: int, frame: memoryview, stored_len: int,
                   raw_id: str | None = None, verified_id: str | None = None) -> ChunkRef:
         """Store one encoded chunk (thread-safe) whose payload sits at FRAME[HEADER_SIZE:][:stored_len];

@@ -249,3 +249,60 @@ def test_xattrs_kept_and_restored_with_owners_and_links(cli: Cli, store_dir: Pat
         p = cli.run("store", "get", "forged", str(tmp_path / "never"), check=False)
         assert p.returncode != 0 and "damaged" in p.stderr and "xattr" in p.stderr, p.stderr
         assert not (tmp_path / "never").exists()
+
+
+# ------------------------------------------------------------------------------------------- item 8
+def _read_bytes(rep: dict) -> int:
+    return int(rep["stages"].get("read", {}).get("bytes", 0))
+
+
+def test_files_cache_skips_unchanged_files_and_survives_forgery(cli: Cli, store_dir: Path, tmp_path: Path) -> None:
+    src = tmp_path / "data"
+    src.mkdir()
+    for i in range(4):
+        (src / f"f{i}").write_bytes(os.urandom(1 << 20))
+        os.utime(src / f"f{i}", ns=(1_700_000_000 * 10**9,) * 2)
+    import time
+    time.sleep(2.2)  # a file changed within 2 s of its scan is not cached (files_cache.RACY_NS)
+    first = cli.json("store", "put", "a", str(src))
+    assert first["files_unchanged"] == 0 and _read_bytes(first) == 4 << 20
+    time_ok = cli.json("store", "put", "b", str(src))
+    assert time_ok["files_unchanged"] == 4 and _read_bytes(time_ok) == 0
+    ma = json.loads((store_dir / "snapshots" / "a.json").read_text())["streams"]
+    mb = json.loads((store_dir / "snapshots" / "b.json").read_text())["streams"]
+    assert [s["chunks"] for s in ma] == [s["chunks"] for s in mb]
+    # a file rewritten with the same size and mtime: its ctime changed, so it is read again
+    (src / "f1").write_bytes(os.urandom(1 << 20))
+    os.utime(src / "f1", ns=(1_700_000_000 * 10**9,) * 2)
+    c = cli.json("store", "put", "c", str(src))
+    assert c["files_unchanged"] == 3 and _read_bytes(c) == 1 << 20
+    cli.run("store", "get", "c", str(tmp_path / "outc"))
+    assert (tmp_path / "outc" / "data" / "f1").read_bytes() == (src / "f1").read_bytes()
+    # --force and --no-cache read everything
+    assert _read_bytes(cli.json("store", "put", "d", str(src), "--force")) == 4 << 20
+    assert _read_bytes(cli.json("store", "put", "e", str(src), "--no-cache")) == 4 << 20
+    # a cache naming a chunk the store lacks (gc'd, or forged), or one that does not check: a re-read
+    cache = store_dir / "files-cache.json"
+    body = json.loads(cache.read_text())
+    import blake3
+    for path, e in body["entries"].items():
+        e["chunks"][0][0] = "ab" * 32
+    body["checksum"] = blake3.blake3(json.dumps(body["entries"], sort_keys=True, separators=(",", ":"))
+                                     .encode()).hexdigest()
+    cache.write_text(json.dumps(body))
+    f = cli.json("store", "put", "f", str(src))
+    assert f["files_unchanged"] == 0 and _read_bytes(f) == 4 << 20
+    for forged in (b"{not json", json.dumps({**body, "checksum": "0" * 64}).encode()):
+        cache.write_bytes(forged)
+        g = cli.json("store", "put", "g", str(src), "--replace")
+        assert g["files_unchanged"] == 0 and _read_bytes(g) == 4 << 20
+    cache.unlink()
+    cache.symlink_to(tmp_path / "elsewhere")
+    h = cli.json("store", "put", "h", str(src))
+    assert h["files_unchanged"] == 0
+    cli.run("store", "verify")
+    for n in ("f", "g", "h"):
+        out = tmp_path / f"out{n}"
+        cli.run("store", "get", n, str(out))
+        for i in range(4):
+            assert (out / "data" / f"f{i}").read_bytes() == (src / f"f{i}").read_bytes()
