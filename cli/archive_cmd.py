@@ -11,11 +11,9 @@ from typing import IO, Any
 import click
 
 from storage.errors import GpusnapError
-from storage.gc import collect
 from storage.locks import break_locks, lock_status
 from storage.manifest import Manifest, validate_tag
 from storage.names import validate_snapshot_name
-from storage.portable import cat, export, import_
 from storage.retention import Entry, Policy, companion_parent, decide, parse_created
 from storage.stats import compute, diff
 from storage.store import SnapshotStore
@@ -117,6 +115,7 @@ def forget(ctx: click.Context, keep_last: int, keep_hourly: int, keep_daily: int
     lines += [f"NOT removed {b}" for b in busy]
     lines += [f"unreadable (left alone) {b}" for b in bad]
     if prune and not dry_run:
+        from storage.gc import collect
         rep = collect(st)
         report["prune"] = {"chunks_removed": rep.chunks_removed, "bytes_freed": rep.bytes_freed}
         lines.append(f"prune: removed {rep.chunks_removed} chunks ({human(rep.bytes_freed)})")
@@ -165,6 +164,7 @@ def stats(ctx: click.Context, names: tuple[str, ...], as_json: bool) -> None:
 @one_line_errors
 def cat_cmd(ctx: click.Context, name: str, stream: str) -> None:
     """Write one file stream of NAME to stdout, every chunk verified before its bytes go out."""
+    from storage.portable import cat
     st = open_store(ctx, create=False)
     with st.shared():
         m = st.load(validate_snapshot_name(name))
@@ -207,6 +207,7 @@ def export_cmd(ctx: click.Context, name: str, archive: str, as_json: bool) -> No
     """Write snapshot NAME as one archive (zstd-compressed tar of its manifest and chunks) to
     ARCHIVE (a new file; default stdout), for `store import` into another store."""
     import os
+    from storage.portable import export
     st = open_store(ctx, create=False)
     out = _open_out(archive)
     try:
@@ -234,6 +235,7 @@ def export_cmd(ctx: click.Context, name: str, archive: str, as_json: bool) -> No
 def import_cmd(ctx: click.Context, archive: str, name: str | None, replace: bool, as_json: bool) -> None:
     """Take in an archive made by `store export` (file or - for stdin); every chunk verified, the
     snapshot visible only once complete."""
+    from storage.portable import import_
     st = open_store(ctx)
     if archive == "-":
         rep = import_(st, sys.stdin.buffer, name, replace=replace)

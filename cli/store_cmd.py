@@ -10,23 +10,33 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from storage import pipeline
 from storage.errors import EXIT_DAMAGED, EXIT_FAILED, GpusnapError
-from storage.filetree import FileTreeSink, FileTreeSource
-from storage.gc import collect
-from storage.manifest import Manifest
 from storage.names import validate_snapshot_name
-from cli.progress import Progress
-from storage.repair import repair as repair_store
-from storage.store import Problem, StoreError
+from storage.store import StoreError
 
-from sandbox.ops import journal
-from sandbox.ops.snapshot_meta import FilesMeta, meta_problems, remove_with_companions
-if TYPE_CHECKING:
-    from storage.files_cache import FilesCache
 from cli.common import emit, human, json_option, one_line_errors, open_store, parse_chunk_size, tag_option
+from cli.lazy import LazyGroup
+from cli.progress import Progress
 
-@click.group()
+if TYPE_CHECKING:  # imported where used: `store ls` and `--help` need none of them (numpy, zstandard)
+    from storage.files_cache import FilesCache
+    from storage.filetree import FileTreeSource
+    from storage.manifest import Manifest
+
+# the store subcommands of cli/archive_cmd.py, imported only when one runs
+ARCHIVE_COMMANDS = {
+    "forget": ("cli.archive_cmd", "forget", "Remove snapshots a retention policy does not keep (restic's `forget` rules)."),
+    "stats": ("cli.archive_cmd", "stats", "Raw, zero, deduplicated, stored, unique (\"freed by rm\") and shared bytes per snapshot, and totals."),
+    "cat": ("cli.archive_cmd", "cat_cmd", "Write one file stream of NAME to stdout, every chunk verified before its bytes go out."),
+    "diff": ("cli.archive_cmd", "diff_cmd", "Streams added (+), removed (-), changed (M) or with changed attributes (U) from A to B."),
+    "export": ("cli.archive_cmd", "export_cmd", "Write snapshot NAME as one archive (zstd-compressed tar of its manifest and chunks) to..."),
+    "import": ("cli.archive_cmd", "import_cmd", "Take in an archive made by `store export` (file or - for stdin); every chunk verified, the..."),
+    "lock": ("cli.archive_cmd", "lock", "The store's locks: who holds them."),
+    "break-lock": ("cli.archive_cmd", "break_lock", "Remove lock files whose holder is gone (of NAMES, default: every name with no snapshot);..."),
+}
+
+
+@click.group(cls=LazyGroup, lazy=ARCHIVE_COMMANDS)
 def store() -> None:
     """Store files and directories as snapshots, and manage the store."""
 
@@ -70,6 +80,10 @@ def store_put(ctx: click.Context, name: str, paths: tuple[str, ...], replace: bo
     A file whose path, size, mtime, ctime and inode are what the files cache recorded when it was
     last stored into this store is not read again: its chunks are taken from the cache, each checked
     to be present and sound (borg's files cache; --force or --no-cache read everything)."""
+    from sandbox.ops import journal
+    from sandbox.ops.snapshot_meta import FilesMeta
+    from storage import pipeline
+    from storage.filetree import FileTreeSource
     validate_snapshot_name(name)
     size = parse_chunk_size(chunk_size)
     patterns = list(exclude) + [p for f in exclude_files for p in _read_patterns(f)]
@@ -172,6 +186,8 @@ def store_get(ctx: click.Context, name: str, dest: str, include: tuple[str, ...]
 
     While it runs, a record in the store's tmp/ names DEST: if the get is killed, `store gc` removes
     the partial hidden tree it left beside DEST."""
+    from storage import pipeline
+    from storage.filetree import FileTreeSink
     st = open_store(ctx, create=False)
     with st.shared():
         m = st.load(validate_snapshot_name(name))
@@ -404,6 +420,8 @@ def store_verify(ctx: click.Context, name: str | None, repair: bool, read_data: 
 
     Damaged chunk files are moved to the store's quarantine/ so that the next put of the same data
     writes them again (which heals every snapshot that names them); --repair rewrites them now."""
+    from sandbox.ops.snapshot_meta import meta_problems
+    from storage.store import Problem
     if repair or sources:
         ctx.invoke(store_repair, sources=sources, wait=30.0, as_json=as_json)
         return
@@ -448,6 +466,7 @@ def store_repair(ctx: click.Context, sources: tuple[str, ...], wait: float, as_j
     still are (a quarantined copy that is fine after all, or --from PATH); report what is lost.
 
     Exit 0 when every snapshot is whole again, 3 when something is lost (the report names it)."""
+    from storage.repair import repair as repair_store
     st = open_store(ctx, create=False)
     with Progress("repair", ctx.obj["progress"]) as prog:
         rep = repair_store(st, list(sources), timeout=wait, progress=prog)
@@ -472,6 +491,8 @@ def store_rm(ctx: click.Context, names: tuple[str, ...], as_json: bool) -> None:
     lists as DAMAGED; chunks are reclaimed by `gc`.
 
     Every NAME is tried; those that cannot be removed are reported and the exit status is 1."""
+    from sandbox.ops import journal
+    from sandbox.ops.snapshot_meta import remove_with_companions
     st = open_store(ctx, create=False)
     journal.require_clean(st.path)
     removed: list[str] = []
@@ -499,6 +520,8 @@ def store_gc(ctx: click.Context, wait: float, as_json: bool) -> None:
     interrupted puts and gets whose process is gone, lock files of names without a snapshot.
 
     Anything else found in the store is reported and left alone; damage found exits 3."""
+    from sandbox.ops import journal
+    from storage.gc import collect
     st = open_store(ctx, create=False)
     journal.require_clean(st.path)
     rep = collect(st, wait)
@@ -526,6 +549,7 @@ def select_streams(m: Manifest, patterns: tuple[str, ...]) -> Manifest:
     picked = {s.name for s in m.streams if any(fnmatch.fnmatchcase(s.name, p) for p in patterns)}
     if not picked:
         raise StoreError(f"no stream of {m.name!r} matches {', '.join(patterns)} (`gpusnap store ls {m.name}` lists them)")
+    from storage.manifest import Manifest
     parents = {"/".join(n.split("/")[:i]) for n in picked for i in range(1, n.count("/") + 1)}
     keep = picked | parents
     return Manifest(m.name, [s for s in m.streams if s.name in keep], m.meta, m.created, m.tags, m.host, m.tool)

@@ -9,7 +9,11 @@ import threading
 from dataclasses import dataclass
 from typing import Protocol
 
-import zstandard
+from types import ModuleType
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import zstandard
 
 # Numbering is part of the on-disk format (FORMAT.md); never reuse an id.
 from .errors import GpusnapError
@@ -22,6 +26,12 @@ ZERO = "zero"  # not a codec id: a chunk reference with no file
 # spent decompressing it later would buy almost nothing.
 PAYS_OFF_RATIO = 0.97
 _SAMPLE = 64 * 1024
+
+
+def _zstd() -> ModuleType:
+    """The zstandard module, imported on first use (a listing or --help never needs it)."""
+    import zstandard
+    return zstandard
 
 
 class CodecError(GpusnapError):
@@ -60,13 +70,13 @@ class ZstdCodec:
     def _cctx(self) -> zstandard.ZstdCompressor:
         c = getattr(self._local, "c", None)
         if c is None:
-            c = self._local.c = zstandard.ZstdCompressor(level=self.level, write_content_size=True)
+            c = self._local.c = _zstd().ZstdCompressor(level=self.level, write_content_size=True)
         return c
 
     def _dctx(self) -> zstandard.ZstdDecompressor:
         d = getattr(self._local, "d", None)
         if d is None:
-            d = self._local.d = zstandard.ZstdDecompressor()
+            d = self._local.d = _zstd().ZstdDecompressor()
         return d
 
     def encode(self, data: memoryview) -> bytes:
@@ -75,7 +85,7 @@ class ZstdCodec:
     def decode(self, payload: memoryview, raw_len: int) -> bytes:
         try:
             out = self._dctx().decompress(payload, max_output_size=raw_len)
-        except zstandard.ZstdError as e:
+        except _zstd().ZstdError as e:
             raise CodecError(f"zstd payload does not decode: {e}") from None
         if len(out) != raw_len:
             raise CodecError(f"zstd payload decoded to {len(out)} bytes, expected {raw_len}")
@@ -137,7 +147,7 @@ def decode_host_into(codec: str, payload: memoryview, raw_len: int, out: memoryv
                     break
                 done += n
             extra = reader.read(1)
-        except zstandard.ZstdError as e:
+        except _zstd().ZstdError as e:
             raise CodecError(f"zstd payload does not decode: {e}") from None
         if extra:
             raise CodecError(f"zstd payload decodes to more than the {raw_len} bytes expected")

@@ -306,3 +306,38 @@ def test_files_cache_skips_unchanged_files_and_survives_forgery(cli: Cli, store_
         cli.run("store", "get", n, str(out))
         for i in range(4):
             assert (out / "data" / f"f{i}").read_bytes() == (src / f"f{i}").read_bytes()
+
+
+# ------------------------------------------------------------------------------------------- item 9
+_HEAVY = ("numpy", "zstandard", "boto3", "botocore", "rich", "cuda", "pyroute2")
+
+
+def _imported(args: list[str]) -> set[str]:
+    p = subprocess.run([*GPUSNAP[:1], "-X", "importtime", *GPUSNAP[1:], *args], capture_output=True, text=True,
+                       cwd=REPO, env={**os.environ, "PYTHONPATH": pythonpath()}, timeout=60)
+    assert p.returncode == 0, p.stderr[-2000:]
+    return {line.rsplit("|", 1)[-1].strip() for line in p.stderr.splitlines() if line.startswith("import time:")}
+
+
+def test_help_and_ls_import_only_what_they_need(cli: Cli, tmp_path: Path) -> None:
+    src = _tree(tmp_path / "data")
+    cli.run("store", "put", "s", str(src))
+    for args in (["--help"], ["store", "--help"], ["--store", str(cli.store), "store", "ls"],
+                 ["--store", str(cli.store), "store", "ls", "s"]):
+        heavy = {m for m in _imported(args) if m.split(".")[0] in _HEAVY}
+        assert heavy == set(), (args, sorted(heavy))
+    assert (REPO / "scripts" / "bench" / "bench_startup.py").is_file()
+
+
+def test_lazy_listing_matches_the_commands() -> None:
+    """The short helps `--help` lists without importing a command are each command's own."""
+    import click
+    import cli as top
+    from cli import store_cmd
+    for group in (top.main, store_cmd.store):
+        cmds = group.load_all()
+        for name, (_, _, short) in group.lazy.items():
+            c = cmds[name]
+            want = c.get_short_help_str(limit=150)
+            assert short == want or (short.endswith("...") and want.startswith(short[:-3].rstrip())), (name, short, want)
+        assert isinstance(cmds[next(iter(cmds))], click.Command)
