@@ -28,8 +28,11 @@ def criu() -> None:
 @click.option("--file-locks", is_flag=True, help="Dump file locks (CRIU --file-locks).")
 @click.option("--link-remap", is_flag=True, help="Allow deleted/linked files (CRIU --link-remap).")
 @click.option("--tcp-established", is_flag=True, help="Dump established TCP connections.")
-@click.option("--staging", default=None, metavar="DIR", help="Where CRIU writes images before ingest "
-              "(default /dev/shm when they fit, else the store's tmp/).")
+@click.option("--staging", default=None, metavar="DIR",
+              help="The directory CRIU works in (default /dev/shm when the images would fit, else the store's "
+                   "tmp/). By default the images stream from CRIU straight into the store (criu --stream through "
+                   "gpusnap's image streamer): only CRIU's log and socket are there. The alternative, "
+                   "GPUSNAP_CRIU_IMAGES=staging, has CRIU write every image there first, then ingests them.")
 @click.option("--replace", is_flag=True, help="Replace an existing snapshot of the same name.")
 @tag_option
 @json_option
@@ -38,7 +41,10 @@ def criu() -> None:
 def criu_dump_cmd(ctx: click.Context, pid: int, name: str, leave_running: bool, shell_job: bool,
                   ext_unix_sk: bool, file_locks: bool, link_remap: bool, tcp_established: bool,
                   staging: str | None, replace: bool, tags: tuple[str, ...], as_json: bool) -> None:
-    """Dump PID and its descendants into snapshot NAME. On any failure the tree keeps running."""
+    """Dump PID and its descendants into snapshot NAME. On any failure the tree keeps running.
+
+    The page images stream from CRIU into the store as CRIU writes them (no copy on disk first);
+    the tree is killed only once the snapshot is committed (unless --leave-running)."""
     refuse_container_process(pid)
     st = open_store(ctx)
     opts = DumpOptions(shell_job=shell_job, ext_unix_sk=ext_unix_sk, file_locks=file_locks,
@@ -53,7 +59,11 @@ def criu_dump_cmd(ctx: click.Context, pid: int, name: str, leave_running: bool, 
 
 @criu.command("restore")
 @click.argument("name")
-@click.option("--staging", default=None, metavar="DIR", help="Where the images are materialized for CRIU.")
+@click.option("--staging", default=None, metavar="DIR",
+              help="The directory CRIU works in (default /dev/shm when the images fit, else the store's tmp/). "
+                   "By default CRIU reads the images streamed from the store, each chunk verified, with no "
+                   "copy on disk; the alternative, GPUSNAP_CRIU_IMAGES=staging, materializes every image there "
+                   "first.")
 @from_remote_option
 @from_jobs_option
 @json_option

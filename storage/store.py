@@ -40,6 +40,7 @@ from typing import Any, Iterator
 from .chunkfile import (HEADER_SIZE, ChunkError, ChunkHeader, chunk_id, file_kind, full_check, max_stored_len,
                         id_check, raw_chunk_id, read_chunk_file, reusable, write_chunk_file)
 from .directio import AlignedBuffer, BufferPool, align_up, direct_io_supported, read_to_end
+from . import waits
 from .errors import GpusnapError
 from .manifest import ChunkRef, Manifest, ManifestError, Stream, validate_tag
 from .names import InvalidNameError, validate_snapshot_name
@@ -201,12 +202,15 @@ class _FileLock:
             raise StoreDamage(f"{self.where} is not a regular file; left alone")
         mode = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
         deadline = None if timeout is None else time.monotonic() + timeout
+        t0 = time.monotonic()
         while True:
             try:
                 fcntl.flock(self.fd, mode | fcntl.LOCK_NB)
+                waits.add(waits.LOCKS, time.monotonic() - t0)
                 return True
             except BlockingIOError:
                 if deadline is not None and time.monotonic() >= deadline:
+                    waits.add(waits.LOCKS, time.monotonic() - t0)
                     os.close(self.fd)
                     self.fd = -1
                     return False
@@ -1029,6 +1033,7 @@ class SnapshotWriter:
             manifest.host = self.host
         final = self.name + ".json"
         tmp = owned_name("manifest")
+        t0 = time.perf_counter()
         try:
             for xy in sorted(self._touched):
                 with opened_child(self._chunks, xy, f"chunks/{xy}") as d:
@@ -1047,6 +1052,8 @@ class SnapshotWriter:
             os.fsync(self._snaps)
         except OSError as e:
             raise StoreError(_io_message("committing the manifest", e, self.store.path)) from None
+        finally:
+            waits.add(waits.FSYNC, time.perf_counter() - t0)
         self._committed = True
         return manifest
 

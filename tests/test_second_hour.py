@@ -341,3 +341,50 @@ def test_lazy_listing_matches_the_commands() -> None:
             want = c.get_short_help_str(limit=150)
             assert short == want or (short.endswith("...") and want.startswith(short[:-3].rstrip())), (name, short, want)
         assert isinstance(cmds[next(iter(cmds))], click.Command)
+
+
+# --------------------------------------------------------------------------------------- items 10-14
+def test_reports_carry_the_whole_wall_time(cli: Cli, tmp_path: Path) -> None:
+    src = _tree(tmp_path / "data")
+    for args in (["store", "put", "s", str(src)], ["store", "get", "s", str(tmp_path / "out")]):
+        rep = cli.json(*args)
+        w = rep["wall"]
+        assert w["total_s"] >= w["stages_s"] > 0 and w["startup_s"] > 0
+        assert set(w["waits_s"]) >= {"locks"} and w["other_s"] >= 0
+        assert abs(w["total_s"] - (w["startup_s"] + w["stages_s"] + sum(w["waits_s"].values()) + w["other_s"])) < 0.05
+    text = cli.run("store", "put", "t", str(src)).stdout
+    assert "wall " in text and "start-up" in text and "in the stages" in text
+
+
+def test_help_words_match_behaviour(cli: Cli) -> None:
+    run_help = " ".join(cli.run("runsc", "run", "--help").stdout.split())
+    assert "store is never mounted" in run_help and "agent and the store" not in run_help
+    for cmd in ("dump", "restore"):
+        h = " ".join(cli.run("criu", cmd, "--help").stdout.split())
+        assert "By default" in h and "stream" in h and "GPUSNAP_CRIU_IMAGES=staging" in h, h
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="CRIU needs root")
+def test_criu_reports_and_the_pid_in_use_message(cli: Cli, store_dir: Path) -> None:
+    from sandbox.criu.runner import find_criu
+    if not find_criu():
+        pytest.fail("CRIU >= 4 not installed: run scripts/setup.sh")
+    from test_criu import Tree
+    t = Tree()
+    try:
+        t.report()
+        dump = cli.json("criu", "dump", str(t.pid), "c1", "--leave-running")
+        assert dump["raw_bytes"] > 0 and "restored_pid" not in dump and dump["wall"]["total_s"] > 0
+        p = cli.run("criu", "restore", "c1", check=False)
+        assert p.returncode != 0 and "in use" in p.stderr and "namespace" not in p.stderr, p.stderr
+        t.kill()
+        t.reap()
+        r = cli.json("criu", "restore", "c1")
+        assert r["restored_pid"] == t.pid
+        for dump_field in ("raw_bytes", "new_bytes", "dedup_bytes"):
+            assert dump_field not in r
+        if r["images_path"] == "stream":
+            assert "absent_images" in r["stages"]["served"] and "refused" not in r["stages"]["served"]
+        assert r["wall"]["total_s"] >= r["wall"]["stages_s"]
+    finally:
+        t.close()

@@ -30,7 +30,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
 
-from storage import pipeline
+from storage import pipeline, waits
 from storage.filetree import FileTreeSink
 from storage.follow import FollowedDirSource
 from storage.remote import DEFAULT_JOBS, Remote
@@ -68,10 +68,13 @@ class CriuReport:
     images_path: str = "staging"  # how CRIU's images moved: "stream" (sandbox.criu.streamer) or "staging"
 
     def as_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "pids": self.pids, "cuda_pids": self.cuda_pids, "stages": self.stages,
-                "seconds": {k: round(v, 3) for k, v in self.seconds.items()}, "raw_bytes": self.raw_bytes,
-                "new_bytes": self.new_bytes, "dedup_bytes": self.dedup_bytes, "restored_pid": self.restored_pid,
-                "images_path": self.images_path}
+        """A dump's report (bytes of images, written, deduplicated) or a restore's (the restored pid):
+        each carries only its own fields."""
+        d = {"name": self.name, "pids": self.pids, "cuda_pids": self.cuda_pids, "stages": self.stages,
+             "seconds": {k: round(v, 3) for k, v in self.seconds.items()}, "images_path": self.images_path}
+        if self.restored_pid is not None:
+            return {**d, "restored_pid": self.restored_pid}
+        return {**d, "raw_bytes": self.raw_bytes, "new_bytes": self.new_bytes, "dedup_bytes": self.dedup_bytes}
 
 
 def _rss_bytes(pids: list[int]) -> int:
@@ -427,10 +430,11 @@ def criu_restore(store: SnapshotStore, name: str, *, staging: str | None = None,
     with store.shared(), _from_remote(store, name, from_remote, jobs, progress) as fill:
         m = fill.manifest if fill is not None else store.load(name)
         meta = CriuMeta.of(m)
-        taken = _pids_in_use(list(meta.pids))
+        with waits.waiting(waits.TREE_DEATH):
+            taken = _pids_in_use(list(meta.pids))
         if taken:
             raise CriuSnapshotError(f"pid(s) {taken} of snapshot {name!r} are in use here; CRIU restores "
-                                    "processes with their original pids (stop them, or restore in a new pid namespace)")
+                                    "processes with their original pids: stop the processes that hold them, then restore")
         report = CriuReport(name, list(meta.pids), list(meta.cuda_pids))
         with journal.operation(store.path, OpKind.CRIU_RESTORE, name, cuda_pids=tuple(report.cuda_pids),
                                gpu_path=meta.gpu_path.value if meta.gpu_path else None) as op:
