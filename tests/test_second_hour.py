@@ -388,3 +388,38 @@ def test_criu_reports_and_the_pid_in_use_message(cli: Cli, store_dir: Path) -> N
         assert r["wall"]["total_s"] >= r["wall"]["stages_s"]
     finally:
         t.close()
+
+
+# ------------------------------------------------------------------------------------------ item 16
+def test_remote_words_as_git_and_restic_read_them(tmp_path: Path) -> None:
+    from test_remote import CREDS, Node, drop_bucket, swift_start
+    endpoint = swift_start()
+    bucket = f"gpusnap-test-h2-{os.getpid()}"
+    url = f"s3://{bucket}/words"
+    try:
+        a = Node(tmp_path / "A", endpoint, url)  # `remote add r URL`
+        p = a.run("remote", "add", "r", f"s3://{bucket}/other", "--endpoint", endpoint, check=False)
+        assert p.returncode == 1 and "--replace" in p.stderr and "already exists" in p.stderr
+        assert a.json("remote", "list")[0]["url"] == url
+        a.run("remote", "add", "r", f"s3://{bucket}/words2", "--endpoint", endpoint, "--replace")
+        a.run("remote", "add", "r2", url, "--endpoint", endpoint)
+        listed = a.run("remote", "list").stdout.splitlines()
+        assert listed[0].split() == ["NAME", "URL", "ENDPOINT"] and [x.split()[0] for x in listed[1:]] == ["r", "r2"]
+        src = _tree(tmp_path / "data")
+        a.run("store", "put", "s1", str(src))
+        a.run("push", "s1", "r2")
+        ls = a.run("remote", "ls", "r2").stdout.splitlines()
+        assert ls[0].split() == ["NAME", "KIND", "SIZE", "CREATED"] and ls[1].startswith("s1 ")
+        p = a.run("remote", "rm", "s1", "r2", check=False)
+        assert p.returncode == 2 and "remote forget" in p.stderr and "remote remove" in p.stderr
+        assert [r["name"] for r in a.json("remote", "ls", "r2")] == ["s1"]  # nothing was deleted
+        a.run("remote", "forget", "s1", "r2")
+        assert a.json("remote", "ls", "r2") == []
+        a.run("remote", "remove", "r2")
+        assert [r["name"] for r in a.json("remote", "list")] == ["r"]
+        p = a.run("remote", "remove", "r2", check=False)
+        assert p.returncode == 1 and "no remote named" in p.stderr
+        assert a.json("store", "ls")[0]["name"] == "s1"  # removing a remote touches no snapshot
+        assert CREDS
+    finally:
+        drop_bucket(endpoint, bucket)
