@@ -41,6 +41,7 @@ Exit codes:
   {EXIT_DAMAGED}  damage found: a snapshot or the store is not what it claims to be
   {EXIT_UNAVAILABLE}  this machine lacks something the command needs (a GPU, CRIU, runsc, a driver feature)
   {EXIT_RECOVER}  an interrupted operation must be finished first (`gpusnap recover`)
+  141  the reader of the output went away (`... | head`): nothing is said, as for SIGPIPE
 
 \b
 Environment:

@@ -208,6 +208,9 @@ def export_cmd(ctx: click.Context, name: str, archive: str, as_json: bool) -> No
     ARCHIVE (a new file; default stdout), for `store import` into another store."""
     import os
     from storage.portable import export
+    if archive == "-" and sys.stdout.isatty():
+        raise click.UsageError("stdout is a terminal: give an ARCHIVE file, or redirect (`> NAME.gpusnap`, "
+                               "`| ssh host gpusnap store import`)")
     st = open_store(ctx, create=False)
     out = _open_out(archive)
     try:
@@ -252,18 +255,19 @@ def lock() -> None:
 
 
 @lock.command("status")
+@click.option("--all", "show_all", is_flag=True, help="Also the lock files nobody holds (`break-lock` removes those).")
 @json_option
 @click.pass_context
 @one_line_errors
-def lock_status_cmd(ctx: click.Context, as_json: bool) -> None:
-    """Every lock file of the store and the live processes holding it."""
+def lock_status_cmd(ctx: click.Context, show_all: bool, as_json: bool) -> None:
+    """The locks held now and the live processes holding them (with --all, every lock file too)."""
     st = open_store(ctx, create=False)
-    infos = lock_status(st.path)
+    infos = [i for i in lock_status(st.path) if show_all or i.held]
     rows = [{"lock": i.kind, "name": i.name, "held": i.held, "holders": [{"pid": p, "mode": m} for p, m in i.holders]}
             for i in infos]
     lines = [f"{(i.name or '(store)'):32} " + (", ".join(f"pid {p} {m}" for p, m in i.holders) if i.held else "free")
              for i in infos]
-    emit(as_json, rows, "\n".join(lines))
+    emit(as_json, rows, "\n".join(lines) or "no locks held")
 
 
 @click.command("break-lock")

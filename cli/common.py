@@ -30,6 +30,20 @@ def fail(message: str, code: int = EXIT_FAILED, as_json: bool = False) -> None:
     sys.exit(code)
 
 
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what `git log | head` gives: the reader went away, said nothing
+
+
+def quiet_broken_pipe() -> None:
+    """The reader of stdout went away (`gpusnap store cat ... | head`): exit 141 without a word, as a
+    process killed by SIGPIPE would (stdout pointed at /dev/null so the exit's flush cannot fail)."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except OSError:
+        pass
+    os._exit(EXIT_BROKEN_PIPE)
+
+
 def one_line_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Run FN; a GpusnapError or OSError becomes `gpusnap: <reason>` on stderr and its exit code
     (under --json also a JSON error object on stdout; the traceback instead with GPUSNAP_DEBUG=1)."""
@@ -39,6 +53,8 @@ def one_line_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
             return fn(*args, **kwargs)
         except KeyboardInterrupt:
             fail("interrupted; nothing was committed", 130, kwargs.get("as_json", False))
+        except BrokenPipeError:
+            quiet_broken_pipe()
         except GpusnapError as e:
             if os.environ.get("GPUSNAP_DEBUG"):
                 raise

@@ -1,9 +1,12 @@
 """`gpusnap criu dump|restore`: a process tree's CPU and GPU state through CRIU into the store."""
 from __future__ import annotations
 
+import os
+
 import click
 
 from cli.progress import Progress
+from storage.errors import UnavailableError
 
 from cli.common import (emit, from_jobs_option, from_remote_option, human, json_option, one_line_errors, open_store,
                                 tag_option)
@@ -12,6 +15,13 @@ from sandbox.criu.snapshot import criu_dump, criu_restore
 from sandbox.containers.process_check import refuse_container_process
 from sandbox.host.interrupts import undo_on_signals
 
+
+
+def need_root(what: str) -> None:
+    """Exit 4 before anything is made (no store, no log) where CRIU cannot run: it needs root."""
+    if os.geteuid() != 0:
+        raise UnavailableError(f"{what} needs root: CRIU checkpoints and restores processes with ptrace, "
+                               "namespaces and /proc/PID/map_files (run it with sudo)")
 
 
 @click.group()
@@ -44,7 +54,8 @@ def criu_dump_cmd(ctx: click.Context, pid: int, name: str, leave_running: bool, 
     """Dump PID and its descendants into snapshot NAME. On any failure the tree keeps running.
 
     The page images stream from CRIU into the store as CRIU writes them (no copy on disk first);
-    the tree is killed only once the snapshot is committed (unless --leave-running)."""
+    the tree is killed only once the snapshot is committed (unless --leave-running). Needs root."""
+    need_root("criu dump")
     refuse_container_process(pid)
     st = open_store(ctx)
     opts = DumpOptions(shell_job=shell_job, ext_unix_sk=ext_unix_sk, file_locks=file_locks,
@@ -73,7 +84,8 @@ def criu_restore_cmd(ctx: click.Context, name: str, staging: str | None, from_re
                      as_json: bool) -> None:
     """Restore snapshot NAME (every chunk verified before its bytes reach CRIU); GPU state is restored
     and unlocked. With --from REMOTE, a snapshot this store lacks is fetched while CRIU restores (the
-    images CRIU reads first, first), and committed locally once all of it is here."""
+    images CRIU reads first, first), and committed locally once all of it is here. Needs root."""
+    need_root("criu restore")
     st = open_store(ctx, create=False)
     with undo_on_signals(), Progress(f"criu restore {name}", ctx.obj["progress"]) as prog:
         r = criu_restore(st, name, staging=staging, progress=prog, from_remote=from_remote, jobs=jobs)

@@ -375,15 +375,20 @@ _from_option = click.option("--from", "sources", multiple=True, metavar="PATH",
                                  "chunk ids). Repeatable.")
 
 
-def _percent(ctx: click.Context, param: click.Parameter, value: str | None) -> float | None:
+def _percent(ctx: click.Context, param: click.Parameter, value: str | None) -> float | tuple[int, int] | None:
     if value is None:
         return None
+    if "/" in value:  # restic's n/t: group n of t
+        a, _, b = value.partition("/")
+        if a.isdigit() and b.isdigit() and 1 <= int(a) <= int(b) <= 1 << 20:
+            return int(a), int(b)
+        raise click.BadParameter(f"{value!r}: give n/t with 1 <= n <= t (e.g. 2/5), or a percentage (10%)")
     try:
         v = float(value.rstrip("%"))
     except ValueError:
         v = -1.0
     if not value.endswith("%") or not 0 < v <= 100:
-        raise click.BadParameter(f"{value!r}: give a percentage above 0 and at most 100, e.g. 10%")
+        raise click.BadParameter(f"{value!r}: give a percentage above 0 and at most 100 (e.g. 10%), or n/t (e.g. 2/5)")
     return v / 100
 
 
@@ -406,15 +411,17 @@ def _duration(ctx: click.Context, param: click.Parameter, value: str | None) -> 
 @click.option("--read-data", "read_data", is_flag=True,
               help="Also decode every chunk read and check its raw bytes against its id (slower; the default "
                    "check of the stored bytes finds every flipped or lost byte without decompressing).")
-@click.option("--read-data-subset", "subset", default=None, metavar="N%", callback=_percent,
-              help="Read only N% of the chunks, a new random choice each run (repeated runs cover the store).")
+@click.option("--read-data-subset", "subset", default=None, metavar="N%|n/t", callback=_percent,
+              help="Read only N% of the chunks, a new random choice each run (repeated runs cover the store); "
+                   "or n/t (restic's): the n-th of t fixed groups, so that 1/t .. t/t read every chunk once.")
 @click.option("--max-duration", "max_duration", default=None, metavar="TIME", callback=_duration,
               help="Stop reading chunks after TIME (seconds, or 90s/10m/2h); what was not read is reported.")
 @_from_option
 @json_option
 @click.pass_context
 @one_line_errors
-def store_verify(ctx: click.Context, name: str | None, repair: bool, read_data: bool, subset: float | None,
+def store_verify(ctx: click.Context, name: str | None, repair: bool, read_data: bool,
+                 subset: float | tuple[int, int] | None,
                  max_duration: float | None, sources: tuple[str, ...], as_json: bool) -> None:
     """Read and check every chunk of NAME (or of every snapshot); exit 3 and name what is damaged.
 

@@ -206,6 +206,10 @@ class _FileLock:
         while True:
             try:
                 fcntl.flock(self.fd, mode | fcntl.LOCK_NB)
+                if not self._still_linked():  # removed (name_lock, gc) between our open and flock
+                    os.close(self.fd)
+                    self.fd = self._open(exclusive)
+                    continue
                 waits.add(waits.LOCKS, time.monotonic() - t0)
                 return True
             except BlockingIOError:
@@ -215,6 +219,15 @@ class _FileLock:
                     self.fd = -1
                     return False
                 time.sleep(0.05)
+
+    def _still_linked(self) -> bool:
+        """Whether the file locked is still the one at its name (a lock on an unlinked file locks nothing)."""
+        try:
+            now = os.stat(self.name, dir_fd=self.dir_fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return False
+        st = os.fstat(self.fd)
+        return (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino)
 
     def release(self) -> None:
         if self.fd >= 0:
@@ -405,7 +418,8 @@ class SnapshotStore:
     @contextmanager
     def name_lock(self, name: str) -> Iterator[None]:
         """NAME's writer lock (names/NAME.lock), taken without waiting. Only writers and rm of an
-        existing snapshot take it, so no lock file is made for a name that never had a snapshot."""
+        existing snapshot take it; when the holder is done and NAME has no snapshot (a failed put or
+        dump, an rm), the file is removed while still held, so none is left behind for gc."""
         lock_name = validate_snapshot_name(name) + ".lock"
         with self.subdir("names") as names:
             lock = _FileLock(names, lock_name, f"names/{lock_name}")
@@ -415,7 +429,14 @@ class SnapshotStore:
         try:
             yield
         finally:
-            lock.release()
+            try:
+                if not self.exists(name):
+                    with self.subdir("names") as names:
+                        _unlink_quietly(names, lock_name)
+            except (OSError, GpusnapError):
+                pass
+            finally:
+                lock.release()
 
     # ---- snapshots ----------------------------------------------------------------------------
     def exists(self, name: str) -> bool:
@@ -723,12 +744,14 @@ class SnapshotStore:
         return bad
 
     def verify(self, names: list[str] | None = None, workers: int = 4, progress: Any = None,
-               quarantine: bool = True, quarantine_wait: float = 5.0, sample: float | None = None,
+               quarantine: bool = True, quarantine_wait: float = 5.0, sample: float | tuple[int, int] | None = None,
                max_seconds: float | None = None, read_data: bool = False) -> VerifyReport:
         """Check every chunk of NAMES (default: every snapshot, and the strays of snapshots/ too).
 
         SAMPLE (0 < SAMPLE <= 1): read only that fraction of the distinct chunks, chosen at random
-        anew each run (as restic's --read-data-subset), so that repeated runs cover the store;
+        anew each run (as restic's --read-data-subset), so that repeated runs cover the store; or
+        (N, T): the N-th of T fixed groups (a chunk is in group int(id[:8], 16) % T + 1), so that the
+        runs 1/T .. T/T read every chunk once;
         MAX_SECONDS: stop reading chunks after that long (as borg's --max-duration). Manifests are
         always all checked; what was not read is counted in chunks_unchecked. READ_DATA: the full
         check (FORMAT.md: GSNPCHK2 chunks decoded and bound to their ids), else the stored check.
@@ -744,7 +767,12 @@ class SnapshotStore:
             manifests = self.load_all(names, report.problems)
             refs = chunk_refs(manifests)
             report.chunks_total = len(refs)
-            if sample is not None and sample < 1:
+            if isinstance(sample, tuple):  # restic's n/t: the n-th of t fixed groups, by chunk id
+                n, t = sample
+                picked = [cid for cid in sorted(refs) if int(cid[:8], 16) % t == n - 1]
+                report.chunks_unchecked = len(refs) - len(picked)
+                refs = {cid: refs[cid] for cid in picked}
+            elif sample is not None and sample < 1:
                 picked = random.SystemRandom().sample(sorted(refs), math.ceil(sample * len(refs)))
                 report.chunks_unchecked = len(refs) - len(picked)
                 refs = {cid: refs[cid] for cid in picked}

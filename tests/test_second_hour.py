@@ -423,3 +423,87 @@ def test_remote_words_as_git_and_restic_read_them(tmp_path: Path) -> None:
         assert CREDS
     finally:
         drop_bucket(endpoint, bucket)
+
+
+# ------------------------------------------------------------------------------------------ item 17
+def test_export_refuses_a_terminal_and_pipes_close_quietly(cli: Cli, tmp_path: Path) -> None:
+    import pty
+    src = tmp_path / "data"
+    src.mkdir()
+    (src / "big").write_bytes(os.urandom(8 << 20))
+    cli.run("store", "put", "s", str(src))
+    master, slave = pty.openpty()
+    try:
+        p = subprocess.run([*GPUSNAP, "--store", str(cli.store), "store", "export", "s"], stdout=slave,
+                           stderr=subprocess.PIPE, cwd=REPO, env={**os.environ, "PYTHONPATH": pythonpath()},
+                           timeout=60)
+    finally:
+        os.close(slave)
+        os.close(master)
+    assert p.returncode == 2 and b"terminal" in p.stderr
+    for args in (["store", "export", "s"], ["store", "cat", "s", "data/big"], ["--help"]):
+        argv = " ".join([*GPUSNAP, "--store", str(cli.store), *args])
+        sh = subprocess.run(["bash", "-c", f"set -o pipefail; {argv} | head -c 10 >/dev/null"], capture_output=True,
+                            text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": pythonpath()}, timeout=60)
+        assert sh.stderr == "" and sh.returncode in (0, 141), (args, sh.returncode, sh.stderr)
+
+
+def test_verify_subset_takes_n_of_t(cli: Cli, tmp_path: Path) -> None:
+    src = tmp_path / "data"
+    src.mkdir()
+    (src / "r").write_bytes(os.urandom(40 << 20))
+    cli.run("store", "put", "s", str(src), "--chunk-size", "1M")
+    total = 0
+    for n in (1, 2, 3):
+        rep = cli.json("store", "verify", "--read-data-subset", f"{n}/3")
+        assert rep["ok"] and rep["chunks_checked"] + rep["chunks_unchecked"] == rep["chunks_total"] == 40
+        total += rep["chunks_checked"]
+    assert total == 40  # the three groups cover every chunk exactly once
+    again = cli.json("store", "verify", "--read-data-subset", "2/3")["chunks_checked"]
+    assert again == cli.json("store", "verify", "--read-data-subset", "2/3")["chunks_checked"]  # fixed groups
+    for bad in ("0/3", "4/3", "x/3", "1/0"):
+        assert cli.run("store", "verify", "--read-data-subset", bad, check=False).returncode == 2
+    assert cli.json("store", "verify", "--read-data-subset", "50%")["chunks_checked"] == 20
+
+
+def test_nonroot_criu_dump_exits_4_and_makes_nothing(tmp_path: Path, nobody_pythonpath: str) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("needs root to run a command as nobody")
+    store = tmp_path / "st"
+    tmp_path.chmod(0o777)
+    p = subprocess.run(["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups", *GPUSNAP,
+                        "--store", str(store), "criu", "dump", str(os.getpid()), "x"], capture_output=True, text=True,
+                       cwd="/", env={**os.environ, "PYTHONPATH": nobody_pythonpath}, timeout=60)
+    assert p.returncode == 4 and "needs root" in p.stderr, (p.returncode, p.stderr)
+    assert not store.exists()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="CRIU needs root")
+def test_failed_dump_leaves_no_name_lock_and_lock_status_lists_held_locks(cli: Cli, store_dir: Path,
+                                                                            tmp_path: Path) -> None:
+    src = _tree(tmp_path / "data")
+    cli.run("store", "put", "s", str(src))
+    # a dump that fails (no such process) after the store exists
+    p = cli.run("criu", "dump", "4194000", "failed", check=False)
+    assert p.returncode != 0
+    assert not (store_dir / "names" / "failed.lock").exists()
+    # a put that fails while it holds its name's lock (a file removed between scan and read)
+    pause = tmp_path / "pause"
+    pause.mkdir()
+    e = {**os.environ, "PYTHONPATH": pythonpath(), "GPUSNAP_TEST_PAUSE_AFTER_SCAN": str(pause)}
+    proc = subprocess.Popen([*GPUSNAP, "--store", str(store_dir), "store", "put", "s2", str(src), "--no-cache"], cwd=REPO, env=e,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    import time
+    deadline = time.monotonic() + 60
+    while not (pause / "scanned").exists():
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.02)
+    (src / "b.bin").unlink()
+    (pause / "go").touch()
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1 and "changed while" in err, err
+    assert not (store_dir / "names" / "s2.lock").exists()
+    assert cli.json("store", "lock", "status") == []
+    assert cli.run("store", "lock", "status").stdout.strip() == "no locks held"
+    every = cli.json("store", "lock", "status", "--all")
+    assert {r["name"] for r in every} == {None, "s"} and not any(r["held"] for r in every)
