@@ -21,10 +21,8 @@ class LazyGroup(click.Group):
         self.lazy = dict(lazy or {})
 
     def list_commands(self, ctx: click.Context) -> list[str]:
-        return sorted(set(super().list_commands(ctx)) | set(self.lazy)) if self.sort else \
-            list(dict.fromkeys([*self.lazy, *super().list_commands(ctx)]))
-
-    sort = False
+        """The group's own commands in the order they were defined, then the lazy ones in table order."""
+        return [n for n in self.commands if n not in self.lazy] + list(self.lazy)
 
     def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
         if cmd_name in self.commands:
