@@ -1061,12 +1061,13 @@ class SnapshotWriter:
             manifest.host = self.host
         final = self.name + ".json"
         tmp = owned_name("manifest")
+        data = manifest.dumps()
         t0 = time.perf_counter()
         try:
             for xy in sorted(self._touched):
                 with opened_child(self._chunks, xy, f"chunks/{xy}") as d:
                     os.fsync(d)
-            _write_file(self._tmp, tmp, manifest.dumps())
+            _write_file(self._tmp, tmp, data)
             try:
                 if self.replace:
                     os.rename(tmp, final, src_dir_fd=self._tmp, dst_dir_fd=self._snaps)
