@@ -37,15 +37,18 @@ class LazyGroup(click.Group):
 
     def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         """The listing of --help, from the short helps kept here (no command module imported)."""
+        from click.utils import make_default_short_help
+        names = self.list_commands(ctx)
+        limit = formatter.width - 6 - max((len(n) for n in names), default=0)  # as click's own listing
         rows = []
-        for name in self.list_commands(ctx):
+        for name in names:
             if name in self.commands:
                 c = self.commands[name]
                 if c.hidden:
                     continue
-                rows.append((name, c.get_short_help_str(formatter.width - 6 - max(len(n) for n in self.list_commands(ctx)))))
+                rows.append((name, c.get_short_help_str(limit)))
             else:
-                rows.append((name, self.lazy[name][2]))
+                rows.append((name, make_default_short_help(self.lazy[name][2], limit)))
         if rows:
             with formatter.section("Commands"):
                 formatter.write_dl(rows)
