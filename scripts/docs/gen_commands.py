@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """docs/COMMANDS.md: the complete command reference, generated from every command's `--help`.
 
-Usage: python3 -m scripts.docs.gen_commands [--check]   (--check: exit 1 if docs/COMMANDS.md is out of date)
+Usage (from the repository root): python3 -m scripts.docs.gen_commands [--check]   (--check: exit 1 if docs/COMMANDS.md is out of date)
 tests/test_docs.py fails when the file differs from what this prints, so the reference cannot drift.
 """
 from __future__ import annotations
@@ -30,7 +30,6 @@ def _walk(cmd: click.Command, path: list[str], ctx_parent: click.Context | None)
 
 
 def render() -> str:
-    sys.path.insert(0, str(REPO))
     os.environ.setdefault("GPUSNAP_STORE", "/var/lib/gpusnap")  # the defaults shown do not depend on who runs this
     from cli import main
     parts = ["# Command reference", "",
