@@ -85,12 +85,17 @@ def _process_started() -> float | None:
 COMMAND_STARTED = _since_boot()  # once the CLI's modules are imported: what came before is start-up
 
 
+# report.seconds keys that lie inside another one (criu_dump and the ingest after it inside
+# dump+ingest; the remote fill's marks are times since it began, not stages), not added again
+_INSIDE = {"criu_dump", "ingest_after_dump", "gpu_resume", "criu_started", "tree_running", "all_local"}
+
+
 def _stage_seconds(data: dict[str, Any]) -> float:
     s = data.get("seconds")
     if isinstance(s, (int, float)):
         return float(s)
     if isinstance(s, dict):
-        return float(sum(v for v in s.values() if isinstance(v, (int, float))))
+        return float(sum(v for k, v in s.items() if isinstance(v, (int, float)) and k not in _INSIDE))
     return 0.0
 
 
