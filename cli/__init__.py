@@ -11,10 +11,25 @@ import click
 
 from storage.errors import (EXIT_DAMAGED, EXIT_FAILED, EXIT_OK, EXIT_RECOVER, EXIT_UNAVAILABLE,
                             EXIT_USAGE)
-from storage.store import default_store_path
 
-from cli import (archive_cmd, container_cmd, criu_cmd, gpu_cmd, hook_cmd, pool_cmd, recover_cmd, remote_cmd,
-                         runsc_cmd, store_cmd)
+from cli.lazy import LazyGroup
+
+# name -> (module, attribute, short help); one module per command group, imported only when used
+COMMANDS: dict[str, tuple[str, str, str]] = {
+    "store": ("cli.store_cmd", "store", "Store files and directories as snapshots, and manage the store."),
+    "doctor": ("cli.gpu_cmd", "doctor", "What this machine can do: driver, checkpoint API, custom storage, GPUs, nvCOMP, CRIU, runsc."),
+    "gpu": ("cli.gpu_cmd", "gpu", "Swap a process's GPU state out to the store and back in (model swapping)."),
+    "pool": ("cli.pool_cmd", "pool", "The memory tier: a resident pool of pinned host memory for swapping GPU state out and in."),
+    "criu": ("cli.criu_cmd", "criu", "Checkpoint a process tree (CPU through CRIU 4.x, GPU through the driver) into the store."),
+    "runsc": ("cli.runsc_cmd", "runsc", "Run gVisor sandboxes and checkpoint/restore them through the store."),
+    "hook": ("cli.hook_cmd", "hook", "Install gpusnap's CRIU hook for container runtimes (runc, Podman, CRI-O), show it, remove it."),
+    "import": ("cli.container_cmd", "import_group", "Store a container runtime's checkpoint (chunked and deduplicated) as a snapshot."),
+    "export": ("cli.container_cmd", "export_cmd", "Write runtime checkpoint NAME to DEST (new): a Podman archive for `podman container restore --import DEST`, or a runc image directory for `runc..."),
+    "recover": ("cli.recover_cmd", "recover_cmd", "Finish or undo every interrupted dump, checkpoint or restore (its gpusnap process died)."),
+    "remote": ("cli.remote_cmd", "remote", "Remotes: S3-compatible object stores this store pushes snapshots to and pulls them from."),
+    "push": ("cli.remote_cmd", "push", "Send SNAPSHOT to remote NAME: only the chunks it lacks, then the manifest."),
+    "pull": ("cli.remote_cmd", "pull", "Fetch SNAPSHOT from remote NAME: only the chunks this store lacks, each verified on arrival."),
+}
 
 
 EPILOG = f"""\b
@@ -26,6 +41,7 @@ Exit codes:
   {EXIT_DAMAGED}  damage found: a snapshot or the store is not what it claims to be
   {EXIT_UNAVAILABLE}  this machine lacks something the command needs (a GPU, CRIU, runsc, a driver feature)
   {EXIT_RECOVER}  an interrupted operation must be finished first (`gpusnap recover`)
+  141  the reader of the output went away (`... | head`): nothing is said, as for SIGPIPE
 
 \b
 Environment:
@@ -38,7 +54,17 @@ Environment:
 """
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]}, epilog=EPILOG)
+def _print_version(ctx: click.Context, param: click.Parameter, value: bool) -> None:
+    if not value or ctx.resilient_parsing:
+        return
+    from storage.manifest import tool_version
+    click.echo(f"gpusnap {tool_version()}")
+    ctx.exit(0)
+
+
+@click.group(cls=LazyGroup, lazy=COMMANDS, context_settings={"help_option_names": ["-h", "--help"]}, epilog=EPILOG)
+@click.option("--version", is_flag=True, expose_value=False, is_eager=True, callback=_print_version,
+              help="Print gpusnap's version (the one every manifest it writes records) and exit.")
 @click.option("--store", "store_path", envvar="GPUSNAP_STORE", default=None, metavar="DIR",
               help="Snapshot store directory (env GPUSNAP_STORE; default /var/lib/gpusnap as root, "
                    "else $XDG_DATA_HOME/gpusnap). Created 0700 on first use.")
@@ -54,13 +80,5 @@ def main(ctx: click.Context, store_path: str | None, progress: bool | None) -> N
     Snapshots live in a content-addressed store: chunks are deduplicated across snapshots,
     compressed where it pays, checksummed, and committed atomically.
     """
+    from storage.store import default_store_path
     ctx.obj = {"store": store_path or default_store_path(), "progress": progress}
-
-
-
-
-for _module in (store_cmd, gpu_cmd, pool_cmd, criu_cmd, runsc_cmd, hook_cmd, container_cmd, recover_cmd, remote_cmd):
-    for _command in _module.COMMANDS:
-        main.add_command(_command)
-for _command in archive_cmd.STORE_COMMANDS:
-    store_cmd.store.add_command(_command)

@@ -11,11 +11,9 @@ from typing import IO, Any
 import click
 
 from storage.errors import GpusnapError
-from storage.gc import collect
 from storage.locks import break_locks, lock_status
 from storage.manifest import Manifest, validate_tag
 from storage.names import validate_snapshot_name
-from storage.portable import cat, export, import_
 from storage.retention import Entry, Policy, companion_parent, decide, parse_created
 from storage.stats import compute, diff
 from storage.store import SnapshotStore
@@ -117,6 +115,7 @@ def forget(ctx: click.Context, keep_last: int, keep_hourly: int, keep_daily: int
     lines += [f"NOT removed {b}" for b in busy]
     lines += [f"unreadable (left alone) {b}" for b in bad]
     if prune and not dry_run:
+        from storage.gc import collect
         rep = collect(st)
         report["prune"] = {"chunks_removed": rep.chunks_removed, "bytes_freed": rep.bytes_freed}
         lines.append(f"prune: removed {rep.chunks_removed} chunks ({human(rep.bytes_freed)})")
@@ -131,7 +130,10 @@ def forget(ctx: click.Context, keep_last: int, keep_hourly: int, keep_daily: int
 @click.pass_context
 @one_line_errors
 def stats(ctx: click.Context, names: tuple[str, ...], as_json: bool) -> None:
-    """Raw, stored, unique ("freed by rm") and shared bytes per snapshot, and the store's totals."""
+    """Raw, zero, deduplicated, stored, unique ("freed by rm") and shared bytes per snapshot, and totals.
+
+    ZEROS are all-zero chunks, elided (nothing stored); DEDUP are bytes named more than once but stored
+    once (within the snapshot; the totals across snapshots); compression is reported apart from both."""
     st = open_store(ctx, create=False)
     for n in names:
         validate_snapshot_name(n)
@@ -141,12 +143,14 @@ def stats(ctx: click.Context, names: tuple[str, ...], as_json: bool) -> None:
         manifests, bad = load_all(st)
     per, repo = compute(manifests, list(names) or None)
     data = {"snapshots": [s.to_json() for s in per], "repository": repo.to_json(), "unreadable": bad}
-    lines = [f"{'NAME':32} {'RAW':>10} {'STORED':>10} {'UNIQUE':>10} {'SHARED':>10} {'CHUNKS':>7}"]
+    lines = [f"{'NAME':32} {'RAW':>10} {'ZEROS':>10} {'DEDUP':>10} {'STORED':>10} {'UNIQUE':>10} {'SHARED':>10} {'CHUNKS':>7}"]
     for s in per:
-        lines.append(f"{s.name:32} {human(s.raw_bytes):>10} {human(s.stored_bytes):>10} "
-                     f"{human(s.unique_bytes):>10} {human(s.shared_bytes):>10} {s.chunks:>7}")
-    lines.append(f"store: {repo.snapshots} snapshots, {human(repo.raw_bytes)} raw, {human(repo.stored_bytes)} "
-                 f"stored in {repo.chunks} chunks ({repo.dedup_ratio:.2f}x)")
+        lines.append(f"{s.name:32} {human(s.raw_bytes):>10} {human(s.zero_bytes):>10} {human(s.dedup_bytes):>10} "
+                     f"{human(s.stored_bytes):>10} {human(s.unique_bytes):>10} {human(s.shared_bytes):>10} {s.chunks:>7}")
+    lines.append(f"store: {repo.snapshots} snapshots, {human(repo.raw_bytes)} raw: {human(repo.zero_bytes)} zeros "
+                 f"elided, {human(repo.dedup_bytes)} deduplicated ({repo.dedup_ratio:.2f}x), "
+                 f"{human(repo.distinct_raw_bytes)} distinct compressed to {human(repo.stored_bytes)} "
+                 f"({repo.compression_ratio:.2f}x) in {repo.chunks} chunks")
     for codec, c in sorted(repo.codecs.items()):
         lines.append(f"  {codec:15} {c.chunks:7} chunks {human(c.raw_bytes):>10} raw {human(c.stored_bytes):>10} stored")
     lines += [f"unreadable: {b}" for b in bad]
@@ -160,6 +164,7 @@ def stats(ctx: click.Context, names: tuple[str, ...], as_json: bool) -> None:
 @one_line_errors
 def cat_cmd(ctx: click.Context, name: str, stream: str) -> None:
     """Write one file stream of NAME to stdout, every chunk verified before its bytes go out."""
+    from storage.portable import cat
     st = open_store(ctx, create=False)
     with st.shared():
         m = st.load(validate_snapshot_name(name))
@@ -202,6 +207,10 @@ def export_cmd(ctx: click.Context, name: str, archive: str, as_json: bool) -> No
     """Write snapshot NAME as one archive (zstd-compressed tar of its manifest and chunks) to
     ARCHIVE (a new file; default stdout), for `store import` into another store."""
     import os
+    from storage.portable import export
+    if archive == "-" and sys.stdout.isatty():
+        raise click.UsageError("stdout is a terminal: give an ARCHIVE file, or redirect (`> NAME.gpusnap`, "
+                               "`| ssh host gpusnap store import`)")
     st = open_store(ctx, create=False)
     out = _open_out(archive)
     try:
@@ -229,6 +238,7 @@ def export_cmd(ctx: click.Context, name: str, archive: str, as_json: bool) -> No
 def import_cmd(ctx: click.Context, archive: str, name: str | None, replace: bool, as_json: bool) -> None:
     """Take in an archive made by `store export` (file or - for stdin); every chunk verified, the
     snapshot visible only once complete."""
+    from storage.portable import import_
     st = open_store(ctx)
     if archive == "-":
         rep = import_(st, sys.stdin.buffer, name, replace=replace)
@@ -245,18 +255,19 @@ def lock() -> None:
 
 
 @lock.command("status")
+@click.option("--all", "show_all", is_flag=True, help="Also the lock files nobody holds (`break-lock` removes those).")
 @json_option
 @click.pass_context
 @one_line_errors
-def lock_status_cmd(ctx: click.Context, as_json: bool) -> None:
-    """Every lock file of the store and the live processes holding it."""
+def lock_status_cmd(ctx: click.Context, show_all: bool, as_json: bool) -> None:
+    """The locks held now and the live processes holding them (with --all, every lock file too)."""
     st = open_store(ctx, create=False)
-    infos = lock_status(st.path)
+    infos = [i for i in lock_status(st.path) if show_all or i.held]
     rows = [{"lock": i.kind, "name": i.name, "held": i.held, "holders": [{"pid": p, "mode": m} for p, m in i.holders]}
             for i in infos]
     lines = [f"{(i.name or '(store)'):32} " + (", ".join(f"pid {p} {m}" for p, m in i.holders) if i.held else "free")
              for i in infos]
-    emit(as_json, rows, "\n".join(lines))
+    emit(as_json, rows, "\n".join(lines) or "no locks held")
 
 
 @click.command("break-lock")

@@ -30,6 +30,20 @@ def fail(message: str, code: int = EXIT_FAILED, as_json: bool = False) -> None:
     sys.exit(code)
 
 
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what `git log | head` gives: the reader went away, said nothing
+
+
+def quiet_broken_pipe() -> None:
+    """The reader of stdout went away (`gpusnap store cat ... | head`): exit 141 without a word, as a
+    process killed by SIGPIPE would (stdout pointed at /dev/null so the exit's flush cannot fail)."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except OSError:
+        pass
+    os._exit(EXIT_BROKEN_PIPE)
+
+
 def one_line_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Run FN; a GpusnapError or OSError becomes `gpusnap: <reason>` on stderr and its exit code
     (under --json also a JSON error object on stdout; the traceback instead with GPUSNAP_DEBUG=1)."""
@@ -39,6 +53,8 @@ def one_line_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
             return fn(*args, **kwargs)
         except KeyboardInterrupt:
             fail("interrupted; nothing was committed", 130, kwargs.get("as_json", False))
+        except BrokenPipeError:
+            quiet_broken_pipe()
         except GpusnapError as e:
             if os.environ.get("GPUSNAP_DEBUG"):
                 raise
@@ -51,7 +67,67 @@ def one_line_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
+def _since_boot() -> float:
+    import time
+    return time.clock_gettime(time.CLOCK_BOOTTIME)
+
+
+def _process_started() -> float | None:
+    """When this process started, in seconds since boot (/proc/self/stat field 22)."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        return ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+COMMAND_STARTED = _since_boot()  # once the CLI's modules are imported: what came before is start-up
+
+
+# report.seconds keys that lie inside another one (criu_dump and the ingest after it inside
+# dump+ingest; the remote fill's marks are times since it began, not stages), not added again
+_INSIDE = {"criu_dump", "ingest_after_dump", "gpu_resume", "criu_started", "tree_running", "all_local"}
+
+
+def _stage_seconds(data: dict[str, Any]) -> float:
+    s = data.get("seconds")
+    if isinstance(s, (int, float)):
+        return float(s)
+    if isinstance(s, dict):
+        return float(sum(v for k, v in s.items() if isinstance(v, (int, float)) and k not in _INSIDE))
+    return 0.0
+
+
+def wall(data: dict[str, Any]) -> dict[str, Any]:
+    """The whole command's wall time and what it was: start-up (the interpreter and the imports),
+    the stages the report already times, waits (locks, the fsyncs of a commit, a tree's death;
+    storage/waits.py) and the rest (scanning, loading, journaling, cleaning up)."""
+    from storage import waits
+    now = _since_boot()
+    started = _process_started()
+    total = now - started if started is not None else now - COMMAND_STARTED
+    startup = max(0.0, COMMAND_STARTED - started) if started is not None else 0.0
+    stages = _stage_seconds(data)
+    w = {k: round(v, 3) for k, v in waits.totals().items()}
+    other = max(0.0, total - startup - stages - sum(w.values()))
+    return {"total_s": round(total, 3), "startup_s": round(startup, 3), "stages_s": round(stages, 3),
+            "waits_s": w, "other_s": round(other, 3)}
+
+
+def wall_line(wl: dict[str, Any]) -> str:
+    names = {"locks": "locks", "fsync": "fsync", "tree_death": "the tree's death"}
+    waited = ", ".join(f"{names.get(k, k)} {v:.2f} s" for k, v in wl["waits_s"].items() if v >= 0.005)
+    return (f"wall {wl['total_s']:.2f} s: {wl['stages_s']:.2f} s in the stages, {wl['startup_s']:.2f} s start-up, "
+            f"waiting {waited or 'none'}, {wl['other_s']:.2f} s other")
+
+
 def emit(ctx_json: bool, data: Any, text: str) -> None:
+    """DATA as JSON, or TEXT. A report that times its stages (a `seconds` key) also gets `wall`: the
+    whole command's time and what the rest of it was."""
+    if isinstance(data, dict) and "seconds" in data:
+        data = {**data, "wall": wall(data)}
+        text = f"{text}\n  {wall_line(data['wall'])}"
     click.echo(json.dumps(data, indent=2, sort_keys=True) if ctx_json else text)
 
 

@@ -1,9 +1,12 @@
 """`gpusnap criu dump|restore`: a process tree's CPU and GPU state through CRIU into the store."""
 from __future__ import annotations
 
+import os
+
 import click
 
 from cli.progress import Progress
+from storage.errors import UnavailableError
 
 from cli.gpu_cmd import split_map
 from cli.common import (emit, from_jobs_option, from_remote_option, human, json_option, one_line_errors, open_store,
@@ -13,6 +16,13 @@ from sandbox.criu.snapshot import criu_dump, criu_restore
 from sandbox.containers.process_check import refuse_container_process
 from sandbox.host.interrupts import undo_on_signals
 
+
+
+def need_root(what: str) -> None:
+    """Exit 4 before anything is made (no store, no log) where CRIU cannot run: it needs root."""
+    if os.geteuid() != 0:
+        raise UnavailableError(f"{what} needs root: CRIU checkpoints and restores processes with ptrace, "
+                               "namespaces and /proc/PID/map_files (run it with sudo)")
 
 
 @click.group()
@@ -33,8 +43,11 @@ def criu() -> None:
 @click.option("--skip-in-flight", is_flag=True, help="Drop TCP connections not yet accepted (CRIU "
               "--skip-in-flight; without it CRIU refuses a server with connections in its accept queue: "
               "`In-flight connection`).")
-@click.option("--staging", default=None, metavar="DIR", help="Where CRIU writes images before ingest "
-              "(default /dev/shm when they fit, else the store's tmp/).")
+@click.option("--staging", default=None, metavar="DIR",
+              help="The directory CRIU works in (default /dev/shm when the images would fit, else the store's "
+                   "tmp/). By default the images stream from CRIU straight into the store (criu --stream through "
+                   "gpusnap's image streamer): only CRIU's log and socket are there. The alternative, "
+                   "GPUSNAP_CRIU_IMAGES=staging, has CRIU write every image there first, then ingests them.")
 @click.option("--replace", is_flag=True, help="Replace an existing snapshot of the same name.")
 @tag_option
 @json_option
@@ -43,7 +56,11 @@ def criu() -> None:
 def criu_dump_cmd(ctx: click.Context, pid: int, name: str, leave_running: bool, shell_job: bool,
                   ext_unix_sk: bool, file_locks: bool, link_remap: bool, tcp_established: bool,
                   skip_in_flight: bool, staging: str | None, replace: bool, tags: tuple[str, ...], as_json: bool) -> None:
-    """Dump PID and its descendants into snapshot NAME. On any failure the tree keeps running."""
+    """Dump PID and its descendants into snapshot NAME. On any failure the tree keeps running.
+
+    The page images stream from CRIU into the store as CRIU writes them (no copy on disk first);
+    the tree is killed only once the snapshot is committed (unless --leave-running). Needs root."""
+    need_root("criu dump")
     refuse_container_process(pid)
     st = open_store(ctx)
     opts = DumpOptions(shell_job=shell_job, ext_unix_sk=ext_unix_sk, file_locks=file_locks,
@@ -59,7 +76,11 @@ def criu_dump_cmd(ctx: click.Context, pid: int, name: str, leave_running: bool, 
 
 @criu.command("restore")
 @click.argument("name")
-@click.option("--staging", default=None, metavar="DIR", help="Where the images are materialized for CRIU.")
+@click.option("--staging", default=None, metavar="DIR",
+              help="The directory CRIU works in (default /dev/shm when the images fit, else the store's tmp/). "
+                   "By default CRIU reads the images streamed from the store, each chunk verified, with no "
+                   "copy on disk; the alternative, GPUSNAP_CRIU_IMAGES=staging, materializes every image there "
+                   "first.")
 @click.option("--device-map", multiple=True, metavar="OLD=NEW",
               help="Restore GPU OLD's state onto GPU NEW (index or UUID; repeatable or comma-separated); "
                    "list every checkpointed GPU. Checked before any process is restored.")
@@ -75,7 +96,8 @@ def criu_restore_cmd(ctx: click.Context, name: str, staging: str | None, device_
                      from_remote: str | None, jobs: int, as_json: bool) -> None:
     """Restore snapshot NAME (every chunk verified before its bytes reach CRIU); GPU state is restored
     and unlocked. With --from REMOTE, a snapshot this store lacks is fetched while CRIU restores (the
-    images CRIU reads first, first), and committed locally once all of it is here."""
+    images CRIU reads first, first), and committed locally once all of it is here. Needs root."""
+    need_root("criu restore")
     st = open_store(ctx, create=False)
     with undo_on_signals(), Progress(f"criu restore {name}", ctx.obj["progress"]) as prog:
         r = criu_restore(st, name, staging=staging, progress=prog, from_remote=from_remote, jobs=jobs,

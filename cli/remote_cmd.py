@@ -1,4 +1,5 @@
-"""`gpusnap remote add|ls|verify|rm|gc` and `gpusnap push|pull`: the store's snapshots in an S3 object store.
+"""`gpusnap remote add|list|remove` (configured remotes, as `git remote`), `remote ls|verify|forget|gc` (what
+is on one) and `gpusnap push|pull`: the store's snapshots in an S3 object store.
 
 Credentials are never options: GPUSNAP_S3_ACCESS_KEY_ID / GPUSNAP_S3_SECRET_ACCESS_KEY (or the AWS_
 names) in the environment, or a 0600 file named with `remote add --credentials-file`.
@@ -43,13 +44,18 @@ def remote() -> None:
 @click.option("--credentials-file", default=None, metavar="PATH",
               help="A 0600 file with `access_key_id = ...` and `secret_access_key = ...` lines "
                    "(used when the environment has no GPUSNAP_S3_ACCESS_KEY_ID).")
+@click.option("--replace", is_flag=True, help="Replace the configuration of an existing remote of that name.")
 @json_option
 @click.pass_context
 @one_line_errors
 def remote_add(ctx: click.Context, name: str, url: str, endpoint: str, region: str,
-               credentials_file: str | None, as_json: bool) -> None:
+               credentials_file: str | None, replace: bool, as_json: bool) -> None:
     """Add remote NAME at URL (the bucket is created if missing) and check that it answers."""
+    from storage.remote import RemoteError, remote_exists, validate_remote_name
     st = open_store(ctx)
+    if remote_exists(st, validate_remote_name(name)) and not replace:
+        raise RemoteError(f"remote {name!r} already exists (use --replace to change it; `gpusnap remote list` "
+                          "shows it)")
     cf = os.path.abspath(credentials_file) if credentials_file else None
     cfg = RemoteConfig.from_json({"name": name, "url": url, "endpoint": endpoint, "region": region,
                                   "credentials_file": cf})
@@ -58,13 +64,40 @@ def remote_add(ctx: click.Context, name: str, url: str, endpoint: str, region: s
     emit(as_json, cfg.to_json(), f"remote {name}: {cfg.url} at {cfg.endpoint}")
 
 
+@remote.command("list")
+@json_option
+@click.pass_context
+@one_line_errors
+def remote_list(ctx: click.Context, as_json: bool) -> None:
+    """The remotes this store has configured (as `git remote -v`); `remote ls` lists a remote's snapshots."""
+    from storage.remote import list_remotes
+    cfgs = list_remotes(open_store(ctx, create=False))
+    rows = [c.to_json() for c in cfgs]
+    lines = [f"{'NAME':20} {'URL':40} ENDPOINT"] + [f"{c.name:20} {c.url:40} {c.endpoint}" for c in cfgs]
+    emit(as_json, rows, "\n".join(lines) if cfgs else "(no remotes: `gpusnap remote add NAME s3://BUCKET/PREFIX "
+         "--endpoint URL`)")
+
+
+@remote.command("remove")
+@click.argument("name")
+@json_option
+@click.pass_context
+@one_line_errors
+def remote_remove(ctx: click.Context, name: str, as_json: bool) -> None:
+    """Remove remote NAME's configuration from this store (as `git remote remove`); nothing on the
+    remote is deleted (`remote forget` deletes a snapshot there)."""
+    from storage.remote import remove_remote
+    remove_remote(open_store(ctx, create=False), name)
+    emit(as_json, {"removed": name}, f"remote {name}: configuration removed (nothing on it was deleted)")
+
+
 @remote.command("ls")
 @click.argument("name", required=False)
 @json_option
 @click.pass_context
 @one_line_errors
 def remote_ls(ctx: click.Context, name: str | None, as_json: bool) -> None:
-    """The snapshots on remote NAME (the only remote when there is one)."""
+    """The snapshots on remote NAME (the only remote when there is one); `remote list` lists the remotes."""
     r = Remote.open(open_store(ctx), name)
     r.check()
     rows: list[dict[str, Any]] = []
@@ -74,9 +107,10 @@ def remote_ls(ctx: click.Context, name: str | None, as_json: bool) -> None:
             rows.append({"name": n, "size": m.size, "created": m.created, "kind": m.meta.get("kind")})
         except RemoteDamageError as e:
             rows.append({"name": n, "error": str(e)})
-    emit(as_json, rows, "\n".join(f"{x['name']}\tDAMAGED: {x['error']}" if "error" in x else
-                                   f"{x['name']}\t{human(x['size'])}\t{x['created']}" for x in rows)
-         or "(no snapshots)")
+    lines = [f"{'NAME':32} {'KIND':8} {'SIZE':>12}  CREATED"]
+    lines += [f"{x['name']:32} DAMAGED: {x['error']}" if "error" in x else
+              f"{x['name']:32} {x['kind'] or '':8} {human(x['size']):>12}  {x['created']}" for x in rows]
+    emit(as_json, rows, "\n".join(lines) if rows else "(no snapshots)")
 
 
 @remote.command("verify")
@@ -103,14 +137,22 @@ def remote_verify(ctx: click.Context, name: str | None, read_data: bool, snapsho
         raise SystemExit(3)
 
 
-@remote.command("rm")
+@remote.command("rm", hidden=True, context_settings={"ignore_unknown_options": True})
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def remote_rm_gone(args: tuple[str, ...]) -> None:
+    """`remote rm` read as `git remote rm` (remove a remote) and removed a snapshot: it is gone."""
+    raise click.UsageError("`remote rm` is ambiguous: `remote forget SNAPSHOT [REMOTE]` deletes a snapshot on a "
+                           "remote, `remote remove REMOTE` removes a remote's configuration")
+
+
+@remote.command("forget")
 @click.argument("snapshot")
 @click.argument("name", required=False)
 @json_option
 @click.pass_context
 @one_line_errors
-def remote_rm(ctx: click.Context, snapshot: str, name: str | None, as_json: bool) -> None:
-    """Remove SNAPSHOT from remote NAME (its chunks stay until `remote gc`)."""
+def remote_forget(ctx: click.Context, snapshot: str, name: str | None, as_json: bool) -> None:
+    """Delete SNAPSHOT on remote NAME (as `restic forget`; its chunks stay until `remote gc`)."""
     r = Remote.open(open_store(ctx), name)
     r.check()
     r.remove(snapshot)

@@ -59,11 +59,13 @@ def runsc() -> None:
 @click.option("--output", default=None, help="File for the sandbox's stdout/stderr (default: the store's logs/).")
 @click.option("--gpus", default=None, metavar="LIST",
               help="GPUs for the sandbox: 'all' or indices like 0,1. Adds the NVIDIA devices to the bundle and "
-                   "runsc's nvproxy flags (refused where the installed runsc has no nvproxy), and mounts gpusnap's "
-                   "GPU agent and the store inside, so that checkpoint can handle the GPU state.")
+                   "runsc's nvproxy flags (refused where the installed runsc has no nvproxy), and bind-mounts gpusnap's "
+                   "GPU agent (its code, read-only) inside, so that checkpoint can handle the GPU state. The "
+                   "store is never mounted in the sandbox: the agent hands the GPU memory to gpusnap over a "
+                   "pipe, and gpusnap writes the store.")
 @click.option("--gpu-agent", is_flag=True,
-              help="Mount the GPU agent and the store without adding devices (GPUs given to the sandbox by other "
-                   "means, e.g. CDI); checkpoint then runs the agent.")
+              help="Bind-mount the GPU agent (read-only; the store is never mounted) without adding devices (GPUs "
+                   "given to the sandbox by other means, e.g. CDI); checkpoint then runs the agent.")
 @click.option("--nvproxy-driver-version", default=None, metavar="VER",
               help="Pin nvproxy's driver ABI (runsc --nvproxy-driver-version), where runsc has the flag.")
 @runsc_arg_option(RUN_FLAGS)

@@ -7,23 +7,37 @@ import os
 import sys
 from typing import Any
 
+from typing import TYPE_CHECKING, Any
+
 import click
 
-from storage import pipeline
 from storage.errors import EXIT_DAMAGED, EXIT_FAILED, GpusnapError
-from storage.filetree import FileTreeSink, FileTreeSource
-from storage.gc import collect
-from storage.manifest import Manifest
 from storage.names import validate_snapshot_name
-from cli.progress import Progress
-from storage.repair import repair as repair_store
-from storage.store import Problem, StoreError
+from storage.store import StoreError
 
-from sandbox.ops import journal
-from sandbox.ops.snapshot_meta import FilesMeta, meta_problems, remove_with_companions
 from cli.common import emit, human, json_option, one_line_errors, open_store, parse_chunk_size, tag_option
+from cli.lazy import LazyGroup
+from cli.progress import Progress
 
-@click.group()
+if TYPE_CHECKING:  # imported where used: `store ls` and `--help` need none of them (numpy, zstandard)
+    from storage.files_cache import FilesCache
+    from storage.filetree import FileTreeSource
+    from storage.manifest import Manifest
+
+# the store subcommands of cli/archive_cmd.py, imported only when one runs
+ARCHIVE_COMMANDS = {
+    "forget": ("cli.archive_cmd", "forget", "Remove snapshots a retention policy does not keep (restic's `forget` rules)."),
+    "stats": ("cli.archive_cmd", "stats", "Raw, zero, deduplicated, stored, unique (\"freed by rm\") and shared bytes per snapshot, and totals."),
+    "cat": ("cli.archive_cmd", "cat_cmd", "Write one file stream of NAME to stdout, every chunk verified before its bytes go out."),
+    "diff": ("cli.archive_cmd", "diff_cmd", "Streams added (+), removed (-), changed (M) or with changed attributes (U) from A to B."),
+    "export": ("cli.archive_cmd", "export_cmd", "Write snapshot NAME as one archive (zstd-compressed tar of its manifest and chunks) to..."),
+    "import": ("cli.archive_cmd", "import_cmd", "Take in an archive made by `store export` (file or - for stdin); every chunk verified, the..."),
+    "lock": ("cli.archive_cmd", "lock", "The store's locks: who holds them."),
+    "break-lock": ("cli.archive_cmd", "break_lock", "Remove lock files whose holder is gone (of NAMES, default: every name with no snapshot);..."),
+}
+
+
+@click.group(cls=LazyGroup, lazy=ARCHIVE_COMMANDS)
 def store() -> None:
     """Store files and directories as snapshots, and manage the store."""
 
@@ -35,6 +49,18 @@ def store() -> None:
 @click.option("--chunk-size", default="4M", show_default=True, help="Chunk size (K/M suffix).")
 @click.option("--workers", type=click.IntRange(1, 256), default=None, help="Worker threads (default: CPU count, max 16).")
 @click.option("--no-compress", is_flag=True, help="Store chunks raw (zero chunks are still elided).")
+@click.option("--exclude", "exclude", multiple=True, metavar="PATTERN",
+              help="Leave out what matches this glob (repeatable). Without a /, it matches a base name "
+                   "anywhere ('*.o', '.cache'); with one, the path from the top directory stored "
+                   "('data/tmp/*'). An excluded directory is left out with all below it.")
+@click.option("--exclude-file", "exclude_files", multiple=True, metavar="FILE", type=click.Path(dir_okay=False),
+              help="Read --exclude patterns from FILE, one per line (blank lines and lines starting with # "
+                   "are ignored; repeatable).")
+@click.option("--force", is_flag=True, help="Read every file, even those the files cache says are unchanged "
+                                             "(the cache is then rewritten from what was read).")
+@click.option("--no-cache", is_flag=True, help="Neither use nor update the files cache: read every file.")
+@click.option("--no-xattrs", is_flag=True, help="Do not store extended attributes (stored by default: user.*, "
+                                                "and security.*/trusted.* where readable).")
 @tag_option
 @click.option("--chunker", type=click.Choice(["fixed", "pages"]), default="fixed", show_default=True,
               help="fixed: CHUNK_SIZE pieces; pages: content-defined cuts on 4 KiB pages (dedups data that "
@@ -43,26 +69,89 @@ def store() -> None:
 @click.pass_context
 @one_line_errors
 def store_put(ctx: click.Context, name: str, paths: tuple[str, ...], replace: bool, chunk_size: str,
-              workers: int | None, no_compress: bool, tags: tuple[str, ...], chunker: str, as_json: bool) -> None:
-    """Store PATHS (files or directories, each under its base name) as snapshot NAME."""
+              workers: int | None, no_compress: bool, exclude: tuple[str, ...], exclude_files: tuple[str, ...],
+              force: bool, no_cache: bool, no_xattrs: bool, tags: tuple[str, ...], chunker: str,
+              as_json: bool) -> None:
+    """Store PATHS (files or directories, each under its base name) as snapshot NAME.
+
+    Regular files, directories, symlinks and FIFOs (as entries: a FIFO is never opened) are stored
+    with their modes, owners, times, extended attributes and hard links; sockets are skipped with a
+    note on stderr (as tar does); devices are refused (--exclude them).
+
+    A file whose path, size, mtime, ctime and inode are what the files cache recorded when it was
+    last stored into this store is not read again: its chunks are taken from the cache, each checked
+    to be present and sound (borg's files cache; --force or --no-cache read everything)."""
+    from sandbox.ops import journal
+    from sandbox.ops.snapshot_meta import FilesMeta
+    from storage import pipeline
+    from storage.filetree import FileTreeSource
     validate_snapshot_name(name)
     size = parse_chunk_size(chunk_size)
+    patterns = list(exclude) + [p for f in exclude_files for p in _read_patterns(f)]
     meta = FilesMeta(tuple(os.path.abspath(p) for p in paths)).to_json()
-    with FileTreeSource(list(paths)) as source:  # scanned (and refused) before a store is made
+    with FileTreeSource(list(paths), exclude=patterns, xattrs=not no_xattrs) as source:  # scanned (and refused) before a store is made
+        for note in source.skipped:
+            click.echo(f"gpusnap: note: skipped {note}", err=True)
         st = open_store(ctx)
         journal.require_clean(st.path)  # an interrupted dump's workload comes first: `gpusnap recover`
+        from storage.files_cache import FilesCache
+        cache = FilesCache() if no_cache or force else FilesCache.load(st)
         with st.writer(name, replace=replace, meta=meta, tags=tags) as w, \
                 Progress(f"put {name}", ctx.obj["progress"]) as prog:
             prog.start(source.total_bytes)
             res = pipeline.put(w, source, chunk_size=size, workers=workers, compress=not no_compress,
-                               progress=prog, chunker=chunker)
-            w.commit()
+                               progress=prog, chunker=chunker, known=None if no_cache else _lookup(source, cache))
+            manifest = w.commit()
+        if not no_cache:
+            _update_cache(st, source, manifest, force)
     report = {"name": name, "raw_bytes": res.raw_bytes, "new_bytes": res.stored_bytes,
               "seconds": round(res.seconds, 3), "GBps": round(res.gbps, 3), **res.extra,
-              "stages": res.stages.table(), "direct_io": st.direct}
+              "stages": res.stages.table(), "direct_io": st.direct, "skipped": source.skipped,
+              "excluded": source.excluded}
     emit(as_json, report, f"{name}: {human(res.raw_bytes)} in {res.seconds:.2f} s ({res.gbps:.2f} GB/s), "
          f"{human(res.stored_bytes)} written, {human(res.extra['bytes_dedup'])} deduplicated, "
-         f"{human(res.extra['zero_bytes'])} zeros elided")
+         f"{human(res.extra['zero_bytes'])} zeros elided"
+         + (f", {res.extra['files_unchanged']} unchanged files not read (files cache)"
+            if res.extra.get("files_unchanged") else ""))
+
+
+def _lookup(source: FileTreeSource, cache: "FilesCache") -> Any:
+    """pipeline.put's `known`: the files cache's references for a file stream of SOURCE."""
+    def known(spec: Any, chunker: dict[str, Any]) -> Any:
+        k = source.keys.get(spec.name)
+        return cache.lookup(k[0], k[1], chunker) if k else None
+    return known
+
+
+def _update_cache(st: Any, source: FileTreeSource, manifest: Manifest, force: bool) -> None:
+    """Record MANIFEST's files in the store's files cache (entries under this put's inputs that it no
+    longer saw are dropped); a cache that cannot be written is only a slower next put."""
+    from storage.files_cache import FilesCache
+    cache = FilesCache.load(st)
+    roots = [p for p, _ in source.roots]
+    for path in [p for p in cache.entries if any(p == r or p.startswith(r.rstrip("/") + "/") for r in roots)]:
+        del cache.entries[path]
+    for s in manifest.streams:
+        k = source.keys.get(s.name)
+        if k is not None and s.attrs.get("type") == "file":
+            cache.record(k[0], k[1], s.attrs.get("chunker", {}), s.chunks, source.scanned_ns)
+    try:
+        cache.save(st)
+    except (OSError, GpusnapError) as e:
+        click.echo(f"gpusnap: note: the files cache was not updated: {e}", err=True)
+
+
+def _read_patterns(path: str) -> list[str]:
+    """--exclude-file: one pattern per line; blank lines and # comments ignored; at most 1 MiB."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read((1 << 20) + 1)
+    except OSError as e:
+        raise click.BadParameter(f"{path}: {e.strerror or e}", param_hint="--exclude-file") from None
+    if len(data) > 1 << 20:
+        raise click.BadParameter(f"{path}: over 1 MiB of patterns", param_hint="--exclude-file")
+    lines = data.decode(errors="replace").splitlines()
+    return [ln.strip() for ln in lines if ln.strip() and not ln.lstrip().startswith("#")]
 
 
 @store.command("init")
@@ -82,7 +171,9 @@ def store_init(ctx: click.Context, as_json: bool) -> None:
 @click.argument("name")
 @click.argument("dest")
 @click.option("--include", "include", multiple=True, metavar="PATTERN",
-              help="Only streams matching this glob (and the directories above them); repeatable.")
+              help="Only paths matching this glob (and the directories above them); repeatable. Paths start "
+                   "at the top directory that was stored, without a leading /: after `store put NAME "
+                   "/srv/data`, `--include 'data/models/*'` (`*` also matches /). `store ls NAME` lists them.")
 @click.option("--workers", type=click.IntRange(1, 256), default=None, help="Worker threads (default: CPU count, max 16).")
 @click.option("--no-same-owner", is_flag=True,
               help="Do not restore recorded owners (the default as root restores them); setuid/setgid bits "
@@ -96,6 +187,8 @@ def store_get(ctx: click.Context, name: str, dest: str, include: tuple[str, ...]
 
     While it runs, a record in the store's tmp/ names DEST: if the get is killed, `store gc` removes
     the partial hidden tree it left beside DEST."""
+    from storage import pipeline
+    from storage.filetree import FileTreeSink
     st = open_store(ctx, create=False)
     with st.shared():
         m = st.load(validate_snapshot_name(name))
@@ -112,27 +205,48 @@ def store_get(ctx: click.Context, name: str, dest: str, include: tuple[str, ...]
 
 
 @store.command("ls")
+@click.argument("name", required=False)
+@click.argument("prefix", required=False)
 @click.option("--tag", "tags", multiple=True, metavar="TAG", help="Only snapshots carrying this tag (repeatable).")
 @click.option("--kind", default=None, type=click.Choice(["files", "gpu", "criu", "runsc"]), help="Only this kind.")
 @click.option("--since", default=None, metavar="WHEN", help="Only snapshots created since WHEN (ISO time, or an age: 36h, 7d).")
 @json_option
 @click.pass_context
 @one_line_errors
-def store_ls(ctx: click.Context, tags: tuple[str, ...], kind: str | None, since: str | None, as_json: bool) -> None:
-    """List snapshots (with --tag/--kind/--since, those that match) and, marked DAMAGED, snapshots that
-    do not load and entries of snapshots/ that are not snapshots."""
+def store_ls(ctx: click.Context, name: str | None, prefix: str | None, tags: tuple[str, ...], kind: str | None,
+             since: str | None, as_json: bool) -> None:
+    """List snapshots, or with NAME the files of snapshot NAME (as `restic ls`, `borg list ARCHIVE`).
+
+    \b
+    gpusnap store ls                      the snapshots (--tag/--kind/--since: those that match)
+    gpusnap store ls NAME                 every file, directory and link of NAME
+    gpusnap store ls NAME data/sub        only data/sub and what lies under it
+
+    Snapshots that do not load, entries of snapshots/ that are not snapshots, and snapshots naming a
+    chunk that the last `store verify` found damaged are marked DAMAGED. Paths start at the top
+    directory that was stored (`store put NAME /srv/data` stores data/...): the same paths that
+    `store get --include` and `store cat` take."""
+    if name is not None:
+        if tags or kind or since:
+            raise click.UsageError("--tag/--kind/--since select snapshots; give them without NAME")
+        _list_files(ctx, validate_snapshot_name(name), prefix, as_json)
+        return
     from cli.archive_cmd import matches, parse_since
+    from storage.damage import DamageMarks
     since_t = parse_since(since)
     st = open_store(ctx, create=False)
     names, strays = st.scan()
+    marks = DamageMarks.load(st)
     rows = []
     for n in names:
         try:
             m = st.load(n)
             if not matches(m, tags, kind, since_t):
                 continue
+            bad = marks.damaged_in(m)
             rows.append({"name": n, "created": m.created, "size": m.size, "streams": len(m.streams),
-                         "kind": m.meta.get("kind", ""), "tags": list(m.tags), "host": m.host})
+                         "kind": m.meta.get("kind", ""), "tags": list(m.tags), "host": m.host,
+                         "damaged_chunks": len(bad)})
         except GpusnapError as e:
             rows.append({"name": n, "error": str(e)})
     rows += [{"name": s.entry, "error": str(s), "stray": True} for s in strays]
@@ -142,8 +256,75 @@ def store_ls(ctx: click.Context, tags: tuple[str, ...], kind: str | None, since:
             lines.append(f"{r['name']:32} DAMAGED: {r['error']}")
         else:
             lines.append(f"{r['name']:32} {r['kind']:8} {human(r['size']):>12} {r['streams']:>8}  {r['created']}"
-                         + (f"  [{','.join(r['tags'])}]" if r["tags"] else ""))
+                         + (f"  [{','.join(r['tags'])}]" if r["tags"] else "")
+                         + (f"  DAMAGED: {r['damaged_chunks']} damaged chunk(s) found by verify; "
+                            "`store repair` rewrites them" if r["damaged_chunks"] else ""))
     emit(as_json, rows, "\n".join(lines))
+
+
+_TYPE_CHARS = {"file": "-", "dir": "d", "symlink": "l", "hardlink": "h", "blob": "b", "fifo": "p"}
+
+
+def _mode_text(attrs: dict[str, object]) -> str:
+    """`ls -l`'s mode column for a stream: its type letter and rwx bits (h: a hard link, b: a blob)."""
+    import stat as _stat
+    t = str(attrs.get("type"))
+    mode = attrs.get("mode")
+    bits = _stat.filemode(mode)[1:] if isinstance(mode, int) else "?????????"
+    return _TYPE_CHARS.get(t, "?") + bits
+
+
+def _list_files(ctx: click.Context, name: str, prefix: str | None, as_json: bool) -> None:
+    st = open_store(ctx, create=False)
+    m = st.load(name)
+    want = (prefix or "").strip("/")
+    streams = [s for s in m.streams if not want or s.name == want or s.name.startswith(want + "/")]
+    if want and not streams:
+        raise StoreError(f"snapshot {name!r} has no path {want!r} (`gpusnap store ls {name}` lists them all)")
+    rows = []
+    for s in streams:
+        a = s.attrs
+        rows.append({"path": s.name, "type": a.get("type"), "mode": a.get("mode"), "size": s.size,
+                     "uid": a.get("uid"), "gid": a.get("gid"), "mtime_ns": a.get("mtime_ns"),
+                     **({"target": a["target"]} if "target" in a else {})})
+    lines = [f"{'MODE':10} {'OWNER':>11} {'SIZE':>10}  PATH"]
+    for r, s in zip(rows, streams):
+        owner = f"{r['uid']}:{r['gid']}" if r["uid"] is not None else "-"
+        link = f" -> {r['target']}" if r["type"] == "symlink" else (f" => {r['target']}" if r["type"] == "hardlink" else "")
+        lines.append(f"{_mode_text(s.attrs)} {owner:>11} {r['size']:>10}  {r['path']}{link}")
+    emit(as_json, rows, "\n".join(lines))
+
+
+@store.command("tag")
+@click.argument("names", nargs=-1, required=True)
+@click.option("--add", "add", multiple=True, metavar="TAG", help="Add TAG (repeatable; a tag already there stays once).")
+@click.option("--remove", "remove", multiple=True, metavar="TAG", help="Remove TAG (repeatable; an absent tag is no error).")
+@click.option("--set", "set_to", multiple=True, metavar="TAG",
+              help="Replace every tag with these (repeatable; --set '' removes them all). Not with --add/--remove.")
+@json_option
+@click.pass_context
+@one_line_errors
+def store_tag(ctx: click.Context, names: tuple[str, ...], add: tuple[str, ...], remove: tuple[str, ...],
+              set_to: tuple[str, ...], as_json: bool) -> None:
+    """Change the tags of snapshots NAMES (as `restic tag`): --add, --remove, or --set.
+
+    \b
+    gpusnap store tag model-v3 --add release --remove nightly
+    gpusnap store tag model-v3 --set prod --set llama
+
+    The manifest is rewritten atomically (FORMAT.md, "Changing tags"); its streams are untouched."""
+    from storage.tagging import retag
+    if not (add or remove or set_to):
+        raise click.UsageError("give --add, --remove or --set")
+    if set_to and (add or remove):
+        raise click.UsageError("--set replaces every tag; give it without --add/--remove")
+    st = open_store(ctx, create=False)
+    rows: list[dict[str, Any]] = []
+    for n in names:
+        old, new, changed = retag(st, n, add, remove, [t for t in set_to if t] if set_to else None)
+        rows.append({"name": n, "old_tags": list(old), "tags": list(new), "changed": changed})
+    emit(as_json, rows, "\n".join(f"{r['name']}: [{','.join(r['tags'])}]" + ("" if r["changed"] else " (unchanged)")
+                                  for r in rows))
 
 
 @store.command("inspect")
@@ -152,10 +333,11 @@ def store_ls(ctx: click.Context, tags: tuple[str, ...], kind: str | None, since:
 @click.pass_context
 @one_line_errors
 def store_inspect(ctx: click.Context, name: str, as_json: bool) -> None:
-    """Show a snapshot's streams, codecs, sizes and metadata.
+    """Show a snapshot's metadata (kind, tags, host, the gpusnap version that wrote it), codecs, sizes
+    and stream names.
 
     Per codec: chunk references, their raw bytes, and the bytes stored for its distinct chunks (a
-    chunk named twice is stored once)."""
+    chunk named twice is stored once). `store ls NAME` lists the files with modes and owners."""
     st = open_store(ctx, create=False)
     m = st.load(validate_snapshot_name(name))
     codecs: dict[str, dict[str, int]] = {}
@@ -169,16 +351,22 @@ def store_inspect(ctx: click.Context, name: str, as_json: bool) -> None:
                 unique[c.id] = c.stored_len
                 e["unique_chunks"] += 1
                 e["stored_bytes"] += c.stored_len
-    info: dict[str, Any] = {"name": m.name, "created": m.created, "meta": m.meta, "size": m.size,
+    info: dict[str, Any] = {"name": m.name, "created": m.created, "meta": m.meta, "size": m.size, "tags": list(m.tags),
+            "host": m.host, "gpusnap_version": m.tool,
             "stored_bytes_unique": sum(unique.values()), "codecs": codecs,
             "streams": [{"name": s.name, "size": s.size, "type": s.attrs.get("type"), "chunks": len(s.chunks)}
                         for s in m.streams]}
-    text = [f"snapshot {m.name}  created {m.created}", f"  logical size {human(m.size)}, "
+    text = [f"snapshot {m.name}  created {m.created}",
+            f"  host {m.host or 'unknown'}, written by gpusnap {m.tool or 'unknown'}, "
+            f"tags: {', '.join(m.tags) if m.tags else '(none)'}",
+            f"  logical size {human(m.size)}, "
             f"{len(m.streams)} streams, {human(info['stored_bytes_unique'])} stored (unique chunks)",
             f"  meta: {json.dumps({k: v for k, v in m.meta.items() if not k.endswith('stages')}, sort_keys=True)}"]
     for k, v in sorted(codecs.items()):
         text.append(f"  {k:15} {v['chunks']:7} chunks  {human(v['raw_bytes']):>10} raw  "
                     f"{human(v['stored_bytes']):>10} stored ({v['unique_chunks']} unique)")
+    text.append("  streams:")
+    text += [f"    {str(s.attrs.get('type')):8} {human(s.size):>10}  {s.name}" for s in m.streams]
     emit(as_json, info, "\n".join(text))
 
 
@@ -188,15 +376,20 @@ _from_option = click.option("--from", "sources", multiple=True, metavar="PATH",
                                  "chunk ids). Repeatable.")
 
 
-def _percent(ctx: click.Context, param: click.Parameter, value: str | None) -> float | None:
+def _percent(ctx: click.Context, param: click.Parameter, value: str | None) -> float | tuple[int, int] | None:
     if value is None:
         return None
+    if "/" in value:  # restic's n/t: group n of t
+        a, _, b = value.partition("/")
+        if a.isdigit() and b.isdigit() and 1 <= int(a) <= int(b) <= 1 << 20:
+            return int(a), int(b)
+        raise click.BadParameter(f"{value!r}: give n/t with 1 <= n <= t (e.g. 2/5), or a percentage (10%)")
     try:
         v = float(value.rstrip("%"))
     except ValueError:
         v = -1.0
     if not value.endswith("%") or not 0 < v <= 100:
-        raise click.BadParameter(f"{value!r}: give a percentage above 0 and at most 100, e.g. 10%")
+        raise click.BadParameter(f"{value!r}: give a percentage above 0 and at most 100 (e.g. 10%), or n/t (e.g. 2/5)")
     return v / 100
 
 
@@ -219,20 +412,24 @@ def _duration(ctx: click.Context, param: click.Parameter, value: str | None) -> 
 @click.option("--read-data", "read_data", is_flag=True,
               help="Also decode every chunk read and check its raw bytes against its id (slower; the default "
                    "check of the stored bytes finds every flipped or lost byte without decompressing).")
-@click.option("--read-data-subset", "subset", default=None, metavar="N%", callback=_percent,
-              help="Read only N% of the chunks, a new random choice each run (repeated runs cover the store).")
+@click.option("--read-data-subset", "subset", default=None, metavar="N%|n/t", callback=_percent,
+              help="Read only N% of the chunks, a new random choice each run (repeated runs cover the store); "
+                   "or n/t (restic's): the n-th of t fixed groups, so that 1/t .. t/t read every chunk once.")
 @click.option("--max-duration", "max_duration", default=None, metavar="TIME", callback=_duration,
               help="Stop reading chunks after TIME (seconds, or 90s/10m/2h); what was not read is reported.")
 @_from_option
 @json_option
 @click.pass_context
 @one_line_errors
-def store_verify(ctx: click.Context, name: str | None, repair: bool, read_data: bool, subset: float | None,
+def store_verify(ctx: click.Context, name: str | None, repair: bool, read_data: bool,
+                 subset: float | tuple[int, int] | None,
                  max_duration: float | None, sources: tuple[str, ...], as_json: bool) -> None:
     """Read and check every chunk of NAME (or of every snapshot); exit 3 and name what is damaged.
 
     Damaged chunk files are moved to the store's quarantine/ so that the next put of the same data
     writes them again (which heals every snapshot that names them); --repair rewrites them now."""
+    from sandbox.ops.snapshot_meta import meta_problems
+    from storage.store import Problem
     if repair or sources:
         ctx.invoke(store_repair, sources=sources, wait=30.0, as_json=as_json)
         return
@@ -277,6 +474,7 @@ def store_repair(ctx: click.Context, sources: tuple[str, ...], wait: float, as_j
     still are (a quarantined copy that is fine after all, or --from PATH); report what is lost.
 
     Exit 0 when every snapshot is whole again, 3 when something is lost (the report names it)."""
+    from storage.repair import repair as repair_store
     st = open_store(ctx, create=False)
     with Progress("repair", ctx.obj["progress"]) as prog:
         rep = repair_store(st, list(sources), timeout=wait, progress=prog)
@@ -301,6 +499,8 @@ def store_rm(ctx: click.Context, names: tuple[str, ...], as_json: bool) -> None:
     lists as DAMAGED; chunks are reclaimed by `gc`.
 
     Every NAME is tried; those that cannot be removed are reported and the exit status is 1."""
+    from sandbox.ops import journal
+    from sandbox.ops.snapshot_meta import remove_with_companions
     st = open_store(ctx, create=False)
     journal.require_clean(st.path)
     removed: list[str] = []
@@ -328,6 +528,8 @@ def store_gc(ctx: click.Context, wait: float, as_json: bool) -> None:
     interrupted puts and gets whose process is gone, lock files of names without a snapshot.
 
     Anything else found in the store is reported and left alone; damage found exits 3."""
+    from sandbox.ops import journal
+    from storage.gc import collect
     st = open_store(ctx, create=False)
     journal.require_clean(st.path)
     rep = collect(st, wait)
@@ -354,7 +556,8 @@ def select_streams(m: Manifest, patterns: tuple[str, ...]) -> Manifest:
     import fnmatch
     picked = {s.name for s in m.streams if any(fnmatch.fnmatchcase(s.name, p) for p in patterns)}
     if not picked:
-        raise StoreError(f"no stream of {m.name!r} matches {', '.join(patterns)} (`store inspect` lists them)")
+        raise StoreError(f"no stream of {m.name!r} matches {', '.join(patterns)} (`gpusnap store ls {m.name}` lists them)")
+    from storage.manifest import Manifest
     parents = {"/".join(n.split("/")[:i]) for n in picked for i in range(1, n.count("/") + 1)}
     keep = picked | parents
     return Manifest(m.name, [s for s in m.streams if s.name in keep], m.meta, m.created, m.tags, m.host, m.tool)

@@ -49,8 +49,12 @@ import threading
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
-import numpy as np
-import zstandard
+from types import ModuleType
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # imported on first use: a listing or --help needs neither
+    import numpy as np
+    import zstandard
 
 from .errors import GpusnapError
 
@@ -76,7 +80,7 @@ def nvcomp_out_bound(n: int) -> int:
 # runs of zeros are still found as repeats. Measured against level 1 on bf16 exponents: 2.94x vs 2.71x,
 # 730 vs 270 MB/s encode, 1.4 vs 0.8 GB/s decode (dev VM, one core).
 PLANE_ZSTD = dict(window_log=17, hash_log=6, chain_log=6, search_log=1, min_match=7,
-                  strategy=zstandard.STRATEGY_FAST)
+                  strategy="fast")  # zstandard.STRATEGY_FAST, resolved where the compressor is made
 
 # Every codec id the on-disk format has assigned (FORMAT.md, "Codec ids"). Never reuse an id.
 FORMAT_IDS: dict[str, int] = {"raw": 0, "zstd": 1, "shuffle2-zstd": 2,
@@ -86,6 +90,18 @@ CODEC_NAMES: dict[int, str] = {v: k for k, v in FORMAT_IDS.items()}
 ZERO = "zero"  # not a codec id: a chunk reference with no file
 NVCOMP_ALGORITHMS: dict[str, str] = {"nvcomp-ans": "ANS", "nvcomp-bitcomp": "Bitcomp", "nvcomp-lz4": "LZ4",
                                      "nvcomp-gdeflate": "GDeflate"}
+
+
+def _zstd() -> ModuleType:
+    """The zstandard module, imported on first use (a listing or --help never needs it)."""
+    import zstandard
+    return zstandard
+
+
+def _np() -> ModuleType:
+    """numpy, imported on first use (the byte-plane codec's split and merge)."""
+    import numpy
+    return numpy
 
 
 class CodecError(GpusnapError):
@@ -144,17 +160,20 @@ class ZstdCodec:
         c = getattr(self._local, "c", None)
         if c is None:
             if self.params is not None:
-                cp = zstandard.ZstdCompressionParameters(write_content_size=True, **self.params)
-                c = zstandard.ZstdCompressor(compression_params=cp)
+                z = _zstd()
+                params = dict(self.params)
+                params["strategy"] = getattr(z, "STRATEGY_" + str(params["strategy"]).upper())
+                cp = z.ZstdCompressionParameters(write_content_size=True, **params)
+                c = _zstd().ZstdCompressor(compression_params=cp)
             else:
-                c = zstandard.ZstdCompressor(level=self.level, write_content_size=True)
+                c = _zstd().ZstdCompressor(level=self.level, write_content_size=True)
             self._local.c = c
         return c
 
     def _dctx(self) -> zstandard.ZstdDecompressor:
         d = getattr(self._local, "d", None)
         if d is None:
-            d = self._local.d = zstandard.ZstdDecompressor()
+            d = self._local.d = _zstd().ZstdDecompressor()
         return d
 
     def encode(self, data: memoryview) -> bytes:
@@ -163,7 +182,7 @@ class ZstdCodec:
     def decode(self, payload: memoryview, raw_len: int) -> bytes:
         try:
             out = self._dctx().decompress(payload, max_output_size=raw_len)
-        except zstandard.ZstdError as e:
+        except _zstd().ZstdError as e:
             raise CodecError(f"zstd payload does not decode: {e}") from None
         if len(out) != raw_len:
             raise CodecError(f"zstd payload decoded to {len(out)} bytes, expected {raw_len}")
@@ -184,7 +203,7 @@ class ZstdCodec:
                     break
                 done += n
             extra = reader.read(1)
-        except zstandard.ZstdError as e:
+        except _zstd().ZstdError as e:
             raise CodecError(f"zstd payload does not decode: {e}") from None
         if extra:
             raise CodecError(f"zstd payload decodes to more than the {raw_len} bytes expected")
@@ -218,16 +237,16 @@ class Shuffle2Codec:
         """This thread's plane buffer of at least N bytes (grown to the largest chunk it has seen)."""
         buf = getattr(self._local, "buf", None)
         if buf is None or buf.size < n:
-            buf = self._local.buf = np.empty(n, np.uint8)
+            buf = self._local.buf = _np().empty(n, _np().uint8)
         return buf[:n]
 
     @staticmethod
     def split(data: memoryview, planes: np.ndarray) -> None:
         """The low bytes of DATA's 2-byte elements into PLANES[:h], the high bytes into PLANES[h:]."""
-        a = np.frombuffer(data, "<u2")
+        a = _np().frombuffer(data, "<u2")
         h = a.size
-        np.bitwise_and(a, 0xFF, out=planes[:h], casting="unsafe")
-        np.right_shift(a, 8, out=planes[h:], casting="unsafe")
+        _np().bitwise_and(a, 0xFF, out=planes[:h], casting="unsafe")
+        _np().right_shift(a, 8, out=planes[h:], casting="unsafe")
 
     def probe(self, data: memoryview) -> tuple[tuple[bool, bool], int]:
         """On DATA (a sample, even length): whether each plane pays zstd, and the payload size that
@@ -272,8 +291,8 @@ class Shuffle2Codec:
                 raise CodecError(f"shuffle2-zstd plane of {len(stored)} bytes, expected {h}")
         elif kind == 1:
             try:
-                declared = zstandard.frame_content_size(stored)
-            except zstandard.ZstdError as e:
+                declared = _zstd().frame_content_size(stored)
+            except _zstd().ZstdError as e:
                 raise CodecError(f"shuffle2-zstd plane is not a zstd frame: {e}") from None
             if declared != h:
                 raise CodecError(f"shuffle2-zstd plane declares {declared} bytes, expected {h}")
@@ -283,7 +302,7 @@ class Shuffle2Codec:
     def _plane(self, kind: int, stored: memoryview, h: int, scratch: np.ndarray) -> np.ndarray:
         """One plane's H bytes: a stored plane where it lies, a zstd one decoded into SCRATCH."""
         if kind == 0:
-            return np.frombuffer(stored, np.uint8)
+            return _np().frombuffer(stored, _np().uint8)
         self.zstd.decode_into(stored, h, scratch.data)
         return scratch
 
@@ -308,9 +327,9 @@ class Shuffle2Codec:
         lo = self._plane(k0, p0, h, planes[:h])
         hi = self._plane(k1, p1, h, planes[k0 * h:k0 * h + h])
         dst = memoryview(bytearray(raw_len)) if out is None else out[:raw_len]
-        o = np.frombuffer(dst, "<u2")
-        np.left_shift(hi, 8, out=o, dtype="<u2")
-        np.bitwise_or(o, lo, out=o)
+        o = _np().frombuffer(dst, "<u2")
+        _np().left_shift(hi, 8, out=o, dtype="<u2")
+        _np().bitwise_or(o, lo, out=o)
         return dst
 
 

@@ -25,6 +25,8 @@ from typing import Any, Iterator
 from .directio import read_into
 from .names import validate_stream_name
 from .pipeline import PipelineError, StreamSpec, StreamWriter
+from .files_cache import stat_key
+from .xattrs import read_xattrs, restore_xattrs
 
 
 from .errors import GpusnapError
@@ -121,13 +123,25 @@ class FileTreeSource:
 
     Regular files, directories and symbolic links are stored (mode, mtime, uid and gid kept; a file
     seen again through another hard link is stored as a `hardlink` to the first name); anything else
-    (sockets, FIFOs, devices) is refused up front, as is an unreadable or missing path. The directory
+    FIFOs are stored as entries (as tar, restic and borg do: never opened, never read); sockets are
+    skipped and listed in `skipped` (nothing can be restored from one); devices are refused up front,
+    as is an unreadable or missing path. EXCLUDE: glob patterns (fnmatch, `*` matches `/` too); a
+    pattern without `/` matches an entry's base name anywhere, one with `/` its whole stream path
+    (top directory first: `data/cache/*`); an excluded directory is left out with all below it.
+    Extended attributes (user.*, and security.*/trusted.* where this user can read them) are kept
+    in `xattrs` (storage/xattrs.py), unless not XATTRS. The directory
     holding each named path is opened once and kept open (close() or the context manager releases it):
     every later access goes down from it by directory fds, and must find what the scan found.
     """
 
-    def __init__(self, paths: list[str]) -> None:
+    def __init__(self, paths: list[str], exclude: tuple[str, ...] | list[str] = (), xattrs: bool = True) -> None:
         self.roots: list[tuple[str, str]] = []
+        self.exclude = [p.strip("/") if "/" in p.strip("/") else p for p in exclude]
+        self.skipped: list[str] = []            # what was not stored, and why (sockets)
+        self.excluded = 0
+        self.xattrs = xattrs
+        self.keys: dict[str, tuple[str, Any]] = {}  # file stream name -> (its absolute path, files_cache.Key)
+        self.scanned_ns = time.time_ns()
         self._anchors: dict[str, int] = {}      # base name -> fd of the directory holding it
         self._seen: dict[str, _Seen] = {}       # stream name -> what the scan found there
         self._links: dict[tuple[int, int], str] = {}  # (dev, ino) of multiply linked files -> first name
@@ -171,9 +185,22 @@ class FileTreeSource:
         root = next(p for p, b in self.roots if b == base)
         return os.path.join(root, rest) if rest else root
 
-    def _spec(self, dfd: int, entry: str, name: str, st: os.stat_result) -> StreamSpec:
+    def _excluded(self, name: str) -> bool:
+        import fnmatch
+        base = name.rsplit("/", 1)[-1]
+        return any(fnmatch.fnmatchcase(name if "/" in p else base, p) for p in self.exclude)
+
+    def _spec(self, dfd: int, entry: str, name: str, st: os.stat_result) -> StreamSpec | None:
         attrs: dict[str, Any] = {"mode": stat.S_IMODE(st.st_mode), "mtime_ns": st.st_mtime_ns,
                                  "uid": st.st_uid, "gid": st.st_gid}
+        if self.xattrs and not (stat.S_ISREG(st.st_mode) and st.st_nlink > 1
+                                and (st.st_dev, st.st_ino) in self._links):
+            try:
+                xa = read_xattrs(dfd, entry)
+            except OSError as e:
+                raise FileTreeError(f"{self._display(name)}: reading extended attributes: {_reason(e)}") from None
+            if xa:
+                attrs["xattrs"] = xa
         if stat.S_ISREG(st.st_mode):
             if not os.access(entry, os.R_OK, dir_fd=dfd):
                 raise FileTreeError(f"{self._display(name)}: permission denied")
@@ -181,6 +208,7 @@ class FileTreeSource:
                 first = self._links.setdefault((st.st_dev, st.st_ino), name)
                 if first != name:
                     return StreamSpec(name, {"type": "hardlink", "target": first}, 0)
+            self.keys[name] = (self._display(name), stat_key(st))
             return StreamSpec(name, {"type": "file", **attrs}, st.st_size)
         if stat.S_ISDIR(st.st_mode):
             if not os.access(entry, os.R_OK | os.X_OK, dir_fd=dfd):
@@ -188,19 +216,29 @@ class FileTreeSource:
             return StreamSpec(name, {"type": "dir", **attrs}, 0)
         if stat.S_ISLNK(st.st_mode):
             return StreamSpec(name, {"type": "symlink", "target": os.readlink(entry, dir_fd=dfd), **attrs}, 0)
+        if stat.S_ISFIFO(st.st_mode):
+            return StreamSpec(name, {"type": "fifo", **attrs}, 0)
+        if stat.S_ISSOCK(st.st_mode):
+            self.skipped.append(f"{self._display(name)}: a socket (nothing to store; as tar, it is skipped)")
+            return None
         raise FileTreeError(f"{self._display(name)}: a {_KINDS.get(stat.S_IFMT(st.st_mode), 'special file')}, not a "
-                            "regular file, directory or symlink; gpusnap does not store it")
+                            "regular file, directory, symlink or FIFO; gpusnap does not store it (leave it out with --exclude)")
 
     def _scan(self) -> Iterator[StreamSpec]:
         for _, base in self.roots:
             yield from self._entry(self._anchors[base], base, base)
 
     def _entry(self, dfd: int, entry: str, name: str) -> Iterator[StreamSpec]:
+        if self.exclude and self._excluded(name):
+            self.excluded += 1
+            return
         try:
             st = os.stat(entry, dir_fd=dfd, follow_symlinks=False)
         except OSError as e:
             raise FileTreeError(f"{self._display(name)}: {_reason(e)}") from None
         spec = self._spec(dfd, entry, name, st)
+        if spec is None:
+            return
         self._seen[name] = _Seen.of(st)
         yield spec
         if spec.attrs["type"] != "dir":
@@ -387,6 +425,10 @@ class FileTreeSink:
         return fd
 
     # ---- owners and modes ----------------------------------------------------------------------
+    def _xattrs_allowed(self) -> bool:
+        """security.* and trusted.* are restored only where owners are (as root); user.* always."""
+        return self.same_owner and os.geteuid() == 0
+
     def _settle(self, attrs: dict[str, Any], default_mode: int) -> Any:
         """A function of an fd that gives it ATTRS' owner (when restored), mode and mtime. The special
         bits survive only where the owner is restored (or is the restoring user already)."""
@@ -398,13 +440,35 @@ class FileTreeSink:
             mode &= ~_SPECIAL_BITS
         ns = attrs.get("mtime_ns")
 
+        xa = attrs.get("xattrs")
+        privileged = self._xattrs_allowed()
+
         def settle(fd: int) -> None:
             if chown and uid is not None and gid is not None:
                 os.fchown(fd, uid, gid)  # first: chown clears setuid/setgid
+            if xa:
+                restore_xattrs(fd, xa, privileged)
             os.fchmod(fd, mode)
             if ns is not None:
                 os.utime(fd, ns=(ns, ns))
         return settle
+
+    def _settle_path(self, path: str, attrs: dict[str, Any], default_mode: int) -> None:
+        """_settle for an entry that cannot be opened for I/O (a FIFO): PATH is /proc/self/fd/N of
+        an O_PATH fd of it, so every call acts on that very inode."""
+        uid, gid = attrs.get("uid"), attrs.get("gid")
+        chown = self.same_owner and uid is not None and gid is not None
+        mine = uid == os.geteuid() and gid == os.getegid()
+        mode = attrs.get("mode", default_mode)
+        if not (chown or mine):
+            mode &= ~_SPECIAL_BITS
+        if chown and uid is not None and gid is not None:
+            os.chown(path, uid, gid)
+        if attrs.get("xattrs"):
+            restore_xattrs(path, attrs["xattrs"], self._xattrs_allowed())
+        os.chmod(path, mode)
+        if attrs.get("mtime_ns") is not None:
+            os.utime(path, ns=(attrs["mtime_ns"],) * 2)
 
     # ---- the Sink protocol ---------------------------------------------------------------------
     def open(self, spec: StreamSpec) -> StreamWriter | None:
@@ -420,11 +484,25 @@ class FileTreeSink:
             self._dir(parts, spec.name)
             self._dirs[tuple(parts)] = spec.attrs
             return None
+        if kind == "fifo":
+            os.mkfifo(leaf, 0o600, dir_fd=pfd)  # in this get's private 0700 tree: nobody else can swap it
+            fd = os.open(leaf, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=pfd)
+            try:
+                self._settle_path(f"/proc/self/fd/{fd}", spec.attrs, 0o644)
+            finally:
+                os.close(fd)
+            return None
         if kind == "symlink":
             os.symlink(spec.attrs["target"], leaf, dir_fd=pfd)
             a = spec.attrs
             if self.same_owner and a.get("uid") is not None and a.get("gid") is not None:
                 os.chown(leaf, a["uid"], a["gid"], dir_fd=pfd, follow_symlinks=False)
+            if a.get("xattrs") and self._xattrs_allowed():  # user.* cannot be set on a link
+                fd = os.open(leaf, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=pfd)
+                try:
+                    restore_xattrs(f"/proc/self/fd/{fd}", a["xattrs"], True, user=False)
+                finally:
+                    os.close(fd)
             if a.get("mtime_ns") is not None:
                 os.utime(leaf, ns=(a["mtime_ns"],) * 2, dir_fd=pfd, follow_symlinks=False)
             return None

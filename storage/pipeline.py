@@ -21,7 +21,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Protocol
+from typing import Any, Callable, Iterator, Protocol
 
 import numpy as np
 
@@ -252,12 +252,15 @@ def chunker_record(chunker: str, chunk_size: int) -> dict[str, Any]:
 
 def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHUNK,
         workers: int | None = None, compress: bool = True, zstd_level: int = 1,
-        progress: Progress | None = None, chunker: str = "fixed", readers: int | None = None) -> Result:
+        progress: Progress | None = None, chunker: str = "fixed", readers: int | None = None,
+        known: Callable[[StreamSpec, dict[str, Any]], list[ChunkRef] | None] | None = None) -> Result:
     """Read every stream of SOURCE into WRITER's snapshot (the caller commits).
 
     chunker: "fixed" (chunk_size pieces) or "pages" (content-defined cuts on page boundaries, at most
     chunk_size; see page_cuts). readers: producer threads for page images larger than two SEGMENTs
-    (default: one per four workers, at most four).
+    (default: one per four workers, at most four). known: a files cache's lookup (storage/files_cache.py):
+    given a stream and the chunker record, the references it remembers; used only if every one names a
+    sound chunk present now (SnapshotWriter.reuse_ref), else the stream is read.
     """
     if chunker not in ("fixed", "pages"):
         raise PipelineError(f"unknown chunker {chunker!r}")
@@ -334,11 +337,18 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
                 produce(part, r, spec.name)
 
         cut_by = chunker_record(chunker, chunk_size)
+        reused = [0, 0]  # streams, bytes taken from `known` without reading
         for spec in source.streams():
             fail.raise_if_set()
             stream = Stream(spec.name, {**spec.attrs, "chunker": cut_by} if spec.has_data else dict(spec.attrs))
             writer.add_stream(stream)
             if not spec.has_data:
+                continue
+            if known is not None and _reuse(writer, stream, known(spec, cut_by)):
+                reused[0] += 1
+                reused[1] += stream.size
+                if progress is not None:
+                    progress.advance(stream.size)
                 continue
             segs = _segments(spec, source, chunker)
             head: list[ChunkRef] = []
@@ -363,7 +373,22 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
         fail.raise_if_set()
         for stream, parts in whole:
             stream.chunks[:] = [c for p in parts for c in p]
-    return writer_result(writer, stages, time.perf_counter() - t_start)
+    res = writer_result(writer, stages, time.perf_counter() - t_start)
+    res.extra.update(files_unchanged=reused[0], bytes_unchanged=reused[1])
+    return res
+
+
+def _reuse(writer: SnapshotWriter, stream: Stream, refs: list[ChunkRef] | None) -> bool:
+    """STREAM's chunks set to REFS if every one is present and sound now (counted as deduplicated)."""
+    if refs is None:
+        return False
+    got = [r if r.is_zero else writer.reuse_ref(r) for r in refs]
+    if any(g is None for g in got):
+        return False
+    for g in got:
+        writer.note_reused(g)  # type: ignore[arg-type]
+    stream.chunks[:] = got  # type: ignore[assignment]
+    return True
 
 
 SEGMENT = 1 << 30  # page images larger than two of these are read by several producers

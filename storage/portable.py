@@ -45,7 +45,7 @@ def cat(store: SnapshotStore, manifest: Manifest, stream: str, out: IO[bytes]) -
     the bytes written. A damaged chunk stops the output with DamageError (what was written is a prefix)."""
     s = next((x for x in manifest.streams if x.name == stream), None)
     if s is None:
-        raise PortableError(f"snapshot {manifest.name!r} has no stream {stream!r} (`store inspect` lists them)")
+        raise PortableError(f"snapshot {manifest.name!r} has no stream {stream!r} (`gpusnap store ls {manifest.name}` lists them)")
     if s.attrs.get("type") not in (None, "file", "blob"):
         raise PortableError(f"stream {stream!r} is a {s.attrs.get('type')}, not a file")
     buf = AlignedBuffer(store.chunk_buffer_size([manifest]))

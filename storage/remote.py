@@ -144,6 +144,24 @@ def add_remote(store: SnapshotStore, cfg: RemoteConfig) -> None:
     os.rename(tmp, os.path.join(d, cfg.name + ".json"))
 
 
+def remove_remote(store: SnapshotStore, name: str) -> None:
+    """Remove remote NAME's configuration (STORE/remotes/NAME.json); nothing on the remote is touched."""
+    path = os.path.join(_remotes_dir(store), validate_remote_name(name) + ".json")
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        raise RemoteError(f"no remote named {name!r} (`gpusnap remote list` lists them)") from None
+    fd = os.open(_remotes_dir(store), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def remote_exists(store: SnapshotStore, name: str) -> bool:
+    return os.path.lexists(os.path.join(_remotes_dir(store), validate_remote_name(name) + ".json"))
+
+
 def list_remotes(store: SnapshotStore) -> list[RemoteConfig]:
     try:
         names = sorted(f[:-5] for f in os.listdir(_remotes_dir(store)) if f.endswith(".json"))
@@ -712,7 +730,7 @@ class Remote:
                 try:
                     live |= self.load(n).chunk_ids()
                 except RemoteError as e:
-                    raise RemoteError(f"remote gc stopped, nothing deleted: {e}; `gpusnap remote rm {n}` "
+                    raise RemoteError(f"remote gc stopped, nothing deleted: {e}; `gpusnap remote forget {n}` "
                                       "it first if it cannot be repaired") from None
             dead = [(cid, size) for cid, size in self.chunk_sizes().items() if cid not in live]
             lock = threading.Lock()

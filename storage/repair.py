@@ -75,6 +75,8 @@ def repair(store: "SnapshotStore", sources: Sequence[str] = (), *, workers: int 
                 for cid, where in rebuild(store, tmp, chunks, manifests, need, list(sources), size).items():
                     report.repaired[cid] = where
                     del need[cid]
+        from . import damage
+        damage.update(store, [c for c in refs if c not in need], {c: bad[c] for c in need})
         for m in manifests:
             for s in m.streams:
                 for i, c in enumerate(s.chunks):

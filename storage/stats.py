@@ -3,6 +3,13 @@
 Per snapshot: raw bytes (logical, zeros included), stored bytes (its distinct chunks' stored sizes),
 unique bytes (chunks no other snapshot names: what `rm` + `gc` would free) and shared bytes; by
 construction unique + shared = stored. Repository totals count every distinct chunk once.
+
+Three savings are told apart, never folded into one ratio:
+- zeros: raw bytes of all-zero chunks, elided (nothing stored);
+- dedup: the non-zero raw bytes the references name, against the raw bytes of the distinct chunks
+  they name (a chunk named twice counts once): dedup_bytes = referenced - distinct, and
+  dedup_ratio = referenced / distinct (1.0 for data that deduplicated nothing);
+- compression: the distinct chunks' raw bytes against their stored bytes.
 """
 from __future__ import annotations
 
@@ -29,6 +36,8 @@ class SnapshotStats:
     name: str
     raw_bytes: int = 0
     zero_bytes: int = 0
+    referenced_bytes: int = 0   # non-zero raw bytes of every reference (a chunk named twice counts twice)
+    distinct_raw_bytes: int = 0  # raw bytes of its distinct chunks
     stored_bytes: int = 0
     unique_bytes: int = 0
     shared_bytes: int = 0
@@ -36,8 +45,17 @@ class SnapshotStats:
     unique_chunks: int = 0
     codecs: dict[str, CodecStats] = field(default_factory=dict)   # distinct chunks per codec
 
+    @property
+    def dedup_bytes(self) -> int:
+        return self.referenced_bytes - self.distinct_raw_bytes
+
+    @property
+    def dedup_ratio(self) -> float:
+        return self.referenced_bytes / self.distinct_raw_bytes if self.distinct_raw_bytes else 1.0
+
     def to_json(self) -> dict[str, Any]:
         d = {k: v for k, v in self.__dict__.items() if k != "codecs"}
+        d["dedup_bytes"], d["dedup_ratio"] = self.dedup_bytes, round(self.dedup_ratio, 3)
         d["codecs"] = {k: v.__dict__ for k, v in sorted(self.codecs.items())}
         return d
 
@@ -46,22 +64,44 @@ class SnapshotStats:
 class RepoStats:
     snapshots: int = 0
     raw_bytes: int = 0
+    zero_bytes: int = 0
+    referenced_bytes: int = 0
+    distinct_raw_bytes: int = 0
     stored_bytes: int = 0
     chunks: int = 0
     codecs: dict[str, CodecStats] = field(default_factory=dict)
 
     @property
+    def dedup_bytes(self) -> int:
+        return self.referenced_bytes - self.distinct_raw_bytes
+
+    @property
     def dedup_ratio(self) -> float:
-        return self.raw_bytes / self.stored_bytes if self.stored_bytes else 0.0
+        return self.referenced_bytes / self.distinct_raw_bytes if self.distinct_raw_bytes else 1.0
+
+    @property
+    def compression_ratio(self) -> float:
+        return self.distinct_raw_bytes / self.stored_bytes if self.stored_bytes else 1.0
 
     def to_json(self) -> dict[str, Any]:
         return {"snapshots": self.snapshots, "raw_bytes": self.raw_bytes, "stored_bytes": self.stored_bytes,
+                "zero_bytes": self.zero_bytes, "referenced_bytes": self.referenced_bytes,
+                "distinct_raw_bytes": self.distinct_raw_bytes, "dedup_bytes": self.dedup_bytes,
+                "compression_ratio": round(self.compression_ratio, 3),
                 "chunks": self.chunks, "dedup_ratio": round(self.dedup_ratio, 3),
                 "codecs": {k: v.__dict__ for k, v in sorted(self.codecs.items())}}
 
 
 def _distinct(m: Manifest) -> dict[str, ChunkRef]:
     return {c.id: c for s in m.streams for c in s.chunks if c.id is not None}
+
+
+def _zeros(m: Manifest) -> int:
+    return sum(c.raw_len for s in m.streams for c in s.chunks if c.is_zero)
+
+
+def _referenced(m: Manifest) -> int:
+    return sum(c.raw_len for s in m.streams for c in s.chunks if not c.is_zero)
 
 
 def compute(all_manifests: list[Manifest], names: list[str] | None = None) -> tuple[list[SnapshotStats], RepoStats]:
@@ -75,9 +115,12 @@ def compute(all_manifests: list[Manifest], names: list[str] | None = None) -> tu
     every: dict[str, ChunkRef] = {}
     for m in all_manifests:
         repo.raw_bytes += m.size
+        repo.zero_bytes += _zeros(m)
+        repo.referenced_bytes += _referenced(m)
         every.update(refs_by_snap[m.name])
     repo.chunks = len(every)
     for ref in every.values():
+        repo.distinct_raw_bytes += ref.raw_len
         repo.stored_bytes += ref.stored_len
         repo.codecs.setdefault(ref.codec, CodecStats()).add(ref)
     wanted = set(names) if names is not None else None
@@ -85,10 +128,10 @@ def compute(all_manifests: list[Manifest], names: list[str] | None = None) -> tu
     for m in all_manifests:
         if wanted is not None and m.name not in wanted:
             continue
-        st = SnapshotStats(m.name, raw_bytes=m.size,
-                           zero_bytes=sum(c.raw_len for s in m.streams for c in s.chunks if c.is_zero))
+        st = SnapshotStats(m.name, raw_bytes=m.size, zero_bytes=_zeros(m), referenced_bytes=_referenced(m))
         for cid, ref in refs_by_snap[m.name].items():
             st.chunks += 1
+            st.distinct_raw_bytes += ref.raw_len
             st.stored_bytes += ref.stored_len
             st.codecs.setdefault(ref.codec, CodecStats()).add(ref)
             if users[cid] == 1:

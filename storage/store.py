@@ -41,6 +41,7 @@ from .progress import Progress
 from .chunkfile import (HEADER_SIZE, ChunkError, ChunkHeader, chunk_id, file_kind, full_check, max_stored_len,
                         id_check, raw_chunk_id, read_chunk_file, reusable, write_chunk_file)
 from .directio import AlignedBuffer, BufferPool, align_up, direct_io_supported, read_to_end
+from . import waits
 from .errors import GpusnapError
 from .manifest import ChunkRef, Manifest, ManifestError, Stream, validate_tag
 from .names import InvalidNameError, validate_snapshot_name
@@ -202,16 +203,32 @@ class _FileLock:
             raise StoreDamage(f"{self.where} is not a regular file; left alone")
         mode = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
         deadline = None if timeout is None else time.monotonic() + timeout
+        t0 = time.monotonic()
         while True:
             try:
                 fcntl.flock(self.fd, mode | fcntl.LOCK_NB)
+                if not self._still_linked():  # removed (name_lock, gc) between our open and flock
+                    os.close(self.fd)
+                    self.fd = self._open(exclusive)
+                    continue
+                waits.add(waits.LOCKS, time.monotonic() - t0)
                 return True
             except BlockingIOError:
                 if deadline is not None and time.monotonic() >= deadline:
+                    waits.add(waits.LOCKS, time.monotonic() - t0)
                     os.close(self.fd)
                     self.fd = -1
                     return False
                 time.sleep(0.05)
+
+    def _still_linked(self) -> bool:
+        """Whether the file locked is still the one at its name (a lock on an unlinked file locks nothing)."""
+        try:
+            now = os.stat(self.name, dir_fd=self.dir_fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return False
+        st = os.fstat(self.fd)
+        return (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino)
 
     def release(self) -> None:
         if self.fd >= 0:
@@ -402,7 +419,8 @@ class SnapshotStore:
     @contextmanager
     def name_lock(self, name: str) -> Iterator[None]:
         """NAME's writer lock (names/NAME.lock), taken without waiting. Only writers and rm of an
-        existing snapshot take it, so no lock file is made for a name that never had a snapshot."""
+        existing snapshot take it; when the holder is done and NAME has no snapshot (a failed put or
+        dump, an rm), the file is removed while still held, so none is left behind for gc."""
         lock_name = validate_snapshot_name(name) + ".lock"
         with self.subdir("names") as names:
             lock = _FileLock(names, lock_name, f"names/{lock_name}")
@@ -412,7 +430,14 @@ class SnapshotStore:
         try:
             yield
         finally:
-            lock.release()
+            try:
+                if not self.exists(name):
+                    with self.subdir("names") as names:
+                        _unlink_quietly(names, lock_name)
+            except (OSError, GpusnapError):
+                pass
+            finally:
+                lock.release()
 
     # ---- snapshots ----------------------------------------------------------------------------
     def exists(self, name: str) -> bool:
@@ -720,12 +745,14 @@ class SnapshotStore:
         return bad
 
     def verify(self, names: list[str] | None = None, workers: int = 4, progress: Progress | None = None,
-               quarantine: bool = True, quarantine_wait: float = 5.0, sample: float | None = None,
+               quarantine: bool = True, quarantine_wait: float = 5.0, sample: float | tuple[int, int] | None = None,
                max_seconds: float | None = None, read_data: bool = False) -> VerifyReport:
         """Check every chunk of NAMES (default: every snapshot, and the strays of snapshots/ too).
 
         SAMPLE (0 < SAMPLE <= 1): read only that fraction of the distinct chunks, chosen at random
-        anew each run (as restic's --read-data-subset), so that repeated runs cover the store;
+        anew each run (as restic's --read-data-subset), so that repeated runs cover the store; or
+        (N, T): the N-th of T fixed groups (a chunk is in group int(id[:8], 16) % T + 1), so that the
+        runs 1/T .. T/T read every chunk once;
         MAX_SECONDS: stop reading chunks after that long (as borg's --max-duration). Manifests are
         always all checked; what was not read is counted in chunks_unchecked. READ_DATA: the full
         check (FORMAT.md: GSNPCHK2 chunks decoded and bound to their ids), else the stored check.
@@ -741,13 +768,20 @@ class SnapshotStore:
             manifests = self.load_all(names, report.problems)
             refs = chunk_refs(manifests)
             report.chunks_total = len(refs)
-            if sample is not None and sample < 1:
+            if isinstance(sample, tuple):  # restic's n/t: the n-th of t fixed groups, by chunk id
+                n, t = sample
+                picked = [cid for cid in sorted(refs) if int(cid[:8], 16) % t == n - 1]
+                report.chunks_unchecked = len(refs) - len(picked)
+                refs = {cid: refs[cid] for cid in picked}
+            elif sample is not None and sample < 1:
                 picked = random.SystemRandom().sample(sorted(refs), math.ceil(sample * len(refs)))
                 report.chunks_unchecked = len(refs) - len(picked)
                 refs = {cid: refs[cid] for cid in picked}
             deadline = None if max_seconds is None else time.monotonic() + max_seconds
+            skipped_before = report.chunks_unchecked
             bad = self.check_chunks(refs, self.chunk_buffer_size(manifests), workers, progress, report, deadline,
                                     read_data)
+            cut_short = report.chunks_unchecked > skipped_before  # --max-duration: not every ref was read
             for cid in list(bad):
                 if bad[cid] == "missing":
                     bad[cid] = self.absence(cid)
@@ -768,7 +802,20 @@ class SnapshotStore:
                             report.quarantined.append(cid)
             except (GpusnapError, OSError) as e:  # busy, or a store this user may only read
                 report.not_quarantined = str(e)
+        self._record_damage([] if cut_short else [c for c in refs if c not in bad], bad, quarantine_wait)
         return report
+
+    def _record_damage(self, whole: list[str], bad: dict[str, str], wait: float) -> None:
+        """Note BAD in damaged.json and clear WHOLE there (storage/damage.py), for `store ls`; a busy or
+        read-only store keeps the old record (it is only a listing's hint)."""
+        from . import damage
+        if not bad and not os.path.lexists(os.path.join(self.path, damage.RECORD)):
+            return
+        try:
+            with self.exclusive(wait):
+                damage.update(self, whole, bad)
+        except (GpusnapError, OSError):
+            pass
 
     # ---- temporary entries: staging directories and in-flight gets -----------------------------
     def new_staging_dir(self, kind: str = "staging") -> str:
@@ -944,6 +991,30 @@ class SnapshotWriter:
             self.stats.add_chunk(got.raw_len, got.stored_len, False, hash_s, time.perf_counter() - t0 - hash_s)
         return cid, ChunkRef(cid, got.raw_len, got.codec, got.stored_len)
 
+    def reuse_ref(self, ref: ChunkRef) -> ChunkRef | None:
+        """REF (a raw-addressed chunk a files cache remembers) as the reference to the sound file of
+        its id present now (chunkfile.reusable: a GSNPCHK2 header of its raw length); None when there
+        is none: the caller then reads the file's bytes again. Counted by note_reused, not here."""
+        if ref.id is None or not CHUNK_ID.fullmatch(ref.id):
+            return None
+        want = ChunkHeader("raw", ref.raw_len, ref.raw_len, raw_id=True)
+        try:
+            with opened_child(self._chunks, ref.id[:2], f"chunks/{ref.id[:2]}") as d:
+                got = reusable(d, ref.id, want)
+        except (OSError, GpusnapError):
+            return None
+        if got is None:
+            return None
+        return ChunkRef(ref.id, got.raw_len, got.codec, got.stored_len)
+
+    def note_reused(self, ref: ChunkRef) -> None:
+        """Count REF (from reuse_ref, or a zero chunk) as found present: deduplicated, nothing written."""
+        with self._lock:
+            if ref.is_zero:
+                self.stats.add_zero(ref.raw_len)
+            else:
+                self.stats.add_chunk(ref.raw_len, ref.stored_len, False, 0.0)
+
     def put_chunk(self, codec: str, raw_len: int, frame: memoryview, stored_len: int,
                   raw_id: str | None = None, verified_id: str | None = None) -> ChunkRef:
         """Store one encoded chunk (thread-safe) whose payload sits at FRAME[HEADER_SIZE:][:stored_len];
@@ -991,11 +1062,13 @@ class SnapshotWriter:
             manifest.host = self.host
         final = self.name + ".json"
         tmp = owned_name("manifest")
+        data = manifest.dumps()
+        t0 = time.perf_counter()
         try:
             for xy in sorted(self._touched):
                 with opened_child(self._chunks, xy, f"chunks/{xy}") as d:
                     os.fsync(d)
-            _write_file(self._tmp, tmp, manifest.dumps())
+            _write_file(self._tmp, tmp, data)
             try:
                 if self.replace:
                     os.rename(tmp, final, src_dir_fd=self._tmp, dst_dir_fd=self._snaps)
@@ -1009,6 +1082,8 @@ class SnapshotWriter:
             os.fsync(self._snaps)
         except OSError as e:
             raise StoreError(_io_message("committing the manifest", e, self.store.path)) from None
+        finally:
+            waits.add(waits.FSYNC, time.perf_counter() - t0)
         self._committed = True
         return manifest
 

@@ -176,7 +176,7 @@ def test_gc_deletes_only_unreferenced_chunks_and_a_push_it_raced_rechecks(nodes:
         a.run("store", "put", name, str(d), "--chunk-size", "1M")
     a.json("push", "g1")
     a.json("push", "g2")
-    a.run("remote", "rm", "g1")
+    a.run("remote", "forget", "g1")
     # a push paused after uploading some chunks holds a fresh lock: gc refuses
     pause = tmp_path / "paused"
     p = a.popen("push", "g3", "--jobs", "1", env={"GPUSNAP_TEST_PAUSE_TRANSFER": f"3:{pause}"})
@@ -211,7 +211,7 @@ def test_gc_waits_for_a_pull_and_one_that_takes_its_lock_for_stale_fails_it_clea
     pause = tmp_path / "paused"
     p = b.popen("pull", "g1", "--jobs", "1", env={"GPUSNAP_TEST_PAUSE_TRANSFER": f"3:{pause}"})
     wait_for(pause, p)
-    a.run("remote", "rm", "g1")
+    a.run("remote", "forget", "g1")
     r = a.run("remote", "gc", check=False)
     assert r.returncode == 1 and "locked by a running pull" in one_line(r)
     pause.unlink()
@@ -227,7 +227,7 @@ def test_gc_waits_for_a_pull_and_one_that_takes_its_lock_for_stale_fails_it_clea
     a.json("push", "g1")
     p = b.popen("pull", "g1", "--jobs", "1", env={"GPUSNAP_TEST_PAUSE_TRANSFER": f"3:{pause}"})
     wait_for(pause, p)
-    a.run("remote", "rm", "g1")
+    a.run("remote", "forget", "g1")
     gc = a.json("remote", "gc", env={"GPUSNAP_REMOTE_LOCK_STALE_S": "0"})
     assert gc["stale_locks_removed"] == 1 and gc["chunks_removed"] >= 8, gc
     pause.unlink()

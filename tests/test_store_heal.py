@@ -230,7 +230,9 @@ def test_lock_files_made_only_for_real_names_and_reclaimed(cli: Cli, tmp_path: P
         assert cli.run("store", *args, check=False).returncode == 1
     locks = sorted(p.name for p in (store_dir / "names").iterdir())
     assert "nosuch.lock" not in locks and "a.lock" in locks
-    cli.run("store", "rm", "a")
+    cli.run("store", "rm", "a")  # rm removes its name's lock file itself (held while removed)
+    assert sorted(p.name for p in (store_dir / "names").iterdir()) == ["b.lock"]
+    (store_dir / "names" / "a.lock").write_bytes(b"")  # one left by an older gpusnap: gc reclaims it
     gc = cli.json("store", "gc")
     assert gc["locks_removed"] == 1
     assert sorted(p.name for p in (store_dir / "names").iterdir()) == ["b.lock"]

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
 
 from storage.progress import Progress
-from storage import pipeline
+from storage import pipeline, waits
 from storage.filetree import FileTreeSink
 from storage.follow import FollowedDirSource
 from storage.remote import DEFAULT_JOBS, Remote
@@ -73,10 +73,13 @@ class CriuReport:
     images_path: str = "staging"  # how CRIU's images moved: "stream" (sandbox.criu.streamer) or "staging"
 
     def as_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "pids": self.pids, "cuda_pids": self.cuda_pids, "stages": self.stages,
-                "seconds": {k: round(v, 3) for k, v in self.seconds.items()}, "raw_bytes": self.raw_bytes,
-                "new_bytes": self.new_bytes, "dedup_bytes": self.dedup_bytes, "restored_pid": self.restored_pid,
-                "images_path": self.images_path}
+        """A dump's report (bytes of images, written, deduplicated) or a restore's (the restored pid):
+        each carries only its own fields."""
+        d = {"name": self.name, "pids": self.pids, "cuda_pids": self.cuda_pids, "stages": self.stages,
+             "seconds": {k: round(v, 3) for k, v in self.seconds.items()}, "images_path": self.images_path}
+        if self.restored_pid is not None:
+            return {**d, "restored_pid": self.restored_pid}
+        return {**d, "raw_bytes": self.raw_bytes, "new_bytes": self.new_bytes, "dedup_bytes": self.dedup_bytes}
 
 
 def _rss_bytes(pids: list[int]) -> int:
@@ -454,11 +457,11 @@ def criu_restore(store: SnapshotStore, name: str, *, staging: str | None = None,
     with store.shared(), _from_remote(store, name, from_remote, jobs, progress) as fill:
         m = (fill.manifest if fill is not None else None) or store.load(name)
         meta = CriuMeta.of(m)
-        taken = _pids_in_use(list(meta.pids))
+        with waits.waiting(waits.TREE_DEATH):
+            taken = _pids_in_use(list(meta.pids))
         if taken:
-            raise CriuSnapshotError(f"pid(s) of snapshot {name!r} in use here: {describe_pids(taken)}; CRIU "
-                                    "restores processes with their original pids (stop them, or restore in a new "
-                                    "pid namespace)")
+            raise CriuSnapshotError(f"pid(s) of snapshot {name!r} in use here: {describe_pids(taken)}; CRIU restores "
+                                    "processes with their original pids: stop the processes that hold them, then restore")
         gpu_map: dict[str, str] = {}
         if device_map:  # checked before a process is restored: a bad map changes nothing
             if not meta.cuda_pids:

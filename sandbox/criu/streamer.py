@@ -523,7 +523,7 @@ class ServeSource:
         self._feeds: list[threading.Thread] = []
         self.errors: list[BaseException] = []
         self.served: list[str] = []
-        self.refused: list[str] = []
+        self.absent: list[str] = []  # images CRIU asked for that the dump never wrote (CRIU then goes on)
         self.bytes = 0
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._serve, name="gpusnap-serve", daemon=True)
@@ -557,7 +557,7 @@ class ServeSource:
                     s = self.images.get(name)
                     _send_reply(conn, s is not None)
                     if s is None:
-                        self.refused.append(name)
+                        self.absent.append(name)
                         continue
                     fd = _recv_pipe(conn, writable=True)
                     pl = self.plans.get(name)
@@ -754,7 +754,7 @@ def restore(criu: Any, store: SnapshotStore, manifest: Manifest, images: str, *,
                     raise
                 _signal_all([p for p in pids if restored_by_criu(p, pids, born_after)], signal.SIGCONT)
                 seconds["split_fill"] = time.perf_counter() - t1
-        info.update(served=len(srv.served), refused=srv.refused, bytes=srv.bytes, stages=srv.stages.table(),
+        info.update(served=len(srv.served), absent_images=srv.absent, bytes=srv.bytes, stages=srv.stages.table(),
                     moved_bytes=sum(p.moved_bytes for p in srv.plans.values()))
         if srv.split_skipped_because is not None:
             info["split_skipped_because"] = srv.split_skipped_because

@@ -64,10 +64,13 @@ class RunscReport:
     recorded_output: str | None = None  # restore: where the checkpointed sandbox's went
 
     def as_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "container": self.container, "address": self.address,
-                "output": self.output, "recorded_output": self.recorded_output,
-                "seconds": {k: round(v, 3) for k, v in self.seconds.items()},
-                "raw_bytes": self.raw_bytes, "new_bytes": self.new_bytes, "dedup_bytes": self.dedup_bytes}
+        """A checkpoint's report (bytes stored) or a restore's (where its output goes): each carries only
+        its own fields."""
+        d = {"name": self.name, "container": self.container, "address": self.address,
+             "seconds": {k: round(v, 3) for k, v in self.seconds.items()}}
+        if self.output is not None:
+            return {**d, "output": self.output, "recorded_output": self.recorded_output}
+        return {**d, "raw_bytes": self.raw_bytes, "new_bytes": self.new_bytes, "dedup_bytes": self.dedup_bytes}
 
 
 def _hostinet(args: Sequence[str]) -> bool:
