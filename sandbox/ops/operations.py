@@ -5,7 +5,8 @@ An operation's journal record (sandbox.ops.journal.OpRecord) says how far it got
 workload back from there: a CRIU dump resumes its stopped tree (or, once the snapshot that this very
 operation committed exists, kills it as asked), a CRIU restore kills a tree it left half-filled and
 gives restored processes their GPU state back, a GPU checkpoint resumes its processes unless it
-committed. The runsc kinds live beside runsc (sandbox.runsc.operations) and are registered here, so
+committed. The runsc kinds live beside runsc (sandbox.runsc.operations, which registers them on import:
+recover imports it, as do the runsc flows), so
 recovery dispatches by kind without knowing any flow's private helpers.
 
 What an undo needs beyond the record comes in an Undo: the store, how to reach the GPU (the flow's own
@@ -130,8 +131,6 @@ def kind(cls: type[Operation]) -> type[Operation]:
 
 def operation_for(rec: OpRecord, ctx: Undo) -> Operation:
     """The Operation that undoes REC."""
-    if rec.kind in (OpKind.RUNSC_CHECKPOINT, OpKind.RUNSC_RESTORE):
-        import sandbox.runsc.operations  # noqa: F401 - registers the runsc kinds
     return _KINDS[rec.kind](rec, ctx)
 
 

@@ -47,6 +47,7 @@ from sandbox.ops import journal
 from sandbox.host import hugepages
 from sandbox.ops.journal import Journal, OpRecord
 from sandbox.ops.operations import GpuAccess, Recovered, Undo, real_driver, operation_for
+import sandbox.runsc.operations  # noqa: F401,E402 - registers the runsc kinds (recover undoes every kind)
 
 
 @dataclass

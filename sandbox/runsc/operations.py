@@ -16,11 +16,11 @@ import os
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from sandbox.host import netns as nets
 from sandbox.ops import journal
 from sandbox.ops.journal import OpKind, OpRecord, Stage
 from sandbox.ops.operations import Operation, Recovered, kind
-from sandbox.runsc.runner import Runsc
+from sandbox.runsc.gpu_agent import gpu_back
+from sandbox.runsc.runner import Runsc, restart
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,6 @@ class RunscCheckpoint(Operation):
     KIND = OpKind.RUNSC_CHECKPOINT
 
     def undo(self, done: Recovered) -> None:
-        from sandbox.runsc.snapshot import gpu_back, restart
         rec, store = self.rec, self.ctx.store
         sb = SandboxRecord.of(rec)
         r, cid = sb.runsc(store.path), sb.container
@@ -79,7 +78,7 @@ class RunscCheckpoint(Operation):
         if st is not None and st.get("status") == "running":
             done.actions.append(f"sandbox {cid!r} is running")
         elif st is not None and os.path.isdir(images) and os.listdir(images):
-            restart(r, cid, sb.bundle, images, nets.NetConfig.from_dict(sb.net) if sb.net else None)
+            restart(r, cid, sb.bundle, images)
             done.actions.append(f"restarted sandbox {cid!r} from the staged checkpoint")
         else:
             raise journal.JournalError(f"sandbox {cid!r} is {st.get('status') if st else 'gone'} and no staged "

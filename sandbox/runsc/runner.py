@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from sandbox.host.procgroup import run_group
+from sandbox.runsc import records
+from sandbox.runsc.records import Kind
 
 
 from storage.errors import EXIT_UNAVAILABLE, GpusnapError
@@ -287,3 +289,12 @@ def _reason(lines: list[str]) -> str:
     pick = [l for l in lines if "error" in l.lower() or "fail" in l.lower() or "not supported" in l.lower()]
     line = (pick or lines or [""])[-1]
     return re.sub(r"^[A-Z]\d{4} [\d:.]+\s+\d+\s+\S+\]\s*", "", line).strip()
+
+
+def restart(r: Runsc, cid: str, bundle: str, images: str) -> None:
+    """Run CID again, under the same id, from the checkpoint images just taken (its network namespace
+    is the bundle's, which the checkpoint left in place)."""
+    output = (records.read(r.root, cid, Kind.RUN) or {}).get("output") or os.devnull
+    r.delete(cid)
+    with open(output, "ab") as out:
+        r.restore(cid, bundle, images, stdout=out, stderr=out)
