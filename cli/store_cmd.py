@@ -100,8 +100,8 @@ def store_get(ctx: click.Context, name: str, dest: str, include: tuple[str, ...]
         m = st.load(validate_snapshot_name(name))
         if include:
             m = select_streams(m, include)
-        with st.inflight_get(dest):
-            sink = FileTreeSink(dest, same_owner=False if no_same_owner else None)
+        with st.inflight_get(dest) as nonce:
+            sink = FileTreeSink(dest, same_owner=False if no_same_owner else None, marker=nonce)
             with Progress(f"get {name}", ctx.obj["progress"]) as prog:
                 prog.start(m.size)
                 res = pipeline.get(st, m, sink, workers=workers, progress=prog)

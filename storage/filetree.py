@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import errno
 import os
-import shutil
 import stat
 import time
 from contextlib import contextmanager
@@ -23,6 +22,8 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 from .directio import read_into
+from .getmark import remove_marker, write_marker
+from .treewalk import remove_tree
 from .names import validate_stream_name
 from .pipeline import PipelineError, StreamSpec, StreamWriter
 
@@ -320,8 +321,9 @@ class FileTreeSink:
     """Writes streams as files under DEST, which must not exist; all or nothing, fsynced before the
     final rename. same_owner: restore recorded owners (default: when running as root)."""
 
-    def __init__(self, dest: str, *, same_owner: bool | None = None) -> None:
+    def __init__(self, dest: str, *, same_owner: bool | None = None, marker: str | None = None) -> None:
         self.dest = os.path.abspath(dest)
+        self._marker = marker
         self.same_owner = os.geteuid() == 0 if same_owner is None else same_owner
         parent, base = os.path.split(self.dest)
         try:
@@ -339,6 +341,8 @@ class FileTreeSink:
         try:
             os.mkdir(self._tmp, 0o700, dir_fd=self._parent)
             self._root = os.open(self._tmp, _DIR_FLAGS, dir_fd=self._parent)
+            if marker is not None:
+                write_marker(self._root, marker)
         except OSError as e:
             os.close(self._parent)
             raise FileTreeError(f"cannot write under {parent}: {_reason(e)}") from None
@@ -470,6 +474,8 @@ class FileTreeSink:
                 os.fsync(fd)
             finally:
                 os.close(fd)
+        if self._marker is not None:
+            remove_marker(self._root, self._marker)
         os.fsync(self._root)
         os.rename(self._tmp, os.path.basename(self.dest), src_dir_fd=self._parent, dst_dir_fd=self._parent)
         os.fsync(self._parent)
@@ -479,6 +485,8 @@ class FileTreeSink:
         if self._parent < 0:
             return
         try:
-            shutil.rmtree(self._tmp, dir_fd=self._parent, ignore_errors=True)
+            remove_tree(self._parent, self._tmp, self.tmp)
+        except (OSError, GpusnapError):
+            pass  # left for gc (the get's record names it)
         finally:
             self._close_fds()

@@ -27,7 +27,6 @@ import fcntl
 import json
 import os
 import re
-import shutil
 import stat
 import threading
 import time
@@ -40,6 +39,8 @@ from typing import Any, Iterator
 from .chunkfile import (HEADER_SIZE, ChunkError, ChunkHeader, chunk_id, file_kind, full_check, max_stored_len,
                         id_check, raw_chunk_id, read_chunk_file, reusable, write_chunk_file)
 from .directio import AlignedBuffer, BufferPool, align_up, direct_io_supported, read_to_end
+from .getmark import new_nonce
+from .treewalk import remove_tree
 from .errors import GpusnapError
 from .manifest import ChunkRef, Manifest, ManifestError, Stream, validate_tag
 from .names import InvalidNameError, validate_snapshot_name
@@ -493,7 +494,7 @@ class SnapshotStore:
             with self.subdir("snapshots") as snaps:
                 st = lstat_at(snaps, stray.entry)
                 if st is not None and stat.S_ISDIR(st.st_mode):
-                    shutil.rmtree(stray.entry, dir_fd=snaps)  # fd-relative: descends through no link
+                    remove_tree(snaps, stray.entry, f"snapshots/{stray.entry}")  # fd-relative, iterative: no link followed
                 elif st is not None:
                     os.unlink(stray.entry, dir_fd=snaps)
                 os.fsync(snaps)
@@ -779,12 +780,14 @@ class SnapshotStore:
         return os.path.join(self.tmp_dir, name)
 
     @contextmanager
-    def inflight_get(self, dest: str) -> Iterator[None]:
+    def inflight_get(self, dest: str) -> Iterator[str | None]:
         """Record in tmp/ that this process materializes into DEST, for the block: if it is killed, gc
-        finds the record and removes the staging sibling it left (get_staging_name)."""
+        finds the record and removes the staging sibling it left (get_staging_name), if that carries
+        the marker of the nonce the block is given (storage/getmark.py; None: nothing was recorded)."""
         owner = this_owner()
+        nonce = new_nonce()
         rec = {"pid": owner.pid, "start": owner.start, "boot": owner.boot, "uid": os.geteuid(),
-               "dest": os.path.abspath(dest)}
+               "dest": os.path.abspath(dest), "nonce": nonce}
         name: str | None = owned_name("get")
         try:
             with self.subdir("tmp") as tmp:
@@ -796,7 +799,7 @@ class SnapshotStore:
                 raise
             name = None
         try:
-            yield
+            yield nonce if name is not None else None
         finally:
             if name is not None:
                 with self.subdir("tmp") as tmp:
