@@ -20,7 +20,7 @@ from storage.store import Problem, StoreError
 
 from sandbox.ops import journal
 from sandbox.ops.snapshot_meta import FilesMeta, meta_problems, remove_with_companions
-from cli.common import emit, human, json_option, one_line_errors, open_store, parse_chunk_size, tag_option
+from cli.common import emit, human, json_option, one_line_errors, open_store, parse_chunk_size, tag_option, terminate_cleanly
 
 @click.group()
 def store() -> None:
@@ -94,9 +94,9 @@ def store_get(ctx: click.Context, name: str, dest: str, include: tuple[str, ...]
     """Materialize snapshot NAME into DEST (a new directory), every chunk verified; all or nothing.
 
     While it runs, a record in the store's tmp/ names DEST: if the get is killed, `store gc` removes
-    the partial hidden tree it left beside DEST."""
+    the partial hidden tree it left beside DEST; a SIGTERM'd get removes it and the record itself."""
     st = open_store(ctx, create=False)
-    with st.shared():
+    with terminate_cleanly(), st.shared():
         m = st.load(validate_snapshot_name(name))
         if include:
             m = select_streams(m, include)

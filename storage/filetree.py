@@ -24,7 +24,7 @@ from typing import Any, Iterator
 from .directio import read_into
 from .getmark import remove_marker, write_marker
 from .treewalk import remove_tree
-from .names import validate_stream_name
+from .names import InvalidNameError, validate_stream_name
 from .pipeline import PipelineError, StreamSpec, StreamWriter
 
 
@@ -193,25 +193,56 @@ class FileTreeSource:
                             "regular file, directory or symlink; gpusnap does not store it")
 
     def _scan(self) -> Iterator[StreamSpec]:
+        """Every entry under the roots, depth first in name order, by an explicit stack (no recursion:
+        no depth of tree can exhaust Python's stack; names.STREAM_DEPTH_MAX bounds it anyway)."""
         for _, base in self.roots:
-            yield from self._entry(self._anchors[base], base, base)
+            spec, fd = self._entry(self._anchors[base], base, base)
+            yield spec
+            if fd is None:
+                continue
+            stack: list[tuple[int, str, Iterator[str]]] = []
+            try:
+                stack.append((fd, base, iter(self._children(fd, base))))
+                while stack:
+                    dfd, dname, children = stack[-1]
+                    child = next(children, None)
+                    if child is None:
+                        stack.pop()
+                        os.close(dfd)
+                        continue
+                    spec, cfd = self._entry(dfd, child, f"{dname}/{child}")
+                    yield spec
+                    if cfd is not None:
+                        try:
+                            stack.append((cfd, spec.name, iter(self._children(cfd, spec.name))))
+                        except BaseException:
+                            os.close(cfd)
+                            raise
+            finally:
+                for dfd, _, _ in stack:
+                    os.close(dfd)
 
-    def _entry(self, dfd: int, entry: str, name: str) -> Iterator[StreamSpec]:
+    def _children(self, fd: int, name: str) -> list[str]:
+        try:
+            return sorted(os.listdir(fd))
+        except OSError as e:
+            raise FileTreeError(f"{self._display(name)}: {_reason(e)}") from None
+
+    def _entry(self, dfd: int, entry: str, name: str) -> tuple[StreamSpec, int | None]:
+        """The spec of ENTRY of DFD, stored as NAME, and (for a directory) an fd of it, checked."""
+        try:
+            validate_stream_name(name)
+        except InvalidNameError as e:
+            raise FileTreeError(f"{self._display(name)[:200]}: {e}; gpusnap does not store it") from None
         try:
             st = os.stat(entry, dir_fd=dfd, follow_symlinks=False)
         except OSError as e:
             raise FileTreeError(f"{self._display(name)}: {_reason(e)}") from None
         spec = self._spec(dfd, entry, name, st)
         self._seen[name] = _Seen.of(st)
-        yield spec
         if spec.attrs["type"] != "dir":
-            return
-        fd = self._open_dir(dfd, entry, name)
-        try:
-            for child in sorted(os.listdir(fd)):
-                yield from self._entry(fd, child, f"{name}/{child}")
-        finally:
-            os.close(fd)
+            return spec, None
+        return spec, self._open_dir(dfd, entry, name)
 
     def _changed(self, name: str, how: str) -> FileTreeError:
         return FileTreeError(f"{self._display(name)} changed while it was being stored ({how}); nothing was "

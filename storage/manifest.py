@@ -19,7 +19,7 @@ from typing import Any
 import blake3
 
 from .codecs import CODEC_IDS, ZERO
-from .names import validate_snapshot_name, validate_stream_name
+from .names import STREAM_PATH_MAX, validate_snapshot_name, validate_stream_name
 
 from .errors import GpusnapError
 
@@ -205,7 +205,8 @@ def check_tree(streams: list[Stream], version: int = VERSION) -> list[str]:
         if t in _NO_DATA and s.chunks:
             problems.append(f"stream {s.name!r} is a {t} but has data")
         if t in ("symlink", "hardlink") and not (isinstance(a.get("target"), str) and a["target"]
-                                                 and "\x00" not in a["target"]):
+                                                 and "\x00" not in a["target"]
+                                                 and len(a["target"].encode(errors="replace")) < STREAM_PATH_MAX):
             problems.append(f"stream {s.name!r} has a bad link target")
             continue
         if t == "hardlink" and types.get(a["target"]) != "file":

@@ -83,3 +83,105 @@ def test_forged_get_record_naming_another_stores_get_deletes_nothing(cli: Cli, s
     # the store whose get it was removes it: its record's nonce matches the tree's marker
     gc = other.json("store", "gc")
     assert gc["gets_cleaned"] == 1 and gc["damage"] == [] and not partial[0].exists(), gc
+
+
+# ---- 7. deep paths bounded at load; trees walked without recursion; SIGTERM cleans up -------------
+
+def _deep(root: Path, depth: int) -> Path:
+    """ROOT/d/d/.../d (DEPTH levels) with a file at the bottom, made through fds (no path is that long)."""
+    root.mkdir()
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for _ in range(depth):
+            os.mkdir("d", dir_fd=fd)
+            nxt = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+            os.close(fd)
+            fd = nxt
+        os.close(os.open("f", os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=fd))
+    finally:
+        os.close(fd)
+    return root
+
+
+def _remove(tree: Path) -> None:
+    from storage.treewalk import remove_tree
+    fd = os.open(tree.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        remove_tree(fd, tree.name, str(tree))
+    finally:
+        os.close(fd)
+
+
+def test_manifest_with_a_4000_level_path_is_refused_at_load(cli: Cli, store_dir: Path, tmp_path: Path) -> None:
+    from storage.names import STREAM_DEPTH_MAX
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a").write_text("x")
+    cli.run("store", "put", "deep", str(src))
+
+    def change(body: dict) -> None:
+        deep = "src/" + "/".join(["d"] * 4000)
+        body["streams"] += [{"name": "/".join(deep.split("/")[:i]), "size": 0, "chunks": [],
+                             "attrs": {"type": "dir", "mode": 0o755}} for i in range(2, 4002)]
+    rewrite_manifest(store_dir / "snapshots" / "deep.json", change)
+    t0 = time.monotonic()
+    g = cli.run("store", "get", "deep", str(tmp_path / "out"), check=False, timeout=60)
+    assert g.returncode != 0 and f"the limit is {STREAM_DEPTH_MAX}" in g.stderr, g.stderr
+    assert len(g.stderr.splitlines()) == 1 and time.monotonic() - t0 < 30
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]
+    v = cli.run("store", "verify", check=False)
+    assert v.returncode == 3 and "Traceback" not in v.stderr + v.stdout
+
+
+def test_put_refuses_a_tree_deeper_than_the_limit_in_one_line(cli: Cli, tmp_path: Path) -> None:
+    src = _deep(tmp_path / "src", 3000)
+    try:
+        p = cli.run("store", "put", "deep", str(src), check=False, timeout=120)
+    finally:
+        _remove(src)  # pytest's own clean-up of tmp_path recurses (and would fail other suites' sessions)
+    assert p.returncode == 1 and "components deep" in p.stderr and len(p.stderr.splitlines()) == 1, p.stderr
+    assert "Traceback" not in p.stderr
+
+
+def test_gc_removes_a_killed_gets_tree_of_any_depth(cli: Cli, store_dir: Path, tmp_path: Path) -> None:
+    """A get killed at commit; then its tree is made 5000 levels deep (as its owner could): gc removes it
+    all without a RecursionError, and on the first run."""
+    src = make_mixed_tree(tmp_path / "model", mb=2)
+    cli.run("store", "put", "snap", str(src))
+    dest = tmp_path / "restored"
+    _get_killed_at_commit(cli, "snap", dest)
+    (partial,) = [x for x in tmp_path.iterdir() if x.name.startswith(".restored.gpusnap-")]
+    _deep(partial / "deep", 5000)
+    try:
+        gc = cli.json("store", "gc")
+    finally:
+        if partial.exists():
+            _remove(partial)
+    assert gc["gets_cleaned"] == 1 and gc["damage"] == [] and not partial.exists(), gc
+
+
+def test_sigtermed_get_removes_its_hidden_tree_and_record(cli: Cli, store_dir: Path, tmp_path: Path) -> None:
+    src = make_mixed_tree(tmp_path / "model", mb=8)
+    cli.run("store", "put", "snap", str(src))
+    dest = tmp_path / "restored"
+    # the get stops (in the main thread, as a slow disk would) once its first file is open
+    p = subprocess.Popen(
+        [sys.executable, "-c",
+         "import os, time\nfrom storage import filetree\norig = filetree.FileTreeSink.open\n"
+         "def slow(self, spec):\n    w = orig(self, spec)\n    if w is not None:\n"
+         "        open(os.environ['MARK'], 'w').close()\n        time.sleep(60)\n    return w\n"
+         "filetree.FileTreeSink.open = slow\nfrom cli import main\nmain()\n",
+         "--store", str(cli.store), "store", "get", "snap", str(dest)],
+        env={**os.environ, "PYTHONPATH": pythonpath(), "MARK": str(tmp_path / "opened")}, cwd=REPO,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "opened").exists():
+        assert time.monotonic() < deadline and p.poll() is None
+        time.sleep(0.05)
+    assert [x for x in tmp_path.iterdir() if x.name.startswith(".restored.gpusnap-")]
+    assert [x for x in (store_dir / "tmp").iterdir() if x.name.startswith("get.")]
+    p.send_signal(signal.SIGTERM)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 128 + signal.SIGTERM and "terminated" in err and len(err.splitlines()) == 1, err
+    assert not [x for x in tmp_path.iterdir() if x.name.startswith(".restored")] and not dest.exists()
+    assert not [x for x in (store_dir / "tmp").iterdir() if x.name.startswith("get.")]
