@@ -22,6 +22,7 @@ from .codecs import CODEC_IDS, ZERO
 from .names import STREAM_PATH_MAX, validate_snapshot_name, validate_stream_name
 
 from .errors import GpusnapError
+from .limits import MAX_RAW_CHUNK, MAX_STORED_CHUNK
 
 FORMAT = "gpusnap-manifest"
 VERSION = 2               # what this code writes: v2 added owners (uid/gid) and `hardlink` streams
@@ -82,6 +83,9 @@ class ChunkRef:
             raise ManifestError(f"bad chunk reference {v!r}")
         if not isinstance(raw_len, int) or not isinstance(stored, int) or raw_len < 0 or stored < 0:
             raise ManifestError(f"bad chunk lengths in {v!r}")
+        if raw_len > MAX_RAW_CHUNK or stored > MAX_STORED_CHUNK:
+            raise ManifestError(f"chunk reference {str(cid)[:16]}… claims {raw_len} raw / {stored} stored bytes; "
+                                f"a chunk holds at most {MAX_RAW_CHUNK} raw / {MAX_STORED_CHUNK} stored bytes")
         return cls(cid, raw_len, codec, stored)
 
 

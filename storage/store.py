@@ -40,6 +40,7 @@ from .chunkfile import (HEADER_SIZE, ChunkError, ChunkHeader, chunk_id, file_kin
                         id_check, raw_chunk_id, read_chunk_file, reusable, write_chunk_file)
 from .directio import AlignedBuffer, BufferPool, align_up, direct_io_supported, read_to_end
 from .getmark import new_nonce
+from .limits import MAX_MANIFEST
 from .treewalk import remove_tree
 from .errors import GpusnapError
 from .manifest import ChunkRef, Manifest, ManifestError, Stream, validate_tag
@@ -453,7 +454,7 @@ class SnapshotStore:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
                 raise StoreDamage(f"snapshot {name!r}: snapshots/{entry} is {file_kind(st.st_mode)}, not a manifest")
-            data = read_to_end(fd)
+            data = read_to_end(fd, MAX_MANIFEST)
         finally:
             os.close(fd)
         m = Manifest.loads(data, where=f"snapshot {name!r}")

@@ -185,3 +185,64 @@ def test_sigtermed_get_removes_its_hidden_tree_and_record(cli: Cli, store_dir: P
     assert p.returncode == 128 + signal.SIGTERM and "terminated" in err and len(err.splitlines()) == 1, err
     assert not [x for x in tmp_path.iterdir() if x.name.startswith(".restored")] and not dest.exists()
     assert not [x for x in (store_dir / "tmp").iterdir() if x.name.startswith("get.")]
+
+
+# ---- 5. an archive claiming a huge chunk: refused before anything that size is allocated ----------
+
+def _capped(cli: Cli, cap: "object", *args: str, stdin: bytes | None = None,
+            timeout: float = 120) -> subprocess.CompletedProcess[bytes]:
+    return subprocess.run([sys.executable, "-m", "cli", "--store", str(cli.store), *args], input=stdin,
+                          capture_output=True, cwd=REPO, env={**os.environ, "PYTHONPATH": pythonpath()},
+                          preexec_fn=cap.enter, timeout=timeout)  # type: ignore[attr-defined]
+
+
+def _tar(members: list[tuple[str, bytes]], sizes: dict[str, int] | None = None) -> bytes:
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w", format=tarfile.PAX_FORMAT) as t:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            t.addfile(info, io.BytesIO(data))
+    return out.getvalue()
+
+
+def _huge_chunk_archive(cli: Cli, tmp_path: Path, magic: bytes, raw_len: int) -> bytes:
+    """An export archive (uncompressed tar) whose one chunk claims RAW_LEN raw bytes; its id is right."""
+    import struct
+    import blake3
+    import zstandard
+    from storage.chunkfile import RAW_ID_CONTEXT
+    src = tmp_path / "small"
+    src.mkdir()
+    (src / "f").write_bytes(b"x" * 100)
+    cli.run("store", "put", "small", str(src))
+    body = json.loads((cli.store / "snapshots" / "small.json").read_bytes())
+    body.pop("checksum")
+    payload = zstandard.ZstdCompressor().compress(b"\0" * 4096)
+    head = struct.pack("<8sH6xQQ", magic, 1, raw_len, len(payload))
+    if magic == b"GSNPCHK1":
+        cid = blake3.blake3(head + payload).hexdigest()
+    else:
+        cid = blake3.blake3(b"whatever", derive_key_context=RAW_ID_CONTEXT).hexdigest()
+        head += blake3.blake3(head + payload).digest()
+    header = head.ljust(4096, b"\0")
+    f = next(s for s in body["streams"] if s["name"] == "small/f")
+    f["chunks"], f["size"] = [[cid, raw_len, "zstd", len(payload)]], raw_len
+    body["name"] = "huge"
+    body["checksum"] = checksum(body)
+    return _tar([("gpusnap-export.json", json.dumps({"format": "gpusnap-export", "version": 2,
+                                                      "snapshot": "huge"}).encode()),
+                 ("manifest.json", json.dumps(body).encode()), (f"chunks/{cid}", header + payload)])
+
+
+@pytest.mark.parametrize("magic", [b"GSNPCHK1", b"GSNPCHK2"])
+def test_import_of_an_archive_claiming_a_6_gib_chunk_is_damage_in_one_line(cli: Cli, tmp_path: Path,
+                                                                          magic: bytes) -> None:
+    from support.memcap import memory_cgroup
+    archive = _huge_chunk_archive(cli, tmp_path, magic, 6 << 30)
+    assert len(archive) < 200_000
+    with memory_cgroup(512 << 20) as cap:
+        p = _capped(cli, cap, "store", "import", "-", stdin=archive)
+    err = p.stderr.decode()
+    assert p.returncode == 3 and len(err.splitlines()) == 1 and "Traceback" not in err, (p.returncode, err)
+    assert "huge" not in cli.run("store", "ls").stdout
