@@ -1,7 +1,8 @@
 """gc: delete what the store owns and no longer needs; report everything else, delete nothing of it.
 
 Guarantees kept here (FORMAT.md, "What is atomic" and "Temporary entries and their owners"): gc holds
-the store lock exclusively; a manifest that does not load stops it before anything is deleted; it
+the store lock exclusively; a manifest that does not load keeps every chunk id its bytes mention
+(reported as damage), and one whose bytes cannot be read stops gc before anything is deleted; it
 deletes only chunk files no manifest names, tmp/ entries whose owner process is gone (and the staging
 tree of a killed `get` its record names, if that is a real directory of the get's user carrying the
 marker whose nonce the record holds: storage/getmark.py), lock files
@@ -22,7 +23,9 @@ from typing import TYPE_CHECKING
 
 from .chunkfile import ChunkError, file_kind
 from .errors import GpusnapError
+from .directio import read_to_end
 from .getmark import NONCE, carries_marker
+from .limits import MAX_MANIFEST
 from .names import InvalidNameError, validate_snapshot_name
 from .owner import ProcessOwner
 from .reflog import RefLogError, pinned
@@ -36,6 +39,7 @@ if TYPE_CHECKING:
 # tmp/KIND.PID-START-BOOT.REST: an entry whose owner is written in its name
 _OWNED = re.compile(r"([a-z]+)\.(\d+-\d+-[0-9a-f]{8})\.([A-Za-z0-9_.-]+)")
 # what gpusnap versions before owner records left in tmp/: writers' files named by pid, the O_DIRECT probe
+_ANY_ID = re.compile(r"(?<![0-9a-f])[0-9a-f]{64}(?![0-9a-f])")  # a chunk id anywhere in a damaged manifest
 _LEGACY = re.compile(r"(?:chunk|manifest)\.(\d+)\.\d+\.\d+|\.odirect-probe-(\d+)")
 
 
@@ -68,8 +72,7 @@ def collect(store: "SnapshotStore", timeout: float = 30.0) -> GcReport:
             try:
                 live |= store.load(n).chunk_ids()
             except GpusnapError as e:
-                raise GcStopped(f"gc stopped, nothing deleted: {e}; "
-                                 f"`gpusnap store rm {n}` it first if it cannot be repaired") from None
+                live |= _damaged_keeps(store, n, e, report)
         with store.root() as (root, uid):
             live |= _journal_pins(root, uid)
             for part, fn in (("tmp", _tmp), ("names", lambda fd, u, r: _names(fd, r, names)),
@@ -84,6 +87,29 @@ def collect(store: "SnapshotStore", timeout: float = 30.0) -> GcReport:
                 except StoreDamage as e:
                     report.damage.append(str(e))
     return report
+
+def _damaged_keeps(store: "SnapshotStore", name: str, why: GpusnapError, report: GcReport) -> set[str]:
+    """Every chunk id the damaged manifest of NAME mentions anywhere (a superset of what it needs), so gc
+    keeps them and goes on; GcStopped only when its bytes cannot be read at all."""
+    try:
+        with store.subdir("snapshots") as snaps:
+            fd = os.open(f"{name}.json", os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=snaps)
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise OSError(f"snapshots/{name}.json is not a regular file")
+            data = read_to_end(fd, MAX_MANIFEST + 1)
+        finally:
+            os.close(fd)
+        if len(data) > MAX_MANIFEST:
+            raise OSError(f"snapshots/{name}.json is larger than any manifest ({MAX_MANIFEST} bytes)")
+    except (GpusnapError, OSError) as e:
+        raise GcStopped(f"gc stopped, nothing deleted: {why}; its chunks cannot be told ({e}); "
+                        f"`gpusnap store rm {name}` it first if it cannot be repaired") from None
+    ids = set(_ANY_ID.findall(data.decode("latin-1")))
+    report.damage.append(f"snapshot {name!r} is damaged ({str(why).splitlines()[0] if str(why) else why!r}); "
+                         f"gc kept the {len(ids)} chunk(s) its manifest mentions and went on")
+    return ids
+
 
 def _journal_pins(root: int, uid: int) -> set[str]:
     """Chunks the journal's reference logs name (FORMAT.md, "The journal"): kept, as if a manifest named them."""

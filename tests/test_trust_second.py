@@ -246,3 +246,48 @@ def test_import_of_an_archive_claiming_a_6_gib_chunk_is_damage_in_one_line(cli: 
     err = p.stderr.decode()
     assert p.returncode == 3 and len(err.splitlines()) == 1 and "Traceback" not in err, (p.returncode, err)
     assert "huge" not in cli.run("store", "ls").stdout
+
+
+# ---- 6. an import with a member under a symlink member is refused whole; gc goes on past damage ---
+
+def test_podman_import_with_a_member_under_a_symlink_is_refused_whole(cli: Cli, store_dir: Path,
+                                                                      tmp_path: Path) -> None:
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w") as t:
+        for name, data in (("config.dump", b"{}"), ):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            t.addfile(info, io.BytesIO(data))
+        link = tarfile.TarInfo("checkpoint")
+        link.type, link.linkname = tarfile.SYMTYPE, str(outside)
+        t.addfile(link)
+        info = tarfile.TarInfo("checkpoint/pages-1.img")
+        info.size = 8192
+        t.addfile(info, io.BytesIO(os.urandom(8192)))
+    archive = tmp_path / "evil.tar"
+    archive.write_bytes(out.getvalue())
+    cli.run("store", "init")
+    p = cli.run("import", "podman", str(archive), "evil", check=False)
+    assert p.returncode != 0 and "lies under" in p.stderr and len(p.stderr.splitlines()) == 1, p.stderr
+    assert cli.json("store", "ls") == [] and list(outside.iterdir()) == []
+    assert cli.json("store", "verify")["ok"]
+
+
+def test_gc_goes_on_past_a_damaged_snapshot_and_keeps_what_it_names(cli: Cli, store_dir: Path,
+                                                                   tmp_path: Path) -> None:
+    a, b = make_mixed_tree(tmp_path / "a", mb=2, seed=1), make_mixed_tree(tmp_path / "b", mb=2, seed=2)
+    cli.run("store", "put", "keep", str(a))
+    cli.run("store", "put", "gone", str(b))
+    bad = store_dir / "snapshots" / "keep.json"
+    named = set(__import__("re").findall(r"[0-9a-f]{64}", bad.read_text())) & {
+        c.name for c in (store_dir / "chunks").glob("*/*")}   # (the checksum is 64 hex digits too)
+    bad.write_text(bad.read_text().replace('"version": 2', '"version": 2, "x": 1', 1))  # fails its checksum
+    cli.run("store", "rm", "gone")
+    p = cli.run("store", "gc", "--json", check=False)
+    gc = json.loads(p.stdout)
+    assert p.returncode == 3 and gc["chunks_removed"] > 0, (p.stdout, p.stderr)
+    assert any("'keep' is damaged" in d and "went on" in d for d in gc["damage"]), gc
+    left = {c.name for c in (store_dir / "chunks").glob("*/*")}
+    assert named <= left
