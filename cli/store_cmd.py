@@ -12,7 +12,7 @@ from storage import pipeline
 from storage.errors import EXIT_DAMAGED, EXIT_FAILED, GpusnapError
 from storage.filetree import FileTreeSink, FileTreeSource
 from storage.gc import collect
-from storage.manifest import Manifest
+from storage.manifest import Manifest, Stream
 from storage.names import validate_snapshot_name
 from cli.progress import Progress
 from storage.repair import repair as repair_store
@@ -356,4 +356,14 @@ def select_streams(m: Manifest, patterns: tuple[str, ...]) -> Manifest:
         raise StoreError(f"no stream of {m.name!r} matches {', '.join(patterns)} (`store inspect` lists them)")
     parents = {"/".join(n.split("/")[:i]) for n in picked for i in range(1, n.count("/") + 1)}
     keep = picked | parents
-    return Manifest(m.name, [s for s in m.streams if s.name in keep], m.meta, m.created, m.tags, m.host, m.tool)
+    by_name = {s.name: s for s in m.streams}
+    out = []
+    for s in m.streams:
+        if s.name not in keep:
+            continue
+        if s.attrs.get("type") == "hardlink" and s.attrs.get("target") not in keep:
+            # a link chosen without the name it links to: restored as that file (its data and attributes)
+            target = by_name[s.attrs["target"]]
+            s = Stream(s.name, dict(target.attrs), list(target.chunks))
+        out.append(s)
+    return Manifest(m.name, out, m.meta, m.created, m.tags, m.host, m.tool)

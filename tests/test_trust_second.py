@@ -291,3 +291,23 @@ def test_gc_goes_on_past_a_damaged_snapshot_and_keeps_what_it_names(cli: Cli, st
     assert any("'keep' is damaged" in d and "went on" in d for d in gc["damage"]), gc
     left = {c.name for c in (store_dir / "chunks").glob("*/*")}
     assert named <= left
+
+
+# ---- 8. get --include of only a hard link; ls of a manifest with 1,000,000 streams ---------------
+
+def test_get_include_of_only_a_hard_link_restores_the_file(cli: Cli, tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    (src / "a").mkdir(parents=True)
+    data = os.urandom(100_000)
+    (src / "a" / "first").write_bytes(data)
+    os.link(src / "a" / "first", src / "second")
+    cli.run("store", "put", "links", str(src))
+    kinds = {s["name"]: s["attrs"]["type"] for s in json.loads((cli.store / "snapshots" / "links.json").read_text())["streams"]}
+    assert kinds["src/second"] == "hardlink" and kinds["src/a/first"] == "file", kinds
+    out = tmp_path / "out"
+    g = cli.run("store", "get", "links", str(out), "--include", "src/second", check=False)
+    assert g.returncode == 0, g.stderr
+    assert (out / "src" / "second").read_bytes() == data and not (out / "src" / "a").exists()
+    both = tmp_path / "both"
+    cli.run("store", "get", "links", str(both), "--include", "src/*", "--include", "src/a/*")
+    assert os.stat(both / "src" / "second").st_ino == os.stat(both / "src" / "a" / "first").st_ino
