@@ -43,7 +43,7 @@ REMOTE_FORMAT = "gpusnap-remote"
 REMOTE_VERSION = 1
 MULTIPART_THRESHOLD = 64 << 20  # objects larger than this go up in parts
 PART_SIZE = 16 << 20            # S3 wants parts of at least 5 MiB, at most 10000 of them
-LOCK_REFRESH_S = 60.0
+LOCK_REFRESH_S = float(os.environ.get("GPUSNAP_REMOTE_LOCK_REFRESH_S", 60.0))  # env: a test hook
 LOCK_STALE_S = float(os.environ.get("GPUSNAP_REMOTE_LOCK_STALE_S", 30 * 60))
 DEFAULT_JOBS = 8
 _ID_RE = re.compile(r"[0-9a-f]{64}")
@@ -596,7 +596,8 @@ class Remote:
 
         Created first, then the others are listed (so of two racing sides at least one sees the
         other and backs off); refreshed every LOCK_REFRESH_S; a lock not refreshed for LOCK_STALE_S
-        (by the server's clock) is stale and ignored.
+        (by the server's clock) that then stays unrefreshed while we watch it for two refresh periods
+        (by our own monotonic clock) is stale and ignored.
         """
         lk = _Lock(self, kind)
         lk.write()
@@ -611,14 +612,31 @@ class Remote:
             lk.release()
 
     def _conflicting_lock(self, lk: "_Lock") -> str | None:
-        """The first fresh lock that excludes LK (its kind plus its object name), or None."""
+        """The first live lock that excludes LK (its kind plus its object name), or None."""
         now = self.s3.server_time()
-        for key, other, t in self._locks():
-            if key == lk.key or _stale(now, t):
-                continue
-            if lk.kind == "gc" or other == "gc":
+        excluding = [(key, other, t) for key, other, t in self._locks()
+                     if key != lk.key and (lk.kind == "gc" or other == "gc")]
+        dead = self._confirmed_stale({key: t for key, _, t in excluding if _stale(now, t)})
+        for key, other, _ in excluding:
+            if key not in dead:
                 return f"{other} ({key.rsplit('/', 1)[-1]})"
         return None
+
+    def _confirmed_stale(self, looks_stale: dict[str, float]) -> set[str]:
+        """Of the locks in LOOKS_STALE (key -> last-modified), old by the server's clock, those that are
+        not refreshed while we watch them for two refresh periods by our own monotonic clock: a server
+        whose clock jumps (or whose Date disagrees with its object times) cannot make a live lock, which
+        its holder rewrites every LOCK_REFRESH_S, look dead."""
+        if not looks_stale or LOCK_STALE_S <= 0:
+            return set(looks_stale)
+        watching = dict(looks_stale)
+        deadline = time.monotonic() + 2 * LOCK_REFRESH_S + 1
+        while watching and (left := deadline - time.monotonic()) > 0:
+            time.sleep(min(left, max(0.5, LOCK_REFRESH_S / 4)))
+            now = {key: t for key, _, t in self._locks()}
+            for key in [k for k in watching if now.get(k) != watching[k]]:
+                del watching[key]   # rewritten (alive) or removed (released): not stale
+        return set(watching)
 
     def _reacquire(self, lk: "_Lock", timeout: float = 600.0) -> None:
         """LK again after gc removed it as stale: rewritten, then wait for a running gc to end."""
@@ -745,10 +763,9 @@ class Remote:
         self.check()
         with self.lock("gc") as lk:
             now = self.s3.server_time()
-            for key, _, t in self._locks():
-                if key != lk.key and _stale(now, t):
-                    self.s3.delete(key)  # a push that wakes up finds its lock gone and re-checks
-                    report.stale_locks_removed += 1
+            for key in self._confirmed_stale({key: t for key, _, t in self._locks() if key != lk.key and _stale(now, t)}):
+                self.s3.delete(key)  # a push that wakes up finds its lock gone and re-checks
+                report.stale_locks_removed += 1
             live: set[str] = set()
             for n in self.names():
                 try:

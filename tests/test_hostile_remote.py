@@ -127,3 +127,36 @@ def test_objects_without_a_content_length_are_read_bounded_and_work(pushed: tupl
     assert tree_digest(tmp_path / "out" / "model") == tree_digest(src)
     p = run(b, cap, "remote", "verify")
     assert "Traceback" not in p.stderr and "ContentLength" not in p.stderr, p.stderr
+
+
+# ---- a server clock far off: lock staleness is never judged by the server's clock alone ------------
+
+@pytest.mark.parametrize("clock", [{"clock_offset_s": 365 * 86400}, {"date_offset_s": 7200},
+                                   {"date_offset_s": -7200}])
+def test_a_server_clock_far_off_never_makes_a_live_push_lock_stale(pushed: tuple[Cli, Cli, Path], server: Hostile,
+                                                                   cap: MemCap, tmp_path: Path,
+                                                                   clock: dict[str, int]) -> None:
+    a, b, _ = pushed
+    server.set(clock)
+    src2 = make_mixed_tree(tmp_path / "model2", mb=6, seed=7)
+    a.run("store", "put", "snap2", str(src2))
+    pause = tmp_path / "paused"
+    fast = {"GPUSNAP_REMOTE_LOCK_REFRESH_S": "2"}
+    push = subprocess.Popen([sys.executable, "-m", "cli", "--store", str(a.store), "push", "snap2"],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=cap.enter,
+                            env={**os.environ, "PYTHONPATH": pythonpath(), **CREDS, **fast,
+                                 "GPUSNAP_TEST_PAUSE_TRANSFER": f"1:{pause}"})
+    try:
+        deadline = time.monotonic() + 60
+        while not pause.exists():
+            assert time.monotonic() < deadline and push.poll() is None, push.stderr.read() if push.stderr else ""
+            time.sleep(0.05)
+        time.sleep(3)  # at least one refresh of the push's lock
+        g = run(b, cap, "remote", "gc", "--json", env=fast)
+        assert g.returncode != 0 and "locked by a running push" in g.stderr, (g.stdout, g.stderr)
+    finally:
+        pause.unlink(missing_ok=True)
+        _, err = push.communicate(timeout=120)
+    assert push.returncode == 0, err
+    p = run(b, cap, "pull", "snap2")
+    assert p.returncode == 0, p.stderr

@@ -7,7 +7,9 @@ PORTFILE, and re-reads BEHAVIOURS.json on every request, a JSON object mapping a
   "endless"   200, no Content-Length, then bytes until the client hangs up;
   "huge"      200, Content-Length 2^40, a megabyte, then the connection closed;
   "nolength"  the stored object, with no Content-Length (connection closed at its end);
-plus the key "clock_offset_s": seconds added to every Date and LastModified the server reports.
+plus the keys "clock_offset_s": seconds added to every Date and LastModified the server reports (a
+clock far off), and "date_offset_s": seconds added to the Date header alone (a Date that disagrees
+with the object times, as behind a proxy with another clock).
 Objects are kept in memory (PUT, GET, HEAD, DELETE, ListObjectsV2, multipart uploads).
 """
 from __future__ import annotations
@@ -49,7 +51,8 @@ class Handler(BaseHTTPRequestHandler):
         pass
 
     def date_time_string(self, timestamp: float | None = None) -> str:
-        return email.utils.formatdate((timestamp or time.time()) + _offset(), usegmt=True)
+        extra = float(_behaviours().get("date_offset_s", 0)) if timestamp is None else 0.0  # the Date header
+        return email.utils.formatdate((timestamp or time.time()) + _offset() + extra, usegmt=True)
 
     # ---- helpers ----
     def _split(self) -> tuple[str, str, dict[str, list[str]]]:
@@ -76,7 +79,7 @@ class Handler(BaseHTTPRequestHandler):
 
     def _behaviour(self, key: str) -> str | None:
         for suffix, what in _behaviours().items():
-            if suffix != "clock_offset_s" and key.endswith(suffix):
+            if suffix not in ("clock_offset_s", "date_offset_s") and key.endswith(suffix):
                 return str(what)
         return None
 
