@@ -160,3 +160,41 @@ def test_a_server_clock_far_off_never_makes_a_live_push_lock_stale(pushed: tuple
     assert push.returncode == 0, err
     p = run(b, cap, "pull", "snap2")
     assert p.returncode == 0, p.stderr
+
+
+# ---- not yet tried: a local gc racing a push and a pull ------------------------------------------
+
+@pytest.mark.parametrize("direction", ["push", "pull"])
+def test_local_gc_racing_a_push_or_a_pull_deletes_nothing_they_need(pushed: tuple[Cli, Cli, Path], server: Hostile,
+                                                                    cap: MemCap, tmp_path: Path,
+                                                                    direction: str) -> None:
+    a, b, src = pushed
+    if direction == "push":
+        src2 = make_mixed_tree(tmp_path / "model2", mb=6, seed=9)
+        a.run("store", "put", "snap2", str(src2))
+        node, args, name = a, ["push", "snap2"], "snap2"
+    else:
+        node, args, name = b, ["pull", "snap"], "snap"
+    pause = tmp_path / "paused"
+    proc = subprocess.Popen([sys.executable, "-m", "cli", "--store", str(node.store), *args], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=cap.enter,
+                            env={**os.environ, "PYTHONPATH": pythonpath(), **CREDS,
+                                 "GPUSNAP_TEST_PAUSE_TRANSFER": f"1:{pause}"})
+    try:
+        deadline = time.monotonic() + 60
+        while not pause.exists():
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.05)
+        g = node.run("store", "gc", "--wait", "2", "--json", check=False)
+        assert g.returncode != 0 and len(g.stderr.splitlines()) == 1, (g.stdout, g.stderr)  # busy: waits its turn
+    finally:
+        pause.unlink(missing_ok=True)
+        _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert node.json("store", "gc")["chunks_removed"] == 0
+    out = tmp_path / "out"
+    (b if direction == "pull" else a).run("store", "get", name, str(out))
+    if direction == "pull":
+        assert tree_digest(out / "model") == tree_digest(src)
+    p = run(b, cap, "pull", "snap2") if direction == "push" else None
+    assert p is None or p.returncode == 0, p.stderr if p else ""
