@@ -13,6 +13,7 @@ from storage.errors import EXIT_DAMAGED, EXIT_FAILED, GpusnapError
 from storage.filetree import FileTreeSink, FileTreeSource
 from storage.gc import collect
 from storage.manifest import Manifest, Stream
+from storage.summary import read_summary
 from storage.names import validate_snapshot_name
 from cli.progress import Progress
 from storage.repair import repair as repair_store
@@ -127,10 +128,13 @@ def store_ls(ctx: click.Context, tags: tuple[str, ...], kind: str | None, since:
     rows = []
     for n in names:
         try:
-            m = st.load(n)
-            if not matches(m, tags, kind, since_t):
+            with st.subdir("snapshots") as snaps:
+                summ = read_summary(snaps, n)  # a big manifest: its head only (storage/summary.py)
+            m = summ if summ is not None else st.load(n)
+            if not matches(m, tags, kind, since_t):  # type: ignore[arg-type]
                 continue
-            rows.append({"name": n, "created": m.created, "size": m.size, "streams": len(m.streams),
+            rows.append({"name": n, "created": m.created, "size": m.size,
+                         "streams": summ.stream_count if summ is not None else len(m.streams),  # type: ignore[union-attr]
                          "kind": m.meta.get("kind", ""), "tags": list(m.tags), "host": m.host})
         except GpusnapError as e:
             rows.append({"name": n, "error": str(e)})

@@ -130,13 +130,18 @@ class Manifest:
 
     def _body(self) -> dict[str, Any]:
         return {"format": FORMAT, "version": VERSION, "name": self.name, "created": self.created,
-                "hash": "blake3", "meta": self.meta, "streams": [s.to_json() for s in self.streams],
-                "tags": list(self.tags), "host": self.host, "gpusnap_version": self.tool}
+                "hash": "blake3", "meta": self.meta, "tags": list(self.tags), "host": self.host,
+                "gpusnap_version": self.tool, "summary": {"size": self.size, "streams": len(self.streams)},
+                "streams": [s.to_json() for s in self.streams]}
 
     def dumps(self) -> bytes:
+        """The file: every field but `streams` first (sorted), then `streams` last, so that a reader of the
+        summary (storage/summary.py) stops before them; the checksum does not depend on the layout."""
         body = self._body()
         body["checksum"] = _checksum(body)
-        return json.dumps(body, sort_keys=True, indent=1).encode()
+        streams = body.pop("streams")
+        head = json.dumps(body, sort_keys=True, indent=1)
+        return (head[:-2] + ',\n "streams": ' + json.dumps(streams, indent=1) + "\n}").encode()
 
     @classmethod
     def loads(cls, data: bytes, where: str = "manifest") -> "Manifest":
@@ -166,6 +171,9 @@ class Manifest:
             raise ManifestError(f"{where} is malformed: {e}") from None
         if len({s.name for s in streams}) != len(streams):
             raise ManifestError(f"{where} names a stream twice")
+        summary = body.get("summary")
+        if summary is not None and summary != {"size": m.size, "streams": len(streams)}:
+            raise ManifestError(f"{where} is damaged: its summary {summary!r:.80} does not match its streams")
         problems = check_meta(m.meta) + check_tree(streams, body["version"])
         if problems:
             raise ManifestError(f"{where} is damaged: {problems[0]}")

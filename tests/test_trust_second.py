@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, Cli, make_mixed_tree, pythonpath, tree_digest
-from support.crafted import checksum, rewrite_manifest
+from support.crafted import checksum, resummarize, rewrite_manifest
 
 DEAD_PID = 4194301
 
@@ -229,6 +229,7 @@ def _huge_chunk_archive(cli: Cli, tmp_path: Path, magic: bytes, raw_len: int) ->
     f = next(s for s in body["streams"] if s["name"] == "small/f")
     f["chunks"], f["size"] = [[cid, raw_len, "zstd", len(payload)]], raw_len
     body["name"] = "huge"
+    resummarize(body)
     body["checksum"] = checksum(body)
     return _tar([("gpusnap-export.json", json.dumps({"format": "gpusnap-export", "version": 2,
                                                       "snapshot": "huge"}).encode()),
@@ -375,3 +376,31 @@ def test_put_under_a_tight_loop_of_swaps_never_follows_and_records_what_it_read(
         d = out / "src" / "d"
         assert (d.is_symlink() and os.readlink(d) == str(secret)) or (d / "x").read_bytes() == b"dir data"
     assert cli.json("store", "verify")["ok"]
+
+
+def test_ls_of_a_manifest_with_a_million_streams_reads_only_its_summary(cli: Cli, store_dir: Path,
+                                                                      tmp_path: Path) -> None:
+    from storage.manifest import Manifest, Stream
+    from support.memcap import memory_cgroup
+    small = tmp_path / "small"
+    small.mkdir()
+    (small / "f").write_text("x")
+    cli.run("store", "put", "small", str(small))
+    n = 1_000_000
+    m = Manifest("big", [Stream("d", {"type": "dir", "mode": 0o755})] +
+                 [Stream(f"d/f{i}", {"type": "file", "mode": 0o644}) for i in range(n - 1)], {"kind": "files"},
+                 tags=("many",))
+    (store_dir / "snapshots" / "big.json").write_bytes(m.dumps())
+    del m
+    with memory_cgroup(512 << 20) as cap:
+        t0 = time.monotonic()
+        p = subprocess.run([sys.executable, "-m", "cli", "--store", str(store_dir), "store", "ls", "--json"],
+                           capture_output=True, text=True, cwd=REPO, preexec_fn=cap.enter, timeout=120,
+                           env={**os.environ, "PYTHONPATH": pythonpath()})
+        took, peak = time.monotonic() - t0, cap.peak()
+    assert p.returncode == 0, p.stderr
+    rows = {r["name"]: r for r in json.loads(p.stdout)}
+    assert rows["big"]["streams"] == n and rows["big"]["tags"] == ["many"] and rows["small"]["streams"] == 2, rows
+    assert took < 10 and peak < 200 << 20, (took, peak)
+    t = json.loads(cli.run("store", "ls", "--tag", "many", "--json").stdout)
+    assert [r["name"] for r in t] == ["big"]
