@@ -5,8 +5,10 @@ import functools
 import json
 import os
 import re
+import signal
 import sys
-from typing import Any, Callable
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
 import click
 
@@ -44,6 +46,28 @@ def quiet_broken_pipe() -> None:
     os._exit(EXIT_BROKEN_PIPE)
 
 
+class Terminated(Exception):
+    """SIGTERM arrived while a command that cleans up after itself ran (terminate_cleanly)."""
+
+
+EXIT_TERMINATED = 128 + signal.SIGTERM
+
+
+@contextmanager
+def terminate_cleanly() -> Iterator[None]:
+    """For the block, SIGTERM raises Terminated in the main thread, so the command unwinds as on any error
+    (its context managers remove what it made); a second SIGTERM is ignored until then. SIGKILL is
+    what gc is for."""
+    def handler(signum: int, frame: Any) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise Terminated()
+    old = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
 def one_line_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Run FN; a GpusnapError or OSError becomes `gpusnap: <reason>` on stderr and its exit code
     (under --json also a JSON error object on stdout; the traceback instead with GPUSNAP_DEBUG=1)."""
@@ -55,6 +79,9 @@ def one_line_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
             fail("interrupted; nothing was committed", 130, kwargs.get("as_json", False))
         except BrokenPipeError:
             quiet_broken_pipe()
+        except Terminated:
+            fail("terminated (SIGTERM); nothing was committed, what it had made is removed", EXIT_TERMINATED,
+                 kwargs.get("as_json", False))
         except GpusnapError as e:
             if os.environ.get("GPUSNAP_DEBUG"):
                 raise

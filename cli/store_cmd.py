@@ -15,14 +15,14 @@ from storage.errors import EXIT_DAMAGED, EXIT_FAILED, GpusnapError
 from storage.names import validate_snapshot_name
 from storage.store import StoreError
 
-from cli.common import emit, human, json_option, one_line_errors, open_store, parse_chunk_size, tag_option
+from cli.common import emit, human, json_option, one_line_errors, open_store, parse_chunk_size, tag_option, terminate_cleanly
 from cli.lazy import LazyGroup
 from cli.progress import Progress
 
 if TYPE_CHECKING:  # imported where used: `store ls` and `--help` need none of them (numpy, zstandard)
     from storage.files_cache import FilesCache
     from storage.filetree import FileTreeSource
-    from storage.manifest import Manifest
+    from storage.manifest import Manifest, Stream
 
 # the store subcommands of cli/archive_cmd.py, imported only when one runs
 ARCHIVE_COMMANDS = {
@@ -186,16 +186,16 @@ def store_get(ctx: click.Context, name: str, dest: str, include: tuple[str, ...]
     """Materialize snapshot NAME into DEST (a new directory), every chunk verified; all or nothing.
 
     While it runs, a record in the store's tmp/ names DEST: if the get is killed, `store gc` removes
-    the partial hidden tree it left beside DEST."""
+    the partial hidden tree it left beside DEST; a SIGTERM'd get removes it and the record itself."""
     from storage import pipeline
     from storage.filetree import FileTreeSink
     st = open_store(ctx, create=False)
-    with st.shared():
+    with terminate_cleanly(), st.shared():
         m = st.load(validate_snapshot_name(name))
         if include:
             m = select_streams(m, include)
-        with st.inflight_get(dest):
-            sink = FileTreeSink(dest, same_owner=False if no_same_owner else None)
+        with st.inflight_get(dest) as nonce:
+            sink = FileTreeSink(dest, same_owner=False if no_same_owner else None, marker=nonce)
             with Progress(f"get {name}", ctx.obj["progress"]) as prog:
                 prog.start(m.size)
                 res = pipeline.get(st, m, sink, workers=workers, progress=prog)
@@ -233,6 +233,7 @@ def store_ls(ctx: click.Context, name: str | None, prefix: str | None, tags: tup
         return
     from cli.archive_cmd import matches, parse_since
     from storage.damage import DamageMarks
+    from storage.summary import read_summary
     since_t = parse_since(since)
     st = open_store(ctx, create=False)
     names, strays = st.scan()
@@ -240,11 +241,15 @@ def store_ls(ctx: click.Context, name: str | None, prefix: str | None, tags: tup
     rows = []
     for n in names:
         try:
-            m = st.load(n)
-            if not matches(m, tags, kind, since_t):
+            with st.subdir("snapshots") as snaps:
+                summ = read_summary(snaps, n)  # a big manifest: its head only (storage/summary.py)
+            m = summ if summ is not None else st.load(n)
+            if not matches(m, tags, kind, since_t):  # type: ignore[arg-type]
                 continue
-            bad = marks.damaged_in(m)
-            rows.append({"name": n, "created": m.created, "size": m.size, "streams": len(m.streams),
+            # a big manifest read by its summary has no chunk list: loaded whole only where marks exist
+            bad = marks.damaged_in(st.load(n) if summ is not None and marks.chunks else m)  # type: ignore[arg-type]
+            rows.append({"name": n, "created": m.created, "size": m.size,
+                         "streams": summ.stream_count if summ is not None else len(m.streams),  # type: ignore[union-attr]
                          "kind": m.meta.get("kind", ""), "tags": list(m.tags), "host": m.host,
                          "damaged_chunks": len(bad)})
         except GpusnapError as e:
@@ -557,7 +562,17 @@ def select_streams(m: Manifest, patterns: tuple[str, ...]) -> Manifest:
     picked = {s.name for s in m.streams if any(fnmatch.fnmatchcase(s.name, p) for p in patterns)}
     if not picked:
         raise StoreError(f"no stream of {m.name!r} matches {', '.join(patterns)} (`gpusnap store ls {m.name}` lists them)")
-    from storage.manifest import Manifest
+    from storage.manifest import Manifest, Stream
     parents = {"/".join(n.split("/")[:i]) for n in picked for i in range(1, n.count("/") + 1)}
     keep = picked | parents
-    return Manifest(m.name, [s for s in m.streams if s.name in keep], m.meta, m.created, m.tags, m.host, m.tool)
+    by_name = {s.name: s for s in m.streams}
+    out = []
+    for s in m.streams:
+        if s.name not in keep:
+            continue
+        if s.attrs.get("type") == "hardlink" and s.attrs.get("target") not in keep:
+            # a link chosen without the name it links to: restored as that file (its data and attributes)
+            target = by_name[s.attrs["target"]]
+            s = Stream(s.name, dict(target.attrs), list(target.chunks))
+        out.append(s)
+    return Manifest(m.name, out, m.meta, m.created, m.tags, m.host, m.tool)

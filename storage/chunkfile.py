@@ -24,12 +24,12 @@ from .codecs import CODEC_IDS, CODEC_NAMES, HOST_CODECS, CodecError, decode_host
 from .directio import ALIGN, AlignedBuffer, align_up, read_into, write_all
 
 from .errors import GpusnapError
+from .limits import MAX_RAW_CHUNK, MAX_STORED_CHUNK
 
 MAGIC = b"GSNPCHK1"      # stored-addressed
 MAGIC_RAW = b"GSNPCHK2"  # raw-addressed
 RAW_ID_CONTEXT = "gpusnap 2026-11-30 chunk id v2: raw bytes"  # BLAKE3 key derivation: its own id space
 RAW_CODECS = HOST_CODECS  # the codecs a GSNPCHK2 file may use (the host codecs of storage.codecs)
-MAX_RAW_CHUNK = 1 << 30  # a GSNPCHK2 chunk's raw length at most (the largest chunk size put accepts)
 HEADER_SIZE = ALIGN
 _HDR = struct.Struct("<8sH6xQQ")  # magic, codec id, reserved, raw length, stored length
 _BOUND = 32  # bytes of the header bound into the id (GSNPCHK1) or the stored checksum (GSNPCHK2)
@@ -82,6 +82,8 @@ class ChunkHeader:
         if codec_id not in CODEC_NAMES:
             raise ChunkError(chunk_id, f"unknown codec id {codec_id}")
         codec = CODEC_NAMES[codec_id]
+        if raw_len > MAX_RAW_CHUNK or stored_len > MAX_STORED_CHUNK:
+            raise ChunkError(chunk_id, f"claims {raw_len} raw / {stored_len} stored bytes, more than any chunk may hold")
         if magic == MAGIC:
             return cls(codec, raw_len, stored_len)
         if codec not in RAW_CODECS:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import errno
 import os
-import shutil
 import stat
 import time
 from contextlib import contextmanager
@@ -23,7 +22,9 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 from .directio import read_into
-from .names import validate_stream_name
+from .getmark import remove_marker, write_marker
+from .treewalk import remove_tree
+from .names import InvalidNameError, validate_stream_name
 from .pipeline import PipelineError, StreamSpec, StreamWriter
 from .files_cache import stat_key
 from .xattrs import read_xattrs, restore_xattrs
@@ -225,30 +226,65 @@ class FileTreeSource:
                             "regular file, directory, symlink or FIFO; gpusnap does not store it (leave it out with --exclude)")
 
     def _scan(self) -> Iterator[StreamSpec]:
+        """Every entry under the roots, depth first in name order, by an explicit stack (no recursion:
+        no depth of tree can exhaust Python's stack; names.STREAM_DEPTH_MAX bounds it anyway)."""
         for _, base in self.roots:
-            yield from self._entry(self._anchors[base], base, base)
+            spec, fd = self._entry(self._anchors[base], base, base)
+            if spec is not None:
+                yield spec
+            if spec is None or fd is None:
+                continue
+            stack: list[tuple[int, str, Iterator[str]]] = []
+            try:
+                stack.append((fd, base, iter(self._children(fd, base))))
+                while stack:
+                    dfd, dname, children = stack[-1]
+                    child = next(children, None)
+                    if child is None:
+                        stack.pop()
+                        os.close(dfd)
+                        continue
+                    spec, cfd = self._entry(dfd, child, f"{dname}/{child}")
+                    if spec is None:
+                        continue
+                    yield spec
+                    if cfd is not None:
+                        try:
+                            stack.append((cfd, spec.name, iter(self._children(cfd, spec.name))))
+                        except BaseException:
+                            os.close(cfd)
+                            raise
+            finally:
+                for dfd, _, _ in stack:
+                    os.close(dfd)
 
-    def _entry(self, dfd: int, entry: str, name: str) -> Iterator[StreamSpec]:
+    def _children(self, fd: int, name: str) -> list[str]:
+        try:
+            return sorted(os.listdir(fd))
+        except OSError as e:
+            raise FileTreeError(f"{self._display(name)}: {_reason(e)}") from None
+
+    def _entry(self, dfd: int, entry: str, name: str) -> tuple[StreamSpec | None, int | None]:
+        """The spec of ENTRY of DFD, stored as NAME (None: excluded, or a socket skipped), and (for a
+        directory) an fd of it, checked."""
         if self.exclude and self._excluded(name):
             self.excluded += 1
-            return
+            return None, None
+        try:
+            validate_stream_name(name)
+        except InvalidNameError as e:
+            raise FileTreeError(f"{self._display(name)[:200]}: {e}; gpusnap does not store it") from None
         try:
             st = os.stat(entry, dir_fd=dfd, follow_symlinks=False)
         except OSError as e:
             raise FileTreeError(f"{self._display(name)}: {_reason(e)}") from None
         spec = self._spec(dfd, entry, name, st)
         if spec is None:
-            return
+            return None, None
         self._seen[name] = _Seen.of(st)
-        yield spec
         if spec.attrs["type"] != "dir":
-            return
-        fd = self._open_dir(dfd, entry, name)
-        try:
-            for child in sorted(os.listdir(fd)):
-                yield from self._entry(fd, child, f"{name}/{child}")
-        finally:
-            os.close(fd)
+            return spec, None
+        return spec, self._open_dir(dfd, entry, name)
 
     def _changed(self, name: str, how: str) -> FileTreeError:
         return FileTreeError(f"{self._display(name)} changed while it was being stored ({how}); nothing was "
@@ -358,8 +394,9 @@ class FileTreeSink:
     """Writes streams as files under DEST, which must not exist; all or nothing, fsynced before the
     final rename. same_owner: restore recorded owners (default: when running as root)."""
 
-    def __init__(self, dest: str, *, same_owner: bool | None = None) -> None:
+    def __init__(self, dest: str, *, same_owner: bool | None = None, marker: str | None = None) -> None:
         self.dest = os.path.abspath(dest)
+        self._marker = marker
         self.same_owner = os.geteuid() == 0 if same_owner is None else same_owner
         parent, base = os.path.split(self.dest)
         try:
@@ -377,6 +414,8 @@ class FileTreeSink:
         try:
             os.mkdir(self._tmp, 0o700, dir_fd=self._parent)
             self._root = os.open(self._tmp, _DIR_FLAGS, dir_fd=self._parent)
+            if marker is not None:
+                write_marker(self._root, marker)
         except OSError as e:
             os.close(self._parent)
             raise FileTreeError(f"cannot write under {parent}: {_reason(e)}") from None
@@ -548,6 +587,8 @@ class FileTreeSink:
                 os.fsync(fd)
             finally:
                 os.close(fd)
+        if self._marker is not None:
+            remove_marker(self._root, self._marker)
         os.fsync(self._root)
         os.rename(self._tmp, os.path.basename(self.dest), src_dir_fd=self._parent, dst_dir_fd=self._parent)
         os.fsync(self._parent)
@@ -557,6 +598,8 @@ class FileTreeSink:
         if self._parent < 0:
             return
         try:
-            shutil.rmtree(self._tmp, dir_fd=self._parent, ignore_errors=True)
+            remove_tree(self._parent, self._tmp, self.tmp)
+        except (OSError, GpusnapError):
+            pass  # left for gc (the get's record names it)
         finally:
             self._close_fds()

@@ -1,9 +1,11 @@
 """gc: delete what the store owns and no longer needs; report everything else, delete nothing of it.
 
 Guarantees kept here (FORMAT.md, "What is atomic" and "Temporary entries and their owners"): gc holds
-the store lock exclusively; a manifest that does not load stops it before anything is deleted; it
+the store lock exclusively; a manifest that does not load keeps every chunk id its bytes mention
+(reported as damage), and one whose bytes cannot be read stops gc before anything is deleted; it
 deletes only chunk files no manifest names, tmp/ entries whose owner process is gone (and the staging
-tree of a killed `get` its record names, if that is a real directory of the get's user), lock files
+tree of a killed `get` its record names, if that is a real directory of the get's user carrying the
+marker whose nonce the record holds: storage/getmark.py), lock files
 of names without a snapshot, and quarantined chunks no longer needed. A chunk named by the
 chunk-reference log of an operation still in the journal (storage.reflog: data of a killed writer
 that `gpusnap recover` may still restore) counts as in use; a log it cannot read stops it before
@@ -21,11 +23,15 @@ from typing import TYPE_CHECKING
 
 from .chunkfile import ChunkError, file_kind
 from .errors import GpusnapError
+from .directio import read_to_end
+from .getmark import NONCE, carries_marker
+from .limits import MAX_MANIFEST
 from .names import InvalidNameError, validate_snapshot_name
 from .owner import ProcessOwner
 from .reflog import RefLogError, pinned
 from .store import CHUNK_ID, QUARANTINE, get_staging_name, read_record
 from .storedir import StoreDamage, entries, lstat_at, open_dir, opened_dir, remove_tree
+from .treewalk import empty_tree
 
 if TYPE_CHECKING:
     from .store import SnapshotStore
@@ -33,6 +39,7 @@ if TYPE_CHECKING:
 # tmp/KIND.PID-START-BOOT.REST: an entry whose owner is written in its name
 _OWNED = re.compile(r"([a-z]+)\.(\d+-\d+-[0-9a-f]{8})\.([A-Za-z0-9_.-]+)")
 # what gpusnap versions before owner records left in tmp/: writers' files named by pid, the O_DIRECT probe
+_ANY_ID = re.compile(r"(?<![0-9a-f])[0-9a-f]{64}(?![0-9a-f])")  # a chunk id anywhere in a damaged manifest
 _LEGACY = re.compile(r"(?:chunk|manifest)\.(\d+)\.\d+\.\d+|\.odirect-probe-(\d+)")
 
 
@@ -65,8 +72,7 @@ def collect(store: "SnapshotStore", timeout: float = 30.0) -> GcReport:
             try:
                 live |= store.load(n).chunk_ids()
             except GpusnapError as e:
-                raise GcStopped(f"gc stopped, nothing deleted: {e}; "
-                                 f"`gpusnap store rm {n}` it first if it cannot be repaired") from None
+                live |= _damaged_keeps(store, n, e, report)
         with store.root() as (root, uid):
             live |= _journal_pins(root, uid)
             for part, fn in (("tmp", _tmp), ("names", lambda fd, u, r: _names(fd, r, names)),
@@ -81,6 +87,29 @@ def collect(store: "SnapshotStore", timeout: float = 30.0) -> GcReport:
                 except StoreDamage as e:
                     report.damage.append(str(e))
     return report
+
+def _damaged_keeps(store: "SnapshotStore", name: str, why: GpusnapError, report: GcReport) -> set[str]:
+    """Every chunk id the damaged manifest of NAME mentions anywhere (a superset of what it needs), so gc
+    keeps them and goes on; GcStopped only when its bytes cannot be read at all."""
+    try:
+        with store.subdir("snapshots") as snaps:
+            fd = os.open(f"{name}.json", os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=snaps)
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise OSError(f"snapshots/{name}.json is not a regular file")
+            data = read_to_end(fd, MAX_MANIFEST + 1)
+        finally:
+            os.close(fd)
+        if len(data) > MAX_MANIFEST:
+            raise OSError(f"snapshots/{name}.json is larger than any manifest ({MAX_MANIFEST} bytes)")
+    except (GpusnapError, OSError) as e:
+        raise GcStopped(f"gc stopped, nothing deleted: {why}; its chunks cannot be told ({e}); "
+                        f"`gpusnap store rm {name}` it first if it cannot be repaired") from None
+    ids = set(_ANY_ID.findall(data.decode("latin-1")))
+    report.damage.append(f"snapshot {name!r} is damaged ({str(why).splitlines()[0] if str(why) else why!r}); "
+                         f"gc kept the {len(ids)} chunk(s) its manifest mentions and went on")
+    return ids
+
 
 def _journal_pins(root: int, uid: int) -> set[str]:
     """Chunks the journal's reference logs name (FORMAT.md, "The journal"): kept, as if a manifest named them."""
@@ -134,33 +163,46 @@ def _tmp(tmp: int, uid: int, report: GcReport) -> None:
         os.fsync(tmp)
 
 def _get(tmp: int, name: str, report: GcReport) -> int:
-    """Remove the staging tree the dead `get` recorded in tmp/NAME left beside its DEST (1 if removed)."""
+    """Remove the staging tree the dead `get` recorded in tmp/NAME left beside its DEST (1 if removed),
+    only if it carries the marker of the record's nonce (storage/getmark.py): else nothing is touched."""
     rec = read_record(tmp, name)
     try:
-        dest, pid, uid = rec["dest"], int(rec["pid"]), int(rec["uid"])
+        dest, pid, uid, nonce = rec["dest"], int(rec["pid"]), int(rec["uid"]), rec["nonce"]
         if not isinstance(dest, str) or not os.path.isabs(dest) or os.path.normpath(dest) != dest or dest == "/":
             raise ValueError(dest)
+        if not isinstance(nonce, str) or not NONCE.fullmatch(nonce):
+            raise ValueError(nonce)
     except (TypeError, KeyError, ValueError):
         report.damage.append(f"tmp/{name}: not a valid record of a get; removed, nothing else touched")
         return 0
     staging = get_staging_name(dest, pid)
+    where = os.path.join(os.path.dirname(dest), staging)
     try:
         parent = os.open(os.path.dirname(dest), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError:
         return 0  # its directory is gone, and the partial tree with it
     try:
-        st = lstat_at(parent, staging)
-        if st is None:
+        try:
+            sfd = os.open(staging, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent)
+        except FileNotFoundError:
             return 0
-        if not stat.S_ISDIR(st.st_mode) or st.st_uid != uid:
-            report.damage.append(f"{os.path.join(os.path.dirname(dest), staging)}: not the directory the "
-                                 f"killed get (pid {pid}) made; left alone")
+        except OSError as e:
+            report.damage.append(f"{where}: not the directory the killed get (pid {pid}) made "
+                                 f"({e.strerror}); left alone, record removed")
             return 0
-        remove_tree(parent, staging, uid, os.path.join(os.path.dirname(dest), staging))
+        try:
+            if os.fstat(sfd).st_uid != uid or not carries_marker(sfd, nonce, uid):
+                report.damage.append(f"{where}: not the directory the killed get (pid {pid}) made (no marker "
+                                     "matching its record); left alone, record removed")
+                return 0
+            empty_tree(sfd, where)
+        finally:
+            os.close(sfd)
+        os.rmdir(staging, dir_fd=parent)
         os.fsync(parent)
         return 1
-    except (StoreDamage, OSError) as e:
-        report.damage.append(f"{os.path.join(os.path.dirname(dest), staging)}: {e}")
+    except (GpusnapError, OSError) as e:
+        report.damage.append(f"{where}: {e}")
         return 0
     finally:
         os.close(parent)

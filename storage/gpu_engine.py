@@ -32,6 +32,7 @@ from .progress import Progress
 from .chunkfile import HEADER_SIZE, ChunkError
 from . import codecs
 from .codecs import GPU_PAYS_OFF_RATIO
+from .limits import MAX_RAW_CHUNK
 from .device import CudaDevice, Device, DeviceError, HostBuffer
 from .directio import ALIGN
 from .manifest import ChunkRef, Manifest, Stream
@@ -138,8 +139,8 @@ class GpuEngine:
 
     def __init__(self, device: int | Device = 0, *, codec: str | None = None, chunk_size: int = 64 << 20,
                  lanes: int | None = None, nvcomp_chunk: int = 64 << 10) -> None:
-        if chunk_size % ALIGN or chunk_size <= 0:
-            raise GpuEngineError("chunk size must be a positive multiple of 4096")
+        if chunk_size % ALIGN or not 0 < chunk_size <= MAX_RAW_CHUNK:
+            raise GpuEngineError(f"chunk size must be a positive multiple of 4096, at most {MAX_RAW_CHUNK}")
         lanes = default_lanes() if lanes is None else lanes
         if lanes < 1:
             raise GpuEngineError("an engine needs at least one lane")

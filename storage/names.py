@@ -6,6 +6,12 @@ import re
 from .errors import GpusnapError
 
 NAME_MAX = 128
+# Stream names (paths inside a snapshot), bounded at load so no manifest can make a walk deep or long:
+STREAM_PATH_MAX = 4096   # bytes of UTF-8: Linux's PATH_MAX, the longest path one system call takes
+STREAM_COMPONENT_MAX = 255  # bytes of one component: Linux's NAME_MAX (longer names cannot exist on disk)
+# components; the deepest real trees (node_modules, Maven layouts) stay far below 100. 256 bounds a
+# get's chain of open directory fds and its work per file to what the default 1024 fds allow.
+STREAM_DEPTH_MAX = 256
 _NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+=@-]{0,%d}" % (NAME_MAX - 1))
 
 
@@ -36,6 +42,15 @@ def validate_stream_name(name: str) -> str:
     """Return NAME if it is a relative POSIX path with no '', '.' or '..' component."""
     if not name or "\x00" in name or name.startswith("/"):
         raise InvalidNameError(f"stream name {name!r} must be a non-empty relative path")
-    if any(part in ("", ".", "..") for part in name.split("/")):
+    size = len(name.encode("utf-8", "surrogateescape"))  # file names that are not UTF-8 keep their bytes
+    if size > STREAM_PATH_MAX:
+        raise InvalidNameError(f"stream name {name[:64]!r}... is {size} bytes long; the limit is {STREAM_PATH_MAX}")
+    parts = name.split("/")
+    if len(parts) > STREAM_DEPTH_MAX:
+        raise InvalidNameError(f"stream name {name[:64]!r}... is {len(parts)} components deep; the limit is "
+                               f"{STREAM_DEPTH_MAX}")
+    if any(part in ("", ".", "..") for part in parts):
         raise InvalidNameError(f"stream name {name!r} has an empty, '.' or '..' component")
+    if any(len(part.encode("utf-8", "surrogateescape")) > STREAM_COMPONENT_MAX for part in parts):
+        raise InvalidNameError(f"stream name {name[:64]!r}... has a component longer than {STREAM_COMPONENT_MAX} bytes")
     return name

@@ -25,6 +25,7 @@ import zstandard
 from .chunkfile import HEADER_SIZE, ChunkError, check_received, max_stored_len
 from .directio import AlignedBuffer, align_up
 from .errors import DamageError, GpusnapError
+from .limits import MAX_MANIFEST
 from .manifest import Manifest, ManifestError
 from .names import validate_snapshot_name
 from .store import SnapshotStore
@@ -32,7 +33,6 @@ from .store import SnapshotStore
 EXPORT_FORMAT = "gpusnap-export"
 EXPORT_VERSION = 2  # version 2 archives may hold raw-addressed (GSNPCHK2) chunks
 READ_VERSIONS = (1, 2)
-MAX_MANIFEST = 256 << 20
 _ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 
 

@@ -35,6 +35,7 @@ from .progress import Progress
 from .chunkfile import HEADER_SIZE, ChunkError, ChunkHeader, check_received, max_stored_len
 from .directio import AlignedBuffer, BufferPool
 from .errors import DamageError, GpusnapError, UnavailableError
+from .limits import MAX_MANIFEST, MAX_RECORD
 from .manifest import ChunkRef, Manifest, ManifestError
 from .names import validate_snapshot_name
 from .store import Problem, SnapshotStore, StoreError, VerifyReport
@@ -43,7 +44,7 @@ REMOTE_FORMAT = "gpusnap-remote"
 REMOTE_VERSION = 1
 MULTIPART_THRESHOLD = 64 << 20  # objects larger than this go up in parts
 PART_SIZE = 16 << 20            # S3 wants parts of at least 5 MiB, at most 10000 of them
-LOCK_REFRESH_S = 60.0
+LOCK_REFRESH_S = float(os.environ.get("GPUSNAP_REMOTE_LOCK_REFRESH_S", 60.0))  # env: a test hook
 LOCK_STALE_S = float(os.environ.get("GPUSNAP_REMOTE_LOCK_STALE_S", 30 * 60))
 DEFAULT_JOBS = 8
 _ID_RE = re.compile(r"[0-9a-f]{64}")
@@ -342,26 +343,61 @@ class ObjectStore:
                 if self.is_missing(e):
                     return None
                 raise
-            size = int(r["ContentLength"])
-            if size > len(buf):
-                r["Body"].close()
-                raise RemoteDamageError(f"remote {self.cfg.name!r}: {key} is {size} bytes, larger than it can be")
-            got = 0
-            for piece in r["Body"].iter_chunks(1 << 20):
-                buf[got:got + len(piece)] = piece
-                got += len(piece)
+            got = self._read_capped(key, r, buf)
             self._count(received=got)
             return got
 
-    def get(self, key: str) -> bytes | None:
+    def _pieces(self, key: str, r: dict[str, Any], cap: int) -> Iterator[bytes]:
+        """The body of response R in pieces, never more than CAP bytes in all: a claimed length
+        (Content-Length) over CAP, a body that goes on past CAP (endless, or longer than it claimed) or
+        one that ends before its claimed length is damage, raised before anything past CAP is read."""
+        from urllib3.exceptions import HTTPError
+        body = r["Body"]
+        try:
+            claimed = r.get("ContentLength")
+            if claimed is not None and (not isinstance(claimed, int) or claimed > cap):
+                raise RemoteDamageError(f"remote {self.cfg.name!r}: {key} claims {claimed} bytes, more than it "
+                                        f"can hold ({cap}); not read")
+            raw = getattr(body, "_raw_stream", None)  # below botocore, whose length check reads to the end
+            reader = raw if raw is not None else body
+            got = 0
+            while True:
+                try:
+                    piece = reader.read(min(1 << 20, cap - got + 1))
+                except (HTTPError, OSError, ValueError) as e:
+                    raise RemoteUnreachableError(f"remote {self.cfg.name!r}: reading {key} failed after {got} bytes "
+                                                 f"({type(e).__name__})") from None
+                if not piece:
+                    break
+                got += len(piece)
+                if got > cap:
+                    raise RemoteDamageError(f"remote {self.cfg.name!r}: {key} goes on past {cap} bytes, more than "
+                                            "it can hold; not read")
+                yield piece
+            if claimed is not None and got != claimed:
+                raise RemoteDamageError(f"remote {self.cfg.name!r}: {key} ended after {got} of the {claimed} "
+                                        "bytes it claimed")
+        finally:
+            body.close()
+
+    def _read_capped(self, key: str, r: dict[str, Any], buf: memoryview) -> int:
+        got = 0
+        for piece in self._pieces(key, r, len(buf)):
+            buf[got:got + len(piece)] = piece
+            got += len(piece)
+        return got
+
+    def get(self, key: str, limit: int) -> bytes | None:
+        """Object KEY's bytes (at most LIMIT: storage/limits.py), or None when there is no such object."""
         from botocore.exceptions import ClientError
         with self.errors(f"reading {key}"):
             try:
-                data = self.client.get_object(Bucket=self.bucket, Key=key)["Body"].read()
+                r = self.client.get_object(Bucket=self.bucket, Key=key)
             except ClientError as e:
                 if self.is_missing(e):
                     return None
                 raise
+            data = b"".join(self._pieces(key, r, limit))
             self._count(received=len(data))
             return data
 
@@ -369,7 +405,10 @@ class ObjectStore:
         from botocore.exceptions import ClientError
         with self.errors(f"checking {key}"):
             try:
-                return int(self.client.head_object(Bucket=self.bucket, Key=key)["ContentLength"])
+                size = self.client.head_object(Bucket=self.bucket, Key=key).get("ContentLength")
+                if not isinstance(size, int) or size < 0:
+                    raise RemoteDamageError(f"remote {self.cfg.name!r}: {key}: the object store gave no length")
+                return size
             except ClientError as e:
                 if self.is_missing(e):
                     return None
@@ -382,7 +421,11 @@ class ObjectStore:
             for page in pages:
                 self._count()
                 for o in page.get("Contents", []):
-                    yield o["Key"], int(o["Size"]), o["LastModified"].timestamp()
+                    if not isinstance(o.get("Key"), str) or not isinstance(o.get("Size"), int) \
+                            or not hasattr(o.get("LastModified"), "timestamp"):
+                        raise RemoteDamageError(f"remote {self.cfg.name!r}: a listing of {prefix} names an object "
+                                                "without a key, size or time")
+                    yield o["Key"], o["Size"], o["LastModified"].timestamp()
 
     def delete(self, key: str) -> None:
         with self.errors(f"deleting {key}"):
@@ -487,7 +530,7 @@ class Remote:
     def init(self) -> None:
         """Create the bucket if missing and mark PREFIX as a gpusnap remote (checks one already there)."""
         self.s3.ensure_bucket()
-        marker = self.s3.get(self.key("gpusnap-remote.json"))
+        marker = self.s3.get(self.key("gpusnap-remote.json"), MAX_RECORD)
         if marker is None:
             self.s3.put(self.key("gpusnap-remote.json"),
                         json.dumps({"format": REMOTE_FORMAT, "version": REMOTE_VERSION}).encode())
@@ -495,7 +538,7 @@ class Remote:
             self._check_marker(marker)
 
     def check(self) -> None:
-        marker = self.s3.get(self.key("gpusnap-remote.json"))
+        marker = self.s3.get(self.key("gpusnap-remote.json"), MAX_RECORD)
         if marker is None:
             raise RemoteError(f"remote {self.cfg.name!r}: {self.cfg.url} is not a gpusnap remote "
                               "(`gpusnap remote add` creates it)")
@@ -524,7 +567,7 @@ class Remote:
         return sorted(out)
 
     def manifest_bytes(self, name: str) -> bytes | None:
-        return self.s3.get(self.manifest_key(name))
+        return self.s3.get(self.manifest_key(name), MAX_MANIFEST)
 
     def load(self, name: str) -> Manifest:
         data = self.manifest_bytes(name)
@@ -572,7 +615,8 @@ class Remote:
 
         Created first, then the others are listed (so of two racing sides at least one sees the
         other and backs off); refreshed every LOCK_REFRESH_S; a lock not refreshed for LOCK_STALE_S
-        (by the server's clock) is stale and ignored.
+        (by the server's clock) that then stays unrefreshed while we watch it for two refresh periods
+        (by our own monotonic clock) is stale and ignored.
         """
         lk = _Lock(self, kind)
         lk.write()
@@ -587,14 +631,31 @@ class Remote:
             lk.release()
 
     def _conflicting_lock(self, lk: "_Lock") -> str | None:
-        """The first fresh lock that excludes LK (its kind plus its object name), or None."""
+        """The first live lock that excludes LK (its kind plus its object name), or None."""
         now = self.s3.server_time()
-        for key, other, t in self._locks():
-            if key == lk.key or _stale(now, t):
-                continue
-            if lk.kind == "gc" or other == "gc":
+        excluding = [(key, other, t) for key, other, t in self._locks()
+                     if key != lk.key and (lk.kind == "gc" or other == "gc")]
+        dead = self._confirmed_stale({key: t for key, _, t in excluding if _stale(now, t)})
+        for key, other, _ in excluding:
+            if key not in dead:
                 return f"{other} ({key.rsplit('/', 1)[-1]})"
         return None
+
+    def _confirmed_stale(self, looks_stale: dict[str, float]) -> set[str]:
+        """Of the locks in LOOKS_STALE (key -> last-modified), old by the server's clock, those that are
+        not refreshed while we watch them for two refresh periods by our own monotonic clock: a server
+        whose clock jumps (or whose Date disagrees with its object times) cannot make a live lock, which
+        its holder rewrites every LOCK_REFRESH_S, look dead."""
+        if not looks_stale or LOCK_STALE_S <= 0:
+            return set(looks_stale)
+        watching = dict(looks_stale)
+        deadline = time.monotonic() + 2 * LOCK_REFRESH_S + 1
+        while watching and (left := deadline - time.monotonic()) > 0:
+            time.sleep(min(left, max(0.5, LOCK_REFRESH_S / 4)))
+            now = {key: t for key, _, t in self._locks()}
+            for key in [k for k in watching if now.get(k) != watching[k]]:
+                del watching[key]   # rewritten (alive) or removed (released): not stale
+        return set(watching)
 
     def _reacquire(self, lk: "_Lock", timeout: float = 600.0) -> None:
         """LK again after gc removed it as stale: rewritten, then wait for a running gc to end."""
@@ -721,10 +782,9 @@ class Remote:
         self.check()
         with self.lock("gc") as lk:
             now = self.s3.server_time()
-            for key, _, t in self._locks():
-                if key != lk.key and _stale(now, t):
-                    self.s3.delete(key)  # a push that wakes up finds its lock gone and re-checks
-                    report.stale_locks_removed += 1
+            for key in self._confirmed_stale({key: t for key, _, t in self._locks() if key != lk.key and _stale(now, t)}):
+                self.s3.delete(key)  # a push that wakes up finds its lock gone and re-checks
+                report.stale_locks_removed += 1
             live: set[str] = set()
             for n in self.names():
                 try:

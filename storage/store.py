@@ -27,7 +27,6 @@ import fcntl
 import json
 import os
 import re
-import shutil
 import stat
 import threading
 import time
@@ -42,6 +41,9 @@ from .chunkfile import (HEADER_SIZE, ChunkError, ChunkHeader, chunk_id, file_kin
                         id_check, raw_chunk_id, read_chunk_file, reusable, write_chunk_file)
 from .directio import AlignedBuffer, BufferPool, align_up, direct_io_supported, read_to_end
 from . import waits
+from .getmark import new_nonce
+from .limits import MAX_MANIFEST
+from .treewalk import remove_tree
 from .errors import GpusnapError
 from .manifest import ChunkRef, Manifest, ManifestError, Stream, validate_tag
 from .names import InvalidNameError, validate_snapshot_name
@@ -478,7 +480,7 @@ class SnapshotStore:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
                 raise StoreDamage(f"snapshot {name!r}: snapshots/{entry} is {file_kind(st.st_mode)}, not a manifest")
-            data = read_to_end(fd)
+            data = read_to_end(fd, MAX_MANIFEST)
         finally:
             os.close(fd)
         m = Manifest.loads(data, where=f"snapshot {name!r}")
@@ -519,7 +521,7 @@ class SnapshotStore:
             with self.subdir("snapshots") as snaps:
                 st = lstat_at(snaps, stray.entry)
                 if st is not None and stat.S_ISDIR(st.st_mode):
-                    shutil.rmtree(stray.entry, dir_fd=snaps)  # fd-relative: descends through no link
+                    remove_tree(snaps, stray.entry, f"snapshots/{stray.entry}")  # fd-relative, iterative: no link followed
                 elif st is not None:
                     os.unlink(stray.entry, dir_fd=snaps)
                 os.fsync(snaps)
@@ -827,12 +829,14 @@ class SnapshotStore:
         return os.path.join(self.tmp_dir, name)
 
     @contextmanager
-    def inflight_get(self, dest: str) -> Iterator[None]:
+    def inflight_get(self, dest: str) -> Iterator[str | None]:
         """Record in tmp/ that this process materializes into DEST, for the block: if it is killed, gc
-        finds the record and removes the staging sibling it left (get_staging_name)."""
+        finds the record and removes the staging sibling it left (get_staging_name), if that carries
+        the marker of the nonce the block is given (storage/getmark.py; None: nothing was recorded)."""
         owner = this_owner()
+        nonce = new_nonce()
         rec = {"pid": owner.pid, "start": owner.start, "boot": owner.boot, "uid": os.geteuid(),
-               "dest": os.path.abspath(dest)}
+               "dest": os.path.abspath(dest), "nonce": nonce}
         name: str | None = owned_name("get")
         try:
             with self.subdir("tmp") as tmp:
@@ -844,7 +848,7 @@ class SnapshotStore:
                 raise
             name = None
         try:
-            yield
+            yield nonce if name is not None else None
         finally:
             if name is not None:
                 with self.subdir("tmp") as tmp:

@@ -4,17 +4,17 @@ Guarantees kept here: every directory is opened relative to a directory fd alrea
 O_NOFOLLOW | O_DIRECTORY, and accepted only if fstat says it is a directory owned by the store's
 owner; a symlink, a file or a directory of another user where a store directory belongs raises
 StoreDamage naming it, and nothing in or under it is read, written or deleted. Trees are removed
-with fd-relative calls that never descend through a link.
+with fd-relative calls that never descend through a link, without recursion (storage/treewalk.py).
 """
 from __future__ import annotations
 
 import errno
 import os
-import shutil
 import stat
 from contextlib import contextmanager
 from typing import Iterator
 
+from . import treewalk
 from .errors import DamageError, GpusnapError
 
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -107,4 +107,7 @@ def remove_tree(dir_fd: int, name: str, uid: int, where: str) -> None:
     """Remove the directory NAME under DIR_FD and everything in it, descending through no link;
     StoreDamage (nothing removed) unless it is a real directory of UID."""
     os.close(open_dir(dir_fd, name, uid, where))
-    shutil.rmtree(name, dir_fd=dir_fd)
+    try:
+        treewalk.remove_tree(dir_fd, name, where, uid=uid)
+    except treewalk.TreeError as e:
+        raise StoreDamage(str(e)) from None

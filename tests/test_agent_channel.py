@@ -165,6 +165,7 @@ REPORT = hdr(t="report", action="checkpoint", cuda_pids=[7], path="custom-storag
     (hdr(t="region", pid=7, index=0, size=2) + b"ab" + hdr(t="region", pid=7, index=0, size=2) + b"ab" + REPORT, "twice"),
     (b"{" + b" " * 5000 + b"}\n" + REPORT, "over 4096 bytes"),
     (b"not json\n", "not JSON"),
+    (b"[" * 2000 + b"]" * 2000 + b"\n" + REPORT, "nested too deeply"),
     (hdr(t="store", name="other", path="/var/lib/gpusnap") + REPORT, "unexpected 'store'"),
     (hdr(t="region", pid=7, index=0, size=2) + b"ab", "without a report"),
     (b"".join(hdr(t="region", pid=1 + i // 256, index=i % 256, size=0) for i in range(4097)) + REPORT,

@@ -1,7 +1,7 @@
 """A tar archive as pipeline streams: a Source reading each member in place, a Sink writing a tar.
 
 Guarantees: TarSource accepts only regular files, directories and symbolic links whose names are
-relative paths without '', '.' or '..' components (a hostile archive is refused whole, before anything
+relative paths without '', '.' or '..' components, none under a link or file member (a hostile archive is refused whole, before anything
 is stored); members are read by range straight from the archive (no extraction to disk). TarSink
 writes a new tar next to DEST and links it into place only on commit (DEST never holds a partial
 archive, an existing DEST is never replaced); headers are laid out as streams open, data is written
@@ -16,6 +16,7 @@ from typing import BinaryIO, Iterator
 
 from storage.errors import GpusnapError
 from storage.filetree import RangeReader
+from storage.manifest import Stream, check_tree
 from storage.names import InvalidNameError, validate_stream_name
 from storage.pipeline import StreamSpec, StreamWriter
 
@@ -63,6 +64,9 @@ class TarSource:
                                f"refusing the archive")
             self.offsets[name] = m.offset_data
             self.specs.append(spec)
+        problems = check_tree([Stream(s.name, dict(s.attrs)) for s in self.specs])
+        if problems:  # e.g. a member under a symlink member: a snapshot the store would call damaged
+            raise TarError(f"{where}: {problems[0]}; refusing the archive")
 
     def streams(self) -> Iterator[StreamSpec]:
         return iter(self.specs)

@@ -82,6 +82,8 @@ def read_header(f: BinaryIO) -> dict[str, Any] | None:
         h = json.loads(line)
     except ValueError:
         raise ChannelError(f"the GPU agent sent a line that is not JSON: {line[:60]!r}") from None
+    except RecursionError:  # 4096 bytes of '[' nest deeper than the parser's stack
+        raise ChannelError("the GPU agent sent a header nested too deeply to be a frame") from None
     if not isinstance(h, dict) or not isinstance(h.get("t"), str):
         raise ChannelError("the GPU agent sent a header that is not a frame")
     return h

@@ -14,11 +14,19 @@ def checksum(body: dict[str, Any]) -> str:
     return blake3.blake3(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
+def resummarize(body: dict[str, Any]) -> None:
+    """Make BODY's `summary` (where it has one) agree with its streams, as an attacker would."""
+    if "summary" in body:
+        body["summary"] = {"size": sum(c[1] for s in body["streams"] for c in s["chunks"]),
+                           "streams": len(body["streams"])}
+
+
 def rewrite_manifest(path: Path, change: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
     """Apply CHANGE to the manifest at PATH (its body, without the checksum), re-sign it, write it back."""
     body = json.loads(path.read_bytes())
     body.pop("checksum")
     change(body)
+    resummarize(body)
     body["checksum"] = checksum(body)
     path.write_text(json.dumps(body, sort_keys=True, indent=1))
     return body
