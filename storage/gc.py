@@ -4,7 +4,10 @@ Guarantees kept here (FORMAT.md, "What is atomic" and "Temporary entries and the
 the store lock exclusively; a manifest that does not load stops it before anything is deleted; it
 deletes only chunk files no manifest names, tmp/ entries whose owner process is gone (and the staging
 tree of a killed `get` its record names, if that is a real directory of the get's user), lock files
-of names without a snapshot, and quarantined chunks no longer needed. A chunk named by the
+of names without a snapshot, and quarantined chunks no longer needed. Packs: a pack without an index is
+deleted (a killed writer's), an indexed one whose entries nothing names is deleted index first, one
+whose live fraction is below packs.REPACK_BELOW is repacked, its live entries durable and indexed in
+a new pack before its index and then it are removed; a pack whose index is damaged is left. A chunk named by the
 chunk-reference log of an operation still in the journal (storage.reflog: data of a killed writer
 that `gpusnap recover` may still restore) counts as in use; a log it cannot read stops it before
 anything is deleted. It descends into no link and no
@@ -19,10 +22,12 @@ import stat
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from .chunkfile import ChunkError, file_kind
+from .chunkfile import ChunkError, file_kind, stored_check
+from .directio import AlignedBuffer
 from .errors import GpusnapError
 from .names import InvalidNameError, validate_snapshot_name
 from .owner import ProcessOwner
+from .packs import PACK_NAME, REPACK_BELOW, Loc
 from .reflog import RefLogError, pinned
 from .store import CHUNK_ID, QUARANTINE, get_staging_name, read_record
 from .storedir import StoreDamage, entries, lstat_at, open_dir, opened_dir, remove_tree
@@ -48,6 +53,8 @@ class GcReport:
     gets_cleaned: int = 0        # staging trees of killed `get`s removed
     locks_removed: int = 0
     quarantine_removed: int = 0
+    packs_removed: int = 0       # packs deleted (no index, or no live entry, or repacked)
+    packs_repacked: int = 0      # packs whose live entries were copied into new packs
     in_use: int = 0              # tmp/ entries whose owner still runs
     left: list[str] = field(default_factory=list)     # entries gpusnap did not make: reported, kept
     damage: list[str] = field(default_factory=list)   # store entries that are not what they should be
@@ -69,6 +76,7 @@ def collect(store: "SnapshotStore", timeout: float = 30.0) -> GcReport:
                                  f"`gpusnap store rm {n}` it first if it cannot be repaired") from None
         with store.root() as (root, uid):
             live |= _journal_pins(root, uid)
+            _packs(store, root, uid, report, live)
             for part, fn in (("tmp", _tmp), ("names", lambda fd, u, r: _names(fd, r, names)),
                              ("chunks", lambda fd, u, r: _chunks(fd, u, r, live)),
                              (QUARANTINE, lambda fd, u, r: _quarantine(store, fd, r, live))):
@@ -81,6 +89,99 @@ def collect(store: "SnapshotStore", timeout: float = 30.0) -> GcReport:
                 except StoreDamage as e:
                     report.damage.append(str(e))
     return report
+
+def _packs(store: "SnapshotStore", root: int, uid: int, report: GcReport, live: set[str]) -> None:
+    """Packs (FORMAT.md, "Pack files and the index"): keep one entry of each live id (the one a reader
+    uses; a quarantined one only if it is the id's only copy: evidence for repair); delete packs
+    without an index and indexed packs with nothing live; repack those whose live bytes are below
+    REPACK_BELOW of their length (new pack and index durable first, then the old index, then the old
+    pack)."""
+    try:
+        packs_fd = open_dir(root, "packs", uid, "packs")
+    except FileNotFoundError:
+        return  # a version 1/2 store
+    except StoreDamage as e:
+        report.damage.append(str(e))
+        return
+    try:
+        with opened_dir(root, "index", uid, "index") as idx_fd:
+            index = store.refresh_index()
+            report.damage += [f"{why} (left alone)" for why in index.damage.values()]
+            keep: dict[str, set[int]] = {}
+            for cid in live:
+                locs = index.find(cid) or index.locs.get(cid, [])[:1]
+                if locs:
+                    keep.setdefault(locs[0].pack, set()).add(locs[0].offset)
+            listed = entries(packs_fd)
+            for name in sorted(set(index.packs) - {e.name for e in listed}):
+                report.damage.append(f"index/{name}: its pack is missing (the chunks it names are lost)")
+            for e in listed:
+                if not PACK_NAME.fullmatch(e.name):
+                    report.left.append(f"packs/{e.name}: not a pack file name; left alone")
+                    continue
+                st = e.stat(follow_symlinks=False)
+                if e.name in index.damage:
+                    continue  # its index is damaged: what it names is unknown, so nothing is deleted
+                if e.name not in index.packs:  # never indexed: a killed writer's garbage
+                    if stat.S_ISDIR(st.st_mode):
+                        report.damage.append(f"packs/{e.name} is a directory; left alone")
+                        continue
+                    os.unlink(e.name, dir_fd=packs_fd)
+                    report.packs_removed += 1
+                    report.bytes_freed += st.st_size if stat.S_ISREG(st.st_mode) else 0
+                    continue
+                ents = index.entries[e.name]
+                mine = keep.get(e.name, set())
+                live_bytes = sum(length for _, off, length in ents if off in mine)
+                dead = sum(1 for _, off, _ in ents if off not in mine)
+                size = index.packs[e.name]
+                if not mine:
+                    _drop_pack(idx_fd, packs_fd, e.name)
+                elif live_bytes >= REPACK_BELOW * size:
+                    continue
+                else:
+                    try:
+                        _repack(store, root, uid, packs_fd, idx_fd, e.name, [x for x in ents if x[1] in mine])
+                    except GpusnapError as ex:
+                        report.damage.append(f"packs/{e.name}: not repacked: {ex}")
+                        continue
+                    report.packs_repacked += 1
+                report.packs_removed += 1
+                report.chunks_removed += dead
+                report.bytes_freed += size - (live_bytes if mine else 0)
+            store.refresh_index()
+    except FileNotFoundError:
+        report.damage.append("index/ is missing")
+    finally:
+        os.close(packs_fd)
+
+
+def _drop_pack(idx_fd: int, packs_fd: int, name: str) -> None:
+    """Remove index/NAME (durably) and then packs/NAME: the pack is never indexed without its bytes."""
+    os.unlink(name, dir_fd=idx_fd)
+    os.fsync(idx_fd)
+    try:
+        os.unlink(name, dir_fd=packs_fd)
+    except FileNotFoundError:
+        pass
+    os.fsync(packs_fd)
+
+
+def _repack(store: "SnapshotStore", root: int, uid: int, packs_fd: int, idx_fd: int, name: str,
+            ents: list[tuple[str, int, int]]) -> None:
+    """Copy the entries ENTS of pack NAME (each passing the stored check) into new packs, then drop NAME."""
+    most = max(length for _, _, length in ents)
+    buf = AlignedBuffer(most)
+    try:
+        with opened_dir(root, "tmp", uid, "tmp") as tmp, store.packing(tmp) as pw:
+            for cid, off, length in ents:
+                header, payload = store.read_entry(cid, Loc(name, off, length), buf, False)
+                stored_check(header, payload, cid)
+                pw.append(cid, header, buf.view)
+    finally:
+        buf.close()
+    _drop_pack(idx_fd, packs_fd, name)
+
 
 def _journal_pins(root: int, uid: int) -> set[str]:
     """Chunks the journal's reference logs name (FORMAT.md, "The journal"): kept, as if a manifest named them."""
@@ -225,7 +326,14 @@ def _quarantine(store: "SnapshotStore", q: int, report: GcReport, live: set[str]
         if not CHUNK_ID.fullmatch(cid):
             report.left.append(f"{QUARANTINE}/{e.name}: not made by gpusnap; left alone")
             continue
-        if cid in live:
+        rec = read_record(q, cid + ".json") if e.name.endswith(".json") else None
+        ents = rec.get("entries") if isinstance(rec, dict) else None
+        if isinstance(ents, list):
+            index = store.refresh_index()
+            if any(loc.pack == ent[0] and loc.offset == ent[1] for loc in index.locs.get(cid, [])
+                   for ent in ents if isinstance(ent, list) and len(ent) == 2):
+                continue  # the damaged entry is still in a pack: the record keeps it from being used
+        elif cid in live:
             try:
                 with store.chunk_dir(cid) as d:
                     st = lstat_at(d, cid)

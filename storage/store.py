@@ -29,6 +29,7 @@ import os
 import re
 import shutil
 import stat
+import struct
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -38,19 +39,21 @@ from datetime import datetime, timezone
 from typing import Any, Iterator
 
 from .chunkfile import (HEADER_SIZE, ChunkError, ChunkHeader, chunk_id, file_kind, full_check, max_stored_len,
-                        id_check, raw_chunk_id, read_chunk_file, reusable, write_chunk_file)
+                        id_check, raw_chunk_id, read_chunk_file, reusable, stored_check)
 from .directio import AlignedBuffer, BufferPool, align_up, direct_io_supported, read_to_end
 from .errors import GpusnapError
 from .manifest import ChunkRef, Manifest, ManifestError, Stream, validate_tag
 from .names import InvalidNameError, validate_snapshot_name
 from .owner import ProcessOwner
+from .packs import Loc, PackIndex, PackWriter, open_pack, read_entry
 from .storedir import StoreAccessError, StoreDamage, entries, lstat_at, opened_child, opened_dir, opened_root
 
 STORE_FORMAT = "gpusnap-store"
-STORE_VERSION = 2
-READ_VERSIONS = (1, 2)  # version 1: GSNPCHK1 chunks only; upgraded by the first GSNPCHK2 write
+STORE_VERSION = 3
+READ_VERSIONS = (1, 2, 3)  # 1: GSNPCHK1 chunk files only; 2: chunk files of both kinds; 3: packs
 MARKER = "gpusnap-store.json"
-SUBDIRS = ("snapshots", "chunks", "tmp", "names")
+SUBDIRS = ("snapshots", "chunks", "tmp", "names", "packs", "index")
+PACK_DIRS = ("packs", "index")  # made by the upgrade of a version 1/2 store
 QUARANTINE = "quarantine"
 CHUNK_ID = re.compile(r"[0-9a-f]{64}")
 _RECORD_MAX = 1 << 16
@@ -233,6 +236,9 @@ class SnapshotStore:
         self._direct: bool | None = None
         self._probe_lock = threading.Lock()
         self._upgrade_lock = threading.Lock()
+        self._index = PackIndex()
+        self._index_lock = threading.Lock()
+        self._index_loaded = False
 
     # ---- layout -------------------------------------------------------------------------------
     @property
@@ -341,16 +347,24 @@ class SnapshotStore:
             os.fsync(root)
 
     def upgrade(self) -> None:
-        """Make a version 1 store version 2 before its first GSNPCHK2 chunk is written (FORMAT.md, "Store
-        versions"): a gpusnap that reads only version 1 then refuses the store instead of misreading it.
-        Idempotent; several writers may race to do it (each renames a complete marker)."""
+        """Make a version 1 or 2 store version 3 before its first pack is written (FORMAT.md, "Store
+        versions"): packs/ and index/ are made, then the marker says 3, so a gpusnap that reads only
+        older versions refuses the store instead of misreading it. Idempotent; several writers may
+        race to do it (each renames a complete marker)."""
         with self._upgrade_lock:
             if self.version == STORE_VERSION:
                 return
             try:
+                with self.root() as (root, _):
+                    for d in PACK_DIRS:
+                        try:
+                            os.mkdir(d, 0o700, dir_fd=root)
+                        except FileExistsError:
+                            pass
+                    os.fsync(root)
                 self._write_marker(self._created)
             except OSError as e:
-                raise StoreError(_io_message("upgrading the store marker to version 2", e, self.path)) from None
+                raise StoreError(_io_message("upgrading the store marker to version 3", e, self.path)) from None
             self.version = STORE_VERSION
 
     def _create(self) -> None:
@@ -512,19 +526,110 @@ class SnapshotStore:
         except StoreDamage as e:
             raise ChunkError(cid, str(e)) from None
 
+    # ---- the pack index (FORMAT.md, "Pack files and the index") --------------------------------
+    def refresh_index(self) -> PackIndex:
+        """Load the index files written since the last look (and the quarantine records of entries)."""
+        with self._index_lock:
+            try:
+                with self.subdir("index") as idx:
+                    self._index.refresh(idx)
+            except FileNotFoundError:
+                pass  # a version 1/2 store: no packs yet
+            self._index.skip = self._quarantined_entries()
+            self._index_loaded = True
+            return self._index
+
+    def locate(self, cid: str, refresh: bool = False) -> list[Loc]:
+        """The pack entries of CID a reader may use (quarantined ones left out)."""
+        with self._index_lock:
+            loaded = self._index_loaded
+            if loaded and not refresh:
+                return self._index.find(cid)
+        return self.refresh_index().find(cid)
+
+    def index_added(self, pack: str, pack_len: int, ents: list[tuple[str, int, int]]) -> None:
+        """A writer of this process indexed PACK: its entries are readable now."""
+        with self._index_lock:
+            if pack not in self._index.packs:
+                self._index.add(pack, pack_len, ents)
+
+    def pack_length(self, pack: str) -> int:
+        with self._index_lock:
+            return self._index.packs.get(pack, 0)
+
+    def _quarantined_entries(self) -> set[tuple[str, int]]:
+        out: set[tuple[str, int]] = set()
+        try:
+            with self.subdir(QUARANTINE) as q:
+                for e in entries(q):
+                    if e.name.endswith(".json") and CHUNK_ID.fullmatch(e.name[:-5]):
+                        rec = read_record(q, e.name)
+                        for ent in (rec.get("entries") or []) if isinstance(rec, dict) else []:
+                            if (isinstance(ent, list) and len(ent) == 2 and isinstance(ent[0], str)
+                                    and isinstance(ent[1], int)):
+                                out.add((ent[0], ent[1]))
+        except (FileNotFoundError, GpusnapError, OSError):
+            pass
+        return out
+
+    def read_entry(self, cid: str, loc: Loc, buf: AlignedBuffer, direct: bool) -> tuple[ChunkHeader, memoryview]:
+        """The entry LOC of chunk CID read into BUF (header parsed, payload not yet checked)."""
+        try:
+            with self.subdir("packs") as packs:
+                fd = open_pack(packs, loc.pack, cid) if not direct else self._open_pack_direct(packs, loc.pack, cid)
+        except FileNotFoundError:
+            raise ChunkError(cid, "missing (packs/ is gone)") from None
+        except StoreDamage as e:
+            raise ChunkError(cid, str(e)) from None
+        try:
+            return read_entry(fd, loc, self.pack_length(loc.pack), cid, buf)
+        finally:
+            os.close(fd)
+
+    @staticmethod
+    def _open_pack_direct(packs: int, pack: str, cid: str) -> int:
+        try:
+            fd = os.open(pack, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | os.O_DIRECT, dir_fd=packs)
+        except OSError:
+            return open_pack(packs, pack, cid)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            return open_pack(packs, pack, cid)  # raises the right error
+        return fd
+
     def read_stored(self, ref: ChunkRef, buf: AlignedBuffer, check: bool = True,
                     cached: bool = False) -> tuple[ChunkHeader, memoryview]:
-        """REF's file read into BUF: its header (checked against REF) and its payload, after the stored
-        check unless not CHECK (the caller then makes the full check); ChunkError when damaged.
-        CACHED: read through the page cache (restores: a repeated restore is served from memory, a
-        cold one gets the kernel's readahead); otherwise around it where the store can (verify,
-        repair, export)."""
+        """REF's entry (or version 1/2 chunk file) read into BUF: its header (checked against REF) and
+        its payload, after the stored check unless not CHECK (the caller then makes the full check);
+        ChunkError when damaged. CACHED: read through the page cache (restores: a repeated restore is
+        served from memory, a cold one gets the kernel's readahead); otherwise around it where the
+        store can (verify, repair, export)."""
         assert ref.id is not None
-        with self.chunk_dir(ref.id) as d:
-            header, payload = read_chunk_file(d, ref.id, buf, self.direct and not cached, check)
-        if not header.fits(ref.codec, ref.raw_len, ref.stored_len):
-            raise ChunkError(ref.id, "header disagrees with the manifest's reference")
-        return header, payload
+        cid = ref.id
+        direct = self.direct and not cached
+        first: ChunkError | None = None
+        for refresh in (False, True):
+            for loc in self.locate(cid, refresh):
+                try:
+                    header, payload = self.read_entry(cid, loc, buf, direct)
+                    if not header.fits(ref.codec, ref.raw_len, ref.stored_len):
+                        raise ChunkError(cid, "header disagrees with the manifest's reference")
+                    if check:
+                        stored_check(header, payload, cid)
+                    return header, payload
+                except ChunkError as e:
+                    first = first or e
+            try:
+                with self.chunk_dir(cid) as d:
+                    header, payload = read_chunk_file(d, cid, buf, direct, check)
+                if not header.fits(ref.codec, ref.raw_len, ref.stored_len):
+                    raise ChunkError(cid, "header disagrees with the manifest's reference")
+                return header, payload
+            except ChunkError as e:
+                if e.what.startswith("missing") and first is None and not refresh:
+                    continue  # perhaps indexed by another process since: look once more
+                raise first or e
+        raise first or ChunkError(cid, "missing")
 
     def read_chunk(self, ref: ChunkRef, buf: AlignedBuffer) -> memoryview:
         """REF's payload (read into BUF) after the stored check (FORMAT.md: no decoding; a GSNPCHK2
@@ -552,9 +657,14 @@ class SnapshotStore:
         return frame.ptr + HEADER_SIZE, "read+decode+verify" if header.raw_id else "read+verify"
 
     def missing(self, manifest: Manifest) -> list[str]:
-        """Chunk ids MANIFEST names that have no regular file here (a cheap stat pass before any output)."""
+        """Chunk ids MANIFEST names that have no index entry and no regular file here (a cheap pass
+        before any output)."""
         out = []
+        index = self.refresh_index()
         for cid in sorted(manifest.chunk_ids()):
+            with self._index_lock:
+                if index.find(cid):
+                    continue
             try:
                 with self.chunk_dir(cid) as d:
                     st = lstat_at(d, cid)
@@ -581,38 +691,72 @@ class SnapshotStore:
                     for c in s.chunks), default=0)
         return HEADER_SIZE + align_up(max(most, 1))
 
-    def store_chunk(self, tmp_fd: int, chunks_fd: int, header: ChunkHeader, frame: memoryview,
-                    cid: str | None = None) -> tuple[str, ChunkHeader, bool, float]:
-        """Make chunk HEADER + FRAME[HEADER_SIZE:] present: (id, the header of the file there, whether
-        a file was written, hash seconds). For a raw-addressed HEADER, CID is the raw id (the caller
-        hashed the raw bytes) and the stored checksum is computed here, if the file is written.
+    def present(self, cid: str, header: ChunkHeader, chunks_fd: int, pw: PackWriter | None) -> ChunkHeader | None:
+        """The header of a copy of CID a writer about to store HEADER may reuse (FORMAT.md, "Damage and
+        healing"): in PW's open pack, in an indexed pack (its entry's header sane, its pack as long as
+        indexed), or a version 1/2 chunk file (chunkfile.reusable). None: write it."""
+        got = pw.pending(cid) if pw is not None else None
+        if got is not None:
+            return got if _reusable_header(got, header) else None
+        for loc in self.locate(cid):
+            try:
+                with self.subdir("packs") as packs:
+                    fd = open_pack(packs, loc.pack, cid)
+                try:
+                    if os.fstat(fd).st_size < self.pack_length(loc.pack):
+                        continue
+                    head = os.pread(fd, 64, loc.offset)
+                finally:
+                    os.close(fd)
+                got = ChunkHeader.unpack(head, cid)
+            except (ChunkError, OSError, GpusnapError, struct.error):
+                continue
+            if HEADER_SIZE + align_up(got.stored_len) == loc.length and _reusable_header(got, header):
+                return got
+        try:
+            with opened_child(chunks_fd, cid[:2], f"chunks/{cid[:2]}") as d:
+                return reusable(d, cid, header)
+        except (FileNotFoundError, GpusnapError):
+            return None
 
-        A present file is reused only if chunkfile.reusable() says so (a GSNPCHK2 one may encode the
-        raw bytes otherwise: its header is returned); anything else in its place (damaged, a link, a
-        FIFO) is replaced by a new, fsynced file."""
+    def store_chunk(self, pw: PackWriter, chunks_fd: int, header: ChunkHeader, frame: memoryview,
+                    cid: str | None = None) -> tuple[str, ChunkHeader, bool, float]:
+        """Make chunk HEADER + FRAME[HEADER_SIZE:] present: (id, the header of the copy there, whether
+        it was written, hash seconds). For a raw-addressed HEADER, CID is the raw id (the caller
+        hashed the raw bytes) and the stored checksum is computed here, if it is written.
+
+        A present copy is reused only if present() says so (a GSNPCHK2 one may encode the raw bytes
+        otherwise: its header is returned); otherwise the chunk is appended to PW's open pack (durable
+        once PW closes and indexes it: PackWriter.flush)."""
         t0 = time.perf_counter()
         payload = frame[HEADER_SIZE:HEADER_SIZE + header.stored_len]
         if cid is None:
             assert not header.raw_id, "a raw-addressed chunk's id is hashed from its raw bytes"
             cid = chunk_id(header, payload)
         hash_s = time.perf_counter() - t0
-        with opened_child(chunks_fd, cid[:2], f"chunks/{cid[:2]}") as d:
-            got = reusable(d, cid, header)
-            if got is not None:
-                return cid, got, False, hash_s
-            if header.raw_id:
-                self.upgrade()
-                t1 = time.perf_counter()
-                header = header.with_checksum(payload)
-                hash_s += time.perf_counter() - t1
-            tmp = owned_name("chunk")
-            write_chunk_file(tmp_fd, tmp, header, frame, self.direct)
-            try:
-                os.rename(tmp, cid, src_dir_fd=tmp_fd, dst_dir_fd=d)
-            except BaseException:
-                _unlink_quietly(tmp_fd, tmp)
-                raise
+        got = self.present(cid, header, chunks_fd, pw)
+        if got is not None:
+            return cid, got, False, hash_s
+        if header.raw_id:
+            t1 = time.perf_counter()
+            header = header.with_checksum(payload)
+            hash_s += time.perf_counter() - t1
+        pw.append(cid, header, frame)
         return cid, header, True, hash_s
+
+    @contextmanager
+    def packing(self, tmp_fd: int) -> Iterator[PackWriter]:
+        """A pack writer for the block (repair, migrate): its packs are closed and indexed at the end;
+        on an error the open pack is removed (closed packs stay for gc)."""
+        self.upgrade()
+        with self.subdir("packs") as packs, self.subdir("index") as idx:
+            pw = PackWriter(packs, idx, tmp_fd, lambda: owned_name("index"), self.index_added)
+            try:
+                yield pw
+            except BaseException:
+                pw.abort()
+                raise
+            pw.flush()
 
     # ---- quarantine ---------------------------------------------------------------------------
     def quarantined(self, cid: str) -> str | None:
@@ -627,30 +771,41 @@ class SnapshotStore:
         return str(rec.get("why", "damaged")) if isinstance(rec, dict) else "damaged"
 
     def quarantine_chunk(self, cid: str, why: str) -> bool:
-        """Move chunk CID (damaged: WHY) from chunks/XY/ to quarantine/ (the caller holds the store
-        exclusively); False if there was nothing to move."""
+        """Move chunk CID (damaged: WHY) from chunks/XY/ to quarantine/, or record its damaged pack
+        entries there so that nothing reads or reuses them (the caller holds the store exclusively);
+        False if there was nothing to move."""
+        locs = self.locate(cid, refresh=True)
         with self.root() as (root, uid):
             try:
                 os.mkdir(QUARANTINE, 0o700, dir_fd=root)
             except FileExistsError:
                 pass
             with opened_dir(root, QUARANTINE, uid, QUARANTINE) as q, self.chunk_dir(cid) as d:
-                if lstat_at(d, cid) is None:
+                rec_obj: dict[str, Any] = {"id": cid, "why": why, "when": datetime.now(timezone.utc).isoformat()}
+                if locs:
+                    rec_obj["entries"] = [[loc.pack, loc.offset] for loc in locs]
+                elif lstat_at(d, cid) is None:
                     return False
-                os.rename(cid, cid, src_dir_fd=d, dst_dir_fd=q)  # moves the entry itself, whatever it is
-                os.fsync(d)
-                rec = json.dumps({"id": cid, "why": why, "when": datetime.now(timezone.utc).isoformat()}).encode()
+                else:
+                    os.rename(cid, cid, src_dir_fd=d, dst_dir_fd=q)  # moves the entry itself, whatever it is
+                    os.fsync(d)
+                rec = json.dumps(rec_obj).encode()
                 with opened_dir(root, "tmp", uid, "tmp") as tmp:
                     name = owned_name("record")
                     _write_file(tmp, name, rec)
                     os.rename(name, cid + ".json", src_dir_fd=tmp, dst_dir_fd=q)
                 os.fsync(q)
+        if locs:
+            with self._index_lock:
+                self._index.skip |= {(loc.pack, loc.offset) for loc in locs}
         return True
 
     def unquarantine_chunk(self, ref: ChunkRef, buf: AlignedBuffer) -> bool:
         """Put quarantine/CID back if it verifies after all (the caller holds the store exclusively)."""
         assert ref.id is not None
         cid = ref.id
+        if self._unquarantine_entries(ref, buf):
+            return True
         try:
             with self.subdir(QUARANTINE) as q:
                 header, payload = read_chunk_file(q, cid, buf, False, check=False)
@@ -663,6 +818,35 @@ class SnapshotStore:
                 _unlink_quietly(q, cid + ".json")
         except (OSError, GpusnapError):
             return False
+        return True
+
+    def _unquarantine_entries(self, ref: ChunkRef, buf: AlignedBuffer) -> bool:
+        """Drop CID's quarantine record of pack entries if one of them verifies after all."""
+        cid = ref.id or ""
+        try:
+            with self.subdir(QUARANTINE) as q:
+                rec = read_record(q, cid + ".json")
+                ents = rec.get("entries") if isinstance(rec, dict) else None
+                if not isinstance(ents, list):
+                    return False
+                self.refresh_index()
+                with self._index_lock:
+                    locs = [loc for loc in self._index.locs.get(cid, []) if [loc.pack, loc.offset] in ents]
+                for loc in locs:
+                    try:
+                        header, payload = self.read_entry(cid, loc, buf, False)
+                        if header.fits(ref.codec, ref.raw_len, ref.stored_len):
+                            id_check(header, payload, cid)
+                            break
+                    except ChunkError:
+                        continue
+                else:
+                    return False
+                os.unlink(cid + ".json", dir_fd=q)
+                os.fsync(q)
+        except (OSError, GpusnapError):
+            return False
+        self.refresh_index()
         return True
 
     # ---- verify / repair ----------------------------------------------------------------------
@@ -803,6 +987,13 @@ class SnapshotStore:
                     _unlink_quietly(tmp, name)
 
 
+def _reusable_header(got: ChunkHeader, want: ChunkHeader) -> bool:
+    """Whether a present copy whose header is GOT may serve a writer about to store WANT."""
+    if want.raw_id:
+        return got.raw_id and got.raw_len == want.raw_len
+    return got.bound() == want.bound()
+
+
 def _stray_reason(e: os.DirEntry[str]) -> str | None:
     """Why the snapshots/ entry E is not a snapshot, or None when it is one."""
     if not e.name.endswith(".json"):
@@ -891,6 +1082,8 @@ class SnapshotWriter:
         self._committed = False
         self._stack = ExitStack()
         self._tmp = self._chunks = self._snaps = -1
+        self._pw: PackWriter | None = None
+        self._pw_lock = threading.Lock()
 
     def __enter__(self) -> "SnapshotWriter":
         try:
@@ -901,13 +1094,31 @@ class SnapshotWriter:
             self._snaps = self._stack.enter_context(self.store.subdir("snapshots"))
             if lstat_at(self._snaps, self.name + ".json") is not None and not self.replace:
                 raise StoreError(f"snapshot {self.name!r} already exists (use --replace to overwrite it)")
+            self.store.refresh_index()  # what other writers indexed: this writer deduplicates against it
         except BaseException:
             self._stack.close()
             raise
         return self
 
     def __exit__(self, et: Any, ev: Any, tb: Any) -> None:
-        self._stack.close()
+        try:
+            if self._pw is not None and not self._committed:
+                try:
+                    self._pw.abort()
+                except OSError:
+                    pass
+        finally:
+            self._stack.close()
+
+    def packs(self) -> PackWriter:
+        """This writer's pack stage, made on its first new chunk (a version 1/2 store is upgraded then)."""
+        with self._pw_lock:
+            if self._pw is None:
+                self.store.upgrade()
+                packs = self._stack.enter_context(self.store.subdir("packs"))
+                idx = self._stack.enter_context(self.store.subdir("index"))
+                self._pw = PackWriter(packs, idx, self._tmp, lambda: owned_name("index"), self.store.index_added)
+            return self._pw
 
     @property
     def source(self) -> SnapshotStore:
@@ -932,8 +1143,7 @@ class SnapshotWriter:
         hash_s = time.perf_counter() - t0
         want = ChunkHeader("raw", len(data), len(data), raw_id=True)
         try:
-            with opened_child(self._chunks, cid[:2], f"chunks/{cid[:2]}") as d:
-                got = reusable(d, cid, want)
+            got = self.store.present(cid, want, self._chunks, self._pw)
         except OSError as e:
             raise StoreError(_io_message("looking up a chunk", e, self.store.path)) from None
         with self._lock:
@@ -957,23 +1167,24 @@ class SnapshotWriter:
         header = ChunkHeader(codec, raw_len, stored_len, raw_id is not None)
         t0 = time.perf_counter()
         try:
-            cid, got, new, hash_s = self.store.store_chunk(self._tmp, self._chunks, header, frame, raw_id or verified_id)
+            cid, got, new, hash_s = self.store.store_chunk(self.packs(), self._chunks, header, frame,
+                                                           raw_id or verified_id)
         except OSError as e:
             raise StoreError(_io_message("writing a chunk", e, self.store.path)) from None
         t2 = time.perf_counter()
         with self._lock:
             self.stats.add_chunk(raw_len, got.stored_len, new, hash_s, t2 - t0 - hash_s)
-            if new:
-                self._touched.add(cid[:2])
         return ChunkRef(cid, raw_len, got.codec, got.stored_len)
 
     def sync_chunks(self, refs: list[ChunkRef]) -> None:
-        """Make the directory entries of REFS' chunk files durable now (commit() does it for all it
-        touched; a chunk-reference log, storage.reflog, names chunks before any commit)."""
+        """Make REFS durable and indexed now: the open pack is closed and indexed (commit() does it too;
+        a chunk-reference log, storage.reflog, names chunks before any commit)."""
         try:
-            for xy in sorted({r.id[:2] for r in refs if r.id is not None}):
-                with opened_child(self._chunks, xy, f"chunks/{xy}") as d:
-                    os.fsync(d)
+            if self._pw is not None:
+                t0 = time.perf_counter()
+                self._pw.flush()
+                with self._lock:
+                    self.stats.write_s += time.perf_counter() - t0
         except OSError as e:
             raise StoreError(_io_message("syncing chunk directories", e, self.store.path)) from None
 
@@ -991,9 +1202,10 @@ class SnapshotWriter:
         final = self.name + ".json"
         tmp = owned_name("manifest")
         try:
-            for xy in sorted(self._touched):
-                with opened_child(self._chunks, xy, f"chunks/{xy}") as d:
-                    os.fsync(d)
+            if self._pw is not None:
+                t0 = time.perf_counter()
+                self._pw.flush()  # every pack this snapshot's chunks went to: fsynced, then indexed
+                self.stats.write_s += time.perf_counter() - t0
             _write_file(self._tmp, tmp, manifest.dumps())
             try:
                 if self.replace:
