@@ -332,11 +332,12 @@ def store_gc(ctx: click.Context, wait: float, as_json: bool) -> None:
     rep = collect(st, wait)
     data = {"chunks_removed": rep.chunks_removed, "bytes_freed": rep.bytes_freed, "tmp_removed": rep.tmp_removed,
             "gets_cleaned": rep.gets_cleaned, "locks_removed": rep.locks_removed,
-            "quarantine_removed": rep.quarantine_removed, "in_use": rep.in_use, "left": rep.left,
-            "damage": rep.damage}
+            "quarantine_removed": rep.quarantine_removed, "packs_removed": rep.packs_removed,
+            "packs_repacked": rep.packs_repacked, "in_use": rep.in_use, "left": rep.left, "damage": rep.damage}
     text = [f"removed {rep.chunks_removed} chunks ({human(rep.bytes_freed)}), {rep.tmp_removed} temporary entries "
             f"({rep.gets_cleaned} partial get trees), {rep.locks_removed} stale lock files, "
-            f"{rep.quarantine_removed} quarantined chunks"]
+            f"{rep.quarantine_removed} quarantined chunks; {rep.packs_removed} packs removed "
+            f"({rep.packs_repacked} of them repacked)"]
     if rep.in_use:
         text.append(f"kept {rep.in_use} temporary entries of processes still running")
     text += [f"LEFT {x}" for x in rep.left] + [f"DAMAGED {x}" for x in rep.damage]

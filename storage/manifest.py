@@ -21,7 +21,7 @@ import blake3
 from .codecs import CODEC_IDS, ZERO
 from .names import validate_snapshot_name, validate_stream_name
 
-from .errors import GpusnapError
+from .errors import DamageError
 
 FORMAT = "gpusnap-manifest"
 VERSION = 2               # what this code writes: v2 added owners (uid/gid) and `hardlink` streams
@@ -31,7 +31,7 @@ _NO_DATA = ("dir", "symlink", "hardlink")
 _KIND_RE = re.compile(r"[a-z][a-z0-9_-]{0,31}")
 
 
-class ManifestError(GpusnapError):
+class ManifestError(DamageError):
     """A manifest that does not parse, fails its checksum, or is of an unknown format."""
 
 

@@ -29,7 +29,7 @@ from .chunkfile import HEADER_SIZE, ChunkError, full_check
 from .codecs import HostCodecChooser, CodecError
 from .directio import AlignedBuffer, BufferPool, address_of, copy_into
 from .manifest import ChunkRef, Manifest, Stream
-from .store import SnapshotStore, SnapshotWriter, StoreError
+from .store import SnapshotDamaged, SnapshotStore, SnapshotWriter, StoreError
 
 from .errors import GpusnapError
 
@@ -417,7 +417,7 @@ def get(store: SnapshotStore, manifest: Manifest, sink: Sink, *, workers: int | 
     try:
         missing = store.missing(manifest)
         if missing:
-            raise StoreError(f"snapshot {manifest.name!r} is damaged: {len(missing)} chunk(s) cannot be read "
+            raise SnapshotDamaged(f"snapshot {manifest.name!r} is damaged: {len(missing)} chunk(s) cannot be read "
                              f"(first {missing[0][:16]}…: {store.absence(missing[0])}); nothing was written")
         with BufferPool(workers * 2, store.chunk_buffer_size([manifest])) as bufs, \
                 ThreadPoolExecutor(workers, thread_name_prefix="gpusnap-get") as ex:
@@ -439,7 +439,7 @@ def get(store: SnapshotStore, manifest: Manifest, sink: Sink, *, workers: int | 
                     if progress is not None:
                         progress.advance(ref.raw_len)
                 except ChunkError as e:
-                    fail.set(StoreError(f"snapshot {manifest.name!r} is damaged: {s.name} chunk {i}: {e.what}"))
+                    fail.set(SnapshotDamaged(f"snapshot {manifest.name!r} is damaged: {s.name} chunk {i}: {e.what}"))
                 except CodecError as e:
                     fail.set(StoreError(f"snapshot {manifest.name!r}: {s.name} chunk {i}: {e}"))
                 except OSError as e:

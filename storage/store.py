@@ -41,7 +41,7 @@ from typing import Any, Iterator
 from .chunkfile import (HEADER_SIZE, ChunkError, ChunkHeader, chunk_id, file_kind, full_check, max_stored_len,
                         id_check, raw_chunk_id, read_chunk_file, reusable, stored_check)
 from .directio import AlignedBuffer, BufferPool, align_up, direct_io_supported, read_to_end
-from .errors import GpusnapError
+from .errors import EXIT_DAMAGED, DamageError, GpusnapError
 from .manifest import ChunkRef, Manifest, ManifestError, Stream, validate_tag
 from .names import InvalidNameError, validate_snapshot_name
 from .owner import ProcessOwner
@@ -61,6 +61,12 @@ _RECORD_MAX = 1 << 16
 
 class StoreError(GpusnapError):
     """A store operation that cannot be done; the message says what to do about it."""
+
+
+class SnapshotDamaged(StoreError, DamageError):
+    """A snapshot that cannot be read back as it was committed (a chunk missing or damaged): exit 3."""
+
+    exit_code = EXIT_DAMAGED
 
 
 def default_store_path() -> str:
@@ -228,7 +234,7 @@ class SnapshotStore:
     readers pass False and get a clear error instead of an empty store at a mistyped path.
     """
 
-    error = StoreError  # what a damaged snapshot raises (gpu_engine.ChunkSource)
+    error = SnapshotDamaged  # what a damaged snapshot raises (gpu_engine.ChunkSource)
 
     def __init__(self, path: str, create: bool = True) -> None:
         self.path = os.path.abspath(path)
