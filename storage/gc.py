@@ -135,10 +135,11 @@ def _packs(store: "SnapshotStore", root: int, uid: int, report: GcReport, live: 
                 live_bytes = sum(length for _, off, length in ents if off in mine)
                 dead = sum(1 for _, off, _ in ents if off not in mine)
                 size = index.packs[e.name]
+                set_aside = any((e.name, off) in index.skip for _, off, _ in ents)
                 if not mine:
                     _drop_pack(idx_fd, packs_fd, e.name)
-                elif live_bytes >= REPACK_BELOW * size:
-                    continue
+                elif live_bytes >= REPACK_BELOW * size and not (set_aside and dead):
+                    continue  # (a pack holding a quarantined entry no reader needs is repacked without it)
                 else:
                     try:
                         _repack(store, root, uid, packs_fd, idx_fd, e.name, [x for x in ents if x[1] in mine])
@@ -345,7 +346,7 @@ def _quarantine(store: "SnapshotStore", q: int, report: GcReport, live: set[str]
             report.damage.append(f"{QUARANTINE}/{e.name} is a directory; left alone")
             continue
         os.unlink(e.name, dir_fd=q)
-        report.quarantine_removed += e.name == cid
+        report.quarantine_removed += e.name == cid or isinstance(ents, list)
         removed = True
     if removed:
         os.fsync(q)

@@ -14,6 +14,7 @@ Guarantees kept here (FORMAT.md, "Pack files and the index"):
 """
 from __future__ import annotations
 
+import errno
 import os
 import re
 import secrets
@@ -228,6 +229,8 @@ def open_pack(packs_fd: int, pack: str, cid: str) -> int:
     except FileNotFoundError:
         raise ChunkError(cid, f"missing (its pack {pack[:12]}… is gone)") from None
     except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise ChunkError(cid, f"its pack {pack[:12]}… is a symbolic link, not a pack file") from None
         raise ChunkError(cid, f"its pack {pack[:12]}… cannot be opened: {e.strerror or e}") from None
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):
@@ -239,14 +242,12 @@ def open_pack(packs_fd: int, pack: str, cid: str) -> int:
 def read_entry(fd: int, loc: Loc, pack_len: int, cid: str, buf: AlignedBuffer) -> tuple[ChunkHeader, memoryview]:
     """Read the entry LOC of the open pack FD into BUF: its header and a view of its payload (not yet
     checked: the caller makes the stored or the full check). ChunkError when the entry cannot be CID's."""
-    size = os.fstat(fd).st_size
-    if size < pack_len:
-        raise ChunkError(cid, f"truncated (its pack {loc.pack[:12]}… is {size} bytes, its index says {pack_len})")
     if loc.length > buf.size:
         raise ChunkError(cid, f"its index entry is {loc.length} bytes, larger than the snapshot's chunk")
-    got = read_into(fd, buf.view[:loc.length], loc.offset)
+    got = read_into(fd, buf.view[:loc.length], loc.offset)  # a read at or past the end returns short
     if got < loc.length:
-        raise ChunkError(cid, f"truncated ({got} of {loc.length} bytes)")
+        raise ChunkError(cid, f"truncated ({got} of its {loc.length} bytes in pack {loc.pack[:12]}…; "
+                         f"the index says the pack is {pack_len} bytes)")
     return parse_entry(buf.view[:loc.length], cid)
 
 

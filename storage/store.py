@@ -699,8 +699,7 @@ class SnapshotStore:
 
     def present(self, cid: str, header: ChunkHeader, chunks_fd: int, pw: PackWriter | None) -> ChunkHeader | None:
         """The header of a copy of CID a writer about to store HEADER may reuse (FORMAT.md, "Damage and
-        healing"): in PW's open pack, in an indexed pack (its entry's header sane, its pack as long as
-        indexed), or a version 1/2 chunk file (chunkfile.reusable). None: write it."""
+        healing"): in PW's open pack, in an indexed pack (its entry's header sane, its bytes all there), or a version 1/2 chunk file (chunkfile.reusable). None: write it."""
         got = pw.pending(cid) if pw is not None else None
         if got is not None:
             return got if _reusable_header(got, header) else None
@@ -709,8 +708,8 @@ class SnapshotStore:
                 with self.subdir("packs") as packs:
                     fd = open_pack(packs, loc.pack, cid)
                 try:
-                    if os.fstat(fd).st_size < self.pack_length(loc.pack):
-                        continue
+                    if os.fstat(fd).st_size < loc.offset + loc.length:
+                        continue  # truncated: written again
                     head = os.pread(fd, 64, loc.offset)
                 finally:
                     os.close(fd)
@@ -722,7 +721,7 @@ class SnapshotStore:
         try:
             with opened_child(chunks_fd, cid[:2], f"chunks/{cid[:2]}") as d:
                 return reusable(d, cid, header)
-        except (FileNotFoundError, GpusnapError):
+        except FileNotFoundError:
             return None
 
     def store_chunk(self, pw: PackWriter, chunks_fd: int, header: ChunkHeader, frame: memoryview,
