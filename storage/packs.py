@@ -252,12 +252,12 @@ def read_entry(fd: int, loc: Loc, pack_len: int, cid: str, buf: AlignedBuffer) -
 
 
 def parse_entry(view: memoryview, cid: str) -> tuple[ChunkHeader, memoryview]:
-    """The header and payload of the entry bytes VIEW (length checked against the header)."""
+    """The header and payload of the entry bytes VIEW (the header's stored length must fit in it)."""
     try:
         header = ChunkHeader.unpack(view[:64], cid)
     except struct.error:
         raise ChunkError(cid, "truncated (shorter than its header)") from None
-    if HEADER_SIZE + align_up(header.stored_len) != len(view):
+    if HEADER_SIZE + header.stored_len > len(view):
         raise ChunkError(cid, f"its entry is {len(view)} bytes, its header says {HEADER_SIZE + header.stored_len}")
     return header, view[HEADER_SIZE:HEADER_SIZE + header.stored_len]
 

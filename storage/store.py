@@ -716,7 +716,7 @@ class SnapshotStore:
                 got = ChunkHeader.unpack(head, cid)
             except (ChunkError, OSError, GpusnapError, struct.error):
                 continue
-            if HEADER_SIZE + align_up(got.stored_len) == loc.length and _reusable_header(got, header):
+            if HEADER_SIZE + got.stored_len <= loc.length and _reusable_header(got, header):
                 return got
         try:
             with opened_child(chunks_fd, cid[:2], f"chunks/{cid[:2]}") as d:

@@ -2,6 +2,7 @@
 for tests that read or damage one chunk on disk the way a bad disk or a hostile user would."""
 from __future__ import annotations
 
+import json
 import os
 import struct
 from dataclasses import dataclass
@@ -88,3 +89,19 @@ def chunk_entries(store: Path) -> list[Entry]:
 
 def chunk_ids(store: Path) -> set[str]:
     return {e.cid for e in chunk_entries(store)}
+
+
+def to_chunk_files(store: Path, version: int) -> None:
+    """Make STORE what a version 1/2 gpusnap left: every pack entry as its own chunk file chunks/XY/<id>
+    (a chunk file's bytes are exactly an entry's), no packs/ or index/, the marker at VERSION."""
+    for e in chunk_entries(store):
+        if e.in_pack:
+            d = store / "chunks" / e.cid[:2]
+            d.mkdir(mode=0o700, exist_ok=True)
+            (d / e.cid).write_bytes(e.read()[:4096 + e.stored_len])
+    for sub in ("packs", "index"):
+        for p in (store / sub).iterdir():
+            p.unlink()
+        (store / sub).rmdir()
+    marker = json.loads((store / "gpusnap-store.json").read_text())
+    (store / "gpusnap-store.json").write_text(json.dumps({**marker, "version": version}))
