@@ -21,7 +21,7 @@ import blake3
 from .codecs import CODEC_IDS, ZERO
 from .names import validate_snapshot_name, validate_stream_name
 
-from .errors import DamageError
+from .errors import DamageError, GpusnapError
 
 FORMAT = "gpusnap-manifest"
 VERSION = 2               # what this code writes: v2 added owners (uid/gid) and `hardlink` streams
@@ -31,8 +31,14 @@ _NO_DATA = ("dir", "symlink", "hardlink")
 _KIND_RE = re.compile(r"[a-z][a-z0-9_-]{0,31}")
 
 
-class ManifestError(DamageError):
+class ManifestError(GpusnapError):
     """A manifest that does not parse, fails its checksum, or is of an unknown format."""
+
+
+class ManifestDamage(ManifestError, DamageError):
+    """A stored or received manifest that does not load: damage (exit 3)."""
+
+    exit_code = DamageError.exit_code
 
 
 _TAG_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:=@+-]{0,63}")
@@ -136,6 +142,16 @@ class Manifest:
 
     @classmethod
     def loads(cls, data: bytes, where: str = "manifest") -> "Manifest":
+        """The manifest DATA holds, validated; ManifestDamage (exit 3) if it is not one."""
+        try:
+            return cls._loads(data, where)
+        except ManifestDamage:
+            raise
+        except ManifestError as e:
+            raise ManifestDamage(str(e)) from None
+
+    @classmethod
+    def _loads(cls, data: bytes, where: str) -> "Manifest":
         try:
             body = json.loads(data)
         except (UnicodeDecodeError, json.JSONDecodeError) as e:

@@ -281,14 +281,19 @@ class PackWriter:
     thread whose chunk filled it, while the other producers go on into the next pack.
 
     ON_INDEXED(pack, pack_len, entries) is called once a pack's index is durable (the store adds it to
-    its in-memory index)."""
+    its in-memory index); ON_APPENDED(cid, loc) once an entry's bytes are in its pack (readers of this
+    process may read it from there before it is indexed: a pull that serves arriving chunks);
+    ON_DROPPED(pack) when an open pack is removed."""
 
     def __init__(self, packs_fd: int, index_fd: int, tmp_fd: int, tmp_name: Callable[[], str],
                  on_indexed: Callable[[str, int, list[tuple[str, int, int]]], None],
-                 target: int = PACK_TARGET) -> None:
+                 on_appended: Callable[[str, Loc], None] | None = None,
+                 on_dropped: Callable[[str], None] | None = None, target: int = PACK_TARGET) -> None:
         self.packs_fd, self.index_fd, self.tmp_fd = packs_fd, index_fd, tmp_fd
         self.tmp_name = tmp_name
         self.on_indexed = on_indexed
+        self.on_appended = on_appended
+        self.on_dropped = on_dropped
         self.target = target
         self._lock = threading.Lock()
         self._open: _OpenPack | None = None
@@ -346,10 +351,13 @@ class PackWriter:
         with self._lock:
             self.write_s += dt
             p.headers[cid] = header
+        loc = Loc(p.name, off, total)
+        if self.on_appended is not None:
+            self.on_appended(cid, loc)
         pause("pack-partial")
         if full:
             self._seal(p)
-        return Loc(p.name, off, total)
+        return loc
 
     def _seal(self, p: _OpenPack) -> None:
         t0 = time.perf_counter()
@@ -386,6 +394,8 @@ class PackWriter:
         else:
             os.close(p.fd)
             _unlink(self.packs_fd, p.name)
+            if self.on_dropped is not None:
+                self.on_dropped(p.name)
 
     def abort(self) -> None:
         """Remove the open pack (not indexed: nothing names it); closed packs stay for gc."""
@@ -398,6 +408,8 @@ class PackWriter:
                     p.done.wait()
             os.close(p.fd)
             _unlink(self.packs_fd, p.name)
+            if self.on_dropped is not None:
+                self.on_dropped(p.name)
 
 
 def coalesce(locs: Iterable[tuple[int, Loc]], gap: int = 0, most: int = 64 << 20) -> list[list[tuple[int, Loc]]]:

@@ -245,6 +245,7 @@ class SnapshotStore:
         self._index = PackIndex()
         self._index_lock = threading.Lock()
         self._index_loaded = False
+        self._pending: dict[str, Loc] = {}  # entries this process's writers appended, not yet indexed
 
     # ---- layout -------------------------------------------------------------------------------
     @property
@@ -548,16 +549,36 @@ class SnapshotStore:
     def locate(self, cid: str, refresh: bool = False) -> list[Loc]:
         """The pack entries of CID a reader may use (quarantined ones left out)."""
         with self._index_lock:
-            loaded = self._index_loaded
-            if loaded and not refresh:
-                return self._index.find(cid)
-        return self.refresh_index().find(cid)
+            if self._index_loaded and not refresh:
+                return self._found(cid)
+        self.refresh_index()
+        with self._index_lock:
+            return self._found(cid)
+
+    def _found(self, cid: str) -> list[Loc]:
+        got = self._index.find(cid)
+        p = self._pending.get(cid)
+        return got + [p] if p is not None and p not in got else got
 
     def index_added(self, pack: str, pack_len: int, ents: list[tuple[str, int, int]]) -> None:
         """A writer of this process indexed PACK: its entries are readable now."""
         with self._index_lock:
             if pack not in self._index.packs:
                 self._index.add(pack, pack_len, ents)
+            self._forget_pending(pack)
+
+    def entry_appended(self, cid: str, loc: Loc) -> None:
+        """A writer of this process appended CID at LOC (readable from this process before its index)."""
+        with self._index_lock:
+            self._pending.setdefault(cid, loc)
+
+    def pack_dropped(self, pack: str) -> None:
+        with self._index_lock:
+            self._forget_pending(pack)
+
+    def _forget_pending(self, pack: str) -> None:
+        for cid in [c for c, loc in self._pending.items() if loc.pack == pack]:
+            del self._pending[cid]
 
     def pack_length(self, pack: str) -> int:
         with self._index_lock:
@@ -666,10 +687,10 @@ class SnapshotStore:
         """Chunk ids MANIFEST names that have no index entry and no regular file here (a cheap pass
         before any output)."""
         out = []
-        index = self.refresh_index()
+        self.refresh_index()
         for cid in sorted(manifest.chunk_ids()):
             with self._index_lock:
-                if index.find(cid):
+                if self._found(cid):
                     continue
             try:
                 with self.chunk_dir(cid) as d:
@@ -755,7 +776,8 @@ class SnapshotStore:
         on an error the open pack is removed (closed packs stay for gc)."""
         self.upgrade()
         with self.subdir("packs") as packs, self.subdir("index") as idx:
-            pw = PackWriter(packs, idx, tmp_fd, lambda: owned_name("index"), self.index_added)
+            pw = PackWriter(packs, idx, tmp_fd, lambda: owned_name("index"), self.index_added,
+                            self.entry_appended, self.pack_dropped)
             try:
                 yield pw
             except BaseException:
@@ -1122,7 +1144,8 @@ class SnapshotWriter:
                 self.store.upgrade()
                 packs = self._stack.enter_context(self.store.subdir("packs"))
                 idx = self._stack.enter_context(self.store.subdir("index"))
-                self._pw = PackWriter(packs, idx, self._tmp, lambda: owned_name("index"), self.store.index_added)
+                self._pw = PackWriter(packs, idx, self._tmp, lambda: owned_name("index"), self.store.index_added,
+                                      self.store.entry_appended, self.store.pack_dropped)
             return self._pw
 
     @property
