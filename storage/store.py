@@ -949,6 +949,8 @@ class SnapshotStore:
                 names, report.strays = self.scan()
             report.snapshots = list(names)
             manifests = self.load_all(names, report.problems)
+            report.problems += [Problem("(store)", None, None, why + " (the chunks it names read as missing)")
+                                for why in self.refresh_index().damage.values()]
             refs = chunk_refs(manifests)
             report.chunks_total = len(refs)
             if sample is not None and sample < 1:
