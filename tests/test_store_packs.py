@@ -91,6 +91,12 @@ def test_one_fsync_per_pack_and_packs_of_the_target_size(cli: Cli, store_dir: Pa
     assert len(packs) == 2 and max(p.stat().st_size for p in packs) >= 128 << 20
     assert sorted(p.name for p in (store_dir / "index").iterdir()) == sorted(p.name for p in packs)
     assert not any((store_dir / "chunks").glob("*/*"))  # nothing written one file per chunk
+    # read back through the read stage (runs of adjacent entries, each run's buffer reused only once
+    # every entry of it is written), a few times: every byte where it belongs
+    for n in range(3):
+        got = json.loads(cli.run("store", "get", "b", str(tmp_path / f"o{n}"), "--json").stdout)
+        assert (tmp_path / f"o{n}" / "big").read_bytes() == big.read_bytes()
+        assert got["stages"]["read"]["bytes"] >= 40 * (4 << 20)
 
 
 def _rewrite_index(store: Path, edit) -> Path:
