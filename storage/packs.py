@@ -366,12 +366,17 @@ class PackWriter:
                 p.done.wait()
         try:
             if any(length < 0 for _, _, length in p.entries):
-                raise OSError("a chunk write into the pack failed")
+                raise OSError(errno.EIO, "a chunk write into the pack failed")
             os.fsync(p.fd)
             os.fsync(self.packs_fd)
             pause("pack-synced")
             ents = sorted(p.entries, key=lambda e: e[1])
             write_index(self.tmp_fd, self.index_fd, self.tmp_name(), p.name, p.end, ents)
+        except BaseException:
+            _unlink(self.packs_fd, p.name)  # not indexed: nothing can need it (a full disk, an I/O error)
+            if self.on_dropped is not None:
+                self.on_dropped(p.name)
+            raise
         finally:
             os.close(p.fd)
             p.fd = -1

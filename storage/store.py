@@ -1089,9 +1089,9 @@ class SnapshotWriter:
     """Writes one snapshot: chunks as they come (any thread), then the manifest on commit().
 
     Used as a context manager; leaving it without commit() (an exception, a Ctrl-C) removes this
-    writer's temporary files and leaves no snapshot. Chunks it already published stay until gc,
-    because a concurrent writer may already reference them. A chunk file it fails to write (a full
-    disk) is removed at once, not left for gc.
+    writer's temporary files and leaves no snapshot. The chunks it stored stay until gc (its open
+    pack is closed and indexed), because a concurrent writer or a retry may reuse them. A pack it
+    fails to write or close (a full disk) is removed at once, not left for gc.
     """
 
     def __init__(self, store: SnapshotStore, name: str, *, replace: bool, meta: dict[str, Any],
@@ -1132,10 +1132,15 @@ class SnapshotWriter:
     def __exit__(self, et: Any, ev: Any, tb: Any) -> None:
         try:
             if self._pw is not None and not self._committed:
+                # what this writer stored stays, indexed, until gc (a retry reuses it: a pull that
+                # failed half-way); a pack that cannot be closed (a full disk) is removed instead
                 try:
-                    self._pw.abort()
+                    self._pw.flush()
                 except OSError:
-                    pass
+                    try:
+                        self._pw.abort()
+                    except OSError:
+                        pass
         finally:
             self._stack.close()
 
