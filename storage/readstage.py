@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol
 
-from .chunkfile import HEADER_SIZE, ChunkError, full_check, max_stored_len, stored_check
+from .chunkfile import HEADER_SIZE, ChunkError, ChunkHeader, full_check, id_check, max_stored_len, stored_check
 from .directio import BufferPool, align_up, read_into
 from .manifest import ChunkRef
 from .packs import Loc, coalesce, open_pack, parse_entry
@@ -47,13 +47,18 @@ class Want:
 
 
 def read_chunks(store: "SnapshotStore", wants: list[Want], deliver: Callable[[Want, Any], None], *,
-                stages: StageTimes, decoders: int, full: bool = True, readers: int = READERS,
-                stop: Callable[[], bool] = lambda: False) -> None:
+                stages: StageTimes, decoders: int, check: str = "full", readers: int = READERS,
+                stop: Callable[[], bool] = lambda: False,
+                on_damage: Callable[[Want, ChunkError], None] | None = None) -> None:
     """Read every chunk of WANTS (in their order, coalescing adjacent pack entries) and call
-    DELIVER(want, data) from a decode thread once it is checked: FULL, the raw bytes after the full
-    check; else the stored payload after the stored check (verify). DELIVER must be done with DATA
+    DELIVER(want, data) from a decode thread once it is checked: CHECK "full", the raw bytes after the
+    full check; "id", the stored payload after chunkfile.id_check (verify --read-data: GSNPCHK2
+    decoded, GSNPCHK1 bound by its stored bytes, whatever the codec); "stored", the stored payload
+    after the stored check (verify). DELIVER must be done with DATA
     when it returns (the buffer is reused). STOP: checked between chunks; when it says so, nothing
-    more is read. The first error is raised (a ChunkError names the damaged chunk)."""
+    more is read. The first error is raised (a ChunkError names the damaged chunk), unless ON_DAMAGE
+    is given: it is then called for each damaged chunk (an OSError reading it counts as damage too)
+    and the others are read on (verify)."""
     if not wants:
         return
     buf_size = max(RUN_MAX, store.chunk_buffer_size([]))
@@ -97,11 +102,12 @@ def read_chunks(store: "SnapshotStore", wants: list[Want], deliver: Callable[[Wa
                     header, payload = parse_entry(view, cid)
                     if not header.fits(w.ref.codec, w.ref.raw_len, w.ref.stored_len):
                         raise ChunkError(cid, "header disagrees with the manifest's reference")
-                    data = full_check(header, payload, cid) if full else (stored_check(header, payload, cid) or payload)
+                    data = _checked(check, header, payload, cid)
                 except ChunkError:
                     single(i)  # another copy may be sound; if none is, that read raises
                     return
-                stages.add("decompress+verify" if full else "verify", time.perf_counter() - t0, w.ref.raw_len)
+                stages.add("decompress+verify" if check == "full" else "verify", time.perf_counter() - t0,
+                           w.ref.raw_len)
                 deliver(w, data)
             except BaseException as e:  # noqa: BLE001 - handed to the caller
                 failed(e)
@@ -110,13 +116,24 @@ def read_chunks(store: "SnapshotStore", wants: list[Want], deliver: Callable[[Wa
 
         def single(i: int) -> None:
             w = wants[i]
+            if on_damage is None:
+                return single_read(w)
+            try:
+                single_read(w)
+            except ChunkError as e:
+                on_damage(w, e)
+            except OSError as e:
+                on_damage(w, ChunkError(w.ref.id or "", f"unreadable: {e.strerror or e}"))
+
+        def single_read(w: Want) -> None:
             with single_pool.borrowed() as buf:
                 t0 = time.perf_counter()
-                header, payload = store.read_stored(w.ref, buf, check=not full, cached=True)
+                header, payload = store.read_stored(w.ref, buf, check=False, cached=True)
                 t1 = time.perf_counter()
                 stages.add("read", t1 - t0, header.stored_len)
-                data = full_check(header, payload, w.ref.id or "") if full else payload
-                stages.add("decompress+verify" if full else "verify", time.perf_counter() - t1, w.ref.raw_len)
+                data = _checked(check, header, payload, w.ref.id or "")
+                stages.add("decompress+verify" if check == "full" else "verify", time.perf_counter() - t1,
+                           w.ref.raw_len)
                 deliver(w, data)
 
         def reader() -> None:
@@ -177,6 +194,16 @@ def read_chunks(store: "SnapshotStore", wants: list[Want], deliver: Callable[[Wa
         dec.shutdown(wait=True)
     if error:
         raise error[0]
+
+
+def _checked(check: str, header: ChunkHeader, payload: memoryview, cid: str) -> Any:
+    if check == "full":
+        return full_check(header, payload, cid)
+    if check == "id":
+        id_check(header, payload, cid)
+    else:
+        stored_check(header, payload, cid)
+    return payload
 
 
 def _short(single: Callable[[int], None], i: int, failed: Callable[[BaseException], None],

@@ -896,37 +896,33 @@ class SnapshotStore:
         (chunkfile.id_check: GSNPCHK2 chunks decoded and their raw bytes hashed)."""
         if progress is not None:
             progress.start(sum(c.stored_len for c in refs.values()))
+        from .readstage import Want, read_chunks  # readstage reads through this module
         bad: dict[str, str] = {}
         lock = threading.Lock()
-        with BufferPool(workers, size) as pool:
-            def check(ref: ChunkRef) -> None:
-                assert ref.id is not None
-                if deadline is not None and time.monotonic() >= deadline:
-                    if counts is not None:
-                        with lock:
-                            counts.chunks_unchecked += 1
-                    return
-                with pool.borrowed() as buf:
-                    try:
-                        if read_data:
-                            header, payload = self.read_stored(ref, buf, check=False)
-                            id_check(header, payload, ref.id)
-                        else:
-                            self.read_chunk(ref, buf)
-                    except ChunkError as e:
-                        with lock:
-                            bad[ref.id] = e.what
-                    except OSError as e:
-                        with lock:
-                            bad[ref.id] = f"unreadable: {e.strerror or e}"
-                with lock:
-                    if counts is not None:
-                        counts.chunks_checked += 1
-                        counts.bytes_checked += ref.stored_len
-                if progress is not None:
-                    progress.advance(ref.stored_len)
-            with ThreadPoolExecutor(workers) as ex:
-                list(ex.map(check, refs.values()))
+        # pack order: each pack read front to back in large reads, whatever the snapshots' order
+        order = sorted(refs.values(), key=lambda r: [(loc.pack, loc.offset) for loc in self.locate(r.id or "")[:1]])
+        wants = [Want(None, r) for r in order]
+
+        def stop() -> bool:
+            return deadline is not None and time.monotonic() >= deadline
+
+        def count(ref: ChunkRef) -> None:
+            with lock:
+                if counts is not None:
+                    counts.chunks_checked += 1
+                    counts.bytes_checked += ref.stored_len
+            if progress is not None:
+                progress.advance(ref.stored_len)
+
+        def damaged(w: Want, e: ChunkError) -> None:
+            with lock:
+                bad[w.ref.id or ""] = e.what
+            count(w.ref)
+
+        read_chunks(self, wants, lambda w, _: count(w.ref), stages=_NoStages(), decoders=workers,
+                    check="id" if read_data else "stored", stop=stop, on_damage=damaged)
+        if counts is not None:
+            counts.chunks_unchecked += len(refs) - counts.chunks_checked
         return bad
 
     def verify(self, names: list[str] | None = None, workers: int = 4, progress: Any = None,
@@ -1014,6 +1010,13 @@ class SnapshotStore:
             if name is not None:
                 with self.subdir("tmp") as tmp:
                     _unlink_quietly(tmp, name)
+
+
+class _NoStages:
+    """Stage times nobody reads (verify reports counts, not stages)."""
+
+    def add(self, stage: str, seconds: float, nbytes: int) -> None:
+        pass
 
 
 def _reusable_header(got: ChunkHeader, want: ChunkHeader) -> bool:
