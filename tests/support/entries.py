@@ -105,3 +105,8 @@ def to_chunk_files(store: Path, version: int) -> None:
         (store / sub).rmdir()
     marker = json.loads((store / "gpusnap-store.json").read_text())
     (store / "gpusnap-store.json").write_text(json.dumps({**marker, "version": version}))
+
+
+def entry_of(store: Path, cid: str) -> Entry:
+    """The (first) stored entry of chunk CID."""
+    return next(e for e in chunk_entries(store) if e.cid == cid)
