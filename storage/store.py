@@ -1,12 +1,14 @@
-"""The snapshot store: a directory of content-addressed chunks and atomically committed manifests.
+"""The snapshot store: content-addressed chunks in pack files (or v1/v2 chunk files) and atomically committed manifests.
 
 Guarantees kept here (FORMAT.md has the full contract):
-- a snapshot becomes visible only after every chunk it names is durable, by link/rename of a fsynced
-  manifest; a failed or killed writer leaves no visible snapshot;
+- a snapshot becomes visible only after every chunk it names is durable: every pack holding one is
+  fsynced and then indexed (storage/packs.py) before the link/rename of a fsynced manifest; a failed
+  or killed writer leaves no visible snapshot, and at most a pack no index names (garbage for gc);
 - every chunk read is checked before its bytes are returned (read_chunk: its stored bytes; read_raw,
   what get and restores use: its raw bytes bound to its id, FORMAT.md "Chunk files"); a chunk is
-  reused by a writer only if its file is a regular file with a sane header and length, and `verify`
-  moves a damaged chunk to quarantine/ so that the next put of the same bytes writes it again;
+  reused by a writer only if its entry (or file) has a sane header and all its bytes, and `verify`
+  sets a damaged chunk aside in quarantine/ (a chunk file moved there, a pack entry recorded there and
+  skipped) so that the next put of the same bytes writes it again;
 - host-path chunks are raw-addressed (GSNPCHK2): a writer hashes the raw bytes first and encodes and
   writes only chunks not present; a version 1 store is upgraded before its first such chunk;
 - writers and readers hold the store lock shared, gc and repair hold it exclusively, so gc never
