@@ -23,7 +23,7 @@ import blake3
 from .codecs import CODEC_IDS, CODEC_NAMES, HOST_CODECS, CodecError, decode_host, decode_host_into
 from .directio import ALIGN, AlignedBuffer, align_up, read_into, write_all
 
-from .errors import GpusnapError
+from .errors import DamageError, GpusnapError
 from .limits import MAX_RAW_CHUNK, MAX_STORED_CHUNK
 
 MAGIC = b"GSNPCHK1"      # stored-addressed
@@ -36,7 +36,7 @@ _BOUND = 32  # bytes of the header bound into the id (GSNPCHK1) or the stored ch
 _CHECKSUM = 32  # GSNPCHK2: header[32:64]
 
 
-class ChunkError(GpusnapError):
+class ChunkError(DamageError):
     """A chunk file that is missing, short, malformed or does not match its id."""
 
     def __init__(self, chunk_id: str, what: str) -> None:

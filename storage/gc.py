@@ -6,7 +6,10 @@ the store lock exclusively; a manifest that does not load keeps every chunk id i
 deletes only chunk files no manifest names, tmp/ entries whose owner process is gone (and the staging
 tree of a killed `get` its record names, if that is a real directory of the get's user carrying the
 marker whose nonce the record holds: storage/getmark.py), lock files
-of names without a snapshot, and quarantined chunks no longer needed. A chunk named by the
+of names without a snapshot, and quarantined chunks no longer needed. Packs: a pack without an index is
+deleted (a killed writer's), an indexed one whose entries nothing names is deleted index first, one
+whose live fraction is below packs.REPACK_BELOW is repacked, its live entries durable and indexed in
+a new pack before its index and then it are removed; a pack whose index is damaged is left. A chunk named by the
 chunk-reference log of an operation still in the journal (storage.reflog: data of a killed writer
 that `gpusnap recover` may still restore) counts as in use; a log it cannot read stops it before
 anything is deleted. It descends into no link and no
@@ -21,13 +24,15 @@ import stat
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from .chunkfile import ChunkError, file_kind
+from .chunkfile import ChunkError, file_kind, stored_check
+from .directio import AlignedBuffer
 from .errors import GpusnapError
 from .directio import read_to_end
 from .getmark import NONCE, carries_marker
 from .limits import MAX_MANIFEST
 from .names import InvalidNameError, validate_snapshot_name
 from .owner import ProcessOwner
+from .packs import PACK_NAME, REPACK_BELOW, Loc
 from .reflog import RefLogError, pinned
 from .store import CHUNK_ID, QUARANTINE, get_staging_name, read_record
 from .storedir import StoreDamage, entries, lstat_at, open_dir, opened_dir, remove_tree
@@ -55,6 +60,8 @@ class GcReport:
     gets_cleaned: int = 0        # staging trees of killed `get`s removed
     locks_removed: int = 0
     quarantine_removed: int = 0
+    packs_removed: int = 0       # packs deleted (no index, or no live entry, or repacked)
+    packs_repacked: int = 0      # packs whose live entries were copied into new packs
     in_use: int = 0              # tmp/ entries whose owner still runs
     left: list[str] = field(default_factory=list)     # entries gpusnap did not make: reported, kept
     damage: list[str] = field(default_factory=list)   # store entries that are not what they should be
@@ -75,6 +82,7 @@ def collect(store: "SnapshotStore", timeout: float = 30.0) -> GcReport:
                 live |= _damaged_keeps(store, n, e, report)
         with store.root() as (root, uid):
             live |= _journal_pins(root, uid)
+            _packs(store, root, uid, report, live)
             for part, fn in (("tmp", _tmp), ("names", lambda fd, u, r: _names(fd, r, names)),
                              ("chunks", lambda fd, u, r: _chunks(fd, u, r, live)),
                              (QUARANTINE, lambda fd, u, r: _quarantine(store, fd, r, live))):
@@ -109,6 +117,100 @@ def _damaged_keeps(store: "SnapshotStore", name: str, why: GpusnapError, report:
     report.damage.append(f"snapshot {name!r} is damaged ({str(why).splitlines()[0] if str(why) else why!r}); "
                          f"gc kept the {len(ids)} chunk(s) its manifest mentions and went on")
     return ids
+
+
+def _packs(store: "SnapshotStore", root: int, uid: int, report: GcReport, live: set[str]) -> None:
+    """Packs (FORMAT.md, "Pack files and the index"): keep one entry of each live id (the one a reader
+    uses; a quarantined one only if it is the id's only copy: evidence for repair); delete packs
+    without an index and indexed packs with nothing live; repack those whose live bytes are below
+    REPACK_BELOW of their length (new pack and index durable first, then the old index, then the old
+    pack)."""
+    try:
+        packs_fd = open_dir(root, "packs", uid, "packs")
+    except FileNotFoundError:
+        return  # a version 1/2 store
+    except StoreDamage as e:
+        report.damage.append(str(e))
+        return
+    try:
+        with opened_dir(root, "index", uid, "index") as idx_fd:
+            index = store.refresh_index()
+            report.damage += [f"{why} (left alone)" for why in index.damage.values()]
+            keep: dict[str, set[int]] = {}
+            for cid in live:
+                locs = index.find(cid) or index.locs.get(cid, [])[:1]
+                if locs:
+                    keep.setdefault(locs[0].pack, set()).add(locs[0].offset)
+            listed = entries(packs_fd)
+            for name in sorted(set(index.packs) - {x.name for x in listed}):
+                report.damage.append(f"index/{name}: its pack is missing (the chunks it names are lost)")
+            for ent in listed:
+                if not PACK_NAME.fullmatch(ent.name):
+                    report.left.append(f"packs/{ent.name}: not a pack file name; left alone")
+                    continue
+                st = ent.stat(follow_symlinks=False)
+                if ent.name in index.damage:
+                    continue  # its index is damaged: what it names is unknown, so nothing is deleted
+                if ent.name not in index.packs:  # never indexed: a killed writer's garbage
+                    if stat.S_ISDIR(st.st_mode):
+                        report.damage.append(f"packs/{ent.name} is a directory; left alone")
+                        continue
+                    os.unlink(ent.name, dir_fd=packs_fd)
+                    report.packs_removed += 1
+                    report.bytes_freed += st.st_size if stat.S_ISREG(st.st_mode) else 0
+                    continue
+                ents = index.entries[ent.name]
+                mine = keep.get(ent.name, set())
+                live_bytes = sum(length for _, off, length in ents if off in mine)
+                dead = sum(1 for _, off, _ in ents if off not in mine)
+                size = index.packs[ent.name]
+                set_aside = any((ent.name, off) in index.skip for _, off, _ in ents)
+                if not mine:
+                    _drop_pack(idx_fd, packs_fd, ent.name)
+                elif live_bytes >= REPACK_BELOW * size and not (set_aside and dead):
+                    continue  # (a pack holding a quarantined entry no reader needs is repacked without it)
+                else:
+                    try:
+                        _repack(store, root, uid, packs_fd, idx_fd, ent.name, [x for x in ents if x[1] in mine])
+                    except GpusnapError as ex:
+                        report.damage.append(f"packs/{ent.name}: not repacked: {ex}")
+                        continue
+                    report.packs_repacked += 1
+                report.packs_removed += 1
+                report.chunks_removed += dead
+                report.bytes_freed += size - (live_bytes if mine else 0)
+            store.refresh_index()
+    except FileNotFoundError:
+        report.damage.append("index/ is missing")
+    finally:
+        os.close(packs_fd)
+
+
+def _drop_pack(idx_fd: int, packs_fd: int, name: str) -> None:
+    """Remove index/NAME (durably) and then packs/NAME: the pack is never indexed without its bytes."""
+    os.unlink(name, dir_fd=idx_fd)
+    os.fsync(idx_fd)
+    try:
+        os.unlink(name, dir_fd=packs_fd)
+    except FileNotFoundError:
+        pass
+    os.fsync(packs_fd)
+
+
+def _repack(store: "SnapshotStore", root: int, uid: int, packs_fd: int, idx_fd: int, name: str,
+            ents: list[tuple[str, int, int]]) -> None:
+    """Copy the entries ENTS of pack NAME (each passing the stored check) into new packs, then drop NAME."""
+    most = max(length for _, _, length in ents)
+    buf = AlignedBuffer(most)
+    try:
+        with opened_dir(root, "tmp", uid, "tmp") as tmp, store.packing(tmp) as pw:
+            for cid, off, length in ents:
+                header, payload = store.read_entry(cid, Loc(name, off, length), buf, False)
+                stored_check(header, payload, cid)
+                pw.append(cid, header, buf.view)
+    finally:
+        buf.close()
+    _drop_pack(idx_fd, packs_fd, name)
 
 
 def _journal_pins(root: int, uid: int) -> set[str]:
@@ -267,7 +369,14 @@ def _quarantine(store: "SnapshotStore", q: int, report: GcReport, live: set[str]
         if not CHUNK_ID.fullmatch(cid):
             report.left.append(f"{QUARANTINE}/{e.name}: not made by gpusnap; left alone")
             continue
-        if cid in live:
+        rec = read_record(q, cid + ".json") if e.name.endswith(".json") else None
+        ents = rec.get("entries") if isinstance(rec, dict) else None
+        if isinstance(ents, list):
+            index = store.refresh_index()
+            if any(loc.pack == ent[0] and loc.offset == ent[1] for loc in index.locs.get(cid, [])
+                   for ent in ents if isinstance(ent, list) and len(ent) == 2):
+                continue  # the damaged entry is still in a pack: the record keeps it from being used
+        elif cid in live:
             try:
                 with store.chunk_dir(cid) as d:
                     st = lstat_at(d, cid)
@@ -279,7 +388,7 @@ def _quarantine(store: "SnapshotStore", q: int, report: GcReport, live: set[str]
             report.damage.append(f"{QUARANTINE}/{e.name} is a directory; left alone")
             continue
         os.unlink(e.name, dir_fd=q)
-        report.quarantine_removed += e.name == cid
+        report.quarantine_removed += e.name == cid or isinstance(ents, list)
         removed = True
     if removed:
         os.fsync(q)

@@ -21,7 +21,7 @@ import blake3
 from .codecs import CODEC_IDS, ZERO
 from .names import STREAM_PATH_MAX, validate_snapshot_name, validate_stream_name
 
-from .errors import GpusnapError
+from .errors import DamageError, GpusnapError
 from .limits import MAX_RAW_CHUNK, MAX_STORED_CHUNK
 
 FORMAT = "gpusnap-manifest"
@@ -37,6 +37,12 @@ _KIND_RE = re.compile(r"[a-z][a-z0-9_-]{0,31}")
 
 class ManifestError(GpusnapError):
     """A manifest that does not parse, fails its checksum, or is of an unknown format."""
+
+
+class ManifestDamage(ManifestError, DamageError):
+    """A stored or received manifest that does not load: damage (exit 3)."""
+
+    exit_code = DamageError.exit_code
 
 
 _TAG_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:=@+-]{0,63}")
@@ -154,6 +160,16 @@ class Manifest:
 
     @classmethod
     def loads(cls, data: bytes, where: str = "manifest") -> "Manifest":
+        """The manifest DATA holds, validated; ManifestDamage (exit 3) if it is not one."""
+        try:
+            return cls._loads(data, where)
+        except ManifestDamage:
+            raise
+        except ManifestError as e:
+            raise ManifestDamage(str(e)) from None
+
+    @classmethod
+    def _loads(cls, data: bytes, where: str) -> "Manifest":
         try:
             body = json.loads(data)
         except (UnicodeDecodeError, json.JSONDecodeError) as e:

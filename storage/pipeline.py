@@ -30,7 +30,8 @@ from .chunkfile import HEADER_SIZE, ChunkError, full_check
 from .codecs import HostCodecChooser, CodecError
 from .directio import AlignedBuffer, BufferPool, address_of, copy_into
 from .manifest import ChunkRef, Manifest, Stream
-from .store import SnapshotStore, SnapshotWriter, StoreError
+from .readstage import Want, read_chunks
+from .store import SnapshotDamaged, SnapshotStore, SnapshotWriter, StoreError
 
 from .errors import GpusnapError
 
@@ -443,60 +444,48 @@ def get(store: SnapshotStore, manifest: Manifest, sink: Sink, *, workers: int | 
     try:
         missing = store.missing(manifest)
         if missing:
-            raise StoreError(f"snapshot {manifest.name!r} is damaged: {len(missing)} chunk(s) cannot be read "
+            raise SnapshotDamaged(f"snapshot {manifest.name!r} is damaged: {len(missing)} chunk(s) cannot be read "
                              f"(first {missing[0][:16]}…: {store.absence(missing[0])}); nothing was written")
-        with BufferPool(workers * 2, store.chunk_buffer_size([manifest])) as bufs, \
-                ThreadPoolExecutor(workers, thread_name_prefix="gpusnap-get") as ex:
-
-            def fetch(s: Stream, i: int, ref: ChunkRef, offset: int, out: _OpenStream) -> None:
-                try:
-                    if fail.exc is not None:
-                        return
-                    with bufs.borrowed() as buf:
-                        t0 = time.perf_counter()
-                        header, payload = store.read_stored(ref, buf, check=False, cached=True)
-                        t1 = time.perf_counter()
-                        stages.add("read", t1 - t0, header.stored_len)
-                        data = full_check(header, payload, ref.id)  # type: ignore[arg-type]
-                        t2 = time.perf_counter()
-                        stages.add("decompress+verify", t2 - t1, ref.raw_len)
-                        out.writer.write_at(offset, data)
-                        stages.add("write", time.perf_counter() - t2, ref.raw_len)
+        wants: list[Want] = []
+        outs: list[_OpenStream] = []
+        for s in manifest.streams:
+            spec = StreamSpec(s.name, s.attrs, s.size)
+            w = sink.open(spec)
+            if w is None:
+                continue
+            out = _OpenStream(w, sum(1 for c in s.chunks if not c.is_zero) + 1)
+            outs.append(out)
+            offset = 0
+            for i, c in enumerate(s.chunks):
+                if c.is_zero:
                     if progress is not None:
-                        progress.advance(ref.raw_len)
-                except ChunkError as e:
-                    fail.set(StoreError(f"snapshot {manifest.name!r} is damaged: {s.name} chunk {i}: {e.what}"))
-                except CodecError as e:
-                    fail.set(StoreError(f"snapshot {manifest.name!r}: {s.name} chunk {i}: {e}"))
-                except OSError as e:
-                    fail.set(PipelineError(f"writing {s.name}: {e.strerror or e}"))
-                except BaseException as e:  # noqa: BLE001
-                    fail.set(e)
-                finally:
-                    out.done_one()
+                        progress.advance(c.raw_len)
+                else:
+                    stored += c.stored_len
+                    wants.append(Want((s, i, offset, out), c))
+                offset += c.raw_len
 
-            futures: list[Future[None]] = []
-            for s in manifest.streams:
-                fail.raise_if_set()
-                spec = StreamSpec(s.name, s.attrs, s.size)
-                w = sink.open(spec)
-                if w is None:
-                    continue
-                nonzero = sum(1 for c in s.chunks if not c.is_zero)
-                out = _OpenStream(w, nonzero + 1)
-                offset = 0
-                for i, c in enumerate(s.chunks):
-                    if c.is_zero:
-                        if progress is not None:
-                            progress.advance(c.raw_len)
-                    else:
-                        stored += c.stored_len
-                        futures.append(ex.submit(fetch, s, i, c, offset, out))
-                    offset += c.raw_len
-                out.done_one()  # the submitter's own reference
-            for f in futures:
-                f.result()
-            fail.raise_if_set()
+        def deliver(want: Want, data: Any) -> None:
+            s, i, offset, out = want.key
+            t0 = time.perf_counter()
+            try:
+                out.writer.write_at(offset, data)
+            except OSError as e:
+                raise PipelineError(f"writing {s.name}: {e.strerror or e}") from None
+            stages.add("write", time.perf_counter() - t0, want.ref.raw_len)
+            out.done_one()
+            if progress is not None:
+                progress.advance(want.ref.raw_len)
+
+        try:
+            read_chunks(store, wants, deliver, stages=stages, decoders=workers)
+        except ChunkError as e:
+            where = next((f"{w.key[0].name} chunk {w.key[1]}: " for w in wants if w.ref.id == e.chunk_id), "")
+            raise SnapshotDamaged(f"snapshot {manifest.name!r} is damaged: {where}{e.what}") from None
+        except CodecError as e:
+            raise StoreError(f"snapshot {manifest.name!r}: {e}") from None
+        for out in outs:
+            out.done_one()  # the submitter's own reference: a stream with no data is closed here
         sink.commit()
     except BaseException:
         sink.abort()

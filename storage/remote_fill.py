@@ -196,6 +196,10 @@ class RemoteFill:
                                     raw_id=ref.id if header.raw_id else None,
                                     verified_id=None if header.raw_id else ref.id)
             assert got.id == ref.id
+            # durable as it arrives (its pack closed and indexed, with whatever other fetches appended
+            # meanwhile): a killed pull's retry fetches only what is missing; a pull is bound by the
+            # network, not by this fsync
+            self._w.sync_chunks([got])
             self._keep(ref, header.codec, buf.view[HEADER_SIZE:HEADER_SIZE + header.stored_len])
         with self._lock:
             rep.chunks_sent += 1

@@ -26,6 +26,7 @@ from .manifest import ChunkRef, Manifest
 from .store import Problem, Stray, chunk_refs
 
 if TYPE_CHECKING:
+    from .packs import PackWriter
     from .store import SnapshotStore
 
 _ENCODERS = {"zstd": ZstdCodec(level=1)}  # stored-addressed (GSNPCHK1) host chunks are re-encoded with these
@@ -71,8 +72,8 @@ def repair(store: "SnapshotStore", sources: Sequence[str] = (), *, workers: int 
                     report.repaired[cid] = "quarantine/ (the copy there verifies)"
                     del need[cid]
         if need:
-            with store.subdir("tmp") as tmp, store.subdir("chunks") as chunks:
-                for cid, where in rebuild(store, tmp, chunks, manifests, need, list(sources), size).items():
+            with store.subdir("tmp") as tmp, store.subdir("chunks") as chunks, store.packing(tmp) as pw:
+                for cid, where in rebuild(store, pw, chunks, manifests, need, list(sources), size).items():
                     report.repaired[cid] = where
                     del need[cid]
         from . import damage
@@ -86,7 +87,7 @@ def repair(store: "SnapshotStore", sources: Sequence[str] = (), *, workers: int 
     return report
 
 
-def rebuild(store: "SnapshotStore", tmp_fd: int, chunks_fd: int, manifests: list[Manifest],
+def rebuild(store: "SnapshotStore", pw: "PackWriter", chunks_fd: int, manifests: list[Manifest],
             need: dict[str, ChunkRef], sources: list[str], size: int) -> dict[str, str]:
     """Write every chunk of NEED that a source in SOURCES has; returns id -> the source it came from."""
     found: dict[str, str] = {}
@@ -97,10 +98,10 @@ def rebuild(store: "SnapshotStore", tmp_fd: int, chunks_fd: int, manifests: list
                 break
             src = os.path.abspath(src)
             if os.path.isfile(os.path.join(src, "gpusnap-store.json")):
-                got = _from_store(store, tmp_fd, chunks_fd, src, {k: v for k, v in need.items() if k not in found},
+                got = _from_store(store, pw, chunks_fd, src, {k: v for k, v in need.items() if k not in found},
                                   buf)
             else:
-                got = _from_files(store, tmp_fd, chunks_fd, src, manifests,
+                got = _from_files(store, pw, chunks_fd, src, manifests,
                                   {k: v for k, v in need.items() if k not in found}, buf)
             found.update(got)
     finally:
@@ -108,7 +109,7 @@ def rebuild(store: "SnapshotStore", tmp_fd: int, chunks_fd: int, manifests: list
     return found
 
 
-def _keep(store: "SnapshotStore", tmp_fd: int, chunks_fd: int, ref: ChunkRef, header: ChunkHeader,
+def _keep(store: "SnapshotStore", pw: "PackWriter", chunks_fd: int, ref: ChunkRef, header: ChunkHeader,
           payload: bytes | memoryview, buf: AlignedBuffer) -> bool:
     """Write PAYLOAD as chunk REF (its file's header: HEADER) if it is bound to REF's id: a GSNPCHK1
     payload hashes to it; a GSNPCHK2 one was checked by the caller (its raw bytes derive the id)."""
@@ -116,14 +117,14 @@ def _keep(store: "SnapshotStore", tmp_fd: int, chunks_fd: int, ref: ChunkRef, he
     if len(payload) != header.stored_len or (not header.raw_id and chunk_id(header, payload) != ref.id):
         return False
     copy_into(buf.view[HEADER_SIZE:], payload)
-    store.store_chunk(tmp_fd, chunks_fd, header, buf.view, ref.id)
+    store.store_chunk(pw, chunks_fd, header, buf.view, ref.id)
     return True
 
 
 _PUT_ENCODER = HostCodecChooser()  # how put encodes a new host chunk (storage.codecs: the per-chunk choice)
 
 
-def _keep_raw(store: "SnapshotStore", tmp_fd: int, chunks_fd: int, ref: ChunkRef, raw: bytes,
+def _keep_raw(store: "SnapshotStore", pw: "PackWriter", chunks_fd: int, ref: ChunkRef, raw: bytes,
               buf: AlignedBuffer) -> bool:
     """Write the raw bytes RAW as chunk REF: raw-addressed if they derive its id, else re-encoded
     with REF's codec if that hashes to its stored-addressed id."""
@@ -131,15 +132,15 @@ def _keep_raw(store: "SnapshotStore", tmp_fd: int, chunks_fd: int, ref: ChunkRef
     if raw_chunk_id(raw) == ref.id:
         enc = _PUT_ENCODER.encode(memoryview(raw))
         n = len(enc.payload)
-        return _keep(store, tmp_fd, chunks_fd, ref, ChunkHeader(enc.codec, len(raw), n, raw_id=True),
+        return _keep(store, pw, chunks_fd, ref, ChunkHeader(enc.codec, len(raw), n, raw_id=True),
                      enc.payload, buf)
     if ref.codec not in ("raw", *_ENCODERS):
         return False
     payload = raw if ref.codec == "raw" else _ENCODERS[ref.codec].encode(memoryview(raw))
-    return _keep(store, tmp_fd, chunks_fd, ref, ChunkHeader(ref.codec, ref.raw_len, ref.stored_len), payload, buf)
+    return _keep(store, pw, chunks_fd, ref, ChunkHeader(ref.codec, ref.raw_len, ref.stored_len), payload, buf)
 
 
-def _from_store(store: "SnapshotStore", tmp_fd: int, chunks_fd: int, path: str, need: dict[str, ChunkRef],
+def _from_store(store: "SnapshotStore", pw: "PackWriter", chunks_fd: int, path: str, need: dict[str, ChunkRef],
                 buf: AlignedBuffer) -> dict[str, str]:
     from .store import SnapshotStore  # noqa: PLC0415 - the type is imported for checking only above
     other = SnapshotStore(path, create=False)
@@ -152,7 +153,7 @@ def _from_store(store: "SnapshotStore", tmp_fd: int, chunks_fd: int, path: str, 
             except (GpusnapError, OSError):
                 continue
             data = bytes(payload)
-            if _keep(store, tmp_fd, chunks_fd, ref, header, data, buf):
+            if _keep(store, pw, chunks_fd, ref, header, data, buf):
                 got[cid] = f"store {path}"
     return got
 
@@ -170,7 +171,7 @@ def _regular_files(top: str) -> Iterator[tuple[str, str]]:
             yield os.path.join(dirpath, n), f"{base}/{n}" if rel == "." else f"{base}/{rel}/{n}"
 
 
-def _from_files(store: "SnapshotStore", tmp_fd: int, chunks_fd: int, top: str, manifests: list[Manifest],
+def _from_files(store: "SnapshotStore", pw: "PackWriter", chunks_fd: int, top: str, manifests: list[Manifest],
                 need: dict[str, ChunkRef], buf: AlignedBuffer) -> dict[str, str]:
     # where each needed chunk sits in its streams: stream name -> [(offset, ref)], and stream sizes
     wanted: dict[str, list[tuple[int, ChunkRef]]] = {}
@@ -202,7 +203,7 @@ def _from_files(store: "SnapshotStore", tmp_fd: int, chunks_fd: int, top: str, m
                     if ref.id in got or ref.codec not in HOST_CODECS or off + ref.raw_len > st.st_size:
                         continue
                     raw = os.pread(fd, ref.raw_len, off)
-                    if _keep_raw(store, tmp_fd, chunks_fd, ref, raw, buf):
+                    if _keep_raw(store, pw, chunks_fd, ref, raw, buf):
                         got[ref.id] = f"{path} at offset {off}"  # type: ignore[index]
                 for sn in list(wanted):
                     wanted[sn] = [(o, r) for o, r in wanted[sn] if r.id not in got]

@@ -1,12 +1,14 @@
-"""The snapshot store: a directory of content-addressed chunks and atomically committed manifests.
+"""The snapshot store: content-addressed chunks in pack files (or v1/v2 chunk files) and atomically committed manifests.
 
 Guarantees kept here (FORMAT.md has the full contract):
-- a snapshot becomes visible only after every chunk it names is durable, by link/rename of a fsynced
-  manifest; a failed or killed writer leaves no visible snapshot;
+- a snapshot becomes visible only after every chunk it names is durable: every pack holding one is
+  fsynced and then indexed (storage/packs.py) before the link/rename of a fsynced manifest; a failed
+  or killed writer leaves no visible snapshot, and at most a pack no index names (garbage for gc);
 - every chunk read is checked before its bytes are returned (read_chunk: its stored bytes; read_raw,
   what get and restores use: its raw bytes bound to its id, FORMAT.md "Chunk files"); a chunk is
-  reused by a writer only if its file is a regular file with a sane header and length, and `verify`
-  moves a damaged chunk to quarantine/ so that the next put of the same bytes writes it again;
+  reused by a writer only if its entry (or file) has a sane header and all its bytes, and `verify`
+  sets a damaged chunk aside in quarantine/ (a chunk file moved there, a pack entry recorded there and
+  skipped) so that the next put of the same bytes writes it again;
 - host-path chunks are raw-addressed (GSNPCHK2): a writer hashes the raw bytes first and encodes and
   writes only chunks not present; a version 1 store is upgraded before its first such chunk;
 - writers and readers hold the store lock shared, gc and repair hold it exclusively, so gc never
@@ -28,6 +30,7 @@ import json
 import os
 import re
 import stat
+import struct
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -38,23 +41,25 @@ from typing import Any, Iterator
 
 from .progress import Progress
 from .chunkfile import (HEADER_SIZE, ChunkError, ChunkHeader, chunk_id, file_kind, full_check, max_stored_len,
-                        id_check, raw_chunk_id, read_chunk_file, reusable, write_chunk_file)
+                        id_check, raw_chunk_id, read_chunk_file, reusable, stored_check)
 from .directio import AlignedBuffer, BufferPool, align_up, direct_io_supported, read_to_end
 from . import waits
 from .getmark import new_nonce
 from .limits import MAX_MANIFEST
 from .treewalk import remove_tree
-from .errors import GpusnapError
+from .errors import EXIT_DAMAGED, DamageError, GpusnapError
 from .manifest import ChunkRef, Manifest, ManifestError, Stream, validate_tag
 from .names import InvalidNameError, validate_snapshot_name
 from .owner import ProcessOwner
+from .packs import Loc, PackIndex, PackWriter, open_pack, read_entry
 from .storedir import StoreAccessError, StoreDamage, entries, lstat_at, opened_child, opened_dir, opened_root
 
 STORE_FORMAT = "gpusnap-store"
-STORE_VERSION = 2
-READ_VERSIONS = (1, 2)  # version 1: GSNPCHK1 chunks only; upgraded by the first GSNPCHK2 write
+STORE_VERSION = 3
+READ_VERSIONS = (1, 2, 3)  # 1: GSNPCHK1 chunk files only; 2: chunk files of both kinds; 3: packs
 MARKER = "gpusnap-store.json"
-SUBDIRS = ("snapshots", "chunks", "tmp", "names")
+SUBDIRS = ("snapshots", "chunks", "tmp", "names", "packs", "index")
+PACK_DIRS = ("packs", "index")  # made by the upgrade of a version 1/2 store
 QUARANTINE = "quarantine"
 CHUNK_ID = re.compile(r"[0-9a-f]{64}")
 _RECORD_MAX = 1 << 16
@@ -62,6 +67,12 @@ _RECORD_MAX = 1 << 16
 
 class StoreError(GpusnapError):
     """A store operation that cannot be done; the message says what to do about it."""
+
+
+class SnapshotDamaged(StoreError, DamageError):
+    """A snapshot that cannot be read back as it was committed (a chunk missing or damaged): exit 3."""
+
+    exit_code = EXIT_DAMAGED
 
 
 def default_store_path() -> str:
@@ -245,7 +256,7 @@ class SnapshotStore:
     readers pass False and get a clear error instead of an empty store at a mistyped path.
     """
 
-    error = StoreError  # what a damaged snapshot raises (gpu_engine.ChunkSource)
+    error = SnapshotDamaged  # what a damaged snapshot raises (gpu_engine.ChunkSource)
 
     def __init__(self, path: str, create: bool = True) -> None:
         self.path = os.path.abspath(path)
@@ -253,6 +264,10 @@ class SnapshotStore:
         self._direct: bool | None = None
         self._probe_lock = threading.Lock()
         self._upgrade_lock = threading.Lock()
+        self._index = PackIndex()
+        self._index_lock = threading.Lock()
+        self._index_loaded = False
+        self._pending: dict[str, Loc] = {}  # entries this process's writers appended, not yet indexed
 
     # ---- layout -------------------------------------------------------------------------------
     @property
@@ -361,16 +376,24 @@ class SnapshotStore:
             os.fsync(root)
 
     def upgrade(self) -> None:
-        """Make a version 1 store version 2 before its first GSNPCHK2 chunk is written (FORMAT.md, "Store
-        versions"): a gpusnap that reads only version 1 then refuses the store instead of misreading it.
-        Idempotent; several writers may race to do it (each renames a complete marker)."""
+        """Make a version 1 or 2 store version 3 before its first pack is written (FORMAT.md, "Store
+        versions"): packs/ and index/ are made, then the marker says 3, so a gpusnap that reads only
+        older versions refuses the store instead of misreading it. Idempotent; several writers may
+        race to do it (each renames a complete marker)."""
         with self._upgrade_lock:
             if self.version == STORE_VERSION:
                 return
             try:
+                with self.root() as (root, _):
+                    for d in PACK_DIRS:
+                        try:
+                            os.mkdir(d, 0o700, dir_fd=root)
+                        except FileExistsError:
+                            pass
+                    os.fsync(root)
                 self._write_marker(self._created)
             except OSError as e:
-                raise StoreError(_io_message("upgrading the store marker to version 2", e, self.path)) from None
+                raise StoreError(_io_message("upgrading the store marker to version 3", e, self.path)) from None
             self.version = STORE_VERSION
 
     def _create(self) -> None:
@@ -540,19 +563,130 @@ class SnapshotStore:
         except StoreDamage as e:
             raise ChunkError(cid, str(e)) from None
 
+    # ---- the pack index (FORMAT.md, "Pack files and the index") --------------------------------
+    def refresh_index(self) -> PackIndex:
+        """Load the index files written since the last look (and the quarantine records of entries)."""
+        with self._index_lock:
+            try:
+                with self.subdir("index") as idx:
+                    self._index.refresh(idx)
+            except FileNotFoundError:
+                pass  # a version 1/2 store: no packs yet
+            self._index.skip = self._quarantined_entries()
+            self._index_loaded = True
+            return self._index
+
+    def locate(self, cid: str, refresh: bool = False) -> list[Loc]:
+        """The pack entries of CID a reader may use (quarantined ones left out)."""
+        with self._index_lock:
+            if self._index_loaded and not refresh:
+                return self._found(cid)
+        self.refresh_index()
+        with self._index_lock:
+            return self._found(cid)
+
+    def _found(self, cid: str) -> list[Loc]:
+        got = self._index.find(cid)
+        p = self._pending.get(cid)
+        return got + [p] if p is not None and p not in got else got
+
+    def index_added(self, pack: str, pack_len: int, ents: list[tuple[str, int, int]]) -> None:
+        """A writer of this process indexed PACK: its entries are readable now."""
+        with self._index_lock:
+            if pack not in self._index.packs:
+                self._index.add(pack, pack_len, ents)
+            self._forget_pending(pack)
+
+    def entry_appended(self, cid: str, loc: Loc) -> None:
+        """A writer of this process appended CID at LOC (readable from this process before its index)."""
+        with self._index_lock:
+            self._pending.setdefault(cid, loc)
+
+    def pack_dropped(self, pack: str) -> None:
+        with self._index_lock:
+            self._forget_pending(pack)
+
+    def _forget_pending(self, pack: str) -> None:
+        for cid in [c for c, loc in self._pending.items() if loc.pack == pack]:
+            del self._pending[cid]
+
+    def pack_length(self, pack: str) -> int:
+        with self._index_lock:
+            return self._index.packs.get(pack, 0)
+
+    def _quarantined_entries(self) -> set[tuple[str, int]]:
+        out: set[tuple[str, int]] = set()
+        try:
+            with self.subdir(QUARANTINE) as q:
+                for e in entries(q):
+                    if e.name.endswith(".json") and CHUNK_ID.fullmatch(e.name[:-5]):
+                        rec = read_record(q, e.name)
+                        for ent in (rec.get("entries") or []) if isinstance(rec, dict) else []:
+                            if (isinstance(ent, list) and len(ent) == 2 and isinstance(ent[0], str)
+                                    and isinstance(ent[1], int)):
+                                out.add((ent[0], ent[1]))
+        except (FileNotFoundError, GpusnapError, OSError):
+            pass
+        return out
+
+    def read_entry(self, cid: str, loc: Loc, buf: AlignedBuffer, direct: bool) -> tuple[ChunkHeader, memoryview]:
+        """The entry LOC of chunk CID read into BUF (header parsed, payload not yet checked)."""
+        try:
+            with self.subdir("packs") as packs:
+                fd = open_pack(packs, loc.pack, cid) if not direct else self._open_pack_direct(packs, loc.pack, cid)
+        except FileNotFoundError:
+            raise ChunkError(cid, "missing (packs/ is gone)") from None
+        except StoreDamage as e:
+            raise ChunkError(cid, str(e)) from None
+        try:
+            return read_entry(fd, loc, self.pack_length(loc.pack), cid, buf)
+        finally:
+            os.close(fd)
+
+    @staticmethod
+    def _open_pack_direct(packs: int, pack: str, cid: str) -> int:
+        try:
+            fd = os.open(pack, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | os.O_DIRECT, dir_fd=packs)
+        except OSError:
+            return open_pack(packs, pack, cid)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            return open_pack(packs, pack, cid)  # raises the right error
+        return fd
+
     def read_stored(self, ref: ChunkRef, buf: AlignedBuffer, check: bool = True,
                     cached: bool = False) -> tuple[ChunkHeader, memoryview]:
-        """REF's file read into BUF: its header (checked against REF) and its payload, after the stored
-        check unless not CHECK (the caller then makes the full check); ChunkError when damaged.
-        CACHED: read through the page cache (restores: a repeated restore is served from memory, a
-        cold one gets the kernel's readahead); otherwise around it where the store can (verify,
-        repair, export)."""
+        """REF's entry (or version 1/2 chunk file) read into BUF: its header (checked against REF) and
+        its payload, after the stored check unless not CHECK (the caller then makes the full check);
+        ChunkError when damaged. CACHED: read through the page cache (restores: a repeated restore is
+        served from memory, a cold one gets the kernel's readahead); otherwise around it where the
+        store can (verify, repair, export)."""
         assert ref.id is not None
-        with self.chunk_dir(ref.id) as d:
-            header, payload = read_chunk_file(d, ref.id, buf, self.direct and not cached, check)
-        if not header.fits(ref.codec, ref.raw_len, ref.stored_len):
-            raise ChunkError(ref.id, "header disagrees with the manifest's reference")
-        return header, payload
+        cid = ref.id
+        direct = self.direct and not cached
+        first: ChunkError | None = None
+        for refresh in (False, True):
+            for loc in self.locate(cid, refresh):
+                try:
+                    header, payload = self.read_entry(cid, loc, buf, direct)
+                    if not header.fits(ref.codec, ref.raw_len, ref.stored_len):
+                        raise ChunkError(cid, "header disagrees with the manifest's reference")
+                    if check:
+                        stored_check(header, payload, cid)
+                    return header, payload
+                except ChunkError as e:
+                    first = first or e
+            try:
+                with self.chunk_dir(cid) as d:
+                    header, payload = read_chunk_file(d, cid, buf, direct, check)
+                if not header.fits(ref.codec, ref.raw_len, ref.stored_len):
+                    raise ChunkError(cid, "header disagrees with the manifest's reference")
+                return header, payload
+            except ChunkError as e:
+                if e.what.startswith("missing") and first is None and not refresh:
+                    continue  # perhaps indexed by another process since: look once more
+                raise first or e
+        raise first or ChunkError(cid, "missing")
 
     def read_chunk(self, ref: ChunkRef, buf: AlignedBuffer) -> memoryview:
         """REF's payload (read into BUF) after the stored check (FORMAT.md: no decoding; a GSNPCHK2
@@ -580,9 +714,14 @@ class SnapshotStore:
         return frame.ptr + HEADER_SIZE, "read+decode+verify" if header.raw_id else "read+verify"
 
     def missing(self, manifest: Manifest) -> list[str]:
-        """Chunk ids MANIFEST names that have no regular file here (a cheap stat pass before any output)."""
+        """Chunk ids MANIFEST names that have no index entry and no regular file here (a cheap pass
+        before any output)."""
         out = []
+        self.refresh_index()
         for cid in sorted(manifest.chunk_ids()):
+            with self._index_lock:
+                if self._found(cid):
+                    continue
             try:
                 with self.chunk_dir(cid) as d:
                     st = lstat_at(d, cid)
@@ -609,38 +748,72 @@ class SnapshotStore:
                     for c in s.chunks), default=0)
         return HEADER_SIZE + align_up(max(most, 1))
 
-    def store_chunk(self, tmp_fd: int, chunks_fd: int, header: ChunkHeader, frame: memoryview,
-                    cid: str | None = None) -> tuple[str, ChunkHeader, bool, float]:
-        """Make chunk HEADER + FRAME[HEADER_SIZE:] present: (id, the header of the file there, whether
-        a file was written, hash seconds). For a raw-addressed HEADER, CID is the raw id (the caller
-        hashed the raw bytes) and the stored checksum is computed here, if the file is written.
+    def present(self, cid: str, header: ChunkHeader, chunks_fd: int, pw: PackWriter | None) -> ChunkHeader | None:
+        """The header of a copy of CID a writer about to store HEADER may reuse (FORMAT.md, "Damage and
+        healing"): in PW's open pack, in an indexed pack (its entry's header sane, its bytes all there), or a version 1/2 chunk file (chunkfile.reusable). None: write it."""
+        got = pw.pending(cid) if pw is not None else None
+        if got is not None:
+            return got if _reusable_header(got, header) else None
+        for loc in self.locate(cid):
+            try:
+                with self.subdir("packs") as packs:
+                    fd = open_pack(packs, loc.pack, cid)
+                try:
+                    if os.fstat(fd).st_size < loc.offset + loc.length:
+                        continue  # truncated: written again
+                    head = os.pread(fd, 64, loc.offset)
+                finally:
+                    os.close(fd)
+                got = ChunkHeader.unpack(head, cid)
+            except (ChunkError, OSError, GpusnapError, struct.error):
+                continue
+            if HEADER_SIZE + got.stored_len <= loc.length and _reusable_header(got, header):
+                return got
+        try:
+            with opened_child(chunks_fd, cid[:2], f"chunks/{cid[:2]}") as d:
+                return reusable(d, cid, header)
+        except FileNotFoundError:
+            return None
 
-        A present file is reused only if chunkfile.reusable() says so (a GSNPCHK2 one may encode the
-        raw bytes otherwise: its header is returned); anything else in its place (damaged, a link, a
-        FIFO) is replaced by a new, fsynced file."""
+    def store_chunk(self, pw: PackWriter, chunks_fd: int, header: ChunkHeader, frame: memoryview,
+                    cid: str | None = None) -> tuple[str, ChunkHeader, bool, float]:
+        """Make chunk HEADER + FRAME[HEADER_SIZE:] present: (id, the header of the copy there, whether
+        it was written, hash seconds). For a raw-addressed HEADER, CID is the raw id (the caller
+        hashed the raw bytes) and the stored checksum is computed here, if it is written.
+
+        A present copy is reused only if present() says so (a GSNPCHK2 one may encode the raw bytes
+        otherwise: its header is returned); otherwise the chunk is appended to PW's open pack (durable
+        once PW closes and indexes it: PackWriter.flush)."""
         t0 = time.perf_counter()
         payload = frame[HEADER_SIZE:HEADER_SIZE + header.stored_len]
         if cid is None:
             assert not header.raw_id, "a raw-addressed chunk's id is hashed from its raw bytes"
             cid = chunk_id(header, payload)
         hash_s = time.perf_counter() - t0
-        with opened_child(chunks_fd, cid[:2], f"chunks/{cid[:2]}") as d:
-            got = reusable(d, cid, header)
-            if got is not None:
-                return cid, got, False, hash_s
-            if header.raw_id:
-                self.upgrade()
-                t1 = time.perf_counter()
-                header = header.with_checksum(payload)
-                hash_s += time.perf_counter() - t1
-            tmp = owned_name("chunk")
-            write_chunk_file(tmp_fd, tmp, header, frame, self.direct)
-            try:
-                os.rename(tmp, cid, src_dir_fd=tmp_fd, dst_dir_fd=d)
-            except BaseException:
-                _unlink_quietly(tmp_fd, tmp)
-                raise
+        got = self.present(cid, header, chunks_fd, pw)
+        if got is not None:
+            return cid, got, False, hash_s
+        if header.raw_id:
+            t1 = time.perf_counter()
+            header = header.with_checksum(payload)
+            hash_s += time.perf_counter() - t1
+        pw.append(cid, header, frame)
         return cid, header, True, hash_s
+
+    @contextmanager
+    def packing(self, tmp_fd: int) -> Iterator[PackWriter]:
+        """A pack writer for the block (repair, migrate): its packs are closed and indexed at the end;
+        on an error the open pack is removed (closed packs stay for gc)."""
+        self.upgrade()
+        with self.subdir("packs") as packs, self.subdir("index") as idx:
+            pw = PackWriter(packs, idx, tmp_fd, lambda: owned_name("index"), self.index_added,
+                            self.entry_appended, self.pack_dropped)
+            try:
+                yield pw
+            except BaseException:
+                pw.abort()
+                raise
+            pw.flush()
 
     # ---- quarantine ---------------------------------------------------------------------------
     def quarantined(self, cid: str) -> str | None:
@@ -655,30 +828,41 @@ class SnapshotStore:
         return str(rec.get("why", "damaged")) if isinstance(rec, dict) else "damaged"
 
     def quarantine_chunk(self, cid: str, why: str) -> bool:
-        """Move chunk CID (damaged: WHY) from chunks/XY/ to quarantine/ (the caller holds the store
-        exclusively); False if there was nothing to move."""
+        """Move chunk CID (damaged: WHY) from chunks/XY/ to quarantine/, or record its damaged pack
+        entries there so that nothing reads or reuses them (the caller holds the store exclusively);
+        False if there was nothing to move."""
+        locs = self.locate(cid, refresh=True)
         with self.root() as (root, uid):
             try:
                 os.mkdir(QUARANTINE, 0o700, dir_fd=root)
             except FileExistsError:
                 pass
             with opened_dir(root, QUARANTINE, uid, QUARANTINE) as q, self.chunk_dir(cid) as d:
-                if lstat_at(d, cid) is None:
+                rec_obj: dict[str, Any] = {"id": cid, "why": why, "when": datetime.now(timezone.utc).isoformat()}
+                if locs:
+                    rec_obj["entries"] = [[loc.pack, loc.offset] for loc in locs]
+                elif lstat_at(d, cid) is None:
                     return False
-                os.rename(cid, cid, src_dir_fd=d, dst_dir_fd=q)  # moves the entry itself, whatever it is
-                os.fsync(d)
-                rec = json.dumps({"id": cid, "why": why, "when": datetime.now(timezone.utc).isoformat()}).encode()
+                else:
+                    os.rename(cid, cid, src_dir_fd=d, dst_dir_fd=q)  # moves the entry itself, whatever it is
+                    os.fsync(d)
+                rec = json.dumps(rec_obj).encode()
                 with opened_dir(root, "tmp", uid, "tmp") as tmp:
                     name = owned_name("record")
                     _write_file(tmp, name, rec)
                     os.rename(name, cid + ".json", src_dir_fd=tmp, dst_dir_fd=q)
                 os.fsync(q)
+        if locs:
+            with self._index_lock:
+                self._index.skip |= {(loc.pack, loc.offset) for loc in locs}
         return True
 
     def unquarantine_chunk(self, ref: ChunkRef, buf: AlignedBuffer) -> bool:
         """Put quarantine/CID back if it verifies after all (the caller holds the store exclusively)."""
         assert ref.id is not None
         cid = ref.id
+        if self._unquarantine_entries(ref, buf):
+            return True
         try:
             with self.subdir(QUARANTINE) as q:
                 header, payload = read_chunk_file(q, cid, buf, False, check=False)
@@ -691,6 +875,35 @@ class SnapshotStore:
                 _unlink_quietly(q, cid + ".json")
         except (OSError, GpusnapError):
             return False
+        return True
+
+    def _unquarantine_entries(self, ref: ChunkRef, buf: AlignedBuffer) -> bool:
+        """Drop CID's quarantine record of pack entries if one of them verifies after all."""
+        cid = ref.id or ""
+        try:
+            with self.subdir(QUARANTINE) as q:
+                rec = read_record(q, cid + ".json")
+                ents = rec.get("entries") if isinstance(rec, dict) else None
+                if not isinstance(ents, list):
+                    return False
+                self.refresh_index()
+                with self._index_lock:
+                    locs = [loc for loc in self._index.locs.get(cid, []) if [loc.pack, loc.offset] in ents]
+                for loc in locs:
+                    try:
+                        header, payload = self.read_entry(cid, loc, buf, False)
+                        if header.fits(ref.codec, ref.raw_len, ref.stored_len):
+                            id_check(header, payload, cid)
+                            break
+                    except ChunkError:
+                        continue
+                else:
+                    return False
+                os.unlink(cid + ".json", dir_fd=q)
+                os.fsync(q)
+        except (OSError, GpusnapError):
+            return False
+        self.refresh_index()
         return True
 
     # ---- verify / repair ----------------------------------------------------------------------
@@ -713,37 +926,33 @@ class SnapshotStore:
         (chunkfile.id_check: GSNPCHK2 chunks decoded and their raw bytes hashed)."""
         if progress is not None:
             progress.start(sum(c.stored_len for c in refs.values()))
+        from .readstage import Want, read_chunks  # readstage reads through this module
         bad: dict[str, str] = {}
         lock = threading.Lock()
-        with BufferPool(workers, size) as pool:
-            def check(ref: ChunkRef) -> None:
-                assert ref.id is not None
-                if deadline is not None and time.monotonic() >= deadline:
-                    if counts is not None:
-                        with lock:
-                            counts.chunks_unchecked += 1
-                    return
-                with pool.borrowed() as buf:
-                    try:
-                        if read_data:
-                            header, payload = self.read_stored(ref, buf, check=False)
-                            id_check(header, payload, ref.id)
-                        else:
-                            self.read_chunk(ref, buf)
-                    except ChunkError as e:
-                        with lock:
-                            bad[ref.id] = e.what
-                    except OSError as e:
-                        with lock:
-                            bad[ref.id] = f"unreadable: {e.strerror or e}"
-                with lock:
-                    if counts is not None:
-                        counts.chunks_checked += 1
-                        counts.bytes_checked += ref.stored_len
-                if progress is not None:
-                    progress.advance(ref.stored_len)
-            with ThreadPoolExecutor(workers) as ex:
-                list(ex.map(check, refs.values()))
+        # pack order: each pack read front to back in large reads, whatever the snapshots' order
+        order = sorted(refs.values(), key=lambda r: [(loc.pack, loc.offset) for loc in self.locate(r.id or "")[:1]])
+        wants = [Want(None, r) for r in order]
+
+        def stop() -> bool:
+            return deadline is not None and time.monotonic() >= deadline
+
+        def count(ref: ChunkRef) -> None:
+            with lock:
+                if counts is not None:
+                    counts.chunks_checked += 1
+                    counts.bytes_checked += ref.stored_len
+            if progress is not None:
+                progress.advance(ref.stored_len)
+
+        def damaged(w: Want, e: ChunkError) -> None:
+            with lock:
+                bad[w.ref.id or ""] = e.what
+            count(w.ref)
+
+        read_chunks(self, wants, lambda w, _: count(w.ref), stages=_NoStages(), decoders=workers,
+                    check="id" if read_data else "stored", stop=stop, on_damage=damaged)
+        if counts is not None:
+            counts.chunks_unchecked += len(refs) - counts.chunks_checked
         return bad
 
     def verify(self, names: list[str] | None = None, workers: int = 4, progress: Progress | None = None,
@@ -768,6 +977,8 @@ class SnapshotStore:
                 names, report.strays = self.scan()
             report.snapshots = list(names)
             manifests = self.load_all(names, report.problems)
+            report.problems += [Problem("(store)", None, None, why + " (the chunks it names read as missing)")
+                                for why in self.refresh_index().damage.values()]
             refs = chunk_refs(manifests)
             report.chunks_total = len(refs)
             if isinstance(sample, tuple):  # restic's n/t: the n-th of t fixed groups, by chunk id
@@ -855,6 +1066,20 @@ class SnapshotStore:
                     _unlink_quietly(tmp, name)
 
 
+class _NoStages:
+    """Stage times nobody reads (verify reports counts, not stages)."""
+
+    def add(self, stage: str, seconds: float, nbytes: int) -> None:
+        pass
+
+
+def _reusable_header(got: ChunkHeader, want: ChunkHeader) -> bool:
+    """Whether a present copy whose header is GOT may serve a writer about to store WANT."""
+    if want.raw_id:
+        return got.raw_id and got.raw_len == want.raw_len
+    return got.bound() == want.bound()
+
+
 def _stray_reason(e: os.DirEntry[str]) -> str | None:
     """Why the snapshots/ entry E is not a snapshot, or None when it is one."""
     if not e.name.endswith(".json"):
@@ -921,9 +1146,9 @@ class SnapshotWriter:
     """Writes one snapshot: chunks as they come (any thread), then the manifest on commit().
 
     Used as a context manager; leaving it without commit() (an exception, a Ctrl-C) removes this
-    writer's temporary files and leaves no snapshot. Chunks it already published stay until gc,
-    because a concurrent writer may already reference them. A chunk file it fails to write (a full
-    disk) is removed at once, not left for gc.
+    writer's temporary files and leaves no snapshot. The chunks it stored stay until gc (its open
+    pack is closed and indexed), because a concurrent writer or a retry may reuse them. A pack it
+    fails to write or close (a full disk) is removed at once, not left for gc.
     """
 
     def __init__(self, store: SnapshotStore, name: str, *, replace: bool, meta: dict[str, Any],
@@ -943,6 +1168,8 @@ class SnapshotWriter:
         self._committed = False
         self._stack = ExitStack()
         self._tmp = self._chunks = self._snaps = -1
+        self._pw: PackWriter | None = None
+        self._pw_lock = threading.Lock()
 
     def __enter__(self) -> "SnapshotWriter":
         try:
@@ -953,13 +1180,37 @@ class SnapshotWriter:
             self._snaps = self._stack.enter_context(self.store.subdir("snapshots"))
             if lstat_at(self._snaps, self.name + ".json") is not None and not self.replace:
                 raise StoreError(f"snapshot {self.name!r} already exists (use --replace to overwrite it)")
+            self.store.refresh_index()  # what other writers indexed: this writer deduplicates against it
         except BaseException:
             self._stack.close()
             raise
         return self
 
     def __exit__(self, et: Any, ev: Any, tb: Any) -> None:
-        self._stack.close()
+        try:
+            if self._pw is not None and not self._committed:
+                # what this writer stored stays, indexed, until gc (a retry reuses it: a pull that
+                # failed half-way); a pack that cannot be closed (a full disk) is removed instead
+                try:
+                    self._pw.flush()
+                except OSError:
+                    try:
+                        self._pw.abort()
+                    except OSError:
+                        pass
+        finally:
+            self._stack.close()
+
+    def packs(self) -> PackWriter:
+        """This writer's pack stage, made on its first new chunk (a version 1/2 store is upgraded then)."""
+        with self._pw_lock:
+            if self._pw is None:
+                self.store.upgrade()
+                packs = self._stack.enter_context(self.store.subdir("packs"))
+                idx = self._stack.enter_context(self.store.subdir("index"))
+                self._pw = PackWriter(packs, idx, self._tmp, lambda: owned_name("index"), self.store.index_added,
+                                      self.store.entry_appended, self.store.pack_dropped)
+            return self._pw
 
     @property
     def source(self) -> SnapshotStore:
@@ -984,8 +1235,7 @@ class SnapshotWriter:
         hash_s = time.perf_counter() - t0
         want = ChunkHeader("raw", len(data), len(data), raw_id=True)
         try:
-            with opened_child(self._chunks, cid[:2], f"chunks/{cid[:2]}") as d:
-                got = reusable(d, cid, want)
+            got = self.store.present(cid, want, self._chunks, self._pw)
         except OSError as e:
             raise StoreError(_io_message("looking up a chunk", e, self.store.path)) from None
         with self._lock:
@@ -1033,23 +1283,24 @@ class SnapshotWriter:
         header = ChunkHeader(codec, raw_len, stored_len, raw_id is not None)
         t0 = time.perf_counter()
         try:
-            cid, got, new, hash_s = self.store.store_chunk(self._tmp, self._chunks, header, frame, raw_id or verified_id)
+            cid, got, new, hash_s = self.store.store_chunk(self.packs(), self._chunks, header, frame,
+                                                           raw_id or verified_id)
         except OSError as e:
             raise StoreError(_io_message("writing a chunk", e, self.store.path)) from None
         t2 = time.perf_counter()
         with self._lock:
             self.stats.add_chunk(raw_len, got.stored_len, new, hash_s, t2 - t0 - hash_s)
-            if new:
-                self._touched.add(cid[:2])
         return ChunkRef(cid, raw_len, got.codec, got.stored_len)
 
     def sync_chunks(self, refs: list[ChunkRef]) -> None:
-        """Make the directory entries of REFS' chunk files durable now (commit() does it for all it
-        touched; a chunk-reference log, storage.reflog, names chunks before any commit)."""
+        """Make REFS durable and indexed now: the open pack is closed and indexed (commit() does it too;
+        a chunk-reference log, storage.reflog, names chunks before any commit)."""
         try:
-            for xy in sorted({r.id[:2] for r in refs if r.id is not None}):
-                with opened_child(self._chunks, xy, f"chunks/{xy}") as d:
-                    os.fsync(d)
+            if self._pw is not None:
+                t0 = time.perf_counter()
+                self._pw.flush()
+                with self._lock:
+                    self.stats.write_s += time.perf_counter() - t0
         except OSError as e:
             raise StoreError(_io_message("syncing chunk directories", e, self.store.path)) from None
 
@@ -1069,9 +1320,10 @@ class SnapshotWriter:
         data = manifest.dumps()
         t0 = time.perf_counter()
         try:
-            for xy in sorted(self._touched):
-                with opened_child(self._chunks, xy, f"chunks/{xy}") as d:
-                    os.fsync(d)
+            if self._pw is not None:
+                t1 = time.perf_counter()
+                self._pw.flush()  # every pack this snapshot's chunks went to: fsynced, then indexed
+                self.stats.write_s += time.perf_counter() - t1
             _write_file(self._tmp, tmp, data)
             try:
                 if self.replace:

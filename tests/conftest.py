@@ -162,4 +162,6 @@ def tree_digest(root: Path) -> dict[str, Any]:
 
 
 def chunk_files(store: Path) -> list[Path]:
-    return sorted(p for p in (store / "chunks").rglob("*") if p.is_file())
+    """The files that hold chunks: pack files (format v3) and chunk files (v1/v2). To look at or damage
+    one chunk, use tests.support.entries.chunk_entries."""
+    return sorted(p for d in ("packs", "chunks") for p in (store / d).rglob("*") if p.is_file())

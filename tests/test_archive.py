@@ -15,6 +15,7 @@ import pytest
 import zstandard
 
 from conftest import REPO, Cli, chunk_files, make_mixed_tree, pythonpath, tree_digest
+from support.entries import chunk_entries, chunk_ids
 
 from storage.store import SnapshotStore
 
@@ -123,13 +124,13 @@ def test_stats_add_up_and_predict_what_rm_frees(cli: Cli, store_dir: Path, tmp_p
         assert sum(c["stored_bytes"] for c in s["codecs"].values()) == s["stored_bytes"]
     assert per["two"]["unique_bytes"] >= (3 << 20) - 4096 and per["one"]["unique_chunks"] == 0
     repo = rep["repository"]
-    assert repo["chunks"] == len(chunk_files(store_dir))
+    assert repo["chunks"] == len(chunk_ids(store_dir))
     assert repo["stored_bytes"] == per["one"]["shared_bytes"] + per["two"]["unique_bytes"]
     only_two = cli.json("store", "stats", "two")["snapshots"]
     assert [s["name"] for s in only_two] == ["two"]
     cli.run("store", "rm", "two")
     gc = cli.json("store", "gc")
-    assert gc["chunks_removed"] == per["two"]["unique_chunks"]
+    assert gc["chunks_removed"] == per["two"]["unique_chunks"] and gc["packs_removed"] == 1
 
 
 def test_partial_get_and_cat_are_exact_and_verified(cli: Cli, store_dir: Path, tmp_path: Path) -> None:
@@ -149,10 +150,8 @@ def test_partial_get_and_cat_are_exact_and_verified(cli: Cli, store_dir: Path, t
     assert p.returncode == 0 and p.stdout == (src / rel).read_bytes()
     assert cli.run("store", "get", "s", str(tmp_path / "none"), "--include", "nomatch*", check=False).returncode == 1
     # a damaged chunk stops cat with exit 3
-    for f in chunk_files(store_dir):
-        b = bytearray(f.read_bytes())
-        b[4096] ^= 1        # the first payload byte (after the 4 KiB header)
-        f.write_bytes(bytes(b))
+    for e in chunk_entries(store_dir):
+        e.flip(4096)        # the first payload byte (after the 4 KiB header)
     bad = subprocess.run([*sys_gpusnap(), "--store", str(store_dir), "store", "cat", "s", one], capture_output=True,
                          env={**os.environ, "PYTHONPATH": pythonpath()}, cwd=REPO)
     assert bad.returncode == 3 and b"corrupted" in bad.stderr
@@ -227,14 +226,12 @@ def test_sampled_verify_reads_a_fresh_subset_and_finds_a_flipped_chunk(cli: Cli,
     for i in range(40):   # 40 distinct, incompressible chunks
         (src / f"f{i}").write_bytes(os.urandom(70_000))
     cli.run("store", "put", "s", str(src))
-    total = len(chunk_files(store_dir))
-    assert total == 40
+    total = len(chunk_entries(store_dir))
+    assert total == 40 and len(chunk_files(store_dir)) == 1  # one pack
     rep = cli.json("store", "verify", "--read-data-subset", "25%")
     assert rep["chunks_checked"] == 10 and rep["chunks_unchecked"] == 30 and rep["chunks_total"] == 40
-    victim = sorted(chunk_files(store_dir))[17]
-    b = bytearray(victim.read_bytes())
-    b[4096] ^= 1
-    victim.write_bytes(bytes(b))
+    victim = chunk_entries(store_dir)[17]
+    victim.flip(4096)
     # each run reads a new random quarter: the flipped chunk is found within a bounded number of runs
     # (missed 30 times in a row with probability 0.75^30 < 0.0002)
     for run in range(30):
@@ -245,7 +242,7 @@ def test_sampled_verify_reads_a_fresh_subset_and_finds_a_flipped_chunk(cli: Cli,
     else:
         raise AssertionError("sampled verify never found the flipped chunk in 30 runs")
     import json
-    assert any(victim.name[:16] in pr for pr in json.loads(p.stdout)["problems"])
+    assert any(victim.cid[:16] in pr for pr in json.loads(p.stdout)["problems"])
     # a time limit of zero reads nothing and says so; a bad percentage is a usage error
     rep0 = cli.run("store", "verify", "--max-duration", "0", "--json", check=False)
     assert json.loads(rep0.stdout)["chunks_checked"] == 0

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from support.entries import chunk_entries, entry_of
 from storage.device import HostDevice, HostMemory, host_view
 from storage.gpu_engine import GpuEngine, GpuEngineError, Region
 from storage.memtier import Extents, MemoryTierError, PinnedPool
@@ -156,15 +157,13 @@ def test_corrupted_chunk_refuses_restore(tmp_path: Path, dev: HostDevice, region
         with st.writer("c") as w:
             eng.checkpoint(w, [region])
             w.commit()
-        victim = max((p for p in (tmp_path / "s" / "chunks").rglob("*") if p.is_file()),
-                     key=lambda p: p.stat().st_size)
-        data = bytearray(victim.read_bytes())
-        data[5000] ^= 0x01
-        victim.write_bytes(bytes(data))
+        victim = max(chunk_entries(tmp_path / "s"), key=lambda e: e.length)
+        victim.flip(5000)
         with pytest.raises(StoreError, match="damaged"):
             eng.restore(st, st.load("c"), {"gpu/0": region})
         # a chunk file that is gone: refused before any byte of the target is written
-        victim.unlink()
+        victim.remove()
+        st = SnapshotStore(str(tmp_path / "s"))  # index files are written once: a new reader sees the change
         before = bytes(region_mem.view)
         with pytest.raises(StoreError, match="missing"):
             eng.restore(st, st.load("c"), {"gpu/0": region})
@@ -298,8 +297,8 @@ def test_no_byte_of_an_earlier_chunk_in_a_later_chunk_file(tmp_path: Path, dev: 
                     w.commit()
         (a,), (b,) = st.load("a").streams[0].chunks, st.load("b").streams[0].chunks
         assert a.codec == "raw" and b.codec == "zstd" and b.stored_len < CHUNK // 3
-        data = (tmp_path / "s" / "chunks" / b.id[:2] / b.id).read_bytes()
-        assert len(data) == 4096 + (-(-b.stored_len // 4096) * 4096 if direct else b.stored_len)
+        data = entry_of(tmp_path / "s", b.id).read()  # its entry in a pack: always padded to 4096
+        assert len(data) == 4096 + -(-b.stored_len // 4096) * 4096
         assert data[4096 + b.stored_len:] == bytes(len(data) - 4096 - b.stored_len)  # padding: zeros only
         assert leaked_runs(word_index(a_mem.view), data) == []
         assert leaked_runs(word_index(a_mem.view), a_mem.view[100:200]) != []  # the search finds a real run

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from support.entries import entry_of
 from support.stale_bytes import leaked_runs, word_index
 from test_gpu_real import GB, record
 
@@ -125,7 +126,7 @@ def test_no_byte_of_an_earlier_snapshot_in_a_later_snapshots_chunk_files(tmp_pat
     assert refs and all(c.codec == "nvcomp-ans" for c in refs)
     found = {}
     for c in refs:
-        data = (tmp_path / "s" / "chunks" / c.id[:2] / c.id).read_bytes()
+        data = entry_of(tmp_path / "s", c.id).read()
         assert not any(data[4096 + c.stored_len:]), "padding past the payload must be zeros"
         runs = leaked_runs(words, data)
         if runs:

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from support.entries import chunk_ids
 from conftest import Cli, chunk_files, make_mixed_tree, pythonpath, tree_digest
 
 
@@ -154,10 +155,13 @@ def test_rm_then_gc_reclaims_only_unreferenced(cli: Cli, tmp_path: Path, store_d
     b.write_bytes(rng.bytes(6 << 20))
     cli.run("store", "put", "sa", str(a))
     cli.run("store", "put", "sb", str(b))
-    before = len(chunk_files(store_dir))
+    before = chunk_ids(store_dir)
+    packs = chunk_files(store_dir)
+    assert len(before) == 4 and len(packs) == 2  # one pack per put
     cli.run("store", "rm", "sa")
     gc = cli.json("store", "gc")
-    assert gc["chunks_removed"] == 2 and len(chunk_files(store_dir)) == before - 2
+    assert gc["chunks_removed"] == 2 and len(chunk_ids(store_dir)) == 2 and gc["packs_removed"] == 1
+    assert chunk_files(store_dir) == [p for p in packs if p.exists()] and len(chunk_files(store_dir)) == 1
     assert cli.json("store", "verify")["ok"]
     cli.run("store", "get", "sb", str(tmp_path / "o"))
     assert (tmp_path / "o" / "b").read_bytes() == b.read_bytes()

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from conftest import GPUSNAP, REPO, Cli, chunk_files, make_mixed_tree, pythonpath, small_tmpfs
+from support.entries import chunk_entries, chunk_ids
 
 
 @pytest.fixture
@@ -32,30 +33,28 @@ def _damage_and_check(cli: Cli, tmp_path: Path, expect: str) -> None:
     assert all(p.startswith("good") for p in rep["problems"])
     dest = tmp_path / "restored"
     g = cli.run("store", "get", "good", str(dest), check=False)
-    assert g.returncode == 1 and expect in g.stderr and len(g.stderr.splitlines()) == 1, g.stderr
+    assert g.returncode == 3 and expect in g.stderr and len(g.stderr.splitlines()) == 1, g.stderr
     assert not dest.exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".restored")]  # no partial temp tree
 
 
 def test_flipped_byte_in_chunk(stored: tuple[Cli, Path], store_dir: Path, tmp_path: Path) -> None:
     cli, _ = stored
-    victim = max(chunk_files(store_dir), key=lambda p: p.stat().st_size)
-    data = bytearray(victim.read_bytes())
-    data[4096 + len(data) // 3] ^= 0x01
-    victim.write_bytes(bytes(data))
+    victim = max(chunk_entries(store_dir), key=lambda e: e.length)
+    victim.flip_payload(1 / 3)
     _damage_and_check(cli, tmp_path, "corrupted")
 
 
 def test_truncated_chunk(stored: tuple[Cli, Path], store_dir: Path, tmp_path: Path) -> None:
     cli, _ = stored
-    victim = chunk_files(store_dir)[0]
-    os.truncate(victim, victim.stat().st_size // 2)
+    victim = max(chunk_entries(store_dir), key=lambda e: e.offset)  # the last entry of its pack
+    victim.truncate()
     _damage_and_check(cli, tmp_path, "truncated")
 
 
 def test_missing_chunk(stored: tuple[Cli, Path], store_dir: Path, tmp_path: Path) -> None:
     cli, _ = stored
-    chunk_files(store_dir)[-1].unlink()
+    chunk_entries(store_dir)[-1].remove()
     _damage_and_check(cli, tmp_path, "missing")
 
 
@@ -89,14 +88,17 @@ def test_disk_full_mid_put(tmp_path: Path) -> None:
         keep = tmp_path / "keep"
         keep.write_bytes(np.random.default_rng(1).bytes(4 << 20))
         cli.run("store", "put", "keep", str(keep))
+        kept = chunk_files(mnt / "store")
         big = tmp_path / "big"
         big.write_bytes(np.random.default_rng(2).bytes(40 << 20))
         p = cli.run("store", "put", "big", str(big), check=False)
         assert p.returncode == 1 and "no space left" in p.stderr and len(p.stderr.splitlines()) == 1, p.stderr
         assert [r["name"] for r in cli.json("store", "ls")] == ["keep"]
         assert cli.json("store", "verify")["ok"]
+        assert chunk_files(mnt / "store") == kept, "the failed writer removed the pack it was writing"
+        assert not list((mnt / "store" / "tmp").iterdir())
         gc = cli.json("store", "gc")
-        assert gc["chunks_removed"] > 0
+        assert gc["chunks_removed"] == 0 and gc["packs_removed"] == 0
         cli.run("store", "get", "keep", str(tmp_path / "o"))
         assert (tmp_path / "o" / "keep").read_bytes() == keep.read_bytes()
         assert cli.json("store", "verify")["ok"]
@@ -114,13 +116,14 @@ def test_kill_9_mid_put_leaves_no_snapshot(cli: Cli, tmp_path: Path, store_dir: 
             for i in range(48):
                 block[:8] = (attempt * 1000 + i).to_bytes(8, "little")
                 f.write(block)
-        have = len(chunk_files(store_dir))
-        kill_at = have + rnd.randint(1, 40)
+        have = sum(p.stat().st_size for p in chunk_files(store_dir))
+        kill_at = have + rnd.randint(1, 40) * (4 << 20)  # bytes of packs written, the open one included
         env = dict(os.environ, PYTHONPATH=pythonpath())
         p = subprocess.Popen([*GPUSNAP, "--store", str(store_dir), "store", "put", f"k{attempt}", str(big)],
                              env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 60
-        while p.poll() is None and time.monotonic() < deadline and len(chunk_files(store_dir)) < kill_at:
+        while p.poll() is None and time.monotonic() < deadline and \
+                sum(p.stat().st_size for p in chunk_files(store_dir) if p.exists()) < kill_at:
             pass
         p.send_signal(signal.SIGKILL)
         p.wait()
@@ -133,7 +136,7 @@ def test_kill_9_mid_put_leaves_no_snapshot(cli: Cli, tmp_path: Path, store_dir: 
     assert cli.json("store", "verify")["ok"]
     leftovers = len(list((store_dir / "tmp").iterdir())) + len(chunk_files(store_dir))
     gc = cli.json("store", "gc")
-    assert gc["chunks_removed"] + gc["tmp_removed"] > 0 and leftovers > 0
+    assert gc["chunks_removed"] + gc["packs_removed"] + gc["tmp_removed"] > 0 and leftovers > 0
     assert not list((store_dir / "tmp").iterdir())
     assert cli.json("store", "verify")["ok"]
 
@@ -167,7 +170,7 @@ def test_gc_waits_for_a_commit_in_progress(cli: Cli, tmp_path: Path, store_dir: 
         ref = w.put_chunk("raw", 100, buf.view, 100)
         p = cli.run("store", "gc", "--wait", "0.5", check=False)
         assert p.returncode == 1 and "busy" in p.stderr
-        assert Path(st.chunk_path(ref.id)).exists()
+        assert chunk_files(store_dir), "the chunk's pack is still being written"
         from storage.manifest import Stream
         w.add_stream(Stream("blob", {"type": "blob"}, [ref]))
         w.commit()

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from conftest import REPO, Cli, chunk_files, make_mixed_tree, pythonpath, tree_digest
+from support.entries import Entry, chunk_entries
 
 HEX = "0123456789abcdef"
 
@@ -28,14 +29,16 @@ def stored(cli: Cli, tmp_path: Path) -> tuple[Cli, Path]:
     return cli, src
 
 
-def _flip(victim: Path) -> None:
-    data = bytearray(victim.read_bytes())
-    data[4096 + len(data) // 3] ^= 0x01
-    victim.write_bytes(bytes(data))
+def _flip(victim: Entry) -> None:
+    victim.flip_payload(1 / 3)
 
 
-def _biggest(store_dir: Path) -> Path:
-    return max(chunk_files(store_dir), key=lambda p: p.stat().st_size)
+def _biggest(store_dir: Path) -> Entry:
+    return max(chunk_entries(store_dir), key=lambda e: e.length)
+
+
+def _record(store_dir: Path, cid: str) -> dict:
+    return json.loads((store_dir / "quarantine" / f"{cid}.json").read_text())
 
 
 # ---- self-healing -----------------------------------------------------------------------------------
@@ -49,36 +52,36 @@ def test_flipped_chunk_quarantined_then_the_next_put_heals_every_snapshot(stored
     v = cli.run("store", "verify", "--json", check=False)
     assert v.returncode == 3
     rep = json.loads(v.stdout)
-    assert rep["quarantined"] == [victim.name]
+    assert rep["quarantined"] == [victim.cid]
     assert {p.split(":")[0] for p in rep["problems"]} == {"good", "twin"}
-    assert not victim.exists() and (store_dir / "quarantine" / victim.name).exists()
+    assert _record(store_dir, victim.cid)["entries"] == [[victim.path.name, victim.offset]]  # set aside in its pack
     g = cli.run("store", "get", "good", str(tmp_path / "no"), check=False)
-    assert g.returncode == 1 and "corrupted" in g.stderr and "quarantine" in g.stderr, g.stderr
+    assert g.returncode == 3 and "corrupted" in g.stderr and "quarantine" in g.stderr, g.stderr
     put = json.loads(cli.run("store", "put", "again", str(src), "--json").stdout)
     assert put["chunks_new"] == 1 and put["new_bytes"] > 0, put
-    assert victim.exists()
+    assert [e.path for e in chunk_entries(store_dir) if e.cid == victim.cid] != [victim.path]  # a new copy
     assert cli.json("store", "verify")["ok"]
     for name in ("good", "twin", "again"):
         cli.run("store", "get", name, str(tmp_path / f"out-{name}"))
         assert tree_digest(tmp_path / f"out-{name}" / "model") == tree_digest(src)
     gc = cli.json("store", "gc")
     assert gc["quarantine_removed"] == 1 and not list((store_dir / "quarantine").iterdir())
+    assert gc["packs_repacked"] == 1 and [e for e in chunk_entries(store_dir) if e.cid == victim.cid] != []
+    assert len([e for e in chunk_entries(store_dir) if e.cid == victim.cid]) == 1  # the damaged entry went
+    assert cli.json("store", "verify", "--read-data")["ok"]
 
 
 def test_put_never_dedups_against_a_chunk_whose_header_or_length_is_wrong(stored: tuple[Cli, Path],
                                                                           store_dir: Path, tmp_path: Path) -> None:
     """No verify in between: the put itself sees the truncated chunk and writes it again."""
     cli, src = stored
-    victim = _biggest(store_dir)
-    size = victim.stat().st_size
-    os.truncate(victim, size // 2)
+    victim = max(chunk_entries(store_dir), key=lambda e: e.offset)  # the last entry of its pack
+    victim.truncate()
     put = json.loads(cli.run("store", "put", "again", str(src), "--json").stdout)
     assert put["chunks_new"] == 1 and put["new_bytes"] > 0, put
-    assert victim.stat().st_size == size
-    assert cli.json("store", "verify")["ok"]
-    hdr = bytearray(victim.read_bytes())
-    hdr[0] ^= 0xFF  # bad magic
-    victim.write_bytes(bytes(hdr))
+    assert cli.json("store", "verify")["ok"]  # the new copy serves
+    copy = next(e for e in chunk_entries(store_dir) if e.cid == victim.cid and e.path != victim.path)
+    copy.flip(0)  # bad magic: neither copy may be reused now
     put = json.loads(cli.run("store", "put", "third", str(src), "--json").stdout)
     assert put["chunks_new"] == 1, put
     assert cli.json("store", "verify")["ok"]
@@ -86,7 +89,7 @@ def test_put_never_dedups_against_a_chunk_whose_header_or_length_is_wrong(stored
 
 def test_repair_from_the_source_files(stored: tuple[Cli, Path], store_dir: Path, tmp_path: Path) -> None:
     cli, src = stored
-    victims = sorted(chunk_files(store_dir), key=lambda p: p.stat().st_size)[-2:]
+    victims = sorted(chunk_entries(store_dir), key=lambda e: e.length)[-2:]
     for v in victims:
         _flip(v)
     assert cli.run("store", "verify", check=False).returncode == 3
@@ -96,7 +99,7 @@ def test_repair_from_the_source_files(stored: tuple[Cli, Path], store_dir: Path,
     assert lost and all("lost" in x and x.startswith("good: model/") for x in lost), lost
     r = cli.run("store", "repair", "--from", str(src), "--json")
     rep = json.loads(r.stdout)
-    assert rep["ok"] and set(rep["repaired"]) == {v.name for v in victims}, rep
+    assert rep["ok"] and set(rep["repaired"]) == {v.cid for v in victims}, rep
     assert all(str(src) in where for where in rep["repaired"].values())
     assert cli.json("store", "verify")["ok"]
     cli.run("store", "get", "good", str(tmp_path / "o"))
@@ -115,13 +118,15 @@ def test_verify_repair_from_another_store_and_from_a_sound_quarantined_copy(stor
     assert rep["ok"] and list(rep["repaired"].values()) == [f"store {mirror.store}"], rep
     assert cli.json("store", "verify")["ok"]
     # a chunk moved aside that is fine after all goes back where it belongs
-    other = chunk_files(store_dir)[0]
+    ents = chunk_entries(store_dir)
+    other = next(e for e in ents if [x.cid for x in ents].count(e.cid) == 1)  # its only copy
     (store_dir / "quarantine").mkdir(exist_ok=True)
-    other.rename(store_dir / "quarantine" / other.name)
+    (store_dir / "quarantine" / f"{other.cid}.json").write_text(json.dumps(
+        {"id": other.cid, "why": "thought damaged", "entries": [[other.path.name, other.offset]]}))
     assert cli.run("store", "verify", check=False).returncode == 3
     rep = cli.json("store", "repair")
-    assert rep["ok"] and rep["repaired"] == {other.name: "quarantine/ (the copy there verifies)"}
-    assert other.exists() and cli.json("store", "verify")["ok"]
+    assert rep["ok"] and rep["repaired"] == {other.cid: "quarantine/ (the copy there verifies)"}
+    assert not (store_dir / "quarantine" / f"{other.cid}.json").exists() and cli.json("store", "verify")["ok"]
 
 
 # ---- gc reclaims what it owns -----------------------------------------------------------------------
@@ -280,17 +285,20 @@ def test_gc_with_store_directories_replaced_by_links_deletes_nothing_there(store
 def test_a_fifo_in_place_of_a_chunk_is_damage_at_once(stored: tuple[Cli, Path], store_dir: Path,
                                                       tmp_path: Path) -> None:
     cli, _ = stored
-    victim = _biggest(store_dir)
+    victim = _biggest(store_dir).path  # its pack
     victim.unlink()
     os.mkfifo(victim)
     t0 = time.monotonic()
     v = cli.run("store", "verify", "--json", check=False, timeout=30)
     assert v.returncode == 3 and any("FIFO" in p for p in json.loads(v.stdout)["problems"]), v.stdout
     g = cli.run("store", "get", "good", str(tmp_path / "o"), check=False, timeout=30)
-    assert g.returncode == 1 and len(g.stderr.splitlines()) == 1 and not (tmp_path / "o").exists(), g.stderr
+    assert g.returncode == 3 and len(g.stderr.splitlines()) == 1 and not (tmp_path / "o").exists(), g.stderr
     assert time.monotonic() - t0 < 20
     # a symlink to a real, valid-looking file is damage too: it is never opened through the link
-    os.unlink(store_dir / "quarantine" / victim.name) if (store_dir / "quarantine" / victim.name).exists() else None
+    shutil.rmtree(store_dir / "quarantine")
+    os.unlink(victim)
+    os.unlink(store_dir / "index" / victim.name)
+    cli.run("store", "put", "good", str(tmp_path / "model"), "--replace")
     other = chunk_files(store_dir)[0]
     outside = tmp_path / "outside"
     shutil.copy(other, outside)
@@ -430,6 +438,18 @@ def test_put_into_a_store_whose_directories_are_links_writes_nothing_through_the
     assert p.returncode == 3 and "is a symbolic link" in p.stderr, p.stderr
     assert not list(victim.iterdir()) and not list((store_dir / "tmp").iterdir())
     assert cli.json("store", "ls") == []
+    for xy in {f"{i:02x}" for i in range(256)}:
+        (store_dir / "chunks" / xy).unlink()
+        (store_dir / "chunks" / xy).mkdir(mode=0o700)
+    for d in ("packs", "index"):  # the pack directories links: nothing written through them either
+        shutil.rmtree(store_dir / d)
+        (store_dir / d).symlink_to(victim)
+        p = cli.run("store", "put", "x", str(f), check=False)
+        assert p.returncode == 3 and f"{d} is a symbolic link" in p.stderr, p.stderr
+        assert not list(victim.iterdir()) and not list((store_dir / "tmp").iterdir())
+        (store_dir / d).unlink()
+        (store_dir / d).mkdir(mode=0o700)
+    assert cli.json("store", "ls") == []
 
 
 def test_an_owner_is_alive_only_as_the_same_process_of_the_same_boot() -> None:
@@ -455,5 +475,5 @@ def test_verify_during_a_put_reports_damage_and_says_why_nothing_was_moved(store
         v = cli.run("store", "verify", "--json", check=False)
     rep = json.loads(v.stdout)
     assert v.returncode == 3 and rep["quarantined"] == [] and "busy" in rep["not_quarantined"], rep
-    assert victim.exists()
-    assert json.loads(cli.run("store", "verify", "--json", check=False).stdout)["quarantined"] == [victim.name]
+    assert not (store_dir / "quarantine" / f"{victim.cid}.json").exists()
+    assert json.loads(cli.run("store", "verify", "--json", check=False).stdout)["quarantined"] == [victim.cid]

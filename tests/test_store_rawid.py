@@ -15,6 +15,7 @@ import pytest
 import zstandard
 
 from conftest import Cli, chunk_files, make_mixed_tree, tree_digest
+from support.entries import Entry, chunk_entries, to_chunk_files
 from storage import pipeline
 from storage.chunkfile import HEADER_SIZE, MAGIC, MAGIC_RAW, ChunkHeader, chunk_id, raw_chunk_id
 from storage.codecs import Shuffle2Codec, decode_host
@@ -22,9 +23,8 @@ from storage.filetree import FileTreeSource
 from storage.store import SnapshotStore
 
 
-def _magic(p: Path) -> bytes:
-    with open(p, "rb") as f:
-        return f.read(8)
+def _magic(e: Entry) -> bytes:
+    return e.read()[:8]
 
 
 def _marker_version(store: Path) -> int:
@@ -36,8 +36,8 @@ def test_second_put_of_unchanged_data_compresses_and_writes_nothing(cli: Cli, st
     src = make_mixed_tree(tmp_path / "model", mb=12)
     first = cli.json("store", "put", "a", str(src), "--chunk-size", "1M")
     assert first["chunks_compressed"] == first["chunks_new"] > 0, first
-    assert {_magic(p) for p in chunk_files(store_dir)} == {MAGIC_RAW}
-    assert _marker_version(store_dir) == 2
+    assert {_magic(e) for e in chunk_entries(store_dir)} == {MAGIC_RAW}
+    assert _marker_version(store_dir) == 3
     second = cli.json("store", "put", "b", str(src), "--chunk-size", "1M")
     assert second["chunks_compressed"] == 0 and second["chunks_new"] == 0 and second["new_bytes"] == 0, second
     assert second["chunks_dedup"] == first["chunks_new"] and second["chunks_zero"] == first["chunks_zero"]
@@ -76,8 +76,7 @@ def _version_1_store(path: Path, src: Path, name: str) -> None:
     with st.writer(name) as w, FileTreeSource([str(src)]) as source:
         pipeline.put(_StoredAddressed(w), source, chunk_size=1 << 20)  # type: ignore[arg-type]
         w.commit()
-    marker = json.loads((path / "gpusnap-store.json").read_text())
-    (path / "gpusnap-store.json").write_text(json.dumps({**marker, "version": 1}))
+    to_chunk_files(path, 1)
 
 
 def test_a_version_1_store_reads_verifies_restores_then_is_upgraded_and_mixed(cli: Cli, store_dir: Path,
@@ -85,7 +84,8 @@ def test_a_version_1_store_reads_verifies_restores_then_is_upgraded_and_mixed(cl
     src = make_mixed_tree(tmp_path / "model", mb=8)
     _version_1_store(store_dir, src, "old")
     old_chunks = chunk_files(store_dir)
-    assert old_chunks and {_magic(p) for p in old_chunks} == {MAGIC} and _marker_version(store_dir) == 1
+    assert all(p.parent.parent.name == "chunks" for p in old_chunks)  # one file per chunk
+    assert old_chunks and {_magic(e) for e in chunk_entries(store_dir)} == {MAGIC} and _marker_version(store_dir) == 1
     assert [s["name"] for s in cli.json("store", "ls")] == ["old"]
     assert cli.json("store", "verify")["ok"] and cli.json("store", "verify", "--read-data")["ok"]
     cli.run("store", "get", "old", str(tmp_path / "o1"))
@@ -94,30 +94,32 @@ def test_a_version_1_store_reads_verifies_restores_then_is_upgraded_and_mixed(cl
     # a put finds only raw-addressed chunks: the same data is stored once more, raw-addressed
     put = cli.json("store", "put", "new", str(src), "--chunk-size", "1M")
     assert put["chunks_new"] == len(old_chunks) and put["chunks_compressed"] == put["chunks_new"], put
-    assert _marker_version(store_dir) == 2
-    assert {_magic(p) for p in chunk_files(store_dir)} == {MAGIC, MAGIC_RAW}
+    assert _marker_version(store_dir) == 3  # upgraded by its first pack; the old chunk files stay and are read
+    assert {_magic(e) for e in chunk_entries(store_dir)} == {MAGIC, MAGIC_RAW}
+    assert set(old_chunks) <= set(chunk_files(store_dir))
     assert cli.json("store", "verify", "--read-data")["ok"]
     for name in ("old", "new"):
         cli.run("store", "get", name, str(tmp_path / f"o-{name}"))
         assert tree_digest(tmp_path / f"o-{name}" / "model") == tree_digest(src)
     cli.run("store", "rm", "old")
     gc = cli.json("store", "gc")
-    assert {_magic(p) for p in chunk_files(store_dir)} == {MAGIC_RAW}, gc
+    assert {_magic(e) for e in chunk_entries(store_dir)} == {MAGIC_RAW}, gc
+    assert not (store_dir / "chunks").exists() or not any((store_dir / "chunks").glob("*/*"))
 
 
 def test_a_store_of_an_unknown_version_is_refused(cli: Cli, store_dir: Path, tmp_path: Path) -> None:
     cli.run("store", "init")
     marker = json.loads((store_dir / "gpusnap-store.json").read_text())
-    (store_dir / "gpusnap-store.json").write_text(json.dumps({**marker, "version": 3}))
+    (store_dir / "gpusnap-store.json").write_text(json.dumps({**marker, "version": 4}))
     r = cli.run("store", "ls", check=False)
-    assert r.returncode != 0 and "v3 is not gpusnap-store v2" in r.stderr, r.stderr
+    assert r.returncode != 0 and "v4 is not gpusnap-store v3" in r.stderr, r.stderr
 
 
-def _forge(victim: Path, codec: str) -> None:
+def _forge(victim: Entry, codec: str) -> None:
     """Replace VICTIM's payload by an encoding of other raw bytes of the same length, with a stored
     checksum that matches: what only someone writing the store's files by hand can make."""
-    data = victim.read_bytes()
-    hdr = ChunkHeader.unpack(data[:64], victim.name)
+    data = victim.read()
+    hdr = ChunkHeader.unpack(data[:64], victim.cid)
     assert hdr.raw_id
     raw = np.random.default_rng(7).normal(0, 0.02, hdr.raw_len // 2).astype(np.float32)
     raw_bytes = (raw.view(np.uint32) >> 16).astype(np.uint16).tobytes()
@@ -125,7 +127,7 @@ def _forge(victim: Path, codec: str) -> None:
                else zstandard.ZstdCompressor(level=1, write_content_size=True).compress(raw_bytes))
     forged = ChunkHeader(codec, hdr.raw_len, len(payload), raw_id=True)
     forged = forged.with_checksum(payload)
-    victim.write_bytes(forged.pack().ljust(HEADER_SIZE, b"\0") + payload)
+    victim.write(forged.pack().ljust(HEADER_SIZE, b"\0") + payload)
 
 
 @pytest.mark.parametrize("codec", ["raw", "zstd", "shuffle2-zstd"])
@@ -133,7 +135,7 @@ def test_a_forged_raw_addressed_chunk_is_damage_for_readers_and_verify_read_data
                                                                                  tmp_path: Path, codec: str) -> None:
     src = make_mixed_tree(tmp_path / "model", mb=6)
     cli.run("store", "put", "m", str(src), "--chunk-size", "1M")
-    victim = max(chunk_files(store_dir), key=lambda p: p.stat().st_size)
+    victim = max(chunk_entries(store_dir), key=lambda e: e.length)
     _forge(victim, codec)
     # the stored check alone cannot see it (its checksum is sound): that is what --read-data is for
     assert cli.json("store", "verify")["ok"]
@@ -143,7 +145,7 @@ def test_a_forged_raw_addressed_chunk_is_damage_for_readers_and_verify_read_data
     r = cli.run("store", "verify", "--read-data", "--json", check=False)
     assert r.returncode == 3, r.stdout
     rep = json.loads(r.stdout)
-    assert rep["quarantined"] == [victim.name] and not victim.exists(), rep
+    assert rep["quarantined"] == [victim.cid] and (store_dir / "quarantine" / f"{victim.cid}.json").exists(), rep
     # the next put of the true bytes writes the chunk again
     put = cli.json("store", "put", "m2", str(src), "--chunk-size", "1M")
     assert put["chunks_new"] == 1, put
@@ -155,14 +157,12 @@ def test_verify_without_read_data_finds_a_flipped_byte_of_a_raw_addressed_chunk(
                                                                                 tmp_path: Path) -> None:
     src = make_mixed_tree(tmp_path / "model", mb=6)
     cli.run("store", "put", "m", str(src))
-    for victim in chunk_files(store_dir):
+    for victim in chunk_entries(store_dir):
         assert _magic(victim) == MAGIC_RAW
-        data = bytearray(victim.read_bytes())
-        data[HEADER_SIZE + 10] ^= 0x40
-        victim.write_bytes(bytes(data))
+        victim.flip(HEADER_SIZE + 10)
         r = cli.run("store", "verify", "--json", check=False)
         assert r.returncode == 3 and "corrupted" in r.stdout, r.stdout
-        assert json.loads(r.stdout)["quarantined"] == [victim.name]
+        assert json.loads(r.stdout)["quarantined"] == [victim.cid]
         cli.run("store", "put", "heal", str(src), "--replace")
         assert cli.json("store", "verify")["ok"]
 
@@ -183,25 +183,25 @@ def test_a_raw_addressed_chunk_encoded_otherwise_than_the_manifest_says_still_re
     the id binds the raw bytes, so readers take codec and length from the file (FORMAT.md)."""
     src = make_mixed_tree(tmp_path / "model", mb=6)
     cli.run("store", "put", "m", str(src), "--chunk-size", "1M")
-    victim = next(p for p in chunk_files(store_dir) if ChunkHeader.unpack(p.read_bytes()[:64], p.name).codec != "raw")
-    data = victim.read_bytes()
-    hdr = ChunkHeader.unpack(data[:64], victim.name)
+    victim = next(e for e in chunk_entries(store_dir) if ChunkHeader.unpack(e.read()[:64], e.cid).codec != "raw")
+    data = victim.read()
+    hdr = ChunkHeader.unpack(data[:64], victim.cid)
     raw = bytes(decode_host(hdr.codec, memoryview(data)[HEADER_SIZE:HEADER_SIZE + hdr.stored_len], hdr.raw_len))
-    assert raw_chunk_id(raw) == victim.name
+    assert raw_chunk_id(raw) == victim.cid
     payload = zstandard.ZstdCompressor(level=19, write_content_size=True).compress(raw)
     assert len(payload) != hdr.stored_len
     other = ChunkHeader("zstd", hdr.raw_len, len(payload), raw_id=True).with_checksum(payload)
-    victim.write_bytes(other.pack().ljust(HEADER_SIZE, b"\0") + payload)
+    victim.write(other.pack().ljust(HEADER_SIZE, b"\0") + payload)  # shorter: it fits in its entry
     assert cli.json("store", "verify")["ok"] and cli.json("store", "verify", "--read-data")["ok"]
     cli.run("store", "get", "m", str(tmp_path / "out"))
     assert tree_digest(tmp_path / "out" / "model") == tree_digest(src)
     # a put of the same data reuses that file as it is and records what it holds
     again = cli.json("store", "put", "m2", str(src), "--chunk-size", "1M")
     assert again["chunks_new"] == 0 and again["chunks_compressed"] == 0, again
-    refs = [c for s in SnapshotStore(str(store_dir)).load("m2").streams for c in s.chunks if c.id == victim.name]
+    refs = [c for s in SnapshotStore(str(store_dir)).load("m2").streams for c in s.chunks if c.id == victim.cid]
     assert refs and all((c.codec, c.stored_len) == ("zstd", len(payload)) for c in refs)
     # but a raw length other than the reference's is damage
     wrong = ChunkHeader("zstd", hdr.raw_len + 1, len(payload), raw_id=True).with_checksum(payload)
-    victim.write_bytes(wrong.pack().ljust(HEADER_SIZE, b"\0") + payload)
+    victim.write(wrong.pack().ljust(HEADER_SIZE, b"\0") + payload)
     r = cli.run("store", "verify", "--json", check=False)
     assert r.returncode == 3 and "disagrees with the manifest" in r.stdout, r.stdout

@@ -486,7 +486,7 @@ class ServeSource:
         if arrivals is not None:
             arrivals.first(read_order(self.images, None))
         if missing:
-            raise StoreError(f"snapshot {manifest.name!r} is damaged: {len(missing)} chunk(s) missing "
+            raise store.error(f"snapshot {manifest.name!r} is damaged: {len(missing)} chunk(s) missing "
                              f"(first {missing[0][:16]}…); nothing was started")
         self.workers = workers or pipeline.default_workers()
         self.window = window or 2 * self.workers
@@ -608,7 +608,7 @@ class ServeSource:
             else:
                 data = self.store.read_raw(ref, buf, out, cached=True)
         except ChunkError as e:
-            raise StoreError(f"snapshot {self.manifest.name!r} is damaged: {s.name} chunk {i}: {e.what}") from None
+            raise self.store.error(f"snapshot {self.manifest.name!r} is damaged: {s.name} chunk {i}: {e.what}") from None
         except CodecError as e:
             raise StoreError(f"snapshot {self.manifest.name!r}: {s.name} chunk {i}: {e}") from None
         self.stages.add("read+decode+verify", time.perf_counter() - t0, ref.raw_len)

@@ -5,6 +5,7 @@ disk and the same data, in one run; then the dedup figure for a second put after
 Data: a directory of files in three kinds, 1/3 each: zeros, random bytes, bf16 values from N(0, 0.02).
 Durability is the same on all sides: every write is followed by sync inside the timed region, and the
 page cache is dropped before each timed read. Usage: python3 -m scripts.bench.bench_store [--gb 3] [--dir /var/tmp] [--json F]
+[--mix mixed|weights|zero-heavy]
 """
 from __future__ import annotations
 
@@ -32,13 +33,18 @@ def timed(argv: list[str], **kw) -> float:
     return time.perf_counter() - t0
 
 
-def make_data(root: str, gb: float, seed: int = 0) -> int:
+MIXES = {"mixed": ("zeros", "random", "bf16"),  # 1/3 each
+         "weights": ("bf16", "bf16", "bf16"),  # weights-like: bf16 N(0, 0.02), no zeros
+         "zero-heavy": ("zeros", "zeros", "bf16")}  # 2/3 zeros, 1/3 bf16
+
+
+def make_data(root: str, gb: float, seed: int = 0, mix: str = "mixed") -> int:
     rng = np.random.default_rng(seed)
     os.makedirs(root)
     per = int(gb * 1e9 / 3) // (64 << 20) * (64 << 20)
     block = 64 << 20
-    for kind in ("zeros", "random", "bf16"):
-        with open(os.path.join(root, kind + ".bin"), "wb") as f:
+    for i, kind in enumerate(MIXES[mix]):
+        with open(os.path.join(root, f"{i}-{kind}.bin"), "wb") as f:
             for _ in range(per // block):
                 if kind == "zeros":
                     f.write(bytes(block))
@@ -73,6 +79,8 @@ def main() -> None:
     ap.add_argument("--gb", type=float, default=3.0)
     ap.add_argument("--dir", default="/var/tmp")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--mix", choices=sorted(MIXES), default="mixed",
+                    help="mixed: 1/3 zeros, random, bf16; weights: all bf16; zero-heavy: 2/3 zeros, 1/3 bf16")
     a = ap.parse_args()
     work = tempfile.mkdtemp(prefix="gpusnap-bench-", dir=a.dir)
     gpusnap = [sys.executable, "-m", "cli", "--store", os.path.join(work, "store")]
@@ -81,7 +89,8 @@ def main() -> None:
                  "kernel": platform.release()}
     try:
         data = os.path.join(work, "data")
-        total = make_data(data, a.gb)
+        total = make_data(data, a.gb, mix=a.mix)
+        res["mix"] = a.mix
         res["bytes"] = total
         drop_caches()
         res["cp_put"] = timed(["cp", "-r", data, os.path.join(work, "cp")])
@@ -108,8 +117,8 @@ def main() -> None:
         os.sync()
         res["gpusnap_get"] = time.perf_counter() - t0
         res["gpusnap_get_stages"] = json.loads(out)["stages"]
-        same = subprocess.run(["cmp", os.path.join(data, "bf16.bin"), os.path.join(work, "got", "data", "bf16.bin")])
-        res["verified"] = same.returncode == 0
+        res["verified"] = all(subprocess.run(["cmp", os.path.join(data, f), os.path.join(work, "got", "data", f)]).returncode == 0
+                              for f in sorted(os.listdir(data)))
         change_5_percent(data, total)
         out = subprocess.run([*gpusnap, "store", "put", "s2", data, "--json"], check=True, capture_output=True,
                              text=True, env=env, cwd=REPO).stdout
@@ -117,7 +126,8 @@ def main() -> None:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     gb = res["bytes"] / 1e9
-    print(f"{res['machine']}, {gb:.2f} GB (1/3 zeros, 1/3 random, 1/3 bf16 N(0,0.02)), sync + cold cache\n")
+    print(f"{res['machine']}, {gb:.2f} GB, data {res['mix']} ({', '.join(MIXES[res['mix']])}; bf16 N(0,0.02)), "
+          "sync + cold cache\n")
     print(f"{'':10} {'put s':>7} {'put GB/s':>9} {'get s':>7} {'get GB/s':>9} {'stored GB':>10} {'ratio':>6}")
     for k, stored in (("cp", res["bytes"]), ("tar", res["tar_bytes"]), ("gpusnap", res["gpusnap_bytes"])):
         print(f"{k:10} {res[k + '_put']:7.2f} {gb / res[k + '_put']:9.2f} {res[k + '_get']:7.2f} "

@@ -1,0 +1,220 @@
+"""Reading as its own stage: large reads kept in flight in restore order, decoding and checking in another pool.
+
+A reader thread takes the next run of wanted chunks (adjacent entries of one pack, coalesced into one
+read of at most RUN_MAX bytes) and reads it into a run buffer; each entry of the run is then handed
+to the decode pool, which makes the full check (or the stored check) and gives the verified bytes
+to the caller; a run buffer is reused once all its entries are done, which bounds memory and keeps
+the readers at most a few runs ahead of the decoders. Chunks that are not in a pack (version 1/2
+chunk files), entries larger than a run buffer, and entries that fail their check in a run (another
+copy may be sound) are read one at a time through the store (SnapshotStore.read_stored).
+
+Guarantees kept here: no byte reaches the caller before its check (chunkfile.full_check binds raw
+bytes to the id; the stored check binds stored bytes); a run never reads past the entries the
+validated index names, and never more than a run buffer; the first failure stops the stage and is
+raised to the caller.
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol
+
+from .chunkfile import HEADER_SIZE, ChunkError, ChunkHeader, full_check, id_check, max_stored_len, stored_check
+from .directio import BufferPool, align_up, read_into
+from .manifest import ChunkRef
+from .packs import Loc, coalesce, open_pack, parse_entry
+
+if TYPE_CHECKING:
+    from .store import SnapshotStore
+
+RUN_MAX = 16 << 20    # bytes one read covers at most
+READERS = 4           # reads in flight
+
+
+class StageTimes(Protocol):
+    def add(self, stage: str, seconds: float, nbytes: int) -> None: ...
+
+
+@dataclass(frozen=True)
+class Want:
+    """One chunk to read: KEY is the caller's (where its bytes go), REF the manifest's reference."""
+
+    key: Any
+    ref: ChunkRef
+
+
+def read_chunks(store: "SnapshotStore", wants: list[Want], deliver: Callable[[Want, Any], None], *,
+                stages: StageTimes, decoders: int, check: str = "full", readers: int = READERS,
+                stop: Callable[[], bool] = lambda: False,
+                on_damage: Callable[[Want, ChunkError], None] | None = None) -> None:
+    """Read every chunk of WANTS (in their order, coalescing adjacent pack entries) and call
+    DELIVER(want, data) from a decode thread once it is checked: CHECK "full", the raw bytes after the
+    full check; "id", the stored payload after chunkfile.id_check (verify --read-data: GSNPCHK2
+    decoded, GSNPCHK1 bound by its stored bytes, whatever the codec); "stored", the stored payload
+    after the stored check (verify). DELIVER must be done with DATA
+    when it returns (the buffer is reused). STOP: checked between chunks; when it says so, nothing
+    more is read. The first error is raised (a ChunkError names the damaged chunk), unless ON_DAMAGE
+    is given: it is then called for each damaged chunk (an OSError reading it counts as damage too)
+    and the others are read on (verify)."""
+    if not wants:
+        return
+    buf_size = max(RUN_MAX, store.chunk_buffer_size([]))
+    most = max(_most(w.ref) for w in wants)
+    planned: list[tuple[int, Loc]] = []
+    singles: list[int] = []
+    for i, w in enumerate(wants):
+        locs = store.locate(w.ref.id or "")
+        if locs and locs[0].length <= min(buf_size, most):
+            planned.append((i, locs[0]))
+        else:
+            singles.append(i)
+    runs: list[list[tuple[int, Loc]]] = coalesce(planned, most=buf_size)
+    runs += [[(i, Loc("", 0, 0))] for i in singles]
+    runs.sort(key=lambda r: r[0][0])  # restore order, by each run's first chunk
+    error: list[BaseException] = []
+    elock = threading.Lock()
+
+    def failed(e: BaseException) -> None:
+        with elock:
+            if not error:
+                error.append(e)
+
+    def halted() -> bool:
+        return bool(error) or stop()
+
+    run_iter: Iterator[list[tuple[int, Loc]]] = iter(runs)
+    it_lock = threading.Lock()
+    nbuf = readers + max(2, decoders)
+    with BufferPool(nbuf, buf_size) as pool, BufferPool(decoders, max(most, 4096)) as single_pool, \
+            ThreadPoolExecutor(decoders, thread_name_prefix="gpusnap-decode") as dec:
+
+        def decode(i: int, view: Any, done: Callable[[], None]) -> None:
+            try:
+                if halted():
+                    return
+                w = wants[i]
+                cid = w.ref.id or ""
+                t0 = time.perf_counter()
+                try:
+                    header, payload = parse_entry(view, cid)
+                    if not header.fits(w.ref.codec, w.ref.raw_len, w.ref.stored_len):
+                        raise ChunkError(cid, "header disagrees with the manifest's reference")
+                    data = _checked(check, header, payload, cid)
+                except ChunkError:
+                    single(i)  # another copy may be sound; if none is, that read raises
+                    return
+                stages.add("decompress+verify" if check == "full" else "verify", time.perf_counter() - t0,
+                           w.ref.raw_len)
+                deliver(w, data)
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                failed(e)
+            finally:
+                done()
+
+        def single(i: int) -> None:
+            w = wants[i]
+            if on_damage is None:
+                return single_read(w)
+            try:
+                single_read(w)
+            except ChunkError as e:
+                on_damage(w, e)
+            except OSError as e:
+                on_damage(w, ChunkError(w.ref.id or "", f"unreadable: {e.strerror or e}"))
+
+        def single_read(w: Want) -> None:
+            with single_pool.borrowed() as buf:
+                t0 = time.perf_counter()
+                header, payload = store.read_stored(w.ref, buf, check=False, cached=True)
+                t1 = time.perf_counter()
+                stages.add("read", t1 - t0, header.stored_len)
+                data = _checked(check, header, payload, w.ref.id or "")
+                stages.add("decompress+verify" if check == "full" else "verify", time.perf_counter() - t1,
+                           w.ref.raw_len)
+                deliver(w, data)
+
+        def reader() -> None:
+            while not halted():
+                with it_lock:
+                    run = next(run_iter, None)
+                if run is None:
+                    return
+                if not run[0][1].pack:
+                    try:
+                        single(run[0][0])
+                    except BaseException as e:  # noqa: BLE001
+                        failed(e)
+                    continue
+                buf = pool.acquire()
+                first, last = run[0][1], run[-1][1]
+                length = last.offset + last.length - first.offset
+                try:
+                    t0 = time.perf_counter()
+                    with store.subdir("packs") as packs:
+                        fd = open_pack(packs, first.pack, wants[run[0][0]].ref.id or "")
+                    try:
+                        got = read_into(fd, buf.view[:length], first.offset)
+                    finally:
+                        os.close(fd)
+                    stages.add("read", time.perf_counter() - t0, got)
+                except BaseException as e:  # noqa: BLE001
+                    pool.release(buf)
+                    if isinstance(e, ChunkError):
+                        for i, _ in run:  # the pack is unusable here: each chunk on its own
+                            try:
+                                single(i)
+                            except BaseException as e2:  # noqa: BLE001
+                                failed(e2)
+                                return
+                        continue
+                    failed(e)
+                    return
+                # bound now (default arguments), not looked up when called: the next run rebinds these names
+                def done(b: Any = buf, left: list[int] = [len(run)], llock: threading.Lock = threading.Lock()) -> None:
+                    with llock:
+                        left[0] -= 1
+                        last_one = left[0] == 0
+                    if last_one:
+                        pool.release(b)  # every entry of the run delivered: only now may it be reused
+
+                for i, loc in run:
+                    start = loc.offset - first.offset
+                    end = start + loc.length
+                    if end > got:  # cut short: that entry (and the rest) read on their own
+                        dec.submit(_short, single, i, failed, done)
+                    else:
+                        dec.submit(decode, i, buf.view[start:end], done)
+
+        with ThreadPoolExecutor(readers, thread_name_prefix="gpusnap-read") as rx:
+            for f in [rx.submit(reader) for _ in range(readers)]:
+                f.result()
+        dec.shutdown(wait=True)
+    if error:
+        raise error[0]
+
+
+def _checked(check: str, header: ChunkHeader, payload: memoryview, cid: str) -> Any:
+    if check == "full":
+        return full_check(header, payload, cid)
+    if check == "id":
+        id_check(header, payload, cid)
+    else:
+        stored_check(header, payload, cid)
+    return payload
+
+
+def _short(single: Callable[[int], None], i: int, failed: Callable[[BaseException], None],
+           done: Callable[[], None]) -> None:
+    try:
+        single(i)
+    except BaseException as e:  # noqa: BLE001
+        failed(e)
+    finally:
+        done()
+
+
+def _most(ref: ChunkRef) -> int:
+    return HEADER_SIZE + align_up(max(max_stored_len(ref.codec, ref.raw_len, ref.stored_len), 1))

@@ -1,0 +1,242 @@
+"""Store format v3 (FORMAT.md, "Pack files and the index"): kill -9 at each step of the pack write
+order leaves a store that verifies, loses nothing committed, and whose leftovers gc reclaims; hostile
+index files never make a read leave its pack or allocate beyond what the snapshot needs; gc repacks
+packs that are mostly dead; a version 2 store (one file per chunk) is read, then migrated. Real
+files on the real disk, the real CLI, a real SIGKILL."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import GPUSNAP, REPO, Cli, chunk_files, make_mixed_tree, pythonpath, tree_digest
+from storage.packs import PAUSE_ENV, decode_index, encode_index
+from support.entries import chunk_entries, chunk_ids, to_chunk_files
+
+
+def _distinct(path: Path, chunks: int, seed: int) -> Path:
+    """CHUNKS distinct 4 MiB chunks of incompressible bytes."""
+    block = bytearray(np.random.default_rng(seed).bytes(4 << 20))
+    with open(path, "wb") as f:
+        for i in range(chunks):
+            block[:8] = (seed * 1000 + i).to_bytes(8, "little")
+            f.write(block)
+    return path
+
+
+def _killed_put_at(store: Path, name: str, src: Path, stage: str, tmp: Path) -> None:
+    """Start `store put NAME SRC`, wait until it reaches STAGE of the pack write order, kill -9 it."""
+    flag = tmp / f"paused-{stage}"
+    env = dict(os.environ, PYTHONPATH=pythonpath(), **{PAUSE_ENV: f"{stage}:{flag}"})
+    p = subprocess.Popen([*GPUSNAP, "--store", str(store), "store", "put", name, str(src)], env=env, cwd=REPO,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 120
+    while not flag.exists():
+        assert p.poll() is None, p.communicate()[1]
+        assert time.monotonic() < deadline, "the put never reached " + stage
+        time.sleep(0.01)
+    assert int(flag.read_text()) == p.pid
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    flag.unlink()
+
+
+@pytest.mark.parametrize("stage", ["pack-partial", "pack-synced", "indexed"])
+def test_kill_9_at_each_pack_write_step(cli: Cli, store_dir: Path, tmp_path: Path, stage: str) -> None:
+    keep_src = make_mixed_tree(tmp_path / "keep", mb=8)
+    cli.run("store", "put", "keep", str(keep_src))
+    kept_packs, kept_ids = chunk_files(store_dir), chunk_ids(store_dir)
+    big = _distinct(tmp_path / "big", 12, seed=stage.__len__())
+    _killed_put_at(store_dir, "k", big, stage, tmp_path)
+    # nothing committed is lost, nothing half-written is visible
+    assert [r["name"] for r in cli.json("store", "ls")] == ["keep"]
+    assert cli.json("store", "verify", "--read-data")["ok"]
+    cli.run("store", "get", "keep", str(tmp_path / "o1"))
+    assert tree_digest(tmp_path / "o1" / "keep") == tree_digest(keep_src)
+    left = set(chunk_files(store_dir)) - set(kept_packs)
+    assert left, "the killed put left its pack"
+    indexed = {p.name for p in (store_dir / "index").iterdir()}
+    if stage == "indexed":
+        assert {p.name for p in left} <= indexed  # a durable, indexed pack no manifest names
+        # ... whose chunks the next put reuses instead of writing them again
+        again = cli.json("store", "put", "k2", str(big))
+        assert again["chunks_dedup"] > 0, again
+        cli.run("store", "rm", "k2")
+    else:
+        assert not {p.name for p in left} & indexed  # never indexed: garbage, never damage
+    gc = cli.json("store", "gc")
+    assert gc["packs_removed"] >= 1 and not gc["damage"], gc
+    assert chunk_files(store_dir) == kept_packs and chunk_ids(store_dir) == kept_ids
+    assert {p.name for p in (store_dir / "index").iterdir()} == {p.name for p in kept_packs}
+    assert not list((store_dir / "tmp").iterdir())
+    assert cli.json("store", "verify", "--read-data")["ok"]
+    # and the store takes the same put again, whole
+    cli.run("store", "put", "k", str(big))
+    cli.run("store", "get", "k", str(tmp_path / "o2"))
+    assert (tmp_path / "o2" / "big").read_bytes() == big.read_bytes()
+
+
+def test_one_fsync_per_pack_and_packs_of_the_target_size(cli: Cli, store_dir: Path, tmp_path: Path) -> None:
+    """A put of 40 distinct chunks (160 MiB) writes two packs (128 MiB target), each indexed."""
+    big = _distinct(tmp_path / "big", 40, seed=3)
+    put = cli.json("store", "put", "b", str(big))
+    assert put["chunks_new"] == 40
+    packs = chunk_files(store_dir)
+    assert len(packs) == 2 and max(p.stat().st_size for p in packs) >= 128 << 20
+    assert sorted(p.name for p in (store_dir / "index").iterdir()) == sorted(p.name for p in packs)
+    assert not any((store_dir / "chunks").glob("*/*"))  # nothing written one file per chunk
+    # read back through the read stage (runs of adjacent entries, each run's buffer reused only once
+    # every entry of it is written), a few times: every byte where it belongs
+    for n in range(3):
+        got = json.loads(cli.run("store", "get", "b", str(tmp_path / f"o{n}"), "--json").stdout)
+        assert (tmp_path / f"o{n}" / "big").read_bytes() == big.read_bytes()
+        assert got["stages"]["read"]["bytes"] >= 40 * (4 << 20)
+
+
+def _rewrite_index(store: Path, edit) -> Path:
+    idx = next((store / "index").iterdir())
+    pack_len, ents = decode_index(idx.name, idx.read_bytes())
+    pack_len, ents = edit(pack_len, ents)
+    idx.write_bytes(encode_index(idx.name, pack_len, ents))  # a sound checksum: only the checks below stop it
+    return idx
+
+
+@pytest.mark.parametrize("forgery", ["past-the-pack", "huge-entry", "overlap", "bad-checksum", "oversized-file",
+                                     "other-pack"])
+def test_a_hostile_index_is_damage_never_a_read_outside_its_pack(cli: Cli, store_dir: Path, tmp_path: Path,
+                                                                 forgery: str) -> None:
+    src = make_mixed_tree(tmp_path / "m", mb=8)
+    cli.run("store", "put", "m", str(src))
+    pack = chunk_files(store_dir)[0]
+    size = pack.stat().st_size
+    if forgery == "past-the-pack":  # the index claims a longer pack and an entry beyond its end
+        _rewrite_index(store_dir, lambda n, e: (n + (64 << 20), e[:-1] + [(e[-1][0], n + (32 << 20), e[-1][2])]))
+        expect = "truncated"
+    elif forgery == "huge-entry":  # an entry of 1 GiB: never allocated, never read
+        _rewrite_index(store_dir, lambda n, e: ((2 << 30), e[:-1] + [(e[-1][0], e[-1][1], 1 << 30)]))
+        expect = "larger than the snapshot's chunk"
+    elif forgery == "overlap":
+        _rewrite_index(store_dir, lambda n, e: (n, e + [(e[0][0], e[0][1], e[0][2])]))
+        expect = "not a valid entry"
+    elif forgery == "bad-checksum":
+        idx = next((store_dir / "index").iterdir())
+        b = bytearray(idx.read_bytes())
+        b[70] ^= 1
+        idx.write_bytes(bytes(b))
+        expect = "checksum"
+    elif forgery == "oversized-file":
+        idx = next((store_dir / "index").iterdir())
+        with open(idx, "ab") as f:
+            f.truncate(17 << 20)
+        expect = "more than an index file may be"
+    else:  # an index naming another pack than its own name
+        idx = next((store_dir / "index").iterdir())
+        b = bytearray(idx.read_bytes())
+        b[8:24] = bytes(16)
+        body = bytes(b[:-32])
+        import blake3
+        idx.write_bytes(body + blake3.blake3(body).digest())
+        expect = "names pack"
+    v = cli.run("store", "verify", "--json", check=False, timeout=60)
+    assert v.returncode == 3, v.stdout
+    g = cli.run("store", "get", "m", str(tmp_path / "o"), check=False, timeout=60)
+    assert g.returncode == 3 and len(g.stderr.splitlines()) == 1 and not (tmp_path / "o").exists(), g.stderr
+    gc = cli.run("store", "gc", "--json", check=False)
+    report = json.loads(gc.stdout)
+    assert pack.exists() and pack.stat().st_size == size, "gc deletes nothing an index it cannot trust may name"
+    if forgery in ("overlap", "bad-checksum", "oversized-file", "other-pack"):
+        assert gc.returncode == 3 and any(expect in d for d in report["damage"]), report
+    else:
+        assert any(expect in p for p in json.loads(v.stdout)["problems"]), v.stdout
+
+
+def test_gc_repacks_a_mostly_dead_pack_and_keeps_what_snapshots_name(cli: Cli, store_dir: Path,
+                                                                      tmp_path: Path) -> None:
+    d = tmp_path / "d"
+    d.mkdir()
+    _distinct(d / "small", 2, seed=5)
+    _distinct(d / "large", 10, seed=6)
+    cli.run("store", "put", "both", str(d))          # one pack: 2 + 10 chunks
+    cli.run("store", "put", "small", str(d / "small"))  # all found present: no new pack
+    [pack] = chunk_files(store_dir)
+    cli.run("store", "rm", "both")
+    gc = cli.json("store", "gc")
+    assert gc["packs_repacked"] == 1 and gc["chunks_removed"] == 10, gc
+    [new] = chunk_files(store_dir)
+    assert new != pack and not pack.exists() and len(chunk_entries(store_dir)) == 2
+    assert new.stat().st_size < 10 << 20
+    assert cli.json("store", "verify", "--read-data")["ok"]
+    cli.run("store", "get", "small", str(tmp_path / "o"))
+    assert (tmp_path / "o" / "small").read_bytes() == (d / "small").read_bytes()
+    # a pack all dead goes whole, one all alive stays as it is
+    cli.run("store", "put", "large", str(d / "large"))
+    cli.run("store", "put", "mix", str(d))
+    [alive] = [p for p in chunk_files(store_dir) if p != new]
+    cli.run("store", "rm", "small", "mix")
+    gc = cli.json("store", "gc")
+    assert gc["packs_repacked"] == 0 and gc["packs_removed"] == 1 and chunk_files(store_dir) == [alive], gc
+    assert cli.json("store", "verify", "--read-data")["ok"]
+
+
+def test_gc_keeps_chunks_a_journaled_operation_names(cli: Cli, store_dir: Path, tmp_path: Path) -> None:
+    """A chunk-reference log of an operation still in the journal pins its chunks in their pack."""
+    from storage.store import SnapshotStore
+    from storage.directio import AlignedBuffer
+    st = SnapshotStore(str(store_dir))
+    buf = AlignedBuffer(8192 + 4096)
+    buf.view[4096:4096 + 5000] = os.urandom(5000)
+    with st.writer("w") as w:
+        ref = w.put_chunk("raw", 5000, buf.view, 5000)
+        w.sync_chunks([ref])  # closed and indexed, as the GPU path does before logging it
+    buf.close()
+    assert ref.id in chunk_ids(store_dir)
+    jdir = store_dir / "journal"
+    jdir.mkdir(mode=0o700)
+    op = "a" * 32
+    (jdir / f"{op}.json").write_text(json.dumps({"op": op, "kind": "gpu-checkpoint", "stage": "dumping",
+                                                 "owner": {"pid": 999999, "start": 1}}))
+    line = json.dumps({"k": "chunk", "stream": "gpu/1/0", "i": 0, "ref": ref.to_json()}, separators=(",", ":"))
+    import zlib
+    (jdir / f"{op}.refs").write_text(f"{zlib.crc32(line.encode()):08x} {line}\n")
+    from storage.gc import collect
+    g = collect(SnapshotStore(str(store_dir)))
+    assert g.packs_removed == 0 and ref.id in chunk_ids(store_dir), g
+    (jdir / f"{op}.json").unlink()
+    g = collect(SnapshotStore(str(store_dir)))
+    assert g.packs_removed == 1 and ref.id not in chunk_ids(store_dir)
+
+
+def test_a_version_2_store_is_read_then_migrated_into_packs(cli: Cli, store_dir: Path, tmp_path: Path) -> None:
+    src = make_mixed_tree(tmp_path / "m", mb=12)
+    cli.run("store", "put", "old", str(src), "--chunk-size", "1M")
+    ids = chunk_ids(store_dir)
+    to_chunk_files(store_dir, 2)
+    assert not (store_dir / "packs").exists() and len(chunk_files(store_dir)) == len(ids)
+    assert cli.json("store", "verify", "--read-data")["ok"]  # read as it is, no upgrade
+    cli.run("store", "get", "old", str(tmp_path / "o1"))
+    assert tree_digest(tmp_path / "o1" / "m") == tree_digest(src)
+    assert json.loads((store_dir / "gpusnap-store.json").read_text())["version"] == 2
+    # one damaged chunk file stays where it is (evidence), the rest move
+    victim = next(e for e in chunk_entries(store_dir) if e.length > 8192)
+    victim.flip_payload(0.5)
+    r = cli.run("store", "migrate", "--json", check=False)
+    assert r.returncode == 3, r.stderr
+    rep = json.loads(r.stdout)
+    assert rep["moved"] == len(ids) - 1 and len(rep["left"]) == 1 and victim.cid in rep["left"][0], rep
+    assert json.loads((store_dir / "gpusnap-store.json").read_text())["version"] == 3
+    assert [p for p in chunk_files(store_dir) if p.parent.parent.name == "chunks"] == [victim.path]
+    assert chunk_ids(store_dir) == ids
+    # repair from the source puts the damaged one into a pack too
+    cli.run("store", "repair", "--from", str(src))
+    cli.run("store", "gc")
+    assert cli.json("store", "migrate")["moved"] == 0
+    assert all(p.parent.name == "packs" for p in chunk_files(store_dir)) and chunk_ids(store_dir) == ids
+    assert cli.json("store", "verify", "--read-data")["ok"]
+    cli.run("store", "get", "old", str(tmp_path / "o2"))
+    assert tree_digest(tmp_path / "o2" / "m") == tree_digest(src)
