@@ -216,7 +216,13 @@ class FileTreeSource:
                 raise FileTreeError(f"{self._display(name)}: permission denied")
             return StreamSpec(name, {"type": "dir", **attrs}, 0)
         if stat.S_ISLNK(st.st_mode):
-            return StreamSpec(name, {"type": "symlink", "target": os.readlink(entry, dir_fd=dfd), **attrs}, 0)
+            try:
+                target = os.readlink(entry, dir_fd=dfd)
+            except OSError as e:  # swapped for something else since the stat: EINVAL (not a link), ENOENT
+                if e.errno in (errno.EINVAL, errno.ENOENT):
+                    raise self._changed(name, "no longer a symlink") from None
+                raise FileTreeError(f"{self._display(name)}: {_reason(e)}") from None
+            return StreamSpec(name, {"type": "symlink", "target": target, **attrs}, 0)
         if stat.S_ISFIFO(st.st_mode):
             return StreamSpec(name, {"type": "fifo", **attrs}, 0)
         if stat.S_ISSOCK(st.st_mode):
