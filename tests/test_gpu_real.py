@@ -225,10 +225,9 @@ def test_engine_refuses_a_corrupted_stream(tmp_path: Path) -> None:
         with st.writer("c") as wr:
             eng.checkpoint(wr, [region])
             wr.commit()
-        victim = max((p for p in (tmp_path / "s" / "chunks").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
-        data = bytearray(victim.read_bytes())
-        data[5000] ^= 0xFF
-        victim.write_bytes(bytes(data))
+        from support.entries import chunk_entries
+        victim = max(chunk_entries(tmp_path / "s"), key=lambda e: e.length)  # a pack entry or a chunk file
+        victim.flip(5000)
         with pytest.raises(StoreError, match="damaged"):
             eng.restore(st, st.load("c"), {"gpu/0": region})
 

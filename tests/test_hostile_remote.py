@@ -14,6 +14,8 @@ from typing import Iterator
 
 import pytest
 
+from support.entries import chunk_ids
+
 from conftest import REPO, Cli, make_mixed_tree, pythonpath, tree_digest
 from support.memcap import MemCap, memory_cgroup
 
@@ -114,7 +116,9 @@ def test_a_hostile_chunk_fails_pull_in_one_line(pushed: tuple[Cli, Cli, Path], s
 
 
 def _chunk_ids(cli: Cli) -> list[str]:
-    return sorted(p.name for p in (cli.store / "chunks").glob("*/*"))
+    ids = sorted(chunk_ids(cli.store))  # pack entries and chunk files alike
+    assert ids, "the pushed store has chunks"
+    return ids
 
 
 def test_objects_without_a_content_length_are_read_bounded_and_work(pushed: tuple[Cli, Cli, Path], server: Hostile,

@@ -182,13 +182,22 @@ def test_a_raw_addressed_chunk_encoded_otherwise_than_the_manifest_says_still_re
     """The same raw bytes encoded by another codec or zstd level (as another host or a later put may):
     the id binds the raw bytes, so readers take codec and length from the file (FORMAT.md)."""
     src = make_mixed_tree(tmp_path / "model", mb=6)
+    # text-like bytes, which the host stores as zstd-1: zstd-19 of them is shorter and fits the entry
+    (src / "notes.txt").write_bytes(b"".join(b"line %d of some notes, " % i for i in range(60000)))
     cli.run("store", "put", "m", str(src), "--chunk-size", "1M")
-    victim = next(e for e in chunk_entries(store_dir) if ChunkHeader.unpack(e.read()[:64], e.cid).codec != "raw")
-    data = victim.read()
-    hdr = ChunkHeader.unpack(data[:64], victim.cid)
-    raw = bytes(decode_host(hdr.codec, memoryview(data)[HEADER_SIZE:HEADER_SIZE + hdr.stored_len], hdr.raw_len))
+
+    def reencoded(e: Any) -> tuple[ChunkHeader, bytes, bytes] | None:
+        """E's header, raw bytes and a zstd-19 payload of them, if that payload fits in E's entry."""
+        data = e.read()
+        hdr = ChunkHeader.unpack(data[:64], e.cid)
+        if hdr.codec == "raw":
+            return None
+        raw = bytes(decode_host(hdr.codec, memoryview(data)[HEADER_SIZE:HEADER_SIZE + hdr.stored_len], hdr.raw_len))
+        payload = zstandard.ZstdCompressor(level=19, write_content_size=True).compress(raw)
+        return (hdr, raw, payload) if HEADER_SIZE + len(payload) <= len(data) else None
+
+    victim, (hdr, raw, payload) = next((e, r) for e in chunk_entries(store_dir) if (r := reencoded(e)) is not None)
     assert raw_chunk_id(raw) == victim.cid
-    payload = zstandard.ZstdCompressor(level=19, write_content_size=True).compress(raw)
     assert len(payload) != hdr.stored_len
     other = ChunkHeader("zstd", hdr.raw_len, len(payload), raw_id=True).with_checksum(payload)
     victim.write(other.pack().ljust(HEADER_SIZE, b"\0") + payload)  # shorter: it fits in its entry
