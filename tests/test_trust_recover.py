@@ -13,7 +13,7 @@ import pytest
 
 from conftest import GPUSNAP, REPO, Cli, pythonpath
 from test_criu import Tree, healthy
-from test_crash_recovery import Paused, assert_nothing_left
+from support.crash import Paused, assert_nothing_left
 
 pytestmark = pytest.mark.root
 
