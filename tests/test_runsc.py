@@ -80,7 +80,7 @@ def test_errors_leave_nothing_behind(cli: Cli, env: dict, store_dir: Path) -> No
     cli.run("runsc", "delete", U("e1"), *env["args"], "--runsc-arg=--network=none")
     assert leftovers(net) == []
     p = cli.run("runsc", "restore", "snap", U("e9"), "--bundle", str(bundle), check=False)
-    assert p.returncode == 1 and "damaged" in p.stderr and len(p.stderr.splitlines()) == 1
+    assert p.returncode == 3 and "damaged" in p.stderr and len(p.stderr.splitlines()) == 1
     root = env["args"][0].split("=", 2)[2]
     st = subprocess.run(["runsc", f"--root={root}", "state", U("e9")], capture_output=True)
     assert st.returncode != 0, "no sandbox may be left from a failed restore"
