@@ -131,7 +131,7 @@ def test_damaged_snapshot_refused_before_any_process_starts(cli: Cli, tree: Tree
     else:
         victim.unlink()
     r = cli.run("criu", "restore", "d", check=False)
-    assert r.returncode == 1 and "damaged" in r.stderr and len(r.stderr.splitlines()) == 1, r.stderr
+    assert r.returncode == 3 and "damaged" in r.stderr and len(r.stderr.splitlines()) == 1, r.stderr
     assert not tree.alive(), "no process may start from a damaged snapshot"
 
 
