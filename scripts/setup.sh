@@ -43,7 +43,7 @@ if [ ${#missing[@]} -gt 0 ]; then
     step "apt-get install" "${apt[@]}" install -y --no-install-recommends "${missing[@]}"
 fi
 
-[ -x .cache/criu/bin/criu ] || echo "setup: building CRIU 4 (once, about a minute; log: $log)" >&2
+scripts/setup/install-criu.sh --check >/dev/null 2>&1 || echo "setup: building CRIU (once, about a minute; log: $log)" >&2
 step "CRIU" sh -c 'scripts/setup/install-criu.sh > .cache/criu-path'
 criu=$(cat .cache/criu-path)
 step "Swift" scripts/setup/swift-setup.sh install  # the object store the remote-tier tests use (started by scripts/test.sh)

@@ -1246,15 +1246,14 @@ class SnapshotWriter:
         return cid, ChunkRef(cid, got.raw_len, got.codec, got.stored_len)
 
     def reuse_ref(self, ref: ChunkRef) -> ChunkRef | None:
-        """REF (a raw-addressed chunk a files cache remembers) as the reference to the sound file of
-        its id present now (chunkfile.reusable: a GSNPCHK2 header of its raw length); None when there
+        """REF (a raw-addressed chunk a files cache remembers) as the reference to the sound chunk of
+        its id present now (a pack entry or chunk file with a GSNPCHK2 header of its raw length); None when there
         is none: the caller then reads the file's bytes again. Counted by note_reused, not here."""
         if ref.id is None or not CHUNK_ID.fullmatch(ref.id):
             return None
         want = ChunkHeader("raw", ref.raw_len, ref.raw_len, raw_id=True)
-        try:
-            with opened_child(self._chunks, ref.id[:2], f"chunks/{ref.id[:2]}") as d:
-                got = reusable(d, ref.id, want)
+        try:  # the same lookup as dedup's (find_raw): pack entries through the index, then chunk files
+            got = self.store.present(ref.id, want, self._chunks, self._pw)
         except (OSError, GpusnapError):
             return None
         if got is None:

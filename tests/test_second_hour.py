@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import GPUSNAP, REPO, Cli, chunk_files, make_mixed_tree, pythonpath
+from support.entries import chunk_entries
+from conftest import GPUSNAP, REPO, Cli, make_mixed_tree, pythonpath
 
 
 def _tree(root: Path) -> Path:
@@ -105,12 +106,8 @@ def test_ls_marks_snapshots_with_damaged_chunks_until_repaired(cli: Cli, store_d
     cli.run("store", "put", "whole", str(other))
     hit_ids = {c[0] for s in json.loads((store_dir / "snapshots" / "hit.json").read_text())["streams"]
                for c in s["chunks"] if c[0]}
-    victim = next(p for p in chunk_files(store_dir) if p.name in hit_ids)
-    with open(victim, "r+b") as f:
-        f.seek(4096 + 100)
-        b = f.read(1)
-        f.seek(4096 + 100)
-        f.write(bytes([b[0] ^ 0xFF]))
+    victim = next(e for e in chunk_entries(store_dir) if e.cid in hit_ids)  # a pack entry or a chunk file
+    victim.flip(4096 + 100)
     assert {r["name"]: r["damaged_chunks"] for r in cli.json("store", "ls")} == {"hit": 0, "whole": 0}
     assert cli.run("store", "verify", check=False).returncode == 3
     rows = {r["name"]: r for r in cli.json("store", "ls")}

@@ -4,7 +4,8 @@
 # on recent kernels, and CRIU 4.1.x passes `criu check` on kernels >= 6.16 but cannot dump any TCP
 # socket there (6.16 restricted SO_PASSCRED/SO_PASSSEC to AF_UNIX/netlink; fixed in CRIU 4.2):
 # docs/PLATFORM.md. The built binary is cached under .cache/criu so a second run is instant. Prints the
-# path of the criu to use on stdout; progress on stderr.
+# path of the criu to use on stdout; progress on stderr. With --check: exit 0 if one is there, 1 if it
+# would have to be built.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 cache="$root/.cache/criu"
@@ -23,6 +24,8 @@ usable() {  # $1 = criu binary
 
 if command -v criu >/dev/null && usable "$(command -v criu)"; then command -v criu; exit 0; fi
 if [ -x "$cache/bin/criu" ] && usable "$cache/bin/criu"; then echo "$cache/bin/criu"; exit 0; fi
+# --check: only say (exit status) whether a usable CRIU is there already; build nothing
+if [ "${1:-}" = "--check" ]; then exit 1; fi
 
 export DEBIAN_FRONTEND=noninteractive
 apt-get install -y -q -o DPkg::Lock::Timeout=300 --no-install-recommends libprotobuf-c-dev protobuf-c-compiler libprotobuf-dev \
