@@ -16,11 +16,11 @@ from __future__ import annotations
 import json
 import os
 import re
-import stat
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Iterable
 
+from .directio import read_small_file
 from .manifest import Manifest
 
 if TYPE_CHECKING:
@@ -43,20 +43,8 @@ class DamageMarks:
     def load(cls, store: "SnapshotStore") -> "DamageMarks":
         """The store's record, or an empty one where there is none or it is not valid."""
         with store.root() as (root, _):
-            try:
-                fd = os.open(RECORD, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=root)
-            except OSError:
-                return cls()
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_BYTES:
-                return cls()
-            data = os.read(fd, MAX_BYTES + 1)
-        except OSError:
-            return cls()
-        finally:
-            os.close(fd)
-        return cls.parse(data)
+            data = read_small_file(root, RECORD, MAX_BYTES)
+        return cls() if data is None else cls.parse(data)
 
     @classmethod
     def parse(cls, data: bytes) -> "DamageMarks":

@@ -10,6 +10,7 @@ import ctypes
 import errno
 import mmap
 import os
+import stat
 import queue
 from contextlib import contextmanager
 from typing import Iterator
@@ -175,6 +176,25 @@ def read_to_end(fd: int, limit: int | None = None) -> bytes:
         parts.append(b)
         got += len(b)
     return b"".join(parts)
+
+
+def read_small_file(dir_fd: int, name: str, limit: int) -> bytes | None:
+    """NAME in DIR_FD read whole if it is a regular file of at most LIMIT bytes, opened without following
+    a link or blocking on a FIFO; None where there is none, it is anything else, or it is larger."""
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > limit:
+            return None
+        data = read_to_end(fd, limit + 1)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    return data if len(data) <= limit else None
 
 
 def open_for_read(path: str, direct: bool) -> tuple[int, bool]:

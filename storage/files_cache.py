@@ -21,12 +21,12 @@ from __future__ import annotations
 
 import json
 import os
-import stat
 import time
 from typing import TYPE_CHECKING, Any
 
 import blake3
 
+from .directio import read_small_file
 from .manifest import ChunkRef, ManifestError
 
 if TYPE_CHECKING:
@@ -58,20 +58,9 @@ class FilesCache:
     def load(cls, store: "SnapshotStore") -> "FilesCache":
         """The store's files cache, or an empty one where there is none or it is not valid."""
         with store.root() as (root, _):
-            try:
-                fd = os.open(RECORD, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=root)
-            except OSError:
-                return cls()
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_BYTES:
-                return cls()
-            from .directio import read_to_end
-            data = read_to_end(fd)
-        except OSError:
+            data = read_small_file(root, RECORD, MAX_BYTES)
+        if data is None:
             return cls()
-        finally:
-            os.close(fd)
         try:
             body = json.loads(data)
         except (ValueError, UnicodeDecodeError):

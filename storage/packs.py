@@ -30,6 +30,7 @@ import blake3
 from .chunkfile import HEADER_SIZE, MAX_RAW_CHUNK, ChunkError, ChunkHeader, file_kind
 from .directio import ALIGN, AlignedBuffer, align_up, read_into, write_all
 from .storedir import StoreDamage
+from .pausepoint import pause_at
 
 PACK_TARGET = 128 << 20      # a pack is closed once it holds this many bytes (FORMAT.md)
 REPACK_BELOW = 0.5           # gc repacks a pack whose live bytes are below this fraction of its length
@@ -59,23 +60,12 @@ class Loc:
     length: int
 
 
-_paused: set[str] = set()
-
-
 def pause(stage: str) -> None:
     """Test hook: with GPUSNAP_TEST_PAUSE_PACK=STAGE:FILE, write our pid to FILE and wait until it is
     removed (the first time STAGE is reached in this process), so a test can kill -9 the writer at
     exactly that step: `pack-partial` (a chunk appended, the pack not closed), `pack-synced` (the pack
     fsynced, not yet indexed), `indexed` (the index durable, the manifest not written)."""
-    want, _, path = os.environ.get(PAUSE_ENV, "").partition(":")
-    if want != stage or not path or stage in _paused:
-        return
-    _paused.add(stage)
-    with open(path + ".tmp", "w") as f:
-        f.write(str(os.getpid()))
-    os.rename(path + ".tmp", path)
-    while os.path.exists(path):
-        time.sleep(0.02)
+    pause_at(PAUSE_ENV, stage)
 
 
 # ---- index files ------------------------------------------------------------------------------

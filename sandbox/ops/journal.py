@@ -36,6 +36,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Iterator, Sequence
 
 from storage.errors import EXIT_RECOVER, GpusnapError
+from storage.pausepoint import pause_at
 
 from sandbox.host import procgroup
 from sandbox.ops.trust import JournalKey
@@ -383,22 +384,11 @@ def committed_by(key: JournalKey, rec: OpRecord, meta: dict[str, Any]) -> bool:
     return key.check("commit", {"op": rec.op, "snapshot": rec.snapshot, "pids": sorted(pids)}, meta.get("op_mac"))
 
 
-_paused: set[str] = set()
-
-
 def pause(stage: str) -> None:
     """Test hook: with GPUSNAP_TEST_PAUSE=STAGE:FILE, write our pid to FILE and wait until it is removed,
     so that a test can kill or signal gpusnap at exactly this point (the first time it is reached in
     this process). Does nothing otherwise."""
-    want, _, path = os.environ.get(PAUSE_ENV, "").partition(":")
-    if want != stage or not path or stage in _paused:
-        return
-    _paused.add(stage)
-    with open(path + ".tmp", "w") as f:
-        f.write(str(os.getpid()))
-    os.rename(path + ".tmp", path)
-    while os.path.exists(path):
-        time.sleep(0.02)
+    pause_at(PAUSE_ENV, stage)
 
 
 def pause_script(images_dir: str) -> str | None:
