@@ -29,3 +29,13 @@ def drop_caches(required: bool = False) -> bool:
             raise SystemExit(f"cannot drop the page cache ({e.strerror}): run the benchmark as root") from None
         print("(cannot drop caches: not root; read figures include the page cache)", file=sys.stderr)
         return False
+
+
+def report_json(result: dict, path: str | None) -> None:
+    """A benchmark's RESULT printed as indented JSON, and written to PATH too when one is given."""
+    import json
+    text = json.dumps(result, indent=1)
+    print(text)
+    if path:
+        with open(path, "w") as f:
+            f.write(text)

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from conftest import GPUSNAP, REPO, Cli, pythonpath
+from support.crash import sleeping_pair
 from support.entries import chunk_ids
 from support.crash import SIGNALS, STAGES, Paused, assert_nothing_left, expect_exit, processes_mentioning, wait_dead
 from support.criu import Tree, healthy
@@ -126,13 +127,7 @@ class GpuWorkload:
     def __init__(self, tmp: Path) -> None:
         import random
         from support.driver_standin import SharedStandIn
-        self.proc = subprocess.Popen([sys.executable, "-c", "import subprocess, time; "
-                                      "subprocess.Popen(['sleep', '600']); time.sleep(600)"], start_new_session=True)
-        deadline = time.monotonic() + 10
-        while not (kids := Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split()):
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
-        self.pids = [self.proc.pid, int(kids[0])]
+        self.proc, self.pids = sleeping_pair()
         self.state = str(tmp / "driver.pkl")
         # a random part (stored as a chunk file) and a zero part per process
         self.before = {p: random.Random(p).randbytes(3 << 20) + bytes(1 << 20) for p in self.pids}

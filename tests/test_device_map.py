@@ -16,6 +16,7 @@ from typing import Iterator
 import pytest
 
 from conftest import REPO, pythonpath
+from support.crash import sleeping_pair
 from support.driver_standin import SharedStandIn, StandInDriver, standin_gpus
 from sandbox.gpu.device_map import DeviceMapError, PerProcessMap, check_memory, plan
 from sandbox.gpu.driver import Features, ProcessState as S
@@ -112,13 +113,7 @@ class Pair:
 
     def __init__(self, tmp: Path, placement: dict[int, dict[str, int]], reserved: dict[str, int] | None = None,
                  gpus: int = 2) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-c", "import subprocess, time; "
-                                      "subprocess.Popen(['sleep', '600']); time.sleep(600)"], start_new_session=True)
-        deadline = time.monotonic() + 10
-        while not (kids := Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split()):
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
-        self.pids = [self.proc.pid, int(kids[0])]
+        self.proc, self.pids = sleeping_pair()
         self.state = str(tmp / "driver.pkl")
         self.before = {p: os.urandom(64 << 10) for p in self.pids}
         SharedStandIn.create(self.state, self.before, gpus=standin_gpus(gpus, total=4 * GIB), reserved=reserved,

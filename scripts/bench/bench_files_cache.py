@@ -11,7 +11,6 @@ Usage: python3 -m scripts.bench.bench_files_cache [--mb 1024] [--files 64] [--sm
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import subprocess
@@ -19,7 +18,7 @@ import sys
 import tempfile
 import time
 
-from scripts.helpers import child_env, drop_caches
+from scripts.helpers import child_env, drop_caches, report_json
 
 
 def run(argv: list[str], env: dict[str, str] | None = None) -> float:
@@ -74,11 +73,7 @@ def main() -> None:
             out["borg"] = [round(run(["borg", "create", f"{repo}::a{i}", tree], env), 3) for i in range(3)]
     finally:
         shutil.rmtree(top, ignore_errors=True)
-    text = json.dumps(out, indent=1)
-    print(text)
-    if a.json:
-        with open(a.json, "w") as f:
-            f.write(text)
+    report_json(out, a.json)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,6 @@ Usage: python3 -m scripts.bench.bench_startup [--runs 5] [--no-install] [--json 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -20,7 +19,7 @@ import sys
 import tempfile
 import time
 
-from scripts.helpers import child_env, drop_caches
+from scripts.helpers import child_env, drop_caches, report_json
 
 
 def setup(install: bool) -> None:
@@ -95,11 +94,7 @@ def main() -> None:
                               "ls": round(res["gpusnap store ls"]["median_s"] / res["borg list"]["median_s"], 2)}
     finally:
         shutil.rmtree(top, ignore_errors=True)
-    text = json.dumps(out, indent=1)
-    print(text)
-    if a.json:
-        with open(a.json, "w") as f:
-            f.write(text)
+    report_json(out, a.json)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ import sys
 import tempfile
 import time
 
-from scripts.helpers import REPO, child_env, drop_caches
+from scripts.helpers import REPO, child_env, drop_caches, report_json
 
 
 def timed_json(argv: list[str]) -> tuple[float, dict]:
@@ -58,11 +58,7 @@ def main() -> None:
         subprocess.run(["kill", "-9", str(rep["restored_pid"])], check=False)
     finally:
         shutil.rmtree(top, ignore_errors=True)
-    text = json.dumps(out, indent=1)
-    print(text)
-    if a.json:
-        with open(a.json, "w") as f:
-            f.write(text)
+    report_json(out, a.json)
 
 
 if __name__ == "__main__":

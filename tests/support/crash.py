@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -91,3 +92,16 @@ def processes_mentioning(text: str) -> list[str]:
             if text.encode() in cmd:
                 found.append(cmd.replace(b"\0", b" ").decode(errors="replace"))
     return found
+
+
+def sleeping_pair() -> tuple[subprocess.Popen[bytes], list[int]]:
+    """A parent (in its own session) with one child, both sleeping, for tests whose stand-in driver
+    plays their GPU: the parent's Popen and the two pids, parent first."""
+    proc = subprocess.Popen([sys.executable, "-c", "import subprocess, time; "
+                             "subprocess.Popen(['sleep', '600']); time.sleep(600)"], start_new_session=True)
+    deadline = time.monotonic() + 10
+    while not (kids := Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()):
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    return proc, [proc.pid, int(kids[0])]
+
