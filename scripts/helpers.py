@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
+FLOOR_READ = 16 << 20  # the read size of the disk floor's readers
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -39,3 +41,43 @@ def report_json(result: dict, path: str | None) -> None:
     if path:
         with open(path, "w") as f:
             f.write(text)
+
+
+def disk_floor(work: str, gb: float) -> dict:
+    """The disk's own rates on WORK's file system, measured now: buffered write + fsync of GB
+    gigabytes, then (page cache dropped) one sequential reader and four readers of it."""
+    path = os.path.join(work, "floor.bin")
+    n = int(gb * (1 << 30)) // FLOOR_READ * FLOOR_READ
+    block = os.urandom(FLOOR_READ)  # incompressible, not zero: what a file system cannot elide
+    out: dict = {"bytes": n}
+    t0 = time.perf_counter()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        for _ in range(n // FLOOR_READ):
+            os.write(fd, block)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    out["write_gbps"] = n / (time.perf_counter() - t0) / 1e9
+
+    def read(readers: int) -> float:
+        drop_caches(required=True)
+        fd = os.open(path, os.O_RDONLY)
+        part = n // readers // FLOOR_READ * FLOOR_READ
+
+        def one(i: int) -> None:
+            buf = bytearray(FLOOR_READ)
+            for off in range(i * part, (i + 1) * part, FLOOR_READ):
+                os.preadv(fd, [buf], off)
+        t0 = time.perf_counter()
+        try:
+            from concurrent.futures import ThreadPoolExecutor  # noqa: PLC0415
+            with ThreadPoolExecutor(readers) as ex:
+                list(ex.map(one, range(readers)))
+        finally:
+            os.close(fd)
+        return part * readers / (time.perf_counter() - t0) / 1e9
+    out["read1_gbps"] = read(1)
+    out["read4_gbps"] = read(4)
+    os.unlink(path)
+    return out

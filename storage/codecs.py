@@ -56,6 +56,8 @@ if TYPE_CHECKING:  # imported on first use: a listing or --help needs neither
     import numpy as np
     import zstandard
 
+from . import zstdlib
+from .directio import copy_into
 from .errors import GpusnapError
 
 # --------------------------------------------------------------------------------------- thresholds
@@ -147,7 +149,8 @@ class RawCodec:
 
 
 class ZstdCodec:
-    """zstd, one frame per chunk. Compressor objects are not thread-safe: one per thread."""
+    """zstd, one frame per chunk. Through libzstd (storage/zstdlib.py: into the caller's buffers, the GIL
+    released) where it is loaded, else python-zstandard (whose objects are per thread: not thread-safe)."""
 
     name = "zstd"
 
@@ -155,6 +158,7 @@ class ZstdCodec:
         self.level = level
         self.params = params
         self._local = threading.local()
+        self._native = zstdlib.Compressor(level, params) if zstdlib.available() else None
 
     def _cctx(self) -> zstandard.ZstdCompressor:
         c = getattr(self._local, "c", None)
@@ -179,7 +183,23 @@ class ZstdCodec:
     def encode(self, data: memoryview) -> bytes:
         return self._cctx().compress(data)
 
-    def decode(self, payload: memoryview, raw_len: int) -> bytes:
+    def encode_into(self, data: memoryview, dst: memoryview) -> int | None:
+        """DATA as one zstd frame in DST; its length, or None when it does not fit in len(DST) bytes
+        (the caller sizes DST to what would pay off)."""
+        if self._native is not None:
+            try:
+                return self._native.compress_into(data, dst)
+            except zstdlib.ZstdLibError as e:
+                raise CodecError(str(e)) from None
+        z = self._cctx().compress(data)
+        if len(z) > len(dst):
+            return None
+        copy_into(dst, z)
+        return len(z)
+
+    def decode(self, payload: memoryview, raw_len: int) -> bytes | memoryview:
+        if zstdlib.available():
+            return self.decode_into(payload, raw_len, memoryview(bytearray(raw_len)))
         try:
             out = self._dctx().decompress(payload, max_output_size=raw_len)
         except _zstd().ZstdError as e:
@@ -193,6 +213,12 @@ class ZstdCodec:
         dst = dst[:raw_len]
         if len(dst) != raw_len:
             raise CodecError(f"decode buffer of {len(dst)} bytes for {raw_len}")
+        if zstdlib.available():
+            try:
+                zstdlib.decompress_into(payload, dst)
+            except zstdlib.ZstdLibError as e:
+                raise CodecError(str(e)) from None
+            return dst
         try:
             # the calling thread's own decompressor (they are not thread-safe)
             reader = self._dctx().stream_reader(payload, read_size=max(1, len(payload)), read_across_frames=False)
@@ -251,36 +277,56 @@ class Shuffle2Codec:
     def probe(self, data: memoryview) -> tuple[tuple[bool, bool], int]:
         """On DATA (a sample, even length): whether each plane pays zstd, and the payload size that
         choice gives."""
-        planes = self._scratch(len(data))
-        self.split(data, planes)
-        h = len(data) // 2
-        n, pays = self._HEAD.size, []
+        n = len(data)
+        h = n // 2
+        planes = self._scratch(n + h)  # the planes, then room for one plane's frame
+        self.split(data, planes[:n])
+        room = planes[n:n + int(PLANE_PAYS_OFF * h)].data
+        size, pays = self._HEAD.size, []
         for i in (0, 1):
-            z = len(self.zstd.encode(planes[i * h:(i + 1) * h].data))
-            pays.append(z <= PLANE_PAYS_OFF * h)
-            n += z if pays[-1] else h
-        return (pays[0], pays[1]), n
+            z = self.zstd.encode_into(planes[i * h:(i + 1) * h].data, room)
+            pays.append(z is not None)
+            size += z if z is not None else h
+        return (pays[0], pays[1]), size
 
     def encode(self, data: memoryview, which: tuple[bool, bool] = (True, True)) -> bytes:
         """DATA (even length) as planes; WHICH says which planes to try zstd on (a plane that does not
         shrink below PLANE_PAYS_OFF is stored as it is)."""
-        if len(data) % 2:
+        out = memoryview(bytearray(self._HEAD.size + len(data)))
+        m = self.encode_into(data, out, which)
+        assert m is not None  # both planes stored as they are always fit
+        return bytes(out[:m])
+
+    def encode_into(self, data: memoryview, dst: memoryview, which: tuple[bool, bool] = (True, True)) -> int | None:
+        """DATA (even length) as planes into DST: the payload's length, or None when it does not fit in
+        len(DST) bytes. WHICH: the planes to try zstd on; a plane whose frame would not shrink it below
+        PLANE_PAYS_OFF is stored as it is. Nothing is allocated (this thread's plane buffer is reused)."""
+        n = len(data)
+        if n % 2:
             raise CodecError("shuffle2-zstd needs an even number of bytes")
-        h = len(data) // 2
-        planes = self._scratch(len(data))
+        h = n // 2
+        head = self._HEAD.size
+        if len(dst) < head:
+            return None
+        planes = self._scratch(n)
         self.split(data, planes)
-        parts: list[bytes | memoryview] = []
-        kinds: list[int] = []
+        pos, kinds, n0 = head, [0, 0], 0
         for i in (0, 1):
             p = planes[i * h:(i + 1) * h].data
-            z = self.zstd.encode(p) if which[i] else None
-            if z is not None and len(z) <= PLANE_PAYS_OFF * h:
-                parts.append(z)
-                kinds.append(1)
+            room = len(dst) - pos
+            z = self.zstd.encode_into(p, dst[pos:pos + min(room, int(PLANE_PAYS_OFF * h))]) if which[i] else None
+            if z is not None:
+                kinds[i] = 1
+                pos += z
             else:
-                parts.append(p)
-                kinds.append(0)
-        return b"".join([self._HEAD.pack(1, kinds[0], kinds[1], len(parts[0])), parts[0], parts[1]])
+                if room < h:
+                    return None
+                copy_into(dst[pos:pos + h], p)
+                pos += h
+            if i == 0:
+                n0 = pos - head
+        dst[:head] = self._HEAD.pack(1, kinds[0], kinds[1], n0)
+        return pos
 
     @staticmethod
     def _check_plane(kind: int, stored: memoryview, h: int) -> None:
@@ -290,10 +336,13 @@ class Shuffle2Codec:
             if len(stored) != h:
                 raise CodecError(f"shuffle2-zstd plane of {len(stored)} bytes, expected {h}")
         elif kind == 1:
-            try:
-                declared = _zstd().frame_content_size(stored)
-            except _zstd().ZstdError as e:
-                raise CodecError(f"shuffle2-zstd plane is not a zstd frame: {e}") from None
+            if zstdlib.available():
+                declared = zstdlib.frame_content_size(stored)
+            else:
+                try:
+                    declared = _zstd().frame_content_size(stored)
+                except _zstd().ZstdError as e:
+                    raise CodecError(f"shuffle2-zstd plane is not a zstd frame: {e}") from None
             if declared != h:
                 raise CodecError(f"shuffle2-zstd plane declares {declared} bytes, expected {h}")
         else:
@@ -399,12 +448,18 @@ class Encoded:
     payload: bytes | memoryview
 
 
+def _sample_into(data: memoryview, dst: memoryview) -> memoryview:
+    """SAMPLE_PIECES pieces of SAMPLE_PIECE bytes spread evenly over DATA, copied into DST, as one
+    view (a chunk's data is often not uniform: a KV pool filled at scattered places starts with zeros)."""
+    step = len(data) // SAMPLE_PIECES
+    for i in range(SAMPLE_PIECES):
+        dst[i * SAMPLE_PIECE:(i + 1) * SAMPLE_PIECE] = data[i * step:i * step + SAMPLE_PIECE]
+    return dst[:SAMPLE_PIECES * SAMPLE_PIECE]
+
+
 def _sample(data: memoryview) -> memoryview:
-    """SAMPLE_PIECES pieces of SAMPLE_PIECE bytes spread evenly over DATA, as one buffer (a chunk's
-    data is often not uniform: a KV pool filled at scattered places starts with zeros)."""
-    n = len(data)
-    step = n // SAMPLE_PIECES
-    return memoryview(b"".join(bytes(data[i * step:i * step + SAMPLE_PIECE]) for i in range(SAMPLE_PIECES)))
+    """_sample_into a buffer of its own."""
+    return _sample_into(data, memoryview(bytearray(SAMPLE_PIECES * SAMPLE_PIECE)))
 
 
 class HostCodecChooser:
@@ -413,34 +468,55 @@ class HostCodecChooser:
     The sample (SAMPLE_PIECES x SAMPLE_PIECE bytes, or the whole chunk when it is small) is
     compressed with zstd and, for an even length, with shuffle2-zstd; incompressible data (random,
     encrypted, already compressed) thus costs small probes instead of a full compression pass. The
-    winner encodes the whole chunk, which is stored raw after all if it still does not pay.
+    winner encodes the whole chunk, which is stored raw after all if it still does not pay: the
+    output room is what would pay off (PAYS_OFF_RATIO), so a frame that would not fit stops there.
     """
 
     def __init__(self, level: int = ZSTD_LEVEL, compress: bool = True, shuffle: bool = True) -> None:
         self.zstd = _ZSTD if level == ZSTD_LEVEL else ZstdCodec(level)
         self.shuffle = shuffle
         self.compress = compress
+        self._local = threading.local()
 
-    def encode(self, data: memoryview) -> Encoded:
+    def _buffers(self) -> tuple[memoryview, memoryview]:
+        """This thread's sample buffer and the room its probes compress into."""
+        b = getattr(self._local, "b", None)
+        if b is None:
+            n = SAMPLE_PIECES * SAMPLE_PIECE
+            whole = memoryview(bytearray(2 * n + 4096))
+            b = self._local.b = (whole[:n], whole[n:])
+        return b
+
+    def encode_into(self, data: memoryview, dst: memoryview) -> tuple[str, int]:
+        """(codec, payload length) of DATA's chunk: "raw" (nothing written: the payload is DATA
+        itself), or a payload written into DST (at least len(DATA) bytes), smaller than
+        PAYS_OFF_RATIO of DATA. Nothing is allocated."""
         n = len(data)
         if not self.compress or n < MIN_COMPRESS:
-            return Encoded("raw", data)
-        sample = _sample(data) if n > 4 * SAMPLE_PIECES * SAMPLE_PIECE else data
+            return "raw", n
+        if len(dst) < n:
+            raise CodecError(f"encode buffer of {len(dst)} bytes for {n}")
+        sbuf, room = self._buffers()
+        sample = _sample_into(data, sbuf) if n > 4 * SAMPLE_PIECES * SAMPLE_PIECE else data
         s = len(sample)
-        z = len(self.zstd.encode(sample))
+        z = self.zstd.encode_into(sample, room[:int(PAYS_OFF_RATIO * s)])
+        zs = z if z is not None else s
+        limit = dst[:int(PAYS_OFF_RATIO * n)]
         if self.shuffle and n % 2 == 0 and s % 2 == 0:
             planes, size = _SHUFFLE2.probe(sample)
-            if any(planes) and size <= SHUFFLE_MIN_GAIN * min(z, s):
-                payload = _SHUFFLE2.encode(data, planes)
-                if len(payload) <= PAYS_OFF_RATIO * n:
-                    return Encoded("shuffle2-zstd", payload)
-                return Encoded("raw", data)
-        if z > PAYS_OFF_RATIO * s:
-            return Encoded("raw", data)
-        zp = self.zstd.encode(data)
-        if len(zp) > PAYS_OFF_RATIO * n:
-            return Encoded("raw", data)
-        return Encoded("zstd", zp)
+            if any(planes) and size <= SHUFFLE_MIN_GAIN * zs:
+                m = _SHUFFLE2.encode_into(data, limit, planes)
+                return ("raw", n) if m is None else ("shuffle2-zstd", m)
+        if z is None:
+            return "raw", n
+        m = self.zstd.encode_into(data, limit)
+        return ("raw", n) if m is None else ("zstd", m)
+
+    def encode(self, data: memoryview) -> Encoded:
+        """encode_into a buffer of its own (repair, tests)."""
+        out = memoryview(bytearray(len(data)))
+        codec, m = self.encode_into(data, out)
+        return Encoded(codec, data if codec == "raw" else bytes(out[:m]))
 
 
 def decode_host_into(codec: str, payload: memoryview, raw_len: int, out: memoryview) -> memoryview:

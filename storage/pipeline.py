@@ -297,17 +297,15 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
                     if present is not None:
                         chunks[idx] = present
                     else:
-                        t2 = time.perf_counter()
-                        enc = chooser.encode(view)
-                        writer.note_compressed()
-                        stages.add("compress", time.perf_counter() - t2, n)
-                        m = len(enc.payload)
-                        if enc.codec == "raw":
-                            chunks[idx] = writer.put_chunk("raw", n, buf.view, n, raw_id=cid)
-                        else:
-                            with scratch.borrowed() as s:
-                                copy_into(s.view[HEADER_SIZE:], enc.payload)
-                                chunks[idx] = writer.put_chunk(enc.codec, n, s.view, m, raw_id=cid)
+                        with scratch.borrowed() as s:  # the payload is encoded where it is written from
+                            t2 = time.perf_counter()
+                            codec, m = chooser.encode_into(view, s.view[HEADER_SIZE:])
+                            writer.note_compressed()
+                            stages.add("compress", time.perf_counter() - t2, n)
+                            if codec == "raw":
+                                chunks[idx] = writer.put_chunk("raw", n, buf.view, n, raw_id=cid)
+                            else:
+                                chunks[idx] = writer.put_chunk(codec, n, s.view, m, raw_id=cid)
                 if progress is not None:
                     progress.advance(n)
             except BaseException as e:  # noqa: BLE001 - handed to the submitting thread

@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from contextlib import contextmanager
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol
@@ -49,7 +50,8 @@ class Want:
 def read_chunks(store: "SnapshotStore", wants: list[Want], deliver: Callable[[Want, Any], None], *,
                 stages: StageTimes, decoders: int, check: str = "full", readers: int = READERS,
                 stop: Callable[[], bool] = lambda: False,
-                on_damage: Callable[[Want, ChunkError], None] | None = None) -> None:
+                on_damage: Callable[[Want, ChunkError], None] | None = None,
+                order: str = "given", gap: int = 0) -> None:
     """Read every chunk of WANTS (in their order, coalescing adjacent pack entries) and call
     DELIVER(want, data) from a decode thread once it is checked: CHECK "full", the raw bytes after the
     full check; "id", the stored payload after chunkfile.id_check (verify --read-data: GSNPCHK2
@@ -58,7 +60,9 @@ def read_chunks(store: "SnapshotStore", wants: list[Want], deliver: Callable[[Wa
     when it returns (the buffer is reused). STOP: checked between chunks; when it says so, nothing
     more is read. The first error is raised (a ChunkError names the damaged chunk), unless ON_DAMAGE
     is given: it is then called for each damaged chunk (an OSError reading it counts as damage too)
-    and the others are read on (verify)."""
+    and the others are read on (verify). ORDER "given": runs in the order of WANTS; "pack": in
+    pack and offset order (the order the disk reads best, for a caller that needs every chunk
+    before it goes on: the split fill), with runs bridging GAP unwanted bytes between entries."""
     if not wants:
         return
     buf_size = max(RUN_MAX, store.chunk_buffer_size([]))
@@ -71,9 +75,12 @@ def read_chunks(store: "SnapshotStore", wants: list[Want], deliver: Callable[[Wa
             planned.append((i, locs[0]))
         else:
             singles.append(i)
-    runs: list[list[tuple[int, Loc]]] = coalesce(planned, most=buf_size)
+    if order == "pack":
+        planned.sort(key=lambda p: (p[1].pack, p[1].offset))
+    runs: list[list[tuple[int, Loc]]] = coalesce(planned, gap=gap, most=buf_size)
+    if order != "pack":
+        runs.sort(key=lambda r: r[0][0])  # restore order, by each run's first chunk
     runs += [[(i, Loc("", 0, 0))] for i in singles]
-    runs.sort(key=lambda r: r[0][0])  # restore order, by each run's first chunk
     error: list[BaseException] = []
     elock = threading.Lock()
 
@@ -88,8 +95,23 @@ def read_chunks(store: "SnapshotStore", wants: list[Want], deliver: Callable[[Wa
     run_iter: Iterator[list[tuple[int, Loc]]] = iter(runs)
     it_lock = threading.Lock()
     nbuf = readers + max(2, decoders)
+    raw_most = max(w.ref.raw_len for w in wants) if check == "full" else 0
     with BufferPool(nbuf, buf_size) as pool, BufferPool(decoders, max(most, 4096)) as single_pool, \
+            BufferPool(decoders if raw_most else 0, max(raw_most, 4096)) as outs, \
             ThreadPoolExecutor(decoders, thread_name_prefix="gpusnap-decode") as dec:
+
+        stage = "decompress+verify" if check == "full" else "verify"
+
+        def checked(header: ChunkHeader, payload: memoryview, cid: str, w: Want) -> None:
+            """The check of CHECK, then DELIVER (each timed); a full check decodes into one of OUTS
+            (nothing is allocated per chunk)."""
+            with outs.borrowed() if raw_most else _nothing() as o:
+                t0 = time.perf_counter()
+                data = _checked(check, header, payload, cid) if o is None else full_check(header, payload, cid, o.view)
+                t1 = time.perf_counter()
+                stages.add(stage, t1 - t0, w.ref.raw_len)
+                deliver(w, data)
+                stages.add("deliver", time.perf_counter() - t1, w.ref.raw_len)
 
         def decode(i: int, view: Any, done: Callable[[], None]) -> None:
             try:
@@ -97,18 +119,16 @@ def read_chunks(store: "SnapshotStore", wants: list[Want], deliver: Callable[[Wa
                     return
                 w = wants[i]
                 cid = w.ref.id or ""
-                t0 = time.perf_counter()
                 try:
                     header, payload = parse_entry(view, cid)
                     if not header.fits(w.ref.codec, w.ref.raw_len, w.ref.stored_len):
                         raise ChunkError(cid, "header disagrees with the manifest's reference")
-                    data = _checked(check, header, payload, cid)
-                except ChunkError:
+                    checked(header, payload, cid, w)
+                except ChunkError as e:
+                    if e.chunk_id != cid:
+                        raise  # not this entry's damage (a caller's own error)
                     single(i)  # another copy may be sound; if none is, that read raises
                     return
-                stages.add("decompress+verify" if check == "full" else "verify", time.perf_counter() - t0,
-                           w.ref.raw_len)
-                deliver(w, data)
             except BaseException as e:  # noqa: BLE001 - handed to the caller
                 failed(e)
             finally:
@@ -131,10 +151,7 @@ def read_chunks(store: "SnapshotStore", wants: list[Want], deliver: Callable[[Wa
                 header, payload = store.read_stored(w.ref, buf, check=False, cached=True)
                 t1 = time.perf_counter()
                 stages.add("read", t1 - t0, header.stored_len)
-                data = _checked(check, header, payload, w.ref.id or "")
-                stages.add("decompress+verify" if check == "full" else "verify", time.perf_counter() - t1,
-                           w.ref.raw_len)
-                deliver(w, data)
+                checked(header, payload, w.ref.id or "", w)
 
         def reader() -> None:
             while not halted():
@@ -204,6 +221,11 @@ def _checked(check: str, header: ChunkHeader, payload: memoryview, cid: str) -> 
     else:
         stored_check(header, payload, cid)
     return payload
+
+
+@contextmanager
+def _nothing() -> Iterator[None]:
+    yield None
 
 
 def _short(single: Callable[[int], None], i: int, failed: Callable[[BaseException], None],

@@ -97,6 +97,21 @@ def test_pagemap_of_criu_4_2_counts_pages_in_field_5_and_a_mismatch_skips_the_sp
     assert split.choose({"pagemap-9.img": data}, {}, 0) == ({}, "the split is off (GPUSNAP_CRIU_SPLIT_MIN=0)")
 
 
+def _reads(streams, fetch):
+    """A split.ReadAll over FETCH(stream, index, ref) -> bytes, one chunk after the other in one thread
+    (the read stage's own read-ahead is tested with the store in tests/test_store_packs.py)."""
+    where = {c.id: (s, i) for s in streams.values() for i, c in enumerate(s.chunks) if c.id is not None}
+
+    def read(wants, deliver, stop):
+        for w in wants:
+            if stop():
+                return
+            s, i = where[w.ref.id]
+            deliver(w, memoryview(fetch(s, i, w.ref)))
+
+    return read
+
+
 def _filler_case(nchunks: int, chunk: int, fetch, budget: int):
     """A Filler whose one moved run is a buffer of this very process (process_vm_writev into our own pid)."""
     import ctypes
@@ -104,14 +119,9 @@ def _filler_case(nchunks: int, chunk: int, fetch, budget: int):
     from storage.manifest import ChunkRef, Stream
     target = ctypes.create_string_buffer(nchunks * chunk)
     refs = [ChunkRef(None, chunk, "zero", 0) if i == 1 else ChunkRef(f"{i:064x}", chunk, "raw", chunk) for i in range(nchunks)]
-    stream = Stream("pages-1.img", {"type": "file"}, refs)
+    streams = {"pages-1.img": Stream("pages-1.img", {"type": "file"}, refs)}
     plan = split.Plan(os.getpid(), "pages-1.img", b"", (), (split.Run(ctypes.addressof(target), 0, nchunks * chunk),))
-    def fetch_into(s, i, ref, slot):  # the test's FETCH gives bytes; a Filler's FETCH fills the slot
-        data = fetch(s, i, ref)
-        slot.out.view[:len(data)] = data
-        return slot.out.view[:len(data)]
-
-    return target, split.Filler([plan], {"pages-1.img": stream}, fetch_into, 4, budget, 4096)
+    return target, split.Filler([plan], streams, _reads(streams, fetch), 4, budget)
 
 
 def test_split_filler_reads_ahead_within_its_budget_and_writes_every_byte() -> None:
@@ -130,8 +140,8 @@ def test_split_filler_reads_ahead_within_its_budget_and_writes_every_byte() -> N
         deadline = time.monotonic() + 5
         while state["fetched"] < 3 and time.monotonic() < deadline:
             time.sleep(0.01)
-        time.sleep(0.2)  # reading ahead before anyone writes, but no further than the budget allows
-        assert state["fetched"] == 3
+        time.sleep(0.2)  # reading ahead before anyone writes, but no further than the budget allows:
+        assert state["fetched"] == 4  # three chunks held, the fourth read and waiting to be
         stats = filler.write(lambda pid: True)
     assert stats == {"written": (n - 1) * chunk, "zero_skipped": chunk}
     assert state["fetched"] == n - 1  # the zero chunk is never fetched
@@ -173,12 +183,11 @@ def test_split_filler_fetches_a_chunk_shared_by_two_images_once() -> None:
              for k in (1, 2)]
     fetched: list[int] = []
 
-    def fetch_into(s, i, ref, slot):
+    def fetch(s, i, ref):
         fetched.append(i)
-        slot.out.view[:chunk] = bytes([i + 1]) * chunk
-        return slot.out.view[:chunk]
+        return bytes([i + 1]) * chunk
 
-    with split.Filler(plans, streams, fetch_into, 3, 4 * (chunk + 4096), 4096) as filler:
+    with split.Filler(plans, streams, _reads(streams, fetch), 3, 4 * (chunk + 4096)) as filler:
         stats = filler.write(lambda pid: True)
     assert sorted(fetched) == list(range(n)) and stats["written"] == 2 * n * chunk
     for t in targets:

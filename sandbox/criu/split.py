@@ -25,14 +25,15 @@ import re
 import struct
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Union
 
-from storage.directio import AlignedBuffer
+from storage.directio import AlignedBuffer, copy_into
 from storage.errors import GpusnapError
 from storage.manifest import ChunkRef, Stream
 from storage.pipeline import Stages
+from storage.readstage import Want
 
 PAGE = 4096
 PE_PARENT, PE_LAZY, PE_PRESENT = 1, 2, 4
@@ -321,42 +322,32 @@ def _write_mem(pid: int, addr: int, data: memoryview) -> None:
 
 Key = Union[str, tuple[str, int]]  # a chunk id, or (image, index) of an all-zero chunk
 
-
-@dataclass
-class Slot:
-    """Where one chunk in flight lives: its file read into `raw_file`, decoded into `out` (a raw
-    chunk's bytes are used where they were read). Slots are allocated once and reused: the fill
-    allocates nothing per chunk (a fresh 4 MiB per chunk means page faults, and unmapping it means
-    TLB shootdowns across every thread)."""
-    raw_file: AlignedBuffer
-    out: AlignedBuffer
-
-    def close(self) -> None:
-        self.raw_file.close()
-        self.out.close()
+# Reads every wanted chunk (in any order, from any number of threads) and calls DELIVER(want, data)
+# with its verified, decoded bytes, valid only during the call; stops early when STOP() says so; raises
+# the first failure. For a local store: storage.readstage.read_chunks in pack order.
+ReadAll = Callable[[list[Want], Callable[[Want, memoryview], None], Callable[[], bool]], None]
 
 
 class Filler:
-    """The moved runs of PLANS, fetched from the moment the plan is known and written once CRIU has
-    made the processes; a context manager.
+    """The moved runs of PLANS, read from the moment the plan is known and written once CRIU has made
+    the processes; a context manager.
 
     CRIU restores only the small part (seconds), so the store reads of the large part would
-    otherwise wait for it: here they start at once, WORKERS threads fetching (FETCH(stream, index,
-    chunk, slot) reads the chunk into the slot and gives a view of its verified, decoded bytes) in
-    address order, at most BUDGET bytes of slots held ahead of the writer. `write` then writes every
-    run with process_vm_writev from WORKERS threads, giving each slot back as its chunk lands.
-    All-zero chunks are neither fetched nor written: the fresh mapping already reads as zero.
-    Closing before `write` cancels what is still queued."""
+    otherwise wait for it: READ (see ReadAll) starts at once in a thread of its own, over every
+    distinct non-zero chunk. Until `write` is called, each delivered chunk is copied into a held
+    buffer (at most BUDGET bytes of them; then the read waits); from then on, held chunks are written
+    into the stopped processes by WORKERS threads while newly delivered ones are written by the
+    thread that delivers them, with process_vm_writev, straight from the read stage's buffer. A
+    chunk used at several places (processes forked from one another share pages) is read once.
+    All-zero chunks are neither read nor written: the fresh mapping already reads as zero. Closing
+    before `write` stops the read."""
 
-    def __init__(self, plans: list[Plan], streams: dict[str, Stream],
-                 fetch: Callable[[Stream, int, ChunkRef, Slot], memoryview], workers: int, budget: int,
-                 file_size: int, stages: Stages | None = None) -> None:
+    def __init__(self, plans: list[Plan], streams: dict[str, Stream], read: ReadAll, workers: int,
+                 budget: int, stages: Stages | None = None) -> None:
         self.plans, self.streams, self.workers = plans, streams, workers
         self.stages = stages if stages is not None else Stages()
-        self._fetch = fetch
         # a chunk id (a zero chunk: its place) -> where it was first met, and every (pid, addr, lo, hi)
-        # it is written to: each distinct chunk is fetched once (processes forked from one another
-        # share most of their pages, so their images share chunks)
+        # it is written to
         self.jobs: dict[Key, tuple[tuple[str, int], list[tuple[int, int, int, int]]]] = {}
         for p in plans:
             s = streams[p.pages_image]
@@ -366,60 +357,79 @@ class Filler:
                     key = c.id if c.id is not None else (p.pages_image, i)
                     self.jobs.setdefault(key, ((p.pages_image, i), []))[1].append((p.pid, addr, lo, hi))
                     addr += hi - lo
-        self._file_size = file_size
         self._out_size = max((self._ref(k).raw_len for k in self.jobs), default=1)
-        self.max_slots = max(2, budget // (file_size + self._out_size))
-        self._slots: list[Slot] = []   # every slot made (closed at the end)
-        self._free: list[Slot] = []
-        self._futures: dict[Key, tuple[Future[memoryview], Slot]] = {}
+        self.max_held = max(2, budget // self._out_size)
+        self._held: list[AlignedBuffer] = []       # every held buffer made (closed at the end)
+        self._free: list[AlignedBuffer] = []
+        self._pending: list[tuple[Key, AlignedBuffer]] = []  # delivered before `write`
         self._cond = threading.Condition()
+        self._go = False
         self._closing = False
-        self._ex = ThreadPoolExecutor(workers, thread_name_prefix="gpusnap-fill-read")
-        self._feeder = threading.Thread(target=self._feed, name="gpusnap-fill-feed", daemon=True)
-        self._feeder.start()
+        self._written = 0
+        self._error: BaseException | None = None
+        wants = [Want(k, self._ref(k)) for k in self.jobs if not self._ref(k).is_zero]
+        self._reader = threading.Thread(target=self._read, args=(read, wants), name="gpusnap-fill-read",
+                                        daemon=True)
+        self._reader.start()
 
     def _ref(self, key: Key) -> ChunkRef:
         image, i = self.jobs[key][0]
         return self.streams[image].chunks[i]
 
-    def _slot(self) -> Slot | None:
-        """A free slot (a new one while fewer than max_slots exist); None once closing. Holds _cond."""
-        self._cond.wait_for(lambda: self._closing or self._free or len(self._slots) < self.max_slots)
-        if self._closing:
-            return None
-        if self._free:
-            return self._free.pop()
-        slot = Slot(AlignedBuffer(self._file_size), AlignedBuffer(self._out_size))
-        self._slots.append(slot)
-        return slot
-
-    def _feed(self) -> None:
-        for key in self.jobs:
-            ref = self._ref(key)
-            if ref.is_zero:
-                continue
-            with self._cond:  # back-pressure: at most max_slots chunks read ahead of the writers
-                slot = self._slot()
-                if slot is None:
-                    return
-                image, i = self.jobs[key][0]
-                self._futures[key] = (self._ex.submit(self._fetch, self.streams[image], i, ref, slot), slot)
+    def _read(self, read: ReadAll, wants: list[Want]) -> None:
+        try:
+            read(wants, self._deliver, lambda: self._closing)
+        except BaseException as e:  # noqa: BLE001 - raised by write()
+            with self._cond:
+                self._error = e
                 self._cond.notify_all()
 
-    def _take(self, key: Key) -> memoryview:
+    def _deliver(self, want: Want, data: memoryview) -> None:
+        """A verified chunk from the read stage: written now once `write` began, else held."""
+        key = want.key
         with self._cond:
-            self._cond.wait_for(lambda: key in self._futures or self._closing)
-            if key not in self._futures:
+            self._cond.wait_for(lambda: self._go or self._closing or bool(self._free)
+                                or len(self._held) < self.max_held)
+            if self._closing:
                 raise SplitError("the split restore was stopped")
-            fut = self._futures[key][0]
-        return fut.result()
-
-    def _release(self, key: Key) -> None:
+            buf = None
+            if not self._go:
+                if self._free:
+                    buf = self._free.pop()
+                else:
+                    buf = AlignedBuffer(self._out_size)
+                    self._held.append(buf)
+        if buf is None:
+            self._put(key, data)
+            return
+        t0 = time.perf_counter()
+        copy_into(buf.view, data)
+        self.stages.add("hold", time.perf_counter() - t0, len(data))
         with self._cond:
-            got = self._futures.pop(key, None)
-            if got is not None:  # a key never fetched (stopped) held no slot
-                self._free.append(got[1])
-                self._cond.notify_all()
+            if not self._go:
+                self._pending.append((key, buf))
+                return
+        try:  # `write` began while this one was copied
+            self._put(key, buf.view[:len(data)])
+        finally:
+            self._give_back(buf)
+
+    def _give_back(self, buf: AlignedBuffer) -> None:
+        with self._cond:
+            self._free.append(buf)
+            self._cond.notify_all()
+
+    def _put(self, key: Key, data: memoryview) -> None:
+        """DATA (KEY's bytes) written at every place KEY's chunk is used."""
+        targets = self.jobs[key][1]
+        t0 = time.perf_counter()
+        slow = sum(write_into(pid, addr, data[lo:hi]) for pid, addr, lo, hi in targets)
+        n = sum(hi - lo for _, _, lo, hi in targets)
+        self.stages.add("write", time.perf_counter() - t0, n)
+        if slow:
+            self.stages.add("write-procmem", 0.0, slow)
+        with self._cond:
+            self._written += n
 
     def write(self, pids_ok: Callable[[int], bool]) -> dict[str, int]:
         """Every moved run written into its (stopped) process; PIDS_OK(pid) says a planned pid is one
@@ -427,34 +437,31 @@ class Filler:
         for p in self.plans:
             if not pids_ok(p.pid):
                 raise SplitError(f"pid {p.pid} of the snapshot was not restored by CRIU")
-        stats = {"written": 0, "zero_skipped": 0}
+        with self._cond:
+            self._go = True
+            held, self._pending = self._pending, []
+            self._cond.notify_all()
 
-        def one(key: Key) -> tuple[int, int]:
-            targets = self.jobs[key][1]
-            n = sum(hi - lo for _, _, lo, hi in targets)
-            if self._ref(key).is_zero:
-                return 0, n
+        def one(item: tuple[Key, AlignedBuffer]) -> None:
+            key, buf = item
             try:
-                t0 = time.perf_counter()
-                data = self._take(key)
-                t1 = time.perf_counter()
-                self.stages.add("fill-wait", t1 - t0, n)
-                slow = sum(write_into(pid, addr, data[lo:hi]) for pid, addr, lo, hi in targets)
-                self.stages.add("write", time.perf_counter() - t1, n)
-                if slow:
-                    self.stages.add("write-procmem", 0.0, slow)
-            except BaseException:
-                self._stop()  # the first failure ends the fill: nothing more is fetched
-                raise
+                self._put(key, buf.view[:self._ref(key).raw_len])
             finally:
-                self._release(key)
-            return n, 0
+                self._give_back(buf)
 
-        with ThreadPoolExecutor(self.workers, thread_name_prefix="gpusnap-fill") as ex:
-            for w, z in ex.map(one, list(self.jobs)):
-                stats["written"] += w
-                stats["zero_skipped"] += z
-        return stats
+        try:
+            with ThreadPoolExecutor(self.workers, thread_name_prefix="gpusnap-fill") as ex:
+                for _ in ex.map(one, held):
+                    pass
+        except BaseException:
+            self._stop()  # the first failure ends the fill: nothing more is read
+            raise
+        self._reader.join()
+        if self._error is not None:
+            raise self._error
+        zero = sum(hi - lo for k, (_, targets) in self.jobs.items() if self._ref(k).is_zero
+                   for _, _, lo, hi in targets)
+        return {"written": self._written, "zero_skipped": zero}
 
     def _stop(self) -> None:
         with self._cond:
@@ -463,11 +470,11 @@ class Filler:
 
     def close(self) -> None:
         self._stop()
-        self._feeder.join()
-        self._ex.shutdown(wait=True, cancel_futures=True)
-        for slot in self._slots:
-            slot.close()
-        self._slots.clear()
+        self._reader.join()
+        for buf in self._held:
+            buf.close()
+        self._held.clear()
+        self._free.clear()
 
     def __enter__(self) -> "Filler":
         return self

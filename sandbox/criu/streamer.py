@@ -63,6 +63,7 @@ from storage.directio import BufferPool
 from storage.errors import GpusnapError
 from storage.manifest import ChunkRef, Manifest, Stream
 from storage.pipeline import PipelineError, Stages, StreamSpec
+from storage.readstage import Want, read_chunks
 from storage.store import SnapshotStore, StoreError
 
 CAPTURE_SOCKET = "streamer-capture.sock"
@@ -72,6 +73,7 @@ _LEN = struct.Struct("<I")
 _MAX_REQUEST = 4096
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,254}")
 _F_SETPIPE_SZ = 1031
+FILL_GAP = 1 << 20         # the split fill's reads bridge this many unwanted bytes of a pack
 _PIPE_SIZE = 1 << 20       # the unprivileged maximum by default; fewer syscalls per GB
 _BIG_PIPE = 16 << 20       # root may go past it: fewer wake-ups between CRIU and the pipeline
 _ACCEPT_POLL_S = 0.1
@@ -517,8 +519,8 @@ class ServeSource:
         self.connected_at: float | None = None  # time.monotonic() when CRIU connected
         self._listener = _Listener(directory, SERVE_SOCKET)
         # the moved runs are read from the store from now on, while CRIU restores the rest
-        self._filler = split.Filler(list(self.plans.values()), self.images, self._fetch_into, self.workers,
-                                    fill_budget(), self._bufs.size, self.stages) if self.plans else None
+        self._filler = split.Filler(list(self.plans.values()), self.images, self._read_moved, self.workers,
+                                    fill_budget(), self.stages) if self.plans else None
         self._closing = False
         self._feeds: list[threading.Thread] = []
         self.errors: list[BaseException] = []
@@ -582,9 +584,37 @@ class ServeSource:
             data = self._decoded(s, i, ref, fresh, buf, None)
             return bytes(data) if isinstance(data, memoryview) else data  # the buffer goes back now
 
-    def _fetch_into(self, s: Stream, i: int, ref: ChunkRef, slot: split.Slot) -> memoryview:
-        """REF's verified, decoded bytes in SLOT (the split fill's path: nothing allocated per chunk)."""
-        return memoryview(self._decoded(s, i, ref, self._arrived(ref), slot.raw_file, slot.out.view))
+    def _read_moved(self, wants: list[Want], deliver: Callable[[Want, memoryview], None],
+                    stop: Callable[[], bool]) -> None:
+        """The split fill's reads (split.ReadAll): from the store, the read stage in pack order (the
+        moved runs are most of the image, so its packs are read nearly whole, in large reads); from a
+        remote's arrivals, each chunk as it arrives."""
+        if self.arrivals is None:
+            try:
+                read_chunks(self.store, wants, deliver, stages=self.stages, decoders=self.workers, stop=stop,
+                            order="pack", gap=FILL_GAP)
+            except ChunkError as e:
+                raise self.store.error(f"snapshot {self.manifest.name!r} is damaged: {e}") from None
+            except CodecError as e:
+                raise StoreError(f"snapshot {self.manifest.name!r}: {e}") from None
+            return
+        size = self._bufs.size
+        most = max((w.ref.raw_len for w in wants), default=1)
+        where = {c.id: (name, i) for name, st in self.images.items() for i, c in enumerate(st.chunks)
+                 if c.id is not None}  # for the messages: which image, which chunk
+        with BufferPool(self.workers, size) as files, BufferPool(self.workers, most) as outs:
+
+            def one(w: Want) -> None:
+                if stop():
+                    return
+                image, i = where[w.ref.id or ""]
+                fresh = self._arrived(w.ref)
+                with files.borrowed() as f, outs.borrowed() as o:
+                    deliver(w, memoryview(self._decoded(self.images[image], i, w.ref, fresh, f, o.view)))
+
+            with ThreadPoolExecutor(self.workers, thread_name_prefix="gpusnap-fill-arrivals") as ex:
+                for _ in ex.map(one, wants):
+                    pass
 
     def _arrived(self, ref: ChunkRef) -> tuple[str, bytes] | None:
         """On a restore --from a remote: (codec, payload) of REF once it has arrived, if the fill

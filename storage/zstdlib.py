@@ -1,0 +1,199 @@
+"""zstd through the system's libzstd: compress into and decompress into buffers the caller owns, the GIL released.
+
+Why not only python-zstandard (which the store also uses, and which this module falls back to): its
+compress() and decompress() return a new bytes object per call. On the host path that is a fresh
+multi-MiB allocation per chunk plane, and under many threads those allocations (page faults, and
+the unmaps' TLB shootdowns across every core) are what stopped the byte-plane codec from scaling:
+on the 16-core H200 host it encoded 0.98 GB/s on one thread and only 2.9 GB/s on sixteen, where
+zstd alone scaled to 6.8 (BENCHMARKS.md, section 13). Here a compression writes into the chunk's
+frame and a decompression into its destination, nothing is allocated per call, and ctypes releases
+the GIL for the whole call.
+
+Guarantees kept here: a decompression never writes outside the destination view it is given and
+returns its size or raises ZstdLibError (libzstd checks the capacity itself); a payload is decoded
+only once its frame header declares exactly the expected size and the frame spans the whole
+payload (one frame, nothing after it); a compression that does not fit the capacity given (the
+caller's "pays off" bound) is reported as None, never truncated. Contexts are pooled (at most one
+per concurrent caller), never shared between threads at once.
+
+`available()` says whether libzstd was found (libzstd.so.1; every Debian and Ubuntu has it: apt
+links it) and is not turned off ($GPUSNAP_NO_LIBZSTD set). Without it codecs.py uses
+python-zstandard's calls, which write and read the same frames.
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import threading
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+from .directio import address_of
+from .errors import GpusnapError
+
+# libzstd's stable parameter ids (zstd.h, ZSTD_cParameter) and strategy values
+C_LEVEL, C_WINDOW_LOG, C_HASH_LOG, C_CHAIN_LOG, C_SEARCH_LOG, C_MIN_MATCH, C_STRATEGY = 100, 101, 102, 103, 104, 105, 107
+C_CONTENT_SIZE, C_CHECKSUM = 200, 201
+STRATEGIES = {"fast": 1, "dfast": 2, "greedy": 3, "lazy": 4, "lazy2": 5, "btlazy2": 6, "btopt": 7}
+_UNKNOWN, _ERROR = (1 << 64) - 1, (1 << 64) - 2  # ZSTD_CONTENTSIZE_UNKNOWN / _ERROR
+_DST_TOO_SMALL = 70                              # ZSTD_error_dstSize_tooSmall
+_PARAMS = {"window_log": C_WINDOW_LOG, "hash_log": C_HASH_LOG, "chain_log": C_CHAIN_LOG,
+           "search_log": C_SEARCH_LOG, "min_match": C_MIN_MATCH}
+
+
+class ZstdLibError(GpusnapError):
+    """libzstd refused a payload or a parameter."""
+
+
+def _load() -> Any:
+    if os.environ.get("GPUSNAP_NO_LIBZSTD"):  # python-zstandard only (a comparison, or a libzstd to avoid)
+        return None
+    name = ctypes.util.find_library("zstd") or "libzstd.so.1"
+    try:
+        lib = ctypes.CDLL(name)
+    except OSError:
+        try:
+            lib = ctypes.CDLL("libzstd.so.1")
+        except OSError:
+            return None
+    sz, vp, u = ctypes.c_size_t, ctypes.c_void_p, ctypes.c_uint
+    for fn, res, args in (
+            ("ZSTD_versionNumber", u, []),
+            ("ZSTD_createCCtx", vp, []), ("ZSTD_freeCCtx", sz, [vp]),
+            ("ZSTD_createDCtx", vp, []), ("ZSTD_freeDCtx", sz, [vp]),
+            ("ZSTD_CCtx_setParameter", sz, [vp, ctypes.c_int, ctypes.c_int]),
+            ("ZSTD_compress2", sz, [vp, vp, sz, vp, sz]),
+            ("ZSTD_decompressDCtx", sz, [vp, vp, sz, vp, sz]),
+            ("ZSTD_getFrameContentSize", ctypes.c_ulonglong, [vp, sz]),
+            ("ZSTD_findFrameCompressedSize", sz, [vp, sz]),
+            ("ZSTD_isError", u, [sz]), ("ZSTD_getErrorCode", ctypes.c_int, [sz]),
+            ("ZSTD_getErrorName", ctypes.c_char_p, [sz])):
+        f = getattr(lib, fn, None)
+        if f is None:
+            return None
+        f.restype, f.argtypes = res, args
+    if lib.ZSTD_versionNumber() < 10400:  # the advanced API (setParameter, compress2) is stable from 1.4.0
+        return None
+    return lib
+
+
+_LIB = _load()
+
+
+def available() -> bool:
+    """Whether libzstd is loaded here."""
+    return _LIB is not None
+
+
+def version() -> str:
+    v = _LIB.ZSTD_versionNumber() if _LIB is not None else 0
+    return f"{v // 10000}.{v // 100 % 100}.{v % 100}" if v else "absent"
+
+
+def _err(code: int) -> str:
+    return _LIB.ZSTD_getErrorName(code).decode("ascii", "replace")
+
+
+class _Pool:
+    """Contexts made on demand, handed to one caller at a time, kept for the next."""
+
+    def __init__(self, make: Any, free: Any) -> None:
+        self._make, self._free = make, free
+        self._idle: list[int] = []
+        self._lock = threading.Lock()
+
+    @contextmanager
+    def ctx(self) -> Iterator[int]:
+        with self._lock:
+            c = self._idle.pop() if self._idle else None
+        if c is None:
+            c = self._make()
+            if not c:
+                raise MemoryError("libzstd could not allocate a context")
+        try:
+            yield c
+        finally:
+            with self._lock:
+                self._idle.append(c)
+
+
+class Compressor:
+    """One compression setting (a level, or explicit parameters), usable from any number of threads."""
+
+    def __init__(self, level: int = 1, params: dict[str, Any] | None = None) -> None:
+        if _LIB is None:
+            raise ZstdLibError("libzstd is not available here")
+        settings: list[tuple[int, int]] = [(C_CONTENT_SIZE, 1), (C_CHECKSUM, 0)]
+        if params is None:
+            settings.append((C_LEVEL, level))
+        else:
+            for k, v in params.items():
+                if k == "strategy":
+                    settings.append((C_STRATEGY, STRATEGIES[str(v)]))
+                else:
+                    settings.append((_PARAMS[k], int(v)))
+        self._settings = settings
+        self._pool = _Pool(self._new, _LIB.ZSTD_freeCCtx)
+
+    def _new(self) -> int:
+        c = _LIB.ZSTD_createCCtx()
+        for p, v in self._settings:
+            r = _LIB.ZSTD_CCtx_setParameter(c, p, v)
+            if _LIB.ZSTD_isError(r):
+                _LIB.ZSTD_freeCCtx(c)
+                raise ZstdLibError(f"zstd parameter {p}={v}: {_err(r)}")
+        return c
+
+    def compress_into(self, src: memoryview, dst: memoryview) -> int | None:
+        """SRC compressed into DST as one frame (its content size recorded); its length, or None when
+        the frame would not fit in len(DST) bytes (DST is then garbage)."""
+        if len(dst) == 0:
+            return None
+        with self._pool.ctx() as c:
+            r = _LIB.ZSTD_compress2(c, address_of(dst), len(dst), address_of(src) if len(src) else None, len(src))
+        if _LIB.ZSTD_isError(r):
+            if _LIB.ZSTD_getErrorCode(r) == _DST_TOO_SMALL:
+                return None
+            raise ZstdLibError(f"zstd compression failed: {_err(r)}")
+        return int(r)
+
+
+_DCTX = _Pool(lambda: _LIB.ZSTD_createDCtx(), lambda c: _LIB.ZSTD_freeDCtx(c)) if _LIB is not None else None
+
+
+def frame_content_size(payload: memoryview) -> int | None:
+    """The content size PAYLOAD's first frame header declares; None when it declares none or is not a frame."""
+    if _LIB is None or len(payload) == 0:
+        return None
+    r = _LIB.ZSTD_getFrameContentSize(address_of(payload), len(payload))
+    return None if r in (_UNKNOWN, _ERROR) else int(r)
+
+
+def decompress_into(payload: memoryview, dst: memoryview) -> int:
+    """PAYLOAD (exactly one zstd frame declaring len(DST) bytes) decoded into DST; returns len(DST).
+    ZstdLibError for anything else; nothing is written outside DST."""
+    if _LIB is None or _DCTX is None:
+        raise ZstdLibError("libzstd is not available here")
+    n, m = len(dst), len(payload)
+    if m == 0:
+        raise ZstdLibError("empty zstd payload")
+    src = address_of(payload)
+    declared = _LIB.ZSTD_getFrameContentSize(src, m)
+    if declared in (_UNKNOWN, _ERROR):
+        raise ZstdLibError("zstd payload is not a frame that declares its size")
+    if declared > n:
+        raise ZstdLibError(f"zstd payload decodes to more than the {n} bytes expected (its frame declares {declared})")
+    if declared < n:
+        raise ZstdLibError(f"zstd payload decoded to {declared} bytes, expected {n} (as its frame declares)")
+    span = _LIB.ZSTD_findFrameCompressedSize(src, m)
+    if _LIB.ZSTD_isError(span) or span != m:
+        raise ZstdLibError("zstd payload is not exactly one frame" if not _LIB.ZSTD_isError(span)
+                           else f"zstd frame is malformed: {_err(span)}")
+    with _DCTX.ctx() as d:
+        r = _LIB.ZSTD_decompressDCtx(d, address_of(dst) if n else None, n, src, m)
+    if _LIB.ZSTD_isError(r):
+        raise ZstdLibError(f"zstd payload does not decode: {_err(r)}")
+    if r != n:
+        raise ZstdLibError(f"zstd payload decoded to {r} bytes, expected {n}")
+    return n
