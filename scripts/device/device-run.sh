@@ -25,9 +25,9 @@ for what in ${1//,/ }; do
     engine) timeout 560 python3 -m scripts.bench.bench_gpu_engine --json "$out/engine.json" ${BENCH_ARGS:-} 2>&1 | tee "$out/engine.log" ;;
     bench)  OUT="$out" bash scripts/bench/bench_h200.sh ;;
     readers) timeout 100 python3 -m scripts.bench.bench_ingest --gb ${INGEST_GB:-8} --readers 1,4 --json "$out/ingest-readers.json" 2>&1 | tee "$out/ingest-readers.log" ;;
-    hostpath) for mix in ${HOSTPATH_MIX:-weights serving}; do  # issue 21: codecs, ingest, reads apart, floors in the same run
-              timeout 280 python3 -m scripts.bench.bench_hostpath --gb ${HOSTPATH_GB:-8} --mix $mix --json "$out/hostpath-$mix.json" 2>&1 \
-                | tee "$out/hostpath-$mix.log" | grep -v '^ '; done ;;
+    hostpath) for mix in ${HOSTPATH_MIX:-weights serving weights-pyzstd}; do  # issue 21: codecs, ingest, reads apart, floors in the same run
+              env $( [ "${mix#*-}" = pyzstd ] && echo GPUSNAP_NO_LIBZSTD=1 ) timeout 280 python3 -m scripts.bench.bench_hostpath \
+                --gb ${HOSTPATH_GB:-8} --mix ${mix%-*} --json "$out/hostpath-$mix.json" 2>&1 | tee "$out/hostpath-$mix.log" | grep -v '^ '; done ;;
     ingest) timeout 300 python3 -m scripts.bench.bench_ingest --json "$out/ingest.json" ${INGEST_ARGS:-} 2>&1 | tee "$out/ingest.log" ;;
     pool)   for l in ${POOL_LANES:-16 24}; do timeout 200 python3 -m scripts.bench.bench_gpu_engine --mix realistic --tiers shm,pool --repeat 5 --lanes $l --json "$out/pool-lanes$l.json" 2>&1 | tee "$out/pool-lanes$l.log"; done ;;
     pinned) timeout 120 python3 -m scripts.device.probe_pinned_alloc 16 2>&1 | tee "$out/pinned-alloc.json" ;;
