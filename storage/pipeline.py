@@ -225,13 +225,20 @@ def _page_pieces(reader: StreamReader, staging: BufferPool, chunk_size: int, sta
         got = 0 if eof else _read(reader, rb[have:have + _READ_BLOCK], stages, name)
         eof = eof or got < _READ_BLOCK
         n = have + got
+        t0 = time.perf_counter()
         cuts = page_cuts(rb[:n], chunk_size)
+        stages.add("produce:cut", time.perf_counter() - t0, n)
         if eof and n > (cuts[-1] if cuts else 0):
             cuts.append(n)
         prev = 0
         for c in cuts:
+            t0 = time.perf_counter()
             buf = staging.acquire()
+            t1 = time.perf_counter()
             copy_into(buf.view[HEADER_SIZE:], rb[prev:c])
+            t2 = time.perf_counter()
+            stages.add("produce:wait-buffer", t1 - t0, 0)  # the workers are behind
+            stages.add("produce:copy", t2 - t1, c - prev)
             yield buf, c - prev
             prev = c
         have = n - prev
@@ -282,6 +289,7 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
         whole: list[tuple[Stream, list[list[ChunkRef]]]] = []
 
         def process(chunks: list[ChunkRef], idx: int, buf: AlignedBuffer, n: int) -> None:
+            t_in = time.perf_counter()
             try:
                 if fail.exc is not None:
                     return
@@ -312,6 +320,7 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
                 fail.set(e)
             finally:
                 staging.release(buf)
+                stages.add("worker", time.perf_counter() - t_in, n)  # busy; the rest of workers x wall is idle
 
         def produce(chunks: list[ChunkRef], reader: StreamReader, name: str) -> None:
             """Cut READER into pieces and hand them to the workers; CHUNKS gets their refs in order."""
@@ -324,9 +333,11 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
                         staging.release(buf)
                         break
                     chunks.append(None)  # type: ignore[arg-type] # filled by the worker
+                    t0 = time.perf_counter()
                     f = ex.submit(process, chunks, len(chunks) - 1, buf, n)
                     with flock:
                         futures.append(f)
+                    stages.add("produce:submit", time.perf_counter() - t0, n)
             finally:
                 if readbuf is not None:
                     readpool.release(readbuf)

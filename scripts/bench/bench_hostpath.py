@@ -154,12 +154,12 @@ class PipeSource:
             os.close(r)
 
 
-def ingest(store_dir: str, image: str, workers: int | None) -> tuple[dict[str, Any], SnapshotStore]:
+def ingest(store_dir: str, image: str, workers: int | None, chunker: str = "pages") -> tuple[dict[str, Any], SnapshotStore]:
     st = SnapshotStore(store_dir)
     os.sync()
     t0 = time.perf_counter()
     with st.writer("i") as w:
-        res = pipeline.put(w, PipeSource(image), chunker="pages", workers=workers)
+        res = pipeline.put(w, PipeSource(image), chunker=chunker, workers=workers)
         w.commit()
     wall = time.perf_counter() - t0
     size = os.path.getsize(image)
@@ -224,6 +224,8 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=None, help="pipeline workers (default: the pipeline's)")
     ap.add_argument("--dir", default=os.environ.get("GPUSNAP_DISK_DIR", "/var/tmp"))
     ap.add_argument("--codecs-only", metavar="IMAGE", help=argparse.SUPPRESS)
+    ap.add_argument("--ingest-variants", default="", help="only the ingest, once per variant: wN (N workers), "
+                    "siMS (GIL switch interval MS ms), fixed (fixed-size chunks), e.g. w16,w24,si0.5,fixed")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     threads = [int(x) for x in a.threads.split(",") if x]
@@ -237,6 +239,23 @@ def main() -> None:
     try:
         image = os.path.join(src_dir, "pages-1.img")
         out["image_gb"] = round(make_image(image, a.gb, a.mix) / 1e9, 3)
+        if a.ingest_variants:
+            out["variants"] = {}
+            for v in a.ingest_variants.split(","):
+                workers, chunker, si = a.workers, "pages", sys.getswitchinterval()
+                if v.startswith("w"):
+                    workers = int(v[1:])
+                elif v.startswith("si"):
+                    sys.setswitchinterval(float(v[2:]) / 1000)
+                elif v == "fixed":
+                    chunker = "fixed"
+                shutil.rmtree(os.path.join(work, "store"), ignore_errors=True)
+                ing, _ = ingest(os.path.join(work, "store"), image, workers, chunker)
+                sys.setswitchinterval(si)
+                out["variants"][v] = ing
+                print(json.dumps({v: ing}), flush=True)
+            report_json(out, a.json)
+            return
         out["floor"] = disk_floor(work, 2)
         print(json.dumps({"floor": out["floor"]}), flush=True)
         out["codecs_libzstd"] = codec_rates(image, threads)
