@@ -14,21 +14,21 @@ GPU region engine (storage/gpu_engine.py) use the same store underneath.
 """
 from __future__ import annotations
 
-import ctypes
+import functools
 import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Protocol
+from typing import Any, Callable, Generator, Iterator, Protocol
 
 import numpy as np
 
 from .progress import Progress
 from .chunkfile import HEADER_SIZE, ChunkError, full_check
 from .codecs import HostCodecChooser, CodecError
-from .directio import AlignedBuffer, BufferPool, address_of, copy_into
+from .directio import AlignedBuffer, BufferPool, copy_into
 from .manifest import ChunkRef, Manifest, Stream
 from .readstage import Want, read_chunks
 from .store import SnapshotDamaged, SnapshotStore, SnapshotWriter, StoreError
@@ -184,7 +184,7 @@ def default_workers() -> int:
     return max(2, min(16, os.cpu_count() or 2))
 
 
-_READ_BLOCK = 16 << 20
+_READ_BLOCK = 32 << 20  # a page image is read in blocks of this size (pieces are views into them)
 
 
 def _read(reader: StreamReader, view: memoryview, stages: Stages, name: str) -> int:
@@ -197,11 +197,46 @@ def _read(reader: StreamReader, view: memoryview, stages: Stages, name: str) -> 
     return n
 
 
+@dataclass
+class _Piece:
+    """One chunk's bytes on their way to a worker: VIEW; FRAME when they lie at HEADER_SIZE of a
+    frame of their own (a raw chunk is then written from where it was read); RELEASE when done."""
+
+    view: memoryview
+    frame: AlignedBuffer | None
+    release: Callable[[], None]
+
+
+class _Block:
+    """A read block shared by the pieces cut from it: back to its pool once every piece is processed
+    and its producer has moved on (the carry copied out)."""
+
+    def __init__(self, pool: BufferPool, stages: Stages) -> None:
+        t0 = time.perf_counter()
+        self.pool, self.buf = pool, pool.acquire()
+        stages.add("produce:wait-buffer", time.perf_counter() - t0, 0)  # the workers are behind
+        self.left = 1
+        self._lock = threading.Lock()
+
+    def hold(self) -> None:
+        with self._lock:
+            self.left += 1
+
+    def done(self) -> None:
+        with self._lock:
+            self.left -= 1
+            last = self.left == 0
+        if last:
+            self.pool.release(self.buf)
+
+
 def _fixed_pieces(reader: StreamReader, staging: BufferPool, chunk_size: int, stages: Stages,
-                  name: str) -> Iterator[tuple[AlignedBuffer, int]]:
+                  name: str) -> Generator[_Piece, None, None]:
     """chunk_size pieces read straight into staging frames (payload at HEADER_SIZE, no copy)."""
     while True:
+        t0 = time.perf_counter()
         buf = staging.acquire()
+        stages.add("produce:wait-buffer", time.perf_counter() - t0, 0)
         try:
             n = _read(reader, buf.view[HEADER_SIZE:HEADER_SIZE + chunk_size], stages, name)
         except BaseException:
@@ -210,42 +245,47 @@ def _fixed_pieces(reader: StreamReader, staging: BufferPool, chunk_size: int, st
         if n == 0:
             staging.release(buf)
             return
-        yield buf, n
+        yield _Piece(buf.view[HEADER_SIZE:HEADER_SIZE + n], buf, functools.partial(staging.release, buf))
         if n < chunk_size:
             return
 
 
-def _page_pieces(reader: StreamReader, staging: BufferPool, chunk_size: int, stages: Stages, name: str,
-                 readbuf: AlignedBuffer) -> Iterator[tuple[AlignedBuffer, int]]:
-    """Content-defined pieces (page_cuts): read in large blocks, each piece copied once into a frame."""
-    rb = readbuf.view
-    have = 0
-    eof = False
-    while not eof or have:
-        got = 0 if eof else _read(reader, rb[have:have + _READ_BLOCK], stages, name)
-        eof = eof or got < _READ_BLOCK
-        n = have + got
-        t0 = time.perf_counter()
-        cuts = page_cuts(rb[:n], chunk_size)
-        stages.add("produce:cut", time.perf_counter() - t0, n)
-        if eof and n > (cuts[-1] if cuts else 0):
-            cuts.append(n)
-        prev = 0
-        for c in cuts:
+def _page_pieces(reader: StreamReader, blocks: BufferPool, chunk_size: int, stages: Stages,
+                 name: str) -> Generator[_Piece, None, None]:
+    """Content-defined pieces (page_cuts) of READER: read in blocks of _READ_BLOCK bytes, each piece a
+    view into its block (nothing is copied but the carry: the bytes after a block's last cut, moved
+    to the front of the next block)."""
+    blk = _Block(blocks, stages)
+    try:
+        have = 0
+        eof = False
+        while not eof or have:
+            rb = blk.buf.view
+            got = 0 if eof else _read(reader, rb[have:have + _READ_BLOCK], stages, name)
+            eof = eof or got < _READ_BLOCK
+            n = have + got
             t0 = time.perf_counter()
-            buf = staging.acquire()
-            t1 = time.perf_counter()
-            copy_into(buf.view[HEADER_SIZE:], rb[prev:c])
-            t2 = time.perf_counter()
-            stages.add("produce:wait-buffer", t1 - t0, 0)  # the workers are behind
-            stages.add("produce:copy", t2 - t1, c - prev)
-            yield buf, c - prev
-            prev = c
-        have = n - prev
-        if have:
-            ctypes.memmove(address_of(rb), address_of(rb[prev:n]), have)  # the carry, to the front
-        if eof and have == 0:
-            return
+            cuts = page_cuts(rb[:n], chunk_size)
+            stages.add("produce:cut", time.perf_counter() - t0, n)
+            if eof and n > (cuts[-1] if cuts else 0):
+                cuts.append(n)
+            prev = 0
+            for c in cuts:
+                blk.hold()
+                yield _Piece(rb[prev:c], None, blk.done)
+                prev = c
+            have = n - prev
+            if eof and have == 0:
+                return
+            nxt = _Block(blocks, stages)
+            if have:
+                t0 = time.perf_counter()
+                copy_into(nxt.buf.view, rb[prev:n])  # the carry, to the front of the next block
+                stages.add("produce:carry", time.perf_counter() - t0, have)
+            blk.done()
+            blk = nxt
+    finally:
+        blk.done()
 
 
 def chunker_record(chunker: str, chunk_size: int) -> dict[str, Any]:
@@ -280,20 +320,23 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
     t_start = time.perf_counter()
     # staging buffers are laid out like chunk files (payload at HEADER_SIZE) so raw chunks are
     # written from where they were read, with no copy
-    with BufferPool(workers * 2, HEADER_SIZE + chunk_size) as staging, \
+    # (blocks for the page chunker: enough for two pieces per worker, and one being read per producer)
+    nblocks = producers + max(3, workers * 2 * chunk_size // _READ_BLOCK) if chunker == "pages" else 0
+    with BufferPool(workers * 2 if chunker == "fixed" else 0, HEADER_SIZE + chunk_size) as staging, \
             BufferPool(workers, HEADER_SIZE + chunk_size) as scratch, \
-            BufferPool(producers if chunker == "pages" else 0, _READ_BLOCK + chunk_size) as readpool, \
+            BufferPool(nblocks, _READ_BLOCK + chunk_size) as blocks, \
             ThreadPoolExecutor(workers, thread_name_prefix="gpusnap-put") as ex:
         futures: list[Future[None]] = []
         flock = threading.Lock()
         whole: list[tuple[Stream, list[list[ChunkRef]]]] = []
 
-        def process(chunks: list[ChunkRef], idx: int, buf: AlignedBuffer, n: int) -> None:
+        def process(chunks: list[ChunkRef], idx: int, piece: _Piece) -> None:
             t_in = time.perf_counter()
+            view = piece.view
+            n = len(view)
             try:
                 if fail.exc is not None:
                     return
-                view = buf.view[HEADER_SIZE:HEADER_SIZE + n]
                 t0 = time.perf_counter()
                 zero = is_zero(view)
                 t1 = time.perf_counter()
@@ -310,8 +353,11 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
                             codec, m = chooser.encode_into(view, s.view[HEADER_SIZE:])
                             writer.note_compressed()
                             stages.add("compress", time.perf_counter() - t2, n)
-                            if codec == "raw":
-                                chunks[idx] = writer.put_chunk("raw", n, buf.view, n, raw_id=cid)
+                            if codec == "raw" and piece.frame is not None:  # written from where it was read
+                                chunks[idx] = writer.put_chunk("raw", n, piece.frame.view, n, raw_id=cid)
+                            elif codec == "raw":
+                                copy_into(s.view[HEADER_SIZE:], view)
+                                chunks[idx] = writer.put_chunk("raw", n, s.view, n, raw_id=cid)
                             else:
                                 chunks[idx] = writer.put_chunk(codec, n, s.view, m, raw_id=cid)
                 if progress is not None:
@@ -319,28 +365,26 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
             except BaseException as e:  # noqa: BLE001 - handed to the submitting thread
                 fail.set(e)
             finally:
-                staging.release(buf)
+                piece.release()
                 stages.add("worker", time.perf_counter() - t_in, n)  # busy; the rest of workers x wall is idle
 
         def produce(chunks: list[ChunkRef], reader: StreamReader, name: str) -> None:
             """Cut READER into pieces and hand them to the workers; CHUNKS gets their refs in order."""
-            readbuf = readpool.acquire() if chunker == "pages" else None
+            pieces = (_fixed_pieces(reader, staging, chunk_size, stages, name) if chunker == "fixed"
+                      else _page_pieces(reader, blocks, chunk_size, stages, name))
             try:
-                pieces = (_fixed_pieces(reader, staging, chunk_size, stages, name) if readbuf is None
-                          else _page_pieces(reader, staging, chunk_size, stages, name, readbuf))
-                for buf, n in pieces:
+                for piece in pieces:
                     if fail.exc is not None:
-                        staging.release(buf)
+                        piece.release()
                         break
                     chunks.append(None)  # type: ignore[arg-type] # filled by the worker
                     t0 = time.perf_counter()
-                    f = ex.submit(process, chunks, len(chunks) - 1, buf, n)
+                    f = ex.submit(process, chunks, len(chunks) - 1, piece)
                     with flock:
                         futures.append(f)
-                    stages.add("produce:submit", time.perf_counter() - t0, n)
+                    stages.add("produce:submit", time.perf_counter() - t0, len(piece.view))
             finally:
-                if readbuf is not None:
-                    readpool.release(readbuf)
+                pieces.close()  # a page reader's block goes back once its pieces are done
 
         def segment(spec: StreamSpec, part: list[ChunkRef], offset: int, length: int) -> None:
             with source.open_range(spec, offset, length) as r:  # type: ignore[attr-defined]

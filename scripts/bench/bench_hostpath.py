@@ -119,11 +119,13 @@ class PipeSource:
     @contextmanager
     def open(self, spec: StreamSpec) -> Iterator[Any]:
         r, w = os.pipe()
-        try:
-            import fcntl  # noqa: PLC0415
-            fcntl.fcntl(w, 1031, 1 << 20)  # F_SETPIPE_SZ, as the streamer sets it
-        except OSError:
-            pass
+        import fcntl  # noqa: PLC0415
+        for size in (16 << 20, 1 << 20):  # F_SETPIPE_SZ, as the streamer sets CRIU's pipes
+            try:
+                fcntl.fcntl(w, 1031, size)
+                break
+            except OSError:
+                continue
 
         def push() -> None:
             fd = os.open(self.path, os.O_RDONLY)
