@@ -143,14 +143,28 @@ class _Failure:
 
 
 PAGE = 4096
-_CDC_MIN = 256 << 10   # no chunk shorter than this (except a stream's last)
-_CDC_MASK = 0xFF       # a page whose fingerprint has these bits clear may end a chunk: ~1 in 256
+# The page chunker's cut rule, from its largest chunk (MAX): no chunk shorter than MAX/2 (except a
+# stream's last); past that, a page whose fingerprint has the mask bits clear ends it, the mask giving
+# one candidate per quarter of the window (MAX/2 .. MAX), so ~98% of chunks end where their content
+# says (a forced cut at MAX does not resynchronize after an insertion): 4 MiB chunks average ~2.5 MiB.
+# Larger chunks than before (256 KiB minimum, 1 in 256: ~1.25 MiB) because the per-chunk work of a
+# Python pipeline (a few dozen calls that give the GIL up and take it back) costs the same for 1 MiB as
+# for 4 MiB: on the 16-core H200 host ~1.25 MiB chunks ingested 1.0-1.2 GB/s where 4 MiB chunks did
+# 2.6-3.1 GB/s (BENCHMARKS.md, section 14).
+def cdc_params(max_len: int) -> tuple[int, int]:
+    """(minimum chunk bytes, fingerprint mask) of the page chunker for chunks of at most MAX_LEN."""
+    maxp = max(1, max_len // PAGE)
+    minp = max(1, maxp // 2)
+    quarter = max(1, (maxp - minp) // 4)
+    return minp * PAGE, (1 << (quarter.bit_length() - 1)) - 1
+
+
 _K1, _K2 = np.uint64(0x9E3779B97F4A7C15), np.uint64(0xC2B2AE3D27D4EB4F)
 
 
 def page_cuts(view: memoryview, max_len: int) -> list[int]:
-    """Content-defined chunk ends in VIEW, on page boundaries: after _CDC_MIN, the end of the first page
-    whose fingerprint matches the mask; never more than MAX_LEN apart. Bytes after the last cut are
+    """Content-defined chunk ends in VIEW, on page boundaries (cdc_params): after the minimum, the end
+    of the first page whose fingerprint matches the mask; never more than MAX_LEN apart. Bytes after the last cut are
     the caller's to carry into the next call.
 
     CRIU page images (and other page-structured data) shift by whole pages when a process maps or
@@ -164,8 +178,9 @@ def page_cuts(view: memoryview, max_len: int) -> list[int]:
     w = np.frombuffer(view, dtype=np.uint64, count=pages * (PAGE // 8)).reshape(pages, PAGE // 8)
     with np.errstate(over="ignore"):
         fp = (w[:, 0] * _K1) ^ (w[:, 255] * _K2) ^ w[:, 511] ^ (w[:, 128] >> np.uint64(7))
-    cand = np.flatnonzero((fp & np.uint64(_CDC_MASK)) == 0) + 1  # page-end indices
-    minp, maxp = _CDC_MIN // PAGE, max(1, max_len // PAGE)
+    min_len, mask = cdc_params(max_len)
+    cand = np.flatnonzero((fp & np.uint64(mask)) == 0) + 1  # page-end indices
+    minp, maxp = min_len // PAGE, max(1, max_len // PAGE)
     cuts: list[int] = []
     last = 0
     while True:
@@ -293,7 +308,8 @@ def chunker_record(chunker: str, chunk_size: int) -> dict[str, Any]:
     each data stream's attrs as `chunker`, storage/FORMAT.md): enough to cut the same bytes the same way."""
     if chunker == "fixed":
         return {"name": "fixed", "size": chunk_size}
-    return {"name": "pages", "max": chunk_size, "min": _CDC_MIN, "page": PAGE, "mask": _CDC_MASK,
+    min_len, mask = cdc_params(chunk_size)
+    return {"name": "pages", "max": chunk_size, "min": min_len, "page": PAGE, "mask": mask,
             "fingerprint": "(w[0]*k1) ^ (w[255]*k2) ^ w[511] ^ (w[128] >> 7)", "k1": f"{int(_K1):#x}",
             "k2": f"{int(_K2):#x}", "segment": SEGMENT}
 

@@ -36,7 +36,7 @@ for what in ${1//,/ }; do
             wl=serving
             timeout 120 python3 -m scripts.workloads.serving_smoke 2>&1 | tee "$out/serving-smoke.log" | tail -3 || wl=synthetic
             grep -q '"ok": true' "$out/serving-smoke.log" || wl=synthetic
-            timeout ${E2E_TIMEOUT:-540} python3 -m scripts.bench.bench_e2e --gb ${BENCH_GB:-20} --workload $wl --paths ${BENCH_PATHS:-stream,staging} \
+            timeout ${E2E_TIMEOUT:-540} python3 -m scripts.bench.bench_e2e --gb ${BENCH_GB:-20} --workload $wl --paths ${BENCH_PATHS:-stream,staging} ${BENCH_ARGS:-} \
               --json "$out/e2e-speed-${BENCH_GB:-20}.json" 2>&1 | tee "$out/e2e-speed-${BENCH_GB:-20}.log"
             if [ -n "${BENCH_GB2:-}" ]; then  # a second, larger size: baseline and the first path only
               timeout ${E2E_TIMEOUT2:-300} python3 -m scripts.bench.bench_e2e --gb $BENCH_GB2 --workload $wl --paths ${BENCH_PATHS%%,*} --no-dedup \
