@@ -564,9 +564,10 @@ def runsc_run(c: Ctx, r: Ran) -> None:
 
 @runs("gpusnap runsc checkpoint app snap1 $R", timeout=180)
 def runsc_checkpoint(c: Ctx, r: Ran) -> None:
-    ok(r)
+    ok(r, "snap1:")
     assert c.snapshots()["snap1"]["kind"] == "runsc"
     c.seen["last"] = counts(c.path(f"/tmp/{unique('app')}.log"))[-1]
+    assert sandboxes(c) == [unique("app")]   # stopped, not gone
 
 
 @runs("gpusnap runsc restore snap1 app2 --bundle /tmp/bundle", timeout=180)
@@ -579,11 +580,23 @@ def runsc_restore(c: Ctx, r: Ran) -> None:
     assert first > c.seen["last"] - 5 and first > 5, f"counted from {first}, not on from {c.seen['last']}"
 
 
-@runs("gpusnap runsc delete app2 $R")
-def runsc_delete(c: Ctx, r: Ran) -> None:
+def sandboxes(c: Ctx) -> list[str]:
+    """The ids runsc knows in the block's root."""
+    p = subprocess.run(["runsc", f"--root={c.path('/tmp/runsc')}", "list", "-quiet"], capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    return p.stdout.split()
+
+
+@runs("gpusnap runsc delete app $R")
+def runsc_delete_checkpointed(c: Ctx, r: Ran) -> None:
     ok(r)
-    st = subprocess.run(["runsc", f"--root={c.path('/tmp/runsc')}", "state", unique("app2")], capture_output=True)
-    assert st.returncode != 0, "the sandbox is still there"
+    assert sandboxes(c) == [unique("app2")]
+
+
+@runs("gpusnap runsc delete app2 $R")
+def runsc_delete_restored(c: Ctx, r: Ran) -> None:
+    ok(r)
+    assert sandboxes(c) == []
 
 
 # --------------------------------------------------------------------- What survives a crash
