@@ -1,7 +1,7 @@
 """The docs say what is true: docs/COMMANDS.md is what `--help` says now; the README's worked examples
 (a process, a container, an archive, a remote) run as written against a fresh store, with real CRIU,
 Podman and Swift; every `gpusnap` command line shown in the README and the guide names commands and
-options that exist."""
+options that exist. docs/GUIDE.md's commands themselves run in test_guide.py."""
 from __future__ import annotations
 
 import os

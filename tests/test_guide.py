@@ -659,8 +659,16 @@ def remote_add_a(c: Ctx, r: Ran) -> None:
 @runs("(setsid sleep 1000 </dev/null >/dev/null 2>&1 & echo $! > /tmp/sleeper.pid)")
 def sleeper(c: Ctx, r: Ran) -> None:
     ok(r)
-    c.seen["pid"] = int(c.path("/tmp/sleeper.pid").read_text())
-    assert proc_state(c.seen["pid"]) in ("S", "R")
+    pid = c.seen["pid"] = int(c.path("/tmp/sleeper.pid").read_text())
+    wait_for(lambda: sleeps(pid), "the sleeper runs")
+
+
+def sleeps(pid: int) -> bool:
+    """PID is a live `sleep 1000`."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes() == b"sleep\x001000\x00" and proc_state(pid) not in ("Z", "T")
+    except OSError:
+        return False
 
 
 @runs('gpusnap --store /tmp/nodeA criu dump "$(cat /tmp/sleeper.pid)" sleeper', timeout=180)
@@ -690,7 +698,7 @@ def remote_ls(c: Ctx, r: Ran) -> None:
 def restore_from_remote(c: Ctx, r: Ran) -> None:
     ok(r)
     pid = c.seen["pid"]
-    assert proc_state(pid) in ("S", "R") and Path(f"/proc/{pid}/cmdline").read_bytes() == b"sleep\x001000\x00"
+    assert sleeps(pid), proc_state(pid)
     assert "sleeper" in c.snapshots(store=c.path("/tmp/nodeB"))   # committed locally once all of it arrived
 
 
@@ -760,3 +768,22 @@ def test_guide_block_runs_as_written(heading: str, lines: list[str]) -> None:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     print(f"\n{heading}: {time.monotonic() - t0:.1f} s\n" + "\n".join(times))
+
+
+def test_guide_gpu_line_without_a_gpu_exits_4(tmp_path: Path) -> None:
+    """Where NOT_RUN's reason holds (no NVIDIA GPU or driver here), GUIDE's first GPU line, typed as
+    written but in the foreground, says so in one line and exits 4 (this machine lacks something),
+    not 1: what a user without a GPU meets."""
+    from conftest import have_gpu
+    line = "gpusnap pool serve --size 64G &"
+    assert line in NOT_RUN
+    if have_gpu():
+        pytest.skip("this machine has a GPU: the GPU tests (scripts/gpu-tests.sh) run the memory tier")
+    (tmp_path / "sh").mkdir()
+    shell = Shell(shell_env(tmp_path / "store"), tmp_path / "sh")
+    try:
+        r = shell.run(line.removesuffix(" &") + f" --socket {tmp_path}/pool.sock", 60)
+    finally:
+        shell.close()
+    assert r.rc == 4 and len(r.err.splitlines()) == 1 and "gpusnap: " in r.err, str(r)
+    assert not (tmp_path / "pool.sock").exists()
