@@ -1,7 +1,7 @@
 """The docs say what is true: docs/COMMANDS.md is what `--help` says now; the README's worked examples
 (a process, a container, an archive, a remote) run as written against a fresh store, with real CRIU,
 Podman and Swift; every `gpusnap` command line shown in the README and the guide names commands and
-options that exist."""
+options that exist. docs/GUIDE.md's commands themselves run in test_guide.py."""
 from __future__ import annotations
 
 import os
@@ -16,6 +16,7 @@ import click
 import pytest
 
 from conftest import REPO, pythonpath
+from support.docs import GPUSNAP_FUNCTION, fenced_blocks, shell_env
 
 DOCS = [REPO / "README.md", REPO / "docs" / "GUIDE.md"]
 
@@ -30,19 +31,11 @@ def test_command_reference_is_generated_and_current() -> None:
         assert must in p.stdout
 
 
-def _blocks(text: str) -> list[tuple[str | None, str]]:
-    """(test name or None, body) of every fenced block."""
-    out = []
-    for m in re.finditer(r"(?:<!-- test: (\w+) -->\n)?```(\w*)\n(.*?)```", text, re.S):
-        out.append((m.group(1), m.group(3)))
-    return out
-
-
 def _commands_shown() -> list[tuple[Path, str]]:
     found = []
     for doc in DOCS:
-        for _, body in _blocks(doc.read_text()):
-            joined = body.replace("\\\n", " ")
+        for block in fenced_blocks(doc.read_text()):
+            joined = block.body.replace("\\\n", " ")
             for line in joined.splitlines():
                 line = line.strip()
                 if line.startswith("gpusnap "):
@@ -90,15 +83,13 @@ def test_every_command_line_in_the_docs_exists() -> None:
 
 def _run_block(name: str, tmp: Path, extra_env: dict[str, str] | None = None,
                replace: dict[str, str] | None = None, timeout: float = 400) -> subprocess.CompletedProcess[str]:
-    body = dict(_blocks((REPO / "README.md").read_text()))[name]
+    body = {b.name: b.body for b in fenced_blocks((REPO / "README.md").read_text())}[name]
     body = body.replace("/tmp/", f"{tmp}/")
     for a, b in (replace or {}).items():
         body = body.replace(a, b)
-    script = "set -euo pipefail\n" + f'gpusnap() {{ "{sys.executable}" -m cli "$@"; }}\n' + body
-    env = {**os.environ, "PYTHONPATH": pythonpath(), "GPUSNAP_STORE": str(tmp / "store"),
-           "PATH": f"{REPO / '.cache' / 'criu' / 'bin'}:/work/main/.cache/criu/bin:{os.environ['PATH']}",
-           **(extra_env or {})}
-    return subprocess.run(["bash", "-c", script], capture_output=True, text=True, cwd=REPO, env=env, timeout=timeout)
+    script = "set -euo pipefail\n" + GPUSNAP_FUNCTION + body
+    return subprocess.run(["bash", "-c", script], capture_output=True, text=True, cwd=REPO,
+                          env=shell_env(tmp / "store", extra_env), timeout=timeout)
 
 
 def test_readme_archive_example_runs(tmp_path: Path) -> None:

@@ -175,20 +175,30 @@ def test_gpus_all_without_a_gpu_exits_4(cli: Cli, tmp_path: Path) -> None:
 
 
 def test_no_criu_exits_4(tmp_path: Path) -> None:
-    """Without any usable CRIU, `criu dump` exits 4 with one line saying how to get one. The CLI runs
-    from a copy of the code, so that the project's own build (.cache/criu beside the code) is not
-    there either, with no criu on PATH."""
-    if os.access("/usr/local/sbin/criu", os.X_OK):
-        pytest.skip("/usr/local/sbin/criu is always found")
+    """Without any usable CRIU, `criu dump` exits 4 with one line saying how to get one. Each place
+    gpusnap looks is made empty for real: the CLI runs from a copy of the code (so the project's own
+    build, .cache/criu beside the code, is not there), with no criu on PATH and GPUSNAP_CRIU empty, in
+    a mount namespace of its own where an empty directory is bind-mounted over /usr/local/sbin (setup
+    installs a CRIU there; the host's /usr/local/sbin is not touched)."""
+    unshare = shutil.which("unshare")
+    if not unshare:
+        pytest.fail("unshare (util-linux) is missing")
+    host_has_criu = os.path.lexists("/usr/local/sbin/criu")
     code = tmp_path / "code"
     for pkg in CODE_PACKAGES:
         shutil.copytree(REPO / pkg, code / pkg, ignore=shutil.ignore_patterns("__pycache__"))
     empty = tmp_path / "bin"
     empty.mkdir()
     env = {**os.environ, "PYTHONPATH": str(code), "PATH": str(empty), "GPUSNAP_CRIU": ""}
-    p = subprocess.run([*GPUSNAP, "--store", str(tmp_path / "store"), "criu", "dump", str(os.getpid()), "x"],
-                       capture_output=True, text=True, env=env, cwd=tmp_path, timeout=60)
-    assert p.returncode == 4 and "CRIU >= 4.0 not found" in p.stderr and len(p.stderr.splitlines()) == 1, p.stderr
+    # root makes a private mount namespace; anyone else a user namespace too (as root inside it)
+    ns = [unshare, "--mount", "--propagation", "private"] + ([] if os.geteuid() == 0 else ["--map-root-user"])
+    masked = ["/bin/sh", "-c", 'PATH=/usr/bin:/bin /usr/bin/mount --bind "$0" /usr/local/sbin && '
+              'test ! -e /usr/local/sbin/criu && exec "$@"', str(empty)]
+    p = subprocess.run([*ns, *masked, *GPUSNAP, "--store", str(tmp_path / "store"), "criu", "dump", str(os.getpid()),
+                        "x"], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=60)
+    assert p.returncode == 4 and "CRIU >= 4.0 not found" in p.stderr and len(p.stderr.splitlines()) == 1, \
+        (p.returncode, p.stderr)
+    assert os.path.lexists("/usr/local/sbin/criu") == host_has_criu, "the mask leaked out of its namespace"
 
 
 # ------------------------------------------------------------------------------------------- item 6

@@ -14,15 +14,18 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 
-from storage.errors import GpusnapError
+from storage.errors import EXIT_UNAVAILABLE, GpusnapError
 
 class CudaDriverError(GpusnapError):
-    """A driver checkpoint call that failed, with the pid, the call and the CUresult name."""
+    """A driver checkpoint call that failed, with the pid, the call and the CUresult name; MISSING:
+    this machine has no driver or no cuda-bindings at all (the CLI exits 4 for that, 1 otherwise)."""
 
     def __init__(self, message: str, *, pid: int | None = None, call: str | None = None,
-                 result: str | None = None) -> None:
+                 result: str | None = None, missing: bool = False) -> None:
         super().__init__(message)
         self.pid, self.call, self.result = pid, call, result
+        if missing:
+            self.exit_code = EXIT_UNAVAILABLE
 
 
 class ProcessState(enum.Enum):
@@ -126,7 +129,8 @@ class CudaDriver:
         try:
             from cuda.bindings import driver  # noqa: PLC0415 - optional GPU dependency
         except ImportError as e:
-            raise CudaDriverError(f"cuda-bindings is not installed ({e}); pip install 'gpusnap[gpu]'") from None
+            raise CudaDriverError(f"cuda-bindings is not installed ({e}); pip install 'gpusnap[gpu]'",
+                                  missing=True) from None
         self.d = driver
         self._init_lock = threading.Lock()
         self._ctxs: dict[int, Any] = {}
@@ -134,7 +138,7 @@ class CudaDriver:
             (err,) = driver.cuInit(0)
         except Exception as e:  # noqa: BLE001 - DynamicLibNotFoundError: no libcuda on this machine
             raise CudaDriverError(f"no NVIDIA driver here ({type(e).__name__}: libcuda not found)",
-                                  call="cuInit", result="NO_DRIVER") from None
+                                  call="cuInit", result="NO_DRIVER", missing=True) from None
         self._check(err, "cuInit", None)
 
     # -- plumbing -----------------------------------------------------------------------------
