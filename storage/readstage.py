@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol
 from .chunkfile import HEADER_SIZE, ChunkError, ChunkHeader, full_check, id_check, max_stored_len, stored_check
 from .directio import BufferPool, align_up, read_into
 from .manifest import ChunkRef
+from .errors import GpusnapError
 from .packs import Loc, coalesce, open_pack, parse_entry
 
 if TYPE_CHECKING:
@@ -51,7 +52,7 @@ def read_chunks(store: "SnapshotStore", wants: list[Want], deliver: Callable[[Wa
                 stages: StageTimes, decoders: int, check: str = "full", readers: int = READERS,
                 stop: Callable[[], bool] = lambda: False,
                 on_damage: Callable[[Want, ChunkError], None] | None = None,
-                order: str = "given", gap: int = 0) -> None:
+                order: str = "given", gap: int = 0, prefetch: int = 0) -> None:
     """Read every chunk of WANTS (in their order, coalescing adjacent pack entries) and call
     DELIVER(want, data) from a decode thread once it is checked: CHECK "full", the raw bytes after the
     full check; "id", the stored payload after chunkfile.id_check (verify --read-data: GSNPCHK2
@@ -62,7 +63,11 @@ def read_chunks(store: "SnapshotStore", wants: list[Want], deliver: Callable[[Wa
     is given: it is then called for each damaged chunk (an OSError reading it counts as damage too)
     and the others are read on (verify). ORDER "given": runs in the order of WANTS; "pack": in
     pack and offset order (the order the disk reads best, for a caller that needs every chunk
-    before it goes on: the split fill), with runs bridging GAP unwanted bytes between entries."""
+    before it goes on: the split fill), with runs bridging GAP unwanted bytes between entries.
+    PREFETCH: a thread asks the kernel to read the runs ahead into the page cache
+    (POSIX_FADV_WILLNEED), at most this many bytes past what the readers have taken, so the disk
+    stays busy while DELIVER is held up (the split fill before CRIU has made the processes); the
+    cache it fills is the kernel's to reclaim."""
     if not wants:
         return
     buf_size = max(RUN_MAX, store.chunk_buffer_size([]))
@@ -94,6 +99,9 @@ def read_chunks(store: "SnapshotStore", wants: list[Want], deliver: Callable[[Wa
 
     run_iter: Iterator[list[tuple[int, Loc]]] = iter(runs)
     it_lock = threading.Lock()
+    taken = [0]  # bytes of runs the readers have taken (the prefetch stays at most PREFETCH past it)
+    taken_cond = threading.Condition(it_lock)
+    finished = [False]
     nbuf = readers + max(2, decoders)
     raw_most = max(w.ref.raw_len for w in wants) if check == "full" else 0
     with BufferPool(nbuf, buf_size) as pool, BufferPool(decoders, max(most, 4096)) as single_pool, \
@@ -157,6 +165,9 @@ def read_chunks(store: "SnapshotStore", wants: list[Want], deliver: Callable[[Wa
             while not halted():
                 with it_lock:
                     run = next(run_iter, None)
+                    if run is not None:
+                        taken[0] += _span(run)
+                        taken_cond.notify_all()
                 if run is None:
                     return
                 if not run[0][1].pack:
@@ -205,12 +216,49 @@ def read_chunks(store: "SnapshotStore", wants: list[Want], deliver: Callable[[Wa
                     else:
                         dec.submit(decode, i, buf.view[start:end], done)
 
-        with ThreadPoolExecutor(readers, thread_name_prefix="gpusnap-read") as rx:
-            for f in [rx.submit(reader) for _ in range(readers)]:
-                f.result()
+        def ahead() -> None:
+            """WILLNEED for the runs in order, never more than PREFETCH bytes past the readers."""
+            issued = 0
+            for run in runs:
+                if not run[0][1].pack:
+                    continue
+                with it_lock:
+                    taken_cond.wait_for(lambda: halted() or finished[0] or issued - taken[0] < prefetch)
+                    if halted() or finished[0]:
+                        return
+                first = run[0][1]
+                try:
+                    with store.subdir("packs") as packs:
+                        fd = open_pack(packs, first.pack, "")
+                    try:
+                        os.posix_fadvise(fd, first.offset, _span(run), os.POSIX_FADV_WILLNEED)
+                    finally:
+                        os.close(fd)
+                except (OSError, ChunkError, GpusnapError):
+                    pass  # only a hint: the reader meets (and reports) what is wrong
+                issued += _span(run)
+
+        pre = threading.Thread(target=ahead, name="gpusnap-prefetch", daemon=True) if prefetch > 0 else None
+        if pre is not None:
+            pre.start()
+        try:
+            with ThreadPoolExecutor(readers, thread_name_prefix="gpusnap-read") as rx:
+                for f in [rx.submit(reader) for _ in range(readers)]:
+                    f.result()
+        finally:
+            if pre is not None:
+                with it_lock:
+                    finished[0] = True  # every run read (or the stage failed): the prefetch stops
+                    taken_cond.notify_all()
+                pre.join()
         dec.shutdown(wait=True)
     if error:
         raise error[0]
+
+
+def _span(run: list[tuple[int, Loc]]) -> int:
+    """Bytes one read of RUN covers."""
+    return run[-1][1].offset + run[-1][1].length - run[0][1].offset
 
 
 def _checked(check: str, header: ChunkHeader, payload: memoryview, cid: str) -> Any:

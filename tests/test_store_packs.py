@@ -240,3 +240,72 @@ def test_a_version_2_store_is_read_then_migrated_into_packs(cli: Cli, store_dir:
     assert cli.json("store", "verify", "--read-data")["ok"]
     cli.run("store", "get", "old", str(tmp_path / "o2"))
     assert tree_digest(tmp_path / "o2" / "m") == tree_digest(src)
+
+
+def _resident_bytes(directory: Path) -> int:
+    """Bytes of the files in DIRECTORY that are in the page cache now (mincore over a read-only map)."""
+    import ctypes
+    import mmap
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    total = 0
+    for p in directory.iterdir():
+        size = p.stat().st_size
+        if not size:
+            continue
+        with open(p, "rb") as f, mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ) as m:
+            vec = ctypes.create_string_buffer((size + 4095) // 4096)
+            view = memoryview(m)
+            try:
+                if libc.mincore(np.frombuffer(view, np.uint8).ctypes.data, size, vec) != 0:
+                    raise OSError(ctypes.get_errno(), "mincore")
+            finally:
+                view.release()
+            total += sum(1 for b in vec.raw if b & 1) * 4096
+    return total
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="dropping the page cache needs root")
+@pytest.mark.parametrize("prefetch", [0, 1 << 30])
+def test_the_read_stage_prefetch_keeps_the_disk_busy_while_delivery_waits(tmp_path: Path, prefetch: int) -> None:
+    """With PREFETCH, the packs are read into the page cache while DELIVER holds the stage up (the
+    split fill before CRIU has made its processes); without it, no further than the stage's buffers."""
+    import threading
+    from storage import pipeline
+    from storage.filetree import FileTreeSource
+    from storage.readstage import Want, read_chunks
+    from storage.store import SnapshotStore
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "blob").write_bytes(os.urandom(192 << 20))  # incompressible: 192 MiB of packs
+    st = SnapshotStore(str(tmp_path / "store"))
+    with st.writer("a") as w:
+        pipeline.put(w, FileTreeSource([str(src)]), workers=2)
+        w.commit()
+    refs = [c for s in st.load("a").streams for c in s.chunks if not c.is_zero]
+    os.sync()
+    Path("/proc/sys/vm/drop_caches").write_text("3")
+    gate, got, seen = threading.Event(), [], []
+
+    def deliver(want, data) -> None:
+        gate.wait(30)
+        got.append(len(data))
+
+    th = threading.Thread(target=read_chunks, args=(st, [Want(i, c) for i, c in enumerate(refs)], deliver),
+                          kwargs=dict(stages=pipeline.Stages(), decoders=2, readers=1, order="pack", prefetch=prefetch))
+    th.start()
+    try:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            seen.append(_resident_bytes(tmp_path / "store" / "packs"))
+            if seen[-1] > 140 << 20:
+                break
+            time.sleep(0.2)
+    finally:
+        gate.set()
+        th.join()
+    assert sum(got) == sum(c.raw_len for c in refs)  # every chunk delivered, checked, once
+    if prefetch:
+        assert max(seen) > 140 << 20, seen  # the disk kept reading while delivery waited
+    else:
+        assert max(seen) < 100 << 20, seen  # the stage's own buffers (3 runs of 16 MiB) and the kernel's readahead

@@ -592,7 +592,7 @@ class ServeSource:
         if self.arrivals is None:
             try:
                 read_chunks(self.store, wants, deliver, stages=self.stages, decoders=self.workers, stop=stop,
-                            order="pack", gap=FILL_GAP)
+                            order="pack", gap=FILL_GAP, prefetch=fill_prefetch())
             except ChunkError as e:
                 raise self.store.error(f"snapshot {self.manifest.name!r} is damaged: {e}") from None
             except CodecError as e:
@@ -714,16 +714,25 @@ def fill_budget() -> int:
     """Bytes of buffers the split restore may read ahead of its writes: an eighth of the memory
     available now, at most 2 GiB (more buys nothing: the reads only need to stay ahead of the
     writers while CRIU runs), at least 256 MiB."""
-    avail = 0
+    return max(256 << 20, min(2 << 30, _mem_available() // 8))
+
+
+def fill_prefetch() -> int:
+    """Bytes of the store the split fill asks the kernel to read ahead into the page cache: while CRIU
+    makes the processes, its held buffers (fill_budget) fill in a second, and the disk would then
+    idle; the page cache is reclaimable, so half the memory available now, at most 8 GiB."""
+    return min(8 << 30, _mem_available() // 2)
+
+
+def _mem_available() -> int:
     try:
         with open("/proc/meminfo") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
-                    avail = int(line.split()[1]) * 1024
-                    break
+                    return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         pass
-    return max(256 << 20, min(2 << 30, avail // 8))
+    return 0
 
 
 def split_min() -> int:
