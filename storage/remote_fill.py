@@ -26,7 +26,7 @@ import threading
 import time
 from collections import deque
 from contextlib import ExitStack
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 from .progress import Progress
 from .chunkfile import HEADER_SIZE
@@ -43,7 +43,11 @@ from .remote import (
     distinct_refs,
     pause_for_tests,
 )
-from .store import SnapshotStore, StoreError
+from .store import SnapshotDamaged, SnapshotStore, StoreError
+from .tier import Verified
+
+if TYPE_CHECKING:
+    from .device import HostBuffer
 
 HANDOFF_BYTES = 128 << 20  # verified payloads held for the reader, at most
 
@@ -279,24 +283,30 @@ class RemoteFill:
 
 
 class ArrivingSource:
-    """A gpu_engine.ChunkSource over STORE while FILL brings the snapshot's chunks: the engine's
-    lanes read a chunk from the local store as soon as it has arrived (waiting for it, and moving it
-    to the front of the fetches, if it has not), so a GPU restore runs while the pull does."""
+    """The chunk tier of a snapshot still arriving from a remote (storage/tier.py): STORE while FILL
+    brings the snapshot's chunks. read_verified waits for a chunk that has not arrived (moving it to the
+    front of the fetches), then reads it from the local store, verified there as every local read is;
+    a chunk the remote holds damaged fails the fill with RemoteDamageError (exit 3), raised to every
+    reader. So a GPU restore runs while the pull does."""
 
-    error = StoreError
+    error = SnapshotDamaged
 
     def __init__(self, store: SnapshotStore, fill: RemoteFill) -> None:
         self.store, self.fill = store, fill
+
+    def has(self, cid: str) -> bool:
+        """Whether chunk CID is local already (arrived, verified, or there before the pull)."""
+        return self.store.has(cid)
 
     def missing(self, manifest: Manifest) -> list[str]:
         """Nothing is missing up front: what the local store lacks is on its way (a chunk the remote
         lacks fails its wait)."""
         return []
 
-    def payload_at(self, ref: ChunkRef, frame: Any) -> tuple[int, str]:
+    def read_verified(self, ref: ChunkRef, frame: HostBuffer) -> Verified:
         assert ref.id is not None
         self.fill.wait(ref.id)
-        return self.store.payload_at(ref, frame)
+        return self.store.read_verified(ref, frame)
 
 
 def pull(remote: Remote, store: SnapshotStore, name: str, *, replace: bool = False,

@@ -37,7 +37,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 from .progress import Progress
 from .chunkfile import (HEADER_SIZE, ChunkError, ChunkHeader, chunk_id, file_kind, full_check, max_stored_len,
@@ -52,7 +52,11 @@ from .manifest import ChunkRef, Manifest, ManifestError, Stream, validate_tag
 from .names import InvalidNameError, validate_snapshot_name
 from .owner import ProcessOwner
 from .packs import Loc, PackIndex, PackWriter, open_pack, read_entry
+from .tier import Landing, Verified
 from .storedir import StoreAccessError, StoreDamage, entries, lstat_at, opened_child, opened_dir, opened_root
+
+if TYPE_CHECKING:
+    from .device import HostBuffer
 
 STORE_FORMAT = "gpusnap-store"
 STORE_VERSION = 3
@@ -256,7 +260,7 @@ class SnapshotStore:
     readers pass False and get a clear error instead of an empty store at a mistyped path.
     """
 
-    error = SnapshotDamaged  # what a damaged snapshot raises (gpu_engine.ChunkSource)
+    error = SnapshotDamaged  # what a damaged snapshot raises (storage/tier.py: a ChunkTier)
 
     def __init__(self, path: str, create: bool = True) -> None:
         self.path = os.path.abspath(path)
@@ -701,17 +705,29 @@ class SnapshotStore:
         header, payload = self.read_stored(ref, buf, check=False, cached=cached)
         return full_check(header, payload, ref.id, out)  # type: ignore[arg-type]
 
-    def payload_at(self, ref: ChunkRef, frame: Any) -> tuple[int, str]:
-        """Read REF's verified payload into FRAME (a host buffer with .ptr, laid out like a chunk
-        file) and return its address there (gpu_engine.ChunkSource). The GPU path writes GSNPCHK1
-        chunks; a GSNPCHK2 one (named by a host-path snapshot) is decoded on the host once to bind it
-        to its id, and must be encoded as REF says, which is what the device decodes by."""
-        header, payload = self.read_stored(ref, frame, check=False, cached=True)
-        if header.raw_id and (header.codec, header.stored_len) != (ref.codec, ref.stored_len):
-            raise ChunkError(ref.id or "", f"is encoded as {header.codec} in {header.stored_len} bytes, "
-                             f"not as the snapshot says ({ref.codec}, {ref.stored_len})")
+    # ---- the chunk tier (storage/tier.py) ------------------------------------------------------
+    def has(self, cid: str) -> bool:
+        """Whether an index entry (not quarantined) or a regular chunk file of CID is here (ChunkTier)."""
+        if not CHUNK_ID.fullmatch(cid):
+            return False
+        if self.locate(cid):
+            return True
+        try:
+            with self.chunk_dir(cid) as d:
+                st = lstat_at(d, cid)
+        except ChunkError:
+            return False
+        return st is not None and stat.S_ISREG(st.st_mode)
+
+    def read_verified(self, ref: ChunkRef, frame: HostBuffer) -> Verified:
+        """REF's payload read into FRAME (laid out like a chunk file) and bound to its id: the one
+        verified read of the chunk tier (storage/tier.py). A GSNPCHK1 chunk gets the stored check
+        (its id covers the stored bytes), a GSNPCHK2 one is decoded once and its raw bytes hashed;
+        read through the page cache (restores); ChunkError when damaged."""
+        header, payload = self.read_stored(ref, frame, check=False, cached=True)  # type: ignore[arg-type]
         id_check(header, payload, ref.id)  # type: ignore[arg-type]
-        return frame.ptr + HEADER_SIZE, "read+decode+verify" if header.raw_id else "read+verify"
+        return Verified(frame.ptr + HEADER_SIZE, payload, header,
+                        "read+decode+verify" if header.raw_id else "read+verify")
 
     def missing(self, manifest: Manifest) -> list[str]:
         """Chunk ids MANIFEST names that have no index entry and no regular file here (a cheap pass
@@ -1290,6 +1306,19 @@ class SnapshotWriter:
         with self._lock:
             self.stats.add_chunk(raw_len, got.stored_len, new, hash_s, t2 - t0 - hash_s)
         return ChunkRef(cid, raw_len, got.codec, got.stored_len)
+
+    # ---- as a TierWriter (storage/tier.py): the GPU path's stored-addressed chunks ----
+    def landing(self, frame: HostBuffer, stored_len: int) -> Landing:
+        """The payload's place in FRAME, after the header's room (written from there by write())."""
+        return Landing(frame.ptr + HEADER_SIZE, frame.view[HEADER_SIZE:HEADER_SIZE + stored_len], frame.view)
+
+    def write(self, landing: Landing, codec: str, raw_len: int, stored_len: int) -> ChunkRef:
+        landing.view.release()
+        assert landing.frame is not None
+        return self.put_chunk(codec, raw_len, landing.frame, stored_len)
+
+    def drop(self, landing: Landing) -> None:
+        landing.view.release()
 
     def sync_chunks(self, refs: list[ChunkRef]) -> None:
         """Make REFS durable and indexed now: the open pack is closed and indexed (commit() does it too;
