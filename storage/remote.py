@@ -39,6 +39,7 @@ from .limits import MAX_MANIFEST, MAX_RECORD
 from .manifest import ChunkRef, Manifest, ManifestError
 from .names import validate_snapshot_name
 from .store import Problem, SnapshotStore, StoreError, VerifyReport
+from .storedir import REMOTES, path_in
 
 REMOTE_FORMAT = "gpusnap-remote"
 REMOTE_VERSION = 1
@@ -129,7 +130,7 @@ def _endpoint(url: str) -> str:
 
 
 def _remotes_dir(store: SnapshotStore) -> str:
-    return os.path.join(store.path, "remotes")
+    return path_in(store.path, REMOTES)
 
 
 def add_remote(store: SnapshotStore, cfg: RemoteConfig) -> None:
