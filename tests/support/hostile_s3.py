@@ -6,7 +6,7 @@ Run as `python hostile_s3.py PORTFILE BEHAVIOURS.json`: it listens on a free por
 PORTFILE, and re-reads BEHAVIOURS.json on every request, a JSON object mapping a key suffix to one of
   "endless"   200, no Content-Length, then bytes until the client hangs up;
   "huge"      200, Content-Length 2^40, a megabyte, then the connection closed;
-  "nolength"  the stored object, with no Content-Length (connection closed at its end);
+  "nolength"  the stored object (or the range asked), with no Content-Length (connection closed at its end);
   "rangelong" a range read answered with 4096 bytes more than asked (Content-Length saying so);
   "rangeshort" a range read answered with 4096 bytes fewer than asked (Content-Length saying so);
   "norange"   a range read answered with the whole object (200, as a server that ignores Range);
@@ -144,14 +144,20 @@ class Handler(BaseHTTPRequestHandler):
         if obj is None:
             self._missing()
             return
+        rng = self.headers.get("Range")
         if what == "nolength":
-            self.send_response(200)
+            body, code = obj[0], 200
+            if rng:
+                a_s, _, b_s = rng.removeprefix("bytes=").partition("-")
+                body, code = obj[0][int(a_s):int(b_s) + 1], 206
+            self.send_response(code)
+            if rng:
+                self.send_header("Content-Range", f"bytes {a_s}-{int(a_s) + len(body) - 1}/{len(obj[0])}")
             self.send_header("Connection", "close")
             self.end_headers()
-            self.wfile.write(obj[0])
+            self.wfile.write(body)
             self.close_connection = True
             return
-        rng = self.headers.get("Range")
         if rng and what != "norange":
             a_s, _, b_s = rng.removeprefix("bytes=").partition("-")
             a, b = int(a_s), min(int(b_s), len(obj[0]) - 1)
