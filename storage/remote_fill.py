@@ -84,6 +84,7 @@ class RemoteFill:
         self._at: dict[str, Loc] = {}                 # chunk -> its entry in a remote pack (absent: a chunk object)
         self._pack_order: dict[str, list[tuple[str, Loc]]] = {}  # pack -> its entries we may want, by offset
         self._pos: dict[tuple[str, int], int] = {}    # (pack, offset) -> position in _pack_order[pack]
+        self._doomed: dict[str, str] = {}             # chunk -> why no remote copy of it can be sound
         self._events: dict[str, threading.Event] = {}
         self._queue: deque[str] = deque()
         self._lock = threading.Lock()  # the queue, the report, the error
@@ -138,11 +139,9 @@ class RemoteFill:
                 if locs:
                     self._at[c.id] = locs[0]
                 elif index is not None and index.find(c.id):
-                    loc = index.find(c.id)[0]
-                    raise RemoteDamageError(
-                        f"remote {r.cfg.name!r}: chunk {c.id[:16]}… of {self.name!r}: its pack {loc.pack[:12]}… is "
-                        f"{sizes.get(loc.pack, 0)} bytes on the remote, shorter than its index says "
-                        f"({index.packs[loc.pack]}); nothing was committed locally")
+                    loc = index.find(c.id)[0]  # its only entries lie in a pack cut short: damage, when reached
+                    self._doomed[c.id] = (f"its pack {loc.pack[:12]}… is {sizes.get(loc.pack, 0)} bytes on the remote, "
+                                          f"shorter than its index says ({index.packs[loc.pack]})")
         for cid, loc in self._at.items():
             self._pack_order.setdefault(loc.pack, []).append((cid, loc))
         for pack, ents in self._pack_order.items():
@@ -216,6 +215,9 @@ class RemoteFill:
     def _run(self, pool: BufferPool) -> None:
         while run := self._next():
             try:
+                if run[0] in self._doomed:
+                    raise RemoteDamageError(f"remote {self.remote.cfg.name!r}: chunk {run[0][:16]}… of {self.name!r}: "
+                                            f"{self._doomed[run[0]]}; nothing was committed locally")
                 with pool.borrowed() as buf:
                     if run[0] in self._at:
                         self._fetch_range(buf, run)
