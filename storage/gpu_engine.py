@@ -40,7 +40,6 @@ from .pipeline import Result, Stages, _Failure, is_zero, writer_result
 from .tier import ChunkTier, TierWriter
 
 GpuEngineError = DeviceError  # one exception type for the GPU data path (device.py raises it)
-ChunkSource = ChunkTier  # where restore finds chunks (storage/tier.py)
 
 
 @dataclass(frozen=True)
@@ -284,7 +283,7 @@ class GpuEngine:
         fail.raise_if_set()
 
     # -- restore -------------------------------------------------------------------------------
-    def _restore_chunk(self, lane: _Lane, source: ChunkSource, ref: ChunkRef, dst: int, stages: Stages) -> None:
+    def _restore_chunk(self, lane: _Lane, source: ChunkTier, ref: ChunkRef, dst: int, stages: Stages) -> None:
         """One chunk into DST: memset for zeros, else the verified payload, H2D, and decode on the device."""
         dev = self.dev
         n = ref.raw_len
@@ -316,7 +315,7 @@ class GpuEngine:
             lane.codec.release()
         stages.add("H2D+decode", time.perf_counter() - t1, n)
 
-    def restore(self, source: ChunkSource, manifest: Manifest, targets: dict[str, Region], *,
+    def restore(self, source: ChunkTier, manifest: Manifest, targets: dict[str, Region], *,
                 progress: Progress | None = None) -> Result:
         """Write every blob stream of MANIFEST (from a SnapshotStore or the memory tier) into the
         target region of the same name, every payload verified before it is used."""

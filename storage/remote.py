@@ -330,7 +330,8 @@ class ObjectStore:
         n = len(data)
         with self.errors(f"writing {key}"):
             if n <= MULTIPART_THRESHOLD:
-                self.client.put_object(Bucket=self.bucket, Key=key, Body=bytes(data))
+                self.client.put_object(Bucket=self.bucket, Key=key,
+                                       Body=data if isinstance(data, (bytes, bytearray)) else bytes(data))
                 self._count(sent=n)
                 return
             up = self.client.create_multipart_upload(Bucket=self.bucket, Key=key)["UploadId"]
