@@ -166,10 +166,11 @@ def remote_forget(ctx: click.Context, snapshot: str, name: str | None, as_json: 
 @click.pass_context
 @one_line_errors
 def remote_gc(ctx: click.Context, name: str | None, jobs: int, as_json: bool) -> None:
-    """Delete the chunks on remote NAME that no remote snapshot names (refused while a push runs)."""
+    """Delete the packs (and old chunk objects) on remote NAME that no remote snapshot needs (refused while a push runs)."""
     r = Remote.open(open_store(ctx), name, jobs)
     rep = r.gc()
-    emit(as_json, dict(rep.__dict__), f"{r.cfg.name}: {rep.chunks_removed} chunk(s) removed, "
+    emit(as_json, dict(rep.__dict__), f"{r.cfg.name}: {rep.chunks_removed} chunk(s) removed "
+         f"({rep.packs_removed} pack(s)), "
          f"{human(rep.bytes_freed)} freed, {rep.stale_locks_removed} stale lock(s) removed")
 
 

@@ -7,6 +7,7 @@ from typing import Any
 import click
 
 from storage.errors import UnavailableError
+from storage.storedir import LOGS, path_in
 from cli.progress import Progress
 
 from sandbox.ops import journal
@@ -79,7 +80,7 @@ def runsc_run(ctx: click.Context, container: str, bundle: str, net_subnet: str |
     check_bundle(bundle)
     st = open_store(ctx)
     net = nets.NetConfig.for_sandbox(f"gpusnap-{container}", net_subnet) if net_subnet else None
-    out = output or os.path.join(st.path, "logs", f"runsc-{container}.out")
+    out = output or path_in(st.path, LOGS, f"runsc-{container}.out")
     os.makedirs(os.path.dirname(out), mode=0o700, exist_ok=True)
     journal.require_clean(st.path)
     with undo_on_signals():
@@ -126,7 +127,7 @@ def runsc_restore(ctx: click.Context, name: str, container: str, bundle: str, ou
     """Restore snapshot NAME as a new sandbox CONTAINER (network recreated at the same address)."""
     check_id(container)
     st = open_store(ctx, create=False)
-    out = output or os.path.join(st.path, "logs", f"runsc-{container}.out")
+    out = output or path_in(st.path, LOGS, f"runsc-{container}.out")
     os.makedirs(os.path.dirname(out), mode=0o700, exist_ok=True)
     with undo_on_signals(), Progress(f"runsc restore {name}", ctx.obj["progress"]) as prog:
         r = rs.restore(st, name, container, bundle, runsc_args=runsc_args or None, output=out, progress=prog)

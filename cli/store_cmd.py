@@ -14,6 +14,7 @@ import click
 from storage.errors import EXIT_DAMAGED, EXIT_FAILED, GpusnapError
 from storage.names import validate_snapshot_name
 from storage.store import StoreError
+from storage.storedir import MARKER, SNAPSHOTS, path_in
 
 from cli.common import emit, human, json_option, one_line_errors, open_store, parse_chunk_size, tag_option, terminate_cleanly
 from cli.lazy import LazyGroup
@@ -161,7 +162,7 @@ def _read_patterns(path: str) -> list[str]:
 def store_init(ctx: click.Context, as_json: bool) -> None:
     """Create an empty store at --store (put and the dump commands also create it on first use)."""
     path = os.path.abspath(ctx.obj["store"])
-    existed = os.path.isfile(os.path.join(path, "gpusnap-store.json"))
+    existed = os.path.isfile(path_in(path, MARKER))
     st = open_store(ctx, create=True)
     emit(as_json, {"store": st.path, "created": not existed},
          f"{st.path}: {'already a gpusnap store' if existed else 'empty gpusnap store created'}")
@@ -241,7 +242,7 @@ def store_ls(ctx: click.Context, name: str | None, prefix: str | None, tags: tup
     rows = []
     for n in names:
         try:
-            with st.subdir("snapshots") as snaps:
+            with st.subdir(SNAPSHOTS) as snaps:
                 summ = read_summary(snaps, n)  # a big manifest: its head only (storage/summary.py)
             m = summ if summ is not None else st.load(n)
             if not matches(m, tags, kind, since_t):  # type: ignore[arg-type]

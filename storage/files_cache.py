@@ -28,11 +28,12 @@ import blake3
 
 from .directio import read_small_file
 from .manifest import ChunkRef, ManifestError
+from .storedir import FILES_CACHE, TMP
 
 if TYPE_CHECKING:
     from .store import SnapshotStore
 
-RECORD = "files-cache.json"
+RECORD = FILES_CACHE
 FORMAT = "gpusnap-files-cache"
 VERSION = 1
 MAX_BYTES = 512 << 20
@@ -97,7 +98,7 @@ class FilesCache:
         from .store import _unlink_quietly, _write_file, owned_name
         data = json.dumps({"format": FORMAT, "version": VERSION, "entries": self.entries,
                            "checksum": _checksum(self.entries)}, separators=(",", ":")).encode()
-        with store.root() as (root, _), store.subdir("tmp") as tmp:
+        with store.root() as (root, _), store.subdir(TMP) as tmp:
             name = owned_name("record")
             _write_file(tmp, name, data)
             try:

@@ -34,8 +34,9 @@ from .names import InvalidNameError, validate_snapshot_name
 from .owner import ProcessOwner
 from .packs import PACK_NAME, REPACK_BELOW, Loc
 from .reflog import RefLogError, pinned
-from .store import CHUNK_ID, QUARANTINE, get_staging_name, read_record
-from .storedir import StoreDamage, entries, lstat_at, open_dir, opened_dir, remove_tree
+from .store import CHUNK_ID, get_staging_name, read_record
+from .storedir import (CHUNKS, INDEX, JOURNAL, NAMES, PACKS, QUARANTINE, SNAPSHOTS, TMP, StoreDamage, entries, lstat_at,
+                       manifest_entry, open_dir, opened_dir, remove_tree)
 from .treewalk import empty_tree
 
 if TYPE_CHECKING:
@@ -83,8 +84,8 @@ def collect(store: "SnapshotStore", timeout: float = 30.0) -> GcReport:
         with store.root() as (root, uid):
             live |= _journal_pins(root, uid)
             _packs(store, root, uid, report, live)
-            for part, fn in (("tmp", _tmp), ("names", lambda fd, u, r: _names(fd, r, names)),
-                             ("chunks", lambda fd, u, r: _chunks(fd, u, r, live)),
+            for part, fn in ((TMP, _tmp), (NAMES, lambda fd, u, r: _names(fd, r, names)),
+                             (CHUNKS, lambda fd, u, r: _chunks(fd, u, r, live)),
                              (QUARANTINE, lambda fd, u, r: _quarantine(store, fd, r, live))):
                 try:
                     with opened_dir(root, part, uid, part) as fd:
@@ -100,16 +101,16 @@ def _damaged_keeps(store: "SnapshotStore", name: str, why: GpusnapError, report:
     """Every chunk id the damaged manifest of NAME mentions anywhere (a superset of what it needs), so gc
     keeps them and goes on; GcStopped only when its bytes cannot be read at all."""
     try:
-        with store.subdir("snapshots") as snaps:
-            fd = os.open(f"{name}.json", os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=snaps)
+        with store.subdir(SNAPSHOTS) as snaps:
+            fd = os.open(manifest_entry(name), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=snaps)
         try:
             if not stat.S_ISREG(os.fstat(fd).st_mode):
-                raise OSError(f"snapshots/{name}.json is not a regular file")
+                raise OSError(f"{SNAPSHOTS}/{manifest_entry(name)} is not a regular file")
             data = read_to_end(fd, MAX_MANIFEST + 1)
         finally:
             os.close(fd)
         if len(data) > MAX_MANIFEST:
-            raise OSError(f"snapshots/{name}.json is larger than any manifest ({MAX_MANIFEST} bytes)")
+            raise OSError(f"{SNAPSHOTS}/{manifest_entry(name)} is larger than any manifest ({MAX_MANIFEST} bytes)")
     except (GpusnapError, OSError) as e:
         raise GcStopped(f"gc stopped, nothing deleted: {why}; its chunks cannot be told ({e}); "
                         f"`gpusnap store rm {name}` it first if it cannot be repaired") from None
@@ -126,14 +127,14 @@ def _packs(store: "SnapshotStore", root: int, uid: int, report: GcReport, live: 
     REPACK_BELOW of their length (new pack and index durable first, then the old index, then the old
     pack)."""
     try:
-        packs_fd = open_dir(root, "packs", uid, "packs")
+        packs_fd = open_dir(root, PACKS, uid, PACKS)
     except FileNotFoundError:
         return  # a version 1/2 store
     except StoreDamage as e:
         report.damage.append(str(e))
         return
     try:
-        with opened_dir(root, "index", uid, "index") as idx_fd:
+        with opened_dir(root, INDEX, uid, INDEX) as idx_fd:
             index = store.refresh_index()
             report.damage += [f"{why} (left alone)" for why in index.damage.values()]
             keep: dict[str, set[int]] = {}
@@ -143,17 +144,17 @@ def _packs(store: "SnapshotStore", root: int, uid: int, report: GcReport, live: 
                     keep.setdefault(locs[0].pack, set()).add(locs[0].offset)
             listed = entries(packs_fd)
             for name in sorted(set(index.packs) - {x.name for x in listed}):
-                report.damage.append(f"index/{name}: its pack is missing (the chunks it names are lost)")
+                report.damage.append(f"{INDEX}/{name}: its pack is missing (the chunks it names are lost)")
             for ent in listed:
                 if not PACK_NAME.fullmatch(ent.name):
-                    report.left.append(f"packs/{ent.name}: not a pack file name; left alone")
+                    report.left.append(f"{PACKS}/{ent.name}: not a pack file name; left alone")
                     continue
                 st = ent.stat(follow_symlinks=False)
                 if ent.name in index.damage:
                     continue  # its index is damaged: what it names is unknown, so nothing is deleted
                 if ent.name not in index.packs:  # never indexed: a killed writer's garbage
                     if stat.S_ISDIR(st.st_mode):
-                        report.damage.append(f"packs/{ent.name} is a directory; left alone")
+                        report.damage.append(f"{PACKS}/{ent.name} is a directory; left alone")
                         continue
                     os.unlink(ent.name, dir_fd=packs_fd)
                     report.packs_removed += 1
@@ -173,7 +174,7 @@ def _packs(store: "SnapshotStore", root: int, uid: int, report: GcReport, live: 
                     try:
                         _repack(store, root, uid, packs_fd, idx_fd, ent.name, [x for x in ents if x[1] in mine])
                     except GpusnapError as ex:
-                        report.damage.append(f"packs/{ent.name}: not repacked: {ex}")
+                        report.damage.append(f"{PACKS}/{ent.name}: not repacked: {ex}")
                         continue
                     report.packs_repacked += 1
                 report.packs_removed += 1
@@ -181,7 +182,7 @@ def _packs(store: "SnapshotStore", root: int, uid: int, report: GcReport, live: 
                 report.bytes_freed += size - (live_bytes if mine else 0)
             store.refresh_index()
     except FileNotFoundError:
-        report.damage.append("index/ is missing")
+        report.damage.append(f"{INDEX}/ is missing")
     finally:
         os.close(packs_fd)
 
@@ -203,7 +204,7 @@ def _repack(store: "SnapshotStore", root: int, uid: int, packs_fd: int, idx_fd: 
     most = max(length for _, _, length in ents)
     buf = AlignedBuffer(most)
     try:
-        with opened_dir(root, "tmp", uid, "tmp") as tmp, store.packing(tmp) as pw:
+        with opened_dir(root, TMP, uid, TMP) as tmp, store.packing(tmp) as pw:
             for cid, off, length in ents:
                 header, payload = store.read_entry(cid, Loc(name, off, length), buf, False)
                 stored_check(header, payload, cid)
@@ -216,7 +217,7 @@ def _repack(store: "SnapshotStore", root: int, uid: int, packs_fd: int, idx_fd: 
 def _journal_pins(root: int, uid: int) -> set[str]:
     """Chunks the journal's reference logs name (FORMAT.md, "The journal"): kept, as if a manifest named them."""
     try:
-        with opened_dir(root, "journal", uid, "journal") as j:
+        with opened_dir(root, JOURNAL, uid, JOURNAL) as j:
             return pinned(j)
     except FileNotFoundError:
         return set()
@@ -238,26 +239,26 @@ def _tmp(tmp: int, uid: int, report: GcReport) -> None:
             pid = int(legacy.group(1) or legacy.group(2))
             alive = pid != os.getpid() and os.path.exists(f"/proc/{pid}")
         else:
-            report.left.append(f"tmp/{e.name}: not made by gpusnap (no owner in its name); left alone")
+            report.left.append(f"{TMP}/{e.name}: not made by gpusnap (no owner in its name); left alone")
             continue
         if alive:
             report.in_use += 1
             continue
         try:
             if stat.S_ISDIR(st.st_mode):
-                remove_tree(tmp, e.name, uid, f"tmp/{e.name}")
+                remove_tree(tmp, e.name, uid, f"{TMP}/{e.name}")
             elif stat.S_ISREG(st.st_mode):
                 if m is not None and m.group(1) == "get":
                     report.gets_cleaned += _get(tmp, e.name, report)
                 os.unlink(e.name, dir_fd=tmp)
             else:
-                report.damage.append(f"tmp/{e.name} is {file_kind(st.st_mode)}; left alone")
+                report.damage.append(f"{TMP}/{e.name} is {file_kind(st.st_mode)}; left alone")
                 continue
         except StoreDamage as ex:
             report.damage.append(str(ex))
             continue
         except OSError as ex:
-            report.damage.append(f"tmp/{e.name}: cannot remove it: {ex.strerror or ex}")
+            report.damage.append(f"{TMP}/{e.name}: cannot remove it: {ex.strerror or ex}")
             continue
         report.tmp_removed += 1
         removed = True
@@ -275,7 +276,7 @@ def _get(tmp: int, name: str, report: GcReport) -> int:
         if not isinstance(nonce, str) or not NONCE.fullmatch(nonce):
             raise ValueError(nonce)
     except (TypeError, KeyError, ValueError):
-        report.damage.append(f"tmp/{name}: not a valid record of a get; removed, nothing else touched")
+        report.damage.append(f"{TMP}/{name}: not a valid record of a get; removed, nothing else touched")
         return 0
     staging = get_staging_name(dest, pid)
     where = os.path.join(os.path.dirname(dest), staging)
@@ -319,9 +320,9 @@ def _names(names_fd: int, report: GcReport, snapshots: list[str]) -> None:
         except InvalidNameError:
             valid = False
         if not valid:
-            report.left.append(f"names/{e.name}: not a lock file gpusnap makes; left alone")
+            report.left.append(f"{NAMES}/{e.name}: not a lock file gpusnap makes; left alone")
         elif not e.is_file(follow_symlinks=False):
-            report.damage.append(f"names/{e.name} is {file_kind(e.stat(follow_symlinks=False).st_mode)}; "
+            report.damage.append(f"{NAMES}/{e.name} is {file_kind(e.stat(follow_symlinks=False).st_mode)}; "
                                  "left alone")
         elif base not in have:
             os.unlink(e.name, dir_fd=names_fd)
@@ -333,10 +334,10 @@ def _names(names_fd: int, report: GcReport, snapshots: list[str]) -> None:
 def _chunks(chunks: int, uid: int, report: GcReport, live: set[str]) -> None:
     for d in entries(chunks):
         if not re.fullmatch(r"[0-9a-f]{2}", d.name):
-            report.left.append(f"chunks/{d.name}: not a chunk directory; left alone")
+            report.left.append(f"{CHUNKS}/{d.name}: not a chunk directory; left alone")
             continue
         try:
-            xy = open_dir(chunks, d.name, uid, f"chunks/{d.name}")
+            xy = open_dir(chunks, d.name, uid, f"{CHUNKS}/{d.name}")
         except StoreDamage as e:
             report.damage.append(str(e))
             continue
@@ -344,13 +345,13 @@ def _chunks(chunks: int, uid: int, report: GcReport, live: set[str]) -> None:
             removed = False
             for ent in entries(xy):
                 if not (CHUNK_ID.fullmatch(ent.name) and ent.name.startswith(d.name)):
-                    report.left.append(f"chunks/{d.name}/{ent.name}: not a chunk file name; left alone")
+                    report.left.append(f"{CHUNKS}/{d.name}/{ent.name}: not a chunk file name; left alone")
                     continue
                 if ent.name in live:
                     continue
                 st = ent.stat(follow_symlinks=False)
                 if stat.S_ISDIR(st.st_mode):
-                    report.damage.append(f"chunks/{d.name}/{ent.name} is a directory; left alone")
+                    report.damage.append(f"{CHUNKS}/{d.name}/{ent.name} is a directory; left alone")
                     continue
                 os.unlink(ent.name, dir_fd=xy)  # a link or FIFO under a chunk's name goes too, unopened
                 report.chunks_removed += 1

@@ -26,7 +26,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Protocol, Union
+from typing import Any, Callable, Iterator
 
 from .progress import Progress
 from .chunkfile import HEADER_SIZE, ChunkError
@@ -36,23 +36,10 @@ from .limits import MAX_RAW_CHUNK
 from .device import CudaDevice, Device, DeviceError, HostBuffer
 from .directio import ALIGN
 from .manifest import ChunkRef, Manifest, Stream
-from .memtier import PoolWriter, Slot
 from .pipeline import Result, Stages, _Failure, is_zero, writer_result
-from .store import SnapshotWriter
+from .tier import ChunkTier, TierWriter
 
 GpuEngineError = DeviceError  # one exception type for the GPU data path (device.py raises it)
-Target = Union[SnapshotWriter, PoolWriter]
-
-
-class ChunkSource(Protocol):
-    """Where restore finds chunks: the directory store or the memory tier (both implement this)."""
-
-    error: type[Exception]  # what a damaged snapshot raises from this source
-
-    def missing(self, manifest: Manifest) -> list[str]: ...
-
-    def payload_at(self, ref: ChunkRef, frame: Any) -> tuple[int, str]:
-        """(host address of REF's verified payload, name of the stage that found it); may use FRAME."""
 
 
 @dataclass(frozen=True)
@@ -98,36 +85,6 @@ class _Lane:
         dev.free(self.out)
         dev.destroy_stream(self.stream)
         self.frame.close()
-
-
-class _Landing:
-    """Where one chunk's encoded bytes land on the host, and how they are kept or dropped."""
-
-    def __init__(self, lane: _Lane, target: Target, m: int) -> None:
-        self.slot: Slot | None = None
-        if isinstance(target, PoolWriter):
-            self.slot = target.pool.reserve(m)
-            self.ptr, self.view = self.slot.ptr, self.slot.view[:m]
-        else:
-            self.ptr = lane.frame.ptr + HEADER_SIZE
-            self.view = lane.frame.view[HEADER_SIZE:HEADER_SIZE + m]
-
-    def keep(self, lane: _Lane, target: Target, codec: str, n: int, m: int) -> ChunkRef:
-        self.view.release()
-        if self.slot is not None:
-            assert isinstance(target, PoolWriter)
-            ref = target.put_slot(self.slot, codec, n, m)
-            self.slot = None
-            return ref
-        assert isinstance(target, SnapshotWriter)
-        return target.put_chunk(codec, n, lane.frame.view, m)
-
-    def drop(self, target: Target) -> None:
-        self.view.release()
-        if self.slot is not None:
-            assert isinstance(target, PoolWriter)
-            target.pool.release(self.slot)
-            self.slot = None
 
 
 class GpuEngine:
@@ -244,33 +201,33 @@ class GpuEngine:
         self._d2h(lane, lane.frame.ptr + HEADER_SIZE, ptr, n)
         return is_zero(lane.frame.view[HEADER_SIZE:HEADER_SIZE + n]), True
 
-    def _checkpoint_chunk(self, lane: _Lane, target: Target, ptr: int, n: int, stages: Stages) -> ChunkRef:
+    def _checkpoint_chunk(self, lane: _Lane, target: TierWriter, ptr: int, n: int, stages: Stages) -> ChunkRef:
         t0 = time.perf_counter()
         codec, src, m = self._encode(lane, ptr, n)
-        land = _Landing(lane, target, m)
+        land = target.landing(lane.frame, m)
         try:
             self._d2h(lane, land.ptr, src, m)
             t1 = time.perf_counter()
             stages.add("encode+D2H", t1 - t0, n)
             zero, frame_used = self._is_zero_chunk(lane, codec, ptr, n, land.view)
             if zero:
-                land.drop(target)
+                target.drop(land)
                 return target.note_zero(n)
-            if frame_used and land.slot is None:  # the zero check overwrote the payload: fetch again
+            if frame_used and land.frame is not None:  # the zero check overwrote the payload: fetch again
                 codec, src, m = self._encode(lane, ptr, n)
-                land.view.release()
-                land = _Landing(lane, target, m)
+                target.drop(land)
+                land = target.landing(lane.frame, m)
                 self._d2h(lane, land.ptr, src, m)
-            pooled = land.slot is not None
-            ref = land.keep(lane, target, codec, n, m)
+            pooled = land.frame is None
+            ref = target.write(land, codec, n, m)
             stages.add("hash+index" if pooled else "hash+write", time.perf_counter() - t1, m)
             return ref
         except BaseException:
-            land.drop(target)
+            target.drop(land)
             raise
 
     # -- checkpoint ----------------------------------------------------------------------------
-    def checkpoint(self, writer: Target, regions: list[Region], *, progress: Progress | None = None,
+    def checkpoint(self, writer: TierWriter, regions: list[Region], *, progress: Progress | None = None,
                    attrs: dict[str, Any] | None = None,
                    on_chunk: Callable[[str, int, ChunkRef], None] | None = None) -> Result:
         """Stream every region into WRITER (a store's SnapshotWriter or the memory tier's PoolWriter)
@@ -326,7 +283,7 @@ class GpuEngine:
         fail.raise_if_set()
 
     # -- restore -------------------------------------------------------------------------------
-    def _restore_chunk(self, lane: _Lane, source: ChunkSource, ref: ChunkRef, dst: int, stages: Stages) -> None:
+    def _restore_chunk(self, lane: _Lane, source: ChunkTier, ref: ChunkRef, dst: int, stages: Stages) -> None:
         """One chunk into DST: memset for zeros, else the verified payload, H2D, and decode on the device."""
         dev = self.dev
         n = ref.raw_len
@@ -335,7 +292,13 @@ class GpuEngine:
             lane.sync()
             return
         t0 = time.perf_counter()
-        src, stage = source.payload_at(ref, lane.frame)
+        got = source.read_verified(ref, lane.frame)
+        if (got.header.codec, got.header.stored_len) != (ref.codec, ref.stored_len):
+            # a GSNPCHK2 chunk encoded otherwise since (FORMAT.md): the device decodes by the reference
+            raise ChunkError(ref.id or "", f"is encoded as {got.header.codec} in {got.header.stored_len} bytes, "
+                             f"not as the snapshot says ({ref.codec}, {ref.stored_len})")
+        src, stage = got.addr, got.stage
+        del got
         stages.add(stage, time.perf_counter() - t0, ref.stored_len)
         t1 = time.perf_counter()
         if ref.codec == "raw":
@@ -352,7 +315,7 @@ class GpuEngine:
             lane.codec.release()
         stages.add("H2D+decode", time.perf_counter() - t1, n)
 
-    def restore(self, source: ChunkSource, manifest: Manifest, targets: dict[str, Region], *,
+    def restore(self, source: ChunkTier, manifest: Manifest, targets: dict[str, Region], *,
                 progress: Progress | None = None) -> Result:
         """Write every blob stream of MANIFEST (from a SnapshotStore or the memory tier) into the
         target region of the same name, every payload verified before it is used."""

@@ -11,6 +11,7 @@ from typing import Callable
 from dataclasses import dataclass
 
 from .errors import GpusnapError
+from .storedir import LOCK, NAMES, path_in
 
 
 class LockError(GpusnapError):
@@ -56,8 +57,8 @@ def _flock_holders() -> dict[tuple[int, int], list[tuple[int, str]]]:
 def lock_status(store_path: str) -> list[LockInfo]:
     """Every lock file of the store at STORE_PATH and who holds it now."""
     holders = _flock_holders()
-    files: list[tuple[str, str, str | None]] = [(os.path.join(store_path, "lock"), "store", None)]
-    names_dir = os.path.join(store_path, "names")
+    files: list[tuple[str, str, str | None]] = [(path_in(store_path, LOCK), "store", None)]
+    names_dir = path_in(store_path, NAMES)
     try:
         with os.scandir(names_dir) as it:
             for e in sorted(it, key=lambda e: e.name):

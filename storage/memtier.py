@@ -7,7 +7,8 @@ bounce), and restore copies them from there to the device: no file, no page faul
 The pool lives as long as the process that owns it (a resident process: the engine's host); it is not
 durable, by design: a swap tier, not a backup. Chunks carry the same ids as in the directory store
 (BLAKE3 of the chunk header's first 32 bytes and the payload), so identical chunks are kept once
-across the pool's snapshots, and payloads are verified against their id when read (optional).
+across the pool's snapshots, and every payload is verified against its id when read (the memory tier
+is a chunk tier, storage/tier.py: read_verified is its one read).
 
 Space is managed in 4096-byte units by a first-fit extent allocator that coalesces on free. A
 snapshot becomes visible only when its writer commits; a writer that leaves without committing
@@ -19,19 +20,23 @@ import bisect
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Iterator, cast
 
 from .chunkfile import ChunkError, ChunkHeader, chunk_id
 from .directio import ALIGN, align_up
+from .errors import DamageError, GpusnapError
 from .manifest import ChunkRef, Manifest, Stream
 from .names import validate_snapshot_name
 from .store import WriteStats
+from .tier import Landing, Verified
 
-
-from .errors import GpusnapError
 
 class MemoryTierError(GpusnapError):
     """The pool is full, a snapshot name is taken or unknown, or a chunk is not in the pool."""
+
+
+class MemoryTierDamage(MemoryTierError, DamageError):
+    """A snapshot of the memory tier whose chunks are missing or do not match their ids (exit 3)."""
 
 
 class Extents:
@@ -104,11 +109,10 @@ class _Entry:
 class PinnedPool:
     """Snapshots held in one block of host memory (pinned when the buffer comes from a CUDA device)."""
 
-    error = MemoryTierError  # what a damaged snapshot raises (gpu_engine.ChunkSource)
+    error = MemoryTierDamage  # what a damaged snapshot raises (storage/tier.py: a ChunkTier)
 
-    def __init__(self, buffer: Any, *, verify_reads: bool = True) -> None:
+    def __init__(self, buffer: Any) -> None:
         self.buffer = buffer
-        self.verify_reads = verify_reads
         self._ext = Extents(buffer.size)
         self._chunks: dict[str, _Entry] = {}
         self._snapshots: dict[str, Manifest] = {}
@@ -214,23 +218,24 @@ class PinnedPool:
         slot.view.release()
         return ref, new, hash_s
 
-    def payload(self, ref: ChunkRef) -> tuple[int, memoryview]:
-        """(address, view) of REF's payload in the pool, verified against its id when verify_reads."""
+    def has(self, cid: str) -> bool:
+        with self._lock:
+            return cid in self._chunks
+
+    def read_verified(self, ref: ChunkRef, frame: Any = None) -> Verified:
+        """REF's payload where it lies in the pool (no copy: FRAME is not used), after BLAKE3 of its
+        header and payload matched its id; ChunkError when it is not held or does not match."""
         assert ref.id is not None
         with self._lock:
             e = self._chunks.get(ref.id)
         if e is None or e.ref != ref:
             raise ChunkError(ref.id, "not in the memory tier")
+        header = ChunkHeader(ref.codec, ref.raw_len, ref.stored_len)
         view = self.buffer.view[e.offset:e.offset + ref.stored_len]
-        if self.verify_reads and chunk_id(ChunkHeader(ref.codec, ref.raw_len, ref.stored_len), view) != ref.id:
+        if chunk_id(header, view) != ref.id:
+            view.release()
             raise ChunkError(ref.id, "payload in the memory tier does not match its id (memory corrupted)")
-        return self.buffer.ptr + e.offset, view
-
-    def payload_at(self, ref: ChunkRef, frame: Any = None) -> tuple[int, str]:
-        """The address of REF's payload in the pool (verified when verify_reads); no copy."""
-        addr, view = self.payload(ref)
-        view.release()
-        return addr, "verify" if self.verify_reads else "lookup"
+        return Verified(self.buffer.ptr + e.offset, view, header, "verify")
 
     def missing(self, manifest: Manifest) -> list[str]:
         with self._lock:
@@ -285,6 +290,24 @@ class PoolWriter:
             self._held.append(ref.id)  # type: ignore[arg-type]
             self.stats.add_chunk(raw_len, stored_len, new, hash_s)
         return ref
+
+    # ---- as a TierWriter (storage/tier.py) ----
+    def landing(self, frame: Any, stored_len: int) -> Landing:
+        """A slot of the pool for STORED_LEN bytes (the device copies straight into it; FRAME unused)."""
+        slot = self.pool.reserve(stored_len)
+        return Landing(slot.ptr, slot.view[:stored_len], None, slot)
+
+    def write(self, landing: Landing, codec: str, raw_len: int, stored_len: int) -> ChunkRef:
+        landing.view.release()
+        slot = cast(Slot, landing.slot)  # the landing this writer made
+        landing.slot = None
+        return self.put_slot(slot, codec, raw_len, stored_len)
+
+    def drop(self, landing: Landing) -> None:
+        landing.view.release()
+        if landing.slot is not None:
+            self.pool.release(cast(Slot, landing.slot))
+            landing.slot = None
 
     def add_stream(self, stream: Stream) -> None:
         with self._lock:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from .chunkfile import HEADER_SIZE, MAX_RAW_CHUNK, ChunkError, read_chunk_file
 from .directio import AlignedBuffer, align_up
-from .storedir import StoreDamage, entries, opened_child
+from .storedir import CHUNKS, TMP, StoreDamage, entries, opened_child
 from .store import CHUNK_ID
 
 if TYPE_CHECKING:
@@ -36,14 +36,14 @@ def migrate(store: "SnapshotStore", timeout: float = 30.0) -> MigrateReport:
     """Move every chunk file of STORE's chunks/XY/ into packs."""
     report = MigrateReport()
     store.upgrade()
-    with store.exclusive(timeout), store.subdir("tmp") as tmp, store.subdir("chunks") as chunks:
+    with store.exclusive(timeout), store.subdir(TMP) as tmp, store.subdir(CHUNKS) as chunks:
         buf = AlignedBuffer(HEADER_SIZE + align_up(1 << 20))
         try:
             todo: list[tuple[str, str]] = []
             for d in entries(chunks):
                 if re.fullmatch(r"[0-9a-f]{2}", d.name):
                     try:
-                        with opened_child(chunks, d.name, f"chunks/{d.name}") as xy:
+                        with opened_child(chunks, d.name, f"{CHUNKS}/{d.name}") as xy:
                             todo += [(d.name, e.name) for e in entries(xy)
                                      if CHUNK_ID.fullmatch(e.name) and e.name.startswith(d.name)]
                     except StoreDamage as e:
@@ -54,10 +54,10 @@ def migrate(store: "SnapshotStore", timeout: float = 30.0) -> MigrateReport:
                 with store.packing(tmp) as pw:
                     while todo and size < _BATCH:
                         xy_name, cid = todo.pop(0)
-                        with opened_child(chunks, xy_name, f"chunks/{xy_name}") as xy:
+                        with opened_child(chunks, xy_name, f"{CHUNKS}/{xy_name}") as xy:
                             st = os.stat(cid, dir_fd=xy, follow_symlinks=False)
                             if not stat.S_ISREG(st.st_mode) or st.st_size > HEADER_SIZE + MAX_RAW_CHUNK:
-                                report.left.append(f"chunks/{xy_name}/{cid}: not a chunk file; left alone")
+                                report.left.append(f"{CHUNKS}/{xy_name}/{cid}: not a chunk file; left alone")
                                 continue
                             if align_up(st.st_size) > buf.size:
                                 buf.close()
@@ -65,18 +65,18 @@ def migrate(store: "SnapshotStore", timeout: float = 30.0) -> MigrateReport:
                             try:
                                 header, _ = read_chunk_file(xy, cid, buf, False)
                             except ChunkError as e:
-                                report.left.append(f"chunks/{xy_name}/{cid}: {e.what}; left alone")
+                                report.left.append(f"{CHUNKS}/{xy_name}/{cid}: {e.what}; left alone")
                                 continue
                         pw.append(cid, header, buf.view)
                         batch.append((xy_name, cid))
                         size += HEADER_SIZE + header.stored_len
                         report.bytes_moved += header.stored_len
                 for xy_name, cid in batch:  # their copies are durable and indexed now
-                    with opened_child(chunks, xy_name, f"chunks/{xy_name}") as xy:
+                    with opened_child(chunks, xy_name, f"{CHUNKS}/{xy_name}") as xy:
                         os.unlink(cid, dir_fd=xy)
                         report.moved += 1
                 for xy_name in sorted({x for x, _ in batch}):
-                    with opened_child(chunks, xy_name, f"chunks/{xy_name}") as xy:
+                    with opened_child(chunks, xy_name, f"{CHUNKS}/{xy_name}") as xy:
                         os.fsync(xy)
         finally:
             buf.close()

@@ -5,7 +5,12 @@ Guarantees kept here (FORMAT.md, "Remote stores", has the layout and the protoco
   only after every chunk the manifest names is present remotely: a killed push leaves no snapshot;
 - nothing relies on conditional writes (Swift's S3 API has none): objects have content-derived or
   unique names, and gc and push exclude each other through lock objects with server-side times;
-- only chunks the other side lacks travel (a listing of the remote's chunks, the local store's files);
+- only chunks the other side lacks travel, in packs: a push uploads packs of the chunks no remote
+  index object lists, then their index objects; a pull reads the index objects, then fetches the
+  entries it lacks by coalesced range reads of the packs; nothing lists one key per chunk (remotes of
+  the one-object-per-chunk layout, version 1, are read chunk by chunk: FORMAT.md, "Remote versions");
+- every index object is validated as a local index file, and every range answer must be exactly the
+  bytes asked, before any of it is used;
 - every chunk fetched is verified against its id before it enters the local store (a raw-addressed
   one decoded and its raw bytes hashed); one that does not match is refetched once, then reported as
   damage; a remote manifest is validated by
@@ -21,6 +26,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import secrets
 import socket
 import stat
 import threading
@@ -35,19 +41,30 @@ from .progress import Progress
 from .chunkfile import HEADER_SIZE, ChunkError, ChunkHeader, check_received, max_stored_len
 from .directio import AlignedBuffer, BufferPool
 from .errors import DamageError, GpusnapError, UnavailableError
+from .directio import align_up
 from .limits import MAX_MANIFEST, MAX_RECORD
 from .manifest import ChunkRef, Manifest, ManifestError
 from .names import validate_snapshot_name
+from .packs import INDEX_MAX, PACK_NAME, IndexDamage, Loc, PackIndex, coalesce, decode_index, encode_index
 from .store import Problem, SnapshotStore, StoreError, VerifyReport
+from .storedir import REMOTES, path_in
 
 REMOTE_FORMAT = "gpusnap-remote"
-REMOTE_VERSION = 1
+REMOTE_VERSION = 2              # packs and index objects; 1: one object per chunk (read, FORMAT.md)
+READ_VERSIONS = (1, 2)
+# a remote pack is closed before an entry would take it past this (env: a test hook, to make packs of one entry)
+REMOTE_PACK_TARGET = int(os.environ.get("GPUSNAP_REMOTE_PACK_TARGET", 64 << 20))
+# the most bytes one range read of a pack asks for, unless one entry is larger (env: a test hook)
+RANGE_MAX = int(os.environ.get("GPUSNAP_REMOTE_RANGE_MAX", 16 << 20))
 MULTIPART_THRESHOLD = 64 << 20  # objects larger than this go up in parts
 PART_SIZE = 16 << 20            # S3 wants parts of at least 5 MiB, at most 10000 of them
 LOCK_REFRESH_S = float(os.environ.get("GPUSNAP_REMOTE_LOCK_REFRESH_S", 60.0))  # env: a test hook
 LOCK_STALE_S = float(os.environ.get("GPUSNAP_REMOTE_LOCK_STALE_S", 30 * 60))
 DEFAULT_JOBS = 8
 _ID_RE = re.compile(r"[0-9a-f]{64}")
+# the layout under a remote's prefix (FORMAT.md, "Remote stores"): this module owns it
+MARKER_KEY = "gpusnap-remote.json"
+PACKS, INDEX, CHUNKS, SNAPSHOTS, LOCKS = "packs", "index", "chunks", "snapshots", "locks"
 _REMOTE_NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")
 _AUTH_CODES = {"InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "InvalidToken", "403",
                "Forbidden", "AuthorizationHeaderMalformed"}
@@ -129,7 +146,7 @@ def _endpoint(url: str) -> str:
 
 
 def _remotes_dir(store: SnapshotStore) -> str:
-    return os.path.join(store.path, "remotes")
+    return path_in(store.path, REMOTES)
 
 
 def add_remote(store: SnapshotStore, cfg: RemoteConfig) -> None:
@@ -308,12 +325,13 @@ class ObjectStore:
                     raise
             self.client.create_bucket(Bucket=self.bucket)
 
-    def put(self, key: str, data: bytes | memoryview) -> None:
+    def put(self, key: str, data: bytes | bytearray | memoryview) -> None:
         """One object; multipart above MULTIPART_THRESHOLD (an aborted upload leaves nothing visible)."""
         n = len(data)
         with self.errors(f"writing {key}"):
             if n <= MULTIPART_THRESHOLD:
-                self.client.put_object(Bucket=self.bucket, Key=key, Body=bytes(data))
+                self.client.put_object(Bucket=self.bucket, Key=key,
+                                       Body=data if isinstance(data, (bytes, bytearray)) else bytes(data))
                 self._count(sent=n)
                 return
             up = self.client.create_multipart_upload(Bucket=self.bucket, Key=key)["UploadId"]
@@ -345,6 +363,41 @@ class ObjectStore:
                 raise
             got = self._read_capped(key, r, buf)
             self._count(received=got)
+            return got
+
+    def get_range_into(self, key: str, offset: int, length: int, buf: memoryview) -> int | None:
+        """LENGTH bytes of object KEY from OFFSET (one HTTP range read) into BUF; LENGTH, or None when
+        there is no such object. An answer of any other length (a short pack, a server that ignores the
+        range, a body that ends early or goes on) is RemoteDamageError, raised before more than LENGTH
+        bytes are read."""
+        from botocore.exceptions import ClientError
+        assert 0 < length <= len(buf)
+        with self.errors(f"reading {key}"):
+            try:
+                r = self.client.get_object(Bucket=self.bucket, Key=key, Range=f"bytes={offset}-{offset + length - 1}")
+            except ClientError as e:
+                if self.is_missing(e):
+                    return None
+                if e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 416:
+                    raise RemoteDamageError(f"remote {self.cfg.name!r}: {key} is shorter than its index says "
+                                            f"(no bytes at {offset})") from None
+                raise
+            claimed = r.get("ContentLength")
+            if claimed is not None and claimed != length:
+                r["Body"].close()
+                raise RemoteDamageError(f"remote {self.cfg.name!r}: {key} answered {claimed} bytes for the "
+                                        f"{length} asked at {offset} (shorter than its index says, or the "
+                                        "range ignored)")
+            cr = r.get("ContentRange")
+            if isinstance(cr, str) and not cr.startswith(f"bytes {offset}-{offset + length - 1}/"):
+                r["Body"].close()
+                raise RemoteDamageError(f"remote {self.cfg.name!r}: {key} answered the range {cr!r}, "
+                                        f"not bytes {offset}-{offset + length - 1}")
+            got = self._read_capped(key, r, buf[:length])
+            self._count(received=got)
+            if got != length:
+                raise RemoteDamageError(f"remote {self.cfg.name!r}: {key} answered {got} of the {length} bytes "
+                                        f"asked at {offset} (shorter than its index says)")
             return got
 
     def _pieces(self, key: str, r: dict[str, Any], cap: int) -> Iterator[bytes]:
@@ -451,6 +504,8 @@ class TransferReport:
     bytes_total: int = 0        # stored bytes of all distinct chunks
     bytes_sent: int = 0         # payload bytes that travelled (chunk objects and the manifest)
     refetched: int = 0
+    packs_sent: int = 0         # pack objects a push uploaded (each with its index object)
+    ranges: int = 0             # range reads of packs a pull made (each one request)
     rechecked_after_gc: bool = False
     already_there: bool = False
     seconds: float = 0.0
@@ -461,20 +516,22 @@ class TransferReport:
 
 @dataclass
 class RemoteGcReport:
-    chunks_removed: int = 0
+    chunks_removed: int = 0     # chunks no manifest names any more, deleted (pack entries and chunk objects)
+    packs_removed: int = 0
     bytes_freed: int = 0
     stale_locks_removed: int = 0
 
 
 # ---- the remote ----------------------------------------------------------------------------------
-def pause_for_tests(done: int) -> None:
-    """GPUSNAP_TEST_PAUSE_TRANSFER=N:PATH: after the N-th chunk moved, create PATH and wait until it is
-    removed (lets tests kill -9 or stop the object store at a known point of a real transfer)."""
+def pause_for_tests(done: int, before: int | None = None) -> None:
+    """GPUSNAP_TEST_PAUSE_TRANSFER=N:PATH: once the N-th chunk has moved (a pack or a range moves
+    several: the count went from BEFORE to DONE past N), create PATH and wait until it is removed (lets
+    tests kill -9 or stop the object store at a known point of a real transfer)."""
     spec = os.environ.get("GPUSNAP_TEST_PAUSE_TRANSFER")
     if not spec:
         return
     n, _, path = spec.partition(":")
-    if done != int(n):
+    if not (done - 1 if before is None else before) < int(n) <= done:
         return
     with open(path, "w") as f:
         f.write(str(os.getpid()))
@@ -510,6 +567,7 @@ class Remote:
         self.cfg = cfg
         self.jobs = max(1, jobs)
         self.s3 = ObjectStore(cfg, creds, pool=2 * self.jobs + 2)
+        self.version = REMOTE_VERSION  # what check() found
 
     @classmethod
     def open(cls, store: SnapshotStore, name: str | None, jobs: int = DEFAULT_JOBS) -> "Remote":
@@ -521,24 +579,31 @@ class Remote:
         return "/".join(p for p in (self.cfg.prefix, *parts) if p)
 
     def chunk_key(self, cid: str) -> str:
-        return self.key("chunks", cid[:2], cid)
+        """A version 1 chunk object (read, never written now)."""
+        return self.key(CHUNKS, cid[:2], cid)
+
+    def pack_key(self, pack: str) -> str:
+        return self.key(PACKS, pack)
+
+    def index_key(self, pack: str) -> str:
+        return self.key(INDEX, pack)
 
     def manifest_key(self, name: str) -> str:
-        return self.key("snapshots", validate_snapshot_name(name) + ".json")
+        return self.key(SNAPSHOTS, validate_snapshot_name(name) + ".json")
 
     # ---- setup ----
     def init(self) -> None:
         """Create the bucket if missing and mark PREFIX as a gpusnap remote (checks one already there)."""
         self.s3.ensure_bucket()
-        marker = self.s3.get(self.key("gpusnap-remote.json"), MAX_RECORD)
+        marker = self.s3.get(self.key(MARKER_KEY), MAX_RECORD)
         if marker is None:
-            self.s3.put(self.key("gpusnap-remote.json"),
+            self.s3.put(self.key(MARKER_KEY),
                         json.dumps({"format": REMOTE_FORMAT, "version": REMOTE_VERSION}).encode())
         else:
             self._check_marker(marker)
 
     def check(self) -> None:
-        marker = self.s3.get(self.key("gpusnap-remote.json"), MAX_RECORD)
+        marker = self.s3.get(self.key(MARKER_KEY), MAX_RECORD)
         if marker is None:
             raise RemoteError(f"remote {self.cfg.name!r}: {self.cfg.url} is not a gpusnap remote "
                               "(`gpusnap remote add` creates it)")
@@ -549,13 +614,54 @@ class Remote:
             info = json.loads(data)
         except ValueError:
             info = None
-        if not isinstance(info, dict) or info.get("format") != REMOTE_FORMAT or info.get("version") != REMOTE_VERSION:
+        if not isinstance(info, dict) or info.get("format") != REMOTE_FORMAT or info.get("version") not in READ_VERSIONS:
             raise RemoteError(f"remote {self.cfg.name!r}: {self.cfg.url} holds something other than a "
                               f"{REMOTE_FORMAT} v{REMOTE_VERSION}")
+        self.version = int(info["version"])
+
+    def upgrade(self) -> None:
+        """Mark a version 1 remote version 2 before its first pack (FORMAT.md, "Remote versions")."""
+        if self.version < REMOTE_VERSION:
+            self.s3.put(self.key(MARKER_KEY), json.dumps({"format": REMOTE_FORMAT, "version": REMOTE_VERSION}).encode())
+            self.version = REMOTE_VERSION
+
+    # ---- the index objects ----
+    def read_index(self) -> PackIndex:
+        """Every index object of the remote (one listing of index/, one GET each, JOBS at a time),
+        each validated as a local index file; one that fails is recorded in .damage, its entries unused."""
+        base = self.key(INDEX) + "/"
+        names = [k[len(base):] for k, _, _ in self.s3.list(base) if PACK_NAME.fullmatch(k[len(base):])]
+        got: dict[str, tuple[int, list[tuple[str, int, int]]] | str] = {}
+        lock = threading.Lock()
+
+        def one(name: str) -> None:
+            data = self.s3.get(self.index_key(name), INDEX_MAX)
+            if data is None:
+                return  # deleted since the listing (a gc): its pack goes too
+            try:
+                res: tuple[int, list[tuple[str, int, int]]] | str = decode_index(name, data)
+            except IndexDamage as e:
+                res = f"remote {self.cfg.name!r}: {e}"
+            with lock:
+                got[name] = res
+        _run_bounded(one, names, self.jobs)
+        idx = PackIndex()
+        for name in sorted(got):
+            res = got[name]
+            if isinstance(res, str):
+                idx.damage[name] = res
+            else:
+                idx.add(name, res[0], res[1])
+        return idx
+
+    def pack_sizes(self) -> dict[str, int]:
+        """Every pack object present, by name, with its size (one listing of packs/: one key per pack)."""
+        base = self.key(PACKS) + "/"
+        return {k[len(base):]: size for k, size, _ in self.s3.list(base) if PACK_NAME.fullmatch(k[len(base):])}
 
     # ---- snapshots ----
     def names(self) -> list[str]:
-        base = self.key("snapshots") + "/"
+        base = self.key(SNAPSHOTS) + "/"
         out = []
         for k, _, _ in self.s3.list(base):
             rest = k[len(base):]
@@ -586,7 +692,7 @@ class Remote:
 
     def chunk_sizes(self) -> dict[str, int]:
         """Every chunk object present remotely, by id, with its size (one listing)."""
-        base = self.key("chunks") + "/"
+        base = self.key(CHUNKS) + "/"
         out: dict[str, int] = {}
         for k, size, _ in self.s3.list(base):
             cid = k.rsplit("/", 1)[-1]
@@ -602,7 +708,7 @@ class Remote:
     # ---- locks ----
     def _locks(self) -> list[tuple[str, str, float]]:
         """(key, kind, last-modified) of every lock object."""
-        base = self.key("locks") + "/"
+        base = self.key(LOCKS) + "/"
         out = []
         for k, _, t in self.s3.list(base):
             kind = k[len(base):].split("-", 1)[0]
@@ -684,54 +790,99 @@ class Remote:
                 if old is not None and not same and not replace:
                     raise RemoteError(f"remote {self.cfg.name!r} already has a different snapshot "
                                       f"named {name!r} (use --replace to overwrite it)")
-                have = self.chunk_sizes()
-                # missing, or of the wrong size (a truncated object): sent again, also under a
-                # manifest already there, which is how a damaged remote snapshot is repaired
-                todo = [r for r in refs if not _size_fits(r, have.get(_stored_id(r)))]
+                have = self._present()
+                # no sound index lists them in a pack that is all there (never pushed, a lost or damaged
+                # index, a lost or truncated pack): sent, in new packs, also under a manifest already
+                # there, which is how such damage is repaired
+                todo = [r for r in refs if _stored_id(r) not in have]
                 if same and not todo:
                     rep.already_there = True
                     rep.seconds = time.perf_counter() - t0
                     return rep
+                if todo:
+                    self.upgrade()
                 self._upload(store, todo, rep, progress)
                 if lk.lost():
-                    # gc took our lock for stale and may have deleted chunks we found present: check all
+                    # gc took our lock for stale and may have deleted packs we uploaded or found present
                     rep.rechecked_after_gc = True
                     self._reacquire(lk)
-                    have = self.chunk_sizes()
-                    self._upload(store, [r for r in refs if not _size_fits(r, have.get(_stored_id(r)))], rep, progress)
+                    have = self._present()
+                    self._upload(store, [r for r in refs if _stored_id(r) not in have], rep, progress)
                 self.s3.put(self.manifest_key(name), data)  # last: the snapshot is visible from here on
                 rep.bytes_sent += len(data)
         rep.seconds = time.perf_counter() - t0
         return rep
 
+    def _present(self) -> set[str]:
+        """The chunk ids a sound index lists in a pack object as long as that index says (one listing
+        of index/ and one of packs/, one key per pack each)."""
+        index, sizes = self.read_index(), self.pack_sizes()
+        return {cid for pack, ents in index.entries.items() if sizes.get(pack, -1) >= index.packs[pack]
+                for cid, _, _ in ents}
+
     def _upload(self, store: SnapshotStore, refs: list[ChunkRef], rep: TransferReport, progress: Progress | None) -> None:
+        """REFS read from STORE (stored check) into packs of at most REMOTE_PACK_TARGET, each uploaded,
+        then its index object; JOBS packs at a time, each built in memory by one thread."""
+        if not refs:
+            return
         if progress is not None:
             progress.start(sum(HEADER_SIZE + r.stored_len for r in refs))
-        size = _buffer_size(refs)
+        groups: list[list[ChunkRef]] = [[]]
+        size = 0
+        for r in refs:  # manifest order: a pull of this snapshot reads each pack front to back
+            n = HEADER_SIZE + align_up(max_stored_len(r.codec, r.raw_len, r.stored_len))
+            if groups[-1] and size + n > REMOTE_PACK_TARGET:
+                groups.append([])
+                size = 0
+            groups[-1].append(r)
+            size += n
         lock = threading.Lock()
-        with BufferPool(self.jobs, size) as pool:
-            def send(ref: ChunkRef) -> None:
+        with BufferPool(min(self.jobs, len(groups)), _buffer_size(refs)) as pool:
+            def send(group: list[ChunkRef]) -> None:
+                pack = bytearray()
+                ents: list[tuple[str, int, int]] = []
                 with pool.borrowed() as buf:
-                    try:
-                        # the stored check: a damaged local chunk never travels (a pull checks in full)
-                        header, _ = store.read_stored(ref, buf)
-                    except ChunkError as e:
-                        raise StoreError(f"local snapshot damaged, nothing pushed: {e}") from None
-                    n = HEADER_SIZE + header.stored_len
-                    self.s3.put(self.chunk_key(ref.id), buf.view[:n])  # type: ignore[arg-type]
-                with lock:
-                    rep.chunks_sent += 1
-                    rep.bytes_sent += n
-                    done = rep.chunks_sent
-                if progress is not None:
-                    progress.advance(n)
-                pause_for_tests(done)
-            _run_bounded(send, refs, self.jobs)
+                    for ref in group:
+                        try:
+                            # the stored check: a damaged local chunk never travels (a pull checks in full)
+                            header, payload = store.read_stored(ref, buf)
+                        except ChunkError as e:
+                            raise StoreError(f"local snapshot damaged, nothing pushed: {e}") from None
+                        n = HEADER_SIZE + align_up(header.stored_len)
+                        if pack and len(pack) + n > REMOTE_PACK_TARGET:
+                            self._send_pack(pack, ents, rep, progress, lock)
+                            pack, ents = bytearray(), []
+                        ents.append((_stored_id(ref), len(pack), n))
+                        pack += header.pack().ljust(HEADER_SIZE, b"\0")
+                        pack += payload
+                        pack += bytes(n - HEADER_SIZE - header.stored_len)
+                if ents:
+                    self._send_pack(pack, ents, rep, progress, lock)
+            _run_bounded(send, groups, self.jobs)
+
+    def _send_pack(self, pack: bytearray, ents: list[tuple[str, int, int]], rep: TransferReport,
+                   progress: Progress | None, lock: threading.Lock) -> None:
+        """Upload PACK, then its index object (a pack without its index is garbage for gc)."""
+        name = secrets.token_hex(16)
+        index = encode_index(name, len(pack), ents)
+        self.s3.put(self.pack_key(name), pack)
+        self.s3.put(self.index_key(name), index)
+        with lock:
+            before = rep.chunks_sent
+            rep.chunks_sent += len(ents)
+            rep.packs_sent += 1
+            rep.bytes_sent += len(pack) + len(index)
+            done = rep.chunks_sent
+        if progress is not None:
+            progress.advance(len(pack))
+        pause_for_tests(done, before)
 
     # ---- verify / gc ----
     def verify(self, names: list[str] | None = None, read_data: bool = False, progress: Progress | None = None) -> VerifyReport:
-        """Every named snapshot's manifest valid and every chunk present at its size; with READ_DATA
-        every chunk also fetched and hashed."""
+        """Every named snapshot's manifest valid and every chunk present: an entry of a sound index whose
+        pack object is there and as long as its index says (or, not in any index, a version 1 chunk
+        object of a possible size: one HEAD each); with READ_DATA every chunk also fetched (coalesced
+        range reads) and checked in full."""
         report = VerifyReport()
         self.check()
         manifests = []
@@ -741,32 +892,63 @@ class Remote:
                 manifests.append(self.load(n))
             except RemoteError as e:
                 report.problems.append(Problem(n, None, None, str(e)))
-        have = self.chunk_sizes()
+        index = self.read_index()
+        report.problems += [Problem("(remote)", None, None, why + " (the chunks it lists read as missing)")
+                            for why in index.damage.values()]
+        sizes = self.pack_sizes()
         bad: dict[str, str] = {}
         refs = {_stored_id(r): r for m in manifests for r in distinct_refs(m)}
+        at: dict[str, Loc] = {}
+        legacy: list[ChunkRef] = []
         for cid, r in refs.items():
-            if cid not in have:
+            locs = [loc for loc in index.find(cid) if _entry_fits(r, loc)]
+            if locs:
+                whole = usable(index, sizes, r)
+                if whole:
+                    at[cid] = whole[0]
+                    continue
+                loc = locs[0]
+                have = sizes.get(loc.pack)
+                bad[cid] = (f"its pack {loc.pack[:12]}… is missing on the remote" if have is None else
+                            f"its pack {loc.pack[:12]}… is {have} bytes on the remote, not {index.packs[loc.pack]}")
+                continue
+            size = self.s3.head(self.chunk_key(cid))
+            if size is None:
                 bad[cid] = "missing on the remote"
-            elif not _size_fits(r, have[cid]):
-                bad[cid] = f"is {have[cid]} bytes on the remote, not {HEADER_SIZE + r.stored_len}"
+            elif not _size_fits(r, size):
+                bad[cid] = f"is {size} bytes on the remote, not {HEADER_SIZE + r.stored_len}"
+            else:
+                legacy.append(r)
         if read_data:
-            todo = [r for cid, r in refs.items() if cid not in bad]
+            todo = [refs[c] for c in at] + legacy
             if progress is not None:
                 progress.start(sum(HEADER_SIZE + r.stored_len for r in todo))
-            size = _buffer_size(todo)
             lock = threading.Lock()
+
+            def done(ref: ChunkRef, why: str | None) -> None:
+                with lock:
+                    if why is not None:
+                        bad[_stored_id(ref)] = why
+                    report.chunks_checked += 1
+                    report.bytes_checked += HEADER_SIZE + ref.stored_len
+                if progress is not None:
+                    progress.advance(HEADER_SIZE + ref.stored_len)
+            runs = coalesce(sorted(((i, at[c]) for i, c in enumerate(at)), key=lambda x: (x[1].pack, x[1].offset)),
+                            most=RANGE_MAX)
+            ids = list(at)
+            size = max([_buffer_size(legacy)] + [run[-1][1].offset + run[-1][1].length - run[0][1].offset
+                                                 for run in runs])
             with BufferPool(self.jobs, size) as pool:
-                def check(ref: ChunkRef) -> None:
+                def check_run(run: list[tuple[int, Loc]]) -> None:
                     with pool.borrowed() as buf:
-                        why, _ = check_fetched(ref, buf, self.s3.get_into(self.chunk_key(ref.id), buf.view))  # type: ignore[arg-type]
-                    with lock:
-                        if why is not None:
-                            bad[ref.id] = why  # type: ignore[index]
-                        report.chunks_checked += 1
-                        report.bytes_checked += HEADER_SIZE + ref.stored_len
-                    if progress is not None:
-                        progress.advance(HEADER_SIZE + ref.stored_len)
-                _run_bounded(check, todo, self.jobs)
+                        for cid, why, _, _ in self.fetch_run([(refs[ids[i]], loc) for i, loc in run], buf):
+                            done(refs[cid], why)
+
+                def check_one(ref: ChunkRef) -> None:
+                    with pool.borrowed() as buf:
+                        done(ref, check_fetched(ref, buf, self.s3.get_into(self.chunk_key(_stored_id(ref)), buf.view))[0])
+                _run_bounded(check_run, runs, self.jobs)
+                _run_bounded(check_one, legacy, self.jobs)
         else:
             report.chunks_checked = len(refs)
         for m in manifests:
@@ -776,8 +958,29 @@ class Remote:
                         report.problems.append(Problem(m.name, s.name, i, f"chunk {c.id[:16]}… {bad[c.id]}"))
         return report
 
+    def fetch_run(self, run: list[tuple[ChunkRef, Loc]], buf: AlignedBuffer) -> list[tuple[str, str | None, ChunkHeader | None, memoryview]]:
+        """The entries RUN (adjacent entries of one pack, in offset order) fetched with one range read
+        into BUF and each checked as a chunk file received: (id, why it is not that chunk or None, its
+        header, its entry's bytes in BUF). A range answer of the wrong length fails every entry."""
+        first, last = run[0][1], run[-1][1]
+        length = last.offset + last.length - first.offset
+        try:
+            n = self.s3.get_range_into(self.pack_key(first.pack), first.offset, length, buf.view)
+            why_all = None if n is not None else f"its pack {first.pack[:12]}… is missing on the remote"
+        except RemoteDamageError as e:
+            why_all = str(e)
+        out: list[tuple[str, str | None, ChunkHeader | None, memoryview]] = []
+        for ref, loc in run:
+            view = buf.view[loc.offset - first.offset:loc.offset - first.offset + loc.length]
+            if why_all is not None:
+                out.append((_stored_id(ref), why_all, None, view))
+            else:
+                why, header = check_entry(ref, view)
+                out.append((_stored_id(ref), why, header, view))
+        return out
+
     def gc(self) -> RemoteGcReport:
-        """Delete the chunk objects no remote manifest names, holding the exclusive gc lock."""
+        """Delete the packs and version 1 chunk objects no remote manifest names, holding the exclusive gc lock."""
         report = RemoteGcReport()
         self.check()
         with self.lock("gc") as lk:
@@ -792,13 +995,31 @@ class Remote:
                 except RemoteError as e:
                     raise RemoteError(f"remote gc stopped, nothing deleted: {e}; `gpusnap remote forget {n}` "
                                       "it first if it cannot be repaired") from None
-            dead = [(cid, size) for cid, size in self.chunk_sizes().items() if cid not in live]
+            index = self.read_index()
+            sizes = self.pack_sizes()
             lock = threading.Lock()
+            # packs without an index (a killed push's; no push runs now) and packs with nothing live
+            dead_packs: list[tuple[str, int, list[str]]] = [(p, size, []) for p, size in sizes.items() if p not in index.packs and p not in index.damage]
+            dead_packs += [(p, sizes.get(p, 0), [c for c, _, _ in ents]) for p, ents in index.entries.items()
+                           if not any(c in live for c, _, _ in ents)]
+
+            def drop_pack(item: tuple[str, int, list[str]]) -> None:
+                pack, size, ids = item
+                if ids:
+                    self.s3.delete(self.index_key(pack))  # the index first: a listed index means its pack is there
+                self.s3.delete(self.pack_key(pack))
+                with lock:
+                    report.packs_removed += 1
+                    report.chunks_removed += len(ids)
+                    report.bytes_freed += size
+            _run_bounded(drop_pack, dead_packs, self.jobs)
+            in_packs = {c for p, ents in index.entries.items() for c, _, _ in ents if any(x in live for x, _, _ in ents)}
+            dead = [(cid, size) for cid, size in self.chunk_sizes().items() if cid not in live or cid in in_packs]
 
             def drop(item: tuple[str, int]) -> None:
                 self.s3.delete(self.chunk_key(item[0]))
                 with lock:
-                    report.chunks_removed += 1
+                    report.chunks_removed += item[0] not in live
                     report.bytes_freed += item[1]
             _run_bounded(drop, dead, self.jobs)
         return report
@@ -818,7 +1039,7 @@ class _Lock:
         self.remote = remote
         self.kind = kind
         host = re.sub(r"[^A-Za-z0-9.-]", "_", socket.gethostname())[:64]
-        self.key = remote.key("locks", f"{kind}-{host}-{os.getpid()}-{uuid.uuid4().hex[:12]}.json")
+        self.key = remote.key(LOCKS, f"{kind}-{host}-{os.getpid()}-{uuid.uuid4().hex[:12]}.json")
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -872,15 +1093,46 @@ def distinct_refs(m: Manifest, smallest_streams_first: bool = False) -> list[Chu
 def check_fetched(ref: ChunkRef, buf: AlignedBuffer, n: int | None) -> tuple[str | None, ChunkHeader | None]:
     """(why the N bytes fetched into BUF are not chunk REF, None) or (None, their header) when they are
     (chunkfile.check_received: a GSNPCHK2 object is decoded and its raw bytes hashed)."""
-    assert ref.id is not None
     if n is None:
         return "is missing on the remote", None
+    return _check_image(ref, buf.view[:n])
+
+
+def check_entry(ref: ChunkRef, entry: memoryview) -> tuple[str | None, ChunkHeader | None]:
+    """As check_fetched, for ENTRY, the bytes of a pack entry (a chunk file and its zero padding): its
+    header's stored length must fit in it, then the chunk file is checked."""
+    assert ref.id is not None
     try:
-        return None, check_received(ref.id, ref.codec, ref.raw_len, ref.stored_len, buf.view[:n])
+        header = ChunkHeader.unpack(entry[:64], ref.id)
+    except Exception:  # noqa: BLE001 - whatever a hostile entry makes the parser raise
+        return "has a malformed header", None
+    n = HEADER_SIZE + header.stored_len
+    if n > len(entry):
+        return f"its entry is {len(entry)} bytes, its header says {n}", None
+    return _check_image(ref, entry[:n])
+
+
+def _check_image(ref: ChunkRef, image: memoryview) -> tuple[str | None, ChunkHeader | None]:
+    assert ref.id is not None
+    try:
+        return None, check_received(ref.id, ref.codec, ref.raw_len, ref.stored_len, image)
     except ChunkError as e:
         return e.what, None
     except Exception:  # noqa: BLE001 - whatever a hostile object makes the parser or decoder raise
         return "has a malformed header or payload", None
+
+
+def usable(index: PackIndex, sizes: dict[str, int], ref: ChunkRef) -> list[Loc]:
+    """The entries of REF that INDEX lists in a pack object (SIZES: a listing of packs/) at least as
+    long as its index says, and that can be REF at all (_entry_fits): the ones a reader tries."""
+    return [loc for loc in index.find(_stored_id(ref)) if _entry_fits(ref, loc)
+            and sizes.get(loc.pack, -1) >= index.packs[loc.pack]]
+
+
+def _entry_fits(ref: ChunkRef, loc: Loc) -> bool:
+    """Whether an index entry LOC can be chunk REF at all (so that a hostile index cannot make a reader
+    allocate more than the snapshot's chunk needs)."""
+    return HEADER_SIZE < loc.length <= HEADER_SIZE + align_up(max_stored_len(ref.codec, ref.raw_len, ref.stored_len))
 
 
 def _size_fits(ref: ChunkRef, size: int | None) -> bool:

@@ -1,10 +1,13 @@
 """A remote snapshot pulled into the local store in the background while a reader waits for its chunks.
 
 RemoteFill is what `gpusnap pull` and a restore `--from` a remote use: it reads and validates the
-remote manifest, then a fixed number of fetch threads (the back-pressure: at most JOBS requests in
-flight, one chunk buffer each) fetch every chunk the local store lacks, in an order the reader may
-change while they run (`first`), each verified against its id on arrival and written through the
-local store's writer. A reader (the CRIU image streamer) calls `wait(id)` before it reads a chunk:
+remote manifest and the remote's index objects, then a fixed number of fetch threads (the
+back-pressure: at most JOBS requests in flight, one buffer of at most RANGE_MAX each) fetch every
+chunk the local store lacks, in an order the reader may change while they run (`first`): a thread
+takes the next chunk and, with it, the entries that follow it in its remote pack while they are
+wanted and not yet taken (one range read; a chunk no index lists is one GET of its version 1 chunk
+object); each entry is verified against its id on arrival and written through the local store's
+writer, whose pack is closed and indexed after each range. A reader (the CRIU image streamer) calls `wait(id)` before it reads a chunk:
 it returns as soon as that chunk is local (a chunk not yet fetched is moved to the front).
 
 Guarantees kept here:
@@ -26,24 +29,34 @@ import threading
 import time
 from collections import deque
 from contextlib import ExitStack
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 from .progress import Progress
 from .chunkfile import HEADER_SIZE
 from .directio import BufferPool
 from .errors import GpusnapError
 from .manifest import ChunkRef, Manifest
+from .chunkfile import ChunkHeader
+from .directio import AlignedBuffer
+from .packs import Loc
 from .remote import (
     DEFAULT_JOBS,
+    RANGE_MAX,
     Remote,
     RemoteDamageError,
     RemoteError,
     TransferReport,
+    _buffer_size,
     check_fetched,
     distinct_refs,
     pause_for_tests,
+    usable,
 )
-from .store import SnapshotStore, StoreError
+from .store import SnapshotDamaged, SnapshotStore, StoreError
+from .tier import Verified
+
+if TYPE_CHECKING:
+    from .device import HostBuffer
 
 HANDOFF_BYTES = 128 << 20  # verified payloads held for the reader, at most
 
@@ -68,6 +81,10 @@ class RemoteFill:
         self._w: Any = None
         self._lk: Any = None
         self._refs: dict[str, ChunkRef] = {}
+        self._at: dict[str, Loc] = {}                 # chunk -> its entry in a remote pack (absent: a chunk object)
+        self._pack_order: dict[str, list[tuple[str, Loc]]] = {}  # pack -> its entries we may want, by offset
+        self._pos: dict[tuple[str, int], int] = {}    # (pack, offset) -> position in _pack_order[pack]
+        self._doomed: dict[str, str] = {}             # chunk -> why no remote copy of it can be sound
         self._events: dict[str, threading.Event] = {}
         self._queue: deque[str] = deque()
         self._lock = threading.Lock()  # the queue, the report, the error
@@ -110,12 +127,27 @@ class RemoteFill:
         self._w = self._stack.enter_context(self.store.writer(
             self.name, replace=self.replace, meta=m.meta, tags=m.tags, created=m.created, host=m.host))
         missing = set(self.store.missing(m))
+        index = r.read_index() if missing else None
+        sizes = r.pack_sizes() if missing else {}
         for c in refs:
             if c.id in missing:
                 assert c.id is not None
                 self._refs[c.id] = c
                 self._events[c.id] = threading.Event()
                 self._queue.append(c.id)
+                locs = usable(index, sizes, c) if index is not None else []
+                if locs:
+                    self._at[c.id] = locs[0]
+                elif index is not None and index.find(c.id):
+                    loc = index.find(c.id)[0]  # its only entries lie in a pack cut short: damage, when reached
+                    self._doomed[c.id] = (f"its pack {loc.pack[:12]}… is {sizes.get(loc.pack, 0)} bytes on the remote, "
+                                          f"shorter than its index says ({index.packs[loc.pack]})")
+        for cid, loc in self._at.items():
+            self._pack_order.setdefault(loc.pack, []).append((cid, loc))
+        for pack, ents in self._pack_order.items():
+            ents.sort(key=lambda e: e[1].offset)
+            for i, (_, loc) in enumerate(ents):
+                self._pos[(pack, loc.offset)] = i
 
     def __exit__(self, *exc: object) -> None:
         self._halt()
@@ -136,7 +168,9 @@ class RemoteFill:
         if self.progress is not None:
             self.progress.start(sum(HEADER_SIZE + c.stored_len for c in todo))
         jobs = min(self.remote.jobs, len(todo))
-        size = max(HEADER_SIZE + c.stored_len for c in todo) + HEADER_SIZE
+        entries = [loc.length for loc in self._at.values()]
+        legacy = [c for c in todo if c.id not in self._at]
+        size = max([_buffer_size(legacy) if legacy else 0, min(RANGE_MAX, sum(entries))] + entries)
         pool = self._stack.enter_context(BufferPool(jobs, size))
         for i in range(jobs):
             t = threading.Thread(target=self._run, args=(pool,), name=f"gpusnap-remote-fill-{i}", daemon=True)
@@ -154,62 +188,126 @@ class RemoteFill:
             chosen = set(front)
             self._queue = deque(front + [cid for cid in self._queue if cid not in chosen])
 
-    def _next(self) -> str | None:
+    def _next(self) -> list[str]:
+        """The next chunk to fetch and, when it lies in a remote pack, the entries that follow it there
+        while they are wanted, not yet taken and within RANGE_MAX: one range read. [] when done."""
         with self._lock:
             while self._queue and not self._stop:
                 cid = self._queue.popleft()
-                if cid not in self._started:
-                    self._started.add(cid)
-                    return cid
-            return None
+                if cid in self._started:
+                    continue
+                self._started.add(cid)
+                run = [cid]
+                loc = self._at.get(cid)
+                if loc is not None:
+                    ents = self._pack_order[loc.pack]
+                    end = loc.offset + loc.length
+                    for nxt, nloc in ents[self._pos[(loc.pack, loc.offset)] + 1:]:
+                        if (nloc.offset != end or nxt in self._started or self._at.get(nxt) != nloc
+                                or nloc.offset + nloc.length - loc.offset > RANGE_MAX):
+                            break
+                        self._started.add(nxt)
+                        run.append(nxt)
+                        end = nloc.offset + nloc.length
+                return run
+            return []
 
     def _run(self, pool: BufferPool) -> None:
-        while (cid := self._next()) is not None:
+        while run := self._next():
             try:
-                self._fetch(pool, self._refs[cid])
+                if run[0] in self._doomed:
+                    raise RemoteDamageError(f"remote {self.remote.cfg.name!r}: chunk {run[0][:16]}… of {self.name!r}: "
+                                            f"{self._doomed[run[0]]}; nothing was committed locally")
+                with pool.borrowed() as buf:
+                    if run[0] in self._at:
+                        self._fetch_range(buf, run)
+                    else:
+                        self._fetch_object(buf, self._refs[run[0]])
             except BaseException as e:  # noqa: BLE001 - handed to every waiter and to finish()
                 self._fail(e)
                 return
 
-    def _fetch(self, pool: BufferPool, ref: ChunkRef) -> None:
+    def _fetch_range(self, buf: AlignedBuffer, run: list[str]) -> None:
+        """The entries RUN of one remote pack, one range read, each checked; a bad one: once more."""
+        r, rep = self.remote, self.report
+        wanted = [(self._refs[cid], self._at[cid]) for cid in run]
+        for attempt in (1, 2):
+            got = r.fetch_run(wanted, buf)
+            with self._lock:
+                rep.ranges += 1
+                rep.bytes_sent += sum(loc.length for _, loc in wanted)
+            bad = [(cid, why) for cid, why, _, _ in got if why is not None]
+            if not bad:
+                break
+            if attempt == 2:
+                cid, why = bad[0]
+                if "missing" in why and self._lk.lost():
+                    raise RemoteError(f"remote {r.cfg.name!r}: a gc took this pull's lock for stale (the pull was "
+                                      f"stopped for longer than the stale time) and deleted chunk {cid[:16]}…; "
+                                      "nothing was committed locally")
+                raise RemoteDamageError(f"remote {r.cfg.name!r}: chunk {cid[:16]}… of {self.name!r} {why} "
+                                        "(fetched twice); nothing was committed locally")
+            with self._lock:
+                rep.refetched += len(bad)
+        stored = []
+        for (ref, _), (cid, _, header, entry) in zip(wanted, got):
+            assert header is not None
+            stored.append(self._store(ref, header, entry))
+        # durable as they arrive (the local pack closed and indexed after each range): a killed pull's
+        # retry fetches only what is missing; a pull is bound by the network, not by this fsync
+        self._w.sync_chunks(stored)
+        for (ref, _), (_, _, header, entry) in zip(wanted, got):
+            assert header is not None
+            self._keep(ref, header.codec, entry[HEADER_SIZE:HEADER_SIZE + header.stored_len])
+        self._arrived([ref for ref, _ in wanted])
+
+    def _fetch_object(self, buf: AlignedBuffer, ref: ChunkRef) -> None:
+        """Chunk REF from its version 1 chunk object (no index lists it), checked; a bad one: once more."""
         r, rep = self.remote, self.report
         assert ref.id is not None
-        with pool.borrowed() as buf:
-            for attempt in (1, 2):
-                n = r.s3.get_into(r.chunk_key(ref.id), buf.view)
-                with self._lock:
-                    rep.bytes_sent += n or 0
-                why, header = check_fetched(ref, buf, n)
-                if why is None:
-                    break
-                if attempt == 2:
-                    if n is None and self._lk.lost():
-                        raise RemoteError(f"remote {r.cfg.name!r}: a gc took this pull's lock for stale (the pull was "
-                                          f"stopped for longer than the stale time) and deleted chunk {ref.id[:16]}…; "
-                                          "nothing was committed locally")
-                    raise RemoteDamageError(f"remote {r.cfg.name!r}: chunk {ref.id[:16]}… of {self.name!r} {why} "
-                                            "(fetched twice); nothing was committed locally")
-                with self._lock:
-                    rep.refetched += 1
-            assert header is not None
-            got = self._w.put_chunk(header.codec, header.raw_len, buf.view, header.stored_len,
-                                    raw_id=ref.id if header.raw_id else None,
-                                    verified_id=None if header.raw_id else ref.id)
-            assert got.id == ref.id
-            # durable as it arrives (its pack closed and indexed, with whatever other fetches appended
-            # meanwhile): a killed pull's retry fetches only what is missing; a pull is bound by the
-            # network, not by this fsync
-            self._w.sync_chunks([got])
-            self._keep(ref, header.codec, buf.view[HEADER_SIZE:HEADER_SIZE + header.stored_len])
+        for attempt in (1, 2):
+            n = r.s3.get_into(r.chunk_key(ref.id), buf.view)
+            with self._lock:
+                rep.bytes_sent += n or 0
+            why, header = check_fetched(ref, buf, n)
+            if why is None:
+                break
+            if attempt == 2:
+                if n is None and self._lk.lost():
+                    raise RemoteError(f"remote {r.cfg.name!r}: a gc took this pull's lock for stale (the pull was "
+                                      f"stopped for longer than the stale time) and deleted chunk {ref.id[:16]}…; "
+                                      "nothing was committed locally")
+                raise RemoteDamageError(f"remote {r.cfg.name!r}: chunk {ref.id[:16]}… of {self.name!r} {why} "
+                                        "(fetched twice); nothing was committed locally")
+            with self._lock:
+                rep.refetched += 1
+        assert header is not None
+        got = self._store(ref, header, buf.view)
+        self._w.sync_chunks([got])
+        self._keep(ref, header.codec, buf.view[HEADER_SIZE:HEADER_SIZE + header.stored_len])
+        self._arrived([ref])
+
+    def _store(self, ref: ChunkRef, header: ChunkHeader, frame: memoryview) -> ChunkRef:
+        """The verified chunk REF (HEADER, its payload in FRAME after the header's room) into the local store."""
+        got: ChunkRef = self._w.put_chunk(header.codec, header.raw_len, frame, header.stored_len,
+                                          raw_id=ref.id if header.raw_id else None,
+                                          verified_id=None if header.raw_id else ref.id)
+        assert got.id == ref.id
+        return got
+
+    def _arrived(self, refs: list[ChunkRef]) -> None:
         with self._lock:
-            rep.chunks_sent += 1
-            done = rep.chunks_sent
+            before = self.report.chunks_sent
+            self.report.chunks_sent += len(refs)
+            done = self.report.chunks_sent
             if done == len(self._events):
                 self.seconds_to_all_local = time.monotonic() - self.began
-        self._events[ref.id].set()
+        for ref in refs:
+            assert ref.id is not None
+            self._events[ref.id].set()
         if self.progress is not None:
-            self.progress.advance(HEADER_SIZE + ref.stored_len)
-        pause_for_tests(done)
+            self.progress.advance(sum(HEADER_SIZE + ref.stored_len for ref in refs))
+        pause_for_tests(done, before)
 
     def _keep(self, ref: ChunkRef, codec: str, payload: memoryview) -> None:
         with self._lock:
@@ -279,24 +377,30 @@ class RemoteFill:
 
 
 class ArrivingSource:
-    """A gpu_engine.ChunkSource over STORE while FILL brings the snapshot's chunks: the engine's
-    lanes read a chunk from the local store as soon as it has arrived (waiting for it, and moving it
-    to the front of the fetches, if it has not), so a GPU restore runs while the pull does."""
+    """The chunk tier of a snapshot still arriving from a remote (storage/tier.py): STORE while FILL
+    brings the snapshot's chunks. read_verified waits for a chunk that has not arrived (moving it to the
+    front of the fetches), then reads it from the local store, verified there as every local read is;
+    a chunk the remote holds damaged fails the fill with RemoteDamageError (exit 3), raised to every
+    reader. So a GPU restore runs while the pull does."""
 
-    error = StoreError
+    error = SnapshotDamaged
 
     def __init__(self, store: SnapshotStore, fill: RemoteFill) -> None:
         self.store, self.fill = store, fill
+
+    def has(self, cid: str) -> bool:
+        """Whether chunk CID is local already (arrived, verified, or there before the pull)."""
+        return self.store.has(cid)
 
     def missing(self, manifest: Manifest) -> list[str]:
         """Nothing is missing up front: what the local store lacks is on its way (a chunk the remote
         lacks fails its wait)."""
         return []
 
-    def payload_at(self, ref: ChunkRef, frame: Any) -> tuple[int, str]:
+    def read_verified(self, ref: ChunkRef, frame: HostBuffer) -> Verified:
         assert ref.id is not None
         self.fill.wait(ref.id)
-        return self.store.payload_at(ref, frame)
+        return self.store.read_verified(ref, frame)
 
 
 def pull(remote: Remote, store: SnapshotStore, name: str, *, replace: bool = False,

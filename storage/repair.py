@@ -24,6 +24,7 @@ from .directio import AlignedBuffer, BufferPool, copy_into
 from .errors import GpusnapError
 from .manifest import ChunkRef, Manifest
 from .store import Problem, Stray, chunk_refs
+from .storedir import CHUNKS, MARKER, QUARANTINE, TMP
 
 if TYPE_CHECKING:
     from .packs import PackWriter
@@ -69,10 +70,10 @@ def repair(store: "SnapshotStore", sources: Sequence[str] = (), *, workers: int 
                     store.quarantine_chunk(cid, why)
             for cid, ref in list(need.items()):
                 if store.unquarantine_chunk(ref, buf):
-                    report.repaired[cid] = "quarantine/ (the copy there verifies)"
+                    report.repaired[cid] = f"{QUARANTINE}/ (the copy there verifies)"
                     del need[cid]
         if need:
-            with store.subdir("tmp") as tmp, store.subdir("chunks") as chunks, store.packing(tmp) as pw:
+            with store.subdir(TMP) as tmp, store.subdir(CHUNKS) as chunks, store.packing(tmp) as pw:
                 for cid, where in rebuild(store, pw, chunks, manifests, need, list(sources), size).items():
                     report.repaired[cid] = where
                     del need[cid]
@@ -97,7 +98,7 @@ def rebuild(store: "SnapshotStore", pw: "PackWriter", chunks_fd: int, manifests:
             if not need.keys() - found.keys():
                 break
             src = os.path.abspath(src)
-            if os.path.isfile(os.path.join(src, "gpusnap-store.json")):
+            if os.path.isfile(os.path.join(src, MARKER)):
                 got = _from_store(store, pw, chunks_fd, src, {k: v for k, v in need.items() if k not in found},
                                   buf)
             else:

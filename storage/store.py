@@ -37,7 +37,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 from .progress import Progress
 from .chunkfile import (HEADER_SIZE, ChunkError, ChunkHeader, chunk_id, file_kind, full_check, max_stored_len,
@@ -52,15 +52,17 @@ from .manifest import ChunkRef, Manifest, ManifestError, Stream, validate_tag
 from .names import InvalidNameError, validate_snapshot_name
 from .owner import ProcessOwner
 from .packs import Loc, PackIndex, PackWriter, open_pack, read_entry
-from .storedir import StoreAccessError, StoreDamage, entries, lstat_at, opened_child, opened_dir, opened_root
+from .tier import Landing, Verified
+from .storedir import (CHUNKS, INDEX, LOCK, MARKER, NAMES, PACK_DIRS, PACKS, QUARANTINE, SNAPSHOTS, SUBDIRS, TMP,
+                       StoreAccessError, StoreDamage, chunk_dir_name, entries, lstat_at, manifest_entry,
+                       name_lock_entry, opened_child, quarantine_record, opened_dir, opened_root)
+
+if TYPE_CHECKING:
+    from .device import HostBuffer
 
 STORE_FORMAT = "gpusnap-store"
 STORE_VERSION = 3
 READ_VERSIONS = (1, 2, 3)  # 1: GSNPCHK1 chunk files only; 2: chunk files of both kinds; 3: packs
-MARKER = "gpusnap-store.json"
-SUBDIRS = ("snapshots", "chunks", "tmp", "names", "packs", "index")
-PACK_DIRS = ("packs", "index")  # made by the upgrade of a version 1/2 store
-QUARANTINE = "quarantine"
 CHUNK_ID = re.compile(r"[0-9a-f]{64}")
 _RECORD_MAX = 1 << 16
 
@@ -165,7 +167,7 @@ class Stray:
     what: str
 
     def __str__(self) -> str:
-        return f"snapshots/{self.entry}: {self.what}"
+        return f"{SNAPSHOTS}/{self.entry}: {self.what}"
 
 
 @dataclass
@@ -256,7 +258,7 @@ class SnapshotStore:
     readers pass False and get a clear error instead of an empty store at a mistyped path.
     """
 
-    error = SnapshotDamaged  # what a damaged snapshot raises (gpu_engine.ChunkSource)
+    error = SnapshotDamaged  # what a damaged snapshot raises (storage/tier.py: a ChunkTier)
 
     def __init__(self, path: str, create: bool = True) -> None:
         self.path = os.path.abspath(path)
@@ -272,21 +274,21 @@ class SnapshotStore:
     # ---- layout -------------------------------------------------------------------------------
     @property
     def snapshots_dir(self) -> str:
-        return os.path.join(self.path, "snapshots")
+        return os.path.join(self.path, SNAPSHOTS)
 
     @property
     def chunks_dir(self) -> str:
-        return os.path.join(self.path, "chunks")
+        return os.path.join(self.path, CHUNKS)
 
     @property
     def tmp_dir(self) -> str:
-        return os.path.join(self.path, "tmp")
+        return os.path.join(self.path, TMP)
 
     def chunk_path(self, cid: str) -> str:
-        return os.path.join(self.chunks_dir, cid[:2], cid)
+        return os.path.join(self.chunks_dir, chunk_dir_name(cid), cid)
 
     def manifest_path(self, name: str) -> str:
-        return os.path.join(self.snapshots_dir, validate_snapshot_name(name) + ".json")
+        return os.path.join(self.snapshots_dir, manifest_entry(validate_snapshot_name(name)))
 
     @property
     def direct(self) -> bool:
@@ -294,7 +296,7 @@ class SnapshotStore:
         with self._probe_lock:  # one probe, whichever worker thread asks first
             if self._direct is None:
                 try:
-                    with self.subdir("tmp") as tmp:
+                    with self.subdir(TMP) as tmp:
                         # the probe goes through the checked fd, never through a path that could be a link
                         self._direct = direct_io_supported(f"/proc/self/fd/{tmp}")
                 except (OSError, GpusnapError):
@@ -363,7 +365,7 @@ class SnapshotStore:
 
     def _write_marker(self, created: str | None) -> None:
         """Write the store marker (this version) through tmp/: fsynced, renamed, the store fsynced."""
-        with self.root() as (root, uid), opened_dir(root, "tmp", uid, "tmp") as tmp:
+        with self.root() as (root, uid), opened_dir(root, TMP, uid, TMP) as tmp:
             name = owned_name("marker")
             data = json.dumps({"format": STORE_FORMAT, "version": STORE_VERSION,
                                "created": created or datetime.now(timezone.utc).isoformat()}).encode()
@@ -408,7 +410,7 @@ class SnapshotStore:
                         os.mkdir(d, 0o700, dir_fd=root)
                     except FileExistsError:
                         pass
-                with opened_dir(root, "chunks", uid, "chunks") as chunks:
+                with opened_dir(root, CHUNKS, uid, CHUNKS) as chunks:
                     for i in range(256):
                         try:
                             os.mkdir(f"{i:02x}", 0o700, dir_fd=chunks)
@@ -422,7 +424,7 @@ class SnapshotStore:
     @contextmanager
     def shared(self) -> Iterator[None]:
         with self.root() as (root, _):
-            lock = _FileLock(root, "lock", "lock")
+            lock = _FileLock(root, LOCK, LOCK)
             lock.acquire(exclusive=False, timeout=None)
         try:
             yield
@@ -432,7 +434,7 @@ class SnapshotStore:
     @contextmanager
     def exclusive(self, timeout: float) -> Iterator[None]:
         with self.root() as (root, _):
-            lock = _FileLock(root, "lock", "lock")
+            lock = _FileLock(root, LOCK, LOCK)
             got = lock.acquire(exclusive=True, timeout=timeout)
         if not got:
             raise StoreError("store is busy (a put, get or verify is running); try again when it ends")
@@ -446,9 +448,9 @@ class SnapshotStore:
         """NAME's writer lock (names/NAME.lock), taken without waiting. Only writers and rm of an
         existing snapshot take it; when the holder is done and NAME has no snapshot (a failed put or
         dump, an rm), the file is removed while still held, so none is left behind for gc."""
-        lock_name = validate_snapshot_name(name) + ".lock"
-        with self.subdir("names") as names:
-            lock = _FileLock(names, lock_name, f"names/{lock_name}")
+        lock_name = name_lock_entry(validate_snapshot_name(name))
+        with self.subdir(NAMES) as names:
+            lock = _FileLock(names, lock_name, f"{NAMES}/{lock_name}")
             got = lock.acquire(exclusive=True, timeout=0)
         if not got:
             raise StoreError(f"snapshot {name!r} is being written by another process")
@@ -457,7 +459,7 @@ class SnapshotStore:
         finally:
             try:
                 if not self.exists(name):
-                    with self.subdir("names") as names:
+                    with self.subdir(NAMES) as names:
                         _unlink_quietly(names, lock_name)
             except (OSError, GpusnapError):
                 pass
@@ -467,15 +469,15 @@ class SnapshotStore:
     # ---- snapshots ----------------------------------------------------------------------------
     def exists(self, name: str) -> bool:
         """Whether anything occupies NAME's manifest entry (a snapshot, or a damaged entry in its place)."""
-        entry = validate_snapshot_name(name) + ".json"
-        with self.subdir("snapshots") as snaps:
+        entry = manifest_entry(validate_snapshot_name(name))
+        with self.subdir(SNAPSHOTS) as snaps:
             return lstat_at(snaps, entry) is not None
 
     def scan(self) -> tuple[list[str], list[Stray]]:
         """The snapshot names (sorted) and the stray entries of snapshots/."""
         names: list[str] = []
         strays: list[Stray] = []
-        with self.subdir("snapshots") as snaps:
+        with self.subdir(SNAPSHOTS) as snaps:
             for e in entries(snaps):
                 what = _stray_reason(e)
                 if what is None:
@@ -488,21 +490,21 @@ class SnapshotStore:
         return self.scan()[0]
 
     def load(self, name: str) -> Manifest:
-        entry = validate_snapshot_name(name) + ".json"
-        with self.subdir("snapshots") as snaps:
+        entry = manifest_entry(validate_snapshot_name(name))
+        with self.subdir(SNAPSHOTS) as snaps:
             try:
                 fd = os.open(entry, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=snaps)
             except FileNotFoundError:
                 raise StoreError(f"no snapshot named {name!r} in {self.path}") from None
             except OSError as e:
                 if e.errno == errno.ELOOP:
-                    raise StoreDamage(f"snapshot {name!r}: snapshots/{entry} is a symbolic link, "
+                    raise StoreDamage(f"snapshot {name!r}: {SNAPSHOTS}/{entry} is a symbolic link, "
                                       "not a manifest") from None
                 raise
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
-                raise StoreDamage(f"snapshot {name!r}: snapshots/{entry} is {file_kind(st.st_mode)}, not a manifest")
+                raise StoreDamage(f"snapshot {name!r}: {SNAPSHOTS}/{entry} is {file_kind(st.st_mode)}, not a manifest")
             data = read_to_end(fd, MAX_MANIFEST)
         finally:
             os.close(fd)
@@ -527,12 +529,12 @@ class SnapshotStore:
             valid = None
         with self.shared():
             if valid is not None:
-                with self.subdir("snapshots") as snaps:
-                    st = lstat_at(snaps, valid + ".json")
+                with self.subdir(SNAPSHOTS) as snaps:
+                    st = lstat_at(snaps, manifest_entry(valid))
                 if st is not None and stat.S_ISREG(st.st_mode):
-                    with self.name_lock(valid), self.subdir("snapshots") as snaps:
+                    with self.name_lock(valid), self.subdir(SNAPSHOTS) as snaps:
                         try:
-                            os.unlink(valid + ".json", dir_fd=snaps)
+                            os.unlink(manifest_entry(valid), dir_fd=snaps)
                         except FileNotFoundError:
                             raise StoreError(f"no snapshot named {name!r} in {self.path}") from None
                         os.fsync(snaps)
@@ -541,14 +543,14 @@ class SnapshotStore:
             stray = strays.get(name) or strays.get(name + ".json")
             if stray is None:
                 raise StoreError(f"no snapshot named {name!r} in {self.path}")
-            with self.subdir("snapshots") as snaps:
+            with self.subdir(SNAPSHOTS) as snaps:
                 st = lstat_at(snaps, stray.entry)
                 if st is not None and stat.S_ISDIR(st.st_mode):
-                    remove_tree(snaps, stray.entry, f"snapshots/{stray.entry}")  # fd-relative, iterative: no link followed
+                    remove_tree(snaps, stray.entry, f"{SNAPSHOTS}/{stray.entry}")  # fd-relative, iterative: no link followed
                 elif st is not None:
                     os.unlink(stray.entry, dir_fd=snaps)
                 os.fsync(snaps)
-            return f"stray entry snapshots/{stray.entry}"
+            return f"stray entry {SNAPSHOTS}/{stray.entry}"
 
     # ---- chunks -------------------------------------------------------------------------------
     @contextmanager
@@ -556,7 +558,7 @@ class SnapshotStore:
         if not CHUNK_ID.fullmatch(cid):
             raise ChunkError(cid, "is not a chunk id (64 lowercase hex digits)")
         try:
-            with self.subdir("chunks", cid[:2]) as d:
+            with self.subdir(CHUNKS, chunk_dir_name(cid)) as d:
                 yield d
         except FileNotFoundError:
             raise ChunkError(cid, "missing (its directory is gone)") from None
@@ -568,7 +570,7 @@ class SnapshotStore:
         """Load the index files written since the last look (and the quarantine records of entries)."""
         with self._index_lock:
             try:
-                with self.subdir("index") as idx:
+                with self.subdir(INDEX) as idx:
                     self._index.refresh(idx)
             except FileNotFoundError:
                 pass  # a version 1/2 store: no packs yet
@@ -632,10 +634,10 @@ class SnapshotStore:
     def read_entry(self, cid: str, loc: Loc, buf: AlignedBuffer, direct: bool) -> tuple[ChunkHeader, memoryview]:
         """The entry LOC of chunk CID read into BUF (header parsed, payload not yet checked)."""
         try:
-            with self.subdir("packs") as packs:
+            with self.subdir(PACKS) as packs:
                 fd = open_pack(packs, loc.pack, cid) if not direct else self._open_pack_direct(packs, loc.pack, cid)
         except FileNotFoundError:
-            raise ChunkError(cid, "missing (packs/ is gone)") from None
+            raise ChunkError(cid, f"missing ({PACKS}/ is gone)") from None
         except StoreDamage as e:
             raise ChunkError(cid, str(e)) from None
         try:
@@ -701,17 +703,29 @@ class SnapshotStore:
         header, payload = self.read_stored(ref, buf, check=False, cached=cached)
         return full_check(header, payload, ref.id, out)  # type: ignore[arg-type]
 
-    def payload_at(self, ref: ChunkRef, frame: Any) -> tuple[int, str]:
-        """Read REF's verified payload into FRAME (a host buffer with .ptr, laid out like a chunk
-        file) and return its address there (gpu_engine.ChunkSource). The GPU path writes GSNPCHK1
-        chunks; a GSNPCHK2 one (named by a host-path snapshot) is decoded on the host once to bind it
-        to its id, and must be encoded as REF says, which is what the device decodes by."""
-        header, payload = self.read_stored(ref, frame, check=False, cached=True)
-        if header.raw_id and (header.codec, header.stored_len) != (ref.codec, ref.stored_len):
-            raise ChunkError(ref.id or "", f"is encoded as {header.codec} in {header.stored_len} bytes, "
-                             f"not as the snapshot says ({ref.codec}, {ref.stored_len})")
+    # ---- the chunk tier (storage/tier.py) ------------------------------------------------------
+    def has(self, cid: str) -> bool:
+        """Whether an index entry (not quarantined) or a regular chunk file of CID is here (ChunkTier)."""
+        if not CHUNK_ID.fullmatch(cid):
+            return False
+        if self.locate(cid):
+            return True
+        try:
+            with self.chunk_dir(cid) as d:
+                st = lstat_at(d, cid)
+        except ChunkError:
+            return False
+        return st is not None and stat.S_ISREG(st.st_mode)
+
+    def read_verified(self, ref: ChunkRef, frame: HostBuffer) -> Verified:
+        """REF's payload read into FRAME (laid out like a chunk file) and bound to its id: the one
+        verified read of the chunk tier (storage/tier.py). A GSNPCHK1 chunk gets the stored check
+        (its id covers the stored bytes), a GSNPCHK2 one is decoded once and its raw bytes hashed;
+        read through the page cache (restores); ChunkError when damaged."""
+        header, payload = self.read_stored(ref, frame, check=False, cached=True)  # type: ignore[arg-type]
         id_check(header, payload, ref.id)  # type: ignore[arg-type]
-        return frame.ptr + HEADER_SIZE, "read+decode+verify" if header.raw_id else "read+verify"
+        return Verified(frame.ptr + HEADER_SIZE, payload, header,
+                        "read+decode+verify" if header.raw_id else "read+verify")
 
     def missing(self, manifest: Manifest) -> list[str]:
         """Chunk ids MANIFEST names that have no index entry and no regular file here (a cheap pass
@@ -741,7 +755,7 @@ class SnapshotStore:
         if st is not None and not stat.S_ISREG(st.st_mode):
             return f"is {file_kind(st.st_mode)}, not a chunk file"
         why = self.quarantined(cid)
-        return "missing" if why is None else f"{why} (moved to quarantine/ by verify)"
+        return "missing" if why is None else f"{why} (moved to {QUARANTINE}/ by verify)"
 
     def chunk_buffer_size(self, manifests: list[Manifest]) -> int:
         most = max((max_stored_len(c.codec, c.raw_len, c.stored_len) for m in manifests for s in m.streams
@@ -756,7 +770,7 @@ class SnapshotStore:
             return got if _reusable_header(got, header) else None
         for loc in self.locate(cid):
             try:
-                with self.subdir("packs") as packs:
+                with self.subdir(PACKS) as packs:
                     fd = open_pack(packs, loc.pack, cid)
                 try:
                     if os.fstat(fd).st_size < loc.offset + loc.length:
@@ -770,7 +784,7 @@ class SnapshotStore:
             if HEADER_SIZE + got.stored_len <= loc.length and _reusable_header(got, header):
                 return got
         try:
-            with opened_child(chunks_fd, cid[:2], f"chunks/{cid[:2]}") as d:
+            with opened_child(chunks_fd, chunk_dir_name(cid), f"{CHUNKS}/{chunk_dir_name(cid)}") as d:
                 return reusable(d, cid, header)
         except FileNotFoundError:
             return None
@@ -805,7 +819,7 @@ class SnapshotStore:
         """A pack writer for the block (repair, migrate): its packs are closed and indexed at the end;
         on an error the open pack is removed (closed packs stay for gc)."""
         self.upgrade()
-        with self.subdir("packs") as packs, self.subdir("index") as idx:
+        with self.subdir(PACKS) as packs, self.subdir(INDEX) as idx:
             pw = PackWriter(packs, idx, tmp_fd, lambda: owned_name("index"), self.index_added,
                             self.entry_appended, self.pack_dropped)
             try:
@@ -820,7 +834,7 @@ class SnapshotStore:
         """What verify found wrong with CID when it moved it to quarantine/, None if it did not."""
         try:
             with self.subdir(QUARANTINE) as q:
-                rec = read_record(q, cid + ".json")
+                rec = read_record(q, quarantine_record(cid))
         except (FileNotFoundError, GpusnapError, OSError):
             return None
         if rec is None:
@@ -847,10 +861,10 @@ class SnapshotStore:
                     os.rename(cid, cid, src_dir_fd=d, dst_dir_fd=q)  # moves the entry itself, whatever it is
                     os.fsync(d)
                 rec = json.dumps(rec_obj).encode()
-                with opened_dir(root, "tmp", uid, "tmp") as tmp:
+                with opened_dir(root, TMP, uid, TMP) as tmp:
                     name = owned_name("record")
                     _write_file(tmp, name, rec)
-                    os.rename(name, cid + ".json", src_dir_fd=tmp, dst_dir_fd=q)
+                    os.rename(name, quarantine_record(cid), src_dir_fd=tmp, dst_dir_fd=q)
                 os.fsync(q)
         if locs:
             with self._index_lock:
@@ -872,7 +886,7 @@ class SnapshotStore:
                 with self.chunk_dir(cid) as d:
                     os.rename(cid, cid, src_dir_fd=q, dst_dir_fd=d)  # over whatever damaged file is there
                     os.fsync(d)
-                _unlink_quietly(q, cid + ".json")
+                _unlink_quietly(q, quarantine_record(cid))
         except (OSError, GpusnapError):
             return False
         return True
@@ -882,7 +896,7 @@ class SnapshotStore:
         cid = ref.id or ""
         try:
             with self.subdir(QUARANTINE) as q:
-                rec = read_record(q, cid + ".json")
+                rec = read_record(q, quarantine_record(cid))
                 ents = rec.get("entries") if isinstance(rec, dict) else None
                 if not isinstance(ents, list):
                     return False
@@ -899,7 +913,7 @@ class SnapshotStore:
                         continue
                 else:
                     return False
-                os.unlink(cid + ".json", dir_fd=q)
+                os.unlink(quarantine_record(cid), dir_fd=q)
                 os.fsync(q)
         except (OSError, GpusnapError):
             return False
@@ -1004,7 +1018,7 @@ class SnapshotStore:
                         if c.id in bad:
                             report.problems.append(Problem(m.name, s.name, i, f"chunk {c.id[:16]}… {bad[c.id]}"))
         damaged = {cid: why for cid, why in bad.items() if not why.startswith("missing")
-                   and "quarantine/" not in why}
+                   and f"{QUARANTINE}/" not in why}
         if quarantine and damaged:
             try:
                 with self.exclusive(quarantine_wait):
@@ -1035,7 +1049,7 @@ class SnapshotStore:
         """A new private directory in tmp/ owned by this process (its owner is in its name: gc removes
         it once this process is gone). Returns its absolute path."""
         name = owned_name(kind)
-        with self.subdir("tmp") as tmp:
+        with self.subdir(TMP) as tmp:
             os.mkdir(name, 0o700, dir_fd=tmp)
         return os.path.join(self.tmp_dir, name)
 
@@ -1050,7 +1064,7 @@ class SnapshotStore:
                "dest": os.path.abspath(dest), "nonce": nonce}
         name: str | None = owned_name("get")
         try:
-            with self.subdir("tmp") as tmp:
+            with self.subdir(TMP) as tmp:
                 _write_file(tmp, name, json.dumps(rec).encode())  # type: ignore[arg-type]
         except (PermissionError, StoreAccessError):
             name = None  # a reader of a store it may not write: nothing to record, nothing gc could do
@@ -1062,7 +1076,7 @@ class SnapshotStore:
             yield nonce if name is not None else None
         finally:
             if name is not None:
-                with self.subdir("tmp") as tmp:
+                with self.subdir(TMP) as tmp:
                     _unlink_quietly(tmp, name)
 
 
@@ -1175,10 +1189,10 @@ class SnapshotWriter:
         try:
             self._stack.enter_context(self.store.shared())
             self._stack.enter_context(self.store.name_lock(self.name))
-            self._tmp = self._stack.enter_context(self.store.subdir("tmp"))
-            self._chunks = self._stack.enter_context(self.store.subdir("chunks"))
-            self._snaps = self._stack.enter_context(self.store.subdir("snapshots"))
-            if lstat_at(self._snaps, self.name + ".json") is not None and not self.replace:
+            self._tmp = self._stack.enter_context(self.store.subdir(TMP))
+            self._chunks = self._stack.enter_context(self.store.subdir(CHUNKS))
+            self._snaps = self._stack.enter_context(self.store.subdir(SNAPSHOTS))
+            if lstat_at(self._snaps, manifest_entry(self.name)) is not None and not self.replace:
                 raise StoreError(f"snapshot {self.name!r} already exists (use --replace to overwrite it)")
             self.store.refresh_index()  # what other writers indexed: this writer deduplicates against it
         except BaseException:
@@ -1206,8 +1220,8 @@ class SnapshotWriter:
         with self._pw_lock:
             if self._pw is None:
                 self.store.upgrade()
-                packs = self._stack.enter_context(self.store.subdir("packs"))
-                idx = self._stack.enter_context(self.store.subdir("index"))
+                packs = self._stack.enter_context(self.store.subdir(PACKS))
+                idx = self._stack.enter_context(self.store.subdir(INDEX))
                 self._pw = PackWriter(packs, idx, self._tmp, lambda: owned_name("index"), self.store.index_added,
                                       self.store.entry_appended, self.store.pack_dropped)
             return self._pw
@@ -1291,6 +1305,19 @@ class SnapshotWriter:
             self.stats.add_chunk(raw_len, got.stored_len, new, hash_s, t2 - t0 - hash_s)
         return ChunkRef(cid, raw_len, got.codec, got.stored_len)
 
+    # ---- as a TierWriter (storage/tier.py): the GPU path's stored-addressed chunks ----
+    def landing(self, frame: HostBuffer, stored_len: int) -> Landing:
+        """The payload's place in FRAME, after the header's room (written from there by write())."""
+        return Landing(frame.ptr + HEADER_SIZE, frame.view[HEADER_SIZE:HEADER_SIZE + stored_len], frame.view)
+
+    def write(self, landing: Landing, codec: str, raw_len: int, stored_len: int) -> ChunkRef:
+        landing.view.release()
+        assert landing.frame is not None
+        return self.put_chunk(codec, raw_len, landing.frame, stored_len)
+
+    def drop(self, landing: Landing) -> None:
+        landing.view.release()
+
     def sync_chunks(self, refs: list[ChunkRef]) -> None:
         """Make REFS durable and indexed now: the open pack is closed and indexed (commit() does it too;
         a chunk-reference log, storage.reflog, names chunks before any commit)."""
@@ -1314,7 +1341,7 @@ class SnapshotWriter:
             manifest.created = self.created
         if self.host is not None:
             manifest.host = self.host
-        final = self.name + ".json"
+        final = manifest_entry(self.name)
         tmp = owned_name("manifest")
         data = manifest.dumps()
         t0 = time.perf_counter()

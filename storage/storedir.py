@@ -1,4 +1,8 @@
-"""Directories inside the store, opened without following links: the store owner's real directory, or damage.
+"""The layout of a store root and its directories, opened without following links: the store owner's real directory, or damage.
+
+Every name under a store root (FORMAT.md, "Directory layout") is one constant here; other modules
+build no store path of their own (the exceptions still to move: storage/damage.py's record name,
+and the "packs" that storage/readstage.py asks subdir for).
 
 Guarantees kept here: every directory is opened relative to a directory fd already checked, with
 O_NOFOLLOW | O_DIRECTORY, and accepted only if fstat says it is a directory owned by the store's
@@ -16,6 +20,50 @@ from typing import Iterator
 
 from . import treewalk
 from .errors import DamageError, GpusnapError
+
+# ---- the layout ------------------------------------------------------------------------------
+MARKER = "gpusnap-store.json"   # the store's format and version
+LOCK = "lock"                   # flock(2) target: shared by writers and readers, exclusive by gc/repair
+SNAPSHOTS = "snapshots"         # committed manifests, NAME.json
+PACKS = "packs"                 # pack files (version 3)
+INDEX = "index"                 # the index of each pack
+CHUNKS = "chunks"               # chunk files of version 1/2 stores, in XY/ subdirectories
+NAMES = "names"                 # NAME.lock: one writer per snapshot name
+TMP = "tmp"                     # temporary entries, named after their owners
+QUARANTINE = "quarantine"       # damaged chunks set aside by verify, and their records
+LOGS = "logs"                   # logs of failed CRIU/runsc runs, for the user
+JOURNAL = "journal"             # operations in flight
+REMOTES = "remotes"             # configured remotes
+FILES_CACHE = "files-cache.json"
+SUBDIRS = (SNAPSHOTS, CHUNKS, TMP, NAMES, PACKS, INDEX)  # made with every new store
+PACK_DIRS = (PACKS, INDEX)                               # made by the upgrade of a version 1/2 store
+
+
+def chunk_dir_name(cid: str) -> str:
+    """The subdirectory of chunks/ that a version 1/2 chunk file of CID lies in (XY)."""
+    return cid[:2]
+
+
+def manifest_entry(name: str) -> str:
+    """The entry of snapshots/ holding snapshot NAME's manifest (NAME already validated)."""
+    return name + ".json"
+
+
+def quarantine_record(cid: str) -> str:
+    """The entry of quarantine/ recording why chunk CID was set aside."""
+    return cid + ".json"
+
+
+def name_lock_entry(name: str) -> str:
+    """The entry of names/ that NAME's one writer holds (NAME already validated)."""
+    return name + ".lock"
+
+
+def path_in(store_path: str, *parts: str) -> str:
+    """The path of PARTS under the store root STORE_PATH (for messages and for tools that take a
+    path, such as CRIU's log directory; gpusnap itself opens store entries through checked fds)."""
+    return os.path.join(store_path, *parts)
+
 
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 

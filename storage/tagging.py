@@ -16,6 +16,7 @@ from typing import Sequence
 from .manifest import MAX_TAGS, Manifest, ManifestError, validate_tag
 from .names import validate_snapshot_name
 from .store import SnapshotStore, StoreError, _unlink_quietly, _write_file, owned_name
+from .storedir import SNAPSHOTS, TMP, manifest_entry
 
 
 def new_tags(old: Sequence[str], add: Sequence[str] = (), remove: Sequence[str] = (),
@@ -49,10 +50,10 @@ def retag(store: SnapshotStore, name: str, add: Sequence[str] = (), remove: Sequ
         Manifest.loads(data, where=f"snapshot {name!r}")  # what is renamed into place is what a reader accepts
         tmp = owned_name("manifest")
         try:
-            with store.subdir("tmp") as tmp_fd, store.subdir("snapshots") as snaps:
+            with store.subdir(TMP) as tmp_fd, store.subdir(SNAPSHOTS) as snaps:
                 _write_file(tmp_fd, tmp, data)
                 try:
-                    os.rename(tmp, name + ".json", src_dir_fd=tmp_fd, dst_dir_fd=snaps)
+                    os.rename(tmp, manifest_entry(name), src_dir_fd=tmp_fd, dst_dir_fd=snaps)
                 except BaseException:
                     _unlink_quietly(tmp_fd, tmp)
                     raise

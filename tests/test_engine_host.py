@@ -173,8 +173,7 @@ def test_corrupted_chunk_refuses_restore(tmp_path: Path, dev: HostDevice, region
             eng.checkpoint(w, [region])
             w.commit()
         ref = next(c for c in pool.load("p").streams[0].chunks if c.codec == "zstd")
-        addr, view = pool.payload(ref)
-        view.release()
+        addr = pool.read_verified(ref).addr
         host_view(addr, 1)[0] ^= 0x04
         with pytest.raises(MemoryTierError, match="damaged.*does not match"):
             eng.restore(pool, pool.load("p"), {"gpu/0": region})

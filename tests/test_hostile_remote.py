@@ -1,5 +1,6 @@
 """A hostile remote (issue 26, item 4): an S3 server on 127.0.0.1 (tests/support/hostile_s3.py) that
-sends endless bodies, claims 2^40 bytes, omits Content-Length or runs its clock far off. Every gpusnap
+sends endless bodies, claims 2^40 bytes, omits Content-Length, answers range reads of packs with the
+wrong length (or ignores them), serves forged index objects or runs its clock far off. Every gpusnap
 command runs inside a 512 MiB memory cgroup, so a read without a bound is killed there (and fails the
 test) instead of hurting the machine; each must fail in one line, or work where the data is sound."""
 from __future__ import annotations
@@ -10,11 +11,10 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import pytest
 
-from support.entries import chunk_ids
 
 from conftest import REPO, Cli, make_mixed_tree, pythonpath, tree_digest
 from support.memcap import MemCap, memory_cgroup
@@ -106,25 +106,92 @@ def test_a_hostile_manifest_fails_pull_and_push_replace_in_one_line(pushed: tupl
     assert cap.peak() < CAP
 
 
+@pytest.mark.parametrize("what", ["packs", "index"])
 @pytest.mark.parametrize("how", ["endless", "huge"])
-def test_a_hostile_chunk_fails_pull_in_one_line(pushed: tuple[Cli, Cli, Path], server: Hostile, cap: MemCap,
-                                                how: str) -> None:
+def test_a_hostile_pack_or_index_object_fails_pull_in_one_line(pushed: tuple[Cli, Cli, Path], server: Hostile,
+                                                               cap: MemCap, how: str, what: str) -> None:
     _, b, _ = pushed
-    server.set({f"/{c}": how for c in _chunk_ids(pushed[0])[:1]})
+    server.set({f"~/{what}/": how})
     one_line_failure(run(b, cap, "pull", "snap"))
     assert b.json("store", "ls") == []
+    assert cap.peak() < CAP
 
 
-def _chunk_ids(cli: Cli) -> list[str]:
-    ids = sorted(chunk_ids(cli.store))  # pack entries and chunk files alike
-    assert ids, "the pushed store has chunks"
-    return ids
+@pytest.mark.parametrize("how", ["rangelong", "rangeshort", "norange"])
+def test_a_range_answer_of_the_wrong_length_is_damage(pushed: tuple[Cli, Cli, Path], server: Hostile, cap: MemCap,
+                                                      how: str) -> None:
+    """Range reads of packs answered with more or fewer bytes than asked, or with the whole pack (a
+    server that ignores Range): refused before the body is used; pull and verify say damage (exit 3)."""
+    _, b, _ = pushed
+    server.set({"~/packs/": how})
+    one_entry = {"GPUSNAP_REMOTE_RANGE_MAX": "1"}  # a range of one entry each, so never the whole pack
+    p = run(b, cap, "pull", "snap", env=one_entry)
+    err = one_line_failure(p)
+    assert p.returncode == 3 and "bytes for the" in err and "fetched twice" in err, err
+    assert b.json("store", "ls") == [] and not list((b.store / "tmp").iterdir())
+    v = run(b, cap, "remote", "verify", "--read-data", env=one_entry)
+    assert v.returncode == 3 and "bytes for the" in v.stdout, (v.stdout, v.stderr)
+    assert cap.peak() < CAP
+
+
+def _pack_and_index(server: Hostile) -> tuple[Any, str, bytes, bytes]:
+    """The test's own client to the hostile server, the one pack's key, its bytes and its index object."""
+    import boto3
+    from botocore.config import Config
+    s3 = boto3.client("s3", endpoint_url=server.endpoint, region_name="us-east-1", aws_access_key_id="any",
+                      aws_secret_access_key="any", config=Config(s3={"addressing_style": "path"}))
+    [idx] = [o["Key"] for o in s3.list_objects_v2(Bucket="bkt", Prefix="p/index/")["Contents"]]
+    key = idx.replace("/index/", "/packs/")
+    return s3, key, s3.get_object(Bucket="bkt", Key=key)["Body"].read(), s3.get_object(Bucket="bkt", Key=idx)["Body"].read()
+
+
+def test_a_forged_index_object_is_refused_whole(pushed: tuple[Cli, Cli, Path], server: Hostile, cap: MemCap) -> None:
+    """Index objects that are not what they claim: a flipped byte (checksum), one that names another
+    pack, one whose entries point past its pack: each refused before any entry is used, one line, exit 3."""
+    from storage.packs import decode_index, encode_index
+    _, b, _ = pushed
+    s3, key, _, index = _pack_and_index(server)
+    pack = key.rsplit("/", 1)[1]
+    pack_len, ents = decode_index(pack, index)
+    flipped = bytearray(index)
+    flipped[70] ^= 1
+    past = [(cid, off + pack_len, n) for cid, off, n in ents]  # checksum sound, entries beyond the pack length
+    for forged, says in ((bytes(flipped), "checksum"), (encode_index("1" * 32, pack_len, ents), "names pack"),
+                         (encode_index(pack, pack_len, past), "not a valid entry")):
+        s3.put_object(Bucket="bkt", Key=key.replace("/packs/", "/index/"), Body=forged)
+        v = run(b, cap, "remote", "verify")
+        assert v.returncode == 3 and says in v.stdout, (v.stdout, v.stderr)
+        p = run(b, cap, "pull", "snap")
+        assert p.returncode == 3 and "missing on the remote" in one_line_failure(p)
+        assert b.json("store", "ls") == []
+    s3.put_object(Bucket="bkt", Key=key.replace("/packs/", "/index/"), Body=index)
+    assert run(b, cap, "pull", "snap").returncode == 0
+    assert cap.peak() < CAP
+
+
+def test_a_pack_shorter_than_its_index_says_is_damage(pushed: tuple[Cli, Cli, Path], server: Hostile,
+                                                      cap: MemCap) -> None:
+    """A pack cut short behind a sound index: seen from the listing by verify and pull (one line, exit 3,
+    nothing fetched into the store), and, when the listing is not consulted, by the range read itself."""
+    a, b, _ = pushed
+    s3, key, body, _ = _pack_and_index(server)
+    s3.put_object(Bucket="bkt", Key=key, Body=body[:len(body) // 2])
+    v = run(b, cap, "remote", "verify")
+    assert v.returncode == 3 and "bytes on the remote" in v.stdout, (v.stdout, v.stderr)
+    p = run(b, cap, "pull", "snap")
+    assert p.returncode == 3 and "shorter than its index says" in one_line_failure(p)
+    assert b.json("store", "ls") == [] and not list((b.store / "tmp").iterdir())
+    v = run(b, cap, "remote", "verify", "--read-data")
+    assert v.returncode == 3, (v.stdout, v.stderr)
+    again = run(a, cap, "push", "snap")  # the next push sends its chunks again, into a new pack
+    assert again.returncode == 0, again.stderr
+    assert run(b, cap, "pull", "snap").returncode == 0
 
 
 def test_objects_without_a_content_length_are_read_bounded_and_work(pushed: tuple[Cli, Cli, Path], server: Hostile,
                                                                     cap: MemCap, tmp_path: Path) -> None:
     _, b, src = pushed
-    server.set({".json": "nolength", **{f"/{c}": "nolength" for c in _chunk_ids(pushed[0])}})
+    server.set({".json": "nolength", "~/packs/": "nolength", "~/index/": "nolength"})
     p = run(b, cap, "pull", "snap")
     assert p.returncode == 0, p.stderr
     b.run("store", "get", "snap", str(tmp_path / "out"))

@@ -41,22 +41,30 @@ def endpoint() -> Iterator[str]:
     drop_bucket(ep, f"gpusnap-test-{RUN}")
 
 
+# what a push of a node with this env uploads: packs of one entry each, so that a kill or a pause
+# "after N chunks" of a push, and of a pull of what it pushed, falls between two packs (between two
+# range reads), as the protocol tests below need
+ONE_ENTRY_PACKS = {"GPUSNAP_REMOTE_PACK_TARGET": "1"}
+
+
 class Node:
-    """One node: its own store, the remote `r` at s3://BUCKET/PREFIX configured in it."""
+    """One node: its own store, the remote `r` at s3://BUCKET/PREFIX configured in it; ENV is added to
+    every command it runs."""
 
     def __init__(self, store: Path, endpoint: str, url: str) -> None:
         self.cli = Cli(store)
         self.store = store
+        self.env: dict[str, str] = {}
         self.cli.run("remote", "add", "r", url, "--endpoint", endpoint, env=CREDS)
 
     def run(self, *args: str, check: bool = True, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-        return self.cli.run(*args, check=check, env={**CREDS, **(env or {})})
+        return self.cli.run(*args, check=check, env={**CREDS, **self.env, **(env or {})})
 
     def json(self, *args: str, env: dict[str, str] | None = None) -> dict:
         return json.loads(self.run(*args, "--json", env=env).stdout)
 
     def popen(self, *args: str, env: dict[str, str]) -> subprocess.Popen[str]:
-        e = {**os.environ, "PYTHONPATH": pythonpath(), **CREDS, **env}
+        e = {**os.environ, "PYTHONPATH": pythonpath(), **CREDS, **self.env, **env}
         return subprocess.Popen([*GPUSNAP, "--store", str(self.store), *args, "--json"], cwd=REPO, env=e,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -144,6 +152,7 @@ def test_second_push_after_5_percent_change_sends_5_percent(nodes: tuple[Node, N
 
 def test_killed_push_leaves_no_snapshot_and_next_push_completes(nodes: tuple[Node, Node], tmp_path: Path) -> None:
     a, b = nodes
+    a.env.update(ONE_ENTRY_PACKS)
     data = make_data(tmp_path / "data")
     a.run("store", "put", "k", str(data), "--chunk-size", "1M")
     pause = tmp_path / "paused"
@@ -169,6 +178,7 @@ def test_killed_push_leaves_no_snapshot_and_next_push_completes(nodes: tuple[Nod
 
 def test_gc_deletes_only_unreferenced_chunks_and_a_push_it_raced_rechecks(nodes: tuple[Node, Node], tmp_path: Path) -> None:
     a, b = nodes
+    a.env.update(ONE_ENTRY_PACKS)
     d1 = make_data(tmp_path / "d1", mb=8, seed=1)
     d2 = make_data(tmp_path / "d2", mb=8, seed=2)
     d3 = make_data(tmp_path / "d3", mb=8, seed=3)
@@ -203,6 +213,7 @@ def test_gc_deletes_only_unreferenced_chunks_and_a_push_it_raced_rechecks(nodes:
 def test_gc_waits_for_a_pull_and_one_that_takes_its_lock_for_stale_fails_it_cleanly(nodes: tuple[Node, Node],
                                                                                     tmp_path: Path) -> None:
     a, b = nodes
+    a.env.update(ONE_ENTRY_PACKS)
     d1 = make_data(tmp_path / "d1", mb=8, seed=1)
     a.run("store", "put", "g1", str(d1), "--chunk-size", "1M")
     a.json("push", "g1")
@@ -246,26 +257,35 @@ def _s3(endpoint: str):  # the test's own client, to damage objects behind gpusn
                                       response_checksum_validation="when_required"))
 
 
-def _pushed_chunk_objects(a: Node, tmp_path: Path, endpoint: str, name: str, mb: int,
-                          test: str) -> tuple[Any, str, list[dict[str, Any]]]:
+def _pushed_packs(a: Node, tmp_path: Path, endpoint: str, name: str, mb: int,
+                  test: str) -> tuple[Any, str, str, list[tuple[str, list[tuple[str, int, int]]]]]:
     """MB of data put as snapshot NAME on node A (1 MiB chunks) and pushed; the test's own S3 client,
-    the bucket, and the chunk objects now in the remote (TEST names the remote's prefix)."""
+    the bucket, the remote's prefix (TEST names it) and its packs: (pack key, its index's entries)."""
+    from storage.packs import decode_index
     a.run("store", "put", name, str(make_data(tmp_path / "data", mb=mb)), "--chunk-size", "1M")
     a.json("push", name)
     s3 = _s3(endpoint)
     bucket, prefix = url_for(test)[5:].split("/", 1)
-    return s3, bucket, s3.list_objects_v2(Bucket=bucket, Prefix=prefix + "/chunks/")["Contents"]
+    packs = []
+    for o in s3.list_objects_v2(Bucket=bucket, Prefix=prefix + "/index/")["Contents"]:
+        pack = o["Key"].rsplit("/", 1)[1]
+        _, ents = decode_index(pack, s3.get_object(Bucket=bucket, Key=o["Key"])["Body"].read())
+        packs.append((f"{prefix}/packs/{pack}", ents))
+    assert not s3.list_objects_v2(Bucket=bucket, Prefix=prefix + "/chunks/").get("Contents")  # no object per chunk
+    return s3, bucket, prefix, packs
 
 
-def test_corrupted_remote_chunk_is_refused_and_reported(nodes: tuple[Node, Node], tmp_path: Path, endpoint: str) -> None:
+def test_corrupted_remote_pack_entry_is_refused_and_reported(nodes: tuple[Node, Node], tmp_path: Path,
+                                                             endpoint: str) -> None:
     a, b = nodes
-    s3, bucket, objs = _pushed_chunk_objects(a, tmp_path, endpoint, "c", 8,
-                                             "test_corrupted_remote_chunk_is_refused_and_reported")
-    keys = [o["Key"] for o in objs]
-    victim = keys[len(keys) // 2]
-    body = bytearray(s3.get_object(Bucket=bucket, Key=victim)["Body"].read())
-    body[5000] ^= 0xFF
-    s3.put_object(Bucket=bucket, Key=victim, Body=bytes(body))
+    s3, bucket, _, packs = _pushed_packs(a, tmp_path, endpoint, "c", 8,
+                                         "test_corrupted_remote_pack_entry_is_refused_and_reported")
+    assert len(packs) == 1 and len(packs[0][1]) >= 8  # 8 MiB of 1 MiB chunks: one pack, not 8+ objects
+    key, ents = packs[0]
+    _, off, _ = ents[len(ents) // 2]
+    body = bytearray(s3.get_object(Bucket=bucket, Key=key)["Body"].read())
+    body[off + 5000] ^= 0xFF
+    s3.put_object(Bucket=bucket, Key=key, Body=bytes(body))
     r = b.run("remote", "verify", "--read-data", check=False)
     assert r.returncode == 3 and "does not match its hash" in r.stdout, r.stdout
     assert b.run("remote", "verify", check=False).returncode == 0  # presence and sizes are fine
@@ -274,30 +294,38 @@ def test_corrupted_remote_chunk_is_refused_and_reported(nodes: tuple[Node, Node]
     assert "does not match its hash" in one_line(r) and "fetched twice" in r.stderr
     assert b.json("store", "ls") == []
     assert not list((b.store / "tmp").iterdir())
-    # a truncated object is seen by a cheap verify, and the next push sends it again
-    s3.put_object(Bucket=bucket, Key=victim, Body=bytes(body[:100]))
+    # a pack shorter than its index says is seen by a cheap verify and by a pull, and the next push
+    # sends its chunks again, in a new pack
+    s3.put_object(Bucket=bucket, Key=key, Body=bytes(body[:off + 100]))
     r = b.run("remote", "verify", check=False)
-    assert r.returncode == 3 and "bytes on the remote" in r.stdout
-    assert a.json("push", "c")["chunks_sent"] == 1
+    assert r.returncode == 3 and "bytes on the remote" in r.stdout, r.stdout
+    r = b.run("pull", "c", check=False)
+    assert r.returncode == 3 and "shorter than its index says" in one_line(r), r.stderr
+    again = a.json("push", "c")
+    assert again["chunks_sent"] == again["chunks_total"] and again["packs_sent"] == 1, again
     assert b.json("remote", "verify", "--read-data")["ok"]
-    b.json("pull", "c")
+    pulled = b.json("pull", "c")
+    assert pulled["ranges"] <= 2, pulled  # adjacent entries: one range read each 16 MiB
+    assert a.json("remote", "gc")["packs_removed"] == 0  # the truncated pack still names live chunks
 
 
-def test_forged_raw_addressed_object_is_refused_by_pull(nodes: tuple[Node, Node], tmp_path: Path,
-                                                        endpoint: str) -> None:
-    """An object whose stored checksum is sound but whose payload is other raw bytes (GSNPCHK2): the
+def test_forged_raw_addressed_entry_is_refused_by_pull(nodes: tuple[Node, Node], tmp_path: Path,
+                                                       endpoint: str) -> None:
+    """An entry whose stored checksum is sound but whose payload is other raw bytes (GSNPCHK2): the
     sizes and the stored check pass, the full check on arrival does not."""
     from storage.chunkfile import HEADER_SIZE, ChunkHeader
     a, b = nodes
-    s3, bucket, objs = _pushed_chunk_objects(a, tmp_path, endpoint, "f", 4,
-                                             "test_forged_raw_addressed_object_is_refused_by_pull")
-    victim = max(objs, key=lambda o: o["Size"])["Key"]
-    body = s3.get_object(Bucket=bucket, Key=victim)["Body"].read()
-    hdr = ChunkHeader.unpack(body[:64], victim)
+    s3, bucket, _, packs = _pushed_packs(a, tmp_path, endpoint, "f", 4,
+                                         "test_forged_raw_addressed_entry_is_refused_by_pull")
+    key, ents = packs[0]
+    cid, off, length = max(ents, key=lambda e: e[2])
+    body = bytearray(s3.get_object(Bucket=bucket, Key=key)["Body"].read())
+    hdr = ChunkHeader.unpack(bytes(body[off:off + 64]), cid)
     assert hdr.raw_id and hdr.codec == "raw"
     payload = np.random.default_rng(99).integers(0, 256, hdr.stored_len, dtype=np.uint8).tobytes()
     forged = hdr.with_checksum(payload)
-    s3.put_object(Bucket=bucket, Key=victim, Body=forged.pack().ljust(HEADER_SIZE, b"\0") + payload)
+    body[off:off + HEADER_SIZE + hdr.stored_len] = forged.pack().ljust(HEADER_SIZE, b"\0") + payload
+    s3.put_object(Bucket=bucket, Key=key, Body=bytes(body))
     assert b.run("remote", "verify", check=False).returncode == 0  # sizes are right
     r = b.run("remote", "verify", "--read-data", check=False)
     assert r.returncode == 3 and "does not match its hash" in r.stdout, r.stdout
@@ -305,6 +333,67 @@ def test_forged_raw_addressed_object_is_refused_by_pull(nodes: tuple[Node, Node]
     assert r.returncode == 3 and "does not match its hash" in one_line(r), r.stderr
     assert b.json("store", "ls") == []
     assert not list((b.store / "tmp").iterdir())
+
+
+def test_forged_or_lost_index_object_is_damage_and_a_push_repairs_it(nodes: tuple[Node, Node], tmp_path: Path,
+                                                                     endpoint: str) -> None:
+    """An index object that is not what it claims (here: another pack's index under this pack's key) is
+    refused by its own check before any of it is used; the chunks it lists read as missing, and the next
+    push uploads them again."""
+    a, b = nodes
+    test = "test_forged_or_lost_index_object_is_damage_and_a_push_repairs_it"
+    s3, bucket, prefix, packs = _pushed_packs(a, tmp_path, endpoint, "x", 4, test)
+    key = packs[0][0].replace("/packs/", "/index/")
+    from storage.packs import encode_index
+    forged = encode_index("0" * 32, 1 << 30, [(cid, off, n) for cid, off, n in packs[0][1]])
+    s3.put_object(Bucket=bucket, Key=key, Body=forged)
+    r = b.run("remote", "verify", check=False)
+    assert r.returncode == 3 and "names pack 000000" in r.stdout, r.stdout
+    r = b.run("pull", "x", check=False)
+    assert r.returncode == 3 and "missing on the remote" in one_line(r), r.stderr
+    assert b.json("store", "ls") == []
+    again = a.json("push", "x")
+    assert again["chunks_sent"] == again["chunks_total"], again
+    b.json("pull", "x")
+    assert b.json("store", "verify")["ok"]
+
+
+def test_remote_of_one_object_per_chunk_is_still_read(nodes: tuple[Node, Node], tmp_path: Path,
+                                                      endpoint: str) -> None:
+    """A version 1 remote (chunks/XY/<id>, what gpusnap wrote before packs): pulled and verified chunk
+    by chunk without listing chunks/; the first push marks it version 2 and adds packs; gc then deletes
+    the chunk objects a pack holds too."""
+    import json as _json
+    from storage.chunkfile import HEADER_SIZE
+    from storage.packs import decode_index
+    a, b = nodes
+    test = "test_remote_of_one_object_per_chunk_is_still_read"
+    s3, bucket, prefix, packs = _pushed_packs(a, tmp_path, endpoint, "old", 4, test)
+    for key, ents in packs:  # rewrite the remote as version 1 wrote it
+        body = s3.get_object(Bucket=bucket, Key=key)["Body"].read()
+        for cid, off, _ in ents:
+            stored = int.from_bytes(body[off + 24:off + 32], "little")
+            s3.put_object(Bucket=bucket, Key=f"{prefix}/chunks/{cid[:2]}/{cid}", Body=body[off:off + HEADER_SIZE + stored])
+        s3.delete_object(Bucket=bucket, Key=key)
+        s3.delete_object(Bucket=bucket, Key=key.replace("/packs/", "/index/"))
+    s3.put_object(Bucket=bucket, Key=f"{prefix}/gpusnap-remote.json",
+                  Body=_json.dumps({"format": "gpusnap-remote", "version": 1}).encode())
+    assert b.json("remote", "verify", "--read-data")["ok"]
+    pulled = b.json("pull", "old")
+    assert pulled["chunks_sent"] == pulled["chunks_total"] > 0 and pulled["ranges"] == 0, pulled
+    b.run("store", "get", "old", str(tmp_path / "out"))
+    assert same_tree(tmp_path / "data", tmp_path / "out" / "data")
+    a.run("store", "put", "new", str(tmp_path / "data"), "--chunk-size", "1M")
+    assert a.json("push", "new")["packs_sent"] == 1  # into packs: the chunk objects are not listed
+    marker = _json.loads(s3.get_object(Bucket=bucket, Key=f"{prefix}/gpusnap-remote.json")["Body"].read())
+    assert marker["version"] == 2
+    gc = a.json("remote", "gc")
+    assert gc["chunks_removed"] == 0 and gc["bytes_freed"] > 0, gc  # duplicates of packed chunks went
+    assert not s3.list_objects_v2(Bucket=bucket, Prefix=prefix + "/chunks/").get("Contents")
+    b.run("store", "rm", "old")
+    b.run("store", "gc")
+    b.json("pull", "old")
+    assert b.json("store", "verify")["ok"]
 
 
 def test_chunk_larger_than_the_multipart_threshold_goes_up_in_parts(nodes: tuple[Node, Node], tmp_path: Path,
@@ -317,8 +406,8 @@ def test_chunk_larger_than_the_multipart_threshold_goes_up_in_parts(nodes: tuple
     assert a.json("push", "m")["chunks_sent"] == 1
     bucket, prefix = url_for("test_chunk_larger_than_the_multipart_threshold_goes_up_in_parts")[5:].split("/", 1)
     s3 = _s3(endpoint)
-    [obj] = s3.list_objects_v2(Bucket=bucket, Prefix=prefix + "/chunks/")["Contents"]
-    assert obj["Size"] == 4096 + (70 << 20)
+    [obj] = s3.list_objects_v2(Bucket=bucket, Prefix=prefix + "/packs/")["Contents"]
+    assert obj["Size"] == 4096 + (70 << 20)  # a pack of that one entry, larger than the pack target
     assert obj["ETag"].strip('"').endswith("-5"), obj["ETag"]  # 16 MiB parts: a multipart upload
     b.json("pull", "m")
     b.run("store", "get", "m", str(tmp_path / "out"))
@@ -385,6 +474,7 @@ def test_swift_stopped_mid_transfer_gives_one_line_and_loses_nothing(private_swi
     ep, senv = private_swift
     url = url_for("down")
     a, b = Node(tmp_path / "A", ep, url), Node(tmp_path / "B", ep, url)
+    a.env.update(ONE_ENTRY_PACKS)
     data = make_data(tmp_path / "data", mb=12)
     a.run("store", "put", "s", str(data), "--chunk-size", "1M")
     fast_fail = {"GPUSNAP_S3_MAX_ATTEMPTS": "2"}
@@ -443,6 +533,7 @@ def test_criu_restore_from_remote_on_another_store(nodes: tuple[Node, Node], tmp
     _need_criu()
     from test_criu import Tree, healthy
     a, b = nodes
+    a.env.update(ONE_ENTRY_PACKS)
     tree = Tree()
     try:
         assert healthy(tree.report())
@@ -485,6 +576,7 @@ def test_swift_stopped_mid_restore_fails_cleanly_and_a_retry_completes(private_s
     ep, senv = private_swift
     url = url_for("down-restore")
     a, b = Node(tmp_path / "A", ep, url), Node(tmp_path / "B", ep, url)
+    a.env.update(ONE_ENTRY_PACKS)
     swift = [str(REPO / "scripts" / "setup" / "swift-setup.sh")]
     senv = {**os.environ, **senv}
     tree = Tree()
@@ -533,6 +625,7 @@ def test_kill_9_mid_restore_from_remote_leaves_nothing_visible_and_a_retry_reuse
     from test_criu import Tree, healthy
     from test_criu_stream import _criu_of
     a, b = nodes
+    a.env.update(ONE_ENTRY_PACKS)
     tree = Tree()
     try:
         pause = tmp_path / "paused"
@@ -567,6 +660,8 @@ def test_gpu_restore_from_remote_on_another_store(tmp_path: Path, endpoint: str,
     from storage.store import SnapshotStore
     for k, v in CREDS.items():
         monkeypatch.setenv(k, v)
+    import storage.remote
+    monkeypatch.setattr(storage.remote, "REMOTE_PACK_TARGET", 1)  # ONE_ENTRY_PACKS, in this process
     bucket, prefix = url_for("gpu")[5:].split("/", 1)
     cfg = RemoteConfig("r", bucket, prefix, endpoint)
     a, b = SnapshotStore(str(tmp_path / "A")), SnapshotStore(str(tmp_path / "B"))

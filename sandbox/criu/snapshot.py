@@ -41,6 +41,7 @@ from storage.follow import FollowedDirSource
 from storage.remote import DEFAULT_JOBS, Remote
 from storage.remote_fill import RemoteFill, ensure_local
 from storage.store import SnapshotStore
+from storage.storedir import LOGS, path_in
 
 from sandbox.ops import journal
 from sandbox.criu import streamer
@@ -382,7 +383,7 @@ def _dump_streamed(criu: Criu, pid: int, images: str, opts: DumpOptions, w: Any,
 
 def keep_log(store: SnapshotStore, e: CriuError, what: str) -> str:
     """Copy CRIU's log out of the staging directory (removed afterwards) into STORE/logs/."""
-    logs = os.path.join(store.path, "logs")
+    logs = path_in(store.path, LOGS)
     os.makedirs(logs, mode=0o700, exist_ok=True)
     dst = os.path.join(logs, f"criu-{what}-{time.strftime('%Y%m%dT%H%M%S')}.log")
     try:

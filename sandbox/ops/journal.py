@@ -37,6 +37,7 @@ from typing import Any, Iterator, Sequence
 
 from storage.errors import EXIT_RECOVER, GpusnapError
 from storage.pausepoint import pause_at
+from storage.storedir import JOURNAL, path_in
 
 from sandbox.host import procgroup
 from sandbox.ops.trust import JournalKey
@@ -203,7 +204,7 @@ class Journal:
     """STORE/journal/: one file per operation in flight."""
 
     def __init__(self, store_path: str) -> None:
-        self.dir = os.path.join(store_path, "journal")
+        self.dir = path_in(store_path, JOURNAL)
         self._key: JournalKey | None = None
 
     @property

@@ -21,6 +21,7 @@ from sandbox.ops.journal import OpKind, OpRecord, Stage
 from sandbox.ops.operations import Operation, Recovered, kind
 from sandbox.runsc.gpu_agent import gpu_back
 from sandbox.runsc.runner import Runsc, restart
+from storage.storedir import LOGS, path_in
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,7 @@ class SandboxRecord:
         return replace(self, **changes).as_dict()
 
     def runsc(self, store_path: str) -> Runsc:
-        return Runsc(list(self.runsc_args), log_dir=os.path.join(store_path, "logs"))
+        return Runsc(list(self.runsc_args), log_dir=path_in(store_path, LOGS))
 
 
 @kind

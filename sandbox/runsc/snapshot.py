@@ -22,6 +22,7 @@ from storage.progress import Progress
 from storage import pipeline
 from storage.filetree import FileTreeSink, FileTreeSource
 from storage.store import SnapshotStore
+from storage.storedir import LOGS, path_in
 
 from sandbox.ops import journal
 from sandbox.host import netns as nets
@@ -169,7 +170,7 @@ def checkpoint(store: SnapshotStore, cid: str, name: str, runsc_args: Sequence[s
     into snapshot NAME.gpu, or the driver's host copy that runsc then saves), then `runsc checkpoint`
     and the ingest. A failure at any step leaves the sandbox running with its GPU state back."""
     journal.require_clean(store.path)
-    r = Runsc(check_runsc_args(list(runsc_args), "--runsc-arg"), log_dir=os.path.join(store.path, "logs"))
+    r = Runsc(check_runsc_args(list(runsc_args), "--runsc-arg"), log_dir=path_in(store.path, LOGS))
     st = r.lookup(cid)
     if st.get("status") != "running":
         raise RunscSnapshotError(f"container {cid!r} is {st.get('status')}, not running")
@@ -264,7 +265,7 @@ def restore(store: SnapshotStore, name: str, cid: str, bundle: str, *, runsc_arg
         meta = RunscMeta.of(m)
         args = list(runsc_args) if runsc_args else list(meta.runsc_args)
         gpu = meta.gpu_json
-        r = Runsc([*args, *gpu.get("runsc_args", [])], log_dir=os.path.join(store.path, "logs"))
+        r = Runsc([*args, *gpu.get("runsc_args", [])], log_dir=path_in(store.path, LOGS))
         if r.state(cid) is not None:
             raise RunscSnapshotError(f"container {cid!r} already exists; restore under a new id")
         records.check_id(cid)

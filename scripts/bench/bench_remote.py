@@ -176,6 +176,21 @@ def criu_restore_times(a: Path, b: Path, url: str, endpoint: str, mb: int, runs:
         tree.kill()
 
 
+def count_objects(endpoint: str, bucket: str, prefix: str) -> tuple[int, int]:
+    """(objects, bytes) under BUCKET/PREFIX: what a push left on the remote."""
+    import boto3
+    from botocore.config import Config
+    s3 = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id=ACCESS,
+                      aws_secret_access_key=SECRET,
+                      config=Config(s3={"addressing_style": "path"}, request_checksum_calculation="when_required"))
+    n = size = 0
+    for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
+        for o in page.get("Contents", []):
+            n += 1
+            size += o["Size"]
+    return n, size
+
+
 def drop_bucket(endpoint: str, bucket: str) -> None:
     """Delete the benchmark's bucket and everything in it (Swift keeps its data on this machine's disk)."""
     import boto3
@@ -216,13 +231,16 @@ def main() -> None:
         for s in (a, b):
             gpusnap(s, "remote", "add", "r", f"s3://{bucket}/gpusnap", "--endpoint", endpoint)
         rows = []
+        objects: list[tuple[str, int, int]] = []
         j = ["--jobs", str(args.jobs)]
         for phase, snap in () if args.criu_only else (("first", "v1"), ("second (5% changed)", "v2")):
             if snap == "v2":
                 change_5_percent(data, args.mb)
             gpusnap(a, "store", "put", snap, str(data))
             size = sum(p.stat().st_size for p in data.rglob("*") if p.is_file())
+            before = count_objects(endpoint, bucket, "gpusnap/")[0]
             push = gpusnap(a, "push", snap, *j)
+            objects.append((phase, count_objects(endpoint, bucket, "gpusnap/")[0] - before, size))
             pull = gpusnap(b, "pull", snap, *j)
             rt_push, rb_push = rclone(endpoint, "copy", str(data), f"sw:{bucket}/rclone")
             out = work / f"rclone-out-{snap}"
@@ -242,6 +260,9 @@ def main() -> None:
                   f"{size / mib / rls:.0f} | {rlb / mib:.1f} |")
             print(f"| {phase} | ratio gpusnap/rclone (time) | {gps / rps:.2f} | | {gpb / max(rpb, 1):.2f} (bytes) | "
                   f"{gls / rls:.2f} | | {glb / max(rlb, 1):.2f} (bytes) |")
+        print("\n| snapshot | objects the push wrote | objects per GiB of data |\n|---|---|---|")
+        for phase, n, size in objects:
+            print(f"| {phase} | {n} | {n / (size / (1 << 30)):.0f} |")
         if args.criu:
             import statistics
             t = criu_restore_times(a, b, f"s3://{bucket}/gpusnap", endpoint, args.criu, args.runs)

@@ -6,7 +6,12 @@ Run as `python hostile_s3.py PORTFILE BEHAVIOURS.json`: it listens on a free por
 PORTFILE, and re-reads BEHAVIOURS.json on every request, a JSON object mapping a key suffix to one of
   "endless"   200, no Content-Length, then bytes until the client hangs up;
   "huge"      200, Content-Length 2^40, a megabyte, then the connection closed;
-  "nolength"  the stored object, with no Content-Length (connection closed at its end);
+  "nolength"  the stored object (or the range asked), with no Content-Length (connection closed at its end);
+  "rangelong" a range read answered with 4096 bytes more than asked (Content-Length saying so);
+  "rangeshort" a range read answered with 4096 bytes fewer than asked (Content-Length saying so);
+  "norange"   a range read answered with the whole object (200, as a server that ignores Range);
+A suffix starting with "~" matches every key that contains the rest (e.g. "~/packs/").
+Range reads (`Range: bytes=A-B`) are otherwise answered as S3 does (206, Content-Range).
 plus the keys "clock_offset_s": seconds added to every Date and LastModified the server reports (a
 clock far off), and "date_offset_s": seconds added to the Date header alone (a Date that disagrees
 with the object times, as behind a proxy with another clock).
@@ -79,7 +84,9 @@ class Handler(BaseHTTPRequestHandler):
 
     def _behaviour(self, key: str) -> str | None:
         for suffix, what in _behaviours().items():
-            if suffix not in ("clock_offset_s", "date_offset_s") and key.endswith(suffix):
+            if suffix in ("clock_offset_s", "date_offset_s"):
+                continue
+            if key.endswith(suffix) or (suffix.startswith("~") and suffix[1:] in key):
                 return str(what)
         return None
 
@@ -137,12 +144,35 @@ class Handler(BaseHTTPRequestHandler):
         if obj is None:
             self._missing()
             return
+        rng = self.headers.get("Range")
         if what == "nolength":
-            self.send_response(200)
+            body, code = obj[0], 200
+            if rng:
+                a_s, _, b_s = rng.removeprefix("bytes=").partition("-")
+                body, code = obj[0][int(a_s):int(b_s) + 1], 206
+            self.send_response(code)
+            if rng:
+                self.send_header("Content-Range", f"bytes {a_s}-{int(a_s) + len(body) - 1}/{len(obj[0])}")
             self.send_header("Connection", "close")
             self.end_headers()
-            self.wfile.write(obj[0])
+            self.wfile.write(body)
             self.close_connection = True
+            return
+        if rng and what != "norange":
+            a_s, _, b_s = rng.removeprefix("bytes=").partition("-")
+            a, b = int(a_s), min(int(b_s), len(obj[0]) - 1)
+            if a >= len(obj[0]):
+                self._reply(416, b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>InvalidRange</Code>"
+                                 b"<Message>range not satisfiable</Message></Error>", {"Content-Type": "application/xml"})
+                return
+            body = obj[0][a:b + 1]
+            if what == "rangelong":
+                body += b"\0" * 4096
+            elif what == "rangeshort":
+                body = body[:-4096]
+            self._reply(206, body, {"ETag": f'"{hashlib.md5(obj[0]).hexdigest()}"',
+                                    "Content-Range": f"bytes {a}-{a + len(body) - 1}/{len(obj[0])}",
+                                    "Last-Modified": self.date_time_string(obj[1])})
             return
         self._reply(200, obj[0], {"ETag": f'"{hashlib.md5(obj[0]).hexdigest()}"',
                                   "Last-Modified": self.date_time_string(obj[1])})
