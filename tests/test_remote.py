@@ -700,3 +700,27 @@ def test_gpu_restore_from_remote_on_another_store(tmp_path: Path, endpoint: str,
     # the engine read its first chunk a second before the last one arrived: restore and pull overlapped
     assert rep.seconds["first_chunk_read"] + 0.9 < rep.seconds["all_local"], rep.seconds
     assert b.exists("swap") and ensure_local(b, "swap", "r") is None  # committed once all was local
+
+
+def test_criu_restore_from_remote_with_the_split_fill(nodes: tuple[Node, Node]) -> None:
+    """`criu restore --from` on an empty store with the split engaged: the runs the fill writes into
+    the stopped tree come from the pull's arrivals (each verified on arrival), not from the store;
+    the tree's memory checks out and the snapshot is whole locally afterwards."""
+    _need_criu()
+    from support.criu import Tree, healthy
+    a, b = nodes
+    split_env = {"GPUSNAP_CRIU_IMAGES": "stream", "GPUSNAP_CRIU_SPLIT_MIN": str(8 << 20)}
+    tree = Tree(mb=48)
+    try:
+        assert healthy(tree.report())
+        a.json("criu", "dump", str(tree.pid), "big", env=split_env)
+        tree.reap()
+        a.json("push", "big")
+        r = b.json("criu", "restore", "big", "--from", "r", env=split_env)
+        served = r["stages"]["served"]
+        assert served["moved_bytes"] >= 48 << 20 and served["split"]["written"] >= 48 << 20, served
+        after = tree.report()
+        assert healthy(after) and after["pid"] == tree.pid, after
+        assert b.json("store", "verify")["ok"]
+    finally:
+        tree.kill()
