@@ -1,7 +1,7 @@
 """The journal of operations in flight: what a dump, checkpoint or restore is doing, on disk before it does it.
 
 Each operation that can leave a workload stopped or leave files behind (a CRIU dump or restore, a
-runsc checkpoint or restore, a `gpu checkpoint`) keeps one record in STORE/journal/OP.json while it
+runsc checkpoint or restore, a `gpu checkpoint` or `gpu restore`) keeps one record in STORE/journal/OP.json while it
 runs (storage/FORMAT.md, "The journal"); one that streams GPU memory through custom storage also keeps
 the chunk references of its gpu/ streams in STORE/journal/OP.refs (storage.reflog) as they are
 stored. `gpusnap recover` (sandbox.ops.recover) reads the records whose owner died and finishes or undoes
@@ -61,6 +61,7 @@ class OpKind(str, enum.Enum):
     RUNSC_CHECKPOINT = "runsc-checkpoint"
     RUNSC_RESTORE = "runsc-restore"
     GPU_CHECKPOINT = "gpu-checkpoint"
+    GPU_RESTORE = "gpu-restore"
 
 
 class Stage(str, enum.Enum):

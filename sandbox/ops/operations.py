@@ -5,7 +5,7 @@ An operation's journal record (sandbox.ops.journal.OpRecord) says how far it got
 workload back from there: a CRIU dump resumes its stopped tree (or, once the snapshot that this very
 operation committed exists, kills it as asked), a CRIU restore kills a tree it left half-filled and
 gives restored processes their GPU state back, a GPU checkpoint resumes its processes unless it
-committed. The runsc kinds live beside runsc (sandbox.runsc.operations, which registers them on import:
+committed, a GPU restore unlocks the processes whose memory is back and leaves the rest restorable. The runsc kinds live beside runsc (sandbox.runsc.operations, which registers them on import:
 recover imports it, as do the runsc flows), so
 recovery dispatches by kind without knowing any flow's private helpers.
 
@@ -314,6 +314,36 @@ class GpuCheckpoint(Operation):
             return
         if rec.stage.at_least(Stage.GPU_FROZEN):
             resume_gpu(rec, self.ctx, done)
+
+
+@kind
+class GpuRestore(Operation):
+    """`gpu restore`: STARTED (the snapshot read, or being pulled; no process touched) -> FILLING (the
+    CHECKPOINTED processes get their GPU memory back, all restored before any is unlocked). Its undo
+    (sandbox.gpu.state.settle) finishes what is certain and guesses nothing: a process whose memory
+    is back (LOCKED) is unlocked and runs, a CHECKPOINTED one stays so (`gpu restore` again brings it
+    back), one the driver holds mid-restore is named as lost. Only the recorded processes (pid AND
+    start time) are touched."""
+
+    KIND = OpKind.GPU_RESTORE
+
+    def undo(self, done: Recovered) -> None:
+        rec = self.rec
+        if not rec.stage.at_least(Stage.FILLING):
+            return  # no process was touched
+        from sandbox.gpu import state
+        mine = [p.pid for p in rec.procs if p.alive() and p.pid in rec.cuda_pids]
+        r = state.settle(self.ctx.gpu.driver(), mine)
+        if r.unlocked:
+            done.actions.append(f"unlocked {r.unlocked}: their GPU memory was back")
+        if r.checkpointed:
+            done.actions.append(f"{r.checkpointed} stay CHECKPOINTED (`gpusnap gpu restore {rec.snapshot}` brings "
+                                "them back)")
+        if r.running:
+            done.actions.append(f"{r.running} already running")
+        for p, st in r.held.items():
+            done.lost.append(f"pid {p}: the driver holds it {st.name} (gpusnap died while its GPU memory was "
+                             "mapped into gpusnap's process): it cannot run again; end it")
 
 
 @contextmanager

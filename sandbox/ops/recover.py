@@ -15,6 +15,8 @@ kind (sandbox.ops.operations: the same undo the operation runs itself when it fa
   (sandbox.runsc.operations); runsc-restore: a sandbox that did not come up is removed whole;
 - gpu-checkpoint: snapshot committed -> the processes stay CHECKPOINTED, as asked; otherwise their
   GPU state is resumed;
+- gpu-restore: processes whose GPU memory is back (LOCKED) are unlocked; CHECKPOINTED ones stay so
+  (`gpu restore` again brings them back); one the driver holds mid-restore is named as lost;
 and always the staging directory and the dead owner's temporary store files are removed and the
 record deleted (then its reference log). Finally THP values left switched by dead processes are put back.
 
