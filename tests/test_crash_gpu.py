@@ -49,7 +49,7 @@ def test_gpu_dump_killed_then_recovered(stage: str, tmp_path: Path) -> None:
     import random
     from support.driver_standin import SharedStandIn
     from sandbox.gpu.driver import ProcessState
-    from sandbox.ops.recover import recover
+    from sandbox.recover import recover
     from storage.store import SnapshotStore
     tree = Tree(mb=16, detached=True)
     try:
@@ -183,8 +183,8 @@ def _gpu_checkpoint_paused(store: Path, w: GpuWorkload, stage: str, tmp: Path,
     return p, pause
 
 
-def _recover(store: Path, w: GpuWorkload):  # noqa: ANN202 - sandbox.ops.recover.RecoverReport
-    from sandbox.ops.recover import recover
+def _recover(store: Path, w: GpuWorkload):  # noqa: ANN202 - sandbox.recover.RecoverReport
+    from sandbox.recover import recover
     from storage.device import HostDevice
     from storage.store import SnapshotStore
     return recover(SnapshotStore(str(store), create=False), gpu_driver=w.driver, gpu_device=HostDevice,
@@ -375,7 +375,7 @@ def test_custom_storage_criu_dump_killed_then_recovered(stage: str, tmp_path: Pa
         named = _logged_chunks(store)
         _gc(store)  # may take CRIU's page chunks (the tree itself is still there), never the GPU streams'
         assert named and named <= _chunk_files(store)
-        from sandbox.ops.recover import recover
+        from sandbox.recover import recover
         from storage.device import HostDevice
         from storage.store import SnapshotStore
         rep = recover(SnapshotStore(str(store), create=False), gpu_driver=lambda: SharedStandIn(state),

@@ -45,12 +45,14 @@ from storage.store import SnapshotStore
 from sandbox.ops import journal
 from sandbox.criu import streamer
 from sandbox.criu.runner import Criu, CriuError, DumpOptions
-from sandbox.gpu.processes import process_tree, uses_gpu
+from sandbox.gpu.processes import uses_gpu
+from sandbox.host.processes import process_tree
 from sandbox.gpu.state import GpuPath, Plan as GpuPlan, plan as gpu_plan, restore_huge_pages
 from sandbox.ops.snapshot_meta import CriuMeta, GpuInfo
 from sandbox.host.interrupts import Interrupted
 from sandbox.ops.journal import OpKind, Stage
 from sandbox.ops.operations import GpuAccess, Undo, undone_on_failure
+import sandbox.criu.operations  # noqa: F401 - registers CriuDump and CriuRestore, the undos this flow runs
 
 
 from storage.errors import GpusnapError
@@ -232,7 +234,7 @@ def _dump_in(op: journal.Op, w: Any, gpu: "_GpuSide", criu: Criu, pid: int, opts
              leave_running: bool, store: SnapshotStore, name: str, staging: str | None, lock_timeout_s: float,
              progress: Progress | None, pids: list[int]) -> None:
     """The dump's stages inside its journal record and writer; on a failure, the operation's undo
-    (sandbox.ops.operations.CriuDump) from the stage the record reached."""
+    (sandbox.criu.operations.CriuDump) from the stage the record reached."""
     stage = new_staging(store, _rss_bytes(pids), staging, op)
     images = os.path.join(stage, "images")
     os.mkdir(images, 0o700)

@@ -11,7 +11,7 @@ disk before the first process is locked, and on the custom-storage path the chun
 gpu/ stream are logged as they are stored (each process's list complete and durable before the
 driver releases its memory), so that if gpusnap dies before the commit `gpusnap recover` gives every
 process its GPU memory back from the store and unlocks it. A restore is one too (kind gpu-restore):
-if it fails or gpusnap dies mid-way, its undo (sandbox.ops.operations.GpuRestore) unlocks every process
+if it fails or gpusnap dies mid-way, its undo (sandbox.gpu.operations.GpuRestore) unlocks every process
 whose memory is back and leaves the others CHECKPOINTED, for `gpu restore` to bring back.
 """
 from __future__ import annotations
@@ -32,6 +32,7 @@ from sandbox.gpu.regions import EngineRegions
 from sandbox.gpu.state import GpuPath, Limits, Plan, freeze, plan, thaw
 from sandbox.ops.journal import OpKind, Stage
 from sandbox.ops.operations import GpuAccess, Undo, undone_on_failure
+import sandbox.gpu.operations  # noqa: F401 - registers GpuCheckpoint and GpuRestore, the undos this flow runs
 from sandbox.ops.snapshot_meta import GpuInfo, GpuMeta
 
 
@@ -188,7 +189,7 @@ def gpu_restore(store: SnapshotStore, name: str, root_pid: int, *, device_map: l
         path = gp.path
         op = stack.enter_context(journal.operation(store.path, OpKind.GPU_RESTORE, name, pids=pids,
                                                    cuda_pids=tuple(pids), gpu_path=path.value))
-        # the one undo (sandbox.ops.operations.GpuRestore), run here on a failure and by `gpusnap recover`
+        # the one undo (sandbox.gpu.operations.GpuRestore), run here on a failure and by `gpusnap recover`
         stack.enter_context(undone_on_failure(op, Undo(store, GpuAccess(driver=lambda: drv)), GpuSnapshotError,
                                               what="GPU restore"))
         source: Any = store

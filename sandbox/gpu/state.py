@@ -29,7 +29,6 @@ Guarantees kept here:
 """
 from __future__ import annotations
 
-import enum
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, contextmanager
@@ -39,6 +38,7 @@ from typing import Iterator, Protocol
 from storage.errors import GpusnapError
 
 from sandbox.ops import journal
+from sandbox.ops.gpu_path import GpuPath
 from sandbox.gpu.checkpoint import (GpuCheckpointError, RegionSpill, checkpoint_all, custom_checkpoint,
                                     custom_restore, lock_all, restore_all)
 from sandbox.gpu.driver import CheckpointDriver, DeviceRegion, Features, ProcessState
@@ -47,13 +47,6 @@ from sandbox.host.hugepages import thp
 
 class GpuStateError(GpusnapError):
     """A freeze, thaw or resume of GPU processes that failed; says what state each was left in."""
-
-
-class GpuPath(enum.Enum):
-    """How GPU memory leaves the process: the driver's host copy, or custom storage (streamed by us)."""
-
-    HOST_STAGED = "host-staged"
-    CUSTOM_STORAGE = "custom-storage"
 
 
 def path_for(features: Features) -> GpuPath:
