@@ -26,7 +26,7 @@ from storage.store import SnapshotStore
 
 from sandbox.ops import journal
 from sandbox.host import netns as nets
-from sandbox.criu.snapshot import new_staging
+from sandbox.criu.staging import new_staging
 from sandbox.host.interrupts import Interrupted
 from sandbox.ops.journal import OpKind, Stage
 from sandbox.runsc.oci_bundle import bundle_netns, set_bundle_netns
