@@ -235,8 +235,9 @@ def criu_restore(store: SnapshotStore, name: str, *, staging: str | None = None,
                 with undone_on_failure(op, Undo(store, gpu), CriuSnapshotError, what="restore"):
                     if fill is not None:
                         fill.start()
-                    _restore_from(store, m, meta, stage, report, criu, op, None if fill else progress, gpu_driver,
-                                  device, fill, gpu_map, ("--tcp-established",) if tcp_established else ())
+                    run = _restore_run(criu, store, m, meta, stage, None if fill else progress, fill,
+                                       ("--tcp-established",) if tcp_established else ())
+                    _restore_from(run, m, meta, report, op, fill, gpu_driver, device, gpu_map)
             finally:
                 shutil.rmtree(stage, ignore_errors=True)
     return report
@@ -257,19 +258,25 @@ def _cuda_driver() -> Any:
     return CudaDriver()
 
 
-def _restore_from(store: SnapshotStore, m: Any, meta: CriuMeta, stage: str, report: CriuReport, criu: Criu,
-                  op: journal.Op, progress: Progress | None, gpu_driver: Any, device: Any, fill: RemoteFill | None = None,
-                  gpu_map: dict[str, str] | None = None, tcp: tuple[str, ...] = ()) -> None:
-    """M's images served to (or materialized in STAGE for) `criu restore`, then the GPU state
-    (journaled). FILL: M's chunks are still arriving from a remote; it commits once CRIU is done
-    (before the GPU state, which is read from the store), or the restored tree is killed."""
+def _restore_run(criu: Criu, store: SnapshotStore, m: Any, meta: CriuMeta, stage: str, progress: Progress | None,
+                 fill: RemoteFill | None, tcp: tuple[str, ...]) -> restore.RestoreRun:
+    """The `criu restore` of M's CRIU images (its gpu/ streams left out) in STAGE: the dump's options
+    that CRIU needs again, and TCP (asked for even when the dump did not record it)."""
     from storage.manifest import Manifest
-    name = m.name
     files = Manifest(m.name, [s for s in m.streams if not is_gpu_stream(s)], m.meta)
-    if progress is not None:
-        progress.start(files.size)
-    shell_job = meta.shell_job
     extra = tuple(o for o in meta.options if o in RESTORE_TOO) + tuple(o for o in tcp if o not in meta.options)
+    return restore.RestoreRun(criu, store, files, stage, list(meta.pids), meta.shell_job, extra, progress=progress,
+                              arrivals=fill)
+
+
+def _restore_from(run: restore.RestoreRun, m: Any, meta: CriuMeta, report: CriuReport, op: journal.Op,
+                  fill: RemoteFill | None, gpu_driver: Any, device: Any, gpu_map: dict[str, str]) -> None:
+    """RUN's images served to (or materialized for) `criu restore`, then the GPU state of M (journaled).
+    FILL: M's chunks are still arriving from a remote (RUN's arrivals); it commits once CRIU is done
+    (before the GPU state, which is read from the store), or the restored tree is killed."""
+    store, name = run.store, m.name
+    if run.progress is not None:
+        run.progress.start(run.files.size)
     report.images_path = images_path()
     journal.pause("before-restore")
     op.advance(Stage.DUMPING)
@@ -279,8 +286,7 @@ def _restore_from(store: SnapshotStore, m: Any, meta: CriuMeta, stage: str, repo
         op.advance(Stage.FILLING, procs=_restored(report.pids, born_after))
         journal.pause("split-fill")
 
-    run = restore.RestoreRun(criu, store, files, stage, list(meta.pids), shell_job, extra, progress=progress,
-                             arrivals=fill, on_stopped=restored_stopped)
+    run = dataclasses.replace(run, on_stopped=restored_stopped)
     try:
         if report.images_path == "stream":  # chunks decoded straight into CRIU's pipes: no materialize step
             secs, report.stages["served"] = restore.streamed(run)
