@@ -51,7 +51,7 @@ from .treewalk import remove_tree
 from .errors import EXIT_DAMAGED, DamageError, GpusnapError
 from .manifest import ChunkRef, Manifest, ManifestError, Stream, validate_tag
 from .names import InvalidNameError, validate_snapshot_name
-from .owner import ProcessOwner, owned_name, this_owner
+from .owner import owned_name, this_owner
 from .packs import Loc, PackIndex, PackWriter, open_pack, read_entry
 from .storedir import StoreAccessError, StoreDamage, entries, lstat_at, opened_child, opened_dir, opened_root
 

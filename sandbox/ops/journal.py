@@ -39,6 +39,7 @@ from storage.errors import EXIT_RECOVER, GpusnapError
 from storage.pausepoint import pause_at
 
 from sandbox.host import procgroup
+# Proc and the helpers below are named through the journal by the flows and recovery (journal.Proc, ...)
 from sandbox.host.processes import Proc, start_time, state_of, wait_gone, with_descendants
 from sandbox.ops.trust import JournalKey
 

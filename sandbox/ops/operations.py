@@ -16,10 +16,10 @@ What an undo needs beyond the record comes in an Undo: the store, how to reach t
 driver and engine, or new ones in recovery) and where a process's GPU memory is (the operation's
 chunk-reference log, or the snapshot a restore reads or the operation committed).
 
-Guarantees kept here: only processes a trusted record names (pid AND start time) are signalled; the
-tree of a committed dump is killed only when the snapshot's manifest names this operation and carries
-its commit MAC (sandbox.ops.journal.committed_by), and only the pids that manifest names; a process
-is never signalled for an untrusted record (recovery does not even call undo for one).
+Guarantees kept here: recovery undoes a record only through its kind's registered Operation (a kind
+whose module was not imported is an error, never a guess); a flow whose own undo fails keeps its
+record (undone_on_failure sets op.keep), so that `gpusnap recover` tries again and the error says
+both failures. What each kind guarantees is in its module's docstring.
 """
 from __future__ import annotations
 
