@@ -104,6 +104,33 @@ def test_real_gpu_dump_killed_then_recovered(stage: str, tmp_path: Path) -> None
         assert cli.json("store", "ls") == []
 
 
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sig", SIGNALS, ids=["kill9", "term"])
+@pytest.mark.parametrize("stage", ["before-restore", "gpu-restored"])
+def test_real_gpu_restore_interrupted(stage: str, sig: int, tmp_path: Path) -> None:
+    """On a GPU machine: `gpusnap gpu restore` of a real CUDA process (scripts/workloads/gpu_workload.py)
+    stopped before any process is touched, or with the driver done restoring and the process still
+    locked; kill -9 then `gpusnap recover`, or SIGTERM (its own undo): the process is unlocked and
+    runs, or stays CHECKPOINTED for a second `gpu restore`; its GPU memory is verified by itself."""
+    from scripts.workloads.workload_control import Workload
+    store = tmp_path / "store"
+    cli = Cli(store)
+    with Workload(float(os.environ.get("GPUSNAP_TEST_GB", "1")), seed=6, detached=True) as w:
+        cli.json("gpu", "checkpoint", str(w.pid), "g")
+        p = Paused(store, ["gpu", "restore", "g", str(w.pid)], stage, tmp_path)
+        assert p.record["kind"] == "gpu-restore" and p.record["cuda_pids"] == [w.pid], p.record
+        r = p.stop(sig)
+        assert r.returncode == (-signal.SIGKILL if sig == signal.SIGKILL else 128 + signal.SIGTERM), r.stderr
+        rec = cli.json("recover")
+        assert rec["ok"], rec
+        assert len(rec["operations"]) == (1 if sig == signal.SIGKILL else 0), rec
+        if stage == "before-restore":  # nothing was touched: it is still CHECKPOINTED, restorable
+            cli.json("gpu", "restore", "g", str(w.pid))
+        assert w.verify(), "the GPU memory must be intact"
+        assert sorted(n.name for n in (store / "journal").iterdir()) == ["key", "recover.lock"]
+
+
 GPU_CHECKPOINT_CLI = """
 import functools, sys
 sys.path.insert(0, {tests!r})
