@@ -110,7 +110,11 @@ def gpu_checkpoint_cmd(ctx: click.Context, pid: int, name: str, lock_timeout: fl
 @one_line_errors
 def gpu_restore_cmd(ctx: click.Context, name: str, pid: int, device_map: tuple[str, ...], thp: str,
                     tier: str, pool_socket: str | None, from_remote: str | None, as_json: bool) -> None:
-    """Swap the GPU state of snapshot NAME back into PID's processes and unlock them."""
+    """Swap the GPU state of snapshot NAME back into PID's processes and unlock them.
+
+    On failure, SIGTERM, SIGHUP or Ctrl-C every process whose memory is back is unlocked and the
+    others stay CHECKPOINTED (run this again); if gpusnap is killed, `gpusnap recover` does the same.
+    """
     if tier == "memory":
         if device_map:
             raise click.UsageError("--device-map is not supported with --tier memory")
@@ -119,7 +123,7 @@ def gpu_restore_cmd(ctx: click.Context, name: str, pid: int, device_map: tuple[s
         return
     st = open_store(ctx, create=False)
     journal.require_clean(st.path)
-    with Progress(f"gpu restore {name}", ctx.obj["progress"]) as prog:
+    with undo_on_signals(), Progress(f"gpu restore {name}", ctx.obj["progress"]) as prog:
         rep = gpu_restore(st, name, pid, device_map=split_map(device_map), thp_mode=None if thp == "keep" else thp,
                           progress=prog, from_remote=from_remote)
     emit(as_json, rep.as_dict(), f"{name}: {len(rep.pids)} process(es) restored via {rep.path} and running "

@@ -6,7 +6,7 @@ import click
 from storage.errors import EXIT_FAILED
 
 from cli.common import emit, fail, json_option, one_line_errors, open_store
-from sandbox.ops.recover import recover
+from sandbox.recover import recover
 
 
 @click.command("recover")

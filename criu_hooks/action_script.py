@@ -275,7 +275,8 @@ class DumpRecord:
 
 # -------------------------------------------------------------------------------- the actions
 def _cuda_pids(root: int, driver: Any) -> list[int]:
-    from sandbox.gpu.processes import cuda_processes, process_tree, uses_gpu
+    from sandbox.gpu.processes import cuda_processes, uses_gpu
+    from sandbox.host.processes import process_tree
     if driver is None and not os.path.exists("/dev/nvidiactl") and not any(uses_gpu(p) for p in process_tree(root)):
         return []
     return cuda_processes(root, driver or _real_driver())

@@ -18,13 +18,21 @@ import os
 import re
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import TYPE_CHECKING, Iterable
+from contextlib import AbstractContextManager
+from typing import Iterable, Protocol
 
-from .directio import read_small_file
+from .directio import read_small_file, unlink_quietly, write_new_file
 from .manifest import Manifest
+from .owner import owned_name
 
-if TYPE_CHECKING:
-    from .store import SnapshotStore
+
+class StoreDirs(Protocol):
+    """What the marks need of the store (storage.store.SnapshotStore): its checked root and tmp/ fds
+    (named here rather than imported: the store imports this module)."""
+
+    def root(self) -> AbstractContextManager[tuple[int, int]]: ...
+    def subdir(self, *parts: str) -> AbstractContextManager[int]: ...
+
 
 RECORD = "damaged.json"
 FORMAT = "gpusnap-damage"
@@ -40,7 +48,7 @@ class DamageMarks:
     chunks: dict[str, dict[str, str]] = field(default_factory=dict)
 
     @classmethod
-    def load(cls, store: "SnapshotStore") -> "DamageMarks":
+    def load(cls, store: StoreDirs) -> "DamageMarks":
         """The store's record, or an empty one where there is none or it is not valid."""
         with store.root() as (root, _):
             data = read_small_file(root, RECORD, MAX_BYTES)
@@ -73,7 +81,7 @@ class DamageMarks:
         return json.dumps({"format": FORMAT, "version": VERSION, "chunks": self.chunks}, sort_keys=True).encode()
 
 
-def update(store: "SnapshotStore", whole: Iterable[str], bad: dict[str, str]) -> bool:
+def update(store: StoreDirs, whole: Iterable[str], bad: dict[str, str]) -> bool:
     """Clear the marks of the chunk ids WHOLE (checked and found sound), mark those of BAD (id -> what
     is wrong). The caller holds STORE's lock exclusively. Returns whether the record changed."""
     marks = DamageMarks.load(store)
@@ -90,9 +98,8 @@ def update(store: "SnapshotStore", whole: Iterable[str], bad: dict[str, str]) ->
     return True
 
 
-def write(store: "SnapshotStore", marks: DamageMarks) -> None:
+def write(store: StoreDirs, marks: DamageMarks) -> None:
     """Replace the record with MARKS atomically and durably (removed when MARKS is empty)."""
-    from .store import _write_file, owned_name
     with store.root() as (root, _), store.subdir("tmp") as tmp:
         if not marks.chunks:
             try:
@@ -101,7 +108,7 @@ def write(store: "SnapshotStore", marks: DamageMarks) -> None:
                 return
         else:
             name = owned_name("record")
-            _write_file(tmp, name, marks.dumps())
+            write_new_file(tmp, name, marks.dumps())
             try:
                 os.rename(name, RECORD, src_dir_fd=tmp, dst_dir_fd=root)
             except BaseException:

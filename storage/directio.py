@@ -197,6 +197,28 @@ def read_small_file(dir_fd: int, name: str, limit: int) -> bytes | None:
     return data if len(data) <= limit else None
 
 
+def write_new_file(dir_fd: int, name: str, data: bytes) -> None:
+    """A new file NAME in DIR_FD holding DATA, fsynced (removed again if writing fails)."""
+    fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        unlink_quietly(dir_fd, name)
+        raise
+    os.close(fd)
+
+
+def unlink_quietly(dir_fd: int, name: str) -> None:
+    try:
+        os.unlink(name, dir_fd=dir_fd)
+    except OSError:
+        pass
+
+
 def open_for_read(path: str, direct: bool) -> tuple[int, bool]:
     """Open PATH read-only, with O_DIRECT when asked and allowed; returns (fd, is_direct)."""
     if direct and hasattr(os, "O_DIRECT"):

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 import re
+import threading
+import time
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -62,3 +64,20 @@ class ProcessOwner:
 
     def alive(self) -> bool:
         return self.boot == boot_tag() and start_time(self.pid) == self.start
+
+
+_owner_cache: dict[int, ProcessOwner] = {}
+
+
+def this_owner() -> ProcessOwner:
+    """This process as the owner of the temporary entries it creates (recomputed after a fork)."""
+    pid = os.getpid()
+    if pid not in _owner_cache:
+        _owner_cache.clear()
+        _owner_cache[pid] = ProcessOwner.current()
+    return _owner_cache[pid]
+
+
+def owned_name(kind: str) -> str:
+    """A fresh name for a tmp/ entry of KIND owned by this process and thread."""
+    return f"{kind}.{this_owner().token}.{threading.get_ident()}.{time.monotonic_ns()}"

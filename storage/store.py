@@ -43,6 +43,7 @@ from .progress import Progress
 from .chunkfile import (HEADER_SIZE, ChunkError, ChunkHeader, chunk_id, file_kind, full_check, max_stored_len,
                         id_check, raw_chunk_id, read_chunk_file, reusable, stored_check)
 from .directio import AlignedBuffer, BufferPool, align_up, direct_io_supported, read_to_end
+from .directio import unlink_quietly as _unlink_quietly, write_new_file as _write_file
 from . import waits
 from .getmark import new_nonce
 from .limits import MAX_MANIFEST
@@ -50,7 +51,7 @@ from .treewalk import remove_tree
 from .errors import EXIT_DAMAGED, DamageError, GpusnapError
 from .manifest import ChunkRef, Manifest, ManifestError, Stream, validate_tag
 from .names import InvalidNameError, validate_snapshot_name
-from .owner import ProcessOwner
+from .owner import owned_name, this_owner
 from .packs import Loc, PackIndex, PackWriter, open_pack, read_entry
 from .tier import Landing, Verified
 from .storedir import (CHUNKS, INDEX, LOCK, MARKER, NAMES, PACK_DIRS, PACKS, QUARANTINE, SNAPSHOTS, SUBDIRS, TMP,
@@ -86,23 +87,6 @@ def default_store_path() -> str:
         return "/var/lib/gpusnap"
     xdg = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
     return os.path.join(xdg, "gpusnap")
-
-
-_owner_cache: dict[int, ProcessOwner] = {}
-
-
-def this_owner() -> ProcessOwner:
-    """This process as the owner of the temporary entries it creates (recomputed after a fork)."""
-    pid = os.getpid()
-    if pid not in _owner_cache:
-        _owner_cache.clear()
-        _owner_cache[pid] = ProcessOwner.current()
-    return _owner_cache[pid]
-
-
-def owned_name(kind: str) -> str:
-    """A fresh name for a tmp/ entry of KIND owned by this process and thread."""
-    return f"{kind}.{this_owner().token}.{threading.get_ident()}.{time.monotonic_ns()}"
 
 
 def get_staging_name(dest: str, pid: int) -> str:
@@ -1118,21 +1102,6 @@ def chunk_refs(manifests: list[Manifest]) -> dict[str, ChunkRef]:
     return refs
 
 
-def _write_file(dir_fd: int, name: str, data: bytes) -> None:
-    """A new file NAME in DIR_FD holding DATA, fsynced (removed again if writing fails)."""
-    fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
-        os.fsync(fd)
-    except BaseException:
-        os.close(fd)
-        _unlink_quietly(dir_fd, name)
-        raise
-    os.close(fd)
-
-
 def read_record(dir_fd: int, name: str) -> Any:
     """The JSON in the small regular file NAME of DIR_FD; None if absent, unreadable or not JSON."""
     try:
@@ -1147,13 +1116,6 @@ def read_record(dir_fd: int, name: str) -> Any:
         return None
     finally:
         os.close(fd)
-
-
-def _unlink_quietly(dir_fd: int, name: str) -> None:
-    try:
-        os.unlink(name, dir_fd=dir_fd)
-    except OSError:
-        pass
 
 
 class SnapshotWriter:

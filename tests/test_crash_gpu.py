@@ -49,7 +49,7 @@ def test_gpu_dump_killed_then_recovered(stage: str, tmp_path: Path) -> None:
     import random
     from support.driver_standin import SharedStandIn
     from sandbox.gpu.driver import ProcessState
-    from sandbox.ops.recover import recover
+    from sandbox.recover import recover
     from storage.store import SnapshotStore
     tree = Tree(mb=16, detached=True)
     try:
@@ -102,6 +102,33 @@ def test_real_gpu_dump_killed_then_recovered(stage: str, tmp_path: Path) -> None
         assert_nothing_left(store, p.record["staging"])
         assert w.verify(), "the GPU memory must be intact after recovery"
         assert cli.json("store", "ls") == []
+
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sig", SIGNALS, ids=["kill9", "term"])
+@pytest.mark.parametrize("stage", ["before-restore", "gpu-restored"])
+def test_real_gpu_restore_interrupted(stage: str, sig: int, tmp_path: Path) -> None:
+    """On a GPU machine: `gpusnap gpu restore` of a real CUDA process (scripts/workloads/gpu_workload.py)
+    stopped before any process is touched, or with the driver done restoring and the process still
+    locked; kill -9 then `gpusnap recover`, or SIGTERM (its own undo): the process is unlocked and
+    runs, or stays CHECKPOINTED for a second `gpu restore`; its GPU memory is verified by itself."""
+    from scripts.workloads.workload_control import Workload
+    store = tmp_path / "store"
+    cli = Cli(store)
+    with Workload(float(os.environ.get("GPUSNAP_TEST_GB", "1")), seed=6, detached=True) as w:
+        cli.json("gpu", "checkpoint", str(w.pid), "g")
+        p = Paused(store, ["gpu", "restore", "g", str(w.pid)], stage, tmp_path)
+        assert p.record["kind"] == "gpu-restore" and p.record["cuda_pids"] == [w.pid], p.record
+        r = p.stop(sig)
+        assert r.returncode == (-signal.SIGKILL if sig == signal.SIGKILL else 128 + signal.SIGTERM), r.stderr
+        rec = cli.json("recover")
+        assert rec["ok"], rec
+        assert len(rec["operations"]) == (1 if sig == signal.SIGKILL else 0), rec
+        if stage == "before-restore":  # nothing was touched: it is still CHECKPOINTED, restorable
+            cli.json("gpu", "restore", "g", str(w.pid))
+        assert w.verify(), "the GPU memory must be intact"
+        assert sorted(n.name for n in (store / "journal").iterdir()) == ["key", "recover.lock"]
 
 
 GPU_CHECKPOINT_CLI = """
@@ -183,8 +210,8 @@ def _gpu_checkpoint_paused(store: Path, w: GpuWorkload, stage: str, tmp: Path,
     return p, pause
 
 
-def _recover(store: Path, w: GpuWorkload):  # noqa: ANN202 - sandbox.ops.recover.RecoverReport
-    from sandbox.ops.recover import recover
+def _recover(store: Path, w: GpuWorkload):  # noqa: ANN202 - sandbox.recover.RecoverReport
+    from sandbox.recover import recover
     from storage.device import HostDevice
     from storage.store import SnapshotStore
     return recover(SnapshotStore(str(store), create=False), gpu_driver=w.driver, gpu_device=HostDevice,
@@ -375,7 +402,7 @@ def test_custom_storage_criu_dump_killed_then_recovered(stage: str, tmp_path: Pa
         named = _logged_chunks(store)
         _gc(store)  # may take CRIU's page chunks (the tree itself is still there), never the GPU streams'
         assert named and named <= _chunk_files(store)
-        from sandbox.ops.recover import recover
+        from sandbox.recover import recover
         from storage.device import HostDevice
         from storage.store import SnapshotStore
         rep = recover(SnapshotStore(str(store), create=False), gpu_driver=lambda: SharedStandIn(state),
@@ -391,3 +418,115 @@ def test_custom_storage_criu_dump_killed_then_recovered(stage: str, tmp_path: Pa
         assert _chunk_files(store) == set()
     finally:
         tree.kill()
+
+
+GPU_RESTORE_CLI = """
+import functools, sys
+sys.path.insert(0, {tests!r})
+from support.driver_standin import SharedStandIn
+from cli import gpu_cmd, main
+from sandbox.gpu.driver import Features
+from storage.device import HostDevice
+# the real `gpusnap gpu restore` command, with the driver stand-in and the engine on host memory
+gpu_cmd.gpu_restore = functools.partial(gpu_cmd.gpu_restore, driver=SharedStandIn({state!r}),
+                                        features=Features(checkpoint_api=True, custom_storage={custom}),
+                                        device=HostDevice())
+main(["--store", {store!r}, "gpu", "restore", "g", "{pid}", "--json"], prog_name="gpusnap")
+"""
+
+
+def _gpu_restore(store: Path, w: GpuWorkload, tmp: Path, custom: bool, stage: str | None = None
+                 ) -> tuple[subprocess.Popen, Path]:
+    """`gpusnap gpu restore g` of W's processes, held at STAGE (None: run to the end)."""
+    pause = tmp / f"pause-restore-{stage}"
+    prog = GPU_RESTORE_CLI.format(tests=str(REPO / "tests"), store=str(store), pid=w.pids[0], state=w.state,
+                                  custom=custom)
+    env = {**os.environ, "PYTHONPATH": pythonpath(), "GPUSNAP_RUN_DIR": str(tmp / "run")}
+    if stage is not None:
+        env["GPUSNAP_TEST_PAUSE"] = f"{stage}:{pause}"
+    p = subprocess.Popen([sys.executable, "-c", prog], env=env, cwd=REPO, start_new_session=True, text=True,
+                         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 120
+    while stage is not None and not pause.exists():
+        if p.poll() is not None:
+            raise AssertionError(f"gpusnap ended before {stage}: {p.communicate()}")
+        assert time.monotonic() < deadline, f"gpusnap never reached {stage}"
+        time.sleep(0.02)
+    return p, pause
+
+
+def _checkpointed(store: Path, w: GpuWorkload, tmp: Path, custom: bool) -> None:
+    """W's processes checkpointed into snapshot g by the real `gpu checkpoint` (no pause)."""
+    prog = GPU_CHECKPOINT_CLI.format(tests=str(REPO / "tests"), store=str(store), pid=w.pids[0], state=w.state,
+                                     custom=custom)
+    r = subprocess.run([sys.executable, "-c", prog], env={**os.environ, "PYTHONPATH": pythonpath(),
+                                                          "GPUSNAP_RUN_DIR": str(tmp / "run")},
+                       cwd=REPO, text=True, capture_output=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert w.states() == {x: "CHECKPOINTED" for x in w.pids}
+
+
+# (custom storage, stage, what the driver holds there)
+RESTORE_STAGES = [
+    (False, "before-restore", ["CHECKPOINTED", "CHECKPOINTED"]),   # the record written, no process touched
+    (True, "gpu-fill", ["LOCKED", "CHECKPOINTED"]),               # the first process filled, the second not
+    (False, "gpu-restored", ["LOCKED", "LOCKED"]),                # every one has its memory back, none unlocked
+]
+
+
+@pytest.mark.parametrize("sig", SIGNALS, ids=["kill9", "term"])
+@pytest.mark.parametrize("custom,stage,held", RESTORE_STAGES, ids=[s for _, s, _ in RESTORE_STAGES])
+def test_gpu_restore_interrupted(custom: bool, stage: str, held: list[str], sig: int, tmp_path: Path) -> None:
+    """`gpusnap gpu restore` is a journaled operation (kind gpu-restore): stopped at each of its stages by
+    kill -9 (then `gpusnap recover`) or SIGTERM (its own undo, the same one), every process whose GPU
+    memory was back runs, the others stay CHECKPOINTED, nothing is left in journal/ or tmp/, and a
+    second `gpu restore` brings every process back RUNNING with its memory byte-identical."""
+    store = tmp_path / "store"
+    w = GpuWorkload(tmp_path)
+    try:
+        _checkpointed(store, w, tmp_path, custom)
+        p, pause = _gpu_restore(store, w, tmp_path, custom, stage)
+        rec = json.loads(next((store / "journal").glob("*.json")).read_text())
+        assert rec["kind"] == "gpu-restore" and rec["cuda_pids"] == w.pids, rec
+        assert rec["stage"] == ("started" if stage == "before-restore" else "filling"), rec
+        assert rec["gpu_path"] == ("custom-storage" if custom else "host-staged")
+        assert [w.states()[x] for x in w.pids] == held
+        os.kill(p.pid, sig)
+        if sig == signal.SIGKILL:
+            p.wait()
+        time.sleep(0.2)
+        pause.unlink()
+        out, err = p.communicate(timeout=120)
+        if sig == signal.SIGKILL:
+            assert p.returncode == -signal.SIGKILL
+            assert Cli(store).run("gpu", "restore", "g", str(w.pids[0]), check=False).returncode == 5
+            rep = _recover(store, w)
+            assert rep.ok, rep.as_dict()
+            (op,) = rep.operations
+            assert op.kind == "gpu-restore", op
+            locked = [x for x, s in zip(w.pids, held) if s == "LOCKED"]
+            if locked:
+                assert any(f"unlocked {locked}" in a for a in op.actions), op
+            after = {x: "RUNNING" if s == "LOCKED" else s for x, s in zip(w.pids, held)}
+        else:
+            assert p.returncode != 0 and "SIGTERM" in err, (p.returncode, err)
+            assert _recover(store, w).operations == [], "gpusnap undid it itself"
+            # its undo leaves a process RUNNING or CHECKPOINTED, never LOCKED; with custom storage the
+            # engine's own rollback checked the filled one back in (all CHECKPOINTED)
+            after = w.states()
+            assert set(after.values()) <= {"RUNNING", "CHECKPOINTED"}, after
+            if stage == "gpu-restored":
+                assert after == {x: "RUNNING" for x in w.pids}, after
+        assert w.states() == after
+        assert sorted(n.name for n in (store / "journal").iterdir()) == ["key", "recover.lock"]
+        assert list((store / "tmp").iterdir()) == []
+        running = [x for x in w.pids if after[x] == "RUNNING"]
+        assert {x: w.memory()[x] for x in running} == {x: w.before[x] for x in running}
+        p, _ = _gpu_restore(store, w, tmp_path, custom)   # and the restore runs again, to the end
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err
+        assert w.states() == {x: "RUNNING" for x in w.pids}
+        assert w.memory() == w.before, "GPU memory must come back byte-identical"
+        assert sorted(n.name for n in (store / "journal").iterdir()) == ["key", "recover.lock"]
+    finally:
+        w.close()

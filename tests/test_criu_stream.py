@@ -33,7 +33,7 @@ def cli_json(cli: Cli, env: dict[str, str], *args: str) -> dict:
 
 
 def test_protocol_rejects_names_that_are_paths() -> None:
-    from sandbox.criu.streamer import StreamerError, encode_request, parse_request
+    from sandbox.criu.protocol import StreamerError, encode_request, parse_request
     assert parse_request(encode_request("pages-1.img")[4:]) == "pages-1.img"
     for bad in ("../inventory.img", "a/b.img", "", "streamer-serve.sock", ".hidden"):
         with pytest.raises(StreamerError):
@@ -197,7 +197,7 @@ def test_split_filler_fetches_a_chunk_shared_by_two_images_once() -> None:
 def test_split_writes_only_into_processes_the_restore_made() -> None:
     """A page image names its process by pid: the fill writes only into one of the snapshot's pids
     that started after the restore began, never into a process that was already there."""
-    from sandbox.criu.streamer import boot_ticks, restored_by_criu
+    from sandbox.criu.restored import boot_ticks, restored_by_criu
     mine = os.getpid()  # started long before
     born_after = boot_ticks()
     assert not restored_by_criu(mine, [mine], born_after)
@@ -217,7 +217,7 @@ def test_read_order_is_what_criu_reads_first_then_what_the_split_fills() -> None
     small images (smallest first), each page image's ranges CRIU reads (by image number), and only
     then the runs the split writes after CRIU."""
     from sandbox.criu import split
-    from sandbox.criu.streamer import read_order
+    from sandbox.criu.serve import read_order
     from storage.manifest import ChunkRef, Stream
 
     def ref(tag: str, n: int = 4096) -> ChunkRef:

@@ -9,7 +9,7 @@ import os
 import time
 
 from scripts.workloads.workload_control import Workload
-from sandbox.gpu.processes import process_tree
+from sandbox.host.processes import process_tree
 
 
 def _poke(pid: int) -> None:

@@ -3,39 +3,9 @@ from __future__ import annotations
 
 import os
 
+from sandbox.host.processes import DiscoveryError, process_tree
 
-from storage.errors import GpusnapError
-
-class DiscoveryError(GpusnapError):
-    """A pid or cgroup that does not exist or cannot be inspected."""
-
-
-def _children(pid: int) -> list[int]:
-    kids: list[int] = []
-    try:
-        tasks = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return kids
-    for t in tasks:
-        try:
-            with open(f"/proc/{pid}/task/{t}/children") as f:
-                kids += [int(x) for x in f.read().split()]
-        except OSError:
-            continue
-    return kids
-
-
-def process_tree(root: int) -> list[int]:
-    """ROOT and all its descendants, parents before children."""
-    if not os.path.exists(f"/proc/{root}"):
-        raise DiscoveryError(f"no process with pid {root}")
-    out, todo = [], [root]
-    while todo:
-        p = todo.pop(0)
-        if p not in out:
-            out.append(p)
-            todo += _children(p)
-    return out
+__all__ = ["DiscoveryError", "cgroup_pids", "cuda_processes", "process_tree", "uses_gpu"]
 
 
 def cgroup_pids(cgroup_dir: str) -> list[int]:

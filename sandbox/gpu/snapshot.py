@@ -10,7 +10,9 @@ A checkpoint is an operation in the journal (sandbox.ops.journal, kind gpu-check
 disk before the first process is locked, and on the custom-storage path the chunk references of every
 gpu/ stream are logged as they are stored (each process's list complete and durable before the
 driver releases its memory), so that if gpusnap dies before the commit `gpusnap recover` gives every
-process its GPU memory back from the store and unlocks it.
+process its GPU memory back from the store and unlocks it. A restore is one too (kind gpu-restore):
+if it fails or gpusnap dies mid-way, its undo (sandbox.gpu.operations.GpuRestore) unlocks every process
+whose memory is back and leaves the others CHECKPOINTED, for `gpu restore` to bring back.
 """
 from __future__ import annotations
 
@@ -29,6 +31,8 @@ from sandbox.gpu.processes import cuda_processes
 from sandbox.gpu.regions import EngineRegions
 from sandbox.gpu.state import GpuPath, Limits, Plan, freeze, plan, thaw
 from sandbox.ops.journal import OpKind, Stage
+from sandbox.ops.operations import GpuAccess, Undo, undone_on_failure
+import sandbox.gpu.operations  # noqa: F401 - registers GpuCheckpoint and GpuRestore, the undos this flow runs
 from sandbox.ops.snapshot_meta import GpuInfo, GpuMeta
 
 
@@ -183,14 +187,21 @@ def gpu_restore(store: SnapshotStore, name: str, root_pid: int, *, device_map: l
             gpu_map = dmap.plan(device_map, meta.gpus_json, dmap.gpus_here(drv, feats), meta.gpu_bytes).gpu_map
         gp = plan(recorded=meta.gpu_path, thp_mode=thp_mode)
         path = gp.path
+        op = stack.enter_context(journal.operation(store.path, OpKind.GPU_RESTORE, name, pids=pids,
+                                                   cuda_pids=tuple(pids), gpu_path=path.value))
+        # the one undo (sandbox.gpu.operations.GpuRestore), run here on a failure and by `gpusnap recover`
+        stack.enter_context(undone_on_failure(op, Undo(store, GpuAccess(driver=lambda: drv)), GpuSnapshotError,
+                                              what="GPU restore"))
         source: Any = store
         if fill is not None:
             from storage.remote_fill import ArrivingSource
             source = ArrivingSource(store, fill)
             fill.first([c for s in m.streams for c in s.chunks])  # in the order the engine restores them
             fill.start()
+        journal.pause("before-restore")
         with _engine(path, device) as eng:
             regions = EngineRegions.of(eng, source, m, progress) if eng is not None else None
+            op.advance(Stage.FILLING)
             rep = thaw(dmap.for_restore(drv, gpu_map, meta.gpu_bytes), pids, gp.backend(regions),
                        gpu_map=gpu_map or None)
         seconds = dict(rep.seconds)

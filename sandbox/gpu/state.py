@@ -21,13 +21,14 @@ Guarantees kept here:
 - thaw: every CHECKPOINTED pid restored, all or nothing (on a failure they all stay CHECKPOINTED and
   the thaw can be retried), then every pid unlocked; a RUNNING pid is not touched, a LOCKED one only
   unlocked (a second post-resume is harmless).
+- settle(driver, pids) finishes an interrupted thaw without guessing: a process whose memory is back
+  (LOCKED) is unlocked, a CHECKPOINTED one stays restorable, one the driver holds mid-operation is named.
 - resume(driver, pids) puts every listed process back to RUNNING (host-staged state), whatever an
   interrupted operation left it in, best effort per pid, and is idempotent: a RUNNING process is not
   touched, a gone one is skipped and named.
 """
 from __future__ import annotations
 
-import enum
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, contextmanager
@@ -37,6 +38,7 @@ from typing import Iterator, Protocol
 from storage.errors import GpusnapError
 
 from sandbox.ops import journal
+from sandbox.ops.gpu_path import GpuPath
 from sandbox.gpu.checkpoint import (GpuCheckpointError, RegionSpill, checkpoint_all, custom_checkpoint,
                                     custom_restore, lock_all, restore_all)
 from sandbox.gpu.driver import CheckpointDriver, DeviceRegion, Features, ProcessState
@@ -45,13 +47,6 @@ from sandbox.host.hugepages import thp
 
 class GpuStateError(GpusnapError):
     """A freeze, thaw or resume of GPU processes that failed; says what state each was left in."""
-
-
-class GpuPath(enum.Enum):
-    """How GPU memory leaves the process: the driver's host copy, or custom storage (streamed by us)."""
-
-    HOST_STAGED = "host-staged"
-    CUSTOM_STORAGE = "custom-storage"
 
 
 def path_for(features: Features) -> GpuPath:
@@ -169,6 +164,7 @@ class CustomStorage:
             for p in pids:
                 touched.append(p)
                 self._fill(drv, p, gpu_map)
+                journal.pause("gpu-fill")  # test hook: a process filled (LOCKED), the next not yet
         except BaseException as e:
             # the bytes are still where save() put them: check every touched pid back in without
             # streaming, so the set stays CHECKPOINTED and the thaw can be retried
@@ -309,6 +305,7 @@ def thaw(drv: CheckpointDriver, pids: list[int], backend: Backend, *, gpu_map: d
     todo = [p for p in pids if states[p] == ProcessState.CHECKPOINTED]
     locked = [p for p in pids if states[p] == ProcessState.LOCKED]
     seconds = backend.restore(drv, todo, gpu_map, limits) if todo else {}
+    journal.pause("gpu-restored")  # test hook: every process has its memory back (LOCKED), none unlocked yet
     if unlock and (todo or locked):
         t0 = time.perf_counter()
         _unlock_all(drv, todo + locked, limits)
@@ -355,6 +352,44 @@ class ResumeReport:
     gone: list[int] = field(default_factory=list)       # not a CUDA process any more
 
 
+@dataclass
+class SettleReport:
+    unlocked: list[int] = field(default_factory=list)       # LOCKED (their memory back) -> RUNNING
+    checkpointed: list[int] = field(default_factory=list)   # still CHECKPOINTED: another thaw restores them
+    running: list[int] = field(default_factory=list)        # already RUNNING: untouched
+    gone: list[int] = field(default_factory=list)           # not a CUDA process any more
+    held: dict[int, ProcessState] = field(default_factory=dict)  # mid-operation in the driver: cannot run again
+
+
+def settle(driver: CheckpointDriver, pids: list[int]) -> SettleReport:
+    """After an interrupted thaw (a restore that failed or whose gpusnap died): every LOCKED pid has its
+    GPU memory back and is unlocked; a CHECKPOINTED one is left as it is (its memory is where the
+    checkpoint put it: another thaw restores it); a RUNNING one is not touched; one the driver holds
+    mid-operation (CHECKPOINTING, RESTORING: its memory was mapped into a gpusnap that died) is named
+    in `held`. Idempotent; raises GpuStateError naming a pid whose unlock failed (after trying all)."""
+    rep = SettleReport()
+    errors: list[str] = []
+    for p in pids:
+        st = _state(driver, p)
+        if st is None:
+            rep.gone.append(p)
+        elif st == ProcessState.RUNNING:
+            rep.running.append(p)
+        elif st == ProcessState.CHECKPOINTED:
+            rep.checkpointed.append(p)
+        elif st == ProcessState.LOCKED:
+            try:
+                driver.unlock(p)
+                rep.unlocked.append(p)
+            except Exception as e:  # noqa: BLE001 - unlock the others, then report
+                errors.append(f"pid {p}: {_one_line(e)}")
+        else:
+            rep.held[p] = st
+    if errors:
+        raise GpuStateError("could not unlock every restored GPU process: " + "; ".join(errors))
+    return rep
+
+
 def resume(driver: CheckpointDriver, pids: list[int]) -> ResumeReport:
     """Every pid back to RUNNING (host-staged state): CHECKPOINTED ones restored, then all LOCKED
     ones unlocked; RUNNING ones untouched. Raises GpuStateError naming what could not be resumed."""
@@ -387,5 +422,5 @@ def resume(driver: CheckpointDriver, pids: list[int]) -> ResumeReport:
 
 
 __all__ = ["Backend", "CustomStorage", "FreezeReport", "GpuCheckpointError", "GpuPath", "GpuStateError",
-           "HostStaged", "Limits", "Plan", "RegionStore", "ResumeReport", "ThawReport", "backend_for", "checkpoint",
-           "freeze", "path_for", "plan", "restore_huge_pages", "resume", "thaw"]
+           "HostStaged", "Limits", "Plan", "RegionStore", "ResumeReport", "SettleReport", "ThawReport", "backend_for",
+           "checkpoint", "freeze", "path_for", "plan", "restore_huge_pages", "resume", "settle", "thaw"]

@@ -22,7 +22,7 @@ from typing import Iterator
 
 from storage.errors import GpusnapError
 
-from sandbox.ops.journal import Proc
+from sandbox.host.processes import Proc
 
 THP_ENABLED = "/sys/kernel/mm/transparent_hugepage/enabled"
 RECORD_DIR = os.environ.get("GPUSNAP_RUN_DIR", "/run/gpusnap")  # env: tests, or a machine without /run

@@ -1,18 +1,18 @@
 """The journal of operations in flight: what a dump, checkpoint or restore is doing, on disk before it does it.
 
 Each operation that can leave a workload stopped or leave files behind (a CRIU dump or restore, a
-runsc checkpoint or restore, a `gpu checkpoint`) keeps one record in STORE/journal/OP.json while it
+runsc checkpoint or restore, a `gpu checkpoint` or `gpu restore`) keeps one record in STORE/journal/OP.json while it
 runs (storage/FORMAT.md, "The journal"); one that streams GPU memory through custom storage also keeps
 the chunk references of its gpu/ streams in STORE/journal/OP.refs (storage.reflog) as they are
-stored. `gpusnap recover` (sandbox.ops.recover) reads the records whose owner died and finishes or undoes
+stored. `gpusnap recover` (sandbox.recover) reads the records whose owner died and finishes or undoes
 what each describes; every other state-changing command refuses to start while one exists.
 
 Guarantees kept here:
 - a record reaches the disk (temp file, fsync, rename, directory fsync) before the step it
   describes starts, and is removed only after the operation finished or was undone; its reference
   log goes after it (a log without a record names nothing gc keeps, and recover removes it);
-- processes are named by pid AND start time (Proc), so a pid reused by an unrelated process is
-  never taken for the owner or the workload, and is never signalled;
+- processes are named by pid AND start time (Proc, sandbox.host.processes), so a pid reused by an
+  unrelated process is never taken for the owner or the workload, and is never signalled;
 - every record carries an HMAC under the journal's key (sandbox.ops.trust) over all it says, its
   owner (pid and start time) included; a record read without a valid one is marked untrusted
   (OpRecord.untrusted) and recovery signals nothing it names;
@@ -40,6 +40,8 @@ from storage.pausepoint import pause_at
 from storage.storedir import JOURNAL, path_in
 
 from sandbox.host import procgroup
+# Proc and the helpers below are named through the journal by the flows and recovery (journal.Proc, ...)
+from sandbox.host.processes import Proc, start_time, state_of, wait_gone, with_descendants
 from sandbox.ops.trust import JournalKey
 
 PAUSE_ENV = "GPUSNAP_TEST_PAUSE"
@@ -62,6 +64,7 @@ class OpKind(str, enum.Enum):
     RUNSC_CHECKPOINT = "runsc-checkpoint"
     RUNSC_RESTORE = "runsc-restore"
     GPU_CHECKPOINT = "gpu-checkpoint"
+    GPU_RESTORE = "gpu-restore"
 
 
 class Stage(str, enum.Enum):
@@ -78,64 +81,6 @@ class Stage(str, enum.Enum):
     def at_least(self, other: "Stage") -> bool:
         order = list(Stage)
         return order.index(self) >= order.index(other)
-
-
-def start_time(pid: int) -> int | None:
-    """PID's start time in clock ticks since boot (/proc/PID/stat field 22), None if it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[19])
-    except (OSError, IndexError, ValueError):
-        return None
-
-
-@dataclass(frozen=True)
-class Proc:
-    """One process, by pid and start time."""
-
-    pid: int
-    start: int
-
-    @classmethod
-    def of(cls, pid: int) -> "Proc | None":
-        st = start_time(pid)
-        return None if st is None else cls(pid, st)
-
-    def alive(self) -> bool:
-        """The same process still exists (a zombie counts as gone)."""
-        return start_time(self.pid) == self.start and _state(self.pid) not in ("Z", "gone")
-
-    def signal(self, sig: int) -> bool:
-        """Send SIG if this is still the same process; True if it was sent."""
-        if not self.alive():
-            return False
-        try:
-            os.kill(self.pid, sig)
-        except ProcessLookupError:
-            return False
-        return True
-
-
-def with_descendants(procs: tuple[Proc, ...]) -> tuple[Proc, ...]:
-    """PROCS (those still the recorded process) and every descendant each has now, parents first.
-    For a tree CRIU left stopped this is exactly what CRIU froze: a child forked while CRIU was
-    seizing the tree is in its image and stopped with it, though no list taken before the dump has it."""
-    from sandbox.gpu.processes import DiscoveryError, process_tree  # noqa: PLC0415
-    out: list[Proc] = []
-    seen: set[int] = set()
-    for p in procs:
-        if not p.alive() or p.pid in seen:
-            continue
-        try:
-            tree = process_tree(p.pid)
-        except DiscoveryError:
-            continue
-        for pid in tree:
-            q = p if pid == p.pid else Proc.of(pid)
-            if q is not None and pid not in seen:
-                seen.add(pid)
-                out.append(q)
-    return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -423,28 +368,3 @@ def signal_helpers(helpers: Sequence[Proc], sig: int = signal.SIGKILL) -> list[i
         except (ProcessLookupError, PermissionError):
             pass
     return out
-
-
-def wait_gone(pids: list[int], timeout: float) -> list[int]:
-    """Wait until PIDS exit (or TIMEOUT); the ones still there."""
-    deadline = time.monotonic() + timeout
-    while True:
-        left = [p for p in pids if os.path.exists(f"/proc/{p}") and start_time(p) is not None
-                and _state(p) != "Z"]
-        if not left or time.monotonic() >= deadline:
-            return left
-        time.sleep(0.05)
-
-
-def state_of(pid: int) -> str:
-    """PID's state letter (R, S, T, Z, ...), "gone" if there is no such process."""
-    return _state(pid)
-
-
-def _state(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return "gone"
-

@@ -19,7 +19,7 @@ from typing import Any, ClassVar, Mapping
 from storage.errors import DamageError, GpusnapError
 from storage.manifest import Manifest
 
-from sandbox.gpu.state import GpuPath
+from sandbox.ops.gpu_path import GpuPath
 from sandbox.host.netns import NetConfig
 
 META_VERSION = 1  # of the records below; a meta without `meta_version` is version 1
@@ -89,7 +89,7 @@ def _bool(v: Any, where: str, what: str) -> bool:
 
 
 def _gpu_path(v: Any, where: str, *, optional: bool) -> GpuPath | None:
-    """A recorded GPU path (sandbox.gpu.state.GpuPath); None (or "none", as older snapshots wrote it)
+    """A recorded GPU path (sandbox.ops.gpu_path.GpuPath); None (or "none", as older snapshots wrote it)
     where OPTIONAL: the snapshot holds no GPU state."""
     if v in (None, "none") and optional:
         return None

@@ -12,6 +12,7 @@ if gpusnap dies, `gpusnap recover` restarts a sandbox the checkpoint stopped fro
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import time
@@ -26,7 +27,7 @@ from storage.storedir import LOGS, path_in
 
 from sandbox.ops import journal
 from sandbox.host import netns as nets
-from sandbox.criu.snapshot import new_staging
+from sandbox.criu.staging import new_staging
 from sandbox.host.interrupts import Interrupted
 from sandbox.ops.journal import OpKind, Stage
 from sandbox.runsc.oci_bundle import bundle_netns, set_bundle_netns
@@ -35,7 +36,7 @@ from sandbox.runsc.records import Kind
 from sandbox.runsc.runner import Runsc, RunscError
 from sandbox.runsc.operations import SandboxRecord
 from sandbox.ops.operations import Recovered, Undo, operation_for, undone_on_failure
-from sandbox.ops.snapshot_meta import RunscMeta, check_runsc_args
+from sandbox.ops.snapshot_meta import RunscGpu, RunscMeta, check_runsc_args
 from sandbox.gpu.channel import ChannelLimits
 from sandbox.runsc.errors import RunscSnapshotError
 from sandbox.runsc.gpu_agent import agent_checkpoint, gpu_back, gpu_snapshot_name, prepare_gpu
@@ -187,17 +188,16 @@ def checkpoint(store: SnapshotStore, cid: str, name: str, runsc_args: Sequence[s
     with journal.operation(store.path, OpKind.RUNSC_CHECKPOINT, name, leave_running=leave_running,
                            runsc=sandbox.as_dict()) as op:
         # op and op_mac: how recovery tells this operation's commit from any other manifest of the name
-        meta = {"kind": "runsc", "container": cid, "runsc_args": list(runsc_args), "bundle": bundle,
-                "net": net.as_dict() if net else None, "netns_path": bundle_netns(bundle),
-                "gpu": None, "output": (records.read(r.root, cid, Kind.RUN) or {}).get("output"),
-                "op": op.id, "op_mac": op.commit_mac([])}
-        with store.writer(name, replace=replace, meta=meta, tags=tuple(tags)) as w:
-            _checkpoint_in(op, w, r, cid, bundle, net, gpu, leave_running, report, store, name, progress)
+        meta = RunscMeta(cid, tuple(runsc_args), bundle, net, bundle_netns(bundle), None,
+                         extra={"output": (records.read(r.root, cid, Kind.RUN) or {}).get("output"),
+                                "op": op.id, "op_mac": op.commit_mac([])})
+        with store.writer(name, replace=replace, meta=meta.to_json(), tags=tuple(tags)) as w:
+            _checkpoint_in(op, w, meta, r, cid, bundle, net, gpu, leave_running, report, store, name, progress)
     report.raw_bytes, report.new_bytes, report.dedup_bytes = w.stats.raw_bytes, w.stats.bytes_new, w.stats.bytes_dedup
     return report
 
 
-def _checkpoint_in(op: journal.Op, w: Any, r: Runsc, cid: str, bundle: str, net: nets.NetConfig | None,
+def _checkpoint_in(op: journal.Op, w: Any, meta: RunscMeta, r: Runsc, cid: str, bundle: str, net: nets.NetConfig | None,
                    gpu: dict[str, Any] | None, leave_running: bool, report: RunscReport, store: SnapshotStore, name: str,
                    progress: Progress | None) -> None:
     """The checkpoint's stages inside its journal record and writer; on a failure, the operation's undo
@@ -215,7 +215,10 @@ def _checkpoint_in(op: journal.Op, w: Any, r: Runsc, cid: str, bundle: str, net:
                 gpu_rep = agent_checkpoint(r, cid, store, gpu_snapshot_name(name),
                                            ChannelLimits.for_gpus(len(gpu.get("gpus") or [])))
                 op.advance(runsc=SandboxRecord.of(op.rec).with_(gpu_report=gpu_rep))
-                w.meta["gpu"] = {**gpu, "agent_report": gpu_rep}
+                # the writer's meta, made anew from the record with the agent's report in it
+                w.meta = dataclasses.replace(meta, gpu=RunscGpu(tuple(gpu.get("gpus") or ()),
+                                                                tuple(gpu.get("runsc_args") or ()),
+                                                                bool(gpu.get("agent")), gpu_rep)).to_json()
                 report.seconds["gpu_checkpoint"] = time.perf_counter() - t0
             journal.pause("before-dump")
             op.advance(Stage.DUMPING)

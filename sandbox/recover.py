@@ -4,7 +4,8 @@ For each journal record whose owner is gone (sandbox.ops.journal), in this order
 wrote it (its MAC under the journal's key, sandbox.ops.trust; a record that fails is set aside,
 nothing it names is signalled, and the report is not ok); wait for the helpers it recorded as they
 started (CRIU or runsc still finishing; killed as a group after a grace period); then the undo of its
-kind (sandbox.ops.operations: the same undo the operation runs itself when it fails):
+kind (sandbox.ops.operations; each kind's module beside its flow: the same undo the operation runs
+itself when it fails):
 - criu-dump: snapshot committed by this operation (its manifest names the operation and carries the
   commit MAC) -> the stopped tree is killed, as the user asked (unless --leave-running); otherwise the
   tree is resumed (SIGCONT) and its GPU state restored and unlocked;
@@ -15,6 +16,8 @@ kind (sandbox.ops.operations: the same undo the operation runs itself when it fa
   (sandbox.runsc.operations); runsc-restore: a sandbox that did not come up is removed whole;
 - gpu-checkpoint: snapshot committed -> the processes stay CHECKPOINTED, as asked; otherwise their
   GPU state is resumed;
+- gpu-restore: processes whose GPU memory is back (LOCKED) are unlocked; CHECKPOINTED ones stay so
+  (`gpu restore` again brings them back); one the driver holds mid-restore is named as lost;
 and always the staging directory and the dead owner's temporary store files are removed and the
 record deleted (then its reference log). Finally THP values left switched by dead processes are put back.
 
@@ -46,8 +49,11 @@ from storage.store import SnapshotStore
 from sandbox.ops import journal
 from sandbox.host import hugepages
 from sandbox.ops.journal import Journal, OpRecord
-from sandbox.ops.operations import GpuAccess, Recovered, Undo, real_driver, operation_for
-import sandbox.runsc.operations  # noqa: F401,E402 - registers the runsc kinds (recover undoes every kind)
+from sandbox.ops.operations import GpuAccess, Recovered, Undo, operation_for
+# every kind registers its Operation on import: recover undoes every kind, so it sits above every flow
+import sandbox.criu.operations  # noqa: F401
+from sandbox.gpu.operations import real_driver
+import sandbox.runsc.operations  # noqa: F401
 
 
 @dataclass

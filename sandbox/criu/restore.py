@@ -1,0 +1,124 @@
+"""How `criu restore` gets a snapshot's images, by either path (sandbox.criu.images): served from the store
+through the serve socket, the large page runs written into the stopped tree afterwards (streamed), or
+materialized as verified files first (staged). One RestoreRun carries what both need.
+
+Guarantees kept here:
+- streamed: with a split, CRIU leaves the tree stopped; on_stopped (the caller journals the stopped
+  tree) runs before the fill, and the tree continues only once every moved run is written; if the
+  fill fails, the tree CRIU restored is killed (pid and start time: only processes this restore
+  made, sandbox.criu.restored); nothing runs half-restored;
+- a CRIU failure caused by the store (a damaged chunk, a remote that failed) is raised as that
+  failure, not as CRIU's broken pipe; if CRIU itself dies mid-restore, the tasks it had created come
+  back to gpusnap (child subreaper meanwhile) and are killed, so the snapshot's pids are free for the
+  next restore;
+- THP is set for the restore (CRIU faults the whole image in) and put back after
+  (sandbox.gpu.state.restore_huge_pages, recorded for `gpusnap recover`).
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from storage import pipeline
+from storage.filetree import FileTreeSink
+from storage.manifest import Manifest
+from storage.progress import Progress
+from storage.store import SnapshotStore
+
+from sandbox.criu.restored import adopting_orphans, boot_ticks, kill_half_restored, restored_by_criu, signal_all
+from sandbox.criu.runner import Criu, CriuError
+from sandbox.criu.serve import Arrivals, ServeSource, split_min
+from sandbox.gpu.state import restore_huge_pages
+
+
+@dataclass(frozen=True)
+class RestoreRun:
+    """One `criu restore` of a snapshot's CRIU images, as both paths need it."""
+
+    criu: Criu
+    store: SnapshotStore
+    files: Manifest                  # the snapshot's CRIU images (its gpu/ streams left out)
+    stage: str                       # the operation's private directory (sandbox.criu.staging)
+    pids: list[int]                  # the snapshot's pids
+    shell_job: bool
+    extra: tuple[str, ...] = ()      # CRIU options (the dump's that CRIU needs again)
+    progress: Progress | None = None  # the staged path's materialize
+    arrivals: Arrivals | None = None  # chunks still on their way from a remote (the streamed path)
+    on_stopped: Callable[[], None] | None = None  # CRIU done, the tree stopped for the split fill
+
+    @property
+    def pidfile(self) -> str:
+        """Where CRIU writes the restored tree's root pid."""
+        return os.path.join(self.stage, "restored.pid")
+
+
+def streamed(run: RestoreRun, *, thp_mode: str | None = "always",
+             split_bytes: int | None = None) -> tuple[dict[str, float], dict[str, Any]]:
+    """`criu restore --stream -d` of RUN's images served from the store (stage/images: the socket and
+    CRIU's log), THP set to THP_MODE meanwhile. With a split (runs of at least SPLIT_BYTES, default
+    split_min()), CRIU leaves the tree stopped, on_stopped runs, the moved runs are written in, then
+    the tree continues; if that fails the tree is killed. Returns seconds per stage and what was
+    served. A CRIU failure caused by the store (a damaged chunk, a remote that failed: the arrivals'
+    error) is raised as that error; otherwise CRIU's."""
+    images = os.path.join(run.stage, "images")
+    os.mkdir(images, 0o700)
+    criu, pidfile, on_stopped = run.criu, run.pidfile, run.on_stopped
+    seconds: dict[str, float] = {}
+    t0 = time.perf_counter()
+    info: dict[str, Any] = {}
+    born_after = boot_ticks()  # what CRIU restores starts after this
+    with ServeSource(run.store, run.files, images, split_min=split_min() if split_bytes is None else split_bytes,
+                     arrivals=run.arrivals) as srv:
+        extra = run.extra + (("--stream", "--leave-stopped") if srv.plans else ("--stream",))
+        pids = list(dict.fromkeys([*run.pids, *srv.pstree]))
+        with restore_huge_pages(thp_mode):
+            try:
+                with adopting_orphans():
+                    try:
+                        criu.restore(images, detach=True, shell_job=run.shell_job, pidfile=pidfile, extra=extra)
+                    except CriuError:
+                        kill_half_restored(pids)
+                        raise
+            except CriuError:
+                srv.raise_if_failed()
+                raise
+            srv.raise_if_failed()
+            seconds["criu_restore"] = time.perf_counter() - t0
+            if srv.plans:
+                t1 = time.perf_counter()
+                try:
+                    if on_stopped is not None:
+                        on_stopped()
+                    info["split"] = srv.fill(lambda p: restored_by_criu(p, pids, born_after))
+                except BaseException:
+                    signal_all([p for p in pids if restored_by_criu(p, pids, born_after)], signal.SIGKILL)
+                    raise
+                signal_all([p for p in pids if restored_by_criu(p, pids, born_after)], signal.SIGCONT)
+                seconds["split_fill"] = time.perf_counter() - t1
+        info.update(served=len(srv.served), absent_images=srv.absent, bytes=srv.bytes, stages=srv.stages.table(),
+                    moved_bytes=sum(p.moved_bytes for p in srv.plans.values()))
+        if srv.split_skipped_because is not None:
+            info["split_skipped_because"] = srv.split_skipped_because
+        if srv.fill_memory:
+            info["fill_memory"] = srv.fill_memory  # what the fill could hold and read ahead, and why
+        if srv.connected_at is not None:
+            info["criu_connected_monotonic"] = srv.connected_at
+    return seconds, info
+
+
+def staged(run: RestoreRun) -> dict[str, float]:
+    """RUN's images materialized (every chunk verified) in stage/out, then `criu restore -d` of them
+    (the staging path: sandbox.criu.images says why it stays). Seconds per stage."""
+    seconds: dict[str, float] = {}
+    t0 = time.perf_counter()
+    pipeline.get(run.store, run.files, FileTreeSink(os.path.join(run.stage, "out")), progress=run.progress)
+    seconds["materialize"] = time.perf_counter() - t0
+    images = os.path.join(run.stage, "out", "images")
+    t0 = time.perf_counter()
+    with restore_huge_pages("always"):  # CRIU faults every page in: huge pages make that ~1.4x faster
+        run.criu.restore(images, detach=True, shell_job=run.shell_job, pidfile=run.pidfile, extra=run.extra)
+    seconds["criu_restore"] = time.perf_counter() - t0
+    return seconds

@@ -1,0 +1,82 @@
+"""The processes a CRIU restore creates: told from anyone else's, adopted if CRIU dies, killed if half-restored.
+
+Guarantees kept here: a process is taken for one this restore made only if it is one of the
+snapshot's pids and started after the restore began (restored_by_criu), so the split never writes
+into someone else's process; while CRIU restores, this process is the child subreaper
+(adopting_orphans), so the tasks of a CRIU that dies mid-restore come back to gpusnap and are killed
+(kill_half_restored), freeing the snapshot's pids for the next restore.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import time
+from contextlib import contextmanager
+from typing import Iterator
+
+from sandbox.host.processes import start_time
+
+
+def boot_ticks() -> int:
+    """Now, in the clock ticks since boot that /proc/PID/stat's start time counts."""
+    return int(time.clock_gettime(time.CLOCK_BOOTTIME) * os.sysconf("SC_CLK_TCK"))
+
+
+def restored_by_criu(pid: int, pids: list[int], born_after: int) -> bool:
+    """Whether the split may write into PID: one of the snapshot's PIDS (all checked free before the
+    restore) and started after BORN_AFTER, so a process of someone else's that a snapshot's page
+    image names is never written into."""
+    started = start_time(pid) if pid in pids else None
+    return started is not None and started >= born_after - 1
+
+
+_PR_SET_CHILD_SUBREAPER, _PR_GET_CHILD_SUBREAPER = 36, 37
+
+
+@contextmanager
+def adopting_orphans() -> Iterator[None]:
+    """This process as the child subreaper meanwhile: the tasks of a CRIU that dies mid-restore
+    (killed, say) come back to us instead of init, so they can be told from anyone else's."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    prev = ctypes.c_int(0)
+    libc.prctl(_PR_GET_CHILD_SUBREAPER, ctypes.byref(prev), 0, 0, 0)
+    libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    try:
+        yield
+    finally:
+        libc.prctl(_PR_SET_CHILD_SUBREAPER, prev.value, 0, 0, 0)
+
+
+def kill_half_restored(pids: list[int]) -> None:
+    """After a failed `criu restore`: the snapshot's pids that are now our children are tasks CRIU
+    created and never resumed (CRIU cleans up after its own errors, not after being killed); they
+    would hold the pids and block the next restore."""
+    me = os.getpid()
+    for _ in range(len(pids) + 1):  # a killed task's children come to us next: until none is left
+        killed = 0
+        for p in pids:
+            try:
+                with open(f"/proc/{p}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            if ppid != me:
+                continue
+            try:
+                os.kill(p, signal.SIGKILL)
+                os.waitpid(p, 0)
+                killed += 1
+            except (ProcessLookupError, ChildProcessError):
+                pass
+        if not killed:
+            return
+
+
+def signal_all(pids: list[int], sig: int) -> None:
+    """SIG to each of PIDS still there."""
+    for p in pids:
+        try:
+            os.kill(p, sig)
+        except ProcessLookupError:
+            pass

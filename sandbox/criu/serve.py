@@ -1,0 +1,358 @@
+"""The restore side of the image streamer: ServeSource serves a snapshot's images to `criu restore --stream`.
+
+For each image CRIU asks for, its chunks are read, verified and decoded by a pool of threads a
+window ahead of CRIU and written into CRIU's pipe in order; no image is materialized. With a split
+(sandbox.criu.split) the large page runs are left out of what CRIU gets and written into the
+stopped tree afterwards (fill()). A restore from a remote (storage.remote_fill) starts before the
+snapshot is local: the chunks still on their way are asked for in the order CRIU reads them
+(read_order), and a chunk is waited for only when CRIU needs it before it has arrived.
+sandbox.criu.restore runs CRIU against it.
+
+Guarantees kept here: every chunk is verified before its bytes enter CRIU's pipe (read from the
+store with the full check, or handed over by the remote fill verified on arrival); a damaged chunk,
+a missing one (refused before anything starts), a remote that fails mid-restore, or gpusnap dying
+breaks the pipe, and CRIU fails before any restored process runs; raise_if_failed names the store
+side's failure before the broken pipe's.
+
+Threads, not asyncio: every transfer is a blocking read or write that releases the GIL.
+"""
+from __future__ import annotations
+
+import os
+import re
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol
+
+from storage import pipeline
+from storage.chunkfile import ChunkError
+from storage.codecs import CodecError, decode_host, decode_host_into
+from storage.directio import BufferPool
+from storage.errors import GpusnapError
+from storage.manifest import ChunkRef, Manifest, Stream
+from storage.pipeline import Stages
+from storage.readstage import Want, read_chunks
+from storage.store import SnapshotStore, StoreError
+
+from sandbox.criu import split
+from sandbox.criu.images import IMAGES, is_page_image
+from sandbox.criu.protocol import SERVE_SOCKET, Listener, StreamerError, read_request, recv_pipe, send_reply, write_all
+
+FILL_GAP = 1 << 20  # the split fill's reads bridge this many unwanted bytes of a pack
+
+
+class Arrivals(Protocol):
+    """Chunks still on their way into the store while it serves (storage.remote_fill.RemoteFill)."""
+
+    def wait(self, cid: str) -> None: ...
+
+    def first(self, refs: Iterable[ChunkRef]) -> None: ...
+
+    def take(self, cid: str) -> tuple[str, bytes] | None: ...
+
+
+_PAGES_ID = re.compile(r"pages-(\d+)\.img")
+_READ_FIRST = ("inventory.img", "pstree.img")
+
+
+def read_order(images: dict[str, Stream], plans: dict[str, split.Plan] | None) -> list[ChunkRef]:
+    """IMAGES' chunks in the order a streamed restore reads them (what a restore from a remote
+    fetches first). CRIU asks for the inventory and the process tree, then each process's small
+    images, pagemap and page image, the root's first (page images are numbered in that order, as
+    the dump met the processes); the runs a split moves are written after CRIU. Without PLANS (the
+    pagemaps not read yet) the small images only."""
+    small = sorted((n for n in images if not is_page_image(n)),
+                   key=lambda n: (_READ_FIRST.index(n) if n in _READ_FIRST else len(_READ_FIRST), images[n].size, n))
+    out = [c for n in small for c in images[n].chunks]
+    if plans is None:
+        return out
+    pages = sorted((n for n in images if is_page_image(n)),
+                   key=lambda n: (int(m.group(1)) if (m := _PAGES_ID.fullmatch(n)) else 1 << 62, n))
+    for n in pages:  # what CRIU reads: the kept ranges of a split image, else all of it
+        pl = plans.get(n)
+        out += [c for _, c, _, _ in split.pieces(images[n], pl.kept if pl else None)]
+    for n in pages:  # then what split.fill writes
+        pl = plans.get(n)
+        if pl is not None:
+            out += [c for _, c, _, _ in split.pieces(images[n], tuple((r.offset, r.nbytes) for r in pl.moved))]
+    return out
+
+
+class ServeSource:
+    """Serves MANIFEST's images to `criu restore --stream` through the serve socket in DIRECTORY;
+    a context manager. Chunks are read, verified and decoded by WORKERS threads, up to WINDOW chunks
+    ahead of CRIU per image, and written into CRIU's pipe in order."""
+
+    def __init__(self, store: SnapshotStore, manifest: Manifest, directory: str, *, workers: int | None = None,
+                 window: int | None = None, split_min: int = 0, arrivals: Arrivals | None = None) -> None:
+        """split_min: page runs of at least this many bytes are left out of what CRIU gets, for
+        split.fill to write after CRIU (0: CRIU restores everything). arrivals: the chunks the store
+        lacks are on their way (a restore from a remote): asked for in read order, each waited for
+        when it is needed."""
+        self.store, self.manifest, self.arrivals = store, manifest, arrivals
+        self.images = {s.name.partition("/")[2]: s for s in manifest.streams
+                       if s.name.startswith(IMAGES + "/") and s.attrs.get("type") == "file"}
+        missing = store.missing(manifest) if arrivals is None else []
+        if arrivals is not None:
+            arrivals.first(read_order(self.images, None))
+        if missing:
+            raise store.error(f"snapshot {manifest.name!r} is damaged: {len(missing)} chunk(s) missing "
+                             f"(first {missing[0][:16]}…); nothing was started")
+        self.workers = workers or pipeline.default_workers()
+        self.window = window or 2 * self.workers
+        self._bufs = BufferPool(self.workers, store.chunk_buffer_size([manifest]))  # CRIU's feeds (the fill has its own)
+        self._ex = ThreadPoolExecutor(self.workers, thread_name_prefix="gpusnap-serve")
+        self.stages = Stages()  # thread-seconds of the store side: read+verify, decode, the fill's stages
+        self._zeros = bytes(max((c.raw_len for s in self.images.values() for c in s.chunks), default=0))
+        self.plans: dict[str, split.Plan] = {}    # page image -> its split
+        self._rewritten: dict[str, bytes] = {}    # pagemap image -> what CRIU gets instead
+        # the pids CRIU restores, as its pstree image lists them (a snapshot's own list may lack a child
+        # forked while CRIU froze the tree: a --leave-running dump, or one made before that was fixed)
+        ps = self.images.get("pstree.img")
+        try:
+            self.pstree = split.pstree_pids(b"".join(bytes(self._chunk(ps, i, c)) for i, c in enumerate(ps.chunks))) \
+                if ps is not None else []
+        except split.SplitError:
+            self.pstree = []  # CRIU refuses the image itself
+        # why the split did not engage (None when it did), for the restore report
+        self.split_skipped_because: str | None = "the split is off (GPUSNAP_CRIU_SPLIT_MIN=0)"
+        if split_min > 0:
+            pagemaps = {name: b"".join(bytes(self._chunk(s, i, c)) for i, c in enumerate(s.chunks))
+                        for name, s in self.images.items() if split.PAGEMAP_NAME.fullmatch(name)}
+            self.plans, self.split_skipped_because = split.choose(
+                pagemaps, {n: s.size for n, s in self.images.items() if is_page_image(n)}, split_min)
+            self._rewritten = {f"pagemap-{pl.pid}.img": pl.pagemap for pl in self.plans.values()}
+        if arrivals is not None:
+            arrivals.first(read_order(self.images, self.plans))
+        self.connected_at: float | None = None  # time.monotonic() when CRIU connected
+        self._listener = Listener(directory, SERVE_SOCKET)
+        # the moved runs are read from the store from now on, while CRIU restores the rest
+        self.fill_memory: dict[str, int] = {}
+        self._filler = self._make_filler() if self.plans else None
+        self._closing = False
+        self._feeds: list[threading.Thread] = []
+        self.errors: list[BaseException] = []
+        self.served: list[str] = []
+        self.absent: list[str] = []  # images CRIU asked for that the dump never wrote (CRIU then goes on)
+        self.bytes = 0
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._serve, name="gpusnap-serve", daemon=True)
+        self._thread.start()
+
+    def __enter__(self) -> "ServeSource":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._closing = True
+        self._listener.close()
+        self._thread.join()
+        for t in self._feeds:
+            t.join()
+        self._ex.shutdown(wait=True, cancel_futures=True)
+        if self._filler is not None:
+            self._filler.close()
+        self._bufs.close()
+
+    def _serve(self) -> None:
+        try:
+            conn = self._listener.accept(lambda: self._closing)
+            if conn is None:
+                return
+            self.connected_at = time.monotonic()
+            with conn:
+                while True:
+                    name = read_request(conn)
+                    if name is None:
+                        break
+                    s = self.images.get(name)
+                    send_reply(conn, s is not None)
+                    if s is None:
+                        self.absent.append(name)
+                        continue
+                    fd = recv_pipe(conn, writable=True)
+                    pl = self.plans.get(name)
+                    t = threading.Thread(target=self._feed, args=(s, fd, pl.kept if pl else None, self._rewritten.get(name)),
+                                         daemon=True, name="gpusnap-serve-feed")
+                    self._feeds.append(t)
+                    t.start()
+        except BaseException as e:  # noqa: BLE001 - reported by raise_if_failed
+            self._fail(e)
+
+    def _make_filler(self) -> split.Filler:
+        """The split fill of the moved runs (sandbox.criu.split), its chunks read by _read_moved."""
+        self.fill_memory = {"held_budget": fill_budget(), "prefetch": fill_prefetch(),
+                            "mem_available": _mem_available()}
+        return split.Filler(list(self.plans.values()), self.images, self._read_moved, self.workers,
+                            self.fill_memory["held_budget"], self.stages)
+
+    def _fail(self, e: BaseException) -> None:
+        with self._lock:
+            self.errors.append(e)
+
+    def _chunk(self, s: Stream, i: int, ref: ChunkRef) -> bytes | memoryview:
+        return memoryview(self._zeros)[:ref.raw_len] if ref.is_zero else self._fetch(s, i, ref)
+
+    def _fetch(self, s: Stream, i: int, ref: ChunkRef) -> bytes | memoryview:
+        """REF's verified, decoded bytes, as an object of their own (CRIU's feeds hold them a window ahead)."""
+        fresh = self._arrived(ref)  # before taking a buffer: the waits hold none
+        with self._bufs.borrowed() as buf:
+            data = self._decoded(s, i, ref, fresh, buf, None)
+            return bytes(data) if isinstance(data, memoryview) else data  # the buffer goes back now
+
+    def _read_moved(self, wants: list[Want], deliver: Callable[[Want, memoryview], None],
+                    stop: Callable[[], bool]) -> None:
+        """The split fill's reads (split.ReadAll): from the store, the read stage in pack order (the
+        moved runs are most of the image, so its packs are read nearly whole, in large reads, with
+        the kernel reading ahead while CRIU runs); from a remote's arrivals, each chunk as it arrives."""
+        if self.arrivals is None:
+            try:
+                read_chunks(self.store, wants, deliver, stages=self.stages, decoders=self.workers, stop=stop,
+                            order="pack", gap=FILL_GAP, prefetch=self.fill_memory["prefetch"])
+            except ChunkError as e:
+                raise self.store.error(f"snapshot {self.manifest.name!r} is damaged: {e}") from None
+            except CodecError as e:
+                raise StoreError(f"snapshot {self.manifest.name!r}: {e}") from None
+            return
+        size = self._bufs.size
+        most = max((w.ref.raw_len for w in wants), default=1)
+        where = {c.id: (name, i) for name, st in self.images.items() for i, c in enumerate(st.chunks)
+                 if c.id is not None}  # for the messages: which image, which chunk
+        with BufferPool(self.workers, size) as files, BufferPool(self.workers, most) as outs:
+
+            def one(w: Want) -> None:
+                if stop():
+                    return
+                image, i = where[w.ref.id or ""]
+                fresh = self._arrived(w.ref)
+                with files.borrowed() as f, outs.borrowed() as o:
+                    deliver(w, memoryview(self._decoded(self.images[image], i, w.ref, fresh, f, o.view)))
+
+            with ThreadPoolExecutor(self.workers, thread_name_prefix="gpusnap-fill-arrivals") as ex:
+                for _ in ex.map(one, wants):
+                    pass
+
+    def _arrived(self, ref: ChunkRef) -> tuple[str, bytes] | None:
+        """On a restore --from a remote: (codec, payload) of REF once it has arrived, if the fill
+        hands it over (verified on arrival: no read, no second check); None: read it from the store."""
+        if self.arrivals is None:
+            return None
+        assert ref.id is not None
+        self.arrivals.wait(ref.id)
+        return self.arrivals.take(ref.id)
+
+    def _decoded(self, s: Stream, i: int, ref: ChunkRef, fresh: tuple[str, bytes] | None, buf: Any,
+                 out: memoryview | None) -> bytes | memoryview:
+        """REF's raw bytes: FRESH decoded, or read from the store into BUF and decoded with the full
+        check (the bytes bound to REF's id); into OUT when given (nothing allocated)."""
+        t0 = time.perf_counter()
+        try:
+            if fresh is not None:
+                codec, payload = fresh
+                data = (decode_host(codec, memoryview(payload), ref.raw_len) if out is None
+                        else decode_host_into(codec, memoryview(payload), ref.raw_len, out))
+            else:
+                data = self.store.read_raw(ref, buf, out, cached=True)
+        except ChunkError as e:
+            raise self.store.error(f"snapshot {self.manifest.name!r} is damaged: {s.name} chunk {i}: {e.what}") from None
+        except CodecError as e:
+            raise StoreError(f"snapshot {self.manifest.name!r}: {s.name} chunk {i}: {e}") from None
+        self.stages.add("read+decode+verify", time.perf_counter() - t0, ref.raw_len)
+        return data
+
+    def _feed(self, s: Stream, fd: int, ranges: tuple[tuple[int, int], ...] | None = None,
+              replacement: bytes | None = None) -> None:
+        """Stream S (only its RANGES; or REPLACEMENT instead) into CRIU's pipe FD, chunks fetched a window ahead."""
+        pending: deque[tuple[Future[bytes | memoryview] | None, int, int]] = deque()
+        it = iter(split.pieces(s, ranges) if replacement is None else ())
+        last: tuple[int, Future[bytes | memoryview] | None] | None = None
+        try:
+            if replacement is not None:
+                write_all(fd, replacement)
+                self.bytes += len(replacement)
+            while True:
+                while len(pending) < self.window:
+                    nxt = next(it, None)
+                    if nxt is None:
+                        break
+                    i, ref, lo, hi = nxt
+                    if last is not None and last[0] == i:
+                        fut = last[1]  # the same chunk again: fetched once
+                    else:
+                        fut = None if ref.is_zero else self._ex.submit(self._fetch, s, i, ref)
+                        last = (i, fut)
+                    pending.append((fut, lo, hi))
+                if not pending:
+                    break
+                fut, lo, hi = pending.popleft()
+                data = memoryview(self._zeros)[lo:hi] if fut is None else memoryview(fut.result())[lo:hi]
+                write_all(fd, data)
+                self.bytes += len(data)
+            self.served.append(s.name)
+        except BaseException as e:  # noqa: BLE001 - CRIU sees the broken pipe; reported by raise_if_failed
+            for f, *_ in pending:
+                if f is not None:
+                    f.cancel()
+            self._fail(e if not isinstance(e, OSError) else
+                       StreamerError(f"writing image {s.name} to CRIU: {e.strerror}"))
+        finally:
+            os.close(fd)
+
+    def fill(self, pids_ok: Callable[[int], bool]) -> dict[str, int]:
+        """After CRIU: the moved runs written into the (stopped) processes; PIDS_OK(pid) says a
+        planned pid is one CRIU restored."""
+        if self._filler is None:
+            return {"written": 0, "zero_skipped": 0}
+        return self._filler.write(pids_ok)
+
+    def raise_if_failed(self) -> None:
+        """The first failure of the store side (a damaged chunk, a remote that failed) before a broken pipe."""
+        errs = [e for e in self.errors if isinstance(e, GpusnapError) and not isinstance(e, StreamerError)] \
+            or self.errors
+        if errs:
+            e = errs[0]
+            raise e if isinstance(e, GpusnapError) else StreamerError(f"serving images to CRIU: {e}")
+
+
+def fill_budget() -> int:
+    """Bytes of buffers the split fill may hold decoded before CRIU has made the processes: a quarter
+    of the memory available now, at most 16 GiB, at least 256 MiB. Once CRIU is done the fill is
+    bound by the CPU (decoding, hashing, writing into the processes), so what is decoded while CRIU
+    runs is time saved; 2 GiB (the earlier cap) held only 1.2 GB of a 38 GB MoE restore's 42 GB."""
+    return max(256 << 20, min(16 << 30, _mem_available() // 4))
+
+
+def fill_prefetch() -> int:
+    """Bytes of the store the split fill asks the kernel to read ahead into the page cache (reclaimable):
+    half the memory available now, at most 8 GiB."""
+    return min(8 << 30, _mem_available() // 2)
+
+
+def _mem_available() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+def split_min() -> int:
+    """$GPUSNAP_CRIU_SPLIT_MIN: page runs of at least this many bytes are filled by gpusnap after
+    CRIU (0: off); default split.DEFAULT_MIN."""
+    v = os.environ.get("GPUSNAP_CRIU_SPLIT_MIN")
+    if v is None or v.strip() == "":
+        return split.DEFAULT_MIN
+    try:
+        return int(v)
+    except ValueError:
+        raise StreamerError(f"GPUSNAP_CRIU_SPLIT_MIN={v!r}: expected a number of bytes") from None
+
+
+if TYPE_CHECKING:  # the remote fill is the Arrivals a restore --from a remote passes: checked here, not at run time
+    from storage.remote_fill import RemoteFill
+
+    _ARRIVALS_OF_A_REMOTE: type[Arrivals] = RemoteFill

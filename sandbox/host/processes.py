@@ -1,0 +1,121 @@
+"""A process as /proc shows it: by pid AND start time (Proc), its state letter, its tree, waiting for it to go.
+
+Guarantees kept here: a process is named by pid and start time, so a pid reused by an unrelated
+process is never taken for the one recorded, and Proc.signal never signals it; a zombie counts as gone.
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+from storage.errors import GpusnapError
+
+
+class DiscoveryError(GpusnapError):
+    """A pid or cgroup that does not exist or cannot be inspected."""
+
+
+def start_time(pid: int) -> int | None:
+    """PID's start time in clock ticks since boot (/proc/PID/stat field 22), None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def state_of(pid: int) -> str:
+    """PID's state letter (R, S, T, Z, ...), "gone" if there is no such process."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"
+
+
+@dataclass(frozen=True)
+class Proc:
+    """One process, by pid and start time."""
+
+    pid: int
+    start: int
+
+    @classmethod
+    def of(cls, pid: int) -> "Proc | None":
+        st = start_time(pid)
+        return None if st is None else cls(pid, st)
+
+    def alive(self) -> bool:
+        """The same process still exists (a zombie counts as gone)."""
+        return start_time(self.pid) == self.start and state_of(self.pid) not in ("Z", "gone")
+
+    def signal(self, sig: int) -> bool:
+        """Send SIG if this is still the same process; True if it was sent."""
+        if not self.alive():
+            return False
+        try:
+            os.kill(self.pid, sig)
+        except ProcessLookupError:
+            return False
+        return True
+
+
+def _children(pid: int) -> list[int]:
+    kids: list[int] = []
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return kids
+    for t in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{t}/children") as f:
+                kids += [int(x) for x in f.read().split()]
+        except OSError:
+            continue
+    return kids
+
+
+def process_tree(root: int) -> list[int]:
+    """ROOT and all its descendants, parents before children."""
+    if not os.path.exists(f"/proc/{root}"):
+        raise DiscoveryError(f"no process with pid {root}")
+    out, todo = [], [root]
+    while todo:
+        p = todo.pop(0)
+        if p not in out:
+            out.append(p)
+            todo += _children(p)
+    return out
+
+
+def with_descendants(procs: tuple[Proc, ...]) -> tuple[Proc, ...]:
+    """PROCS (those still the recorded process) and every descendant each has now, parents first.
+    For a tree CRIU left stopped this is exactly what CRIU froze: a child forked while CRIU was
+    seizing the tree is in its image and stopped with it, though no list taken before the dump has it."""
+    out: list[Proc] = []
+    seen: set[int] = set()
+    for p in procs:
+        if not p.alive() or p.pid in seen:
+            continue
+        try:
+            tree = process_tree(p.pid)
+        except DiscoveryError:
+            continue
+        for pid in tree:
+            q = p if pid == p.pid else Proc.of(pid)
+            if q is not None and pid not in seen:
+                seen.add(pid)
+                out.append(q)
+    return tuple(out)
+
+
+def wait_gone(pids: list[int], timeout: float) -> list[int]:
+    """Wait until PIDS exit (or TIMEOUT); the ones still there."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = [p for p in pids if os.path.exists(f"/proc/{p}") and start_time(p) is not None
+                and state_of(p) != "Z"]
+        if not left or time.monotonic() >= deadline:
+            return left
+        time.sleep(0.05)
