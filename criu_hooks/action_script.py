@@ -327,7 +327,9 @@ def _freeze(drv: Any, pids: list[int], features: Any, device: Any) -> tuple[Any,
     from storage.gpu_engine import GpuEngine
     from storage.store import SnapshotStore
     store = SnapshotStore(target[0])
-    meta = {"kind": "gpu", "path": "custom-storage", "root_pid": min(pids), "pids": pids, "gpus": [], "driver": None}
+    from sandbox.ops.gpu_path import GpuPath
+    from sandbox.ops.snapshot_meta import GpuMeta
+    meta = GpuMeta(GpuPath.CUSTOM_STORAGE, min(pids), tuple(pids)).to_json()
     with store.writer(target[1], replace=True, meta=meta) as w, GpuEngine(0 if device is None else device) as eng:
         with state.freeze(drv, pids, plan.backend(EngineRegions.into(eng, w)), limits) as rep:
             w.commit()

@@ -18,6 +18,8 @@ from sandbox.runsc import records
 from sandbox.runsc.records import Kind
 from sandbox.runsc.runner import Runsc
 from sandbox.runsc.errors import RunscSnapshotError
+from sandbox.ops.gpu_path import GpuPath
+from sandbox.ops.snapshot_meta import GpuMeta
 
 AGENT_CODE = "/run/gpusnap/code"   # gpusnap's code inside a GPU sandbox (read-only bind; the store is never mounted)
 AGENT_TIMEOUT_S = 3600.0
@@ -118,8 +120,7 @@ def agent_checkpoint(r: Runsc, cid: str, store: SnapshotStore, gpu_name: str,
     """The agent's checkpoint in sandbox CID; GPU memory it streams out (custom storage) is committed
     as snapshot GPU_NAME, which the host names. Returns its validated report (+ "snapshot"). On any
     failure the processes whose memory already reached the host get it back, and none stays frozen."""
-    meta: dict[str, Any] = {"kind": "gpu", "path": "custom-storage", "root_pid": None, "pids": [], "gpus": [],
-            "driver": None}
+    meta = GpuMeta(GpuPath.CUSTOM_STORAGE).to_json()  # its pids once the agent has reported them
     with _AgentExec(r, cid, ["checkpoint"]) as a, store.writer(gpu_name, replace=True, meta=meta) as w:
         frames = AgentFrames(a.stdout, "checkpoint", limits)
         try:
@@ -134,7 +135,8 @@ def agent_checkpoint(r: Runsc, cid: str, store: SnapshotStore, gpu_name: str,
             assert rep is not None
             out = {**rep.as_dict(), "snapshot": None}
             if frames.complete:
-                w.meta.update(pids=list(rep.cuda_pids), root_pid=min(rep.cuda_pids, default=None))
+                if rep.cuda_pids:  # the record made anew from what the agent reported, not a dict changed in place
+                    w.meta = GpuMeta(GpuPath.CUSTOM_STORAGE, min(rep.cuda_pids), tuple(rep.cuda_pids)).to_json()
                 w.commit()
                 out["snapshot"] = gpu_name
             return out
