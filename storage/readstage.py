@@ -30,7 +30,24 @@ from .errors import GpusnapError
 from .packs import Loc, coalesce, open_pack, parse_entry
 
 if TYPE_CHECKING:
-    from .store import SnapshotStore
+    from contextlib import AbstractContextManager
+
+    from .directio import AlignedBuffer
+
+
+class PackSource(Protocol):
+    """What the read stage needs of a store (storage.store.SnapshotStore has it): where a chunk's pack
+    entries are, one chunk read through every copy it has, the largest buffer a snapshot's chunk
+    needs, and its packs/ directory as a checked descriptor."""
+
+    def locate(self, cid: str, refresh: bool = False) -> list[Loc]: ...
+
+    def read_stored(self, ref: ChunkRef, buf: "AlignedBuffer", check: bool = True,
+                    cached: bool = False) -> tuple[ChunkHeader, memoryview]: ...
+
+    def chunk_buffer_size(self, manifests: list[Any]) -> int: ...
+
+    def subdir(self, name: str) -> "AbstractContextManager[int]": ...
 
 RUN_MAX = 16 << 20    # bytes one read covers at most
 READERS = 4           # reads in flight
@@ -48,7 +65,7 @@ class Want:
     ref: ChunkRef
 
 
-def read_chunks(store: "SnapshotStore", wants: list[Want], deliver: Callable[[Want, Any], None], *,
+def read_chunks(store: PackSource, wants: list[Want], deliver: Callable[[Want, Any], None], *,
                 stages: StageTimes, decoders: int, check: str = "full", readers: int = READERS,
                 stop: Callable[[], bool] = lambda: False,
                 on_damage: Callable[[Want, ChunkError], None] | None = None,
