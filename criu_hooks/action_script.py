@@ -329,7 +329,8 @@ def _freeze(drv: Any, pids: list[int], features: Any, device: Any) -> tuple[Any,
     store = SnapshotStore(target[0])
     from sandbox.ops.gpu_path import GpuPath
     from sandbox.ops.snapshot_meta import GpuMeta
-    meta = GpuMeta(GpuPath.CUSTOM_STORAGE, min(pids), tuple(pids)).to_json()
+    # `path` too: the key gpusnap-criu-hook releases before the unified `gpu_path` read
+    meta = GpuMeta(GpuPath.CUSTOM_STORAGE, min(pids), tuple(pids), extra={"path": GpuPath.CUSTOM_STORAGE.value}).to_json()
     with store.writer(target[1], replace=True, meta=meta) as w, GpuEngine(0 if device is None else device) as eng:
         with state.freeze(drv, pids, plan.backend(EngineRegions.into(eng, w)), limits) as rep:
             w.commit()
@@ -399,7 +400,13 @@ def _in_snapshot(target: tuple[str, str], pids: list[int]) -> bool:
         m = SnapshotStore(target[0], create=False).load(target[1])
     except Exception:  # noqa: BLE001 - no such store or snapshot: the driver's host copy
         return False
-    return m.meta.get("path") == "custom-storage" and set(pids) <= set(m.meta.get("pids", []))
+    from sandbox.ops.gpu_path import GpuPath
+    from sandbox.ops.snapshot_meta import GpuMeta
+    try:
+        meta = GpuMeta.of(m)  # validated: a snapshot's metadata is hostile until then
+    except Exception:  # noqa: BLE001 - not a GPU snapshot, or not a sound one: the driver's host copy
+        return False
+    return meta.gpu_path == GpuPath.CUSTOM_STORAGE and set(pids) <= set(meta.pids)
 
 
 def _what_to_do(action: str) -> str:
