@@ -131,20 +131,45 @@ def test_real_gpu_restore_interrupted(stage: str, sig: int, tmp_path: Path) -> N
         assert sorted(n.name for n in (store / "journal").iterdir()) == ["key", "recover.lock"]
 
 
-GPU_CHECKPOINT_CLI = """
+GPU_CLI = """
 import functools, sys
 sys.path.insert(0, {tests!r})
 from support.driver_standin import SharedStandIn
 from cli import gpu_cmd, main
 from sandbox.gpu.driver import Features
 from storage.device import HostDevice
-# the real `gpusnap gpu checkpoint` command, with the driver stand-in (custom storage offered) and the
-# engine on host memory in place of the CUDA driver and GPU 0
-gpu_cmd.gpu_checkpoint = functools.partial(gpu_cmd.gpu_checkpoint, driver=SharedStandIn({state!r}),
-                                           features=Features(checkpoint_api=True, custom_storage={custom}),
-                                           device=HostDevice())
-main(["--store", {store!r}, "gpu", "checkpoint", "{pid}", "g", "--json"], prog_name="gpusnap")
+# the real `gpusnap gpu {command}` command, with the driver stand-in (custom storage offered or not) and
+# the engine on host memory in place of the CUDA driver and GPU 0
+gpu_cmd.gpu_{command} = functools.partial(gpu_cmd.gpu_{command}, driver=SharedStandIn({state!r}),
+                                          features=Features(checkpoint_api=True, custom_storage={custom}),
+                                          device=HostDevice())
+main(["--store", {store!r}, "gpu", "{command}", *{args!r}, "--json"], prog_name="gpusnap")
 """
+
+
+def _gpu_cli(command: str, store: Path, w: "GpuWorkload", custom: bool) -> str:
+    """The program that runs `gpusnap gpu COMMAND` (checkpoint: PID g; restore: g PID) on W with the stand-in."""
+    args = [str(w.pids[0]), "g"] if command == "checkpoint" else ["g", str(w.pids[0])]
+    return GPU_CLI.format(tests=str(REPO / "tests"), store=str(store), command=command, args=args, state=w.state,
+                          custom=custom)
+
+
+def _gpu_paused(command: str, store: Path, w: "GpuWorkload", tmp: Path, custom: bool, stage: str | None,
+                pause: Path) -> subprocess.Popen:
+    """`gpusnap gpu COMMAND` started, and held at STAGE (None: left to run to the end)."""
+    env = {**os.environ, "PYTHONPATH": pythonpath(), "GPUSNAP_RUN_DIR": str(tmp / "run")}
+    if stage is not None:
+        env["GPUSNAP_TEST_PAUSE"] = f"{stage}:{pause}"
+    p = subprocess.Popen([sys.executable, "-c", _gpu_cli(command, store, w, custom)], env=env, cwd=REPO,
+                         start_new_session=True, text=True, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 120
+    while stage is not None and not pause.exists():
+        if p.poll() is not None:
+            raise AssertionError(f"gpusnap ended before {stage}: {p.communicate()}")
+        assert time.monotonic() < deadline, f"gpusnap never reached {stage}"
+        time.sleep(0.02)
+    return p
 
 
 class GpuWorkload:
@@ -194,20 +219,8 @@ def _logged_chunks(store: Path) -> set[str]:
 def _gpu_checkpoint_paused(store: Path, w: GpuWorkload, stage: str, tmp: Path,
                            custom: bool = True) -> tuple[subprocess.Popen, Path]:
     pause = tmp / f"pause-{stage}"
-    prog = GPU_CHECKPOINT_CLI.format(tests=str(REPO / "tests"), store=str(store), pid=w.pids[0], state=w.state,
-                                     custom=custom)
     # a THP switch (host-staged path) is recorded where _recover puts it back
-    env = {**os.environ, "PYTHONPATH": pythonpath(), "GPUSNAP_TEST_PAUSE": f"{stage}:{pause}",
-           "GPUSNAP_RUN_DIR": str(tmp / "run")}
-    p = subprocess.Popen([sys.executable, "-c", prog], env=env, cwd=REPO, start_new_session=True, text=True,
-                         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 120
-    while not pause.exists():
-        if p.poll() is not None:
-            raise AssertionError(f"gpusnap ended before {stage}: {p.communicate()}")
-        assert time.monotonic() < deadline, f"gpusnap never reached {stage}"
-        time.sleep(0.02)
-    return p, pause
+    return _gpu_paused("checkpoint", store, w, tmp, custom, stage, pause), pause
 
 
 def _recover(store: Path, w: GpuWorkload):  # noqa: ANN202 - sandbox.recover.RecoverReport
@@ -420,46 +433,16 @@ def test_custom_storage_criu_dump_killed_then_recovered(stage: str, tmp_path: Pa
         tree.kill()
 
 
-GPU_RESTORE_CLI = """
-import functools, sys
-sys.path.insert(0, {tests!r})
-from support.driver_standin import SharedStandIn
-from cli import gpu_cmd, main
-from sandbox.gpu.driver import Features
-from storage.device import HostDevice
-# the real `gpusnap gpu restore` command, with the driver stand-in and the engine on host memory
-gpu_cmd.gpu_restore = functools.partial(gpu_cmd.gpu_restore, driver=SharedStandIn({state!r}),
-                                        features=Features(checkpoint_api=True, custom_storage={custom}),
-                                        device=HostDevice())
-main(["--store", {store!r}, "gpu", "restore", "g", "{pid}", "--json"], prog_name="gpusnap")
-"""
-
-
 def _gpu_restore(store: Path, w: GpuWorkload, tmp: Path, custom: bool, stage: str | None = None
                  ) -> tuple[subprocess.Popen, Path]:
     """`gpusnap gpu restore g` of W's processes, held at STAGE (None: run to the end)."""
     pause = tmp / f"pause-restore-{stage}"
-    prog = GPU_RESTORE_CLI.format(tests=str(REPO / "tests"), store=str(store), pid=w.pids[0], state=w.state,
-                                  custom=custom)
-    env = {**os.environ, "PYTHONPATH": pythonpath(), "GPUSNAP_RUN_DIR": str(tmp / "run")}
-    if stage is not None:
-        env["GPUSNAP_TEST_PAUSE"] = f"{stage}:{pause}"
-    p = subprocess.Popen([sys.executable, "-c", prog], env=env, cwd=REPO, start_new_session=True, text=True,
-                         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 120
-    while stage is not None and not pause.exists():
-        if p.poll() is not None:
-            raise AssertionError(f"gpusnap ended before {stage}: {p.communicate()}")
-        assert time.monotonic() < deadline, f"gpusnap never reached {stage}"
-        time.sleep(0.02)
-    return p, pause
+    return _gpu_paused("restore", store, w, tmp, custom, stage, pause), pause
 
 
 def _checkpointed(store: Path, w: GpuWorkload, tmp: Path, custom: bool) -> None:
     """W's processes checkpointed into snapshot g by the real `gpu checkpoint` (no pause)."""
-    prog = GPU_CHECKPOINT_CLI.format(tests=str(REPO / "tests"), store=str(store), pid=w.pids[0], state=w.state,
-                                     custom=custom)
-    r = subprocess.run([sys.executable, "-c", prog], env={**os.environ, "PYTHONPATH": pythonpath(),
+    r = subprocess.run([sys.executable, "-c", _gpu_cli("checkpoint", store, w, custom)], env={**os.environ, "PYTHONPATH": pythonpath(),
                                                           "GPUSNAP_RUN_DIR": str(tmp / "run")},
                        cwd=REPO, text=True, capture_output=True, timeout=120)
     assert r.returncode == 0, r.stderr
