@@ -37,6 +37,7 @@ from storage.readstage import Want, read_chunks
 from storage.store import SnapshotStore, StoreError
 
 from sandbox.criu import split
+from sandbox.host.meminfo import available_bytes
 from sandbox.criu.images import IMAGES, is_page_image
 from sandbox.criu.protocol import SERVE_SOCKET, Listener, StreamerError, read_request, recv_pipe, send_reply, write_all
 
@@ -182,8 +183,9 @@ class ServeSource:
 
     def _make_filler(self) -> split.Filler:
         """The split fill of the moved runs (sandbox.criu.split), its chunks read by _read_moved."""
-        self.fill_memory = {"held_budget": fill_budget(), "prefetch": fill_prefetch(),
-                            "mem_available": _mem_available()}
+        avail = available_bytes()
+        self.fill_memory = {"held_budget": fill_budget(avail), "prefetch": fill_prefetch(avail),
+                            "mem_available": avail}
         return split.Filler(list(self.plans.values()), self.images, self._read_moved, self.workers,
                             self.fill_memory["held_budget"], self.stages)
 
@@ -315,29 +317,18 @@ class ServeSource:
             raise e if isinstance(e, GpusnapError) else StreamerError(f"serving images to CRIU: {e}")
 
 
-def fill_budget() -> int:
-    """Bytes of buffers the split fill may hold decoded before CRIU has made the processes: a quarter
-    of the memory available now, at most 16 GiB, at least 256 MiB. Once CRIU is done the fill is
-    bound by the CPU (decoding, hashing, writing into the processes), so what is decoded while CRIU
-    runs is time saved; 2 GiB (the earlier cap) held only 1.2 GB of a 38 GB MoE restore's 42 GB."""
-    return max(256 << 20, min(16 << 30, _mem_available() // 4))
+def fill_budget(avail: int) -> int:
+    """Bytes of buffers the split fill may hold decoded before CRIU has made the processes, of AVAIL
+    bytes of memory available now: a quarter, at most 16 GiB, at least 256 MiB. Once CRIU is done the
+    fill is bound by the CPU (decoding, hashing, writing into the processes), so what is decoded while
+    CRIU runs is time saved; 2 GiB (the earlier cap) held only 1.2 GB of a 38 GB MoE restore's 42 GB."""
+    return max(256 << 20, min(16 << 30, avail // 4))
 
 
-def fill_prefetch() -> int:
-    """Bytes of the store the split fill asks the kernel to read ahead into the page cache (reclaimable):
-    half the memory available now, at most 8 GiB."""
-    return min(8 << 30, _mem_available() // 2)
-
-
-def _mem_available() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return 0
+def fill_prefetch(avail: int) -> int:
+    """Bytes of the store the split fill asks the kernel to read ahead into the page cache (reclaimable),
+    of AVAIL bytes of memory available now: half, at most 8 GiB."""
+    return min(8 << 30, avail // 2)
 
 
 def split_min() -> int:

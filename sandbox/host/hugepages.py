@@ -22,6 +22,7 @@ from typing import Iterator
 
 from storage.errors import GpusnapError
 
+from sandbox.host.meminfo import meminfo
 from sandbox.host.processes import Proc
 
 THP_ENABLED = "/sys/kernel/mm/transparent_hugepage/enabled"
@@ -151,13 +152,4 @@ def put_back(record_dir: str = RECORD_DIR) -> list[ThpRecord]:
 
 
 def hugetlb_pages() -> dict[str, int]:
-    out: dict[str, int] = {}
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith(("HugePages_Total", "HugePages_Free", "Hugepagesize")):
-                    k, v = line.split(":", 1)
-                    out[k] = int(v.split()[0])
-    except OSError:
-        pass
-    return out
+    return {k: v for k, v in meminfo().items() if k in ("HugePages_Total", "HugePages_Free", "Hugepagesize")}
