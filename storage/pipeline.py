@@ -388,6 +388,7 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
             """Cut READER into pieces and hand them to the workers; CHUNKS gets their refs in order."""
             pieces = (_fixed_pieces(reader, staging, chunk_size, stages, name) if chunker == "fixed"
                       else _page_pieces(reader, blocks, chunk_size, stages, name))
+            submit_s, submitted = 0.0, 0  # summed here, added once: the producer is the ingest's one serial thread
             try:
                 for piece in pieces:
                     if fail.exc is not None:
@@ -398,9 +399,11 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
                     f = ex.submit(process, chunks, len(chunks) - 1, piece)
                     with flock:
                         futures.append(f)
-                    stages.add("produce:submit", time.perf_counter() - t0, len(piece.view))
+                    submit_s += time.perf_counter() - t0
+                    submitted += len(piece.view)
             finally:
                 pieces.close()  # a page reader's block goes back once its pieces are done
+                stages.add("produce:submit", submit_s, submitted)
 
         def segment(spec: StreamSpec, part: list[ChunkRef], offset: int, length: int) -> None:
             with source.open_range(spec, offset, length) as r:  # type: ignore[attr-defined]

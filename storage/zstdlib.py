@@ -96,10 +96,11 @@ def _err(code: int) -> str:
 
 
 class _Pool:
-    """Contexts made on demand, handed to one caller at a time, kept for the next."""
+    """Contexts made on demand, handed to one caller at a time, kept for the next (never freed: at most
+    one per caller that ever ran at once, a few hundred KiB each)."""
 
-    def __init__(self, make: Any, free: Any) -> None:
-        self._make, self._free = make, free
+    def __init__(self, make: Any) -> None:
+        self._make = make
         self._idle: list[int] = []
         self._lock = threading.Lock()
 
@@ -134,7 +135,7 @@ class Compressor:
                 else:
                     settings.append((_PARAMS[k], int(v)))
         self._settings = settings
-        self._pool = _Pool(self._new, _LIB.ZSTD_freeCCtx)
+        self._pool = _Pool(self._new)
 
     def _new(self) -> int:
         c = _LIB.ZSTD_createCCtx()
@@ -159,7 +160,7 @@ class Compressor:
         return int(r)
 
 
-_DCTX = _Pool(lambda: _LIB.ZSTD_createDCtx(), lambda c: _LIB.ZSTD_freeDCtx(c)) if _LIB is not None else None
+_DCTX = _Pool(lambda: _LIB.ZSTD_createDCtx()) if _LIB is not None else None
 
 
 def frame_content_size(payload: memoryview) -> int | None:
