@@ -170,29 +170,13 @@ def ingest(store_dir: str, image: str, workers: int | None, chunker: str = "page
 
 
 # ------------------------------------------------------------------------------------------- reads
-class _Times:
-    def __init__(self) -> None:
-        self.s: dict[str, list[float]] = {}
-        self._lock = threading.Lock()
-
-    def add(self, stage: str, seconds: float, nbytes: int) -> None:
-        with self._lock:
-            v = self.s.setdefault(stage, [0.0, 0])
-            v[0] += seconds
-            v[1] += nbytes
-
-    def table(self) -> dict[str, Any]:
-        return {k: {"thread_seconds": round(v[0], 3), "GBps_per_thread": round(v[1] / v[0] / 1e9, 3) if v[0] else 0}
-                for k, v in self.s.items()}
-
-
 def read_back(st: SnapshotStore, how: str, workers: int) -> dict[str, Any]:
     m = st.load("i")
     refs = [c for s in m.streams for c in s.chunks if not c.is_zero]
     stored = sum(c.stored_len for c in refs)
     raw = sum(c.raw_len for c in refs)
     drop_caches(required=True)
-    times = _Times()
+    times = pipeline.Stages()
     sink = [0]
     lock = threading.Lock()
 
