@@ -288,7 +288,7 @@ def read_chunks(store: PackSource, wants: list[Want], deliver: Callable[[Want, A
                     with store.subdir("packs") as packs:
                         fd = open_pack(packs, first.pack, "")
                     try:
-                        os.posix_fadvise(fd, first.offset, _span(run), os.POSIX_FADV_WILLNEED)
+                        willneed(fd, first.offset, _span(run), halted)
                     finally:
                         os.close(fd)
                 except (OSError, ChunkError, GpusnapError):
@@ -311,6 +311,53 @@ def read_chunks(store: PackSource, wants: list[Want], deliver: Callable[[Want, A
         dec.shutdown(wait=True)
     if error:
         raise error[0]
+
+
+def read_ahead(store: PackSource, refs: list[ChunkRef], gap: int = 0,
+               stop: Callable[[], bool] = lambda: False) -> int:
+    """Ask the kernel to read REFS' pack entries into the page cache (POSIX_FADV_WILLNEED), in the
+    order given, adjacent entries (bridging GAP bytes) in one request; returns the bytes asked for.
+    Used to put what CRIU will read at the head of the disk's queue, before the split fill's own
+    read-ahead: a hint only (the reads that follow check every byte), so failures are ignored."""
+    planned = []
+    for i, ref in enumerate(refs):
+        if ref.is_zero or ref.id is None:
+            continue
+        locs = store.locate(ref.id)
+        if locs:
+            planned.append((i, locs[0]))
+    asked = 0
+    for run in coalesce(planned, gap=gap, most=RUN_MAX):
+        if stop():
+            break
+        first = run[0][1]
+        try:
+            with store.subdir("packs") as packs:
+                fd = open_pack(packs, first.pack, "")
+            try:
+                willneed(fd, first.offset, _span(run), stop)
+            finally:
+                os.close(fd)
+        except (OSError, ChunkError, GpusnapError):
+            continue
+        asked += _span(run)
+    return asked
+
+
+WILLNEED_STEP = 128 << 10  # bytes one POSIX_FADV_WILLNEED asks for (see willneed)
+
+
+def willneed(fd: int, offset: int, length: int, stop: Callable[[], bool] = lambda: False) -> None:
+    """POSIX_FADV_WILLNEED over LENGTH bytes of FD from OFFSET, in steps of WILLNEED_STEP: Linux reads
+    at most the device's read-ahead size (read_ahead_kb, or its largest request if larger) per call
+    and silently drops the rest of a larger range; 128 KiB is the smallest default. Each call returns
+    once its reads are queued (it waits when the device's queue is full), so the order of the calls
+    is the order the disk serves them."""
+    end = offset + length
+    while offset < end and not stop():
+        n = min(WILLNEED_STEP, end - offset)
+        os.posix_fadvise(fd, offset, n, os.POSIX_FADV_WILLNEED)
+        offset += n
 
 
 def _span(run: list[tuple[int, Loc]]) -> int:

@@ -360,3 +360,33 @@ def test_the_decode_gate_bounds_the_read_stages_decoders_until_it_is_opened(tmp_
     assert before[0] == 1  # never two checks at once while the gate held one
     assert 1 < peak[0] <= 4  # opened: several decoders checked at once
     assert gate.limit == 4
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="dropping the page cache needs root")
+def test_read_ahead_puts_the_named_chunks_in_the_page_cache(tmp_path: Path) -> None:
+    """readstage.read_ahead (what CRIU will read, asked of the disk before the split fill's reads):
+    the named chunks' pack entries become resident, the others stay on disk."""
+    from storage import pipeline
+    from storage.filetree import FileTreeSource
+    from storage.readstage import read_ahead
+    from storage.store import SnapshotStore
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "blob").write_bytes(os.urandom(96 << 20))
+    st = SnapshotStore(str(tmp_path / "store"))
+    with st.writer("a") as w:
+        pipeline.put(w, FileTreeSource([str(src)]), workers=2)
+        w.commit()
+    refs = [c for s in st.load("a").streams for c in s.chunks if not c.is_zero]
+    os.sync()
+    Path("/proc/sys/vm/drop_caches").write_text("3")
+    before = _resident_bytes(tmp_path / "store" / "packs")
+    third = refs[:len(refs) // 3]
+    asked = read_ahead(st, third)
+    want = sum(c.stored_len for c in third)
+    assert want <= asked < want + (1 << 20) * len(third)  # the entries named, each with its header
+    deadline = time.monotonic() + 10
+    while _resident_bytes(tmp_path / "store" / "packs") - before < want and time.monotonic() < deadline:
+        time.sleep(0.1)
+    resident = _resident_bytes(tmp_path / "store" / "packs") - before
+    assert want <= resident < want + (40 << 20), (want, resident)  # the third asked for (+ the kernel's own readahead), not all

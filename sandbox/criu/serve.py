@@ -33,7 +33,7 @@ from storage.directio import BufferPool
 from storage.errors import GpusnapError
 from storage.manifest import ChunkRef, Manifest, Stream
 from storage.pipeline import Stages
-from storage.readstage import DecodeGate, Want, read_chunks
+from storage.readstage import DecodeGate, Want, read_ahead, read_chunks
 from storage.store import SnapshotStore, StoreError
 
 from sandbox.criu import split
@@ -60,25 +60,37 @@ _READ_FIRST = ("inventory.img", "pstree.img")
 
 def read_order(images: dict[str, Stream], plans: dict[str, split.Plan] | None) -> list[ChunkRef]:
     """IMAGES' chunks in the order a streamed restore reads them (what a restore from a remote
-    fetches first). CRIU asks for the inventory and the process tree, then each process's small
-    images, pagemap and page image, the root's first (page images are numbered in that order, as
-    the dump met the processes); the runs a split moves are written after CRIU. Without PLANS (the
-    pagemaps not read yet) the small images only."""
+    fetches first): what CRIU reads (criu_reads), then the runs a split moves, written after CRIU.
+    Without PLANS (the pagemaps not read yet) the small images only."""
+    out = criu_reads(images, plans)
+    if plans is None:
+        return out
+    for n in _page_images(images):  # then what split.fill writes
+        pl = plans.get(n)
+        if pl is not None:
+            out += [c for _, c, _, _ in split.pieces(images[n], tuple((r.offset, r.nbytes) for r in pl.moved))]
+    return out
+
+
+def criu_reads(images: dict[str, Stream], plans: dict[str, split.Plan] | None) -> list[ChunkRef]:
+    """The chunks CRIU reads, in its order: the inventory and the process tree, then each process's
+    small images, pagemap and page image, the root's first (page images are numbered in that order,
+    as the dump met the processes); of a split page image only its kept ranges. Without PLANS the
+    small images only."""
     small = sorted((n for n in images if not is_page_image(n)),
                    key=lambda n: (_READ_FIRST.index(n) if n in _READ_FIRST else len(_READ_FIRST), images[n].size, n))
     out = [c for n in small for c in images[n].chunks]
     if plans is None:
         return out
-    pages = sorted((n for n in images if is_page_image(n)),
-                   key=lambda n: (int(m.group(1)) if (m := _PAGES_ID.fullmatch(n)) else 1 << 62, n))
-    for n in pages:  # what CRIU reads: the kept ranges of a split image, else all of it
+    for n in _page_images(images):
         pl = plans.get(n)
         out += [c for _, c, _, _ in split.pieces(images[n], pl.kept if pl else None)]
-    for n in pages:  # then what split.fill writes
-        pl = plans.get(n)
-        if pl is not None:
-            out += [c for _, c, _, _ in split.pieces(images[n], tuple((r.offset, r.nbytes) for r in pl.moved))]
     return out
+
+
+def _page_images(images: dict[str, Stream]) -> list[str]:
+    return sorted((n for n in images if is_page_image(n)),
+                  key=lambda n: (int(m.group(1)) if (m := _PAGES_ID.fullmatch(n)) else 1 << 62, n))
 
 
 class ServeSource:
@@ -131,9 +143,15 @@ class ServeSource:
         self._listener = Listener(directory, SERVE_SOCKET)
         # the moved runs are read from the store from now on, while CRIU restores the rest
         self.fill_memory: dict[str, int] = {}
-        self._gate = DecodeGate(fill_early_decoders(self.workers))  # the fill's decoders while CRIU runs
-        self._filler = self._make_filler() if self.plans else None
         self._closing = False
+        self._gate = DecodeGate(fill_early_decoders(self.workers))  # the fill's decoders while CRIU runs
+        # what CRIU reads goes to the disk's queue before the fill's reads (see _criu_first)
+        self._criu_first: threading.Thread | None = None
+        if self.plans and arrivals is None and fill_criu_first():
+            self._criu_first = threading.Thread(target=self._read_ahead_for_criu, daemon=True,
+                                                name="gpusnap-criu-first")
+            self._criu_first.start()
+        self._filler = self._make_filler() if self.plans else None
         self._feeds: list[threading.Thread] = []
         self.errors: list[BaseException] = []
         self.served: list[str] = []
@@ -155,6 +173,8 @@ class ServeSource:
         self._ex.shutdown(wait=True, cancel_futures=True)
         if self._filler is not None:
             self._filler.close()
+        if self._criu_first is not None:
+            self._criu_first.join()
         self._bufs.close()
 
     def _serve(self) -> None:
@@ -181,6 +201,15 @@ class ServeSource:
                     t.start()
         except BaseException as e:  # noqa: BLE001 - reported by raise_if_failed
             self._fail(e)
+
+    def _read_ahead_for_criu(self) -> None:
+        """Ask the kernel for every chunk CRIU will read (the small images, the kept ranges of the page
+        images) before the fill asks for its own. Measured on the H200: with the fill's read-ahead
+        queued first, CRIU's part of a 20 GB restore took 6.8-7.3 s instead of 3.3 s, its reads
+        waiting behind gigabytes of the fill's."""
+        t0 = time.perf_counter()
+        asked = read_ahead(self.store, criu_reads(self.images, self.plans), gap=FILL_GAP, stop=lambda: self._closing)
+        self.stages.add("criu-first read-ahead", time.perf_counter() - t0, asked)
 
     def _make_filler(self) -> split.Filler:
         """The split fill of the moved runs (sandbox.criu.split), its chunks read by _read_moved."""
@@ -210,6 +239,8 @@ class ServeSource:
         moved runs are most of the image, so its packs are read nearly whole, in large reads, with
         the kernel reading ahead while CRIU runs); from a remote's arrivals, each chunk as it arrives."""
         if self.arrivals is None:
+            if self._criu_first is not None:
+                self._criu_first.join()  # CRIU's reads are queued: now the fill's
             try:
                 read_chunks(self.store, wants, deliver, stages=self.stages, decoders=self.workers, stop=stop,
                             order="pack", gap=FILL_GAP, prefetch=self.fill_memory["prefetch"], gate=self._gate)
@@ -333,6 +364,12 @@ def fill_prefetch(avail: int) -> int:
     with few threads (fill_early_decoders), so what the disk reads meanwhile waits in the page cache:
     on the H200 CRIU's part of a 38 GB restore took 6 s, in which the disk reads ~11 GB."""
     return min(16 << 30, avail // 2)
+
+
+def fill_criu_first() -> bool:
+    """Whether what CRIU reads is asked of the disk before the fill's reads (default yes;
+    $GPUSNAP_FILL_CRIU_FIRST=0 turns it off, for measuring)."""
+    return os.environ.get("GPUSNAP_FILL_CRIU_FIRST", "1").strip() != "0"
 
 
 def fill_early_decoders(workers: int) -> int:

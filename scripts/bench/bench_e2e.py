@@ -51,9 +51,9 @@ from scripts.workloads.workload_control import Workload
 SCRIPTS = {"serving": "serving_workload.py", "moe": "moe_workload.py", "synthetic": "gpu_workload.py"}
 
 
-def gpusnap(store: str, *args: str, path: str = "stream") -> dict:
+def gpusnap(store: str, *args: str, path: str = "stream", extra_env: dict[str, str] | None = None) -> dict:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]),
-               GPUSNAP_CRIU_IMAGES=path)
+               GPUSNAP_CRIU_IMAGES=path, **(extra_env or {}))
     p = subprocess.run([sys.executable, "-m", "cli", "--store", store, *args, "--json"],
                        capture_output=True, text=True, env=env)
     if p.returncode != 0:
@@ -150,6 +150,17 @@ def run_gpusnap(a: argparse.Namespace, work: str, path: str, dedup: bool) -> dic
         g["restore_served"] = r.get("stages", {}).get("served")
         g["verify"] = verify(w)
         g["verified"] = g["verify"]["ok"]
+        for variant in a.restore_variants:
+            # the same snapshot restored cold again with other settings (GPUSNAP_* variables), same run
+            kill_restored(w.pids)
+            drop_caches(required=True)
+            v: dict = {"env": variant}
+            rv = timed(v, "restore", gpusnap, store, "criu", "restore", "e2e", path=path, extra_env=variant)
+            v["restore_stages"] = rv["seconds"]
+            v["restore_served"] = rv.get("stages", {}).get("served")
+            v["verified"] = verify(w)["ok"]
+            g.setdefault("restore_variants", []).append(v)
+            print("restore variant", json.dumps(v), flush=True)
         if dedup:
             # the restored process changes 5% of its state, then a second dump (left running)
             w.cmd("mutate 5")
@@ -257,6 +268,22 @@ def table(result: dict) -> None:
                   f"  cycle speed-up {b['total'] / g['total']:.2f}x  bytes {g['stored_bytes'] / b['image_bytes']:.2f}"
                   f"  restore / floor {g['restore'] / b['floor_warm_thp']['restore']:.2f}"
                   + (f"  warm restore / floor {g['warm_restore'] / b['floor_warm_thp']['restore']:.2f}" if "warm_restore" in g else ""))
+        for v in g.get("restore_variants", []):
+            rs = v["restore_stages"]
+            print(f"{'':15s} restore with {','.join(f'{k}={x}' for k, x in v['env'].items())}: {v['restore']:.1f} s "
+                  f"({', '.join(f'{k} {x:.1f}' for k, x in rs.items())})  verified {v['verified']}"
+                  + (f"  / baseline {v['restore'] / b['restore']:.2f}" if b else ""))
+
+
+def _variant(text: str) -> dict[str, str]:
+    """A --restore-variant: GPUSNAP_* assignments, comma-separated."""
+    out = {}
+    for part in text.split(","):
+        k, sep, v = part.partition("=")
+        if not sep or not k.startswith("GPUSNAP_"):
+            raise argparse.ArgumentTypeError(f"{part!r}: expected GPUSNAP_NAME=VALUE")
+        out[k] = v
+    return out
 
 
 def main() -> None:
@@ -270,6 +297,9 @@ def main() -> None:
     ap.add_argument("--skip-baseline", action="store_true")
     ap.add_argument("--no-dedup", action="store_true", help="skip the second dump and the warm restore")
     ap.add_argument("--floor-gb", type=float, default=4, help="GB written and read to measure the disk (0: skip)")
+    ap.add_argument("--restore-variant", dest="restore_variants", action="append", default=[], type=_variant,
+                    metavar="VAR=VALUE[,VAR=VALUE]", help="after gpusnap's cold restore, restore the same snapshot "
+                    "cold again with these environment variables (repeatable): settings compared in one run")
     a = ap.parse_args()
     ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER: restored trees come back to us to reap
     criu = Criu()
