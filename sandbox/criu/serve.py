@@ -214,7 +214,8 @@ class ServeSource:
     def _make_filler(self) -> split.Filler:
         """The split fill of the moved runs (sandbox.criu.split), its chunks read by _read_moved."""
         avail = available_bytes()
-        self.fill_memory = {"held_budget": fill_budget(avail), "prefetch": fill_prefetch(avail),
+        self.fill_memory = {"held_budget": _bytes_env("GPUSNAP_FILL_HELD", fill_budget(avail)),
+                            "prefetch": _bytes_env("GPUSNAP_FILL_PREFETCH", fill_prefetch(avail)),
                             "mem_available": avail, "early_decoders": self._gate.limit}
         return split.Filler(list(self.plans.values()), self.images, self._read_moved, self.workers,
                             self.fill_memory["held_budget"], self.stages)
@@ -366,6 +367,21 @@ def fill_prefetch(avail: int) -> int:
     return min(16 << 30, avail // 2)
 
 
+def _bytes_env(name: str, default: int) -> int:
+    """$NAME as a number of bytes (unset or empty: DEFAULT): the split fill's memory, for a host
+    that must keep it smaller, and for measuring."""
+    v = os.environ.get(name, "").strip()
+    if not v:
+        return default
+    try:
+        n = int(v)
+    except ValueError:
+        raise StreamerError(f"{name}={v!r}: expected a number of bytes") from None
+    if n < 0:
+        raise StreamerError(f"{name}={v!r}: expected a number of bytes")
+    return n
+
+
 def fill_criu_first() -> bool:
     """Whether what CRIU reads is asked of the disk before the fill's reads (default yes;
     $GPUSNAP_FILL_CRIU_FIRST=0 turns it off, for measuring)."""
@@ -383,7 +399,7 @@ def fill_early_decoders(workers: int) -> int:
             return max(1, min(workers, int(v)))
         except ValueError:
             raise StreamerError(f"GPUSNAP_FILL_EARLY_DECODERS={v!r}: expected a number of threads") from None
-    return max(1, workers // 8)
+    return workers
 
 
 def split_min() -> int:
