@@ -266,10 +266,12 @@ def _resident_bytes(directory: Path) -> int:
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="dropping the page cache needs root")
-@pytest.mark.parametrize("prefetch", [0, 1 << 30])
-def test_the_read_stage_prefetch_keeps_the_disk_busy_while_delivery_waits(tmp_path: Path, prefetch: int) -> None:
-    """With PREFETCH, the packs are read into the page cache while DELIVER holds the stage up (the
-    split fill before CRIU has made its processes); without it, no further than the stage's buffers."""
+@pytest.mark.parametrize("prefetch,later", [(0, False), (1 << 30, False), (1 << 30, True)])
+def test_the_read_stage_prefetch_keeps_the_disk_busy_while_delivery_waits(tmp_path: Path, prefetch: int,
+                                                                          later: bool) -> None:
+    """With PREFETCH, the packs are read into the page cache while DELIVER holds the stage up;
+    without it, no further than the stage's buffers. LATER: the prefetch waits for its event (the
+    split fill's: CRIU is done) and reads ahead only once it is set."""
     import threading
     from storage import pipeline
     from storage.filetree import FileTreeSource
@@ -286,15 +288,22 @@ def test_the_read_stage_prefetch_keeps_the_disk_busy_while_delivery_waits(tmp_pa
     os.sync()
     Path("/proc/sys/vm/drop_caches").write_text("3")
     gate, got, seen = threading.Event(), [], []
+    start = threading.Event() if later else None
 
     def deliver(want, data) -> None:
         gate.wait(30)
         got.append(len(data))
 
     th = threading.Thread(target=read_chunks, args=(st, [Want(i, c) for i, c in enumerate(refs)], deliver),
-                          kwargs=dict(stages=pipeline.Stages(), decoders=2, readers=1, order="pack", prefetch=prefetch))
+                          kwargs=dict(stages=pipeline.Stages(), decoders=2, readers=1, order="pack", prefetch=prefetch,
+                                      prefetch_from=start))
     th.start()
     try:
+        if start is not None:
+            time.sleep(2)
+            held_back = _resident_bytes(tmp_path / "store" / "packs")
+            assert held_back < 100 << 20, held_back  # not read ahead before its event
+            start.set()
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             seen.append(_resident_bytes(tmp_path / "store" / "packs"))
@@ -309,57 +318,6 @@ def test_the_read_stage_prefetch_keeps_the_disk_busy_while_delivery_waits(tmp_pa
         assert max(seen) > 140 << 20, seen  # the disk kept reading while delivery waited
     else:
         assert max(seen) < 100 << 20, seen  # the stage's own buffers (3 runs of 16 MiB) and the kernel's readahead
-
-
-def test_the_decode_gate_bounds_the_read_stages_decoders_until_it_is_opened(tmp_path: Path,
-                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    """The split fill decodes with few threads while CRIU runs (sandbox.criu.serve): a DecodeGate of
-    limit 1 lets one decoder check at a time however many the stage has; opened to 4, more may."""
-    import threading
-    from storage import chunkfile, pipeline, readstage
-    from storage.filetree import FileTreeSource
-    from storage.store import SnapshotStore
-    src = tmp_path / "src"
-    src.mkdir()
-    for i in range(24):
-        (src / f"f{i}").write_bytes(os.urandom(1 << 20))
-    st = SnapshotStore(str(tmp_path / "store"))
-    with st.writer("a") as w:
-        pipeline.put(w, FileTreeSource([str(src)]), workers=2)
-        w.commit()
-    refs = [c for s in st.load("a").streams for c in s.chunks if not c.is_zero]
-    assert len(refs) == 24
-    lock, busy, peak, before = threading.Lock(), [0], [0], [0]
-    real = chunkfile.full_check
-
-    def slow_check(*a, **kw):  # the real check, made to take long enough for decoders to overlap
-        with lock:
-            busy[0] += 1
-            peak[0] = max(peak[0], busy[0])
-        try:
-            time.sleep(0.02)
-            return real(*a, **kw)
-        finally:
-            with lock:
-                busy[0] -= 1
-
-    gate = readstage.DecodeGate(1)
-    got: list[int] = []
-
-    def deliver(want, data) -> None:
-        got.append(len(data))
-        if len(got) == 12:
-            before[0] = peak[0]
-            peak[0] = 0
-            gate.open_fully(4)
-
-    monkeypatch.setattr(readstage, "full_check", slow_check)
-    readstage.read_chunks(st, [readstage.Want(i, c) for i, c in enumerate(refs)], deliver, stages=pipeline.Stages(),
-                          decoders=4, readers=2, order="pack", gate=gate)
-    assert sum(got) == sum(c.raw_len for c in refs)  # every chunk delivered once, checked
-    assert before[0] == 1  # never two checks at once while the gate held one
-    assert 1 < peak[0] <= 4  # opened: several decoders checked at once
-    assert gate.limit == 4
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="dropping the page cache needs root")

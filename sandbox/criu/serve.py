@@ -33,7 +33,7 @@ from storage.directio import BufferPool
 from storage.errors import GpusnapError
 from storage.manifest import ChunkRef, Manifest, Stream
 from storage.pipeline import Stages
-from storage.readstage import DecodeGate, Want, read_ahead, read_chunks
+from storage.readstage import Want, read_ahead, read_chunks
 from storage.store import SnapshotStore, StoreError
 
 from sandbox.criu import split
@@ -144,7 +144,7 @@ class ServeSource:
         # the moved runs are read from the store from now on, while CRIU restores the rest
         self.fill_memory: dict[str, int] = {}
         self._closing = False
-        self._gate = DecodeGate(fill_early_decoders(self.workers))  # the fill's decoders while CRIU runs
+        self._criu_done = threading.Event()  # the fill's read-ahead waits for it (see fill_prefetch)
         # what CRIU reads goes to the disk's queue before the fill's reads (see _criu_first)
         self._criu_first: threading.Thread | None = None
         if self.plans and arrivals is None and fill_criu_first():
@@ -216,7 +216,7 @@ class ServeSource:
         avail = available_bytes()
         self.fill_memory = {"held_budget": _bytes_env("GPUSNAP_FILL_HELD", fill_budget(avail)),
                             "prefetch": _bytes_env("GPUSNAP_FILL_PREFETCH", fill_prefetch(avail)),
-                            "mem_available": avail, "early_decoders": self._gate.limit}
+                            "mem_available": avail}
         return split.Filler(list(self.plans.values()), self.images, self._read_moved, self.workers,
                             self.fill_memory["held_budget"], self.stages)
 
@@ -244,7 +244,7 @@ class ServeSource:
                 self._criu_first.join()  # CRIU's reads are queued: now the fill's
             try:
                 read_chunks(self.store, wants, deliver, stages=self.stages, decoders=self.workers, stop=stop,
-                            order="pack", gap=FILL_GAP, prefetch=self.fill_memory["prefetch"], gate=self._gate)
+                            order="pack", gap=FILL_GAP, prefetch=self.fill_memory["prefetch"], prefetch_from=self._criu_done)
             except ChunkError as e:
                 raise self.store.error(f"snapshot {self.manifest.name!r} is damaged: {e}") from None
             except CodecError as e:
@@ -339,7 +339,7 @@ class ServeSource:
         planned pid is one CRIU restored."""
         if self._filler is None:
             return {"written": 0, "zero_skipped": 0}
-        self._gate.open_fully(self.workers)  # CRIU is done: the fill has the CPU to itself
+        self._criu_done.set()  # the disk is the fill's alone now: the kernel may read ahead for it
         return self._filler.write(pids_ok)
 
     def raise_if_failed(self) -> None:
@@ -361,9 +361,10 @@ def fill_budget(avail: int) -> int:
 
 def fill_prefetch(avail: int) -> int:
     """Bytes of the store the split fill asks the kernel to read ahead into the page cache (reclaimable),
-    of AVAIL bytes of memory available now: half, at most 16 GiB. While CRIU runs the fill decodes
-    with few threads (fill_early_decoders), so what the disk reads meanwhile waits in the page cache:
-    on the H200 CRIU's part of a 38 GB restore took 6 s, in which the disk reads ~11 GB."""
+    of AVAIL bytes of memory available now: half, at most 16 GiB. It starts once CRIU is done: then
+    the fill's 16 decoding threads keep every core busy and the kernel's read-ahead keeps the disk
+    reading while the read stage's own threads wait for the GIL. Not before: measured on the H200
+    (38 GB MoE-like tree), read-ahead while CRIU ran made CRIU's part take 5.9-12.7 s instead of 4.4 s."""
     return min(16 << 30, avail // 2)
 
 
@@ -386,20 +387,6 @@ def fill_criu_first() -> bool:
     """Whether what CRIU reads is asked of the disk before the fill's reads (default yes;
     $GPUSNAP_FILL_CRIU_FIRST=0 turns it off, for measuring)."""
     return os.environ.get("GPUSNAP_FILL_CRIU_FIRST", "1").strip() != "0"
-
-
-def fill_early_decoders(workers: int) -> int:
-    """How many of the fill's WORKERS decoders may decode while CRIU still runs: an eighth, at least
-    one ($GPUSNAP_FILL_EARLY_DECODERS overrides, for measuring). Measured on the H200 (16 decoders
-    from the start): CRIU's part of a 20 GB restore took 7.3 s instead of 3.3 s, because CRIU's own
-    images are decoded by this process's feeds and the fill's decoders took their CPU and GIL."""
-    v = os.environ.get("GPUSNAP_FILL_EARLY_DECODERS", "").strip()
-    if v:
-        try:
-            return max(1, min(workers, int(v)))
-        except ValueError:
-            raise StreamerError(f"GPUSNAP_FILL_EARLY_DECODERS={v!r}: expected a number of threads") from None
-    return workers
 
 
 def split_min() -> int:
