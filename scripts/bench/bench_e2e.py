@@ -119,15 +119,16 @@ def baseline(criu: Criu, drv: CudaDriver, a: argparse.Namespace, work: str) -> d
         base["dump"] = base["driver_lock+checkpoint"] + base["criu_dump+sync"]
         base["restore"] = base["criu_restore"] + base["driver_restore+unlock"]
         base["total"] = base["dump"] + base["restore"]
-        # the floor of a restore: CRIU from memory (the image is in the page cache now) with huge pages
-        kill_restored(w.pids)
-        floor: dict = {}
-        with thp("always"):
-            timed(floor, "criu_restore", criu.restore, images, detach=True)
-            timed(floor, "driver_restore+unlock", restore_all, drv, w.pids)
-        floor["verified"] = verify(w)["ok"]
-        floor["restore"] = floor["criu_restore"] + floor["driver_restore+unlock"]
-        base["floor_warm_thp"] = floor
+        if not a.no_warm_floor:
+            # the floor of a restore: CRIU from memory (the image is in the page cache now) with huge pages
+            kill_restored(w.pids)
+            floor: dict = {}
+            with thp("always"):
+                timed(floor, "criu_restore", criu.restore, images, detach=True)
+                timed(floor, "driver_restore+unlock", restore_all, drv, w.pids)
+            floor["verified"] = verify(w)["ok"]
+            floor["restore"] = floor["criu_restore"] + floor["driver_restore+unlock"]
+            base["floor_warm_thp"] = floor
         shutil.rmtree(images)
     return base
 
@@ -243,12 +244,13 @@ def table(result: dict) -> None:
     for who, f in result.get("rates", {}).items():
         print(f"{who:15s} " + "  ".join(f"{k} {v:.2f}" for k, v in f.items()))
     if b:
-        f = b["floor_warm_thp"]
+        f = b.get("floor_warm_thp")
         print(f"baseline   dump {b['dump']:6.1f} s (driver {b['driver_lock+checkpoint']:.1f} + criu+sync {b['criu_dump+sync']:.1f})"
               f"  restore {b['restore']:6.1f} s (criu {b['criu_restore']:.1f} + driver {b['driver_restore+unlock']:.1f})"
               f"  cycle {b['total']:.1f} s  image {b['image_bytes'] / 1e9:.1f} GB  verified {b['verified']}")
-        print(f"floor      restore {f['restore']:6.1f} s (criu from memory, THP always {f['criu_restore']:.1f} + driver "
-              f"{f['driver_restore+unlock']:.1f})  verified {f['verified']}")
+        if f:
+            print(f"floor      restore {f['restore']:6.1f} s (criu from memory, THP always {f['criu_restore']:.1f} + driver "
+                  f"{f['driver_restore+unlock']:.1f})  verified {f['verified']}")
     for path in result.get("paths", []):
         g = result.get(f"gpusnap_{path}")
         if not g:
@@ -266,8 +268,9 @@ def table(result: dict) -> None:
         if b:
             print(f"{'':15s} ratios (gpusnap / baseline): dump {g['dump'] / b['dump']:.2f}  restore {g['restore'] / b['restore']:.2f}"
                   f"  cycle speed-up {b['total'] / g['total']:.2f}x  bytes {g['stored_bytes'] / b['image_bytes']:.2f}"
-                  f"  restore / floor {g['restore'] / b['floor_warm_thp']['restore']:.2f}"
-                  + (f"  warm restore / floor {g['warm_restore'] / b['floor_warm_thp']['restore']:.2f}" if "warm_restore" in g else ""))
+                  + (f"  restore / warm floor {g['restore'] / b['floor_warm_thp']['restore']:.2f}" if "floor_warm_thp" in b else "")
+                  + (f"  warm restore / floor {g['warm_restore'] / b['floor_warm_thp']['restore']:.2f}"
+                     if "warm_restore" in g and "floor_warm_thp" in b else ""))
         for v in g.get("restore_variants", []):
             rs = v["restore_stages"]
             print(f"{'':15s} restore with {','.join(f'{k}={x}' for k, x in v['env'].items())}: {v['restore']:.1f} s "
@@ -296,6 +299,7 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--skip-baseline", action="store_true")
     ap.add_argument("--no-dedup", action="store_true", help="skip the second dump and the warm restore")
+    ap.add_argument("--no-warm-floor", action="store_true", help="skip the baseline's restore from the page cache")
     ap.add_argument("--floor-gb", type=float, default=4, help="GB written and read to measure the disk (0: skip)")
     ap.add_argument("--restore-variant", dest="restore_variants", action="append", default=[], type=_variant,
                     metavar="VAR=VALUE[,VAR=VALUE]", help="after gpusnap's cold restore, restore the same snapshot "

@@ -21,7 +21,7 @@ python3 -m cli doctor > "$out/doctor.txt" 2>&1
 python3 -m cli doctor --json > "$out/doctor.json" 2>&1
 for what in ${1//,/ }; do
   case "$what" in
-    tests)  GPUSNAP_RESULTS="$out/gpu-results.jsonl" timeout ${TESTS_TIMEOUT:-560} python3 -m pytest -p no:cacheprovider -m gpu -v -s ${PYTEST_K:+-k "$PYTEST_K"} tests 2>&1 | tee "$out/gpu-tests.log" | grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|^E " ;;
+    tests)  GPUSNAP_RESULTS="$out/gpu-results.jsonl" timeout ${TESTS_TIMEOUT:-560} python3 -m pytest -p no:cacheprovider -m gpu -v -s --durations=20 ${PYTEST_K:+-k "$PYTEST_K"} tests 2>&1 | tee "$out/gpu-tests.log" | grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|^E |s call" ;;
     engine) timeout 560 python3 -m scripts.bench.bench_gpu_engine --json "$out/engine.json" ${BENCH_ARGS:-} 2>&1 | tee "$out/engine.log" ;;
     bench)  OUT="$out" bash scripts/bench/bench_h200.sh ;;
     readers) timeout 100 python3 -m scripts.bench.bench_ingest --gb ${INGEST_GB:-8} --readers 1,4 --json "$out/ingest-readers.json" 2>&1 | tee "$out/ingest-readers.log" ;;
