@@ -28,18 +28,15 @@ chosen on a sample, so the mantissa plane of weights (noise) costs no compressio
 the exponent plane is compressed with parameters that favour zstd's entropy coder over short
 matches (PLANE_ZSTD: 2.94x on that plane against level 1's 2.71x, ~2.7x faster there).
 
-nvCOMP for host-staged bytes (issue 21; scripts/bench/bench_codecs.py measures it, not wired in):
-the host path stores only host codecs (any machine can decode a snapshot), and nvCOMP's Zstd with
-the RAW bitstream takes plain zstd frames (the bench row `nvcomp-zstd(host frames)` checks that on
-the host path's own frames), so using a free GPU would be a choice of the reader, not of the format.
-Between the driver's checkpoint and its restore the GPU holds none of the process's memory; a
-restore there would send batches of ~64 MiB of zstd frames (whole zstd chunks, the zstd planes of
-shuffle2-zstd chunks) from pinned memory to the GPU, decode them in one batched call, merge planes
-with an elementwise kernel, copy the raw bytes back and bind them to their ids on the host as now
-(the full check needs the raw bytes on the host anyway). It would be chosen per restore, where
-nvCOMP is registered and the GPU is free, only if that machine's measured host-to-host rate beats
-the CPU decode pool's by a margin (one more threshold for the block below). Not built: it needs the
-H200's figures first, and GPU runs to validate it.
+nvCOMP for host-staged bytes (issue 21; scripts/bench/bench_codecs.py measures it): the host path
+stores only host codecs (any machine can decode a snapshot), and nvCOMP's Zstd with the RAW
+bitstream takes plain zstd frames, so a free GPU could decode them with no change of format. It is
+measured and not used: on the H200 (2026-12-01, BENCHMARKS.md section 15) nvCOMP's Zstd decoded the
+host path's own frames, in batches of 64 MiB from pinned memory and back on one stream, at 2.2 GB/s
+(bf16 weights) and 5.0 GB/s (a KV pool 30% filled), against 14.1 and 10.2 GB/s for this module's
+decoders on the machine's 16 cores; nvCOMP's own formats decode at 20-36 GB/s there, but a snapshot stored
+with them could be restored only where nvCOMP and a GPU are. A restore is bound by the disk (~2
+GB/s) long before the CPU decoders, so the GPU would buy nothing there either.
 """
 from __future__ import annotations
 
