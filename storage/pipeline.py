@@ -14,6 +14,7 @@ GPU region engine (storage/gpu_engine.py) use the same store underneath.
 """
 from __future__ import annotations
 
+import bisect
 import functools
 import os
 import threading
@@ -27,7 +28,8 @@ import numpy as np
 
 from .progress import Progress
 from .chunkfile import HEADER_SIZE, ChunkError, full_check
-from .codecs import HostCodecChooser, CodecError
+from . import delta
+from .codecs import DELTA_PAYS_OFF, HostCodecChooser, CodecError
 from .directio import AlignedBuffer, BufferPool, copy_into
 from .manifest import ChunkRef, Manifest, Stream
 from .readstage import Want, read_chunks
@@ -317,7 +319,8 @@ def chunker_record(chunker: str, chunk_size: int) -> dict[str, Any]:
 def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHUNK,
         workers: int | None = None, compress: bool = True, zstd_level: int = 1,
         progress: Progress | None = None, chunker: str = "fixed", readers: int | None = None,
-        known: Callable[[StreamSpec, dict[str, Any]], list[ChunkRef] | None] | None = None) -> Result:
+        known: Callable[[StreamSpec, dict[str, Any]], list[ChunkRef] | None] | None = None,
+        parent: Manifest | None = None) -> Result:
     """Read every stream of SOURCE into WRITER's snapshot (the caller commits).
 
     chunker: "fixed" (chunk_size pieces) or "pages" (content-defined cuts on page boundaries, at most
@@ -325,6 +328,11 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
     (default: one per four workers, at most four). known: a files cache's lookup (storage/files_cache.py):
     given a stream and the chunker record, the references it remembers; used only if every one names a
     sound chunk present now (SnapshotWriter.reuse_ref), else the stream is read.
+    parent: a committed snapshot of the same store the new one follows (FORMAT.md, "Delta entries"):
+    a new chunk that starts at the offset of a chunk of the parent's same-named stream is stored as a
+    delta against that chunk (or against its base, when that is a delta itself) where the delta's
+    payload is at most DELTA_PAYS_OFF of the plain encoding; the base is read in the workers (stage
+    "delta-base"), the XOR and its compression are stage "delta".
     """
     if chunker not in ("fixed", "pages"):
         raise PipelineError(f"unknown chunker {chunker!r}")
@@ -338,15 +346,44 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
     # written from where they were read, with no copy
     # (blocks for the page chunker: enough for two pieces per worker, and one being read per producer)
     nblocks = producers + max(3, workers * 2 * chunk_size // _READ_BLOCK) if chunker == "pages" else 0
+    at = _parent_chunks(parent) if parent is not None else None
     with BufferPool(workers * 2 if chunker == "fixed" else 0, HEADER_SIZE + chunk_size) as staging, \
             BufferPool(workers, HEADER_SIZE + chunk_size) as scratch, \
+            BufferPool(workers if at else 0, HEADER_SIZE + chunk_size) as dscratch, \
+            BufferPool(workers if at else 0, chunk_size) as xscratch, \
             BufferPool(nblocks, _READ_BLOCK + chunk_size) as blocks, \
             ThreadPoolExecutor(workers, thread_name_prefix="gpusnap-put") as ex:
         futures: list[Future[None]] = []
         flock = threading.Lock()
         whole: list[tuple[Stream, list[list[ChunkRef]]]] = []
 
-        def process(chunks: list[ChunkRef], idx: int, piece: _Piece) -> None:
+        def as_delta(cid: str, view: memoryview, plain_len: int, name: str, off: int) -> ChunkRef | None:
+            """VIEW (at OFF of stream NAME) stored as a delta against what the parent's stream NAME held
+            at those offsets (its full chunks' bytes; through a delta chunk, that delta's own bases),
+            if that saves DELTA_PAYS_OFF of the plain encoding (PLAIN_LEN bytes)."""
+            t0 = time.perf_counter()
+            n = len(view)
+            segs = _window(writer.store, at[name], off, n) if at and name in at else None
+            raws: dict[str, bytes | memoryview] = {}
+            try:
+                for bid in delta.bases(segs or []):
+                    raws[bid] = writer.store.delta_base(bid, delta.base_limit(n))
+            except (ChunkError, OSError):
+                return None  # a base unreadable here: a plain chunk (verify reports the parent's damage)
+            finally:
+                stages.add("delta-base", time.perf_counter() - t0, sum(len(r) for r in raws.values()))
+            if not raws:
+                return None
+            with dscratch.borrowed() as d, xscratch.borrowed() as x:
+                t1 = time.perf_counter()
+                room = int(DELTA_PAYS_OFF * plain_len)
+                m = delta.encode_into(view, segs or [], raws, x.view, d.view[HEADER_SIZE:HEADER_SIZE + room])
+                stages.add("delta", time.perf_counter() - t1, n)
+                if m is None:
+                    return None
+                return writer.put_delta(n, d.view, m, cid)
+
+        def process(chunks: list[ChunkRef], idx: int, piece: _Piece, name: str, off: int) -> None:
             t_in = time.perf_counter()
             view = piece.view
             n = len(view)
@@ -369,7 +406,10 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
                             codec, m = chooser.encode_into(view, s.view[HEADER_SIZE:])
                             writer.note_compressed()
                             stages.add("compress", time.perf_counter() - t2, n)
-                            if codec == "raw" and piece.frame is not None:  # written from where it was read
+                            got = as_delta(cid, view, m, name, off) if at else None
+                            if got is not None:
+                                chunks[idx] = got
+                            elif codec == "raw" and piece.frame is not None:  # written from where it was read
                                 chunks[idx] = writer.put_chunk("raw", n, piece.frame.view, n, raw_id=cid)
                             elif codec == "raw":
                                 copy_into(s.view[HEADER_SIZE:], view)
@@ -384,8 +424,9 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
                 piece.release()
                 stages.add("worker", time.perf_counter() - t_in, n)  # busy; the rest of workers x wall is idle
 
-        def produce(chunks: list[ChunkRef], reader: StreamReader, name: str) -> None:
-            """Cut READER into pieces and hand them to the workers; CHUNKS gets their refs in order."""
+        def produce(chunks: list[ChunkRef], reader: StreamReader, name: str, off: int = 0) -> None:
+            """Cut READER (the stream NAME from its offset OFF) into pieces and hand them to the
+            workers; CHUNKS gets their refs in order."""
             pieces = (_fixed_pieces(reader, staging, chunk_size, stages, name) if chunker == "fixed"
                       else _page_pieces(reader, blocks, chunk_size, stages, name))
             submit_s, submitted = 0.0, 0  # summed here, added once: the producer is the ingest's one serial thread
@@ -396,7 +437,8 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
                         break
                     chunks.append(None)  # type: ignore[arg-type] # filled by the worker
                     t0 = time.perf_counter()
-                    f = ex.submit(process, chunks, len(chunks) - 1, piece)
+                    f = ex.submit(process, chunks, len(chunks) - 1, piece, name, off)
+                    off += len(piece.view)
                     with flock:
                         futures.append(f)
                     submit_s += time.perf_counter() - t0
@@ -407,7 +449,7 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
 
         def segment(spec: StreamSpec, part: list[ChunkRef], offset: int, length: int) -> None:
             with source.open_range(spec, offset, length) as r:  # type: ignore[attr-defined]
-                produce(part, r, spec.name)
+                produce(part, r, spec.name, offset)
 
         cut_by = chunker_record(chunker, chunk_size)
         reused = [0, 0]  # streams, bytes taken from `known` without reading
@@ -449,6 +491,46 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
     res = writer_result(writer, stages, time.perf_counter() - t_start)
     res.extra.update(files_unchanged=reused[0], bytes_unchanged=reused[1])
     return res
+
+
+def _parent_chunks(parent: Manifest) -> dict[str, tuple[list[int], list[ChunkRef]]]:
+    """PARENT's data streams by name: each chunk's offset and reference (where a new chunk's delta
+    reference is cut from)."""
+    out: dict[str, tuple[list[int], list[ChunkRef]]] = {}
+    for s in parent.streams:
+        if any(not c.is_zero for c in s.chunks):
+            starts, off = [], 0
+            for c in s.chunks:
+                starts.append(off)
+                off += c.raw_len
+            out[s.name] = (starts, list(s.chunks))
+    return out
+
+
+def _window(store: SnapshotStore, chunks: tuple[list[int], list[ChunkRef]], off: int,
+            n: int) -> list[delta.Segment] | None:
+    """The reference segments of the bytes [OFF, OFF + N) of a parent stream (CHUNKS: its offsets and
+    references): its full chunks' bytes, a delta chunk's own reference (depth 1), zeros for zero
+    chunks; None when that needs more than delta.MAX_SEGMENTS segments."""
+    starts, refs = chunks
+    i = max(0, bisect.bisect_right(starts, off) - 1)
+    segs: list[delta.Segment] = []
+    pos, end = off, off + n
+    while pos < end and i < len(refs):
+        s0, r = starts[i], refs[i]
+        i += 1
+        if s0 + r.raw_len <= pos:
+            continue
+        lo, hi = pos - s0, min(end, s0 + r.raw_len) - s0
+        if r.is_zero or r.id is None:
+            segs.append(delta.Segment(None, 0, hi - lo))
+        else:
+            locs = store.locate(r.id)
+            own = store.entry_segments(r.id, locs[0]) if locs else None
+            segs += delta.cut(own if own is not None else [delta.Segment(r.id, 0, r.raw_len)], lo, hi)
+        pos = s0 + hi
+    out = delta.merged(segs)
+    return out if len(out) <= delta.MAX_SEGMENTS else None
 
 
 def _reuse(writer: SnapshotWriter, stream: Stream, refs: list[ChunkRef] | None) -> bool:
