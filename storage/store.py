@@ -46,7 +46,7 @@ from .chunkfile import (HEADER_SIZE, ChunkError, ChunkHeader, chunk_id, file_kin
 from .directio import AlignedBuffer, BufferPool, align_up, direct_io_supported, read_to_end
 from .directio import unlink_quietly as _unlink_quietly, write_new_file as _write_file
 from . import delta, waits
-from .codecs import DELTA
+from .codecs import DELTA, HostCodecChooser
 from .getmark import new_nonce
 from .limits import MAX_MANIFEST
 from .treewalk import remove_tree
@@ -55,6 +55,7 @@ from .manifest import ChunkRef, Manifest, ManifestError, Stream, validate_tag
 from .names import InvalidNameError, validate_snapshot_name
 from .owner import owned_name, this_owner
 from .packs import Loc, PackIndex, PackWriter, open_pack, read_entry
+from .packs import pause as pause_pack
 from .tier import Landing, Verified
 from .storedir import (CHUNKS, INDEX, LOCK, MARKER, NAMES, PACK_DIRS, PACKS, QUARANTINE, SNAPSHOTS, SUBDIRS, TMP,
                        StoreAccessError, StoreDamage, chunk_dir_name, entries, lstat_at, manifest_entry,
@@ -749,6 +750,17 @@ class SnapshotStore:
                 raise first or e
         raise first or ChunkError(bid, "missing")
 
+    def expanded(self, cid: str, header: ChunkHeader, payload: memoryview) -> tuple[ChunkHeader, memoryview]:
+        """A delta entry of CID (HEADER, PAYLOAD) as the plain entry of the same raw bytes, after the
+        full check (what leaves the store, export and push, never names a base: FORMAT.md); any other
+        entry as it is."""
+        if header.codec != DELTA:
+            return header, payload
+        raw = memoryview(full_check(header, payload, cid, base=self.delta_base))
+        enc = HostCodecChooser().encode(raw)
+        body = memoryview(enc.payload)
+        return ChunkHeader(enc.codec, len(raw), len(body), raw_id=True).with_checksum(body), body
+
     def entry_segments(self, cid: str, loc: Loc) -> list[delta.Segment] | None:
         """The reference segments of the pack entry LOC of CID if it is a delta entry, else None (a
         header or table that does not parse is no delta here: its readers find the damage). Reads
@@ -1415,6 +1427,7 @@ class SnapshotWriter:
             self.store.upgrade(DELTA_VERSION)
         except OSError as e:
             raise StoreError(_io_message("upgrading the store marker", e, self.store.path)) from None
+        pause_pack("delta-marker")  # test hook: the marker says 4, no delta appended yet
         return self.put_chunk(DELTA, raw_len, frame, stored_len, raw_id=cid)
 
     # ---- as a TierWriter (storage/tier.py): the GPU path's stored-addressed chunks ----
