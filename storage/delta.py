@@ -110,21 +110,35 @@ def _apply(x: memoryview, segments: list[Segment], raws: dict[str, bytes | memor
         pos += s.length
 
 
-def encode_into(data: memoryview, segments: list[Segment], raws: dict[str, bytes | memoryview],
-                scratch: memoryview, dst: memoryview) -> int | None:
-    """The delta payload of DATA against the reference SEGMENTS make of RAWS (base id -> raw bytes,
-    every segment within its base) written into DST; its length, or None when it does not fit in
-    len(DST) bytes (the caller sizes DST to what pays off). SCRATCH: at least len(DATA) bytes."""
+def xored(data: memoryview, segments: list[Segment], raws: dict[str, bytes | memoryview],
+          scratch: memoryview) -> tuple[memoryview, float]:
+    """DATA XOR the reference SEGMENTS make of RAWS (base id -> raw bytes, every segment within its
+    base), in SCRATCH (at least len(DATA) bytes), and the fraction of its bytes that are zero (how
+    much of DATA the reference already holds)."""
     n = len(data)
-    table = pack_table(segments)
-    if len(dst) < len(table) + MIN_FRAME:
-        return None
     x = scratch[:n]
     x[:] = data
     _apply(x, segments, raws)
+    same = 1.0 - np.count_nonzero(np.frombuffer(x, dtype=np.uint8)) / n if n else 1.0
+    return x, same
+
+
+def encode_xored(x: memoryview, segments: list[Segment], dst: memoryview) -> int | None:
+    """The delta payload of X (xored: the chunk XOR its reference SEGMENTS) written into DST; its
+    length, or None when it does not fit in len(DST) bytes (the caller sizes DST to what pays off)."""
+    table = pack_table(segments)
+    if len(dst) < len(table) + MIN_FRAME:
+        return None
     dst[:len(table)] = table
     m = _ZSTD.encode_into(x, dst[len(table):])
     return None if m is None else len(table) + m
+
+
+def encode_into(data: memoryview, segments: list[Segment], raws: dict[str, bytes | memoryview],
+                scratch: memoryview, dst: memoryview) -> int | None:
+    """The delta payload of DATA against the reference SEGMENTS make of RAWS, written into DST (see
+    xored and encode_xored)."""
+    return encode_xored(xored(data, segments, raws, scratch)[0], segments, dst)
 
 
 def decode(header: "ChunkHeader", payload: memoryview, cid: str, out: memoryview | None,

@@ -29,7 +29,7 @@ import numpy as np
 from .progress import Progress
 from .chunkfile import HEADER_SIZE, ChunkError, full_check
 from . import delta
-from .codecs import DELTA_PAYS_OFF, HostCodecChooser, CodecError
+from .codecs import DELTA_MATCH, DELTA_PAYS_OFF, HostCodecChooser, CodecError
 from .directio import AlignedBuffer, BufferPool, copy_into
 from .manifest import ChunkRef, Manifest, Stream
 from .readstage import Want, read_chunks
@@ -347,6 +347,7 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
     # (blocks for the page chunker: enough for two pieces per worker, and one being read per producer)
     nblocks = producers + max(3, workers * 2 * chunk_size // _READ_BLOCK) if chunker == "pages" else 0
     at = _parent_chunks(parent) if parent is not None else None
+    shifts = _Shifts(at) if at else None
     with BufferPool(workers * 2 if chunker == "fixed" else 0, HEADER_SIZE + chunk_size) as staging, \
             BufferPool(workers, HEADER_SIZE + chunk_size) as scratch, \
             BufferPool(workers if at else 0, HEADER_SIZE + chunk_size) as dscratch, \
@@ -359,25 +360,47 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
 
         def as_delta(cid: str, view: memoryview, plain_len: int, name: str, off: int) -> ChunkRef | None:
             """VIEW (at OFF of stream NAME) stored as a delta against what the parent's stream NAME held
-            at those offsets (its full chunks' bytes; through a delta chunk, that delta's own bases),
-            if that saves DELTA_PAYS_OFF of the plain encoding (PLAIN_LEN bytes)."""
-            t0 = time.perf_counter()
+            at the same place (its full chunks' bytes; through a delta chunk, that delta's own bases),
+            if that saves DELTA_PAYS_OFF of the plain encoding (PLAIN_LEN bytes). The same place is
+            the same offset, moved by the shift learned nearby (pages mapped or unmapped before it
+            move a page image's later bytes: _Shifts) or by a parent chunk of the same length close
+            by (CDC cuts follow the content); the candidate whose reference holds most of VIEW wins."""
+            assert at is not None and shifts is not None
             n = len(view)
-            segs = _window(writer.store, at[name], off, n) if at and name in at else None
-            raws: dict[str, bytes | memoryview] = {}
-            try:
-                for bid in delta.bases(segs or []):
-                    raws[bid] = writer.store.delta_base(bid, delta.base_limit(n))
-            except (ChunkError, OSError):
-                return None  # a base unreadable here: a plain chunk (verify reports the parent's damage)
-            finally:
-                stages.add("delta-base", time.perf_counter() - t0, sum(len(r) for r in raws.values()))
-            if not raws:
-                return None
+            best: tuple[float, int, list[delta.Segment], memoryview] | None = None
             with dscratch.borrowed() as d, xscratch.borrowed() as x:
+                for s in shifts.candidates(name, off, n):
+                    t0 = time.perf_counter()
+                    segs = _window(writer.store, at[name], off + s, n)
+                    raws: dict[str, bytes | memoryview] = {}
+                    try:
+                        for bid in delta.bases(segs or []):
+                            raws[bid] = writer.store.delta_base(bid, delta.base_limit(n))
+                    except (ChunkError, OSError):
+                        raws = {}  # a base unreadable here: not this candidate (verify reports the parent's damage)
+                    stages.add("delta-base", time.perf_counter() - t0, sum(len(r) for r in raws.values()))
+                    if not raws or segs is None:
+                        continue
+                    t1 = time.perf_counter()
+                    xv, same = delta.xored(view, segs, raws, x.view)
+                    stages.add("delta", time.perf_counter() - t1, n)
+                    if best is None or same > best[0]:
+                        best = (same, s, segs, xv)
+                        if same >= DELTA_MATCH:
+                            break
+                    if best is not None and best[1] != s:  # the better candidate's XOR is redone below
+                        best = (best[0], best[1], best[2], memoryview(b""))
+                if best is None or best[0] < 1 - DELTA_PAYS_OFF:
+                    return None
+                same, s, segs, xv = best
                 t1 = time.perf_counter()
+                if len(xv) != n:
+                    raws = {bid: writer.store.delta_base(bid, delta.base_limit(n)) for bid in delta.bases(segs)}
+                    xv, _ = delta.xored(view, segs, raws, x.view)
+                if same >= DELTA_MATCH:
+                    shifts.note(name, off, s)
                 room = int(DELTA_PAYS_OFF * plain_len)
-                m = delta.encode_into(view, segs or [], raws, x.view, d.view[HEADER_SIZE:HEADER_SIZE + room])
+                m = delta.encode_xored(xv, segs, d.view[HEADER_SIZE:HEADER_SIZE + room])
                 stages.add("delta", time.perf_counter() - t1, n)
                 if m is None:
                     return None
@@ -400,6 +423,8 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
                     cid, present = writer.find_raw(view)
                     if present is not None:
                         chunks[idx] = present
+                        if shifts is not None:
+                            shifts.found(name, off, cid)  # an unchanged chunk of the parent: where it was
                     else:
                         with scratch.borrowed() as s:  # the payload is encoded where it is written from
                             t2 = time.perf_counter()
@@ -505,6 +530,62 @@ def _parent_chunks(parent: Manifest) -> dict[str, tuple[list[int], list[ChunkRef
                 off += c.raw_len
             out[s.name] = (starts, list(s.chunks))
     return out
+
+
+class _Shifts:
+    """Where a new stream's bytes were in its parent's stream: the shift (parent offset - new offset)
+    learned at new offsets, from unchanged chunks (found by id at one place of the parent) and from
+    deltas whose reference held most of their chunk. Shared by the workers of one put."""
+
+    def __init__(self, at: dict[str, tuple[list[int], list[ChunkRef]]]) -> None:
+        self._lock = threading.Lock()
+        self._learned: dict[str, tuple[list[int], list[int]]] = {name: ([], []) for name in at}
+        self._where: dict[str, dict[str, int | None]] = {}
+        self._by_len: dict[str, dict[int, list[int]]] = {}
+        for name, (starts, refs) in at.items():
+            where: dict[str, int | None] = {}
+            by_len: dict[int, list[int]] = {}
+            for o, r in zip(starts, refs):
+                if r.id is not None:
+                    where[r.id] = None if r.id in where else o  # an id at two places says nothing
+                    by_len.setdefault(r.raw_len, []).append(o)
+            self._where[name], self._by_len[name] = where, by_len
+
+    def note(self, name: str, off: int, shift: int) -> None:
+        with self._lock:
+            offs, vals = self._learned[name]
+            i = bisect.bisect_left(offs, off)
+            offs.insert(i, off)
+            vals.insert(i, shift)
+
+    def found(self, name: str, off: int, cid: str) -> None:
+        p = self._where.get(name, {}).get(cid)
+        if p is not None:
+            self.note(name, off, p - off)
+
+    def candidates(self, name: str, off: int, n: int) -> list[int]:
+        """Shifts to try for N new bytes at OFF of NAME, the likeliest first (at most three)."""
+        if name not in self._learned:
+            return []
+        out: list[int] = []
+        with self._lock:
+            offs, vals = self._learned[name]
+            i = bisect.bisect_right(offs, off)
+            near = [vals[j] for j in (i - 1, i) if 0 <= j < len(vals)]
+        guess = near[0] if near else 0
+        same_len = self._by_len[name].get(n, [])
+        if same_len:
+            j = bisect.bisect_left(same_len, off + guess)
+            p = min((same_len[k] for k in (j - 1, j) if 0 <= k < len(same_len)), key=lambda q: abs(q - off - guess))
+            if abs(p - off - guess) <= SHIFT_REACH:
+                near.insert(1, p - off)
+        for s in [*near, 0]:
+            if s not in out and off + s >= 0:
+                out.append(s)
+        return out[:3]
+
+
+SHIFT_REACH = 256 << 20  # a parent chunk of the same length this far from the guess is taken for a candidate
 
 
 def _window(store: SnapshotStore, chunks: tuple[list[int], list[ChunkRef]], off: int,

@@ -319,3 +319,98 @@ def test_a_chunk_stored_as_a_delta_of_a_delta_is_based_on_the_full_chunk(cli: Cl
     assert cli.json("store", "verify", "--read-data")["ok"]
     cli.run("store", "get", "c", str(tmp_path / "oc2"))
     assert (tmp_path / "oc2" / "img" / "pages-1.img").read_bytes() == c
+
+
+@pytest.fixture(scope="module")
+def endpoint() -> Iterator[str]:
+    from scripts.bench.bench_remote import drop_bucket
+    from test_remote import RUN, swift_start
+    ep = swift_start()
+    yield ep
+    drop_bucket(ep, f"gpusnap-test-{RUN}")
+
+
+def test_push_sends_deltas_whole_and_a_pull_reads_them_back(tmp_path: Path, endpoint: str,
+                                                            images: tuple[bytes, bytes, int]) -> None:
+    from test_remote import Node, url_for
+    url = url_for("delta-push-pull")
+    a, b = Node(tmp_path / "A", endpoint, url), Node(tmp_path / "B", endpoint, url)
+    _two(a.cli, tmp_path, images)
+    assert delta_entries(tmp_path / "A")
+    pushed = a.json("push", "b")
+    assert pushed["chunks_sent"] == pushed["chunks_total"] > 0, pushed
+    assert a.json("remote", "verify", "--read-data")["ok"]
+    b.json("pull", "b")
+    assert not delta_entries(tmp_path / "B")  # the remote holds no delta: nothing there names a base
+    b.run("store", "get", "b", str(tmp_path / "out"))
+    assert (tmp_path / "out" / "img" / "pages-1.img").read_bytes() == images[1]
+    assert b.json("store", "verify", "--read-data")["ok"]
+    # a pushed delta snapshot is whole on the remote even once its parent is gone locally
+    a.run("store", "rm", "a")
+    a.json("store", "gc")
+    pushed = a.json("push", "b")
+    assert pushed["already_there"], pushed
+
+
+class _Weights:
+    """tests/support/delta_workload.py: a process holding MiB of weights-like memory, in its own session."""
+
+    def __init__(self, tmp: Path, mib: int) -> None:
+        import sys
+        self.dir = tmp / "wl"
+        self.dir.mkdir()
+        self.log = open(tmp / "wl.log", "w")
+        self.proc = subprocess.Popen([sys.executable, str(REPO / "tests" / "support" / "delta_workload.py"),
+                                      str(self.dir), str(mib)], stdin=subprocess.DEVNULL, stdout=self.log,
+                                     stderr=self.log, start_new_session=True, cwd="/")
+        self.pid = json.loads(self._wait("ready", 60))["pid"]
+
+    def _wait(self, name: str, timeout: float = 60) -> str:
+        p = self.dir / name
+        deadline = time.monotonic() + timeout
+        while not p.exists():
+            assert time.monotonic() < deadline, f"the workload did not write {name}"
+            time.sleep(0.02)
+        text = p.read_text()
+        p.unlink()
+        return text
+
+    def ask(self, cmd: str, answer: str) -> dict:
+        (self.dir / "cmd").write_text(cmd)
+        return json.loads(self._wait(answer))
+
+    def close(self) -> None:
+        try:
+            os.killpg(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+        self.log.close()
+
+
+@pytest.mark.root
+def test_criu_dump_twice_stores_the_changed_blocks_and_restores(cli: Cli, store_dir: Path, tmp_path: Path) -> None:
+    from support.criu import require_criu
+    require_criu()
+    wl = _Weights(tmp_path, 96)
+    try:
+        first = cli.json("criu", "dump", "--leave-running", str(wl.pid), "w1")
+        assert first["parent"] is None, first
+        changed = wl.ask("change 5", "changed.json")["bytes"]
+        second = cli.json("criu", "dump", str(wl.pid), "w2")  # the parent is found: w1, same root pid
+        assert second["parent"] == "w1", second
+        wl.proc.wait(timeout=30)
+        # the changed blocks, plus what the interpreter itself touched between the dumps (its heap,
+        # stacks, small images: under 2 MiB here, stored as they are)
+        assert second["new_bytes"] <= 1.1 * changed + (2 << 20), (second["new_bytes"], changed, first["new_bytes"])
+        print(f"criu dump: {changed} bytes changed, {second['new_bytes']} stored (first dump {first['new_bytes']})")
+        assert delta_entries(store_dir)
+        assert cli.json("store", "verify", "--read-data")["ok"]
+        r = cli.json("criu", "restore", "w2")
+        assert r["restored_pid"] == wl.pid
+        assert wl.ask("report", "report.json")["memory_ok"]
+    finally:
+        wl.close()
