@@ -836,10 +836,15 @@ class SnapshotStore:
                         "read+decode+verify" if header.raw_id else "read+verify")
 
     def missing(self, manifest: Manifest) -> list[str]:
-        """Chunk ids MANIFEST names that have no index entry and no regular file here (a cheap pass
-        before any output)."""
+        """Chunk ids MANIFEST names that have no index entry and no regular file here, and the deltas
+        among them (as their references say) whose bases have no entry (a cheap pass before any
+        output: a restore refuses such a snapshot before it starts a process)."""
         out = []
         self.refresh_index()
+        deltas = {c.id for s in manifest.streams for c in s.chunks if c.codec == DELTA and c.id is not None}
+        for did, bids in sorted(self.delta_bases(deltas).items()):
+            if any(not self.locate(b) and not self.has(b) for b in bids):
+                out.append(did)
         for cid in sorted(manifest.chunk_ids()):
             with self._index_lock:
                 if self._found(cid):
@@ -854,7 +859,14 @@ class SnapshotStore:
         return out
 
     def absence(self, cid: str) -> str:
-        """Why chunk CID cannot be read: what verify found when it quarantined it, or "missing"."""
+        """Why chunk CID cannot be read: what verify found when it quarantined it, or "missing"; for a
+        delta entry here, why its base cannot be."""
+        locs = self.locate(cid)
+        if locs:
+            segs = self.entry_segments(cid, locs[0])
+            for b in sorted(delta.bases(segs or [])):
+                if not self.has(b):
+                    return f"{delta.BASE_WHY} {b[:16]}… {self.absence(b)}"
         try:
             with self.chunk_dir(cid) as d:
                 st = lstat_at(d, cid)
