@@ -131,7 +131,10 @@ def full_check(header: ChunkHeader, payload: memoryview, cid: str,
     if not header.raw_id:
         stored_check(header, payload, cid)
     if header.codec == DELTA:
-        data: bytes | memoryview = delta.decode(header, payload, cid, out, base)
+        try:
+            data: bytes | memoryview = delta.decode(header.codec, header.raw_len, payload, cid, out, base)
+        except delta.DeltaDamage as e:
+            raise ChunkError(cid, e.what) from None
         if raw_chunk_id(data) != cid:
             raise ChunkError(cid, "decoded content does not match its hash (corrupted or forged)")
         return data

@@ -11,22 +11,20 @@ Guarantees kept here: a delta is decoded only against bases its reader verified 
 storage.store.SnapshotStore.delta_base, which refuses a base that is itself a delta: depth 1, no
 recursion); the table is bounded (MAX_SEGMENTS) and checked against the raw length before a base is
 read; the frame never decodes to more than the chunk's raw length, nor into anything but the caller's
-buffer; a segment never reads outside its base; every failure is a one-line ChunkError naming the
-delta (what was wrong with its base in the message).
+buffer; a segment never reads outside its base; every failure is a one-line DeltaDamage (chunkfile
+makes it a ChunkError naming the delta; what was wrong with its base in the message).
 """
 from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterable
+from typing import Callable, Iterable
 
 import numpy as np
 
 from .codecs import DELTA, ZstdCodec, decode_host_into, CodecError
+from .errors import DamageError
 from .limits import MAX_RAW_CHUNK
-
-if TYPE_CHECKING:
-    from .chunkfile import ChunkHeader
 
 MAX_SEGMENTS = 64              # a chunk of at most 4 MiB overlaps 3 parent chunks; 64 bounds a hostile table
 _HEAD = struct.Struct("<H6x")  # segment count, reserved
@@ -41,6 +39,14 @@ _NO_BASE = bytes(32)
 BaseReader = Callable[[str, int], "bytes | memoryview"]
 
 _ZSTD = ZstdCodec()
+
+
+class DeltaDamage(DamageError):
+    """A delta entry that does not decode: WHAT says why (chunkfile.full_check names the chunk)."""
+
+    def __init__(self, what: str) -> None:
+        super().__init__(what)
+        self.what = what
 
 
 @dataclass(frozen=True)
@@ -141,38 +147,37 @@ def encode_into(data: memoryview, segments: list[Segment], raws: dict[str, bytes
     return encode_xored(xored(data, segments, raws, scratch)[0], segments, dst)
 
 
-def decode(header: "ChunkHeader", payload: memoryview, cid: str, out: memoryview | None,
+def decode(codec: str, raw_len: int, payload: memoryview, cid: str, out: memoryview | None,
            base: BaseReader | None) -> memoryview:
-    """The raw bytes of the delta entry CID (HEADER, PAYLOAD), into OUT when given (at least its raw
-    length), not yet bound to CID (chunkfile.full_check hashes them); ChunkError when the delta, or
-    a base as BASE reads it, is damaged."""
-    from .chunkfile import ChunkError
+    """The RAW_LEN raw bytes of the delta entry CID (codec CODEC, PAYLOAD), into OUT when given (at
+    least RAW_LEN bytes), not yet bound to CID (chunkfile.full_check hashes them); DeltaDamage when
+    the delta, or a base as BASE reads it (raising a DamageError), is damaged."""
     if base is None:
-        raise ChunkError(cid, "is a delta entry, which is not accepted here (only a store's own reads resolve bases)")
-    if header.codec != DELTA:
-        raise ChunkError(cid, "is not a delta entry")
+        raise DeltaDamage("is a delta entry, which is not accepted here (only a store's own reads resolve bases)")
+    if codec != DELTA:
+        raise DeltaDamage("is not a delta entry")
     try:
-        segs, start = parse_table(payload, header.raw_len)
+        segs, start = parse_table(payload, raw_len)
     except ValueError as e:
-        raise ChunkError(cid, f"delta entry with a bad segment table (corrupted): {e}") from None
+        raise DeltaDamage(f"delta entry with a bad segment table (corrupted): {e}") from None
     raws: dict[str, bytes | memoryview] = {}
     for s in segs:
         if s.base is None:
             continue
         if s.base == cid:
-            raise ChunkError(cid, "delta entry names itself as its base (corrupted)")
+            raise DeltaDamage("delta entry names itself as its base (corrupted)")
         if s.base not in raws:
             try:
-                raws[s.base] = base(s.base, base_limit(header.raw_len))
-            except ChunkError as e:
-                raise ChunkError(cid, f"{BASE_WHY} {s.base[:16]}… {e.what}") from None
+                raws[s.base] = base(s.base, base_limit(raw_len))
+            except DamageError as e:
+                raise DeltaDamage(f"{BASE_WHY} {s.base[:16]}… {getattr(e, 'what', e)}") from None
         if s.offset + s.length > len(raws[s.base]):
-            raise ChunkError(cid, f"delta segment reads past its base {s.base[:16]}… (corrupted)")
-    target = out if out is not None else memoryview(bytearray(header.raw_len))
+            raise DeltaDamage(f"delta segment reads past its base {s.base[:16]}… (corrupted)")
+    target = out if out is not None else memoryview(bytearray(raw_len))
     try:
-        got = decode_host_into("zstd", payload[start:], header.raw_len, target)
+        got = decode_host_into("zstd", payload[start:], raw_len, target)
     except CodecError as e:
-        raise ChunkError(cid, f"delta does not decode (corrupted): {e}") from None
+        raise DeltaDamage(f"delta does not decode (corrupted): {e}") from None
     _apply(got, segs, raws)
     return got
 

@@ -20,10 +20,10 @@ import pytest
 
 from conftest import GPUSNAP, REPO, Cli, pythonpath
 from storage import delta
-from storage.chunkfile import HEADER_SIZE, ChunkError, ChunkHeader, check_received, raw_chunk_id
+from storage.chunkfile import HEADER_SIZE, ChunkHeader, check_received, raw_chunk_id
 from storage.codecs import CODEC_IDS, DELTA
 from storage.errors import DamageError
-from storage.manifest import ChunkRef, Stream
+from storage.manifest import Stream
 from storage.packs import PAUSE_ENV
 from storage.readstage import Want, read_chunks
 from storage.store import SnapshotStore
@@ -226,9 +226,8 @@ def test_hostile_delta_payloads_are_one_line_damage(tmp_path: Path) -> None:
              + bytes(16), 4096),
             ("a frame decoding to more than raw_len", struct.pack("<H6x", 1) + struct.pack("<32sQQ", bytes(32), 0, 16)
              + _zstd(ok_raw * 2), len(ok_raw))):
-        header = ChunkHeader(DELTA, raw_len, len(payload), raw_id=True)
-        with pytest.raises(ChunkError) as e:
-            delta.decode(header, memoryview(payload), cid, None, lambda b, most: bytes(most and 16))
+        with pytest.raises(delta.DeltaDamage) as e:
+            delta.decode(DELTA, raw_len, memoryview(payload), cid, None, lambda b, most: bytes(most and 16))
         assert "\n" not in str(e.value), what
     # a delta entry from outside the store (an archive member, a remote object) is refused
     payload = struct.pack("<H6x", 1) + struct.pack("<32sQQ", bytes(32), 0, 16) + _zstd(ok_raw)
