@@ -141,11 +141,12 @@ def _packs(store: "SnapshotStore", root: int, uid: int, report: GcReport, live: 
             report.damage += [f"{why} (left alone)" for why in index.damage.values()]
             keep: dict[str, set[int]] = {}
             bases: set[str] = set()
+            deltas = store.may_hold_deltas()  # a store below version 4 holds none: no entry is read
             for cid in live:
                 locs = index.find(cid) or index.locs.get(cid, [])[:1]
                 if locs:
                     keep.setdefault(locs[0].pack, set()).add(locs[0].offset)
-                    segs = store.entry_segments(cid, locs[0])
+                    segs = store.entry_segments(cid, locs[0]) if deltas else None
                     if segs is not None:  # a delta: its bases live as long as it does (FORMAT.md, "Delta entries")
                         bases |= delta.bases(segs)
             for bid in bases:  # one full entry of each base (a base is never read through a delta entry)

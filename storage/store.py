@@ -676,6 +676,8 @@ class SnapshotStore:
                     header, payload = read_chunk_file(d, cid, buf, direct, check)
                 if not header.fits(ref.codec, ref.raw_len, ref.stored_len):
                     raise ChunkError(cid, "header disagrees with the manifest's reference")
+                if header.codec == DELTA:  # gc's closure looks at pack entries only
+                    raise ChunkError(cid, "is a delta in a chunk file (delta entries are pack entries only)")
                 return header, payload
             except ChunkError as e:
                 if e.what.startswith("missing") and first is None and not refresh:
@@ -706,7 +708,10 @@ class SnapshotStore:
             hit = self._bases.get(bid)
             if hit is not None:
                 self._bases.move_to_end(bid)
-                return hit
+        if hit is not None:  # the same answer as an uncached read: a base beyond MOST is damage
+            if len(hit) > most:
+                raise ChunkError(bid, f"holds {len(hit)} raw bytes, more than a delta's base may ({most})")
+            return hit
         raw = self._read_base(bid, most)
         with self._bases_lock:
             self._bases[bid] = raw
@@ -779,9 +784,27 @@ class SnapshotStore:
         except (ChunkError, OSError, GpusnapError, struct.error, ValueError):
             return None
 
+    def may_hold_deltas(self) -> bool:
+        """Whether this store's marker says version 4 (read again: another process may have written
+        the first delta since this object was opened). A store below it holds no delta entry."""
+        if self.version >= DELTA_VERSION:
+            return True
+        try:
+            with self.root() as (root, _):
+                fd = os.open(MARKER, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=root)
+                try:
+                    info = json.loads(os.read(fd, _RECORD_MAX))
+                finally:
+                    os.close(fd)
+        except (OSError, ValueError, GpusnapError):
+            return True  # unknown: look at the entries
+        return not isinstance(info, dict) or info.get("version") != self.version
+
     def delta_bases(self, cids: Iterable[str]) -> dict[str, set[str]]:
         """delta id -> its base ids, for each of CIDS whose entry a reader takes first (in a pack) is a delta."""
         out: dict[str, set[str]] = {}
+        if not self.may_hold_deltas():
+            return out
         for cid in cids:
             locs = self.locate(cid)
             if locs:

@@ -16,6 +16,8 @@ from __future__ import annotations
 from storage.errors import GpusnapError
 from storage.manifest import Manifest
 from storage.store import SnapshotStore
+from storage.storedir import SNAPSHOTS
+from storage.summary import read_summary
 
 from sandbox.criu.images import IMAGES
 
@@ -45,16 +47,27 @@ def choose_parent(store: SnapshotStore, root_pid: int, named: str | None, auto: 
         return m
     if not auto:
         return None
-    best: Manifest | None = None
-    for n in store.names():
-        if n == exclude:
-            continue
+    found: list[tuple[str, str]] = []  # (created, name) of the criu snapshots of ROOT_PID
+    with store.subdir(SNAPSHOTS) as snaps:
+        for n in store.names():
+            if n == exclude:
+                continue
+            head = read_summary(snaps, n)  # a big manifest: its head only (storage/summary.py)
+            if head is not None:
+                if head.meta.get("kind") == "criu" and head.meta.get("root_pid") == root_pid:
+                    found.append((head.created, n))
+                continue
+            try:
+                m = store.load(n)
+            except GpusnapError:
+                continue  # a damaged snapshot is never a parent (verify reports it)
+            if m.meta.get("kind") == "criu" and m.meta.get("root_pid") == root_pid:
+                found.append((m.created, n))
+    for _, n in sorted(found, reverse=True):  # the newest that loads whole and has page images
         try:
             m = store.load(n)
         except GpusnapError:
-            continue  # a damaged snapshot is never a parent (verify reports it)
-        if m.meta.get("kind") != "criu" or m.meta.get("root_pid") != root_pid or not has_page_images(m):
             continue
-        if best is None or m.created > best.created:
-            best = m
-    return best
+        if m.meta.get("kind") == "criu" and m.meta.get("root_pid") == root_pid and has_page_images(m):
+            return m
+    return None
