@@ -5,7 +5,9 @@ put:  source --read--> staging buffer --zero test--> --hash raw bytes: present?-
 get:  manifest --read chunk--> --decode + verify--> sink.write_at
 
 Host chunks are raw-addressed (FORMAT.md, GSNPCHK2): the id is the hash of the raw bytes, so a chunk
-already in the store costs one hash and is neither compressed nor written again.
+already in the store costs one hash and is neither compressed nor written again. Given a parent
+snapshot, a new chunk is stored as a delta against the parent's bytes at the same place where that
+saves (FORMAT.md, "Delta entries"; put's `parent`).
 
 One reader feeds N workers through a fixed pool of page-aligned staging buffers (allocated once,
 reused); a full pool blocks the reader, so memory stays bounded whatever the input size. Sources and

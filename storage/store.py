@@ -11,6 +11,10 @@ Guarantees kept here (FORMAT.md has the full contract):
   skipped) so that the next put of the same bytes writes it again;
 - host-path chunks are raw-addressed (GSNPCHK2): a writer hashes the raw bytes first and encodes and
   writes only chunks not present; a version 1 store is upgraded before its first such chunk;
+- a delta entry (FORMAT.md, "Delta entries") is decoded only against bases read here, each a full
+  entry of this store bound to its own id (delta_base: depth 1, bounded), and its raw bytes are then
+  bound to the delta's id like any chunk's; the marker says version 4 before the first delta is
+  written, and every base a delta names belongs to a committed snapshot;
 - writers and readers hold the store lock shared, gc and repair hold it exclusively, so gc never
   deletes a chunk that a live snapshot or a commit in progress needs; one writer per name at a time;
 - no link inside the store is ever followed: every store directory is opened relative to a checked

@@ -211,6 +211,27 @@ def test_a_delta_whose_base_is_missing_or_itself_a_delta_is_damage(cli: Cli, sto
     assert r.returncode == 3 and delta.BASE_WHY in r.stdout, r.stdout
 
 
+def test_a_delta_whose_base_is_larger_than_the_limit_is_damage(cli: Cli, store_dir: Path, tmp_path: Path) -> None:
+    big = np.random.default_rng(5).bytes(6 << 20)  # one chunk of 6 MiB: more than a 4 KiB delta's base may be
+    (tmp_path / "big").write_bytes(big)
+    cli.run("store", "put", "big", str(tmp_path / "big"), "--chunk-size", "8M")
+    st = SnapshotStore(str(store_dir), create=False)
+    bid = next(iter(st.load("big").chunk_ids()))
+    raw = bytes(x ^ 1 for x in big[:4096])
+    segs = [delta.Segment(bid, 0, 4096)]
+    scratch, dst = memoryview(bytearray(4096)), memoryview(bytearray(HEADER_SIZE + 8192))
+    m = delta.encode_into(memoryview(raw), segs, {bid: big}, scratch, dst[HEADER_SIZE:])
+    assert m is not None
+    with st.writer("small", replace=False, meta={"kind": "files", "paths": ["/x"]}) as w:
+        s = Stream("x", {"type": "file", "mode": 0o600, "mtime_ns": 0, "chunker": {"name": "fixed", "size": 4096}})
+        s.chunks.append(w.put_delta(4096, dst, m, raw_chunk_id(raw)))
+        w.add_stream(s)
+        w.commit()
+    r = cli.run("store", "get", "small", str(tmp_path / "o"), check=False)
+    assert r.returncode == 3 and "more than a delta's base may" in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
 def _buf(st: SnapshotStore, m: Any) -> Any:
     from storage.directio import AlignedBuffer
     return AlignedBuffer(st.chunk_buffer_size([m]))
