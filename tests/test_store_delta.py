@@ -434,3 +434,30 @@ def test_criu_dump_twice_stores_the_changed_blocks_and_restores(cli: Cli, store_
         assert wl.ask("report", "report.json")["memory_ok"]
     finally:
         wl.close()
+
+
+def test_repair_rewrites_a_damaged_base_and_heals_its_deltas(cli: Cli, store_dir: Path, tmp_path: Path,
+                                                             images: tuple[bytes, bytes, int]) -> None:
+    import shutil
+    _, b, _ = images
+    _two(cli, tmp_path, images)
+    shutil.copytree(store_dir, tmp_path / "copy")  # another store holding the same chunks (and deltas)
+    base = _a_base(store_dir)
+    cli.run("store", "rm", "a")  # the base is now named by no manifest, only by b's deltas
+    next(e for e in chunk_entries(store_dir) if e.cid == base).flip_payload(0.3)
+    assert cli.run("store", "get", "b", str(tmp_path / "x"), check=False).returncode == 3
+    rep = cli.json("store", "repair", "--from", str(tmp_path / "copy"))
+    assert rep["ok"] and base in rep["repaired"], rep
+    cli.run("store", "get", "b", str(tmp_path / "out"))
+    assert (tmp_path / "out" / "img" / "pages-1.img").read_bytes() == b
+    assert cli.json("store", "verify", "--read-data")["ok"]
+    # without a source the base is lost, and with it the delta that needs it: exit 3, named
+    next(e for e in chunk_entries(store_dir) if e.cid == base and not _quarantined(store_dir, e)).flip_payload(0.3)
+    r = cli.run("store", "repair", "--json", check=False)
+    rep = json.loads(r.stdout)
+    assert r.returncode == 3 and any(delta.BASE_WHY in p for p in rep["lost"]), rep
+
+
+def _quarantined(store: Path, e: Entry) -> bool:
+    rec = store / "quarantine" / f"{e.cid}.json"
+    return rec.exists() and [e.path.name, e.offset] in json.loads(rec.read_text()).get("entries", [])
