@@ -72,8 +72,9 @@ ZSTD_LEVEL = 1               # the host path's zstd level (put, CRIU images, rep
 GPU_PAYS_OFF_RATIO = PAYS_OFF_RATIO  # storage/gpu_engine.py: a GPU chunk above this is stored raw
 DELTA_PAYS_OFF = 0.5         # a delta entry (xor-zstd) is stored only if its payload is at most this
                              # fraction of the chunk's plain encoding (else the plain entry is stored)
-DELTA_MATCH = 0.5            # a delta reference holding this fraction of a chunk's bytes is taken at once
-                             # (the first of a dump's candidate places that does: storage/pipeline.py)
+DELTA_MATCH = 0.9            # a delta reference holding this fraction of a chunk's bytes is taken at once
+                             # (the first of a dump's candidate places that does: storage/pipeline.py);
+                             # below it the candidates are mixed page by page where that holds more
 
 
 def nvcomp_out_bound(n: int) -> int:

@@ -209,3 +209,29 @@ def merged(segments: list[Segment]) -> list[Segment]:
     while out and out[-1].base is None:
         out.pop()
     return out
+
+
+PAGE = 4096  # the unit in which candidate references are mixed
+
+
+def page_differences(x: memoryview) -> "np.ndarray":
+    """For each 4096-byte page of X (an XOR against a candidate reference), how many bytes differ."""
+    nz = np.frombuffer(x, dtype=np.uint8) != 0
+    return np.add.reduceat(nz, np.arange(0, len(x), PAGE)) if len(x) else np.zeros(0, dtype=np.int64)
+
+
+def mixed(candidates: list[tuple[list[Segment], "np.ndarray"]], n: int) -> tuple[list[Segment], int] | None:
+    """One reference for N bytes made of the CANDIDATES' (their segments, their page_differences),
+    each page taken from the candidate that differs least there, in runs; and which candidate the last
+    run is. None when that needs more than MAX_SEGMENTS segments."""
+    pick = np.argmin(np.stack([c[1] for c in candidates]), axis=0)
+    segs: list[Segment] = []
+    start = 0
+    for i in range(1, len(pick) + 1):
+        if i == len(pick) or pick[i] != pick[start]:
+            segs += cut(candidates[int(pick[start])][0], start * PAGE, min(i * PAGE, n))
+            if len(segs) > 4 * MAX_SEGMENTS:
+                return None
+            start = i
+    out = merged(segs)
+    return (out, int(pick[-1])) if len(out) <= MAX_SEGMENTS and len(pick) else None

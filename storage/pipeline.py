@@ -366,10 +366,12 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
             if that saves DELTA_PAYS_OFF of the plain encoding (PLAIN_LEN bytes). The same place is
             the same offset, moved by the shift learned nearby (pages mapped or unmapped before it
             move a page image's later bytes: _Shifts) or by a parent chunk of the same length close
-            by (CDC cuts follow the content); the candidate whose reference holds most of VIEW wins."""
+            by (CDC cuts follow the content). Each candidate's XOR is scored page by page; where no
+            one candidate holds the whole chunk (the chunk spans the place where pages were mapped),
+            each page takes the candidate that holds it best, in runs."""
             assert at is not None and shifts is not None
             n = len(view)
-            best: tuple[float, int, list[delta.Segment], memoryview] | None = None
+            tried: list[tuple[float, int, list[delta.Segment], dict[str, bytes | memoryview], Any]] = []
             with dscratch.borrowed() as d, xscratch.borrowed() as x:
                 for s in shifts.candidates(name, off, n):
                     t0 = time.perf_counter()
@@ -385,22 +387,27 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
                         continue
                     t1 = time.perf_counter()
                     xv, same = delta.xored(view, segs, raws, x.view)
+                    tried.append((same, s, segs, raws, delta.page_differences(xv)))
                     stages.add("delta", time.perf_counter() - t1, n)
-                    if best is None or same > best[0]:
-                        best = (same, s, segs, xv)
-                        if same >= DELTA_MATCH:
-                            break
-                    if best is not None and best[1] != s:  # the better candidate's XOR is redone below
-                        best = (best[0], best[1], best[2], memoryview(b""))
-                if best is None or best[0] < 1 - DELTA_PAYS_OFF:
+                    if same >= DELTA_MATCH:
+                        break
+                if not tried:
                     return None
-                same, s, segs, xv = best
                 t1 = time.perf_counter()
-                if len(xv) != n:
-                    raws = {bid: writer.store.delta_base(bid, delta.base_limit(n)) for bid in delta.bases(segs)}
-                    xv, _ = delta.xored(view, segs, raws, x.view)
-                if same >= DELTA_MATCH:
-                    shifts.note(name, off, s)
+                same, s, segs, raws, _ = max(tried, key=lambda t: t[0])
+                shift_after = s
+                if len(tried) > 1 and same < DELTA_MATCH:
+                    mixed = delta.mixed([(t[2], t[4]) for t in tried], n)
+                    if mixed is not None:
+                        both = {k: v for t in tried for k, v in t[3].items()}
+                        _, mixed_same = delta.xored(view, mixed[0], both, x.view)
+                        if mixed_same > same:
+                            same, segs, raws, shift_after = mixed_same, mixed[0], both, tried[mixed[1]][1]
+                if same < 1 - DELTA_PAYS_OFF:
+                    stages.add("delta", time.perf_counter() - t1, 0)
+                    return None
+                xv, _ = delta.xored(view, segs, raws, x.view)
+                shifts.note(name, off + n, shift_after)  # what holds at the chunk's end holds for the next
                 room = int(DELTA_PAYS_OFF * plain_len)
                 m = delta.encode_xored(xv, segs, d.view[HEADER_SIZE:HEADER_SIZE + room])
                 stages.add("delta", time.perf_counter() - t1, n)
@@ -544,7 +551,9 @@ class _Shifts:
         self._learned: dict[str, tuple[list[int], list[int]]] = {name: ([], []) for name in at}
         self._where: dict[str, dict[str, int | None]] = {}
         self._by_len: dict[str, dict[int, list[int]]] = {}
+        self._cuts: dict[str, list[int]] = {}  # the parent's chunk boundaries (content-defined cuts)
         for name, (starts, refs) in at.items():
+            self._cuts[name] = starts[1:] + [starts[-1] + refs[-1].raw_len]
             where: dict[str, int | None] = {}
             by_len: dict[int, list[int]] = {}
             for o, r in zip(starts, refs):
@@ -581,10 +590,17 @@ class _Shifts:
             p = min((same_len[k] for k in (j - 1, j) if 0 <= k < len(same_len)), key=lambda q: abs(q - off - guess))
             if abs(p - off - guess) <= SHIFT_REACH:
                 near.insert(1, p - off)
+        # the parent's cut nearest this chunk's end (CDC cuts follow the content: where the bytes
+        # after a place where pages were mapped went, when no chunk of the same length says so)
+        cuts = self._cuts[name]
+        j = bisect.bisect_left(cuts, off + n + guess)
+        ends = [cuts[k] - off - n for k in (j - 1, j) if 0 <= k < len(cuts) and cuts[k] - off - n != guess]
+        if ends:
+            near.append(min(ends, key=lambda e: abs(e - guess)))
         for s in [*near, 0]:
-            if s not in out and off + s >= 0:
+            if s not in out and off + s >= 0 and abs(s - guess) <= SHIFT_REACH:
                 out.append(s)
-        return out[:3]
+        return out[:4]
 
 
 SHIFT_REACH = 256 << 20  # a parent chunk of the same length this far from the guess is taken for a candidate

@@ -461,3 +461,20 @@ def test_repair_rewrites_a_damaged_base_and_heals_its_deltas(cli: Cli, store_dir
 def _quarantined(store: Path, e: Entry) -> bool:
     rec = store / "quarantine" / f"{e.cid}.json"
     return rec.exists() and [e.path.name, e.offset] in json.loads(rec.read_text()).get("entries", [])
+
+
+def test_pages_mapped_before_the_changes_move_the_bases_with_them(cli: Cli, store_dir: Path, tmp_path: Path,
+                                                                  images: tuple[bytes, bytes, int]) -> None:
+    """A process that mapped 78 pages before its changed blocks: every later byte of its page image
+    moved; the dump finds the parent's bytes where they went (a shift learned, the mixed chunk)."""
+    a, b, changed = images
+    inserted = weights(np.random.default_rng(8), 78 * 4096)
+    at = (5 << 20) + 3 * 4096
+    moved = b[:at] + inserted + b[at:]
+    src = _write(tmp_path / "img", a)
+    cli.run("store", "put", "a", str(src), "--chunker", "pages")
+    _write(src, moved)
+    rep = cli.json("store", "put", "b", str(src), "--chunker", "pages", "--no-cache", "--parent", "a")
+    assert rep["new_bytes"] <= 1.1 * (changed + len(inserted)), (rep["new_bytes"], changed, len(inserted))
+    cli.run("store", "get", "b", str(tmp_path / "out"))
+    assert (tmp_path / "out" / "img" / "pages-1.img").read_bytes() == moved
