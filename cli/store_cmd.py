@@ -62,6 +62,9 @@ def store() -> None:
 @click.option("--no-cache", is_flag=True, help="Neither use nor update the files cache: read every file.")
 @click.option("--no-xattrs", is_flag=True, help="Do not store extended attributes (stored by default: user.*, "
                                                 "and security.*/trusted.* where readable).")
+@click.option("--parent", default=None, metavar="SNAP",
+              help="Store each changed chunk as a delta against the chunk at the same place of the same-named "
+                   "file in SNAP, where that saves (an earlier snapshot of the same files).")
 @tag_option
 @click.option("--chunker", type=click.Choice(["fixed", "pages"]), default="fixed", show_default=True,
               help="fixed: CHUNK_SIZE pieces; pages: content-defined cuts on 4 KiB pages (dedups data that "
@@ -71,7 +74,7 @@ def store() -> None:
 @one_line_errors
 def store_put(ctx: click.Context, name: str, paths: tuple[str, ...], replace: bool, chunk_size: str,
               workers: int | None, no_compress: bool, exclude: tuple[str, ...], exclude_files: tuple[str, ...],
-              force: bool, no_cache: bool, no_xattrs: bool, tags: tuple[str, ...], chunker: str,
+              force: bool, no_cache: bool, no_xattrs: bool, parent: str | None, tags: tuple[str, ...], chunker: str,
               as_json: bool) -> None:
     """Store PATHS (files or directories, each under its base name) as snapshot NAME.
 
@@ -97,11 +100,13 @@ def store_put(ctx: click.Context, name: str, paths: tuple[str, ...], replace: bo
         journal.require_clean(st.path)  # an interrupted dump's workload comes first: `gpusnap recover`
         from storage.files_cache import FilesCache
         cache = FilesCache() if no_cache or force else FilesCache.load(st)
+        base = st.load(parent) if parent is not None else None
         with st.writer(name, replace=replace, meta=meta, tags=tags) as w, \
                 Progress(f"put {name}", ctx.obj["progress"]) as prog:
             prog.start(source.total_bytes)
             res = pipeline.put(w, source, chunk_size=size, workers=workers, compress=not no_compress,
-                               progress=prog, chunker=chunker, known=None if no_cache else _lookup(source, cache))
+                               progress=prog, chunker=chunker, known=None if no_cache else _lookup(source, cache),
+                               parent=base)
             manifest = w.commit()
         if not no_cache:
             _update_cache(st, source, manifest, force)

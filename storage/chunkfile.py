@@ -20,7 +20,8 @@ from dataclasses import dataclass, replace
 
 import blake3
 
-from .codecs import CODEC_IDS, CODEC_NAMES, HOST_CODECS, CodecError, decode_host, decode_host_into
+from . import delta
+from .codecs import CODEC_IDS, CODEC_NAMES, DELTA, RAW_ENTRY_CODECS, CodecError, decode_host, decode_host_into
 from .directio import ALIGN, AlignedBuffer, align_up, read_into, write_all
 
 from .errors import DamageError, GpusnapError
@@ -29,7 +30,7 @@ from .limits import MAX_RAW_CHUNK, MAX_STORED_CHUNK
 MAGIC = b"GSNPCHK1"      # stored-addressed
 MAGIC_RAW = b"GSNPCHK2"  # raw-addressed
 RAW_ID_CONTEXT = "gpusnap 2026-11-30 chunk id v2: raw bytes"  # BLAKE3 key derivation: its own id space
-RAW_CODECS = HOST_CODECS  # the codecs a GSNPCHK2 file may use (the host codecs of storage.codecs)
+RAW_CODECS = RAW_ENTRY_CODECS  # the codecs a GSNPCHK2 file may use: the host codecs and the delta
 HEADER_SIZE = ALIGN
 _HDR = struct.Struct("<8sH6xQQ")  # magic, codec id, reserved, raw length, stored length
 _BOUND = 32  # bytes of the header bound into the id (GSNPCHK1) or the stored checksum (GSNPCHK2)
@@ -85,10 +86,13 @@ class ChunkHeader:
         if raw_len > MAX_RAW_CHUNK or stored_len > MAX_STORED_CHUNK:
             raise ChunkError(chunk_id, f"claims {raw_len} raw / {stored_len} stored bytes, more than any chunk may hold")
         if magic == MAGIC:
+            if codec == DELTA:
+                raise ChunkError(chunk_id, "stored-addressed chunk with the delta codec (deltas are raw-addressed)")
             return cls(codec, raw_len, stored_len)
         if codec not in RAW_CODECS:
             raise ChunkError(chunk_id, f"raw-addressed chunk with codec {codec!r} (only {', '.join(RAW_CODECS)})")
-        if stored_len > raw_len or (codec == "raw" and stored_len != raw_len) or raw_len > MAX_RAW_CHUNK:
+        if (stored_len > raw_len or (codec == "raw" and stored_len != raw_len) or raw_len > MAX_RAW_CHUNK
+                or (codec == DELTA and stored_len < delta.MIN_PAYLOAD)):
             raise ChunkError(chunk_id, f"raw-addressed chunk of {stored_len} stored bytes for {raw_len} raw bytes")
         return cls(codec, raw_len, stored_len, True, bytes(data[_BOUND:_BOUND + _CHECKSUM]))
 
@@ -118,13 +122,22 @@ def stored_check(header: ChunkHeader, payload: bytes | memoryview, cid: str) -> 
 
 
 def full_check(header: ChunkHeader, payload: memoryview, cid: str,
-               out: memoryview | None = None) -> bytes | memoryview:
+               out: memoryview | None = None, base: "delta.BaseReader | None" = None) -> bytes | memoryview:
     """The raw bytes of chunk CID, bound to it: GSNPCHK1: the stored check, then decoding; GSNPCHK2:
     decoding (at most its raw length), then the raw bytes must derive CID (the id covers every byte,
     so the stored checksum is not needed). ChunkError when damaged. OUT: decode into it (nothing
-    allocated; a `raw` payload is returned where it lies)."""
+    allocated; a `raw` payload is returned where it lies). BASE: how a delta entry's base is read
+    (storage/delta.py); without it a delta entry is damage (bytes from outside the store)."""
     if not header.raw_id:
         stored_check(header, payload, cid)
+    if header.codec == DELTA:
+        try:
+            data: bytes | memoryview = delta.decode(header.codec, header.raw_len, payload, cid, out, base)
+        except delta.DeltaDamage as e:
+            raise ChunkError(cid, e.what) from None
+        if raw_chunk_id(data) != cid:
+            raise ChunkError(cid, "decoded content does not match its hash (corrupted or forged)")
+        return data
     try:
         data = (decode_host(header.codec, payload, header.raw_len) if out is None
                 else decode_host_into(header.codec, payload, header.raw_len, out))
@@ -137,11 +150,12 @@ def full_check(header: ChunkHeader, payload: memoryview, cid: str,
     return data
 
 
-def id_check(header: ChunkHeader, payload: memoryview, cid: str) -> None:
+def id_check(header: ChunkHeader, payload: memoryview, cid: str, base: "delta.BaseReader | None" = None) -> None:
     """Bind PAYLOAD to CID, the strongest check the host can make of any chunk: GSNPCHK1, the stored
-    check (its id covers the stored bytes, whatever the codec); GSNPCHK2, the full check (decoded)."""
+    check (its id covers the stored bytes, whatever the codec); GSNPCHK2, the full check (decoded; a
+    delta against its base as BASE reads it)."""
     if header.raw_id:
-        full_check(header, payload, cid)
+        full_check(header, payload, cid, base=base)
     else:
         stored_check(header, payload, cid)
 
@@ -150,7 +164,9 @@ def check_received(cid: str, ref_codec: str, ref_raw_len: int, ref_stored_len: i
                    image: memoryview) -> ChunkHeader:
     """The header of IMAGE, a whole chunk file received from elsewhere (a remote object, an export
     archive's member, padding excluded), once it is chunk CID as a manifest references it (codec,
-    raw and stored length) and passes id_check; ChunkError otherwise (nothing unverified is stored)."""
+    raw and stored length) and passes id_check; ChunkError otherwise (nothing unverified is stored).
+    A delta entry is refused here: bytes from outside the store never name a base (export and push
+    expand deltas to plain entries, FORMAT.md "Delta entries")."""
     if len(image) < HEADER_SIZE:
         raise ChunkError(cid, f"is {len(image)} bytes, shorter than a chunk header")
     header = ChunkHeader.unpack(image[:_BOUND + _CHECKSUM], cid)

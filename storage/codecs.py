@@ -67,6 +67,11 @@ SHUFFLE_MIN_GAIN = 0.95      # shuffle2-zstd is chosen only if its sample is <= 
 PLANE_PAYS_OFF = PAYS_OFF_RATIO  # a byte plane is stored as it is when zstd does not beat this
 ZSTD_LEVEL = 1               # the host path's zstd level (put, CRIU images, repair)
 GPU_PAYS_OFF_RATIO = PAYS_OFF_RATIO  # storage/gpu_engine.py: a GPU chunk above this is stored raw
+DELTA_PAYS_OFF = 0.5         # a delta entry (xor-zstd) is stored only if its payload is at most this
+                             # fraction of the chunk's plain encoding (else the plain entry is stored)
+DELTA_MATCH = 0.9            # a delta reference holding this fraction of a chunk's bytes is taken at once
+                             # (the first of a dump's candidate places that does: storage/pipeline.py);
+                             # below it the candidates are mixed page by page where that holds more
 
 
 def nvcomp_out_bound(n: int) -> int:
@@ -82,11 +87,13 @@ PLANE_ZSTD = dict(window_log=17, hash_log=6, chain_log=6, search_log=1, min_matc
                   strategy="fast")  # zstandard.STRATEGY_FAST, resolved where the compressor is made
 
 # Every codec id the on-disk format has assigned (FORMAT.md, "Codec ids"). Never reuse an id.
-FORMAT_IDS: dict[str, int] = {"raw": 0, "zstd": 1, "shuffle2-zstd": 2,
+FORMAT_IDS: dict[str, int] = {"raw": 0, "zstd": 1, "shuffle2-zstd": 2, "xor-zstd": 3,
                               "nvcomp-ans": 16, "nvcomp-bitcomp": 17, "nvcomp-lz4": 18, "nvcomp-gdeflate": 19}
 CODEC_IDS = FORMAT_IDS  # the names manifests may use
 CODEC_NAMES: dict[int, str] = {v: k for k, v in FORMAT_IDS.items()}
 ZERO = "zero"  # not a codec id: a chunk reference with no file
+DELTA = "xor-zstd"  # a delta entry against a base chunk (FORMAT.md, "Delta entries"): decoded by
+                    # storage/delta.py with the base's raw bytes, never by decode_host (not in CODECS)
 NVCOMP_ALGORITHMS: dict[str, str] = {"nvcomp-ans": "ANS", "nvcomp-bitcomp": "Bitcomp", "nvcomp-lz4": "LZ4",
                                      "nvcomp-gdeflate": "GDeflate"}
 
@@ -420,6 +427,8 @@ if nvcomp_importable():
         register(CodecEntry(FORMAT_IDS[_name], _name, "gpu", algorithm=_algo))
 
 HOST_CODECS: tuple[str, ...] = tuple(e.name for e in CODECS.values() if e.where == "host")
+# what a raw-addressed (GSNPCHK2) entry may be stored as: the host codecs, and a delta against a base
+RAW_ENTRY_CODECS: tuple[str, ...] = HOST_CODECS + (DELTA,)
 
 
 def entry(name: str) -> CodecEntry:
@@ -428,6 +437,8 @@ def entry(name: str) -> CodecEntry:
     if cid is None:
         raise CodecError(f"unknown chunk codec {name!r}")
     e = CODECS.get(cid)
+    if e is None and name == DELTA:
+        raise CodecError(f"chunk codec {name!r} is a delta: it decodes only against its base (storage/delta.py)")
     if e is None:
         raise CodecError(f"chunk codec {name!r} needs the GPU path (nvCOMP) to decode")
     return e

@@ -12,7 +12,8 @@ whose live fraction is below packs.REPACK_BELOW is repacked, its live entries du
 a new pack before its index and then it are removed; a pack whose index is damaged is left. A chunk named by the
 chunk-reference log of an operation still in the journal (storage.reflog: data of a killed writer
 that `gpusnap recover` may still restore) counts as in use; a log it cannot read stops it before
-anything is deleted. It descends into no link and no
+anything is deleted. A delta entry that is kept keeps a full entry of each base it names (the
+closure over bases: depth 1, so one round). It descends into no link and no
 directory the store's owner does not own; anything unexpected is reported as left or as damage.
 """
 from __future__ import annotations
@@ -24,6 +25,7 @@ import stat
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from . import delta
 from .chunkfile import ChunkError, file_kind, stored_check
 from .directio import AlignedBuffer
 from .errors import GpusnapError
@@ -138,10 +140,21 @@ def _packs(store: "SnapshotStore", root: int, uid: int, report: GcReport, live: 
             index = store.refresh_index()
             report.damage += [f"{why} (left alone)" for why in index.damage.values()]
             keep: dict[str, set[int]] = {}
+            bases: set[str] = set()
+            deltas = store.may_hold_deltas()  # a store below version 4 holds none: no entry is read
             for cid in live:
                 locs = index.find(cid) or index.locs.get(cid, [])[:1]
                 if locs:
                     keep.setdefault(locs[0].pack, set()).add(locs[0].offset)
+                    segs = store.entry_segments(cid, locs[0]) if deltas else None
+                    if segs is not None:  # a delta: its bases live as long as it does (FORMAT.md, "Delta entries")
+                        bases |= delta.bases(segs)
+            for bid in bases:  # one full entry of each base (a base is never read through a delta entry)
+                for loc in index.find(bid) or index.locs.get(bid, []):
+                    if store.entry_segments(bid, loc) is None:
+                        keep.setdefault(loc.pack, set()).add(loc.offset)
+                        break
+            live |= bases  # chunk files and quarantine records of bases are kept too
             listed = entries(packs_fd)
             for name in sorted(set(index.packs) - {x.name for x in listed}):
                 report.damage.append(f"{INDEX}/{name}: its pack is missing (the chunks it names are lost)")

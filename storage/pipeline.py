@@ -5,7 +5,9 @@ put:  source --read--> staging buffer --zero test--> --hash raw bytes: present?-
 get:  manifest --read chunk--> --decode + verify--> sink.write_at
 
 Host chunks are raw-addressed (FORMAT.md, GSNPCHK2): the id is the hash of the raw bytes, so a chunk
-already in the store costs one hash and is neither compressed nor written again.
+already in the store costs one hash and is neither compressed nor written again. Given a parent
+snapshot, a new chunk is stored as a delta against the parent's bytes at the same place where that
+saves (FORMAT.md, "Delta entries"; put's `parent`).
 
 One reader feeds N workers through a fixed pool of page-aligned staging buffers (allocated once,
 reused); a full pool blocks the reader, so memory stays bounded whatever the input size. Sources and
@@ -14,6 +16,7 @@ GPU region engine (storage/gpu_engine.py) use the same store underneath.
 """
 from __future__ import annotations
 
+import bisect
 import functools
 import os
 import threading
@@ -27,7 +30,8 @@ import numpy as np
 
 from .progress import Progress
 from .chunkfile import HEADER_SIZE, ChunkError, full_check
-from .codecs import HostCodecChooser, CodecError
+from . import delta
+from .codecs import DELTA_MATCH, DELTA_PAYS_OFF, HostCodecChooser, CodecError
 from .directio import AlignedBuffer, BufferPool, copy_into
 from .manifest import ChunkRef, Manifest, Stream
 from .readstage import Want, read_chunks
@@ -317,7 +321,8 @@ def chunker_record(chunker: str, chunk_size: int) -> dict[str, Any]:
 def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHUNK,
         workers: int | None = None, compress: bool = True, zstd_level: int = 1,
         progress: Progress | None = None, chunker: str = "fixed", readers: int | None = None,
-        known: Callable[[StreamSpec, dict[str, Any]], list[ChunkRef] | None] | None = None) -> Result:
+        known: Callable[[StreamSpec, dict[str, Any]], list[ChunkRef] | None] | None = None,
+        parent: Manifest | None = None) -> Result:
     """Read every stream of SOURCE into WRITER's snapshot (the caller commits).
 
     chunker: "fixed" (chunk_size pieces) or "pages" (content-defined cuts on page boundaries, at most
@@ -325,6 +330,11 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
     (default: one per four workers, at most four). known: a files cache's lookup (storage/files_cache.py):
     given a stream and the chunker record, the references it remembers; used only if every one names a
     sound chunk present now (SnapshotWriter.reuse_ref), else the stream is read.
+    parent: a committed snapshot of the same store the new one follows (FORMAT.md, "Delta entries"):
+    a new chunk that starts at the offset of a chunk of the parent's same-named stream is stored as a
+    delta against that chunk (or against its base, when that is a delta itself) where the delta's
+    payload is at most DELTA_PAYS_OFF of the plain encoding; the base is read in the workers (stage
+    "delta-base"), the XOR and its compression are stage "delta".
     """
     if chunker not in ("fixed", "pages"):
         raise PipelineError(f"unknown chunker {chunker!r}")
@@ -338,15 +348,74 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
     # written from where they were read, with no copy
     # (blocks for the page chunker: enough for two pieces per worker, and one being read per producer)
     nblocks = producers + max(3, workers * 2 * chunk_size // _READ_BLOCK) if chunker == "pages" else 0
+    at = _parent_chunks(parent) if parent is not None else None
+    shifts = _Shifts(at) if at else None
     with BufferPool(workers * 2 if chunker == "fixed" else 0, HEADER_SIZE + chunk_size) as staging, \
             BufferPool(workers, HEADER_SIZE + chunk_size) as scratch, \
+            BufferPool(workers if at else 0, HEADER_SIZE + chunk_size) as dscratch, \
+            BufferPool(workers if at else 0, chunk_size) as xscratch, \
             BufferPool(nblocks, _READ_BLOCK + chunk_size) as blocks, \
             ThreadPoolExecutor(workers, thread_name_prefix="gpusnap-put") as ex:
         futures: list[Future[None]] = []
         flock = threading.Lock()
         whole: list[tuple[Stream, list[list[ChunkRef]]]] = []
 
-        def process(chunks: list[ChunkRef], idx: int, piece: _Piece) -> None:
+        def as_delta(cid: str, view: memoryview, plain_len: int, name: str, off: int) -> ChunkRef | None:
+            """VIEW (at OFF of stream NAME) stored as a delta against what the parent's stream NAME held
+            at the same place (its full chunks' bytes; through a delta chunk, that delta's own bases),
+            if that saves DELTA_PAYS_OFF of the plain encoding (PLAIN_LEN bytes). The same place is
+            the same offset, moved by the shift learned nearby (pages mapped or unmapped before it
+            move a page image's later bytes: _Shifts) or by a parent chunk of the same length close
+            by (CDC cuts follow the content). Each candidate's XOR is scored page by page; where no
+            one candidate holds the whole chunk (the chunk spans the place where pages were mapped),
+            each page takes the candidate that holds it best, in runs."""
+            assert at is not None and shifts is not None
+            n = len(view)
+            tried: list[tuple[float, int, list[delta.Segment], dict[str, bytes | memoryview], Any]] = []
+            with dscratch.borrowed() as d, xscratch.borrowed() as x:
+                for s in shifts.candidates(name, off, n):
+                    t0 = time.perf_counter()
+                    segs = _window(writer.store, at[name], off + s, n)
+                    raws: dict[str, bytes | memoryview] = {}
+                    try:
+                        for bid in delta.bases(segs or []):
+                            raws[bid] = writer.store.delta_base(bid, delta.base_limit(n))
+                    except (ChunkError, OSError):
+                        raws = {}  # a base unreadable here: not this candidate (verify reports the parent's damage)
+                    stages.add("delta-base", time.perf_counter() - t0, sum(len(r) for r in raws.values()))
+                    if not raws or segs is None:
+                        continue
+                    t1 = time.perf_counter()
+                    xv, same = delta.xored(view, segs, raws, x.view)
+                    tried.append((same, s, segs, raws, delta.page_differences(xv)))
+                    stages.add("delta", time.perf_counter() - t1, n)
+                    if same >= DELTA_MATCH:
+                        break
+                if not tried:
+                    return None
+                t1 = time.perf_counter()
+                same, s, segs, raws, _ = max(tried, key=lambda t: t[0])
+                shift_after = s
+                if len(tried) > 1 and same < DELTA_MATCH:
+                    mixed = delta.mixed([(t[2], t[4]) for t in tried], n)
+                    if mixed is not None:
+                        both = {k: v for t in tried for k, v in t[3].items()}
+                        _, mixed_same = delta.xored(view, mixed[0], both, x.view)
+                        if mixed_same > same:
+                            same, segs, raws, shift_after = mixed_same, mixed[0], both, tried[mixed[1]][1]
+                if same < 1 - DELTA_PAYS_OFF:
+                    stages.add("delta", time.perf_counter() - t1, 0)
+                    return None
+                xv, _ = delta.xored(view, segs, raws, x.view)
+                shifts.note(name, off + n, shift_after)  # what holds at the chunk's end holds for the next
+                room = int(DELTA_PAYS_OFF * plain_len)
+                m = delta.encode_xored(xv, segs, d.view[HEADER_SIZE:HEADER_SIZE + room])
+                stages.add("delta", time.perf_counter() - t1, n)
+                if m is None:
+                    return None
+                return writer.put_delta(n, d.view, m, cid)
+
+        def process(chunks: list[ChunkRef], idx: int, piece: _Piece, name: str, off: int) -> None:
             t_in = time.perf_counter()
             view = piece.view
             n = len(view)
@@ -363,13 +432,18 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
                     cid, present = writer.find_raw(view)
                     if present is not None:
                         chunks[idx] = present
+                        if shifts is not None:
+                            shifts.found(name, off, cid)  # an unchanged chunk of the parent: where it was
                     else:
                         with scratch.borrowed() as s:  # the payload is encoded where it is written from
                             t2 = time.perf_counter()
                             codec, m = chooser.encode_into(view, s.view[HEADER_SIZE:])
                             writer.note_compressed()
                             stages.add("compress", time.perf_counter() - t2, n)
-                            if codec == "raw" and piece.frame is not None:  # written from where it was read
+                            got = as_delta(cid, view, m, name, off) if at else None
+                            if got is not None:
+                                chunks[idx] = got
+                            elif codec == "raw" and piece.frame is not None:  # written from where it was read
                                 chunks[idx] = writer.put_chunk("raw", n, piece.frame.view, n, raw_id=cid)
                             elif codec == "raw":
                                 copy_into(s.view[HEADER_SIZE:], view)
@@ -384,8 +458,9 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
                 piece.release()
                 stages.add("worker", time.perf_counter() - t_in, n)  # busy; the rest of workers x wall is idle
 
-        def produce(chunks: list[ChunkRef], reader: StreamReader, name: str) -> None:
-            """Cut READER into pieces and hand them to the workers; CHUNKS gets their refs in order."""
+        def produce(chunks: list[ChunkRef], reader: StreamReader, name: str, off: int = 0) -> None:
+            """Cut READER (the stream NAME from its offset OFF) into pieces and hand them to the
+            workers; CHUNKS gets their refs in order."""
             pieces = (_fixed_pieces(reader, staging, chunk_size, stages, name) if chunker == "fixed"
                       else _page_pieces(reader, blocks, chunk_size, stages, name))
             submit_s, submitted = 0.0, 0  # summed here, added once: the producer is the ingest's one serial thread
@@ -396,7 +471,8 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
                         break
                     chunks.append(None)  # type: ignore[arg-type] # filled by the worker
                     t0 = time.perf_counter()
-                    f = ex.submit(process, chunks, len(chunks) - 1, piece)
+                    f = ex.submit(process, chunks, len(chunks) - 1, piece, name, off)
+                    off += len(piece.view)
                     with flock:
                         futures.append(f)
                     submit_s += time.perf_counter() - t0
@@ -407,7 +483,7 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
 
         def segment(spec: StreamSpec, part: list[ChunkRef], offset: int, length: int) -> None:
             with source.open_range(spec, offset, length) as r:  # type: ignore[attr-defined]
-                produce(part, r, spec.name)
+                produce(part, r, spec.name, offset)
 
         cut_by = chunker_record(chunker, chunk_size)
         reused = [0, 0]  # streams, bytes taken from `known` without reading
@@ -449,6 +525,111 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
     res = writer_result(writer, stages, time.perf_counter() - t_start)
     res.extra.update(files_unchanged=reused[0], bytes_unchanged=reused[1])
     return res
+
+
+def _parent_chunks(parent: Manifest) -> dict[str, tuple[list[int], list[ChunkRef]]]:
+    """PARENT's data streams by name: each chunk's offset and reference (where a new chunk's delta
+    reference is cut from)."""
+    out: dict[str, tuple[list[int], list[ChunkRef]]] = {}
+    for s in parent.streams:
+        if any(not c.is_zero for c in s.chunks):
+            starts, off = [], 0
+            for c in s.chunks:
+                starts.append(off)
+                off += c.raw_len
+            out[s.name] = (starts, list(s.chunks))
+    return out
+
+
+class _Shifts:
+    """Where a new stream's bytes were in its parent's stream: the shift (parent offset - new offset)
+    learned at new offsets, from unchanged chunks (found by id at one place of the parent) and from
+    deltas whose reference held most of their chunk. Shared by the workers of one put."""
+
+    def __init__(self, at: dict[str, tuple[list[int], list[ChunkRef]]]) -> None:
+        self._lock = threading.Lock()
+        self._learned: dict[str, tuple[list[int], list[int]]] = {name: ([], []) for name in at}
+        self._where: dict[str, dict[str, int | None]] = {}
+        self._by_len: dict[str, dict[int, list[int]]] = {}
+        self._cuts: dict[str, list[int]] = {}  # the parent's chunk boundaries (content-defined cuts)
+        for name, (starts, refs) in at.items():
+            self._cuts[name] = starts[1:] + [starts[-1] + refs[-1].raw_len]
+            where: dict[str, int | None] = {}
+            by_len: dict[int, list[int]] = {}
+            for o, r in zip(starts, refs):
+                if r.id is not None:
+                    where[r.id] = None if r.id in where else o  # an id at two places says nothing
+                    by_len.setdefault(r.raw_len, []).append(o)
+            self._where[name], self._by_len[name] = where, by_len
+
+    def note(self, name: str, off: int, shift: int) -> None:
+        with self._lock:
+            offs, vals = self._learned[name]
+            i = bisect.bisect_left(offs, off)
+            offs.insert(i, off)
+            vals.insert(i, shift)
+
+    def found(self, name: str, off: int, cid: str) -> None:
+        p = self._where.get(name, {}).get(cid)
+        if p is not None:
+            self.note(name, off, p - off)
+
+    def candidates(self, name: str, off: int, n: int) -> list[int]:
+        """Shifts to try for N new bytes at OFF of NAME, the likeliest first (at most three)."""
+        if name not in self._learned:
+            return []
+        out: list[int] = []
+        with self._lock:
+            offs, vals = self._learned[name]
+            i = bisect.bisect_right(offs, off)
+            near = [vals[j] for j in (i - 1, i) if 0 <= j < len(vals)]
+        guess = near[0] if near else 0
+        same_len = self._by_len[name].get(n, [])
+        if same_len:
+            j = bisect.bisect_left(same_len, off + guess)
+            p = min((same_len[k] for k in (j - 1, j) if 0 <= k < len(same_len)), key=lambda q: abs(q - off - guess))
+            if abs(p - off - guess) <= SHIFT_REACH:
+                near.insert(1, p - off)
+        # the parent's cut nearest this chunk's end (CDC cuts follow the content: where the bytes
+        # after a place where pages were mapped went, when no chunk of the same length says so)
+        cuts = self._cuts[name]
+        j = bisect.bisect_left(cuts, off + n + guess)
+        ends = [cuts[k] - off - n for k in (j - 1, j) if 0 <= k < len(cuts) and cuts[k] - off - n != guess]
+        if ends:
+            near.append(min(ends, key=lambda e: abs(e - guess)))
+        for s in [*near, 0]:
+            if s not in out and off + s >= 0 and abs(s - guess) <= SHIFT_REACH:
+                out.append(s)
+        return out[:4]
+
+
+SHIFT_REACH = 256 << 20  # a parent chunk of the same length this far from the guess is taken for a candidate
+
+
+def _window(store: SnapshotStore, chunks: tuple[list[int], list[ChunkRef]], off: int,
+            n: int) -> list[delta.Segment] | None:
+    """The reference segments of the bytes [OFF, OFF + N) of a parent stream (CHUNKS: its offsets and
+    references): its full chunks' bytes, a delta chunk's own reference (depth 1), zeros for zero
+    chunks; None when that needs more than delta.MAX_SEGMENTS segments."""
+    starts, refs = chunks
+    i = max(0, bisect.bisect_right(starts, off) - 1)
+    segs: list[delta.Segment] = []
+    pos, end = off, off + n
+    while pos < end and i < len(refs):
+        s0, r = starts[i], refs[i]
+        i += 1
+        if s0 + r.raw_len <= pos:
+            continue
+        lo, hi = pos - s0, min(end, s0 + r.raw_len) - s0
+        if r.is_zero or r.id is None:
+            segs.append(delta.Segment(None, 0, hi - lo))
+        else:
+            locs = store.locate(r.id)
+            own = store.entry_segments(r.id, locs[0]) if locs else None
+            segs += delta.cut(own if own is not None else [delta.Segment(r.id, 0, r.raw_len)], lo, hi)
+        pos = s0 + hi
+    out = delta.merged(segs)
+    return out if len(out) <= delta.MAX_SEGMENTS else None
 
 
 def _reuse(writer: SnapshotWriter, stream: Stream, refs: list[ChunkRef] | None) -> bool:

@@ -95,7 +95,7 @@ def export(store: SnapshotStore, name: str, out: IO[bytes], level: int = 3) -> d
                 _add(tar, "manifest.json", m.dumps())
                 for cid, ref in sorted(refs.items()):
                     try:
-                        header, payload = store.read_stored(ref, buf)
+                        header, payload = store.expanded(cid, *store.read_stored(ref, buf))  # a delta: whole
                     except GpusnapError as e:
                         raise DamageError(f"snapshot {name!r} is damaged, not exported: {e}") from None
                     _add(tar, f"chunks/{cid}", header.pack().ljust(HEADER_SIZE, b"\0") + bytes(payload))

@@ -9,7 +9,8 @@ chunk files), entries larger than a run buffer, and entries that fail their chec
 copy may be sound) are read one at a time through the store (SnapshotStore.read_stored).
 
 Guarantees kept here: no byte reaches the caller before its check (chunkfile.full_check binds raw
-bytes to the id; the stored check binds stored bytes); a run never reads past the entries the
+bytes to the id, a delta's against its base as the store reads it, SnapshotStore.delta_base; the
+stored check binds stored bytes); a run never reads past the entries the
 validated index names, and never more than a run buffer; the first failure stops the stage and is
 raised to the caller.
 """
@@ -32,6 +33,8 @@ from .packs import Loc, coalesce, open_pack, parse_entry
 if TYPE_CHECKING:
     from contextlib import AbstractContextManager
 
+    from .delta import BaseReader
+
     from .directio import AlignedBuffer
 
 
@@ -48,6 +51,8 @@ class PackSource(Protocol):
     def chunk_buffer_size(self, manifests: list[Any]) -> int: ...
 
     def subdir(self, name: str) -> "AbstractContextManager[int]": ...
+
+    def delta_base(self, bid: str, most: int) -> "bytes | memoryview": ...
 
 RUN_MAX = 16 << 20    # bytes one read covers at most
 READERS = 4           # reads in flight
@@ -135,7 +140,8 @@ def read_chunks(store: PackSource, wants: list[Want], deliver: Callable[[Want, A
             (nothing is allocated per chunk)."""
             with outs.borrowed() if raw_most else _nothing() as o:
                 t0 = time.perf_counter()
-                data = _checked(check, header, payload, cid) if o is None else full_check(header, payload, cid, o.view)
+                data = (_checked(check, header, payload, cid, store.delta_base) if o is None
+                        else full_check(header, payload, cid, o.view, base=store.delta_base))
                 t1 = time.perf_counter()
                 stages.add(stage, t1 - t0, w.ref.raw_len)
                 deliver(w, data)
@@ -331,11 +337,11 @@ def _span(run: list[tuple[int, Loc]]) -> int:
     return run[-1][1].offset + run[-1][1].length - run[0][1].offset
 
 
-def _checked(check: str, header: ChunkHeader, payload: memoryview, cid: str) -> Any:
+def _checked(check: str, header: ChunkHeader, payload: memoryview, cid: str, base: "BaseReader") -> Any:
     if check == "full":
-        return full_check(header, payload, cid)
+        return full_check(header, payload, cid, base=base)
     if check == "id":
-        id_check(header, payload, cid)
+        id_check(header, payload, cid, base=base)
     else:
         stored_check(header, payload, cid)
     return payload

@@ -844,8 +844,9 @@ class Remote:
                 with pool.borrowed() as buf:
                     for ref in group:
                         try:
-                            # the stored check: a damaged local chunk never travels (a pull checks in full)
-                            header, payload = store.read_stored(ref, buf)
+                            # the stored check: a damaged local chunk never travels (a pull checks in full);
+                            # a delta entry travels whole (full-checked, no base on the remote: FORMAT.md)
+                            header, payload = store.expanded(ref.id or "", *store.read_stored(ref, buf))
                         except ChunkError as e:
                             raise StoreError(f"local snapshot damaged, nothing pushed: {e}") from None
                         n = HEADER_SIZE + align_up(header.stored_len)

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 from .progress import Progress
 from .chunkfile import HEADER_SIZE, ChunkHeader, chunk_id, id_check, raw_chunk_id
+from .delta import BASE_WHY
 from .codecs import HOST_CODECS, HostCodecChooser, ZstdCodec
 from .directio import AlignedBuffer, BufferPool, copy_into
 from .errors import GpusnapError
@@ -61,6 +62,11 @@ def repair(store: "SnapshotStore", sources: Sequence[str] = (), *, workers: int 
         manifests = store.load_all(names, report.lost)
         refs = chunk_refs(manifests)
         size = store.chunk_buffer_size(manifests)
+        bases = store.delta_bases(refs)  # the closure over delta bases: a base is repaired as any chunk is
+        for bid in set().union(*bases.values()) - set(refs):
+            bref = store.base_ref(bid)
+            if bref is not None:
+                refs[bid] = bref
         bad = store.check_chunks(refs, size, workers, progress)
         report.damaged = len(bad)
         need = {cid: refs[cid] for cid in bad}
@@ -77,6 +83,11 @@ def repair(store: "SnapshotStore", sources: Sequence[str] = (), *, workers: int 
                 for cid, where in rebuild(store, pw, chunks, manifests, need, list(sources), size).items():
                     report.repaired[cid] = where
                     del need[cid]
+        for did, bids in bases.items():  # a delta whose base is lost is lost with it
+            lost = next((b for b in sorted(bids) if b in need or b not in refs), None)
+            if lost is not None and did not in need:
+                need[did] = refs[did]
+                bad[did] = f"{BASE_WHY} {lost[:16]}… {bad.get(lost, 'missing')}"
         from . import damage
         damage.update(store, [c for c in refs if c not in need], {c: bad[c] for c in need})
         for m in manifests:
@@ -150,6 +161,7 @@ def _from_store(store: "SnapshotStore", pw: "PackWriter", chunks_fd: int, path: 
         for cid, ref in need.items():
             try:
                 header, payload = other.read_stored(ref, buf, check=False)
+                header, payload = other.expanded(cid, header, payload)  # a delta there comes here whole
                 id_check(header, payload, cid)
             except (GpusnapError, OSError):
                 continue

@@ -2,7 +2,9 @@
 
 Per snapshot: raw bytes (logical, zeros included), stored bytes (its distinct chunks' stored sizes),
 unique bytes (chunks no other snapshot names: what `rm` + `gc` would free) and shared bytes; by
-construction unique + shared = stored. Repository totals count every distinct chunk once.
+construction unique + shared = stored. Repository totals count every distinct chunk once. Bases of
+delta entries (FORMAT.md, "Delta entries") are not named by manifests, so a chunk of a parent that a
+child's deltas use as a base counts as unique to the parent here, though rm + gc of the parent keeps it.
 
 Three savings are told apart, never folded into one ratio:
 - zeros: raw bytes of all-zero chunks, elided (nothing stored);

@@ -11,6 +11,10 @@ Guarantees kept here (FORMAT.md has the full contract):
   skipped) so that the next put of the same bytes writes it again;
 - host-path chunks are raw-addressed (GSNPCHK2): a writer hashes the raw bytes first and encodes and
   writes only chunks not present; a version 1 store is upgraded before its first such chunk;
+- a delta entry (FORMAT.md, "Delta entries") is decoded only against bases read here, each a full
+  entry of this store bound to its own id (delta_base: depth 1, bounded), and its raw bytes are then
+  bound to the delta's id like any chunk's; the marker says version 4 before the first delta is
+  written, and every base a delta names belongs to a committed snapshot;
 - writers and readers hold the store lock shared, gc and repair hold it exclusively, so gc never
   deletes a chunk that a live snapshot or a commit in progress needs; one writer per name at a time;
 - no link inside the store is ever followed: every store directory is opened relative to a checked
@@ -33,18 +37,20 @@ import stat
 import struct
 import threading
 import time
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 from .progress import Progress
 from .chunkfile import (HEADER_SIZE, ChunkError, ChunkHeader, chunk_id, file_kind, full_check, max_stored_len,
                         id_check, raw_chunk_id, read_chunk_file, reusable, stored_check)
 from .directio import AlignedBuffer, BufferPool, align_up, direct_io_supported, read_to_end
 from .directio import unlink_quietly as _unlink_quietly, write_new_file as _write_file
-from . import waits
+from . import delta, waits
+from .codecs import DELTA, HostCodecChooser
 from .getmark import new_nonce
 from .limits import MAX_MANIFEST
 from .treewalk import remove_tree
@@ -53,6 +59,7 @@ from .manifest import ChunkRef, Manifest, ManifestError, Stream, validate_tag
 from .names import InvalidNameError, validate_snapshot_name
 from .owner import owned_name, this_owner
 from .packs import Loc, PackIndex, PackWriter, open_pack, read_entry
+from .packs import pause as pause_pack
 from .tier import Landing, Verified
 from .storedir import (CHUNKS, INDEX, LOCK, MARKER, NAMES, PACK_DIRS, PACKS, QUARANTINE, SNAPSHOTS, SUBDIRS, TMP,
                        StoreAccessError, StoreDamage, chunk_dir_name, entries, lstat_at, manifest_entry,
@@ -62,8 +69,10 @@ if TYPE_CHECKING:
     from .device import HostBuffer
 
 STORE_FORMAT = "gpusnap-store"
-STORE_VERSION = 3
-READ_VERSIONS = (1, 2, 3)  # 1: GSNPCHK1 chunk files only; 2: chunk files of both kinds; 3: packs
+STORE_VERSION = 3  # what a new store's marker says
+DELTA_VERSION = 4  # the marker once a delta entry may be in the store (FORMAT.md, "Store versions")
+READ_VERSIONS = (1, 2, 3, 4)  # 1: GSNPCHK1 chunk files only; 2: chunk files of both kinds; 3: packs; 4: deltas
+BASE_CACHE = 64 << 20  # raw bytes of delta bases kept in memory per store object (a restore's deltas)
 CHUNK_ID = re.compile(r"[0-9a-f]{64}")
 _RECORD_MAX = 1 << 16
 
@@ -254,6 +263,8 @@ class SnapshotStore:
         self._index_lock = threading.Lock()
         self._index_loaded = False
         self._pending: dict[str, Loc] = {}  # entries this process's writers appended, not yet indexed
+        self._bases: OrderedDict[str, bytes] = OrderedDict()  # delta bases read (raw, verified), newest last
+        self._bases_lock = threading.Lock()
 
     # ---- layout -------------------------------------------------------------------------------
     @property
@@ -343,15 +354,16 @@ class SnapshotStore:
                 os.close(fd)
         if not isinstance(info, dict) or info.get("format") != STORE_FORMAT or info.get("version") not in READ_VERSIONS:
             got = info if not isinstance(info, dict) else f"{info.get('format')} v{info.get('version')}"
-            raise StoreError(f"{self.path}: store format {got} is not {STORE_FORMAT} v{STORE_VERSION}")
+            raise StoreError(f"{self.path}: store format {got} is not {STORE_FORMAT} v{READ_VERSIONS[-1]} "
+                             "or older")
         self.version: int = info["version"]
         self._created = info.get("created")
 
-    def _write_marker(self, created: str | None) -> None:
-        """Write the store marker (this version) through tmp/: fsynced, renamed, the store fsynced."""
+    def _write_marker(self, created: str | None, version: int = STORE_VERSION) -> None:
+        """Write the store marker (VERSION) through tmp/: fsynced, renamed, the store fsynced."""
         with self.root() as (root, uid), opened_dir(root, TMP, uid, TMP) as tmp:
             name = owned_name("marker")
-            data = json.dumps({"format": STORE_FORMAT, "version": STORE_VERSION,
+            data = json.dumps({"format": STORE_FORMAT, "version": version,
                                "created": created or datetime.now(timezone.utc).isoformat()}).encode()
             _write_file(tmp, name, data)
             try:
@@ -361,13 +373,14 @@ class SnapshotStore:
                 raise
             os.fsync(root)
 
-    def upgrade(self) -> None:
-        """Make a version 1 or 2 store version 3 before its first pack is written (FORMAT.md, "Store
-        versions"): packs/ and index/ are made, then the marker says 3, so a gpusnap that reads only
-        older versions refuses the store instead of misreading it. Idempotent; several writers may
-        race to do it (each renames a complete marker)."""
+    def upgrade(self, to: int = STORE_VERSION) -> None:
+        """Make a version 1 or 2 store version 3 before its first pack is written, and a store version
+        4 (TO = DELTA_VERSION) before its first delta entry (FORMAT.md, "Store versions"): packs/ and
+        index/ are made, then the marker says the version, so a gpusnap that reads only older versions
+        refuses the store instead of misreading it. Idempotent; several writers may race to do it
+        (each renames a complete marker)."""
         with self._upgrade_lock:
-            if self.version == STORE_VERSION:
+            if self.version >= to:
                 return
             try:
                 with self.root() as (root, _):
@@ -377,10 +390,10 @@ class SnapshotStore:
                         except FileExistsError:
                             pass
                     os.fsync(root)
-                self._write_marker(self._created)
+                self._write_marker(self._created, to)
             except OSError as e:
-                raise StoreError(_io_message("upgrading the store marker to version 3", e, self.path)) from None
-            self.version = STORE_VERSION
+                raise StoreError(_io_message(f"upgrading the store marker to version {to}", e, self.path)) from None
+            self.version = to
 
     def _create(self) -> None:
         self.version = STORE_VERSION
@@ -667,6 +680,8 @@ class SnapshotStore:
                     header, payload = read_chunk_file(d, cid, buf, direct, check)
                 if not header.fits(ref.codec, ref.raw_len, ref.stored_len):
                     raise ChunkError(cid, "header disagrees with the manifest's reference")
+                if header.codec == DELTA:  # gc's closure looks at pack entries only
+                    raise ChunkError(cid, "is a delta in a chunk file (delta entries are pack entries only)")
                 return header, payload
             except ChunkError as e:
                 if e.what.startswith("missing") and first is None and not refresh:
@@ -685,7 +700,140 @@ class SnapshotStore:
         when damaged, CodecError for a codec the host cannot decode. OUT: decoded into it (see
         chunkfile.full_check); CACHED: as read_stored."""
         header, payload = self.read_stored(ref, buf, check=False, cached=cached)
-        return full_check(header, payload, ref.id, out)  # type: ignore[arg-type]
+        return full_check(header, payload, ref.id, out, base=self.delta_base)  # type: ignore[arg-type]
+
+    # ---- delta entries (FORMAT.md, "Delta entries") --------------------------------------------
+    def delta_base(self, bid: str, most: int) -> bytes:
+        """The raw bytes of BID as the base of a delta (storage/delta.py's BaseReader), verified: a
+        raw-addressed entry of at most MOST raw bytes that is not itself a delta (depth 1: a base is
+        never resolved further); ChunkError (about BID) otherwise. The last BASE_CACHE bytes of bases
+        read are kept (a restore reads each base once)."""
+        with self._bases_lock:
+            hit = self._bases.get(bid)
+            if hit is not None:
+                self._bases.move_to_end(bid)
+        if hit is not None:  # the same answer as an uncached read: a base beyond MOST is damage
+            if len(hit) > most:
+                raise ChunkError(bid, f"holds {len(hit)} raw bytes, more than a delta's base may ({most})")
+            return hit
+        raw = self._read_base(bid, most)
+        with self._bases_lock:
+            self._bases[bid] = raw
+            total = sum(len(v) for v in self._bases.values())
+            while total > BASE_CACHE and len(self._bases) > 1:
+                total -= len(self._bases.popitem(last=False)[1])
+        return raw
+
+    def _read_base(self, bid: str, most: int) -> bytes:
+        cap = HEADER_SIZE + align_up(max(most, 1))
+        first: ChunkError | None = None
+        for refresh in (False, True):
+            for loc in self.locate(bid, refresh):
+                if loc.length > cap:
+                    first = first or ChunkError(bid, f"is an entry of {loc.length} bytes, more than a delta's base may hold")
+                    continue
+                buf = AlignedBuffer(loc.length)
+                try:
+                    header, payload = self.read_entry(bid, loc, buf, False)
+                    return _base_bytes(bid, header, payload, most)
+                except ChunkError as e:
+                    first = first or e
+                finally:
+                    buf.close()
+            try:
+                with self.chunk_dir(bid) as d:
+                    st = lstat_at(d, bid)
+                    if st is None:
+                        raise ChunkError(bid, "missing")
+                    if st.st_size > cap:
+                        raise ChunkError(bid, f"is a chunk file of {st.st_size} bytes, more than a delta's base may hold")
+                    buf = AlignedBuffer(cap)
+                    try:
+                        header, payload = read_chunk_file(d, bid, buf, False, check=False)
+                        return _base_bytes(bid, header, payload, most)
+                    finally:
+                        buf.close()
+            except ChunkError as e:
+                if e.what.startswith("missing") and first is None and not refresh:
+                    continue
+                raise first or e
+        raise first or ChunkError(bid, "missing")
+
+    def expanded(self, cid: str, header: ChunkHeader, payload: memoryview) -> tuple[ChunkHeader, memoryview]:
+        """A delta entry of CID (HEADER, PAYLOAD) as the plain entry of the same raw bytes, after the
+        full check (what leaves the store, export and push, never names a base: FORMAT.md); any other
+        entry as it is."""
+        if header.codec != DELTA:
+            return header, payload
+        raw = memoryview(full_check(header, payload, cid, base=self.delta_base))
+        enc = HostCodecChooser().encode(raw)
+        body = memoryview(enc.payload)
+        return ChunkHeader(enc.codec, len(raw), len(body), raw_id=True).with_checksum(body), body
+
+    def entry_segments(self, cid: str, loc: Loc) -> list[delta.Segment] | None:
+        """The reference segments of the pack entry LOC of CID if it is a delta entry, else None (a
+        header or table that does not parse is no delta here: its readers find the damage). Reads
+        the header and the segment table (at most 4096 + delta.TABLE_MAX bytes)."""
+        try:
+            with self.subdir(PACKS) as packs:
+                fd = open_pack(packs, loc.pack, cid)
+            try:
+                head = os.pread(fd, min(loc.length, HEADER_SIZE + delta.TABLE_MAX), loc.offset)
+            finally:
+                os.close(fd)
+            header = ChunkHeader.unpack(head[:64], cid)
+            if header.codec != DELTA:
+                return None
+            return delta.parse_table(head[HEADER_SIZE:] + bytes(delta.MIN_FRAME), header.raw_len)[0]
+        except (ChunkError, OSError, GpusnapError, struct.error, ValueError):
+            return None
+
+    def may_hold_deltas(self) -> bool:
+        """Whether this store's marker says version 4 (read again: another process may have written
+        the first delta since this object was opened). A store below it holds no delta entry."""
+        if self.version >= DELTA_VERSION:
+            return True
+        try:
+            with self.root() as (root, _):
+                fd = os.open(MARKER, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=root)
+                try:
+                    info = json.loads(os.read(fd, _RECORD_MAX))
+                finally:
+                    os.close(fd)
+        except (OSError, ValueError, GpusnapError):
+            return True  # unknown: look at the entries
+        return not isinstance(info, dict) or info.get("version") != self.version
+
+    def delta_bases(self, cids: Iterable[str]) -> dict[str, set[str]]:
+        """delta id -> its base ids, for each of CIDS whose entry a reader takes first (in a pack) is a delta."""
+        out: dict[str, set[str]] = {}
+        if not self.may_hold_deltas():
+            return out
+        for cid in cids:
+            locs = self.locate(cid)
+            if locs:
+                segs = self.entry_segments(cid, locs[0])
+                if segs is not None:
+                    out[cid] = delta.bases(segs)
+        return out
+
+    def base_ref(self, bid: str) -> ChunkRef | None:
+        """A reference to the base BID as its first full (not delta) entry's header says (verify's
+        closure over bases); None when it has no such entry."""
+        for loc in self.locate(bid):
+            if self.entry_segments(bid, loc) is not None:
+                continue
+            try:
+                with self.subdir(PACKS) as packs:
+                    fd = open_pack(packs, loc.pack, bid)
+                try:
+                    header = ChunkHeader.unpack(os.pread(fd, 64, loc.offset), bid)
+                finally:
+                    os.close(fd)
+            except (ChunkError, OSError, GpusnapError, struct.error):
+                continue
+            return ChunkRef(bid, header.raw_len, header.codec, header.stored_len)
+        return None
 
     # ---- the chunk tier (storage/tier.py) ------------------------------------------------------
     def has(self, cid: str) -> bool:
@@ -707,15 +855,23 @@ class SnapshotStore:
         (its id covers the stored bytes), a GSNPCHK2 one is decoded once and its raw bytes hashed;
         read through the page cache (restores); ChunkError when damaged."""
         header, payload = self.read_stored(ref, frame, check=False, cached=True)  # type: ignore[arg-type]
+        if header.codec == DELTA:  # its payload is no encoding of the raw bytes a caller could decode
+            raise ChunkError(ref.id or "", "is a delta entry; the chunk tier's readers (the GPU path) take "
+                             "only the chunks they wrote, never a delta")
         id_check(header, payload, ref.id)  # type: ignore[arg-type]
         return Verified(frame.ptr + HEADER_SIZE, payload, header,
                         "read+decode+verify" if header.raw_id else "read+verify")
 
     def missing(self, manifest: Manifest) -> list[str]:
-        """Chunk ids MANIFEST names that have no index entry and no regular file here (a cheap pass
-        before any output)."""
+        """Chunk ids MANIFEST names that have no index entry and no regular file here, and the deltas
+        among them (as their references say) whose bases have no entry (a cheap pass before any
+        output: a restore refuses such a snapshot before it starts a process)."""
         out = []
         self.refresh_index()
+        deltas = {c.id for s in manifest.streams for c in s.chunks if c.codec == DELTA and c.id is not None}
+        for did, bids in sorted(self.delta_bases(deltas).items()):
+            if any(not self.locate(b) and not self.has(b) for b in bids):
+                out.append(did)
         for cid in sorted(manifest.chunk_ids()):
             with self._index_lock:
                 if self._found(cid):
@@ -730,7 +886,14 @@ class SnapshotStore:
         return out
 
     def absence(self, cid: str) -> str:
-        """Why chunk CID cannot be read: what verify found when it quarantined it, or "missing"."""
+        """Why chunk CID cannot be read: what verify found when it quarantined it, or "missing"; for a
+        delta entry here, why its base cannot be."""
+        locs = self.locate(cid)
+        if locs:
+            segs = self.entry_segments(cid, locs[0])
+            for b in sorted(delta.bases(segs or [])):
+                if not self.has(b):
+                    return f"{delta.BASE_WHY} {b[:16]}… {self.absence(b)}"
         try:
             with self.chunk_dir(cid) as d:
                 st = lstat_at(d, cid)
@@ -866,7 +1029,7 @@ class SnapshotStore:
                 header, payload = read_chunk_file(q, cid, buf, False, check=False)
                 if not header.fits(ref.codec, ref.raw_len, ref.stored_len):
                     return False
-                id_check(header, payload, cid)
+                id_check(header, payload, cid, base=self.delta_base)
                 with self.chunk_dir(cid) as d:
                     os.rename(cid, cid, src_dir_fd=q, dst_dir_fd=d)  # over whatever damaged file is there
                     os.fsync(d)
@@ -891,7 +1054,7 @@ class SnapshotStore:
                     try:
                         header, payload = self.read_entry(cid, loc, buf, False)
                         if header.fits(ref.codec, ref.raw_len, ref.stored_len):
-                            id_check(header, payload, cid)
+                            id_check(header, payload, cid, base=self.delta_base)
                             break
                     except ChunkError:
                         continue
@@ -989,9 +1152,24 @@ class SnapshotStore:
                 report.chunks_unchecked = len(refs) - len(picked)
                 refs = {cid: refs[cid] for cid in picked}
             deadline = None if max_seconds is None else time.monotonic() + max_seconds
+            # the closure over delta bases: a delta is sound only if its base is (FORMAT.md, "Delta entries")
+            bases = self.delta_bases(refs)
+            no_base: dict[str, str] = {}
+            for bid in sorted(set().union(*bases.values()) - set(refs)):
+                bref = self.base_ref(bid)
+                if bref is None:
+                    no_base[bid] = self.absence(bid) if not self.locate(bid) else "has no full entry (only deltas)"
+                else:
+                    refs[bid] = bref
+                    report.chunks_total += 1
             skipped_before = report.chunks_unchecked
             bad = self.check_chunks(refs, self.chunk_buffer_size(manifests), workers, progress, report, deadline,
                                     read_data)
+            bad.update(no_base)
+            for did, bids in bases.items():
+                for bid in sorted(bids):
+                    if bid in bad and did not in bad:
+                        bad[did] = f"{delta.BASE_WHY} {bid[:16]}… {bad[bid]}"
             cut_short = report.chunks_unchecked > skipped_before  # --max-duration: not every ref was read
             for cid in list(bad):
                 if bad[cid] == "missing":
@@ -1001,8 +1179,8 @@ class SnapshotStore:
                     for i, c in enumerate(s.chunks):
                         if c.id in bad:
                             report.problems.append(Problem(m.name, s.name, i, f"chunk {c.id[:16]}… {bad[c.id]}"))
-        damaged = {cid: why for cid, why in bad.items() if not why.startswith("missing")
-                   and f"{QUARANTINE}/" not in why}
+        damaged = {cid: why for cid, why in bad.items() if not why.startswith(("missing", delta.BASE_WHY))
+                   and f"{QUARANTINE}/" not in why and cid in refs}
         if quarantine and damaged:
             try:
                 with self.exclusive(quarantine_wait):
@@ -1069,6 +1247,18 @@ class _NoStages:
 
     def add(self, stage: str, seconds: float, nbytes: int) -> None:
         pass
+
+
+def _base_bytes(bid: str, header: ChunkHeader, payload: memoryview, most: int) -> bytes:
+    """The raw bytes of the entry BID (HEADER, PAYLOAD) as a delta's base: raw-addressed, not a delta,
+    at most MOST raw bytes, full-checked; ChunkError otherwise."""
+    if not header.raw_id:
+        raise ChunkError(bid, "is not a raw-addressed chunk (a delta's base must be one)")
+    if header.codec == DELTA:
+        raise ChunkError(bid, "is itself a delta entry (a base must be a full entry: depth 1 only)")
+    if header.raw_len > most:
+        raise ChunkError(bid, f"holds {header.raw_len} raw bytes, more than a delta's base may ({most})")
+    return bytes(full_check(header, payload, bid))
 
 
 def _reusable_header(got: ChunkHeader, want: ChunkHeader) -> bool:
@@ -1266,6 +1456,18 @@ class SnapshotWriter:
         with self._lock:
             self.stats.add_chunk(raw_len, got.stored_len, new, hash_s, t2 - t0 - hash_s)
         return ChunkRef(cid, raw_len, got.codec, got.stored_len)
+
+    def put_delta(self, raw_len: int, frame: memoryview, stored_len: int, cid: str) -> ChunkRef:
+        """Store chunk CID (the raw id of its RAW_LEN raw bytes) as the delta entry whose payload
+        (storage/delta.py: base id, then the zstd frame of the XOR) sits at FRAME[HEADER_SIZE:]. The
+        base is a full entry of a committed snapshot (the parent's, or its base), so it is durable
+        before this entry is written; the store's marker says version 4 before the first delta."""
+        try:
+            self.store.upgrade(DELTA_VERSION)
+        except OSError as e:
+            raise StoreError(_io_message("upgrading the store marker", e, self.store.path)) from None
+        pause_pack("delta-marker")  # test hook: the marker says 4, no delta appended yet
+        return self.put_chunk(DELTA, raw_len, frame, stored_len, raw_id=cid)
 
     # ---- as a TierWriter (storage/tier.py): the GPU path's stored-addressed chunks ----
     def landing(self, frame: HostBuffer, stored_len: int) -> Landing:

@@ -103,11 +103,14 @@ def test_one_registry_with_the_format_ids() -> None:
     table = dict((n, int(i)) for i, n in re.findall(r"^\| (\d+) \| `([a-z0-9-]+)` \|", fmt, re.M))
     assert table == C.FORMAT_IDS
     assert {0: "raw", 1: "zstd", 16: "nvcomp-ans", 17: "nvcomp-bitcomp", 18: "nvcomp-lz4"}.items() <= C.CODEC_NAMES.items()
-    assert set(RAW_CODECS) == {"raw", "zstd", "shuffle2-zstd"} == {e.name for e in C.CODECS.values() if e.where == "host"}
+    assert {"raw", "zstd", "shuffle2-zstd"} == {e.name for e in C.CODECS.values() if e.where == "host"}
+    assert set(RAW_CODECS) == {"raw", "zstd", "shuffle2-zstd", C.DELTA}  # the delta decodes only against its bases
+    with pytest.raises(C.CodecError, match="delta"):
+        C.decode_host(C.DELTA, memoryview(b"x"), 1)
     gpu = {e.name for e in C.CODECS.values() if e.where == "gpu"}
     assert gpu == (set(C.NVCOMP_ALGORITHMS) if C.nvcomp_importable() else set())
     with pytest.raises(C.CodecError, match="not id"):
-        C.register(C.CodecEntry(3, "zstd", "host"))
+        C.register(C.CodecEntry(4, "zstd", "host"))
     with pytest.raises(C.CodecError, match="GPU path"):
         C.decode_host("nvcomp-ans", memoryview(b"x"), 1)
     with pytest.raises(C.CodecError, match="unknown"):

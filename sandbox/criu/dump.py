@@ -52,6 +52,7 @@ class DumpContext:
     leave_running: bool
     progress: Progress | None = None
     images: str = ""          # the directory CRIU's images (or its socket and log) are in
+    parent: Any = None        # the storage.manifest.Manifest its changed chunks are deltas against (or None)
 
 
 class CriuThread:
@@ -139,7 +140,7 @@ def streamed(ctx: DumpContext) -> None:
     src = CaptureSource(ctx.images, criu_done=criu.done, criu_failed=criu.error)
     criu.start()
     try:
-        res = pipeline.put(ctx.w, src, progress=ctx.progress, chunker="pages")
+        res = pipeline.put(ctx.w, src, progress=ctx.progress, chunker="pages", parent=ctx.parent)
     except BaseException:
         src.close()  # CRIU's pipes break: a CRIU still dumping fails and resumes the tree itself
         criu.join()
@@ -168,7 +169,7 @@ def staged(ctx: DumpContext) -> None:
         if ctx.progress is not None:
             ctx.progress.start(rss_bytes(ctx.pids))
         try:
-            res = pipeline.put(ctx.w, src, progress=ctx.progress, chunker="pages")
+            res = pipeline.put(ctx.w, src, progress=ctx.progress, chunker="pages", parent=ctx.parent)
         finally:
             interrupted = criu.join()  # CRIU's end is awaited even when a signal came: the undo needs it
             if criu.seconds is not None:

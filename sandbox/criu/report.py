@@ -23,6 +23,7 @@ class CriuReport:
     restored_pid: int | None = None
     stages: dict[str, Any] = field(default_factory=dict)
     images_path: str = "staging"  # how CRIU's images moved: "stream" or "staging" (sandbox.criu.images)
+    parent: str | None = None     # a dump's parent snapshot (its changed chunks are deltas against it)
 
     def as_dict(self) -> dict[str, Any]:
         """A dump's report (bytes of images, written, deduplicated) or a restore's (the restored pid):
@@ -31,4 +32,5 @@ class CriuReport:
              "seconds": {k: round(v, 3) for k, v in self.seconds.items()}, "images_path": self.images_path}
         if self.restored_pid is not None:
             return {**d, "restored_pid": self.restored_pid}
-        return {**d, "raw_bytes": self.raw_bytes, "new_bytes": self.new_bytes, "dedup_bytes": self.dedup_bytes}
+        return {**d, "raw_bytes": self.raw_bytes, "new_bytes": self.new_bytes, "dedup_bytes": self.dedup_bytes,
+                "parent": self.parent}

@@ -47,6 +47,7 @@ from sandbox.criu import dump, restore
 from sandbox.criu.dump import DumpContext
 from sandbox.criu.gpu_side import GpuSide, is_gpu_stream
 from sandbox.criu.images import images_path
+from sandbox.criu.parent import choose_parent
 from sandbox.criu.report import CriuReport, CriuSnapshotError
 from sandbox.criu.restored import boot_ticks
 from sandbox.criu.runner import Criu, CriuError, DumpOptions
@@ -65,13 +66,16 @@ __all__ = ["CriuReport", "CriuSnapshotError", "criu_dump", "criu_restore", "desc
 def criu_dump(store: SnapshotStore, pid: int, name: str, *, leave_running: bool = False,
               options: DumpOptions | None = None, replace: bool = False, staging: str | None = None,
               lock_timeout_s: float = 10.0, progress: Progress | None = None, criu: Criu | None = None, tags: Sequence[str] = (),
-              gpu_driver: Any = None, features: Any = None, device: Any = None) -> CriuReport:
+              gpu_driver: Any = None, features: Any = None, device: Any = None, parent: str | None = None,
+              auto_parent: bool = True) -> CriuReport:
     """The tree at PID into snapshot NAME: GPU state first (custom storage or the driver's host copy,
     as the probe says), then CRIU (the tree left stopped), its page images ingested as they are
     written, the commit, and only then the kill (unless leave_running).
 
     gpu_driver/features/device: the CheckpointDriver, its Features and the engine's Device (default:
-    the real driver, probed, and GPU 0); tests pass stand-ins."""
+    the real driver, probed, and GPU 0); tests pass stand-ins. PARENT: the snapshot whose chunks the
+    changed ones are stored as deltas against (sandbox.criu.parent; default with AUTO_PARENT: the
+    newest criu snapshot of the same root pid)."""
     criu = criu or Criu()
     journal.require_clean(store.path)
     opts = options or DumpOptions()
@@ -80,6 +84,7 @@ def criu_dump(store: SnapshotStore, pid: int, name: str, *, leave_running: bool 
         pids = process_tree(pid)
     except Exception as e:  # noqa: BLE001 - DiscoveryError
         raise CriuSnapshotError(str(e)) from None
+    base = choose_parent(store, pid, parent, auto_parent)
     gpu = GpuSide.discover(pids, pid, gpu_driver, features, device)
     report = CriuReport(name, pids, gpu.cuda_pids, images_path=images_path())
     usage: dict[int, dict[str, int]] = {}
@@ -96,8 +101,9 @@ def criu_dump(store: SnapshotStore, pid: int, name: str, *, leave_running: bool 
                         gpus=tuple(GpuInfo(g["index"], g["uuid"], g["name"]) for g in gpu.gpus), gpu_bytes=usage,
                         extra={"op": op.id, "op_mac": op.commit_mac(pids)}).to_json()
         with store.writer(name, replace=replace, meta=meta, tags=tuple(tags)) as w, gpu:
-            _dump_in(DumpContext(store, name, op, w, criu, pid, pids, opts, gpu, report, leave_running, progress),
-                     staging, lock_timeout_s)
+            _dump_in(DumpContext(store, name, op, w, criu, pid, pids, opts, gpu, report, leave_running, progress,
+                                 parent=base), staging, lock_timeout_s)
+    report.parent = base.name if base is not None else None
     report.raw_bytes, report.new_bytes, report.dedup_bytes = w.stats.raw_bytes, w.stats.bytes_new, w.stats.bytes_dedup
     return report
 

@@ -7,8 +7,10 @@
   2. gpusnap host-staged, for each images path asked (`stream`: CRIU's --stream served by gpusnap;
      `staging`: CRIU files on /dev/shm): `gpusnap criu dump` into a store on the same disk, process
      gone, caches dropped, `gpusnap criu restore`, verified by the process itself;
-  3. dedup: a second dump of the restored process after it changed 5% of its state, then a warm
-     restore of that snapshot (its chunks still in the page cache), verified again.
+  3. dedup: a second dump of the restored process after it changed 5% of its state, with the first
+     snapshot as its parent (`--parent e2e`: changed chunks stored as deltas against it, FORMAT.md
+     "Delta entries"; reported against the bytes the workload says it changed), then a warm
+     restore of that snapshot (its chunks still in the page cache, its bases too), verified again.
 
 Workloads: `serving` (scripts/workloads/serving_workload.py: a Llama-shaped bf16 model, paged KV pool, CUDA
 graph, zero-heavy; checks its own logits and every tensor's checksum), `moe`
@@ -164,10 +166,12 @@ def run_gpusnap(a: argparse.Namespace, work: str, path: str, dedup: bool) -> dic
             print("restore variant", json.dumps(v), flush=True)
         if dedup:
             # the restored process changes 5% of its state, then a second dump (left running)
-            w.cmd("mutate 5")
-            d2 = gpusnap(store, "criu", "dump", "--leave-running", str(w.pid), "e2e-b", path=path)
+            changed = w.cmd("mutate 5").get("bytes")
+            d2 = gpusnap(store, "criu", "dump", "--leave-running", "--parent", "e2e", str(w.pid), "e2e-b", path=path)
             g["dedup"] = {"second_new": d2["new_bytes"], "second_over_first": d2["new_bytes"] / max(1, g["stored_bytes"]),
-                          "second_dump_s": d2["seconds"]}
+                          "second_dump_s": d2["seconds"], "parent": d2.get("parent"), "changed_bytes": changed,
+                          "second_over_changed": d2["new_bytes"] / changed if changed else None,
+                          "delta_stages": {k: v for k, v in (d2.get("stages") or {}).items() if k.startswith("delta")}}
             g["verified_after_dedup_dump"] = verify(w)["ok"]
             # warm restore: the second snapshot, its chunks still in the page cache
             kill_restored(w.pids)
@@ -264,7 +268,10 @@ def table(result: dict) -> None:
         if "warm_restore" in g:
             print(f"{'':15s} warm restore {g['warm_restore']:.1f} s  verified {g['verified_after_warm_restore']}; "
                   f"dedup: second dump wrote {g['dedup']['second_new'] / 1e9:.2f} GB "
-                  f"({100 * g['dedup']['second_over_first']:.1f}% of the first) in {g['dedup']['second_dump_s']}")
+                  f"({100 * g['dedup']['second_over_first']:.1f}% of the first"
+                  + (f", {g['dedup']['second_over_changed']:.2f}x the {g['dedup']['changed_bytes'] / 1e9:.2f} GB changed"
+                     if g["dedup"].get("second_over_changed") else "")
+                  + f"; parent {g['dedup'].get('parent')}) in {g['dedup']['second_dump_s']}")
         if b:
             print(f"{'':15s} ratios (gpusnap / baseline): dump {g['dump'] / b['dump']:.2f}  restore {g['restore'] / b['restore']:.2f}"
                   f"  cycle speed-up {b['total'] / g['total']:.2f}x  bytes {g['stored_bytes'] / b['image_bytes']:.2f}"

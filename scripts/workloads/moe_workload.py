@@ -178,7 +178,7 @@ class Shard:
         k = self.fill(percent)
         self.be.sync()
         self.sums = self.checksums()
-        return {"ok": True, "blocks": k}
+        return {"ok": True, "blocks": k, "bytes": k * BLOCK_BYTES}
 
 
 class Graph:
@@ -325,7 +325,8 @@ def main() -> None:
         if cmd[0] == "mutate":
             pct = float(cmd[1])
             own, kid = shard.mutate(pct), child.ask(f"mutate {pct}")
-            return {"ok": own["ok"] and kid["ok"], "blocks": own["blocks"] + kid["blocks"]}
+            return {"ok": own["ok"] and kid["ok"], "blocks": own["blocks"] + kid["blocks"],
+                    "bytes": own.get("bytes", 0) + kid.get("bytes", 0)}
         return {"ok": False, "error": f"unknown command {cmd[0]!r}"}
 
     try:

@@ -172,7 +172,7 @@ def main() -> None:
                                             device="cuda").to(torch.bfloat16))
             m.filled = hi
             sums = checksums(m.tensors())
-            return {"ok": True, "blocks": hi - lo}
+            return {"ok": True, "blocks": hi - lo, "bytes": sum(kv[lo:hi].numel() * kv.element_size() for kv in m.kv)}
         return {"ok": False, "error": f"unknown command {cmd[0]!r}"}
 
     serve(a.dir, handle, torch.cuda.synchronize)

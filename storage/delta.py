@@ -1,0 +1,237 @@
+"""Delta entries: a chunk stored as zstd(raw XOR reference), the reference cut from full chunks of the store.
+
+FORMAT.md, "Delta entries": a GSNPCHK2 entry of codec `xor-zstd` (id 3) whose payload is a segment
+table and one zstd frame of exactly raw-length bytes: the chunk's raw bytes XOR its reference. The
+reference is the concatenation of the table's segments (each a byte range of one base chunk's raw
+bytes, or zeros), zero-extended to the raw length: for a new chunk of a dump, the bytes the parent
+snapshot's same-named stream had at the same offsets. The chunk's id is still the raw id of its own
+raw bytes, so the full check binds what a delta decodes to, whatever its bases said.
+
+Guarantees kept here: a delta is decoded only against bases its reader verified (the BaseReader:
+storage.store.SnapshotStore.delta_base, which refuses a base that is itself a delta: depth 1, no
+recursion); the table is bounded (MAX_SEGMENTS) and checked against the raw length before a base is
+read; the frame never decodes to more than the chunk's raw length, nor into anything but the caller's
+buffer; a segment never reads outside its base; every failure is a one-line DeltaDamage (chunkfile
+makes it a ChunkError naming the delta; what was wrong with its base in the message).
+"""
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+import numpy as np
+
+from .codecs import DELTA, ZstdCodec, decode_host_into, CodecError
+from .errors import DamageError
+from .limits import MAX_RAW_CHUNK
+
+MAX_SEGMENTS = 64              # a chunk of at most 4 MiB overlaps 3 parent chunks; 64 bounds a hostile table
+_HEAD = struct.Struct("<H6x")  # segment count, reserved
+_SEG = struct.Struct("<32sQQ")  # base id (32 zero bytes: zeros), offset in the base, length
+MIN_FRAME = 9                  # the smallest zstd frame
+TABLE_MAX = _HEAD.size + MAX_SEGMENTS * _SEG.size  # the most payload bytes before the frame
+MIN_PAYLOAD = _HEAD.size + _SEG.size + MIN_FRAME   # one segment and the smallest frame
+BASE_WHY = "its delta base"    # how a delta's damage through its base reads (verify keeps it out of quarantine)
+_NO_BASE = bytes(32)
+
+# (base id, the largest raw length the base may have) -> the base's raw bytes, verified
+BaseReader = Callable[[str, int], "bytes | memoryview"]
+
+_ZSTD = ZstdCodec()
+
+
+class DeltaDamage(DamageError):
+    """A delta entry that does not decode: WHAT says why (chunkfile.full_check names the chunk)."""
+
+    def __init__(self, what: str) -> None:
+        super().__init__(what)
+        self.what = what
+
+
+@dataclass(frozen=True)
+class Segment:
+    """LENGTH bytes of the reference: BASE's raw bytes from OFFSET, or zeros where BASE is None."""
+
+    base: str | None
+    offset: int
+    length: int
+
+
+def base_limit(raw_len: int) -> int:
+    """The largest raw length a base of a delta of RAW_LEN bytes may have (FORMAT.md): twice the
+    delta's plus 4 MiB (chunks of one chunker differ at most by a factor of two), at most a chunk's."""
+    return min(MAX_RAW_CHUNK, 2 * raw_len + (4 << 20))
+
+
+def table_len(segments: list[Segment]) -> int:
+    return _HEAD.size + len(segments) * _SEG.size
+
+
+def pack_table(segments: list[Segment]) -> bytes:
+    return _HEAD.pack(len(segments)) + b"".join(
+        _SEG.pack(bytes.fromhex(s.base) if s.base else _NO_BASE, s.offset, s.length) for s in segments)
+
+
+def parse_table(payload: memoryview | bytes, raw_len: int) -> tuple[list[Segment], int]:
+    """The segments of a delta payload and where its frame starts; ValueError when the table is not
+    one this format allows (count 1..MAX_SEGMENTS, reference no longer than RAW_LEN, a frame after it)."""
+    if len(payload) < _HEAD.size:
+        raise ValueError("shorter than its segment table")
+    (n,) = _HEAD.unpack_from(payload)
+    if not 1 <= n <= MAX_SEGMENTS:
+        raise ValueError(f"{n} segments (1..{MAX_SEGMENTS})")
+    start = _HEAD.size + n * _SEG.size
+    if len(payload) < start + MIN_FRAME:
+        raise ValueError("shorter than its segment table and a frame")
+    segs, total = [], 0
+    for i in range(n):
+        bid, off, length = _SEG.unpack_from(payload, _HEAD.size + i * _SEG.size)
+        if length == 0 or length > raw_len or off > MAX_RAW_CHUNK:
+            raise ValueError(f"segment {i} of {length} bytes at {off}")
+        total += length
+        segs.append(Segment(None if bid == _NO_BASE else bid.hex(), off, length))
+    if total > raw_len:
+        raise ValueError(f"a reference of {total} bytes for {raw_len} raw bytes")
+    return segs, start
+
+
+def bases(segments: Iterable[Segment]) -> set[str]:
+    return {s.base for s in segments if s.base is not None}
+
+
+def xor_into(dst: memoryview, src: bytes | memoryview) -> None:
+    """DST ^= SRC over their common length (DST writable)."""
+    k = min(len(dst), len(src))
+    if k:
+        a = np.frombuffer(dst, dtype=np.uint8, count=k)
+        np.bitwise_xor(a, np.frombuffer(src, dtype=np.uint8, count=k), out=a)
+
+
+def _apply(x: memoryview, segments: list[Segment], raws: dict[str, bytes | memoryview]) -> None:
+    pos = 0
+    for s in segments:
+        if s.base is not None:
+            xor_into(x[pos:pos + s.length], memoryview(raws[s.base])[s.offset:s.offset + s.length])
+        pos += s.length
+
+
+def xored(data: memoryview, segments: list[Segment], raws: dict[str, bytes | memoryview],
+          scratch: memoryview) -> tuple[memoryview, float]:
+    """DATA XOR the reference SEGMENTS make of RAWS (base id -> raw bytes, every segment within its
+    base), in SCRATCH (at least len(DATA) bytes), and the fraction of its bytes that are zero (how
+    much of DATA the reference already holds)."""
+    n = len(data)
+    x = scratch[:n]
+    x[:] = data
+    _apply(x, segments, raws)
+    same = 1.0 - np.count_nonzero(np.frombuffer(x, dtype=np.uint8)) / n if n else 1.0
+    return x, same
+
+
+def encode_xored(x: memoryview, segments: list[Segment], dst: memoryview) -> int | None:
+    """The delta payload of X (xored: the chunk XOR its reference SEGMENTS) written into DST; its
+    length, or None when it does not fit in len(DST) bytes (the caller sizes DST to what pays off)."""
+    table = pack_table(segments)
+    if len(dst) < len(table) + MIN_FRAME:
+        return None
+    dst[:len(table)] = table
+    m = _ZSTD.encode_into(x, dst[len(table):])
+    return None if m is None else len(table) + m
+
+
+def encode_into(data: memoryview, segments: list[Segment], raws: dict[str, bytes | memoryview],
+                scratch: memoryview, dst: memoryview) -> int | None:
+    """The delta payload of DATA against the reference SEGMENTS make of RAWS, written into DST (see
+    xored and encode_xored)."""
+    return encode_xored(xored(data, segments, raws, scratch)[0], segments, dst)
+
+
+def decode(codec: str, raw_len: int, payload: memoryview, cid: str, out: memoryview | None,
+           base: BaseReader | None) -> memoryview:
+    """The RAW_LEN raw bytes of the delta entry CID (codec CODEC, PAYLOAD), into OUT when given (at
+    least RAW_LEN bytes), not yet bound to CID (chunkfile.full_check hashes them); DeltaDamage when
+    the delta, or a base as BASE reads it (raising a DamageError), is damaged."""
+    if base is None:
+        raise DeltaDamage("is a delta entry, which is not accepted here (only a store's own reads resolve bases)")
+    if codec != DELTA:
+        raise DeltaDamage("is not a delta entry")
+    try:
+        segs, start = parse_table(payload, raw_len)
+    except ValueError as e:
+        raise DeltaDamage(f"delta entry with a bad segment table (corrupted): {e}") from None
+    raws: dict[str, bytes | memoryview] = {}
+    for s in segs:
+        if s.base is None:
+            continue
+        if s.base == cid:
+            raise DeltaDamage("delta entry names itself as its base (corrupted)")
+        if s.base not in raws:
+            try:
+                raws[s.base] = base(s.base, base_limit(raw_len))
+            except DamageError as e:
+                raise DeltaDamage(f"{BASE_WHY} {s.base[:16]}… {getattr(e, 'what', e)}") from None
+        if s.offset + s.length > len(raws[s.base]):
+            raise DeltaDamage(f"delta segment reads past its base {s.base[:16]}… (corrupted)")
+    target = out if out is not None else memoryview(bytearray(raw_len))
+    try:
+        got = decode_host_into("zstd", payload[start:], raw_len, target)
+    except CodecError as e:
+        raise DeltaDamage(f"delta does not decode (corrupted): {e}") from None
+    _apply(got, segs, raws)
+    return got
+
+
+def cut(segments: list[Segment], lo: int, hi: int) -> list[Segment]:
+    """The part [LO, HI) of the reference SEGMENTS make (zeros past their end)."""
+    out: list[Segment] = []
+    pos = 0
+    for s in segments:
+        a, b = max(lo, pos), min(hi, pos + s.length)
+        if a < b:
+            out.append(Segment(s.base, s.offset + (a - pos) if s.base else 0, b - a))
+        pos += s.length
+    if hi > max(lo, pos):
+        out.append(Segment(None, 0, hi - max(lo, pos)))
+    return out
+
+
+def merged(segments: list[Segment]) -> list[Segment]:
+    """SEGMENTS with adjacent pieces of the same base (or zeros) joined, trailing zeros dropped
+    (the reference is zero-extended anyway)."""
+    out: list[Segment] = []
+    for s in segments:
+        if out and out[-1].base == s.base and (s.base is None or out[-1].offset + out[-1].length == s.offset):
+            p = out[-1]
+            out[-1] = Segment(p.base, p.offset, p.length + s.length)
+        else:
+            out.append(s)
+    while out and out[-1].base is None:
+        out.pop()
+    return out
+
+
+PAGE = 4096  # the unit in which candidate references are mixed
+
+
+def page_differences(x: memoryview) -> "np.ndarray":
+    """For each 4096-byte page of X (an XOR against a candidate reference), how many bytes differ."""
+    nz = np.frombuffer(x, dtype=np.uint8) != 0
+    return np.add.reduceat(nz, np.arange(0, len(x), PAGE)) if len(x) else np.zeros(0, dtype=np.int64)
+
+
+def mixed(candidates: list[tuple[list[Segment], "np.ndarray"]], n: int) -> tuple[list[Segment], int] | None:
+    """One reference for N bytes made of the CANDIDATES' (their segments, their page_differences),
+    each page taken from the candidate that differs least there, in runs; and which candidate the last
+    run is. None when that needs more than MAX_SEGMENTS segments."""
+    pick = np.argmin(np.stack([c[1] for c in candidates]), axis=0)
+    segs: list[Segment] = []
+    start = 0
+    for i in range(1, len(pick) + 1):
+        if i == len(pick) or pick[i] != pick[start]:
+            segs += cut(candidates[int(pick[start])][0], start * PAGE, min(i * PAGE, n))
+            if len(segs) > 4 * MAX_SEGMENTS:
+                return None
+            start = i
+    out = merged(segs)
+    return (out, int(pick[-1])) if len(out) <= MAX_SEGMENTS and len(pick) else None

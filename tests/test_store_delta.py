@@ -1,0 +1,480 @@
+"""Delta entries (FORMAT.md, "Delta entries"): a second snapshot of a weights-like image with 5% of its
+64 KiB blocks rewritten at random places, taken with a parent, stores about the changed bytes; every
+reader (get, cat, the read stage in pack order, verify full and sampled, export/import, repair, the
+remote tier) reconstructs it bit for bit; damage of a base is damage of its deltas; gc keeps a base a
+live delta names; kill -9 at each new write step leaves a store that verifies; a real `criu dump`
+twice and a restore. Real files on the real disk, the real CLI, real CRIU and Swift."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import struct
+import subprocess
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import pytest
+
+from conftest import GPUSNAP, REPO, Cli, pythonpath
+from storage import delta
+from storage.chunkfile import HEADER_SIZE, ChunkHeader, check_received, raw_chunk_id
+from storage.codecs import CODEC_IDS, DELTA
+from storage.errors import DamageError
+from storage.manifest import Stream
+from storage.packs import PAUSE_ENV
+from storage.readstage import Want, read_chunks
+from storage.store import SnapshotStore
+from support.entries import Entry, chunk_entries
+
+BLOCK = 64 << 10
+MB = 80  # the image: 80 MiB of bf16-like weights (1280 blocks; 64 of them change)
+
+
+def weights(rng: np.random.Generator, n: int) -> bytes:
+    """N bytes of bf16 N(0, 0.02): what model weights look like (few zeros, ~1.5x compressible)."""
+    return (rng.normal(0, 0.02, n // 2).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16).tobytes()
+
+
+def change_5_percent(data: bytes, seed: int) -> tuple[bytes, int]:
+    """DATA with 5% of its 64 KiB blocks rewritten at random places; (new bytes, bytes changed)."""
+    rng = np.random.default_rng(seed)
+    out = bytearray(data)
+    blocks = len(data) // BLOCK
+    picked = rng.choice(blocks, blocks // 20, replace=False)
+    for b in picked:
+        out[b * BLOCK:(b + 1) * BLOCK] = weights(rng, BLOCK)
+    return bytes(out), len(picked) * BLOCK
+
+
+@pytest.fixture(scope="module")
+def images() -> tuple[bytes, bytes, int]:
+    a = weights(np.random.default_rng(3), MB << 20)
+    b, changed = change_5_percent(a, 11)
+    return a, b, changed
+
+
+def _write(d: Path, data: bytes) -> Path:
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "pages-1.img").write_bytes(data)
+    return d
+
+
+def delta_entries(store: Path) -> list[Entry]:
+    return [e for e in chunk_entries(store) if struct.unpack_from("<H", e.read()[:10], 8)[0] == CODEC_IDS[DELTA]]
+
+
+def pack_bytes(store: Path) -> int:
+    return sum(p.stat().st_size for p in (store / "packs").iterdir())
+
+
+def _two(cli: Cli, tmp: Path, images: tuple[bytes, bytes, int], parent: bool = True) -> dict[str, Any]:
+    """Snapshots a (the image) and b (5% changed), b with a as its parent; b's put report."""
+    a, b, _ = images
+    src = _write(tmp / "img", a)
+    cli.run("store", "put", "a", str(src), "--chunker", "pages")
+    _write(src, b)
+    return cli.json("store", "put", "b", str(src), "--chunker", "pages", "--no-cache",
+                    *(("--parent", "a") if parent else ()))
+
+
+def test_second_snapshot_with_a_parent_stores_about_the_changed_bytes(cli: Cli, store_dir: Path, tmp_path: Path,
+                                                                       images: tuple[bytes, bytes, int]) -> None:
+    a, b, changed = images
+    src = _write(tmp_path / "img", a)
+    cli.run("store", "put", "a", str(src), "--chunker", "pages")
+    before = pack_bytes(store_dir)
+    _write(src, b)
+    rep = cli.json("store", "put", "b", str(src), "--chunker", "pages", "--no-cache", "--parent", "a")
+    grown = pack_bytes(store_dir) - before
+    deltas = delta_entries(store_dir)
+    assert deltas and rep["chunks_new"] == len(deltas), rep  # every changed chunk went in as a delta
+    # the payloads: at most 1.1x the changed bytes (XOR of the changed blocks, zstd'd)
+    assert rep["new_bytes"] <= 1.1 * changed, (rep["new_bytes"], changed)
+    # on disk: plus each entry's 4096-byte header and its padding to 4096 (< 8 KiB an entry)
+    assert grown <= 1.1 * changed + 8192 * rep["chunks_new"], (grown, changed, rep["chunks_new"])
+    assert "delta-base" in rep["stages"] and "delta" in rep["stages"], rep["stages"]
+    assert json.loads((store_dir / "gpusnap-store.json").read_text())["version"] == 4
+    # without a parent the same change costs far more: nearly every chunk of the image again
+    other = Cli(tmp_path / "other")
+    plain = _two(other, tmp_path / "o", images, parent=False)
+    assert plain["new_bytes"] >= 4 * changed, (plain["new_bytes"], changed)
+    assert not delta_entries(tmp_path / "other")
+    assert json.loads((tmp_path / "other" / "gpusnap-store.json").read_text())["version"] == 3
+
+
+def test_a_delta_snapshot_reads_back_through_every_reader(cli: Cli, store_dir: Path, tmp_path: Path,
+                                                          images: tuple[bytes, bytes, int]) -> None:
+    a, b, _ = images
+    _two(cli, tmp_path, images)
+    assert delta_entries(store_dir)
+    for name, data in (("a", a), ("b", b)):
+        cli.run("store", "get", name, str(tmp_path / f"out-{name}"))
+        assert (tmp_path / f"out-{name}" / "img" / "pages-1.img").read_bytes() == data
+    cat = subprocess.run([*GPUSNAP, "--store", str(store_dir), "store", "cat", "b", "img/pages-1.img"], cwd=REPO,
+                         env={**os.environ, "PYTHONPATH": pythonpath()}, capture_output=True, timeout=300)
+    assert cat.returncode == 0 and cat.stdout == b, cat.stderr
+    # the read stage in pack order (the split fill's order), full check, into its own buffers
+    st = SnapshotStore(str(store_dir), create=False)
+    m = st.load("b")
+    s = next(x for x in m.streams if x.name == "img/pages-1.img")
+    offs = np.cumsum([0] + [c.raw_len for c in s.chunks])
+    got = bytearray(len(b))
+
+    def put(w: Want, data: Any) -> None:
+        got[w.key:w.key + w.ref.raw_len] = bytes(data)
+
+    read_chunks(st, [Want(int(o), c) for o, c in zip(offs, s.chunks) if not c.is_zero], put,
+                stages=_Nothing(), decoders=2, order="pack")
+    assert bytes(got) == b
+    for args in ((), ("--read-data",), ("--read-data-subset", "50%")):
+        rep = cli.json("store", "verify", *args)
+        assert rep["ok"], rep
+    # export writes each delta whole; the importing store has no delta and reads the same bytes
+    arch = tmp_path / "b.tar.zst"
+    cli.run("store", "export", "b", str(arch))
+    other = Cli(tmp_path / "imported")
+    other.run("store", "import", str(arch))
+    assert not delta_entries(tmp_path / "imported")
+    other.run("store", "get", "b", str(tmp_path / "imp"))
+    assert (tmp_path / "imp" / "img" / "pages-1.img").read_bytes() == b
+    assert other.json("store", "verify", "--read-data")["ok"]
+
+
+class _Nothing:
+    def add(self, stage: str, seconds: float, nbytes: int) -> None:
+        pass
+
+
+def _a_base(store_dir: Path) -> str:
+    """The id of a chunk of snapshot a that a delta of b names as its base."""
+    st = SnapshotStore(str(store_dir), create=False)
+    bases = st.delta_bases(st.load("b").chunk_ids())
+    assert bases
+    return sorted(next(iter(bases.values())))[0]
+
+
+def test_a_flipped_byte_in_a_base_damages_both_snapshots(cli: Cli, store_dir: Path, tmp_path: Path,
+                                                          images: tuple[bytes, bytes, int]) -> None:
+    _two(cli, tmp_path, images)
+    base = _a_base(store_dir)
+    next(e for e in chunk_entries(store_dir) if e.cid == base).flip_payload(0.5)
+    for name in ("a", "b"):
+        r = cli.run("store", "get", name, str(tmp_path / f"x-{name}"), check=False)
+        assert r.returncode == 3 and len(r.stderr.strip().splitlines()) == 1, (name, r.stderr)
+        assert not (tmp_path / f"x-{name}").exists()
+    r = cli.run("store", "verify", "--json", check=False)
+    rep = json.loads(r.stdout)
+    assert r.returncode == 3 and not rep["ok"]
+    named = {p.split(":", 1)[0] for p in rep["problems"]}
+    assert named == {"a", "b"}, rep["problems"]
+    assert any(p.startswith("b:") and delta.BASE_WHY in p for p in rep["problems"]), rep["problems"]
+    assert rep["quarantined"] == [base], rep  # the base set aside; its deltas are sound, not moved
+    listed = {s["name"]: s for s in cli.json("store", "ls")}
+    assert listed["a"].get("damaged_chunks") and listed["b"].get("damaged_chunks"), listed
+    assert cli.run("store", "get", "b", str(tmp_path / "y"), check=False).returncode == 3
+
+
+def test_a_delta_whose_base_is_missing_or_itself_a_delta_is_damage(cli: Cli, store_dir: Path, tmp_path: Path,
+                                                                    images: tuple[bytes, bytes, int]) -> None:
+    a, b, _ = images
+    _two(cli, tmp_path, images)
+    st = SnapshotStore(str(store_dir), create=False)
+    mb = st.load("b")
+    d_id = sorted(st.delta_bases(mb.chunk_ids()))[0]
+    # a delta (made by hand, as only someone writing the store could) whose base is a delta: exit 3
+    d_ref = next(c for s in mb.streams for c in s.chunks if c.id == d_id)
+    d_raw = bytes(st.read_raw(d_ref, _buf(st, mb)))
+    raw = bytes(x ^ 0x5A for x in d_raw[:1 << 20])
+    segs = [delta.Segment(d_id, 0, len(raw))]
+    scratch, dst = memoryview(bytearray(len(raw))), memoryview(bytearray(HEADER_SIZE + len(raw) + 8192))
+    m = delta.encode_into(memoryview(raw), segs, {d_id: d_raw}, scratch, dst[HEADER_SIZE:])
+    assert m is not None
+    with st.writer("forged", replace=False, meta={"kind": "files", "paths": ["/x"]}) as w:
+        ref = w.put_delta(len(raw), dst, m, raw_chunk_id(raw))
+        s = Stream("x", {"type": "file", "mode": 0o600, "mtime_ns": 0, "chunker": {"name": "fixed", "size": 1 << 20}})
+        s.chunks.append(ref)
+        w.add_stream(s)
+        w.commit()
+    r = cli.run("store", "get", "forged", str(tmp_path / "f"), check=False)
+    assert r.returncode == 3 and "itself a delta" in r.stderr, r.stderr
+    r = cli.run("store", "verify", "forged", "--read-data", check=False)
+    assert r.returncode == 3 and "itself a delta" in r.stdout + r.stderr
+    # a base that is missing (its entry gone from its pack's index): the delta is damage, exit 3
+    base = _a_base(store_dir)
+    next(e for e in chunk_entries(store_dir) if e.cid == base).remove()
+    r = cli.run("store", "get", "b", str(tmp_path / "g"), check=False)
+    assert r.returncode == 3 and "delta base" in r.stderr and "missing" in r.stderr, r.stderr
+    r = cli.run("store", "verify", "b", "--json", check=False)
+    assert r.returncode == 3 and delta.BASE_WHY in r.stdout, r.stdout
+
+
+def test_a_delta_whose_base_is_larger_than_the_limit_is_damage(cli: Cli, store_dir: Path, tmp_path: Path) -> None:
+    big = np.random.default_rng(5).bytes(6 << 20)  # one chunk of 6 MiB: more than a 4 KiB delta's base may be
+    (tmp_path / "big").write_bytes(big)
+    cli.run("store", "put", "big", str(tmp_path / "big"), "--chunk-size", "8M")
+    st = SnapshotStore(str(store_dir), create=False)
+    bid = next(iter(st.load("big").chunk_ids()))
+    raw = bytes(x ^ 1 for x in big[:4096])
+    segs = [delta.Segment(bid, 0, 4096)]
+    scratch, dst = memoryview(bytearray(4096)), memoryview(bytearray(HEADER_SIZE + 8192))
+    m = delta.encode_into(memoryview(raw), segs, {bid: big}, scratch, dst[HEADER_SIZE:])
+    assert m is not None
+    with st.writer("small", replace=False, meta={"kind": "files", "paths": ["/x"]}) as w:
+        s = Stream("x", {"type": "file", "mode": 0o600, "mtime_ns": 0, "chunker": {"name": "fixed", "size": 4096}})
+        s.chunks.append(w.put_delta(4096, dst, m, raw_chunk_id(raw)))
+        w.add_stream(s)
+        w.commit()
+    r = cli.run("store", "get", "small", str(tmp_path / "o"), check=False)
+    assert r.returncode == 3 and "more than a delta's base may" in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
+def _buf(st: SnapshotStore, m: Any) -> Any:
+    from storage.directio import AlignedBuffer
+    return AlignedBuffer(st.chunk_buffer_size([m]))
+
+
+def test_hostile_delta_payloads_are_one_line_damage(tmp_path: Path) -> None:
+    cid = "ab" * 32
+    ok_raw = bytes(range(256)) * 16
+    for what, payload, raw_len in (
+            ("no segments", struct.pack("<H6x", 0) + bytes(64), 4096),
+            ("too many segments", struct.pack("<H6x", delta.MAX_SEGMENTS + 1) + bytes(64), 4096),
+            ("a reference longer than the chunk", struct.pack("<H6x", 1) + struct.pack("<32sQQ", b"\1" * 32, 0, 8192)
+             + bytes(16), 4096),
+            ("a frame decoding to more than raw_len", struct.pack("<H6x", 1) + struct.pack("<32sQQ", bytes(32), 0, 16)
+             + _zstd(ok_raw * 2), len(ok_raw))):
+        with pytest.raises(delta.DeltaDamage) as e:
+            delta.decode(DELTA, raw_len, memoryview(payload), cid, None, lambda b, most: bytes(most and 16))
+        assert "\n" not in str(e.value), what
+    # a delta entry from outside the store (an archive member, a remote object) is refused
+    payload = struct.pack("<H6x", 1) + struct.pack("<32sQQ", bytes(32), 0, 16) + _zstd(ok_raw)
+    h = ChunkHeader(DELTA, len(ok_raw), len(payload), raw_id=True).with_checksum(payload)
+    image = memoryview(h.pack().ljust(HEADER_SIZE, b"\0") + payload)
+    with pytest.raises(DamageError, match="not accepted here"):
+        check_received(raw_chunk_id(ok_raw), "zstd", len(ok_raw), len(payload), image)
+
+
+def _zstd(data: bytes) -> bytes:
+    import zstandard
+    return zstandard.ZstdCompressor(level=1, write_content_size=True).compress(data)
+
+
+def test_gc_keeps_a_base_while_a_delta_names_it_and_reclaims_both(cli: Cli, store_dir: Path, tmp_path: Path,
+                                                                   images: tuple[bytes, bytes, int]) -> None:
+    _, b, _ = images
+    _two(cli, tmp_path, images)
+    cli.run("store", "rm", "a")
+    gc = cli.json("store", "gc")
+    assert not gc["damage"], gc
+    cli.run("store", "get", "b", str(tmp_path / "out"))
+    assert (tmp_path / "out" / "img" / "pages-1.img").read_bytes() == b
+    assert cli.json("store", "verify", "--read-data")["ok"]
+    gc = cli.json("store", "gc")  # and again: the repack of a's dead chunks kept b's bases
+    cli.run("store", "get", "b", str(tmp_path / "out2"))
+    assert (tmp_path / "out2" / "img" / "pages-1.img").read_bytes() == b
+    cli.run("store", "rm", "b")
+    gc = cli.json("store", "gc")
+    assert not chunk_entries(store_dir) and not list((store_dir / "packs").iterdir()), gc
+
+
+def _killed_put_at(store: Path, args: list[str], stage: str, tmp: Path) -> None:
+    flag = tmp / f"paused-{stage}"
+    env = dict(os.environ, PYTHONPATH=pythonpath(), **{PAUSE_ENV: f"{stage}:{flag}"})
+    p = subprocess.Popen([*GPUSNAP, "--store", str(store), *args], env=env, cwd=REPO,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 120
+    while not flag.exists():
+        assert p.poll() is None, p.communicate()[1]
+        assert time.monotonic() < deadline, "the put never reached " + stage
+        time.sleep(0.01)
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    flag.unlink()
+
+
+@pytest.mark.parametrize("stage", ["delta-marker", "pack-partial", "pack-synced", "indexed"])
+def test_kill_9_at_each_delta_write_step_leaves_a_store_that_verifies(cli: Cli, store_dir: Path, tmp_path: Path,
+                                                                        images: tuple[bytes, bytes, int],
+                                                                        stage: str) -> None:
+    a, b, _ = images
+    src = _write(tmp_path / "img", a)
+    cli.run("store", "put", "a", str(src), "--chunker", "pages")
+    _write(src, b)
+    put_b = ["store", "put", "b", str(src), "--chunker", "pages", "--no-cache", "--parent", "a"]
+    _killed_put_at(store_dir, put_b, stage, tmp_path)
+    assert [r["name"] for r in cli.json("store", "ls")] == ["a"]
+    assert cli.json("store", "verify", "--read-data")["ok"]
+    gc = cli.json("store", "gc")
+    assert not gc["damage"], gc
+    assert not delta_entries(store_dir)  # what the kill left (indexed or not) no snapshot names: gone
+    assert cli.json("store", "verify", "--read-data")["ok"]
+    cli.run("store", "get", "a", str(tmp_path / "oa"))
+    assert (tmp_path / "oa" / "img" / "pages-1.img").read_bytes() == a
+    again = cli.json(*put_b)
+    assert again["chunks_new"] and delta_entries(store_dir), again
+    cli.run("store", "get", "b", str(tmp_path / "ob"))
+    assert (tmp_path / "ob" / "img" / "pages-1.img").read_bytes() == b
+
+
+def test_a_chunk_stored_as_a_delta_of_a_delta_is_based_on_the_full_chunk(cli: Cli, store_dir: Path, tmp_path: Path,
+                                                                         images: tuple[bytes, bytes, int]) -> None:
+    """Depth 1: a third snapshot whose parent's chunks are deltas bases on the grandparent's full chunks."""
+    _, b, changed = images
+    _two(cli, tmp_path, images)
+    c, _ = change_5_percent(b, 12)
+    _write(tmp_path / "img", c)
+    rep = cli.json("store", "put", "c", str(tmp_path / "img"), "--chunker", "pages", "--no-cache", "--parent", "b")
+    st = SnapshotStore(str(store_dir), create=False)
+    bases = st.delta_bases(st.load("c").chunk_ids())
+    assert bases and all(st.entry_segments(x, st.locate(x)[0]) is None for bs in bases.values() for x in bs)
+    assert rep["new_bytes"] <= 2.2 * changed, rep  # the XOR holds both rounds of changes: still small
+    cli.run("store", "get", "c", str(tmp_path / "oc"))
+    assert (tmp_path / "oc" / "img" / "pages-1.img").read_bytes() == c
+    cli.run("store", "rm", "a", "b")
+    cli.json("store", "gc")
+    assert cli.json("store", "verify", "--read-data")["ok"]
+    cli.run("store", "get", "c", str(tmp_path / "oc2"))
+    assert (tmp_path / "oc2" / "img" / "pages-1.img").read_bytes() == c
+
+
+@pytest.fixture(scope="module")
+def endpoint() -> Iterator[str]:
+    from scripts.bench.bench_remote import drop_bucket
+    from test_remote import RUN, swift_start
+    ep = swift_start()
+    yield ep
+    drop_bucket(ep, f"gpusnap-test-{RUN}")
+
+
+def test_push_sends_deltas_whole_and_a_pull_reads_them_back(tmp_path: Path, endpoint: str,
+                                                            images: tuple[bytes, bytes, int]) -> None:
+    from test_remote import Node, url_for
+    url = url_for("delta-push-pull")
+    a, b = Node(tmp_path / "A", endpoint, url), Node(tmp_path / "B", endpoint, url)
+    _two(a.cli, tmp_path, images)
+    assert delta_entries(tmp_path / "A")
+    pushed = a.json("push", "b")
+    assert pushed["chunks_sent"] == pushed["chunks_total"] > 0, pushed
+    assert a.json("remote", "verify", "--read-data")["ok"]
+    b.json("pull", "b")
+    assert not delta_entries(tmp_path / "B")  # the remote holds no delta: nothing there names a base
+    b.run("store", "get", "b", str(tmp_path / "out"))
+    assert (tmp_path / "out" / "img" / "pages-1.img").read_bytes() == images[1]
+    assert b.json("store", "verify", "--read-data")["ok"]
+    # a pushed delta snapshot is whole on the remote even once its parent is gone locally
+    a.run("store", "rm", "a")
+    a.json("store", "gc")
+    pushed = a.json("push", "b")
+    assert pushed["already_there"], pushed
+
+
+class _Weights:
+    """tests/support/delta_workload.py: a process holding MiB of weights-like memory, in its own session."""
+
+    def __init__(self, tmp: Path, mib: int) -> None:
+        import sys
+        self.dir = tmp / "wl"
+        self.dir.mkdir()
+        self.log = open(tmp / "wl.log", "w")
+        self.proc = subprocess.Popen([sys.executable, str(REPO / "tests" / "support" / "delta_workload.py"),
+                                      str(self.dir), str(mib)], stdin=subprocess.DEVNULL, stdout=self.log,
+                                     stderr=self.log, start_new_session=True, cwd="/")
+        self.pid = json.loads(self._wait("ready", 60))["pid"]
+
+    def _wait(self, name: str, timeout: float = 60) -> str:
+        p = self.dir / name
+        deadline = time.monotonic() + timeout
+        while not p.exists():
+            assert time.monotonic() < deadline, f"the workload did not write {name}"
+            time.sleep(0.02)
+        text = p.read_text()
+        p.unlink()
+        return text
+
+    def ask(self, cmd: str, answer: str) -> dict:
+        (self.dir / "cmd").write_text(cmd)
+        return json.loads(self._wait(answer))
+
+    def close(self) -> None:
+        try:
+            os.killpg(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+        self.log.close()
+
+
+@pytest.mark.root
+def test_criu_dump_twice_stores_the_changed_blocks_and_restores(cli: Cli, store_dir: Path, tmp_path: Path) -> None:
+    from support.criu import require_criu
+    require_criu()
+    wl = _Weights(tmp_path, 96)
+    try:
+        first = cli.json("criu", "dump", "--leave-running", str(wl.pid), "w1")
+        assert first["parent"] is None, first
+        changed = wl.ask("change 5", "changed.json")["bytes"]
+        second = cli.json("criu", "dump", str(wl.pid), "w2")  # the parent is found: w1, same root pid
+        assert second["parent"] == "w1", second
+        wl.proc.wait(timeout=30)
+        # the changed blocks, plus what the interpreter itself touched between the dumps (its heap,
+        # stacks, small images: under 2 MiB here, stored as they are)
+        assert second["new_bytes"] <= 1.1 * changed + (2 << 20), (second["new_bytes"], changed, first["new_bytes"])
+        print(f"criu dump: {changed} bytes changed, {second['new_bytes']} stored (first dump {first['new_bytes']})")
+        assert delta_entries(store_dir)
+        assert cli.json("store", "verify", "--read-data")["ok"]
+        r = cli.json("criu", "restore", "w2")
+        assert r["restored_pid"] == wl.pid
+        assert wl.ask("report", "report.json")["memory_ok"]
+    finally:
+        wl.close()
+
+
+def test_repair_rewrites_a_damaged_base_and_heals_its_deltas(cli: Cli, store_dir: Path, tmp_path: Path,
+                                                             images: tuple[bytes, bytes, int]) -> None:
+    import shutil
+    _, b, _ = images
+    _two(cli, tmp_path, images)
+    shutil.copytree(store_dir, tmp_path / "copy")  # another store holding the same chunks (and deltas)
+    base = _a_base(store_dir)
+    cli.run("store", "rm", "a")  # the base is now named by no manifest, only by b's deltas
+    next(e for e in chunk_entries(store_dir) if e.cid == base).flip_payload(0.3)
+    assert cli.run("store", "get", "b", str(tmp_path / "x"), check=False).returncode == 3
+    rep = cli.json("store", "repair", "--from", str(tmp_path / "copy"))
+    assert rep["ok"] and base in rep["repaired"], rep
+    cli.run("store", "get", "b", str(tmp_path / "out"))
+    assert (tmp_path / "out" / "img" / "pages-1.img").read_bytes() == b
+    assert cli.json("store", "verify", "--read-data")["ok"]
+    # without a source the base is lost, and with it the delta that needs it: exit 3, named
+    next(e for e in chunk_entries(store_dir) if e.cid == base and not _quarantined(store_dir, e)).flip_payload(0.3)
+    r = cli.run("store", "repair", "--json", check=False)
+    rep = json.loads(r.stdout)
+    assert r.returncode == 3 and any(delta.BASE_WHY in p for p in rep["lost"]), rep
+
+
+def _quarantined(store: Path, e: Entry) -> bool:
+    rec = store / "quarantine" / f"{e.cid}.json"
+    return rec.exists() and [e.path.name, e.offset] in json.loads(rec.read_text()).get("entries", [])
+
+
+def test_pages_mapped_before_the_changes_move_the_bases_with_them(cli: Cli, store_dir: Path, tmp_path: Path,
+                                                                  images: tuple[bytes, bytes, int]) -> None:
+    """A process that mapped 78 pages before its changed blocks: every later byte of its page image
+    moved; the dump finds the parent's bytes where they went (a shift learned, the mixed chunk)."""
+    a, b, changed = images
+    inserted = weights(np.random.default_rng(8), 78 * 4096)
+    at = (5 << 20) + 3 * 4096
+    moved = b[:at] + inserted + b[at:]
+    src = _write(tmp_path / "img", a)
+    cli.run("store", "put", "a", str(src), "--chunker", "pages")
+    _write(src, moved)
+    rep = cli.json("store", "put", "b", str(src), "--chunker", "pages", "--no-cache", "--parent", "a")
+    assert rep["new_bytes"] <= 1.1 * (changed + len(inserted)), (rep["new_bytes"], changed, len(inserted))
+    cli.run("store", "get", "b", str(tmp_path / "out"))
+    assert (tmp_path / "out" / "img" / "pages-1.img").read_bytes() == moved
