@@ -16,6 +16,8 @@ GPU region engine (storage/gpu_engine.py) use the same store underneath.
 """
 from __future__ import annotations
 
+import collections
+
 import bisect
 import functools
 import os
@@ -31,7 +33,7 @@ import numpy as np
 from .progress import Progress
 from .chunkfile import HEADER_SIZE, ChunkError, full_check
 from . import delta
-from .codecs import DELTA_MATCH, DELTA_PAYS_OFF, HostCodecChooser, CodecError
+from .codecs import DELTA, DELTA_MATCH, DELTA_PAYS_OFF, HostCodecChooser, CodecError
 from .directio import AlignedBuffer, BufferPool, copy_into
 from .manifest import ChunkRef, Manifest, Stream
 from .readstage import Want, read_chunks
@@ -391,6 +393,29 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
                     stages.add("delta", time.perf_counter() - t1, n)
                     if same >= DELTA_MATCH:
                         break
+                if name in at and max((t[0] for t in tried), default=0.0) < DELTA_MATCH:
+                    # none of the places guessed holds this chunk: look for its pages in the parent
+                    # near there (a page image moves by a different shift after each area mapped
+                    # before it, and where every chunk changed no unchanged one says by how much)
+                    t0 = time.perf_counter()
+                    found = _search_shifts(writer.store, at[name], view, off, shifts.guess(name, off))
+                    stages.add("delta-search", time.perf_counter() - t0, n)
+                    for s in found:
+                        if s in (t[1] for t in tried) or off + s < 0:
+                            continue
+                        segs = _window(writer.store, at[name], off + s, n)
+                        raws = {}
+                        try:
+                            for bid in delta.bases(segs or []):
+                                raws[bid] = writer.store.delta_base(bid, delta.base_limit(n))
+                        except (ChunkError, OSError):
+                            raws = {}
+                        if not raws or segs is None:
+                            continue
+                        t1 = time.perf_counter()
+                        xv, same = delta.xored(view, segs, raws, x.view)
+                        tried.append((same, s, segs, raws, delta.page_differences(xv)))
+                        stages.add("delta", time.perf_counter() - t1, n)
                 if not tried:
                     return None
                 t1 = time.perf_counter()
@@ -552,8 +577,11 @@ class _Shifts:
         self._where: dict[str, dict[str, int | None]] = {}
         self._by_len: dict[str, dict[int, list[int]]] = {}
         self._cuts: dict[str, list[int]] = {}  # the parent's chunk boundaries (content-defined cuts)
+        self._starts: dict[str, set[int]] = {}  # the parent's chunk starts
+        self._seen: dict[str, collections.Counter[int]] = {name: collections.Counter() for name in at}
         for name, (starts, refs) in at.items():
             self._cuts[name] = starts[1:] + [starts[-1] + refs[-1].raw_len]
+            self._starts[name] = set(starts)
             where: dict[str, int | None] = {}
             by_len: dict[int, list[int]] = {}
             for o, r in zip(starts, refs):
@@ -568,11 +596,19 @@ class _Shifts:
             i = bisect.bisect_left(offs, off)
             offs.insert(i, off)
             vals.insert(i, shift)
+            self._seen[name][shift] += 1
 
     def found(self, name: str, off: int, cid: str) -> None:
         p = self._where.get(name, {}).get(cid)
         if p is not None:
             self.note(name, off, p - off)
+
+    def guess(self, name: str, off: int) -> int:
+        """The shift learned nearest before OFF of NAME (0 when none is)."""
+        with self._lock:
+            offs, vals = self._learned.get(name, ([], []))
+            i = bisect.bisect_right(offs, off)
+            return vals[i - 1] if i > 0 else (vals[0] if vals else 0)
 
     def candidates(self, name: str, off: int, n: int) -> list[int]:
         """Shifts to try for N new bytes at OFF of NAME, the likeliest first (at most three)."""
@@ -597,13 +633,102 @@ class _Shifts:
         ends = [cuts[k] - off - n for k in (j - 1, j) if 0 <= k < len(cuts) and cuts[k] - off - n != guess]
         if ends:
             near.append(min(ends, key=lambda e: abs(e - guess)))
-        for s in [*near, 0]:
-            if s not in out and off + s >= 0 and abs(s - guess) <= SHIFT_REACH:
+        # any shift seen in this stream at which this chunk starts where a chunk of the parent started:
+        # a content-defined cut that is the parent's too says the bytes before it are the parent's
+        # there (a page image moves by several shifts when areas were mapped at several places, and
+        # the workers learn them out of order)
+        with self._lock:
+            seen = [v for v, _ in self._seen[name].most_common(SHIFTS_TRIED)]
+        starts = self._starts[name]
+        aligned = [v for v in seen if off + v in starts]
+        for s in [*aligned[:2], *near, 0]:
+            if s not in out and off + s >= 0 and (abs(s - guess) <= SHIFT_REACH or s in aligned):
                 out.append(s)
-        return out[:4]
+        return out[:5]
 
 
 SHIFT_REACH = 256 << 20  # a parent chunk of the same length this far from the guess is taken for a candidate
+SEARCH_REACH = 16 << 20  # _search_shifts looks for a chunk's pages this far around the guessed place
+SEARCH_PAGES = 8         # ... for at most this many of its non-zero pages, spread over it
+_PAGE = 4096
+_KEY_MULT: Any = None    # numpy weights of _page_keys (made on first use)
+
+
+def _page_keys(data: memoryview | bytes) -> Any:
+    """A 64-bit key per whole 4 KiB page of DATA (a weighted sum of its words: equal pages, equal keys;
+    two different pages may share one, which only costs a candidate: the XOR decides)."""
+    import numpy as np
+    global _KEY_MULT
+    if _KEY_MULT is None:
+        _KEY_MULT = (np.arange(_PAGE // 8, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)) | np.uint64(1)
+    n = len(data) // _PAGE * _PAGE
+    words = np.frombuffer(data, dtype=np.uint64, count=n // 8).reshape(-1, _PAGE // 8)
+    return (words * _KEY_MULT).sum(axis=1, dtype=np.uint64)
+
+
+def _search_shifts(store: SnapshotStore, chunks: tuple[list[int], list[ChunkRef]], view: memoryview,
+                   off: int, guess: int) -> list[int]:
+    """Shifts at which some of VIEW's non-zero pages (VIEW at OFF of the new stream) lie in the parent
+    stream (CHUNKS), looked for in its full chunks within SEARCH_REACH of OFF + GUESS; the most
+    frequent first, at most two. Reads those chunks through the store's base cache."""
+    import numpy as np
+    keys = _page_keys(view)
+    zero = _page_keys(bytes(_PAGE))[0]
+    nonzero = np.nonzero(keys != zero)[0]
+    if not len(nonzero):
+        return []
+    sample = nonzero[np.linspace(0, len(nonzero) - 1, min(SEARCH_PAGES, len(nonzero))).astype(int)]
+    want = {int(keys[i]): int(i) * _PAGE for i in sample}
+    starts, refs = chunks
+    lo, hi = off + guess - SEARCH_REACH, off + guess + len(view) + SEARCH_REACH
+    first, last = max(0, bisect.bisect_right(starts, lo) - 1), bisect.bisect_left(starts, hi)
+    mid = off + guess
+    order = sorted(range(first, min(last, len(refs))), key=lambda k: abs(starts[k] - mid))  # nearest first
+    wanted = np.fromiter(want, dtype=np.uint64, count=len(want))
+    votes: collections.Counter[int] = collections.Counter()
+    for k in order:
+        r = refs[k]
+        if r.id is None or r.is_zero or r.codec == DELTA:
+            continue
+        pk = _KEYS.get(r.id)
+        if pk is None:
+            try:
+                pk = _page_keys(store.delta_base(r.id, delta.base_limit(r.raw_len)))
+            except (ChunkError, OSError):
+                continue
+            _KEYS.put(r.id, pk)
+        hit = np.nonzero(np.isin(pk, wanted))[0]
+        for j in hit:
+            votes[starts[k] + int(j) * _PAGE - off - want[int(pk[j])]] += 1
+        if votes and votes.most_common(1)[0][1] >= max(2, len(want) // 2):
+            break  # half the pages sampled agree: that is where they went
+    return [v for v, _ in votes.most_common(2)]
+
+
+class _KeyCache:
+    """The page keys of the parent chunks searched last (by chunk id), shared by the workers."""
+
+    def __init__(self, most: int) -> None:
+        self._most = most
+        self._lock = threading.Lock()
+        self._keys: collections.OrderedDict[str, Any] = collections.OrderedDict()
+
+    def get(self, cid: str) -> Any:
+        with self._lock:
+            v = self._keys.get(cid)
+            if v is not None:
+                self._keys.move_to_end(cid)
+            return v
+
+    def put(self, cid: str, keys: Any) -> None:
+        with self._lock:
+            self._keys[cid] = keys
+            while len(self._keys) > self._most:
+                self._keys.popitem(last=False)
+
+
+_KEYS = _KeyCache(512)  # ~512 chunks' pages: 2.6 MB of keys
+SHIFTS_TRIED = 32  # the stream's most frequent shifts a chunk's start is checked against
 
 
 def _window(store: SnapshotStore, chunks: tuple[list[int], list[ChunkRef]], off: int,
