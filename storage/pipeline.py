@@ -375,7 +375,9 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
             n = len(view)
             tried: list[tuple[float, int, list[delta.Segment], dict[str, bytes | memoryview], Any]] = []
             with dscratch.borrowed() as d, xscratch.borrowed() as x:
-                for s in shifts.candidates(name, off, n):
+                def attempt(s: int) -> float:
+                    """The parent's bytes at shift S as this chunk's reference: scored (the fraction of
+                    its bytes they hold) and kept in TRIED; 0 when they cannot be read or cut."""
                     t0 = time.perf_counter()
                     segs = _window(writer.store, at[name], off + s, n)
                     raws: dict[str, bytes | memoryview] = {}
@@ -386,12 +388,15 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
                         raws = {}  # a base unreadable here: not this candidate (verify reports the parent's damage)
                     stages.add("delta-base", time.perf_counter() - t0, sum(len(r) for r in raws.values()))
                     if not raws or segs is None:
-                        continue
+                        return 0.0
                     t1 = time.perf_counter()
                     xv, same = delta.xored(view, segs, raws, x.view)
                     tried.append((same, s, segs, raws, delta.page_differences(xv)))
                     stages.add("delta", time.perf_counter() - t1, n)
-                    if same >= DELTA_MATCH:
+                    return same
+
+                for s in shifts.candidates(name, off, n):
+                    if attempt(s) >= DELTA_MATCH:
                         break
                 if name in at and max((t[0] for t in tried), default=0.0) < DELTA_MATCH:
                     # none of the places guessed holds this chunk: look for its pages in the parent
@@ -401,21 +406,8 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
                     found = _search_shifts(writer.store, at[name], view, off, shifts.guess(name, off))
                     stages.add("delta-search", time.perf_counter() - t0, n)
                     for s in found:
-                        if s in (t[1] for t in tried) or off + s < 0:
-                            continue
-                        segs = _window(writer.store, at[name], off + s, n)
-                        raws = {}
-                        try:
-                            for bid in delta.bases(segs or []):
-                                raws[bid] = writer.store.delta_base(bid, delta.base_limit(n))
-                        except (ChunkError, OSError):
-                            raws = {}
-                        if not raws or segs is None:
-                            continue
-                        t1 = time.perf_counter()
-                        xv, same = delta.xored(view, segs, raws, x.view)
-                        tried.append((same, s, segs, raws, delta.page_differences(xv)))
-                        stages.add("delta", time.perf_counter() - t1, n)
+                        if s not in (t[1] for t in tried) and off + s >= 0:
+                            attempt(s)
                 if not tried:
                     return None
                 t1 = time.perf_counter()
