@@ -50,23 +50,21 @@ def criu() -> None:
                    "GPUSNAP_CRIU_IMAGES=staging, has CRIU write every image there first, then ingests them.")
 @click.option("--replace", is_flag=True, help="Replace an existing snapshot of the same name.")
 @click.option("--parent", default=None, metavar="SNAP",
-              help="Store changed chunks as deltas against the chunks at the same places of SNAP, an earlier "
-                   "criu snapshot (default: the newest criu snapshot of the same root pid, if any).")
-@click.option("--no-parent", is_flag=True, help="Store changed chunks whole (no delta against an earlier dump).")
+              help="Store changed chunks as deltas against SNAP, an earlier criu snapshot of the same workload "
+                   "(it writes about the changed bytes). Never chosen for you: the bytes of SNAP that the deltas "
+                   "use stay stored while this snapshot lives, even after SNAP is removed.")
 @tag_option
 @json_option
 @click.pass_context
 @one_line_errors
 def criu_dump_cmd(ctx: click.Context, pid: int, name: str, leave_running: bool, shell_job: bool,
                   ext_unix_sk: bool, file_locks: bool, link_remap: bool, tcp_established: bool,
-                  skip_in_flight: bool, staging: str | None, replace: bool, parent: str | None, no_parent: bool,
+                  skip_in_flight: bool, staging: str | None, replace: bool, parent: str | None,
                   tags: tuple[str, ...], as_json: bool) -> None:
     """Dump PID and its descendants into snapshot NAME. On any failure the tree keeps running.
 
     The page images stream from CRIU into the store as CRIU writes them (no copy on disk first);
     the tree is killed only once the snapshot is committed (unless --leave-running). Needs root."""
-    if parent is not None and no_parent:
-        raise click.UsageError("--parent and --no-parent exclude each other")
     need_root("criu dump")
     refuse_container_process(pid)
     st = open_store(ctx)
@@ -75,7 +73,7 @@ def criu_dump_cmd(ctx: click.Context, pid: int, name: str, leave_running: bool, 
                        skip_in_flight=skip_in_flight)
     with undo_on_signals(), Progress(f"criu dump {pid}", ctx.obj["progress"]) as prog:
         r = criu_dump(st, pid, name, leave_running=leave_running, options=opts, replace=replace,
-                      staging=staging, progress=prog, tags=tags, parent=parent, auto_parent=not no_parent)
+                      staging=staging, progress=prog, tags=tags, parent=parent)
     emit(as_json, r.as_dict(), f"{name}: {len(r.pids)} process(es), {len(r.cuda_pids)} with CUDA; "
          f"{human(r.raw_bytes)} of images, {human(r.new_bytes)} written, {human(r.dedup_bytes)} deduplicated "
          f"({', '.join(f'{k} {v:.2f} s' for k, v in r.seconds.items())})")

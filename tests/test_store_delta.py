@@ -420,8 +420,11 @@ def test_criu_dump_twice_stores_the_changed_blocks_and_restores(cli: Cli, store_
         first = cli.json("criu", "dump", "--leave-running", str(wl.pid), "w1")
         assert first["parent"] is None, first
         changed = wl.ask("change 5", "changed.json")["bytes"]
-        second = cli.json("criu", "dump", str(wl.pid), "w2")  # the parent is found: w1, same root pid
+        second = cli.json("criu", "dump", "--leave-running", "--parent", "w1", str(wl.pid), "w2")
         assert second["parent"] == "w1", second
+        unnamed = cli.json("criu", "dump", "--leave-running", str(wl.pid), "w3")
+        assert unnamed["parent"] is None, unnamed  # never guessed (by root pid or otherwise)
+        os.kill(wl.pid, signal.SIGKILL)
         wl.proc.wait(timeout=30)
         # the changed blocks, plus what the interpreter itself touched between the dumps (its heap,
         # stacks, small images: under 2 MiB here, stored as they are)

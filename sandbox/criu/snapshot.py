@@ -66,16 +66,14 @@ __all__ = ["CriuReport", "CriuSnapshotError", "criu_dump", "criu_restore", "desc
 def criu_dump(store: SnapshotStore, pid: int, name: str, *, leave_running: bool = False,
               options: DumpOptions | None = None, replace: bool = False, staging: str | None = None,
               lock_timeout_s: float = 10.0, progress: Progress | None = None, criu: Criu | None = None, tags: Sequence[str] = (),
-              gpu_driver: Any = None, features: Any = None, device: Any = None, parent: str | None = None,
-              auto_parent: bool = True) -> CriuReport:
+              gpu_driver: Any = None, features: Any = None, device: Any = None, parent: str | None = None) -> CriuReport:
     """The tree at PID into snapshot NAME: GPU state first (custom storage or the driver's host copy,
     as the probe says), then CRIU (the tree left stopped), its page images ingested as they are
     written, the commit, and only then the kill (unless leave_running).
 
     gpu_driver/features/device: the CheckpointDriver, its Features and the engine's Device (default:
     the real driver, probed, and GPU 0); tests pass stand-ins. PARENT: the snapshot whose chunks the
-    changed ones are stored as deltas against (sandbox.criu.parent; default with AUTO_PARENT: the
-    newest criu snapshot of the same root pid)."""
+    changed ones are stored as deltas against (sandbox.criu.parent; None: every chunk whole)."""
     criu = criu or Criu()
     journal.require_clean(store.path)
     opts = options or DumpOptions()
@@ -84,7 +82,7 @@ def criu_dump(store: SnapshotStore, pid: int, name: str, *, leave_running: bool 
         pids = process_tree(pid)
     except Exception as e:  # noqa: BLE001 - DiscoveryError
         raise CriuSnapshotError(str(e)) from None
-    base = choose_parent(store, pid, parent, auto_parent)
+    base = choose_parent(store, parent)
     gpu = GpuSide.discover(pids, pid, gpu_driver, features, device)
     report = CriuReport(name, pids, gpu.cuda_pids, images_path=images_path())
     usage: dict[int, dict[str, int]] = {}
