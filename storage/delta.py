@@ -64,6 +64,13 @@ def base_limit(raw_len: int) -> int:
     return min(MAX_RAW_CHUNK, 2 * raw_len + (4 << 20))
 
 
+def bases_limit(raw_len: int) -> int:
+    """The most raw bytes all the distinct bases of one delta of RAW_LEN bytes may hold together: two
+    bases at their limit. A hostile table naming many large bases would otherwise make a reader hold
+    them all at once; the writer keeps to the same bound."""
+    return 2 * base_limit(raw_len)
+
+
 def table_len(segments: list[Segment]) -> int:
     return _HEAD.size + len(segments) * _SEG.size
 
@@ -112,15 +119,20 @@ def _apply(x: memoryview, segments: list[Segment], raws: dict[str, bytes | memor
     pos = 0
     for s in segments:
         if s.base is not None:
+            if s.offset + s.length > len(raws[s.base]):
+                raise ValueError(f"a segment reads past its base {s.base[:16]}…")
             xor_into(x[pos:pos + s.length], memoryview(raws[s.base])[s.offset:s.offset + s.length])
         pos += s.length
 
 
 def xored(data: memoryview, segments: list[Segment], raws: dict[str, bytes | memoryview],
           scratch: memoryview) -> tuple[memoryview, float]:
-    """DATA XOR the reference SEGMENTS make of RAWS (base id -> raw bytes, every segment within its
-    base), in SCRATCH (at least len(DATA) bytes), and the fraction of its bytes that are zero (how
-    much of DATA the reference already holds)."""
+    """DATA XOR the reference SEGMENTS make of RAWS (base id -> raw bytes), in SCRATCH (at least
+    len(DATA) bytes), and the fraction of its bytes that are zero (how much of DATA the reference
+    already holds). ValueError when a segment reads past its base or RAWS hold more than
+    bases_limit: such a reference would be refused by every reader (decode), so it is never written."""
+    if sum(len(raws[b]) for b in bases(segments)) > bases_limit(len(data)):
+        raise ValueError("the reference's bases hold more than a delta's bases may")
     n = len(data)
     x = scratch[:n]
     x[:] = data
@@ -161,6 +173,7 @@ def decode(codec: str, raw_len: int, payload: memoryview, cid: str, out: memoryv
     except ValueError as e:
         raise DeltaDamage(f"delta entry with a bad segment table (corrupted): {e}") from None
     raws: dict[str, bytes | memoryview] = {}
+    held = 0
     for s in segs:
         if s.base is None:
             continue
@@ -171,6 +184,10 @@ def decode(codec: str, raw_len: int, payload: memoryview, cid: str, out: memoryv
                 raws[s.base] = base(s.base, base_limit(raw_len))
             except DamageError as e:
                 raise DeltaDamage(f"{BASE_WHY} {s.base[:16]}… {getattr(e, 'what', e)}") from None
+            held += len(raws[s.base])
+            if held > bases_limit(raw_len):  # checked as each base arrives: at most one more is held
+                raise DeltaDamage(f"delta entry names bases holding more than {bases_limit(raw_len)} bytes "
+                                  "together (corrupted)")
         if s.offset + s.length > len(raws[s.base]):
             raise DeltaDamage(f"delta segment reads past its base {s.base[:16]}… (corrupted)")
     target = out if out is not None else memoryview(bytearray(raw_len))

@@ -36,7 +36,7 @@ from .names import InvalidNameError, validate_snapshot_name
 from .owner import ProcessOwner
 from .packs import PACK_NAME, REPACK_BELOW, Loc
 from .reflog import RefLogError, pinned
-from .store import CHUNK_ID, get_staging_name, read_record
+from .store import CHUNK_ID, EntryUnknown, get_staging_name, read_record
 from .storedir import (CHUNKS, INDEX, JOURNAL, NAMES, PACKS, QUARANTINE, SNAPSHOTS, TMP, StoreDamage, entries, lstat_at,
                        manifest_entry, open_dir, opened_dir, remove_tree)
 from .treewalk import empty_tree
@@ -142,18 +142,34 @@ def _packs(store: "SnapshotStore", root: int, uid: int, report: GcReport, live: 
             keep: dict[str, set[int]] = {}
             bases: set[str] = set()
             deltas = store.may_hold_deltas()  # a store below version 4 holds none: no entry is read
-            for cid in live:
-                locs = index.find(cid) or index.locs.get(cid, [])[:1]
-                if locs:
-                    keep.setdefault(locs[0].pack, set()).add(locs[0].offset)
-                    segs = store.entry_segments(cid, locs[0]) if deltas else None
-                    if segs is not None:  # a delta: its bases live as long as it does (FORMAT.md, "Delta entries")
-                        bases |= delta.bases(segs)
-            for bid in bases:  # one full entry of each base (a base is never read through a delta entry)
-                for loc in index.find(bid) or index.locs.get(bid, []):
-                    if store.entry_segments(bid, loc) is None:
-                        keep.setdefault(loc.pack, set()).add(loc.offset)
-                        break
+            if deltas and index.damage:
+                # a damaged index's pack may hold deltas whose bases lie in other packs: which those
+                # are is unknown, so nothing may go (`store repair` first)
+                raise GcStopped("gc stopped, nothing deleted: an index file is damaged and the store holds "
+                                "delta entries, whose bases it may name; run `gpusnap store repair`")
+            try:
+                for cid in live:
+                    locs = index.find(cid) or index.locs.get(cid, [])[:1]
+                    if locs:
+                        keep.setdefault(locs[0].pack, set()).add(locs[0].offset)
+                        segs = store.entry_kind(cid, locs[0]) if deltas else None
+                        if segs is not None:  # a delta: its bases live as long as it does (FORMAT.md, "Delta entries")
+                            bases |= delta.bases(segs)
+            except EntryUnknown as e:
+                raise GcStopped(f"gc stopped, nothing deleted: {e}; whether it is a delta, and which "
+                                "bases it names, is unknown (`gpusnap store repair`)") from None
+            for bid in bases:  # a full entry of each base (a base is never read through a delta entry)
+                locs = index.find(bid) or index.locs.get(bid, [])
+                full = []
+                for loc in locs:
+                    try:
+                        if store.entry_kind(bid, loc) is None:
+                            full.append(loc)
+                            break
+                    except EntryUnknown:
+                        continue
+                for loc in full or locs:  # none known to be full: every copy stays
+                    keep.setdefault(loc.pack, set()).add(loc.offset)
             live |= bases  # chunk files and quarantine records of bases are kept too
             listed = entries(packs_fd)
             for name in sorted(set(index.packs) - {x.name for x in listed}):

@@ -390,7 +390,10 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
                     if not raws or segs is None:
                         return 0.0
                     t1 = time.perf_counter()
-                    xv, same = delta.xored(view, segs, raws, x.view)
+                    try:
+                        xv, same = delta.xored(view, segs, raws, x.view)
+                    except ValueError:
+                        return 0.0  # a reference no reader would take (a parent delta's bad table, too many bases)
                     tried.append((same, s, segs, raws, delta.page_differences(xv)))
                     stages.add("delta", time.perf_counter() - t1, n)
                     return same
@@ -417,7 +420,10 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
                     mixed = delta.mixed([(t[2], t[4]) for t in tried], n)
                     if mixed is not None:
                         both = {k: v for t in tried for k, v in t[3].items()}
-                        _, mixed_same = delta.xored(view, mixed[0], both, x.view)
+                        try:
+                            _, mixed_same = delta.xored(view, mixed[0], both, x.view)
+                        except ValueError:
+                            mixed_same = 0.0  # its bases together are more than a delta may name
                         if mixed_same > same:
                             same, segs, raws, shift_after = mixed_same, mixed[0], both, tried[mixed[1]][1]
                 if same < 1 - DELTA_PAYS_OFF:

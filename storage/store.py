@@ -81,6 +81,10 @@ class StoreError(GpusnapError):
     """A store operation that cannot be done; the message says what to do about it."""
 
 
+class EntryUnknown(StoreError):
+    """Whether a pack entry is a delta (and which bases it names) cannot be told: gc deletes nothing then."""
+
+
 class SnapshotDamaged(StoreError, DamageError):
     """A snapshot that cannot be read back as it was committed (a chunk missing or damaged): exit 3."""
 
@@ -773,7 +777,17 @@ class SnapshotStore:
     def entry_segments(self, cid: str, loc: Loc) -> list[delta.Segment] | None:
         """The reference segments of the pack entry LOC of CID if it is a delta entry, else None (a
         header or table that does not parse is no delta here: its readers find the damage). Reads
-        the header and the segment table (at most 4096 + delta.TABLE_MAX bytes)."""
+        the header and the segment table (at most 4096 + delta.TABLE_MAX bytes). gc, which must not
+        guess, uses entry_kind."""
+        try:
+            return self.entry_kind(cid, loc)
+        except EntryUnknown:
+            return None
+
+    def entry_kind(self, cid: str, loc: Loc) -> list[delta.Segment] | None:
+        """As entry_segments, but EntryUnknown when it cannot be told: the entry unreadable (an I/O
+        error, too many open files), its header damaged (a delta's codec id may be what is damaged),
+        or a delta's table that does not parse (which bases it names is unknown)."""
         try:
             with self.subdir(PACKS) as packs:
                 fd = open_pack(packs, loc.pack, cid)
@@ -782,11 +796,14 @@ class SnapshotStore:
             finally:
                 os.close(fd)
             header = ChunkHeader.unpack(head[:64], cid)
-            if header.codec != DELTA:
-                return None
-            return delta.parse_table(head[HEADER_SIZE:] + bytes(delta.MIN_FRAME), header.raw_len)[0]
-        except (ChunkError, OSError, GpusnapError, struct.error, ValueError):
+        except (ChunkError, OSError, GpusnapError, struct.error, ValueError) as e:
+            raise EntryUnknown(f"chunk {cid[:16]}… in pack {loc.pack[:16]}…: its header cannot be read ({e})") from None
+        if header.codec != DELTA:
             return None
+        try:
+            return delta.parse_table(head[HEADER_SIZE:] + bytes(delta.MIN_FRAME), header.raw_len)[0]
+        except (ChunkError, GpusnapError, struct.error, ValueError) as e:
+            raise EntryUnknown(f"delta chunk {cid[:16]}…: its table cannot be read ({e})") from None
 
     def may_hold_deltas(self) -> bool:
         """Whether this store's marker says version 4 (read again: another process may have written

@@ -566,3 +566,91 @@ def test_the_moe_trees_second_dump_finds_its_pages_where_they_moved(cli: Cli, st
     assert new_pages > 0
     assert second["new_bytes"] <= 1.5 * new_pages * 4096, (second["new_bytes"], new_pages * 4096)
     assert cli.json("store", "verify", "--read-data")["ok"]
+
+
+def test_a_delta_naming_more_base_bytes_than_a_delta_may_is_refused_before_all_are_held() -> None:
+    """A hostile table naming many large distinct bases: the reader stops (one-line damage) once the
+    bases read hold more than delta.bases_limit together, instead of holding all of them at once."""
+    raw_len = 4096
+    ids = [bytes([i]) * 32 for i in range(1, 9)]
+    segs = b"".join(struct.pack("<32sQQ", b, 0, 512) for b in ids)
+    payload = struct.pack("<H6x", len(ids)) + segs + _zstd(bytes(raw_len))
+    read: list[str] = []
+
+    def base(bid: str, most: int) -> bytes:
+        read.append(bid)
+        return bytes(most)  # each base as large as a base of this delta may be
+
+    with pytest.raises(delta.DeltaDamage, match="more than") as e:
+        delta.decode(DELTA, raw_len, memoryview(payload), "cd" * 32, None, base)
+    assert "\n" not in str(e.value)
+    assert len(read) == 3  # two bases at their limit fit; the third is where it stops
+
+
+def test_xored_refuses_a_reference_no_reader_would_take() -> None:
+    """The writer cuts a new delta's reference from its parent's entries (a parent delta's table
+    among them): a segment that reads past its base, or bases holding more than a delta's may, is
+    refused there (ValueError: the candidate is dropped), never written for readers to refuse."""
+    base = bytes(4096)
+    data = memoryview(bytes(4096))
+    with pytest.raises(ValueError, match="past its base"):
+        delta.xored(data, [delta.Segment("ab" * 32, 8192, 4096)], {"ab" * 32: base}, memoryview(bytearray(4096)))
+    big = {c * 32: bytes(delta.base_limit(4096)) for c in ("a1", "b2", "c3")}
+    segs = [delta.Segment(k, 0, 1024) for k in big] + [delta.Segment(None, 0, 1024)]
+    with pytest.raises(ValueError, match="more than"):
+        delta.xored(data, segs, big, memoryview(bytearray(4096)))
+
+
+def test_gc_deletes_nothing_while_a_pack_index_is_damaged_in_a_store_with_deltas(
+        cli: Cli, store_dir: Path, tmp_path: Path, images: tuple[bytes, bytes, int]) -> None:
+    """A damaged index's pack may hold deltas whose bases lie in other packs: gc stops, nothing is
+    deleted, and once the index is whole again every delta still finds its bases."""
+    _, b, _ = images
+    _two(cli, tmp_path, images)
+    cli.run("store", "rm", "a")
+    saved = {}
+    for name in {e.path.name for e in delta_entries(store_dir)}:
+        idx = store_dir / "index" / name
+        saved[idx] = idx.read_bytes()
+        bad = bytearray(saved[idx])
+        bad[len(bad) // 2] ^= 0xFF
+        idx.write_bytes(bytes(bad))
+    assert saved
+    before = pack_bytes(store_dir)
+    gc = cli.run("store", "gc", check=False)
+    assert gc.returncode != 0 and "nothing deleted" in gc.stderr, gc.stderr
+    assert pack_bytes(store_dir) == before
+    for idx, data in saved.items():
+        idx.write_bytes(data)
+    cli.run("store", "get", "b", str(tmp_path / "out"))
+    assert (tmp_path / "out" / "img" / "pages-1.img").read_bytes() == b
+
+
+def test_gc_deletes_nothing_when_it_cannot_tell_whether_an_entry_is_a_delta(
+        cli: Cli, store_dir: Path, tmp_path: Path, images: tuple[bytes, bytes, int],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """An entry whose header cannot be read while gc closes over the bases (EMFILE here): gc stops
+    with nothing deleted, rather than taking it for a full entry and freeing a delta's bases."""
+    import errno
+    import sys
+    import storage.store as store_mod
+    from storage import gc as gc_mod
+    _, b, _ = images
+    _two(cli, tmp_path, images)
+    cli.run("store", "rm", "a")
+    real = store_mod.open_pack
+
+    def flaky(packs: int, pack: str, cid: str) -> int:
+        if sys._getframe(1).f_code.co_name == "entry_kind":
+            raise OSError(errno.EMFILE, "Too many open files")
+        return real(packs, pack, cid)
+
+    monkeypatch.setattr(store_mod, "open_pack", flaky)
+    with pytest.raises(gc_mod.GcStopped, match="nothing deleted"):
+        gc_mod.collect(SnapshotStore(str(store_dir), create=False))
+    monkeypatch.setattr(store_mod, "open_pack", real)
+    cli.run("store", "get", "b", str(tmp_path / "out"))
+    assert (tmp_path / "out" / "img" / "pages-1.img").read_bytes() == b
+    rep = gc_mod.collect(SnapshotStore(str(store_dir), create=False))  # a gc that can read runs through
+    assert not rep.damage, rep
+    cli.run("store", "get", "b", str(tmp_path / "out2"))  # a's chunks that b's deltas name were kept
