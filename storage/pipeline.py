@@ -352,6 +352,8 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
     nblocks = producers + max(3, workers * 2 * chunk_size // _READ_BLOCK) if chunker == "pages" else 0
     at = _parent_chunks(parent) if parent is not None else None
     shifts = _Shifts(at) if at else None
+    effort = _Effort() if at else None
+    failed: set[str] = set()  # parent chunks that could not be read as bases during this put
     with BufferPool(workers * 2 if chunker == "fixed" else 0, HEADER_SIZE + chunk_size) as staging, \
             BufferPool(workers, HEADER_SIZE + chunk_size) as scratch, \
             BufferPool(workers if at else 0, HEADER_SIZE + chunk_size) as dscratch, \
@@ -383,7 +385,13 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
                     raws: dict[str, bytes | memoryview] = {}
                     try:
                         for bid in delta.bases(segs or []):
-                            raws[bid] = writer.store.delta_base(bid, delta.base_limit(n))
+                            if bid in failed:
+                                raise ChunkError(bid, "unreadable earlier in this put")
+                            try:
+                                raws[bid] = writer.store.delta_base(bid, delta.base_limit(n))
+                            except (ChunkError, OSError):
+                                failed.add(bid)
+                                raise
                     except (ChunkError, OSError):
                         raws = {}  # a base unreadable here: not this candidate (verify reports the parent's damage)
                     stages.add("delta-base", time.perf_counter() - t0, sum(len(r) for r in raws.values()))
@@ -406,7 +414,7 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
                     # near there (a page image moves by a different shift after each area mapped
                     # before it, and where every chunk changed no unchanged one says by how much)
                     t0 = time.perf_counter()
-                    found = _search_shifts(writer.store, at[name], view, off, shifts.guess(name, off))
+                    found = _search_shifts(writer.store, at[name], view, off, shifts.guess(name, off), failed)
                     stages.add("delta-search", time.perf_counter() - t0, n)
                     for s in found:
                         if s not in (t[1] for t in tried) and off + s >= 0:
@@ -463,7 +471,10 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
                             codec, m = chooser.encode_into(view, s.view[HEADER_SIZE:])
                             writer.note_compressed()
                             stages.add("compress", time.perf_counter() - t2, n)
-                            got = as_delta(cid, view, m, name, off) if at else None
+                            got = None
+                            if at and effort is not None and effort.worth():
+                                got = as_delta(cid, view, m, name, off)
+                                effort.record(got is not None)
                             if got is not None:
                                 chunks[idx] = got
                             elif codec == "raw" and piece.frame is not None:  # written from where it was read
@@ -648,6 +659,32 @@ class _Shifts:
 SHIFT_REACH = 256 << 20  # a parent chunk of the same length this far from the guess is taken for a candidate
 SEARCH_REACH = 16 << 20  # _search_shifts looks for a chunk's pages this far around the guessed place
 SEARCH_PAGES = 8         # ... for at most this many of its non-zero pages, spread over it
+SEARCH_CHUNKS = 16       # ... in at most this many parent chunks, the nearest first
+
+
+class _Effort:
+    """Whether trying a delta still pays in this put: after EFFORT_PROBE attempts of which fewer than
+    EFFORT_FLOOR succeeded (a parent that is not this data's), only one new chunk in EFFORT_EVERY is
+    tried (a success brings the rate back up), so an unrelated parent costs a put little."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.tried = self.won = self._seen = 0
+
+    def worth(self) -> bool:
+        with self._lock:
+            self._seen += 1
+            if self.tried < EFFORT_PROBE or self.won >= EFFORT_FLOOR * self.tried:
+                return True
+            return self._seen % EFFORT_EVERY == 0
+
+    def record(self, won: bool) -> None:
+        with self._lock:
+            self.tried += 1
+            self.won += int(won)
+
+
+EFFORT_PROBE, EFFORT_FLOOR, EFFORT_EVERY = 32, 0.1, 16
 _PAGE = 4096
 _KEY_MULT: Any = None    # numpy weights of _page_keys (made on first use)
 
@@ -665,10 +702,11 @@ def _page_keys(data: memoryview | bytes) -> Any:
 
 
 def _search_shifts(store: SnapshotStore, chunks: tuple[list[int], list[ChunkRef]], view: memoryview,
-                   off: int, guess: int) -> list[int]:
+                   off: int, guess: int, failed: set[str]) -> list[int]:
     """Shifts at which some of VIEW's non-zero pages (VIEW at OFF of the new stream) lie in the parent
-    stream (CHUNKS), looked for in its full chunks within SEARCH_REACH of OFF + GUESS; the most
-    frequent first, at most two. Reads those chunks through the store's base cache."""
+    stream (CHUNKS), looked for in its full chunks within SEARCH_REACH of OFF + GUESS (the nearest
+    SEARCH_CHUNKS of them); the most frequent first, at most two. Reads those chunks through the
+    store's base cache; FAILED: ids that could not be read in this put (skipped, and added to)."""
     import numpy as np
     keys = _page_keys(view)
     zero = _page_keys(bytes(_PAGE))[0]
@@ -681,18 +719,19 @@ def _search_shifts(store: SnapshotStore, chunks: tuple[list[int], list[ChunkRef]
     lo, hi = off + guess - SEARCH_REACH, off + guess + len(view) + SEARCH_REACH
     first, last = max(0, bisect.bisect_right(starts, lo) - 1), bisect.bisect_left(starts, hi)
     mid = off + guess
-    order = sorted(range(first, min(last, len(refs))), key=lambda k: abs(starts[k] - mid))  # nearest first
+    order = sorted(range(first, min(last, len(refs))), key=lambda k: abs(starts[k] - mid))[:SEARCH_CHUNKS]
     wanted = np.fromiter(want, dtype=np.uint64, count=len(want))
     votes: collections.Counter[int] = collections.Counter()
     for k in order:
         r = refs[k]
-        if r.id is None or r.is_zero or r.codec == DELTA:
+        if r.id is None or r.is_zero or r.codec == DELTA or r.id in failed:
             continue
         pk = _KEYS.get(r.id)
         if pk is None:
             try:
                 pk = _page_keys(store.delta_base(r.id, delta.base_limit(r.raw_len)))
             except (ChunkError, OSError):
+                failed.add(r.id)
                 continue
             _KEYS.put(r.id, pk)
         hit = np.nonzero(np.isin(pk, wanted))[0]

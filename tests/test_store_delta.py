@@ -654,3 +654,19 @@ def test_gc_deletes_nothing_when_it_cannot_tell_whether_an_entry_is_a_delta(
     rep = gc_mod.collect(SnapshotStore(str(store_dir), create=False))  # a gc that can read runs through
     assert not rep.damage, rep
     cli.run("store", "get", "b", str(tmp_path / "out2"))  # a's chunks that b's deltas name were kept
+
+
+def test_an_unrelated_parent_costs_a_put_little(cli: Cli, store_dir: Path, tmp_path: Path) -> None:
+    """A parent that is not this data's (new bytes throughout): after the first attempts fail, only one
+    new chunk in 16 is tried as a delta, so the search for bases stays a small part of the put."""
+    rng = np.random.default_rng(5)
+    src = _write(tmp_path / "img", weights(rng, 16 << 20))
+    cli.run("store", "put", "a", str(src), "--chunker", "pages", "--chunk-size", "128K")
+    _write(src, weights(rng, 64 << 20))
+    rep = cli.json("store", "put", "b", str(src), "--chunker", "pages", "--chunk-size", "128K", "--no-cache",
+                   "--parent", "a")
+    chunks = rep["new_chunks"] if "new_chunks" in rep else (64 << 20) // (96 << 10)
+    searched = rep["stages"].get("delta-search", {}).get("bytes", 0)
+    assert chunks > 300, rep
+    assert searched <= (32 + chunks // 16 + 8) * (128 << 10), (searched, chunks)
+    cli.run("store", "get", "b", str(tmp_path / "out"))
