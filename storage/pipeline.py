@@ -472,7 +472,9 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
                             writer.note_compressed()
                             stages.add("compress", time.perf_counter() - t2, n)
                             got = None
-                            if at and effort is not None and effort.worth():
+                            # a chunk set aside as damaged comes back whole, never as a delta: deltas
+                            # may name it as their base, and a base is a full entry
+                            if at and effort is not None and effort.worth() and writer.store.quarantined(cid) is None:
                                 got = as_delta(cid, view, m, name, off)
                                 effort.record(got is not None)
                             if got is not None:
