@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
-import numpy as np
+if TYPE_CHECKING:  # imported where used: `store --help` and a listing load this module and need no numpy
+    import numpy as np
 
 from .codecs import DELTA, ZstdCodec, decode_host_into, CodecError
 from .errors import DamageError
@@ -109,6 +110,7 @@ def bases(segments: Iterable[Segment]) -> set[str]:
 
 def xor_into(dst: memoryview, src: bytes | memoryview) -> None:
     """DST ^= SRC over their common length (DST writable)."""
+    import numpy as np
     k = min(len(dst), len(src))
     if k:
         a = np.frombuffer(dst, dtype=np.uint8, count=k)
@@ -131,6 +133,7 @@ def xored(data: memoryview, segments: list[Segment], raws: dict[str, bytes | mem
     len(DATA) bytes), and the fraction of its bytes that are zero (how much of DATA the reference
     already holds). ValueError when a segment reads past its base or RAWS hold more than
     bases_limit: such a reference would be refused by every reader (decode), so it is never written."""
+    import numpy as np
     if sum(len(raws[b]) for b in bases(segments)) > bases_limit(len(data)):
         raise ValueError("the reference's bases hold more than a delta's bases may")
     n = len(data)
@@ -233,6 +236,7 @@ PAGE = 4096  # the unit in which candidate references are mixed
 
 def page_differences(x: memoryview) -> "np.ndarray":
     """For each 4096-byte page of X (an XOR against a candidate reference), how many bytes differ."""
+    import numpy as np
     nz = np.frombuffer(x, dtype=np.uint8) != 0
     return np.add.reduceat(nz, np.arange(0, len(x), PAGE)) if len(x) else np.zeros(0, dtype=np.int64)
 
@@ -241,6 +245,7 @@ def mixed(candidates: list[tuple[list[Segment], "np.ndarray"]], n: int) -> tuple
     """One reference for N bytes made of the CANDIDATES' (their segments, their page_differences),
     each page taken from the candidate that differs least there, in runs; and which candidate the last
     run is. None when that needs more than MAX_SEGMENTS segments."""
+    import numpy as np
     pick = np.argmin(np.stack([c[1] for c in candidates]), axis=0)
     segs: list[Segment] = []
     start = 0
