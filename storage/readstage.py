@@ -255,16 +255,7 @@ def read_chunks(store: PackSource, wants: list[Want], deliver: Callable[[Want, A
                     taken_cond.wait_for(lambda: halted() or finished[0] or issued - taken[0] < prefetch)
                     if halted() or finished[0]:
                         return
-                first = run[0][1]
-                try:
-                    with store.subdir("packs") as packs:
-                        fd = open_pack(packs, first.pack, "")
-                    try:
-                        willneed(fd, first.offset, _span(run), halted)
-                    finally:
-                        os.close(fd)
-                except (OSError, ChunkError, GpusnapError):
-                    pass  # only a hint: the reader meets (and reports) what is wrong
+                _advise(store, run, halted)  # only a hint: the reader meets (and reports) what is wrong
                 issued += _span(run)
 
         pre = threading.Thread(target=ahead, name="gpusnap-prefetch", daemon=True) if prefetch > 0 else None
@@ -302,18 +293,25 @@ def read_ahead(store: PackSource, refs: list[ChunkRef], gap: int = 0,
     for run in coalesce(planned, gap=gap, most=RUN_MAX):
         if stop():
             break
-        first = run[0][1]
-        try:
-            with store.subdir("packs") as packs:
-                fd = open_pack(packs, first.pack, "")
-            try:
-                willneed(fd, first.offset, _span(run), stop)
-            finally:
-                os.close(fd)
-        except (OSError, ChunkError, GpusnapError):
-            continue
-        asked += _span(run)
+        if _advise(store, run, stop):
+            asked += _span(run)
     return asked
+
+
+def _advise(store: PackSource, run: list[tuple[int, Loc]], stop: Callable[[], bool]) -> bool:
+    """WILLNEED over the bytes one read of RUN covers (see willneed); False when its pack could not
+    be opened or advised (a hint only: the reads that follow meet and report what is wrong)."""
+    first = run[0][1]
+    try:
+        with store.subdir("packs") as packs:
+            fd = open_pack(packs, first.pack, "")
+        try:
+            willneed(fd, first.offset, _span(run), stop)
+        finally:
+            os.close(fd)
+    except (OSError, ChunkError, GpusnapError):
+        return False
+    return True
 
 
 WILLNEED_STEP = 128 << 10  # bytes one POSIX_FADV_WILLNEED asks for (see willneed)

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -265,6 +266,25 @@ def _resident_bytes(directory: Path) -> int:
     return total
 
 
+def _cold_store(tmp_path: Path, nbytes: int) -> tuple[Any, list[Any]]:
+    """A store of one snapshot `a` of NBYTES random bytes (in packs), its non-zero chunk refs, and the
+    page cache dropped: the packs are on disk only."""
+    from storage import pipeline
+    from storage.filetree import FileTreeSource
+    from storage.store import SnapshotStore
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "blob").write_bytes(os.urandom(nbytes))
+    st = SnapshotStore(str(tmp_path / "store"))
+    with st.writer("a") as w:
+        pipeline.put(w, FileTreeSource([str(src)]), workers=2)
+        w.commit()
+    refs = [c for s in st.load("a").streams for c in s.chunks if not c.is_zero]
+    os.sync()
+    Path("/proc/sys/vm/drop_caches").write_text("3")
+    return st, refs
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="dropping the page cache needs root")
 @pytest.mark.parametrize("prefetch,later", [(0, False), (1 << 30, False), (1 << 30, True)])
 def test_the_read_stage_prefetch_keeps_the_disk_busy_while_delivery_waits(tmp_path: Path, prefetch: int,
@@ -274,19 +294,8 @@ def test_the_read_stage_prefetch_keeps_the_disk_busy_while_delivery_waits(tmp_pa
     split fill's: CRIU is done) and reads ahead only once it is set."""
     import threading
     from storage import pipeline
-    from storage.filetree import FileTreeSource
     from storage.readstage import Want, read_chunks
-    from storage.store import SnapshotStore
-    src = tmp_path / "src"
-    src.mkdir()
-    (src / "blob").write_bytes(os.urandom(192 << 20))  # incompressible: 192 MiB of packs
-    st = SnapshotStore(str(tmp_path / "store"))
-    with st.writer("a") as w:
-        pipeline.put(w, FileTreeSource([str(src)]), workers=2)
-        w.commit()
-    refs = [c for s in st.load("a").streams for c in s.chunks if not c.is_zero]
-    os.sync()
-    Path("/proc/sys/vm/drop_caches").write_text("3")
+    st, refs = _cold_store(tmp_path, 192 << 20)  # incompressible: 192 MiB of packs
     gate, got, seen = threading.Event(), [], []
     start = threading.Event() if later else None
 
@@ -324,20 +333,8 @@ def test_the_read_stage_prefetch_keeps_the_disk_busy_while_delivery_waits(tmp_pa
 def test_read_ahead_puts_the_named_chunks_in_the_page_cache(tmp_path: Path) -> None:
     """readstage.read_ahead (what CRIU will read, asked of the disk before the split fill's reads):
     the named chunks' pack entries become resident, the others stay on disk."""
-    from storage import pipeline
-    from storage.filetree import FileTreeSource
     from storage.readstage import read_ahead
-    from storage.store import SnapshotStore
-    src = tmp_path / "src"
-    src.mkdir()
-    (src / "blob").write_bytes(os.urandom(96 << 20))
-    st = SnapshotStore(str(tmp_path / "store"))
-    with st.writer("a") as w:
-        pipeline.put(w, FileTreeSource([str(src)]), workers=2)
-        w.commit()
-    refs = [c for s in st.load("a").streams for c in s.chunks if not c.is_zero]
-    os.sync()
-    Path("/proc/sys/vm/drop_caches").write_text("3")
+    st, refs = _cold_store(tmp_path, 96 << 20)
     before = _resident_bytes(tmp_path / "store" / "packs")
     third = refs[:len(refs) // 3]
     asked = read_ahead(st, third)
