@@ -24,10 +24,10 @@ from storage.chunkfile import HEADER_SIZE, ChunkHeader, check_received, raw_chun
 from storage.codecs import CODEC_IDS, DELTA
 from storage.errors import DamageError
 from storage.manifest import Stream
-from storage.packs import PAUSE_ENV
 from storage.readstage import Want, read_chunks
 from storage.store import SnapshotStore
 from support.entries import Entry, chunk_entries
+from test_store_packs import killed_at
 
 BLOCK = 64 << 10
 MB = 80  # the image: 80 MiB of bf16-like weights (1280 blocks; 64 of them change)
@@ -281,21 +281,6 @@ def test_gc_keeps_a_base_while_a_delta_names_it_and_reclaims_both(cli: Cli, stor
     assert not chunk_entries(store_dir) and not list((store_dir / "packs").iterdir()), gc
 
 
-def _killed_put_at(store: Path, args: list[str], stage: str, tmp: Path) -> None:
-    flag = tmp / f"paused-{stage}"
-    env = dict(os.environ, PYTHONPATH=pythonpath(), **{PAUSE_ENV: f"{stage}:{flag}"})
-    p = subprocess.Popen([*GPUSNAP, "--store", str(store), *args], env=env, cwd=REPO,
-                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 120
-    while not flag.exists():
-        assert p.poll() is None, p.communicate()[1]
-        assert time.monotonic() < deadline, "the put never reached " + stage
-        time.sleep(0.01)
-    p.send_signal(signal.SIGKILL)
-    p.wait()
-    flag.unlink()
-
-
 @pytest.mark.parametrize("stage", ["delta-marker", "pack-partial", "pack-synced", "indexed"])
 def test_kill_9_at_each_delta_write_step_leaves_a_store_that_verifies(cli: Cli, store_dir: Path, tmp_path: Path,
                                                                         images: tuple[bytes, bytes, int],
@@ -305,7 +290,7 @@ def test_kill_9_at_each_delta_write_step_leaves_a_store_that_verifies(cli: Cli, 
     cli.run("store", "put", "a", str(src), "--chunker", "pages")
     _write(src, b)
     put_b = ["store", "put", "b", str(src), "--chunker", "pages", "--no-cache", "--parent", "a"]
-    _killed_put_at(store_dir, put_b, stage, tmp_path)
+    killed_at(store_dir, put_b, stage, tmp_path)
     assert [r["name"] for r in cli.json("store", "ls")] == ["a"]
     assert cli.json("store", "verify", "--read-data")["ok"]
     gc = cli.json("store", "gc")

@@ -31,11 +31,12 @@ def _distinct(path: Path, chunks: int, seed: int) -> Path:
     return path
 
 
-def _killed_put_at(store: Path, name: str, src: Path, stage: str, tmp: Path) -> None:
-    """Start `store put NAME SRC`, wait until it reaches STAGE of the pack write order, kill -9 it."""
+def killed_at(store: Path, args: list[str], stage: str, tmp: Path) -> None:
+    """Start `gpusnap ARGS` on STORE, wait until it reaches STAGE of the pack write order (the pause
+    storage/packs.py makes under PAUSE_ENV), kill -9 it."""
     flag = tmp / f"paused-{stage}"
     env = dict(os.environ, PYTHONPATH=pythonpath(), **{PAUSE_ENV: f"{stage}:{flag}"})
-    p = subprocess.Popen([*GPUSNAP, "--store", str(store), "store", "put", name, str(src)], env=env, cwd=REPO,
+    p = subprocess.Popen([*GPUSNAP, "--store", str(store), *args], env=env, cwd=REPO,
                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 120
     while not flag.exists():
@@ -54,7 +55,7 @@ def test_kill_9_at_each_pack_write_step(cli: Cli, store_dir: Path, tmp_path: Pat
     cli.run("store", "put", "keep", str(keep_src))
     kept_packs, kept_ids = chunk_files(store_dir), chunk_ids(store_dir)
     big = _distinct(tmp_path / "big", 12, seed=stage.__len__())
-    _killed_put_at(store_dir, "k", big, stage, tmp_path)
+    killed_at(store_dir, ["store", "put", "k", str(big)], stage, tmp_path)
     # nothing committed is lost, nothing half-written is visible
     assert [r["name"] for r in cli.json("store", "ls")] == ["keep"]
     assert cli.json("store", "verify", "--read-data")["ok"]
