@@ -69,12 +69,14 @@ def streamed(run: RestoreRun, *, thp_mode: str | None = "always",
     seconds: dict[str, float] = {}
     t0 = time.perf_counter()
     info: dict[str, Any] = {}
+    marks = info["monotonic"] = {"serve_begin": time.monotonic()}  # phase boundaries, for benchmarks' timelines
     born_after = boot_ticks()  # what CRIU restores starts after this
     with ServeSource(run.store, run.files, images, split_min=split_min() if split_bytes is None else split_bytes,
                      arrivals=run.arrivals) as srv:
         extra = run.extra + (("--stream", "--leave-stopped") if srv.plans else ("--stream",))
         pids = list(dict.fromkeys([*run.pids, *srv.pstree]))
         with restore_huge_pages(thp_mode):
+            marks["criu_begin"] = time.monotonic()
             try:
                 with adopting_orphans():
                     try:
@@ -87,6 +89,7 @@ def streamed(run: RestoreRun, *, thp_mode: str | None = "always",
                 raise
             srv.raise_if_failed()
             seconds["criu_restore"] = time.perf_counter() - t0
+            marks["criu_done"] = time.monotonic()
             if srv.plans:
                 t1 = time.perf_counter()
                 try:
@@ -98,6 +101,7 @@ def streamed(run: RestoreRun, *, thp_mode: str | None = "always",
                     raise
                 signal_all([p for p in pids if restored_by_criu(p, pids, born_after)], signal.SIGCONT)
                 seconds["split_fill"] = time.perf_counter() - t1
+                marks["fill_done"] = time.monotonic()
         info.update(served=len(srv.served), absent_images=srv.absent, bytes=srv.bytes, stages=srv.stages.table(),
                     moved_bytes=sum(p.moved_bytes for p in srv.plans.values()))
         if srv.split_skipped_because is not None:

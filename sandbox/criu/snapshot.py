@@ -318,7 +318,12 @@ def _restore_from(run: restore.RestoreRun, m: Any, meta: CriuMeta, report: CriuR
     if report.cuda_pids:
         from sandbox.gpu.driver import CudaDriver
         t0 = time.perf_counter()
+        marks = report.stages.get("served", {}).get("monotonic")
+        if marks is not None:
+            marks["gpu_begin"] = time.monotonic()
         with GpuSide(report.pids, report.cuda_pids, gpu_driver or CudaDriver(), gpu_plan(recorded=meta.gpu_path),
                       device) as gpu:
             gpu.swap_in(store, name, m.streams, gpu_map, meta.gpu_bytes)
         report.seconds["gpu_restore"] = time.perf_counter() - t0
+        if marks is not None:
+            marks["gpu_done"] = time.monotonic()

@@ -44,6 +44,7 @@ from sandbox.criu.runner import Criu
 from sandbox.gpu.driver import CudaDriver
 from sandbox.gpu.checkpoint import checkpoint_all, restore_all
 from sandbox.host.hugepages import thp
+from scripts.bench.timeline import Timeline, phase_line
 from scripts.helpers import REPO, disk_floor, drop_caches
 from scripts.workloads.workload_control import Workload
 
@@ -61,6 +62,39 @@ def gpusnap(store: str, *args: str, path: str = "stream", extra_env: dict[str, s
     if p.returncode != 0:
         raise SystemExit(f"gpusnap {' '.join(args)} failed: {p.stderr.strip()}")
     return json.loads(p.stdout)
+
+
+_RESTORE_PHASES = (("startup", None), ("plan", "serve_begin"), ("criu", "criu_begin"), ("fill", "criu_done"),
+                   ("between", "fill_done"), ("gpu", "gpu_begin"), ("exit", "gpu_done"))
+
+
+def restore_traced(out: dict, key: str, store: str, name: str, path: str, work: str,
+                   extra_env: dict[str, str] | None = None) -> dict:
+    """`gpusnap criu restore NAME`, timed into OUT[KEY], the machine sampled meanwhile: OUT[KEY +
+    "_phases"] says per phase of the restore (its own marks) how busy the cores and the disk were."""
+    with Timeline(work) as tl:
+        t0 = time.monotonic()
+        r = timed(out, key, gpusnap, store, "criu", "restore", name, path=path, extra_env=extra_env)
+        t1 = time.monotonic()
+    marks = (r.get("stages", {}).get("served") or {}).pop("monotonic", {})
+    seq = [(ph, t0 if m is None else marks.get(m)) for ph, m in _RESTORE_PHASES]
+    seq = [(ph, t) for ph, t in seq if t is not None] + [("end", t1)]
+    out[key + "_phases"] = tl.phases(seq)
+    out[key + "_timeline"] = tl.as_json(t0)
+    print(f"{key} phases: {phase_line(out[key + '_phases'])}", flush=True)
+    return r
+
+
+def traced(out: dict, key: str, work: str, fn, *a, **k):
+    """FN(*A, **K) timed into OUT[KEY], the machine's busy cores and disk rates over it in OUT[KEY + "_phases"]."""
+    with Timeline(work) as tl:
+        t0 = time.monotonic()
+        r = timed(out, key, fn, *a, **k)
+        t1 = time.monotonic()
+    out[key + "_phases"] = {"all": tl.span(t0, t1)}
+    out[key + "_timeline"] = tl.as_json(t0)
+    print(f"{key} phases: {phase_line(out[key + '_phases'])}", flush=True)
+    return r
 
 
 def du(path: str) -> int:
@@ -110,12 +144,12 @@ def baseline(criu: Criu, drv: CudaDriver, a: argparse.Namespace, work: str) -> d
         def dump() -> None:
             criu.dump(w.pid, images)
             os.sync()
-        timed(base, "criu_dump+sync", dump)
+        traced(base, "criu_dump+sync", work, dump)
         w.reap()
         base["image_bytes"] = du(images)
         drop_caches(required=True)
-        timed(base, "criu_restore", criu.restore, images, detach=True)
-        timed(base, "driver_restore+unlock", restore_all, drv, w.pids)
+        traced(base, "criu_restore", work, criu.restore, images, detach=True)
+        traced(base, "driver_restore+unlock", work, restore_all, drv, w.pids)
         base["verify"] = verify(w)
         base["verified"] = base["verify"]["ok"]
         base["dump"] = base["driver_lock+checkpoint"] + base["criu_dump+sync"]
@@ -139,7 +173,7 @@ def run_gpusnap(a: argparse.Namespace, work: str, path: str, dedup: bool) -> dic
     g: dict = {"images_path": path}
     store = os.path.join(work, f"store-{path}")
     with Workload(a.gb, mix=a.mix, seed=21, detached=True, script=SCRIPTS[a.workload]) as w:
-        d = timed(g, "dump", gpusnap, store, "criu", "dump", str(w.pid), "e2e", path=path)
+        d = traced(g, "dump", work, gpusnap, store, "criu", "dump", str(w.pid), "e2e", path=path)
         g["dump_report_path"] = d.get("images_path")
         g["dump_stages"] = d["seconds"]
         g["ingest_stages"] = d.get("stages")
@@ -147,7 +181,7 @@ def run_gpusnap(a: argparse.Namespace, work: str, path: str, dedup: bool) -> dic
         g["image_bytes"] = d["raw_bytes"]
         w.reap()
         drop_caches(required=True)
-        r = timed(g, "restore", gpusnap, store, "criu", "restore", "e2e", path=path)
+        r = restore_traced(g, "restore", store, "e2e", path, work)
         g["restore_report_path"] = r.get("images_path")
         g["restore_stages"] = r["seconds"]
         g["restore_served"] = r.get("stages", {}).get("served")
@@ -158,7 +192,7 @@ def run_gpusnap(a: argparse.Namespace, work: str, path: str, dedup: bool) -> dic
             kill_restored(w.pids)
             drop_caches(required=True)
             v: dict = {"env": variant}
-            rv = timed(v, "restore", gpusnap, store, "criu", "restore", "e2e", path=path, extra_env=variant)
+            rv = restore_traced(v, "restore", store, "e2e", path, work, extra_env=variant)
             v["restore_stages"] = rv["seconds"]
             v["restore_served"] = rv.get("stages", {}).get("served")
             v["verified"] = verify(w)["ok"]
