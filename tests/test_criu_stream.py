@@ -21,6 +21,7 @@ STREAM = {"GPUSNAP_CRIU_IMAGES": "stream"}
 STAGING = {"GPUSNAP_CRIU_IMAGES": "staging"}
 SPLIT = {**STREAM, "GPUSNAP_CRIU_SPLIT_MIN": str(8 << 20)}  # the 24-48 MiB areas move, the rest stays with CRIU
 NO_SPLIT = {**STREAM, "GPUSNAP_CRIU_SPLIT_MIN": "0"}
+SPLIT_PROCS = {**SPLIT, "GPUSNAP_FILL_PROCS": "3"}  # the fill in worker processes (sandbox/criu/fill_procs.py)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -121,7 +122,7 @@ def _filler_case(nchunks: int, chunk: int, fetch, budget: int):
     refs = [ChunkRef(None, chunk, "zero", 0) if i == 1 else ChunkRef(f"{i:064x}", chunk, "raw", chunk) for i in range(nchunks)]
     streams = {"pages-1.img": Stream("pages-1.img", {"type": "file"}, refs)}
     plan = split.Plan(os.getpid(), "pages-1.img", b"", (), (split.Run(ctypes.addressof(target), 0, nchunks * chunk),))
-    return target, split.Filler([plan], streams, _reads(streams, fetch), 4, budget)
+    return target, split.Filler(split.fill_jobs([plan], streams), _reads(streams, fetch), 4, budget)
 
 
 def test_split_filler_reads_ahead_within_its_budget_and_writes_every_byte() -> None:
@@ -187,7 +188,7 @@ def test_split_filler_fetches_a_chunk_shared_by_two_images_once() -> None:
         fetched.append(i)
         return bytes([i + 1]) * chunk
 
-    with split.Filler(plans, streams, _reads(streams, fetch), 3, 4 * (chunk + 4096)) as filler:
+    with split.Filler(split.fill_jobs(plans, streams), _reads(streams, fetch), 3, 4 * (chunk + 4096)) as filler:
         stats = filler.write(lambda pid: True)
     assert sorted(fetched) == list(range(n)) and stats["written"] == 2 * n * chunk
     for t in targets:
@@ -235,7 +236,7 @@ def test_read_order_is_what_criu_reads_first_then_what_the_split_fills() -> None
     assert [c.id[0] for c in read_order(images, {})] == list("abdc1234e")
 
 
-@pytest.mark.parametrize("restore_env", [SPLIT, NO_SPLIT], ids=["split", "criu-restores-all"])
+@pytest.mark.parametrize("restore_env", [SPLIT, SPLIT_PROCS, NO_SPLIT], ids=["split", "split-in-3-processes", "criu-restores-all"])
 def test_stream_dump_and_restore_of_a_tree(cli: Cli, store_dir: Path, restore_env: dict[str, str]) -> None:
     tree = Tree(mb=48)
     try:
@@ -250,15 +251,39 @@ def test_stream_dump_and_restore_of_a_tree(cli: Cli, store_dir: Path, restore_en
         r = cli_json(cli, restore_env, "criu", "restore", "s1")
         assert r["images_path"] == "stream" and r["restored_pid"] == tree.pid
         served = r["stages"]["served"]
-        if restore_env is SPLIT:
+        if restore_env is not NO_SPLIT:
             assert served["moved_bytes"] >= 48 << 20 and served["split"]["written"] >= 48 << 20, served
             assert "split_fill" in r["seconds"] and "split_skipped_because" not in served
+            assert served["fill_memory"]["procs"] == (1 if restore_env is SPLIT else 3), served["fill_memory"]
+            assert served["stages"]["decompress+verify"]["bytes"] > 0, "the workers' stages reach the report"
         else:
             assert served["moved_bytes"] == 0 and "split" not in served
             assert served["split_skipped_because"] == "the split is off (GPUSNAP_CRIU_SPLIT_MIN=0)"
         after = tree.report()
         assert healthy(after), after
         assert _state(tree.pid) in ("S", "R"), "the tree runs (not left stopped) after the restore"
+    finally:
+        tree.kill()
+
+
+def test_a_fill_worker_meeting_a_damaged_chunk_fails_the_restore_as_damage(cli: Cli, store_dir: Path) -> None:
+    """A chunk of the moved runs damaged in its pack: the worker process that reads it reports damage,
+    the restore exits 3 with one line, and the tree CRIU made is killed (nothing runs half-filled)."""
+    from support.entries import chunk_entries
+    tree = Tree(mb=48)
+    try:
+        cli_json(cli, STREAM, "criu", "dump", str(tree.pid), "dmg")
+        tree.reap()
+        victim = max(chunk_entries(store_dir), key=lambda e: e.length)  # a page chunk of the 48 MiB areas
+        data = bytearray(victim.read())
+        data[len(data) // 2] ^= 0xFF
+        victim.write(bytes(data))
+        r = cli.run("criu", "restore", "dmg", env=SPLIT_PROCS, check=False)
+        assert r.returncode == 3 and "damaged" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        deadline = time.monotonic() + 10
+        while any(os.path.exists(f"/proc/{p}") and _state(p) != "Z" for p in (tree.pid, tree.child)):
+            assert time.monotonic() < deadline, "the half-filled tree is killed, all of it"
+            time.sleep(0.05)
     finally:
         tree.kill()
 

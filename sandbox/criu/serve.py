@@ -36,7 +36,8 @@ from storage.pipeline import Stages
 from storage.readstage import Want, read_ahead, read_chunks
 from storage.store import SnapshotStore, StoreError
 
-from sandbox.criu import split
+from sandbox.criu import fill_procs, split
+from sandbox.criu.fill_procs import FillProcs
 from sandbox.host.meminfo import available_bytes
 from sandbox.criu.images import IMAGES, is_page_image
 from sandbox.criu.protocol import SERVE_SOCKET, Listener, StreamerError, read_request, recv_pipe, send_reply, write_all
@@ -147,7 +148,10 @@ class ServeSource:
         self._criu_done = threading.Event()  # the fill's read-ahead waits for it (see fill_prefetch)
         # what CRIU reads goes to the disk's queue before the fill's reads (see _criu_first)
         self._criu_first: threading.Thread | None = None
-        if self.plans and arrivals is None and fill_criu_first():
+        self._criu_asked = threading.Event()  # CRIU's reads are queued (or not asked for): the fill's may start
+        if not (self.plans and arrivals is None and fill_criu_first()):
+            self._criu_asked.set()
+        else:
             self._criu_first = threading.Thread(target=self._read_ahead_for_criu, daemon=True,
                                                 name="gpusnap-criu-first")
             self._criu_first.start()
@@ -208,17 +212,29 @@ class ServeSource:
         queued first, CRIU's part of a 20 GB restore took 6.8-7.3 s instead of 3.3 s, its reads
         waiting behind gigabytes of the fill's."""
         t0 = time.perf_counter()
-        asked = read_ahead(self.store, criu_reads(self.images, self.plans), gap=FILL_GAP, stop=lambda: self._closing)
+        try:
+            asked = read_ahead(self.store, criu_reads(self.images, self.plans), gap=FILL_GAP, stop=lambda: self._closing)
+        finally:
+            self._criu_asked.set()
         self.stages.add("criu-first read-ahead", time.perf_counter() - t0, asked)
 
-    def _make_filler(self) -> split.Filler:
-        """The split fill of the moved runs (sandbox.criu.split), its chunks read by _read_moved."""
+    def _make_filler(self) -> "split.Filler | FillProcs":
+        """The split fill of the moved runs (sandbox.criu.split): in worker processes, each with a share
+        of the chunks in pack order (sandbox.criu.fill_procs), where the host has the cores and the
+        fill the bytes; else in this process, its chunks read by _read_moved."""
         avail = available_bytes()
         self.fill_memory = {"held_budget": _bytes_env("GPUSNAP_FILL_HELD", fill_budget(avail)),
                             "prefetch": _bytes_env("GPUSNAP_FILL_PREFETCH", fill_prefetch(avail)),
                             "mem_available": avail}
-        return split.Filler(list(self.plans.values()), self.images, self._read_moved, self.workers,
-                            self.fill_memory["held_budget"], self.stages)
+        jobs = split.fill_jobs(list(self.plans.values()), self.images)
+        procs, min_share = fill_procs.procs_for() if self.arrivals is None else (1, 0)
+        parts = (fill_procs.shares(jobs, fill_procs.where_in_packs(self.store), procs, min_share) if procs > 1
+                 else [jobs])
+        self.fill_memory["procs"] = len(parts)
+        if len(parts) > 1:
+            return FillProcs(self.store, self.manifest.name, parts, self.workers, self.fill_memory["held_budget"],
+                             self.fill_memory["prefetch"], self._criu_asked, self.stages)
+        return split.Filler(jobs, self._read_moved, self.workers, self.fill_memory["held_budget"], self.stages)
 
     def _fail(self, e: BaseException) -> None:
         with self._lock:

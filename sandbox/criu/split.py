@@ -321,6 +321,23 @@ def _write_mem(pid: int, addr: int, data: memoryview) -> None:
 
 
 Key = Union[str, tuple[str, int]]  # a chunk id, or (image, index) of an all-zero chunk
+Target = tuple[int, int, int, int]  # (pid, address, lo, hi): the chunk's bytes [lo, hi) go to pid at address
+Job = tuple[ChunkRef, list[Target]]  # a chunk, and every place its bytes are written
+
+
+def fill_jobs(plans: list[Plan], streams: dict[str, Stream]) -> dict[Key, Job]:
+    """Every chunk the moved runs of PLANS use, once (processes forked from one another share pages),
+    with every place it is written: by chunk id, an all-zero chunk by its place."""
+    jobs: dict[Key, Job] = {}
+    for p in plans:
+        s = streams[p.pages_image]
+        for run in p.moved:
+            addr = run.vaddr
+            for i, c, lo, hi in pieces(s, ((run.offset, run.nbytes),)):
+                key = c.id if c.id is not None else (p.pages_image, i)
+                jobs.setdefault(key, (c, []))[1].append((p.pid, addr, lo, hi))
+                addr += hi - lo
+    return jobs
 
 # Reads every wanted chunk (in any order, from any number of threads) and calls DELIVER(want, data)
 # with its verified, decoded bytes, valid only during the call; stops early when STOP() says so; raises
@@ -342,22 +359,13 @@ class Filler:
     All-zero chunks are neither read nor written: the fresh mapping already reads as zero. Closing
     before `write` stops the read."""
 
-    def __init__(self, plans: list[Plan], streams: dict[str, Stream], read: ReadAll, workers: int,
-                 budget: int, stages: Stages | None = None) -> None:
-        self.plans, self.streams, self.workers = plans, streams, workers
+    def __init__(self, jobs: "dict[Key, Job]", read: ReadAll, workers: int, budget: int,
+                 stages: Stages | None = None) -> None:
+        """JOBS: fill_jobs(plans, streams), or a share of them (sandbox.criu.fill_procs)."""
+        self.workers = workers
         self.stages = stages if stages is not None else Stages()
-        # a chunk id (a zero chunk: its place) -> where it was first met, and every (pid, addr, lo, hi)
-        # it is written to
-        self.jobs: dict[Key, tuple[tuple[str, int], list[tuple[int, int, int, int]]]] = {}
-        for p in plans:
-            s = streams[p.pages_image]
-            for run in p.moved:
-                addr = run.vaddr
-                for i, c, lo, hi in pieces(s, ((run.offset, run.nbytes),)):
-                    key = c.id if c.id is not None else (p.pages_image, i)
-                    self.jobs.setdefault(key, ((p.pages_image, i), []))[1].append((p.pid, addr, lo, hi))
-                    addr += hi - lo
-        self._out_size = max((self._ref(k).raw_len for k in self.jobs), default=1)
+        self.jobs = jobs
+        self._out_size = max((ref.raw_len for ref, _ in jobs.values()), default=1)
         self.max_held = max(2, budget // self._out_size)
         self._held: list[AlignedBuffer] = []       # every held buffer made (closed at the end)
         self._free: list[AlignedBuffer] = []
@@ -367,14 +375,13 @@ class Filler:
         self._closing = False
         self._written = 0
         self._error: BaseException | None = None
-        wants = [Want(k, self._ref(k)) for k in self.jobs if not self._ref(k).is_zero]
+        wants = [Want(k, ref) for k, (ref, _) in jobs.items() if not ref.is_zero]
         self._reader = threading.Thread(target=self._read, args=(read, wants), name="gpusnap-fill-read",
                                         daemon=True)
         self._reader.start()
 
     def _ref(self, key: Key) -> ChunkRef:
-        image, i = self.jobs[key][0]
-        return self.streams[image].chunks[i]
+        return self.jobs[key][0]
 
     def _read(self, read: ReadAll, wants: list[Want]) -> None:
         try:
@@ -431,12 +438,16 @@ class Filler:
         with self._cond:
             self._written += n
 
+    def pids(self) -> set[int]:
+        """Every pid a job writes into."""
+        return {t[0] for _, targets in self.jobs.values() for t in targets}
+
     def write(self, pids_ok: Callable[[int], bool]) -> dict[str, int]:
         """Every moved run written into its (stopped) process; PIDS_OK(pid) says a planned pid is one
         CRIU restored. Returns bytes written / skipped as zero."""
-        for p in self.plans:
-            if not pids_ok(p.pid):
-                raise SplitError(f"pid {p.pid} of the snapshot was not restored by CRIU")
+        for pid in sorted(self.pids()):
+            if not pids_ok(pid):
+                raise SplitError(f"pid {pid} of the snapshot was not restored by CRIU")
         with self._cond:
             self._go = True
             held, self._pending = self._pending, []
@@ -459,8 +470,7 @@ class Filler:
         self._reader.join()
         if self._error is not None:
             raise self._error
-        zero = sum(hi - lo for k, (_, targets) in self.jobs.items() if self._ref(k).is_zero
-                   for _, _, lo, hi in targets)
+        zero = sum(hi - lo for ref, targets in self.jobs.values() if ref.is_zero for _, _, lo, hi in targets)
         return {"written": self._written, "zero_skipped": zero}
 
     def _stop(self) -> None:

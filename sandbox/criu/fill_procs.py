@@ -1,0 +1,264 @@
+"""The split fill spread over worker processes: each reads, verifies, decodes and writes its share of the moved runs.
+
+Why processes: a fill of a weights-dominated tree is CPU work per chunk (decode, hash, write into the
+process) done by threads that each take the GIL between those calls; on the H200 (16 cores) one
+process kept only 4-5 cores busy while neither the disk nor the CPU was at its limit (BENCHMARKS.md
+section 17). Each worker is `python -m sandbox.criu.fill_procs`, a process of its own with its own
+GIL, running the same split.Filler over its share: the chunks in pack order, cut into PROCS
+contiguous ranges of about equal stored bytes (so each worker reads its packs sequentially).
+
+Protocol (JSON lines): the parent writes the job on the worker's stdin (the store's path, the
+worker's chunks with every place their bytes go, its memory budget and read-ahead), then, once CRIU
+has made the processes and the parent has checked every pid, the line "go"; the worker reads and
+holds decoded chunks from the moment it has the job, writes after "go", and answers one line on
+stdout: {"written": N, "stages": {...}} or {"error": TEXT, "damage": true|false}.
+
+Guarantees kept here: a worker writes only the targets the parent computed from the snapshot's
+validated page maps, only after the parent has checked each pid is one this restore made (split.Filler
+checks nothing again, it is told every pid is fine); every byte is checked against its chunk id
+before it is written (the store's full check, as in one process); a worker dies with the parent
+(PR_SET_PDEATHSIG), and a worker that dies or fails fails the fill: the parent kills the tree (as
+for any fill failure), nothing runs half-restored; a damaged chunk is reported as damage (exit 3 at
+the CLI), as in one process.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+from typing import IO, Any, Callable
+
+from storage.chunkfile import ChunkError
+from storage.codecs import CodecError
+from storage.errors import DamageError, GpusnapError
+from storage.manifest import ChunkRef
+from storage.pipeline import Stages
+from storage.readstage import Want, read_chunks
+from storage.store import SnapshotStore, StoreError
+
+from sandbox.criu.split import Filler, Job, Key, SplitError
+
+MIN_SHARE = 256 << 20  # a worker process is worth its start-up only for this many stored bytes
+
+
+def procs_for(cpus: int | None = None) -> tuple[int, int]:
+    """(how many worker processes the fill may use, the stored bytes each must have at least):
+    $GPUSNAP_FILL_PROCS (then any share is worth a process), else one per 4 cores, at most 8, each
+    for at least MIN_SHARE; 1 means the fill runs in this process."""
+    v = os.environ.get("GPUSNAP_FILL_PROCS", "").strip()
+    if v:
+        try:
+            n = int(v)
+        except ValueError:
+            raise SplitError(f"GPUSNAP_FILL_PROCS={v!r}: expected a number of processes") from None
+        if n < 1:
+            raise SplitError(f"GPUSNAP_FILL_PROCS={v!r}: expected a number of processes")
+        return n, 0
+    return max(1, min(8, (cpus or os.cpu_count() or 1) // 4)), MIN_SHARE
+
+
+def shares(jobs: dict[Key, Job], where: Callable[[str], tuple[str, int] | None], procs: int,
+           min_share: int = MIN_SHARE) -> list[dict[Key, Job]]:
+    """JOBS cut into at most PROCS shares of about equal stored bytes, each of at least MIN_SHARE bytes
+    where there are enough, contiguous in pack order (WHERE(id):
+    (pack, offset) of a chunk, None where it is not in a pack: such chunks go last). All-zero chunks
+    are read by nobody and written by nobody (the fresh mapping reads as zero): the first share
+    carries them, for the count of bytes skipped."""
+    stored = [(k, j) for k, j in jobs.items() if not j[0].is_zero]
+    keyed = [(where(j[0].id or "") or ("\xff", 0), k, j) for k, j in stored]
+    keyed.sort(key=lambda x: x[0])
+    total = sum(j[0].stored_len for _, _, j in keyed)
+    n = max(1, min(procs, len(keyed), total // min_share if min_share else procs))
+    out: list[dict[Key, Job]] = [{} for _ in range(n)]
+    acc, i = 0, 0
+    for _, k, j in keyed:
+        if i < n - 1 and acc >= (i + 1) * total / n:
+            i += 1
+        out[i][k] = j
+        acc += j[0].stored_len
+    for k, j in jobs.items():
+        if j[0].is_zero:
+            out[0][k] = j
+    return [s for s in out if s]
+
+
+def where_in_packs(store: SnapshotStore) -> Callable[[str], tuple[str, int] | None]:
+    """(pack, offset) of a chunk in STORE (its first copy), None where it is not in a pack."""
+    def where(cid: str) -> tuple[str, int] | None:
+        locs = store.locate(cid)
+        return (locs[0].pack, locs[0].offset) if locs and locs[0].pack else None
+    return where
+
+
+def _job_json(share: dict[Key, Job]) -> list[Any]:
+    return [[k if isinstance(k, str) else list(k), ref.to_json(), [list(t) for t in targets]]
+            for k, (ref, targets) in share.items()]
+
+
+class FillProcs:
+    """split.Filler's interface (write, close, stages; a context manager) over worker processes, one per
+    share of JOBS. The workers start now (their imports overlap CRIU); each gets its job once
+    START_READS is set (CRIU's own reads are asked of the disk first), reads and holds up to BUDGET /
+    workers bytes until `write`, then writes its share."""
+
+    def __init__(self, store: SnapshotStore, name: str, parts: list[dict[Key, Job]], decoders: int, budget: int,
+                 prefetch: int, start_reads: threading.Event, stages: Stages) -> None:
+        """PARTS: shares(...) of the jobs (at least two); NAME: the snapshot's (for messages)."""
+        self.store, self.name, self.shares, self.stages = store, name, parts, stages
+        self.jobs = {k: j for part in parts for k, j in part.items()}
+        n = len(parts)
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+        self.procs: list[subprocess.Popen[str]] = []
+        try:
+            for _ in range(n):
+                self.procs.append(subprocess.Popen(
+                    [sys.executable, "-m", "sandbox.criu.fill_procs"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                    text=True, env=env, close_fds=True))
+        except OSError as e:
+            self.close()
+            raise SplitError(f"starting the fill's worker processes: {e.strerror}") from None
+        self._jobs_sent = threading.Thread(target=self._send_jobs, name="gpusnap-fill-jobs", daemon=True,
+                                           args=(start_reads, max(1, decoders // n), budget // n, prefetch // n))
+        self._jobs_sent.start()
+        self._closed = False
+
+    def _send_jobs(self, start: threading.Event, decoders: int, budget: int, prefetch: int) -> None:
+        start.wait()
+        for p, share in zip(self.procs, self.shares):
+            job = {"store": self.store.path, "name": self.name, "decoders": decoders, "budget": budget, "prefetch": prefetch,
+                   "chunks": _job_json(share)}
+            try:
+                assert p.stdin is not None
+                p.stdin.write(json.dumps(job) + "\n")
+                p.stdin.flush()
+            except (OSError, ValueError):
+                pass  # the worker is gone: write() reports it
+
+    def pids(self) -> set[int]:
+        return {t[0] for _, targets in self.jobs.values() for t in targets}
+
+    def write(self, pids_ok: Callable[[int], bool]) -> dict[str, int]:
+        for pid in sorted(self.pids()):
+            if not pids_ok(pid):
+                raise SplitError(f"pid {pid} of the snapshot was not restored by CRIU")
+        self._jobs_sent.join()
+        for p in self.procs:
+            try:
+                assert p.stdin is not None
+                p.stdin.write("go\n")
+                p.stdin.flush()
+            except (OSError, ValueError):
+                pass
+        results = [self._result(i, p) for i, p in enumerate(self.procs)]
+        failed = [r for r in results if "error" in r]
+        if failed:
+            self.close()
+            r = failed[0]
+            if r.get("damage"):
+                raise self.store.error(r["error"])
+            raise SplitError(r["error"])
+        for r in results:
+            for stage, v in r.get("stages", {}).items():
+                self.stages.add(stage, float(v["thread_seconds"]), int(v["bytes"]))
+        return {"written": sum(int(r["written"]) for r in results),
+                "zero_skipped": sum(int(r["zero_skipped"]) for r in results)}
+
+    @staticmethod
+    def _result(i: int, p: "subprocess.Popen[str]") -> dict[str, Any]:
+        assert p.stdout is not None
+        line = p.stdout.readline()
+        try:
+            r = json.loads(line) if line else None
+        except ValueError:
+            r = None
+        if not isinstance(r, dict) or not ("error" in r or "written" in r):
+            code = p.wait()
+            return {"error": f"fill worker {i} died (exit status {code}) before it reported"}
+        return r
+
+    def close(self) -> None:
+        if getattr(self, "_closed", False):
+            return
+        self._closed = True
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+        for p in self.procs:
+            p.wait()
+            for f in (p.stdin, p.stdout):
+                try:
+                    if f is not None:
+                        f.close()
+                except OSError:
+                    pass
+
+    def __enter__(self) -> "FillProcs":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _parse_job(job: Any) -> dict[Key, Job]:
+    """The parent's job, checked for shape (it is the parent's own, but a malformed line must fail cleanly)."""
+    out: dict[Key, Job] = {}
+    for item in job:
+        k, ref, targets = item
+        key: Key = k if isinstance(k, str) else (str(k[0]), int(k[1]))
+        out[key] = (ChunkRef.from_json(ref), [(int(a), int(b), int(c), int(d)) for a, b, c, d in targets])
+    return out
+
+
+def _serve_job(inp: IO[str], out: IO[str]) -> int:
+    line = inp.readline()
+    if not line:
+        return 0  # the parent closed before the job: nothing to do
+    job = json.loads(line)
+    store = SnapshotStore(job["store"], create=False)
+    jobs = _parse_job(job["chunks"])
+    go = threading.Event()
+    stages = Stages()
+
+    def read(wants: list[Want], deliver: Callable[[Want, memoryview], None], stop: Callable[[], bool]) -> None:
+        try:
+            read_chunks(store, wants, deliver, stages=stages, decoders=int(job["decoders"]), stop=stop,
+                        order="pack", gap=1 << 20, prefetch=int(job["prefetch"]), prefetch_from=go)
+        except ChunkError as e:
+            raise store.error(f"snapshot {job['name']!r} is damaged: {e}") from None
+        except CodecError as e:
+            raise StoreError(f"snapshot {job['name']!r}: {e}") from None
+
+    try:
+        with Filler(jobs, read, int(job["decoders"]), int(job["budget"]), stages) as filler:
+            if inp.readline().strip() != "go":
+                return 0  # the parent gave up (CRIU failed): the tree is killed, nothing to write
+            go.set()
+            done = filler.write(lambda pid: True)  # the parent checked every pid before "go"
+    except GpusnapError as e:
+        out.write(json.dumps({"error": str(e), "damage": isinstance(e, DamageError)}) + "\n")
+        return 1
+    except (OSError, ValueError) as e:
+        out.write(json.dumps({"error": str(e), "damage": False}) + "\n")
+        return 1
+    out.write(json.dumps({**done, "stages": stages.table()}) + "\n")
+    return 0
+
+
+def main() -> int:
+    import ctypes
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG: die with the parent
+    if os.getppid() == 1:
+        return 1  # the parent is already gone
+    out = sys.stdout
+    sys.stdout = sys.stderr  # nothing but the result line on the protocol's stream
+    try:
+        return _serve_job(sys.stdin, out)
+    finally:
+        out.flush()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
