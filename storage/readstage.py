@@ -277,11 +277,13 @@ def read_chunks(store: PackSource, wants: list[Want], deliver: Callable[[Want, A
 
 
 def read_ahead(store: PackSource, refs: list[ChunkRef], gap: int = 0,
-               stop: Callable[[], bool] = lambda: False) -> int:
+               stop: Callable[[], bool] = lambda: False, resident: bool = False) -> int:
     """Ask the kernel to read REFS' pack entries into the page cache (POSIX_FADV_WILLNEED), in the
     order given, adjacent entries (bridging GAP bytes) in one request; returns the bytes asked for.
-    Used to put what CRIU will read at the head of the disk's queue, before the split fill's own
-    read-ahead: a hint only (the reads that follow check every byte), so failures are ignored."""
+    RESIDENT: then read them through the page cache too, so they are there when this returns.
+    Used to put what CRIU will read in memory before the split fill's reads begin (their 16 MiB
+    reads, many in flight, would otherwise queue ahead of CRIU's): a hint only (the reads that
+    follow check every byte), so failures are ignored."""
     planned = []
     for i, ref in enumerate(refs):
         if ref.is_zero or ref.id is None:
@@ -290,12 +292,39 @@ def read_ahead(store: PackSource, refs: list[ChunkRef], gap: int = 0,
         if locs:
             planned.append((i, locs[0]))
     asked = 0
-    for run in coalesce(planned, gap=gap, most=RUN_MAX):
+    runs = coalesce(planned, gap=gap, most=RUN_MAX)
+    for run in runs:
         if stop():
             break
         if _advise(store, run, stop):
             asked += _span(run)
+    if resident:
+        scratch = bytearray(1 << 20)
+        for run in runs:
+            if stop():
+                break
+            _touch(store, run, scratch, stop)
     return asked
+
+
+def _touch(store: PackSource, run: list[tuple[int, Loc]], scratch: bytearray, stop: Callable[[], bool]) -> None:
+    """RUN's bytes read (and dropped) through the page cache: they are resident when this returns.
+    A hint only, like _advise: failures are for the reads that follow to meet."""
+    first = run[0][1]
+    try:
+        with store.subdir("packs") as packs:
+            fd = open_pack(packs, first.pack, "")
+        try:
+            off, end = first.offset, first.offset + _span(run)
+            while off < end and not stop():
+                n = os.preadv(fd, [memoryview(scratch)[:min(len(scratch), end - off)]], off)
+                if n <= 0:
+                    break
+                off += n
+        finally:
+            os.close(fd)
+    except (OSError, ChunkError, GpusnapError):
+        pass
 
 
 def _advise(store: PackSource, run: list[tuple[int, Loc]], stop: Callable[[], bool]) -> bool:

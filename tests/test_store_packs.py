@@ -346,3 +346,17 @@ def test_read_ahead_puts_the_named_chunks_in_the_page_cache(tmp_path: Path) -> N
         time.sleep(0.1)
     resident = _resident_bytes(tmp_path / "store" / "packs") - before
     assert want <= resident < want + (40 << 20), (want, resident)  # the third asked for (+ the kernel's own readahead), not all
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="dropping the page cache needs root")
+def test_read_ahead_resident_returns_once_the_chunks_are_in_the_page_cache(tmp_path: Path) -> None:
+    """read_ahead(resident=True), as the split restore asks for CRIU's chunks before the fill's reads
+    begin: when it returns, the named entries are in the page cache (no waiting), the others are not."""
+    from storage.readstage import read_ahead
+    st, refs = _cold_store(tmp_path, 96 << 20)
+    before = _resident_bytes(tmp_path / "store" / "packs")
+    third = refs[:len(refs) // 3]
+    read_ahead(st, third, resident=True)
+    resident = _resident_bytes(tmp_path / "store" / "packs") - before
+    want = sum(c.stored_len for c in third)
+    assert want <= resident < want + (40 << 20), (want, resident)

@@ -207,16 +207,18 @@ class ServeSource:
             self._fail(e)
 
     def _read_ahead_for_criu(self) -> None:
-        """Ask the kernel for every chunk CRIU will read (the small images, the kept ranges of the page
-        images) before the fill asks for its own. Measured on the H200: with the fill's read-ahead
-        queued first, CRIU's part of a 20 GB restore took 6.8-7.3 s instead of 3.3 s, its reads
-        waiting behind gigabytes of the fill's."""
+        """Every chunk CRIU will read (the small images, the kept ranges of the page images) read into
+        the page cache before the fill's reads begin. Measured on the H200 (BENCHMARKS.md sections 15
+        and 17): with the fill's reads queued first, CRIU's part of a 20 GB restore took 6.8-7.3 s
+        instead of 3.3 s (its reads waiting behind gigabytes of the fill's), and with the fill in
+        worker processes, 16-32 reads of 16 MiB in flight, 5.4-7.5 s instead of 4.9 s."""
         t0 = time.perf_counter()
         try:
-            asked = read_ahead(self.store, criu_reads(self.images, self.plans), gap=FILL_GAP, stop=lambda: self._closing)
+            asked = read_ahead(self.store, criu_reads(self.images, self.plans), gap=FILL_GAP,
+                               stop=lambda: self._closing, resident=True)
         finally:
             self._criu_asked.set()
-        self.stages.add("criu-first read-ahead", time.perf_counter() - t0, asked)
+        self.stages.add("criu-first read", time.perf_counter() - t0, asked)
 
     def _make_filler(self) -> "split.Filler | FillProcs":
         """The split fill of the moved runs (sandbox.criu.split): in worker processes, each with a share

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batch on the lent GPU machine (the `device` tool): GPU tests, then the benchmarks named in $1
-# ("tests", "engine", "e2e", "speed", "moe", "codecs", "bench" = scripts/bench/bench_h200.sh, "hostpath", "pinned", "ingest", "pool", or several, comma-separated). Results land in $OUT (or ./device-out).
+# ("tests", "engine", "e2e", "speed", "moe", "codecs", "startup", "bench" = scripts/bench/bench_h200.sh, "hostpath", "pinned", "ingest", "pool", or several, comma-separated). Results land in $OUT (or ./device-out).
 # The GPU machine has no network: carry .whl/ and .carry/ (both git-ignored, ~58 MiB together):
 #   .whl/: pip download --only-binary=:all: --python-version 3.12 --no-deps --platform manylinux2014_x86_64
 #          --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 --platform any -d .whl \
@@ -48,6 +48,10 @@ for what in ${1//,/ }; do
             timeout 120 python3 -m scripts.workloads.serving_smoke moe_workload.py 2>&1 | tee "$out/moe-smoke.log" | tail -3
             timeout ${E2E_TIMEOUT:-540} python3 -m scripts.bench.bench_e2e --gb ${BENCH_GB:-20} --workload moe --paths ${BENCH_PATHS:-stream} \
               ${BENCH_ARGS:-} --json "$out/e2e-moe-${BENCH_GB:-20}.json" 2>&1 | tee "$out/e2e-moe-${BENCH_GB:-20}.log" ;;
+    startup) # what a cold start of the CLI costs on this machine: the imports of `criu restore`, cold and warm
+            for i in cold warm; do [ $i = cold ] && { sync; echo 3 > /proc/sys/vm/drop_caches; }
+              /usr/bin/time -f "$i import of cli.criu_cmd: %e s" python3 -X importtime -c "import cli.criu_cmd" 2> "$out/importtime-$i.txt"
+              tail -1 "$out/importtime-$i.txt"; sort -t'|' -k2 -n "$out/importtime-$i.txt" | tail -6; done ;;
     e2e)    timeout 560 python3 -m scripts.bench.bench_e2e --json "$out/e2e.json" ${BENCH_ARGS:-} 2>&1 | tee "$out/e2e.log" ;;
   esac
 done
