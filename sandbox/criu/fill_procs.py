@@ -36,7 +36,7 @@ from storage.codecs import CodecError
 from storage.errors import DamageError, GpusnapError
 from storage.manifest import ChunkRef
 from storage.pipeline import Stages
-from storage.readstage import Want, read_chunks
+from storage.readstage import READERS, Want, read_chunks
 from storage.store import SnapshotStore, StoreError
 
 from sandbox.criu.split import Filler, Job, Key, SplitError
@@ -120,16 +120,19 @@ class FillProcs:
         except OSError as e:
             self.close()
             raise SplitError(f"starting the fill's worker processes: {e.strerror}") from None
+        # the decoders, the memory and the reads in flight shared out: READERS in all, as one process
+        # has (more only queue on the disk ahead of CRIU's own reads: measured, section 17)
         self._jobs_sent = threading.Thread(target=self._send_jobs, name="gpusnap-fill-jobs", daemon=True,
-                                           args=(start_reads, max(1, decoders // n), budget // n, prefetch // n))
+                                           args=(start_reads, max(1, decoders // n), budget // n, prefetch // n,
+                                                 max(1, READERS // n)))
         self._jobs_sent.start()
         self._closed = False
 
-    def _send_jobs(self, start: threading.Event, decoders: int, budget: int, prefetch: int) -> None:
+    def _send_jobs(self, start: threading.Event, decoders: int, budget: int, prefetch: int, readers: int) -> None:
         start.wait()
         for p, share in zip(self.procs, self.shares):
             job = {"store": self.store.path, "name": self.name, "decoders": decoders, "budget": budget, "prefetch": prefetch,
-                   "chunks": _job_json(share)}
+                   "readers": readers, "chunks": _job_json(share)}
             try:
                 assert p.stdin is not None
                 p.stdin.write(json.dumps(job) + "\n")
@@ -225,6 +228,7 @@ def _serve_job(inp: IO[str], out: IO[str]) -> int:
     def read(wants: list[Want], deliver: Callable[[Want, memoryview], None], stop: Callable[[], bool]) -> None:
         try:
             read_chunks(store, wants, deliver, stages=stages, decoders=int(job["decoders"]), stop=stop,
+                        readers=int(job["readers"]),
                         order="pack", gap=1 << 20, prefetch=int(job["prefetch"]), prefetch_from=go)
         except ChunkError as e:
             raise store.error(f"snapshot {job['name']!r} is damaged: {e}") from None

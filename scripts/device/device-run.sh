@@ -15,6 +15,13 @@ out=${OUT:-$root/device-out}
 mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl 2>&1 | tail -2
 export PYTHONPATH="$root:/tmp/site" PYTHONUNBUFFERED=1
+# Byte-code as an installed gpusnap has it (pip compiles at install): without it every command compiled
+# each module it imports again (0.8 s per command on the H200, BENCHMARKS.md section 17). Written
+# outside the tree, which need not be writable here.
+echo "bytecode before: PYTHONDONTWRITEBYTECODE=${PYTHONDONTWRITEBYTECODE:-unset}, tree writable: $([ -w cli ] && echo yes || echo no), cli/__pycache__: $(ls cli/__pycache__ 2>/dev/null | wc -l) files" > "$out/bytecode.txt"
+unset PYTHONDONTWRITEBYTECODE
+export PYTHONPYCACHEPREFIX=/tmp/gpusnap-pycache
+python3 -m compileall -q -j 0 cli sandbox storage criu_hooks scripts /tmp/site > /dev/null 2>&1 || true
 if [ -d .carry/criu ]; then export GPUSNAP_CRIU="$root/.carry/criu/criu-wrapper"; fi
 { date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; uname -r; nproc; } > "$out/machine.txt" 2>&1
 python3 -m cli doctor > "$out/doctor.txt" 2>&1
