@@ -458,3 +458,19 @@ def test_split_restore_fills_a_read_only_area(cli: Cli) -> None:
             except ProcessLookupError:
                 pass
         p.wait()
+
+
+def test_fill_workers_import_nothing_from_the_working_directory(tmp_path: Path) -> None:
+    """The fill's worker processes run as root: a `sandbox` package planted in the directory gpusnap
+    was started from (one a user may control) is never imported by them."""
+    from sandbox.criu import fill_procs
+    planted = tmp_path / "sandbox" / "criu"
+    planted.mkdir(parents=True)
+    (tmp_path / "sandbox" / "__init__.py").write_text("")
+    (planted / "__init__.py").write_text("")
+    (planted / "fill_procs.py").write_text("import sys\nprint('PLANTED')\nsys.exit(0)\n")
+    # run from the planted directory itself (FillProcs runs them from /): -P keeps it off the path
+    p = subprocess.run(fill_procs.worker_argv(), input="", capture_output=True, text=True,
+                       env=fill_procs.worker_env(), cwd=tmp_path, timeout=60)
+    assert "PLANTED" not in p.stdout and p.returncode == 0, (p.returncode, p.stdout, p.stderr)
+    assert fill_procs.worker_env()["PYTHONPATH"].split(os.pathsep)[0] == str(REPO)

@@ -85,6 +85,23 @@ def shares(jobs: dict[Key, Job], where: Callable[[str], tuple[str, int] | None],
     return [s for s in out if s]
 
 
+PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def worker_argv() -> list[str]:
+    """The worker's command line: this interpreter, run from / (`-m` puts the working directory first on
+    the module path, and a root process must not import from a directory a user may control; -P,
+    where Python has it, leaves it off altogether)."""
+    return [sys.executable, *(["-P"] if sys.version_info >= (3, 11) else []), "-m", "sandbox.criu.fill_procs"]
+
+
+def worker_env() -> dict[str, str]:
+    """This process's environment, with gpusnap's own package root first on PYTHONPATH (an installed
+    gpusnap is found through site-packages anyway; a checkout through this)."""
+    path = [PACKAGE_ROOT, *(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p)]
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(dict.fromkeys(path)))
+
+
 def where_in_packs(store: SnapshotStore) -> Callable[[str], tuple[str, int] | None]:
     """(pack, offset) of a chunk in STORE (its first copy), None where it is not in a pack."""
     def where(cid: str) -> tuple[str, int] | None:
@@ -110,13 +127,11 @@ class FillProcs:
         self.store, self.name, self.shares, self.stages = store, name, parts, stages
         self.jobs = {k: j for part in parts for k, j in part.items()}
         n = len(parts)
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
         self.procs: list[subprocess.Popen[str]] = []
         try:
             for _ in range(n):
-                self.procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "sandbox.criu.fill_procs"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                    text=True, env=env, close_fds=True))
+                self.procs.append(subprocess.Popen(worker_argv(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                                   text=True, env=worker_env(), cwd="/", close_fds=True))
         except OSError as e:
             self.close()
             raise SplitError(f"starting the fill's worker processes: {e.strerror}") from None
