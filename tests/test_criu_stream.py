@@ -74,6 +74,25 @@ def test_pagemap_split_plan_keeps_small_runs_and_offsets() -> None:
     assert split.plan("pagemap-shmem-3.img", data, 1 << 20) is None
 
 
+@pytest.mark.parametrize("body,why", [
+    (b"\x08\x80", "malformed varint"),                   # a varint cut short by the record's end
+    (b"\x08" + b"\xff" * 11 + b"\x01", "malformed varint"),  # longer than 64 bits
+    (b"\x0a\x01\x00", "unexpected wire type 2"),         # a length-delimited field: none in a pagemap
+    (b"\x08", "malformed varint"),                       # a key with no value
+])
+def test_a_hostile_pagemap_record_is_refused_with_its_reason(body: bytes, why: str) -> None:
+    """A pagemap comes from the store (another node's, maybe): a record that is not well-formed
+    protobuf of varints is refused (the split is skipped or the restore fails), never read past."""
+    import struct
+
+    from sandbox.criu import split
+    head = b"\x19\x43\x56\x54\x25\x40\x08\x56" + struct.pack("<I", 2) + b"\x08\x01"
+    good = struct.pack("<I", 7) + b"\x08\x80\x20\x10\x02\x20\x01"  # vaddr 4096, 2 pages, present
+    assert [(e.vaddr, e.nr_pages) for e in split.parse_pagemap(head + good).entries] == [(4096, 2)]
+    with pytest.raises(split.SplitError, match=why):
+        split.parse_pagemap(head + good + struct.pack("<I", len(body)) + body)
+
+
 def test_pagemap_of_criu_4_2_counts_pages_in_field_5_and_a_mismatch_skips_the_split() -> None:
     """CRIU 4.2 writes each record's page count in field 5 (64-bit) and 0 in field 2; the records
     below are as CRIU 4.2.1 wrote them here (one 8 KiB record, one 1 MiB record, PE_LAZY|PE_PRESENT).
