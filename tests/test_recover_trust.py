@@ -156,15 +156,32 @@ def test_a_committed_dump_kills_only_what_its_own_manifest_names(tmp_path: Path)
         tree.kill()
 
 
-def test_restore_killed_during_the_split_fill_is_recovered_and_retried(tmp_path: Path) -> None:
+def _fill_workers() -> list[int]:
+    """Pids of split-fill worker processes (sandbox/criu/fill_procs.py) on this machine."""
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/cmdline", "rb") as f:
+                    if b"sandbox.criu.fill_procs" in f.read():
+                        out.append(int(d))
+            except OSError:
+                pass
+    return out
+
+
+@pytest.mark.parametrize("procs", ["1", "2"], ids=["fill-in-process", "fill-in-2-workers"])
+def test_restore_killed_during_the_split_fill_is_recovered_and_retried(tmp_path: Path, procs: str) -> None:
     """kill -9 of `gpusnap criu restore` while it writes the large runs into the tree CRIU restored
     stopped: the restored pids were journaled before the fill, so recover kills the half-filled tree
-    (no process is left stopped), and the retried restore succeeds with the counter continuing."""
+    (no process is left stopped), and the retried restore succeeds with the counter continuing. With
+    the fill in worker processes, the workers die with gpusnap (none is left reading or writing)."""
     store = tmp_path / "store"
     cli = Cli(store)
     tree = Tree(mb=16, detached=True)
-    old = {k: os.environ.get(k) for k in SPLIT}
-    os.environ.update(SPLIT)
+    env = {**SPLIT, "GPUSNAP_FILL_PROCS": procs}
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
     try:
         c0 = tree.report()["counter"]
         cli.json("criu", "dump", str(tree.pid), "r")
@@ -172,9 +189,15 @@ def test_restore_killed_during_the_split_fill_is_recovered_and_retried(tmp_path:
         p = Paused(store, ["criu", "restore", "r"], "split-fill", tmp_path)
         staging = p.record["staging"]
         assert p.record["stage"] == "filling" and {x["pid"] for x in p.record["procs"]} == {tree.pid, tree.child}
+        if procs != "1":
+            assert _fill_workers(), "the fill's workers were started"
         os.kill(p.proc.pid, signal.SIGKILL)
         p.proc.wait()
         p.file.unlink()
+        deadline = time.monotonic() + 10
+        while _fill_workers():
+            assert time.monotonic() < deadline, f"fill workers outlived gpusnap: {_fill_workers()}"
+            time.sleep(0.05)
         assert _state(tree.pid) == "T", "CRIU left the tree stopped for the fill"
         assert cli.run("criu", "restore", "r", check=False).returncode == 5
         rec = cli.json("recover")

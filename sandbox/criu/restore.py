@@ -75,6 +75,7 @@ def streamed(run: RestoreRun, *, thp_mode: str | None = "always",
                      arrivals=run.arrivals) as srv:
         extra = run.extra + (("--stream", "--leave-stopped") if srv.plans else ("--stream",))
         pids = list(dict.fromkeys([*run.pids, *srv.pstree]))
+        marks.update(srv.marks)
         with restore_huge_pages(thp_mode):
             marks["criu_begin"] = time.monotonic()
             try:

@@ -114,6 +114,7 @@ class ServeSource:
         if missing:
             raise store.error(f"snapshot {manifest.name!r} is damaged: {len(missing)} chunk(s) missing "
                              f"(first {missing[0][:16]}…); nothing was started")
+        self.marks: dict[str, float] = {}  # time.monotonic() at the steps below (the restore reports them)
         self.workers = workers or pipeline.default_workers()
         self.window = window or 2 * self.workers
         self._bufs = BufferPool(self.workers, store.chunk_buffer_size([manifest]))  # CRIU's feeds (the fill has its own)
@@ -135,6 +136,7 @@ class ServeSource:
         if split_min > 0:
             pagemaps = {name: b"".join(bytes(self._chunk(s, i, c)) for i, c in enumerate(s.chunks))
                         for name, s in self.images.items() if split.PAGEMAP_NAME.fullmatch(name)}
+            self.marks["pagemaps_read"] = time.monotonic()
             self.plans, self.split_skipped_because = split.choose(
                 pagemaps, {n: s.size for n, s in self.images.items() if is_page_image(n)}, split_min)
             self._rewritten = {f"pagemap-{pl.pid}.img": pl.pagemap for pl in self.plans.values()}
@@ -155,7 +157,9 @@ class ServeSource:
             self._criu_first = threading.Thread(target=self._read_ahead_for_criu, daemon=True,
                                                 name="gpusnap-criu-first")
             self._criu_first.start()
+        self.marks["planned"] = time.monotonic()
         self._filler = self._make_filler() if self.plans else None
+        self.marks["fill_started"] = time.monotonic()
         self._feeds: list[threading.Thread] = []
         self.errors: list[BaseException] = []
         self.served: list[str] = []

@@ -15,7 +15,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-PHASE_COLORS = {"startup": "#dddddd", "plan": "#bbbbbb", "criu": "#f2c49b", "fill": "#b7dfb9",
+PHASE_COLORS = {"startup": "#dddddd", "plan": "#bbbbbb", "plan:split": "#aaaaaa", "plan:fill-start": "#999999",
+                "plan:rest": "#bbbbbb", "criu": "#f2c49b", "fill": "#b7dfb9",
                 "between": "#ffffff", "gpu": "#a9c4e8", "exit": "#eeeeee"}
 
 
