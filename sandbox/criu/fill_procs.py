@@ -39,7 +39,7 @@ from storage.pipeline import Stages
 from storage.readstage import READERS, Want, read_chunks
 from storage.store import SnapshotStore, StoreError
 
-from sandbox.criu.split import Filler, Job, Key, SplitError
+from sandbox.criu.split import Filler, Job, Key, SplitError, check_pids
 
 MIN_SHARE = 256 << 20  # a worker process is worth its start-up only for this many stored bytes
 
@@ -127,6 +127,8 @@ class FillProcs:
         self.store, self.name, self.shares, self.stages = store, name, parts, stages
         self.jobs = {k: j for part in parts for k, j in part.items()}
         n = len(parts)
+        # spawned from the thread that runs the restore: a worker's PR_SET_PDEATHSIG fires when the
+        # thread that started it ends, and this one outlives the fill
         self.procs: list[subprocess.Popen[str]] = []
         try:
             for _ in range(n):
@@ -155,13 +157,10 @@ class FillProcs:
             except (OSError, ValueError):
                 pass  # the worker is gone: write() reports it
 
-    def pids(self) -> set[int]:
-        return {t[0] for _, targets in self.jobs.values() for t in targets}
-
     def write(self, pids_ok: Callable[[int], bool]) -> dict[str, int]:
-        for pid in sorted(self.pids()):
-            if not pids_ok(pid):
-                raise SplitError(f"pid {pid} of the snapshot was not restored by CRIU")
+        """split.Filler.write: every pid checked (PIDS_OK), then "go" to every worker, their results
+        gathered (the first failure raised: damage as damage); bytes written / skipped as zero."""
+        check_pids(self.jobs, pids_ok)
         self._jobs_sent.join()
         for p in self.procs:
             try:

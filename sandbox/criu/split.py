@@ -207,11 +207,17 @@ def _runs(entries: tuple[Entry, ...]) -> list[list[Entry]]:
 
 def plan(name: str, data: bytes, min_bytes: int) -> Plan | None:
     """The split of pagemap image NAME (DATA), or None when no run is large enough to move."""
-    m = PAGEMAP_NAME.fullmatch(name)
-    if m is None or min_bytes <= 0:
+    if PAGEMAP_NAME.fullmatch(name) is None or min_bytes <= 0:
         return None
     pm = parse_pagemap(data)
-    big = [r for r in _runs(pm.entries) if sum(e.nbytes for e in r) >= min_bytes]
+    return _plan(name, pm, _runs(pm.entries), min_bytes)
+
+
+def _plan(name: str, pm: Pagemap, runs: list[list[Entry]], min_bytes: int) -> Plan | None:
+    """plan() of a parsed pagemap PM whose RUNS are known (choose parses each pagemap once)."""
+    m = PAGEMAP_NAME.fullmatch(name)
+    assert m is not None
+    big = [r for r in runs if sum(e.nbytes for e in r) >= min_bytes]
     if not big:
         return None
     moved = tuple(Run(r[0].vaddr, r[0].offset or 0, sum(e.nbytes for e in r)) for r in big)
@@ -258,8 +264,9 @@ def choose(pagemaps: dict[str, bytes], page_sizes: dict[str, int],
         if named != page_sizes[image]:
             return {}, (f"{name} names {named} bytes of {image}, which holds {page_sizes[image]}: a pagemap "
                         "format gpusnap does not know; CRIU restored every page")
-        largest = max([largest] + [sum(e.nbytes for e in r) for r in _runs(pm.entries)])
-        pl = plan(name, pagemaps[name], min_bytes)
+        runs = _runs(pm.entries)
+        largest = max([largest] + [sum(e.nbytes for e in r) for r in runs])
+        pl = _plan(name, pm, runs, min_bytes)
         if pl is not None:
             plans[pl.pages_image] = pl
     if not plans:
@@ -338,6 +345,13 @@ def _write_mem(pid: int, addr: int, data: memoryview) -> None:
 Key = Union[str, tuple[str, int]]  # a chunk id, or (image, index) of an all-zero chunk
 Target = tuple[int, int, int, int]  # (pid, address, lo, hi): the chunk's bytes [lo, hi) go to pid at address
 Job = tuple[ChunkRef, list[Target]]  # a chunk, and every place its bytes are written
+
+
+def check_pids(jobs: dict[Key, Job], pids_ok: Callable[[int], bool]) -> None:
+    """Before any byte is written: every pid JOBS write into must be one CRIU restored (PIDS_OK)."""
+    for pid in sorted({t[0] for _, targets in jobs.values() for t in targets}):
+        if not pids_ok(pid):
+            raise SplitError(f"pid {pid} of the snapshot was not restored by CRIU")
 
 
 def fill_jobs(plans: list[Plan], streams: dict[str, Stream]) -> dict[Key, Job]:
@@ -453,16 +467,10 @@ class Filler:
         with self._cond:
             self._written += n
 
-    def pids(self) -> set[int]:
-        """Every pid a job writes into."""
-        return {t[0] for _, targets in self.jobs.values() for t in targets}
-
     def write(self, pids_ok: Callable[[int], bool]) -> dict[str, int]:
         """Every moved run written into its (stopped) process; PIDS_OK(pid) says a planned pid is one
         CRIU restored. Returns bytes written / skipped as zero."""
-        for pid in sorted(self.pids()):
-            if not pids_ok(pid):
-                raise SplitError(f"pid {pid} of the snapshot was not restored by CRIU")
+        check_pids(self.jobs, pids_ok)
         with self._cond:
             self._go = True
             held, self._pending = self._pending, []
