@@ -493,3 +493,53 @@ def test_fill_workers_import_nothing_from_the_working_directory(tmp_path: Path) 
                        env=fill_procs.worker_env(), cwd=tmp_path, timeout=60)
     assert "PLANTED" not in p.stdout and p.returncode == 0, (p.returncode, p.stdout, p.stderr)
     assert fill_procs.worker_env()["PYTHONPATH"].split(os.pathsep)[0] == str(REPO)
+
+
+def test_only_the_tree_criu_restored_counts_as_this_restores_processes() -> None:
+    """A snapshot's pid list and page maps are the snapshot author's: the fill writes, and the restore
+    signals and journals, only processes of the tree under the pidfile's root that the process tree
+    image lists, started after the restore began, processes not threads, not gpusnap itself."""
+    import threading
+
+    from sandbox.criu.restore import restored_tree
+    from sandbox.criu.restored import boot_ticks, in_restored_tree
+    born_after = boot_ticks() - 1
+    root = subprocess.Popen(["sh", "-c", "sleep 60 & wait"], start_new_session=True)
+    other = subprocess.Popen(["sleep", "60"])  # started after too, but no part of the tree
+    seen: list[int] = []
+    t = threading.Thread(target=lambda: (seen.append(threading.get_native_id()), time.sleep(1)))
+    t.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not (kids := [int(x) for x in open(f"/proc/{root.pid}/task/{root.pid}/children").read().split()]):
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        child = kids[0]
+        for p in (root.pid, child):
+            os.kill(p, signal.SIGSTOP)
+        deadline = time.monotonic() + 10
+        while _state(child) != "T" or _state(root.pid) != "T":
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        listed = [root.pid, child, other.pid, seen[0], os.getpid()]  # what a hostile image could list
+        assert restored_tree(root.pid, listed, born_after) == [root.pid, child]
+        assert in_restored_tree(child, root.pid, listed, born_after, stopped=True)
+        assert not in_restored_tree(child, root.pid, [root.pid], born_after), "not in the process tree image"
+        assert not in_restored_tree(child, root.pid, listed, boot_ticks() + 1000), "started before the restore"
+        os.kill(child, signal.SIGCONT)
+        deadline = time.monotonic() + 10
+        while _state(child) == "T":
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        assert not in_restored_tree(child, root.pid, listed, born_after, stopped=True), "the fill wants it stopped"
+        assert not in_restored_tree(root.pid, 0, listed, born_after), "no root: nothing is this restore's"
+    finally:
+        t.join()
+        for pid in kids if "kids" in locals() else []:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        for p in (root, other):
+            p.kill()
+            p.wait()

@@ -133,7 +133,8 @@ class FillProcs:
         try:
             for _ in range(n):
                 self.procs.append(subprocess.Popen(worker_argv(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                                   text=True, env=worker_env(), cwd="/", close_fds=True))
+                                                   stderr=subprocess.DEVNULL, text=True, env=worker_env(), cwd="/",
+                                                   close_fds=True))
         except OSError as e:
             self.close()
             raise SplitError(f"starting the fill's worker processes: {e.strerror}") from None
@@ -230,38 +231,42 @@ def _parse_job(job: Any) -> dict[Key, Job]:
 
 
 def _serve_job(inp: IO[str], out: IO[str]) -> int:
+    """One job: read it, hold what it reads until "go", write, answer one line (every failure too)."""
+    def answer(r: dict[str, Any]) -> None:
+        out.write(json.dumps(r) + "\n")
+
     line = inp.readline()
     if not line:
         return 0  # the parent closed before the job: nothing to do
-    job = json.loads(line)
-    store = SnapshotStore(job["store"], create=False)
-    jobs = _parse_job(job["chunks"])
-    go = threading.Event()
-    stages = Stages()
-
-    def read(wants: list[Want], deliver: Callable[[Want, memoryview], None], stop: Callable[[], bool]) -> None:
-        try:
-            read_chunks(store, wants, deliver, stages=stages, decoders=int(job["decoders"]), stop=stop,
-                        readers=int(job["readers"]),
-                        order="pack", gap=1 << 20, prefetch=int(job["prefetch"]), prefetch_from=go)
-        except ChunkError as e:
-            raise store.error(f"snapshot {job['name']!r} is damaged: {e}") from None
-        except CodecError as e:
-            raise StoreError(f"snapshot {job['name']!r}: {e}") from None
-
     try:
+        job = json.loads(line)
+        store = SnapshotStore(job["store"], create=False)
+        jobs = _parse_job(job["chunks"])
+        go = threading.Event()
+        stages = Stages()
+
+        def read(wants: list[Want], deliver: Callable[[Want, memoryview], None], stop: Callable[[], bool]) -> None:
+            try:
+                read_chunks(store, wants, deliver, stages=stages, decoders=int(job["decoders"]), stop=stop,
+                            readers=int(job["readers"]),
+                            order="pack", gap=1 << 20, prefetch=int(job["prefetch"]), prefetch_from=go)
+            except ChunkError as e:
+                raise store.error(f"snapshot {job['name']!r} is damaged: {e}") from None
+            except CodecError as e:
+                raise StoreError(f"snapshot {job['name']!r}: {e}") from None
+
         with Filler(jobs, read, int(job["decoders"]), int(job["budget"]), stages) as filler:
             if inp.readline().strip() != "go":
                 return 0  # the parent gave up (CRIU failed): the tree is killed, nothing to write
             go.set()
             done = filler.write(lambda pid: True)  # the parent checked every pid before "go"
     except GpusnapError as e:
-        out.write(json.dumps({"error": str(e), "damage": isinstance(e, DamageError)}) + "\n")
+        answer({"error": str(e), "damage": isinstance(e, DamageError)})
         return 1
-    except (OSError, ValueError) as e:
-        out.write(json.dumps({"error": str(e), "damage": False}) + "\n")
+    except Exception as e:  # noqa: BLE001 - one line for the parent, never a traceback on its terminal
+        answer({"error": f"fill worker: {type(e).__name__}: {e}", "damage": False})
         return 1
-    out.write(json.dumps({**done, "stages": stages.table()}) + "\n")
+    answer({**done, "stages": stages.table()})
     return 0
 
 

@@ -28,7 +28,7 @@ from storage.manifest import Manifest
 from storage.progress import Progress
 from storage.store import SnapshotStore
 
-from sandbox.criu.restored import adopting_orphans, boot_ticks, kill_half_restored, restored_by_criu, signal_all
+from sandbox.criu.restored import adopting_orphans, boot_ticks, in_restored_tree, kill_half_restored, signal_all
 from sandbox.criu.runner import Criu, CriuError
 from sandbox.criu.serve import Arrivals, ServeSource, split_min
 from sandbox.gpu.state import restore_huge_pages
@@ -47,7 +47,7 @@ class RestoreRun:
     extra: tuple[str, ...] = ()      # CRIU options (the dump's that CRIU needs again)
     progress: Progress | None = None  # the staged path's materialize
     arrivals: Arrivals | None = None  # chunks still on their way from a remote (the streamed path)
-    on_stopped: Callable[[], None] | None = None  # CRIU done, the tree stopped for the split fill
+    on_stopped: Callable[[list[int]], None] | None = None  # CRIU done, the tree (its pids) stopped for the split fill
 
     @property
     def pidfile(self) -> str:
@@ -91,16 +91,19 @@ def streamed(run: RestoreRun, *, thp_mode: str | None = "always",
             srv.raise_if_failed()
             seconds["criu_restore"] = time.perf_counter() - t0
             marks["criu_done"] = time.monotonic()
+            root = _root_pid(pidfile)
+            tree = restored_tree(root, srv.pstree, born_after)
+            info["restored_pids"] = tree
             if srv.plans:
                 t1 = time.perf_counter()
                 try:
                     if on_stopped is not None:
-                        on_stopped()
-                    info["split"] = srv.fill(lambda p: restored_by_criu(p, pids, born_after))
+                        on_stopped(tree)
+                    info["split"] = srv.fill(lambda p: in_restored_tree(p, root, srv.pstree, born_after, stopped=True))
                 except BaseException:
-                    signal_all([p for p in pids if restored_by_criu(p, pids, born_after)], signal.SIGKILL)
+                    signal_all(tree, signal.SIGKILL)
                     raise
-                signal_all([p for p in pids if restored_by_criu(p, pids, born_after)], signal.SIGCONT)
+                signal_all(tree, signal.SIGCONT)
                 seconds["split_fill"] = time.perf_counter() - t1
                 marks["fill_done"] = time.monotonic()
         info.update(served=len(srv.served), absent_images=srv.absent, bytes=srv.bytes, stages=srv.stages.table(),
@@ -112,6 +115,32 @@ def streamed(run: RestoreRun, *, thp_mode: str | None = "always",
         if srv.connected_at is not None:
             info["criu_connected_monotonic"] = srv.connected_at
     return seconds, info
+
+
+def restored_tree(root: int, pstree: list[int], born_after: int) -> list[int]:
+    """The pids of PSTREE (the snapshot's process tree image) that are the tree CRIU restored under
+    ROOT (sandbox.criu.restored.in_restored_tree): all that is ever written into, signalled or
+    journaled as this restore's processes."""
+    return [p for p in pstree if in_restored_tree(p, root, pstree, born_after)]
+
+
+def pstree_of(images_dir: str) -> list[int]:
+    """The pids a materialized pstree.img in IMAGES_DIR lists ([] when it cannot be read)."""
+    from sandbox.criu.split import SplitError, pstree_pids
+    try:
+        with open(os.path.join(images_dir, "pstree.img"), "rb") as f:
+            return pstree_pids(f.read())
+    except (OSError, SplitError):
+        return []
+
+
+def _root_pid(pidfile: str) -> int:
+    """The pid CRIU wrote into PIDFILE (the restored tree's root); 0 when there is none."""
+    try:
+        with open(pidfile) as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return 0
 
 
 def staged(run: RestoreRun) -> dict[str, float]:

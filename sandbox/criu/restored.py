@@ -24,11 +24,48 @@ def boot_ticks() -> int:
 
 
 def restored_by_criu(pid: int, pids: list[int], born_after: int) -> bool:
-    """Whether the split may write into PID: one of the snapshot's PIDS (all checked free before the
-    restore) and started after BORN_AFTER, so a process of someone else's that a snapshot's page
-    image names is never written into."""
+    """Whether PID may be one this restore made: one of PIDS (all checked free before the restore)
+    and started after BORN_AFTER. Necessary, not enough: gpusnap's own threads and helpers start
+    after BORN_AFTER too (see in_restored_tree)."""
     started = start_time(pid) if pid in pids else None
     return started is not None and started >= born_after - 1
+
+
+MAX_TREE_DEPTH = 4096  # a process tree deeper than this is not one CRIU made here
+
+
+def _status(pid: int) -> dict[str, str]:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return dict(line.rstrip("\n").split(":\t", 1) for line in f if ":\t" in line)
+    except OSError:
+        return {}
+
+
+def in_restored_tree(pid: int, root: int, pstree: list[int], born_after: int, stopped: bool = False) -> bool:
+    """Whether PID is a process of the tree CRIU restored under ROOT (its pidfile's pid): listed in the
+    snapshot's process tree image (PSTREE; the manifest's own pid list is not enough, a snapshot may
+    name any pid there), started after BORN_AFTER, a process and not a thread (its Tgid), not gpusnap
+    itself, ROOT or a descendant of ROOT (every process CRIU restores is), and, with STOPPED, stopped
+    (CRIU leaves the tree stopped for the split fill). So a snapshot that names a pid gpusnap's own
+    threads, fill workers or another user's processes may hold never gets bytes written or signals
+    sent to them."""
+    if pid == os.getpid() or root <= 1 or not restored_by_criu(pid, pstree, born_after):
+        return False
+    st = _status(pid)
+    if st.get("Tgid", "").strip() != str(pid) or (stopped and not st.get("State", "").startswith("T")):
+        return False
+    p = pid
+    for _ in range(MAX_TREE_DEPTH):
+        if p == root:
+            return True
+        if p <= 1 or p == os.getpid():
+            return False
+        try:
+            p = int(_status(p).get("PPid", "0").strip())
+        except ValueError:
+            return False
+    return False
 
 
 _PR_SET_CHILD_SUBREAPER, _PR_GET_CHILD_SUBREAPER = 36, 37

@@ -286,8 +286,8 @@ def _restore_from(run: restore.RestoreRun, m: Any, meta: CriuMeta, report: CriuR
     op.advance(Stage.DUMPING)
     born_after = boot_ticks()  # what this restore makes starts after this
 
-    def restored_stopped() -> None:  # CRIU is done, the tree stopped for the split fill: journaled first
-        op.advance(Stage.FILLING, procs=_restored(report.pids, born_after))
+    def restored_stopped(tree: list[int]) -> None:  # CRIU is done, the tree stopped for the split fill: journaled first
+        op.advance(Stage.FILLING, procs=_restored(tree, born_after))
         journal.pause("split-fill")
 
     run = dataclasses.replace(run, on_stopped=restored_stopped)
@@ -305,7 +305,12 @@ def _restore_from(run: restore.RestoreRun, m: Any, meta: CriuMeta, report: CriuR
         report.seconds["tree_running"] = time.monotonic() - fill.began
     with open(run.pidfile) as f:
         report.restored_pid = int(f.read().strip())
-    op.advance(Stage.DUMPED, procs=_restored(report.pids, born_after))
+    # this restore's processes: the tree CRIU made under the pidfile's root, never just the pids the
+    # snapshot names (a hostile one may name anyone's)
+    served = report.stages.get("served") or {}
+    tree = served["restored_pids"] if "restored_pids" in served else restore.restored_tree(
+        report.restored_pid, restore.pstree_of(os.path.join(run.stage, "out", "images")), born_after)
+    op.advance(Stage.DUMPED, procs=_restored(tree, born_after))
     if fill is not None:  # CRIU has read its images; what is left (GPU streams) arrives, then the commit
         try:
             pulled = fill.finish()
