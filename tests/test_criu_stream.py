@@ -79,6 +79,9 @@ def test_pagemap_split_plan_keeps_small_runs_and_offsets() -> None:
     (b"\x08" + b"\xff" * 11 + b"\x01", "malformed varint"),  # longer than 64 bits
     (b"\x0a\x01\x00", "unexpected wire type 2"),         # a length-delimited field: none in a pagemap
     (b"\x08", "malformed varint"),                       # a key with no value
+    (b"\x08\x80\x20\x10\x00\x20\x01", "a record of 0 pages"),  # names no page
+    (b"\x08\x81\x20\x10\x01\x20\x01", "a record of 1 pages at 0x1001"),  # not page-aligned
+    (b"\x08" + bytes([0x80] * 9) + b"\x01" + b"\x10\x01\x20\x01", "a record of 1 pages at 0x8000000000000000"),  # past user space
 ])
 def test_a_hostile_pagemap_record_is_refused_with_its_reason(body: bytes, why: str) -> None:
     """A pagemap comes from the store (another node's, maybe): a record that is not well-formed
@@ -488,11 +491,21 @@ def test_fill_workers_import_nothing_from_the_working_directory(tmp_path: Path) 
     (tmp_path / "sandbox" / "__init__.py").write_text("")
     (planted / "__init__.py").write_text("")
     (planted / "fill_procs.py").write_text("import sys\nprint('PLANTED')\nsys.exit(0)\n")
-    # run from the planted directory itself (FillProcs runs them from /): -P keeps it off the path
-    p = subprocess.run(fill_procs.worker_argv(), input="", capture_output=True, text=True,
-                       env=fill_procs.worker_env(), cwd=tmp_path, timeout=60)
+    # gpusnap started as `python -m` from the planted directory (so it is first on gpusnap's own path),
+    # the worker even run from there (FillProcs runs them from /)
+    import sys as _sys
+    old_cwd, old_path = os.getcwd(), list(_sys.path)
+    os.chdir(tmp_path)
+    _sys.path.insert(0, str(tmp_path))
+    try:
+        argv = fill_procs.worker_argv()
+    finally:
+        os.chdir(old_cwd)
+        _sys.path[:] = old_path
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}  # ignored too: the worker runs isolated (-I)
+    p = subprocess.run(argv, input="", capture_output=True, text=True, env=env, cwd=tmp_path, timeout=60)
     assert "PLANTED" not in p.stdout and p.returncode == 0, (p.returncode, p.stdout, p.stderr)
-    assert fill_procs.worker_env()["PYTHONPATH"].split(os.pathsep)[0] == str(REPO)
+    assert str(tmp_path) not in fill_procs.worker_path()
 
 
 def test_only_the_tree_criu_restored_counts_as_this_restores_processes() -> None:
@@ -543,3 +556,19 @@ def test_only_the_tree_criu_restored_counts_as_this_restores_processes() -> None
         for p in (root, other):
             p.kill()
             p.wait()
+
+
+def test_a_bad_fill_setting_fails_the_restore_before_criu_starts(cli: Cli, store_dir: Path) -> None:
+    """GPUSNAP_FILL_PROCS that is not a number: one line naming it, nothing restored, nothing left
+    behind (no fill worker, no stopped process), and the snapshot restores once the setting is fixed."""
+    tree = Tree(mb=24)
+    try:
+        cli_json(cli, STREAM, "criu", "dump", str(tree.pid), "bad")
+        tree.reap()
+        r = cli.run("criu", "restore", "bad", env={**SPLIT, "GPUSNAP_FILL_PROCS": "many"}, check=False)
+        assert r.returncode != 0 and "GPUSNAP_FILL_PROCS" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert not tree.alive()
+        ok = cli_json(cli, SPLIT_PROCS, "criu", "restore", "bad")
+        assert ok["restored_pid"] == tree.pid and healthy(tree.report())
+    finally:
+        tree.kill()

@@ -88,18 +88,24 @@ def shares(jobs: dict[Key, Job], where: Callable[[str], tuple[str, int] | None],
 PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+def worker_path() -> list[str]:
+    """The module path a worker gets: this process's own, less the working directory (`python -m`
+    puts it first, and a root process must not import from a directory a user may control) unless
+    that is where gpusnap itself was imported from."""
+    cwd = os.getcwd()
+    out = [p for p in sys.path if p and (os.path.abspath(p) != cwd or os.path.abspath(p) == PACKAGE_ROOT)]
+    return out if PACKAGE_ROOT in (os.path.abspath(p) for p in out) else [PACKAGE_ROOT, *out]
+
+
 def worker_argv() -> list[str]:
-    """The worker's command line: this interpreter, run from / (`-m` puts the working directory first on
-    the module path, and a root process must not import from a directory a user may control; -P,
-    where Python has it, leaves it off altogether)."""
-    return [sys.executable, *(["-P"] if sys.version_info >= (3, 11) else []), "-m", "sandbox.criu.fill_procs"]
-
-
-def worker_env() -> dict[str, str]:
-    """This process's environment, with gpusnap's own package root first on PYTHONPATH (an installed
-    gpusnap is found through site-packages anyway; a checkout through this)."""
-    path = [PACKAGE_ROOT, *(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p)]
-    return dict(os.environ, PYTHONPATH=os.pathsep.join(dict.fromkeys(path)))
+    """The worker's command line: this interpreter in isolated mode (-I: no working directory, no
+    PYTHON* variables, no user site on the path), given exactly worker_path() and this process's
+    byte-code settings, running this module."""
+    boot = (f"import sys, runpy; sys.path[:] = {worker_path()!r}; "
+            f"sys.pycache_prefix = {sys.pycache_prefix!r}; "
+            f"sys.dont_write_bytecode = {sys.dont_write_bytecode!r}; "
+            "runpy.run_module('sandbox.criu.fill_procs', run_name='__main__', alter_sys=True)")
+    return [sys.executable, "-I", "-c", boot]
 
 
 def where_in_packs(store: SnapshotStore) -> Callable[[str], tuple[str, int] | None]:
@@ -133,8 +139,7 @@ class FillProcs:
         try:
             for _ in range(n):
                 self.procs.append(subprocess.Popen(worker_argv(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                                   stderr=subprocess.DEVNULL, text=True, env=worker_env(), cwd="/",
-                                                   close_fds=True))
+                                                   stderr=subprocess.DEVNULL, text=True, cwd="/", close_fds=True))
         except OSError as e:
             self.close()
             raise SplitError(f"starting the fill's worker processes: {e.strerror}") from None
@@ -170,19 +175,33 @@ class FillProcs:
                 p.stdin.flush()
             except (OSError, ValueError):
                 pass
-        results = [self._result(i, p) for i, p in enumerate(self.procs)]
-        failed = [r for r in results if "error" in r]
-        if failed:
-            self.close()
-            r = failed[0]
-            if r.get("damage"):
-                raise self.store.error(r["error"])
-            raise SplitError(r["error"])
+        results = self._results()
         for r in results:
             for stage, v in r.get("stages", {}).items():
                 self.stages.add(stage, float(v["thread_seconds"]), int(v["bytes"]))
         return {"written": sum(int(r["written"]) for r in results),
                 "zero_skipped": sum(int(r["zero_skipped"]) for r in results)}
+
+    def _results(self) -> list[dict[str, Any]]:
+        """Every worker's answer as it comes; at the first failure the others are killed (their
+        writes are moot: the tree is killed) and it is raised, damage as damage."""
+        import selectors
+        results: dict[int, dict[str, Any]] = {}
+        with selectors.DefaultSelector() as sel:
+            for i, p in enumerate(self.procs):
+                assert p.stdout is not None
+                sel.register(p.stdout, selectors.EVENT_READ, i)
+            while len(results) < len(self.procs):
+                for key, _ in sel.select():
+                    i = key.data
+                    sel.unregister(key.fileobj)
+                    r = results[i] = self._result(i, self.procs[i])
+                    if "error" in r:
+                        self.close()
+                        if r.get("damage"):
+                            raise self.store.error(r["error"])
+                        raise SplitError(r["error"])
+        return [results[i] for i in range(len(self.procs))]
 
     @staticmethod
     def _result(i: int, p: "subprocess.Popen[str]") -> dict[str, Any]:

@@ -133,7 +133,11 @@ class ServeSource:
             self.pstree = []  # CRIU refuses the image itself
         # why the split did not engage (None when it did), for the restore report
         self.split_skipped_because: str | None = "the split is off (GPUSNAP_CRIU_SPLIT_MIN=0)"
-        if split_min > 0:
+        big = [n for n, s in self.images.items() if split.PAGEMAP_NAME.fullmatch(n) and s.size > split.MAX_PAGEMAP_BYTES]
+        if split_min > 0 and big:
+            self.split_skipped_because = (f"{big[0]} is {self.images[big[0]].size} bytes, more than a real pagemap "
+                                          "needs; CRIU restored every page")
+        elif split_min > 0:
             pagemaps = {name: b"".join(bytes(self._chunk(s, i, c)) for i, c in enumerate(s.chunks))
                         for name, s in self.images.items() if split.PAGEMAP_NAME.fullmatch(name)}
             self.marks["pagemaps_read"] = time.monotonic()
@@ -158,16 +162,22 @@ class ServeSource:
                                                 name="gpusnap-criu-first")
             self._criu_first.start()
         self.marks["planned"] = time.monotonic()
-        self._filler = self._make_filler() if self.plans else None
-        self.marks["fill_started"] = time.monotonic()
+        self._filler: "split.Filler | FillProcs | None" = None
         self._feeds: list[threading.Thread] = []
-        self.errors: list[BaseException] = []
-        self.served: list[str] = []
-        self.absent: list[str] = []  # images CRIU asked for that the dump never wrote (CRIU then goes on)
-        self.bytes = 0
-        self._lock = threading.Lock()
-        self._thread = threading.Thread(target=self._serve, name="gpusnap-serve", daemon=True)
-        self._thread.start()
+        self._thread: threading.Thread | None = None
+        try:
+            self._filler = self._make_filler() if self.plans else None
+            self.marks["fill_started"] = time.monotonic()
+            self.errors: list[BaseException] = []
+            self.served: list[str] = []
+            self.absent: list[str] = []  # images CRIU asked for that the dump never wrote (CRIU then goes on)
+            self.bytes = 0
+            self._lock = threading.Lock()
+            self._thread = threading.Thread(target=self._serve, name="gpusnap-serve", daemon=True)
+            self._thread.start()
+        except BaseException:
+            self.__exit__()  # the fill's workers, the read-ahead thread, the socket: nothing left behind
+            raise
 
     def __enter__(self) -> "ServeSource":
         return self
@@ -175,7 +185,8 @@ class ServeSource:
     def __exit__(self, *exc: object) -> None:
         self._closing = True
         self._listener.close()
-        self._thread.join()
+        if self._thread is not None:
+            self._thread.join()
         for t in self._feeds:
             t.join()
         self._ex.shutdown(wait=True, cancel_futures=True)

@@ -115,7 +115,15 @@ def _fields(body: bytes, i: int = 0, end: int | None = None) -> dict[int, int]:
     return out
 
 
+MAX_PAGEMAP_BYTES = 64 << 20  # CRIU's records cover up to ~1 MiB of pages each: ~25 MB for a 1 TB process
+USER_SPACE_END = 1 << 57       # no user address reaches this (5-level paging)
+
+
 def parse_pagemap(data: bytes) -> Pagemap:
+    """A pagemap image (bytes from the store: checked, not trusted): at most MAX_PAGEMAP_BYTES, every
+    record of at least one page, page-aligned and inside user space; SplitError otherwise."""
+    if len(data) > MAX_PAGEMAP_BYTES:
+        raise SplitError(f"pagemap: {len(data)} bytes, more than the {MAX_PAGEMAP_BYTES} a real one needs")
     if len(data) < _MAGICS + _LEN.size:
         raise SplitError("pagemap: too short")
     i = _MAGICS
@@ -135,8 +143,11 @@ def parse_pagemap(data: bytes) -> Pagemap:
         f = _fields(data, i + _LEN.size, end)
         flags = f.get(4, PE_PARENT if f.get(3) else PE_PRESENT)
         nr = f[5] if 5 in f else f.get(2, 0)  # CRIU 4.2 writes the 64-bit count in field 5, 0 in field 2
+        vaddr = f.get(1, 0)
+        if nr <= 0 or vaddr % PAGE or vaddr + nr * PAGE > USER_SPACE_END:
+            raise SplitError(f"pagemap: a record of {nr} pages at {vaddr:#x}")
         present = bool(flags & PE_PRESENT) and not flags & PE_PARENT
-        entries.append(Entry(f.get(1, 0), nr, flags, data[i:end], off if present else None))
+        entries.append(Entry(vaddr, nr, flags, data[i:end], off if present else None))
         if present:
             off += nr * PAGE
         i = end
@@ -274,23 +285,32 @@ def choose(pagemaps: dict[str, bytes], page_sizes: dict[str, int],
     return plans, None
 
 
-def pieces(stream: Stream, ranges: tuple[tuple[int, int], ...] | None) -> list[tuple[int, ChunkRef, int, int]]:
-    """(chunk index, chunk, start, end within the chunk) covering RANGES of STREAM in order (None: all)."""
+def chunk_starts(stream: Stream) -> tuple[list[int], int]:
+    """Where each chunk of STREAM starts, and the stream's length (for pieces)."""
     starts, off = [], 0
     for c in stream.chunks:
         starts.append(off)
         off += c.raw_len
+    return starts, off
+
+
+def pieces(stream: Stream, ranges: tuple[tuple[int, int], ...] | None,
+           at: tuple[list[int], int] | None = None) -> list[tuple[int, ChunkRef, int, int]]:
+    """(chunk index, chunk, start, end within the chunk) covering RANGES of STREAM in order (None: all).
+    AT: chunk_starts(STREAM), for a caller asking of one stream many times (the split fill: once per
+    run, and a plan has hundreds)."""
     if ranges is None:
         return [(i, c, 0, c.raw_len) for i, c in enumerate(stream.chunks)]
+    starts_, off = at if at is not None else chunk_starts(stream)
     out: list[tuple[int, ChunkRef, int, int]] = []
     import bisect
     for lo, ln in ranges:
         hi = lo + ln
         if hi > off:
             raise SplitError(f"{stream.name}: the pagemap names bytes past the image's end ({hi} > {off})")
-        i = max(0, bisect.bisect_right(starts, lo) - 1)
+        i = max(0, bisect.bisect_right(starts_, lo) - 1)
         while lo < hi:
-            c, s = stream.chunks[i], starts[i]
+            c, s = stream.chunks[i], starts_[i]
             e = min(hi, s + c.raw_len)
             out.append((i, c, lo - s, e - s))
             lo = e
@@ -360,9 +380,10 @@ def fill_jobs(plans: list[Plan], streams: dict[str, Stream]) -> dict[Key, Job]:
     jobs: dict[Key, Job] = {}
     for p in plans:
         s = streams[p.pages_image]
+        at = chunk_starts(s)  # once per image: a plan has many runs
         for run in p.moved:
             addr = run.vaddr
-            for i, c, lo, hi in pieces(s, ((run.offset, run.nbytes),)):
+            for i, c, lo, hi in pieces(s, ((run.offset, run.nbytes),), at):
                 key = c.id if c.id is not None else (p.pages_image, i)
                 jobs.setdefault(key, (c, []))[1].append((p.pid, addr, lo, hi))
                 addr += hi - lo
