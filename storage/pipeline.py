@@ -474,9 +474,14 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
                             got = None
                             # a chunk set aside as damaged comes back whole, never as a delta: deltas
                             # may name it as their base, and a base is a full entry
-                            if at and effort is not None and effort.worth() and writer.store.quarantined(cid) is None:
-                                got = as_delta(cid, view, m, name, off)
-                                effort.record(got is not None)
+                            if at and effort is not None and writer.store.quarantined(cid) is None:
+                                if effort.worth():
+                                    got = as_delta(cid, view, m, name, off)
+                                    effort.record(got is not None)
+                                    # how many new chunks became deltas, and of how many tried (bytes: raw)
+                                    stages.add("delta:won" if got is not None else "delta:lost", 0.0, n)
+                                else:
+                                    stages.add("delta:not tried (effort bound)", 0.0, n)
                             if got is not None:
                                 chunks[idx] = got
                             elif codec == "raw" and piece.frame is not None:  # written from where it was read

@@ -206,7 +206,8 @@ def run_gpusnap(a: argparse.Namespace, work: str, path: str, dedup: bool) -> dic
             g["dedup"] = {"second_new": d2["new_bytes"], "second_over_first": d2["new_bytes"] / max(1, g["stored_bytes"]),
                           "second_dump_s": d2["seconds"], "parent": d2.get("parent"), "changed_bytes": changed,
                           "second_over_changed": d2["new_bytes"] / changed if changed else None,
-                          "delta_stages": {k: v for k, v in (d2.get("stages") or {}).items() if k.startswith("delta")}}
+                          "delta_stages": {k: v for k, v in (d2.get("stages") or {}).items() if k.startswith("delta")},
+                          "second_dump_stages": d2.get("stages")}
             g["verified_after_dedup_dump"] = verify(w)["ok"]
             # warm restore: the second snapshot, its chunks still in the page cache
             kill_restored(w.pids)
