@@ -397,7 +397,12 @@ class _Weights:
 
 
 @pytest.mark.root
-def test_criu_dump_twice_stores_the_changed_blocks_and_restores(cli: Cli, store_dir: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("restore_env", [{}, {"GPUSNAP_CRIU_SPLIT_MIN": str(8 << 20), "GPUSNAP_FILL_PROCS": "2"}],
+                         ids=["default", "split-fill-in-2-workers"])
+def test_criu_dump_twice_stores_the_changed_blocks_and_restores(cli: Cli, store_dir: Path, tmp_path: Path,
+                                                                restore_env: dict[str, str]) -> None:
+    """...and the delta snapshot restores, with the split fill in worker processes too (they read
+    the bases of their deltas through the store)."""
     from support.criu import require_criu
     require_criu()
     wl = _Weights(tmp_path, 96)
@@ -417,8 +422,10 @@ def test_criu_dump_twice_stores_the_changed_blocks_and_restores(cli: Cli, store_
         print(f"criu dump: {changed} bytes changed, {second['new_bytes']} stored (first dump {first['new_bytes']})")
         assert delta_entries(store_dir)
         assert cli.json("store", "verify", "--read-data")["ok"]
-        r = cli.json("criu", "restore", "w2")
+        r = json.loads(cli.run("criu", "restore", "w2", "--json", env=restore_env).stdout)
         assert r["restored_pid"] == wl.pid
+        if restore_env:
+            assert r["stages"]["served"]["fill_memory"]["procs"] == 2, r["stages"]["served"].get("fill_memory")
         assert wl.ask("report", "report.json")["memory_ok"]
     finally:
         wl.close()

@@ -29,17 +29,23 @@ import signal
 import subprocess
 import sys
 import threading
-from typing import IO, Any, Callable
+from typing import IO, TYPE_CHECKING, Any, Callable
 
-from storage.chunkfile import ChunkError
+from storage.chunkfile import ChunkError, ChunkHeader
 from storage.codecs import CodecError
 from storage.errors import DamageError, GpusnapError
 from storage.manifest import ChunkRef
+from storage.packs import Loc
 from storage.pipeline import Stages
 from storage.readstage import READERS, Want, read_chunks
 from storage.store import SnapshotStore, StoreError
 
 from sandbox.criu.split import Filler, Job, Key, SplitError, check_pids
+
+if TYPE_CHECKING:
+    from contextlib import AbstractContextManager
+
+    from storage.directio import AlignedBuffer
 
 MIN_SHARE = 256 << 20  # a worker process is worth its start-up only for this many stored bytes
 
@@ -116,9 +122,38 @@ def where_in_packs(store: SnapshotStore) -> Callable[[str], tuple[str, int] | No
     return where
 
 
-def _job_json(share: dict[Key, Job]) -> list[Any]:
-    return [[k if isinstance(k, str) else list(k), ref.to_json(), [list(t) for t in targets]]
+def _job_json(share: dict[Key, Job], where: Callable[[str], list[Loc]]) -> list[Any]:
+    """SHARE as the job's "chunks": key, reference, targets and where its pack entries are (WHERE:
+    the parent's index, so a worker never loads the store's whole index itself)."""
+    return [[k if isinstance(k, str) else list(k), ref.to_json(), [list(t) for t in targets],
+             [[loc.pack, loc.offset, loc.length] for loc in where(ref.id)] if ref.id else []]
             for k, (ref, targets) in share.items()]
+
+
+class _Located:
+    """The store as the read stage sees it (readstage.PackSource), chunks located by the parent's
+    index (the job's): a worker reads only the entries it was told of, each checked against its id
+    as any read is, and asks the store itself only for what the job does not say."""
+
+    def __init__(self, store: SnapshotStore, locs: dict[str, list[Loc]]) -> None:
+        self.store, self.locs = store, locs
+
+    def locate(self, cid: str, refresh: bool = False) -> list[Loc]:
+        got = self.locs.get(cid)
+        return got if got and not refresh else self.store.locate(cid, refresh)
+
+    def read_stored(self, ref: ChunkRef, buf: "AlignedBuffer", check: bool = True,
+                    cached: bool = False) -> tuple[ChunkHeader, memoryview]:
+        return self.store.read_stored(ref, buf, check, cached)
+
+    def chunk_buffer_size(self, manifests: list[Any]) -> int:
+        return self.store.chunk_buffer_size(manifests)
+
+    def subdir(self, name: str) -> "AbstractContextManager[int]":
+        return self.store.subdir(name)
+
+    def delta_base(self, bid: str, most: int) -> "bytes | memoryview":
+        return self.store.delta_base(bid, most)
 
 
 class FillProcs:
@@ -155,7 +190,7 @@ class FillProcs:
         start.wait()
         for p, share in zip(self.procs, self.shares):
             job = {"store": self.store.path, "name": self.name, "decoders": decoders, "budget": budget, "prefetch": prefetch,
-                   "readers": readers, "chunks": _job_json(share)}
+                   "readers": readers, "chunks": _job_json(share, self.store.locate)}
             try:
                 assert p.stdin is not None
                 p.stdin.write(json.dumps(job) + "\n")
@@ -239,14 +274,19 @@ class FillProcs:
         self.close()
 
 
-def _parse_job(job: Any) -> dict[Key, Job]:
-    """The parent's job, checked for shape (it is the parent's own, but a malformed line must fail cleanly)."""
+def _parse_job(job: Any) -> tuple[dict[Key, Job], dict[str, list[Loc]]]:
+    """The parent's job, checked for shape (it is the parent's own, but a malformed line must fail
+    cleanly): the jobs, and where each chunk's entries are."""
     out: dict[Key, Job] = {}
+    locs: dict[str, list[Loc]] = {}
     for item in job:
-        k, ref, targets = item
+        k, ref, targets, where = item
         key: Key = k if isinstance(k, str) else (str(k[0]), int(k[1]))
-        out[key] = (ChunkRef.from_json(ref), [(int(a), int(b), int(c), int(d)) for a, b, c, d in targets])
-    return out
+        r = ChunkRef.from_json(ref)
+        out[key] = (r, [(int(a), int(b), int(c), int(d)) for a, b, c, d in targets])
+        if r.id is not None:
+            locs[r.id] = [Loc(str(p), int(o), int(n)) for p, o, n in where]
+    return out, locs
 
 
 def _serve_job(inp: IO[str], out: IO[str]) -> int:
@@ -259,14 +299,15 @@ def _serve_job(inp: IO[str], out: IO[str]) -> int:
         return 0  # the parent closed before the job: nothing to do
     try:
         job = json.loads(line)
+        jobs, locs = _parse_job(job["chunks"])
         store = SnapshotStore(job["store"], create=False)
-        jobs = _parse_job(job["chunks"])
+        located = _Located(store, locs)
         go = threading.Event()
         stages = Stages()
 
         def read(wants: list[Want], deliver: Callable[[Want, memoryview], None], stop: Callable[[], bool]) -> None:
             try:
-                read_chunks(store, wants, deliver, stages=stages, decoders=int(job["decoders"]), stop=stop,
+                read_chunks(located, wants, deliver, stages=stages, decoders=int(job["decoders"]), stop=stop,
                             readers=int(job["readers"]),
                             order="pack", gap=1 << 20, prefetch=int(job["prefetch"]), prefetch_from=go)
             except ChunkError as e:
