@@ -3,9 +3,10 @@
 Why processes: a fill of a weights-dominated tree is CPU work per chunk (decode, hash, write into the
 process) done by threads that each take the GIL between those calls; on the H200 (16 cores) one
 process kept only 4-5 cores busy while neither the disk nor the CPU was at its limit (BENCHMARKS.md
-section 17). Each worker is `python -m sandbox.criu.fill_procs`, a process of its own with its own
-GIL, running the same split.Filler over its share: the chunks in pack order, cut into PROCS
-contiguous ranges of about equal stored bytes (so each worker reads its packs sequentially).
+section 17). Each worker is this module run by this interpreter in isolated mode (worker_argv),
+a process of its own with its own GIL, running the same split.Filler over its share: the chunks in
+pack order, cut into PROCS contiguous ranges of about equal stored bytes (so each worker reads its
+packs sequentially), each with where its pack entries are (the parent's index).
 
 Protocol (JSON lines): the parent writes the job on the worker's stdin (the store's path, the
 worker's chunks with every place their bytes go, its memory budget and read-ahead), then, once CRIU
@@ -16,10 +17,11 @@ stdout: {"written": N, "stages": {...}} or {"error": TEXT, "damage": true|false}
 Guarantees kept here: a worker writes only the targets the parent computed from the snapshot's
 validated page maps, only after the parent has checked each pid is one this restore made (split.Filler
 checks nothing again, it is told every pid is fine); every byte is checked against its chunk id
-before it is written (the store's full check, as in one process); a worker dies with the parent
-(PR_SET_PDEATHSIG), and a worker that dies or fails fails the fill: the parent kills the tree (as
-for any fill failure), nothing runs half-restored; a damaged chunk is reported as damage (exit 3 at
-the CLI), as in one process.
+before it is written (the store's full check, as in one process); a worker imports nothing from
+the working directory or PYTHON* variables; it dies with the parent (PR_SET_PDEATHSIG, and at the
+end of its stdin), and a worker that dies or fails fails the fill at once: the parent kills the
+other workers and the tree (as for any fill failure), nothing runs half-restored; every failure is
+one line, a damaged chunk reported as damage (exit 3 at the CLI), as in one process.
 """
 from __future__ import annotations
 
