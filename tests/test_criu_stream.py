@@ -572,3 +572,23 @@ def test_a_bad_fill_setting_fails_the_restore_before_criu_starts(cli: Cli, store
         assert ok["restored_pid"] == tree.pid and healthy(tree.report())
     finally:
         tree.kill()
+
+
+def test_fill_workers_that_do_not_finish_in_time_fail_the_restore(cli: Cli, store_dir: Path) -> None:
+    """GPUSNAP_FILL_TIMEOUT: workers that have not answered by then (a store that stopped answering,
+    here a limit no fill can meet) fail the restore in one line, the half-filled tree killed; the
+    snapshot restores afterwards."""
+    tree = Tree(mb=48)
+    try:
+        cli_json(cli, STREAM, "criu", "dump", str(tree.pid), "slow")
+        tree.reap()
+        r = cli.run("criu", "restore", "slow", env={**SPLIT_PROCS, "GPUSNAP_FILL_TIMEOUT": "0.000001"}, check=False)
+        assert r.returncode != 0 and "GPUSNAP_FILL_TIMEOUT" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        deadline = time.monotonic() + 10
+        while any(os.path.exists(f"/proc/{p}") and _state(p) != "Z" for p in (tree.pid, tree.child)):
+            assert time.monotonic() < deadline, "the half-filled tree is killed"
+            time.sleep(0.05)
+        ok = cli_json(cli, SPLIT_PROCS, "criu", "restore", "slow")
+        assert ok["restored_pid"] == tree.pid and healthy(tree.report())
+    finally:
+        tree.kill()

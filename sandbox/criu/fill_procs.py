@@ -31,6 +31,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from typing import IO, TYPE_CHECKING, Any, Callable
 
 from storage.chunkfile import ChunkError, ChunkHeader
@@ -116,6 +117,22 @@ def worker_argv() -> list[str]:
     return [sys.executable, "-I", "-c", boot]
 
 
+def fill_timeout() -> float:
+    """Seconds the fill's workers may take once told to write: $GPUSNAP_FILL_TIMEOUT, else an hour (as
+    CRIU's own timeout): a store that stops answering (a hung network disk) fails the restore instead
+    of keeping the tree stopped for ever."""
+    v = os.environ.get("GPUSNAP_FILL_TIMEOUT", "").strip()
+    if not v:
+        return 3600.0
+    try:
+        t = float(v)
+    except ValueError:
+        raise SplitError(f"GPUSNAP_FILL_TIMEOUT={v!r}: expected seconds") from None
+    if not t > 0:
+        raise SplitError(f"GPUSNAP_FILL_TIMEOUT={v!r}: expected seconds")
+    return t
+
+
 def where_in_packs(store: SnapshotStore) -> Callable[[str], tuple[str, int] | None]:
     """(pack, offset) of a chunk in STORE (its first copy), None where it is not in a pack."""
     def where(cid: str) -> tuple[str, int] | None:
@@ -168,6 +185,7 @@ class FillProcs:
                  prefetch: int, start_reads: threading.Event, stages: Stages) -> None:
         """PARTS: shares(...) of the jobs (at least two); NAME: the snapshot's (for messages)."""
         self.store, self.name, self.shares, self.stages = store, name, parts, stages
+        self.timeout = fill_timeout()  # read now: a bad setting fails before CRIU starts
         self.jobs = {k: j for part in parts for k, j in part.items()}
         n = len(parts)
         # spawned from the thread that runs the restore: a worker's PR_SET_PDEATHSIG fires when the
@@ -228,8 +246,14 @@ class FillProcs:
             for i, p in enumerate(self.procs):
                 assert p.stdout is not None
                 sel.register(p.stdout, selectors.EVENT_READ, i)
+            deadline = time.monotonic() + self.timeout
             while len(results) < len(self.procs):
-                for key, _ in sel.select():
+                ready = sel.select(timeout=max(0.0, deadline - time.monotonic()))
+                if not ready:
+                    self.close()
+                    raise SplitError(f"the split fill's workers did not finish within {self.timeout:g} s "
+                                     "(GPUSNAP_FILL_TIMEOUT); the restored tree is killed, the snapshot is as it was")
+                for key, _ in ready:
                     i = key.data
                     sel.unregister(key.fileobj)
                     r = results[i] = self._result(i, self.procs[i])
