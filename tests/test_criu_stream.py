@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import pytest
 from conftest import GPUSNAP, REPO, Cli, chunk_files, pythonpath
@@ -31,6 +32,35 @@ def need_criu() -> None:
 
 def cli_json(cli: Cli, env: dict[str, str], *args: str) -> dict:
     return json.loads(cli.run(*args, "--json", env=env).stdout)
+
+
+def _until(done: Callable[[], object], why: str, within: float = 10.0, step: float = 0.02) -> None:
+    """Wait until DONE() is true; fail with WHY after WITHIN seconds (0: it must be true now)."""
+    deadline = time.monotonic() + within
+    while not done():
+        assert time.monotonic() < deadline, why
+        time.sleep(step)
+
+
+def _tree_gone(tree: Tree) -> bool:
+    """Neither process of TREE is left (a zombie counts as gone)."""
+    return not any(os.path.exists(f"/proc/{p}") and _state(p) != "Z" for p in (tree.pid, tree.child))
+
+
+def _refused_then_restored(cli: Cli, name: str, env: dict[str, str], says: str, killed_within: float) -> None:
+    """A tree dumped as NAME; its restore with ENV fails in one line naming SAYS, leaving none of the
+    tree (within KILLED_WITHIN seconds); then the snapshot restores with the fill in workers."""
+    tree = Tree(mb=48)
+    try:
+        cli_json(cli, STREAM, "criu", "dump", str(tree.pid), name)
+        tree.reap()
+        r = cli.run("criu", "restore", name, env=env, check=False)
+        assert r.returncode != 0 and says in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        _until(lambda: _tree_gone(tree), "the half-filled tree is killed", within=killed_within)
+        ok = cli_json(cli, SPLIT_PROCS, "criu", "restore", name)
+        assert ok["restored_pid"] == tree.pid and healthy(tree.report())
+    finally:
+        tree.kill()
 
 
 def test_protocol_rejects_names_that_are_paths() -> None:
@@ -302,10 +332,7 @@ def test_a_fill_worker_meeting_a_damaged_chunk_fails_the_restore_as_damage(cli: 
         victim.write(bytes(data))
         r = cli.run("criu", "restore", "dmg", env=SPLIT_PROCS, check=False)
         assert r.returncode == 3 and "damaged" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
-        deadline = time.monotonic() + 10
-        while any(os.path.exists(f"/proc/{p}") and _state(p) != "Z" for p in (tree.pid, tree.child)):
-            assert time.monotonic() < deadline, "the half-filled tree is killed, all of it"
-            time.sleep(0.05)
+        _until(lambda: _tree_gone(tree), "the half-filled tree is killed, all of it", step=0.05)
     finally:
         tree.kill()
 
@@ -522,33 +549,28 @@ def test_only_the_tree_criu_restored_counts_as_this_restores_processes() -> None
     seen: list[int] = []
     t = threading.Thread(target=lambda: (seen.append(threading.get_native_id()), time.sleep(1)))
     t.start()
+    kids: list[int] = []
     try:
-        deadline = time.monotonic() + 10
-        while not (kids := [int(x) for x in open(f"/proc/{root.pid}/task/{root.pid}/children").read().split()]):
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
+        def children() -> list[int]:
+            kids[:] = [int(x) for x in open(f"/proc/{root.pid}/task/{root.pid}/children").read().split()]
+            return kids
+        _until(children, "the shell forked its child")
         child = kids[0]
         for p in (root.pid, child):
             os.kill(p, signal.SIGSTOP)
-        deadline = time.monotonic() + 10
-        while _state(child) != "T" or _state(root.pid) != "T":
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
+        _until(lambda: _state(child) == "T" and _state(root.pid) == "T", "the tree stopped")
         listed = [root.pid, child, other.pid, seen[0], os.getpid()]  # what a hostile image could list
         assert restored_tree(root.pid, listed, born_after) == [root.pid, child]
         assert in_restored_tree(child, root.pid, listed, born_after, stopped=True)
         assert not in_restored_tree(child, root.pid, [root.pid], born_after), "not in the process tree image"
         assert not in_restored_tree(child, root.pid, listed, boot_ticks() + 1000), "started before the restore"
         os.kill(child, signal.SIGCONT)
-        deadline = time.monotonic() + 10
-        while _state(child) == "T":
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
+        _until(lambda: _state(child) != "T", "the child continued")
         assert not in_restored_tree(child, root.pid, listed, born_after, stopped=True), "the fill wants it stopped"
         assert not in_restored_tree(root.pid, 0, listed, born_after), "no root: nothing is this restore's"
     finally:
         t.join()
-        for pid in kids if "kids" in locals() else []:
+        for pid in kids:
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
@@ -561,34 +583,12 @@ def test_only_the_tree_criu_restored_counts_as_this_restores_processes() -> None
 def test_a_bad_fill_setting_fails_the_restore_before_criu_starts(cli: Cli, store_dir: Path) -> None:
     """GPUSNAP_FILL_PROCS that is not a number: one line naming it, nothing restored, nothing left
     behind (no fill worker, no stopped process), and the snapshot restores once the setting is fixed."""
-    tree = Tree(mb=24)
-    try:
-        cli_json(cli, STREAM, "criu", "dump", str(tree.pid), "bad")
-        tree.reap()
-        r = cli.run("criu", "restore", "bad", env={**SPLIT, "GPUSNAP_FILL_PROCS": "many"}, check=False)
-        assert r.returncode != 0 and "GPUSNAP_FILL_PROCS" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
-        assert not tree.alive()
-        ok = cli_json(cli, SPLIT_PROCS, "criu", "restore", "bad")
-        assert ok["restored_pid"] == tree.pid and healthy(tree.report())
-    finally:
-        tree.kill()
+    _refused_then_restored(cli, "bad", {**SPLIT, "GPUSNAP_FILL_PROCS": "many"}, "GPUSNAP_FILL_PROCS", killed_within=0)
 
 
 def test_fill_workers_that_do_not_finish_in_time_fail_the_restore(cli: Cli, store_dir: Path) -> None:
     """GPUSNAP_FILL_TIMEOUT: workers that have not answered by then (a store that stopped answering,
     here a limit no fill can meet) fail the restore in one line, the half-filled tree killed; the
     snapshot restores afterwards."""
-    tree = Tree(mb=48)
-    try:
-        cli_json(cli, STREAM, "criu", "dump", str(tree.pid), "slow")
-        tree.reap()
-        r = cli.run("criu", "restore", "slow", env={**SPLIT_PROCS, "GPUSNAP_FILL_TIMEOUT": "0.000001"}, check=False)
-        assert r.returncode != 0 and "GPUSNAP_FILL_TIMEOUT" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
-        deadline = time.monotonic() + 10
-        while any(os.path.exists(f"/proc/{p}") and _state(p) != "Z" for p in (tree.pid, tree.child)):
-            assert time.monotonic() < deadline, "the half-filled tree is killed"
-            time.sleep(0.05)
-        ok = cli_json(cli, SPLIT_PROCS, "criu", "restore", "slow")
-        assert ok["restored_pid"] == tree.pid and healthy(tree.report())
-    finally:
-        tree.kill()
+    _refused_then_restored(cli, "slow", {**SPLIT_PROCS, "GPUSNAP_FILL_TIMEOUT": "0.000001"}, "GPUSNAP_FILL_TIMEOUT",
+                           killed_within=10)

@@ -40,7 +40,7 @@ from storage.errors import DamageError, GpusnapError
 from storage.manifest import ChunkRef
 from storage.packs import Loc
 from storage.pipeline import Stages
-from storage.readstage import READERS, Want, read_chunks
+from storage.readstage import READERS, PackSource, Want, read_chunks
 from storage.store import SnapshotStore, StoreError
 
 from sandbox.criu.split import Filler, Job, Key, SplitError, check_pids
@@ -51,20 +51,48 @@ if TYPE_CHECKING:
     from storage.directio import AlignedBuffer
 
 MIN_SHARE = 256 << 20  # a worker process is worth its start-up only for this many stored bytes
+FILL_GAP = 1 << 20     # the split fill's reads bridge this many unwanted bytes of a pack
+
+
+def read_moved(store: PackSource, damaged: Callable[[str], Exception], name: str, wants: list[Want],
+               deliver: Callable[[Want, memoryview], None], stop: Callable[[], bool], *, stages: Stages,
+               decoders: int, readers: int, prefetch: int, prefetch_from: threading.Event) -> None:
+    """The split fill's reads of WANTS from STORE (snapshot NAME, for messages), in one process or in a
+    worker: the read stage in pack order (the moved runs are most of the image, so its packs are read
+    nearly whole, in large reads), the kernel reading ahead once PREFETCH_FROM is set (CRIU done); a
+    damaged chunk raised as DAMAGED (the store's damage error) of the snapshot."""
+    try:
+        read_chunks(store, wants, deliver, stages=stages, decoders=decoders, readers=readers, stop=stop,
+                    order="pack", gap=FILL_GAP, prefetch=prefetch, prefetch_from=prefetch_from)
+    except ChunkError as e:
+        raise damaged(f"snapshot {name!r} is damaged: {e}") from None
+    except CodecError as e:
+        raise StoreError(f"snapshot {name!r}: {e}") from None
+
+
+def setting(name: str, default: Any, parse: Callable[[str], Any], ok: Callable[[Any], bool], expected: str,
+            error: type[GpusnapError] = SplitError) -> Any:
+    """$NAME parsed by PARSE (unset or empty: DEFAULT); ERROR "NAME='...': expected EXPECTED" when it does
+    not parse or OK refuses it. The split restore's settings, for a host that must bound them, and for
+    measuring."""
+    v = os.environ.get(name, "").strip()
+    if not v:
+        return default
+    try:
+        x = parse(v)
+    except ValueError:
+        raise error(f"{name}={v!r}: expected {expected}") from None
+    if not ok(x):
+        raise error(f"{name}={v!r}: expected {expected}")
+    return x
 
 
 def procs_for(cpus: int | None = None) -> tuple[int, int]:
     """(how many worker processes the fill may use, the stored bytes each must have at least):
     $GPUSNAP_FILL_PROCS (then any share is worth a process), else one per 4 cores, at most 8, each
     for at least MIN_SHARE; 1 means the fill runs in this process."""
-    v = os.environ.get("GPUSNAP_FILL_PROCS", "").strip()
-    if v:
-        try:
-            n = int(v)
-        except ValueError:
-            raise SplitError(f"GPUSNAP_FILL_PROCS={v!r}: expected a number of processes") from None
-        if n < 1:
-            raise SplitError(f"GPUSNAP_FILL_PROCS={v!r}: expected a number of processes")
+    n = setting("GPUSNAP_FILL_PROCS", None, int, lambda n: n >= 1, "a number of processes")
+    if n is not None:
         return n, 0
     return max(1, min(8, (cpus or os.cpu_count() or 1) // 4)), MIN_SHARE
 
@@ -121,15 +149,7 @@ def fill_timeout() -> float:
     """Seconds the fill's workers may take once told to write: $GPUSNAP_FILL_TIMEOUT, else an hour (as
     CRIU's own timeout): a store that stops answering (a hung network disk) fails the restore instead
     of keeping the tree stopped for ever."""
-    v = os.environ.get("GPUSNAP_FILL_TIMEOUT", "").strip()
-    if not v:
-        return 3600.0
-    try:
-        t = float(v)
-    except ValueError:
-        raise SplitError(f"GPUSNAP_FILL_TIMEOUT={v!r}: expected seconds") from None
-    if not t > 0:
-        raise SplitError(f"GPUSNAP_FILL_TIMEOUT={v!r}: expected seconds")
+    t: float = setting("GPUSNAP_FILL_TIMEOUT", 3600.0, float, lambda t: t > 0, "seconds")
     return t
 
 
@@ -211,12 +231,7 @@ class FillProcs:
         for p, share in zip(self.procs, self.shares):
             job = {"store": self.store.path, "name": self.name, "decoders": decoders, "budget": budget, "prefetch": prefetch,
                    "readers": readers, "chunks": _job_json(share, self.store.locate)}
-            try:
-                assert p.stdin is not None
-                p.stdin.write(json.dumps(job) + "\n")
-                p.stdin.flush()
-            except (OSError, ValueError):
-                pass  # the worker is gone: write() reports it
+            _tell(p, json.dumps(job))
 
     def write(self, pids_ok: Callable[[int], bool]) -> dict[str, int]:
         """split.Filler.write: every pid checked (PIDS_OK), then "go" to every worker, their results
@@ -224,12 +239,7 @@ class FillProcs:
         check_pids(self.jobs, pids_ok)
         self._jobs_sent.join()
         for p in self.procs:
-            try:
-                assert p.stdin is not None
-                p.stdin.write("go\n")
-                p.stdin.flush()
-            except (OSError, ValueError):
-                pass
+            _tell(p, "go")
         results = self._results()
         for r in results:
             for stage, v in r.get("stages", {}).items():
@@ -300,6 +310,16 @@ class FillProcs:
         self.close()
 
 
+def _tell(p: "subprocess.Popen[str]", line: str) -> None:
+    """LINE to worker P; a worker that is gone is reported by FillProcs.write (its answer is missing)."""
+    try:
+        assert p.stdin is not None
+        p.stdin.write(line + "\n")
+        p.stdin.flush()
+    except (OSError, ValueError):
+        pass
+
+
 def _parse_job(job: Any) -> tuple[dict[Key, Job], dict[str, list[Loc]]]:
     """The parent's job, checked for shape (it is the parent's own, but a malformed line must fail
     cleanly): the jobs, and where each chunk's entries are."""
@@ -332,14 +352,8 @@ def _serve_job(inp: IO[str], out: IO[str]) -> int:
         stages = Stages()
 
         def read(wants: list[Want], deliver: Callable[[Want, memoryview], None], stop: Callable[[], bool]) -> None:
-            try:
-                read_chunks(located, wants, deliver, stages=stages, decoders=int(job["decoders"]), stop=stop,
-                            readers=int(job["readers"]),
-                            order="pack", gap=1 << 20, prefetch=int(job["prefetch"]), prefetch_from=go)
-            except ChunkError as e:
-                raise store.error(f"snapshot {job['name']!r} is damaged: {e}") from None
-            except CodecError as e:
-                raise StoreError(f"snapshot {job['name']!r}: {e}") from None
+            read_moved(located, store.error, str(job["name"]), wants, deliver, stop, stages=stages, decoders=int(job["decoders"]),
+                       readers=int(job["readers"]), prefetch=int(job["prefetch"]), prefetch_from=go)
 
         with Filler(jobs, read, int(job["decoders"]), int(job["budget"]), stages) as filler:
             if inp.readline().strip() != "go":

@@ -33,16 +33,15 @@ from storage.directio import BufferPool
 from storage.errors import GpusnapError
 from storage.manifest import ChunkRef, Manifest, Stream
 from storage.pipeline import Stages
-from storage.readstage import Want, read_ahead, read_chunks
+from storage.readstage import READERS, Want, read_ahead
 from storage.store import SnapshotStore, StoreError
 
 from sandbox.criu import fill_procs, split
-from sandbox.criu.fill_procs import FillProcs
+from sandbox.criu.fill_procs import FILL_GAP, FillProcs, read_moved, setting
 from sandbox.host.meminfo import available_bytes
 from sandbox.criu.images import IMAGES, is_page_image
 from sandbox.criu.protocol import SERVE_SOCKET, Listener, StreamerError, read_request, recv_pipe, send_reply, write_all
 
-FILL_GAP = 1 << 20  # the split fill's reads bridge this many unwanted bytes of a pack
 
 
 class Arrivals(Protocol):
@@ -275,13 +274,8 @@ class ServeSource:
         if self.arrivals is None:
             if self._criu_first is not None:
                 self._criu_first.join()  # CRIU's reads are queued: now the fill's
-            try:
-                read_chunks(self.store, wants, deliver, stages=self.stages, decoders=self.workers, stop=stop,
-                            order="pack", gap=FILL_GAP, prefetch=self.fill_memory["prefetch"], prefetch_from=self._criu_done)
-            except ChunkError as e:
-                raise self.store.error(f"snapshot {self.manifest.name!r} is damaged: {e}") from None
-            except CodecError as e:
-                raise StoreError(f"snapshot {self.manifest.name!r}: {e}") from None
+            read_moved(self.store, self.store.error, self.manifest.name, wants, deliver, stop, stages=self.stages, decoders=self.workers,
+                       readers=READERS, prefetch=self.fill_memory["prefetch"], prefetch_from=self._criu_done)
             return
         size = self._bufs.size
         most = max((w.ref.raw_len for w in wants), default=1)
@@ -404,15 +398,7 @@ def fill_prefetch(avail: int) -> int:
 def _bytes_env(name: str, default: int) -> int:
     """$NAME as a number of bytes (unset or empty: DEFAULT): the split fill's memory, for a host
     that must keep it smaller, and for measuring."""
-    v = os.environ.get(name, "").strip()
-    if not v:
-        return default
-    try:
-        n = int(v)
-    except ValueError:
-        raise StreamerError(f"{name}={v!r}: expected a number of bytes") from None
-    if n < 0:
-        raise StreamerError(f"{name}={v!r}: expected a number of bytes")
+    n: int = setting(name, default, int, lambda n: n >= 0, "a number of bytes", StreamerError)
     return n
 
 
@@ -425,13 +411,9 @@ def fill_criu_first() -> bool:
 def split_min() -> int:
     """$GPUSNAP_CRIU_SPLIT_MIN: page runs of at least this many bytes are filled by gpusnap after
     CRIU (0: off); default split.DEFAULT_MIN."""
-    v = os.environ.get("GPUSNAP_CRIU_SPLIT_MIN")
-    if v is None or v.strip() == "":
-        return split.DEFAULT_MIN
-    try:
-        return int(v)
-    except ValueError:
-        raise StreamerError(f"GPUSNAP_CRIU_SPLIT_MIN={v!r}: expected a number of bytes") from None
+    n: int = setting("GPUSNAP_CRIU_SPLIT_MIN", split.DEFAULT_MIN, int, lambda n: True, "a number of bytes",
+                     StreamerError)
+    return n
 
 
 if TYPE_CHECKING:  # the remote fill is the Arrivals a restore --from a remote passes: checked here, not at run time
