@@ -133,15 +133,23 @@ def xored(data: memoryview, segments: list[Segment], raws: dict[str, bytes | mem
     len(DATA) bytes), and the fraction of its bytes that are zero (how much of DATA the reference
     already holds). ValueError when a segment reads past its base or RAWS hold more than
     bases_limit: such a reference would be refused by every reader (decode), so it is never written."""
-    import numpy as np
+    x, same, _ = xored_pages(data, segments, raws, scratch)
+    return x, same
+
+
+def xored_pages(data: memoryview, segments: list[Segment], raws: dict[str, bytes | memoryview],
+                scratch: memoryview) -> tuple[memoryview, float, "np.ndarray"]:
+    """xored, and page_differences of the XOR (one pass over it for both)."""
+    from .directio import copy_into
     if sum(len(raws[b]) for b in bases(segments)) > bases_limit(len(data)):
         raise ValueError("the reference's bases hold more than a delta's bases may")
     n = len(data)
     x = scratch[:n]
-    x[:] = data
+    copy_into(x, data)  # the GIL released for the copy (a dump's 16 workers try candidates at once)
     _apply(x, segments, raws)
-    same = 1.0 - np.count_nonzero(np.frombuffer(x, dtype=np.uint8)) / n if n else 1.0
-    return x, same
+    diffs = page_differences(x)
+    same = 1.0 - int(diffs.sum()) / n if n else 1.0
+    return x, same, diffs
 
 
 def encode_xored(x: memoryview, segments: list[Segment], dst: memoryview) -> int | None:

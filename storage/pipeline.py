@@ -333,10 +333,11 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
     given a stream and the chunker record, the references it remembers; used only if every one names a
     sound chunk present now (SnapshotWriter.reuse_ref), else the stream is read.
     parent: a committed snapshot of the same store the new one follows (FORMAT.md, "Delta entries"):
-    a new chunk that starts at the offset of a chunk of the parent's same-named stream is stored as a
-    delta against that chunk (or against its base, when that is a delta itself) where the delta's
-    payload is at most DELTA_PAYS_OFF of the plain encoding; the base is read in the workers (stage
-    "delta-base"), the XOR and its compression are stage "delta".
+    a new chunk is stored as a delta against the parent's bytes where they were (in whichever of
+    the parent's streams its unchanged neighbours were found; at first the same-named stream's same
+    offset), or against their base where those are a delta themselves, if the delta's payload is at
+    most DELTA_PAYS_OFF of the plain encoding; the base is read in the workers (stage "delta-base"),
+    the XOR and its compression are stage "delta".
     """
     if chunker not in ("fixed", "pages"):
         raise PipelineError(f"unknown chunker {chunker!r}")
@@ -364,24 +365,28 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
         flock = threading.Lock()
         whole: list[tuple[Stream, list[list[ChunkRef]]]] = []
 
-        def as_delta(cid: str, view: memoryview, plain_len: int, name: str, off: int) -> ChunkRef | None:
-            """VIEW (at OFF of stream NAME) stored as a delta against what the parent's stream NAME held
-            at the same place (its full chunks' bytes; through a delta chunk, that delta's own bases),
-            if that saves DELTA_PAYS_OFF of the plain encoding (PLAIN_LEN bytes). The same place is
-            the same offset, moved by the shift learned nearby (pages mapped or unmapped before it
-            move a page image's later bytes: _Shifts) or by a parent chunk of the same length close
-            by (CDC cuts follow the content). Each candidate's XOR is scored page by page; where no
+        def as_delta(cid: str, view: memoryview, plain_len: int, name: str, off: int,
+                     hint: Place | None) -> ChunkRef | None:
+            """VIEW (at OFF of stream NAME) stored as a delta against what the parent held at the same
+            place (its full chunks' bytes; through a delta chunk, that delta's own bases), if that
+            saves DELTA_PAYS_OFF of the plain encoding (PLAIN_LEN bytes). The same place is: HINT,
+            where the lengths of this chunk and the two before it are those of three consecutive
+            parent chunks (_Shifts.run_place); the parent stream and shift learned nearby (_Shifts:
+            from unchanged chunks found in any of the parent's streams; pages mapped or unmapped
+            before it move a page image's later bytes); a parent chunk of the same length close by
+            (CDC cuts follow the content); with nothing learned yet, the same offset of the
+            parent's stream of the same name. Each candidate's XOR is scored page by page; where no
             one candidate holds the whole chunk (the chunk spans the place where pages were mapped),
             each page takes the candidate that holds it best, in runs."""
             assert at is not None and shifts is not None
             n = len(view)
-            tried: list[tuple[float, int, list[delta.Segment], dict[str, bytes | memoryview], Any]] = []
+            tried: list[tuple[float, Place, list[delta.Segment], dict[str, bytes | memoryview], Any]] = []
             with dscratch.borrowed() as d, xscratch.borrowed() as x:
-                def attempt(s: int) -> float:
-                    """The parent's bytes at shift S as this chunk's reference: scored (the fraction of
+                def attempt(place: Place) -> float:
+                    """The parent's bytes at PLACE as this chunk's reference: scored (the fraction of
                     its bytes they hold) and kept in TRIED; 0 when they cannot be read or cut."""
                     t0 = time.perf_counter()
-                    segs = _window(writer.store, at[name], off + s, n)
+                    segs = _window(writer.store, at[place[0]], off + place[1], n)
                     raws: dict[str, bytes | memoryview] = {}
                     try:
                         for bid in delta.bases(segs or []):
@@ -399,31 +404,32 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
                         return 0.0
                     t1 = time.perf_counter()
                     try:
-                        xv, same = delta.xored(view, segs, raws, x.view)
+                        _, same, diffs = delta.xored_pages(view, segs, raws, x.view)
                     except ValueError:
                         return 0.0  # a reference no reader would take (a parent delta's bad table, too many bases)
-                    tried.append((same, s, segs, raws, delta.page_differences(xv)))
+                    tried.append((same, place, segs, raws, diffs))
                     stages.add("delta", time.perf_counter() - t1, n)
                     return same
 
-                for s in shifts.candidates(name, off, n):
-                    if attempt(s) >= DELTA_MATCH:
+                for place in shifts.candidates(name, off, n, hint):
+                    if attempt(place) >= DELTA_MATCH:
                         break
-                if name in at and max((t[0] for t in tried), default=0.0) < DELTA_MATCH:
+                guess = shifts.guess(name, off)
+                if hint is None and guess is not None and max((t[0] for t in tried), default=0.0) < DELTA_MATCH:
                     # none of the places guessed holds this chunk: look for its pages in the parent
                     # near there (a page image moves by a different shift after each area mapped
-                    # before it, and where every chunk changed no unchanged one says by how much)
+                    # before it, and where every chunk changed no unchanged one says by how much);
+                    # not where three cuts in a row placed it (its bytes are there, changed more)
                     t0 = time.perf_counter()
-                    found = _search_shifts(writer.store, at[name], view, off, shifts.guess(name, off), failed)
+                    found = _search_shifts(writer.store, at[guess[0]], view, off, guess[1], failed)
                     stages.add("delta-search", time.perf_counter() - t0, n)
                     for s in found:
-                        if s not in (t[1] for t in tried) and off + s >= 0:
-                            attempt(s)
+                        if (guess[0], s) not in (t[1] for t in tried) and off + s + n > 0:
+                            attempt((guess[0], s))
                 if not tried:
                     return None
                 t1 = time.perf_counter()
-                same, s, segs, raws, _ = max(tried, key=lambda t: t[0])
-                shift_after = s
+                same, place_after, segs, raws, _ = max(tried, key=lambda t: t[0])
                 if len(tried) > 1 and same < DELTA_MATCH:
                     mixed = delta.mixed([(t[2], t[4]) for t in tried], n)
                     if mixed is not None:
@@ -433,12 +439,12 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
                         except ValueError:
                             mixed_same = 0.0  # its bases together are more than a delta may name
                         if mixed_same > same:
-                            same, segs, raws, shift_after = mixed_same, mixed[0], both, tried[mixed[1]][1]
+                            same, segs, raws, place_after = mixed_same, mixed[0], both, tried[mixed[1]][1]
                 if same < 1 - DELTA_PAYS_OFF:
                     stages.add("delta", time.perf_counter() - t1, 0)
                     return None
                 xv, _ = delta.xored(view, segs, raws, x.view)
-                shifts.note(name, off + n, shift_after)  # what holds at the chunk's end holds for the next
+                shifts.note(name, off + n, place_after)  # what holds at the chunk's end holds for the next
                 room = int(DELTA_PAYS_OFF * plain_len)
                 m = delta.encode_xored(xv, segs, d.view[HEADER_SIZE:HEADER_SIZE + room])
                 stages.add("delta", time.perf_counter() - t1, n)
@@ -446,7 +452,8 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
                     return None
                 return writer.put_delta(n, d.view, m, cid)
 
-        def process(chunks: list[ChunkRef], idx: int, piece: _Piece, name: str, off: int) -> None:
+        def process(chunks: list[ChunkRef], idx: int, piece: _Piece, name: str, off: int,
+                    hint: Place | None = None) -> None:
             t_in = time.perf_counter()
             view = piece.view
             n = len(view)
@@ -471,18 +478,26 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
                             codec, m = chooser.encode_into(view, s.view[HEADER_SIZE:])
                             writer.note_compressed()
                             stages.add("compress", time.perf_counter() - t2, n)
-                            got = None
+                            got, later = None, False
                             # a chunk set aside as damaged comes back whole, never as a delta: deltas
                             # may name it as their base, and a base is a full entry
                             if at and effort is not None and writer.store.quarantined(cid) is None:
-                                if effort.worth():
-                                    got = as_delta(cid, view, m, name, off)
-                                    effort.record(got is not None)
-                                    # how many new chunks became deltas, and of how many tried (bytes: raw)
-                                    stages.add("delta:won" if got is not None else "delta:lost", 0.0, n)
+                                if shifts is not None and hint is None and shifts.guess(name, off) is None:
+                                    # nothing of the parent placed in this stream yet (a page image
+                                    # renumbered, or new): no candidate, and no attempt counted
+                                    stages.add("delta:no place known", 0.0, n)
+                                elif effort.worth():
+                                    got = as_delta(cid, view, m, name, off, hint)
+                                    later = got is None and set_aside(chunks, idx, view, name, off, hint)
+                                    if later:  # tried again once the rest of the put is in
+                                        effort.record(False)
+                                    else:
+                                        tally(got is not None, hint, n)
                                 else:
                                     stages.add("delta:not tried (effort bound)", 0.0, n)
-                            if got is not None:
+                            if later:
+                                pass
+                            elif got is not None:
                                 chunks[idx] = got
                             elif codec == "raw" and piece.frame is not None:  # written from where it was read
                                 chunks[idx] = writer.put_chunk("raw", n, piece.frame.view, n, raw_id=cid)
@@ -499,12 +514,77 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
                 piece.release()
                 stages.add("worker", time.perf_counter() - t_in, n)  # busy; the rest of workers x wall is idle
 
+        def tally(won: bool, hint: Place | None, n: int, record: bool = True) -> None:
+            assert effort is not None
+            if record:
+                effort.record(won)
+            # how many new chunks became deltas, and of how many tried (bytes: raw)
+            stages.add("delta:won" if won else "delta:lost", 0.0, n)
+            if hint is not None:  # of those, placed by three cuts in a row
+                stages.add("delta:placed by cuts", 0.0, n)
+
+        aside: list[tuple[list[ChunkRef], int, bytearray, str, int, Place | None]] = []
+        aside_bytes = [0]
+        alock = threading.Lock()
+
+        def set_aside(chunks: list[ChunkRef], idx: int, view: memoryview, name: str, off: int,
+                      hint: Place | None) -> bool:
+            """Whether a new chunk that found no base was kept (a copy, at most SET_ASIDE bytes in all) to
+            be tried again after every other chunk: where nothing after it in its stream was placed yet
+            (the first chunks after the place where a region of the parent's bytes begins: content-
+            defined cuts meet the parent's again a few chunks later, whose unchanged chunks then say
+            where the region went)."""
+            n = len(view)
+            if shifts is None or not shifts.nothing_after(name, off):
+                return False
+            with alock:
+                if aside_bytes[0] + n > SET_ASIDE:
+                    return False
+                aside_bytes[0] += n
+            keep = bytearray(n)
+            copy_into(memoryview(keep), view)
+            with alock:
+                aside.append((chunks, idx, keep, name, off, hint))
+            stages.add("delta:set aside", 0.0, n)
+            return True
+
+        def again(chunks: list[ChunkRef], idx: int, keep: bytearray, name: str, off: int,
+                  hint: Place | None) -> None:
+            """A chunk set aside: a delta now if one pays, else stored as any new chunk."""
+            view = memoryview(keep)
+            n = len(view)
+            try:
+                if fail.exc is not None:
+                    return
+                cid, present = writer.find_raw(view)  # the same bytes may have come in meanwhile
+                if present is not None:
+                    chunks[idx] = present
+                    return
+                with scratch.borrowed() as s:
+                    t0 = time.perf_counter()
+                    codec, m = chooser.encode_into(view, s.view[HEADER_SIZE:])
+                    stages.add("compress", time.perf_counter() - t0, n)
+                    assert effort is not None
+                    got = as_delta(cid, view, m, name, off, hint) if effort.worth() else None
+                    tally(got is not None, hint, n, record=got is not None)  # its first try counted already
+                    if got is not None:
+                        stages.add("delta:won when tried again", 0.0, n)
+                        chunks[idx] = got
+                    elif codec == "raw":
+                        copy_into(s.view[HEADER_SIZE:], view)
+                        chunks[idx] = writer.put_chunk("raw", n, s.view, n, raw_id=cid)
+                    else:
+                        chunks[idx] = writer.put_chunk(codec, n, s.view, m, raw_id=cid)
+            except BaseException as e:  # noqa: BLE001 - handed to the submitting thread
+                fail.set(e)
+
         def produce(chunks: list[ChunkRef], reader: StreamReader, name: str, off: int = 0) -> None:
             """Cut READER (the stream NAME from its offset OFF) into pieces and hand them to the
             workers; CHUNKS gets their refs in order."""
             pieces = (_fixed_pieces(reader, staging, chunk_size, stages, name) if chunker == "fixed"
                       else _page_pieces(reader, blocks, chunk_size, stages, name))
             submit_s, submitted = 0.0, 0  # summed here, added once: the producer is the ingest's one serial thread
+            lens: collections.deque[int] = collections.deque(maxlen=3)  # the last pieces' lengths
             try:
                 for piece in pieces:
                     if fail.exc is not None:
@@ -512,7 +592,9 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
                         break
                     chunks.append(None)  # type: ignore[arg-type] # filled by the worker
                     t0 = time.perf_counter()
-                    f = ex.submit(process, chunks, len(chunks) - 1, piece, name, off)
+                    lens.append(len(piece.view))
+                    hint = shifts.run_place(tuple(lens), off) if shifts is not None and len(lens) == 3 else None
+                    f = ex.submit(process, chunks, len(chunks) - 1, piece, name, off, hint)
                     off += len(piece.view)
                     with flock:
                         futures.append(f)
@@ -561,6 +643,9 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
         for f in list(futures):
             f.result()
         fail.raise_if_set()
+        for f in [ex.submit(again, *a) for a in aside]:
+            f.result()
+        fail.raise_if_set()
         for stream, parts in whole:
             stream.chunks[:] = [c for p in parts for c in p]
     res = writer_result(writer, stages, time.perf_counter() - t_start)
@@ -582,87 +667,123 @@ def _parent_chunks(parent: Manifest) -> dict[str, tuple[list[int], list[ChunkRef
     return out
 
 
+Place = tuple[str, int]  # (a parent stream's name, shift): the parent's offset is the new offset + shift
+
+
 class _Shifts:
-    """Where a new stream's bytes were in its parent's stream: the shift (parent offset - new offset)
-    learned at new offsets, from unchanged chunks (found by id at one place of the parent) and from
-    deltas whose reference held most of their chunk. Shared by the workers of one put."""
+    """Where a new stream's bytes were in the parent: a parent stream and a shift (parent offset - new
+    offset) learned at new offsets, from unchanged chunks (found by id at one place of any parent
+    stream) and from deltas whose reference held most of their chunk. The parent stream need not be
+    the same-named one: CRIU numbers page images in the order it dumps them, so a process's pages may
+    be pages-9.img in one dump and pages-8.img in its parent, or split between two of the parent's
+    images. Shared by the workers of one put."""
 
     def __init__(self, at: dict[str, tuple[list[int], list[ChunkRef]]]) -> None:
         self._lock = threading.Lock()
-        self._learned: dict[str, tuple[list[int], list[int]]] = {name: ([], []) for name in at}
-        self._where: dict[str, dict[str, int | None]] = {}
+        self._learned: dict[str, tuple[list[int], list[Place]]] = collections.defaultdict(lambda: ([], []))
+        self._where: dict[str, Place | None] = {}  # chunk id -> (parent stream, its offset there)
         self._by_len: dict[str, dict[int, list[int]]] = {}
         self._cuts: dict[str, list[int]] = {}  # the parent's chunk boundaries (content-defined cuts)
         self._starts: dict[str, set[int]] = {}  # the parent's chunk starts
-        self._seen: dict[str, collections.Counter[int]] = {name: collections.Counter() for name in at}
+        self._seen: dict[str, collections.Counter[Place]] = collections.defaultdict(collections.Counter)
+        self._runs: dict[tuple[int, int, int], Place | None] = {}  # three chunk lengths -> the third's place
         for name, (starts, refs) in at.items():
             self._cuts[name] = starts[1:] + [starts[-1] + refs[-1].raw_len]
             self._starts[name] = set(starts)
-            where: dict[str, int | None] = {}
             by_len: dict[int, list[int]] = {}
             for o, r in zip(starts, refs):
                 if r.id is not None:
-                    where[r.id] = None if r.id in where else o  # an id at two places says nothing
+                    self._where[r.id] = None if r.id in self._where else (name, o)  # at two places: says nothing
                     by_len.setdefault(r.raw_len, []).append(o)
-            self._where[name], self._by_len[name] = where, by_len
+            self._by_len[name] = by_len
+            for k in range(2, len(refs)):
+                run = (refs[k - 2].raw_len, refs[k - 1].raw_len, refs[k].raw_len)
+                self._runs[run] = None if run in self._runs else (name, starts[k])  # twice: says nothing
 
-    def note(self, name: str, off: int, shift: int) -> None:
+    def run_place(self, run: tuple[int, ...], off: int) -> Place | None:
+        """Where the chunk at OFF was in the parent, if the lengths of it and the two chunks before it
+        (RUN) are those of three consecutive chunks at one place of the parent: content-defined cuts
+        fall where the content says, so three of them in a row place a chunk whose inside changed (a
+        KV pool's chunks, every one with a block written) wherever its bytes moved, in any stream."""
+        p = self._runs.get(run)  # type: ignore[arg-type]
+        return None if p is None else (p[0], p[1] - off)
+
+    def note(self, name: str, off: int, place: Place) -> None:
         with self._lock:
             offs, vals = self._learned[name]
             i = bisect.bisect_left(offs, off)
             offs.insert(i, off)
-            vals.insert(i, shift)
-            self._seen[name][shift] += 1
+            vals.insert(i, place)
+            self._seen[name][place] += 1
 
     def found(self, name: str, off: int, cid: str) -> None:
-        p = self._where.get(name, {}).get(cid)
-        if p is not None:
-            self.note(name, off, p - off)
+        w = self._where.get(cid)
+        if w is not None:
+            self.note(name, off, (w[0], w[1] - off))
 
-    def guess(self, name: str, off: int) -> int:
-        """The shift learned nearest before OFF of NAME (0 when none is)."""
+    def nothing_after(self, name: str, off: int) -> bool:
+        """Whether no place was learned yet beyond OFF of NAME."""
+        with self._lock:
+            offs = self._learned[name][0] if name in self._learned else []
+            return bisect.bisect_right(offs, off) == len(offs)
+
+    def guess(self, name: str, off: int) -> Place | None:
+        """The place learned nearest before OFF of NAME (the first one after it when none is before);
+        with nothing learned in NAME yet, the parent's stream of the same name at the same offset, if
+        it has one."""
         with self._lock:
             offs, vals = self._learned.get(name, ([], []))
             i = bisect.bisect_right(offs, off)
-            return vals[i - 1] if i > 0 else (vals[0] if vals else 0)
+            if vals:
+                return vals[i - 1] if i > 0 else vals[0]
+        return (name, 0) if name in self._cuts else None
 
-    def candidates(self, name: str, off: int, n: int) -> list[int]:
-        """Shifts to try for N new bytes at OFF of NAME, the likeliest first (at most three)."""
-        if name not in self._learned:
+    def candidates(self, name: str, off: int, n: int, hint: Place | None = None) -> list[Place]:
+        """Places to try for N new bytes at OFF of NAME, the likeliest first (at most six): HINT
+        (run_place) first."""
+        guess = self.guess(name, off)
+        if guess is None:
+            guess = hint
+        if guess is None:
             return []
-        out: list[int] = []
         with self._lock:
-            offs, vals = self._learned[name]
+            offs, vals = self._learned.get(name, ([], []))
             i = bisect.bisect_right(offs, off)
-            near = [vals[j] for j in (i - 1, i) if 0 <= j < len(vals)]
-        guess = near[0] if near else 0
-        same_len = self._by_len[name].get(n, [])
+            learned = [vals[j] for j in (i - 1, i) if 0 <= j < len(vals)]
+            seen = [v for v, _ in self._seen[name].most_common(SHIFTS_TRIED)] if name in self._seen else []
+        pname, shift = guess
+        near: list[Place] = []  # places derived from the guess: tried only within SHIFT_REACH of it
+        same_len = self._by_len[pname].get(n, [])
         if same_len:
-            j = bisect.bisect_left(same_len, off + guess)
-            p = min((same_len[k] for k in (j - 1, j) if 0 <= k < len(same_len)), key=lambda q: abs(q - off - guess))
-            if abs(p - off - guess) <= SHIFT_REACH:
-                near.insert(1, p - off)
+            j = bisect.bisect_left(same_len, off + shift)
+            p = min((same_len[k] for k in (j - 1, j) if 0 <= k < len(same_len)), key=lambda q: abs(q - off - shift))
+            near.append((pname, p - off))
         # the parent's cut nearest this chunk's end (CDC cuts follow the content: where the bytes
         # after a place where pages were mapped went, when no chunk of the same length says so)
-        cuts = self._cuts[name]
-        j = bisect.bisect_left(cuts, off + n + guess)
-        ends = [cuts[k] - off - n for k in (j - 1, j) if 0 <= k < len(cuts) and cuts[k] - off - n != guess]
+        cuts = self._cuts[pname]
+        j = bisect.bisect_left(cuts, off + n + shift)
+        ends = [cuts[k] - off - n for k in (j - 1, j) if 0 <= k < len(cuts) and cuts[k] - off - n != shift]
         if ends:
-            near.append(min(ends, key=lambda e: abs(e - guess)))
-        # any shift seen in this stream at which this chunk starts where a chunk of the parent started:
+            near.append((pname, min(ends, key=lambda e: abs(e - shift))))
+        # any place seen in this stream at which this chunk starts where a chunk of the parent started:
         # a content-defined cut that is the parent's too says the bytes before it are the parent's
         # there (a page image moves by several shifts when areas were mapped at several places, and
         # the workers learn them out of order)
-        with self._lock:
-            seen = [v for v, _ in self._seen[name].most_common(SHIFTS_TRIED)]
-        starts = self._starts[name]
-        aligned = [v for v in seen if off + v in starts]
-        for s in [*aligned[:2], *near, 0]:
-            if s not in out and off + s >= 0 and (abs(s - guess) <= SHIFT_REACH or s in aligned):
-                out.append(s)
-        return out[:5]
+        aligned = [v for v in seen if off + v[1] in self._starts[v[0]]]
+        same_place = [(name, 0)] if name in self._cuts else []
+        out: list[Place] = []
+        # and the stream's two most frequent places: where the bytes around a region that begins
+        # after a gap went, when its first chunks come before anything near them is learned
+        frequent = seen[:2]
+        for c in [*([hint] if hint else []), *aligned[:2], guess, *learned, *near, *same_place, *frequent]:
+            close = c[0] == pname and abs(c[1] - shift) <= SHIFT_REACH
+            if c not in out and off + c[1] + n > 0 and (close or c == hint or c in aligned or c in learned
+                                                        or c in frequent):
+                out.append(c)
+        return out[:6]
 
 
+SET_ASIDE = 256 << 20    # new chunks a put keeps to try as deltas again at its end (bytes, copies)
 SHIFT_REACH = 256 << 20  # a parent chunk of the same length this far from the guess is taken for a candidate
 SEARCH_REACH = 16 << 20  # _search_shifts looks for a chunk's pages this far around the guessed place
 SEARCH_PAGES = 8         # ... for at most this many of its non-zero pages, spread over it
@@ -781,8 +902,11 @@ def _window(store: SnapshotStore, chunks: tuple[list[int], list[ChunkRef]], off:
     references): its full chunks' bytes, a delta chunk's own reference (depth 1), zeros for zero
     chunks; None when that needs more than delta.MAX_SEGMENTS segments."""
     starts, refs = chunks
-    i = max(0, bisect.bisect_right(starts, off) - 1)
     segs: list[delta.Segment] = []
+    if off < 0:  # the bytes before the parent stream's start: zeros (a region that begins after a gap)
+        segs.append(delta.Segment(None, 0, min(n, -off)))
+        n, off = n + off, 0
+    i = max(0, bisect.bisect_right(starts, off) - 1)
     pos, end = off, off + n
     while pos < end and i < len(refs):
         s0, r = starts[i], refs[i]

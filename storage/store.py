@@ -72,7 +72,9 @@ STORE_FORMAT = "gpusnap-store"
 STORE_VERSION = 3  # what a new store's marker says
 DELTA_VERSION = 4  # the marker once a delta entry may be in the store (FORMAT.md, "Store versions")
 READ_VERSIONS = (1, 2, 3, 4)  # 1: GSNPCHK1 chunk files only; 2: chunk files of both kinds; 3: packs; 4: deltas
-BASE_CACHE = 64 << 20  # raw bytes of delta bases kept in memory per store object (a restore's deltas)
+BASE_CACHE = 256 << 20  # raw bytes of delta bases kept in memory per store object (a restore's deltas; a
+                         # dump's candidates: neighbouring new chunks share their parent chunks, and four
+                         # producers work at four places of an image at once)
 CHUNK_ID = re.compile(r"[0-9a-f]{64}")
 _RECORD_MAX = 1 << 16
 

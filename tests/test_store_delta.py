@@ -507,13 +507,55 @@ def test_a_kv_pool_moved_by_pages_mapped_before_it_finds_its_parent(cli: Cli, st
     cli.run("store", "put", "a", str(src), "--chunker", "pages")
     _write(src, b)
     (src / "pages-2.img").write_bytes(weights(rng, 1 << 20))  # an image the parent has not: stored plain
-    plain = cli.json("store", "put", "p", str(src), "--chunker", "pages", "--no-cache")
     rep = cli.json("store", "put", "b", str(src), "--chunker", "pages", "--no-cache", "--parent", "a")
+    plain = Cli(tmp_path / "plain").json("store", "put", "p", str(src), "--chunker", "pages", "--no-cache")
     mapped = len(ins1) + len(ins2) + (1 << 20)
     assert plain["new_bytes"] > 2 * (changed + mapped)  # without a parent: the whole pool again
     assert rep["new_bytes"] <= 1.1 * (changed + mapped), (rep["new_bytes"], changed, mapped)
     cli.run("store", "get", "b", str(tmp_path / "out"))
     assert (tmp_path / "out" / "img" / "pages-1.img").read_bytes() == b
+
+
+def test_a_process_whose_pages_moved_to_another_image_finds_its_parent(cli: Cli, store_dir: Path,
+                                                                        tmp_path: Path) -> None:
+    """CRIU numbers page images in the order it dumps them: on the H200 a process's pages were
+    pages-8.img in the first dump and pages-9.img in the second, moved by 1.5 GB, while pages-8.img
+    of the second was a small image of something else. The second dump places each new stream's
+    bytes in whichever parent stream its unchanged chunks were found, at that shift (here 40 MiB,
+    beyond the search's reach), and places the pool's chunks (every one changed) by their lengths:
+    three cuts in a row that are the parent's. So the pool is stored as deltas, not again."""
+    rng = np.random.default_rng(23)
+    w1, w2, w3 = weights(rng, 16 << 20), weights(rng, 8 << 20), weights(rng, 8 << 20)
+    pool = _kv_pool(rng, 48 << 20, 0.30)
+    first = {"pages-1.img": w1 + bytes(pool) + w2, "pages-2.img": w3}
+    empty = [b for b in range(len(pool) // BLOCK) if not any(pool[b * BLOCK:b * BLOCK + 64])]
+    changed = 0
+    for b in rng.choice(empty, (len(pool) // BLOCK) // 20, replace=False):
+        pool[b * BLOCK:(b + 1) * BLOCK] = weights(rng, BLOCK)
+        changed += BLOCK
+    other = weights(rng, 1 << 20)
+    second = {"pages-1.img": other, "pages-3.img": w3 + bytes(40 << 20) + w1 + bytes(pool) + w2}
+    src = tmp_path / "img"
+    src.mkdir()
+    for name, data in first.items():
+        (src / name).write_bytes(data)
+    cli.run("store", "put", "a", str(src), "--chunker", "pages")
+    for name in first:
+        (src / name).unlink()
+    for name, data in second.items():
+        (src / name).write_bytes(data)
+    rep = cli.json("store", "put", "b", str(src), "--chunker", "pages", "--no-cache", "--parent", "a")
+    plain = Cli(tmp_path / "plain").json("store", "put", "p", str(src), "--chunker", "pages", "--no-cache")
+    assert plain["new_bytes"] > 2 * (changed + len(other))  # without a parent: the whole pool again
+    # the changed blocks, the unrelated image and at most one chunk (4 MiB) where w1's region begins
+    # after the gap: its first chunks are tried again at the end of the put (once w1's unchanged
+    # chunks said where it went), but one whose try found something else learned after it first
+    # (workers finish out of order) is stored plain
+    assert rep["new_bytes"] <= 1.1 * (changed + len(other)) + (4 << 20), (rep["new_bytes"], changed, len(other))
+    assert rep["stages"]["delta:won"]["bytes"] >= len(pool) // 2, rep["stages"]
+    cli.run("store", "get", "b", str(tmp_path / "out"))
+    for name, data in second.items():
+        assert (tmp_path / "out" / "img" / name).read_bytes() == data
 
 
 def _page_keys(data: bytes) -> np.ndarray:

@@ -79,34 +79,31 @@ def main() -> None:
         print(json.dumps({"page_images_second": names,
                           "page_images_first": sorted({ln for ln in ls["e2e"].replace('"', " ").split()
                                                        if "pages-" in ln and ln.endswith(".img")})}), flush=True)
+        first = sorted({ln for ln in ls["e2e"].replace('"', " ").split() if "pages-" in ln and ln.endswith(".img")})
+        zero = int(page_keys(np.zeros(PAGE, np.uint8))[0])
+        # every non-zero page of the parent's page images, wherever it is: (key, image, page index)
+        keys, img, idx = [], [], []
+        for j, name in enumerate(first):
+            k = page_keys(image(store, "e2e", name))
+            nz = np.nonzero(k != zero)[0]
+            keys.append(k[nz]), img.append(np.full(len(nz), j, np.int32)), idx.append(nz.astype(np.int64))
+            print(json.dumps({"parent_image": name, "pages": len(k), "nonzero": len(nz)}), flush=True)
+        keys, img, idx = np.concatenate(keys), np.concatenate(img), np.concatenate(idx)
+        order = np.argsort(keys, kind="stable")
+        keys, img, idx = keys[order], img[order], idx[order]
         for name in names:
-            new = image(store, "e2e-b", name)
-            try:
-                old = image(store, "e2e", name)
-            except subprocess.CalledProcessError:
-                print(json.dumps({"image": name, "in_parent": False}), flush=True)
-                continue
-            kn, ko = page_keys(new), page_keys(old)
-            zero = page_keys(np.zeros(PAGE, np.uint8))[0]
-            nz = kn != zero
-            m = min(len(kn), len(ko))
-            same = np.zeros(len(kn), bool)
-            same[:m] = kn[:m] == ko[:m]
-            where = {}
-            for i, k in enumerate(ko):
-                where.setdefault(int(k), i)
-            moved = collections.Counter()
-            elsewhere = new_pages = 0
-            for i in np.nonzero(nz & ~same)[0]:
-                j = where.get(int(kn[i]))
-                if j is None:
-                    new_pages += 1
-                else:
-                    elsewhere += 1
-                    moved[int(i) - j] += 1
-            print(json.dumps({"image": name, "pages": len(kn), "parent_pages": len(ko), "nonzero": int(nz.sum()),
-                              "same_offset": int((nz & same).sum()), "elsewhere": elsewhere, "new": new_pages,
-                              "top_shifts_pages": moved.most_common(8)}), flush=True)
+            kn = page_keys(image(store, "e2e-b", name))
+            nzi = np.nonzero(kn != zero)[0]
+            pos = np.searchsorted(keys, kn[nzi])
+            pos = np.minimum(pos, len(keys) - 1)
+            hit = keys[pos] == kn[nzi]
+            by_img = collections.Counter(first[int(j)] for j in img[pos[hit]])
+            shifts: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+            for i, p_ in zip(nzi[hit], pos[hit]):
+                shifts[first[int(img[p_])]][int(idx[p_]) - int(i)] += 1
+            print(json.dumps({"image": name, "pages": len(kn), "nonzero": len(nzi), "found": int(hit.sum()),
+                              "new": int((~hit).sum()), "found_in": by_img.most_common(6),
+                              "top_shifts_pages": {k: v.most_common(6) for k, v in shifts.items()}}), flush=True)
     finally:
         if a.keep:
             print(json.dumps({"store": store}), flush=True)

@@ -102,6 +102,7 @@ def checksums(ts: list[torch.Tensor]) -> list[int]:
             w = torch.arange(lo, lo + part.numel(), device=v.device, dtype=torch.int64) % 1_000_003 + 1
             acc += (part * w).sum()
         out.append(int(acc))
+    torch.cuda.empty_cache()  # a checkpoint holds the model, the pool and the graph, not these temporaries
     return out
 
 
