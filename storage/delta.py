@@ -245,8 +245,20 @@ PAGE = 4096  # the unit in which candidate references are mixed
 def page_differences(x: memoryview) -> "np.ndarray":
     """For each 4096-byte page of X (an XOR against a candidate reference), how many bytes differ."""
     import numpy as np
-    nz = np.frombuffer(x, dtype=np.uint8) != 0
-    return np.add.reduceat(nz, np.arange(0, len(x), PAGE)) if len(x) else np.zeros(0, dtype=np.int64)
+    v = np.frombuffer(x, dtype=np.uint8)
+    n = len(v)
+    full = n // PAGE
+    out = np.zeros(full + (1 if n % PAGE else 0), dtype=np.int64)
+    if full:
+        # bytes are counted only in the pages with a differing word: a good candidate leaves few
+        # (np.add.reduceat over the whole XOR took 20x as long, the most of a dump's delta stage)
+        pages = v[:full * PAGE].reshape(full, PAGE)
+        dirty = np.flatnonzero(pages.view(np.uint64).any(axis=1))
+        if len(dirty):
+            out[dirty] = np.count_nonzero(pages[dirty], axis=1)
+    if n % PAGE:
+        out[-1] = np.count_nonzero(v[full * PAGE:])
+    return out
 
 
 def mixed(candidates: list[tuple[list[Segment], "np.ndarray"]], n: int) -> tuple[list[Segment], int] | None:

@@ -381,6 +381,7 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
             assert at is not None and shifts is not None
             n = len(view)
             tried: list[tuple[float, Place, list[delta.Segment], dict[str, bytes | memoryview], Any]] = []
+            held: list[list[delta.Segment] | None] = [None]
             with dscratch.borrowed() as d, xscratch.borrowed() as x:
                 def attempt(place: Place) -> float:
                     """The parent's bytes at PLACE as this chunk's reference: scored (the fraction of
@@ -405,6 +406,7 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
                     t1 = time.perf_counter()
                     try:
                         _, same, diffs = delta.xored_pages(view, segs, raws, x.view)
+                        held[0] = segs  # what the scratch holds the XOR against now
                     except ValueError:
                         return 0.0  # a reference no reader would take (a parent delta's bad table, too many bases)
                     tried.append((same, place, segs, raws, diffs))
@@ -436,6 +438,7 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
                         both = {k: v for t in tried for k, v in t[3].items()}
                         try:
                             _, mixed_same = delta.xored(view, mixed[0], both, x.view)
+                            held[0] = mixed[0]
                         except ValueError:
                             mixed_same = 0.0  # its bases together are more than a delta may name
                         if mixed_same > same:
@@ -443,7 +446,9 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
                 if same < 1 - DELTA_PAYS_OFF:
                     stages.add("delta", time.perf_counter() - t1, 0)
                     return None
-                xv, _ = delta.xored(view, segs, raws, x.view)
+                # the XOR is still in the scratch when the one taken was the last one made (the first
+                # candidate held the chunk, the usual case)
+                xv = x.view[:n] if held[0] is segs else delta.xored(view, segs, raws, x.view)[0]
                 shifts.note(name, off + n, place_after)  # what holds at the chunk's end holds for the next
                 room = int(DELTA_PAYS_OFF * plain_len)
                 m = delta.encode_xored(xv, segs, d.view[HEADER_SIZE:HEADER_SIZE + room])

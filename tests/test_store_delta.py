@@ -704,3 +704,17 @@ def test_an_unrelated_parent_costs_a_put_little(cli: Cli, store_dir: Path, tmp_p
     assert chunks > 300, rep
     assert searched <= (32 + chunks // 16 + 8) * (128 << 10), (searched, chunks)
     cli.run("store", "get", "b", str(tmp_path / "out"))
+
+
+def test_page_differences_counts_every_differing_byte_of_every_page() -> None:
+    """The per-page counts the candidates are scored and mixed by: exact for sparse and dense XORs,
+    pages whose differing bytes sit in one word only, and a last partial page."""
+    rng = np.random.default_rng(31)
+    for n, dense in ((64 * 4096, 0.02), (64 * 4096 + 1000, 0.5), (3000, 1.0), (0, 0.0)):
+        x = np.zeros(n, np.uint8)
+        hit = rng.random(n) < dense
+        x[hit] = rng.integers(1, 256, int(hit.sum()), dtype=np.uint8)
+        if n >= 4096 * 4:
+            x[2 * 4096 + 4095] = 7  # one byte in the last word of a page
+        want = [int(np.count_nonzero(x[i:i + 4096])) for i in range(0, n, 4096)]
+        assert delta.page_differences(memoryview(x.tobytes())).tolist() == want
