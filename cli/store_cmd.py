@@ -63,8 +63,9 @@ def store() -> None:
 @click.option("--no-xattrs", is_flag=True, help="Do not store extended attributes (stored by default: user.*, "
                                                 "and security.*/trusted.* where readable).")
 @click.option("--parent", default=None, metavar="SNAP",
-              help="Store each changed chunk as a delta against the chunk at the same place of the same-named "
-                   "file in SNAP, where that saves (an earlier snapshot of the same files).")
+              help="Store each changed chunk as a delta against the bytes SNAP held where it was (in the same-named "
+                   "file, or wherever its unchanged neighbours were found), where that saves (an earlier snapshot "
+                   "of the same files).")
 @tag_option
 @click.option("--chunker", type=click.Choice(["fixed", "pages"]), default="fixed", show_default=True,
               help="fixed: CHUNK_SIZE pieces; pages: content-defined cuts on 4 KiB pages (dedups data that "

@@ -4,7 +4,7 @@ FORMAT.md, "Delta entries": a GSNPCHK2 entry of codec `xor-zstd` (id 3) whose pa
 table and one zstd frame of exactly raw-length bytes: the chunk's raw bytes XOR its reference. The
 reference is the concatenation of the table's segments (each a byte range of one base chunk's raw
 bytes, or zeros), zero-extended to the raw length: for a new chunk of a dump, the bytes the parent
-snapshot's same-named stream had at the same offsets. The chunk's id is still the raw id of its own
+snapshot had where the chunk's bytes were (storage/pipeline.py places them). The chunk's id is still the raw id of its own
 raw bytes, so the full check binds what a delta decodes to, whatever its bases said.
 
 Guarantees kept here: a delta is decoded only against bases its reader verified (the BaseReader:
