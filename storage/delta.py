@@ -143,6 +143,9 @@ def xored_pages(data: memoryview, segments: list[Segment], raws: dict[str, bytes
     from .directio import copy_into
     if sum(len(raws[b]) for b in bases(segments)) > bases_limit(len(data)):
         raise ValueError("the reference's bases hold more than a delta's bases may")
+    for sg in segments:  # every bound before the scratch is written: a failure leaves it as it was
+        if sg.base is not None and sg.offset + sg.length > len(raws[sg.base]):
+            raise ValueError(f"a segment reads past its base {sg.base[:16]}…")
     n = len(data)
     x = scratch[:n]
     copy_into(x, data)  # the GIL released for the copy (a dump's 16 workers try candidates at once)

@@ -404,6 +404,7 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
                     if not raws or segs is None:
                         return 0.0
                     t1 = time.perf_counter()
+                    held[0] = None  # the scratch is written now: it holds no candidate's XOR until this succeeds
                     try:
                         _, same, diffs = delta.xored_pages(view, segs, raws, x.view)
                         held[0] = segs  # what the scratch holds the XOR against now
@@ -436,6 +437,7 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
                     mixed = delta.mixed([(t[2], t[4]) for t in tried], n)
                     if mixed is not None:
                         both = {k: v for t in tried for k, v in t[3].items()}
+                        held[0] = None
                         try:
                             _, mixed_same = delta.xored(view, mixed[0], both, x.view)
                             held[0] = mixed[0]

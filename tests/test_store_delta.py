@@ -718,3 +718,40 @@ def test_page_differences_counts_every_differing_byte_of_every_page() -> None:
             x[2 * 4096 + 4095] = 7  # one byte in the last word of a page
         want = [int(np.count_nonzero(x[i:i + 4096])) for i in range(0, n, 4096)]
         assert delta.page_differences(memoryview(x.tobytes())).tolist() == want
+
+
+def test_a_candidate_failing_half_way_never_leaves_its_xor_for_another(tmp_path: Path) -> None:
+    """A hostile parent (another node's manifest) whose stream claims a chunk longer than it holds: the
+    candidate reading it fails after the chunk before it was XORed in. The scratch must not then be
+    taken for the XOR of the candidate chosen (it held N XOR A under the table of P: a delta that
+    decodes to other bytes, which a later put of the same bytes would have deduplicated onto)."""
+    from storage import pipeline
+    from storage.directio import AlignedBuffer
+    from storage.filetree import FileTreeSource
+    from storage.manifest import ChunkRef, Manifest
+    cs = 256 << 10
+    rng = np.random.default_rng(1)
+    new = rng.integers(0, 256, cs, dtype=np.uint8)
+    p = new.copy()
+    flip = rng.random(cs) < 0.4
+    p[flip] ^= rng.integers(1, 256, int(flip.sum()), dtype=np.uint8)  # the same place, 40% changed
+    src = tmp_path / "one" / "src"
+    src.mkdir(parents=True)
+    for name, arr in (("p", p), ("a", new[:cs - 4096]), ("b", rng.integers(0, 256, 1024, dtype=np.uint8))):
+        (src / name).write_bytes(arr.tobytes())
+    st = SnapshotStore(str(tmp_path / "store"))
+    with FileTreeSource([str(src)]) as s, st.writer("a") as w:
+        pipeline.put(w, s, chunk_size=cs, workers=2)
+        w.commit()
+    by = {s.name.rsplit("/", 1)[-1]: s for s in st.load("a").streams}
+    b = by["b"].chunks[0]
+    hostile = Manifest("a", [Stream(by["p"].name, dict(by["p"].attrs),
+                                    [by["p"].chunks[0], by["a"].chunks[0], ChunkRef(b.id, 8192, b.codec, b.stored_len)])])
+    src2 = tmp_path / "two" / "src"
+    src2.mkdir(parents=True)
+    (src2 / "p").write_bytes(new.tobytes())
+    with FileTreeSource([str(src2)]) as s, st.writer("b") as w:
+        pipeline.put(w, s, chunk_size=cs, workers=2, parent=hostile)
+        mb = w.commit()
+    ref = next(c for s in mb.streams for c in s.chunks if c.id)
+    assert bytes(st.read_raw(ref, AlignedBuffer(1 << 20))) == new.tobytes()
