@@ -352,7 +352,7 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
     # (blocks for the page chunker: enough for two pieces per worker, and one being read per producer)
     nblocks = producers + max(3, workers * 2 * chunk_size // _READ_BLOCK) if chunker == "pages" else 0
     at = _parent_chunks(parent) if parent is not None else None
-    shifts = _Shifts(at) if at else None
+    shifts = _Shifts(at, _cut_by_content(parent)) if at and parent is not None else None
     effort = _Effort() if at else None
     failed: set[str] = set()  # parent chunks that could not be read as bases during this put
     with BufferPool(workers * 2 if chunker == "fixed" else 0, HEADER_SIZE + chunk_size) as staging, \
@@ -418,11 +418,13 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
                     if attempt(place) >= DELTA_MATCH:
                         break
                 guess = shifts.guess(name, off)
-                if hint is None and guess is not None and max((t[0] for t in tried), default=0.0) < DELTA_MATCH:
+                best = max((t[0] for t in tried), default=0.0)
+                if guess is not None and best < DELTA_MATCH and (hint is None or best < 0.5):
                     # none of the places guessed holds this chunk: look for its pages in the parent
                     # near there (a page image moves by a different shift after each area mapped
                     # before it, and where every chunk changed no unchanged one says by how much);
-                    # not where three cuts in a row placed it (its bytes are there, changed more)
+                    # not where three cuts in a row placed it and half of it held (its bytes are
+                    # there, changed more)
                     t0 = time.perf_counter()
                     found = _search_shifts(writer.store, at[guess[0]], view, off, guess[1], failed)
                     stages.add("delta-search", time.perf_counter() - t0, n)
@@ -491,8 +493,11 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
                             if at and effort is not None and writer.store.quarantined(cid) is None:
                                 if shifts is not None and hint is None and shifts.guess(name, off) is None:
                                     # nothing of the parent placed in this stream yet (a page image
-                                    # renumbered, or new): no candidate, and no attempt counted
-                                    stages.add("delta:no place known", 0.0, n)
+                                    # renumbered, or new): no candidate, and no attempt counted;
+                                    # tried once the rest of the put is in, if there is room
+                                    later = set_aside(chunks, idx, view, name, off, hint)
+                                    if not later:
+                                        stages.add("delta:no place known", 0.0, n)
                                 elif effort.worth():
                                     got = as_delta(cid, view, m, name, off, hint)
                                     later = got is None and set_aside(chunks, idx, view, name, off, hint)
@@ -570,10 +575,16 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
                 with scratch.borrowed() as s:
                     t0 = time.perf_counter()
                     codec, m = chooser.encode_into(view, s.view[HEADER_SIZE:])
-                    stages.add("compress", time.perf_counter() - t0, n)
+                    stages.add("compress", time.perf_counter() - t0, 0)  # its bytes were counted the first time
                     assert effort is not None
-                    got = as_delta(cid, view, m, name, off, hint) if effort.worth() else None
-                    tally(got is not None, hint, n, record=got is not None)  # its first try counted already
+                    got = None
+                    if shifts is not None and shifts.guess(name, off) is None and hint is None:
+                        stages.add("delta:no place known", 0.0, n)
+                    elif effort.worth():
+                        got = as_delta(cid, view, m, name, off, hint)
+                        tally(got is not None, hint, n, record=got is not None)  # a failed first try counted already
+                    else:
+                        stages.add("delta:not tried (effort bound)", 0.0, n)
                     if got is not None:
                         stages.add("delta:won when tried again", 0.0, n)
                         chunks[idx] = got
@@ -600,7 +611,8 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
                     chunks.append(None)  # type: ignore[arg-type] # filled by the worker
                     t0 = time.perf_counter()
                     lens.append(len(piece.view))
-                    hint = shifts.run_place(tuple(lens), off) if shifts is not None and len(lens) == 3 else None
+                    hint = (shifts.run_place(tuple(lens), off, chunk_size)
+                            if shifts is not None and chunker == "pages" and len(lens) == 3 else None)
                     f = ex.submit(process, chunks, len(chunks) - 1, piece, name, off, hint)
                     off += len(piece.view)
                     with flock:
@@ -674,6 +686,21 @@ def _parent_chunks(parent: Manifest) -> dict[str, tuple[list[int], list[ChunkRef
     return out
 
 
+def _cut_by_content(parent: Manifest) -> dict[str, int]:
+    """PARENT's streams cut by the page chunker, with the maximum chunk length it recorded."""
+    out: dict[str, int] = {}
+    for s in parent.streams:
+        rec = s.attrs.get("chunker")
+        if isinstance(rec, dict) and rec.get("name") == "pages" and isinstance(rec.get("max"), int) and rec["max"] > 0:
+            out[s.name] = rec["max"]
+    return out
+
+
+def _run_key(lens: tuple[int, ...]) -> int:
+    """One int for three chunk lengths (each below 2**32: a chunk is at most MAX_RAW_CHUNK)."""
+    return (lens[0] << 64) | (lens[1] << 32) | lens[2]
+
+
 Place = tuple[str, int]  # (a parent stream's name, shift): the parent's offset is the new offset + shift
 
 
@@ -685,7 +712,9 @@ class _Shifts:
     be pages-9.img in one dump and pages-8.img in its parent, or split between two of the parent's
     images. Shared by the workers of one put."""
 
-    def __init__(self, at: dict[str, tuple[list[int], list[ChunkRef]]]) -> None:
+    def __init__(self, at: dict[str, tuple[list[int], list[ChunkRef]]], cdc: dict[str, int]) -> None:
+        """AT: the parent's data streams (_parent_chunks); CDC: those cut by content, with their
+        maximum chunk length (their chunker record)."""
         self._lock = threading.Lock()
         self._learned: dict[str, tuple[list[int], list[Place]]] = collections.defaultdict(lambda: ([], []))
         self._where: dict[str, Place | None] = {}  # chunk id -> (parent stream, its offset there)
@@ -693,7 +722,7 @@ class _Shifts:
         self._cuts: dict[str, list[int]] = {}  # the parent's chunk boundaries (content-defined cuts)
         self._starts: dict[str, set[int]] = {}  # the parent's chunk starts
         self._seen: dict[str, collections.Counter[Place]] = collections.defaultdict(collections.Counter)
-        self._runs: dict[tuple[int, int, int], Place | None] = {}  # three chunk lengths -> the third's place
+        self._runs: dict[int, Place | None] = {}  # three chunk lengths (_run_key) -> the third's place
         for name, (starts, refs) in at.items():
             self._cuts[name] = starts[1:] + [starts[-1] + refs[-1].raw_len]
             self._starts[name] = set(starts)
@@ -703,16 +732,24 @@ class _Shifts:
                     self._where[r.id] = None if r.id in self._where else (name, o)  # at two places: says nothing
                     by_len.setdefault(r.raw_len, []).append(o)
             self._by_len[name] = by_len
+            most = cdc.get(name)
+            if most is None:
+                continue  # fixed-size pieces: their lengths say nothing of where the content is
             for k in range(2, len(refs)):
-                run = (refs[k - 2].raw_len, refs[k - 1].raw_len, refs[k].raw_len)
-                self._runs[run] = None if run in self._runs else (name, starts[k])  # twice: says nothing
+                lens = (refs[k - 2].raw_len, refs[k - 1].raw_len, refs[k].raw_len)
+                if max(lens) >= most:
+                    continue  # a cut forced at the maximum length is not the content's
+                key = _run_key(lens)
+                self._runs[key] = None if key in self._runs else (name, starts[k])  # twice: says nothing
 
-    def run_place(self, run: tuple[int, ...], off: int) -> Place | None:
+    def run_place(self, run: tuple[int, ...], off: int, most: int) -> Place | None:
         """Where the chunk at OFF was in the parent, if the lengths of it and the two chunks before it
         (RUN) are those of three consecutive chunks at one place of the parent: content-defined cuts
         fall where the content says, so three of them in a row place a chunk whose inside changed (a
         KV pool's chunks, every one with a block written) wherever its bytes moved, in any stream."""
-        p = self._runs.get(run)  # type: ignore[arg-type]
+        if len(run) != 3 or max(run) >= most:
+            return None
+        p = self._runs.get(_run_key(run))
         return None if p is None else (p[0], p[1] - off)
 
     def note(self, name: str, off: int, place: Place) -> None:
@@ -915,9 +952,13 @@ def _window(store: SnapshotStore, chunks: tuple[list[int], list[ChunkRef]], off:
         n, off = n + off, 0
     i = max(0, bisect.bisect_right(starts, off) - 1)
     pos, end = off, off + n
+    walked = 0
     while pos < end and i < len(refs):
         s0, r = starts[i], refs[i]
         i += 1
+        walked += 1
+        if walked > 4 * delta.MAX_SEGMENTS:  # a parent of countless tiny chunks: no reference worth walking
+            return None
         if s0 + r.raw_len <= pos:
             continue
         lo, hi = pos - s0, min(end, s0 + r.raw_len) - s0
