@@ -495,12 +495,12 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
                                     # nothing of the parent placed in this stream yet (a page image
                                     # renumbered, or new): no candidate, and no attempt counted;
                                     # tried once the rest of the put is in, if there is room
-                                    later = set_aside(chunks, idx, view, name, off, hint)
+                                    later = set_aside(chunks, idx, view, name, off, hint, m)
                                     if not later:
                                         stages.add("delta:no place known", 0.0, n)
                                 elif effort.worth():
                                     got = as_delta(cid, view, m, name, off, hint)
-                                    later = got is None and set_aside(chunks, idx, view, name, off, hint)
+                                    later = got is None and set_aside(chunks, idx, view, name, off, hint, m)
                                     if later:  # tried again once the rest of the put is in
                                         effort.record(False)
                                     else:
@@ -535,12 +535,12 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
             if hint is not None:  # of those, placed by three cuts in a row
                 stages.add("delta:placed by cuts", 0.0, n)
 
-        aside: list[tuple[list[ChunkRef], int, bytearray, str, int, Place | None]] = []
+        aside: list[tuple[list[ChunkRef], int, bytearray, str, int, Place | None, int]] = []
         aside_bytes = [0]
         alock = threading.Lock()
 
         def set_aside(chunks: list[ChunkRef], idx: int, view: memoryview, name: str, off: int,
-                      hint: Place | None) -> bool:
+                      hint: Place | None, plain_len: int) -> bool:
             """Whether a new chunk that found no base was kept (a copy, at most SET_ASIDE bytes in all) to
             be tried again after every other chunk: where nothing after it in its stream was placed yet
             (the first chunks after the place where a region of the parent's bytes begins: content-
@@ -556,13 +556,14 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
             keep = bytearray(n)
             copy_into(memoryview(keep), view)
             with alock:
-                aside.append((chunks, idx, keep, name, off, hint))
+                aside.append((chunks, idx, keep, name, off, hint, plain_len))
             stages.add("delta:set aside", 0.0, n)
             return True
 
         def again(chunks: list[ChunkRef], idx: int, keep: bytearray, name: str, off: int,
-                  hint: Place | None) -> None:
-            """A chunk set aside: a delta now if one pays, else stored as any new chunk."""
+                  hint: Place | None, plain_len: int) -> None:
+            """A chunk set aside: a delta now if one pays (against PLAIN_LEN, its plain encoding's
+            length the first time), else encoded again and stored as any new chunk."""
             view = memoryview(keep)
             n = len(view)
             try:
@@ -572,23 +573,24 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
                 if present is not None:
                     chunks[idx] = present
                     return
+                assert effort is not None
+                got = None
+                if shifts is not None and shifts.guess(name, off) is None and hint is None:
+                    stages.add("delta:no place known", 0.0, n)
+                elif effort.worth():
+                    got = as_delta(cid, view, plain_len, name, off, hint)
+                    tally(got is not None, hint, n, record=got is not None)  # a failed first try counted already
+                else:
+                    stages.add("delta:not tried (effort bound)", 0.0, n)
+                if got is not None:
+                    stages.add("delta:won when tried again", 0.0, n)
+                    chunks[idx] = got
+                    return
                 with scratch.borrowed() as s:
                     t0 = time.perf_counter()
                     codec, m = chooser.encode_into(view, s.view[HEADER_SIZE:])
                     stages.add("compress", time.perf_counter() - t0, 0)  # its bytes were counted the first time
-                    assert effort is not None
-                    got = None
-                    if shifts is not None and shifts.guess(name, off) is None and hint is None:
-                        stages.add("delta:no place known", 0.0, n)
-                    elif effort.worth():
-                        got = as_delta(cid, view, m, name, off, hint)
-                        tally(got is not None, hint, n, record=got is not None)  # a failed first try counted already
-                    else:
-                        stages.add("delta:not tried (effort bound)", 0.0, n)
-                    if got is not None:
-                        stages.add("delta:won when tried again", 0.0, n)
-                        chunks[idx] = got
-                    elif codec == "raw":
+                    if codec == "raw":
                         copy_into(s.view[HEADER_SIZE:], view)
                         chunks[idx] = writer.put_chunk("raw", n, s.view, n, raw_id=cid)
                     else:
