@@ -499,8 +499,11 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
                                     if not later:
                                         stages.add("delta:no place known", 0.0, n)
                                 elif effort.worth():
+                                    # whether anything after this chunk was placed when its candidates
+                                    # were chosen (asked before: a worker may place one meanwhile)
+                                    blind = shifts is not None and shifts.nothing_after(name, off)
                                     got = as_delta(cid, view, m, name, off, hint)
-                                    later = got is None and set_aside(chunks, idx, view, name, off, hint, m)
+                                    later = got is None and blind and set_aside(chunks, idx, view, name, off, hint, m)
                                     if later:  # tried again once the rest of the put is in
                                         effort.record(False)
                                     else:
@@ -542,12 +545,12 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
         def set_aside(chunks: list[ChunkRef], idx: int, view: memoryview, name: str, off: int,
                       hint: Place | None, plain_len: int) -> bool:
             """Whether a new chunk that found no base was kept (a copy, at most SET_ASIDE bytes in all) to
-            be tried again after every other chunk: where nothing after it in its stream was placed yet
-            (the first chunks after the place where a region of the parent's bytes begins: content-
-            defined cuts meet the parent's again a few chunks later, whose unchanged chunks then say
-            where the region went)."""
+            be tried again after every other chunk. The caller sets aside only a chunk whose candidates
+            were chosen while nothing after it in its stream was placed yet (the first chunks after the
+            place where a region of the parent's bytes begins: content-defined cuts meet the parent's
+            again a few chunks later, whose unchanged chunks then say where the region went)."""
             n = len(view)
-            if shifts is None or not shifts.nothing_after(name, off):
+            if shifts is None:
                 return False
             with alock:
                 if aside_bytes[0] + n > SET_ASIDE:
