@@ -118,11 +118,14 @@ def xor_into(dst: memoryview, src: bytes | memoryview) -> None:
 
 
 def _apply(x: memoryview, segments: list[Segment], raws: dict[str, bytes | memoryview]) -> None:
+    """X ^= the reference SEGMENTS make of RAWS; ValueError, with X untouched, when a segment reads
+    past its base (every bound is checked before the first XOR)."""
+    for s in segments:
+        if s.base is not None and s.offset + s.length > len(raws[s.base]):
+            raise ValueError(f"a segment reads past its base {s.base[:16]}…")
     pos = 0
     for s in segments:
         if s.base is not None:
-            if s.offset + s.length > len(raws[s.base]):
-                raise ValueError(f"a segment reads past its base {s.base[:16]}…")
             xor_into(x[pos:pos + s.length], memoryview(raws[s.base])[s.offset:s.offset + s.length])
         pos += s.length
 
@@ -143,9 +146,6 @@ def xored_pages(data: memoryview, segments: list[Segment], raws: dict[str, bytes
     from .directio import copy_into
     if sum(len(raws[b]) for b in bases(segments)) > bases_limit(len(data)):
         raise ValueError("the reference's bases hold more than a delta's bases may")
-    for sg in segments:  # every bound before the scratch is written: a failure leaves it as it was
-        if sg.base is not None and sg.offset + sg.length > len(raws[sg.base]):
-            raise ValueError(f"a segment reads past its base {sg.base[:16]}…")
     n = len(data)
     x = scratch[:n]
     copy_into(x, data)  # the GIL released for the copy (a dump's 16 workers try candidates at once)

@@ -491,7 +491,7 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
                             # a chunk set aside as damaged comes back whole, never as a delta: deltas
                             # may name it as their base, and a base is a full entry
                             if at and effort is not None and writer.store.quarantined(cid) is None:
-                                if shifts is not None and hint is None and shifts.guess(name, off) is None:
+                                if shifts is not None and shifts.unplaced(name, off, hint):
                                     # nothing of the parent placed in this stream yet (a page image
                                     # renumbered, or new): no candidate, and no attempt counted;
                                     # tried once the rest of the put is in, if there is room
@@ -510,17 +510,10 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
                                         tally(got is not None, hint, n)
                                 else:
                                     stages.add("delta:not tried (effort bound)", 0.0, n)
-                            if later:
-                                pass
-                            elif got is not None:
+                            if got is not None:
                                 chunks[idx] = got
-                            elif codec == "raw" and piece.frame is not None:  # written from where it was read
-                                chunks[idx] = writer.put_chunk("raw", n, piece.frame.view, n, raw_id=cid)
-                            elif codec == "raw":
-                                copy_into(s.view[HEADER_SIZE:], view)
-                                chunks[idx] = writer.put_chunk("raw", n, s.view, n, raw_id=cid)
-                            else:
-                                chunks[idx] = writer.put_chunk(codec, n, s.view, m, raw_id=cid)
+                            elif not later:
+                                chunks[idx] = put_plain(view, cid, codec, m, s.view, piece.frame)
                 if progress is not None:
                     progress.advance(n)
             except BaseException as e:  # noqa: BLE001 - handed to the submitting thread
@@ -528,6 +521,18 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
             finally:
                 piece.release()
                 stages.add("worker", time.perf_counter() - t_in, n)  # busy; the rest of workers x wall is idle
+
+        def put_plain(view: memoryview, cid: str, codec: str, m: int, encoded: memoryview,
+                      frame: AlignedBuffer | None) -> ChunkRef:
+            """VIEW stored as CHOOSER encoded it into ENCODED (payload at HEADER_SIZE; CODEC, M
+            bytes), a raw chunk written from FRAME where it was read into one."""
+            n = len(view)
+            if codec == "raw" and frame is not None:  # written from where it was read
+                return writer.put_chunk("raw", n, frame.view, n, raw_id=cid)
+            if codec == "raw":
+                copy_into(encoded[HEADER_SIZE:], view)
+                return writer.put_chunk("raw", n, encoded, n, raw_id=cid)
+            return writer.put_chunk(codec, n, encoded, m, raw_id=cid)
 
         def tally(won: bool, hint: Place | None, n: int, record: bool = True) -> None:
             assert effort is not None
@@ -578,7 +583,7 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
                     return
                 assert effort is not None
                 got = None
-                if shifts is not None and shifts.guess(name, off) is None and hint is None:
+                if shifts is not None and shifts.unplaced(name, off, hint):
                     stages.add("delta:no place known", 0.0, n)
                 elif effort.worth():
                     got = as_delta(cid, view, plain_len, name, off, hint)
@@ -593,11 +598,7 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
                     t0 = time.perf_counter()
                     codec, m = chooser.encode_into(view, s.view[HEADER_SIZE:])
                     stages.add("compress", time.perf_counter() - t0, 0)  # its bytes were counted the first time
-                    if codec == "raw":
-                        copy_into(s.view[HEADER_SIZE:], view)
-                        chunks[idx] = writer.put_chunk("raw", n, s.view, n, raw_id=cid)
-                    else:
-                        chunks[idx] = writer.put_chunk(codec, n, s.view, m, raw_id=cid)
+                    chunks[idx] = put_plain(view, cid, codec, m, s.view, None)
             except BaseException as e:  # noqa: BLE001 - handed to the submitting thread
                 fail.set(e)
 
@@ -616,8 +617,7 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
                     chunks.append(None)  # type: ignore[arg-type] # filled by the worker
                     t0 = time.perf_counter()
                     lens.append(len(piece.view))
-                    hint = (shifts.run_place(tuple(lens), off, chunk_size)
-                            if shifts is not None and chunker == "pages" and len(lens) == 3 else None)
+                    hint = shifts.run_place(tuple(lens), off, chunk_size) if shifts is not None and chunker == "pages" else None
                     f = ex.submit(process, chunks, len(chunks) - 1, piece, name, off, hint)
                     off += len(piece.view)
                     with flock:
@@ -786,6 +786,11 @@ class _Shifts:
             if vals:
                 return vals[i - 1] if i > 0 else vals[0]
         return (name, 0) if name in self._cuts else None
+
+    def unplaced(self, name: str, off: int, hint: Place | None) -> bool:
+        """Whether a chunk at OFF of NAME has no place to try: no HINT, nothing learned in NAME and no
+        parent stream of that name."""
+        return hint is None and self.guess(name, off) is None
 
     def candidates(self, name: str, off: int, n: int, hint: Place | None = None) -> list[Place]:
         """Places to try for N new bytes at OFF of NAME, the likeliest first (at most six): HINT

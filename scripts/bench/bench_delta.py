@@ -24,13 +24,14 @@ import time
 
 import numpy as np
 
+from scripts.bench.bench_codecs import bf16
 from scripts.helpers import REPO, child_env
 
 BLOCK = 64 << 10
 
 
 def weights(rng: np.random.Generator, n: int) -> bytes:
-    return (rng.normal(0, 0.02, n // 2).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16).tobytes()
+    return bf16(rng, n).tobytes()
 
 
 def images(mb: int) -> tuple[bytes, bytes, int]:
