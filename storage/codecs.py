@@ -275,8 +275,8 @@ class Shuffle2Codec:
         """The low bytes of DATA's 2-byte elements into PLANES[:h], the high bytes into PLANES[h:]."""
         a = _np().frombuffer(data, "<u2")
         h = a.size
-        _np().bitwise_and(a, 0xFF, out=planes[:h], casting="unsafe")
-        _np().right_shift(a, 8, out=planes[h:], casting="unsafe")
+        Shuffle2Codec._plane_of(a, 0, planes[:h])
+        Shuffle2Codec._plane_of(a, 1, planes[h:])
 
     def probe(self, data: memoryview) -> tuple[tuple[bool, bool], int]:
         """On DATA (a sample, even length): whether each plane pays zstd, and the payload size that
@@ -304,7 +304,9 @@ class Shuffle2Codec:
     def encode_into(self, data: memoryview, dst: memoryview, which: tuple[bool, bool] = (True, True)) -> int | None:
         """DATA (even length) as planes into DST: the payload's length, or None when it does not fit in
         len(DST) bytes. WHICH: the planes to try zstd on; a plane whose frame would not shrink it below
-        PLANE_PAYS_OFF is stored as it is. Nothing is allocated (this thread's plane buffer is reused)."""
+        PLANE_PAYS_OFF is stored as it is. Nothing is allocated (this thread's plane buffer is reused);
+        a plane not tried is split straight into DST (no copy: the low bytes of bf16 weights, the
+        usual case, are stored as they are)."""
         n = len(data)
         if n % 2:
             raise CodecError("shuffle2-zstd needs an even number of bytes")
@@ -312,25 +314,41 @@ class Shuffle2Codec:
         head = self._HEAD.size
         if len(dst) < head:
             return None
-        planes = self._scratch(n)
-        self.split(data, planes)
+        np = _np()
+        a = np.frombuffer(data, "<u2")
+        out = np.frombuffer(dst, np.uint8)
+        planes = self._scratch(h)
         pos, kinds, n0 = head, [0, 0], 0
         for i in (0, 1):
-            p = planes[i * h:(i + 1) * h].data
             room = len(dst) - pos
-            z = self.zstd.encode_into(p, dst[pos:pos + min(room, int(PLANE_PAYS_OFF * h))]) if which[i] else None
-            if z is not None:
-                kinds[i] = 1
-                pos += z
-            else:
+            if not which[i]:
                 if room < h:
                     return None
-                copy_into(dst[pos:pos + h], p)
+                self._plane_of(a, i, out[pos:pos + h])
                 pos += h
+            else:
+                self._plane_of(a, i, planes)
+                z = self.zstd.encode_into(planes.data, dst[pos:pos + min(room, int(PLANE_PAYS_OFF * h))])
+                if z is not None:
+                    kinds[i] = 1
+                    pos += z
+                else:
+                    if room < h:
+                        return None
+                    copy_into(dst[pos:pos + h], planes.data)
+                    pos += h
             if i == 0:
                 n0 = pos - head
         dst[:head] = self._HEAD.pack(1, kinds[0], kinds[1], n0)
         return pos
+
+    @staticmethod
+    def _plane_of(a: np.ndarray, i: int, into: np.ndarray) -> None:
+        """Plane I of the 2-byte elements A (0: low bytes, 1: high bytes) into INTO."""
+        if i == 0:
+            _np().bitwise_and(a, 0xFF, out=into, casting="unsafe")
+        else:
+            _np().right_shift(a, 8, out=into, casting="unsafe")
 
     @staticmethod
     def _check_plane(kind: int, stored: memoryview, h: int) -> None:

@@ -22,9 +22,16 @@ _NOGIL_MIN = 64 << 10
 
 
 def address_of(view: memoryview | bytes) -> int:
-    """The address of a contiguous buffer's first byte (read-only buffers too)."""
+    """The address of a contiguous buffer's first byte (read-only buffers too).
+
+    A writable view through ctypes alone (~0.5 us; numpy's .ctypes costs ~3 us, with the GIL held, and
+    the pipeline asks this several times per chunk on every worker)."""
+    if not len(view):
+        return 0
+    if isinstance(view, memoryview) and not view.readonly and view.c_contiguous:
+        return ctypes.addressof(ctypes.c_char.from_buffer(view))
     import numpy as np  # noqa: PLC0415
-    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data) if len(view) else 0
+    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
 
 
 def copy_into(dst: memoryview, src: memoryview | bytes) -> None:

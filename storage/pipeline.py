@@ -205,6 +205,22 @@ def default_workers() -> int:
     return max(2, min(16, os.cpu_count() or 2))
 
 
+PUT_WORKERS_MOST = 8  # see put_workers
+
+
+def put_workers() -> int:
+    """put's encoder threads: one per core, at most PUT_WORKERS_MOST ($GPUSNAP_PUT_WORKERS overrides).
+
+    Each chunk's encoding holds the GIL for ~9% of its time (numpy's plane split, the ctypes calls
+    into libzstd, the store's bookkeeping), so threads beyond ~10 add more handoffs than work: on the
+    16-core H200 host, 6-10 workers ingested a weights image at 1.7-2.5 GB/s and 16 at 1.0-1.8, the
+    same compression costing 2-3x the thread-seconds (BENCHMARKS.md, section 19)."""
+    env = os.environ.get("GPUSNAP_PUT_WORKERS", "")
+    if env.isdigit() and int(env) > 0:
+        return int(env)
+    return max(2, min(PUT_WORKERS_MOST, os.cpu_count() or 2))
+
+
 _READ_BLOCK = 32 << 20  # a page image is read in blocks of this size (pieces are views into them)
 
 
@@ -341,7 +357,7 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
     """
     if chunker not in ("fixed", "pages"):
         raise PipelineError(f"unknown chunker {chunker!r}")
-    workers = workers or default_workers()
+    workers = workers or put_workers()
     producers = readers or max(1, min(4, workers // 4))
     chooser = HostCodecChooser(level=zstd_level, compress=compress)
     stages = Stages()

@@ -140,3 +140,34 @@ def test_decode_host_into_decodes_in_place_and_refuses_what_does_not_fit() -> No
         decode_host_into("zstd", memoryview(frame[: len(frame) // 2]), len(raw), out)
     with pytest.raises(CodecError, match="raw payload"):
         decode_host_into("raw", payload[:10], len(raw), out)
+
+
+def test_put_workers_are_bounded_and_can_be_set(monkeypatch) -> None:
+    from storage import pipeline
+    monkeypatch.delenv("GPUSNAP_PUT_WORKERS", raising=False)
+    assert 2 <= pipeline.put_workers() <= pipeline.PUT_WORKERS_MOST
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    assert pipeline.put_workers() == pipeline.PUT_WORKERS_MOST  # more threads only add GIL handoffs
+    monkeypatch.setenv("GPUSNAP_PUT_WORKERS", "12")
+    assert pipeline.put_workers() == 12
+    monkeypatch.setenv("GPUSNAP_PUT_WORKERS", "lots")  # not a count: the default
+    assert pipeline.put_workers() == pipeline.PUT_WORKERS_MOST
+
+
+@pytest.mark.parametrize("which", [(True, True), (False, True), (True, False), (False, False)])
+def test_shuffle2_planes_split_straight_into_the_payload_round_trip(which) -> None:
+    from storage.codecs import _SHUFFLE2
+    rng = np.random.default_rng(5)
+    w = (rng.normal(0, 0.02, 1 << 18).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    for data in (w.tobytes(), bytes(1 << 16), rng.integers(0, 256, 1 << 16, dtype=np.uint8).tobytes()):
+        dst = memoryview(bytearray(len(data) + 64))
+        m = _SHUFFLE2.encode_into(memoryview(data), dst, which)
+        assert m is not None
+        assert bytes(decode_host("shuffle2-zstd", dst[:m], len(data))) == data
+        # a small destination: refused, or a whole payload that fits it (never one cut short)
+        small = dst[:len(data) // 4]
+        m = _SHUFFLE2.encode_into(memoryview(data), small, which)
+        if m is not None:
+            assert m <= len(small) and bytes(decode_host("shuffle2-zstd", small[:m], len(data))) == data
+        if not any(which):  # both planes as they are cannot fit in a quarter
+            assert m is None

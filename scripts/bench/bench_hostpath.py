@@ -166,7 +166,7 @@ def ingest(store_dir: str, image: str, workers: int | None, chunker: str = "page
     wall = time.perf_counter() - t0
     size = os.path.getsize(image)
     return {"wall_s": round(wall, 3), "GBps": round(size / wall / 1e9, 3), "stored_gb": round(res.stored_bytes / 1e9, 3),
-            "workers": workers or pipeline.default_workers(), "stages": res.stages.table()}, st
+            "workers": workers or pipeline.put_workers(), "stages": res.stages.table()}, st
 
 
 # ------------------------------------------------------------------------------------------- reads
@@ -211,7 +211,8 @@ def main() -> None:
     ap.add_argument("--dir", default=os.environ.get("GPUSNAP_DISK_DIR", "/var/tmp"))
     ap.add_argument("--codecs-only", metavar="IMAGE", help=argparse.SUPPRESS)
     ap.add_argument("--ingest-variants", default="", help="only the ingest, once per variant: wN (N workers), "
-                    "siMS (GIL switch interval MS ms), fixed (fixed-size chunks), e.g. w16,w24,si0.5,fixed")
+                    "siMS (GIL switch interval MS ms), fixed (fixed-size chunks), direct (pack entries "
+                    "with O_DIRECT), or several joined by +, e.g. w16,w8+direct,si0.5,fixed")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     threads = [int(x) for x in a.threads.split(",") if x]
@@ -229,15 +230,19 @@ def main() -> None:
             out["variants"] = {}
             for v in a.ingest_variants.split(","):
                 workers, chunker, si = a.workers, "pages", sys.getswitchinterval()
-                if v.startswith("w"):
-                    workers = int(v[1:])
-                elif v.startswith("si"):
-                    sys.setswitchinterval(float(v[2:]) / 1000)
-                elif v == "fixed":
-                    chunker = "fixed"
+                for part in v.split("+"):
+                    if part.startswith("w"):
+                        workers = int(part[1:])
+                    elif part.startswith("si"):
+                        sys.setswitchinterval(float(part[2:]) / 1000)
+                    elif part == "fixed":
+                        chunker = "fixed"
+                    elif part == "direct":  # pack entries with O_DIRECT (GPUSNAP_PACK_DIRECT=1)
+                        os.environ["GPUSNAP_PACK_DIRECT"] = "1"
                 shutil.rmtree(os.path.join(work, "store"), ignore_errors=True)
                 ing, _ = ingest(os.path.join(work, "store"), image, workers, chunker)
                 sys.setswitchinterval(si)
+                os.environ.pop("GPUSNAP_PACK_DIRECT", None)
                 out["variants"][v] = ing
                 print(json.dumps({v: ing}), flush=True)
             report_json(out, a.json)

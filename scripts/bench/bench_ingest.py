@@ -58,7 +58,8 @@ def main() -> None:
         size = make_image(os.path.join(images, "pages-1.img"), a.gb)
         print(f"image: {size / 1e9:.1f} GB written to /dev/shm in {time.perf_counter() - t0:.1f} s", flush=True)
         rows = []
-        for readers in [int(x) for x in a.readers.split(",") if x] or [None]:
+        counts: list[int | None] = [int(x) for x in a.readers.split(",") if x]
+        for readers in counts or [None]:
             shutil.rmtree(os.path.join(work, "store"), ignore_errors=True)
             st = SnapshotStore(os.path.join(work, "store"))
             os.sync()
@@ -69,7 +70,7 @@ def main() -> None:
                 w.commit()
             wall = time.perf_counter() - t0
             out = {"date": time.strftime("%Y-%m-%d"), "gb": size / 1e9, "stored_gb": res.stored_bytes / 1e9,
-                   "wall_s": wall, "GBps": size / wall / 1e9, "workers": a.workers or pipeline.default_workers(),
+                   "wall_s": wall, "GBps": size / wall / 1e9, "workers": a.workers or pipeline.put_workers(),
                    "readers": readers, "stages": res.stages.table()}
             print(json.dumps(out), flush=True)
             rows.append(out)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batch on the lent GPU machine (the `device` tool): GPU tests, then the benchmarks named in $1
-# ("tests", "engine", "e2e", "speed", "moe", "codecs", "startup", "probe-delta", "bench" = scripts/bench/bench_h200.sh, "hostpath", "pinned", "ingest", "pool", or several, comma-separated). Results land in $OUT (or ./device-out).
+# ("tests", "engine", "e2e", "speed", "moe", "codecs", "startup", "probe-delta", "gilprof", "knobs", "bench" = scripts/bench/bench_h200.sh, "hostpath", "pinned", "ingest", "pool", or several, comma-separated). Results land in $OUT (or ./device-out).
 # The GPU machine has no network: carry .whl/ and .carry/ (both git-ignored, ~58 MiB together):
 #   .whl/: pip download --only-binary=:all: --python-version 3.12 --no-deps --platform manylinux2014_x86_64
 #          --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 --platform any -d .whl \
@@ -13,7 +13,7 @@ root=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$root"
 out=${OUT:-$root/device-out}
 mkdir -p "$out"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl 2>&1 | tail -2
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site ${WHEELS:-.whl}/*.whl 2>&1 | tail -2
 export PYTHONPATH="$root:/tmp/site" PYTHONUNBUFFERED=1
 # Byte-code as an installed gpusnap has it (pip compiles at install): without it every command compiled
 # each module it imports again (0.8 s per command on the H200, BENCHMARKS.md section 17). Written
@@ -60,6 +60,21 @@ for what in ${1//,/ }; do
             for i in cold warm; do [ $i = cold ] && { sync; echo 3 > /proc/sys/vm/drop_caches; }
               /usr/bin/time -f "$i import of cli.criu_cmd: %e s" python3 -X importtime -c "import cli.criu_cmd" 2> "$out/importtime-$i.txt"
               tail -1 "$out/importtime-$i.txt"; sort -t'|' -k2 -n "$out/importtime-$i.txt" | tail -6; done ;;
+    gilprof) # where the ingest's threads hold the GIL on 16 cores: py-spy (carried xz-packed in .carry/bin) on one
+            # 16-worker ingest of bench_hostpath, then the ingest at 16 / 8 workers without the profiler
+            python3 -c "import lzma,shutil,os; shutil.copyfileobj(lzma.open('.carry/bin/py-spy.xz'), open('/tmp/py-spy','wb')); os.chmod('/tmp/py-spy',0o755)"
+            timeout 200 /tmp/py-spy record --gil -r 250 -f raw -o "$out/gil-w16.txt" -- python3 -m scripts.bench.bench_hostpath \
+              --gb ${HOSTPATH_GB:-6} --mix weights --ingest-variants w16 --json "$out/gilprof-spy.json" 2>&1 | tail -3
+            timeout 200 /tmp/py-spy record -r 250 -f raw -o "$out/all-w16.txt" -- python3 -m scripts.bench.bench_hostpath \
+              --gb ${HOSTPATH_GB:-6} --mix weights --ingest-variants w16 --json "$out/gilprof-spy-all.json" 2>&1 | tail -3
+            timeout 200 python3 -m scripts.bench.bench_hostpath --gb ${HOSTPATH_GB:-6} --mix weights \
+              --ingest-variants ${GIL_VARIANTS:-w16,w8,w16} --json "$out/gilprof.json" 2>&1 | tee "$out/gilprof.log" | grep -v '^ ' ;;
+    knobs)  # the ingest's knobs on this machine (workers, O_DIRECT pack entries), weights then the serving mix
+            lscpu > "$out/lscpu.txt" 2>&1
+            for mix in weights serving; do
+              timeout 250 python3 -m scripts.bench.bench_hostpath --gb ${HOSTPATH_GB:-6} --mix $mix \
+                --ingest-variants ${KNOBS:-w16,w16+direct,w8,w8+direct,w12,w10,w6,w16} --json "$out/knobs-$mix.json" 2>&1 \
+                | tee "$out/knobs-$mix.log" | grep -o '"[^"]*": {"wall_s": [0-9.]*, "GBps": [0-9.]*'; done ;;
     e2e)    timeout 560 python3 -m scripts.bench.bench_e2e --json "$out/e2e.json" ${BENCH_ARGS:-} 2>&1 | tee "$out/e2e.log" ;;
   esac
 done
