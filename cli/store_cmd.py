@@ -48,7 +48,7 @@ def store() -> None:
 @click.argument("paths", nargs=-1, required=True)
 @click.option("--replace", is_flag=True, help="Replace an existing snapshot of the same name.")
 @click.option("--chunk-size", default="4M", show_default=True, help="Chunk size (K/M suffix).")
-@click.option("--workers", type=click.IntRange(1, 256), default=None, help="Worker threads (default: CPU count, max 16).")
+@click.option("--workers", type=click.IntRange(1, 256), default=None, help="Encoder threads (default: CPU count, at most 8: more only queue for the GIL; $GPUSNAP_PUT_WORKERS sets it for every put).")
 @click.option("--no-compress", is_flag=True, help="Store chunks raw (zero chunks are still elided).")
 @click.option("--exclude", "exclude", multiple=True, metavar="PATTERN",
               help="Leave out what matches this glob (repeatable). Without a /, it matches a base name "

@@ -8,6 +8,8 @@
 #          nvidia-nvcomp-cu13 nvidia-libnvcomp-cu13 cuda-bindings cuda-pathfinder   (numpy comes with torch there)
 #   .carry/criu/: CRIU 4.2.1 built here by scripts/setup/install-criu.sh (stripped), every shared library
 #          ldd lists for it except glibc's in lib/, and criu-wrapper setting LD_LIBRARY_PATH (needs glibc >= 2.35).
+# WHEELS=.whl-lite: install from that folder instead (.whl without nvCOMP's two wheels, ~16 MiB: room in
+#          the 64 MiB carry for more, e.g. .carry/bin/py-spy.xz for `gilprof`; nothing nvCOMP runs then).
 set -uo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$root"

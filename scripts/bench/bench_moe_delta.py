@@ -1,0 +1,78 @@
+#!/usr/bin/env python3
+"""The MoE-like tree's second dump on the CPU (issue 21): what `criu dump --parent` stores against
+what the workload changed, for several put thread counts, with real CRIU and no GPU.
+
+    python3 -m scripts.bench.bench_moe_delta [--gb 1] [--workers 2,8,16] [--dir /var/tmp] [--json OUT]
+
+For each count: scripts/workloads/moe_workload.py --device cpu (numpy arrays in place of device
+memory, two processes in one tree) is dumped into a fresh store, restored from it and checked, then
+5% of its KV blocks are filled (`mutate 5`) and it is dumped again with `--parent` while it keeps
+running ($GPUSNAP_PUT_WORKERS set for both dumps). Prints the second dump's new bytes over the bytes
+the workload changed, its wall time and its delta counters (FORMAT.md, "Delta entries"). Needs root
+and CRIU >= 4 ($GPUSNAP_CRIU).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+from scripts.helpers import REPO, child_env, report_json
+from scripts.workloads.workload_control import Workload
+
+
+def one(gb: float, workers: int, root: str) -> dict[str, Any]:
+    store = tempfile.mkdtemp(prefix="gpusnap-moe-delta-", dir=root)
+    env = child_env(GPUSNAP_PUT_WORKERS=str(workers))
+
+    def gpusnap(*args: str) -> str:
+        p = subprocess.run([sys.executable, "-m", "cli", "--store", store, *args], capture_output=True, text=True,
+                           env=env, cwd=REPO, timeout=1800)
+        if p.returncode != 0:
+            raise SystemExit(f"gpusnap {' '.join(args)} failed ({p.returncode}): {p.stderr.strip()[-400:]}")
+        return p.stdout
+
+    try:
+        with Workload(gb, detached=True, script="moe_workload.py", extra=("--device", "cpu"), timeout=600) as w:
+            gpusnap("criu", "dump", str(w.pid), "m1")
+            w.reap()
+            gpusnap("criu", "restore", "m1")
+            if not w.cmd("verify")["ok"]:
+                raise SystemExit("the restored tree failed its own check")
+            changed = int(w.cmd("mutate 5")["bytes"])
+            t0 = time.perf_counter()
+            rep = json.loads(gpusnap("criu", "dump", "--json", "--leave-running", "--parent", "m1", str(w.pid), "m2"))
+            wall = time.perf_counter() - t0
+            if not w.cmd("verify")["ok"]:
+                raise SystemExit("the tree failed its own check after the second dump")
+        stages = rep.get("stages") or {}
+        return {"workers": workers, "changed_bytes": changed, "new_bytes": rep["new_bytes"],
+                "new_over_changed": round(rep["new_bytes"] / changed, 3), "second_dump_s": round(wall, 2),
+                "delta": {k: v["bytes"] for k, v in stages.items() if k.startswith("delta:")}}
+    finally:
+        shutil.rmtree(store, ignore_errors=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--gb", type=float, default=1.0)
+    ap.add_argument("--workers", default="2,8,16")
+    ap.add_argument("--dir", default=os.environ.get("GPUSNAP_DISK_DIR", "/var/tmp"))
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    rows = []
+    for n in [int(x) for x in a.workers.split(",") if x]:
+        r = one(a.gb, n, a.dir)
+        print(json.dumps(r), flush=True)
+        rows.append(r)
+    report_json({"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "gb": a.gb, "rows": rows}, a.json)
+
+
+if __name__ == "__main__":
+    main()
