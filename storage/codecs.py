@@ -306,7 +306,7 @@ class Shuffle2Codec:
         len(DST) bytes. WHICH: the planes to try zstd on; a plane whose frame would not shrink it below
         PLANE_PAYS_OFF is stored as it is. Nothing is allocated (this thread's plane buffer is reused);
         a plane not tried is split straight into DST (no copy: the low bytes of bf16 weights, the
-        usual case, are stored as they are)."""
+        usual case, are stored as they are), so DATA and DST must not overlap."""
         n = len(data)
         if n % 2:
             raise CodecError("shuffle2-zstd needs an even number of bytes")

@@ -28,7 +28,7 @@ from typing import Callable, Iterable
 import blake3
 
 from .chunkfile import HEADER_SIZE, MAX_RAW_CHUNK, ChunkError, ChunkHeader, file_kind
-from .directio import ALIGN, AlignedBuffer, address_of, align_up, read_into, write_all
+from .directio import ALIGN, AlignedBuffer, align_up, read_into, write_all
 from .storedir import StoreDamage
 from .pausepoint import pause_at
 
@@ -253,18 +253,10 @@ def parse_entry(view: memoryview, cid: str) -> tuple[ChunkHeader, memoryview]:
 
 
 # ---- writing ---------------------------------------------------------------------------------
-def _close(p: "_OpenPack") -> None:
-    for fd in (p.dfd, p.fd):
-        if fd >= 0:
-            os.close(fd)
-    p.dfd = -1
-
-
 class _OpenPack:
-    def __init__(self, name: str, fd: int, dfd: int = -1) -> None:
+    def __init__(self, name: str, fd: int) -> None:
         self.name = name
         self.fd = fd
-        self.dfd = dfd  # the same file opened with O_DIRECT (-1: none), for the entries aligned in memory
         self.end = 0
         self.entries: list[tuple[str, int, int]] = []
         self.headers: dict[str, ChunkHeader] = {}
@@ -281,26 +273,18 @@ class PackWriter:
     ON_INDEXED(pack, pack_len, entries) is called once a pack's index is durable (the store adds it to
     its in-memory index); ON_APPENDED(cid, loc) once an entry's bytes are in its pack (readers of this
     process may read it from there before it is indexed: a pull that serves arriving chunks);
-    ON_DROPPED(pack) when an open pack is removed.
-
-    DIRECT: entries whose frame is page-aligned in memory are written with O_DIRECT (through a second
-    descriptor of the same file): no copy into the page cache and no writeback by the kernel's
-    flusher threads, both CPU the ingest's encoders need, and the disk takes large O_DIRECT writes
-    faster than buffered ones. Every entry's offset and length are multiples of 4096, so direct and
-    buffered entries never share a page; the fsync that closes a pack covers both."""
+    ON_DROPPED(pack) when an open pack is removed."""
 
     def __init__(self, packs_fd: int, index_fd: int, tmp_fd: int, tmp_name: Callable[[], str],
                  on_indexed: Callable[[str, int, list[tuple[str, int, int]]], None],
                  on_appended: Callable[[str, Loc], None] | None = None,
-                 on_dropped: Callable[[str], None] | None = None, target: int = PACK_TARGET,
-                 direct: bool = False) -> None:
+                 on_dropped: Callable[[str], None] | None = None, target: int = PACK_TARGET) -> None:
         self.packs_fd, self.index_fd, self.tmp_fd = packs_fd, index_fd, tmp_fd
         self.tmp_name = tmp_name
         self.on_indexed = on_indexed
         self.on_appended = on_appended
         self.on_dropped = on_dropped
         self.target = target
-        self.direct = direct
         self._lock = threading.Lock()
         self._open: _OpenPack | None = None
         self.sealed: list[str] = []
@@ -311,13 +295,7 @@ class PackWriter:
         name = secrets.token_hex(16)
         fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
                      dir_fd=self.packs_fd)
-        dfd = -1
-        if self.direct:
-            try:  # the file just made, by its descriptor: no name is looked up again
-                dfd = os.open(f"/proc/self/fd/{fd}", os.O_WRONLY | os.O_DIRECT | os.O_CLOEXEC)
-            except OSError:
-                self.direct = False  # no /proc, or the filesystem refuses O_DIRECT: buffered, as before
-        return _OpenPack(name, fd, dfd)
+        return _OpenPack(name, fd)
 
     def pending(self, cid: str) -> ChunkHeader | None:
         """The header of CID if this writer's open pack already holds it."""
@@ -348,16 +326,7 @@ class PackWriter:
                 self._open = None
         t0 = time.perf_counter()
         try:
-            whole = frame[:total]
-            if p.dfd >= 0 and address_of(whole) % ALIGN == 0:  # offset and length are 4096-aligned always
-                try:
-                    write_all(p.dfd, whole, off)
-                except OSError as e:
-                    if e.errno != errno.EINVAL:
-                        raise
-                    write_all(p.fd, whole, off)  # refused for this buffer after all: buffered
-            else:
-                write_all(p.fd, whole, off)
+            write_all(p.fd, frame[:total], off)
         except BaseException:
             with p.done:
                 p.inflight -= 1
@@ -399,7 +368,7 @@ class PackWriter:
                 self.on_dropped(p.name)
             raise
         finally:
-            _close(p)
+            os.close(p.fd)
             p.fd = -1
         self.on_indexed(p.name, p.end, ents)
         with self._lock:
@@ -418,7 +387,7 @@ class PackWriter:
         if p.entries or p.inflight:
             self._seal(p)
         else:
-            _close(p)
+            os.close(p.fd)
             _unlink(self.packs_fd, p.name)
             if self.on_dropped is not None:
                 self.on_dropped(p.name)
@@ -432,7 +401,7 @@ class PackWriter:
             with p.done:
                 while p.inflight:
                     p.done.wait()
-            _close(p)
+            os.close(p.fd)
             _unlink(self.packs_fd, p.name)
             if self.on_dropped is not None:
                 self.on_dropped(p.name)

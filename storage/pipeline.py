@@ -215,9 +215,12 @@ def put_workers() -> int:
     into libzstd, the store's bookkeeping), so threads beyond ~10 add more handoffs than work: on the
     16-core H200 host, 6-10 workers ingested a weights image at 1.7-2.5 GB/s and 16 at 1.0-1.8, the
     same compression costing 2-3x the thread-seconds (BENCHMARKS.md, section 19)."""
-    env = os.environ.get("GPUSNAP_PUT_WORKERS", "")
-    if env.isdigit() and int(env) > 0:
-        return int(env)
+    try:
+        n = int(os.environ.get("GPUSNAP_PUT_WORKERS", ""))
+    except ValueError:
+        n = 0  # unset or not a count: the default
+    if n > 0:
+        return n
     return max(2, min(PUT_WORKERS_MOST, os.cpu_count() or 2))
 
 

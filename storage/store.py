@@ -269,9 +269,10 @@ class SnapshotStore:
         self._index_lock = threading.Lock()
         self._index_loaded = False
         self._pending: dict[str, Loc] = {}  # entries this process's writers appended, not yet indexed
-        # chunks/XY directories found empty: nothing of version 3 writes chunk files (only version 1/2
-        # stores have them, and migration and quarantine only take them away), so they stay empty and
-        # a writer's dedup lookup skips them (present: two opens and a stat per new chunk, GIL held)
+        # chunks/XY directories found empty, which a writer's dedup lookup then skips (present: two
+        # opens and a stat per new chunk, GIL held). Version 3 writes no chunk files (only version 1/2
+        # stores have them, and migration takes them away); a file that appears later (unquarantine
+        # moves one back, another process's hand) is only not reused: a duplicate entry, never a wrong one
         self._no_chunk_files: set[str] = set()
         self._bases: OrderedDict[str, bytes] = OrderedDict()  # delta bases read (raw, verified), newest last
         self._bases_lock = threading.Lock()
@@ -294,13 +295,6 @@ class SnapshotStore:
 
     def manifest_path(self, name: str) -> str:
         return os.path.join(self.snapshots_dir, manifest_entry(validate_snapshot_name(name)))
-
-    def direct_packs(self) -> bool:
-        """Whether writers here write page-aligned pack entries with O_DIRECT (storage/packs.py,
-        PackWriter): only with $GPUSNAP_PACK_DIRECT=1, where the filesystem takes it. Not the default:
-        on the H200 host it changed the ingest's speed by less than the run-to-run spread, either way
-        (BENCHMARKS.md, section 19), and buffered entries leave the new snapshot in the page cache."""
-        return os.environ.get("GPUSNAP_PACK_DIRECT", "0") == "1" and self.direct
 
     @property
     def direct(self) -> bool:
@@ -1298,9 +1292,13 @@ def _base_bytes(bid: str, header: ChunkHeader, payload: memoryview, most: int) -
 
 
 def _is_empty_dir(fd: int) -> bool:
-    """Whether the directory open at FD holds no entry (scandir reads a duplicate: FD stays open)."""
-    with os.scandir(fd) as it:
-        return next(it, None) is None
+    """Whether the directory open at FD holds no entry (scandir reads a duplicate: FD stays open);
+    False when it cannot be read (then nothing is cached about it)."""
+    try:
+        with os.scandir(fd) as it:
+            return next(it, None) is None
+    except OSError:
+        return False
 
 
 def _reusable_header(got: ChunkHeader, want: ChunkHeader) -> bool:
@@ -1417,8 +1415,7 @@ class SnapshotWriter:
                 packs = self._stack.enter_context(self.store.subdir(PACKS))
                 idx = self._stack.enter_context(self.store.subdir(INDEX))
                 self._pw = PackWriter(packs, idx, self._tmp, lambda: owned_name("index"), self.store.index_added,
-                                      self.store.entry_appended, self.store.pack_dropped,
-                                      direct=self.store.direct_packs())
+                                      self.store.entry_appended, self.store.pack_dropped)
             return self._pw
 
     @property

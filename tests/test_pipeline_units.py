@@ -150,8 +150,9 @@ def test_put_workers_are_bounded_and_can_be_set(monkeypatch) -> None:
     assert pipeline.put_workers() == pipeline.PUT_WORKERS_MOST  # more threads only add GIL handoffs
     monkeypatch.setenv("GPUSNAP_PUT_WORKERS", "12")
     assert pipeline.put_workers() == 12
-    monkeypatch.setenv("GPUSNAP_PUT_WORKERS", "lots")  # not a count: the default
-    assert pipeline.put_workers() == pipeline.PUT_WORKERS_MOST
+    for bad in ("lots", "\u00b2", "0", "-3"):  # not a count (a superscript passes str.isdigit): the default
+        monkeypatch.setenv("GPUSNAP_PUT_WORKERS", bad)
+        assert pipeline.put_workers() == pipeline.PUT_WORKERS_MOST
 
 
 @pytest.mark.parametrize("which", [(True, True), (False, True), (True, False), (False, False)])

@@ -367,45 +367,27 @@ def test_read_ahead_resident_returns_once_the_chunks_are_in_the_page_cache(tmp_p
     assert want <= resident < want + (40 << 20), (want, resident)
 
 
-def test_pack_entries_written_with_o_direct_read_back_and_verify(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """GPUSNAP_PACK_DIRECT=1: an entry whose frame is page-aligned goes through the pack's O_DIRECT
-    descriptor, one that is not through the buffered one, into the same pack; both read back bit for
-    bit, and the store verifies."""
-    from storage import pipeline
-    from storage.chunkfile import HEADER_SIZE
-    from storage.directio import AlignedBuffer
-    from storage.filetree import FileTreeSource
+
+def test_dedup_skips_only_chunk_directories_that_are_empty(cli: Cli, store_dir: Path, tmp_path: Path) -> None:
+    """The dedup lookup (SnapshotStore.present) remembers chunks/XY directories it found empty and
+    skips them; a directory holding chunk files is looked into every time: a miss there is not taken
+    for emptiness, and the file that is there is still found."""
+    from storage.chunkfile import ChunkHeader
     from storage.store import SnapshotStore
-    monkeypatch.setenv("GPUSNAP_PACK_DIRECT", "1")
-    st = SnapshotStore(str(tmp_path / "store"))
-    if not st.direct:
-        pytest.skip("this filesystem refuses O_DIRECT")
-    rng = np.random.default_rng(3)
-    blobs = [rng.integers(0, 256, n, dtype=np.uint8).tobytes() for n in (3 * 4096 + 100, 70000)]
-    buf, rb = AlignedBuffer(1 << 20), AlignedBuffer(8 << 20)
-    with st.writer("a") as w:
-        refs = []
-        for i, data in enumerate(blobs):
-            frame = buf.view if i == 0 else buf.view[8:]  # the second frame is not page-aligned
-            frame[HEADER_SIZE:HEADER_SIZE + len(data)] = data
-            cid, _ = w.find_raw(memoryview(data))
-            refs.append(w.put_chunk("raw", len(data), frame, len(data), raw_id=cid))
-            if i == 0:
-                dfd = w.packs()._open.dfd  # type: ignore[union-attr]
-                assert dfd >= 0
-                flags = int(Path(f"/proc/self/fdinfo/{dfd}").read_text().split("flags:")[1].split()[0], 8)
-                assert flags & os.O_DIRECT
-        src = tmp_path / "src"
-        src.mkdir()
-        (src / "f").write_bytes(rng.integers(0, 256, 5 << 20, dtype=np.uint8).tobytes())
-        pipeline.put(w, FileTreeSource([str(src)]), workers=2)
-        w.commit()
-    fresh = SnapshotStore(str(tmp_path / "store"))  # a reader of its own: nothing from this process's cache
-    for data, ref in zip(blobs, refs):
-        assert bytes(fresh.read_raw(ref, rb)) == data
-    m = fresh.load("a")
-    got = b"".join(bytes(fresh.read_raw(c, rb)) for s in m.streams for c in s.chunks if not c.is_zero)
-    buf.close()
-    rb.close()
-    assert got == (src / "f").read_bytes()
-    assert fresh.verify(read_data=True).ok
+    src = make_mixed_tree(tmp_path / "m", mb=4)
+    cli.run("store", "put", "old", str(src), "--chunk-size", "1M")
+    to_chunk_files(store_dir, 2)
+    e = next(e for e in chunk_entries(store_dir) if not e.in_pack)
+    st = SnapshotStore(str(store_dir))
+    head = ChunkHeader.unpack(e.read()[:4096], e.cid)
+    want = ChunkHeader("raw", head.raw_len, head.raw_len, raw_id=True)
+    xy = e.cid[:2]
+    empty = next(f"{i:02x}" for i in range(256) if not any((store_dir / "chunks" / f"{i:02x}").iterdir()))
+    with st.subdir("chunks") as chunks:
+        miss = xy + ("0" if e.cid[2] != "0" else "1") + e.cid[3:]  # another id in the same directory
+        assert st.present(miss, want, chunks, None) is None
+        assert xy not in st._no_chunk_files
+        got = st.present(e.cid, want, chunks, None)
+        assert got is not None and got.raw_len == head.raw_len
+        assert st.present(empty + e.cid[2:], want, chunks, None) is None
+        assert empty in st._no_chunk_files

@@ -211,8 +211,8 @@ def main() -> None:
     ap.add_argument("--dir", default=os.environ.get("GPUSNAP_DISK_DIR", "/var/tmp"))
     ap.add_argument("--codecs-only", metavar="IMAGE", help=argparse.SUPPRESS)
     ap.add_argument("--ingest-variants", default="", help="only the ingest, once per variant: wN (N workers), "
-                    "siMS (GIL switch interval MS ms), fixed (fixed-size chunks), direct (pack entries "
-                    "with O_DIRECT), or several joined by +, e.g. w16,w8+direct,si0.5,fixed")
+                    "siMS (GIL switch interval MS ms), fixed (fixed-size chunks), "
+                    "or several joined by +, e.g. w16,w8+si0.5,fixed")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     threads = [int(x) for x in a.threads.split(",") if x]
@@ -237,12 +237,9 @@ def main() -> None:
                         sys.setswitchinterval(float(part[2:]) / 1000)
                     elif part == "fixed":
                         chunker = "fixed"
-                    elif part == "direct":  # pack entries with O_DIRECT (GPUSNAP_PACK_DIRECT=1)
-                        os.environ["GPUSNAP_PACK_DIRECT"] = "1"
                 shutil.rmtree(os.path.join(work, "store"), ignore_errors=True)
                 ing, _ = ingest(os.path.join(work, "store"), image, workers, chunker)
                 sys.setswitchinterval(si)
-                os.environ.pop("GPUSNAP_PACK_DIRECT", None)
                 out["variants"][v] = ing
                 print(json.dumps({v: ing}), flush=True)
             report_json(out, a.json)

@@ -71,11 +71,11 @@ for what in ${1//,/ }; do
               --gb ${HOSTPATH_GB:-6} --mix weights --ingest-variants w16 --json "$out/gilprof-spy-all.json" 2>&1 | tail -3
             timeout 200 python3 -m scripts.bench.bench_hostpath --gb ${HOSTPATH_GB:-6} --mix weights \
               --ingest-variants ${GIL_VARIANTS:-w16,w8,w16} --json "$out/gilprof.json" 2>&1 | tee "$out/gilprof.log" | grep -v '^ ' ;;
-    knobs)  # the ingest's knobs on this machine (workers, O_DIRECT pack entries), weights then the serving mix
+    knobs)  # the ingest's knobs on this machine (workers; run29 also had O_DIRECT pack entries, since removed), weights then the serving mix
             lscpu > "$out/lscpu.txt" 2>&1
             for mix in weights serving; do
               timeout 250 python3 -m scripts.bench.bench_hostpath --gb ${HOSTPATH_GB:-6} --mix $mix \
-                --ingest-variants ${KNOBS:-w16,w16+direct,w8,w8+direct,w12,w10,w6,w16} --json "$out/knobs-$mix.json" 2>&1 \
+                --ingest-variants ${KNOBS:-w16,w8,w12,w10,w6,w16} --json "$out/knobs-$mix.json" 2>&1 \
                 | tee "$out/knobs-$mix.log" | grep -o '"[^"]*": {"wall_s": [0-9.]*, "GBps": [0-9.]*'; done ;;
     e2e)    timeout 560 python3 -m scripts.bench.bench_e2e --json "$out/e2e.json" ${BENCH_ARGS:-} 2>&1 | tee "$out/e2e.log" ;;
   esac
