@@ -9,7 +9,7 @@
 #   .carry/criu/: CRIU 4.2.1 built here by scripts/setup/install-criu.sh (stripped), every shared library
 #          ldd lists for it except glibc's in lib/, and criu-wrapper setting LD_LIBRARY_PATH (needs glibc >= 2.35).
 # WHEELS=.whl-lite: install from that folder instead (.whl without nvCOMP's two wheels, ~16 MiB: room in
-#          the 64 MiB carry for more, e.g. .carry/bin/py-spy.xz for `gilprof`; nothing nvCOMP runs then).
+#          the 64 MiB carry for more, e.g. .tools/py-spy.xz for `gilprof`; nothing nvCOMP runs then).
 set -uo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$root"
@@ -62,9 +62,9 @@ for what in ${1//,/ }; do
             for i in cold warm; do [ $i = cold ] && { sync; echo 3 > /proc/sys/vm/drop_caches; }
               /usr/bin/time -f "$i import of cli.criu_cmd: %e s" python3 -X importtime -c "import cli.criu_cmd" 2> "$out/importtime-$i.txt"
               tail -1 "$out/importtime-$i.txt"; sort -t'|' -k2 -n "$out/importtime-$i.txt" | tail -6; done ;;
-    gilprof) # where the ingest's threads hold the GIL on 16 cores: py-spy (carried xz-packed in .carry/bin) on one
+    gilprof) # where the ingest's threads hold the GIL on 16 cores: py-spy (carried xz-packed in .tools/: carry [".whl-lite", ".carry", ".tools"]) on one
             # 16-worker ingest of bench_hostpath, then the ingest at 16 / 8 workers without the profiler
-            python3 -c "import lzma,shutil,os; shutil.copyfileobj(lzma.open('.carry/bin/py-spy.xz'), open('/tmp/py-spy','wb')); os.chmod('/tmp/py-spy',0o755)"
+            python3 -c "import lzma,shutil,os; shutil.copyfileobj(lzma.open('.tools/py-spy.xz'), open('/tmp/py-spy','wb')); os.chmod('/tmp/py-spy',0o755)"
             timeout 200 /tmp/py-spy record --gil -r 250 -f raw -o "$out/gil-w16.txt" -- python3 -m scripts.bench.bench_hostpath \
               --gb ${HOSTPATH_GB:-6} --mix weights --ingest-variants w16 --json "$out/gilprof-spy.json" 2>&1 | tail -3
             timeout 200 /tmp/py-spy record -r 250 -f raw -o "$out/all-w16.txt" -- python3 -m scripts.bench.bench_hostpath \

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# What the GPU machine needs and cannot download (it has no network), built here into two git-ignored
+# What the GPU machine needs and cannot download (it has no network), built here into git-ignored
 # folders to name in the device tool's `carry`:
 #   .whl/          wheels for Python 3.12 (the GPU machine's), no dependencies resolved there;
 #   .carry/criu/   this machine's CRIU (scripts/setup/install-criu.sh builds it once), every shared
@@ -31,4 +31,24 @@ W
   chmod +x .carry/criu/criu-wrapper
   .carry/criu/criu-wrapper --version >&2
 fi
-du -sh .whl .carry >&2
+# .whl-lite/: .whl without nvCOMP's two wheels (WHEELS=.whl-lite for device-run.sh), and
+# .tools/py-spy.xz (the `gilprof` mode's profiler, xz-packed: ~2 MB): room for both in the carry
+if [ ! -d .whl-lite ]; then
+  mkdir -p .whl-lite && cp .whl/*.whl .whl-lite/ && rm -f .whl-lite/nvidia_*nvcomp*
+fi
+if [ ! -f .tools/py-spy.xz ]; then
+  tmp=$(mktemp -d)
+  ${PYTHON:-python3} -m pip download -q --only-binary=:all: --no-deps --platform manylinux2014_x86_64 \
+    --platform manylinux_2_17_x86_64 -d "$tmp" py-spy
+  mkdir -p .tools
+  ${PYTHON:-python3} - "$tmp" <<'P'
+import glob, lzma, shutil, sys, zipfile
+whl = glob.glob(sys.argv[1] + "/py_spy-*.whl")[0]
+with zipfile.ZipFile(whl) as z:
+    name = next(n for n in z.namelist() if n.endswith("/py-spy"))
+    with z.open(name) as f, lzma.open(".tools/py-spy.xz", "wb") as g:
+        shutil.copyfileobj(f, g)
+P
+  rm -rf "$tmp"
+fi
+du -sh .whl .whl-lite .carry .tools >&2
