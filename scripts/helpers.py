@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from typing import Iterator
 
 FLOOR_READ = 16 << 20  # the read size of the disk floor's readers
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -81,3 +82,51 @@ def disk_floor(work: str, gb: float) -> dict:
     out["read4_gbps"] = read(4)
     os.unlink(path)
     return out
+
+
+def _page_keys(data: bytes) -> "list[int]":
+    """A 64-bit key per whole 4 KiB page of DATA (equal pages, equal keys; a weighted sum of its words)."""
+    import numpy as np
+    words = np.frombuffer(data, np.uint64, len(data) // 4096 * 512).reshape(-1, 512)
+    mult = (np.arange(512, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)) | np.uint64(1)
+    return (words * mult).sum(axis=1, dtype=np.uint64).tolist()
+
+
+def pages_nowhere_in_parent(store: str, parent: str, child: str) -> int:
+    """Bytes of CHILD's non-zero pages found in no page image of PARENT (any name: CRIU renumbers its
+    images between dumps), both CRIU snapshots of STORE: what no delta entry can take from the parent,
+    the floor of what a second dump with --parent stores (before compression). Streams each image
+    through `gpusnap store cat` in 64 MiB reads."""
+    import json
+    import subprocess
+
+    def run(*args: str) -> "subprocess.Popen[bytes]":
+        return subprocess.Popen([sys.executable, "-m", "cli", "--store", store, *args], stdout=subprocess.PIPE,
+                                env=child_env(), cwd=REPO)
+
+    def images(snap: str) -> list[str]:
+        p = run("store", "ls", "--json", snap)
+        out, _ = p.communicate(timeout=600)
+        if p.returncode != 0:
+            raise SystemExit(f"gpusnap store ls {snap} failed ({p.returncode})")
+        return [e["path"] for e in json.loads(out) if "/pages-" in e["path"]]
+
+    def keys(snap: str, name: str) -> "Iterator[int]":
+        p = run("store", "cat", snap, name)
+        assert p.stdout is not None
+        try:
+            while True:
+                block = p.stdout.read(64 << 20)
+                if not block:
+                    break
+                yield from _page_keys(block)  # the images are whole pages: a full read ends on a page
+        finally:
+            p.stdout.close()
+            if p.wait(timeout=600) != 0:
+                raise SystemExit(f"gpusnap store cat {snap} {name} failed ({p.returncode})")
+
+    before: set[int] = set()
+    for name in images(parent):
+        before.update(keys(parent, name))
+    zero = _page_keys(bytes(4096))[0]
+    return 4096 * sum(1 for name in images(child) for k in keys(child, name) if k != zero and k not in before)

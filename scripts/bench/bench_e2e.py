@@ -45,7 +45,7 @@ from sandbox.gpu.driver import CudaDriver
 from sandbox.gpu.checkpoint import checkpoint_all, restore_all
 from sandbox.host.hugepages import thp
 from scripts.bench.timeline import Timeline, phase_line
-from scripts.helpers import REPO, disk_floor, drop_caches
+from scripts.helpers import REPO, disk_floor, drop_caches, pages_nowhere_in_parent
 from scripts.workloads.workload_control import Workload
 
 
@@ -209,6 +209,9 @@ def run_gpusnap(a: argparse.Namespace, work: str, path: str, dedup: bool) -> dic
                           "delta_stages": {k: v for k, v in (d2.get("stages") or {}).items() if k.startswith("delta")},
                           "second_dump_stages": d2.get("stages")}
             g["verified_after_dedup_dump"] = verify(w)["ok"]
+            if a.nowhere:  # what no delta can take from the parent (the workload counts only what it meant to change)
+                nowhere = pages_nowhere_in_parent(store, "e2e", "e2e-b")
+                g["dedup"].update(nowhere_bytes=nowhere, second_over_nowhere=d2["new_bytes"] / max(1, nowhere))
             # warm restore: the second snapshot, its chunks still in the page cache
             kill_restored(w.pids)
             r2 = timed(g, "warm_restore", gpusnap, store, "criu", "restore", "e2e-b", path=path)
@@ -307,6 +310,8 @@ def table(result: dict) -> None:
                   f"({100 * g['dedup']['second_over_first']:.1f}% of the first"
                   + (f", {g['dedup']['second_over_changed']:.2f}x the {g['dedup']['changed_bytes'] / 1e9:.2f} GB changed"
                      if g["dedup"].get("second_over_changed") else "")
+                  + (f", {g['dedup']['second_over_nowhere']:.2f}x the {g['dedup']['nowhere_bytes'] / 1e9:.2f} GB of pages"
+                     " found nowhere in the parent" if "nowhere_bytes" in g["dedup"] else "")
                   + f"; parent {g['dedup'].get('parent')}) in {g['dedup']['second_dump_s']}")
         if b:
             print(f"{'':15s} ratios (gpusnap / baseline): dump {g['dump'] / b['dump']:.2f}  restore {g['restore'] / b['restore']:.2f}"
@@ -342,6 +347,8 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--skip-baseline", action="store_true")
     ap.add_argument("--no-dedup", action="store_true", help="skip the second dump and the warm restore")
+    ap.add_argument("--nowhere", action="store_true", help="after the second dump, count its pages found in no "
+                    "page image of the first (reads both snapshots' page images again: ~1 min at 20 GB)")
     ap.add_argument("--no-warm-floor", action="store_true", help="skip the baseline's restore from the page cache")
     ap.add_argument("--floor-gb", type=float, default=4, help="GB written and read to measure the disk (0: skip)")
     ap.add_argument("--restore-variant", dest="restore_variants", action="append", default=[], type=_variant,

@@ -8,8 +8,10 @@ For each count: scripts/workloads/moe_workload.py --device cpu (numpy arrays in 
 memory, two processes in one tree) is dumped into a fresh store, restored from it and checked, then
 5% of its KV blocks are filled (`mutate 5`) and it is dumped again with `--parent` while it keeps
 running ($GPUSNAP_PUT_WORKERS set for both dumps). Prints the second dump's new bytes over the bytes
-the workload changed, its wall time and its delta counters (FORMAT.md, "Delta entries"). Needs root
-and CRIU >= 4 ($GPUSNAP_CRIU).
+the workload changed, its wall time and its delta counters (FORMAT.md, "Delta entries"). Also the
+pages of the second dump found in no page image of the first (`nowhere_bytes`): what no delta can
+take from the parent, whatever it places where (the workload counts only the KV blocks it filled;
+the process also changes its heap and its temporaries). Needs root and CRIU >= 4 ($GPUSNAP_CRIU).
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ import tempfile
 import time
 from typing import Any
 
-from scripts.helpers import REPO, child_env, report_json
+from scripts.helpers import REPO, child_env, pages_nowhere_in_parent, report_json
 from scripts.workloads.workload_control import Workload
 
 
@@ -51,9 +53,11 @@ def one(gb: float, workers: int, root: str) -> dict[str, Any]:
             wall = time.perf_counter() - t0
             if not w.cmd("verify")["ok"]:
                 raise SystemExit("the tree failed its own check after the second dump")
+        nowhere = pages_nowhere_in_parent(store, "m1", "m2")
         stages = rep.get("stages") or {}
         return {"workers": workers, "changed_bytes": changed, "new_bytes": rep["new_bytes"],
-                "new_over_changed": round(rep["new_bytes"] / changed, 3), "second_dump_s": round(wall, 2),
+                "new_over_changed": round(rep["new_bytes"] / changed, 3), "nowhere_bytes": nowhere,
+                "new_over_nowhere": round(rep["new_bytes"] / max(1, nowhere), 3), "second_dump_s": round(wall, 2),
                 "delta": {k: v["bytes"] for k, v in stages.items() if k.startswith("delta:")}}
     finally:
         shutil.rmtree(store, ignore_errors=True)
