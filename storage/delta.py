@@ -148,7 +148,7 @@ def xored_pages(data: memoryview, segments: list[Segment], raws: dict[str, bytes
         raise ValueError("the reference's bases hold more than a delta's bases may")
     n = len(data)
     x = scratch[:n]
-    copy_into(x, data)  # the GIL released for the copy (a dump's 16 workers try candidates at once)
+    copy_into(x, data)  # the GIL released for the copy (a dump's workers try candidates at once)
     _apply(x, segments, raws)
     diffs = page_differences(x)
     same = 1.0 - int(diffs.sum()) / n if n else 1.0

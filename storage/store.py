@@ -73,8 +73,21 @@ STORE_VERSION = 3  # what a new store's marker says
 DELTA_VERSION = 4  # the marker once a delta entry may be in the store (FORMAT.md, "Store versions")
 READ_VERSIONS = (1, 2, 3, 4)  # 1: GSNPCHK1 chunk files only; 2: chunk files of both kinds; 3: packs; 4: deltas
 BASE_CACHE = 256 << 20  # raw bytes of delta bases kept in memory per store object (a restore's deltas; a
-                         # dump's candidates: neighbouring new chunks share their parent chunks, and four
-                         # producers work at four places of an image at once)
+                         # dump's candidates: neighbouring new chunks share their parent chunks, and the
+                         # producers work at several places of an image at once) ...
+BASE_CACHE_MOST = 1 << 30  # ... up to this much where memory allows (base_cache_bytes)
+
+
+def base_cache_bytes() -> int:
+    """The bases cache's size: 1/32 of the memory available now, between BASE_CACHE and BASE_CACHE_MOST."""
+    try:
+        with open("/proc/meminfo") as f:
+            avail = next(int(line.split()[1]) << 10 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return BASE_CACHE
+    return max(BASE_CACHE, min(BASE_CACHE_MOST, avail // 32))
+
+
 CHUNK_ID = re.compile(r"[0-9a-f]{64}")
 _RECORD_MAX = 1 << 16
 
@@ -275,6 +288,9 @@ class SnapshotStore:
         # moves one back, another process's hand) is only not reused: a duplicate entry, never a wrong one
         self._no_chunk_files: set[str] = set()
         self._bases: OrderedDict[str, bytes] = OrderedDict()  # delta bases read (raw, verified), newest last
+        self._bases_total = 0
+        self._bases_most = base_cache_bytes()
+        self._bases_loading: dict[str, threading.Event] = {}  # bases one thread is reading for all who ask
         self._bases_lock = threading.Lock()
 
     # ---- layout -------------------------------------------------------------------------------
@@ -717,22 +733,38 @@ class SnapshotStore:
     def delta_base(self, bid: str, most: int) -> bytes:
         """The raw bytes of BID as the base of a delta (storage/delta.py's BaseReader), verified: a
         raw-addressed entry of at most MOST raw bytes that is not itself a delta (depth 1: a base is
-        never resolved further); ChunkError (about BID) otherwise. The last BASE_CACHE bytes of bases
-        read are kept (a restore reads each base once)."""
-        with self._bases_lock:
-            hit = self._bases.get(bid)
-            if hit is not None:
-                self._bases.move_to_end(bid)
+        never resolved further); ChunkError (about BID) otherwise. The last base_cache_bytes() of bases
+        read are kept (a restore reads each base once), and a base another thread is reading now is
+        waited for, not read again (a dump's neighbouring new chunks ask for the same parent chunks at
+        once); if that read fails, the next asker reads it itself."""
+        mine = threading.Event()  # set when this thread's read (if it reads) has ended
+        while True:
+            with self._bases_lock:
+                hit = self._bases.get(bid)
+                if hit is not None:
+                    self._bases.move_to_end(bid)
+                    break
+                other = self._bases_loading.get(bid)
+                if other is None:
+                    self._bases_loading[bid] = mine
+                    break
+            other.wait()  # set once that read ended, cached or failed: look again
         if hit is not None:  # the same answer as an uncached read: a base beyond MOST is damage
             if len(hit) > most:
                 raise ChunkError(bid, f"holds {len(hit)} raw bytes, more than a delta's base may ({most})")
             return hit
-        raw = self._read_base(bid, most)
-        with self._bases_lock:
-            self._bases[bid] = raw
-            total = sum(len(v) for v in self._bases.values())
-            while total > BASE_CACHE and len(self._bases) > 1:
-                total -= len(self._bases.popitem(last=False)[1])
+        raw: bytes | None = None
+        try:
+            raw = self._read_base(bid, most)
+        finally:
+            with self._bases_lock:
+                del self._bases_loading[bid]
+                if raw is not None and bid not in self._bases:
+                    self._bases[bid] = raw
+                    self._bases_total += len(raw)
+                    while self._bases_total > self._bases_most and len(self._bases) > 1:
+                        self._bases_total -= len(self._bases.popitem(last=False)[1])
+            mine.set()
         return raw
 
     def _read_base(self, bid: str, most: int) -> bytes:

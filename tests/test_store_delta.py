@@ -754,3 +754,45 @@ def test_a_candidate_failing_half_way_never_leaves_its_xor_for_another(tmp_path:
         mb = w.commit()
     ref = next(c for s in mb.streams for c in s.chunks if c.id)
     assert bytes(st.read_raw(ref, AlignedBuffer(1 << 20))) == new.tobytes()
+
+
+def test_a_base_asked_for_by_many_threads_at_once_is_read_once(tmp_path: Path) -> None:
+    """SnapshotStore.delta_base: threads asking for the same base while one reads it wait for that read
+    (a dump's neighbouring chunks share parent chunks); a read that fails lets the next asker read it
+    itself, so every asker gets the failure and none waits for ever; the cache keeps what was read."""
+    import threading
+    import time as _time
+    from storage.chunkfile import ChunkError
+    st = SnapshotStore(str(tmp_path / "s"))
+    reads: list[str] = []
+    fail = {"bad"}
+
+    def slow_read(bid: str, most: int) -> bytes:
+        reads.append(bid)
+        _time.sleep(0.2)
+        if bid in fail:
+            raise ChunkError(bid, "unreadable")
+        return bid.encode() * 10
+
+    st._read_base = slow_read  # type: ignore[method-assign]
+    got: list[object] = []
+
+    def ask(bid: str) -> None:
+        try:
+            got.append(st.delta_base(bid, 1 << 20))
+        except ChunkError as e:
+            got.append(e)
+
+    threads = [threading.Thread(target=ask, args=("good",)) for _ in range(8)]
+    threads += [threading.Thread(target=ask, args=("bad",)) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert not any(t.is_alive() for t in threads)
+    assert reads.count("good") == 1  # one read, seven waited for it
+    assert reads.count("bad") == 3   # each failed read let the next asker try
+    assert sum(1 for g in got if g == b"good" * 10) == 8 and sum(1 for g in got if isinstance(g, ChunkError)) == 3
+    assert st.delta_base("good", 1 << 20) == b"good" * 10 and reads.count("good") == 1  # cached
+    with pytest.raises(ChunkError):
+        st.delta_base("good", 4)  # a cached base beyond a delta's limit is still damage

@@ -58,7 +58,10 @@ def one(gb: float, workers: int, root: str) -> dict[str, Any]:
         return {"workers": workers, "changed_bytes": changed, "new_bytes": rep["new_bytes"],
                 "new_over_changed": round(rep["new_bytes"] / changed, 3), "nowhere_bytes": nowhere,
                 "new_over_nowhere": round(rep["new_bytes"] / max(1, nowhere), 3), "second_dump_s": round(wall, 2),
-                "delta": {k: v["bytes"] for k, v in stages.items() if k.startswith("delta:")}}
+                "delta": {k: v["bytes"] for k, v in stages.items() if k.startswith("delta:")},
+                "thread_s": {k: v["thread_seconds"] for k, v in stages.items()
+                             if k in ("compress", "delta", "delta-base", "delta-search", "worker")},
+                "base_bytes_read": stages.get("delta-base", {}).get("bytes")}
     finally:
         shutil.rmtree(store, ignore_errors=True)
 
