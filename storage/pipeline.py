@@ -37,7 +37,7 @@ from .codecs import DELTA, DELTA_MATCH, DELTA_PAYS_OFF, HostCodecChooser, CodecE
 from .directio import AlignedBuffer, BufferPool, copy_into
 from .manifest import ChunkRef, Manifest, Stream
 from .readstage import Want, read_chunks
-from .store import SnapshotDamaged, SnapshotStore, SnapshotWriter, StoreError
+from .store import SnapshotDamaged, SnapshotStore, SnapshotWriter, StoreError, base_cache_bytes
 
 from .errors import GpusnapError
 
@@ -373,6 +373,8 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
     at = _parent_chunks(parent) if parent is not None else None
     shifts = _Shifts(at, _cut_by_content(parent)) if at and parent is not None else None
     effort = _Effort() if at else None
+    if at:  # neighbouring new chunks share their parent chunks: a larger cache of decoded bases pays here
+        writer.store.keep_bases(base_cache_bytes())
     failed: set[str] = set()  # parent chunks that could not be read as bases during this put
     with BufferPool(workers * 2 if chunker == "fixed" else 0, HEADER_SIZE + chunk_size) as staging, \
             BufferPool(workers, HEADER_SIZE + chunk_size) as scratch, \

@@ -289,7 +289,8 @@ class SnapshotStore:
         self._no_chunk_files: set[str] = set()
         self._bases: OrderedDict[str, bytes] = OrderedDict()  # delta bases read (raw, verified), newest last
         self._bases_total = 0
-        self._bases_most = base_cache_bytes()
+        self._bases_most = BASE_CACHE  # a put with a parent raises it (keep_bases); a restore's fill
+                                       # processes each have a store object of their own: not there
         self._bases_loading: dict[str, threading.Event] = {}  # bases one thread is reading for all who ask
         self._bases_lock = threading.Lock()
 
@@ -730,11 +731,16 @@ class SnapshotStore:
         return full_check(header, payload, ref.id, out, base=self.delta_base)  # type: ignore[arg-type]
 
     # ---- delta entries (FORMAT.md, "Delta entries") --------------------------------------------
+    def keep_bases(self, most: int) -> None:
+        """Keep up to MOST bytes of delta bases decoded from now on (never fewer than BASE_CACHE)."""
+        with self._bases_lock:
+            self._bases_most = max(BASE_CACHE, most)
+
     def delta_base(self, bid: str, most: int) -> bytes:
         """The raw bytes of BID as the base of a delta (storage/delta.py's BaseReader), verified: a
         raw-addressed entry of at most MOST raw bytes that is not itself a delta (depth 1: a base is
-        never resolved further); ChunkError (about BID) otherwise. The last base_cache_bytes() of bases
-        read are kept (a restore reads each base once), and a base another thread is reading now is
+        never resolved further); ChunkError (about BID) otherwise. The last BASE_CACHE bytes of bases
+        read are kept (a restore reads each base once; keep_bases raises it), and a base another thread is reading now is
         waited for, not read again (a dump's neighbouring new chunks ask for the same parent chunks at
         once); if that read fails, the next asker reads it itself."""
         mine = threading.Event()  # set when this thread's read (if it reads) has ended

@@ -796,3 +796,7 @@ def test_a_base_asked_for_by_many_threads_at_once_is_read_once(tmp_path: Path) -
     assert st.delta_base("good", 1 << 20) == b"good" * 10 and reads.count("good") == 1  # cached
     with pytest.raises(ChunkError):
         st.delta_base("good", 4)  # a cached base beyond a delta's limit is still damage
+    from storage.store import BASE_CACHE, base_cache_bytes
+    assert BASE_CACHE <= base_cache_bytes() <= 1 << 30
+    st.keep_bases(1)  # never below the floor
+    assert st._bases_most == BASE_CACHE
