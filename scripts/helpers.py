@@ -84,14 +84,6 @@ def disk_floor(work: str, gb: float) -> dict:
     return out
 
 
-def _page_keys(data: bytes) -> "list[int]":
-    """A 64-bit key per whole 4 KiB page of DATA (equal pages, equal keys; a weighted sum of its words)."""
-    import numpy as np
-    words = np.frombuffer(data, np.uint64, len(data) // 4096 * 512).reshape(-1, 512)
-    mult = (np.arange(512, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)) | np.uint64(1)
-    return (words * mult).sum(axis=1, dtype=np.uint64).tolist()
-
-
 def pages_nowhere_in_parent(store: str, parent: str, child: str) -> int:
     """Bytes of CHILD's non-zero pages found in no page image of PARENT (any name: CRIU renumbers its
     images between dumps), both CRIU snapshots of STORE: what no delta entry can take from the parent,
@@ -99,6 +91,8 @@ def pages_nowhere_in_parent(store: str, parent: str, child: str) -> int:
     through `gpusnap store cat` in 64 MiB reads."""
     import json
     import subprocess
+
+    from storage.pipeline import page_keys
 
     def run(*args: str) -> "subprocess.Popen[bytes]":
         return subprocess.Popen([sys.executable, "-m", "cli", "--store", store, *args], stdout=subprocess.PIPE,
@@ -119,7 +113,7 @@ def pages_nowhere_in_parent(store: str, parent: str, child: str) -> int:
                 block = p.stdout.read(64 << 20)
                 if not block:
                     break
-                yield from _page_keys(block)  # the images are whole pages: a full read ends on a page
+                yield from page_keys(block).tolist()  # the images are whole pages: a full read ends on a page
         finally:
             p.stdout.close()
             if p.wait(timeout=600) != 0:
@@ -128,5 +122,5 @@ def pages_nowhere_in_parent(store: str, parent: str, child: str) -> int:
     before: set[int] = set()
     for name in images(parent):
         before.update(keys(parent, name))
-    zero = _page_keys(bytes(4096))[0]
+    zero = int(page_keys(bytes(4096))[0])
     return 4096 * sum(1 for name in images(child) for k in keys(child, name) if k != zero and k not in before)

@@ -889,12 +889,13 @@ class _Effort:
 
 EFFORT_PROBE, EFFORT_FLOOR, EFFORT_EVERY = 32, 0.1, 16
 _PAGE = 4096
-_KEY_MULT: Any = None    # numpy weights of _page_keys (made on first use)
+_KEY_MULT: Any = None    # numpy weights of page_keys (made on first use)
 
 
-def _page_keys(data: memoryview | bytes) -> Any:
-    """A 64-bit key per whole 4 KiB page of DATA (a weighted sum of its words: equal pages, equal keys;
-    two different pages may share one, which only costs a candidate: the XOR decides)."""
+def page_keys(data: memoryview | bytes | Any) -> Any:
+    """A 64-bit key per whole 4 KiB page of DATA, any buffer (a weighted sum of its words: equal pages,
+    equal keys; two different pages may share one, which only costs a candidate: the XOR decides).
+    The benchmarks' and tests' page lookups use it too."""
     import numpy as np
     global _KEY_MULT
     if _KEY_MULT is None:
@@ -911,8 +912,8 @@ def _search_shifts(store: SnapshotStore, chunks: tuple[list[int], list[ChunkRef]
     SEARCH_CHUNKS of them); the most frequent first, at most two. Reads those chunks through the
     store's base cache; FAILED: ids that could not be read in this put (skipped, and added to)."""
     import numpy as np
-    keys = _page_keys(view)
-    zero = _page_keys(bytes(_PAGE))[0]
+    keys = page_keys(view)
+    zero = page_keys(bytes(_PAGE))[0]
     nonzero = np.nonzero(keys != zero)[0]
     if not len(nonzero):
         return []
@@ -932,7 +933,7 @@ def _search_shifts(store: SnapshotStore, chunks: tuple[list[int], list[ChunkRef]
         pk = _KEYS.get(r.id)
         if pk is None:
             try:
-                pk = _page_keys(store.delta_base(r.id, delta.base_limit(r.raw_len)))
+                pk = page_keys(store.delta_base(r.id, delta.base_limit(r.raw_len)))
             except (ChunkError, OSError):
                 failed.add(r.id)
                 continue

@@ -740,9 +740,9 @@ class SnapshotStore:
         """The raw bytes of BID as the base of a delta (storage/delta.py's BaseReader), verified: a
         raw-addressed entry of at most MOST raw bytes that is not itself a delta (depth 1: a base is
         never resolved further); ChunkError (about BID) otherwise. The last BASE_CACHE bytes of bases
-        read are kept (a restore reads each base once; keep_bases raises it), and a base another thread is reading now is
-        waited for, not read again (a dump's neighbouring new chunks ask for the same parent chunks at
-        once); if that read fails, the next asker reads it itself."""
+        read are kept (a restore reads each base once; keep_bases raises it), and a base another
+        thread is reading now is waited for, not read again (a dump's neighbouring new chunks ask for
+        the same parent chunks at once); if that read fails, the next asker reads it itself."""
         mine = threading.Event()  # set when this thread's read (if it reads) has ended
         while True:
             with self._bases_lock:

@@ -24,6 +24,7 @@ from storage.chunkfile import HEADER_SIZE, ChunkHeader, check_received, raw_chun
 from storage.codecs import CODEC_IDS, DELTA
 from storage.errors import DamageError
 from storage.manifest import Stream
+from storage.pipeline import page_keys
 from storage.readstage import Want, read_chunks
 from storage.store import SnapshotStore
 from support.entries import Entry, chunk_entries
@@ -557,12 +558,6 @@ def test_a_process_whose_pages_moved_to_another_image_finds_its_parent(cli: Cli,
         assert (tmp_path / "out" / "img" / name).read_bytes() == data
 
 
-def _page_keys(data: bytes) -> np.ndarray:
-    words = np.frombuffer(data, np.uint64, len(data) // 4096 * 512).reshape(-1, 512)
-    mult = (np.arange(512, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)) | np.uint64(1)
-    return (words * mult).sum(axis=1, dtype=np.uint64)
-
-
 def test_the_moe_trees_second_dump_finds_its_pages_where_they_moved(cli: Cli, store_dir: Path) -> None:
     """The weights-dominated two-process tree (scripts/workloads/moe_workload.py, numpy in place of
     device memory) dumped, restored, 5% of its KV blocks filled, dumped again with --parent: its page
@@ -588,13 +583,13 @@ def test_the_moe_trees_second_dump_finds_its_pages_where_they_moved(cli: Cli, st
         return p.stdout if p.returncode == 0 else b""
 
     new_pages = 0
-    zero = int(_page_keys(bytes(4096))[0])
+    zero = int(page_keys(bytes(4096))[0])
     for e in cli.json("store", "ls", "m2"):
         name = e["path"]
         if "/pages-" not in name:
             continue
-        now = _page_keys(cat("m2", name))
-        before = set(_page_keys(cat("m1", name)).tolist())
+        now = page_keys(cat("m2", name))
+        before = set(page_keys(cat("m1", name)).tolist())
         new_pages += sum(1 for k in now.tolist() if k != zero and k not in before)
     assert new_pages > 0
     assert second["new_bytes"] <= 1.5 * new_pages * 4096, (second["new_bytes"], new_pages * 4096)

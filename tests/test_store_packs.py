@@ -367,7 +367,6 @@ def test_read_ahead_resident_returns_once_the_chunks_are_in_the_page_cache(tmp_p
     assert want <= resident < want + (40 << 20), (want, resident)
 
 
-
 def test_dedup_skips_only_chunk_directories_that_are_empty(cli: Cli, store_dir: Path, tmp_path: Path) -> None:
     """The dedup lookup (SnapshotStore.present) remembers chunks/XY directories it found empty and
     skips them; a directory holding chunk files is looked into every time: a miss there is not taken

@@ -26,6 +26,7 @@ import numpy as np
 from scripts.bench.bench_e2e import SCRIPTS, gpusnap, verify
 from scripts.helpers import REPO, drop_caches
 from scripts.workloads.workload_control import Workload
+from storage.pipeline import page_keys
 
 PAGE = 4096
 
@@ -36,13 +37,6 @@ def image(store: str, snap: str, stream: str) -> np.ndarray:
                          capture_output=True, check=True, env=env).stdout
     n = len(out) // PAGE * PAGE
     return np.frombuffer(out, np.uint8, n)
-
-
-def page_keys(data: np.ndarray) -> np.ndarray:
-    """A 64-bit key per 4 KiB page (a multiply-sum over its words: equal pages, equal keys)."""
-    words = data.view(np.uint64).reshape(-1, PAGE // 8)
-    mult = (np.arange(PAGE // 8, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)) | np.uint64(1)
-    return (words * mult).sum(axis=1, dtype=np.uint64)
 
 
 def main() -> None:
