@@ -19,37 +19,28 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
 from typing import Any
 
-from scripts.helpers import REPO, child_env, pages_nowhere_in_parent, report_json
+from scripts.bench.bench_e2e import gpusnap
+from scripts.helpers import pages_nowhere_in_parent, report_json
 from scripts.workloads.workload_control import Workload
 
 
 def one(gb: float, workers: int, root: str) -> dict[str, Any]:
     store = tempfile.mkdtemp(prefix="gpusnap-moe-delta-", dir=root)
-    env = child_env(GPUSNAP_PUT_WORKERS=str(workers))
-
-    def gpusnap(*args: str) -> str:
-        p = subprocess.run([sys.executable, "-m", "cli", "--store", store, *args], capture_output=True, text=True,
-                           env=env, cwd=REPO, timeout=1800)
-        if p.returncode != 0:
-            raise SystemExit(f"gpusnap {' '.join(args)} failed ({p.returncode}): {p.stderr.strip()[-400:]}")
-        return p.stdout
-
+    env = {"GPUSNAP_PUT_WORKERS": str(workers)}
     try:
         with Workload(gb, detached=True, script="moe_workload.py", extra=("--device", "cpu"), timeout=600) as w:
-            gpusnap("criu", "dump", str(w.pid), "m1")
+            gpusnap(store, "criu", "dump", str(w.pid), "m1", extra_env=env)
             w.reap()
-            gpusnap("criu", "restore", "m1")
+            gpusnap(store, "criu", "restore", "m1", extra_env=env)
             if not w.cmd("verify")["ok"]:
                 raise SystemExit("the restored tree failed its own check")
             changed = int(w.cmd("mutate 5")["bytes"])
             t0 = time.perf_counter()
-            rep = json.loads(gpusnap("criu", "dump", "--json", "--leave-running", "--parent", "m1", str(w.pid), "m2"))
+            rep = gpusnap(store, "criu", "dump", "--leave-running", "--parent", "m1", str(w.pid), "m2", extra_env=env)
             wall = time.perf_counter() - t0
             if not w.cmd("verify")["ok"]:
                 raise SystemExit("the tree failed its own check after the second dump")
