@@ -7,7 +7,8 @@
 #          zstandard blake3 click rich markdown-it-py mdurl pygments pyroute2 \
 #          nvidia-nvcomp-cu13 nvidia-libnvcomp-cu13 cuda-bindings cuda-pathfinder   (numpy comes with torch there)
 #   .carry/criu/: CRIU 4.2.1 built here by scripts/setup/install-criu.sh (stripped), every shared library
-#          ldd lists for it except glibc's in lib/, and criu-wrapper setting LD_LIBRARY_PATH (needs glibc >= 2.35).
+#          ldd lists for it except glibc's in lib/, and criu-wrapper setting LD_LIBRARY_PATH (needs glibc >= 2.35);
+#          or .carry-xz/criu.tar.xz, the same folder packed (~3 MB), unpacked to /tmp when .carry/criu is not carried.
 # WHEELS=.whl-lite: install from that folder instead (.whl without nvCOMP's two wheels, ~16 MiB: room in
 #          the 64 MiB carry for more, e.g. .tools/py-spy.xz for `gilprof`; nothing nvCOMP runs then).
 set -uo pipefail
@@ -25,6 +26,10 @@ unset PYTHONDONTWRITEBYTECODE
 export PYTHONPYCACHEPREFIX=/tmp/gpusnap-pycache
 python3 -m compileall -q -j 0 cli sandbox storage criu_hooks scripts /tmp/site > /dev/null 2>&1 || true
 if [ -d .carry/criu ]; then export GPUSNAP_CRIU="$root/.carry/criu/criu-wrapper"; fi
+if [ ! -d .carry/criu ] && [ -f .carry-xz/criu.tar.xz ]; then  # the packed CRIU (make-carry.sh), unpacked outside the tree
+  criu_dir=$(mktemp -d /tmp/gpusnap-criu.XXXXXX) && tar -C "$criu_dir" -xJf .carry-xz/criu.tar.xz \
+    && export GPUSNAP_CRIU="$criu_dir/criu/criu-wrapper"
+fi
 { date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; uname -r; nproc; } > "$out/machine.txt" 2>&1
 python3 -m cli doctor > "$out/doctor.txt" 2>&1
 python3 -m cli doctor --json > "$out/doctor.json" 2>&1

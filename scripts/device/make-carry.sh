@@ -3,7 +3,9 @@
 # folders to name in the device tool's `carry`:
 #   .whl/          wheels for Python 3.12 (the GPU machine's), no dependencies resolved there;
 #   .carry/criu/   this machine's CRIU (scripts/setup/install-criu.sh builds it once), every shared
-#                  library ldd lists for it except glibc's, and criu-wrapper (LD_LIBRARY_PATH).
+#                  library ldd lists for it except glibc's, and criu-wrapper (LD_LIBRARY_PATH);
+#   .carry-xz/criu.tar.xz  the same folder xz-packed (~3 MB instead of ~10): carry [".whl", ".carry-xz"]
+#                  once the tree and .whl leave no room for the folder itself (device-run.sh unpacks it).
 # Idempotent: a folder already there is kept (delete it to rebuild). Prints the two sizes.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
@@ -31,6 +33,9 @@ W
   chmod +x .carry/criu/criu-wrapper
   .carry/criu/criu-wrapper --version >&2
 fi
+if [ ! -f .carry-xz/criu.tar.xz ]; then
+  mkdir -p .carry-xz && tar -C .carry -cf - criu | xz -T2 -9 > .carry-xz/criu.tar.xz
+fi
 # .whl-lite/: .whl without nvCOMP's two wheels (WHEELS=.whl-lite for device-run.sh), and
 # .tools/py-spy.xz (the `gilprof` mode's profiler, xz-packed: ~2 MB): room for both in the carry
 if [ ! -d .whl-lite ]; then
@@ -51,4 +56,4 @@ with zipfile.ZipFile(whl) as z:
 P
   rm -rf "$tmp"
 fi
-du -sh .whl .whl-lite .carry .tools >&2
+du -sh .whl .whl-lite .carry .carry-xz .tools >&2
