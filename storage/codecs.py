@@ -538,6 +538,48 @@ class HostCodecChooser:
         m = self.zstd.encode_into(data, limit)
         return ("raw", n) if m is None else ("zstd", m)
 
+    def estimate(self, data: memoryview) -> int:
+        """The payload length encode_into would give DATA, from its sample alone (no pass over the
+        whole chunk): a dump with a parent weighs a delta against it, and encodes the chunk only if
+        no delta pays (FORMAT.md, "Delta entries"). DATA's length where it would be stored raw."""
+        n = len(data)
+        if not self.compress or n < MIN_COMPRESS:
+            return n
+        sbuf, room = self._buffers()
+        sample = _sample_into(data, sbuf) if n > 4 * SAMPLE_PIECES * SAMPLE_PIECE else data
+        s = len(sample)
+        z = self.zstd.encode_into(sample, room[:int(PAYS_OFF_RATIO * s)])
+        best = z if z is not None else s
+        if self.shuffle and n % 2 == 0 and s % 2 == 0:
+            planes, size = _SHUFFLE2.probe(sample)
+            if any(planes) and size <= SHUFFLE_MIN_GAIN * best:
+                best = size
+        if best >= PAYS_OFF_RATIO * s:
+            return n
+        return max(1, n * best // s)
+
+    def encode_within(self, data: memoryview, dst: memoryview,
+                      sample: memoryview | None = None) -> tuple[str, int] | None:
+        """(codec, payload length) of DATA encoded into DST as "zstd" or "shuffle2-zstd", whichever
+        SAMPLE (at most SAMPLE_PIECES x SAMPLE_PIECE bytes of DATA; by default spread over it as for
+        encode_into) favours, as encode_into chooses; None when the payload does not fit in DST, whose
+        length is the most it may take (a delta's XOR: storage/delta.py, its room what pays off)."""
+        n = len(data)
+        sbuf, room = self._buffers()
+        if sample is None:
+            sample = _sample_into(data, sbuf) if n > 4 * SAMPLE_PIECES * SAMPLE_PIECE else data
+        s = len(sample)
+        if self.shuffle and n % 2 == 0 and s % 2 == 0 and 0 < s <= SAMPLE_PIECES * SAMPLE_PIECE:
+            z = self.zstd.encode_into(sample, room[:s + 4096])
+            planes, size = _SHUFFLE2.probe(sample)
+            if any(planes) and size <= SHUFFLE_MIN_GAIN * (z if z is not None else s):
+                # both planes tried: a sample of some pages says nothing of the rest (a delta's XOR
+                # is zeros outside its changed pages, and zeros compress in either plane)
+                m = _SHUFFLE2.encode_into(data, dst)
+                return None if m is None else ("shuffle2-zstd", m)
+        m = self.zstd.encode_into(data, dst)
+        return None if m is None else ("zstd", m)
+
     def encode(self, data: memoryview) -> Encoded:
         """encode_into a buffer of its own (repair, tests)."""
         out = memoryview(bytearray(len(data)))

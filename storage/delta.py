@@ -1,7 +1,8 @@
 """Delta entries: a chunk stored as zstd(raw XOR reference), the reference cut from full chunks of the store.
 
 FORMAT.md, "Delta entries": a GSNPCHK2 entry of codec `xor-zstd` (id 3) whose payload is a segment
-table and one zstd frame of exactly raw-length bytes: the chunk's raw bytes XOR its reference. The
+table and the encoding (one zstd frame, or since store version 5 a shuffle2-zstd payload, as the
+table's byte 2 says) of exactly raw-length bytes: the chunk's raw bytes XOR its reference. The
 reference is the concatenation of the table's segments (each a byte range of one base chunk's raw
 bytes, or zeros), zero-extended to the raw length: for a new chunk of a dump, the bytes the parent
 snapshot had where the chunk's bytes were (storage/pipeline.py places them). The chunk's id is still the raw id of its own
@@ -23,12 +24,13 @@ from typing import TYPE_CHECKING, Callable, Iterable
 if TYPE_CHECKING:  # imported where used: `store --help` and a listing load this module and need no numpy
     import numpy as np
 
-from .codecs import DELTA, ZstdCodec, decode_host_into, CodecError
+from .codecs import DELTA, SAMPLE_PIECE, SAMPLE_PIECES, HostCodecChooser, decode_host_into, CodecError
 from .errors import DamageError
 from .limits import MAX_RAW_CHUNK
 
 MAX_SEGMENTS = 64              # a chunk of at most 4 MiB overlaps 3 parent chunks; 64 bounds a hostile table
-_HEAD = struct.Struct("<H6x")  # segment count, reserved
+_HEAD = struct.Struct("<HB5s")  # segment count, how the XOR is encoded (XOR_CODECS), reserved (zero)
+XOR_CODECS = ("zstd", "shuffle2-zstd")  # byte 2 of the table -> the host codec of the XOR (1: store version 5)
 _SEG = struct.Struct("<32sQQ")  # base id (32 zero bytes: zeros), offset in the base, length
 MIN_FRAME = 9                  # the smallest zstd frame
 TABLE_MAX = _HEAD.size + MAX_SEGMENTS * _SEG.size  # the most payload bytes before the frame
@@ -39,7 +41,8 @@ _NO_BASE = bytes(32)
 # (base id, the largest raw length the base may have) -> the base's raw bytes, verified
 BaseReader = Callable[[str, int], "bytes | memoryview"]
 
-_ZSTD = ZstdCodec()
+_CHOOSER = HostCodecChooser()  # the XOR's encoding, as put picks a chunk's (its sample: non-zero pages)
+_RESERVED = bytes(5)
 
 
 class DeltaDamage(DamageError):
@@ -76,19 +79,27 @@ def table_len(segments: list[Segment]) -> int:
     return _HEAD.size + len(segments) * _SEG.size
 
 
-def pack_table(segments: list[Segment]) -> bytes:
-    return _HEAD.pack(len(segments)) + b"".join(
+def pack_table(segments: list[Segment], xor_codec: str = "zstd") -> bytes:
+    return _HEAD.pack(len(segments), XOR_CODECS.index(xor_codec), _RESERVED) + b"".join(
         _SEG.pack(bytes.fromhex(s.base) if s.base else _NO_BASE, s.offset, s.length) for s in segments)
+
+
+def xor_codec(payload: memoryview | bytes) -> str:
+    """The host codec that encodes the XOR of a delta payload whose table parse_table accepted."""
+    return XOR_CODECS[_HEAD.unpack_from(payload)[1]]
 
 
 def parse_table(payload: memoryview | bytes, raw_len: int) -> tuple[list[Segment], int]:
     """The segments of a delta payload and where its frame starts; ValueError when the table is not
-    one this format allows (count 1..MAX_SEGMENTS, reference no longer than RAW_LEN, a frame after it)."""
+    one this format allows (count 1..MAX_SEGMENTS, a known encoding of the XOR and zero reserved
+    bytes, reference no longer than RAW_LEN, an encoding after it)."""
     if len(payload) < _HEAD.size:
         raise ValueError("shorter than its segment table")
-    (n,) = _HEAD.unpack_from(payload)
+    n, how, reserved = _HEAD.unpack_from(payload)
     if not 1 <= n <= MAX_SEGMENTS:
         raise ValueError(f"{n} segments (1..{MAX_SEGMENTS})")
+    if how >= len(XOR_CODECS) or reserved != _RESERVED:
+        raise ValueError(f"an unknown encoding of its XOR ({how}, reserved bytes {bytes(reserved).hex()})")
     start = _HEAD.size + n * _SEG.size
     if len(payload) < start + MIN_FRAME:
         raise ValueError("shorter than its segment table and a frame")
@@ -155,15 +166,37 @@ def xored_pages(data: memoryview, segments: list[Segment], raws: dict[str, bytes
     return x, same, diffs
 
 
-def encode_xored(x: memoryview, segments: list[Segment], dst: memoryview) -> int | None:
-    """The delta payload of X (xored: the chunk XOR its reference SEGMENTS) written into DST; its
-    length, or None when it does not fit in len(DST) bytes (the caller sizes DST to what pays off)."""
-    table = pack_table(segments)
-    if len(dst) < len(table) + MIN_FRAME:
+def _dirty_sample(x: memoryview, diffs: "np.ndarray | None") -> memoryview | None:
+    """Up to SAMPLE_PIECES x SAMPLE_PIECE bytes of X's whole non-zero pages, spread over them (DIFFS:
+    page_differences of X, computed when None), as one view of a buffer of its own; None when X has
+    no such page (the chooser then samples X as it does any chunk)."""
+    import numpy as np
+    if diffs is None:
+        diffs = page_differences(x)
+    dirty = np.flatnonzero(diffs[:len(x) // PAGE])
+    if not len(dirty):
         return None
-    dst[:len(table)] = table
-    m = _ZSTD.encode_into(x, dst[len(table):])
-    return None if m is None else len(table) + m
+    k = min(len(dirty), SAMPLE_PIECES * SAMPLE_PIECE // PAGE)
+    out = memoryview(bytearray(k * PAGE))
+    for j, p in enumerate(dirty[np.linspace(0, len(dirty) - 1, k).astype(np.int64)].tolist()):
+        out[j * PAGE:(j + 1) * PAGE] = x[p * PAGE:(p + 1) * PAGE]
+    return out
+
+
+def encode_xored(x: memoryview, segments: list[Segment], dst: memoryview,
+                 diffs: "np.ndarray | None" = None) -> int | None:
+    """The delta payload of X (xored: the chunk XOR its reference SEGMENTS) written into DST; its
+    length, or None when it does not fit in len(DST) bytes (the caller sizes DST to what pays off).
+    The XOR is encoded with zstd or as byte planes (shuffle2-zstd), as its non-zero pages favour
+    (DIFFS: X's page_differences, when the caller has them); X and DST must not overlap."""
+    head = table_len(segments)
+    if len(dst) < head + MIN_FRAME:
+        return None
+    got = _CHOOSER.encode_within(x, dst[head:], _dirty_sample(x, diffs))
+    if got is None:
+        return None
+    dst[:head] = pack_table(segments, got[0])
+    return head + got[1]
 
 
 def encode_into(data: memoryview, segments: list[Segment], raws: dict[str, bytes | memoryview],
@@ -206,7 +239,7 @@ def decode(codec: str, raw_len: int, payload: memoryview, cid: str, out: memoryv
             raise DeltaDamage(f"delta segment reads past its base {s.base[:16]}… (corrupted)")
     target = out if out is not None else memoryview(bytearray(raw_len))
     try:
-        got = decode_host_into("zstd", payload[start:], raw_len, target)
+        got = decode_host_into(xor_codec(payload), payload[start:], raw_len, target)
     except CodecError as e:
         raise DeltaDamage(f"delta does not decode (corrupted): {e}") from None
     _apply(got, segs, raws)

@@ -355,8 +355,10 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
     a new chunk is stored as a delta against the parent's bytes where they were (in whichever of
     the parent's streams its unchanged neighbours were found; at first the same-named stream's same
     offset), or against their base where those are a delta themselves, if the delta's payload is at
-    most DELTA_PAYS_OFF of the plain encoding; the base is read in the workers (stage "delta-base"),
-    the XOR and its compression are stage "delta".
+    most DELTA_PAYS_OFF of the plain encoding as its sample estimates it (a chunk is encoded plainly
+    only when no delta pays: stage "compress"; the estimates are "compress:estimate"); the base is
+    read in the workers (stage "delta-base"), the XOR and its compression are stage "delta"; what
+    the new chunks took is "delta:stored as deltas" and "delta:stored plain" (payload bytes).
     """
     if chunker not in ("fixed", "pages"):
         raise PipelineError(f"unknown chunker {chunker!r}")
@@ -387,10 +389,10 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
         whole: list[tuple[Stream, list[list[ChunkRef]]]] = []
 
         def as_delta(cid: str, view: memoryview, plain_len: int, name: str, off: int,
-                     hint: Place | None) -> ChunkRef | None:
+                     hint: Place | None, plain: Callable[[], tuple[str, int]] | None = None) -> ChunkRef | None:
             """VIEW (at OFF of stream NAME) stored as a delta against what the parent held at the same
             place (its full chunks' bytes; through a delta chunk, that delta's own bases), if that
-            saves DELTA_PAYS_OFF of the plain encoding (PLAIN_LEN bytes). The same place is: HINT,
+            saves DELTA_PAYS_OFF of the plain encoding (PLAIN_LEN bytes, estimated). The same place is: HINT,
             where the lengths of this chunk and the two before it are those of three consecutive
             parent chunks (_Shifts.run_place); the parent stream and shift learned nearby (_Shifts:
             from unchanged chunks found in any of the parent's streams; pages mapped or unmapped
@@ -398,7 +400,8 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
             (CDC cuts follow the content); with nothing learned yet, the same offset of the
             parent's stream of the same name. Each candidate's XOR is scored page by page; where no
             one candidate holds the whole chunk (the chunk spans the place where pages were mapped),
-            each page takes the candidate that holds it best, in runs."""
+            each page takes the candidate that holds it best, in runs. A delta larger than the
+            estimate allows is weighed against the real plain encoding, which PLAIN makes (once)."""
             assert at is not None and shifts is not None
             n = len(view)
             tried: list[tuple[float, Place, list[delta.Segment], dict[str, bytes | memoryview], Any]] = []
@@ -455,7 +458,7 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
                 if not tried:
                     return None
                 t1 = time.perf_counter()
-                same, place_after, segs, raws, _ = max(tried, key=lambda t: t[0])
+                same, place_after, segs, raws, diffs = max(tried, key=lambda t: t[0])
                 if len(tried) > 1 and same < DELTA_MATCH:
                     mixed = delta.mixed([(t[2], t[4]) for t in tried], n)
                     if mixed is not None:
@@ -468,6 +471,7 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
                             mixed_same = 0.0  # its bases together are more than a delta may name
                         if mixed_same > same:
                             same, segs, raws, place_after = mixed_same, mixed[0], both, tried[mixed[1]][1]
+                            diffs = None  # the mixed XOR's pages are counted again where it is encoded
                 if same < 1 - DELTA_PAYS_OFF:
                     stages.add("delta", time.perf_counter() - t1, 0)
                     return None
@@ -475,11 +479,18 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
                 # candidate held the chunk, the usual case)
                 xv = x.view[:n] if held[0] is segs else delta.xored(view, segs, raws, x.view)[0]
                 shifts.note(name, off + n, place_after)  # what holds at the chunk's end holds for the next
-                room = int(DELTA_PAYS_OFF * plain_len)
-                m = delta.encode_xored(xv, segs, d.view[HEADER_SIZE:HEADER_SIZE + room])
+                # room for what pays against the plain encoding at its largest (raw), so that a delta
+                # beyond what the estimate allows is weighed against the real encoding (a sample of
+                # a sparse chunk, a KV pool's, may see only its zeros)
+                m = delta.encode_xored(xv, segs, d.view[HEADER_SIZE:HEADER_SIZE + int(DELTA_PAYS_OFF * n)], diffs)
                 stages.add("delta", time.perf_counter() - t1, n)
                 if m is None:
                     return None
+                if m > DELTA_PAYS_OFF * plain_len:
+                    if plain is None:
+                        return None
+                    if m > DELTA_PAYS_OFF * plain()[1]:
+                        return None
                 return writer.put_delta(n, d.view, m, cid)
 
         def process(chunks: list[ChunkRef], idx: int, piece: _Piece, name: str, off: int,
@@ -504,14 +515,28 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
                             shifts.found(name, off, cid)  # an unchanged chunk of the parent: where it was
                     else:
                         with scratch.borrowed() as s:  # the payload is encoded where it is written from
-                            t2 = time.perf_counter()
-                            codec, m = chooser.encode_into(view, s.view[HEADER_SIZE:])
-                            writer.note_compressed()
-                            stages.add("compress", time.perf_counter() - t2, n)
                             got, later = None, False
                             # a chunk set aside as damaged comes back whole, never as a delta: deltas
                             # may name it as their base, and a base is a full entry
-                            if at and effort is not None and writer.store.quarantined(cid) is None:
+                            tries = bool(at) and effort is not None and writer.store.quarantined(cid) is None
+                            codec: str | None = None
+                            enc: list[tuple[str, int]] = []
+
+                            def plain() -> tuple[str, int]:
+                                if not enc:
+                                    enc.append(encode_plain(view, s.view))
+                                return enc[0]
+                            if tries:
+                                # what its plain encoding would take, from a sample: encoded plainly
+                                # only if it does not become a delta (most new chunks of a dump with a
+                                # parent do)
+                                t2 = time.perf_counter()
+                                m = chooser.estimate(view)
+                                stages.add("compress:estimate", time.perf_counter() - t2, n)
+                            else:
+                                codec, m = encode_plain(view, s.view)
+                            if tries:
+                                assert effort is not None
                                 if shifts is not None and shifts.unplaced(name, off, hint):
                                     # nothing of the parent placed in this stream yet (a page image
                                     # renumbered, or new): no candidate, and no attempt counted;
@@ -523,7 +548,7 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
                                     # whether anything after this chunk was placed when its candidates
                                     # were chosen (asked before: a worker may place one meanwhile)
                                     blind = shifts is not None and shifts.nothing_after(name, off)
-                                    got = as_delta(cid, view, m, name, off, hint)
+                                    got = as_delta(cid, view, m, name, off, hint, plain)
                                     later = got is None and blind and set_aside(chunks, idx, view, name, off, hint, m)
                                     if later:  # tried again once the rest of the put is in
                                         effort.record(False)
@@ -533,7 +558,11 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
                                     stages.add("delta:not tried (effort bound)", 0.0, n)
                             if got is not None:
                                 chunks[idx] = got
+                                stages.add("delta:stored as deltas", 0.0, got.stored_len)
                             elif not later:
+                                if codec is None:
+                                    codec, m = plain()
+                                    stages.add("delta:stored plain", 0.0, m)
                                 chunks[idx] = put_plain(view, cid, codec, m, s.view, piece.frame)
                 if progress is not None:
                     progress.advance(n)
@@ -542,6 +571,15 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
             finally:
                 piece.release()
                 stages.add("worker", time.perf_counter() - t_in, n)  # busy; the rest of workers x wall is idle
+
+        def encode_plain(view: memoryview, encoded: memoryview) -> tuple[str, int]:
+            """VIEW's codec as CHOOSER picks it and the payload's length, written into ENCODED at
+            HEADER_SIZE (nothing written for "raw")."""
+            t0 = time.perf_counter()
+            codec, m = chooser.encode_into(view, encoded[HEADER_SIZE:])
+            writer.note_compressed()
+            stages.add("compress", time.perf_counter() - t0, len(view))
+            return codec, m
 
         def put_plain(view: memoryview, cid: str, codec: str, m: int, encoded: memoryview,
                       frame: AlignedBuffer | None) -> ChunkRef:
@@ -592,7 +630,7 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
         def again(chunks: list[ChunkRef], idx: int, keep: bytearray, name: str, off: int,
                   hint: Place | None, plain_len: int) -> None:
             """A chunk set aside: a delta now if one pays (against PLAIN_LEN, its plain encoding's
-            length the first time), else encoded again and stored as any new chunk."""
+            estimated length), else encoded and stored as any new chunk."""
             view = memoryview(keep)
             n = len(view)
             try:
@@ -604,21 +642,27 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
                     return
                 assert effort is not None
                 got = None
-                if shifts is not None and shifts.unplaced(name, off, hint):
-                    stages.add("delta:no place known", 0.0, n)
-                elif effort.worth():
-                    got = as_delta(cid, view, plain_len, name, off, hint)
-                    tally(got is not None, hint, n, record=got is not None)  # a failed first try counted already
-                else:
-                    stages.add("delta:not tried (effort bound)", 0.0, n)
-                if got is not None:
-                    stages.add("delta:won when tried again", 0.0, n)
-                    chunks[idx] = got
-                    return
                 with scratch.borrowed() as s:
-                    t0 = time.perf_counter()
-                    codec, m = chooser.encode_into(view, s.view[HEADER_SIZE:])
-                    stages.add("compress", time.perf_counter() - t0, 0)  # its bytes were counted the first time
+                    enc: list[tuple[str, int]] = []
+
+                    def plain() -> tuple[str, int]:
+                        if not enc:
+                            enc.append(encode_plain(view, s.view))
+                        return enc[0]
+                    if shifts is not None and shifts.unplaced(name, off, hint):
+                        stages.add("delta:no place known", 0.0, n)
+                    elif effort.worth():
+                        got = as_delta(cid, view, plain_len, name, off, hint, plain)
+                        tally(got is not None, hint, n, record=got is not None)  # a failed first try counted already
+                    else:
+                        stages.add("delta:not tried (effort bound)", 0.0, n)
+                    if got is not None:
+                        stages.add("delta:won when tried again", 0.0, n)
+                        stages.add("delta:stored as deltas", 0.0, got.stored_len)
+                        chunks[idx] = got
+                        return
+                    codec, m = plain()
+                    stages.add("delta:stored plain", 0.0, m)
                     chunks[idx] = put_plain(view, cid, codec, m, s.view, None)
             except BaseException as e:  # noqa: BLE001 - handed to the submitting thread
                 fail.set(e)

@@ -13,7 +13,7 @@ Guarantees kept here (FORMAT.md has the full contract):
   writes only chunks not present; a version 1 store is upgraded before its first such chunk;
 - a delta entry (FORMAT.md, "Delta entries") is decoded only against bases read here, each a full
   entry of this store bound to its own id (delta_base: depth 1, bounded), and its raw bytes are then
-  bound to the delta's id like any chunk's; the marker says version 4 before the first delta is
+  bound to the delta's id like any chunk's; the marker says version 5 before the first delta is
   written, and every base a delta names belongs to a committed snapshot;
 - writers and readers hold the store lock shared, gc and repair hold it exclusively, so gc never
   deletes a chunk that a live snapshot or a commit in progress needs; one writer per name at a time;
@@ -71,7 +71,9 @@ if TYPE_CHECKING:
 STORE_FORMAT = "gpusnap-store"
 STORE_VERSION = 3  # what a new store's marker says
 DELTA_VERSION = 4  # the marker once a delta entry may be in the store (FORMAT.md, "Store versions")
-READ_VERSIONS = (1, 2, 3, 4)  # 1: GSNPCHK1 chunk files only; 2: chunk files of both kinds; 3: packs; 4: deltas
+PLANES_VERSION = 5  # the marker before this gpusnap's first delta entry (its XOR may be byte planes)
+READ_VERSIONS = (1, 2, 3, 4, 5)  # 1: GSNPCHK1 chunk files only; 2: chunk files of both kinds; 3: packs;
+                                 # 4: deltas; 5: deltas whose XOR may be byte planes
 BASE_CACHE = 256 << 20  # raw bytes of delta bases kept in memory per store object (a restore's deltas; a
                          # dump's candidates: neighbouring new chunks share their parent chunks, and the
                          # producers work at several places of an image at once) ...
@@ -403,7 +405,7 @@ class SnapshotStore:
 
     def upgrade(self, to: int = STORE_VERSION) -> None:
         """Make a version 1 or 2 store version 3 before its first pack is written, and a store version
-        4 (TO = DELTA_VERSION) before its first delta entry (FORMAT.md, "Store versions"): packs/ and
+        5 (TO = PLANES_VERSION) before its first delta entry (FORMAT.md, "Store versions"): packs/ and
         index/ are made, then the marker says the version, so a gpusnap that reads only older versions
         refuses the store instead of misreading it. Idempotent; several writers may race to do it
         (each renames a complete marker)."""
@@ -851,7 +853,7 @@ class SnapshotStore:
             raise EntryUnknown(f"delta chunk {cid[:16]}…: its table cannot be read ({e})") from None
 
     def may_hold_deltas(self) -> bool:
-        """Whether this store's marker says version 4 (read again: another process may have written
+        """Whether this store's marker says version 4 or 5 (read again: another process may have written
         the first delta since this object was opened). A store below it holds no delta entry."""
         if self.version >= DELTA_VERSION:
             return True
@@ -1537,11 +1539,11 @@ class SnapshotWriter:
 
     def put_delta(self, raw_len: int, frame: memoryview, stored_len: int, cid: str) -> ChunkRef:
         """Store chunk CID (the raw id of its RAW_LEN raw bytes) as the delta entry whose payload
-        (storage/delta.py: base id, then the zstd frame of the XOR) sits at FRAME[HEADER_SIZE:]. The
+        (storage/delta.py: its segment table, then the XOR's encoding) sits at FRAME[HEADER_SIZE:]. The
         base is a full entry of a committed snapshot (the parent's, or its base), so it is durable
-        before this entry is written; the store's marker says version 4 before the first delta."""
+        before this entry is written; the store's marker says version 5 before the first delta."""
         try:
-            self.store.upgrade(DELTA_VERSION)
+            self.store.upgrade(PLANES_VERSION)
         except OSError as e:
             raise StoreError(_io_message("upgrading the store marker", e, self.store.path)) from None
         pause_pack("delta-marker")  # test hook: the marker says 4, no delta appended yet

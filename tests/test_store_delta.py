@@ -21,7 +21,7 @@ import pytest
 from conftest import GPUSNAP, REPO, Cli, pythonpath
 from storage import delta
 from storage.chunkfile import HEADER_SIZE, ChunkHeader, check_received, raw_chunk_id
-from storage.codecs import CODEC_IDS, DELTA
+from storage.codecs import CODEC_IDS, DELTA, Shuffle2Codec
 from storage.errors import DamageError
 from storage.manifest import Stream
 from storage.pipeline import page_keys
@@ -97,7 +97,10 @@ def test_second_snapshot_with_a_parent_stores_about_the_changed_bytes(cli: Cli, 
     # on disk: plus each entry's 4096-byte header and its padding to 4096 (< 8 KiB an entry)
     assert grown <= 1.1 * changed + 8192 * rep["chunks_new"], (grown, changed, rep["chunks_new"])
     assert "delta-base" in rep["stages"] and "delta" in rep["stages"], rep["stages"]
-    assert json.loads((store_dir / "gpusnap-store.json").read_text())["version"] == 4
+    assert json.loads((store_dir / "gpusnap-store.json").read_text())["version"] == 5
+    # bf16 weights XOR bf16 weights: the high bytes (sign, exponent) mostly agree, so the XOR is
+    # stored as byte planes (the table's byte 2), every one of these deltas
+    assert all(e.read()[HEADER_SIZE + 2] == 1 for e in deltas), [e.read()[HEADER_SIZE + 2] for e in deltas]
     # without a parent the same change costs far more: nearly every chunk of the image again
     other = Cli(tmp_path / "other")
     plain = _two(other, tmp_path / "o", images, parent=False)
@@ -247,10 +250,22 @@ def test_hostile_delta_payloads_are_one_line_damage(tmp_path: Path) -> None:
             ("a reference longer than the chunk", struct.pack("<H6x", 1) + struct.pack("<32sQQ", b"\1" * 32, 0, 8192)
              + bytes(16), 4096),
             ("a frame decoding to more than raw_len", struct.pack("<H6x", 1) + struct.pack("<32sQQ", bytes(32), 0, 16)
-             + _zstd(ok_raw * 2), len(ok_raw))):
+             + _zstd(ok_raw * 2), len(ok_raw)),
+            ("an unknown encoding of the XOR", struct.pack("<HB5x", 1, 2) + struct.pack("<32sQQ", bytes(32), 0, 16)
+             + _zstd(ok_raw), len(ok_raw)),
+            ("a reserved byte set", struct.pack("<HB4xB", 1, 0, 1) + struct.pack("<32sQQ", bytes(32), 0, 16)
+             + _zstd(ok_raw), len(ok_raw)),
+            ("a zstd frame where byte planes are said to be", struct.pack("<HB5x", 1, 1)
+             + struct.pack("<32sQQ", bytes(32), 0, 16) + _zstd(ok_raw), len(ok_raw)),
+            ("byte planes where a zstd frame is said to be", struct.pack("<H6x", 1)
+             + struct.pack("<32sQQ", bytes(32), 0, 16) + Shuffle2Codec().encode(memoryview(ok_raw)), len(ok_raw))):
         with pytest.raises(delta.DeltaDamage) as e:
             delta.decode(DELTA, raw_len, memoryview(payload), cid, None, lambda b, most: bytes(most and 16))
         assert "\n" not in str(e.value), what
+    # both encodings of the XOR decode (a zstd frame: what every delta of a version 4 store holds)
+    for how, xor in ((0, _zstd(ok_raw)), (1, Shuffle2Codec().encode(memoryview(ok_raw)))):
+        good = struct.pack("<HB5x", 1, how) + struct.pack("<32sQQ", bytes(32), 0, 16) + xor
+        assert bytes(delta.decode(DELTA, len(ok_raw), memoryview(good), cid, None, lambda b, most: bytes(16))) == ok_raw
     # a delta entry from outside the store (an archive member, a remote object) is refused
     payload = struct.pack("<H6x", 1) + struct.pack("<32sQQ", bytes(32), 0, 16) + _zstd(ok_raw)
     h = ChunkHeader(DELTA, len(ok_raw), len(payload), raw_id=True).with_checksum(payload)
@@ -262,6 +277,30 @@ def test_hostile_delta_payloads_are_one_line_damage(tmp_path: Path) -> None:
 def _zstd(data: bytes) -> bytes:
     import zstandard
     return zstandard.ZstdCompressor(level=1, write_content_size=True).compress(data)
+
+
+def test_a_version_4_store_is_read_and_becomes_version_5_with_its_next_delta(
+        cli: Cli, store_dir: Path, tmp_path: Path, images: tuple[bytes, bytes, int]) -> None:
+    """A store whose marker says 4 (deltas whose XOR is one zstd frame) is read as it is; the first
+    delta written to it now makes it 5 first (a gpusnap that knows only 4 then refuses it)."""
+    a, b, _ = images
+    _two(cli, tmp_path, images)
+    marker = store_dir / "gpusnap-store.json"
+    info = json.loads(marker.read_text())
+    marker.write_text(json.dumps({**info, "version": 4}))
+    cli.run("store", "get", "b", str(tmp_path / "out"))
+    assert (tmp_path / "out" / "img" / "pages-1.img").read_bytes() == b
+    assert json.loads(marker.read_text())["version"] == 4  # reading changes nothing
+    c, _ = change_5_percent(b, 12)
+    _write(tmp_path / "img", c)
+    rep = cli.json("store", "put", "c", str(tmp_path / "img"), "--chunker", "pages", "--no-cache", "--parent", "b")
+    assert rep["chunks_new"] and json.loads(marker.read_text())["version"] == 5, rep
+    cli.run("store", "get", "c", str(tmp_path / "out2"))
+    assert (tmp_path / "out2" / "img" / "pages-1.img").read_bytes() == c
+    marker.write_text(json.dumps({**info, "version": 6}))  # a version from the future is refused, one line
+    r = cli.run("store", "get", "c", str(tmp_path / "out3"), check=False)
+    assert r.returncode != 0 and "v6 is not gpusnap-store v5 or older" in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
 
 
 def test_gc_keeps_a_base_while_a_delta_names_it_and_reclaims_both(cli: Cli, store_dir: Path, tmp_path: Path,
