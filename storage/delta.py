@@ -1,4 +1,4 @@
-"""Delta entries: a chunk stored as zstd(raw XOR reference), the reference cut from full chunks of the store.
+"""Delta entries: a chunk stored as its raw bytes XOR a reference (compressed), the reference cut from full chunks of the store.
 
 FORMAT.md, "Delta entries": a GSNPCHK2 entry of codec `xor-zstd` (id 3) whose payload is a segment
 table and the encoding (one zstd frame, or since store version 5 a shuffle2-zstd payload, as the

@@ -541,7 +541,7 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
                                     # nothing of the parent placed in this stream yet (a page image
                                     # renumbered, or new): no candidate, and no attempt counted;
                                     # tried once the rest of the put is in, if there is room
-                                    later = set_aside(chunks, idx, view, name, off, hint, m)
+                                    later = set_aside(chunks, idx, view, name, off, hint, m, False)
                                     if not later:
                                         stages.add("delta:no place known", 0.0, n)
                                 elif effort.worth():
@@ -549,7 +549,8 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
                                     # were chosen (asked before: a worker may place one meanwhile)
                                     blind = shifts is not None and shifts.nothing_after(name, off)
                                     got = as_delta(cid, view, m, name, off, hint, plain)
-                                    later = got is None and blind and set_aside(chunks, idx, view, name, off, hint, m)
+                                    later = got is None and blind and set_aside(
+                                        chunks, idx, view, name, off, hint, enc[0][1] if enc else m, bool(enc))
                                     if later:  # tried again once the rest of the put is in
                                         effort.record(False)
                                     else:
@@ -558,12 +559,13 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
                                     stages.add("delta:not tried (effort bound)", 0.0, n)
                             if got is not None:
                                 chunks[idx] = got
-                                stages.add("delta:stored as deltas", 0.0, got.stored_len)
+                                count_stored(got)
                             elif not later:
                                 if codec is None:
                                     codec, m = plain()
-                                    stages.add("delta:stored plain", 0.0, m)
                                 chunks[idx] = put_plain(view, cid, codec, m, s.view, piece.frame)
+                                if tries:
+                                    count_stored(chunks[idx])
                 if progress is not None:
                     progress.advance(n)
             except BaseException as e:  # noqa: BLE001 - handed to the submitting thread
@@ -572,14 +574,21 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
                 piece.release()
                 stages.add("worker", time.perf_counter() - t_in, n)  # busy; the rest of workers x wall is idle
 
-        def encode_plain(view: memoryview, encoded: memoryview) -> tuple[str, int]:
+        def encode_plain(view: memoryview, encoded: memoryview, again: bool = False) -> tuple[str, int]:
             """VIEW's codec as CHOOSER picks it and the payload's length, written into ENCODED at
-            HEADER_SIZE (nothing written for "raw")."""
+            HEADER_SIZE (nothing written for "raw"); AGAIN: a chunk encoded once already in this put
+            (set aside after its first try weighed the real encoding): its time counts, not it."""
             t0 = time.perf_counter()
             codec, m = chooser.encode_into(view, encoded[HEADER_SIZE:])
-            writer.note_compressed()
-            stages.add("compress", time.perf_counter() - t0, len(view))
+            if not again:
+                writer.note_compressed()
+            stages.add("compress", time.perf_counter() - t0, 0 if again else len(view))
             return codec, m
+
+        def count_stored(ref: ChunkRef) -> None:
+            """What a new chunk weighed as a delta took (the entry now present: another writer's
+            plain entry of the same bytes counts as plain)."""
+            stages.add("delta:stored as deltas" if ref.codec == DELTA else "delta:stored plain", 0.0, ref.stored_len)
 
         def put_plain(view: memoryview, cid: str, codec: str, m: int, encoded: memoryview,
                       frame: AlignedBuffer | None) -> ChunkRef:
@@ -602,12 +611,12 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
             if hint is not None:  # of those, placed by three cuts in a row
                 stages.add("delta:placed by cuts", 0.0, n)
 
-        aside: list[tuple[list[ChunkRef], int, bytearray, str, int, Place | None, int]] = []
+        aside: list[tuple[list[ChunkRef], int, bytearray, str, int, Place | None, int, bool]] = []
         aside_bytes = [0]
         alock = threading.Lock()
 
         def set_aside(chunks: list[ChunkRef], idx: int, view: memoryview, name: str, off: int,
-                      hint: Place | None, plain_len: int) -> bool:
+                      hint: Place | None, plain_len: int, encoded: bool) -> bool:
             """Whether a new chunk that found no base was kept (a copy, at most SET_ASIDE bytes in all) to
             be tried again after every other chunk. The caller sets aside only a chunk whose candidates
             were chosen while nothing after it in its stream was placed yet (the first chunks after the
@@ -623,14 +632,15 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
             keep = bytearray(n)
             copy_into(memoryview(keep), view)
             with alock:
-                aside.append((chunks, idx, keep, name, off, hint, plain_len))
+                aside.append((chunks, idx, keep, name, off, hint, plain_len, encoded))
             stages.add("delta:set aside", 0.0, n)
             return True
 
         def again(chunks: list[ChunkRef], idx: int, keep: bytearray, name: str, off: int,
-                  hint: Place | None, plain_len: int) -> None:
+                  hint: Place | None, plain_len: int, encoded: bool) -> None:
             """A chunk set aside: a delta now if one pays (against PLAIN_LEN, its plain encoding's
-            estimated length), else encoded and stored as any new chunk."""
+            length: estimated, or real where ENCODED, its first try having made it), else encoded
+            and stored as any new chunk."""
             view = memoryview(keep)
             n = len(view)
             try:
@@ -647,7 +657,7 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
 
                     def plain() -> tuple[str, int]:
                         if not enc:
-                            enc.append(encode_plain(view, s.view))
+                            enc.append(encode_plain(view, s.view, again=encoded))
                         return enc[0]
                     if shifts is not None and shifts.unplaced(name, off, hint):
                         stages.add("delta:no place known", 0.0, n)
@@ -658,12 +668,12 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
                         stages.add("delta:not tried (effort bound)", 0.0, n)
                     if got is not None:
                         stages.add("delta:won when tried again", 0.0, n)
-                        stages.add("delta:stored as deltas", 0.0, got.stored_len)
+                        count_stored(got)
                         chunks[idx] = got
                         return
                     codec, m = plain()
-                    stages.add("delta:stored plain", 0.0, m)
                     chunks[idx] = put_plain(view, cid, codec, m, s.view, None)
+                    count_stored(chunks[idx])
             except BaseException as e:  # noqa: BLE001 - handed to the submitting thread
                 fail.set(e)
 

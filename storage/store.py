@@ -414,16 +414,41 @@ class SnapshotStore:
                 return
             try:
                 with self.root() as (root, _):
+                    # the marker never goes down: read again under an exclusive flock of the store
+                    # directory (every upgrader of this version takes it), so a writer that opened
+                    # the store at 3 and now needs 4 or 5 never writes over a 5 another one wrote
+                    fcntl.flock(root, fcntl.LOCK_EX)
+                    on_disk = self._version_on_disk(root)
+                    if on_disk is not None and on_disk not in READ_VERSIONS:
+                        raise StoreError(f"{self.path}: store format {STORE_FORMAT} v{on_disk} (written since this "
+                                         f"store was opened) is not {STORE_FORMAT} v{READ_VERSIONS[-1]} or older")
+                    if on_disk is not None and on_disk >= to:
+                        self.version = on_disk
+                        return
                     for d in PACK_DIRS:
                         try:
                             os.mkdir(d, 0o700, dir_fd=root)
                         except FileExistsError:
                             pass
                     os.fsync(root)
-                self._write_marker(self._created, to)
+                    self._write_marker(self._created, to)
             except OSError as e:
                 raise StoreError(_io_message(f"upgrading the store marker to version {to}", e, self.path)) from None
             self.version = to
+
+    @staticmethod
+    def _version_on_disk(root: int) -> int | None:
+        """The version the marker in the store directory ROOT says now; None when it cannot be read."""
+        try:
+            fd = os.open(MARKER, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=root)
+            try:
+                info = json.loads(os.read(fd, _RECORD_MAX))
+            finally:
+                os.close(fd)
+        except (OSError, ValueError):
+            return None
+        v = info.get("version") if isinstance(info, dict) else None
+        return v if isinstance(v, int) and not isinstance(v, bool) else None
 
     def _create(self) -> None:
         self.version = STORE_VERSION
@@ -1546,7 +1571,7 @@ class SnapshotWriter:
             self.store.upgrade(PLANES_VERSION)
         except OSError as e:
             raise StoreError(_io_message("upgrading the store marker", e, self.store.path)) from None
-        pause_pack("delta-marker")  # test hook: the marker says 4, no delta appended yet
+        pause_pack("delta-marker")  # test hook: the marker says 5, no delta appended yet
         return self.put_chunk(DELTA, raw_len, frame, stored_len, raw_id=cid)
 
     # ---- as a TierWriter (storage/tier.py): the GPU path's stored-addressed chunks ----

@@ -303,6 +303,59 @@ def test_a_version_4_store_is_read_and_becomes_version_5_with_its_next_delta(
     assert len(r.stderr.strip().splitlines()) == 1
 
 
+def test_the_marker_never_goes_down(tmp_path: Path) -> None:
+    """A writer that opened the store at version 3 and needs 4 later never writes over a 5 another
+    writer made meanwhile (the marker is read again under a flock of the store directory), and one
+    that finds a version it does not know refuses in one line instead of writing to it."""
+    from storage.store import StoreError
+    SnapshotStore(str(tmp_path / "s"), create=True)
+    a = SnapshotStore(str(tmp_path / "s"))
+    b = SnapshotStore(str(tmp_path / "s"))
+    marker = tmp_path / "s" / "gpusnap-store.json"
+    assert a.version == b.version == 3
+    b.upgrade(5)
+    a.upgrade(4)
+    assert json.loads(marker.read_text())["version"] == 5 and a.version == 5
+    c = SnapshotStore(str(tmp_path / "s"))
+    c.version = 3  # as if opened before the next line
+    marker.write_text(json.dumps({**json.loads(marker.read_text()), "version": 9}))
+    with pytest.raises(StoreError, match="v9 .* is not gpusnap-store v5 or older"):
+        c.upgrade(5)
+    assert json.loads(marker.read_text())["version"] == 9
+
+
+def test_a_chunk_set_aside_after_its_real_encoding_counts_once(cli: Cli, store_dir: Path, tmp_path: Path) -> None:
+    """The first chunk of a stream whose delta loses against its real plain encoding is set aside and
+    tried again at the end: it is encoded again there, but counted once (chunks_compressed equals
+    chunks_new, the compress stage's bytes are the new chunks' raw bytes), and what it took is
+    counted as stored plain. (Text: its sample guesses the encoding high, so the delta is weighed
+    against the real one.)"""
+    r = np.random.default_rng(7)
+    words = [bytes(r.integers(97, 123, int(r.integers(2, 9)), dtype=np.uint8)) for _ in range(3000)]
+
+    def text(n: int) -> bytes:
+        return b" ".join(words[i] for i in r.integers(0, len(words), n // 4))[:n]
+    c = 4 << 20
+    a = text(c) + text(c)
+    b = bytearray(a)
+    for p in range(0, c, 4096):
+        if r.random() < 0.4:
+            b[p:p + 4096] = text(4096)  # 40% of the first chunk's pages rewritten, the second unchanged
+    (tmp_path / "img").mkdir()
+    (tmp_path / "img" / "f").write_bytes(a)
+    cli.run("store", "put", "a", str(tmp_path / "img"), "--workers", "1")
+    (tmp_path / "img" / "f").write_bytes(bytes(b))
+    rep = cli.json("store", "put", "b", str(tmp_path / "img"), "--workers", "1", "--no-cache", "--parent", "a")
+    st = rep["stages"]
+    assert "delta:set aside" in st and "delta:lost" in st, st  # the path this test is about
+    assert rep["chunks_new"] == rep["chunks_compressed"] == 1, rep
+    assert st["compress"]["bytes"] == c, st  # the one new chunk's raw bytes, once
+    stored = st.get("delta:stored plain", {}).get("bytes", 0) + st.get("delta:stored as deltas", {}).get("bytes", 0)
+    assert stored == rep["new_bytes"], (stored, rep["new_bytes"], st)
+    cli.run("store", "get", "b", str(tmp_path / "out"))
+    assert (tmp_path / "out" / "img" / "f").read_bytes() == bytes(b)
+
+
 def test_gc_keeps_a_base_while_a_delta_names_it_and_reclaims_both(cli: Cli, store_dir: Path, tmp_path: Path,
                                                                    images: tuple[bytes, bytes, int]) -> None:
     _, b, _ = images

@@ -110,9 +110,9 @@ def test_a_version_1_store_reads_verifies_restores_then_is_upgraded_and_mixed(cl
 def test_a_store_of_an_unknown_version_is_refused(cli: Cli, store_dir: Path, tmp_path: Path) -> None:
     cli.run("store", "init")
     marker = json.loads((store_dir / "gpusnap-store.json").read_text())
-    (store_dir / "gpusnap-store.json").write_text(json.dumps({**marker, "version": 5}))
+    (store_dir / "gpusnap-store.json").write_text(json.dumps({**marker, "version": 6}))
     r = cli.run("store", "ls", check=False)
-    assert r.returncode != 0 and "v5 is not gpusnap-store v4 or older" in r.stderr, r.stderr
+    assert r.returncode != 0 and "v6 is not gpusnap-store v5 or older" in r.stderr, r.stderr
 
 
 def _forge(victim: Entry, codec: str) -> None:
