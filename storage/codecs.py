@@ -505,11 +505,12 @@ class HostCodecChooser:
         self._local = threading.local()
 
     def _buffers(self) -> tuple[memoryview, memoryview]:
-        """This thread's sample buffer and the room its probes compress into."""
+        """This thread's sample buffer and the room its probes compress into: room for the largest
+        sample, a chunk of up to 4 x SAMPLE_PIECES x SAMPLE_PIECE bytes probed whole."""
         b = getattr(self._local, "b", None)
         if b is None:
             n = SAMPLE_PIECES * SAMPLE_PIECE
-            whole = memoryview(bytearray(2 * n + 4096))
+            whole = memoryview(bytearray(n + 4 * n + 4096))
             b = self._local.b = (whole[:n], whole[n:])
         return b
 

@@ -81,6 +81,19 @@ def test_the_estimate_and_the_bounded_encode(data: dict[str, bytes]) -> None:
         assert ch.encode_within(memoryview(data[kind]), out[:got[1] - 1]) is None
 
 
+def test_a_small_chunk_probed_whole_is_compressed(data: dict[str, bytes]) -> None:
+    """A chunk of up to 256 KiB is probed whole, not sampled: its zstd probe has room for all of it,
+    so text of an odd length (no byte planes) that compresses is stored zstd, not raw (the probe's
+    room once held 68 KiB, and a 200 KiB chunk compressing to 80 KiB came out raw)."""
+    ch = C.HostCodecChooser()
+    for n in (100 << 10, (200 << 10) + 1, (256 << 10) - 1):
+        text = memoryview(data["text"][:n])
+        want = len(zstandard.ZstdCompressor(level=1).compress(text))
+        assert want < 0.9 * n
+        assert ch.encode_into(text, memoryview(bytearray(n))) == ("zstd", want), n
+        assert ch.estimate(text) == want, n
+
+
 def _payload(k0: int, k1: int, p0: bytes, p1: bytes, n0: int | None = None) -> memoryview:
     return memoryview(struct.pack("<BBB5xQ", 1, k0, k1, len(p0) if n0 is None else n0) + p0 + p1)
 
