@@ -488,6 +488,17 @@ def _sample(data: memoryview) -> memoryview:
     return _sample_into(data, memoryview(bytearray(SAMPLE_PIECES * SAMPLE_PIECE)))
 
 
+@dataclass(frozen=True)
+class _Probe:
+    """What a chunk's sample favours (HostCodecChooser._probe): CODEC ("raw", "zstd" or
+    "shuffle2-zstd"), the sample's SIZE encoded so (its LENGTH for raw) and shuffle2's PLANES."""
+
+    codec: str
+    size: int
+    length: int
+    planes: tuple[bool, bool] = (False, False)
+
+
 class HostCodecChooser:
     """Picks the codec for each host chunk: raw, zstd or shuffle2-zstd, by what each saves on a sample.
 
@@ -514,6 +525,23 @@ class HostCodecChooser:
             b = self._local.b = (whole[:n], whole[n:])
         return b
 
+    def _probe(self, data: memoryview, sample: memoryview | None = None, loose: bool = False) -> _Probe:
+        """What SAMPLE (by default DATA's: spread over it, or all of a chunk of up to 4 x
+        SAMPLE_PIECES x SAMPLE_PIECE bytes) favours for DATA: zstd's probe (with room for what pays
+        off, PAYS_OFF_RATIO of the sample, or LOOSE: for all of it), then shuffle2-zstd's for an even
+        length, taken if it is at most SHUFFLE_MIN_GAIN of zstd's; raw when neither pays."""
+        n = len(data)
+        sbuf, room = self._buffers()
+        if sample is None:
+            sample = _sample_into(data, sbuf) if n > 4 * SAMPLE_PIECES * SAMPLE_PIECE else data
+        s = len(sample)
+        z = self.zstd.encode_into(sample, room[:s + 4096] if loose else room[:int(PAYS_OFF_RATIO * s)])
+        if self.shuffle and n % 2 == 0 and s % 2 == 0 and s > 0:
+            planes, size = _SHUFFLE2.probe(sample)
+            if any(planes) and size <= SHUFFLE_MIN_GAIN * (z if z is not None else s):
+                return _Probe("shuffle2-zstd", size, s, planes)
+        return _Probe("raw", s, s) if z is None else _Probe("zstd", z, s)
+
     def encode_into(self, data: memoryview, dst: memoryview) -> tuple[str, int]:
         """(codec, payload length) of DATA's chunk: "raw" (nothing written: the payload is DATA
         itself), or a payload written into DST (at least len(DATA) bytes), smaller than
@@ -523,18 +551,12 @@ class HostCodecChooser:
             return "raw", n
         if len(dst) < n:
             raise CodecError(f"encode buffer of {len(dst)} bytes for {n}")
-        sbuf, room = self._buffers()
-        sample = _sample_into(data, sbuf) if n > 4 * SAMPLE_PIECES * SAMPLE_PIECE else data
-        s = len(sample)
-        z = self.zstd.encode_into(sample, room[:int(PAYS_OFF_RATIO * s)])
-        zs = z if z is not None else s
+        p = self._probe(data)
         limit = dst[:int(PAYS_OFF_RATIO * n)]
-        if self.shuffle and n % 2 == 0 and s % 2 == 0:
-            planes, size = _SHUFFLE2.probe(sample)
-            if any(planes) and size <= SHUFFLE_MIN_GAIN * zs:
-                m = _SHUFFLE2.encode_into(data, limit, planes)
-                return ("raw", n) if m is None else ("shuffle2-zstd", m)
-        if z is None:
+        if p.codec == "shuffle2-zstd":
+            m = _SHUFFLE2.encode_into(data, limit, p.planes)
+            return ("raw", n) if m is None else ("shuffle2-zstd", m)
+        if p.codec == "raw":
             return "raw", n
         m = self.zstd.encode_into(data, limit)
         return ("raw", n) if m is None else ("zstd", m)
@@ -546,18 +568,8 @@ class HostCodecChooser:
         n = len(data)
         if not self.compress or n < MIN_COMPRESS:
             return n
-        sbuf, room = self._buffers()
-        sample = _sample_into(data, sbuf) if n > 4 * SAMPLE_PIECES * SAMPLE_PIECE else data
-        s = len(sample)
-        z = self.zstd.encode_into(sample, room[:int(PAYS_OFF_RATIO * s)])
-        best = z if z is not None else s
-        if self.shuffle and n % 2 == 0 and s % 2 == 0:
-            planes, size = _SHUFFLE2.probe(sample)
-            if any(planes) and size <= SHUFFLE_MIN_GAIN * best:
-                best = size
-        if best >= PAYS_OFF_RATIO * s:
-            return n
-        return max(1, n * best // s)
+        p = self._probe(data)
+        return n if p.codec == "raw" else max(1, n * p.size // p.length)
 
     def encode_within(self, data: memoryview, dst: memoryview,
                       sample: memoryview | None = None) -> tuple[str, int] | None:
@@ -565,19 +577,12 @@ class HostCodecChooser:
         SAMPLE (at most SAMPLE_PIECES x SAMPLE_PIECE bytes of DATA; by default spread over it as for
         encode_into) favours, as encode_into chooses; None when the payload does not fit in DST, whose
         length is the most it may take (a delta's XOR: storage/delta.py, its room what pays off)."""
-        n = len(data)
-        sbuf, room = self._buffers()
-        if sample is None:
-            sample = _sample_into(data, sbuf) if n > 4 * SAMPLE_PIECES * SAMPLE_PIECE else data
-        s = len(sample)
-        if self.shuffle and n % 2 == 0 and s % 2 == 0 and 0 < s <= SAMPLE_PIECES * SAMPLE_PIECE:
-            z = self.zstd.encode_into(sample, room[:s + 4096])
-            planes, size = _SHUFFLE2.probe(sample)
-            if any(planes) and size <= SHUFFLE_MIN_GAIN * (z if z is not None else s):
-                # both planes tried: a sample of some pages says nothing of the rest (a delta's XOR
-                # is zeros outside its changed pages, and zeros compress in either plane)
-                m = _SHUFFLE2.encode_into(data, dst)
-                return None if m is None else ("shuffle2-zstd", m)
+        p = self._probe(data, sample, loose=True)
+        if p.codec == "shuffle2-zstd" and p.length <= SAMPLE_PIECES * SAMPLE_PIECE:
+            # both planes tried: a sample of some pages says nothing of the rest (a delta's XOR
+            # is zeros outside its changed pages, and zeros compress in either plane)
+            m = _SHUFFLE2.encode_into(data, dst)
+            return None if m is None else ("shuffle2-zstd", m)
         m = self.zstd.encode_into(data, dst)
         return None if m is None else ("zstd", m)
 
