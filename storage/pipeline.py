@@ -519,24 +519,15 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
                             # a chunk set aside as damaged comes back whole, never as a delta: deltas
                             # may name it as their base, and a base is a full entry
                             tries = bool(at) and effort is not None and writer.store.quarantined(cid) is None
-                            codec: str | None = None
-                            enc: list[tuple[str, int]] = []
-
-                            def plain() -> tuple[str, int]:
-                                if not enc:
-                                    enc.append(encode_plain(view, s.view))
-                                return enc[0]
+                            plain = _Once(lambda: encode_plain(view, s.view))
                             if tries:
+                                assert effort is not None
                                 # what its plain encoding would take, from a sample: encoded plainly
                                 # only if it does not become a delta (most new chunks of a dump with a
                                 # parent do)
                                 t2 = time.perf_counter()
                                 m = chooser.estimate(view)
                                 stages.add("compress:estimate", time.perf_counter() - t2, n)
-                            else:
-                                codec, m = encode_plain(view, s.view)
-                            if tries:
-                                assert effort is not None
                                 if shifts is not None and shifts.unplaced(name, off, hint):
                                     # nothing of the parent placed in this stream yet (a page image
                                     # renumbered, or new): no candidate, and no attempt counted;
@@ -550,7 +541,8 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
                                     blind = shifts is not None and shifts.nothing_after(name, off)
                                     got = as_delta(cid, view, m, name, off, hint, plain)
                                     later = got is None and blind and set_aside(
-                                        chunks, idx, view, name, off, hint, enc[0][1] if enc else m, bool(enc))
+                                        chunks, idx, view, name, off, hint, plain.got[1] if plain.got else m,
+                                        plain.got is not None)
                                     if later:  # tried again once the rest of the put is in
                                         effort.record(False)
                                     else:
@@ -561,8 +553,7 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
                                 chunks[idx] = got
                                 count_stored(got)
                             elif not later:
-                                if codec is None:
-                                    codec, m = plain()
+                                codec, m = plain()
                                 chunks[idx] = put_plain(view, cid, codec, m, s.view, piece.frame)
                                 if tries:
                                     count_stored(chunks[idx])
@@ -653,12 +644,7 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
                 assert effort is not None
                 got = None
                 with scratch.borrowed() as s:
-                    enc: list[tuple[str, int]] = []
-
-                    def plain() -> tuple[str, int]:
-                        if not enc:
-                            enc.append(encode_plain(view, s.view, again=encoded))
-                        return enc[0]
+                    plain = _Once(lambda: encode_plain(view, s.view, again=encoded))
                     if shifts is not None and shifts.unplaced(name, off, hint):
                         stages.add("delta:no place known", 0.0, n)
                     elif effort.worth():
@@ -1024,6 +1010,20 @@ class _KeyCache:
 
 _KEYS = _KeyCache(512)  # ~512 chunks' pages: 2.6 MB of keys
 SHIFTS_TRIED = 32  # the stream's most frequent shifts a chunk's start is checked against
+
+
+class _Once:
+    """FN's result, made on the first call and kept in GOT (a new chunk's plain encoding, which a put
+    with a parent makes at most once, and only if it needs it)."""
+
+    def __init__(self, fn: Callable[[], tuple[str, int]]) -> None:
+        self.fn = fn
+        self.got: tuple[str, int] | None = None
+
+    def __call__(self) -> tuple[str, int]:
+        if self.got is None:
+            self.got = self.fn()
+        return self.got
 
 
 def _window(store: SnapshotStore, chunks: tuple[list[int], list[ChunkRef]], off: int,
