@@ -884,14 +884,10 @@ class SnapshotStore:
             return True
         try:
             with self.root() as (root, _):
-                fd = os.open(MARKER, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=root)
-                try:
-                    info = json.loads(os.read(fd, _RECORD_MAX))
-                finally:
-                    os.close(fd)
-        except (OSError, ValueError, GpusnapError):
+                on_disk = self._version_on_disk(root)
+        except (OSError, GpusnapError):
             return True  # unknown: look at the entries
-        return not isinstance(info, dict) or info.get("version") != self.version
+        return on_disk is None or on_disk != self.version  # None: unreadable, so unknown too
 
     def delta_bases(self, cids: Iterable[str]) -> dict[str, set[str]]:
         """delta id -> its base ids, for each of CIDS whose entry a reader takes first (in a pack) is a delta."""
