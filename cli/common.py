@@ -13,7 +13,7 @@ from typing import Any, Callable, Iterator
 import click
 
 from storage.errors import EXIT_FAILED, GpusnapError
-from storage.remote import DEFAULT_JOBS
+from storage.limits import DEFAULT_JOBS
 from storage.store import SnapshotStore
 
 def human(n: float) -> str:
@@ -191,3 +191,7 @@ def parse_chunk_size(text: str) -> int:
     if v < 64 << 10 or v > 1 << 30 or v % 4096:
         raise click.BadParameter(f"{text!r}: chunk size must be a multiple of 4 KiB between 64K and 1G")
     return v
+
+def split_map(items: tuple[str, ...]) -> list[str]:
+    """--device-map values, each OLD=NEW or several comma-separated (`0=1,1=0`), as one list."""
+    return [part for item in items for part in item.split(",")]

@@ -8,9 +8,8 @@ import click
 from cli.progress import Progress
 from storage.errors import UnavailableError
 
-from cli.gpu_cmd import split_map
 from cli.common import (emit, from_jobs_option, from_remote_option, human, json_option, one_line_errors, open_store,
-                                tag_option)
+                        split_map, tag_option)
 from sandbox.criu.runner import DumpOptions
 from sandbox.criu.snapshot import criu_dump, criu_restore
 from sandbox.containers.process_check import refuse_container_process

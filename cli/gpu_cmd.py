@@ -9,7 +9,7 @@ from cli.progress import Progress
 
 
 from sandbox.ops import journal
-from cli.common import emit, from_remote_option, json_option, one_line_errors, open_store, tag_option
+from cli.common import emit, from_remote_option, json_option, one_line_errors, open_store, split_map, tag_option
 from sandbox.doctor import render, report
 from sandbox.gpu.snapshot import gpu_checkpoint, gpu_restore
 from sandbox.gpu.pool_daemon import request
@@ -26,10 +26,6 @@ def tier_options(fn: Any) -> Any:
     return click.option("--tier", type=click.Choice(["store", "memory"]), default="store", show_default=True,
                         help="'memory': the resident pool of `gpusnap pool serve` (custom storage only).")(fn)
 
-
-def split_map(items: tuple[str, ...]) -> list[str]:
-    """--device-map values, each OLD=NEW or several comma-separated (`0=1,1=0`), as one list."""
-    return [part for item in items for part in item.split(",")]
 
 
 def _socket(path: str | None) -> str:

@@ -19,3 +19,5 @@ MAX_MANIFEST = 256 << 20
 MAX_RECORD = 64 << 10
 # A remote's chunk index object (one 64-digit id and a newline per chunk): 16 M chunks.
 MAX_REMOTE_INDEX = 16_000_000 * 65
+# Requests to a remote in flight at once (--jobs), unless told otherwise.
+DEFAULT_JOBS = 8

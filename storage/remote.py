@@ -42,7 +42,7 @@ from .chunkfile import HEADER_SIZE, ChunkError, ChunkHeader, check_received, max
 from .directio import AlignedBuffer, BufferPool
 from .errors import DamageError, GpusnapError, UnavailableError
 from .directio import align_up
-from .limits import MAX_MANIFEST, MAX_RECORD
+from .limits import DEFAULT_JOBS, MAX_MANIFEST, MAX_RECORD
 from .manifest import ChunkRef, Manifest, ManifestError
 from .names import validate_snapshot_name
 from .packs import INDEX_MAX, PACK_NAME, IndexDamage, Loc, PackIndex, coalesce, decode_index, encode_index
@@ -60,7 +60,6 @@ MULTIPART_THRESHOLD = 64 << 20  # objects larger than this go up in parts
 PART_SIZE = 16 << 20            # S3 wants parts of at least 5 MiB, at most 10000 of them
 LOCK_REFRESH_S = float(os.environ.get("GPUSNAP_REMOTE_LOCK_REFRESH_S", 60.0))  # env: a test hook
 LOCK_STALE_S = float(os.environ.get("GPUSNAP_REMOTE_LOCK_STALE_S", 30 * 60))
-DEFAULT_JOBS = 8
 _ID_RE = re.compile(r"[0-9a-f]{64}")
 # the layout under a remote's prefix (FORMAT.md, "Remote stores"): this module owns it
 MARKER_KEY = "gpusnap-remote.json"

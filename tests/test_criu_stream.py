@@ -592,3 +592,65 @@ def test_fill_workers_that_do_not_finish_in_time_fail_the_restore(cli: Cli, stor
     snapshot restores afterwards."""
     _refused_then_restored(cli, "slow", {**SPLIT_PROCS, "GPUSNAP_FILL_TIMEOUT": "0.000001"}, "GPUSNAP_FILL_TIMEOUT",
                            killed_within=10)
+
+
+def test_early_reads_are_the_small_images_then_the_page_images_in_criu_order_within_the_budget() -> None:
+    """What the disk reads while a restore plans (serve.early_reads): the small images as CRIU reads
+    them, then each page image's chunks by image number, zeros left out, cut where the budget ends."""
+    from sandbox.criu.serve import early_reads
+    from storage.manifest import ChunkRef, Stream
+
+    def ref(tag: str, n: int = 4096) -> ChunkRef:
+        return ChunkRef(tag * 64, n, "raw", n)
+
+    def img(*chunks: ChunkRef) -> Stream:
+        return Stream("images/x", {"type": "file"}, list(chunks))
+
+    zero = ChunkRef(None, 4096, "zero", 0)
+    assert zero.is_zero
+    images = {"pstree.img": img(ref("b", 200)), "inventory.img": img(ref("a", 300)),
+              "pages-2.img": img(ref("e"), ref("f")), "pages-1.img": img(ref("1"), zero, ref("2"), ref("3"))}
+    assert [c.id[0] for c in early_reads(images, 1 << 30)] == list("ab123ef")
+    assert [c.id[0] for c in early_reads(images, 3 * 4096)] == list("ab123")
+    assert [c.id[0] for c in early_reads(images, 4096 + 4095)] == list("ab1")
+    assert [c.id[0] for c in early_reads(images, 0)] == list("ab")  # planning reads the small images anyway
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="dropping the page cache needs root")
+def test_early_reads_fill_the_page_cache_until_stopped(tmp_path: Path) -> None:
+    """EarlyReads: the named pack entries become resident while the restore plans; stop() returns at
+    once and nothing more is asked for after it."""
+    from sandbox.criu.serve import EarlyReads
+    from storage.pipeline import Stages
+    from support.pagecache import cold_store, resident_bytes
+    st, refs = cold_store(tmp_path, 96 << 20)
+    packs = tmp_path / "store" / "packs"
+    want = sum(c.stored_len for c in refs)
+    stages = Stages()
+    early = EarlyReads(st, refs, stages)
+    deadline = time.monotonic() + 20
+    while resident_bytes(packs) < want and time.monotonic() < deadline:
+        time.sleep(0.05)
+    t0 = time.monotonic()
+    early.stop()
+    assert time.monotonic() - t0 < 1.0
+    assert resident_bytes(packs) >= want, (resident_bytes(packs), want)
+    assert stages.nbytes["early read"] >= want  # reported as a stage of the restore
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="dropping the page cache needs root")
+def test_early_reads_stopped_at_once_leave_the_rest_on_disk(tmp_path: Path) -> None:
+    """A restore whose planning is quick stops the early reads before CRIU's own are queued: what was
+    not asked for by then stays on disk (the reads never compete with CRIU's)."""
+    from sandbox.criu.serve import EarlyReads
+    from storage.pipeline import Stages
+    from support.pagecache import cold_store, resident_bytes
+    st, refs = cold_store(tmp_path, 256 << 20)
+    packs = tmp_path / "store" / "packs"
+    early = EarlyReads(st, refs, Stages())
+    early.stop()
+    time.sleep(1.0)  # what was queued before the stop has been read by now
+    first = resident_bytes(packs)
+    time.sleep(1.0)
+    assert resident_bytes(packs) == first  # nothing asked for after stop()
+    assert first < 128 << 20, first

@@ -19,6 +19,7 @@ import pytest
 from conftest import GPUSNAP, REPO, Cli, chunk_files, make_mixed_tree, pythonpath, tree_digest
 from storage.packs import PAUSE_ENV, decode_index, encode_index
 from support.entries import chunk_entries, chunk_ids, to_chunk_files
+from support.pagecache import cold_store, resident_bytes
 
 
 def _distinct(path: Path, chunks: int, seed: int) -> Path:
@@ -249,48 +250,6 @@ def test_a_version_2_store_is_read_then_migrated_into_packs(cli: Cli, store_dir:
     assert tree_digest(tmp_path / "o2" / "m") == tree_digest(src)
 
 
-def _resident_bytes(directory: Path) -> int:
-    """Bytes of the files in DIRECTORY that are in the page cache now (mincore over a read-only map)."""
-    import ctypes
-    import mmap
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
-    total = 0
-    for p in directory.iterdir():
-        size = p.stat().st_size
-        if not size:
-            continue
-        with open(p, "rb") as f, mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ) as m:
-            vec = ctypes.create_string_buffer((size + 4095) // 4096)
-            view = memoryview(m)
-            try:
-                if libc.mincore(np.frombuffer(view, np.uint8).ctypes.data, size, vec) != 0:
-                    raise OSError(ctypes.get_errno(), "mincore")
-            finally:
-                view.release()
-            total += sum(1 for b in vec.raw if b & 1) * 4096
-    return total
-
-
-def _cold_store(tmp_path: Path, nbytes: int) -> tuple[Any, list[Any]]:
-    """A store of one snapshot `a` of NBYTES random bytes (in packs), its non-zero chunk refs, and the
-    page cache dropped: the packs are on disk only."""
-    from storage import pipeline
-    from storage.filetree import FileTreeSource
-    from storage.store import SnapshotStore
-    src = tmp_path / "src"
-    src.mkdir()
-    (src / "blob").write_bytes(os.urandom(nbytes))
-    st = SnapshotStore(str(tmp_path / "store"))
-    with st.writer("a") as w:
-        pipeline.put(w, FileTreeSource([str(src)]), workers=2)
-        w.commit()
-    refs = [c for s in st.load("a").streams for c in s.chunks if not c.is_zero]
-    os.sync()
-    Path("/proc/sys/vm/drop_caches").write_text("3")
-    return st, refs
-
-
 @pytest.mark.skipif(os.geteuid() != 0, reason="dropping the page cache needs root")
 @pytest.mark.parametrize("prefetch,later", [(0, False), (1 << 30, False), (1 << 30, True)])
 def test_the_read_stage_prefetch_keeps_the_disk_busy_while_delivery_waits(tmp_path: Path, prefetch: int,
@@ -301,7 +260,7 @@ def test_the_read_stage_prefetch_keeps_the_disk_busy_while_delivery_waits(tmp_pa
     import threading
     from storage import pipeline
     from storage.readstage import Want, read_chunks
-    st, refs = _cold_store(tmp_path, 192 << 20)  # incompressible: 192 MiB of packs
+    st, refs = cold_store(tmp_path, 192 << 20)  # incompressible: 192 MiB of packs
     gate, got, seen = threading.Event(), [], []
     start = threading.Event() if later else None
 
@@ -316,12 +275,12 @@ def test_the_read_stage_prefetch_keeps_the_disk_busy_while_delivery_waits(tmp_pa
     try:
         if start is not None:
             time.sleep(2)
-            held_back = _resident_bytes(tmp_path / "store" / "packs")
+            held_back = resident_bytes(tmp_path / "store" / "packs")
             assert held_back < 100 << 20, held_back  # not read ahead before its event
             start.set()
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
-            seen.append(_resident_bytes(tmp_path / "store" / "packs"))
+            seen.append(resident_bytes(tmp_path / "store" / "packs"))
             if seen[-1] > 140 << 20:
                 break
             time.sleep(0.2)
@@ -340,16 +299,16 @@ def test_read_ahead_puts_the_named_chunks_in_the_page_cache(tmp_path: Path) -> N
     """readstage.read_ahead (what CRIU will read, asked of the disk before the split fill's reads):
     the named chunks' pack entries become resident, the others stay on disk."""
     from storage.readstage import read_ahead
-    st, refs = _cold_store(tmp_path, 96 << 20)
-    before = _resident_bytes(tmp_path / "store" / "packs")
+    st, refs = cold_store(tmp_path, 96 << 20)
+    before = resident_bytes(tmp_path / "store" / "packs")
     third = refs[:len(refs) // 3]
     asked = read_ahead(st, third)
     want = sum(c.stored_len for c in third)
     assert want <= asked < want + (1 << 20) * len(third)  # the entries named, each with its header
     deadline = time.monotonic() + 10
-    while _resident_bytes(tmp_path / "store" / "packs") - before < want and time.monotonic() < deadline:
+    while resident_bytes(tmp_path / "store" / "packs") - before < want and time.monotonic() < deadline:
         time.sleep(0.1)
-    resident = _resident_bytes(tmp_path / "store" / "packs") - before
+    resident = resident_bytes(tmp_path / "store" / "packs") - before
     assert want <= resident < want + (40 << 20), (want, resident)  # the third asked for (+ the kernel's own readahead), not all
 
 
@@ -358,11 +317,11 @@ def test_read_ahead_resident_returns_once_the_chunks_are_in_the_page_cache(tmp_p
     """read_ahead(resident=True), as the split restore asks for CRIU's chunks before the fill's reads
     begin: when it returns, the named entries are in the page cache (no waiting), the others are not."""
     from storage.readstage import read_ahead
-    st, refs = _cold_store(tmp_path, 96 << 20)
-    before = _resident_bytes(tmp_path / "store" / "packs")
+    st, refs = cold_store(tmp_path, 96 << 20)
+    before = resident_bytes(tmp_path / "store" / "packs")
     third = refs[:len(refs) // 3]
     read_ahead(st, third, resident=True)
-    resident = _resident_bytes(tmp_path / "store" / "packs") - before
+    resident = resident_bytes(tmp_path / "store" / "packs") - before
     want = sum(c.stored_len for c in third)
     assert want <= resident < want + (40 << 20), (want, resident)
 

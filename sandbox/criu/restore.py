@@ -76,6 +76,7 @@ def streamed(run: RestoreRun, *, thp_mode: str | None = "always",
         extra = run.extra + (("--stream", "--leave-stopped") if srv.plans else ("--stream",))
         pids = list(dict.fromkeys([*run.pids, *srv.pstree]))
         marks.update(srv.marks)
+        marks["serve_ready"] = time.monotonic()
         with restore_huge_pages(thp_mode):
             marks["criu_begin"] = time.monotonic()
             try:

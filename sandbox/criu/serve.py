@@ -93,6 +93,54 @@ def _page_images(images: dict[str, Stream]) -> list[str]:
                   key=lambda n: (int(m.group(1)) if (m := _PAGES_ID.fullmatch(n)) else 1 << 62, n))
 
 
+def early_reads(images: dict[str, Stream], most: int) -> list[ChunkRef]:
+    """What a restore reads first, for EarlyReads: the small images (the process tree and the pagemaps
+    that planning reads among them), then the page images' chunks in CRIU's order, up to MOST raw bytes
+    of them. Every byte of a page image is read once either way (by CRIU, or by the split fill), so
+    whatever of them is in the page cache when the reads begin is read from memory."""
+    out = criu_reads(images, None)
+    for n in _page_images(images):
+        for c in images[n].chunks:
+            if c.is_zero:
+                continue
+            if most < c.raw_len:
+                return out
+            out.append(c)
+            most -= c.raw_len
+    return out
+
+
+def early_budget(avail: int) -> int:
+    """Raw bytes EarlyReads may ask for, of AVAIL bytes of memory available now: what the fill may read
+    ahead (fill_prefetch), at most 4 GiB. Planning takes well under a second (0.4 s of a 20 GB restore
+    on the H200, where the disk reads ~1.5 GB/s), so the stop, not this, is what ends the reads."""
+    return min(4 << 30, fill_prefetch(avail))
+
+
+class EarlyReads:
+    """REFS' pack entries asked of the disk (POSIX_FADV_WILLNEED, in order, by one thread) from now
+    until stop(): the disk reads while gpusnap plans a restore instead of idling (measured on the
+    H200: ~0.9 s of a 20 GB restore read nearly nothing). A hint only, like read_ahead: every byte
+    read later is verified as ever. Stopped before CRIU's own reads are queued (_read_ahead_for_criu),
+    so nothing of it queues ahead of them but the requests already in the disk's queue."""
+
+    def __init__(self, store: SnapshotStore, refs: list[ChunkRef], stages: Stages) -> None:
+        self._stop = threading.Event()
+
+        def run() -> None:
+            t0 = time.perf_counter()
+            asked = read_ahead(store, refs, gap=FILL_GAP, stop=self._stop.is_set)
+            stages.add("early read", time.perf_counter() - t0, asked)
+
+        self._thread = threading.Thread(target=run, daemon=True, name="gpusnap-early-read")
+        self._thread.start()
+
+    def stop(self) -> None:
+        """No further request; returns once the thread has ended (within one WILLNEED step)."""
+        self._stop.set()
+        self._thread.join()
+
+
 class ServeSource:
     """Serves MANIFEST's images to `criu restore --stream` through the serve socket in DIRECTORY;
     a context manager. Chunks are read, verified and decoded by WORKERS threads, up to WINDOW chunks
@@ -107,44 +155,16 @@ class ServeSource:
         self.store, self.manifest, self.arrivals = store, manifest, arrivals
         self.images = {s.name.partition("/")[2]: s for s in manifest.streams
                        if s.name.startswith(IMAGES + "/") and s.attrs.get("type") == "file"}
-        missing = store.missing(manifest) if arrivals is None else []
-        if arrivals is not None:
-            arrivals.first(read_order(self.images, None))
-        if missing:
-            raise store.error(f"snapshot {manifest.name!r} is damaged: {len(missing)} chunk(s) missing "
-                             f"(first {missing[0][:16]}…); nothing was started")
         self.marks: dict[str, float] = {}  # time.monotonic() at the steps below (the restore reports them)
-        self.workers = workers or pipeline.default_workers()
-        self.window = window or 2 * self.workers
-        self._bufs = BufferPool(self.workers, store.chunk_buffer_size([manifest]))  # CRIU's feeds (the fill has its own)
-        self._ex = ThreadPoolExecutor(self.workers, thread_name_prefix="gpusnap-serve")
         self.stages = Stages()  # thread-seconds of the store side: read+verify, decode, the fill's stages
-        self._zeros = bytes(max((c.raw_len for s in self.images.values() for c in s.chunks), default=0))
-        self.plans: dict[str, split.Plan] = {}    # page image -> its split
-        self._rewritten: dict[str, bytes] = {}    # pagemap image -> what CRIU gets instead
-        # the pids CRIU restores, as its pstree image lists them (a snapshot's own list may lack a child
-        # forked while CRIU froze the tree: a --leave-running dump, or one made before that was fixed)
-        ps = self.images.get("pstree.img")
+        # the disk reads what the restore reads first while the pagemaps are read and the split chosen
+        early = EarlyReads(store, early_reads(self.images, early_budget(available_bytes())), self.stages) \
+            if arrivals is None else None
         try:
-            self.pstree = split.pstree_pids(b"".join(bytes(self._chunk(ps, i, c)) for i, c in enumerate(ps.chunks))) \
-                if ps is not None else []
-        except split.SplitError:
-            self.pstree = []  # CRIU refuses the image itself
-        # why the split did not engage (None when it did), for the restore report
-        self.split_skipped_because: str | None = "the split is off (GPUSNAP_CRIU_SPLIT_MIN=0)"
-        big = [n for n, s in self.images.items() if split.PAGEMAP_NAME.fullmatch(n) and s.size > split.MAX_PAGEMAP_BYTES]
-        if split_min > 0 and big:
-            self.split_skipped_because = (f"{big[0]} is {self.images[big[0]].size} bytes, more than a real pagemap "
-                                          "needs; CRIU restored every page")
-        elif split_min > 0:
-            pagemaps = {name: b"".join(bytes(self._chunk(s, i, c)) for i, c in enumerate(s.chunks))
-                        for name, s in self.images.items() if split.PAGEMAP_NAME.fullmatch(name)}
-            self.marks["pagemaps_read"] = time.monotonic()
-            self.plans, self.split_skipped_because = split.choose(
-                pagemaps, {n: s.size for n, s in self.images.items() if is_page_image(n)}, split_min)
-            self._rewritten = {f"pagemap-{pl.pid}.img": pl.pagemap for pl in self.plans.values()}
-        if arrivals is not None:
-            arrivals.first(read_order(self.images, self.plans))
+            self._plan(store, manifest, arrivals, split_min, workers, window)
+        finally:
+            if early is not None:
+                early.stop()  # before the CRIU-first read-ahead: CRIU's reads queue behind nothing
         self.connected_at: float | None = None  # time.monotonic() when CRIU connected
         self._listener = Listener(directory, SERVE_SOCKET)
         # the moved runs are read from the store from now on, while CRIU restores the rest
@@ -177,6 +197,47 @@ class ServeSource:
         except BaseException:
             self.__exit__()  # the fill's workers, the read-ahead thread, the socket: nothing left behind
             raise
+
+    def _plan(self, store: SnapshotStore, manifest: Manifest, arrivals: Arrivals | None, split_min: int,
+              workers: int | None, window: int | None) -> None:
+        """Everything before the serve socket: the check that no chunk is missing, the process tree,
+        the split (the pagemaps read and rewritten), the order a remote sends chunks in."""
+        missing = store.missing(manifest) if arrivals is None else []
+        if arrivals is not None:
+            arrivals.first(read_order(self.images, None))
+        if missing:
+            raise store.error(f"snapshot {manifest.name!r} is damaged: {len(missing)} chunk(s) missing "
+                             f"(first {missing[0][:16]}…); nothing was started")
+        self.workers = workers or pipeline.default_workers()
+        self.window = window or 2 * self.workers
+        self._bufs = BufferPool(self.workers, store.chunk_buffer_size([manifest]))  # CRIU's feeds (the fill has its own)
+        self._ex = ThreadPoolExecutor(self.workers, thread_name_prefix="gpusnap-serve")
+        self._zeros = bytes(max((c.raw_len for s in self.images.values() for c in s.chunks), default=0))
+        self.plans: dict[str, split.Plan] = {}    # page image -> its split
+        self._rewritten: dict[str, bytes] = {}    # pagemap image -> what CRIU gets instead
+        # the pids CRIU restores, as its pstree image lists them (a snapshot's own list may lack a child
+        # forked while CRIU froze the tree: a --leave-running dump, or one made before that was fixed)
+        ps = self.images.get("pstree.img")
+        try:
+            self.pstree = split.pstree_pids(b"".join(bytes(self._chunk(ps, i, c)) for i, c in enumerate(ps.chunks))) \
+                if ps is not None else []
+        except split.SplitError:
+            self.pstree = []  # CRIU refuses the image itself
+        # why the split did not engage (None when it did), for the restore report
+        self.split_skipped_because: str | None = "the split is off (GPUSNAP_CRIU_SPLIT_MIN=0)"
+        big = [n for n, s in self.images.items() if split.PAGEMAP_NAME.fullmatch(n) and s.size > split.MAX_PAGEMAP_BYTES]
+        if split_min > 0 and big:
+            self.split_skipped_because = (f"{big[0]} is {self.images[big[0]].size} bytes, more than a real pagemap "
+                                          "needs; CRIU restored every page")
+        elif split_min > 0:
+            pagemaps = {name: b"".join(bytes(self._chunk(s, i, c)) for i, c in enumerate(s.chunks))
+                        for name, s in self.images.items() if split.PAGEMAP_NAME.fullmatch(name)}
+            self.marks["pagemaps_read"] = time.monotonic()
+            self.plans, self.split_skipped_because = split.choose(
+                pagemaps, {n: s.size for n, s in self.images.items() if is_page_image(n)}, split_min)
+            self._rewritten = {f"pagemap-{pl.pid}.img": pl.pagemap for pl in self.plans.values()}
+        if arrivals is not None:
+            arrivals.first(read_order(self.images, self.plans))
 
     def __enter__(self) -> "ServeSource":
         return self

@@ -34,17 +34,15 @@ import shutil
 import signal
 import time
 from contextlib import contextmanager
-from typing import Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 from storage.progress import Progress
 from storage import waits
-from storage.remote import DEFAULT_JOBS, Remote
-from storage.remote_fill import RemoteFill, ensure_local
+from storage.limits import DEFAULT_JOBS
 from storage.store import SnapshotStore
 
 from sandbox.ops import journal
-from sandbox.criu import dump, restore
-from sandbox.criu.dump import DumpContext
+from sandbox.criu import restore
 from sandbox.criu.gpu_side import GpuSide, is_gpu_stream
 from sandbox.criu.images import images_path
 from sandbox.criu.parent import choose_parent
@@ -60,6 +58,10 @@ from sandbox.ops.journal import OpKind, Stage
 from sandbox.ops.operations import GpuAccess, Undo, undone_on_failure
 import sandbox.criu.operations  # noqa: F401 - registers CriuDump and CriuRestore, the undos this flow runs
 
+if TYPE_CHECKING:  # imported where used: a restore needs neither the dump side nor the remote's client
+    from sandbox.criu.dump import DumpContext
+    from storage.remote_fill import RemoteFill
+
 __all__ = ["CriuReport", "CriuSnapshotError", "criu_dump", "criu_restore", "describe_pids", "kill_tree", "new_staging"]
 
 
@@ -74,6 +76,7 @@ def criu_dump(store: SnapshotStore, pid: int, name: str, *, leave_running: bool 
     gpu_driver/features/device: the CheckpointDriver, its Features and the engine's Device (default:
     the real driver, probed, and GPU 0); tests pass stand-ins. PARENT: the snapshot whose chunks the
     changed ones are stored as deltas against (sandbox.criu.parent; None: every chunk whole)."""
+    from sandbox.criu.dump import DumpContext  # the dump side: imported by dumps only
     criu = criu or Criu()
     journal.require_clean(store.path)
     opts = options or DumpOptions()
@@ -109,6 +112,7 @@ def criu_dump(store: SnapshotStore, pid: int, name: str, *, leave_running: bool 
 def _dump_in(ctx: DumpContext, staging: str | None, lock_timeout_s: float) -> None:
     """The dump's stages inside its journal record and writer; on a failure, the operation's undo
     (sandbox.criu.operations.CriuDump) from the stage the record reached."""
+    from sandbox.criu import dump
     op, w, gpu, report = ctx.op, ctx.w, ctx.gpu, ctx.report
     stage = new_staging(ctx.store, rss_bytes(ctx.pids), staging, op)
     images = os.path.join(stage, "images")
@@ -192,7 +196,10 @@ def _from_remote(store: SnapshotStore, name: str, remote: str | None, jobs: int,
     snapshot is pulled first. None when NAME is local (or no remote was named)."""
     if remote is None or store.exists(name):
         yield None
-    elif images_path() != "stream":
+        return
+    from storage.remote import Remote
+    from storage.remote_fill import RemoteFill, ensure_local
+    if images_path() != "stream":
         ensure_local(store, name, remote, progress=progress, jobs=jobs)
         yield None
     else:
@@ -214,6 +221,7 @@ def criu_restore(store: SnapshotStore, name: str, *, staging: str | None = None,
     journal.require_clean(store.path)
     with store.shared(), _from_remote(store, name, from_remote, jobs, progress) as fill:
         m = (fill.manifest if fill is not None else None) or store.load(name)
+        loaded = time.monotonic()  # the interpreter, the imports and the manifest before it (the report's marks)
         meta = CriuMeta.of(m)
         with waits.waiting(waits.TREE_DEATH):
             taken = _pids_in_use(list(meta.pids))
@@ -242,6 +250,8 @@ def criu_restore(store: SnapshotStore, name: str, *, staging: str | None = None,
                     run = _restore_run(criu, store, m, meta, stage, None if fill else progress, fill,
                                        ("--tcp-established",) if tcp_established else ())
                     _restore_from(run, m, meta, report, op, fill, gpu_driver, device, gpu_map)
+                    if "served" in report.stages and "monotonic" in report.stages["served"]:
+                        report.stages["served"]["monotonic"]["loaded"] = loaded
             finally:
                 shutil.rmtree(stage, ignore_errors=True)
     return report

@@ -64,8 +64,9 @@ def gpusnap(store: str, *args: str, path: str = "stream", extra_env: dict[str, s
     return json.loads(p.stdout)
 
 
-_RESTORE_PHASES = (("startup", None), ("plan", "serve_begin"), ("plan:split", "pagemaps_read"),
-                   ("plan:fill-start", "planned"), ("plan:rest", "fill_started"), ("criu", "criu_begin"), ("fill", "criu_done"),
+_RESTORE_PHASES = (("startup", None), ("prepare", "loaded"), ("plan", "serve_begin"), ("plan:split", "pagemaps_read"),
+                   ("plan:fill-start", "planned"), ("plan:serve", "fill_started"), ("plan:thp", "serve_ready"),
+                   ("criu", "criu_begin"), ("fill", "criu_done"),
                    ("between", "fill_done"), ("gpu", "gpu_begin"), ("exit", "gpu_done"))
 
 
