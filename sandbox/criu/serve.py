@@ -159,7 +159,7 @@ class ServeSource:
         self.stages = Stages()  # thread-seconds of the store side: read+verify, decode, the fill's stages
         # the disk reads what the restore reads first while the pagemaps are read and the split chosen
         early = EarlyReads(store, early_reads(self.images, early_budget(available_bytes())), self.stages) \
-            if arrivals is None else None
+            if arrivals is None and early_reads_on() else None
         try:
             self._plan(store, manifest, arrivals, split_min, workers, window)
         finally:
@@ -467,6 +467,12 @@ def fill_criu_first() -> bool:
     """Whether what CRIU reads is asked of the disk before the fill's reads (default yes;
     $GPUSNAP_FILL_CRIU_FIRST=0 turns it off, for measuring)."""
     return os.environ.get("GPUSNAP_FILL_CRIU_FIRST", "1").strip() != "0"
+
+
+def early_reads_on() -> bool:
+    """Whether the disk reads the page images while a restore plans (EarlyReads; default yes;
+    $GPUSNAP_EARLY_READS=0 turns it off, for measuring)."""
+    return os.environ.get("GPUSNAP_EARLY_READS", "1").strip() != "0"
 
 
 def split_min() -> int:
