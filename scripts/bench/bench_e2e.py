@@ -65,7 +65,7 @@ def gpusnap(store: str, *args: str, path: str = "stream", extra_env: dict[str, s
 
 
 _RESTORE_PHASES = (("startup", None), ("prepare", "loaded"), ("plan", "serve_begin"), ("plan:split", "pagemaps_read"),
-                   ("plan:fill-start", "planned"), ("plan:serve", "fill_started"), ("plan:thp", "serve_ready"),
+                   ("plan:fill-start", "planned"), ("plan:serve", "fill_started"),
                    ("criu", "criu_begin"), ("fill", "criu_done"),
                    ("between", "fill_done"), ("gpu", "gpu_begin"), ("exit", "gpu_done"))
 
