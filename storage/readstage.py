@@ -277,10 +277,14 @@ def read_chunks(store: PackSource, wants: list[Want], deliver: Callable[[Want, A
 
 
 def read_ahead(store: PackSource, refs: list[ChunkRef], gap: int = 0,
-               stop: Callable[[], bool] = lambda: False, resident: bool = False) -> int:
+               stop: Callable[[], bool] = lambda: False, resident: bool = False, advise: bool = True,
+               step: int = 1 << 20) -> int:
     """Ask the kernel to read REFS' pack entries into the page cache (POSIX_FADV_WILLNEED), in the
     order given, adjacent entries (bridging GAP bytes) in one request; returns the bytes asked for.
-    RESIDENT: then read them through the page cache too, so they are there when this returns.
+    RESIDENT: then read them through the page cache too (reads of STEP bytes), so they are there
+    when this returns. ADVISE=False (with RESIDENT): only those reads, no WILLNEED first: each read
+    releases the GIL for as long as the disk takes, where a WILLNEED queues 128 KiB and comes back
+    for it, so a thread beside pure-Python work (a restore's planning) keeps the disk busy.
     Used to put what CRIU will read in memory before the split fill's reads begin (their 16 MiB
     reads, many in flight, would otherwise queue ahead of CRIU's): a hint only (the reads that
     follow check every byte), so failures are ignored."""
@@ -295,23 +299,24 @@ def read_ahead(store: PackSource, refs: list[ChunkRef], gap: int = 0,
             planned.append((i, locs[0]))
     asked = 0
     runs = coalesce(planned, gap=gap, most=RUN_MAX)
-    for run in runs:
+    for run in runs if advise or not resident else ():
         if stop():
             break
         if _advise(store, run, stop):
             asked += _span(run)
     if resident:
-        scratch = bytearray(1 << 20)
+        scratch = bytearray(step)
         for run in runs:
             if stop():
                 break
-            _touch(store, run, scratch, stop)
+            if _touch(store, run, scratch, stop) and not advise:
+                asked += _span(run)
     return asked
 
 
-def _touch(store: PackSource, run: list[tuple[int, Loc]], scratch: bytearray, stop: Callable[[], bool]) -> None:
-    """RUN's bytes read (and dropped) through the page cache: they are resident when this returns.
-    A hint only, like _advise: failures are for the reads that follow to meet."""
+def _touch(store: PackSource, run: list[tuple[int, Loc]], scratch: bytearray, stop: Callable[[], bool]) -> bool:
+    """RUN's bytes read (and dropped) through the page cache: they are resident when this returns
+    (True: read to the end). A hint only, like _advise: failures are for the reads that follow to meet."""
     first = run[0][1]
     try:
         with store.subdir("packs") as packs:
@@ -323,10 +328,11 @@ def _touch(store: PackSource, run: list[tuple[int, Loc]], scratch: bytearray, st
                 if n <= 0:
                     break
                 off += n
+            return off >= end
         finally:
             os.close(fd)
     except (OSError, ChunkError, GpusnapError):
-        pass
+        return False
 
 
 def _advise(store: PackSource, run: list[tuple[int, Loc]], stop: Callable[[], bool]) -> bool:

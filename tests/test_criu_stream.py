@@ -662,6 +662,29 @@ def test_early_reads_stopped_partway_ask_for_nothing_more(tmp_path: Path) -> Non
     assert 8 << 20 <= first < sum(c.stored_len for c in refs), first
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="dropping the page cache needs root")
+def test_early_reads_keep_the_disk_busy_beside_pure_python_planning(tmp_path: Path) -> None:
+    """The restore plans in pure Python (the split's choice) while the early reads run: they must
+    still get the disk's bytes in. Asking WILLNEED 128 KiB at a time, the thread got 11 MB of a cold
+    store into the page cache in 0.4 s beside such a loop here (806 MB beside an idle one); its own
+    16 MiB reads, with the short switch interval, get hundreds. The interval is put back at the stop."""
+    import sys
+    from sandbox.criu.serve import EarlyReads
+    from storage.pipeline import Stages
+    from support.pagecache import cold_store, resident_bytes
+    st, refs = cold_store(tmp_path, 768 << 20)
+    before = sys.getswitchinterval()
+    early = EarlyReads(st, refs, Stages())
+    t0, x = time.monotonic(), 0
+    while time.monotonic() - t0 < 0.4:
+        for i in range(10000):  # holds the GIL, as split.choose does
+            x += i
+    early.stop()
+    assert sys.getswitchinterval() == before
+    got = resident_bytes(tmp_path / "store" / "packs")
+    assert got >= 128 << 20, got
+
+
 @pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")
 def test_early_reads_of_a_damaged_store_stay_quiet(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     """The early reads are a hint: a store whose index cannot be read (here a symlink, refused) makes
