@@ -683,6 +683,14 @@ def test_early_reads_keep_the_disk_busy_beside_pure_python_planning(tmp_path: Pa
     assert sys.getswitchinterval() == before
     got = resident_bytes(tmp_path / "store" / "packs")
     assert got >= 128 << 20, got
+    # two at once (two restores in one process): the interval stays short until the last one stops
+    a, b = EarlyReads(st, [], Stages()), EarlyReads(st, [], Stages())
+    assert sys.getswitchinterval() < before
+    a.stop()
+    a.stop()
+    assert sys.getswitchinterval() < before
+    b.stop()
+    assert sys.getswitchinterval() == before
 
 
 @pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")

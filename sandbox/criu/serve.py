@@ -122,6 +122,24 @@ def early_budget(avail: int) -> int:
 
 EARLY_STEP = 16 << 20   # bytes one of EarlyReads' reads asks for
 EARLY_SWITCH_S = 0.001  # the interpreter's switch interval while EarlyReads runs (see EarlyReads)
+_switch_lock = threading.Lock()
+_switch_users: list[float] = []  # the interval before the first EarlyReads still running set it
+
+
+def _short_switch(on: bool) -> None:
+    """The switch interval EARLY_SWITCH_S while any EarlyReads runs in this process, as it was after
+    the last one stops (several may overlap: the first one's setting is the one put back)."""
+    with _switch_lock:
+        if on:
+            if not _switch_users:
+                _switch_users.append(sys.getswitchinterval())
+                sys.setswitchinterval(min(_switch_users[0], EARLY_SWITCH_S))
+            else:
+                _switch_users.append(_switch_users[0])
+        elif _switch_users:
+            before = _switch_users.pop()
+            if not _switch_users:
+                sys.setswitchinterval(before)
 
 
 class EarlyReads:
@@ -142,8 +160,7 @@ class EarlyReads:
 
     def __init__(self, store: SnapshotStore, refs: list[ChunkRef], stages: Stages) -> None:
         self._stop = threading.Event()
-        self._switch = sys.getswitchinterval()
-        sys.setswitchinterval(min(self._switch, EARLY_SWITCH_S))
+        _short_switch(True)
 
         def run() -> None:
             t0 = time.perf_counter()
@@ -158,14 +175,18 @@ class EarlyReads:
         try:
             self._thread.start()
         except BaseException:
-            sys.setswitchinterval(self._switch)
+            _short_switch(False)
             raise
+        self._stopped = False
 
     def stop(self) -> None:
-        """No further read; returns once the thread has ended, the switch interval as it was."""
+        """No further read; returns once the thread has ended, the switch interval as it was (once
+        no other EarlyReads runs). Stopping twice is stopping once."""
         self._stop.set()
         self._thread.join()
-        sys.setswitchinterval(self._switch)
+        if not self._stopped:
+            self._stopped = True
+            _short_switch(False)
 
 
 class ServeSource:
