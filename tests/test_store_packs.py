@@ -11,7 +11,6 @@ import signal
 import subprocess
 import time
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
@@ -309,7 +308,9 @@ def test_read_ahead_puts_the_named_chunks_in_the_page_cache(tmp_path: Path) -> N
     while resident_bytes(tmp_path / "store" / "packs") - before < want and time.monotonic() < deadline:
         time.sleep(0.1)
     resident = resident_bytes(tmp_path / "store" / "packs") - before
-    assert want <= resident < want + (40 << 20), (want, resident)  # the third asked for (+ the kernel's own readahead), not all
+    # the third asked for (+ the kernel's own readahead), not all; WILLNEED is a hint the kernel may
+    # drop pages of under memory pressure (a CI run saw 32.8 of 33.6 MB arrive)
+    assert want * 0.9 <= resident < want + (40 << 20), (want, resident)
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="dropping the page cache needs root")

@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -71,51 +72,63 @@ def streamed(run: RestoreRun, *, thp_mode: str | None = "always",
     info: dict[str, Any] = {}
     marks = info["monotonic"] = {"serve_begin": time.monotonic()}  # phase boundaries, for benchmarks' timelines
     born_after = boot_ticks()  # what CRIU restores starts after this
-    # THP first, while the disk is idle: setting it (its crash record fsynced, the sysfs write) took
-    # 0.24 s on the H200 with the read-ahead of CRIU's chunks in the disk's queue, 2 ms without
-    with restore_huge_pages(thp_mode), \
-            ServeSource(run.store, run.files, images, split_min=split_min() if split_bytes is None else split_bytes,
-                        arrivals=run.arrivals) as srv:
-        extra = run.extra + (("--stream", "--leave-stopped") if srv.plans else ("--stream",))
-        pids = list(dict.fromkeys([*run.pids, *srv.pstree]))
-        marks.update(srv.marks)
-        marks["criu_begin"] = time.monotonic()
-        try:
-            with adopting_orphans():
-                try:
-                    criu.restore(images, detach=True, shell_job=run.shell_job, pidfile=pidfile, extra=extra)
-                except CriuError:
-                    kill_half_restored(pids)
-                    raise
-        except CriuError:
-            srv.raise_if_failed()
-            raise
-        srv.raise_if_failed()
-        seconds["criu_restore"] = time.perf_counter() - t0
-        marks["criu_done"] = time.monotonic()
-        root = _root_pid(pidfile)
-        tree = restored_tree(root, srv.pstree, born_after)
-        info["restored_pids"] = tree
-        if srv.plans:
-            t1 = time.perf_counter()
+    # THP: host-wide, so for as short a time as the restore allows. A local restore sets it first,
+    # while the disk is idle: setting it (its crash record fsynced, the sysfs write) took 0.24 s on
+    # the H200 with the read-ahead of CRIU's chunks in the disk's queue, 2 ms without. A restore from a
+    # remote sets it only once its planning (network waits) is done.
+    thp = ExitStack()
+    try:
+        if run.arrivals is None:
+            thp.enter_context(restore_huge_pages(thp_mode))
+        with ServeSource(run.store, run.files, images, split_min=split_min() if split_bytes is None else split_bytes,
+                         arrivals=run.arrivals) as srv:
             try:
-                if on_stopped is not None:
-                    on_stopped(tree)
-                info["split"] = srv.fill(lambda p: in_restored_tree(p, root, srv.pstree, born_after, stopped=True))
-            except BaseException:
-                signal_all(tree, signal.SIGKILL)
-                raise
-            signal_all(tree, signal.SIGCONT)
-            seconds["split_fill"] = time.perf_counter() - t1
-            marks["fill_done"] = time.monotonic()
-        info.update(served=len(srv.served), absent_images=srv.absent, bytes=srv.bytes, stages=srv.stages.table(),
-                    moved_bytes=sum(p.moved_bytes for p in srv.plans.values()))
-        if srv.split_skipped_because is not None:
-            info["split_skipped_because"] = srv.split_skipped_because
-        if srv.fill_memory:
-            info["fill_memory"] = srv.fill_memory  # what the fill could hold and read ahead, and why
-        if srv.connected_at is not None:
-            info["criu_connected_monotonic"] = srv.connected_at
+                extra = run.extra + (("--stream", "--leave-stopped") if srv.plans else ("--stream",))
+                pids = list(dict.fromkeys([*run.pids, *srv.pstree]))
+                marks.update(srv.marks)
+                if run.arrivals is not None:
+                    thp.enter_context(restore_huge_pages(thp_mode))
+                marks["criu_begin"] = time.monotonic()
+                try:
+                    with adopting_orphans():
+                        try:
+                            criu.restore(images, detach=True, shell_job=run.shell_job, pidfile=pidfile, extra=extra)
+                        except CriuError:
+                            kill_half_restored(pids)
+                            raise
+                except CriuError:
+                    srv.raise_if_failed()
+                    raise
+                srv.raise_if_failed()
+                seconds["criu_restore"] = time.perf_counter() - t0
+                marks["criu_done"] = time.monotonic()
+                root = _root_pid(pidfile)
+                tree = restored_tree(root, srv.pstree, born_after)
+                info["restored_pids"] = tree
+                if srv.plans:
+                    t1 = time.perf_counter()
+                    try:
+                        if on_stopped is not None:
+                            on_stopped(tree)
+                        info["split"] = srv.fill(lambda p: in_restored_tree(p, root, srv.pstree, born_after, stopped=True))
+                    except BaseException:
+                        signal_all(tree, signal.SIGKILL)
+                        raise
+                    signal_all(tree, signal.SIGCONT)
+                    seconds["split_fill"] = time.perf_counter() - t1
+                    marks["fill_done"] = time.monotonic()
+            finally:
+                thp.close()  # THP back before the fill's workers are waited for (one stuck in the disk must not hold it)
+            info.update(served=len(srv.served), absent_images=srv.absent, bytes=srv.bytes, stages=srv.stages.table(),
+                        moved_bytes=sum(p.moved_bytes for p in srv.plans.values()))
+            if srv.split_skipped_because is not None:
+                info["split_skipped_because"] = srv.split_skipped_because
+            if srv.fill_memory:
+                info["fill_memory"] = srv.fill_memory  # what the fill could hold and read ahead, and why
+            if srv.connected_at is not None:
+                info["criu_connected_monotonic"] = srv.connected_at
+    finally:
+        thp.close()
     return seconds, info
 
 

@@ -115,9 +115,10 @@ def early_reads(images: dict[str, Stream], most: int, refs_most: int = 1 << 16) 
 
 def early_budget(avail: int) -> int:
     """Bytes EarlyReads may ask for, of AVAIL bytes of memory available now: what the fill may read
-    ahead (fill_prefetch), at most 4 GiB. Planning takes well under a second (0.5 s of a 20 GB restore
-    on the H200, where the disk reads ~1.4 GB/s), so the stop, not this, is what ends the reads."""
-    return min(4 << 30, fill_prefetch(avail))
+    ahead ($GPUSNAP_FILL_PREFETCH, else fill_prefetch), at most 4 GiB. Planning takes well under a
+    second (0.5 s of a 20 GB restore on the H200, where the disk reads ~1.4 GB/s), so the stop, not
+    this, is what ends the reads."""
+    return min(4 << 30, _bytes_env("GPUSNAP_FILL_PREFETCH", fill_prefetch(avail)))
 
 
 EARLY_STEP = 16 << 20   # bytes one of EarlyReads' reads asks for
@@ -179,14 +180,24 @@ class EarlyReads:
             raise
         self._stopped = False
 
+    @classmethod
+    def started(cls, store: SnapshotStore, refs: list[ChunkRef], stages: Stages) -> "EarlyReads | None":
+        """EarlyReads, or None where its thread cannot be started (the restore goes on without it)."""
+        try:
+            return cls(store, refs, stages)
+        except RuntimeError:  # can't start new thread
+            return None
+
     def stop(self) -> None:
         """No further read; returns once the thread has ended, the switch interval as it was (once
         no other EarlyReads runs). Stopping twice is stopping once."""
         self._stop.set()
-        self._thread.join()
-        if not self._stopped:
-            self._stopped = True
-            _short_switch(False)
+        try:
+            self._thread.join()
+        finally:
+            if not self._stopped:
+                self._stopped = True
+                _short_switch(False)
 
 
 class ServeSource:
@@ -208,10 +219,12 @@ class ServeSource:
         self.workers = workers or pipeline.default_workers()
         self.window = window or 2 * self.workers
         self._bufs = BufferPool(self.workers, store.chunk_buffer_size([manifest]))  # CRIU's feeds (the fill has its own)
-        # the disk reads what the restore reads first while the pagemaps are read and the split chosen
-        early = EarlyReads(store, early_reads(self.images, early_budget(available_bytes())), self.stages) \
-            if arrivals is None and early_reads_on() else None
+        early: EarlyReads | None = None
         try:
+            # the disk reads what the restore reads first while the pagemaps are read and the split chosen
+            if arrivals is None and early_reads_on():
+                early = EarlyReads.started(store, early_reads(self.images, early_budget(available_bytes())),
+                                           self.stages)
             self._plan(store, manifest, arrivals, split_min)
             self._listener = Listener(directory, SERVE_SOCKET)
         except BaseException:
