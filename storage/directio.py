@@ -173,6 +173,18 @@ def read_into(fd: int, view: memoryview, offset: int) -> int:
     return done
 
 
+def read_into_direct(fd: int, view: memoryview, offset: int) -> int:
+    """read_into for an O_DIRECT FD (VIEW aligned, OFFSET and len(VIEW) multiples of ALIGN): a read
+    that ends inside a block has met the end of the file (another read there would be refused)."""
+    done = 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], offset + done)
+        done += n
+        if n == 0 or n % ALIGN:
+            break
+    return done
+
+
 def read_to_end(fd: int, limit: int | None = None) -> bytes:
     """What is left in FD up to its end (at most LIMIT bytes), in reads of 1 MiB."""
     parts, got = [], 0

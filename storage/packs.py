@@ -212,10 +212,16 @@ def _unlink(dir_fd: int, name: str) -> None:
 
 
 # ---- reading entries ------------------------------------------------------------------------
-def open_pack(packs_fd: int, pack: str, cid: str) -> int:
-    """Pack PACK opened read-only; ChunkError (naming CID) unless it is a regular file."""
+def open_pack(packs_fd: int, pack: str, cid: str, direct: bool = False) -> int:
+    """Pack PACK opened read-only (DIRECT: with O_DIRECT, where the file system takes it; else
+    buffered); ChunkError (naming CID) unless it is a regular file."""
     try:
-        fd = os.open(pack, _READ, dir_fd=packs_fd)
+        try:
+            fd = os.open(pack, _READ | os.O_DIRECT, dir_fd=packs_fd) if direct else os.open(pack, _READ, dir_fd=packs_fd)
+        except OSError as e:
+            if not direct or e.errno != errno.EINVAL:
+                raise
+            fd = os.open(pack, _READ, dir_fd=packs_fd)
     except FileNotFoundError:
         raise ChunkError(cid, f"missing (its pack {pack[:12]}… is gone)") from None
     except OSError as e:

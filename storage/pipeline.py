@@ -1113,6 +1113,15 @@ class _OpenStream:
             self.writer.close()
 
 
+def get_direct() -> bool:
+    """Whether `get` reads packs with O_DIRECT (default yes, where the file system takes it;
+    $GPUSNAP_GET_DIRECT=0 reads them through the page cache, for measuring). Measured on the dev VM
+    (2 cores, 1.4 GB of bf16 weights, 8 cold gets each way, interleaved): median 1.82 s (1.16 s of
+    it in the kernel) against 3.08 s (2.66 s) buffered; every direct get was faster than every
+    buffered one. A get reads each pack byte once, so the page cache only cost a copy."""
+    return os.environ.get("GPUSNAP_GET_DIRECT", "1").strip() != "0"
+
+
 def get(store: SnapshotStore, manifest: Manifest, sink: Sink, *, workers: int | None = None,
         progress: Progress | None = None) -> Result:
     """Materialize MANIFEST's streams into SINK, every chunk verified; sink.abort() on any failure."""
@@ -1158,7 +1167,7 @@ def get(store: SnapshotStore, manifest: Manifest, sink: Sink, *, workers: int | 
                 progress.advance(want.ref.raw_len)
 
         try:
-            read_chunks(store, wants, deliver, stages=stages, decoders=workers)
+            read_chunks(store, wants, deliver, stages=stages, decoders=workers, direct=get_direct())
         except ChunkError as e:
             where = next((f"{w.key[0].name} chunk {w.key[1]}: " for w in wants if w.ref.id == e.chunk_id), "")
             raise SnapshotDamaged(f"snapshot {manifest.name!r} is damaged: {where}{e.what}") from None

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol
 
 from .chunkfile import HEADER_SIZE, ChunkError, ChunkHeader, full_check, id_check, max_stored_len, stored_check
-from .directio import BufferPool, align_up, read_into
+from .directio import ALIGN, BufferPool, align_up, read_into, read_into_direct
 from .manifest import ChunkRef
 from .errors import GpusnapError
 from .packs import Loc, coalesce, open_pack, parse_entry
@@ -75,7 +75,7 @@ def read_chunks(store: PackSource, wants: list[Want], deliver: Callable[[Want, A
                 stop: Callable[[], bool] = lambda: False,
                 on_damage: Callable[[Want, ChunkError], None] | None = None,
                 order: str = "given", gap: int = 0, prefetch: int = 0,
-                prefetch_from: threading.Event | None = None) -> None:
+                prefetch_from: threading.Event | None = None, direct: bool = False) -> None:
     """Read every chunk of WANTS (in their order, coalescing adjacent pack entries) and call
     DELIVER(want, data) from a decode thread once it is checked: CHECK "full", the raw bytes after the
     full check; "id", the stored payload after chunkfile.id_check (verify --read-data: GSNPCHK2
@@ -92,7 +92,10 @@ def read_chunks(store: PackSource, wants: list[Want], deliver: Callable[[Want, A
     stays busy while DELIVER is held up (the split fill before CRIU has made the processes); the
     cache it fills is the kernel's to reclaim. PREFETCH_FROM: the prefetch starts only once this is
     set (the split fill sets it when CRIU is done: measured on the H200, read-ahead while CRIU ran
-    made CRIU's part of a 38 GB restore take 5.9-12.7 s instead of 4.4 s)."""
+    made CRIU's part of a 38 GB restore take 5.9-12.7 s instead of 4.4 s). DIRECT: the runs read
+    with O_DIRECT (from the aligned block before each, into aligned buffers), past the page cache:
+    one copy less for a reader that reads each byte once (get, verify); never for a restore, whose
+    reads the read-ahead has put in the page cache."""
     if not wants:
         return
     buf_size = max(RUN_MAX, store.chunk_buffer_size([]))
@@ -129,7 +132,8 @@ def read_chunks(store: PackSource, wants: list[Want], deliver: Callable[[Want, A
     finished = [False]
     nbuf = readers + max(2, decoders)
     raw_most = max(w.ref.raw_len for w in wants) if check == "full" else 0
-    with BufferPool(nbuf, buf_size) as pool, BufferPool(decoders, max(most, 4096)) as single_pool, \
+    with BufferPool(nbuf, buf_size + (2 * ALIGN if direct else 0)) as pool, \
+            BufferPool(decoders, max(most, 4096)) as single_pool, \
             BufferPool(decoders if raw_most else 0, max(raw_most, 4096)) as outs, \
             ThreadPoolExecutor(decoders, thread_name_prefix="gpusnap-decode") as dec:
 
@@ -205,12 +209,14 @@ def read_chunks(store: PackSource, wants: list[Want], deliver: Callable[[Want, A
                 buf = pool.acquire()
                 first, last = run[0][1], run[-1][1]
                 length = last.offset + last.length - first.offset
+                base = first.offset % ALIGN if direct else 0  # the run's first byte in BUF
                 try:
                     t0 = time.perf_counter()
                     with store.subdir("packs") as packs:
-                        fd = open_pack(packs, first.pack, wants[run[0][0]].ref.id or "")
+                        fd = open_pack(packs, first.pack, wants[run[0][0]].ref.id or "", direct=direct)
                     try:
-                        got = read_into(fd, buf.view[:length], first.offset)
+                        got = (max(0, read_into_direct(fd, buf.view[:align_up(base + length, ALIGN)], first.offset - base)
+                                      - base) if direct else read_into(fd, buf.view[:length], first.offset))
                     finally:
                         os.close(fd)
                     stages.add("read", time.perf_counter() - t0, got)
@@ -240,7 +246,7 @@ def read_chunks(store: PackSource, wants: list[Want], deliver: Callable[[Want, A
                     if end > got:  # cut short: that entry (and the rest) read on their own
                         dec.submit(_short, single, i, failed, done)
                     else:
-                        dec.submit(decode, i, buf.view[start:end], done)
+                        dec.submit(decode, i, buf.view[base + start:base + end], done)
 
         def ahead() -> None:
             """WILLNEED for the runs in order, never more than PREFETCH bytes past the readers."""

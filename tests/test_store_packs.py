@@ -350,3 +350,46 @@ def test_dedup_skips_only_chunk_directories_that_are_empty(cli: Cli, store_dir: 
         assert got is not None and got.raw_len == head.raw_len
         assert st.present(empty + e.cid[2:], want, chunks, None) is None
         assert empty in st._no_chunk_files
+
+
+def test_read_into_direct_stops_at_the_end_of_a_file_inside_a_block(tmp_path: Path) -> None:
+    """An O_DIRECT read that meets the end of a file returns what is there, and reads no further (a
+    read from an offset inside a block would be refused)."""
+    from storage.directio import ALIGN, AlignedBuffer, read_into_direct
+    p = tmp_path / "f"
+    data = os.urandom(3 * ALIGN + 123)
+    p.write_bytes(data)
+    fd = os.open(p, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
+    buf = AlignedBuffer(8 * ALIGN)
+    try:
+        assert read_into_direct(fd, buf.view[:8 * ALIGN], 0) == len(data)
+        assert bytes(buf.view[:len(data)]) == data
+        assert read_into_direct(fd, buf.view[:ALIGN], 2 * ALIGN) == ALIGN
+        assert bytes(buf.view[:ALIGN]) == data[2 * ALIGN:3 * ALIGN]
+        assert read_into_direct(fd, buf.view[:2 * ALIGN], 4 * ALIGN) == 0  # past the end
+    finally:
+        os.close(fd)
+        buf.close()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="dropping the page cache needs root")
+def test_get_reads_packs_past_the_page_cache_and_writes_the_same_bytes(cli: Cli, store_dir: Path,
+                                                                      tmp_path: Path) -> None:
+    """`store get` reads packs with O_DIRECT by default: the tree comes back byte for byte (entries
+    at offsets inside a block, packs that end inside one), and the packs are not left in the page
+    cache; GPUSNAP_GET_DIRECT=0 reads them through it, to the same bytes."""
+    src = make_mixed_tree(tmp_path / "m", mb=24)
+    (src / "odd.bin").write_bytes(os.urandom((1 << 20) + 4097))  # pack entries of odd lengths
+    cli.run("store", "put", "a", str(src), "--chunk-size", "1M")
+    packs = store_dir / "packs"
+    for direct, name in (("1", "o1"), ("0", "o0")):
+        os.sync()
+        Path("/proc/sys/vm/drop_caches").write_text("3")
+        cli.run("store", "get", "a", str(tmp_path / name), env={"GPUSNAP_GET_DIRECT": direct})
+        assert tree_digest(tmp_path / name / "m") == tree_digest(src)
+        resident = resident_bytes(packs)
+        total = sum(p.stat().st_size for p in packs.iterdir())
+        if direct == "1":
+            assert resident < total // 4, (resident, total)
+        else:
+            assert resident > total // 2, (resident, total)
