@@ -192,6 +192,7 @@ def parse_chunk_size(text: str) -> int:
         raise click.BadParameter(f"{text!r}: chunk size must be a multiple of 4 KiB between 64K and 1G")
     return v
 
+
 def split_map(items: tuple[str, ...]) -> list[str]:
     """--device-map values, each OLD=NEW or several comma-separated (`0=1,1=0`), as one list."""
     return [part for item in items for part in item.split(",")]

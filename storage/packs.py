@@ -217,11 +217,11 @@ def open_pack(packs_fd: int, pack: str, cid: str, direct: bool = False) -> int:
     buffered); ChunkError (naming CID) unless it is a regular file."""
     try:
         try:
-            fd = os.open(pack, _READ | os.O_DIRECT, dir_fd=packs_fd) if direct else os.open(pack, _READ, dir_fd=packs_fd)
+            fd = os.open(pack, _READ | (os.O_DIRECT if direct else 0), dir_fd=packs_fd)
         except OSError as e:
-            if not direct or e.errno != errno.EINVAL:
+            if not (direct and e.errno == errno.EINVAL):
                 raise
-            fd = os.open(pack, _READ, dir_fd=packs_fd)
+            fd = os.open(pack, _READ, dir_fd=packs_fd)  # a file system without O_DIRECT: buffered
     except FileNotFoundError:
         raise ChunkError(cid, f"missing (its pack {pack[:12]}… is gone)") from None
     except OSError as e:

@@ -215,8 +215,9 @@ def read_chunks(store: PackSource, wants: list[Want], deliver: Callable[[Want, A
                     with store.subdir("packs") as packs:
                         fd = open_pack(packs, first.pack, wants[run[0][0]].ref.id or "", direct=direct)
                     try:
-                        got = (max(0, read_into_direct(fd, buf.view[:align_up(base + length, ALIGN)], first.offset - base)
-                                      - base) if direct else read_into(fd, buf.view[:length], first.offset))
+                        n = align_up(base + length, ALIGN) if direct else length
+                        got = max(0, (read_into_direct if direct else read_into)(fd, buf.view[:n], first.offset - base)
+                                  - base)
                     finally:
                         os.close(fd)
                     stages.add("read", time.perf_counter() - t0, got)
@@ -305,11 +306,12 @@ def read_ahead(store: PackSource, refs: list[ChunkRef], gap: int = 0,
             planned.append((i, locs[0]))
     asked = 0
     runs = coalesce(planned, gap=gap, most=RUN_MAX)
-    for run in runs if advise or not resident else ():
-        if stop():
-            break
-        if _advise(store, run, stop):
-            asked += _span(run)
+    if advise or not resident:
+        for run in runs:
+            if stop():
+                break
+            if _advise(store, run, stop):
+                asked += _span(run)
     if resident:
         scratch = bytearray(step)
         for run in runs:

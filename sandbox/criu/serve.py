@@ -124,7 +124,7 @@ def early_budget(avail: int) -> int:
 EARLY_STEP = 16 << 20   # bytes one of EarlyReads' reads asks for
 EARLY_SWITCH_S = 0.001  # the interpreter's switch interval while EarlyReads runs (see EarlyReads)
 _switch_lock = threading.Lock()
-_switch_users: list[float] = []  # the interval before the first EarlyReads still running set it
+_switch = {"running": 0, "before": 0.0}  # EarlyReads running; the interval before the first of them
 
 
 def _short_switch(on: bool) -> None:
@@ -132,15 +132,14 @@ def _short_switch(on: bool) -> None:
     the last one stops (several may overlap: the first one's setting is the one put back)."""
     with _switch_lock:
         if on:
-            if not _switch_users:
-                _switch_users.append(sys.getswitchinterval())
-                sys.setswitchinterval(min(_switch_users[0], EARLY_SWITCH_S))
-            else:
-                _switch_users.append(_switch_users[0])
-        elif _switch_users:
-            before = _switch_users.pop()
-            if not _switch_users:
-                sys.setswitchinterval(before)
+            if not _switch["running"]:
+                _switch["before"] = sys.getswitchinterval()
+                sys.setswitchinterval(min(_switch["before"], EARLY_SWITCH_S))
+            _switch["running"] += 1
+        elif _switch["running"]:
+            _switch["running"] -= 1
+            if not _switch["running"]:
+                sys.setswitchinterval(_switch["before"])
 
 
 class EarlyReads:
