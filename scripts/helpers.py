@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import sys
 import time
-from typing import Iterator
+from typing import Any
 
 FLOOR_READ = 16 << 20  # the read size of the disk floor's readers
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -84,13 +84,18 @@ def disk_floor(work: str, gb: float) -> dict:
     return out
 
 
-def pages_nowhere_in_parent(store: str, parent: str, child: str) -> int:
-    """Bytes of CHILD's non-zero pages found in no page image of PARENT (any name: CRIU renumbers its
-    images between dumps), both CRIU snapshots of STORE: what no delta entry can take from the parent,
-    the floor of what a second dump with --parent stores (before compression). Streams each image
-    through `gpusnap store cat` in 64 MiB reads."""
+def second_dump_pages(store: str, parent: str, child: str) -> dict[str, Any]:
+    """Where CHILD's page images find PARENT's pages (both CRIU snapshots of STORE), streamed through
+    `gpusnap store cat` in 64 MiB reads: nowhere_bytes (non-zero pages found in no page image of the
+    parent), and per image of the child its pages, zero pages, the parent image holding most of its
+    non-zero pages ("best"), how many of them sit at the same page index there ("same_place"), how many
+    elsewhere in the parent ("elsewhere"), how many nowhere, and the most common page shifts against
+    "best" (child index - parent index: a layout that moved between the dumps shows as several)."""
+    import collections
     import json
     import subprocess
+
+    import numpy as np
 
     from storage.pipeline import page_keys
 
@@ -105,22 +110,40 @@ def pages_nowhere_in_parent(store: str, parent: str, child: str) -> int:
             raise SystemExit(f"gpusnap store ls {snap} failed ({p.returncode})")
         return [e["path"] for e in json.loads(out) if "/pages-" in e["path"]]
 
-    def keys(snap: str, name: str) -> "Iterator[int]":
+    def keys(snap: str, name: str) -> "np.ndarray":
         p = run("store", "cat", snap, name)
         assert p.stdout is not None
+        parts = []
         try:
             while True:
                 block = p.stdout.read(64 << 20)
                 if not block:
                     break
-                yield from page_keys(block).tolist()  # the images are whole pages: a full read ends on a page
+                parts.append(page_keys(block))  # the images are whole pages: a full read ends on a page
         finally:
             p.stdout.close()
             if p.wait(timeout=600) != 0:
                 raise SystemExit(f"gpusnap store cat {snap} {name} failed ({p.returncode})")
+        return np.concatenate(parts) if parts else np.zeros(0, np.uint64)
 
-    before: set[int] = set()
+    zero = page_keys(bytes(4096))[0]
+    where: dict[int, tuple[str, int]] = {}  # a parent page's key -> its first image and index
     for name in images(parent):
-        before.update(keys(parent, name))
-    zero = int(page_keys(bytes(4096))[0])
-    return 4096 * sum(1 for name in images(child) for k in keys(child, name) if k != zero and k not in before)
+        k = keys(parent, name)
+        for idx in np.flatnonzero(k != zero).tolist()[::-1]:  # the first occurrence wins
+            where[int(k[idx])] = (name, idx)
+    rows, nowhere = [], 0
+    for name in images(child):
+        k = keys(child, name)
+        nz = np.flatnonzero(k != zero).tolist()
+        hits = [(i, where.get(int(k[i]))) for i in nz]
+        found = [(i, w) for i, w in hits if w is not None]
+        best = collections.Counter(w[0] for _, w in found).most_common(1)
+        best_name = best[0][0] if best else None
+        shifts = collections.Counter(i - w[1] for i, w in found if w[0] == best_name)
+        same = shifts.get(0, 0)
+        nowhere += len(nz) - len(found)
+        rows.append({"image": name, "pages": int(len(k)), "zero_pages": int(len(k) - len(nz)), "best": best_name,
+                     "same_place": same, "elsewhere": len(found) - same, "nowhere": len(nz) - len(found),
+                     "shifts": shifts.most_common(8)})
+    return {"nowhere_bytes": 4096 * nowhere, "images": rows}

@@ -45,7 +45,7 @@ from sandbox.gpu.driver import CudaDriver
 from sandbox.gpu.checkpoint import checkpoint_all, restore_all
 from sandbox.host.hugepages import thp
 from scripts.bench.timeline import Timeline, phase_line
-from scripts.helpers import REPO, disk_floor, drop_caches, pages_nowhere_in_parent
+from scripts.helpers import REPO, disk_floor, drop_caches, second_dump_pages
 from scripts.workloads.workload_control import Workload
 
 
@@ -211,8 +211,10 @@ def run_gpusnap(a: argparse.Namespace, work: str, path: str, dedup: bool) -> dic
                           "second_dump_stages": d2.get("stages")}
             g["verified_after_dedup_dump"] = verify(w)["ok"]
             if a.nowhere:  # what no delta can take from the parent (the workload counts only what it meant to change)
-                nowhere = pages_nowhere_in_parent(store, "e2e", "e2e-b")
-                g["dedup"].update(nowhere_bytes=nowhere, second_over_nowhere=d2["new_bytes"] / max(1, nowhere))
+                pages = second_dump_pages(store, "e2e", "e2e-b")
+                nowhere = pages["nowhere_bytes"]
+                g["dedup"].update(nowhere_bytes=nowhere, second_over_nowhere=d2["new_bytes"] / max(1, nowhere),
+                                  second_pages=pages["images"])
             # warm restore: the second snapshot, its chunks still in the page cache
             kill_restored(w.pids)
             r2 = timed(g, "warm_restore", gpusnap, store, "criu", "restore", "e2e-b", path=path)

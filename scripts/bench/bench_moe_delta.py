@@ -2,7 +2,7 @@
 """The MoE-like tree's second dump on the CPU (issue 21): what `criu dump --parent` stores against
 what the workload changed, for several put thread counts, with real CRIU and no GPU.
 
-    python3 -m scripts.bench.bench_moe_delta [--gb 1] [--workers 2,8,16] [--dir /var/tmp] [--json OUT]
+    python3 -m scripts.bench.bench_moe_delta [--gb 1] [--workers 2,8,16] [--restores 1,2] [--dir /var/tmp] [--json OUT]
 
 For each count: scripts/workloads/moe_workload.py --device cpu (numpy arrays in place of device
 memory, two processes in one tree) is dumped into a fresh store, restored from it and checked, then
@@ -23,36 +23,40 @@ import tempfile
 import time
 from typing import Any
 
-from scripts.bench.bench_e2e import gpusnap
-from scripts.helpers import pages_nowhere_in_parent, report_json
+from scripts.bench.bench_e2e import gpusnap, kill_restored
+from scripts.helpers import report_json, second_dump_pages
 from scripts.workloads.workload_control import Workload
 
 
-def one(gb: float, workers: int, root: str) -> dict[str, Any]:
+def one(gb: float, workers: int, root: str, restores: int = 1) -> dict[str, Any]:
     store = tempfile.mkdtemp(prefix="gpusnap-moe-delta-", dir=root)
     env = {"GPUSNAP_PUT_WORKERS": str(workers)}
     try:
         with Workload(gb, detached=True, script="moe_workload.py", extra=("--device", "cpu"), timeout=600) as w:
             gpusnap(store, "criu", "dump", str(w.pid), "m1", extra_env=env)
             w.reap()
-            gpusnap(store, "criu", "restore", "m1", extra_env=env)
-            if not w.cmd("verify")["ok"]:
-                raise SystemExit("the restored tree failed its own check")
+            for i in range(restores):  # restored again after a kill, as bench_e2e's --restore-variant does
+                if i:
+                    kill_restored(w.pids)
+                gpusnap(store, "criu", "restore", "m1", extra_env=env)
+                if not w.cmd("verify")["ok"]:
+                    raise SystemExit("the restored tree failed its own check")
             changed = int(w.cmd("mutate 5")["bytes"])
             t0 = time.perf_counter()
             rep = gpusnap(store, "criu", "dump", "--leave-running", "--parent", "m1", str(w.pid), "m2", extra_env=env)
             wall = time.perf_counter() - t0
             if not w.cmd("verify")["ok"]:
                 raise SystemExit("the tree failed its own check after the second dump")
-        nowhere = pages_nowhere_in_parent(store, "m1", "m2")
+        pages = second_dump_pages(store, "m1", "m2")
+        nowhere = pages["nowhere_bytes"]
         stages = rep.get("stages") or {}
-        return {"workers": workers, "changed_bytes": changed, "new_bytes": rep["new_bytes"],
+        return {"workers": workers, "restores": restores, "changed_bytes": changed, "new_bytes": rep["new_bytes"],
                 "new_over_changed": round(rep["new_bytes"] / changed, 3), "nowhere_bytes": nowhere,
                 "new_over_nowhere": round(rep["new_bytes"] / max(1, nowhere), 3), "second_dump_s": round(wall, 2),
                 "delta": {k: v["bytes"] for k, v in stages.items() if k.startswith("delta:")},
                 "thread_s": {k: v["thread_seconds"] for k, v in stages.items()
                              if k in ("compress", "delta", "delta-base", "delta-search", "worker")},
-                "base_bytes_read": stages.get("delta-base", {}).get("bytes")}
+                "base_bytes_read": stages.get("delta-base", {}).get("bytes"), "pages": pages["images"]}
     finally:
         shutil.rmtree(store, ignore_errors=True)
 
@@ -62,13 +66,16 @@ def main() -> None:
     ap.add_argument("--gb", type=float, default=1.0)
     ap.add_argument("--workers", default="2,8,16")
     ap.add_argument("--dir", default=os.environ.get("GPUSNAP_DISK_DIR", "/var/tmp"))
+    ap.add_argument("--restores", default="1", help="restores before the second dump, each after killing the last "
+                    "restored tree (comma-separated: one run each)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     rows = []
-    for n in [int(x) for x in a.workers.split(",") if x]:
-        r = one(a.gb, n, a.dir)
-        print(json.dumps(r), flush=True)
-        rows.append(r)
+    for k in [int(x) for x in a.restores.split(",") if x]:
+        for n in [int(x) for x in a.workers.split(",") if x]:
+            r = one(a.gb, n, a.dir, k)
+            print(json.dumps(r), flush=True)
+            rows.append(r)
     report_json({"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "gb": a.gb, "rows": rows}, a.json)
 
 
