@@ -244,6 +244,11 @@ def check_tree(streams: list[Stream], version: int = VERSION) -> list[str]:
             why = check_xattrs(a["xattrs"]) if version >= 3 else "xattrs in a manifest before version 3"
             if why:
                 problems.append(f"stream {s.name!r} has {why}")
+        if "pagekeys" in a:
+            from .pagekeys import check as check_pagekeys
+            why = check_pagekeys(a["pagekeys"], s.size) if t in ("file", "blob") else f"page keys on a {t}"
+            if why:
+                problems.append(f"stream {s.name!r} has bad page keys: {why}")
         if t in _NO_DATA and s.chunks:
             problems.append(f"stream {s.name!r} is a {t} but has data")
         if t in ("symlink", "hardlink") and not (isinstance(a.get("target"), str) and a["target"]

@@ -32,7 +32,7 @@ import numpy as np
 
 from .progress import Progress
 from .chunkfile import HEADER_SIZE, ChunkError, full_check
-from . import delta
+from . import delta, pagekeys
 from .codecs import DELTA, DELTA_MATCH, DELTA_PAYS_OFF, HostCodecChooser, CodecError
 from .directio import AlignedBuffer, BufferPool, copy_into
 from .manifest import ChunkRef, Manifest, Stream
@@ -374,6 +374,10 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
     nblocks = producers + max(3, workers * 2 * chunk_size // _READ_BLOCK) if chunker == "pages" else 0
     at = _parent_chunks(parent) if parent is not None else None
     shifts = _Shifts(at, _cut_by_content(parent)) if at and parent is not None else None
+    # where the parent's pages lay, anywhere (its streams' page keys; none in a parent written before them)
+    pindex = (pagekeys.PageIndex.of(parent.streams)
+              if at and parent is not None and os.environ.get("GPUSNAP_PAGE_LOOKUP", "1") != "0" else None)
+    collector = pagekeys.Collector() if chunker == "pages" else None  # this put's own page keys
     effort = _Effort() if at else None
     if at:  # neighbouring new chunks share their parent chunks: a larger cache of decoded bases pays here
         writer.store.keep_bases(base_cache_bytes())
@@ -455,6 +459,16 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
                     for s in found:
                         if (guess[0], s) not in (t[1] for t in tried) and off + s + n > 0:
                             attempt((guess[0], s))
+                if pindex is not None and max((t[0] for t in tried), default=0.0) < DELTA_MATCH:
+                    # still no place holds it: where its sampled pages lay anywhere in the parent (a
+                    # restored process's memory is laid out again: a region may move by hundreds of
+                    # MiB, or into another page image)
+                    t0 = time.perf_counter()
+                    places = pindex.places(view, off)
+                    stages.add("delta-lookup", time.perf_counter() - t0, n)
+                    for place in places:
+                        if place not in (t[1] for t in tried) and off + place[1] + n > 0:
+                            attempt(place)
                 if not tried:
                     return None
                 t1 = time.perf_counter()
@@ -508,6 +522,10 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
                 if zero:
                     chunks[idx] = writer.note_zero(n)
                 else:
+                    if collector is not None and off % PAGE == 0:
+                        t2 = time.perf_counter()
+                        collector.add(name, off, view)
+                        stages.add("page-keys", time.perf_counter() - t2, n)
                     cid, present = writer.find_raw(view)
                     if present is not None:
                         chunks[idx] = present
@@ -695,6 +713,7 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
 
         cut_by = chunker_record(chunker, chunk_size)
         reused = [0, 0]  # streams, bytes taken from `known` without reading
+        keyed: list[Stream] = []  # the streams read through the page chunker: their page keys recorded
         for spec in source.streams():
             fail.raise_if_set()
             stream = Stream(spec.name, {**spec.attrs, "chunker": cut_by} if spec.has_data else dict(spec.attrs))
@@ -706,7 +725,9 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
                 reused[1] += stream.size
                 if progress is not None:
                     progress.advance(stream.size)
-                continue
+                continue  # not read: no page keys
+            if collector is not None:
+                keyed.append(stream)
             segs = _segments(spec, source, chunker)
             head: list[ChunkRef] = []
             if segs is None:
@@ -733,6 +754,9 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
         fail.raise_if_set()
         for stream, parts in whole:
             stream.chunks[:] = [c for p in parts for c in p]
+        for stream in keyed:
+            assert collector is not None
+            stream.attrs["pagekeys"] = collector.record(stream.name)
     res = writer_result(writer, stages, time.perf_counter() - t_start)
     res.extra.update(files_unchanged=reused[0], bytes_unchanged=reused[1])
     return res

@@ -609,14 +609,17 @@ def test_a_kv_pool_moved_by_pages_mapped_before_it_finds_its_parent(cli: Cli, st
     assert (tmp_path / "out" / "img" / "pages-1.img").read_bytes() == b
 
 
+@pytest.mark.parametrize("lookup", ["1", "0"])
 def test_a_process_whose_pages_moved_to_another_image_finds_its_parent(cli: Cli, store_dir: Path,
-                                                                        tmp_path: Path) -> None:
+                                                                        tmp_path: Path, lookup: str) -> None:
     """CRIU numbers page images in the order it dumps them: on the H200 a process's pages were
     pages-8.img in the first dump and pages-9.img in the second, moved by 1.5 GB, while pages-8.img
     of the second was a small image of something else. The second dump places each new stream's
     bytes in whichever parent stream its unchanged chunks were found, at that shift (here 40 MiB,
     beyond the search's reach), and places the pool's chunks (every one changed) by their lengths:
-    three cuts in a row that are the parent's. So the pool is stored as deltas, not again."""
+    three cuts in a row that are the parent's. So the pool is stored as deltas, not again. With the
+    parent's page keys looked up (LOOKUP 1) the places are found at the first try; without them (a
+    parent written before page keys) by the chunks set aside and tried again at the end."""
     rng = np.random.default_rng(23)
     w1, w2, w3 = weights(rng, 16 << 20), weights(rng, 8 << 20), weights(rng, 8 << 20)
     pool = _kv_pool(rng, 48 << 20, 0.30)
@@ -637,13 +640,17 @@ def test_a_process_whose_pages_moved_to_another_image_finds_its_parent(cli: Cli,
         (src / name).unlink()
     for name, data in second.items():
         (src / name).write_bytes(data)
-    rep = cli.json("store", "put", "b", str(src), "--chunker", "pages", "--no-cache", "--parent", "a")
+    rep = json.loads(cli.run("store", "put", "b", str(src), "--chunker", "pages", "--no-cache", "--parent", "a",
+                             "--json", env={"GPUSNAP_PAGE_LOOKUP": lookup}).stdout)
     plain = Cli(tmp_path / "plain").json("store", "put", "p", str(src), "--chunker", "pages", "--no-cache")
     assert plain["new_bytes"] > 2 * (changed + len(other))  # without a parent: the whole pool again
-    # the changed blocks and the unrelated image: the first chunks of w1's region after the gap are
-    # tried again at the end of the put, once w1's unchanged chunks said where it went
+    # the changed blocks and the unrelated image: without the lookup, the first chunks of w1's region
+    # after the gap are tried again at the end of the put, once w1's unchanged chunks said where it went
     assert rep["new_bytes"] <= 1.1 * (changed + len(other)), (rep["new_bytes"], changed, len(other))
-    assert rep["stages"]["delta:won when tried again"]["bytes"] > 0, rep["stages"]
+    if lookup == "0":
+        assert rep["stages"]["delta:won when tried again"]["bytes"] > 0, rep["stages"]
+    else:
+        assert rep["stages"]["delta-lookup"]["bytes"] > 0, rep["stages"]
     assert rep["stages"]["delta:won"]["bytes"] >= len(pool) // 2, rep["stages"]
     cli.run("store", "get", "b", str(tmp_path / "out"))
     for name, data in second.items():

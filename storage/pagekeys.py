@@ -1,0 +1,160 @@
+"""Page keys: a content-chosen sample of a page-cut stream's 4 KiB pages, recorded in its manifest, and
+the lookup a later put with that snapshot as its parent uses to find a page wherever it lay.
+
+Guarantees kept here (storage/FORMAT.md, "Page keys"): the record a put writes is exactly the form
+`check` accepts, and `check` refuses every other form (a manifest carrying one is damaged); a page
+index built from a parent only ever yields candidate places (a stream of that parent and a shift),
+never bytes: a wrong or hostile record costs attempts, bounded per chunk, and nothing else, because
+every candidate reference is scored by its XOR and every chunk is verified by its id.
+"""
+from __future__ import annotations
+
+import base64
+import binascii
+import collections
+import threading
+from typing import Any
+
+import numpy as np
+
+PAGE = 4096
+KEY = "strided8"        # the key's name in the record: eight words, one per 512-byte eighth of a page
+EVERY = 32              # one page in EVERY is sampled (by content: its key's top 5 bits are zero)
+_SAMPLE_SHIFT = 59      # a page is sampled when key >> _SAMPLE_SHIFT == 0 (32 = 2**(64 - 59))
+_KEPT_SHIFT = 27       # the record keeps bits 27..58 of a sampled key
+_WORDS = np.arange(8) * (PAGE // 8 // 8)  # word indices 0, 64, ..., 448
+_MULT = ((np.arange(8, dtype=np.uint64) * np.uint64(2) + np.uint64(1)) * np.uint64(0x9E3779B97F4A7C15))
+MAX_HITS_PER_KEY = 4    # a key found at more places than this (repeated pages) votes for its first ones only
+PLACES = 3              # a lookup returns at most this many places
+
+
+def keys(data: memoryview | bytes | Any) -> np.ndarray:
+    """The key of every whole 4 KiB page of DATA (uint64; FORMAT.md, "Page keys")."""
+    n = len(data) // PAGE
+    if not n:
+        return np.zeros(0, np.uint64)
+    words = np.frombuffer(data, dtype=np.uint64, count=n * PAGE // 8).reshape(n, PAGE // 8)
+    with np.errstate(over="ignore"):
+        return (words[:, _WORDS] * _MULT).sum(axis=1, dtype=np.uint64)
+
+
+def sampled(data: memoryview | bytes | Any) -> tuple[np.ndarray, np.ndarray]:
+    """The sampled pages of DATA: their indices in DATA (int64) and kept keys (uint32), in order."""
+    k = keys(data)
+    pick = np.flatnonzero((k >> np.uint64(_SAMPLE_SHIFT) == 0) & (k != 0))
+    return pick, (k[pick] >> np.uint64(_KEPT_SHIFT)).astype(np.uint32)
+
+
+class PageKeyError(ValueError):
+    """A page keys record of another form than FORMAT.md describes."""
+
+
+class Collector:
+    """The sampled pages of the streams one put writes, gathered from its workers in any order."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._parts: dict[str, list[tuple[np.ndarray, np.ndarray]]] = collections.defaultdict(list)
+
+    def add(self, stream: str, offset: int, data: memoryview) -> None:
+        """The pages of DATA, which lies at OFFSET (a whole page) of STREAM."""
+        at, kept = sampled(data)
+        if len(at):
+            with self._lock:
+                self._parts[stream].append((at + offset // PAGE, kept))
+
+    def record(self, stream: str) -> dict[str, Any]:
+        """STREAM's attrs record (possibly with no entries)."""
+        with self._lock:
+            parts = list(self._parts.get(stream, ()))
+        if parts:
+            at = np.concatenate([p[0] for p in parts])
+            kept = np.concatenate([p[1] for p in parts])
+            order = np.argsort(at, kind="stable")
+            at, kept = at[order].astype("<u4"), kept[order].astype("<u4")
+        else:
+            at, kept = np.zeros(0, "<u4"), np.zeros(0, "<u4")
+        return {"key": KEY, "every": EVERY, "at": base64.b64encode(at.tobytes()).decode(),
+                "keys": base64.b64encode(kept.tobytes()).decode()}
+
+
+def _decode(v: Any, what: str) -> np.ndarray:
+    if not isinstance(v, str):
+        raise PageKeyError(f"pagekeys {what} is not a string")
+    try:
+        raw = base64.b64decode(v, validate=True)
+    except (binascii.Error, ValueError):
+        raise PageKeyError(f"pagekeys {what} is not base64") from None
+    if len(raw) % 4:
+        raise PageKeyError(f"pagekeys {what} is not whole uint32 values")
+    return np.frombuffer(raw, dtype="<u4")
+
+
+def load(record: Any, size: int) -> tuple[np.ndarray, np.ndarray]:
+    """The page indices and kept keys of RECORD, the `pagekeys` of a stream of SIZE bytes; PageKeyError
+    for any other form."""
+    if not isinstance(record, dict) or set(record) != {"key", "every", "at", "keys"}:
+        raise PageKeyError("pagekeys is not a record of key, every, at and keys")
+    if record["key"] != KEY or record["every"] != EVERY or isinstance(record["every"], bool):
+        raise PageKeyError(f"pagekeys of an unknown kind ({record['key']!r:.20}, every {record['every']!r:.20})")
+    at, kept = _decode(record["at"], "at"), _decode(record["keys"], "keys")
+    if len(at) != len(kept):
+        raise PageKeyError(f"pagekeys name {len(at)} pages but {len(kept)} keys")
+    pages = size // PAGE
+    if len(at) > pages or (len(at) and int(at[-1]) >= pages):
+        raise PageKeyError("pagekeys name pages beyond the stream")
+    if len(at) > 1 and not bool(np.all(at[1:] > at[:-1])):
+        raise PageKeyError("pagekeys pages are not in increasing order")
+    return at, kept
+
+
+def check(record: Any, size: int) -> str:
+    """What is wrong with a stream's `pagekeys` RECORD (SIZE: the stream's bytes); empty: nothing."""
+    try:
+        load(record, size)
+    except PageKeyError as e:
+        return str(e)
+    return ""
+
+
+class PageIndex:
+    """Every sampled page of a parent snapshot's page-cut streams, by kept key: where a new chunk's
+    pages lay in the parent, at any distance and in any stream."""
+
+    def __init__(self, streams: list[tuple[str, Any, int]]) -> None:
+        """STREAMS: (name, its `pagekeys` record, its size); a stream without a record is left out (a
+        record of another form cannot reach here: the manifest carrying it was refused at load)."""
+        self.names = [name for name, _, _ in streams]
+        ats, keys_, ids = [], [], []
+        for i, (_, record, size) in enumerate(streams):
+            at, kept = load(record, size)
+            ats.append(at.astype(np.int64))
+            keys_.append(kept)
+            ids.append(np.full(len(at), i, np.int32))
+        cat = (lambda parts, dt: np.concatenate(parts) if parts else np.zeros(0, dt))
+        k, a, s = cat(keys_, np.uint32), cat(ats, np.int64), cat(ids, np.int32)
+        order = np.argsort(k, kind="stable")
+        self._keys, self._at, self._stream = k[order], a[order], s[order]
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    @classmethod
+    def of(cls, streams: list[Any]) -> "PageIndex | None":
+        """The index of a parent's STREAMS (manifest Streams), or None when none carries page keys."""
+        have = [(s.name, s.attrs["pagekeys"], s.size) for s in streams if "pagekeys" in s.attrs]
+        return cls(have) if have else None
+
+    def places(self, data: memoryview, offset: int, most: int = PLACES) -> list[tuple[str, int]]:
+        """Where DATA's sampled pages (DATA at OFFSET of the new stream) lie in the parent, as (parent
+        stream, shift = parent offset - new offset), the most pages agreeing first; at most MOST."""
+        at, kept = sampled(data)
+        if not len(at) or not len(self._keys):
+            return []
+        lo = np.searchsorted(self._keys, kept, "left")
+        hi = np.minimum(np.searchsorted(self._keys, kept, "right"), lo + MAX_HITS_PER_KEY)
+        votes: collections.Counter[tuple[int, int]] = collections.Counter()
+        for j, a, b in zip(at.tolist(), lo.tolist(), hi.tolist()):
+            for h in range(a, b):
+                votes[(int(self._stream[h]), int(self._at[h]) * PAGE - offset - j * PAGE)] += 1
+        return [(self.names[s], shift) for (s, shift), _ in votes.most_common(most)]
