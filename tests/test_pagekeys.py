@@ -147,3 +147,19 @@ def test_a_parent_without_page_keys_still_gives_deltas(cli: Cli, store_dir: Path
     assert "delta-lookup" not in rep["stages"]
     assert rep["new_bytes"] <= 2 * BLOCK, rep["new_bytes"]
     assert cli.json("store", "verify", "--read-data")["ok"]
+
+
+def test_the_key_is_the_one_format_md_writes() -> None:
+    """FORMAT.md's key, computed by hand for pages of random words: another implementation reading
+    the record must get the same keys."""
+    import struct
+    rng = np.random.default_rng(1)
+    for _ in range(4):
+        page = rng.integers(0, 2**63, PAGE // 8, dtype=np.uint64).tobytes()
+        w = struct.unpack("<512Q", page)
+        want = sum(w[64 * j] * (((2 * j + 1) * 0x9E3779B97F4A7C15) % 2**64) for j in range(8)) % 2**64
+        assert int(pagekeys.keys(page)[0]) == want
+        sampled = 0 < want < 2**59
+        at, kept = pagekeys.sampled(page)
+        assert at.tolist() == ([0] if sampled else [])
+        assert kept.tolist() == ([(want >> 27) & 0xFFFFFFFF] if sampled else [])
