@@ -148,16 +148,21 @@ class PageIndex:
         have = [(s.name, s.attrs["pagekeys"], s.size) for s in streams if "pagekeys" in s.attrs]
         return cls(have) if have else None
 
-    def places(self, data: memoryview, offset: int, most: int = PLACES) -> list[tuple[str, int]]:
-        """Where DATA's sampled pages (DATA at OFFSET of the new stream) lie in the parent, as (parent
-        stream, shift = parent offset - new offset), the most pages agreeing first; at most MOST."""
+    def lookup(self, data: memoryview, offset: int, most: int = PLACES) -> tuple[list[tuple[tuple[str, int], int]], int]:
+        """Where DATA's sampled pages (DATA at OFFSET of the new stream) lie in the parent: at most MOST
+        places (parent stream, shift = parent offset - new offset), each with how many sampled pages lie
+        there, the most first; and how many pages of DATA are sampled."""
         at, kept = sampled(data)
         if not len(at) or not len(self._keys):
-            return []
+            return [], len(at)
         lo = np.searchsorted(self._keys, kept, "left")
         hi = np.minimum(np.searchsorted(self._keys, kept, "right"), lo + MAX_HITS_PER_KEY)
         votes: collections.Counter[tuple[int, int]] = collections.Counter()
         for j, a, b in zip(at.tolist(), lo.tolist(), hi.tolist()):
             for h in range(a, b):
                 votes[(int(self._stream[h]), int(self._at[h]) * PAGE - offset - j * PAGE)] += 1
-        return [(self.names[s], shift) for (s, shift), _ in votes.most_common(most)]
+        return [((self.names[s], shift), v) for (s, shift), v in votes.most_common(most)], len(at)
+
+    def places(self, data: memoryview, offset: int, most: int = PLACES) -> list[tuple[str, int]]:
+        """lookup's places alone, the most agreeing first."""
+        return [p for p, _ in self.lookup(data, offset, most)[0]]

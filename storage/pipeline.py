@@ -442,9 +442,23 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
                     stages.add("delta", time.perf_counter() - t1, n)
                     return same
 
+                looked: list[tuple[Place, int]] = []
+                if pindex is not None:
+                    # where its sampled pages lay in the parent (any stream, any distance): tried first
+                    # when most of them agree on one place (a restored process's memory is laid out
+                    # again, and the neighbours' place is then often not this chunk's: each wrong
+                    # candidate costs a base read and an XOR)
+                    t0 = time.perf_counter()
+                    looked, nsampled = pindex.lookup(view, off)
+                    stages.add("delta-lookup", time.perf_counter() - t0, n)
+                    top = looked[0] if looked else None
+                    if top is not None and 2 * top[1] > nsampled and off + top[0][1] + n > 0:
+                        attempt(top[0])
                 for place in shifts.candidates(name, off, n, hint):
-                    if attempt(place) >= DELTA_MATCH:
+                    if max((t[0] for t in tried), default=0.0) >= DELTA_MATCH:
                         break
+                    if place not in (t[1] for t in tried):
+                        attempt(place)
                 guess = shifts.guess(name, off)
                 best = max((t[0] for t in tried), default=0.0)
                 if guess is not None and best < DELTA_MATCH and (hint is None or best < 0.5):
@@ -459,14 +473,10 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
                     for s in found:
                         if (guess[0], s) not in (t[1] for t in tried) and off + s + n > 0:
                             attempt((guess[0], s))
-                if pindex is not None and max((t[0] for t in tried), default=0.0) < DELTA_MATCH:
-                    # still no place holds it: where its sampled pages lay anywhere in the parent (a
-                    # restored process's memory is laid out again: a region may move by hundreds of
-                    # MiB, or into another page image)
-                    t0 = time.perf_counter()
-                    places = pindex.places(view, off)
-                    stages.add("delta-lookup", time.perf_counter() - t0, n)
-                    for place in places:
+                if max((t[0] for t in tried), default=0.0) < DELTA_MATCH:
+                    # still no place holds it: the other places its sampled pages name (a chunk
+                    # straddling two moved regions is mixed from them below)
+                    for place, _ in looked:
                         if place not in (t[1] for t in tried) and off + place[1] + n > 0:
                             attempt(place)
                 if not tried:
