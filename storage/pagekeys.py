@@ -13,7 +13,7 @@ import base64
 import binascii
 import collections
 import threading
-from typing import Any
+from typing import Any, Container
 
 import numpy as np
 
@@ -29,6 +29,7 @@ _KEPT = np.uint64(_KEPT_SHIFT)
 _MULT = ((np.arange(8, dtype=np.uint64) * np.uint64(2) + np.uint64(1)) * np.uint64(0x9E3779B97F4A7C15))
 MAX_HITS_PER_KEY = 4    # a key found at more places than this (repeated pages) votes for its first ones only
 PLACES = 3              # a lookup returns at most this many places
+MAX_PAGES = 1 << 32     # pages from this index on are not recorded (32-bit indices)
 
 
 def keys(data: memoryview | bytes | Any) -> np.ndarray:
@@ -60,11 +61,17 @@ class Collector:
         self._parts: dict[str, list[tuple[np.ndarray, np.ndarray]]] = collections.defaultdict(list)
 
     def add(self, stream: str, offset: int, data: memoryview) -> None:
-        """The pages of DATA, which lies at OFFSET (a whole page) of STREAM."""
+        """The pages of DATA, which lies at OFFSET (a whole page) of STREAM. A key seen again in the same
+        chunk is recorded once (a repeated page says nothing more about where it lay), and no page
+        from the 2**32nd on is recorded (the record's indices are 32-bit)."""
         at, kept = sampled(data)
         if len(at):
+            _, first = np.unique(kept, return_index=True)
+            first.sort()
+            at, kept = at[first] + offset // PAGE, kept[first]
+            keep = at < MAX_PAGES
             with self._lock:
-                self._parts[stream].append((at + offset // PAGE, kept))
+                self._parts[stream].append((at[keep], kept[keep]))
 
     def record(self, stream: str) -> dict[str, Any]:
         """STREAM's attrs record (possibly with no entries)."""
@@ -73,7 +80,13 @@ class Collector:
         if parts:
             at = np.concatenate([p[0] for p in parts])
             kept = np.concatenate([p[1] for p in parts])
-            order = np.argsort(at, kind="stable")
+            if len(at) > 2 * (int(at.max()) + 1) // EVERY + 16:
+                # a stream crafted so that every page is sampled (the key is linear in its words):
+                # kept to twice the usual share, spread evenly, so that no tenant grows a manifest
+                keep = np.linspace(0, len(at) - 1, 2 * (int(at.max()) + 1) // EVERY + 16).astype(np.int64)
+                order = np.argsort(at, kind="stable")[keep]
+            else:
+                order = np.argsort(at, kind="stable")
             at, kept = at[order].astype("<u4"), kept[order].astype("<u4")
         else:
             at, kept = np.zeros(0, "<u4"), np.zeros(0, "<u4")
@@ -93,13 +106,21 @@ def _decode(v: Any, what: str) -> np.ndarray:
     return np.frombuffer(raw, dtype="<u4")
 
 
+def known(record: Any) -> bool:
+    """Whether RECORD (a dict) is of the kind this reader computes: another `key` or `every` (a later
+    writer's) is kept and ignored, never damage, since a record is only a hint."""
+    return record.get("key") == KEY and type(record.get("every")) is int and record["every"] == EVERY
+
+
 def load(record: Any, size: int) -> tuple[np.ndarray, np.ndarray]:
-    """The page indices and kept keys of RECORD, the `pagekeys` of a stream of SIZE bytes; PageKeyError
-    for any other form."""
-    if not isinstance(record, dict) or set(record) != {"key", "every", "at", "keys"}:
+    """The page indices and kept keys of RECORD, the `pagekeys` of a stream of SIZE bytes (empty for a
+    record of another kind); PageKeyError for any other form."""
+    if not isinstance(record, dict) or not isinstance(record.get("key"), str) or len(record["key"]) > 64:
+        raise PageKeyError("pagekeys is not a record with a key name")
+    if not known(record):
+        return np.zeros(0, "<u4"), np.zeros(0, "<u4")
+    if set(record) != {"key", "every", "at", "keys"}:
         raise PageKeyError("pagekeys is not a record of key, every, at and keys")
-    if record["key"] != KEY or record["every"] != EVERY or isinstance(record["every"], bool):
-        raise PageKeyError(f"pagekeys of an unknown kind ({record['key']!r:.20}, every {record['every']!r:.20})")
     at, kept = _decode(record["at"], "at"), _decode(record["keys"], "keys")
     if len(at) != len(kept):
         raise PageKeyError(f"pagekeys name {len(at)} pages but {len(kept)} keys")
@@ -143,9 +164,12 @@ class PageIndex:
         return len(self._keys)
 
     @classmethod
-    def of(cls, streams: list[Any]) -> "PageIndex | None":
-        """The index of a parent's STREAMS (manifest Streams), or None when none carries page keys."""
-        have = [(s.name, s.attrs["pagekeys"], s.size) for s in streams if "pagekeys" in s.attrs]
+    def of(cls, streams: list[Any], among: Container[str]) -> "PageIndex | None":
+        """The index of those of a parent's STREAMS (manifest Streams) named in AMONG (the streams a
+        delta can be cut from: a record on any other, say one of zero chunks only, would name places
+        no candidate can take), or None when none of them carries page keys of this kind."""
+        have = [(s.name, s.attrs["pagekeys"], s.size) for s in streams
+                if s.name in among and isinstance(s.attrs.get("pagekeys"), dict) and known(s.attrs["pagekeys"])]
         return cls(have) if have else None
 
     def lookup(self, data: memoryview, offset: int, most: int = PLACES) -> tuple[list[tuple[tuple[str, int], int]], int]:

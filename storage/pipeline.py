@@ -375,7 +375,8 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
     at = _parent_chunks(parent) if parent is not None else None
     shifts = _Shifts(at, _cut_by_content(parent)) if at and parent is not None else None
     # where the parent's pages lay, anywhere (its streams' page keys; none in a parent written before them)
-    pindex = (pagekeys.PageIndex.of(parent.streams)
+    # (built at the first lookup: a put whose chunks are all found unchanged never pays for it)
+    pindex = (_Lazy(functools.partial(pagekeys.PageIndex.of, parent.streams, at))
               if at and parent is not None and os.environ.get("GPUSNAP_PAGE_LOOKUP", "1") != "0" else None)
     collector = pagekeys.Collector() if chunker == "pages" else None  # this put's own page keys
     effort = _Effort() if at else None
@@ -443,13 +444,14 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
                     return same
 
                 looked: list[tuple[Place, int]] = []
-                if pindex is not None:
+                index = pindex.get() if pindex is not None else None
+                if index is not None:
                     # where its sampled pages lay in the parent (any stream, any distance): tried first
                     # when most of them agree on one place (a restored process's memory is laid out
                     # again, and the neighbours' place is then often not this chunk's: each wrong
                     # candidate costs a base read and an XOR)
                     t0 = time.perf_counter()
-                    looked, nsampled = pindex.lookup(view, off)
+                    looked, nsampled = index.lookup(view, off)
                     stages.add("delta-lookup", time.perf_counter() - t0, n)
                     top = looked[0] if looked else None
                     if top is not None and 2 * top[1] > nsampled and off + top[0][1] + n > 0:
@@ -473,9 +475,11 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
                     for s in found:
                         if (guess[0], s) not in (t[1] for t in tried) and off + s + n > 0:
                             attempt((guess[0], s))
-                if max((t[0] for t in tried), default=0.0) < DELTA_MATCH:
+                best = max((t[0] for t in tried), default=0.0)
+                if best < DELTA_MATCH and (hint is None or best < 0.5):
                     # still no place holds it: the other places its sampled pages name (a chunk
-                    # straddling two moved regions is mixed from them below)
+                    # straddling two moved regions is mixed from them below); not where three cuts
+                    # in a row placed it and half of it held, as for the search
                     for place, _ in looked:
                         if place not in (t[1] for t in tried) and off + place[1] + n > 0:
                             attempt(place)
@@ -1018,6 +1022,23 @@ def _search_shifts(store: SnapshotStore, chunks: tuple[list[int], list[ChunkRef]
         if votes and votes.most_common(1)[0][1] >= max(2, len(want) // 2):
             break  # half the pages sampled agree: that is where they went
     return [v for v, _ in votes.most_common(2)]
+
+
+class _Lazy:
+    """A value made by MAKE at its first get(), once, whichever thread asks first."""
+
+    def __init__(self, make: Callable[[], Any]) -> None:
+        self._make: Callable[[], Any] | None = make
+        self._value: Any = None
+        self._lock = threading.Lock()
+
+    def get(self) -> Any:
+        if self._make is not None:
+            with self._lock:
+                if self._make is not None:
+                    self._value = self._make()
+                    self._make = None
+        return self._value
 
 
 class _KeyCache:

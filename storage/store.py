@@ -1609,6 +1609,9 @@ class SnapshotWriter:
         final = manifest_entry(self.name)
         tmp = owned_name("manifest")
         data = manifest.dumps()
+        if len(data) > MAX_MANIFEST:  # no reader would load it: refused here, before it is visible
+            raise StoreError(f"snapshot {self.name!r}: its manifest would be {len(data)} bytes, more than any "
+                             f"manifest may be ({MAX_MANIFEST}); nothing was committed (store fewer, larger files)")
         t0 = time.perf_counter()
         try:
             if self._pw is not None:
