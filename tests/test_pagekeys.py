@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -126,26 +127,41 @@ def test_a_kv_pool_laid_out_again_far_from_where_it_was_is_stored_as_deltas(cli:
     assert (tmp_path / "out" / "img" / "pages-1.img").read_bytes() == b
 
 
-def test_a_parent_without_page_keys_still_gives_deltas(cli: Cli, store_dir: Path, tmp_path: Path) -> None:
-    """A parent written before page keys existed (its records removed here): the nearby search alone."""
-    rng = np.random.default_rng(32)
-    a = weights(rng, 24 << 20)
-    b = bytearray(a)
-    b[5 << 20:(5 << 20) + BLOCK] = weights(rng, BLOCK)
+def _one_block_after_a_forged_parent(cli: Cli, store_dir: Path, tmp_path: Path, seed: int, records: Any) -> dict:
+    """Snapshot a (weights, page-cut), its page keys records replaced by RECORDS(old) (None: removed),
+    then b, the same bytes with one 64 KiB block rewritten, put with a as its parent: b's report. a
+    still reads back whole, and the store verifies."""
+    rng = np.random.default_rng(seed)
+    a = weights(rng, 16 << 20)
     src = tmp_path / "img"
     src.mkdir()
     (src / "pages-1.img").write_bytes(a)
     cli.run("store", "put", "a", str(src), "--chunker", "pages")
 
-    def strip(body: dict) -> None:
+    def change(body: dict) -> None:
         for s in body["streams"]:
-            s["attrs"].pop("pagekeys", None)
-    rewrite_manifest(store_dir / "snapshots" / "a.json", strip)
+            if "pagekeys" in s["attrs"]:
+                new = records(s["attrs"]["pagekeys"])
+                if new is None:
+                    del s["attrs"]["pagekeys"]
+                else:
+                    s["attrs"]["pagekeys"] = new
+    rewrite_manifest(store_dir / "snapshots" / "a.json", change)
+    cli.run("store", "get", "a", str(tmp_path / "out"))
+    assert (tmp_path / "out" / "img" / "pages-1.img").read_bytes() == a
+    b = bytearray(a)
+    b[5 << 20:(5 << 20) + BLOCK] = weights(rng, BLOCK)
     (src / "pages-1.img").write_bytes(bytes(b))
-    rep = cli.json("store", "put", "b", str(src), "--chunker", "pages", "--no-cache", "--parent", "a")
+    rep: dict = cli.json("store", "put", "b", str(src), "--chunker", "pages", "--no-cache", "--parent", "a")
+    assert cli.json("store", "verify", "--read-data")["ok"]
+    return rep
+
+
+def test_a_parent_without_page_keys_still_gives_deltas(cli: Cli, store_dir: Path, tmp_path: Path) -> None:
+    """A parent written before page keys existed (its records removed here): the nearby search alone."""
+    rep = _one_block_after_a_forged_parent(cli, store_dir, tmp_path, 32, lambda old: None)
     assert "delta-lookup" not in rep["stages"]
     assert rep["new_bytes"] <= 2 * BLOCK, rep["new_bytes"]
-    assert cli.json("store", "verify", "--read-data")["ok"]
 
 
 def test_the_key_is_the_one_format_md_writes() -> None:
@@ -170,27 +186,9 @@ def test_the_key_is_the_one_format_md_writes() -> None:
 def test_page_keys_of_another_kind_are_kept_and_ignored(cli: Cli, store_dir: Path, tmp_path: Path,
                                                        other: dict) -> None:
     """A later writer's record (another key or sampling): a hint this reader does not compute, so it is
-    neither damage (the snapshot reads and restores) nor used (a put with it as parent has no lookup)."""
-    rng = np.random.default_rng(9)
-    data = weights(rng, 8 << 20)
-    src = tmp_path / "img"
-    src.mkdir()
-    (src / "pages-1.img").write_bytes(data)
-    cli.run("store", "put", "a", str(src), "--chunker", "pages")
-
-    def change(body: dict) -> None:
-        for s in body["streams"]:
-            if "pagekeys" in s["attrs"]:
-                s["attrs"]["pagekeys"] = other
-    rewrite_manifest(store_dir / "snapshots" / "a.json", change)
-    cli.run("store", "get", "a", str(tmp_path / "out"))
-    assert (tmp_path / "out" / "img" / "pages-1.img").read_bytes() == data
-    changed = bytearray(data)
-    changed[1 << 20:(1 << 20) + BLOCK] = weights(rng, BLOCK)
-    (src / "pages-1.img").write_bytes(bytes(changed))
-    rep = cli.json("store", "put", "b", str(src), "--chunker", "pages", "--no-cache", "--parent", "a")
+    neither damage (the snapshot reads back) nor used (a put with it as parent has no lookup)."""
+    rep = _one_block_after_a_forged_parent(cli, store_dir, tmp_path, 9, lambda old: other)
     assert "delta-lookup" not in rep["stages"] and rep["new_bytes"] <= 2 * BLOCK, rep
-    assert cli.json("store", "verify", "--read-data")["ok"]
 
 
 def test_page_keys_on_a_stream_of_zero_chunks_name_no_place(cli: Cli, store_dir: Path, tmp_path: Path) -> None:
