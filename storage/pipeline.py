@@ -382,6 +382,7 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
     effort = _Effort() if at else None
     if at:  # neighbouring new chunks share their parent chunks: a larger cache of decoded bases pays here
         writer.store.keep_bases(base_cache_bytes())
+    decoded_before = writer.store.bases_decoded
     failed: set[str] = set()  # parent chunks that could not be read as bases during this put
     with BufferPool(workers * 2 if chunker == "fixed" else 0, HEADER_SIZE + chunk_size) as staging, \
             BufferPool(workers, HEADER_SIZE + chunk_size) as scratch, \
@@ -441,6 +442,7 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
                         return 0.0  # a reference no reader would take (a parent delta's bad table, too many bases)
                     tried.append((same, place, segs, raws, diffs))
                     stages.add("delta", time.perf_counter() - t1, n)
+                    stages.add("delta:tried", 0.0, n)  # one per candidate (stage delta also counts the encoding)
                     return same
 
                 looked: list[tuple[Place, int]] = []
@@ -771,6 +773,9 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
         for stream in keyed:
             assert collector is not None
             stream.attrs["pagekeys"] = collector.record(stream.name)
+    if at:  # what the bases cost: decoded once each unless the cache let one go (stage delta-base counts
+        # the bases of every candidate tried, cached or not)
+        stages.add("delta-base:decoded", 0.0, writer.store.bases_decoded - decoded_before)
     res = writer_result(writer, stages, time.perf_counter() - t_start)
     res.extra.update(files_unchanged=reused[0], bytes_unchanged=reused[1])
     return res

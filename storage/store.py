@@ -291,6 +291,7 @@ class SnapshotStore:
         self._no_chunk_files: set[str] = set()
         self._bases: OrderedDict[str, bytes] = OrderedDict()  # delta bases read (raw, verified), newest last
         self._bases_total = 0
+        self.bases_decoded = 0  # raw bytes of delta bases read and decoded (not from the cache), ever
         self._bases_most = BASE_CACHE  # a put with a parent raises it (keep_bases); a restore's fill
                                        # processes each have a store object of their own: not there
         self._bases_loading: dict[str, threading.Event] = {}  # bases one thread is reading for all who ask
@@ -792,6 +793,8 @@ class SnapshotStore:
         finally:
             with self._bases_lock:
                 del self._bases_loading[bid]
+                if raw is not None:
+                    self.bases_decoded += len(raw)
                 if raw is not None and bid not in self._bases:
                     self._bases[bid] = raw
                     self._bases_total += len(raw)
