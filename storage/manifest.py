@@ -22,6 +22,7 @@ from .codecs import CODEC_IDS, ZERO
 from .names import STREAM_PATH_MAX, validate_snapshot_name, validate_stream_name
 
 from .errors import DamageError, GpusnapError
+from . import limits
 from .limits import MAX_RAW_CHUNK, MAX_STORED_CHUNK
 
 FORMAT = "gpusnap-manifest"
@@ -37,6 +38,10 @@ _KIND_RE = re.compile(r"[a-z][a-z0-9_-]{0,31}")
 
 class ManifestError(GpusnapError):
     """A manifest that does not parse, fails its checksum, or is of an unknown format."""
+
+
+class ManifestTooLarge(GpusnapError):
+    """A manifest whose encoding would be larger than any reader loads (limits.MAX_MANIFEST)."""
 
 
 class ManifestDamage(ManifestError, DamageError):
@@ -147,6 +152,21 @@ class Manifest:
                 "hash": "blake3", "meta": self.meta, "tags": list(self.tags), "host": self.host,
                 "gpusnap_version": self.tool, "summary": {"size": self.size, "streams": len(self.streams)},
                 "streams": [s.to_json() for s in self.streams]}
+
+    def dumps_bounded(self, doing: str, shed_hints: bool = False) -> bytes:
+        """dumps(), refused (ManifestTooLarge, naming DOING) when it is larger than any reader loads: what
+        writes a manifest (a commit, a retag, a push, an export) writes only what can be read back. With
+        SHED_HINTS (a commit or a retag, which write the snapshot's manifest anew) the streams' page keys,
+        hints only, are dropped first rather than the snapshot refused."""
+        data = self.dumps()
+        if len(data) > limits.MAX_MANIFEST and shed_hints and any("pagekeys" in s.attrs for s in self.streams):
+            for s in self.streams:
+                s.attrs.pop("pagekeys", None)
+            data = self.dumps()
+        if len(data) > limits.MAX_MANIFEST:
+            raise ManifestTooLarge(f"snapshot {self.name!r}: its manifest would be {len(data)} bytes, more than "
+                                   f"any manifest may be ({limits.MAX_MANIFEST}); nothing was {doing}")
+        return data
 
     def dumps(self) -> bytes:
         """The file: every field but `streams` first (sorted), then `streams` last, so that a reader of the

@@ -412,10 +412,12 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
             n = len(view)
             tried: list[tuple[float, Place, list[delta.Segment], dict[str, bytes | memoryview], Any]] = []
             held: list[list[delta.Segment] | None] = [None]
+            attempted: set[Place] = set()  # every place attempted, scored or not (a failed one is not in TRIED)
             with dscratch.borrowed() as d, xscratch.borrowed() as x:
                 def attempt(place: Place) -> float:
                     """The parent's bytes at PLACE as this chunk's reference: scored (the fraction of
                     its bytes they hold) and kept in TRIED; 0 when they cannot be read or cut."""
+                    attempted.add(place)  # tried once, whatever comes of it
                     t0 = time.perf_counter()
                     segs = _window(writer.store, at[place[0]], off + place[1], n)
                     raws: dict[str, bytes | memoryview] = {}
@@ -461,7 +463,7 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
                 for place in shifts.candidates(name, off, n, hint):
                     if max((t[0] for t in tried), default=0.0) >= DELTA_MATCH:
                         break
-                    if place not in (t[1] for t in tried):
+                    if place not in attempted:
                         attempt(place)
                 guess = shifts.guess(name, off)
                 best = max((t[0] for t in tried), default=0.0)
@@ -475,7 +477,7 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
                     found = _search_shifts(writer.store, at[guess[0]], view, off, guess[1], failed)
                     stages.add("delta-search", time.perf_counter() - t0, n)
                     for s in found:
-                        if (guess[0], s) not in (t[1] for t in tried) and off + s + n > 0:
+                        if (guess[0], s) not in attempted and off + s + n > 0:
                             attempt((guess[0], s))
                 best = max((t[0] for t in tried), default=0.0)
                 if best < DELTA_MATCH and (hint is None or best < 0.5):
@@ -483,7 +485,7 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
                     # straddling two moved regions is mixed from them below); not where three cuts
                     # in a row placed it and half of it held, as for the search
                     for place, _ in looked:
-                        if place not in (t[1] for t in tried) and off + place[1] + n > 0:
+                        if place not in attempted and off + place[1] + n > 0:
                             attempt(place)
                 if not tried:
                     return None

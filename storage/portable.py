@@ -85,6 +85,7 @@ def export(store: SnapshotStore, name: str, out: IO[bytes], level: int = 3) -> d
     with store.shared():
         m = store.load(validate_snapshot_name(name))
         refs = {c.id: c for s in m.streams for c in s.chunks if c.id is not None}
+        manifest = m.dumps_bounded("exported")  # what import loads (MAX_MANIFEST): refused before a byte is written
         buf = AlignedBuffer(store.chunk_buffer_size([m]))
         cctx = zstandard.ZstdCompressor(level=level, threads=-1)
         stored = 0
@@ -92,7 +93,7 @@ def export(store: SnapshotStore, name: str, out: IO[bytes], level: int = 3) -> d
             with cctx.stream_writer(out, closefd=False) as zw, tarfile.open(fileobj=zw, mode="w|") as tar:
                 _add(tar, "gpusnap-export.json", json.dumps(
                     {"format": EXPORT_FORMAT, "version": EXPORT_VERSION, "snapshot": m.name}).encode())
-                _add(tar, "manifest.json", m.dumps())
+                _add(tar, "manifest.json", manifest)
                 for cid, ref in sorted(refs.items()):
                     try:
                         header, payload = store.expanded(cid, *store.read_stored(ref, buf))  # a delta: whole

@@ -778,7 +778,7 @@ class Remote:
         rep = TransferReport(name, self.cfg.name, "push")
         with store.shared():
             m = store.load(name)
-            data = m.dumps()
+            data = m.dumps_bounded("pushed")  # what the remote's readers load (MAX_MANIFEST)
             refs = distinct_refs(m)
             rep.chunks_total = len(refs)
             rep.bytes_total = sum(HEADER_SIZE + r.stored_len for r in refs)

@@ -1611,10 +1611,7 @@ class SnapshotWriter:
             manifest.host = self.host
         final = manifest_entry(self.name)
         tmp = owned_name("manifest")
-        data = manifest.dumps()
-        if len(data) > MAX_MANIFEST:  # no reader would load it: refused here, before it is visible
-            raise StoreError(f"snapshot {self.name!r}: its manifest would be {len(data)} bytes, more than any "
-                             f"manifest may be ({MAX_MANIFEST}); nothing was committed (store fewer, larger files)")
+        data = manifest.dumps_bounded("committed", shed_hints=True)  # no reader would load a larger one
         t0 = time.perf_counter()
         try:
             if self._pw is not None:

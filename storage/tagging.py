@@ -46,7 +46,7 @@ def retag(store: SnapshotStore, name: str, add: Sequence[str] = (), remove: Sequ
         if tags == m.tags:
             return m.tags, tags, False
         new = Manifest(m.name, m.streams, m.meta, m.created, tags, m.host, m.tool)
-        data = new.dumps()
+        data = new.dumps_bounded("retagged", shed_hints=True)  # a foreign layout may grow when written anew
         Manifest.loads(data, where=f"snapshot {name!r}")  # what is renamed into place is what a reader accepts
         tmp = owned_name("manifest")
         try:

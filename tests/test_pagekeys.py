@@ -248,24 +248,46 @@ def test_a_stream_crafted_so_every_page_is_sampled_keeps_a_bounded_record() -> N
     assert len(pagekeys.load(c2.record("r"), len(same))[0]) == 1
 
 
-def test_a_manifest_larger_than_any_reader_loads_is_never_committed(store_dir: Path,
-                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    """The writer refuses what no reader would load (MAX_MANIFEST), one line, nothing visible."""
-    import storage.store as store_mod
+def _many_streams(st: Any, name: str, n: int, attrs: dict) -> None:
+    """Commit snapshot NAME of N one-chunk blob streams with ATTRS (the library's writer)."""
     from storage.directio import AlignedBuffer
     from storage.manifest import Stream
-    monkeypatch.setattr(store_mod, "MAX_MANIFEST", 4096)
-    st = store_mod.SnapshotStore(str(store_dir))
     buf = AlignedBuffer(8192 + 4096)
     try:
         buf.view[4096:4096 + 5000] = bytes(range(256)) * 19 + bytes(136)
-        with pytest.raises(store_mod.StoreError, match="more than any manifest may be"):
-            with st.writer("big") as w:
-                for i in range(200):
-                    s = Stream(f"f{i}", {"type": "blob"})
-                    s.chunks.append(w.put_chunk("raw", 5000, buf.view, 5000))
-                    w.add_stream(s)
-                w.commit()
+        with st.writer(name) as w:
+            for i in range(n):
+                s = Stream(f"f{i}", {"type": "blob", **attrs})
+                s.chunks.append(w.put_chunk("raw", 5000, buf.view, 5000))
+                w.add_stream(s)
+            w.commit()
     finally:
         buf.close()
+
+
+def test_a_manifest_larger_than_any_reader_loads_is_never_written(store_dir: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The writer refuses what no reader would load (MAX_MANIFEST), one line, nothing visible; page keys,
+    hints only, give way first; a retag that would grow a manifest past the limit leaves it as it was."""
+    import storage.limits as limits
+    from storage.manifest import ManifestTooLarge
+    from storage.store import SnapshotStore
+    from storage.tagging import retag
+    st = SnapshotStore(str(store_dir))
+    _many_streams(st, "small", 3, {})
+    before = (store_dir / "snapshots" / "small.json").read_bytes()
+    monkeypatch.setattr(limits, "MAX_MANIFEST", 4096)
+    with pytest.raises(ManifestTooLarge, match="more than any manifest may be"):
+        _many_streams(st, "big", 200, {})
     assert not (store_dir / "snapshots" / "big.json").exists()
+    # the same streams' chunk lists fit; their page keys do not: committed without them
+    c = pagekeys.Collector()
+    c.add("x", 0, memoryview(_all_sampled(1)))
+    monkeypatch.setattr(limits, "MAX_MANIFEST", len(before) + 30)  # "hinted" is one byte longer than "small"
+    _many_streams(st, "hinted", 3, {"pagekeys": c.record("x")})
+    m = st.load("hinted")
+    assert all("pagekeys" not in s.attrs for s in m.streams)
+    monkeypatch.setattr(limits, "MAX_MANIFEST", len(before) + 8)
+    with pytest.raises(ManifestTooLarge, match="nothing was retagged"):
+        retag(st, "small", add=["a-long-tag-that-does-not-fit"])
+    assert (store_dir / "snapshots" / "small.json").read_bytes() == before
