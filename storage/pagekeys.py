@@ -2,7 +2,8 @@
 the lookup a later put with that snapshot as its parent uses to find a page wherever it lay.
 
 Guarantees kept here (storage/FORMAT.md, "Page keys"): the record a put writes is exactly the form
-`check` accepts, and `check` refuses every other form (a manifest carrying one is damaged); a page
+`check` accepts; a record of this kind in any other form is refused (a manifest carrying one is
+damaged), and a record of another kind (a later writer's key or sampling) is kept and ignored; a page
 index built from a parent only ever yields candidate places (a stream of that parent and a shift),
 never bytes: a wrong or hostile record costs attempts, bounded per chunk, and nothing else, because
 every candidate reference is scored by its XOR and every chunk is verified by its id.
@@ -21,7 +22,7 @@ PAGE = 4096
 KEY = "strided8"        # the key's name in the record: eight words, one per 512-byte eighth of a page
 EVERY = 32              # one page in EVERY is sampled (by content: its key's top 5 bits are zero)
 _SAMPLE_SHIFT = 59      # a page is sampled when key >> _SAMPLE_SHIFT == 0 (32 = 2**(64 - 59))
-_KEPT_SHIFT = 27       # the record keeps bits 27..58 of a sampled key
+_KEPT_SHIFT = 27        # the record keeps bits 27..58 of a sampled key
 _STRIDE = PAGE // 8 // 8  # the words keyed: 0, 64, ..., 448
 _ONE = np.uint64(1)
 _BELOW = np.uint64((1 << _SAMPLE_SHIFT) - 1)
