@@ -16,6 +16,8 @@ raised to the caller.
 """
 from __future__ import annotations
 
+import collections
+
 import os
 import threading
 import time
@@ -255,15 +257,16 @@ def read_chunks(store: PackSource, wants: list[Want], deliver: Callable[[Want, A
                 if halted() or finished[0]:
                     return
             issued = 0
-            for run in runs:
-                if not run[0][1].pack:
-                    continue
-                with it_lock:
-                    taken_cond.wait_for(lambda: halted() or finished[0] or issued - taken[0] < prefetch)
-                    if halted() or finished[0]:
-                        return
-                _advise(store, run, halted)  # only a hint: the reader meets (and reports) what is wrong
-                issued += _span(run)
+            with _PackFds(store) as fds:
+                for run in runs:
+                    if not run[0][1].pack:
+                        continue
+                    with it_lock:
+                        taken_cond.wait_for(lambda: halted() or finished[0] or issued - taken[0] < prefetch)
+                        if halted() or finished[0]:
+                            return
+                    _advise(fds, run, halted)  # only a hint: the reader meets (and reports) what is wrong
+                    issued += _span(run)
 
         pre = threading.Thread(target=ahead, name="gpusnap-prefetch", daemon=True) if prefetch > 0 else None
         if pre is not None:
@@ -306,55 +309,91 @@ def read_ahead(store: PackSource, refs: list[ChunkRef], gap: int = 0,
             planned.append((i, locs[0]))
     asked = 0
     runs = coalesce(planned, gap=gap, most=RUN_MAX)
-    if advise or not resident:
-        for run in runs:
-            if stop():
-                break
-            if _advise(store, run, stop):
-                asked += _span(run)
-    if resident:
-        scratch = bytearray(step)
-        for run in runs:
-            if stop():
-                break
-            if _touch(store, run, scratch, stop) and not advise:
-                asked += _span(run)
+    with _PackFds(store) as fds:  # each pack opened once: a restore's runs are small and scattered
+        if advise or not resident:
+            for run in runs:
+                if stop():
+                    break
+                if _advise(fds, run, stop):
+                    asked += _span(run)
+        if resident:
+            scratch = bytearray(step)
+            for run in runs:
+                if stop():
+                    break
+                if _touch(fds, run, scratch, stop) and not advise:
+                    asked += _span(run)
     return asked
 
 
-def _touch(store: PackSource, run: list[tuple[int, Loc]], scratch: bytearray, stop: Callable[[], bool]) -> bool:
+class _PackFds:
+    """The packs read_ahead reads, each opened (checked, as every pack open is) once and closed at
+    the end: per run, an open and a close cost as many GIL handoffs as the read itself, and a restore's
+    runs in CRIU's order are a chunk or two each (~1.4 MB on the H200), so beside a restore's planning
+    the thread spent most of its time waiting for the GIL between small steps. None for a pack that
+    cannot be opened (a hint: the reads that follow meet and report it)."""
+
+    MOST = 32  # open at once at most (the least recently used closed first): a store may hold thousands
+
+    def __init__(self, store: PackSource) -> None:
+        self._store = store
+        self._fds: collections.OrderedDict[str, int | None] = collections.OrderedDict()
+
+    def __enter__(self) -> "_PackFds":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for fd in self._fds.values():
+            if fd is not None:
+                os.close(fd)
+        self._fds.clear()
+
+    def get(self, pack: str) -> int | None:
+        if pack in self._fds:
+            self._fds.move_to_end(pack)
+            return self._fds[pack]
+        try:
+            with self._store.subdir("packs") as packs:
+                fd: int | None = open_pack(packs, pack, "")
+        except (OSError, ChunkError, GpusnapError):
+            fd = None
+        self._fds[pack] = fd
+        while len(self._fds) > self.MOST:
+            old = self._fds.popitem(last=False)[1]
+            if old is not None:
+                os.close(old)
+        return fd
+
+
+def _touch(fds: _PackFds, run: list[tuple[int, Loc]], scratch: bytearray, stop: Callable[[], bool]) -> bool:
     """RUN's bytes read (and dropped) through the page cache: they are resident when this returns
     (True: read to the end). A hint only, like _advise: failures are for the reads that follow to meet."""
     first = run[0][1]
+    fd = fds.get(first.pack)
+    if fd is None:
+        return False
     try:
-        with store.subdir("packs") as packs:
-            fd = open_pack(packs, first.pack, "")
-        try:
-            off, end = first.offset, first.offset + _span(run)
-            while off < end and not stop():
-                n = os.preadv(fd, [memoryview(scratch)[:min(len(scratch), end - off)]], off)
-                if n <= 0:
-                    break
-                off += n
-            return off >= end
-        finally:
-            os.close(fd)
-    except (OSError, ChunkError, GpusnapError):
+        off, end = first.offset, first.offset + _span(run)
+        while off < end and not stop():
+            n = os.preadv(fd, [memoryview(scratch)[:min(len(scratch), end - off)]], off)
+            if n <= 0:
+                break
+            off += n
+        return off >= end
+    except OSError:
         return False
 
 
-def _advise(store: PackSource, run: list[tuple[int, Loc]], stop: Callable[[], bool]) -> bool:
+def _advise(fds: _PackFds, run: list[tuple[int, Loc]], stop: Callable[[], bool]) -> bool:
     """WILLNEED over the bytes one read of RUN covers (see willneed); False when its pack could not
     be opened or advised (a hint only: the reads that follow meet and report what is wrong)."""
     first = run[0][1]
+    fd = fds.get(first.pack)
+    if fd is None:
+        return False
     try:
-        with store.subdir("packs") as packs:
-            fd = open_pack(packs, first.pack, "")
-        try:
-            willneed(fd, first.offset, _span(run), stop)
-        finally:
-            os.close(fd)
-    except (OSError, ChunkError, GpusnapError):
+        willneed(fd, first.offset, _span(run), stop)
+    except OSError:
         return False
     return True
 

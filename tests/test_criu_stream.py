@@ -728,3 +728,48 @@ def test_early_reads_stopped_at_once_leave_the_rest_on_disk(tmp_path: Path) -> N
     early.stop()
     assert not [t for t in threading.enumerate() if t.name == "gpusnap-early-read"]
     assert resident_bytes(packs) < 128 << 20  # stopped at once: a few of its 16 MiB reads at most
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="dropping the page cache needs root")
+def test_read_ahead_opens_each_pack_once_and_bounds_the_fds_it_holds(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The early reads of a restore go in CRIU's order, a chunk or two per read, across many packs:
+    a pack is opened once while it is read (not per read: each open and close was as many GIL
+    handoffs as the read itself), at most MOST at once, every one closed at the end."""
+    import random
+    from storage import pipeline, readstage
+    from storage.filetree import FileTreeSource
+    from storage.store import SnapshotStore
+    from support.pagecache import resident_bytes
+    st = SnapshotStore(str(tmp_path / "store"))
+    for k in range(3):  # three snapshots, three packs
+        src = tmp_path / f"src{k}"
+        src.mkdir()
+        (src / "blob").write_bytes(os.urandom(24 << 20))
+        with st.writer(f"s{k}") as w:
+            pipeline.put(w, FileTreeSource([str(src)]), workers=2, chunk_size=1 << 20)
+            w.commit()
+    refs = [c for k in range(3) for s in st.load(f"s{k}").streams for c in s.chunks if not c.is_zero]
+    assert len({st.locate(c.id)[0].pack for c in refs}) == 3
+    os.sync()
+    Path("/proc/sys/vm/drop_caches").write_text("3")
+    order = sorted(refs, key=lambda c: st.locate(c.id)[0].pack)  # pack by pack: each opened once
+    mixed = list(refs)
+    random.Random(3).shuffle(mixed)  # scattered over the packs, as a restore's may be
+    opened: list[str] = []
+    real = readstage.open_pack
+
+    def counting(packs: int, pack: str, cid: str) -> int:
+        opened.append(pack)
+        return real(packs, pack, cid)
+    monkeypatch.setattr(readstage, "open_pack", counting)
+    fds_before = len(os.listdir("/proc/self/fd"))
+    want = sum(c.stored_len for c in refs)
+    assert readstage.read_ahead(st, order, resident=True, advise=False, step=16 << 20) >= want
+    assert len(opened) == 3
+    assert resident_bytes(tmp_path / "store" / "packs") >= want
+    monkeypatch.setattr(readstage._PackFds, "MOST", 2)  # fewer than the packs: the oldest closed, opened again
+    opened.clear()
+    assert readstage.read_ahead(st, mixed, resident=True, advise=False, step=16 << 20) >= want
+    assert 3 <= len(opened) < len(mixed)
+    assert len(os.listdir("/proc/self/fd")) == fds_before  # nothing left open
