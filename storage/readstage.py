@@ -17,7 +17,6 @@ raised to the caller.
 from __future__ import annotations
 
 import collections
-
 import os
 import threading
 import time
@@ -327,8 +326,8 @@ def read_ahead(store: PackSource, refs: list[ChunkRef], gap: int = 0,
 
 
 class _PackFds:
-    """The packs read_ahead reads, each opened (checked, as every pack open is) once and closed at
-    the end: per run, an open and a close cost as many GIL handoffs as the read itself, and a restore's
+    """The packs a read-ahead (read_ahead, read_chunks' prefetch) asks for, each opened (checked, as
+    every pack open is) once and closed at the end: per run, an open and a close cost as many GIL handoffs as the read itself, and a restore's
     runs in CRIU's order are a chunk or two each (~1.4 MB on the H200), so beside a restore's planning
     the thread spent most of its time waiting for the GIL between small steps. None for a pack that
     cannot be opened (a hint: the reads that follow meet and report it)."""
