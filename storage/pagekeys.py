@@ -61,11 +61,13 @@ class Collector:
         self._lock = threading.Lock()
         self._parts: dict[str, list[tuple[np.ndarray, np.ndarray]]] = collections.defaultdict(list)
 
-    def add(self, stream: str, offset: int, data: memoryview) -> None:
-        """The pages of DATA, which lies at OFFSET (a whole page) of STREAM. A key seen again in the same
-        chunk is recorded once (a repeated page says nothing more about where it lay), and no page
-        from the 2**32nd on is recorded (the record's indices are 32-bit)."""
-        at, kept = sampled(data)
+    def add(self, stream: str, offset: int, data: memoryview,
+            sample: tuple[np.ndarray, np.ndarray] | None = None) -> None:
+        """The pages of DATA, which lies at OFFSET (a whole page) of STREAM (SAMPLE: sampled(DATA), where
+        the caller has it already). A key seen again in the same chunk is recorded once (a repeated page
+        says nothing more about where it lay), and no page from the 2**32nd on is recorded (the
+        record's indices are 32-bit)."""
+        at, kept = sample if sample is not None else sampled(data)
         if len(at):
             _, first = np.unique(kept, return_index=True)
             first.sort()
@@ -173,11 +175,13 @@ class PageIndex:
                 if s.name in among and isinstance(s.attrs.get("pagekeys"), dict) and known(s.attrs["pagekeys"])]
         return cls(have) if have else None
 
-    def lookup(self, data: memoryview, offset: int, most: int = PLACES) -> tuple[list[tuple[tuple[str, int], int]], int]:
-        """Where DATA's sampled pages (DATA at OFFSET of the new stream) lie in the parent: at most MOST
-        places (parent stream, shift = parent offset - new offset), each with how many sampled pages lie
-        there, the most first; and how many pages of DATA are sampled."""
-        at, kept = sampled(data)
+    def lookup(self, data: memoryview, offset: int, most: int = PLACES,
+               sample: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[list[tuple[tuple[str, int], int]], int]:
+        """Where DATA's sampled pages (DATA at OFFSET of the new stream; SAMPLE: sampled(DATA), where the
+        caller has it already) lie in the parent: at most MOST places (parent stream, shift = parent
+        offset - new offset), each with how many sampled pages lie there, the most first; and how many
+        pages of DATA are sampled."""
+        at, kept = sample if sample is not None else sampled(data)
         if not len(at) or not len(self._keys):
             return [], len(at)
         lo = np.searchsorted(self._keys, kept, "left")

@@ -26,7 +26,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Generator, Iterator, Protocol
+from typing import Any, Callable, Generator, Generic, Iterator, Protocol, TypeVar
 
 import numpy as np
 
@@ -376,7 +376,7 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
     shifts = _Shifts(at, _cut_by_content(parent)) if at and parent is not None else None
     # where the parent's pages lay, anywhere (its streams' page keys; none in a parent written before them)
     # (built at the first lookup: a put whose chunks are all found unchanged never pays for it)
-    pindex = (_Lazy(functools.partial(pagekeys.PageIndex.of, parent.streams, at))
+    pindex = (_Once(functools.partial(pagekeys.PageIndex.of, parent.streams, at))
               if at and parent is not None and os.environ.get("GPUSNAP_PAGE_LOOKUP", "1") != "0" else None)
     collector = pagekeys.Collector() if chunker == "pages" else None  # this put's own page keys
     effort = _Effort() if at else None
@@ -395,7 +395,8 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
         whole: list[tuple[Stream, list[list[ChunkRef]]]] = []
 
         def as_delta(cid: str, view: memoryview, plain_len: int, name: str, off: int,
-                     hint: Place | None, plain: Callable[[], tuple[str, int]] | None = None) -> ChunkRef | None:
+                     hint: Place | None, plain: Callable[[], tuple[str, int]] | None = None,
+                     sample: tuple[Any, Any] | None = None) -> ChunkRef | None:
             """VIEW (at OFF of stream NAME) stored as a delta against what the parent held at the same
             place (its full chunks' bytes; through a delta chunk, that delta's own bases), if that
             saves DELTA_PAYS_OFF of the plain encoding (PLAIN_LEN bytes, estimated). The same place is: HINT,
@@ -448,14 +449,14 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
                     return same
 
                 looked: list[tuple[Place, int]] = []
-                index = pindex.get() if pindex is not None else None
+                index = pindex() if pindex is not None else None
                 if index is not None:
                     # where its sampled pages lay in the parent (any stream, any distance): tried first
                     # when most of them agree on one place (a restored process's memory is laid out
                     # again, and the neighbours' place is then often not this chunk's: each wrong
                     # candidate costs a base read and an XOR)
                     t0 = time.perf_counter()
-                    looked, nsampled = index.lookup(view, off)
+                    looked, nsampled = index.lookup(view, off, sample=sample)  # SAMPLE: the page keys' own
                     stages.add("delta-lookup", time.perf_counter() - t0, n)
                     top = looked[0] if looked else None
                     if top is not None and 2 * top[1] > nsampled and off + top[0][1] + n > 0:
@@ -540,9 +541,11 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
                 if zero:
                     chunks[idx] = writer.note_zero(n)
                 else:
+                    sample = None  # the chunk's sampled pages: recorded, and looked up if it is new
                     if collector is not None and off % PAGE == 0:
                         t2 = time.perf_counter()
-                        collector.add(name, off, view)
+                        sample = pagekeys.sampled(view)
+                        collector.add(name, off, view, sample)
                         stages.add("page-keys", time.perf_counter() - t2, n)
                     cid, present = writer.find_raw(view)
                     if present is not None:
@@ -575,7 +578,7 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
                                     # whether anything after this chunk was placed when its candidates
                                     # were chosen (asked before: a worker may place one meanwhile)
                                     blind = shifts is not None and shifts.nothing_after(name, off)
-                                    got = as_delta(cid, view, m, name, off, hint, plain)
+                                    got = as_delta(cid, view, m, name, off, hint, plain, sample)
                                     later = got is None and blind and set_aside(
                                         chunks, idx, view, name, off, hint, plain.got[1] if plain.got else m,
                                         plain.got is not None)
@@ -1031,23 +1034,6 @@ def _search_shifts(store: SnapshotStore, chunks: tuple[list[int], list[ChunkRef]
     return [v for v, _ in votes.most_common(2)]
 
 
-class _Lazy:
-    """A value made by MAKE at its first get(), once, whichever thread asks first."""
-
-    def __init__(self, make: Callable[[], Any]) -> None:
-        self._make: Callable[[], Any] | None = make
-        self._value: Any = None
-        self._lock = threading.Lock()
-
-    def get(self) -> Any:
-        if self._make is not None:
-            with self._lock:
-                if self._make is not None:
-                    self._value = self._make()
-                    self._make = None
-        return self._value
-
-
 class _KeyCache:
     """The page keys of the parent chunks searched last (by chunk id), shared by the workers."""
 
@@ -1074,18 +1060,27 @@ _KEYS = _KeyCache(512)  # ~512 chunks' pages: 2.6 MB of keys
 SHIFTS_TRIED = 32  # the stream's most frequent shifts a chunk's start is checked against
 
 
-class _Once:
-    """FN's result, made on the first call and kept in GOT (a new chunk's plain encoding, which a put
-    with a parent makes at most once, and only if it needs it)."""
+_T = TypeVar("_T")
 
-    def __init__(self, fn: Callable[[], tuple[str, int]]) -> None:
+
+class _Once(Generic[_T]):
+    """FN's result, made on the first call (whichever thread makes it) and kept in GOT: a new chunk's
+    plain encoding, which a put with a parent makes at most once and only if it needs it; the
+    parent's page index, built at the first lookup."""
+
+    def __init__(self, fn: Callable[[], _T]) -> None:
         self.fn = fn
-        self.got: tuple[str, int] | None = None
+        self.got: _T | None = None
+        self._made = False  # FN may give None (a parent without page keys)
+        self._lock = threading.Lock()
 
-    def __call__(self) -> tuple[str, int]:
-        if self.got is None:
-            self.got = self.fn()
-        return self.got
+    def __call__(self) -> _T:
+        if not self._made:
+            with self._lock:
+                if not self._made:
+                    self.got = self.fn()
+                    self._made = True
+        return self.got  # type: ignore[return-value] # made: FN's own result, None where FN gave None
 
 
 def _window(store: SnapshotStore, chunks: tuple[list[int], list[ChunkRef]], off: int,
