@@ -246,18 +246,24 @@ class Shuffle2Codec:
     """`shuffle2-zstd`: 2-byte elements (bf16, fp16, int16) split into their low and high byte planes,
     each plane zstd-compressed or kept as it is. Payload (FORMAT.md, "Codec ids"):
 
-        0       u8   layout version, 1
+        0       u8   layout: 1 the elements as they are; 2 each element rotated left by one bit first
         1       u8   plane 0 (the low bytes) stored as: 0 itself, 1 one zstd frame
         2       u8   plane 1 (the high bytes) likewise
         3..7         zero
         8..15   u64 LE  plane 0's stored length
         16..         plane 0, then plane 1 (the rest of the payload)
 
-    The raw length is even; each plane decodes to exactly half of it.
+    The raw length is even; each plane decodes to exactly half of it. This writer writes layout 2: a
+    bf16's high plane is then its whole exponent and its low plane its mantissa and sign, so the
+    exponent's last bit, which is not noise, is coded with the rest of the exponent instead of being
+    stored among the mantissa's noise (~1% fewer bytes on bf16 weights and KV blocks; fp16 unchanged).
+    Layout 1 is still read.
     """
 
     name = "shuffle2-zstd"
     _HEAD = struct.Struct("<BBB5xQ")
+    LAYOUT = 2  # what this writer writes
+    _BLOCK = 1 << 18  # elements per step of a layout 2 split or merge (its temporaries stay in cache)
 
     def __init__(self) -> None:
         self.zstd = ZstdCodec(params=PLANE_ZSTD)
@@ -270,13 +276,21 @@ class Shuffle2Codec:
             buf = self._local.buf = _np().empty(n, _np().uint8)
         return buf[:n]
 
-    @staticmethod
-    def split(data: memoryview, planes: np.ndarray) -> None:
-        """The low bytes of DATA's 2-byte elements into PLANES[:h], the high bytes into PLANES[h:]."""
+    def _step(self) -> np.ndarray:
+        """This thread's temporary for one step of a layout 2 split or merge (_BLOCK 2-byte elements)."""
+        t = getattr(self._local, "step", None)
+        if t is None:
+            t = self._local.step = _np().empty(self._BLOCK, "<u2")
+        return t
+
+    def split(self, data: memoryview, planes: np.ndarray, layout: int | None = None) -> None:
+        """The low bytes of DATA's 2-byte elements (in LAYOUT) into PLANES[:h], the high bytes into
+        PLANES[h:]."""
         a = _np().frombuffer(data, "<u2")
         h = a.size
-        Shuffle2Codec._plane_of(a, 0, planes[:h])
-        Shuffle2Codec._plane_of(a, 1, planes[h:])
+        layout = self.LAYOUT if layout is None else layout
+        self._plane_of(a, 0, planes[:h], layout)
+        self._plane_of(a, 1, planes[h:], layout)
 
     def probe(self, data: memoryview) -> tuple[tuple[bool, bool], int]:
         """On DATA (a sample, even length): whether each plane pays zstd, and the payload size that
@@ -324,10 +338,10 @@ class Shuffle2Codec:
             if not which[i]:
                 if room < h:
                     return None
-                self._plane_of(a, i, out[pos:pos + h])
+                self._plane_of(a, i, out[pos:pos + h], self.LAYOUT)
                 pos += h
             else:
-                self._plane_of(a, i, planes)
+                self._plane_of(a, i, planes, self.LAYOUT)
                 z = self.zstd.encode_into(planes.data, dst[pos:pos + min(room, int(PLANE_PAYS_OFF * h))])
                 if z is not None:
                     kinds[i] = 1
@@ -339,16 +353,26 @@ class Shuffle2Codec:
                     pos += h
             if i == 0:
                 n0 = pos - head
-        dst[:head] = self._HEAD.pack(1, kinds[0], kinds[1], n0)
+        dst[:head] = self._HEAD.pack(self.LAYOUT, kinds[0], kinds[1], n0)
         return pos
 
-    @staticmethod
-    def _plane_of(a: np.ndarray, i: int, into: np.ndarray) -> None:
-        """Plane I of the 2-byte elements A (0: low bytes, 1: high bytes) into INTO."""
-        if i == 0:
-            _np().bitwise_and(a, 0xFF, out=into, casting="unsafe")
+    def _plane_of(self, a: np.ndarray, i: int, into: np.ndarray, layout: int) -> None:
+        """Plane I of the 2-byte elements A (0: low bytes, 1: high bytes) in LAYOUT into INTO. Layout 2
+        takes the bytes of each element rotated left by one bit: the high plane is bits 7..14 (a bf16's
+        exponent), the low plane bits 0..6 shifted up by one with bit 15 (the sign) as its bit 0."""
+        np = _np()
+        if i == 1:
+            np.right_shift(a, 7 if layout == 2 else 8, out=into, casting="unsafe")  # the cast keeps 8 bits
+        elif layout != 2:
+            np.bitwise_and(a, 0xFF, out=into, casting="unsafe")
         else:
-            _np().right_shift(a, 8, out=into, casting="unsafe")
+            sign = self._step().view(np.uint8)
+            for s in range(0, a.size, self._BLOCK):
+                e = min(a.size, s + self._BLOCK)
+                seg, t = into[s:e], sign[:e - s]
+                np.left_shift(a[s:e], 1, out=seg, casting="unsafe")
+                np.right_shift(a[s:e], 15, out=t, casting="unsafe")
+                np.bitwise_or(seg, t, out=seg)
 
     @staticmethod
     def _check_plane(kind: int, stored: memoryview, h: int) -> None:
@@ -384,9 +408,9 @@ class Shuffle2Codec:
         payload = memoryview(payload).cast("B")
         if raw_len % 2 or len(payload) < self._HEAD.size:
             raise CodecError(f"shuffle2-zstd payload of {len(payload)} bytes for {raw_len} raw bytes")
-        version, k0, k1, n0 = self._HEAD.unpack_from(payload)
-        if version != 1 or n0 > len(payload) - self._HEAD.size:
-            raise CodecError(f"shuffle2-zstd header unknown (layout {version}, plane 0 of {n0} bytes)")
+        layout, k0, k1, n0 = self._HEAD.unpack_from(payload)
+        if layout not in (1, 2) or n0 > len(payload) - self._HEAD.size:
+            raise CodecError(f"shuffle2-zstd header unknown (layout {layout}, plane 0 of {n0} bytes)")
         h = raw_len // 2
         body = payload[self._HEAD.size:]
         p0, p1 = body[:n0], body[n0:]
@@ -398,10 +422,26 @@ class Shuffle2Codec:
         lo = self._plane(k0, p0, h, planes[:h])
         hi = self._plane(k1, p1, h, planes[k0 * h:k0 * h + h])
         dst = memoryview(bytearray(raw_len)) if out is None else out[:raw_len]
-        o = _np().frombuffer(dst, "<u2")
-        _np().left_shift(hi, 8, out=o, dtype="<u2")
-        _np().bitwise_or(o, lo, out=o)
+        self._merge(lo, hi, _np().frombuffer(dst, "<u2"), layout)
         return dst
+
+    def _merge(self, lo: np.ndarray, hi: np.ndarray, o: np.ndarray, layout: int) -> None:
+        """The 2-byte elements O from their planes LO and HI in LAYOUT (2: each rotated right by one bit
+        after the bytes are joined, a step of _BLOCK elements at a time)."""
+        np = _np()
+        if layout != 2:
+            np.left_shift(hi, 8, out=o, dtype="<u2")
+            np.bitwise_or(o, lo, out=o)
+            return
+        step = self._step()
+        for s in range(0, o.size, self._BLOCK):
+            e = min(o.size, s + self._BLOCK)
+            seg, t = o[s:e], step[:e - s]
+            np.left_shift(hi[s:e], 8, out=seg, dtype="<u2")
+            np.bitwise_or(seg, lo[s:e], out=seg)
+            np.left_shift(seg, 15, out=t)
+            np.right_shift(seg, 1, out=seg)
+            np.bitwise_or(seg, t, out=seg)
 
 
 _RAW = RawCodec()

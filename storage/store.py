@@ -71,9 +71,10 @@ if TYPE_CHECKING:
 STORE_FORMAT = "gpusnap-store"
 STORE_VERSION = 3  # what a new store's marker says
 DELTA_VERSION = 4  # the marker once a delta entry may be in the store (FORMAT.md, "Store versions")
-PLANES_VERSION = 5  # the marker before this gpusnap's first delta entry (its XOR may be byte planes)
-READ_VERSIONS = (1, 2, 3, 4, 5)  # 1: GSNPCHK1 chunk files only; 2: chunk files of both kinds; 3: packs;
-                                 # 4: deltas; 5: deltas whose XOR may be byte planes
+PLANES_VERSION = 5  # the marker once a delta's XOR may be byte planes
+WRITE_VERSION = 6  # the marker before this gpusnap's first pack entry (a shuffle2-zstd payload may be layout 2)
+READ_VERSIONS = (1, 2, 3, 4, 5, 6)  # 1: GSNPCHK1 chunk files only; 2: chunk files of both kinds; 3: packs;
+                                    # 4: deltas; 5: deltas whose XOR may be byte planes; 6: shuffle2 layout 2
 BASE_CACHE = 256 << 20  # raw bytes of delta bases kept in memory per store object (a restore's deltas; a
                          # dump's candidates: neighbouring new chunks share their parent chunks, and the
                          # producers work at several places of an image at once) ...
@@ -388,14 +389,31 @@ class SnapshotStore:
             raise StoreError(f"{self.path}: store format {got} is not {STORE_FORMAT} v{READ_VERSIONS[-1]} "
                              "or older")
         self.version: int = info["version"]
+        try:
+            self.deltas: bool = self._says_deltas(info)
+        except StoreDamage as e:
+            raise StoreDamage(f"{self.path}/{e}") from None
         self._created = info.get("created")
 
-    def _write_marker(self, created: str | None, version: int = STORE_VERSION) -> None:
-        """Write the store marker (VERSION) through tmp/: fsynced, renamed, the store fsynced."""
+    @staticmethod
+    def _says_deltas(info: dict) -> bool:
+        """Whether the marker INFO says a delta entry may be in the store: versions 4 and 5 always, 6
+        with `"deltas": true` (FORMAT.md, "Store versions"). Anything but true or absent there is damage."""
+        d = info.get("deltas", False)
+        if not isinstance(d, bool):
+            raise StoreDamage(f"{MARKER}: deltas is {d!r}, not true or false")
+        return info.get("version") in (DELTA_VERSION, PLANES_VERSION) or d
+
+    def _write_marker(self, created: str | None, version: int = STORE_VERSION, deltas: bool = False) -> None:
+        """Write the store marker (VERSION; DELTAS: a delta may be in the store, said from version 6 on)
+        through tmp/: fsynced, renamed, the store fsynced."""
         with self.root() as (root, uid), opened_dir(root, TMP, uid, TMP) as tmp:
             name = owned_name("marker")
-            data = json.dumps({"format": STORE_FORMAT, "version": version,
-                               "created": created or datetime.now(timezone.utc).isoformat()}).encode()
+            info: dict = {"format": STORE_FORMAT, "version": version,
+                          "created": created or datetime.now(timezone.utc).isoformat()}
+            if deltas and version >= WRITE_VERSION:
+                info["deltas"] = True
+            data = json.dumps(info).encode()
             _write_file(tmp, name, data)
             try:
                 os.rename(name, MARKER, src_dir_fd=tmp, dst_dir_fd=root)
@@ -404,14 +422,14 @@ class SnapshotStore:
                 raise
             os.fsync(root)
 
-    def upgrade(self, to: int = STORE_VERSION) -> None:
-        """Make a version 1 or 2 store version 3 before its first pack is written, and a store version
-        5 (TO = PLANES_VERSION) before its first delta entry (FORMAT.md, "Store versions"): packs/ and
-        index/ are made, then the marker says the version, so a gpusnap that reads only older versions
-        refuses the store instead of misreading it. Idempotent; several writers may race to do it
-        (each renames a complete marker)."""
+    def upgrade(self, to: int = WRITE_VERSION, deltas: bool = False) -> None:
+        """Make a store version 6 before this gpusnap writes its first pack entry there, and say so in
+        its marker before its first delta entry (DELTAS; FORMAT.md, "Store versions"): packs/ and index/
+        are made, then the marker says the version, so a gpusnap that reads only older versions refuses
+        the store instead of misreading it. Idempotent; several writers may race to do it (each renames
+        a complete marker)."""
         with self._upgrade_lock:
-            if self.version >= to:
+            if self.version >= to and (self.deltas or not deltas):
                 return
             try:
                 with self.root() as (root, _):
@@ -419,40 +437,45 @@ class SnapshotStore:
                     # directory (every upgrader of this version takes it), so a writer that opened
                     # the store at 3 and now needs 4 or 5 never writes over a 5 another one wrote
                     fcntl.flock(root, fcntl.LOCK_EX)
-                    on_disk = self._version_on_disk(root)
+                    on_disk, had_deltas = self._marker_on_disk(root)
                     if on_disk is not None and on_disk not in READ_VERSIONS:
                         raise StoreError(f"{self.path}: store format {STORE_FORMAT} v{on_disk} (written since this "
                                          f"store was opened) is not {STORE_FORMAT} v{READ_VERSIONS[-1]} or older")
-                    if on_disk is not None and on_disk >= to:
-                        self.version = on_disk
+                    deltas = deltas or had_deltas or self.deltas
+                    if on_disk is not None and on_disk >= to and (had_deltas or not deltas):
+                        self.version, self.deltas = on_disk, had_deltas
                         return
+                    to = max(to, on_disk or 0)
                     for d in PACK_DIRS:
                         try:
                             os.mkdir(d, 0o700, dir_fd=root)
                         except FileExistsError:
                             pass
                     os.fsync(root)
-                    self._write_marker(self._created, to)
+                    self._write_marker(self._created, to, deltas)
             except OSError as e:
                 raise StoreError(_io_message(f"upgrading the store marker to version {to}", e, self.path)) from None
-            self.version = to
+            self.version, self.deltas = to, deltas
 
-    @staticmethod
-    def _version_on_disk(root: int) -> int | None:
-        """The version the marker in the store directory ROOT says now; None when it cannot be read."""
+    @classmethod
+    def _marker_on_disk(cls, root: int) -> tuple[int | None, bool]:
+        """The version the marker in the store directory ROOT says now, and whether it says a delta may
+        be in the store; (None, True) when it cannot be read (so: unknown, deltas included)."""
         try:
             fd = os.open(MARKER, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=root)
             try:
                 info = json.loads(os.read(fd, _RECORD_MAX))
             finally:
                 os.close(fd)
-        except (OSError, ValueError):
-            return None
-        v = info.get("version") if isinstance(info, dict) else None
-        return v if isinstance(v, int) and not isinstance(v, bool) else None
+            v = info.get("version") if isinstance(info, dict) else None
+            if not isinstance(v, int) or isinstance(v, bool):
+                return None, True
+            return v, cls._says_deltas(info)
+        except (OSError, ValueError, GpusnapError):
+            return None, True
 
     def _create(self) -> None:
-        self.version = STORE_VERSION
+        self.version, self.deltas = STORE_VERSION, False
         self._created = None
         try:
             os.makedirs(self.path, mode=0o700, exist_ok=True)
@@ -881,16 +904,16 @@ class SnapshotStore:
             raise EntryUnknown(f"delta chunk {cid[:16]}…: its table cannot be read ({e})") from None
 
     def may_hold_deltas(self) -> bool:
-        """Whether this store's marker says version 4 or 5 (read again: another process may have written
-        the first delta since this object was opened). A store below it holds no delta entry."""
-        if self.version >= DELTA_VERSION:
+        """Whether this store's marker says a delta entry may be in the store (versions 4 and 5; 6 with
+        `deltas`), read again: another process may have written the first delta since this object was
+        opened. A store whose marker does not say it holds no delta entry."""
+        if self.deltas:
             return True
         try:
             with self.root() as (root, _):
-                on_disk = self._version_on_disk(root)
+                return self._marker_on_disk(root)[1]  # unreadable: unknown, so True
         except (OSError, GpusnapError):
             return True  # unknown: look at the entries
-        return on_disk is None or on_disk != self.version  # None: unreadable, so unknown too
 
     def delta_bases(self, cids: Iterable[str]) -> dict[str, set[str]]:
         """delta id -> its base ids, for each of CIDS whose entry a reader takes first (in a pack) is a delta."""
@@ -1565,12 +1588,13 @@ class SnapshotWriter:
         """Store chunk CID (the raw id of its RAW_LEN raw bytes) as the delta entry whose payload
         (storage/delta.py: its segment table, then the XOR's encoding) sits at FRAME[HEADER_SIZE:]. The
         base is a full entry of a committed snapshot (the parent's, or its base), so it is durable
-        before this entry is written; the store's marker says version 5 before the first delta."""
+        before this entry is written; the store's marker says version 6 before the first delta (its
+        XOR may be a layout 2 shuffle2-zstd payload)."""
         try:
-            self.store.upgrade(PLANES_VERSION)
+            self.store.upgrade(WRITE_VERSION, deltas=True)
         except OSError as e:
             raise StoreError(_io_message("upgrading the store marker", e, self.store.path)) from None
-        pause_pack("delta-marker")  # test hook: the marker says 5, no delta appended yet
+        pause_pack("delta-marker")  # test hook: the marker says 6, no delta appended yet
         return self.put_chunk(DELTA, raw_len, frame, stored_len, raw_id=cid)
 
     # ---- as a TierWriter (storage/tier.py): the GPU path's stored-addressed chunks ----

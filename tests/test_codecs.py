@@ -52,8 +52,9 @@ def test_the_choice(data: dict[str, bytes]) -> None:
     for k, e in chosen.items():
         assert bytes(C.decode_host(e.codec, memoryview(e.payload), N)) == data[k]
         assert len(e.payload) <= C.PAYS_OFF_RATIO * N or e.codec == "raw"
-    # the mantissa plane of weights is noise: stored as it is, never compressed
-    assert struct.unpack_from("<BBB", bytes(chosen["weights"].payload[:3])) == (1, 0, 1)
+    # layout 2 (FORMAT.md, "Codec ids"): the mantissa-and-sign plane of weights is noise, stored as it
+    # is, never compressed; the exponent plane is compressed
+    assert struct.unpack_from("<BBB", bytes(chosen["weights"].payload[:3])) == (2, 0, 1)
     # an odd length never takes the 2-byte codec; shuffle off, zstd only
     assert ch.encode(memoryview(data["weights"][:N - 1])).codec in ("zstd", "raw")
     assert C.HostCodecChooser(shuffle=False).encode(memoryview(data["weights"])).codec == "zstd"
@@ -94,8 +95,53 @@ def test_a_small_chunk_probed_whole_is_compressed(data: dict[str, bytes]) -> Non
         assert ch.estimate(text) == want, n
 
 
-def _payload(k0: int, k1: int, p0: bytes, p1: bytes, n0: int | None = None) -> memoryview:
-    return memoryview(struct.pack("<BBB5xQ", 1, k0, k1, len(p0) if n0 is None else n0) + p0 + p1)
+def _payload(k0: int, k1: int, p0: bytes, p1: bytes, n0: int | None = None, layout: int = 2) -> memoryview:
+    return memoryview(struct.pack("<BBB5xQ", layout, k0, k1, len(p0) if n0 is None else n0) + p0 + p1)
+
+
+def _elements(n: int) -> np.ndarray:
+    """N 2-byte elements with every bit pattern in the corners: all 65536 values, then random ones."""
+    rng = np.random.default_rng(11)
+    return np.concatenate([np.arange(65536, dtype="<u2"), rng.integers(0, 65536, n, dtype="<u2")])
+
+
+def test_layout_1_payloads_are_read_and_layout_2_is_the_rotated_split() -> None:
+    """Layout 1 (the bytes as they are) is what stores before version 6 hold: still decoded. Layout 2
+    is each element rotated left one bit, then split: byte for byte what FORMAT.md says, in planes
+    stored as they are and as zstd frames, across a step boundary of the split and the merge."""
+    a = _elements(C.Shuffle2Codec._BLOCK + 12345)
+    raw = a.tobytes()
+    lo1, hi1 = (a & 0xFF).astype(np.uint8).tobytes(), (a >> 8).astype(np.uint8).tobytes()
+    for k0, k1 in ((0, 0), (1, 1), (0, 1)):
+        p0 = zstandard.ZstdCompressor().compress(lo1) if k0 else lo1
+        p1 = zstandard.ZstdCompressor().compress(hi1) if k1 else hi1
+        assert bytes(C.decode_host("shuffle2-zstd", _payload(k0, k1, p0, p1, layout=1), len(raw))) == raw
+    rot = ((a.astype(np.uint32) << 1) | (a >> 15)).astype("<u2")
+    lo2, hi2 = (rot & 0xFF).astype(np.uint8).tobytes(), (rot >> 8).astype(np.uint8).tobytes()
+    for which in ((False, False), (True, True), (False, True)):
+        p = memoryview(C.Shuffle2Codec().encode(memoryview(raw), which))
+        layout, k0, k1, n0 = C.Shuffle2Codec._HEAD.unpack_from(p)
+        body = p[C.Shuffle2Codec._HEAD.size:]
+        planes = [bytes(body[:n0]), bytes(body[n0:])]
+        got = [zstandard.ZstdDecompressor().decompress(q) if k else q for k, q in zip((k0, k1), planes)]
+        assert layout == 2 and got == [lo2, hi2], which
+        assert bytes(C.decode_host("shuffle2-zstd", p, len(raw))) == raw
+        out = bytearray(len(raw) + 7)
+        assert bytes(C.decode_host_into("shuffle2-zstd", p, len(raw), memoryview(out))) == raw
+
+
+def test_layout_2_stores_bf16_in_fewer_bytes_than_layout_1(data: dict[str, bytes]) -> None:
+    """What layout 2 is for: bf16 weights and KV blocks in fewer bytes than the plain byte split."""
+    sh = C.Shuffle2Codec()
+    for kind in ("weights", "kv30"):
+        raw = memoryview(data[kind])
+        planes = np.empty(len(raw), np.uint8)
+        sizes = {}
+        for layout in (1, 2):
+            sh.split(raw, planes, layout)
+            h = len(raw) // 2
+            sizes[layout] = sum(min(h, len(sh.zstd.encode(planes[i * h:(i + 1) * h].data))) for i in (0, 1))
+        assert sizes[2] < 0.995 * sizes[1], (kind, sizes)
 
 
 def test_hostile_shuffle2_payloads_are_refused_within_their_raw_length() -> None:
@@ -109,7 +155,8 @@ def test_hostile_shuffle2_payloads_are_refused_within_their_raw_length() -> None
         "a stored plane of the wrong length": _payload(0, 0, plane[:h - 1], plane[:h + 1]),
         "a zstd plane that decodes to more than its half": _payload(1, 0, bomb, plane[:h]),
         "an unknown plane kind": _payload(7, 0, plane[:h], plane[:h]),
-        "an unknown layout": memoryview(b"\x02" + bytes(ok[1:])),
+        "an unknown layout": memoryview(b"\x03" + bytes(ok[1:])),
+        "layout 0": memoryview(b"\x00" + bytes(ok[1:])),
         "a short header": memoryview(b"\x01\x00"),
         "garbage for a zstd plane": _payload(1, 0, b"\x28\xb5\x2f\xfd" + bytes(50), plane[:h]),
         "a zstd plane that does not declare its size": _payload(

@@ -252,11 +252,11 @@ def host_frames(data: np.ndarray) -> tuple[list[bytes], list[bytes]]:
             frames.append(bytes(p))
             raws.append(bytes(view[i:i + CHUNK]))
         elif e.codec == "shuffle2-zstd":
-            _, k0, k1, n0 = C.Shuffle2Codec._HEAD.unpack_from(p)
+            layout, k0, k1, n0 = C.Shuffle2Codec._HEAD.unpack_from(p)
             body = p[C.Shuffle2Codec._HEAD.size:]
             h = len(view[i:i + CHUNK]) // 2
             planes = np.empty(2 * h, np.uint8)
-            C.Shuffle2Codec.split(view[i:i + CHUNK], planes)
+            C.Shuffle2Codec().split(view[i:i + CHUNK], planes, layout)
             for k, part, plane in ((k0, body[:n0], planes[:h]), (k1, body[n0:], planes[h:])):
                 if k == 1:
                     frames.append(bytes(part))
