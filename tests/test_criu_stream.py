@@ -620,9 +620,13 @@ def test_early_reads_are_the_small_images_then_the_page_images_in_criu_order_wit
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="dropping the page cache needs root")
-def test_early_reads_fill_the_page_cache_until_stopped(tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", ["child", "thread"])
+def test_early_reads_fill_the_page_cache_until_stopped(tmp_path: Path, mode: str,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """EarlyReads: the named pack entries become resident while the restore plans; stop() returns at
-    once and nothing more is asked for after it."""
+    once and nothing more is asked for after it. Its reads are a child process's by default, a
+    thread's where no child can start ($GPUSNAP_EARLY_READS=thread: the same path)."""
+    monkeypatch.setenv("GPUSNAP_EARLY_READS", mode)
     from sandbox.criu.serve import EarlyReads
     from storage.pipeline import Stages
     from support.pagecache import cold_store, resident_bytes

@@ -28,6 +28,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol
 
 from storage import pipeline
+from storage.childreads import ChildReads
 from storage.chunkfile import ChunkError
 from storage.codecs import CodecError, decode_host, decode_host_into
 from storage.directio import BufferPool
@@ -143,16 +144,18 @@ def _short_switch(on: bool) -> None:
 
 
 class EarlyReads:
-    """REFS' pack entries read into the page cache by one thread, in order, from now until stop():
-    the disk reads while gpusnap plans a restore instead of idling. Measured on the H200 (20 GB
-    MoE-like tree, the same run): 11.4 s restores with it, 11.9 s without.
+    """REFS' pack entries read into the page cache, in order, from now until stop(): the disk reads
+    while gpusnap plans a restore instead of idling. Measured on the H200 (20 GB MoE-like tree, the
+    same run): 11.4 s restores with it, 11.9 s without.
 
-    The thread reads (EARLY_STEP bytes a read, through the page cache) rather than asking WILLNEED,
-    and the switch interval is EARLY_SWITCH_S meanwhile: planning is pure-Python work that holds the
-    GIL, and a thread that needs the GIL back after every 128 KiB WILLNEED got almost nothing done
-    beside it. On the dev VM, over 0.4 s beside a pure-Python loop: WILLNEED 11 MB of a cold store,
-    reads of 16 MiB 227-260 MB, with the 1 ms interval 537-563 MB (806 MB with the loop idle); on
-    the H200 one restore's WILLNEED thread got 42 MB into the page cache in 0.32 s, another's 1.1 GB.
+    The reads are a child process's (storage.childreads: EARLY_STEP bytes a read, through the page
+    cache), started and stopped by one thread here. Planning is pure-Python work that holds the GIL,
+    and a thread of this process reading beside it got little: on the H200 0.05-0.36 GB while a
+    restore planned (the disk reads ~1.7 GB/s); on the dev VM, over 0.4 s beside a pure-Python loop,
+    a thread asking WILLNEED got 11 MB of a cold store, reading 16 MiB at a time 227-260 MB, with
+    the switch interval at EARLY_SWITCH_S 537-563 MB (806 MB with the loop idle). Where no child can
+    be started, or with $GPUSNAP_EARLY_READS=thread (for measuring), the thread reads itself that
+    last way.
 
     A hint only, like read_ahead: every byte read later is verified as ever, and a failure here is
     for those reads to meet. Stopped before CRIU's own reads are queued (_read_ahead_for_criu):
@@ -165,6 +168,13 @@ class EarlyReads:
         def run() -> None:
             t0 = time.perf_counter()
             try:
+                child = None if early_reads_mode() == "thread" else ChildReads.started(
+                    store, refs, gap=FILL_GAP, step=EARLY_STEP, stop=self._stop.is_set)
+                if child is not None:
+                    self._stop.wait()
+                    got, _ = child.stop()
+                    stages.add("early read", time.perf_counter() - t0, got)
+                    return
                 asked = read_ahead(store, refs, gap=FILL_GAP, stop=self._stop.is_set, resident=True, advise=False,
                                    step=EARLY_STEP)
             except Exception:  # noqa: BLE001 - a hint (a damaged index is reported by the reads that follow)
@@ -531,10 +541,17 @@ def fill_criu_first() -> bool:
     return os.environ.get("GPUSNAP_FILL_CRIU_FIRST", "1").strip() != "0"
 
 
+def early_reads_mode() -> str:
+    """$GPUSNAP_EARLY_READS: "child" (the default: EarlyReads' reads are a child process's), "thread"
+    (a thread of this process reads them) or "0" (none), the last two for measuring."""
+    v = os.environ.get("GPUSNAP_EARLY_READS", "child").strip()
+    return v if v in ("0", "thread") else "child"
+
+
 def early_reads_on() -> bool:
     """Whether the disk reads the page images while a restore plans (EarlyReads; default yes;
     $GPUSNAP_EARLY_READS=0 turns it off, for measuring)."""
-    return os.environ.get("GPUSNAP_EARLY_READS", "1").strip() != "0"
+    return early_reads_mode() != "0"
 
 
 def split_min() -> int:
