@@ -8,10 +8,11 @@ A child process has its own interpreter, so its reads follow one another at the 
 The parent does everything that needs judgement: it finds the entries in the validated index, opens
 each pack as every pack open is checked (storage.packs.open_pack: directory fds, O_NOFOLLOW, the
 owner), and hands the child only those descriptors and a list of (descriptor, offset, length) to read
-in order. The child is `python -I -S` running _CHILD below (no site, no imports beyond os, select,
-struct, time): it reads each range through the page cache in steps and drops the bytes, checks before
-each step whether its stdin was closed (the parent's stop, or the parent's death) and then reports
-the bytes it read and exits. It parses nothing from the store and writes nothing. A hint only, like
+in order. The child is `python -I -S` running _CHILD below (no site; ctypes, os, select, struct and
+time): it dies with the thread that started it (PR_SET_PDEATHSIG, as the fill's workers do), reads
+each range through the page cache in steps and drops the bytes, checks before each step whether its
+stdin was closed (the parent's stop, or the parent's death) and then reports the bytes it read and
+exits. It parses nothing from the store and writes nothing. A hint only, like
 every read-ahead: the reads that follow check every byte.
 """
 from __future__ import annotations
@@ -30,17 +31,19 @@ if TYPE_CHECKING:
     from .manifest import ChunkRef
     from .readstage import PackSource
 
-PACKS_MOST = 256        # packs one child reads from at most (its descriptors); later runs are left out
+PACKS_MOST = 64         # packs one child reads from at most (its descriptors); later runs are left out
 RUN_MOST = 16 << 20     # bytes one range covers at most (ranges of adjacent entries are coalesced)
 STOP_WAIT_S = 5.0       # how long stop() waits for the child to end before it kills it
 
 _SPEC = struct.Struct("<IQQ")  # one range: descriptor, offset, length
-_HEAD = struct.Struct("<II")   # the number of ranges, the bytes one read asks for
+_HEAD = struct.Struct("<III")  # the number of ranges, the bytes one read asks for, the parent's pid
 
-# The child. It reads its ranges from stdin (the head, then the ranges), then reads them in order,
-# one step at a time, until the end or until stdin is closed; prints "BYTES SECONDS" and exits.
+# The child. It dies with the thread that started it (PR_SET_PDEATHSIG), reads its ranges from stdin
+# (the head, then the ranges), then reads them in order, one step at a time, until the end or until
+# stdin is closed; prints "BYTES SECONDS" and exits.
 _CHILD = r"""
-import os, select, struct, time
+import ctypes, os, select, struct, time
+ctypes.CDLL(None).prctl(1, 9, 0, 0, 0)
 def exact(n):
     out = bytearray()
     while len(out) < n:
@@ -49,7 +52,9 @@ def exact(n):
             raise SystemExit(0)
         out += b
     return bytes(out)
-n, step = struct.unpack("<II", exact(8))
+n, step, parent = struct.unpack("<III", exact(12))
+if os.getppid() != parent:
+    raise SystemExit(0)
 spec = exact(20 * n)
 buf = memoryview(bytearray(step))
 poll = select.poll()
@@ -117,7 +122,7 @@ class ChildReads:
                 proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", _CHILD], stdin=subprocess.PIPE,
                                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, close_fds=True,
                                         pass_fds=[fd for fd in fds.values() if fd is not None])
-            except (OSError, ValueError, subprocess.SubprocessError):
+            except (OSError, ValueError, TypeError, subprocess.SubprocessError):  # TypeError: no sys.executable
                 return None
         finally:
             for fd in fds.values():
@@ -126,7 +131,7 @@ class ChildReads:
         child = cls(proc)
         try:
             assert proc.stdin is not None
-            proc.stdin.write(_HEAD.pack(n, step) + spec)
+            proc.stdin.write(_HEAD.pack(n, step, os.getpid()) + spec)
             proc.stdin.flush()
         except OSError:
             child.stop()

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from . import delta
+from .codecs import DELTA
 from .chunkfile import ChunkError, file_kind, stored_check
 from .directio import AlignedBuffer
 from .errors import GpusnapError
@@ -78,14 +79,18 @@ def collect(store: "SnapshotStore", timeout: float = 30.0) -> GcReport:
         report.damage += [f"{s} (left alone; `gpusnap store rm -- {shlex.quote(s.entry)}` removes it)"
                           for s in strays]
         live: set[str] = set()
+        named_delta = False  # a manifest names a delta entry: the store holds deltas, whatever its marker says
         for n in names:
             try:
-                live |= store.load(n).chunk_ids()
+                m = store.load(n)
             except GpusnapError as e:
                 live |= _damaged_keeps(store, n, e, report)
+                continue
+            live |= m.chunk_ids()
+            named_delta = named_delta or any(c.codec == DELTA for s in m.streams for c in s.chunks)
         with store.root() as (root, uid):
             live |= _journal_pins(root, uid)
-            _packs(store, root, uid, report, live)
+            _packs(store, root, uid, report, live, named_delta)
             for part, fn in ((TMP, _tmp), (NAMES, lambda fd, u, r: _names(fd, r, names)),
                              (CHUNKS, lambda fd, u, r: _chunks(fd, u, r, live)),
                              (QUARANTINE, lambda fd, u, r: _quarantine(store, fd, r, live))):
@@ -122,7 +127,8 @@ def _damaged_keeps(store: "SnapshotStore", name: str, why: GpusnapError, report:
     return ids
 
 
-def _packs(store: "SnapshotStore", root: int, uid: int, report: GcReport, live: set[str]) -> None:
+def _packs(store: "SnapshotStore", root: int, uid: int, report: GcReport, live: set[str],
+           named_delta: bool = False) -> None:
     """Packs (FORMAT.md, "Pack files and the index"): keep one entry of each live id (the one a reader
     uses; a quarantined one only if it is the id's only copy: evidence for repair); delete packs
     without an index and indexed packs with nothing live; repack those whose live bytes are below
@@ -141,7 +147,9 @@ def _packs(store: "SnapshotStore", root: int, uid: int, report: GcReport, live: 
             report.damage += [f"{why} (left alone)" for why in index.damage.values()]
             keep: dict[str, set[int]] = {}
             bases: set[str] = set()
-            deltas = store.may_hold_deltas()  # a store below version 4 holds none: no entry is read
+            # a store whose marker does not say it may hold deltas holds none (no entry header is read),
+            # unless a manifest names one (a marker that lies must not cost a delta its bases)
+            deltas = named_delta or store.may_hold_deltas()
             if deltas and index.damage:
                 # a damaged index's pack may hold deltas whose bases lie in other packs: which those
                 # are is unknown, so nothing may go (`store repair` first)

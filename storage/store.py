@@ -911,7 +911,8 @@ class SnapshotStore:
             return True
         try:
             with self.root() as (root, _):
-                return self._marker_on_disk(root)[1]  # unreadable: unknown, so True
+                version, deltas = self._marker_on_disk(root)
+                return deltas or version not in READ_VERSIONS  # unreadable or unknown: look at the entries
         except (OSError, GpusnapError):
             return True  # unknown: look at the entries
 

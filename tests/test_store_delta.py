@@ -903,3 +903,21 @@ def test_a_base_asked_for_by_many_threads_at_once_is_read_once(tmp_path: Path) -
     assert BASE_CACHE <= base_cache_bytes() <= 1 << 30
     st.keep_bases(1)  # never below the floor
     assert st._bases_most == BASE_CACHE
+
+
+def test_a_marker_that_hides_deltas_does_not_cost_a_delta_its_bases(cli: Cli, store_dir: Path, tmp_path: Path,
+                                                                   images: tuple[bytes, bytes, int]) -> None:
+    """gc reads entry headers for delta bases only where the marker says deltas may be there; a marker
+    that says otherwise (written by hand, or by a buggy writer) while a manifest names a delta must
+    not let gc delete the bases: the manifests' own references say deltas are there."""
+    _, b, _ = images
+    _two(cli, tmp_path, images)
+    cli.run("store", "rm", "a")  # b's delta bases are now named only through b's deltas
+    marker = store_dir / "gpusnap-store.json"
+    info = json.loads(marker.read_text())
+    assert info.pop("deltas") is True
+    marker.write_text(json.dumps(info))
+    cli.run("store", "gc")
+    cli.run("store", "get", "b", str(tmp_path / "out"))
+    assert (tmp_path / "out" / "img" / "pages-1.img").read_bytes() == b
+    assert cli.json("store", "verify", "--read-data")["ok"]
