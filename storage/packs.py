@@ -33,7 +33,6 @@ from .storedir import StoreDamage
 from .pausepoint import pause_at
 
 PACK_TARGET = 128 << 20      # a pack is closed once it holds this many bytes (FORMAT.md)
-SEALS_BEHIND = 2             # full packs being closed (fsync + index) in the background at most (PackWriter)
 REPACK_BELOW = 0.5           # gc repacks a pack whose live bytes are below this fraction of its length
 INDEX_MAX = 16 << 20         # the largest index file loaded
 PACK_MAX = 4 << 30           # the largest pack length an index may record
@@ -274,13 +273,8 @@ class _OpenPack:
 
 class PackWriter:
     """The pack stage of one writer: chunks handed to append() go to the open pack, written where they
-    lie with one large write each, no fsync per chunk; a full pack is closed (fsynced, then indexed)
-    by a thread of its own, while the producers go on into the next pack: on the dev VM's two cores
-    the producer that filled a pack spent ~0.1 s in its fsync, a third of the put's worker time.
-    At most SEALS_BEHIND closes run at once (the producer that fills one more waits for the oldest);
-    flush() closes the open pack and waits for every close, so a commit after it names only packs
-    that are durable and indexed. A close that failed is raised there (or to the next producer that
-    waits for it): its pack was removed, unindexed, and the writer's snapshot must not commit.
+    lie with one large write each, no fsync per chunk; a full pack is closed (fsynced, indexed) by the
+    thread whose chunk filled it, while the other producers go on into the next pack.
 
     ON_INDEXED(pack, pack_len, entries) is called once a pack's index is durable (the store adds it to
     its in-memory index); ON_APPENDED(cid, loc) once an entry's bytes are in its pack (readers of this
@@ -299,7 +293,6 @@ class PackWriter:
         self.target = target
         self._lock = threading.Lock()
         self._open: _OpenPack | None = None
-        self._closing: list[tuple[threading.Thread, list[BaseException]]] = []  # background closes, oldest first
         self.sealed: list[str] = []
         self.write_s = 0.0   # thread-seconds in the pack writes
         self.sync_s = 0.0    # thread-seconds closing packs (fsync + index)
@@ -359,40 +352,8 @@ class PackWriter:
             self.on_appended(cid, loc)
         pause("pack-partial")
         if full:
-            self._seal_behind(p)
-        return loc
-
-    def _seal_behind(self, p: _OpenPack) -> None:
-        """Close P in a thread of its own, once at most SEALS_BEHIND - 1 others are still closing."""
-        self._wait_closes(SEALS_BEHIND - 1)
-        failed: list[BaseException] = []
-
-        def run() -> None:
-            try:
-                self._seal(p)
-            except BaseException as e:  # noqa: BLE001 - raised by whoever waits for this close
-                failed.append(e)
-
-        t = threading.Thread(target=run, name="gpusnap-pack-close", daemon=True)
-        with self._lock:
-            self._closing.append((t, failed))
-        try:
-            t.start()
-        except RuntimeError:  # can't start new thread: close it here
-            with self._lock:
-                self._closing.remove((t, failed))
             self._seal(p)
-
-    def _wait_closes(self, most: int = 0) -> None:
-        """Wait until at most MOST background closes run; the first that failed is raised."""
-        while True:
-            with self._lock:
-                if len(self._closing) <= most:
-                    return
-                t, failed = self._closing.pop(0)
-            t.join()
-            if failed:
-                raise failed[0]
+        return loc
 
     def _seal(self, p: _OpenPack) -> None:
         t0 = time.perf_counter()
@@ -422,38 +383,26 @@ class PackWriter:
         pause("indexed")
 
     def flush(self) -> None:
-        """Close and index the open pack now, and wait for every pack closing in the background
-        (commit, or a chunk-reference log about to name chunks): a failed close is raised here."""
+        """Close and index the open pack now (commit, or a chunk-reference log about to name chunks)."""
         with self._lock:
             p = self._open
-            if p is not None:
-                p.closed = True
-                self._open = None
-        try:
             if p is None:
-                pass
-            elif p.entries or p.inflight:
-                self._seal(p)
-            else:
-                os.close(p.fd)
-                _unlink(self.packs_fd, p.name)
-                if self.on_dropped is not None:
-                    self.on_dropped(p.name)
-        finally:
-            self._wait_closes()
+                return
+            p.closed = True
+            self._open = None
+        if p.entries or p.inflight:
+            self._seal(p)
+        else:
+            os.close(p.fd)
+            _unlink(self.packs_fd, p.name)
+            if self.on_dropped is not None:
+                self.on_dropped(p.name)
 
     def abort(self) -> None:
-        """Remove the open pack (not indexed: nothing names it) once the background closes are done;
-        closed packs stay for gc."""
+        """Remove the open pack (not indexed: nothing names it); closed packs stay for gc."""
         with self._lock:
             p = self._open
             self._open = None
-        while True:
-            try:
-                self._wait_closes()
-                break
-            except BaseException:  # noqa: BLE001 - aborting already: the rest are waited for too
-                continue
         if p is not None:
             with p.done:
                 while p.inflight:
