@@ -507,7 +507,7 @@ def store_repair(ctx: click.Context, sources: tuple[str, ...], wait: float, as_j
 @click.pass_context
 @one_line_errors
 def store_migrate(ctx: click.Context, wait: float, as_json: bool) -> None:
-    """Move the chunk files of a version 1/2 store into pack files (store format v3).
+    """Move the chunk files of a version 1/2 store into pack files (store format v3 and later).
 
     Not needed to use an old store (its chunk files are read as they are); it makes reads sequential.
     A chunk file that fails its check is left in place and named (exit 3)."""
