@@ -229,3 +229,39 @@ def test_bench_codecs_runs_on_the_cpu(tmp_path: Path) -> None:
     assert all(r["exact"] and r["ratio"] >= 1.0 and r["encode_gbps"] > 0 for r in rows)
     w = {r["codec"]: r for r in rows if r["data"] == "weights"}
     assert w["shuffle2-zstd"]["ratio"] > 1.4 > w["zstd-1"]["ratio"]
+
+
+def test_a_version_5_store_of_layout_1_chunks_is_read_and_becomes_version_6(
+        cli: Cli, store_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A store written before layout 2 (version 5, every byte-plane chunk layout 1) is read by this
+    version byte for byte, verified with its data, and becomes version 6 with the first chunk written
+    to it; the chunks it already held stay layout 1 and are still read."""
+    from storage import pipeline
+    from storage.filetree import FileTreeSource
+    from storage.store import SnapshotStore
+    from support.entries import chunk_entries
+    src = tmp_path / "model"
+    src.mkdir()
+    (src / "w.bin").write_bytes(bench_codecs.make_data("weights", 8 << 20).tobytes())
+    monkeypatch.setattr(C._SHUFFLE2, "LAYOUT", 1)  # as the writers before version 6 wrote
+    st = SnapshotStore(str(store_dir), create=True)
+    with st.writer("old") as w:
+        pipeline.put(w, FileTreeSource([str(src)]), workers=2)
+        w.commit()
+    monkeypatch.undo()
+    marker = store_dir / "gpusnap-store.json"
+    marker.write_text(json.dumps({**json.loads(marker.read_text()), "version": 5}))
+    layouts = {e.read()[HEADER_SIZE] for e in chunk_entries(store_dir)}
+    assert layouts == {1}, layouts  # every entry a layout 1 shuffle2-zstd payload
+    cli.run("store", "get", "old", str(tmp_path / "out"))
+    assert tree_digest(tmp_path / "out" / "model") == tree_digest(src)
+    assert cli.json("store", "verify", "--read-data")["ok"]
+    assert json.loads(marker.read_text())["version"] == 5  # reading changes nothing
+    (src / "w2.bin").write_bytes(bench_codecs.make_data("weights", 4 << 20, seed=9).tobytes())
+    cli.run("store", "put", "new", str(src))
+    assert json.loads(marker.read_text())["version"] == 6
+    assert {e.read()[HEADER_SIZE] for e in chunk_entries(store_dir)} == {1, 2}
+    for name in ("old", "new"):
+        cli.run("store", "get", name, str(tmp_path / f"o-{name}"))
+    assert (tmp_path / "o-old" / "model" / "w.bin").read_bytes() == (src / "w.bin").read_bytes()
+    assert tree_digest(tmp_path / "o-new" / "model") == tree_digest(src)
