@@ -393,3 +393,62 @@ def test_get_reads_packs_past_the_page_cache_and_writes_the_same_bytes(cli: Cli,
             assert resident < total // 4, (resident, total)
         else:
             assert resident > total // 2, (resident, total)
+
+
+def test_many_producers_filling_small_packs_index_every_entry_once(tmp_path: Path) -> None:
+    """PackWriter under contention: 8 producers append 1,600 entries into packs of ~64 KiB, so packs
+    fill and close all the time while others append; after flush() every entry is in exactly one
+    indexed pack, each index file matches its pack's length, and every entry reads back. A close of
+    a pack must never be skipped or waited for before it exists (a background close tried on
+    2026-12-03 failed exactly here on the H200)."""
+    import threading
+
+    from storage.chunkfile import ChunkHeader
+    from storage.directio import align_up
+    from storage.packs import PackWriter
+    from storage.chunkfile import HEADER_SIZE as HS
+    root = tmp_path / "s"
+    for d in ("packs", "index", "tmp"):
+        (root / d).mkdir(parents=True)
+    fds = {d: os.open(root / d, os.O_RDONLY | os.O_DIRECTORY) for d in ("packs", "index", "tmp")}
+    indexed: dict[str, tuple[int, list[tuple[str, int, int]]]] = {}
+    lock = threading.Lock()
+    counter = iter(range(10 ** 6))
+
+    def on_indexed(pack: str, length: int, ents: list[tuple[str, int, int]]) -> None:
+        with lock:
+            assert pack not in indexed
+            indexed[pack] = (length, ents)
+
+    pw = PackWriter(fds["packs"], fds["index"], fds["tmp"], lambda: f"idx-{next(counter)}", on_indexed,
+                    target=64 << 10)
+    errors: list[BaseException] = []
+
+    def producer(k: int) -> None:
+        try:
+            for i in range(200):
+                payload = os.urandom(100 + (i * 37 + k) % 5000)
+                cid = f"{k:02x}{i:062x}"
+                header = ChunkHeader("raw", len(payload), len(payload))
+                frame = memoryview(bytearray(HS + align_up(len(payload))))
+                frame[HS:HS + len(payload)] = payload
+                pw.append(cid, header, frame)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=producer, args=(k,)) for k in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    pw.flush()
+    for fd in fds.values():
+        os.close(fd)
+    assert not errors, errors
+    names = [c for _, (_, ents) in indexed.items() for c, _, _ in ents]
+    assert len(names) == len(set(names)) == 8 * 200
+    assert sorted(p.name for p in (root / "packs").iterdir()) == sorted(indexed)
+    for pack, (length, ents) in indexed.items():
+        assert (root / "packs" / pack).stat().st_size == length
+        assert decode_index(pack, (root / "index" / pack).read_bytes()) == (length, sorted(ents, key=lambda e: e[1]))
+    assert len(indexed) > 20  # the packs filled and closed many times while others appended
