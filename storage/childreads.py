@@ -23,16 +23,12 @@ import subprocess
 import sys
 from typing import TYPE_CHECKING, Callable
 
-from .chunkfile import ChunkError
-from .errors import GpusnapError
-from .packs import coalesce, open_pack
+from .readstage import open_pack_quietly
 
 if TYPE_CHECKING:
-    from .manifest import ChunkRef
-    from .readstage import PackSource
+    from .readstage import PackSource, Run
 
 PACKS_MOST = 64         # packs one child reads from at most (its descriptors); later runs are left out
-RUN_MOST = 16 << 20     # bytes one range covers at most (ranges of adjacent entries are coalesced)
 STOP_WAIT_S = 5.0       # how long stop() waits for the child to end before it kills it
 
 _SPEC = struct.Struct("<IQQ")  # one range: descriptor, offset, length
@@ -79,8 +75,8 @@ os.write(1, b"%d %.6f\n" % (got, time.perf_counter() - t0))
 
 
 class ChildReads:
-    """REFS' pack entries read into the page cache, in the order given, by a child process from now
-    until stop(). Use started(), which gives None where no child can be started or nothing is to
+    """Pack entries (runs of them, readstage.plan_runs) read into the page cache, in the order given,
+    by a child process from now until stop(). Use started(), which gives None where no child can be started or nothing is to
     be read (the caller reads without it)."""
 
     def __init__(self, proc: subprocess.Popen[bytes]) -> None:
@@ -88,30 +84,18 @@ class ChildReads:
         self._result: tuple[int, float] | None = None
 
     @classmethod
-    def started(cls, store: "PackSource", refs: "list[ChunkRef]", gap: int = 0, step: int = 16 << 20,
+    def started(cls, store: "PackSource", runs: "list[Run]", step: int = 16 << 20,
                 stop: Callable[[], bool] = lambda: False) -> "ChildReads | None":
-        """The child, reading; None when there is nothing to read, STOP() said so while the ranges
-        were found, or the child cannot be started (a hint: never an error)."""
-        planned = []
-        for i, ref in enumerate(refs):
-            if i % 1024 == 1023 and stop():
-                return None
-            if ref.is_zero or ref.id is None:
-                continue
-            try:
-                locs = store.locate(ref.id)
-            except (OSError, GpusnapError):
-                return None  # an index that cannot be read: the restore's own reads report it
-            if locs:
-                planned.append((i, locs[0]))
+        """The child, reading RUNS (readstage.plan_runs); None when there is nothing to read, STOP()
+        said so, or the child cannot be started (a hint: never an error)."""
         fds: dict[str, int | None] = {}
         spec = bytearray()
         n = 0
         try:
-            for run in coalesce(planned, gap=gap, most=RUN_MOST):
+            for run in runs:
                 first, last = run[0][1], run[-1][1]
                 if first.pack not in fds:
-                    fds[first.pack] = _open(store, first.pack) if len(fds) < PACKS_MOST else None
+                    fds[first.pack] = open_pack_quietly(store, first.pack) if len(fds) < PACKS_MOST else None
                 fd = fds[first.pack]
                 if fd is not None:
                     spec += _SPEC.pack(fd, first.offset, last.offset + last.length - first.offset)
@@ -166,14 +150,4 @@ class ChildReads:
     @property
     def pid(self) -> int:
         return self._proc.pid
-
-
-def _open(store: "PackSource", pack: str) -> int | None:
-    """PACK opened as every pack open is checked; None when it cannot be (a hint: the reads that
-    follow meet and report it)."""
-    try:
-        with store.subdir("packs") as packs:
-            return open_pack(packs, pack, "")
-    except (OSError, ChunkError, GpusnapError):
-        return None
 

@@ -285,6 +285,26 @@ def read_chunks(store: PackSource, wants: list[Want], deliver: Callable[[Want, A
         raise error[0]
 
 
+Run = list[tuple[int, Loc]]  # adjacent pack entries of one pack (index in the refs, where): one read
+
+
+def plan_runs(store: PackSource, refs: list[ChunkRef], gap: int = 0,
+              stop: Callable[[], bool] = lambda: False) -> list[Run] | None:
+    """REFS' pack entries (the first copy of each) in the order given, adjacent entries of a pack
+    (bridging GAP bytes) grouped into runs of at most RUN_MAX bytes; None when STOP() said so while
+    they were found (a manifest of a million refs must not hold up the stop)."""
+    planned = []
+    for i, ref in enumerate(refs):
+        if i % 1024 == 1023 and stop():
+            return None
+        if ref.is_zero or ref.id is None:
+            continue
+        locs = store.locate(ref.id)
+        if locs:
+            planned.append((i, locs[0]))
+    return coalesce(planned, gap=gap, most=RUN_MAX)
+
+
 def read_ahead(store: PackSource, refs: list[ChunkRef], gap: int = 0,
                stop: Callable[[], bool] = lambda: False, resident: bool = False, advise: bool = True,
                step: int = 1 << 20) -> int:
@@ -297,17 +317,14 @@ def read_ahead(store: PackSource, refs: list[ChunkRef], gap: int = 0,
     Used to put what CRIU will read in memory before the split fill's reads begin (their 16 MiB
     reads, many in flight, would otherwise queue ahead of CRIU's): a hint only (the reads that
     follow check every byte), so failures are ignored."""
-    planned = []
-    for i, ref in enumerate(refs):
-        if i % 1024 == 1023 and stop():  # a manifest of a million refs must not hold up the stop
-            return 0
-        if ref.is_zero or ref.id is None:
-            continue
-        locs = store.locate(ref.id)
-        if locs:
-            planned.append((i, locs[0]))
+    runs = plan_runs(store, refs, gap, stop)
+    return 0 if runs is None else read_runs(store, runs, stop, resident, advise, step)
+
+
+def read_runs(store: PackSource, runs: list[Run], stop: Callable[[], bool] = lambda: False,
+              resident: bool = False, advise: bool = True, step: int = 1 << 20) -> int:
+    """read_ahead of runs already planned (plan_runs)."""
     asked = 0
-    runs = coalesce(planned, gap=gap, most=RUN_MAX)
     with _PackFds(store) as fds:  # each pack opened once: a restore's runs are small and scattered
         if advise or not resident:
             for run in runs:
@@ -323,6 +340,16 @@ def read_ahead(store: PackSource, refs: list[ChunkRef], gap: int = 0,
                 if _touch(fds, run, scratch, stop) and not advise:
                     asked += _span(run)
     return asked
+
+
+def open_pack_quietly(store: PackSource, pack: str) -> int | None:
+    """PACK opened as every pack open is checked; None when it cannot be (for read-aheads, which are
+    hints: the reads that follow meet and report it)."""
+    try:
+        with store.subdir("packs") as packs:
+            return open_pack(packs, pack, "")
+    except (OSError, ChunkError, GpusnapError):
+        return None
 
 
 class _PackFds:
@@ -351,12 +378,7 @@ class _PackFds:
         if pack in self._fds:
             self._fds.move_to_end(pack)
             return self._fds[pack]
-        try:
-            with self._store.subdir("packs") as packs:
-                fd: int | None = open_pack(packs, pack, "")
-        except (OSError, ChunkError, GpusnapError):
-            fd = None
-        self._fds[pack] = fd
+        fd = self._fds[pack] = open_pack_quietly(self._store, pack)
         while len(self._fds) > self.MOST:
             old = self._fds.popitem(last=False)[1]
             if old is not None:

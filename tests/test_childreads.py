@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from storage.childreads import ChildReads
+from storage.readstage import plan_runs
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="dropping the page cache needs root")
 
@@ -39,7 +40,7 @@ def test_the_child_reads_every_range_holding_only_the_packs(tmp_path: Path) -> N
     st, refs = cold_store(tmp_path, 96 << 20)
     packs = tmp_path / "store" / "packs"
     want = sum(c.stored_len for c in refs)
-    child = ChildReads.started(st, refs, step=1 << 20)
+    child = ChildReads.started(st, plan_runs(st, refs), step=1 << 20)
     assert child is not None
     held = _fds(child.pid)
     assert {n for n in held if n > 2}, held
@@ -62,7 +63,7 @@ def test_the_child_stops_when_its_stdin_closes_and_reads_nothing_more(tmp_path: 
     from support.pagecache import cold_store, resident_bytes
     st, refs = cold_store(tmp_path, 384 << 20)
     packs = tmp_path / "store" / "packs"
-    child = ChildReads.started(st, refs, step=4 << 20)
+    child = ChildReads.started(st, plan_runs(st, refs), step=4 << 20)
     assert child is not None
     deadline = time.monotonic() + 10
     while resident_bytes(packs) < 8 << 20 and time.monotonic() < deadline:
@@ -82,8 +83,8 @@ def test_nothing_to_read_starts_no_child(tmp_path: Path) -> None:
     from support.pagecache import cold_store
     st, refs = cold_store(tmp_path, 4 << 20)
     assert ChildReads.started(st, []) is None
-    assert ChildReads.started(st, [ChunkRef("b" * 64, 4096, "raw", 4096)]) is None  # in no pack
-    assert ChildReads.started(st, refs, stop=lambda: True) is None
+    assert plan_runs(st, [ChunkRef("b" * 64, 4096, "raw", 4096)]) == []  # in no pack: nothing to read
+    assert ChildReads.started(st, plan_runs(st, refs) or [], stop=lambda: True) is None
 
 
 def test_scattered_entries_beside_pure_python_planning(tmp_path: Path) -> None:
@@ -105,7 +106,7 @@ def test_scattered_entries_beside_pure_python_planning(tmp_path: Path) -> None:
     random.Random(1).shuffle(refs)
     os.sync()
     Path("/proc/sys/vm/drop_caches").write_text("3")
-    child = ChildReads.started(st, refs, step=16 << 20)
+    child = ChildReads.started(st, plan_runs(st, refs), step=16 << 20)
     assert child is not None
     t0, x = time.monotonic(), 0
     while time.monotonic() - t0 < 0.4:

@@ -35,7 +35,7 @@ from storage.directio import BufferPool
 from storage.errors import GpusnapError
 from storage.manifest import ChunkRef, Manifest, Stream
 from storage.pipeline import Stages
-from storage.readstage import READERS, Want, read_ahead
+from storage.readstage import READERS, Want, plan_runs, read_ahead, read_runs
 from storage.store import SnapshotStore, StoreError
 
 from sandbox.criu import fill_procs, split
@@ -168,15 +168,16 @@ class EarlyReads:
         def run() -> None:
             t0 = time.perf_counter()
             try:
-                child = None if early_reads_mode() == "thread" else ChildReads.started(
-                    store, refs, gap=FILL_GAP, step=EARLY_STEP, stop=self._stop.is_set)
+                runs = plan_runs(store, refs, gap=FILL_GAP, stop=self._stop.is_set)
+                child = None if early_reads_mode() == "thread" or not runs else ChildReads.started(
+                    store, runs, step=EARLY_STEP, stop=self._stop.is_set)
                 if child is not None:
                     self._stop.wait()
                     got, _ = child.stop()
                     stages.add("early read", time.perf_counter() - t0, got)
                     return
-                asked = read_ahead(store, refs, gap=FILL_GAP, stop=self._stop.is_set, resident=True, advise=False,
-                                   step=EARLY_STEP)
+                asked = 0 if runs is None else read_runs(store, runs, stop=self._stop.is_set, resident=True,
+                                                         advise=False, step=EARLY_STEP)
             except Exception:  # noqa: BLE001 - a hint (a damaged index is reported by the reads that follow)
                 return
             stages.add("early read", time.perf_counter() - t0, asked)
