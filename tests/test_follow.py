@@ -39,7 +39,9 @@ class SlowWriter:
                         time.sleep(0.004)
                         if self.fail and off > (2 << 20):
                             raise RuntimeError("the writer broke")
-                self.closed_at[name] = time.monotonic()
+                    # stamped just before the close: a reader woken by the close may finish before
+                    # this thread runs again (a loaded machine), and must find the stamp there
+                    self.closed_at[name] = time.monotonic()
                 time.sleep(0.2)
             (self.d / "core-1.img").write_bytes(self.data["core-1.img"])
         except BaseException as e:  # noqa: BLE001
