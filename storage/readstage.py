@@ -69,6 +69,7 @@ class Want:
 
     key: Any
     ref: ChunkRef
+    group: int = 0  # ORDER "pack": the wants of a lower group are read first (each group in pack order)
 
 
 def read_chunks(store: PackSource, wants: list[Want], deliver: Callable[[Want, Any], None], *,
@@ -87,7 +88,9 @@ def read_chunks(store: PackSource, wants: list[Want], deliver: Callable[[Want, A
     is given: it is then called for each damaged chunk (an OSError reading it counts as damage too)
     and the others are read on (verify). ORDER "given": runs in the order of WANTS; "pack": in
     pack and offset order (the order the disk reads best, for a caller that needs every chunk
-    before it goes on: the split fill), with runs bridging GAP unwanted bytes between entries.
+    before it goes on: the split fill), with runs bridging GAP unwanted bytes between entries, the
+    wants of a lower Want.group before those of a higher one (the split fill completes one process
+    before the next).
     PREFETCH: a thread asks the kernel to read the runs ahead into the page cache
     (POSIX_FADV_WILLNEED), at most this many bytes past what the readers have taken, so the disk
     stays busy while DELIVER is held up (the split fill before CRIU has made the processes); the
@@ -110,11 +113,13 @@ def read_chunks(store: PackSource, wants: list[Want], deliver: Callable[[Want, A
         else:
             singles.append(i)
     if order == "pack":
-        planned.sort(key=lambda p: (p[1].pack, p[1].offset))
+        planned.sort(key=lambda p: (wants[p[0]].group, p[1].pack, p[1].offset))
     runs: list[list[tuple[int, Loc]]] = coalesce(planned, gap=gap, most=buf_size)
     if order != "pack":
         runs.sort(key=lambda r: r[0][0])  # restore order, by each run's first chunk
     runs += [[(i, Loc("", 0, 0))] for i in singles]
+    if order == "pack" and any(w.group for w in wants):
+        runs.sort(key=lambda r: wants[r[0][0]].group)  # stable: pack order within a group, its singles last
     error: list[BaseException] = []
     elock = threading.Lock()
 

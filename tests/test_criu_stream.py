@@ -247,6 +247,71 @@ def test_split_filler_fetches_a_chunk_shared_by_two_images_once() -> None:
         assert t.raw == b"".join(bytes([i + 1]) * chunk for i in range(n))
 
 
+def test_split_filler_completes_one_phase_before_the_next_and_says_when_each_is_written() -> None:
+    """Phases (the split fill completing one process before the next): every chunk of phase 0 is read
+    before any of phase 2, on_phase(p) comes once phases 0..p are written, in order (an empty phase
+    too), and when it says phase 0 is written, every byte of phase 0 is in its place."""
+    import ctypes
+    from sandbox.criu import split
+    from storage.manifest import ChunkRef, Stream
+    chunk, n = 64 << 10, 8
+    bufs = [ctypes.create_string_buffer(n * chunk) for _ in range(2)]
+    refs = [[ChunkRef(f"{k}{i:063x}", chunk, "raw", chunk) for i in range(n)] for k in (1, 2)]
+    refs[1][3] = ChunkRef(None, chunk, "zero", 0)
+    streams = {f"pages-{k}.img": Stream(f"pages-{k}.img", {"type": "file"}, refs[k - 1]) for k in (1, 2)}
+    plans = [split.Plan(os.getpid(), f"pages-{k}.img", b"", (), (split.Run(ctypes.addressof(bufs[k - 1]), 0, n * chunk),))
+             for k in (1, 2)]
+    jobs = split.fill_jobs(plans, streams)
+    # the second image's chunks first (phase 0), the first's last (phase 2): phase 1 has nothing
+    phases = {k: (0 if (isinstance(k, str) and k[0] == "2") or isinstance(k, tuple) else 2) for k in jobs}
+    fetched: list[str] = []
+    said: list[tuple[int, bytes, bytes]] = []
+
+    def fetch(s, i, ref):
+        fetched.append(ref.id[0])
+        return bytes([int(ref.id[0]) * 16 + i]) * chunk
+
+    def on_phase(p: int) -> None:
+        said.append((p, bytes(bufs[1].raw), bytes(bufs[0].raw)))
+
+    with split.Filler(jobs, _reads(streams, fetch), 3, 2 * (chunk + 4096), phases=phases) as filler:
+        stats = filler.write(lambda pid: True, on_phase)
+    assert fetched == ["2"] * (n - 1) + ["1"] * n, fetched  # phase 0's chunks all read first
+    assert [p for p, *_ in said] == [0, 1, 2]
+    want2 = b"".join(bytes(chunk) if i == 3 else bytes([32 + i]) * chunk for i in range(n))
+    want1 = b"".join(bytes([16 + i]) * chunk for i in range(n))
+    assert said[0][1] == want2, "phase 0 said written before all its bytes were in place"
+    assert said[2][1] == want2 and said[2][2] == want1
+    assert stats == {"written": (2 * n - 1) * chunk, "zero_skipped": chunk}
+
+
+def test_fill_phases_rank_a_shared_chunk_by_its_first_process_and_shares_keep_the_phases_apart() -> None:
+    """fill_phases: a chunk is in the phase of the earliest of FIRST it is written into (the others'
+    last); shares(...) cuts each phase across the workers, so each worker writes phase 0 first."""
+    from sandbox.criu import fill_procs, split
+    from storage.manifest import ChunkRef
+    mib = 1 << 20
+
+    def ref(i: int) -> ChunkRef:
+        return ChunkRef(f"{i:064x}", mib, "raw", mib)
+
+    # chunk i: in pid 10 for i < 12, in pid 20 for 8 <= i < 20 (8..11 shared), in pid 30 for i >= 20
+    jobs = {ref(i).id: (ref(i), [(p, 0, 0, mib) for p, lo, hi in ((10, 0, 12), (20, 8, 20), (30, 20, 24)) if lo <= i < hi])
+            for i in range(24)}
+    ph = split.fill_phases(jobs, (20, 10))
+    assert [ph[ref(i).id] for i in range(24)] == [1] * 8 + [0] * 12 + [2] * 4
+    where = {ref(i).id: ("p", (23 - i) * mib) for i in range(24)}  # on disk in reverse
+    parts = fill_procs.shares(jobs, where.__getitem__, 3, mib, ph)
+    assert len(parts) == 3
+    for part in parts:
+        seq = [ph[k] for k in part]
+        assert seq == sorted(seq) and set(seq) == {0, 1, 2}, seq  # every worker has its part of each phase, in order
+        for p in (0, 1, 2):  # and each part in pack order
+            offs = [where[k][1] for k in part if ph[k] == p]
+            assert offs == sorted(offs)
+    assert sorted(k for part in parts for k in part) == sorted(jobs)
+
+
 def test_split_writes_only_into_processes_the_restore_made() -> None:
     """A page image names its process by pid: the fill writes only into one of the snapshot's pids
     that started after the restore began, never into a process that was already there."""
@@ -335,6 +400,53 @@ def test_a_fill_worker_meeting_a_damaged_chunk_fails_the_restore_as_damage(cli: 
         _until(lambda: _tree_gone(tree), "the half-filled tree is killed, all of it", step=0.05)
     finally:
         tree.kill()
+
+
+@pytest.mark.parametrize("restore_env", [SPLIT, SPLIT_PROCS], ids=["split", "split-in-3-processes"])
+def test_a_process_of_fill_first_runs_as_soon_as_its_own_runs_are_in(cli: Cli, store_dir: Path, restore_env: dict[str, str],
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """RestoreRun.fill_first (what lets a CUDA process's GPU state come back while the fill goes on):
+    the child's moved runs are written first; it is continued and on_filled(child) called while the
+    fill still holds its parent stopped; then the whole tree runs, its memory intact."""
+    import dataclasses
+    from sandbox.criu import restore
+    from sandbox.criu.runner import Criu
+    from sandbox.criu.snapshot import _restore_run
+    from sandbox.ops.snapshot_meta import CriuMeta
+    from storage.store import SnapshotStore
+    tree = Tree(mb=48)
+    try:
+        cli_json(cli, STREAM, "criu", "dump", str(tree.pid), "s1")
+        tree.reap()
+        _until(lambda: not any(os.path.exists(f"/proc/{p}") for p in (tree.pid, tree.child)), "the dumped tree is gone")
+        for k, v in restore_env.items():
+            monkeypatch.setenv(k, v)
+        store = SnapshotStore(str(store_dir), create=False)
+        m = store.load("s1")
+        stage = store_dir.parent / "stage"
+        stage.mkdir(mode=0o700)
+        run = _restore_run(Criu(), store, m, CriuMeta.of(m), str(stage), None, None, ())
+        seen: list[tuple[int, str]] = []
+
+        def filled(pid: int) -> None:
+            seen.append((pid, _state(tree.pid)))
+            assert pid == tree.child
+
+        secs, info = restore.streamed(dataclasses.replace(run, fill_first=(tree.child,), on_filled=filled))
+        assert seen == [(tree.child, "T")], seen  # once, while the parent was still held for the fill
+        assert f"filled_{tree.child}" in info["monotonic"]
+        assert info["monotonic"][f"filled_{tree.child}"] <= info["monotonic"]["fill_done"]
+        assert info["fill_memory"]["procs"] == (1 if restore_env is SPLIT else 3)
+        assert healthy(tree.report())
+        assert _state(tree.pid) in ("S", "R") and _state(tree.child) in ("S", "R")
+    finally:
+        tree.kill()
+        while True:  # the restored root is this process's child (CRIU's subreaper): reap it
+            try:
+                if os.waitpid(-1, os.WNOHANG) == (0, 0):
+                    break
+            except ChildProcessError:
+                break
 
 
 @pytest.mark.parametrize("dump_env,restore_env", [(STREAM, STAGING), (STAGING, SPLIT)],

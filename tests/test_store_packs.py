@@ -452,3 +452,33 @@ def test_many_producers_filling_small_packs_index_every_entry_once(tmp_path: Pat
         assert (root / "packs" / pack).stat().st_size == length
         assert decode_index(pack, (root / "index" / pack).read_bytes()) == (length, sorted(ents, key=lambda e: e[1]))
     assert len(indexed) > 20  # the packs filled and closed many times while others appended
+
+
+def test_the_read_stage_in_pack_order_reads_a_lower_group_first(tmp_path: Path) -> None:
+    """ORDER "pack" with Want.group (the split fill completing one process before the next): every
+    chunk of group 0 is delivered before any of group 1, each group in pack order, whatever the
+    order of the wants; every chunk checked and delivered once."""
+    from storage import pipeline
+    from storage.filetree import FileTreeSource
+    from storage.readstage import Want, read_chunks
+    from storage.store import SnapshotStore
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "blob").write_bytes(os.urandom(40 << 20))
+    st = SnapshotStore(str(tmp_path / "store"))
+    with st.writer("a") as w:
+        pipeline.put(w, FileTreeSource([str(src)]), workers=1)
+        w.commit()
+    refs = [c for s in st.load("a").streams for c in s.chunks if not c.is_zero]
+    assert len(refs) >= 8
+    at = {c.id: (st.locate(c.id)[0].pack, st.locate(c.id)[0].offset) for c in refs}
+    wants = [Want(i, c, group=0 if i % 3 else 1) for i, c in enumerate(refs)]
+    got: list[int] = []
+    read_chunks(st, list(reversed(wants)), lambda w, data: got.append(w.key), stages=pipeline.Stages(),
+                decoders=1, readers=1, order="pack")
+    assert sorted(got) == list(range(len(refs)))
+    groups = [wants[i].group for i in got]
+    assert groups == sorted(groups), groups
+    for g in (0, 1):
+        places = [at[refs[i].id] for i in got if wants[i].group == g]
+        assert places == sorted(places)

@@ -11,8 +11,10 @@ packs sequentially), each with where its pack entries are (the parent's index).
 Protocol (JSON lines): the parent writes the job on the worker's stdin (the store's path, the
 worker's chunks with every place their bytes go, its memory budget and read-ahead), then, once CRIU
 has made the processes and the parent has checked every pid, the line "go"; the worker reads and
-holds decoded chunks from the moment it has the job, writes after "go", and answers one line on
-stdout: {"written": N, "stages": {...}} or {"error": TEXT, "damage": true|false}.
+holds decoded chunks from the moment it has the job, writes after "go", says {"phase": P} once it
+has written its part of phases 0..P (each chunk carries its phase: split.fill_phases; every worker
+has its part of every phase, so all complete phase 0 first), and answers one last line on stdout:
+{"written": N, "stages": {...}} or {"error": TEXT, "damage": true|false}.
 
 Guarantees kept here: a worker writes only the targets the parent computed from the snapshot's
 validated page maps, only after the parent has checked each pid is one this restore made (split.Filler
@@ -98,21 +100,29 @@ def procs_for(cpus: int | None = None) -> tuple[int, int]:
 
 
 def shares(jobs: dict[Key, Job], where: Callable[[str], tuple[str, int] | None], procs: int,
-           min_share: int = MIN_SHARE) -> list[dict[Key, Job]]:
+           min_share: int = MIN_SHARE, phases: dict[Key, int] | None = None) -> list[dict[Key, Job]]:
     """JOBS cut into at most PROCS shares of about equal stored bytes, each of at least MIN_SHARE bytes
     where there are enough, contiguous in pack order (WHERE(id):
-    (pack, offset) of a chunk, None where it is not in a pack: such chunks go last). All-zero chunks
-    are read by nobody and written by nobody (the fresh mapping reads as zero): the first share
-    carries them, for the count of bytes skipped."""
+    (pack, offset) of a chunk, None where it is not in a pack: such chunks go last). With PHASES
+    (split.fill_phases), each phase is cut so: every share has its part of every phase, so that all
+    the workers complete phase 0 first, then phase 1. All-zero chunks are read by nobody and written
+    by nobody (the fresh mapping reads as zero): the first share carries them, for the count of
+    bytes skipped."""
+    ph = phases or {}
     stored = [(k, j) for k, j in jobs.items() if not j[0].is_zero]
-    keyed = [(where(j[0].id or "") or ("\xff", 0), k, j) for k, j in stored]
-    keyed.sort(key=lambda x: x[0])
-    total = sum(j[0].stored_len for _, _, j in keyed)
+    keyed = [(ph.get(k, 0), where(j[0].id or "") or ("\xff", 0), k, j) for k, j in stored]
+    keyed.sort(key=lambda x: x[:2])
+    total = sum(j[0].stored_len for *_, j in keyed)
     n = max(1, min(procs, len(keyed), total // min_share if min_share else procs))
     out: list[dict[Key, Job]] = [{} for _ in range(n)]
-    acc, i = 0, 0
-    for _, k, j in keyed:
-        if i < n - 1 and acc >= (i + 1) * total / n:
+    per_phase: dict[int, int] = {}
+    for p, _, _, j in keyed:
+        per_phase[p] = per_phase.get(p, 0) + j[0].stored_len
+    acc, i, at = 0, 0, None
+    for p, _, k, j in keyed:
+        if p != at:  # a phase begins: cut it from the first share again
+            acc, i, at = 0, 0, p
+        while i < n - 1 and acc >= (i + 1) * per_phase[p] / n:
             i += 1
         out[i][k] = j
         acc += j[0].stored_len
@@ -161,11 +171,11 @@ def where_in_packs(store: SnapshotStore) -> Callable[[str], tuple[str, int] | No
     return where
 
 
-def _job_json(share: dict[Key, Job], where: Callable[[str], list[Loc]]) -> list[Any]:
-    """SHARE as the job's "chunks": key, reference, targets and where its pack entries are (WHERE:
-    the parent's index, so a worker never loads the store's whole index itself)."""
+def _job_json(share: dict[Key, Job], where: Callable[[str], list[Loc]], phases: dict[Key, int]) -> list[Any]:
+    """SHARE as the job's "chunks": key, reference, targets, where its pack entries are (WHERE:
+    the parent's index, so a worker never loads the store's whole index itself) and its phase."""
     return [[k if isinstance(k, str) else list(k), ref.to_json(), [list(t) for t in targets],
-             [[loc.pack, loc.offset, loc.length] for loc in where(ref.id)] if ref.id else []]
+             [[loc.pack, loc.offset, loc.length] for loc in where(ref.id)] if ref.id else [], phases.get(k, 0)]
             for k, (ref, targets) in share.items()]
 
 
@@ -202,9 +212,12 @@ class FillProcs:
     workers bytes until `write`, then writes its share."""
 
     def __init__(self, store: SnapshotStore, name: str, parts: list[dict[Key, Job]], decoders: int, budget: int,
-                 prefetch: int, start_reads: threading.Event, stages: Stages) -> None:
-        """PARTS: shares(...) of the jobs (at least two); NAME: the snapshot's (for messages)."""
+                 prefetch: int, start_reads: threading.Event, stages: Stages,
+                 phases: dict[Key, int] | None = None) -> None:
+        """PARTS: shares(...) of the jobs (at least two), cut by PHASES where given (split.fill_phases);
+        NAME: the snapshot's (for messages)."""
         self.store, self.name, self.shares, self.stages = store, name, parts, stages
+        self.phases = phases or {}
         self.timeout = fill_timeout()  # read now: a bad setting fails before CRIU starts
         self.jobs = {k: j for part in parts for k, j in part.items()}
         n = len(parts)
@@ -230,32 +243,38 @@ class FillProcs:
         start.wait()
         for p, share in zip(self.procs, self.shares):
             job = {"store": self.store.path, "name": self.name, "decoders": decoders, "budget": budget, "prefetch": prefetch,
-                   "readers": readers, "chunks": _job_json(share, self.store.locate)}
+                   "readers": readers, "chunks": _job_json(share, self.store.locate, self.phases)}
             _tell(p, json.dumps(job))
 
-    def write(self, pids_ok: Callable[[int], bool]) -> dict[str, int]:
+    def write(self, pids_ok: Callable[[int], bool], on_phase: Callable[[int], None] | None = None) -> dict[str, int]:
         """split.Filler.write: every pid checked (PIDS_OK), then "go" to every worker, their results
-        gathered (the first failure raised: damage as damage); bytes written / skipped as zero."""
+        gathered (the first failure raised: damage as damage); ON_PHASE(p) once every worker has
+        written its part of phases 0..p, each phase in order; bytes written / skipped as zero."""
         check_pids(self.jobs, pids_ok)
         self._jobs_sent.join()
         for p in self.procs:
             _tell(p, "go")
-        results = self._results()
+        results = self._results(on_phase)
         for r in results:
             for stage, v in r.get("stages", {}).items():
                 self.stages.add(stage, float(v["thread_seconds"]), int(v["bytes"]))
         return {"written": sum(int(r["written"]) for r in results),
                 "zero_skipped": sum(int(r["zero_skipped"]) for r in results)}
 
-    def _results(self) -> list[dict[str, Any]]:
-        """Every worker's answer as it comes; at the first failure the others are killed (their
-        writes are moot: the tree is killed) and it is raised, damage as damage."""
+    def _results(self, on_phase: Callable[[int], None] | None = None) -> list[dict[str, Any]]:
+        """Every worker's answer as it comes, and its {"phase": p} lines before it (ON_PHASE(p) once
+        every worker is past p); at the first failure the others are killed (their writes are moot:
+        the tree is killed) and it is raised, damage as damage."""
         import selectors
         results: dict[int, dict[str, Any]] = {}
+        done = [-1] * len(self.procs)  # the last phase each worker said it wrote
+        told = -1
+        nphases = max(self.phases.values(), default=0) + 1
+        pending = [b""] * len(self.procs)  # a line read in part
         with selectors.DefaultSelector() as sel:
             for i, p in enumerate(self.procs):
                 assert p.stdout is not None
-                sel.register(p.stdout, selectors.EVENT_READ, i)
+                sel.register(p.stdout.fileno(), selectors.EVENT_READ, i)
             deadline = time.monotonic() + self.timeout
             while len(results) < len(self.procs):
                 ready = sel.select(timeout=max(0.0, deadline - time.monotonic()))
@@ -265,27 +284,36 @@ class FillProcs:
                                      "(GPUSNAP_FILL_TIMEOUT); the restored tree is killed, the snapshot is as it was")
                 for key, _ in ready:
                     i = key.data
-                    sel.unregister(key.fileobj)
-                    r = results[i] = self._result(i, self.procs[i])
-                    if "error" in r:
-                        self.close()
-                        if r.get("damage"):
-                            raise self.store.error(r["error"])
-                        raise SplitError(r["error"])
+                    got = os.read(key.fd, 1 << 16)
+                    lines = (pending[i] + got).split(b"\n")
+                    pending[i] = lines.pop()
+                    if not got:  # the worker closed its stdout: whatever it said last is its answer
+                        sel.unregister(key.fd)
+                        lines.append(pending[i])
+                    for line in lines:
+                        r = _parsed(line)
+                        if r is not None and set(r) == {"phase"} and isinstance(r["phase"], int):
+                            done[i] = max(done[i], r["phase"])
+                            continue
+                        if i in results:
+                            continue
+                        if r is None or not ("error" in r or "written" in r):
+                            if got:
+                                continue  # not a line of the protocol: the answer is still to come
+                            r = {"error": f"fill worker {i} died (exit status {self.procs[i].wait()}) before it reported"}
+                        results[i] = r
+                        done[i] = nphases - 1
+                        if "error" in r:
+                            self.close()
+                            if r.get("damage"):
+                                raise self.store.error(r["error"])
+                            raise SplitError(r["error"])
+                    if got and i in results:
+                        sel.unregister(key.fd)
+                while on_phase is not None and told < min(done):
+                    told += 1
+                    on_phase(told)
         return [results[i] for i in range(len(self.procs))]
-
-    @staticmethod
-    def _result(i: int, p: "subprocess.Popen[str]") -> dict[str, Any]:
-        assert p.stdout is not None
-        line = p.stdout.readline()
-        try:
-            r = json.loads(line) if line else None
-        except ValueError:
-            r = None
-        if not isinstance(r, dict) or not ("error" in r or "written" in r):
-            code = p.wait()
-            return {"error": f"fill worker {i} died (exit status {code}) before it reported"}
-        return r
 
     def close(self) -> None:
         if getattr(self, "_closed", False):
@@ -310,6 +338,15 @@ class FillProcs:
         self.close()
 
 
+def _parsed(line: bytes) -> dict[str, Any] | None:
+    """One protocol line of a worker as an object; None for anything else."""
+    try:
+        r = json.loads(line) if line.strip() else None
+    except ValueError:
+        return None
+    return r if isinstance(r, dict) else None
+
+
 def _tell(p: "subprocess.Popen[str]", line: str) -> None:
     """LINE to worker P; a worker that is gone is reported by FillProcs.write (its answer is missing)."""
     try:
@@ -320,32 +357,40 @@ def _tell(p: "subprocess.Popen[str]", line: str) -> None:
         pass
 
 
-def _parse_job(job: Any) -> tuple[dict[Key, Job], dict[str, list[Loc]]]:
+def _parse_job(job: Any) -> tuple[dict[Key, Job], dict[str, list[Loc]], dict[Key, int]]:
     """The parent's job, checked for shape (it is the parent's own, but a malformed line must fail
-    cleanly): the jobs, and where each chunk's entries are."""
+    cleanly): the jobs, where each chunk's entries are, and each chunk's phase."""
     out: dict[Key, Job] = {}
     locs: dict[str, list[Loc]] = {}
+    phases: dict[Key, int] = {}
     for item in job:
-        k, ref, targets, where = item
+        k, ref, targets, where, phase = item
         key: Key = k if isinstance(k, str) else (str(k[0]), int(k[1]))
+        phases[key] = int(phase)
+        if not 0 <= phases[key] < 1 << 16:
+            raise ValueError(f"phase {phase!r}")
         r = ChunkRef.from_json(ref)
         out[key] = (r, [(int(a), int(b), int(c), int(d)) for a, b, c, d in targets])
         if r.id is not None:
             locs[r.id] = [Loc(str(p), int(o), int(n)) for p, o, n in where]
-    return out, locs
+    return out, locs, phases
 
 
 def _serve_job(inp: IO[str], out: IO[str]) -> int:
     """One job: read it, hold what it reads until "go", write, answer one line (every failure too)."""
+    said = threading.Lock()  # the fill's threads tell of phases, the end tells the result
+
     def answer(r: dict[str, Any]) -> None:
-        out.write(json.dumps(r) + "\n")
+        with said:
+            out.write(json.dumps(r) + "\n")
+            out.flush()
 
     line = inp.readline()
     if not line:
         return 0  # the parent closed before the job: nothing to do
     try:
         job = json.loads(line)
-        jobs, locs = _parse_job(job["chunks"])
+        jobs, locs, phases = _parse_job(job["chunks"])
         store = SnapshotStore(job["store"], create=False)
         located = _Located(store, locs)
         go = threading.Event()
@@ -355,11 +400,12 @@ def _serve_job(inp: IO[str], out: IO[str]) -> int:
             read_moved(located, store.error, str(job["name"]), wants, deliver, stop, stages=stages, decoders=int(job["decoders"]),
                        readers=int(job["readers"]), prefetch=int(job["prefetch"]), prefetch_from=go)
 
-        with Filler(jobs, read, int(job["decoders"]), int(job["budget"]), stages) as filler:
+        with Filler(jobs, read, int(job["decoders"]), int(job["budget"]), stages, phases) as filler:
             if inp.readline().strip() != "go":
                 return 0  # the parent gave up (CRIU failed): the tree is killed, nothing to write
             go.set()
-            done = filler.write(lambda pid: True)  # the parent checked every pid before "go"
+            # the parent checked every pid before "go"
+            done = filler.write(lambda pid: True, lambda p: answer({"phase": p}))
     except GpusnapError as e:
         answer({"error": str(e), "damage": isinstance(e, DamageError)})
         return 1

@@ -6,7 +6,7 @@ bytes); sandbox.gpu.state chooses (plan) and does the freezing and thawing.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from storage.progress import Progress
 from storage.store import SnapshotStore
@@ -14,6 +14,9 @@ from storage.store import SnapshotStore
 from sandbox.gpu.processes import uses_gpu
 from sandbox.gpu.state import Plan as GpuPlan, plan as gpu_plan
 from sandbox.ops import journal
+
+if TYPE_CHECKING:
+    from sandbox.gpu.state import EarlyRestore
 
 
 class GpuSide:
@@ -75,18 +78,32 @@ class GpuSide:
             regions = EngineRegions.into(self.engine, w, progress, log=log) if self.custom else None
             checkpoint(self.driver, self.cuda_pids, self._backend(regions), Limits(lock_timeout_s=lock_timeout_s))
 
+    def early_restore(self, gpu_map: dict[str, str] | None = None, usage: Any = None) -> "EarlyRestore | None":
+        """On the driver's host copy: an EarlyRestore of the CUDA processes, through the driver swap_in
+        uses (GPU_MAP, USAGE as there), for the split fill to start each one's copy as soon as its
+        host memory is in; swap_in(early=...) then waits for them. None on custom storage (its bytes
+        come from the store, not from the process's memory)."""
+        if self.custom or not self.cuda_pids:
+            return None
+        from sandbox.gpu.device_map import for_restore
+        from sandbox.gpu.state import EarlyRestore
+        return EarlyRestore(for_restore(self.driver, gpu_map or {}, usage), self.cuda_pids, gpu_map)
+
     def swap_in(self, store: SnapshotStore, name: str, streams: list[Any], gpu_map: dict[str, str] | None = None,
-                usage: Any = None) -> None:
+                usage: Any = None, early: "EarlyRestore | None" = None) -> None:
         """After CRIU (restore, or a dump that must leave the tree as it was): GPU state back, unlocked;
         onto other GPUs by GPU_MAP (checked by sandbox.gpu.device_map.plan; USAGE: the snapshot's
-        gpu_bytes, which GPUs each process held)."""
+        gpu_bytes, which GPUs each process held). EARLY: the copies early_restore() started, waited
+        for first (a failed one fails the swap); the processes they restored are then only unlocked."""
         from sandbox.gpu.device_map import for_restore
         from sandbox.gpu.regions import EngineRegions
         from sandbox.gpu.state import thaw
+        if early is not None:
+            early.wait()
         regions = (EngineRegions(self.engine, source=store, name=name, streams=[s for s in streams if is_gpu_stream(s)])
                    if self.custom else None)
-        thaw(for_restore(self.driver, gpu_map or {}, usage), self.cuda_pids, self._backend(regions),
-             gpu_map=gpu_map or None)
+        thaw(early.drv if early is not None else for_restore(self.driver, gpu_map or {}, usage), self.cuda_pids,
+             self._backend(regions), gpu_map=gpu_map or None)
 
 
 def is_gpu_stream(stream: Any) -> bool:

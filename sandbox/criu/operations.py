@@ -62,8 +62,8 @@ class CriuRestore(Operation):
             killed = [p.pid for p in rec.procs if p.signal(signal.SIGKILL)]
             if killed:
                 wait_gone(killed, 10)
-            done.actions.append(f"killed the half-filled restored tree {killed} (it never ran past the restore; "
-                                "the snapshot restores again)")
+            done.actions.append(f"killed the half-filled restored tree {killed} (no process of it ran with its "
+                                "memory incomplete; the snapshot restores again)")
             return
         if rec.stage == Stage.DUMPING:
             tree = self._left_stopped()

@@ -4,9 +4,11 @@ materialized as verified files first (staged). One RestoreRun carries what both 
 
 Guarantees kept here:
 - streamed: with a split, CRIU leaves the tree stopped; on_stopped (the caller journals the stopped
-  tree) runs before the fill, and the tree continues only once every moved run is written; if the
-  fill fails, the tree CRIU restored is killed (pid and start time: only processes this restore
-  made, sandbox.criu.restored); nothing runs half-restored;
+  tree) runs before the fill, and a process continues only once every moved run of it is written
+  (the whole tree at the end of the fill; a process of fill_first as soon as its own runs are in,
+  so that its GPU state can come back while the fill goes on: on_filled); if the fill fails, the
+  tree CRIU restored is killed (pid and start time: only processes this restore made,
+  sandbox.criu.restored); no process runs half-restored;
 - a CRIU failure caused by the store (a damaged chunk, a remote that failed) is raised as that
   failure, not as CRIU's broken pipe; if CRIU itself dies mid-restore, the tasks it had created come
   back to gpusnap (child subreaper meanwhile) and are killed, so the snapshot's pids are free for the
@@ -49,6 +51,8 @@ class RestoreRun:
     progress: Progress | None = None  # the staged path's materialize
     arrivals: Arrivals | None = None  # chunks still on their way from a remote (the streamed path)
     on_stopped: Callable[[list[int]], None] | None = None  # CRIU done, the tree (its pids) stopped for the split fill
+    fill_first: tuple[int, ...] = ()  # processes the fill completes first, in this order (their GPU state comes back early)
+    on_filled: Callable[[int], None] | None = None  # a pid of fill_first is complete and running (from a fill thread)
 
     @property
     def pidfile(self) -> str:
@@ -81,7 +85,7 @@ def streamed(run: RestoreRun, *, thp_mode: str | None = "always",
         if run.arrivals is None:
             thp.enter_context(restore_huge_pages(thp_mode))
         with ServeSource(run.store, run.files, images, split_min=split_min() if split_bytes is None else split_bytes,
-                         arrivals=run.arrivals) as srv:
+                         arrivals=run.arrivals, fill_first=run.fill_first) as srv:
             try:
                 extra = run.extra + (("--stream", "--leave-stopped") if srv.plans else ("--stream",))
                 pids = list(dict.fromkeys([*run.pids, *srv.pstree]))
@@ -107,10 +111,22 @@ def streamed(run: RestoreRun, *, thp_mode: str | None = "always",
                 info["restored_pids"] = tree
                 if srv.plans:
                     t1 = time.perf_counter()
+                    early: dict[str, float] = {}
+
+                    def filled(pid: int) -> None:  # every moved run of PID is in: it may run (its GPU state come back)
+                        if pid in tree:
+                            signal_all([pid], signal.SIGCONT)
+                            early[str(pid)] = time.monotonic()
+                            if run.on_filled is not None:
+                                run.on_filled(pid)
+
                     try:
                         if on_stopped is not None:
                             on_stopped(tree)
-                        info["split"] = srv.fill(lambda p: in_restored_tree(p, root, srv.pstree, born_after, stopped=True))
+                        info["split"] = srv.fill(lambda p: in_restored_tree(p, root, srv.pstree, born_after, stopped=True),
+                                                 filled)
+                        if early:
+                            marks.update({f"filled_{p}": t for p, t in early.items()})
                     except BaseException:
                         signal_all(tree, signal.SIGKILL)
                         raise

@@ -216,12 +216,15 @@ class ServeSource:
     ahead of CRIU per image, and written into CRIU's pipe in order."""
 
     def __init__(self, store: SnapshotStore, manifest: Manifest, directory: str, *, workers: int | None = None,
-                 window: int | None = None, split_min: int = 0, arrivals: Arrivals | None = None) -> None:
+                 window: int | None = None, split_min: int = 0, arrivals: Arrivals | None = None,
+                 fill_first: tuple[int, ...] = ()) -> None:
         """split_min: page runs of at least this many bytes are left out of what CRIU gets, for
         split.fill to write after CRIU (0: CRIU restores everything). arrivals: the chunks the store
         lacks are on their way (a restore from a remote): asked for in read order, each waited for
-        when it is needed."""
+        when it is needed. fill_first: the pids whose moved runs the fill completes first, one after
+        the other in this order (split.fill_phases; `fill` says when each is done)."""
         self.store, self.manifest, self.arrivals = store, manifest, arrivals
+        self.fill_first = fill_first
         self.images = {s.name.partition("/")[2]: s for s in manifest.streams
                        if s.name.startswith(IMAGES + "/") and s.attrs.get("type") == "file"}
         self.marks: dict[str, float] = {}  # time.monotonic() at the steps below (the restore reports them)
@@ -377,14 +380,16 @@ class ServeSource:
                             "prefetch": _bytes_env("GPUSNAP_FILL_PREFETCH", fill_prefetch(avail)),
                             "mem_available": avail}
         jobs = split.fill_jobs(list(self.plans.values()), self.images)
+        phases = split.fill_phases(jobs, self.fill_first) if self.fill_first else None
         procs, min_share = fill_procs.procs_for() if self.arrivals is None else (1, 0)
-        parts = (fill_procs.shares(jobs, fill_procs.where_in_packs(self.store), procs, min_share) if procs > 1
-                 else [jobs])
+        parts = (fill_procs.shares(jobs, fill_procs.where_in_packs(self.store), procs, min_share, phases)
+                 if procs > 1 else [jobs])
         self.fill_memory["procs"] = len(parts)
         if len(parts) > 1:
             return FillProcs(self.store, self.manifest.name, parts, self.workers, self.fill_memory["held_budget"],
-                             self.fill_memory["prefetch"], self._criu_asked, self.stages)
-        return split.Filler(jobs, self._read_moved, self.workers, self.fill_memory["held_budget"], self.stages)
+                             self.fill_memory["prefetch"], self._criu_asked, self.stages, phases)
+        return split.Filler(jobs, self._read_moved, self.workers, self.fill_memory["held_budget"], self.stages,
+                            phases)
 
     def _fail(self, e: BaseException) -> None:
         with self._lock:
@@ -495,13 +500,22 @@ class ServeSource:
         finally:
             os.close(fd)
 
-    def fill(self, pids_ok: Callable[[int], bool]) -> dict[str, int]:
+    def fill(self, pids_ok: Callable[[int], bool], filled: Callable[[int], None] | None = None) -> dict[str, int]:
         """After CRIU: the moved runs written into the (stopped) processes; PIDS_OK(pid) says a
-        planned pid is one CRIU restored."""
+        planned pid is one CRIU restored. FILLED(pid) is called for each pid of fill_first, in that
+        order, as soon as its moved runs are all written (from a fill thread), before the fill ends."""
+        first = self.fill_first
+
+        def on_phase(p: int) -> None:
+            if filled is not None and p < len(first):
+                filled(first[p])
+
         if self._filler is None:
+            for p in range(len(first)):
+                on_phase(p)
             return {"written": 0, "zero_skipped": 0}
         self._criu_done.set()  # the disk is the fill's alone now: the kernel may read ahead for it
-        return self._filler.write(pids_ok)
+        return self._filler.write(pids_ok, on_phase)
 
     def raise_if_failed(self) -> None:
         """The first failure of the store side (a damaged chunk, a remote that failed) before a broken pipe."""

@@ -33,7 +33,7 @@ import os
 import shutil
 import signal
 import time
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 from storage.progress import Progress
@@ -61,6 +61,7 @@ import sandbox.criu.operations  # noqa: F401 - registers CriuDump and CriuRestor
 if TYPE_CHECKING:  # imported where used: a restore needs neither the dump side nor the remote's client
     from sandbox.criu.dump import DumpContext
     from storage.remote_fill import RemoteFill
+    from sandbox.gpu.state import EarlyRestore
 
 __all__ = ["CriuReport", "CriuSnapshotError", "criu_dump", "criu_restore", "describe_pids", "kill_tree", "new_staging"]
 
@@ -301,6 +302,69 @@ def _restore_from(run: restore.RestoreRun, m: Any, meta: CriuMeta, report: CriuR
         journal.pause("split-fill")
 
     run = dataclasses.replace(run, on_stopped=restored_stopped)
+    with ExitStack() as held:
+        early = _early_gpu(held, run, report, meta, fill, gpu_driver, device, gpu_map)
+        if early is not None:
+            run = dataclasses.replace(run, fill_first=fill_order(report.cuda_pids, meta.gpu_bytes),
+                                      on_filled=early[1].start)
+        _restore_tree(run, m, meta, report, op, fill, born_after)
+        journal.pause("after-restore")
+        if report.cuda_pids:
+            t0 = time.perf_counter()
+            marks = report.stages.get("served", {}).get("monotonic")
+            if marks is not None:
+                marks["gpu_begin"] = time.monotonic()
+            if early is not None:
+                gpu, started = early
+                gpu.swap_in(store, name, m.streams, gpu_map, meta.gpu_bytes, early=started)
+                report.stages["gpu_early"] = {str(p): round(s, 3) for p, s in started.seconds.items()}
+            else:
+                with GpuSide(report.pids, report.cuda_pids, gpu_driver or _cuda_driver(),
+                             gpu_plan(recorded=meta.gpu_path), device) as gpu:
+                    gpu.swap_in(store, name, m.streams, gpu_map, meta.gpu_bytes)
+            report.seconds["gpu_restore"] = time.perf_counter() - t0
+            if marks is not None:
+                marks["gpu_done"] = time.monotonic()
+
+
+def fill_order(cuda_pids: Sequence[int], gpu_bytes: Any) -> tuple[int, ...]:
+    """The CUDA processes in the order the split fill completes them: most GPU memory first (GPU_BYTES:
+    the snapshot's {pid: {uuid: bytes}}). Each one's driver copy (one core per process) then starts
+    as soon as its host memory is in, the longest first, and overlaps the fill of the others."""
+    def held(p: int) -> int:
+        return sum((gpu_bytes or {}).get(p, {}).values())
+    return tuple(sorted(cuda_pids, key=held, reverse=True))
+
+
+def early_gpu_on() -> bool:
+    """$GPUSNAP_EARLY_GPU=0 turns the early driver restores off (for measuring): the GPU state of every
+    process then comes back after the whole fill."""
+    return os.environ.get("GPUSNAP_EARLY_GPU", "1").strip() != "0"
+
+
+def _early_gpu(held: ExitStack, run: restore.RestoreRun, report: CriuReport, meta: CriuMeta, fill: Any,
+               gpu_driver: Any, device: Any, gpu_map: dict[str, str]) -> "tuple[GpuSide, EarlyRestore] | None":
+    """Where the driver's host copy restores a local streamed restore's CUDA processes: the GPU side
+    and its EarlyRestore, entered in HELD with THP set for the fill and the copies together (so it
+    stays set from the first copy to the last). None elsewhere: custom storage (its bytes come from
+    the store, not from the process), the staged path, a restore from a remote, or turned off."""
+    plan = gpu_plan(recorded=meta.gpu_path)
+    if not (report.cuda_pids and report.images_path == "stream" and fill is None and not plan.streams
+            and early_gpu_on()):
+        return None
+    from sandbox.gpu.state import restore_huge_pages
+    held.enter_context(restore_huge_pages(plan.thp_mode))
+    gpu = held.enter_context(GpuSide(report.pids, report.cuda_pids, gpu_driver or _cuda_driver(), plan, device))
+    started = gpu.early_restore(gpu_map, meta.gpu_bytes)
+    if started is None:
+        return None
+    return gpu, held.enter_context(started)
+
+
+def _restore_tree(run: restore.RestoreRun, m: Any, meta: CriuMeta, report: CriuReport, op: journal.Op,
+                  fill: RemoteFill | None, born_after: int) -> None:
+    """`criu restore` of RUN (streamed or staged), the restored tree journaled; FILL's pull finished."""
+    store, name = run.store, m.name
     try:
         if report.images_path == "stream":  # chunks decoded straight into CRIU's pipes: no materialize step
             secs, report.stages["served"] = restore.streamed(run)
@@ -329,16 +393,3 @@ def _restore_from(run: restore.RestoreRun, m: Any, meta: CriuMeta, report: CriuR
             raise
         report.stages["pull"] = pulled.as_dict()
         report.seconds["all_local"] = fill.seconds_to_all_local or 0.0
-    journal.pause("after-restore")
-    if report.cuda_pids:
-        from sandbox.gpu.driver import CudaDriver
-        t0 = time.perf_counter()
-        marks = report.stages.get("served", {}).get("monotonic")
-        if marks is not None:
-            marks["gpu_begin"] = time.monotonic()
-        with GpuSide(report.pids, report.cuda_pids, gpu_driver or CudaDriver(), gpu_plan(recorded=meta.gpu_path),
-                      device) as gpu:
-            gpu.swap_in(store, name, m.streams, gpu_map, meta.gpu_bytes)
-        report.seconds["gpu_restore"] = time.perf_counter() - t0
-        if marks is not None:
-            marks["gpu_done"] = time.monotonic()

@@ -8,7 +8,9 @@ maps their areas with no content) and the page image served to CRIU skips their 
 restores the tree left stopped (--leave-stopped), and a `Filler` writes the moved runs straight into
 the stopped processes with process_vm_writev from many threads (chunks verified and decoded in
 parallel, fetched from the store while CRIU still runs; all-zero chunks are skipped: the fresh
-mapping already reads as zero). Then the tree is continued. Nothing of the tree runs before every byte is back.
+mapping already reads as zero). Then the tree is continued. No process runs before every byte of it is
+back; the fill may complete some processes first (fill_phases), each continued as soon as its own runs
+are in (the caller then starts its GPU copy while the fill goes on with the others).
 
 Pagemap format (CRIU 4): two u32 magics, then records of a u32 length and a protobuf: first
 PagemapHead {1: pages_id}, then PagemapEntry {1: vaddr, 2: nr_pages (u32), 3: in_parent, 4: flags,
@@ -27,7 +29,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, Union
+from typing import Any, Callable, Sequence, Union
 
 from storage.directio import AlignedBuffer, copy_into
 from storage.errors import GpusnapError
@@ -389,6 +391,15 @@ def fill_jobs(plans: list[Plan], streams: dict[str, Stream]) -> dict[Key, Job]:
                 addr += hi - lo
     return jobs
 
+def fill_phases(jobs: dict[Key, Job], first: "Sequence[int]") -> dict[Key, int]:
+    """The phase of each chunk of JOBS when the processes FIRST are to be complete one after the other,
+    in that order: the rank in FIRST of the first of them the chunk is written into (len(FIRST) for a
+    chunk only other processes use). Process FIRST[i] has every moved run once phases 0..i are written."""
+    rank = {p: i for i, p in enumerate(first)}
+    last = len(first)
+    return {k: min((rank.get(t[0], last) for t in targets), default=last) for k, (_, targets) in jobs.items()}
+
+
 # Reads every wanted chunk (in any order, from any number of threads) and calls DELIVER(want, data)
 # with its verified, decoded bytes, valid only during the call; stops early when STOP() says so; raises
 # the first failure. For a local store: storage.readstage.read_chunks in pack order.
@@ -407,14 +418,23 @@ class Filler:
     thread that delivers them, with process_vm_writev, straight from the read stage's buffer. A
     chunk used at several places (processes forked from one another share pages) is read once.
     All-zero chunks are neither read nor written: the fresh mapping already reads as zero. Closing
-    before `write` stops the read."""
+    before `write` stops the read. With PHASES (fill_phases), the chunks of phase 0 are read first,
+    then those of phase 1, and so on, and `write` says when each phase is written, in order."""
 
     def __init__(self, jobs: "dict[Key, Job]", read: ReadAll, workers: int, budget: int,
-                 stages: Stages | None = None) -> None:
+                 stages: Stages | None = None, phases: dict[Key, int] | None = None) -> None:
         """JOBS: fill_jobs(plans, streams), or a share of them (sandbox.criu.fill_procs)."""
         self.workers = workers
         self.stages = stages if stages is not None else Stages()
         self.jobs = jobs
+        self._phase = phases or {}
+        self._left = [0] * (max(self._phase.values(), default=-1) + 1)  # chunks not yet written, per phase
+        for k, (ref, _) in jobs.items():
+            if not ref.is_zero and self._left:
+                self._left[self._phase.get(k, 0)] += 1
+        self._next_phase = 0
+        self._on_phase: Callable[[int], None] | None = None
+        self._phase_lock = threading.Lock()  # phases said in order, by one thread at a time
         self._out_size = max((ref.raw_len for ref, _ in jobs.values()), default=1)
         self.max_held = max(2, budget // self._out_size)
         self._held: list[AlignedBuffer] = []       # every held buffer made (closed at the end)
@@ -425,7 +445,8 @@ class Filler:
         self._closing = False
         self._written = 0
         self._error: BaseException | None = None
-        wants = [Want(k, ref) for k, (ref, _) in jobs.items() if not ref.is_zero]
+        wants = sorted((Want(k, ref, self._phase.get(k, 0)) for k, (ref, _) in jobs.items() if not ref.is_zero),
+                       key=lambda w: w.group)
         self._reader = threading.Thread(target=self._read, args=(read, wants), name="gpusnap-fill-read",
                                         daemon=True)
         self._reader.start()
@@ -487,11 +508,26 @@ class Filler:
             self.stages.add("write-procmem", 0.0, slow)
         with self._cond:
             self._written += n
+        if self._left:
+            with self._phase_lock:
+                self._left[self._phase.get(key, 0)] -= 1
+                self._phases_done()
 
-    def write(self, pids_ok: Callable[[int], bool]) -> dict[str, int]:
+    def _phases_done(self) -> None:
+        """ON_PHASE told of every phase now written whose earlier phases are (under _phase_lock)."""
+        while self._next_phase < len(self._left) and self._left[self._next_phase] == 0:
+            p, self._next_phase = self._next_phase, self._next_phase + 1
+            if self._on_phase is not None:
+                self._on_phase(p)
+
+    def write(self, pids_ok: Callable[[int], bool], on_phase: Callable[[int], None] | None = None) -> dict[str, int]:
         """Every moved run written into its (stopped) process; PIDS_OK(pid) says a planned pid is one
-        CRIU restored. Returns bytes written / skipped as zero."""
+        CRIU restored. ON_PHASE(p) is called (from a fill thread) once phases 0..p are all written,
+        for each phase in order. Returns bytes written / skipped as zero."""
         check_pids(self.jobs, pids_ok)
+        with self._phase_lock:
+            self._on_phase = on_phase
+            self._phases_done()  # phases with nothing to read
         with self._cond:
             self._go = True
             held, self._pending = self._pending, []

@@ -21,6 +21,10 @@ Guarantees kept here:
 - thaw: every CHECKPOINTED pid restored, all or nothing (on a failure they all stay CHECKPOINTED and
   the thaw can be retried), then every pid unlocked; a RUNNING pid is not touched, a LOCKED one only
   unlocked (a second post-resume is harmless).
+- EarlyRestore: on the host-staged path, a process's copy may start before thaw() (as soon as the
+  split fill has written its memory: the copies overlap the fill); thaw() then restores only what is
+  left and unlocks all, after every early copy has ended; a failed early copy fails the thaw as a
+  failed copy in thaw() does.
 - settle(driver, pids) finishes an interrupted thaw without guessing: a process whose memory is back
   (LOCKED) is unlocked, a CHECKPOINTED one stays restorable, one the driver holds mid-operation is named.
 - resume(driver, pids) puts every listed process back to RUNNING (host-staged state), whatever an
@@ -30,7 +34,7 @@ Guarantees kept here:
 from __future__ import annotations
 
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, TimeoutError as FutureTimeout
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from typing import Iterator, Protocol
@@ -312,6 +316,61 @@ def thaw(drv: CheckpointDriver, pids: list[int], backend: Backend, *, gpu_map: d
         seconds["unlock"] = time.perf_counter() - t0
     return ThawReport(backend.path, tuple(todo), tuple(locked),
                       tuple(p for p in pids if states[p] == ProcessState.RUNNING), seconds)
+
+
+class EarlyRestore:
+    """Host-staged restores started one process at a time, each as soon as the process's host memory
+    is complete (the split fill calls start(PID) while it goes on with the others), so that the
+    driver's copies overlap the fill; thaw() then restores what is left and unlocks them all. The
+    driver's copy of one process runs on one core, so a tree of several CUDA processes that waits for
+    its whole fill waits for the largest copy after it. A context manager: on exit every restore
+    started has ended. THP is the caller's to hold (restore_huge_pages) across the fill and thaw."""
+
+    def __init__(self, drv: CheckpointDriver, pids: list[int], gpu_map: dict[str, str] | None = None,
+                 limits: Limits = Limits()) -> None:
+        import threading
+        self.drv, self.pids, self.gpu_map, self.limits = drv, set(pids), gpu_map or None, limits
+        self._ex = ThreadPoolExecutor(max(1, len(pids)), thread_name_prefix="gpusnap-gpu-early")
+        self._started: dict[int, "Future[None]"] = {}
+        self._lock = threading.Lock()
+        self.seconds: dict[int, float] = {}  # per pid: the driver's restore, as it ran beside the fill
+
+    def start(self, pid: int) -> None:
+        """PID's host memory is complete and it runs: its GPU state may come back now (once)."""
+        with self._lock:
+            if pid in self.pids and pid not in self._started:
+                self._started[pid] = self._ex.submit(self._one, pid)
+
+    def _one(self, pid: int) -> None:
+        if _state(self.drv, pid) != ProcessState.CHECKPOINTED:
+            return  # thaw() says what is wrong with it
+        t0 = time.perf_counter()
+        self.drv.restore(pid, self.gpu_map)
+        self.seconds[pid] = time.perf_counter() - t0
+
+    def wait(self) -> None:
+        """Every restore started has ended; a failed one raised (the restore fails, its tree is killed)."""
+        errs: list[str] = []
+        with self._lock:
+            started = list(self._started.items())
+        for p, f in started:
+            try:
+                f.result(timeout=self.limits.op_timeout_s)
+            except FutureTimeout:
+                errs.append(f"pid {p} did not finish within {self.limits.op_timeout_s:g} s")
+            except Exception as e:  # noqa: BLE001 - report every one
+                said = _one_line(e)
+                errs.append(said if f"pid {p}" in said else f"pid {p}: {said}")
+        if errs:
+            raise GpuStateError("restore failed: " + "; ".join(errs))
+
+    def __enter__(self) -> "EarlyRestore":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        with self._lock:
+            self.pids = set()  # nothing more starts
+        self._ex.shutdown(wait=True)
 
 
 def _unlock_all(drv: CheckpointDriver, pids: list[int], limits: Limits) -> None:

@@ -83,6 +83,12 @@ def restore_traced(out: dict, key: str, store: str, name: str, path: str, work: 
     seq = [(ph, t) for ph, t in seq if t is not None] + [("end", t1)]
     out[key + "_phases"] = tl.phases(seq)
     out[key + "_timeline"] = tl.as_json(t0)
+    # each CUDA process's host memory complete (its GPU copy started, beside the fill), and the copies' seconds
+    early = {k: round(v - t0, 3) for k, v in marks.items() if k.startswith("filled_")}
+    if early:
+        out[key + "_early_gpu"] = {"filled_at_s": early, "copy_s": r.get("stages", {}).get("gpu_early"),
+                                   "gpu_begin_s": round(marks["gpu_begin"] - t0, 3) if "gpu_begin" in marks else None}
+        print(f"{key} early GPU copies: {out[key + '_early_gpu']}", flush=True)
     print(f"{key} phases: {phase_line(out[key + '_phases'])}", flush=True)
     return r
 

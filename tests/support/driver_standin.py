@@ -55,6 +55,7 @@ class StandInDriver:
     delay: dict[tuple[int, str], float] = field(default_factory=dict)
     die_during: set[tuple[int, str]] = field(default_factory=set)   # the process exits mid-call
     calls: list[tuple[int, str]] = field(default_factory=list)
+    stamps: list[tuple[int, str, float]] = field(default_factory=list)  # each call's time.monotonic() (system-wide)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _handles: dict[int, tuple[int, str]] = field(default_factory=dict)
     gpu_list: list[GpuInfo] = field(default_factory=list)
@@ -97,6 +98,7 @@ class StandInDriver:
     def _enter(self, pid: int, call: str, allowed: tuple[ProcessState, ...]) -> Proc:
         with self._lock:
             self.calls.append((pid, call))
+            self.stamps.append((pid, call, time.monotonic()))
         d = self.delay.get((pid, call))
         if d:
             time.sleep(d)
@@ -228,7 +230,7 @@ class SharedStandIn:
         tmp = f"{self.path}.{os.getpid()}.tmp"
         with open(tmp, "wb") as f:
             pickle.dump({"procs": d.procs, "fail": d.fail, "calls": d.calls, "gpu_list": d.gpu_list,
-                         "reserved": d.reserved}, f)
+                         "reserved": d.reserved, "stamps": d.stamps}, f)
         os.replace(tmp, self.path)
 
     def load(self) -> StandInDriver:
