@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Draw what the machine did during cold restores recorded by scripts/bench/bench_e2e.py (its timelines):
 busy cores and the disk's read rate over time, one panel per restore, the restore's own phases
-shaded (startup, plan, CRIU, the split fill, the driver's restore), the disk's cold-read floor drawn.
+shaded (startup, plan, CRIU, the split fill, the driver's restore after it), the disk's cold-read floor
+drawn, and each CUDA process's driver copy where it started early (beside the fill).
 
 Usage: python3 -m scripts.bench.plot_timeline OUT.png E2E.json[:LABEL[:VARIANT]]...
 VARIANT: "" (the first cold restore) or the index of a --restore-variant (0, 1, ...)."""
@@ -20,11 +21,11 @@ PHASE_COLORS = {"startup": "#dddddd", "plan": "#bbbbbb", "plan:split": "#aaaaaa"
                 "between": "#ffffff", "gpu": "#a9c4e8", "exit": "#eeeeee"}
 
 
-def restore_of(run: dict, variant: str) -> tuple[dict, dict, str]:
+def restore_of(run: dict, variant: str) -> tuple[dict, dict, str, dict]:
     g = run["gpusnap_stream"]
     r = g if variant == "" else g["restore_variants"][int(variant)]
     env = "" if variant == "" else ",".join(f"{k}={v}" for k, v in r["env"].items())
-    return r["restore_timeline"], r["restore_phases"], env
+    return r["restore_timeline"], r["restore_phases"], env, r.get("restore_early_gpu") or {}
 
 
 def main() -> None:
@@ -35,7 +36,7 @@ def main() -> None:
         label, _, variant = rest.partition(":")
         with open(path) as f:
             run = json.load(f)
-        tl, phases, env = restore_of(run, variant)
+        tl, phases, env, early = restore_of(run, variant)
         rows = tl["rows"]
         t = [r[0] for r in rows]
         t0 = 0.0
@@ -44,6 +45,14 @@ def main() -> None:
             if ph["seconds"] > 0.6:
                 ax.text(t0 + ph["seconds"] / 2, tl["ncpu"] * 0.97, name, ha="center", va="top", fontsize=8)
             t0 += ph["seconds"]
+        copies = early.get("copy_s") or {}
+        for i, (mark, at) in enumerate(sorted((early.get("filled_at_s") or {}).items(), key=lambda kv: kv[1])):
+            pid = mark.partition("_")[2]  # each CUDA process's driver copy, from when its memory was in
+            took = float(copies.get(pid, 0.0))
+            y = tl["ncpu"] * (0.80 - 0.08 * i)
+            ax.plot([at, at + took], [y, y], color="#1f4e99", lw=3, solid_capstyle="butt",
+                    label="a process's GPU copy (early)" if i == 0 else None)
+            ax.text(at + took, y, f" pid {pid}: {took:.1f} s", va="center", fontsize=7, color="#1f4e99")
         ax.plot(t, [r[1] for r in rows], color="#333333", lw=1.2, label="busy cores")
         ax.set_ylim(0, tl["ncpu"])
         ax.set_ylabel("cores")
@@ -61,7 +70,7 @@ def main() -> None:
                      + f"; {g['stored_bytes'] / 1e9:.1f} GB stored; disk floor {floor:.2f} GB/s (dashed)", fontsize=9)
         ax.set_xlim(0, max(t[-1] if t else 1, total))
         if ax is axes[0, 0]:
-            lines = ax.get_lines() + ax2.get_lines()[:1]
+            lines = [ln for ln in ax.get_lines() + ax2.get_lines()[:1] if not ln.get_label().startswith("_")]
             ax.legend(lines, [ln.get_label() for ln in lines], loc="lower right", fontsize=8)
     axes[-1, 0].set_xlabel("seconds from the start of `gpusnap criu restore`")
     fig.tight_layout()
