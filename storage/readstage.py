@@ -17,6 +17,7 @@ raised to the caller.
 from __future__ import annotations
 
 import collections
+import itertools
 import os
 import threading
 import time
@@ -114,7 +115,9 @@ def read_chunks(store: PackSource, wants: list[Want], deliver: Callable[[Want, A
             singles.append(i)
     if order == "pack":
         planned.sort(key=lambda p: (wants[p[0]].group, p[1].pack, p[1].offset))
-    runs: list[list[tuple[int, Loc]]] = coalesce(planned, gap=gap, most=buf_size)
+    runs: list[list[tuple[int, Loc]]] = []
+    for _, same in itertools.groupby(planned, key=lambda p: wants[p[0]].group):  # no run spans two groups
+        runs += coalesce(list(same), gap=gap, most=buf_size)
     if order != "pack":
         runs.sort(key=lambda r: r[0][0])  # restore order, by each run's first chunk
     runs += [[(i, Loc("", 0, 0))] for i in singles]

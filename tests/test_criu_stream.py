@@ -402,6 +402,20 @@ def test_a_fill_worker_meeting_a_damaged_chunk_fails_the_restore_as_damage(cli: 
         tree.kill()
 
 
+def _large_areas(pid: int) -> dict[int, str]:
+    """PID's private writable mappings of 8 MiB or more (where the split fill writes), hashed by start."""
+    import hashlib
+    out = {}
+    with open(f"/proc/{pid}/maps") as f, open(f"/proc/{pid}/mem", "rb") as mem:
+        for line in f:
+            rng, perms = line.split()[:2]
+            lo, hi = (int(x, 16) for x in rng.split("-"))
+            if perms.startswith("rw") and perms.endswith("p") and hi - lo >= 8 << 20:
+                mem.seek(lo)
+                out[lo] = hashlib.sha256(mem.read(hi - lo)).hexdigest()
+    return out
+
+
 @pytest.mark.parametrize("restore_env", [SPLIT, SPLIT_PROCS], ids=["split", "split-in-3-processes"])
 def test_a_process_of_fill_first_runs_as_soon_as_its_own_runs_are_in(cli: Cli, store_dir: Path, restore_env: dict[str, str],
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
@@ -427,10 +441,12 @@ def test_a_process_of_fill_first_runs_as_soon_as_its_own_runs_are_in(cli: Cli, s
         stage.mkdir(mode=0o700)
         run = _restore_run(Criu(), store, m, CriuMeta.of(m), str(stage), None, None, ())
         seen: list[tuple[int, str]] = []
+        at_filled: dict[int, str] = {}
 
         def filled(pid: int) -> None:
             seen.append((pid, _state(tree.pid)))
             assert pid == tree.child
+            at_filled.update(_large_areas(pid))  # its memory as it was when it was let run
 
         secs, info = restore.streamed(dataclasses.replace(run, fill_first=(tree.child,), on_filled=filled))
         assert seen == [(tree.child, "T")], seen  # once, while the parent was still held for the fill
@@ -439,6 +455,7 @@ def test_a_process_of_fill_first_runs_as_soon_as_its_own_runs_are_in(cli: Cli, s
         assert info["fill_memory"]["procs"] == (1 if restore_env is SPLIT else 3)
         assert healthy(tree.report())
         assert _state(tree.pid) in ("S", "R") and _state(tree.child) in ("S", "R")
+        assert at_filled and at_filled == _large_areas(tree.child), "the child ran before its memory was all in"
     finally:
         tree.kill()
         while True:  # the restored root is this process's child (CRIU's subreaper): reap it
@@ -889,3 +906,148 @@ def test_read_ahead_opens_each_pack_once_and_bounds_the_fds_it_holds(tmp_path: P
     assert readstage.read_ahead(st, mixed, resident=True, advise=False, step=16 << 20) >= want
     assert 3 <= len(opened) < len(mixed)
     assert len(os.listdir("/proc/self/fd")) == fds_before  # nothing left open
+
+
+_VICTIM = r"""
+import ctypes, mmap, os, sys
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mmap.restype = ctypes.c_void_p
+libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+size = int(sys.argv[2])
+if sys.argv[1] == "restored":
+    addr = libc.mmap(None, size, 3, 0x22, -1, 0)
+else:  # the program run in its place, its memory where the restored one's was (MAP_FIXED_NOREPLACE)
+    addr = libc.mmap(int(sys.argv[3]), size, 3, 0x22 | 0x100000, -1, 0)
+    assert addr == int(sys.argv[3]), "could not map at the same address"
+print(addr, flush=True)
+for line in sys.stdin:
+    if line.strip() == "exec":
+        os.execv(sys.executable, [sys.executable, "-c", __VICTIM__, "victim", str(size), str(addr)])
+    if line.strip() == "zeros":
+        print(ctypes.string_at(addr, size).count(0) == size, flush=True)
+"""
+
+
+def test_a_process_that_runs_another_program_mid_fill_gets_none_of_the_later_bytes() -> None:
+    """Once the fill lets a process run (its phase written, fill_first), the tree's code runs while
+    gpusnap, root, still writes into the others: one of them continued by it could run another
+    program (a setuid one) at the same addresses. Every chunk after phase 0 goes through the memory
+    opened before any process ran, so the fill fails and the new program gets nothing."""
+    import ctypes
+    from sandbox.criu import split
+    from storage.manifest import ChunkRef, Stream
+    chunk, n = 64 << 10, 32
+    src = _VICTIM.replace("__VICTIM__", repr(_VICTIM))
+    proc = subprocess.Popen([sys.executable, "-c", src, "restored", str(n * chunk)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        addr = int(proc.stdout.readline())
+        mine = ctypes.create_string_buffer(n * chunk)
+        refs = [[ChunkRef(f"{k}{i:063x}", chunk, "raw", chunk) for i in range(n)] for k in (1, 2)]
+        streams = {f"pages-{k}.img": Stream(f"pages-{k}.img", {"type": "file"}, refs[k - 1]) for k in (1, 2)}
+        plans = [split.Plan(os.getpid(), "pages-1.img", b"", (), (split.Run(ctypes.addressof(mine), 0, n * chunk),)),
+                 split.Plan(proc.pid, "pages-2.img", b"", (), (split.Run(addr, 0, n * chunk),))]
+        jobs = split.fill_jobs(plans, streams)
+        phases = split.fill_phases(jobs, (os.getpid(), proc.pid))
+
+        def on_phase(p: int) -> None:
+            if p == 0:  # phase 0 (this process) written: the other one runs another program in its place
+                proc.stdin.write("exec\n")
+                proc.stdin.flush()
+                int(proc.stdout.readline())  # mapped where the restored one's memory was
+
+        with split.Filler(jobs, _reads(streams, lambda s, i, ref: bytes([7]) * chunk), 1, 2 * (chunk + 4096),
+                          phases=phases, nphases=3) as filler:
+            with pytest.raises(split.SplitError, match="no longer the process this restore made"):
+                filler.write(lambda pid: True, on_phase)
+        assert mine.raw == bytes([7]) * (n * chunk)  # phase 0 went in whole
+        proc.stdin.write("zeros\n")
+        proc.stdin.flush()
+        assert proc.stdout.readline().strip() == "True", "a byte of the snapshot reached the other program"
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def _fake_workers(scripts: list[str], nphases: int):
+    """FillProcs over workers that print what SCRIPTS say (the protocol's other side, hostile or broken)."""
+    from sandbox.criu.fill_procs import FillProcs
+
+    class _Store:
+        @staticmethod
+        def error(msg: str) -> Exception:
+            return RuntimeError(msg)
+
+    fp = FillProcs.__new__(FillProcs)
+    fp.procs = [subprocess.Popen([sys.executable, "-c", s], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True)
+                for s in scripts]
+    fp.phases, fp.nphases, fp.timeout, fp.store, fp._closed = {}, nphases, 20.0, _Store(), False
+    return fp
+
+
+_DONE = 'import json; print(json.dumps({"written": 1, "zero_skipped": 0, "stages": {}}), flush=True)'
+
+
+@pytest.mark.parametrize("said,why", [
+    ('print(\'{"phase": true}\', flush=True)', "said phase True"),
+    ('print(\'{"phase": 7}\', flush=True)', "said phase 7"),
+    ('print(\'{"phase": 1}\\n{"phase": 1}\', flush=True)', "said phase 1 after 1"),
+    ('import sys; sys.stdout.write(\'{"phase": 0}\'); sys.stdout.flush()', "died"),  # no newline, then EOF
+    ('print(\'{"written": "lots"}\', flush=True)', "died"),
+])
+def test_fill_workers_saying_what_the_protocol_does_not_fail_the_fill_and_tell_no_phase(said: str, why: str) -> None:
+    told: list[int] = []
+    fp = _fake_workers([said, _DONE], nphases=3)
+    from sandbox.criu.split import SplitError
+    with pytest.raises(SplitError, match=why):
+        fp._results(told.append)
+    assert told == [], told  # no process was let run on a worker's bad word
+    fp.close()
+
+
+def test_fill_workers_phases_are_told_once_every_worker_is_past_them_lines_split_or_joined() -> None:
+    told: list[int] = []
+    slow = ('import json, sys, time; w = sys.stdout.write\n'
+            'w(\'{"pha\'); sys.stdout.flush(); time.sleep(0.3); w(\'se": 0}\\n{"phase": 1}\\n\'); sys.stdout.flush()\n'
+            'time.sleep(0.3); ' + _DONE)
+    fast = 'print(\'{"phase": 0}\\n{"phase": 1}\\n{"phase": 2}\', flush=True); import time; time.sleep(1); ' + _DONE
+    fp = _fake_workers([slow, fast], nphases=3)
+    out = fp._results(told.append)
+    assert told == [0, 1, 2] and [r["written"] for r in out] == [1, 1]
+    fp.close()
+
+
+def test_killing_a_tree_kills_what_its_running_processes_fork_meanwhile() -> None:
+    """kill_with_descendants (a failed fill whose tree had processes running early): a process that
+    keeps forking leaves nothing behind, not even children reparented while it is killed."""
+    from sandbox.host.processes import Proc, kill_with_descendants
+    marker = f"gpusnap-forker-{os.getpid()}"
+    src = ("import os, sys, time\n"
+           "while True:\n"
+           "    if os.fork() == 0:\n"
+           "        time.sleep(60); os._exit(0)\n"
+           "    time.sleep(0.005)\n")
+    p = subprocess.Popen([sys.executable, "-c", src, marker], start_new_session=True)
+    try:
+        time.sleep(0.3)
+        root = Proc.of(p.pid)
+        assert root is not None
+        killed = kill_with_descendants((root,))
+        assert p.pid in killed and len(killed) > 5, killed
+        p.wait(timeout=10)
+
+        def left() -> list[int]:
+            out = []
+            for d in os.listdir("/proc"):
+                if d.isdigit():
+                    try:
+                        with open(f"/proc/{d}/cmdline", "rb") as f:
+                            if marker.encode() in f.read():
+                                out.append(int(d))
+                    except OSError:
+                        pass
+            return out
+        _until(lambda: not [q for q in left() if _state(q) != "Z"], "every forked process is gone", within=10)
+    finally:
+        p.kill()
+        p.wait()

@@ -104,8 +104,8 @@ def shares(jobs: dict[Key, Job], where: Callable[[str], tuple[str, int] | None],
     """JOBS cut into at most PROCS shares of about equal stored bytes, each of at least MIN_SHARE bytes
     where there are enough, contiguous in pack order (WHERE(id):
     (pack, offset) of a chunk, None where it is not in a pack: such chunks go last). With PHASES
-    (split.fill_phases), each phase is cut so: every share has its part of every phase, so that all
-    the workers complete phase 0 first, then phase 1. All-zero chunks are read by nobody and written
+    (split.fill_phases), each phase is cut so, across the shares (as far as it has chunks), so that
+    all the workers complete phase 0 first, then phase 1. All-zero chunks are read by nobody and written
     by nobody (the fresh mapping reads as zero): the first share carries them, for the count of
     bytes skipped."""
     ph = phases or {}
@@ -213,11 +213,12 @@ class FillProcs:
 
     def __init__(self, store: SnapshotStore, name: str, parts: list[dict[Key, Job]], decoders: int, budget: int,
                  prefetch: int, start_reads: threading.Event, stages: Stages,
-                 phases: dict[Key, int] | None = None) -> None:
+                 phases: dict[Key, int] | None = None, nphases: int | None = None) -> None:
         """PARTS: shares(...) of the jobs (at least two), cut by PHASES where given (split.fill_phases);
         NAME: the snapshot's (for messages)."""
         self.store, self.name, self.shares, self.stages = store, name, parts, stages
         self.phases = phases or {}
+        self.nphases = max(self.phases.values(), default=0) + 1 if nphases is None else nphases
         self.timeout = fill_timeout()  # read now: a bad setting fails before CRIU starts
         self.jobs = {k: j for part in parts for k, j in part.items()}
         n = len(parts)
@@ -243,7 +244,7 @@ class FillProcs:
         start.wait()
         for p, share in zip(self.procs, self.shares):
             job = {"store": self.store.path, "name": self.name, "decoders": decoders, "budget": budget, "prefetch": prefetch,
-                   "readers": readers, "chunks": _job_json(share, self.store.locate, self.phases)}
+                   "readers": readers, "nphases": self.nphases, "chunks": _job_json(share, self.store.locate, self.phases)}
             _tell(p, json.dumps(job))
 
     def write(self, pids_ok: Callable[[int], bool], on_phase: Callable[[int], None] | None = None) -> dict[str, int]:
@@ -269,7 +270,7 @@ class FillProcs:
         results: dict[int, dict[str, Any]] = {}
         done = [-1] * len(self.procs)  # the last phase each worker said it wrote
         told = -1
-        nphases = max(self.phases.values(), default=0) + 1
+        nphases = self.nphases
         pending = [b""] * len(self.procs)  # a line read in part
         with selectors.DefaultSelector() as sel:
             for i, p in enumerate(self.procs):
@@ -292,14 +293,20 @@ class FillProcs:
                         lines.append(pending[i])
                     for line in lines:
                         r = _parsed(line)
-                        if r is not None and set(r) == {"phase"} and isinstance(r["phase"], int):
-                            done[i] = max(done[i], r["phase"])
-                            continue
                         if i in results:
                             continue
-                        if r is None or not ("error" in r or "written" in r):
+                        if r is not None and set(r) == {"phase"}:
+                            p = r["phase"]
+                            if type(p) is not int or not done[i] < p < nphases:
+                                r = {"error": f"fill worker {i} said phase {p!r} after {done[i]} (of {nphases})"}
+                            else:
+                                done[i] = p
+                                continue
+                        elif not _answer(r):
                             if got:
                                 continue  # not a line of the protocol: the answer is still to come
+                            r = None
+                        if r is None:
                             r = {"error": f"fill worker {i} died (exit status {self.procs[i].wait()}) before it reported"}
                         results[i] = r
                         done[i] = nphases - 1
@@ -308,6 +315,10 @@ class FillProcs:
                             if r.get("damage"):
                                 raise self.store.error(r["error"])
                             raise SplitError(r["error"])
+                    if not got and i not in results:  # EOF with no answer (e.g. an unfinished line)
+                        results[i] = {"error": f"fill worker {i} died (exit status {self.procs[i].wait()}) before it reported"}
+                        self.close()
+                        raise SplitError(results[i]["error"])
                     if got and i in results:
                         sel.unregister(key.fd)
                 while on_phase is not None and told < min(done):
@@ -336,6 +347,16 @@ class FillProcs:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _answer(r: dict[str, Any] | None) -> bool:
+    """R is a worker's last line: its error, or what it wrote (counts that are ints, stages an object)."""
+    if r is None:
+        return False
+    if "error" in r:
+        return isinstance(r["error"], str)
+    return (all(type(r.get(k)) is int and r[k] >= 0 for k in ("written", "zero_skipped"))
+            and isinstance(r.get("stages", {}), dict))
 
 
 def _parsed(line: bytes) -> dict[str, Any] | None:
@@ -400,7 +421,7 @@ def _serve_job(inp: IO[str], out: IO[str]) -> int:
             read_moved(located, store.error, str(job["name"]), wants, deliver, stop, stages=stages, decoders=int(job["decoders"]),
                        readers=int(job["readers"]), prefetch=int(job["prefetch"]), prefetch_from=go)
 
-        with Filler(jobs, read, int(job["decoders"]), int(job["budget"]), stages, phases) as filler:
+        with Filler(jobs, read, int(job["decoders"]), int(job["budget"]), stages, phases, int(job["nphases"])) as filler:
             if inp.readline().strip() != "go":
                 return 0  # the parent gave up (CRIU failed): the tree is killed, nothing to write
             go.set()

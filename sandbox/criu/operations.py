@@ -4,8 +4,9 @@ undo each, run by the flow when it fails and by `gpusnap recover` when gpusnap d
 Guarantees kept here: only processes a trusted record names (pid AND start time) are signalled; the
 tree of a committed dump is killed only when the snapshot's manifest names this operation and carries
 its commit MAC (sandbox.ops.journal.committed_by), and only the pids that manifest names (with the
-descendants they have now: what CRIU froze); a restored tree is killed only while it never ran (the
-split fill did not finish) and only if it is provably this operation's.
+descendants they have now: what CRIU froze); a restored tree is killed only while its split fill did
+not finish (no process of it ran with its memory incomplete; one the fill had completed may have been
+continued early, and is killed with every descendant it has) and only if it is provably this operation's.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import os
 import signal
 
 from sandbox.gpu.operations import resume_gpu
-from sandbox.host.processes import Proc, process_tree, state_of, wait_gone, with_descendants
+from sandbox.host.processes import Proc, kill_with_descendants, process_tree, state_of, wait_gone, with_descendants
 from sandbox.ops.journal import OpKind, Stage
 from sandbox.ops.operations import Operation, Recovered, kind
 
@@ -50,16 +51,18 @@ class CriuDump(Operation):
 
 @kind
 class CriuRestore(Operation):
-    """`criu restore`: STARTED -> DUMPING (CRIU restores) -> FILLING (the tree restored but stopped, its
-    large page runs being written by gpusnap: procs recorded) -> DUMPED (the tree runs) -> GPU state back."""
+    """`criu restore`: STARTED -> DUMPING (CRIU restores) -> FILLING (the tree restored, held stopped
+    but for processes already complete, its large page runs being written by gpusnap: procs recorded)
+    -> DUMPED (the tree runs) -> GPU state back."""
 
     KIND = OpKind.CRIU_RESTORE
 
     def undo(self, done: Recovered) -> None:
         rec = self.rec
         if rec.stage == Stage.FILLING:
-            # stopped before it ever ran, its memory partly written: it must not run; the pids must be freed
-            killed = [p.pid for p in rec.procs if p.signal(signal.SIGKILL)]
+            # its memory partly written: it must not run; the pids must be freed. A process of it the fill
+            # had completed and continued early (its GPU copy started) may have forked: all descendants too
+            killed = kill_with_descendants(rec.procs)
             if killed:
                 wait_gone(killed, 10)
             done.actions.append(f"killed the half-filled restored tree {killed} (no process of it ran with its "

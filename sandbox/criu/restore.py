@@ -34,6 +34,7 @@ from storage.store import SnapshotStore
 from sandbox.criu.restored import adopting_orphans, boot_ticks, in_restored_tree, kill_half_restored, signal_all
 from sandbox.criu.runner import Criu, CriuError
 from sandbox.criu.serve import Arrivals, ServeSource, split_min
+from sandbox.host.processes import Proc, kill_with_descendants
 from sandbox.gpu.state import restore_huge_pages
 
 
@@ -128,7 +129,8 @@ def streamed(run: RestoreRun, *, thp_mode: str | None = "always",
                         if early:
                             marks.update({f"filled_{p}": t for p, t in early.items()})
                     except BaseException:
-                        signal_all(tree, signal.SIGKILL)
+                        # with every descendant: a process continued early (fill_first) may have forked
+                        kill_with_descendants(_restored_procs(tree, born_after))
                         raise
                     signal_all(tree, signal.SIGCONT)
                     seconds["split_fill"] = time.perf_counter() - t1
@@ -146,6 +148,12 @@ def streamed(run: RestoreRun, *, thp_mode: str | None = "always",
     finally:
         thp.close()
     return seconds, info
+
+
+def _restored_procs(pids: list[int], born_after: int) -> tuple[Proc, ...]:
+    """PIDS (a tree this restore made) as processes started after BORN_AFTER (a reused pid is not one)."""
+    procs = (Proc.of(p) for p in pids)
+    return tuple(p for p in procs if p is not None and p.start >= born_after - 1)
 
 
 def restored_tree(root: int, pstree: list[int], born_after: int) -> list[int]:

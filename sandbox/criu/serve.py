@@ -381,15 +381,16 @@ class ServeSource:
                             "mem_available": avail}
         jobs = split.fill_jobs(list(self.plans.values()), self.images)
         phases = split.fill_phases(jobs, self.fill_first) if self.fill_first else None
+        nphases = len(self.fill_first) + 1  # one per process of fill_first, then the rest
         procs, min_share = fill_procs.procs_for() if self.arrivals is None else (1, 0)
         parts = (fill_procs.shares(jobs, fill_procs.where_in_packs(self.store), procs, min_share, phases)
                  if procs > 1 else [jobs])
         self.fill_memory["procs"] = len(parts)
         if len(parts) > 1:
             return FillProcs(self.store, self.manifest.name, parts, self.workers, self.fill_memory["held_budget"],
-                             self.fill_memory["prefetch"], self._criu_asked, self.stages, phases)
+                             self.fill_memory["prefetch"], self._criu_asked, self.stages, phases, nphases)
         return split.Filler(jobs, self._read_moved, self.workers, self.fill_memory["held_budget"], self.stages,
-                            phases)
+                            phases, nphases)
 
     def _fail(self, e: BaseException) -> None:
         with self._lock:

@@ -349,6 +349,31 @@ def write_into(pid: int, addr: int, data: bytes | memoryview) -> int:
     return 0
 
 
+def open_mem(pid: int) -> int:
+    """PID's memory (/proc/PID/mem) opened for writing. The descriptor stays bound to the memory of
+    the process as it is now: after an exec or the process's end, a write through it reaches nothing
+    (write_pinned then fails), whatever the pid comes to name."""
+    try:
+        return os.open(f"/proc/{pid}/mem", os.O_WRONLY | os.O_CLOEXEC)
+    except OSError as e:
+        raise SplitError(f"opening the memory of pid {pid}: {e.strerror}") from None
+
+
+def write_pinned(fd: int, pid: int, addr: int, data: memoryview) -> None:
+    """DATA at ADDR through FD (open_mem(PID)); fails, never loops, once the memory FD was opened on is
+    gone (the process exited or exec'd: the kernel then writes nothing)."""
+    done = 0
+    try:
+        while done < len(data):
+            r = os.pwrite(fd, data[done:], addr + done)
+            if r <= 0:
+                raise SplitError(f"pid {pid} is no longer the process this restore made (it exited or "
+                                 "ran another program); the restore is stopped")
+            done += r
+    except OSError as e:
+        raise SplitError(f"writing into pid {pid} at {addr + done:#x}: {e.strerror}") from None
+
+
 def _write_mem(pid: int, addr: int, data: memoryview) -> None:
     try:
         fd = os.open(f"/proc/{pid}/mem", os.O_WRONLY | os.O_CLOEXEC)
@@ -395,6 +420,8 @@ def fill_phases(jobs: dict[Key, Job], first: "Sequence[int]") -> dict[Key, int]:
     """The phase of each chunk of JOBS when the processes FIRST are to be complete one after the other,
     in that order: the rank in FIRST of the first of them the chunk is written into (len(FIRST) for a
     chunk only other processes use). Process FIRST[i] has every moved run once phases 0..i are written."""
+    if len(set(first)) != len(first):
+        raise SplitError(f"fill_first names a process twice: {list(first)}")
     rank = {p: i for i, p in enumerate(first)}
     last = len(first)
     return {k: min((rank.get(t[0], last) for t in targets), default=last) for k, (_, targets) in jobs.items()}
@@ -422,13 +449,18 @@ class Filler:
     then those of phase 1, and so on, and `write` says when each phase is written, in order."""
 
     def __init__(self, jobs: "dict[Key, Job]", read: ReadAll, workers: int, budget: int,
-                 stages: Stages | None = None, phases: dict[Key, int] | None = None) -> None:
-        """JOBS: fill_jobs(plans, streams), or a share of them (sandbox.criu.fill_procs)."""
+                 stages: Stages | None = None, phases: dict[Key, int] | None = None, nphases: int | None = None) -> None:
+        """JOBS: fill_jobs(plans, streams), or a share of them (sandbox.criu.fill_procs). NPHASES: how
+        many phases there are (default: the highest of PHASES, plus one); each is said, even empty."""
         self.workers = workers
         self.stages = stages if stages is not None else Stages()
         self.jobs = jobs
         self._phase = phases or {}
-        self._left = [0] * (max(self._phase.values(), default=-1) + 1)  # chunks not yet written, per phase
+        n = max(self._phase.values(), default=-1) + 1 if nphases is None else nphases
+        if any(not 0 <= p < n for p in self._phase.values()):
+            raise SplitError("a chunk's phase is out of range")
+        self._left = [0] * n  # chunks not yet written, per phase
+        self._mem: dict[int, int] = {}  # pid -> open_mem(pid), for the chunks of phases after the first
         for k, (ref, _) in jobs.items():
             if not ref.is_zero and self._left:
                 self._left[self._phase.get(k, 0)] += 1
@@ -501,7 +533,12 @@ class Filler:
         """DATA (KEY's bytes) written at every place KEY's chunk is used."""
         targets = self.jobs[key][1]
         t0 = time.perf_counter()
-        slow = sum(write_into(pid, addr, data[lo:hi]) for pid, addr, lo, hi in targets)
+        if self._phase.get(key, 0) == 0:
+            slow = sum(write_into(pid, addr, data[lo:hi]) for pid, addr, lo, hi in targets)
+        else:  # a process of the tree may run by now: through the memory opened while all were held
+            for pid, addr, lo, hi in targets:
+                write_pinned(self._mem[pid], pid, addr, data[lo:hi])
+            slow = 0
         n = sum(hi - lo for _, _, lo, hi in targets)
         self.stages.add("write", time.perf_counter() - t0, n)
         if slow:
@@ -523,8 +560,18 @@ class Filler:
     def write(self, pids_ok: Callable[[int], bool], on_phase: Callable[[int], None] | None = None) -> dict[str, int]:
         """Every moved run written into its (stopped) process; PIDS_OK(pid) says a planned pid is one
         CRIU restored. ON_PHASE(p) is called (from a fill thread) once phases 0..p are all written,
-        for each phase in order. Returns bytes written / skipped as zero."""
+        for each phase in order. Returns bytes written / skipped as zero.
+
+        The caller may let a process run once its phase is written (while the fill goes on), and a
+        running process can signal the others (same user): continue one, have it run another program
+        or exit and its pid be taken again. So every chunk after phase 0 is written through the
+        process's memory opened here, before any byte is written and so before any process runs: a
+        pid checked by PIDS_OK can only ever get its own bytes, into the memory that was checked."""
         check_pids(self.jobs, pids_ok)
+        late = sorted({t[0] for k, (ref, targets) in self.jobs.items() if self._phase.get(k, 0) > 0 and not ref.is_zero
+                       for t in targets})
+        for pid in late:
+            self._mem[pid] = open_mem(pid)
         with self._phase_lock:
             self._on_phase = on_phase
             self._phases_done()  # phases with nothing to read
@@ -532,6 +579,7 @@ class Filler:
             self._go = True
             held, self._pending = self._pending, []
             self._cond.notify_all()
+        held.sort(key=lambda kb: self._phase.get(kb[0], 0))  # phase 0 first (stable: delivery order within)
 
         def one(item: tuple[Key, AlignedBuffer]) -> None:
             key, buf = item
@@ -561,6 +609,9 @@ class Filler:
     def close(self) -> None:
         self._stop()
         self._reader.join()
+        for fd in self._mem.values():
+            os.close(fd)
+        self._mem.clear()
         for buf in self._held:
             buf.close()
         self._held.clear()

@@ -19,12 +19,13 @@ Guarantees kept here:
   any failure every pid this call touched is RUNNING again with its GPU memory, and the error says so.
   The freeze() context manager also thaws what it froze when its block raises.
 - thaw: every CHECKPOINTED pid restored, all or nothing (on a failure they all stay CHECKPOINTED and
-  the thaw can be retried), then every pid unlocked; a RUNNING pid is not touched, a LOCKED one only
+  the thaw can be retried; those an EarlyRestore had restored stay LOCKED, which settle() and
+  another thaw unlock), then every pid unlocked; a RUNNING pid is not touched, a LOCKED one only
   unlocked (a second post-resume is harmless).
 - EarlyRestore: on the host-staged path, a process's copy may start before thaw() (as soon as the
   split fill has written its memory: the copies overlap the fill); thaw() then restores only what is
-  left and unlocks all, after every early copy has ended; a failed early copy fails the thaw as a
-  failed copy in thaw() does.
+  left and unlocks all, after every early copy has ended; a failed early copy fails the swap, and
+  recovery (settle/resume) finishes it as it finishes a failed thaw.
 - settle(driver, pids) finishes an interrupted thaw without guessing: a process whose memory is back
   (LOCKED) is unlocked, a CHECKPOINTED one stays restorable, one the driver holds mid-operation is named.
 - resume(driver, pids) puts every listed process back to RUNNING (host-staged state), whatever an
@@ -353,9 +354,10 @@ class EarlyRestore:
         errs: list[str] = []
         with self._lock:
             started = list(self._started.items())
+        deadline = time.monotonic() + self.limits.op_timeout_s  # one bound for all: they run side by side
         for p, f in started:
             try:
-                f.result(timeout=self.limits.op_timeout_s)
+                f.result(timeout=max(0.0, deadline - time.monotonic()))
             except FutureTimeout:
                 errs.append(f"pid {p} did not finish within {self.limits.op_timeout_s:g} s")
             except Exception as e:  # noqa: BLE001 - report every one
@@ -370,7 +372,9 @@ class EarlyRestore:
     def __exit__(self, *exc: object) -> None:
         with self._lock:
             self.pids = set()  # nothing more starts
-        self._ex.shutdown(wait=True)
+        # after a failure (the fill's: the tree is killed) a copy still in the driver is not waited for
+        # here; it ends with its process, and the error goes up now
+        self._ex.shutdown(wait=exc[0] is None, cancel_futures=True)
 
 
 def _unlock_all(drv: CheckpointDriver, pids: list[int], limits: Limits) -> None:

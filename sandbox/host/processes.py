@@ -89,6 +89,24 @@ def process_tree(root: int) -> list[int]:
     return out
 
 
+def kill_with_descendants(procs: tuple[Proc, ...], rounds: int = 16) -> list[int]:
+    """SIGKILL PROCS (those still the recorded process) and every descendant they have, including
+    ones forked while this runs: the tree is stopped (SIGSTOP) until a pass finds no new process, then
+    killed, so a running process cannot fork its way out. Returns the pids signalled."""
+    import signal
+    seen: dict[int, Proc] = {}
+    for _ in range(rounds):
+        now = with_descendants(procs)
+        fresh = [p for p in now if p.pid not in seen]
+        if not fresh:
+            break
+        for p in fresh:
+            seen[p.pid] = p
+            p.signal(signal.SIGSTOP)
+    killed = [p.pid for p in seen.values() if p.signal(signal.SIGKILL)]
+    return killed
+
+
 def with_descendants(procs: tuple[Proc, ...]) -> tuple[Proc, ...]:
     """PROCS (those still the recorded process) and every descendant each has now, parents first.
     For a tree CRIU left stopped this is exactly what CRIU froze: a child forked while CRIU was
