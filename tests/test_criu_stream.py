@@ -1017,6 +1017,53 @@ def test_fill_workers_phases_are_told_once_every_worker_is_past_them_lines_split
     fp.close()
 
 
+def test_a_failed_fill_kills_what_the_running_tree_double_forked_away() -> None:
+    """kill_restored, with this process as the subreaper (as during a fill that let processes run):
+    a process that keeps double-forking (each grandchild orphaned at once, out of the tree) leaves
+    nothing behind; a helper of ours (KEEP) is left alone."""
+    from sandbox.criu.restore import kill_restored
+    from sandbox.criu.restored import adopting_orphans, boot_ticks
+    from sandbox.host.processes import Proc
+    marker = f"gpusnap-escaper-{os.getpid()}"
+    src = ("import os, sys, time\n"
+           "while True:\n"
+           "    if os.fork() == 0:\n"
+           "        if os.fork() == 0:\n"
+           "            time.sleep(60); os._exit(0)\n"
+           "        os._exit(0)\n"
+           "    os.wait()\n"
+           "    time.sleep(0.005)\n")
+    born_after = boot_ticks()
+    time.sleep(0.02)
+    with adopting_orphans():
+        helper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        p = subprocess.Popen([sys.executable, "-c", src, marker])
+        try:
+            time.sleep(0.4)
+            root = Proc.of(p.pid)
+            assert root is not None
+            killed = kill_restored((root,), born_after, keep={helper.pid})
+            assert p.pid in killed and helper.pid not in killed and helper.poll() is None
+
+            def left() -> list[int]:
+                out = []
+                for d in os.listdir("/proc"):
+                    if d.isdigit():
+                        try:
+                            with open(f"/proc/{d}/cmdline", "rb") as f:
+                                if marker.encode() in f.read():
+                                    out.append(int(d))
+                        except OSError:
+                            pass
+                return [q for q in out if _state(q) not in ("Z", "gone")]
+            assert len(killed) > 5, killed
+            _until(lambda: not left(), "every double-forked process is gone", within=10)
+        finally:
+            for q in (p, helper):
+                q.kill()
+                q.wait()
+
+
 def test_killing_a_tree_kills_what_its_running_processes_fork_meanwhile() -> None:
     """kill_with_descendants (a failed fill whose tree had processes running early): a process that
     keeps forking leaves nothing behind, not even children reparented while it is killed."""

@@ -288,6 +288,9 @@ class FillProcs:
                     got = os.read(key.fd, 1 << 16)
                     lines = (pending[i] + got).split(b"\n")
                     pending[i] = lines.pop()
+                    if len(pending[i]) > 1 << 20:  # no line of the protocol is that long
+                        self.close()
+                        raise SplitError(f"fill worker {i} wrote a line of over 1 MiB")
                     if not got:  # the worker closed its stdout: whatever it said last is its answer
                         sel.unregister(key.fd)
                         lines.append(pending[i])
@@ -307,7 +310,7 @@ class FillProcs:
                                 continue  # not a line of the protocol: the answer is still to come
                             r = None
                         if r is None:
-                            r = {"error": f"fill worker {i} died (exit status {self.procs[i].wait()}) before it reported"}
+                            r = {"error": f"fill worker {i} died (exit status {_status(self.procs[i])}) before it reported"}
                         results[i] = r
                         done[i] = nphases - 1
                         if "error" in r:
@@ -316,7 +319,7 @@ class FillProcs:
                                 raise self.store.error(r["error"])
                             raise SplitError(r["error"])
                     if not got and i not in results:  # EOF with no answer (e.g. an unfinished line)
-                        results[i] = {"error": f"fill worker {i} died (exit status {self.procs[i].wait()}) before it reported"}
+                        results[i] = {"error": f"fill worker {i} died (exit status {_status(self.procs[i])}) before it reported"}
                         self.close()
                         raise SplitError(results[i]["error"])
                     if got and i in results:
@@ -355,8 +358,21 @@ def _answer(r: dict[str, Any] | None) -> bool:
         return False
     if "error" in r:
         return isinstance(r["error"], str)
+    stages = r.get("stages", {})
     return (all(type(r.get(k)) is int and r[k] >= 0 for k in ("written", "zero_skipped"))
-            and isinstance(r.get("stages", {}), dict))
+            and isinstance(stages, dict)
+            and all(isinstance(v, dict) and type(v.get("bytes")) is int and isinstance(v.get("thread_seconds"), (int, float))
+                    and type(v.get("thread_seconds")) is not bool for v in stages.values()))
+
+
+def _status(p: "subprocess.Popen[str]") -> int | str:
+    """The exit status of a worker that closed its end: waited for a few seconds, then killed."""
+    try:
+        return p.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.wait()
+        return "none: it closed its output and was killed"
 
 
 def _parsed(line: bytes) -> dict[str, Any] | None:

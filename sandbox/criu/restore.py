@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 import signal
 import time
-from contextlib import ExitStack
+from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -34,7 +34,7 @@ from storage.store import SnapshotStore
 from sandbox.criu.restored import adopting_orphans, boot_ticks, in_restored_tree, kill_half_restored, signal_all
 from sandbox.criu.runner import Criu, CriuError
 from sandbox.criu.serve import Arrivals, ServeSource, split_min
-from sandbox.host.processes import Proc, kill_with_descendants
+from sandbox.host.processes import Proc, children_of, kill_with_descendants, state_of
 from sandbox.gpu.state import restore_huge_pages
 
 
@@ -113,26 +113,30 @@ def streamed(run: RestoreRun, *, thp_mode: str | None = "always",
                 if srv.plans:
                     t1 = time.perf_counter()
                     early: dict[str, float] = {}
+                    procs = {p.pid: p for p in _restored_procs(tree, born_after)}  # taken while all are held
 
                     def filled(pid: int) -> None:  # every moved run of PID is in: it may run (its GPU state come back)
-                        if pid in tree:
-                            signal_all([pid], signal.SIGCONT)
+                        if pid in procs and procs[pid].signal(signal.SIGCONT):
                             early[str(pid)] = time.monotonic()
                             if run.on_filled is not None:
                                 run.on_filled(pid)
 
-                    try:
-                        if on_stopped is not None:
-                            on_stopped(tree)
-                        info["split"] = srv.fill(lambda p: in_restored_tree(p, root, srv.pstree, born_after, stopped=True),
-                                                 filled)
-                        if early:
-                            marks.update({f"filled_{p}": t for p, t in early.items()})
-                    except BaseException:
-                        # with every descendant: a process continued early (fill_first) may have forked
-                        kill_with_descendants(_restored_procs(tree, born_after))
-                        raise
-                    signal_all(tree, signal.SIGCONT)
+                    # with fill_first, processes run before the fill ends: whatever they fork and orphan
+                    # comes to this process (not init), so that a failed fill can kill it too
+                    with adopting_orphans() if run.fill_first else nullcontext():
+                        try:
+                            if on_stopped is not None:
+                                on_stopped(tree)
+                            info["split"] = srv.fill(lambda p: in_restored_tree(p, root, srv.pstree, born_after, stopped=True),
+                                                     filled)
+                            if early:
+                                marks.update({f"filled_{p}": t for p, t in early.items()})
+                        except BaseException:
+                            srv.stop_fill()  # no write of the fill's goes on while the tree is killed
+                            kill_restored(tuple(procs.values()), born_after, keep=srv.helper_pids())
+                            raise
+                    for p in procs.values():
+                        p.signal(signal.SIGCONT)
                     seconds["split_fill"] = time.perf_counter() - t1
                     marks["fill_done"] = time.monotonic()
             finally:
@@ -148,6 +152,30 @@ def streamed(run: RestoreRun, *, thp_mode: str | None = "always",
     finally:
         thp.close()
     return seconds, info
+
+
+def kill_restored(procs: tuple[Proc, ...], born_after: int, keep: set[int]) -> list[int]:
+    """PROCS (a tree this restore made) killed with every descendant, and every process this one
+    adopted meanwhile (child subreaper: what the tree forked and orphaned) that started after
+    BORN_AFTER, but KEEP (this restore's own helpers: the fill's workers); reaped. Returns the pids."""
+    me = os.getpid()
+
+    def adopted() -> tuple[Proc, ...]:
+        kids = (Proc.of(p) for p in children_of(me) if p not in keep)
+        return tuple(p for p in kids if p is not None and p.start >= born_after - 1)
+
+    killed = kill_with_descendants(procs + adopted())
+    for _ in range(16):  # each killed one's orphans come to us next
+        more = tuple(p for p in adopted() if state_of(p.pid) not in ("Z", "X", "gone"))
+        if not more:
+            break
+        killed += kill_with_descendants(more)
+    for p in adopted():  # our zombies now
+        try:
+            os.waitpid(p.pid, os.WNOHANG)
+        except ChildProcessError:
+            pass
+    return killed
 
 
 def _restored_procs(pids: list[int], born_after: int) -> tuple[Proc, ...]:

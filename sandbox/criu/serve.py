@@ -518,6 +518,15 @@ class ServeSource:
         self._criu_done.set()  # the disk is the fill's alone now: the kernel may read ahead for it
         return self._filler.write(pids_ok, on_phase)
 
+    def stop_fill(self) -> None:
+        """The fill stopped now, its workers gone and no write of it in flight (before the tree is killed)."""
+        if self._filler is not None:
+            self._filler.close()
+
+    def helper_pids(self) -> set[int]:
+        """The processes this source started (the fill's workers): not the tree's."""
+        return {p.pid for p in getattr(self._filler, "procs", [])}
+
     def raise_if_failed(self) -> None:
         """The first failure of the store side (a damaged chunk, a remote that failed) before a broken pipe."""
         errs = [e for e in self.errors if isinstance(e, GpusnapError) and not isinstance(e, StreamerError)] \

@@ -442,7 +442,8 @@ class Filler:
     distinct non-zero chunk. Until `write` is called, each delivered chunk is copied into a held
     buffer (at most BUDGET bytes of them; then the read waits); from then on, held chunks are written
     into the stopped processes by WORKERS threads while newly delivered ones are written by the
-    thread that delivers them, with process_vm_writev, straight from the read stage's buffer. A
+    thread that delivers them, with process_vm_writev (phase 0) or through /proc/PID/mem opened
+    before the first write (later phases, see `write`), straight from the read stage's buffer. A
     chunk used at several places (processes forked from one another share pages) is read once.
     All-zero chunks are neither read nor written: the fresh mapping already reads as zero. Closing
     before `write` stops the read. With PHASES (fill_phases), the chunks of phase 0 are read first,
@@ -594,10 +595,13 @@ class Filler:
                     pass
         except BaseException:
             self._stop()  # the first failure ends the fill: nothing more is read
+            self._reader.join()  # nor written: the caller kills the tree next, and its pids may be taken again
             raise
         self._reader.join()
         if self._error is not None:
             raise self._error
+        if self._next_phase != len(self._left):
+            raise SplitError(f"the fill wrote everything but said only {self._next_phase} of {len(self._left)} phases")
         zero = sum(hi - lo for ref, targets in self.jobs.values() if ref.is_zero for _, _, lo, hi in targets)
         return {"written": self._written, "zero_skipped": zero}
 

@@ -61,6 +61,11 @@ class Proc:
         return True
 
 
+def children_of(pid: int) -> list[int]:
+    """PID's children now (every thread's)."""
+    return _children(pid)
+
+
 def _children(pid: int) -> list[int]:
     kids: list[int] = []
     try:
@@ -91,8 +96,10 @@ def process_tree(root: int) -> list[int]:
 
 def kill_with_descendants(procs: tuple[Proc, ...], rounds: int = 16) -> list[int]:
     """SIGKILL PROCS (those still the recorded process) and every descendant they have, including
-    ones forked while this runs: the tree is stopped (SIGSTOP) until a pass finds no new process, then
-    killed, so a running process cannot fork its way out. Returns the pids signalled."""
+    ones forked while this runs: the tree is stopped (SIGSTOP) until a pass finds no new process (at
+    most ROUNDS passes), then killed. A process that leaves the tree before it is seen (a double
+    fork: its orphan goes to a subreaper or init) is not found here: a caller that lets a tree run
+    must be that subreaper (see sandbox.criu.restore.kill_restored). Returns the pids signalled."""
     import signal
     seen: dict[int, Proc] = {}
     for _ in range(rounds):
