@@ -6,9 +6,12 @@ Guarantees kept here:
 - streamed: with a split, CRIU leaves the tree stopped; on_stopped (the caller journals the stopped
   tree) runs before the fill, and a process continues only once every moved run of it is written
   (the whole tree at the end of the fill; a process of fill_first as soon as its own runs are in,
-  so that its GPU state can come back while the fill goes on: on_filled); if the fill fails, the
-  tree CRIU restored is killed (pid and start time: only processes this restore made,
-  sandbox.criu.restored); no process runs half-restored;
+  so that its GPU state can come back while the fill goes on: on_filled); gpusnap continues no
+  process half-restored (one of the tree's own processes, once running, can continue a held
+  sibling: its own doing; the fill's later writes go through memory opened while all were held,
+  sandbox.criu.split.Filler.write, so nothing of the snapshot reaches another program or a reused
+  pid); if the fill fails, the tree CRIU restored is killed with every descendant and whatever it
+  orphaned meanwhile (kill_restored: pid and start time, only processes this restore made);
 - a CRIU failure caused by the store (a damaged chunk, a remote that failed) is raised as that
   failure, not as CRIU's broken pipe; if CRIU itself dies mid-restore, the tasks it had created come
   back to gpusnap (child subreaper meanwhile) and are killed, so the snapshot's pids are free for the
