@@ -1098,3 +1098,25 @@ def test_killing_a_tree_kills_what_its_running_processes_fork_meanwhile() -> Non
     finally:
         p.kill()
         p.wait()
+
+
+def test_a_failed_fill_without_early_processes_kills_only_the_tree() -> None:
+    """kill_restored with no subreaper time (keep=None: nothing of the tree ran): the tree and its
+    descendants, never another child of this process started meanwhile."""
+    from sandbox.criu.restore import kill_restored
+    from sandbox.criu.restored import boot_ticks
+    from sandbox.host.processes import Proc
+    born_after = boot_ticks()
+    time.sleep(0.02)
+    tree = subprocess.Popen([sys.executable, "-c", "import os, time\nif os.fork() == 0: time.sleep(60)\ntime.sleep(60)"])
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        time.sleep(0.3)
+        root = Proc.of(tree.pid)
+        assert root is not None
+        killed = kill_restored((root,), born_after, keep=None)
+        assert tree.pid in killed and len(killed) == 2 and other.poll() is None, killed
+    finally:
+        for q in (tree, other):
+            q.kill()
+            q.wait()

@@ -126,6 +126,7 @@ def streamed(run: RestoreRun, *, thp_mode: str | None = "always",
 
                     # with fill_first, processes run before the fill ends: whatever they fork and orphan
                     # comes to this process (not init), so that a failed fill can kill it too
+                    ours = set(children_of(os.getpid()))  # this process's own children (the fill's workers, ...)
                     with adopting_orphans() if run.fill_first else nullcontext():
                         try:
                             if on_stopped is not None:
@@ -136,7 +137,8 @@ def streamed(run: RestoreRun, *, thp_mode: str | None = "always",
                                 marks.update({f"filled_{p}": t for p, t in early.items()})
                         except BaseException:
                             srv.stop_fill()  # no write of the fill's goes on while the tree is killed
-                            kill_restored(tuple(procs.values()), born_after, keep=srv.helper_pids())
+                            kill_restored(tuple(procs.values()), born_after,
+                                          keep=(ours | srv.helper_pids()) if run.fill_first else None)
                             raise
                     for p in procs.values():
                         p.signal(signal.SIGCONT)
@@ -157,13 +159,16 @@ def streamed(run: RestoreRun, *, thp_mode: str | None = "always",
     return seconds, info
 
 
-def kill_restored(procs: tuple[Proc, ...], born_after: int, keep: set[int]) -> list[int]:
-    """PROCS (a tree this restore made) killed with every descendant, and every process this one
-    adopted meanwhile (child subreaper: what the tree forked and orphaned) that started after
-    BORN_AFTER, but KEEP (this restore's own helpers: the fill's workers); reaped. Returns the pids."""
+def kill_restored(procs: tuple[Proc, ...], born_after: int, keep: set[int] | None) -> list[int]:
+    """PROCS (a tree this restore made) killed with every descendant; with KEEP (this process was the
+    child subreaper while the tree could run), also every child of this process that started after
+    BORN_AFTER but KEEP (its own: the fill's workers, the children it had before): what the tree
+    forked and orphaned; reaped. Returns the pids."""
     me = os.getpid()
 
     def adopted() -> tuple[Proc, ...]:
+        if keep is None:
+            return ()
         kids = (Proc.of(p) for p in children_of(me) if p not in keep)
         return tuple(p for p in kids if p is not None and p.start >= born_after - 1)
 
