@@ -44,17 +44,21 @@ def _dumped(tmp_path: Path) -> tuple[Tree, SharedStandIn, dict[int, bytes], Path
     from sandbox.host.processes import wait_gone
     from storage.store import SnapshotStore
     tree = Tree(mb=48, detached=True)
-    pids = [tree.pid, tree.child]
-    before = {p: os.urandom(64 << 10) for p in pids}
-    state = str(tmp_path / "driver.pkl")
-    SharedStandIn.create(state, before, gpus=list(GPUS),
-                         placement={tree.pid: {GPUS[0].uuid: 2 * GIB}, tree.child: {GPUS[0].uuid: GIB}})
-    drv = SharedStandIn(state)
-    store = tmp_path / "store"
-    criu_dump(SnapshotStore(str(store)), tree.pid, "c", gpu_driver=drv,
-              features=Features(checkpoint_api=True, custom_storage=False, gpus=drv.gpus()))
-    tree.reap()
-    assert not wait_gone(pids, 10), "the committed dump killed the tree"
+    try:
+        pids = [tree.pid, tree.child]
+        before = {p: os.urandom(64 << 10) for p in pids}
+        state = str(tmp_path / "driver.pkl")
+        SharedStandIn.create(state, before, gpus=list(GPUS),
+                             placement={tree.pid: {GPUS[0].uuid: 2 * GIB}, tree.child: {GPUS[0].uuid: GIB}})
+        drv = SharedStandIn(state)
+        store = tmp_path / "store"
+        criu_dump(SnapshotStore(str(store)), tree.pid, "c", gpu_driver=drv,
+                  features=Features(checkpoint_api=True, custom_storage=False, gpus=drv.gpus()))
+        tree.reap()
+        assert not wait_gone(pids, 10), "the committed dump killed the tree"
+    except BaseException:
+        tree.close()  # no workload left behind by a failed set-up
+        raise
     return tree, drv, before, store
 
 
