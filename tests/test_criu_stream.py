@@ -403,11 +403,14 @@ def test_a_fill_worker_meeting_a_damaged_chunk_fails_the_restore_as_damage(cli: 
 
 
 def _large_areas(pid: int) -> dict[int, str]:
-    """PID's private writable mappings of 8 MiB or more (where the split fill writes), hashed by start."""
+    """PID's private writable anonymous mappings of 8 MiB or more (where the split fill writes; not the
+    heap or the stack, which change as it runs), hashed by start."""
     import hashlib
     out = {}
     with open(f"/proc/{pid}/maps") as f, open(f"/proc/{pid}/mem", "rb") as mem:
         for line in f:
+            if len(line.split()) > 5:  # a file, [heap], [stack], ...
+                continue
             rng, perms = line.split()[:2]
             lo, hi = (int(x, 16) for x in rng.split("-"))
             if perms.startswith("rw") and perms.endswith("p") and hi - lo >= 8 << 20:
@@ -950,13 +953,22 @@ def test_a_process_that_runs_another_program_mid_fill_gets_none_of_the_later_byt
         jobs = split.fill_jobs(plans, streams)
         phases = split.fill_phases(jobs, (os.getpid(), proc.pid))
 
+        import threading
+        execd = threading.Event()
+
         def on_phase(p: int) -> None:
             if p == 0:  # phase 0 (this process) written: the other one runs another program in its place
                 proc.stdin.write("exec\n")
                 proc.stdin.flush()
                 int(proc.stdout.readline())  # mapped where the restored one's memory was
+                execd.set()
 
-        with split.Filler(jobs, _reads(streams, lambda s, i, ref: bytes([7]) * chunk), 1, 2 * (chunk + 4096),
+        def fetch(s, i, ref):  # phase 1's chunks come once the other program is there (a slow disk)
+            if ref.id[0] == "2":
+                assert execd.wait(30)
+            return bytes([7]) * chunk
+
+        with split.Filler(jobs, _reads(streams, fetch), 1, 2 * (chunk + 4096),
                           phases=phases, nphases=3) as filler:
             with pytest.raises(split.SplitError, match="no longer the process this restore made"):
                 filler.write(lambda pid: True, on_phase)
@@ -1023,7 +1035,7 @@ def test_a_failed_fill_kills_what_the_running_tree_double_forked_away() -> None:
     nothing behind; a helper of ours (KEEP) is left alone."""
     from sandbox.criu.restore import kill_restored
     from sandbox.criu.restored import adopting_orphans, boot_ticks
-    from sandbox.host.processes import Proc
+    from sandbox.host.processes import Proc, children_of
     marker = f"gpusnap-escaper-{os.getpid()}"
     src = ("import os, sys, time\n"
            "while True:\n"
@@ -1039,7 +1051,7 @@ def test_a_failed_fill_kills_what_the_running_tree_double_forked_away() -> None:
         helper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
         p = subprocess.Popen([sys.executable, "-c", src, marker])
         try:
-            time.sleep(0.4)
+            _until(lambda: len(children_of(os.getpid())) > 8, "orphans have come to us", within=30)
             root = Proc.of(p.pid)
             assert root is not None
             killed = kill_restored((root,), born_after, keep={helper.pid})
@@ -1067,7 +1079,7 @@ def test_a_failed_fill_kills_what_the_running_tree_double_forked_away() -> None:
 def test_killing_a_tree_kills_what_its_running_processes_fork_meanwhile() -> None:
     """kill_with_descendants (a failed fill whose tree had processes running early): a process that
     keeps forking leaves nothing behind, not even children reparented while it is killed."""
-    from sandbox.host.processes import Proc, kill_with_descendants
+    from sandbox.host.processes import Proc, kill_with_descendants, process_tree
     marker = f"gpusnap-forker-{os.getpid()}"
     src = ("import os, sys, time\n"
            "while True:\n"
@@ -1076,7 +1088,7 @@ def test_killing_a_tree_kills_what_its_running_processes_fork_meanwhile() -> Non
            "    time.sleep(0.005)\n")
     p = subprocess.Popen([sys.executable, "-c", src, marker], start_new_session=True)
     try:
-        time.sleep(0.3)
+        _until(lambda: len(process_tree(p.pid)) > 6, "the forker has forked", within=30)
         root = Proc.of(p.pid)
         assert root is not None
         killed = kill_with_descendants((root,))
@@ -1105,13 +1117,13 @@ def test_a_failed_fill_without_early_processes_kills_only_the_tree() -> None:
     descendants, never another child of this process started meanwhile."""
     from sandbox.criu.restore import kill_restored
     from sandbox.criu.restored import boot_ticks
-    from sandbox.host.processes import Proc
+    from sandbox.host.processes import Proc, process_tree
     born_after = boot_ticks()
     time.sleep(0.02)
     tree = subprocess.Popen([sys.executable, "-c", "import os, time\nif os.fork() == 0: time.sleep(60)\ntime.sleep(60)"])
     other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        time.sleep(0.3)
+        _until(lambda: len(process_tree(tree.pid)) == 2, "the tree has forked", within=30)
         root = Proc.of(tree.pid)
         assert root is not None
         killed = kill_restored((root,), born_after, keep=None)
