@@ -14,7 +14,7 @@ from typing import Callable
 
 import pytest
 from conftest import GPUSNAP, REPO, Cli, chunk_files, pythonpath
-from support.criu import Tree, _state, healthy, require_criu
+from support.criu import Tree, _state, healthy, pids_with, require_criu
 
 pytestmark = pytest.mark.root
 
@@ -1058,16 +1058,7 @@ def test_a_failed_fill_kills_what_the_running_tree_double_forked_away() -> None:
             assert p.pid in killed and helper.pid not in killed and helper.poll() is None
 
             def left() -> list[int]:
-                out = []
-                for d in os.listdir("/proc"):
-                    if d.isdigit():
-                        try:
-                            with open(f"/proc/{d}/cmdline", "rb") as f:
-                                if marker.encode() in f.read():
-                                    out.append(int(d))
-                        except OSError:
-                            pass
-                return [q for q in out if _state(q) not in ("Z", "gone")]
+                return [q for q in pids_with(marker.encode()) if _state(q) not in ("Z", "gone")]
             assert len(killed) > 5, killed
             _until(lambda: not left(), "every double-forked process is gone", within=10)
         finally:
@@ -1095,18 +1086,8 @@ def test_killing_a_tree_kills_what_its_running_processes_fork_meanwhile() -> Non
         assert p.pid in killed and len(killed) > 5, killed
         p.wait(timeout=10)
 
-        def left() -> list[int]:
-            out = []
-            for d in os.listdir("/proc"):
-                if d.isdigit():
-                    try:
-                        with open(f"/proc/{d}/cmdline", "rb") as f:
-                            if marker.encode() in f.read():
-                                out.append(int(d))
-                    except OSError:
-                        pass
-            return out
-        _until(lambda: not [q for q in left() if _state(q) != "Z"], "every forked process is gone", within=10)
+        _until(lambda: not [q for q in pids_with(marker.encode()) if _state(q) != "Z"], "every forked process is gone",
+               within=10)
     finally:
         p.kill()
         p.wait()

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from conftest import Cli
-from support.criu import Tree, _state, healthy
+from support.criu import Tree, _state, healthy, pids_with
 from support.crash import Paused, assert_nothing_left, wait_dead
 
 pytestmark = pytest.mark.root
@@ -158,16 +158,7 @@ def test_a_committed_dump_kills_only_what_its_own_manifest_names(tmp_path: Path)
 
 def _fill_workers() -> list[int]:
     """Pids of split-fill worker processes (sandbox/criu/fill_procs.py) on this machine."""
-    out = []
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/cmdline", "rb") as f:
-                    if b"sandbox.criu.fill_procs" in f.read():
-                        out.append(int(d))
-            except OSError:
-                pass
-    return out
+    return pids_with(b"sandbox.criu.fill_procs")
 
 
 @pytest.mark.parametrize("procs", ["1", "2"], ids=["fill-in-process", "fill-in-2-workers"])

@@ -34,7 +34,7 @@ from storage.manifest import Manifest
 from storage.progress import Progress
 from storage.store import SnapshotStore
 
-from sandbox.criu.restored import adopting_orphans, boot_ticks, in_restored_tree, kill_half_restored, signal_all
+from sandbox.criu.restored import adopting_orphans, boot_ticks, in_restored_tree, kill_half_restored, restored_procs
 from sandbox.criu.runner import Criu, CriuError
 from sandbox.criu.serve import Arrivals, ServeSource, split_min
 from sandbox.host.processes import Proc, children_of, kill_with_descendants, state_of
@@ -116,7 +116,7 @@ def streamed(run: RestoreRun, *, thp_mode: str | None = "always",
                 if srv.plans:
                     t1 = time.perf_counter()
                     early: dict[str, float] = {}
-                    procs = {p.pid: p for p in _restored_procs(tree, born_after)}  # taken while all are held
+                    procs = {p.pid: p for p in restored_procs(tree, born_after)}  # taken while all are held
 
                     def filled(pid: int) -> None:  # every moved run of PID is in: it may run (its GPU state come back)
                         if pid in procs and procs[pid].signal(signal.SIGCONT):
@@ -184,12 +184,6 @@ def kill_restored(procs: tuple[Proc, ...], born_after: int, keep: set[int] | Non
         except ChildProcessError:
             pass
     return killed
-
-
-def _restored_procs(pids: list[int], born_after: int) -> tuple[Proc, ...]:
-    """PIDS (a tree this restore made) as processes started after BORN_AFTER (a reused pid is not one)."""
-    procs = (Proc.of(p) for p in pids)
-    return tuple(p for p in procs if p is not None and p.start >= born_after - 1)
 
 
 def restored_tree(root: int, pstree: list[int], born_after: int) -> list[int]:

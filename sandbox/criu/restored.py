@@ -15,7 +15,7 @@ import time
 from contextlib import contextmanager
 from typing import Iterator
 
-from sandbox.host.processes import start_time
+from sandbox.host.processes import Proc, start_time
 
 
 def boot_ticks() -> int:
@@ -110,10 +110,8 @@ def kill_half_restored(pids: list[int]) -> None:
             return
 
 
-def signal_all(pids: list[int], sig: int) -> None:
-    """SIG to each of PIDS still there."""
-    for p in pids:
-        try:
-            os.kill(p, sig)
-        except ProcessLookupError:
-            pass
+def restored_procs(pids: list[int], born_after: int) -> tuple[Proc, ...]:
+    """PIDS (a tree this restore made) as processes started after BORN_AFTER, by pid and start time
+    (a pid taken again by another process is not one)."""
+    procs = (Proc.of(p) for p in pids)
+    return tuple(p for p in procs if p is not None and p.start >= born_after - 1)

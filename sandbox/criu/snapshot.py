@@ -47,7 +47,7 @@ from sandbox.criu.gpu_side import GpuSide, is_gpu_stream
 from sandbox.criu.images import images_path
 from sandbox.criu.parent import choose_parent
 from sandbox.criu.report import CriuReport, CriuSnapshotError
-from sandbox.criu.restored import boot_ticks
+from sandbox.criu.restored import boot_ticks, restored_procs
 from sandbox.criu.runner import Criu, CriuError, DumpOptions
 from sandbox.criu.staging import keep_log, new_staging, rss_bytes
 from sandbox.host.processes import process_tree
@@ -262,12 +262,6 @@ def criu_restore(store: SnapshotStore, name: str, *, staging: str | None = None,
 RESTORE_TOO = ("--tcp-established", "--ext-unix-sk", "--file-locks")
 
 
-def _restored(pids: list[int], born_after: int) -> tuple[journal.Proc, ...]:
-    """The snapshot's PIDS that this restore made (started after BORN_AFTER), by pid and start time."""
-    procs = (journal.Proc.of(x) for x in pids)
-    return tuple(p for p in procs if p is not None and p.start >= born_after - 1)
-
-
 def _cuda_driver() -> Any:
     from sandbox.gpu.driver import CudaDriver
     return CudaDriver()
@@ -298,7 +292,7 @@ def _restore_from(run: restore.RestoreRun, m: Any, meta: CriuMeta, report: CriuR
     born_after = boot_ticks()  # what this restore makes starts after this
 
     def restored_stopped(tree: list[int]) -> None:  # CRIU is done, the tree stopped for the split fill: journaled first
-        op.advance(Stage.FILLING, procs=_restored(tree, born_after))
+        op.advance(Stage.FILLING, procs=restored_procs(tree, born_after))
         journal.pause("split-fill")
 
     run = dataclasses.replace(run, on_stopped=restored_stopped)
@@ -384,7 +378,7 @@ def _restore_tree(run: restore.RestoreRun, m: Any, meta: CriuMeta, report: CriuR
     served = report.stages.get("served") or {}
     tree = served["restored_pids"] if "restored_pids" in served else restore.restored_tree(
         report.restored_pid, restore.pstree_of(os.path.join(run.stage, "out", "images")), born_after)
-    op.advance(Stage.DUMPED, procs=_restored(tree, born_after))
+    op.advance(Stage.DUMPED, procs=restored_procs(tree, born_after))
     if fill is not None:  # CRIU has read its images; what is left (GPU streams) arrives, then the commit
         try:
             pulled = fill.finish()

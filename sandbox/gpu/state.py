@@ -34,6 +34,7 @@ Guarantees kept here:
 """
 from __future__ import annotations
 
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, TimeoutError as FutureTimeout
 from contextlib import AbstractContextManager, contextmanager
@@ -329,7 +330,6 @@ class EarlyRestore:
 
     def __init__(self, drv: CheckpointDriver, pids: list[int], gpu_map: dict[str, str] | None = None,
                  limits: Limits = Limits()) -> None:
-        import threading
         self.drv, self.pids, self.gpu_map, self.limits = drv, set(pids), gpu_map or None, limits
         self._ex = ThreadPoolExecutor(max(1, len(pids)), thread_name_prefix="gpusnap-gpu-early")
         self._started: dict[int, "Future[None]"] = {}

@@ -6,6 +6,7 @@ process is never taken for the one recorded, and Proc.signal never signals it; a
 from __future__ import annotations
 
 import os
+import signal
 import time
 from dataclasses import dataclass
 
@@ -63,10 +64,6 @@ class Proc:
 
 def children_of(pid: int) -> list[int]:
     """PID's children now (every thread's)."""
-    return _children(pid)
-
-
-def _children(pid: int) -> list[int]:
     kids: list[int] = []
     try:
         tasks = os.listdir(f"/proc/{pid}/task")
@@ -90,7 +87,7 @@ def process_tree(root: int) -> list[int]:
         p = todo.pop(0)
         if p not in out:
             out.append(p)
-            todo += _children(p)
+            todo += children_of(p)
     return out
 
 
@@ -100,7 +97,6 @@ def kill_with_descendants(procs: tuple[Proc, ...], rounds: int = 16) -> list[int
     most ROUNDS passes), then killed. A process that leaves the tree before it is seen (a double
     fork: its orphan goes to a subreaper or init) is not found here: a caller that lets a tree run
     must be that subreaper (see sandbox.criu.restore.kill_restored). Returns the pids signalled."""
-    import signal
     seen: dict[int, Proc] = {}
     for _ in range(rounds):
         now = with_descendants(procs)

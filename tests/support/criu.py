@@ -94,5 +94,19 @@ def _state(pid: int) -> str:
         return "gone"
 
 
+def pids_with(needle: bytes) -> list[int]:
+    """Pids of the processes on this machine whose command line holds NEEDLE."""
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/cmdline", "rb") as f:
+                    if needle in f.read():
+                        out.append(int(d))
+            except OSError:
+                pass
+    return out
+
+
 def healthy(rep: dict) -> bool:
     return rep["memory_ok"] and rep["pipe_ok"] and rep["thread_ok"] and rep["file_offset"] == 234
