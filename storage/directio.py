@@ -12,6 +12,7 @@ import mmap
 import os
 import stat
 import queue
+import threading
 from contextlib import contextmanager
 from typing import Iterator
 
@@ -46,6 +47,21 @@ def copy_into(dst: memoryview, src: memoryview | bytes) -> None:
     ctypes.memmove(address_of(dst), src if isinstance(src, bytes) else address_of(src), n)
 
 
+def is_zero(view: memoryview) -> bool:
+    """True if every byte of VIEW is zero (a 64-byte probe first: data rarely starts with zeros by chance)."""
+    n = len(view)
+    if n == 0:
+        return True
+    head = min(n, 64)
+    if any(view[:head]):
+        return False
+    import numpy as np  # noqa: PLC0415 - numpy is loaded by then in whatever tests chunks
+    words = n // 8
+    if words and np.frombuffer(view, dtype=np.uint64, count=words).any():
+        return False
+    return not any(view[words * 8:])
+
+
 from .errors import GpusnapError
 
 
@@ -58,10 +74,15 @@ def align_up(n: int, a: int = ALIGN) -> int:
 
 
 class AlignedBuffer:
-    """One page-aligned anonymous mapping, allocated once and reused (huge pages advised)."""
+    """One page-aligned anonymous mapping, allocated once and reused (huge pages advised); or, from an
+    Arena, a page-aligned part of a mapping shared with other processes (the arena unmaps it)."""
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, arena: "Arena | None" = None) -> None:
         self.size = align_up(size)
+        if arena is not None:
+            self._map = None
+            self.view = arena.carve(self.size)
+            return
         self._map = mmap.mmap(-1, self.size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         if hasattr(mmap, "MADV_HUGEPAGE") and self.size >= 2 << 20:
             try:
@@ -71,6 +92,8 @@ class AlignedBuffer:
         self.view = memoryview(self._map)
 
     def close(self) -> None:
+        if self._map is None:
+            return  # the arena's
         try:
             self.view.release()
             self._map.close()
@@ -87,10 +110,10 @@ class BufferPool:
     the slowest stage, and nothing on the hot path allocates.
     """
 
-    def __init__(self, count: int, size: int) -> None:
+    def __init__(self, count: int, size: int, arena: "Arena | None" = None) -> None:
         self.count = count
         self.size = align_up(size)
-        self._all = [AlignedBuffer(self.size) for _ in range(count)]
+        self._all = [AlignedBuffer(self.size, arena) for _ in range(count)]
         self._free: queue.SimpleQueue[AlignedBuffer] = queue.SimpleQueue()
         for b in self._all:
             self._free.put(b)
@@ -255,3 +278,59 @@ def fsync_dir(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+class Arena:
+    """One shared mapping of a memfd, carved into page-aligned buffers: the memory a process started
+    with the descriptor (storage/encodeprocs.py) sees as the same bytes. Carving only moves forward;
+    the whole mapping goes at close."""
+
+    def __init__(self, size: int, name: str = "gpusnap-arena") -> None:
+        self.size = align_up(size)
+        self.fd = os.memfd_create(name, os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(self.fd, self.size)
+            self._map = mmap.mmap(self.fd, self.size, flags=mmap.MAP_SHARED,
+                                  prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(self.fd)
+            raise
+        self.view = memoryview(self._map)
+        self.base = address_of(self.view)
+        self._next = 0
+        self._lock = threading.Lock()
+
+    def carve(self, size: int) -> memoryview:
+        """The next SIZE bytes (page aligned) of the arena."""
+        size = align_up(size)
+        with self._lock:
+            if self._next + size > self.size:
+                raise DirectIOError(errno.ENOMEM, f"arena of {self.size} bytes has no room for {size} more")
+            at = self._next
+            self._next += size
+        return self.view[at:at + size]
+
+    def offset_of(self, view: memoryview) -> int:
+        """Where VIEW (a view into this arena) begins in it; ValueError when it does not lie inside."""
+        n = len(view)
+        off = address_of(view) - self.base if n else 0
+        if off < 0 or off + n > self.size:
+            raise ValueError("a buffer outside the shared arena")
+        return off
+
+    def close(self) -> None:
+        try:
+            self.view.release()
+            self._map.close()
+        except BufferError:
+            pass  # a slice still referenced (an error path's traceback): unmapped with the last reference
+        try:
+            os.close(self.fd)
+        except OSError:
+            pass
+
+    def __enter__(self) -> "Arena":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -17,6 +17,7 @@ GPU region engine (storage/gpu_engine.py) use the same store underneath.
 from __future__ import annotations
 
 import collections
+import contextlib
 
 import bisect
 import functools
@@ -34,7 +35,8 @@ from .progress import Progress
 from .chunkfile import HEADER_SIZE, ChunkError, full_check
 from . import delta, pagekeys
 from .codecs import DELTA, DELTA_MATCH, DELTA_PAYS_OFF, HostCodecChooser, CodecError
-from .directio import AlignedBuffer, BufferPool, copy_into
+from .directio import AlignedBuffer, Arena, BufferPool, align_up, copy_into, is_zero
+from .encodeprocs import EncodeProcs, Encoder, encode_procs
 from .manifest import ChunkRef, Manifest, Stream
 from .readstage import Want, read_chunks
 from .store import SnapshotDamaged, SnapshotStore, SnapshotWriter, StoreError, base_cache_bytes
@@ -115,20 +117,6 @@ class Result:
     @property
     def gbps(self) -> float:
         return self.raw_bytes / self.seconds / 1e9 if self.seconds else 0.0
-
-
-def is_zero(view: memoryview) -> bool:
-    """True if every byte of VIEW is zero (a 64-byte probe first: data rarely starts with zeros by chance)."""
-    n = len(view)
-    if n == 0:
-        return True
-    head = min(n, 64)
-    if any(view[:head]):
-        return False
-    words = n // 8
-    if words and np.frombuffer(view, dtype=np.uint64, count=words).any():
-        return False
-    return not any(view[words * 8:])
 
 
 class _Failure:
@@ -343,7 +331,7 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
         workers: int | None = None, compress: bool = True, zstd_level: int = 1,
         progress: Progress | None = None, chunker: str = "fixed", readers: int | None = None,
         known: Callable[[StreamSpec, dict[str, Any]], list[ChunkRef] | None] | None = None,
-        parent: Manifest | None = None) -> Result:
+        parent: Manifest | None = None, procs: int | None = None) -> Result:
     """Read every stream of SOURCE into WRITER's snapshot (the caller commits).
 
     chunker: "fixed" (chunk_size pieces) or "pages" (content-defined cuts on page boundaries, at most
@@ -359,10 +347,14 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
     only when no delta pays: stage "compress"; the estimates are "compress:estimate"); the base is
     read in the workers (stage "delta-base"), the XOR and its compression are stage "delta"; what
     the new chunks took is "delta:stored as deltas" and "delta:stored plain" (payload bytes).
+    procs: encoder processes (storage/encodeprocs.py) that take each new chunk's CPU work off this
+    process's GIL (default encodeprocs.encode_procs(); page images without a parent only); the
+    threads then drive them, one each.
     """
     if chunker not in ("fixed", "pages"):
         raise PipelineError(f"unknown chunker {chunker!r}")
-    workers = workers or put_workers()
+    nprocs = (encode_procs() if procs is None else procs) if chunker == "pages" and parent is None else 0
+    workers = max(workers or put_workers(), nprocs)
     producers = readers or max(1, min(4, workers // 4))
     chooser = HostCodecChooser(level=zstd_level, compress=compress)
     stages = Stages()
@@ -384,11 +376,32 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
         writer.store.keep_bases(base_cache_bytes())
     decoded_before = writer.store.bases_decoded
     failed: set[str] = set()  # parent chunks that could not be read as bases during this put
-    with BufferPool(workers * 2 if chunker == "fixed" else 0, HEADER_SIZE + chunk_size) as staging, \
-            BufferPool(workers, HEADER_SIZE + chunk_size) as scratch, \
+    nstaging = workers * 2 if chunker == "fixed" else 0
+    with contextlib.ExitStack() as shared:
+        arena = encs = None
+        if nprocs:  # the buffers the encoder processes read and write: one shared mapping
+            arena = shared.enter_context(Arena(
+                nstaging * align_up(HEADER_SIZE + chunk_size) + workers * align_up(HEADER_SIZE + chunk_size)
+                + nblocks * align_up(_READ_BLOCK + chunk_size), "gpusnap-put"))
+            encs = shared.enter_context(EncodeProcs(nprocs, arena, zstd_level, compress))
+        return _put(writer, source, arena, encs, chunk_size=chunk_size, workers=workers,
+                    chooser=chooser, stages=stages, fail=fail, t_start=t_start, nstaging=nstaging,
+                    nblocks=nblocks, producers=producers, at=at, shifts=shifts, pindex=pindex,
+                    collector=collector, effort=effort, decoded_before=decoded_before, failed=failed,
+                    progress=progress, chunker=chunker, known=known)
+
+
+def _put(writer: SnapshotWriter, source: Source, arena: Arena | None,
+         encs: EncodeProcs | None, *, chunk_size: int, workers: int, chooser: HostCodecChooser,
+         stages: Stages, fail: _Failure, t_start: float, nstaging: int, nblocks: int, producers: int,
+         at: Any, shifts: Any, pindex: Any, collector: Any, effort: Any, decoded_before: int,
+         failed: set[str], progress: Progress | None, chunker: str, known: Any) -> Result:
+    """put's body, with the encoder processes and their arena when there are any (held by put)."""
+    with BufferPool(nstaging, HEADER_SIZE + chunk_size, arena) as staging, \
+            BufferPool(workers, HEADER_SIZE + chunk_size, arena) as scratch, \
             BufferPool(workers if at else 0, HEADER_SIZE + chunk_size) as dscratch, \
             BufferPool(workers if at else 0, chunk_size) as xscratch, \
-            BufferPool(nblocks, _READ_BLOCK + chunk_size) as blocks, \
+            BufferPool(nblocks, _READ_BLOCK + chunk_size, arena) as blocks, \
             ThreadPoolExecutor(workers, thread_name_prefix="gpusnap-put") as ex:
         futures: list[Future[None]] = []
         flock = threading.Lock()
@@ -534,6 +547,13 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
             try:
                 if fail.exc is not None:
                     return
+                if encs is not None:
+                    with encs.borrowed() as enc:
+                        if enc is not None:
+                            chunks[idx] = offloaded(enc, piece, name, off)
+                            if progress is not None:
+                                progress.advance(n)
+                            return
                 t0 = time.perf_counter()
                 zero = is_zero(view)
                 t1 = time.perf_counter()
@@ -603,6 +623,35 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
             finally:
                 piece.release()
                 stages.add("worker", time.perf_counter() - t_in, n)  # busy; the rest of workers x wall is idle
+
+        def offloaded(enc: Encoder, piece: _Piece, name: str, off: int) -> ChunkRef:
+            """process()'s work for a chunk of a put without a parent, done by encoder process ENC:
+            the zero test, raw id and page keys, then (a chunk not present) the encoding and the
+            stored checksum; here only the lookup and the write."""
+            view = piece.view
+            n = len(view)
+            keyed = collector is not None and off % PAGE == 0
+            p = enc.prepare(view, keyed)
+            stages.add("zero-test", p.zero_s, n)
+            if p.zero:
+                return writer.note_zero(n)
+            assert p.cid is not None
+            if keyed:
+                stages.add("page-keys", p.keys_s, n)
+                collector.add(name, off, view, p.sample)
+            cid, present = writer.find_id(p.cid, n, p.hash_s)
+            if present is not None:
+                return present
+            with scratch.borrowed() as s:
+                e = enc.encode(view, s.view)
+                writer.note_compressed()
+                stages.add("compress", e.encode_s, n)
+                stages.add("checksum", e.check_s, n)
+                if e.codec == "raw" and piece.frame is not None:  # written from where it was read
+                    return writer.put_chunk("raw", n, piece.frame.view, n, raw_id=cid, checksum=e.checksum)
+                if e.codec == "raw":
+                    copy_into(s.view[HEADER_SIZE:], view)
+                return writer.put_chunk(e.codec, n, s.view, e.length, raw_id=cid, checksum=e.checksum)
 
         def encode_plain(view: memoryview, encoded: memoryview, again: bool = False) -> tuple[str, int]:
             """VIEW's codec as CHOOSER picks it and the payload's length, written into ENCODED at

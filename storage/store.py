@@ -40,7 +40,7 @@ import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
@@ -1055,10 +1055,11 @@ class SnapshotStore:
             return None
 
     def store_chunk(self, pw: PackWriter, chunks_fd: int, header: ChunkHeader, frame: memoryview,
-                    cid: str | None = None) -> tuple[str, ChunkHeader, bool, float]:
+                    cid: str | None = None, checksum: bytes | None = None) -> tuple[str, ChunkHeader, bool, float]:
         """Make chunk HEADER + FRAME[HEADER_SIZE:] present: (id, the header of the copy there, whether
         it was written, hash seconds). For a raw-addressed HEADER, CID is the raw id (the caller
-        hashed the raw bytes) and the stored checksum is computed here, if it is written.
+        hashed the raw bytes) and the stored checksum is computed here, if it is written (or is CHECKSUM,
+        computed by the caller over this header and payload).
 
         A present copy is reused only if present() says so (a GSNPCHK2 one may encode the raw bytes
         otherwise: its header is returned); otherwise the chunk is appended to PW's open pack (durable
@@ -1072,7 +1073,11 @@ class SnapshotStore:
         got = self.present(cid, header, chunks_fd, pw)
         if got is not None:
             return cid, got, False, hash_s
-        if header.raw_id:
+        if header.raw_id and checksum is not None:
+            if len(checksum) != 32:
+                raise StoreError(f"a stored checksum of {len(checksum)} bytes")
+            header = replace(header, checksum=checksum)
+        elif header.raw_id:
             t1 = time.perf_counter()
             header = header.with_checksum(payload)
             hash_s += time.perf_counter() - t1
@@ -1526,8 +1531,12 @@ class SnapshotWriter:
         encodes nor writes DATA. Otherwise (id, None): encode DATA and put_chunk(..., raw_id=id)."""
         t0 = time.perf_counter()
         cid = raw_chunk_id(data)
-        hash_s = time.perf_counter() - t0
-        want = ChunkHeader("raw", len(data), len(data), raw_id=True)
+        return self.find_id(cid, len(data), time.perf_counter() - t0)
+
+    def find_id(self, cid: str, raw_len: int, hash_s: float = 0.0) -> tuple[str, ChunkRef | None]:
+        """find_raw for raw bytes of RAW_LEN whose raw id CID the caller hashed (in HASH_S seconds)."""
+        t0 = time.perf_counter()
+        want = ChunkHeader("raw", raw_len, raw_len, raw_id=True)
         try:
             got = self.store.present(cid, want, self._chunks, self._pw)
         except OSError as e:
@@ -1536,7 +1545,7 @@ class SnapshotWriter:
             if got is None:
                 self.stats.hash_s += hash_s
                 return cid, None
-            self.stats.add_chunk(got.raw_len, got.stored_len, False, hash_s, time.perf_counter() - t0 - hash_s)
+            self.stats.add_chunk(got.raw_len, got.stored_len, False, hash_s, time.perf_counter() - t0)
         return cid, ChunkRef(cid, got.raw_len, got.codec, got.stored_len)
 
     def reuse_ref(self, ref: ChunkRef) -> ChunkRef | None:
@@ -1563,12 +1572,15 @@ class SnapshotWriter:
                 self.stats.add_chunk(ref.raw_len, ref.stored_len, False, 0.0)
 
     def put_chunk(self, codec: str, raw_len: int, frame: memoryview, stored_len: int,
-                  raw_id: str | None = None, verified_id: str | None = None) -> ChunkRef:
+                  raw_id: str | None = None, verified_id: str | None = None,
+                  checksum: bytes | None = None) -> ChunkRef:
         """Store one encoded chunk (thread-safe) whose payload sits at FRAME[HEADER_SIZE:][:stored_len];
         RAW_ID: store it raw-addressed (GSNPCHK2) under that id, the raw id of its raw bytes (find_raw,
         or a caller that checked it), else stored-addressed (GSNPCHK1, the GPU path). VERIFIED_ID
         (GSNPCHK1): the caller has just hashed exactly this header and payload to that id (a chunk
-        fetched from a remote), so it is not hashed again.
+        fetched from a remote), so it is not hashed again. CHECKSUM (with RAW_ID): the stored checksum
+        of this header and payload, computed by gpusnap's own encoder process over these same bytes
+        (storage/encodeprocs.py), so it is not computed again.
 
         FRAME must have room up to the next 4096-byte boundary after the payload (see
         chunkfile.write_chunk_file); the header is written into its first HEADER_SIZE bytes. The
@@ -1577,7 +1589,7 @@ class SnapshotWriter:
         t0 = time.perf_counter()
         try:
             cid, got, new, hash_s = self.store.store_chunk(self.packs(), self._chunks, header, frame,
-                                                           raw_id or verified_id)
+                                                           raw_id or verified_id, checksum)
         except OSError as e:
             raise StoreError(_io_message("writing a chunk", e, self.store.path)) from None
         t2 = time.perf_counter()

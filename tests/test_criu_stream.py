@@ -23,6 +23,7 @@ STAGING = {"GPUSNAP_CRIU_IMAGES": "staging"}
 SPLIT = {**STREAM, "GPUSNAP_CRIU_SPLIT_MIN": str(8 << 20)}  # the 24-48 MiB areas move, the rest stays with CRIU
 NO_SPLIT = {**STREAM, "GPUSNAP_CRIU_SPLIT_MIN": "0"}
 SPLIT_PROCS = {**SPLIT, "GPUSNAP_FILL_PROCS": "3"}  # the fill in worker processes (sandbox/criu/fill_procs.py)
+ENCODERS = {**STREAM, "GPUSNAP_ENCODE_PROCS": "2"}  # the dump's chunk work in processes (storage/encodeprocs.py)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -353,13 +354,18 @@ def test_read_order_is_what_criu_reads_first_then_what_the_split_fills() -> None
     assert [c.id[0] for c in read_order(images, {})] == list("abdc1234e")
 
 
-@pytest.mark.parametrize("restore_env", [SPLIT, SPLIT_PROCS, NO_SPLIT], ids=["split", "split-in-3-processes", "criu-restores-all"])
-def test_stream_dump_and_restore_of_a_tree(cli: Cli, store_dir: Path, restore_env: dict[str, str]) -> None:
+@pytest.mark.parametrize("dump_env,restore_env", [(STREAM, SPLIT), (STREAM, SPLIT_PROCS), (STREAM, NO_SPLIT), (ENCODERS, SPLIT)],
+                         ids=["split", "split-in-3-processes", "criu-restores-all", "dumped-by-encoder-processes"])
+def test_stream_dump_and_restore_of_a_tree(cli: Cli, store_dir: Path, dump_env: dict[str, str], restore_env: dict[str, str]) -> None:
     tree = Tree(mb=48)
     try:
         assert healthy(tree.report())
-        d = cli_json(cli, STREAM, "criu", "dump", str(tree.pid), "s1")
+        d = cli_json(cli, dump_env, "criu", "dump", str(tree.pid), "s1")
         assert d["images_path"] == "stream" and d["raw_bytes"] >= 48 << 20
+        if dump_env is ENCODERS:  # new chunks were encoded (and their stored checksums computed) in the processes
+            assert d["stages"]["checksum"]["bytes"] > 0, d["stages"]
+        elif (os.cpu_count() or 1) < 8:
+            assert "checksum" not in d["stages"], "no encoder process on a machine of fewer than 8 cores by default"
         assert d["seconds"]["ingest_after_dump"] < d["seconds"]["criu_dump"]
         tree.reap()
         assert not tree.alive(), "the tree is killed once the snapshot is committed"
@@ -535,20 +541,28 @@ def _mid_dump(cli: Cli, store_dir: Path, proc: subprocess.Popen) -> int:
     return criu
 
 
-@pytest.mark.parametrize("victim", ["gpusnap", "criu"])
+@pytest.mark.parametrize("victim", ["gpusnap", "criu", "gpusnap-with-encoders"])
 def test_kill_9_mid_dump_leaves_the_tree_running(cli: Cli, store_dir: Path, victim: str) -> None:
     tree = Tree(mb=384, detached=True)
     try:
-        proc = _start(cli, STREAM, "criu", "dump", str(tree.pid), "k")
+        proc = _start(cli, ENCODERS if victim.endswith("encoders") else STREAM, "criu", "dump", str(tree.pid), "k")
         criu = _mid_dump(cli, store_dir, proc)
-        os.kill(proc.pid if victim == "gpusnap" else criu, signal.SIGKILL)
+        if victim.endswith("encoders"):
+            _until(lambda: len(_children(proc.pid)) >= 3, "CRIU and both encoder processes are children of the dump", within=30)
+        encoders = [p for p in _children(proc.pid) if p != criu]
+        os.kill(proc.pid if victim.startswith("gpusnap") else criu, signal.SIGKILL)
         proc.communicate(timeout=60)
         assert proc.returncode != 0
         _wait_gone(criu)
+        for pid in encoders:  # they die with the dump (PR_SET_PDEATHSIG), or end with its pipes
+            _wait_gone(pid)
+            assert not os.path.exists(f"/proc/{pid}") or _state(pid) == "Z", f"encoder {pid} outlived the dump"
+        if victim.endswith("encoders"):
+            assert len(encoders) >= 2, encoders
         assert tree.alive() and _state(tree.pid) in ("S", "R"), _state(tree.pid)
         assert healthy(tree.report()), "the tree runs on, intact"
         assert cli.json("store", "ls") == [], "nothing half-written was committed"
-        if victim == "gpusnap":  # its journal record waits for recover, which finds the tree running
+        if victim.startswith("gpusnap"):  # its journal record waits for recover, which finds the tree running
             assert cli.json("recover")["ok"]
             assert healthy(tree.report())
         # and it is still restorable: a new dump and restore through the stream
@@ -598,7 +612,7 @@ def test_kill_9_mid_restore_leaves_the_snapshot_restorable(cli: Cli, store_dir: 
             _wait_gone(p, timeout=10)
             assert not os.path.exists(f"/proc/{p}") or _state(p) == "Z", (p, _state(p))
         assert cli.json("store", "verify", "r")["ok"]
-        if victim == "gpusnap":  # its journal record waits for recover (nothing of the restore runs)
+        if victim.startswith("gpusnap"):  # its journal record waits for recover (nothing of the restore runs)
             assert cli.json("recover")["ok"]
         r = cli_json(cli, SPLIT, "criu", "restore", "r")
         assert r["restored_pid"] == tree.pid

@@ -3,7 +3,9 @@
 file on /dev/shm into a store on disk with the page chunker, per stage (thread-seconds, GB/s per
 thread) and wall time, against the disk floor for the bytes stored. The file: the realistic mix in
 64 MiB runs (40% bf16 N(0, 0.02), 55% zeros, 5% random), every page made distinct so nothing dedups.
-Usage: python3 -m scripts.bench.bench_ingest [--gb 24] [--workers N] [--dir /var/tmp] [--json OUT]"""
+--procs 0,12 compares the put's chunk work in its own threads (0) with encoder processes
+(storage/encodeprocs.py) on the same image, in the same run.
+Usage: python3 -m scripts.bench.bench_ingest [--gb 24] [--workers N] [--procs 0,12] [--dir /var/tmp] [--json OUT]"""
 from __future__ import annotations
 
 import argparse
@@ -41,11 +43,20 @@ def make_image(path: str, gb: float) -> int:
     return n * run
 
 
+def _cpu_busy() -> float:
+    """Core-seconds this machine has spent busy (user, nice, system, irq, softirq, steal) since boot."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:]]
+    hz = os.sysconf("SC_CLK_TCK")
+    return (v[0] + v[1] + v[2] + v[5] + v[6] + (v[7] if len(v) > 7 else 0)) / hz
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--gb", type=float, default=24)
     ap.add_argument("--workers", type=int, default=None)
     ap.add_argument("--readers", default="", help="comma-separated producer counts to compare on the same image")
+    ap.add_argument("--procs", default="", help="comma-separated encoder process counts to compare on the same image")
     ap.add_argument("--dir", default=os.environ.get("GPUSNAP_DISK_DIR", "/var/tmp"))
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
@@ -59,19 +70,22 @@ def main() -> None:
         print(f"image: {size / 1e9:.1f} GB written to /dev/shm in {time.perf_counter() - t0:.1f} s", flush=True)
         rows = []
         counts: list[int | None] = [int(x) for x in a.readers.split(",") if x]
-        for readers in counts or [None]:
+        pcounts: list[int | None] = [int(x) for x in a.procs.split(",") if x]
+        for readers, procs in [(r, p) for r in counts or [None] for p in pcounts or [None]]:
             shutil.rmtree(os.path.join(work, "store"), ignore_errors=True)
             st = SnapshotStore(os.path.join(work, "store"))
             os.sync()
+            cpu0 = _cpu_busy()
             t0 = time.perf_counter()
             with st.writer("i") as w:
                 with FileTreeSource([images]) as src:
-                    res = pipeline.put(w, src, chunker="pages", workers=a.workers, readers=readers)
+                    res = pipeline.put(w, src, chunker="pages", workers=a.workers, readers=readers, procs=procs)
                 w.commit()
             wall = time.perf_counter() - t0
+            busy = (_cpu_busy() - cpu0) / wall
             out = {"date": time.strftime("%Y-%m-%d"), "gb": size / 1e9, "stored_gb": res.stored_bytes / 1e9,
                    "wall_s": wall, "GBps": size / wall / 1e9, "workers": a.workers or pipeline.put_workers(),
-                   "readers": readers, "stages": res.stages.table()}
+                   "readers": readers, "procs": procs, "busy_cores": busy, "stages": res.stages.table()}
             print(json.dumps(out), flush=True)
             rows.append(out)
         if a.json:

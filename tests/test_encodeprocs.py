@@ -1,0 +1,189 @@
+"""The put's per-chunk work in encoder processes (storage/encodeprocs.py): the same snapshot, byte
+for byte and chunk for chunk, as the threads make; a dead or lying encoder fails the put with one
+clear error and commits nothing; the processes end with the put."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+from storage import encodeprocs, pipeline
+from storage.directio import Arena
+from storage.encodeprocs import EncodeProcs, EncodeProcsError
+from storage.filetree import FileTreeSink, FileTreeSource
+from storage.store import SnapshotStore
+
+PAGE = 4096
+
+
+def _weights_image(path, mib: int = 48) -> bytes:
+    """bf16 weights (few zeros), a zero run, random bytes and a repeated run: every codec and the
+    dedup path get chunks."""
+    rng = np.random.default_rng(21)
+    w = (rng.normal(0, 0.02, (mib - 16) << 19).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16).tobytes()
+    rnd = rng.bytes(4 << 20)
+    data = w[: 16 << 20] + bytes(8 << 20) + rnd + w[16 << 20:] + w[: 4 << 20]
+    path.write_bytes(data)
+    return data
+
+
+def _put(store: SnapshotStore, src: str, name: str, procs: int) -> pipeline.Result:
+    with store.writer(name) as w:
+        res = pipeline.put(w, FileTreeSource([src]), chunker="pages", procs=procs, workers=4)
+        w.commit()
+    return res
+
+
+def _ready(enc: encodeprocs.Encoder) -> encodeprocs.Encoder:
+    """ENC once it has said it is ready."""
+    deadline = time.monotonic() + 30
+    while not enc.is_ready():
+        assert time.monotonic() < deadline, "the encoder process did not start"
+        time.sleep(0.02)
+    return enc
+
+
+def _wait_for_encoders(encs: EncodeProcs, n: int) -> None:
+    assert len(encs._all) == n
+    for e in encs._all:
+        _ready(e)
+
+
+def test_encoder_processes_make_the_same_snapshot_as_the_threads(tmp_path, monkeypatch) -> None:
+    img = tmp_path / "images"
+    img.mkdir()
+    data = _weights_image(img / "pages-1.img")
+    # every chunk through a process: the put's threads wait for one instead of doing the work
+    monkeypatch.setattr(encodeprocs.EncodeProcs, "borrowed", _blocking_borrow)
+    a, b = SnapshotStore(str(tmp_path / "a")), SnapshotStore(str(tmp_path / "b"))
+    ra = _put(a, str(img), "s", procs=0)
+    rb = _put(b, str(img), "s", procs=3)
+    sa = next(s for s in a.load("s").streams if s.name == "images/pages-1.img")
+    sb = next(s for s in b.load("s").streams if s.name == "images/pages-1.img")
+    assert [(c.id, c.raw_len, c.codec, c.stored_len) for c in sa.chunks] == \
+        [(c.id, c.raw_len, c.codec, c.stored_len) for c in sb.chunks]
+    assert sa.attrs["pagekeys"] == sb.attrs["pagekeys"]
+    assert {c.codec for c in sb.chunks} >= {"shuffle2-zstd", "raw"}, "the image exercises the codecs"
+    assert any(c.is_zero for c in sb.chunks)
+    assert ra.stored_bytes == rb.stored_bytes
+    table = rb.stages.table()
+    assert table["compress"]["bytes"] > 0 and table["checksum"]["bytes"] > 0
+    # stored checksums computed by the processes are what verify recomputes
+    assert b.verify(["s"]).ok
+    pipeline.get(b, b.load("s"), FileTreeSink(str(tmp_path / "out")))
+    assert (tmp_path / "out" / "images" / "pages-1.img").read_bytes() == data
+    # a second put of the same bytes through the processes dedups every chunk
+    rc = _put(b, str(img), "t", procs=2)
+    assert rc.stored_bytes == 0
+
+
+_real_borrowed = encodeprocs.EncodeProcs.borrowed
+
+
+def _blocking_borrow(self):  # type: ignore[no-untyped-def]
+    """borrowed, waiting for a started process instead of letting the thread do the work."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def cm():  # type: ignore[no-untyped-def]
+        enc = _ready(self._free.get(timeout=30))
+        try:
+            yield enc
+        finally:
+            if not enc.broken:
+                self._free.put(enc)
+    return cm()
+
+
+def test_a_killed_encoder_fails_the_put_and_commits_nothing(tmp_path, monkeypatch) -> None:
+    img = tmp_path / "images"
+    img.mkdir()
+    _weights_image(img / "pages-1.img", mib=64)
+    monkeypatch.setattr(encodeprocs.EncodeProcs, "borrowed", _blocking_borrow)
+    real_encode = encodeprocs.Encoder.encode
+    killed: list[int] = []
+
+    def encode(self, data, frame):  # type: ignore[no-untyped-def]
+        if not killed:
+            killed.append(self.proc.pid)
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        return real_encode(self, data, frame)
+    monkeypatch.setattr(encodeprocs.Encoder, "encode", encode)
+    st = SnapshotStore(str(tmp_path / "store"))
+    with pytest.raises(EncodeProcsError, match=r"encoder process \d+ exited"):
+        _put(st, str(img), "s", procs=2)
+    assert st.names() == []
+
+
+def test_a_lying_answer_is_refused(tmp_path) -> None:
+    """An answer whose payload would lie outside the frame, or whose codec is not a plain one, is an
+    error, not a write."""
+    with Arena(8 << 20) as arena, EncodeProcs(1, arena) as encs:
+        _wait_for_encoders(encs, 1)
+        enc = encs._free.get(timeout=10)
+        data, frame = arena.carve(1 << 20), arena.carve(2 << 20)
+        data[:] = np.random.default_rng(3).bytes(1 << 20)
+        got = enc.encode(data, frame)
+        assert got.codec == "raw" and got.length == len(data)  # random bytes do not pay
+        bad = encodeprocs.ENC.pack(b"zstd", 10 << 20, b"\0" * 32, 0.0, 0.0)
+        enc._ask = lambda *a: bad  # type: ignore[method-assign]
+        with pytest.raises(EncodeProcsError, match="encoding 'zstd' of"):
+            enc.encode(data, frame)
+        enc._ask = lambda *a: encodeprocs.ENC.pack(b"delta", 100, b"\0" * 32, 0.0, 0.0)  # type: ignore[method-assign]
+        with pytest.raises(EncodeProcsError, match="encoding 'delta'"):
+            enc.encode(data, frame)
+        outside = memoryview(bytearray(4096))
+        del enc._ask
+        with pytest.raises(EncodeProcsError, match="outside the shared arena"):
+            enc.prepare(outside, False)
+
+
+def test_encoder_processes_end_with_the_put_and_take_no_working_directory(tmp_path, monkeypatch) -> None:
+    """The processes run gpusnap's own modules: a numpy.py in the caller's working directory is not
+    imported; closing the pool ends every process."""
+    (tmp_path / "numpy.py").write_text("raise SystemExit('the working directory was imported')\n")
+    monkeypatch.chdir(tmp_path)
+    with Arena(4 << 20) as arena:
+        encs = EncodeProcs(2, arena)
+        _wait_for_encoders(encs, 2)
+        e = encs._free.get(timeout=10)
+        v = arena.carve(PAGE * 4)
+        p = e.prepare(v, True)
+        assert p.zero and p.cid is None
+        v[5] = 1
+        p = e.prepare(v, True)
+        assert not p.zero and p.cid is not None and len(p.cid) == 64
+        encs._free.put(e)
+        pids = [x.proc.pid for x in encs._all]
+        encs.close()
+        for pid in pids:
+            with pytest.raises(ProcessLookupError):
+                os.kill(pid, 0)
+
+
+def test_default_count(monkeypatch) -> None:
+    monkeypatch.setenv("GPUSNAP_ENCODE_PROCS", "0")
+    assert encodeprocs.encode_procs() == 0
+    monkeypatch.setenv("GPUSNAP_ENCODE_PROCS", "5")
+    assert encodeprocs.encode_procs() == 5
+    monkeypatch.delenv("GPUSNAP_ENCODE_PROCS")
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    assert encodeprocs.encode_procs() == 0
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    assert encodeprocs.encode_procs() == 12
+
+
+def test_a_borrow_before_the_process_is_ready_gives_none_instead_of_waiting(tmp_path) -> None:
+    with Arena(4 << 20) as arena, EncodeProcs(1, arena) as encs:
+        with encs.borrowed() as e:
+            assert e is None, "not ready yet (its imports take longer than this): the thread does the work"
+        _wait_for_encoders(encs, 1)
+        with encs.borrowed() as e:
+            assert e is not None
+            v = arena.carve(PAGE)
+            v[0] = 7
+            assert e.prepare(v, False).cid is not None
