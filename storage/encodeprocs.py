@@ -9,8 +9,8 @@ its own: two requests per chunk (prepare, encode) on a pipe, the bytes in a shar
 (directio.Arena: the put's read blocks and encode frames are carved from it), so the thread holds
 the GIL only for the store's bookkeeping.
 
-The processes are gpusnap's own (`python -P -c` importing this module from gpusnap's own
-directory, never the caller's working directory), started for one put and ended with it; each dies
+The processes are gpusnap's own (this module in an isolated interpreter, storage/isolated.py:
+never the caller's working directory or PYTHON* variables), started for one put and ended with it; each dies
 with the put's process (PR_SET_PDEATHSIG) and exits at the end of its request pipe. They see the
 arena and two pipes, nothing else of the put. Their answers are checked (lengths, codec names,
 payload bounds) before the parent uses them; the parent alone writes the store.
@@ -41,6 +41,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from . import isolated
 from .errors import GpusnapError
 
 REQ = struct.Struct("<B7xQQQQ")
@@ -215,15 +216,11 @@ class EncodeProcs:
             self._free.put(enc)
 
     def _start_one(self) -> Encoder:
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         req_r, req_w = os.pipe2(os.O_CLOEXEC)
         ans_r, ans_w = os.pipe2(os.O_CLOEXEC)
         try:
-            code = ("import sys; sys.path.insert(0, sys.argv[1]); "
-                    "from storage.encodeprocs import child_main; child_main(sys.argv[2:])")
-            args = [sys.executable] + (["-P"] if sys.version_info >= (3, 11) else []) + [
-                "-c", code, root, str(self.arena.fd), str(self.arena.size), str(req_r), str(ans_w),
-                str(self._level), "1" if self._compress else "0", str(os.getpid())]
+            args = isolated.python_argv("storage.encodeprocs", str(self.arena.fd), str(self.arena.size), str(req_r),
+                                        str(ans_w), str(self._level), "1" if self._compress else "0", str(os.getpid()))
             proc = subprocess.Popen(args, pass_fds=(self.arena.fd, req_r, ans_w), cwd="/",
                                     stdin=subprocess.DEVNULL, close_fds=True)
         except BaseException:
@@ -354,3 +351,7 @@ def child_main(argv: list[str]) -> None:
                 raise ValueError(f"unknown request {op}")
         except Exception as e:  # noqa: BLE001 - the parent raises it as EncodeProcsError
             answer(1, f"{type(e).__name__}: {e}".encode("utf-8", "replace"))
+
+
+if __name__ == "__main__":
+    child_main(sys.argv[1:])

@@ -36,6 +36,7 @@ import threading
 import time
 from typing import IO, TYPE_CHECKING, Any, Callable
 
+from storage import isolated
 from storage.chunkfile import ChunkError, ChunkHeader
 from storage.codecs import CodecError
 from storage.errors import DamageError, GpusnapError
@@ -132,27 +133,14 @@ def shares(jobs: dict[Key, Job], where: Callable[[str], tuple[str, int] | None],
     return [s for s in out if s]
 
 
-PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
 def worker_path() -> list[str]:
-    """The module path a worker gets: this process's own, less the working directory (`python -m`
-    puts it first, and a root process must not import from a directory a user may control) unless
-    that is where gpusnap itself was imported from."""
-    cwd = os.getcwd()
-    out = [p for p in sys.path if p and (os.path.abspath(p) != cwd or os.path.abspath(p) == PACKAGE_ROOT)]
-    return out if PACKAGE_ROOT in (os.path.abspath(p) for p in out) else [PACKAGE_ROOT, *out]
+    """The module path a worker gets (storage.isolated.module_path)."""
+    return isolated.module_path()
 
 
 def worker_argv() -> list[str]:
-    """The worker's command line: this interpreter in isolated mode (-I: no working directory, no
-    PYTHON* variables, no user site on the path), given exactly worker_path() and this process's
-    byte-code settings, running this module."""
-    boot = (f"import sys, runpy; sys.path[:] = {worker_path()!r}; "
-            f"sys.pycache_prefix = {sys.pycache_prefix!r}; "
-            f"sys.dont_write_bytecode = {sys.dont_write_bytecode!r}; "
-            "runpy.run_module('sandbox.criu.fill_procs', run_name='__main__', alter_sys=True)")
-    return [sys.executable, "-I", "-c", boot]
+    """The worker's command line: this module in an isolated interpreter (storage.isolated)."""
+    return isolated.python_argv("sandbox.criu.fill_procs")
 
 
 def fill_timeout() -> float:
