@@ -483,7 +483,11 @@ class _Weights:
         return text
 
     def ask(self, cmd: str, answer: str) -> dict:
-        (self.dir / "cmd").write_text(cmd)
+        # whole or not at all: the workload polls for `cmd`, and one that read it between the create
+        # and the write saw an empty command (the CI failure of 29c6fbe's clean clone: the workload
+        # died on it and never answered)
+        (self.dir / "cmd.tmp").write_text(cmd)
+        os.rename(self.dir / "cmd.tmp", self.dir / "cmd")
         return json.loads(self._wait(answer))
 
     def close(self) -> None:

@@ -34,6 +34,9 @@ while True:
     cmd = os.path.join(d, "cmd")
     if os.path.exists(cmd):
         what = open(cmd).read().split()
+        if not what:  # written but not yet filled (the tests rename it into place; a writer may not)
+            time.sleep(0.02)
+            continue
         os.unlink(cmd)
         if what[0] == "change":
             rng = np.random.default_rng(int(what[1]))
