@@ -52,6 +52,7 @@ OP_PREPARE, OP_PREPARE_KEYS, OP_ENCODE = 1, 2, 3
 READY = b"R"  # the process's first byte, once its imports are done
 ANSWER_MOST = 1 << 20  # a chunk's page keys are a few KiB; anything larger is not an answer of ours
 STOP_WAIT_S = 5.0
+ANSWER_TIMEOUT_S = 120.0
 _CODECS = ("raw", "zstd", "shuffle2-zstd")  # what a plain encoding may be (codecs.HostCodecChooser)
 
 
@@ -59,20 +60,41 @@ class EncodeProcsError(GpusnapError):
     """An encoder process failed, exited, or answered something that is not an answer."""
 
 
-def encode_procs() -> int:
-    """Encoder processes for a put of page images: $GPUSNAP_ENCODE_PROCS (0: none, the put's threads
-    do the work), by default one per core but four (left to CRIU, the readers and the store's
-    writes), at most 12, and none on a machine of fewer than 8 cores (there the GIL is not what
-    limits a put: its cores are)."""
-    raw = os.environ.get("GPUSNAP_ENCODE_PROCS", "")
+PROCS_MOST = 64
+
+
+def _setting(name: str, low: int, high: int, what: str) -> int | None:
+    """$NAME as an int in [LOW, HIGH] (unset or empty: None); EncodeProcsError naming it otherwise."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return None
     try:
         n = int(raw)
     except ValueError:
-        n = -1
-    if n >= 0:
+        n = low - 1
+    if not low <= n <= high:
+        raise EncodeProcsError(f"{name}={raw!r}: expected {what} from {low} to {high}")
+    return n
+
+
+def encode_procs() -> int:
+    """Encoder processes for a put of page images: $GPUSNAP_ENCODE_PROCS (0: none, the put's threads
+    do the work; at most PROCS_MOST), by default one per core but four (left to CRIU, the readers
+    and the store's writes), at most 12, and none on a machine of fewer than 8 cores (there the GIL
+    is not what limits a put: its cores are)."""
+    n = _setting("GPUSNAP_ENCODE_PROCS", 0, PROCS_MOST, "a number of processes")
+    if n is not None:
         return n
     cores = os.cpu_count() or 1
     return 0 if cores < 8 else max(2, min(12, cores - 4))
+
+
+def answer_timeout() -> float:
+    """Seconds an encoder process may take to answer one request ($GPUSNAP_ENCODE_TIMEOUT, default
+    ANSWER_TIMEOUT_S): one chunk's work takes milliseconds, so a process that does not answer in that
+    time is stopped or stuck, and the put fails instead of waiting for it forever."""
+    n = _setting("GPUSNAP_ENCODE_TIMEOUT", 1, 86400, "seconds")
+    return float(n) if n is not None else ANSWER_TIMEOUT_S
 
 
 @dataclass
@@ -97,16 +119,20 @@ class Encoded:
 class Encoder:
     """One encoder process, used by one thread at a time (EncodeProcs.borrowed)."""
 
-    def __init__(self, proc: subprocess.Popen[bytes], req_w: int, ans_r: int, arena: Any) -> None:
+    def __init__(self, proc: subprocess.Popen[bytes], req_w: int, ans_r: int, arena: Any,
+                 timeout: float = ANSWER_TIMEOUT_S) -> None:
         self.proc, self._w, self._r, self._arena = proc, req_w, ans_r, arena
         self.broken = False
         self.ready = False
+        self.timeout = timeout
+        self._poll = select.poll()  # not select(): descriptors above 1023 are common in services
+        self._poll.register(ans_r, select.POLLIN)
 
     def is_ready(self) -> bool:
         """Whether the process has said it is ready (READY, once its imports are done); never blocks.
         A process that exited or said anything else is broken: the put fails at its next request."""
         if not self.ready and not self.broken:
-            if select.select([self._r], [], [], 0)[0]:
+            if self._poll.poll(0):
                 b = os.read(self._r, 1)
                 self.ready = b == READY
                 self.broken = not self.ready
@@ -142,7 +168,15 @@ class Encoder:
 
     def _read(self, n: int) -> bytes:
         parts, got = [], 0
+        deadline = time.monotonic() + self.timeout
         while got < n:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self._poll.poll(int(left * 1000) + 1):
+                if time.monotonic() >= deadline:
+                    self.proc.kill()
+                    raise EncodeProcsError(f"encoder process {self.proc.pid} did not answer within "
+                                           f"{self.timeout:g} s (GPUSNAP_ENCODE_TIMEOUT); stopped")
+                continue
             b = os.read(self._r, n - got)
             if not b:
                 raise self._exited()
@@ -207,13 +241,18 @@ class EncodeProcs:
         self._free: queue.SimpleQueue[Encoder] = queue.SimpleQueue()
         self._all: list[Encoder] = []
         self._level, self._compress = level, compress
-        for _ in range(count):
-            try:
-                enc = self._start_one()
-            except OSError:
-                break
-            self._all.append(enc)
-            self._free.put(enc)
+        self._timeout = answer_timeout()
+        try:
+            for _ in range(count):
+                try:
+                    enc = self._start_one()
+                except OSError:
+                    break
+                self._all.append(enc)
+                self._free.put(enc)
+        except BaseException:  # an interrupt while starting them: none is left behind
+            self.close()
+            raise
 
     def _start_one(self) -> Encoder:
         req_r, req_w = os.pipe2(os.O_CLOEXEC)
@@ -221,15 +260,16 @@ class EncodeProcs:
         try:
             args = isolated.python_argv("storage.encodeprocs", str(self.arena.fd), str(self.arena.size), str(req_r),
                                         str(ans_w), str(self._level), "1" if self._compress else "0", str(os.getpid()))
+            # a session of its own: a ^C at the terminal is the put's to handle (it then ends them)
             proc = subprocess.Popen(args, pass_fds=(self.arena.fd, req_r, ans_w), cwd="/",
-                                    stdin=subprocess.DEVNULL, close_fds=True)
+                                    stdin=subprocess.DEVNULL, close_fds=True, start_new_session=True)
         except BaseException:
             for fd in (req_r, req_w, ans_r, ans_w):
                 os.close(fd)
             raise
         os.close(req_r)
         os.close(ans_w)
-        return Encoder(proc, req_w, ans_r, self.arena)
+        return Encoder(proc, req_w, ans_r, self.arena, self._timeout)
 
     @contextmanager
     def borrowed(self) -> Iterator[Encoder | None]:
@@ -247,9 +287,31 @@ class EncodeProcs:
             if enc is not None and not enc.broken:
                 self._free.put(enc)
 
+    def kill(self) -> None:
+        """Stop every process at once (a put that failed or was interrupted, before its threads are
+        joined: a thread waiting on an answer then gets the end of the pipe); nothing is borrowed again."""
+        for e in self._all:
+            e.broken = True
+            try:
+                e.proc.kill()
+            except OSError:
+                pass
+
+    @contextmanager
+    def killed_on_error(self) -> Iterator[None]:
+        """kill() when the block fails (put: inside its worker pool, so the kill comes before the join)."""
+        try:
+            yield
+        except BaseException:
+            self.kill()
+            raise
+
     def close(self) -> None:
-        """End every process: the end of its request pipe, then SIGKILL after STOP_WAIT_S."""
+        """End every process: the end of its request pipe, then SIGKILL after STOP_WAIT_S (the put's
+        threads are joined by then)."""
         encs = list(self._all)
+        for e in encs:
+            e.broken = True
         for e in encs:
             try:
                 os.close(e._w)
@@ -286,6 +348,25 @@ def _die_with_parent(parent: int) -> None:
         os._exit(1)
 
 
+NOBODY = 65534
+
+
+def _drop_privileges() -> None:
+    """An encoder needs nothing but the descriptors and the mapping it holds: as root it becomes
+    nobody, with no supplementary groups and no way back (PR_SET_NO_NEW_PRIVS), so that a flaw in a
+    codec reached by a tenant's bytes does not run as root. Best effort: where the uid cannot be
+    changed (a user namespace without it mapped) it stays as it is."""
+    if os.geteuid() != 0:
+        return
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(38, 1, 0, 0, 0)  # PR_SET_NO_NEW_PRIVS
+        os.setgroups([])
+        os.setresgid(NOBODY, NOBODY, NOBODY)
+        os.setresuid(NOBODY, NOBODY, NOBODY)
+    except (OSError, AttributeError):
+        pass
+
+
 def _read_exact(fd: int, n: int) -> bytes | None:
     parts, got = [], 0
     while got < n:
@@ -310,10 +391,22 @@ def child_main(argv: list[str]) -> None:
     os.close(mfd)
     arena = memoryview(m)
     chooser = HostCodecChooser(level=level, compress=bool(compress))
+    # every lazy import and per-thread buffer taken now, while the modules are surely readable
+    warm = memoryview(bytearray(np.arange(1 << 17, dtype="<u2").tobytes()))
+    frame = memoryview(bytearray(HEADER_SIZE + len(warm)))
+    is_zero(warm)
+    raw_chunk_id(warm)
+    pagekeys.sampled(warm)
+    codec, n = chooser.encode_into(warm, frame[HEADER_SIZE:])
+    stored_digest(ChunkHeader(codec, len(warm), n, True), warm if codec == "raw" else frame[HEADER_SIZE:HEADER_SIZE + n])
+    _drop_privileges()
+    _die_with_parent(parent)  # again: a change of uid clears the parent-death signal
     os.write(ans_w, READY)
 
     def answer(status: int, body: bytes) -> None:
-        os.write(ans_w, ANS.pack(status, len(body)) + body)
+        out = memoryview(ANS.pack(status, len(body)) + body)
+        while out:
+            out = out[os.write(ans_w, out):]
 
     while True:
         req = _read_exact(req_r, REQ.size)

@@ -402,7 +402,8 @@ def _put(writer: SnapshotWriter, source: Source, arena: Arena | None,
             BufferPool(workers if at else 0, HEADER_SIZE + chunk_size) as dscratch, \
             BufferPool(workers if at else 0, chunk_size) as xscratch, \
             BufferPool(nblocks, _READ_BLOCK + chunk_size, arena) as blocks, \
-            ThreadPoolExecutor(workers, thread_name_prefix="gpusnap-put") as ex:
+            ThreadPoolExecutor(workers, thread_name_prefix="gpusnap-put") as ex, \
+            (encs.killed_on_error() if encs is not None else contextlib.nullcontext()):
         futures: list[Future[None]] = []
         flock = threading.Lock()
         whole: list[tuple[Stream, list[list[ChunkRef]]]] = []

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+from pathlib import Path
 import time
 
 import numpy as np
@@ -187,3 +188,88 @@ def test_a_borrow_before_the_process_is_ready_gives_none_instead_of_waiting(tmp_
             v = arena.carve(PAGE)
             v[0] = 7
             assert e.prepare(v, False).cid is not None
+
+
+def test_an_encoder_runs_as_nobody_and_still_dies_with_its_parent(tmp_path) -> None:
+    """Started by root, an encoder drops to nobody once it is ready (it needs only its descriptors
+    and the arena), and the change of uid does not lose its parent-death signal."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root")
+    with Arena(4 << 20) as arena, EncodeProcs(1, arena) as encs:
+        _wait_for_encoders(encs, 1)
+        e = encs._all[0]
+        status = open(f"/proc/{e.proc.pid}/status").read()
+        uids = next(line for line in status.splitlines() if line.startswith("Uid:")).split()[1:]
+        assert uids == [str(encodeprocs.NOBODY)] * 4, status
+        v = arena.carve(PAGE * 8)
+        v[:] = np.random.default_rng(1).bytes(PAGE * 8)
+        f = arena.carve(PAGE * 10)
+        got = e.encode(v, f)
+        assert got.codec == "raw" and len(got.checksum) == 32
+
+
+def test_a_stopped_encoder_fails_the_put_after_the_answer_timeout(tmp_path, monkeypatch) -> None:
+    """An encoder that stops answering (SIGSTOP here) fails the put within GPUSNAP_ENCODE_TIMEOUT, with
+    the process killed, instead of hanging it."""
+    img = tmp_path / "images"
+    img.mkdir()
+    _weights_image(img / "pages-1.img", mib=64)
+    monkeypatch.setenv("GPUSNAP_ENCODE_TIMEOUT", "2")
+    monkeypatch.setattr(encodeprocs.EncodeProcs, "borrowed", _blocking_borrow)
+    real_prepare = encodeprocs.Encoder.prepare
+    stopped: list[int] = []
+
+    def prepare(self, data, keys):  # type: ignore[no-untyped-def]
+        if not stopped:
+            stopped.append(self.proc.pid)
+            os.kill(self.proc.pid, signal.SIGSTOP)
+        return real_prepare(self, data, keys)
+    monkeypatch.setattr(encodeprocs.Encoder, "prepare", prepare)
+    st = SnapshotStore(str(tmp_path / "store"))
+    t0 = time.monotonic()
+    with pytest.raises(EncodeProcsError, match="did not answer within 2 s"):
+        _put(st, str(img), "s", procs=2)
+    assert time.monotonic() - t0 < 30
+    assert st.names() == []
+    with pytest.raises(ProcessLookupError):
+        os.kill(stopped[0], 0)
+
+
+def test_bad_settings_are_refused(monkeypatch) -> None:
+    for name, bad in (("GPUSNAP_ENCODE_PROCS", "many"), ("GPUSNAP_ENCODE_PROCS", "-1"), ("GPUSNAP_ENCODE_PROCS", "10000"),
+                      ("GPUSNAP_ENCODE_TIMEOUT", "0")):
+        monkeypatch.setenv(name, bad)
+        with pytest.raises(EncodeProcsError, match=name):
+            encodeprocs.encode_procs() if name.endswith("PROCS") else encodeprocs.answer_timeout()
+        monkeypatch.delenv(name)
+
+
+def test_a_stopped_encoder_dies_with_the_put_process(tmp_path) -> None:
+    """The parent-death signal (set again after the change to nobody) kills an encoder that could not
+    see the end of its pipe: one stopped when its parent is killed -9."""
+    import subprocess
+    import sys
+    code = ("import sys, time; sys.path.insert(0, sys.argv[1])\n"
+            "from storage.directio import Arena\nfrom storage.encodeprocs import EncodeProcs\n"
+            "a = Arena(4 << 20); e = EncodeProcs(1, a)\n"
+            "while not e._all[0].is_ready(): time.sleep(0.02)\n"
+            "print(e._all[0].proc.pid, flush=True); time.sleep(60)\n")
+    parent = subprocess.Popen([sys.executable, "-c", code, str(Path(__file__).resolve().parents[1])],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        pid = int(parent.stdout.readline())
+        os.kill(pid, signal.SIGSTOP)
+        parent.kill()
+        parent.wait()
+        deadline = time.monotonic() + 10
+        while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
+            try:
+                if open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z":
+                    break
+            except OSError:
+                break
+            time.sleep(0.05)
+        gone = not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z"
+        assert gone, "a stopped encoder outlived its parent"
+    finally:
+        parent.kill()
