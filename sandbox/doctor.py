@@ -9,7 +9,7 @@ from dataclasses import asdict
 from typing import Any
 
 from storage.device import numa_nodes
-from storage.encodeprocs import encode_procs
+from storage.encodeprocs import EncodeProcsError, encode_procs
 
 from sandbox.criu.runner import cuda_plugin
 from sandbox.gpu.driver import nvidia_driver_version, probe
@@ -113,6 +113,14 @@ def _render_container_hook(h: dict[str, Any]) -> list[str]:
     return lines + [f"  problem: {p}" for p in h["problems"]]
 
 
+def _encoders() -> int | str:
+    """How many encoder processes a dump would use here, or what is wrong with the setting."""
+    try:
+        return encode_procs()
+    except EncodeProcsError as e:
+        return str(e)
+
+
 def report(criu: str = "criu", runsc: str = "runsc") -> dict[str, Any]:
     f = probe()
     gpus = [asdict(g) for g in f.gpus]
@@ -138,7 +146,7 @@ def report(criu: str = "criu", runsc: str = "runsc") -> dict[str, Any]:
         "runsc_features": _runsc_features(runsc),
         "container_hook": _container_hook(),
         "memory_tier": f.custom_storage,
-        "dump_encoders": encode_procs(),
+        "dump_encoders": _encoders(),
         "why_no_gpu": f.reason,
     }
 
@@ -168,8 +176,10 @@ def render(r: dict[str, Any]) -> str:
               f"{r['hugetlb'].get('HugePages_Total', 0)} pages",
               f"NUMA nodes           {r['numa_nodes']}",
               f"memory tier          {'yes (gpusnap pool serve)' if r['memory_tier'] else 'no (needs custom storage)'}",
-              f"dump encoders        {r['dump_encoders'] or 'none'} "
-              f"{'processes' if r['dump_encoders'] else '(the dump encodes in its own threads; GPUSNAP_ENCODE_PROCS)'}",
+              f"dump encoders        {r['dump_encoders'] or 'none'}"
+              + (" processes" if isinstance(r["dump_encoders"], int) and r["dump_encoders"] else
+                 "" if isinstance(r["dump_encoders"], str) else
+                 " (the dump encodes in its own threads; GPUSNAP_ENCODE_PROCS)"),
               f"CRIU                 {r['criu'] or 'not found'}",
               f"GPUs in CRIU dumps   {r['criu_gpu_handler']}",
               render_criu_binary(r["criu_binary"]),

@@ -97,6 +97,13 @@ def answer_timeout() -> float:
     return float(n) if n is not None else ANSWER_TIMEOUT_S
 
 
+def check_settings() -> None:
+    """EncodeProcsError now for a bad GPUSNAP_ENCODE_PROCS or GPUSNAP_ENCODE_TIMEOUT (a dump reads
+    them before CRIU starts, so a typo fails it before the tree is touched)."""
+    encode_procs()
+    answer_timeout()
+
+
 @dataclass
 class Prepared:
     zero: bool

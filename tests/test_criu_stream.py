@@ -732,6 +732,23 @@ def test_a_bad_fill_setting_fails_the_restore_before_criu_starts(cli: Cli, store
     _refused_then_restored(cli, "bad", {**SPLIT, "GPUSNAP_FILL_PROCS": "many"}, "GPUSNAP_FILL_PROCS", killed_within=0)
 
 
+def test_a_bad_encoder_setting_fails_the_dump_before_anything_is_frozen(cli: Cli, store_dir: Path) -> None:
+    """GPUSNAP_ENCODE_PROCS that is not a number in range: one line naming it, exit non-zero, nothing
+    committed, the tree never stopped; the dump succeeds once the setting is fixed."""
+    tree = Tree(mb=8)
+    try:
+        r = cli.run("criu", "dump", str(tree.pid), "bad", env={**STREAM, "GPUSNAP_ENCODE_PROCS": "lots"}, check=False)
+        assert r.returncode != 0 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert "GPUSNAP_ENCODE_PROCS='lots'" in r.stderr, r.stderr
+        assert cli.json("store", "ls") == [] and _state(tree.pid) in ("S", "R") and healthy(tree.report())
+        cli_json(cli, ENCODERS, "criu", "dump", str(tree.pid), "good")
+        tree.reap()
+        cli_json(cli, SPLIT, "criu", "restore", "good")
+        assert healthy(tree.report())
+    finally:
+        tree.kill()
+
+
 def test_fill_workers_that_do_not_finish_in_time_fail_the_restore(cli: Cli, store_dir: Path) -> None:
     """GPUSNAP_FILL_TIMEOUT: workers that have not answered by then (a store that stopped answering,
     here a limit no fill can meet) fail the restore in one line, the half-filled tree killed; the

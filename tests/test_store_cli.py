@@ -219,3 +219,5 @@ def test_doctor_reports_what_is_here(cli: Cli) -> None:
     text = cli.run("doctor").stdout
     assert "GPU path" in text and "memory tier" in text and "dump encoders" in text
     assert json.loads(cli.run("doctor", "--json", env={"GPUSNAP_ENCODE_PROCS": "3"}).stdout)["dump_encoders"] == 3
+    bad = cli.run("doctor", env={"GPUSNAP_ENCODE_PROCS": "lots"})  # doctor never fails: it says what is wrong
+    assert "GPUSNAP_ENCODE_PROCS='lots': expected a number of processes" in bad.stdout

@@ -37,7 +37,7 @@ from contextlib import ExitStack, contextmanager
 from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 from storage.progress import Progress
-from storage import waits
+from storage import encodeprocs, waits
 from storage.limits import DEFAULT_JOBS
 from storage.store import SnapshotStore
 
@@ -80,6 +80,7 @@ def criu_dump(store: SnapshotStore, pid: int, name: str, *, leave_running: bool 
     from sandbox.criu.dump import DumpContext  # the dump side: imported by dumps only
     criu = criu or Criu()
     journal.require_clean(store.path)
+    encodeprocs.check_settings()  # a bad setting fails the dump here, before anything is frozen
     opts = options or DumpOptions()
     opts = DumpOptions(**{**opts.__dict__, "leave_running": leave_running, "leave_stopped": not leave_running})
     try:
