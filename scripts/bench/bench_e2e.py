@@ -218,6 +218,20 @@ def run_gpusnap(a: argparse.Namespace, work: str, path: str, dedup: bool) -> dic
             v["verified"] = verify(w)["ok"]
             g.setdefault("restore_variants", []).append(v)
             print("restore variant", json.dumps(v), flush=True)
+        for i, variant in enumerate(a.dump_variants):
+            # the restored process dumped again (left running) into a store of its own (nothing to
+            # dedup against), once per variant, default settings first: dump settings compared in one run
+            envs: list[dict[str, str]] = [{}, variant]
+            for env in envs:
+                vs = os.path.join(work, f"store-dv-{i}")
+                v = {"env": env}
+                dv = traced(v, "dump", work, gpusnap, vs, "criu", "dump", "--leave-running", str(w.pid), "dv",
+                            path=path, extra_env=env)
+                v["dump_stages"], v["ingest_stages"], v["stored_bytes"] = dv["seconds"], dv.get("stages"), dv["new_bytes"]
+                shutil.rmtree(vs)
+                g.setdefault("dump_variants", []).append(v)
+                print("dump variant", json.dumps({k: x for k, x in v.items() if not k.endswith("timeline")}), flush=True)
+            g["verified_after_dump_variants"] = verify(w)["ok"]
         if dedup:
             # the restored process changes 5% of its state, then a second dump (left running)
             changed = w.cmd("mutate 5").get("bytes")
@@ -340,6 +354,10 @@ def table(result: dict) -> None:
                   + (f"  restore / warm floor {g['restore'] / b['floor_warm_thp']['restore']:.2f}" if "floor_warm_thp" in b else "")
                   + (f"  warm restore / floor {g['warm_restore'] / b['floor_warm_thp']['restore']:.2f}"
                      if "warm_restore" in g and "floor_warm_thp" in b else ""))
+        for v in g.get("dump_variants", []):
+            ds = v["dump_stages"]
+            print(f"{'':15s} dump (--leave-running, own store) with {','.join(f'{k}={x}' for k, x in v['env'].items()) or 'defaults'}: "
+                  f"{v['dump']:.1f} s ({', '.join(f'{k} {x:.1f}' for k, x in ds.items())})")
         for v in g.get("restore_variants", []):
             rs = v["restore_stages"]
             print(f"{'':15s} restore with {','.join(f'{k}={x}' for k, x in v['env'].items())}: {v['restore']:.1f} s "
@@ -348,7 +366,7 @@ def table(result: dict) -> None:
 
 
 def _variant(text: str) -> dict[str, str]:
-    """A --restore-variant: GPUSNAP_* assignments, comma-separated."""
+    """A --restore-variant or --dump-variant: GPUSNAP_* assignments, comma-separated."""
     out = {}
     for part in text.split(","):
         k, sep, v = part.partition("=")
@@ -375,6 +393,10 @@ def main() -> None:
     ap.add_argument("--restore-variant", dest="restore_variants", action="append", default=[], type=_variant,
                     metavar="VAR=VALUE[,VAR=VALUE]", help="after gpusnap's cold restore, restore the same snapshot "
                     "cold again with these environment variables (repeatable): settings compared in one run")
+    ap.add_argument("--dump-variant", dest="dump_variants", action="append", default=[], type=_variant,
+                    metavar="VAR=VALUE[,VAR=VALUE]", help="after the restore (and its variants), dump the restored "
+                    "process again with default settings and then with these (each --leave-running, into a store "
+                    "of its own; repeatable): dump settings compared in one run, e.g. GPUSNAP_ENCODE_PROCS=0")
     a = ap.parse_args()
     ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER: restored trees come back to us to reap
     criu = Criu()
