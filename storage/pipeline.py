@@ -648,9 +648,7 @@ def _put(writer: SnapshotWriter, source: Source, arena: Arena | None,
                 writer.note_compressed()
                 stages.add("compress", e.encode_s, n)
                 stages.add("checksum", e.check_s, n)
-                if e.codec == "raw" and piece.frame is not None:  # written from where it was read
-                    return writer.put_chunk("raw", n, piece.frame.view, n, raw_id=cid, checksum=e.checksum)
-                if e.codec == "raw":
+                if e.codec == "raw":  # (page pieces are views into read blocks: no frame of their own)
                     copy_into(s.view[HEADER_SIZE:], view)
                 return writer.put_chunk(e.codec, n, s.view, e.length, raw_id=cid, checksum=e.checksum)
 
