@@ -42,6 +42,8 @@ from typing import Any, Iterator
 import numpy as np
 
 from . import isolated
+from .chunkfile import HEADER_SIZE
+from .settings import setting
 from .errors import GpusnapError
 
 REQ = struct.Struct("<B7xQQQQ")
@@ -63,28 +65,15 @@ class EncodeProcsError(GpusnapError):
 PROCS_MOST = 64
 
 
-def _setting(name: str, low: int, high: int, what: str) -> int | None:
-    """$NAME as an int in [LOW, HIGH] (unset or empty: None); EncodeProcsError naming it otherwise."""
-    raw = os.environ.get(name, "").strip()
-    if not raw:
-        return None
-    try:
-        n = int(raw)
-    except ValueError:
-        n = low - 1
-    if not low <= n <= high:
-        raise EncodeProcsError(f"{name}={raw!r}: expected {what} from {low} to {high}")
-    return n
-
-
 def encode_procs() -> int:
     """Encoder processes for a put of page images: $GPUSNAP_ENCODE_PROCS (0: none, the put's threads
     do the work; at most PROCS_MOST), by default one per core but four (left to CRIU, the readers
     and the store's writes), at most 12, and none on a machine of fewer than 8 cores (there the GIL
     is not what limits a put: its cores are)."""
-    n = _setting("GPUSNAP_ENCODE_PROCS", 0, PROCS_MOST, "a number of processes")
+    n = setting("GPUSNAP_ENCODE_PROCS", None, int, lambda n: 0 <= n <= PROCS_MOST,
+                f"a number of processes from 0 to {PROCS_MOST}", EncodeProcsError)
     if n is not None:
-        return n
+        return int(n)
     cores = os.cpu_count() or 1
     return 0 if cores < 8 else max(2, min(12, cores - 4))
 
@@ -93,8 +82,8 @@ def answer_timeout() -> float:
     """Seconds an encoder process may take to answer one request ($GPUSNAP_ENCODE_TIMEOUT, default
     ANSWER_TIMEOUT_S): one chunk's work takes milliseconds, so a process that does not answer in that
     time is stopped or stuck, and the put fails instead of waiting for it forever."""
-    n = _setting("GPUSNAP_ENCODE_TIMEOUT", 1, 86400, "seconds")
-    return float(n) if n is not None else ANSWER_TIMEOUT_S
+    return float(setting("GPUSNAP_ENCODE_TIMEOUT", ANSWER_TIMEOUT_S, int, lambda t: 1 <= t <= 86400,
+                         "seconds from 1 to 86400", EncodeProcsError))
 
 
 def check_settings() -> None:
@@ -226,7 +215,6 @@ class Encoder:
             raise EncodeProcsError(f"encoder process {self.proc.pid}: encode answer of {len(body)} bytes")
         name, m, checksum, es, cs = ENC.unpack(body)
         codec = name.rstrip(b"\0").decode("ascii", "replace")
-        from .chunkfile import HEADER_SIZE  # noqa: PLC0415 - chunkfile imports blake3 and the codecs
         if codec not in _CODECS or (codec == "raw" and m != len(data)) or \
                 (codec != "raw" and not 0 < m <= len(frame) - HEADER_SIZE):
             raise EncodeProcsError(f"encoder process {self.proc.pid}: encoding {codec!r} of {m} bytes "
@@ -391,7 +379,7 @@ def child_main(argv: list[str]) -> None:
     _die_with_parent(parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a ^C is the put's to handle; it closes the pipes
     from . import pagekeys  # noqa: PLC0415 - after the parent check: nothing heavy for an orphan
-    from .chunkfile import HEADER_SIZE, ChunkHeader, raw_chunk_id, stored_digest  # noqa: PLC0415
+    from .chunkfile import ChunkHeader, raw_chunk_id, stored_digest  # noqa: PLC0415
     from .codecs import HostCodecChooser  # noqa: PLC0415
     from .directio import is_zero  # noqa: PLC0415
     m = mmap.mmap(mfd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)

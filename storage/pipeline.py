@@ -377,27 +377,10 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
     decoded_before = writer.store.bases_decoded
     failed: set[str] = set()  # parent chunks that could not be read as bases during this put
     nstaging = workers * 2 if chunker == "fixed" else 0
-    with contextlib.ExitStack() as shared:
-        arena = encs = None
-        if nprocs:  # the buffers the encoder processes read and write: one shared mapping
-            arena = shared.enter_context(Arena(
-                nstaging * align_up(HEADER_SIZE + chunk_size) + workers * align_up(HEADER_SIZE + chunk_size)
-                + nblocks * align_up(_READ_BLOCK + chunk_size), "gpusnap-put"))
-            encs = shared.enter_context(EncodeProcs(nprocs, arena, zstd_level, compress))
-        return _put(writer, source, arena, encs, chunk_size=chunk_size, workers=workers,
-                    chooser=chooser, stages=stages, fail=fail, t_start=t_start, nstaging=nstaging,
-                    nblocks=nblocks, producers=producers, at=at, shifts=shifts, pindex=pindex,
-                    collector=collector, effort=effort, decoded_before=decoded_before, failed=failed,
-                    progress=progress, chunker=chunker, known=known)
-
-
-def _put(writer: SnapshotWriter, source: Source, arena: Arena | None,
-         encs: EncodeProcs | None, *, chunk_size: int, workers: int, chooser: HostCodecChooser,
-         stages: Stages, fail: _Failure, t_start: float, nstaging: int, nblocks: int, producers: int,
-         at: Any, shifts: Any, pindex: Any, collector: Any, effort: Any, decoded_before: int,
-         failed: set[str], progress: Progress | None, chunker: str, known: Any) -> Result:
-    """put's body, with the encoder processes and their arena when there are any (held by put)."""
-    with BufferPool(nstaging, HEADER_SIZE + chunk_size, arena) as staging, \
+    arena_bytes = ((nstaging + workers) * align_up(HEADER_SIZE + chunk_size)
+                   + nblocks * align_up(_READ_BLOCK + chunk_size))  # what is carved from it below
+    with _encoders(nprocs, arena_bytes, zstd_level, compress) as (arena, encs), \
+            BufferPool(nstaging, HEADER_SIZE + chunk_size, arena) as staging, \
             BufferPool(workers, HEADER_SIZE + chunk_size, arena) as scratch, \
             BufferPool(workers if at else 0, HEADER_SIZE + chunk_size) as dscratch, \
             BufferPool(workers if at else 0, chunk_size) as xscratch, \
@@ -638,6 +621,7 @@ def _put(writer: SnapshotWriter, source: Source, arena: Arena | None,
                 return writer.note_zero(n)
             assert p.cid is not None
             if keyed:
+                assert collector is not None
                 stages.add("page-keys", p.keys_s, n)
                 collector.add(name, off, view, p.sample)
             cid, present = writer.find_id(p.cid, n, p.hash_s)
@@ -832,6 +816,17 @@ def _put(writer: SnapshotWriter, source: Source, arena: Arena | None,
     res = writer_result(writer, stages, time.perf_counter() - t_start)
     res.extra.update(files_unchanged=reused[0], bytes_unchanged=reused[1])
     return res
+
+
+@contextlib.contextmanager
+def _encoders(nprocs: int, size: int, level: int, compress: bool) -> Iterator[tuple[Arena | None, EncodeProcs | None]]:
+    """A put's encoder processes and the arena of SIZE bytes they share with it: the buffers they read
+    and write (none without processes: (None, None))."""
+    if not nprocs:
+        yield None, None
+        return
+    with Arena(size, "gpusnap-put") as arena, EncodeProcs(nprocs, arena, level, compress) as encs:
+        yield arena, encs
 
 
 def _parent_chunks(parent: Manifest) -> dict[str, tuple[list[int], list[ChunkRef]]]:

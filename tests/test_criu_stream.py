@@ -659,6 +659,7 @@ def test_fill_workers_import_nothing_from_the_working_directory(tmp_path: Path) 
     """The fill's worker processes run as root: a `sandbox` package planted in the directory gpusnap
     was started from (one a user may control) is never imported by them."""
     from sandbox.criu import fill_procs
+    from storage import isolated
     planted = tmp_path / "sandbox" / "criu"
     planted.mkdir(parents=True)
     (tmp_path / "sandbox" / "__init__.py").write_text("")
@@ -678,7 +679,7 @@ def test_fill_workers_import_nothing_from_the_working_directory(tmp_path: Path) 
     env = {**os.environ, "PYTHONPATH": str(tmp_path)}  # ignored too: the worker runs isolated (-I)
     p = subprocess.run(argv, input="", capture_output=True, text=True, env=env, cwd=tmp_path, timeout=60)
     assert "PLANTED" not in p.stdout and p.returncode == 0, (p.returncode, p.stdout, p.stderr)
-    assert str(tmp_path) not in fill_procs.worker_path()
+    assert str(tmp_path) not in isolated.module_path()
 
 
 def test_only_the_tree_criu_restored_counts_as_this_restores_processes() -> None:

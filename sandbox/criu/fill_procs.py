@@ -36,7 +36,7 @@ import threading
 import time
 from typing import IO, TYPE_CHECKING, Any, Callable
 
-from storage import isolated
+from storage import isolated, settings
 from storage.chunkfile import ChunkError, ChunkHeader
 from storage.codecs import CodecError
 from storage.errors import DamageError, GpusnapError
@@ -75,19 +75,9 @@ def read_moved(store: PackSource, damaged: Callable[[str], Exception], name: str
 
 def setting(name: str, default: Any, parse: Callable[[str], Any], ok: Callable[[Any], bool], expected: str,
             error: type[GpusnapError] = SplitError) -> Any:
-    """$NAME parsed by PARSE (unset or empty: DEFAULT); ERROR "NAME='...': expected EXPECTED" when it does
-    not parse or OK refuses it. The split restore's settings, for a host that must bound them, and for
-    measuring."""
-    v = os.environ.get(name, "").strip()
-    if not v:
-        return default
-    try:
-        x = parse(v)
-    except ValueError:
-        raise error(f"{name}={v!r}: expected {expected}") from None
-    if not ok(x):
-        raise error(f"{name}={v!r}: expected {expected}")
-    return x
+    """storage.settings.setting, refused as a SplitError unless ERROR says otherwise: the split
+    restore's settings."""
+    return settings.setting(name, default, parse, ok, expected, error)
 
 
 def procs_for(cpus: int | None = None) -> tuple[int, int]:
@@ -131,11 +121,6 @@ def shares(jobs: dict[Key, Job], where: Callable[[str], tuple[str, int] | None],
         if j[0].is_zero:
             out[0][k] = j
     return [s for s in out if s]
-
-
-def worker_path() -> list[str]:
-    """The module path a worker gets (storage.isolated.module_path)."""
-    return isolated.module_path()
 
 
 def worker_argv() -> list[str]:
