@@ -354,8 +354,10 @@ def test_read_order_is_what_criu_reads_first_then_what_the_split_fills() -> None
     assert [c.id[0] for c in read_order(images, {})] == list("abdc1234e")
 
 
-@pytest.mark.parametrize("dump_env,restore_env", [(STREAM, SPLIT), (STREAM, SPLIT_PROCS), (STREAM, NO_SPLIT), (ENCODERS, SPLIT)],
-                         ids=["split", "split-in-3-processes", "criu-restores-all", "dumped-by-encoder-processes"])
+@pytest.mark.parametrize("dump_env,restore_env", [(STREAM, SPLIT), (STREAM, SPLIT_PROCS), (STREAM, NO_SPLIT), (ENCODERS, SPLIT),
+                                               (STREAM, {**SPLIT_PROCS, "GPUSNAP_FILL_READERS": "6"})],
+                         ids=["split", "split-in-3-processes", "criu-restores-all", "dumped-by-encoder-processes",
+                              "split-in-3-processes-2-reads-each"])
 def test_stream_dump_and_restore_of_a_tree(cli: Cli, store_dir: Path, dump_env: dict[str, str], restore_env: dict[str, str]) -> None:
     tree = Tree(mb=48)
     try:
@@ -378,6 +380,7 @@ def test_stream_dump_and_restore_of_a_tree(cli: Cli, store_dir: Path, dump_env: 
             assert served["moved_bytes"] >= 48 << 20 and served["split"]["written"] >= 48 << 20, served
             assert "split_fill" in r["seconds"] and "split_skipped_because" not in served
             assert served["fill_memory"]["procs"] == (1 if restore_env is SPLIT else 3), served["fill_memory"]
+            assert served["fill_memory"]["readers"] == int(restore_env.get("GPUSNAP_FILL_READERS", 4)), served["fill_memory"]
             assert served["stages"]["decompress+verify"]["bytes"] > 0, "the workers' stages reach the report"
         else:
             assert served["moved_bytes"] == 0 and "split" not in served
@@ -727,10 +730,11 @@ def test_only_the_tree_criu_restored_counts_as_this_restores_processes() -> None
             p.wait()
 
 
-def test_a_bad_fill_setting_fails_the_restore_before_criu_starts(cli: Cli, store_dir: Path) -> None:
-    """GPUSNAP_FILL_PROCS that is not a number: one line naming it, nothing restored, nothing left
-    behind (no fill worker, no stopped process), and the snapshot restores once the setting is fixed."""
-    _refused_then_restored(cli, "bad", {**SPLIT, "GPUSNAP_FILL_PROCS": "many"}, "GPUSNAP_FILL_PROCS", killed_within=0)
+@pytest.mark.parametrize("name,value", [("GPUSNAP_FILL_PROCS", "many"), ("GPUSNAP_FILL_READERS", "0")])
+def test_a_bad_fill_setting_fails_the_restore_before_criu_starts(cli: Cli, store_dir: Path, name: str, value: str) -> None:
+    """A fill setting that is not a number in its range: one line naming it, nothing restored, nothing
+    left behind (no fill worker, no stopped process), and the snapshot restores once it is fixed."""
+    _refused_then_restored(cli, "bad", {**SPLIT, name: value}, name, killed_within=0)
 
 
 def test_a_bad_encoder_setting_fails_the_dump_before_anything_is_frozen(cli: Cli, store_dir: Path) -> None:

@@ -80,6 +80,13 @@ def setting(name: str, default: Any, parse: Callable[[str], Any], ok: Callable[[
     return settings.setting(name, default, parse, ok, expected, error)
 
 
+def readers() -> int:
+    """Reads the split fill keeps in flight, all its worker processes together: $GPUSNAP_FILL_READERS,
+    else storage.readstage.READERS (more queued on the disk ahead of CRIU's own reads: measured,
+    BENCHMARKS.md section 17). A worker process reads with its share, at least one."""
+    return int(setting("GPUSNAP_FILL_READERS", READERS, int, lambda n: 1 <= n <= 64, "a number of reads from 1 to 64"))
+
+
 def procs_for(cpus: int | None = None) -> tuple[int, int]:
     """(how many worker processes the fill may use, the stored bytes each must have at least):
     $GPUSNAP_FILL_PROCS (then any share is worth a process), else one per 4 cores, at most 8, each
@@ -209,7 +216,7 @@ class FillProcs:
         # has (more only queue on the disk ahead of CRIU's own reads: measured, section 17)
         self._jobs_sent = threading.Thread(target=self._send_jobs, name="gpusnap-fill-jobs", daemon=True,
                                            args=(start_reads, max(1, decoders // n), budget // n, prefetch // n,
-                                                 max(1, READERS // n)))
+                                                 max(1, readers() // n)))
         self._jobs_sent.start()
         self._closed = False
 

@@ -35,7 +35,7 @@ from storage.directio import BufferPool
 from storage.errors import GpusnapError
 from storage.manifest import ChunkRef, Manifest, Stream
 from storage.pipeline import Stages
-from storage.readstage import READERS, Want, plan_runs, read_ahead, read_runs
+from storage.readstage import Want, plan_runs, read_ahead, read_runs
 from storage.store import SnapshotStore, StoreError
 
 from sandbox.criu import fill_procs, split
@@ -386,6 +386,7 @@ class ServeSource:
         parts = (fill_procs.shares(jobs, fill_procs.where_in_packs(self.store), procs, min_share, phases)
                  if procs > 1 else [jobs])
         self.fill_memory["procs"] = len(parts)
+        self.fill_memory["readers"] = fill_procs.readers()  # a bad setting fails here, before CRIU starts
         if len(parts) > 1:
             return FillProcs(self.store, self.manifest.name, parts, self.workers, self.fill_memory["held_budget"],
                              self.fill_memory["prefetch"], self._criu_asked, self.stages, phases, nphases)
@@ -415,7 +416,7 @@ class ServeSource:
             if self._criu_first is not None:
                 self._criu_first.join()  # CRIU's reads are queued: now the fill's
             read_moved(self.store, self.store.error, self.manifest.name, wants, deliver, stop, stages=self.stages, decoders=self.workers,
-                       readers=READERS, prefetch=self.fill_memory["prefetch"], prefetch_from=self._criu_done)
+                       readers=fill_procs.readers(), prefetch=self.fill_memory["prefetch"], prefetch_from=self._criu_done)
             return
         size = self._bufs.size
         most = max((w.ref.raw_len for w in wants), default=1)
