@@ -64,11 +64,8 @@ def validate_tag(tag: str) -> str:
 @functools.cache
 def tool_version() -> str:
     """This gpusnap's version, recorded in every manifest it writes."""
-    try:
-        from importlib.metadata import version
-        return version("gpusnap")
-    except Exception:  # noqa: BLE001 - running from a checkout that is not installed
-        return "unknown"
+    from .version import VERSION
+    return VERSION
 
 
 @dataclass(frozen=True)

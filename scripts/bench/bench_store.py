@@ -5,7 +5,12 @@ disk and the same data, in one run; then the dedup figure for a second put after
 Data: a directory of files in three kinds, 1/3 each: zeros, random bytes, bf16 values from N(0, 0.02).
 Durability is the same on all sides: every write is followed by sync inside the timed region, and the
 page cache is dropped before each timed read. Usage: python3 -m scripts.bench.bench_store [--gb 3] [--dir /var/tmp] [--json F]
-[--mix mixed|weights|zero-heavy]
+[--mix mixed|weights|zero-heavy] [--rounds N]
+
+--rounds N: then N more rounds of cp and gpusnap alone, interleaved (put: cp, gpusnap into a fresh store;
+get: cp, gpusnap), each cold and synced; the medians and each round's gpusnap/cp ratio are reported.
+On a shared VM one pair's ratio moves by 0.5x from hour to hour (cp's own time by 1.2-2.1 s): the
+median of interleaved pairs is the figure to compare with a target.
 """
 from __future__ import annotations
 
@@ -74,11 +79,42 @@ def change_5_percent(root: str, total: int, seed: int = 1) -> None:
         i += 1
 
 
+def rounds(n: int, work: str, data: str, gpusnap: list[str], env: dict[str, str]) -> dict:
+    """N rounds of (cp put, gpusnap put into a fresh store, cp get, gpusnap get), each cold and synced:
+    {"put": [(cp s, gpusnap s)], "get": [...], "median": {...}}. The stores' gets are checked by the
+    first round's cmp (the same code path); each round's get goes to a fresh directory."""
+    out: dict = {"put": [], "get": []}
+    for i in range(n):
+        store = os.path.join(work, f"store-r{i}")
+        drop_caches()
+        cp_put = timed(["cp", "-r", data, os.path.join(work, f"cp-r{i}")])
+        drop_caches()
+        g_put = timed([*gpusnap[:-1], store, "store", "put", "s1", data], env=env, cwd=REPO)
+        drop_caches()
+        cp_get = timed(["cp", "-r", os.path.join(work, f"cp-r{i}"), os.path.join(work, f"cp2-r{i}")])
+        drop_caches()
+        g_get = timed([*gpusnap[:-1], store, "store", "get", "s1", os.path.join(work, f"got-r{i}")], env=env, cwd=REPO)
+        out["put"].append((cp_put, g_put))
+        out["get"].append((cp_get, g_get))
+        for d in (store, f"cp-r{i}", f"cp2-r{i}", f"got-r{i}"):
+            shutil.rmtree(os.path.join(work, d), ignore_errors=True)
+
+    def med(xs: list[float]) -> float:
+        return sorted(xs)[len(xs) // 2] if len(xs) % 2 else sum(sorted(xs)[len(xs) // 2 - 1:len(xs) // 2 + 1]) / 2
+    m = {"cp_put": med([c for c, _ in out["put"]]), "gpusnap_put": med([g for _, g in out["put"]]),
+         "cp_get": med([c for c, _ in out["get"]]), "gpusnap_get": med([g for _, g in out["get"]])}
+    m["put_ratio"] = med([g / c for c, g in out["put"]])
+    m["get_ratio"] = med([g / c for c, g in out["get"]])
+    out["median"] = m
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--gb", type=float, default=3.0)
     ap.add_argument("--dir", default="/var/tmp")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--rounds", type=int, default=0, help="interleaved cp/gpusnap rounds after the first (medians)")
     ap.add_argument("--mix", choices=sorted(MIXES), default="mixed",
                     help="mixed: 1/3 zeros, random, bf16; weights: all bf16; zero-heavy: 2/3 zeros, 1/3 bf16")
     a = ap.parse_args()
@@ -123,6 +159,8 @@ def main() -> None:
         out = subprocess.run([*gpusnap, "store", "put", "s2", data, "--json"], check=True, capture_output=True,
                              text=True, env=env, cwd=REPO).stdout
         res["second_put_new_bytes"] = json.loads(out)["new_bytes"]
+        if a.rounds > 0:
+            res["rounds"] = rounds(a.rounds, work, data, gpusnap, env)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     gb = res["bytes"] / 1e9
@@ -136,6 +174,13 @@ def main() -> None:
         print(f"gpusnap vs {k}: put {res[k + '_put'] / res['gpusnap_put']:.2f}x, get {res[k + '_get'] / res['gpusnap_get']:.2f}x faster")
     print(f"second put after 5% changed: {res['second_put_new_bytes'] / 1e9:.3f} GB written "
           f"({100 * res['second_put_new_bytes'] / res['gpusnap_bytes']:.1f}% of the first); verified={res['verified']}")
+    if "rounds" in res:
+        r = res["rounds"]
+        print(f"{len(r['put'])} interleaved rounds, medians: put cp {r['median']['cp_put']:.2f} s, gpusnap "
+              f"{r['median']['gpusnap_put']:.2f} s = {r['median']['put_ratio']:.2f}x cp; get cp {r['median']['cp_get']:.2f} s, "
+              f"gpusnap {r['median']['gpusnap_get']:.2f} s = {r['median']['get_ratio']:.2f}x cp")
+        print("  per round, gpusnap/cp: put " + " ".join(f"{g / c:.2f}" for c, g in r["put"])
+              + "; get " + " ".join(f"{g / c:.2f}" for c, g in r["get"]))
     if a.json:
         with open(a.json, "w") as f:
             json.dump(res, f, indent=1)
