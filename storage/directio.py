@@ -102,6 +102,12 @@ class AlignedBuffer:
             # the mapping is unmapped when the last reference goes.
             pass
 
+    def __enter__(self) -> "AlignedBuffer":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
 
 class BufferPool:
     """A fixed set of AlignedBuffers handed out one at a time; acquire blocks when all are in use.

@@ -14,6 +14,7 @@ Guarantees kept here:
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import stat
 import time
@@ -21,7 +22,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterator
 
-from .directio import read_into
+from .directio import ALIGN, address_of, read_into, read_into_direct
 from .getmark import remove_marker, write_marker
 from .treewalk import remove_tree
 from .names import InvalidNameError, validate_stream_name
@@ -41,13 +42,63 @@ class FileTreeError(GpusnapError):
     """An input path that cannot be stored, or a destination that cannot be written."""
 
 
+DIRECT_MIN = 64 << 20  # files at least this large are read past the page cache when they are not in it
+_PROBES = 8            # 4 KiB reads spread over such a file that may not wait for the disk
+
+
+def _not_cached(fd: int, size: int) -> bool:
+    """Whether at most one of _PROBES pages spread over FD's file (SIZE bytes) is in the page cache:
+    each asked for with RWF_NOWAIT, which a page that is not there refuses (EAGAIN) instead of
+    waiting for the disk. False where the kernel or file system cannot say."""
+    scratch = bytearray(4096)
+    cached = 0
+    for i in range(_PROBES):
+        off = (size - 4096) * i // (_PROBES - 1) // 4096 * 4096
+        try:
+            os.preadv(fd, [scratch], off, os.RWF_NOWAIT)
+            cached += 1
+        except BlockingIOError:
+            continue
+        except (OSError, AttributeError):  # no RWF_NOWAIT here: read as always
+            return False
+    return cached <= 1
+
+
 class _FdReader:
-    def __init__(self, fd: int) -> None:
+    """Sequential reads of an open file. A file of at least DIRECT_MIN bytes that is not in the page
+    cache is read with O_DIRECT (set on the descriptor) while the reads are aligned: it is read once,
+    and a cold read through the cache cost a 2-core VM 0.2-0.7 CPU-seconds per 1.5 GB that the
+    encoders then lack, against 0.04 direct at the same disk speed (BENCHMARKS.md, section 27). The
+    first read that is not aligned (a buffer, an offset or a length off ALIGN) turns it off again."""
+
+    def __init__(self, fd: int, size: int | None = None) -> None:
         self.fd = fd
         self.offset = 0
+        self.direct = False
+        if size is not None and size >= DIRECT_MIN and hasattr(os, "O_DIRECT") and _not_cached(fd, size):
+            self.direct = self._set_direct(True)
+
+    def _set_direct(self, on: bool) -> bool:
+        try:
+            flags = fcntl.fcntl(self.fd, fcntl.F_GETFL)
+            fcntl.fcntl(self.fd, fcntl.F_SETFL, (flags | os.O_DIRECT) if on else (flags & ~os.O_DIRECT))
+        except OSError:  # a file system without direct I/O: buffered reads, as always
+            return False
+        return on
 
     def readinto(self, view: memoryview) -> int:
-        n = read_into(self.fd, view, self.offset)
+        if self.direct and (self.offset % ALIGN or len(view) % ALIGN or address_of(view) % ALIGN):
+            self.direct = self._set_direct(False)
+        if self.direct:
+            try:
+                n = read_into_direct(self.fd, view, self.offset)
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise
+                self.direct = self._set_direct(False)  # refused after all: the same read, buffered
+                n = read_into(self.fd, view, self.offset)
+        else:
+            n = read_into(self.fd, view, self.offset)
         self.offset += n
         return n
 
@@ -360,7 +411,7 @@ class FileTreeSource:
     def open(self, spec: StreamSpec) -> Iterator[_FdReader]:
         with self._opened(spec) as fd:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-            yield _FdReader(fd)
+            yield _FdReader(fd, spec.size)
 
     @contextmanager
     def open_range(self, spec: StreamSpec, offset: int, length: int) -> Iterator[RangeReader]:

@@ -1,0 +1,104 @@
+"""A large file that is not in the page cache is read past it (O_DIRECT) by `store put`, with the same
+bytes as a buffered read; a cached one, an unaligned read and a file system without direct I/O keep
+buffered reads (storage/filetree.py, _FdReader)."""
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+from pathlib import Path
+
+import pytest
+
+from conftest import Cli
+from storage.directio import AlignedBuffer
+from storage.filetree import DIRECT_MIN, _FdReader
+
+SIZE = DIRECT_MIN + 3 * 4096 + 1234  # not a multiple of the alignment: the last read ends inside a block
+
+
+def _write(path: Path, size: int = SIZE) -> bytes:
+    data = hashlib.shake_256(b"weights").digest(size)
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return data
+
+
+def _evict(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def _direct_flag(fd: int) -> bool:
+    return bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT)
+
+
+def _read_all(r: _FdReader, buf: AlignedBuffer, step: int) -> bytes:
+    out = bytearray()
+    while True:
+        n = r.readinto(buf.view[:step])
+        out += buf.view[:n]
+        if n < step:
+            return bytes(out)
+
+
+def test_a_cold_large_file_is_read_direct_with_the_same_bytes(tmp_path: Path) -> None:
+    p = tmp_path / "w.bin"
+    data = _write(p)
+    _evict(p)
+    fd = os.open(p, os.O_RDONLY)
+    try:
+        r = _FdReader(fd, SIZE)
+        if not r.direct:
+            pytest.skip("this file system refuses O_DIRECT or cannot tell what is cached")
+        assert _direct_flag(fd)
+        with AlignedBuffer(4 << 20) as buf:
+            got = _read_all(r, buf, 4 << 20)
+        assert got == data and r.direct, "every read was aligned: direct to the end, the tail included"
+    finally:
+        os.close(fd)
+
+
+def test_a_cached_file_small_file_and_unaligned_read_stay_buffered(tmp_path: Path) -> None:
+    p = tmp_path / "w.bin"
+    data = _write(p)
+    p.read_bytes()  # in the page cache now
+    fd = os.open(p, os.O_RDONLY)
+    try:
+        assert not _FdReader(fd, SIZE).direct and not _direct_flag(fd), "a cached file is read from the cache"
+        assert not _FdReader(fd, DIRECT_MIN - 4096).direct, "a small file is not worth it"
+    finally:
+        os.close(fd)
+    _evict(p)
+    fd = os.open(p, os.O_RDONLY)
+    try:
+        r = _FdReader(fd, SIZE)
+        if not r.direct:
+            pytest.skip("this file system refuses O_DIRECT or cannot tell what is cached")
+        with AlignedBuffer(8 << 20) as buf:
+            first = r.readinto(buf.view[:1 << 20])
+            assert r.direct and bytes(buf.view[:first]) == data[:first]
+            odd = r.readinto(buf.view[1:1 + 5000])  # an unaligned buffer and length: buffered from here on
+            assert not r.direct and not _direct_flag(fd) and bytes(buf.view[1:1 + odd]) == data[first:first + odd]
+            rest = _read_all(r, buf, 4 << 20)
+        assert data[:first + odd] + rest == data
+    finally:
+        os.close(fd)
+
+
+def test_store_put_of_a_cold_file_round_trips(cli: Cli, tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    data = _write(src / "weights.bin")
+    (src / "small").write_bytes(b"x" * 5000)
+    _evict(src / "weights.bin")
+    cli.run("store", "put", "s", str(src))
+    cli.run("store", "get", "s", str(tmp_path / "out"))
+    assert (tmp_path / "out" / "src" / "weights.bin").read_bytes() == data
+    assert (tmp_path / "out" / "src" / "small").read_bytes() == b"x" * 5000
+    assert cli.json("store", "verify", "s")["ok"]
