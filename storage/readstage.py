@@ -78,7 +78,8 @@ def read_chunks(store: PackSource, wants: list[Want], deliver: Callable[[Want, A
                 stop: Callable[[], bool] = lambda: False,
                 on_damage: Callable[[Want, ChunkError], None] | None = None,
                 order: str = "given", gap: int = 0, prefetch: int = 0,
-                prefetch_from: threading.Event | None = None, direct: bool = False) -> None:
+                prefetch_from: threading.Event | None = None, direct: bool = False,
+                gate: "Callable[[], AbstractContextManager[Any]] | None" = None) -> None:
     """Read every chunk of WANTS (in their order, coalescing adjacent pack entries) and call
     DELIVER(want, data) from a decode thread once it is checked: CHECK "full", the raw bytes after the
     full check; "id", the stored payload after chunkfile.id_check (verify --read-data: GSNPCHK2
@@ -100,7 +101,9 @@ def read_chunks(store: PackSource, wants: list[Want], deliver: Callable[[Want, A
     made CRIU's part of a 38 GB restore take 5.9-12.7 s instead of 4.4 s). DIRECT: the runs read
     with O_DIRECT (from the aligned block before each, into aligned buffers), past the page cache:
     one copy less for a reader that reads each byte once (get, verify); never for a restore, whose
-    reads the read-ahead has put in the page cache."""
+    reads the read-ahead has put in the page cache. GATE: entered around each run's read (the split
+    fill's workers share a machine-wide count of reads in flight through it: sandbox/criu/fill_procs.py);
+    its waits are stage "read:wait-gate"."""
     if not wants:
         return
     buf_size = max(RUN_MAX, store.chunk_buffer_size([]))
@@ -200,6 +203,14 @@ def read_chunks(store: PackSource, wants: list[Want], deliver: Callable[[Want, A
                 stages.add("read", t1 - t0, header.stored_len)
                 checked(header, payload, w.ref.id or "", w)
 
+        @contextmanager
+        def gated() -> Iterator[None]:
+            assert gate is not None  # only entered where GATE is given
+            t0 = time.perf_counter()
+            with gate():
+                stages.add("read:wait-gate", time.perf_counter() - t0, 0)
+                yield
+
         def reader() -> None:
             while not halted():
                 with it_lock:
@@ -220,16 +231,17 @@ def read_chunks(store: PackSource, wants: list[Want], deliver: Callable[[Want, A
                 length = last.offset + last.length - first.offset
                 base = first.offset % ALIGN if direct else 0  # the run's first byte in BUF
                 try:
-                    t0 = time.perf_counter()
-                    with store.subdir("packs") as packs:
-                        fd = open_pack(packs, first.pack, wants[run[0][0]].ref.id or "", direct=direct)
-                    try:
-                        n = align_up(base + length, ALIGN) if direct else length
-                        got = max(0, (read_into_direct if direct else read_into)(fd, buf.view[:n], first.offset - base)
-                                  - base)
-                    finally:
-                        os.close(fd)
-                    stages.add("read", time.perf_counter() - t0, got)
+                    with gated() if gate is not None else _nothing():
+                        t0 = time.perf_counter()
+                        with store.subdir("packs") as packs:
+                            fd = open_pack(packs, first.pack, wants[run[0][0]].ref.id or "", direct=direct)
+                        try:
+                            n = align_up(base + length, ALIGN) if direct else length
+                            got = max(0, (read_into_direct if direct else read_into)(fd, buf.view[:n], first.offset - base)
+                                      - base)
+                        finally:
+                            os.close(fd)
+                        stages.add("read", time.perf_counter() - t0, got)
                 except BaseException as e:  # noqa: BLE001
                     pool.release(buf)
                     if isinstance(e, ChunkError):

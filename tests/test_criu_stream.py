@@ -355,9 +355,10 @@ def test_read_order_is_what_criu_reads_first_then_what_the_split_fills() -> None
 
 
 @pytest.mark.parametrize("dump_env,restore_env", [(STREAM, SPLIT), (STREAM, SPLIT_PROCS), (STREAM, NO_SPLIT), (ENCODERS, SPLIT),
-                                               (STREAM, {**SPLIT_PROCS, "GPUSNAP_FILL_READERS": "6"})],
+                                               (STREAM, {**SPLIT_PROCS, "GPUSNAP_FILL_READERS": "6"}),
+                                               (STREAM, {**SPLIT_PROCS, "GPUSNAP_FILL_READERS": "1"})],
                          ids=["split", "split-in-3-processes", "criu-restores-all", "dumped-by-encoder-processes",
-                              "split-in-3-processes-2-reads-each"])
+                              "split-in-3-processes-2-reads-each", "split-in-3-processes-taking-turns-at-1-read"])
 def test_stream_dump_and_restore_of_a_tree(cli: Cli, store_dir: Path, dump_env: dict[str, str], restore_env: dict[str, str]) -> None:
     tree = Tree(mb=48)
     try:
@@ -380,7 +381,10 @@ def test_stream_dump_and_restore_of_a_tree(cli: Cli, store_dir: Path, dump_env: 
             assert served["moved_bytes"] >= 48 << 20 and served["split"]["written"] >= 48 << 20, served
             assert "split_fill" in r["seconds"] and "split_skipped_because" not in served
             assert served["fill_memory"]["procs"] == (1 if restore_env is SPLIT else 3), served["fill_memory"]
-            assert served["fill_memory"]["readers"] == int(restore_env.get("GPUSNAP_FILL_READERS", 4)), served["fill_memory"]
+            reads = int(restore_env.get("GPUSNAP_FILL_READERS", 4))
+            assert served["fill_memory"]["readers"] == reads, served["fill_memory"]
+            # fewer reads than worker processes: the workers took turns (ReadTokens), and said how long they waited
+            assert ("read:wait-gate" in served["stages"]) == (reads < served["fill_memory"]["procs"]), served["stages"]
             assert served["stages"]["decompress+verify"]["bytes"] > 0, "the workers' stages reach the report"
         else:
             assert served["moved_bytes"] == 0 and "split" not in served

@@ -482,3 +482,82 @@ def test_the_read_stage_in_pack_order_reads_a_lower_group_first(tmp_path: Path) 
     for g in (0, 1):
         places = [at[refs[i].id] for i in got if wants[i].group == g]
         assert places == sorted(places)
+
+
+def test_the_read_stage_enters_its_gate_around_every_pack_read(tmp_path: Path) -> None:
+    """GATE (the split fill's workers sharing reads in flight): with four readers and a gate that lets
+    one through at a time, never two pack reads at once; every chunk still delivered once, and the
+    waits reported as stage "read:wait-gate"."""
+    import threading
+    from contextlib import contextmanager
+    from storage import pipeline
+    from storage.filetree import FileTreeSource
+    from storage.readstage import RUN_MAX, Want, read_chunks
+    from storage.store import SnapshotStore
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "blob").write_bytes(os.urandom(6 * RUN_MAX))
+    st = SnapshotStore(str(tmp_path / "store"))
+    with st.writer("a") as w:
+        pipeline.put(w, FileTreeSource([str(src)]), workers=1)
+        w.commit()
+    refs = [c for s in st.load("a").streams for c in s.chunks if not c.is_zero]
+    one, inside, most, entered = threading.Lock(), [0], [0], [0]
+    count = threading.Lock()
+
+    @contextmanager
+    def gate():
+        with one:
+            with count:
+                inside[0] += 1
+                entered[0] += 1
+                most[0] = max(most[0], inside[0])
+            time.sleep(0.01)  # long enough for the other readers to try
+            try:
+                yield
+            finally:
+                with count:
+                    inside[0] -= 1
+
+    got: list[int] = []
+    stages = pipeline.Stages()
+    read_chunks(st, [Want(i, c) for i, c in enumerate(refs)], lambda w, data: got.append(w.key), stages=stages,
+                decoders=2, readers=4, order="pack", gate=gate)
+    assert sorted(got) == list(range(len(refs)))
+    assert most[0] == 1 and entered[0] >= 6, (most, entered)  # one run of at most RUN_MAX per gate
+    assert stages.table()["read:wait-gate"]["thread_seconds"] > 0
+
+
+def test_read_tokens_let_as_many_reads_through_as_they_hold_across_processes() -> None:
+    """ReadTokens(2) shared by four processes: never more than two inside `held` at once, and every
+    token back in the pipe at the end."""
+    import multiprocessing as mp
+    from sandbox.criu.fill_procs import ReadTokens, held
+    tokens = ReadTokens(2)
+    r, w = tokens.fds()
+    inside = mp.Value("i", 0)
+    most = mp.Value("i", 0)
+
+    def worker() -> None:
+        for _ in range(20):
+            with held(r, w):
+                with inside.get_lock():
+                    inside.value += 1
+                    most.value = max(most.value, inside.value)
+                time.sleep(0.002)
+                with inside.get_lock():
+                    inside.value -= 1
+
+    ctx = mp.get_context("fork")
+    procs = [ctx.Process(target=worker) for _ in range(4)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(30)
+        assert p.exitcode == 0
+    try:
+        assert most.value == 2, most.value
+        os.set_blocking(r, False)
+        assert os.read(r, 16) == b"tt", "both tokens back"
+    finally:
+        tokens.close()

@@ -16,6 +16,12 @@ has written its part of phases 0..P (each chunk carries its phase: split.fill_ph
 has its part of every phase, so all complete phase 0 first), and answers one last line on stdout:
 {"written": N, "stages": {...}} or {"error": TEXT, "damage": true|false}.
 
+Reads in flight: GPUSNAP_FILL_READERS in all (default READERS). Where that is fewer than the workers,
+they share it through a pipe the parent fills with one byte per read (ReadTokens, its two ends
+inherited by every worker and named in the job): a worker's reader takes a byte before each pack
+read and puts it back after, so the fill can decode in more processes than it keeps reads queued on
+the disk (more reads slow CRIU's own part of the restore: BENCHMARKS.md sections 17 and 27).
+
 Guarantees kept here: a worker writes only the targets the parent computed from the snapshot's
 validated page maps, only after the parent has checked each pid is one this restore made (split.Filler
 checks nothing again, it is told every pid is fine); every byte is checked against its chunk id
@@ -34,7 +40,8 @@ import subprocess
 import sys
 import threading
 import time
-from typing import IO, TYPE_CHECKING, Any, Callable
+from contextlib import contextmanager
+from typing import IO, TYPE_CHECKING, Any, Callable, Iterator
 
 from storage import isolated, settings
 from storage.chunkfile import ChunkError, ChunkHeader
@@ -59,14 +66,15 @@ FILL_GAP = 1 << 20     # the split fill's reads bridge this many unwanted bytes 
 
 def read_moved(store: PackSource, damaged: Callable[[str], Exception], name: str, wants: list[Want],
                deliver: Callable[[Want, memoryview], None], stop: Callable[[], bool], *, stages: Stages,
-               decoders: int, readers: int, prefetch: int, prefetch_from: threading.Event) -> None:
+               decoders: int, readers: int, prefetch: int, prefetch_from: threading.Event,
+               gate: "Callable[[], Any] | None" = None) -> None:
     """The split fill's reads of WANTS from STORE (snapshot NAME, for messages), in one process or in a
     worker: the read stage in pack order (the moved runs are most of the image, so its packs are read
     nearly whole, in large reads), the kernel reading ahead once PREFETCH_FROM is set (CRIU done); a
     damaged chunk raised as DAMAGED (the store's damage error) of the snapshot."""
     try:
         read_chunks(store, wants, deliver, stages=stages, decoders=decoders, readers=readers, stop=stop,
-                    order="pack", gap=FILL_GAP, prefetch=prefetch, prefetch_from=prefetch_from)
+                    order="pack", gap=FILL_GAP, prefetch=prefetch, prefetch_from=prefetch_from, gate=gate)
     except ChunkError as e:
         raise damaged(f"snapshot {name!r} is damaged: {e}") from None
     except CodecError as e:
@@ -83,7 +91,8 @@ def setting(name: str, default: Any, parse: Callable[[str], Any], ok: Callable[[
 def readers() -> int:
     """Reads the split fill keeps in flight, all its worker processes together: $GPUSNAP_FILL_READERS,
     else storage.readstage.READERS (more queued on the disk ahead of CRIU's own reads: measured,
-    BENCHMARKS.md section 17). A worker process reads with its share, at least one."""
+    BENCHMARKS.md sections 17 and 27). Each worker process reads with its share; where there are fewer
+    reads than workers, the workers take turns through ReadTokens."""
     return int(setting("GPUSNAP_FILL_READERS", READERS, int, lambda n: 1 <= n <= 64, "a number of reads from 1 to 64"))
 
 
@@ -185,6 +194,42 @@ class _Located:
         return self.store.delta_base(bid, most)
 
 
+class ReadTokens:
+    """COUNT reads in flight shared by processes: a pipe holding one byte per read allowed (the
+    parent's; its ends are inherited by the workers, which take one with `held`). A worker that dies
+    holding a byte takes it along; the fill then fails on that worker's death anyway."""
+
+    def __init__(self, count: int) -> None:
+        self.r, self.w = os.pipe()
+        try:
+            os.write(self.w, b"t" * count)  # at most 64: far below a pipe's buffer, never blocks
+        except BaseException:
+            self.close()
+            raise
+
+    def fds(self) -> tuple[int, int]:
+        return self.r, self.w
+
+    def close(self) -> None:
+        for fd in (self.r, self.w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+@contextmanager
+def held(r: int, w: int) -> Iterator[None]:
+    """One read's token taken from the shared pipe (R, W) for the block, then given back."""
+    b = os.read(r, 1)
+    if not b:
+        raise SplitError("the fill's shared read tokens are gone")
+    try:
+        yield
+    finally:
+        os.write(w, b)
+
+
 class FillProcs:
     """split.Filler's interface (write, close, stages; a context manager) over worker processes, one per
     share of JOBS. The workers start now (their imports overlap CRIU); each gets its job once
@@ -205,18 +250,26 @@ class FillProcs:
         # spawned from the thread that runs the restore: a worker's PR_SET_PDEATHSIG fires when the
         # thread that started it ends, and this one outlives the fill
         self.procs: list[subprocess.Popen[str]] = []
+        reads = readers()
+        # fewer reads than workers: one reader each, the reads shared through tokens (see ReadTokens)
+        tokens = ReadTokens(reads) if reads < n else None
+        self.tokens = tokens.fds() if tokens is not None else None
         try:
             for _ in range(n):
                 self.procs.append(subprocess.Popen(worker_argv(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                                   stderr=subprocess.DEVNULL, text=True, cwd="/", close_fds=True))
+                                                   stderr=subprocess.DEVNULL, text=True, cwd="/", close_fds=True,
+                                                   pass_fds=self.tokens or ()))
         except OSError as e:
             self.close()
             raise SplitError(f"starting the fill's worker processes: {e.strerror}") from None
+        finally:
+            if tokens is not None:
+                tokens.close()  # the workers hold the pipe now
         # the decoders, the memory and the reads in flight shared out: READERS in all, as one process
-        # has (more only queue on the disk ahead of CRIU's own reads: measured, section 17)
+        # has (more only queue on the disk ahead of CRIU's own reads: measured, sections 17 and 27)
         self._jobs_sent = threading.Thread(target=self._send_jobs, name="gpusnap-fill-jobs", daemon=True,
                                            args=(start_reads, max(1, decoders // n), budget // n, prefetch // n,
-                                                 max(1, readers() // n)))
+                                                 max(1, reads // n)))
         self._jobs_sent.start()
         self._closed = False
 
@@ -224,7 +277,8 @@ class FillProcs:
         start.wait()
         for p, share in zip(self.procs, self.shares):
             job = {"store": self.store.path, "name": self.name, "decoders": decoders, "budget": budget, "prefetch": prefetch,
-                   "readers": readers, "nphases": self.nphases, "chunks": _job_json(share, self.store.locate, self.phases)}
+                   "readers": readers, "tokens": self.tokens, "nphases": self.nphases,
+                   "chunks": _job_json(share, self.store.locate, self.phases)}
             _tell(p, json.dumps(job))
 
     def write(self, pids_ok: Callable[[int], bool], on_phase: Callable[[int], None] | None = None) -> dict[str, int]:
@@ -413,9 +467,15 @@ def _serve_job(inp: IO[str], out: IO[str]) -> int:
         go = threading.Event()
         stages = Stages()
 
+        tokens = job.get("tokens")
+        if tokens is not None and not (isinstance(tokens, list) and len(tokens) == 2
+                                       and all(isinstance(t, int) and t > 2 for t in tokens)):
+            raise SplitError(f"fill worker: bad read tokens {tokens!r}")
+        gate = (lambda: held(tokens[0], tokens[1])) if tokens is not None else None
+
         def read(wants: list[Want], deliver: Callable[[Want, memoryview], None], stop: Callable[[], bool]) -> None:
             read_moved(located, store.error, str(job["name"]), wants, deliver, stop, stages=stages, decoders=int(job["decoders"]),
-                       readers=int(job["readers"]), prefetch=int(job["prefetch"]), prefetch_from=go)
+                       readers=int(job["readers"]), prefetch=int(job["prefetch"]), prefetch_from=go, gate=gate)
 
         with Filler(jobs, read, int(job["decoders"]), int(job["budget"]), stages, phases, int(job["nphases"])) as filler:
             if inp.readline().strip() != "go":
