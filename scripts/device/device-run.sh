@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batch on the lent GPU machine (the `device` tool): GPU tests, then the benchmarks named in $1
-# ("tests", "engine", "e2e", "speed", "moe", "codecs", "startup", "probe-delta", "gilprof", "knobs", "bench" = scripts/bench/bench_h200.sh, "hostpath", "pinned", "ingest", "pool", or several, comma-separated). Results land in $OUT (or ./device-out).
+# ("tests", "engine", "e2e", "speed", "moe", "fillvariants", "codecs", "startup", "probe-delta", "gilprof", "knobs", "bench" = scripts/bench/bench_h200.sh, "hostpath", "pinned", "ingest", "pool", or several, comma-separated). Results land in $OUT (or ./device-out).
 # The GPU machine has no network: carry .whl/ and .carry/ (both git-ignored, ~58 MiB together):
 #   .whl/: pip download --only-binary=:all: --python-version 3.12 --no-deps --platform manylinux2014_x86_64
 #          --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 --platform any -d .whl \
@@ -82,6 +82,14 @@ for what in ${1//,/ }; do
               timeout 250 python3 -m scripts.bench.bench_hostpath --gb ${HOSTPATH_GB:-6} --mix $mix \
                 --ingest-variants ${KNOBS:-w16,w8,w12,w10,w6,w16} --json "$out/knobs-$mix.json" 2>&1 \
                 | tee "$out/knobs-$mix.log" | grep -o '"[^"]*": {"wall_s": [0-9.]*, "GBps": [0-9.]*'; done ;;
+    fillvariants) # the fill's processes against its reads in flight (BENCHMARKS.md section 27): serving and MoE at $BENCH_GB,
+            # gpusnap only, each snapshot restored cold with the defaults, then 8 decoding workers sharing 4 reads, then
+            # the defaults again (the spread), then 8 workers holding nothing while CRIU runs
+            for wl in serving moe; do
+              timeout ${E2E_TIMEOUT:-260} python3 -m scripts.bench.bench_e2e --gb ${BENCH_GB:-20} --workload $wl --paths stream \
+                --skip-baseline --no-dedup --floor-gb 2 --restore-variant GPUSNAP_FILL_PROCS=8 --restore-variant GPUSNAP_FILL_PROCS=4 \
+                --restore-variant GPUSNAP_FILL_PROCS=8,GPUSNAP_FILL_HELD=0 --json "$out/fillvariants-$wl.json" 2>&1 \
+                | grep -E "^(==|disk floor|gpusnap/|  )" | tee "$out/fillvariants-$wl.txt"; done ;;
     e2e)    timeout 560 python3 -m scripts.bench.bench_e2e --json "$out/e2e.json" ${BENCH_ARGS:-} 2>&1 | tee "$out/e2e.log" ;;
   esac
 done
