@@ -13,6 +13,7 @@ Guarantees kept here:
 """
 from __future__ import annotations
 
+import ctypes
 import errno
 import fcntl
 import os
@@ -22,7 +23,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterator
 
-from .directio import ALIGN, address_of, read_into, read_into_direct
+from .directio import ALIGN, address_of, read_into
 from .getmark import remove_marker, write_marker
 from .treewalk import remove_tree
 from .names import InvalidNameError, validate_stream_name
@@ -43,39 +44,50 @@ class FileTreeError(GpusnapError):
 
 
 DIRECT_MIN = 64 << 20  # files at least this large are read past the page cache when they are not in it
-_PROBES = 8            # 4 KiB reads spread over such a file that may not wait for the disk
+_CACHESTAT = 451       # cachestat(2) (Linux 6.5+), the same number on x86_64 and arm64
+
+
+class _CacheStat(ctypes.Structure):
+    _fields_ = [("nr_cache", ctypes.c_uint64), ("nr_dirty", ctypes.c_uint64), ("nr_writeback", ctypes.c_uint64),
+                ("nr_evicted", ctypes.c_uint64), ("nr_recently_evicted", ctypes.c_uint64)]
 
 
 def _not_cached(fd: int, size: int) -> bool:
-    """Whether at most one of _PROBES pages spread over FD's file (SIZE bytes) is in the page cache:
-    each asked for with RWF_NOWAIT, which a page that is not there refuses (EAGAIN) instead of
-    waiting for the disk. False where the kernel or file system cannot say."""
-    scratch = bytearray(4096)
-    cached = 0
-    for i in range(_PROBES):
-        off = (size - 4096) * i // (_PROBES - 1) // 4096 * 4096
-        try:
-            os.preadv(fd, [scratch], off, os.RWF_NOWAIT)
-            cached += 1
-        except BlockingIOError:
-            continue
-        except (OSError, AttributeError):  # no RWF_NOWAIT here: read as always
+    """Whether at most an eighth of FD's file (SIZE bytes) is in the page cache and none of it dirty,
+    as cachestat(2) counts it: a question with no side effect (a probing read would start the
+    kernel's read-ahead and change the answer for the next put). False where the kernel cannot say
+    (before 6.5, or a seccomp filter refusing it): buffered reads, as always."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        rng = (ctypes.c_uint64 * 2)(0, 0)  # from 0 to the end of the file
+        st = _CacheStat()
+        if libc.syscall(_CACHESTAT, fd, ctypes.byref(rng), ctypes.byref(st), 0) != 0:
             return False
-    return cached <= 1
+    except (OSError, AttributeError):
+        return False
+    return st.nr_dirty == 0 and st.nr_writeback == 0 and st.nr_cache * 4096 * 8 <= size
 
 
 class _FdReader:
     """Sequential reads of an open file. A file of at least DIRECT_MIN bytes that is not in the page
     cache is read with O_DIRECT (set on the descriptor) while the reads are aligned: it is read once,
     and a cold read through the cache cost a 2-core VM 0.2-0.7 CPU-seconds per 1.5 GB that the
-    encoders then lack, against 0.04 direct at the same disk speed (BENCHMARKS.md, section 27). The
-    first read that is not aligned (a buffer, an offset or a length off ALIGN) turns it off again."""
+    encoders then lack, against 0.04 direct at the same disk speed (BENCHMARKS.md, section 27).
+
+    Every direct read is asked with RWF_NOWAIT: a direct read takes the inode's lock, which a tenant
+    can hold for as long as it likes with a write into its own file from memory that never faults in
+    (userfaultfd, a FUSE mapping), and it first writes back any dirty page of the range at the
+    tenant's I/O rate; with RWF_NOWAIT either is EAGAIN at once, and the reader goes on buffered (as
+    before this reader had a direct mode), as it does at the first read that is not aligned, a
+    short read (the end of the file, or a file system that reads less: the rest is read buffered, to
+    the real end) or a refusal."""
 
     def __init__(self, fd: int, size: int | None = None) -> None:
         self.fd = fd
         self.offset = 0
         self.direct = False
-        if size is not None and size >= DIRECT_MIN and hasattr(os, "O_DIRECT") and _not_cached(fd, size):
+        if (size is not None and size >= DIRECT_MIN and hasattr(os, "O_DIRECT") and hasattr(os, "RWF_NOWAIT")
+                and _not_cached(fd, size)):
             self.direct = self._set_direct(True)
 
     def _set_direct(self, on: bool) -> bool:
@@ -89,18 +101,24 @@ class _FdReader:
     def readinto(self, view: memoryview) -> int:
         if self.direct and (self.offset % ALIGN or len(view) % ALIGN or address_of(view) % ALIGN):
             self.direct = self._set_direct(False)
-        if self.direct:
+        done = 0
+        while self.direct and done < len(view):
             try:
-                n = read_into_direct(self.fd, view, self.offset)
+                n = os.preadv(self.fd, [view[done:]], self.offset + done, os.RWF_NOWAIT)
             except OSError as e:
-                if e.errno != errno.EINVAL:
+                if e.errno not in (errno.EAGAIN, errno.EINVAL, errno.EOPNOTSUPP):
                     raise
-                self.direct = self._set_direct(False)  # refused after all: the same read, buffered
-                n = read_into(self.fd, view, self.offset)
-        else:
-            n = read_into(self.fd, view, self.offset)
-        self.offset += n
-        return n
+                n = -1  # would wait on a lock or a write-back, or refused: the rest buffered
+            if n == 0:
+                break  # the end of the file, on a block boundary
+            if n > 0:
+                done += n
+            if n < 0 or n % ALIGN:
+                self.direct = self._set_direct(False)
+        if done < len(view) and not self.direct:
+            done += read_into(self.fd, view[done:], self.offset + done)
+        self.offset += done
+        return done
 
 
 @contextmanager
@@ -411,7 +429,13 @@ class FileTreeSource:
     def open(self, spec: StreamSpec) -> Iterator[_FdReader]:
         with self._opened(spec) as fd:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-            yield _FdReader(fd, spec.size)
+            reader = _FdReader(fd, spec.size)
+            yield reader
+            # read to its end (the pipeline always is, when nothing failed): as long as the scan saw it,
+            # else it grew or shrank while it was read, and what was read is not a file that existed
+            now = os.fstat(fd).st_size
+            if spec.size is not None and not reader.offset == now == spec.size:
+                raise self._changed(spec.name, f"{spec.size} bytes when scanned, {reader.offset} read, {now} now")
 
     @contextmanager
     def open_range(self, spec: StreamSpec, offset: int, length: int) -> Iterator[RangeReader]:

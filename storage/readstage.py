@@ -232,6 +232,9 @@ def read_chunks(store: PackSource, wants: list[Want], deliver: Callable[[Want, A
                 base = first.offset % ALIGN if direct else 0  # the run's first byte in BUF
                 try:
                     with gated() if gate is not None else _nothing():
+                        if halted():  # the stage failed while this reader waited at the gate: no more reads
+                            pool.release(buf)
+                            return
                         t0 = time.perf_counter()
                         with store.subdir("packs") as packs:
                             fd = open_pack(packs, first.pack, wants[run[0][0]].ref.id or "", direct=direct)

@@ -58,8 +58,54 @@ def test_a_cold_large_file_is_read_direct_with_the_same_bytes(tmp_path: Path) ->
             pytest.skip("this file system refuses O_DIRECT or cannot tell what is cached")
         assert _direct_flag(fd)
         with AlignedBuffer(4 << 20) as buf:
-            got = _read_all(r, buf, 4 << 20)
-        assert got == data and r.direct, "every read was aligned: direct to the end, the tail included"
+            first = r.readinto(buf.view)
+            assert first == 4 << 20 and r.direct and bytes(buf.view) == data[:first], "an aligned read: direct"
+            got = bytes(buf.view) + _read_all(r, buf, 4 << 20)
+        assert got == data, "the same bytes, the tail (a short direct read, then buffered to the end) included"
+    finally:
+        os.close(fd)
+
+
+def test_asking_what_is_cached_changes_nothing(tmp_path: Path) -> None:
+    """The cold test has no side effect: a second reader of the same cold file reads it direct too
+    (probing reads would have started the kernel's read-ahead and made it look cached)."""
+    p = tmp_path / "w.bin"
+    _write(p)
+    _evict(p)
+    fd = os.open(p, os.O_RDONLY)
+    try:
+        first = _FdReader(fd, SIZE).direct
+        if not first:
+            pytest.skip("this kernel or file system cannot say what is cached, or refuses O_DIRECT")
+        assert _FdReader(fd, SIZE).direct and _FdReader(fd, SIZE).direct
+    finally:
+        os.close(fd)
+
+
+def test_a_direct_read_that_would_wait_goes_on_buffered(tmp_path: Path) -> None:
+    """Dirty pages in the range a direct read asks for (a tenant writing its file while it is stored):
+    the read, asked with RWF_NOWAIT, does not wait for their write-back (which a tenant can slow down,
+    as it can hold the inode's lock): the reader goes on buffered and returns the bytes as they are
+    now."""
+    p = tmp_path / "w.bin"
+    data = bytearray(_write(p))
+    _evict(p)
+    fd = os.open(p, os.O_RDONLY)
+    try:
+        r = _FdReader(fd, SIZE)
+        if not r.direct:
+            pytest.skip("this kernel or file system cannot say what is cached, or refuses O_DIRECT")
+        with open(p, "r+b") as f:  # dirty a page 20 MiB in, not written back
+            f.seek(20 << 20)
+            f.write(b"tenant" * 100)
+            data[20 << 20:(20 << 20) + 600] = b"tenant" * 100
+        got = bytearray()
+        with AlignedBuffer(4 << 20) as buf:
+            for _ in range(6):  # 24 MiB: past the dirty page, far from the file's end
+                got += buf.view[:r.readinto(buf.view)]
+            assert not r.direct, "the read that met the dirty page went on buffered"
+            got += _read_all(r, buf, 4 << 20)
+        assert bytes(got) == bytes(data)
     finally:
         os.close(fd)
 

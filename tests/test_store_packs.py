@@ -561,3 +561,18 @@ def test_read_tokens_let_as_many_reads_through_as_they_hold_across_processes() -
         assert os.read(r, 16) == b"tt", "both tokens back"
     finally:
         tokens.close()
+
+
+def test_a_fill_job_names_its_read_tokens_as_two_pipes_or_is_refused(tmp_path: Path) -> None:
+    """A worker takes a job's "tokens" only as two different descriptors past stdio that are pipes."""
+    from sandbox.criu.fill_procs import ReadTokens, _token_pipe
+    tokens = ReadTokens(1)
+    r, w = tokens.fds()
+    f = os.open(tmp_path / "f", os.O_CREAT | os.O_RDWR)
+    try:
+        assert _token_pipe([r, w])
+        for bad in ([r, r], [r], [0, w], [r, f], [r, 9999], "3,4", [r, float(w)], [r, True]):
+            assert not _token_pipe(bad), bad
+    finally:
+        os.close(f)
+        tokens.close()

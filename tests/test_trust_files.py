@@ -164,6 +164,28 @@ def test_put_refuses_a_file_replaced_after_the_scan(cli: Cli, store_dir: Path, t
     assert not (store_dir / "snapshots" / "repl.json").exists()
 
 
+@root_only
+@pytest.mark.parametrize("how", ["grown", "truncated"])
+def test_put_refuses_a_file_whose_size_changed_after_the_scan(cli: Cli, store_dir: Path, tmp_path: Path,
+                                                               how: str) -> None:
+    """The same file (same inode) grown or truncated between the scan and its read: what would be read
+    is no file that existed as scanned, so the put fails naming it, and nothing is committed."""
+    src = tmp_path / "userdir"
+    src.mkdir()
+    (src / "log.bin").write_bytes(os.urandom(100_000))
+    put = _Paused(cli, tmp_path, how, src)
+    with open(src / "log.bin", "r+b") as f:
+        if how == "grown":
+            f.seek(0, 2)
+            f.write(b"appended after the scan")
+        else:
+            f.truncate(40_000)
+    rc, err = put.go()
+    assert rc == 1 and f"{src}/log.bin changed while it was being stored (100000 bytes when scanned" in err, err
+    assert len(err.strip().splitlines()) == 1, err
+    assert not (store_dir / "snapshots" / f"{how}.json").exists()
+
+
 def test_put_refuses_a_fifo_swapped_in_and_does_not_hang(cli: Cli, store_dir: Path, tmp_path: Path) -> None:
     src = tmp_path / "userdir"
     src.mkdir()

@@ -36,6 +36,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import stat
 import subprocess
 import sys
 import threading
@@ -92,7 +93,7 @@ def readers() -> int:
     """Reads the split fill keeps in flight, all its worker processes together: $GPUSNAP_FILL_READERS,
     else storage.readstage.READERS (more queued on the disk ahead of CRIU's own reads: measured,
     BENCHMARKS.md sections 17 and 27). Each worker process reads with its share; where there are fewer
-    reads than workers, the workers take turns through ReadTokens."""
+    reads than workers (or a count they do not share evenly), the workers take turns through ReadTokens."""
     return int(setting("GPUSNAP_FILL_READERS", READERS, int, lambda n: 1 <= n <= 64, "a number of reads from 1 to 64"))
 
 
@@ -221,9 +222,7 @@ class ReadTokens:
 @contextmanager
 def held(r: int, w: int) -> Iterator[None]:
     """One read's token taken from the shared pipe (R, W) for the block, then given back."""
-    b = os.read(r, 1)
-    if not b:
-        raise SplitError("the fill's shared read tokens are gone")
+    b = os.read(r, 1)  # every worker holds the write end too: never the end of the pipe
     try:
         yield
     finally:
@@ -251,8 +250,9 @@ class FillProcs:
         # thread that started it ends, and this one outlives the fill
         self.procs: list[subprocess.Popen[str]] = []
         reads = readers()
-        # fewer reads than workers: one reader each, the reads shared through tokens (see ReadTokens)
-        tokens = ReadTokens(reads) if reads < n else None
+        # reads that do not share out evenly (fewer than the workers, or not a multiple of them): each
+        # worker gets the share rounded up, and tokens keep the count in all (see ReadTokens)
+        tokens = ReadTokens(reads) if reads % n else None
         self.tokens = tokens.fds() if tokens is not None else None
         try:
             for _ in range(n):
@@ -269,7 +269,7 @@ class FillProcs:
         # has (more only queue on the disk ahead of CRIU's own reads: measured, sections 17 and 27)
         self._jobs_sent = threading.Thread(target=self._send_jobs, name="gpusnap-fill-jobs", daemon=True,
                                            args=(start_reads, max(1, decoders // n), budget // n, prefetch // n,
-                                                 max(1, reads // n)))
+                                                 -(-reads // n)))
         self._jobs_sent.start()
         self._closed = False
 
@@ -447,6 +447,17 @@ def _parse_job(job: Any) -> tuple[dict[Key, Job], dict[str, list[Loc]], dict[Key
     return out, locs, phases
 
 
+def _token_pipe(tokens: Any) -> bool:
+    """TOKENS (a job's) names two different descriptors past stdio, both pipes (the parent's ReadTokens)."""
+    if not (isinstance(tokens, list) and len(tokens) == 2 and all(type(t) is int and t > 2 for t in tokens)
+            and tokens[0] != tokens[1]):
+        return False
+    try:
+        return all(stat.S_ISFIFO(os.fstat(t).st_mode) for t in tokens)
+    except OSError:
+        return False
+
+
 def _serve_job(inp: IO[str], out: IO[str]) -> int:
     """One job: read it, hold what it reads until "go", write, answer one line (every failure too)."""
     said = threading.Lock()  # the fill's threads tell of phases, the end tells the result
@@ -468,8 +479,7 @@ def _serve_job(inp: IO[str], out: IO[str]) -> int:
         stages = Stages()
 
         tokens = job.get("tokens")
-        if tokens is not None and not (isinstance(tokens, list) and len(tokens) == 2
-                                       and all(isinstance(t, int) and t > 2 for t in tokens)):
+        if tokens is not None and not _token_pipe(tokens):
             raise SplitError(f"fill worker: bad read tokens {tokens!r}")
         gate = (lambda: held(tokens[0], tokens[1])) if tokens is not None else None
 
