@@ -6,7 +6,9 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import os
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -38,6 +40,21 @@ def _direct_flag(fd: int) -> bool:
     return bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT)
 
 
+@contextmanager
+def _cold(path: Path) -> Iterator[tuple[int, _FdReader]]:
+    """PATH evicted from the page cache, opened, and a reader of it that chose direct reads (else the
+    test is skipped: a kernel that cannot say what is cached, or a file system without O_DIRECT)."""
+    _evict(path)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        r = _FdReader(fd, SIZE)
+        if not r.direct:
+            pytest.skip("this kernel or file system cannot say what is cached, or refuses O_DIRECT")
+        yield fd, r
+    finally:
+        os.close(fd)
+
+
 def _read_all(r: _FdReader, buf: AlignedBuffer, step: int) -> bytes:
     out = bytearray()
     while True:
@@ -50,20 +67,12 @@ def _read_all(r: _FdReader, buf: AlignedBuffer, step: int) -> bytes:
 def test_a_cold_large_file_is_read_direct_with_the_same_bytes(tmp_path: Path) -> None:
     p = tmp_path / "w.bin"
     data = _write(p)
-    _evict(p)
-    fd = os.open(p, os.O_RDONLY)
-    try:
-        r = _FdReader(fd, SIZE)
-        if not r.direct:
-            pytest.skip("this file system refuses O_DIRECT or cannot tell what is cached")
+    with _cold(p) as (fd, r), AlignedBuffer(4 << 20) as buf:
         assert _direct_flag(fd)
-        with AlignedBuffer(4 << 20) as buf:
-            first = r.readinto(buf.view)
-            assert first == 4 << 20 and r.direct and bytes(buf.view) == data[:first], "an aligned read: direct"
-            got = bytes(buf.view) + _read_all(r, buf, 4 << 20)
-        assert got == data, "the same bytes, the tail (a short direct read, then buffered to the end) included"
-    finally:
-        os.close(fd)
+        first = r.readinto(buf.view)
+        assert first == 4 << 20 and r.direct and bytes(buf.view) == data[:first], "an aligned read: direct"
+        got = bytes(buf.view) + _read_all(r, buf, 4 << 20)
+    assert got == data, "the same bytes, the tail (a short direct read, then buffered to the end) included"
 
 
 def test_asking_what_is_cached_changes_nothing(tmp_path: Path) -> None:
@@ -71,15 +80,8 @@ def test_asking_what_is_cached_changes_nothing(tmp_path: Path) -> None:
     (probing reads would have started the kernel's read-ahead and made it look cached)."""
     p = tmp_path / "w.bin"
     _write(p)
-    _evict(p)
-    fd = os.open(p, os.O_RDONLY)
-    try:
-        first = _FdReader(fd, SIZE).direct
-        if not first:
-            pytest.skip("this kernel or file system cannot say what is cached, or refuses O_DIRECT")
+    with _cold(p) as (fd, _):
         assert _FdReader(fd, SIZE).direct and _FdReader(fd, SIZE).direct
-    finally:
-        os.close(fd)
 
 
 def test_a_direct_read_that_would_wait_goes_on_buffered(tmp_path: Path) -> None:
@@ -89,25 +91,17 @@ def test_a_direct_read_that_would_wait_goes_on_buffered(tmp_path: Path) -> None:
     now."""
     p = tmp_path / "w.bin"
     data = bytearray(_write(p))
-    _evict(p)
-    fd = os.open(p, os.O_RDONLY)
-    try:
-        r = _FdReader(fd, SIZE)
-        if not r.direct:
-            pytest.skip("this kernel or file system cannot say what is cached, or refuses O_DIRECT")
+    got = bytearray()
+    with _cold(p) as (_, r), AlignedBuffer(4 << 20) as buf:
         with open(p, "r+b") as f:  # dirty a page 20 MiB in, not written back
             f.seek(20 << 20)
             f.write(b"tenant" * 100)
             data[20 << 20:(20 << 20) + 600] = b"tenant" * 100
-        got = bytearray()
-        with AlignedBuffer(4 << 20) as buf:
-            for _ in range(6):  # 24 MiB: past the dirty page, far from the file's end
-                got += buf.view[:r.readinto(buf.view)]
-            assert not r.direct, "the read that met the dirty page went on buffered"
-            got += _read_all(r, buf, 4 << 20)
-        assert bytes(got) == bytes(data)
-    finally:
-        os.close(fd)
+        for _ in range(6):  # 24 MiB: past the dirty page, far from the file's end
+            got += buf.view[:r.readinto(buf.view)]
+        assert not r.direct, "the read that met the dirty page went on buffered"
+        got += _read_all(r, buf, 4 << 20)
+    assert bytes(got) == bytes(data)
 
 
 def test_a_cached_file_small_file_and_unaligned_read_stay_buffered(tmp_path: Path) -> None:
@@ -120,21 +114,13 @@ def test_a_cached_file_small_file_and_unaligned_read_stay_buffered(tmp_path: Pat
         assert not _FdReader(fd, DIRECT_MIN - 4096).direct, "a small file is not worth it"
     finally:
         os.close(fd)
-    _evict(p)
-    fd = os.open(p, os.O_RDONLY)
-    try:
-        r = _FdReader(fd, SIZE)
-        if not r.direct:
-            pytest.skip("this file system refuses O_DIRECT or cannot tell what is cached")
-        with AlignedBuffer(8 << 20) as buf:
-            first = r.readinto(buf.view[:1 << 20])
-            assert r.direct and bytes(buf.view[:first]) == data[:first]
-            odd = r.readinto(buf.view[1:1 + 5000])  # an unaligned buffer and length: buffered from here on
-            assert not r.direct and not _direct_flag(fd) and bytes(buf.view[1:1 + odd]) == data[first:first + odd]
-            rest = _read_all(r, buf, 4 << 20)
-        assert data[:first + odd] + rest == data
-    finally:
-        os.close(fd)
+    with _cold(p) as (fd, r), AlignedBuffer(8 << 20) as buf:
+        first = r.readinto(buf.view[:1 << 20])
+        assert r.direct and bytes(buf.view[:first]) == data[:first]
+        odd = r.readinto(buf.view[1:1 + 5000])  # an unaligned buffer and length: buffered from here on
+        assert not r.direct and not _direct_flag(fd) and bytes(buf.view[1:1 + odd]) == data[first:first + odd]
+        rest = _read_all(r, buf, 4 << 20)
+    assert data[:first + odd] + rest == data
 
 
 def test_store_put_of_a_cold_file_round_trips(cli: Cli, tmp_path: Path) -> None:
