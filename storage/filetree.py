@@ -85,6 +85,7 @@ class _FdReader:
     def __init__(self, fd: int, size: int | None = None) -> None:
         self.fd = fd
         self.offset = 0
+        self.at_end = False  # a read came back short: the file's end as the reads met it
         self.direct = False
         if (size is not None and size >= DIRECT_MIN and hasattr(os, "O_DIRECT") and hasattr(os, "RWF_NOWAIT")
                 and _not_cached(fd, size)):
@@ -118,6 +119,7 @@ class _FdReader:
         if done < len(view) and not self.direct:
             done += read_into(self.fd, view[done:], self.offset + done)
         self.offset += done
+        self.at_end = self.at_end or done < len(view)
         return done
 
 
@@ -431,11 +433,13 @@ class FileTreeSource:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
             reader = _FdReader(fd, spec.size)
             yield reader
-            # read to its end (the pipeline always is, when nothing failed): as long as the scan saw it,
-            # else it grew or shrank while it was read, and what was read is not a file that existed
-            now = os.fstat(fd).st_size
-            if spec.size is not None and not reader.offset == now == spec.size:
-                raise self._changed(spec.name, f"{spec.size} bytes when scanned, {reader.offset} read, {now} now")
+            # read to its end (the pipeline reads on until a short read, unless the put failed elsewhere
+            # and stopped): as long as the scan saw it, else it grew or shrank while it was read, and
+            # what was read is not a file that existed
+            if reader.at_end and spec.size is not None:
+                now = os.fstat(fd).st_size
+                if not reader.offset == now == spec.size:
+                    raise self._changed(spec.name, f"{spec.size} bytes when scanned, {reader.offset} read, {now} now")
 
     @contextmanager
     def open_range(self, spec: StreamSpec, offset: int, length: int) -> Iterator[RangeReader]:

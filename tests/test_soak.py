@@ -25,4 +25,5 @@ def test_criu_kill_soak_ci_sized() -> None:
     out = json.loads(r.stdout)
     assert r.returncode == 0 and out["ok"], (out, r.stderr[-2000:])
     assert out["cycles"] == 8 and out["problems"] == []
-    assert sum(out["kills"].values()) > 0, "the soak must have killed gpusnap at least once"
+    # every attempt ending before a kill came (each failing at once, say) would leave nothing soaked
+    assert sum(out["kills"].values()) > 0, ("the soak must have killed gpusnap at least once", out)

@@ -112,6 +112,7 @@ class Soak:
     recovered: list[dict[str, Any]] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
     retries: int = 0
+    failed: list[str] = field(default_factory=list)  # attempts that exited non-zero without a kill (why)
 
     def gpusnap(self, *args: str, check: bool = True, timeout: float = 300) -> subprocess.CompletedProcess[str]:
         p = subprocess.run([sys.executable, "-m", "cli", "--store", str(self.store), *args], capture_output=True,
@@ -139,7 +140,7 @@ class Soak:
                              cwd=REPO, env=self.env, start_new_session=True)
         began = self._journaled(p)
         try:
-            p.communicate(timeout=self.rng.uniform(0, 1.2 * self.seconds[what]) if kill and began else None)
+            _, err = p.communicate(timeout=self.rng.uniform(0, 1.2 * self.seconds[what]) if kill and began else None)
         except subprocess.TimeoutExpired:
             p.kill()  # SIGKILL of gpusnap alone: its helpers (CRIU) live on, as after a crash
             p.communicate()
@@ -150,6 +151,8 @@ class Soak:
             self.seconds[what] = 0.7 * self.seconds[what] + 0.3 * (time.monotonic() - began)
         elif p.returncode == 5:
             self.recover()
+        if p.returncode != 0:
+            self.failed.append(f"{what} exited {p.returncode}: {(err or '').strip()[-300:]}")
         return True
 
     def recover(self) -> None:
@@ -250,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
             actions[key] = actions.get(key, 0) + 1
     out = {"ok": not soak.problems and done == a.cycles, "cycles": done, "asked": a.cycles, "seed": seed,
            "kills": soak.kills, "recoveries": len(soak.recovered), "restore_retries": soak.retries,
-           "recover_actions": dict(sorted(actions.items())), "problems": soak.problems,
+           "recover_actions": dict(sorted(actions.items())), "problems": soak.problems, "failed": soak.failed,
            "seconds": round(time.monotonic() - t0, 1)}
     print(json.dumps(out, indent=2))
     return 0 if out["ok"] else 1
