@@ -337,6 +337,7 @@ def test_put_under_a_tight_loop_of_swaps_never_follows_and_records_what_it_read(
     alt.mkdir()
     (alt / "f").symlink_to(secret / "key")
     (alt / "d").symlink_to(secret)
+    cli.run("store", "init")  # a put refuses before it makes the store: every put may be refused here
     stop = threading.Event()
     swaps = [0]
 
