@@ -1154,3 +1154,25 @@ def test_a_failed_fill_without_early_processes_kills_only_the_tree() -> None:
         for q in (tree, other):
             q.kill()
             q.wait()
+
+
+def test_wait_stopped_waits_for_a_pending_stop_and_names_what_never_stopped() -> None:
+    """`criu restore --leave-stopped` returns with the stop still pending in each task (it sends SIGSTOP,
+    then detaches): the fill's check that the tree is stopped waits for it (CI once saw the check run first)."""
+    import threading
+    from sandbox.criu.restored import wait_stopped
+    late = subprocess.Popen(["sleep", "30"])
+    never = subprocess.Popen(["sleep", "30"])
+    try:
+        timer = threading.Timer(0.3, os.kill, (late.pid, signal.SIGSTOP))
+        timer.start()
+        t0 = time.monotonic()
+        assert wait_stopped([late.pid], timeout=5.0) == []
+        assert 0.25 <= time.monotonic() - t0 < 5.0
+        t0 = time.monotonic()
+        assert wait_stopped([late.pid, never.pid, 2 ** 22 + 7], timeout=0.5) == [never.pid]  # a gone pid is not waited for
+        assert time.monotonic() - t0 >= 0.5
+    finally:
+        for p in (late, never):
+            p.kill()
+            p.wait()

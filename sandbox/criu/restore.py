@@ -34,7 +34,8 @@ from storage.manifest import Manifest
 from storage.progress import Progress
 from storage.store import SnapshotStore
 
-from sandbox.criu.restored import adopting_orphans, boot_ticks, in_restored_tree, kill_half_restored, restored_procs
+from sandbox.criu.restored import (adopting_orphans, boot_ticks, in_restored_tree, kill_half_restored, restored_procs,
+                                   wait_stopped)
 from sandbox.criu.runner import Criu, CriuError
 from sandbox.criu.serve import Arrivals, ServeSource, split_min
 from sandbox.host.processes import Proc, children_of, kill_with_descendants, state_of
@@ -116,6 +117,7 @@ def streamed(run: RestoreRun, *, thp_mode: str | None = "always",
                 if srv.plans:
                     t1 = time.perf_counter()
                     early: dict[str, float] = {}
+                    wait_stopped(tree)  # the stop CRIU left pending, in effect (else the fill refuses the pid)
                     procs = {p.pid: p for p in restored_procs(tree, born_after)}  # taken while all are held
 
                     def filled(pid: int) -> None:  # every moved run of PID is in: it may run (its GPU state come back)

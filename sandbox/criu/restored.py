@@ -110,6 +110,21 @@ def kill_half_restored(pids: list[int]) -> None:
             return
 
 
+def wait_stopped(pids: list[int], timeout: float = 5.0) -> list[int]:
+    """Wait (up to TIMEOUT s) until every process of PIDS that still exists is stopped; the ones that
+    are not, returned. `criu restore --leave-stopped` returns once it has detached from the tree, and
+    the stop it left pending takes effect when each task next runs: on a loaded machine a few
+    milliseconds later, so the split fill's check that the tree is stopped must not race it."""
+    deadline = time.monotonic() + timeout
+    delay = 0.0005
+    while True:
+        running = [p for p in pids if (st := _status(p)) and not st.get("State", "").startswith("T")]
+        if not running or time.monotonic() >= deadline:
+            return running
+        time.sleep(delay)
+        delay = min(delay * 2, 0.02)
+
+
 def restored_procs(pids: list[int], born_after: int) -> tuple[Proc, ...]:
     """PIDS (a tree this restore made) as processes started after BORN_AFTER, by pid and start time
     (a pid taken again by another process is not one)."""
