@@ -36,7 +36,7 @@ from .chunkfile import HEADER_SIZE, ChunkError, full_check
 from . import delta, pagekeys
 from .codecs import DELTA, DELTA_MATCH, DELTA_PAYS_OFF, HostCodecChooser, CodecError
 from .directio import AlignedBuffer, Arena, BufferPool, align_up, copy_into, is_zero
-from .encodeprocs import EncodeProcs, Encoder, encode_procs
+from .encodeprocs import EncodeProcs, Encoder, Prepared, encode_procs
 from .manifest import ChunkRef, Manifest, Stream
 from .readstage import Want, read_chunks
 from .store import SnapshotDamaged, SnapshotStore, SnapshotWriter, StoreError, base_cache_bytes
@@ -348,12 +348,13 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
     read in the workers (stage "delta-base"), the XOR and its compression are stage "delta"; what
     the new chunks took is "delta:stored as deltas" and "delta:stored plain" (payload bytes).
     procs: encoder processes (storage/encodeprocs.py) that take each new chunk's CPU work off this
-    process's GIL (default encodeprocs.encode_procs(); page images without a parent only); the
-    threads then drive them, one each.
+    process's GIL (default encodeprocs.encode_procs(); page images only): without a parent all of
+    it, with one the work every chunk costs (zero test, raw id, page keys; a changed chunk's delta
+    and encoding stay in the threads); the threads then drive them, one each.
     """
     if chunker not in ("fixed", "pages"):
         raise PipelineError(f"unknown chunker {chunker!r}")
-    nprocs = (encode_procs() if procs is None else procs) if chunker == "pages" and parent is None else 0
+    nprocs = (encode_procs() if procs is None else procs) if chunker == "pages" else 0
     workers = max(workers or put_workers(), nprocs)
     producers = readers or max(1, min(4, workers // 4))
     chooser = HostCodecChooser(level=zstd_level, compress=compress)
@@ -531,27 +532,40 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
             try:
                 if fail.exc is not None:
                     return
+                prep: Prepared | None = None  # the per-chunk work an encoder process did, with a parent
                 if encs is not None:
                     with encs.borrowed() as enc:
                         if enc is not None:
-                            chunks[idx] = offloaded(enc, piece, name, off)
-                            if progress is not None:
-                                progress.advance(n)
-                            return
-                t0 = time.perf_counter()
-                zero = is_zero(view)
-                t1 = time.perf_counter()
-                stages.add("zero-test", t1 - t0, n)
+                            if not at:
+                                chunks[idx] = offloaded(enc, piece, name, off)
+                                if progress is not None:
+                                    progress.advance(n)
+                                return
+                            # with a parent most chunks are found unchanged: what every chunk costs
+                            # (zero test, raw id, page keys) goes to the process, what a changed one
+                            # costs beyond that (its delta, its encoding) stays here
+                            prep = prepared(enc, view, name, off)
+                if prep is not None:
+                    zero = prep.zero
+                else:
+                    t0 = time.perf_counter()
+                    zero = is_zero(view)
+                    stages.add("zero-test", time.perf_counter() - t0, n)
                 if zero:
                     chunks[idx] = writer.note_zero(n)
                 else:
                     sample = None  # the chunk's sampled pages: recorded, and looked up if it is new
-                    if collector is not None and off % PAGE == 0:
-                        t2 = time.perf_counter()
-                        sample = pagekeys.sampled(view)
-                        collector.add(name, off, view, sample)
-                        stages.add("page-keys", time.perf_counter() - t2, n)
-                    cid, present = writer.find_raw(view)
+                    if prep is not None:
+                        assert prep.cid is not None
+                        sample = prep.sample
+                        cid, present = writer.find_id(prep.cid, n, prep.hash_s)
+                    else:
+                        if collector is not None and off % PAGE == 0:
+                            t2 = time.perf_counter()
+                            sample = pagekeys.sampled(view)
+                            collector.add(name, off, view, sample)
+                            stages.add("page-keys", time.perf_counter() - t2, n)
+                        cid, present = writer.find_raw(view)
                     if present is not None:
                         chunks[idx] = present
                         if shifts is not None:
@@ -614,16 +628,10 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
             stored checksum; here only the lookup and the write."""
             view = piece.view
             n = len(view)
-            keyed = collector is not None and off % PAGE == 0
-            p = enc.prepare(view, keyed)
-            stages.add("zero-test", p.zero_s, n)
+            p = prepared(enc, view, name, off)
             if p.zero:
                 return writer.note_zero(n)
             assert p.cid is not None
-            if keyed:
-                assert collector is not None
-                stages.add("page-keys", p.keys_s, n)
-                collector.add(name, off, view, p.sample)
             cid, present = writer.find_id(p.cid, n, p.hash_s)
             if present is not None:
                 return present
@@ -635,6 +643,18 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
                 if e.codec == "raw":  # (page pieces are views into read blocks: no frame of their own)
                     copy_into(s.view[HEADER_SIZE:], view)
                 return writer.put_chunk(e.codec, n, s.view, e.length, raw_id=cid, checksum=e.checksum)
+
+        def prepared(enc: Encoder, view: memoryview, name: str, off: int) -> Prepared:
+            """VIEW's zero test, raw id and (on a page boundary of a page image) page keys, by encoder
+            process ENC; the keys recorded in this put's collector, the times in its stages."""
+            keyed = collector is not None and off % PAGE == 0
+            p = enc.prepare(view, keyed)
+            stages.add("zero-test", p.zero_s, len(view))
+            if keyed and not p.zero:
+                assert collector is not None
+                stages.add("page-keys", p.keys_s, len(view))
+                collector.add(name, off, view, p.sample)
+            return p
 
         def encode_plain(view: memoryview, encoded: memoryview, again: bool = False) -> tuple[str, int]:
             """VIEW's codec as CHOOSER picks it and the payload's length, written into ENCODED at

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from storage import encodeprocs, pipeline
+from storage.codecs import DELTA
 from storage.directio import Arena
 from storage.encodeprocs import EncodeProcs, EncodeProcsError
 from storage.filetree import FileTreeSink, FileTreeSource
@@ -31,9 +32,11 @@ def _weights_image(path, mib: int = 48) -> bytes:
     return data
 
 
-def _put(store: SnapshotStore, src: str, name: str, procs: int) -> pipeline.Result:
+def _put(store: SnapshotStore, src: str, name: str, procs: int, workers: int = 4,
+         parent: str | None = None) -> pipeline.Result:
     with store.writer(name) as w:
-        res = pipeline.put(w, FileTreeSource([src]), chunker="pages", procs=procs, workers=4)
+        res = pipeline.put(w, FileTreeSource([src]), chunker="pages", procs=procs, workers=workers,
+                           parent=store.load(parent) if parent else None)
         w.commit()
     return res
 
@@ -79,6 +82,52 @@ def test_encoder_processes_make_the_same_snapshot_as_the_threads(tmp_path, monke
     # a second put of the same bytes through the processes dedups every chunk
     rc = _put(b, str(img), "t", procs=2)
     assert rc.stored_bytes == 0
+
+
+def test_a_put_with_a_parent_has_its_per_chunk_work_done_by_the_processes(tmp_path, monkeypatch) -> None:
+    """A second dump (a parent, 5% of the pages changed): the zero test, raw id and page keys of
+    every chunk in an encoder process, the changed chunks' deltas in the thread: the same snapshot,
+    chunk for chunk, as the thread alone makes (one worker each: the order of the deltas is then fixed)."""
+    img = tmp_path / "images"
+    img.mkdir()
+    data = bytearray(_weights_image(img / "pages-1.img"))
+    rng = np.random.default_rng(5)
+    pages = rng.choice(len(data) // PAGE, size=len(data) // PAGE // 20, replace=False)
+    for pg in pages:  # 5% of the pages: a few bytes each, as a serving process's writes
+        data[pg * PAGE + 64: pg * PAGE + 96] = rng.bytes(32)
+    calls = {"prepare": 0}
+    real_prepare = encodeprocs.Encoder.prepare
+
+    def counted(self, view, keyed):  # type: ignore[no-untyped-def]
+        calls["prepare"] += 1
+        return real_prepare(self, view, keyed)
+
+    monkeypatch.setattr(encodeprocs.Encoder, "prepare", counted)
+    monkeypatch.setattr(encodeprocs.EncodeProcs, "borrowed", _blocking_borrow)
+    stores = {}
+    for procs in (0, 1):
+        st = stores[procs] = SnapshotStore(str(tmp_path / f"s{procs}"))
+        _put(st, str(img), "first", procs=0, workers=1)
+        (tmp_path / f"changed{procs}").mkdir()
+        changed = tmp_path / f"changed{procs}" / "images"
+        changed.mkdir()
+        (changed / "pages-1.img").write_bytes(bytes(data))
+        before = calls["prepare"]
+        res = _put(st, str(changed), "second", procs=procs, workers=1, parent="first")
+        assert (calls["prepare"] > before) == (procs > 0), "the processes did the chunks' work, only where asked"
+        assert res.stored_bytes < len(pages) * PAGE, "stored as deltas: less than the changed pages"
+    sa, sb = (next(s for s in stores[p].load("second").streams if s.name == "images/pages-1.img") for p in (0, 1))
+    assert [(c.id, c.raw_len, c.codec, c.stored_len) for c in sa.chunks] == \
+        [(c.id, c.raw_len, c.codec, c.stored_len) for c in sb.chunks]
+    assert sa.attrs["pagekeys"] == sb.attrs["pagekeys"]
+    assert any(c.codec == DELTA for c in sb.chunks)
+    # more workers and processes: the order differs, the bytes do not
+    st = stores[1]
+    _put(st, str(tmp_path / "changed1" / "images"), "third", procs=3, workers=3, parent="first")
+    assert st.verify(["second", "third"]).ok
+    for name in ("second", "third"):
+        pipeline.get(st, st.load(name), FileTreeSink(str(tmp_path / f"out-{name}")))
+        assert (tmp_path / f"out-{name}" / "images" / "pages-1.img").read_bytes() == bytes(data)
 
 
 _real_borrowed = encodeprocs.EncodeProcs.borrowed
