@@ -13,7 +13,7 @@ from storage.encodeprocs import EncodeProcsError, encode_procs
 
 from sandbox.criu.runner import cuda_plugin
 from sandbox.gpu.driver import nvidia_driver_version, probe
-from sandbox.host.hugepages import hugetlb_pages, thp_mode
+from sandbox.host.hugepages import HugePagesError, free_page_reporting, hugetlb_pages, policy, thp_mode
 
 
 def _version(argv: list[str], pattern: str) -> str | None:
@@ -121,6 +121,14 @@ def _encoders() -> int | str:
         return str(e)
 
 
+def _thp_policy() -> str:
+    """What gpusnap does with THP for the driver's copies and restores here, or what is wrong with the setting."""
+    try:
+        return policy()
+    except HugePagesError as e:
+        return str(e)
+
+
 def report(criu: str = "criu", runsc: str = "runsc") -> dict[str, Any]:
     f = probe()
     gpus = [asdict(g) for g in f.gpus]
@@ -136,6 +144,8 @@ def report(criu: str = "criu", runsc: str = "runsc") -> dict[str, Any]:
         "nvcomp": _nvcomp(),
         "nvcomp_missing": nvcomp_missing(),
         "transparent_hugepages": thp_mode(),
+        "thp_policy": _thp_policy(),
+        "free_page_reporting_order": free_page_reporting(),
         "hugetlb": hugetlb_pages(),
         "numa_nodes": numa_nodes(),
         "criu": _version([criu, "--version"], r"Version:\s*(\S+)"),
@@ -173,7 +183,10 @@ def render(r: dict[str, Any]) -> str:
                      f"decompression engine {yes(g['decompression_engine'])}")
     lines += [f"nvCOMP               {r['nvcomp'] or 'not usable: ' + (r['nvcomp_missing'] or 'unknown reason')}",
               f"huge pages           THP {r['transparent_hugepages'] or '-'}, hugetlb pool "
-              f"{r['hugetlb'].get('HugePages_Total', 0)} pages",
+              f"{r['hugetlb'].get('HugePages_Total', 0)} pages; copies and restores: {r['thp_policy']} (GPUSNAP_THP)",
+              *([f"  note: this machine hands free memory back to its hypervisor (free page reporting, order "
+                 f"{r['free_page_reporting_order']}): huge page faults may be slow here; compare a restore with "
+                 "GPUSNAP_THP=keep"] if r.get("free_page_reporting_order") is not None and r["thp_policy"] == "always" else []),
               f"NUMA nodes           {r['numa_nodes']}",
               f"memory tier          {'yes (gpusnap pool serve)' if r['memory_tier'] else 'no (needs custom storage)'}",
               f"dump encoders        {r['dump_encoders'] or 'none'}"

@@ -50,6 +50,7 @@ from sandbox.criu.report import CriuReport, CriuSnapshotError
 from sandbox.criu.restored import boot_ticks, restored_procs
 from sandbox.criu.runner import Criu, CriuError, DumpOptions
 from sandbox.criu.staging import keep_log, new_staging, rss_bytes
+from sandbox.host import hugepages
 from sandbox.host.processes import process_tree
 from sandbox.gpu.state import GpuPath, plan as gpu_plan
 from sandbox.ops.snapshot_meta import CriuMeta, GpuInfo
@@ -81,6 +82,7 @@ def criu_dump(store: SnapshotStore, pid: int, name: str, *, leave_running: bool 
     criu = criu or Criu()
     journal.require_clean(store.path)
     encodeprocs.check_settings()  # a bad setting fails the dump here, before anything is frozen
+    hugepages.policy()
     opts = options or DumpOptions()
     opts = DumpOptions(**{**opts.__dict__, "leave_running": leave_running, "leave_stopped": not leave_running})
     try:
@@ -221,6 +223,7 @@ def criu_restore(store: SnapshotStore, name: str, *, staging: str | None = None,
     TCP_ESTABLISHED asks for the first even when the dump did not record it."""
     criu = criu or Criu()
     journal.require_clean(store.path)
+    hugepages.policy()  # a bad GPUSNAP_THP fails here, before a process is restored
     with store.shared(), _from_remote(store, name, from_remote, jobs, progress) as fill:
         m = (fill.manifest if fill is not None else None) or store.load(name)
         loaded = time.monotonic()  # the interpreter, the imports and the manifest before it (the report's marks)

@@ -48,7 +48,7 @@ from sandbox.ops.gpu_path import GpuPath
 from sandbox.gpu.checkpoint import (GpuCheckpointError, RegionSpill, checkpoint_all, custom_checkpoint,
                                     custom_restore, lock_all, restore_all)
 from sandbox.gpu.driver import CheckpointDriver, DeviceRegion, Features, ProcessState
-from sandbox.host.hugepages import thp
+from sandbox.host.hugepages import thp, wanted
 
 
 class GpuStateError(GpusnapError):
@@ -104,14 +104,14 @@ class HostStaged:
         self.thp_mode = thp_mode
 
     def checkpoint(self, drv: CheckpointDriver, pids: list[int], limits: Limits) -> dict[str, float]:
-        with thp(self.thp_mode):
+        with thp(wanted(self.thp_mode)):
             t = checkpoint_all(drv, pids, lock_timeout_s=limits.lock_timeout_s, op_timeout_s=limits.op_timeout_s,
                                grace_s=limits.grace_s)
         return {"lock": t.lock_s, "checkpoint": t.checkpoint_s}
 
     def restore(self, drv: CheckpointDriver, pids: list[int], gpu_map: dict[str, str] | None,
                 limits: Limits) -> dict[str, float]:
-        with thp(self.thp_mode):
+        with thp(wanted(self.thp_mode)):
             t = restore_all(drv, pids, gpu_map=gpu_map, op_timeout_s=limits.op_timeout_s, unlock=False)
         return {"restore": t.restore_s}
 
@@ -245,8 +245,9 @@ def plan(*, features: Features | None = None, recorded: GpuPath | str | None = N
 def restore_huge_pages(mode: str | None = "always") -> AbstractContextManager[object]:
     """THP MODE (None: unchanged) for a restore that faults a whole memory image in: CRIU's restore
     (about 1.4x faster with huge pages) and the host-staged copies. The one place a restore sets THP;
-    sandbox.host.hugepages does the switching and puts it back (also after a crash, via recover)."""
-    return thp(mode)
+    sandbox.host.hugepages does the switching and puts it back (also after a crash, via recover);
+    $GPUSNAP_THP=keep leaves it alone (hugepages.policy)."""
+    return thp(wanted(mode))
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,56 @@ class HugePagesError(GpusnapError):
     """The THP setting could not be read or changed."""
 
 
+THP_SETTING = "GPUSNAP_THP"
+_POLICIES = ("always", "keep")
+
+
+def policy() -> str:
+    """$GPUSNAP_THP: "always" (the default: THP set to `always` for the driver's host copies and the
+    restore's page faults, measured faster on the H200) or "keep" (the host's setting left alone:
+    for hosts where a huge page fault is slow, as in a VM whose free memory goes back to its
+    hypervisor; see free_page_reporting). HugePagesError for anything else."""
+    v = os.environ.get(THP_SETTING, "").strip() or "always"
+    if v not in _POLICIES:
+        raise HugePagesError(f"{THP_SETTING}={v!r}: expected one of {', '.join(_POLICIES)}")
+    return v
+
+
+def wanted(mode: str | None) -> str | None:
+    """MODE as the THP policy allows it (None under "keep": leave the setting alone)."""
+    return None if mode is None or policy() == "keep" else mode
+
+
+PAGE_REPORTING = "/sys/module/page_reporting/parameters/page_reporting_order"
+BALLOON_DEVICES = "/sys/bus/virtio/drivers/virtio_balloon"
+_F_REPORTING = 5  # VIRTIO_BALLOON_F_REPORTING: the guest reports free pages, the host takes them back
+
+
+def free_page_reporting(devices: str = BALLOON_DEVICES, order_path: str = PAGE_REPORTING) -> int | None:
+    """The page order at which this (virtual) machine hands free memory back to its hypervisor
+    (a virtio balloon with free page reporting), else None. Where it does, free blocks of that order
+    and up (2 MiB at order 9: a huge page) are unbacked on the host, and a huge page fault there
+    costs the host's faults too: on the 2-core development VM the restore's fill wrote 2-3.5x
+    slower with THP `always` than with `madvise` (BENCHMARKS.md)."""
+    try:
+        names = [n for n in os.listdir(devices) if n.startswith("virtio")]
+    except OSError:
+        return None
+    for n in names:
+        try:
+            with open(os.path.join(devices, n, "features")) as f:
+                bits = f.read().strip()
+        except OSError:
+            continue
+        if len(bits) > _F_REPORTING and bits[_F_REPORTING] == "1":
+            try:
+                with open(order_path) as f:
+                    return int(f.read().strip())
+            except (OSError, ValueError):
+                return 9  # the kernel's default (pageblock order)
+    return None
+
+
 def thp_mode(path: str = THP_ENABLED) -> str | None:
     try:
         with open(path) as f:

@@ -30,7 +30,10 @@ if [ ! -d .carry/criu ] && [ -f .carry-xz/criu.tar.xz ]; then  # the packed CRIU
   criu_dir=$(mktemp -d /tmp/gpusnap-criu.XXXXXX) && tar -C "$criu_dir" -xJf .carry-xz/criu.tar.xz \
     && export GPUSNAP_CRIU="$criu_dir/criu/criu-wrapper"
 fi
-{ date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; uname -r; nproc; } > "$out/machine.txt" 2>&1
+{ date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; uname -r; nproc
+  echo "THP $(cat /sys/kernel/mm/transparent_hugepage/enabled) defrag $(cat /sys/kernel/mm/transparent_hugepage/defrag)"
+  echo "free page reporting order: $(cat /sys/module/page_reporting/parameters/page_reporting_order 2>/dev/null || echo none)," \
+       "balloon features: $(cat /sys/bus/virtio/drivers/virtio_balloon/virtio*/features 2>/dev/null | head -c 8 || echo none)"; } > "$out/machine.txt" 2>&1
 python3 -m cli doctor > "$out/doctor.txt" 2>&1
 python3 -m cli doctor --json > "$out/doctor.json" 2>&1
 for what in ${1//,/ }; do
@@ -84,11 +87,12 @@ for what in ${1//,/ }; do
                 | tee "$out/knobs-$mix.log" | grep -o '"[^"]*": {"wall_s": [0-9.]*, "GBps": [0-9.]*'; done ;;
     fillvariants) # the fill's processes against its reads in flight (BENCHMARKS.md section 27): serving and MoE at $BENCH_GB,
             # gpusnap only, each snapshot restored cold with the defaults, then 8 decoding workers sharing 4 reads, then
-            # the defaults again (the spread), then 8 workers holding nothing while CRIU runs
+            # the defaults again (the spread), then 8 workers holding nothing while CRIU runs, then the host's THP
+            # setting kept (GPUSNAP_THP=keep: 1.2-1.6x faster restores on the development VM, BENCHMARKS.md section 28)
             for wl in serving moe; do
               timeout ${E2E_TIMEOUT:-260} python3 -m scripts.bench.bench_e2e --gb ${BENCH_GB:-20} --workload $wl --paths stream \
                 --skip-baseline --no-dedup --floor-gb 2 --restore-variant GPUSNAP_FILL_PROCS=8 --restore-variant GPUSNAP_FILL_PROCS=4 \
-                --restore-variant GPUSNAP_FILL_PROCS=8,GPUSNAP_FILL_HELD=0 --json "$out/fillvariants-$wl.json" 2>&1 \
+                --restore-variant GPUSNAP_FILL_PROCS=8,GPUSNAP_FILL_HELD=0 --restore-variant GPUSNAP_THP=keep --json "$out/fillvariants-$wl.json" 2>&1 \
                 | grep -E "^(==|disk floor|gpusnap/|  )" | tee "$out/fillvariants-$wl.txt"; done ;;
     e2e)    timeout 560 python3 -m scripts.bench.bench_e2e --json "$out/e2e.json" ${BENCH_ARGS:-} 2>&1 | tee "$out/e2e.log" ;;
   esac
