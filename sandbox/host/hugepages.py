@@ -62,8 +62,9 @@ def free_page_reporting(devices: str = BALLOON_DEVICES, order_path: str = PAGE_R
     """The page order at which this (virtual) machine hands free memory back to its hypervisor
     (a virtio balloon with free page reporting), else None. Where it does, free blocks of that order
     and up (2 MiB at order 9: a huge page) are unbacked on the host, and a huge page fault there
-    costs the host's faults too: on the 2-core development VM a cold restore took 0.64x the time
-    with THP left at `madvise` than with `always` (BENCHMARKS.md, section 28)."""
+    costs the host's faults too: on the 2-core development VM a cold restore of random memory took
+    0.64-0.84x the time with THP left at `madvise` than with `always`, one of weights 1.05x
+    (BENCHMARKS.md, section 28)."""
     try:
         names = [n for n in os.listdir(devices) if n.startswith("virtio")]
     except OSError:

@@ -1,10 +1,12 @@
 #!/usr/bin/env python3
 """CRIU through the store vs plain CRIU to a directory, same process, same disk, same run (issue 5).
 
-A CPU process tree (tests/support/criu_workload.py) holding N MiB of known memory: plain `criu dump` into a
+A CPU process tree (tests/support/criu_workload.py: a parent and a forked child) holding N MiB of known
+memory (--data random: incompressible; weights: bf16 N(0, 0.02), few zeros): plain `criu dump` into a
 directory + sync, caches dropped, `criu restore`; then `gpusnap criu dump` / `gpusnap criu restore`
 (store on the same disk). Both restores are checked from inside the restored process.
-Usage: python3 -m scripts.bench.bench_criu [--mb 1024] [--dir /var/tmp] [--json F]
+Usage: python3 -m scripts.bench.bench_criu [--mb 1024] [--data random|weights] [--rounds N] [--variant K=V]
+       [--dir /var/tmp] [--json F]
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import os
 import platform
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -26,10 +29,11 @@ from scripts.helpers import REPO, drop_caches
 
 
 class Tree:
-    def __init__(self, mb: int) -> None:
+    def __init__(self, mb: int, data: str = "random") -> None:
         self.dir = tempfile.mkdtemp(prefix="gpusnap-bench-tree-")
         log = open(os.path.join(self.dir, "log"), "w")
-        self.proc = subprocess.Popen([sys.executable, os.path.join(REPO, "tests", "support", "criu_workload.py"), self.dir, str(mb)],
+        self.proc = subprocess.Popen([sys.executable, os.path.join(REPO, "tests", "support", "criu_workload.py"), self.dir, str(mb),
+                                      "gpusnap", data],
                                      stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True, cwd="/")
         while not os.path.exists(os.path.join(self.dir, "ready")):
             if self.proc.poll() is not None:
@@ -66,9 +70,9 @@ class Tree:
         self.gone()
 
 
-def gpusnap(store: str, *args: str) -> dict:
+def gpusnap(store: str, *args: str, env: dict[str, str] | None = None) -> dict:
     p = subprocess.run([sys.executable, "-m", "cli", "--store", store, *args, "--json"], capture_output=True,
-                       text=True, cwd=REPO, env=dict(os.environ, PYTHONPATH=REPO))
+                       text=True, cwd=REPO, env=dict(os.environ, PYTHONPATH=REPO, **(env or {})))
     if p.returncode:
         raise SystemExit(p.stderr)
     return json.loads(p.stdout)
@@ -77,14 +81,23 @@ def gpusnap(store: str, *args: str) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--mb", type=int, default=1024)
+    ap.add_argument("--data", choices=("random", "weights"), default="random")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="cold restores of each, interleaved (the order alternates each round); medians reported")
+    ap.add_argument("--variant", action="append", default=[], metavar="K=V[,K=V]",
+                    help="also restore gpusnap's snapshot with these environment settings, in every round")
     ap.add_argument("--dir", default="/var/tmp")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     criu = Criu()
     work = tempfile.mkdtemp(prefix="gpusnap-bench-criu-", dir=a.dir)
-    res: dict = {"date": time.strftime("%Y-%m-%d"), "machine": f"{platform.node()} {os.cpu_count()} cores", "mb": a.mb}
+    res: dict = {"date": time.strftime("%Y-%m-%d"), "machine": f"{platform.node()} {os.cpu_count()} cores", "mb": a.mb,
+                 "data": a.data, "rounds": a.rounds}
+    variants = {"gpusnap": {}, **{f"gpusnap {v}": dict(kv.split("=", 1) for kv in v.split(",")) for v in a.variant}}
+    times: dict[str, list[float]] = {"plain": [], **{k: [] for k in variants}}
+    ok: dict[str, bool] = {}
     try:
-        t = Tree(a.mb)
+        tp = t = Tree(a.mb, a.data)  # the same data in both trees (same seed), other pids
         img = os.path.join(work, "img")
         os.mkdir(img)
         t0 = time.perf_counter()
@@ -93,14 +106,7 @@ def main() -> None:
         res["plain_dump"] = time.perf_counter() - t0
         res["plain_bytes"] = sum(os.path.getsize(os.path.join(img, f)) for f in os.listdir(img))
         t.gone()
-        drop_caches(required=True)
-        t0 = time.perf_counter()
-        criu.restore(img, detach=True)
-        res["plain_restore"] = time.perf_counter() - t0
-        res["plain_ok"] = t.ok()
-        t.kill()
-        shutil.rmtree(img)
-        t = Tree(a.mb)
+        tg = t = Tree(a.mb, a.data)
         store = os.path.join(work, "store")
         t0 = time.perf_counter()
         d = gpusnap(store, "criu", "dump", str(t.pid), "b")
@@ -108,21 +114,44 @@ def main() -> None:
         res["gpusnap_dump_stages"] = d["seconds"]
         res["gpusnap_bytes"] = d["new_bytes"]
         t.gone()
-        drop_caches(required=True)
-        t0 = time.perf_counter()
-        r = gpusnap(store, "criu", "restore", "b")
-        res["gpusnap_restore"] = time.perf_counter() - t0
-        res["gpusnap_restore_stages"] = r["seconds"]
-        res["gpusnap_ok"] = t.ok()
-        t.kill()
+        stages: dict[str, list[dict]] = {k: [] for k in variants}
+        for rnd in range(a.rounds):
+            order = ["plain", *variants] if rnd % 2 == 0 else [*variants, "plain"]
+            for who in order:
+                t = tp if who == "plain" else tg
+                drop_caches(required=True)
+                t0 = time.perf_counter()
+                if who == "plain":
+                    criu.restore(img, detach=True)
+                else:
+                    r = gpusnap(store, "criu", "restore", "b", env=variants[who])
+                    stages[who].append(r["seconds"])
+                times[who].append(time.perf_counter() - t0)
+                ok[who] = t.ok() and ok.get(who, True)
+                t.kill()
+        res["plain_restore"] = statistics.median(times["plain"])
+        res["plain_ok"] = ok["plain"]
+        res["gpusnap_restore"] = statistics.median(times["gpusnap"])
+        res["gpusnap_restore_stages"] = stages["gpusnap"][-1]
+        res["gpusnap_ok"] = ok["gpusnap"]
+        res["restores"] = times
+        res["verified"] = ok
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    print(f"{res['machine']}: process tree with {a.mb} MiB of random memory (worst case for compression)")
+    what = "random memory (worst case for compression)" if a.data == "random" else "bf16 weights (few zeros)"
+    print(f"{res['machine']}: process tree (2 processes) with {a.mb} MiB of {what}; {a.rounds} round(s), medians")
     print(f"plain criu   dump {res['plain_dump']:6.2f} s  restore {res['plain_restore']:6.2f} s  "
           f"{res['plain_bytes'] / 1e9:.2f} GB on disk  verified={res['plain_ok']}")
     print(f"gpusnap criu dump {res['gpusnap_dump']:6.2f} s  restore {res['gpusnap_restore']:6.2f} s  "
           f"{res['gpusnap_bytes'] / 1e9:.2f} GB on disk  verified={res['gpusnap_ok']}")
     print(f"  dump stages {res['gpusnap_dump_stages']}, restore stages {res['gpusnap_restore_stages']}")
+    for who in variants:
+        if who != "gpusnap":
+            print(f"{who}: restore {statistics.median(times[who]):6.2f} s  verified={ok[who]}  "
+                  f"/ plain {statistics.median(times[who]) / res['plain_restore']:.2f}")
+    print(f"all restores (s): { {k: [round(x, 2) for x in v] for k, v in times.items()} }")
+    print(f"ratios gpusnap/plain: dump {res['gpusnap_dump'] / res['plain_dump']:.2f}  "
+          f"restore {res['gpusnap_restore'] / res['plain_restore']:.2f}  bytes {res['gpusnap_bytes'] / res['plain_bytes']:.2f}")
     print(f"cycle ratio plain/gpusnap: {(res['plain_dump'] + res['plain_restore']) / (res['gpusnap_dump'] + res['gpusnap_restore']):.2f}x")
     if a.json:
         json.dump(res, open(a.json, "w"), indent=1)

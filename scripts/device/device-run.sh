@@ -88,7 +88,7 @@ for what in ${1//,/ }; do
     fillvariants) # the fill's processes against its reads in flight (BENCHMARKS.md section 27): serving and MoE at $BENCH_GB,
             # gpusnap only, each snapshot restored cold with the defaults, then 8 decoding workers sharing 4 reads, then
             # the defaults again (the spread), then 8 workers holding nothing while CRIU runs, then the host's THP
-            # setting kept (GPUSNAP_THP=keep: restores 0.64x on the development VM, BENCHMARKS.md section 28)
+            # setting kept (GPUSNAP_THP=keep: restores 0.64-1.05x on the development VM, BENCHMARKS.md section 28)
             for wl in serving moe; do
               timeout ${E2E_TIMEOUT:-260} python3 -m scripts.bench.bench_e2e --gb ${BENCH_GB:-20} --workload $wl --paths stream \
                 --skip-baseline --no-dedup --floor-gb 2 --restore-variant GPUSNAP_FILL_PROCS=8 --restore-variant GPUSNAP_FILL_PROCS=4 \

@@ -12,9 +12,19 @@ import time
 d = sys.argv[1]
 mb = int(sys.argv[2]) if len(sys.argv) > 2 else 32
 seed = sys.argv[3] if len(sys.argv) > 3 else "gpusnap"
+data = sys.argv[4] if len(sys.argv) > 4 else "random"
 import random
 _rng = random.Random(seed)
-memory = bytearray(b"".join(_rng.randbytes(1 << 20) for _ in range(mb)))  # known, incompressible bytes
+if data == "weights":  # bf16 weights, N(0, 0.02): few zeros, compressible as weights are (byte planes)
+    import numpy as np
+    _g = np.random.default_rng(_rng.getrandbits(64))
+    memory = bytearray(mb << 20)
+    _w = np.frombuffer(memory, dtype=np.uint16)
+    for _i in range(0, len(_w), 1 << 22):
+        _w[_i:_i + (1 << 22)] = (_g.normal(0, 0.02, min(1 << 22, len(_w) - _i)).astype(np.float32).view(np.uint32) >> 16)
+    del _w
+else:
+    memory = bytearray(b"".join(_rng.randbytes(1 << 20) for _ in range(mb)))  # known, incompressible bytes
 want = hashlib.sha256(memory).hexdigest()
 
 r, w = os.pipe()
