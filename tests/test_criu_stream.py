@@ -1176,3 +1176,90 @@ def test_wait_stopped_waits_for_a_pending_stop_and_names_what_never_stopped() ->
         for p in (late, never):
             p.kill()
             p.wait()
+
+
+def _pm(pages_id: int, entries: list[tuple[int, int]]) -> bytes:
+    """A pagemap image: head PAGES_ID, then (vaddr, pages) records, all present."""
+    import struct
+
+    from sandbox.criu import split
+
+    def v(x: int) -> bytes:
+        out = bytearray()
+        while True:
+            b, x = x & 0x7F, x >> 7
+            out.append(b | (0x80 if x else 0))
+            if not x:
+                return bytes(out)
+
+    def rec(body: bytes) -> bytes:
+        return struct.pack("<I", len(body)) + body
+    return b"\x19\x43\x56\x54\x25\x40\x08\x56" + rec(b"\x08" + v(pages_id)) + b"".join(
+        rec(b"\x08" + v(a) + b"\x10" + v(n) + b"\x20" + v(split.PE_PRESENT)) for a, n in entries)
+
+
+def test_pages_a_child_shares_with_its_parent_stay_with_criu_in_both() -> None:
+    """choose with the process tree: where parent and child hold the same bytes at the same address
+    (the same chunk of each page image, at the same offset in it) both entries stay with CRIU, which
+    restores the parent's before the fork and leaves the child's shared; bytes that differ, zero
+    chunks and a shift inside the chunk are the split's as before."""
+    from sandbox.criu import split
+    from storage.manifest import ChunkRef, Stream
+    MB = 1 << 20
+    P = MB // 4096  # pages per MiB
+
+    def ref(cid: str | None, n: int = MB) -> ChunkRef:
+        return ChunkRef(None, n, "zero", 0) if cid is None else ChunkRef(cid * 64, n, "zstd", n // 2)
+    # parent: 4 MiB at 0x10000000 (chunks a b c d) and 2 MiB at 0x40000000 (e f)
+    # child: the same 4 MiB area with a, b (shared), X (its own), d shifted by a page; the 2 MiB area
+    # is zeros in both; and 3 MiB of its own at 0x70000000
+    parent = _pm(1, [(0x10000000, P), (0x10000000 + MB, P), (0x10000000 + 2 * MB, P), (0x10000000 + 3 * MB, P),
+                     (0x40000000, 2 * P)])
+    child = _pm(2, [(0x10000000, P), (0x10000000 + MB, P), (0x10000000 + 2 * MB, P), (0x10000000 + 3 * MB, P),
+                    (0x40000000, 2 * P), (0x70000000, 3 * P)])
+    pstream = Stream("pages-1.img", {}, [ref("a"), ref("b"), ref("c"), ref("d"), ref(None), ref(None)])
+    cstream = Stream("pages-2.img", {}, [ref("a"), ref("b"), ref("9"), ref("0", 4096), ref("d", MB - 4096),
+                                     ref(None), ref(None), ref("8", 3 * MB)])
+    sizes = {"pages-1.img": 6 * MB, "pages-2.img": 9 * MB}
+    maps = {"pagemap-100.img": parent, "pagemap-101.img": child}
+    streams = {"pages-1.img": pstream, "pages-2.img": cstream}
+    plans, why = split.choose(maps, sizes, MB, parents={100: 1, 101: 100}, streams=streams)
+    assert why is None
+    pp, cp = plans["pages-1.img"], plans["pages-2.img"]
+    assert pp.cow_kept == 2 * MB and cp.cow_kept == 2 * MB
+    # the parent: a and b with CRIU; c, d (one run) and the zeros moved
+    assert [(r.vaddr, r.nbytes) for r in pp.moved] == [(0x10000000 + 2 * MB, 2 * MB), (0x40000000, 2 * MB)]
+    assert pp.kept == ((0, 2 * MB),)
+    assert [(r.vaddr, r.nbytes) for r in cp.moved] == [(0x10000000 + 2 * MB, 2 * MB), (0x40000000, 2 * MB),
+                                                      (0x70000000, 3 * MB)]
+    assert [e.vaddr for e in split.parse_pagemap(cp.pagemap).entries] == [0x10000000, 0x10000000 + MB]
+    # without the tree (or with processes that are not parent and child) nothing is kept back
+    for parents in (None, {100: 1, 101: 1}):
+        plans, _ = split.choose(maps, sizes, MB, parents=parents, streams=streams)
+        assert plans["pages-1.img"].cow_kept == 0 and len(plans["pages-1.img"].moved) == 2
+
+
+def test_a_tree_of_forked_workers_keeps_its_shared_memory_shared(cli: Cli, store_dir: Path) -> None:
+    """A parent and a child that share their memory copy-on-write (a server's forked workers and
+    their weights) come back sharing it, as after plain CRIU: the pages stay with CRIU, the tree's
+    proportional memory is what it was, not doubled by a private copy in each process."""
+    def pss(pids: tuple[int, int]) -> int:
+        total = 0
+        for p in pids:
+            with open(f"/proc/{p}/smaps_rollup") as f:
+                total += sum(int(line.split()[1]) for line in f if line.startswith("Pss:"))
+        return total << 10
+    tree = Tree(mb=96, sharing="cow")
+    try:
+        before = pss((tree.pid, tree.child))
+        cli_json(cli, STREAM, "criu", "dump", str(tree.pid), "s1")
+        tree.reap()
+        _until(lambda: _tree_gone(tree), "the dumped tree is gone")
+        r = cli_json(cli, SPLIT, "criu", "restore", "s1")
+        assert healthy(tree.report())
+        served = r["stages"]["served"]
+        assert served["moved_bytes"] == 0 and "share stay with CRIU" in served["split_skipped_because"], served
+        after = pss((tree.pid, tree.child))
+        assert after < before + (32 << 20), f"proportional memory {before >> 20} MiB before, {after >> 20} MiB after"
+    finally:
+        tree.kill()

@@ -295,10 +295,11 @@ class ServeSource:
         # forked while CRIU froze the tree: a --leave-running dump, or one made before that was fixed)
         ps = self.images.get("pstree.img")
         try:
-            self.pstree = split.pstree_pids(b"".join(bytes(self._chunk(ps, i, c)) for i, c in enumerate(ps.chunks))) \
+            records = split.pstree_records(b"".join(bytes(self._chunk(ps, i, c)) for i, c in enumerate(ps.chunks))) \
                 if ps is not None else []
         except split.SplitError:
-            self.pstree = []  # CRIU refuses the image itself
+            records = []  # CRIU refuses the image itself
+        self.pstree = [pid for pid, _ in records]
         # why the split did not engage (None when it did), for the restore report
         self.split_skipped_because: str | None = "the split is off (GPUSNAP_CRIU_SPLIT_MIN=0)"
         big = [n for n, s in self.images.items() if split.PAGEMAP_NAME.fullmatch(n) and s.size > split.MAX_PAGEMAP_BYTES]
@@ -310,7 +311,8 @@ class ServeSource:
                         for name, s in self.images.items() if split.PAGEMAP_NAME.fullmatch(name)}
             self.marks["pagemaps_read"] = time.monotonic()
             self.plans, self.split_skipped_because = split.choose(
-                pagemaps, {n: s.size for n, s in self.images.items() if is_page_image(n)}, split_min)
+                pagemaps, {n: s.size for n, s in self.images.items() if is_page_image(n)}, split_min,
+                parents=dict(records), streams={n: s for n, s in self.images.items() if is_page_image(n)})
             self._rewritten = {f"pagemap-{pl.pid}.img": pl.pagemap for pl in self.plans.values()}
         if arrivals is not None:
             arrivals.first(read_order(self.images, self.plans))

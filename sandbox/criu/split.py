@@ -20,6 +20,7 @@ not understood (a format this module does not know): then nothing is split and `
 """
 from __future__ import annotations
 
+import bisect
 import ctypes
 import errno
 import os
@@ -156,16 +157,17 @@ def parse_pagemap(data: bytes) -> Pagemap:
     return Pagemap(data[:head_end], pages_id, tuple(entries))
 
 
-def pstree_pids(data: bytes) -> list[int]:
-    """The pids a CRIU pstree image lists (PstreeEntry {1: pid, 2: ppid, 3: pgid, 4: sid, 5: threads},
-    framed as a pagemap is): every process CRIU dumped, children forked while it froze the tree included."""
-    pids, i = [], _MAGICS
+def pstree_records(data: bytes) -> list[tuple[int, int]]:
+    """(pid, ppid) of every process a CRIU pstree image lists (PstreeEntry {1: pid, 2: ppid, 3: pgid,
+    4: sid, 5: threads}, framed as a pagemap is): every process CRIU dumped, children forked while it
+    froze the tree included."""
+    out, i = [], _MAGICS
     while i + _LEN.size <= len(data):
         (n,) = _LEN.unpack_from(data, i)
         end = i + _LEN.size + n
         if end > len(data):
             raise SplitError("pstree: truncated record")
-        j, pid = i + _LEN.size, None
+        j, pid, ppid = i + _LEN.size, None, 0
         while j < end:
             key, j = _varint(data, j)
             if key & 7 != 0:
@@ -173,11 +175,18 @@ def pstree_pids(data: bytes) -> list[int]:
             v, j = _varint(data, j)
             if key >> 3 == 1:
                 pid = v
+            elif key >> 3 == 2:
+                ppid = v
         if pid is None or not 0 < pid < 1 << 22:
             raise SplitError("pstree: a record without a valid pid")
-        pids.append(pid)
+        out.append((pid, ppid if 0 < ppid < 1 << 22 else 0))
         i = end
-    return pids
+    return out
+
+
+def pstree_pids(data: bytes) -> list[int]:
+    """The pids a CRIU pstree image lists (pstree_records)."""
+    return [pid for pid, _ in pstree_records(data)]
 
 
 @dataclass(frozen=True)
@@ -197,25 +206,30 @@ class Plan:
     pagemap: bytes
     kept: tuple[tuple[int, int], ...]      # (offset, length) in the page image, in order
     moved: tuple[Run, ...]
+    cow_kept: int = 0                      # bytes left to CRIU because a parent or child shares them (cow_shared)
 
     @property
     def moved_bytes(self) -> int:
         return sum(r.nbytes for r in self.moved)
 
 
-def _runs(entries: tuple[Entry, ...]) -> list[list[Entry]]:
-    """The present entries grouped into runs contiguous in memory and in the page image."""
+def _runs(entries: tuple[Entry, ...], skip: "set[int] | frozenset[int]" = frozenset()) -> list[list[Entry]]:
+    """The present entries grouped into runs contiguous in memory and in the page image; the entries
+    whose index is in SKIP are in none (they stay with CRIU, and a run ends at them)."""
     runs: list[list[Entry]] = []
-    for e in entries:
+    for k, e in enumerate(entries):
         if e.offset is None:
             continue
-        last = runs[-1][-1] if runs else None
+        if k in skip:
+            runs.append([])  # ends the run before it
+            continue
+        last = runs[-1][-1] if runs and runs[-1] else None
         if last is not None and last.offset is not None and e.vaddr == last.vaddr + last.nbytes \
                 and e.offset == last.offset + last.nbytes:
             runs[-1].append(e)
         else:
             runs.append([e])
-    return runs
+    return [r for r in runs if r]
 
 
 def plan(name: str, data: bytes, min_bytes: int) -> Plan | None:
@@ -226,8 +240,10 @@ def plan(name: str, data: bytes, min_bytes: int) -> Plan | None:
     return _plan(name, pm, _runs(pm.entries), min_bytes)
 
 
-def _plan(name: str, pm: Pagemap, runs: list[list[Entry]], min_bytes: int) -> Plan | None:
-    """plan() of a parsed pagemap PM whose RUNS are known (choose parses each pagemap once)."""
+def _plan(name: str, pm: Pagemap, runs: list[list[Entry]], min_bytes: int,
+          skip: "set[int] | frozenset[int]" = frozenset()) -> Plan | None:
+    """plan() of a parsed pagemap PM whose RUNS are known (choose parses each pagemap once); SKIP: the
+    entries left to CRIU whatever their size (their index; _runs left them out of RUNS)."""
     m = PAGEMAP_NAME.fullmatch(name)
     assert m is not None
     big = [r for r in runs if sum(e.nbytes for e in r) >= min_bytes]
@@ -245,7 +261,7 @@ def _plan(name: str, pm: Pagemap, runs: list[list[Entry]], min_bytes: int) -> Pl
         else:
             kept.append((e.offset, e.nbytes))
     return Plan(int(m.group(1)), f"pages-{pm.pages_id}.img", pm.head + b"".join(e.record for e in keep),
-                tuple(kept), moved)
+                tuple(kept), moved, sum(e.nbytes for k, e in enumerate(pm.entries) if k in skip and e.offset is not None))
 
 
 def present_bytes(pm: Pagemap) -> int:
@@ -253,18 +269,68 @@ def present_bytes(pm: Pagemap) -> int:
     return sum(e.nbytes for e in pm.entries if e.offset is not None)
 
 
+def cow_shared(child: Pagemap, parent: Pagemap, cstream: Stream, pstream: Stream) -> tuple[set[int], set[int]]:
+    """The entries (indices) of CHILD's and of PARENT's pagemap that hold pages the two processes share
+    copy-on-write: present in both at the same address with the same bytes, known from the page
+    images' chunks (CSTREAM, PSTREAM): the same non-zero chunk, at the same offset in it.
+
+    CRIU keeps such pages shared: it restores the parent's before it forks the child, and a page of
+    the child equal to the one it inherited is left shared, not written. Pages the split moves are
+    written after every process exists, each into its own memory, so a tree of forked workers that
+    shared their weights would come back with a private copy in every worker. So these entries stay
+    with CRIU in both processes. Only where the bytes are equal: anything else is the child's own
+    (CRIU writes it too) or a coincidence of addresses (an exec'd child), and a lying manifest can only
+    move this line (more to CRIU, or more copies), never give a process another's bytes."""
+    cstarts, cend = chunk_starts(cstream)
+    pstarts, pend = chunk_starts(pstream)
+    cl = sorted((e.vaddr, e.vaddr + e.nbytes, e.offset, k) for k, e in enumerate(child.entries) if e.offset is not None)
+    pl = sorted((e.vaddr, e.vaddr + e.nbytes, e.offset, k) for k, e in enumerate(parent.entries) if e.offset is not None)
+    cshared: set[int] = set()
+    pshared: set[int] = set()
+    i = j = 0
+    while i < len(cl) and j < len(pl):
+        cv, ce, co, ck = cl[i]
+        pv, pe, po, pk = pl[j]
+        a, b = max(cv, pv), min(ce, pe)
+        if a < b and not (ck in cshared and pk in pshared):
+            c_off, p_off = co + (a - cv), po + (a - pv)
+            while a < b:
+                ci = bisect.bisect_right(cstarts, c_off) - 1
+                pi = bisect.bisect_right(pstarts, p_off) - 1
+                if ci < 0 or pi < 0 or c_off >= cend or p_off >= pend:
+                    break  # past a page image's end: not what the pagemap says (choose refuses that earlier)
+                cc, pc = cstream.chunks[ci], pstream.chunks[pi]
+                step = min(b - a, cstarts[ci] + cc.raw_len - c_off, pstarts[pi] + pc.raw_len - p_off)
+                if step <= 0:
+                    break
+                if cc.id is not None and not cc.is_zero and cc.id == pc.id and not pc.is_zero \
+                        and c_off - cstarts[ci] == p_off - pstarts[pi]:
+                    cshared.add(ck)
+                    pshared.add(pk)
+                    break  # the two entries are marked: the rest of this overlap says nothing more
+                a, c_off, p_off = a + step, c_off + step, p_off + step
+        if ce <= pe:
+            i += 1
+        else:
+            j += 1
+    return cshared, pshared
+
+
 def choose(pagemaps: dict[str, bytes], page_sizes: dict[str, int],
-           min_bytes: int) -> tuple[dict[str, Plan], str | None]:
+           min_bytes: int, parents: dict[int, int] | None = None,
+           streams: dict[str, Stream] | None = None) -> tuple[dict[str, Plan], str | None]:
     """The splits of PAGEMAPS (pagemap image name -> its bytes; PAGE_SIZES: page image name -> its
     size), by page image, and when there is none, why (for the restore report): the split is off, a
     pagemap is not understood (its records do not add up to its page image: nothing is split then,
-    CRIU restores everything), or no run is large enough."""
+    CRIU restores everything), or no run is large enough. PARENTS (pid -> ppid, the pstree image) and
+    STREAMS (page image name -> its stream): the entries a process shares with its parent stay with
+    CRIU in both (cow_shared)."""
     if min_bytes <= 0:
         return {}, "the split is off (GPUSNAP_CRIU_SPLIT_MIN=0)"
-    plans: dict[str, Plan] = {}
-    largest = 0
+    parsed: dict[int, tuple[str, Pagemap]] = {}
     for name in sorted(pagemaps):
-        if PAGEMAP_NAME.fullmatch(name) is None:
+        m = PAGEMAP_NAME.fullmatch(name)
+        if m is None:
             continue
         try:
             pm = parse_pagemap(pagemaps[name])
@@ -277,13 +343,33 @@ def choose(pagemaps: dict[str, bytes], page_sizes: dict[str, int],
         if named != page_sizes[image]:
             return {}, (f"{name} names {named} bytes of {image}, which holds {page_sizes[image]}: a pagemap "
                         "format gpusnap does not know; CRIU restored every page")
-        runs = _runs(pm.entries)
+        parsed[int(m.group(1))] = (name, pm)
+    skip: dict[int, set[int]] = {}
+    for pid, (_, pm) in parsed.items():
+        ppid = (parents or {}).get(pid, 0)
+        if ppid not in parsed or ppid == pid or streams is None:
+            continue
+        ppm = parsed[ppid][1]
+        cs, ps = streams.get(f"pages-{pm.pages_id}.img"), streams.get(f"pages-{ppm.pages_id}.img")
+        if cs is None or ps is None:
+            continue
+        mine, theirs = cow_shared(pm, ppm, cs, ps)
+        skip.setdefault(pid, set()).update(mine)
+        skip.setdefault(ppid, set()).update(theirs)
+    plans: dict[str, Plan] = {}
+    largest = 0
+    for pid, (name, pm) in sorted(parsed.items()):
+        runs = _runs(pm.entries, skip.get(pid, frozenset()))
         largest = max([largest] + [sum(e.nbytes for e in r) for r in runs])
-        pl = _plan(name, pm, runs, min_bytes)
+        pl = _plan(name, pm, runs, min_bytes, skip.get(pid, frozenset()))
         if pl is not None:
             plans[pl.pages_image] = pl
     if not plans:
-        return {}, f"no run of pages is at least {min_bytes} bytes (the largest is {largest})"
+        shared = sum(e.nbytes for pid, (_, pm) in parsed.items() for k, e in enumerate(pm.entries)
+                     if k in skip.get(pid, ()) and e.offset is not None)
+        return {}, (f"no run of pages is at least {min_bytes} bytes (the largest is {largest})"
+                    + (f"; {shared} bytes that parent and child processes share stay with CRIU, which keeps them "
+                       "shared" if shared else ""))
     return plans, None
 
 

@@ -29,11 +29,11 @@ from scripts.helpers import REPO, drop_caches
 
 
 class Tree:
-    def __init__(self, mb: int, data: str = "random") -> None:
+    def __init__(self, mb: int, data: str = "random", sharing: str = "private") -> None:
         self.dir = tempfile.mkdtemp(prefix="gpusnap-bench-tree-")
         log = open(os.path.join(self.dir, "log"), "w")
         self.proc = subprocess.Popen([sys.executable, os.path.join(REPO, "tests", "support", "criu_workload.py"), self.dir, str(mb),
-                                      "gpusnap", data],
+                                      "gpusnap", data, sharing],
                                      stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True, cwd="/")
         while not os.path.exists(os.path.join(self.dir, "ready")):
             if self.proc.poll() is not None:
@@ -50,7 +50,7 @@ class Tree:
         for _ in range(600):
             if os.path.exists(rep):
                 r = json.load(open(rep))
-                return r["memory_ok"] and r["pipe_ok"] and r["thread_ok"]
+                return r["memory_ok"] and r["child_memory_ok"] and r["pipe_ok"] and r["thread_ok"]
             time.sleep(0.05)
         return False
 
@@ -82,6 +82,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--mb", type=int, default=1024)
     ap.add_argument("--data", choices=("random", "weights"), default="random")
+    ap.add_argument("--sharing", choices=("private", "cow"), default="private",
+                    help="the child's memory: its own bytes, or the parent's shared copy-on-write (forked workers)")
     ap.add_argument("--rounds", type=int, default=1,
                     help="cold restores of each, interleaved (the order alternates each round); medians reported")
     ap.add_argument("--variant", action="append", default=[], metavar="K=V[,K=V]",
@@ -92,12 +94,12 @@ def main() -> None:
     criu = Criu()
     work = tempfile.mkdtemp(prefix="gpusnap-bench-criu-", dir=a.dir)
     res: dict = {"date": time.strftime("%Y-%m-%d"), "machine": f"{platform.node()} {os.cpu_count()} cores", "mb": a.mb,
-                 "data": a.data, "rounds": a.rounds}
+                 "data": a.data, "sharing": a.sharing, "rounds": a.rounds}
     variants = {"gpusnap": {}, **{f"gpusnap {v}": dict(kv.split("=", 1) for kv in v.split(",")) for v in a.variant}}
     times: dict[str, list[float]] = {"plain": [], **{k: [] for k in variants}}
     ok: dict[str, bool] = {}
     try:
-        tp = t = Tree(a.mb, a.data)  # the same data in both trees (same seed), other pids
+        tp = t = Tree(a.mb, a.data, a.sharing)  # the same data in both trees (same seed), other pids
         img = os.path.join(work, "img")
         os.mkdir(img)
         t0 = time.perf_counter()
@@ -106,7 +108,7 @@ def main() -> None:
         res["plain_dump"] = time.perf_counter() - t0
         res["plain_bytes"] = sum(os.path.getsize(os.path.join(img, f)) for f in os.listdir(img))
         t.gone()
-        tg = t = Tree(a.mb, a.data)
+        tg = t = Tree(a.mb, a.data, a.sharing)
         store = os.path.join(work, "store")
         t0 = time.perf_counter()
         d = gpusnap(store, "criu", "dump", str(t.pid), "b")
@@ -139,7 +141,8 @@ def main() -> None:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     what = "random memory (worst case for compression)" if a.data == "random" else "bf16 weights (few zeros)"
-    print(f"{res['machine']}: process tree (2 processes) with {a.mb} MiB of {what}; {a.rounds} round(s), medians")
+    print(f"{res['machine']}: process tree (2 processes) with {a.mb} MiB of {what}, the child's "
+          f"{'its own' if a.sharing == 'private' else 'shared copy-on-write'}; {a.rounds} round(s), medians")
     print(f"plain criu   dump {res['plain_dump']:6.2f} s  restore {res['plain_restore']:6.2f} s  "
           f"{res['plain_bytes'] / 1e9:.2f} GB on disk  verified={res['plain_ok']}")
     print(f"gpusnap criu dump {res['gpusnap_dump']:6.2f} s  restore {res['gpusnap_restore']:6.2f} s  "

@@ -98,7 +98,7 @@ class Workload:
 
 
 def healthy(rep: dict[str, Any]) -> bool:
-    return bool(rep["memory_ok"] and rep["pipe_ok"] and rep["thread_ok"] and rep["file_offset"] == 234)
+    return bool(rep["memory_ok"] and rep["child_memory_ok"] and rep["pipe_ok"] and rep["thread_ok"] and rep["file_offset"] == 234)
 
 
 @dataclass

@@ -29,12 +29,14 @@ def require_criu() -> None:
 class Tree:
     """The criu_workload.py tree, in its own session, its control dir fresh per run."""
 
-    def __init__(self, mb: int = 32, detached: bool = False) -> None:
+    def __init__(self, mb: int = 32, detached: bool = False, sharing: str = "private") -> None:
         """detached: the tree is not our child (an intermediate shell exits), so when CRIU kills it
-        the zombie is reaped by init, as for a real workload, and gpusnap itself can restore it."""
+        the zombie is reaped by init, as for a real workload, and gpusnap itself can restore it.
+        sharing: "private" (the child holds its own bytes) or "cow" (it shares the parent's)."""
         self.dir = Path(tempfile.mkdtemp(prefix="gpusnap-criu-wl-"))
         self.log = open(self.dir / "log", "w")
-        argv = [sys.executable, str(REPO / "tests" / "support" / "criu_workload.py"), str(self.dir), str(mb)]
+        argv = [sys.executable, str(REPO / "tests" / "support" / "criu_workload.py"), str(self.dir), str(mb),
+                "gpusnap", "random", sharing]
         if detached:
             argv = ["sh", "-c", 'setsid "$@" </dev/null >/dev/null 2>&1 &', "sh", *argv]
         self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=self.log, stderr=self.log,
@@ -109,4 +111,4 @@ def pids_with(needle: bytes) -> list[int]:
 
 
 def healthy(rep: dict) -> bool:
-    return rep["memory_ok"] and rep["pipe_ok"] and rep["thread_ok"] and rep["file_offset"] == 234
+    return rep["memory_ok"] and rep["child_memory_ok"] and rep["pipe_ok"] and rep["thread_ok"] and rep["file_offset"] == 234

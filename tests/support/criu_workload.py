@@ -1,5 +1,6 @@
 """A process tree for CRIU tests: a parent with a thread, a pipe to a child, a file open at an offset,
-and anonymous memory holding known data. It checks all of that from inside and reports through files
+and anonymous memory holding known data (argv: DIR MB [SEED [random|weights [private|cow]]]: the
+child's copy its own bytes, or shared with the parent copy-on-write; both checked). It checks all of that from inside and reports through files
 in its control directory (argv[1]): `ready` (pids), then on `cmd` = report it writes `report.json`.
 Started with stdin/stdout/stderr on /dev/null or files and in its own session, as CRIU wants."""
 import hashlib
@@ -13,6 +14,10 @@ d = sys.argv[1]
 mb = int(sys.argv[2]) if len(sys.argv) > 2 else 32
 seed = sys.argv[3] if len(sys.argv) > 3 else "gpusnap"
 data = sys.argv[4] if len(sys.argv) > 4 else "random"
+# private: the child rewrites its copy after the fork (each process holds its own bytes at the same
+# addresses); cow: the child keeps sharing the parent's pages copy-on-write (forked workers that
+# share their weights), which a restore must keep shared
+sharing = sys.argv[5] if len(sys.argv) > 5 else "private"
 import random
 _rng = random.Random(seed)
 if data == "weights":  # bf16 weights, N(0, 0.02): few zeros, compressible as weights are (byte planes)
@@ -31,6 +36,11 @@ r, w = os.pipe()
 child = os.fork()
 if child == 0:
     os.close(w)
+    if sharing == "private":
+        _flip = bytes(b ^ 0xA5 for b in range(256))
+        for _i in range(0, len(memory), 64 << 20):
+            memory[_i:_i + (64 << 20)] = memory[_i:_i + (64 << 20)].translate(_flip)
+    want_child = hashlib.sha256(memory).hexdigest()
     with os.fdopen(r, "rb", buffering=0) as rp:
         while True:
             line = b""
@@ -41,7 +51,7 @@ if child == 0:
                 line += c
             name = os.path.join(d, "child-" + line.decode().strip())
             with open(name + ".tmp", "w") as f:   # whole or absent: written aside, then renamed
-                f.write(str(os.getpid()))
+                f.write(f"{os.getpid()} {int(hashlib.sha256(memory).hexdigest() == want_child)}")
             os.rename(name + ".tmp", name)
 
 os.close(r)
@@ -73,8 +83,11 @@ while True:
         deadline = time.time() + 10
         while not os.path.exists(os.path.join(d, f"child-{n}")) and time.time() < deadline:
             time.sleep(0.01)
+        got = os.path.join(d, f"child-{n}")
+        said = open(got).read().split() if os.path.exists(got) else []
         rep = {"pid": os.getpid(), "memory_ok": hashlib.sha256(memory).hexdigest() == want,
-               "file_offset": data.tell(), "pipe_ok": os.path.exists(os.path.join(d, f"child-{n}")),
+               "child_memory_ok": said[1:] == ["1"],
+               "file_offset": data.tell(), "pipe_ok": os.path.exists(got),
                "thread_ok": counter[0] > c0, "n": n, "counter": c0}
         time.sleep(0.05)
         rep["thread_ok"] = counter[0] > c0
