@@ -1,6 +1,6 @@
 """A process tree for CRIU tests: a parent with a thread, a pipe to a child, a file open at an offset,
-and anonymous memory holding known data (argv: DIR MB [SEED [random|weights [private|cow]]]: the
-child's copy its own bytes, or shared with the parent copy-on-write; both checked). It checks all of that from inside and reports through files
+and anonymous memory holding known data (argv: DIR MB [SEED [random|weights [private|cow|half]]]: the
+child's copy its own bytes, shared with the parent copy-on-write, or half of each; both checked). It checks all of that from inside and reports through files
 in its control directory (argv[1]): `ready` (pids), then on `cmd` = report it writes `report.json`.
 Started with stdin/stdout/stderr on /dev/null or files and in its own session, as CRIU wants."""
 import hashlib
@@ -36,9 +36,9 @@ r, w = os.pipe()
 child = os.fork()
 if child == 0:
     os.close(w)
-    if sharing == "private":
+    if sharing in ("private", "half"):  # half: the child rewrites the second half only, shares the first
         _flip = bytes(b ^ 0xA5 for b in range(256))
-        for _i in range(0, len(memory), 64 << 20):
+        for _i in range(len(memory) // 2 if sharing == "half" else 0, len(memory), 64 << 20):
             memory[_i:_i + (64 << 20)] = memory[_i:_i + (64 << 20)].translate(_flip)
     want_child = hashlib.sha256(memory).hexdigest()
     with os.fdopen(r, "rb", buffering=0) as rp:
