@@ -80,3 +80,18 @@ def test_doctor_says_the_policy(monkeypatch: pytest.MonkeyPatch) -> None:
     assert doctor._thp_policy() == "keep"
     monkeypatch.setenv("GPUSNAP_THP", "bad")
     assert "GPUSNAP_THP='bad'" in doctor._thp_policy()
+
+
+def test_a_bad_setting_fails_the_gpu_commands_before_the_driver_is_asked(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from sandbox.gpu.snapshot import gpu_checkpoint, gpu_restore
+    from storage.store import SnapshotStore
+    monkeypatch.setenv("GPUSNAP_THP", "sometimes")
+    st = SnapshotStore(str(tmp_path / "st"))
+
+    class NoDriver:
+        def __getattr__(self, name: str) -> None:
+            raise AssertionError(f"the driver was asked ({name}) before the setting was checked")
+    with pytest.raises(HugePagesError, match="GPUSNAP_THP"):
+        gpu_checkpoint(st, os.getpid(), "g", driver=NoDriver())  # type: ignore[arg-type]
+    with pytest.raises(HugePagesError, match="GPUSNAP_THP"):
+        gpu_restore(st, "g", os.getpid(), driver=NoDriver())  # type: ignore[arg-type]

@@ -111,14 +111,14 @@ def kill_half_restored(pids: list[int]) -> None:
 
 
 def wait_stopped(pids: list[int], timeout: float = 5.0) -> list[int]:
-    """Wait (up to TIMEOUT s) until every process of PIDS that still exists is stopped; the ones that
-    are not, returned. `criu restore --leave-stopped` returns once it has detached from the tree, and
+    """Wait (up to TIMEOUT s) until no process of PIDS is running or sleeping (stopped, or a zombie,
+    which CRIU restores as one and never stops); the ones that still are, returned. `criu restore --leave-stopped` returns once it has detached from the tree, and
     the stop it left pending takes effect when each task next runs: on a loaded machine a few
     milliseconds later, so the split fill's check that the tree is stopped must not race it."""
     deadline = time.monotonic() + timeout
     delay = 0.0005
     while True:
-        running = [p for p in pids if (st := _status(p)) and not st.get("State", "").startswith("T")]
+        running = [p for p in pids if (st := _status(p)) and st.get("State", "")[:1] in ("R", "S", "D", "I")]
         if not running or time.monotonic() >= deadline:
             return running
         time.sleep(delay)

@@ -281,10 +281,16 @@ def cow_shared(child: Pagemap, parent: Pagemap, cstream: Stream, pstream: Stream
     with CRIU in both processes. Only where the bytes are equal: anything else is the child's own
     (CRIU writes it too) or a coincidence of addresses (an exec'd child), and a lying manifest can only
     move this line (more to CRIU, or more copies), never give a process another's bytes."""
-    cstarts, cend = chunk_starts(cstream)
-    pstarts, pend = chunk_starts(pstream)
-    cl = sorted((e.vaddr, e.vaddr + e.nbytes, e.offset, k) for k, e in enumerate(child.entries) if e.offset is not None)
-    pl = sorted((e.vaddr, e.vaddr + e.nbytes, e.offset, k) for k, e in enumerate(parent.entries) if e.offset is not None)
+    return _shared(_present(child), _present(parent), cstream, pstream, chunk_starts(cstream), chunk_starts(pstream))
+
+
+def _shared(cl: _Present | None, pl: _Present | None, cstream: Stream, pstream: Stream,
+            cst: tuple[list[int], int], pst: tuple[list[int], int]) -> tuple[set[int], set[int]]:
+    """cow_shared of two pagemaps' present entries (_present) and their streams' chunk_starts. Linear
+    in entries and chunks: the overlaps are disjoint, and each step reaches a chunk's end."""
+    if cl is None or pl is None:
+        return set(), set()  # overlapping records: not CRIU's (it never writes them); nothing is kept back
+    (cstarts, cend), (pstarts, pend) = cst, pst
     cshared: set[int] = set()
     pshared: set[int] = set()
     i = j = 0
@@ -316,6 +322,17 @@ def cow_shared(child: Pagemap, parent: Pagemap, cstream: Stream, pstream: Stream
     return cshared, pshared
 
 
+_Present = list[tuple[int, int, int, int]]
+
+
+def _present(pm: Pagemap) -> _Present | None:
+    """PM's present entries as (start, end, image offset, index), by address; None when two overlap."""
+    out = sorted((e.vaddr, e.vaddr + e.nbytes, e.offset, k) for k, e in enumerate(pm.entries) if e.offset is not None)
+    if any(out[i][0] < out[i - 1][1] for i in range(1, len(out))):
+        return None
+    return out
+
+
 def choose(pagemaps: dict[str, bytes], page_sizes: dict[str, int],
            min_bytes: int, parents: dict[int, int] | None = None,
            streams: dict[str, Stream] | None = None) -> tuple[dict[str, Plan], str | None]:
@@ -345,15 +362,24 @@ def choose(pagemaps: dict[str, bytes], page_sizes: dict[str, int],
                         "format gpusnap does not know; CRIU restored every page")
         parsed[int(m.group(1))] = (name, pm)
     skip: dict[int, set[int]] = {}
+    present: dict[int, _Present | None] = {}  # each pagemap sorted once, however many children it has
+    starts: dict[str, tuple[list[int], int]] = {}
     for pid, (_, pm) in parsed.items():
         ppid = (parents or {}).get(pid, 0)
         if ppid not in parsed or ppid == pid or streams is None:
             continue
         ppm = parsed[ppid][1]
-        cs, ps = streams.get(f"pages-{pm.pages_id}.img"), streams.get(f"pages-{ppm.pages_id}.img")
+        cname, pname = f"pages-{pm.pages_id}.img", f"pages-{ppm.pages_id}.img"
+        cs, ps = streams.get(cname), streams.get(pname)
         if cs is None or ps is None:
             continue
-        mine, theirs = cow_shared(pm, ppm, cs, ps)
+        for p, mp in ((pid, pm), (ppid, ppm)):
+            if p not in present:
+                present[p] = _present(mp)
+        for n, st in ((cname, cs), (pname, ps)):
+            if n not in starts:
+                starts[n] = chunk_starts(st)
+        mine, theirs = _shared(present[pid], present[ppid], cs, ps, starts[cname], starts[pname])
         skip.setdefault(pid, set()).update(mine)
         skip.setdefault(ppid, set()).update(theirs)
     plans: dict[str, Plan] = {}

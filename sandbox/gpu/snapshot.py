@@ -26,6 +26,7 @@ from storage.store import SnapshotStore
 from sandbox.ops import journal
 
 from sandbox.gpu import device_map as dmap
+from sandbox.host import hugepages
 from sandbox.gpu.driver import CheckpointDriver, CudaDriver, Features, ProcessState, probe
 from sandbox.gpu.processes import cuda_processes
 from sandbox.gpu.regions import EngineRegions
@@ -80,6 +81,7 @@ def gpu_checkpoint(store: SnapshotStore, root_pid: int, name: str, *, driver: Cu
     storage.device.Device for the custom-storage path (default: GPU 0). pids: the CUDA processes when
     the caller has found them already.
     """
+    hugepages.policy()  # a bad GPUSNAP_THP fails here, before a process is touched
     drv = driver or CudaDriver()
     feats = features or probe(drv)
     gp = plan(features=feats, thp_mode=thp_mode)
@@ -167,6 +169,7 @@ def gpu_restore(store: SnapshotStore, name: str, root_pid: int, *, device_map: l
     RUNNING are left alone). FROM_REMOTE: a store that lacks NAME gets it from that remote (JOBS
     requests at once) while the engine restores: each region's chunks are read as they arrive, and
     the local snapshot is committed once every chunk is local; a failure commits nothing."""
+    hugepages.policy()  # a bad GPUSNAP_THP fails here, before anything is read or touched
     with ExitStack() as stack:
         fill = None
         if from_remote is not None and not store.exists(name):

@@ -80,7 +80,7 @@ while True:
         n += 1
         c0 = counter[0]
         os.write(w, f"{n}\n".encode())
-        deadline = time.time() + 10
+        deadline = time.time() + 120  # the child hashes its memory first (seconds for GiBs on a small host)
         while not os.path.exists(os.path.join(d, f"child-{n}")) and time.time() < deadline:
             time.sleep(0.01)
         got = os.path.join(d, f"child-{n}")
