@@ -100,6 +100,7 @@ def main() -> None:
     ok: dict[str, bool] = {}
     try:
         tp = t = Tree(a.mb, a.data, a.sharing)  # the same data in both trees (same seed), other pids
+        assert t.ok(), "the tree did not check out before its dump"  # and its child has written its own bytes
         img = os.path.join(work, "img")
         os.mkdir(img)
         t0 = time.perf_counter()
@@ -109,6 +110,7 @@ def main() -> None:
         res["plain_bytes"] = sum(os.path.getsize(os.path.join(img, f)) for f in os.listdir(img))
         t.gone()
         tg = t = Tree(a.mb, a.data, a.sharing)
+        assert t.ok(), "the tree did not check out before its dump"
         store = os.path.join(work, "store")
         t0 = time.perf_counter()
         d = gpusnap(store, "criu", "dump", str(t.pid), "b")

@@ -33,14 +33,18 @@ else:
 want = hashlib.sha256(memory).hexdigest()
 
 r, w = os.pipe()
+settled_r, settled_w = os.pipe()  # the child says when its memory is what it will check
 child = os.fork()
 if child == 0:
     os.close(w)
+    os.close(settled_r)
     if sharing in ("private", "half"):  # half: the child rewrites the second half only, shares the first
         _flip = bytes(b ^ 0xA5 for b in range(256))
         for _i in range(len(memory) // 2 if sharing == "half" else 0, len(memory), 64 << 20):
             memory[_i:_i + (64 << 20)] = memory[_i:_i + (64 << 20)].translate(_flip)
     want_child = hashlib.sha256(memory).hexdigest()
+    os.write(settled_w, b"s")
+    os.close(settled_w)
     with os.fdopen(r, "rb", buffering=0) as rp:
         while True:
             line = b""
@@ -55,6 +59,9 @@ if child == 0:
             os.rename(name + ".tmp", name)
 
 os.close(r)
+os.close(settled_w)
+os.read(settled_r, 1)  # `ready` only once the child's memory is settled: a dump sees the tree as it stays
+os.close(settled_r)
 counter = [0]
 
 
