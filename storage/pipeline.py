@@ -32,7 +32,7 @@ from typing import Any, Callable, Generator, Generic, Iterator, Protocol, TypeVa
 import numpy as np
 
 from .progress import Progress
-from .chunkfile import HEADER_SIZE, ChunkError, full_check
+from .chunkfile import HEADER_SIZE, ChunkError, full_check, raw_chunk_id
 from . import delta, pagekeys
 from .codecs import DELTA, DELTA_MATCH, DELTA_PAYS_OFF, HostCodecChooser, CodecError
 from .directio import AlignedBuffer, Arena, BufferPool, align_up, copy_into, is_zero
@@ -532,40 +532,22 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
             try:
                 if fail.exc is not None:
                     return
-                prep: Prepared | None = None  # the per-chunk work an encoder process did, with a parent
-                if encs is not None:
-                    with encs.borrowed() as enc:
-                        if enc is not None:
-                            if not at:
-                                chunks[idx] = offloaded(enc, piece, name, off)
-                                if progress is not None:
-                                    progress.advance(n)
-                                return
-                            # with a parent most chunks are found unchanged: what every chunk costs
-                            # (zero test, raw id, page keys) goes to the process, what a changed one
-                            # costs beyond that (its delta, its encoding) stays here
-                            prep = prepared(enc, view, name, off)
-                if prep is not None:
-                    zero = prep.zero
-                else:
-                    t0 = time.perf_counter()
-                    zero = is_zero(view)
-                    stages.add("zero-test", time.perf_counter() - t0, n)
-                if zero:
+                with encs.borrowed() if encs is not None else contextlib.nullcontext(None) as enc:
+                    if enc is not None and not at:
+                        chunks[idx] = offloaded(enc, piece, name, off)
+                        if progress is not None:
+                            progress.advance(n)
+                        return
+                    # with a parent most chunks are found unchanged: what every chunk costs (zero test,
+                    # raw id, page keys) goes to the process where there is one, what a changed one
+                    # costs beyond that (its delta, its encoding) stays here
+                    prep = prepared(enc, view, name, off)
+                if prep.zero:
                     chunks[idx] = writer.note_zero(n)
                 else:
-                    sample = None  # the chunk's sampled pages: recorded, and looked up if it is new
-                    if prep is not None:
-                        assert prep.cid is not None
-                        sample = prep.sample
-                        cid, present = writer.find_id(prep.cid, n, prep.hash_s)
-                    else:
-                        if collector is not None and off % PAGE == 0:
-                            t2 = time.perf_counter()
-                            sample = pagekeys.sampled(view)
-                            collector.add(name, off, view, sample)
-                            stages.add("page-keys", time.perf_counter() - t2, n)
-                        cid, present = writer.find_raw(view)
+                    assert prep.cid is not None
+                    sample = prep.sample  # the chunk's sampled pages: recorded, and looked up if it is new
+                    cid, present = writer.find_id(prep.cid, n, prep.hash_s)
                     if present is not None:
                         chunks[idx] = present
                         if shifts is not None:
@@ -644,11 +626,12 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
                     copy_into(s.view[HEADER_SIZE:], view)
                 return writer.put_chunk(e.codec, n, s.view, e.length, raw_id=cid, checksum=e.checksum)
 
-        def prepared(enc: Encoder, view: memoryview, name: str, off: int) -> Prepared:
+        def prepared(enc: Encoder | None, view: memoryview, name: str, off: int) -> Prepared:
             """VIEW's zero test, raw id and (on a page boundary of a page image) page keys, by encoder
-            process ENC; the keys recorded in this put's collector, the times in its stages."""
+            process ENC or, without one, here; the keys recorded in this put's collector, the times
+            in its stages."""
             keyed = collector is not None and off % PAGE == 0
-            p = enc.prepare(view, keyed)
+            p = enc.prepare(view, keyed) if enc is not None else _prepare_here(view, keyed)
             stages.add("zero-test", p.zero_s, len(view))
             if keyed and not p.zero:
                 assert collector is not None
@@ -836,6 +819,20 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
     res = writer_result(writer, stages, time.perf_counter() - t_start)
     res.extra.update(files_unchanged=reused[0], bytes_unchanged=reused[1])
     return res
+
+
+def _prepare_here(view: memoryview, keyed: bool) -> Prepared:
+    """What an encoder process's prepare answers (encodeprocs), done in this thread: the zero test,
+    then, for a chunk that is not all zeros, its page keys (KEYED) and its raw id."""
+    t0 = time.perf_counter()
+    zero = is_zero(view)
+    t1 = time.perf_counter()
+    if zero:
+        return Prepared(True, None, None, t1 - t0, 0.0, 0.0)
+    sample = pagekeys.sampled(view) if keyed else None
+    t2 = time.perf_counter()
+    cid = raw_chunk_id(view)
+    return Prepared(False, cid, sample, t1 - t0, time.perf_counter() - t2, t2 - t1)
 
 
 @contextlib.contextmanager

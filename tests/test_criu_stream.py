@@ -74,27 +74,41 @@ def test_protocol_rejects_names_that_are_paths() -> None:
         parse_request(b"\x0a\x20abc")  # a length past the message's end
 
 
-def test_pagemap_split_plan_keeps_small_runs_and_offsets() -> None:
+_PAGEMAP_MAGICS = b"\x19\x43\x56\x54\x25\x40\x08\x56"
+
+
+def _varint(x: int) -> bytes:
+    out = bytearray()
+    while True:
+        b, x = x & 0x7F, x >> 7
+        out.append(b | (0x80 if x else 0))
+        if not x:
+            return bytes(out)
+
+
+def _rec(body: bytes) -> bytes:
+    """A record of a CRIU image: its u32 length, then its protobuf."""
     import struct
+    return struct.pack("<I", len(body)) + body
 
+
+def _entry(vaddr: int, nr: int, flags: int = 4) -> bytes:
+    """A PagemapEntry record (vaddr, nr_pages, flags; 4 is PE_PRESENT)."""
+    return _rec(b"\x08" + _varint(vaddr) + b"\x10" + _varint(nr) + b"\x20" + _varint(flags))
+
+
+def _pm(pages_id: int, entries: list[tuple[int, int]]) -> bytes:
+    """A pagemap image: head PAGES_ID, then (vaddr, pages) records, all present."""
+    return _PAGEMAP_MAGICS + _rec(b"\x08" + _varint(pages_id)) + b"".join(_entry(a, n) for a, n in entries)
+
+
+def test_pagemap_split_plan_keeps_small_runs_and_offsets() -> None:
     from sandbox.criu import split
-
-    def rec(body: bytes) -> bytes:
-        return struct.pack("<I", len(body)) + body
-
-    def entry(vaddr: int, nr: int, flags: int = split.PE_PRESENT) -> bytes:
-        def v(x: int) -> bytes:
-            out = bytearray()
-            while True:
-                b, x = x & 0x7F, x >> 7
-                out.append(b | (0x80 if x else 0))
-                if not x:
-                    return bytes(out)
-        return rec(b"\x08" + v(vaddr) + b"\x10" + v(nr) + b"\x20" + v(flags))
+    assert split.PE_PRESENT == 4
 
     # a 2 MiB area written as two 1 MiB records (CRIU's pipe-sized records) is one run
-    data = b"\x19\x43\x56\x54\x25\x40\x08\x56" + rec(b"\x08\x07") + entry(0x1000, 2) + entry(0x100000, 256) \
-        + entry(0x200000, 256) + entry(0x400000, 1, split.PE_PARENT) + entry(0x800000, 3)
+    data = _pm(7, [(0x1000, 2), (0x100000, 256), (0x200000, 256)]) + _entry(0x400000, 1, split.PE_PARENT) \
+        + _entry(0x800000, 3)
     pl = split.plan("pagemap-42.img", data, 2 << 20)
     assert pl is not None and pl.pid == 42 and pl.pages_image == "pages-7.img"
     assert pl.moved == (split.Run(0x100000, 2 * 4096, 512 * 4096),) and pl.moved_bytes == 512 * 4096
@@ -1181,26 +1195,6 @@ def test_wait_stopped_waits_for_a_pending_stop_and_names_what_never_stopped() ->
         for p in (late, never, zombie):
             p.kill()
             p.wait()
-
-
-def _pm(pages_id: int, entries: list[tuple[int, int]]) -> bytes:
-    """A pagemap image: head PAGES_ID, then (vaddr, pages) records, all present."""
-    import struct
-
-    from sandbox.criu import split
-
-    def v(x: int) -> bytes:
-        out = bytearray()
-        while True:
-            b, x = x & 0x7F, x >> 7
-            out.append(b | (0x80 if x else 0))
-            if not x:
-                return bytes(out)
-
-    def rec(body: bytes) -> bytes:
-        return struct.pack("<I", len(body)) + body
-    return b"\x19\x43\x56\x54\x25\x40\x08\x56" + rec(b"\x08" + v(pages_id)) + b"".join(
-        rec(b"\x08" + v(a) + b"\x10" + v(n) + b"\x20" + v(split.PE_PRESENT)) for a, n in entries)
 
 
 def test_pages_a_child_shares_with_its_parent_stay_with_criu_in_both() -> None:
