@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # Run the GPU tests (marker `gpu`) on a machine with an NVIDIA GPU, e.g. the H200 test machine:
 #   scripts/gpu-tests.sh [pytest args]
-# With carried wheels in .whl/ (no network there) they are installed to /tmp/site first.
+# With carried wheels in .whl/ (no network there; WHEELS=.whl-dev for the trimmed set make-carry.sh
+# builds) they are installed to /tmp/site first.
 # Results (JSON lines) go to ${GPUSNAP_RESULTS:-gpu-results.jsonl}.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
-if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl >&2 || exit 1
+wheels=${WHEELS:-.whl}
+if [ -d "$wheels" ] && ls "$wheels"/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$wheels"/*.whl >&2 || exit 1
     export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
 fi
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"

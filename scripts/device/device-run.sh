@@ -9,6 +9,9 @@
 #   .carry/criu/: CRIU 4.2.1 built here by scripts/setup/install-criu.sh (stripped), every shared library
 #          ldd lists for it except glibc's in lib/, and criu-wrapper setting LD_LIBRARY_PATH (needs glibc >= 2.35);
 #          or .carry-xz/criu.tar.xz, the same folder packed (~3 MB), unpacked to /tmp when .carry/criu is not carried.
+# WHEELS=.whl-dev: .whl without rich and the three it needs (make-carry.sh): what fits beside the tree and
+#          .carry-xz in the 64 MiB carry since cuda-bindings 13.5 / nvCOMP 6.0 (carry [".whl-dev", ".carry-xz"]).
+# FILL_WL="serving moe": the workloads `fillvariants` runs, in order.
 # WHEELS=.whl-lite: install from that folder instead (.whl without nvCOMP's two wheels, ~16 MiB: room in
 #          the 64 MiB carry for more, e.g. .tools/py-spy.xz for `gilprof`; nothing nvCOMP runs then).
 set -uo pipefail
@@ -89,7 +92,7 @@ for what in ${1//,/ }; do
             # gpusnap only, each snapshot restored cold with the defaults, then 8 decoding workers sharing 4 reads, then
             # the defaults again (the spread), then 8 workers holding nothing while CRIU runs, then the host's THP
             # setting kept (GPUSNAP_THP=keep: restores 0.64-1.05x on the development VM, BENCHMARKS.md section 28)
-            for wl in serving moe; do
+            for wl in ${FILL_WL:-serving moe}; do
               timeout ${E2E_TIMEOUT:-260} python3 -m scripts.bench.bench_e2e --gb ${BENCH_GB:-20} --workload $wl --paths stream \
                 --skip-baseline --no-dedup --floor-gb 2 --restore-variant GPUSNAP_FILL_PROCS=8 --restore-variant GPUSNAP_FILL_PROCS=4 \
                 --restore-variant GPUSNAP_FILL_PROCS=8,GPUSNAP_FILL_HELD=0 --restore-variant GPUSNAP_THP=keep --json "$out/fillvariants-$wl.json" 2>&1 \

@@ -41,6 +41,12 @@ fi
 if [ ! -d .whl-lite ]; then
   mkdir -p .whl-lite && cp .whl/*.whl .whl-lite/ && rm -f .whl-lite/nvidia_*nvcomp*
 fi
+# .whl-dev/: .whl without rich and its three (progress bars only on a terminal; none there): with the
+# tree's ~13 MB, .whl (~50 MB with cuda-bindings 13.5 and nvCOMP 6.0) and .carry-xz no longer fit the
+# 64 MiB carry; carry [".whl-dev", ".carry-xz"] with WHEELS=.whl-dev for the GPU suite and the benchmarks
+if [ ! -d .whl-dev ]; then
+  mkdir -p .whl-dev && cp .whl/*.whl .whl-dev/ && rm -f .whl-dev/{rich,pygments,markdown_it_py,mdurl}-*.whl
+fi
 if [ ! -f .tools/py-spy.xz ]; then
   tmp=$(mktemp -d)
   ${PYTHON:-python3} -m pip download -q --only-binary=:all: --no-deps --platform manylinux2014_x86_64 \
@@ -56,4 +62,4 @@ with zipfile.ZipFile(whl) as z:
 P
   rm -rf "$tmp"
 fi
-du -sh .whl .whl-lite .carry .carry-xz .tools >&2
+du -sh .whl .whl-lite .whl-dev .carry .carry-xz .tools >&2
