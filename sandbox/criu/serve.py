@@ -31,7 +31,7 @@ from storage import pipeline
 from storage.childreads import ChildReads
 from storage.chunkfile import ChunkError
 from storage.codecs import CodecError, decode_host, decode_host_into
-from storage.directio import BufferPool
+from storage.directio import AlignedBuffer, BufferPool, Recycler, address_of, copy_into
 from storage.errors import GpusnapError
 from storage.manifest import ChunkRef, Manifest, Stream
 from storage.pipeline import Stages
@@ -232,6 +232,8 @@ class ServeSource:
         self.workers = workers or pipeline.default_workers()
         self.window = window or 2 * self.workers
         self._bufs = BufferPool(self.workers, store.chunk_buffer_size([manifest]))  # CRIU's feeds (the fill has its own)
+        # what the feeds' chunks are decoded into, a window ahead of CRIU: reused, not a new object per chunk
+        self._outs = Recycler(max((c.raw_len for st in self.images.values() for c in st.chunks), default=1))
         early: EarlyReads | None = None
         try:
             # the disk reads what the restore reads first while the pagemaps are read and the split chosen
@@ -242,6 +244,7 @@ class ServeSource:
             self._listener = Listener(directory, SERVE_SOCKET)
         except BaseException:
             self._bufs.close()
+            self._outs.close()
             raise
         finally:
             if early is not None:
@@ -333,6 +336,7 @@ class ServeSource:
         if self._criu_first is not None:
             self._criu_first.join()
         self._bufs.close()
+        self._outs.close()
 
     def _serve(self) -> None:
         try:
@@ -409,6 +413,21 @@ class ServeSource:
             data = self._decoded(s, i, ref, fresh, buf, None)
             return bytes(data) if isinstance(data, memoryview) else data  # the buffer goes back now
 
+    def _fetch_out(self, s: Stream, i: int, ref: ChunkRef) -> tuple[AlignedBuffer, memoryview]:
+        """REF's verified, decoded bytes in a buffer of the feeds' Recycler (give it back once written)."""
+        fresh = self._arrived(ref)  # before taking a buffer: the waits hold none
+        out = self._outs.take()
+        try:
+            view = out.view[:ref.raw_len]
+            with self._bufs.borrowed() as buf:
+                data = self._decoded(s, i, ref, fresh, buf, view)
+                if len(data) and address_of(data) != address_of(view):
+                    copy_into(view, data)  # a `raw` payload, where it was read: copied before its buffer goes back
+                return out, view[:len(data)]
+        except BaseException:
+            self._outs.give(out)
+            raise
+
     def _read_moved(self, wants: list[Want], deliver: Callable[[Want, memoryview], None],
                     stop: Callable[[], bool]) -> None:
         """The split fill's reads (split.ReadAll): from the store, the read stage in pack order (the
@@ -469,9 +488,11 @@ class ServeSource:
     def _feed(self, s: Stream, fd: int, ranges: tuple[tuple[int, int], ...] | None = None,
               replacement: bytes | None = None) -> None:
         """Stream S (only its RANGES; or REPLACEMENT instead) into CRIU's pipe FD, chunks fetched a window ahead."""
-        pending: deque[tuple[Future[bytes | memoryview] | None, int, int]] = deque()
+        Got = tuple[AlignedBuffer, memoryview]
+        pending: deque[tuple[Future[Got] | None, int, int]] = deque()
+        uses: dict[Future[Got], int] = {}  # a chunk's pieces still to write: its buffer goes back after the last
         it = iter(split.pieces(s, ranges) if replacement is None else ())
-        last: tuple[int, Future[bytes | memoryview] | None] | None = None
+        last: tuple[int, Future[Got] | None] | None = None
         try:
             if replacement is not None:
                 write_all(fd, replacement)
@@ -485,24 +506,44 @@ class ServeSource:
                     if last is not None and last[0] == i:
                         fut = last[1]  # the same chunk again: fetched once
                     else:
-                        fut = None if ref.is_zero else self._ex.submit(self._fetch, s, i, ref)
+                        fut = None if ref.is_zero else self._ex.submit(self._fetch_out, s, i, ref)
                         last = (i, fut)
+                    if fut is not None:
+                        uses[fut] = uses.get(fut, 0) + 1
                     pending.append((fut, lo, hi))
                 if not pending:
                     break
                 fut, lo, hi = pending.popleft()
-                data = memoryview(self._zeros)[lo:hi] if fut is None else memoryview(fut.result())[lo:hi]
+                if fut is None:
+                    data = memoryview(self._zeros)[lo:hi]
+                else:
+                    out, view = fut.result()
+                    data = view[lo:hi]
                 write_all(fd, data)
                 self.bytes += len(data)
+                if fut is not None:
+                    uses[fut] -= 1
+                    if not uses[fut]:
+                        del uses[fut]
+                        self._outs.give(out)
             self.served.append(s.name)
         except BaseException as e:  # noqa: BLE001 - CRIU sees the broken pipe; reported by raise_if_failed
-            for f, *_ in pending:
-                if f is not None:
-                    f.cancel()
+            for f in uses:
+                if not f.cancel():  # done or running: its buffer back once it has one
+                    f.add_done_callback(self._give_back)
             self._fail(e if not isinstance(e, OSError) else
                        StreamerError(f"writing image {s.name} to CRIU: {e.strerror}"))
         finally:
             os.close(fd)
+
+    @property
+    def feed_buffers(self) -> int:
+        """Buffers the feeds decoded into (the peak in flight at once; reused after that)."""
+        return self._outs.mapped
+
+    def _give_back(self, fut: "Future[tuple[AlignedBuffer, memoryview]]") -> None:
+        if not fut.cancelled() and fut.exception() is None:
+            self._outs.give(fut.result()[0])
 
     def fill(self, pids_ok: Callable[[int], bool], filled: Callable[[int], None] | None = None) -> dict[str, int]:
         """After CRIU: the moved runs written into the (stopped) processes; PIDS_OK(pid) says a
