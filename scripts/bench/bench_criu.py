@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """CRIU through the store vs plain CRIU to a directory, same process, same disk, same run (issue 5).
 
-A CPU process tree (tests/support/criu_workload.py: a parent and a forked child) holding N MiB of known
+A CPU process tree (scripts/workloads/criu_workload.py: a parent and a forked child) holding N MiB of known
 memory (--data random: incompressible; weights: bf16 N(0, 0.02), few zeros): plain `criu dump` into a
 directory + sync, caches dropped, `criu restore`; then `gpusnap criu dump` / `gpusnap criu restore`
 (store on the same disk). Both restores are checked from inside the restored process.
@@ -15,7 +15,6 @@ import json
 import os
 import platform
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -24,50 +23,13 @@ import time
 
 from sandbox.criu.runner import Criu
 from scripts.helpers import REPO, drop_caches
+from scripts.workloads.criu_tree import CriuTree
 
 
 
 
-class Tree:
-    def __init__(self, mb: int, data: str = "random", sharing: str = "private") -> None:
-        self.dir = tempfile.mkdtemp(prefix="gpusnap-bench-tree-")
-        log = open(os.path.join(self.dir, "log"), "w")
-        self.proc = subprocess.Popen([sys.executable, os.path.join(REPO, "tests", "support", "criu_workload.py"), self.dir, str(mb),
-                                      "gpusnap", data, sharing],
-                                     stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True, cwd="/")
-        while not os.path.exists(os.path.join(self.dir, "ready")):
-            if self.proc.poll() is not None:
-                raise SystemExit(f"workload died: see {self.dir}/log")
-            time.sleep(0.05)
-        info = json.load(open(os.path.join(self.dir, "ready")))
-        self.pid, self.child = info["pid"], info["child"]
-
-    def ok(self) -> bool:
-        rep = os.path.join(self.dir, "report.json")
-        if os.path.exists(rep):
-            os.unlink(rep)
-        open(os.path.join(self.dir, "cmd"), "w").write("report")
-        for _ in range(600):
-            if os.path.exists(rep):
-                r = json.load(open(rep))
-                return r["memory_ok"] and r["child_memory_ok"] and r["pipe_ok"] and r["thread_ok"]
-            time.sleep(0.05)
-        return False
-
-    def gone(self, timeout: float = 60) -> None:
-        """Wait until the dumped pids are free again (CRIU restores the same pids)."""
-        self.proc.wait()
-        deadline = time.monotonic() + timeout
-        while any(os.path.exists(f"/proc/{p}") for p in (self.pid, self.child)) and time.monotonic() < deadline:
-            time.sleep(0.02)
-
-    def kill(self) -> None:
-        for p in (self.child, self.pid):
-            try:
-                os.kill(p, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        self.gone()
+def Tree(mb: int, data: str, sharing: str) -> CriuTree:
+    return CriuTree(mb, data=data, sharing=sharing, prefix="gpusnap-bench-tree-", start_timeout=600)
 
 
 def gpusnap(store: str, *args: str, env: dict[str, str] | None = None) -> dict:
@@ -98,8 +60,10 @@ def main() -> None:
     variants = {"gpusnap": {}, **{f"gpusnap {v}": dict(kv.split("=", 1) for kv in v.split(",")) for v in a.variant}}
     times: dict[str, list[float]] = {"plain": [], **{k: [] for k in variants}}
     ok: dict[str, bool] = {}
+    trees: list[CriuTree] = []
     try:
         tp = t = Tree(a.mb, a.data, a.sharing)  # the same data in both trees (same seed), other pids
+        trees.append(t)
         assert t.ok(), "the tree did not check out before its dump"  # and its child has written its own bytes
         img = os.path.join(work, "img")
         os.mkdir(img)
@@ -110,6 +74,7 @@ def main() -> None:
         res["plain_bytes"] = sum(os.path.getsize(os.path.join(img, f)) for f in os.listdir(img))
         t.gone()
         tg = t = Tree(a.mb, a.data, a.sharing)
+        trees.append(t)
         assert t.ok(), "the tree did not check out before its dump"
         store = os.path.join(work, "store")
         t0 = time.perf_counter()
@@ -133,6 +98,7 @@ def main() -> None:
                 times[who].append(time.perf_counter() - t0)
                 ok[who] = t.ok() and ok.get(who, True)
                 t.kill()
+                t.gone()  # the pids free again: the next restore takes the same ones
         res["plain_restore"] = statistics.median(times["plain"])
         res["plain_ok"] = ok["plain"]
         res["gpusnap_restore"] = statistics.median(times["gpusnap"])
@@ -141,6 +107,8 @@ def main() -> None:
         res["restores"] = times
         res["verified"] = ok
     finally:
+        for t in trees:  # whatever of them runs (a failed round leaves its tree restored)
+            t.close()
         shutil.rmtree(work, ignore_errors=True)
     what = "random memory (worst case for compression)" if a.data == "random" else "bf16 weights (few zeros)"
     print(f"{res['machine']}: process tree (2 processes) with {a.mb} MiB of {what}, the child's "

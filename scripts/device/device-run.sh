@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batch on the lent GPU machine (the `device` tool): GPU tests, then the benchmarks named in $1
-# ("tests", "engine", "e2e", "speed", "moe", "fillvariants", "codecs", "startup", "probe-delta", "gilprof", "knobs", "bench" = scripts/bench/bench_h200.sh, "hostpath", "pinned", "ingest", "pool", or several, comma-separated). Results land in $OUT (or ./device-out).
+# ("tests", "engine", "e2e", "speed", "moe", "fillvariants", "criutree", "codecs", "startup", "probe-delta", "gilprof", "knobs", "bench" = scripts/bench/bench_h200.sh, "hostpath", "pinned", "ingest", "pool", or several, comma-separated). Results land in $OUT (or ./device-out).
 # The GPU machine has no network: carry .whl/ and .carry/ (both git-ignored, ~58 MiB together):
 #   .whl/: pip download --only-binary=:all: --python-version 3.12 --no-deps --platform manylinux2014_x86_64
 #          --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 --platform any -d .whl \
@@ -97,6 +97,12 @@ for what in ${1//,/ }; do
                 --skip-baseline --no-dedup --floor-gb 2 --restore-variant GPUSNAP_FILL_PROCS=8 --restore-variant GPUSNAP_FILL_PROCS=4 \
                 --restore-variant GPUSNAP_FILL_PROCS=8,GPUSNAP_FILL_HELD=0 --restore-variant GPUSNAP_THP=keep --json "$out/fillvariants-$wl.json" 2>&1 \
                 | grep -E "^(==|disk floor|gpusnap/|  )" | tee "$out/fillvariants-$wl.txt"; done ;;
+    criutree) # CPU process trees through CRIU against plain CRIU on this machine's 16 cores (BENCHMARKS.md sections
+            # 28-29): a forked tree sharing its weights copy-on-write (CRIU restores all of it; its feeds decode
+            # into reused buffers since 1b7c237), then one whose processes hold their own
+            for sh in ${TREE_SHARING:-cow private}; do
+              timeout ${TREE_TIMEOUT:-280} python3 -m scripts.bench.bench_criu --mb ${TREE_MB:-4096} --data weights --sharing $sh \
+                --rounds ${TREE_ROUNDS:-2} --json "$out/criutree-$sh.json" 2>&1 | tee "$out/criutree-$sh.txt" | tail -6; done ;;
     e2e)    timeout 560 python3 -m scripts.bench.bench_e2e --json "$out/e2e.json" ${BENCH_ARGS:-} 2>&1 | tee "$out/e2e.log" ;;
   esac
 done

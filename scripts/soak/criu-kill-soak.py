@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Soak: dump/restore cycles of a small CRIU process tree with gpusnap SIGKILLed at random moments.
 
-Each cycle dumps the tree (tests/support/criu_workload.py: two processes, a thread, a pipe, a file
+Each cycle dumps the tree (scripts/workloads/criu_workload.py: two processes, a thread, a pipe, a file
 offset, known memory and a counter) into a store and restores it, through the real `gpusnap` CLI and
 the streamed image path with the split fill on (so that a kill can land inside CRIU, the ingest, the
 commit, CRIU's restore or the fill). With probability --kill-p each command is SIGKILLed after a
@@ -22,7 +22,6 @@ import os
 import random
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -32,73 +31,21 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
-WORKLOAD = REPO / "tests" / "support" / "criu_workload.py"
+sys.path.insert(0, str(REPO))
+from scripts.workloads.criu_tree import CriuTree, healthy  # noqa: E402 - the repository on the path first
 
 
-def _state(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return "gone"
-
-
-class Workload:
+class Workload(CriuTree):
     """The criu_workload.py tree, detached (not our child: init reaps it, as for a real workload)."""
 
     def __init__(self, mb: int) -> None:
-        self.dir = Path(tempfile.mkdtemp(prefix="gpusnap-soak-wl-"))
-        argv = [sys.executable, str(WORKLOAD), str(self.dir), str(mb)]
-        subprocess.run(["sh", "-c", 'setsid "$@" </dev/null >/dev/null 2>&1 &', "sh", *argv], check=True, cwd="/")
-        deadline = time.monotonic() + 30
-        while not (self.dir / "ready").exists():
-            if time.monotonic() > deadline:
-                raise SystemExit("soak: the workload did not start")
-            time.sleep(0.02)
-        info = json.loads((self.dir / "ready").read_text())
-        self.pid, self.child = int(info["pid"]), int(info["child"])
-
-    @property
-    def pids(self) -> tuple[int, int]:
-        return self.pid, self.child
-
-    def states(self) -> dict[int, str]:
-        return {p: _state(p) for p in self.pids}
+        super().__init__(mb, detached=True, prefix="gpusnap-soak-wl-", start_timeout=30)
 
     def alive(self) -> bool:
-        return all(s not in ("gone", "Z") for s in self.states().values())
+        return self.running()
 
-    def gone(self, timeout: float = 10) -> bool:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if all(s in ("gone", "Z") for s in self.states().values()):
-                return True
-            time.sleep(0.05)
-        return False
-
-    def report(self, timeout: float = 20) -> dict[str, Any]:
-        rep = self.dir / "report.json"
-        rep.unlink(missing_ok=True)
-        (self.dir / "cmd").write_text("report")
-        deadline = time.monotonic() + timeout
-        while not rep.exists():
-            if time.monotonic() > deadline:
-                raise AssertionError(f"the tree did not answer (states {self.states()})")
-            time.sleep(0.02)
-        return json.loads(rep.read_text())
-
-    def kill(self) -> None:
-        for p in self.pids:
-            try:
-                os.kill(p, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        self.gone()
-        shutil.rmtree(self.dir, ignore_errors=True)
-
-
-def healthy(rep: dict[str, Any]) -> bool:
-    return bool(rep["memory_ok"] and rep["child_memory_ok"] and rep["pipe_ok"] and rep["thread_ok"] and rep["file_offset"] == 234)
+    def gone(self, timeout: float = 10, zombies: bool = True) -> bool:
+        return super().gone(timeout, zombies)
 
 
 @dataclass
@@ -244,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
         if not soak.problems or soak.problems[-1] != str(e):
             soak.problems.append(str(e))
     finally:
-        w.kill()
+        w.close()
         shutil.rmtree(tmp, ignore_errors=True)
     actions: dict[str, int] = {}
     for r in soak.recovered:
