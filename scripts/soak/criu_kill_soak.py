@@ -12,7 +12,7 @@ random delay within how long it usually takes; `gpusnap recover` runs after ever
   gone back.
 Prints one JSON summary; exit 0 only if every cycle held. Needs root and CRIU >= 4 (scripts/setup.sh).
 
-    sudo PATH=.cache/criu/bin:$PATH .venv/bin/python scripts/soak/criu-kill-soak.py --cycles 50
+    sudo PATH=.cache/criu/bin:$PATH .venv/bin/python -m scripts.soak.criu_kill_soak --cycles 50   (from the repository root)
 """
 from __future__ import annotations
 
@@ -30,9 +30,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from scripts.workloads.criu_tree import CriuTree, healthy
+
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
-from scripts.workloads.criu_tree import CriuTree, healthy  # noqa: E402 - the repository on the path first
 
 
 class Workload(CriuTree):
