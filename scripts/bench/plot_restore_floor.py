@@ -9,11 +9,12 @@ Usage: python3 -m scripts.bench.plot_restore_floor OUT.png [results/*-h200/*/e2e
 from __future__ import annotations
 
 import glob
+import os
 import json
 import sys
 
 
-RECENT = "2026-12-03"  # filled markers: runs in results/ folders of this date (the newest code); hollow: older
+RECENT = os.environ.get("RECENT", "2026-12-04")  # filled markers: runs in results/ folders of this date (the newest code); hollow: older
 
 
 def points(paths: list[str]) -> list[dict]:
