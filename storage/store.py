@@ -31,6 +31,7 @@ import math
 import random
 import fcntl
 import json
+import mmap
 import os
 import re
 import stat
@@ -47,7 +48,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator
 from .progress import Progress
 from .chunkfile import (HEADER_SIZE, ChunkError, ChunkHeader, chunk_id, file_kind, full_check, max_stored_len,
                         id_check, raw_chunk_id, read_chunk_file, reusable, stored_check)
-from .directio import AlignedBuffer, BufferPool, align_up, direct_io_supported, read_to_end
+from .directio import AlignedBuffer, BufferPool, address_of, align_up, copy_into, direct_io_supported, read_to_end
 from .directio import unlink_quietly as _unlink_quietly, write_new_file as _write_file
 from . import delta, waits
 from .codecs import DELTA, HostCodecChooser
@@ -290,7 +291,7 @@ class SnapshotStore:
         # stores have them, and migration takes them away); a file that appears later (unquarantine
         # moves one back, another process's hand) is only not reused: a duplicate entry, never a wrong one
         self._no_chunk_files: set[str] = set()
-        self._bases: OrderedDict[str, bytes] = OrderedDict()  # delta bases read (raw, verified), newest last
+        self._bases: OrderedDict[str, memoryview] = OrderedDict()  # delta bases read (raw, verified), newest last
         self._bases_total = 0
         self.bases_decoded = 0  # raw bytes of delta bases read and decoded (not from the cache), ever
         self._bases_most = BASE_CACHE  # a put with a parent raises it (keep_bases); a restore's fill
@@ -787,7 +788,7 @@ class SnapshotStore:
         with self._bases_lock:
             self._bases_most = max(BASE_CACHE, most)
 
-    def delta_base(self, bid: str, most: int) -> bytes:
+    def delta_base(self, bid: str, most: int) -> memoryview:
         """The raw bytes of BID as the base of a delta (storage/delta.py's BaseReader), verified: a
         raw-addressed entry of at most MOST raw bytes that is not itself a delta (depth 1: a base is
         never resolved further); ChunkError (about BID) otherwise. The last BASE_CACHE bytes of bases
@@ -810,7 +811,7 @@ class SnapshotStore:
             if len(hit) > most:
                 raise ChunkError(bid, f"holds {len(hit)} raw bytes, more than a delta's base may ({most})")
             return hit
-        raw: bytes | None = None
+        raw: memoryview | None = None
         try:
             raw = self._read_base(bid, most)
         finally:
@@ -826,7 +827,7 @@ class SnapshotStore:
             mine.set()
         return raw
 
-    def _read_base(self, bid: str, most: int) -> bytes:
+    def _read_base(self, bid: str, most: int) -> memoryview:
         cap = HEADER_SIZE + align_up(max(most, 1))
         first: ChunkError | None = None
         for refresh in (False, True):
@@ -1372,16 +1373,23 @@ class _NoStages:
         pass
 
 
-def _base_bytes(bid: str, header: ChunkHeader, payload: memoryview, most: int) -> bytes:
+def _base_bytes(bid: str, header: ChunkHeader, payload: memoryview, most: int) -> memoryview:
     """The raw bytes of the entry BID (HEADER, PAYLOAD) as a delta's base: raw-addressed, not a delta,
-    at most MOST raw bytes, full-checked; ChunkError otherwise."""
+    at most MOST raw bytes, full-checked; ChunkError otherwise. Read-only, in a mapping of their own
+    (kept while referenced), decoded or copied into it with the GIL released: `bytes(...)` of the
+    decoded view held the GIL for the copy and its page faults, 78% of this step's samples in a
+    profile of a second put (BENCHMARKS.md section 29)."""
     if not header.raw_id:
         raise ChunkError(bid, "is not a raw-addressed chunk (a delta's base must be one)")
     if header.codec == DELTA:
         raise ChunkError(bid, "is itself a delta entry (a base must be a full entry: depth 1 only)")
     if header.raw_len > most:
         raise ChunkError(bid, f"holds {header.raw_len} raw bytes, more than a delta's base may ({most})")
-    return bytes(full_check(header, payload, bid))
+    view = memoryview(mmap.mmap(-1, max(header.raw_len, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS))[:header.raw_len]
+    data = full_check(header, payload, bid, view)
+    if len(data) and address_of(data) != address_of(view):
+        copy_into(view, data)  # a `raw` payload, where it was read (its buffer is closed after this)
+    return view[:len(data)].toreadonly()
 
 
 def _is_empty_dir(fd: int) -> bool:
