@@ -407,7 +407,8 @@ class ServeSource:
         return memoryview(self._zeros)[:ref.raw_len] if ref.is_zero else self._fetch(s, i, ref)
 
     def _fetch(self, s: Stream, i: int, ref: ChunkRef) -> bytes | memoryview:
-        """REF's verified, decoded bytes, as an object of their own (CRIU's feeds hold them a window ahead)."""
+        """REF's verified, decoded bytes, as an object of their own (planning's reads of the process tree
+        and the pagemaps; CRIU's feeds use _fetch_out)."""
         fresh = self._arrived(ref)  # before taking a buffer: the waits hold none
         with self._bufs.borrowed() as buf:
             data = self._decoded(s, i, ref, fresh, buf, None)
@@ -515,17 +516,15 @@ class ServeSource:
                     break
                 fut, lo, hi = pending.popleft()
                 if fut is None:
-                    data = memoryview(self._zeros)[lo:hi]
+                    write_all(fd, memoryview(self._zeros)[lo:hi])
                 else:
                     out, view = fut.result()
-                    data = view[lo:hi]
-                write_all(fd, data)
-                self.bytes += len(data)
-                if fut is not None:
+                    write_all(fd, view[lo:hi])
                     uses[fut] -= 1
                     if not uses[fut]:
                         del uses[fut]
                         self._outs.give(out)
+                self.bytes += hi - lo
             self.served.append(s.name)
         except BaseException as e:  # noqa: BLE001 - CRIU sees the broken pipe; reported by raise_if_failed
             for f in uses:

@@ -43,7 +43,6 @@ class CriuTree:
         argv = [sys.executable, str(WORKLOAD), str(self.dir), str(mb), "gpusnap", data, sharing]
         if detached:
             argv = ["sh", "-c", 'setsid "$@" </dev/null >/dev/null 2>&1 &', "sh", *argv]
-        self.detached = detached
         self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=self.log, stderr=self.log,
                                      start_new_session=True, cwd="/")
         deadline = time.monotonic() + start_timeout
