@@ -22,7 +22,7 @@ import tempfile
 import time
 
 from sandbox.criu.runner import Criu
-from scripts.helpers import REPO, drop_caches
+from scripts.helpers import REPO, child_env, drop_caches
 from scripts.workloads.criu_tree import CriuTree
 
 
@@ -32,9 +32,17 @@ def Tree(mb: int, data: str, sharing: str) -> CriuTree:
     return CriuTree(mb, data=data, sharing=sharing, prefix="gpusnap-bench-tree-", start_timeout=600)
 
 
+T0 = time.perf_counter()
+
+
+def progress(what: str) -> None:
+    """One line on stderr per step, with the seconds since the start: a run cut short still says where it was."""
+    print(f"[{time.perf_counter() - T0:7.1f} s] {what}", file=sys.stderr, flush=True)
+
+
 def gpusnap(store: str, *args: str, env: dict[str, str] | None = None) -> dict:
     p = subprocess.run([sys.executable, "-m", "cli", "--store", store, *args, "--json"], capture_output=True,
-                       text=True, cwd=REPO, env=dict(os.environ, PYTHONPATH=REPO, **(env or {})))
+                       text=True, cwd=REPO, env=child_env(**(env or {})))
     if p.returncode:
         raise SystemExit(p.stderr)
     return json.loads(p.stdout)
@@ -62,8 +70,10 @@ def main() -> None:
     ok: dict[str, bool] = {}
     trees: list[CriuTree] = []
     try:
+        progress(f"starting the first tree ({a.mb} MiB, {a.data}, {a.sharing})")
         tp = t = Tree(a.mb, a.data, a.sharing)  # the same data in both trees (same seed), other pids
         trees.append(t)
+        progress("plain criu dump")
         assert t.ok(), "the tree did not check out before its dump"  # and its child has written its own bytes
         img = os.path.join(work, "img")
         os.mkdir(img)
@@ -73,9 +83,11 @@ def main() -> None:
         res["plain_dump"] = time.perf_counter() - t0
         res["plain_bytes"] = sum(os.path.getsize(os.path.join(img, f)) for f in os.listdir(img))
         t.gone()
+        progress("starting the second tree")
         tg = t = Tree(a.mb, a.data, a.sharing)
         trees.append(t)
         assert t.ok(), "the tree did not check out before its dump"
+        progress("gpusnap criu dump")
         store = os.path.join(work, "store")
         t0 = time.perf_counter()
         d = gpusnap(store, "criu", "dump", str(t.pid), "b")
@@ -89,6 +101,7 @@ def main() -> None:
             for who in order:
                 t = tp if who == "plain" else tg
                 drop_caches(required=True)
+                progress(f"round {rnd + 1}: {who} restore")
                 t0 = time.perf_counter()
                 if who == "plain":
                     criu.restore(img, detach=True)

@@ -45,7 +45,7 @@ from sandbox.gpu.driver import CudaDriver
 from sandbox.gpu.checkpoint import checkpoint_all, restore_all
 from sandbox.host.hugepages import thp
 from scripts.bench.timeline import Timeline, phase_line
-from scripts.helpers import REPO, disk_floor, drop_caches, second_dump_pages
+from scripts.helpers import REPO, child_env, disk_floor, drop_caches, second_dump_pages
 from scripts.workloads.workload_control import Workload
 
 
@@ -55,8 +55,7 @@ SCRIPTS = {"serving": "serving_workload.py", "moe": "moe_workload.py", "syntheti
 
 
 def gpusnap(store: str, *args: str, path: str = "stream", extra_env: dict[str, str] | None = None) -> dict:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]),
-               GPUSNAP_CRIU_IMAGES=path, **(extra_env or {}))
+    env = child_env(GPUSNAP_CRIU_IMAGES=path, **(extra_env or {}))
     p = subprocess.run([sys.executable, "-m", "cli", "--store", store, *args, "--json"],
                        capture_output=True, text=True, env=env)
     if p.returncode != 0:

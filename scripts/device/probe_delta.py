@@ -24,7 +24,7 @@ import tempfile
 import numpy as np
 
 from scripts.bench.bench_e2e import SCRIPTS, gpusnap, verify
-from scripts.helpers import REPO, drop_caches
+from scripts.helpers import REPO, child_env, drop_caches
 from scripts.workloads.workload_control import Workload
 from storage.pipeline import page_keys
 
@@ -32,7 +32,7 @@ PAGE = 4096
 
 
 def image(store: str, snap: str, stream: str) -> np.ndarray:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
+    env = child_env()
     out = subprocess.run([sys.executable, "-m", "cli", "--store", store, "store", "cat", snap, stream],
                          capture_output=True, check=True, env=env).stdout
     n = len(out) // PAGE * PAGE
@@ -63,7 +63,7 @@ def main() -> None:
                               "parent": d2.get("parent"), "verified": verify(w)["ok"],
                               "delta_stages": {k: v for k, v in (d2.get("stages") or {}).items()
                                                if k.startswith("delta") or k == "compress"}}), flush=True)
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
+        env = child_env()
         ls = {}
         for snap in ("e2e", "e2e-b"):
             p = subprocess.run([sys.executable, "-m", "cli", "--store", store, "store", "ls", snap, "--json"],
