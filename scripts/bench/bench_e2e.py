@@ -39,6 +39,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Sequence
 
 from sandbox.criu.runner import Criu
 from sandbox.gpu.driver import CudaDriver
@@ -54,13 +55,18 @@ from scripts.workloads.workload_control import Workload
 SCRIPTS = {"serving": "serving_workload.py", "moe": "moe_workload.py", "synthetic": "gpu_workload.py"}
 
 
-def gpusnap(store: str, *args: str, path: str = "stream", extra_env: dict[str, str] | None = None) -> dict:
+def gpusnap(store: str, *args: str, path: str = "stream", extra_env: dict[str, str] | None = None,
+            wrap: Sequence[str] = ()) -> dict:
+    """`gpusnap --store STORE ARGS --json` in a child (WRAP: a command it runs under, e.g. a profiler's
+    `py-spy record ... --`), its JSON report; SystemExit with its stderr when it fails."""
     env = child_env(GPUSNAP_CRIU_IMAGES=path, **(extra_env or {}))
-    p = subprocess.run([sys.executable, "-m", "cli", "--store", store, *args, "--json"],
+    p = subprocess.run([*wrap, sys.executable, "-m", "cli", "--store", store, *args, "--json"],
                        capture_output=True, text=True, env=env)
     if p.returncode != 0:
         raise SystemExit(f"gpusnap {' '.join(args)} failed: {p.stderr.strip()}")
-    return json.loads(p.stdout)
+    out = p.stdout if not wrap else "".join(  # a profiler's own lines (py-spy's begin "py-spy> ") are not the report
+        ln for ln in p.stdout.splitlines(keepends=True) if not ln.startswith("py-spy> "))
+    return json.loads(out)
 
 
 def driver_restore_s(g: dict, b: dict | None) -> float:

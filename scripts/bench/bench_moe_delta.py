@@ -3,6 +3,7 @@
 what the workload changed, for several put thread counts, with real CRIU and no GPU.
 
     python3 -m scripts.bench.bench_moe_delta [--gb 1] [--workers 2,8,16] [--restores 1,2] [--dir /var/tmp] [--json OUT]
+                                              [--profile-second "py-spy record --gil -f raw -o gil.txt --"]
 
 For each count: scripts/workloads/moe_workload.py --device cpu (numpy arrays in place of device
 memory, two processes in one tree) is dumped into a fresh store, restored from it and checked, then
@@ -11,13 +12,15 @@ running ($GPUSNAP_PUT_WORKERS set for both dumps). Prints the second dump's new 
 the workload changed, its wall time and its delta counters (FORMAT.md, "Delta entries"). Also the
 pages of the second dump found in no page image of the first (`nowhere_bytes`): what no delta can
 take from the parent, whatever it places where (the workload counts only the KV blocks it filled;
-the process also changes its heap and its temporaries). Needs root and CRIU >= 4 ($GPUSNAP_CRIU).
+the process also changes its heap and its temporaries). --profile-second runs the second dump (only
+it) under a profiler's command line. Needs root and CRIU >= 4 ($GPUSNAP_CRIU).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import shlex
 import shutil
 import tempfile
 import time
@@ -28,12 +31,14 @@ from scripts.helpers import report_json, second_dump_pages
 from scripts.workloads.workload_control import Workload
 
 
-def one(gb: float, workers: int, root: str, restores: int = 1) -> dict[str, Any]:
+def one(gb: float, workers: int, root: str, restores: int = 1, wrap: str = "") -> dict[str, Any]:
     store = tempfile.mkdtemp(prefix="gpusnap-moe-delta-", dir=root)
     env = {"GPUSNAP_PUT_WORKERS": str(workers)}
     try:
         with Workload(gb, detached=True, script="moe_workload.py", extra=("--device", "cpu"), timeout=600) as w:
+            t0 = time.perf_counter()
             gpusnap(store, "criu", "dump", str(w.pid), "m1", extra_env=env)
+            first = time.perf_counter() - t0
             w.reap()
             for i in range(restores):  # restored again after a kill, as bench_e2e's --restore-variant does
                 if i:
@@ -43,7 +48,8 @@ def one(gb: float, workers: int, root: str, restores: int = 1) -> dict[str, Any]
                     raise SystemExit("the restored tree failed its own check")
             changed = int(w.cmd("mutate 5")["bytes"])
             t0 = time.perf_counter()
-            rep = gpusnap(store, "criu", "dump", "--leave-running", "--parent", "m1", str(w.pid), "m2", extra_env=env)
+            rep = gpusnap(store, "criu", "dump", "--leave-running", "--parent", "m1", str(w.pid), "m2", extra_env=env,
+                          wrap=shlex.split(wrap))
             wall = time.perf_counter() - t0
             if not w.cmd("verify")["ok"]:
                 raise SystemExit("the tree failed its own check after the second dump")
@@ -53,6 +59,7 @@ def one(gb: float, workers: int, root: str, restores: int = 1) -> dict[str, Any]
         return {"workers": workers, "restores": restores, "changed_bytes": changed, "new_bytes": rep["new_bytes"],
                 "new_over_changed": round(rep["new_bytes"] / changed, 3), "nowhere_bytes": nowhere,
                 "new_over_nowhere": round(rep["new_bytes"] / max(1, nowhere), 3), "second_dump_s": round(wall, 2),
+                "first_dump_s": round(first, 2),
                 "delta": {k: v["bytes"] for k, v in stages.items() if k.startswith("delta:")},
                 "thread_s": {k: v["thread_seconds"] for k, v in stages.items()
                              if k in ("compress", "delta", "delta-base", "delta-search", "worker")},
@@ -69,11 +76,13 @@ def main() -> None:
     ap.add_argument("--restores", default="1", help="restores before the second dump, each after killing the last "
                     "restored tree (comma-separated: one run each)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--profile-second", default="", metavar="CMD",
+                    help="a command the second dump runs under (e.g. a py-spy record command line ending in --)")
     a = ap.parse_args()
     rows = []
     for k in [int(x) for x in a.restores.split(",") if x]:
         for n in [int(x) for x in a.workers.split(",") if x]:
-            r = one(a.gb, n, a.dir, k)
+            r = one(a.gb, n, a.dir, k, a.profile_second)
             print(json.dumps(r), flush=True)
             rows.append(r)
     report_json({"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "gb": a.gb, "rows": rows}, a.json)

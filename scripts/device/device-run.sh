@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batch on the lent GPU machine (the `device` tool): GPU tests, then the benchmarks named in $1
-# ("tests", "engine", "e2e", "speed", "moe", "fillvariants", "criutree", "codecs", "startup", "probe-delta", "gilprof", "knobs", "bench" = scripts/bench/bench_h200.sh, "hostpath", "pinned", "ingest", "pool", or several, comma-separated). Results land in $OUT (or ./device-out).
+# ("tests", "engine", "e2e", "speed", "moe", "fillvariants", "criutree", "codecs", "startup", "probe-delta", "gilprof", "deltaprof", "knobs", "bench" = scripts/bench/bench_h200.sh, "hostpath", "pinned", "ingest", "pool", or several, comma-separated). Results land in $OUT (or ./device-out).
 # The GPU machine has no network: carry .whl/ and .carry/ (both git-ignored, ~58 MiB together):
 #   .whl/: pip download --only-binary=:all: --python-version 3.12 --no-deps --platform manylinux2014_x86_64
 #          --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 --platform any -d .whl \
@@ -82,6 +82,16 @@ for what in ${1//,/ }; do
               --gb ${HOSTPATH_GB:-6} --mix weights --ingest-variants w16 --json "$out/gilprof-spy-all.json" 2>&1 | tail -3
             timeout 200 python3 -m scripts.bench.bench_hostpath --gb ${HOSTPATH_GB:-6} --mix weights \
               --ingest-variants ${GIL_VARIANTS:-w16,w8,w16} --json "$out/gilprof.json" 2>&1 | tee "$out/gilprof.log" | grep -v '^ ' ;;
+    deltaprof) # the MoE-like tree's second dump on 16 cores, CPU only (scripts/bench/bench_moe_delta.py): once plain,
+            # then under py-spy (carried xz-packed: carry [".whl-lite", ".carry-xz", ".tools"]) sampling the threads holding
+            # the GIL, then every thread, waiting ones included: is the second dump bound by the GIL or by its bases' reads?
+            python3 -c "import lzma,shutil,os; shutil.copyfileobj(lzma.open('.tools/py-spy.xz'), open('/tmp/py-spy','wb')); os.chmod('/tmp/py-spy',0o755)"
+            # DELTA_PROFS="plain-numpy plain": a run with $GPUSNAP_NO_NATIVE set (the byte planes in numpy), then one
+            # with the C planes (storage/shufflelib.py; carry storage/native/libgpusnap_shuffle2.so built here)
+            for prof in ${DELTA_PROFS:-plain gil idle}; do
+              wrap=""; [ ${prof%-numpy} != plain ] && wrap="/tmp/py-spy record --${prof%-numpy} --threads -r 200 -f raw -o $out/deltaprof-$prof.txt --"
+              env $( [ "${prof#*-}" = numpy ] && echo GPUSNAP_NO_NATIVE=1 ) timeout ${DELTA_TIMEOUT:-170} python3 -m scripts.bench.bench_moe_delta \
+                --gb ${DELTA_GB:-4} --workers ${DELTA_WORKERS:-16} --profile-second "$wrap" --json "$out/deltaprof-$prof.json" 2>&1 | tail -2 | cut -c1-600; done ;;
     knobs)  # the ingest's knobs on this machine (workers; run29 also had O_DIRECT pack entries, since removed), weights then the serving mix
             lscpu > "$out/lscpu.txt" 2>&1
             for mix in weights serving; do
