@@ -53,7 +53,7 @@ if TYPE_CHECKING:  # imported on first use: a listing or --help needs neither
     import numpy as np
     import zstandard
 
-from . import zstdlib
+from . import shufflelib, zstdlib
 from .directio import copy_into
 from .errors import GpusnapError
 
@@ -359,7 +359,10 @@ class Shuffle2Codec:
     def _plane_of(self, a: np.ndarray, i: int, into: np.ndarray, layout: int) -> None:
         """Plane I of the 2-byte elements A (0: low bytes, 1: high bytes) in LAYOUT into INTO. Layout 2
         takes the bytes of each element rotated left by one bit: the high plane is bits 7..14 (a bf16's
-        exponent), the low plane bits 0..6 shifted up by one with bit 15 (the sign) as its bit 0."""
+        exponent), the low plane bits 0..6 shifted up by one with bit 15 (the sign) as its bit 0.
+        In one C call where the library is built (storage/shufflelib.py), else with numpy."""
+        if shufflelib.plane(a, i, into, layout):
+            return
         np = _np()
         if i == 1:
             np.right_shift(a, 7 if layout == 2 else 8, out=into, casting="unsafe")  # the cast keeps 8 bits
@@ -427,7 +430,10 @@ class Shuffle2Codec:
 
     def _merge(self, lo: np.ndarray, hi: np.ndarray, o: np.ndarray, layout: int) -> None:
         """The 2-byte elements O from their planes LO and HI in LAYOUT (2: each rotated right by one bit
-        after the bytes are joined, a step of _BLOCK elements at a time)."""
+        after the bytes are joined, a step of _BLOCK elements at a time). In one C call where the
+        library is built (storage/shufflelib.py), else with numpy."""
+        if shufflelib.merge(lo, hi, o, layout):
+            return
         np = _np()
         if layout != 2:
             np.left_shift(hi, 8, out=o, dtype="<u2")

@@ -1,0 +1,53 @@
+/* The byte planes of 2-byte elements (storage/codecs.py, Shuffle2Codec; FORMAT.md, "Codec ids"), in one
+ * pass each way, called through ctypes (which releases the GIL for the whole call).
+ *
+ * Layout 1: the low plane is each element's low byte, the high plane its high byte.
+ * Layout 2: each element is rotated left by one bit first, so the high plane is bits 7..14 (a bf16's
+ *           exponent) and the low plane bits 0..6 shifted up by one with bit 15 (the sign) as bit 0.
+ *
+ * These functions read N elements and write N bytes per plane (or N elements), nothing else: every
+ * length is the caller's, computed from sizes it has checked (no data in the buffers steers them).
+ * Plain loops over fixed-width integers, which compilers vectorize; built for the generic x86-64
+ * baseline and for AVX2, the better one picked when the library is loaded (target_clones). */
+#include <stddef.h>
+#include <stdint.h>
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define GS_CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define GS_CLONES
+#endif
+
+static inline uint16_t rotl1(uint16_t x) { return (uint16_t)((x << 1) | (x >> 15)); }
+static inline uint16_t rotr1(uint16_t x) { return (uint16_t)((x >> 1) | (x << 15)); }
+
+/* Plane WHICH (0 low, 1 high) of the N elements A, in LAYOUT, into OUT (N bytes). */
+GS_CLONES
+void gs_shuffle2_plane(const uint16_t *restrict a, size_t n, int which, int layout, uint8_t *restrict out)
+{
+    if (layout == 2) {
+        if (which)
+            for (size_t i = 0; i < n; i++) out[i] = (uint8_t)(rotl1(a[i]) >> 8);
+        else
+            for (size_t i = 0; i < n; i++) out[i] = (uint8_t)rotl1(a[i]);
+    } else {
+        if (which)
+            for (size_t i = 0; i < n; i++) out[i] = (uint8_t)(a[i] >> 8);
+        else
+            for (size_t i = 0; i < n; i++) out[i] = (uint8_t)a[i];
+    }
+}
+
+/* The N elements OUT from their planes LO and HI (N bytes each), in LAYOUT. */
+GS_CLONES
+void gs_shuffle2_merge(const uint8_t *restrict lo, const uint8_t *restrict hi, size_t n, int layout,
+                       uint16_t *restrict out)
+{
+    if (layout == 2)
+        for (size_t i = 0; i < n; i++) out[i] = rotr1((uint16_t)(((uint16_t)hi[i] << 8) | lo[i]));
+    else
+        for (size_t i = 0; i < n; i++) out[i] = (uint16_t)(((uint16_t)hi[i] << 8) | lo[i]);
+}
+
+/* The ABI version of this library: storage/shufflelib.py loads only the one it was written for. */
+int gs_shuffle2_version(void) { return 1; }

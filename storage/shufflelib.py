@@ -1,0 +1,100 @@
+"""The byte planes of 2-byte elements in C (storage/native/shuffle2.c), one call per plane, the GIL released.
+
+Why: storage.codecs.Shuffle2Codec split and merged planes with numpy, five array operations per
+block of each chunk. Each operation takes the GIL back when it returns, and under the put's sixteen
+threads those hand-overs, not the arithmetic, were the cost: a profile of a second dump on the H200
+found 30% of its workers' time in the split and the merge (BENCHMARKS.md section 30). One pass in C
+does the same work 4-6x faster on one thread (a 4 MiB chunk: numpy 5 GB/s, C 24-33 GB/s on the dev
+VM) and releases the GIL once.
+
+`plane` and `merge` return False when the library is not there (not built: no compiler at setup;
+or $GPUSNAP_NO_NATIVE set, for measuring) or the arrays are not what the C functions take (other
+dtypes, strided, overlapping, read-only output); the caller then does it with numpy, with the
+same result. The library is loaded only from storage/native/ beside this module, and only when it
+is a regular file no one but its owner may write.
+
+Guarantees kept here: the C functions read exactly N elements and write exactly N bytes (or
+elements), N taken from the arrays' own sizes, checked equal here before the call.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import stat
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import numpy as np
+
+LIBRARY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "native", "libgpusnap_shuffle2.so")
+ABI = 1  # gs_shuffle2_version() of the library this module was written for
+
+
+def _load(path: str = LIBRARY) -> Any:
+    """The library at PATH with its functions' signatures set, or None (see the module's doc)."""
+    if os.environ.get("GPUSNAP_NO_NATIVE"):
+        return None
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except OSError:
+        return None
+    if not stat.S_ISREG(st.st_mode) or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return None  # a link, or a file others may rewrite: not loaded into a process that runs as root
+    try:
+        lib = ctypes.CDLL(path)
+    except OSError:
+        return None
+    vp, sz, i = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int
+    try:
+        lib.gs_shuffle2_version.restype, lib.gs_shuffle2_version.argtypes = i, []
+        if lib.gs_shuffle2_version() != ABI:
+            return None
+        lib.gs_shuffle2_plane.restype, lib.gs_shuffle2_plane.argtypes = None, [vp, sz, i, i, vp]
+        lib.gs_shuffle2_merge.restype, lib.gs_shuffle2_merge.argtypes = None, [vp, vp, sz, i, vp]
+    except AttributeError:
+        return None
+    return lib
+
+
+_lib = _load()
+
+
+def available() -> bool:
+    """Whether the C planes are used (built, loadable, not turned off)."""
+    return _lib is not None
+
+
+def _addr(a: "np.ndarray") -> int:
+    return int(a.__array_interface__["data"][0])
+
+
+def _flat(a: "np.ndarray", itemsize: int, writable: bool = False) -> bool:
+    return (a.ndim == 1 and a.itemsize == itemsize and a.dtype.kind == "u" and a.flags.c_contiguous
+            and (not writable or a.flags.writeable))
+
+
+def _apart(*arrays: "np.ndarray") -> bool:
+    spans = sorted((_addr(a), _addr(a) + a.nbytes) for a in arrays if a.nbytes)
+    return all(e <= s for (_, e), (s, _) in zip(spans, spans[1:]))
+
+
+def plane(a: "np.ndarray", which: int, into: "np.ndarray", layout: int) -> bool:
+    """Plane WHICH (0 low bytes, 1 high) of the uint16 elements A in LAYOUT (1 or 2) into INTO (uint8,
+    as many as A has): True when done here, False when the caller must (see the module's doc)."""
+    if (_lib is None or layout not in (1, 2) or which not in (0, 1) or not _flat(a, 2) or not _flat(into, 1, True)
+            or into.size != a.size or not _apart(a, into)):
+        return False
+    if a.size:
+        _lib.gs_shuffle2_plane(_addr(a), a.size, which, layout, _addr(into))
+    return True
+
+
+def merge(lo: "np.ndarray", hi: "np.ndarray", out: "np.ndarray", layout: int) -> bool:
+    """The uint16 elements OUT from their planes LO and HI (uint8, as many as OUT has) in LAYOUT: True
+    when done here, False when the caller must."""
+    if (_lib is None or layout not in (1, 2) or not _flat(lo, 1) or not _flat(hi, 1) or not _flat(out, 2, True)
+            or not lo.size == hi.size == out.size or not _apart(lo, out) or not _apart(hi, out)):
+        return False
+    if out.size:
+        _lib.gs_shuffle2_merge(_addr(lo), _addr(hi), out.size, layout, _addr(out))
+    return True

@@ -1,0 +1,117 @@
+"""The byte planes in C (storage/shufflelib.py) against numpy's, and the codec's payloads with and without them."""
+from __future__ import annotations
+
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+from storage import codecs, shufflelib
+from storage.native import build
+
+SIZES = [0, 1, 7, (1 << 18) - 1, (1 << 18) + 3, 1 << 21]  # elements: empty, odd, around a numpy step, 4 MiB
+
+
+def _numpy_plane(a: np.ndarray, which: int, layout: int) -> np.ndarray:
+    x = a.astype(np.uint32)
+    if layout == 2:
+        x = ((x << 1) | (x >> 15)) & 0xFFFF
+    return ((x >> 8) if which else (x & 0xFF)).astype(np.uint8)
+
+
+def test_setup_built_the_library() -> None:
+    # scripts/setup.sh builds it (the CI runs that first): the tests below then test the C path
+    if os.environ.get("GPUSNAP_NO_NATIVE"):
+        pytest.skip("$GPUSNAP_NO_NATIVE is set")
+    assert shufflelib.available(), f"{shufflelib.LIBRARY} is not built or not loadable (python3 -m storage.native.build)"
+    assert build.build() == [shufflelib.LIBRARY]  # newer than its source: kept as it is
+
+
+@pytest.mark.parametrize("layout", [1, 2])
+@pytest.mark.parametrize("n", SIZES)
+def test_planes_and_merge_match_numpy(layout: int, n: int) -> None:
+    if not shufflelib.available():
+        pytest.skip("the library is not built")
+    a = np.random.default_rng(n + layout).integers(0, 1 << 16, n, dtype=np.uint16)
+    planes = []
+    for which in (0, 1):
+        into = np.full(n, 0xAA, np.uint8)
+        assert shufflelib.plane(a, which, into, layout)
+        np.testing.assert_array_equal(into, _numpy_plane(a, which, layout))
+        planes.append(into)
+    out = np.zeros(n + 1, np.uint16)  # one element more: the call writes exactly N
+    assert shufflelib.merge(planes[0], planes[1], out[:n], layout)
+    np.testing.assert_array_equal(out[:n], a)
+    assert out[n] == 0
+
+
+def test_arrays_it_does_not_take_are_left_to_the_caller() -> None:
+    if not shufflelib.available():
+        pytest.skip("the library is not built")
+    a = np.arange(64, dtype=np.uint16)
+    into = np.zeros(64, np.uint8)
+    assert not shufflelib.plane(a[::2], 0, into[:32], 2)              # strided
+    assert not shufflelib.plane(a.astype(np.int16), 0, into, 2)       # signed
+    assert not shufflelib.plane(a, 0, into[:63], 2)                   # sizes differ
+    assert not shufflelib.plane(a, 0, a.view(np.uint8)[:64], 2)       # output overlaps the input
+    ro = np.zeros(64, np.uint8)
+    ro.flags.writeable = False
+    assert not shufflelib.plane(a, 0, ro, 2)                          # read-only output
+    assert not shufflelib.plane(a, 2, into, 2)                        # no such plane
+    assert not shufflelib.merge(into, into, a, 3)                     # no such layout
+    assert not shufflelib.merge(into, into[:63], a, 2)
+
+
+@pytest.mark.parametrize("kind", ["weights", "random", "zeros"])
+def test_codec_payloads_are_the_same_either_way(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    rng = np.random.default_rng(7)
+    if kind == "weights":
+        raw = (rng.standard_normal(1 << 20).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16).tobytes()
+    elif kind == "random":
+        raw = rng.integers(0, 256, 1 << 21, dtype=np.uint8).tobytes()
+    else:
+        raw = bytes(1 << 21)
+    c = codecs.Shuffle2Codec()
+    results = []
+    for native in (True, False):
+        if not native:
+            monkeypatch.setattr(shufflelib, "_lib", None)
+        dst = memoryview(bytearray(len(raw) + 64))
+        m = c.encode_into(memoryview(raw), dst)
+        assert m is not None
+        out = memoryview(bytearray(len(raw)))
+        c.decode(dst[:m], len(raw), out)
+        assert bytes(out) == raw
+        results.append(bytes(dst[:m]))
+    assert results[0] == results[1]
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_layout_1_payloads_still_decode(native: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A layout 1 payload (an older writer's) decodes the same through numpy and through C."""
+    if not native:
+        monkeypatch.setattr(shufflelib, "_lib", None)
+    raw = np.random.default_rng(3).integers(0, 1 << 16, 1 << 16, dtype=np.uint16)
+    lo, hi = _numpy_plane(raw, 0, 1), _numpy_plane(raw, 1, 1)
+    payload = codecs.Shuffle2Codec._HEAD.pack(1, 0, 0, lo.size) + lo.tobytes() + hi.tobytes()
+    got = codecs.Shuffle2Codec().decode(memoryview(payload), raw.nbytes)
+    assert bytes(got) == raw.tobytes()
+
+
+def test_loader_refuses_links_and_files_others_may_write(tmp_path: "os.PathLike[str]") -> None:
+    if not shufflelib.available():
+        pytest.skip("the library is not built")
+    lib = os.path.join(tmp_path, "lib.so")
+    shutil.copy(shufflelib.LIBRARY, lib)
+    os.chmod(lib, 0o755)
+    assert shufflelib._load(lib) is not None
+    os.chmod(lib, 0o775)
+    assert shufflelib._load(lib) is None
+    os.chmod(lib, 0o757)
+    assert shufflelib._load(lib) is None
+    os.chmod(lib, 0o755)
+    link = os.path.join(tmp_path, "link.so")
+    os.symlink(lib, link)
+    assert shufflelib._load(link) is None
+    assert shufflelib._load(os.path.join(tmp_path, "missing.so")) is None
