@@ -205,6 +205,7 @@ def _packs(store: "SnapshotStore", root: int, uid: int, report: GcReport, live: 
                 set_aside = any((ent.name, off) in index.skip for _, off, _ in ents)
                 if not mine:
                     _drop_pack(idx_fd, packs_fd, ent.name)
+                    store.pack_dropped(ent.name)  # its fd, if this process read it, closed: the space freed
                 elif live_bytes >= REPACK_BELOW * size and not (set_aside and dead):
                     continue  # (a pack holding a quarantined entry no reader needs is repacked without it)
                 else:
@@ -249,6 +250,7 @@ def _repack(store: "SnapshotStore", root: int, uid: int, packs_fd: int, idx_fd: 
     finally:
         buf.close()
     _drop_pack(idx_fd, packs_fd, name)
+    store.pack_dropped(name)  # read through the store's open packs above: its fd closed, the space freed
 
 
 def _journal_pins(root: int, uid: int) -> set[str]:

@@ -38,6 +38,7 @@ import stat
 import struct
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
@@ -59,6 +60,7 @@ from .errors import EXIT_DAMAGED, DamageError, GpusnapError
 from .manifest import ChunkRef, Manifest, ManifestError, Stream, validate_tag
 from .names import InvalidNameError, validate_snapshot_name
 from .owner import owned_name, this_owner
+from .packfds import PackFds
 from .packs import Loc, PackIndex, PackWriter, open_pack, read_entry
 from .packs import pause as pause_pack
 from .tier import Landing, Verified
@@ -298,6 +300,12 @@ class SnapshotStore:
                                        # processes each have a store object of their own: not there
         self._bases_loading: dict[str, threading.Event] = {}  # bases one thread is reading for all who ask
         self._bases_lock = threading.Lock()
+        # packs opened once for the header look-ups and base reads of many threads (storage/packfds.py),
+        # closed with this object or when the index is loaded again
+        # (the opener holds this object weakly: a bound method would keep it, and its finalizer, alive)
+        me = weakref.ref(self)
+        self._pack_fds = PackFds(lambda pack, cid: _live(me)._open_pack_checked(pack, cid))
+        weakref.finalize(self, self._pack_fds.forget)
 
     # ---- layout -------------------------------------------------------------------------------
     @property
@@ -644,7 +652,9 @@ class SnapshotStore:
 
     # ---- the pack index (FORMAT.md, "Pack files and the index") --------------------------------
     def refresh_index(self) -> PackIndex:
-        """Load the index files written since the last look (and the quarantine records of entries)."""
+        """Load the index files written since the last look (and the quarantine records of entries);
+        the packs held open are closed (reopened as the index names them now)."""
+        self._pack_fds.forget()
         with self._index_lock:
             try:
                 with self.subdir(INDEX) as idx:
@@ -682,6 +692,8 @@ class SnapshotStore:
             self._pending.setdefault(cid, loc)
 
     def pack_dropped(self, pack: str) -> None:
+        """PACK was removed (a failed seal, gc): not read as pending, and its fd held here closed."""
+        self._pack_fds.drop(pack)
         with self._index_lock:
             self._forget_pending(pack)
 
@@ -708,8 +720,22 @@ class SnapshotStore:
             pass
         return out
 
+    def _open_pack_checked(self, pack: str, cid: str) -> int:
+        """PACK opened read-only through the checked packs/ directory (ChunkError naming CID otherwise)."""
+        try:
+            with self.subdir(PACKS) as packs:
+                return open_pack(packs, pack, cid)
+        except FileNotFoundError:
+            raise ChunkError(cid, f"missing ({PACKS}/ is gone)") from None
+        except StoreDamage as e:
+            raise ChunkError(cid, str(e)) from None
+
     def read_entry(self, cid: str, loc: Loc, buf: AlignedBuffer, direct: bool) -> tuple[ChunkHeader, memoryview]:
-        """The entry LOC of chunk CID read into BUF (header parsed, payload not yet checked)."""
+        """The entry LOC of chunk CID read into BUF (header parsed, payload not yet checked); a
+        buffered read through the pack held open (PackFds)."""
+        if not direct:
+            with self._pack_fds.borrowed(loc.pack, cid) as fd:
+                return read_entry(fd, loc, self.pack_length(loc.pack), cid, buf)
         try:
             with self.subdir(PACKS) as packs:
                 fd = open_pack(packs, loc.pack, cid) if not direct else self._open_pack_direct(packs, loc.pack, cid)
@@ -888,12 +914,8 @@ class SnapshotStore:
         error, too many open files), its header damaged (a delta's codec id may be what is damaged),
         or a delta's table that does not parse (which bases it names is unknown)."""
         try:
-            with self.subdir(PACKS) as packs:
-                fd = open_pack(packs, loc.pack, cid)
-            try:
+            with self._pack_fds.borrowed(loc.pack, cid) as fd:
                 head = os.pread(fd, min(loc.length, HEADER_SIZE + delta.TABLE_MAX), loc.offset)
-            finally:
-                os.close(fd)
             header = ChunkHeader.unpack(head[:64], cid)
         except (ChunkError, OSError, GpusnapError, struct.error, ValueError) as e:
             raise EntryUnknown(f"chunk {cid[:16]}… in pack {loc.pack[:16]}…: its header cannot be read ({e})") from None
@@ -937,12 +959,8 @@ class SnapshotStore:
             if self.entry_segments(bid, loc) is not None:
                 continue
             try:
-                with self.subdir(PACKS) as packs:
-                    fd = open_pack(packs, loc.pack, bid)
-                try:
+                with self._pack_fds.borrowed(loc.pack, bid) as fd:
                     header = ChunkHeader.unpack(os.pread(fd, 64, loc.offset), bid)
-                finally:
-                    os.close(fd)
             except (ChunkError, OSError, GpusnapError, struct.error):
                 continue
             return ChunkRef(bid, header.raw_len, header.codec, header.stored_len)
@@ -1024,20 +1042,19 @@ class SnapshotStore:
 
     def present(self, cid: str, header: ChunkHeader, chunks_fd: int, pw: PackWriter | None) -> ChunkHeader | None:
         """The header of a copy of CID a writer about to store HEADER may reuse (FORMAT.md, "Damage and
-        healing"): in PW's open pack, in an indexed pack (its entry's header sane, its bytes all there), or a version 1/2 chunk file (chunkfile.reusable). None: write it."""
+        healing"): in PW's open pack, in an indexed pack (its entry's header sane, its bytes all there), or a version 1/2 chunk file (chunkfile.reusable). None: write it.
+        The indexed pack is read through the fd held open (PackFds): a writer holds the store's shared
+        lock and loaded the index after taking it (which forgot every fd held), and gc and repair,
+        which remove packs, need the exclusive lock, so no pack it reads can have been removed since."""
         got = pw.pending(cid) if pw is not None else None
         if got is not None:
             return got if _reusable_header(got, header) else None
         for loc in self.locate(cid):
             try:
-                with self.subdir(PACKS) as packs:
-                    fd = open_pack(packs, loc.pack, cid)
-                try:
+                with self._pack_fds.borrowed(loc.pack, cid) as fd:
                     if os.fstat(fd).st_size < loc.offset + loc.length:
                         continue  # truncated: written again
                     head = os.pread(fd, 64, loc.offset)
-                finally:
-                    os.close(fd)
                 got = ChunkHeader.unpack(head, cid)
             except (ChunkError, OSError, GpusnapError, struct.error):
                 continue
@@ -1371,6 +1388,13 @@ class _NoStages:
 
     def add(self, stage: str, seconds: float, nbytes: int) -> None:
         pass
+
+
+def _live(ref: "weakref.ref[SnapshotStore]") -> "SnapshotStore":
+    store = ref()
+    if store is None:  # a pack opened for a store being collected: nothing can still be reading it
+        raise ChunkError("", "the store was closed")
+    return store
 
 
 def _base_bytes(bid: str, header: ChunkHeader, payload: memoryview, most: int) -> memoryview:
