@@ -26,6 +26,8 @@ def test_setup_built_the_library() -> None:
         pytest.skip("$GPUSNAP_NO_NATIVE is set")
     assert shufflelib.available(), f"{shufflelib.LIBRARY} is not built or not loadable (python3 -m storage.native.build)"
     assert build.build() == [shufflelib.LIBRARY]  # newer than its source: kept as it is
+    from sandbox.doctor import _host_codec
+    assert _host_codec()["byte_planes"] == "C"  # and `gpusnap doctor` says so
 
 
 @pytest.mark.parametrize("layout", [1, 2])

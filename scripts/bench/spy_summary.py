@@ -2,7 +2,7 @@
 """What a py-spy raw profile (`py-spy record -f raw [--threads]`) says, in a few lines: the samples per
 thread name prefix, and the functions most often on the stack or at its top.
 
-    python3 -m scripts.bench.spy_summary PROFILE.txt [--match as_delta] [--top 15]
+    python3 -m scripts.bench.spy_summary PROFILE.txt[.xz] [--match as_delta] [--top 15]
 
 Each line of a raw profile is `frame;frame;...;frame COUNT` (with --threads the first frame names the
 thread). --match keeps only the stacks through a frame containing that text (e.g. the second dump's
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import lzma
 import re
 
 _LOC = re.compile(r" \(.*\)$")
@@ -20,7 +21,7 @@ _LOC = re.compile(r" \(.*\)$")
 
 def parse(path: str) -> list[tuple[list[str], int]]:
     out = []
-    with open(path) as f:
+    with (lzma.open(path, "rt") if path.endswith(".xz") else open(path)) as f:
         for line in f:
             stack, _, n = line.rstrip("\n").rpartition(" ")
             if stack and n.isdigit():

@@ -28,6 +28,9 @@ echo "bytecode before: PYTHONDONTWRITEBYTECODE=${PYTHONDONTWRITEBYTECODE:-unset}
 unset PYTHONDONTWRITEBYTECODE
 export PYTHONPYCACHEPREFIX=/tmp/gpusnap-pycache
 python3 -m compileall -q -j 0 cli sandbox storage criu_hooks scripts /tmp/site > /dev/null 2>&1 || true
+# the byte-plane codec's C helper: kept when carried (storage/native/libgpusnap_shuffle2.so, built here), else
+# built if this machine has a compiler and the tree is writable, else the byte planes run in numpy (doctor says which)
+python3 -m storage.native.build > /dev/null 2>&1 || true
 if [ -d .carry/criu ]; then export GPUSNAP_CRIU="$root/.carry/criu/criu-wrapper"; fi
 if [ ! -d .carry/criu ] && [ -f .carry-xz/criu.tar.xz ]; then  # the packed CRIU (make-carry.sh), unpacked outside the tree
   criu_dir=$(mktemp -d /tmp/gpusnap-criu.XXXXXX) && tar -C "$criu_dir" -xJf .carry-xz/criu.tar.xz \
