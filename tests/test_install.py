@@ -113,3 +113,7 @@ def test_install_system_script_links_gpusnap_and_second_run_is_quick(tmp_path: P
     world_readable(tmp_path)
     h = as_nobody([str(bindir / "gpusnap"), "--help"])
     assert h.returncode == 0 and "Usage: gpusnap" in h.stdout, h.stderr
+    # the byte planes' C helper built in the tree (scripts/setup.sh) is installed with it, and loads
+    if (REPO / "storage" / "native" / "libgpusnap_shuffle2.so").is_file():
+        d = as_nobody([str(bindir / "gpusnap"), "doctor"])
+        assert d.returncode == 0 and "byte planes in C" in d.stdout, d.stdout + d.stderr
