@@ -88,7 +88,7 @@ for what in ${1//,/ }; do
     deltaprof) # the MoE-like tree's second dump on 16 cores, CPU only (scripts/bench/bench_moe_delta.py): once plain,
             # then under py-spy (carried xz-packed: carry [".whl-lite", ".carry-xz", ".tools"]) sampling the threads holding
             # the GIL, then every thread, waiting ones included: is the second dump bound by the GIL or by its bases' reads?
-            python3 -c "import lzma,shutil,os; shutil.copyfileobj(lzma.open('.tools/py-spy.xz'), open('/tmp/py-spy','wb')); os.chmod('/tmp/py-spy',0o755)"
+            [ -f .tools/py-spy.xz ] && python3 -c "import lzma,shutil,os; shutil.copyfileobj(lzma.open('.tools/py-spy.xz'), open('/tmp/py-spy','wb')); os.chmod('/tmp/py-spy',0o755)"
             # DELTA_PROFS="plain-numpy plain": a run with $GPUSNAP_NO_NATIVE set (the byte planes in numpy), then one
             # with the C planes (storage/shufflelib.py; carry storage/native/libgpusnap_shuffle2.so built here)
             for prof in ${DELTA_PROFS:-plain gil idle}; do
