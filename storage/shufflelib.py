@@ -19,41 +19,22 @@ elements), N taken from the arrays' own sizes, checked equal here before the cal
 from __future__ import annotations
 
 import ctypes
-import os
-import stat
 from typing import TYPE_CHECKING, Any
+
+from . import native
 
 if TYPE_CHECKING:
     import numpy as np
 
-LIBRARY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "native", "libgpusnap_shuffle2.so")
+LIBRARY = native.path_of("libgpusnap_shuffle2.so")
 ABI = 1  # gs_shuffle2_version() of the library this module was written for
 
 
 def _load(path: str = LIBRARY) -> Any:
-    """The library at PATH with its functions' signatures set, or None (see the module's doc)."""
-    if os.environ.get("GPUSNAP_NO_NATIVE"):
-        return None
-    try:
-        st = os.stat(path, follow_symlinks=False)
-    except OSError:
-        return None
-    if not stat.S_ISREG(st.st_mode) or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        return None  # a link, or a file others may rewrite: not loaded into a process that runs as root
-    try:
-        lib = ctypes.CDLL(path)
-    except OSError:
-        return None
+    """The library at PATH with its functions' signatures set, or None (storage/native: native.load)."""
     vp, sz, i = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int
-    try:
-        lib.gs_shuffle2_version.restype, lib.gs_shuffle2_version.argtypes = i, []
-        if lib.gs_shuffle2_version() != ABI:
-            return None
-        lib.gs_shuffle2_plane.restype, lib.gs_shuffle2_plane.argtypes = None, [vp, sz, i, i, vp]
-        lib.gs_shuffle2_merge.restype, lib.gs_shuffle2_merge.argtypes = None, [vp, vp, sz, i, vp]
-    except AttributeError:
-        return None
-    return lib
+    return native.load(path, "gs_shuffle2_version", ABI, [("gs_shuffle2_plane", None, [vp, sz, i, i, vp]),
+                                                         ("gs_shuffle2_merge", None, [vp, vp, sz, i, vp])])
 
 
 _lib = _load()

@@ -25,7 +25,7 @@ def test_setup_built_the_library() -> None:
     if os.environ.get("GPUSNAP_NO_NATIVE"):
         pytest.skip("$GPUSNAP_NO_NATIVE is set")
     assert shufflelib.available(), f"{shufflelib.LIBRARY} is not built or not loadable (python3 -m storage.native.build)"
-    assert build.build() == [shufflelib.LIBRARY]  # newer than its source: kept as it is
+    assert shufflelib.LIBRARY in build.build()  # newer than its source: kept as it is
     from sandbox.doctor import _host_codec
     assert _host_codec()["byte_planes"] == "C"  # and `gpusnap doctor` says so
 

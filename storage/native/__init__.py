@@ -1,5 +1,46 @@
 """Native helpers gpusnap builds from C at setup (storage/native/build.py) and loads through ctypes.
 
 Each is optional: without it (no compiler at setup, or $GPUSNAP_NO_NATIVE set) the module that uses
-it falls back to numpy, with the same results.
+it falls back to numpy, with the same results. `load` is the one way they are loaded: only from this
+directory, only a regular file no one but its owner may write, only at the ABI version its caller
+was written for.
 """
+from __future__ import annotations
+
+import ctypes
+import os
+import stat
+from typing import Any, Sequence
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def path_of(name: str) -> str:
+    """Where the library NAME (e.g. "libgpusnap_shuffle2.so") is built and loaded from."""
+    return os.path.join(HERE, name)
+
+
+def load(path: str, version: str, abi: int, functions: Sequence[tuple[str, Any, Sequence[Any]]]) -> Any:
+    """The library at PATH with FUNCTIONS' (name, restype, argtypes) set, if VERSION() returns ABI;
+    None when it is turned off ($GPUSNAP_NO_NATIVE), missing, a link, writable by group or others
+    (not loaded into a process that runs as root), not loadable, or another version."""
+    if os.environ.get("GPUSNAP_NO_NATIVE"):
+        return None
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except OSError:
+        return None
+    if not stat.S_ISREG(st.st_mode) or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return None
+    try:
+        lib = ctypes.CDLL(path)
+        v = getattr(lib, version)
+        v.restype, v.argtypes = ctypes.c_int, []
+        if v() != abi:
+            return None
+        for name, res, args in functions:
+            f = getattr(lib, name)
+            f.restype, f.argtypes = res, list(args)
+    except (OSError, AttributeError):
+        return None
+    return lib

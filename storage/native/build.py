@@ -14,8 +14,8 @@ import sys
 import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-# (source, library): storage/shufflelib.py loads the library by this name, from this directory only
-LIBRARIES = (("shuffle2.c", "libgpusnap_shuffle2.so"),)
+# (source, library): storage/shufflelib.py and storage/delta.py load them by these names, from here only
+LIBRARIES = (("shuffle2.c", "libgpusnap_shuffle2.so"), ("pages.c", "libgpusnap_pages.so"))
 CFLAGS = ("-O3", "-std=c11", "-Wall", "-Wextra", "-Werror", "-fPIC", "-shared", "-fstack-protector-strong",
           "-Wl,-z,relro,-z,now", "-Wl,-z,noexecstack")
 

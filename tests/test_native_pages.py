@@ -1,0 +1,64 @@
+"""page_differences in C (storage/native/pages.c) against numpy's, and the native loader's refusals."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from storage import delta, native
+
+PAGE = delta.PAGE
+
+
+def _numpy(x: memoryview, monkeypatch: pytest.MonkeyPatch) -> np.ndarray:
+    with monkeypatch.context() as m:
+        m.setattr(delta, "_pages", False)
+        return delta.page_differences(x)
+
+
+def test_built() -> None:
+    if os.environ.get("GPUSNAP_NO_NATIVE"):
+        pytest.skip("$GPUSNAP_NO_NATIVE is set")
+    assert delta._pages_lib() is not None, "storage/native/libgpusnap_pages.so is not built (python3 -m storage.native.build)"
+
+
+@pytest.mark.parametrize("n", [0, 1, PAGE - 1, PAGE, PAGE + 1, 3 * PAGE + 17, 4 << 20])
+@pytest.mark.parametrize("kind", ["zeros", "sparse", "dense"])
+def test_counts_match_numpy(n: int, kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    if delta._pages_lib() is None:
+        pytest.skip("the library is not built")
+    rng = np.random.default_rng(n)
+    a = np.zeros(n, np.uint8)
+    if kind == "sparse" and n:
+        where = rng.integers(0, n, max(1, n // 5000))
+        a[where] = rng.integers(1, 256, len(where), dtype=np.uint8)
+        a[-1] = 7  # the last (partial) page too
+    elif kind == "dense":
+        a[:] = rng.integers(0, 256, n, dtype=np.uint8)
+    x = memoryview(bytearray(a.tobytes()))
+    got = delta.page_differences(x)
+    want = _numpy(x, monkeypatch)
+    assert got.dtype == want.dtype and got.shape == want.shape == ((n + PAGE - 1) // PAGE,)
+    np.testing.assert_array_equal(got, want)
+    assert int(got.sum()) == int(np.count_nonzero(a))
+    ro = memoryview(bytes(x))  # a read-only view (a base, a payload) counts the same
+    np.testing.assert_array_equal(delta.page_differences(ro), want)
+
+
+def test_loader_refuses_what_it_must(tmp_path: "os.PathLike[str]") -> None:
+    import ctypes
+    import shutil
+    src = native.path_of("libgpusnap_pages.so")
+    if not os.path.isfile(src):
+        pytest.skip("the library is not built")
+    lib = os.path.join(tmp_path, "p.so")
+    shutil.copy(src, lib)
+    os.chmod(lib, 0o755)
+    fns = [("gs_page_differences", ctypes.c_int64, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_void_p])]
+    assert native.load(lib, "gs_pages_version", 1, fns) is not None
+    assert native.load(lib, "gs_pages_version", 2, fns) is None           # another ABI
+    assert native.load(lib, "gs_no_such_version", 1, fns) is None         # not this library
+    assert native.load(lib, "gs_pages_version", 1, [("gs_missing", None, [])]) is None
+    os.chmod(lib, 0o775)
+    assert native.load(lib, "gs_pages_version", 1, fns) is None           # group may write it
