@@ -164,9 +164,10 @@ def report(criu: str = "criu", runsc: str = "runsc") -> dict[str, Any]:
 
 def _host_codec() -> dict[str, Any]:
     """What the CPU codecs run on: the system's libzstd or python-zstandard, the byte planes in C or numpy."""
-    from storage import shufflelib, zstdlib
+    from storage import delta, shufflelib, zstdlib
     return {"libzstd": zstdlib.available(), "byte_planes": "C" if shufflelib.available() else "numpy",
-            "byte_planes_library": shufflelib.LIBRARY}
+            "byte_planes_library": shufflelib.LIBRARY,
+            "page_counts": "C" if delta._pages_lib() is not None else "numpy"}
 
 
 def render_criu_binary(c: dict[str, Any]) -> str:
@@ -202,10 +203,9 @@ def render(r: dict[str, Any]) -> str:
                  "" if isinstance(r["dump_encoders"], str) else
                  " (the dump encodes in its own threads; GPUSNAP_ENCODE_PROCS)"),
               f"host codec           zstd through {'libzstd' if r['host_codec']['libzstd'] else 'python-zstandard'}, "
-              f"byte planes in {r['host_codec']['byte_planes']}"
-              + ("" if r["host_codec"]["byte_planes"] == "C" else
-                 f" ({r['host_codec']['byte_planes_library']} not built: python3 -m storage.native.build, or "
-                 "GPUSNAP_NO_NATIVE is set)"),
+              f"byte planes in {r['host_codec']['byte_planes']}, delta page counts in {r['host_codec']['page_counts']}"
+              + ("" if r["host_codec"]["byte_planes"] == r["host_codec"]["page_counts"] == "C" else
+                 " (storage/native not built: python3 -m storage.native.build, or GPUSNAP_NO_NATIVE is set)"),
               f"CRIU                 {r['criu'] or 'not found'}",
               f"GPUs in CRIU dumps   {r['criu_gpu_handler']}",
               render_criu_binary(r["criu_binary"]),

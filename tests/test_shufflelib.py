@@ -27,7 +27,7 @@ def test_setup_built_the_library() -> None:
     assert shufflelib.available(), f"{shufflelib.LIBRARY} is not built or not loadable (python3 -m storage.native.build)"
     assert shufflelib.LIBRARY in build.build()  # newer than its source: kept as it is
     from sandbox.doctor import _host_codec
-    assert _host_codec()["byte_planes"] == "C"  # and `gpusnap doctor` says so
+    assert _host_codec()["byte_planes"] == _host_codec()["page_counts"] == "C"  # and `gpusnap doctor` says so
 
 
 @pytest.mark.parametrize("layout", [1, 2])
