@@ -383,7 +383,12 @@ def test_stream_dump_and_restore_of_a_tree(cli: Cli, store_dir: Path, dump_env: 
             assert d["stages"]["checksum"]["bytes"] > 0, d["stages"]
         elif (os.cpu_count() or 1) < 8 and "GPUSNAP_ENCODE_PROCS" not in os.environ:
             assert "checksum" not in d["stages"], "no encoder process on a machine of fewer than 8 cores by default"
-        assert d["seconds"]["ingest_after_dump"] < d["seconds"]["criu_dump"]
+        # the ingest ran while CRIU wrote: every raw byte came through CRIU's pipe into the pipeline, none
+        # from a staged copy. (Not a timing check: at 48 MiB the tail after CRIU, the last chunks and
+        # the fsyncs, took 0.26 s against CRIU's 0.19 s on a loaded CI machine; the benchmarks measure
+        # the overlap: 0.2 s after a 15.6 s dump of 24 GB on the H200.)
+        followed = cli.json("store", "inspect", "s1")["meta"]["ingested_while_dumping"]
+        assert any(f.startswith("pages-") for f in followed), followed
         tree.reap()
         assert not tree.alive(), "the tree is killed once the snapshot is committed"
         assert not list((store_dir / "tmp").iterdir())
