@@ -33,7 +33,8 @@ class _Open:
 
 
 class PackFds:
-    """Pack name -> an fd opened by OPENER(pack, cid) (which raises for a pack that cannot be read)."""
+    """Pack name -> an fd opened by OPENER(pack, cid) (which raises for a pack that cannot be read),
+    cached while a `held()` block runs (a put, for all its threads)."""
 
     MOST = 64  # open once idle, at most (least recently used closed first): a store may hold thousands
 
@@ -43,10 +44,36 @@ class PackFds:
         self._lock = threading.Lock()
         self._open: collections.OrderedDict[str, _Open] = collections.OrderedDict()
         self._generation = 0  # forget() counts up: an fd opened across one is not cached
+        self._holders = 0     # held() blocks running: fds are cached only while one runs
+
+    @contextmanager
+    def held(self) -> Iterator[None]:
+        """Cache the packs opened during the block (nested and concurrent blocks share the cache); when
+        the last block ends every pack is closed. Outside any block a borrow opens and closes its pack
+        as before: a store object left alive holds no file open (a file system it was on unmounts)."""
+        with self._lock:
+            self._holders += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._holders -= 1
+                last = self._holders == 0
+            if last:
+                self.forget()
 
     @contextmanager
     def borrowed(self, pack: str, cid: str) -> Iterator[int]:
         """PACK's fd for the block (CID: the chunk read, for the opener's errors)."""
+        with self._lock:
+            caching = self._holders > 0
+        if not caching:  # no held() block: this borrower's own fd, closed after it
+            fd = self._opener(pack, cid)
+            try:
+                yield fd
+            finally:
+                os.close(fd)
+            return
         o: _Open | None = None
         closing: list[int] = []
         try:

@@ -380,7 +380,9 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
     nstaging = workers * 2 if chunker == "fixed" else 0
     arena_bytes = ((nstaging + workers) * align_up(HEADER_SIZE + chunk_size)
                    + nblocks * align_up(_READ_BLOCK + chunk_size))  # what is carved from it below
-    with _encoders(nprocs, arena_bytes, zstd_level, compress) as (arena, encs), \
+    # (the store's packs stay open for the put's header look-ups and base reads; closed after its threads end)
+    with writer.store.holding_packs(), \
+            _encoders(nprocs, arena_bytes, zstd_level, compress) as (arena, encs), \
             BufferPool(nstaging, HEADER_SIZE + chunk_size, arena) as staging, \
             BufferPool(workers, HEADER_SIZE + chunk_size, arena) as scratch, \
             BufferPool(workers if at else 0, HEADER_SIZE + chunk_size) as dscratch, \

@@ -41,7 +41,7 @@ import time
 import weakref
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import ExitStack, contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any, Iterable, Iterator
@@ -300,8 +300,8 @@ class SnapshotStore:
                                        # processes each have a store object of their own: not there
         self._bases_loading: dict[str, threading.Event] = {}  # bases one thread is reading for all who ask
         self._bases_lock = threading.Lock()
-        # packs opened once for the header look-ups and base reads of many threads (storage/packfds.py),
-        # closed with this object or when the index is loaded again
+        # packs opened once for the header look-ups and base reads of a put's threads (storage/packfds.py:
+        # while holding_packs() runs), closed when it ends, when the index is loaded again or with this object
         # (the opener holds this object weakly: a bound method would keep it, and its finalizer, alive)
         me = weakref.ref(self)
         self._pack_fds = PackFds(lambda pack, cid: _live(me)._open_pack_checked(pack, cid))
@@ -719,6 +719,11 @@ class SnapshotStore:
         except (FileNotFoundError, GpusnapError, OSError):
             pass
         return out
+
+    def holding_packs(self) -> "AbstractContextManager[None]":
+        """For the block, the packs this object's threads read stay open between reads (a put with a
+        parent looks up headers and reads bases many times per pack); all closed when it ends."""
+        return self._pack_fds.held()
 
     def _open_pack_checked(self, pack: str, cid: str) -> int:
         """PACK opened read-only through the checked packs/ directory (ChunkError naming CID otherwise)."""

@@ -31,19 +31,22 @@ def test_a_pack_is_opened_once_and_closed_when_forgotten() -> None:
     before = open_fds()
     op = Opener()
     fds = PackFds(op)
-    for _ in range(5):
-        with fds.borrowed("p1", "c") as fd:
-            assert os.fstat(fd)  # open
-    assert op.calls == ["p1"]
-    assert len(fds) == 1 and open_fds() == before + 1
-    fds.forget()
-    assert len(fds) == 0 and open_fds() == before
+    with fds.held():
+        for _ in range(5):
+            with fds.borrowed("p1", "c") as fd:
+                assert os.fstat(fd)  # open
+        assert op.calls == ["p1"]
+        assert len(fds) == 1 and open_fds() == before + 1
+        fds.forget()
+        assert len(fds) == 0 and open_fds() == before
 
 
 def test_idle_packs_beyond_the_bound_are_closed_least_recent_first() -> None:
     before = open_fds()
     op = Opener()
     fds = PackFds(op, most=2)
+    held = fds.held()
+    held.__enter__()
     for p in ("a", "b", "c", "a", "d"):
         with fds.borrowed(p, "c"):
             pass
@@ -51,14 +54,31 @@ def test_idle_packs_beyond_the_bound_are_closed_least_recent_first() -> None:
     with fds.borrowed("a", "c"):  # kept: used after b and c
         pass
     assert op.calls == ["a", "b", "c", "a", "d"]  # c closed a, a closed b, d closed c: the last "a" found it open
-    fds.forget()
-    assert open_fds() == before
+    held.__exit__(None, None, None)  # the last block ends: every pack closed
+    assert len(fds) == 0 and open_fds() == before
+
+
+def test_outside_a_held_block_each_borrow_opens_and_closes() -> None:
+    before = open_fds()
+    op = Opener()
+    fds = PackFds(op)
+    for _ in range(3):
+        with fds.borrowed("p", "c") as fd:
+            assert os.readlink(f"/proc/self/fd/{fd}") == "/dev/null"
+            assert open_fds() == before + 1
+        assert open_fds() == before and len(fds) == 0  # a store left alive holds nothing open
+    assert op.calls == ["p", "p", "p"]
+    with fds.held(), fds.held():  # nested: closed when the outer one ends
+        with fds.borrowed("p", "c"):
+            pass
+        assert len(fds) == 1
+    assert len(fds) == 0 and open_fds() == before
 
 
 def test_a_held_pack_is_never_closed_under_its_borrower() -> None:
     before = open_fds()
     fds = PackFds(Opener(), most=1)
-    with fds.borrowed("held", "c") as fd:
+    with fds.held(), fds.borrowed("held", "c") as fd:
         for p in ("x", "y", "z"):  # evictions while "held" is in use
             with fds.borrowed(p, "c"):
                 pass
@@ -98,27 +118,28 @@ def test_many_threads_share_one_fd_per_pack() -> None:
             errors.append(e)
 
     threads = [threading.Thread(target=work, args=(i,)) for i in range(16)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors
-    assert len(fds) <= 4
-    fds.forget()
+    with fds.held():
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors
+        assert len(fds) <= 4 and 0 < len(op.calls) < 16 * 200  # shared: far fewer opens than reads
     assert open_fds() == before  # every fd opened (those that lost a race too) closed
 
 
 def test_a_dropped_pack_is_closed_now_or_by_its_borrower() -> None:
     before = open_fds()
     fds = PackFds(Opener())
-    with fds.borrowed("gone", "c"):
-        pass
-    fds.drop("gone")
-    assert len(fds) == 0 and open_fds() == before
-    with fds.borrowed("held", "c") as fd:
-        fds.drop("held")
-        assert os.readlink(f"/proc/self/fd/{fd}") == "/dev/null"
-    assert open_fds() == before
+    with fds.held():
+        with fds.borrowed("gone", "c"):
+            pass
+        fds.drop("gone")
+        assert len(fds) == 0 and open_fds() == before
+        with fds.borrowed("held", "c") as fd:
+            fds.drop("held")
+            assert os.readlink(f"/proc/self/fd/{fd}") == "/dev/null"
+        assert open_fds() == before
 
 
 def test_an_fd_opened_across_a_forget_is_not_kept() -> None:
@@ -132,9 +153,10 @@ def test_an_fd_opened_across_a_forget_is_not_kept() -> None:
         return fd
 
     fds = PackFds(opener)
-    with fds.borrowed("p", "c") as fd:
-        assert os.readlink(f"/proc/self/fd/{fd}") == "/dev/null"
-    assert len(fds) == 0 and open_fds() == before
+    with fds.held():
+        with fds.borrowed("p", "c") as fd:
+            assert os.readlink(f"/proc/self/fd/{fd}") == "/dev/null"
+        assert len(fds) == 0 and open_fds() == before
 
 
 def test_a_store_and_its_open_packs_go_when_it_is_dropped(tmp_path: "os.PathLike[str]") -> None:
@@ -158,10 +180,15 @@ def test_a_store_and_its_open_packs_go_when_it_is_dropped(tmp_path: "os.PathLike
     gc.collect()
     before = open_fds()
     refs = []
-    for _ in range(20):
+    for i in range(20):
         s = SnapshotStore(store)
-        assert s.entry_kind(cid, Loc(pack, off, length)) is None  # a full entry, read through a held fd
-        assert len(s._pack_fds) == 1
+        if i % 2:  # a store that was holding its packs, left alive after
+            with s.holding_packs():
+                assert s.entry_kind(cid, Loc(pack, off, length)) is None  # a full entry, through a held fd
+                assert len(s._pack_fds) == 1
+        else:
+            assert s.entry_kind(cid, Loc(pack, off, length)) is None
+        assert len(s._pack_fds) == 0 and open_fds() == before  # nothing open once no block holds them
         refs.append(weakref.ref(s))
         del s
     gc.collect()
