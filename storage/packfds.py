@@ -65,8 +65,9 @@ class PackFds:
     @contextmanager
     def borrowed(self, pack: str, cid: str) -> Iterator[int]:
         """PACK's fd for the block (CID: the chunk read, for the opener's errors)."""
-        with self._lock:
+        with self._lock:  # whether a held() block runs, and since which forget, read together
             caching = self._holders > 0
+            generation = self._generation
         if not caching:  # no held() block: this borrower's own fd, closed after it
             fd = self._opener(pack, cid)
             try:
@@ -77,12 +78,11 @@ class PackFds:
         o: _Open | None = None
         closing: list[int] = []
         try:
-            with self._lock:
-                o = self._open.get(pack)
+            with self._lock:  # (the block ended since, or another forget came: nothing cached is taken)
+                o = self._open.get(pack) if generation == self._generation else None
                 if o is not None:
                     o.users += 1
                     self._open.move_to_end(pack)
-                generation = self._generation
             if o is None:
                 fd = self._opener(pack, cid)  # outside the lock: opening walks directories
                 with self._lock:
