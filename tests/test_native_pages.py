@@ -62,3 +62,7 @@ def test_loader_refuses_what_it_must(tmp_path: "os.PathLike[str]") -> None:
     assert native.load(lib, "gs_pages_version", 1, [("gs_missing", None, [])]) is None
     os.chmod(lib, 0o775)
     assert native.load(lib, "gs_pages_version", 1, fns) is None           # group may write it
+    os.chmod(lib, 0o755)
+    if os.geteuid() == 0:
+        os.chown(lib, 65534, 65534)
+        assert native.load(lib, "gs_pages_version", 1, fns) is None       # another user's file

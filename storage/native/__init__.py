@@ -2,8 +2,8 @@
 
 Each is optional: without it (no compiler at setup, or $GPUSNAP_NO_NATIVE set) the module that uses
 it falls back to numpy, with the same results. `load` is the one way they are loaded: only from this
-directory, only a regular file no one but its owner may write, only at the ABI version its caller
-was written for.
+directory, only a regular file owned by root or this process's user that no one else may write,
+only at the ABI version its caller was written for.
 """
 from __future__ import annotations
 
@@ -22,16 +22,18 @@ def path_of(name: str) -> str:
 
 def load(path: str, version: str, abi: int, functions: Sequence[tuple[str, Any, Sequence[Any]]]) -> Any:
     """The library at PATH with FUNCTIONS' (name, restype, argtypes) set, if VERSION() returns ABI;
-    None when it is turned off ($GPUSNAP_NO_NATIVE), missing, a link, writable by group or others
-    (not loaded into a process that runs as root), not loadable, or another version."""
+    None when it is turned off ($GPUSNAP_NO_NATIVE), missing, a link, writable by group or others,
+    owned by anyone but root or this process's user (not loaded into a process that runs as root),
+    not loadable, or another version."""
     if os.environ.get("GPUSNAP_NO_NATIVE"):
         return None
     try:
         st = os.stat(path, follow_symlinks=False)
     except OSError:
         return None
-    if not stat.S_ISREG(st.st_mode) or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        return None
+    if (not stat.S_ISREG(st.st_mode) or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+            or st.st_uid not in (0, os.geteuid())):
+        return None  # another user's file may not run inside this process (root's, often)
     try:
         lib = ctypes.CDLL(path)
         v = getattr(lib, version)
