@@ -166,8 +166,7 @@ def _host_codec() -> dict[str, Any]:
     """What the CPU codecs run on: the system's libzstd or python-zstandard, the byte planes in C or numpy."""
     from storage import delta, shufflelib, zstdlib
     return {"libzstd": zstdlib.available(), "byte_planes": "C" if shufflelib.available() else "numpy",
-            "byte_planes_library": shufflelib.LIBRARY,
-            "page_counts": "C" if delta._pages_lib() is not None else "numpy"}
+            "page_counts": "C" if delta.native_page_counts() else "numpy"}
 
 
 def render_criu_binary(c: dict[str, Any]) -> str:

@@ -13,8 +13,8 @@ if [ -d "$wheels" ] && ls "$wheels"/*.whl >/dev/null 2>&1; then
     export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
 fi
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
-# the byte-plane codec's C helper (kept when built already, e.g. carried); numpy does its work without it
-python3 -m storage.native.build >&2 || echo "gpu-tests.sh: storage/native not built: the byte planes run in numpy" >&2
+# storage/native's C helpers (kept when built already, e.g. carried); numpy does their work without them
+python3 -m storage.native.build >&2 || echo "gpu-tests.sh: storage/native not built: numpy does its work (byte planes, page counts)" >&2
 export GPUSNAP_RESULTS=${GPUSNAP_RESULTS:-$root/gpu-results.jsonl}
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
 python3 -m pytest -p no:cacheprovider -m gpu -v -s "$@" tests

@@ -284,6 +284,11 @@ PAGE = 4096  # the unit in which candidate references are mixed
 _pages: Any = None  # storage/native's page counter: None not loaded yet, False not there
 
 
+def native_page_counts() -> bool:
+    """Whether page_differences runs in C (the library built, loadable, not turned off)."""
+    return _pages_lib() is not None
+
+
 def _pages_lib() -> Any:
     global _pages
     if _pages is None:

@@ -10,8 +10,8 @@ VM) and releases the GIL once.
 `plane` and `merge` return False when the library is not there (not built: no compiler at setup;
 or $GPUSNAP_NO_NATIVE set, for measuring) or the arrays are not what the C functions take (other
 dtypes, strided, overlapping, read-only output); the caller then does it with numpy, with the
-same result. The library is loaded only from storage/native/ beside this module, and only when it
-is a regular file no one but its owner may write.
+same result. The library is loaded as storage.native.load loads every native helper (from
+storage/native/ only, a regular file of root or this user that no one else may write).
 
 Guarantees kept here: the C functions read exactly N elements and write exactly N bytes (or
 elements), N taken from the arrays' own sizes, checked equal here before the call.

@@ -20,13 +20,13 @@ def _numpy(x: memoryview, monkeypatch: pytest.MonkeyPatch) -> np.ndarray:
 def test_built() -> None:
     if os.environ.get("GPUSNAP_NO_NATIVE"):
         pytest.skip("$GPUSNAP_NO_NATIVE is set")
-    assert delta._pages_lib() is not None, "storage/native/libgpusnap_pages.so is not built (python3 -m storage.native.build)"
+    assert delta.native_page_counts(), "storage/native/libgpusnap_pages.so is not built (python3 -m storage.native.build)"
 
 
 @pytest.mark.parametrize("n", [0, 1, PAGE - 1, PAGE, PAGE + 1, 3 * PAGE + 17, 4 << 20])
 @pytest.mark.parametrize("kind", ["zeros", "sparse", "dense"])
 def test_counts_match_numpy(n: int, kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    if delta._pages_lib() is None:
+    if not delta.native_page_counts():
         pytest.skip("the library is not built")
     rng = np.random.default_rng(n)
     a = np.zeros(n, np.uint8)

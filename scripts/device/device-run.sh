@@ -28,8 +28,8 @@ echo "bytecode before: PYTHONDONTWRITEBYTECODE=${PYTHONDONTWRITEBYTECODE:-unset}
 unset PYTHONDONTWRITEBYTECODE
 export PYTHONPYCACHEPREFIX=/tmp/gpusnap-pycache
 python3 -m compileall -q -j 0 cli sandbox storage criu_hooks scripts /tmp/site > /dev/null 2>&1 || true
-# the byte-plane codec's C helper: kept when carried (storage/native/libgpusnap_shuffle2.so, built here), else
-# built if this machine has a compiler and the tree is writable, else the byte planes run in numpy (doctor says which)
+# storage/native's C helpers (byte planes, page counts): kept when carried (its two .so files, built here), else
+# built if this machine has a compiler and the tree is writable, else numpy does their work (doctor says which)
 python3 -m storage.native.build > /dev/null 2>&1 || true
 if [ -d .carry/criu ]; then export GPUSNAP_CRIU="$root/.carry/criu/criu-wrapper"; fi
 if [ ! -d .carry/criu ] && [ -f .carry-xz/criu.tar.xz ]; then  # the packed CRIU (make-carry.sh), unpacked outside the tree
@@ -90,7 +90,7 @@ for what in ${1//,/ }; do
             # the GIL, then every thread, waiting ones included: is the second dump bound by the GIL or by its bases' reads?
             [ -f .tools/py-spy.xz ] && python3 -c "import lzma,shutil,os; shutil.copyfileobj(lzma.open('.tools/py-spy.xz'), open('/tmp/py-spy','wb')); os.chmod('/tmp/py-spy',0o755)"
             # DELTA_PROFS="plain-numpy plain": a run with $GPUSNAP_NO_NATIVE set (the byte planes in numpy), then one
-            # with the C planes (storage/shufflelib.py; carry storage/native/libgpusnap_shuffle2.so built here)
+            # with them in C (storage/shufflelib.py, delta.page_differences; carry storage/native's two .so files built here)
             for prof in ${DELTA_PROFS:-plain gil idle}; do
               wrap=""; [ ${prof%-numpy} != plain ] && wrap="/tmp/py-spy record --${prof%-numpy} --threads -r 200 -f raw -o $out/deltaprof-$prof.txt --"
               env $( [ "${prof#*-}" = numpy ] && echo GPUSNAP_NO_NATIVE=1 ) timeout ${DELTA_TIMEOUT:-170} python3 -m scripts.bench.bench_moe_delta \

@@ -13,7 +13,7 @@ import subprocess
 import sys
 import tempfile
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+from storage.native import HERE
 # (source, library): storage/shufflelib.py and storage/delta.py load them by these names, from here only
 LIBRARIES = (("shuffle2.c", "libgpusnap_shuffle2.so"), ("pages.c", "libgpusnap_pages.so"))
 CFLAGS = ("-O3", "-std=c11", "-Wall", "-Wextra", "-Werror", "-fPIC", "-shared", "-fstack-protector-strong",
