@@ -269,12 +269,17 @@ class Shuffle2Codec:
         self.zstd = ZstdCodec(params=PLANE_ZSTD)
         self._local = threading.local()
 
-    def _scratch(self, n: int) -> np.ndarray:
-        """This thread's plane buffer of at least N bytes (grown to the largest chunk it has seen)."""
+    def _scratch_view(self, n: int) -> memoryview:
+        """This thread's plane buffer of at least N bytes (grown to the largest chunk it has seen), its
+        first N bytes."""
         buf = getattr(self._local, "buf", None)
-        if buf is None or buf.size < n:
-            buf = self._local.buf = _np().empty(n, _np().uint8)
+        if buf is None or len(buf) < n:
+            buf = self._local.buf = memoryview(bytearray(n))
         return buf[:n]
+
+    def _scratch(self, n: int) -> np.ndarray:
+        """_scratch_view as a numpy array (the split, and the merge without the C library)."""
+        return _np().frombuffer(self._scratch_view(n), _np().uint8)
 
     def _step(self) -> np.ndarray:
         """This thread's temporary for one step of a layout 2 split or merge (_BLOCK 2-byte elements)."""
@@ -397,11 +402,11 @@ class Shuffle2Codec:
         else:
             raise CodecError(f"shuffle2-zstd plane kind {kind} unknown")
 
-    def _plane(self, kind: int, stored: memoryview, h: int, scratch: np.ndarray) -> np.ndarray:
+    def _plane(self, kind: int, stored: memoryview, h: int, scratch: memoryview) -> memoryview:
         """One plane's H bytes: a stored plane where it lies, a zstd one decoded into SCRATCH."""
         if kind == 0:
-            return _np().frombuffer(stored, _np().uint8)
-        self.zstd.decode_into(stored, h, scratch.data)
+            return stored
+        self.zstd.decode_into(stored, h, scratch)
         return scratch
 
     def decode(self, payload: memoryview, raw_len: int, out: memoryview | None = None) -> bytes | memoryview:
@@ -421,11 +426,13 @@ class Shuffle2Codec:
         self._check_plane(k1, p1, h)
         if out is not None and len(out) < raw_len:
             raise CodecError(f"decode buffer of {len(out)} bytes for {raw_len}")
-        planes = self._scratch(h * (k0 + k1))
+        planes = self._scratch_view(h * (k0 + k1))
         lo = self._plane(k0, p0, h, planes[:h])
         hi = self._plane(k1, p1, h, planes[k0 * h:k0 * h + h])
         dst = memoryview(bytearray(raw_len)) if out is None else out[:raw_len]
-        self._merge(lo, hi, _np().frombuffer(dst, "<u2"), layout)
+        if not shufflelib.merge_views(lo, hi, dst, layout):  # numpy only where the C merge cannot take these
+            np = _np()
+            self._merge(np.frombuffer(lo, np.uint8), np.frombuffer(hi, np.uint8), np.frombuffer(dst, "<u2"), layout)
         return dst
 
     def _merge(self, lo: np.ndarray, hi: np.ndarray, o: np.ndarray, layout: int) -> None:

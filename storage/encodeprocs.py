@@ -37,14 +37,15 @@ import sys
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Iterator
-
-import numpy as np
+from typing import TYPE_CHECKING, Any, Iterator
 
 from . import isolated
 from .chunkfile import HEADER_SIZE
 from .settings import setting
 from .errors import GpusnapError
+
+if TYPE_CHECKING:
+    import numpy as np
 
 REQ = struct.Struct("<B7xQQQQ")
 ANS = struct.Struct("<BI")
@@ -200,6 +201,7 @@ class Encoder:
             raise EncodeProcsError(f"encoder process {self.proc.pid}: {nk} page keys for {pages} pages")
         sample = None
         if keys and not zero:
+            import numpy as np  # noqa: PLC0415 - loaded by a put's page keys by then; nothing else needs it
             at = np.frombuffer(rest[:nk * 8], dtype="<i8").copy()
             kept = np.frombuffer(rest[nk * 8:], dtype="<u4").copy()
             if nk and (int(at.min()) < 0 or int(at.max()) >= pages):
@@ -382,6 +384,7 @@ def child_main(argv: list[str]) -> None:
     from .chunkfile import ChunkHeader, raw_chunk_id, stored_digest  # noqa: PLC0415
     from .codecs import HostCodecChooser  # noqa: PLC0415
     from .directio import is_zero  # noqa: PLC0415
+    import numpy as np  # noqa: PLC0415
     m = mmap.mmap(mfd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     os.close(mfd)
     arena = memoryview(m)

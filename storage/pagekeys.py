@@ -13,10 +13,16 @@ from __future__ import annotations
 import base64
 import binascii
 import collections
+import functools
+import itertools
+import operator
+import sys
 import threading
-from typing import Any, Container
+from array import array
+from typing import TYPE_CHECKING, Any, Container
 
-import numpy as np
+if TYPE_CHECKING:
+    import numpy as np
 
 PAGE = 4096
 KEY = "strided8"        # the key's name in the record: eight words, one per 512-byte eighth of a page
@@ -24,30 +30,37 @@ EVERY = 32              # one page in EVERY is sampled (by content: its key's to
 _SAMPLE_SHIFT = 59      # a page is sampled when key >> _SAMPLE_SHIFT == 0 (32 = 2**(64 - 59))
 _KEPT_SHIFT = 27        # the record keeps bits 27..58 of a sampled key
 _STRIDE = PAGE // 8 // 8  # the words keyed: 0, 64, ..., 448
-_ONE = np.uint64(1)
-_BELOW = np.uint64((1 << _SAMPLE_SHIFT) - 1)
-_KEPT = np.uint64(_KEPT_SHIFT)
-_MULT = ((np.arange(8, dtype=np.uint64) * np.uint64(2) + np.uint64(1)) * np.uint64(0x9E3779B97F4A7C15))
 MAX_HITS_PER_KEY = 4    # a key found at more places than this (repeated pages) votes for its first ones only
 PLACES = 3              # a lookup returns at most this many places
 MAX_PAGES = 1 << 32     # pages from this index on are not recorded (32-bit indices)
 
 
-def keys(data: memoryview | bytes | Any) -> np.ndarray:
+@functools.cache
+def _numpy() -> tuple[Any, Any]:
+    """numpy and the keys' multipliers, loaded on first use: only a put computes or searches keys, so a
+    restore (which only checks a record as its manifest loads) never loads numpy."""
+    import numpy  # noqa: PLC0415
+    u = numpy.uint64
+    return numpy, (numpy.arange(8, dtype=u) * u(2) + u(1)) * u(0x9E3779B97F4A7C15)
+
+
+def keys(data: memoryview | bytes | Any) -> "np.ndarray":
     """The key of every whole 4 KiB page of DATA (uint64; FORMAT.md, "Page keys"): one strided view and
     one product, few numpy calls per chunk (each takes the GIL back among the put's workers)."""
+    np, mult = _numpy()
     n = len(data) // PAGE
     if not n:
         return np.zeros(0, np.uint64)
     words = np.frombuffer(data, dtype=np.uint64, count=n * PAGE // 8).reshape(n, PAGE // 8)[:, ::_STRIDE]
-    return words @ _MULT  # uint64 arithmetic wraps: the sum modulo 2**64
+    return words @ mult  # uint64 arithmetic wraps: the sum modulo 2**64
 
 
-def sampled(data: memoryview | bytes | Any) -> tuple[np.ndarray, np.ndarray]:
+def sampled(data: memoryview | bytes | Any) -> tuple["np.ndarray", "np.ndarray"]:
     """The sampled pages of DATA: their indices in DATA (int64) and kept keys (uint32), in order."""
+    np, _ = _numpy()
     k = keys(data)
-    pick = np.flatnonzero((k - _ONE) < _BELOW)  # 0 < key < 2**59, the 0 wrapping to 2**64 - 1
-    return pick, (k[pick] >> _KEPT).astype(np.uint32)
+    pick = np.flatnonzero((k - np.uint64(1)) < np.uint64((1 << _SAMPLE_SHIFT) - 1))  # 0 < key < 2**59 (0 wraps)
+    return pick, (k[pick] >> np.uint64(_KEPT_SHIFT)).astype(np.uint32)
 
 
 class PageKeyError(ValueError):
@@ -59,14 +72,15 @@ class Collector:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._parts: dict[str, list[tuple[np.ndarray, np.ndarray]]] = collections.defaultdict(list)
+        self._parts: dict[str, list[tuple["np.ndarray", "np.ndarray"]]] = collections.defaultdict(list)
 
     def add(self, stream: str, offset: int, data: memoryview,
-            sample: tuple[np.ndarray, np.ndarray] | None = None) -> None:
+            sample: tuple["np.ndarray", "np.ndarray"] | None = None) -> None:
         """The pages of DATA, which lies at OFFSET (a whole page) of STREAM (SAMPLE: sampled(DATA), where
         the caller has it already). A key seen again in the same chunk is recorded once (a repeated page
         says nothing more about where it lay), and no page from the 2**32nd on is recorded (the
         record's indices are 32-bit)."""
+        np, _ = _numpy()
         at, kept = sample if sample is not None else sampled(data)
         if len(at):
             _, first = np.unique(kept, return_index=True)
@@ -78,6 +92,7 @@ class Collector:
 
     def record(self, stream: str) -> dict[str, Any]:
         """STREAM's attrs record (possibly with no entries)."""
+        np, _ = _numpy()
         with self._lock:
             parts = list(self._parts.get(stream, ()))
         if parts:
@@ -97,7 +112,8 @@ class Collector:
                 "keys": base64.b64encode(kept.tobytes()).decode()}
 
 
-def _decode(v: Any, what: str) -> np.ndarray:
+def _decode(v: Any, what: str) -> bytes:
+    """The little-endian uint32 values of a record's base64 field V, as bytes."""
     if not isinstance(v, str):
         raise PageKeyError(f"pagekeys {what} is not a string")
     try:
@@ -106,7 +122,7 @@ def _decode(v: Any, what: str) -> np.ndarray:
         raise PageKeyError(f"pagekeys {what} is not base64") from None
     if len(raw) % 4:
         raise PageKeyError(f"pagekeys {what} is not whole uint32 values")
-    return np.frombuffer(raw, dtype="<u4")
+    return raw
 
 
 def known(record: Any) -> bool:
@@ -115,30 +131,56 @@ def known(record: Any) -> bool:
     return record.get("key") == KEY and type(record.get("every")) is int and record["every"] == EVERY
 
 
-def load(record: Any, size: int) -> tuple[np.ndarray, np.ndarray]:
-    """The page indices and kept keys of RECORD, the `pagekeys` of a stream of SIZE bytes (empty for a
-    record of another kind); PageKeyError for any other form."""
+def _u32(raw: bytes) -> array:
+    """RAW (little-endian uint32 values) as an array of them, without numpy."""
+    a = array("I")
+    if a.itemsize != 4:
+        a = array("L")  # no 4-byte "I" here: "L" is 4 bytes where "I" is not
+    a.frombytes(raw)
+    if sys.byteorder != "little":
+        a.byteswap()
+    return a
+
+
+def _checked(record: Any, size: int) -> tuple[bytes, bytes] | None:
+    """The `at` and `keys` bytes (little-endian uint32) of RECORD, the `pagekeys` of a stream of SIZE
+    bytes, once every rule of FORMAT.md holds (None: a record of another kind); PageKeyError for any
+    other form. Pure Python: a manifest's load checks every record, and a restore loads no numpy."""
     if not isinstance(record, dict) or not isinstance(record.get("key"), str) or len(record["key"]) > 64:
         raise PageKeyError("pagekeys is not a record with a key name")
     if not known(record):
-        return np.zeros(0, "<u4"), np.zeros(0, "<u4")
+        return None
     if set(record) != {"key", "every", "at", "keys"}:
         raise PageKeyError("pagekeys is not a record of key, every, at and keys")
     at, kept = _decode(record["at"], "at"), _decode(record["keys"], "keys")
     if len(at) != len(kept):
-        raise PageKeyError(f"pagekeys name {len(at)} pages but {len(kept)} keys")
-    pages = size // PAGE
-    if len(at) > pages or (len(at) and int(at[-1]) >= pages):
+        raise PageKeyError(f"pagekeys name {len(at) // 4} pages but {len(kept) // 4} keys")
+    pages, n = size // PAGE, len(at) // 4
+    if n > pages:
         raise PageKeyError("pagekeys name pages beyond the stream")
-    if len(at) > 1 and not bool(np.all(at[1:] > at[:-1])):
-        raise PageKeyError("pagekeys pages are not in increasing order")
+    if n:
+        idx = _u32(at)
+        if idx[-1] >= pages:
+            raise PageKeyError("pagekeys name pages beyond the stream")
+        if n > 1 and not all(map(operator.lt, idx, itertools.islice(idx, 1, None))):
+            raise PageKeyError("pagekeys pages are not in increasing order")
     return at, kept
+
+
+def load(record: Any, size: int) -> tuple["np.ndarray", "np.ndarray"]:
+    """The page indices and kept keys of RECORD, the `pagekeys` of a stream of SIZE bytes (empty for a
+    record of another kind); PageKeyError for any other form."""
+    np, _ = _numpy()
+    got = _checked(record, size)
+    if got is None:
+        return np.zeros(0, "<u4"), np.zeros(0, "<u4")
+    return np.frombuffer(got[0], dtype="<u4"), np.frombuffer(got[1], dtype="<u4")
 
 
 def check(record: Any, size: int) -> str:
     """What is wrong with a stream's `pagekeys` RECORD (SIZE: the stream's bytes); empty: nothing."""
     try:
-        load(record, size)
+        _checked(record, size)
     except PageKeyError as e:
         return str(e)
     return ""
@@ -151,6 +193,7 @@ class PageIndex:
     def __init__(self, streams: list[tuple[str, Any, int]]) -> None:
         """STREAMS: (name, its `pagekeys` record, its size); a stream without a record is left out (a
         record of another form cannot reach here: the manifest carrying it was refused at load)."""
+        np, _ = _numpy()
         self.names = [name for name, _, _ in streams]
         ats, keys_, ids = [], [], []
         for i, (_, record, size) in enumerate(streams):
@@ -176,11 +219,12 @@ class PageIndex:
         return cls(have) if have else None
 
     def lookup(self, data: memoryview, offset: int, most: int = PLACES,
-               sample: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[list[tuple[tuple[str, int], int]], int]:
+               sample: tuple["np.ndarray", "np.ndarray"] | None = None) -> tuple[list[tuple[tuple[str, int], int]], int]:
         """Where DATA's sampled pages (DATA at OFFSET of the new stream; SAMPLE: sampled(DATA), where the
         caller has it already) lie in the parent: at most MOST places (parent stream, shift = parent
         offset - new offset), each with how many sampled pages lie there, the most first; and how many
         pages of DATA are sampled."""
+        np, _ = _numpy()
         at, kept = sample if sample is not None else sampled(data)
         if not len(at) or not len(self._keys):
             return [], len(at)

@@ -29,8 +29,6 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Generator, Generic, Iterator, Protocol, TypeVar
 
-import numpy as np
-
 from .progress import Progress
 from .chunkfile import HEADER_SIZE, ChunkError, full_check, raw_chunk_id
 from . import delta, pagekeys
@@ -153,7 +151,7 @@ def cdc_params(max_len: int) -> tuple[int, int]:
     return minp * PAGE, (1 << (quarter.bit_length() - 1)) - 1
 
 
-_K1, _K2 = np.uint64(0x9E3779B97F4A7C15), np.uint64(0xC2B2AE3D27D4EB4F)
+_K1, _K2 = 0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F  # page_cuts' fingerprint multipliers (FORMAT.md)
 
 
 def page_cuts(view: memoryview, max_len: int) -> list[int]:
@@ -166,12 +164,13 @@ def page_cuts(view: memoryview, max_len: int) -> list[int]:
     unchanged runs of pages produce the same chunks again. Only the cuts depend on the sampled words:
     every chunk is still hashed in full.
     """
+    import numpy as np  # noqa: PLC0415 - a restore never cuts: its process does not load numpy
     pages = len(view) // PAGE
     if pages == 0:
         return []
     w = np.frombuffer(view, dtype=np.uint64, count=pages * (PAGE // 8)).reshape(pages, PAGE // 8)
     with np.errstate(over="ignore"):
-        fp = (w[:, 0] * _K1) ^ (w[:, 255] * _K2) ^ w[:, 511] ^ (w[:, 128] >> np.uint64(7))
+        fp = (w[:, 0] * np.uint64(_K1)) ^ (w[:, 255] * np.uint64(_K2)) ^ w[:, 511] ^ (w[:, 128] >> np.uint64(7))
     min_len, mask = cdc_params(max_len)
     cand = np.flatnonzero((fp & np.uint64(mask)) == 0) + 1  # page-end indices
     minp, maxp = min_len // PAGE, max(1, max_len // PAGE)
@@ -323,8 +322,8 @@ def chunker_record(chunker: str, chunk_size: int) -> dict[str, Any]:
         return {"name": "fixed", "size": chunk_size}
     min_len, mask = cdc_params(chunk_size)
     return {"name": "pages", "max": chunk_size, "min": min_len, "page": PAGE, "mask": mask,
-            "fingerprint": "(w[0]*k1) ^ (w[255]*k2) ^ w[511] ^ (w[128] >> 7)", "k1": f"{int(_K1):#x}",
-            "k2": f"{int(_K2):#x}", "segment": SEGMENT}
+            "fingerprint": "(w[0]*k1) ^ (w[255]*k2) ^ w[511] ^ (w[128] >> 7)", "k1": f"{_K1:#x}",
+            "k2": f"{_K2:#x}", "segment": SEGMENT}
 
 
 def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHUNK,

@@ -79,3 +79,33 @@ def merge(lo: "np.ndarray", hi: "np.ndarray", out: "np.ndarray", layout: int) ->
     if out.size:
         _lib.gs_shuffle2_merge(_addr(lo), _addr(hi), out.size, layout, _addr(out))
     return True
+
+
+def _address(view: memoryview) -> int | None:
+    """The address of VIEW's first byte: a C-contiguous byte view of writable memory (ctypes takes no
+    other without numpy); None for anything else (the caller then uses the numpy path)."""
+    if view.format != "B" or view.ndim != 1 or not view.c_contiguous or view.readonly or not len(view):
+        return None
+    try:
+        return ctypes.addressof(ctypes.c_char.from_buffer(view))  # the export ends with the temporary
+    except (TypeError, ValueError, BufferError):
+        return None
+
+
+def merge_views(lo: memoryview, hi: memoryview, out: memoryview, layout: int) -> bool:
+    """merge on plain byte views (no numpy: a restore decodes without loading it): OUT's 2-byte elements
+    from the planes LO and HI, each len(OUT) // 2 bytes. True when done here; False where the caller
+    must merge (no library, a read-only or strided view, overlapping views, other lengths)."""
+    if _lib is None or layout not in (1, 2) or len(out) % 2 or not len(lo) == len(hi) == len(out) // 2:
+        return False
+    if not len(out):
+        return True
+    at = [_address(v) for v in (lo, hi, out)]
+    if None in at:
+        return False
+    a_lo, a_hi, a_out = (int(a) for a in at if a is not None)
+    n = len(lo)
+    if not (a_out + 2 * n <= a_lo or a_lo + n <= a_out) or not (a_out + 2 * n <= a_hi or a_hi + n <= a_out):
+        return False
+    _lib.gs_shuffle2_merge(a_lo, a_hi, n, layout, a_out)
+    return True

@@ -117,3 +117,65 @@ def test_loader_refuses_links_and_files_others_may_write(tmp_path: "os.PathLike[
     os.symlink(lib, link)
     assert shufflelib._load(link) is None
     assert shufflelib._load(os.path.join(tmp_path, "missing.so")) is None
+
+
+@pytest.mark.parametrize("layout", [1, 2])
+def test_merge_views_matches_numpy_and_refuses_what_it_cannot_take(layout: int) -> None:
+    if not shufflelib.available():
+        pytest.skip("the library is not built")
+    a = np.random.default_rng(layout).integers(0, 1 << 16, 4099, dtype=np.uint16)
+    lo, hi = bytearray(_numpy_plane(a, 0, layout).tobytes()), bytearray(_numpy_plane(a, 1, layout).tobytes())
+    out = bytearray(2 * a.size + 2)  # two bytes more: the call writes exactly 2 * N
+    assert shufflelib.merge_views(memoryview(lo), memoryview(hi), memoryview(out)[:2 * a.size], layout)
+    assert bytes(out[:2 * a.size]) == a.tobytes() and out[-2:] == b"\0\0"
+    mv = memoryview(out)[:2 * a.size]
+    assert not shufflelib.merge_views(memoryview(bytes(lo)), memoryview(hi), mv, layout)     # read-only plane
+    assert not shufflelib.merge_views(memoryview(lo), memoryview(hi), memoryview(bytes(mv)), layout)  # read-only out
+    assert not shufflelib.merge_views(memoryview(lo)[:-1], memoryview(hi), mv, layout)       # lengths differ
+    assert not shufflelib.merge_views(mv[:a.size], memoryview(hi), mv, layout)               # a plane inside the output
+    assert not shufflelib.merge_views(memoryview(lo), memoryview(hi), mv, 3)                  # no such layout
+    assert shufflelib.merge_views(memoryview(b""), memoryview(b""), memoryview(bytearray()), layout)  # nothing to do
+
+
+def test_a_read_only_payload_still_decodes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A payload in read-only memory (bytes) with a stored plane: the C merge cannot take it, numpy does."""
+    raw = np.random.default_rng(5).integers(0, 1 << 16, 1 << 16, dtype=np.uint16).tobytes()
+    c = codecs.Shuffle2Codec()
+    payload = c.encode(memoryview(raw), which=(False, False))  # both planes stored as they are
+    assert bytes(c.decode(memoryview(payload), len(raw))) == raw
+    assert bytes(c.decode(memoryview(bytearray(payload)), len(raw))) == raw
+
+
+def test_a_restore_does_not_load_numpy(tmp_path: "os.PathLike[str]") -> None:
+    """The restore's process and its fill workers import the restore path and decode byte-plane chunks
+    without numpy (~40 MB of libraries read cold, 0.1 s at each restore's start on the dev VM): a
+    fresh interpreter imports them, decodes a chunk as the fill does (into a page-aligned buffer,
+    verified against its id), and must not have loaded numpy."""
+    if not shufflelib.available():
+        pytest.skip("the library is not built")
+    import subprocess
+    import sys
+    from storage.chunkfile import ChunkHeader, raw_chunk_id
+    raw = (np.random.default_rng(9).standard_normal(1 << 20).astype(np.float32).view(np.uint32) >> 16
+           ).astype(np.uint16).tobytes()
+    payload = codecs.Shuffle2Codec().encode(memoryview(raw))
+    path = os.path.join(tmp_path, "payload")
+    with open(path, "wb") as f:
+        f.write(payload)
+    code = f"""
+import sys
+import cli.criu_cmd, sandbox.criu.snapshot, sandbox.criu.fill_procs, sandbox.criu.serve  # the restore's imports
+from storage.chunkfile import ChunkHeader, full_check
+from storage.directio import AlignedBuffer
+with AlignedBuffer({len(payload)}) as src, AlignedBuffer({len(raw)}) as dst:
+    with open({path!r}, "rb") as f:
+        f.readinto(src.view[:{len(payload)}])
+    h = ChunkHeader("shuffle2-zstd", {len(raw)}, {len(payload)}, True)
+    got = full_check(h, src.view[:{len(payload)}], {raw_chunk_id(raw)!r}, dst.view)
+    assert len(got) == {len(raw)}
+print("numpy" in sys.modules)
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "False", "numpy was loaded on the restore path"
