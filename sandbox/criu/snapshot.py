@@ -221,12 +221,13 @@ def criu_restore(store: SnapshotStore, name: str, *, staging: str | None = None,
     DEVICE_MAP (OLD=NEW items): the GPU state onto other GPUs, the map checked before CRIU starts.
     The dump's --tcp-established/--ext-unix-sk/--file-locks are given to CRIU again;
     TCP_ESTABLISHED asks for the first even when the dump did not record it."""
+    entered = time.monotonic()  # the interpreter and the imports before it (the report's marks)
     criu = criu or Criu()
     journal.require_clean(store.path)
     hugepages.policy()  # a bad GPUSNAP_THP fails here, before a process is restored
     with store.shared(), _from_remote(store, name, from_remote, jobs, progress) as fill:
         m = (fill.manifest if fill is not None else None) or store.load(name)
-        loaded = time.monotonic()  # the interpreter, the imports and the manifest before it (the report's marks)
+        loaded = time.monotonic()  # the store's lock, its journal and the manifest since `entered`
         meta = CriuMeta.of(m)
         with waits.waiting(waits.TREE_DEATH):
             taken = _pids_in_use(list(meta.pids))
@@ -256,7 +257,7 @@ def criu_restore(store: SnapshotStore, name: str, *, staging: str | None = None,
                                        ("--tcp-established",) if tcp_established else ())
                     _restore_from(run, m, meta, report, op, fill, gpu_driver, device, gpu_map)
                     if "served" in report.stages and "monotonic" in report.stages["served"]:
-                        report.stages["served"]["monotonic"]["loaded"] = loaded
+                        report.stages["served"]["monotonic"].update(entered=entered, loaded=loaded)
             finally:
                 shutil.rmtree(stage, ignore_errors=True)
     return report
