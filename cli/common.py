@@ -14,6 +14,7 @@ import click
 
 from storage.errors import EXIT_FAILED, GpusnapError
 from storage.limits import DEFAULT_JOBS
+from storage.settings import apply_switch_interval
 from storage.store import SnapshotStore
 
 def human(n: float) -> str:
@@ -74,6 +75,7 @@ def one_line_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
+            apply_switch_interval()
             return fn(*args, **kwargs)
         except KeyboardInterrupt:
             fail("interrupted; nothing was committed", 130, kwargs.get("as_json", False))

@@ -511,6 +511,10 @@ def main() -> int:
     out = sys.stdout
     sys.stdout = sys.stderr  # nothing but the result line on the protocol's stream
     try:
+        try:
+            settings.apply_switch_interval()
+        except settings.SettingError:
+            pass  # the parent refused a bad value before it started any worker
         return _serve_job(sys.stdin, out)
     finally:
         out.flush()

@@ -90,10 +90,12 @@ for what in ${1//,/ }; do
             # the GIL, then every thread, waiting ones included: is the second dump bound by the GIL or by its bases' reads?
             [ -f .tools/py-spy.xz ] && python3 -c "import lzma,shutil,os; shutil.copyfileobj(lzma.open('.tools/py-spy.xz'), open('/tmp/py-spy','wb')); os.chmod('/tmp/py-spy',0o755)"
             # DELTA_PROFS="plain-numpy plain": a run with $GPUSNAP_NO_NATIVE set (the byte planes in numpy), then one
-            # with them in C (storage/shufflelib.py, delta.page_differences; carry storage/native's two .so files built here)
+            # with them in C (storage/shufflelib.py, delta.page_differences; carry storage/native's two .so files built here);
+            # "plain-switch": with GPUSNAP_SWITCH_INTERVAL=${SWITCH_S:-0.0005} (the GIL's hand-over, storage/settings.py)
             for prof in ${DELTA_PROFS:-plain gil idle}; do
-              wrap=""; [ ${prof%-numpy} != plain ] && wrap="/tmp/py-spy record --${prof%-numpy} --threads -r 200 -f raw -o $out/deltaprof-$prof.txt --"
-              env $( [ "${prof#*-}" = numpy ] && echo GPUSNAP_NO_NATIVE=1 ) timeout ${DELTA_TIMEOUT:-170} python3 -m scripts.bench.bench_moe_delta \
+              wrap=""; [ ${prof%%-*} != plain ] && wrap="/tmp/py-spy record --${prof%%-*} --threads -r 200 -f raw -o $out/deltaprof-$prof.txt --"
+              case "$prof" in *-numpy) penv=GPUSNAP_NO_NATIVE=1 ;; *-switch) penv=GPUSNAP_SWITCH_INTERVAL=${SWITCH_S:-0.0005} ;; *) penv= ;; esac
+              env $penv timeout ${DELTA_TIMEOUT:-170} python3 -m scripts.bench.bench_moe_delta \
                 --gb ${DELTA_GB:-4} --workers ${DELTA_WORKERS:-16} --profile-second "$wrap" --json "$out/deltaprof-$prof.json" 2>&1 | tail -2 | cut -c1-600; done ;;
     knobs)  # the ingest's knobs on this machine (workers; run29 also had O_DIRECT pack entries, since removed), weights then the serving mix
             lscpu > "$out/lscpu.txt" 2>&1
