@@ -27,14 +27,16 @@ if TYPE_CHECKING:
     import numpy as np
 
 LIBRARY = native.path_of("libgpusnap_shuffle2.so")
-ABI = 1  # gs_shuffle2_version() of the library this module was written for
+ABI = 2  # gs_shuffle2_version() of the library this module was written for
 
 
 def _load(path: str = LIBRARY) -> Any:
     """The library at PATH with its functions' signatures set, or None (storage/native: native.load)."""
     vp, sz, i = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int
-    return native.load(path, "gs_shuffle2_version", ABI, [("gs_shuffle2_plane", None, [vp, sz, i, i, vp]),
-                                                         ("gs_shuffle2_merge", None, [vp, vp, sz, i, vp])])
+    return native.load(path, "gs_shuffle2_version", ABI, [
+        ("gs_shuffle2_plane", None, [vp, sz, i, i, vp]),
+        ("gs_shuffle2_merge", None, [vp, vp, sz, i, vp]),
+        ("gs_shuffle2_decode", i, [vp, sz, i, vp, sz, i, sz, i, vp, vp, vp, vp])])
 
 
 _lib = _load()
@@ -90,6 +92,33 @@ def _address(view: memoryview) -> int | None:
         return ctypes.addressof(ctypes.c_char.from_buffer(view))  # the export ends with the temporary
     except (TypeError, ValueError, BufferError):
         return None
+
+
+def decode_planes(p0: memoryview, k0: int, p1: memoryview, k1: int, layout: int, scratch: memoryview,
+                  out: memoryview, dctx: int, decompress: int) -> int | None:
+    """A shuffle2 payload's planes P0 and P1 (kind 0: stored, len(OUT) // 2 bytes; kind 1: one zstd frame the
+    caller has checked declares that many and spans the view) decoded and merged into OUT in LAYOUT, in
+    one C call: zstd's frames through DECOMPRESS (libzstd's ZSTD_decompressDCtx, storage.zstdlib) with
+    the context DCTX, into SCRATCH (len(OUT) // 2 bytes per zstd plane). 0 when done; -1 or -2 when
+    plane 0 or 1 did not decode to its size; None where the caller must do it (no library, a view
+    that is read-only, strided or overlapping, other lengths)."""
+    h = len(out) // 2
+    if (_lib is None or layout not in (1, 2) or k0 not in (0, 1) or k1 not in (0, 1) or not h or len(out) % 2
+            or len(scratch) < h * (k0 + k1) or (not k0 and len(p0) != h) or (not k1 and len(p1) != h)
+            or not dctx or not decompress):
+        return None
+    at = [_address(v) for v in (p0, p1, scratch, out)]
+    if None in at:
+        return None
+    a0, a1, a_s, a_out = (int(a) for a in at if a is not None)
+    n_s = h * (k0 + k1)
+    spans = sorted([(a0, a0 + len(p0)), (a1, a1 + len(p1)), (a_s, a_s + n_s)])
+    if any(not (a_out + 2 * h <= lo or hi <= a_out) for lo, hi in spans):
+        return None  # the output over an input or the scratch
+    if not all(a_s + n_s <= lo or hi <= a_s for lo, hi in ((a0, a0 + len(p0)), (a1, a1 + len(p1)))):
+        return None  # the scratch over a plane
+    rc: int = _lib.gs_shuffle2_decode(a0, len(p0), k0, a1, len(p1), k1, h, layout, a_s, a_out, dctx, decompress)
+    return rc
 
 
 def merge_views(lo: memoryview, hi: memoryview, out: memoryview, layout: int) -> bool:

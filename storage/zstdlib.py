@@ -78,7 +78,24 @@ def _load() -> Any:
     return lib
 
 
+def _quick(lib: Any) -> Any:
+    """LIB's functions that return at once (a frame header read, an error code's meaning) through a
+    handle that keeps the GIL: giving it up for them cost a hand-over each, and beside a thread that
+    runs Python, taking it back can wait for that thread's switch interval (sys.getswitchinterval)."""
+    if lib is None:
+        return None
+    quick = ctypes.PyDLL(lib._name)  # the same loaded library, called without releasing the GIL
+    for fn in ("ZSTD_getFrameContentSize", "ZSTD_findFrameCompressedSize", "ZSTD_isError", "ZSTD_getErrorCode",
+               "ZSTD_getErrorName"):
+        src, f = getattr(lib, fn), getattr(quick, fn)
+        f.restype, f.argtypes = src.restype, src.argtypes
+    return quick
+
+
 _LIB = _load()
+_Q = _quick(_LIB)
+# ZSTD_decompressDCtx's address, for native code that decodes frames inside a larger call (storage/shufflelib)
+DECOMPRESS_DCTX: int | None = ctypes.cast(_LIB.ZSTD_decompressDCtx, ctypes.c_void_p).value if _LIB is not None else None
 
 
 def available() -> bool:
@@ -92,7 +109,7 @@ def version() -> str:
 
 
 def _err(code: int) -> str:
-    return _LIB.ZSTD_getErrorName(code).decode("ascii", "replace")
+    return _Q.ZSTD_getErrorName(code).decode("ascii", "replace")
 
 
 class _Pool:
@@ -153,8 +170,8 @@ class Compressor:
             return None
         with self._pool.ctx() as c:
             r = _LIB.ZSTD_compress2(c, address_of(dst), len(dst), address_of(src) if len(src) else None, len(src))
-        if _LIB.ZSTD_isError(r):
-            if _LIB.ZSTD_getErrorCode(r) == _DST_TOO_SMALL:
+        if _Q.ZSTD_isError(r):
+            if _Q.ZSTD_getErrorCode(r) == _DST_TOO_SMALL:
                 return None
             raise ZstdLibError(f"zstd compression failed: {_err(r)}")
         return int(r)
@@ -163,12 +180,43 @@ class Compressor:
 _DCTX = _Pool(lambda: _LIB.ZSTD_createDCtx()) if _LIB is not None else None
 
 
+@contextmanager
+def dctx() -> Iterator[int]:
+    """A decompression context of the pool, this caller's alone until the block ends."""
+    if _DCTX is None:
+        raise ZstdLibError("libzstd is not available here")
+    with _DCTX.ctx() as d:
+        yield d
+
+
 def frame_content_size(payload: memoryview) -> int | None:
     """The content size PAYLOAD's first frame header declares; None when it declares none or is not a frame."""
-    if _LIB is None or len(payload) == 0:
+    if _Q is None or len(payload) == 0:
         return None
-    r = _LIB.ZSTD_getFrameContentSize(address_of(payload), len(payload))
+    r = _Q.ZSTD_getFrameContentSize(address_of(payload), len(payload))
     return None if r in (_UNKNOWN, _ERROR) else int(r)
+
+
+def check_frame(payload: memoryview, n: int) -> int:
+    """PAYLOAD's address once it is exactly one zstd frame that declares N bytes; ZstdLibError otherwise."""
+    if _Q is None:
+        raise ZstdLibError("libzstd is not available here")
+    m = len(payload)
+    if m == 0:
+        raise ZstdLibError("empty zstd payload")
+    src = address_of(payload)
+    declared = _Q.ZSTD_getFrameContentSize(src, m)
+    if declared in (_UNKNOWN, _ERROR):
+        raise ZstdLibError("zstd payload is not a frame that declares its size")
+    if declared > n:
+        raise ZstdLibError(f"zstd payload decodes to more than the {n} bytes expected (its frame declares {declared})")
+    if declared < n:
+        raise ZstdLibError(f"zstd payload decoded to {declared} bytes, expected {n} (as its frame declares)")
+    span = _Q.ZSTD_findFrameCompressedSize(src, m)
+    if _Q.ZSTD_isError(span) or span != m:
+        raise ZstdLibError("zstd payload is not exactly one frame" if not _Q.ZSTD_isError(span)
+                           else f"zstd frame is malformed: {_err(span)}")
+    return src
 
 
 def decompress_into(payload: memoryview, dst: memoryview) -> int:
@@ -177,23 +225,10 @@ def decompress_into(payload: memoryview, dst: memoryview) -> int:
     if _LIB is None or _DCTX is None:
         raise ZstdLibError("libzstd is not available here")
     n, m = len(dst), len(payload)
-    if m == 0:
-        raise ZstdLibError("empty zstd payload")
-    src = address_of(payload)
-    declared = _LIB.ZSTD_getFrameContentSize(src, m)
-    if declared in (_UNKNOWN, _ERROR):
-        raise ZstdLibError("zstd payload is not a frame that declares its size")
-    if declared > n:
-        raise ZstdLibError(f"zstd payload decodes to more than the {n} bytes expected (its frame declares {declared})")
-    if declared < n:
-        raise ZstdLibError(f"zstd payload decoded to {declared} bytes, expected {n} (as its frame declares)")
-    span = _LIB.ZSTD_findFrameCompressedSize(src, m)
-    if _LIB.ZSTD_isError(span) or span != m:
-        raise ZstdLibError("zstd payload is not exactly one frame" if not _LIB.ZSTD_isError(span)
-                           else f"zstd frame is malformed: {_err(span)}")
+    src = check_frame(payload, n)
     with _DCTX.ctx() as d:
         r = _LIB.ZSTD_decompressDCtx(d, address_of(dst) if n else None, n, src, m)
-    if _LIB.ZSTD_isError(r):
+    if _Q.ZSTD_isError(r):
         raise ZstdLibError(f"zstd payload does not decode: {_err(r)}")
     if r != n:
         raise ZstdLibError(f"zstd payload decoded to {r} bytes, expected {n}")

@@ -179,3 +179,65 @@ print("numpy" in sys.modules)
                        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "False", "numpy was loaded on the restore path"
+
+
+def _bf16(n: int, seed: int) -> bytes:
+    return (np.random.default_rng(seed).standard_normal(n).astype(np.float32).view(np.uint32) >> 16
+            ).astype(np.uint16).tobytes()
+
+
+def _planes_of(raw: bytes) -> tuple[memoryview, int, memoryview, int, int]:
+    """A layout 2 payload of RAW with both planes as zstd frames: (plane 0, kind, plane 1, kind, layout)."""
+    c = codecs.Shuffle2Codec()
+    p = memoryview(bytearray(c.encode(memoryview(raw))))
+    layout, k0, k1, n0 = codecs.Shuffle2Codec._HEAD.unpack_from(p)
+    body = p[codecs.Shuffle2Codec._HEAD.size:]
+    return body[:n0], k0, body[n0:], k1, layout
+
+
+def test_decode_planes_in_one_call_and_what_it_refuses() -> None:
+    from storage import zstdlib
+    if not shufflelib.available() or not zstdlib.available():
+        pytest.skip("the library or libzstd is not here")
+    raw = _bf16(1 << 20, 11)
+    p0, k0, p1, k1, layout = _planes_of(raw)
+    assert k1 == 1  # the exponent plane is a frame (the mantissa's may be stored)
+    h = len(raw) // 2
+    scratch, out = memoryview(bytearray(2 * h)), memoryview(bytearray(len(raw) + 8))
+    fn = zstdlib.DECOMPRESS_DCTX
+    assert fn
+    with zstdlib.dctx() as d:
+        assert shufflelib.decode_planes(p0, k0, p1, k1, layout, scratch, out[:len(raw)], d, fn) == 0
+        assert bytes(out[:len(raw)]) == raw and bytes(out[len(raw):]) == bytes(8)  # nothing past its end
+        # what it leaves to the caller: a read-only plane, the output over a plane or the scratch, too
+        # little scratch, a stored plane of another length, no context
+        assert shufflelib.decode_planes(memoryview(bytes(p0)), k0, p1, k1, layout, scratch, out[:len(raw)], d, fn) is None
+        both = memoryview(bytearray(len(raw) + len(p1)))
+        both[len(raw):] = p1
+        assert shufflelib.decode_planes(p0, k0, both[len(raw):], k1, layout, scratch, both[:len(raw)], d, fn) == 0
+        assert shufflelib.decode_planes(p0, k0, both[len(raw) - 8:], k1, layout, scratch, both[:len(raw)], d, fn) is None
+        assert shufflelib.decode_planes(p0, k0, p1, k1, layout, out[:h], out[:len(raw)], d, fn) is None
+        assert shufflelib.decode_planes(p0, k0, p1, k1, layout, scratch[:h * (k0 + k1) - 1], out[:len(raw)], d, fn) is None
+        assert shufflelib.decode_planes(p0[:-1] if k0 == 0 else p0, 0, p1, k1, layout, scratch, out[:len(raw)], d, fn) is None
+        assert shufflelib.decode_planes(p0, k0, p1, k1, layout, scratch, out[:len(raw)], 0, fn) is None
+        # a frame that decodes to fewer bytes than the plane: the call says which plane
+        small = bytearray(h)
+        n = zstdlib.Compressor().compress_into(memoryview(raw[:h // 2]), memoryview(small))
+        assert n is not None
+        assert shufflelib.decode_planes(p0, k0, memoryview(small)[:n], 1, layout, scratch, out[:len(raw)], d, fn) == -2
+
+
+def test_a_damaged_frame_fails_as_the_codec_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plane frame that passes its header checks but does not decode: the one-call path raises the
+    codec's error, as the step-by-step path does."""
+    from storage import zstdlib
+    if not shufflelib.available() or not zstdlib.available():
+        pytest.skip("the library or libzstd is not here")
+    raw = _bf16(1 << 18, 12)
+    payload = bytearray(codecs.Shuffle2Codec().encode(memoryview(raw)))
+    payload[-40:-8] = bytes(32)  # inside the last plane's last block: its header still declares its size
+    for native in (True, False):
+        if not native:
+            monkeypatch.setattr(shufflelib, "_lib", None)
+        with pytest.raises(codecs.CodecError, match="does not decode"):
+            codecs.Shuffle2Codec().decode(memoryview(payload), len(raw), memoryview(bytearray(len(raw))))

@@ -49,5 +49,36 @@ void gs_shuffle2_merge(const uint8_t *restrict lo, const uint8_t *restrict hi, s
         for (size_t i = 0; i < n; i++) out[i] = (uint16_t)(((uint16_t)hi[i] << 8) | lo[i]);
 }
 
+/* libzstd's ZSTD_decompressDCtx, as the caller passes it (the library this process already loaded, so
+ * this one links nothing): decodes one frame of SRC_N bytes into at most CAP bytes of DST, its size or
+ * an error code (never CAP for an error: those are the last values of size_t). */
+typedef size_t (*gs_zstd_decompress)(void *dctx, void *dst, size_t cap, const void *src, size_t src_n);
+
+/* A whole shuffle2 payload's planes back into its 2 * H bytes OUT, in one call (one release of the GIL
+ * for what took three ctypes calls): each plane K (0: stored, its H bytes at P; 1: one zstd frame of N
+ * bytes at P that must decode to exactly H bytes) into SCRATCH (H bytes per zstd plane, the low plane's
+ * first), then the merge. 0 when done; -1 or -2 when plane 0 or 1 did not decode to H bytes (OUT is then
+ * garbage, the caller raises). The caller has checked every length: SCRATCH holds H bytes per zstd
+ * plane, OUT 2 * H, no output overlaps an input, and each frame declares H bytes and spans its N. */
+int gs_shuffle2_decode(const uint8_t *p0, size_t n0, int k0, const uint8_t *p1, size_t n1, int k1, size_t h,
+                       int layout, uint8_t *scratch, uint16_t *out, void *dctx, void *decompress)
+{
+    gs_zstd_decompress dec = (gs_zstd_decompress)decompress;
+    const uint8_t *lo = p0, *hi = p1;
+    if (k0) {
+        if (dec(dctx, scratch, h, p0, n0) != h)
+            return -1;
+        lo = scratch;
+    }
+    if (k1) {
+        uint8_t *s = scratch + (k0 ? h : 0);
+        if (dec(dctx, s, h, p1, n1) != h)
+            return -2;
+        hi = s;
+    }
+    gs_shuffle2_merge(lo, hi, h, layout, out);
+    return 0;
+}
+
 /* The ABI version of this library: storage/shufflelib.py loads only the one it was written for. */
-int gs_shuffle2_version(void) { return 1; }
+int gs_shuffle2_version(void) { return 2; }
