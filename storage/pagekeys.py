@@ -16,6 +16,7 @@ import collections
 import functools
 import itertools
 import operator
+import struct
 import sys
 import threading
 from array import array
@@ -131,11 +132,11 @@ def known(record: Any) -> bool:
     return record.get("key") == KEY and type(record.get("every")) is int and record["every"] == EVERY
 
 
-def _u32(raw: bytes) -> array:
-    """RAW (little-endian uint32 values) as an array of them, without numpy."""
+def _u32(raw: bytes) -> "array[int] | list[int]":
+    """RAW (little-endian uint32 values) as a sequence of them, without numpy."""
     a = array("I")
-    if a.itemsize != 4:
-        a = array("L")  # no 4-byte "I" here: "L" is 4 bytes where "I" is not
+    if a.itemsize != 4:  # no 4-byte "I" on this platform: one value at a time
+        return [v for (v,) in struct.iter_unpack("<I", raw)]
     a.frombytes(raw)
     if sys.byteorder != "little":
         a.byteswap()

@@ -84,7 +84,10 @@ def _quick(lib: Any) -> Any:
     runs Python, taking it back can wait for that thread's switch interval (sys.getswitchinterval)."""
     if lib is None:
         return None
-    quick = ctypes.PyDLL(lib._name)  # the same loaded library, called without releasing the GIL
+    try:
+        quick = ctypes.PyDLL(lib._name)  # the same loaded library, called without releasing the GIL
+    except OSError:
+        return lib  # as before: each of these calls gives the GIL up
     for fn in ("ZSTD_getFrameContentSize", "ZSTD_findFrameCompressedSize", "ZSTD_isError", "ZSTD_getErrorCode",
                "ZSTD_getErrorName"):
         src, f = getattr(lib, fn), getattr(quick, fn)

@@ -63,6 +63,9 @@ def test_page_index_votes_for_where_a_moved_region_lay() -> None:
     {"key": "strided8", "every": 32, "at": "not base64!", "keys": ""},
     {"key": "strided8", "every": 32, "at": base64.b64encode(np.array([5, 3], "<u4").tobytes()).decode(),
      "keys": base64.b64encode(np.array([1, 2], "<u4").tobytes()).decode()},             # out of order
+    {"key": "strided8", "every": 32, "at": base64.b64encode(np.array([3, 3], "<u4").tobytes()).decode(),
+     "keys": base64.b64encode(np.array([1, 2], "<u4").tobytes()).decode()},             # a page twice
+    {"key": "strided8", "every": 32, "at": "AAAA", "keys": "AAAA"},                      # not whole uint32s
     {"key": "strided8", "every": 32, "at": base64.b64encode(np.array([1 << 30], "<u4").tobytes()).decode(),
      "keys": "AAAAAA=="},                                                                # beyond the stream
     {"key": "strided8", "every": 32, "at": "", "keys": "", "extra": 1},
