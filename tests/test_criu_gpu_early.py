@@ -88,7 +88,7 @@ def test_each_copy_starts_once_its_process_is_filled_the_largest_first(tmp_path:
         # own memory is in is tested in tests/test_criu_stream.py, its memory hashed at that moment)
         assert marks[f"filled_{tree.pid}"] <= marks[f"filled_{tree.child}"] <= marks["fill_done"], marks
         # the phase marks a benchmark's timeline splits the restore by (bench_e2e._RESTORE_PHASES), in order
-        order = ["entered", "loaded", "serve_begin", "pagemaps_read", "planned", "fill_started", "criu_begin",
+        order = ["entered", "loaded", "gpu_side_begin", "gpu_side_done", "serve_begin", "pagemaps_read", "planned", "fill_started", "criu_begin",
                  "criu_done", "fill_done", "gpu_begin", "gpu_done"]
         assert [marks[k] for k in order] == sorted(marks[k] for k in order), marks
         restores = _restores(drv, n)

@@ -302,15 +302,19 @@ def _restore_from(run: restore.RestoreRun, m: Any, meta: CriuMeta, report: CriuR
 
     run = dataclasses.replace(run, on_stopped=restored_stopped)
     with ExitStack() as held:
+        gpu_side = {"gpu_side_begin": time.monotonic()}  # the driver loaded, THP set: the report's marks
         early = _early_gpu(held, run, report, meta, fill, gpu_driver, device, gpu_map)
+        gpu_side["gpu_side_done"] = time.monotonic()
         if early is not None:
             run = dataclasses.replace(run, fill_first=fill_order(report.cuda_pids, meta.gpu_bytes),
                                       on_filled=early[1].start)
         _restore_tree(run, m, meta, report, op, fill, born_after)
         journal.pause("after-restore")
+        marks = report.stages.get("served", {}).get("monotonic")
+        if marks is not None and early is not None:
+            marks.update(gpu_side)
         if report.cuda_pids:
             t0 = time.perf_counter()
-            marks = report.stages.get("served", {}).get("monotonic")
             if marks is not None:
                 marks["gpu_begin"] = time.monotonic()
             if early is not None:

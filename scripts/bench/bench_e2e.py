@@ -81,7 +81,8 @@ def driver_restore_s(g: dict, b: dict | None) -> float:
     return g["restore_stages"].get("gpu_restore", b["driver_restore+unlock"] if b else 0.0)
 
 
-_RESTORE_PHASES = (("startup", None), ("load", "entered"), ("prepare", "loaded"), ("plan", "serve_begin"), ("plan:split", "pagemaps_read"),
+_RESTORE_PHASES = (("startup", None), ("load", "entered"), ("prepare", "loaded"), ("prepare:gpu", "gpu_side_begin"),
+                   ("prepare:rest", "gpu_side_done"), ("plan", "serve_begin"), ("plan:split", "pagemaps_read"),
                    ("plan:fill-start", "planned"), ("plan:serve", "fill_started"),
                    ("criu", "criu_begin"), ("fill", "criu_done"),
                    ("between", "fill_done"), ("gpu", "gpu_begin"), ("exit", "gpu_done"))

@@ -17,7 +17,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 PHASE_COLORS = {"startup": "#dddddd", "load": "#d4d4d4", "plan": "#bbbbbb", "plan:split": "#aaaaaa", "plan:fill-start": "#999999",
-                "plan:rest": "#bbbbbb", "prepare": "#cccccc", "plan:serve": "#bbbbbb", "criu": "#f2c49b", "fill": "#b7dfb9",
+                "plan:rest": "#bbbbbb", "prepare": "#cccccc", "prepare:gpu": "#c4c4c4", "prepare:rest": "#cccccc", "plan:serve": "#bbbbbb", "criu": "#f2c49b", "fill": "#b7dfb9",
                 "between": "#ffffff", "gpu": "#a9c4e8", "exit": "#eeeeee"}
 
 
