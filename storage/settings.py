@@ -28,19 +28,19 @@ class SettingError(GpusnapError):
     """A GPUSNAP_* setting that does not parse or is out of its range."""
 
 
-SWITCH_MOST_S = 0.1
+SWITCH_LEAST_S, SWITCH_MOST_S = 1e-6, 0.1  # the interpreter keeps whole microseconds: less reads back as 0
 
 
 def switch_interval() -> float | None:
-    """$GPUSNAP_SWITCH_INTERVAL: seconds (0 < s <= 0.1) a thread that wants the interpreter's lock waits
+    """$GPUSNAP_SWITCH_INTERVAL: seconds (1e-6 <= s <= 0.1) a thread that wants the interpreter's lock waits
     before the holder is made to drop it, for this process and the helpers it starts; None (unset):
     Python's own, 5 ms. For measuring. Each chunk's work gives the lock up for its C calls (the
     codecs, the hash, the reads) and takes it back after each: a pure-Python thread beside such a
     thread held each taking back up to the interval (on the dev VM a 1.6 ms decode took 18 ms beside a
     busy loop at 5 ms, 2.7 ms at 0.2 ms). Whether the put's and the fill's threads lose time so on
     a machine of many cores is what the setting is there to measure."""
-    s: float | None = setting("GPUSNAP_SWITCH_INTERVAL", None, float, lambda s: 0 < s <= SWITCH_MOST_S,
-                              f"seconds, more than 0 and at most {SWITCH_MOST_S}", SettingError)
+    s: float | None = setting("GPUSNAP_SWITCH_INTERVAL", None, float, lambda s: SWITCH_LEAST_S <= s <= SWITCH_MOST_S,
+                              f"seconds, from {SWITCH_LEAST_S:g} to {SWITCH_MOST_S:g}", SettingError)
     return s
 
 

@@ -122,6 +122,8 @@ def decode_planes(p0: memoryview, k0: int, p1: memoryview, k1: int, layout: int,
     if None in at:
         return None
     a0, a1, a_s, a_out = (int(a) for a in at if a is not None)
+    if a_out % 2:
+        return None  # the C code writes 2-byte elements: an aligned output only
     n_s = h * (k0 + k1)
     spans = sorted([(a0, a0 + len(p0)), (a1, a1 + len(p1)), (a_s, a_s + n_s)])
     if any(not (a_out + 2 * h <= lo or hi <= a_out) for lo, hi in spans):
@@ -144,6 +146,8 @@ def merge_views(lo: memoryview, hi: memoryview, out: memoryview, layout: int) ->
     if None in at:
         return False
     a_lo, a_hi, a_out = (int(a) for a in at if a is not None)
+    if a_out % 2:
+        return False  # the C code writes 2-byte elements: an aligned output only
     n = len(lo)
     if not (a_out + 2 * n <= a_lo or a_lo + n <= a_out) or not (a_out + 2 * n <= a_hi or a_hi + n <= a_out):
         return False

@@ -200,6 +200,9 @@ def frame_content_size(payload: memoryview) -> int | None:
     return None if r in (_UNKNOWN, _ERROR) else int(r)
 
 
+QUICK_SPAN_MOST = 64 << 10  # check_frame walks a frame of at most this many bytes with the GIL kept
+
+
 def check_frame(payload: memoryview, n: int) -> int:
     """PAYLOAD's address once it is exactly one zstd frame that declares N bytes; ZstdLibError otherwise."""
     if _Q is None:
@@ -215,7 +218,9 @@ def check_frame(payload: memoryview, n: int) -> int:
         raise ZstdLibError(f"zstd payload decodes to more than the {n} bytes expected (its frame declares {declared})")
     if declared < n:
         raise ZstdLibError(f"zstd payload decoded to {declared} bytes, expected {n} (as its frame declares)")
-    span = _Q.ZSTD_findFrameCompressedSize(src, m)
+    # the walk over the frame's block headers costs what the payload's bytes say (a crafted frame of
+    # millions of empty blocks: ~1 ns a byte): past a small payload, the GIL is given up for it
+    span = (_Q if m <= QUICK_SPAN_MOST else _LIB).ZSTD_findFrameCompressedSize(src, m)
     if _Q.ZSTD_isError(span) or span != m:
         raise ZstdLibError("zstd payload is not exactly one frame" if not _Q.ZSTD_isError(span)
                            else f"zstd frame is malformed: {_err(span)}")

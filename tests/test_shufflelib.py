@@ -220,6 +220,9 @@ def test_decode_planes_in_one_call_and_what_it_refuses() -> None:
         assert shufflelib.decode_planes(p0, k0, p1, k1, layout, scratch[:h * (k0 + k1) - 1], out[:len(raw)], d, fn) is None
         assert shufflelib.decode_planes(p0[:-1] if k0 == 0 else p0, 0, p1, k1, layout, scratch, out[:len(raw)], d, fn) is None
         assert shufflelib.decode_planes(p0, k0, p1, k1, layout, scratch, out[:len(raw)], 0, fn) is None
+        odd = memoryview(bytearray(len(raw) + 1))[1:]  # the output at an odd address: 2-byte stores want even
+        assert shufflelib.decode_planes(p0, k0, p1, k1, layout, scratch, odd, d, fn) is None
+        assert not shufflelib.merge_views(memoryview(bytearray(h)), memoryview(bytearray(h)), odd, layout)
         # a frame that decodes to fewer bytes than the plane: the call says which plane
         small = bytearray(h)
         n = zstdlib.Compressor().compress_into(memoryview(raw[:h // 2]), memoryview(small))

@@ -13,13 +13,13 @@ from storage import settings
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.mark.parametrize("value,want", [("", None), ("0.0005", 0.0005), ("0.1", 0.1)])
+@pytest.mark.parametrize("value,want", [("", None), ("0.0005", 0.0005), ("1e-6", 1e-6), ("0.1", 0.1)])
 def test_values_taken(value: str, want: float | None, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("GPUSNAP_SWITCH_INTERVAL", value)
     assert settings.switch_interval() == want
 
 
-@pytest.mark.parametrize("value", ["abc", "0", "-0.001", "0.2", "nan", "inf"])
+@pytest.mark.parametrize("value", ["abc", "0", "1e-7", "-0.001", "0.2", "nan", "inf"])
 def test_values_refused(value: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("GPUSNAP_SWITCH_INTERVAL", value)
     with pytest.raises(settings.SettingError, match="GPUSNAP_SWITCH_INTERVAL"):
@@ -42,5 +42,5 @@ def test_a_bad_value_is_one_line_at_the_cli(tmp_path: "os.PathLike[str]") -> Non
     r = subprocess.run([sys.executable, "-m", "cli", "--store", str(tmp_path), "store", "ls"], capture_output=True,
                        text=True, env=env, cwd=REPO, timeout=60)
     assert r.returncode == 1
-    assert r.stderr.strip() == "gpusnap: GPUSNAP_SWITCH_INTERVAL='fast': expected seconds, more than 0 and at most 0.1"
+    assert r.stderr.strip() == "gpusnap: GPUSNAP_SWITCH_INTERVAL='fast': expected seconds, from 1e-06 to 0.1"
     assert not os.listdir(tmp_path)  # nothing made

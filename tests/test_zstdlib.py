@@ -91,3 +91,42 @@ def test_threads_share_contexts_safely() -> None:
     for t in ts:
         t.join()
     assert not errors
+
+
+def _padded_frame(content: bytes, empty_blocks: int) -> bytes:
+    """One zstd frame declaring len(CONTENT) bytes: EMPTY_BLOCKS empty raw blocks, then CONTENT as one raw
+    block (RFC 8878: magic, a header with an 8-byte content size and no window descriptor: single
+    segment; each block a 3-byte header of last flag, type 0 = raw, and size)."""
+    assert len(content) < 1 << 21
+    head = (0xFD2FB528).to_bytes(4, "little") + bytes([0b11100000]) + len(content).to_bytes(8, "little")
+    last = (1 | (len(content) << 3)).to_bytes(3, "little")
+    return head + b"\0\0\0" * empty_blocks + last + content
+
+
+def test_a_frame_of_countless_empty_blocks_is_walked_without_the_gil(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A crafted frame the size of its bytes to walk (here ~3 MB of empty blocks before 4 KiB of content):
+    check_frame still accepts it as the one frame it is, and decodes it right; past QUICK_SPAN_MOST bytes
+    its walk goes through the handle that gives the GIL up (what costs ~1 ns a byte must not stall every
+    other thread)."""
+    content = os.urandom(4096)
+    frame = memoryview(bytearray(_padded_frame(content, 1 << 20)))
+    assert len(frame) > zstdlib.QUICK_SPAN_MOST
+    walked: list[int] = []
+
+    class Quick:  # the GIL-keeping handle, telling which sizes it was asked to walk
+        def __getattr__(self, name: str) -> object:
+            f = getattr(quick, name)
+            if name != "ZSTD_findFrameCompressedSize":
+                return f
+            return lambda src, m: walked.append(m) or f(src, m)
+    quick = zstdlib._Q
+    monkeypatch.setattr(zstdlib, "_Q", Quick())
+    zstdlib.check_frame(frame, len(content))
+    assert walked == []  # the large frame went through the handle that gives the GIL up
+    small = memoryview(bytearray(_padded_frame(content, 8)))
+    zstdlib.check_frame(small, len(content))
+    assert walked == [len(small)]  # a small one through the quick handle
+    out = memoryview(bytearray(len(content)))
+    assert zstdlib.decompress_into(frame, out) == len(content) and bytes(out) == content
+    with pytest.raises(zstdlib.ZstdLibError, match="exactly one frame"):
+        zstdlib.check_frame(memoryview(bytearray(bytes(frame) + b"\0")), len(content))  # a byte after it

@@ -134,7 +134,7 @@ def _short_switch(on: bool) -> None:
     with _switch_lock:
         if on:
             if not _switch["running"]:
-                _switch["before"] = sys.getswitchinterval()
+                _switch["before"] = sys.getswitchinterval() or 1e-6  # never 0, which cannot be set back
                 sys.setswitchinterval(min(_switch["before"], EARLY_SWITCH_S))
             _switch["running"] += 1
         elif _switch["running"]:
