@@ -432,17 +432,17 @@ class Shuffle2Codec:
         if out is not None and len(out) < raw_len:
             raise CodecError(f"decode buffer of {len(out)} bytes for {raw_len}")
         planes = self._scratch_view(h * (k0 + k1))
-        if zstdlib.available() and zstdlib.DECOMPRESS_DCTX and out is not None:
+        dst = memoryview(bytearray(raw_len)) if out is None else out[:raw_len]
+        if zstdlib.available() and zstdlib.DECOMPRESS_DCTX:
             # both planes and the merge in one C call: one hand-over of the GIL instead of three
             with zstdlib.dctx() as d:
-                rc = shufflelib.decode_planes(p0, k0, p1, k1, layout, planes, out[:raw_len], d, zstdlib.DECOMPRESS_DCTX)
+                rc = shufflelib.decode_planes(p0, k0, p1, k1, layout, planes, dst, d, zstdlib.DECOMPRESS_DCTX)
             if rc is not None:
                 if rc:
                     raise CodecError(f"shuffle2-zstd plane {-rc - 1} does not decode to {h} bytes")
-                return out[:raw_len]
+                return dst
         lo = self._plane(k0, p0, h, planes[:h])
         hi = self._plane(k1, p1, h, planes[k0 * h:k0 * h + h])
-        dst = memoryview(bytearray(raw_len)) if out is None else out[:raw_len]
         if not shufflelib.merge_views(lo, hi, dst, layout):  # numpy only where the C merge cannot take these
             np = _np()
             self._merge(np.frombuffer(lo, np.uint8), np.frombuffer(hi, np.uint8), np.frombuffer(dst, "<u2"), layout)
