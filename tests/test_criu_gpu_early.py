@@ -88,9 +88,10 @@ def test_each_copy_starts_once_its_process_is_filled_the_largest_first(tmp_path:
         # own memory is in is tested in tests/test_criu_stream.py, its memory hashed at that moment)
         assert marks[f"filled_{tree.pid}"] <= marks[f"filled_{tree.child}"] <= marks["fill_done"], marks
         # the phase marks a benchmark's timeline splits the restore by (bench_e2e._RESTORE_PHASES), in order
-        order = ["entered", "loaded", "gpu_side_begin", "gpu_side_done", "serve_begin", "pagemaps_read", "planned", "fill_started", "criu_begin",
+        order = ["entered", "loaded", "early_begin", "gpu_side_begin", "gpu_side_done", "serve_begin", "pagemaps_read", "planned", "fill_started", "criu_begin",
                  "criu_done", "fill_done", "gpu_begin", "gpu_done"]
         assert [marks[k] for k in order] == sorted(marks[k] for k in order), marks
+        assert "early read" in rep["stages"]["served"]["stages"]  # started at the load, reported by the serve side
         restores = _restores(drv, n)
         assert sorted(p for p, _ in restores) == sorted(before), restores
         d = drv.load()
@@ -149,3 +150,18 @@ def test_a_failed_early_copy_fails_the_restore_like_any_copy_and_recover_finishe
         finally:
             tree.close()
     assert outs["0"] == outs["1"] == {False: S.RUNNING, True: S.CHECKPOINTED}, outs
+
+
+def test_early_reads_late_start_where_the_serve_side_plans(tmp_path: Path) -> None:
+    """GPUSNAP_EARLY_READS=late (for measuring): no early reads at the load, the serve side starts them."""
+    tree, drv, before, store = _dumped(tmp_path)
+    try:
+        r = _restore(drv, store, {**SPLIT, "GPUSNAP_EARLY_READS": "late"})
+        assert r.returncode == 0, r.stderr
+        rep = json.loads(r.stdout)
+        assert "early_begin" not in rep["stages"]["served"]["monotonic"]
+        assert "early read" in rep["stages"]["served"]["stages"]
+        d = drv.load()
+        assert {p: bytes(d.procs[p].gpu) for p in before} == before and healthy(tree.report())
+    finally:
+        tree.close()

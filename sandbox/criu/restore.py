@@ -58,6 +58,7 @@ class RestoreRun:
     on_stopped: Callable[[list[int]], None] | None = None  # CRIU done, the tree (its pids) stopped for the split fill
     fill_first: tuple[int, ...] = ()  # processes the fill completes first, in this order (their GPU state comes back early)
     on_filled: Callable[[int], None] | None = None  # a pid of fill_first is complete and running (from a fill thread)
+    early: Any = None                # serve.EarlyReads started since the manifest loaded (the streamed path stops it)
 
     @property
     def pidfile(self) -> str:
@@ -90,7 +91,7 @@ def streamed(run: RestoreRun, *, thp_mode: str | None = "always",
         if run.arrivals is None:
             thp.enter_context(restore_huge_pages(thp_mode))
         with ServeSource(run.store, run.files, images, split_min=split_min() if split_bytes is None else split_bytes,
-                         arrivals=run.arrivals, fill_first=run.fill_first) as srv:
+                         arrivals=run.arrivals, fill_first=run.fill_first, early=run.early) as srv:
             try:
                 extra = run.extra + (("--stream", "--leave-stopped") if srv.plans else ("--stream",))
                 pids = list(dict.fromkeys([*run.pids, *srv.pstree]))

@@ -24,8 +24,9 @@ import sys
 import threading
 import time
 from collections import deque
+from contextlib import contextmanager
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Protocol
 
 from storage import pipeline
 from storage.childreads import ChildReads
@@ -163,6 +164,7 @@ class EarlyReads:
 
     def __init__(self, store: SnapshotStore, refs: list[ChunkRef], stages: Stages) -> None:
         self._stop = threading.Event()
+        self.stages = stages  # where the reads are reported, once stopped
         _short_switch(True)
 
         def run() -> None:
@@ -210,6 +212,27 @@ class EarlyReads:
                 _short_switch(False)
 
 
+def image_streams(manifest: Manifest) -> dict[str, Stream]:
+    """MANIFEST's CRIU images (its images/NAME file streams), by NAME."""
+    return {s.name.partition("/")[2]: s for s in manifest.streams
+            if s.name.startswith(IMAGES + "/") and s.attrs.get("type") == "file"}
+
+
+@contextmanager
+def early_reads_of(store: SnapshotStore, manifest: Manifest) -> Iterator[EarlyReads | None]:
+    """EarlyReads of MANIFEST's images started now, as soon as a restore has loaded the manifest (the
+    disk reads while the restore checks the pids, journals, loads the CUDA driver and plans: on the H200
+    0.11 s of one busy core before the plan); stopped when the block ends, if ServeSource has not
+    stopped it by then. None where it is turned off or cannot start."""
+    early = (EarlyReads.started(store, early_reads(image_streams(manifest), early_budget(available_bytes())), Stages())
+             if early_reads_on() and early_reads_mode() != "late" else None)
+    try:
+        yield early
+    finally:
+        if early is not None:
+            early.stop()
+
+
 class ServeSource:
     """Serves MANIFEST's images to `criu restore --stream` through the serve socket in DIRECTORY;
     a context manager. Chunks are read, verified and decoded by WORKERS threads, up to WINDOW chunks
@@ -217,27 +240,27 @@ class ServeSource:
 
     def __init__(self, store: SnapshotStore, manifest: Manifest, directory: str, *, workers: int | None = None,
                  window: int | None = None, split_min: int = 0, arrivals: Arrivals | None = None,
-                 fill_first: tuple[int, ...] = ()) -> None:
+                 fill_first: tuple[int, ...] = (), early: EarlyReads | None = None) -> None:
         """split_min: page runs of at least this many bytes are left out of what CRIU gets, for
         split.fill to write after CRIU (0: CRIU restores everything). arrivals: the chunks the store
         lacks are on their way (a restore from a remote): asked for in read order, each waited for
         when it is needed. fill_first: the pids whose moved runs the fill completes first, one after
-        the other in this order (split.fill_phases; `fill` says when each is done)."""
+        the other in this order (split.fill_phases; `fill` says when each is done). early: EarlyReads the
+        caller started (early_reads_of), stopped here once the plan is made; else they start here."""
         self.store, self.manifest, self.arrivals = store, manifest, arrivals
         self.fill_first = fill_first
-        self.images = {s.name.partition("/")[2]: s for s in manifest.streams
-                       if s.name.startswith(IMAGES + "/") and s.attrs.get("type") == "file"}
+        self.images = image_streams(manifest)
         self.marks: dict[str, float] = {}  # time.monotonic() at the steps below (the restore reports them)
-        self.stages = Stages()  # thread-seconds of the store side: read+verify, decode, the fill's stages
+        # thread-seconds of the store side: read+verify, decode, the fill's stages (the early reads' too)
+        self.stages = early.stages if early is not None else Stages()
         self.workers = workers or pipeline.default_workers()
         self.window = window or 2 * self.workers
         self._bufs = BufferPool(self.workers, store.chunk_buffer_size([manifest]))  # CRIU's feeds (the fill has its own)
         # what the feeds' chunks are decoded into, a window ahead of CRIU: reused, not a new object per chunk
         self._outs = Recycler(max((c.raw_len for st in self.images.values() for c in st.chunks), default=1))
-        early: EarlyReads | None = None
         try:
             # the disk reads what the restore reads first while the pagemaps are read and the split chosen
-            if arrivals is None and early_reads_on():
+            if early is None and arrivals is None and early_reads_on():
                 early = EarlyReads.started(store, early_reads(self.images, early_budget(available_bytes())),
                                            self.stages)
             self._plan(store, manifest, arrivals, split_min)
@@ -610,10 +633,12 @@ def fill_criu_first() -> bool:
 
 
 def early_reads_mode() -> str:
-    """$GPUSNAP_EARLY_READS: "child" (the default: EarlyReads' reads are a child process's), "thread"
-    (a thread of this process reads them) or "0" (none), the last two for measuring."""
+    """$GPUSNAP_EARLY_READS: "child" (the default: EarlyReads' reads are a child process's, started once
+    the manifest is loaded), "late" (the same, started only when the serve side plans, as it was
+    before the restore started them at the load), "thread" (a thread of this process reads them) or "0" (none); all but the default
+    for measuring."""
     v = os.environ.get("GPUSNAP_EARLY_READS", "child").strip()
-    return v if v in ("0", "thread") else "child"
+    return v if v in ("0", "thread", "late") else "child"
 
 
 def early_reads_on() -> bool:

@@ -49,6 +49,7 @@ from sandbox.criu.parent import choose_parent
 from sandbox.criu.report import CriuReport, CriuSnapshotError
 from sandbox.criu.restored import boot_ticks, restored_procs
 from sandbox.criu.runner import Criu, CriuError, DumpOptions
+from sandbox.criu.serve import early_reads_of
 from sandbox.criu.staging import keep_log, new_staging, rss_bytes
 from sandbox.host import hugepages
 from sandbox.host.processes import process_tree
@@ -225,9 +226,12 @@ def criu_restore(store: SnapshotStore, name: str, *, staging: str | None = None,
     criu = criu or Criu()
     journal.require_clean(store.path)
     hugepages.policy()  # a bad GPUSNAP_THP fails here, before a process is restored
-    with store.shared(), _from_remote(store, name, from_remote, jobs, progress) as fill:
+    with store.shared(), _from_remote(store, name, from_remote, jobs, progress) as fill, ExitStack() as held:
         m = (fill.manifest if fill is not None else None) or store.load(name)
         loaded = time.monotonic()  # the store's lock, its journal and the manifest since `entered`
+        # a local streamed restore's disk starts on what it reads first now, while the rest gets ready
+        early = held.enter_context(early_reads_of(store, m)) if fill is None and images_path() == "stream" else None
+        early_begin = time.monotonic()
         meta = CriuMeta.of(m)
         with waits.waiting(waits.TREE_DEATH):
             taken = _pids_in_use(list(meta.pids))
@@ -254,10 +258,11 @@ def criu_restore(store: SnapshotStore, name: str, *, staging: str | None = None,
                     if fill is not None:
                         fill.start()
                     run = _restore_run(criu, store, m, meta, stage, None if fill else progress, fill,
-                                       ("--tcp-established",) if tcp_established else ())
+                                       ("--tcp-established",) if tcp_established else (), early)
                     _restore_from(run, m, meta, report, op, fill, gpu_driver, device, gpu_map)
                     if "served" in report.stages and "monotonic" in report.stages["served"]:
-                        report.stages["served"]["monotonic"].update(entered=entered, loaded=loaded)
+                        report.stages["served"]["monotonic"].update(
+                            entered=entered, loaded=loaded, **({"early_begin": early_begin} if early is not None else {}))
             finally:
                 shutil.rmtree(stage, ignore_errors=True)
     return report
@@ -273,14 +278,14 @@ def _cuda_driver() -> Any:
 
 
 def _restore_run(criu: Criu, store: SnapshotStore, m: Any, meta: CriuMeta, stage: str, progress: Progress | None,
-                 fill: RemoteFill | None, tcp: tuple[str, ...]) -> restore.RestoreRun:
+                 fill: RemoteFill | None, tcp: tuple[str, ...], early: Any = None) -> restore.RestoreRun:
     """The `criu restore` of M's CRIU images (its gpu/ streams left out) in STAGE: the dump's options
     that CRIU needs again, and TCP (asked for even when the dump did not record it)."""
     from storage.manifest import Manifest
     files = Manifest(m.name, [s for s in m.streams if not is_gpu_stream(s)], m.meta)
     extra = tuple(o for o in meta.options if o in RESTORE_TOO) + tuple(o for o in tcp if o not in meta.options)
     return restore.RestoreRun(criu, store, files, stage, list(meta.pids), meta.shell_job, extra, progress=progress,
-                              arrivals=fill)
+                              arrivals=fill, early=early)
 
 
 def _restore_from(run: restore.RestoreRun, m: Any, meta: CriuMeta, report: CriuReport, op: journal.Op,
