@@ -635,8 +635,8 @@ def fill_criu_first() -> bool:
 def early_reads_mode() -> str:
     """$GPUSNAP_EARLY_READS: "child" (the default: EarlyReads' reads are a child process's, started once
     the manifest is loaded), "late" (the same, started only when the serve side plans, as it was
-    before the restore started them at the load), "thread" (a thread of this process reads them) or "0" (none); all but the default
-    for measuring."""
+    before the restore started them at the load), "thread" (a thread of this process reads them) or
+    "0" (none); all but the default for measuring."""
     v = os.environ.get("GPUSNAP_EARLY_READS", "child").strip()
     return v if v in ("0", "thread", "late") else "child"
 
