@@ -1287,3 +1287,45 @@ def test_a_tree_of_forked_workers_keeps_its_shared_memory_shared(cli: Cli, store
         assert served["bytes"] >= (2 if sharing == "cow" else 1) * (90 << 20), served
     finally:
         tree.kill()
+
+
+def test_early_reads_run_from_acceptance_and_stop_before_a_failed_restore_is_undone(
+        cli: Cli, store_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The early reads start once a restore is accepted (before the serve side exists); a failure after
+    that stops them before the undo runs: no reader thread or child left, the switch interval back."""
+    import threading
+    from sandbox.criu import restore as restore_mod
+    from sandbox.criu import snapshot as snapshot_mod
+    from sandbox.ops import operations
+    from storage.store import SnapshotStore
+    tree = Tree(32)
+    try:
+        cli_json(cli, {}, "criu", "dump", str(tree.pid), "early")
+        tree.reap()
+        seen: dict[str, object] = {}
+
+        def reading() -> bool:
+            return any(t.name == "gpusnap-early-read" and t.is_alive() for t in threading.enumerate())
+
+        def failing(run: restore_mod.RestoreRun, **kw: object) -> None:
+            seen["early at the serve side"] = run.early is not None and reading()
+            raise OSError(5, "the serve side failed (a test)")
+        real_undo = operations.operation_for
+
+        def undo_of(rec: object, ctx: object) -> object:
+            seen["reading at the undo"] = reading()
+            return real_undo(rec, ctx)  # type: ignore[arg-type]
+        monkeypatch.setattr(restore_mod, "streamed", failing)
+        monkeypatch.setattr(operations, "operation_for", undo_of)
+        before = sys.getswitchinterval()
+        with pytest.raises(OSError, match="a test"):
+            snapshot_mod.criu_restore(SnapshotStore(str(store_dir), create=False), "early")
+        assert seen == {"early at the serve side": True, "reading at the undo": False}, seen
+        assert not reading() and sys.getswitchinterval() == before
+        from sandbox.host.processes import children_of
+        assert children_of(os.getpid()) == [], "a reader child outlived the failed restore"
+        # the snapshot is untouched: it restores
+        ok = cli_json(cli, {}, "criu", "restore", "early")
+        assert ok["restored_pid"] == tree.pid and healthy(tree.report())
+    finally:
+        tree.kill()

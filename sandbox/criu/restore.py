@@ -83,8 +83,9 @@ def streamed(run: RestoreRun, *, thp_mode: str | None = "always",
     marks = info["monotonic"] = {"serve_begin": time.monotonic()}  # phase boundaries, for benchmarks' timelines
     born_after = boot_ticks()  # what CRIU restores starts after this
     # THP: host-wide, so for as short a time as the restore allows. A local restore sets it first,
-    # while the disk is idle: setting it (its crash record fsynced, the sysfs write) took 0.24 s on
-    # the H200 with the read-ahead of CRIU's chunks in the disk's queue, 2 ms without. A restore from a
+    # before any deep read-ahead: setting it (its crash record fsynced, the sysfs write) took 0.24 s on
+    # the H200 with the read-ahead of CRIU's chunks in the disk's queue, 2 ms without. The early reads
+    # (serve.EarlyReads) run by then, but keep at most one 16 MiB read in the queue. A restore from a
     # remote sets it only once its planning (network waits) is done.
     thp = ExitStack()
     try:

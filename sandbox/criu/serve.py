@@ -220,10 +220,11 @@ def image_streams(manifest: Manifest) -> dict[str, Stream]:
 
 @contextmanager
 def early_reads_of(store: SnapshotStore, manifest: Manifest) -> Iterator[EarlyReads | None]:
-    """EarlyReads of MANIFEST's images started now, as soon as a restore has loaded the manifest (the
-    disk reads while the restore checks the pids, journals, loads the CUDA driver and plans: on the H200
-    0.11 s of one busy core before the plan); stopped when the block ends, if ServeSource has not
-    stopped it by then. None where it is turned off or cannot start."""
+    """EarlyReads of MANIFEST's images started now, as soon as a restore is accepted (the disk reads
+    while the restore journals, loads the CUDA driver and plans: on the H200 0.11 s of one busy core
+    before the plan); stopped when the block ends, if ServeSource (or a failure) has not stopped it
+    by then. None where it is turned off or cannot start. Its 'early read' stage then counts from
+    here to the stop: its rate is not comparable with a start at the plan ($GPUSNAP_EARLY_READS=late)."""
     early = (EarlyReads.started(store, early_reads(image_streams(manifest), early_budget(available_bytes())), Stages())
              if early_reads_on() and early_reads_mode() != "late" else None)
     try:
@@ -246,7 +247,8 @@ class ServeSource:
         lacks are on their way (a restore from a remote): asked for in read order, each waited for
         when it is needed. fill_first: the pids whose moved runs the fill completes first, one after
         the other in this order (split.fill_phases; `fill` says when each is done). early: EarlyReads the
-        caller started (early_reads_of), stopped here once the plan is made; else they start here."""
+        caller started (early_reads_of), stopped here once the plan is made (the caller stops them too,
+        for a failure before that); else they start here."""
         self.store, self.manifest, self.arrivals = store, manifest, arrivals
         self.fill_first = fill_first
         self.images = image_streams(manifest)

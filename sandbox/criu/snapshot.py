@@ -229,9 +229,6 @@ def criu_restore(store: SnapshotStore, name: str, *, staging: str | None = None,
     with store.shared(), _from_remote(store, name, from_remote, jobs, progress) as fill, ExitStack() as held:
         m = (fill.manifest if fill is not None else None) or store.load(name)
         loaded = time.monotonic()  # the store's lock, its journal and the manifest since `entered`
-        # a local streamed restore's disk starts on what it reads first now, while the rest gets ready
-        early = held.enter_context(early_reads_of(store, m)) if fill is None and images_path() == "stream" else None
-        early_begin = time.monotonic()
         meta = CriuMeta.of(m)
         with waits.waiting(waits.TREE_DEATH):
             taken = _pids_in_use(list(meta.pids))
@@ -248,6 +245,10 @@ def criu_restore(store: SnapshotStore, name: str, *, staging: str | None = None,
                 from sandbox.gpu.driver import CudaDriver
                 gpu_driver = CudaDriver()
             gpu_map = dmap.plan(device_map, meta.gpus_json, dmap.gpus_here(gpu_driver, features), meta.gpu_bytes).gpu_map
+        # the restore is accepted (its pids free, its map checked): a local streamed restore's disk starts
+        # on what it reads first now, while the journal, the CUDA driver and THP get ready
+        early = held.enter_context(early_reads_of(store, m)) if fill is None and images_path() == "stream" else None
+        early_begin = time.monotonic()
         report = CriuReport(name, list(meta.pids), list(meta.cuda_pids))
         with journal.operation(store.path, OpKind.CRIU_RESTORE, name, cuda_pids=tuple(report.cuda_pids),
                                gpu_path=meta.gpu_path.value if meta.gpu_path else None) as op:
@@ -255,11 +256,16 @@ def criu_restore(store: SnapshotStore, name: str, *, staging: str | None = None,
             gpu = GpuAccess(driver=lambda: gpu_driver or _cuda_driver(), device=lambda: 0 if device is None else device)
             try:
                 with undone_on_failure(op, Undo(store, gpu), CriuSnapshotError, what="restore"):
-                    if fill is not None:
-                        fill.start()
-                    run = _restore_run(criu, store, m, meta, stage, None if fill else progress, fill,
-                                       ("--tcp-established",) if tcp_established else (), early)
-                    _restore_from(run, m, meta, report, op, fill, gpu_driver, device, gpu_map)
+                    try:
+                        if fill is not None:
+                            fill.start()
+                        run = _restore_run(criu, store, m, meta, stage, None if fill else progress, fill,
+                                           ("--tcp-established",) if tcp_established else (), early)
+                        _restore_from(run, m, meta, report, op, fill, gpu_driver, device, gpu_map)
+                    except BaseException:
+                        if early is not None:
+                            early.stop()  # no read of the snapshot goes on while the restore is undone
+                        raise
                     if "served" in report.stages and "monotonic" in report.stages["served"]:
                         report.stages["served"]["monotonic"].update(
                             entered=entered, loaded=loaded, **({"early_begin": early_begin} if early is not None else {}))
