@@ -833,6 +833,9 @@ def test_early_reads_fill_the_page_cache_until_stopped(tmp_path: Path, mode: str
     early.stop()
     assert resident_bytes(packs) >= want, (resident_bytes(packs), want)
     assert stages.nbytes["early read"] >= want  # reported as a stage of the restore
+    if mode == "child":  # and the child's own reading, whose rate is the disk's
+        assert stages.nbytes["early read:disk"] == stages.nbytes["early read"]
+        assert 0 < stages.seconds["early read:disk"] <= stages.seconds["early read"]
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="dropping the page cache needs root")

@@ -175,8 +175,9 @@ class EarlyReads:
                     store, runs, step=EARLY_STEP, stop=self._stop.is_set)
                 if child is not None:
                     self._stop.wait()
-                    got, _ = child.stop()
-                    stages.add("early read", time.perf_counter() - t0, got)
+                    got, read_s = child.stop()
+                    stages.add("early read", time.perf_counter() - t0, got)  # from the start to the stop
+                    stages.add("early read:disk", read_s, got)  # the child's own reading: the disk's rate
                     return
                 asked = 0 if runs is None else read_runs(store, runs, stop=self._stop.is_set, resident=True,
                                                          advise=False, step=EARLY_STEP)
