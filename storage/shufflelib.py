@@ -33,6 +33,7 @@ import ctypes
 from typing import TYPE_CHECKING, Any
 
 from . import native
+from .directio import address_of
 
 if TYPE_CHECKING:
     import numpy as np
@@ -67,9 +68,14 @@ def _flat(a: "np.ndarray", itemsize: int, writable: bool = False) -> bool:
             and (not writable or a.flags.writeable))
 
 
+def _spans_apart(*spans: tuple[int, int]) -> bool:
+    """Whether no two of SPANS ((start, end) addresses; empty ones left out) share a byte."""
+    ordered = sorted(sp for sp in spans if sp[1] > sp[0])
+    return all(e <= s for (_, e), (s, _) in zip(ordered, ordered[1:]))
+
+
 def _apart(*arrays: "np.ndarray") -> bool:
-    spans = sorted((_addr(a), _addr(a) + a.nbytes) for a in arrays if a.nbytes)
-    return all(e <= s for (_, e), (s, _) in zip(spans, spans[1:]))
+    return _spans_apart(*((_addr(a), _addr(a) + a.nbytes) for a in arrays))
 
 
 def plane(a: "np.ndarray", which: int, into: "np.ndarray", layout: int) -> bool:
@@ -100,7 +106,7 @@ def _address(view: memoryview) -> int | None:
     if view.format != "B" or view.ndim != 1 or not view.c_contiguous or view.readonly or not len(view):
         return None
     try:
-        return ctypes.addressof(ctypes.c_char.from_buffer(view))  # the export ends with the temporary
+        return address_of(view)  # a writable view: through ctypes, no numpy
     except (TypeError, ValueError, BufferError):
         return None
 
@@ -124,11 +130,10 @@ def decode_planes(p0: memoryview, k0: int, p1: memoryview, k1: int, layout: int,
     a0, a1, a_s, a_out = (int(a) for a in at if a is not None)
     if a_out % 2:
         return None  # the C code writes 2-byte elements: an aligned output only
-    n_s = h * (k0 + k1)
-    spans = sorted([(a0, a0 + len(p0)), (a1, a1 + len(p1)), (a_s, a_s + n_s)])
-    if any(not (a_out + 2 * h <= lo or hi <= a_out) for lo, hi in spans):
+    s0, s1, ss, so = (a0, a0 + len(p0)), (a1, a1 + len(p1)), (a_s, a_s + h * (k0 + k1)), (a_out, a_out + 2 * h)
+    if not all(_spans_apart(so, sp) for sp in (s0, s1, ss)):
         return None  # the output over an input or the scratch
-    if not all(a_s + n_s <= lo or hi <= a_s for lo, hi in ((a0, a0 + len(p0)), (a1, a1 + len(p1)))):
+    if not all(_spans_apart(ss, sp) for sp in (s0, s1)):
         return None  # the scratch over a plane
     rc: int = _lib.gs_shuffle2_decode(a0, len(p0), k0, a1, len(p1), k1, h, layout, a_s, a_out, dctx, decompress)
     return rc
@@ -149,7 +154,8 @@ def merge_views(lo: memoryview, hi: memoryview, out: memoryview, layout: int) ->
     if a_out % 2:
         return False  # the C code writes 2-byte elements: an aligned output only
     n = len(lo)
-    if not (a_out + 2 * n <= a_lo or a_lo + n <= a_out) or not (a_out + 2 * n <= a_hi or a_hi + n <= a_out):
+    so = (a_out, a_out + 2 * n)
+    if not (_spans_apart(so, (a_lo, a_lo + n)) and _spans_apart(so, (a_hi, a_hi + n))):
         return False
     _lib.gs_shuffle2_merge(a_lo, a_hi, n, layout, a_out)
     return True

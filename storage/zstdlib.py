@@ -230,11 +230,11 @@ def check_frame(payload: memoryview, n: int) -> int:
 def decompress_into(payload: memoryview, dst: memoryview) -> int:
     """PAYLOAD (exactly one zstd frame declaring len(DST) bytes) decoded into DST; returns len(DST).
     ZstdLibError for anything else; nothing is written outside DST."""
-    if _LIB is None or _DCTX is None:
+    if _LIB is None:
         raise ZstdLibError("libzstd is not available here")
     n, m = len(dst), len(payload)
     src = check_frame(payload, n)
-    with _DCTX.ctx() as d:
+    with dctx() as d:
         r = _LIB.ZSTD_decompressDCtx(d, address_of(dst) if n else None, n, src, m)
     if _Q.ZSTD_isError(r):
         raise ZstdLibError(f"zstd payload does not decode: {_err(r)}")
