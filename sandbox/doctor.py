@@ -11,6 +11,7 @@ from typing import Any
 from storage.device import numa_nodes
 from storage.encodeprocs import EncodeProcsError, encode_procs
 
+from sandbox.criu.protocol import CRIU_PAGE_PIPE, pipe_limits
 from sandbox.criu.runner import cuda_plugin
 from sandbox.gpu.driver import nvidia_driver_version, probe
 from sandbox.host.hugepages import HugePagesError, free_page_reporting, hugetlb_pages, policy, thp_mode
@@ -157,6 +158,7 @@ def report(criu: str = "criu", runsc: str = "runsc") -> dict[str, Any]:
         "container_hook": _container_hook(),
         "memory_tier": f.custom_storage,
         "dump_encoders": _encoders(),
+        "pipes": pipe_limits(),
         "host_codec": _host_codec(),
         "why_no_gpu": f.reason,
     }
@@ -174,6 +176,16 @@ def render_criu_binary(c: dict[str, Any]) -> str:
             "CRIU binary          none usable (run scripts/setup.sh, or set GPUSNAP_CRIU to a CRIU >= 4)")
     line += "".join(f"\n                     passed over {p}" for p in c["passed_over"])
     return line + "".join(f"\n  warning: {f}" for f in c.get("known_failures", []))
+
+
+def _render_pipes(p: dict[str, Any]) -> str:
+    mib = lambda n: f"{n / 2**20:.3g} MiB"  # noqa: E731
+    if not isinstance(p["dump_pipe"], int):
+        return f"dump pipes           {p['dump_pipe']}"
+    limit = ("no limit for this process (CAP_SYS_RESOURCE)" if p["cap_sys_resource"] else
+             f"fs.pipe-max-size {mib(p['pipe_max_size'])}" if p["pipe_max_size"] else "fs.pipe-max-size unknown")
+    return (f"dump pipes           {mib(p['dump_pipe_allowed'] or p['dump_pipe'])} of the {mib(p['dump_pipe'])} asked "
+            f"(GPUSNAP_DUMP_PIPE), CRIU's page pipes {mib(p['criu_page_pipe'])} of {mib(CRIU_PAGE_PIPE)}; {limit}")
 
 
 def render(r: dict[str, Any]) -> str:
@@ -205,6 +217,7 @@ def render(r: dict[str, Any]) -> str:
               f"byte planes in {r['host_codec']['byte_planes']}, delta page counts in {r['host_codec']['page_counts']}"
               + ("" if r["host_codec"]["byte_planes"] == r["host_codec"]["page_counts"] == "C" else
                  " (storage/native not built: python3 -m storage.native.build, or GPUSNAP_NO_NATIVE is set)"),
+              _render_pipes(r["pipes"]),
               f"CRIU                 {r['criu'] or 'not found'}",
               f"GPUs in CRIU dumps   {r['criu_gpu_handler']}",
               render_criu_binary(r["criu_binary"]),

@@ -23,7 +23,7 @@ from typing import Callable, Iterator
 from storage.pipeline import PipelineError, StreamSpec
 
 from sandbox.criu.images import IMAGES, is_page_image
-from sandbox.criu.protocol import CAPTURE_SOCKET, PIPE_SIZE, Listener, StreamerError, read_request, recv_pipe
+from sandbox.criu.protocol import CAPTURE_SOCKET, PIPE_SIZE, Listener, StreamerError, dump_pipe_size, read_request, recv_pipe
 
 
 class _PipeReader:
@@ -63,6 +63,7 @@ class CaptureSource:
     def __init__(self, directory: str, *, criu_done: threading.Event,
                  criu_failed: Callable[[], BaseException | None]) -> None:
         self._done, self._failed = criu_done, criu_failed
+        self._pipe_size = dump_pipe_size()  # a bad $GPUSNAP_DUMP_PIPE fails here, before CRIU starts
         self._listener = Listener(directory, CAPTURE_SOCKET)
         self._pages: queue.Queue[tuple[str, int] | None] = queue.Queue()
         self._small: dict[str, bytes] = {}
@@ -106,8 +107,9 @@ class CaptureSource:
                     name = read_request(conn)
                     if name is None:
                         break
-                    fd = recv_pipe(conn, writable=False)
-                    if is_page_image(name):
+                    page_image = is_page_image(name)
+                    fd = recv_pipe(conn, writable=False, size=self._pipe_size) if page_image else recv_pipe(conn, writable=False)
+                    if page_image:
                         self._pages.put((name, fd))
                     else:
                         t = threading.Thread(target=self._drain, args=(name, fd), daemon=True,

@@ -20,10 +20,11 @@ import re
 import socket
 import stat
 import struct
-from typing import Callable
+from typing import Any, Callable
 
 from sandbox.criu import split
 from storage.errors import GpusnapError
+from storage.settings import setting
 
 CAPTURE_SOCKET = "streamer-capture.sock"
 SERVE_SOCKET = "streamer-serve.sock"
@@ -32,12 +33,61 @@ _MAX_REQUEST = 4096
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,254}")
 _F_SETPIPE_SZ = 1031
 PIPE_SIZE = 1 << 20        # the unprivileged maximum by default; fewer syscalls per GB
-_BIG_PIPE = 16 << 20       # root may go past it: fewer wake-ups between CRIU and the pipeline
+BIG_PIPE = 16 << 20        # root may go past it: fewer wake-ups between CRIU and the pipeline
 _ACCEPT_POLL_S = 0.1
+DUMP_PIPE = BIG_PIPE       # page images on dump; see dump_pipe_size
+DUMP_PIPE_MOST = 1 << 30
 
 
 class StreamerError(GpusnapError):
     """The image streamer could not serve CRIU (socket, protocol or pipe failure)."""
+
+
+def dump_pipe_size() -> int:
+    """$GPUSNAP_DUMP_PIPE: the bytes each page image's pipe from CRIU is grown to on dump (PIPE_SIZE to
+    DUMP_PIPE_MOST; default DUMP_PIPE, 16 MiB).
+
+    CRIU moves a process's pages in rounds: its parasite maps up to 8 pipes of ~3.2 MiB each
+    (PIPE_MAX_SIZE in its page-pipe.h) with the target's pages, then CRIU splices them into the image's
+    pipe, then the next round. While the image's pipe is full CRIU waits, and while the parasite
+    maps the next round the pipe drains. A pipe that holds a whole round lets CRIU go on to the next
+    one while gpusnap copies the last, instead of waiting for half of it to be copied first: at
+    38 GB CRIU's page dump was the dump's serial stage (1.6-2.6 GB/s, the pipeline waiting on it)."""
+    n: int = setting("GPUSNAP_DUMP_PIPE", DUMP_PIPE, int, lambda n: PIPE_SIZE <= n <= DUMP_PIPE_MOST,
+                     f"a number of bytes from {PIPE_SIZE} to {DUMP_PIPE_MOST}", StreamerError)
+    return n
+
+
+CRIU_PAGE_PIPE = 8 * 4096 * 4096 // 40  # CRIU's PIPE_MAX_SIZE (page-pipe.h), in bytes: ~3.2 MiB per page pipe
+
+
+def pipe_limits() -> dict[str, Any]:
+    """How large this process may grow a pipe: fs.pipe-max-size, whether CAP_SYS_RESOURCE lifts it, and
+    what that leaves for a dump's pipe (asked: dump_pipe_size(), or the setting's error) and for CRIU's
+    own page pipes (a CRIU run by this user under the same limit)."""
+    try:
+        max_size: int | None = int(open("/proc/sys/fs/pipe-max-size").read())
+    except (OSError, ValueError):
+        max_size = None
+    cap = False
+    try:
+        for line in open("/proc/self/status"):
+            if line.startswith("CapEff:"):
+                cap = bool(int(line.split()[1], 16) >> 24 & 1)  # CAP_SYS_RESOURCE
+    except (OSError, ValueError):
+        pass
+    try:
+        asked: int | str = dump_pipe_size()
+    except StreamerError as e:
+        asked = str(e)
+    limit = None if cap or max_size is None else max_size
+    allowed = asked if isinstance(asked, int) and limit is None else None
+    if isinstance(asked, int) and limit is not None:
+        allowed = asked
+        while allowed > limit and allowed > PIPE_SIZE:
+            allowed //= 2
+    return {"pipe_max_size": max_size, "cap_sys_resource": cap, "dump_pipe": asked, "dump_pipe_allowed": allowed,
+            "criu_page_pipe": CRIU_PAGE_PIPE if limit is None else min(CRIU_PAGE_PIPE, limit)}
 
 
 def _recv_exact(conn: socket.socket, n: int) -> bytes | None:
@@ -119,8 +169,9 @@ def send_reply(conn: socket.socket, exists: bool) -> None:
     conn.sendall(_LEN.pack(len(body)) + body)
 
 
-def recv_pipe(conn: socket.socket, writable: bool) -> int:
-    """The pipe end CRIU passes for one image; anything else is refused."""
+def recv_pipe(conn: socket.socket, writable: bool, size: int = BIG_PIPE) -> int:
+    """The pipe end CRIU passes for one image, grown to SIZE bytes where the kernel allows (else to the
+    largest of SIZE/2, SIZE/4, ... down to PIPE_SIZE that it allows); anything else is refused."""
     _msg, fds, _flags, _addr = socket.recv_fds(conn, 1, 4)
     if len(fds) != 1:
         for fd in fds:
@@ -132,12 +183,14 @@ def recv_pipe(conn: socket.socket, writable: bool) -> int:
     if not stat.S_ISFIFO(st.st_mode) or mode != (os.O_WRONLY if writable else os.O_RDONLY):
         os.close(fd)
         raise StreamerError("CRIU passed something other than the expected pipe end")
-    for size in (_BIG_PIPE, PIPE_SIZE):
+    while size >= PIPE_SIZE:
         try:
             fcntl.fcntl(fd, _F_SETPIPE_SZ, size)
             break
         except OSError:
-            continue  # over pipe-max-size without CAP_SYS_RESOURCE: a smaller pipe still works
+            # EPERM: over pipe-max-size without CAP_SYS_RESOURCE; ENOMEM: the kernel found no contiguous
+            # room for the ring's slots (40 bytes per 4 KiB page: 640 KiB for 64 MiB). A smaller pipe still works.
+            size //= 2
     return fd
 
 

@@ -46,6 +46,7 @@ from sandbox.criu import restore
 from sandbox.criu.gpu_side import GpuSide, is_gpu_stream
 from sandbox.criu.images import images_path
 from sandbox.criu.parent import choose_parent
+from sandbox.criu.protocol import dump_pipe_size
 from sandbox.criu.report import CriuReport, CriuSnapshotError
 from sandbox.criu.restored import boot_ticks, restored_procs
 from sandbox.criu.runner import Criu, CriuError, DumpOptions
@@ -83,6 +84,7 @@ def criu_dump(store: SnapshotStore, pid: int, name: str, *, leave_running: bool 
     criu = criu or Criu()
     journal.require_clean(store.path)
     encodeprocs.check_settings()  # a bad setting fails the dump here, before anything is frozen
+    dump_pipe_size()
     hugepages.policy()
     opts = options or DumpOptions()
     opts = DumpOptions(**{**opts.__dict__, "leave_running": leave_running, "leave_stopped": not leave_running})
