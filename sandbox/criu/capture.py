@@ -23,7 +23,7 @@ from typing import Callable, Iterator
 from storage.pipeline import PipelineError, StreamSpec
 
 from sandbox.criu.images import IMAGES, is_page_image
-from sandbox.criu.protocol import CAPTURE_SOCKET, PIPE_SIZE, Listener, StreamerError, dump_pipe_size, read_request, recv_pipe
+from sandbox.criu.protocol import BIG_PIPE, CAPTURE_SOCKET, PIPE_SIZE, Listener, StreamerError, dump_pipe_size, read_request, recv_pipe
 
 
 class _PipeReader:
@@ -63,7 +63,7 @@ class CaptureSource:
     def __init__(self, directory: str, *, criu_done: threading.Event,
                  criu_failed: Callable[[], BaseException | None]) -> None:
         self._done, self._failed = criu_done, criu_failed
-        self._pipe_size = dump_pipe_size()  # a bad $GPUSNAP_DUMP_PIPE fails here, before CRIU starts
+        self._pipe_size = dump_pipe_size()  # checked already by criu_dump, before anything was frozen
         self._listener = Listener(directory, CAPTURE_SOCKET)
         self._pages: queue.Queue[tuple[str, int] | None] = queue.Queue()
         self._small: dict[str, bytes] = {}
@@ -108,7 +108,7 @@ class CaptureSource:
                     if name is None:
                         break
                     page_image = is_page_image(name)
-                    fd = recv_pipe(conn, writable=False, size=self._pipe_size) if page_image else recv_pipe(conn, writable=False)
+                    fd = recv_pipe(conn, writable=False, size=self._pipe_size if page_image else BIG_PIPE)
                     if page_image:
                         self._pages.put((name, fd))
                     else:

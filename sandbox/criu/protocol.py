@@ -61,31 +61,34 @@ def dump_pipe_size() -> int:
 CRIU_PAGE_PIPE = 8 * 4096 * 4096 // 40  # CRIU's PIPE_MAX_SIZE (page-pipe.h), in bytes: ~3.2 MiB per page pipe
 
 
+def cap_sys_resource() -> bool:
+    """Whether this process holds CAP_SYS_RESOURCE (which lifts fs.pipe-max-size for its pipes)."""
+    try:
+        for line in open("/proc/self/status"):
+            if line.startswith("CapEff:"):
+                return bool(int(line.split()[1], 16) >> 24 & 1)
+    except (OSError, ValueError):
+        pass
+    return False
+
+
 def pipe_limits() -> dict[str, Any]:
     """How large this process may grow a pipe: fs.pipe-max-size, whether CAP_SYS_RESOURCE lifts it, and
-    what that leaves for a dump's pipe (asked: dump_pipe_size(), or the setting's error) and for CRIU's
-    own page pipes (a CRIU run by this user under the same limit)."""
+    what that leaves for a dump's pipe (asked: dump_pipe_size(), or the setting's error; allowed: where
+    recv_pipe's halving stops) and for CRIU's own page pipes (a CRIU run by this user under the same limit)."""
     try:
         max_size: int | None = int(open("/proc/sys/fs/pipe-max-size").read())
     except (OSError, ValueError):
         max_size = None
-    cap = False
-    try:
-        for line in open("/proc/self/status"):
-            if line.startswith("CapEff:"):
-                cap = bool(int(line.split()[1], 16) >> 24 & 1)  # CAP_SYS_RESOURCE
-    except (OSError, ValueError):
-        pass
+    cap = cap_sys_resource()
     try:
         asked: int | str = dump_pipe_size()
     except StreamerError as e:
         asked = str(e)
-    limit = None if cap or max_size is None else max_size
-    allowed = asked if isinstance(asked, int) and limit is None else None
-    if isinstance(asked, int) and limit is not None:
-        allowed = asked
-        while allowed > limit and allowed > PIPE_SIZE:
-            allowed //= 2
+    limit = None if cap else max_size
+    allowed = asked if isinstance(asked, int) else None
+    while allowed is not None and limit is not None and allowed > limit and allowed > PIPE_SIZE:
+        allowed //= 2
     return {"pipe_max_size": max_size, "cap_sys_resource": cap, "dump_pipe": asked, "dump_pipe_allowed": allowed,
             "criu_page_pipe": CRIU_PAGE_PIPE if limit is None else min(CRIU_PAGE_PIPE, limit)}
 

@@ -21,6 +21,7 @@ import sys
 import tempfile
 import time
 
+from sandbox.criu.protocol import cap_sys_resource
 from sandbox.criu.runner import Criu
 
 SYSCTL = "/proc/sys/fs/pipe-max-size"
@@ -37,13 +38,6 @@ for i in range(0, n, block.size):
 open(sys.argv[2], "w").write("ready")
 time.sleep(1e6)
 """
-
-
-def cap_sys_resource() -> bool:
-    for line in open("/proc/self/status"):
-        if line.startswith("CapEff:"):
-            return bool(int(line.split()[1], 16) >> 24 & 1)
-    return False
 
 
 def main() -> None:
