@@ -64,6 +64,23 @@ def _refused_then_restored(cli: Cli, name: str, env: dict[str, str], says: str, 
         tree.kill()
 
 
+def test_doctor_advises_the_pipe_limit_only_where_it_caps_crius_page_pipes() -> None:
+    """doctor's "dump pipes" line says what the kernel allows; where fs.pipe-max-size holds CRIU's page
+    pipes below their size it adds a note with the sysctl to set, and says nothing more where it does not."""
+    from sandbox import doctor
+    from sandbox.criu.protocol import CRIU_PAGE_PIPE
+    capped = {"pipe_max_size": 1 << 20, "cap_sys_resource": False, "dump_pipe": 16 << 20,
+              "dump_pipe_allowed": 1 << 20, "criu_page_pipe": 1 << 20}
+    line = doctor._render_pipes(capped)
+    assert line.startswith("dump pipes           1 MiB of the 16 MiB asked") and "fs.pipe-max-size 1 MiB" in line, line
+    assert f"sysctl -w fs.pipe-max-size={64 << 20}" in line, line
+    free = {**capped, "pipe_max_size": 64 << 20, "dump_pipe_allowed": 16 << 20, "criu_page_pipe": CRIU_PAGE_PIPE}
+    assert "note:" not in doctor._render_pipes(free)
+    assert "note:" not in doctor._render_pipes({**capped, "cap_sys_resource": True, "criu_page_pipe": CRIU_PAGE_PIPE})
+    bad = {**capped, "dump_pipe": "GPUSNAP_DUMP_PIPE='x' is not a number"}
+    assert doctor._render_pipes(bad) == "dump pipes           GPUSNAP_DUMP_PIPE='x' is not a number"
+
+
 def test_a_dump_pipe_is_grown_to_the_largest_size_the_kernel_allows() -> None:
     """recv_pipe grows CRIU's pipe to the size asked for, else to the largest of its halves the kernel
     allows: with fs.pipe-max-size at 4 MiB (and no CAP_SYS_RESOURCE, as on the machines measured) a
