@@ -12,6 +12,8 @@
 # WHEELS=.whl-dev: .whl without rich and the three it needs (make-carry.sh): what fits beside the tree and
 #          .carry-xz in the 64 MiB carry since cuda-bindings 13.5 / nvCOMP 6.0 (carry [".whl-dev", ".carry-xz"]).
 # FILL_WL="serving moe": the workloads `fillvariants` runs, in order.
+# PIPE_MAX=67108864: fs.pipe-max-size for the whole batch (the host setting doctor advises where the limit caps
+#          CRIU's page pipes; baseline and gpusnap both run under it), put back as it was when the batch ends.
 # WHEELS=.whl-lite: install from that folder instead (.whl without nvCOMP's two wheels, ~16 MiB: room in
 #          the 64 MiB carry for more, e.g. .tools/py-spy.xz for `gilprof`; nothing nvCOMP runs then).
 set -uo pipefail
@@ -40,6 +42,12 @@ fi
   echo "THP $(cat /sys/kernel/mm/transparent_hugepage/enabled) defrag $(cat /sys/kernel/mm/transparent_hugepage/defrag)"
   echo "free page reporting order: $(cat /sys/module/page_reporting/parameters/page_reporting_order 2>/dev/null || echo none)," \
        "balloon features: $(cat /sys/bus/virtio/drivers/virtio_balloon/virtio*/features 2>/dev/null | head -c 8 || echo none)"; } > "$out/machine.txt" 2>&1
+if [ -n "${PIPE_MAX:-}" ]; then
+  pipe_max_before=$(cat /proc/sys/fs/pipe-max-size)
+  trap 'echo "$pipe_max_before" > /proc/sys/fs/pipe-max-size' EXIT
+  trap 'exit 143' TERM INT
+  echo "$PIPE_MAX" > /proc/sys/fs/pipe-max-size && echo "fs.pipe-max-size $pipe_max_before -> $PIPE_MAX for this batch" >> "$out/machine.txt"
+fi
 python3 -m cli doctor > "$out/doctor.txt" 2>&1
 python3 -m cli doctor --json > "$out/doctor.json" 2>&1
 for what in ${1//,/ }; do
