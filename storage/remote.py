@@ -350,16 +350,24 @@ class ObjectStore:
                     pass
                 raise
 
+    def _get_object(self, key: str) -> dict[str, Any] | None:
+        """The answer to a GET of object KEY (its body not yet read), or None when there is no such
+        object; called inside self.errors."""
+        from botocore.exceptions import ClientError
+        try:
+            r: dict[str, Any] = self.client.get_object(Bucket=self.bucket, Key=key)
+        except ClientError as e:
+            if self.is_missing(e):
+                return None
+            raise
+        return r
+
     def get_into(self, key: str, buf: memoryview) -> int | None:
         """Object KEY's bytes into BUF; its length, or None when there is no such object."""
-        from botocore.exceptions import ClientError
         with self.errors(f"reading {key}"):
-            try:
-                r = self.client.get_object(Bucket=self.bucket, Key=key)
-            except ClientError as e:
-                if self.is_missing(e):
-                    return None
-                raise
+            r = self._get_object(key)
+            if r is None:
+                return None
             got = self._read_capped(key, r, buf)
             self._count(received=got)
             return got
@@ -441,14 +449,10 @@ class ObjectStore:
 
     def get(self, key: str, limit: int) -> bytes | None:
         """Object KEY's bytes (at most LIMIT: storage/limits.py), or None when there is no such object."""
-        from botocore.exceptions import ClientError
         with self.errors(f"reading {key}"):
-            try:
-                r = self.client.get_object(Bucket=self.bucket, Key=key)
-            except ClientError as e:
-                if self.is_missing(e):
-                    return None
-                raise
+            r = self._get_object(key)
+            if r is None:
+                return None
             data = b"".join(self._pieces(key, r, limit))
             self._count(received=len(data))
             return data
