@@ -189,9 +189,10 @@ def _render_pipes(p: dict[str, Any]) -> str:
     line = (f"dump pipes           {mib(p['dump_pipe_allowed'] or p['dump_pipe'])} of the {mib(p['dump_pipe'])} asked "
             f"(GPUSNAP_DUMP_PIPE), CRIU's page pipes {mib(p['criu_page_pipe'])} of {mib(CRIU_PAGE_PIPE)}; {limit}")
     if p["criu_page_pipe"] < CRIU_PAGE_PIPE:
-        line += ("\n  note: the limit slows CRIU's page dump (it took 14% longer at 1 MiB than at 64 MiB where measured); as a host "
-                 f"setting, `sysctl -w fs.pipe-max-size={PIPE_MAX_ADVISED}` (kept in /etc/sysctl.d/) lets every user's "
-                 "pipes grow that far; each user's pipe memory stays bounded by fs.pipe-user-pages-soft")
+        line += ("\n  note: the limit slows CRIU's page dump (it took 14% longer at 1 MiB than at 64 MiB where "
+                 f"measured); as a host setting, `sysctl -w fs.pipe-max-size={PIPE_MAX_ADVISED}` (kept in "
+                 "/etc/sysctl.d/) lets every user's pipes grow that far; each user's pipe memory stays bounded by "
+                 "fs.pipe-user-pages-soft")
     return line
 
 

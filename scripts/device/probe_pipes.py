@@ -32,7 +32,8 @@ from sandbox.criu.runner import Criu
 
 SYSCTL = "/proc/sys/fs/pipe-max-size"
 GPUSNAP_PIPES = {"gpusnap-16": 16 << 20, "gpusnap-64": 64 << 20}  # gpusnap dumps, by the GPUSNAP_DUMP_PIPE each runs with
-SETTLE_S = 3  # after a restored process is killed: a restore started at once ran 1.5x slower (the kernel still freeing it)
+SETTLE_S = 3  # a pause after each restored process is killed; on the dev VM restores still swung 1.9-4.1 s with it
+#              (it hands freed memory back to its hypervisor): compare the limits over many rounds
 HOG = r"""
 import os, sys, time
 import numpy as np
