@@ -336,12 +336,14 @@ class ServeSource:
             self.split_skipped_because = (f"{big[0]} is {self.images[big[0]].size} bytes, more than a real pagemap "
                                           "needs; CRIU restored every page")
         elif split_min > 0:
-            pagemaps = {name: b"".join(bytes(self._chunk(s, i, c)) for i, c in enumerate(s.chunks))
-                        for name, s in self.images.items() if split.PAGEMAP_NAME.fullmatch(name)}
+            whole = lambda s: b"".join(bytes(self._chunk(s, i, c)) for i, c in enumerate(s.chunks))  # noqa: E731
+            pagemaps = {n: whole(s) for n, s in self.images.items() if split.PAGEMAP_NAME.fullmatch(n)}
+            mms = {n: whole(s) for n, s in self.images.items()
+                   if split.MM_NAME.fullmatch(n) and s.size <= split.MAX_MM_BYTES}
             self.marks["pagemaps_read"] = time.monotonic()
             self.plans, self.split_skipped_because = split.choose(
                 pagemaps, {n: s.size for n, s in self.images.items() if is_page_image(n)}, split_min,
-                parents=dict(records), streams={n: s for n, s in self.images.items() if is_page_image(n)})
+                parents=dict(records), streams={n: s for n, s in self.images.items() if is_page_image(n)}, mms=mms)
             self._rewritten = {f"pagemap-{pl.pid}.img": pl.pagemap for pl in self.plans.values()}
         if arrivals is not None:
             arrivals.first(read_order(self.images, self.plans))

@@ -2,10 +2,11 @@
 """CRIU through the store vs plain CRIU to a directory, same process, same disk, same run (issue 5).
 
 A CPU process tree (scripts/workloads/criu_workload.py: a parent and a forked child) holding N MiB of known
-memory (--data random: incompressible; weights: bf16 N(0, 0.02), few zeros): plain `criu dump` into a
+memory (--data random: incompressible; weights: bf16 N(0, 0.02), few zeros; mixed: spread over
+thousands of mappings, as a server's heap is, of weights, random bytes, zeros and sparse pools): plain `criu dump` into a
 directory + sync, caches dropped, `criu restore`; then `gpusnap criu dump` / `gpusnap criu restore`
 (store on the same disk). Both restores are checked from inside the restored process.
-Usage: python3 -m scripts.bench.bench_criu [--mb 1024] [--data random|weights] [--rounds N] [--variant K=V]
+Usage: python3 -m scripts.bench.bench_criu [--mb 1024] [--data random|weights|mixed] [--rounds N] [--variant K=V]
        [--dir /var/tmp] [--json F]
 """
 from __future__ import annotations
@@ -51,7 +52,9 @@ def gpusnap(store: str, *args: str, env: dict[str, str] | None = None) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--mb", type=int, default=1024)
-    ap.add_argument("--data", choices=("random", "weights"), default="random")
+    ap.add_argument("--data", choices=("random", "weights", "mixed"), default="random",
+                    help="random: incompressible; weights: bf16, few zeros; mixed: thousands of mappings of "
+                         "weights, random bytes, zeros and sparse pools")
     ap.add_argument("--sharing", choices=("private", "cow"), default="private",
                     help="the child's memory: its own bytes, or the parent's shared copy-on-write (forked workers)")
     ap.add_argument("--rounds", type=int, default=1,
@@ -123,7 +126,8 @@ def main() -> None:
         for t in trees:  # whatever of them runs (a failed round leaves its tree restored)
             t.close()
         shutil.rmtree(work, ignore_errors=True)
-    what = "random memory (worst case for compression)" if a.data == "random" else "bf16 weights (few zeros)"
+    what = {"random": "random memory (worst case for compression)", "weights": "bf16 weights (few zeros)",
+            "mixed": "mixed data in thousands of mappings"}[a.data]
     print(f"{res['machine']}: process tree (2 processes) with {a.mb} MiB of {what}, the child's "
           f"{'its own' if a.sharing == 'private' else 'shared copy-on-write'}; {a.rounds} round(s), medians")
     print(f"plain criu   dump {res['plain_dump']:6.2f} s  restore {res['plain_restore']:6.2f} s  "

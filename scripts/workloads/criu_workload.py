@@ -1,6 +1,10 @@
 """A process tree for CRIU tests: a parent with a thread, a pipe to a child, a file open at an offset,
-and anonymous memory holding known data (argv: DIR MB [SEED [random|weights [private|cow|half]]]: the
-child's copy its own bytes, shared with the parent copy-on-write, or half of each; both checked). It checks all of that from inside and reports through files
+and anonymous memory holding known data (argv: DIR MB [SEED [random|weights|mixed [private|cow|half]]]:
+the child's copy its own bytes, shared with the parent copy-on-write, or half of each; both checked).
+"mixed" is the shape of a real server's heap rather than one big buffer: MB spread over thousands of
+separate private mappings (16 KiB to 8 MiB, log-uniform; a PROT_NONE guard page after each keeps the
+kernel from merging them), each holding bf16 weights, random bytes, written zeros, or zeros with a few
+random pages (a KV pool partly filled). It checks all of that from inside and reports through files
 in its control directory (argv[1]): `ready` (pids), then on `cmd` = report it writes `report.json`.
 Started with stdin/stdout/stderr on /dev/null or files and in its own session, as CRIU wants."""
 import hashlib
@@ -28,9 +32,54 @@ if data == "weights":  # bf16 weights, N(0, 0.02): few zeros, compressible as we
     for _i in range(0, len(_w), 1 << 22):
         _w[_i:_i + (1 << 22)] = (_g.normal(0, 0.02, min(1 << 22, len(_w) - _i)).astype(np.float32).view(np.uint32) >> 16)
     del _w
+    regions = [memory]
+elif data == "mixed":
+    import ctypes
+    import math
+    import mmap
+    import numpy as np
+    _g = np.random.default_rng(_rng.getrandbits(64))
+    _libc = ctypes.CDLL(None, use_errno=True)
+    _libc.mprotect.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    _maps = []  # the mmap objects, guard pages included (kept alive)
+    regions = []  # views of each region's bytes, guard pages left out
+    _left = mb << 20
+    while _left > 0:
+        # 16 KiB .. 8 MiB, log-uniform, whole pages
+        _n = min(_left, max(4096, int(math.exp(_rng.uniform(math.log(16 << 10), math.log(8 << 20)))) & ~4095))
+        _m = mmap.mmap(-1, _n + 4096, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        _addr = ctypes.addressof(ctypes.c_char.from_buffer(_m))
+        if _libc.mprotect(_addr + _n, 4096, 0) != 0:  # the guard page: PROT_NONE
+            raise OSError(ctypes.get_errno(), "mprotect")
+        _v = memoryview(_m)[:_n]
+        _kind = _rng.random()
+        if _kind < 0.35:  # bf16 weights
+            _v[:] = (_g.normal(0, 0.02, _n // 2).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16).tobytes()
+        elif _kind < 0.6:  # random bytes
+            _v[:] = _rng.randbytes(_n)
+        elif _kind < 0.85:  # zeros, written (pages present, as a zeroed buffer's are)
+            _v[:] = bytes(_n)
+        else:  # a pool partly filled: zeros written, a random page here and there
+            _v[:] = bytes(_n)
+            for _p in range(0, _n, 4096):
+                if _rng.random() < 0.1:
+                    _v[_p:_p + 4096] = _rng.randbytes(4096)
+        _maps.append(_m)
+        regions.append(_v)
+        _left -= _n
 else:
     memory = bytearray(b"".join(_rng.randbytes(1 << 20) for _ in range(mb)))  # known, incompressible bytes
-want = hashlib.sha256(memory).hexdigest()
+    regions = [memory]
+
+
+def digest() -> str:
+    h = hashlib.sha256()
+    for region in regions:
+        h.update(region)
+    return h.hexdigest()
+
+
+want = digest()
 
 r, w = os.pipe()
 settled_r, settled_w = os.pipe()  # the child says when its memory is what it will check
@@ -40,9 +89,14 @@ if child == 0:
     os.close(settled_r)
     if sharing in ("private", "half"):  # half: the child rewrites the second half only, shares the first
         _flip = bytes(b ^ 0xA5 for b in range(256))
-        for _i in range(len(memory) // 2 if sharing == "half" else 0, len(memory), 64 << 20):
-            memory[_i:_i + (64 << 20)] = memory[_i:_i + (64 << 20)].translate(_flip)
-    want_child = hashlib.sha256(memory).hexdigest()
+        _total = sum(len(region) for region in regions)
+        _at = 0
+        for region in regions:
+            for _i in range(0 if sharing == "private" else max(0, _total // 2 - _at), len(region), 64 << 20):
+                _piece = region[_i:_i + (64 << 20)]
+                region[_i:_i + (64 << 20)] = (_piece if isinstance(_piece, bytearray) else bytes(_piece)).translate(_flip)
+            _at += len(region)
+    want_child = digest()
     os.write(settled_w, b"s")
     os.close(settled_w)
     with os.fdopen(r, "rb", buffering=0) as rp:
@@ -55,7 +109,7 @@ if child == 0:
                 line += c
             name = os.path.join(d, "child-" + line.decode().strip())
             with open(name + ".tmp", "w") as f:   # whole or absent: written aside, then renamed
-                f.write(f"{os.getpid()} {int(hashlib.sha256(memory).hexdigest() == want_child)}")
+                f.write(f"{os.getpid()} {int(digest() == want_child)}")
             os.rename(name + ".tmp", name)
 
 os.close(r)
@@ -92,7 +146,7 @@ while True:
             time.sleep(0.01)
         got = os.path.join(d, f"child-{n}")
         said = open(got).read().split() if os.path.exists(got) else []
-        rep = {"pid": os.getpid(), "memory_ok": hashlib.sha256(memory).hexdigest() == want,
+        rep = {"pid": os.getpid(), "memory_ok": digest() == want,
                "child_memory_ok": said[1:] == ["1"],
                "file_offset": data.tell(), "pipe_ok": os.path.exists(got),
                "thread_ok": counter[0] > c0, "n": n, "counter": c0}

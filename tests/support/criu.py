@@ -23,10 +23,10 @@ def require_criu() -> None:
 
 
 class Tree(CriuTree):
-    """The criu_workload.py tree (scripts/workloads/criu_tree.py), random bytes, as the tests start it."""
+    """The criu_workload.py tree (scripts/workloads/criu_tree.py), random bytes by default, as the tests start it."""
 
-    def __init__(self, mb: int = 32, detached: bool = False, sharing: str = "private") -> None:
-        super().__init__(mb, sharing=sharing, detached=detached, start_timeout=30)
+    def __init__(self, mb: int = 32, detached: bool = False, sharing: str = "private", data: str = "random") -> None:
+        super().__init__(mb, data=data, sharing=sharing, detached=detached, start_timeout=30)
 
 
 def pids_with(needle: bytes) -> list[int]:
