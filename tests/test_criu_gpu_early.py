@@ -21,7 +21,8 @@ from sandbox.gpu.driver import Features, ProcessState as S
 pytestmark = pytest.mark.root
 GIB = 1 << 30
 GPUS = standin_gpus(1, total=8 * GIB)
-SPLIT = {"GPUSNAP_CRIU_IMAGES": "stream", "GPUSNAP_CRIU_SPLIT_MIN": str(8 << 20)}
+SPLIT = {"GPUSNAP_CRIU_IMAGES": "stream", "GPUSNAP_CRIU_SPLIT_MIN": str(8 << 20),
+         "GPUSNAP_CRIU_SPLIT_SHARED_MIN": str(8 << 20)}  # the forked tree's own copies too
 CRIU_CLI = """
 import functools, sys
 sys.path.insert(0, {tests!r})

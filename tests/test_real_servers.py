@@ -256,7 +256,8 @@ def test_pstree_image_lists_what_criu_dumped() -> None:
 def test_leave_running_dump_of_a_forking_tree_restores_with_the_split(cli: Cli) -> None:
     """The restore takes the pids to fill and continue from CRIU's pstree image, so a child forked
     while CRIU froze a --leave-running dump (not in the list made before it) is filled and continued."""
-    env = {"GPUSNAP_CRIU_IMAGES": "stream", "GPUSNAP_CRIU_SPLIT_MIN": str(16 << 10)}  # sh's heap is split too
+    env = {"GPUSNAP_CRIU_IMAGES": "stream", "GPUSNAP_CRIU_SPLIT_MIN": str(16 << 10),  # sh's heap is split too
+           "GPUSNAP_CRIU_SPLIT_SHARED_MIN": str(16 << 10)}
     w = Workload(["sh", "-c", PIPELINE])
     try:
         until("the pipeline counts", lambda: (w.dir / "count").exists() and _count(w) > 0, timeout=60)

@@ -21,7 +21,8 @@ from support.criu import Tree, _state, healthy, pids_with
 from support.crash import Paused, assert_nothing_left, wait_dead
 
 pytestmark = pytest.mark.root
-SPLIT = {"GPUSNAP_CRIU_IMAGES": "stream", "GPUSNAP_CRIU_SPLIT_MIN": str(4 << 20)}
+SPLIT = {"GPUSNAP_CRIU_IMAGES": "stream", "GPUSNAP_CRIU_SPLIT_MIN": str(4 << 20),
+         "GPUSNAP_CRIU_SPLIT_SHARED_MIN": str(4 << 20)}
 
 
 @pytest.fixture(scope="module", autouse=True)

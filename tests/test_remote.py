@@ -709,7 +709,8 @@ def test_criu_restore_from_remote_with_the_split_fill(nodes: tuple[Node, Node]) 
     _need_criu()
     from support.criu import Tree, healthy
     a, b = nodes
-    split_env = {"GPUSNAP_CRIU_IMAGES": "stream", "GPUSNAP_CRIU_SPLIT_MIN": str(8 << 20)}
+    split_env = {"GPUSNAP_CRIU_IMAGES": "stream", "GPUSNAP_CRIU_SPLIT_MIN": str(8 << 20),
+                 "GPUSNAP_CRIU_SPLIT_SHARED_MIN": str(8 << 20)}
     tree = Tree(mb=48)
     try:
         assert healthy(tree.report())

@@ -503,7 +503,8 @@ class _Weights:
 
 
 @pytest.mark.root
-@pytest.mark.parametrize("restore_env", [{}, {"GPUSNAP_CRIU_SPLIT_MIN": str(8 << 20), "GPUSNAP_FILL_PROCS": "2"}],
+@pytest.mark.parametrize("restore_env", [{}, {"GPUSNAP_CRIU_SPLIT_MIN": str(8 << 20), "GPUSNAP_CRIU_SPLIT_SHARED_MIN": str(8 << 20),
+                                                      "GPUSNAP_FILL_PROCS": "2"}],
                          ids=["default", "split-fill-in-2-workers"])
 def test_criu_dump_twice_stores_the_changed_blocks_and_restores(cli: Cli, store_dir: Path, tmp_path: Path,
                                                                 restore_env: dict[str, str]) -> None:

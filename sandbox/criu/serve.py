@@ -331,19 +331,22 @@ class ServeSource:
         self.pstree = [pid for pid, _ in records]
         # why the split did not engage (None when it did), for the restore report
         self.split_skipped_because: str | None = "the split is off (GPUSNAP_CRIU_SPLIT_MIN=0)"
-        big = [n for n, s in self.images.items() if split.PAGEMAP_NAME.fullmatch(n) and s.size > split.MAX_PAGEMAP_BYTES]
+        big = [n for n, s in self.images.items() if (split.PAGEMAP_NAME.fullmatch(n) and s.size > split.MAX_PAGEMAP_BYTES)
+               or (split.MM_NAME.fullmatch(n) and s.size > split.MAX_MM_BYTES)]
         if split_min > 0 and big:
-            self.split_skipped_because = (f"{big[0]} is {self.images[big[0]].size} bytes, more than a real pagemap "
-                                          "needs; CRIU restored every page")
+            self.split_skipped_because = (f"{big[0]} is {self.images[big[0]].size} bytes, more than a real "
+                                          f"{'pagemap' if big[0].startswith('pagemap') else 'mm image'} needs; "
+                                          "CRIU restored every page")
         elif split_min > 0:
             whole = lambda s: b"".join(bytes(self._chunk(s, i, c)) for i, c in enumerate(s.chunks))  # noqa: E731
             pagemaps = {n: whole(s) for n, s in self.images.items() if split.PAGEMAP_NAME.fullmatch(n)}
-            mms = {n: whole(s) for n, s in self.images.items()
-                   if split.MM_NAME.fullmatch(n) and s.size <= split.MAX_MM_BYTES}
+            served = {f"mm-{m.group(1)}.img" for m in map(split.PAGEMAP_NAME.fullmatch, pagemaps) if m is not None}
+            mms = {n: whole(s) for n, s in self.images.items() if n in served}  # each under MAX_MM_BYTES (above)
             self.marks["pagemaps_read"] = time.monotonic()
             self.plans, self.split_skipped_because = split.choose(
                 pagemaps, {n: s.size for n, s in self.images.items() if is_page_image(n)}, split_min,
-                parents=dict(records), streams={n: s for n, s in self.images.items() if is_page_image(n)}, mms=mms)
+                parents=dict(records), streams={n: s for n, s in self.images.items() if is_page_image(n)}, mms=mms,
+                cautious_min=split_shared_min())
             self._rewritten = {f"pagemap-{pl.pid}.img": pl.pagemap for pl in self.plans.values()}
         if arrivals is not None:
             arrivals.first(read_order(self.images, self.plans))
@@ -657,6 +660,15 @@ def split_min() -> int:
     CRIU (0: off); default split.DEFAULT_MIN."""
     n: int = setting("GPUSNAP_CRIU_SPLIT_MIN", split.DEFAULT_MIN, int, lambda n: True, "a number of bytes",
                      StreamerError)
+    return n
+
+
+def split_shared_min() -> int:
+    """$GPUSNAP_CRIU_SPLIT_SHARED_MIN: the size from which runs a parent and its child may share (pages
+    at addresses both have pages at) and runs in read-only areas are filled by gpusnap too (0: never);
+    default split.CAUTIOUS_MIN."""
+    n: int = setting("GPUSNAP_CRIU_SPLIT_SHARED_MIN", split.CAUTIOUS_MIN, int, lambda n: n >= 0,
+                     "a number of bytes, 0 or more", StreamerError)
     return n
 
 

@@ -4,8 +4,10 @@ CRIU restores pages on one thread (~2 GB/s), and on the host-staged GPU path mos
 image is the driver's host copy of GPU memory. A pagemap image lists each run of dumped pages
 (vaddr, page count, flags); its page image holds the present runs' bytes back to back. Here the
 runs (records contiguous in memory and in the image) of at least `min_bytes` (by default one page)
-that lie in a process's ordinary private areas (its mm image says which: not the vDSO, whose ELF
-CRIU reads while it restores, nor shared or other special areas) are *moved*: the pagemap served to
+that lie in a process's private anonymous areas (its mm image says which: not the vDSO, whose ELF
+CRIU reads while it restores, nor a file's private copy, shared or other special areas; runs in
+read-only areas or at addresses a parent and child both have pages at only from CAUTIOUS_MIN,
+$GPUSNAP_CRIU_SPLIT_SHARED_MIN) are *moved*: the pagemap served to
 CRIU leaves them out (CRIU then maps their areas with no content) and the page image served to CRIU
 skips their bytes; CRIU
 restores the tree left stopped (--leave-stopped), and a `Filler` writes the moved runs straight into
@@ -26,6 +28,7 @@ from __future__ import annotations
 import bisect
 import ctypes
 import errno
+import itertools
 import os
 import re
 import struct
@@ -45,10 +48,10 @@ PAGE = 4096
 PE_PARENT, PE_LAZY, PE_PRESENT = 1, 2, 4
 _LEN = struct.Struct("<I")
 _MAGICS = 8
-PAGEMAP_NAME = re.compile(r"pagemap-(\d+)\.img")
-DEFAULT_MIN = PAGE  # every run of ordinary private memory: on the dev VM a tree of 2 GiB in thousands of mappings
-                    # restored in 3.7-4.3 s against 8.5 s at the first default (64 MiB, which no run there
-                    # reached), and a 3 GiB buffer of weights in 0.85-0.96x the time
+PAGEMAP_NAME = re.compile(r"pagemap-([1-9][0-9]{0,9})\.img")  # ASCII digits as CRIU writes a pid: one name per pid
+DEFAULT_MIN = PAGE  # every run of private anonymous memory (BENCHMARKS.md section 34: a heap of thousands of
+                    # mappings, which no run of the first default, 64 MiB, reached, restored in well under half
+                    # the time; one 3 GiB buffer of weights in 0.85-0.96x)
 
 
 class SplitError(GpusnapError):
@@ -195,17 +198,25 @@ def pstree_records(data: bytes) -> list[tuple[int, int]]:
 # sockets). Stacks stay with CRIU too: they are small and CRIU sets the threads up on them.
 VMA_REGULAR, VMA_STACK, VMA_VSYSCALL, VMA_VDSO = 1 << 0, 1 << 1, 1 << 2, 1 << 3
 VMA_FILE_PRIVATE, VMA_FILE_SHARED, VMA_ANON_SHARED, VMA_ANON_PRIVATE = 1 << 6, 1 << 7, 1 << 8, 1 << 9
-VMA_SPECIAL = (VMA_STACK | VMA_VSYSCALL | VMA_VDSO | VMA_FILE_SHARED | VMA_ANON_SHARED
+VMA_SPECIAL = (VMA_STACK | VMA_VSYSCALL | VMA_VDSO | VMA_FILE_PRIVATE | VMA_FILE_SHARED | VMA_ANON_SHARED
                | (1 << 10) | (1 << 11) | (1 << 12) | (1 << 13) | (1 << 14) | (1 << 15) | (1 << 16) | (1 << 17)
-               | (1 << 31))  # SysV IPC, socket, vvar, AIO ring, memfd, shadow stack, guard, uprobes, unsupported
-MM_NAME = re.compile(r"mm-(\d+)\.img")
-MAX_MM_BYTES = 64 << 20  # 65530 areas (the kernel's default map count) take ~3 MB
+               | (1 << 27) | (1 << 30) | (1 << 31))
+# (SysV IPC, socket, vvar, AIO ring, memfd, shadow stack, guard, uprobes, a plugin's area, premapped,
+# unsupported.) A file's private copy stays with CRIU too: the fill skips all-zero chunks because a
+# fresh anonymous mapping reads as zero, and a file mapping reads as the file.
+MAP_SHARED, MAP_HUGETLB, PROT_WRITE = 0x01, 0x40000, 0x2
+MM_NAME = re.compile(r"mm-([1-9][0-9]{0,9})\.img")
+MAX_MM_BYTES = 16 << 20  # 65530 areas (the kernel's default map count) take ~3 MB
+CAUTIOUS_MIN = 64 << 20  # runs that may be shared with a parent or child, or lie in a read-only area: the
+                         # split's first rule (only runs this large move), which kept such pages with CRIU
+                         # ($GPUSNAP_CRIU_SPLIT_SHARED_MIN)
 
 
-def movable(status: int) -> bool:
-    """Whether the pages of an area of this CRIU status may be filled by gpusnap (ordinary private memory)."""
-    return bool(status & VMA_REGULAR) and bool(status & (VMA_ANON_PRIVATE | VMA_FILE_PRIVATE)) \
-        and not status & VMA_SPECIAL
+def movable(status: int, flags: int = 0) -> bool:
+    """Whether the pages of an area of this CRIU status and mmap flags may be filled by gpusnap:
+    ordinary private anonymous memory (the heap included), not huge-page-backed."""
+    return bool(status & VMA_REGULAR) and bool(status & VMA_ANON_PRIVATE) and not status & VMA_SPECIAL \
+        and not flags & (MAP_SHARED | MAP_HUGETLB)
 
 
 def _skip_field(data: bytes, i: int, end: int, wire: int) -> int:
@@ -221,10 +232,11 @@ def _skip_field(data: bytes, i: int, end: int, wire: int) -> int:
     raise SplitError(f"mm: unexpected wire type {wire}")
 
 
-def mm_areas(data: bytes) -> list[tuple[int, int]]:
-    """The areas of a CRIU mm image (MmEntry {14: repeated VmaEntry {1: start, 2: end, 7: status}},
-    framed as a pagemap is) whose pages the split may fill (movable), as sorted (start, end) with
-    adjacent ones joined. Bytes from the store: checked, not trusted (SplitError)."""
+def mm_areas(data: bytes) -> list[tuple[int, int, bool]]:
+    """The areas of a CRIU mm image (MmEntry {14: repeated VmaEntry {1: start, 2: end, 5: prot,
+    6: flags, 7: status}}, framed as a pagemap is) whose pages the split may fill (movable), as sorted
+    (start, end, writable), adjacent ones of the same writability joined. Bytes from the store:
+    checked, not trusted (SplitError): no two areas of the image, movable or not, may overlap."""
     if len(data) > MAX_MM_BYTES:
         raise SplitError(f"mm: {len(data)} bytes, more than the {MAX_MM_BYTES} a real one needs")
     if len(data) < _MAGICS + _LEN.size:
@@ -233,7 +245,7 @@ def mm_areas(data: bytes) -> list[tuple[int, int]]:
     i, end = _MAGICS + _LEN.size, _MAGICS + _LEN.size + n
     if end > len(data):
         raise SplitError("mm: truncated record")
-    areas: list[tuple[int, int]] = []
+    every: list[tuple[int, int, int, int, int]] = []
     while i < end:
         key, i = _varint(data, i)
         if key >> 3 != 14 or key & 7 != 2:
@@ -255,36 +267,57 @@ def mm_areas(data: bytes) -> list[tuple[int, int]]:
         start, stop = f.get(1, 0), f.get(2, 0)
         if start % PAGE or stop % PAGE or not start < stop:
             raise SplitError(f"mm: an area {start:#x}-{stop:#x}")
-        if movable(f.get(7, 0)):  # (the kernel's vsyscall page lies past user space, and never moves)
-            if stop > USER_SPACE_END:
-                raise SplitError(f"mm: an area {start:#x}-{stop:#x} past user space")
-            areas.append((start, stop))
+        every.append((start, stop, f.get(5, 0), f.get(6, 0), f.get(7, 0)))
     if i != end:
         raise SplitError("mm: malformed record")
-    areas.sort()
-    joined: list[tuple[int, int]] = []
-    for a, b in areas:
-        if joined and a < joined[-1][1]:
+    every.sort()
+    joined: list[tuple[int, int, bool]] = []
+    for k, (a, b, prot, flags, status) in enumerate(every):
+        if k and a < every[k - 1][1]:
             raise SplitError(f"mm: areas overlap at {a:#x}")
-        if joined and a == joined[-1][1]:
-            joined[-1] = (joined[-1][0], b)
+        if not movable(status, flags):  # (the kernel's vsyscall page lies past user space, and never moves)
+            continue
+        if b > USER_SPACE_END:
+            raise SplitError(f"mm: an area {a:#x}-{b:#x} past user space")
+        w = bool(prot & PROT_WRITE)
+        if joined and a == joined[-1][1] and joined[-1][2] == w:
+            joined[-1] = (joined[-1][0], b, w)
         else:
-            joined.append((a, b))
+            joined.append((a, b, w))
     return joined
 
 
-def outside(pm: Pagemap, areas: list[tuple[int, int]]) -> set[int]:
-    """The present entries of PM (their indices) not wholly inside one of AREAS (mm_areas): they stay
-    with CRIU."""
-    starts = [a for a, _ in areas]
-    out = set()
+def outside(pm: Pagemap, areas: list[tuple[int, int, bool]]) -> tuple[set[int], set[int]]:
+    """The present entries of PM (their indices) not wholly inside one of AREAS (mm_areas), which stay
+    with CRIU, and those inside a read-only one (the split's cautious rule: CAUTIOUS_MIN)."""
+    starts = [a for a, _, _ in areas]
+    out, read_only = set(), set()
     for k, e in enumerate(pm.entries):
         if e.offset is None:
             continue
         j = bisect.bisect_right(starts, e.vaddr) - 1
         if j < 0 or e.vaddr + e.nbytes > areas[j][1]:
             out.add(k)
-    return out
+        elif not areas[j][2]:
+            read_only.add(k)
+    return out, read_only
+
+
+def overlapping(a: _Present, b: _Present) -> tuple[set[int], set[int]]:
+    """The entries of A and of B (present lists, by address) whose pages lie at addresses the other
+    process has pages at too: only there can a parent and a child share pages copy-on-write."""
+    sa: set[int] = set()
+    sb: set[int] = set()
+    i = j = 0
+    while i < len(a) and j < len(b):
+        if max(a[i][0], b[j][0]) < min(a[i][1], b[j][1]):
+            sa.add(a[i][3])
+            sb.add(b[j][3])
+        if a[i][1] <= b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return sa, sb
 
 
 def pstree_pids(data: bytes) -> list[int]:
@@ -333,6 +366,18 @@ def _runs(entries: tuple[Entry, ...], skip: "set[int] | frozenset[int]" = frozen
         else:
             runs.append([e])
     return [r for r in runs if r]
+
+
+def _cut(pm: Pagemap, runs: list[list[Entry]], careful: "set[int]") -> list[tuple[list[Entry], bool]]:
+    """RUNS cut where an entry's membership of CAREFUL (entry indices) changes: (run, careful)."""
+    if not careful:
+        return [(r, False) for r in runs]
+    index = {id(e): k for k, e in enumerate(pm.entries)}
+    out: list[tuple[list[Entry], bool]] = []
+    for r in runs:
+        for c, part in itertools.groupby(r, key=lambda e: index[id(e)] in careful):
+            out.append((list(part), c))
+    return out
 
 
 def plan(name: str, data: bytes, min_bytes: int) -> Plan | None:
@@ -439,7 +484,8 @@ def _present(pm: Pagemap) -> _Present | None:
 def choose(pagemaps: dict[str, bytes], page_sizes: dict[str, int],
            min_bytes: int, parents: dict[int, int] | None = None,
            streams: dict[str, Stream] | None = None,
-           mms: dict[str, bytes] | None = None) -> tuple[dict[str, Plan], str | None]:
+           mms: dict[str, bytes] | None = None,
+           cautious_min: int = CAUTIOUS_MIN) -> tuple[dict[str, Plan], str | None]:
     """The splits of PAGEMAPS (pagemap image name -> its bytes; PAGE_SIZES: page image name -> its
     size), by page image, and when there is none, why (for the restore report): the split is off, a
     pagemap is not understood (its records do not add up to its page image: nothing is split then,
@@ -447,15 +493,18 @@ def choose(pagemaps: dict[str, bytes], page_sizes: dict[str, int],
     STREAMS (page image name -> its stream): the entries a process shares with its parent stay with
     CRIU in both (cow_shared). MMS (mm image name -> its bytes): only pages inside a process's
     ordinary private areas move (mm_areas; a process without its mm image moves none); None: every
-    area counts as ordinary (callers that built the pagemaps themselves)."""
+    area counts as ordinary (callers that built the pagemaps themselves). CAUTIOUS_MIN: the size from
+    which runs at addresses a parent and its child both have pages at, and runs in read-only areas,
+    move too (0: never): below it CRIU keeps them, shared where they were."""
     if min_bytes <= 0:
         return {}, "the split is off (GPUSNAP_CRIU_SPLIT_MIN=0)"
-    areas: dict[int, list[tuple[int, int]]] | None = None
+    areas: dict[int, list[tuple[int, int, bool]]] | None = None
     if mms is not None:
         areas = {}
+        wanted = {int(m.group(1)) for m in map(PAGEMAP_NAME.fullmatch, pagemaps) if m is not None}
         for name in sorted(mms):
             mm = MM_NAME.fullmatch(name)
-            if mm is None:
+            if mm is None or int(mm.group(1)) not in wanted:  # only the processes whose pages are served
                 continue
             try:
                 areas[int(mm.group(1))] = mm_areas(mms[name])
@@ -499,14 +548,38 @@ def choose(pagemaps: dict[str, bytes], page_sizes: dict[str, int],
         mine, theirs = _shared(present[pid], present[ppid], cs, ps, starts[cname], starts[pname])
         skip.setdefault(pid, set()).update(mine)
         skip.setdefault(ppid, set()).update(theirs)
+    # The cautious entries move only in runs of CAUTIOUS_MIN (the split's first rule): those at addresses
+    # a parent or child also has pages at (they may share them copy-on-write, which cow_shared sees only
+    # where a whole chunk is equal), and those in read-only areas (written through /proc/PID/mem)
+    cautious: dict[int, set[int]] = {}
+    for pid, (_, pm) in parsed.items():
+        ppid = (parents or {}).get(pid, 0)
+        if ppid in parsed and ppid != pid:
+            for p in (pid, ppid):
+                if p not in present:
+                    present[p] = _present(parsed[p][1])
+            cp, pp = present[pid], present[ppid]
+            if cp is None or pp is None:  # overlapping records (not CRIU's): every entry is cautious
+                cautious.setdefault(pid, set()).update(range(len(pm.entries)))
+                cautious.setdefault(ppid, set()).update(range(len(parsed[ppid][1].entries)))
+            else:
+                mine, theirs = overlapping(cp, pp)
+                cautious.setdefault(pid, set()).update(mine)
+                cautious.setdefault(ppid, set()).update(theirs)
     plans: dict[str, Plan] = {}
     largest = 0
     for pid, (name, pm) in sorted(parsed.items()):
-        stay = skip.get(pid, set()) if areas is None else \
-            skip.get(pid, set()) | outside(pm, areas.get(pid, []))  # areas CRIU must fill itself
-        runs = _runs(pm.entries, stay)
-        largest = max([largest] + [sum(e.nbytes for e in r) for r in runs])
-        pl = _plan(name, pm, runs, min_bytes, skip.get(pid, frozenset()))
+        stay = set(skip.get(pid, ()))
+        careful = cautious.get(pid, set())
+        if areas is not None:
+            out, read_only = outside(pm, areas.get(pid, []))  # areas CRIU must fill itself, read-only ones
+            stay |= out
+            careful = careful | read_only
+        runs = _cut(pm, _runs(pm.entries, stay), careful)
+        largest = max([largest] + [sum(e.nbytes for e in r) for r, _ in runs])
+        big = [r for r, c in runs if (not c or cautious_min > 0)
+               and sum(e.nbytes for e in r) >= (max(min_bytes, cautious_min) if c else min_bytes)]
+        pl = _plan(name, pm, big, PAGE, skip.get(pid, frozenset()))
         if pl is not None:
             plans[pl.pages_image] = pl
     if not plans:
@@ -613,7 +686,10 @@ def _write_mem(pid: int, addr: int, data: memoryview) -> None:
     try:
         done = 0
         while done < len(data):
-            done += os.pwrite(fd, data[done:], addr + done)
+            n = os.pwrite(fd, data[done:], addr + done)
+            if n <= 0:  # the process's memory is gone (it was killed): no progress will come
+                raise SplitError(f"writing into pid {pid} at {addr + done:#x}: no progress (the process is gone?)")
+            done += n
     except OSError as e:
         raise SplitError(f"writing into pid {pid} at {addr + done:#x}: {e.strerror}") from None
     finally:

@@ -55,8 +55,9 @@ def main() -> None:
     ap.add_argument("--data", choices=("random", "weights", "mixed"), default="random",
                     help="random: incompressible; weights: bf16, few zeros; mixed: thousands of mappings of "
                          "weights, random bytes, zeros and sparse pools")
-    ap.add_argument("--sharing", choices=("private", "cow"), default="private",
-                    help="the child's memory: its own bytes, or the parent's shared copy-on-write (forked workers)")
+    ap.add_argument("--sharing", choices=("private", "cow", "own"), default="private",
+                    help="the child's memory: its own bytes at the parent's addresses, the parent's shared "
+                         "copy-on-write (forked workers), or (with --data mixed) its own at other addresses (a spawned worker)")
     ap.add_argument("--rounds", type=int, default=1,
                     help="cold restores of each, interleaved (the order alternates each round); medians reported")
     ap.add_argument("--variant", action="append", default=[], metavar="K=V[,K=V]",
@@ -129,7 +130,8 @@ def main() -> None:
     what = {"random": "random memory (worst case for compression)", "weights": "bf16 weights (few zeros)",
             "mixed": "mixed data in thousands of mappings"}[a.data]
     print(f"{res['machine']}: process tree (2 processes) with {a.mb} MiB of {what}, the child's "
-          f"{'its own' if a.sharing == 'private' else 'shared copy-on-write'}; {a.rounds} round(s), medians")
+          f"{ {'private': 'its own', 'cow': 'shared copy-on-write', 'own': 'its own at other addresses'}[a.sharing] }; "
+          f"{a.rounds} round(s), medians")
     print(f"plain criu   dump {res['plain_dump']:6.2f} s  restore {res['plain_restore']:6.2f} s  "
           f"{res['plain_bytes'] / 1e9:.2f} GB on disk  verified={res['plain_ok']}")
     print(f"gpusnap criu dump {res['gpusnap_dump']:6.2f} s  restore {res['gpusnap_restore']:6.2f} s  "

@@ -20,7 +20,8 @@ seed = sys.argv[3] if len(sys.argv) > 3 else "gpusnap"
 data = sys.argv[4] if len(sys.argv) > 4 else "random"
 # private: the child rewrites its copy after the fork (each process holds its own bytes at the same
 # addresses); cow: the child keeps sharing the parent's pages copy-on-write (forked workers that
-# share their weights), which a restore must keep shared
+# share their weights), which a restore must keep shared; own (with mixed data): the child makes memory
+# of its own at other addresses and unmaps what it inherited (a worker spawned rather than forked)
 sharing = sys.argv[5] if len(sys.argv) > 5 else "private"
 import random
 _rng = random.Random(seed)
@@ -38,36 +39,49 @@ elif data == "mixed":
     import math
     import mmap
     import numpy as np
-    _g = np.random.default_rng(_rng.getrandbits(64))
     _libc = ctypes.CDLL(None, use_errno=True)
     _libc.mprotect.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    _maps = []  # the mmap objects, guard pages included (kept alive)
-    regions = []  # views of each region's bytes, guard pages left out
-    _left = mb << 20
-    while _left > 0:
+    _libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+    _maps, regions = [], []
+    _spans: list = []  # (address, length) of each mapping, guard page included
+
+
+def _mixed(rng: "random.Random", mb: int) -> tuple:
+    """MB MiB in private mappings of 16 KiB to 8 MiB: (the mmap objects, views of each region's bytes
+    with the guard page left out, (address, length) of each mapping)."""
+    g = np.random.default_rng(rng.getrandbits(64))
+    maps, views, spans = [], [], []
+    left = mb << 20
+    while left > 0:
         # 16 KiB .. 8 MiB, log-uniform, whole pages
-        _n = min(_left, max(4096, int(math.exp(_rng.uniform(math.log(16 << 10), math.log(8 << 20)))) & ~4095))
-        _m = mmap.mmap(-1, _n + 4096, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        _addr = ctypes.addressof(ctypes.c_char.from_buffer(_m))
-        if _libc.mprotect(_addr + _n, 4096, 0) != 0:  # the guard page: PROT_NONE
+        n = min(left, max(4096, int(math.exp(rng.uniform(math.log(16 << 10), math.log(8 << 20)))) & ~4095))
+        m = mmap.mmap(-1, n + 4096, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        addr = ctypes.addressof(ctypes.c_char.from_buffer(m))
+        if _libc.mprotect(addr + n, 4096, 0) != 0:  # the guard page: PROT_NONE
             raise OSError(ctypes.get_errno(), "mprotect")
-        _v = memoryview(_m)[:_n]
-        _kind = _rng.random()
-        if _kind < 0.35:  # bf16 weights
-            _v[:] = (_g.normal(0, 0.02, _n // 2).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16).tobytes()
-        elif _kind < 0.6:  # random bytes
-            _v[:] = _rng.randbytes(_n)
-        elif _kind < 0.85:  # zeros, written (pages present, as a zeroed buffer's are)
-            _v[:] = bytes(_n)
+        v = memoryview(m)[:n]
+        kind = rng.random()
+        if kind < 0.35:  # bf16 weights
+            v[:] = (g.normal(0, 0.02, n // 2).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16).tobytes()
+        elif kind < 0.6:  # random bytes
+            v[:] = rng.randbytes(n)
+        elif kind < 0.85:  # zeros, written (pages present, as a zeroed buffer's are)
+            v[:] = bytes(n)
         else:  # a pool partly filled: zeros written, a random page here and there
-            _v[:] = bytes(_n)
-            for _p in range(0, _n, 4096):
-                if _rng.random() < 0.1:
-                    _v[_p:_p + 4096] = _rng.randbytes(4096)
-        _maps.append(_m)
-        regions.append(_v)
-        _left -= _n
-else:
+            v[:] = bytes(n)
+            for p in range(0, n, 4096):
+                if rng.random() < 0.1:
+                    v[p:p + 4096] = rng.randbytes(4096)
+        maps.append(m)
+        views.append(v)
+        spans.append((addr, n + 4096))
+        left -= n
+    return maps, views, spans
+
+
+if data == "mixed":
+    _maps, regions, _spans = _mixed(_rng, mb)
+elif data != "weights":
     memory = bytearray(b"".join(_rng.randbytes(1 << 20) for _ in range(mb)))  # known, incompressible bytes
     regions = [memory]
 
@@ -87,6 +101,13 @@ child = os.fork()
 if child == 0:
     os.close(w)
     os.close(settled_r)
+    if sharing == "own":  # a worker with memory of its own at other addresses (as a spawned one has)
+        if data != "mixed":
+            raise SystemExit("sharing 'own' needs data 'mixed'")
+        _theirs = _spans
+        _maps, regions, _spans = _mixed(random.Random(seed + "-child"), mb)  # made first: new addresses
+        for _a, _n in _theirs:  # the parent's copies, unmapped here (never touched again)
+            _libc.munmap(_a, _n)
     if sharing in ("private", "half"):  # half: the child rewrites the second half only, shares the first
         _flip = bytes(b ^ 0xA5 for b in range(256))
         _total = sum(len(region) for region in regions)
