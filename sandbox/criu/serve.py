@@ -519,7 +519,9 @@ class ServeSource:
 
     def _feed(self, s: Stream, fd: int, ranges: tuple[tuple[int, int], ...] | None = None,
               replacement: bytes | None = None) -> None:
-        """Stream S (only its RANGES; or REPLACEMENT instead) into CRIU's pipe FD, chunks fetched a window ahead."""
+        """Stream S (only its RANGES; or REPLACEMENT instead) into CRIU's pipe FD, chunks fetched a window
+        ahead. The window counts chunks, not pieces: a split page image leaves CRIU many small ranges,
+        several in one chunk, and a window of pieces then held one chunk in flight, CRIU waiting on each."""
         Got = tuple[AlignedBuffer, memoryview]
         pending: deque[tuple[Future[Got] | None, int, int]] = deque()
         uses: dict[Future[Got], int] = {}  # a chunk's pieces still to write: its buffer goes back after the last
@@ -530,7 +532,7 @@ class ServeSource:
                 write_all(fd, replacement)
                 self.bytes += len(replacement)
             while True:
-                while len(pending) < self.window:
+                while len(uses) < self.window and len(pending) < 64 * self.window:
                     nxt = next(it, None)
                     if nxt is None:
                         break
