@@ -1440,15 +1440,15 @@ def test_pages_a_child_shares_with_its_parent_stay_with_criu_in_both() -> None:
 
 
 def test_the_split_does_not_engage_to_move_a_few_pages() -> None:
-    """A split costs a stopped restore and the fill: where it would move less than a tenth of the pages
-    (and less than 16 MiB), CRIU restores every page, and the report says why."""
+    """A split costs a stopped restore and the fill: where it would move less than a hundredth of the
+    pages (and less than 16 MiB), CRIU restores every page, and the report says why."""
     from sandbox.criu import split
     P = (1 << 20) // 4096
     pm = _pm(1, [(0x10000000, 40 * P), (0x20000000, 2)])  # 40 MiB, then 2 pages
     sizes = {"pages-1.img": 40 * (1 << 20) + 8192}
     plans, why = split.choose({"pagemap-9.img": pm}, sizes, 4096, mms={"mm-9.img": _mm([(0x20000000, 0x20002000, ANON)])})
     assert plans == {} and why == f"the split would move only 8192 of {sizes['pages-1.img']} bytes; CRIU restored every page"
-    small = _pm(1, [(0x20000000, 2), (0x30000000, 14)])  # 64 KiB in all: 2 pages of it are a tenth and more
+    small = _pm(1, [(0x20000000, 2), (0x30000000, 14)])  # 64 KiB in all: 2 pages of it are more than a hundredth
     plans, why = split.choose({"pagemap-9.img": small}, {"pages-1.img": 16 * 4096}, 4096,
                               mms={"mm-9.img": _mm([(0x20000000, 0x20002000, ANON)])})
     assert why is None and plans["pages-1.img"].moved_bytes == 8192

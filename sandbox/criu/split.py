@@ -207,7 +207,7 @@ VMA_SPECIAL = (VMA_STACK | VMA_VSYSCALL | VMA_VDSO | VMA_FILE_PRIVATE | VMA_FILE
 MAP_SHARED, MAP_HUGETLB, PROT_WRITE = 0x01, 0x40000, 0x2
 MM_NAME = re.compile(r"mm-([1-9][0-9]{0,9})\.img")
 MAX_MM_BYTES = 16 << 20  # 65530 areas (the kernel's default map count) take ~3 MB
-ENGAGE_MIN = 16 << 20    # the split engages when it moves this much, or a tenth of the pages if that is less
+ENGAGE_MIN = 16 << 20    # the split engages when it moves this much, or a hundredth of the pages if that is less
 CAUTIOUS_MIN = 64 << 20  # runs that may be shared with a parent or child, or lie in a read-only area: the
                          # split's first rule (only runs this large move), which kept such pages with CRIU
                          # ($GPUSNAP_CRIU_SPLIT_SHARED_MIN)
@@ -584,7 +584,7 @@ def choose(pagemaps: dict[str, bytes], page_sizes: dict[str, int],
         if pl is not None:
             plans[pl.pages_image] = pl
     moved, total = sum(pl.moved_bytes for pl in plans.values()), sum(present_bytes(pm) for _, pm in parsed.values())
-    if plans and moved < min(ENGAGE_MIN, total // 10):
+    if plans and moved < min(ENGAGE_MIN, total // 100):
         # (a forked tree whose memory stays with CRIU moved a few pages, and paid for a stopped restore
         # and the fill for nothing: 8 KiB of 4.4 GB)
         return {}, (f"the split would move only {moved} of {total} bytes; CRIU restored every page")
