@@ -4,7 +4,8 @@ from scripts.workloads.criu_tree import CriuTree, healthy
 from scripts.helpers import drop_caches
 store = "/var/tmp/mixstore"
 subprocess.run(["rm", "-rf", store])
-t = CriuTree(int(sys.argv[1]), data="mixed", sharing="private", start_timeout=600)
+# argv: MB ROUNDS SPLIT_MINS [SHARING]; SHARING private (default) or own
+t = CriuTree(int(sys.argv[1]), data="mixed", sharing=sys.argv[4] if len(sys.argv) > 4 else "private", start_timeout=600)
 assert t.ok()
 r = subprocess.run([sys.executable, "-m", "cli", "--store", store, "criu", "dump", str(t.pid), "m", "--json"], capture_output=True, text=True)
 assert r.returncode == 0, r.stderr

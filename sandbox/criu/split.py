@@ -195,7 +195,8 @@ def pstree_records(data: bytes) -> list[tuple[int, int]]:
 # CRIU's VMA status bits (criu/include/image.h): which areas the split may fill. Only the pages of
 # ordinary private memory move; CRIU needs the others' contents while it restores (the vDSO, whose
 # ELF it reads to decide how to remap it) or maps them itself (shared memory, SysV IPC, AIO rings,
-# sockets). Stacks stay with CRIU too: they are small and CRIU sets the threads up on them.
+# sockets). An area CRIU marks as a stack stays with CRIU too (CRIU 4.2.1 marked none of the
+# project's processes' areas so: their stacks are ordinary private memory to it, and move).
 VMA_REGULAR, VMA_STACK, VMA_VSYSCALL, VMA_VDSO = 1 << 0, 1 << 1, 1 << 2, 1 << 3
 VMA_FILE_PRIVATE, VMA_FILE_SHARED, VMA_ANON_SHARED, VMA_ANON_PRIVATE = 1 << 6, 1 << 7, 1 << 8, 1 << 9
 VMA_SPECIAL = (VMA_STACK | VMA_VSYSCALL | VMA_VDSO | VMA_FILE_PRIVATE | VMA_FILE_SHARED | VMA_ANON_SHARED
@@ -220,7 +221,7 @@ def movable(status: int, flags: int = 0) -> bool:
         and not flags & (MAP_SHARED | MAP_HUGETLB)
 
 
-def _skip_field(data: bytes, i: int, end: int, wire: int) -> int:
+def _skip_field(data: bytes, i: int, wire: int) -> int:
     if wire == 0:
         return _varint(data, i)[1]
     if wire == 1:
@@ -250,7 +251,7 @@ def mm_areas(data: bytes) -> list[tuple[int, int, bool]]:
     while i < end:
         key, i = _varint(data, i)
         if key >> 3 != 14 or key & 7 != 2:
-            i = _skip_field(data, i, end, key & 7)
+            i = _skip_field(data, i, key & 7)
             continue
         ln, i = _varint(data, i)
         vend = i + ln
@@ -262,7 +263,7 @@ def mm_areas(data: bytes) -> list[tuple[int, int, bool]]:
             if k & 7 == 0:
                 f[k >> 3], i = _varint(data, i)
             else:
-                i = _skip_field(data, i, vend, k & 7)
+                i = _skip_field(data, i, k & 7)
         if i != vend:
             raise SplitError("mm: malformed area")
         start, stop = f.get(1, 0), f.get(2, 0)
@@ -528,45 +529,41 @@ def choose(pagemaps: dict[str, bytes], page_sizes: dict[str, int],
             return {}, (f"{name} names {named} bytes of {image}, which holds {page_sizes[image]}: a pagemap "
                         "format gpusnap does not know; CRIU restored every page")
         parsed[int(m.group(1))] = (name, pm)
+    # For each child and its parent: the entries both hold with the same bytes (cow_shared) stay with CRIU
+    # in both (SKIP); and the entries at addresses the other also has pages at are cautious: they move
+    # only in runs of CAUTIOUS_MIN (the split's first rule), since they may share pages copy-on-write that
+    # cow_shared sees only where a whole chunk is equal. Entries in read-only areas are cautious too
+    # (written through /proc/PID/mem; below).
     skip: dict[int, set[int]] = {}
+    cautious: dict[int, set[int]] = {}
     present: dict[int, _Present | None] = {}  # each pagemap sorted once, however many children it has
     starts: dict[str, tuple[list[int], int]] = {}
     for pid, (_, pm) in parsed.items():
         ppid = (parents or {}).get(pid, 0)
-        if ppid not in parsed or ppid == pid or streams is None:
+        if ppid not in parsed or ppid == pid:
             continue
         ppm = parsed[ppid][1]
-        cname, pname = f"pages-{pm.pages_id}.img", f"pages-{ppm.pages_id}.img"
-        cs, ps = streams.get(cname), streams.get(pname)
-        if cs is None or ps is None:
-            continue
         for p, mp in ((pid, pm), (ppid, ppm)):
             if p not in present:
                 present[p] = _present(mp)
+        cp, pp = present[pid], present[ppid]
+        if cp is None or pp is None:  # overlapping records (not CRIU's): every entry is cautious
+            cautious.setdefault(pid, set()).update(range(len(pm.entries)))
+            cautious.setdefault(ppid, set()).update(range(len(ppm.entries)))
+        else:
+            mine, theirs = overlapping(cp, pp)
+            cautious.setdefault(pid, set()).update(mine)
+            cautious.setdefault(ppid, set()).update(theirs)
+        cname, pname = f"pages-{pm.pages_id}.img", f"pages-{ppm.pages_id}.img"
+        cs, ps = (streams.get(cname), streams.get(pname)) if streams is not None else (None, None)
+        if cs is None or ps is None:
+            continue
         for n, st in ((cname, cs), (pname, ps)):
             if n not in starts:
                 starts[n] = chunk_starts(st)
-        mine, theirs = _shared(present[pid], present[ppid], cs, ps, starts[cname], starts[pname])
+        mine, theirs = _shared(cp, pp, cs, ps, starts[cname], starts[pname])
         skip.setdefault(pid, set()).update(mine)
         skip.setdefault(ppid, set()).update(theirs)
-    # The cautious entries move only in runs of CAUTIOUS_MIN (the split's first rule): those at addresses
-    # a parent or child also has pages at (they may share them copy-on-write, which cow_shared sees only
-    # where a whole chunk is equal), and those in read-only areas (written through /proc/PID/mem)
-    cautious: dict[int, set[int]] = {}
-    for pid, (_, pm) in parsed.items():
-        ppid = (parents or {}).get(pid, 0)
-        if ppid in parsed and ppid != pid:
-            for p in (pid, ppid):
-                if p not in present:
-                    present[p] = _present(parsed[p][1])
-            cp, pp = present[pid], present[ppid]
-            if cp is None or pp is None:  # overlapping records (not CRIU's): every entry is cautious
-                cautious.setdefault(pid, set()).update(range(len(pm.entries)))
-                cautious.setdefault(ppid, set()).update(range(len(parsed[ppid][1].entries)))
-            else:
-                mine, theirs = overlapping(cp, pp)
-                cautious.setdefault(pid, set()).update(mine)
-                cautious.setdefault(ppid, set()).update(theirs)
     plans: dict[str, Plan] = {}
     largest = 0
     for pid, (name, pm) in sorted(parsed.items()):

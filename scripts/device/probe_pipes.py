@@ -83,8 +83,7 @@ def main() -> None:
         # 4 GB on a 2-core VM): one warm-up dump, not counted
         warm = os.path.join(shm, "warm-up")
         os.mkdir(warm)
-        subprocess.run([criu.binary, "dump", "-t", str(hog.pid), "-D", warm, "--leave-running", "--shell-job",
-                        "-o", "dump.log"], capture_output=True)
+        _criu_dump(criu, hog.pid, warm)
         shutil.rmtree(warm, ignore_errors=True)
         for rnd in range(a.rounds):
             sizes = (1 << 20, 64 << 20) if rnd % 2 == 0 else (64 << 20, 1 << 20)
@@ -97,8 +96,7 @@ def main() -> None:
                     t1 = time.perf_counter()
                     if tool == "criu":
                         os.mkdir(target)
-                        r = subprocess.run([criu.binary, "dump", "-t", str(hog.pid), "-D", target, "--leave-running",
-                                            "--shell-job", "-o", "dump.log"], capture_output=True, text=True)
+                        r = _criu_dump(criu, hog.pid, target)
                     else:
                         env = {**os.environ, "GPUSNAP_DUMP_PIPE": str(GPUSNAP_PIPES[tool])}
                         r = subprocess.run([sys.executable, "-m", "cli", "--store", target, "criu", "dump",
@@ -121,6 +119,12 @@ def main() -> None:
         hog.poll()
         shutil.rmtree(work, ignore_errors=True)
         shutil.rmtree(shm, ignore_errors=True)
+
+
+def _criu_dump(criu: Criu, pid: int, target: str) -> subprocess.CompletedProcess[str]:
+    """Plain `criu dump --leave-running` of PID into the directory TARGET."""
+    return subprocess.run([criu.binary, "dump", "-t", str(pid), "-D", target, "--leave-running", "--shell-job",
+                           "-o", "dump.log"], capture_output=True, text=True)
 
 
 def _kill(pid: int) -> None:
