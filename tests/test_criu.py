@@ -142,6 +142,26 @@ def test_restore_refuses_when_pids_are_taken(cli: Cli, tree: Tree) -> None:
     assert healthy(tree.report())
 
 
+def test_criu_logs_kept_where_asked_and_never_through_a_link(cli: Cli, tree: Tree, tmp_path: Path) -> None:
+    """GPUSNAP_CRIU_LOGS: a copy of each CRIU run's log (the images directory's goes away with it); a
+    link in its place is not followed, and the dump goes on without the copy."""
+    logs = tmp_path / "logs"
+    env = {"GPUSNAP_CRIU_LOGS": str(logs)}
+    json.loads(cli.run("criu", "dump", "--leave-running", str(tree.pid), "l1", "--json", env=env).stdout)
+    kept = sorted(p.name for p in logs.iterdir())
+    assert len(kept) == 1 and kept[0].startswith(f"dump-of-pid-{tree.pid}-"), kept
+    assert "Dumping finished successfully" in (logs / kept[0]).read_text(errors="replace")
+    assert (logs.stat().st_mode & 0o777) == 0o700 and ((logs / kept[0]).stat().st_mode & 0o777) == 0o600
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    link = tmp_path / "link"
+    link.symlink_to(elsewhere)
+    p = cli.run("criu", "dump", "--leave-running", str(tree.pid), "l2", "--json", env={"GPUSNAP_CRIU_LOGS": str(link)})
+    assert json.loads(p.stdout)["pids"] and "CRIU's log not kept" in p.stderr, p.stderr
+    assert list(elsewhere.iterdir()) == []
+    assert healthy(tree.report())
+
+
 def test_dump_of_missing_pid_and_bad_name(cli: Cli) -> None:
     r = cli.run("criu", "dump", "4194000", "x", check=False)
     assert r.returncode == 1 and "no process with pid 4194000" in r.stderr

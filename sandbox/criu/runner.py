@@ -16,6 +16,8 @@ import os
 import re
 import shutil
 import subprocess
+import sys
+import time
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
@@ -258,6 +260,36 @@ def explain(log_path: str, n: int = 6) -> list[str]:
         return []
 
 
+LOGS_ENV = "GPUSNAP_CRIU_LOGS"
+_LOG_WHAT = re.compile(r"[^A-Za-z0-9]+")
+
+
+def keep_copy(log_path: str, what: str) -> str | None:
+    """A copy of the CRIU log at LOG_PATH in the directory $GPUSNAP_CRIU_LOGS (created 0700; for looking
+    at where CRIU's time went in a run that succeeded, whose log goes with its temporary images
+    directory), named after WHAT, this process and the time; the path, or None when unset. Never fails
+    the run: a copy that cannot be made is said on stderr. The directory is the operator's: opened
+    without following a link, each copy a new file (O_EXCL, O_NOFOLLOW)."""
+    where = os.environ.get(LOGS_ENV, "").strip()
+    if not where:
+        return None
+    name = f"{_LOG_WHAT.sub('-', what).strip('-')[:60]}-{os.getpid()}-{time.time_ns()}.log"
+    try:
+        os.makedirs(where, mode=0o700, exist_ok=True)
+        d = os.open(where, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            with open(log_path, "rb") as src, \
+                    os.fdopen(os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                                      0o600, dir_fd=d), "wb") as dst:
+                shutil.copyfileobj(src, dst, 1 << 20)
+        finally:
+            os.close(d)
+    except OSError as e:
+        print(f"gpusnap: warning: CRIU's log not kept in {LOGS_ENV}={where!r}: {e.strerror or e}", file=sys.stderr)
+        return None
+    return os.path.join(where, name)
+
+
 class Criu:
     """One CRIU binary; every call an argv list, every log kept in the images directory."""
 
@@ -276,6 +308,7 @@ class Criu:
         except subprocess.TimeoutExpired:
             raise CriuError(f"criu {what} did not finish within {timeout:g} s (stopped)") from None
         run = CriuRun(full, log_path, p.returncode)
+        keep_copy(log_path, what)
         if p.returncode != 0:
             said = (p.stdout or "") + (p.stderr or "")
             if said.strip():  # what CRIU printed rather than logged (e.g. missing capabilities) goes in the log too

@@ -52,6 +52,7 @@ from scripts.workloads.workload_control import Workload
 
 
 
+OWN_ENV: dict[str, str] = {}  # settings for gpusnap's own commands only (--criu-logs), not the baseline's CRIU
 SCRIPTS = {"serving": "serving_workload.py", "moe": "moe_workload.py", "synthetic": "gpu_workload.py"}
 
 
@@ -59,7 +60,7 @@ def gpusnap(store: str, *args: str, path: str = "stream", extra_env: dict[str, s
             wrap: Sequence[str] = ()) -> dict:
     """`gpusnap --store STORE ARGS --json` in a child (WRAP: a command it runs under, e.g. a profiler's
     `py-spy record ... --`), its JSON report; SystemExit with its stderr when it fails."""
-    env = child_env(GPUSNAP_CRIU_IMAGES=path, **(extra_env or {}))
+    env = child_env(GPUSNAP_CRIU_IMAGES=path, **OWN_ENV, **(extra_env or {}))
     p = subprocess.run([*wrap, sys.executable, "-m", "cli", "--store", store, *args, "--json"],
                        capture_output=True, text=True, env=env)
     if p.returncode != 0:
@@ -403,7 +404,11 @@ def main() -> None:
                     metavar="VAR=VALUE[,VAR=VALUE]", help="after the restore (and its variants), dump the restored "
                     "process again with default settings and then with these (each --leave-running, into a store "
                     "of its own; repeatable): dump settings compared in one run, e.g. GPUSNAP_ENCODE_PROCS=0")
+    ap.add_argument("--criu-logs", metavar="DIR", help="keep the log of each CRIU run gpusnap makes in DIR "
+                    "(GPUSNAP_CRIU_LOGS; the baseline's, of every page, are not kept): where CRIU's time went")
     a = ap.parse_args()
+    if a.criu_logs:
+        OWN_ENV["GPUSNAP_CRIU_LOGS"] = os.path.abspath(a.criu_logs)
     ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER: restored trees come back to us to reap
     criu = Criu()
     drv = CudaDriver()

@@ -14,6 +14,9 @@
 # FILL_WL="serving moe": the workloads `fillvariants` runs, in order.
 # PIPE_MAX=67108864: fs.pipe-max-size for the whole batch (the host setting doctor advises where the limit caps
 #          CRIU's page pipes; baseline and gpusnap both run under it), put back as it was when the batch ends.
+# A call brings back at most 8 files from $OUT: give each batch an OUT outside it and pack that into one file,
+#   e.g. `OUT=/tmp/o/moe ... device-run.sh moe; tar -C /tmp/o -cf $OUT/run.tar .` (bench_e2e --criu-logs DIR keeps
+#   the CRIU logs of gpusnap's own runs there: `xz` them first).
 # WHEELS=.whl-lite: install from that folder instead (.whl without nvCOMP's two wheels, ~16 MiB: room in
 #          the 64 MiB carry for more, e.g. .tools/py-spy.xz for `gilprof`; nothing nvCOMP runs then).
 set -uo pipefail
