@@ -545,6 +545,11 @@ def test_stream_dump_and_restore_of_a_tree(cli: Cli, store_dir: Path, dump_env: 
         r = cli_json(cli, restore_env, "criu", "restore", "s1")
         assert r["images_path"] == "stream" and r["restored_pid"] == tree.pid
         served = r["stages"]["served"]
+        # where CRIU's feeds waited: for a decoded chunk, for a thread of the pool, for CRIU to read (the
+        # bytes written from chunks: part of what CRIU was served, whose zeros and rewritten images are not)
+        feed = served["stages"]
+        assert 0 < feed["feed:write"]["bytes"] <= served["bytes"], (feed, served["bytes"])
+        assert {"feed:wait", "feed:queued"} <= set(feed), feed
         if restore_env is not NO_SPLIT:
             assert served["moved_bytes"] >= 48 << 20 and served["split"]["written"] >= 48 << 20, served
             assert "split_fill" in r["seconds"] and "split_skipped_because" not in served

@@ -445,8 +445,12 @@ class ServeSource:
             data = self._decoded(s, i, ref, fresh, buf, None)
             return bytes(data) if isinstance(data, memoryview) else data  # the buffer goes back now
 
-    def _fetch_out(self, s: Stream, i: int, ref: ChunkRef) -> tuple[AlignedBuffer, memoryview]:
-        """REF's verified, decoded bytes in a buffer of the feeds' Recycler (give it back once written)."""
+    def _fetch_out(self, s: Stream, i: int, ref: ChunkRef, asked: float | None = None) -> tuple[AlignedBuffer, memoryview]:
+        """REF's verified, decoded bytes in a buffer of the feeds' Recycler (give it back once written);
+        ASKED: when a feed submitted it (time.perf_counter()), for the stage "feed:queued" (the wait for
+        a free thread of the pool)."""
+        if asked is not None:
+            self.stages.add("feed:queued", time.perf_counter() - asked, 0)
         fresh = self._arrived(ref)  # before taking a buffer: the waits hold none
         out = self._outs.take()
         try:
@@ -540,7 +544,7 @@ class ServeSource:
                     if last is not None and last[0] == i:
                         fut = last[1]  # the same chunk again: fetched once
                     else:
-                        fut = None if ref.is_zero else self._ex.submit(self._fetch_out, s, i, ref)
+                        fut = None if ref.is_zero else self._ex.submit(self._fetch_out, s, i, ref, time.perf_counter())
                         last = (i, fut)
                     if fut is not None:
                         uses[fut] = uses.get(fut, 0) + 1
@@ -551,8 +555,12 @@ class ServeSource:
                 if fut is None:
                     write_all(fd, memoryview(self._zeros)[lo:hi])
                 else:
+                    t0 = time.perf_counter()
                     out, view = fut.result()
+                    t1 = time.perf_counter()
+                    self.stages.add("feed:wait", t1 - t0, 0)  # CRIU's next bytes not decoded yet
                     write_all(fd, view[lo:hi])
+                    self.stages.add("feed:write", time.perf_counter() - t1, hi - lo)  # CRIU not reading yet
                     uses[fut] -= 1
                     if not uses[fut]:
                         del uses[fut]

@@ -100,6 +100,7 @@ def main() -> None:
         res["gpusnap_bytes"] = d["new_bytes"]
         t.gone()
         stages: dict[str, list[dict]] = {k: [] for k in variants}
+        served: dict[str, list[dict]] = {}  # each restore's stage counters of its serve side (feed waits, reads)
         for rnd in range(a.rounds):
             order = ["plain", *variants] if rnd % 2 == 0 else [*variants, "plain"]
             for who in order:
@@ -112,6 +113,7 @@ def main() -> None:
                 else:
                     r = gpusnap(store, "criu", "restore", "b", env=variants[who])
                     stages[who].append(r["seconds"])
+                    served.setdefault(who, []).append((r.get("stages") or {}).get("served", {}).get("stages", {}))
                 times[who].append(time.perf_counter() - t0)
                 ok[who] = t.ok() and ok.get(who, True)
                 t.kill()
@@ -122,6 +124,7 @@ def main() -> None:
         res["gpusnap_restore_stages"] = stages["gpusnap"][-1]
         res["gpusnap_ok"] = ok["gpusnap"]
         res["restores"] = times
+        res["served_stages"] = served
         res["verified"] = ok
     finally:
         for t in trees:  # whatever of them runs (a failed round leaves its tree restored)

@@ -93,10 +93,13 @@ def restore_traced(out: dict, key: str, store: str, name: str, path: str, work: 
                    extra_env: dict[str, str] | None = None) -> dict:
     """`gpusnap criu restore NAME`, timed into OUT[KEY], the machine sampled meanwhile: OUT[KEY +
     "_phases"] says per phase of the restore (its own marks) how busy the cores and the disk were."""
+    before = vmstat()
     with Timeline(work) as tl:
         t0 = time.monotonic()
         r = timed(out, key, gpusnap, store, "criu", "restore", name, path=path, extra_env=extra_env)
         t1 = time.monotonic()
+    after = vmstat()
+    out[key + "_vmstat"] = {k: after[k] - before.get(k, 0) for k in after}
     marks = (r.get("stages", {}).get("served") or {}).pop("monotonic", {})
     seq = [(ph, t0 if m is None else marks.get(m)) for ph, m in _RESTORE_PHASES]
     seq = [(ph, t) for ph, t in seq if t is not None] + [("end", t1)]
@@ -110,6 +113,21 @@ def restore_traced(out: dict, key: str, store: str, name: str, path: str, work: 
         print(f"{key} early GPU copies: {out[key + '_early_gpu']}", flush=True)
     print(f"{key} phases: {phase_line(out[key + '_phases'])}", flush=True)
     return r
+
+
+VMSTAT_KEYS = ("thp_fault_alloc", "thp_fault_fallback", "compact_stall", "compact_fail", "allocstall_normal",
+               "allocstall_movable", "pgmajfault", "pgfault")
+
+
+def vmstat() -> dict[str, int]:
+    """The counters of /proc/vmstat that say whether a restore's page faults waited on the kernel (huge
+    pages allocated or refused, direct compaction, direct reclaim); {} where it cannot be read."""
+    try:
+        with open("/proc/vmstat") as f:
+            pairs = (line.split() for line in f)
+            return {k: int(v) for k, v in pairs if k in VMSTAT_KEYS}
+    except (OSError, ValueError):
+        return {}
 
 
 def traced(out: dict, key: str, work: str, fn, *a, **k):
