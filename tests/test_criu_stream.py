@@ -518,7 +518,7 @@ def test_read_order_is_what_criu_reads_first_then_what_the_split_fills() -> None
 
 
 @pytest.mark.parametrize("dump_env,restore_env", [(STREAM, SPLIT), (STREAM, SPLIT_PROCS), (STREAM, NO_SPLIT), (ENCODERS, SPLIT),
-                                               (STREAM, {**SPLIT_PROCS, "GPUSNAP_FILL_READERS": "6"}),
+                                               (STREAM, {**SPLIT_PROCS, "GPUSNAP_FILL_READERS": "6", "GPUSNAP_WAKE_PROBE": "1"}),
                                                (STREAM, {**SPLIT_PROCS, "GPUSNAP_FILL_READERS": "1"})],
                          ids=["split", "split-in-3-processes", "criu-restores-all", "dumped-by-encoder-processes",
                               "split-in-3-processes-2-reads-each", "split-in-3-processes-taking-turns-at-1-read"])
@@ -550,6 +550,11 @@ def test_stream_dump_and_restore_of_a_tree(cli: Cli, store_dir: Path, dump_env: 
         feed = served["stages"]
         assert 0 < feed["feed:write"]["bytes"] <= served["bytes"], (feed, served["bytes"])
         assert {"feed:wait", "feed:queued"} <= set(feed), feed
+        # how late gpusnap's threads woke while CRIU ran: only where asked for (it wakes 200 times a second)
+        if restore_env.get("GPUSNAP_WAKE_PROBE") == "1":
+            assert served["criu_wake_late"]["wakes"] > 0 and served["criu_wake_late"]["late_s"] >= 0, served
+        else:
+            assert "criu_wake_late" not in served
         if restore_env is not NO_SPLIT:
             assert served["moved_bytes"] >= 48 << 20 and served["split"]["written"] >= 48 << 20, served
             assert "split_fill" in r["seconds"] and "split_skipped_because" not in served

@@ -33,6 +33,7 @@ from storage.filetree import FileTreeSink
 from storage.manifest import Manifest
 from storage.progress import Progress
 from storage.store import SnapshotStore
+from storage.wakeprobe import WakeProbe, wanted as wake_probe_wanted
 
 from sandbox.criu.restored import (adopting_orphans, boot_ticks, in_restored_tree, kill_half_restored, restored_procs,
                                    wait_stopped)
@@ -100,6 +101,9 @@ def streamed(run: RestoreRun, *, thp_mode: str | None = "always",
                 if run.arrivals is not None:
                     thp.enter_context(restore_huge_pages(thp_mode))
                 marks["criu_begin"] = time.monotonic()
+                probe = WakeProbe().start() if wake_probe_wanted() else None
+                if probe is not None:
+                    thp.callback(probe.stop)
                 try:
                     with adopting_orphans():
                         try:
@@ -113,6 +117,9 @@ def streamed(run: RestoreRun, *, thp_mode: str | None = "always",
                 srv.raise_if_failed()
                 seconds["criu_restore"] = time.perf_counter() - t0
                 marks["criu_done"] = time.monotonic()
+                if probe is not None:  # how late this process's threads woke while CRIU ran (GIL, scheduler)
+                    probe.stop()
+                    info["criu_wake_late"] = probe.report()
                 root = _root_pid(pidfile)
                 tree = restored_tree(root, srv.pstree, born_after)
                 info["restored_pids"] = tree

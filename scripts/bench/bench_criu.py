@@ -113,7 +113,9 @@ def main() -> None:
                 else:
                     r = gpusnap(store, "criu", "restore", "b", env=variants[who])
                     stages[who].append(r["seconds"])
-                    served.setdefault(who, []).append((r.get("stages") or {}).get("served", {}).get("stages", {}))
+                    srv = (r.get("stages") or {}).get("served", {})
+                    served.setdefault(who, []).append({**srv.get("stages", {}), **(
+                        {"criu_wake_late": srv["criu_wake_late"]} if "criu_wake_late" in srv else {})})
                 times[who].append(time.perf_counter() - t0)
                 ok[who] = t.ok() and ok.get(who, True)
                 t.kill()

@@ -424,9 +424,13 @@ def main() -> None:
                     "of its own; repeatable): dump settings compared in one run, e.g. GPUSNAP_ENCODE_PROCS=0")
     ap.add_argument("--criu-logs", metavar="DIR", help="keep the log of each CRIU run gpusnap makes in DIR "
                     "(GPUSNAP_CRIU_LOGS; the baseline's, of every page, are not kept): where CRIU's time went")
+    ap.add_argument("--wake-probe", action="store_true", help="gpusnap's restores report how late their threads "
+                    "woke while CRIU ran (GPUSNAP_WAKE_PROBE=1: waits on the interpreter's lock or the scheduler)")
     a = ap.parse_args()
     if a.criu_logs:
         OWN_ENV["GPUSNAP_CRIU_LOGS"] = os.path.abspath(a.criu_logs)
+    if a.wake_probe:
+        OWN_ENV["GPUSNAP_WAKE_PROBE"] = "1"
     ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER: restored trees come back to us to reap
     criu = Criu()
     drv = CudaDriver()
