@@ -48,7 +48,8 @@ def main() -> None:
     fig.legend(handles=[plt.Rectangle((0, 0), 1, 1, color="tab:blue"),
                             plt.Rectangle((0, 0), 1, 1, color="tab:orange")],
                    labels=["MoE-like tree (weights)", "serving (zero-heavy)"], fontsize=8, loc="upper right", ncol=2)
-    fig.suptitle("H200, baseline and gpusnap in the same run each time (issue 21)", fontsize=10, x=0.3)
+    fig.suptitle("baseline and gpusnap in the same run each time (issue 21); H200 unless the label names another card",
+                 fontsize=10, x=0.4)
     fig.tight_layout(rect=(0, 0, 1, 0.97))
     fig.savefig(out, dpi=110)
 
