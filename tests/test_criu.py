@@ -159,6 +159,12 @@ def test_criu_logs_kept_where_asked_and_never_through_a_link(cli: Cli, tree: Tre
     p = cli.run("criu", "dump", "--leave-running", str(tree.pid), "l2", "--json", env={"GPUSNAP_CRIU_LOGS": str(link)})
     assert json.loads(p.stdout)["pids"] and "CRIU's log not kept" in p.stderr, p.stderr
     assert list(elsewhere.iterdir()) == []
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o777)
+    shared.chmod(0o777)  # anyone may write in it: not where a log of the tree goes
+    p = cli.run("criu", "dump", "--leave-running", str(tree.pid), "l3", "--json", env={"GPUSNAP_CRIU_LOGS": str(shared)})
+    assert json.loads(p.stdout)["pids"] and "others may write in it" in p.stderr, p.stderr
+    assert list(shared.iterdir()) == []
     assert healthy(tree.report())
 
 

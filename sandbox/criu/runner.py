@@ -268,8 +268,9 @@ def keep_copy(log_path: str, what: str) -> str | None:
     """A copy of the CRIU log at LOG_PATH in the directory $GPUSNAP_CRIU_LOGS (created 0700; for looking
     at where CRIU's time went in a run that succeeded, whose log goes with its temporary images
     directory), named after WHAT, this process and the time; the path, or None when unset. Never fails
-    the run: a copy that cannot be made is said on stderr. The directory is the operator's: opened
-    without following a link, each copy a new file (O_EXCL, O_NOFOLLOW)."""
+    the run: a copy that cannot be made is said on stderr. The directory must be this user's own and
+    writable by no one else (opened without following a link); each copy is a new file, 0600 (O_EXCL,
+    O_NOFOLLOW)."""
     where = os.environ.get(LOGS_ENV, "").strip()
     if not where:
         return None
@@ -278,6 +279,9 @@ def keep_copy(log_path: str, what: str) -> str | None:
         os.makedirs(where, mode=0o700, exist_ok=True)
         d = os.open(where, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:
+            st = os.fstat(d)
+            if st.st_uid != os.geteuid() or st.st_mode & 0o022:  # a log names paths and addresses of the tree
+                raise OSError(0, "the directory is not this user's own, or others may write in it")
             with open(log_path, "rb") as src, \
                     os.fdopen(os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
                                       0o600, dir_fd=d), "wb") as dst:
