@@ -276,10 +276,14 @@ class FillProcs:
     def _send_jobs(self, start: threading.Event, decoders: int, budget: int, prefetch: int, readers: int) -> None:
         start.wait()
         for p, share in zip(self.procs, self.shares):
+            t0 = time.perf_counter()
             job = {"store": self.store.path, "name": self.name, "decoders": decoders, "budget": budget, "prefetch": prefetch,
                    "readers": readers, "tokens": self.tokens, "nphases": self.nphases,
                    "chunks": _job_json(share, self.store.locate, self.phases)}
-            _tell(p, json.dumps(job))
+            text = json.dumps(job)
+            # this process's Python work while CRIU runs (its threads serving CRIU wait on it for the GIL)
+            self.stages.add("fill:jobs", time.perf_counter() - t0, len(text))
+            _tell(p, text)
 
     def write(self, pids_ok: Callable[[int], bool], on_phase: Callable[[int], None] | None = None) -> dict[str, int]:
         """split.Filler.write: every pid checked (PIDS_OK), then "go" to every worker, their results

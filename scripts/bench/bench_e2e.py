@@ -112,7 +112,30 @@ def restore_traced(out: dict, key: str, store: str, name: str, path: str, work: 
                                    "gpu_begin_s": round(marks["gpu_begin"] - t0, 3) if "gpu_begin" in marks else None}
         print(f"{key} early GPU copies: {out[key + '_early_gpu']}", flush=True)
     print(f"{key} phases: {phase_line(out[key + '_phases'])}", flush=True)
+    out[key + "_waits"] = restore_waits(r, out[key + "_vmstat"], since=time.time() - (t1 - t0))
+    print(f"{key} waits: {json.dumps(out[key + '_waits'])}", flush=True)
     return r
+
+
+def restore_waits(report: dict, vmstat_delta: dict[str, int], since: float) -> dict:
+    """Where a restore's CRIU part waited, in one place: CRIU's own pauses (its log, where
+    --criu-logs kept it: the newest restore log written since SINCE), the serve's feed counters, how
+    late gpusnap's threads woke (--wake-probe) and the kernel's counters over the restore."""
+    from scripts.bench.criu_log_waits import waits
+    served = (report.get("stages") or {}).get("served") or {}
+    st = served.get("stages") or {}
+    got: dict = {k: round(st[k]["thread_seconds"], 3) for k in ("feed:wait", "feed:queued", "feed:write") if k in st}
+    if "criu_wake_late" in served:
+        got["wake_late"] = served["criu_wake_late"]
+    got["vmstat"] = {k: v for k, v in vmstat_delta.items() if v and k != "pgfault"}
+    logs = OWN_ENV.get("GPUSNAP_CRIU_LOGS")
+    if logs and os.path.isdir(logs):
+        mine = sorted((e.stat().st_mtime, e.path) for e in os.scandir(logs)
+                      if e.name.startswith("restore-") and e.stat().st_mtime >= since)
+        if mine:
+            with open(mine[-1][1], errors="replace") as f:
+                got["criu_log"] = {"file": os.path.basename(mine[-1][1]), **waits(f, 0.02)}
+    return got
 
 
 VMSTAT_KEYS = ("thp_fault_alloc", "thp_fault_fallback", "compact_stall", "compact_fail", "allocstall_normal",
