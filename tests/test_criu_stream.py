@@ -519,9 +519,11 @@ def test_read_order_is_what_criu_reads_first_then_what_the_split_fills() -> None
 
 @pytest.mark.parametrize("dump_env,restore_env", [(STREAM, SPLIT), (STREAM, SPLIT_PROCS), (STREAM, NO_SPLIT), (ENCODERS, SPLIT),
                                                (STREAM, {**SPLIT_PROCS, "GPUSNAP_FILL_READERS": "6", "GPUSNAP_WAKE_PROBE": "1"}),
-                                               (STREAM, {**SPLIT_PROCS, "GPUSNAP_FILL_READERS": "1"})],
+                                               (STREAM, {**SPLIT_PROCS, "GPUSNAP_FILL_READERS": "1"}),
+                                               (STREAM, {**SPLIT_PROCS, "GPUSNAP_FILL_READERS": "6", "GPUSNAP_FILL_READERS_EARLY": "6"})],
                          ids=["split", "split-in-3-processes", "criu-restores-all", "dumped-by-encoder-processes",
-                              "split-in-3-processes-2-reads-each", "split-in-3-processes-taking-turns-at-1-read"])
+                              "split-in-3-processes-2-reads-each", "split-in-3-processes-taking-turns-at-1-read",
+                              "split-in-3-processes-all-reads-while-criu-runs"])
 def test_stream_dump_and_restore_of_a_tree(cli: Cli, store_dir: Path, dump_env: dict[str, str], restore_env: dict[str, str]) -> None:
     tree = Tree(mb=48)
     try:
@@ -560,10 +562,14 @@ def test_stream_dump_and_restore_of_a_tree(cli: Cli, store_dir: Path, dump_env: 
             assert "split_fill" in r["seconds"] and "split_skipped_because" not in served
             assert served["fill_memory"]["procs"] == (1 if restore_env is SPLIT else 3), served["fill_memory"]
             reads = int(restore_env.get("GPUSNAP_FILL_READERS", 4))
+            early = min(reads, int(restore_env.get("GPUSNAP_FILL_READERS_EARLY", 1)))
             assert served["fill_memory"]["readers"] == reads, served["fill_memory"]
-            # reads that do not share out evenly among the worker processes: the workers took turns
-            # (ReadTokens), and said how long they waited
-            assert ("read:wait-gate" in served["stages"]) == bool(reads % served["fill_memory"]["procs"]), served["stages"]
+            assert served["fill_memory"]["readers_early"] == early, served["fill_memory"]
+            # reads that do not share out evenly among the worker processes, or fewer while CRIU ran: the
+            # workers took turns (ReadTokens), and said how long they waited; in one process the gate
+            # (EarlyGate) held the fill's own readers to EARLY while CRIU ran
+            procs = served["fill_memory"]["procs"]
+            assert ("read:wait-gate" in served["stages"]) == bool(reads % procs or early < reads), served["stages"]
             assert served["stages"]["decompress+verify"]["bytes"] > 0, "the workers' stages reach the report"
         else:
             assert served["moved_bytes"] == 0 and "split" not in served
@@ -940,7 +946,7 @@ def test_only_the_tree_criu_restored_counts_as_this_restores_processes() -> None
 
 
 @pytest.mark.parametrize("name,value", [("GPUSNAP_FILL_PROCS", "many"), ("GPUSNAP_FILL_READERS", "0"),
-                                        ("GPUSNAP_CRIU_SPLIT_SHARED_MIN", "-1")])
+                                        ("GPUSNAP_FILL_READERS_EARLY", "0"), ("GPUSNAP_CRIU_SPLIT_SHARED_MIN", "-1")])
 def test_a_bad_fill_setting_fails_the_restore_before_criu_starts(cli: Cli, store_dir: Path, name: str, value: str) -> None:
     """A fill setting that is not a number in its range: one line naming it, nothing restored, nothing
     left behind (no fill worker, no stopped process), and the snapshot restores once it is fixed."""
@@ -1542,3 +1548,63 @@ def test_early_reads_run_from_acceptance_and_stop_before_a_failed_restore_is_und
         assert ok["restored_pid"] == tree.pid and healthy(tree.report())
     finally:
         tree.kill()
+
+
+def test_the_early_gate_holds_the_fills_reads_to_its_count_until_opened() -> None:
+    """While CRIU runs, the in-process fill keeps at most GPUSNAP_FILL_READERS_EARLY reads in flight (each
+    of CRIU's own small reads waits behind every read queued on the disk); open() lets every reader
+    through, and wakes those waiting (the fill stopping opens it too, so none stays held)."""
+    import threading
+
+    from sandbox.criu.fill_procs import EarlyGate
+    gate = EarlyGate(1)
+    inside, most = [0], [0]
+    lock = threading.Lock()
+    release = threading.Event()
+
+    def read() -> None:
+        with gate.held():
+            with lock:
+                inside[0] += 1
+                most[0] = max(most[0], inside[0])
+            release.wait(5)
+            with lock:
+                inside[0] -= 1
+
+    ts = [threading.Thread(target=read) for _ in range(4)]
+    for t in ts:
+        t.start()
+    time.sleep(0.2)
+    assert inside[0] == 1 and most[0] == 1, "one read in flight while the gate is shut"
+    gate.open()
+    deadline = time.monotonic() + 5
+    while inside[0] < 4 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert inside[0] == 4, "every waiting reader let through once it opens"
+    release.set()
+    for t in ts:
+        t.join(5)
+    assert not any(t.is_alive() for t in ts)
+
+
+def test_fill_workers_get_the_held_back_read_tokens_once_criu_is_done() -> None:
+    """Worker processes share reads through a pipe of tokens: EARLY of them while CRIU runs, the rest
+    given out by the parent when CRIU is done (write) or the fill stops (close), once."""
+    from sandbox.criu.fill_procs import FillProcs, ReadTokens
+    tokens = ReadTokens(1)
+    fp = FillProcs.__new__(FillProcs)
+    fp._later, fp._more, fp._closed, fp.procs = 3, os.dup(tokens.w), False, []
+    try:
+        os.set_blocking(tokens.r, False)
+        assert os.read(tokens.r, 64) == b"t"  # one token while CRIU runs
+        fp._all_reads()
+        assert os.read(tokens.r, 64) == b"ttt"  # the other three, once
+        fp._all_reads()
+        fp.close()
+        try:
+            got = os.read(tokens.r, 64)
+        except BlockingIOError:
+            got = b""
+        assert got == b"", "given out once, not again at close"
+    finally:
+        tokens.close()

@@ -97,6 +97,47 @@ def readers() -> int:
     return int(setting("GPUSNAP_FILL_READERS", READERS, int, lambda n: 1 <= n <= 64, "a number of reads from 1 to 64"))
 
 
+def early_readers() -> int:
+    """Reads the split fill keeps in flight, all its workers together, while CRIU still runs:
+    $GPUSNAP_FILL_READERS_EARLY, else 1 (never more than readers()). CRIU's own reads while it restores
+    are small and one at a time (opening and checking each library it maps, the page image gpusnap
+    serves): each waits behind every read already queued on the disk. Measured on the dev VM
+    (scripts/device/probe_queue.py): a small cold read took 0.3 ms on an idle disk, 4.3 ms behind one
+    16 MiB reader, 12 ms behind two, 30 ms behind four, and four readers read no faster than one; on
+    the H100 CRIU's log showed such pauses of 20-45 ms, about 2 s of a 2.8 s CRIU part (BENCHMARKS.md
+    section 35). Once CRIU is done the fill reads with all of readers()."""
+    n = int(setting("GPUSNAP_FILL_READERS_EARLY", 1, int, lambda n: 1 <= n <= 64, "a number of reads from 1 to 64"))
+    return min(n, readers())
+
+
+class EarlyGate:
+    """The fill's reads in one process held to EARLY in flight until open() (CRIU is done, or the fill
+    stops), then let through: read_chunks' GATE (sandbox.criu.serve's in-process fill)."""
+
+    def __init__(self, early: int) -> None:
+        self.early = early
+        self._busy = 0
+        self._open = False
+        self._cond = threading.Condition()
+
+    def open(self) -> None:
+        with self._cond:
+            self._open = True
+            self._cond.notify_all()
+
+    @contextmanager
+    def held(self) -> Iterator[None]:
+        with self._cond:
+            self._cond.wait_for(lambda: self._open or self._busy < self.early)
+            self._busy += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._busy -= 1
+                self._cond.notify()
+
+
 def procs_for(cpus: int | None = None) -> tuple[int, int]:
     """(how many worker processes the fill may use, the stored bytes each must have at least):
     $GPUSNAP_FILL_PROCS (then any share is worth a process), else one per 4 cores, at most 8, each
@@ -250,10 +291,13 @@ class FillProcs:
         # thread that started it ends, and this one outlives the fill
         self.procs: list[subprocess.Popen[str]] = []
         reads = readers()
-        # reads that do not share out evenly (fewer than the workers, or not a multiple of them): each
-        # worker gets the share rounded up, and tokens keep the count in all (see ReadTokens)
-        tokens = ReadTokens(reads) if reads % n else None
+        self._later = reads - early_readers()  # tokens given out once CRIU is done (write)
+        # reads that do not share out evenly (fewer than the workers, or not a multiple of them), or fewer
+        # while CRIU runs: each worker gets the share rounded up, and tokens keep the count in all (see
+        # ReadTokens); EARLY of them until CRIU is done, the rest then (write)
+        tokens = ReadTokens(reads - self._later) if reads % n or self._later else None
         self.tokens = tokens.fds() if tokens is not None else None
+        self._more: int | None = os.dup(tokens.w) if tokens is not None and self._later else None
         try:
             for _ in range(n):
                 self.procs.append(subprocess.Popen(worker_argv(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -291,6 +335,7 @@ class FillProcs:
         written its part of phases 0..p, each phase in order; bytes written / skipped as zero."""
         check_pids(self.jobs, pids_ok)
         self._jobs_sent.join()
+        self._all_reads()
         for p in self.procs:
             _tell(p, "go")
         results = self._results(on_phase)
@@ -367,10 +412,23 @@ class FillProcs:
                     on_phase(told)
         return [results[i] for i in range(len(self.procs))]
 
+    def _all_reads(self) -> None:
+        """CRIU is done (or the fill stops): the tokens held back while it ran are given out."""
+        fd, self._more = getattr(self, "_more", None), None
+        if fd is None:
+            return
+        try:
+            os.write(fd, b"t" * self._later)  # at most 63 bytes: never blocks
+        except OSError:
+            pass  # every worker gone: nothing reads them
+        finally:
+            os.close(fd)
+
     def close(self) -> None:
         if getattr(self, "_closed", False):
             return
         self._closed = True
+        self._all_reads()
         for p in self.procs:
             if p.poll() is None:
                 p.kill()

@@ -281,6 +281,7 @@ class ServeSource:
         self.fill_memory: dict[str, int] = {}
         self._closing = False
         self._criu_done = threading.Event()  # the fill's read-ahead waits for it (see fill_prefetch)
+        self._early_gate: fill_procs.EarlyGate | None = None  # the in-process fill's reads while CRIU runs
         # what CRIU reads goes to the disk's queue before the fill's reads (see _criu_first)
         self._criu_first: threading.Thread | None = None
         self._criu_asked = threading.Event()  # CRIU's reads are queued (or not asked for): the fill's may start
@@ -362,6 +363,7 @@ class ServeSource:
         for t in self._feeds:
             t.join()
         self._ex.shutdown(wait=True, cancel_futures=True)
+        self._open_gate()
         if self._filler is not None:
             self._filler.close()
         if self._criu_first is not None:
@@ -424,6 +426,9 @@ class ServeSource:
                  if procs > 1 else [jobs])
         self.fill_memory["procs"] = len(parts)
         self.fill_memory["readers"] = fill_procs.readers()  # a bad setting fails here, before CRIU starts
+        self.fill_memory["readers_early"] = early = fill_procs.early_readers()  # while CRIU runs
+        if len(parts) == 1 and early < self.fill_memory["readers"]:
+            self._early_gate = fill_procs.EarlyGate(early)
         if len(parts) > 1:
             return FillProcs(self.store, self.manifest.name, parts, self.workers, self.fill_memory["held_budget"],
                              self.fill_memory["prefetch"], self._criu_asked, self.stages, phases, nphases)
@@ -473,7 +478,8 @@ class ServeSource:
             if self._criu_first is not None:
                 self._criu_first.join()  # CRIU's reads are queued: now the fill's
             read_moved(self.store, self.store.error, self.manifest.name, wants, deliver, stop, stages=self.stages, decoders=self.workers,
-                       readers=fill_procs.readers(), prefetch=self.fill_memory["prefetch"], prefetch_from=self._criu_done)
+                       readers=fill_procs.readers(), prefetch=self.fill_memory["prefetch"], prefetch_from=self._criu_done,
+                       gate=self._early_gate.held if self._early_gate is not None else None)
             return
         size = self._bufs.size
         most = max((w.ref.raw_len for w in wants), default=1)
@@ -600,10 +606,16 @@ class ServeSource:
                 on_phase(p)
             return {"written": 0, "zero_skipped": 0}
         self._criu_done.set()  # the disk is the fill's alone now: the kernel may read ahead for it
+        self._open_gate()  # and every reader may read
         return self._filler.write(pids_ok, on_phase)
+
+    def _open_gate(self) -> None:
+        if self._early_gate is not None:
+            self._early_gate.open()
 
     def stop_fill(self) -> None:
         """The fill stopped now, its workers gone and no write of it in flight (before the tree is killed)."""
+        self._open_gate()  # no reader stays held at the gate
         if self._filler is not None:
             self._filler.close()
 
