@@ -156,9 +156,12 @@ def test_criu_logs_kept_where_asked_and_never_through_a_link(cli: Cli, tree: Tre
     elsewhere.mkdir()
     link = tmp_path / "link"
     link.symlink_to(elsewhere)
-    p = cli.run("criu", "dump", "--leave-running", str(tree.pid), "l2", "--json", env={"GPUSNAP_CRIU_LOGS": str(link)})
-    assert json.loads(p.stdout)["pids"] and "CRIU's log not kept" in p.stderr, p.stderr
-    assert list(elsewhere.iterdir()) == []
+    for through in (str(link), str(link) + "/", str(link / "sub")):  # the link itself, followed by a slash, a parent
+        p = cli.run("criu", "dump", "--leave-running", str(tree.pid), "l2", "--json",
+                    env={"GPUSNAP_CRIU_LOGS": through})
+        assert json.loads(p.stdout)["pids"] and "CRIU's log not kept" in p.stderr, (through, p.stderr)
+        assert list(elsewhere.iterdir()) == [], through
+        cli.run("store", "rm", "l2")
     shared = tmp_path / "shared"
     shared.mkdir(mode=0o777)
     shared.chmod(0o777)  # anyone may write in it: not where a log of the tree goes

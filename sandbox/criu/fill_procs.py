@@ -105,7 +105,9 @@ def early_readers() -> int:
     (scripts/device/probe_queue.py): a small cold read took 0.3 ms on an idle disk, 4.3 ms behind one
     16 MiB reader, 12 ms behind two, 30 ms behind four, and four readers read no faster than one; on
     the H100 CRIU's log showed such pauses of 20-45 ms, about 2 s of a 2.8 s CRIU part (BENCHMARKS.md
-    section 35). Once CRIU is done the fill reads with all of readers()."""
+    section 35). Once CRIU is done the fill reads with all of readers(). (A chunk read on its own, not
+    in a run of its pack's, passes no gate: the rare chunk outside a pack, or read again after a
+    damaged run; so a few more reads than this can be in flight.)"""
     n = int(setting("GPUSNAP_FILL_READERS_EARLY", 1, int, lambda n: 1 <= n <= 64, "a number of reads from 1 to 64"))
     return min(n, readers())
 
@@ -297,8 +299,10 @@ class FillProcs:
         # ReadTokens); EARLY of them until CRIU is done, the rest then (write)
         tokens = ReadTokens(reads - self._later) if reads % n or self._later else None
         self.tokens = tokens.fds() if tokens is not None else None
-        self._more: int | None = os.dup(tokens.w) if tokens is not None and self._later else None
+        self._more: int | None = None
         try:
+            if tokens is not None and self._later:
+                self._more = os.dup(tokens.w)
             for _ in range(n):
                 self.procs.append(subprocess.Popen(worker_argv(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                                    stderr=subprocess.DEVNULL, text=True, cwd="/", close_fds=True,
@@ -314,8 +318,12 @@ class FillProcs:
         self._jobs_sent = threading.Thread(target=self._send_jobs, name="gpusnap-fill-jobs", daemon=True,
                                            args=(start_reads, max(1, decoders // n), budget // n, prefetch // n,
                                                  -(-reads // n)))
-        self._jobs_sent.start()
         self._closed = False
+        try:
+            self._jobs_sent.start()
+        except BaseException:
+            self.close()  # the workers killed, the held-back tokens' descriptor closed
+            raise
 
     def _send_jobs(self, start: threading.Event, decoders: int, budget: int, prefetch: int, readers: int) -> None:
         start.wait()

@@ -264,24 +264,56 @@ LOGS_ENV = "GPUSNAP_CRIU_LOGS"
 _LOG_WHAT = re.compile(r"[^A-Za-z0-9]+")
 
 
+def _own_dir(path: str) -> int:
+    """PATH (absolute) opened as a directory one component at a time from /, no link followed anywhere
+    (O_NOFOLLOW on each); each existing component this user's or root's and writable by no one else
+    (a sticky one like /tmp is fine: others cannot move what is in it); the missing ones created 0700;
+    the last one this user's own and writable by no one else. OSError otherwise (not a link-free
+    path of this user's)."""
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+    me = os.geteuid()
+    fd = os.open("/", flags)
+    try:
+        parts = [p for p in os.path.normpath(path).split("/") if p]
+        for i, part in enumerate(parts):
+            if part == "..":
+                raise OSError(0, "the path goes up ('..')")
+            try:
+                nxt = os.open(part, flags, dir_fd=fd)
+            except FileNotFoundError:
+                os.mkdir(part, 0o700, dir_fd=fd)
+                nxt = os.open(part, flags, dir_fd=fd)
+            os.close(fd)
+            fd = nxt
+            st = os.fstat(fd)
+            last = i == len(parts) - 1
+            if st.st_uid not in ((me,) if last else (0, me)) or (
+                    st.st_mode & 0o022 and (last or not st.st_mode & 0o1000)):
+                raise OSError(0, f"{'the directory' if last else '/' + '/'.join(parts[:i + 1])} is not this "
+                                 "user's own, or others may write in it")
+        if not parts:
+            raise OSError(0, "not a directory of its own")
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def keep_copy(log_path: str, what: str) -> str | None:
     """A copy of the CRIU log at LOG_PATH in the directory $GPUSNAP_CRIU_LOGS (created 0700; for looking
     at where CRIU's time went in a run that succeeded, whose log goes with its temporary images
     directory), named after WHAT, this process and the time; the path, or None when unset. Never fails
-    the run: a copy that cannot be made is said on stderr. The directory must be this user's own and
-    writable by no one else (opened without following a link); each copy is a new file, 0600 (O_EXCL,
-    O_NOFOLLOW)."""
+    the run: a copy that cannot be made is said on stderr (if it can be). A log names the tree's paths
+    and addresses, so the directory must be reached without a link, through directories of root or
+    this user that no one else may write in (sticky ones aside), and be this user's own (_own_dir);
+    each copy is a new file, 0600 (O_EXCL, O_NOFOLLOW)."""
     where = os.environ.get(LOGS_ENV, "").strip()
     if not where:
         return None
     name = f"{_LOG_WHAT.sub('-', what).strip('-')[:60]}-{os.getpid()}-{time.time_ns()}.log"
     try:
-        os.makedirs(where, mode=0o700, exist_ok=True)
-        d = os.open(where, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        d = _own_dir(os.path.abspath(where))
         try:
-            st = os.fstat(d)
-            if st.st_uid != os.geteuid() or st.st_mode & 0o022:  # a log names paths and addresses of the tree
-                raise OSError(0, "the directory is not this user's own, or others may write in it")
             with open(log_path, "rb") as src, \
                     os.fdopen(os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
                                       0o600, dir_fd=d), "wb") as dst:
@@ -289,9 +321,20 @@ def keep_copy(log_path: str, what: str) -> str | None:
         finally:
             os.close(d)
     except OSError as e:
-        print(f"gpusnap: warning: CRIU's log not kept in {LOGS_ENV}={where!r}: {e.strerror or e}", file=sys.stderr)
+        try:
+            print(f"gpusnap: warning: CRIU's log not kept in {LOGS_ENV}={where!r}: {e.strerror or e}", file=sys.stderr)
+        except Exception:  # noqa: BLE001 - stderr closed or a broken pipe: the run goes on all the same
+            pass
         return None
-    return os.path.join(where, name)
+    return os.path.join(os.path.abspath(where), name)
+
+
+def _keep_copy_quietly(log_path: str, what: str) -> None:
+    """keep_copy, whatever goes wrong in it: a log kept for measuring never fails a CRIU run."""
+    try:
+        keep_copy(log_path, what)
+    except Exception:  # noqa: BLE001
+        pass
 
 
 class Criu:
@@ -310,14 +353,16 @@ class Criu:
         try:
             p = run_group(full, timeout, env=own_call_env())
         except subprocess.TimeoutExpired:
+            _keep_copy_quietly(log_path, what)
             raise CriuError(f"criu {what} did not finish within {timeout:g} s (stopped)") from None
         run = CriuRun(full, log_path, p.returncode)
-        keep_copy(log_path, what)
         if p.returncode != 0:
             said = (p.stdout or "") + (p.stderr or "")
             if said.strip():  # what CRIU printed rather than logged (e.g. missing capabilities) goes in the log too
                 with open(log_path, "a") as f:
                     f.write("--- printed by criu ---\n" + said)
+        _keep_copy_quietly(log_path, what)
+        if p.returncode != 0:
             run.log_tail = explain(log_path) or said.strip().splitlines()[-6:]
             reason = _strip_prefix(run.log_tail[0]) if run.log_tail else f"exit {p.returncode}"
             if "CAP_CHECKPOINT_RESTORE" in reason:

@@ -426,9 +426,10 @@ class ServeSource:
                  if procs > 1 else [jobs])
         self.fill_memory["procs"] = len(parts)
         self.fill_memory["readers"] = fill_procs.readers()  # a bad setting fails here, before CRIU starts
-        self.fill_memory["readers_early"] = early = fill_procs.early_readers()  # while CRIU runs
-        if len(parts) == 1 and early < self.fill_memory["readers"]:
-            self._early_gate = fill_procs.EarlyGate(early)
+        if self.arrivals is None:  # (a fill from a remote's arrivals reads no disk)
+            self.fill_memory["readers_early"] = early = fill_procs.early_readers()  # while CRIU runs
+            if len(parts) == 1 and early < self.fill_memory["readers"]:
+                self._early_gate = fill_procs.EarlyGate(early)
         if len(parts) > 1:
             return FillProcs(self.store, self.manifest.name, parts, self.workers, self.fill_memory["held_budget"],
                              self.fill_memory["prefetch"], self._criu_asked, self.stages, phases, nphases)

@@ -94,12 +94,13 @@ def restore_traced(out: dict, key: str, store: str, name: str, path: str, work: 
     """`gpusnap criu restore NAME`, timed into OUT[KEY], the machine sampled meanwhile: OUT[KEY +
     "_phases"] says per phase of the restore (its own marks) how busy the cores and the disk were."""
     before = vmstat()
+    began = time.time()  # CRIU's log of this restore is written after it
     with Timeline(work) as tl:
         t0 = time.monotonic()
         r = timed(out, key, gpusnap, store, "criu", "restore", name, path=path, extra_env=extra_env)
         t1 = time.monotonic()
     after = vmstat()
-    out[key + "_vmstat"] = {k: after[k] - before.get(k, 0) for k in after}
+    out[key + "_vmstat"] = {k: after[k] - before[k] for k in after if k in before}
     marks = (r.get("stages", {}).get("served") or {}).pop("monotonic", {})
     seq = [(ph, t0 if m is None else marks.get(m)) for ph, m in _RESTORE_PHASES]
     seq = [(ph, t) for ph, t in seq if t is not None] + [("end", t1)]
@@ -112,7 +113,7 @@ def restore_traced(out: dict, key: str, store: str, name: str, path: str, work: 
                                    "gpu_begin_s": round(marks["gpu_begin"] - t0, 3) if "gpu_begin" in marks else None}
         print(f"{key} early GPU copies: {out[key + '_early_gpu']}", flush=True)
     print(f"{key} phases: {phase_line(out[key + '_phases'])}", flush=True)
-    out[key + "_waits"] = restore_waits(r, out[key + "_vmstat"], since=time.time() - (t1 - t0))
+    out[key + "_waits"] = restore_waits(r, out[key + "_vmstat"], since=began)
     print(f"{key} waits: {json.dumps(out[key + '_waits'])}", flush=True)
     return r
 
