@@ -19,13 +19,9 @@ import tempfile
 import threading
 import time
 
+from scripts.helpers import drop_caches
+
 MIB = 1 << 20
-
-
-def drop_caches() -> None:
-    os.sync()
-    with open("/proc/sys/vm/drop_caches", "w") as f:
-        f.write("3")
 
 
 def write_file(path: str, nbytes: int) -> None:
@@ -56,7 +52,7 @@ def background(path: str, stop: threading.Event, offset: int, got: list[int]) ->
 
 
 def one_round(big: str, small: list[str], readers: int) -> dict:
-    drop_caches()
+    drop_caches(required=True)
     stop = threading.Event()
     got = [0]
     size = os.path.getsize(big)
