@@ -299,41 +299,31 @@ def _own_dir(path: str) -> int:
         raise
 
 
-def keep_copy(log_path: str, what: str) -> str | None:
+def keep_copy(log_path: str, what: str) -> None:
     """A copy of the CRIU log at LOG_PATH in the directory $GPUSNAP_CRIU_LOGS (created 0700; for looking
     at where CRIU's time went in a run that succeeded, whose log goes with its temporary images
-    directory), named after WHAT, this process and the time; the path, or None when unset. Never fails
-    the run: a copy that cannot be made is said on stderr (if it can be). A log names the tree's paths
-    and addresses, so the directory must be reached without a link, through directories of root or
-    this user that no one else may write in (sticky ones aside), and be this user's own (_own_dir);
-    each copy is a new file, 0600 (O_EXCL, O_NOFOLLOW)."""
-    where = os.environ.get(LOGS_ENV, "").strip()
-    if not where:
-        return None
-    name = f"{_LOG_WHAT.sub('-', what).strip('-')[:60]}-{os.getpid()}-{time.time_ns()}.log"
+    directory), named after WHAT, this process and the time; nothing when unset. Never fails the
+    run, whatever goes wrong: a copy that cannot be made is said on stderr (if it can be). A log names
+    the tree's paths and addresses, so the directory must be reached without a link, through
+    directories of root or this user that no one else may write in (sticky ones aside), and be this
+    user's own (_own_dir); each copy is a new file, 0600 (O_EXCL, O_NOFOLLOW)."""
     try:
-        d = _own_dir(os.path.abspath(where))
+        where = os.environ.get(LOGS_ENV, "").strip()
+        if not where:
+            return
+        name = f"{_LOG_WHAT.sub('-', what).strip('-')[:60]}-{os.getpid()}-{time.time_ns()}.log"
         try:
-            with open(log_path, "rb") as src, \
-                    os.fdopen(os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                                      0o600, dir_fd=d), "wb") as dst:
-                shutil.copyfileobj(src, dst, 1 << 20)
-        finally:
-            os.close(d)
-    except OSError as e:
-        try:
+            d = _own_dir(os.path.abspath(where))
+            try:
+                with open(log_path, "rb") as src, \
+                        os.fdopen(os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                                          0o600, dir_fd=d), "wb") as dst:
+                    shutil.copyfileobj(src, dst, 1 << 20)
+            finally:
+                os.close(d)
+        except OSError as e:
             print(f"gpusnap: warning: CRIU's log not kept in {LOGS_ENV}={where!r}: {e.strerror or e}", file=sys.stderr)
-        except Exception:  # noqa: BLE001 - stderr closed or a broken pipe: the run goes on all the same
-            pass
-        return None
-    return os.path.join(os.path.abspath(where), name)
-
-
-def _keep_copy_quietly(log_path: str, what: str) -> None:
-    """keep_copy, whatever goes wrong in it: a log kept for measuring never fails a CRIU run."""
-    try:
-        keep_copy(log_path, what)
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001 - stderr closed or a broken pipe: a log kept for measuring never fails a run
         pass
 
 
@@ -353,7 +343,7 @@ class Criu:
         try:
             p = run_group(full, timeout, env=own_call_env())
         except subprocess.TimeoutExpired:
-            _keep_copy_quietly(log_path, what)
+            keep_copy(log_path, what)
             raise CriuError(f"criu {what} did not finish within {timeout:g} s (stopped)") from None
         run = CriuRun(full, log_path, p.returncode)
         if p.returncode != 0:
@@ -361,7 +351,7 @@ class Criu:
             if said.strip():  # what CRIU printed rather than logged (e.g. missing capabilities) goes in the log too
                 with open(log_path, "a") as f:
                     f.write("--- printed by criu ---\n" + said)
-        _keep_copy_quietly(log_path, what)
+        keep_copy(log_path, what)
         if p.returncode != 0:
             run.log_tail = explain(log_path) or said.strip().splitlines()[-6:]
             reason = _strip_prefix(run.log_tail[0]) if run.log_tail else f"exit {p.returncode}"
