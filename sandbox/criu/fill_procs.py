@@ -99,7 +99,9 @@ def readers() -> int:
 
 def early_readers() -> int:
     """Reads the split fill keeps in flight, all its workers together, while CRIU still runs:
-    $GPUSNAP_FILL_READERS_EARLY, else 1 (never more than readers()). CRIU's own reads while it restores
+    $GPUSNAP_FILL_READERS_EARLY, else readers() (never more). Off by default since a forking TCP
+    server's restore under load stopped serving in 2 of 14 runs at 1 (0 of 8 at 4), not yet understood
+    (BENCHMARKS.md section 35). CRIU's own reads while it restores
     are small and one at a time (opening and checking each library it maps, the page image gpusnap
     serves): each waits behind every read already queued on the disk. Measured on the dev VM
     (scripts/device/probe_queue.py): a small cold read took 0.3 ms on an idle disk, 4.3 ms behind one
@@ -108,8 +110,8 @@ def early_readers() -> int:
     section 35). Once CRIU is done the fill reads with all of readers(). (A chunk read on its own, not
     in a run of its pack's, passes no gate: the rare chunk outside a pack, or read again after a
     damaged run; so a few more reads than this can be in flight.)"""
-    n = int(setting("GPUSNAP_FILL_READERS_EARLY", 1, int, lambda n: 1 <= n <= 64, "a number of reads from 1 to 64"))
-    return min(n, readers())
+    n = int(setting("GPUSNAP_FILL_READERS_EARLY", 0, int, lambda n: 1 <= n <= 64, "a number of reads from 1 to 64"))
+    return min(n, readers()) if n else readers()
 
 
 class EarlyGate:
