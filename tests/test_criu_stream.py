@@ -267,6 +267,65 @@ def test_a_hostile_mm_image_is_refused_with_its_reason(mm: bytes, why: str) -> N
         split.mm_areas(mm)
 
 
+def _msg(field: int, body: bytes) -> bytes:
+    return _varint(field << 3 | 2) + _varint(len(body)) + body
+
+
+def _core(sp: int, march: int = 1, sas: tuple[int, int, int] | None = None) -> bytes:
+    """A core image: its architecture, a stack pointer where that architecture keeps it, and an
+    alternate signal stack (ss_sp, ss_size, ss_flags) when given; fields the split ignores around them."""
+    regs = (b"\x08\x07" + _varint(20 << 3) + _varint(sp) if march == 1 else b"\x08\x07" + b"\x10" + _varint(sp))
+    ti = (b"\x08\x00" + _msg(2, regs) + _msg(3, b"\x08\x01")) if march == 1 else (b"\x08\x00\x10\x00" + _msg(3, regs))
+    thread_core = b"\x08\x00\x10\x18" + (_msg(7, b"\x08" + _varint(sas[0]) + b"\x10" + _varint(sas[1]) + b"\x18"
+                                                  + _varint(sas[2])) if sas else b"")
+    body = b"\x08" + _varint(march) + _msg(2 if march == 1 else 8, ti) + _msg(3, b"\x08\x01") + _msg(5, thread_core)
+    return _PAGEMAP_MAGICS + _rec(body)
+
+
+def test_the_areas_where_a_thread_takes_a_signal_stay_with_criu() -> None:
+    """A handled signal pending at the dump is delivered, once restored, before the stop CRIU leaves
+    pending: its frame is written below the thread's stack pointer or on its alternate signal stack,
+    and a fill afterwards would overwrite it. So the areas holding each thread's stack pointer and
+    enabled alternate stack stay with CRIU (x86-64 and aarch64 cores; a disabled alternate stack does
+    not count), the other areas still move; a thread's core image missing, or one of an architecture
+    or shape not known, stops the split with its reason."""
+    from sandbox.criu import split
+    assert split.thread_stacks(_core(0x7ffe0001f888)) == [(0x7ffe0001f888, 0x7ffe0001f889)]
+    assert split.thread_stacks(_core(0x20100, march=3, sas=(0x50000, 0x8000, 0))) == [(0x20100, 0x20101),
+                                                                                      (0x50000, 0x58000)]
+    assert split.thread_stacks(_core(0x20100, sas=(0x50000, 0x8000, split.SS_DISABLE))) == [(0x20100, 0x20101)]
+    for bad, why in ((_core(0x1000, march=5), "architecture 5"), (_core(0x1000)[:20], "truncated"),
+                     (_PAGEMAP_MAGICS + _rec(b"\x08\x01"), "no stack pointer"),
+                     (_PAGEMAP_MAGICS + b"\x00" * (split.MAX_CORE_BYTES), "more than")):
+        with pytest.raises(split.SplitError, match=why):
+            split.thread_stacks(bad)
+    mm = _mm([(0x10000, 0x20000, ANON), (0x20000, 0x30000, ANON | 0x20), (0x40000, 0x48000, ANON),
+              (0x50000, 0x58000, ANON), (0x60000, 0x70000, ANON)])
+    # the stack pointer in the second area (joined with the first when nothing is kept), an alternate
+    # stack over the fourth: those two stay; a range in a gap between areas keeps nothing
+    assert split.mm_areas(mm) == [(0x10000, 0x30000, True), (0x40000, 0x48000, True), (0x50000, 0x58000, True),
+                                  (0x60000, 0x70000, True)]
+    kept = [(0x2f888, 0x2f889), (0x50000, 0x58000), (0x38000, 0x39000)]
+    assert split.mm_areas(mm, kept) == [(0x10000, 0x20000, True), (0x40000, 0x48000, True), (0x60000, 0x70000, True)]
+    # two threads (pstree lists them, unpacked as CRIU writes them), one core each; the split keeps both stacks
+    ps = _PAGEMAP_MAGICS + _rec(b"\x08\x09\x10\x01\x18\x09\x20\x09\x28\x09\x28\x0b")
+    threads = split.pstree_threads(ps)
+    assert threads == {9: [9, 11]} and split.pstree_records(ps) == [(9, 1)]
+    cores = {"core-9.img": _core(0x2f888), "core-11.img": _core(0x47000, sas=(0x50000, 0x8000, 0))}
+    stacks, why = split.process_stacks([9], threads, cores.get)
+    assert why is None and stacks == {9: [(0x2f888, 0x2f889), (0x47000, 0x47001), (0x50000, 0x58000)]}
+    pmap = _pm(1, [(0x10000, 16), (0x20000, 16), (0x40000, 8), (0x50000, 8), (0x60000, 16)])
+    sizes = {"pages-1.img": 64 * 4096}
+    plans, why = split.choose({"pagemap-9.img": pmap}, sizes, 4096, mms={"mm-9.img": mm}, stacks=stacks)
+    assert why is None and plans["pages-1.img"].moved == (split.Run(0x10000, 0, 16 * 4096), split.Run(0x60000, 48 * 4096, 16 * 4096))
+    stacks, why = split.process_stacks([9], threads, {"core-9.img": cores["core-9.img"]}.get)
+    assert stacks == {} and why == "the snapshot lacks core-11.img; CRIU restored every page"
+    stacks, why = split.process_stacks([9], threads, {**cores, "core-11.img": _core(1, march=4)}.get)
+    assert stacks == {} and "core-11.img is not understood (core: architecture 4" in why, why
+    plans, why = split.choose({"pagemap-9.img": pmap}, sizes, 4096, mms={"mm-9.img": mm}, stacks={})
+    assert plans == {} and "where the threads of process 9 have their stacks is not known" in why, why
+
+
 def test_the_split_moves_no_page_outside_a_process_s_ordinary_private_areas() -> None:
     """With the mm images, a run the size threshold would move stays with CRIU where it is not wholly in
     an ordinary private area (here a vDSO of 2 pages at a threshold of one page: CRIU reads the vDSO's

@@ -324,11 +324,12 @@ class ServeSource:
         # the pids CRIU restores, as its pstree image lists them (a snapshot's own list may lack a child
         # forked while CRIU froze the tree: a --leave-running dump, or one made before that was fixed)
         ps = self.images.get("pstree.img")
+        ps_bytes = b"".join(bytes(self._chunk(ps, i, c)) for i, c in enumerate(ps.chunks)) if ps is not None else b""
         try:
-            records = split.pstree_records(b"".join(bytes(self._chunk(ps, i, c)) for i, c in enumerate(ps.chunks))) \
-                if ps is not None else []
+            records = split.pstree_records(ps_bytes)
+            threads = split.pstree_threads(ps_bytes)
         except split.SplitError:
-            records = []  # CRIU refuses the image itself
+            records, threads = [], {}  # CRIU refuses the image itself
         self.pstree = [pid for pid, _ in records]
         # why the split did not engage (None when it did), for the restore report
         self.split_skipped_because: str | None = "the split is off (GPUSNAP_CRIU_SPLIT_MIN=0)"
@@ -343,11 +344,21 @@ class ServeSource:
             pagemaps = {n: whole(s) for n, s in self.images.items() if split.PAGEMAP_NAME.fullmatch(n)}
             served = {f"mm-{m.group(1)}.img" for m in map(split.PAGEMAP_NAME.fullmatch, pagemaps) if m is not None}
             mms = {n: whole(s) for n, s in self.images.items() if n in served}  # each under MAX_MM_BYTES (above)
+
+            def core(name: str) -> bytes | None:  # a thread's registers: where its stack is
+                st = self.images.get(name)
+                if st is not None and st.size > split.MAX_CORE_BYTES:
+                    raise split.SplitError(f"{st.size} bytes, more than the {split.MAX_CORE_BYTES} a real one needs")
+                return None if st is None else whole(st)
+            stacks, why = split.process_stacks([int(n[3:-4]) for n in served], threads, core)
             self.marks["pagemaps_read"] = time.monotonic()
-            self.plans, self.split_skipped_because = split.choose(
-                pagemaps, {n: s.size for n, s in self.images.items() if is_page_image(n)}, split_min,
-                parents=dict(records), streams={n: s for n, s in self.images.items() if is_page_image(n)}, mms=mms,
-                cautious_min=split_shared_min())
+            if why is not None:
+                self.split_skipped_because = why
+            else:
+                self.plans, self.split_skipped_because = split.choose(
+                    pagemaps, {n: s.size for n, s in self.images.items() if is_page_image(n)}, split_min,
+                    parents=dict(records), streams={n: s for n, s in self.images.items() if is_page_image(n)},
+                    mms=mms, cautious_min=split_shared_min(), stacks=stacks)
             self._rewritten = {f"pagemap-{pl.pid}.img": pl.pagemap for pl in self.plans.values()}
         if arrivals is not None:
             arrivals.first(read_order(self.images, self.plans))

@@ -5,7 +5,9 @@ image is the driver's host copy of GPU memory. A pagemap image lists each run of
 (vaddr, page count, flags); its page image holds the present runs' bytes back to back. Here the
 runs (records contiguous in memory and in the image) of at least `min_bytes` (by default one page)
 that lie in a process's private anonymous areas (its mm image says which: not the vDSO, whose ELF
-CRIU reads while it restores, nor a file's private copy, shared or other special areas; runs in
+CRIU reads while it restores, nor a file's private copy, shared or other special areas, nor an area
+holding a thread's stack pointer or alternate signal stack, where the kernel writes a pending
+signal's frame before the task stops: its core image says where; runs in
 read-only areas or at addresses a parent and child both have pages at only from CAUTIOUS_MIN,
 $GPUSNAP_CRIU_SPLIT_SHARED_MIN) are *moved*: the pagemap served to
 CRIU leaves them out (CRIU then maps their areas with no content) and the page image served to CRIU
@@ -169,15 +171,35 @@ def pstree_records(data: bytes) -> list[tuple[int, int]]:
     """(pid, ppid) of every process a CRIU pstree image lists (PstreeEntry {1: pid, 2: ppid, 3: pgid,
     4: sid, 5: threads}, framed as a pagemap is): every process CRIU dumped, children forked while it
     froze the tree included."""
+    return [(pid, ppid) for pid, ppid, _ in _pstree(data)]
+
+
+def pstree_threads(data: bytes) -> dict[int, list[int]]:
+    """Each process's threads (their ids, the process's own first where CRIU lists it) as a CRIU
+    pstree image lists them: whose core images (core-TID.img) say where each thread's stack is."""
+    return {pid: threads or [pid] for pid, _, threads in _pstree(data)}
+
+
+def _pstree(data: bytes) -> list[tuple[int, int, list[int]]]:
     out, i = [], _MAGICS
     while i + _LEN.size <= len(data):
         (n,) = _LEN.unpack_from(data, i)
         end = i + _LEN.size + n
         if end > len(data):
             raise SplitError("pstree: truncated record")
-        j, pid, ppid = i + _LEN.size, None, 0
+        j, pid, ppid, threads = i + _LEN.size, None, 0, []
         while j < end:
             key, j = _varint(data, j)
+            if key & 7 == 2 and key >> 3 == 5:  # threads, packed (proto3 writers; CRIU writes them unpacked)
+                ln, j = _varint(data, j)
+                k, stop = j, j + ln
+                if stop > end:
+                    raise SplitError("pstree: truncated threads")
+                while k < stop:
+                    t, k = _varint(data, k)
+                    threads.append(t)
+                j = stop
+                continue
             if key & 7 != 0:
                 raise SplitError(f"pstree: unexpected wire type {key & 7}")
             v, j = _varint(data, j)
@@ -185,10 +207,97 @@ def pstree_records(data: bytes) -> list[tuple[int, int]]:
                 pid = v
             elif key >> 3 == 2:
                 ppid = v
+            elif key >> 3 == 5:
+                threads.append(v)
         if pid is None or not 0 < pid < 1 << 22:
             raise SplitError("pstree: a record without a valid pid")
-        out.append((pid, ppid if 0 < ppid < 1 << 22 else 0))
+        if any(not 0 < t < 1 << 22 for t in threads):
+            raise SplitError("pstree: a thread without a valid id")
+        out.append((pid, ppid if 0 < ppid < 1 << 22 else 0, threads))
         i = end
+    return out
+
+
+# Where the kernel writes into a restored process before gpusnap's fill is done. `criu restore
+# --leave-stopped` lets each task return from CRIU's restorer with a stop pending; a handled signal
+# pending too (one that came while CRIU had the tree frozen, or a SIGCHLD from a zombie CRIU restores)
+# is taken first when the signal's number is lower than SIGSTOP's: the kernel writes its frame (the
+# registers to go back to) below the thread's stack pointer, or on its alternate signal stack, and
+# only then does the task stop. A fill that wrote the dumped bytes of that stack afterwards would
+# overwrite the frame, and the handler would return into whatever the stack held at the dump (a
+# forking server whose SIGCHLD was pending crashed so). So each area holding a thread's stack pointer
+# or its alternate signal stack stays with CRIU, which restores it before the task runs.
+MAX_CORE_BYTES = 1 << 20      # a thread's registers, extended state and signal handlers: ~20 KB
+MARCH_X86_64, MARCH_AARCH64 = 1, 3
+SS_DISABLE = 2
+
+
+def _message(data: bytes, i: int, end: int, want: int) -> tuple[int, int] | None:
+    """The span (start, end) of the last field WANT (a message: wire type 2) in DATA[I:END]."""
+    found = None
+    while i < end:
+        key, i = _varint(data, i)
+        if key & 7 == 2:
+            ln, i = _varint(data, i)
+            if i + ln > end:
+                raise SplitError("core: truncated field")
+            if key >> 3 == want:
+                found = (i, i + ln)
+            i += ln
+        else:
+            i = _skip_field(data, i, key & 7)
+            if i > end:
+                raise SplitError("core: truncated field")
+    return found
+
+
+def _ints(data: bytes, span: tuple[int, int]) -> dict[int, int]:
+    """The varint fields of the message at SPAN, by number (other wire types skipped)."""
+    i, end = span
+    out: dict[int, int] = {}
+    while i < end:
+        key, i = _varint(data, i)
+        if key & 7 == 0:
+            out[key >> 3], i = _varint(data, i)
+        else:
+            i = _skip_field(data, i, key & 7)
+            if i > end:
+                raise SplitError("core: truncated field")
+    return out
+
+
+def thread_stacks(data: bytes) -> list[tuple[int, int]]:
+    """Where the kernel may write a signal frame for one thread before its stop (above): from its CRIU
+    core image (CoreEntry {1: mtype, 2: thread_info (x86-64) {2: gpregs {20: sp}}, 8: ti_aarch64
+    {3: gpregs {2: sp}}, 5: thread_core {7: sas {1: ss_sp, 2: ss_size, 3: ss_flags}}}, framed as a
+    pagemap is), the ranges [sp, sp + 1) and, when one is set up, the alternate signal stack. Bytes
+    from the store, checked (SplitError): an architecture or a record this does not know means the
+    split cannot know where the stacks are."""
+    if len(data) > MAX_CORE_BYTES:
+        raise SplitError(f"core: {len(data)} bytes, more than the {MAX_CORE_BYTES} a real one needs")
+    if len(data) < _MAGICS + _LEN.size:
+        raise SplitError("core: too short")
+    (n,) = _LEN.unpack_from(data, _MAGICS)
+    start, end = _MAGICS + _LEN.size, _MAGICS + _LEN.size + n
+    if end > len(data):
+        raise SplitError("core: truncated record")
+    march = _ints(data, (start, end)).get(1)
+    where = {MARCH_X86_64: (2, 2, 20), MARCH_AARCH64: (8, 3, 2)}.get(march or 0)
+    if where is None:
+        raise SplitError(f"core: architecture {march} is not one the split knows")
+    ti = _message(data, start, end, where[0])
+    regs = _message(data, *ti, where[1]) if ti is not None else None
+    sp = _ints(data, regs).get(where[2]) if regs is not None else None
+    if sp is None:
+        raise SplitError("core: no stack pointer")
+    out = [(sp, sp + 1)]
+    tc = _message(data, start, end, 5)
+    sas = _message(data, *tc, 7) if tc is not None else None
+    if sas is not None:
+        f = _ints(data, sas)
+        ss_sp, ss_size = f.get(1, 0), f.get(2, 0)
+        if ss_size and not f.get(3, 0) & SS_DISABLE:
+            out.append((ss_sp, ss_sp + ss_size))
     return out
 
 
@@ -196,7 +305,9 @@ def pstree_records(data: bytes) -> list[tuple[int, int]]:
 # ordinary private memory move; CRIU needs the others' contents while it restores (the vDSO, whose
 # ELF it reads to decide how to remap it) or maps them itself (shared memory, SysV IPC, AIO rings,
 # sockets). An area CRIU marks as a stack stays with CRIU too (CRIU 4.2.1 marked none of the
-# project's processes' areas so: their stacks are ordinary private memory to it, and move).
+# project's processes' areas so: their stacks are ordinary private memory to it); so does every area
+# holding a thread's stack pointer or alternate signal stack (thread_stacks: the kernel may write a
+# signal frame there before the task stops).
 VMA_REGULAR, VMA_STACK, VMA_VSYSCALL, VMA_VDSO = 1 << 0, 1 << 1, 1 << 2, 1 << 3
 VMA_FILE_PRIVATE, VMA_FILE_SHARED, VMA_ANON_SHARED, VMA_ANON_PRIVATE = 1 << 6, 1 << 7, 1 << 8, 1 << 9
 VMA_SPECIAL = (VMA_STACK | VMA_VSYSCALL | VMA_VDSO | VMA_FILE_PRIVATE | VMA_FILE_SHARED | VMA_ANON_SHARED
@@ -234,11 +345,33 @@ def _skip_field(data: bytes, i: int, wire: int) -> int:
     raise SplitError(f"mm: unexpected wire type {wire}")
 
 
-def mm_areas(data: bytes) -> list[tuple[int, int, bool]]:
+def process_stacks(pids: "Sequence[int]", threads: dict[int, list[int]],
+                   core: Callable[[str], bytes | None]) -> tuple[dict[int, list[tuple[int, int]]], str | None]:
+    """thread_stacks of every thread of each of PIDS (THREADS: pstree_threads; CORE(name): a core
+    image's bytes, None where the snapshot lacks it; it may raise SplitError), by pid; with the reason the split cannot go on
+    where an image is missing or not understood (then the dict is empty)."""
+    out: dict[int, list[tuple[int, int]]] = {}
+    for pid in pids:
+        ranges: list[tuple[int, int]] = []
+        for tid in threads.get(pid, [pid]):
+            name = f"core-{tid}.img"
+            try:
+                data = core(name)
+                if data is None:
+                    return {}, f"the snapshot lacks {name}; CRIU restored every page"
+                ranges += thread_stacks(data)
+            except SplitError as e:
+                return {}, f"{name} is not understood ({e}); CRIU restored every page"
+        out[pid] = ranges
+    return out, None
+
+
+def mm_areas(data: bytes, kept: "Sequence[tuple[int, int]]" = ()) -> list[tuple[int, int, bool]]:
     """The areas of a CRIU mm image (MmEntry {14: repeated VmaEntry {1: start, 2: end, 5: prot,
-    6: flags, 7: status}}, framed as a pagemap is) whose pages the split may fill (movable), as sorted
-    (start, end, writable), adjacent ones of the same writability joined. Bytes from the store:
-    checked, not trusted (SplitError): no two areas of the image, movable or not, may overlap."""
+    6: flags, 7: status}}, framed as a pagemap is) whose pages the split may fill (movable, and not
+    touching any of the ranges KEPT: the process's thread stacks, thread_stacks), as sorted (start,
+    end, writable), adjacent ones of the same writability joined. Bytes from the store: checked, not
+    trusted (SplitError): no two areas of the image, movable or not, may overlap."""
     if len(data) > MAX_MM_BYTES:
         raise SplitError(f"mm: {len(data)} bytes, more than the {MAX_MM_BYTES} a real one needs")
     if len(data) < _MAGICS + _LEN.size:
@@ -273,11 +406,19 @@ def mm_areas(data: bytes) -> list[tuple[int, int, bool]]:
     if i != end:
         raise SplitError("mm: malformed record")
     every.sort()
+    starts = [a for a, *_ in every]
+    pinned: set[int] = set()  # the areas a kept range touches
+    for lo, hi in kept:
+        k = max(0, bisect.bisect_right(starts, lo) - 1)
+        while k < len(every) and every[k][0] < hi:
+            if every[k][1] > lo:
+                pinned.add(k)
+            k += 1
     joined: list[tuple[int, int, bool]] = []
     for k, (a, b, prot, flags, status) in enumerate(every):
         if k and a < every[k - 1][1]:
             raise SplitError(f"mm: areas overlap at {a:#x}")
-        if not movable(status, flags):  # (the kernel's vsyscall page lies past user space, and never moves)
+        if not movable(status, flags) or k in pinned:  # (the vsyscall page lies past user space, never moves)
             continue
         if b > USER_SPACE_END:
             raise SplitError(f"mm: an area {a:#x}-{b:#x} past user space")
@@ -487,7 +628,8 @@ def choose(pagemaps: dict[str, bytes], page_sizes: dict[str, int],
            min_bytes: int, parents: dict[int, int] | None = None,
            streams: dict[str, Stream] | None = None,
            mms: dict[str, bytes] | None = None,
-           cautious_min: int = CAUTIOUS_MIN) -> tuple[dict[str, Plan], str | None]:
+           cautious_min: int = CAUTIOUS_MIN,
+           stacks: dict[int, list[tuple[int, int]]] | None = None) -> tuple[dict[str, Plan], str | None]:
     """The splits of PAGEMAPS (pagemap image name -> its bytes; PAGE_SIZES: page image name -> its
     size), by page image, and when there is none, why (for the restore report): the split is off, a
     pagemap is not understood (its records do not add up to its page image: nothing is split then,
@@ -497,7 +639,9 @@ def choose(pagemaps: dict[str, bytes], page_sizes: dict[str, int],
     ordinary private areas move (mm_areas; a process without its mm image moves none); None: every
     area counts as ordinary (callers that built the pagemaps themselves). CAUTIOUS_MIN: the size from
     which runs at addresses a parent and its child both have pages at, and runs in read-only areas,
-    move too (0: never): below it CRIU keeps them, shared where they were."""
+    move too (0: never): below it CRIU keeps them, shared where they were. STACKS (pid -> its threads'
+    thread_stacks): the areas they touch stay with CRIU (with MMS, every process whose pages are served
+    must have its entry: else nothing is split)."""
     if min_bytes <= 0:
         return {}, "the split is off (GPUSNAP_CRIU_SPLIT_MIN=0)"
     areas: dict[int, list[tuple[int, int, bool]]] | None = None
@@ -508,8 +652,10 @@ def choose(pagemaps: dict[str, bytes], page_sizes: dict[str, int],
             mm = MM_NAME.fullmatch(name)
             if mm is None or int(mm.group(1)) not in wanted:  # only the processes whose pages are served
                 continue
+            if stacks is not None and int(mm.group(1)) not in stacks:
+                return {}, f"where the threads of process {mm.group(1)} have their stacks is not known; CRIU restored every page"
             try:
-                areas[int(mm.group(1))] = mm_areas(mms[name])
+                areas[int(mm.group(1))] = mm_areas(mms[name], stacks.get(int(mm.group(1)), ()) if stacks else ())
             except SplitError as e:
                 return {}, f"{name} is not understood ({e}); CRIU restored every page"
     parsed: dict[int, tuple[str, Pagemap]] = {}

@@ -60,6 +60,21 @@ def session_procs(sid: int) -> list[str]:
     return out
 
 
+def session_report(sid: int) -> list[str]:
+    """Every process of session SID as 'pid comm state ppid', with where it sleeps in the kernel
+    (wchan) and its pending and blocked signals: what a failed test says about a restored tree."""
+    out = []
+    for line in session_procs(sid):
+        pid = line.split()[0]
+        try:
+            wchan = Path(f"/proc/{pid}/wchan").read_text().strip() or "-"
+            sig = {k: v.strip() for k, _, v in (x.partition(":") for x in Path(f"/proc/{pid}/status").read_text().splitlines())}
+        except OSError:
+            continue
+        out.append(f"{line} wchan {wchan} pending {sig.get('ShdPnd')}/{sig.get('SigPnd')} blocked {sig.get('SigBlk')}")
+    return out
+
+
 def session_gone(sid: int) -> bool:
     """No process of session SID at all, zombies included (they hold pids a restore needs)."""
     return not any(e.isdigit() and (st := _stat(int(e))) and st[2] == sid for e in os.listdir("/proc"))
