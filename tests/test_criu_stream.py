@@ -311,6 +311,9 @@ def test_the_areas_where_a_thread_takes_a_signal_stay_with_criu() -> None:
     ps = _PAGEMAP_MAGICS + _rec(b"\x08\x09\x10\x01\x18\x09\x20\x09\x28\x09\x28\x0b")
     threads = split.pstree_threads(ps)
     assert threads == {9: [9, 11]} and split.pstree_records(ps) == [(9, 1)]
+    # a zombie child, as CRIU 4.2.1 writes one (a number that is no thread id): listed, never in the way
+    zombie = ps + _rec(b"\x08\xce\x07\x10\x09\x18\x09\x20\x09\x28\x80\xc1\x97\xa3\x01")
+    assert split.pstree_records(zombie) == [(9, 1), (974, 9)] and split.pstree_threads(zombie)[9] == [9, 11]
     cores = {"core-9.img": _core(0x2f888), "core-11.img": _core(0x47000, sas=(0x50000, 0x8000, 0))}
     stacks, why = split.process_stacks([9], threads, cores.get)
     assert why is None and stacks == {9: [(0x2f888, 0x2f889), (0x47000, 0x47001), (0x50000, 0x58000)]}

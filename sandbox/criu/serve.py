@@ -326,8 +326,7 @@ class ServeSource:
         ps = self.images.get("pstree.img")
         ps_bytes = b"".join(bytes(self._chunk(ps, i, c)) for i, c in enumerate(ps.chunks)) if ps is not None else b""
         try:
-            records = split.pstree_records(ps_bytes)
-            threads = split.pstree_threads(ps_bytes)
+            records, threads = split.pstree_records(ps_bytes), split.pstree_threads(ps_bytes)
         except split.SplitError:
             records, threads = [], {}  # CRIU refuses the image itself
         self.pstree = [pid for pid, _ in records]
