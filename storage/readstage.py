@@ -79,8 +79,7 @@ def read_chunks(store: PackSource, wants: list[Want], deliver: Callable[[Want, A
                 on_damage: Callable[[Want, ChunkError], None] | None = None,
                 order: str = "given", gap: int = 0, prefetch: int = 0,
                 prefetch_from: threading.Event | None = None, direct: bool = False,
-                gate: "Callable[[], AbstractContextManager[Any]] | None" = None,
-                piece: int = 0, piece_until: threading.Event | None = None) -> None:
+                gate: "Callable[[], AbstractContextManager[Any]] | None" = None) -> None:
     """Read every chunk of WANTS (in their order, coalescing adjacent pack entries) and call
     DELIVER(want, data) from a decode thread once it is checked: CHECK "full", the raw bytes after the
     full check; "id", the stored payload after chunkfile.id_check (verify --read-data: GSNPCHK2
@@ -104,9 +103,7 @@ def read_chunks(store: PackSource, wants: list[Want], deliver: Callable[[Want, A
     one copy less for a reader that reads each byte once (get, verify); never for a restore, whose
     reads the read-ahead has put in the page cache. GATE: entered around each run's read (the split
     fill's workers share a machine-wide count of reads in flight through it: sandbox/criu/fill_procs.py);
-    its waits are stage "read:wait-gate". PIECE: until PIECE_UNTIL is set, a run is read in reads of at
-    most this many bytes (a buffered read of 16 MiB puts all of it in the disk's queue at once, ahead of
-    any small read another process makes then: the split fill's reads while CRIU runs); 0: whole runs."""
+    its waits are stage "read:wait-gate"."""
     if not wants:
         return
     buf_size = max(RUN_MAX, store.chunk_buffer_size([]))
@@ -243,11 +240,8 @@ def read_chunks(store: PackSource, wants: list[Want], deliver: Callable[[Want, A
                             fd = open_pack(packs, first.pack, wants[run[0][0]].ref.id or "", direct=direct)
                         try:
                             n = align_up(base + length, ALIGN) if direct else length
-                            if piece and piece_until is not None and not direct and not piece_until.is_set():
-                                got = read_in_pieces(fd, buf.view[:n], first.offset, piece, piece_until)
-                            else:
-                                got = max(0, (read_into_direct if direct else read_into)(fd, buf.view[:n],
-                                                                                          first.offset - base) - base)
+                            got = max(0, (read_into_direct if direct else read_into)(fd, buf.view[:n], first.offset - base)
+                                      - base)
                         finally:
                             os.close(fd)
                         stages.add("read", time.perf_counter() - t0, got)
@@ -312,18 +306,6 @@ def read_chunks(store: PackSource, wants: list[Want], deliver: Callable[[Want, A
         dec.shutdown(wait=True)
     if error:
         raise error[0]
-
-
-def read_in_pieces(fd: int, view: memoryview, offset: int, piece: int, until: threading.Event) -> int:
-    """read_into, in reads of at most PIECE bytes until UNTIL is set (then the rest in one)."""
-    done = 0
-    while done < len(view):
-        end = len(view) if until.is_set() else min(len(view), done + piece)
-        n = os.preadv(fd, [view[done:end]], offset + done)
-        if n == 0:
-            break
-        done += n
-    return done
 
 
 Run = list[tuple[int, Loc]]  # adjacent pack entries of one pack (index in the refs, where): one read

@@ -373,36 +373,6 @@ def test_read_into_direct_stops_at_the_end_of_a_file_inside_a_block(tmp_path: Pa
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="dropping the page cache needs root")
-def test_read_in_pieces_asks_no_more_than_a_piece_until_told_then_the_rest_at_once(tmp_path: Path,
-                                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    """The split fill's reads while CRIU runs (GPUSNAP_FILL_EARLY_PIECE): each read asks the disk for at most
-    PIECE bytes while the event is clear, the rest in one read once it is set; the bytes are the file's."""
-    import threading
-
-    from storage import readstage
-    data = np.random.default_rng(5).integers(0, 256, 5 << 20, dtype=np.uint8).tobytes()
-    (tmp_path / "f").write_bytes(data)
-    asked: list[int] = []
-    real = os.preadv
-
-    def preadv(fd: int, bufs: list[memoryview], off: int) -> int:
-        asked.append(sum(len(b) for b in bufs))
-        if len(asked) == 3:
-            until.set()  # CRIU done after the third read
-        return real(fd, bufs, off)
-
-    until = threading.Event()
-    monkeypatch.setattr(readstage.os, "preadv", preadv)
-    fd = os.open(tmp_path / "f", os.O_RDONLY)
-    try:
-        buf = bytearray(len(data) - 4096)
-        assert readstage.read_in_pieces(fd, memoryview(buf), 4096, 1 << 20, until) == len(buf)
-    finally:
-        os.close(fd)
-    assert bytes(buf) == data[4096:]
-    assert asked == [1 << 20] * 3 + [len(buf) - 3 * (1 << 20)], asked
-
-
 def test_get_reads_packs_past_the_page_cache_and_writes_the_same_bytes(cli: Cli, store_dir: Path,
                                                                       tmp_path: Path) -> None:
     """`store get` reads packs with O_DIRECT by default: the tree comes back byte for byte (entries

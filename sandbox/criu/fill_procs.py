@@ -75,8 +75,7 @@ def read_moved(store: PackSource, damaged: Callable[[str], Exception], name: str
     damaged chunk raised as DAMAGED (the store's damage error) of the snapshot."""
     try:
         read_chunks(store, wants, deliver, stages=stages, decoders=decoders, readers=readers, stop=stop,
-                    order="pack", gap=FILL_GAP, prefetch=prefetch, prefetch_from=prefetch_from, gate=gate,
-                    piece=early_piece(), piece_until=prefetch_from)
+                    order="pack", gap=FILL_GAP, prefetch=prefetch, prefetch_from=prefetch_from, gate=gate)
     except ChunkError as e:
         raise damaged(f"snapshot {name!r} is damaged: {e}") from None
     except CodecError as e:
@@ -113,15 +112,6 @@ def early_readers() -> int:
     damaged run; so a few more reads than this can be in flight.)"""
     n = int(setting("GPUSNAP_FILL_READERS_EARLY", 0, int, lambda n: 1 <= n <= 64, "a number of reads from 1 to 64"))
     return min(n, readers()) if n else readers()
-
-
-def early_piece() -> int:
-    """The most bytes one read of the split fill asks of the disk while CRIU runs: $GPUSNAP_FILL_EARLY_PIECE
-    (bytes, a multiple of 4096 from 64 KiB to 16 MiB; unset: 0, each run of up to 16 MiB in one read).
-    For measuring whether CRIU's small reads wait less behind smaller ones (BENCHMARKS.md section 36);
-    the worker processes read it from the environment they inherit."""
-    return int(setting("GPUSNAP_FILL_EARLY_PIECE", 0, int, lambda n: n % 4096 == 0 and 64 << 10 <= n <= 16 << 20,
-                       "bytes, a multiple of 4096 from 65536 to 16777216"))
 
 
 class EarlyGate:

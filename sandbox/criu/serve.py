@@ -436,8 +436,6 @@ class ServeSource:
                  if procs > 1 else [jobs])
         self.fill_memory["procs"] = len(parts)
         self.fill_memory["readers"] = fill_procs.readers()  # a bad setting fails here, before CRIU starts
-        if fill_procs.early_piece():
-            self.fill_memory["early_piece"] = fill_procs.early_piece()
         if self.arrivals is None:  # (a fill from a remote's arrivals reads no disk)
             self.fill_memory["readers_early"] = early = fill_procs.early_readers()  # while CRIU runs
             if len(parts) == 1 and early < self.fill_memory["readers"]:
