@@ -99,9 +99,9 @@ def readers() -> int:
 
 def early_readers() -> int:
     """Reads the split fill keeps in flight, all its workers together, while CRIU still runs:
-    $GPUSNAP_FILL_READERS_EARLY, else readers() (never more). Off by default since a forking TCP
-    server's restore under load stopped serving in 2 of 14 runs at 1 (0 of 8 at 4), not yet understood
-    (BENCHMARKS.md section 35). CRIU's own reads while it restores
+    $GPUSNAP_FILL_READERS_EARLY, else readers() (never more). Off by default: on the H200 (BENCHMARKS.md
+    section 36) one read in flight cut CRIU's part of a 20 GB restore from 2.85 to 1.65-1.76 s, but the
+    fill after it took 1.4-1.6 s longer, the restore 8.96-8.99 s against 8.52. CRIU's own reads while it restores
     are small and one at a time (opening and checking each library it maps, the page image gpusnap
     serves): each waits behind every read already queued on the disk. Measured on the dev VM
     (scripts/device/probe_queue.py): a small cold read took 0.3 ms on an idle disk, 4.3 ms behind one
