@@ -290,12 +290,17 @@ def test_the_areas_where_a_thread_takes_a_signal_stay_with_criu() -> None:
     not count), the other areas still move; a thread's core image missing, or one of an architecture
     or shape not known, stops the split with its reason."""
     from sandbox.criu import split
-    assert split.thread_stacks(_core(0x7ffe0001f888)) == [(0x7ffe0001f888, 0x7ffe0001f889)]
-    assert split.thread_stacks(_core(0x20100, march=3, sas=(0x50000, 0x8000, 0))) == [(0x20100, 0x20101),
+    below = split.FRAMES_BELOW_SP  # the frames go below the stack pointer: the areas of that range stay
+    assert split.thread_stacks(_core(0x7ffe0001f888)) == [(0x7ffe0001f888 - below, 0x7ffe0001f889)]
+    assert split.thread_stacks(_core(0x20100, march=3, sas=(0x50000, 0x8000, 0))) == [(0, 0x20101),
                                                                                       (0x50000, 0x58000)]
-    assert split.thread_stacks(_core(0x20100, sas=(0x50000, 0x8000, split.SS_DISABLE))) == [(0x20100, 0x20101)]
+    assert split.thread_stacks(_core(0x80100, sas=(0x50000, 0x8000, split.SS_DISABLE))) == [(0x80100 - below, 0x80101)]
+    twice = _core(0x1000)
+    twice = twice[:8] + _rec(twice[12:] + _msg(5, b"\x08\x00"))  # a second thread_core hiding the first's
     for bad, why in ((_core(0x1000, march=5), "architecture 5"), (_core(0x1000)[:20], "truncated"),
                      (_PAGEMAP_MAGICS + _rec(b"\x08\x01"), "no stack pointer"),
+                     (_core((1 << 64) + 0x7ffe0001f888), "more than 64 bits"),  # CRIU would read the low 64
+                     (twice, "field 5 more than once"),
                      (_PAGEMAP_MAGICS + b"\x00" * (split.MAX_CORE_BYTES), "more than")):
         with pytest.raises(split.SplitError, match=why):
             split.thread_stacks(bad)
@@ -307,6 +312,14 @@ def test_the_areas_where_a_thread_takes_a_signal_stay_with_criu() -> None:
                                   (0x60000, 0x70000, True)]
     kept = [(0x2f888, 0x2f889), (0x50000, 0x58000), (0x38000, 0x39000)]
     assert split.mm_areas(mm, kept) == [(0x10000, 0x20000, True), (0x40000, 0x48000, True), (0x60000, 0x70000, True)]
+    # a stack pointer at an area's very end (an empty stack): the frame goes into that area, which stays
+    assert split.mm_areas(mm, [(0x48000 - 0x1000, 0x48001)]) == [(0x10000, 0x30000, True), (0x50000, 0x58000, True),
+                                                                 (0x60000, 0x70000, True)]
+    # many kept ranges, unsorted and overlapping, against many areas: one sweep, the same answer as one by one
+    many = _mm([(0x100000 + k * 0x2000, 0x101000 + k * 0x2000, ANON) for k in range(3000)])
+    ranges = [(0x100000 + k * 0x6000 + 0x800, 0x100000 + k * 0x6000 + 0x900) for k in range(999, -1, -1)] * 2
+    left = split.mm_areas(many, ranges)
+    assert len(left) == 2000 and all((a - 0x100000) % 0x6000 != 0 for a, _, _ in left)
     # two threads (pstree lists them, unpacked as CRIU writes them), one core each; the split keeps both stacks
     ps = _PAGEMAP_MAGICS + _rec(b"\x08\x09\x10\x01\x18\x09\x20\x09\x28\x09\x28\x0b")
     threads = split.pstree_threads(ps)
@@ -316,9 +329,10 @@ def test_the_areas_where_a_thread_takes_a_signal_stay_with_criu() -> None:
     assert split.pstree_records(zombie) == [(9, 1), (974, 9)] and split.pstree_threads(zombie)[9] == [9, 11]
     cores = {"core-9.img": _core(0x2f888), "core-11.img": _core(0x47000, sas=(0x50000, 0x8000, 0))}
     stacks, why = split.process_stacks([9], threads, cores.get)
-    assert why is None and stacks == {9: [(0x2f888, 0x2f889), (0x47000, 0x47001), (0x50000, 0x58000)]}
+    assert why is None and stacks == {9: [(0, 0x2f889), (0x47000 - below, 0x47001), (0x50000, 0x58000)]}
     pmap = _pm(1, [(0x10000, 16), (0x20000, 16), (0x40000, 8), (0x50000, 8), (0x60000, 16)])
     sizes = {"pages-1.img": 64 * 4096}
+    stacks = {9: [(0x2f888 - 0x1000, 0x2f889), (0x47000 - 0x1000, 0x47001), (0x50000, 0x58000)]}  # (narrower)
     plans, why = split.choose({"pagemap-9.img": pmap}, sizes, 4096, mms={"mm-9.img": mm}, stacks=stacks)
     assert why is None and plans["pages-1.img"].moved == (split.Run(0x10000, 0, 16 * 4096), split.Run(0x60000, 48 * 4096, 16 * 4096))
     stacks, why = split.process_stacks([9], threads, {"core-9.img": cores["core-9.img"]}.get)
@@ -327,6 +341,9 @@ def test_the_areas_where_a_thread_takes_a_signal_stay_with_criu() -> None:
     assert stacks == {} and "core-11.img is not understood (core: architecture 4" in why, why
     plans, why = split.choose({"pagemap-9.img": pmap}, sizes, 4096, mms={"mm-9.img": mm}, stacks={})
     assert plans == {} and "where the threads of process 9 have their stacks is not known" in why, why
+    # a pstree listing more threads than any tree has: not read one by one, the split is off
+    stacks, why = split.process_stacks([9], {9: list(range(1, split.MAX_THREADS + 2))}, cores.get)
+    assert stacks == {} and f"more than {split.MAX_THREADS} threads" in why, why
 
 
 def test_the_split_moves_no_page_outside_a_process_s_ordinary_private_areas() -> None:

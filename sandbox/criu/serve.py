@@ -324,6 +324,8 @@ class ServeSource:
         # the pids CRIU restores, as its pstree image lists them (a snapshot's own list may lack a child
         # forked while CRIU froze the tree: a --leave-running dump, or one made before that was fixed)
         ps = self.images.get("pstree.img")
+        if ps is not None and ps.size > split.MAX_PSTREE_BYTES:
+            ps = None  # not read: no split, and no pid of it is taken for one CRIU restored (CRIU refuses it itself)
         ps_bytes = b"".join(bytes(self._chunk(ps, i, c)) for i, c in enumerate(ps.chunks)) if ps is not None else b""
         try:
             records, threads = split.pstree_records(ps_bytes), split.pstree_threads(ps_bytes)

@@ -228,12 +228,18 @@ def _pstree(data: bytes) -> list[tuple[int, int, list[int]]]:
 # forking server whose SIGCHLD was pending crashed so). So each area holding a thread's stack pointer
 # or its alternate signal stack stays with CRIU, which restores it before the task runs.
 MAX_CORE_BYTES = 1 << 20      # a thread's registers, extended state and signal handlers: ~20 KB
+FRAMES_BELOW_SP = 256 << 10   # where the frames go: below the stack pointer (x86-64: past a 128-byte red
+                              # zone), up to ~12 KB each with AMX state, nested for each pending signal
+                              # under SIGSTOP's number: the areas this range touches stay, not only sp's
+MAX_THREADS = 1 << 16         # threads of the processes whose pages are served, all together
+MAX_PSTREE_BYTES = 16 << 20   # ~20 bytes a process: ~800,000 processes, far more than any tree CRIU dumps
 MARCH_X86_64, MARCH_AARCH64 = 1, 3
 SS_DISABLE = 2
 
 
 def _message(data: bytes, i: int, end: int, want: int) -> tuple[int, int] | None:
-    """The span (start, end) of the last field WANT (a message: wire type 2) in DATA[I:END]."""
+    """The span (start, end) of field WANT (a message: wire type 2) in DATA[I:END]; SplitError where it
+    comes more than once (a protobuf reader merges the copies: this one would see only one of them)."""
     found = None
     while i < end:
         key, i = _varint(data, i)
@@ -242,6 +248,8 @@ def _message(data: bytes, i: int, end: int, want: int) -> tuple[int, int] | None
             if i + ln > end:
                 raise SplitError("core: truncated field")
             if key >> 3 == want:
+                if found is not None:
+                    raise SplitError(f"core: field {want} more than once")
                 found = (i, i + ln)
             i += ln
         else:
@@ -258,7 +266,10 @@ def _ints(data: bytes, span: tuple[int, int]) -> dict[int, int]:
     while i < end:
         key, i = _varint(data, i)
         if key & 7 == 0:
-            out[key >> 3], i = _varint(data, i)
+            v, i = _varint(data, i)
+            if v >> 64:  # CRIU's reader keeps the low 64 bits: this would see another number
+                raise SplitError(f"core: field {key >> 3} is more than 64 bits")
+            out[key >> 3] = v
         else:
             i = _skip_field(data, i, key & 7)
             if i > end:
@@ -270,7 +281,7 @@ def thread_stacks(data: bytes) -> list[tuple[int, int]]:
     """Where the kernel may write a signal frame for one thread before its stop (above): from its CRIU
     core image (CoreEntry {1: mtype, 2: thread_info (x86-64) {2: gpregs {20: sp}}, 8: ti_aarch64
     {3: gpregs {2: sp}}, 5: thread_core {7: sas {1: ss_sp, 2: ss_size, 3: ss_flags}}}, framed as a
-    pagemap is), the ranges [sp, sp + 1) and, when one is set up, the alternate signal stack. Bytes
+    pagemap is), the range [sp - FRAMES_BELOW_SP, sp] and, when one is set up, the alternate signal stack. Bytes
     from the store, checked (SplitError): an architecture or a record this does not know means the
     split cannot know where the stacks are."""
     if len(data) > MAX_CORE_BYTES:
@@ -290,7 +301,7 @@ def thread_stacks(data: bytes) -> list[tuple[int, int]]:
     sp = _ints(data, regs).get(where[2]) if regs is not None else None
     if sp is None:
         raise SplitError("core: no stack pointer")
-    out = [(sp, sp + 1)]
+    out = [(max(0, sp - FRAMES_BELOW_SP), sp + 1)]
     tc = _message(data, start, end, 5)
     sas = _message(data, *tc, 7) if tc is not None else None
     if sas is not None:
@@ -351,9 +362,11 @@ def process_stacks(pids: "Sequence[int]", threads: dict[int, list[int]],
     image's bytes, None where the snapshot lacks it; it may raise SplitError), by pid; with the reason the split cannot go on
     where an image is missing or not understood (then the dict is empty)."""
     out: dict[int, list[tuple[int, int]]] = {}
+    if sum(len(set(threads.get(pid, [pid]))) for pid in set(pids)) > MAX_THREADS:
+        return {}, f"the processes list more than {MAX_THREADS} threads; CRIU restored every page"
     for pid in pids:
         ranges: list[tuple[int, int]] = []
-        for tid in threads.get(pid, [pid]):
+        for tid in dict.fromkeys(threads.get(pid, [pid])):  # each once, in order
             name = f"core-{tid}.img"
             try:
                 data = core(name)
@@ -406,14 +419,21 @@ def mm_areas(data: bytes, kept: "Sequence[tuple[int, int]]" = ()) -> list[tuple[
     if i != end:
         raise SplitError("mm: malformed record")
     every.sort()
-    starts = [a for a, *_ in every]
-    pinned: set[int] = set()  # the areas a kept range touches
-    for lo, hi in kept:
-        k = max(0, bisect.bisect_right(starts, lo) - 1)
-        while k < len(every) and every[k][0] < hi:
-            if every[k][1] > lo:
-                pinned.add(k)
+    pinned: set[int] = set()  # the areas a kept range touches: one sweep over both, sorted (kept merged)
+    merged: list[list[int]] = []
+    for lo, hi in sorted(kept):
+        if merged and lo <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], hi)
+        else:
+            merged.append([lo, hi])
+    k = 0
+    for lo, hi in merged:
+        while k < len(every) and every[k][1] <= lo:
             k += 1
+        j = k
+        while j < len(every) and every[j][0] < hi:
+            pinned.add(j)
+            j += 1
     joined: list[tuple[int, int, bool]] = []
     for k, (a, b, prot, flags, status) in enumerate(every):
         if k and a < every[k - 1][1]:
