@@ -237,6 +237,20 @@ MARCH_X86_64, MARCH_AARCH64 = 1, 3
 SS_DISABLE = 2
 
 
+def _one_record(data: bytes, what: str, most: int) -> tuple[int, int]:
+    """Where the one record of a CRIU image holding one (mm, core: magics, a u32 length, the record)
+    starts and ends in DATA, checked: at most MOST bytes, not cut short (SplitError naming WHAT)."""
+    if len(data) > most:
+        raise SplitError(f"{what}: {len(data)} bytes, more than the {most} a real one needs")
+    if len(data) < _MAGICS + _LEN.size:
+        raise SplitError(f"{what}: too short")
+    (n,) = _LEN.unpack_from(data, _MAGICS)
+    start, end = _MAGICS + _LEN.size, _MAGICS + _LEN.size + n
+    if end > len(data):
+        raise SplitError(f"{what}: truncated record")
+    return start, end
+
+
 def _message(data: bytes, i: int, end: int, want: int) -> tuple[int, int] | None:
     """The span (start, end) of field WANT (a message: wire type 2) in DATA[I:END]; SplitError where it
     comes more than once (a protobuf reader merges the copies: this one would see only one of them)."""
@@ -284,14 +298,7 @@ def thread_stacks(data: bytes) -> list[tuple[int, int]]:
     pagemap is), the range [sp - FRAMES_BELOW_SP, sp] and, when one is set up, the alternate signal stack. Bytes
     from the store, checked (SplitError): an architecture or a record this does not know means the
     split cannot know where the stacks are."""
-    if len(data) > MAX_CORE_BYTES:
-        raise SplitError(f"core: {len(data)} bytes, more than the {MAX_CORE_BYTES} a real one needs")
-    if len(data) < _MAGICS + _LEN.size:
-        raise SplitError("core: too short")
-    (n,) = _LEN.unpack_from(data, _MAGICS)
-    start, end = _MAGICS + _LEN.size, _MAGICS + _LEN.size + n
-    if end > len(data):
-        raise SplitError("core: truncated record")
+    start, end = _one_record(data, "core", MAX_CORE_BYTES)
     march = _ints(data, (start, end)).get(1)
     where = {MARCH_X86_64: (2, 2, 20), MARCH_AARCH64: (8, 3, 2)}.get(march or 0)
     if where is None:
@@ -385,14 +392,7 @@ def mm_areas(data: bytes, kept: "Sequence[tuple[int, int]]" = ()) -> list[tuple[
     touching any of the ranges KEPT: the process's thread stacks, thread_stacks), as sorted (start,
     end, writable), adjacent ones of the same writability joined. Bytes from the store: checked, not
     trusted (SplitError): no two areas of the image, movable or not, may overlap."""
-    if len(data) > MAX_MM_BYTES:
-        raise SplitError(f"mm: {len(data)} bytes, more than the {MAX_MM_BYTES} a real one needs")
-    if len(data) < _MAGICS + _LEN.size:
-        raise SplitError("mm: too short")
-    (n,) = _LEN.unpack_from(data, _MAGICS)
-    i, end = _MAGICS + _LEN.size, _MAGICS + _LEN.size + n
-    if end > len(data):
-        raise SplitError("mm: truncated record")
+    i, end = _one_record(data, "mm", MAX_MM_BYTES)
     every: list[tuple[int, int, int, int, int]] = []
     while i < end:
         key, i = _varint(data, i)
