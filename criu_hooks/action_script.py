@@ -147,19 +147,14 @@ def deadline(seconds: float) -> Iterator[None]:
 
 # ------------------------------------------------------------------------------ files, safely
 def _safe_dir(path: str) -> int:
-    """An fd of directory PATH, made 0700 if missing; refuses a link or a directory not ours."""
-    parent = os.path.dirname(path.rstrip("/")) or "/"
-    os.makedirs(parent, mode=0o755, exist_ok=True)
+    """An fd of directory PATH (the log's or the records'), made 0700 where missing, its parents too;
+    reached from / without following a link anywhere, each parent root's or ours and writable by no
+    one else (unless sticky, as /tmp), PATH our own: OSError otherwise (storage.owndir)."""
+    from storage.owndir import own_dir
     try:
-        os.mkdir(path, 0o700)
-    except FileExistsError:
-        pass
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    st = os.fstat(fd)
-    if st.st_uid != os.geteuid() or st.st_mode & 0o022:
-        os.close(fd)
-        raise OSError(f"{path} is not a private directory of uid {os.geteuid()}")
-    return fd
+        return own_dir(os.path.abspath(path))
+    except OSError as e:
+        raise OSError(f"{path}: {e.strerror or e}") from None
 
 
 def _open_in(dir_path: str, name: str, flags: int) -> int:

@@ -322,6 +322,35 @@ def test_hook_log_is_private_and_never_follows_a_link(tmp_path: Path, monkeypatc
     assert "four" not in (tmp_path / "logs" / "criu-hook.log").read_text()
 
 
+def test_hook_log_and_records_are_reached_without_a_link_in_any_parent(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The hook's log and per-dump records (paths a setting names; the hook runs as root) are reached
+    from / without following a link in any component, and no parent may be writable by others unless
+    sticky: a linked parent or one another user could fill is refused, nothing written through it;
+    missing parents are made 0700."""
+    from criu_hooks.action_script import DumpRecord, log
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir(mode=0o700)
+    os.symlink(elsewhere, tmp_path / "linked")
+    monkeypatch.setenv("GPUSNAP_HOOK_LOG", str(tmp_path / "linked" / "logs" / "criu-hook.log"))
+    log("pre-dump", "through a linked parent")
+    assert list(elsewhere.iterdir()) == [], "nothing made or written through the link"
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)  # others may write here, not sticky: they could swap what we make in it
+    monkeypatch.setenv("GPUSNAP_HOOK_LOG", str(shared / "logs" / "criu-hook.log"))
+    log("pre-dump", "in a directory others may write")
+    assert not (shared / "logs" / "criu-hook.log").exists()
+    monkeypatch.setenv("GPUSNAP_HOOK_STATE", str(tmp_path / "linked" / "state"))
+    with pytest.raises(OSError, match="state"):
+        DumpRecord(os.getpid()).write({"pids": []})
+    assert list(elsewhere.iterdir()) == []
+    monkeypatch.setenv("GPUSNAP_HOOK_LOG", str(tmp_path / "new" / "deep" / "criu-hook.log"))
+    log("pre-dump", "fine")
+    assert (tmp_path / "new").stat().st_mode & 0o777 == 0o700 and (tmp_path / "new" / "deep").stat().st_mode & 0o777 == 0o700
+    assert "fine" in (tmp_path / "new" / "deep" / "criu-hook.log").read_text()
+
+
 def test_custom_storage_hook_double_pre_dump_keeps_the_snapshot(tmp_path: Path, child: int,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """Custom storage into GPUSNAP_GPU_SNAPSHOT: a second pre-dump (the processes already

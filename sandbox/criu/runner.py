@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
 from storage.errors import EXIT_UNAVAILABLE, GpusnapError
+from storage.owndir import own_dir
 
 from sandbox.host.procgroup import run_group
 
@@ -264,41 +265,6 @@ LOGS_ENV = "GPUSNAP_CRIU_LOGS"
 _LOG_WHAT = re.compile(r"[^A-Za-z0-9]+")
 
 
-def _own_dir(path: str) -> int:
-    """PATH (absolute) opened as a directory one component at a time from /, no link followed anywhere
-    (O_NOFOLLOW on each); each existing component this user's or root's and writable by no one else
-    (a sticky one like /tmp is fine: others cannot move what is in it); the missing ones created 0700;
-    the last one this user's own and writable by no one else. OSError otherwise (not a link-free
-    path of this user's)."""
-    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-    me = os.geteuid()
-    fd = os.open("/", flags)
-    try:
-        parts = [p for p in os.path.normpath(path).split("/") if p]
-        for i, part in enumerate(parts):
-            if part == "..":
-                raise OSError(0, "the path goes up ('..')")
-            try:
-                nxt = os.open(part, flags, dir_fd=fd)
-            except FileNotFoundError:
-                os.mkdir(part, 0o700, dir_fd=fd)
-                nxt = os.open(part, flags, dir_fd=fd)
-            os.close(fd)
-            fd = nxt
-            st = os.fstat(fd)
-            last = i == len(parts) - 1
-            if st.st_uid not in ((me,) if last else (0, me)) or (
-                    st.st_mode & 0o022 and (last or not st.st_mode & 0o1000)):
-                raise OSError(0, f"{'the directory' if last else '/' + '/'.join(parts[:i + 1])} is not this "
-                                 "user's own, or others may write in it")
-        if not parts:
-            raise OSError(0, "not a directory of its own")
-        return fd
-    except BaseException:
-        os.close(fd)
-        raise
-
-
 def keep_copy(log_path: str, what: str) -> None:
     """A copy of the CRIU log at LOG_PATH in the directory $GPUSNAP_CRIU_LOGS (created 0700; for looking
     at where CRIU's time went in a run that succeeded, whose log goes with its temporary images
@@ -306,14 +272,14 @@ def keep_copy(log_path: str, what: str) -> None:
     run, whatever goes wrong: a copy that cannot be made is said on stderr (if it can be). A log names
     the tree's paths and addresses, so the directory must be reached without a link, through
     directories of root or this user that no one else may write in (sticky ones aside), and be this
-    user's own (_own_dir); each copy is a new file, 0600 (O_EXCL, O_NOFOLLOW)."""
+    user's own (storage.owndir); each copy is a new file, 0600 (O_EXCL, O_NOFOLLOW)."""
     try:
         where = os.environ.get(LOGS_ENV, "").strip()
         if not where:
             return
         name = f"{_LOG_WHAT.sub('-', what).strip('-')[:60]}-{os.getpid()}-{time.time_ns()}.log"
         try:
-            d = _own_dir(os.path.abspath(where))
+            d = own_dir(os.path.abspath(where))
             try:
                 with open(log_path, "rb") as src, \
                         os.fdopen(os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
