@@ -62,7 +62,8 @@ Environment:
                              FAILED and exits (pre-dump/post-dump: 1, so CRIU aborts the dump and
                              the processes keep running; network-unlock/post-resume: CRIU goes on)
   GPUSNAP_HOOK_LOG=FILE      the log (default /var/log/gpusnap/criu-hook.log; stderr goes to CRIU's log)
-  GPUSNAP_HOOK_STATE=DIR     the per-dump records (default /run/gpusnap/criu-hook)
+  GPUSNAP_HOOK_STATE=DIR     the per-dump records (default /run/gpusnap/criu-hook); both paths are
+                             reached without a link, through parents others cannot write in
   GPUSNAP_LEAVE_RUNNING=1    also resume at post-dump (for trees in the host's network namespace,
                              where CRIU runs no network-unlock)
   CRIU_LIBS_DIR              CRIU's plugin directory, as CRIU reads it (default /usr/lib/criu)
