@@ -335,6 +335,7 @@ def test_the_areas_where_a_thread_takes_a_signal_stay_with_criu() -> None:
     stacks = {9: [(0x2f888 - 0x1000, 0x2f889), (0x47000 - 0x1000, 0x47001), (0x50000, 0x58000)]}  # (narrower)
     plans, why = split.choose({"pagemap-9.img": pmap}, sizes, 4096, mms={"mm-9.img": mm}, stacks=stacks)
     assert why is None and plans["pages-1.img"].moved == (split.Run(0x10000, 0, 16 * 4096), split.Run(0x60000, 48 * 4096, 16 * 4096))
+    assert plans["pages-1.img"].stack_kept == 32 * 4096, "the report says what the stack rule kept with CRIU"
     stacks, why = split.process_stacks([9], threads, {"core-9.img": cores["core-9.img"]}.get)
     assert stacks == {} and why == "the snapshot lacks core-11.img; CRIU restored every page"
     stacks, why = split.process_stacks([9], threads, {**cores, "core-11.img": _core(1, march=4)}.get)

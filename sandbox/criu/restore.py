@@ -159,7 +159,8 @@ def streamed(run: RestoreRun, *, thp_mode: str | None = "always",
                 thp.close()  # THP back before the fill's workers are waited for (one stuck in the disk must not hold it)
             info.update(served=len(srv.served), absent_images=srv.absent, bytes=srv.bytes, stages=srv.stages.table(),
                         moved_bytes=sum(p.moved_bytes for p in srv.plans.values()),
-                        cow_kept_bytes=sum(p.cow_kept for p in srv.plans.values()), feed_buffers=srv.feed_buffers,
+                        cow_kept_bytes=sum(p.cow_kept for p in srv.plans.values()),
+                        stack_kept_bytes=sum(p.stack_kept for p in srv.plans.values()), feed_buffers=srv.feed_buffers,
                         window=srv.window)
             if srv.split_skipped_because is not None:
                 info["split_skipped_because"] = srv.split_skipped_because

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import bisect
 import ctypes
+import dataclasses
 import errno
 import itertools
 import os
@@ -386,11 +387,13 @@ def process_stacks(pids: "Sequence[int]", threads: dict[int, list[int]],
     return out, None
 
 
-def mm_areas(data: bytes, kept: "Sequence[tuple[int, int]]" = ()) -> list[tuple[int, int, bool]]:
+def mm_areas(data: bytes, kept: "Sequence[tuple[int, int]]" = (),
+             pinned_out: list[tuple[int, int]] | None = None) -> list[tuple[int, int, bool]]:
     """The areas of a CRIU mm image (MmEntry {14: repeated VmaEntry {1: start, 2: end, 5: prot,
     6: flags, 7: status}}, framed as a pagemap is) whose pages the split may fill (movable, and not
     touching any of the ranges KEPT: the process's thread stacks, thread_stacks), as sorted (start,
-    end, writable), adjacent ones of the same writability joined. Bytes from the store: checked, not
+    end, writable), adjacent ones of the same writability joined; PINNED_OUT, where given, gets the
+    (start, end) of each area that would move but for KEPT. Bytes from the store: checked, not
     trusted (SplitError): no two areas of the image, movable or not, may overlap."""
     i, end = _one_record(data, "mm", MAX_MM_BYTES)
     every: list[tuple[int, int, int, int, int]] = []
@@ -438,7 +441,11 @@ def mm_areas(data: bytes, kept: "Sequence[tuple[int, int]]" = ()) -> list[tuple[
     for k, (a, b, prot, flags, status) in enumerate(every):
         if k and a < every[k - 1][1]:
             raise SplitError(f"mm: areas overlap at {a:#x}")
-        if not movable(status, flags) or k in pinned:  # (the vsyscall page lies past user space, never moves)
+        if not movable(status, flags):  # (the kernel's vsyscall page lies past user space, and never moves)
+            continue
+        if k in pinned:
+            if pinned_out is not None:
+                pinned_out.append((a, b))
             continue
         if b > USER_SPACE_END:
             raise SplitError(f"mm: an area {a:#x}-{b:#x} past user space")
@@ -506,6 +513,7 @@ class Plan:
     kept: tuple[tuple[int, int], ...]      # (offset, length) in the page image, in order
     moved: tuple[Run, ...]
     cow_kept: int = 0                      # bytes left to CRIU because a parent or child shares them (cow_shared)
+    stack_kept: int = 0                    # bytes left to CRIU because a thread's stack is in their area
 
     @property
     def moved_bytes(self) -> int:
@@ -573,6 +581,19 @@ def _plan(name: str, pm: Pagemap, runs: list[list[Entry]], min_bytes: int,
             kept.append((e.offset, e.nbytes))
     return Plan(int(m.group(1)), f"pages-{pm.pages_id}.img", pm.head + b"".join(e.record for e in keep),
                 tuple(kept), moved, sum(e.nbytes for k, e in enumerate(pm.entries) if k in skip and e.offset is not None))
+
+
+def _inside(pm: Pagemap, spans: list[tuple[int, int]]) -> int:
+    """The present bytes of PM's records that lie in SPANS (sorted, disjoint areas)."""
+    if not spans:
+        return 0
+    starts = [a for a, _ in spans]
+    n = 0
+    for e in pm.entries:
+        j = bisect.bisect_right(starts, e.vaddr) - 1
+        if e.offset is not None and j >= 0 and e.vaddr < spans[j][1]:
+            n += e.nbytes
+    return n
 
 
 def present_bytes(pm: Pagemap) -> int:
@@ -665,6 +686,7 @@ def choose(pagemaps: dict[str, bytes], page_sizes: dict[str, int],
     if min_bytes <= 0:
         return {}, "the split is off (GPUSNAP_CRIU_SPLIT_MIN=0)"
     areas: dict[int, list[tuple[int, int, bool]]] | None = None
+    pinned: dict[int, list[tuple[int, int]]] = {}  # by pid: the areas kept with CRIU for a thread's stack
     if mms is not None:
         areas = {}
         wanted = {int(m.group(1)) for m in map(PAGEMAP_NAME.fullmatch, pagemaps) if m is not None}
@@ -675,7 +697,8 @@ def choose(pagemaps: dict[str, bytes], page_sizes: dict[str, int],
             if stacks is not None and int(mm.group(1)) not in stacks:
                 return {}, f"where the threads of process {mm.group(1)} have their stacks is not known; CRIU restored every page"
             try:
-                areas[int(mm.group(1))] = mm_areas(mms[name], stacks.get(int(mm.group(1)), ()) if stacks else ())
+                areas[int(mm.group(1))] = mm_areas(mms[name], stacks.get(int(mm.group(1)), ()) if stacks else (),
+                                                   pinned.setdefault(int(mm.group(1)), []))
             except SplitError as e:
                 return {}, f"{name} is not understood ({e}); CRIU restored every page"
     parsed: dict[int, tuple[str, Pagemap]] = {}
@@ -745,7 +768,7 @@ def choose(pagemaps: dict[str, bytes], page_sizes: dict[str, int],
                and sum(e.nbytes for e in r) >= (max(min_bytes, cautious_min) if c else min_bytes)]
         pl = _plan(name, pm, big, PAGE, skip.get(pid, frozenset()))
         if pl is not None:
-            plans[pl.pages_image] = pl
+            plans[pl.pages_image] = dataclasses.replace(pl, stack_kept=_inside(pm, pinned.get(pid, [])))
     moved, total = sum(pl.moved_bytes for pl in plans.values()), sum(present_bytes(pm) for _, pm in parsed.values())
     if plans and moved < min(ENGAGE_MIN, total // 100):
         # (a forked tree whose memory stays with CRIU moved a few pages, and paid for a stopped restore
