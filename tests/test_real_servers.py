@@ -22,8 +22,7 @@ import pytest
 
 from conftest import Cli
 from support.containers import BUSYBOX, PODMAN_LIMITS, RuncContainer, need, podman, run, runtime_env
-from support.servers import (HttpConn, Workload, http_get, python_workload, session_gone, session_procs, session_report,
-                             until)
+from support.servers import HttpConn, Workload, http_get, python_workload, session_gone, session_procs, until
 
 pytestmark = pytest.mark.root
 ADDRS = ("127.0.0.1", "::1")
@@ -314,8 +313,7 @@ def test_server_forking_per_connection_while_a_client_hammers_it(cli: Cli) -> No
             try:
                 until("the restored server serves the client", lambda: served[0] > before + 10, timeout=120)
             except AssertionError as e:  # say what the restored tree is doing: a process left stopped, or gone
-                raise AssertionError(f"{e} (served {served[0] - before} since the restore); session "
-                                     f"{w.sid}: {session_report(w.sid)}; log: {_tail(w.dir / 'log')}") from None
+                raise AssertionError(f"{e} (served {served[0] - before} since the restore); {w.describe()}") from None
     finally:
         stop.set()
         t.join(timeout=30)
@@ -356,19 +354,12 @@ def test_signals_pending_at_the_dump_are_delivered_after_the_split_restore(cli: 
             try:
                 until("the restored process runs on", lambda: (b := beat()) and b["n"] > n + 60, timeout=60)
             except AssertionError as e:
-                raise AssertionError(f"{e}; session {w.sid}: {session_report(w.sid)}; log: {_tail(w.dir / 'log')}") from None
+                raise AssertionError(f"{e}; {w.describe()}") from None
             assert beat()["intact"] is True
     finally:
         stop.set()
         t.join(timeout=30)
         w.close()
-
-
-def _tail(path: Path, n: int = 400) -> str:
-    try:
-        return path.read_text(errors="replace")[-n:]
-    except OSError as e:
-        return f"({e.strerror})"
 
 
 def test_restore_names_who_holds_a_pid_in_use(cli: Cli) -> None:

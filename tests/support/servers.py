@@ -107,6 +107,15 @@ class Workload:
     def kill(self) -> None:
         kill_session(self.sid)
 
+    def describe(self) -> str:
+        """What a failed test says of it: each process of its session (session_report) and the end of
+        its log."""
+        try:
+            tail = (self.dir / "log").read_text(errors="replace")[-400:]
+        except OSError as e:
+            tail = f"({e.strerror})"
+        return f"session {self.sid}: {session_report(self.sid)}; log: {tail}"
+
     def close(self) -> None:
         """Kill the session and remove the control dir (kill() alone keeps it for a restore)."""
         self.kill()

@@ -1,14 +1,24 @@
 """A process that handles SIGUSR1 (counting) while it holds 48 MiB of random bytes, for the split
 restore's signal test: a handled signal pending when CRIU froze it is delivered, once restored, before
 the stop CRIU leaves pending, and the kernel writes its frame on the stack then. Usage: signalled.py DIR;
-writes DIR/ready (JSON: pid, the data's BLAKE2 digest) atomically, then every ~20 ms DIR/beat (sleeping at varying depths of the stack between) (the
-signals counted, whether the data still has its digest)."""
+writes DIR/ready (JSON: pid, the data's BLAKE2 digest) atomically, then, between sleeps at changing
+depths of its stack, every ~20 ms DIR/beat (the signals counted, whether the data still has its digest)."""
 import hashlib
 import json
 import os
 import signal
 import sys
 import time
+
+
+def deep(k: int) -> int:
+    """Sleep K calls deep in C frames (map calling back), so that the stack below the point where a
+    signal finds the process differs from one sleep to the next (Python calls alone use no C stack)."""
+    if k == 0:
+        time.sleep(0.001)
+        return 0
+    return sum(map(deep, (k - 1,)))
+
 
 d = sys.argv[-1]
 got = [0]
@@ -19,20 +29,13 @@ tmp = os.path.join(d, "ready.tmp")
 with open(tmp, "w") as f:
     json.dump({"pid": os.getpid(), "digest": digest}, f)
 os.rename(tmp, os.path.join(d, "ready"))
-def deep(k: int) -> int:
-    """Sleep K calls deep in C frames (map calling back), so that the stack below the point where a
-    signal finds the process differs from one sleep to the next (Python calls alone use no C stack)."""
-    if k == 0:
-        time.sleep(0.001)
-        return 0
-    return sum(map(deep, (k - 1,)))
-
-
-n = 0
+n, intact = 0, True
 while True:
     n += 1
     deep(n * 7 % 40)
-    beat = json.dumps({"signals": got[0], "n": n, "intact": n % 50 != 0 or hashlib.blake2b(data).hexdigest() == digest})
+    if n % 50 == 0:  # once lost, said in every beat after
+        intact = intact and hashlib.blake2b(data).hexdigest() == digest
+    beat = json.dumps({"signals": got[0], "n": n, "intact": intact})
     with open(os.path.join(d, "beat.tmp"), "w") as f:
         f.write(beat)
     os.rename(os.path.join(d, "beat.tmp"), os.path.join(d, "beat"))
