@@ -600,10 +600,13 @@ def test_read_order_is_what_criu_reads_first_then_what_the_split_fills() -> None
 @pytest.mark.parametrize("dump_env,restore_env", [(STREAM, SPLIT), (STREAM, SPLIT_PROCS), (STREAM, NO_SPLIT), (ENCODERS, SPLIT),
                                                (STREAM, {**SPLIT_PROCS, "GPUSNAP_FILL_READERS": "6", "GPUSNAP_WAKE_PROBE": "1"}),
                                                (STREAM, {**SPLIT_PROCS, "GPUSNAP_FILL_READERS": "1"}),
-                                               (STREAM, {**SPLIT_PROCS, "GPUSNAP_FILL_READERS": "6", "GPUSNAP_FILL_READERS_EARLY": "1"})],
+                                               (STREAM, {**SPLIT_PROCS, "GPUSNAP_FILL_READERS": "6", "GPUSNAP_FILL_READERS_EARLY": "1"}),
+                                               (STREAM, {**SPLIT_PROCS, "GPUSNAP_FILL_PREFETCH_EARLY": "1"}),
+                                               (STREAM, {**SPLIT, "GPUSNAP_FILL_PREFETCH_EARLY": "1"})],
                          ids=["split", "split-in-3-processes", "criu-restores-all", "dumped-by-encoder-processes",
                               "split-in-3-processes-2-reads-each", "split-in-3-processes-taking-turns-at-1-read",
-                              "split-in-3-processes-1-read-while-criu-runs"])
+                              "split-in-3-processes-1-read-while-criu-runs", "split-in-3-processes-read-ahead-while-criu-runs",
+                              "split-read-ahead-while-criu-runs"])
 def test_stream_dump_and_restore_of_a_tree(cli: Cli, store_dir: Path, dump_env: dict[str, str], restore_env: dict[str, str]) -> None:
     tree = Tree(mb=48)
     try:
@@ -640,17 +643,23 @@ def test_stream_dump_and_restore_of_a_tree(cli: Cli, store_dir: Path, dump_env: 
         if restore_env is not NO_SPLIT:
             assert served["moved_bytes"] >= 48 << 20 and served["split"]["written"] >= 48 << 20, served
             assert "split_fill" in r["seconds"] and "split_skipped_because" not in served
-            assert served["fill_memory"]["procs"] == (1 if restore_env is SPLIT else 3), served["fill_memory"]
+            assert served["fill_memory"]["procs"] == (3 if "GPUSNAP_FILL_PROCS" in restore_env else 1), served["fill_memory"]
             reads = int(restore_env.get("GPUSNAP_FILL_READERS", 4))
             early = min(reads, int(restore_env.get("GPUSNAP_FILL_READERS_EARLY", reads)))
             assert served["fill_memory"]["readers"] == reads, served["fill_memory"]
             assert served["fill_memory"]["readers_early"] == early, served["fill_memory"]
+            assert served["fill_memory"]["prefetch_early"] == int(restore_env.get("GPUSNAP_FILL_PREFETCH_EARLY", 0))
             # reads that do not share out evenly among the worker processes, or fewer while CRIU ran: the
             # workers took turns (ReadTokens), and said how long they waited; in one process the gate
             # (EarlyGate) held the fill's own readers to EARLY while CRIU ran
             procs = served["fill_memory"]["procs"]
             assert ("read:wait-gate" in served["stages"]) == bool(reads % procs or early < reads), served["stages"]
             assert served["stages"]["decompress+verify"]["bytes"] > 0, "the workers' stages reach the report"
+            # the files the tree maps (the interpreter, its libraries) were read for CRIU before the fill's
+            # reads: their heads and the pages behind every dumped page of their private copies
+            hints = served["file_hints"]
+            assert hints["files"] >= 3 and hints["bytes"] >= 3 * 4096 and not hints["timed_out"], hints
+            assert served["stages"]["criu-first files"]["bytes"] == hints["bytes"], served["stages"]
         else:
             assert served["moved_bytes"] == 0 and "split" not in served
             assert served["split_skipped_because"] == "the split is off (GPUSNAP_CRIU_SPLIT_MIN=0)"
@@ -1026,7 +1035,8 @@ def test_only_the_tree_criu_restored_counts_as_this_restores_processes() -> None
 
 
 @pytest.mark.parametrize("name,value", [("GPUSNAP_FILL_PROCS", "many"), ("GPUSNAP_FILL_READERS", "0"),
-                                        ("GPUSNAP_FILL_READERS_EARLY", "0"), ("GPUSNAP_CRIU_SPLIT_SHARED_MIN", "-1")])
+                                        ("GPUSNAP_FILL_READERS_EARLY", "0"), ("GPUSNAP_CRIU_SPLIT_SHARED_MIN", "-1"),
+                                        ("GPUSNAP_FILL_PREFETCH_EARLY", "yes"), ("GPUSNAP_CRIU_FILE_HINTS", "2")])
 def test_a_bad_fill_setting_fails_the_restore_before_criu_starts(cli: Cli, store_dir: Path, name: str, value: str) -> None:
     """A fill setting that is not a number in its range: one line naming it, nothing restored, nothing
     left behind (no fill worker, no stopped process), and the snapshot restores once it is fixed."""

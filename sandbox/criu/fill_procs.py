@@ -67,7 +67,7 @@ FILL_GAP = 1 << 20     # the split fill's reads bridge this many unwanted bytes 
 
 def read_moved(store: PackSource, damaged: Callable[[str], Exception], name: str, wants: list[Want],
                deliver: Callable[[Want, memoryview], None], stop: Callable[[], bool], *, stages: Stages,
-               decoders: int, readers: int, prefetch: int, prefetch_from: threading.Event,
+               decoders: int, readers: int, prefetch: int, prefetch_from: threading.Event | None,
                gate: "Callable[[], Any] | None" = None) -> None:
     """The split fill's reads of WANTS from STORE (snapshot NAME, for messages), in one process or in a
     worker: the read stage in pack order (the moved runs are most of the image, so its packs are read
@@ -112,6 +112,14 @@ def early_readers() -> int:
     damaged run; so a few more reads than this can be in flight.)"""
     n = int(setting("GPUSNAP_FILL_READERS_EARLY", 0, int, lambda n: 1 <= n <= 64, "a number of reads from 1 to 64"))
     return min(n, readers()) if n else readers()
+
+
+def prefetch_early() -> bool:
+    """Whether the split fill's read-ahead (POSIX_FADV_WILLNEED past its readers, fill_prefetch) starts
+    as soon as its reads do, while CRIU still runs: $GPUSNAP_FILL_PREFETCH_EARLY=1; default 0, once
+    CRIU is done. A deeper queue on the disk delays each small read CRIU makes of its own; with the
+    files CRIU reads warmed first (sandbox.criu.filehints) it may make few such reads. For measuring."""
+    return bool(setting("GPUSNAP_FILL_PREFETCH_EARLY", 0, int, lambda v: v in (0, 1), "0 or 1"))
 
 
 class EarlyGate:
@@ -289,6 +297,7 @@ class FillProcs:
         self.phases = phases or {}
         self.nphases = max(self.phases.values(), default=0) + 1 if nphases is None else nphases
         self.timeout = fill_timeout()  # read now: a bad setting fails before CRIU starts
+        self.prefetch_early = prefetch_early()
         self.jobs = {k: j for part in parts for k, j in part.items()}
         n = len(parts)
         # spawned from the thread that runs the restore: a worker's PR_SET_PDEATHSIG fires when the
@@ -332,7 +341,7 @@ class FillProcs:
         for p, share in zip(self.procs, self.shares):
             t0 = time.perf_counter()
             job = {"store": self.store.path, "name": self.name, "decoders": decoders, "budget": budget, "prefetch": prefetch,
-                   "readers": readers, "tokens": self.tokens, "nphases": self.nphases,
+                   "prefetch_early": self.prefetch_early, "readers": readers, "tokens": self.tokens, "nphases": self.nphases,
                    "chunks": _job_json(share, self.store.locate, self.phases)}
             text = json.dumps(job)
             # this process's Python work while CRIU runs (its threads serving CRIU wait on it for the GIL)
@@ -557,7 +566,8 @@ def _serve_job(inp: IO[str], out: IO[str]) -> int:
 
         def read(wants: list[Want], deliver: Callable[[Want, memoryview], None], stop: Callable[[], bool]) -> None:
             read_moved(located, store.error, str(job["name"]), wants, deliver, stop, stages=stages, decoders=int(job["decoders"]),
-                       readers=int(job["readers"]), prefetch=int(job["prefetch"]), prefetch_from=go, gate=gate)
+                       readers=int(job["readers"]), prefetch=int(job["prefetch"]),
+                       prefetch_from=None if job.get("prefetch_early") is True else go, gate=gate)
 
         with Filler(jobs, read, int(job["decoders"]), int(job["budget"]), stages, phases, int(job["nphases"])) as filler:
             if inp.readline().strip() != "go":

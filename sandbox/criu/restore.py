@@ -164,6 +164,8 @@ def streamed(run: RestoreRun, *, thp_mode: str | None = "always",
                         window=srv.window)
             if srv.split_skipped_because is not None:
                 info["split_skipped_because"] = srv.split_skipped_because
+            if srv.file_hints is not None:
+                info["file_hints"] = srv.file_hints  # the mapped files warmed for CRIU (sandbox.criu.filehints)
             if srv.fill_memory:
                 info["fill_memory"] = srv.fill_memory  # what the fill could hold and read ahead, and why
             if srv.connected_at is not None:

@@ -39,7 +39,7 @@ from storage.pipeline import Stages
 from storage.readstage import Want, plan_runs, read_ahead, read_runs
 from storage.store import SnapshotStore, StoreError
 
-from sandbox.criu import fill_procs, split
+from sandbox.criu import filehints, fill_procs, split
 from sandbox.criu.fill_procs import FILL_GAP, FillProcs, read_moved, setting
 from sandbox.host.meminfo import available_bytes
 from sandbox.criu.images import IMAGES, is_page_image
@@ -320,6 +320,8 @@ class ServeSource:
                              f"(first {missing[0][:16]}…); nothing was started")
         self._zeros = bytes(max((c.raw_len for s in self.images.values() for c in s.chunks), default=0))
         self.plans: dict[str, split.Plan] = {}    # page image -> its split
+        self._file_hints: list[filehints.Hint] = []  # the mapped files CRIU reads, warmed before the fill reads
+        self.file_hints: dict[str, float] | None = None  # what warming them did (filehints.warm_within)
         self._rewritten: dict[str, bytes] = {}    # pagemap image -> what CRIU gets instead
         # the pids CRIU restores, as its pstree image lists them (a snapshot's own list may lack a child
         # forked while CRIU froze the tree: a --leave-running dump, or one made before that was fixed)
@@ -361,8 +363,29 @@ class ServeSource:
                     parents=dict(records), streams={n: s for n, s in self.images.items() if is_page_image(n)},
                     mms=mms, cautious_min=split_shared_min(), stacks=stacks)
             self._rewritten = {f"pagemap-{pl.pid}.img": pl.pagemap for pl in self.plans.values()}
+            if self.plans:
+                self._file_hints = self._plan_file_hints(mms, whole)
         if arrivals is not None:
             arrivals.first(read_order(self.images, self.plans))
+
+    def _plan_file_hints(self, mms: dict[str, bytes], whole: Callable[[Stream], bytes]) -> list[filehints.Hint]:
+        """What CRIU will read of the processes' mapped files (sandbox.criu.filehints), to be warmed
+        before the fill's reads queue; none where turned off (a bad setting fails the restore here,
+        as every fill setting does), where the snapshot restores a mount namespace or names remapped
+        files (its paths are then not the files mapped), or where an image is not understood (a hint)."""
+        files = self.images.get("files.img")
+        if (not filehints.hints_on() or files is None or files.size > filehints.MAX_FILES_IMG
+                or "remap-fpath.img" in self.images or any(n.startswith("mountpoints-") for n in self.images)):
+            return []
+        try:
+            paths = filehints.reg_paths(whole(files))
+            by_pid = {pl.pid: pl for pl in self.plans.values()}
+            order = [p for p in dict.fromkeys([*self.pstree, *sorted(by_pid)]) if p in by_pid]  # the tree's order
+            # the pagemaps CRIU gets (the moved runs left out: far fewer entries than the dump's)
+            procs = [(mms[f"mm-{p}.img"], split.parse_pagemap(by_pid[p].pagemap)) for p in order if f"mm-{p}.img" in mms]
+            return filehints.plan(paths, procs)
+        except (filehints.FileHintError, split.SplitError):
+            return []
 
     def __enter__(self) -> "ServeSource":
         return self
@@ -418,9 +441,12 @@ class ServeSource:
         try:
             asked = read_ahead(self.store, criu_reads(self.images, self.plans), gap=FILL_GAP,
                                stop=lambda: self._closing, resident=True)
+            self.stages.add("criu-first read", time.perf_counter() - t0, asked)
+            if self._file_hints and not self._closing:
+                self.file_hints = filehints.warm_within(self._file_hints)
+                self.stages.add("criu-first files", self.file_hints["seconds"], int(self.file_hints["bytes"]))
         finally:
             self._criu_asked.set()
-        self.stages.add("criu-first read", time.perf_counter() - t0, asked)
 
     def _make_filler(self) -> "split.Filler | FillProcs":
         """The split fill of the moved runs (sandbox.criu.split): in worker processes, each with a share
@@ -438,6 +464,7 @@ class ServeSource:
                  if procs > 1 else [jobs])
         self.fill_memory["procs"] = len(parts)
         self.fill_memory["readers"] = fill_procs.readers()  # a bad setting fails here, before CRIU starts
+        self.fill_memory["prefetch_early"] = int(fill_procs.prefetch_early())
         if self.arrivals is None:  # (a fill from a remote's arrivals reads no disk)
             self.fill_memory["readers_early"] = early = fill_procs.early_readers()  # while CRIU runs
             if len(parts) == 1 and early < self.fill_memory["readers"]:
@@ -491,7 +518,8 @@ class ServeSource:
             if self._criu_first is not None:
                 self._criu_first.join()  # CRIU's reads are queued: now the fill's
             read_moved(self.store, self.store.error, self.manifest.name, wants, deliver, stop, stages=self.stages, decoders=self.workers,
-                       readers=fill_procs.readers(), prefetch=self.fill_memory["prefetch"], prefetch_from=self._criu_done,
+                       readers=fill_procs.readers(), prefetch=self.fill_memory["prefetch"],
+                       prefetch_from=None if self.fill_memory.get("prefetch_early") else self._criu_done,
                        gate=self._early_gate.held if self._early_gate is not None else None)
             return
         size = self._bufs.size
