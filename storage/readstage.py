@@ -442,7 +442,12 @@ def _advise(fds: _PackFds, run: list[tuple[int, Loc]], stop: Callable[[], bool])
     return True
 
 
-WILLNEED_STEP = 128 << 10  # bytes one POSIX_FADV_WILLNEED asks for (see willneed)
+WILLNEED_STEP = 128 << 10  # bytes one POSIX_FADV_WILLNEED asks for (see willneed); $GPUSNAP_WILLNEED_STEP, for measuring
+
+
+def _willneed_step() -> int:
+    v = os.environ.get("GPUSNAP_WILLNEED_STEP", "").strip()
+    return int(v) if v.isdigit() and 4096 <= int(v) <= 64 << 20 else WILLNEED_STEP
 
 
 def willneed(fd: int, offset: int, length: int, stop: Callable[[], bool] = lambda: False) -> None:
@@ -452,8 +457,9 @@ def willneed(fd: int, offset: int, length: int, stop: Callable[[], bool] = lambd
     once its reads are queued (it waits when the device's queue is full), so the order of the calls
     is the order the disk serves them."""
     end = offset + length
+    step = _willneed_step()
     while offset < end and not stop():
-        n = min(WILLNEED_STEP, end - offset)
+        n = min(step, end - offset)
         os.posix_fadvise(fd, offset, n, os.POSIX_FADV_WILLNEED)
         offset += n
 
