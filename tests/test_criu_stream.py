@@ -644,7 +644,8 @@ def test_stream_dump_and_restore_of_a_tree(cli: Cli, store_dir: Path, dump_env: 
             assert served["moved_bytes"] >= 48 << 20 and served["split"]["written"] >= 48 << 20, served
             assert "split_fill" in r["seconds"] and "split_skipped_because" not in served
             assert served["fill_memory"]["procs"] == (3 if "GPUSNAP_FILL_PROCS" in restore_env else 1), served["fill_memory"]
-            reads = int(restore_env.get("GPUSNAP_FILL_READERS", 4))
+            from sandbox.criu.fill_procs import FILL_READERS
+            reads = int(restore_env.get("GPUSNAP_FILL_READERS", FILL_READERS))
             early = min(reads, int(restore_env.get("GPUSNAP_FILL_READERS_EARLY", reads)))
             assert served["fill_memory"]["readers"] == reads, served["fill_memory"]
             assert served["fill_memory"]["readers_early"] == early, served["fill_memory"]

@@ -16,7 +16,7 @@ has written its part of phases 0..P (each chunk carries its phase: split.fill_ph
 has its part of every phase, so all complete phase 0 first), and answers one last line on stdout:
 {"written": N, "stages": {...}} or {"error": TEXT, "damage": true|false}.
 
-Reads in flight: GPUSNAP_FILL_READERS in all (default READERS). Where that is fewer than the workers,
+Reads in flight: GPUSNAP_FILL_READERS in all (default FILL_READERS). Where that is fewer than the workers,
 they share it through a pipe the parent fills with one byte per read (ReadTokens, its two ends
 inherited by every worker and named in the job): a worker's reader takes a byte before each pack
 read and puts it back after, so the fill can decode in more processes than it keeps reads queued on
@@ -51,7 +51,7 @@ from storage.errors import DamageError, GpusnapError
 from storage.manifest import ChunkRef
 from storage.packs import Loc
 from storage.pipeline import Stages
-from storage.readstage import READERS, PackSource, Want, read_chunks
+from storage.readstage import PackSource, Want, read_chunks
 from storage.store import SnapshotStore, StoreError
 
 from sandbox.criu.split import Filler, Job, Key, SplitError, check_pids
@@ -89,12 +89,18 @@ def setting(name: str, default: Any, parse: Callable[[str], Any], ok: Callable[[
     return settings.setting(name, default, parse, ok, expected, error)
 
 
+FILL_READERS = 8  # the split fill's reads in flight, all workers together (readers())
+
+
 def readers() -> int:
     """Reads the split fill keeps in flight, all its worker processes together: $GPUSNAP_FILL_READERS,
-    else storage.readstage.READERS (more queued on the disk ahead of CRIU's own reads: measured,
-    BENCHMARKS.md sections 17 and 27). Each worker process reads with its share; where there are fewer
+    else FILL_READERS. It was 4 (storage.readstage.READERS) while CRIU's own small cold reads of the
+    libraries it maps queued behind the fill's (BENCHMARKS.md sections 17 and 27); with those files
+    warmed before the fill's reads begin (sandbox.criu.filehints), CRIU's part no longer grows with the
+    queue, and on an H100 (section 37) 8 reads filled at 1.89 GB/s where 4 filled at 1.62-1.78 (the
+    disk: 1.74 with four plain readers). Each worker process reads with its share; where there are fewer
     reads than workers (or a count they do not share evenly), the workers take turns through ReadTokens."""
-    return int(setting("GPUSNAP_FILL_READERS", READERS, int, lambda n: 1 <= n <= 64, "a number of reads from 1 to 64"))
+    return int(setting("GPUSNAP_FILL_READERS", FILL_READERS, int, lambda n: 1 <= n <= 64, "a number of reads from 1 to 64"))
 
 
 def early_readers() -> int:
@@ -324,8 +330,7 @@ class FillProcs:
         finally:
             if tokens is not None:
                 tokens.close()  # the workers hold the pipe now
-        # the decoders, the memory and the reads in flight shared out: READERS in all, as one process
-        # has (more only queue on the disk ahead of CRIU's own reads: measured, sections 17 and 27)
+        # the decoders, the memory and the reads in flight shared out: readers() in all, as one process has
         self._jobs_sent = threading.Thread(target=self._send_jobs, name="gpusnap-fill-jobs", daemon=True,
                                            args=(start_reads, max(1, decoders // n), budget // n, prefetch // n,
                                                  -(-reads // n)))
