@@ -51,7 +51,7 @@ from storage.errors import DamageError, GpusnapError
 from storage.manifest import ChunkRef
 from storage.packs import Loc
 from storage.pipeline import Stages
-from storage.readstage import PackSource, Want, read_chunks
+from storage.readstage import READERS, PackSource, Want, read_chunks
 from storage.store import SnapshotStore, StoreError
 
 from sandbox.criu.split import Filler, Job, Key, SplitError, check_pids
@@ -89,17 +89,18 @@ def setting(name: str, default: Any, parse: Callable[[str], Any], ok: Callable[[
     return settings.setting(name, default, parse, ok, expected, error)
 
 
-FILL_READERS = 8  # the split fill's reads in flight, all workers together (readers())
+FILL_READERS = READERS  # the split fill's reads in flight, all workers together (readers())
 
 
 def readers() -> int:
     """Reads the split fill keeps in flight, all its worker processes together: $GPUSNAP_FILL_READERS,
-    else FILL_READERS. It was 4 (storage.readstage.READERS) while CRIU's own small cold reads of the
-    libraries it maps queued behind the fill's (BENCHMARKS.md sections 17 and 27); with those files
-    warmed before the fill's reads begin (sandbox.criu.filehints), CRIU's part no longer grows with the
-    queue, and on an H100 (section 37) 8 reads filled at 1.89 GB/s where 4 filled at 1.62-1.78 (the
-    disk: 1.74 with four plain readers). Each worker process reads with its share; where there are fewer
-    reads than workers (or a count they do not share evenly), the workers take turns through ReadTokens."""
+    else FILL_READERS (storage.readstage.READERS, 4). More were slower while CRIU's own small cold reads
+    of the libraries it maps queued behind them (BENCHMARKS.md sections 17 and 27); with those files
+    warmed first (sandbox.criu.filehints) CRIU's part no longer grows with them, but 8 reads filled no
+    faster than 4 on an H100 (section 37: 4.24 / 4.68 / 12.36 s against 4.50-5.02 / 4.48 / 11.58 s,
+    each pair one snapshot restored cold in turn), so 4 stays. Each worker process reads with its share;
+    where there are fewer reads than workers (or a count they do not share evenly), the workers take
+    turns through ReadTokens."""
     return int(setting("GPUSNAP_FILL_READERS", FILL_READERS, int, lambda n: 1 <= n <= 64, "a number of reads from 1 to 64"))
 
 
