@@ -442,12 +442,19 @@ def _advise(fds: _PackFds, run: list[tuple[int, Loc]], stop: Callable[[], bool])
     return True
 
 
-WILLNEED_STEP = 128 << 10  # bytes one POSIX_FADV_WILLNEED asks for (see willneed); $GPUSNAP_WILLNEED_STEP, for measuring
+WILLNEED_STEP = 128 << 10  # bytes one POSIX_FADV_WILLNEED asks for (see willneed)
+_step: list[int] = []      # willneed_step(), read once per process
 
 
-def _willneed_step() -> int:
-    v = os.environ.get("GPUSNAP_WILLNEED_STEP", "").strip()
-    return int(v) if v.isdigit() and 4096 <= int(v) <= 64 << 20 else WILLNEED_STEP
+def willneed_step() -> int:
+    """$GPUSNAP_WILLNEED_STEP (bytes, 4 KiB to 64 MiB), else WILLNEED_STEP: for measuring (1 and 4 MiB
+    steps filled no faster than 128 KiB on an H100 whose read_ahead_kb is 8192: BENCHMARKS.md section
+    37); a bad value is refused (SettingError) where a restore checks its settings."""
+    if not _step:
+        from .settings import SettingError, setting
+        _step.append(int(setting("GPUSNAP_WILLNEED_STEP", WILLNEED_STEP, int, lambda n: 4096 <= n <= 64 << 20,
+                                 "bytes, from 4096 to 67108864", SettingError)))
+    return _step[0]
 
 
 def willneed(fd: int, offset: int, length: int, stop: Callable[[], bool] = lambda: False) -> None:
@@ -457,7 +464,10 @@ def willneed(fd: int, offset: int, length: int, stop: Callable[[], bool] = lambd
     once its reads are queued (it waits when the device's queue is full), so the order of the calls
     is the order the disk serves them."""
     end = offset + length
-    step = _willneed_step()
+    try:
+        step = willneed_step()
+    except GpusnapError:  # refused where the restore checks its settings; a hint here
+        step = WILLNEED_STEP
     while offset < end and not stop():
         n = min(step, end - offset)
         os.posix_fadvise(fd, offset, n, os.POSIX_FADV_WILLNEED)

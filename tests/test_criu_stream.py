@@ -1037,7 +1037,8 @@ def test_only_the_tree_criu_restored_counts_as_this_restores_processes() -> None
 
 @pytest.mark.parametrize("name,value", [("GPUSNAP_FILL_PROCS", "many"), ("GPUSNAP_FILL_READERS", "0"),
                                         ("GPUSNAP_FILL_READERS_EARLY", "0"), ("GPUSNAP_CRIU_SPLIT_SHARED_MIN", "-1"),
-                                        ("GPUSNAP_FILL_PREFETCH_EARLY", "yes"), ("GPUSNAP_CRIU_FILE_HINTS", "2")])
+                                        ("GPUSNAP_FILL_PREFETCH_EARLY", "yes"), ("GPUSNAP_CRIU_FILE_HINTS", "2"),
+                                        ("GPUSNAP_WILLNEED_STEP", "1")])
 def test_a_bad_fill_setting_fails_the_restore_before_criu_starts(cli: Cli, store_dir: Path, name: str, value: str) -> None:
     """A fill setting that is not a number in its range: one line naming it, nothing restored, nothing
     left behind (no fill worker, no stopped process), and the snapshot restores once it is fixed."""

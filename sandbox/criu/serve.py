@@ -28,7 +28,7 @@ from contextlib import contextmanager
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Protocol
 
-from storage import pipeline
+from storage import pipeline, readstage
 from storage.childreads import ChildReads
 from storage.chunkfile import ChunkError
 from storage.codecs import CodecError, decode_host, decode_host_into
@@ -465,6 +465,7 @@ class ServeSource:
         self.fill_memory["procs"] = len(parts)
         self.fill_memory["readers"] = fill_procs.readers()  # a bad setting fails here, before CRIU starts
         self.fill_memory["prefetch_early"] = int(fill_procs.prefetch_early())
+        readstage.willneed_step()  # a bad GPUSNAP_WILLNEED_STEP fails here, before CRIU starts
         if self.arrivals is None:  # (a fill from a remote's arrivals reads no disk)
             self.fill_memory["readers_early"] = early = fill_procs.early_readers()  # while CRIU runs
             if len(parts) == 1 and early < self.fill_memory["readers"]:
