@@ -89,7 +89,7 @@ def test_the_plan_reads_each_mapped_file_s_head_and_the_bytes_behind_its_dumped_
               (0x50000, 0x52000, 0x1000, 2, FILE_PRIV),         # lib 2: one dumped page
               (0x60000, 0x61000, 0, 9, FILE_PRIV)])             # a file files.img does not name
     pm = _pagemap([(0x15000, 2), (0x20000, 8), (0x51000, 1), (0x60000, 1)])
-    hints = filehints.plan({1: ("/lib/one.so", None), 2: ("/lib/two.so", 99)}, [(mm, pm)])
+    hints = filehints.plan({1: ("/lib/one.so", None), 2: ("/lib/two.so", 99)}, [(filehints.file_areas(mm), pm)])
     assert [(h.path, h.ranges) for h in hints] == [
         ("/lib/one.so", ((0, filehints.HEAD), (0x20000 + 0x1000, 2 * P))),  # area start + pgoff
         ("/lib/two.so", ((0, filehints.HEAD),)),  # its page, at file offset 0x2000, lies inside the head
@@ -102,10 +102,10 @@ def test_the_plan_is_bounded_in_files_and_bytes(monkeypatch: pytest.MonkeyPatch)
     pm = _pagemap([(a, 16) for a, *_ in areas])
     paths = {k + 1: (f"/lib/{k}.so", None) for k in range(10)}
     monkeypatch.setattr(filehints, "MAX_FILES", 4)
-    hints = filehints.plan(paths, [(mm, pm)])
+    hints = filehints.plan(paths, [(filehints.file_areas(mm), pm)])
     assert [h.path for h in hints] == [f"/lib/{k}.so" for k in range(4)], "the first files met, at most MAX_FILES"
     monkeypatch.setattr(filehints, "MAX_BYTES", filehints.HEAD + 5 * 4096)
-    hints = filehints.plan(paths, [(mm, pm)])
+    hints = filehints.plan(paths, [(filehints.file_areas(mm), pm)])
     assert sum(h.nbytes for h in hints) == filehints.HEAD + 5 * 4096, hints
     assert hints[0].ranges == ((0, filehints.HEAD), (0x100000, 5 * 4096)), hints[0]
 
@@ -117,17 +117,19 @@ def test_a_crafted_plan_stays_linear_and_within_bounds(monkeypatch: pytest.Monke
     mm = _mm([(0x100000 + k * 0x2000, 0x100000 + k * 0x2000 + 0x1000, 0, 1, FILE_PRIV) for k in range(n)])
     long_one = [(0x100000, n * 2), *[(0x100000 + k * 0x2000, 1) for k in range(1, n)]]
     t0 = time.monotonic()
-    with pytest.raises(filehints.FileHintError, match="entries overlap"):
-        filehints.plan({1: ("/lib/x.so", None)}, [(mm, _pagemap(long_one))])
+    with pytest.raises(filehints.FileHintError, match="entries out of order or overlapping"):
+        filehints.plan({1: ("/lib/x.so", None)}, [(filehints.file_areas(mm), _pagemap(long_one))])
+    with pytest.raises(filehints.FileHintError, match="entries out of order"):
+        filehints.plan({1: ("/lib/x.so", None)}, [(filehints.file_areas(mm), _pagemap([(0x200000, 1), (0x100000, 1)]))])
     assert time.monotonic() - t0 < 5
     with pytest.raises(filehints.FileHintError, match="areas overlap"):
         filehints.file_areas(_mm([(0x10000, 0x20000, 0, 1, FILE_PRIV), (0x18000, 0x30000, 0, 2, FILE_PRIV)]))
     huge = _mm([(0x10000, 0x11000, (1 << 63) - 0x1000, 1, FILE_PRIV)])
-    hints = filehints.plan({1: ("/lib/x.so", None)}, [(huge, _pagemap([(0x10000, 1)]))])
+    hints = filehints.plan({1: ("/lib/x.so", None)}, [(filehints.file_areas(huge), _pagemap([(0x10000, 1)]))])
     assert hints[0].ranges == ((0, filehints.HEAD),), "an offset past any file's is dropped"
     monkeypatch.setattr(filehints, "MAX_RANGES", 10)
     apart = [(0x100000 + k * 0x2000, 1) for k in range(n)]
-    hints = filehints.plan({1: ("/lib/x.so", None)}, [(mm, _pagemap(apart))])
+    hints = filehints.plan({1: ("/lib/x.so", None)}, [(filehints.file_areas(mm), _pagemap(apart))])
     assert len(hints[0].ranges) <= 10, hints
 
 
@@ -209,9 +211,9 @@ def test_warm_holds_few_files_open_and_none_after(tmp_path: Path) -> None:
     most = [0]
     real = filehints.open_data_file
 
-    def counting(path: str, size: int | None = None) -> tuple[int, int] | None:
+    def counting(path: str, size: int | None = None, mounts: dict | None = None) -> tuple[int, int] | None:
         most[0] = max(most[0], len(os.listdir("/proc/self/fd")) - before)
-        return real(path, size)
+        return real(path, size, mounts)
     import unittest.mock
     with unittest.mock.patch.object(filehints, "open_data_file", counting):
         assert filehints.warm([filehints.Hint(str(p), ((0, 8192),)) for p in paths]) == (len(paths), 8192 * len(paths))
@@ -247,21 +249,53 @@ def test_a_leased_file_is_passed_over_not_waited_for(tmp_path: Path) -> None:
         holder.wait()
 
 
-def test_warm_within_gives_up_at_its_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A file system that does not answer (here: a warm that blocks until told to stop) holds up the
-    restore no longer than the deadline; the thread is told to stop."""
-    stopped = threading.Event()
+def test_warm_within_gives_up_at_its_deadline_and_never_piles_up_stuck_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A lookup that does not answer (a stalled mount: here a warm that ignores its stop until let go)
+    holds the restore no longer than the deadline, the report says what was done by then; while that
+    thread is held up, the next restore warms nothing (busy) instead of leaving another thread and its
+    descriptors behind; once it ends, warming works again."""
+    release = threading.Event()
+    calls = []
 
-    def stuck(hints: object, stop: object) -> tuple[int, int]:
-        while not stop():  # type: ignore[operator]
-            time.sleep(0.01)
-        stopped.set()
-        return 0, 0
+    def stuck(hints: object, stop: object, progress: dict) -> tuple[int, int]:
+        calls.append(1)
+        progress.update(files=3, bytes=12288)
+        release.wait(30)
+        return 3, 12288
     monkeypatch.setattr(filehints, "warm", stuck)
     t0 = time.monotonic()
     out = filehints.warm_within([filehints.Hint("/x", ((0, 1),))], deadline_s=0.2)
-    assert 0.2 <= time.monotonic() - t0 < 2 and out["timed_out"] == 1, out
-    assert stopped.wait(2), "the warming thread was told to stop"
+    assert 0.2 <= time.monotonic() - t0 < 2, out
+    assert out["timed_out"] == 1 and out["busy"] == 0 and (out["files"], out["bytes"]) == (3, 12288), out
+    again = filehints.warm_within([filehints.Hint("/x", ((0, 1),))], deadline_s=0.2)
+    assert again["busy"] == 1 and again["files"] == 0 and len(calls) == 1, again
+    release.set()
+    for _ in range(100):
+        if not any(t.name == "gpusnap-criu-files" and t.is_alive() for t in threading.enumerate()):
+            break
+        time.sleep(0.02)
+    third = filehints.warm_within([filehints.Hint("/x", ((0, 1),))], deadline_s=2)
+    assert third["busy"] == 0 and third["timed_out"] == 0 and len(calls) == 2, third
+
+
+def test_paths_through_mounts_other_than_data_file_systems_are_not_looked_up() -> None:
+    """An automount, a FUSE or network mount or procfs on the way is never entered (a lookup there may
+    wait or act); nor a path with "..", "." or an empty component."""
+    mounts = {"/": "ext4", "/proc": "proc", "/home/t/fuse": "fuse.sshfs", "/net": "autofs", "/opt": "xfs",
+              "/srv/nfs": "nfs4", "/dev/shm": "tmpfs"}
+    ok = ["/usr/lib/libc.so.6", "/opt/torch/lib/libtorch.so", "/dev/shm/x.so"]
+    refused = ["/proc/kmsg", "/home/t/fuse/lib.so", "/net/host/lib.so", "/srv/nfs/a.so", "/usr/../proc/kmsg",
+               "/usr/./lib/x.so", "/usr//lib/x.so", "relative.so", "/home/t/fuse"]
+    assert all(filehints.through_data_mounts(p, mounts) for p in ok)
+    assert not any(filehints.through_data_mounts(p, mounts) for p in refused)
+    assert not filehints.through_data_mounts("/usr/lib/x.so", {"/": "nfs"})
+    real = filehints._mounts()
+    assert "/" in real and filehints.through_data_mounts("/proc/self/status", real) is False
+
+
+def test_files_img_keeps_only_the_files_the_areas_map() -> None:
+    data = _files([(1, 1, b"/a.so"), (1, 2, b"/b.so"), (1, 3, b"/c.so")])
+    assert filehints.reg_paths(data, {2, 9}) == {2: ("/b.so", 1234)}
 
 
 def test_the_hints_can_be_turned_off_and_a_bad_setting_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:

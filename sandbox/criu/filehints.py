@@ -19,29 +19,36 @@ area (the pagemap CRIU gets: area start + pgoff). Nothing when the snapshot rest
 Guarantees kept here: a hint only: nothing read here reaches a process or a file, and every failure
 is ignored (CRIU opens the files itself and reports what is wrong). Every path is a snapshot's claim,
 from a store that may hold a hostile snapshot, and gpusnap is root:
-- a path is resolved with openat2(O_PATH, RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS) (CRIU's names
-  are the kernel's, with no link in them; no /proc/PID/root detour), then read only where it is a
-  regular file of a file system that holds files on a disk or in memory (ext4, xfs, btrfs, overlay,
-  squashfs, erofs, f2fs, tmpfs: never procfs, sysfs, debugfs, tracefs, FUSE or a network file
-  system, whose reads may consume, act or block), of the size files.img records (CRIU refuses
-  another), opened through that very inode with O_NONBLOCK (a lease makes the open fail, not wait),
-  never for writing, atime untouched; ranges clamped to the file's size;
-- at most MAX_FILES files and MAX_BYTES bytes, at most OPEN_MOST files open at once; images parsed in
-  time linear in their sizes (overlapping pagemap entries, which CRIU never writes, give no hints);
-- a lookup that does not answer (an automount, a stalled mount on the way) holds up only the thread
-  that warms: the restore waits DEADLINE_S at most (warm_within).
+- a path is looked up only where every mount it passes through is a file system that holds files
+  on a disk or in memory (ext4, xfs, btrfs, overlay, squashfs, erofs, f2fs, tmpfs: never an
+  automount, FUSE, a network file system, procfs, sysfs, debugfs or tracefs, whose lookups and reads
+  may wait, consume or act), with no ".", ".." or empty component; resolved with openat2(O_PATH,
+  RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS) (CRIU's names are the kernel's, with no link in them;
+  no /proc/PID/root detour); read only where it is a regular file of such a file system, of the
+  size files.img records (CRIU refuses another), opened through that very inode with O_NONBLOCK (a
+  lease makes the open fail, not wait; its holder is told, as it is of CRIU's own open next), never
+  for writing, atime untouched; ranges clamped to the file's size;
+- at most MAX_FILES files and MAX_BYTES bytes, at most OPEN_MOST files open at once; only the files
+  the mm images map are kept from files.img; images parsed in time linear in their sizes, one
+  process's pagemap at a time (entries out of order or overlapping, which CRIU never writes, give
+  no hints), no more once the bounds are reached;
+- whatever holds a read up (an overlay whose lower layer is remote, say) holds only the thread that
+  warms: the restore waits DEADLINE_S at most, and while that thread is held no other starts in this
+  process (warm_within), so stuck threads and their descriptors cannot pile up.
 Where openat2 is missing (kernels before 5.6) nothing is warmed."""
 from __future__ import annotations
 
 import collections
 import ctypes
+import errno
 import os
+import re
 import stat
 import struct
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Sequence
 
 from storage.errors import GpusnapError
 
@@ -81,10 +88,10 @@ class Hint:
         return sum(n for _, n in self.ranges)
 
 
-def reg_paths(data: bytes) -> dict[int, tuple[str, int | None]]:
+def reg_paths(data: bytes, wanted: "set[int] | None" = None) -> dict[int, tuple[str, int | None]]:
     """The regular files of a CRIU files.img (records FileEntry {1: type, 2: id, 3: reg {6: name, 8: size}}),
     by id: (path, size); absolute paths only (CRIU's own, as it opens them on restore), each at most
-    MAX_PATH bytes."""
+    MAX_PATH bytes; only the ids in WANTED where given (those the mm images map)."""
     if len(data) > MAX_FILES_IMG:
         raise FileHintError(f"files.img: {len(data)} bytes, more than the {MAX_FILES_IMG} read")
     out: dict[int, tuple[str, int | None]] = {}
@@ -98,7 +105,8 @@ def reg_paths(data: bytes) -> dict[int, tuple[str, int | None]]:
             if end > len(data):
                 raise FileHintError("files.img: truncated record")
             kind, fid, reg = _file_entry(data, start, end)
-            if kind == FD_REG and fid is not None and reg is not None and reg[0] is not None:
+            if (kind == FD_REG and fid is not None and reg is not None and reg[0] is not None
+                    and (wanted is None or fid in wanted)):
                 out[fid] = (reg[0], reg[1])
             i = end
     except (SplitError, struct.error) as e:
@@ -190,20 +198,23 @@ def file_areas(mm: bytes) -> list[tuple[int, int, int, int]]:
     return out
 
 
-def plan(paths: dict[int, tuple[str, int | None]], processes: Sequence[tuple[bytes, Pagemap]]) -> list[Hint]:
-    """The hints for PROCESSES (each its mm image and the pagemap CRIU gets, in the tree's order): per
+def plan(paths: dict[int, tuple[str, int | None]],
+         processes: Iterable[tuple[list[tuple[int, int, int, int]], Pagemap]]) -> list[Hint]:
+    """The hints for PROCESSES (each its file_areas and the pagemap CRIU gets, in the tree's order): per
     file mapped, its head and the file bytes behind each page CRIU writes into its areas; at most
-    MAX_FILES files, MAX_RANGES ranges and MAX_BYTES bytes (the first met kept). FileHintError where
-    areas or pagemap entries overlap (CRIU writes neither)."""
+    MAX_FILES files, MAX_RANGES ranges and MAX_BYTES bytes (the first met kept; no more is parsed
+    once they are reached). FileHintError where pagemap entries are out of order or overlap (CRIU
+    writes neither)."""
     want: dict[str, list[tuple[int, int]]] = {}
     sizes: dict[str, int | None] = {}
-    nranges = 0
-    for mm, pm in processes:
-        areas = file_areas(mm)
-        entries = sorted((e.vaddr, e.vaddr + e.nbytes) for e in pm.entries if e.offset is not None)
+    nranges, asked = 0, 0
+    for areas, pm in processes:
+        if nranges >= MAX_RANGES or asked >= MAX_BYTES or len(want) >= MAX_FILES:
+            break
+        entries = [(e.vaddr, e.vaddr + e.nbytes) for e in pm.entries if e.offset is not None]
         for k in range(1, len(entries)):
             if entries[k][0] < entries[k - 1][1]:
-                raise FileHintError(f"pagemap: entries overlap at {entries[k][0]:#x}")
+                raise FileHintError(f"pagemap: entries out of order or overlapping at {entries[k][0]:#x}")
         k = 0  # areas and entries are sorted and apart: their ends are sorted too, one sweep over both
         for a, b, pgoff, fid in areas:
             named = paths.get(fid)
@@ -214,16 +225,16 @@ def plan(paths: dict[int, tuple[str, int | None]], processes: Sequence[tuple[byt
                 if len(want) >= MAX_FILES:
                     continue
                 want[path], sizes[path] = [(0, HEAD)], named[1]
-                nranges += 1
+                nranges, asked = nranges + 1, asked + HEAD
             while k < len(entries) and entries[k][1] <= a:
                 k += 1
             j = k
-            while j < len(entries) and entries[j][0] < b and nranges < MAX_RANGES:
+            while j < len(entries) and entries[j][0] < b and nranges < MAX_RANGES and asked < MAX_BYTES:
                 lo, hi = max(a, entries[j][0]), min(b, entries[j][1])
                 off = pgoff + lo - a
                 if hi > lo and off + (hi - lo) <= OFF_MOST:
                     want[path].append((off, hi - lo))
-                    nranges += 1
+                    nranges, asked = nranges + 1, asked + hi - lo
                 j += 1
     hints, total = [], 0
     for path, ranges in want.items():
@@ -246,17 +257,23 @@ def plan(paths: dict[int, tuple[str, int | None]], processes: Sequence[tuple[byt
     return hints
 
 
-def warm(hints: Sequence[Hint], stop: Callable[[], bool] = lambda: False) -> tuple[int, int]:
+def warm(hints: Sequence[Hint], stop: Callable[[], bool] = lambda: False,
+         progress: "dict[str, float] | None" = None) -> tuple[int, int]:
     """HINTS read into the page cache, so they are resident when this returns: each file opened (see
     open_data_file), its ranges asked for (POSIX_FADV_WILLNEED), then read through, OPEN_MOST files
-    asked for ahead of the one being read; STOP is checked between steps. Returns (files warmed,
-    bytes read). A hint only: every failure is ignored."""
+    asked for ahead of the one being read; STOP is checked between steps; PROGRESS (where given)
+    gets "files" and "bytes" as they grow. Returns (files warmed, bytes read). A hint only: every
+    failure is ignored."""
     ahead: collections.deque[tuple[int, Hint, int]] = collections.deque()
     scratch = bytearray(1 << 20)
-    files = got = 0
+    done: dict[str, float] = {"files": 0, "bytes": 0} if progress is None else progress
+    done.update(files=0, bytes=0)
+    try:
+        mounts = _mounts()
+    except OSError:
+        return 0, 0
 
-    def read_through(fd: int, h: Hint, size: int) -> int:
-        n = 0
+    def read_through(fd: int, h: Hint, size: int) -> None:
         for off, ln in h.ranges:
             end = min(off + ln, size)
             while off < end and not stop():
@@ -267,19 +284,18 @@ def warm(hints: Sequence[Hint], stop: Callable[[], bool] = lambda: False) -> tup
                 if r <= 0:
                     break
                 off += r
-                n += r
-        return n
+                done["bytes"] += r
 
     try:
         for h in hints:
             if stop():
                 break
-            opened = open_data_file(h.path, h.size)
+            opened = open_data_file(h.path, h.size, mounts)
             if opened is None:
                 continue
             fd, size = opened
             ahead.append((fd, h, size))
-            files += 1
+            done["files"] += 1
             for off, n in h.ranges:
                 if off >= size:
                     break
@@ -290,39 +306,83 @@ def warm(hints: Sequence[Hint], stop: Callable[[], bool] = lambda: False) -> tup
             if len(ahead) > OPEN_MOST:
                 fd, old, sz = ahead.popleft()
                 try:
-                    got += read_through(fd, old, sz)
+                    read_through(fd, old, sz)
                 finally:
                     os.close(fd)
         while ahead:
             fd, old, sz = ahead.popleft()
             try:
                 if not stop():
-                    got += read_through(fd, old, sz)
+                    read_through(fd, old, sz)
             finally:
                 os.close(fd)
-        return files, got
+        return int(done["files"]), int(done["bytes"])
     finally:
         for fd, _, _ in ahead:
             os.close(fd)
+
+
+# the file systems (mountinfo names) a path may pass through: what DATA_FS's magics are
+DATA_FS_NAMES = frozenset({"ext2", "ext3", "ext4", "xfs", "btrfs", "overlay", "squashfs", "erofs", "f2fs", "tmpfs"})
+_ESCAPE = re.compile(rb"\\([0-7]{3})")
+
+
+def _mounts() -> dict[str, str]:
+    """This mount namespace's mount points and their file system types (/proc/self/mountinfo; where
+    several are mounted at one point, the last, the one seen)."""
+    out: dict[str, str] = {}
+    with open("/proc/self/mountinfo", "rb") as f:
+        for line in f:
+            parts = line.split()
+            try:
+                sep = parts.index(b"-", 6)
+            except ValueError:
+                continue
+            if len(parts) > sep + 1:
+                point = _ESCAPE.sub(lambda m: bytes([int(m.group(1), 8) & 0xFF]), parts[4])
+                out[os.fsdecode(point)] = os.fsdecode(parts[sep + 1])
+    return out
+
+
+def through_data_mounts(path: str, mounts: dict[str, str]) -> bool:
+    """Whether looking PATH up passes only through mounts of DATA_FS_NAMES (never an automount, FUSE,
+    a network file system, procfs or sysfs, whose lookups may wait or act): PATH absolute, with no
+    empty, "." or ".." component (CRIU's names are the kernel's, with none)."""
+    comps = path.split("/")
+    if comps[0] != "" or any(c in ("", ".", "..") for c in comps[1:]):
+        return False
+    if mounts.get("/") not in DATA_FS_NAMES:
+        return False
+    prefix = ""
+    for c in comps[1:]:
+        prefix += "/" + c
+        fs = mounts.get(prefix)
+        if fs is not None and fs not in DATA_FS_NAMES:
+            return False
+    return True
 
 
 class _OpenHow(ctypes.Structure):
     _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
 
 
+class _Statfs(ctypes.Structure):
+    _fields_ = [("f_type", ctypes.c_long), ("rest", ctypes.c_byte * 112)]  # the kernel's struct statfs (64-bit)
+
+
 SYS_OPENAT2 = 437                 # the same number on x86-64 and aarch64 (the generic table)
 RESOLVE_NO_MAGICLINKS, RESOLVE_NO_SYMLINKS = 0x02, 0x04
 AT_FDCWD = -100
-_libc = None
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.syscall.restype = ctypes.c_long
+_openat2_missing: list[bool] = []  # set once openat2 is refused as such (ENOSYS, or EPERM from a filter)
 
 
 def _openat2_path(path: str) -> int | None:
     """PATH resolved with no symbolic or magic link on the way, as an O_PATH descriptor; None where it
     cannot be (or the kernel lacks openat2)."""
-    global _libc
-    if _libc is None:
-        _libc = ctypes.CDLL(None, use_errno=True)
-        _libc.syscall.restype = ctypes.c_long
+    if _openat2_missing:
+        return None
     try:
         raw = os.fsencode(path)
     except (UnicodeError, ValueError):
@@ -332,24 +392,26 @@ def _openat2_path(path: str) -> int | None:
     how = _OpenHow(os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, 0, RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS)
     fd = _libc.syscall(ctypes.c_long(SYS_OPENAT2), ctypes.c_int(AT_FDCWD), ctypes.c_char_p(raw), ctypes.byref(how),
                        ctypes.c_size_t(ctypes.sizeof(how)))
-    return None if fd < 0 else int(fd)
-
-
-class _Statfs(ctypes.Structure):
-    _fields_ = [("f_type", ctypes.c_long), ("rest", ctypes.c_byte * 112)]  # the kernel's struct statfs (64-bit)
+    if fd < 0:
+        if ctypes.get_errno() in (errno.ENOSYS, errno.EPERM):
+            _openat2_missing.append(True)
+        return None
+    return int(fd)
 
 
 def _fs_type(fd: int) -> int | None:
-    assert _libc is not None
     st = _Statfs()
     return None if _libc.fstatfs(ctypes.c_int(fd), ctypes.byref(st)) != 0 else st.f_type & 0xFFFFFFFF
 
 
-def open_data_file(path: str, size: int | None = None) -> tuple[int, int] | None:
+def open_data_file(path: str, size: int | None = None, mounts: "dict[str, str] | None" = None) -> tuple[int, int] | None:
     """PATH opened for reading, with its size, if it is a regular file of a data file system (DATA_FS)
-    whose size is SIZE (where given), reached without a link; else None. Looked up as O_PATH first (no
-    open of a device, a FIFO or a socket runs), then that same inode opened through /proc/self/fd with
-    O_NONBLOCK (a lease on it makes the open fail instead of waiting) and O_NOATIME."""
+    whose size is SIZE (where given), reached without a link and, with MOUNTS (_mounts), through data
+    file systems only; else None. Looked up as O_PATH first (no open of a device, a FIFO or a socket
+    runs), then that same inode opened through /proc/self/fd with O_NONBLOCK (a lease on it makes
+    the open fail instead of waiting; its holder is told, as of CRIU's own open next) and O_NOATIME."""
+    if mounts is not None and not through_data_mounts(path, mounts):
+        return None
     p = _openat2_path(path)
     if p is None:
         return None
@@ -370,28 +432,36 @@ def open_data_file(path: str, size: int | None = None) -> tuple[int, int] | None
         os.close(p)
 
 
+_warming_lock = threading.Lock()
+_warming: list[threading.Thread] = []  # this process's warming thread, while it runs
+
+
 def warm_within(hints: Sequence[Hint], deadline_s: float = DEADLINE_S) -> dict[str, float]:
     """warm(HINTS) in a thread of its own, waited for at most DEADLINE_S seconds (then told to stop
-    and left to end on its own: a lookup that does not answer holds only that thread). Returns
-    {"files", "bytes", "seconds", "timed_out"} as of the return, for the restore's report."""
-    out: dict[str, float] = {"files": 0, "bytes": 0, "timed_out": 0}
+    and left to end on its own: a read that does not answer holds only that thread). One such thread
+    per process at a time: while an earlier one is still held up, nothing is warmed ("busy": 1), so
+    stuck threads and their descriptors never pile up. Returns {"files", "bytes", "seconds",
+    "timed_out", "busy"} as of the return (what was done by then), for the restore's report."""
+    t0 = time.perf_counter()
+    progress: dict[str, float] = {"files": 0, "bytes": 0}
     stop = threading.Event()
 
     def run() -> None:
         try:
-            files, got = warm(hints, stop.is_set)
-            out["files"], out["bytes"] = files, got
+            warm(hints, stop.is_set, progress)
         except Exception:  # noqa: BLE001 - a hint
             pass
 
-    t0 = time.perf_counter()
-    t = threading.Thread(target=run, daemon=True, name="gpusnap-criu-files")
-    t.start()
+    with _warming_lock:
+        if _warming and _warming[0].is_alive():
+            return {"files": 0, "bytes": 0, "timed_out": 0, "busy": 1, "seconds": time.perf_counter() - t0}
+        t = threading.Thread(target=run, daemon=True, name="gpusnap-criu-files")
+        _warming[:] = [t]
+        t.start()
     t.join(deadline_s)
     if t.is_alive():
         stop.set()
-    report = dict(out)  # what the thread does after the deadline is not reported
-    report["timed_out"] = int(t.is_alive())
+    report = {"files": progress["files"], "bytes": progress["bytes"], "timed_out": int(t.is_alive()), "busy": 0}
     report["seconds"] = time.perf_counter() - t0
     return report
 

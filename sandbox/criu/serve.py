@@ -377,15 +377,18 @@ class ServeSource:
         if (not filehints.hints_on() or files is None or files.size > filehints.MAX_FILES_IMG
                 or "remap-fpath.img" in self.images or any(n.startswith("mountpoints-") for n in self.images)):
             return []
+        t0 = time.perf_counter()
         try:
-            paths = filehints.reg_paths(whole(files))
             by_pid = {pl.pid: pl for pl in self.plans.values()}
-            order = [p for p in dict.fromkeys([*self.pstree, *sorted(by_pid)]) if p in by_pid]  # the tree's order
-            # the pagemaps CRIU gets (the moved runs left out: far fewer entries than the dump's)
-            procs = [(mms[f"mm-{p}.img"], split.parse_pagemap(by_pid[p].pagemap)) for p in order if f"mm-{p}.img" in mms]
-            return filehints.plan(paths, procs)
+            order = [p for p in dict.fromkeys([*self.pstree, *sorted(by_pid)]) if p in by_pid and f"mm-{p}.img" in mms]
+            areas = {p: filehints.file_areas(mms[f"mm-{p}.img"]) for p in order}  # the tree's order
+            paths = filehints.reg_paths(whole(files), {fid for a in areas.values() for *_, fid in a})
+            # the pagemaps CRIU gets (the moved runs left out: far fewer entries than the dump's), one at a time
+            return filehints.plan(paths, ((areas[p], split.parse_pagemap(by_pid[p].pagemap)) for p in order))
         except (filehints.FileHintError, split.SplitError):
             return []
+        finally:
+            self.stages.add("criu-first files:plan", time.perf_counter() - t0, 0)
 
     def __enter__(self) -> "ServeSource":
         return self
