@@ -20,7 +20,7 @@ Guarantees kept here: a hint only: nothing read here reaches a process or a file
 is ignored (CRIU opens the files itself and reports what is wrong). Every path is a snapshot's claim,
 from a store that may hold a hostile snapshot, and gpusnap is root:
 - a path is looked up only where every mount it passes through is a file system that holds files
-  on a disk or in memory (ext4, xfs, btrfs, overlay, squashfs, erofs, f2fs, tmpfs: never an
+  on a disk or in memory (ext4, xfs, btrfs, overlay, squashfs, erofs, f2fs, tmpfs, ramfs: never an
   automount, FUSE, a network file system, procfs, sysfs, debugfs or tracefs, whose lookups and reads
   may wait, consume or act), with no ".", ".." or empty component; resolved with openat2(O_PATH,
   RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS) (CRIU's names are the kernel's, with no link in them;
@@ -67,7 +67,8 @@ DEADLINE_S = 2.0           # how long a restore waits for the warming (warm_with
 OFF_MOST = 1 << 62         # file offsets past this are no file's (and would overflow the kernel's loff_t)
 # file systems whose regular files are plain data on a disk or in memory (statfs f_type)
 DATA_FS = {0xEF53: "ext2/3/4", 0x58465342: "xfs", 0x9123683E: "btrfs", 0x794C7630: "overlay",
-           0x73717368: "squashfs", 0xE0F5E1E2: "erofs", 0xF2F52010: "f2fs", 0x01021994: "tmpfs"}
+           0x73717368: "squashfs", 0xE0F5E1E2: "erofs", 0xF2F52010: "f2fs", 0x01021994: "tmpfs",
+           0x858458F6: "ramfs"}
 
 
 class FileHintError(GpusnapError):
@@ -323,7 +324,8 @@ def warm(hints: Sequence[Hint], stop: Callable[[], bool] = lambda: False,
 
 
 # the file systems (mountinfo names) a path may pass through: what DATA_FS's magics are
-DATA_FS_NAMES = frozenset({"ext2", "ext3", "ext4", "xfs", "btrfs", "overlay", "squashfs", "erofs", "f2fs", "tmpfs"})
+DATA_FS_NAMES = frozenset({"ext2", "ext3", "ext4", "xfs", "btrfs", "overlay", "squashfs", "erofs", "f2fs", "tmpfs",
+                           "ramfs", "rootfs"})
 _ESCAPE = re.compile(rb"\\([0-7]{3})")
 
 
