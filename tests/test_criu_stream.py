@@ -15,6 +15,7 @@ from typing import Callable
 import pytest
 from conftest import GPUSNAP, REPO, Cli, chunk_files, pythonpath
 from support.criu import Tree, _state, healthy, pids_with, require_criu
+from support.criu_records import MAGICS, msg, rec, varint
 
 pytestmark = pytest.mark.root
 
@@ -127,22 +128,7 @@ def test_protocol_rejects_names_that_are_paths() -> None:
         parse_request(b"\x0a\x20abc")  # a length past the message's end
 
 
-_PAGEMAP_MAGICS = b"\x19\x43\x56\x54\x25\x40\x08\x56"
-
-
-def _varint(x: int) -> bytes:
-    out = bytearray()
-    while True:
-        b, x = x & 0x7F, x >> 7
-        out.append(b | (0x80 if x else 0))
-        if not x:
-            return bytes(out)
-
-
-def _rec(body: bytes) -> bytes:
-    """A record of a CRIU image: its u32 length, then its protobuf."""
-    import struct
-    return struct.pack("<I", len(body)) + body
+_PAGEMAP_MAGICS, _varint, _rec = MAGICS, varint, rec
 
 
 def _entry(vaddr: int, nr: int, flags: int = 4) -> bytes:
@@ -267,8 +253,7 @@ def test_a_hostile_mm_image_is_refused_with_its_reason(mm: bytes, why: str) -> N
         split.mm_areas(mm)
 
 
-def _msg(field: int, body: bytes) -> bytes:
-    return _varint(field << 3 | 2) + _varint(len(body)) + body
+_msg = msg
 
 
 def _core(sp: int, march: int = 1, sas: tuple[int, int, int] | None = None) -> bytes:

@@ -11,29 +11,9 @@ from pathlib import Path
 import pytest
 
 from sandbox.criu import filehints, split
+from support.criu_records import MAGICS, msg, rec, uint, varint
 
-MAGICS = b"\x19\x43\x56\x54\x25\x40\x08\x56"
-
-
-def _varint(x: int) -> bytes:
-    out = bytearray()
-    while True:
-        b, x = x & 0x7F, x >> 7
-        out.append(b | (0x80 if x else 0))
-        if not x:
-            return bytes(out)
-
-
-def _rec(body: bytes) -> bytes:
-    return struct.pack("<I", len(body)) + body
-
-
-def _msg(field: int, body: bytes) -> bytes:
-    return _varint(field << 3 | 2) + _varint(len(body)) + body
-
-
-def _int(field: int, v: int) -> bytes:
-    return _varint(field << 3) + _varint(v)
+_varint, _rec, _msg, _int = varint, rec, msg, uint
 
 
 def _files(entries: list[tuple[int, int, bytes]]) -> bytes:

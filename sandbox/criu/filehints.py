@@ -52,8 +52,8 @@ from typing import Callable, Iterable, Sequence
 
 from storage.errors import GpusnapError
 
-from sandbox.criu.split import (MAX_MM_BYTES, PAGE, VMA_FILE_PRIVATE, VMA_FILE_SHARED, VMA_REGULAR, Pagemap,
-                                SplitError, _LEN, _MAGICS, _one_record, _skip_field, _varint)
+from sandbox.criu.split import (PAGE, VMA_FILE_PRIVATE, VMA_FILE_SHARED, VMA_REGULAR, Pagemap, SplitError, _LEN,
+                                _MAGICS, _skip_field, _varint, vma_fields)
 
 HEAD = 64 << 10            # bytes of each file's start read (its ELF header, program headers and build-id note)
 MAX_FILES = 4096           # files warmed at most
@@ -168,25 +168,9 @@ def _reg_file(data: bytes, i: int, end: int) -> tuple[str | None, int | None]:
 def file_areas(mm: bytes) -> list[tuple[int, int, int, int]]:
     """(start, end, pgoff, file id) of each area of a CRIU mm image (MmEntry {14: VmaEntry {1: start,
     2: end, 3: pgoff, 4: shmid, 7: status}}) that maps a regular file, sorted by start."""
+    out: list[tuple[int, int, int, int]] = []
     try:
-        i, end = _one_record(mm, "mm", MAX_MM_BYTES)
-        out: list[tuple[int, int, int, int]] = []
-        while i < end:
-            key, i = _varint(mm, i)
-            if key >> 3 != 14 or key & 7 != 2:
-                i = _skip_field(mm, i, key & 7)
-                continue
-            ln, i = _varint(mm, i)
-            vend = i + ln
-            if vend > end:
-                raise FileHintError("mm: truncated area")
-            f: dict[int, int] = {}
-            while i < vend:
-                k, i = _varint(mm, i)
-                if k & 7 == 0:
-                    f[k >> 3], i = _varint(mm, i)
-                else:
-                    i = _skip_field(mm, i, k & 7)
+        for f in vma_fields(mm):
             st = f.get(7, 0)
             if st & VMA_REGULAR and st & (VMA_FILE_PRIVATE | VMA_FILE_SHARED) and f.get(1, 0) < f.get(2, 0):
                 out.append((f.get(1, 0), f.get(2, 0), f.get(3, 0), f.get(4, 0)))

@@ -39,7 +39,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence, Union
+from typing import Any, Callable, Iterator, Sequence, Union
 
 from storage.directio import AlignedBuffer, copy_into
 from storage.errors import GpusnapError
@@ -387,16 +387,11 @@ def process_stacks(pids: "Sequence[int]", threads: dict[int, list[int]],
     return out, None
 
 
-def mm_areas(data: bytes, kept: "Sequence[tuple[int, int]]" = (),
-             pinned_out: list[tuple[int, int]] | None = None) -> list[tuple[int, int, bool]]:
-    """The areas of a CRIU mm image (MmEntry {14: repeated VmaEntry {1: start, 2: end, 5: prot,
-    6: flags, 7: status}}, framed as a pagemap is) whose pages the split may fill (movable, and not
-    touching any of the ranges KEPT: the process's thread stacks, thread_stacks), as sorted (start,
-    end, writable), adjacent ones of the same writability joined; PINNED_OUT, where given, gets the
-    (start, end) of each area that would move but for KEPT. Bytes from the store: checked, not
-    trusted (SplitError): no two areas of the image, movable or not, may overlap."""
+def vma_fields(data: bytes) -> Iterator[dict[int, int]]:
+    """The varint fields, by number, of each VmaEntry of a CRIU mm image (MmEntry {14: repeated
+    VmaEntry}, framed as a pagemap is), in the image's order; SplitError where it is cut short or
+    malformed (bytes from the store)."""
     i, end = _one_record(data, "mm", MAX_MM_BYTES)
-    every: list[tuple[int, int, int, int, int]] = []
     while i < end:
         key, i = _varint(data, i)
         if key >> 3 != 14 or key & 7 != 2:
@@ -415,12 +410,25 @@ def mm_areas(data: bytes, kept: "Sequence[tuple[int, int]]" = (),
                 i = _skip_field(data, i, k & 7)
         if i != vend:
             raise SplitError("mm: malformed area")
+        yield f
+    if i != end:
+        raise SplitError("mm: malformed record")
+
+
+def mm_areas(data: bytes, kept: "Sequence[tuple[int, int]]" = (),
+             pinned_out: list[tuple[int, int]] | None = None) -> list[tuple[int, int, bool]]:
+    """The areas of a CRIU mm image (MmEntry {14: repeated VmaEntry {1: start, 2: end, 5: prot,
+    6: flags, 7: status}}, framed as a pagemap is) whose pages the split may fill (movable, and not
+    touching any of the ranges KEPT: the process's thread stacks, thread_stacks), as sorted (start,
+    end, writable), adjacent ones of the same writability joined; PINNED_OUT, where given, gets the
+    (start, end) of each area that would move but for KEPT. Bytes from the store: checked, not
+    trusted (SplitError): no two areas of the image, movable or not, may overlap."""
+    every: list[tuple[int, int, int, int, int]] = []
+    for f in vma_fields(data):
         start, stop = f.get(1, 0), f.get(2, 0)
         if start % PAGE or stop % PAGE or not start < stop:
             raise SplitError(f"mm: an area {start:#x}-{stop:#x}")
         every.append((start, stop, f.get(5, 0), f.get(6, 0), f.get(7, 0)))
-    if i != end:
-        raise SplitError("mm: malformed record")
     every.sort()
     pinned: set[int] = set()  # the areas a kept range touches: one sweep over both, sorted (kept merged)
     merged: list[list[int]] = []
