@@ -97,8 +97,8 @@ def readers() -> int:
     else FILL_READERS (storage.readstage.READERS, 4). More were slower while CRIU's own small cold reads
     of the libraries it maps queued behind them (BENCHMARKS.md sections 17 and 27); with those files
     warmed first (sandbox.criu.filehints) CRIU's part no longer grows with them, but 8 reads filled no
-    faster than 4 on an H100 (section 37: 4.24 / 4.68 / 12.36 s against 4.50-5.02 / 4.48 / 11.58 s,
-    each pair one snapshot restored cold in turn), so 4 stays. Each worker process reads with its share;
+    faster than 4 (section 37, one snapshot restored cold in turn in each run: 8 reads 4.24, 4.68,
+    12.36 and 4.08 s, 4 reads 4.50-5.02, 4.48, 11.58 and 3.67-4.09 s), so 4 stays. Each worker process reads with its share;
     where there are fewer reads than workers (or a count they do not share evenly), the workers take
     turns through ReadTokens."""
     return int(setting("GPUSNAP_FILL_READERS", FILL_READERS, int, lambda n: 1 <= n <= 64, "a number of reads from 1 to 64"))
