@@ -157,10 +157,16 @@ def test_warm_reads_regular_files_and_opens_nothing_else(tmp_path: Path) -> None
     hints = [filehints.Hint(str(p), ((0, filehints.HEAD), (128 << 10, 8192)))
              for p in (fifo, link, tmp_path, Path("/dev/zero"), tmp_path / "missing", reg)]
     t0 = time.monotonic()
-    files, got = filehints.warm(hints)
+    progress: dict[str, float] = {}
+    files, got = filehints.warm(hints, progress=progress)
     assert time.monotonic() - t0 < 5
     assert files == 1 and got == filehints.HEAD + 8192, (files, got)
     assert _cached(reg)
+    # the report says why each was passed over: the FIFO, the directory and the link (looked up
+    # without following it: the link itself) are no regular files, the missing file fails the
+    # lookup, /dev is no data file system's mount
+    assert {k: v for k, v in progress.items() if k.startswith("passed_over_")} == {
+        "passed_over_kind": 3, "passed_over_lookup": 1, "passed_over_mount": 1}, progress
 
 
 def test_warm_reads_only_files_of_data_file_systems_reached_without_a_link(tmp_path: Path) -> None:
@@ -176,7 +182,9 @@ def test_warm_reads_only_files_of_data_file_systems_reached_without_a_link(tmp_p
              str(tmp_path / "via" / "lib.so"), me]
     files, got = filehints.warm([filehints.Hint(p, ((0, 4096),)) for p in cases])
     assert (files, got) == (0, 0)
-    assert filehints.warm([filehints.Hint(str(reg), ((0, 4096),), size=(128 << 10) + 1)]) == (0, 0)
+    progress: dict[str, float] = {}
+    assert filehints.warm([filehints.Hint(str(reg), ((0, 4096),), size=(128 << 10) + 1)], progress=progress) == (0, 0)
+    assert progress.get("passed_over_size") == 1, progress
     assert filehints.warm([filehints.Hint(str(reg), ((0, 4096), (1 << 40, 4096)), size=128 << 10)]) == (1, 4096)
 
 
@@ -191,9 +199,10 @@ def test_warm_holds_few_files_open_and_none_after(tmp_path: Path) -> None:
     most = [0]
     real = filehints.open_data_file
 
-    def counting(path: str, size: int | None = None, mounts: dict | None = None) -> tuple[int, int] | None:
+    def counting(path: str, size: int | None = None, mounts: dict | None = None,
+                 why: list | None = None) -> tuple[int, int] | None:
         most[0] = max(most[0], len(os.listdir("/proc/self/fd")) - before)
-        return real(path, size, mounts)
+        return real(path, size, mounts, why)
     import unittest.mock
     with unittest.mock.patch.object(filehints, "open_data_file", counting):
         assert filehints.warm([filehints.Hint(str(p), ((0, 8192),)) for p in paths]) == (len(paths), 8192 * len(paths))

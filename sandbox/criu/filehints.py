@@ -275,8 +275,11 @@ def warm(hints: Sequence[Hint], stop: Callable[[], bool] = lambda: False,
         for h in hints:
             if stop():
                 break
-            opened = open_data_file(h.path, h.size, mounts)
+            why: list[str] = []
+            opened = open_data_file(h.path, h.size, mounts, why)
             if opened is None:
+                for reason in why:  # the report's count of files passed over, by reason
+                    done[f"passed_over_{reason}"] = done.get(f"passed_over_{reason}", 0) + 1
                 continue
             fd, size = opened
             ahead.append((fd, h, size))
@@ -390,30 +393,42 @@ def _fs_type(fd: int) -> int | None:
     return None if _libc.fstatfs(ctypes.c_int(fd), ctypes.byref(st)) != 0 else st.f_type & 0xFFFFFFFF
 
 
-def open_data_file(path: str, size: int | None = None, mounts: "dict[str, str] | None" = None) -> tuple[int, int] | None:
+PASSED_OVER = ("mount", "lookup", "kind", "size", "fs", "open")  # why a file was not read (open_data_file)
+
+
+def open_data_file(path: str, size: int | None = None, mounts: "dict[str, str] | None" = None,
+                   why: "list[str] | None" = None) -> tuple[int, int] | None:
     """PATH opened for reading, with its size, if it is a regular file of a data file system (DATA_FS)
     whose size is SIZE (where given), reached without a link and, with MOUNTS (_mounts), through data
-    file systems only; else None. Looked up as O_PATH first (no open of a device, a FIFO or a socket
-    runs), then that same inode opened through /proc/self/fd with O_NONBLOCK (a lease on it makes
-    the open fail instead of waiting; its holder is told, as of CRIU's own open next) and O_NOATIME."""
-    if mounts is not None and not through_data_mounts(path, mounts):
+    file systems only; else None, and WHY (where given) gets the reason, one of PASSED_OVER. Looked up
+    as O_PATH first (no open of a device, a FIFO or a socket runs), then that same inode opened
+    through /proc/self/fd with O_NONBLOCK (a lease on it makes the open fail instead of waiting; its
+    holder is told, as of CRIU's own open next) and O_NOATIME."""
+    def no(reason: str) -> tuple[int, int] | None:
+        if why is not None:
+            why.append(reason)
         return None
+
+    if mounts is not None and not through_data_mounts(path, mounts):
+        return no("mount")
     p = _openat2_path(path)
     if p is None:
-        return None
+        return no("lookup")
     try:
         st = os.fstat(p)
-        if not stat.S_ISREG(st.st_mode) or st.st_size <= 0 or (size is not None and st.st_size != size):
-            return None
+        if not stat.S_ISREG(st.st_mode) or st.st_size <= 0:
+            return no("kind")
+        if size is not None and st.st_size != size:
+            return no("size")
         if _fs_type(p) not in DATA_FS:
-            return None
+            return no("fs")
         flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY
         try:
             return os.open(f"/proc/self/fd/{p}", flags | os.O_NOATIME), st.st_size
         except PermissionError:  # O_NOATIME: only the owner or CAP_FOWNER
             return os.open(f"/proc/self/fd/{p}", flags), st.st_size
     except OSError:
-        return None
+        return no("open")
     finally:
         os.close(p)
 
@@ -427,7 +442,8 @@ def warm_within(hints: Sequence[Hint], deadline_s: float = DEADLINE_S) -> dict[s
     and left to end on its own: a read that does not answer holds only that thread). One such thread
     per process at a time: while an earlier one is still held up, nothing is warmed ("busy": 1), so
     stuck threads and their descriptors never pile up. Returns {"files", "bytes", "seconds",
-    "timed_out", "busy"} as of the return (what was done by then), for the restore's report."""
+    "timed_out", "busy", and "passed_over_REASON" per reason of PASSED_OVER met} as of the return
+    (what was done by then), for the restore's report."""
     t0 = time.perf_counter()
     progress: dict[str, float] = {"files": 0, "bytes": 0}
     stop = threading.Event()
@@ -447,7 +463,7 @@ def warm_within(hints: Sequence[Hint], deadline_s: float = DEADLINE_S) -> dict[s
     t.join(deadline_s)
     if t.is_alive():
         stop.set()
-    report = {"files": progress["files"], "bytes": progress["bytes"], "timed_out": int(t.is_alive()), "busy": 0}
+    report = {**dict(progress), "timed_out": int(t.is_alive()), "busy": 0}
     report["seconds"] = time.perf_counter() - t0
     return report
 
