@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batch on the lent GPU machine (the `device` tool): GPU tests, then the benchmarks named in $1
-# ("tests", "engine", "e2e", "speed", "moe", "fillvariants", "criutree", "codecs", "startup", "probe-delta", "pipes", "queue", "gilprof", "deltaprof", "knobs", "bench" = scripts/bench/bench_h200.sh, "hostpath", "pinned", "ingest", "pool", or several, comma-separated). Results land in $OUT (or ./device-out).
+# ("tests", "engine", "e2e", "speed", "moe", "fillvariants", "criutree", "codecs", "startup", "probe-delta", "pipes", "queue", "fillreads", "gilprof", "deltaprof", "knobs", "bench" = scripts/bench/bench_h200.sh, "hostpath", "pinned", "ingest", "pool", or several, comma-separated). Results land in $OUT (or ./device-out).
 # The GPU machine has no network: carry .whl/ and .carry/ (both git-ignored, ~58 MiB together):
 #   .whl/: pip download --only-binary=:all: --python-version 3.12 --no-deps --platform manylinux2014_x86_64
 #          --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 --platform any -d .whl \
@@ -67,6 +67,8 @@ for what in ${1//,/ }; do
     probe-delta) timeout ${PROBE_TIMEOUT:-300} python3 -m scripts.device.probe_delta --gb ${PROBE_GB:-4} 2>&1 | tee "$out/probe-delta.jsonl" ;;
     pipes)  # does pipe-max-size (1 MiB by default; CRIU grows its page pipes only to it without CAP_SYS_RESOURCE) bound the page dump?
             timeout ${PIPES_TIMEOUT:-300} python3 -m scripts.device.probe_pipes --gb ${PIPES_GB:-12} --rounds ${PIPES_ROUNDS:-3} 2>&1 | tee "$out/pipes.jsonl" ;;
+    fillreads) # why the split fill reads below the disk's rate: its I/O pattern taken apart (BENCHMARKS.md section 37)
+            timeout ${FILLREADS_TIMEOUT:-200} python3 -m scripts.device.probe_fillreads --gb ${FILLREADS_GB:-4} 2>&1 | tee "$out/fillreads.jsonl" ;;
     queue)  # how long a small cold read (CRIU opening a library) waits behind the fill's 16 MiB reads in flight
             timeout ${QUEUE_TIMEOUT:-200} python3 -m scripts.device.probe_queue --gb ${QUEUE_GB:-4} 2>&1 | tee "$out/queue.jsonl" ;;
     pinned) timeout 120 python3 -m scripts.device.probe_pinned_alloc 16 2>&1 | tee "$out/pinned-alloc.json" ;;
