@@ -34,7 +34,8 @@ RUN = 16 * MIB
 
 def write_packs(d: str, gb: float, pack: int) -> list[str]:
     block = os.urandom(RUN)
-    paths, left = [], int(gb * (1 << 30))
+    paths: list[str] = []
+    left = int(gb * (1 << 30))
     while left > 0:
         p = os.path.join(d, f"pack-{len(paths):04d}")
         with open(p, "wb") as f:
