@@ -58,17 +58,17 @@ def runs_of(paths: list[str]) -> list[tuple[str, int, int]]:
 
 
 def device_ra_bytes(path: str) -> int:
-    """The read-ahead size of the block device holding PATH (read_ahead_kb), else 128 KiB."""
+    """The read-ahead size of the block device holding PATH (read_ahead_kb; a partition's is its
+    disk's), else 128 KiB."""
     st = os.stat(path)
-    try:
-        with open(f"/sys/dev/block/{os.major(st.st_dev)}:{os.minor(st.st_dev)}/queue/read_ahead_kb") as f:
-            return int(f.read()) * 1024 or 128 * 1024
-    except (OSError, ValueError):
+    dev = f"/sys/dev/block/{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
+    for q in (f"{dev}/queue/read_ahead_kb", f"{dev}/../queue/read_ahead_kb"):
         try:
-            with open(f"/sys/dev/block/{os.major(st.st_dev)}:{os.minor(st.st_dev)}/../queue/read_ahead_kb") as f:
+            with open(q) as f:
                 return int(f.read()) * 1024 or 128 * 1024
         except (OSError, ValueError):
-            return 128 * 1024
+            continue
+    return 128 * 1024
 
 
 def read_share(share: list[tuple[str, int, int]], how: str, step: int, ahead: int) -> int:
