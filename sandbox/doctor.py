@@ -167,10 +167,15 @@ def report(criu: str = "criu", runsc: str = "runsc") -> dict[str, Any]:
 
 
 def _host_codec() -> dict[str, Any]:
-    """What the CPU codecs run on: the system's libzstd or python-zstandard, the byte planes in C or numpy."""
-    from storage import delta, shufflelib, zstdlib
+    """What the CPU codecs run on: the system's libzstd or python-zstandard, the byte planes in C or numpy;
+    and how the dump reads CRIU's pipes (storage.fdread: C, or Python's loop)."""
+    from storage import delta, fdread, shufflelib, zstdlib
+    try:
+        reads = fdread.describe()
+    except fdread.FdReadError as e:
+        reads = f"nothing: {e}"
     return {"libzstd": zstdlib.available(), "byte_planes": "C" if shufflelib.available() else "numpy",
-            "page_counts": "C" if delta.native_page_counts() else "numpy"}
+            "page_counts": "C" if delta.native_page_counts() else "numpy", "pipe_reads": reads}
 
 
 def render_criu_binary(c: dict[str, Any]) -> str:
@@ -222,7 +227,8 @@ def render(r: dict[str, Any]) -> str:
                  "" if isinstance(r["dump_encoders"], str) else
                  " (the dump encodes in its own threads; GPUSNAP_ENCODE_PROCS)"),
               f"host codec           zstd through {'libzstd' if r['host_codec']['libzstd'] else 'python-zstandard'}, "
-              f"byte planes in {r['host_codec']['byte_planes']}, delta page counts in {r['host_codec']['page_counts']}"
+              f"byte planes in {r['host_codec']['byte_planes']}, delta page counts in {r['host_codec']['page_counts']}, "
+              f"CRIU's pipes read in {r['host_codec']['pipe_reads']}"
               + ("" if r["host_codec"]["byte_planes"] == r["host_codec"]["page_counts"] == "C" else
                  " (storage/native not built: python3 -m storage.native.build, or GPUSNAP_NO_NATIVE is set)"),
               _render_pipes(r["pipes"]),

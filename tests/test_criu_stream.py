@@ -587,11 +587,12 @@ def test_read_order_is_what_criu_reads_first_then_what_the_split_fills() -> None
                                                (STREAM, {**SPLIT_PROCS, "GPUSNAP_FILL_READERS": "1"}),
                                                (STREAM, {**SPLIT_PROCS, "GPUSNAP_FILL_READERS": "6", "GPUSNAP_FILL_READERS_EARLY": "1"}),
                                                (STREAM, {**SPLIT_PROCS, "GPUSNAP_FILL_PREFETCH_EARLY": "1"}),
-                                               (STREAM, {**SPLIT, "GPUSNAP_FILL_PREFETCH_EARLY": "1"})],
+                                               (STREAM, {**SPLIT, "GPUSNAP_FILL_PREFETCH_EARLY": "1"}),
+                                               ({**STREAM, "GPUSNAP_FD_READ": "python"}, SPLIT)],
                          ids=["split", "split-in-3-processes", "criu-restores-all", "dumped-by-encoder-processes",
                               "split-in-3-processes-2-reads-each", "split-in-3-processes-taking-turns-at-1-read",
                               "split-in-3-processes-1-read-while-criu-runs", "split-in-3-processes-read-ahead-while-criu-runs",
-                              "split-read-ahead-while-criu-runs"])
+                              "split-read-ahead-while-criu-runs", "dump-read-by-pythons-loop"])
 def test_stream_dump_and_restore_of_a_tree(cli: Cli, store_dir: Path, dump_env: dict[str, str], restore_env: dict[str, str]) -> None:
     tree = Tree(mb=48)
     try:
@@ -1031,7 +1032,7 @@ def test_a_bad_fill_setting_fails_the_restore_before_criu_starts(cli: Cli, store
 
 
 @pytest.mark.parametrize("name,value", [("GPUSNAP_ENCODE_PROCS", "lots"), ("GPUSNAP_DUMP_PIPE", "4096"),
-                                        ("GPUSNAP_DUMP_PIPE", "64M")])
+                                        ("GPUSNAP_DUMP_PIPE", "64M"), ("GPUSNAP_FD_READ", "fast")])
 def test_a_bad_dump_setting_fails_the_dump_before_anything_is_frozen(cli: Cli, store_dir: Path, name: str,
                                                                      value: str) -> None:
     """A dump setting that is not a number in its range: one line naming it, exit 1, nothing

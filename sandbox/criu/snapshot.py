@@ -37,7 +37,7 @@ from contextlib import ExitStack, contextmanager
 from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 from storage.progress import Progress
-from storage import encodeprocs, waits
+from storage import encodeprocs, fdread, waits
 from storage.limits import DEFAULT_JOBS
 from storage.store import SnapshotStore
 
@@ -85,6 +85,7 @@ def criu_dump(store: SnapshotStore, pid: int, name: str, *, leave_running: bool 
     journal.require_clean(store.path)
     encodeprocs.check_settings()  # a bad setting fails the dump here, before anything is frozen
     dump_pipe_size()
+    fdread.way()
     hugepages.policy()
     opts = options or DumpOptions()
     opts = DumpOptions(**{**opts.__dict__, "leave_running": leave_running, "leave_stopped": not leave_running})

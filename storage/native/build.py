@@ -15,7 +15,8 @@ import tempfile
 
 from storage.native import HERE
 # (source, library): storage/shufflelib.py and storage/delta.py load them by these names, from here only
-LIBRARIES = (("shuffle2.c", "libgpusnap_shuffle2.so"), ("pages.c", "libgpusnap_pages.so"))
+LIBRARIES = (("shuffle2.c", "libgpusnap_shuffle2.so"), ("pages.c", "libgpusnap_pages.so"),
+             ("fdread.c", "libgpusnap_fdread.so"))
 CFLAGS = ("-O3", "-std=c11", "-Wall", "-Wextra", "-Werror", "-fPIC", "-shared", "-fstack-protector-strong",
           "-Wl,-z,relro,-z,now", "-Wl,-z,noexecstack")
 
