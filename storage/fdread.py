@@ -2,18 +2,22 @@
 
 Why: the dump reads each page image from CRIU's pipe in 32 MiB blocks. A pipe gives at most what it
 holds per read, 1 MiB where fs.pipe-max-size is the kernel's default (the GPU hosts we measure on),
-so a Python loop over os.readv made ~32 reads per block, and took the GIL back after each one. Beside
-the put's worker threads each taking back can wait for a worker's hand-over, and CRIU, whose page
-pipe is then full, waits too: on an H100 host CRIU's log showed each 1 MiB splice into gpusnap's
-pipe taking 0.3-0.4 ms (~2.5-3 GB/s) for the whole page dump, while gpusnap's reader spent 89% of
-the dump in its reads. In C the reads follow each other without the GIL.
+so a Python loop over os.readv made ~32 reads per block and took the GIL back after each one, beside
+the put's worker threads. CRIU's log of a 40 GB dump on an H100 host showed each 1 MiB splice into
+gpusnap's pipe taking 0.3-0.4 ms, with gpusnap's reader in its reads 89% of the dump; the GIL's
+hand-overs were the suspect. In C the reads follow each other without it. Measured in one run
+(BENCHMARKS.md section 38): CRIU's time in its transfers 12.8-14.0 s with C, 14.4 s with Python's
+loop, and the whole dump the same either way (37.3-39.2 s against 38.0 s): the hand-overs were not
+what bounds it there. Kept: no slower in that run, and it takes the GIL back ~32x less often.
 
 `read_full` falls back to the Python loop, with the same result, where the library is not there
 (no compiler at setup, $GPUSNAP_NO_NATIVE) or the view is not one ctypes can address (read-only,
 strided), or where $GPUSNAP_FD_READ=python asks for it (for measuring).
 
 Guarantees kept here: at most len(VIEW) bytes are written, into VIEW only (the length passed is the
-view's own); fewer are read only at end of file; a failed read raises OSError with its errno.
+view's own); fewer are read only at end of file; a failed read raises OSError with its errno; a
+signal that interrupts a read returns to Python, so its handler runs (as it would between Python's
+own reads) and does not wait for a writer that has stalled.
 """
 from __future__ import annotations
 
@@ -27,7 +31,7 @@ from .errors import GpusnapError
 from .settings import setting
 
 LIBRARY = native.path_of("libgpusnap_fdread.so")
-ABI = 1  # gs_fdread_version() of the library this module was written for
+ABI = 2  # gs_fdread_version() of the library this module was written for
 WAYS = ("native", "python")
 
 
@@ -37,7 +41,8 @@ class FdReadError(GpusnapError):
 
 def _load(path: str = LIBRARY) -> Any:
     return native.load(path, "gs_fdread_version", ABI,
-                       [("gs_read_full", ctypes.c_long, [ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t])])
+                       [("gs_read_full", ctypes.c_long,
+                         [ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_int)])])
 
 
 _lib = _load()
@@ -68,10 +73,17 @@ def read_full(fd: int, view: memoryview, use_native: bool = True) -> int:
     len(VIEW) only at end of file). USE_NATIVE False: the Python loop (see way())."""
     if use_native and _lib is not None and len(view) and not view.readonly and view.c_contiguous \
             and view.format == "B" and view.ndim == 1:
-        n = int(_lib.gs_read_full(fd, address_of(view), len(view)))
-        if n < 0:
-            raise OSError(-n, os.strerror(-n))
-        return n
+        base, want, got = address_of(view), len(view), 0
+        interrupted = ctypes.c_int(0)
+        while got < want:
+            n = int(_lib.gs_read_full(fd, base + got, want - got, ctypes.byref(interrupted)))
+            if n < 0:
+                raise OSError(-n, os.strerror(-n))
+            got += n
+            if not interrupted.value:
+                break  # full, or the writer is done
+            # a signal: back here its Python handler runs (SIGTERM raises in the main thread), then on
+        return got
     got = 0
     while got < len(view):
         k = os.readv(fd, [view[got:]])  # EINTR retried by Python itself (PEP 475)

@@ -90,3 +90,29 @@ def test_the_setting_chooses_the_loop_and_refuses_anything_else(monkeypatch: pyt
     monkeypatch.setenv("GPUSNAP_FD_READ", "fast")
     with pytest.raises(fdread.FdReadError, match="GPUSNAP_FD_READ='fast': expected native or python"):
         fdread.way()
+
+
+class _Alarm(Exception):
+    pass
+
+
+@pytest.mark.parametrize("native", WAYS, ids=IDS)
+def test_a_signal_reaches_its_handler_while_the_writer_stalls(native: bool) -> None:
+    """A writer that has written some bytes and then stalls (CRIU stuck): a signal's Python handler
+    runs during the read and its exception ends it (as SIGTERM does a dump), not the writer."""
+    import signal
+    import time
+    r, w = os.pipe()
+    old = signal.signal(signal.SIGALRM, lambda *_: (_ for _ in ()).throw(_Alarm()))
+    try:
+        os.write(w, b"x" * 1000)
+        signal.setitimer(signal.ITIMER_REAL, 0.2)
+        t0 = time.monotonic()
+        with pytest.raises(_Alarm):
+            fdread.read_full(r, memoryview(bytearray(1 << 20)), native)
+        assert time.monotonic() - t0 < 5
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+        os.close(r)
+        os.close(w)
