@@ -1,4 +1,5 @@
-"""A descriptor read until a buffer is full, the GIL released once per buffer (storage/native/fdread.c).
+"""A descriptor read until a buffer is full, without going back to Python while data is ready
+(storage/native/fdread.c).
 
 Why: the dump reads each page image from CRIU's pipe in 32 MiB blocks. A pipe gives at most what it
 holds per read, 1 MiB where fs.pipe-max-size is the kernel's default (the GPU hosts we measure on),
@@ -16,8 +17,9 @@ strided), or where $GPUSNAP_FD_READ=python asks for it (for measuring).
 
 Guarantees kept here: at most len(VIEW) bytes are written, into VIEW only (the length passed is the
 view's own); fewer are read only at end of file; a failed read raises OSError with its errno; a
-signal that interrupts a read returns to Python, so its handler runs (as it would between Python's
-own reads) and does not wait for a writer that has stalled.
+signal's Python handler never waits for a stalled writer: the C loop goes back to Python whenever
+a read is interrupted and before any read that would wait (so the GIL is taken back only when the
+pipe has run dry, or once per block).
 """
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ from .errors import GpusnapError
 from .settings import setting
 
 LIBRARY = native.path_of("libgpusnap_fdread.so")
-ABI = 2  # gs_fdread_version() of the library this module was written for
+ABI = 3  # gs_fdread_version() of the library this module was written for
 WAYS = ("native", "python")
 
 
@@ -65,7 +67,7 @@ def describe() -> str:
         return "C"
     if _asked() == "python":
         return "Python (GPUSNAP_FD_READ=python)"
-    return "Python (storage/native's libgpusnap_fdread.so not loaded)"
+    return "Python (storage/native's libgpusnap_fdread.so not loaded: python3 -m storage.native.build)"
 
 
 def read_full(fd: int, view: memoryview, use_native: bool = True) -> int:
@@ -74,15 +76,16 @@ def read_full(fd: int, view: memoryview, use_native: bool = True) -> int:
     if use_native and _lib is not None and len(view) and not view.readonly and view.c_contiguous \
             and view.format == "B" and view.ndim == 1:
         base, want, got = address_of(view), len(view), 0
-        interrupted = ctypes.c_int(0)
+        again = ctypes.c_int(0)
         while got < want:
-            n = int(_lib.gs_read_full(fd, base + got, want - got, ctypes.byref(interrupted)))
+            n = int(_lib.gs_read_full(fd, base + got, want - got, ctypes.byref(again)))
             if n < 0:
                 raise OSError(-n, os.strerror(-n))
             got += n
-            if not interrupted.value:
+            if not again.value:
                 break  # full, or the writer is done
-            # a signal: back here its Python handler runs (SIGTERM raises in the main thread), then on
+            # the pipe ran dry or a signal came: back here a pending handler runs (SIGTERM raises in
+            # the main thread) before the next read waits
         return got
     got = 0
     while got < len(view):

@@ -599,6 +599,10 @@ def test_stream_dump_and_restore_of_a_tree(cli: Cli, store_dir: Path, dump_env: 
         assert healthy(tree.report())
         d = cli_json(cli, dump_env, "criu", "dump", str(tree.pid), "s1")
         assert d["images_path"] == "stream" and d["raw_bytes"] >= 48 << 20
+        if dump_env.get("GPUSNAP_FD_READ") == "python":
+            assert d["pipe_reads"] == "Python (GPUSNAP_FD_READ=python)"
+        elif not os.environ.get("GPUSNAP_NO_NATIVE"):
+            assert d["pipe_reads"] == "C"  # the C loop, built by setup
         if dump_env is ENCODERS:  # new chunks were encoded (and their stored checksums computed) in the processes
             assert d["stages"]["checksum"]["bytes"] > 0, d["stages"]
         elif (os.cpu_count() or 1) < 8 and "GPUSNAP_ENCODE_PROCS" not in os.environ:

@@ -85,7 +85,7 @@ def criu_dump(store: SnapshotStore, pid: int, name: str, *, leave_running: bool 
     journal.require_clean(store.path)
     encodeprocs.check_settings()  # a bad setting fails the dump here, before anything is frozen
     dump_pipe_size()
-    fdread.way()
+    pipe_reads = fdread.describe()
     hugepages.policy()
     opts = options or DumpOptions()
     opts = DumpOptions(**{**opts.__dict__, "leave_running": leave_running, "leave_stopped": not leave_running})
@@ -96,6 +96,8 @@ def criu_dump(store: SnapshotStore, pid: int, name: str, *, leave_running: bool 
     base = choose_parent(store, parent)
     gpu = GpuSide.discover(pids, pid, gpu_driver, features, device)
     report = CriuReport(name, pids, gpu.cuda_pids, images_path=images_path())
+    if report.images_path == "stream":
+        report.pipe_reads = pipe_reads
     usage: dict[int, dict[str, int]] = {}
     if gpu.cuda_pids:  # what `criu restore --device-map` checks a map against
         from sandbox.gpu.device_map import usage_of
