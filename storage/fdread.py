@@ -9,7 +9,8 @@ gpusnap's pipe taking 0.3-0.4 ms, with gpusnap's reader in its reads 89% of the 
 hand-overs were the suspect. In C the reads follow each other without it. Measured in one run
 (BENCHMARKS.md section 38): CRIU's time in its transfers 12.8-14.0 s with C, 14.4 s with Python's
 loop, and the whole dump the same either way (37.3-39.2 s against 38.0 s): the hand-overs were not
-what bounds it there. Kept: no slower in that run, and it takes the GIL back ~32x less often.
+what bounds it there. Kept: no slower in that run. (The version measured went back to Python only
+once per block; this one also goes back whenever the pipe has run dry, see below, and ran on no GPU.)
 
 `read_full` falls back to the Python loop, with the same result, where the library is not there
 (no compiler at setup, $GPUSNAP_NO_NATIVE) or the view is not one ctypes can address (read-only,
