@@ -60,8 +60,13 @@ def test_loader_refuses_what_it_must(tmp_path: "os.PathLike[str]") -> None:
     assert native.load(lib, "gs_pages_version", 2, fns) is None           # another ABI
     assert native.load(lib, "gs_no_such_version", 1, fns) is None         # not this library
     assert native.load(lib, "gs_pages_version", 1, [("gs_missing", None, [])]) is None
+    link = os.path.join(tmp_path, "link.so")
+    os.symlink(lib, link)
+    assert native.load(link, "gs_pages_version", 1, fns) is None          # a link, even to a good file
+    held, fds = len(native._HELD), len(os.listdir("/proc/self/fd"))
     os.chmod(lib, 0o775)
     assert native.load(lib, "gs_pages_version", 1, fns) is None           # group may write it
+    assert len(native._HELD) == held and len(os.listdir("/proc/self/fd")) == fds  # refused: nothing left open
     os.chmod(lib, 0o755)
     if os.geteuid() == 0:
         os.chown(lib, 65534, 65534)

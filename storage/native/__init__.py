@@ -20,6 +20,9 @@ def path_of(name: str) -> str:
     return os.path.join(HERE, name)
 
 
+_HELD: list[int] = []  # descriptors of the libraries loaded (see load)
+
+
 def load(path: str, version: str, abi: int, functions: Sequence[tuple[str, Any, Sequence[Any]]]) -> Any:
     """The library at PATH with FUNCTIONS' (name, restype, argtypes) set, if VERSION() returns ABI;
     None when it is turned off ($GPUSNAP_NO_NATIVE), missing, a link, writable by group or others,
@@ -28,14 +31,24 @@ def load(path: str, version: str, abi: int, functions: Sequence[tuple[str, Any, 
     if os.environ.get("GPUSNAP_NO_NATIVE"):
         return None
     try:
-        st = os.stat(path, follow_symlinks=False)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
     except OSError:
-        return None
-    if (not stat.S_ISREG(st.st_mode) or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
-            or st.st_uid not in (0, os.geteuid())):
-        return None  # another user's file may not run inside this process (root's, often)
+        return None  # missing, or a link
     try:
-        lib = ctypes.CDLL(path)
+        st = os.fstat(fd)
+        if (not stat.S_ISREG(st.st_mode) or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+                or st.st_uid not in (0, os.geteuid())):
+            os.close(fd)
+            return None  # another user's file may not run inside this process (root's, often)
+        # loaded through the descriptor just checked: a file swapped in at PATH meanwhile is not the one loaded
+        lib = ctypes.CDLL(f"/proc/self/fd/{fd}")
+    except OSError:
+        os.close(fd)
+        return None
+    # the descriptor stays open while the process lives: the dynamic loader knows the library by the
+    # name /proc/self/fd/N, and a later load through a reused N would be handed this library again
+    _HELD.append(fd)
+    try:
         v = getattr(lib, version)
         v.restype, v.argtypes = ctypes.c_int, []
         if v() != abi:
