@@ -71,3 +71,37 @@ def test_loader_refuses_what_it_must(tmp_path: "os.PathLike[str]") -> None:
     if os.geteuid() == 0:
         os.chown(lib, 65534, 65534)
         assert native.load(lib, "gs_pages_version", 1, fns) is None       # another user's file
+
+
+def test_build_versions_are_the_modules_and_a_library_of_another_version_is_built_again(tmp_path: "os.PathLike[str]") -> None:
+    """build.LIBRARIES names the versions the loading modules ask for; a library newer than its source
+    but of another version (carried from another tree) is built again, a current one kept as it is."""
+    import shutil
+    from storage import fdread, shufflelib
+    from storage.native import build
+    versions = {lib: (fn, abi) for _, lib, fn, abi in build.LIBRARIES}
+    assert versions["libgpusnap_shuffle2.so"] == ("gs_shuffle2_version", shufflelib.ABI)
+    assert versions["libgpusnap_fdread.so"] == ("gs_fdread_version", fdread.ABI)
+    assert versions["libgpusnap_pages.so"] == ("gs_pages_version", 1)  # storage/delta.py's _pages_lib
+    if not (shutil.which("cc") or shutil.which("gcc")) or os.environ.get("GPUSNAP_NO_NATIVE"):
+        pytest.skip("no C compiler, or loading is turned off")
+    d = str(tmp_path)
+    os.chmod(d, 0o755)
+    for src, *_ in build.LIBRARIES:
+        shutil.copy(os.path.join(native.HERE, src), d)
+    libs = build.build(directory=d)
+    lib = os.path.join(d, "libgpusnap_fdread.so")
+    first = os.stat(lib).st_mtime_ns
+    assert build.build(directory=d) == libs and os.stat(lib).st_mtime_ns == first  # current: kept
+    src = os.path.join(d, "fdread.c")
+    with open(src) as f:
+        text = f.read()
+    with open(src, "w") as f:
+        f.write(text.replace("return 3; }", "return 99; }"))
+    build.build(directory=d, force=True)  # a library of another version...
+    with open(src, "w") as f:
+        f.write(text)
+    os.utime(lib, ns=(first + 10**10, first + 10**10))  # ...newer than its source
+    assert not build._current(src, lib, "gs_fdread_version", fdread.ABI)
+    build.build(directory=d)
+    assert build._current(src, lib, "gs_fdread_version", fdread.ABI)  # built again, at the modules' version
