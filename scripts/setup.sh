@@ -68,10 +68,11 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     echo "$want" > "$stamp"
 fi
 
-# the native helpers (storage/native/build.py: the byte planes and the delta page counts in C); without a
-# compiler gpusnap uses numpy in their place, so a failure here is a line, not a stop
+# the native helpers (storage/native/build.py: the byte planes, the delta page counts and the dump's pipe
+# reads in C); without a compiler gpusnap uses numpy and Python in their place, so a failure here is a
+# line, not a stop
 if ! .venv/bin/python -m storage.native.build >> "$log" 2>&1; then
-    echo "setup: storage/native not built (no C compiler?): numpy does its work (log: $log)" >&2
+    echo "setup: storage/native not built (no C compiler?): numpy and Python do its work (log: $log)" >&2
 fi
 
 # gpusnap as software, for every user (root only): /opt/gpusnap, /usr/local/bin/gpusnap (install-system.sh)
