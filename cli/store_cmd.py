@@ -102,7 +102,7 @@ def store_put(ctx: click.Context, name: str, paths: tuple[str, ...], replace: bo
         from storage.files_cache import FilesCache
         cache = FilesCache() if no_cache or force else FilesCache.load(st)
         base = st.load(parent) if parent is not None else None
-        with st.writer(name, replace=replace, meta=meta, tags=tags) as w, \
+        with st.writer(name, replace=replace, meta=meta, tags=tags, direct_packs=pipeline.put_direct()) as w, \
                 Progress(f"put {name}", ctx.obj["progress"]) as prog:
             prog.start(source.total_bytes)
             res = pipeline.put(w, source, chunk_size=size, workers=workers, compress=not no_compress,

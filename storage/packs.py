@@ -28,7 +28,7 @@ from typing import Callable, Iterable
 import blake3
 
 from .chunkfile import HEADER_SIZE, MAX_RAW_CHUNK, ChunkError, ChunkHeader, file_kind
-from .directio import ALIGN, AlignedBuffer, align_up, read_into, write_all
+from .directio import ALIGN, AlignedBuffer, address_of, align_up, copy_into, read_into, write_all
 from .storedir import StoreDamage
 from .pausepoint import pause_at
 
@@ -279,12 +279,21 @@ class PackWriter:
     ON_INDEXED(pack, pack_len, entries) is called once a pack's index is durable (the store adds it to
     its in-memory index); ON_APPENDED(cid, loc) once an entry's bytes are in its pack (readers of this
     process may read it from there before it is indexed: a pull that serves arriving chunks);
-    ON_DROPPED(pack) when an open pack is removed."""
+    ON_DROPPED(pack) when an open pack is removed.
+
+    DIRECT: every pack of this writer is opened with O_DIRECT and every entry written through it (an
+    entry whose frame is not page-aligned is copied into an aligned buffer first), so no byte of these
+    packs passes through the page cache. The caller has probed that the store's file system takes
+    O_DIRECT (SnapshotStore.direct). A pack is never written both ways: on a kernel with pages larger
+    than 4 KiB a buffered entry would share a page with a direct one, and the dirty page written back
+    could carry stale bytes over the direct entry."""
 
     def __init__(self, packs_fd: int, index_fd: int, tmp_fd: int, tmp_name: Callable[[], str],
                  on_indexed: Callable[[str, int, list[tuple[str, int, int]]], None],
                  on_appended: Callable[[str, Loc], None] | None = None,
-                 on_dropped: Callable[[str], None] | None = None, target: int = PACK_TARGET) -> None:
+                 on_dropped: Callable[[str], None] | None = None, target: int = PACK_TARGET,
+                 direct: bool = False) -> None:
+        self.direct = direct and hasattr(os, "O_DIRECT")
         self.packs_fd, self.index_fd, self.tmp_fd = packs_fd, index_fd, tmp_fd
         self.tmp_name = tmp_name
         self.on_indexed = on_indexed
@@ -299,8 +308,8 @@ class PackWriter:
 
     def _new_pack(self) -> _OpenPack:
         name = secrets.token_hex(16)
-        fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
-                     dir_fd=self.packs_fd)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_DIRECT if self.direct else 0)
+        fd = os.open(name, flags, 0o600, dir_fd=self.packs_fd)
         return _OpenPack(name, fd)
 
     def pending(self, cid: str) -> ChunkHeader | None:
@@ -331,14 +340,24 @@ class PackWriter:
                 p.closed = True
                 self._open = None
         t0 = time.perf_counter()
+        bounce: AlignedBuffer | None = None
         try:
-            write_all(p.fd, frame[:total], off)
+            data = frame[:total]
+            if self.direct and address_of(data) % ALIGN:
+                bounce = AlignedBuffer(total)  # (a frame not from an aligned buffer: rare)
+                copy_into(bounce.view, data)
+                data = bounce.view[:total]
+            write_all(p.fd, data, off)
         except BaseException:
             with p.done:
                 p.inflight -= 1
                 p.entries.append(("", off, -1))  # a hole: the pack must not be indexed
                 p.done.notify_all()
             raise
+        finally:
+            if bounce is not None:
+                del data
+                bounce.close()
         dt = time.perf_counter() - t0
         with p.done:
             p.entries.append((cid, off, total))

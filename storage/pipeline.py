@@ -1240,6 +1240,18 @@ def get_direct() -> bool:
     return os.environ.get("GPUSNAP_GET_DIRECT", "1").strip() != "0"
 
 
+def put_direct() -> bool:
+    """Whether `store put` writes its packs with O_DIRECT (default yes, where the file system takes
+    it; $GPUSNAP_PUT_DIRECT=0 writes them through the page cache, for measuring). A put's packs are
+    read back by `get` with O_DIRECT (get_direct) or cold by a later restore, so the page cache only
+    cost a copy and the pages to hold it. Measured on the dev VM (2 cores, 1.41 GB of bf16 weights,
+    0.93 GB of packs, cold, BENCHMARKS.md section 39): puts of 1.03-1.12 s with 0.15 s of kernel time
+    direct, 1.47-1.60 s with 0.84-1.03 s buffered; seven rounds against cp, 1.16 s direct and 1.31 s
+    buffered. Dumps keep buffered packs: a restore on the same node soon after finds them in the page
+    cache."""
+    return os.environ.get("GPUSNAP_PUT_DIRECT", "1").strip() != "0"
+
+
 def get(store: SnapshotStore, manifest: Manifest, sink: Sink, *, workers: int | None = None,
         progress: Progress | None = None) -> Result:
     """Materialize MANIFEST's streams into SINK, every chunk verified; sink.abort() on any failure."""

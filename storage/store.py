@@ -600,10 +600,12 @@ class SnapshotStore:
 
     def writer(self, name: str, *, replace: bool = False, meta: dict[str, Any] | None = None,
                tags: tuple[str, ...] | list[str] = (), created: str | None = None,
-               host: str | None = None) -> "SnapshotWriter":
+               host: str | None = None, direct_packs: bool = False) -> "SnapshotWriter":
         """CREATED and HOST keep the creation time and host of a snapshot copied from elsewhere (a pull,
-        an import)."""
-        return SnapshotWriter(self, name, replace=replace, meta=meta or {}, tags=tags, created=created, host=host)
+        an import). DIRECT_PACKS: write this writer's packs with O_DIRECT where the store's file system
+        takes it (PackWriter), for writers whose bytes are not read back soon through the page cache."""
+        return SnapshotWriter(self, name, replace=replace, meta=meta or {}, tags=tags, created=created, host=host,
+                              direct_packs=direct_packs)
 
     def remove(self, name: str) -> str:
         """Remove snapshot NAME, or the stray entry of snapshots/ listed as NAME (with or without its
@@ -1489,8 +1491,9 @@ class SnapshotWriter:
 
     def __init__(self, store: SnapshotStore, name: str, *, replace: bool, meta: dict[str, Any],
                  tags: tuple[str, ...] | list[str] = (), created: str | None = None,
-                 host: str | None = None) -> None:
+                 host: str | None = None, direct_packs: bool = False) -> None:
         self.store = store
+        self.direct_packs = direct_packs
         self.name = validate_snapshot_name(name)
         self.replace = replace
         self.meta = meta
@@ -1545,7 +1548,8 @@ class SnapshotWriter:
                 packs = self._stack.enter_context(self.store.subdir(PACKS))
                 idx = self._stack.enter_context(self.store.subdir(INDEX))
                 self._pw = PackWriter(packs, idx, self._tmp, lambda: owned_name("index"), self.store.index_added,
-                                      self.store.entry_appended, self.store.pack_dropped)
+                                      self.store.entry_appended, self.store.pack_dropped,
+                                      direct=self.direct_packs and self.store.direct)
             return self._pw
 
     @property

@@ -395,18 +395,46 @@ def test_get_reads_packs_past_the_page_cache_and_writes_the_same_bytes(cli: Cli,
             assert resident > total // 2, (resident, total)
 
 
-def test_many_producers_filling_small_packs_index_every_entry_once(tmp_path: Path) -> None:
+@pytest.mark.parametrize("direct", ["1", "0"])
+def test_put_writes_packs_past_the_page_cache_unless_told(cli: Cli, store_dir: Path, tmp_path: Path,
+                                                          direct: str) -> None:
+    """`store put` writes its packs with O_DIRECT by default: none of them is left in the page cache,
+    and the store verifies and gives the tree back byte for byte (entries of odd lengths, a pack that
+    ends inside a block); GPUSNAP_PUT_DIRECT=0 writes them through the page cache."""
+    from storage.directio import direct_io_supported
+    if not direct_io_supported(str(tmp_path)):
+        pytest.skip("this file system refuses O_DIRECT")
+    src = make_mixed_tree(tmp_path / "m", mb=24)
+    (src / "odd.bin").write_bytes(os.urandom((1 << 20) + 4097))
+    cli.run("store", "put", "a", str(src), "--chunk-size", "1M", env={"GPUSNAP_PUT_DIRECT": direct})
+    packs = store_dir / "packs"
+    total = sum(p.stat().st_size for p in packs.iterdir())
+    resident = resident_bytes(packs)
+    if direct == "1":
+        assert resident == 0, (resident, total)
+    else:
+        assert resident > total // 2, (resident, total)
+    cli.run("store", "verify", "--read-data")
+    cli.run("store", "get", "a", str(tmp_path / "out"))
+    assert tree_digest(tmp_path / "out" / "m") == tree_digest(src)
+
+
+@pytest.mark.parametrize("direct", [False, True], ids=["buffered", "direct"])
+def test_many_producers_filling_small_packs_index_every_entry_once(tmp_path: Path, direct: bool) -> None:
     """PackWriter under contention: 8 producers append 1,600 entries into packs of ~64 KiB, so packs
     fill and close all the time while others append; after flush() every entry is in exactly one
     indexed pack, each index file matches its pack's length, and every entry reads back. A close of
     a pack must never be skipped or waited for before it exists (a background close tried on
-    2026-12-03 failed exactly here on the H200)."""
+    2026-12-03 failed exactly here on the H200). Direct: the packs opened with O_DIRECT, and the
+    producers' frames (bytearrays, not page-aligned) copied into aligned buffers on the way."""
     import threading
 
     from storage.chunkfile import ChunkHeader
-    from storage.directio import align_up
-    from storage.packs import PackWriter
+    from storage.directio import align_up, direct_io_supported
+    from storage.packs import PackWriter, parse_entry
     from storage.chunkfile import HEADER_SIZE as HS
+    if direct and not direct_io_supported(str(tmp_path)):
+        pytest.skip("this file system refuses O_DIRECT")
     root = tmp_path / "s"
     for d in ("packs", "index", "tmp"):
         (root / d).mkdir(parents=True)
@@ -421,14 +449,17 @@ def test_many_producers_filling_small_packs_index_every_entry_once(tmp_path: Pat
             indexed[pack] = (length, ents)
 
     pw = PackWriter(fds["packs"], fds["index"], fds["tmp"], lambda: f"idx-{next(counter)}", on_indexed,
-                    target=64 << 10)
+                    target=64 << 10, direct=direct)
+    assert pw.direct == direct
     errors: list[BaseException] = []
+    payloads: dict[str, bytes] = {}
 
     def producer(k: int) -> None:
         try:
             for i in range(200):
                 payload = os.urandom(100 + (i * 37 + k) % 5000)
                 cid = f"{k:02x}{i:062x}"
+                payloads[cid] = payload
                 header = ChunkHeader("raw", len(payload), len(payload))
                 frame = memoryview(bytearray(HS + align_up(len(payload))))
                 frame[HS:HS + len(payload)] = payload
@@ -451,6 +482,10 @@ def test_many_producers_filling_small_packs_index_every_entry_once(tmp_path: Pat
     for pack, (length, ents) in indexed.items():
         assert (root / "packs" / pack).stat().st_size == length
         assert decode_index(pack, (root / "index" / pack).read_bytes()) == (length, sorted(ents, key=lambda e: e[1]))
+        data = (root / "packs" / pack).read_bytes()
+        for cid, off, n in ents:
+            header, payload = parse_entry(memoryview(data)[off:off + n], cid)
+            assert bytes(payload) == payloads[cid] and header.raw_len == len(payloads[cid])
     assert len(indexed) > 20  # the packs filled and closed many times while others appended
 
 
