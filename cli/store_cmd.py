@@ -109,11 +109,12 @@ def store_put(ctx: click.Context, name: str, paths: tuple[str, ...], replace: bo
                                progress=prog, chunker=chunker, known=None if no_cache else _lookup(source, cache),
                                parent=base)
             manifest = w.commit()
+            pack_writes = w.pack_writes
         if not no_cache:
             _update_cache(st, source, manifest, force)
     report = {"name": name, "raw_bytes": res.raw_bytes, "new_bytes": res.stored_bytes,
               "seconds": round(res.seconds, 3), "GBps": round(res.gbps, 3), **res.extra,
-              "stages": res.stages.table(), "direct_io": st.direct, "skipped": source.skipped,
+              "stages": res.stages.table(), "direct_io": st.direct, "pack_writes": pack_writes, "skipped": source.skipped,
               "excluded": source.excluded}
     emit(as_json, report, f"{name}: {human(res.raw_bytes)} in {res.seconds:.2f} s ({res.gbps:.2f} GB/s), "
          f"{human(res.stored_bytes)} written, {human(res.extra['bytes_dedup'])} deduplicated, "

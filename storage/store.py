@@ -1553,6 +1553,12 @@ class SnapshotWriter:
             return self._pw
 
     @property
+    def pack_writes(self) -> str:
+        """How this writer wrote its packs: "direct" (O_DIRECT), "buffered", or "none" (nothing new)."""
+        with self._pw_lock:
+            return "none" if self._pw is None else "direct" if self._pw.direct else "buffered"
+
+    @property
     def source(self) -> SnapshotStore:
         """Where this writer's chunks can be read back from, also before it commits."""
         return self.store

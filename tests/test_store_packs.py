@@ -406,7 +406,9 @@ def test_put_writes_packs_past_the_page_cache_unless_told(cli: Cli, store_dir: P
         pytest.skip("this file system refuses O_DIRECT")
     src = make_mixed_tree(tmp_path / "m", mb=24)
     (src / "odd.bin").write_bytes(os.urandom((1 << 20) + 4097))
-    cli.run("store", "put", "a", str(src), "--chunk-size", "1M", env={"GPUSNAP_PUT_DIRECT": direct})
+    report = json.loads(cli.run("store", "put", "a", str(src), "--chunk-size", "1M", "--json",
+                                env={"GPUSNAP_PUT_DIRECT": direct}).stdout)
+    assert report["pack_writes"] == ("direct" if direct == "1" else "buffered")
     packs = store_dir / "packs"
     total = sum(p.stat().st_size for p in packs.iterdir())
     resident = resident_bytes(packs)
