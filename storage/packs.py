@@ -260,9 +260,10 @@ def parse_entry(view: memoryview, cid: str) -> tuple[ChunkHeader, memoryview]:
 
 # ---- writing ---------------------------------------------------------------------------------
 class _OpenPack:
-    def __init__(self, name: str, fd: int) -> None:
+    def __init__(self, name: str, fd: int, direct: bool) -> None:
         self.name = name
         self.fd = fd
+        self.direct = direct  # opened with O_DIRECT: every entry of it is written so
         self.end = 0
         self.entries: list[tuple[str, int, int]] = []
         self.headers: dict[str, ChunkHeader] = {}
@@ -282,11 +283,12 @@ class PackWriter:
     ON_DROPPED(pack) when an open pack is removed.
 
     DIRECT: every pack of this writer is opened with O_DIRECT and every entry written through it (an
-    entry whose frame is not page-aligned is copied into an aligned buffer first), so no byte of these
-    packs passes through the page cache. The caller has probed that the store's file system takes
-    O_DIRECT (SnapshotStore.direct). A pack is never written both ways: on a kernel with pages larger
-    than 4 KiB a buffered entry would share a page with a direct one, and the dirty page written back
-    could carry stale bytes over the direct entry."""
+    entry whose frame is not page-aligned, which no caller in the tree makes today, is copied into an
+    aligned buffer first), so no byte of these packs passes through the page cache. Where packs/
+    refuses O_DIRECT at open (another file system mounted there than the one the store probed), the
+    writer goes on buffered from that pack on. A pack is never written both ways: on a kernel with
+    pages larger than 4 KiB a buffered entry would share a page with a direct one, and the dirty page
+    written back could carry stale bytes over the direct entry."""
 
     def __init__(self, packs_fd: int, index_fd: int, tmp_fd: int, tmp_name: Callable[[], str],
                  on_indexed: Callable[[str, int, list[tuple[str, int, int]]], None],
@@ -308,9 +310,15 @@ class PackWriter:
 
     def _new_pack(self) -> _OpenPack:
         name = secrets.token_hex(16)
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_DIRECT if self.direct else 0)
-        fd = os.open(name, flags, 0o600, dir_fd=self.packs_fd)
-        return _OpenPack(name, fd)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        if self.direct:
+            try:
+                return _OpenPack(name, os.open(name, flags | os.O_DIRECT, 0o600, dir_fd=self.packs_fd), True)
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise
+                self.direct = False  # (the open failed: nothing was created)
+        return _OpenPack(name, os.open(name, flags, 0o600, dir_fd=self.packs_fd), False)
 
     def pending(self, cid: str) -> ChunkHeader | None:
         """The header of CID if this writer's open pack already holds it."""
@@ -343,11 +351,17 @@ class PackWriter:
         bounce: AlignedBuffer | None = None
         try:
             data = frame[:total]
-            if self.direct and address_of(data) % ALIGN:
-                bounce = AlignedBuffer(total)  # (a frame not from an aligned buffer: rare)
+            if p.direct and address_of(data) % ALIGN:
+                bounce = AlignedBuffer(total)
                 copy_into(bounce.view, data)
                 data = bounce.view[:total]
-            write_all(p.fd, data, off)
+            try:
+                write_all(p.fd, data, off)
+            except OSError as e:
+                if p.direct and e.errno == errno.EINVAL:
+                    raise OSError(e.errno, "the file system refused a direct (O_DIRECT) write into a pack; "
+                                  "GPUSNAP_PUT_DIRECT=0 writes packs through the page cache") from None
+                raise
         except BaseException:
             with p.done:
                 p.inflight -= 1

@@ -40,6 +40,7 @@ from .readstage import Want, read_chunks
 from .store import SnapshotDamaged, SnapshotStore, SnapshotWriter, StoreError, base_cache_bytes
 
 from .errors import GpusnapError
+from .settings import SettingError, setting
 
 DEFAULT_CHUNK = 4 << 20
 
@@ -1236,8 +1237,9 @@ def get_direct() -> bool:
     $GPUSNAP_GET_DIRECT=0 reads them through the page cache, for measuring). Measured on the dev VM
     (2 cores, 1.4 GB of bf16 weights, 8 cold gets each way, interleaved): median 1.82 s (1.16 s of
     it in the kernel) against 3.08 s (2.66 s) buffered; every direct get was faster than every
-    buffered one. A get reads each pack byte once, so the page cache only cost a copy."""
-    return os.environ.get("GPUSNAP_GET_DIRECT", "1").strip() != "0"
+    buffered one. A get reads each pack byte once, so the page cache only cost a copy. Anything but 0
+    or 1 is refused (SettingError)."""
+    return bool(setting("GPUSNAP_GET_DIRECT", 1, int, lambda v: v in (0, 1), "0 or 1", SettingError))
 
 
 def put_direct() -> bool:
@@ -1248,14 +1250,15 @@ def put_direct() -> bool:
     0.93 GB of packs, cold, BENCHMARKS.md section 39): puts of 1.03-1.12 s with 0.15 s of kernel time
     direct, 1.47-1.60 s with 0.84-1.03 s buffered; seven rounds against cp, 1.16 s direct and 1.31 s
     buffered. Dumps keep buffered packs: a restore on the same node soon after finds them in the page
-    cache."""
-    return os.environ.get("GPUSNAP_PUT_DIRECT", "1").strip() != "0"
+    cache. Anything but 0 or 1 is refused (SettingError)."""
+    return bool(setting("GPUSNAP_PUT_DIRECT", 1, int, lambda v: v in (0, 1), "0 or 1", SettingError))
 
 
 def get(store: SnapshotStore, manifest: Manifest, sink: Sink, *, workers: int | None = None,
         progress: Progress | None = None) -> Result:
     """Materialize MANIFEST's streams into SINK, every chunk verified; sink.abort() on any failure."""
     workers = workers or default_workers()
+    direct = get_direct()  # (a bad setting refused before anything is written)
     stages = Stages()
     fail = _Failure()
     t_start = time.perf_counter()
@@ -1297,7 +1300,7 @@ def get(store: SnapshotStore, manifest: Manifest, sink: Sink, *, workers: int | 
                 progress.advance(want.ref.raw_len)
 
         try:
-            read_chunks(store, wants, deliver, stages=stages, decoders=workers, direct=get_direct())
+            read_chunks(store, wants, deliver, stages=stages, decoders=workers, direct=direct)
         except ChunkError as e:
             where = next((f"{w.key[0].name} chunk {w.key[1]}: " for w in wants if w.ref.id == e.chunk_id), "")
             raise SnapshotDamaged(f"snapshot {manifest.name!r} is damaged: {where}{e.what}") from None

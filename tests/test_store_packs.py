@@ -399,10 +399,10 @@ def test_get_reads_packs_past_the_page_cache_and_writes_the_same_bytes(cli: Cli,
 def test_put_writes_packs_past_the_page_cache_unless_told(cli: Cli, store_dir: Path, tmp_path: Path,
                                                           direct: str) -> None:
     """`store put` writes its packs with O_DIRECT by default: none of them is left in the page cache,
-    and the store verifies and gives the tree back byte for byte (entries of odd lengths, a pack that
-    ends inside a block); GPUSNAP_PUT_DIRECT=0 writes them through the page cache."""
+    and the store verifies and gives the tree back byte for byte (entries of odd lengths);
+    GPUSNAP_PUT_DIRECT=0 writes them through the page cache."""
     from storage.directio import direct_io_supported
-    if not direct_io_supported(str(tmp_path)):
+    if direct == "1" and not direct_io_supported(str(tmp_path)):
         pytest.skip("this file system refuses O_DIRECT")
     src = make_mixed_tree(tmp_path / "m", mb=24)
     (src / "odd.bin").write_bytes(os.urandom((1 << 20) + 4097))
@@ -419,6 +419,70 @@ def test_put_writes_packs_past_the_page_cache_unless_told(cli: Cli, store_dir: P
     cli.run("store", "verify", "--read-data")
     cli.run("store", "get", "a", str(tmp_path / "out"))
     assert tree_digest(tmp_path / "out" / "m") == tree_digest(src)
+
+
+def test_a_bad_direct_setting_is_refused_before_anything_is_written(cli: Cli, store_dir: Path,
+                                                                   tmp_path: Path) -> None:
+    """GPUSNAP_PUT_DIRECT / GPUSNAP_GET_DIRECT take 0 or 1; anything else is one line and exit 1, with
+    no snapshot made and nothing written where the get was to go."""
+    src = make_mixed_tree(tmp_path / "m", mb=2)
+    p = cli.run("store", "put", "a", str(src), check=False, env={"GPUSNAP_PUT_DIRECT": "no"})
+    assert p.returncode == 1 and p.stderr.strip().count("\n") == 0, p.stderr
+    assert "GPUSNAP_PUT_DIRECT='no': expected 0 or 1" in p.stderr
+    assert "a" not in cli.run("store", "ls").stdout.split()
+    cli.run("store", "put", "a", str(src))
+    p = cli.run("store", "get", "a", str(tmp_path / "out"), check=False, env={"GPUSNAP_GET_DIRECT": "2"})
+    assert p.returncode == 1 and "GPUSNAP_GET_DIRECT='2': expected 0 or 1" in p.stderr, p.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_packs_fall_back_to_buffered_where_packs_dir_refuses_o_direct(tmp_path: Path) -> None:
+    """A writer asked for direct packs whose packs/ refuses O_DIRECT at open (here: every open with the
+    flag refused, as ramfs or another mount there does) writes them buffered, and they read back; a
+    direct write refused later is an error that names the way out, and its pack is removed."""
+    from unittest import mock
+
+    from storage.chunkfile import HEADER_SIZE as HS, ChunkHeader
+    from storage.packs import PackWriter, parse_entry
+    root = tmp_path / "s"
+    for d in ("packs", "index", "tmp"):
+        (root / d).mkdir(parents=True)
+    fds = {d: os.open(root / d, os.O_RDONLY | os.O_DIRECTORY) for d in ("packs", "index", "tmp")}
+    real_open = os.open
+
+    def no_direct(path: object, flags: int, *a: object, **k: object) -> int:
+        if flags & os.O_DIRECT:
+            raise OSError(22, "Invalid argument")
+        return real_open(path, flags, *a, **k)  # type: ignore[arg-type]
+
+    got: dict[str, tuple[int, list[tuple[str, int, int]]]] = {}
+    pw = PackWriter(fds["packs"], fds["index"], fds["tmp"], lambda: "idx-0",
+                    lambda pack, n, ents: got.update({pack: (n, ents)}), direct=True)
+    payload = os.urandom(10000)
+    frame = memoryview(bytearray(HS + 12288))
+    frame[HS:HS + len(payload)] = payload
+    with mock.patch("storage.packs.os.open", no_direct):
+        pw.append("ab" * 32, ChunkHeader("raw", len(payload), len(payload)), frame)
+        pw.flush()
+    for fd in fds.values():
+        os.close(fd)
+    assert not pw.direct
+    (pack, (n, ents)), = got.items()
+    # a direct write refused mid-pack is an error that says what to do, and the pack is never indexed
+    from storage.directio import direct_io_supported
+    if direct_io_supported(str(tmp_path)):
+        fds = {d: os.open(root / d, os.O_RDONLY | os.O_DIRECTORY) for d in ("packs", "index", "tmp")}
+        pw2 = PackWriter(fds["packs"], fds["index"], fds["tmp"], lambda: "idx-1",
+                         lambda pack, n, ents: got.update({pack: (n, ents)}), direct=True)
+        with mock.patch("storage.directio.os.pwrite", side_effect=OSError(22, "Invalid argument")):
+            with pytest.raises(OSError, match="GPUSNAP_PUT_DIRECT=0"):
+                pw2.append("cd" * 32, ChunkHeader("raw", len(payload), len(payload)), frame)
+        pw2.abort()
+        for fd in fds.values():
+            os.close(fd)
+        assert list(got) == [pack] and sorted(p.name for p in (root / "packs").iterdir()) == [pack]
+    data = (root / "packs" / pack).read_bytes()
+    assert len(data) == n and bytes(parse_entry(memoryview(data)[ents[0][1]:], "ab" * 32)[1]) == payload
 
 
 @pytest.mark.parametrize("direct", [False, True], ids=["buffered", "direct"])
