@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batch on the lent GPU machine (the `device` tool): GPU tests, then the benchmarks named in $1
-# ("tests", "engine", "e2e", "speed", "moe", "fillvariants", "criutree", "codecs", "startup", "probe-delta", "pipes", "queue", "fillreads", "gilprof", "deltaprof", "knobs", "bench" = scripts/bench/bench_h200.sh, "hostpath", "pinned", "ingest", "pool", or several, comma-separated). Results land in $OUT (or ./device-out).
+# ("tests", "engine", "e2e", "speed", "moe", "fillvariants", "criutree", "codecs", "startup", "probe-delta", "pipes", "queue", "fillreads", "gilprof", "deltaprof", "knobs", "bench" = scripts/bench/bench_h200.sh, "hostpath", "pinned", "ingest", "pool", "storeput", or several, comma-separated). Results land in $OUT (or ./device-out).
 # The GPU machine has no network: carry .whl/ and .carry/ (both git-ignored, ~58 MiB together):
 #   .whl/: pip download --only-binary=:all: --python-version 3.12 --no-deps --platform manylinux2014_x86_64
 #          --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 --platform any -d .whl \
@@ -71,6 +71,9 @@ for what in ${1//,/ }; do
             timeout ${FILLREADS_TIMEOUT:-200} python3 -m scripts.device.probe_fillreads --gb ${FILLREADS_GB:-4} 2>&1 | tee "$out/fillreads.jsonl" ;;
     queue)  # how long a small cold read (CRIU opening a library) waits behind the fill's 16 MiB reads in flight
             timeout ${QUEUE_TIMEOUT:-200} python3 -m scripts.device.probe_queue --gb ${QUEUE_GB:-4} 2>&1 | tee "$out/queue.jsonl" ;;
+    storeput) # `store put`/`get` against cp on this host, packs written direct and buffered (BENCHMARKS.md section 39)
+            for d in 1 0; do GPUSNAP_PUT_DIRECT=$d timeout ${STORE_TIMEOUT:-150} python3 -m scripts.bench.bench_store --gb ${STORE_GB:-4} \
+              --mix weights --rounds ${STORE_ROUNDS:-3} --json "$out/store-direct$d.json" 2>&1 | tee "$out/store-direct$d.log" | tail -3; done ;;
     pinned) timeout 120 python3 -m scripts.device.probe_pinned_alloc 16 2>&1 | tee "$out/pinned-alloc.json" ;;
     speed)  # issue 17: the serving workload smoke-tested at 1 GB, then baseline vs gpusnap (stream, staging) at $BENCH_GB
             python3 -X importtime -m cli --help 2> "$out/importtime.txt" > /dev/null
