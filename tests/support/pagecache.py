@@ -31,6 +31,24 @@ def resident_bytes(directory: Path) -> int:
     return total
 
 
+def resident_in(path: Path, offset: int, length: int) -> int:
+    """Bytes of the pages of PATH's range [OFFSET, OFFSET + LENGTH) that are in the page cache now."""
+    import ctypes
+    import mmap
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    first, end = offset // 4096 * 4096, offset + length
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), end - first, prot=mmap.PROT_READ, offset=first) as m:
+        vec = ctypes.create_string_buffer((end - first + 4095) // 4096)
+        view = memoryview(m)
+        try:
+            if libc.mincore(np.frombuffer(view, np.uint8).ctypes.data, end - first, vec) != 0:
+                raise OSError(ctypes.get_errno(), "mincore")
+        finally:
+            view.release()
+    return sum(1 for b in vec.raw if b & 1) * 4096
+
+
 def cold_store(tmp_path: Path, nbytes: int) -> tuple[Any, list[Any]]:
     """A store of one snapshot `a` of NBYTES random bytes (in packs), its non-zero chunk refs, and the
     page cache dropped: the packs are on disk only."""
