@@ -10,25 +10,7 @@ import numpy as np
 
 def resident_bytes(directory: Path) -> int:
     """Bytes of the files in DIRECTORY that are in the page cache now (mincore over a read-only map)."""
-    import ctypes
-    import mmap
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
-    total = 0
-    for p in directory.iterdir():
-        size = p.stat().st_size
-        if not size:
-            continue
-        with open(p, "rb") as f, mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ) as m:
-            vec = ctypes.create_string_buffer((size + 4095) // 4096)
-            view = memoryview(m)
-            try:
-                if libc.mincore(np.frombuffer(view, np.uint8).ctypes.data, size, vec) != 0:
-                    raise OSError(ctypes.get_errno(), "mincore")
-            finally:
-                view.release()
-            total += sum(1 for b in vec.raw if b & 1) * 4096
-    return total
+    return sum(resident_in(p, 0, size) for p in directory.iterdir() if (size := p.stat().st_size))
 
 
 def resident_in(path: Path, offset: int, length: int) -> int:
