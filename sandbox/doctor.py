@@ -162,6 +162,7 @@ def report(criu: str = "criu", runsc: str = "runsc") -> dict[str, Any]:
         "dump_encoders": _encoders(),
         "pipes": pipe_limits(),
         "host_codec": _host_codec(),
+        "dump_writes": _dump_writes(),
         "why_no_gpu": f.reason,
     }
 
@@ -176,6 +177,16 @@ def _host_codec() -> dict[str, Any]:
         reads = f"nothing: {e}"
     return {"libzstd": zstdlib.available(), "byte_planes": "C" if shufflelib.available() else "numpy",
             "page_counts": "C" if delta.native_page_counts() else "numpy", "pipe_reads": reads}
+
+
+def _dump_writes() -> str:
+    """How a dump writes its packs on this host (sandbox.host.dumpwrites), or why it cannot."""
+    from sandbox.host import dumpwrites
+    from storage.settings import SettingError
+    try:
+        return dumpwrites.describe()
+    except SettingError as e:
+        return f"{e} (every dump refuses to start)"
 
 
 def render_criu_binary(c: dict[str, Any]) -> str:
@@ -232,6 +243,7 @@ def render(r: dict[str, Any]) -> str:
               + ("" if r["host_codec"]["byte_planes"] == r["host_codec"]["page_counts"] == "C" else
                  " (storage/native not built: python3 -m storage.native.build, or GPUSNAP_NO_NATIVE is set)"),
               _render_pipes(r["pipes"]),
+              f"dump packs           {r['dump_writes']}",
               f"CRIU                 {r['criu'] or 'not found'}",
               f"GPUs in CRIU dumps   {r['criu_gpu_handler']}",
               render_criu_binary(r["criu_binary"]),

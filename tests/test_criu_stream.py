@@ -588,11 +588,14 @@ def test_read_order_is_what_criu_reads_first_then_what_the_split_fills() -> None
                                                (STREAM, {**SPLIT_PROCS, "GPUSNAP_FILL_READERS": "6", "GPUSNAP_FILL_READERS_EARLY": "1"}),
                                                (STREAM, {**SPLIT_PROCS, "GPUSNAP_FILL_PREFETCH_EARLY": "1"}),
                                                (STREAM, {**SPLIT, "GPUSNAP_FILL_PREFETCH_EARLY": "1"}),
-                                               ({**STREAM, "GPUSNAP_FD_READ": "python"}, SPLIT)],
+                                               ({**STREAM, "GPUSNAP_FD_READ": "python"}, SPLIT),
+                                               ({**STREAM, "GPUSNAP_DUMP_DIRECT": "1"}, SPLIT),
+                                               ({**STREAM, "GPUSNAP_DUMP_DIRECT": "0"}, SPLIT)],
                          ids=["split", "split-in-3-processes", "criu-restores-all", "dumped-by-encoder-processes",
                               "split-in-3-processes-2-reads-each", "split-in-3-processes-taking-turns-at-1-read",
                               "split-in-3-processes-1-read-while-criu-runs", "split-in-3-processes-read-ahead-while-criu-runs",
-                              "split-read-ahead-while-criu-runs", "dump-read-by-pythons-loop"])
+                              "split-read-ahead-while-criu-runs", "dump-read-by-pythons-loop", "dump-packs-direct",
+                              "dump-packs-buffered"])
 def test_stream_dump_and_restore_of_a_tree(cli: Cli, store_dir: Path, dump_env: dict[str, str], restore_env: dict[str, str]) -> None:
     tree = Tree(mb=48)
     try:
@@ -603,6 +606,16 @@ def test_stream_dump_and_restore_of_a_tree(cli: Cli, store_dir: Path, dump_env: 
             assert d["pipe_reads"] == "Python (GPUSNAP_FD_READ=python)"
         elif not os.environ.get("GPUSNAP_NO_NATIVE"):
             assert d["pipe_reads"] == "C"  # the C loop, built by setup
+        # the packs past the page cache where asked, or by default where the host hands free memory back
+        # to its hypervisor (sandbox.host.dumpwrites), and where the store's file system takes O_DIRECT
+        from sandbox.host.hugepages import free_page_reporting
+        from storage.directio import direct_io_supported
+        from support.pagecache import resident_bytes
+        asked = dump_env.get("GPUSNAP_DUMP_DIRECT", "1" if free_page_reporting() is not None else "0")
+        direct = asked == "1" and direct_io_supported(str(store_dir / "tmp"))
+        assert d["pack_writes"] == ("direct" if direct else "buffered"), d
+        if direct:
+            assert resident_bytes(store_dir / "packs") == 0
         if dump_env is ENCODERS:  # new chunks were encoded (and their stored checksums computed) in the processes
             assert d["stages"]["checksum"]["bytes"] > 0, d["stages"]
         elif (os.cpu_count() or 1) < 8 and "GPUSNAP_ENCODE_PROCS" not in os.environ:
@@ -1036,7 +1049,8 @@ def test_a_bad_fill_setting_fails_the_restore_before_criu_starts(cli: Cli, store
 
 
 @pytest.mark.parametrize("name,value", [("GPUSNAP_ENCODE_PROCS", "lots"), ("GPUSNAP_DUMP_PIPE", "4096"),
-                                        ("GPUSNAP_DUMP_PIPE", "64M"), ("GPUSNAP_FD_READ", "fast")])
+                                        ("GPUSNAP_DUMP_PIPE", "64M"), ("GPUSNAP_FD_READ", "fast"),
+                                        ("GPUSNAP_DUMP_DIRECT", "yes")])
 def test_a_bad_dump_setting_fails_the_dump_before_anything_is_frozen(cli: Cli, store_dir: Path, name: str,
                                                                      value: str) -> None:
     """A dump setting that is not a number in its range: one line naming it, exit 1, nothing

@@ -24,6 +24,7 @@ import zstandard
 
 from storage.progress import Progress
 from storage import pipeline
+from sandbox.host.dumpwrites import dump_packs_direct
 from storage.errors import GpusnapError
 from storage.filetree import FileTreeSink, FileTreeSource
 from storage.names import validate_snapshot_name
@@ -94,7 +95,7 @@ def _uncompressed(path: str, tmp_dir: str) -> Iterator[tuple[BinaryIO, str]]:
 
 def _put(store: SnapshotStore, name: str, source: Any, meta: dict[str, Any], replace: bool,
          progress: Progress | None) -> pipeline.Result:
-    with store.writer(name, replace=replace, meta=meta) as w:
+    with store.writer(name, replace=replace, meta=meta, direct_packs=dump_packs_direct()) as w:
         if progress is not None:
             progress.start(source.total_bytes)
         res = pipeline.put(w, source, progress=progress, chunker="pages")

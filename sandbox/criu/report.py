@@ -25,6 +25,7 @@ class CriuReport:
     images_path: str = "staging"  # how CRIU's images moved: "stream" or "staging" (sandbox.criu.images)
     parent: str | None = None     # a dump's parent snapshot (its changed chunks are deltas against it)
     pipe_reads: str | None = None  # a streamed dump's: how CRIU's pipes were read (storage.fdread.describe)
+    pack_writes: str | None = None  # a dump's: "direct", "buffered" or "none" (SnapshotWriter.pack_writes)
 
     def as_dict(self) -> dict[str, Any]:
         """A dump's report (bytes of images, written, deduplicated) or a restore's (the restored pid):
@@ -34,4 +35,5 @@ class CriuReport:
         if self.restored_pid is not None:
             return {**d, "restored_pid": self.restored_pid}
         return {**d, "raw_bytes": self.raw_bytes, "new_bytes": self.new_bytes, "dedup_bytes": self.dedup_bytes,
-                "parent": self.parent, **({"pipe_reads": self.pipe_reads} if self.pipe_reads else {})}
+                "parent": self.parent, **({"pipe_reads": self.pipe_reads} if self.pipe_reads else {}),
+                **({"pack_writes": self.pack_writes} if self.pack_writes else {})}

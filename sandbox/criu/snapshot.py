@@ -53,6 +53,7 @@ from sandbox.criu.runner import Criu, CriuError, DumpOptions
 from sandbox.criu.serve import early_reads_of
 from sandbox.criu.staging import keep_log, new_staging, rss_bytes
 from sandbox.host import hugepages
+from sandbox.host.dumpwrites import dump_packs_direct
 from sandbox.host.processes import process_tree
 from sandbox.gpu.state import GpuPath, plan as gpu_plan
 from sandbox.ops.snapshot_meta import CriuMeta, GpuInfo
@@ -86,6 +87,7 @@ def criu_dump(store: SnapshotStore, pid: int, name: str, *, leave_running: bool 
     encodeprocs.check_settings()  # a bad setting fails the dump here, before anything is frozen
     dump_pipe_size()
     pipe_reads = fdread.describe()
+    direct_packs = dump_packs_direct()  # (a bad GPUSNAP_DUMP_DIRECT refused before anything is frozen)
     hugepages.policy()
     opts = options or DumpOptions()
     opts = DumpOptions(**{**opts.__dict__, "leave_running": leave_running, "leave_stopped": not leave_running})
@@ -111,11 +113,12 @@ def criu_dump(store: SnapshotStore, pid: int, name: str, *, leave_running: bool 
                         tuple(opts.argv()), GpuPath(gpu.path) if gpu.path else None,
                         gpus=tuple(GpuInfo(g["index"], g["uuid"], g["name"]) for g in gpu.gpus), gpu_bytes=usage,
                         extra={"op": op.id, "op_mac": op.commit_mac(pids)}).to_json()
-        with store.writer(name, replace=replace, meta=meta, tags=tuple(tags)) as w, gpu:
+        with store.writer(name, replace=replace, meta=meta, tags=tuple(tags), direct_packs=direct_packs) as w, gpu:
             _dump_in(DumpContext(store, name, op, w, criu, pid, pids, opts, gpu, report, leave_running, progress,
                                  parent=base), staging, lock_timeout_s)
     report.parent = base.name if base is not None else None
     report.raw_bytes, report.new_bytes, report.dedup_bytes = w.stats.raw_bytes, w.stats.bytes_new, w.stats.bytes_dedup
+    report.pack_writes = w.pack_writes
     return report
 
 

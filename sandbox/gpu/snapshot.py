@@ -24,6 +24,7 @@ from storage.progress import Progress
 from storage.store import SnapshotStore
 
 from sandbox.ops import journal
+from sandbox.host.dumpwrites import dump_packs_direct
 
 from sandbox.gpu import device_map as dmap
 from sandbox.host import hugepages
@@ -93,13 +94,15 @@ def gpu_checkpoint(store: SnapshotStore, root_pid: int, name: str, *, driver: Cu
         raise GpuSnapshotError("; ".join(f"pid {p} is {s.name}, not RUNNING" for p, s in busy.items()))
     gpus = [{"index": g.index, "uuid": g.uuid, "name": g.name} for g in feats.gpus]
     usage = _recorded_usage(drv, pids, gpus)  # what a --device-map restore checks against free memory
+    direct_packs = dump_packs_direct()  # (a bad GPUSNAP_DUMP_DIRECT refused before anything is locked)
     with journal.operation(store.path, OpKind.GPU_CHECKPOINT, name, pids=pids, cuda_pids=tuple(pids),
                            gpu_path=path.value) as op:
         # op and op_mac: how recovery tells this operation's commit from any other manifest of the name
         meta = GpuMeta(path, root_pid, tuple(pids), tuple(GpuInfo(g.index, g.uuid, g.name) for g in feats.gpus),
                        feats.driver_version, {int(p): u for p, u in usage.items()},
                        extra={"op": op.id, "op_mac": op.commit_mac(pids)}).to_json()
-        with store.writer(name, replace=replace, meta=meta, tags=tuple(tags)) as w, _engine(path, device) as eng, \
+        with store.writer(name, replace=replace, meta=meta, tags=tuple(tags), direct_packs=direct_packs) as w, \
+                _engine(path, device) as eng, \
                 (op.ref_log(w.sync_chunks) if eng is not None else nullcontext()) as log:
             rep = _checkpoint_in(op, w, eng, log, drv, pids, gp, lock_timeout_s, progress)
     return GpuReport(name, path.value, pids, dict(rep.seconds), w.stats.raw_bytes, w.stats.bytes_new)

@@ -21,6 +21,7 @@ from typing import Any, Sequence
 
 from storage.progress import Progress
 from storage import pipeline
+from sandbox.host.dumpwrites import dump_packs_direct
 from storage.filetree import FileTreeSink, FileTreeSource
 from storage.store import SnapshotStore
 from storage.storedir import LOGS, path_in
@@ -171,6 +172,7 @@ def checkpoint(store: SnapshotStore, cid: str, name: str, runsc_args: Sequence[s
     into snapshot NAME.gpu, or the driver's host copy that runsc then saves), then `runsc checkpoint`
     and the ingest. A failure at any step leaves the sandbox running with its GPU state back."""
     journal.require_clean(store.path)
+    direct_packs = dump_packs_direct()  # (a bad GPUSNAP_DUMP_DIRECT refused before anything is frozen)
     r = Runsc(check_runsc_args(list(runsc_args), "--runsc-arg"), log_dir=path_in(store.path, LOGS))
     st = r.lookup(cid)
     if st.get("status") != "running":
@@ -191,7 +193,7 @@ def checkpoint(store: SnapshotStore, cid: str, name: str, runsc_args: Sequence[s
         meta = RunscMeta(cid, tuple(runsc_args), bundle, net, bundle_netns(bundle), None,
                          extra={"output": (records.read(r.root, cid, Kind.RUN) or {}).get("output"),
                                 "op": op.id, "op_mac": op.commit_mac([])})
-        with store.writer(name, replace=replace, meta=meta.to_json(), tags=tuple(tags)) as w:
+        with store.writer(name, replace=replace, meta=meta.to_json(), tags=tuple(tags), direct_packs=direct_packs) as w:
             _checkpoint_in(op, w, meta, r, cid, bundle, net, gpu, leave_running, report, store, name, progress)
     report.raw_bytes, report.new_bytes, report.dedup_bytes = w.stats.raw_bytes, w.stats.bytes_new, w.stats.bytes_dedup
     return report
