@@ -327,7 +327,9 @@ def _freeze(drv: Any, pids: list[int], features: Any, device: Any) -> tuple[Any,
     from sandbox.ops.snapshot_meta import GpuMeta
     # `path` too: the key gpusnap-criu-hook releases before the unified `gpu_path` read
     meta = GpuMeta(GpuPath.CUSTOM_STORAGE, min(pids), tuple(pids), extra={"path": GpuPath.CUSTOM_STORAGE.value}).to_json()
-    with store.writer(target[1], replace=True, meta=meta) as w, GpuEngine(0 if device is None else device) as eng:
+    from sandbox.host.dumpwrites import dump_packs_direct
+    with store.writer(target[1], replace=True, meta=meta, direct_packs=dump_packs_direct()) as w, \
+            GpuEngine(0 if device is None else device) as eng:
         with state.freeze(drv, pids, plan.backend(EngineRegions.into(eng, w)), limits) as rep:
             w.commit()
     return rep, "custom-storage", target

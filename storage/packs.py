@@ -259,6 +259,29 @@ def parse_entry(view: memoryview, cid: str) -> tuple[ChunkHeader, memoryview]:
 
 
 # ---- writing ---------------------------------------------------------------------------------
+def _write_direct(fd: int, view: memoryview, offset: int) -> None:
+    """pwrite VIEW (aligned) at OFFSET through an O_DIRECT FD. A write that stops short at an unaligned
+    length cannot be continued there: it is reported as the full disk it almost always is (ENOSPC, when
+    the file system says less than the rest is free), else EIO; a refused one (EINVAL) names the
+    settings that write packs through the page cache instead."""
+    done = 0
+    while done < len(view):
+        try:
+            n = os.pwrite(fd, view[done:], offset + done)
+        except OSError as e:
+            if e.errno == errno.EINVAL:
+                raise OSError(e.errno, "the file system refused a direct (O_DIRECT) write into a pack; "
+                              "GPUSNAP_PUT_DIRECT=0 (store put) or GPUSNAP_DUMP_DIRECT=0 (dumps) write packs "
+                              "through the page cache") from None
+            raise
+        if n <= 0 or n % ALIGN and done + n < len(view):
+            st = os.fstatvfs(fd)
+            if st.f_bavail * st.f_frsize < len(view) - done - max(n, 0):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            raise OSError(errno.EIO, "a direct write into a pack stopped short")
+        done += n
+
+
 class _OpenPack:
     def __init__(self, name: str, fd: int, direct: bool) -> None:
         self.name = name
@@ -284,7 +307,8 @@ class PackWriter:
 
     DIRECT: every pack of this writer is opened with O_DIRECT and every entry written through it (an
     entry whose frame is not page-aligned, which no caller in the tree makes today, is copied into an
-    aligned buffer first), so no byte of these packs passes through the page cache. Where packs/
+    aligned buffer first), so their bytes do not pass through the page cache (the store's dedup
+    lookups read an entry's header through it: a few pages). Where packs/
     refuses O_DIRECT at open (another file system mounted there than the one the store probed), the
     writer goes on buffered from that pack on. A pack is never written both ways: on a kernel with
     pages larger than 4 KiB a buffered entry would share a page with a direct one, and the dirty page
@@ -355,13 +379,10 @@ class PackWriter:
                 bounce = AlignedBuffer(total)
                 copy_into(bounce.view, data)
                 data = bounce.view[:total]
-            try:
+            if p.direct:
+                _write_direct(p.fd, data, off)
+            else:
                 write_all(p.fd, data, off)
-            except OSError as e:
-                if p.direct and e.errno == errno.EINVAL:
-                    raise OSError(e.errno, "the file system refused a direct (O_DIRECT) write into a pack; "
-                                  "GPUSNAP_PUT_DIRECT=0 writes packs through the page cache") from None
-                raise
         except BaseException:
             with p.done:
                 p.inflight -= 1

@@ -1249,17 +1249,10 @@ def put_direct() -> bool:
     cost a copy and the pages to hold it. Measured on the dev VM (2 cores, 1.41 GB of bf16 weights,
     0.93 GB of packs, cold, BENCHMARKS.md section 39): puts of 1.03-1.12 s with 0.15 s of kernel time
     direct, 1.47-1.60 s with 0.84-1.03 s buffered; seven rounds against cp, 1.16 s direct and 1.31 s
-    buffered. Pulls and imports keep buffered packs (a restore on the same node soon after finds them
-    in the page cache), and dumps too unless sandbox.host.dumpwrites says otherwise. Anything but 0 or
-    1 is refused (SettingError)."""
+    buffered. Pulls and `store import` keep buffered packs (a restore on the same node soon after finds
+    them in the page cache); dumps and imported container checkpoints do unless
+    sandbox.host.dumpwrites says otherwise. Anything but 0 or 1 is refused (SettingError)."""
     return bool(setting("GPUSNAP_PUT_DIRECT", 1, int, lambda v: v in (0, 1), "0 or 1", SettingError))
-
-
-def dump_direct() -> bool | None:
-    """$GPUSNAP_DUMP_DIRECT: 1 a dump writes its packs with O_DIRECT, 0 through the page cache, None
-    (unset) the host decides (sandbox.host.dumpwrites). Anything but 0 or 1 is refused (SettingError)."""
-    v = setting("GPUSNAP_DUMP_DIRECT", None, int, lambda v: v in (0, 1), "0 or 1", SettingError)
-    return None if v is None else bool(v)
 
 
 def get(store: SnapshotStore, manifest: Manifest, sink: Sink, *, workers: int | None = None,

@@ -482,8 +482,13 @@ def test_packs_fall_back_to_buffered_where_packs_dir_refuses_o_direct(tmp_path: 
         pw2 = PackWriter(fds["packs"], fds["index"], fds["tmp"], lambda: "idx-1",
                          lambda pack, n, ents: got.update({pack: (n, ents)}), direct=True)
         with mock.patch("storage.directio.os.pwrite", side_effect=OSError(22, "Invalid argument")):
-            with pytest.raises(OSError, match="GPUSNAP_PUT_DIRECT=0"):
+            with pytest.raises(OSError, match="GPUSNAP_PUT_DIRECT=0 .* or GPUSNAP_DUMP_DIRECT=0"):
                 pw2.append("cd" * 32, ChunkHeader("raw", len(payload), len(payload)), frame)
+        # a direct write that stops short inside a block cannot go on there: EIO (or ENOSPC on a full disk)
+        with mock.patch("storage.packs.os.pwrite", return_value=100):
+            with pytest.raises(OSError, match="stopped short") as short:
+                pw2.append("ce" * 32, ChunkHeader("raw", len(payload), len(payload)), frame)
+        assert short.value.errno == 5
         pw2.abort()
         for fd in fds.values():
             os.close(fd)

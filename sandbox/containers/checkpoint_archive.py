@@ -94,8 +94,8 @@ def _uncompressed(path: str, tmp_dir: str) -> Iterator[tuple[BinaryIO, str]]:
 
 
 def _put(store: SnapshotStore, name: str, source: Any, meta: dict[str, Any], replace: bool,
-         progress: Progress | None) -> pipeline.Result:
-    with store.writer(name, replace=replace, meta=meta, direct_packs=dump_packs_direct()) as w:
+         progress: Progress | None, direct_packs: bool) -> pipeline.Result:
+    with store.writer(name, replace=replace, meta=meta, direct_packs=direct_packs) as w:
         if progress is not None:
             progress.start(source.total_bytes)
         res = pipeline.put(w, source, progress=progress, chunker="pages")
@@ -107,13 +107,14 @@ def import_podman(store: SnapshotStore, archive: str, name: str, *, replace: boo
                   progress: Progress | None = None) -> Moved:
     """Store a `podman container checkpoint --export` archive (tar; none, gzip or zstd) as NAME."""
     validate_snapshot_name(name)
+    direct_packs = dump_packs_direct()  # (a bad setting refused before the archive is unpacked)
     path = os.path.abspath(archive)
     with _uncompressed(path, store.tmp_dir) as (f, compression):
         source = TarSource(f, path)
         if not any(s.name.startswith("checkpoint/") for s in source.specs):
             raise ArchiveError(f"{path}: no checkpoint/ directory inside; not a Podman checkpoint archive")
         meta = {"kind": CheckpointKind.PODMAN.value, "source": path, "compression": compression}
-        res = _put(store, name, source, meta, replace, progress)
+        res = _put(store, name, source, meta, replace, progress, direct_packs)
     return Moved(name, CheckpointKind.PODMAN, path, res.raw_bytes, res.stored_bytes, res.seconds)
 
 
@@ -121,6 +122,7 @@ def import_runc(store: SnapshotStore, image_dir: str, name: str, *, replace: boo
                 progress: Progress | None = None) -> Moved:
     """Store a runc checkpoint image directory (`runc checkpoint --image-path DIR`) as NAME."""
     validate_snapshot_name(name)
+    direct_packs = dump_packs_direct()
     path = os.path.abspath(image_dir)
     if not os.path.isdir(path) or os.path.islink(path):
         raise ArchiveError(f"{path}: not a directory (a runc checkpoint is the --image-path directory)")
@@ -128,7 +130,7 @@ def import_runc(store: SnapshotStore, image_dir: str, name: str, *, replace: boo
         raise ArchiveError(f"{path}: no inventory.img; not a CRIU image directory")
     meta = {"kind": CheckpointKind.RUNC.value, "source": path, "root": os.path.basename(path)}
     with FileTreeSource([path]) as source:
-        res = _put(store, name, source, meta, replace, progress)
+        res = _put(store, name, source, meta, replace, progress, direct_packs)
     return Moved(name, CheckpointKind.RUNC, path, res.raw_bytes, res.stored_bytes, res.seconds)
 
 

@@ -83,6 +83,7 @@ def gpu_checkpoint(store: SnapshotStore, root_pid: int, name: str, *, driver: Cu
     the caller has found them already.
     """
     hugepages.policy()  # a bad GPUSNAP_THP fails here, before a process is touched
+    direct_packs = dump_packs_direct()  # and a bad GPUSNAP_DUMP_DIRECT
     drv = driver or CudaDriver()
     feats = features or probe(drv)
     gp = plan(features=feats, thp_mode=thp_mode)
@@ -94,7 +95,6 @@ def gpu_checkpoint(store: SnapshotStore, root_pid: int, name: str, *, driver: Cu
         raise GpuSnapshotError("; ".join(f"pid {p} is {s.name}, not RUNNING" for p, s in busy.items()))
     gpus = [{"index": g.index, "uuid": g.uuid, "name": g.name} for g in feats.gpus]
     usage = _recorded_usage(drv, pids, gpus)  # what a --device-map restore checks against free memory
-    direct_packs = dump_packs_direct()  # (a bad GPUSNAP_DUMP_DIRECT refused before anything is locked)
     with journal.operation(store.path, OpKind.GPU_CHECKPOINT, name, pids=pids, cuda_pids=tuple(pids),
                            gpu_path=path.value) as op:
         # op and op_mac: how recovery tells this operation's commit from any other manifest of the name

@@ -4,19 +4,29 @@ Through the page cache by default, so that a restore on the same node soon after
 there. Past it where this machine hands free memory back to its hypervisor (free page reporting, see
 hugepages.free_page_reporting): there every page-cache page a dump fills may first have to be faulted
 back in from the host, and on the 2-core development VM a 1 GiB CRIU dump took 4.4-9.8 s with buffered
-packs against 2.0-2.7 s with direct ones, four dumps each, alternating (BENCHMARKS.md section 39). On
-the GPU hosts measured (no balloon) direct pack entries made no difference to the dump (section 19).
-$GPUSNAP_DUMP_DIRECT=0 or 1 decides instead (storage.pipeline.dump_direct).
+packs against 2.0-2.7 s with direct ones, four dumps each, alternating (BENCHMARKS.md section 39). The
+GPU hosts measured have no balloon; on the H200 direct pack entries made no difference beyond the
+spread to a put's ingest (section 19). A dump's report says how its packs were written
+(`pack_writes`: the writer's mode at the end, "buffered" if it fell back part way).
+$GPUSNAP_DUMP_DIRECT=0 or 1 decides instead (dump_direct).
 """
 from __future__ import annotations
 
 from sandbox.host.hugepages import free_page_reporting
-from storage.pipeline import dump_direct
+from storage.settings import SettingError, setting
+
+
+def dump_direct() -> bool | None:
+    """$GPUSNAP_DUMP_DIRECT: 1 a dump writes its packs with O_DIRECT, 0 through the page cache, None
+    (unset) this module decides. Anything but 0 or 1 is refused (SettingError)."""
+    v = setting("GPUSNAP_DUMP_DIRECT", None, int, lambda v: v in (0, 1), "0 or 1", SettingError)
+    return None if v is None else bool(v)
 
 
 def dump_packs_direct() -> bool:
-    """Whether this dump writes its packs with O_DIRECT (where the store's file system takes it).
-    SettingError for a bad $GPUSNAP_DUMP_DIRECT: callers ask before anything is frozen."""
+    """Whether this dump writes its packs with O_DIRECT (where the store's file system takes it: the
+    writer falls back to the page cache where it does not). SettingError for a bad $GPUSNAP_DUMP_DIRECT:
+    callers ask once, before anything is frozen."""
     asked = dump_direct()
     return free_page_reporting() is not None if asked is None else asked
 
@@ -27,5 +37,6 @@ def describe() -> str:
     if asked is not None:
         return f"written {'past' if asked else 'through'} the page cache (GPUSNAP_DUMP_DIRECT={int(asked)})"
     if free_page_reporting() is not None:
-        return "written past the page cache (O_DIRECT): this machine hands free memory back to its hypervisor"
+        return ("written past the page cache (O_DIRECT, where the store's file system takes it): this machine "
+                "hands free memory back to its hypervisor")
     return "written through the page cache (a restore on this node soon after finds them there)"

@@ -11,7 +11,6 @@ import threading
 from typing import Any, BinaryIO, Sequence, cast
 
 from storage.store import SnapshotStore
-from sandbox.host.dumpwrites import dump_packs_direct
 
 from sandbox.gpu.channel import AgentFrames, AgentReport, ChannelError, ChannelLimits, read_report, receive, send
 from sandbox.runsc.oci_bundle import add_bind, add_gpus, load_spec, save_spec
@@ -117,12 +116,12 @@ class _AgentExec:
 
 
 def agent_checkpoint(r: Runsc, cid: str, store: SnapshotStore, gpu_name: str,
-                     limits: ChannelLimits = ChannelLimits()) -> dict[str, Any]:
+                     limits: ChannelLimits = ChannelLimits(), direct_packs: bool = False) -> dict[str, Any]:
     """The agent's checkpoint in sandbox CID; GPU memory it streams out (custom storage) is committed
     as snapshot GPU_NAME, which the host names. Returns its validated report (+ "snapshot"). On any
-    failure the processes whose memory already reached the host get it back, and none stays frozen."""
+    failure the processes whose memory already reached the host get it back, and none stays frozen.
+    DIRECT_PACKS: as the checkpoint's own writer (sandbox.host.dumpwrites, decided once per dump)."""
     meta = GpuMeta(GpuPath.CUSTOM_STORAGE).to_json()  # its pids once the agent has reported them
-    direct_packs = dump_packs_direct()
     with _AgentExec(r, cid, ["checkpoint"]) as a, \
             store.writer(gpu_name, replace=True, meta=meta, direct_packs=direct_packs) as w:
         frames = AgentFrames(a.stdout, "checkpoint", limits)

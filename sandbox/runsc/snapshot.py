@@ -215,7 +215,7 @@ def _checkpoint_in(op: journal.Op, w: Any, meta: RunscMeta, r: Runsc, cid: str, 
                 op.advance(Stage.GPU_FROZEN)
                 t0 = time.perf_counter()
                 gpu_rep = agent_checkpoint(r, cid, store, gpu_snapshot_name(name),
-                                           ChannelLimits.for_gpus(len(gpu.get("gpus") or [])))
+                                           ChannelLimits.for_gpus(len(gpu.get("gpus") or [])), w.direct_packs)
                 op.advance(runsc=SandboxRecord.of(op.rec).with_(gpu_report=gpu_rep))
                 # the writer's meta, made anew from the record with the agent's report in it
                 w.meta = dataclasses.replace(meta, gpu=RunscGpu(tuple(gpu.get("gpus") or ()),
