@@ -3,11 +3,12 @@ import json, os, shutil, subprocess, sys, tempfile, time
 sys.path.insert(0, "/work/main")
 from scripts.workloads.criu_tree import CriuTree
 from scripts.helpers import REPO, child_env, drop_caches
+ORDER = sys.argv[1].split(",") if len(sys.argv) > 1 else ["1", "0"]
 work = tempfile.mkdtemp(prefix="dumpalt-", dir="/var/tmp")
 t = CriuTree(1024, data="weights", sharing="private", prefix="dumpalt-tree-", start_timeout=600)
 try:
     assert t.ok()
-    for i, d in enumerate(["1", "0"] * 4):
+    for i, d in enumerate(ORDER * 4):
         store = os.path.join(work, f"s{i}")
         drop_caches(required=True)
         env = child_env(GPUSNAP_DUMP_DIRECT=d)
