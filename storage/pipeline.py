@@ -40,7 +40,7 @@ from .readstage import Want, read_chunks
 from .store import SnapshotDamaged, SnapshotStore, SnapshotWriter, StoreError, base_cache_bytes
 
 from .errors import GpusnapError
-from .settings import SettingError, setting
+from .settings import switch
 
 DEFAULT_CHUNK = 4 << 20
 
@@ -1239,7 +1239,7 @@ def get_direct() -> bool:
     it in the kernel) against 3.08 s (2.66 s) buffered; every direct get was faster than every
     buffered one. A get reads each pack byte once, so the page cache only cost a copy. Anything but 0
     or 1 is refused (SettingError)."""
-    return bool(setting("GPUSNAP_GET_DIRECT", 1, int, lambda v: v in (0, 1), "0 or 1", SettingError))
+    return bool(switch("GPUSNAP_GET_DIRECT", True))
 
 
 def put_direct() -> bool:
@@ -1252,7 +1252,7 @@ def put_direct() -> bool:
     buffered. Pulls and `store import` keep buffered packs (a restore on the same node soon after finds
     them in the page cache); dumps and imported container checkpoints do unless
     sandbox.host.dumpwrites says otherwise. Anything but 0 or 1 is refused (SettingError)."""
-    return bool(setting("GPUSNAP_PUT_DIRECT", 1, int, lambda v: v in (0, 1), "0 or 1", SettingError))
+    return bool(switch("GPUSNAP_PUT_DIRECT", True))
 
 
 def get(store: SnapshotStore, manifest: Manifest, sink: Sink, *, workers: int | None = None,

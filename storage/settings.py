@@ -28,6 +28,13 @@ class SettingError(GpusnapError):
     """A GPUSNAP_* setting that does not parse or is out of its range."""
 
 
+def switch(name: str, default: bool | None, error: type[GpusnapError] = SettingError) -> bool | None:
+    """$NAME as an on/off switch: 1 True, 0 False, unset or empty DEFAULT; ERROR "NAME='...': expected 0
+    or 1" for anything else."""
+    v = setting(name, None, int, lambda v: v in (0, 1), "0 or 1", error)
+    return default if v is None else bool(v)
+
+
 SWITCH_LEAST_S, SWITCH_MOST_S = 1e-6, 0.1  # the interpreter keeps whole microseconds: less reads back as 0
 
 

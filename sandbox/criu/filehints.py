@@ -472,4 +472,4 @@ def hints_on() -> bool:
     """$GPUSNAP_CRIU_FILE_HINTS: 1 (default) warms the mapped files before the fill's reads, 0 does not
     (for measuring)."""
     from storage import settings
-    return bool(settings.setting("GPUSNAP_CRIU_FILE_HINTS", 1, int, lambda v: v in (0, 1), "0 or 1", FileHintError))
+    return bool(settings.switch("GPUSNAP_CRIU_FILE_HINTS", True, FileHintError))

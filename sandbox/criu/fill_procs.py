@@ -126,7 +126,7 @@ def prefetch_early() -> bool:
     as soon as its reads do, while CRIU still runs: $GPUSNAP_FILL_PREFETCH_EARLY=1; default 0, once
     CRIU is done. A deeper queue on the disk delays each small read CRIU makes of its own; with the
     files CRIU reads warmed first (sandbox.criu.filehints) it may make few such reads. For measuring."""
-    return bool(setting("GPUSNAP_FILL_PREFETCH_EARLY", 0, int, lambda v: v in (0, 1), "0 or 1"))
+    return bool(settings.switch("GPUSNAP_FILL_PREFETCH_EARLY", False, SplitError))
 
 
 class EarlyGate:

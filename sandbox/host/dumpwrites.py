@@ -13,14 +13,13 @@ $GPUSNAP_DUMP_DIRECT=0 or 1 decides instead (dump_direct).
 from __future__ import annotations
 
 from sandbox.host.hugepages import free_page_reporting
-from storage.settings import SettingError, setting
+from storage.settings import switch
 
 
 def dump_direct() -> bool | None:
     """$GPUSNAP_DUMP_DIRECT: 1 a dump writes its packs with O_DIRECT, 0 through the page cache, None
     (unset) this module decides. Anything but 0 or 1 is refused (SettingError)."""
-    v = setting("GPUSNAP_DUMP_DIRECT", None, int, lambda v: v in (0, 1), "0 or 1", SettingError)
-    return None if v is None else bool(v)
+    return switch("GPUSNAP_DUMP_DIRECT", None)
 
 
 def dump_packs_direct() -> bool:
