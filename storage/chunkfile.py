@@ -22,7 +22,7 @@ import blake3
 
 from . import delta
 from .codecs import CODEC_IDS, CODEC_NAMES, DELTA, RAW_ENTRY_CODECS, CodecError, decode_host, decode_host_into
-from .directio import ALIGN, AlignedBuffer, align_up, read_into, write_all
+from .directio import ALIGN, AlignedBuffer, align_up, read_into
 
 from .errors import DamageError, GpusnapError
 from .limits import MAX_RAW_CHUNK, MAX_STORED_CHUNK
@@ -182,40 +182,6 @@ def max_stored_len(codec: str, raw_len: int, stored_len: int) -> int:
     """The most payload bytes a file named by the reference (CODEC, RAW_LEN, STORED_LEN) may hold:
     a GSNPCHK2 file may encode the raw bytes otherwise, never in more than RAW_LEN bytes."""
     return max(stored_len, raw_len) if codec in RAW_CODECS else stored_len
-
-
-def write_chunk_file(dir_fd: int, name: str, header: ChunkHeader, frame: memoryview, direct: bool) -> None:
-    """Write a new chunk file NAME in the directory DIR_FD from FRAME and fsync it; on failure (a full
-    disk) the partial file is removed before the error is raised.
-
-    FRAME is a buffer laid out like the file: the payload already sits at FRAME[HEADER_SIZE:], and
-    FRAME has room up to the next ALIGN boundary after it. The header and the zero padding are filled
-    in place, so the payload is never copied and one write carries the whole file (O_DIRECT needs
-    aligned address, offset and length: pass an aligned frame when DIRECT).
-    """
-    n = header.stored_len
-    end = HEADER_SIZE + n
-    total = HEADER_SIZE + align_up(n)
-    hdr = header.pack()
-    frame[:len(hdr)] = hdr
-    frame[len(hdr):HEADER_SIZE] = bytes(HEADER_SIZE - len(hdr))
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_DIRECT if direct else 0)
-    fd = os.open(name, flags, 0o600, dir_fd=dir_fd)
-    try:
-        if direct:
-            frame[end:total] = bytes(total - end)  # never leak stale buffer bytes into the padding
-            write_all(fd, frame[:total], 0)
-        else:
-            write_all(fd, frame[:end], 0)
-        os.fsync(fd)
-    except BaseException:
-        os.close(fd)
-        try:
-            os.unlink(name, dir_fd=dir_fd)
-        except OSError:
-            pass
-        raise
-    os.close(fd)
 
 
 _READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC

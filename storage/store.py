@@ -1630,7 +1630,7 @@ class SnapshotWriter:
         (storage/encodeprocs.py), so it is not computed again.
 
         FRAME must have room up to the next 4096-byte boundary after the payload (see
-        chunkfile.write_chunk_file); the header is written into its first HEADER_SIZE bytes. The
+        packs.PackWriter.append); the header is written into its first HEADER_SIZE bytes. The
         reference returned names the file now present (for GSNPCHK2, possibly another encoding)."""
         header = ChunkHeader(codec, raw_len, stored_len, raw_id is not None)
         t0 = time.perf_counter()
