@@ -235,6 +235,22 @@ def write_all(fd: int, view: memoryview, offset: int) -> None:
         done += n
 
 
+def write_all_direct(fd: int, view: memoryview, offset: int) -> None:
+    """write_all for an O_DIRECT FD (VIEW aligned, OFFSET and len(VIEW) multiples of ALIGN). A write
+    that stops short inside a block cannot go on from there (an unaligned offset is refused): it is
+    reported as the full disk it almost always is (ENOSPC, when the file system says less than the rest
+    is free), else EIO."""
+    done = 0
+    while done < len(view):
+        n = os.pwrite(fd, view[done:], offset + done)
+        if n <= 0 or n % ALIGN and done + n < len(view):
+            st = os.fstatvfs(fd)
+            if st.f_bavail * st.f_frsize < len(view) - done - max(n, 0):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            raise DirectIOError(errno.EIO, "a direct write stopped short")
+        done += n
+
+
 def read_into(fd: int, view: memoryview, offset: int) -> int:
     """preadv into VIEW from OFFSET until it is full or EOF; returns bytes read."""
     done = 0

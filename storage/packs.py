@@ -28,7 +28,7 @@ from typing import Callable, Iterable
 import blake3
 
 from .chunkfile import HEADER_SIZE, MAX_RAW_CHUNK, ChunkError, ChunkHeader, file_kind
-from .directio import ALIGN, AlignedBuffer, address_of, align_up, copy_into, read_into, write_all
+from .directio import ALIGN, AlignedBuffer, address_of, align_up, copy_into, read_into, write_all, write_all_direct
 from .storedir import StoreDamage
 from .pausepoint import pause_at
 
@@ -260,26 +260,16 @@ def parse_entry(view: memoryview, cid: str) -> tuple[ChunkHeader, memoryview]:
 
 # ---- writing ---------------------------------------------------------------------------------
 def _write_direct(fd: int, view: memoryview, offset: int) -> None:
-    """pwrite VIEW (aligned) at OFFSET through an O_DIRECT FD. A write that stops short at an unaligned
-    length cannot be continued there: it is reported as the full disk it almost always is (ENOSPC, when
-    the file system says less than the rest is free), else EIO; a refused one (EINVAL) names the
-    settings that write packs through the page cache instead."""
-    done = 0
-    while done < len(view):
-        try:
-            n = os.pwrite(fd, view[done:], offset + done)
-        except OSError as e:
-            if e.errno == errno.EINVAL:
-                raise OSError(e.errno, "the file system refused a direct (O_DIRECT) write into a pack; "
-                              "GPUSNAP_PUT_DIRECT=0 (store put) or GPUSNAP_DUMP_DIRECT=0 (dumps) write packs "
-                              "through the page cache") from None
-            raise
-        if n <= 0 or n % ALIGN and done + n < len(view):
-            st = os.fstatvfs(fd)
-            if st.f_bavail * st.f_frsize < len(view) - done - max(n, 0):
-                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-            raise OSError(errno.EIO, "a direct write into a pack stopped short")
-        done += n
+    """directio.write_all_direct into a pack; a refused write (EINVAL) names the settings that write
+    packs through the page cache instead."""
+    try:
+        write_all_direct(fd, view, offset)
+    except OSError as e:
+        if e.errno == errno.EINVAL:
+            raise OSError(e.errno, "the file system refused a direct (O_DIRECT) write into a pack; "
+                          "GPUSNAP_PUT_DIRECT=0 (store put) or GPUSNAP_DUMP_DIRECT=0 (dumps) write packs "
+                          "through the page cache") from None
+        raise
 
 
 class _OpenPack:
@@ -375,14 +365,14 @@ class PackWriter:
         bounce: AlignedBuffer | None = None
         try:
             data = frame[:total]
-            if p.direct and address_of(data) % ALIGN:
-                bounce = AlignedBuffer(total)
-                copy_into(bounce.view, data)
-                data = bounce.view[:total]
-            if p.direct:
-                _write_direct(p.fd, data, off)
-            else:
+            if not p.direct:
                 write_all(p.fd, data, off)
+            else:
+                if address_of(data) % ALIGN:
+                    bounce = AlignedBuffer(total)
+                    copy_into(bounce.view, data)
+                    data = bounce.view[:total]
+                _write_direct(p.fd, data, off)
         except BaseException:
             with p.done:
                 p.inflight -= 1

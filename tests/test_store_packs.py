@@ -485,7 +485,7 @@ def test_packs_fall_back_to_buffered_where_packs_dir_refuses_o_direct(tmp_path: 
             with pytest.raises(OSError, match="GPUSNAP_PUT_DIRECT=0 .* or GPUSNAP_DUMP_DIRECT=0"):
                 pw2.append("cd" * 32, ChunkHeader("raw", len(payload), len(payload)), frame)
         # a direct write that stops short inside a block cannot go on there: EIO (or ENOSPC on a full disk)
-        with mock.patch("storage.packs.os.pwrite", return_value=100):
+        with mock.patch("storage.directio.os.pwrite", return_value=100):
             with pytest.raises(OSError, match="stopped short") as short:
                 pw2.append("ce" * 32, ChunkHeader("raw", len(payload), len(payload)), frame)
         assert short.value.errno == 5
