@@ -127,12 +127,6 @@ def test_readme_container_example_runs(tmp_path: Path) -> None:
         p = _run_block("container", tmp_path, replace={"counter": name})
         assert p.returncode == 0, p.stderr
         assert int(p.stdout.strip().splitlines()[-1]) > 5, p.stdout
-        # and the restored process keeps counting (a frozen one would show its last count forever)
-        before = int((tmp_path / "counter.txt").read_text())
-        deadline = time.monotonic() + 10
-        while int((tmp_path / "counter.txt").read_text()) <= before:
-            assert time.monotonic() < deadline, f"the restored counter stopped at {before}"
-            time.sleep(0.1)
     finally:
         subprocess.run(["podman", "--runtime", "runc", "rm", "-f", name], capture_output=True)
 
