@@ -1358,7 +1358,9 @@ _DONE = 'import json; print(json.dumps({"written": 1, "zero_skipped": 0, "stages
 @pytest.mark.parametrize("said,why", [
     ('print(\'{"phase": true}\', flush=True)', "said phase True"),
     ('print(\'{"phase": 7}\', flush=True)', "said phase 7"),
-    ('print(\'{"phase": 1}\\n{"phase": 1}\', flush=True)', "said phase 1 after 1"),
+    # one write (atomic on a pipe): print() writes the text and its newline apart, and had the line
+    # ended in a second read, phase 1 would rightly have been told before the duplicate came
+    ('import os; os.write(1, b\'{"phase": 1}\\n{"phase": 1}\\n\')', "said phase 1 after 1"),
     ('import sys; sys.stdout.write(\'{"phase": 0}\'); sys.stdout.flush()', "died"),  # no newline, then EOF
     ('print(\'{"written": "lots"}\', flush=True)', "died"),
 ])
@@ -1369,6 +1371,18 @@ def test_fill_workers_saying_what_the_protocol_does_not_fail_the_fill_and_tell_n
     with pytest.raises(SplitError, match=why):
         fp._results(told.append)
     assert told == [], told  # no process was let run on a worker's bad word
+    fp.close()
+
+
+def test_a_bad_word_after_a_told_phase_fails_the_fill_and_tells_nothing_more() -> None:
+    told: list[int] = []
+    late = ('import os, time; os.write(1, b\'{"phase": 0}\\n\'); time.sleep(0.5); '
+            'os.write(1, b\'{"phase": 0}\\n\'); time.sleep(5)')
+    fp = _fake_workers([late, _DONE], nphases=3)
+    from sandbox.criu.split import SplitError
+    with pytest.raises(SplitError, match="said phase 0 after 0"):
+        fp._results(told.append)
+    assert told == [0], told  # phase 0 was every worker's before the bad word; nothing after it
     fp.close()
 
 
