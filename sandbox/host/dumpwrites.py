@@ -22,20 +22,24 @@ def dump_direct() -> bool | None:
     return switch("GPUSNAP_DUMP_DIRECT", None)
 
 
-def dump_packs_direct() -> bool:
+def decision() -> tuple[bool, str]:
     """Whether this dump writes its packs with O_DIRECT (where the store's file system takes it: the
-    writer falls back to the page cache where it does not). SettingError for a bad $GPUSNAP_DUMP_DIRECT:
-    callers ask once, before anything is frozen."""
+    writer falls back to the page cache where it does not), and why, in words. SettingError for a bad
+    $GPUSNAP_DUMP_DIRECT."""
     asked = dump_direct()
-    return free_page_reporting() is not None if asked is None else asked
+    if asked is not None:
+        return asked, f"written {'past' if asked else 'through'} the page cache (GPUSNAP_DUMP_DIRECT={int(asked)})"
+    if free_page_reporting() is not None:
+        return True, ("written past the page cache (O_DIRECT, where the store's file system takes it): this "
+                      "machine hands free memory back to its hypervisor")
+    return False, "written through the page cache (a restore on this node soon after finds them there)"
+
+
+def dump_packs_direct() -> bool:
+    """decision()'s answer alone; callers ask once, before anything is frozen."""
+    return decision()[0]
 
 
 def describe() -> str:
     """One line for doctor: how dumps write their packs here, and why."""
-    asked = dump_direct()
-    if asked is not None:
-        return f"written {'past' if asked else 'through'} the page cache (GPUSNAP_DUMP_DIRECT={int(asked)})"
-    if free_page_reporting() is not None:
-        return ("written past the page cache (O_DIRECT, where the store's file system takes it): this machine "
-                "hands free memory back to its hypervisor")
-    return "written through the page cache (a restore on this node soon after finds them there)"
+    return decision()[1]
