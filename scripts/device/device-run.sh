@@ -17,6 +17,9 @@
 # A call brings back at most 8 files from $OUT: give each batch an OUT outside it and pack that into one file,
 #   e.g. `OUT=/tmp/o/moe ... device-run.sh moe; tar -C /tmp/o -cf $OUT/run.tar .` (bench_e2e --criu-logs DIR keeps
 #   the CRIU logs of gpusnap's own runs there: `xz` them first).
+# PACK=$OUT/run.tar (the tool's $OUT; OUT itself then outside it): the batch's folder packed into that one file
+#   every 30 s and at the end, each time whole (written aside, then renamed), so a call cut at its time limit
+#   still brings back what was done until then (a cut call's own `tar` after the batch never runs).
 # WHEELS=.whl-lite: install from that folder instead (.whl without nvCOMP's two wheels, ~16 MiB: room in
 #          the 64 MiB carry for more, e.g. .tools/py-spy.xz for `gilprof`; nothing nvCOMP runs then).
 set -uo pipefail
@@ -51,6 +54,11 @@ if [ -n "${PIPE_MAX:-}" ]; then
   trap 'exit 143' TERM INT
   echo "$PIPE_MAX" > /proc/sys/fs/pipe-max-size && echo "fs.pipe-max-size $pipe_max_before -> $PIPE_MAX for this batch" >> "$out/machine.txt"
 fi
+pack() {  # $out into $PACK, whole or not at all
+  [ -n "${PACK:-}" ] || return 0
+  tar -C "$(dirname "$out")" -cf "$PACK.part" "$(basename "$out")" 2>/dev/null && mv -f "$PACK.part" "$PACK"
+}
+if [ -n "${PACK:-}" ]; then (while sleep 30 && kill -0 $$ 2>/dev/null; do pack; done) & packer=$!; fi
 python3 -m cli doctor > "$out/doctor.txt" 2>&1
 python3 -m cli doctor --json > "$out/doctor.json" 2>&1
 for what in ${1//,/ }; do
@@ -141,3 +149,4 @@ for what in ${1//,/ }; do
     e2e)    timeout 560 python3 -m scripts.bench.bench_e2e --json "$out/e2e.json" ${BENCH_ARGS:-} 2>&1 | tee "$out/e2e.log" ;;
   esac
 done
+if [ -n "${PACK:-}" ]; then pkill -P "$packer" 2>/dev/null; kill "$packer" 2>/dev/null; wait "$packer" 2>/dev/null; pack; fi
