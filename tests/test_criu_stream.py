@@ -1374,11 +1374,13 @@ def test_fill_workers_saying_what_the_protocol_does_not_fail_the_fill_and_tell_n
     fp.close()
 
 
-def test_a_bad_word_after_a_told_phase_fails_the_fill_and_tells_nothing_more() -> None:
+def test_a_bad_word_after_a_told_phase_fails_the_fill_and_tells_nothing_more(tmp_path: Path) -> None:
     told: list[int] = []
-    late = ('import os, time; os.write(1, b\'{"phase": 0}\\n\'); time.sleep(0.5); '
-            'os.write(1, b\'{"phase": 0}\\n\'); time.sleep(5)')
-    fp = _fake_workers([late, _DONE], nphases=3)
+    said = tmp_path / "answered"  # the other worker has answered: phase 0 is then every worker's
+    late = ('import os, time; os.write(1, b\'{"phase": 0}\\n\')\n'
+            f'while not os.path.exists({str(said)!r}): time.sleep(0.01)\n'
+            'time.sleep(1); os.write(1, b\'{"phase": 0}\\n\'); time.sleep(5)')
+    fp = _fake_workers([late, _DONE + f"; open({str(said)!r}, 'w').close()"], nphases=3)
     from sandbox.criu.split import SplitError
     with pytest.raises(SplitError, match="said phase 0 after 0"):
         fp._results(told.append)
