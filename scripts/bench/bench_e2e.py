@@ -45,6 +45,7 @@ from sandbox.criu.runner import Criu
 from sandbox.gpu.driver import CudaDriver
 from sandbox.gpu.checkpoint import checkpoint_all, restore_all
 from sandbox.host.hugepages import thp
+from scripts.bench.fill_stalls import stalls
 from scripts.bench.timeline import Timeline, phase_line
 from scripts.helpers import REPO, child_env, disk_floor, drop_caches, second_dump_pages
 from scripts.workloads.workload_control import Workload
@@ -113,6 +114,9 @@ def restore_traced(out: dict, key: str, store: str, name: str, path: str, work: 
                                    "gpu_begin_s": round(marks["gpu_begin"] - t0, 3) if "gpu_begin" in marks else None}
         print(f"{key} early GPU copies: {out[key + '_early_gpu']}", flush=True)
     print(f"{key} phases: {phase_line(out[key + '_phases'])}", flush=True)
+    active, idle, mean = stalls(out[key + "_timeline"]["rows"], 1.0)  # BENCHMARKS.md section 41
+    out[key + "_disk_stalls"] = {"active": active, "read_nothing": idle, "mean_read_gbps": round(mean, 3)}
+    print(f"{key} disk: {idle} of {active} active samples read nothing, mean {mean:.2f} GB/s", flush=True)
     out[key + "_waits"] = restore_waits(r, out[key + "_vmstat"], since=began)
     print(f"{key} waits: {json.dumps(out[key + '_waits'])}", flush=True)
     return r
