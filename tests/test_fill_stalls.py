@@ -8,6 +8,8 @@ import pytest
 
 from scripts.bench.fill_stalls import main, stalls
 
+COLUMNS = ["t", "busy_cores", "iowait_cores", "read_gbps", "write_gbps"]  # as scripts/bench/timeline.py records
+
 
 def test_only_active_samples_count_and_a_stall_is_one_that_read_nothing() -> None:
     #        t    busy iowait read  write
@@ -16,13 +18,14 @@ def test_only_active_samples_count_and_a_stall_is_one_that_read_nothing() -> Non
             [0.3, 0.5, 6.5, 0.0, 0.0],   # waiting, nothing read: a stall
             [0.4, 3.0, 0.5, 1.0, 0.0],   # reading, little waiting
             [0.5, 1.0, 0.2, 0.0, 0.0]]   # idle again
-    assert stalls(rows, 1.0) == (3, 1, pytest.approx(1.0))
-    assert stalls([], 1.0) == (0, 0, 0.0)
+    assert stalls({"columns": COLUMNS, "rows": rows}, 1.0) == (3, 1, pytest.approx(1.0))
+    assert stalls({"columns": COLUMNS, "rows": []}, 1.0) == (0, 0, 0.0)
+    assert stalls({}, 1.0) == (0, 0, 0.0)
 
 
 def test_main_reports_fill_and_baseline(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    run = {"gpusnap_stream": {"restore_timeline": {"rows": [[0.1, 1, 6, 0.0, 0], [0.2, 1, 2, 2.0, 0]]}},
-           "baseline": {"criu_restore_timeline": {"rows": [[0.1, 1, 0.5, 1.5, 0]]}}}
+    run = {"gpusnap_stream": {"restore_timeline": {"columns": COLUMNS, "rows": [[0.1, 1, 6, 0.0, 0], [0.2, 1, 2, 2.0, 0]]}},
+           "baseline": {"criu_restore_timeline": {"columns": COLUMNS, "rows": [[0.1, 1, 0.5, 1.5, 0]]}}}
     (tmp_path / "e2e.json").write_text(json.dumps(run))
     (tmp_path / "none.json").write_text(json.dumps({"baseline": {}}))  # no restore timeline: no line
     main([str(tmp_path / "e2e.json"), str(tmp_path / "none.json")])

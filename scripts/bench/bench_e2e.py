@@ -114,7 +114,7 @@ def restore_traced(out: dict, key: str, store: str, name: str, path: str, work: 
                                    "gpu_begin_s": round(marks["gpu_begin"] - t0, 3) if "gpu_begin" in marks else None}
         print(f"{key} early GPU copies: {out[key + '_early_gpu']}", flush=True)
     print(f"{key} phases: {phase_line(out[key + '_phases'])}", flush=True)
-    active, idle, mean = stalls(out[key + "_timeline"]["rows"], 1.0)  # BENCHMARKS.md section 41
+    active, idle, mean = stalls(out[key + "_timeline"], 1.0)  # BENCHMARKS.md section 41
     out[key + "_disk_stalls"] = {"active": active, "read_nothing": idle, "mean_read_gbps": round(mean, 3)}
     print(f"{key} disk: {idle} of {active} active samples read nothing, mean {mean:.2f} GB/s", flush=True)
     out[key + "_waits"] = restore_waits(r, out[key + "_vmstat"], since=began)

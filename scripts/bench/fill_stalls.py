@@ -9,25 +9,28 @@ import json
 import sys
 from typing import Any
 
-T, BUSY, IOWAIT, READ = 0, 1, 2, 3  # the timeline's columns (scripts/bench/timeline.py)
 
-
-def stalls(rows: list[list[float]], waiting: float) -> tuple[int, int, float]:
-    """(active samples, of them reading nothing, mean read GB/s over the active ones); a sample is
+def stalls(timeline: dict[str, Any], waiting: float) -> tuple[int, int, float]:
+    """(active samples, of them reading nothing, mean read GB/s over the active ones) of a recorded
+    TIMELINE (scripts/bench/timeline.py's as_json: its columns name the rows' fields); a sample is
     active when more than WAITING cores wait on I/O or the disk read anything."""
-    active = [r for r in rows if r[IOWAIT] > waiting or r[READ] > 0.05]
-    idle = [r for r in active if r[READ] == 0.0]
-    return len(active), len(idle), (sum(r[READ] for r in active) / len(active) if active else 0.0)
+    rows, columns = timeline.get("rows") or [], timeline.get("columns") or []
+    if not rows:
+        return 0, 0, 0.0
+    iowait, read = columns.index("iowait_cores"), columns.index("read_gbps")
+    active = [r for r in rows if r[iowait] > waiting or r[read] > 0.05]
+    idle = [r for r in active if r[read] == 0.0]
+    return len(active), len(idle), (sum(r[read] for r in active) / len(active) if active else 0.0)
 
 
 def main(paths: list[str]) -> None:
     for path in paths:
         with open(path) as f:
             d: dict[str, Any] = json.load(f)
-        fill = ((d.get("gpusnap_stream") or {}).get("restore_timeline") or {}).get("rows") or []
-        base = ((d.get("baseline") or {}).get("criu_restore_timeline") or {}).get("rows") or []
+        fill = (d.get("gpusnap_stream") or {}).get("restore_timeline") or {}
+        base = (d.get("baseline") or {}).get("criu_restore_timeline") or {}
         n, z, mean = stalls(fill, 1.0)
-        bn, bz, bmean = stalls(base, 0.3)
+        bn, bz, bmean = stalls(base, 0.3)  # a lower bar: its one reader keeps few cores waiting
         if not n:
             continue
         print(f"{path}: fill {z}/{n} samples read nothing ({100 * z / n:.1f}%), mean {mean:.2f} GB/s"
