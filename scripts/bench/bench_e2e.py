@@ -45,7 +45,7 @@ from sandbox.criu.runner import Criu
 from sandbox.gpu.driver import CudaDriver
 from sandbox.gpu.checkpoint import checkpoint_all, restore_all
 from sandbox.host.hugepages import thp
-from scripts.bench.fill_stalls import stalls
+from scripts.bench.fill_stalls import idle_disk, stalls
 from scripts.bench.timeline import Timeline, phase_line
 from scripts.helpers import REPO, child_env, disk_floor, drop_caches, second_dump_pages
 from scripts.workloads.workload_control import Workload
@@ -101,7 +101,7 @@ def restore_traced(out: dict, key: str, store: str, name: str, path: str, work: 
         r = timed(out, key, gpusnap, store, "criu", "restore", name, path=path, extra_env=extra_env)
         t1 = time.monotonic()
     after = vmstat()
-    out[key + "_vmstat"] = {k: after[k] - before[k] for k in after if k in before}
+    out[key + "_vmstat"] = {n: after[n] - before[n] for n in after if n in before}
     marks = (r.get("stages", {}).get("served") or {}).pop("monotonic", {})
     seq = [(ph, t0 if m is None else marks.get(m)) for ph, m in _RESTORE_PHASES]
     seq = [(ph, t) for ph, t in seq if t is not None] + [("end", t1)]
@@ -115,8 +115,10 @@ def restore_traced(out: dict, key: str, store: str, name: str, path: str, work: 
         print(f"{key} early GPU copies: {out[key + '_early_gpu']}", flush=True)
     print(f"{key} phases: {phase_line(out[key + '_phases'])}", flush=True)
     active, idle, mean = stalls(out[key + "_timeline"], 1.0)  # BENCHMARKS.md section 41
-    out[key + "_disk_stalls"] = {"active": active, "read_nothing": idle, "mean_read_gbps": round(mean, 3)}
-    print(f"{key} disk: {idle} of {active} active samples read nothing, mean {mean:.2f} GB/s", flush=True)
+    really = idle_disk(out[key + "_timeline"], 1.0)
+    out[key + "_disk_stalls"] = {"active": active, "read_nothing": idle, "disk_idle": really, "mean_read_gbps": round(mean, 3)}
+    print(f"{key} disk: {idle} of {active} active samples read nothing ({really} with the disk idle),"
+          f" mean {mean:.2f} GB/s", flush=True)
     out[key + "_waits"] = restore_waits(r, out[key + "_vmstat"], since=began)
     print(f"{key} waits: {json.dumps(out[key + '_waits'])}", flush=True)
     return r
@@ -144,7 +146,7 @@ def restore_waits(report: dict, vmstat_delta: dict[str, int], since: float) -> d
 
 
 VMSTAT_KEYS = ("thp_fault_alloc", "thp_fault_fallback", "compact_stall", "compact_fail", "allocstall_normal",
-               "allocstall_movable", "pgmajfault", "pgfault")
+               "allocstall_movable", "pgmajfault", "pgfault", "pgscan_kswapd", "pgscan_direct")
 
 
 def vmstat() -> dict[str, int]:
@@ -159,11 +161,15 @@ def vmstat() -> dict[str, int]:
 
 
 def traced(out: dict, key: str, work: str, fn, *a, **k):
-    """FN(*A, **K) timed into OUT[KEY], the machine's busy cores and disk rates over it in OUT[KEY + "_phases"]."""
+    """FN(*A, **K) timed into OUT[KEY], the machine's busy cores and disk rates over it in OUT[KEY + "_phases"],
+    the kernel's reclaim, compaction and huge page counters in OUT[KEY + "_vmstat"]."""
+    before = vmstat()
     with Timeline(work) as tl:
         t0 = time.monotonic()
         r = timed(out, key, fn, *a, **k)
         t1 = time.monotonic()
+    after = vmstat()
+    out[key + "_vmstat"] = {n: after[n] - before[n] for n in after if n in before}
     out[key + "_phases"] = {"all": tl.span(t0, t1)}
     out[key + "_timeline"] = tl.as_json(t0)
     print(f"{key} phases: {phase_line(out[key + '_phases'])}", flush=True)
