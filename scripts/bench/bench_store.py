@@ -171,7 +171,7 @@ def main() -> None:
     print(f"{res['machine']}, {gb:.2f} GB, data {res['mix']} ({', '.join(MIXES[res['mix']])}; bf16 N(0,0.02)), "
           "sync + cold cache\n")
     baselines = ["cp", "tar"] if "tar_put" in res else ["cp"]
-    if "tar_put" not in res:
+    if baselines == ["cp"]:
         print("(no zstd program here: tar's baseline skipped)\n")
     print(f"{'':10} {'put s':>7} {'put GB/s':>9} {'get s':>7} {'get GB/s':>9} {'stored GB':>10} {'ratio':>6}")
     for k, stored in [(k, res.get(k + "_bytes", res["bytes"])) for k in baselines] + [("gpusnap", res["gpusnap_bytes"])]:

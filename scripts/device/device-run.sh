@@ -27,6 +27,11 @@ root=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$root"
 out=${OUT:-$root/device-out}
 mkdir -p "$out"
+out=$(cd "$out" && pwd)
+case "$(mkdir -p "$(dirname "${PACK:-/}")" && cd "$(dirname "${PACK:-/}")" && pwd)/" in
+  "$out"/*) echo "device-run.sh: PACK ($PACK) lies inside OUT ($out), where the tool never looks: give PACK the tool's \$OUT and OUT a folder outside it" >&2
+            exit 2 ;;
+esac
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site ${WHEELS:-.whl}/*.whl 2>&1 | tail -2
 export PYTHONPATH="$root:/tmp/site" PYTHONUNBUFFERED=1
 # Byte-code as an installed gpusnap has it (pip compiles at install): without it every command compiled
