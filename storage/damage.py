@@ -58,7 +58,7 @@ class DamageMarks:
     def parse(cls, data: bytes) -> "DamageMarks":
         try:
             body = json.loads(data)
-        except (ValueError, UnicodeDecodeError):
+        except (ValueError, UnicodeDecodeError, RecursionError):
             return cls()
         if not (isinstance(body, dict) and body.get("format") == FORMAT and body.get("version") == VERSION
                 and isinstance(body.get("chunks"), dict)):

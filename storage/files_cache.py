@@ -64,7 +64,7 @@ class FilesCache:
             return cls()
         try:
             body = json.loads(data)
-        except (ValueError, UnicodeDecodeError):
+        except (ValueError, UnicodeDecodeError, RecursionError):
             return cls()
         if not (isinstance(body, dict) and body.get("format") == FORMAT and body.get("version") == VERSION
                 and isinstance(body.get("entries"), dict) and len(body["entries"]) <= MAX_ENTRIES

@@ -158,6 +158,10 @@ def _packs(store: "SnapshotStore", root: int, uid: int, report: GcReport, live: 
             try:
                 for cid in live:
                     locs = index.find(cid) or index.locs.get(cid, [])[:1]
+                    if len(locs) > 1:  # a sound one of its copies (all of them where none is)
+                        locs = store.sound_copy(cid, locs)
+                        for loc in locs[1:]:
+                            keep.setdefault(loc.pack, set()).add(loc.offset)
                     if locs:
                         keep.setdefault(locs[0].pack, set()).add(locs[0].offset)
                         segs = store.entry_kind(cid, locs[0]) if deltas else None

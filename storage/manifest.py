@@ -25,6 +25,8 @@ from .errors import DamageError, GpusnapError
 from . import limits
 from .limits import MAX_RAW_CHUNK, MAX_STORED_CHUNK
 
+_SURROGATE_ESCAPE = re.compile(rb"\\[uU][dD][89a-fA-F]")  # a JSON escape of a UTF-16 surrogate
+
 FORMAT = "gpusnap-manifest"
 VERSION = 3               # the newest this code writes: v2 added owners (uid/gid) and `hardlink`
                           # streams, v3 `fifo` streams and `xattrs`; a manifest that uses neither is
@@ -191,6 +193,15 @@ class Manifest:
             body = json.loads(data)
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise ManifestError(f"{where} does not parse (truncated or corrupted): {e.msg if hasattr(e, 'msg') else e}") from None
+        except RecursionError:
+            raise ManifestError(f"{where} does not parse: nested too deeply") from None
+        if _SURROGATE_ESCAPE.search(data):
+            # JSON may spell a lone UTF-16 surrogate (\ud800): Python takes it as a str that no path,
+            # link target or xattr name can be encoded from; such a manifest is damaged as a whole
+            try:
+                json.dumps(body, ensure_ascii=False).encode()
+            except UnicodeEncodeError:
+                raise ManifestError(f"{where} is damaged: it holds text that is not UTF-8 (a lone surrogate)") from None
         if not isinstance(body, dict) or body.get("format") != FORMAT:
             raise ManifestError(f"{where} is not a gpusnap manifest")
         if body.get("version") not in READABLE:

@@ -107,8 +107,14 @@ def decode_index(name: str, data: bytes) -> tuple[int, list[tuple[str, int, int]
 
 
 def read_small(dir_fd: int, name: str, limit: int, where: str) -> bytes:
-    """The regular file NAME in DIR_FD, at most LIMIT bytes (StoreDamage otherwise)."""
-    fd = os.open(name, _READ, dir_fd=dir_fd)
+    """The regular file NAME in DIR_FD, at most LIMIT bytes (IndexDamage otherwise: a link or
+    anything else in its place included; FileNotFoundError where it is gone)."""
+    try:
+        fd = os.open(name, _READ, dir_fd=dir_fd)
+    except FileNotFoundError:
+        raise
+    except OSError as e:  # a link in its place (ELOOP: never followed), a device that will not open
+        raise IndexDamage(f"{where} cannot be opened as an index file: {e.strerror or e}") from None
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):

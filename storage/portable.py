@@ -155,7 +155,7 @@ def _import(store: SnapshotStore, src: IO[bytes], name: str | None, replace: boo
     info, f = first
     try:
         head = json.loads(f.read())
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):
         raise DamageError("not a gpusnap export archive (unreadable header)") from None
     if not isinstance(head, dict) or head.get("format") != EXPORT_FORMAT or head.get("version") not in READ_VERSIONS:
         raise DamageError(f"not a gpusnap export archive this version reads ({head!r:.80})")

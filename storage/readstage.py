@@ -6,7 +6,7 @@ to the decode pool, which makes the full check (or the stored check) and gives t
 to the caller; a run buffer is reused once all its entries are done, which bounds memory and keeps
 the readers at most a few runs ahead of the decoders. Chunks that are not in a pack (version 1/2
 chunk files), entries larger than a run buffer, and entries that fail their check in a run (another
-copy may be sound) are read one at a time through the store (SnapshotStore.read_stored).
+copy may be sound) are read one at a time through the store (SnapshotStore.first_sound: the first copy that passes the check).
 
 Guarantees kept here: no byte reaches the caller before its check (chunkfile.full_check binds raw
 bytes to the id, a delta's against its base as the store reads it, SnapshotStore.delta_base; the
@@ -24,7 +24,7 @@ import time
 from contextlib import contextmanager
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol, TypeVar
 
 from .chunkfile import HEADER_SIZE, ChunkError, ChunkHeader, full_check, id_check, max_stored_len, stored_check
 from .directio import ALIGN, BufferPool, align_up, read_into, read_into_direct
@@ -40,6 +40,9 @@ if TYPE_CHECKING:
     from .directio import AlignedBuffer
 
 
+_T = TypeVar("_T")
+
+
 class PackSource(Protocol):
     """What the read stage needs of a store (storage.store.SnapshotStore has it): where a chunk's pack
     entries are, one chunk read through every copy it has, the largest buffer a snapshot's chunk
@@ -47,8 +50,8 @@ class PackSource(Protocol):
 
     def locate(self, cid: str, refresh: bool = False) -> list[Loc]: ...
 
-    def read_stored(self, ref: ChunkRef, buf: "AlignedBuffer", check: bool = True,
-                    cached: bool = False) -> tuple[ChunkHeader, memoryview]: ...
+    def first_sound(self, ref: ChunkRef, buf: "AlignedBuffer", accept: Callable[[ChunkHeader, memoryview], _T],
+                    check: bool = True, cached: bool = False) -> _T: ...
 
     def chunk_buffer_size(self, manifests: list[Any]) -> int: ...
 
@@ -196,12 +199,25 @@ def read_chunks(store: PackSource, wants: list[Want], deliver: Callable[[Want, A
                 on_damage(w, ChunkError(w.ref.id or "", f"unreadable: {e.strerror or e}"))
 
         def single_read(w: Want) -> None:
-            with single_pool.borrowed() as buf:
-                t0 = time.perf_counter()
-                header, payload = store.read_stored(w.ref, buf, check=False, cached=True)
+            """W's chunk read on its own: the first copy of it that passes CHECK (store.first_sound:
+            a damaged or planted copy never hides a sound one), then DELIVER."""
+            cid = w.ref.id or ""
+            with single_pool.borrowed() as buf, outs.borrowed() if raw_most else _nothing() as o:
+                t = [time.perf_counter()]
+
+                def check_copy(header: ChunkHeader, payload: memoryview) -> Any:
+                    t1 = time.perf_counter()
+                    stages.add("read", t1 - t[0], header.stored_len)
+                    data = (_checked(check, header, payload, cid, store.delta_base) if o is None
+                            else full_check(header, payload, cid, o.view, base=store.delta_base))
+                    t[0] = time.perf_counter()
+                    stages.add(stage, t[0] - t1, w.ref.raw_len)
+                    return data
+
+                data = store.first_sound(w.ref, buf, check_copy, check=False, cached=True)
                 t1 = time.perf_counter()
-                stages.add("read", t1 - t0, header.stored_len)
-                checked(header, payload, w.ref.id or "", w)
+                deliver(w, data)
+                stages.add("deliver", time.perf_counter() - t1, w.ref.raw_len)
 
         @contextmanager
         def gated() -> Iterator[None]:

@@ -53,7 +53,7 @@ def _parse(line: bytes) -> dict[str, Any] | None:
         if int(crc, 16) != zlib.crc32(body):
             return None
         obj = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     return obj if isinstance(obj, dict) else None
 

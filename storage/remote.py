@@ -615,7 +615,7 @@ class Remote:
     def _check_marker(self, data: bytes) -> None:
         try:
             info = json.loads(data)
-        except ValueError:
+        except (ValueError, RecursionError):
             info = None
         if not isinstance(info, dict) or info.get("format") != REMOTE_FORMAT or info.get("version") not in READ_VERSIONS:
             raise RemoteError(f"remote {self.cfg.name!r}: {self.cfg.url} holds something other than a "

@@ -159,10 +159,12 @@ def _from_store(store: "SnapshotStore", pw: "PackWriter", chunks_fd: int, path: 
     got: dict[str, str] = {}
     with other.shared():
         for cid, ref in need.items():
-            try:
-                header, payload = other.read_stored(ref, buf, check=False)
+            def whole(header: "ChunkHeader", payload: memoryview, cid: str = cid) -> tuple["ChunkHeader", memoryview]:
                 header, payload = other.expanded(cid, header, payload)  # a delta there comes here whole
                 id_check(header, payload, cid)
+                return header, payload
+            try:
+                header, payload = other.first_sound(ref, buf, whole, check=False)  # its first sound copy
             except (GpusnapError, OSError):
                 continue
             data = bytes(payload)

@@ -44,7 +44,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
-from typing import TYPE_CHECKING, Any, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, TypeVar
 
 from .progress import Progress
 from .chunkfile import (HEADER_SIZE, ChunkError, ChunkHeader, chunk_id, file_kind, full_check, max_stored_len,
@@ -82,6 +82,8 @@ BASE_CACHE = 256 << 20  # raw bytes of delta bases kept in memory per store obje
                          # dump's candidates: neighbouring new chunks share their parent chunks, and the
                          # producers work at several places of an image at once) ...
 BASE_CACHE_MOST = 1 << 30  # ... up to this much where memory allows (base_cache_bytes)
+
+_T = TypeVar("_T")
 
 
 def base_cache_bytes() -> int:
@@ -389,8 +391,9 @@ class SnapshotStore:
                 if not stat.S_ISREG(os.fstat(fd).st_mode):
                     raise StoreDamage(f"{self.path}/{MARKER} is not a regular file")
                 info = json.loads(os.read(fd, _RECORD_MAX))
-            except (OSError, ValueError) as e:
-                raise StoreError(f"{self.path}: unreadable store marker: {e}") from None
+            except (OSError, ValueError, RecursionError) as e:
+                raise StoreError(f"{self.path}: unreadable store marker: "
+                                 f"{'nested too deeply' if isinstance(e, RecursionError) else e}") from None
             finally:
                 os.close(fd)
         if not isinstance(info, dict) or info.get("format") != STORE_FORMAT or info.get("version") not in READ_VERSIONS:
@@ -480,7 +483,7 @@ class SnapshotStore:
             if not isinstance(v, int) or isinstance(v, bool):
                 return None, True
             return v, cls._says_deltas(info)
-        except (OSError, ValueError, GpusnapError):
+        except (OSError, ValueError, RecursionError, GpusnapError):
             return None, True
 
     def _create(self) -> None:
@@ -773,6 +776,15 @@ class SnapshotStore:
         ChunkError when damaged. CACHED: read through the page cache (restores: a repeated restore is
         served from memory, a cold one gets the kernel's readahead); otherwise around it where the
         store can (verify, repair, export)."""
+        return self.first_sound(ref, buf, lambda header, payload: (header, payload), check, cached)
+
+    def first_sound(self, ref: ChunkRef, buf: AlignedBuffer, accept: Callable[[ChunkHeader, memoryview], _T],
+                    check: bool = True, cached: bool = False) -> _T:
+        """ACCEPT(header, payload) of the first copy of REF (its pack entries in the order a reader tries
+        them, then a version 1/2 chunk file) that reads, fits REF, passes the stored check where CHECK
+        and that ACCEPT takes: a copy ACCEPT raises ChunkError about (a full check that fails) is passed
+        over for the next, so one damaged or planted copy never hides a sound one; the first copy's
+        ChunkError when none is taken. BUF holds the copy ACCEPT is given."""
         assert ref.id is not None
         cid = ref.id
         direct = self.direct and not cached
@@ -785,8 +797,10 @@ class SnapshotStore:
                         raise ChunkError(cid, "header disagrees with the manifest's reference")
                     if check:
                         stored_check(header, payload, cid)
-                    return header, payload
+                    return accept(header, payload)
                 except ChunkError as e:
+                    if e.chunk_id != cid:
+                        raise  # not this copy's damage (a base of a delta, a caller's own error)
                     first = first or e
             try:
                 with self.chunk_dir(cid) as d:
@@ -795,12 +809,27 @@ class SnapshotStore:
                     raise ChunkError(cid, "header disagrees with the manifest's reference")
                 if header.codec == DELTA:  # gc's closure looks at pack entries only
                     raise ChunkError(cid, "is a delta in a chunk file (delta entries are pack entries only)")
-                return header, payload
+                return accept(header, payload)
             except ChunkError as e:
                 if e.what.startswith("missing") and first is None and not refresh:
                     continue  # perhaps indexed by another process since: look once more
                 raise first or e
         raise first or ChunkError(cid, "missing")
+
+    def sound_copy(self, cid: str, locs: list[Loc]) -> list[Loc]:
+        """Of LOCS (several pack entries of CID), the first that reads and passes the full check (its
+        raw bytes derive CID), alone; all of LOCS when none does (evidence for `store repair`). What gc
+        keeps of an id with more than one copy: the first in reading order may be the damaged or
+        planted one, and keeping it alone would delete the only sound copy."""
+        with AlignedBuffer(max(loc.length for loc in locs)) as buf:
+            for loc in locs:
+                try:
+                    header, payload = self.read_entry(cid, loc, buf, direct=False)
+                    full_check(header, payload, cid, base=self.delta_base)
+                    return [loc]
+                except ChunkError:
+                    continue
+        return list(locs)
 
     def read_chunk(self, ref: ChunkRef, buf: AlignedBuffer) -> memoryview:
         """REF's payload (read into BUF) after the stored check (FORMAT.md: no decoding; a GSNPCHK2
@@ -812,8 +841,9 @@ class SnapshotStore:
         """REF's raw bytes after the full check (decoded; GSNPCHK2: they derive the id); ChunkError
         when damaged, CodecError for a codec the host cannot decode. OUT: decoded into it (see
         chunkfile.full_check); CACHED: as read_stored."""
-        header, payload = self.read_stored(ref, buf, check=False, cached=cached)
-        return full_check(header, payload, ref.id, out, base=self.delta_base)  # type: ignore[arg-type]
+        cid = ref.id or ""
+        return self.first_sound(ref, buf, lambda header, payload: full_check(header, payload, cid, out, base=self.delta_base),
+                                check=False, cached=cached)
 
     # ---- delta entries (FORMAT.md, "Delta entries") --------------------------------------------
     def keep_bases(self, most: int) -> None:
@@ -992,13 +1022,17 @@ class SnapshotStore:
         verified read of the chunk tier (storage/tier.py). A GSNPCHK1 chunk gets the stored check
         (its id covers the stored bytes), a GSNPCHK2 one is decoded once and its raw bytes hashed;
         read through the page cache (restores); ChunkError when damaged."""
-        header, payload = self.read_stored(ref, frame, check=False, cached=True)  # type: ignore[arg-type]
-        if header.codec == DELTA:  # its payload is no encoding of the raw bytes a caller could decode
-            raise ChunkError(ref.id or "", "is a delta entry; the chunk tier's readers (the GPU path) take "
-                             "only the chunks they wrote, never a delta")
-        id_check(header, payload, ref.id)  # type: ignore[arg-type]
-        return Verified(frame.ptr + HEADER_SIZE, payload, header,
-                        "read+decode+verify" if header.raw_id else "read+verify")
+        cid = ref.id or ""
+
+        def bound(header: ChunkHeader, payload: memoryview) -> Verified:
+            if header.codec == DELTA:  # its payload is no encoding of the raw bytes a caller could decode
+                raise ChunkError(cid, "is a delta entry; the chunk tier's readers (the GPU path) take "
+                                 "only the chunks they wrote, never a delta")
+            id_check(header, payload, cid)
+            return Verified(frame.ptr + HEADER_SIZE, payload, header,
+                            "read+decode+verify" if header.raw_id else "read+verify")
+        # every copy in turn: a damaged or planted one never hides a sound one
+        return self.first_sound(ref, frame, bound, check=False, cached=True)  # type: ignore[arg-type]
 
     def missing(self, manifest: Manifest) -> list[str]:
         """Chunk ids MANIFEST names that have no index entry and no regular file here, and the deltas
@@ -1474,7 +1508,7 @@ def read_record(dir_fd: int, name: str) -> Any:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             return None
         return json.loads(os.read(fd, _RECORD_MAX))
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return None
     finally:
         os.close(fd)

@@ -42,7 +42,7 @@ import sys
 import threading
 import time
 from contextlib import contextmanager
-from typing import IO, TYPE_CHECKING, Any, Callable, Iterator
+from typing import IO, TYPE_CHECKING, Any, Callable, Iterator, TypeVar
 
 from storage import isolated, settings
 from storage.chunkfile import ChunkError, ChunkHeader
@@ -229,6 +229,9 @@ def _job_json(share: dict[Key, Job], where: Callable[[str], list[Loc]], phases: 
             for k, (ref, targets) in share.items()]
 
 
+_T = TypeVar("_T")
+
+
 class _Located:
     """The store as the read stage sees it (readstage.PackSource), chunks located by the parent's
     index (the job's): a worker reads only the entries it was told of, each checked against its id
@@ -241,9 +244,9 @@ class _Located:
         got = self.locs.get(cid)
         return got if got and not refresh else self.store.locate(cid, refresh)
 
-    def read_stored(self, ref: ChunkRef, buf: "AlignedBuffer", check: bool = True,
-                    cached: bool = False) -> tuple[ChunkHeader, memoryview]:
-        return self.store.read_stored(ref, buf, check, cached)
+    def first_sound(self, ref: ChunkRef, buf: "AlignedBuffer", accept: Callable[[ChunkHeader, memoryview], _T],
+                    check: bool = True, cached: bool = False) -> _T:
+        return self.store.first_sound(ref, buf, accept, check, cached)
 
     def chunk_buffer_size(self, manifests: list[Any]) -> int:
         return self.store.chunk_buffer_size(manifests)

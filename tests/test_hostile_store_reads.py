@@ -1,0 +1,117 @@
+"""A store whose bytes an attacker wrote (a snapshot from another node, a directory a user controls):
+a damaged or planted copy of a chunk never hides a sound one from a reader nor costs it to gc; JSON
+records nested too deeply, a manifest holding a lone UTF-16 surrogate and a link in place of an index
+file are damage, told in one line with exit 3, never a traceback. Real stores on the real disk, the
+real CLI."""
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+from conftest import Cli, make_mixed_tree, tree_digest
+from storage.manifest import _checksum
+from storage.packs import decode_index, encode_index
+
+PLANTED = "0" * 32  # sorts first: the copy a reader and gc would try first
+
+
+def _put(cli: Cli, tmp_path: Path) -> Path:
+    src = make_mixed_tree(tmp_path / "src", mb=6)
+    cli.run("store", "put", "snap", str(src))
+    return src
+
+
+def _plant_damaged_copies(store: Path) -> str:
+    """A second indexed pack, tried first, holding every entry of the store's one pack with a payload
+    byte flipped (its index sound: only the entries' own checks can tell). The good pack's name."""
+    (good,) = [p.name for p in (store / "index").iterdir()]
+    pack_len, ents = decode_index(good, (store / "index" / good).read_bytes())
+    data = bytearray((store / "packs" / good).read_bytes())
+    for _, off, _ in ents:
+        data[off + 4096] ^= 0xFF  # the first payload byte after the entry's header
+    (store / "packs" / PLANTED).write_bytes(bytes(data))
+    (store / "index" / PLANTED).write_bytes(encode_index(PLANTED, pack_len, ents))
+    return good
+
+
+def _one_line(p: "subprocess.CompletedProcess[str]") -> None:
+    assert "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
+
+
+def test_a_damaged_copy_tried_first_never_hides_the_sound_one(cli: Cli, store_dir: Path, tmp_path: Path) -> None:
+    src = _put(cli, tmp_path)
+    good = _plant_damaged_copies(store_dir)
+    cli.run("store", "get", "snap", str(tmp_path / "out1"))
+    assert tree_digest(tmp_path / "out1" / "src") == tree_digest(src)
+    v = cli.run("store", "verify", check=False)
+    assert v.returncode == 0, v.stdout + v.stderr
+    # gc keeps the sound copy of each live chunk, not the first in line: the planted pack goes
+    gc = cli.json("store", "gc")
+    assert (store_dir / "packs" / good).exists() and not (store_dir / "packs" / PLANTED).exists(), gc
+    cli.run("store", "get", "snap", str(tmp_path / "out2"))
+    assert tree_digest(tmp_path / "out2" / "src") == tree_digest(src)
+    r = cli.run("store", "repair", check=False)
+    assert r.returncode == 0 and "every snapshot is whole" in r.stdout, r.stdout + r.stderr
+
+
+def test_gc_keeps_every_copy_when_none_is_sound(cli: Cli, store_dir: Path, tmp_path: Path) -> None:
+    _put(cli, tmp_path)
+    good = _plant_damaged_copies(store_dir)
+    pack = bytearray((store_dir / "packs" / good).read_bytes())
+    _, ents = decode_index(good, (store_dir / "index" / good).read_bytes())
+    for _, off, _ in ents:  # the good pack damaged too, elsewhere in each entry
+        pack[off + 4097] ^= 0xFF
+    (store_dir / "packs" / good).write_bytes(bytes(pack))
+    cli.run("store", "gc", check=False)
+    assert (store_dir / "packs" / good).exists() and (store_dir / "packs" / PLANTED).exists(), \
+        "with no sound copy, every copy stays as evidence for repair"
+    g = cli.run("store", "get", "snap", str(tmp_path / "o"), check=False)
+    assert g.returncode == 3 and not (tmp_path / "o").exists(), g.stderr
+    _one_line(g)
+
+
+def test_json_nested_too_deeply_is_damage_in_one_line(cli: Cli, store_dir: Path, tmp_path: Path) -> None:
+    src = _put(cli, tmp_path)
+    (store_dir / "snapshots" / "deep.json").write_text("[" * 5000 + "]" * 5000)
+    v = cli.run("store", "verify", check=False)
+    assert v.returncode == 3 and "deep" in v.stdout and "nested too deeply" in v.stdout, v.stdout + v.stderr
+    assert "Traceback" not in v.stderr
+    gc = cli.run("store", "gc", check=False)
+    assert "Traceback" not in gc.stderr, gc.stderr
+    cli.run("store", "get", "snap", str(tmp_path / "o"))  # the sound snapshot beside it still reads
+    assert tree_digest(tmp_path / "o" / "src") == tree_digest(src)
+    marker = store_dir / "gpusnap-store.json"
+    marker.write_text("[" * 5000 + "]" * 5000)
+    ls = cli.run("store", "ls", check=False)
+    assert ls.returncode != 0 and "nested too deeply" in ls.stderr, ls.stderr
+    _one_line(ls)
+
+
+def test_a_lone_surrogate_in_a_manifest_is_damage(cli: Cli, store_dir: Path, tmp_path: Path) -> None:
+    _put(cli, tmp_path)
+    path = store_dir / "snapshots" / "snap.json"
+    body = json.loads(path.read_bytes())
+    body.pop("checksum")
+    body["version"] = max(3, body["version"])
+    body["streams"].append({"name": "ln", "size": 0, "attrs": {"type": "symlink", "target": "\ud800"}, "chunks": []})
+    body["summary"]["streams"] += 1
+    body["checksum"] = _checksum(body)  # a sound checksum: only the text's check stops it
+    path.write_text(json.dumps(body))  # ensure_ascii: the surrogate travels as the escape \ud800
+    g = cli.run("store", "get", "snap", str(tmp_path / "o"), check=False)
+    assert g.returncode == 3 and "not UTF-8" in g.stderr and not (tmp_path / "o").exists(), g.stderr
+    _one_line(g)
+    v = cli.run("store", "verify", check=False)
+    assert v.returncode == 3 and "not UTF-8" in v.stdout, v.stdout + v.stderr
+
+
+def test_a_link_in_place_of_an_index_file_is_damage(cli: Cli, store_dir: Path, tmp_path: Path) -> None:
+    src = _put(cli, tmp_path)
+    (store_dir / "index" / ("ab" * 16)).symlink_to("/etc/passwd")
+    v = cli.run("store", "verify", check=False)
+    assert v.returncode == 3 and "index/" + "ab" * 16 in v.stdout + v.stderr, v.stdout + v.stderr
+    assert "Traceback" not in v.stderr
+    gc = cli.run("store", "gc", check=False)
+    assert gc.returncode == 3 and (store_dir / "index" / ("ab" * 16)).is_symlink(), gc.stdout + gc.stderr
+    cli.run("store", "get", "snap", str(tmp_path / "o"))  # the sound index beside it still reads
+    assert tree_digest(tmp_path / "o" / "src") == tree_digest(src)
