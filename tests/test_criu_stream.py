@@ -1720,3 +1720,42 @@ def test_fill_workers_get_the_held_back_read_tokens_once_criu_is_done() -> None:
         assert got == b"", "given out once, not again at close"
     finally:
         tokens.close()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a pid namespace of its own and ns_last_pid need root")
+@pytest.mark.parametrize("when", ["during", "before-pin"])
+def test_a_process_that_ends_during_the_fill_never_gets_its_pid_taker_written(when: str) -> None:
+    """A restored process ends while the fill runs (or between the pid check and the pinning of its
+    memory), is reaped at once, and another process takes its pid: the fill stops, and the newcomer's
+    memory holds its own bytes, not the snapshot's (tests/support/fill_pid_reuse.py)."""
+    p = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", sys.executable,
+                        str(REPO / "tests" / "support" / "fill_pid_reuse.py"), when],
+                       capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": pythonpath()})
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    assert out["newcomer"] == out["victim"], out  # the pid was taken again, as the scenario needs
+    assert out["fill"].startswith("SplitError") and "no longer the process this restore made" in out["fill"], out
+    assert out["newcomer_memory"] == "HOSTPROCHOSTPROC", out
+
+
+def test_a_fill_workers_go_line_names_every_pid_with_its_start_time_or_is_refused() -> None:
+    from sandbox.criu.fill_procs import _checked_pids
+    from sandbox.criu.split import SplitError
+    assert _checked_pids(' {"41": 1200, "42": 1201}') == {41: 1200, 42: 1201}
+    for bad in ("", " []", ' {"x": 1}', ' {"41": "soon"}', ' {"0": 5}', ' {"41": -1}', " {"):
+        with pytest.raises(SplitError, match="go line"):
+            _checked_pids(bad)
+
+
+def test_pagemaps_and_mm_images_too_large_one_by_one_or_together_are_not_read_for_a_split() -> None:
+    from sandbox.criu import split
+    real = {"pagemap-10.img": 4 << 20, "pagemap-11.img": 1 << 20, "mm-10.img": 1 << 20, "pages-1.img": 40 << 30}
+    assert split.images_too_large(real) is None
+    one = {**real, "pagemap-12.img": split.MAX_PAGEMAP_BYTES + 1}
+    assert "pagemap-12.img is" in (split.images_too_large(one) or "")
+    # many, each within its bound: a forged snapshot's way to make planning hold gigabytes
+    many = {f"pagemap-{100 + i}.img": split.MAX_PAGEMAP_BYTES // 4 for i in range(5)}
+    assert "the pagemaps add up to" in (split.images_too_large(many) or "")
+    mms = {f"mm-{100 + i}.img": split.MAX_MM_BYTES for i in range(5)}
+    assert "the mm images add up to" in (split.images_too_large(mms) or "")
+    assert split.images_too_large({"pages-1.img": 1 << 40}) is None  # page images are not planned from

@@ -336,12 +336,9 @@ class ServeSource:
         self.pstree = [pid for pid, _ in records]
         # why the split did not engage (None when it did), for the restore report
         self.split_skipped_because: str | None = "the split is off (GPUSNAP_CRIU_SPLIT_MIN=0)"
-        big = [n for n, s in self.images.items() if (split.PAGEMAP_NAME.fullmatch(n) and s.size > split.MAX_PAGEMAP_BYTES)
-               or (split.MM_NAME.fullmatch(n) and s.size > split.MAX_MM_BYTES)]
-        if split_min > 0 and big:
-            self.split_skipped_because = (f"{big[0]} is {self.images[big[0]].size} bytes, more than a real "
-                                          f"{'pagemap' if big[0].startswith('pagemap') else 'mm image'} needs; "
-                                          "CRIU restored every page")
+        too_large = split.images_too_large({n: s.size for n, s in self.images.items()})
+        if split_min > 0 and too_large is not None:
+            self.split_skipped_because = too_large
         elif split_min > 0:
             whole = lambda s: b"".join(bytes(self._chunk(s, i, c)) for i, c in enumerate(s.chunks))  # noqa: E731
             pagemaps = {n: whole(s) for n, s in self.images.items() if split.PAGEMAP_NAME.fullmatch(n)}

@@ -13,7 +13,8 @@ $GPUSNAP_CRIU_SPLIT_SHARED_MIN) are *moved*: the pagemap served to
 CRIU leaves them out (CRIU then maps their areas with no content) and the page image served to CRIU
 skips their bytes; CRIU
 restores the tree left stopped (--leave-stopped), and a `Filler` writes the moved runs straight into
-the stopped processes with process_vm_writev from many threads (chunks verified and decoded in
+the stopped processes from many threads, each through /proc/PID/mem opened before the first byte
+and bound to the process that was checked (pin_memory; chunks verified and decoded in
 parallel, fetched from the store while CRIU still runs; all-zero chunks are skipped: the fresh
 mapping already reads as zero). Then the tree is continued. No process runs before every byte of it is
 back; the fill may complete some processes first (fill_phases), each continued as soon as its own runs
@@ -28,9 +29,7 @@ not understood (a format this module does not know): then nothing is split and `
 from __future__ import annotations
 
 import bisect
-import ctypes
 import dataclasses
-import errno
 import itertools
 import os
 import re
@@ -41,6 +40,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence, Union
 
+from sandbox.criu.restored import boot_ticks
+from sandbox.host.processes import start_time
 from storage.directio import AlignedBuffer, copy_into
 from storage.errors import GpusnapError
 from storage.manifest import ChunkRef, Stream
@@ -338,6 +339,25 @@ VMA_SPECIAL = (VMA_STACK | VMA_VSYSCALL | VMA_VDSO | VMA_FILE_PRIVATE | VMA_FILE
 MAP_SHARED, MAP_HUGETLB, PROT_WRITE = 0x01, 0x40000, 0x2
 MM_NAME = re.compile(r"mm-([1-9][0-9]{0,9})\.img")
 MAX_MM_BYTES = 16 << 20  # 65530 areas (the kernel's default map count) take ~3 MB
+# all pagemaps (or mm images) of one snapshot together: planning holds them parsed at once, ~40x their
+# bytes for pagemaps of one-page records; real ones take ~25 MB for 1 TB of processes
+MAX_PAGEMAPS_TOTAL = MAX_PAGEMAP_BYTES
+MAX_MMS_TOTAL = 4 * MAX_MM_BYTES
+
+
+def images_too_large(sizes: dict[str, int]) -> str | None:
+    """Why the pagemaps and mm images of SIZES (image name -> bytes) are not read for a split (None:
+    they may be): one larger than a real one needs, or all of them together more than real ones add
+    up to (a forged snapshot of many large ones would cost planning gigabytes of memory)."""
+    for n, size in sorted(sizes.items()):
+        if (PAGEMAP_NAME.fullmatch(n) and size > MAX_PAGEMAP_BYTES) or (MM_NAME.fullmatch(n) and size > MAX_MM_BYTES):
+            return (f"{n} is {size} bytes, more than a real {'pagemap' if n.startswith('pagemap') else 'mm image'} "
+                    "needs; CRIU restored every page")
+    for pattern, most, what in ((PAGEMAP_NAME, MAX_PAGEMAPS_TOTAL, "pagemaps"), (MM_NAME, MAX_MMS_TOTAL, "mm images")):
+        total = sum(size for n, size in sizes.items() if pattern.fullmatch(n))
+        if total > most:
+            return f"the {what} add up to {total} bytes, more than real ones need ({most}); CRIU restored every page"
+    return None
 ENGAGE_MIN = 16 << 20    # the split engages when it moves this much, or a hundredth of the pages if that is less
 CAUTIOUS_MIN = 64 << 20  # runs that may be shared with a parent or child, or lie in a read-only area: the
                          # split's first rule (only runs this large move), which kept such pages with CRIU
@@ -824,35 +844,6 @@ def pieces(stream: Stream, ranges: tuple[tuple[int, int], ...] | None,
     return out
 
 
-class _Iovec(ctypes.Structure):
-    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
-
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.process_vm_writev.restype = ctypes.c_ssize_t
-_libc.process_vm_writev.argtypes = [ctypes.c_int, ctypes.POINTER(_Iovec), ctypes.c_ulong,
-                                    ctypes.POINTER(_Iovec), ctypes.c_ulong, ctypes.c_ulong]
-
-
-def write_into(pid: int, addr: int, data: bytes | memoryview) -> int:
-    """DATA into process PID's memory at ADDR: process_vm_writev (the GIL is released); where the
-    area is not writable (a read-only mapping: the call stops with EFAULT), through /proc/PID/mem,
-    which writes as a debugger does. Returns how many bytes went the second way."""
-    from storage.directio import address_of
-    base, n, done = address_of(data), len(data), 0
-    while done < n:
-        local, remote = _Iovec(base + done, n - done), _Iovec(addr + done, n - done)
-        r = _libc.process_vm_writev(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
-        if r <= 0:
-            e = ctypes.get_errno()
-            if e == errno.EFAULT:
-                _write_mem(pid, addr + done, memoryview(data)[done:])
-                return n - done
-            raise SplitError(f"writing {n - done} bytes into pid {pid} at {addr + done:#x}: {os.strerror(e) if e else 'no progress'}")
-        done += r
-    return 0
-
-
 def open_mem(pid: int) -> int:
     """PID's memory (/proc/PID/mem) opened for writing. The descriptor stays bound to the memory of
     the process as it is now: after an exec or the process's end, a write through it reaches nothing
@@ -878,34 +869,48 @@ def write_pinned(fd: int, pid: int, addr: int, data: memoryview) -> None:
         raise SplitError(f"writing into pid {pid} at {addr + done:#x}: {e.strerror}") from None
 
 
-def _write_mem(pid: int, addr: int, data: memoryview) -> None:
-    try:
-        fd = os.open(f"/proc/{pid}/mem", os.O_WRONLY | os.O_CLOEXEC)
-    except OSError as e:
-        raise SplitError(f"opening the memory of pid {pid}: {e.strerror}") from None
-    try:
-        done = 0
-        while done < len(data):
-            n = os.pwrite(fd, data[done:], addr + done)
-            if n <= 0:  # the process's memory is gone (it was killed): no progress will come
-                raise SplitError(f"writing into pid {pid} at {addr + done:#x}: no progress (the process is gone?)")
-            done += n
-    except OSError as e:
-        raise SplitError(f"writing into pid {pid} at {addr + done:#x}: {e.strerror}") from None
-    finally:
-        os.close(fd)
-
-
 Key = Union[str, tuple[str, int]]  # a chunk id, or (image, index) of an all-zero chunk
 Target = tuple[int, int, int, int]  # (pid, address, lo, hi): the chunk's bytes [lo, hi) go to pid at address
 Job = tuple[ChunkRef, list[Target]]  # a chunk, and every place its bytes are written
 
 
-def check_pids(jobs: dict[Key, Job], pids_ok: Callable[[int], bool]) -> None:
-    """Before any byte is written: every pid JOBS write into must be one CRIU restored (PIDS_OK)."""
-    for pid in sorted({t[0] for _, targets in jobs.values() for t in targets}):
-        if not pids_ok(pid):
-            raise SplitError(f"pid {pid} of the snapshot was not restored by CRIU")
+def check_pids(jobs: dict[Key, Job], pids_ok: Callable[[int], bool]) -> dict[int, int]:
+    """Before any byte is written: every pid JOBS write into must be one CRIU restored (PIDS_OK). Returns
+    each one's start time as checked (clock ticks since boot): with its pid, the identity pin_memory
+    binds the writes to. The check ends at least two ticks after the youngest of them started (it is
+    made again a little later where one started just now), so no process started after the check
+    can have both the pid and the start time of one checked."""
+    pids = sorted({t[0] for _, targets in jobs.values() for t in targets})
+    while True:
+        started: dict[int, int] = {}
+        for pid in pids:
+            before = start_time(pid)
+            if before is None or not pids_ok(pid) or start_time(pid) != before:
+                raise SplitError(f"pid {pid} of the snapshot was not restored by CRIU")
+            started[pid] = before
+        if max(started.values(), default=0) < boot_ticks() - 1:
+            return started
+        time.sleep(0.03)  # three ticks at the usual 100 Hz; then checked again
+
+
+def pin_memory(checked: dict[int, int]) -> dict[int, int]:
+    """/proc/PID/mem of every pid CHECKED names (check_pids' start times), opened for writing and bound
+    to the process that was checked: a pid's start time read after the open must be the one checked.
+    That process started before the check and still holds the pid after the open, so it held it at
+    the open: the descriptor reaches its memory and nobody else's, whatever the pid comes to name
+    later (write_pinned then fails). pid -> descriptor; SplitError (none left open) otherwise."""
+    mem: dict[int, int] = {}
+    try:
+        for pid, started in checked.items():
+            mem[pid] = open_mem(pid)
+            if start_time(pid) != started:
+                raise SplitError(f"pid {pid} is no longer the process this restore made (it ended); "
+                                 "the restore is stopped")
+        return mem
+    except BaseException:
+        for fd in mem.values():
+            os.close(fd)
+        raise
 
 
 def fill_jobs(plans: list[Plan], streams: dict[str, Stream]) -> dict[Key, Job]:
@@ -949,8 +954,8 @@ class Filler:
     distinct non-zero chunk. Until `write` is called, each delivered chunk is copied into a held
     buffer (at most BUDGET bytes of them; then the read waits); from then on, held chunks are written
     into the stopped processes by WORKERS threads while newly delivered ones are written by the
-    thread that delivers them, with process_vm_writev (phase 0) or through /proc/PID/mem opened
-    before the first write (later phases, see `write`), straight from the read stage's buffer. A
+    thread that delivers them, through /proc/PID/mem opened before the first write and bound to
+    the process checked (see `write`), straight from the read stage's buffer. A
     chunk used at several places (processes forked from one another share pages) is read once.
     All-zero chunks are neither read nor written: the fresh mapping already reads as zero. Closing
     before `write` stops the read. With PHASES (fill_phases), the chunks of phase 0 are read first,
@@ -968,7 +973,7 @@ class Filler:
         if any(not 0 <= p < n for p in self._phase.values()):
             raise SplitError("a chunk's phase is out of range")
         self._left = [0] * n  # chunks not yet written, per phase
-        self._mem: dict[int, int] = {}  # pid -> open_mem(pid), for the chunks of phases after the first
+        self._mem: dict[int, int] = {}  # pid -> its memory, pinned by `write` (pin_memory)
         for k, (ref, _) in jobs.items():
             if not ref.is_zero and self._left:
                 self._left[self._phase.get(k, 0)] += 1
@@ -1041,16 +1046,10 @@ class Filler:
         """DATA (KEY's bytes) written at every place KEY's chunk is used."""
         targets = self.jobs[key][1]
         t0 = time.perf_counter()
-        if self._phase.get(key, 0) == 0:
-            slow = sum(write_into(pid, addr, data[lo:hi]) for pid, addr, lo, hi in targets)
-        else:  # a process of the tree may run by now: through the memory opened while all were held
-            for pid, addr, lo, hi in targets:
-                write_pinned(self._mem[pid], pid, addr, data[lo:hi])
-            slow = 0
+        for pid, addr, lo, hi in targets:  # through the memory pinned before the first byte (write)
+            write_pinned(self._mem[pid], pid, addr, data[lo:hi])
         n = sum(hi - lo for _, _, lo, hi in targets)
         self.stages.add("write", time.perf_counter() - t0, n)
-        if slow:
-            self.stages.add("write-procmem", 0.0, slow)
         with self._cond:
             self._written += n
         if self._left:
@@ -1065,21 +1064,24 @@ class Filler:
             if self._on_phase is not None:
                 self._on_phase(p)
 
-    def write(self, pids_ok: Callable[[int], bool], on_phase: Callable[[int], None] | None = None) -> dict[str, int]:
+    def write(self, pids_ok: Callable[[int], bool], on_phase: Callable[[int], None] | None = None,
+              checked: dict[int, int] | None = None) -> dict[str, int]:
         """Every moved run written into its (stopped) process; PIDS_OK(pid) says a planned pid is one
-        CRIU restored. ON_PHASE(p) is called (from a fill thread) once phases 0..p are all written,
+        CRIU restored (CHECKED: check_pids' answer where the caller checked them; a fill worker's
+        parent did). ON_PHASE(p) is called (from a fill thread) once phases 0..p are all written,
         for each phase in order. Returns bytes written / skipped as zero.
 
-        The caller may let a process run once its phase is written (while the fill goes on), and a
-        running process can signal the others (same user): continue one, have it run another program
-        or exit and its pid be taken again. So every chunk after phase 0 is written through the
-        process's memory opened here, before any byte is written and so before any process runs: a
-        pid checked by PIDS_OK can only ever get its own bytes, into the memory that was checked."""
-        check_pids(self.jobs, pids_ok)
-        late = sorted({t[0] for k, (ref, targets) in self.jobs.items() if self._phase.get(k, 0) > 0 and not ref.is_zero
-                       for t in targets})
-        for pid in late:
-            self._mem[pid] = open_mem(pid)
+        A restored process can end while the fill writes (its own timer, a signal from another of the
+        tree once the caller lets one run after its phase), and its pid be taken again. So every
+        chunk is written through the process's memory opened here and bound to the process that was
+        checked (pin_memory), before any byte is written: a pid checked can only ever get its own
+        bytes, into the memory that was checked, never a process that took its pid since."""
+        if checked is None:
+            checked = check_pids(self.jobs, pids_ok)
+        mine = {t[0] for ref, targets in self.jobs.values() if not ref.is_zero for t in targets}
+        if not mine <= checked.keys():
+            raise SplitError(f"pids {sorted(mine - checked.keys())} were not checked before the fill")
+        self._mem = pin_memory({pid: checked[pid] for pid in sorted(mine)})
         with self._phase_lock:
             self._on_phase = on_phase
             self._phases_done()  # phases with nothing to read
