@@ -1759,3 +1759,19 @@ def test_pagemaps_and_mm_images_too_large_one_by_one_or_together_are_not_read_fo
     mms = {f"mm-{100 + i}.img": split.MAX_MM_BYTES for i in range(5)}
     assert "the mm images add up to" in (split.images_too_large(mms) or "")
     assert split.images_too_large({"pages-1.img": 1 << 40}) is None  # page images are not planned from
+
+
+def test_image_fields_criu_would_read_otherwise_than_the_split_are_refused() -> None:
+    """Values a forged image can spell but CRIU reads in fewer bits (a uint32 page count, a uint64
+    address), and two pagemaps naming one page image: the split refuses them, never plans on what
+    CRIU would see differently."""
+    from sandbox.criu import split
+    with pytest.raises(split.SplitError, match="32-bit field"):
+        split.parse_pagemap(_pm(1, [(0x100000, (1 << 32) + 1)]))  # CRIU would read 1 page
+    a, b = 0x10000000, 0x10100000
+    with pytest.raises(split.SplitError, match="an area"):  # CRIU would read it at A, over the area the fill moves
+        split.mm_areas(_mm([(a, b, ANON), ((1 << 64) + a, (1 << 64) + b, 0x81, 3, 0x01)]))
+    assert split.mm_areas(_mm([(a, b, ANON)])) == [(a, b, True)]
+    plans, why = split.choose({"pagemap-10.img": _pm(1, [(0x100000, 16)]), "pagemap-11.img": _pm(1, [(0x900000, 16)])},
+                              {"pages-1.img": 16 * 4096}, 4096)
+    assert plans == {} and why is not None and "both name pages-1.img" in why, why

@@ -159,6 +159,8 @@ def parse_pagemap(data: bytes) -> Pagemap:
         flags = f.get(4, PE_PARENT if f.get(3) else PE_PRESENT)
         nr = f[5] if 5 in f else f.get(2, 0)  # CRIU 4.2 writes the 64-bit count in field 5, 0 in field 2
         vaddr = f.get(1, 0)
+        if 5 not in f and nr >= 1 << 32:  # field 2 is CRIU's uint32: it would read only the low bits
+            raise SplitError(f"pagemap: a record of {nr} pages in a 32-bit field")
         if nr <= 0 or vaddr % PAGE or vaddr + nr * PAGE > USER_SPACE_END:
             raise SplitError(f"pagemap: a record of {nr} pages at {vaddr:#x}")
         present = bool(flags & PE_PRESENT) and not flags & PE_PARENT
@@ -446,7 +448,8 @@ def mm_areas(data: bytes, kept: "Sequence[tuple[int, int]]" = (),
     every: list[tuple[int, int, int, int, int]] = []
     for f in vma_fields(data):
         start, stop = f.get(1, 0), f.get(2, 0)
-        if start % PAGE or stop % PAGE or not start < stop:
+        if start % PAGE or stop % PAGE or not start < stop or stop >= 1 << 64:
+            # (past 64 bits CRIU, reading uint64, would see another address than this check did)
             raise SplitError(f"mm: an area {start:#x}-{stop:#x}")
         every.append((start, stop, f.get(5, 0), f.get(6, 0), f.get(7, 0)))
     every.sort()
@@ -745,6 +748,9 @@ def choose(pagemaps: dict[str, bytes], page_sizes: dict[str, int],
         if named != page_sizes[image]:
             return {}, (f"{name} names {named} bytes of {image}, which holds {page_sizes[image]}: a pagemap "
                         "format gpusnap does not know; CRIU restored every page")
+        other = next((n for n, p in parsed.values() if p.pages_id == pm.pages_id), None)
+        if other is not None:  # a plan is made per page image: one of the two would go unplanned
+            return {}, f"{other} and {name} both name {image}; CRIU restored every page"
         parsed[int(m.group(1))] = (name, pm)
     # For each child and its parent: the entries both hold with the same bytes (cow_shared) stay with CRIU
     # in both (SKIP); and the entries at addresses the other also has pages at are cautious: they move
