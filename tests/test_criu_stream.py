@@ -395,7 +395,7 @@ def _reads(streams, fetch):
 
 
 def _filler_case(nchunks: int, chunk: int, fetch, budget: int):
-    """A Filler whose one moved run is a buffer of this very process (process_vm_writev into our own pid)."""
+    """A Filler whose one moved run is a buffer of this very process (written through our own /proc/self/mem)."""
     import ctypes
     from sandbox.criu import split
     from storage.manifest import ChunkRef, Stream
@@ -1775,3 +1775,23 @@ def test_image_fields_criu_would_read_otherwise_than_the_split_are_refused() -> 
     plans, why = split.choose({"pagemap-10.img": _pm(1, [(0x100000, 16)]), "pagemap-11.img": _pm(1, [(0x900000, 16)])},
                               {"pages-1.img": 16 * 4096}, 4096)
     assert plans == {} and why is not None and "both name pages-1.img" in why, why
+
+
+def test_a_fill_given_start_times_writes_only_into_the_processes_they_name() -> None:
+    """Filler.write with the parent's check (a fill worker's way): a start time that is not the
+    process's own, or a pid the check did not cover, and nothing is written."""
+    from sandbox.criu import split
+    from sandbox.host.processes import start_time
+    chunk, n = 64 << 10, 4
+    me = start_time(os.getpid())
+    assert me is not None
+    for checked, why in (({os.getpid(): me + 1}, "no longer the process this restore made"),
+                         ({os.getpid() + 1: me}, "were not checked before the fill")):
+        target, filler = _filler_case(n, chunk, lambda s, i, ref: b"\x07" * ref.raw_len, budget=8 * (chunk + 4096))
+        with filler:
+            with pytest.raises(split.SplitError, match=why):
+                filler.write(lambda pid: True, checked=checked)
+        assert target.raw == bytes(n * chunk), "not a byte written"
+    target, filler = _filler_case(n, chunk, lambda s, i, ref: b"\x07" * ref.raw_len, budget=8 * (chunk + 4096))
+    with filler:
+        assert filler.write(lambda pid: False, checked={os.getpid(): me})["written"] == (n - 1) * chunk
