@@ -190,7 +190,8 @@ class Manifest:
     @classmethod
     def _loads(cls, data: bytes, where: str) -> "Manifest":
         try:
-            body = json.loads(data)
+            # decoded strictly first: json.loads(bytes) would let UTF-8-encoded surrogates through
+            body = json.loads(data.decode("utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise ManifestError(f"{where} does not parse (truncated or corrupted): {e.msg if hasattr(e, 'msg') else e}") from None
         except RecursionError:

@@ -111,10 +111,10 @@ def read_small(dir_fd: int, name: str, limit: int, where: str) -> bytes:
     anything else in its place included; FileNotFoundError where it is gone)."""
     try:
         fd = os.open(name, _READ, dir_fd=dir_fd)
-    except FileNotFoundError:
-        raise
-    except OSError as e:  # a link in its place (ELOOP: never followed), a device that will not open
-        raise IndexDamage(f"{where} cannot be opened as an index file: {e.strerror or e}") from None
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.ENXIO, errno.ENODEV):  # a link in its place (never followed), a socket, a device
+            raise IndexDamage(f"{where} cannot be opened as an index file: {e.strerror or e}") from None
+        raise  # gone (FileNotFoundError), or this host's trouble (no files left, I/O): not the store's damage
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):

@@ -1723,26 +1723,32 @@ def test_fill_workers_get_the_held_back_read_tokens_once_criu_is_done() -> None:
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="a pid namespace of its own and ns_last_pid need root")
-@pytest.mark.parametrize("when", ["during", "before-pin"])
+@pytest.mark.parametrize("when", ["during", "before-pin", "exec"])
 def test_a_process_that_ends_during_the_fill_never_gets_its_pid_taker_written(when: str) -> None:
     """A restored process ends while the fill runs (or between the pid check and the pinning of its
     memory), is reaped at once, and another process takes its pid: the fill stops, and the newcomer's
-    memory holds its own bytes, not the snapshot's (tests/support/fill_pid_reuse.py)."""
+    memory holds its own bytes, not the snapshot's; one continued after the check that runs another
+    program before the pinning is refused too (tests/support/fill_pid_reuse.py)."""
     p = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", sys.executable,
                         str(REPO / "tests" / "support" / "fill_pid_reuse.py"), when],
                        capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": pythonpath()})
     assert p.returncode == 0, p.stderr
     out = json.loads(p.stdout.strip().splitlines()[-1])
+    if when == "exec":
+        assert out["exec"] == os.path.realpath("/bin/sleep"), out  # it did run another program, as the scenario needs
+        assert out["fill"].startswith("SplitError") and "ran another program" in out["fill"], out
+        return
     assert out["newcomer"] == out["victim"], out  # the pid was taken again, as the scenario needs
     assert out["fill"].startswith("SplitError") and "no longer the process this restore made" in out["fill"], out
     assert out["newcomer_memory"] == "HOSTPROCHOSTPROC", out
 
 
-def test_a_fill_workers_go_line_names_every_pid_with_its_start_time_or_is_refused() -> None:
+def test_a_fill_workers_go_line_names_every_pid_with_its_identity_or_is_refused() -> None:
     from sandbox.criu.fill_procs import _checked_pids
     from sandbox.criu.split import SplitError
-    assert _checked_pids(' {"41": 1200, "42": 1201}') == {41: 1200, 42: 1201}
-    for bad in ("", " []", ' {"x": 1}', ' {"41": "soon"}', ' {"0": 5}', ' {"41": -1}', " {"):
+    assert _checked_pids(' {"41": [1200, 7, 9], "42": [1201, 8, 10]}') == {41: (1200, 7, 9), 42: (1201, 8, 10)}
+    for bad in ("", " []", ' {"x": [1]}', ' {"41": ["soon"]}', ' {"0": [5]}', ' {"41": [-1]}', ' {"41": []}',
+                ' {"41": 1200}', " {"):
         with pytest.raises(SplitError, match="go line"):
             _checked_pids(bad)
 
@@ -1777,15 +1783,16 @@ def test_image_fields_criu_would_read_otherwise_than_the_split_are_refused() -> 
     assert plans == {} and why is not None and "both name pages-1.img" in why, why
 
 
-def test_a_fill_given_start_times_writes_only_into_the_processes_they_name() -> None:
-    """Filler.write with the parent's check (a fill worker's way): a start time that is not the
-    process's own, or a pid the check did not cover, and nothing is written."""
+def test_a_fill_given_identities_writes_only_into_the_processes_they_name() -> None:
+    """Filler.write with the parent's check (a fill worker's way): a start time or program layout
+    that is not the process's own, or a pid the check did not cover, and nothing is written."""
     from sandbox.criu import split
-    from sandbox.host.processes import start_time
+    from sandbox.host.processes import memory_identity
     chunk, n = 64 << 10, 4
-    me = start_time(os.getpid())
+    me = memory_identity(os.getpid())
     assert me is not None
-    for checked, why in (({os.getpid(): me + 1}, "no longer the process this restore made"),
+    for checked, why in (({os.getpid(): (me[0] + 1, *me[1:])}, "no longer the process this restore made"),
+                         ({os.getpid(): (*me[:-1], me[-1] + 4096)}, "ran another program"),
                          ({os.getpid() + 1: me}, "were not checked before the fill")):
         target, filler = _filler_case(n, chunk, lambda s, i, ref: b"\x07" * ref.raw_len, budget=8 * (chunk + 4096))
         with filler:

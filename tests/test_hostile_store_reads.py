@@ -9,6 +9,7 @@ import json
 import subprocess
 from pathlib import Path
 
+import pytest
 from conftest import Cli, make_mixed_tree, tree_digest
 from storage.manifest import _checksum
 from storage.packs import decode_index, encode_index
@@ -88,7 +89,8 @@ def test_json_nested_too_deeply_is_damage_in_one_line(cli: Cli, store_dir: Path,
     _one_line(ls)
 
 
-def test_a_lone_surrogate_in_a_manifest_is_damage(cli: Cli, store_dir: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("spelled", ["escaped", "utf-8 bytes"])
+def test_a_lone_surrogate_in_a_manifest_is_damage(cli: Cli, store_dir: Path, tmp_path: Path, spelled: str) -> None:
     _put(cli, tmp_path)
     path = store_dir / "snapshots" / "snap.json"
     body = json.loads(path.read_bytes())
@@ -97,12 +99,16 @@ def test_a_lone_surrogate_in_a_manifest_is_damage(cli: Cli, store_dir: Path, tmp
     body["streams"].append({"name": "ln", "size": 0, "attrs": {"type": "symlink", "target": "\ud800"}, "chunks": []})
     body["summary"]["streams"] += 1
     body["checksum"] = _checksum(body)  # a sound checksum: only the text's check stops it
-    path.write_text(json.dumps(body))  # ensure_ascii: the surrogate travels as the escape \ud800
+    if spelled == "escaped":
+        path.write_text(json.dumps(body))  # ensure_ascii: the surrogate travels as the escape \ud800
+    else:  # the three bytes UTF-8 would give it were it allowed (json.loads of bytes lets them through)
+        path.write_bytes(json.dumps(body, ensure_ascii=False).encode("utf-8", "surrogatepass"))
     g = cli.run("store", "get", "snap", str(tmp_path / "o"), check=False)
-    assert g.returncode == 3 and "not UTF-8" in g.stderr and not (tmp_path / "o").exists(), g.stderr
+    why = "not UTF-8" if spelled == "escaped" else "does not parse"
+    assert g.returncode == 3 and why in g.stderr and not (tmp_path / "o").exists(), g.stderr
     _one_line(g)
     v = cli.run("store", "verify", check=False)
-    assert v.returncode == 3 and "not UTF-8" in v.stdout, v.stdout + v.stderr
+    assert v.returncode == 3 and why in v.stdout, v.stdout + v.stderr
 
 
 def test_a_link_in_place_of_an_index_file_is_damage(cli: Cli, store_dir: Path, tmp_path: Path) -> None:

@@ -10,9 +10,9 @@ packs sequentially), each with where its pack entries are (the parent's index).
 
 Protocol (JSON lines): the parent writes the job on the worker's stdin (the store's path, the
 worker's chunks with every place their bytes go, its memory budget and read-ahead), then, once CRIU
-has made the processes and the parent has checked every pid, the line "go {PID: START, ...}" (each
-pid's start time as checked: the worker opens each process's memory and binds it to that process,
-split.pin_memory, before it writes a byte); the worker reads and
+has made the processes and the parent has checked every pid, the line "go {PID: [IDENTITY], ...}"
+(each pid's start time and program layout as checked: the worker opens each process's memory and
+binds it to that process, split.pin_memory, before it writes a byte); the worker reads and
 holds decoded chunks from the moment it has the job, writes after "go", says {"phase": P} once it
 has written its part of phases 0..P (each chunk carries its phase: split.fill_phases; every worker
 has its part of every phase, so all complete phase 0 first), and answers one last line on stdout:
@@ -366,9 +366,9 @@ class FillProcs:
         checked = check_pids(self.jobs, pids_ok)
         self._jobs_sent.join()
         self._all_reads()
-        go = "go " + json.dumps({str(pid): started for pid, started in checked.items()})
+        go = "go " + json.dumps({str(pid): list(ident) for pid, ident in checked.items()})
         for p in self.procs:
-            _tell(p, go)  # with each pid's start time as checked: a worker binds its writes to those processes
+            _tell(p, go)  # with each pid's identity as checked: a worker binds its writes to those processes
         results = self._results(on_phase)
         for r in results:
             for stage, v in r.get("stages", {}).items():
@@ -586,7 +586,7 @@ def _serve_job(inp: IO[str], out: IO[str]) -> int:
             if not go_line.startswith("go"):
                 return 0  # the parent gave up (CRIU failed): the tree is killed, nothing to write
             go.set()
-            # the parent checked every pid before "go" and says each one's start time, which the
+            # the parent checked every pid before "go" and says each one's identity, which the
             # worker's writes are bound to (split.pin_memory)
             checked = _checked_pids(go_line[2:])
             done = filler.write(lambda pid: False, lambda p: answer({"phase": p}), checked=checked)
@@ -600,14 +600,16 @@ def _serve_job(inp: IO[str], out: IO[str]) -> int:
     return 0
 
 
-def _checked_pids(text: str) -> dict[int, int]:
-    """The parent's "go" line's pids and start times (split.check_pids), or SplitError."""
+def _checked_pids(text: str) -> dict[int, tuple[int, ...]]:
+    """The parent's "go" line's pids and identities (split.check_pids), or SplitError."""
     try:
         got = json.loads(text)
-        checked = {int(k): int(v) for k, v in got.items()} if isinstance(got, dict) else None
+        checked = ({int(k): tuple(int(x) for x in v) for k, v in got.items() if isinstance(v, list)}
+                   if isinstance(got, dict) else None)
     except (ValueError, TypeError, AttributeError):
         checked = None
-    if checked is None or any(p <= 0 or t < 0 for p, t in checked.items()):
+    if (checked is None or len(checked) != len(got)
+            or any(p <= 0 or not ident or min(ident) < 0 for p, ident in checked.items())):
         raise SplitError(f"fill worker: the parent's go line is not understood: {text[:80]!r}")
     return checked
 

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence, Union
 
 from sandbox.criu.restored import boot_ticks
-from sandbox.host.processes import start_time
+from sandbox.host.processes import memory_identity
 from storage.directio import AlignedBuffer, copy_into
 from storage.errors import GpusnapError
 from storage.manifest import ChunkRef, Stream
@@ -733,6 +733,7 @@ def choose(pagemaps: dict[str, bytes], page_sizes: dict[str, int],
             except SplitError as e:
                 return {}, f"{name} is not understood ({e}); CRIU restored every page"
     parsed: dict[int, tuple[str, Pagemap]] = {}
+    naming: dict[str, str] = {}  # page image -> the pagemap naming it
     for name in sorted(pagemaps):
         m = PAGEMAP_NAME.fullmatch(name)
         if m is None:
@@ -748,9 +749,9 @@ def choose(pagemaps: dict[str, bytes], page_sizes: dict[str, int],
         if named != page_sizes[image]:
             return {}, (f"{name} names {named} bytes of {image}, which holds {page_sizes[image]}: a pagemap "
                         "format gpusnap does not know; CRIU restored every page")
-        other = next((n for n, p in parsed.values() if p.pages_id == pm.pages_id), None)
-        if other is not None:  # a plan is made per page image: one of the two would go unplanned
-            return {}, f"{other} and {name} both name {image}; CRIU restored every page"
+        if image in naming:  # a plan is made per page image: one of the two would go unplanned
+            return {}, f"{naming[image]} and {name} both name {image}; CRIU restored every page"
+        naming[image] = name
         parsed[int(m.group(1))] = (name, pm)
     # For each child and its parent: the entries both hold with the same bytes (cow_shared) stay with CRIU
     # in both (SKIP); and the entries at addresses the other also has pages at are cautious: they move
@@ -880,43 +881,61 @@ Target = tuple[int, int, int, int]  # (pid, address, lo, hi): the chunk's bytes 
 Job = tuple[ChunkRef, list[Target]]  # a chunk, and every place its bytes are written
 
 
-def check_pids(jobs: dict[Key, Job], pids_ok: Callable[[int], bool]) -> dict[int, int]:
+def check_pids(jobs: dict[Key, Job], pids_ok: Callable[[int], bool]) -> dict[int, tuple[int, ...]]:
     """Before any byte is written: every pid JOBS write into must be one CRIU restored (PIDS_OK). Returns
-    each one's start time as checked (clock ticks since boot): with its pid, the identity pin_memory
-    binds the writes to. The check ends at least two ticks after the youngest of them started (it is
-    made again a little later where one started just now), so no process started after the check
-    can have both the pid and the start time of one checked."""
+    each one's identity as checked (processes.memory_identity: its start time in clock ticks since
+    boot, where its program's stack and arguments lie): with its pid, what pin_memory binds the writes
+    to. Every one checked started at least two ticks before the check began (the check is made again
+    a little later where one started just now), so no process started after it, nor one that ran
+    another program since, has the pid and the identity of one checked."""
     pids = sorted({t[0] for _, targets in jobs.values() for t in targets})
     while True:
-        started: dict[int, int] = {}
+        began = boot_ticks()
+        checked: dict[int, tuple[int, ...]] = {}
         for pid in pids:
-            before = start_time(pid)
-            if before is None or not pids_ok(pid) or start_time(pid) != before:
+            before = memory_identity(pid)
+            if before is None or not pids_ok(pid) or memory_identity(pid) != before:
                 raise SplitError(f"pid {pid} of the snapshot was not restored by CRIU")
-            started[pid] = before
-        if max(started.values(), default=0) < boot_ticks() - 1:
-            return started
+            checked[pid] = before
+        if max((ident[0] for ident in checked.values()), default=0) < began - 1:
+            return checked
         time.sleep(0.03)  # three ticks at the usual 100 Hz; then checked again
 
 
-def pin_memory(checked: dict[int, int]) -> dict[int, int]:
-    """/proc/PID/mem of every pid CHECKED names (check_pids' start times), opened for writing and bound
-    to the process that was checked: a pid's start time read after the open must be the one checked.
-    That process started before the check and still holds the pid after the open, so it held it at
-    the open: the descriptor reaches its memory and nobody else's, whatever the pid comes to name
-    later (write_pinned then fails). pid -> descriptor; SplitError (none left open) otherwise."""
+def pin_memory(checked: dict[int, tuple[int, ...]]) -> dict[int, int]:
+    """/proc/PID/mem of every pid CHECKED names (check_pids' identities), opened for writing and bound
+    to the process and program that were checked: the pid's identity read after the open must be the
+    one checked. That process started before the check and still holds the pid after the open, so it
+    held it at the open, running the program checked (an exec moves what the identity records): the
+    descriptor reaches that memory and nobody else's, whatever the pid comes to name or run later
+    (write_pinned then fails). pid -> descriptor; SplitError (none left open) otherwise. The soft
+    limit on open files is raised toward the hard one where the tree needs more."""
+    _room_for(len(checked))
     mem: dict[int, int] = {}
     try:
-        for pid, started in checked.items():
+        for pid, ident in checked.items():
             mem[pid] = open_mem(pid)
-            if start_time(pid) != started:
-                raise SplitError(f"pid {pid} is no longer the process this restore made (it ended); "
-                                 "the restore is stopped")
+            if memory_identity(pid) != ident:
+                raise SplitError(f"pid {pid} is no longer the process this restore made (it ended or ran "
+                                 "another program); the restore is stopped")
         return mem
     except BaseException:
         for fd in mem.values():
             os.close(fd)
         raise
+
+
+def _room_for(n: int) -> None:
+    """N more open files than now fit under the soft limit (raised toward the hard one if not)."""
+    import resource
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = len(os.listdir("/proc/self/fd")) + n + 64
+    if soft != resource.RLIM_INFINITY and soft < want:
+        new = want if hard == resource.RLIM_INFINITY else min(want, hard)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+        except (ValueError, OSError):
+            pass  # the open that does not fit fails the fill, one line
 
 
 def fill_jobs(plans: list[Plan], streams: dict[str, Stream]) -> dict[Key, Job]:
@@ -1071,7 +1090,7 @@ class Filler:
                 self._on_phase(p)
 
     def write(self, pids_ok: Callable[[int], bool], on_phase: Callable[[int], None] | None = None,
-              checked: dict[int, int] | None = None) -> dict[str, int]:
+              checked: dict[int, tuple[int, ...]] | None = None) -> dict[str, int]:
         """Every moved run written into its (stopped) process; PIDS_OK(pid) says a planned pid is one
         CRIU restored (CHECKED: check_pids' answer where the caller checked them; a fill worker's
         parent did). ON_PHASE(p) is called (from a fill thread) once phases 0..p are all written,
@@ -1087,6 +1106,8 @@ class Filler:
         mine = {t[0] for ref, targets in self.jobs.values() if not ref.is_zero for t in targets}
         if not mine <= checked.keys():
             raise SplitError(f"pids {sorted(mine - checked.keys())} were not checked before the fill")
+        if self._mem:
+            raise SplitError("the fill was written already")
         self._mem = pin_memory({pid: checked[pid] for pid in sorted(mine)})
         with self._phase_lock:
             self._on_phase = on_phase

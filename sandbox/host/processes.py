@@ -26,6 +26,21 @@ def start_time(pid: int) -> int | None:
         return None
 
 
+def memory_identity(pid: int) -> tuple[int, ...] | None:
+    """What tells PID's process and its current program apart from any other (None if it is gone): its
+    start time, and where the kernel laid out its stack, heap, arguments and environment at its last
+    exec (/proc/PID/stat fields 22, 28 and 47-51; randomized per exec where address space layout
+    randomization is on, read as 0 without the right to trace the process). The same pid with the same
+    identity later is the same process, most likely still running the same program (an exec moves
+    them)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            v = f.read().rsplit(")", 1)[1].split()
+        return (int(v[19]), int(v[25]), *(int(x) for x in v[44:49]))
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def state_of(pid: int) -> str:
     """PID's state letter (R, S, T, Z, ...), "gone" if there is no such process."""
     try:

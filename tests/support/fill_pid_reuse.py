@@ -3,8 +3,9 @@ fill must never write into the newcomer (sandbox/criu/split.py, check_pids and p
 root inside a new pid namespace, where /proc/sys/kernel/ns_last_pid picks the next pid (standing in
 for pid cycling): `unshare --pid --fork --mount-proc python3 fill_pid_reuse.py WHEN`, WHEN "during"
 (the process ends while the fill runs, after its memory was pinned) or "before-pin" (it ends between
-the pid check and the pinning). Prints one JSON line: what the fill said and what the newcomer's
-memory holds."""
+the pid check and the pinning) or "exec" (continued by someone after the check, it runs another
+program before the pinning: same pid, same start time). Prints one JSON line: what the fill said and
+what the newcomer's memory holds."""
 from __future__ import annotations
 
 import ctypes
@@ -12,12 +13,12 @@ import json
 import os
 import signal
 import sys
-import threading
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from sandbox.criu import split  # noqa: E402
 from sandbox.criu.restored import boot_ticks, in_restored_tree  # noqa: E402
+from sandbox.host.processes import state_of  # noqa: E402
 from storage.manifest import ChunkRef, Stream  # noqa: E402
 
 ADDR, SIZE = 0x100000000000, 1 << 16
@@ -33,16 +34,23 @@ def map_fixed(fill: bytes) -> None:
 
 
 def take_pid(pid: int) -> int:
-    """A new process at PID (the one before it written to ns_last_pid), its memory at ADDR HOSTPROC."""
-    with open("/proc/sys/kernel/ns_last_pid", "w") as f:
-        f.write(str(pid - 1))
-    h = os.fork()
-    if h == 0:
-        map_fixed(b"HOSTPROC")
-        time.sleep(30)
-        os._exit(0)
-    time.sleep(0.2)
-    return h
+    """A new process at PID (the one before it written to ns_last_pid; again until the kernel has
+    freed PID), its memory at ADDR HOSTPROC."""
+    for _ in range(500):
+        with open("/proc/sys/kernel/ns_last_pid", "w") as f:
+            f.write(str(pid - 1))
+        h = os.fork()
+        if h == 0:
+            map_fixed(b"HOSTPROC")
+            time.sleep(30)
+            os._exit(0)
+        if h == pid:
+            time.sleep(0.2)
+            return h
+        os.kill(h, signal.SIGKILL)  # PID was not free yet
+        os.waitpid(h, 0)
+        time.sleep(0.01)
+    raise AssertionError(f"pid {pid} never came free")
 
 
 def main(when: str) -> None:
@@ -56,11 +64,16 @@ def main(when: str) -> None:
             map_fixed(b"TENANT--")
             os.write(r_out, str(os.getpid()).encode() + b"\n")
             os.kill(os.getpid(), signal.SIGSTOP)
+            if when == "exec":
+                os.execv("/bin/sleep", ["sleep", "30"])  # a setuid program, in an attack
             os._exit(0)
         os.kill(os.getpid(), signal.SIGSTOP)
         os._exit(0)
     victim = int(os.read(r_in, 64).split()[0])
-    time.sleep(0.3)
+    deadline = time.monotonic() + 20
+    while not all(state_of(p) == "T" for p in (root, victim)):  # both stopped, as CRIU leaves a tree
+        assert time.monotonic() < deadline, "the stand-in tree never stopped"
+        time.sleep(0.01)
     tree = [root, victim]
     refs = [ChunkRef("a" * 64, SIZE, "raw", SIZE)]
     streams = {"pages-1.img": Stream("pages-1.img", {"type": "file"}, refs)}
@@ -71,12 +84,30 @@ def main(when: str) -> None:
 
     def gone_and_replaced() -> int:
         os.kill(victim, signal.SIGKILL)  # reaped by the kernel at once: its parent ignores SIGCHLD
-        for _ in range(100):
-            if not os.path.exists(f"/proc/{victim}"):
-                break
-            time.sleep(0.02)
+        deadline = time.monotonic() + 20
+        while os.path.exists(f"/proc/{victim}"):
+            assert time.monotonic() < deadline, "the victim was never reaped"
+            time.sleep(0.01)
         return take_pid(victim)
 
+    if when == "exec":  # continued by someone after the check, it runs another program (same pid, same start)
+        checked = split.check_pids(jobs, lambda pid: in_restored_tree(pid, root, tree, born_after, stopped=True))
+        os.kill(victim, signal.SIGCONT)
+        exe = os.readlink(f"/proc/{victim}/exe")
+        for _ in range(200):
+            if os.readlink(f"/proc/{victim}/exe") != exe:
+                break
+            time.sleep(0.01)
+        out["exec"] = os.readlink(f"/proc/{victim}/exe")
+        try:
+            split.pin_memory(checked)
+            out["fill"] = "pinned"
+        except split.SplitError as e:
+            out["fill"] = f"SplitError: {e}"
+        os.kill(victim, signal.SIGKILL)
+        os.kill(root, signal.SIGKILL)
+        print(json.dumps(out), flush=True)
+        return
     if when == "before-pin":
         checked = split.check_pids(jobs, lambda pid: in_restored_tree(pid, root, tree, born_after, stopped=True))
         newcomer = gone_and_replaced()
@@ -86,23 +117,23 @@ def main(when: str) -> None:
         except split.SplitError as e:
             out["fill"] = f"SplitError: {e}"
     else:
-        ready = threading.Event()
+        held: list[split.Filler] = []
 
         def read(wants, deliver, stop):  # type: ignore[no-untyped-def]
-            ready.wait()
+            # the victim ends once the fill has checked the pids and pinned their memory, before a byte
+            deadline = time.monotonic() + 20
+            while not (held and held[0]._mem):
+                assert time.monotonic() < deadline, "the fill never pinned the processes' memory"
+                time.sleep(0.005)
             nonlocal newcomer
             newcomer = gone_and_replaced()
             for w in wants:
                 deliver(w, memoryview(b"SNAPSHOT" * (SIZE // 8)))
 
-        def pids_ok(pid: int) -> bool:
-            ok = in_restored_tree(pid, root, tree, born_after, stopped=True)
-            ready.set()
-            return ok
-
         with split.Filler(jobs, read, 2, 4 * SIZE) as filler:
+            held.append(filler)
             try:
-                out["fill"] = f"wrote {filler.write(pids_ok)}"
+                out["fill"] = f"wrote {filler.write(lambda pid: in_restored_tree(pid, root, tree, born_after, stopped=True))}"
             except split.SplitError as e:
                 out["fill"] = f"SplitError: {e}"
     out["newcomer"] = newcomer
