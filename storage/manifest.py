@@ -197,10 +197,12 @@ class Manifest:
         except RecursionError:
             raise ManifestError(f"{where} does not parse: nested too deeply") from None
         if _SURROGATE_ESCAPE.search(data):
-            # JSON may spell a lone UTF-16 surrogate (\ud800): Python takes it as a str that no path,
-            # link target or xattr name can be encoded from; such a manifest is damaged as a whole
+            # JSON may spell a lone UTF-16 surrogate (\ud800). A name that is not UTF-8 is kept as
+            # Python's file system encoding keeps it (surrogateescape: U+DC80-U+DCFF, one per byte,
+            # as `put` writes it); any other is a str no path, link target or xattr name can be
+            # encoded from, and such a manifest is damaged as a whole
             try:
-                json.dumps(body, ensure_ascii=False).encode()
+                json.dumps(body, ensure_ascii=False).encode("utf-8", "surrogateescape")
             except UnicodeEncodeError:
                 raise ManifestError(f"{where} is damaged: it holds text that is not UTF-8 (a lone surrogate)") from None
         if not isinstance(body, dict) or body.get("format") != FORMAT:

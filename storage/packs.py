@@ -109,10 +109,13 @@ def decode_index(name: str, data: bytes) -> tuple[int, list[tuple[str, int, int]
 def read_small(dir_fd: int, name: str, limit: int, where: str) -> bytes:
     """The regular file NAME in DIR_FD, at most LIMIT bytes (IndexDamage otherwise: a link or
     anything else in its place included; FileNotFoundError where it is gone)."""
+    st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)  # FileNotFoundError where it is gone
+    if not stat.S_ISREG(st.st_mode):  # a link, device, FIFO, socket or directory in its place: never opened
+        raise IndexDamage(f"{where} is {file_kind(st.st_mode)}, not an index file")
     try:
         fd = os.open(name, _READ, dir_fd=dir_fd)
     except OSError as e:
-        if e.errno in (errno.ELOOP, errno.ENXIO, errno.ENODEV):  # a link in its place (never followed), a socket, a device
+        if e.errno in (errno.ELOOP, errno.ENXIO, errno.ENODEV, errno.EACCES):  # swapped for one since
             raise IndexDamage(f"{where} cannot be opened as an index file: {e.strerror or e}") from None
         raise  # gone (FileNotFoundError), or this host's trouble (no files left, I/O): not the store's damage
     try:

@@ -59,7 +59,11 @@ def check(xa: Any) -> str | None:
         return "bad xattrs (not an object, or too many names)"
     total = 0
     for n, v in xa.items():
-        if not (isinstance(n, str) and n.startswith(NAMESPACES) and 0 < len(n.encode()) <= MAX_NAME
+        try:
+            size = len(os.fsencode(n)) if isinstance(n, str) else 0
+        except UnicodeEncodeError:  # a lone surrogate outside the file system encoding's escapes
+            size = 0
+        if not (isinstance(n, str) and n.startswith(NAMESPACES) and 0 < size <= MAX_NAME
                 and "\x00" not in n and isinstance(v, str) and len(v) <= (MAX_VALUE * 4 // 3) + 4):
             return f"bad xattr {str(n)[:64]!r}"
         try:

@@ -886,8 +886,11 @@ def check_pids(jobs: dict[Key, Job], pids_ok: Callable[[int], bool]) -> dict[int
     each one's identity as checked (processes.memory_identity: its start time in clock ticks since
     boot, where its program's stack and arguments lie): with its pid, what pin_memory binds the writes
     to. Every one checked started at least two ticks before the check began (the check is made again
-    a little later where one started just now), so no process started after it, nor one that ran
-    another program since, has the pid and the identity of one checked."""
+    a little later where one started just now), so no process started after it has the pid and the
+    identity of one checked. One that ran another program since has moved what the identity records,
+    except where the program's own code put it back (an unprivileged one: personality's
+    ADDR_NO_RANDOMIZE, prctl PR_SET_MM_MAP); a setuid, setgid or file-capability program always gets
+    a fresh layout."""
     pids = sorted({t[0] for _, targets in jobs.values() for t in targets})
     while True:
         began = boot_ticks()
@@ -906,9 +909,9 @@ def pin_memory(checked: dict[int, tuple[int, ...]]) -> dict[int, int]:
     """/proc/PID/mem of every pid CHECKED names (check_pids' identities), opened for writing and bound
     to the process and program that were checked: the pid's identity read after the open must be the
     one checked. That process started before the check and still holds the pid after the open, so it
-    held it at the open, running the program checked (an exec moves what the identity records): the
-    descriptor reaches that memory and nobody else's, whatever the pid comes to name or run later
-    (write_pinned then fails). pid -> descriptor; SplitError (none left open) otherwise. The soft
+    held it at the open, running the program checked or (check_pids) an unprivileged one of its own
+    that made itself look the same: the descriptor reaches that process's memory and nobody else's,
+    whatever the pid comes to name or run later (write_pinned then fails). pid -> descriptor; SplitError (none left open) otherwise. The soft
     limit on open files is raised toward the hard one where the tree needs more."""
     _room_for(len(checked))
     mem: dict[int, int] = {}
