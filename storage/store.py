@@ -52,7 +52,7 @@ from .chunkfile import (HEADER_SIZE, ChunkError, ChunkHeader, chunk_id, file_kin
 from .directio import AlignedBuffer, BufferPool, address_of, align_up, copy_into, direct_io_supported, read_to_end
 from .directio import unlink_quietly as _unlink_quietly, write_new_file as _write_file
 from . import delta, waits
-from .codecs import DELTA, HostCodecChooser
+from .codecs import DELTA, CodecError, HostCodecChooser
 from .getmark import new_nonce
 from .limits import MAX_MANIFEST
 from .treewalk import remove_tree
@@ -829,6 +829,8 @@ class SnapshotStore:
                     return [loc]
                 except ChunkError:
                     continue
+                except CodecError:
+                    break  # a codec this host cannot decode (nvCOMP's, say): which copy is sound is unknown
         return list(locs)
 
     def read_chunk(self, ref: ChunkRef, buf: AlignedBuffer) -> memoryview:
