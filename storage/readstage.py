@@ -6,7 +6,8 @@ to the decode pool, which makes the full check (or the stored check) and gives t
 to the caller; a run buffer is reused once all its entries are done, which bounds memory and keeps
 the readers at most a few runs ahead of the decoders. Chunks that are not in a pack (version 1/2
 chunk files), entries larger than a run buffer, and entries that fail their check in a run (another
-copy may be sound) are read one at a time through the store (SnapshotStore.first_sound: the first copy that passes the check).
+copy may be sound) are read one at a time through the store (SnapshotStore.first_sound: the first
+copy that passes the check).
 
 Guarantees kept here: no byte reaches the caller before its check (chunkfile.full_check binds raw
 bytes to the id, a delta's against its base as the store reads it, SnapshotStore.delta_base; the

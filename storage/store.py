@@ -844,7 +844,8 @@ class SnapshotStore:
         when damaged, CodecError for a codec the host cannot decode. OUT: decoded into it (see
         chunkfile.full_check); CACHED: as read_stored."""
         cid = ref.id or ""
-        return self.first_sound(ref, buf, lambda header, payload: full_check(header, payload, cid, out, base=self.delta_base),
+        return self.first_sound(ref, buf, lambda header, payload: full_check(header, payload, cid, out,
+                                                                             base=self.delta_base),
                                 check=False, cached=cached)
 
     # ---- delta entries (FORMAT.md, "Delta entries") --------------------------------------------

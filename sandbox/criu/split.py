@@ -911,8 +911,9 @@ def pin_memory(checked: dict[int, tuple[int, ...]]) -> dict[int, int]:
     one checked. That process started before the check and still holds the pid after the open, so it
     held it at the open, running the program checked or (check_pids) an unprivileged one of its own
     that made itself look the same: the descriptor reaches that process's memory and nobody else's,
-    whatever the pid comes to name or run later (write_pinned then fails). pid -> descriptor; SplitError (none left open) otherwise. The soft
-    limit on open files is raised toward the hard one where the tree needs more."""
+    whatever the pid comes to name or run later (write_pinned then fails). pid -> descriptor;
+    SplitError (none left open) otherwise. The soft limit on open files is raised toward the hard one
+    where the tree needs more."""
     _room_for(len(checked))
     mem: dict[int, int] = {}
     try:
