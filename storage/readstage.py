@@ -155,17 +155,24 @@ def read_chunks(store: PackSource, wants: list[Want], deliver: Callable[[Want, A
 
         stage = "decompress+verify" if check == "full" else "verify"
 
+        def verified(header: ChunkHeader, payload: memoryview, cid: str, w: Want, o: Any) -> Any:
+            """The check of CHECK (timed): W's bytes, decoded into O (one of OUTS: nothing is allocated
+            per chunk) by a full check; ChunkError when this copy is damaged."""
+            t0 = time.perf_counter()
+            data = (_checked(check, header, payload, cid, store.delta_base) if o is None
+                    else full_check(header, payload, cid, o.view, base=store.delta_base))
+            stages.add(stage, time.perf_counter() - t0, w.ref.raw_len)
+            return data
+
+        def delivered(w: Want, data: Any) -> None:
+            t0 = time.perf_counter()
+            deliver(w, data)
+            stages.add("deliver", time.perf_counter() - t0, w.ref.raw_len)
+
         def checked(header: ChunkHeader, payload: memoryview, cid: str, w: Want) -> None:
-            """The check of CHECK, then DELIVER (each timed); a full check decodes into one of OUTS
-            (nothing is allocated per chunk)."""
+            """The check of CHECK, then DELIVER (each timed)."""
             with outs.borrowed() if raw_most else _nothing() as o:
-                t0 = time.perf_counter()
-                data = (_checked(check, header, payload, cid, store.delta_base) if o is None
-                        else full_check(header, payload, cid, o.view, base=store.delta_base))
-                t1 = time.perf_counter()
-                stages.add(stage, t1 - t0, w.ref.raw_len)
-                deliver(w, data)
-                stages.add("deliver", time.perf_counter() - t1, w.ref.raw_len)
+                delivered(w, verified(header, payload, cid, w, o))
 
         def decode(i: int, view: Any, done: Callable[[], None]) -> None:
             try:
@@ -204,21 +211,16 @@ def read_chunks(store: PackSource, wants: list[Want], deliver: Callable[[Want, A
             a damaged or planted copy never hides a sound one), then DELIVER."""
             cid = w.ref.id or ""
             with single_pool.borrowed() as buf, outs.borrowed() if raw_most else _nothing() as o:
-                t = [time.perf_counter()]
+                began = [time.perf_counter()]  # of this copy's read
 
                 def check_copy(header: ChunkHeader, payload: memoryview) -> Any:
-                    t1 = time.perf_counter()
-                    stages.add("read", t1 - t[0], header.stored_len)
-                    data = (_checked(check, header, payload, cid, store.delta_base) if o is None
-                            else full_check(header, payload, cid, o.view, base=store.delta_base))
-                    t[0] = time.perf_counter()
-                    stages.add(stage, t[0] - t1, w.ref.raw_len)
-                    return data
+                    stages.add("read", time.perf_counter() - began[0], header.stored_len)
+                    try:
+                        return verified(header, payload, cid, w, o)
+                    finally:
+                        began[0] = time.perf_counter()
 
-                data = store.first_sound(w.ref, buf, check_copy, check=False, cached=True)
-                t1 = time.perf_counter()
-                deliver(w, data)
-                stages.add("deliver", time.perf_counter() - t1, w.ref.raw_len)
+                delivered(w, store.first_sound(w.ref, buf, check_copy, check=False, cached=True))
 
         @contextmanager
         def gated() -> Iterator[None]:

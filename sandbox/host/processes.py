@@ -17,11 +17,17 @@ class DiscoveryError(GpusnapError):
     """A pid or cgroup that does not exist or cannot be inspected."""
 
 
+def _stat(pid: int) -> list[str]:
+    """/proc/PID/stat's fields after the command name (field 3 first: the name may hold spaces and
+    parentheses); OSError where PID is gone."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()
+
+
 def start_time(pid: int) -> int | None:
     """PID's start time in clock ticks since boot (/proc/PID/stat field 22), None if it is gone."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[19])
+        return int(_stat(pid)[19])
     except (OSError, IndexError, ValueError):
         return None
 
@@ -34,8 +40,7 @@ def memory_identity(pid: int) -> tuple[int, ...] | None:
     identity later is the same process, most likely still running the same program (an exec moves
     them)."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            v = f.read().rsplit(")", 1)[1].split()
+        v = _stat(pid)
         return (int(v[19]), int(v[25]), *(int(x) for x in v[44:49]))
     except (OSError, IndexError, ValueError):
         return None
@@ -44,8 +49,7 @@ def memory_identity(pid: int) -> tuple[int, ...] | None:
 def state_of(pid: int) -> str:
     """PID's state letter (R, S, T, Z, ...), "gone" if there is no such process."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
+        return _stat(pid)[0]
     except OSError:
         return "gone"
 

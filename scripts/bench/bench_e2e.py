@@ -100,8 +100,7 @@ def restore_traced(out: dict, key: str, store: str, name: str, path: str, work: 
         t0 = time.monotonic()
         r = timed(out, key, gpusnap, store, "criu", "restore", name, path=path, extra_env=extra_env)
         t1 = time.monotonic()
-    after = vmstat()
-    out[key + "_vmstat"] = {n: after[n] - before[n] for n in after if n in before}
+    out[key + "_vmstat"] = vmstat_since(before)
     marks = (r.get("stages", {}).get("served") or {}).pop("monotonic", {})
     seq = [(ph, t0 if m is None else marks.get(m)) for ph, m in _RESTORE_PHASES]
     seq = [(ph, t) for ph, t in seq if t is not None] + [("end", t1)]
@@ -160,6 +159,12 @@ def vmstat() -> dict[str, int]:
         return {}
 
 
+def vmstat_since(before: dict[str, int]) -> dict[str, int]:
+    """vmstat()'s counters now, less BEFORE (an earlier vmstat())."""
+    after = vmstat()
+    return {n: after[n] - before[n] for n in after if n in before}
+
+
 def traced(out: dict, key: str, work: str, fn, *a, **k):
     """FN(*A, **K) timed into OUT[KEY], the machine's busy cores and disk rates over it in OUT[KEY + "_phases"],
     the kernel's reclaim, compaction and huge page counters in OUT[KEY + "_vmstat"]."""
@@ -168,8 +173,7 @@ def traced(out: dict, key: str, work: str, fn, *a, **k):
         t0 = time.monotonic()
         r = timed(out, key, fn, *a, **k)
         t1 = time.monotonic()
-    after = vmstat()
-    out[key + "_vmstat"] = {n: after[n] - before[n] for n in after if n in before}
+    out[key + "_vmstat"] = vmstat_since(before)
     out[key + "_phases"] = {"all": tl.span(t0, t1)}
     out[key + "_timeline"] = tl.as_json(t0)
     print(f"{key} phases: {phase_line(out[key + '_phases'])}", flush=True)
