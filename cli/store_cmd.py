@@ -24,6 +24,7 @@ if TYPE_CHECKING:  # imported where used: `store ls` and `--help` need none of t
     from storage.files_cache import FilesCache
     from storage.filetree import FileTreeSource
     from storage.manifest import Manifest, Stream
+    from storage.store import DamagedCopy
 
 # the store subcommands of cli/archive_cmd.py, imported only when one runs
 ARCHIVE_COMMANDS = {
@@ -459,13 +460,18 @@ def store_verify(ctx: click.Context, name: str | None, repair: bool, read_data: 
     data = {"ok": rep.ok, "snapshots": rep.snapshots, "chunks_checked": rep.chunks_checked,
             "bytes_checked": rep.bytes_checked, "problems": problems, "quarantined": rep.quarantined,
             "not_quarantined": rep.not_quarantined, "chunks_total": rep.chunks_total,
-            "chunks_unchecked": rep.chunks_unchecked}
+            "chunks_unchecked": rep.chunks_unchecked,
+            "damaged_copies": [{"id": c.cid, "pack": c.pack, "offset": c.offset, "why": c.what,
+                                "set_aside": c.set_aside} for c in rep.damaged_copies]}
     text = [f"{len(rep.snapshots)} snapshot(s), {rep.chunks_checked} chunks, {human(rep.bytes_checked)} checked: "
-            + ("OK" if rep.ok else f"{len(problems)} problem(s)")]
+            + ("OK" if rep.ok else f"{len(problems)} problem(s)") + _damaged_copies_note(rep.damaged_copies)]
     if rep.chunks_unchecked:
         text.append(f"{rep.chunks_unchecked} of {rep.chunks_total} chunks not read this run "
                     f"({'--read-data-subset' if subset is not None else '--max-duration'}); run again to cover them")
     text += [f"DAMAGED {p}" for p in problems]
+    text += [f"DAMAGED COPY {c}" + ("; set aside in quarantine/, the next gc drops it" if c.set_aside else
+                                    "; not set aside (the next verify that can lock the store does)")
+             for c in rep.damaged_copies]
     if rep.quarantined:
         text.append(f"{len(rep.quarantined)} damaged chunk file(s) moved to quarantine/: the next put of the "
                     "same data rewrites them; `gpusnap store repair --from PATH` rewrites them from PATH")
@@ -474,6 +480,16 @@ def store_verify(ctx: click.Context, name: str | None, repair: bool, read_data: 
     emit(as_json, data, "\n".join(text))
     if not rep.ok:
         sys.exit(EXIT_DAMAGED)
+
+
+def _damaged_copies_note(copies: list[DamagedCopy]) -> str:
+    """The summary line's note of damaged duplicate copies (a sound copy of each serves: exit 0)."""
+    if not copies:
+        return ""
+    where = ", ".join(f"pack {c.pack} offset {c.offset}" for c in copies[:3]) + (", …" if len(copies) > 3 else "")
+    gone = ("removed by the next gc" if all(c.set_aside for c in copies) else
+            "set aside by the next verify that can lock the store, then removed by gc")
+    return f", {len(copies)} damaged duplicate cop{'y' if len(copies) == 1 else 'ies'} ({where}), {gone}"
 
 
 @store.command("repair")

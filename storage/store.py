@@ -191,6 +191,24 @@ class Stray:
 
 
 @dataclass
+class DamagedCopy:
+    """A pack entry of a chunk that fails its check while another pack entry of the same id is sound
+    (a gc repack cut short by a crash leaves two copies; a forged store may plant one): no reader uses
+    it, so no snapshot needs it, but it is damage on disk and verify names it. SET_ASIDE: verify
+    recorded it in quarantine/, so that the next gc drops it (FORMAT.md, "Quarantine inside packs")."""
+
+    cid: str
+    pack: str
+    offset: int
+    what: str
+    set_aside: bool = False
+
+    def __str__(self) -> str:
+        return (f"chunk {self.cid[:16]}…: its copy in pack {self.pack} at offset {self.offset} {self.what} "
+                "(another copy is sound and serves every reader)")
+
+
+@dataclass
 class VerifyReport:
     snapshots: list[str] = field(default_factory=list)
     chunks_checked: int = 0
@@ -201,9 +219,13 @@ class VerifyReport:
     not_quarantined: str | None = None                      # why damaged chunks stayed where they are
     chunks_total: int = 0       # distinct chunks the verified snapshots name
     chunks_unchecked: int = 0   # left out by a sample or by the time limit (not known to be sound)
+    damaged_copies: list[DamagedCopy] = field(default_factory=list)  # redundant damage: not a problem
 
     @property
     def ok(self) -> bool:
+        """Every snapshot verified is readable and nothing needs the user: a damaged duplicate copy of a
+        chunk whose other copy is sound does not count (no reader uses it, and once verify has set it
+        aside the next gc drops it), as the duplicates a crashed repack leaves are resolved by gc."""
         return not self.problems and not self.strays
 
 
@@ -1301,6 +1323,71 @@ class SnapshotStore:
             counts.chunks_unchecked += len(refs) - counts.chunks_checked
         return bad
 
+    def check_copies(self, refs: dict[str, ChunkRef], read_data: bool = False,
+                     deadline: float | None = None) -> list[DamagedCopy]:
+        """Every pack entry of each id of REFS that has more than one, each read and checked on its own
+        (the stored check, or with READ_DATA chunkfile.id_check), since check_chunks reads only the
+        first sound copy of an id (SnapshotStore.first_sound); returns the copies that fail while
+        another pack entry of the same id passes. An id none of whose entries passes is the chunk's
+        own damage (check_chunks reports it), not a duplicate's. Stops at DEADLINE (time.monotonic())."""
+        out: list[DamagedCopy] = []
+        for cid, ref in sorted(refs.items()):
+            locs = self.locate(cid)
+            if len(locs) < 2:
+                continue
+            if deadline is not None and time.monotonic() >= deadline:
+                break
+            bad: list[DamagedCopy] = []
+            size = HEADER_SIZE + align_up(max(max_stored_len(ref.codec, ref.raw_len, ref.stored_len), 1))
+            with AlignedBuffer(size) as buf:
+                for loc in locs:
+                    try:
+                        header, payload = self.read_entry(cid, loc, buf, self.direct)
+                        if not header.fits(ref.codec, ref.raw_len, ref.stored_len):
+                            raise ChunkError(cid, "header disagrees with the manifest's reference")
+                        if read_data:
+                            id_check(header, payload, cid, base=self.delta_base)
+                        else:
+                            stored_check(header, payload, cid)
+                    except ChunkError as e:
+                        if e.chunk_id == cid:  # a delta's damaged base is the base's damage, found on its own
+                            bad.append(DamagedCopy(cid, loc.pack, loc.offset, e.what))
+                    except OSError as e:
+                        bad.append(DamagedCopy(cid, loc.pack, loc.offset, f"cannot be read ({e})"))
+            if len(bad) < len(locs):
+                out += bad
+        return out
+
+    def quarantine_entry(self, copy: DamagedCopy) -> bool:
+        """Record the one damaged pack entry COPY in quarantine/ (its id's record, other entries it names
+        kept), so that no reader or writer uses it and the next gc repacks its pack without it; the
+        id's other entries stay readable (quarantine_chunk sets aside every entry of an id). The
+        caller holds the store exclusively. False if the entry is no longer indexed."""
+        if not any((loc.pack, loc.offset) == (copy.pack, copy.offset) for loc in self.locate(copy.cid, refresh=True)):
+            return False
+        with self.root() as (root, uid):
+            try:
+                os.mkdir(QUARANTINE, 0o700, dir_fd=root)
+            except FileExistsError:
+                pass
+            with opened_dir(root, QUARANTINE, uid, QUARANTINE) as q:
+                old = read_record(q, quarantine_record(copy.cid))
+                rec: dict[str, Any] = old if isinstance(old, dict) else {}
+                ents = rec.get("entries")
+                ents = [e for e in ents if isinstance(e, list)] if isinstance(ents, list) else []
+                if [copy.pack, copy.offset] not in ents:
+                    ents.append([copy.pack, copy.offset])
+                rec.update({"id": copy.cid, "entries": ents, "when": datetime.now(timezone.utc).isoformat()})
+                rec.setdefault("why", f"a duplicate copy {copy.what}")
+                with opened_dir(root, TMP, uid, TMP) as tmp:
+                    name = owned_name("record")
+                    _write_file(tmp, name, json.dumps(rec).encode())
+                    os.rename(name, quarantine_record(copy.cid), src_dir_fd=tmp, dst_dir_fd=q)
+                os.fsync(q)
+        with self._index_lock:
+            self._index.skip.add((copy.pack, copy.offset))
+        return True
+
     def verify(self, names: list[str] | None = None, workers: int = 4, progress: Progress | None = None,
                quarantine: bool = True, quarantine_wait: float = 5.0, sample: float | tuple[int, int] | None = None,
                max_seconds: float | None = None, read_data: bool = False) -> VerifyReport:
@@ -1316,7 +1403,15 @@ class SnapshotStore:
 
         With QUARANTINE, damaged chunk files are then moved to quarantine/ (under the store lock held
         exclusively, waiting at most QUARANTINE_WAIT seconds), so that the next put of the same
-        bytes writes them again instead of reusing them."""
+        bytes writes them again instead of reusing them.
+
+        Every pack entry of an id with several is checked (check_copies), within the same SAMPLE and
+        MAX_SECONDS. A damaged one beside a sound one is listed in damaged_copies and, with
+        QUARANTINE, set aside alone (quarantine_entry), so that the next gc repacks its pack without
+        it. It is not a problem (report.ok stays true, `store verify` exits 0 naming it): no snapshot
+        needs it, and the store removes it without the user, as it resolves the duplicates a crashed
+        repack leaves; verify exits 3 only for what makes a snapshot unreadable or needs the user
+        (a damaged manifest, chunk or index file, a stray entry of snapshots/)."""
         report = VerifyReport()
         with self.shared():
             if names is None:
@@ -1356,6 +1451,9 @@ class SnapshotStore:
                     if bid in bad and did not in bad:
                         bad[did] = f"{delta.BASE_WHY} {bid[:16]}… {bad[bid]}"
             cut_short = report.chunks_unchecked > skipped_before  # --max-duration: not every ref was read
+            # every copy of an id, not only the one that served: a damaged duplicate is named, not hidden
+            report.damaged_copies = self.check_copies({c: r for c, r in refs.items() if c not in bad}, read_data,
+                                                      deadline)
             for cid in list(bad):
                 if bad[cid] == "missing":
                     bad[cid] = self.absence(cid)
@@ -1366,14 +1464,21 @@ class SnapshotStore:
                             report.problems.append(Problem(m.name, s.name, i, f"chunk {c.id[:16]}… {bad[c.id]}"))
         damaged = {cid: why for cid, why in bad.items() if not why.startswith(("missing", delta.BASE_WHY))
                    and f"{QUARANTINE}/" not in why and cid in refs}
-        if quarantine and damaged:
+        if quarantine and (damaged or report.damaged_copies):
             try:
                 with self.exclusive(quarantine_wait):
                     again = self.check_chunks({cid: refs[cid] for cid in damaged},
-                                              self.chunk_buffer_size(manifests), 1, None, read_data=read_data)
+                                              self.chunk_buffer_size(manifests), 1, None,
+                                              read_data=read_data) if damaged else {}
                     for cid, why in again.items():
                         if not why.startswith("missing") and self.quarantine_chunk(cid, why):
                             report.quarantined.append(cid)
+                    # a damaged duplicate still damaged beside a sound copy: that entry alone set aside
+                    still = {(c.cid, c.pack, c.offset) for c in self.check_copies(
+                        {c.cid: refs[c.cid] for c in report.damaged_copies}, read_data)}
+                    for copy in report.damaged_copies:
+                        if (copy.cid, copy.pack, copy.offset) in still:
+                            copy.set_aside = self.quarantine_entry(copy)
             except (GpusnapError, OSError) as e:  # busy, or a store this user may only read
                 report.not_quarantined = str(e)
         self._record_damage([] if cut_short else [c for c in refs if c not in bad], bad, quarantine_wait)

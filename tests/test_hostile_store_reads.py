@@ -152,3 +152,33 @@ def test_a_device_node_in_place_of_an_index_file_is_damage_not_opened(cli: Cli, 
     assert v.returncode == 3 and "index/" + "cd" * 16 in v.stdout + v.stderr, v.stdout + v.stderr
     cli.run("store", "get", "snap", str(tmp_path / "o"))
     assert tree_digest(tmp_path / "o" / "src") == tree_digest(src)
+
+
+@pytest.mark.parametrize("how", [[], ["--read-data"], ["--read-data-subset", "100%"]])
+def test_verify_names_a_damaged_duplicate_copy_behind_a_sound_one(cli: Cli, store_dir: Path, tmp_path: Path,
+                                                                  how: list[str]) -> None:
+    """An id with two indexed copies (a crash in a gc repack, or a forged store), the copy a reader tries
+    first sound and the other damaged: readers never see the damage, but verify checks every copy and
+    says so (exit 0: every snapshot reads, and the next gc drops the damaged copy it set aside)."""
+    src = _put(cli, tmp_path)
+    (good,) = [p.name for p in (store_dir / "index").iterdir()]
+    pack_len, ents = decode_index(good, (store_dir / "index" / good).read_bytes())
+    (store_dir / "packs" / PLANTED).write_bytes((store_dir / "packs" / good).read_bytes())  # tried first
+    (store_dir / "index" / PLANTED).write_bytes(encode_index(PLANTED, pack_len, ents))
+    cid, off, _ = max(ents, key=lambda e: e[2])
+    data = bytearray((store_dir / "packs" / good).read_bytes())
+    data[off + 4096 + 100] ^= 0xFF  # the copy tried second, its payload
+    (store_dir / "packs" / good).write_bytes(bytes(data))
+    v = cli.run("store", "verify", *how, check=False)
+    assert v.returncode == 0, v.stdout + v.stderr
+    first = v.stdout.splitlines()[0]
+    assert "OK" in first and f"1 damaged duplicate copy (pack {good} offset {off})" in first, v.stdout
+    assert "removed by the next gc" in first and f"DAMAGED COPY chunk {cid[:16]}" in v.stdout, v.stdout
+    rec = json.loads((store_dir / "quarantine" / f"{cid}.json").read_text())
+    assert rec["entries"] == [[good, off]], rec  # that entry alone: the sound copy stays readable
+    cli.run("store", "get", "snap", str(tmp_path / "out"))
+    assert tree_digest(tmp_path / "out" / "src") == tree_digest(src)
+    cli.run("store", "gc")
+    assert not (store_dir / "packs" / good).exists() and not (store_dir / "quarantine" / f"{cid}.json").exists()
+    again = cli.json("store", "verify", *how)
+    assert again["ok"] and again["damaged_copies"] == [], again
