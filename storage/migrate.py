@@ -1,10 +1,12 @@
 """Migration of a version 1/2 store's chunk files into packs (`gpusnap store migrate`; FORMAT.md, "Store versions").
 
 Guarantees kept here: it holds the store lock exclusively; each chunk file is read with the stored
-check and appended to a pack as it is (its bytes are an entry's); a chunk file is deleted only after
-the pack holding its copy is fsynced and indexed; a chunk file that fails its check, or is not a
-regular file, is left where it is and reported (evidence for `repair`). A killed migration leaves
-chunks in both places, which readers accept and gc resolves.
+check, a GSNPCHK2 (raw-addressed) one then with the full check too (decoded once, into a buffer reused
+from chunk to chunk: its raw bytes must derive the id, which the stored checksum alone does not bind:
+FORMAT.md, "Chunk files"), and only then appended to a pack as it is (its bytes are an entry's); a
+chunk file is deleted only after the pack holding its copy is fsynced and indexed; a chunk file that
+fails either check, or is not a regular file, is left where it is and reported (evidence for
+`repair`). A killed migration leaves chunks in both places, which readers accept and gc resolves.
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import stat
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from .chunkfile import HEADER_SIZE, MAX_RAW_CHUNK, ChunkError, read_chunk_file
+from .chunkfile import HEADER_SIZE, MAX_RAW_CHUNK, ChunkError, ChunkHeader, full_check, read_chunk_file
 from .directio import AlignedBuffer, align_up
 from .storedir import CHUNKS, TMP, StoreDamage, entries, opened_child
 from .store import CHUNK_ID
@@ -38,6 +40,7 @@ def migrate(store: "SnapshotStore", timeout: float = 30.0) -> MigrateReport:
     store.upgrade()
     with store.exclusive(timeout), store.subdir(TMP) as tmp, store.subdir(CHUNKS) as chunks:
         buf = AlignedBuffer(HEADER_SIZE + align_up(1 << 20))
+        raw_buf = bytearray()  # what GSNPCHK2 payloads decode into, grown to the largest raw length met
         try:
             todo: list[tuple[str, str]] = []
             for d in entries(chunks):
@@ -63,7 +66,8 @@ def migrate(store: "SnapshotStore", timeout: float = 30.0) -> MigrateReport:
                                 buf.close()
                                 buf = AlignedBuffer(align_up(st.st_size))
                             try:
-                                header, _ = read_chunk_file(xy, cid, buf, False)
+                                header, payload = read_chunk_file(xy, cid, buf, False)
+                                raw_buf = _bound_to_id(header, payload, cid, raw_buf)
                             except ChunkError as e:
                                 report.left.append(f"{CHUNKS}/{xy_name}/{cid}: {e.what}; left alone")
                                 continue
@@ -81,3 +85,17 @@ def migrate(store: "SnapshotStore", timeout: float = 30.0) -> MigrateReport:
         finally:
             buf.close()
     return report
+
+
+def _bound_to_id(header: ChunkHeader, payload: memoryview, cid: str, raw_buf: bytearray) -> bytearray:
+    """After the stored check: a GSNPCHK2 chunk file's full check (its payload decoded into RAW_BUF, grown
+    if its raw length needs more, and the raw bytes must derive CID; ChunkError otherwise), since a
+    forged file whose stored checksum matches its own header and payload passes the stored check.
+    GSNPCHK1's stored check already binds its stored bytes to CID (its id covers them), and decoding
+    it would need the GPU for nvCOMP codecs. Returns the buffer to reuse for the next chunk."""
+    if not header.raw_id:
+        return raw_buf
+    if len(raw_buf) < header.raw_len:  # bounded by ChunkHeader.unpack: at most MAX_RAW_CHUNK
+        raw_buf = bytearray(header.raw_len)
+    full_check(header, payload, cid, out=memoryview(raw_buf)[:header.raw_len])
+    return raw_buf

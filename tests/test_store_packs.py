@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import struct
 import subprocess
 import time
 from pathlib import Path
@@ -247,6 +248,36 @@ def test_a_version_2_store_is_read_then_migrated_into_packs(cli: Cli, store_dir:
     assert cli.json("store", "verify", "--read-data")["ok"]
     cli.run("store", "get", "old", str(tmp_path / "o2"))
     assert tree_digest(tmp_path / "o2" / "m") == tree_digest(src)
+
+
+def test_migrate_leaves_a_forged_raw_addressed_chunk_file_whose_checksum_matches(cli: Cli, store_dir: Path,
+                                                                                  tmp_path: Path) -> None:
+    """A GSNPCHK2 chunk file rewritten by hand: other raw bytes of the same length, its stored checksum
+    computed anew over them, so that the stored check passes. Migrate makes the full check (decoded,
+    the raw bytes must derive the id) before it moves a chunk: that file stays where it is (evidence),
+    named, exit 3; nothing of it reaches a pack."""
+    from storage.chunkfile import HEADER_SIZE, ChunkHeader
+    src = make_mixed_tree(tmp_path / "m", mb=6)
+    cli.run("store", "put", "old", str(src), "--chunk-size", "1M")
+    ids = chunk_ids(store_dir)
+    to_chunk_files(store_dir, 2)
+    victim = max(chunk_entries(store_dir), key=lambda e: e.length)
+    assert victim.read()[:8] == b"GSNPCHK2"
+    raw_len = struct.unpack_from("<Q", victim.read(), 16)[0]
+    forged = os.urandom(raw_len)
+    header = ChunkHeader("raw", raw_len, raw_len, raw_id=True).with_checksum(forged)
+    victim.write(header.pack().ljust(HEADER_SIZE, b"\0") + forged)
+    assert cli.json("store", "verify")["ok"], "the stored check alone cannot tell the forgery"
+    r = cli.run("store", "migrate", "--json", check=False)
+    assert r.returncode == 3 and "Traceback" not in r.stderr, r.stdout + r.stderr
+    rep = json.loads(r.stdout)
+    assert rep["moved"] == len(ids) - 1 and len(rep["left"]) == 1, rep
+    assert victim.cid in rep["left"][0] and "does not match its hash" in rep["left"][0], rep
+    assert [p for p in chunk_files(store_dir) if p.parent.parent.name == "chunks"] == [victim.path]
+    assert victim.path.read_bytes()[HEADER_SIZE:] == forged  # left as it was: evidence
+    assert not any(e.in_pack for e in chunk_entries(store_dir) if e.cid == victim.cid)
+    g = cli.run("store", "get", "old", str(tmp_path / "o"), check=False)
+    assert g.returncode == 3 and not (tmp_path / "o").exists(), g.stderr
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="dropping the page cache needs root")
