@@ -56,7 +56,7 @@ READY = b"R"  # the process's first byte, once its imports are done
 ANSWER_MOST = 1 << 20  # a chunk's page keys are a few KiB; anything larger is not an answer of ours
 STOP_WAIT_S = 5.0
 ANSWER_TIMEOUT_S = 120.0
-_CODECS = ("raw", "zstd", "shuffle2-zstd")  # what a plain encoding may be (codecs.HostCodecChooser)
+_CODECS = ("raw", "zstd", "shuffle2-zstd", "shuffle4-zstd")  # what a plain encoding may be (codecs.HostCodecChooser)
 
 
 class EncodeProcsError(GpusnapError):

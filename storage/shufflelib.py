@@ -1,4 +1,5 @@
-"""The byte planes of 2-byte elements in C (storage/native/shuffle2.c), one call per plane, the GIL released.
+"""The byte planes of 2-byte and 4-byte elements in C (storage/native/shuffle2.c), one call per plane, the GIL
+released.
 
 Why: storage.codecs.Shuffle2Codec split and merged planes with numpy, five array operations per
 block of each chunk. Each operation takes the GIL back when it returns, and under the put's sixteen
@@ -39,7 +40,7 @@ if TYPE_CHECKING:
     import numpy as np
 
 LIBRARY = native.path_of("libgpusnap_shuffle2.so")
-ABI = 2  # gs_shuffle2_version() of the library this module was written for
+ABI = 3  # gs_shuffle2_version() of the library this module was written for (3: the 4-byte planes too)
 
 
 def _load(path: str = LIBRARY) -> Any:
@@ -48,7 +49,10 @@ def _load(path: str = LIBRARY) -> Any:
     return native.load(path, "gs_shuffle2_version", ABI, [
         ("gs_shuffle2_plane", None, [vp, sz, i, i, vp]),
         ("gs_shuffle2_merge", None, [vp, vp, sz, i, vp]),
-        ("gs_shuffle2_decode", i, [vp, sz, i, vp, sz, i, sz, i, vp, vp, vp, vp])])
+        ("gs_shuffle2_decode", i, [vp, sz, i, vp, sz, i, sz, i, vp, vp, vp, vp]),
+        ("gs_shuffle4_plane", None, [vp, sz, i, vp]),
+        ("gs_shuffle4_merge", None, [vp, vp, vp, vp, sz, vp]),
+        ("gs_shuffle4_decode", i, [vp, vp, vp, sz, vp, vp, vp, vp])])
 
 
 _lib = _load()
@@ -159,3 +163,85 @@ def merge_views(lo: memoryview, hi: memoryview, out: memoryview, layout: int) ->
         return False
     _lib.gs_shuffle2_merge(a_lo, a_hi, n, layout, a_out)
     return True
+
+
+def plane4(a: "np.ndarray", which: int, into: "np.ndarray") -> bool:
+    """Plane WHICH (0..3: byte WHICH of each little-endian element) of the uint32 elements A into INTO
+    (uint8, as many as A has): True when done here, False when the caller must."""
+    if (_lib is None or which not in (0, 1, 2, 3) or not _flat(a, 4) or _addr(a) % 4 or not _flat(into, 1, True)
+            or into.size != a.size or not _apart(a, into)):
+        return False
+    if a.size:
+        _lib.gs_shuffle4_plane(_addr(a), a.size, which, _addr(into))
+    return True
+
+
+def merge4(planes: list["np.ndarray"], out: "np.ndarray") -> bool:
+    """The uint32 elements OUT from their four byte PLANES (uint8, as many as OUT has each): True when
+    done here, False when the caller must. Takes read-only planes (merge4_views does not)."""
+    if (_lib is None or len(planes) != 4 or not _flat(out, 4, True) or _addr(out) % 4 or any(not _flat(p, 1) for p in planes)
+            or any(p.size != out.size for p in planes) or not all(_apart(p, out) for p in planes)):
+        return False
+    if out.size:
+        _lib.gs_shuffle4_merge(*(_addr(p) for p in planes), out.size, _addr(out))
+    return True
+
+
+def _planes_and_out(planes: list[memoryview], out: memoryview) -> tuple[list[int], int] | None:
+    """The addresses of four planes of len(OUT) // 4 bytes each and of OUT (writable, 4-byte aligned, over
+    no plane): what the C merge takes; None where it cannot."""
+    q = len(out) // 4
+    if len(planes) != 4 or len(out) % 4 or any(len(v) != q for v in planes) or not q:
+        return None
+    at = [_address(v) for v in (*planes, out)]
+    if None in at:
+        return None
+    a = [int(x) for x in at if x is not None]
+    if a[4] % 4 or not all(_spans_apart((a[4], a[4] + 4 * q), (x, x + q)) for x in a[:4]):
+        return None
+    return a[:4], a[4]
+
+
+def merge4_views(planes: list[memoryview], out: memoryview) -> bool:
+    """OUT's 4-byte elements from their four byte PLANES (len(OUT) // 4 bytes each), in C: True when done
+    here; False where the caller must (no library, read-only, strided or overlapping views, other lengths)."""
+    if _lib is None:
+        return False
+    got = _planes_and_out(planes, out)
+    if got is None:
+        return False
+    p, a_out = got
+    _lib.gs_shuffle4_merge(p[0], p[1], p[2], p[3], len(out) // 4, a_out)
+    return True
+
+
+def decode_planes4(stored: list[memoryview], kinds: list[int], scratch: memoryview, out: memoryview,
+                   dctx: int, decompress: int) -> int | None:
+    """A shuffle4 payload's four planes STORED (kind 0: len(OUT) // 4 bytes as they are; kind 1: one zstd
+    frame the caller has checked declares that many and spans its view) decoded and merged into OUT in
+    one C call, zstd planes into SCRATCH (len(OUT) // 4 bytes per zstd plane) through DECOMPRESS with
+    DCTX, as decode_planes. 0 when done; -1 - K when plane K did not decode to its size; None where the
+    caller must do it."""
+    q = len(out) // 4
+    nz = sum(kinds)
+    if (_lib is None or len(stored) != 4 or len(kinds) != 4 or any(k not in (0, 1) for k in kinds) or not q
+            or len(out) % 4 or len(scratch) < q * nz or any(not k and len(v) != q for v, k in zip(stored, kinds))
+            or not dctx or not decompress):
+        return None
+    at = [_address(v) for v in (*stored, scratch, out)]
+    if None in at:
+        return None
+    a = [int(x) for x in at if x is not None]
+    a_s, a_out = a[4], a[5]
+    if a_out % 4:
+        return None
+    spans = [(x, x + len(v)) for x, v in zip(a[:4], stored)]
+    so, ss = (a_out, a_out + 4 * q), (a_s, a_s + q * nz)
+    if not all(_spans_apart(so, sp) and _spans_apart(ss, sp) for sp in spans) or not _spans_apart(so, ss):
+        return None
+    ptrs = (ctypes.c_void_p * 4)(*a[:4])
+    lens = (ctypes.c_size_t * 4)(*(len(v) for v in stored))
+    ks = (ctypes.c_int * 4)(*kinds)
+    rc: int = _lib.gs_shuffle4_decode(ptrs, lens, ks, q, a_s, a_out, dctx, decompress)
+    return rc
+

@@ -75,9 +75,11 @@ STORE_FORMAT = "gpusnap-store"
 STORE_VERSION = 3  # what a new store's marker says
 DELTA_VERSION = 4  # the marker once a delta entry may be in the store (FORMAT.md, "Store versions")
 PLANES_VERSION = 5  # the marker once a delta's XOR may be byte planes
-WRITE_VERSION = 6  # the marker before this gpusnap's first pack entry (a shuffle2-zstd payload may be layout 2)
-READ_VERSIONS = (1, 2, 3, 4, 5, 6)  # 1: GSNPCHK1 chunk files only; 2: chunk files of both kinds; 3: packs;
-                                    # 4: deltas; 5: deltas whose XOR may be byte planes; 6: shuffle2 layout 2
+FLAGGED_VERSION = 6  # from here on the marker says whether deltas may be in the store ("deltas": true)
+WRITE_VERSION = 7  # the marker before this gpusnap's first pack entry (a chunk may be shuffle4-zstd)
+READ_VERSIONS = (1, 2, 3, 4, 5, 6, 7)  # 1: GSNPCHK1 chunk files only; 2: chunk files of both kinds; 3: packs;
+                                       # 4: deltas; 5: deltas whose XOR may be byte planes; 6: shuffle2 layout 2;
+                                       # 7: shuffle4-zstd chunks
 BASE_CACHE = 256 << 20  # raw bytes of delta bases kept in memory per store object (a restore's deltas; a
                          # dump's candidates: neighbouring new chunks share their parent chunks, and the
                          # producers work at several places of an image at once) ...
@@ -431,7 +433,7 @@ class SnapshotStore:
 
     @staticmethod
     def _says_deltas(info: dict) -> bool:
-        """Whether the marker INFO says a delta entry may be in the store: versions 4 and 5 always, 6
+        """Whether the marker INFO says a delta entry may be in the store: versions 4 and 5 always, 6 and 7
         with `"deltas": true` (FORMAT.md, "Store versions"). Anything but true or absent there is damage."""
         d = info.get("deltas", False)
         if not isinstance(d, bool):
@@ -439,13 +441,14 @@ class SnapshotStore:
         return info.get("version") in (DELTA_VERSION, PLANES_VERSION) or d
 
     def _write_marker(self, created: str | None, version: int = STORE_VERSION, deltas: bool = False) -> None:
-        """Write the store marker (VERSION; DELTAS: a delta may be in the store, said from version 6 on)
+        """Write the store marker (VERSION; DELTAS: a delta may be in the store, said from version 6 on:
+        FLAGGED_VERSION)
         through tmp/: fsynced, renamed, the store fsynced."""
         with self.root() as (root, uid), opened_dir(root, TMP, uid, TMP) as tmp:
             name = owned_name("marker")
             info: dict = {"format": STORE_FORMAT, "version": version,
                           "created": created or datetime.now(timezone.utc).isoformat()}
-            if deltas and version >= WRITE_VERSION:
+            if deltas and version >= FLAGGED_VERSION:
                 info["deltas"] = True
             data = json.dumps(info).encode()
             _write_file(tmp, name, data)
@@ -457,7 +460,7 @@ class SnapshotStore:
             os.fsync(root)
 
     def upgrade(self, to: int = WRITE_VERSION, deltas: bool = False) -> None:
-        """Make a store version 6 before this gpusnap writes its first pack entry there, and say so in
+        """Make a store version 7 (WRITE_VERSION) before this gpusnap writes its first pack entry there, and say so in
         its marker before its first delta entry (DELTAS; FORMAT.md, "Store versions"): packs/ and index/
         are made, then the marker says the version, so a gpusnap that reads only older versions refuses
         the store instead of misreading it. Idempotent; several writers may race to do it (each renames
@@ -989,7 +992,7 @@ class SnapshotStore:
             raise EntryUnknown(f"delta chunk {cid[:16]}…: its table cannot be read ({e})") from None
 
     def may_hold_deltas(self) -> bool:
-        """Whether this store's marker says a delta entry may be in the store (versions 4 and 5; 6 with
+        """Whether this store's marker says a delta entry may be in the store (versions 4 and 5; 6 and 7 with
         `deltas`), read again: another process may have written the first delta since this object was
         opened. A store whose marker does not say it holds no delta entry."""
         if self.deltas:

@@ -1,5 +1,6 @@
-"""The codec registry and the host codecs: every host codec round-trips the four kinds of data the
-benchmark measures, the choice keeps raw what does not pay and picks shuffle2-zstd for 2-byte floats,
+"""The codec registry and the host codecs: every host codec round-trips the five kinds of data the
+benchmark measures, the choice keeps raw what does not pay and picks shuffle2-zstd for 2-byte floats and
+shuffle4-zstd for 4-byte ones,
 hostile payloads are refused with CodecError without producing (or allocating) more than the raw
 length they are decoded for, and a put of bf16 weights stores shuffle2-zstd chunks that get, verify
 --read-data and a flipped byte treat like every other chunk. The CPU-only run of
@@ -20,7 +21,7 @@ from scripts.bench import bench_codecs
 from storage import codecs as C
 from storage.chunkfile import HEADER_SIZE, RAW_CODECS
 
-KINDS = ("weights", "kv30", "random", "text")
+KINDS = ("weights", "fp32", "kv30", "random", "text")
 N = 4 << 20
 
 
@@ -30,7 +31,7 @@ def data() -> dict[str, bytes]:
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("codec", ["raw", "zstd", "shuffle2-zstd"])
+@pytest.mark.parametrize("codec", ["raw", "zstd", "shuffle2-zstd", "shuffle4-zstd"])
 def test_every_host_codec_round_trips(data: dict[str, bytes], kind: str, codec: str) -> None:
     raw = data[kind]
     e = C.entry(codec)
@@ -46,6 +47,8 @@ def test_the_choice(data: dict[str, bytes]) -> None:
     ch = C.HostCodecChooser()
     chosen = {k: ch.encode(memoryview(v)) for k, v in data.items()}
     assert chosen["weights"].codec == "shuffle2-zstd" and len(chosen["weights"].payload) < N / 1.4
+    # fp32 weights: four byte planes, ~0.84 of the bytes where zstd keeps ~0.93 and two planes ~0.89
+    assert chosen["fp32"].codec == "shuffle4-zstd" and len(chosen["fp32"].payload) < 0.86 * N
     assert chosen["kv30"].codec == "shuffle2-zstd" and len(chosen["kv30"].payload) < N / 4
     assert chosen["random"].codec == "raw"
     assert chosen["text"].codec == "zstd"
@@ -55,8 +58,10 @@ def test_the_choice(data: dict[str, bytes]) -> None:
     # layout 2 (FORMAT.md, "Codec ids"): the mantissa-and-sign plane of weights is noise, stored as it
     # is, never compressed; the exponent plane is compressed
     assert struct.unpack_from("<BBB", bytes(chosen["weights"].payload[:3])) == (2, 0, 1)
-    # an odd length never takes the 2-byte codec; shuffle off, zstd only
+    # an odd length never takes the 2-byte codec, nor a length of 4k + 2 the 4-byte one; shuffle off, zstd only
     assert ch.encode(memoryview(data["weights"][:N - 1])).codec in ("zstd", "raw")
+    assert ch.encode(memoryview(data["fp32"][:N - 2])).codec in ("zstd", "raw", "shuffle2-zstd")
+    assert C.HostCodecChooser(shuffle=False).encode(memoryview(data["fp32"])).codec == "zstd"
     assert C.HostCodecChooser(shuffle=False).encode(memoryview(data["weights"])).codec == "zstd"
     assert C.HostCodecChooser(compress=False).encode(memoryview(data["weights"])).codec == "raw"
 
@@ -75,7 +80,8 @@ def test_the_estimate_and_the_bounded_encode(data: dict[str, bytes]) -> None:
         tol = 0.2 if kind == "text" else 0.05
         assert (est == N) if codec == "raw" else abs(est - m) <= tol * m, (kind, codec, m, est)
     out = memoryview(bytearray(N))
-    for kind, want in (("weights", "shuffle2-zstd"), ("text", "zstd")):
+    # a delta's XOR is never shuffle4-zstd (FORMAT.md, "Delta entries": its byte 2 says zstd or shuffle2)
+    for kind, want in (("weights", "shuffle2-zstd"), ("text", "zstd"), ("fp32", "zstd")):
         got = ch.encode_within(memoryview(data[kind]), out)
         assert got is not None and got[0] == want, (kind, got)
         assert bytes(C.decode_host(got[0], out[:got[1]], N)) == data[kind]
@@ -184,8 +190,8 @@ def test_one_registry_with_the_format_ids() -> None:
     table = dict((n, int(i)) for i, n in re.findall(r"^\| (\d+) \| `([a-z0-9-]+)` \|", fmt, re.M))
     assert table == C.FORMAT_IDS
     assert {0: "raw", 1: "zstd", 16: "nvcomp-ans", 17: "nvcomp-bitcomp", 18: "nvcomp-lz4"}.items() <= C.CODEC_NAMES.items()
-    assert {"raw", "zstd", "shuffle2-zstd"} == {e.name for e in C.CODECS.values() if e.where == "host"}
-    assert set(RAW_CODECS) == {"raw", "zstd", "shuffle2-zstd", C.DELTA}  # the delta decodes only against its bases
+    assert {"raw", "zstd", "shuffle2-zstd", "shuffle4-zstd"} == {e.name for e in C.CODECS.values() if e.where == "host"}
+    assert set(RAW_CODECS) == {"raw", "zstd", "shuffle2-zstd", "shuffle4-zstd", C.DELTA}  # the delta decodes only against its bases
     with pytest.raises(C.CodecError, match="delta"):
         C.decode_host(C.DELTA, memoryview(b"x"), 1)
     gpu = {e.name for e in C.CODECS.values() if e.where == "gpu"}
@@ -220,21 +226,48 @@ def test_a_put_of_bf16_weights_stores_shuffle2_chunks_and_checks_them(cli: Cli, 
     assert g.returncode != 0 and not (tmp_path / "out2").exists(), g.stderr
 
 
+def test_a_put_of_fp32_weights_stores_shuffle4_chunks_and_checks_them(cli: Cli, store_dir: Path,
+                                                                        tmp_path: Path) -> None:
+    """fp32 weights are stored as four byte planes; get, verify --read-data and a flipped byte treat
+    those chunks like every other, and the store says version 7 (a gpusnap that knows only 6 refuses it)."""
+    src = tmp_path / "model"
+    src.mkdir()
+    (src / "w.fp32").write_bytes(bench_codecs.make_data("fp32", 8 << 20).tobytes())
+    put = cli.json("store", "put", "m", str(src))
+    man = json.loads((store_dir / "snapshots" / "m.json").read_text())
+    codecs = {c[2] for s in man["streams"] for c in s.get("chunks", [])}
+    assert codecs == {"shuffle4-zstd"}, codecs
+    assert sum(p.stat().st_size for p in chunk_files(store_dir)) < 0.87 * (8 << 20), put
+    assert json.loads((store_dir / "gpusnap-store.json").read_text())["version"] == 7
+    cli.run("store", "get", "m", str(tmp_path / "out"))
+    assert tree_digest(tmp_path / "out" / "model") == tree_digest(src)
+    assert cli.json("store", "verify", "--read-data")["ok"]
+    victim = max(chunk_files(store_dir), key=lambda p: p.stat().st_size)
+    b = bytearray(victim.read_bytes())
+    b[HEADER_SIZE + 40] ^= 0x08
+    victim.write_bytes(bytes(b))
+    g = cli.run("store", "get", "m", str(tmp_path / "out2"), check=False)
+    assert g.returncode == 3 and not (tmp_path / "out2").exists(), g.stderr
+
+
 def test_bench_codecs_runs_on_the_cpu(tmp_path: Path) -> None:
     out = tmp_path / "codecs.json"
     assert bench_codecs.main(["--mib", "8", "--no-gpu", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
     got = {(r["data"], r["codec"]) for r in rows}
-    assert {(k, c) for k in KINDS for c in ("zstd-1", "shuffle2-zstd", "auto")} <= got
+    assert {(k, c) for k in KINDS for c in ("zstd-1", "shuffle2-zstd", "shuffle4-zstd", "auto")} <= got
     assert all(r["exact"] and r["ratio"] >= 1.0 and r["encode_gbps"] > 0 for r in rows)
     w = {r["codec"]: r for r in rows if r["data"] == "weights"}
     assert w["shuffle2-zstd"]["ratio"] > 1.4 > w["zstd-1"]["ratio"]
+    f = {r["codec"]: r for r in rows if r["data"] == "fp32"}
+    assert f["shuffle4-zstd"]["ratio"] > 1.16 > 1.1 > f["zstd-1"]["ratio"]
+    assert f["auto"]["ratio"] == f["shuffle4-zstd"]["ratio"]
 
 
-def test_a_version_5_store_of_layout_1_chunks_is_read_and_becomes_version_6(
+def test_a_version_5_store_of_layout_1_chunks_is_read_and_becomes_version_7(
         cli: Cli, store_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A store written before layout 2 (version 5, every byte-plane chunk layout 1) is read by this
-    version byte for byte, verified with its data, and becomes version 6 with the first chunk written
+    version byte for byte, verified with its data, and becomes version 7 (WRITE_VERSION) with the first chunk written
     to it; the chunks it already held stay layout 1 and are still read."""
     from storage import pipeline
     from storage.filetree import FileTreeSource
@@ -259,7 +292,7 @@ def test_a_version_5_store_of_layout_1_chunks_is_read_and_becomes_version_6(
     assert json.loads(marker.read_text())["version"] == 5  # reading changes nothing
     (src / "w2.bin").write_bytes(bench_codecs.make_data("weights", 4 << 20, seed=9).tobytes())
     cli.run("store", "put", "new", str(src))
-    assert json.loads(marker.read_text())["version"] == 6
+    assert json.loads(marker.read_text())["version"] == 7
     assert {e.read()[HEADER_SIZE] for e in chunk_entries(store_dir)} == {1, 2}
     for name in ("old", "new"):
         cli.run("store", "get", name, str(tmp_path / f"o-{name}"))

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import struct
 
 import numpy as np
 import pytest
@@ -244,3 +245,131 @@ def test_a_damaged_frame_fails_as_the_codec_error(monkeypatch: pytest.MonkeyPatc
             monkeypatch.setattr(shufflelib, "_lib", None)
         with pytest.raises(codecs.CodecError, match="does not decode"):
             codecs.Shuffle2Codec().decode(memoryview(payload), len(raw), memoryview(bytearray(len(raw))))
+
+
+# ------------------------------------------------------------------ 4-byte planes (shuffle4-zstd)
+def _fp32(n: int, seed: int) -> bytes:
+    return np.random.default_rng(seed).normal(0, 0.02, n).astype(np.float32).tobytes()
+
+
+@pytest.mark.parametrize("n", [0, 1, 7, (1 << 18) + 3, 1 << 20])
+def test_four_planes_and_merge_match_numpy(n: int) -> None:
+    if not shufflelib.available():
+        pytest.skip("the library is not built")
+    a = np.random.default_rng(n).integers(0, 1 << 32, n, dtype=np.uint32)
+    planes = []
+    for which in range(4):
+        into = np.full(n, 0xAA, np.uint8)
+        assert shufflelib.plane4(a, which, into)
+        np.testing.assert_array_equal(into, (a >> np.uint32(8 * which)).astype(np.uint8))
+        planes.append(into)
+    out = np.zeros(n + 1, np.uint32)  # one element more: the call writes exactly N
+    assert shufflelib.merge4(planes, out[:n])
+    np.testing.assert_array_equal(out[:n], a)
+    assert out[n] == 0
+    if n:
+        views = [memoryview(bytearray(p.tobytes())) for p in planes]
+        o = bytearray(4 * n + 4)
+        assert shufflelib.merge4_views(views, memoryview(o)[:4 * n])
+        assert bytes(o[:4 * n]) == a.tobytes() and o[-4:] == bytes(4)
+
+
+def test_four_plane_arrays_and_views_it_does_not_take_are_left_to_the_caller() -> None:
+    if not shufflelib.available():
+        pytest.skip("the library is not built")
+    a = np.arange(64, dtype=np.uint32)
+    into = np.zeros(64, np.uint8)
+    assert not shufflelib.plane4(a[::2], 0, into[:32])                # strided
+    assert not shufflelib.plane4(a.astype(np.int32), 0, into)         # signed
+    assert not shufflelib.plane4(a, 0, into[:63])                     # sizes differ
+    assert not shufflelib.plane4(a, 0, a.view(np.uint8)[:64])         # output overlaps the input
+    assert not shufflelib.plane4(a, 4, into)                          # no such plane
+    assert not shufflelib.plane4(np.frombuffer(bytearray(257), np.uint8)[1:].view(np.uint32), 0, into)  # unaligned
+    p = [np.zeros(64, np.uint8) for _ in range(4)]
+    assert not shufflelib.merge4(p[:3], a)                            # three planes
+    assert not shufflelib.merge4([p[0], p[1], p[2], p[3][:63]], a)    # lengths differ
+    assert not shufflelib.merge4([a.view(np.uint8)[:64], p[1], p[2], p[3]], a)  # a plane inside the output
+    out = memoryview(bytearray(256))
+    v = [memoryview(bytearray(64)) for _ in range(4)]
+    assert not shufflelib.merge4_views([memoryview(bytes(64)), *v[1:]], out)      # read-only plane
+    assert not shufflelib.merge4_views(v, memoryview(bytearray(257))[1:])         # unaligned output
+    assert not shufflelib.merge4_views([out[:64], *v[1:]], out)                   # a plane inside the output
+    assert not shufflelib.merge4_views(v, out[:252])                              # lengths differ
+
+
+@pytest.mark.parametrize("kind", ["fp32", "random", "zeros", "bf16"])
+def test_shuffle4_payloads_are_the_same_either_way(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The C planes and numpy's give the same payload, and each decodes the other's, into a buffer or
+    a new one, from writable or read-only memory."""
+    raw = {"fp32": _fp32(1 << 19, 3), "random": np.random.default_rng(4).bytes(1 << 21),
+           "zeros": bytes(1 << 21), "bf16": _bf16(1 << 20, 5)}[kind]
+    c = codecs.Shuffle4Codec()
+    results = []
+    for native in (True, False):
+        if not native:
+            monkeypatch.setattr(shufflelib, "_lib", None)
+        dst = memoryview(bytearray(len(raw) + 64))
+        m = c.encode_into(memoryview(raw), dst)
+        assert m is not None
+        out = memoryview(bytearray(len(raw)))
+        assert bytes(c.decode(dst[:m], len(raw), out)) == raw
+        assert bytes(c.decode(memoryview(bytes(dst[:m])), len(raw))) == raw
+        results.append(bytes(dst[:m]))
+    assert results[0] == results[1]
+    if kind == "fp32":  # the sign-and-exponent plane is a frame, the two mantissa planes are stored
+        layout, *kinds = struct.unpack_from("<BBBBB", results[0])
+        assert layout == 1 and kinds[3] == 1 and kinds[0] == kinds[1] == 0, kinds
+        assert len(results[0]) < 0.86 * len(raw)
+
+
+def _payload4(kinds: list[int], planes: list[bytes], lens: list[int] | None = None, layout: int = 1,
+              pad: bytes = bytes(3)) -> memoryview:
+    lens = [len(p) for p in planes[:3]] if lens is None else lens
+    return memoryview(struct.pack("<BBBBB", layout, *kinds) + pad + struct.pack("<3Q", *lens) + b"".join(planes))
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_hostile_shuffle4_payloads_are_refused_within_their_raw_length(native: bool,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    import zstandard
+    if not native:
+        monkeypatch.setattr(shufflelib, "_lib", None)
+    q = 1000
+    plane = (bytes(range(256)) * 4)[:q]
+    ok = _payload4([0, 0, 0, 0], [plane] * 4)
+    assert len(codecs.decode_host("shuffle4-zstd", ok, 4 * q)) == 4 * q
+    frame = zstandard.ZstdCompressor().compress(plane)
+    assert bytes(codecs.decode_host("shuffle4-zstd", _payload4([0, 1, 0, 1], [plane, frame, plane, frame]), 4 * q)
+                 ) == bytes(codecs.decode_host("shuffle4-zstd", ok, 4 * q))
+    bomb = zstandard.ZstdCompressor(level=19).compress(bytes(256 << 20))  # 256 MiB of zeros in a few KiB
+    cases = {
+        "plane lengths past the payload": _payload4([0, 0, 0, 0], [plane] * 4, lens=[q, q, 10 ** 9]),
+        "plane lengths that overflow 64 bits together": _payload4([0, 0, 0, 0], [plane] * 4, lens=[2 ** 64 - 1] * 3),
+        "a stored plane of the wrong length": _payload4([0, 0, 0, 0], [plane[:-1], plane, plane, plane + b"x"]),
+        "a zstd plane that decodes to more than its quarter": _payload4([0, 0, 0, 1], [plane, plane, plane, bomb]),
+        "a zstd plane that decodes to less": _payload4(
+            [0, 0, 0, 1], [plane, plane, plane, zstandard.ZstdCompressor().compress(plane[:-4])]),
+        "an unknown plane kind": _payload4([0, 2, 0, 0], [plane] * 4),
+        "layout 2 (not defined)": _payload4([0, 0, 0, 0], [plane] * 4, layout=2),
+        "layout 0": _payload4([0, 0, 0, 0], [plane] * 4, layout=0),
+        "a reserved byte set": _payload4([0, 0, 0, 0], [plane] * 4, pad=b"\0\1\0"),
+        "a short header": memoryview(b"\x01\x00\x00"),
+        "garbage for a zstd plane": _payload4([1, 0, 0, 0], [b"\x28\xb5\x2f\xfd" + bytes(50), plane, plane, plane]),
+        "a zstd plane that does not declare its size": _payload4(
+            [0, 0, 1, 0], [plane, plane, zstandard.ZstdCompressor(write_content_size=False).compress(plane), plane]),
+        "a zstd plane declaring its quarter but holding more": _payload4(
+            [0, 0, 0, 1], [plane, plane, plane, frame + zstandard.ZstdCompressor().compress(b"x" * 10)]),
+    }
+    for what, p in cases.items():
+        with pytest.raises(codecs.CodecError):
+            codecs.decode_host("shuffle4-zstd", p, 4 * q)
+            pytest.fail(what)
+        with pytest.raises(codecs.CodecError):
+            codecs.decode_host_into("shuffle4-zstd", p, 4 * q, memoryview(bytearray(4 * q)))
+    for bad_len in (4 * q + 2, 4 * q + 4, 1 << 40):  # not a multiple of 4; planes of another size; huge
+        with pytest.raises(codecs.CodecError):
+            codecs.decode_host("shuffle4-zstd", ok, bad_len)
+    with pytest.raises(codecs.CodecError):
+        codecs.decode_host_into("shuffle4-zstd", ok, 4 * q, memoryview(bytearray(4 * q - 4)))  # a short buffer
+    with pytest.raises(codecs.CodecError):
+        codecs.Shuffle4Codec().encode(memoryview(bytes(6)))  # not a multiple of 4

@@ -1,13 +1,13 @@
 """Chunk codecs on the same data: the CPU codecs against nvCOMP fed from pinned host memory.
 
-    python -m scripts.bench.bench_codecs [--mib 64] [--threads 1,16] [--json OUT] [--data weights,kv30,random,text]
+    python -m scripts.bench.bench_codecs [--mib 64] [--threads 1,16] [--json OUT] [--data weights,fp32,kv30,random,text]
 
-Data (each --mib MiB): `weights` bf16 N(0, 0.02); `kv30` a KV pool of 4 KiB pages, 30% of them (at
+Data (each --mib MiB): `weights` bf16 N(0, 0.02); `fp32` float32 N(0, 0.02); `kv30` a KV pool of 4 KiB pages, 30% of them (at
 scattered places) holding bf16 values, the rest zeros; `random` bytes; `text` the Python standard
 library's sources (the running interpreter's, in name order; repeated where --mib asks for more). Until
 2026-12-05 `text` was this project's own sources and docs, which changed with every commit.
 
-CPU rows, per 4 MiB chunk (the host path's chunk): zstd-1, shuffle2-zstd, `auto`
+CPU rows, per 4 MiB chunk (the host path's chunk): zstd-1, shuffle2-zstd, shuffle4-zstd, `auto`
 (storage.codecs.HostCodecChooser: what `put` stores), and python-blosc2 SHUFFLE+ZSTD clevel 1
 typesize 2 where blosc2 is importable. GB/s is raw bytes per second of wall time, with one thread
 and with N threads for each N in --threads; the `cpu` columns of one-thread rows count that
@@ -56,6 +56,8 @@ def make_data(kind: str, n: int, seed: int = 7) -> np.ndarray:
     rng = np.random.default_rng(seed)
     if kind == "weights":
         return bf16(rng, n)
+    if kind == "fp32":
+        return rng.normal(0, 0.02, n // 4).astype(np.float32).view(np.uint8)
     if kind == "kv30":
         out = np.zeros(n, np.uint8)
         pages = n // 4096
@@ -86,11 +88,14 @@ class CpuCodec:
 def cpu_codecs() -> list[CpuCodec]:
     z = C.ZstdCodec(1)
     sh = C.Shuffle2Codec()
+    sh4 = C.Shuffle4Codec()
     chooser = C.HostCodecChooser()
     rows = [
         CpuCodec("zstd-1", z.encode, lambda p, n, out: z.decode_into(memoryview(p), n, out)),
         CpuCodec("shuffle2-zstd", lambda d: sh.encode(d, sh.probe(C._sample(d) if len(d) > (1 << 18) else d)[0]),
                  lambda p, n, out: sh.decode(memoryview(p), n, out)),
+        CpuCodec("shuffle4-zstd", lambda d: sh4.encode(d, sh4.probe(C._sample(d) if len(d) > (1 << 18) else d)[0]),
+                 lambda p, n, out: sh4.decode(memoryview(p), n, out)),
         CpuCodec("auto", lambda d: chooser.encode(d),
                  lambda e, n, out: C.decode_host_into(e.codec, memoryview(e.payload), n, out)),
     ]
@@ -351,7 +356,7 @@ def bench_nvcomp_zstd_host(data: np.ndarray) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mib", type=int, default=64, help="MiB of each data set (a multiple of 4)")
-    ap.add_argument("--data", default="weights,kv30,random,text")
+    ap.add_argument("--data", default="weights,fp32,kv30,random,text")
     ap.add_argument("--threads", default="1", help="comma-separated thread counts for the CPU rows")
     ap.add_argument("--no-gpu", action="store_true", help="CPU rows only")
     ap.add_argument("--json", help="write every row here")

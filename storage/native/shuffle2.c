@@ -1,5 +1,6 @@
-/* The byte planes of 2-byte elements (storage/codecs.py, Shuffle2Codec; FORMAT.md, "Codec ids"), in one
- * pass each way, called through ctypes (which releases the GIL for the whole call).
+/* The byte planes of 2-byte elements (storage/codecs.py, Shuffle2Codec; FORMAT.md, "Codec ids") and of
+ * 4-byte elements (Shuffle4Codec), in one pass each way, called through ctypes (which releases the GIL
+ * for the whole call).
  *
  * Layout 1: the low plane is each element's low byte, the high plane its high byte.
  * Layout 2: each element is rotated left by one bit first, so the high plane is bits 7..14 (a bf16's
@@ -80,5 +81,47 @@ int gs_shuffle2_decode(const uint8_t *p0, size_t n0, int k0, const uint8_t *p1, 
     return 0;
 }
 
+/* Plane WHICH (0..3: byte WHICH of each little-endian element) of the N 4-byte elements A into OUT
+ * (N bytes). */
+GS_CLONES
+void gs_shuffle4_plane(const uint32_t *restrict a, size_t n, int which, uint8_t *restrict out)
+{
+    const unsigned shift = 8u * (unsigned)(which & 3);
+    for (size_t i = 0; i < n; i++) out[i] = (uint8_t)(a[i] >> shift);
+}
+
+/* The N 4-byte elements OUT from their planes P[0..3] (N bytes each). */
+GS_CLONES
+void gs_shuffle4_merge(const uint8_t *restrict p0, const uint8_t *restrict p1, const uint8_t *restrict p2,
+                       const uint8_t *restrict p3, size_t n, uint32_t *restrict out)
+{
+    for (size_t i = 0; i < n; i++)
+        out[i] = (uint32_t)p0[i] | ((uint32_t)p1[i] << 8) | ((uint32_t)p2[i] << 16) | ((uint32_t)p3[i] << 24);
+}
+
+/* A whole shuffle4 payload's planes back into its 4 * Q bytes OUT, in one call: plane K of P[K] (N[K]
+ * bytes), stored (KIND[K] 0: its Q bytes) or one zstd frame (1) that must decode to exactly Q bytes,
+ * decoded into SCRATCH (Q bytes per zstd plane, in plane order), then the merge. 0 when done; -1 - K when
+ * plane K did not decode to Q bytes (OUT is then garbage, the caller raises). The caller has checked
+ * every length, as for gs_shuffle2_decode. */
+int gs_shuffle4_decode(const uint8_t *const p[4], const size_t n[4], const int kind[4], size_t q,
+                       uint8_t *scratch, uint32_t *out, void *dctx, void *decompress)
+{
+    gs_zstd_decompress dec = (gs_zstd_decompress)decompress;
+    const uint8_t *plane[4];
+    uint8_t *s = scratch;
+    for (int k = 0; k < 4; k++) {
+        plane[k] = p[k];
+        if (kind[k]) {
+            if (dec(dctx, s, q, p[k], n[k]) != q)
+                return -1 - k;
+            plane[k] = s;
+            s += q;
+        }
+    }
+    gs_shuffle4_merge(plane[0], plane[1], plane[2], plane[3], q, out);
+    return 0;
+}
+
 /* The ABI version of this library: storage/shufflelib.py loads only the one it was written for. */
-int gs_shuffle2_version(void) { return 2; }
+int gs_shuffle2_version(void) { return 3; }
