@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 
+from conftest import Cli
 from scripts.workloads.workload_control import Workload
 from sandbox.host.processes import process_tree
 
@@ -61,3 +63,27 @@ def test_moe_workload_tree_protocol_and_self_check() -> None:
         except OSError:
             continue
         assert st == "Z", f"{p} still running after exit"
+
+
+def test_an_fp32_tree_is_stored_as_four_byte_planes_and_restored(cli: Cli, store_dir: Path) -> None:
+    """`--mix moe-fp32` (weights in fp32, as a model loaded without a dtype holds them): the tree
+    checks itself, `criu dump` stores its weights' pages as shuffle4-zstd chunks, fewer bytes than
+    zstd alone would keep, and `criu restore` brings both processes back bit for bit."""
+    import json
+    from support.criu import require_criu
+    require_criu()
+    with Workload(0.3, detached=True, script="moe_workload.py", extra=("--device", "cpu", "--mix", "moe-fp32"),
+                  timeout=120) as w:
+        assert w.info["mix"] == "moe-fp32" and len(w.pids) == 2
+        assert w.cmd("verify")["ok"]
+        dump = cli.json("criu", "dump", str(w.pid), "fp32")
+        w.reap()
+        man = json.loads((store_dir / "snapshots" / "fp32.json").read_text())
+        chunks = [c for s in man["streams"] if "pages-" in s["name"] for c in s["chunks"]]
+        by_codec: dict[str, int] = {}
+        for c in chunks:
+            by_codec[c[2]] = by_codec.get(c[2], 0) + 1
+        assert by_codec.get("shuffle4-zstd", 0) > by_codec.get("zstd", 0), (by_codec, dump)
+        cli.run("criu", "restore", "fp32")
+        after = w.cmd("verify")
+        assert after["ok"] and after["parent"]["ok"] and after["child"]["ok"], after

@@ -8,7 +8,8 @@ and, on a GPU, a CUDA graph of one MoE step (router, top-2 experts). It starts a
 expert-parallel worker: its own CUDA context, its share of the experts and its own KV pool, same
 recipe) and talks to it over a pipe pair, so both are one process tree for CRIU and the driver.
 --gb sizes the whole tree (--child-share of it in the child): ~70% weights, ~30% KV pool, so about a
-fifth of the memory is zeros.
+fifth of the memory is zeros. `--mix moe-fp32` holds the weights (attention, router, experts) in fp32,
+as a model loaded without a dtype is, the KV pool and pinned memory still bf16; any other --mix is bf16.
 
 It checks itself: each process keeps an exact position-weighted integer checksum of every tensor it
 holds (pinned host memory included) and `verify` recomputes them: every checksum must be equal (the
@@ -45,8 +46,8 @@ LOGITS_TOL = 2e-2
 STEP = 1 << 25       # checksum slices (bounds the temporaries)
 
 
-def expert_bytes() -> int:
-    return 3 * HIDDEN * INTER * 2
+def expert_bytes(fp32: bool = False) -> int:
+    return 3 * HIDDEN * INTER * (4 if fp32 else 2)
 
 
 # ----------------------------------------------------------------------------------- backends
@@ -55,8 +56,13 @@ class CpuBackend:
 
     name = "cpu"
 
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int, fp32: bool = False) -> None:
         self.rng = np.random.default_rng(seed)
+        self.fp32 = fp32
+
+    def weights(self, n: int) -> np.ndarray:
+        """N weights N(0, 0.02) in the tree's weight dtype (bf16, or fp32 with --mix moe-fp32)."""
+        return self.rng.normal(0, 0.02, n).astype(np.float32) if self.fp32 else self.bf16(n)
 
     def bf16(self, n: int) -> np.ndarray:
         f = self.rng.normal(0, 0.02, n).astype(np.float32)
@@ -90,11 +96,18 @@ class CudaBackend:
 
     name = "cuda"
 
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int, fp32: bool = False) -> None:
         import torch  # noqa: PLC0415
         self.torch = torch
         torch.backends.cuda.matmul.allow_tf32 = False
         self.gen = torch.Generator(device="cuda").manual_seed(seed)
+        self.fp32 = fp32
+
+    def weights(self, n: int) -> Any:
+        """N weights N(0, 0.02) in the tree's weight dtype (bf16, or fp32 with --mix moe-fp32)."""
+        t = self.torch
+        w = t.randn(n, generator=self.gen, device="cuda", dtype=t.float32) * 0.02
+        return w if self.fp32 else w.to(t.bfloat16)
 
     def bf16(self, n: int) -> Any:
         t = self.torch
@@ -142,14 +155,14 @@ class Shard:
         self.be = be
         self.rng = np.random.default_rng(seed + 1000)
         kv_bytes = int(nbytes * KV_SHARE)
-        self.experts = max(1, (nbytes - kv_bytes) // expert_bytes())
+        self.experts = max(1, (nbytes - kv_bytes) // expert_bytes(be.fp32))
         e = HIDDEN * INTER
         self.tensors: list[Any] = []
         if parent:
-            self.attn = [be.bf16(HIDDEN * HIDDEN) for _ in range(4)]
-            self.router = be.bf16(HIDDEN * EXPERTS_PER_LAYER)
+            self.attn = [be.weights(HIDDEN * HIDDEN) for _ in range(4)]
+            self.router = be.weights(HIDDEN * EXPERTS_PER_LAYER)
             self.tensors += [*self.attn, self.router]
-        self.weights = [[be.bf16(e) for _ in range(3)] for _ in range(self.experts)]  # gate, up, down
+        self.weights = [[be.weights(e) for _ in range(3)] for _ in range(self.experts)]  # gate, up, down
         self.tensors += [w for ex in self.weights for w in ex]
         self.blocks = max(16, kv_bytes // BLOCK_BYTES)
         self.block_elems = BLOCK_BYTES // 2
@@ -198,7 +211,7 @@ class Graph:
         t = be.torch
         self.t = t
         g = be.gen
-        self.x = (t.randn(4, HIDDEN, generator=g, device="cuda") * 0.1).to(t.bfloat16)
+        self.x = (t.randn(4, HIDDEN, generator=g, device="cuda") * 0.1).to(t.float32 if be.fp32 else t.bfloat16)
         router = shard.router.view(EXPERTS_PER_LAYER, HIDDEN)
         experts = [[w.view(INTER, HIDDEN) for w in ex] for ex in shard.weights[:EXPERTS_PER_LAYER]]
 
@@ -231,14 +244,15 @@ class Graph:
         return {"graph_ok": rel < LOGITS_TOL, "graph_equal": bool(self.t.equal(self.out, self.ref)), "graph_rel_err": rel}
 
 
-def backend(device: str, seed: int) -> Any:
-    return CudaBackend(seed) if device == "cuda" else CpuBackend(seed)
+def backend(device: str, seed: int, mix: str = "moe") -> Any:
+    fp32 = mix == "moe-fp32"
+    return CudaBackend(seed, fp32) if device == "cuda" else CpuBackend(seed, fp32)
 
 
 # ------------------------------------------------------------------------------------ the child
 def child_main(a: argparse.Namespace) -> None:
     """The expert-parallel worker: commands on stdin, one JSON answer a line on stdout; EOF ends it."""
-    be = backend(a.device, a.seed)
+    be = backend(a.device, a.seed, a.mix)
     shard = Shard(be, int(a.gb * (1 << 30)), a.seed, parent=False)
     out = sys.stdout
     out.write(json.dumps({"pid": os.getpid(), "size": be.used(shard.tensors), "experts": shard.experts,
@@ -263,7 +277,7 @@ class Child:
 
     def __init__(self, a: argparse.Namespace, gb: float) -> None:
         argv = [sys.executable, "-m", "scripts.workloads.moe_workload", "--child", "--gb", str(gb),
-                "--seed", str(a.seed + 1), "--device", a.device, "--dir", a.dir]
+                "--seed", str(a.seed + 1), "--device", a.device, "--dir", a.dir, "--mix", a.mix]
         self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self.info = self._read()
 
@@ -297,7 +311,7 @@ class Child:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--gb", type=float, default=20)
-    ap.add_argument("--mix", default="moe")  # accepted for scripts/workloads/workload_control.py; unused
+    ap.add_argument("--mix", default="moe", help="moe-fp32: fp32 weights; anything else: bf16 (the default)")
     ap.add_argument("--dir", required=True)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
@@ -309,7 +323,7 @@ def main() -> None:
         child_main(a)
         return
     child = Child(a, a.gb * a.child_share)
-    be = backend(a.device, a.seed)
+    be = backend(a.device, a.seed, a.mix)
     shard = Shard(be, int(a.gb * (1 - a.child_share) * (1 << 30)), a.seed, parent=True)
     graph = Graph(be, shard) if a.device == "cuda" and not a.no_graph else None
     if a.device == "cuda":
@@ -317,7 +331,8 @@ def main() -> None:
     size = be.used(shard.tensors)
     announce(a.dir, {"pid": os.getpid(), "pids": [os.getpid(), child.info["pid"]], "size": size + child.info["size"],
                      "parent_size": size, "child": child.info, "experts": shard.experts + child.info["experts"],
-                     "kv_blocks": shard.blocks, "graph": graph is not None, "device": a.device, "mix": "moe",
+                     "kv_blocks": shard.blocks, "graph": graph is not None, "device": a.device,
+                     "mix": "moe-fp32" if be.fp32 else "moe",
                      "pinned_bytes": int(shard.pinned.nbytes) if shard.pinned is not None else 0})
 
     def handle(cmd: list[str]) -> dict[str, Any]:
