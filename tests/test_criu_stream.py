@@ -406,6 +406,21 @@ def _filler_case(nchunks: int, chunk: int, fetch, budget: int):
     return target, split.Filler(split.fill_jobs([plan], streams), _reads(streams, fetch), 4, budget)
 
 
+def test_a_fill_job_of_zero_raw_bytes_is_not_a_division_by_zero() -> None:
+    """A hostile manifest may name a (non-zero) chunk of 0 raw bytes; when it is a fill worker's only
+    job, the Filler sizes its held buffers from it: that must not raise ZeroDivisionError (a
+    traceback-like line instead of the read's own verdict on the chunk)."""
+    from sandbox.criu import split
+    from storage.manifest import ChunkRef
+    got: list[int] = []
+
+    def read(wants, deliver, stop) -> None:
+        got.append(len(wants))
+    f = split.Filler({f"{1:064x}": (ChunkRef(f"{1:064x}", 0, "raw", 0), [])}, read, 1, 1 << 20)
+    f.close()
+    assert f.max_held >= 2 and got == [1]
+
+
 def test_split_filler_reads_ahead_within_its_budget_and_writes_every_byte() -> None:
     import threading
     import time

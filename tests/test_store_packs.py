@@ -237,7 +237,7 @@ def test_a_version_2_store_is_read_then_migrated_into_packs(cli: Cli, store_dir:
     assert r.returncode == 3, r.stderr
     rep = json.loads(r.stdout)
     assert rep["moved"] == len(ids) - 1 and len(rep["left"]) == 1 and victim.cid in rep["left"][0], rep
-    assert json.loads((store_dir / "gpusnap-store.json").read_text())["version"] == 6
+    assert json.loads((store_dir / "gpusnap-store.json").read_text())["version"] == 7
     assert [p for p in chunk_files(store_dir) if p.parent.parent.name == "chunks"] == [victim.path]
     assert chunk_ids(store_dir) == ids
     # repair from the source puts the damaged one into a pack too

@@ -1009,7 +1009,7 @@ class Filler:
         self._next_phase = 0
         self._on_phase: Callable[[int], None] | None = None
         self._phase_lock = threading.Lock()  # phases said in order, by one thread at a time
-        self._out_size = max((ref.raw_len for ref, _ in jobs.values()), default=1)
+        self._out_size = max(1, max((ref.raw_len for ref, _ in jobs.values()), default=1))  # a hostile 0 divides nothing
         self.max_held = max(2, budget // self._out_size)
         self._held: list[AlignedBuffer] = []       # every held buffer made (closed at the end)
         self._free: list[AlignedBuffer] = []
