@@ -248,7 +248,7 @@ def bench_nvcomp(algo: str, data: np.ndarray) -> dict[str, Any]:
 
 def host_frames(data: np.ndarray) -> tuple[list[bytes], list[bytes]]:
     """The zstd frames the host path stores for DATA (`auto` per 4 MiB chunk: a zstd chunk's frame,
-    a shuffle2-zstd chunk's zstd planes) and what each decodes to."""
+    a shuffle2-zstd or shuffle4-zstd chunk's zstd planes) and what each decodes to."""
     chooser = C.HostCodecChooser()
     frames, raws = [], []
     view = memoryview(data)
@@ -268,6 +268,18 @@ def host_frames(data: np.ndarray) -> tuple[list[bytes], list[bytes]]:
                 if k == 1:
                     frames.append(bytes(part))
                     raws.append(plane.tobytes())
+        elif e.codec == "shuffle4-zstd":
+            _, *rest = C.Shuffle4Codec._HEAD.unpack_from(p)
+            kinds, lens = rest[:4], rest[4:]
+            at = [C.Shuffle4Codec._HEAD.size]
+            for n in lens:
+                at.append(at[-1] + n)
+            at.append(len(p))
+            elems = np.frombuffer(view[i:i + CHUNK], "<u4")
+            for j, k in enumerate(kinds):
+                if k == 1:
+                    frames.append(bytes(p[at[j]:at[j + 1]]))
+                    raws.append((elems >> np.uint32(8 * j)).astype(np.uint8).tobytes())
     return frames, raws
 
 
