@@ -93,7 +93,8 @@ def test_nothing_to_read_starts_no_child(tmp_path: Path) -> None:
 def test_scattered_entries_beside_pure_python_planning(tmp_path: Path) -> None:
     """The case it is for: a restore's first chunks in CRIU's order lie scattered over the packs, and
     the restore plans in pure Python meanwhile. A thread reading them got ~180 MB here in 0.4 s (its
-    GIL handoffs); the child ~340-440 MB. Held to what a loaded CI machine still gets."""
+    GIL handoffs); the child ~340-440 MB, 115 MB on a CI machine also running benchmarks. Held to
+    64 MB: that the reads go on while the parent computes, not how fast this machine's disk is."""
     from storage import pipeline
     from storage.filetree import FileTreeSource
     from storage.store import SnapshotStore
@@ -116,4 +117,4 @@ def test_scattered_entries_beside_pure_python_planning(tmp_path: Path) -> None:
         for i in range(10000):  # holds the GIL, as split.choose does
             x += i
     got, _ = child.stop()
-    assert got >= 128 << 20 and resident_bytes(tmp_path / "store" / "packs") >= got - (1 << 20), got
+    assert got >= 64 << 20 and resident_bytes(tmp_path / "store" / "packs") >= got - (1 << 20), got
