@@ -246,6 +246,21 @@ class ZstdCodec:
         return dst
 
 
+class _PlaneScratch:
+    """A byte-plane codec's working memory: one buffer per thread, reused from chunk to chunk."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+
+    def _scratch_view(self, n: int) -> memoryview:
+        """This thread's plane buffer of at least N bytes (grown to the largest chunk it has seen), its
+        first N bytes."""
+        buf = getattr(self._local, "buf", None)
+        if buf is None or len(buf) < n:
+            buf = self._local.buf = memoryview(bytearray(n))
+        return buf[:n]
+
+
 def _check_plane(codec: str, kind: int, stored: memoryview, h: int) -> None:
     """What can be checked of one byte plane of a CODEC payload before anything is allocated for it: a
     stored plane's length; a zstd plane's frame header, which must declare exactly H bytes (and with
@@ -270,7 +285,7 @@ def _check_plane(codec: str, kind: int, stored: memoryview, h: int) -> None:
         raise CodecError(f"{codec} plane kind {kind} unknown")
 
 
-class Shuffle2Codec:
+class Shuffle2Codec(_PlaneScratch):
     """`shuffle2-zstd`: 2-byte elements (bf16, fp16, int16) split into their low and high byte planes,
     each plane zstd-compressed or kept as it is. Payload (FORMAT.md, "Codec ids"):
 
@@ -294,16 +309,9 @@ class Shuffle2Codec:
     _BLOCK = 1 << 18  # elements per step of a layout 2 split or merge (its temporaries stay in cache)
 
     def __init__(self) -> None:
+        super().__init__()
         self.zstd = ZstdCodec(params=PLANE_ZSTD)
-        self._local = threading.local()
 
-    def _scratch_view(self, n: int) -> memoryview:
-        """This thread's plane buffer of at least N bytes (grown to the largest chunk it has seen), its
-        first N bytes."""
-        buf = getattr(self._local, "buf", None)
-        if buf is None or len(buf) < n:
-            buf = self._local.buf = memoryview(bytearray(n))
-        return buf[:n]
 
     def _scratch(self, n: int) -> np.ndarray:
         """_scratch_view as a numpy array (the split, and the merge without the C library)."""
@@ -477,7 +485,7 @@ class Shuffle2Codec:
             np.bitwise_or(seg, t, out=seg)
 
 
-class Shuffle4Codec:
+class Shuffle4Codec(_PlaneScratch):
     """`shuffle4-zstd` (store version 7): 4-byte elements (fp32, int32) split into their four byte
     planes, each plane zstd-compressed or kept as it is. Payload (FORMAT.md, "Codec ids"):
 
@@ -499,16 +507,9 @@ class Shuffle4Codec:
     LAYOUT = 1
 
     def __init__(self) -> None:
+        super().__init__()
         self.zstd = ZstdCodec(params=PLANE_ZSTD)
-        self._local = threading.local()
 
-    def _scratch_view(self, n: int) -> memoryview:
-        """This thread's plane buffer of at least N bytes (grown to the largest chunk it has seen), its
-        first N bytes."""
-        buf = getattr(self._local, "buf", None)
-        if buf is None or len(buf) < n:
-            buf = self._local.buf = memoryview(bytearray(n))
-        return buf[:n]
 
     def _plane_of(self, a: np.ndarray, i: int, into: np.ndarray) -> None:
         """Plane I (byte I of each element) of the uint32 elements A into INTO: in one C call where the
