@@ -179,7 +179,8 @@ def plane4(a: "np.ndarray", which: int, into: "np.ndarray") -> bool:
 def merge4(planes: list["np.ndarray"], out: "np.ndarray") -> bool:
     """The uint32 elements OUT from their four byte PLANES (uint8, as many as OUT has each): True when
     done here, False when the caller must. Takes read-only planes (merge4_views does not)."""
-    if (_lib is None or len(planes) != 4 or not _flat(out, 4, True) or _addr(out) % 4 or any(not _flat(p, 1) for p in planes)
+    if (_lib is None or len(planes) != 4 or not _flat(out, 4, True) or _addr(out) % 4
+            or any(not _flat(p, 1) for p in planes)
             or any(p.size != out.size for p in planes) or not all(_apart(p, out) for p in planes)):
         return False
     if out.size:

@@ -460,8 +460,8 @@ class SnapshotStore:
             os.fsync(root)
 
     def upgrade(self, to: int = WRITE_VERSION, deltas: bool = False) -> None:
-        """Make a store version 7 (WRITE_VERSION) before this gpusnap writes its first pack entry there, and say so in
-        its marker before its first delta entry (DELTAS; FORMAT.md, "Store versions"): packs/ and index/
+        """Make a store version 7 (WRITE_VERSION) before this gpusnap writes its first pack entry there,
+        and say so in its marker before its first delta entry (DELTAS; FORMAT.md, "Store versions"): packs/ and index/
         are made, then the marker says the version, so a gpusnap that reads only older versions refuses
         the store instead of misreading it. Idempotent; several writers may race to do it (each renames
         a complete marker)."""
