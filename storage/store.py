@@ -54,7 +54,7 @@ from .directio import unlink_quietly as _unlink_quietly, write_new_file as _writ
 from . import delta, waits
 from .codecs import DELTA, CodecError, HostCodecChooser
 from .getmark import new_nonce
-from .limits import MAX_MANIFEST
+from .limits import MAX_MANIFEST, MAX_STORED_CHUNK
 from .treewalk import remove_tree
 from .errors import EXIT_DAMAGED, DamageError, GpusnapError
 from .manifest import ChunkRef, Manifest, ManifestError, Stream, validate_tag
@@ -1326,28 +1326,54 @@ class SnapshotStore:
             counts.chunks_unchecked += len(refs) - counts.chunks_checked
         return bad
 
+    def _check_variants(self, manifests: list[Manifest], refs: dict[str, ChunkRef], bad: dict[str, str],
+                        read_data: bool) -> tuple[set[str], dict[tuple[str, tuple[str, int, int]], str]]:
+        """The ids of REFS (checked) that MANIFESTS name with more than one (codec, raw length, stored
+        length), each such reference checked on its own: (those ids, taken out of BAD; (id, lengths)
+        -> what is wrong, for the references no entry satisfies)."""
+        variants: dict[str, set[tuple[str, int, int]]] = {}
+        for m in manifests:
+            for st in m.streams:
+                for c in st.chunks:
+                    if c.id is not None and c.id in refs:
+                        variants.setdefault(c.id, set()).add((c.codec, c.raw_len, c.stored_len))
+        conflicts = {cid for cid, v in variants.items() if len(v) > 1}
+        verdicts: dict[tuple[str, tuple[str, int, int]], str] = {}
+        for cid in sorted(conflicts):
+            bad.pop(cid, None)
+            for codec, raw_len, stored_len in sorted(variants[cid]):
+                ref = ChunkRef(cid, raw_len, codec, stored_len)
+                size = HEADER_SIZE + align_up(max(max_stored_len(codec, raw_len, stored_len), 1))
+                got = self.check_chunks({cid: ref}, size, 1, None, read_data=read_data)
+                if cid in got:
+                    verdicts[(cid, (codec, raw_len, stored_len))] = got[cid]
+        return conflicts, verdicts
+
     def check_copies(self, refs: dict[str, ChunkRef], read_data: bool = False,
                      deadline: float | None = None) -> list[DamagedCopy]:
         """Every pack entry of each id of REFS that has more than one, each read and checked on its own
         (the stored check, or with READ_DATA chunkfile.id_check), since check_chunks reads only the
-        first sound copy of an id (SnapshotStore.first_sound); returns the copies that fail while
-        another pack entry of the same id passes. An id none of whose entries passes is the chunk's
-        own damage (check_chunks reports it), not a duplicate's. Stops at DEADLINE (time.monotonic())."""
+        first sound copy of an id (SnapshotStore.first_sound); returns the copies that fail their own
+        check while another pack entry of the same id passes it and is what REFS' reference names.
+        Only an entry's own check makes it damaged: an entry that passes it but disagrees with the
+        reference is not judged here (the reference may be the forged one: another snapshot's, or a
+        planted manifest's, naming the id with other lengths), so verify never sets aside a sound
+        copy because a manifest lies about it. An id none of whose entries passes is the chunk's own
+        damage (check_chunks reports it), not a duplicate's. Stops at DEADLINE (time.monotonic())."""
         out: list[DamagedCopy] = []
+        most = HEADER_SIZE + align_up(MAX_STORED_CHUNK)
         for cid, ref in sorted(refs.items()):
-            locs = self.locate(cid)
+            locs = [loc for loc in self.locate(cid) if loc.length <= most]  # longer: no chunk's entry
             if len(locs) < 2:
                 continue
             if deadline is not None and time.monotonic() >= deadline:
                 break
             bad: list[DamagedCopy] = []
-            size = HEADER_SIZE + align_up(max(max_stored_len(ref.codec, ref.raw_len, ref.stored_len), 1))
-            with AlignedBuffer(size) as buf:
+            sound = 0
+            with AlignedBuffer(max(loc.length for loc in locs)) as buf:
                 for loc in locs:
                     try:
                         header, payload = self.read_entry(cid, loc, buf, self.direct)
-                        if not header.fits(ref.codec, ref.raw_len, ref.stored_len):
-                            raise ChunkError(cid, "header disagrees with the manifest's reference")
                         if read_data:
                             id_check(header, payload, cid, base=self.delta_base)
                         else:
@@ -1355,9 +1381,12 @@ class SnapshotStore:
                     except ChunkError as e:
                         if e.chunk_id == cid:  # a delta's damaged base is the base's damage, found on its own
                             bad.append(DamagedCopy(cid, loc.pack, loc.offset, e.what))
+                        continue
                     except OSError as e:
                         bad.append(DamagedCopy(cid, loc.pack, loc.offset, f"cannot be read ({e})"))
-            if len(bad) < len(locs):
+                        continue
+                    sound += header.fits(ref.codec, ref.raw_len, ref.stored_len)
+            if sound:
                 out += bad
         return out
 
@@ -1448,6 +1477,10 @@ class SnapshotStore:
             skipped_before = report.chunks_unchecked
             bad = self.check_chunks(refs, self.chunk_buffer_size(manifests), workers, progress, report, deadline,
                                     read_data)
+            # an id the snapshots name with different lengths: each snapshot judged by its own reference,
+            # and nothing set aside (one of them names it wrongly: a sound entry must not be quarantined
+            # because a forged or damaged manifest disagrees with it)
+            conflicts, by_variant = self._check_variants(manifests, refs, bad, read_data)
             bad.update(no_base)
             for did, bids in bases.items():
                 for bid in sorted(bids):
@@ -1463,10 +1496,16 @@ class SnapshotStore:
             for m in manifests:
                 for s in m.streams:
                     for i, c in enumerate(s.chunks):
-                        if c.id in bad:
+                        if c.id in conflicts:
+                            why = by_variant.get((c.id, (c.codec, c.raw_len, c.stored_len)))
+                            if why is not None:
+                                report.problems.append(Problem(m.name, s.name, i, f"chunk {c.id[:16]}… {why} "
+                                                               "(snapshots name it with different lengths; "
+                                                               "nothing set aside)"))
+                        elif c.id in bad:
                             report.problems.append(Problem(m.name, s.name, i, f"chunk {c.id[:16]}… {bad[c.id]}"))
         damaged = {cid: why for cid, why in bad.items() if not why.startswith(("missing", delta.BASE_WHY))
-                   and f"{QUARANTINE}/" not in why and cid in refs}
+                   and f"{QUARANTINE}/" not in why and cid in refs and cid not in conflicts}
         if quarantine and (damaged or report.damaged_copies):
             try:
                 with self.exclusive(quarantine_wait):
@@ -1484,7 +1523,8 @@ class SnapshotStore:
                             copy.set_aside = self.quarantine_entry(copy)
             except (GpusnapError, OSError) as e:  # busy, or a store this user may only read
                 report.not_quarantined = str(e)
-        self._record_damage([] if cut_short else [c for c in refs if c not in bad], bad, quarantine_wait)
+        self._record_damage([] if cut_short else [c for c in refs if c not in bad and c not in conflicts], bad,
+                            quarantine_wait)
         return report
 
     def _record_damage(self, whole: list[str], bad: dict[str, str], wait: float) -> None:

@@ -182,3 +182,62 @@ def test_verify_names_a_damaged_duplicate_copy_behind_a_sound_one(cli: Cli, stor
     assert not (store_dir / "packs" / good).exists() and not (store_dir / "quarantine" / f"{cid}.json").exists()
     again = cli.json("store", "verify", *how)
     assert again["ok"] and again["damaged_copies"] == [], again
+
+
+def _plant_a_liar(store: Path, src: Path) -> tuple[str, str]:
+    """A hostile store's two additions against the snapshot "victim" of SRC (one chunk): a snapshot
+    "aaa" (read first) naming the victim's chunk with a raw length one page shorter, and a planted
+    pack entry of that id with that length, garbage for a payload but its stored checksum right (the
+    stored check cannot bind a raw-addressed payload to its id). (the chunk's id, the genuine pack)."""
+    from storage.chunkfile import HEADER_SIZE, ChunkHeader
+    from storage.directio import ALIGN, align_up
+    (good,) = [p.name for p in (store / "index").iterdir()]
+    vict = json.loads((store / "snapshots" / "victim.json").read_text())
+    ((cid, raw_len, _, _),) = [c for st in vict["streams"] for c in st["chunks"] if c[0]]
+    short = raw_len - ALIGN
+    payload = bytes(short)
+    entry = ChunkHeader("raw", short, short, True).with_checksum(payload).pack().ljust(HEADER_SIZE, b"\0") + payload
+    entry = entry.ljust(align_up(len(entry)), b"\0")
+    (store / "packs" / PLANTED).write_bytes(entry)
+    (store / "index" / PLANTED).write_bytes(encode_index(PLANTED, len(entry), [(cid, 0, len(entry))]))
+    body = json.loads(json.dumps(vict))
+    body.pop("checksum", None)
+    for st in body["streams"]:
+        for c in st["chunks"]:
+            if c[0] == cid:
+                c[1:] = [short, "raw", short]
+        st["size"] = sum(c[1] for c in st["chunks"])
+    body["name"] = "aaa"
+    body["summary"]["size"] = sum(st["size"] for st in body["streams"])
+    body["checksum"] = _checksum(body)
+    (store / "snapshots" / "aaa.json").write_text(json.dumps(body))
+    return cid, good
+
+
+@pytest.mark.parametrize("read_data", [False, True])
+def test_a_manifest_that_lies_about_a_chunk_never_gets_its_sound_copy_set_aside(
+        cli: Cli, store_dir: Path, tmp_path: Path, read_data: bool) -> None:
+    """verify judges a snapshot's chunk against its own reference; when the snapshots name one id with
+    different lengths (one is forged or damaged), the sound entry is neither quarantined as a damaged
+    duplicate (the plain stored check passes both entries) nor set aside with the whole id (the full
+    check fails the planted one): the victim stays readable, gc keeps its pack, and only the lying
+    snapshot is reported (with --read-data, where the planted payload is shown not to be the id's)."""
+    import numpy as np
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "w.bin").write_bytes((np.random.default_rng(0).standard_normal(1 << 18).astype("<f4") * 0.02).tobytes())
+    cli.run("store", "put", "victim", str(src))
+    cid, good = _plant_a_liar(store_dir, src)
+    v = cli.run("store", "verify", *(["--read-data"] if read_data else []), check=False)
+    if read_data:
+        assert v.returncode == 3 and "aaa:" in v.stdout and "victim:" not in v.stdout, v.stdout + v.stderr
+        assert "different lengths" in v.stdout
+    else:
+        assert v.returncode == 0 and "damaged duplicate" not in v.stdout, v.stdout + v.stderr
+    assert not (store_dir / "quarantine").exists() or not any((store_dir / "quarantine").iterdir())
+    cli.run("store", "get", "victim", str(tmp_path / "out1"))
+    assert tree_digest(tmp_path / "out1" / "src") == tree_digest(src)
+    cli.run("store", "gc")
+    assert any(c == cid for c, _, _ in decode_index(good, (store_dir / "index" / good).read_bytes())[1])
+    cli.run("store", "get", "victim", str(tmp_path / "out2"))
+    assert tree_digest(tmp_path / "out2" / "src") == tree_digest(src)
