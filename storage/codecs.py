@@ -247,14 +247,20 @@ class ZstdCodec:
 
 
 class _PlaneScratch:
-    """A byte-plane codec's working memory: one buffer per thread, reused from chunk to chunk."""
+    """A byte-plane codec's working memory: one buffer per thread, reused from chunk to chunk up to
+    KEEP bytes (chunks are 2-4 MiB; a payload claiming a chunk of up to 1 GiB, refused or not, leaves
+    no such buffer behind in every thread that decoded one)."""
+
+    KEEP = 32 << 20
 
     def __init__(self) -> None:
         self._local = threading.local()
 
     def _scratch_view(self, n: int) -> memoryview:
-        """This thread's plane buffer of at least N bytes (grown to the largest chunk it has seen), its
-        first N bytes."""
+        """This thread's plane buffer of at least N bytes (grown to the largest chunk up to KEEP it has
+        seen; a larger one is this call's own), its first N bytes."""
+        if n > self.KEEP:
+            return memoryview(bytearray(n))
         buf = getattr(self._local, "buf", None)
         if buf is None or len(buf) < n:
             buf = self._local.buf = memoryview(bytearray(n))
@@ -621,10 +627,23 @@ class Shuffle4Codec(_PlaneScratch):
             arrays = [np.frombuffer(p, np.uint8) for p in planes]
             o = np.frombuffer(dst, "<u4")
             if not shufflelib.merge4(arrays, o):
-                o[:] = 0
-                for i, p in enumerate(arrays):
-                    o |= p.astype("<u4") << np.uint32(8 * i)
+                self._merge_numpy(arrays, o)
         return dst
+
+    _BLOCK = 1 << 18  # elements per step of the numpy merge (its temporary stays small)
+
+    def _merge_numpy(self, planes: list[np.ndarray], o: np.ndarray) -> None:
+        """O's 4-byte elements from their PLANES with numpy, a block at a time: working memory one
+        block's temporary, never another raw length (no C library, or an output it cannot take)."""
+        np = _np()
+        t = np.empty(min(self._BLOCK, o.size), "<u4")
+        for s in range(0, o.size, self._BLOCK):
+            e = min(o.size, s + self._BLOCK)
+            seg, tmp = o[s:e], t[:e - s]
+            seg[:] = planes[0][s:e]
+            for i in (1, 2, 3):
+                np.left_shift(planes[i][s:e], 8 * i, out=tmp, dtype="<u4")
+                np.bitwise_or(seg, tmp, out=seg)
 
 
 _RAW = RawCodec()
@@ -702,7 +721,7 @@ class Encoded:
 def _sample_into(data: memoryview, dst: memoryview) -> memoryview:
     """SAMPLE_PIECES pieces of SAMPLE_PIECE bytes spread evenly over DATA, copied into DST, as one
     view (a chunk's data is often not uniform: a KV pool filled at scattered places starts with zeros)."""
-    step = len(data) // SAMPLE_PIECES
+    step = len(data) // SAMPLE_PIECES // 16 * 16  # each piece starts on an element of 2 or 4 bytes
     for i in range(SAMPLE_PIECES):
         dst[i * SAMPLE_PIECE:(i + 1) * SAMPLE_PIECE] = data[i * step:i * step + SAMPLE_PIECE]
     return dst[:SAMPLE_PIECES * SAMPLE_PIECE]

@@ -373,3 +373,28 @@ def test_hostile_shuffle4_payloads_are_refused_within_their_raw_length(native: b
         codecs.decode_host_into("shuffle4-zstd", ok, 4 * q, memoryview(bytearray(4 * q - 4)))  # a short buffer
     with pytest.raises(codecs.CodecError):
         codecs.Shuffle4Codec().encode(memoryview(bytes(6)))  # not a multiple of 4
+
+
+def test_a_hostile_payload_leaves_no_chunk_sized_scratch_behind() -> None:
+    """Four zstd planes each declaring a quarter of 256 MiB but holding a block of one byte: refused, and
+    the thread that decoded it keeps no plane buffer beyond KEEP (it used to keep raw_len, per thread)."""
+    q = 64 << 20
+    # a zstd frame header declaring q bytes (single segment, 4-byte content size), then one raw block of
+    # one byte marked last: the header checks pass, the decode finds one byte where q were declared
+    lie = b"\x28\xb5\x2f\xfd" + bytes([0xA0]) + struct.pack("<I", q) + bytes([0x09, 0x00, 0x00]) + b"x"
+    c = codecs.Shuffle4Codec()
+    payload = struct.pack("<BBBBB3x3Q", 1, 1, 1, 1, 1, len(lie), len(lie), len(lie)) + lie * 4
+    with pytest.raises(codecs.CodecError):
+        c.decode(memoryview(payload), 4 * q)
+    buf = getattr(c._local, "buf", None)
+    assert buf is None or len(buf) <= codecs._PlaneScratch.KEEP
+
+
+def test_the_numpy_merge_works_a_block_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without the C library the four planes are merged a block at a time (no temporary of the raw
+    length): the same bytes, for lengths around a block."""
+    monkeypatch.setattr(shufflelib, "_lib", None)
+    c = codecs.Shuffle4Codec()
+    for n in (4, 4 * c._BLOCK - 4, 4 * c._BLOCK + 12):
+        raw = _fp32(n // 4, n)
+        assert bytes(c.decode(memoryview(c.encode(memoryview(raw))), len(raw))) == raw
