@@ -54,7 +54,7 @@ from .directio import unlink_quietly as _unlink_quietly, write_new_file as _writ
 from . import delta, waits
 from .codecs import DELTA, CodecError, HostCodecChooser
 from .getmark import new_nonce
-from .limits import MAX_MANIFEST, MAX_STORED_CHUNK
+from .limits import MAX_MANIFEST
 from .treewalk import remove_tree
 from .errors import EXIT_DAMAGED, DamageError, GpusnapError
 from .manifest import ChunkRef, Manifest, ManifestError, Stream, validate_tag
@@ -1327,50 +1327,91 @@ class SnapshotStore:
         return bad
 
     def _check_variants(self, manifests: list[Manifest], refs: dict[str, ChunkRef], bad: dict[str, str],
-                        read_data: bool) -> tuple[set[str], dict[tuple[str, tuple[str, int, int]], str]]:
-        """The ids of REFS (checked) that MANIFESTS name with more than one (codec, raw length, stored
-        length), each such reference checked on its own: (those ids, taken out of BAD; (id, lengths)
-        -> what is wrong, for the references no entry satisfies)."""
+                        read_data: bool, deadline: float | None
+                        ) -> tuple[set[str], dict[tuple[str, tuple[str, int, int]], str]]:
+        """The ids of REFS (checked by check_chunks against REFS' reference: BAD) that MANIFESTS name with
+        more than one (codec, raw length, stored length). Each copy of such an id is read once and
+        checked on its own (sound_headers), and each reference is satisfied when a sound copy fits it.
+        An id some of whose references are satisfied and others not is disputed: a snapshot names it
+        wrongly (forged or damaged), so it is taken out of BAD (nothing of it is quarantined) and only
+        the references no sound copy satisfies are reported. An id no reference of which is satisfied
+        stays in BAD (damage as for any chunk: a delta built on it is damaged too); one every reference
+        of which is satisfied is sound. Until DEADLINE. Returns (the disputed ids, (id, lengths) -> what
+        is wrong)."""
         variants: dict[str, set[tuple[str, int, int]]] = {}
         for m in manifests:
             for st in m.streams:
                 for c in st.chunks:
                     if c.id is not None and c.id in refs:
                         variants.setdefault(c.id, set()).add((c.codec, c.raw_len, c.stored_len))
-        conflicts = {cid for cid, v in variants.items() if len(v) > 1}
+        disputed: set[str] = set()
         verdicts: dict[tuple[str, tuple[str, int, int]], str] = {}
-        for cid in sorted(conflicts):
-            bad.pop(cid, None)
-            for codec, raw_len, stored_len in sorted(variants[cid]):
-                ref = ChunkRef(cid, raw_len, codec, stored_len)
-                size = HEADER_SIZE + align_up(max(max_stored_len(codec, raw_len, stored_len), 1))
-                got = self.check_chunks({cid: ref}, size, 1, None, read_data=read_data)
-                if cid in got:
-                    verdicts[(cid, (codec, raw_len, stored_len))] = got[cid]
-        return conflicts, verdicts
+        for cid in sorted(c for c, v in variants.items() if len(v) > 1):
+            if deadline is not None and time.monotonic() >= deadline:
+                break
+            most = HEADER_SIZE + align_up(max(max(max_stored_len(*v), 1) for v in variants[cid]))
+            heads = self.sound_headers(cid, most, read_data)
+            unmet = {v for v in variants[cid] if not any(h.fits(*v) for h in heads)}
+            if not unmet or unmet == variants[cid]:
+                continue  # sound under every reference, or under none: as any chunk
+            disputed.add(cid)
+            first = (refs[cid].codec, refs[cid].raw_len, refs[cid].stored_len)
+            why = bad.pop(cid, None)
+            verdicts.update({(cid, v): why if v == first and why else "has no sound copy of these lengths"
+                             for v in unmet})
+        return disputed, verdicts
+
+    def sound_headers(self, cid: str, most: int, read_data: bool) -> list[ChunkHeader]:
+        """The headers of every copy of CID (its pack entries, a version 1/2 chunk file) of at most MOST
+        bytes that passes its own check (the stored check; with READ_DATA the strongest,
+        chunkfile.id_check), each read once: what a reference to CID may be satisfied by."""
+        out: list[ChunkHeader] = []
+        with AlignedBuffer(most) as buf:
+            for loc in self.locate(cid):
+                if loc.length > most:
+                    continue
+                try:
+                    header, payload = self.read_entry(cid, loc, buf, self.direct)
+                    if read_data:
+                        id_check(header, payload, cid, base=self.delta_base)
+                    else:
+                        stored_check(header, payload, cid)
+                    out.append(header)
+                except (GpusnapError, OSError):
+                    continue  # damaged, a delta on a damaged base, a codec this host lacks: not sound here
+            try:
+                with self.chunk_dir(cid) as d:
+                    header, payload = read_chunk_file(d, cid, buf, self.direct, True)
+                if read_data:
+                    id_check(header, payload, cid, base=self.delta_base)
+                out.append(header)
+            except (GpusnapError, OSError):
+                pass
+        return out
 
     def check_copies(self, refs: dict[str, ChunkRef], read_data: bool = False,
                      deadline: float | None = None) -> list[DamagedCopy]:
         """Every pack entry of each id of REFS that has more than one, each read and checked on its own
         (the stored check, or with READ_DATA chunkfile.id_check), since check_chunks reads only the
         first sound copy of an id (SnapshotStore.first_sound); returns the copies that fail their own
-        check while another pack entry of the same id passes it and is what REFS' reference names.
+        check while another pack entry of the same id passes it and is what REFS' reference names (an
+        entry longer than any that reference could name is not read: it cannot be that copy).
         Only an entry's own check makes it damaged: an entry that passes it but disagrees with the
         reference is not judged here (the reference may be the forged one: another snapshot's, or a
         planted manifest's, naming the id with other lengths), so verify never sets aside a sound
         copy because a manifest lies about it. An id none of whose entries passes is the chunk's own
         damage (check_chunks reports it), not a duplicate's. Stops at DEADLINE (time.monotonic())."""
         out: list[DamagedCopy] = []
-        most = HEADER_SIZE + align_up(MAX_STORED_CHUNK)
         for cid, ref in sorted(refs.items()):
-            locs = [loc for loc in self.locate(cid) if loc.length <= most]  # longer: no chunk's entry
-            if len(locs) < 2:
+            if len(self.locate(cid)) < 2:
                 continue
             if deadline is not None and time.monotonic() >= deadline:
                 break
+            most = HEADER_SIZE + align_up(max(max_stored_len(ref.codec, ref.raw_len, ref.stored_len), 1))
+            locs = [loc for loc in self.locate(cid) if loc.length <= most]  # longer: cannot be what REF names
             bad: list[DamagedCopy] = []
             sound = 0
-            with AlignedBuffer(max(loc.length for loc in locs)) as buf:
+            with AlignedBuffer(most) as buf:
                 for loc in locs:
                     try:
                         header, payload = self.read_entry(cid, loc, buf, self.direct)
@@ -1480,7 +1521,7 @@ class SnapshotStore:
             # an id the snapshots name with different lengths: each snapshot judged by its own reference,
             # and nothing set aside (one of them names it wrongly: a sound entry must not be quarantined
             # because a forged or damaged manifest disagrees with it)
-            conflicts, by_variant = self._check_variants(manifests, refs, bad, read_data)
+            conflicts, by_variant = self._check_variants(manifests, refs, bad, read_data, deadline)
             bad.update(no_base)
             for did, bids in bases.items():
                 for bid in sorted(bids):

@@ -10,6 +10,7 @@ import os
 import stat
 import subprocess
 from pathlib import Path
+from typing import Callable
 
 import pytest
 from conftest import Cli, make_mixed_tree, tree_digest
@@ -241,3 +242,85 @@ def test_a_manifest_that_lies_about_a_chunk_never_gets_its_sound_copy_set_aside(
     assert any(c == cid for c, _, _ in decode_index(good, (store_dir / "index" / good).read_bytes())[1])
     cli.run("store", "get", "victim", str(tmp_path / "out2"))
     assert tree_digest(tmp_path / "out2" / "src") == tree_digest(src)
+
+
+def _plant_manifest(store: Path, src: str, name: str, edit: Callable[[dict], None]) -> None:
+    body = json.loads((store / "snapshots" / f"{src}.json").read_text())
+    body.pop("checksum", None)
+    edit(body)
+    for st in body["streams"]:
+        st["size"] = sum(c[1] for c in st["chunks"])
+    body["name"] = name
+    body["summary"].update(size=sum(st["size"] for st in body["streams"]), streams=len(body["streams"]))
+    body["checksum"] = _checksum(body)
+    (store / "snapshots" / f"{name}.json").write_text(json.dumps(body))
+
+
+def test_a_damaged_delta_base_is_still_reported_when_a_planted_manifest_names_it_otherwise(
+        cli: Cli, store_dir: Path, tmp_path: Path) -> None:
+    """The only copy of a delta's base is damaged, and a planted snapshot names the base with another
+    codec: the base is damaged under every reference, so it is damage as for any chunk (reported for
+    the snapshot made of deltas too, quarantined), not a dispute between manifests."""
+    import numpy as np
+    from storage.store import SnapshotStore
+
+    def weights(seed: int, n: int) -> bytes:
+        f = np.random.default_rng(seed).normal(0, 0.02, n // 2).astype(np.float32)
+        return (f.view(np.uint32) >> 16).astype(np.uint16).tobytes()
+    img = tmp_path / "img"
+    img.mkdir()
+    a = weights(3, 8 << 20)
+    b = bytearray(a)
+    for blk in (3, 40, 77, 101):
+        b[blk * 65536:(blk + 1) * 65536] = weights(blk, 65536)
+    (img / "pages-1.img").write_bytes(a)
+    cli.run("store", "put", "a", str(img), "--chunker", "pages")
+    (img / "pages-1.img").write_bytes(bytes(b))
+    cli.run("store", "put", "b", str(img), "--chunker", "pages", "--no-cache", "--parent", "a")
+    st = SnapshotStore(str(store_dir), create=False)
+    bases = st.delta_bases(st.load("b").chunk_ids())
+    assert bases, "no delta in b"
+    base = sorted(set().union(*bases.values()))[0]
+    loc = st.locate(base)[0]
+    with open(store_dir / "packs" / loc.pack, "r+b") as f:
+        f.seek(loc.offset + 4096 + 100)
+        x = f.read(1)
+        f.seek(loc.offset + 4096 + 100)
+        f.write(bytes([x[0] ^ 0xFF]))
+
+    def other_codec(body: dict) -> None:
+        for s in body["streams"]:
+            for c in s["chunks"]:
+                if c[0] == base:
+                    c[2:] = ["raw", c[1]] if c[2] != "raw" else ["zstd", c[1] - 4096]
+    _plant_manifest(store_dir, "a", "aaa", other_codec)
+    v = cli.run("store", "verify", check=False)
+    assert v.returncode == 3 and "DAMAGED b:" in v.stdout and "delta base" in v.stdout, v.stdout + v.stderr
+    assert (store_dir / "quarantine" / f"{base}.json").exists()
+
+
+def test_a_chunk_named_many_ways_is_read_once_per_copy(cli: Cli, store_dir: Path,
+                                                                    tmp_path: Path) -> None:
+    """A planted snapshot naming one genuine chunk with hundreds of different lengths: verify reads each
+    copy of the chunk once (not once per reference), reports only the planted references, sets
+    nothing aside, and the genuine snapshot is neither reported nor made unreadable."""
+    import time
+    src = _put(cli, tmp_path)
+    man = json.loads((store_dir / "snapshots" / "snap.json").read_text())
+    st0 = max((st for st in man["streams"] if st["chunks"] and st["chunks"][0][0]), key=lambda st: st["chunks"][0][1])
+    cid, raw_len = st0["chunks"][0][0], st0["chunks"][0][1]
+    assert raw_len > 300 * 4096
+
+    def many(body: dict) -> None:
+        body["streams"] = [dict(st0, name=f"v{i}", chunks=[[cid, raw_len - 4096 * (i + 1), "raw", raw_len - 4096 * (i + 1)]])
+                           for i in range(300) if raw_len - 4096 * (i + 1) > 0]
+    _plant_manifest(store_dir, "snap", "aaa", many)
+    t0 = time.monotonic()
+    v = cli.run("store", "verify", check=False)
+    took = time.monotonic() - t0
+    assert v.returncode == 3 and "DAMAGED snap:" not in v.stdout, v.stdout[-2000:]
+    assert v.stdout.count("DAMAGED aaa:") == len(json.loads((store_dir / "snapshots" / "aaa.json").read_text())["streams"])
+    assert not (store_dir / "quarantine").exists() or not any((store_dir / "quarantine").iterdir())
+    assert took < 30, took
+    cli.run("store", "get", "snap", str(tmp_path / "out"))
+    assert tree_digest(tmp_path / "out" / "src") == tree_digest(src)
