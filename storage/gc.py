@@ -157,9 +157,12 @@ def _packs(store: "SnapshotStore", root: int, uid: int, report: GcReport, live: 
                                 "delta entries, whose bases it may name; run `gpusnap store repair`")
             try:
                 for cid in live:
-                    locs = index.find(cid) or index.locs.get(cid, [])[:1]
-                    if len(locs) > 1:  # a sound one of its copies (all of them where none is)
-                        locs = store.sound_copy(cid, locs)
+                    every = index.locs.get(cid, [])
+                    locs = index.find(cid) or every[:1]
+                    if len(every) > 1:
+                        # a sound one of its copies (all of them where none is), the quarantined ones
+                        # tried last: a quarantine record may be planted, naming the sound entry
+                        locs = store.sound_copy(cid, locs + [loc for loc in every if loc not in locs])
                         for loc in locs[1:]:
                             keep.setdefault(loc.pack, set()).add(loc.offset)
                     if locs:
@@ -171,15 +174,18 @@ def _packs(store: "SnapshotStore", root: int, uid: int, report: GcReport, live: 
                 raise GcStopped(f"gc stopped, nothing deleted: {e}; whether it is a delta, and which "
                                 "bases it names, is unknown (`gpusnap store repair`)") from None
             for bid in bases:  # a full entry of each base (a base is never read through a delta entry)
-                locs = index.find(bid) or index.locs.get(bid, [])
+                every = index.locs.get(bid, [])
+                unq = index.find(bid)
+                locs = unq + [loc for loc in every if loc not in unq]  # the quarantined ones last
                 full = []
                 for loc in locs:
                     try:
                         if store.entry_kind(bid, loc) is None:
                             full.append(loc)
-                            break
                     except EntryUnknown:
                         continue
+                if len(full) > 1:  # a sound one (all where none is): the first may be planted
+                    full = store.sound_copy(bid, full)
                 for loc in full or locs:  # none known to be full: every copy stays
                     keep.setdefault(loc.pack, set()).add(loc.offset)
             live |= bases  # chunk files and quarantine records of bases are kept too

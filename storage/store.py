@@ -54,7 +54,7 @@ from .directio import unlink_quietly as _unlink_quietly, write_new_file as _writ
 from . import delta, waits
 from .codecs import DELTA, CodecError, HostCodecChooser
 from .getmark import new_nonce
-from .limits import MAX_MANIFEST
+from .limits import MAX_MANIFEST, MAX_STORED_CHUNK
 from .treewalk import remove_tree
 from .errors import EXIT_DAMAGED, DamageError, GpusnapError
 from .manifest import ChunkRef, Manifest, ManifestError, Stream, validate_tag
@@ -1337,7 +1337,7 @@ class SnapshotStore:
         the references no sound copy satisfies are reported. An id no reference of which is satisfied
         stays in BAD (damage as for any chunk: a delta built on it is damaged too); one every reference
         of which is satisfied is sound. Until DEADLINE. Returns (the disputed ids, (id, lengths) -> what
-        is wrong)."""
+        is wrong); an id not reached by DEADLINE is counted disputed, with nothing reported."""
         variants: dict[str, set[tuple[str, int, int]]] = {}
         for m in manifests:
             for st in m.streams:
@@ -1348,7 +1348,9 @@ class SnapshotStore:
         verdicts: dict[tuple[str, tuple[str, int, int]], str] = {}
         for cid in sorted(c for c, v in variants.items() if len(v) > 1):
             if deadline is not None and time.monotonic() >= deadline:
-                break
+                disputed.add(cid)  # not sorted out in time: nothing of it set aside, nothing reported
+                bad.pop(cid, None)
+                continue
             most = HEADER_SIZE + align_up(max(max(max_stored_len(*v), 1) for v in variants[cid]))
             heads = self.sound_headers(cid, most, read_data)
             unmet = {v for v in variants[cid] if not any(h.fits(*v) for h in heads)}
@@ -1508,12 +1510,14 @@ class SnapshotStore:
             # the closure over delta bases: a delta is sound only if its base is (FORMAT.md, "Delta entries")
             bases = self.delta_bases(refs)
             no_base: dict[str, str] = {}
+            from_store: set[str] = set()  # bases no snapshot names: their reference is an entry's header
             for bid in sorted(set().union(*bases.values()) - set(refs)):
                 bref = self.base_ref(bid)
                 if bref is None:
                     no_base[bid] = self.absence(bid) if not self.locate(bid) else "has no full entry (only deltas)"
                 else:
                     refs[bid] = bref
+                    from_store.add(bid)
                     report.chunks_total += 1
             skipped_before = report.chunks_unchecked
             bad = self.check_chunks(refs, self.chunk_buffer_size(manifests), workers, progress, report, deadline,
@@ -1522,6 +1526,12 @@ class SnapshotStore:
             # and nothing set aside (one of them names it wrongly: a sound entry must not be quarantined
             # because a forged or damaged manifest disagrees with it)
             conflicts, by_variant = self._check_variants(manifests, refs, bad, read_data, deadline)
+            # a base judged by the header of its first full entry, which a planted entry may be: it is
+            # damaged only if no full copy of it passes its own check (then set aside as any chunk)
+            for bid in sorted(from_store & set(bad)):
+                heads = self.sound_headers(bid, HEADER_SIZE + align_up(MAX_STORED_CHUNK), read_data)
+                if any(h.codec != DELTA for h in heads):
+                    del bad[bid]
             bad.update(no_base)
             for did, bids in bases.items():
                 for bid in sorted(bids):
