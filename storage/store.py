@@ -1363,6 +1363,16 @@ class SnapshotStore:
                              for v in unmet})
         return disputed, verdicts
 
+    def _own_check(self, cid: str, loc: Loc, buf: AlignedBuffer, read_data: bool) -> ChunkHeader:
+        """The entry LOC of CID read into BUF and put through its own check (the stored check; with
+        READ_DATA chunkfile.id_check), not against any reference: its header, or ChunkError/OSError."""
+        header, payload = self.read_entry(cid, loc, buf, self.direct)
+        if read_data:
+            id_check(header, payload, cid, base=self.delta_base)
+        else:
+            stored_check(header, payload, cid)
+        return header
+
     def sound_headers(self, cid: str, most: int, read_data: bool) -> list[ChunkHeader]:
         """The headers of every copy of CID (its pack entries, a version 1/2 chunk file) of at most MOST
         bytes that passes its own check (the stored check; with READ_DATA the strongest,
@@ -1373,12 +1383,7 @@ class SnapshotStore:
                 if loc.length > most:
                     continue
                 try:
-                    header, payload = self.read_entry(cid, loc, buf, self.direct)
-                    if read_data:
-                        id_check(header, payload, cid, base=self.delta_base)
-                    else:
-                        stored_check(header, payload, cid)
-                    out.append(header)
+                    out.append(self._own_check(cid, loc, buf, read_data))
                 except (GpusnapError, OSError):
                     continue  # damaged, a delta on a damaged base, a codec this host lacks: not sound here
             try:
@@ -1405,22 +1410,19 @@ class SnapshotStore:
         damage (check_chunks reports it), not a duplicate's. Stops at DEADLINE (time.monotonic())."""
         out: list[DamagedCopy] = []
         for cid, ref in sorted(refs.items()):
-            if len(self.locate(cid)) < 2:
+            every = self.locate(cid)
+            if len(every) < 2:
                 continue
             if deadline is not None and time.monotonic() >= deadline:
                 break
             most = HEADER_SIZE + align_up(max(max_stored_len(ref.codec, ref.raw_len, ref.stored_len), 1))
-            locs = [loc for loc in self.locate(cid) if loc.length <= most]  # longer: cannot be what REF names
+            locs = [loc for loc in every if loc.length <= most]  # longer: cannot be what REF names
             bad: list[DamagedCopy] = []
             sound = 0
             with AlignedBuffer(most) as buf:
                 for loc in locs:
                     try:
-                        header, payload = self.read_entry(cid, loc, buf, self.direct)
-                        if read_data:
-                            id_check(header, payload, cid, base=self.delta_base)
-                        else:
-                            stored_check(header, payload, cid)
+                        header = self._own_check(cid, loc, buf, read_data)
                     except ChunkError as e:
                         if e.chunk_id == cid:  # a delta's damaged base is the base's damage, found on its own
                             bad.append(DamagedCopy(cid, loc.pack, loc.offset, e.what))
