@@ -44,6 +44,7 @@ import importlib.util
 import struct
 import threading
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable, Protocol
 
 from types import ModuleType
@@ -247,14 +248,38 @@ class ZstdCodec:
 
 
 class _PlaneScratch:
-    """A byte-plane codec's working memory: one buffer per thread, reused from chunk to chunk up to
-    KEEP bytes (chunks are 2-4 MiB; a payload claiming a chunk of up to 1 GiB, refused or not, leaves
-    no such buffer behind in every thread that decoded one)."""
+    """What the byte-plane codecs share: a zstd codec for their planes, and working memory: one buffer
+    per thread, reused from chunk to chunk up to KEEP bytes (chunks are 2-4 MiB; a payload claiming a
+    chunk of up to 1 GiB, refused or not, leaves no such buffer behind in every thread that decoded
+    one)."""
 
     KEEP = 32 << 20
 
     def __init__(self) -> None:
         self._local = threading.local()
+        self.zstd = ZstdCodec(params=PLANE_ZSTD)
+
+    def _put_plane(self, split: Callable[[np.ndarray], None], try_zstd: bool, dst: memoryview,
+                   out: np.ndarray, pos: int, size: int, scratch: np.ndarray) -> tuple[int, int] | None:
+        """One plane of SIZE bytes into DST at POS (OUT: DST as bytes), SPLIT(into) writing it: a
+        plane not to be tried (not TRY_ZSTD) split straight into DST; else split into SCRATCH and
+        one zstd frame written if it shrinks the plane below PLANE_PAYS_OFF, the plane copied as it
+        is if not. (the position after it, its kind: 0 as it is, 1 a frame); None when it does not
+        fit in DST."""
+        room = len(dst) - pos
+        if not try_zstd:
+            if room < size:
+                return None
+            split(out[pos:pos + size])
+            return pos + size, 0
+        split(scratch)
+        z = self.zstd.encode_into(scratch.data, dst[pos:pos + min(room, int(PLANE_PAYS_OFF * size))])
+        if z is not None:
+            return pos + z, 1
+        if room < size:
+            return None
+        copy_into(dst[pos:pos + size], scratch.data)
+        return pos + size, 0
 
     def _scratch_view(self, n: int) -> memoryview:
         """This thread's plane buffer of at least N bytes (grown to the largest chunk up to KEEP it has
@@ -314,9 +339,6 @@ class Shuffle2Codec(_PlaneScratch):
     LAYOUT = 2  # what this writer writes
     _BLOCK = 1 << 18  # elements per step of a layout 2 split or merge (its temporaries stay in cache)
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.zstd = ZstdCodec(params=PLANE_ZSTD)
 
 
     def _scratch(self, n: int) -> np.ndarray:
@@ -381,23 +403,11 @@ class Shuffle2Codec(_PlaneScratch):
         planes = self._scratch(h)
         pos, kinds, n0 = head, [0, 0], 0
         for i in (0, 1):
-            room = len(dst) - pos
-            if not which[i]:
-                if room < h:
-                    return None
-                self._plane_of(a, i, out[pos:pos + h], self.LAYOUT)
-                pos += h
-            else:
-                self._plane_of(a, i, planes, self.LAYOUT)
-                z = self.zstd.encode_into(planes.data, dst[pos:pos + min(room, int(PLANE_PAYS_OFF * h))])
-                if z is not None:
-                    kinds[i] = 1
-                    pos += z
-                else:
-                    if room < h:
-                        return None
-                    copy_into(dst[pos:pos + h], planes.data)
-                    pos += h
+            got = self._put_plane(partial(self._plane_of, a, i, layout=self.LAYOUT), which[i], dst, out, pos, h,
+                                  planes)
+            if got is None:
+                return None
+            pos, kinds[i] = got
             if i == 0:
                 n0 = pos - head
         dst[:head] = self._HEAD.pack(self.LAYOUT, kinds[0], kinds[1], n0)
@@ -512,9 +522,6 @@ class Shuffle4Codec(_PlaneScratch):
     _HEAD = struct.Struct("<BBBBB3x3Q")
     LAYOUT = 1
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.zstd = ZstdCodec(params=PLANE_ZSTD)
 
 
     def _plane_of(self, a: np.ndarray, i: int, into: np.ndarray) -> None:
@@ -557,25 +564,11 @@ class Shuffle4Codec(_PlaneScratch):
         plane = np.frombuffer(self._scratch_view(q), np.uint8)
         pos, kinds, lengths = head, [0, 0, 0, 0], []
         for i in range(4):
-            room = len(dst) - pos
-            start = pos
-            if not which[i]:
-                if room < q:
-                    return None
-                self._plane_of(a, i, out[pos:pos + q])
-                pos += q
-            else:
-                self._plane_of(a, i, plane)
-                z = self.zstd.encode_into(plane.data, dst[pos:pos + min(room, int(PLANE_PAYS_OFF * q))])
-                if z is not None:
-                    kinds[i] = 1
-                    pos += z
-                else:
-                    if room < q:
-                        return None
-                    copy_into(dst[pos:pos + q], plane.data)
-                    pos += q
-            lengths.append(pos - start)
+            got = self._put_plane(partial(self._plane_of, a, i), which[i], dst, out, pos, q, plane)
+            if got is None:
+                return None
+            lengths.append(got[0] - pos)
+            pos, kinds[i] = got
         dst[:head] = self._HEAD.pack(self.LAYOUT, *kinds, *lengths[:3])
         return pos
 
