@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import re
 import struct
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -215,6 +216,13 @@ def test_a_put_of_bf16_weights_stores_shuffle2_chunks_and_checks_them(cli: Cli, 
     man = json.loads((store_dir / "snapshots" / "m.json").read_text())
     codecs = {c[2] for s in man["streams"] for c in s.get("chunks", [])}
     assert codecs == {"shuffle2-zstd"}, codecs
+    g = _got_then_damaged(cli, store_dir, tmp_path, src)
+    assert g.returncode != 0 and not (tmp_path / "out2").exists(), g.stderr
+
+
+def _got_then_damaged(cli: Cli, store_dir: Path, tmp_path: Path, src: Path) -> "subprocess.CompletedProcess[str]":
+    """Snapshot m of SRC got back whole and verified with --read-data; then a payload byte of its
+    largest pack flipped: the `get` that follows (the caller says what it must give)."""
     cli.run("store", "get", "m", str(tmp_path / "out"))
     assert tree_digest(tmp_path / "out" / "model") == tree_digest(src)
     assert cli.json("store", "verify", "--read-data")["ok"]
@@ -222,8 +230,7 @@ def test_a_put_of_bf16_weights_stores_shuffle2_chunks_and_checks_them(cli: Cli, 
     b = bytearray(victim.read_bytes())
     b[HEADER_SIZE + 40] ^= 0x08
     victim.write_bytes(bytes(b))
-    g = cli.run("store", "get", "m", str(tmp_path / "out2"), check=False)
-    assert g.returncode != 0 and not (tmp_path / "out2").exists(), g.stderr
+    return cli.run("store", "get", "m", str(tmp_path / "out2"), check=False)
 
 
 def test_a_put_of_fp32_weights_stores_shuffle4_chunks_and_checks_them(cli: Cli, store_dir: Path,
@@ -239,14 +246,7 @@ def test_a_put_of_fp32_weights_stores_shuffle4_chunks_and_checks_them(cli: Cli, 
     assert codecs == {"shuffle4-zstd"}, codecs
     assert sum(p.stat().st_size for p in chunk_files(store_dir)) < 0.87 * (8 << 20), put
     assert json.loads((store_dir / "gpusnap-store.json").read_text())["version"] == 7
-    cli.run("store", "get", "m", str(tmp_path / "out"))
-    assert tree_digest(tmp_path / "out" / "model") == tree_digest(src)
-    assert cli.json("store", "verify", "--read-data")["ok"]
-    victim = max(chunk_files(store_dir), key=lambda p: p.stat().st_size)
-    b = bytearray(victim.read_bytes())
-    b[HEADER_SIZE + 40] ^= 0x08
-    victim.write_bytes(bytes(b))
-    g = cli.run("store", "get", "m", str(tmp_path / "out2"), check=False)
+    g = _got_then_damaged(cli, store_dir, tmp_path, src)
     assert g.returncode == 3 and not (tmp_path / "out2").exists(), g.stderr
 
 

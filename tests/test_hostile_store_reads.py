@@ -256,11 +256,10 @@ def _plant_manifest(store: Path, src: str, name: str, edit: Callable[[dict], Non
     (store / "snapshots" / f"{name}.json").write_text(json.dumps(body))
 
 
-def test_a_damaged_delta_base_is_still_reported_when_a_planted_manifest_names_it_otherwise(
-        cli: Cli, store_dir: Path, tmp_path: Path) -> None:
-    """The only copy of a delta's base is damaged, and a planted snapshot names the base with another
-    codec: the base is damaged under every reference, so it is damage as for any chunk (reported for
-    the snapshot made of deltas too, quarantined), not a dispute between manifests."""
+def _deltas_on_a(cli: Cli, store: Path, tmp_path: Path) -> tuple[bytes, str]:
+    """Snapshot a of 8 MiB of bf16 weights (a CRIU-like page image), then b of the same with four 64 KiB
+    blocks rewritten, put with --parent a so that b is stored as deltas on a's chunks: (b's image, the
+    id of the first base b's deltas name)."""
     import numpy as np
     from storage.store import SnapshotStore
 
@@ -277,10 +276,21 @@ def test_a_damaged_delta_base_is_still_reported_when_a_planted_manifest_names_it
     cli.run("store", "put", "a", str(img), "--chunker", "pages")
     (img / "pages-1.img").write_bytes(bytes(b))
     cli.run("store", "put", "b", str(img), "--chunker", "pages", "--no-cache", "--parent", "a")
-    st = SnapshotStore(str(store_dir), create=False)
+    st = SnapshotStore(str(store), create=False)
     bases = st.delta_bases(st.load("b").chunk_ids())
     assert bases, "no delta in b"
-    base = sorted(set().union(*bases.values()))[0]
+    return bytes(b), sorted(set().union(*bases.values()))[0]
+
+
+def test_a_damaged_delta_base_is_still_reported_when_a_planted_manifest_names_it_otherwise(
+        cli: Cli, store_dir: Path, tmp_path: Path) -> None:
+    """The only copy of a delta's base is damaged, and a planted snapshot names the base with another
+    codec: the base is damaged under every reference, so it is damage as for any chunk (reported for
+    the snapshot made of deltas too, quarantined), not a dispute between manifests."""
+    from storage.store import SnapshotStore
+
+    _, base = _deltas_on_a(cli, store_dir, tmp_path)
+    st = SnapshotStore(str(store_dir), create=False)
     loc = st.locate(base)[0]
     with open(store_dir / "packs" / loc.pack, "r+b") as f:
         f.seek(loc.offset + 4096 + 100)
@@ -363,29 +373,13 @@ def test_a_planted_first_entry_of_a_delta_base_costs_it_nothing(cli: Cli, store_
     takes a base's reference from its first full entry's header, which a planted entry (sorting
     first, one page shorter, garbage) may be. verify then neither reports the snapshot nor sets the
     base aside (a sound full copy passes its own check), and gc keeps the sound copy."""
-    import numpy as np
     from storage.chunkfile import HEADER_SIZE, ChunkHeader
     from storage.directio import ALIGN, align_up
     from storage.store import SnapshotStore
 
-    def weights(seed: int, n: int) -> bytes:
-        f = np.random.default_rng(seed).normal(0, 0.02, n // 2).astype(np.float32)
-        return (f.view(np.uint32) >> 16).astype(np.uint16).tobytes()
-    img = tmp_path / "img"
-    img.mkdir()
-    a = weights(3, 8 << 20)
-    b = bytearray(a)
-    for blk in (3, 40, 77, 101):
-        b[blk * 65536:(blk + 1) * 65536] = weights(blk, 65536)
-    (img / "pages-1.img").write_bytes(a)
-    cli.run("store", "put", "a", str(img), "--chunker", "pages")
-    (img / "pages-1.img").write_bytes(bytes(b))
-    cli.run("store", "put", "b", str(img), "--chunker", "pages", "--no-cache", "--parent", "a")
+    b, base = _deltas_on_a(cli, store_dir, tmp_path)
     cli.run("store", "rm", "a")
     st = SnapshotStore(str(store_dir), create=False)
-    bases = st.delta_bases(st.load("b").chunk_ids())
-    assert bases, "no delta in b"
-    base = sorted(set().union(*bases.values()))[0]
     (gloc,) = st.locate(base)
     gh = ChunkHeader.unpack((store_dir / "packs" / gloc.pack).read_bytes()[gloc.offset:gloc.offset + 64], base)
     short = gh.raw_len - ALIGN
