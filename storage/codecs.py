@@ -54,9 +54,9 @@ if TYPE_CHECKING:  # imported on first use: a listing or --help needs neither
     import numpy as np
     import zstandard
 
-from . import shufflelib, zstdlib
-from .directio import copy_into
-from .errors import GpusnapError
+from storage import shufflelib, zstdlib
+from storage.directio import copy_into
+from storage.errors import GpusnapError
 
 # --------------------------------------------------------------------------------------- thresholds
 # Every number the codec choice depends on (host and GPU), here and nowhere else.

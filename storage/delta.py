@@ -25,11 +25,11 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 if TYPE_CHECKING:  # imported where used: `store --help` and a listing load this module and need no numpy
     import numpy as np
 
-from . import native
-from .codecs import DELTA, SAMPLE_PIECE, SAMPLE_PIECES, HostCodecChooser, decode_host_into, CodecError
-from .directio import address_of
-from .errors import DamageError
-from .limits import MAX_RAW_CHUNK
+from storage import native
+from storage.codecs import DELTA, SAMPLE_PIECE, SAMPLE_PIECES, HostCodecChooser, decode_host_into, CodecError
+from storage.directio import address_of
+from storage.errors import DamageError
+from storage.limits import MAX_RAW_CHUNK
 
 MAX_SEGMENTS = 64              # a chunk of at most 4 MiB overlaps 3 parent chunks; 64 bounds a hostile table
 _HEAD = struct.Struct("<HB5s")  # segment count, how the XOR is encoded (XOR_CODECS), reserved (zero)
@@ -157,7 +157,7 @@ def xored(data: memoryview, segments: list[Segment], raws: dict[str, bytes | mem
 def xored_pages(data: memoryview, segments: list[Segment], raws: dict[str, bytes | memoryview],
                 scratch: memoryview) -> tuple[memoryview, float, "np.ndarray"]:
     """xored, and page_differences of the XOR (one pass over it for both)."""
-    from .directio import copy_into
+    from storage.directio import copy_into
     if sum(len(raws[b]) for b in bases(segments)) > bases_limit(len(data)):
         raise ValueError("the reference's bases hold more than a delta's bases may")
     n = len(data)

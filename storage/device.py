@@ -24,10 +24,10 @@ import weakref
 from contextlib import contextmanager
 from typing import Any, Iterator, Protocol
 
-from .codecs import NVCOMP_ALGORITHMS, CodecError, entry
-from .directio import ALIGN, align_up
+from storage.codecs import NVCOMP_ALGORITHMS, CodecError, entry
+from storage.directio import ALIGN, align_up
 
-from .errors import GpusnapError
+from storage.errors import GpusnapError
 
 class DeviceError(GpusnapError):
     """A CUDA or nvCOMP call failed, or the device (driver, library) is not available here."""

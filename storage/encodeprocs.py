@@ -39,10 +39,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterator
 
-from . import isolated
-from .chunkfile import HEADER_SIZE
-from .settings import setting
-from .errors import GpusnapError
+from storage import isolated
+from storage.chunkfile import HEADER_SIZE
+from storage.settings import setting
+from storage.errors import GpusnapError
 
 if TYPE_CHECKING:
     import numpy as np
@@ -380,10 +380,10 @@ def child_main(argv: list[str]) -> None:
     mfd, size, req_r, ans_w, level, compress, parent = (int(a) for a in argv)
     _die_with_parent(parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a ^C is the put's to handle; it closes the pipes
-    from . import pagekeys  # noqa: PLC0415 - after the parent check: nothing heavy for an orphan
-    from .chunkfile import ChunkHeader, raw_chunk_id, stored_digest  # noqa: PLC0415
-    from .codecs import HostCodecChooser  # noqa: PLC0415
-    from .directio import is_zero  # noqa: PLC0415
+    from storage import pagekeys  # noqa: PLC0415 - after the parent check: nothing heavy for an orphan
+    from storage.chunkfile import ChunkHeader, raw_chunk_id, stored_digest  # noqa: PLC0415
+    from storage.codecs import HostCodecChooser  # noqa: PLC0415
+    from storage.directio import is_zero  # noqa: PLC0415
     import numpy as np  # noqa: PLC0415
     m = mmap.mmap(mfd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     os.close(mfd)

@@ -28,10 +28,10 @@ import ctypes
 import os
 from typing import Any
 
-from . import native
-from .directio import address_of
-from .errors import GpusnapError
-from .settings import setting
+from storage import native
+from storage.directio import address_of
+from storage.errors import GpusnapError
+from storage.settings import setting
 
 LIBRARY = native.path_of("libgpusnap_fdread.so")
 ABI = 3  # gs_fdread_version() of the library this module was written for

@@ -26,12 +26,12 @@ from typing import TYPE_CHECKING, Any
 
 import blake3
 
-from .directio import read_small_file
-from .manifest import ChunkRef, ManifestError
-from .storedir import FILES_CACHE, TMP
+from storage.directio import read_small_file
+from storage.manifest import ChunkRef, ManifestError
+from storage.storedir import FILES_CACHE, TMP
 
 if TYPE_CHECKING:
-    from .store import SnapshotStore
+    from storage.store import SnapshotStore
 
 RECORD = FILES_CACHE
 FORMAT = "gpusnap-files-cache"
@@ -95,7 +95,7 @@ class FilesCache:
 
     def save(self, store: "SnapshotStore") -> None:
         """Replace the store's cache with this one, atomically and durably."""
-        from .store import _unlink_quietly, _write_file, owned_name
+        from storage.store import _unlink_quietly, _write_file, owned_name
         data = json.dumps({"format": FORMAT, "version": VERSION, "entries": self.entries,
                            "checksum": _checksum(self.entries)}, separators=(",", ":")).encode()
         with store.root() as (root, _), store.subdir(TMP) as tmp:

@@ -23,16 +23,16 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterator
 
-from .directio import ALIGN, address_of, read_into
-from .getmark import remove_marker, write_marker
-from .treewalk import remove_tree
-from .names import InvalidNameError, validate_stream_name
-from .pipeline import PipelineError, StreamSpec, StreamWriter
-from .files_cache import stat_key
-from .xattrs import read_xattrs, restore_xattrs
+from storage.directio import ALIGN, address_of, read_into
+from storage.getmark import remove_marker, write_marker
+from storage.treewalk import remove_tree
+from storage.names import InvalidNameError, validate_stream_name
+from storage.pipeline import PipelineError, StreamSpec, StreamWriter
+from storage.files_cache import stat_key
+from storage.xattrs import read_xattrs, restore_xattrs
 
 
-from .errors import GpusnapError
+from storage.errors import GpusnapError
 
 PAUSE_ENV = "GPUSNAP_TEST_PAUSE_AFTER_SCAN"  # test hook, see pause_after_scan
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC

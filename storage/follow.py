@@ -25,8 +25,8 @@ import threading
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
-from .filetree import RangeReader, read_fd
-from .pipeline import PipelineError, StreamSpec
+from storage.filetree import RangeReader, read_fd
+from storage.pipeline import PipelineError, StreamSpec
 
 class FollowError(PipelineError):
     """The directory cannot be watched or read, or its writer failed."""

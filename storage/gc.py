@@ -25,25 +25,25 @@ import stat
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from . import delta
-from .codecs import DELTA
-from .chunkfile import ChunkError, file_kind, stored_check
-from .directio import AlignedBuffer
-from .errors import GpusnapError
-from .directio import read_to_end
-from .getmark import NONCE, carries_marker
-from .limits import MAX_MANIFEST
-from .names import InvalidNameError, validate_snapshot_name
-from .owner import ProcessOwner
-from .packs import PACK_NAME, REPACK_BELOW, Loc
-from .reflog import RefLogError, pinned
-from .store import CHUNK_ID, EntryUnknown, get_staging_name, read_record
-from .storedir import (CHUNKS, INDEX, JOURNAL, NAMES, PACKS, QUARANTINE, SNAPSHOTS, TMP, StoreDamage, entries, lstat_at,
+from storage import delta
+from storage.codecs import DELTA
+from storage.chunkfile import ChunkError, file_kind, stored_check
+from storage.directio import AlignedBuffer
+from storage.errors import GpusnapError
+from storage.directio import read_to_end
+from storage.getmark import NONCE, carries_marker
+from storage.limits import MAX_MANIFEST
+from storage.names import InvalidNameError, validate_snapshot_name
+from storage.owner import ProcessOwner
+from storage.packs import PACK_NAME, REPACK_BELOW, Loc
+from storage.reflog import RefLogError, pinned
+from storage.store import CHUNK_ID, EntryUnknown, get_staging_name, read_record
+from storage.storedir import (CHUNKS, INDEX, JOURNAL, NAMES, PACKS, QUARANTINE, SNAPSHOTS, TMP, StoreDamage, entries, lstat_at,
                        manifest_entry, open_dir, opened_dir, remove_tree)
-from .treewalk import empty_tree
+from storage.treewalk import empty_tree
 
 if TYPE_CHECKING:
-    from .store import SnapshotStore
+    from storage.store import SnapshotStore
 
 # tmp/KIND.PID-START-BOOT.REST: an entry whose owner is written in its name
 _OWNED = re.compile(r"([a-z]+)\.(\d+-\d+-[0-9a-f]{8})\.([A-Za-z0-9_.-]+)")

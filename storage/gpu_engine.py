@@ -28,16 +28,16 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
-from .progress import Progress
-from .chunkfile import HEADER_SIZE, ChunkError
-from . import codecs
-from .codecs import GPU_PAYS_OFF_RATIO
-from .limits import MAX_RAW_CHUNK
-from .device import CudaDevice, Device, DeviceError, HostBuffer
-from .directio import ALIGN
-from .manifest import ChunkRef, Manifest, Stream
-from .pipeline import Result, Stages, _Failure, is_zero, writer_result
-from .tier import ChunkTier, TierWriter
+from storage.progress import Progress
+from storage.chunkfile import HEADER_SIZE, ChunkError
+from storage import codecs
+from storage.codecs import GPU_PAYS_OFF_RATIO
+from storage.limits import MAX_RAW_CHUNK
+from storage.device import CudaDevice, Device, DeviceError, HostBuffer
+from storage.directio import ALIGN
+from storage.manifest import ChunkRef, Manifest, Stream
+from storage.pipeline import Result, Stages, _Failure, is_zero, writer_result
+from storage.tier import ChunkTier, TierWriter
 
 GpuEngineError = DeviceError  # one exception type for the GPU data path (device.py raises it)
 

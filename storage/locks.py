@@ -10,8 +10,8 @@ import os
 from typing import Callable
 from dataclasses import dataclass
 
-from .errors import GpusnapError
-from .storedir import LOCK, NAMES, path_in
+from storage.errors import GpusnapError
+from storage.storedir import LOCK, NAMES, path_in
 
 
 class LockError(GpusnapError):

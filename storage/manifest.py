@@ -18,12 +18,12 @@ from typing import Any
 
 import blake3
 
-from .codecs import CODEC_IDS, ZERO
-from .names import STREAM_PATH_MAX, validate_snapshot_name, validate_stream_name
+from storage.codecs import CODEC_IDS, ZERO
+from storage.names import STREAM_PATH_MAX, validate_snapshot_name, validate_stream_name
 
-from .errors import DamageError, GpusnapError
-from . import limits
-from .limits import MAX_RAW_CHUNK, MAX_STORED_CHUNK
+from storage.errors import DamageError, GpusnapError
+from storage import limits
+from storage.limits import MAX_RAW_CHUNK, MAX_STORED_CHUNK
 
 _SURROGATE_ESCAPE = re.compile(rb"\\[uU][dD][89a-fA-F]")  # a JSON escape of a UTF-16 surrogate
 
@@ -66,7 +66,7 @@ def validate_tag(tag: str) -> str:
 @functools.cache
 def tool_version() -> str:
     """This gpusnap's version, recorded in every manifest it writes."""
-    from .version import VERSION
+    from storage.version import VERSION
     return VERSION
 
 
@@ -271,12 +271,12 @@ def check_tree(streams: list[Stream], version: int = VERSION) -> list[str]:
             if key in a and not _is_int(a[key], low, high):
                 problems.append(f"stream {s.name!r} has a bad {key} {a[key]!r}")
         if "xattrs" in a:
-            from .xattrs import check as check_xattrs
+            from storage.xattrs import check as check_xattrs
             why = check_xattrs(a["xattrs"]) if version >= 3 else "xattrs in a manifest before version 3"
             if why:
                 problems.append(f"stream {s.name!r} has {why}")
         if "pagekeys" in a:
-            from .pagekeys import check as check_pagekeys
+            from storage.pagekeys import check as check_pagekeys
             why = check_pagekeys(a["pagekeys"], s.size) if t in ("file", "blob") else f"page keys on a {t}"
             if why:
                 problems.append(f"stream {s.name!r} has bad page keys: {why}")

@@ -22,13 +22,13 @@ import time
 from dataclasses import dataclass
 from typing import Any, Iterator, cast
 
-from .chunkfile import ChunkError, ChunkHeader, chunk_id
-from .directio import ALIGN, align_up
-from .errors import DamageError, GpusnapError
-from .manifest import ChunkRef, Manifest, Stream
-from .names import validate_snapshot_name
-from .store import WriteStats
-from .tier import Landing, Verified
+from storage.chunkfile import ChunkError, ChunkHeader, chunk_id
+from storage.directio import ALIGN, align_up
+from storage.errors import DamageError, GpusnapError
+from storage.manifest import ChunkRef, Manifest, Stream
+from storage.names import validate_snapshot_name
+from storage.store import WriteStats
+from storage.tier import Landing, Verified
 
 
 class MemoryTierError(GpusnapError):

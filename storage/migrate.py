@@ -16,13 +16,13 @@ import stat
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from .chunkfile import HEADER_SIZE, MAX_RAW_CHUNK, ChunkError, ChunkHeader, full_check, read_chunk_file
-from .directio import AlignedBuffer, align_up
-from .storedir import CHUNKS, TMP, StoreDamage, entries, opened_child
-from .store import CHUNK_ID
+from storage.chunkfile import HEADER_SIZE, MAX_RAW_CHUNK, ChunkError, ChunkHeader, full_check, read_chunk_file
+from storage.directio import AlignedBuffer, align_up
+from storage.storedir import CHUNKS, TMP, StoreDamage, entries, opened_child
+from storage.store import CHUNK_ID
 
 if TYPE_CHECKING:
-    from .store import SnapshotStore
+    from storage.store import SnapshotStore
 
 _BATCH = 1 << 30  # chunk files deleted after each GiB moved (its packs indexed first)
 

@@ -29,18 +29,18 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Generator, Generic, Iterator, Protocol, TypeVar
 
-from .progress import Progress
-from .chunkfile import HEADER_SIZE, ChunkError, full_check, raw_chunk_id
-from . import delta, pagekeys
-from .codecs import DELTA, DELTA_MATCH, DELTA_PAYS_OFF, HostCodecChooser, CodecError
-from .directio import AlignedBuffer, Arena, BufferPool, align_up, copy_into, is_zero
-from .encodeprocs import EncodeProcs, Encoder, Prepared, encode_procs
-from .manifest import ChunkRef, Manifest, Stream
-from .readstage import Want, read_chunks
-from .store import SnapshotDamaged, SnapshotStore, SnapshotWriter, StoreError, base_cache_bytes
+from storage.progress import Progress
+from storage.chunkfile import HEADER_SIZE, ChunkError, full_check, raw_chunk_id
+from storage import delta, pagekeys
+from storage.codecs import DELTA, DELTA_MATCH, DELTA_PAYS_OFF, HostCodecChooser, CodecError
+from storage.directio import AlignedBuffer, Arena, BufferPool, align_up, copy_into, is_zero
+from storage.encodeprocs import EncodeProcs, Encoder, Prepared, encode_procs
+from storage.manifest import ChunkRef, Manifest, Stream
+from storage.readstage import Want, read_chunks
+from storage.store import SnapshotDamaged, SnapshotStore, SnapshotWriter, StoreError, base_cache_bytes
 
-from .errors import GpusnapError
-from .settings import switch
+from storage.errors import GpusnapError
+from storage.settings import switch
 
 DEFAULT_CHUNK = 4 << 20
 

@@ -22,13 +22,13 @@ from typing import IO, Iterator
 
 import zstandard
 
-from .chunkfile import HEADER_SIZE, ChunkError, check_received, max_stored_len
-from .directio import AlignedBuffer, align_up
-from .errors import DamageError, GpusnapError
-from .limits import MAX_MANIFEST
-from .manifest import Manifest, ManifestError
-from .names import validate_snapshot_name
-from .store import SnapshotStore
+from storage.chunkfile import HEADER_SIZE, ChunkError, check_received, max_stored_len
+from storage.directio import AlignedBuffer, align_up
+from storage.errors import DamageError, GpusnapError
+from storage.limits import MAX_MANIFEST
+from storage.manifest import Manifest, ManifestError
+from storage.names import validate_snapshot_name
+from storage.store import SnapshotStore
 
 EXPORT_FORMAT = "gpusnap-export"
 EXPORT_VERSION = 2  # version 2 archives may hold raw-addressed (GSNPCHK2) chunks

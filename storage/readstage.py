@@ -27,18 +27,18 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol, TypeVar
 
-from .chunkfile import HEADER_SIZE, ChunkError, ChunkHeader, full_check, id_check, max_stored_len, stored_check
-from .directio import ALIGN, BufferPool, align_up, read_into, read_into_direct
-from .manifest import ChunkRef
-from .errors import GpusnapError
-from .packs import Loc, coalesce, open_pack, parse_entry
+from storage.chunkfile import HEADER_SIZE, ChunkError, ChunkHeader, full_check, id_check, max_stored_len, stored_check
+from storage.directio import ALIGN, BufferPool, align_up, read_into, read_into_direct
+from storage.manifest import ChunkRef
+from storage.errors import GpusnapError
+from storage.packs import Loc, coalesce, open_pack, parse_entry
 
 if TYPE_CHECKING:
     from contextlib import AbstractContextManager
 
-    from .delta import BaseReader
+    from storage.delta import BaseReader
 
-    from .directio import AlignedBuffer
+    from storage.directio import AlignedBuffer
 
 
 _T = TypeVar("_T")
@@ -470,7 +470,7 @@ def willneed_step() -> int:
     steps filled no faster than 128 KiB on an H100 whose read_ahead_kb is 8192: BENCHMARKS.md section
     37); a bad value is refused (SettingError) where a restore checks its settings."""
     if not _step:
-        from .settings import SettingError, setting
+        from storage.settings import SettingError, setting
         _step.append(int(setting("GPUSNAP_WILLNEED_STEP", WILLNEED_STEP, int, lambda n: 4096 <= n <= 64 << 20,
                                  "bytes, from 4096 to 67108864", SettingError)))
     return _step[0]

@@ -26,10 +26,10 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
-from .directio import read_to_end
-from .errors import GpusnapError
-from .manifest import ChunkRef, ManifestError, Stream
-from .names import InvalidNameError, validate_stream_name
+from storage.directio import read_to_end
+from storage.errors import GpusnapError
+from storage.manifest import ChunkRef, ManifestError, Stream
+from storage.names import InvalidNameError, validate_stream_name
 
 SUFFIX = ".refs"
 MAX_LOG = 256 << 20      # a 1 TiB region in 4 MiB chunks is ~20 MiB of lines

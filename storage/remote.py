@@ -37,17 +37,17 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
-from .progress import Progress
-from .chunkfile import HEADER_SIZE, ChunkError, ChunkHeader, check_received, max_stored_len
-from .directio import AlignedBuffer, BufferPool
-from .errors import DamageError, GpusnapError, UnavailableError
-from .directio import align_up
-from .limits import DEFAULT_JOBS, MAX_MANIFEST, MAX_RECORD
-from .manifest import ChunkRef, Manifest, ManifestError
-from .names import validate_snapshot_name
-from .packs import INDEX_MAX, PACK_NAME, IndexDamage, Loc, PackIndex, coalesce, decode_index, encode_index
-from .store import Problem, SnapshotStore, StoreError, VerifyReport
-from .storedir import REMOTES, path_in
+from storage.progress import Progress
+from storage.chunkfile import HEADER_SIZE, ChunkError, ChunkHeader, check_received, max_stored_len
+from storage.directio import AlignedBuffer, BufferPool
+from storage.errors import DamageError, GpusnapError, UnavailableError
+from storage.directio import align_up
+from storage.limits import DEFAULT_JOBS, MAX_MANIFEST, MAX_RECORD
+from storage.manifest import ChunkRef, Manifest, ManifestError
+from storage.names import validate_snapshot_name
+from storage.packs import INDEX_MAX, PACK_NAME, IndexDamage, Loc, PackIndex, coalesce, decode_index, encode_index
+from storage.store import Problem, SnapshotStore, StoreError, VerifyReport
+from storage.storedir import REMOTES, path_in
 
 REMOTE_FORMAT = "gpusnap-remote"
 REMOTE_VERSION = 2              # packs and index objects; 1: one object per chunk (read, FORMAT.md)

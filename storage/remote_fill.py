@@ -31,15 +31,15 @@ from collections import deque
 from contextlib import ExitStack
 from typing import TYPE_CHECKING, Any, Iterable
 
-from .progress import Progress
-from .chunkfile import HEADER_SIZE
-from .directio import BufferPool
-from .errors import GpusnapError
-from .manifest import ChunkRef, Manifest
-from .chunkfile import ChunkHeader
-from .directio import AlignedBuffer
-from .packs import Loc
-from .remote import (
+from storage.progress import Progress
+from storage.chunkfile import HEADER_SIZE
+from storage.directio import BufferPool
+from storage.errors import GpusnapError
+from storage.manifest import ChunkRef, Manifest
+from storage.chunkfile import ChunkHeader
+from storage.directio import AlignedBuffer
+from storage.packs import Loc
+from storage.remote import (
     DEFAULT_JOBS,
     RANGE_MAX,
     Remote,
@@ -52,11 +52,11 @@ from .remote import (
     pause_for_tests,
     usable,
 )
-from .store import SnapshotDamaged, SnapshotStore, StoreError
-from .tier import Verified
+from storage.store import SnapshotDamaged, SnapshotStore, StoreError
+from storage.tier import Verified
 
 if TYPE_CHECKING:
-    from .device import HostBuffer
+    from storage.device import HostBuffer
 
 HANDOFF_BYTES = 128 << 20  # verified payloads held for the reader, at most
 

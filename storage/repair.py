@@ -17,19 +17,19 @@ import stat
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
-from .progress import Progress
-from .chunkfile import HEADER_SIZE, ChunkHeader, chunk_id, id_check, raw_chunk_id
-from .delta import BASE_WHY
-from .codecs import HOST_CODECS, HostCodecChooser, ZstdCodec
-from .directio import AlignedBuffer, BufferPool, copy_into
-from .errors import GpusnapError
-from .manifest import ChunkRef, Manifest
-from .store import Problem, Stray, chunk_refs
-from .storedir import CHUNKS, MARKER, QUARANTINE, TMP
+from storage.progress import Progress
+from storage.chunkfile import HEADER_SIZE, ChunkHeader, chunk_id, id_check, raw_chunk_id
+from storage.delta import BASE_WHY
+from storage.codecs import HOST_CODECS, HostCodecChooser, ZstdCodec
+from storage.directio import AlignedBuffer, BufferPool, copy_into
+from storage.errors import GpusnapError
+from storage.manifest import ChunkRef, Manifest
+from storage.store import Problem, Stray, chunk_refs
+from storage.storedir import CHUNKS, MARKER, QUARANTINE, TMP
 
 if TYPE_CHECKING:
-    from .packs import PackWriter
-    from .store import SnapshotStore
+    from storage.packs import PackWriter
+    from storage.store import SnapshotStore
 
 _ENCODERS = {"zstd": ZstdCodec(level=1)}  # stored-addressed (GSNPCHK1) host chunks are re-encoded with these
 
@@ -88,7 +88,7 @@ def repair(store: "SnapshotStore", sources: Sequence[str] = (), *, workers: int 
             if lost is not None and did not in need:
                 need[did] = refs[did]
                 bad[did] = f"{BASE_WHY} {lost[:16]}… {bad.get(lost, 'missing')}"
-        from . import damage
+        from storage import damage
         damage.update(store, [c for c in refs if c not in need], {c: bad[c] for c in need})
         for m in manifests:
             for s in m.streams:
@@ -154,7 +154,7 @@ def _keep_raw(store: "SnapshotStore", pw: "PackWriter", chunks_fd: int, ref: Chu
 
 def _from_store(store: "SnapshotStore", pw: "PackWriter", chunks_fd: int, path: str, need: dict[str, ChunkRef],
                 buf: AlignedBuffer) -> dict[str, str]:
-    from .store import SnapshotStore  # noqa: PLC0415 - the type is imported for checking only above
+    from storage.store import SnapshotStore  # noqa: PLC0415 - the type is imported for checking only above
     other = SnapshotStore(path, create=False)
     got: dict[str, str] = {}
     with other.shared():

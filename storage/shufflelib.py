@@ -33,8 +33,8 @@ from __future__ import annotations
 import ctypes
 from typing import TYPE_CHECKING, Any
 
-from . import native
-from .directio import address_of
+from storage import native
+from storage.directio import address_of
 
 if TYPE_CHECKING:
     import numpy as np

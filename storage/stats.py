@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from .manifest import ChunkRef, Manifest
+from storage.manifest import ChunkRef, Manifest
 
 
 @dataclass

@@ -46,30 +46,30 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, TypeVar
 
-from .progress import Progress
-from .chunkfile import (HEADER_SIZE, ChunkError, ChunkHeader, chunk_id, file_kind, full_check, max_stored_len,
+from storage.progress import Progress
+from storage.chunkfile import (HEADER_SIZE, ChunkError, ChunkHeader, chunk_id, file_kind, full_check, max_stored_len,
                         id_check, raw_chunk_id, read_chunk_file, reusable, stored_check)
-from .directio import AlignedBuffer, BufferPool, address_of, align_up, copy_into, direct_io_supported, read_to_end
-from .directio import unlink_quietly as _unlink_quietly, write_new_file as _write_file
-from . import delta, waits
-from .codecs import DELTA, CodecError, HostCodecChooser
-from .getmark import new_nonce
-from .limits import MAX_MANIFEST, MAX_STORED_CHUNK
-from .treewalk import remove_tree
-from .errors import EXIT_DAMAGED, DamageError, GpusnapError
-from .manifest import ChunkRef, Manifest, ManifestError, Stream, validate_tag
-from .names import InvalidNameError, validate_snapshot_name
-from .owner import owned_name, this_owner
-from .packfds import PackFds
-from .packs import Loc, PackIndex, PackWriter, open_pack, read_entry
-from .packs import pause as pause_pack
-from .tier import Landing, Verified
-from .storedir import (CHUNKS, INDEX, LOCK, MARKER, NAMES, PACK_DIRS, PACKS, QUARANTINE, SNAPSHOTS, SUBDIRS, TMP,
+from storage.directio import AlignedBuffer, BufferPool, address_of, align_up, copy_into, direct_io_supported, read_to_end
+from storage.directio import unlink_quietly as _unlink_quietly, write_new_file as _write_file
+from storage import delta, waits
+from storage.codecs import DELTA, CodecError, HostCodecChooser
+from storage.getmark import new_nonce
+from storage.limits import MAX_MANIFEST, MAX_STORED_CHUNK
+from storage.treewalk import remove_tree
+from storage.errors import EXIT_DAMAGED, DamageError, GpusnapError
+from storage.manifest import ChunkRef, Manifest, ManifestError, Stream, validate_tag
+from storage.names import InvalidNameError, validate_snapshot_name
+from storage.owner import owned_name, this_owner
+from storage.packfds import PackFds
+from storage.packs import Loc, PackIndex, PackWriter, open_pack, read_entry
+from storage.packs import pause as pause_pack
+from storage.tier import Landing, Verified
+from storage.storedir import (CHUNKS, INDEX, LOCK, MARKER, NAMES, PACK_DIRS, PACKS, QUARANTINE, SNAPSHOTS, SUBDIRS, TMP,
                        StoreAccessError, StoreDamage, chunk_dir_name, entries, lstat_at, manifest_entry,
                        name_lock_entry, opened_child, quarantine_record, opened_dir, opened_root)
 
 if TYPE_CHECKING:
-    from .device import HostBuffer
+    from storage.device import HostBuffer
 
 STORE_FORMAT = "gpusnap-store"
 STORE_VERSION = 3  # what a new store's marker says
@@ -1297,7 +1297,7 @@ class SnapshotStore:
         (chunkfile.id_check: GSNPCHK2 chunks decoded and their raw bytes hashed)."""
         if progress is not None:
             progress.start(sum(c.stored_len for c in refs.values()))
-        from .readstage import Want, read_chunks  # readstage reads through this module
+        from storage.readstage import Want, read_chunks  # readstage reads through this module
         bad: dict[str, str] = {}
         lock = threading.Lock()
         # pack order: each pack read front to back in large reads, whatever the snapshots' order
@@ -1583,7 +1583,7 @@ class SnapshotStore:
     def _record_damage(self, whole: list[str], bad: dict[str, str], wait: float) -> None:
         """Note BAD in damaged.json and clear WHOLE there (storage/damage.py), for `store ls`; a busy or
         read-only store keeps the old record (it is only a listing's hint)."""
-        from . import damage
+        from storage import damage
         if not bad and not os.path.lexists(os.path.join(self.path, damage.RECORD)):
             return
         try:

@@ -18,8 +18,8 @@ import stat
 from contextlib import contextmanager
 from typing import Iterator
 
-from . import treewalk
-from .errors import DamageError, GpusnapError
+from storage import treewalk
+from storage.errors import DamageError, GpusnapError
 
 # ---- the layout ------------------------------------------------------------------------------
 MARKER = "gpusnap-store.json"   # the store's format and version

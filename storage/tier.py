@@ -24,12 +24,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from .chunkfile import ChunkHeader
-from .errors import DamageError
-from .manifest import ChunkRef, Manifest, Stream
+from storage.chunkfile import ChunkHeader
+from storage.errors import DamageError
+from storage.manifest import ChunkRef, Manifest, Stream
 
 if TYPE_CHECKING:
-    from .device import HostBuffer
+    from storage.device import HostBuffer
 
 
 @dataclass(frozen=True)
