@@ -17,7 +17,7 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import click  # noqa: E402 - after the setting above
 
-from storage.errors import (EXIT_DAMAGED, EXIT_FAILED, EXIT_OK, EXIT_RECOVER, EXIT_UNAVAILABLE,
+from storage.base.errors import (EXIT_DAMAGED, EXIT_FAILED, EXIT_OK, EXIT_RECOVER, EXIT_UNAVAILABLE,
                             EXIT_USAGE)
 
 from cli.lazy import LazyGroup

@@ -12,9 +12,9 @@ from typing import Any, Callable, Iterator
 
 import click
 
-from storage.errors import EXIT_FAILED, GpusnapError
-from storage.limits import DEFAULT_JOBS
-from storage.settings import apply_switch_interval
+from storage.base.errors import EXIT_FAILED, GpusnapError
+from storage.base.limits import DEFAULT_JOBS
+from storage.base.settings import apply_switch_interval
 from storage.store import SnapshotStore
 
 def human(n: float) -> str:
@@ -131,8 +131,8 @@ def _stage_seconds(data: dict[str, Any]) -> float:
 def wall(data: dict[str, Any]) -> dict[str, Any]:
     """The whole command's wall time and what it was: start-up (the interpreter and the imports),
     the stages the report already times, waits (locks, the fsyncs of a commit, a tree's death;
-    storage/waits.py) and the rest (scanning, loading, journaling, cleaning up)."""
-    from storage import waits
+    storage/base/waits.py) and the rest (scanning, loading, journaling, cleaning up)."""
+    from storage.base import waits
     now = _since_boot()
     started = _process_started()
     total = now - started if started is not None else now - COMMAND_STARTED

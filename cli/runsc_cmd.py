@@ -6,7 +6,7 @@ from typing import Any
 
 import click
 
-from storage.errors import UnavailableError
+from storage.base.errors import UnavailableError
 from storage.storedir import LOGS, path_in
 from cli.progress import Progress
 

@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from storage.errors import EXIT_DAMAGED, EXIT_FAILED, GpusnapError
-from storage.names import validate_snapshot_name
+from storage.base.errors import EXIT_DAMAGED, EXIT_FAILED, GpusnapError
+from storage.base.names import validate_snapshot_name
 from storage.store import StoreError
 from storage.storedir import MARKER, SNAPSHOTS, path_in
 

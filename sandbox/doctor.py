@@ -182,7 +182,7 @@ def _host_codec() -> dict[str, Any]:
 def _dump_writes() -> str:
     """How a dump writes its packs on this host (sandbox.host.dumpwrites), or why it cannot."""
     from sandbox.host import dumpwrites
-    from storage.settings import SettingError
+    from storage.base.settings import SettingError
     try:
         return dumpwrites.describe()
     except SettingError as e:

@@ -24,8 +24,8 @@ from storage import delta
 from storage.codecs import CODEC_IDS, CODEC_NAMES, DELTA, RAW_ENTRY_CODECS, CodecError, decode_host, decode_host_into
 from storage.directio import ALIGN, AlignedBuffer, align_up, read_into
 
-from storage.errors import DamageError, GpusnapError
-from storage.limits import MAX_RAW_CHUNK, MAX_STORED_CHUNK
+from storage.base.errors import DamageError, GpusnapError
+from storage.base.limits import MAX_RAW_CHUNK, MAX_STORED_CHUNK
 
 MAGIC = b"GSNPCHK1"      # stored-addressed
 MAGIC_RAW = b"GSNPCHK2"  # raw-addressed

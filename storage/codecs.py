@@ -56,7 +56,7 @@ if TYPE_CHECKING:  # imported on first use: a listing or --help needs neither
 
 from storage import shufflelib, zstdlib
 from storage.directio import copy_into
-from storage.errors import GpusnapError
+from storage.base.errors import GpusnapError
 
 # --------------------------------------------------------------------------------------- thresholds
 # Every number the codec choice depends on (host and GPU), here and nowhere else.

@@ -28,8 +28,8 @@ if TYPE_CHECKING:  # imported where used: `store --help` and a listing load this
 from storage import native
 from storage.codecs import DELTA, SAMPLE_PIECE, SAMPLE_PIECES, HostCodecChooser, decode_host_into, CodecError
 from storage.directio import address_of
-from storage.errors import DamageError
-from storage.limits import MAX_RAW_CHUNK
+from storage.base.errors import DamageError
+from storage.base.limits import MAX_RAW_CHUNK
 
 MAX_SEGMENTS = 64              # a chunk of at most 4 MiB overlaps 3 parent chunks; 64 bounds a hostile table
 _HEAD = struct.Struct("<HB5s")  # segment count, how the XOR is encoded (XOR_CODECS), reserved (zero)

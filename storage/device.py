@@ -27,7 +27,7 @@ from typing import Any, Iterator, Protocol
 from storage.codecs import NVCOMP_ALGORITHMS, CodecError, entry
 from storage.directio import ALIGN, align_up
 
-from storage.errors import GpusnapError
+from storage.base.errors import GpusnapError
 
 class DeviceError(GpusnapError):
     """A CUDA or nvCOMP call failed, or the device (driver, library) is not available here."""

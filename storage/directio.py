@@ -62,7 +62,7 @@ def is_zero(view: memoryview) -> bool:
     return not any(view[words * 8:])
 
 
-from storage.errors import GpusnapError
+from storage.base.errors import GpusnapError
 
 
 class DirectIOError(GpusnapError, OSError):

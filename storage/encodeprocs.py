@@ -41,8 +41,8 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 from storage import isolated
 from storage.chunkfile import HEADER_SIZE
-from storage.settings import setting
-from storage.errors import GpusnapError
+from storage.base.settings import setting
+from storage.base.errors import GpusnapError
 
 if TYPE_CHECKING:
     import numpy as np

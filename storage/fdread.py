@@ -30,8 +30,8 @@ from typing import Any
 
 from storage import native
 from storage.directio import address_of
-from storage.errors import GpusnapError
-from storage.settings import setting
+from storage.base.errors import GpusnapError
+from storage.base.settings import setting
 
 LIBRARY = native.path_of("libgpusnap_fdread.so")
 ABI = 3  # gs_fdread_version() of the library this module was written for

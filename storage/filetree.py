@@ -26,13 +26,13 @@ from typing import Any, Iterator
 from storage.directio import ALIGN, address_of, read_into
 from storage.getmark import remove_marker, write_marker
 from storage.treewalk import remove_tree
-from storage.names import InvalidNameError, validate_stream_name
+from storage.base.names import InvalidNameError, validate_stream_name
 from storage.pipeline import PipelineError, StreamSpec, StreamWriter
 from storage.files_cache import stat_key
 from storage.xattrs import read_xattrs, restore_xattrs
 
 
-from storage.errors import GpusnapError
+from storage.base.errors import GpusnapError
 
 PAUSE_ENV = "GPUSNAP_TEST_PAUSE_AFTER_SCAN"  # test hook, see pause_after_scan
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC

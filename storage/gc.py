@@ -29,11 +29,11 @@ from storage import delta
 from storage.codecs import DELTA
 from storage.chunkfile import ChunkError, file_kind, stored_check
 from storage.directio import AlignedBuffer
-from storage.errors import GpusnapError
+from storage.base.errors import GpusnapError
 from storage.directio import read_to_end
 from storage.getmark import NONCE, carries_marker
-from storage.limits import MAX_MANIFEST
-from storage.names import InvalidNameError, validate_snapshot_name
+from storage.base.limits import MAX_MANIFEST
+from storage.base.names import InvalidNameError, validate_snapshot_name
 from storage.owner import ProcessOwner
 from storage.packs import PACK_NAME, REPACK_BELOW, Loc
 from storage.reflog import RefLogError, pinned

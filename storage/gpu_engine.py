@@ -28,11 +28,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
-from storage.progress import Progress
+from storage.base.progress import Progress
 from storage.chunkfile import HEADER_SIZE, ChunkError
 from storage import codecs
 from storage.codecs import GPU_PAYS_OFF_RATIO
-from storage.limits import MAX_RAW_CHUNK
+from storage.base.limits import MAX_RAW_CHUNK
 from storage.device import CudaDevice, Device, DeviceError, HostBuffer
 from storage.directio import ALIGN
 from storage.manifest import ChunkRef, Manifest, Stream

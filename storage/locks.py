@@ -10,7 +10,7 @@ import os
 from typing import Callable
 from dataclasses import dataclass
 
-from storage.errors import GpusnapError
+from storage.base.errors import GpusnapError
 from storage.storedir import LOCK, NAMES, path_in
 
 

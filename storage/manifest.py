@@ -19,11 +19,11 @@ from typing import Any
 import blake3
 
 from storage.codecs import CODEC_IDS, ZERO
-from storage.names import STREAM_PATH_MAX, validate_snapshot_name, validate_stream_name
+from storage.base.names import STREAM_PATH_MAX, validate_snapshot_name, validate_stream_name
 
-from storage.errors import DamageError, GpusnapError
-from storage import limits
-from storage.limits import MAX_RAW_CHUNK, MAX_STORED_CHUNK
+from storage.base.errors import DamageError, GpusnapError
+from storage.base import limits
+from storage.base.limits import MAX_RAW_CHUNK, MAX_STORED_CHUNK
 
 _SURROGATE_ESCAPE = re.compile(rb"\\[uU][dD][89a-fA-F]")  # a JSON escape of a UTF-16 surrogate
 
@@ -66,7 +66,7 @@ def validate_tag(tag: str) -> str:
 @functools.cache
 def tool_version() -> str:
     """This gpusnap's version, recorded in every manifest it writes."""
-    from storage.version import VERSION
+    from storage.base.version import VERSION
     return VERSION
 
 

@@ -24,9 +24,9 @@ from typing import Any, Iterator, cast
 
 from storage.chunkfile import ChunkError, ChunkHeader, chunk_id
 from storage.directio import ALIGN, align_up
-from storage.errors import DamageError, GpusnapError
+from storage.base.errors import DamageError, GpusnapError
 from storage.manifest import ChunkRef, Manifest, Stream
-from storage.names import validate_snapshot_name
+from storage.base.names import validate_snapshot_name
 from storage.store import WriteStats
 from storage.tier import Landing, Verified
 

@@ -30,7 +30,7 @@ import blake3
 from storage.chunkfile import HEADER_SIZE, MAX_RAW_CHUNK, ChunkError, ChunkHeader, file_kind
 from storage.directio import ALIGN, AlignedBuffer, address_of, align_up, copy_into, read_into, write_all, write_all_direct
 from storage.storedir import StoreDamage
-from storage.pausepoint import pause_at
+from storage.base.pausepoint import pause_at
 
 PACK_TARGET = 128 << 20      # a pack is closed once it holds this many bytes (FORMAT.md)
 REPACK_BELOW = 0.5           # gc repacks a pack whose live bytes are below this fraction of its length

@@ -29,7 +29,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Generator, Generic, Iterator, Protocol, TypeVar
 
-from storage.progress import Progress
+from storage.base.progress import Progress
 from storage.chunkfile import HEADER_SIZE, ChunkError, full_check, raw_chunk_id
 from storage import delta, pagekeys
 from storage.codecs import DELTA, DELTA_MATCH, DELTA_PAYS_OFF, HostCodecChooser, CodecError
@@ -39,8 +39,8 @@ from storage.manifest import ChunkRef, Manifest, Stream
 from storage.readstage import Want, read_chunks
 from storage.store import SnapshotDamaged, SnapshotStore, SnapshotWriter, StoreError, base_cache_bytes
 
-from storage.errors import GpusnapError
-from storage.settings import switch
+from storage.base.errors import GpusnapError
+from storage.base.settings import switch
 
 DEFAULT_CHUNK = 4 << 20
 

@@ -24,10 +24,10 @@ import zstandard
 
 from storage.chunkfile import HEADER_SIZE, ChunkError, check_received, max_stored_len
 from storage.directio import AlignedBuffer, align_up
-from storage.errors import DamageError, GpusnapError
-from storage.limits import MAX_MANIFEST
+from storage.base.errors import DamageError, GpusnapError
+from storage.base.limits import MAX_MANIFEST
 from storage.manifest import Manifest, ManifestError
-from storage.names import validate_snapshot_name
+from storage.base.names import validate_snapshot_name
 from storage.store import SnapshotStore
 
 EXPORT_FORMAT = "gpusnap-export"

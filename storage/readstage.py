@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol, TypeVar
 from storage.chunkfile import HEADER_SIZE, ChunkError, ChunkHeader, full_check, id_check, max_stored_len, stored_check
 from storage.directio import ALIGN, BufferPool, align_up, read_into, read_into_direct
 from storage.manifest import ChunkRef
-from storage.errors import GpusnapError
+from storage.base.errors import GpusnapError
 from storage.packs import Loc, coalesce, open_pack, parse_entry
 
 if TYPE_CHECKING:
@@ -470,7 +470,7 @@ def willneed_step() -> int:
     steps filled no faster than 128 KiB on an H100 whose read_ahead_kb is 8192: BENCHMARKS.md section
     37); a bad value is refused (SettingError) where a restore checks its settings."""
     if not _step:
-        from storage.settings import SettingError, setting
+        from storage.base.settings import SettingError, setting
         _step.append(int(setting("GPUSNAP_WILLNEED_STEP", WILLNEED_STEP, int, lambda n: 4096 <= n <= 64 << 20,
                                  "bytes, from 4096 to 67108864", SettingError)))
     return _step[0]

@@ -27,9 +27,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 from storage.directio import read_to_end
-from storage.errors import GpusnapError
+from storage.base.errors import GpusnapError
 from storage.manifest import ChunkRef, ManifestError, Stream
-from storage.names import InvalidNameError, validate_stream_name
+from storage.base.names import InvalidNameError, validate_stream_name
 
 SUFFIX = ".refs"
 MAX_LOG = 256 << 20      # a 1 TiB region in 4 MiB chunks is ~20 MiB of lines

@@ -37,14 +37,14 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
-from storage.progress import Progress
+from storage.base.progress import Progress
 from storage.chunkfile import HEADER_SIZE, ChunkError, ChunkHeader, check_received, max_stored_len
 from storage.directio import AlignedBuffer, BufferPool
-from storage.errors import DamageError, GpusnapError, UnavailableError
+from storage.base.errors import DamageError, GpusnapError, UnavailableError
 from storage.directio import align_up
-from storage.limits import DEFAULT_JOBS, MAX_MANIFEST, MAX_RECORD
+from storage.base.limits import DEFAULT_JOBS, MAX_MANIFEST, MAX_RECORD
 from storage.manifest import ChunkRef, Manifest, ManifestError
-from storage.names import validate_snapshot_name
+from storage.base.names import validate_snapshot_name
 from storage.packs import INDEX_MAX, PACK_NAME, IndexDamage, Loc, PackIndex, coalesce, decode_index, encode_index
 from storage.store import Problem, SnapshotStore, StoreError, VerifyReport
 from storage.storedir import REMOTES, path_in
@@ -448,7 +448,7 @@ class ObjectStore:
         return got
 
     def get(self, key: str, limit: int) -> bytes | None:
-        """Object KEY's bytes (at most LIMIT: storage/limits.py), or None when there is no such object."""
+        """Object KEY's bytes (at most LIMIT: storage/base/limits.py), or None when there is no such object."""
         with self.errors(f"reading {key}"):
             r = self._get_object(key)
             if r is None:

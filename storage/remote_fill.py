@@ -31,10 +31,10 @@ from collections import deque
 from contextlib import ExitStack
 from typing import TYPE_CHECKING, Any, Iterable
 
-from storage.progress import Progress
+from storage.base.progress import Progress
 from storage.chunkfile import HEADER_SIZE
 from storage.directio import BufferPool
-from storage.errors import GpusnapError
+from storage.base.errors import GpusnapError
 from storage.manifest import ChunkRef, Manifest
 from storage.chunkfile import ChunkHeader
 from storage.directio import AlignedBuffer

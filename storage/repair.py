@@ -17,12 +17,12 @@ import stat
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
-from storage.progress import Progress
+from storage.base.progress import Progress
 from storage.chunkfile import HEADER_SIZE, ChunkHeader, chunk_id, id_check, raw_chunk_id
 from storage.delta import BASE_WHY
 from storage.codecs import HOST_CODECS, HostCodecChooser, ZstdCodec
 from storage.directio import AlignedBuffer, BufferPool, copy_into
-from storage.errors import GpusnapError
+from storage.base.errors import GpusnapError
 from storage.manifest import ChunkRef, Manifest
 from storage.store import Problem, Stray, chunk_refs
 from storage.storedir import CHUNKS, MARKER, QUARANTINE, TMP

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Callable, Iterable
 
-from storage.errors import GpusnapError
+from storage.base.errors import GpusnapError
 
 COMPANION_SUFFIX = ".gpu"
 

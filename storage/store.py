@@ -46,19 +46,20 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, TypeVar
 
-from storage.progress import Progress
+from storage.base.progress import Progress
 from storage.chunkfile import (HEADER_SIZE, ChunkError, ChunkHeader, chunk_id, file_kind, full_check, max_stored_len,
                         id_check, raw_chunk_id, read_chunk_file, reusable, stored_check)
 from storage.directio import AlignedBuffer, BufferPool, address_of, align_up, copy_into, direct_io_supported, read_to_end
 from storage.directio import unlink_quietly as _unlink_quietly, write_new_file as _write_file
-from storage import delta, waits
+from storage import delta
+from storage.base import waits
 from storage.codecs import DELTA, CodecError, HostCodecChooser
 from storage.getmark import new_nonce
-from storage.limits import MAX_MANIFEST, MAX_STORED_CHUNK
+from storage.base.limits import MAX_MANIFEST, MAX_STORED_CHUNK
 from storage.treewalk import remove_tree
-from storage.errors import EXIT_DAMAGED, DamageError, GpusnapError
+from storage.base.errors import EXIT_DAMAGED, DamageError, GpusnapError
 from storage.manifest import ChunkRef, Manifest, ManifestError, Stream, validate_tag
-from storage.names import InvalidNameError, validate_snapshot_name
+from storage.base.names import InvalidNameError, validate_snapshot_name
 from storage.owner import owned_name, this_owner
 from storage.packfds import PackFds
 from storage.packs import Loc, PackIndex, PackWriter, open_pack, read_entry

@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from typing import Iterator
 
 from storage import treewalk
-from storage.errors import DamageError, GpusnapError
+from storage.base.errors import DamageError, GpusnapError
 
 # ---- the layout ------------------------------------------------------------------------------
 MARKER = "gpusnap-store.json"   # the store's format and version

@@ -18,7 +18,7 @@ from typing import Any
 
 from storage.directio import read_to_end
 from storage.manifest import validate_tag
-from storage.names import validate_snapshot_name
+from storage.base.names import validate_snapshot_name
 
 FULL_CHECK_MAX = 8 << 20   # manifests up to this size are loaded and checked whole by ls
 HEAD_MAX = 1 << 20         # the most of a big manifest's head read for its summary

@@ -14,7 +14,7 @@ import os
 from typing import Sequence
 
 from storage.manifest import MAX_TAGS, Manifest, ManifestError, validate_tag
-from storage.names import validate_snapshot_name
+from storage.base.names import validate_snapshot_name
 from storage.store import SnapshotStore, StoreError, _unlink_quietly, _write_file, owned_name
 from storage.storedir import SNAPSHOTS, TMP, manifest_entry
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from storage.chunkfile import ChunkHeader
-from storage.errors import DamageError
+from storage.base.errors import DamageError
 from storage.manifest import ChunkRef, Manifest, Stream
 
 if TYPE_CHECKING:

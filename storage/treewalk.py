@@ -13,7 +13,7 @@ from __future__ import annotations
 import errno
 import os
 
-from storage.errors import GpusnapError
+from storage.base.errors import GpusnapError
 
 MAX_OPEN_DIRS = 64  # directory fds one removal holds at most (below the usual soft limit of 1024)
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC

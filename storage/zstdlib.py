@@ -30,7 +30,7 @@ from contextlib import contextmanager
 from typing import Any, Iterator
 
 from storage.directio import address_of
-from storage.errors import GpusnapError
+from storage.base.errors import GpusnapError
 
 # libzstd's stable parameter ids (zstd.h, ZSTD_cParameter) and strategy values
 C_LEVEL, C_WINDOW_LOG, C_HASH_LOG, C_CHAIN_LOG, C_SEARCH_LOG, C_MIN_MATCH, C_STRATEGY = 100, 101, 102, 103, 104, 105, 107

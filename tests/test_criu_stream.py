@@ -448,7 +448,7 @@ def test_split_filler_reads_ahead_within_its_budget_and_writes_every_byte() -> N
 
 
 def test_split_filler_stops_at_the_first_damaged_chunk() -> None:
-    from storage.errors import GpusnapError
+    from storage.base.errors import GpusnapError
     chunk, n = 64 << 10, 40
     fetched: list[int] = []
 
@@ -1203,7 +1203,7 @@ def test_early_reads_of_a_damaged_store_stay_quiet(tmp_path: Path, capfd: pytest
     from sandbox.criu.serve import EarlyReads
     from storage.manifest import ChunkRef
     from storage.pipeline import Stages
-    from storage.errors import DamageError
+    from storage.base.errors import DamageError
     from storage.store import SnapshotStore
     root = tmp_path / "s"
     SnapshotStore(str(root))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from sandbox.host import dumpwrites
-from storage.settings import SettingError
+from storage.base.settings import SettingError
 
 
 @pytest.mark.parametrize("reporting", [None, 9])

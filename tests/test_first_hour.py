@@ -21,7 +21,7 @@ import pytest
 
 from conftest import CODE_PACKAGES, GPUSNAP, REPO, Cli, pythonpath
 
-from storage import errors
+from storage.base import errors
 
 
 def _text_files() -> list[Path]:

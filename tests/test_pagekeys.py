@@ -272,7 +272,7 @@ def test_a_manifest_larger_than_any_reader_loads_is_never_written(store_dir: Pat
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """The writer refuses what no reader would load (MAX_MANIFEST), one line, nothing visible; page keys,
     hints only, give way first; a retag that would grow a manifest past the limit leaves it as it was."""
-    import storage.limits as limits
+    import storage.base.limits as limits
     from storage.manifest import ManifestTooLarge
     from storage.store import SnapshotStore
     from storage.tagging import retag

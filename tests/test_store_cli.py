@@ -79,7 +79,7 @@ def test_invalid_names_rejected(cli: Cli, tmp_path: Path, bad: str) -> None:
 
 
 def test_nul_in_name_rejected_by_the_library(store_dir: Path) -> None:
-    from storage.names import InvalidNameError, validate_snapshot_name
+    from storage.base.names import InvalidNameError, validate_snapshot_name
     with pytest.raises(InvalidNameError, match="NUL"):
         validate_snapshot_name("a\x00b")
 

@@ -1,4 +1,4 @@
-"""GPUSNAP_SWITCH_INTERVAL (storage.settings.switch_interval): the interpreter's switch interval for gpusnap's
+"""GPUSNAP_SWITCH_INTERVAL (storage.base.settings.switch_interval): the interpreter's switch interval for gpusnap's
 processes, a setting for measuring; a bad value is one line and exit 1 before anything is done."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from storage import settings
+from storage.base import settings
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -27,7 +27,7 @@ def test_values_refused(value: str, monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_applied_to_the_process() -> None:
-    code = "import sys; from storage.settings import apply_switch_interval; apply_switch_interval(); print(sys.getswitchinterval())"
+    code = "import sys; from storage.base.settings import apply_switch_interval; apply_switch_interval(); print(sys.getswitchinterval())"
     env = {**os.environ, "GPUSNAP_SWITCH_INTERVAL": "0.0007"}
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO, timeout=60)
     assert r.returncode == 0, r.stderr

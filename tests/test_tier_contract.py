@@ -25,7 +25,7 @@ from storage.chunkfile import HEADER_SIZE, ChunkHeader
 from storage.codecs import ZstdCodec, decode_host
 from storage.device import HostDevice
 from storage.directio import align_up
-from storage.errors import EXIT_DAMAGED, DamageError
+from storage.base.errors import EXIT_DAMAGED, DamageError
 from storage.manifest import ChunkRef, Stream
 from storage.memtier import PinnedPool
 from storage.packs import decode_index

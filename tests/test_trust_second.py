@@ -114,7 +114,7 @@ def _remove(tree: Path) -> None:
 
 
 def test_manifest_with_a_4000_level_path_is_refused_at_load(cli: Cli, store_dir: Path, tmp_path: Path) -> None:
-    from storage.names import STREAM_DEPTH_MAX
+    from storage.base.names import STREAM_DEPTH_MAX
     src = tmp_path / "src"
     src.mkdir()
     (src / "a").write_text("x")

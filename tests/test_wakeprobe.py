@@ -1,4 +1,4 @@
-"""storage.wakeprobe: how late a thread of this process wakes (the restore's CRIU phase reports it
+"""storage.base.wakeprobe: how late a thread of this process wakes (the restore's CRIU phase reports it
 under GPUSNAP_WAKE_PROBE=1; tests/test_criu_stream.py checks the report)."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import sys
 import threading
 import time
 
-from storage.wakeprobe import WakeProbe
+from storage.base.wakeprobe import WakeProbe
 
 
 def test_a_thread_holding_the_interpreter_makes_the_probe_late() -> None:

@@ -22,12 +22,12 @@ from contextlib import contextmanager
 
 import zstandard
 
-from storage.progress import Progress
+from storage.base.progress import Progress
 from storage import pipeline
 from sandbox.host.dumpwrites import dump_packs_direct
-from storage.errors import GpusnapError
+from storage.base.errors import GpusnapError
 from storage.filetree import FileTreeSink, FileTreeSource
-from storage.names import validate_snapshot_name
+from storage.base.names import validate_snapshot_name
 from storage.store import SnapshotStore
 
 from sandbox.containers.tar_streams import TarSink, TarSource

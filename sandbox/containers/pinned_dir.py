@@ -13,7 +13,7 @@ import stat
 from contextlib import contextmanager
 from typing import Iterator
 
-from storage.errors import GpusnapError
+from storage.base.errors import GpusnapError
 
 
 class PinnedDirError(GpusnapError):

@@ -14,10 +14,10 @@ import tarfile
 from contextlib import contextmanager
 from typing import BinaryIO, Iterator
 
-from storage.errors import GpusnapError
+from storage.base.errors import GpusnapError
 from storage.filetree import RangeReader
 from storage.manifest import Stream, check_tree
-from storage.names import InvalidNameError, validate_stream_name
+from storage.base.names import InvalidNameError, validate_stream_name
 from storage.pipeline import StreamSpec, StreamWriter
 
 BLOCK = 512

@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 from storage import pipeline
 from storage.follow import FollowedDirSource
-from storage.progress import Progress
+from storage.base.progress import Progress
 from storage.store import SnapshotStore
 
 from sandbox.criu.capture import CaptureSource

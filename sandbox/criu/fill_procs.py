@@ -46,10 +46,12 @@ import time
 from contextlib import contextmanager
 from typing import IO, TYPE_CHECKING, Any, Callable, Iterator, TypeVar
 
-from storage import isolated, settings
+from storage import isolated
+
+from storage.base import settings
 from storage.chunkfile import ChunkError, ChunkHeader
 from storage.codecs import CodecError
-from storage.errors import DamageError, GpusnapError
+from storage.base.errors import DamageError, GpusnapError
 from storage.manifest import ChunkRef
 from storage.packs import Loc
 from storage.pipeline import Stages
@@ -86,7 +88,7 @@ def read_moved(store: PackSource, damaged: Callable[[str], Exception], name: str
 
 def setting(name: str, default: Any, parse: Callable[[str], Any], ok: Callable[[Any], bool], expected: str,
             error: type[GpusnapError] = SplitError) -> Any:
-    """storage.settings.setting, refused as a SplitError unless ERROR says otherwise: the split
+    """storage.base.settings.setting, refused as a SplitError unless ERROR says otherwise: the split
     restore's settings."""
     return settings.setting(name, default, parse, ok, expected, error)
 

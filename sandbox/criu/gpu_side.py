@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from storage.progress import Progress
+from storage.base.progress import Progress
 from storage.store import SnapshotStore
 
 from sandbox.gpu.processes import uses_gpu

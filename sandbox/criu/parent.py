@@ -13,7 +13,7 @@ manifest is; one that does not load fails the dump before anything starts.
 """
 from __future__ import annotations
 
-from storage.errors import GpusnapError
+from storage.base.errors import GpusnapError
 from storage.manifest import Manifest
 from storage.store import SnapshotStore
 

@@ -31,9 +31,9 @@ from typing import Any, Callable
 from storage import pipeline
 from storage.filetree import FileTreeSink
 from storage.manifest import Manifest
-from storage.progress import Progress
+from storage.base.progress import Progress
 from storage.store import SnapshotStore
-from storage.wakeprobe import WakeProbe, wanted as wake_probe_wanted
+from storage.base.wakeprobe import WakeProbe, wanted as wake_probe_wanted
 
 from sandbox.criu.restored import (adopting_orphans, boot_ticks, in_restored_tree, kill_half_restored, restored_procs,
                                    wait_stopped)

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
-from storage.errors import EXIT_UNAVAILABLE, GpusnapError
+from storage.base.errors import EXIT_UNAVAILABLE, GpusnapError
 from storage.owndir import own_dir
 
 from sandbox.host.procgroup import run_group

@@ -33,7 +33,7 @@ from storage.childreads import ChildReads
 from storage.chunkfile import ChunkError
 from storage.codecs import CodecError, decode_host, decode_host_into
 from storage.directio import AlignedBuffer, BufferPool, Recycler, address_of, copy_into
-from storage.errors import GpusnapError
+from storage.base.errors import GpusnapError
 from storage.manifest import ChunkRef, Manifest, Stream
 from storage.pipeline import Stages
 from storage.readstage import Want, plan_runs, read_ahead, read_runs

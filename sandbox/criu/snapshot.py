@@ -36,9 +36,10 @@ import time
 from contextlib import ExitStack, contextmanager
 from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
-from storage.progress import Progress
-from storage import encodeprocs, fdread, waits
-from storage.limits import DEFAULT_JOBS
+from storage.base.progress import Progress
+from storage import encodeprocs, fdread
+from storage.base import waits
+from storage.base.limits import DEFAULT_JOBS
 from storage.store import SnapshotStore
 
 from sandbox.ops import journal

@@ -27,8 +27,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO, Iterator, cast
 
-from storage.progress import Progress
-from storage.errors import GpusnapError
+from storage.base.progress import Progress
+from storage.base.errors import GpusnapError
 
 from sandbox.gpu.driver import DeviceRegion, ProcessState
 from sandbox.gpu.regions import stream_name

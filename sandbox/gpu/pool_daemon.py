@@ -24,7 +24,7 @@ import threading
 import time
 from typing import Any
 
-from storage.errors import GpusnapError
+from storage.base.errors import GpusnapError
 
 DEFAULT_SOCKET = "/run/gpusnap/pool.sock"
 IDLE_S = 60.0

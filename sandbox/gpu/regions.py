@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from storage.progress import Progress
+from storage.base.progress import Progress
 from sandbox.ops import journal
 from sandbox.gpu.driver import DeviceRegion
 

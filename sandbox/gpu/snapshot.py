@@ -20,7 +20,7 @@ from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
-from storage.progress import Progress
+from storage.base.progress import Progress
 from storage.store import SnapshotStore
 
 from sandbox.ops import journal
@@ -38,7 +38,7 @@ import sandbox.gpu.operations  # noqa: F401 - registers GpuCheckpoint and GpuRes
 from sandbox.ops.snapshot_meta import GpuInfo, GpuMeta
 
 
-from storage.errors import GpusnapError
+from storage.base.errors import GpusnapError
 
 class GpuSnapshotError(GpusnapError):
     """A GPU swap-out/in request that cannot be done as asked (bad pid, bad map, wrong snapshot)."""

@@ -20,7 +20,7 @@ from typing import Any, Iterator
 
 
 
-from storage.errors import GpusnapError
+from storage.base.errors import GpusnapError
 
 class NetnsError(GpusnapError):
     """A namespace or link that cannot be created, found or removed."""

@@ -10,7 +10,7 @@ import signal
 import time
 from dataclasses import dataclass
 
-from storage.errors import GpusnapError
+from storage.base.errors import GpusnapError
 
 
 class DiscoveryError(GpusnapError):

@@ -35,8 +35,8 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Iterator, Sequence
 
-from storage.errors import EXIT_RECOVER, GpusnapError
-from storage.pausepoint import pause_at
+from storage.base.errors import EXIT_RECOVER, GpusnapError
+from storage.base.pausepoint import pause_at
 from storage.storedir import JOURNAL, path_in
 
 from sandbox.host import procgroup

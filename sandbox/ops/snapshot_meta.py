@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, ClassVar, Mapping
 
-from storage.errors import DamageError, GpusnapError
+from storage.base.errors import DamageError, GpusnapError
 from storage.manifest import Manifest
 
 from sandbox.ops.gpu_path import GpuPath

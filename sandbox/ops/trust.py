@@ -20,7 +20,7 @@ import os
 import stat
 from typing import Any
 
-from storage.errors import GpusnapError
+from storage.base.errors import GpusnapError
 
 KEY_NAME = "key"
 KEY_BYTES = 32

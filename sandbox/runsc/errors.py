@@ -2,7 +2,7 @@
 that raises it."""
 from __future__ import annotations
 
-from storage.errors import GpusnapError
+from storage.base.errors import GpusnapError
 
 
 class RunscSnapshotError(GpusnapError):

@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from storage.progress import Progress
+from storage.base.progress import Progress
 from storage import pipeline
 from sandbox.host.dumpwrites import dump_packs_direct
 from storage.filetree import FileTreeSink, FileTreeSource

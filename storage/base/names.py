@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import re
 
-from storage.errors import GpusnapError
+from storage.base.errors import GpusnapError
 
 NAME_MAX = 128
 # Stream names (paths inside a snapshot), bounded at load so no manifest can make a walk deep or long:
