@@ -150,8 +150,8 @@ def deadline(seconds: float) -> Iterator[None]:
 def _safe_dir(path: str) -> int:
     """An fd of directory PATH (the log's or the records'), made 0700 where missing, its parents too;
     reached from / without following a link anywhere, each parent root's or ours and writable by no
-    one else (unless sticky, as /tmp), PATH our own: OSError otherwise (storage.owndir)."""
-    from storage.owndir import own_dir
+    one else (unless sticky, as /tmp), PATH our own: OSError otherwise (storage.fs.owndir)."""
+    from storage.fs.owndir import own_dir
     try:
         return own_dir(os.path.abspath(path))
     except OSError as e:

@@ -155,9 +155,9 @@ def _remove_staging(rec: OpRecord, done: Recovered) -> None:
 
 
 def _remove_owner_temps(store: SnapshotStore, rec: OpRecord, done: Recovered) -> None:
-    """Temporary store files of the dead owner: tmp/KIND.PID-START-BOOT.... (storage.owner names them),
+    """Temporary store files of the dead owner: tmp/KIND.PID-START-BOOT.... (storage.fs.owner names them),
     this owner's pid and start time, and no longer alive."""
-    from storage.owner import ProcessOwner
+    from storage.fs.owner import ProcessOwner
     n = 0
     for e in os.scandir(store.tmp_dir):
         parts = e.name.split(".")

@@ -22,7 +22,7 @@ import blake3
 
 from storage import delta
 from storage.codecs import CODEC_IDS, CODEC_NAMES, DELTA, RAW_ENTRY_CODECS, CodecError, decode_host, decode_host_into
-from storage.directio import ALIGN, AlignedBuffer, align_up, read_into
+from storage.fs.directio import ALIGN, AlignedBuffer, align_up, read_into
 
 from storage.base.errors import DamageError, GpusnapError
 from storage.base.limits import MAX_RAW_CHUNK, MAX_STORED_CHUNK

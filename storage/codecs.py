@@ -55,7 +55,7 @@ if TYPE_CHECKING:  # imported on first use: a listing or --help needs neither
     import zstandard
 
 from storage import shufflelib, zstdlib
-from storage.directio import copy_into
+from storage.fs.directio import copy_into
 from storage.base.errors import GpusnapError
 
 # --------------------------------------------------------------------------------------- thresholds

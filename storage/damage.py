@@ -21,9 +21,9 @@ from datetime import datetime, timezone
 from contextlib import AbstractContextManager
 from typing import Iterable, Protocol
 
-from storage.directio import read_small_file, unlink_quietly, write_new_file
+from storage.fs.directio import read_small_file, unlink_quietly, write_new_file
 from storage.manifest import Manifest
-from storage.owner import owned_name
+from storage.fs.owner import owned_name
 
 
 class StoreDirs(Protocol):

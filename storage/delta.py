@@ -27,7 +27,7 @@ if TYPE_CHECKING:  # imported where used: `store --help` and a listing load this
 
 from storage import native
 from storage.codecs import DELTA, SAMPLE_PIECE, SAMPLE_PIECES, HostCodecChooser, decode_host_into, CodecError
-from storage.directio import address_of
+from storage.fs.directio import address_of
 from storage.base.errors import DamageError
 from storage.base.limits import MAX_RAW_CHUNK
 
@@ -157,7 +157,7 @@ def xored(data: memoryview, segments: list[Segment], raws: dict[str, bytes | mem
 def xored_pages(data: memoryview, segments: list[Segment], raws: dict[str, bytes | memoryview],
                 scratch: memoryview) -> tuple[memoryview, float, "np.ndarray"]:
     """xored, and page_differences of the XOR (one pass over it for both)."""
-    from storage.directio import copy_into
+    from storage.fs.directio import copy_into
     if sum(len(raws[b]) for b in bases(segments)) > bases_limit(len(data)):
         raise ValueError("the reference's bases hold more than a delta's bases may")
     n = len(data)

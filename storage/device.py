@@ -25,7 +25,7 @@ from contextlib import contextmanager
 from typing import Any, Iterator, Protocol
 
 from storage.codecs import NVCOMP_ALGORITHMS, CodecError, entry
-from storage.directio import ALIGN, align_up
+from storage.fs.directio import ALIGN, align_up
 
 from storage.base.errors import GpusnapError
 

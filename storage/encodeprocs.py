@@ -9,7 +9,7 @@ its own: two requests per chunk (prepare, encode) on a pipe, the bytes in a shar
 (directio.Arena: the put's read blocks and encode frames are carved from it), so the thread holds
 the GIL only for the store's bookkeeping.
 
-The processes are gpusnap's own (this module in an isolated interpreter, storage/isolated.py:
+The processes are gpusnap's own (this module in an isolated interpreter, storage/fs/isolated.py:
 never the caller's working directory or PYTHON* variables), started for one put and ended with it; each dies
 with the put's process (PR_SET_PDEATHSIG) and exits at the end of its request pipe. They see the
 arena and two pipes, nothing else of the put. Their answers are checked (lengths, codec names,
@@ -39,7 +39,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterator
 
-from storage import isolated
+from storage.fs import isolated
 from storage.chunkfile import HEADER_SIZE
 from storage.base.settings import setting
 from storage.base.errors import GpusnapError
@@ -383,7 +383,7 @@ def child_main(argv: list[str]) -> None:
     from storage import pagekeys  # noqa: PLC0415 - after the parent check: nothing heavy for an orphan
     from storage.chunkfile import ChunkHeader, raw_chunk_id, stored_digest  # noqa: PLC0415
     from storage.codecs import HostCodecChooser  # noqa: PLC0415
-    from storage.directio import is_zero  # noqa: PLC0415
+    from storage.fs.directio import is_zero  # noqa: PLC0415
     import numpy as np  # noqa: PLC0415
     m = mmap.mmap(mfd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     os.close(mfd)

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import blake3
 
-from storage.directio import read_small_file
+from storage.fs.directio import read_small_file
 from storage.manifest import ChunkRef, ManifestError
 from storage.storedir import FILES_CACHE, TMP
 

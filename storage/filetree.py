@@ -23,13 +23,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterator
 
-from storage.directio import ALIGN, address_of, read_into
-from storage.getmark import remove_marker, write_marker
-from storage.treewalk import remove_tree
+from storage.fs.directio import ALIGN, address_of, read_into
+from storage.fs.getmark import remove_marker, write_marker
+from storage.fs.treewalk import remove_tree
 from storage.base.names import InvalidNameError, validate_stream_name
 from storage.pipeline import PipelineError, StreamSpec, StreamWriter
 from storage.files_cache import stat_key
-from storage.xattrs import read_xattrs, restore_xattrs
+from storage.fs.xattrs import read_xattrs, restore_xattrs
 
 
 from storage.base.errors import GpusnapError
@@ -201,7 +201,7 @@ class FileTreeSource:
     pattern without `/` matches an entry's base name anywhere, one with `/` its whole stream path
     (top directory first: `data/cache/*`); an excluded directory is left out with all below it.
     Extended attributes (user.*, and security.*/trusted.* where this user can read them) are kept
-    in `xattrs` (storage/xattrs.py), unless not XATTRS. The directory
+    in `xattrs` (storage/fs/xattrs.py), unless not XATTRS. The directory
     holding each named path is opened once and kept open (close() or the context manager releases it):
     every later access goes down from it by directory fds, and must find what the scan found.
     """

@@ -5,7 +5,7 @@ the store lock exclusively; a manifest that does not load keeps every chunk id i
 (reported as damage), and one whose bytes cannot be read stops gc before anything is deleted; it
 deletes only chunk files no manifest names, tmp/ entries whose owner process is gone (and the staging
 tree of a killed `get` its record names, if that is a real directory of the get's user carrying the
-marker whose nonce the record holds: storage/getmark.py), lock files
+marker whose nonce the record holds: storage/fs/getmark.py), lock files
 of names without a snapshot, and quarantined chunks no longer needed. Packs: a pack without an index is
 deleted (a killed writer's), an indexed one whose entries nothing names is deleted index first, one
 whose live fraction is below packs.REPACK_BELOW is repacked, its live entries durable and indexed in
@@ -28,19 +28,19 @@ from typing import TYPE_CHECKING
 from storage import delta
 from storage.codecs import DELTA
 from storage.chunkfile import ChunkError, file_kind, stored_check
-from storage.directio import AlignedBuffer
+from storage.fs.directio import AlignedBuffer
 from storage.base.errors import GpusnapError
-from storage.directio import read_to_end
-from storage.getmark import NONCE, carries_marker
+from storage.fs.directio import read_to_end
+from storage.fs.getmark import NONCE, carries_marker
 from storage.base.limits import MAX_MANIFEST
 from storage.base.names import InvalidNameError, validate_snapshot_name
-from storage.owner import ProcessOwner
+from storage.fs.owner import ProcessOwner
 from storage.packs import PACK_NAME, REPACK_BELOW, Loc
 from storage.reflog import RefLogError, pinned
 from storage.store import CHUNK_ID, EntryUnknown, get_staging_name, read_record
 from storage.storedir import (CHUNKS, INDEX, JOURNAL, NAMES, PACKS, QUARANTINE, SNAPSHOTS, TMP, StoreDamage, entries, lstat_at,
                        manifest_entry, open_dir, opened_dir, remove_tree)
-from storage.treewalk import empty_tree
+from storage.fs.treewalk import empty_tree
 
 if TYPE_CHECKING:
     from storage.store import SnapshotStore
@@ -316,7 +316,7 @@ def _tmp(tmp: int, uid: int, report: GcReport) -> None:
 
 def _get(tmp: int, name: str, report: GcReport) -> int:
     """Remove the staging tree the dead `get` recorded in tmp/NAME left beside its DEST (1 if removed),
-    only if it carries the marker of the record's nonce (storage/getmark.py): else nothing is touched."""
+    only if it carries the marker of the record's nonce (storage/fs/getmark.py): else nothing is touched."""
     rec = read_record(tmp, name)
     try:
         dest, pid, uid, nonce = rec["dest"], int(rec["pid"]), int(rec["uid"]), rec["nonce"]

@@ -34,7 +34,7 @@ from storage import codecs
 from storage.codecs import GPU_PAYS_OFF_RATIO
 from storage.base.limits import MAX_RAW_CHUNK
 from storage.device import CudaDevice, Device, DeviceError, HostBuffer
-from storage.directio import ALIGN
+from storage.fs.directio import ALIGN
 from storage.manifest import ChunkRef, Manifest, Stream
 from storage.pipeline import Result, Stages, _Failure, is_zero, writer_result
 from storage.tier import ChunkTier, TierWriter

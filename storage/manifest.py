@@ -271,7 +271,7 @@ def check_tree(streams: list[Stream], version: int = VERSION) -> list[str]:
             if key in a and not _is_int(a[key], low, high):
                 problems.append(f"stream {s.name!r} has a bad {key} {a[key]!r}")
         if "xattrs" in a:
-            from storage.xattrs import check as check_xattrs
+            from storage.fs.xattrs import check as check_xattrs
             why = check_xattrs(a["xattrs"]) if version >= 3 else "xattrs in a manifest before version 3"
             if why:
                 problems.append(f"stream {s.name!r} has {why}")

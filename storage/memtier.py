@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator, cast
 
 from storage.chunkfile import ChunkError, ChunkHeader, chunk_id
-from storage.directio import ALIGN, align_up
+from storage.fs.directio import ALIGN, align_up
 from storage.base.errors import DamageError, GpusnapError
 from storage.manifest import ChunkRef, Manifest, Stream
 from storage.base.names import validate_snapshot_name

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from storage.chunkfile import HEADER_SIZE, MAX_RAW_CHUNK, ChunkError, ChunkHeader, full_check, read_chunk_file
-from storage.directio import AlignedBuffer, align_up
+from storage.fs.directio import AlignedBuffer, align_up
 from storage.storedir import CHUNKS, TMP, StoreDamage, entries, opened_child
 from storage.store import CHUNK_ID
 

@@ -28,7 +28,7 @@ from typing import Callable, Iterable
 import blake3
 
 from storage.chunkfile import HEADER_SIZE, MAX_RAW_CHUNK, ChunkError, ChunkHeader, file_kind
-from storage.directio import ALIGN, AlignedBuffer, address_of, align_up, copy_into, read_into, write_all, write_all_direct
+from storage.fs.directio import ALIGN, AlignedBuffer, address_of, align_up, copy_into, read_into, write_all, write_all_direct
 from storage.storedir import StoreDamage
 from storage.base.pausepoint import pause_at
 

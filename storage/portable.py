@@ -23,7 +23,7 @@ from typing import IO, Iterator
 import zstandard
 
 from storage.chunkfile import HEADER_SIZE, ChunkError, check_received, max_stored_len
-from storage.directio import AlignedBuffer, align_up
+from storage.fs.directio import AlignedBuffer, align_up
 from storage.base.errors import DamageError, GpusnapError
 from storage.base.limits import MAX_MANIFEST
 from storage.manifest import Manifest, ManifestError

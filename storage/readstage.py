@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol, TypeVar
 
 from storage.chunkfile import HEADER_SIZE, ChunkError, ChunkHeader, full_check, id_check, max_stored_len, stored_check
-from storage.directio import ALIGN, BufferPool, align_up, read_into, read_into_direct
+from storage.fs.directio import ALIGN, BufferPool, align_up, read_into, read_into_direct
 from storage.manifest import ChunkRef
 from storage.base.errors import GpusnapError
 from storage.packs import Loc, coalesce, open_pack, parse_entry
@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 
     from storage.delta import BaseReader
 
-    from storage.directio import AlignedBuffer
+    from storage.fs.directio import AlignedBuffer
 
 
 _T = TypeVar("_T")

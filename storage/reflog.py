@@ -26,7 +26,7 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
-from storage.directio import read_to_end
+from storage.fs.directio import read_to_end
 from storage.base.errors import GpusnapError
 from storage.manifest import ChunkRef, ManifestError, Stream
 from storage.base.names import InvalidNameError, validate_stream_name

@@ -39,9 +39,9 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 
 from storage.base.progress import Progress
 from storage.chunkfile import HEADER_SIZE, ChunkError, ChunkHeader, check_received, max_stored_len
-from storage.directio import AlignedBuffer, BufferPool
+from storage.fs.directio import AlignedBuffer, BufferPool
 from storage.base.errors import DamageError, GpusnapError, UnavailableError
-from storage.directio import align_up
+from storage.fs.directio import align_up
 from storage.base.limits import DEFAULT_JOBS, MAX_MANIFEST, MAX_RECORD
 from storage.manifest import ChunkRef, Manifest, ManifestError
 from storage.base.names import validate_snapshot_name

@@ -33,11 +33,11 @@ from typing import TYPE_CHECKING, Any, Iterable
 
 from storage.base.progress import Progress
 from storage.chunkfile import HEADER_SIZE
-from storage.directio import BufferPool
+from storage.fs.directio import BufferPool
 from storage.base.errors import GpusnapError
 from storage.manifest import ChunkRef, Manifest
 from storage.chunkfile import ChunkHeader
-from storage.directio import AlignedBuffer
+from storage.fs.directio import AlignedBuffer
 from storage.packs import Loc
 from storage.remote import (
     DEFAULT_JOBS,

@@ -21,7 +21,7 @@ from storage.base.progress import Progress
 from storage.chunkfile import HEADER_SIZE, ChunkHeader, chunk_id, id_check, raw_chunk_id
 from storage.delta import BASE_WHY
 from storage.codecs import HOST_CODECS, HostCodecChooser, ZstdCodec
-from storage.directio import AlignedBuffer, BufferPool, copy_into
+from storage.fs.directio import AlignedBuffer, BufferPool, copy_into
 from storage.base.errors import GpusnapError
 from storage.manifest import ChunkRef, Manifest
 from storage.store import Problem, Stray, chunk_refs

@@ -34,7 +34,7 @@ import ctypes
 from typing import TYPE_CHECKING, Any
 
 from storage import native
-from storage.directio import address_of
+from storage.fs.directio import address_of
 
 if TYPE_CHECKING:
     import numpy as np

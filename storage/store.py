@@ -21,7 +21,7 @@ Guarantees kept here (FORMAT.md has the full contract):
   directory fd (storage/storedir.py), and anything that is not the store owner's real directory is
   reported as damage and left alone;
 - gc removes only what gpusnap owns: chunks no snapshot names, temporary entries whose owning process
-  (recorded in their names, storage/owner.py) is gone, the staging trees of killed `get`s recorded in
+  (recorded in their names, storage/fs/owner.py) is gone, the staging trees of killed `get`s recorded in
   tmp/, lock files of names that have no snapshot; everything else is reported, never deleted.
 """
 from __future__ import annotations
@@ -49,19 +49,19 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, TypeVar
 from storage.base.progress import Progress
 from storage.chunkfile import (HEADER_SIZE, ChunkError, ChunkHeader, chunk_id, file_kind, full_check, max_stored_len,
                         id_check, raw_chunk_id, read_chunk_file, reusable, stored_check)
-from storage.directio import AlignedBuffer, BufferPool, address_of, align_up, copy_into, direct_io_supported, read_to_end
-from storage.directio import unlink_quietly as _unlink_quietly, write_new_file as _write_file
+from storage.fs.directio import AlignedBuffer, BufferPool, address_of, align_up, copy_into, direct_io_supported, read_to_end
+from storage.fs.directio import unlink_quietly as _unlink_quietly, write_new_file as _write_file
 from storage import delta
 from storage.base import waits
 from storage.codecs import DELTA, CodecError, HostCodecChooser
-from storage.getmark import new_nonce
+from storage.fs.getmark import new_nonce
 from storage.base.limits import MAX_MANIFEST, MAX_STORED_CHUNK
-from storage.treewalk import remove_tree
+from storage.fs.treewalk import remove_tree
 from storage.base.errors import EXIT_DAMAGED, DamageError, GpusnapError
 from storage.manifest import ChunkRef, Manifest, ManifestError, Stream, validate_tag
 from storage.base.names import InvalidNameError, validate_snapshot_name
-from storage.owner import owned_name, this_owner
-from storage.packfds import PackFds
+from storage.fs.owner import owned_name, this_owner
+from storage.fs.packfds import PackFds
 from storage.packs import Loc, PackIndex, PackWriter, open_pack, read_entry
 from storage.packs import pause as pause_pack
 from storage.tier import Landing, Verified
@@ -327,7 +327,7 @@ class SnapshotStore:
                                        # processes each have a store object of their own: not there
         self._bases_loading: dict[str, threading.Event] = {}  # bases one thread is reading for all who ask
         self._bases_lock = threading.Lock()
-        # packs opened once for the header look-ups and base reads of a put's threads (storage/packfds.py:
+        # packs opened once for the header look-ups and base reads of a put's threads (storage/fs/packfds.py:
         # while holding_packs() runs), closed when it ends, when the index is loaded again or with this object
         # (the opener holds this object weakly: a bound method would keep it, and its finalizer, alive)
         me = weakref.ref(self)
@@ -1606,7 +1606,7 @@ class SnapshotStore:
     def inflight_get(self, dest: str) -> Iterator[str | None]:
         """Record in tmp/ that this process materializes into DEST, for the block: if it is killed, gc
         finds the record and removes the staging sibling it left (get_staging_name), if that carries
-        the marker of the nonce the block is given (storage/getmark.py; None: nothing was recorded)."""
+        the marker of the nonce the block is given (storage/fs/getmark.py; None: nothing was recorded)."""
         owner = this_owner()
         nonce = new_nonce()
         rec = {"pid": owner.pid, "start": owner.start, "boot": owner.boot, "uid": os.geteuid(),

@@ -8,7 +8,7 @@ Guarantees kept here: every directory is opened relative to a directory fd alrea
 O_NOFOLLOW | O_DIRECTORY, and accepted only if fstat says it is a directory owned by the store's
 owner; a symlink, a file or a directory of another user where a store directory belongs raises
 StoreDamage naming it, and nothing in or under it is read, written or deleted. Trees are removed
-with fd-relative calls that never descend through a link, without recursion (storage/treewalk.py).
+with fd-relative calls that never descend through a link, without recursion (storage/fs/treewalk.py).
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import stat
 from contextlib import contextmanager
 from typing import Iterator
 
-from storage import treewalk
+from storage.fs import treewalk
 from storage.base.errors import DamageError, GpusnapError
 
 # ---- the layout ------------------------------------------------------------------------------

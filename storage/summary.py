@@ -16,7 +16,7 @@ import stat
 from dataclasses import dataclass, field
 from typing import Any
 
-from storage.directio import read_to_end
+from storage.fs.directio import read_to_end
 from storage.manifest import validate_tag
 from storage.base.names import validate_snapshot_name
 

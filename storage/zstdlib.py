@@ -29,7 +29,7 @@ import threading
 from contextlib import contextmanager
 from typing import Any, Iterator
 
-from storage.directio import address_of
+from storage.fs.directio import address_of
 from storage.base.errors import GpusnapError
 
 # libzstd's stable parameter ids (zstd.h, ZSTD_cParameter) and strategy values

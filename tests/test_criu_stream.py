@@ -624,7 +624,7 @@ def test_stream_dump_and_restore_of_a_tree(cli: Cli, store_dir: Path, dump_env: 
         # the packs past the page cache where asked, or by default where the host hands free memory back
         # to its hypervisor (sandbox.host.dumpwrites), and where the store's file system takes O_DIRECT
         from sandbox.host.hugepages import free_page_reporting
-        from storage.directio import direct_io_supported
+        from storage.fs.directio import direct_io_supported
         from support.pagecache import resident_bytes
         asked = dump_env.get("GPUSNAP_DUMP_DIRECT", "1" if free_page_reporting() is not None else "0")
         direct = asked == "1" and direct_io_supported(str(store_dir / "tmp"))
@@ -985,7 +985,7 @@ def test_fill_workers_import_nothing_from_the_working_directory(tmp_path: Path) 
     """The fill's worker processes run as root: a `sandbox` package planted in the directory gpusnap
     was started from (one a user may control) is never imported by them."""
     from sandbox.criu import fill_procs
-    from storage import isolated
+    from storage.fs import isolated
     planted = tmp_path / "sandbox" / "criu"
     planted.mkdir(parents=True)
     (tmp_path / "sandbox" / "__init__.py").write_text("")

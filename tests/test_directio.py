@@ -1,7 +1,7 @@
-"""storage.directio.Recycler: buffers reused, never a wait."""
+"""storage.fs.directio.Recycler: buffers reused, never a wait."""
 from __future__ import annotations
 
-from storage.directio import ALIGN, Recycler
+from storage.fs.directio import ALIGN, Recycler
 
 
 def test_a_buffer_given_back_is_the_next_one_taken_and_take_never_waits() -> None:

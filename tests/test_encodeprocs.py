@@ -13,7 +13,7 @@ import pytest
 
 from storage import encodeprocs, pipeline
 from storage.codecs import DELTA
-from storage.directio import Arena
+from storage.fs.directio import Arena
 from storage.encodeprocs import EncodeProcs, EncodeProcsError
 from storage.filetree import FileTreeSink, FileTreeSource
 from storage.store import SnapshotStore
@@ -299,7 +299,7 @@ def test_a_stopped_encoder_dies_with_the_put_process(tmp_path) -> None:
     import subprocess
     import sys
     code = ("import sys, time; sys.path.insert(0, sys.argv[1])\n"
-            "from storage.directio import Arena\nfrom storage.encodeprocs import EncodeProcs\n"
+            "from storage.fs.directio import Arena\nfrom storage.encodeprocs import EncodeProcs\n"
             "a = Arena(4 << 20); e = EncodeProcs(1, a)\n"
             "while not e._all[0].is_ready(): time.sleep(0.02)\n"
             "print(e._all[0].proc.pid, flush=True); time.sleep(60)\n")

@@ -1,4 +1,4 @@
-"""storage.fdread: a descriptor read until a buffer is full, in C and in Python's loop, alike."""
+"""storage.fs.fdread: a descriptor read until a buffer is full, in C and in Python's loop, alike."""
 from __future__ import annotations
 
 import errno
@@ -12,7 +12,7 @@ from typing import Any, Callable, Iterator
 
 import pytest
 
-from storage import fdread
+from storage.fs import fdread
 
 F_SETPIPE_SZ = 1031
 WAYS = [True, False]

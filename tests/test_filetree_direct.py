@@ -13,7 +13,7 @@ from typing import Iterator
 import pytest
 
 from conftest import Cli
-from storage.directio import AlignedBuffer
+from storage.fs.directio import AlignedBuffer
 from storage.filetree import DIRECT_MIN, _FdReader
 
 SIZE = DIRECT_MIN + 3 * 4096 + 1234  # not a multiple of the alignment: the last read ends inside a block

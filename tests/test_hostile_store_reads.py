@@ -191,7 +191,7 @@ def _plant_a_liar(store: Path, src: Path) -> tuple[str, str]:
     pack entry of that id with that length, garbage for a payload but its stored checksum right (the
     stored check cannot bind a raw-addressed payload to its id). (the chunk's id, the genuine pack)."""
     from storage.chunkfile import HEADER_SIZE, ChunkHeader
-    from storage.directio import ALIGN, align_up
+    from storage.fs.directio import ALIGN, align_up
     (good,) = [p.name for p in (store / "index").iterdir()]
     vict = json.loads((store / "snapshots" / "victim.json").read_text())
     ((cid, raw_len, _, _),) = [c for st in vict["streams"] for c in st["chunks"] if c[0]]
@@ -374,7 +374,7 @@ def test_a_planted_first_entry_of_a_delta_base_costs_it_nothing(cli: Cli, store_
     first, one page shorter, garbage) may be. verify then neither reports the snapshot nor sets the
     base aside (a sound full copy passes its own check), and gc keeps the sound copy."""
     from storage.chunkfile import HEADER_SIZE, ChunkHeader
-    from storage.directio import ALIGN, align_up
+    from storage.fs.directio import ALIGN, align_up
     from storage.store import SnapshotStore
 
     b, base = _deltas_on_a(cli, store_dir, tmp_path)

@@ -77,7 +77,8 @@ def test_build_versions_are_the_modules_and_a_library_of_another_version_is_buil
     """build.LIBRARIES names the versions the loading modules ask for; a library newer than its source
     but of another version (carried from another tree) is built again, a current one kept as it is."""
     import shutil
-    from storage import fdread, shufflelib
+    from storage import shufflelib
+    from storage.fs import fdread
     from storage.native import build
     versions = {lib: (fn, abi) for _, lib, fn, abi in build.LIBRARIES}
     assert versions["libgpusnap_shuffle2.so"] == ("gs_shuffle2_version", shufflelib.ABI)

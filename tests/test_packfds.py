@@ -1,4 +1,4 @@
-"""Packs held open for a store's threads (storage/packfds.py): opened once, closed only when no one holds them."""
+"""Packs held open for a store's threads (storage/fs/packfds.py): opened once, closed only when no one holds them."""
 from __future__ import annotations
 
 import os
@@ -7,7 +7,7 @@ import threading
 import pytest
 
 from storage.chunkfile import ChunkError
-from storage.packfds import PackFds
+from storage.fs.packfds import PackFds
 
 
 def open_fds() -> int:

@@ -253,7 +253,7 @@ def test_a_stream_crafted_so_every_page_is_sampled_keeps_a_bounded_record() -> N
 
 def _many_streams(st: Any, name: str, n: int, attrs: dict) -> None:
     """Commit snapshot NAME of N one-chunk blob streams with ATTRS (the library's writer)."""
-    from storage.directio import AlignedBuffer
+    from storage.fs.directio import AlignedBuffer
     from storage.manifest import Stream
     buf = AlignedBuffer(8192 + 4096)
     try:

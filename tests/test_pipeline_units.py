@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from storage.codecs import CodecError, HostCodecChooser, decode_host
-from storage.directio import BufferPool, DirectIOError
+from storage.fs.directio import BufferPool, DirectIOError
 from storage.pipeline import PAGE, cdc_params, is_zero, page_cuts
 
 

@@ -174,7 +174,7 @@ def test_a_restore_does_not_load_numpy(tmp_path: "os.PathLike[str]") -> None:
 import sys
 import cli.criu_cmd, sandbox.criu.snapshot, sandbox.criu.fill_procs, sandbox.criu.serve  # the restore's imports
 from storage.chunkfile import ChunkHeader, full_check
-from storage.directio import AlignedBuffer
+from storage.fs.directio import AlignedBuffer
 with AlignedBuffer({len(payload)}) as src, AlignedBuffer({len(raw)}) as dst:
     with open({path!r}, "rb") as f:
         f.readinto(src.view[:{len(payload)}])

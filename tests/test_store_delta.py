@@ -245,7 +245,7 @@ def test_a_delta_whose_base_is_larger_than_the_limit_is_damage(cli: Cli, store_d
 
 
 def _buf(st: SnapshotStore, m: Any) -> Any:
-    from storage.directio import AlignedBuffer
+    from storage.fs.directio import AlignedBuffer
     return AlignedBuffer(st.chunk_buffer_size([m]))
 
 
@@ -841,7 +841,7 @@ def test_a_candidate_failing_half_way_never_leaves_its_xor_for_another(tmp_path:
     taken for the XOR of the candidate chosen (it held N XOR A under the table of P: a delta that
     decodes to other bytes, which a later put of the same bytes would have deduplicated onto)."""
     from storage import pipeline
-    from storage.directio import AlignedBuffer
+    from storage.fs.directio import AlignedBuffer
     from storage.filetree import FileTreeSource
     from storage.manifest import ChunkRef, Manifest
     cs = 256 << 10

@@ -165,7 +165,7 @@ def test_killed_get_leaves_a_tree_that_the_next_gc_removes(stored: tuple[Cli, Pa
 
 def test_gc_leaves_a_live_gets_tree_and_a_link_in_its_place(stored: tuple[Cli, Path], store_dir: Path,
                                                            tmp_path: Path) -> None:
-    from storage.owner import boot_tag, start_time
+    from storage.fs.owner import boot_tag, start_time
     cli, _ = stored
     sleeper = subprocess.Popen(["sleep", "60"])
     victim = tmp_path / "victim"
@@ -268,7 +268,7 @@ def test_gc_with_store_directories_replaced_by_links_deletes_nothing_there(store
     shutil.rmtree(store_dir / "chunks" / xy)
     (store_dir / "chunks" / xy).symlink_to(victims[0])
     victims.append(_victim_dir(tmp_path, "tmp"))
-    from storage.owner import boot_tag
+    from storage.fs.owner import boot_tag
     (victims[1] / f"chunk.4194301-1-{boot_tag()}.1.2").write_text("looks like a dead writer's file")
     shutil.rmtree(store_dir / "tmp")
     (store_dir / "tmp").symlink_to(victims[1])
@@ -453,7 +453,7 @@ def test_put_into_a_store_whose_directories_are_links_writes_nothing_through_the
 
 
 def test_an_owner_is_alive_only_as_the_same_process_of_the_same_boot() -> None:
-    from storage.owner import ProcessOwner, boot_tag
+    from storage.fs.owner import ProcessOwner, boot_tag
     me = ProcessOwner.current()
     assert me.alive() and ProcessOwner.parse(me.token) == me
     assert not ProcessOwner(me.pid, me.start + 1, me.boot).alive()          # the pid, reused later

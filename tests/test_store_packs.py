@@ -190,7 +190,7 @@ def test_gc_repacks_a_mostly_dead_pack_and_keeps_what_snapshots_name(cli: Cli, s
 def test_gc_keeps_chunks_a_journaled_operation_names(cli: Cli, store_dir: Path, tmp_path: Path) -> None:
     """A chunk-reference log of an operation still in the journal pins its chunks in their pack."""
     from storage.store import SnapshotStore
-    from storage.directio import AlignedBuffer
+    from storage.fs.directio import AlignedBuffer
     st = SnapshotStore(str(store_dir))
     buf = AlignedBuffer(8192 + 4096)
     buf.view[4096:4096 + 5000] = os.urandom(5000)
@@ -393,7 +393,7 @@ def test_dedup_skips_only_chunk_directories_that_are_empty(cli: Cli, store_dir: 
 def test_read_into_direct_stops_at_the_end_of_a_file_inside_a_block(tmp_path: Path) -> None:
     """An O_DIRECT read that meets the end of a file returns what is there, and reads no further (a
     read from an offset inside a block would be refused)."""
-    from storage.directio import ALIGN, AlignedBuffer, read_into_direct
+    from storage.fs.directio import ALIGN, AlignedBuffer, read_into_direct
     p = tmp_path / "f"
     data = os.urandom(3 * ALIGN + 123)
     p.write_bytes(data)
@@ -439,7 +439,7 @@ def test_put_writes_packs_past_the_page_cache_unless_told(cli: Cli, store_dir: P
     """`store put` writes its packs with O_DIRECT by default: none of them is left in the page cache,
     and the store verifies and gives the tree back byte for byte (entries of odd lengths);
     GPUSNAP_PUT_DIRECT=0 writes them through the page cache."""
-    from storage.directio import direct_io_supported
+    from storage.fs.directio import direct_io_supported
     if direct == "1" and not direct_io_supported(str(tmp_path)):
         pytest.skip("this file system refuses O_DIRECT")
     src = make_mixed_tree(tmp_path / "m", mb=24)
@@ -507,16 +507,16 @@ def test_packs_fall_back_to_buffered_where_packs_dir_refuses_o_direct(tmp_path: 
     assert not pw.direct
     (pack, (n, ents)), = got.items()
     # a direct write refused mid-pack is an error that says what to do, and the pack is never indexed
-    from storage.directio import direct_io_supported
+    from storage.fs.directio import direct_io_supported
     if direct_io_supported(str(tmp_path)):
         fds = {d: os.open(root / d, os.O_RDONLY | os.O_DIRECTORY) for d in ("packs", "index", "tmp")}
         pw2 = PackWriter(fds["packs"], fds["index"], fds["tmp"], lambda: "idx-1",
                          lambda pack, n, ents: got.update({pack: (n, ents)}), direct=True)
-        with mock.patch("storage.directio.os.pwrite", side_effect=OSError(22, "Invalid argument")):
+        with mock.patch("storage.fs.directio.os.pwrite", side_effect=OSError(22, "Invalid argument")):
             with pytest.raises(OSError, match="GPUSNAP_PUT_DIRECT=0 .* or GPUSNAP_DUMP_DIRECT=0"):
                 pw2.append("cd" * 32, ChunkHeader("raw", len(payload), len(payload)), frame)
         # a direct write that stops short inside a block cannot go on there: EIO (or ENOSPC on a full disk)
-        with mock.patch("storage.directio.os.pwrite", return_value=100):
+        with mock.patch("storage.fs.directio.os.pwrite", return_value=100):
             with pytest.raises(OSError, match="stopped short") as short:
                 pw2.append("ce" * 32, ChunkHeader("raw", len(payload), len(payload)), frame)
         assert short.value.errno == 5
@@ -539,7 +539,7 @@ def test_many_producers_filling_small_packs_index_every_entry_once(tmp_path: Pat
     import threading
 
     from storage.chunkfile import ChunkHeader
-    from storage.directio import align_up, direct_io_supported
+    from storage.fs.directio import align_up, direct_io_supported
     from storage.packs import PackWriter, parse_entry
     from storage.chunkfile import HEADER_SIZE as HS
     if direct and not direct_io_supported(str(tmp_path)):

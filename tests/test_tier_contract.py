@@ -24,7 +24,7 @@ from conftest import REPO
 from storage.chunkfile import HEADER_SIZE, ChunkHeader
 from storage.codecs import ZstdCodec, decode_host
 from storage.device import HostDevice
-from storage.directio import align_up
+from storage.fs.directio import align_up
 from storage.base.errors import EXIT_DAMAGED, DamageError
 from storage.manifest import ChunkRef, Stream
 from storage.memtier import PinnedPool

@@ -41,7 +41,7 @@ def _get_killed_at_commit(cli: Cli, name: str, dest: Path) -> None:
 # ---- 2. gc deletes a get's staging tree only if the get's marker proves it is the get's ---------
 
 def _forge_get_record(store: Path, dest: Path, pid: int = DEAD_PID, **extra: object) -> Path:
-    from storage.owner import boot_tag
+    from storage.fs.owner import boot_tag
     rec = store / "tmp" / f"get.{pid}-1-{boot_tag()}.1.2"
     rec.write_text(json.dumps({"pid": pid, "start": 1, "boot": boot_tag(), "uid": os.geteuid(),
                                "dest": str(dest), "nonce": "0" * 32, **extra}))
@@ -105,7 +105,7 @@ def _deep(root: Path, depth: int) -> Path:
 
 
 def _remove(tree: Path) -> None:
-    from storage.treewalk import remove_tree
+    from storage.fs.treewalk import remove_tree
     fd = os.open(tree.parent, os.O_RDONLY | os.O_DIRECTORY)
     try:
         remove_tree(fd, tree.name, str(tree))

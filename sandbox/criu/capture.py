@@ -20,7 +20,7 @@ import time
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
-from storage import fdread
+from storage.fs import fdread
 from storage.pipeline import PipelineError, StreamSpec
 
 from sandbox.criu.images import IMAGES, is_page_image
@@ -28,7 +28,7 @@ from sandbox.criu.protocol import BIG_PIPE, CAPTURE_SOCKET, PIPE_SIZE, Listener,
 
 
 class _PipeReader:
-    """A pipe read to EOF; readinto fills VIEW unless the writer closed first (storage.fdread: in C,
+    """A pipe read to EOF; readinto fills VIEW unless the writer closed first (storage.fs.fdread: in C,
     without taking the GIL back after every pipeful, where NATIVE)."""
 
     def __init__(self, fd: int, native: bool = True) -> None:

@@ -46,7 +46,7 @@ import time
 from contextlib import contextmanager
 from typing import IO, TYPE_CHECKING, Any, Callable, Iterator, TypeVar
 
-from storage import isolated
+from storage.fs import isolated
 
 from storage.base import settings
 from storage.chunkfile import ChunkError, ChunkHeader
@@ -63,7 +63,7 @@ from sandbox.criu.split import Filler, Job, Key, SplitError, check_pids
 if TYPE_CHECKING:
     from contextlib import AbstractContextManager
 
-    from storage.directio import AlignedBuffer
+    from storage.fs.directio import AlignedBuffer
 
 MIN_SHARE = 256 << 20  # a worker process is worth its start-up only for this many stored bytes
 FILL_GAP = 1 << 20     # the split fill's reads bridge this many unwanted bytes of a pack
@@ -205,7 +205,7 @@ def shares(jobs: dict[Key, Job], where: Callable[[str], tuple[str, int] | None],
 
 
 def worker_argv() -> list[str]:
-    """The worker's command line: this module in an isolated interpreter (storage.isolated)."""
+    """The worker's command line: this module in an isolated interpreter (storage.fs.isolated)."""
     return isolated.python_argv("sandbox.criu.fill_procs")
 
 

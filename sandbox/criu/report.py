@@ -24,7 +24,7 @@ class CriuReport:
     stages: dict[str, Any] = field(default_factory=dict)
     images_path: str = "staging"  # how CRIU's images moved: "stream" or "staging" (sandbox.criu.images)
     parent: str | None = None     # a dump's parent snapshot (its changed chunks are deltas against it)
-    pipe_reads: str | None = None  # a streamed dump's: how CRIU's pipes were read (storage.fdread.describe)
+    pipe_reads: str | None = None  # a streamed dump's: how CRIU's pipes were read (storage.fs.fdread.describe)
     pack_writes: str | None = None  # a dump's: "direct", "buffered" or "none" (SnapshotWriter.pack_writes)
 
     def as_dict(self) -> dict[str, Any]:

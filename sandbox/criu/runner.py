@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
 from storage.base.errors import EXIT_UNAVAILABLE, GpusnapError
-from storage.owndir import own_dir
+from storage.fs.owndir import own_dir
 
 from sandbox.host.procgroup import run_group
 
@@ -272,7 +272,7 @@ def keep_copy(log_path: str, what: str) -> None:
     run, whatever goes wrong: a copy that cannot be made is said on stderr (if it can be). A log names
     the tree's paths and addresses, so the directory must be reached without a link, through
     directories of root or this user that no one else may write in (sticky ones aside), and be this
-    user's own (storage.owndir); each copy is a new file, 0600 (O_EXCL, O_NOFOLLOW)."""
+    user's own (storage.fs.owndir); each copy is a new file, 0600 (O_EXCL, O_NOFOLLOW)."""
     try:
         where = os.environ.get(LOGS_ENV, "").strip()
         if not where:

@@ -32,7 +32,7 @@ from storage import pipeline, readstage
 from storage.childreads import ChildReads
 from storage.chunkfile import ChunkError
 from storage.codecs import CodecError, decode_host, decode_host_into
-from storage.directio import AlignedBuffer, BufferPool, Recycler, address_of, copy_into
+from storage.fs.directio import AlignedBuffer, BufferPool, Recycler, address_of, copy_into
 from storage.base.errors import GpusnapError
 from storage.manifest import ChunkRef, Manifest, Stream
 from storage.pipeline import Stages

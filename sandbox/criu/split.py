@@ -42,7 +42,7 @@ from typing import Any, Callable, Iterator, Sequence, Union
 
 from sandbox.criu.restored import boot_ticks
 from sandbox.host.processes import memory_identity
-from storage.directio import AlignedBuffer, copy_into
+from storage.fs.directio import AlignedBuffer, copy_into
 from storage.base.errors import GpusnapError
 from storage.manifest import ChunkRef, Stream
 from storage.pipeline import Stages

@@ -283,7 +283,7 @@ def send(inp: BinaryIO, out: BinaryIO, source: Any, streams: list[Any], have: di
     each process it needs, from STREAMS (gpu/PID/INDEX) read verified from SOURCE. HAVE: the processes
     (and their GPU indexes) the host may give back (default: every process in STREAMS). Returns the
     pids sent. Refuses a process it has no complete memory for."""
-    from storage.directio import AlignedBuffer
+    from storage.fs.directio import AlignedBuffer
     by_pid: dict[int, list[Any]] = {}
     for s in streams:
         parts = s.name.split("/")

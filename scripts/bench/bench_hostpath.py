@@ -34,7 +34,7 @@ import numpy as np
 
 from scripts.helpers import child_env, disk_floor, drop_caches, report_json
 from storage import codecs, pipeline, zstdlib
-from storage.directio import AlignedBuffer, BufferPool
+from storage.fs.directio import AlignedBuffer, BufferPool
 from storage.pipeline import StreamSpec
 from storage.readstage import Want, read_chunks
 from storage.store import SnapshotStore

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import sys
 
-PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # storage/fs/ -> the root
 
 
 def module_path() -> list[str]:

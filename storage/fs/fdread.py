@@ -29,7 +29,7 @@ import os
 from typing import Any
 
 from storage import native
-from storage.directio import address_of
+from storage.fs.directio import address_of
 from storage.base.errors import GpusnapError
 from storage.base.settings import setting
 
