@@ -170,7 +170,9 @@ def report(criu: str = "criu", runsc: str = "runsc") -> dict[str, Any]:
 def _host_codec() -> dict[str, Any]:
     """What the CPU codecs run on: the system's libzstd or python-zstandard, the byte planes in C or numpy;
     and how the dump reads CRIU's pipes (storage.fs.fdread: C, or Python's loop)."""
-    from storage import delta, shufflelib, zstdlib
+    from storage.codecs import delta
+    from storage.codecs import shufflelib
+    from storage.codecs import zstdlib
     from storage.fs import fdread
     try:
         reads = fdread.describe()

@@ -20,8 +20,8 @@ from dataclasses import dataclass, replace
 
 import blake3
 
-from storage import delta
-from storage.codecs import CODEC_IDS, CODEC_NAMES, DELTA, RAW_ENTRY_CODECS, CodecError, decode_host, decode_host_into
+from storage.codecs import delta
+from storage.codecs.registry import CODEC_IDS, CODEC_NAMES, DELTA, RAW_ENTRY_CODECS, CodecError, decode_host, decode_host_into
 from storage.fs.directio import ALIGN, AlignedBuffer, align_up, read_into
 
 from storage.base.errors import DamageError, GpusnapError
@@ -127,7 +127,7 @@ def full_check(header: ChunkHeader, payload: memoryview, cid: str,
     decoding (at most its raw length), then the raw bytes must derive CID (the id covers every byte,
     so the stored checksum is not needed). ChunkError when damaged. OUT: decode into it (nothing
     allocated; a `raw` payload is returned where it lies). BASE: how a delta entry's base is read
-    (storage/delta.py); without it a delta entry is damage (bytes from outside the store)."""
+    (storage/codecs/delta.py); without it a delta entry is damage (bytes from outside the store)."""
     if not header.raw_id:
         stored_check(header, payload, cid)
     if header.codec == DELTA:

@@ -24,7 +24,7 @@ import weakref
 from contextlib import contextmanager
 from typing import Any, Iterator, Protocol
 
-from storage.codecs import NVCOMP_ALGORITHMS, CodecError, entry
+from storage.codecs.registry import NVCOMP_ALGORITHMS, CodecError, entry
 from storage.fs.directio import ALIGN, align_up
 
 from storage.base.errors import GpusnapError
@@ -385,7 +385,7 @@ class _NvcompCodec:
 class CudaDevice:
     """One GPU through the CUDA driver; nvCOMP for the codecs."""
 
-    codecs = tuple(NVCOMP_ALGORITHMS)  # the format's nvCOMP codecs (storage.codecs), ANS the default
+    codecs = tuple(NVCOMP_ALGORITHMS)  # the format's nvCOMP codecs (storage.codecs.registry), ANS the default
 
     def __init__(self, index: int = 0) -> None:
         d = _drv()

@@ -380,9 +380,9 @@ def child_main(argv: list[str]) -> None:
     mfd, size, req_r, ans_w, level, compress, parent = (int(a) for a in argv)
     _die_with_parent(parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a ^C is the put's to handle; it closes the pipes
-    from storage import pagekeys  # noqa: PLC0415 - after the parent check: nothing heavy for an orphan
+    from storage.codecs import pagekeys  # noqa: PLC0415 - after the parent check: nothing heavy for an orphan
     from storage.chunkfile import ChunkHeader, raw_chunk_id, stored_digest  # noqa: PLC0415
-    from storage.codecs import HostCodecChooser  # noqa: PLC0415
+    from storage.codecs.registry import HostCodecChooser  # noqa: PLC0415
     from storage.fs.directio import is_zero  # noqa: PLC0415
     import numpy as np  # noqa: PLC0415
     m = mmap.mmap(mfd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)

@@ -25,8 +25,8 @@ import stat
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from storage import delta
-from storage.codecs import DELTA
+from storage.codecs import delta
+from storage.codecs.registry import DELTA
 from storage.chunkfile import ChunkError, file_kind, stored_check
 from storage.fs.directio import AlignedBuffer
 from storage.base.errors import GpusnapError

@@ -30,8 +30,8 @@ from typing import Any, Callable, Iterator
 
 from storage.base.progress import Progress
 from storage.chunkfile import HEADER_SIZE, ChunkError
-from storage import codecs
-from storage.codecs import GPU_PAYS_OFF_RATIO
+from storage.codecs import registry as codecs
+from storage.codecs.registry import GPU_PAYS_OFF_RATIO
 from storage.base.limits import MAX_RAW_CHUNK
 from storage.device import CudaDevice, Device, DeviceError, HostBuffer
 from storage.fs.directio import ALIGN

@@ -18,7 +18,7 @@ from typing import Any
 
 import blake3
 
-from storage.codecs import CODEC_IDS, ZERO
+from storage.codecs.registry import CODEC_IDS, ZERO
 from storage.base.names import STREAM_PATH_MAX, validate_snapshot_name, validate_stream_name
 
 from storage.base.errors import DamageError, GpusnapError
@@ -276,7 +276,7 @@ def check_tree(streams: list[Stream], version: int = VERSION) -> list[str]:
             if why:
                 problems.append(f"stream {s.name!r} has {why}")
         if "pagekeys" in a:
-            from storage.pagekeys import check as check_pagekeys
+            from storage.codecs.pagekeys import check as check_pagekeys
             why = check_pagekeys(a["pagekeys"], s.size) if t in ("file", "blob") else f"page keys on a {t}"
             if why:
                 problems.append(f"stream {s.name!r} has bad page keys: {why}")

@@ -36,7 +36,7 @@ from storage.packs import Loc, coalesce, open_pack, parse_entry
 if TYPE_CHECKING:
     from contextlib import AbstractContextManager
 
-    from storage.delta import BaseReader
+    from storage.codecs.delta import BaseReader
 
     from storage.fs.directio import AlignedBuffer
 

@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 from storage.base.progress import Progress
 from storage.chunkfile import HEADER_SIZE, ChunkHeader, chunk_id, id_check, raw_chunk_id
-from storage.delta import BASE_WHY
-from storage.codecs import HOST_CODECS, HostCodecChooser, ZstdCodec
+from storage.codecs.delta import BASE_WHY
+from storage.codecs.registry import HOST_CODECS, HostCodecChooser, ZstdCodec
 from storage.fs.directio import AlignedBuffer, BufferPool, copy_into
 from storage.base.errors import GpusnapError
 from storage.manifest import ChunkRef, Manifest
@@ -133,7 +133,7 @@ def _keep(store: "SnapshotStore", pw: "PackWriter", chunks_fd: int, ref: ChunkRe
     return True
 
 
-_PUT_ENCODER = HostCodecChooser()  # how put encodes a new host chunk (storage.codecs: the per-chunk choice)
+_PUT_ENCODER = HostCodecChooser()  # how put encodes a new host chunk (storage.codecs.registry: the per-chunk choice)
 
 
 def _keep_raw(store: "SnapshotStore", pw: "PackWriter", chunks_fd: int, ref: ChunkRef, raw: bytes,

@@ -51,9 +51,9 @@ from storage.chunkfile import (HEADER_SIZE, ChunkError, ChunkHeader, chunk_id, f
                         id_check, raw_chunk_id, read_chunk_file, reusable, stored_check)
 from storage.fs.directio import AlignedBuffer, BufferPool, address_of, align_up, copy_into, direct_io_supported, read_to_end
 from storage.fs.directio import unlink_quietly as _unlink_quietly, write_new_file as _write_file
-from storage import delta
+from storage.codecs import delta
 from storage.base import waits
-from storage.codecs import DELTA, CodecError, HostCodecChooser
+from storage.codecs.registry import DELTA, CodecError, HostCodecChooser
 from storage.fs.getmark import new_nonce
 from storage.base.limits import MAX_MANIFEST, MAX_STORED_CHUNK
 from storage.fs.treewalk import remove_tree
@@ -881,7 +881,7 @@ class SnapshotStore:
             self._bases_most = max(BASE_CACHE, most)
 
     def delta_base(self, bid: str, most: int) -> memoryview:
-        """The raw bytes of BID as the base of a delta (storage/delta.py's BaseReader), verified: a
+        """The raw bytes of BID as the base of a delta (storage/codecs/delta.py's BaseReader), verified: a
         raw-addressed entry of at most MOST raw bytes that is not itself a delta (depth 1: a base is
         never resolved further); ChunkError (about BID) otherwise. The last BASE_CACHE bytes of bases
         read are kept (a restore reads each base once; keep_bases raises it), and a base another
@@ -1885,7 +1885,7 @@ class SnapshotWriter:
 
     def put_delta(self, raw_len: int, frame: memoryview, stored_len: int, cid: str) -> ChunkRef:
         """Store chunk CID (the raw id of its RAW_LEN raw bytes) as the delta entry whose payload
-        (storage/delta.py: its segment table, then the XOR's encoding) sits at FRAME[HEADER_SIZE:]. The
+        (storage/codecs/delta.py: its segment table, then the XOR's encoding) sits at FRAME[HEADER_SIZE:]. The
         base is a full entry of a committed snapshot (the parent's, or its base), so it is durable
         before this entry is written; the store's marker says version 6 before the first delta (its
         XOR may be a layout 2 shuffle2-zstd payload)."""

@@ -19,7 +19,7 @@ import zstandard
 
 from conftest import Cli, chunk_files, tree_digest
 from scripts.bench import bench_codecs
-from storage import codecs as C
+from storage.codecs import registry as C
 from storage.chunkfile import HEADER_SIZE, RAW_CODECS
 
 KINDS = ("weights", "fp32", "kv30", "random", "text")

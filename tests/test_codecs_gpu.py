@@ -20,7 +20,7 @@ pytestmark = pytest.mark.gpu
 
 
 def test_nvcomp_codecs_are_registered_and_made_by_the_device() -> None:
-    from storage import codecs as C
+    from storage.codecs import registry as C
     from storage.device import CudaDevice
     assert C.nvcomp_importable()
     assert set(C.gpu_codecs()) == set(C.NVCOMP_ALGORITHMS)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from storage import encodeprocs, pipeline
-from storage.codecs import DELTA
+from storage.codecs.registry import DELTA
 from storage.fs.directio import Arena
 from storage.encodeprocs import EncodeProcs, EncodeProcsError
 from storage.filetree import FileTreeSink, FileTreeSource

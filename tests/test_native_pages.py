@@ -6,7 +6,9 @@ import os
 import numpy as np
 import pytest
 
-from storage import delta, native
+from storage import native
+
+from storage.codecs import delta
 
 PAGE = delta.PAGE
 
@@ -77,13 +79,13 @@ def test_build_versions_are_the_modules_and_a_library_of_another_version_is_buil
     """build.LIBRARIES names the versions the loading modules ask for; a library newer than its source
     but of another version (carried from another tree) is built again, a current one kept as it is."""
     import shutil
-    from storage import shufflelib
+    from storage.codecs import shufflelib
     from storage.fs import fdread
     from storage.native import build
     versions = {lib: (fn, abi) for _, lib, fn, abi in build.LIBRARIES}
     assert versions["libgpusnap_shuffle2.so"] == ("gs_shuffle2_version", shufflelib.ABI)
     assert versions["libgpusnap_fdread.so"] == ("gs_fdread_version", fdread.ABI)
-    assert versions["libgpusnap_pages.so"] == ("gs_pages_version", 1)  # storage/delta.py's _pages_lib
+    assert versions["libgpusnap_pages.so"] == ("gs_pages_version", 1)  # storage/codecs/delta.py's _pages_lib
     if not (shutil.which("cc") or shutil.which("gcc")) or os.environ.get("GPUSNAP_NO_NATIVE"):
         pytest.skip("no C compiler, or loading is turned off")
     d = str(tmp_path)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from conftest import Cli
-from storage import pagekeys
+from storage.codecs import pagekeys
 from support.crafted import rewrite_manifest
 from test_store_delta import BLOCK, _kv_pool, weights
 

@@ -7,7 +7,7 @@ import threading
 import numpy as np
 import pytest
 
-from storage.codecs import CodecError, HostCodecChooser, decode_host
+from storage.codecs.registry import CodecError, HostCodecChooser, decode_host
 from storage.fs.directio import BufferPool, DirectIOError
 from storage.pipeline import PAGE, cdc_params, is_zero, page_cuts
 
@@ -124,7 +124,7 @@ def test_large_page_images_read_by_several_producers(tmp_path, monkeypatch) -> N
 
 def test_decode_host_into_decodes_in_place_and_refuses_what_does_not_fit() -> None:
     import zstandard
-    from storage.codecs import CodecError, decode_host_into
+    from storage.codecs.registry import CodecError, decode_host_into
     raw = (b"gpusnap " * 70000)[:500000]
     out = memoryview(bytearray(600000))
     frame = zstandard.ZstdCompressor(level=1).compress(raw)
@@ -157,7 +157,7 @@ def test_put_workers_are_bounded_and_can_be_set(monkeypatch) -> None:
 
 @pytest.mark.parametrize("which", [(True, True), (False, True), (True, False), (False, False)])
 def test_shuffle2_planes_split_straight_into_the_payload_round_trip(which) -> None:
-    from storage.codecs import _SHUFFLE2
+    from storage.codecs.registry import _SHUFFLE2
     rng = np.random.default_rng(5)
     w = (rng.normal(0, 0.02, 1 << 18).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
     for data in (w.tobytes(), bytes(1 << 16), rng.integers(0, 256, 1 << 16, dtype=np.uint8).tobytes()):

@@ -1,4 +1,4 @@
-"""The byte planes in C (storage/shufflelib.py) against numpy's, and the codec's payloads with and without them."""
+"""The byte planes in C (storage/codecs/shufflelib.py) against numpy's, and the codec's payloads with and without them."""
 from __future__ import annotations
 
 import os
@@ -8,7 +8,9 @@ import struct
 import numpy as np
 import pytest
 
-from storage import codecs, shufflelib
+from storage.codecs import registry as codecs
+
+from storage.codecs import shufflelib
 from storage.native import build
 
 SIZES = [0, 1, 7, (1 << 18) - 1, (1 << 18) + 3, 1 << 21]  # elements: empty, odd, around a numpy step, 4 MiB
@@ -204,7 +206,7 @@ def _planes_of(raw: bytes) -> tuple[memoryview, int, memoryview, int, int]:
 
 
 def test_decode_planes_in_one_call_and_what_it_refuses() -> None:
-    from storage import zstdlib
+    from storage.codecs import zstdlib
     if not shufflelib.available() or not zstdlib.available():
         pytest.skip("the library or libzstd is not here")
     raw = _bf16(1 << 20, 11)
@@ -241,7 +243,7 @@ def test_decode_planes_in_one_call_and_what_it_refuses() -> None:
 def test_a_damaged_frame_fails_as_the_codec_error(monkeypatch: pytest.MonkeyPatch) -> None:
     """A plane frame that passes its header checks but does not decode: the one-call path raises the
     codec's error, as the step-by-step path does."""
-    from storage import zstdlib
+    from storage.codecs import zstdlib
     if not shufflelib.available() or not zstdlib.available():
         pytest.skip("the library or libzstd is not here")
     raw = _bf16(1 << 18, 12)

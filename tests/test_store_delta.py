@@ -19,9 +19,9 @@ import numpy as np
 import pytest
 
 from conftest import GPUSNAP, REPO, Cli, pythonpath
-from storage import delta
+from storage.codecs import delta
 from storage.chunkfile import HEADER_SIZE, ChunkHeader, check_received, raw_chunk_id
-from storage.codecs import CODEC_IDS, DELTA, Shuffle2Codec
+from storage.codecs.registry import CODEC_IDS, DELTA, Shuffle2Codec
 from storage.base.errors import DamageError
 from storage.manifest import Stream
 from storage.pipeline import page_keys

@@ -22,7 +22,7 @@ import pytest
 
 from conftest import REPO
 from storage.chunkfile import HEADER_SIZE, ChunkHeader
-from storage.codecs import ZstdCodec, decode_host
+from storage.codecs.registry import ZstdCodec, decode_host
 from storage.device import HostDevice
 from storage.fs.directio import align_up
 from storage.base.errors import EXIT_DAMAGED, DamageError

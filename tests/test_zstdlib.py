@@ -1,4 +1,4 @@
-"""storage/zstdlib.py: libzstd into the caller's buffers, against hostile payloads and python-zstandard's frames."""
+"""storage/codecs/zstdlib.py: libzstd into the caller's buffers, against hostile payloads and python-zstandard's frames."""
 from __future__ import annotations
 
 import os
@@ -7,8 +7,8 @@ import threading
 import pytest
 import zstandard
 
-from storage import zstdlib
-from storage.codecs import HostCodecChooser, decode_host_into
+from storage.codecs import zstdlib
+from storage.codecs.registry import HostCodecChooser, decode_host_into
 
 pytestmark = pytest.mark.skipif(not zstdlib.available(), reason="libzstd not found on this machine")
 

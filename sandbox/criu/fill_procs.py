@@ -50,7 +50,7 @@ from storage.fs import isolated
 
 from storage.base import settings
 from storage.chunkfile import ChunkError, ChunkHeader
-from storage.codecs import CodecError
+from storage.codecs.registry import CodecError
 from storage.base.errors import DamageError, GpusnapError
 from storage.manifest import ChunkRef
 from storage.packs import Loc

@@ -6,7 +6,7 @@ entries") writes about the changed bytes. The parent is only ever the snapshot t
 (`--parent SNAP`): gpusnap does not guess one by root pid, because a pid is reused, possibly by
 another tenant's process, and a delta keeps its bases (the parent's bytes) stored for as long as it
 lives. A wrong parent costs only the base reads: a chunk is stored as a delta only where that saves
-(storage.codecs.DELTA_PAYS_OFF).
+(storage.codecs.registry.DELTA_PAYS_OFF).
 
 Guarantees kept here: the parent is a committed snapshot of this store, loaded and validated as every
 manifest is; one that does not load fails the dump before anything starts.

@@ -8,7 +8,7 @@ library's sources (the running interpreter's, in name order; repeated where --mi
 2026-12-05 `text` was this project's own sources and docs, which changed with every commit.
 
 CPU rows, per 4 MiB chunk (the host path's chunk): zstd-1, shuffle2-zstd, shuffle4-zstd, `auto`
-(storage.codecs.HostCodecChooser: what `put` stores), and python-blosc2 SHUFFLE+ZSTD clevel 1
+(storage.codecs.registry.HostCodecChooser: what `put` stores), and python-blosc2 SHUFFLE+ZSTD clevel 1
 typesize 2 where blosc2 is importable. GB/s is raw bytes per second of wall time, with one thread
 and with N threads for each N in --threads; the `cpu` columns of one-thread rows count that
 thread's CPU seconds instead (a core's rate, whatever else the machine runs). CPU figures are the
@@ -20,7 +20,7 @@ pinned host memory and goes through in 64 MiB batches on one stream: encode = co
 copy the payload out; decode = copy the payload in, decompress, copy the raw bytes out (host-staged
 bytes, what a restore between the driver's checkpoint and its restore has); the `dev` columns are
 the device work alone. One more GPU row, `nvcomp-zstd(host frames)`: nvCOMP's Zstd decoding the
-zstd frames the host path itself stores (storage.codecs, unchanged format). Every decode is checked
+zstd frames the host path itself stores (storage.codecs.registry, unchanged format). Every decode is checked
 byte for byte.
 """
 from __future__ import annotations
@@ -38,7 +38,7 @@ from typing import Any, Callable
 import numpy as np
 import zstandard
 
-from storage import codecs as C
+from storage.codecs import registry as C
 
 CHUNK = 4 << 20
 BATCH = 64 << 20

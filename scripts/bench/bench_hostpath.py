@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """The host path's three costs apart, with the disk's floors measured in the same run.
 
-1. codecs: the per-chunk codec choice (storage.codecs.HostCodecChooser, what every put stores)
+1. codecs: the per-chunk codec choice (storage.codecs.registry.HostCodecChooser, what every put stores)
    encoding and decoding 4 MiB chunks on 1..N threads, through libzstd into our own buffers
-   (storage/zstdlib.py) and, in a child process with GPUSNAP_NO_LIBZSTD=1, through python-zstandard;
+   (storage/codecs/zstdlib.py) and, in a child process with GPUSNAP_NO_LIBZSTD=1, through python-zstandard;
 2. ingest: a page image pushed through a pipe (as `criu dump --stream` does) into a store on disk with
    the page chunker, durable (packs fsynced) - wall time against the write floor for the bytes stored;
 3. read: that snapshot read back cold through the read stage, in restore order and in pack order
@@ -33,7 +33,9 @@ from typing import Any, Iterator
 import numpy as np
 
 from scripts.helpers import child_env, disk_floor, drop_caches, report_json
-from storage import codecs, pipeline, zstdlib
+from storage import pipeline
+from storage.codecs import registry as codecs
+from storage.codecs import zstdlib
 from storage.fs.directio import AlignedBuffer, BufferPool
 from storage.pipeline import StreamSpec
 from storage.readstage import Want, read_chunks

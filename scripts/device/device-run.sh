@@ -123,7 +123,7 @@ for what in ${1//,/ }; do
             # the GIL, then every thread, waiting ones included: is the second dump bound by the GIL or by its bases' reads?
             [ -f .tools/py-spy.xz ] && python3 -c "import lzma,shutil,os; shutil.copyfileobj(lzma.open('.tools/py-spy.xz'), open('/tmp/py-spy','wb')); os.chmod('/tmp/py-spy',0o755)"
             # DELTA_PROFS="plain-numpy plain": a run with $GPUSNAP_NO_NATIVE set (the byte planes in numpy), then one
-            # with them in C (storage/shufflelib.py, delta.page_differences; carry storage/native's two .so files built here);
+            # with them in C (storage/codecs/shufflelib.py, delta.page_differences; carry storage/native's two .so files built here);
             # "plain-switch": with GPUSNAP_SWITCH_INTERVAL=${SWITCH_S:-0.0005} (the GIL's hand-over, storage/base/settings.py)
             for prof in ${DELTA_PROFS:-plain gil idle}; do
               wrap=""; [ ${prof%%-*} != plain ] && wrap="/tmp/py-spy record --${prof%%-*} --threads -r 200 -f raw -o $out/deltaprof-$prof.txt --"

@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from storage.codecs import NVCOMP_ALGORITHMS
+from storage.codecs.registry import NVCOMP_ALGORITHMS
 from storage.device import CudaDevice, DeviceBytes, _NvcompCodec, check_cuda, cuda_driver
 
 N = 64 << 20

@@ -17,8 +17,8 @@ import tempfile
 
 from storage import native
 from storage.native import HERE
-# (source, library, version function, the version the loading module asks for): storage/shufflelib.py,
-# storage/delta.py and storage/fs/fdread.py load them by these names, from here only (tests/test_native_pages.py
+# (source, library, version function, the version the loading module asks for): storage/codecs/shufflelib.py,
+# storage/codecs/delta.py and storage/fs/fdread.py load them by these names, from here only (tests/test_native_pages.py
 # checks the versions against theirs)
 LIBRARIES = (("shuffle2.c", "libgpusnap_shuffle2.so", "gs_shuffle2_version", 3),
              ("pages.c", "libgpusnap_pages.so", "gs_pages_version", 1),

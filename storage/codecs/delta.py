@@ -26,7 +26,7 @@ if TYPE_CHECKING:  # imported where used: `store --help` and a listing load this
     import numpy as np
 
 from storage import native
-from storage.codecs import DELTA, SAMPLE_PIECE, SAMPLE_PIECES, HostCodecChooser, decode_host_into, CodecError
+from storage.codecs.registry import DELTA, SAMPLE_PIECE, SAMPLE_PIECES, HostCodecChooser, decode_host_into, CodecError
 from storage.fs.directio import address_of
 from storage.base.errors import DamageError
 from storage.base.limits import MAX_RAW_CHUNK

@@ -1,7 +1,7 @@
 """The byte planes of 2-byte and 4-byte elements in C (storage/native/shuffle2.c), one call per plane, the GIL
 released.
 
-Why: storage.codecs.Shuffle2Codec split and merged planes with numpy, five array operations per
+Why: storage.codecs.registry.Shuffle2Codec split and merged planes with numpy, five array operations per
 block of each chunk. Each operation takes the GIL back when it returns, and under the put's sixteen
 threads those hand-overs, not the arithmetic, were the cost: a profile of a second dump on the H200
 found 30% of its workers' time in the split and the merge (BENCHMARKS.md section 30). One pass in C
@@ -9,7 +9,7 @@ does the same work 4-6x faster on one thread (a 4 MiB chunk: numpy 5 GB/s, C 24-
 VM) and releases the GIL once.
 
 A decode goes further: `decode_planes` decodes both planes' zstd frames (through the libzstd that
-storage.zstdlib loaded) and merges them in one call, one hand-over of the GIL instead of three.
+storage.codecs.zstdlib loaded) and merges them in one call, one hand-over of the GIL instead of three.
 Beside a thread that runs Python, each hand-over can cost that thread's switch interval: on the dev
 VM a 4 MiB bf16 chunk's verified decode took 18 ms there in three calls and 12 ms in one (1.6 ms
 alone either way). `merge_views` and `decode_planes` take plain byte views, so a restore decodes
@@ -119,7 +119,7 @@ def decode_planes(p0: memoryview, k0: int, p1: memoryview, k1: int, layout: int,
                   out: memoryview, dctx: int, decompress: int) -> int | None:
     """A shuffle2 payload's planes P0 and P1 (kind 0: stored, len(OUT) // 2 bytes; kind 1: one zstd frame the
     caller has checked declares that many and spans the view) decoded and merged into OUT in LAYOUT, in
-    one C call: zstd's frames through DECOMPRESS (libzstd's ZSTD_decompressDCtx, storage.zstdlib) with
+    one C call: zstd's frames through DECOMPRESS (libzstd's ZSTD_decompressDCtx, storage.codecs.zstdlib) with
     the context DCTX, into SCRATCH (len(OUT) // 2 bytes per zstd plane). 0 when done; -1 or -2 when
     plane 0 or 1 did not decode to its size; None where the caller must do it (no library, a view
     that is read-only, strided or overlapping, other lengths)."""

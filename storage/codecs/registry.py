@@ -54,7 +54,9 @@ if TYPE_CHECKING:  # imported on first use: a listing or --help needs neither
     import numpy as np
     import zstandard
 
-from storage import shufflelib, zstdlib
+from storage.codecs import shufflelib
+
+from storage.codecs import zstdlib
 from storage.fs.directio import copy_into
 from storage.base.errors import GpusnapError
 
@@ -98,7 +100,7 @@ CODEC_IDS = FORMAT_IDS  # the names manifests may use
 CODEC_NAMES: dict[int, str] = {v: k for k, v in FORMAT_IDS.items()}
 ZERO = "zero"  # not a codec id: a chunk reference with no file
 DELTA = "xor-zstd"  # a delta entry against a base chunk (FORMAT.md, "Delta entries"): decoded by
-                    # storage/delta.py with the base's raw bytes, never by decode_host (not in CODECS)
+                    # storage/codecs/delta.py with the base's raw bytes, never by decode_host (not in CODECS)
 NVCOMP_ALGORITHMS: dict[str, str] = {"nvcomp-ans": "ANS", "nvcomp-bitcomp": "Bitcomp", "nvcomp-lz4": "LZ4",
                                      "nvcomp-gdeflate": "GDeflate"}
 
@@ -158,7 +160,7 @@ class RawCodec:
 
 
 class ZstdCodec:
-    """zstd, one frame per chunk. Through libzstd (storage/zstdlib.py: into the caller's buffers, the GIL
+    """zstd, one frame per chunk. Through libzstd (storage/codecs/zstdlib.py: into the caller's buffers, the GIL
     released) where it is loaded, else python-zstandard (whose objects are per thread: not thread-safe)."""
 
     name = "zstd"
@@ -417,7 +419,7 @@ class Shuffle2Codec(_PlaneScratch):
         """Plane I of the 2-byte elements A (0: low bytes, 1: high bytes) in LAYOUT into INTO. Layout 2
         takes the bytes of each element rotated left by one bit: the high plane is bits 7..14 (a bf16's
         exponent), the low plane bits 0..6 shifted up by one with bit 15 (the sign) as its bit 0.
-        In one C call where the library is built (storage/shufflelib.py), else with numpy."""
+        In one C call where the library is built (storage/codecs/shufflelib.py), else with numpy."""
         if shufflelib.plane(a, i, into, layout):
             return
         np = _np()
@@ -482,7 +484,7 @@ class Shuffle2Codec(_PlaneScratch):
     def _merge(self, lo: np.ndarray, hi: np.ndarray, o: np.ndarray, layout: int) -> None:
         """The 2-byte elements O from their planes LO and HI in LAYOUT (2: each rotated right by one bit
         after the bytes are joined, a step of _BLOCK elements at a time). In one C call where the
-        library is built (storage/shufflelib.py), else with numpy."""
+        library is built (storage/codecs/shufflelib.py), else with numpy."""
         if shufflelib.merge(lo, hi, o, layout):
             return
         np = _np()
@@ -526,7 +528,7 @@ class Shuffle4Codec(_PlaneScratch):
 
     def _plane_of(self, a: np.ndarray, i: int, into: np.ndarray) -> None:
         """Plane I (byte I of each element) of the uint32 elements A into INTO: in one C call where the
-        library is built (storage/shufflelib.py), else with numpy (the cast keeps the low 8 bits)."""
+        library is built (storage/codecs/shufflelib.py), else with numpy (the cast keeps the low 8 bits)."""
         if not shufflelib.plane4(a, i, into):
             _np().right_shift(a, 8 * i, out=into, casting="unsafe")
 
@@ -693,7 +695,7 @@ def entry(name: str) -> CodecEntry:
         raise CodecError(f"unknown chunk codec {name!r}")
     e = CODECS.get(cid)
     if e is None and name == DELTA:
-        raise CodecError(f"chunk codec {name!r} is a delta: it decodes only against its base (storage/delta.py)")
+        raise CodecError(f"chunk codec {name!r} is a delta: it decodes only against its base (storage/codecs/delta.py)")
     if e is None:
         raise CodecError(f"chunk codec {name!r} needs the GPU path (nvCOMP) to decode")
     return e
@@ -828,7 +830,7 @@ class HostCodecChooser:
         """(codec, payload length) of DATA encoded into DST as "zstd" or "shuffle2-zstd", whichever
         SAMPLE (at most SAMPLE_PIECES x SAMPLE_PIECE bytes of DATA; by default spread over it as for
         encode_into) favours, as encode_into chooses; None when the payload does not fit in DST, whose
-        length is the most it may take (a delta's XOR: storage/delta.py, its room what pays off; a
+        length is the most it may take (a delta's XOR: storage/codecs/delta.py, its room what pays off; a
         delta's XOR is never shuffle4-zstd, FORMAT.md "Delta entries")."""
         p = self._probe(data, sample, loose=True, four=False)
         if p.codec == "shuffle2-zstd" and p.length <= SAMPLE_PIECES * SAMPLE_PIECE:
