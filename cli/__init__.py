@@ -65,7 +65,7 @@ Environment:
 def _print_version(ctx: click.Context, param: click.Parameter, value: bool) -> None:
     if not value or ctx.resilient_parsing:
         return
-    from storage.manifest import tool_version
+    from storage.format.manifest import tool_version
     click.echo(f"gpusnap {tool_version()}")
     ctx.exit(0)
 

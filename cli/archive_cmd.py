@@ -12,7 +12,7 @@ import click
 
 from storage.base.errors import GpusnapError
 from storage.locks import break_locks, lock_status
-from storage.manifest import Manifest, validate_tag
+from storage.format.manifest import Manifest, validate_tag
 from storage.base.names import validate_snapshot_name
 from storage.retention import Entry, Policy, companion_parent, decide, parse_created
 from storage.stats import compute, diff

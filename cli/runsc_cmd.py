@@ -7,7 +7,7 @@ from typing import Any
 import click
 
 from storage.base.errors import UnavailableError
-from storage.storedir import LOGS, path_in
+from storage.format.storedir import LOGS, path_in
 from cli.progress import Progress
 
 from sandbox.ops import journal

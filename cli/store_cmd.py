@@ -14,7 +14,7 @@ import click
 from storage.base.errors import EXIT_DAMAGED, EXIT_FAILED, GpusnapError
 from storage.base.names import validate_snapshot_name
 from storage.store import StoreError
-from storage.storedir import MARKER, SNAPSHOTS, path_in
+from storage.format.storedir import MARKER, SNAPSHOTS, path_in
 
 from cli.common import emit, human, json_option, one_line_errors, open_store, parse_chunk_size, tag_option, terminate_cleanly
 from cli.lazy import LazyGroup
@@ -23,7 +23,7 @@ from cli.progress import Progress
 if TYPE_CHECKING:  # imported where used: `store ls` and `--help` need none of them (numpy, zstandard)
     from storage.files_cache import FilesCache
     from storage.filetree import FileTreeSource
-    from storage.manifest import Manifest, Stream
+    from storage.format.manifest import Manifest, Stream
     from storage.store import DamagedCopy
 
 # the store subcommands of cli/archive_cmd.py, imported only when one runs
@@ -609,7 +609,7 @@ def select_streams(m: Manifest, patterns: tuple[str, ...]) -> Manifest:
     picked = {s.name for s in m.streams if any(fnmatch.fnmatchcase(s.name, p) for p in patterns)}
     if not picked:
         raise StoreError(f"no stream of {m.name!r} matches {', '.join(patterns)} (`gpusnap store ls {m.name}` lists them)")
-    from storage.manifest import Manifest, Stream
+    from storage.format.manifest import Manifest, Stream
     parents = {"/".join(n.split("/")[:i]) for n in picked for i in range(1, n.count("/") + 1)}
     keep = picked | parents
     by_name = {s.name: s for s in m.streams}

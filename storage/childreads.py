@@ -6,7 +6,7 @@ got 0.05-0.36 GB off the disk in the 0.3-1.2 s a restore plans, where the disk r
 A child process has its own interpreter, so its reads follow one another at the disk's pace.
 
 The parent does everything that needs judgement: it finds the entries in the validated index, opens
-each pack as every pack open is checked (storage.packs.open_pack: directory fds, O_NOFOLLOW, the
+each pack as every pack open is checked (storage.format.packs.open_pack: directory fds, O_NOFOLLOW, the
 owner), and hands the child only those descriptors and a list of (descriptor, offset, length) to read
 in order. The child is `python -I -S` running _CHILD below (no site; ctypes, os, select, struct and
 time): it dies with the thread that started it (PR_SET_PDEATHSIG, as the fill's workers do), reads

@@ -22,7 +22,7 @@ from contextlib import AbstractContextManager
 from typing import Iterable, Protocol
 
 from storage.fs.directio import read_small_file, unlink_quietly, write_new_file
-from storage.manifest import Manifest
+from storage.format.manifest import Manifest
 from storage.fs.owner import owned_name
 
 

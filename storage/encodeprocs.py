@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterator
 
 from storage.fs import isolated
-from storage.chunkfile import HEADER_SIZE
+from storage.format.chunkfile import HEADER_SIZE
 from storage.base.settings import setting
 from storage.base.errors import GpusnapError
 
@@ -381,7 +381,7 @@ def child_main(argv: list[str]) -> None:
     _die_with_parent(parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a ^C is the put's to handle; it closes the pipes
     from storage.codecs import pagekeys  # noqa: PLC0415 - after the parent check: nothing heavy for an orphan
-    from storage.chunkfile import ChunkHeader, raw_chunk_id, stored_digest  # noqa: PLC0415
+    from storage.format.chunkfile import ChunkHeader, raw_chunk_id, stored_digest  # noqa: PLC0415
     from storage.codecs.registry import HostCodecChooser  # noqa: PLC0415
     from storage.fs.directio import is_zero  # noqa: PLC0415
     import numpy as np  # noqa: PLC0415

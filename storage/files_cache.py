@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING, Any
 import blake3
 
 from storage.fs.directio import read_small_file
-from storage.manifest import ChunkRef, ManifestError
-from storage.storedir import FILES_CACHE, TMP
+from storage.format.manifest import ChunkRef, ManifestError
+from storage.format.storedir import FILES_CACHE, TMP
 
 if TYPE_CHECKING:
     from storage.store import SnapshotStore

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 from storage.codecs import delta
 from storage.codecs.registry import DELTA
-from storage.chunkfile import ChunkError, file_kind, stored_check
+from storage.format.chunkfile import ChunkError, file_kind, stored_check
 from storage.fs.directio import AlignedBuffer
 from storage.base.errors import GpusnapError
 from storage.fs.directio import read_to_end
@@ -35,10 +35,10 @@ from storage.fs.getmark import NONCE, carries_marker
 from storage.base.limits import MAX_MANIFEST
 from storage.base.names import InvalidNameError, validate_snapshot_name
 from storage.fs.owner import ProcessOwner
-from storage.packs import PACK_NAME, REPACK_BELOW, Loc
+from storage.format.packs import PACK_NAME, REPACK_BELOW, Loc
 from storage.reflog import RefLogError, pinned
 from storage.store import CHUNK_ID, EntryUnknown, get_staging_name, read_record
-from storage.storedir import (CHUNKS, INDEX, JOURNAL, NAMES, PACKS, QUARANTINE, SNAPSHOTS, TMP, StoreDamage, entries, lstat_at,
+from storage.format.storedir import (CHUNKS, INDEX, JOURNAL, NAMES, PACKS, QUARANTINE, SNAPSHOTS, TMP, StoreDamage, entries, lstat_at,
                        manifest_entry, open_dir, opened_dir, remove_tree)
 from storage.fs.treewalk import empty_tree
 

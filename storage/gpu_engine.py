@@ -29,13 +29,13 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 from storage.base.progress import Progress
-from storage.chunkfile import HEADER_SIZE, ChunkError
+from storage.format.chunkfile import HEADER_SIZE, ChunkError
 from storage.codecs import registry as codecs
 from storage.codecs.registry import GPU_PAYS_OFF_RATIO
 from storage.base.limits import MAX_RAW_CHUNK
 from storage.device import CudaDevice, Device, DeviceError, HostBuffer
 from storage.fs.directio import ALIGN
-from storage.manifest import ChunkRef, Manifest, Stream
+from storage.format.manifest import ChunkRef, Manifest, Stream
 from storage.pipeline import Result, Stages, _Failure, is_zero, writer_result
 from storage.tier import ChunkTier, TierWriter
 

@@ -11,7 +11,7 @@ from typing import Callable
 from dataclasses import dataclass
 
 from storage.base.errors import GpusnapError
-from storage.storedir import LOCK, NAMES, path_in
+from storage.format.storedir import LOCK, NAMES, path_in
 
 
 class LockError(GpusnapError):

@@ -22,10 +22,10 @@ import time
 from dataclasses import dataclass
 from typing import Any, Iterator, cast
 
-from storage.chunkfile import ChunkError, ChunkHeader, chunk_id
+from storage.format.chunkfile import ChunkError, ChunkHeader, chunk_id
 from storage.fs.directio import ALIGN, align_up
 from storage.base.errors import DamageError, GpusnapError
-from storage.manifest import ChunkRef, Manifest, Stream
+from storage.format.manifest import ChunkRef, Manifest, Stream
 from storage.base.names import validate_snapshot_name
 from storage.store import WriteStats
 from storage.tier import Landing, Verified

@@ -16,9 +16,9 @@ import stat
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from storage.chunkfile import HEADER_SIZE, MAX_RAW_CHUNK, ChunkError, ChunkHeader, full_check, read_chunk_file
+from storage.format.chunkfile import HEADER_SIZE, MAX_RAW_CHUNK, ChunkError, ChunkHeader, full_check, read_chunk_file
 from storage.fs.directio import AlignedBuffer, align_up
-from storage.storedir import CHUNKS, TMP, StoreDamage, entries, opened_child
+from storage.format.storedir import CHUNKS, TMP, StoreDamage, entries, opened_child
 from storage.store import CHUNK_ID
 
 if TYPE_CHECKING:

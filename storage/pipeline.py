@@ -30,13 +30,13 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Generator, Generic, Iterator, Protocol, TypeVar
 
 from storage.base.progress import Progress
-from storage.chunkfile import HEADER_SIZE, ChunkError, full_check, raw_chunk_id
+from storage.format.chunkfile import HEADER_SIZE, ChunkError, full_check, raw_chunk_id
 from storage.codecs import delta
 from storage.codecs import pagekeys
 from storage.codecs.registry import DELTA, DELTA_MATCH, DELTA_PAYS_OFF, HostCodecChooser, CodecError
 from storage.fs.directio import AlignedBuffer, Arena, BufferPool, align_up, copy_into, is_zero
 from storage.encodeprocs import EncodeProcs, Encoder, Prepared, encode_procs
-from storage.manifest import ChunkRef, Manifest, Stream
+from storage.format.manifest import ChunkRef, Manifest, Stream
 from storage.readstage import Want, read_chunks
 from storage.store import SnapshotDamaged, SnapshotStore, SnapshotWriter, StoreError, base_cache_bytes
 

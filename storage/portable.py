@@ -22,11 +22,11 @@ from typing import IO, Iterator
 
 import zstandard
 
-from storage.chunkfile import HEADER_SIZE, ChunkError, check_received, max_stored_len
+from storage.format.chunkfile import HEADER_SIZE, ChunkError, check_received, max_stored_len
 from storage.fs.directio import AlignedBuffer, align_up
 from storage.base.errors import DamageError, GpusnapError
 from storage.base.limits import MAX_MANIFEST
-from storage.manifest import Manifest, ManifestError
+from storage.format.manifest import Manifest, ManifestError
 from storage.base.names import validate_snapshot_name
 from storage.store import SnapshotStore
 

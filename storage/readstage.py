@@ -27,11 +27,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol, TypeVar
 
-from storage.chunkfile import HEADER_SIZE, ChunkError, ChunkHeader, full_check, id_check, max_stored_len, stored_check
+from storage.format.chunkfile import HEADER_SIZE, ChunkError, ChunkHeader, full_check, id_check, max_stored_len, stored_check
 from storage.fs.directio import ALIGN, BufferPool, align_up, read_into, read_into_direct
-from storage.manifest import ChunkRef
+from storage.format.manifest import ChunkRef
 from storage.base.errors import GpusnapError
-from storage.packs import Loc, coalesce, open_pack, parse_entry
+from storage.format.packs import Loc, coalesce, open_pack, parse_entry
 
 if TYPE_CHECKING:
     from contextlib import AbstractContextManager

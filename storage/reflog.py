@@ -28,7 +28,7 @@ from typing import Any, Callable, Iterable
 
 from storage.fs.directio import read_to_end
 from storage.base.errors import GpusnapError
-from storage.manifest import ChunkRef, ManifestError, Stream
+from storage.format.manifest import ChunkRef, ManifestError, Stream
 from storage.base.names import InvalidNameError, validate_stream_name
 
 SUFFIX = ".refs"

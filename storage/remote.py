@@ -38,16 +38,16 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
 from storage.base.progress import Progress
-from storage.chunkfile import HEADER_SIZE, ChunkError, ChunkHeader, check_received, max_stored_len
+from storage.format.chunkfile import HEADER_SIZE, ChunkError, ChunkHeader, check_received, max_stored_len
 from storage.fs.directio import AlignedBuffer, BufferPool
 from storage.base.errors import DamageError, GpusnapError, UnavailableError
 from storage.fs.directio import align_up
 from storage.base.limits import DEFAULT_JOBS, MAX_MANIFEST, MAX_RECORD
-from storage.manifest import ChunkRef, Manifest, ManifestError
+from storage.format.manifest import ChunkRef, Manifest, ManifestError
 from storage.base.names import validate_snapshot_name
-from storage.packs import INDEX_MAX, PACK_NAME, IndexDamage, Loc, PackIndex, coalesce, decode_index, encode_index
+from storage.format.packs import INDEX_MAX, PACK_NAME, IndexDamage, Loc, PackIndex, coalesce, decode_index, encode_index
 from storage.store import Problem, SnapshotStore, StoreError, VerifyReport
-from storage.storedir import REMOTES, path_in
+from storage.format.storedir import REMOTES, path_in
 
 REMOTE_FORMAT = "gpusnap-remote"
 REMOTE_VERSION = 2              # packs and index objects; 1: one object per chunk (read, FORMAT.md)

@@ -32,13 +32,13 @@ from contextlib import ExitStack
 from typing import TYPE_CHECKING, Any, Iterable
 
 from storage.base.progress import Progress
-from storage.chunkfile import HEADER_SIZE
+from storage.format.chunkfile import HEADER_SIZE
 from storage.fs.directio import BufferPool
 from storage.base.errors import GpusnapError
-from storage.manifest import ChunkRef, Manifest
-from storage.chunkfile import ChunkHeader
+from storage.format.manifest import ChunkRef, Manifest
+from storage.format.chunkfile import ChunkHeader
 from storage.fs.directio import AlignedBuffer
-from storage.packs import Loc
+from storage.format.packs import Loc
 from storage.remote import (
     DEFAULT_JOBS,
     RANGE_MAX,

@@ -18,17 +18,17 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 from storage.base.progress import Progress
-from storage.chunkfile import HEADER_SIZE, ChunkHeader, chunk_id, id_check, raw_chunk_id
+from storage.format.chunkfile import HEADER_SIZE, ChunkHeader, chunk_id, id_check, raw_chunk_id
 from storage.codecs.delta import BASE_WHY
 from storage.codecs.registry import HOST_CODECS, HostCodecChooser, ZstdCodec
 from storage.fs.directio import AlignedBuffer, BufferPool, copy_into
 from storage.base.errors import GpusnapError
-from storage.manifest import ChunkRef, Manifest
+from storage.format.manifest import ChunkRef, Manifest
 from storage.store import Problem, Stray, chunk_refs
-from storage.storedir import CHUNKS, MARKER, QUARANTINE, TMP
+from storage.format.storedir import CHUNKS, MARKER, QUARANTINE, TMP
 
 if TYPE_CHECKING:
-    from storage.packs import PackWriter
+    from storage.format.packs import PackWriter
     from storage.store import SnapshotStore
 
 _ENCODERS = {"zstd": ZstdCodec(level=1)}  # stored-addressed (GSNPCHK1) host chunks are re-encoded with these

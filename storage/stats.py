@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from storage.manifest import ChunkRef, Manifest
+from storage.format.manifest import ChunkRef, Manifest
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 Guarantees kept here (FORMAT.md has the full contract):
 - a snapshot becomes visible only after every chunk it names is durable: every pack holding one is
-  fsynced and then indexed (storage/packs.py) before the link/rename of a fsynced manifest; a failed
+  fsynced and then indexed (storage/format/packs.py) before the link/rename of a fsynced manifest; a failed
   or killed writer leaves no visible snapshot, and at most a pack no index names (garbage for gc);
 - every chunk read is checked before its bytes are returned (read_chunk: its stored bytes; read_raw,
   what get and restores use: its raw bytes bound to its id, FORMAT.md "Chunk files"); a chunk is
@@ -18,7 +18,7 @@ Guarantees kept here (FORMAT.md has the full contract):
 - writers and readers hold the store lock shared, gc and repair hold it exclusively, so gc never
   deletes a chunk that a live snapshot or a commit in progress needs; one writer per name at a time;
 - no link inside the store is ever followed: every store directory is opened relative to a checked
-  directory fd (storage/storedir.py), and anything that is not the store owner's real directory is
+  directory fd (storage/format/storedir.py), and anything that is not the store owner's real directory is
   reported as damage and left alone;
 - gc removes only what gpusnap owns: chunks no snapshot names, temporary entries whose owning process
   (recorded in their names, storage/fs/owner.py) is gone, the staging trees of killed `get`s recorded in
@@ -47,7 +47,7 @@ from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, TypeVar
 
 from storage.base.progress import Progress
-from storage.chunkfile import (HEADER_SIZE, ChunkError, ChunkHeader, chunk_id, file_kind, full_check, max_stored_len,
+from storage.format.chunkfile import (HEADER_SIZE, ChunkError, ChunkHeader, chunk_id, file_kind, full_check, max_stored_len,
                         id_check, raw_chunk_id, read_chunk_file, reusable, stored_check)
 from storage.fs.directio import AlignedBuffer, BufferPool, address_of, align_up, copy_into, direct_io_supported, read_to_end
 from storage.fs.directio import unlink_quietly as _unlink_quietly, write_new_file as _write_file
@@ -58,14 +58,14 @@ from storage.fs.getmark import new_nonce
 from storage.base.limits import MAX_MANIFEST, MAX_STORED_CHUNK
 from storage.fs.treewalk import remove_tree
 from storage.base.errors import EXIT_DAMAGED, DamageError, GpusnapError
-from storage.manifest import ChunkRef, Manifest, ManifestError, Stream, validate_tag
+from storage.format.manifest import ChunkRef, Manifest, ManifestError, Stream, validate_tag
 from storage.base.names import InvalidNameError, validate_snapshot_name
 from storage.fs.owner import owned_name, this_owner
 from storage.fs.packfds import PackFds
-from storage.packs import Loc, PackIndex, PackWriter, open_pack, read_entry
-from storage.packs import pause as pause_pack
+from storage.format.packs import Loc, PackIndex, PackWriter, open_pack, read_entry
+from storage.format.packs import pause as pause_pack
 from storage.tier import Landing, Verified
-from storage.storedir import (CHUNKS, INDEX, LOCK, MARKER, NAMES, PACK_DIRS, PACKS, QUARANTINE, SNAPSHOTS, SUBDIRS, TMP,
+from storage.format.storedir import (CHUNKS, INDEX, LOCK, MARKER, NAMES, PACK_DIRS, PACKS, QUARANTINE, SNAPSHOTS, SUBDIRS, TMP,
                        StoreAccessError, StoreDamage, chunk_dir_name, entries, lstat_at, manifest_entry,
                        name_lock_entry, opened_child, quarantine_record, opened_dir, opened_root)
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from storage.fs.directio import read_to_end
-from storage.manifest import validate_tag
+from storage.format.manifest import validate_tag
 from storage.base.names import validate_snapshot_name
 
 FULL_CHECK_MAX = 8 << 20   # manifests up to this size are loaded and checked whole by ls

@@ -13,10 +13,10 @@ from __future__ import annotations
 import os
 from typing import Sequence
 
-from storage.manifest import MAX_TAGS, Manifest, ManifestError, validate_tag
+from storage.format.manifest import MAX_TAGS, Manifest, ManifestError, validate_tag
 from storage.base.names import validate_snapshot_name
 from storage.store import SnapshotStore, StoreError, _unlink_quietly, _write_file, owned_name
-from storage.storedir import SNAPSHOTS, TMP, manifest_entry
+from storage.format.storedir import SNAPSHOTS, TMP, manifest_entry
 
 
 def new_tags(old: Sequence[str], add: Sequence[str] = (), remove: Sequence[str] = (),

@@ -24,9 +24,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from storage.chunkfile import ChunkHeader
+from storage.format.chunkfile import ChunkHeader
 from storage.base.errors import DamageError
-from storage.manifest import ChunkRef, Manifest, Stream
+from storage.format.manifest import ChunkRef, Manifest, Stream
 
 if TYPE_CHECKING:
     from storage.device import HostBuffer

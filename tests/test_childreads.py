@@ -82,7 +82,7 @@ def test_the_child_stops_when_its_stdin_closes_and_reads_nothing_more(tmp_path: 
 
 
 def test_nothing_to_read_starts_no_child(tmp_path: Path) -> None:
-    from storage.manifest import ChunkRef
+    from storage.format.manifest import ChunkRef
     from support.pagecache import cold_store
     st, refs = cold_store(tmp_path, 4 << 20)
     assert ChildReads.started(st, []) is None

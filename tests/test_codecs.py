@@ -20,7 +20,7 @@ import zstandard
 from conftest import Cli, chunk_files, tree_digest
 from scripts.bench import bench_codecs
 from storage.codecs import registry as C
-from storage.chunkfile import HEADER_SIZE, RAW_CODECS
+from storage.format.chunkfile import HEADER_SIZE, RAW_CODECS
 
 KINDS = ("weights", "fp32", "kv30", "random", "text")
 N = 4 << 20

@@ -398,7 +398,7 @@ def _filler_case(nchunks: int, chunk: int, fetch, budget: int):
     """A Filler whose one moved run is a buffer of this very process (written through our own /proc/self/mem)."""
     import ctypes
     from sandbox.criu import split
-    from storage.manifest import ChunkRef, Stream
+    from storage.format.manifest import ChunkRef, Stream
     target = ctypes.create_string_buffer(nchunks * chunk)
     refs = [ChunkRef(None, chunk, "zero", 0) if i == 1 else ChunkRef(f"{i:064x}", chunk, "raw", chunk) for i in range(nchunks)]
     streams = {"pages-1.img": Stream("pages-1.img", {"type": "file"}, refs)}
@@ -411,7 +411,7 @@ def test_a_fill_job_of_zero_raw_bytes_is_not_a_division_by_zero() -> None:
     job, the Filler sizes its held buffers from it: that must not raise ZeroDivisionError (a
     traceback-like line instead of the read's own verdict on the chunk)."""
     from sandbox.criu import split
-    from storage.manifest import ChunkRef
+    from storage.format.manifest import ChunkRef
     got: list[int] = []
 
     def read(wants, deliver, stop) -> None:
@@ -471,7 +471,7 @@ def test_split_filler_fetches_a_chunk_shared_by_two_images_once() -> None:
     """A forked child's page image names its parent's chunks: each is fetched once, written into both."""
     import ctypes
     from sandbox.criu import split
-    from storage.manifest import ChunkRef, Stream
+    from storage.format.manifest import ChunkRef, Stream
     chunk, n = 64 << 10, 6
     targets = [ctypes.create_string_buffer(n * chunk) for _ in range(2)]
     refs = [ChunkRef(f"{i:064x}", chunk, "raw", chunk) for i in range(n)]
@@ -497,7 +497,7 @@ def test_split_filler_completes_one_phase_before_the_next_and_says_when_each_is_
     too), and when it says phase 0 is written, every byte of phase 0 is in its place."""
     import ctypes
     from sandbox.criu import split
-    from storage.manifest import ChunkRef, Stream
+    from storage.format.manifest import ChunkRef, Stream
     chunk, n = 64 << 10, 8
     bufs = [ctypes.create_string_buffer(n * chunk) for _ in range(2)]
     refs = [[ChunkRef(f"{k}{i:063x}", chunk, "raw", chunk) for i in range(n)] for k in (1, 2)]
@@ -533,7 +533,7 @@ def test_fill_phases_rank_a_shared_chunk_by_its_first_process_and_shares_keep_th
     """fill_phases: a chunk is in the phase of the earliest of FIRST it is written into (the others'
     last); shares(...) cuts each phase across the workers, so each worker writes phase 0 first."""
     from sandbox.criu import fill_procs, split
-    from storage.manifest import ChunkRef
+    from storage.format.manifest import ChunkRef
     mib = 1 << 20
 
     def ref(i: int) -> ChunkRef:
@@ -580,7 +580,7 @@ def test_read_order_is_what_criu_reads_first_then_what_the_split_fills() -> None
     then the runs the split writes after CRIU."""
     from sandbox.criu import split
     from sandbox.criu.serve import read_order
-    from storage.manifest import ChunkRef, Stream
+    from storage.format.manifest import ChunkRef, Stream
 
     def ref(tag: str, n: int = 4096) -> ChunkRef:
         return ChunkRef(tag * 64, n, "raw", n)
@@ -1096,7 +1096,7 @@ def test_early_reads_are_the_small_images_then_the_page_images_in_criu_order_wit
     """What the disk reads while a restore plans (serve.early_reads): the small images as CRIU reads
     them, then each page image's chunks by image number, zeros left out, cut where the budget ends."""
     from sandbox.criu.serve import early_reads
-    from storage.manifest import ChunkRef, Stream
+    from storage.format.manifest import ChunkRef, Stream
 
     def ref(tag: str, n: int = 4096) -> ChunkRef:
         return ChunkRef(tag * 64, n, "raw", n)
@@ -1201,7 +1201,7 @@ def test_early_reads_of_a_damaged_store_stay_quiet(tmp_path: Path, capfd: pytest
     """The early reads are a hint: a store whose index cannot be read (here a symlink, refused) makes
     them end without a word; the restore's own reads are what report it."""
     from sandbox.criu.serve import EarlyReads
-    from storage.manifest import ChunkRef
+    from storage.format.manifest import ChunkRef
     from storage.pipeline import Stages
     from storage.base.errors import DamageError
     from storage.store import SnapshotStore
@@ -1308,7 +1308,7 @@ def test_a_process_that_runs_another_program_mid_fill_gets_none_of_the_later_byt
     opened before any process ran, so the fill fails and the new program gets nothing."""
     import ctypes
     from sandbox.criu import split
-    from storage.manifest import ChunkRef, Stream
+    from storage.format.manifest import ChunkRef, Stream
     chunk, n = 64 << 10, 32
     src = _VICTIM.replace("__VICTIM__", repr(_VICTIM))
     proc = subprocess.Popen([sys.executable, "-c", src, "restored", str(n * chunk)], stdin=subprocess.PIPE,
@@ -1534,7 +1534,7 @@ def test_pages_a_child_shares_with_its_parent_stay_with_criu_in_both() -> None:
     restores the parent's before the fork and leaves the child's shared; bytes that differ, zero
     chunks and a shift inside the chunk are the split's as before."""
     from sandbox.criu import split
-    from storage.manifest import ChunkRef, Stream
+    from storage.format.manifest import ChunkRef, Stream
     MB = 1 << 20
     P = MB // 4096  # pages per MiB
 

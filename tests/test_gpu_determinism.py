@@ -43,7 +43,7 @@ def _on_device(dev, data: np.ndarray) -> Iterator[int]:
 
 def _payload(eng, lane, ptr: int, n: int) -> bytes:
     """What the engine stores for N bytes at PTR, encoded on LANE (its codec's payload, or raw)."""
-    from storage.chunkfile import HEADER_SIZE
+    from storage.format.chunkfile import HEADER_SIZE
     _codec, src, m = eng._encode(lane, ptr, n)
     eng._d2h(lane, lane.frame.ptr + HEADER_SIZE, src, m)
     return bytes(lane.frame.view[HEADER_SIZE:HEADER_SIZE + m])

@@ -148,7 +148,7 @@ def _pack_and_index(server: Hostile) -> tuple[Any, str, bytes, bytes]:
 def test_a_forged_index_object_is_refused_whole(pushed: tuple[Cli, Cli, Path], server: Hostile, cap: MemCap) -> None:
     """Index objects that are not what they claim: a flipped byte (checksum), one that names another
     pack, one whose entries point past its pack: each refused before any entry is used, one line, exit 3."""
-    from storage.packs import decode_index, encode_index
+    from storage.format.packs import decode_index, encode_index
     _, b, _ = pushed
     s3, key, _, index = _pack_and_index(server)
     pack = key.rsplit("/", 1)[1]

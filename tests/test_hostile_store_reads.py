@@ -14,8 +14,8 @@ from typing import Callable
 
 import pytest
 from conftest import Cli, make_mixed_tree, tree_digest
-from storage.manifest import _checksum
-from storage.packs import decode_index, encode_index
+from storage.format.manifest import _checksum
+from storage.format.packs import decode_index, encode_index
 
 PLANTED = "0" * 32  # sorts first: the copy a reader and gc would try first
 
@@ -190,7 +190,7 @@ def _plant_a_liar(store: Path, src: Path) -> tuple[str, str]:
     "aaa" (read first) naming the victim's chunk with a raw length one page shorter, and a planted
     pack entry of that id with that length, garbage for a payload but its stored checksum right (the
     stored check cannot bind a raw-addressed payload to its id). (the chunk's id, the genuine pack)."""
-    from storage.chunkfile import HEADER_SIZE, ChunkHeader
+    from storage.format.chunkfile import HEADER_SIZE, ChunkHeader
     from storage.fs.directio import ALIGN, align_up
     (good,) = [p.name for p in (store / "index").iterdir()]
     vict = json.loads((store / "snapshots" / "victim.json").read_text())
@@ -373,7 +373,7 @@ def test_a_planted_first_entry_of_a_delta_base_costs_it_nothing(cli: Cli, store_
     takes a base's reference from its first full entry's header, which a planted entry (sorting
     first, one page shorter, garbage) may be. verify then neither reports the snapshot nor sets the
     base aside (a sound full copy passes its own check), and gc keeps the sound copy."""
-    from storage.chunkfile import HEADER_SIZE, ChunkHeader
+    from storage.format.chunkfile import HEADER_SIZE, ChunkHeader
     from storage.fs.directio import ALIGN, align_up
     from storage.store import SnapshotStore
 
@@ -407,7 +407,7 @@ def test_a_planted_quarantine_record_and_entry_never_cost_gc_the_sound_copy(cli:
     readers skip the sound entry (the record says so), but gc tries the quarantined copies too before
     it keeps one, so the sound copy is kept and the snapshot reads again once the record goes."""
     import numpy as np
-    from storage.chunkfile import HEADER_SIZE, ChunkHeader
+    from storage.format.chunkfile import HEADER_SIZE, ChunkHeader
     src = tmp_path / "src"
     src.mkdir()
     (src / "w.bin").write_bytes((np.random.default_rng(5).standard_normal(1 << 18).astype("<f4") * 0.02).tobytes())

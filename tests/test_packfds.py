@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from storage.chunkfile import ChunkError
+from storage.format.chunkfile import ChunkError
 from storage.fs.packfds import PackFds
 
 
@@ -165,7 +165,7 @@ def test_a_store_and_its_open_packs_go_when_it_is_dropped(tmp_path: "os.PathLike
     import sys
     import weakref
 
-    from storage.packs import Loc
+    from storage.format.packs import Loc
     from storage.store import SnapshotStore
 
     store, src = os.path.join(tmp_path, "s"), os.path.join(tmp_path, "f")

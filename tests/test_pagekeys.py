@@ -254,7 +254,7 @@ def test_a_stream_crafted_so_every_page_is_sampled_keeps_a_bounded_record() -> N
 def _many_streams(st: Any, name: str, n: int, attrs: dict) -> None:
     """Commit snapshot NAME of N one-chunk blob streams with ATTRS (the library's writer)."""
     from storage.fs.directio import AlignedBuffer
-    from storage.manifest import Stream
+    from storage.format.manifest import Stream
     buf = AlignedBuffer(8192 + 4096)
     try:
         buf.view[4096:4096 + 5000] = bytes(range(256)) * 19 + bytes(136)
@@ -273,7 +273,7 @@ def test_a_manifest_larger_than_any_reader_loads_is_never_written(store_dir: Pat
     """The writer refuses what no reader would load (MAX_MANIFEST), one line, nothing visible; page keys,
     hints only, give way first; a retag that would grow a manifest past the limit leaves it as it was."""
     import storage.base.limits as limits
-    from storage.manifest import ManifestTooLarge
+    from storage.format.manifest import ManifestTooLarge
     from storage.store import SnapshotStore
     from storage.tagging import retag
     st = SnapshotStore(str(store_dir))

@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 from storage import reflog
-from storage.manifest import ChunkRef
+from storage.format.manifest import ChunkRef
 
 A = ChunkRef("a" * 64, 100, "zstd", 40)
 B = ChunkRef("b" * 64, 50, "raw", 50)

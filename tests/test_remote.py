@@ -261,7 +261,7 @@ def _pushed_packs(a: Node, tmp_path: Path, endpoint: str, name: str, mb: int,
                   test: str) -> tuple[Any, str, str, list[tuple[str, list[tuple[str, int, int]]]]]:
     """MB of data put as snapshot NAME on node A (1 MiB chunks) and pushed; the test's own S3 client,
     the bucket, the remote's prefix (TEST names it) and its packs: (pack key, its index's entries)."""
-    from storage.packs import decode_index
+    from storage.format.packs import decode_index
     a.run("store", "put", name, str(make_data(tmp_path / "data", mb=mb)), "--chunk-size", "1M")
     a.json("push", name)
     s3 = _s3(endpoint)
@@ -313,7 +313,7 @@ def test_forged_raw_addressed_entry_is_refused_by_pull(nodes: tuple[Node, Node],
                                                        endpoint: str) -> None:
     """An entry whose stored checksum is sound but whose payload is other raw bytes (GSNPCHK2): the
     sizes and the stored check pass, the full check on arrival does not."""
-    from storage.chunkfile import HEADER_SIZE, ChunkHeader
+    from storage.format.chunkfile import HEADER_SIZE, ChunkHeader
     a, b = nodes
     s3, bucket, _, packs = _pushed_packs(a, tmp_path, endpoint, "f", 4,
                                          "test_forged_raw_addressed_entry_is_refused_by_pull")
@@ -344,7 +344,7 @@ def test_forged_or_lost_index_object_is_damage_and_a_push_repairs_it(nodes: tupl
     test = "test_forged_or_lost_index_object_is_damage_and_a_push_repairs_it"
     s3, bucket, prefix, packs = _pushed_packs(a, tmp_path, endpoint, "x", 4, test)
     key = packs[0][0].replace("/packs/", "/index/")
-    from storage.packs import encode_index
+    from storage.format.packs import encode_index
     forged = encode_index("0" * 32, 1 << 30, [(cid, off, n) for cid, off, n in packs[0][1]])
     s3.put_object(Bucket=bucket, Key=key, Body=forged)
     r = b.run("remote", "verify", check=False)
@@ -364,8 +364,8 @@ def test_remote_of_one_object_per_chunk_is_still_read(nodes: tuple[Node, Node], 
     by chunk without listing chunks/; the first push marks it version 2 and adds packs; gc then deletes
     the chunk objects a pack holds too."""
     import json as _json
-    from storage.chunkfile import HEADER_SIZE
-    from storage.packs import decode_index
+    from storage.format.chunkfile import HEADER_SIZE
+    from storage.format.packs import decode_index
     a, b = nodes
     test = "test_remote_of_one_object_per_chunk_is_still_read"
     s3, bucket, prefix, packs = _pushed_packs(a, tmp_path, endpoint, "old", 4, test)

@@ -165,7 +165,7 @@ def test_a_restore_does_not_load_numpy(tmp_path: "os.PathLike[str]") -> None:
         pytest.skip("the library is not built")
     import subprocess
     import sys
-    from storage.chunkfile import ChunkHeader, raw_chunk_id
+    from storage.format.chunkfile import ChunkHeader, raw_chunk_id
     raw = (np.random.default_rng(9).standard_normal(1 << 20).astype(np.float32).view(np.uint32) >> 16
            ).astype(np.uint16).tobytes()
     payload = codecs.Shuffle2Codec().encode(memoryview(raw))
@@ -175,7 +175,7 @@ def test_a_restore_does_not_load_numpy(tmp_path: "os.PathLike[str]") -> None:
     code = f"""
 import sys
 import cli.criu_cmd, sandbox.criu.snapshot, sandbox.criu.fill_procs, sandbox.criu.serve  # the restore's imports
-from storage.chunkfile import ChunkHeader, full_check
+from storage.format.chunkfile import ChunkHeader, full_check
 from storage.fs.directio import AlignedBuffer
 with AlignedBuffer({len(payload)}) as src, AlignedBuffer({len(raw)}) as dst:
     with open({path!r}, "rb") as f:

@@ -20,10 +20,10 @@ import pytest
 
 from conftest import GPUSNAP, REPO, Cli, pythonpath
 from storage.codecs import delta
-from storage.chunkfile import HEADER_SIZE, ChunkHeader, check_received, raw_chunk_id
+from storage.format.chunkfile import HEADER_SIZE, ChunkHeader, check_received, raw_chunk_id
 from storage.codecs.registry import CODEC_IDS, DELTA, Shuffle2Codec
 from storage.base.errors import DamageError
-from storage.manifest import Stream
+from storage.format.manifest import Stream
 from storage.pipeline import page_keys
 from storage.readstage import Want, read_chunks
 from storage.store import SnapshotStore
@@ -843,7 +843,7 @@ def test_a_candidate_failing_half_way_never_leaves_its_xor_for_another(tmp_path:
     from storage import pipeline
     from storage.fs.directio import AlignedBuffer
     from storage.filetree import FileTreeSource
-    from storage.manifest import ChunkRef, Manifest
+    from storage.format.manifest import ChunkRef, Manifest
     cs = 256 << 10
     rng = np.random.default_rng(1)
     new = rng.integers(0, 256, cs, dtype=np.uint8)
@@ -878,7 +878,7 @@ def test_a_base_asked_for_by_many_threads_at_once_is_read_once(tmp_path: Path) -
     itself, so every asker gets the failure and none waits for ever; the cache keeps what was read."""
     import threading
     import time as _time
-    from storage.chunkfile import ChunkError
+    from storage.format.chunkfile import ChunkError
     st = SnapshotStore(str(tmp_path / "s"))
     reads: list[str] = []
     fail = {"bad"}

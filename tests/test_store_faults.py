@@ -171,7 +171,7 @@ def test_gc_waits_for_a_commit_in_progress(cli: Cli, tmp_path: Path, store_dir: 
         p = cli.run("store", "gc", "--wait", "0.5", check=False)
         assert p.returncode == 1 and "busy" in p.stderr
         assert chunk_files(store_dir), "the chunk's pack is still being written"
-        from storage.manifest import Stream
+        from storage.format.manifest import Stream
         w.add_stream(Stream("blob", {"type": "blob"}, [ref]))
         w.commit()
     assert cli.json("store", "gc")["chunks_removed"] == 0

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from conftest import GPUSNAP, REPO, Cli, chunk_files, make_mixed_tree, pythonpath, tree_digest
-from storage.packs import PAUSE_ENV, decode_index, encode_index
+from storage.format.packs import PAUSE_ENV, decode_index, encode_index
 from support.entries import chunk_entries, chunk_ids, to_chunk_files
 from support.pagecache import cold_store, resident_bytes, resident_in
 
@@ -34,7 +34,7 @@ def _distinct(path: Path, chunks: int, seed: int) -> Path:
 
 def killed_at(store: Path, args: list[str], stage: str, tmp: Path) -> None:
     """Start `gpusnap ARGS` on STORE, wait until it reaches STAGE of the pack write order (the pause
-    storage/packs.py makes under PAUSE_ENV), kill -9 it."""
+    storage/format/packs.py makes under PAUSE_ENV), kill -9 it."""
     flag = tmp / f"paused-{stage}"
     env = dict(os.environ, PYTHONPATH=pythonpath(), **{PAUSE_ENV: f"{stage}:{flag}"})
     p = subprocess.Popen([*GPUSNAP, "--store", str(store), *args], env=env, cwd=REPO,
@@ -256,7 +256,7 @@ def test_migrate_leaves_a_forged_raw_addressed_chunk_file_whose_checksum_matches
     computed anew over them, so that the stored check passes. Migrate makes the full check (decoded,
     the raw bytes must derive the id) before it moves a chunk: that file stays where it is (evidence),
     named, exit 3; nothing of it reaches a pack."""
-    from storage.chunkfile import HEADER_SIZE, ChunkHeader
+    from storage.format.chunkfile import HEADER_SIZE, ChunkHeader
     src = make_mixed_tree(tmp_path / "m", mb=6)
     cli.run("store", "put", "old", str(src), "--chunk-size", "1M")
     ids = chunk_ids(store_dir)
@@ -348,7 +348,7 @@ def test_read_ahead_puts_the_named_chunks_in_the_page_cache(tmp_path: Path) -> N
 def test_read_ahead_resident_returns_once_the_chunks_are_in_the_page_cache(tmp_path: Path) -> None:
     """read_ahead(resident=True), as the split restore asks for CRIU's chunks before the fill's reads
     begin: when it returns, the named entries are in the page cache (no waiting), the others are not."""
-    from storage.manifest import ChunkRef
+    from storage.format.manifest import ChunkRef
     from storage.readstage import read_ahead
     st, refs = cold_store(tmp_path, 96 << 20)
     third, rest = refs[:len(refs) // 3], refs[len(refs) // 3:]
@@ -369,7 +369,7 @@ def test_dedup_skips_only_chunk_directories_that_are_empty(cli: Cli, store_dir: 
     """The dedup lookup (SnapshotStore.present) remembers chunks/XY directories it found empty and
     skips them; a directory holding chunk files is looked into every time: a miss there is not taken
     for emptiness, and the file that is there is still found."""
-    from storage.chunkfile import ChunkHeader
+    from storage.format.chunkfile import ChunkHeader
     from storage.store import SnapshotStore
     src = make_mixed_tree(tmp_path / "m", mb=4)
     cli.run("store", "put", "old", str(src), "--chunk-size", "1M")
@@ -480,8 +480,8 @@ def test_packs_fall_back_to_buffered_where_packs_dir_refuses_o_direct(tmp_path: 
     direct write refused later is an error that names the way out, and its pack is removed."""
     from unittest import mock
 
-    from storage.chunkfile import HEADER_SIZE as HS, ChunkHeader
-    from storage.packs import PackWriter, parse_entry
+    from storage.format.chunkfile import HEADER_SIZE as HS, ChunkHeader
+    from storage.format.packs import PackWriter, parse_entry
     root = tmp_path / "s"
     for d in ("packs", "index", "tmp"):
         (root / d).mkdir(parents=True)
@@ -499,7 +499,7 @@ def test_packs_fall_back_to_buffered_where_packs_dir_refuses_o_direct(tmp_path: 
     payload = os.urandom(10000)
     frame = memoryview(bytearray(HS + 12288))
     frame[HS:HS + len(payload)] = payload
-    with mock.patch("storage.packs.os.open", no_direct):
+    with mock.patch("storage.format.packs.os.open", no_direct):
         pw.append("ab" * 32, ChunkHeader("raw", len(payload), len(payload)), frame)
         pw.flush()
     for fd in fds.values():
@@ -538,10 +538,10 @@ def test_many_producers_filling_small_packs_index_every_entry_once(tmp_path: Pat
     producers' frames (bytearrays, not page-aligned) copied into aligned buffers on the way."""
     import threading
 
-    from storage.chunkfile import ChunkHeader
+    from storage.format.chunkfile import ChunkHeader
     from storage.fs.directio import align_up, direct_io_supported
-    from storage.packs import PackWriter, parse_entry
-    from storage.chunkfile import HEADER_SIZE as HS
+    from storage.format.packs import PackWriter, parse_entry
+    from storage.format.chunkfile import HEADER_SIZE as HS
     if direct and not direct_io_supported(str(tmp_path)):
         pytest.skip("this file system refuses O_DIRECT")
     root = tmp_path / "s"

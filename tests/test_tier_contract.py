@@ -21,14 +21,14 @@ import numpy as np
 import pytest
 
 from conftest import REPO
-from storage.chunkfile import HEADER_SIZE, ChunkHeader
+from storage.format.chunkfile import HEADER_SIZE, ChunkHeader
 from storage.codecs.registry import ZstdCodec, decode_host
 from storage.device import HostDevice
 from storage.fs.directio import align_up
 from storage.base.errors import EXIT_DAMAGED, DamageError
-from storage.manifest import ChunkRef, Stream
+from storage.format.manifest import ChunkRef, Stream
 from storage.memtier import PinnedPool
-from storage.packs import decode_index
+from storage.format.packs import decode_index
 from storage.store import SnapshotStore
 from storage.tier import ChunkTier, TierWriter
 

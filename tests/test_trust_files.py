@@ -73,7 +73,7 @@ def test_sink_itself_never_writes_through_a_link(cli: Cli, store_dir: Path, tmp_
     """Defence in depth: a Manifest built in memory (no load-time check) still cannot escape DEST."""
     from storage import pipeline
     from storage.filetree import FileTreeError, FileTreeSink
-    from storage.manifest import Manifest, Stream
+    from storage.format.manifest import Manifest, Stream
     from storage.store import SnapshotStore
     outside, before = _outside(tmp_path)
     src = tmp_path / "src"

@@ -18,7 +18,7 @@ from support.crafted import rewrite_manifest
 from sandbox.host.netns import NetConfig, NetnsError
 from sandbox.ops.snapshot_meta import (CriuMeta, FilesMeta, GpuMeta, GpuPath, RunscFlagError, SnapshotKindError,
                                    SnapshotMetaError, check_runsc_args, parse_meta)
-from storage.manifest import Manifest
+from storage.format.manifest import Manifest
 
 
 def _m(meta: dict, name: str = "s") -> Manifest:

@@ -212,7 +212,7 @@ def _huge_chunk_archive(cli: Cli, tmp_path: Path, magic: bytes, raw_len: int) ->
     import struct
     import blake3
     import zstandard
-    from storage.chunkfile import RAW_ID_CONTEXT
+    from storage.format.chunkfile import RAW_ID_CONTEXT
     src = tmp_path / "small"
     src.mkdir()
     (src / "f").write_bytes(b"x" * 100)
@@ -382,7 +382,7 @@ def test_put_under_a_tight_loop_of_swaps_never_follows_and_records_what_it_read(
 
 def test_ls_of_a_manifest_with_a_million_streams_reads_only_its_summary(cli: Cli, store_dir: Path,
                                                                       tmp_path: Path) -> None:
-    from storage.manifest import Manifest, Stream
+    from storage.format.manifest import Manifest, Stream
     from support.memcap import memory_cgroup
     small = tmp_path / "small"
     small.mkdir()

@@ -16,7 +16,7 @@ from typing import BinaryIO, Iterator
 
 from storage.base.errors import GpusnapError
 from storage.filetree import RangeReader
-from storage.manifest import Stream, check_tree
+from storage.format.manifest import Stream, check_tree
 from storage.base.names import InvalidNameError, validate_stream_name
 from storage.pipeline import StreamSpec, StreamWriter
 

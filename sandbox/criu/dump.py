@@ -52,7 +52,7 @@ class DumpContext:
     leave_running: bool
     progress: Progress | None = None
     images: str = ""          # the directory CRIU's images (or its socket and log) are in
-    parent: Any = None        # the storage.manifest.Manifest its changed chunks are deltas against (or None)
+    parent: Any = None        # the storage.format.manifest.Manifest its changed chunks are deltas against (or None)
 
 
 class CriuThread:

@@ -49,11 +49,11 @@ from typing import IO, TYPE_CHECKING, Any, Callable, Iterator, TypeVar
 from storage.fs import isolated
 
 from storage.base import settings
-from storage.chunkfile import ChunkError, ChunkHeader
+from storage.format.chunkfile import ChunkError, ChunkHeader
 from storage.codecs.registry import CodecError
 from storage.base.errors import DamageError, GpusnapError
-from storage.manifest import ChunkRef
-from storage.packs import Loc
+from storage.format.manifest import ChunkRef
+from storage.format.packs import Loc
 from storage.pipeline import Stages
 from storage.readstage import READERS, PackSource, Want, read_chunks
 from storage.store import SnapshotStore, StoreError

@@ -14,7 +14,7 @@ manifest is; one that does not load fails the dump before anything starts.
 from __future__ import annotations
 
 from storage.base.errors import GpusnapError
-from storage.manifest import Manifest
+from storage.format.manifest import Manifest
 from storage.store import SnapshotStore
 
 from sandbox.criu.images import IMAGES

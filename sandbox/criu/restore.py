@@ -30,7 +30,7 @@ from typing import Any, Callable
 
 from storage import pipeline
 from storage.filetree import FileTreeSink
-from storage.manifest import Manifest
+from storage.format.manifest import Manifest
 from storage.base.progress import Progress
 from storage.store import SnapshotStore
 from storage.base.wakeprobe import WakeProbe, wanted as wake_probe_wanted

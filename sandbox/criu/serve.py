@@ -30,11 +30,11 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Protocol
 
 from storage import pipeline, readstage
 from storage.childreads import ChildReads
-from storage.chunkfile import ChunkError
+from storage.format.chunkfile import ChunkError
 from storage.codecs.registry import CodecError, decode_host, decode_host_into
 from storage.fs.directio import AlignedBuffer, BufferPool, Recycler, address_of, copy_into
 from storage.base.errors import GpusnapError
-from storage.manifest import ChunkRef, Manifest, Stream
+from storage.format.manifest import ChunkRef, Manifest, Stream
 from storage.pipeline import Stages
 from storage.readstage import Want, plan_runs, read_ahead, read_runs
 from storage.store import SnapshotStore, StoreError

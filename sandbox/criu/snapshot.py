@@ -297,7 +297,7 @@ def _restore_run(criu: Criu, store: SnapshotStore, m: Any, meta: CriuMeta, stage
                  fill: RemoteFill | None, tcp: tuple[str, ...], early: Any = None) -> restore.RestoreRun:
     """The `criu restore` of M's CRIU images (its gpu/ streams left out) in STAGE: the dump's options
     that CRIU needs again, and TCP (asked for even when the dump did not record it)."""
-    from storage.manifest import Manifest
+    from storage.format.manifest import Manifest
     files = Manifest(m.name, [s for s in m.streams if not is_gpu_stream(s)], m.meta)
     extra = tuple(o for o in meta.options if o in RESTORE_TOO) + tuple(o for o in tcp if o not in meta.options)
     return restore.RestoreRun(criu, store, files, stage, list(meta.pids), meta.shell_job, extra, progress=progress,

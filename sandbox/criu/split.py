@@ -44,7 +44,7 @@ from sandbox.criu.restored import boot_ticks
 from sandbox.host.processes import memory_identity
 from storage.fs.directio import AlignedBuffer, copy_into
 from storage.base.errors import GpusnapError
-from storage.manifest import ChunkRef, Stream
+from storage.format.manifest import ChunkRef, Stream
 from storage.pipeline import Stages
 from storage.readstage import Want
 

@@ -13,7 +13,7 @@ import shutil
 import time
 
 from storage.store import SnapshotStore
-from storage.storedir import LOGS, path_in
+from storage.format.storedir import LOGS, path_in
 
 from sandbox.criu.runner import CriuError
 from sandbox.ops import journal

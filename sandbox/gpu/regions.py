@@ -17,8 +17,8 @@ from storage.base.progress import Progress
 from sandbox.ops import journal
 from sandbox.gpu.driver import DeviceRegion
 
-if TYPE_CHECKING:  # storage.manifest needs blake3, which the in-sandbox agent (importing this) may lack
-    from storage.manifest import Manifest, Stream
+if TYPE_CHECKING:  # storage.format.manifest needs blake3, which the in-sandbox agent (importing this) may lack
+    from storage.format.manifest import Manifest, Stream
 
 
 def stream_name(pid: int, index: int) -> str:
@@ -71,7 +71,7 @@ class EngineRegions:
 
     def load(self, pid: int, regions: list[DeviceRegion]) -> None:
         from storage.gpu_engine import Region
-        from storage.manifest import Manifest
+        from storage.format.manifest import Manifest
         targets = {stream_name(pid, r.index): Region(stream_name(pid, r.index), r.dev_ptr, r.size) for r in regions}
         self.engine.restore(self.source, Manifest(self.name, [s for s in self.streams if s.name in targets]),
                             targets, progress=self.progress)

@@ -37,7 +37,7 @@ from typing import Any, Iterator, Sequence
 
 from storage.base.errors import EXIT_RECOVER, GpusnapError
 from storage.base.pausepoint import pause_at
-from storage.storedir import JOURNAL, path_in
+from storage.format.storedir import JOURNAL, path_in
 
 from sandbox.host import procgroup
 # Proc and the helpers below are named through the journal by the flows and recovery (journal.Proc, ...)

@@ -17,7 +17,7 @@ from enum import Enum
 from typing import Any, ClassVar, Mapping
 
 from storage.base.errors import DamageError, GpusnapError
-from storage.manifest import Manifest
+from storage.format.manifest import Manifest
 
 from sandbox.ops.gpu_path import GpuPath
 from sandbox.host.netns import NetConfig

@@ -24,7 +24,7 @@ from storage import pipeline
 from sandbox.host.dumpwrites import dump_packs_direct
 from storage.filetree import FileTreeSink, FileTreeSource
 from storage.store import SnapshotStore
-from storage.storedir import LOGS, path_in
+from storage.format.storedir import LOGS, path_in
 
 from sandbox.ops import journal
 from sandbox.host import netns as nets

@@ -88,7 +88,7 @@ def micro(reps: int = 40) -> dict[str, dict[str, float]]:
     import numpy as np
     import zstandard
 
-    from storage.chunkfile import RAW_ID_CONTEXT
+    from storage.format.chunkfile import RAW_ID_CONTEXT
     rng = np.random.default_rng(1)
     w = rng.normal(0, 0.02, 2 << 20).astype(np.float32)
     kinds = {"bf16": (w.view(np.uint32) >> 16).astype(np.uint16).tobytes(), "random": rng.bytes(4 << 20)}

@@ -1,5 +1,5 @@
 """Crafted snapshots for the trust tests: a committed manifest rewritten as an attacker would, with
-its checksum recomputed exactly as storage/manifest.py computes it (so only validation can refuse it)."""
+its checksum recomputed exactly as storage/format/manifest.py computes it (so only validation can refuse it)."""
 from __future__ import annotations
 
 import json

@@ -8,7 +8,7 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from storage.packs import PACK_NAME, decode_index, encode_index
+from storage.format.packs import PACK_NAME, decode_index, encode_index
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from sandbox.criu import split  # noqa: E402
 from sandbox.criu.restored import boot_ticks, in_restored_tree  # noqa: E402
 from sandbox.host.processes import state_of  # noqa: E402
-from storage.manifest import ChunkRef, Stream  # noqa: E402
+from storage.format.manifest import ChunkRef, Stream  # noqa: E402
 
 ADDR, SIZE = 0x100000000000, 1 << 16
 libc = ctypes.CDLL(None, use_errno=True)

@@ -27,9 +27,9 @@ from typing import Callable, Iterable
 
 import blake3
 
-from storage.chunkfile import HEADER_SIZE, MAX_RAW_CHUNK, ChunkError, ChunkHeader, file_kind
+from storage.format.chunkfile import HEADER_SIZE, MAX_RAW_CHUNK, ChunkError, ChunkHeader, file_kind
 from storage.fs.directio import ALIGN, AlignedBuffer, address_of, align_up, copy_into, read_into, write_all, write_all_direct
-from storage.storedir import StoreDamage
+from storage.format.storedir import StoreDamage
 from storage.base.pausepoint import pause_at
 
 PACK_TARGET = 128 << 20      # a pack is closed once it holds this many bytes (FORMAT.md)

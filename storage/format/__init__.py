@@ -1,0 +1,1 @@
+"""The on-disk format (FORMAT.md): chunk files, packs and their index, manifests, the store's directories."""
