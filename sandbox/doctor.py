@@ -8,7 +8,7 @@ import subprocess
 from dataclasses import asdict
 from typing import Any
 
-from storage.device import numa_nodes
+from storage.gpu.device import numa_nodes
 from storage.encodeprocs import EncodeProcsError, encode_procs
 
 from sandbox.criu.protocol import CRIU_PAGE_PIPE, pipe_limits

@@ -12,7 +12,7 @@ itself, no further copy). A chunk is stored raw when compression does not pay, a
 is all zeros: a chunk whose encoding equals the encoding of zeros of the same length decodes to zeros
 (decoding is deterministic), so zero detection costs no extra kernel.
 
-The device is a storage.device.Device: CudaDevice (the product: regions are device pointers valid in
+The device is a storage.gpu.device.Device: CudaDevice (the product: regions are device pointers valid in
 this process, what cuCheckpointProcessCheckpoint's custom storage maps, or, on drivers without it,
 another process's memory opened through CUDA IPC in tests and benchmarks) or HostDevice (host memory
 standing in for device memory, zstd on the CPU: the same engine tested in CI without a GPU).
@@ -33,7 +33,7 @@ from storage.format.chunkfile import HEADER_SIZE, ChunkError
 from storage.codecs import registry as codecs
 from storage.codecs.registry import GPU_PAYS_OFF_RATIO
 from storage.base.limits import MAX_RAW_CHUNK
-from storage.device import CudaDevice, Device, DeviceError, HostBuffer
+from storage.gpu.device import CudaDevice, Device, DeviceError, HostBuffer
 from storage.fs.directio import ALIGN
 from storage.format.manifest import ChunkRef, Manifest, Stream
 from storage.pipeline import Result, Stages, _Failure, is_zero, writer_result

@@ -56,7 +56,7 @@ from storage.store import SnapshotDamaged, SnapshotStore, StoreError
 from storage.tier import Verified
 
 if TYPE_CHECKING:
-    from storage.device import HostBuffer
+    from storage.gpu.device import HostBuffer
 
 HANDOFF_BYTES = 128 << 20  # verified payloads held for the reader, at most
 

@@ -70,7 +70,7 @@ from storage.format.storedir import (CHUNKS, INDEX, LOCK, MARKER, NAMES, PACK_DI
                        name_lock_entry, opened_child, quarantine_record, opened_dir, opened_root)
 
 if TYPE_CHECKING:
-    from storage.device import HostBuffer
+    from storage.gpu.device import HostBuffer
 
 STORE_FORMAT = "gpusnap-store"
 STORE_VERSION = 3  # what a new store's marker says

@@ -29,7 +29,7 @@ from storage.base.errors import DamageError
 from storage.format.manifest import ChunkRef, Manifest, Stream
 
 if TYPE_CHECKING:
-    from storage.device import HostBuffer
+    from storage.gpu.device import HostBuffer
 
 
 @dataclass(frozen=True)

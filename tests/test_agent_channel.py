@@ -16,7 +16,7 @@ from support.driver_standin import StandInDriver
 from sandbox.gpu.channel import (AgentFrames, ChannelError, ChannelLimits, read_report, receive, report_frame, send,
                                  write_header)
 from sandbox.gpu.driver import ProcessState as S
-from storage.device import HostDevice
+from storage.gpu.device import HostDevice
 from storage.store import SnapshotStore
 from test_custom_storage_flow import FEATS, gpu_bytes
 

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.gpu
 
 def test_nvcomp_codecs_are_registered_and_made_by_the_device() -> None:
     from storage.codecs import registry as C
-    from storage.device import CudaDevice
+    from storage.gpu.device import CudaDevice
     assert C.nvcomp_importable()
     assert set(C.gpu_codecs()) == set(C.NVCOMP_ALGORITHMS)
     dev = CudaDevice(0)

@@ -137,7 +137,7 @@ sys.path.insert(0, {tests!r})
 from support.driver_standin import SharedStandIn
 from cli import gpu_cmd, main
 from sandbox.gpu.driver import Features
-from storage.device import HostDevice
+from storage.gpu.device import HostDevice
 # the real `gpusnap gpu {command}` command, with the driver stand-in (custom storage offered or not) and
 # the engine on host memory in place of the CUDA driver and GPU 0
 gpu_cmd.gpu_{command} = functools.partial(gpu_cmd.gpu_{command}, driver=SharedStandIn({state!r}),
@@ -225,7 +225,7 @@ def _gpu_checkpoint_paused(store: Path, w: GpuWorkload, stage: str, tmp: Path,
 
 def _recover(store: Path, w: GpuWorkload):  # noqa: ANN202 - sandbox.recover.RecoverReport
     from sandbox.recover import recover
-    from storage.device import HostDevice
+    from storage.gpu.device import HostDevice
     from storage.store import SnapshotStore
     return recover(SnapshotStore(str(store), create=False), gpu_driver=w.driver, gpu_device=HostDevice,
                    thp_record_dir=str(store.parent / "run"))
@@ -377,7 +377,7 @@ sys.path.insert(0, {tests!r})
 from support.driver_standin import SharedStandIn
 from sandbox.criu.snapshot import criu_dump
 from sandbox.gpu.driver import Features
-from storage.device import HostDevice
+from storage.gpu.device import HostDevice
 from storage.store import SnapshotStore
 criu_dump(SnapshotStore({store!r}), {pid}, "g", gpu_driver=SharedStandIn({state!r}),
           features=Features(checkpoint_api=True, custom_storage=True), device=HostDevice())
@@ -416,7 +416,7 @@ def test_custom_storage_criu_dump_killed_then_recovered(stage: str, tmp_path: Pa
         _gc(store)  # may take CRIU's page chunks (the tree itself is still there), never the GPU streams'
         assert named and named <= _chunk_files(store)
         from sandbox.recover import recover
-        from storage.device import HostDevice
+        from storage.gpu.device import HostDevice
         from storage.store import SnapshotStore
         rep = recover(SnapshotStore(str(store), create=False), gpu_driver=lambda: SharedStandIn(state),
                       gpu_device=HostDevice, thp_record_dir=str(tmp_path / "run"))

@@ -358,7 +358,7 @@ def test_custom_storage_hook_double_pre_dump_keeps_the_snapshot(tmp_path: Path, 
     back once."""
     from criu_hooks.action_script import run
     from support.driver_standin import StandInDriver
-    from storage.device import HostDevice
+    from storage.gpu.device import HostDevice
     from storage.store import SnapshotStore
     from test_custom_storage_flow import FEATS, gpu_bytes
     d = StandInDriver()

@@ -17,7 +17,7 @@ from conftest import small_tmpfs
 from support.driver_standin import StandInDriver
 from sandbox.gpu.driver import Features, GpuInfo, ProcessState as S
 from sandbox.gpu.snapshot import gpu_checkpoint, gpu_restore
-from storage.device import HostDevice
+from storage.gpu.device import HostDevice
 from storage.store import SnapshotStore
 
 FEATS = Features(bindings="stand-in", driver_version="stand-in", checkpoint_api=True, custom_storage=True,

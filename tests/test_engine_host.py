@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from support.entries import chunk_entries, entry_of
-from storage.device import HostDevice, HostMemory, host_view
+from storage.gpu.device import HostDevice, HostMemory, host_view
 from storage.gpu_engine import GpuEngine, GpuEngineError, Region
 from storage.memtier import Extents, MemoryTierError, PinnedPool
 from storage.store import SnapshotStore, StoreError
@@ -229,7 +229,7 @@ def test_numa_helpers() -> None:
     """NUMA placement: the node count parses from sysfs; binding to a node that exists works, to one
     that does not is refused (not silently ignored). (Machines here have one node: the placement
     itself is not observable, and RegisteredBuffer only binds where there are several.)"""
-    from storage.device import numa_nodes, prefer_node
+    from storage.gpu.device import numa_nodes, prefer_node
     assert numa_nodes() >= 1
     mem = HostMemory(4 << 20)
     try:

@@ -32,7 +32,7 @@ def _model_bytes(seed: int, n: int) -> np.ndarray:
 
 @contextmanager
 def _on_device(dev, data: np.ndarray) -> Iterator[int]:
-    from storage.device import check_cuda, cuda_driver
+    from storage.gpu.device import check_cuda, cuda_driver
     ptr = dev.alloc(data.nbytes)
     try:
         check_cuda(cuda_driver().cuMemcpyHtoD(ptr, data.ctypes.data, data.nbytes), "cuMemcpyHtoD")
@@ -54,7 +54,7 @@ def test_same_bytes_give_the_same_payload_whatever_the_buffers_held(codec: str) 
     """X, then other bytes Y, then X again with the lane's output buffer full of garbage, then X on
     a fresh lane after another lane's encodes: every payload of X is byte-identical, and holds no run of
     the garbage pattern."""
-    from storage.device import check_cuda, cuda_driver
+    from storage.gpu.device import check_cuda, cuda_driver
     from storage.gpu_engine import GpuEngine
     n = 64 * MB
     d = cuda_driver()

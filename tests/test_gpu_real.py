@@ -340,7 +340,7 @@ def test_agent_channel_on_the_gpu_through_the_ipc_stand_in(tmp_path: Path) -> No
     its own data. The host names the streams; the agent sees no store."""
     from sandbox.gpu.channel import AgentFrames, read_report, receive, send
     from sandbox.gpu.driver import ProcessState as S
-    from storage.device import CudaDevice
+    from storage.gpu.device import CudaDevice
     from storage.store import SnapshotStore
     from scripts.workloads.workload_control import Workload, ipc_region
     st = SnapshotStore(str(tmp_path / "store"))

@@ -12,7 +12,7 @@ from support.driver_standin import StandInDriver
 from sandbox.gpu import state
 from sandbox.gpu.driver import DeviceRegion, Features, ProcessState as S
 from sandbox.gpu.regions import EngineSpill
-from storage.device import HostDevice
+from storage.gpu.device import HostDevice
 
 PIDS = [201, 202, 203, 204]
 

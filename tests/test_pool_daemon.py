@@ -12,7 +12,7 @@ from conftest import Cli
 from support.driver_standin import StandInDriver
 from sandbox.gpu.driver import Features, ProcessState as S
 from sandbox.gpu.pool_daemon import PoolDaemonError, PoolServer, request
-from storage.device import HostDevice
+from storage.gpu.device import HostDevice
 from test_custom_storage_flow import FEATS, gpu_bytes
 
 

@@ -654,7 +654,7 @@ def test_gpu_restore_from_remote_on_another_store(tmp_path: Path, endpoint: str,
     from test_custom_storage_flow import FEATS, gpu_bytes
     from sandbox.gpu.driver import ProcessState as S
     from sandbox.gpu.snapshot import gpu_checkpoint, gpu_restore
-    from storage.device import HostDevice
+    from storage.gpu.device import HostDevice
     from storage.remote import Remote, RemoteConfig, add_remote
     from storage.remote_fill import ensure_local
     from storage.store import SnapshotStore

@@ -253,7 +253,7 @@ from support.driver_standin import StandInDriver
 from agents.gpu_agent import run
 from sandbox.gpu.channel import report_frame, write_header
 from sandbox.gpu.driver import Features
-from storage.device import HostDevice
+from storage.gpu.device import HostDevice
 feats = Features(checkpoint_api=True, custom_storage=True)
 d = StandInDriver()
 me = os.getpid()

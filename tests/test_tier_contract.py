@@ -23,7 +23,7 @@ import pytest
 from conftest import REPO
 from storage.format.chunkfile import HEADER_SIZE, ChunkHeader
 from storage.codecs.registry import ZstdCodec, decode_host
-from storage.device import HostDevice
+from storage.gpu.device import HostDevice
 from storage.fs.directio import align_up
 from storage.base.errors import EXIT_DAMAGED, DamageError
 from storage.format.manifest import ChunkRef, Stream

@@ -147,7 +147,7 @@ def test_a_crafted_companion_cannot_make_rm_remove_another_snapshot(cli: Cli, st
 def _server(path: Path):  # noqa: ANN202
     from support.driver_standin import StandInDriver
     from sandbox.gpu.pool_daemon import PoolServer
-    from storage.device import HostDevice
+    from storage.gpu.device import HostDevice
     from test_custom_storage_flow import FEATS
     return PoolServer(str(path), 16 << 20, driver=StandInDriver(), features=FEATS, device=HostDevice())
 

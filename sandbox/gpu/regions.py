@@ -81,7 +81,7 @@ class EngineRegions:
 
 
 class EngineSpill:
-    """RegionSpill through a storage.device.Device: mapped regions parked in host memory and put back
+    """RegionSpill through a storage.gpu.device.Device: mapped regions parked in host memory and put back
     (the rollback of a custom-storage checkpoint whose streaming failed)."""
 
     def __init__(self, dev: Any) -> None:

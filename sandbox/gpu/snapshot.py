@@ -79,7 +79,7 @@ def gpu_checkpoint(store: SnapshotStore, root_pid: int, name: str, *, driver: Cu
 
     They are left CHECKPOINTED (GPU memory released) until gpu_restore. On any failure they are
     put back to RUNNING with their memory intact and no snapshot is left. device: the engine's
-    storage.device.Device for the custom-storage path (default: GPU 0). pids: the CUDA processes when
+    storage.gpu.device.Device for the custom-storage path (default: GPU 0). pids: the CUDA processes when
     the caller has found them already.
     """
     hugepages.policy()  # a bad GPUSNAP_THP fails here, before a process is touched

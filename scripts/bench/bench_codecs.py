@@ -174,7 +174,7 @@ def gpu_present() -> str | None:
     if not C.nvcomp_importable():
         return "nvCOMP is not installed"
     try:
-        from storage.device import CudaDevice  # noqa: PLC0415
+        from storage.gpu.device import CudaDevice  # noqa: PLC0415
         CudaDevice(0)
     except Exception as e:  # noqa: BLE001 - any reason: no driver, no device
         return f"no GPU ({e})"
@@ -182,7 +182,7 @@ def gpu_present() -> str | None:
 
 
 def bench_nvcomp(algo: str, data: np.ndarray) -> dict[str, Any]:
-    from storage.device import CudaDevice, PinnedBuffer, _NvcompCodec, check_cuda, cuda_driver  # noqa: PLC0415
+    from storage.gpu.device import CudaDevice, PinnedBuffer, _NvcompCodec, check_cuda, cuda_driver  # noqa: PLC0415
     d = cuda_driver()
     dev = CudaDevice(0)
     n = len(data)
@@ -289,7 +289,7 @@ def bench_nvcomp_zstd_host(data: np.ndarray) -> dict[str, Any]:
     with no change of format. Rates count the frames' raw bytes; the byte-plane merge of
     shuffle2-zstd chunks (a memory-bound elementwise kernel) is not included."""
     from nvidia import nvcomp  # noqa: PLC0415
-    from storage.device import CudaDevice, DeviceBytes, PinnedBuffer  # noqa: PLC0415
+    from storage.gpu.device import CudaDevice, DeviceBytes, PinnedBuffer  # noqa: PLC0415
     frames, raws = host_frames(data)
     if not frames:
         raise RuntimeError("no zstd frames in this data (stored raw)")

@@ -7,7 +7,7 @@ Per algorithm (ANS, Bitcomp, LZ4), 64 MiB chunks of model-like bytes, nvCOMP's n
   0xA5, zero it, encode X again: equal? And with the output left at 0xA5: how many bytes differ, how
   many of them are the fill byte (gaps nvCOMP never writes), does nvCOMP write past the size it reports?
   A fresh codec after another one; and 8 threads encoding 16 chunks twice in another order.
-  fixed (storage.device's codec: every scratch buffer nvCOMP allocates zeroed before each encode):
+  fixed (storage.gpu.device's codec: every scratch buffer nvCOMP allocates zeroed before each encode):
   the same, then the cost per chunk of the memsets (output buffer, scratch) against the encode.
 Prints one JSON document (and writes it to $OUT/probe-nvcomp-determinism.json when OUT is set);
 PROBE_ONLY=baseline or fixed runs one half, PROBE_K=TEXT the steps whose name has TEXT.
@@ -24,7 +24,7 @@ from typing import Any, Callable
 import numpy as np
 
 from storage.codecs.registry import NVCOMP_ALGORITHMS
-from storage.device import CudaDevice, DeviceBytes, _NvcompCodec, check_cuda, cuda_driver
+from storage.gpu.device import CudaDevice, DeviceBytes, _NvcompCodec, check_cuda, cuda_driver
 
 N = 64 << 20
 CAP = N * 3 // 2 + (4 << 20)  # the engine's lane output buffer (gpu_engine._Lane.out_cap)

@@ -6,7 +6,7 @@ import json
 import sys
 import time
 
-from storage.device import CudaDevice, PinnedBuffer, RegisteredBuffer, check_cuda, cuda_driver
+from storage.gpu.device import CudaDevice, PinnedBuffer, RegisteredBuffer, check_cuda, cuda_driver
 
 gb = float(sys.argv[1]) if len(sys.argv) > 1 else 8
 n = int(gb * (1 << 30))

@@ -5,7 +5,7 @@ to a CodecEntry: its name, where it runs (`host`: the CPU, in this process; `gpu
 device), and for host codecs the encode and decode functions. Every id the format has ever assigned
 is known (FORMAT_IDS) so that a header naming a GPU codec parses on a machine without one; a GPU
 codec's entry is registered only when nvCOMP is importable here (its device-side codec objects are
-made per stream by storage/device.py, which looks the nvCOMP algorithm up in this table).
+made per stream by storage/gpu/device.py, which looks the nvCOMP algorithm up in this table).
 Every threshold of the choice lives in the "Thresholds" block below, and only there.
 
 Guarantees kept here: a decoder never produces, nor allocates for its output, more than the raw

@@ -33,5 +33,5 @@ if __name__ == "__main__":
     assert sys.argv[1:3] == ["-m", "agents.gpu_agent"], sys.argv
     from agents.gpu_agent import main
     from sandbox.gpu.driver import Features
-    from storage.device import HostDevice
+    from storage.gpu.device import HostDevice
     main(sys.argv[3:], driver=d, features=Features(checkpoint_api=True, custom_storage=True), device=HostDevice())
