@@ -88,5 +88,5 @@ def main(ctx: click.Context, store_path: str | None, progress: bool | None) -> N
     Snapshots live in a content-addressed store: chunks are deduplicated across snapshots,
     compressed where it pays, checksummed, and committed atomically.
     """
-    from storage.store import default_store_path
+    from storage.repo.store import default_store_path
     ctx.obj = {"store": store_path or default_store_path(), "progress": progress}

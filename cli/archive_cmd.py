@@ -11,12 +11,12 @@ from typing import IO, Any
 import click
 
 from storage.base.errors import GpusnapError
-from storage.locks import break_locks, lock_status
+from storage.repo.locks import break_locks, lock_status
 from storage.format.manifest import Manifest, validate_tag
 from storage.base.names import validate_snapshot_name
 from storage.retention import Entry, Policy, companion_parent, decide, parse_created
 from storage.stats import compute, diff
-from storage.store import SnapshotStore
+from storage.repo.store import SnapshotStore
 
 from cli.common import emit, human, json_option, one_line_errors, open_store
 

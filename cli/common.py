@@ -15,7 +15,7 @@ import click
 from storage.base.errors import EXIT_FAILED, GpusnapError
 from storage.base.limits import DEFAULT_JOBS
 from storage.base.settings import apply_switch_interval
-from storage.store import SnapshotStore
+from storage.repo.store import SnapshotStore
 
 def human(n: float) -> str:
     for unit in ("B", "KB", "MB", "GB", "TB"):

@@ -13,7 +13,7 @@ import click
 
 from storage.base.errors import EXIT_DAMAGED, EXIT_FAILED, GpusnapError
 from storage.base.names import validate_snapshot_name
-from storage.store import StoreError
+from storage.repo.store import StoreError
 from storage.format.storedir import MARKER, SNAPSHOTS, path_in
 
 from cli.common import emit, human, json_option, one_line_errors, open_store, parse_chunk_size, tag_option, terminate_cleanly
@@ -24,7 +24,7 @@ if TYPE_CHECKING:  # imported where used: `store ls` and `--help` need none of t
     from storage.files_cache import FilesCache
     from storage.filetree import FileTreeSource
     from storage.format.manifest import Manifest, Stream
-    from storage.store import DamagedCopy
+    from storage.repo.store import DamagedCopy
 
 # the store subcommands of cli/archive_cmd.py, imported only when one runs
 ARCHIVE_COMMANDS = {
@@ -241,7 +241,7 @@ def store_ls(ctx: click.Context, name: str | None, prefix: str | None, tags: tup
         _list_files(ctx, validate_snapshot_name(name), prefix, as_json)
         return
     from cli.archive_cmd import matches, parse_since
-    from storage.damage import DamageMarks
+    from storage.repo.damage import DamageMarks
     from storage.summary import read_summary
     since_t = parse_since(since)
     st = open_store(ctx, create=False)
@@ -327,7 +327,7 @@ def store_tag(ctx: click.Context, names: tuple[str, ...], add: tuple[str, ...], 
     gpusnap store tag model-v3 --set prod --set llama
 
     The manifest is rewritten atomically (FORMAT.md, "Changing tags"); its streams are untouched."""
-    from storage.tagging import retag
+    from storage.repo.tagging import retag
     if not (add or remove or set_to):
         raise click.UsageError("give --add, --remove or --set")
     if set_to and (add or remove):
@@ -443,7 +443,7 @@ def store_verify(ctx: click.Context, name: str | None, repair: bool, read_data: 
     Damaged chunk files are moved to the store's quarantine/ so that the next put of the same data
     writes them again (which heals every snapshot that names them); --repair rewrites them now."""
     from sandbox.ops.snapshot_meta import meta_problems
-    from storage.store import Problem
+    from storage.repo.store import Problem
     if repair or sources:
         ctx.invoke(store_repair, sources=sources, wait=30.0, as_json=as_json)
         return

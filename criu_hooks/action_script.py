@@ -287,7 +287,7 @@ def _custom_target() -> tuple[str, str] | None:
     name = os.environ.get("GPUSNAP_GPU_SNAPSHOT")
     if not name:
         return None
-    from storage.store import default_store_path
+    from storage.repo.store import default_store_path
     return os.environ.get("GPUSNAP_STORE") or default_store_path(), name
 
 
@@ -298,7 +298,7 @@ def _thaw(drv: Any, pids: list[int], path: str, target: tuple[str, str] | None, 
         return state.thaw(drv, pids, plan.backend())
     from sandbox.gpu.regions import EngineRegions
     from storage.gpu_engine import GpuEngine
-    from storage.store import SnapshotStore
+    from storage.repo.store import SnapshotStore
     store = SnapshotStore(target[0], create=False)
     m = store.load(target[1])
     with GpuEngine(0 if device is None else device) as eng:
@@ -321,7 +321,7 @@ def _freeze(drv: Any, pids: list[int], features: Any, device: Any) -> tuple[Any,
         return state.checkpoint(drv, pids, plan.backend(), limits), plan.path.value, None
     from sandbox.gpu.regions import EngineRegions
     from storage.gpu_engine import GpuEngine
-    from storage.store import SnapshotStore
+    from storage.repo.store import SnapshotStore
     store = SnapshotStore(target[0])
     from sandbox.ops.gpu_path import GpuPath
     from sandbox.ops.snapshot_meta import GpuMeta
@@ -393,7 +393,7 @@ def run(action: str, init_pid: int | None, *, driver: Any = None, features: Any 
 
 def _in_snapshot(target: tuple[str, str], pids: list[int]) -> bool:
     """Whether snapshot TARGET holds custom-storage GPU memory for PIDS."""
-    from storage.store import SnapshotStore
+    from storage.repo.store import SnapshotStore
     try:
         m = SnapshotStore(target[0], create=False).load(target[1])
     except Exception:  # noqa: BLE001 - no such store or snapshot: the driver's host copy

@@ -23,7 +23,7 @@ record deleted (then its reference log). Finally THP values left switched by dea
 
 GPU state is resumed by the path that took it: host-staged through the driver's own copy; custom
 storage through the same custom-storage restore `gpu restore` uses (sandbox.gpu.state.thaw), fed
-from the chunks the operation's reference log (journal/OP.refs, storage.reflog) lists for each
+from the chunks the operation's reference log (journal/OP.refs, storage.repo.reflog) lists for each
 process, or from the snapshot a restore reads or the operation committed. A process whose list is
 incomplete, or that the driver still holds mid-operation, cannot get its memory back: recovery names
 each lost region and the state the process stays in (Recovered.lost, and `ok` is false), and takes
@@ -44,7 +44,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
-from storage.store import SnapshotStore
+from storage.repo.store import SnapshotStore
 
 from sandbox.ops import journal
 from sandbox.host import hugepages

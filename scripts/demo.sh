@@ -44,7 +44,7 @@ disown "$pid"  # CRIU ends it: no job-status noise from the shell
 wait_count "$work/count" 5
 echo "pid $pid, counted to $(count "$work/count")"
 echo
-echo "== checkpoint it into the store ($($g store --help >/dev/null; python3 -c 'from storage.store import default_store_path as d; print(d())'))"
+echo "== checkpoint it into the store ($($g store --help >/dev/null; python3 -c 'from storage.repo.store import default_store_path as d; print(d())'))"
 $g criu dump "$pid" "$name"
 gone "$pid"
 last=$(count "$work/count")

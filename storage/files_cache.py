@@ -31,7 +31,7 @@ from storage.format.manifest import ChunkRef, ManifestError
 from storage.format.storedir import FILES_CACHE, TMP
 
 if TYPE_CHECKING:
-    from storage.store import SnapshotStore
+    from storage.repo.store import SnapshotStore
 
 RECORD = FILES_CACHE
 FORMAT = "gpusnap-files-cache"
@@ -95,7 +95,7 @@ class FilesCache:
 
     def save(self, store: "SnapshotStore") -> None:
         """Replace the store's cache with this one, atomically and durably."""
-        from storage.store import _unlink_quietly, _write_file, owned_name
+        from storage.repo.store import _unlink_quietly, _write_file, owned_name
         data = json.dumps({"format": FORMAT, "version": VERSION, "entries": self.entries,
                            "checksum": _checksum(self.entries)}, separators=(",", ":")).encode()
         with store.root() as (root, _), store.subdir(TMP) as tmp:

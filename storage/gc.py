@@ -10,7 +10,7 @@ of names without a snapshot, and quarantined chunks no longer needed. Packs: a p
 deleted (a killed writer's), an indexed one whose entries nothing names is deleted index first, one
 whose live fraction is below packs.REPACK_BELOW is repacked, its live entries durable and indexed in
 a new pack before its index and then it are removed; a pack whose index is damaged is left. A chunk named by the
-chunk-reference log of an operation still in the journal (storage.reflog: data of a killed writer
+chunk-reference log of an operation still in the journal (storage.repo.reflog: data of a killed writer
 that `gpusnap recover` may still restore) counts as in use; a log it cannot read stops it before
 anything is deleted. A delta entry that is kept keeps a full entry of each base it names (the
 closure over bases: depth 1, so one round). It descends into no link and no
@@ -36,14 +36,14 @@ from storage.base.limits import MAX_MANIFEST
 from storage.base.names import InvalidNameError, validate_snapshot_name
 from storage.fs.owner import ProcessOwner
 from storage.format.packs import PACK_NAME, REPACK_BELOW, Loc
-from storage.reflog import RefLogError, pinned
-from storage.store import CHUNK_ID, EntryUnknown, get_staging_name, read_record
+from storage.repo.reflog import RefLogError, pinned
+from storage.repo.store import CHUNK_ID, EntryUnknown, get_staging_name, read_record
 from storage.format.storedir import (CHUNKS, INDEX, JOURNAL, NAMES, PACKS, QUARANTINE, SNAPSHOTS, TMP, StoreDamage, entries, lstat_at,
                        manifest_entry, open_dir, opened_dir, remove_tree)
 from storage.fs.treewalk import empty_tree
 
 if TYPE_CHECKING:
-    from storage.store import SnapshotStore
+    from storage.repo.store import SnapshotStore
 
 # tmp/KIND.PID-START-BOOT.REST: an entry whose owner is written in its name
 _OWNED = re.compile(r"([a-z]+)\.(\d+-\d+-[0-9a-f]{8})\.([A-Za-z0-9_.-]+)")

@@ -37,7 +37,7 @@ from storage.gpu.device import CudaDevice, Device, DeviceError, HostBuffer
 from storage.fs.directio import ALIGN
 from storage.format.manifest import ChunkRef, Manifest, Stream
 from storage.pipeline import Result, Stages, _Failure, is_zero, writer_result
-from storage.tier import ChunkTier, TierWriter
+from storage.repo.tier import ChunkTier, TierWriter
 
 GpuEngineError = DeviceError  # one exception type for the GPU data path (device.py raises it)
 

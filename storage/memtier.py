@@ -8,7 +8,7 @@ The pool lives as long as the process that owns it (a resident process: the engi
 durable, by design: a swap tier, not a backup. Chunks carry the same ids as in the directory store
 (BLAKE3 of the chunk header's first 32 bytes and the payload), so identical chunks are kept once
 across the pool's snapshots, and every payload is verified against its id when read (the memory tier
-is a chunk tier, storage/tier.py: read_verified is its one read).
+is a chunk tier, storage/repo/tier.py: read_verified is its one read).
 
 Space is managed in 4096-byte units by a first-fit extent allocator that coalesces on free. A
 snapshot becomes visible only when its writer commits; a writer that leaves without committing
@@ -27,8 +27,8 @@ from storage.fs.directio import ALIGN, align_up
 from storage.base.errors import DamageError, GpusnapError
 from storage.format.manifest import ChunkRef, Manifest, Stream
 from storage.base.names import validate_snapshot_name
-from storage.store import WriteStats
-from storage.tier import Landing, Verified
+from storage.repo.store import WriteStats
+from storage.repo.tier import Landing, Verified
 
 
 class MemoryTierError(GpusnapError):
@@ -109,7 +109,7 @@ class _Entry:
 class PinnedPool:
     """Snapshots held in one block of host memory (pinned when the buffer comes from a CUDA device)."""
 
-    error = MemoryTierDamage  # what a damaged snapshot raises (storage/tier.py: a ChunkTier)
+    error = MemoryTierDamage  # what a damaged snapshot raises (storage/repo/tier.py: a ChunkTier)
 
     def __init__(self, buffer: Any) -> None:
         self.buffer = buffer
@@ -291,7 +291,7 @@ class PoolWriter:
             self.stats.add_chunk(raw_len, stored_len, new, hash_s)
         return ref
 
-    # ---- as a TierWriter (storage/tier.py) ----
+    # ---- as a TierWriter (storage/repo/tier.py) ----
     def landing(self, frame: Any, stored_len: int) -> Landing:
         """A slot of the pool for STORED_LEN bytes (the device copies straight into it; FRAME unused)."""
         slot = self.pool.reserve(stored_len)

@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING
 from storage.format.chunkfile import HEADER_SIZE, MAX_RAW_CHUNK, ChunkError, ChunkHeader, full_check, read_chunk_file
 from storage.fs.directio import AlignedBuffer, align_up
 from storage.format.storedir import CHUNKS, TMP, StoreDamage, entries, opened_child
-from storage.store import CHUNK_ID
+from storage.repo.store import CHUNK_ID
 
 if TYPE_CHECKING:
-    from storage.store import SnapshotStore
+    from storage.repo.store import SnapshotStore
 
 _BATCH = 1 << 30  # chunk files deleted after each GiB moved (its packs indexed first)
 

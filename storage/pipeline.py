@@ -37,8 +37,8 @@ from storage.codecs.registry import DELTA, DELTA_MATCH, DELTA_PAYS_OFF, HostCode
 from storage.fs.directio import AlignedBuffer, Arena, BufferPool, align_up, copy_into, is_zero
 from storage.encodeprocs import EncodeProcs, Encoder, Prepared, encode_procs
 from storage.format.manifest import ChunkRef, Manifest, Stream
-from storage.readstage import Want, read_chunks
-from storage.store import SnapshotDamaged, SnapshotStore, SnapshotWriter, StoreError, base_cache_bytes
+from storage.repo.readstage import Want, read_chunks
+from storage.repo.store import SnapshotDamaged, SnapshotStore, SnapshotWriter, StoreError, base_cache_bytes
 
 from storage.base.errors import GpusnapError
 from storage.base.settings import switch

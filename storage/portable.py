@@ -28,7 +28,7 @@ from storage.base.errors import DamageError, GpusnapError
 from storage.base.limits import MAX_MANIFEST
 from storage.format.manifest import Manifest, ManifestError
 from storage.base.names import validate_snapshot_name
-from storage.store import SnapshotStore
+from storage.repo.store import SnapshotStore
 
 EXPORT_FORMAT = "gpusnap-export"
 EXPORT_VERSION = 2  # version 2 archives may hold raw-addressed (GSNPCHK2) chunks

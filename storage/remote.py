@@ -46,7 +46,7 @@ from storage.base.limits import DEFAULT_JOBS, MAX_MANIFEST, MAX_RECORD
 from storage.format.manifest import ChunkRef, Manifest, ManifestError
 from storage.base.names import validate_snapshot_name
 from storage.format.packs import INDEX_MAX, PACK_NAME, IndexDamage, Loc, PackIndex, coalesce, decode_index, encode_index
-from storage.store import Problem, SnapshotStore, StoreError, VerifyReport
+from storage.repo.store import Problem, SnapshotStore, StoreError, VerifyReport
 from storage.format.storedir import REMOTES, path_in
 
 REMOTE_FORMAT = "gpusnap-remote"

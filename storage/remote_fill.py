@@ -52,8 +52,8 @@ from storage.remote import (
     pause_for_tests,
     usable,
 )
-from storage.store import SnapshotDamaged, SnapshotStore, StoreError
-from storage.tier import Verified
+from storage.repo.store import SnapshotDamaged, SnapshotStore, StoreError
+from storage.repo.tier import Verified
 
 if TYPE_CHECKING:
     from storage.gpu.device import HostBuffer
@@ -377,7 +377,7 @@ class RemoteFill:
 
 
 class ArrivingSource:
-    """The chunk tier of a snapshot still arriving from a remote (storage/tier.py): STORE while FILL
+    """The chunk tier of a snapshot still arriving from a remote (storage/repo/tier.py): STORE while FILL
     brings the snapshot's chunks. read_verified waits for a chunk that has not arrived (moving it to the
     front of the fetches), then reads it from the local store, verified there as every local read is;
     a chunk the remote holds damaged fails the fill with RemoteDamageError (exit 3), raised to every

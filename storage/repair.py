@@ -24,12 +24,12 @@ from storage.codecs.registry import HOST_CODECS, HostCodecChooser, ZstdCodec
 from storage.fs.directio import AlignedBuffer, BufferPool, copy_into
 from storage.base.errors import GpusnapError
 from storage.format.manifest import ChunkRef, Manifest
-from storage.store import Problem, Stray, chunk_refs
+from storage.repo.store import Problem, Stray, chunk_refs
 from storage.format.storedir import CHUNKS, MARKER, QUARANTINE, TMP
 
 if TYPE_CHECKING:
     from storage.format.packs import PackWriter
-    from storage.store import SnapshotStore
+    from storage.repo.store import SnapshotStore
 
 _ENCODERS = {"zstd": ZstdCodec(level=1)}  # stored-addressed (GSNPCHK1) host chunks are re-encoded with these
 
@@ -88,7 +88,7 @@ def repair(store: "SnapshotStore", sources: Sequence[str] = (), *, workers: int 
             if lost is not None and did not in need:
                 need[did] = refs[did]
                 bad[did] = f"{BASE_WHY} {lost[:16]}… {bad.get(lost, 'missing')}"
-        from storage import damage
+        from storage.repo import damage
         damage.update(store, [c for c in refs if c not in need], {c: bad[c] for c in need})
         for m in manifests:
             for s in m.streams:
@@ -154,7 +154,7 @@ def _keep_raw(store: "SnapshotStore", pw: "PackWriter", chunks_fd: int, ref: Chu
 
 def _from_store(store: "SnapshotStore", pw: "PackWriter", chunks_fd: int, path: str, need: dict[str, ChunkRef],
                 buf: AlignedBuffer) -> dict[str, str]:
-    from storage.store import SnapshotStore  # noqa: PLC0415 - the type is imported for checking only above
+    from storage.repo.store import SnapshotStore  # noqa: PLC0415 - the type is imported for checking only above
     other = SnapshotStore(path, create=False)
     got: dict[str, str] = {}
     with other.shared():

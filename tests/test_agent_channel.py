@@ -17,7 +17,7 @@ from sandbox.gpu.channel import (AgentFrames, ChannelError, ChannelLimits, read_
                                  write_header)
 from sandbox.gpu.driver import ProcessState as S
 from storage.gpu.device import HostDevice
-from storage.store import SnapshotStore
+from storage.repo.store import SnapshotStore
 from test_custom_storage_flow import FEATS, gpu_bytes
 
 

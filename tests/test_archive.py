@@ -17,7 +17,7 @@ import zstandard
 from conftest import REPO, Cli, chunk_files, make_mixed_tree, pythonpath, tree_digest
 from support.entries import chunk_entries, chunk_ids
 
-from storage.store import SnapshotStore
+from storage.repo.store import SnapshotStore
 
 
 def _snap(store: Path, name: str, created: str, data: bytes = b"x", kind: str = "files",

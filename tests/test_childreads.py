@@ -1,4 +1,4 @@
-"""storage.childreads: a restore's early reads in a process of their own (its own GIL), given only the
+"""storage.repo.childreads: a restore's early reads in a process of their own (its own GIL), given only the
 pack descriptors it reads, stopped by closing its stdin (the parent's stop or its death)."""
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from storage.childreads import ChildReads
-from storage.readstage import plan_runs
+from storage.repo.childreads import ChildReads
+from storage.repo.readstage import plan_runs
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="dropping the page cache needs root")
 
@@ -97,7 +97,7 @@ def test_scattered_entries_beside_pure_python_planning(tmp_path: Path) -> None:
     64 MB: that the reads go on while the parent computes, not how fast this machine's disk is."""
     from storage import pipeline
     from storage.filetree import FileTreeSource
-    from storage.store import SnapshotStore
+    from storage.repo.store import SnapshotStore
     from support.pagecache import resident_bytes
     src = tmp_path / "src"
     src.mkdir()

@@ -271,7 +271,7 @@ def test_a_version_5_store_of_layout_1_chunks_is_read_and_becomes_version_7(
     to it; the chunks it already held stay layout 1 and are still read."""
     from storage import pipeline
     from storage.filetree import FileTreeSource
-    from storage.store import SnapshotStore
+    from storage.repo.store import SnapshotStore
     from support.entries import chunk_entries
     src = tmp_path / "model"
     src.mkdir()

@@ -69,7 +69,7 @@ def test_criu_without_privilege_says_so_and_keeps_its_log(tmp_path: Path) -> Non
     import shutil
     from sandbox.criu.runner import Criu, CriuError, find_criu
     from sandbox.criu.snapshot import criu_dump
-    from storage.store import SnapshotStore
+    from storage.repo.store import SnapshotStore
     if not shutil.which("setpriv"):
         pytest.skip("setpriv (util-linux) is needed to drop privileges")
     wrapper = tmp_path / "criu"

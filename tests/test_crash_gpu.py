@@ -35,7 +35,7 @@ sys.path.insert(0, {tests!r})
 from support.driver_standin import SharedStandIn
 from sandbox.criu.snapshot import criu_dump
 from sandbox.gpu.driver import Features
-from storage.store import SnapshotStore
+from storage.repo.store import SnapshotStore
 criu_dump(SnapshotStore({store!r}), {pid}, "g", gpu_driver=SharedStandIn({state!r}),
           features=Features(checkpoint_api=True, custom_storage=False))
 """
@@ -50,7 +50,7 @@ def test_gpu_dump_killed_then_recovered(stage: str, tmp_path: Path) -> None:
     from support.driver_standin import SharedStandIn
     from sandbox.gpu.driver import ProcessState
     from sandbox.recover import recover
-    from storage.store import SnapshotStore
+    from storage.repo.store import SnapshotStore
     tree = Tree(mb=16, detached=True)
     try:
         state = str(tmp_path / "driver.pkl")
@@ -226,14 +226,14 @@ def _gpu_checkpoint_paused(store: Path, w: GpuWorkload, stage: str, tmp: Path,
 def _recover(store: Path, w: GpuWorkload):  # noqa: ANN202 - sandbox.recover.RecoverReport
     from sandbox.recover import recover
     from storage.gpu.device import HostDevice
-    from storage.store import SnapshotStore
+    from storage.repo.store import SnapshotStore
     return recover(SnapshotStore(str(store), create=False), gpu_driver=w.driver, gpu_device=HostDevice,
                    thp_record_dir=str(store.parent / "run"))
 
 
 def _gc(store: Path):  # noqa: ANN202 - storage.gc.GcReport
     from storage.gc import collect
-    from storage.store import SnapshotStore
+    from storage.repo.store import SnapshotStore
     return collect(SnapshotStore(str(store), create=False))
 
 
@@ -378,7 +378,7 @@ from support.driver_standin import SharedStandIn
 from sandbox.criu.snapshot import criu_dump
 from sandbox.gpu.driver import Features
 from storage.gpu.device import HostDevice
-from storage.store import SnapshotStore
+from storage.repo.store import SnapshotStore
 criu_dump(SnapshotStore({store!r}), {pid}, "g", gpu_driver=SharedStandIn({state!r}),
           features=Features(checkpoint_api=True, custom_storage=True), device=HostDevice())
 """
@@ -417,7 +417,7 @@ def test_custom_storage_criu_dump_killed_then_recovered(stage: str, tmp_path: Pa
         assert named and named <= _chunk_files(store)
         from sandbox.recover import recover
         from storage.gpu.device import HostDevice
-        from storage.store import SnapshotStore
+        from storage.repo.store import SnapshotStore
         rep = recover(SnapshotStore(str(store), create=False), gpu_driver=lambda: SharedStandIn(state),
                       gpu_device=HostDevice, thp_record_dir=str(tmp_path / "run"))
         assert rep.ok, rep.as_dict()

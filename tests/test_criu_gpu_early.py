@@ -43,7 +43,7 @@ def _dumped(tmp_path: Path) -> tuple[Tree, SharedStandIn, dict[int, bytes], Path
     dumped on the host-staged path (the tree is gone after)."""
     from sandbox.criu.snapshot import criu_dump
     from sandbox.host.processes import wait_gone
-    from storage.store import SnapshotStore
+    from storage.repo.store import SnapshotStore
     tree = Tree(mb=48, detached=True)
     try:
         pids = [tree.pid, tree.child]
@@ -125,7 +125,7 @@ def test_a_failed_early_copy_fails_the_restore_like_any_copy_and_recover_finishe
     process's GPU state CHECKPOINTED and the operation journaled; once the fault is gone,
     `gpusnap recover` brings its GPU state back."""
     from sandbox.recover import recover
-    from storage.store import SnapshotStore
+    from storage.repo.store import SnapshotStore
     outs = {}
     for early in ("0", "1"):
         (tmp_path / early).mkdir()

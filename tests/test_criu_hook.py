@@ -231,7 +231,7 @@ def test_gpusnap_criu_dump_never_runs_a_configured_hook(tree: NetnsTree, hook: d
     `criu dump` runs it, `gpusnap criu dump` does not: it checkpoints the GPU once, itself."""
     from sandbox.criu.runner import find_criu
     from sandbox.criu.snapshot import criu_dump
-    from storage.store import SnapshotStore
+    from storage.repo.store import SnapshotStore
     home = tmp_path / "home"
     (home / ".criu").mkdir(parents=True)
     (home / ".criu" / "default.conf").write_text(f"action-script {hook['script']}\n")
@@ -359,7 +359,7 @@ def test_custom_storage_hook_double_pre_dump_keeps_the_snapshot(tmp_path: Path, 
     from criu_hooks.action_script import run
     from support.driver_standin import StandInDriver
     from storage.gpu.device import HostDevice
-    from storage.store import SnapshotStore
+    from storage.repo.store import SnapshotStore
     from test_custom_storage_flow import FEATS, gpu_bytes
     d = StandInDriver()
     d.add(child, gpu_bytes(8, 2))

@@ -762,7 +762,7 @@ def test_a_process_of_fill_first_runs_as_soon_as_its_own_runs_are_in(cli: Cli, s
     from sandbox.criu.runner import Criu
     from sandbox.criu.snapshot import _restore_run
     from sandbox.ops.snapshot_meta import CriuMeta
-    from storage.store import SnapshotStore
+    from storage.repo.store import SnapshotStore
     tree = Tree(mb=48)
     try:
         cli_json(cli, STREAM, "criu", "dump", str(tree.pid), "s1")
@@ -1204,7 +1204,7 @@ def test_early_reads_of_a_damaged_store_stay_quiet(tmp_path: Path, capfd: pytest
     from storage.format.manifest import ChunkRef
     from storage.pipeline import Stages
     from storage.base.errors import DamageError
-    from storage.store import SnapshotStore
+    from storage.repo.store import SnapshotStore
     root = tmp_path / "s"
     SnapshotStore(str(root))
     assert (root / "index").is_dir()
@@ -1243,9 +1243,10 @@ def test_read_ahead_opens_each_pack_once_and_bounds_the_fds_it_holds(tmp_path: P
     a pack is opened once while it is read (not per read: each open and close was as many GIL
     handoffs as the read itself), at most MOST at once, every one closed at the end."""
     import random
-    from storage import pipeline, readstage
+    from storage import pipeline
+    from storage.repo import readstage
     from storage.filetree import FileTreeSource
-    from storage.store import SnapshotStore
+    from storage.repo.store import SnapshotStore
     from support.pagecache import resident_bytes
     st = SnapshotStore(str(tmp_path / "store"))
     for k in range(3):  # three snapshots, three packs
@@ -1643,7 +1644,7 @@ def test_early_reads_run_from_acceptance_and_stop_before_a_failed_restore_is_und
     from sandbox.criu import restore as restore_mod
     from sandbox.criu import snapshot as snapshot_mod
     from sandbox.ops import operations
-    from storage.store import SnapshotStore
+    from storage.repo.store import SnapshotStore
     tree = Tree(32)
     try:
         cli_json(cli, {}, "criu", "dump", str(tree.pid), "early")

@@ -18,7 +18,7 @@ from support.driver_standin import StandInDriver
 from sandbox.gpu.driver import Features, GpuInfo, ProcessState as S
 from sandbox.gpu.snapshot import gpu_checkpoint, gpu_restore
 from storage.gpu.device import HostDevice
-from storage.store import SnapshotStore
+from storage.repo.store import SnapshotStore
 
 FEATS = Features(bindings="stand-in", driver_version="stand-in", checkpoint_api=True, custom_storage=True,
                  gpus=[GpuInfo(0, "Stand-in GPU", "GPU-00000000-0000-0000-0000-000000000000", 1 << 30, (9, 0), None, False)])

@@ -251,7 +251,7 @@ def test_criu_restore_checks_and_applies_the_map(tmp_path: Path) -> None:
         pytest.fail("CRIU >= 4 not installed: run scripts/setup.sh")
     from test_criu import Tree, healthy
     from sandbox.criu.snapshot import criu_dump
-    from storage.store import SnapshotStore
+    from storage.repo.store import SnapshotStore
     tree = Tree(mb=4, detached=True)
     try:
         state = str(tmp_path / "driver.pkl")

@@ -16,7 +16,7 @@ from storage.codecs.registry import DELTA
 from storage.fs.directio import Arena
 from storage.encodeprocs import EncodeProcs, EncodeProcsError
 from storage.filetree import FileTreeSink, FileTreeSource
-from storage.store import SnapshotStore
+from storage.repo.store import SnapshotStore
 
 PAGE = 4096
 

@@ -18,7 +18,7 @@ from support.entries import chunk_entries, entry_of
 from storage.gpu.device import HostDevice, HostMemory, host_view
 from storage.gpu_engine import GpuEngine, GpuEngineError, Region
 from storage.memtier import Extents, MemoryTierError, PinnedPool
-from storage.store import SnapshotStore, StoreError
+from storage.repo.store import SnapshotStore, StoreError
 
 CHUNK = 1 << 20
 

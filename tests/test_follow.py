@@ -13,7 +13,7 @@ from storage import pipeline
 from storage.filetree import FileTreeSink
 from storage.follow import FollowedDirSource
 from storage.pipeline import PipelineError
-from storage.store import SnapshotStore
+from storage.repo.store import SnapshotStore
 
 
 class SlowWriter:

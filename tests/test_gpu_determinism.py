@@ -79,7 +79,7 @@ def test_recheckpoint_of_unchanged_memory_writes_under_1_percent_with_the_defaul
     """Default codec (ANS), default lanes: snapshot, checkpoint other memory through the same lanes,
     snapshot the unchanged memory again: under 1% of the first snapshot's bytes are new; it restores."""
     from storage.gpu_engine import GpuEngine, Region
-    from storage.store import SnapshotStore
+    from storage.repo.store import SnapshotStore
     from scripts.workloads.workload_control import Workload, ipc_region
     st = SnapshotStore(str(tmp_path / "s"))
     with Workload(GB, mix="realistic", seed=8) as w, GpuEngine() as eng, ipc_region(w.info["ipc"]) as ptr, \
@@ -111,7 +111,7 @@ def test_no_byte_of_an_earlier_snapshot_in_a_later_snapshots_chunk_files(tmp_pat
     (so B's encodes reuse the output buffer, nvCOMP scratch and host frame that held A): no chunk file
     of B (header, payload, padding) holds a run of A's bytes."""
     from storage.gpu_engine import GpuEngine, Region
-    from storage.store import SnapshotStore
+    from storage.repo.store import SnapshotStore
     n, chunk = 64 * MB, 16 * MB
     a_bytes = np.random.default_rng(11).integers(0, 256, n, dtype=np.uint8)
     st = SnapshotStore(str(tmp_path / "s"))

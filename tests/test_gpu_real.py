@@ -190,7 +190,7 @@ def test_thp_always_vs_madvise_on_the_drivers_host_copy(drv) -> None:
 def test_engine_round_trip(tmp_path: Path, tier: str, mix: str) -> None:
     from storage.gpu_engine import GpuEngine, Region
     from storage.memtier import PinnedPool
-    from storage.store import SnapshotStore
+    from storage.repo.store import SnapshotStore
     from scripts.workloads.workload_control import Workload, ipc_region
     root = Path("/dev/shm") if tier == "shm" else tmp_path
     sdir = Path(os.path.join(root, f"gpusnap-test-{os.getpid()}-{mix}"))
@@ -217,7 +217,7 @@ def test_engine_round_trip(tmp_path: Path, tier: str, mix: str) -> None:
 
 def test_engine_refuses_a_corrupted_stream(tmp_path: Path) -> None:
     from storage.gpu_engine import GpuEngine, Region
-    from storage.store import SnapshotStore, StoreError
+    from storage.repo.store import SnapshotStore, StoreError
     from scripts.workloads.workload_control import Workload, ipc_region
     st = SnapshotStore(str(tmp_path / "s"))
     with Workload(0.5, mix="realistic", seed=4) as w, GpuEngine() as eng, ipc_region(w.info["ipc"]) as ptr:
@@ -236,7 +236,7 @@ def test_engine_dedup_after_5_percent_change(tmp_path: Path) -> None:
     """A second snapshot after 5% of the memory changed writes only what changed (Bitcomp here; the
     default codec's unchanged re-checkpoint: tests/test_gpu_determinism.py)."""
     from storage.gpu_engine import GpuEngine, Region
-    from storage.store import SnapshotStore
+    from storage.repo.store import SnapshotStore
     from scripts.workloads.workload_control import Workload, ipc_region
     st = SnapshotStore(str(tmp_path / "s"))
     with Workload(GB * 2, mix="realistic", seed=8) as w, GpuEngine(codec="nvcomp-bitcomp") as eng, \
@@ -341,7 +341,7 @@ def test_agent_channel_on_the_gpu_through_the_ipc_stand_in(tmp_path: Path) -> No
     from sandbox.gpu.channel import AgentFrames, read_report, receive, send
     from sandbox.gpu.driver import ProcessState as S
     from storage.gpu.device import CudaDevice
-    from storage.store import SnapshotStore
+    from storage.repo.store import SnapshotStore
     from scripts.workloads.workload_control import Workload, ipc_region
     st = SnapshotStore(str(tmp_path / "store"))
     with Workload(GB, mix="realistic", seed=6) as w:

@@ -261,7 +261,7 @@ def _deltas_on_a(cli: Cli, store: Path, tmp_path: Path) -> tuple[bytes, str]:
     blocks rewritten, put with --parent a so that b is stored as deltas on a's chunks: (b's image, the
     id of the first base b's deltas name)."""
     import numpy as np
-    from storage.store import SnapshotStore
+    from storage.repo.store import SnapshotStore
 
     def weights(seed: int, n: int) -> bytes:
         f = np.random.default_rng(seed).normal(0, 0.02, n // 2).astype(np.float32)
@@ -287,7 +287,7 @@ def test_a_damaged_delta_base_is_still_reported_when_a_planted_manifest_names_it
     """The only copy of a delta's base is damaged, and a planted snapshot names the base with another
     codec: the base is damaged under every reference, so it is damage as for any chunk (reported for
     the snapshot made of deltas too, quarantined), not a dispute between manifests."""
-    from storage.store import SnapshotStore
+    from storage.repo.store import SnapshotStore
 
     _, base = _deltas_on_a(cli, store_dir, tmp_path)
     st = SnapshotStore(str(store_dir), create=False)
@@ -343,7 +343,7 @@ def test_a_disputed_chunk_not_reached_by_max_duration_is_not_set_aside(
     reference, and every entry of it was quarantined)."""
     import time
     import numpy as np
-    from storage.store import SnapshotStore
+    from storage.repo.store import SnapshotStore
     src = tmp_path / "src"
     src.mkdir()
     (src / "w.bin").write_bytes((np.random.default_rng(5).standard_normal(1 << 18).astype("<f4") * 0.02).tobytes())
@@ -375,7 +375,7 @@ def test_a_planted_first_entry_of_a_delta_base_costs_it_nothing(cli: Cli, store_
     base aside (a sound full copy passes its own check), and gc keeps the sound copy."""
     from storage.format.chunkfile import HEADER_SIZE, ChunkHeader
     from storage.fs.directio import ALIGN, align_up
-    from storage.store import SnapshotStore
+    from storage.repo.store import SnapshotStore
 
     b, base = _deltas_on_a(cli, store_dir, tmp_path)
     cli.run("store", "rm", "a")

@@ -166,7 +166,7 @@ def test_a_store_and_its_open_packs_go_when_it_is_dropped(tmp_path: "os.PathLike
     import weakref
 
     from storage.format.packs import Loc
-    from storage.store import SnapshotStore
+    from storage.repo.store import SnapshotStore
 
     store, src = os.path.join(tmp_path, "s"), os.path.join(tmp_path, "f")
     with open(src, "wb") as f:

@@ -274,8 +274,8 @@ def test_a_manifest_larger_than_any_reader_loads_is_never_written(store_dir: Pat
     hints only, give way first; a retag that would grow a manifest past the limit leaves it as it was."""
     import storage.base.limits as limits
     from storage.format.manifest import ManifestTooLarge
-    from storage.store import SnapshotStore
-    from storage.tagging import retag
+    from storage.repo.store import SnapshotStore
+    from storage.repo.tagging import retag
     st = SnapshotStore(str(store_dir))
     _many_streams(st, "small", 3, {})
     before = (store_dir / "snapshots" / "small.json").read_bytes()

@@ -99,7 +99,7 @@ def test_large_page_images_read_by_several_producers(tmp_path, monkeypatch) -> N
     dedups (the forced cuts cost at most a chunk or two per segment)."""
     from storage import pipeline
     from storage.filetree import FileTreeSink, FileTreeSource
-    from storage.store import SnapshotStore
+    from storage.repo.store import SnapshotStore
     monkeypatch.setattr(pipeline, "SEGMENT", 16 << 20)
     rng = np.random.default_rng(9)
     img = tmp_path / "images"

@@ -84,7 +84,7 @@ def test_a_forged_staging_path_kills_no_process_that_mentions_it(tmp_path: Path)
 def test_a_forged_committed_dump_record_kills_nothing(tmp_path: Path) -> None:
     """A forged `criu-dump` record at stage `committed` naming a victim's pid and start time, for a
     snapshot whose manifest carries the matching meta.op (a real dump's): the victim lives on."""
-    from storage.store import SnapshotStore
+    from storage.repo.store import SnapshotStore
     store = tmp_path / "store"
     cli = Cli(store)
     tree = Tree(mb=4, detached=True)
@@ -134,7 +134,7 @@ def test_a_committed_dump_kills_only_what_its_own_manifest_names(tmp_path: Path)
     that the committed manifest names and that carry this operation's commit MAC: a victim the record
     adds is left alone, and a record of another operation id gets no kill at all."""
     from sandbox.ops.journal import Journal, OpKind, OpRecord, Proc, Stage
-    from storage.store import SnapshotStore
+    from storage.repo.store import SnapshotStore
     store = tmp_path / "store"
     cli = Cli(store)
     tree = Tree(mb=4, detached=True)

@@ -1,4 +1,4 @@
-"""The chunk-reference log (storage.reflog) read back after any cut: a region's list is complete only
+"""The chunk-reference log (storage.repo.reflog) read back after any cut: a region's list is complete only
 with its end line, every index and the right total; a torn or altered line is skipped and counted,
 never trusted; a reference is written only after the writer's durability callback ran for it."""
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from storage import reflog
+from storage.repo import reflog
 from storage.format.manifest import ChunkRef
 
 A = ChunkRef("a" * 64, 100, "zstd", 40)

@@ -512,7 +512,7 @@ def _need_criu() -> None:
 
 
 def _chunk_count(node: Node, name: str) -> int:
-    from storage.store import SnapshotStore
+    from storage.repo.store import SnapshotStore
     return len(SnapshotStore(str(node.store)).load(name).chunk_ids())
 
 
@@ -657,7 +657,7 @@ def test_gpu_restore_from_remote_on_another_store(tmp_path: Path, endpoint: str,
     from storage.gpu.device import HostDevice
     from storage.remote import Remote, RemoteConfig, add_remote
     from storage.remote_fill import ensure_local
-    from storage.store import SnapshotStore
+    from storage.repo.store import SnapshotStore
     for k, v in CREDS.items():
         monkeypatch.setenv(k, v)
     import storage.remote

@@ -276,7 +276,7 @@ def test_agent_channel_through_a_real_sandbox(cli: Cli, env: dict) -> None:
     import random
     from sandbox.gpu.channel import AgentFrames, read_report, receive, send
     from sandbox.runsc.runner import Runsc
-    from storage.store import SnapshotStore
+    from storage.repo.store import SnapshotStore
     start_counter(cli, env, U("gc"), ["--gpu-agent"])
     r = Runsc([a.split("=", 1)[1] for a in env["args"]])
     p = r.exec_piped(U("gc"), [PY, "-c", CHANNEL_AGENT], env={"PYTHONPATH": "/run/gpusnap/code"},
@@ -352,7 +352,7 @@ def test_gpu_agent_channel_refusal_leaves_the_gpu_process_running(cli: Cli, env:
     from sandbox.gpu.channel import ChannelLimits
     from sandbox.runsc.runner import Runsc
     from sandbox.runsc.snapshot import RunscSnapshotError, agent_checkpoint
-    from storage.store import SnapshotStore
+    from storage.repo.store import SnapshotStore
     _, out = start_counter(cli, env, U("gl"), ["--gpu-agent"])
     r = Runsc([a.split("=", 1)[1] for a in env["args"]])
     os.environ["GPUSNAP_AGENT_PYTHON"] = STANDIN_AGENT

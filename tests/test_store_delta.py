@@ -25,8 +25,8 @@ from storage.codecs.registry import CODEC_IDS, DELTA, Shuffle2Codec
 from storage.base.errors import DamageError
 from storage.format.manifest import Stream
 from storage.pipeline import page_keys
-from storage.readstage import Want, read_chunks
-from storage.store import SnapshotStore
+from storage.repo.readstage import Want, read_chunks
+from storage.repo.store import SnapshotStore
 from support.entries import Entry, chunk_entries
 from test_store_packs import killed_at
 
@@ -316,7 +316,7 @@ def test_the_marker_never_goes_down(tmp_path: Path) -> None:
     """A writer that opened the store at version 3 and needs 4 later never writes over a 5 another
     writer made meanwhile (the marker is read again under a flock of the store directory), and one
     that finds a version it does not know refuses in one line instead of writing to it."""
-    from storage.store import StoreError
+    from storage.repo.store import StoreError
     SnapshotStore(str(tmp_path / "s"), create=True)
     a = SnapshotStore(str(tmp_path / "s"))
     b = SnapshotStore(str(tmp_path / "s"))
@@ -774,7 +774,7 @@ def test_gc_deletes_nothing_when_it_cannot_tell_whether_an_entry_is_a_delta(
     with nothing deleted, rather than taking it for a full entry and freeing a delta's bases."""
     import errno
     import sys
-    import storage.store as store_mod
+    import storage.repo.store as store_mod
     from storage import gc as gc_mod
     _, b, _ = images
     _two(cli, tmp_path, images)
@@ -912,7 +912,7 @@ def test_a_base_asked_for_by_many_threads_at_once_is_read_once(tmp_path: Path) -
     assert st.delta_base("good", 1 << 20) == b"good" * 10 and reads.count("good") == 1  # cached
     with pytest.raises(ChunkError):
         st.delta_base("good", 4)  # a cached base beyond a delta's limit is still damage
-    from storage.store import BASE_CACHE, base_cache_bytes
+    from storage.repo.store import BASE_CACHE, base_cache_bytes
     assert BASE_CACHE <= base_cache_bytes() <= 1 << 30
     st.keep_bases(1)  # never below the floor
     assert st._bases_most == BASE_CACHE

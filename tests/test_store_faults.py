@@ -161,7 +161,7 @@ def test_two_puts_of_the_same_name_one_wins(cli: Cli, tmp_path: Path) -> None:
 
 def test_gc_waits_for_a_commit_in_progress(cli: Cli, tmp_path: Path, store_dir: Path) -> None:
     """A put holds the store lock shared: gc (exclusive) cannot delete its not-yet-referenced chunks."""
-    from storage.store import SnapshotStore
+    from storage.repo.store import SnapshotStore
     from storage.fs.directio import AlignedBuffer
     st = SnapshotStore(str(store_dir))
     buf = AlignedBuffer(8192)

@@ -201,9 +201,9 @@ def test_gc_leaves_a_live_gets_tree_and_a_link_in_its_place(stored: tuple[Cli, P
 
 
 def test_gc_reclaims_staging_of_dead_owners_keeps_live_ones_and_leaves_foreign_entries(cli: Cli, store_dir: Path) -> None:
-    from storage.store import SnapshotStore
+    from storage.repo.store import SnapshotStore
     cli.run("store", "init")
-    made = subprocess.run([sys.executable, "-c", "import sys; from storage.store import SnapshotStore; "
+    made = subprocess.run([sys.executable, "-c", "import sys; from storage.repo.store import SnapshotStore; "
                            "d = SnapshotStore(sys.argv[1]).new_staging_dir(); open(d + '/img', 'w').write('x'); "
                            "print(d)", str(store_dir)],
                           env={**os.environ, "PYTHONPATH": pythonpath()}, capture_output=True, text=True, check=True)
@@ -467,7 +467,7 @@ def test_an_owner_is_alive_only_as_the_same_process_of_the_same_boot() -> None:
 
 def test_verify_during_a_put_reports_damage_and_says_why_nothing_was_moved(stored: tuple[Cli, Path],
                                                                            store_dir: Path) -> None:
-    from storage.store import SnapshotStore
+    from storage.repo.store import SnapshotStore
     cli, _ = stored
     victim = _biggest(store_dir)
     _flip(victim)

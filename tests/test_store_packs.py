@@ -189,7 +189,7 @@ def test_gc_repacks_a_mostly_dead_pack_and_keeps_what_snapshots_name(cli: Cli, s
 
 def test_gc_keeps_chunks_a_journaled_operation_names(cli: Cli, store_dir: Path, tmp_path: Path) -> None:
     """A chunk-reference log of an operation still in the journal pins its chunks in their pack."""
-    from storage.store import SnapshotStore
+    from storage.repo.store import SnapshotStore
     from storage.fs.directio import AlignedBuffer
     st = SnapshotStore(str(store_dir))
     buf = AlignedBuffer(8192 + 4096)
@@ -289,7 +289,7 @@ def test_the_read_stage_prefetch_keeps_the_disk_busy_while_delivery_waits(tmp_pa
     split fill's: CRIU is done) and reads ahead only once it is set."""
     import threading
     from storage import pipeline
-    from storage.readstage import Want, read_chunks
+    from storage.repo.readstage import Want, read_chunks
     st, refs = cold_store(tmp_path, 192 << 20)  # incompressible: 192 MiB of packs
     gate, got, seen = threading.Event(), [], []
     start = threading.Event() if later else None
@@ -328,7 +328,7 @@ def test_the_read_stage_prefetch_keeps_the_disk_busy_while_delivery_waits(tmp_pa
 def test_read_ahead_puts_the_named_chunks_in_the_page_cache(tmp_path: Path) -> None:
     """readstage.read_ahead (what CRIU will read, asked of the disk before the split fill's reads):
     the named chunks' pack entries become resident, the others stay on disk."""
-    from storage.readstage import read_ahead
+    from storage.repo.readstage import read_ahead
     st, refs = cold_store(tmp_path, 96 << 20)
     before = resident_bytes(tmp_path / "store" / "packs")
     third = refs[:len(refs) // 3]
@@ -349,7 +349,7 @@ def test_read_ahead_resident_returns_once_the_chunks_are_in_the_page_cache(tmp_p
     """read_ahead(resident=True), as the split restore asks for CRIU's chunks before the fill's reads
     begin: when it returns, the named entries are in the page cache (no waiting), the others are not."""
     from storage.format.manifest import ChunkRef
-    from storage.readstage import read_ahead
+    from storage.repo.readstage import read_ahead
     st, refs = cold_store(tmp_path, 96 << 20)
     third, rest = refs[:len(refs) // 3], refs[len(refs) // 3:]
 
@@ -370,7 +370,7 @@ def test_dedup_skips_only_chunk_directories_that_are_empty(cli: Cli, store_dir: 
     skips them; a directory holding chunk files is looked into every time: a miss there is not taken
     for emptiness, and the file that is there is still found."""
     from storage.format.chunkfile import ChunkHeader
-    from storage.store import SnapshotStore
+    from storage.repo.store import SnapshotStore
     src = make_mixed_tree(tmp_path / "m", mb=4)
     cli.run("store", "put", "old", str(src), "--chunk-size", "1M")
     to_chunk_files(store_dir, 2)
@@ -604,8 +604,8 @@ def test_the_read_stage_in_pack_order_reads_a_lower_group_first(tmp_path: Path) 
     order of the wants; every chunk checked and delivered once."""
     from storage import pipeline
     from storage.filetree import FileTreeSource
-    from storage.readstage import Want, read_chunks
-    from storage.store import SnapshotStore
+    from storage.repo.readstage import Want, read_chunks
+    from storage.repo.store import SnapshotStore
     src = tmp_path / "src"
     src.mkdir()
     (src / "blob").write_bytes(os.urandom(40 << 20))
@@ -636,8 +636,8 @@ def test_the_read_stage_enters_its_gate_around_every_pack_read(tmp_path: Path) -
     from contextlib import contextmanager
     from storage import pipeline
     from storage.filetree import FileTreeSource
-    from storage.readstage import RUN_MAX, Want, read_chunks
-    from storage.store import SnapshotStore
+    from storage.repo.readstage import RUN_MAX, Want, read_chunks
+    from storage.repo.store import SnapshotStore
     src = tmp_path / "src"
     src.mkdir()
     (src / "blob").write_bytes(os.urandom(6 * RUN_MAX))

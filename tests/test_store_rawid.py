@@ -20,7 +20,7 @@ from storage import pipeline
 from storage.format.chunkfile import HEADER_SIZE, MAGIC, MAGIC_RAW, ChunkHeader, chunk_id, raw_chunk_id
 from storage.codecs.registry import Shuffle2Codec, decode_host
 from storage.filetree import FileTreeSource
-from storage.store import SnapshotStore
+from storage.repo.store import SnapshotStore
 
 
 def _magic(e: Entry) -> bytes:

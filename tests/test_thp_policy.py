@@ -84,7 +84,7 @@ def test_doctor_says_the_policy(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_a_bad_setting_fails_the_gpu_commands_before_the_driver_is_asked(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     from sandbox.gpu.snapshot import gpu_checkpoint, gpu_restore
-    from storage.store import SnapshotStore
+    from storage.repo.store import SnapshotStore
     monkeypatch.setenv("GPUSNAP_THP", "sometimes")
     st = SnapshotStore(str(tmp_path / "st"))
 

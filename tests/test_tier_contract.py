@@ -1,4 +1,4 @@
-"""The chunk-tier contract (storage/tier.py), one suite run against every tier: the directory store
+"""The chunk-tier contract (storage/repo/tier.py), one suite run against every tier: the directory store
 (real pack files on the real disk), the memory tier (a pool of host memory) and chunks arriving from a
 remote (a real store on disk pulling from the real local Swift on 127.0.0.1).
 
@@ -29,8 +29,8 @@ from storage.base.errors import EXIT_DAMAGED, DamageError
 from storage.format.manifest import ChunkRef, Stream
 from storage.memtier import PinnedPool
 from storage.format.packs import decode_index
-from storage.store import SnapshotStore
-from storage.tier import ChunkTier, TierWriter
+from storage.repo.store import SnapshotStore
+from storage.repo.tier import ChunkTier, TierWriter
 
 CHUNK = 256 << 10
 DAMAGE = ["flip", "truncate", "wrong-length", "forge"]

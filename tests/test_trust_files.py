@@ -74,7 +74,7 @@ def test_sink_itself_never_writes_through_a_link(cli: Cli, store_dir: Path, tmp_
     from storage import pipeline
     from storage.filetree import FileTreeError, FileTreeSink
     from storage.format.manifest import Manifest, Stream
-    from storage.store import SnapshotStore
+    from storage.repo.store import SnapshotStore
     outside, before = _outside(tmp_path)
     src = tmp_path / "src"
     src.mkdir()

@@ -28,7 +28,7 @@ from sandbox.host.dumpwrites import dump_packs_direct
 from storage.base.errors import GpusnapError
 from storage.filetree import FileTreeSink, FileTreeSource
 from storage.base.names import validate_snapshot_name
-from storage.store import SnapshotStore
+from storage.repo.store import SnapshotStore
 
 from sandbox.containers.tar_streams import TarSink, TarSource
 

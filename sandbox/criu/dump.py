@@ -23,7 +23,7 @@ from typing import Any, Callable
 from storage import pipeline
 from storage.follow import FollowedDirSource
 from storage.base.progress import Progress
-from storage.store import SnapshotStore
+from storage.repo.store import SnapshotStore
 
 from sandbox.criu.capture import CaptureSource
 from sandbox.criu.gpu_side import GpuSide
@@ -42,7 +42,7 @@ class DumpContext:
     store: SnapshotStore
     name: str                 # the snapshot
     op: journal.Op            # its journal record
-    w: Any                    # its storage.store.SnapshotWriter
+    w: Any                    # its storage.repo.store.SnapshotWriter
     criu: Criu
     pid: int                  # the tree's root
     pids: list[int]           # the tree as found before the dump

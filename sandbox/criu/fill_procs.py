@@ -55,8 +55,8 @@ from storage.base.errors import DamageError, GpusnapError
 from storage.format.manifest import ChunkRef
 from storage.format.packs import Loc
 from storage.pipeline import Stages
-from storage.readstage import READERS, PackSource, Want, read_chunks
-from storage.store import SnapshotStore, StoreError
+from storage.repo.readstage import READERS, PackSource, Want, read_chunks
+from storage.repo.store import SnapshotStore, StoreError
 
 from sandbox.criu.split import Filler, Job, Key, SplitError, check_pids
 
@@ -98,7 +98,7 @@ FILL_READERS = READERS  # the split fill's reads in flight, all workers together
 
 def readers() -> int:
     """Reads the split fill keeps in flight, all its worker processes together: $GPUSNAP_FILL_READERS,
-    else FILL_READERS (storage.readstage.READERS, 4). More were slower while CRIU's own small cold reads
+    else FILL_READERS (storage.repo.readstage.READERS, 4). More were slower while CRIU's own small cold reads
     of the libraries it maps queued behind them (BENCHMARKS.md sections 17 and 27); with those files
     warmed first (sandbox.criu.filehints) CRIU's part no longer grows with them, but 8 reads filled no
     faster than 4 (section 37, one snapshot restored cold in turn in each run: 8 reads 4.24, 4.68,

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from storage.base.progress import Progress
-from storage.store import SnapshotStore
+from storage.repo.store import SnapshotStore
 
 from sandbox.gpu.processes import uses_gpu
 from sandbox.gpu.state import Plan as GpuPlan, plan as gpu_plan

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from storage.base.errors import GpusnapError
 from storage.format.manifest import Manifest
-from storage.store import SnapshotStore
+from storage.repo.store import SnapshotStore
 
 from sandbox.criu.images import IMAGES
 

@@ -32,7 +32,7 @@ from storage import pipeline
 from storage.filetree import FileTreeSink
 from storage.format.manifest import Manifest
 from storage.base.progress import Progress
-from storage.store import SnapshotStore
+from storage.repo.store import SnapshotStore
 from storage.base.wakeprobe import WakeProbe, wanted as wake_probe_wanted
 
 from sandbox.criu.restored import (adopting_orphans, boot_ticks, in_restored_tree, kill_half_restored, restored_procs,

@@ -28,16 +28,18 @@ from contextlib import contextmanager
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Protocol
 
-from storage import pipeline, readstage
-from storage.childreads import ChildReads
+from storage import pipeline
+
+from storage.repo import readstage
+from storage.repo.childreads import ChildReads
 from storage.format.chunkfile import ChunkError
 from storage.codecs.registry import CodecError, decode_host, decode_host_into
 from storage.fs.directio import AlignedBuffer, BufferPool, Recycler, address_of, copy_into
 from storage.base.errors import GpusnapError
 from storage.format.manifest import ChunkRef, Manifest, Stream
 from storage.pipeline import Stages
-from storage.readstage import Want, plan_runs, read_ahead, read_runs
-from storage.store import SnapshotStore, StoreError
+from storage.repo.readstage import Want, plan_runs, read_ahead, read_runs
+from storage.repo.store import SnapshotStore, StoreError
 
 from sandbox.criu import filehints, fill_procs, split
 from sandbox.criu.fill_procs import FILL_GAP, FillProcs, read_moved, setting
@@ -149,7 +151,7 @@ class EarlyReads:
     while gpusnap plans a restore instead of idling. Measured on the H200 (20 GB MoE-like tree, the
     same run): 11.4 s restores with it, 11.9 s without.
 
-    The reads are a child process's (storage.childreads: EARLY_STEP bytes a read, through the page
+    The reads are a child process's (storage.repo.childreads: EARLY_STEP bytes a read, through the page
     cache), started and stopped by one thread here. Planning is pure-Python work that holds the GIL,
     and a thread of this process reading beside it got little: on the H200 0.05-0.36 GB while a
     restore planned (the disk reads ~1.7 GB/s); on the dev VM, over 0.4 s beside a pure-Python loop,

@@ -41,7 +41,7 @@ from storage import encodeprocs
 from storage.fs import fdread
 from storage.base import waits
 from storage.base.limits import DEFAULT_JOBS
-from storage.store import SnapshotStore
+from storage.repo.store import SnapshotStore
 
 from sandbox.ops import journal
 from sandbox.criu import restore

@@ -46,7 +46,7 @@ from storage.fs.directio import AlignedBuffer, copy_into
 from storage.base.errors import GpusnapError
 from storage.format.manifest import ChunkRef, Stream
 from storage.pipeline import Stages
-from storage.readstage import Want
+from storage.repo.readstage import Want
 
 PAGE = 4096
 PE_PARENT, PE_LAZY, PE_PRESENT = 1, 2, 4
@@ -970,7 +970,7 @@ def fill_phases(jobs: dict[Key, Job], first: "Sequence[int]") -> dict[Key, int]:
 
 # Reads every wanted chunk (in any order, from any number of threads) and calls DELIVER(want, data)
 # with its verified, decoded bytes, valid only during the call; stops early when STOP() says so; raises
-# the first failure. For a local store: storage.readstage.read_chunks in pack order.
+# the first failure. For a local store: storage.repo.readstage.read_chunks in pack order.
 ReadAll = Callable[[list[Want], Callable[[Want, memoryview], None], Callable[[], bool]], None]
 
 

@@ -12,7 +12,7 @@ import os
 import shutil
 import time
 
-from storage.store import SnapshotStore
+from storage.repo.store import SnapshotStore
 from storage.format.storedir import LOGS, path_in
 
 from sandbox.criu.runner import CriuError

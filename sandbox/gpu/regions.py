@@ -3,7 +3,7 @@
 EngineRegions is the RegionStore (sandbox.gpu.state) of every host-side flow: save() streams one
 process's mapped regions through the engine into a writer as streams gpu/PID/INDEX; load() fills the
 regions from those streams (of the uncommitted writer, for a rollback, or of a committed snapshot).
-With a chunk-reference log (storage.reflog, the operation's journal), save() records each region,
+With a chunk-reference log (storage.repo.reflog, the operation's journal), save() records each region,
 each chunk once stored, the region's end and then the process as complete, in that order, so that
 `gpusnap recover` can give a process whose gpusnap died its memory back from the log alone.
 EngineSpill parks mapped regions in host memory through the engine's device when streaming fails, so
@@ -37,7 +37,7 @@ class EngineRegions:
     @classmethod
     def into(cls, engine: Any, writer: Any, progress: Progress | None = None, log: Any = None) -> "EngineRegions":
         """Save into WRITER (a SnapshotWriter or memtier PoolWriter); load from what it holds so far.
-        LOG: a storage.reflog.RefLogWriter that records what save() stores (None: not recorded)."""
+        LOG: a storage.repo.reflog.RefLogWriter that records what save() stores (None: not recorded)."""
         return cls(engine, source=writer.source, name=writer.name, streams=writer.streams, writer=writer,
                    progress=progress, log=log)
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
 from storage.base.progress import Progress
-from storage.store import SnapshotStore
+from storage.repo.store import SnapshotStore
 
 from sandbox.ops import journal
 from sandbox.host.dumpwrites import dump_packs_direct

@@ -3,7 +3,7 @@
 Each operation that can leave a workload stopped or leave files behind (a CRIU dump or restore, a
 runsc checkpoint or restore, a `gpu checkpoint` or `gpu restore`) keeps one record in STORE/journal/OP.json while it
 runs (storage/FORMAT.md, "The journal"); one that streams GPU memory through custom storage also keeps
-the chunk references of its gpu/ streams in STORE/journal/OP.refs (storage.reflog) as they are
+the chunk references of its gpu/ streams in STORE/journal/OP.refs (storage.repo.reflog) as they are
 stored. `gpusnap recover` (sandbox.recover) reads the records whose owner died and finishes or undoes
 what each describes; every other state-changing command refuses to start while one exists.
 
@@ -185,7 +185,7 @@ class Journal:
 
     def remove(self, op: str) -> None:
         """OP's record, then its reference log (gc honours a log only while its record exists)."""
-        from storage import reflog  # lazily: the in-sandbox agent imports this module without blake3
+        from storage.repo import reflog  # lazily: the in-sandbox agent imports this module without blake3
         for path in (self._path(op), os.path.join(self.dir, op + reflog.SUFFIX)):
             try:
                 os.unlink(path)
@@ -194,8 +194,8 @@ class Journal:
                 pass
 
     def ref_log(self, op: str) -> Any:
-        """The chunk references OP's gpu/ streams recorded, a storage.reflog.RefLog (None if it kept no log)."""
-        from storage import reflog
+        """The chunk references OP's gpu/ streams recorded, a storage.repo.reflog.RefLog (None if it kept no log)."""
+        from storage.repo import reflog
         return reflog.read(self.dir, op)
 
     def records(self) -> list[OpRecord]:
@@ -232,7 +232,7 @@ class Journal:
     def stale_temps(self) -> list[str]:
         """Half-written record files of owners that died (the record they were replacing is intact),
         and reference logs whose record is gone (removed between the two unlinks of remove())."""
-        from storage import reflog
+        from storage.repo import reflog
         out = []
         try:
             names = os.listdir(self.dir)
@@ -269,9 +269,9 @@ class Op:
         return self.rec.op
 
     def ref_log(self, durable: Any) -> Any:
-        """The storage.reflog.RefLogWriter of this operation's chunk-reference log (DURABLE(refs) makes
+        """The storage.repo.reflog.RefLogWriter of this operation's chunk-reference log (DURABLE(refs) makes
         the chunks durable before their references are written: the store writer's sync_chunks)."""
-        from storage import reflog
+        from storage.repo import reflog
         return reflog.RefLogWriter(self.journal.dir, self.id, durable)
 
     def helper_started(self, pid: int) -> None:

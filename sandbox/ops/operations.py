@@ -27,7 +27,7 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, ContextManager, Iterator
 
-from storage.store import SnapshotStore
+from storage.repo.store import SnapshotStore
 
 from sandbox.ops import journal
 from sandbox.ops.journal import OpKind, OpRecord, Stage

@@ -23,7 +23,7 @@ from storage.base.progress import Progress
 from storage import pipeline
 from sandbox.host.dumpwrites import dump_packs_direct
 from storage.filetree import FileTreeSink, FileTreeSource
-from storage.store import SnapshotStore
+from storage.repo.store import SnapshotStore
 from storage.format.storedir import LOGS, path_in
 
 from sandbox.ops import journal

@@ -24,7 +24,7 @@ from storage.fs.directio import AlignedBuffer, open_for_read, open_for_write, re
 from storage.gpu.device import PinnedBuffer, check_cuda, cuda_driver
 from storage.gpu_engine import GpuEngine, Region
 from storage.memtier import PinnedPool
-from storage.store import SnapshotStore
+from storage.repo.store import SnapshotStore
 
 
 

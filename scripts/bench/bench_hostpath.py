@@ -38,8 +38,8 @@ from storage.codecs import registry as codecs
 from storage.codecs import zstdlib
 from storage.fs.directio import AlignedBuffer, BufferPool
 from storage.pipeline import StreamSpec
-from storage.readstage import Want, read_chunks
-from storage.store import SnapshotStore
+from storage.repo.readstage import Want, read_chunks
+from storage.repo.store import SnapshotStore
 
 CHUNK = 4 << 20
 RUN = 64 << 20

@@ -19,7 +19,7 @@ import numpy as np
 
 from storage import pipeline
 from storage.filetree import FileTreeSource
-from storage.store import SnapshotStore
+from storage.repo.store import SnapshotStore
 
 
 def make_image(path: str, gb: float) -> int:

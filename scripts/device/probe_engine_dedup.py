@@ -3,7 +3,7 @@
 import os, tempfile, shutil
 from scripts.workloads.workload_control import Workload, ipc_region
 from storage.gpu_engine import GpuEngine, Region
-from storage.store import SnapshotStore
+from storage.repo.store import SnapshotStore
 
 with Workload(1, mix="realistic", seed=2) as w, GpuEngine(lanes=1) as _ctx, ipc_region(w.info["ipc"]) as ptr:
     for codec in ("nvcomp-ans", "nvcomp-bitcomp"):

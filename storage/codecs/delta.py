@@ -9,7 +9,7 @@ snapshot had where the chunk's bytes were (storage/pipeline.py places them). The
 raw bytes, so the full check binds what a delta decodes to, whatever its bases said.
 
 Guarantees kept here: a delta is decoded only against bases its reader verified (the BaseReader:
-storage.store.SnapshotStore.delta_base, which refuses a base that is itself a delta: depth 1, no
+storage.repo.store.SnapshotStore.delta_base, which refuses a base that is itself a delta: depth 1, no
 recursion); the table is bounded (MAX_SEGMENTS) and checked against the raw length before a base is
 read; the frame never decodes to more than the chunk's raw length, nor into anything but the caller's
 buffer; a segment never reads outside its base; every failure is a one-line DeltaDamage (chunkfile

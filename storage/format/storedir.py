@@ -1,8 +1,8 @@
 """The layout of a store root and its directories, opened without following links: the store owner's real directory, or damage.
 
 Every name under a store root (FORMAT.md, "Directory layout") is one constant here; other modules
-build no store path of their own (the exceptions still to move: storage/damage.py's record name,
-and the "packs" that storage/readstage.py asks subdir for).
+build no store path of their own (the exceptions still to move: storage/repo/damage.py's record name,
+and the "packs" that storage/repo/readstage.py asks subdir for).
 
 Guarantees kept here: every directory is opened relative to a directory fd already checked, with
 O_NOFOLLOW | O_DIRECTORY, and accepted only if fstat says it is a directory owned by the store's

@@ -36,7 +36,7 @@ def cold_store(tmp_path: Path, nbytes: int) -> tuple[Any, list[Any]]:
     page cache dropped: the packs are on disk only."""
     from storage import pipeline
     from storage.filetree import FileTreeSource
-    from storage.store import SnapshotStore
+    from storage.repo.store import SnapshotStore
     src = tmp_path / "src"
     src.mkdir()
     (src / "blob").write_bytes(os.urandom(nbytes))

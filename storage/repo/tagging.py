@@ -15,7 +15,7 @@ from typing import Sequence
 
 from storage.format.manifest import MAX_TAGS, Manifest, ManifestError, validate_tag
 from storage.base.names import validate_snapshot_name
-from storage.store import SnapshotStore, StoreError, _unlink_quietly, _write_file, owned_name
+from storage.repo.store import SnapshotStore, StoreError, _unlink_quietly, _write_file, owned_name
 from storage.format.storedir import SNAPSHOTS, TMP, manifest_entry
 
 

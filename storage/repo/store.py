@@ -64,7 +64,7 @@ from storage.fs.owner import owned_name, this_owner
 from storage.fs.packfds import PackFds
 from storage.format.packs import Loc, PackIndex, PackWriter, open_pack, read_entry
 from storage.format.packs import pause as pause_pack
-from storage.tier import Landing, Verified
+from storage.repo.tier import Landing, Verified
 from storage.format.storedir import (CHUNKS, INDEX, LOCK, MARKER, NAMES, PACK_DIRS, PACKS, QUARANTINE, SNAPSHOTS, SUBDIRS, TMP,
                        StoreAccessError, StoreDamage, chunk_dir_name, entries, lstat_at, manifest_entry,
                        name_lock_entry, opened_child, quarantine_record, opened_dir, opened_root)
@@ -303,7 +303,7 @@ class SnapshotStore:
     readers pass False and get a clear error instead of an empty store at a mistyped path.
     """
 
-    error = SnapshotDamaged  # what a damaged snapshot raises (storage/tier.py: a ChunkTier)
+    error = SnapshotDamaged  # what a damaged snapshot raises (storage/repo/tier.py: a ChunkTier)
 
     def __init__(self, path: str, create: bool = True) -> None:
         self.path = os.path.abspath(path)
@@ -1032,7 +1032,7 @@ class SnapshotStore:
             return ChunkRef(bid, header.raw_len, header.codec, header.stored_len)
         return None
 
-    # ---- the chunk tier (storage/tier.py) ------------------------------------------------------
+    # ---- the chunk tier (storage/repo/tier.py) ------------------------------------------------------
     def has(self, cid: str) -> bool:
         """Whether an index entry (not quarantined) or a regular chunk file of CID is here (ChunkTier)."""
         if not CHUNK_ID.fullmatch(cid):
@@ -1048,7 +1048,7 @@ class SnapshotStore:
 
     def read_verified(self, ref: ChunkRef, frame: HostBuffer) -> Verified:
         """REF's payload read into FRAME (laid out like a chunk file) and bound to its id: the one
-        verified read of the chunk tier (storage/tier.py). A GSNPCHK1 chunk gets the stored check
+        verified read of the chunk tier (storage/repo/tier.py). A GSNPCHK1 chunk gets the stored check
         (its id covers the stored bytes), a GSNPCHK2 one is decoded once and its raw bytes hashed;
         read through the page cache (restores); ChunkError when damaged."""
         cid = ref.id or ""
@@ -1298,7 +1298,7 @@ class SnapshotStore:
         (chunkfile.id_check: GSNPCHK2 chunks decoded and their raw bytes hashed)."""
         if progress is not None:
             progress.start(sum(c.stored_len for c in refs.values()))
-        from storage.readstage import Want, read_chunks  # readstage reads through this module
+        from storage.repo.readstage import Want, read_chunks  # readstage reads through this module
         bad: dict[str, str] = {}
         lock = threading.Lock()
         # pack order: each pack read front to back in large reads, whatever the snapshots' order
@@ -1582,9 +1582,9 @@ class SnapshotStore:
         return report
 
     def _record_damage(self, whole: list[str], bad: dict[str, str], wait: float) -> None:
-        """Note BAD in damaged.json and clear WHOLE there (storage/damage.py), for `store ls`; a busy or
+        """Note BAD in damaged.json and clear WHOLE there (storage/repo/damage.py), for `store ls`; a busy or
         read-only store keeps the old record (it is only a listing's hint)."""
-        from storage import damage
+        from storage.repo import damage
         if not bad and not os.path.lexists(os.path.join(self.path, damage.RECORD)):
             return
         try:
@@ -1896,7 +1896,7 @@ class SnapshotWriter:
         pause_pack("delta-marker")  # test hook: the marker says 6, no delta appended yet
         return self.put_chunk(DELTA, raw_len, frame, stored_len, raw_id=cid)
 
-    # ---- as a TierWriter (storage/tier.py): the GPU path's stored-addressed chunks ----
+    # ---- as a TierWriter (storage/repo/tier.py): the GPU path's stored-addressed chunks ----
     def landing(self, frame: HostBuffer, stored_len: int) -> Landing:
         """The payload's place in FRAME, after the header's room (written from there by write())."""
         return Landing(frame.ptr + HEADER_SIZE, frame.view[HEADER_SIZE:HEADER_SIZE + stored_len], frame.view)
@@ -1911,7 +1911,7 @@ class SnapshotWriter:
 
     def sync_chunks(self, refs: list[ChunkRef]) -> None:
         """Make REFS durable and indexed now: the open pack is closed and indexed (commit() does it too;
-        a chunk-reference log, storage.reflog, names chunks before any commit)."""
+        a chunk-reference log, storage.repo.reflog, names chunks before any commit)."""
         try:
             if self._pw is not None:
                 t0 = time.perf_counter()

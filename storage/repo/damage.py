@@ -27,7 +27,7 @@ from storage.fs.owner import owned_name
 
 
 class StoreDirs(Protocol):
-    """What the marks need of the store (storage.store.SnapshotStore): its checked root and tmp/ fds
+    """What the marks need of the store (storage.repo.store.SnapshotStore): its checked root and tmp/ fds
     (named here rather than imported: the store imports this module)."""
 
     def root(self) -> AbstractContextManager[tuple[int, int]]: ...

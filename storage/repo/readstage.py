@@ -45,7 +45,7 @@ _T = TypeVar("_T")
 
 
 class PackSource(Protocol):
-    """What the read stage needs of a store (storage.store.SnapshotStore has it): where a chunk's pack
+    """What the read stage needs of a store (storage.repo.store.SnapshotStore has it): where a chunk's pack
     entries are, one chunk read through every copy it has, the largest buffer a snapshot's chunk
     needs, and its packs/ directory as a checked descriptor."""
 

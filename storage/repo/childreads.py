@@ -23,10 +23,10 @@ import subprocess
 import sys
 from typing import TYPE_CHECKING, Callable
 
-from storage.readstage import open_pack_quietly
+from storage.repo.readstage import open_pack_quietly
 
 if TYPE_CHECKING:
-    from storage.readstage import PackSource, Run
+    from storage.repo.readstage import PackSource, Run
 
 PACKS_MOST = 64         # packs one child reads from at most (its descriptors); later runs are left out
 STOP_WAIT_S = 5.0       # how long stop() waits for the child to end before it kills it
