@@ -89,7 +89,7 @@ def store_put(ctx: click.Context, name: str, paths: tuple[str, ...], replace: bo
     to be present and sound (borg's files cache; --force or --no-cache read everything)."""
     from sandbox.ops import journal
     from sandbox.ops.snapshot_meta import FilesMeta
-    from storage import pipeline
+    from storage.pipeline import put as pipeline
     from storage.filetree import FileTreeSource
     validate_snapshot_name(name)
     size = parse_chunk_size(chunk_size)
@@ -196,7 +196,7 @@ def store_get(ctx: click.Context, name: str, dest: str, include: tuple[str, ...]
 
     While it runs, a record in the store's tmp/ names DEST: if the get is killed, `store gc` removes
     the partial hidden tree it left beside DEST; a SIGTERM'd get removes it and the record itself."""
-    from storage import pipeline
+    from storage.pipeline import put as pipeline
     from storage.filetree import FileTreeSink
     st = open_store(ctx, create=False)
     with terminate_cleanly(), st.shared():

@@ -297,7 +297,7 @@ def _thaw(drv: Any, pids: list[int], path: str, target: tuple[str, str] | None, 
     if target is None or not plan.streams:
         return state.thaw(drv, pids, plan.backend())
     from sandbox.gpu.regions import EngineRegions
-    from storage.gpu_engine import GpuEngine
+    from storage.pipeline.gpu_engine import GpuEngine
     from storage.repo.store import SnapshotStore
     store = SnapshotStore(target[0], create=False)
     m = store.load(target[1])
@@ -320,7 +320,7 @@ def _freeze(drv: Any, pids: list[int], features: Any, device: Any) -> tuple[Any,
     if target is None or not plan.streams:
         return state.checkpoint(drv, pids, plan.backend(), limits), plan.path.value, None
     from sandbox.gpu.regions import EngineRegions
-    from storage.gpu_engine import GpuEngine
+    from storage.pipeline.gpu_engine import GpuEngine
     from storage.repo.store import SnapshotStore
     store = SnapshotStore(target[0])
     from sandbox.ops.gpu_path import GpuPath

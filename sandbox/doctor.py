@@ -9,7 +9,7 @@ from dataclasses import asdict
 from typing import Any
 
 from storage.gpu.device import numa_nodes
-from storage.encodeprocs import EncodeProcsError, encode_procs
+from storage.pipeline.encodeprocs import EncodeProcsError, encode_procs
 
 from sandbox.criu.protocol import CRIU_PAGE_PIPE, pipe_limits
 from sandbox.criu.runner import cuda_plugin

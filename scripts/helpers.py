@@ -97,7 +97,7 @@ def second_dump_pages(store: str, parent: str, child: str) -> dict[str, Any]:
 
     import numpy as np
 
-    from storage.pipeline import page_keys
+    from storage.pipeline.put import page_keys
 
     def run(*args: str) -> "subprocess.Popen[bytes]":
         return subprocess.Popen([sys.executable, "-m", "cli", "--store", store, *args], stdout=subprocess.PIPE,

@@ -26,7 +26,7 @@ from contextlib import contextmanager
 from typing import Callable, Iterator
 
 from storage.filetree import RangeReader, read_fd
-from storage.pipeline import PipelineError, StreamSpec
+from storage.pipeline.put import PipelineError, StreamSpec
 
 class FollowError(PipelineError):
     """The directory cannot be watched or read, or its writer failed."""

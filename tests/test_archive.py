@@ -23,7 +23,7 @@ from storage.repo.store import SnapshotStore
 def _snap(store: Path, name: str, created: str, data: bytes = b"x", kind: str = "files",
           tags: tuple[str, ...] = ()) -> None:
     """A one-file snapshot committed with a chosen creation time."""
-    from storage import pipeline
+    from storage.pipeline import put as pipeline
     from storage.filetree import FileTreeSource
     src = store.parent / f"src-{name}"
     src.mkdir()

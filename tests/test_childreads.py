@@ -95,7 +95,7 @@ def test_scattered_entries_beside_pure_python_planning(tmp_path: Path) -> None:
     the restore plans in pure Python meanwhile. A thread reading them got ~180 MB here in 0.4 s (its
     GIL handoffs); the child ~340-440 MB, 115 MB on a CI machine also running benchmarks. Held to
     64 MB: that the reads go on while the parent computes, not how fast this machine's disk is."""
-    from storage import pipeline
+    from storage.pipeline import put as pipeline
     from storage.filetree import FileTreeSource
     from storage.repo.store import SnapshotStore
     from support.pagecache import resident_bytes

@@ -269,7 +269,7 @@ def test_a_version_5_store_of_layout_1_chunks_is_read_and_becomes_version_7(
     """A store written before layout 2 (version 5, every byte-plane chunk layout 1) is read by this
     version byte for byte, verified with its data, and becomes version 7 (WRITE_VERSION) with the first chunk written
     to it; the chunks it already held stay layout 1 and are still read."""
-    from storage import pipeline
+    from storage.pipeline import put as pipeline
     from storage.filetree import FileTreeSource
     from storage.repo.store import SnapshotStore
     from support.entries import chunk_entries

@@ -25,7 +25,7 @@ SPLIT = {**STREAM, "GPUSNAP_CRIU_SPLIT_MIN": str(8 << 20),  # the 24-48 MiB area
          "GPUSNAP_CRIU_SPLIT_SHARED_MIN": str(8 << 20)}  # (the forked tree's child has its copy at the parent's addresses)
 NO_SPLIT = {**STREAM, "GPUSNAP_CRIU_SPLIT_MIN": "0"}
 SPLIT_PROCS = {**SPLIT, "GPUSNAP_FILL_PROCS": "3"}  # the fill in worker processes (sandbox/criu/fill_procs.py)
-ENCODERS = {**STREAM, "GPUSNAP_ENCODE_PROCS": "2"}  # the dump's chunk work in processes (storage/encodeprocs.py)
+ENCODERS = {**STREAM, "GPUSNAP_ENCODE_PROCS": "2"}  # the dump's chunk work in processes (storage/pipeline/encodeprocs.py)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -1126,7 +1126,7 @@ def test_early_reads_fill_the_page_cache_until_stopped(tmp_path: Path, mode: str
     thread's where no child can start ($GPUSNAP_EARLY_READS=thread: the same path)."""
     monkeypatch.setenv("GPUSNAP_EARLY_READS", mode)
     from sandbox.criu.serve import EarlyReads
-    from storage.pipeline import Stages
+    from storage.pipeline.put import Stages
     from support.pagecache import cold_store, resident_bytes
     st, refs = cold_store(tmp_path, 96 << 20)
     packs = tmp_path / "store" / "packs"
@@ -1151,7 +1151,7 @@ def test_early_reads_stopped_partway_ask_for_nothing_more(tmp_path: Path) -> Non
     and from then on no more of the store comes into the page cache."""
     import threading
     from sandbox.criu.serve import EarlyReads
-    from storage.pipeline import Stages
+    from storage.pipeline.put import Stages
     from support.pagecache import cold_store, resident_bytes
     st, refs = cold_store(tmp_path, 384 << 20)
     packs = tmp_path / "store" / "packs"
@@ -1173,7 +1173,7 @@ def test_early_reads_keep_the_disk_busy_beside_pure_python_planning(tmp_path: Pa
     16 MiB reads, with the short switch interval, get hundreds. The interval is put back at the stop."""
     import sys
     from sandbox.criu.serve import EarlyReads
-    from storage.pipeline import Stages
+    from storage.pipeline.put import Stages
     from support.pagecache import cold_store, resident_bytes
     st, refs = cold_store(tmp_path, 768 << 20)
     before = sys.getswitchinterval()
@@ -1202,7 +1202,7 @@ def test_early_reads_of_a_damaged_store_stay_quiet(tmp_path: Path, capfd: pytest
     them end without a word; the restore's own reads are what report it."""
     from sandbox.criu.serve import EarlyReads
     from storage.format.manifest import ChunkRef
-    from storage.pipeline import Stages
+    from storage.pipeline.put import Stages
     from storage.base.errors import DamageError
     from storage.repo.store import SnapshotStore
     root = tmp_path / "s"
@@ -1226,7 +1226,7 @@ def test_early_reads_stopped_at_once_leave_the_rest_on_disk(tmp_path: Path) -> N
     not asked for by then stays on disk (the reads never compete with CRIU's)."""
     import threading
     from sandbox.criu.serve import EarlyReads
-    from storage.pipeline import Stages
+    from storage.pipeline.put import Stages
     from support.pagecache import cold_store, resident_bytes
     st, refs = cold_store(tmp_path, 256 << 20)
     packs = tmp_path / "store" / "packs"
@@ -1243,7 +1243,7 @@ def test_read_ahead_opens_each_pack_once_and_bounds_the_fds_it_holds(tmp_path: P
     a pack is opened once while it is read (not per read: each open and close was as many GIL
     handoffs as the read itself), at most MOST at once, every one closed at the end."""
     import random
-    from storage import pipeline
+    from storage.pipeline import put as pipeline
     from storage.repo import readstage
     from storage.filetree import FileTreeSource
     from storage.repo.store import SnapshotStore

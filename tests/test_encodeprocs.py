@@ -1,4 +1,4 @@
-"""The put's per-chunk work in encoder processes (storage/encodeprocs.py): the same snapshot, byte
+"""The put's per-chunk work in encoder processes (storage/pipeline/encodeprocs.py): the same snapshot, byte
 for byte and chunk for chunk, as the threads make; a dead or lying encoder fails the put with one
 clear error and commits nothing; the processes end with the put."""
 from __future__ import annotations
@@ -11,10 +11,12 @@ import time
 import numpy as np
 import pytest
 
-from storage import encodeprocs, pipeline
+from storage.pipeline import encodeprocs
+
+from storage.pipeline import put as pipeline
 from storage.codecs.registry import DELTA
 from storage.fs.directio import Arena
-from storage.encodeprocs import EncodeProcs, EncodeProcsError
+from storage.pipeline.encodeprocs import EncodeProcs, EncodeProcsError
 from storage.filetree import FileTreeSink, FileTreeSource
 from storage.repo.store import SnapshotStore
 
@@ -299,7 +301,7 @@ def test_a_stopped_encoder_dies_with_the_put_process(tmp_path) -> None:
     import subprocess
     import sys
     code = ("import sys, time; sys.path.insert(0, sys.argv[1])\n"
-            "from storage.fs.directio import Arena\nfrom storage.encodeprocs import EncodeProcs\n"
+            "from storage.fs.directio import Arena\nfrom storage.pipeline.encodeprocs import EncodeProcs\n"
             "a = Arena(4 << 20); e = EncodeProcs(1, a)\n"
             "while not e._all[0].is_ready(): time.sleep(0.02)\n"
             "print(e._all[0].proc.pid, flush=True); time.sleep(60)\n")

@@ -16,7 +16,7 @@ import pytest
 
 from support.entries import chunk_entries, entry_of
 from storage.gpu.device import HostDevice, HostMemory, host_view
-from storage.gpu_engine import GpuEngine, GpuEngineError, Region
+from storage.pipeline.gpu_engine import GpuEngine, GpuEngineError, Region
 from storage.memtier import Extents, MemoryTierError, PinnedPool
 from storage.repo.store import SnapshotStore, StoreError
 

@@ -9,10 +9,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from storage import pipeline
+from storage.pipeline import put as pipeline
 from storage.filetree import FileTreeSink
 from storage.follow import FollowedDirSource
-from storage.pipeline import PipelineError
+from storage.pipeline.put import PipelineError
 from storage.repo.store import SnapshotStore
 
 

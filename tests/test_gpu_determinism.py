@@ -55,7 +55,7 @@ def test_same_bytes_give_the_same_payload_whatever_the_buffers_held(codec: str) 
     a fresh lane after another lane's encodes: every payload of X is byte-identical, and holds no run of
     the garbage pattern."""
     from storage.gpu.device import check_cuda, cuda_driver
-    from storage.gpu_engine import GpuEngine
+    from storage.pipeline.gpu_engine import GpuEngine
     n = 64 * MB
     d = cuda_driver()
     with GpuEngine(codec=codec, lanes=2, chunk_size=n) as eng, \
@@ -78,7 +78,7 @@ def test_same_bytes_give_the_same_payload_whatever_the_buffers_held(codec: str) 
 def test_recheckpoint_of_unchanged_memory_writes_under_1_percent_with_the_default_codec(tmp_path: Path) -> None:
     """Default codec (ANS), default lanes: snapshot, checkpoint other memory through the same lanes,
     snapshot the unchanged memory again: under 1% of the first snapshot's bytes are new; it restores."""
-    from storage.gpu_engine import GpuEngine, Region
+    from storage.pipeline.gpu_engine import GpuEngine, Region
     from storage.repo.store import SnapshotStore
     from scripts.workloads.workload_control import Workload, ipc_region
     st = SnapshotStore(str(tmp_path / "s"))
@@ -110,7 +110,7 @@ def test_no_byte_of_an_earlier_snapshot_in_a_later_snapshots_chunk_files(tmp_pat
     """Random bytes A (their runs recognisable anywhere), then model-like bytes B, through one lane
     (so B's encodes reuse the output buffer, nvCOMP scratch and host frame that held A): no chunk file
     of B (header, payload, padding) holds a run of A's bytes."""
-    from storage.gpu_engine import GpuEngine, Region
+    from storage.pipeline.gpu_engine import GpuEngine, Region
     from storage.repo.store import SnapshotStore
     n, chunk = 64 * MB, 16 * MB
     a_bytes = np.random.default_rng(11).integers(0, 256, n, dtype=np.uint8)

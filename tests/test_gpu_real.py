@@ -188,7 +188,7 @@ def test_thp_always_vs_madvise_on_the_drivers_host_copy(drv) -> None:
 @pytest.mark.parametrize("tier", ["shm", "disk", "pool"])
 @pytest.mark.parametrize("mix", ["realistic", "pessimistic", "random", "zeros"])
 def test_engine_round_trip(tmp_path: Path, tier: str, mix: str) -> None:
-    from storage.gpu_engine import GpuEngine, Region
+    from storage.pipeline.gpu_engine import GpuEngine, Region
     from storage.memtier import PinnedPool
     from storage.repo.store import SnapshotStore
     from scripts.workloads.workload_control import Workload, ipc_region
@@ -216,7 +216,7 @@ def test_engine_round_trip(tmp_path: Path, tier: str, mix: str) -> None:
 
 
 def test_engine_refuses_a_corrupted_stream(tmp_path: Path) -> None:
-    from storage.gpu_engine import GpuEngine, Region
+    from storage.pipeline.gpu_engine import GpuEngine, Region
     from storage.repo.store import SnapshotStore, StoreError
     from scripts.workloads.workload_control import Workload, ipc_region
     st = SnapshotStore(str(tmp_path / "s"))
@@ -235,7 +235,7 @@ def test_engine_refuses_a_corrupted_stream(tmp_path: Path) -> None:
 def test_engine_dedup_after_5_percent_change(tmp_path: Path) -> None:
     """A second snapshot after 5% of the memory changed writes only what changed (Bitcomp here; the
     default codec's unchanged re-checkpoint: tests/test_gpu_determinism.py)."""
-    from storage.gpu_engine import GpuEngine, Region
+    from storage.pipeline.gpu_engine import GpuEngine, Region
     from storage.repo.store import SnapshotStore
     from scripts.workloads.workload_control import Workload, ipc_region
     st = SnapshotStore(str(tmp_path / "s"))

@@ -9,7 +9,7 @@ import pytest
 
 from storage.codecs.registry import CodecError, HostCodecChooser, decode_host
 from storage.fs.directio import BufferPool, DirectIOError
-from storage.pipeline import PAGE, cdc_params, is_zero, page_cuts
+from storage.pipeline.put import PAGE, cdc_params, is_zero, page_cuts
 
 
 def test_is_zero() -> None:
@@ -97,7 +97,7 @@ def test_large_page_images_read_by_several_producers(tmp_path, monkeypatch) -> N
     """A page image larger than two segments is cut by several producers at once: byte-exact back,
     a cut at every segment boundary, and a second put after pages were inserted near the start still
     dedups (the forced cuts cost at most a chunk or two per segment)."""
-    from storage import pipeline
+    from storage.pipeline import put as pipeline
     from storage.filetree import FileTreeSink, FileTreeSource
     from storage.repo.store import SnapshotStore
     monkeypatch.setattr(pipeline, "SEGMENT", 16 << 20)
@@ -143,7 +143,7 @@ def test_decode_host_into_decodes_in_place_and_refuses_what_does_not_fit() -> No
 
 
 def test_put_workers_are_bounded_and_can_be_set(monkeypatch) -> None:
-    from storage import pipeline
+    from storage.pipeline import put as pipeline
     monkeypatch.delenv("GPUSNAP_PUT_WORKERS", raising=False)
     assert 2 <= pipeline.put_workers() <= pipeline.PUT_WORKERS_MOST
     monkeypatch.setattr(os, "cpu_count", lambda: 64)

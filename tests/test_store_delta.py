@@ -24,7 +24,7 @@ from storage.format.chunkfile import HEADER_SIZE, ChunkHeader, check_received, r
 from storage.codecs.registry import CODEC_IDS, DELTA, Shuffle2Codec
 from storage.base.errors import DamageError
 from storage.format.manifest import Stream
-from storage.pipeline import page_keys
+from storage.pipeline.put import page_keys
 from storage.repo.readstage import Want, read_chunks
 from storage.repo.store import SnapshotStore
 from support.entries import Entry, chunk_entries
@@ -840,7 +840,7 @@ def test_a_candidate_failing_half_way_never_leaves_its_xor_for_another(tmp_path:
     candidate reading it fails after the chunk before it was XORed in. The scratch must not then be
     taken for the XOR of the candidate chosen (it held N XOR A under the table of P: a delta that
     decodes to other bytes, which a later put of the same bytes would have deduplicated onto)."""
-    from storage import pipeline
+    from storage.pipeline import put as pipeline
     from storage.fs.directio import AlignedBuffer
     from storage.filetree import FileTreeSource
     from storage.format.manifest import ChunkRef, Manifest

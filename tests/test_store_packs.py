@@ -288,7 +288,7 @@ def test_the_read_stage_prefetch_keeps_the_disk_busy_while_delivery_waits(tmp_pa
     without it, no further than the stage's buffers. LATER: the prefetch waits for its event (the
     split fill's: CRIU is done) and reads ahead only once it is set."""
     import threading
-    from storage import pipeline
+    from storage.pipeline import put as pipeline
     from storage.repo.readstage import Want, read_chunks
     st, refs = cold_store(tmp_path, 192 << 20)  # incompressible: 192 MiB of packs
     gate, got, seen = threading.Event(), [], []
@@ -602,7 +602,7 @@ def test_the_read_stage_in_pack_order_reads_a_lower_group_first(tmp_path: Path) 
     """ORDER "pack" with Want.group (the split fill completing one process before the next): every
     chunk of group 0 is delivered before any of group 1, each group in pack order, whatever the
     order of the wants; every chunk checked and delivered once."""
-    from storage import pipeline
+    from storage.pipeline import put as pipeline
     from storage.filetree import FileTreeSource
     from storage.repo.readstage import Want, read_chunks
     from storage.repo.store import SnapshotStore
@@ -634,7 +634,7 @@ def test_the_read_stage_enters_its_gate_around_every_pack_read(tmp_path: Path) -
     waits reported as stage "read:wait-gate"."""
     import threading
     from contextlib import contextmanager
-    from storage import pipeline
+    from storage.pipeline import put as pipeline
     from storage.filetree import FileTreeSource
     from storage.repo.readstage import RUN_MAX, Want, read_chunks
     from storage.repo.store import SnapshotStore

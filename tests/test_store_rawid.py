@@ -16,7 +16,7 @@ import zstandard
 
 from conftest import Cli, chunk_files, make_mixed_tree, tree_digest
 from support.entries import Entry, chunk_entries, to_chunk_files
-from storage import pipeline
+from storage.pipeline import put as pipeline
 from storage.format.chunkfile import HEADER_SIZE, MAGIC, MAGIC_RAW, ChunkHeader, chunk_id, raw_chunk_id
 from storage.codecs.registry import Shuffle2Codec, decode_host
 from storage.filetree import FileTreeSource

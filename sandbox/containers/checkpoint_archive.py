@@ -23,7 +23,7 @@ from contextlib import contextmanager
 import zstandard
 
 from storage.base.progress import Progress
-from storage import pipeline
+from storage.pipeline import put as pipeline
 from sandbox.host.dumpwrites import dump_packs_direct
 from storage.base.errors import GpusnapError
 from storage.filetree import FileTreeSink, FileTreeSource

@@ -18,7 +18,7 @@ from storage.base.errors import GpusnapError
 from storage.filetree import RangeReader
 from storage.format.manifest import Stream, check_tree
 from storage.base.names import InvalidNameError, validate_stream_name
-from storage.pipeline import StreamSpec, StreamWriter
+from storage.pipeline.put import StreamSpec, StreamWriter
 
 BLOCK = 512
 

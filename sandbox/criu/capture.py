@@ -21,7 +21,7 @@ from contextlib import contextmanager
 from typing import Callable, Iterator
 
 from storage.fs import fdread
-from storage.pipeline import PipelineError, StreamSpec
+from storage.pipeline.put import PipelineError, StreamSpec
 
 from sandbox.criu.images import IMAGES, is_page_image
 from sandbox.criu.protocol import BIG_PIPE, CAPTURE_SOCKET, PIPE_SIZE, Listener, StreamerError, dump_pipe_size, read_request, recv_pipe

@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from storage import pipeline
+from storage.pipeline import put as pipeline
 from storage.follow import FollowedDirSource
 from storage.base.progress import Progress
 from storage.repo.store import SnapshotStore

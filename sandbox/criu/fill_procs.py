@@ -54,7 +54,7 @@ from storage.codecs.registry import CodecError
 from storage.base.errors import DamageError, GpusnapError
 from storage.format.manifest import ChunkRef
 from storage.format.packs import Loc
-from storage.pipeline import Stages
+from storage.pipeline.put import Stages
 from storage.repo.readstage import READERS, PackSource, Want, read_chunks
 from storage.repo.store import SnapshotStore, StoreError
 

@@ -57,7 +57,7 @@ class GpuSide:
 
     def __enter__(self) -> "GpuSide":
         if self.custom:
-            from storage.gpu_engine import GpuEngine
+            from storage.pipeline.gpu_engine import GpuEngine
             self.engine = GpuEngine(0 if self.device is None else self.device)
         return self
 

@@ -28,7 +28,7 @@ from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from storage import pipeline
+from storage.pipeline import put as pipeline
 from storage.filetree import FileTreeSink
 from storage.format.manifest import Manifest
 from storage.base.progress import Progress

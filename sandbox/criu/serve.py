@@ -28,7 +28,7 @@ from contextlib import contextmanager
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Protocol
 
-from storage import pipeline
+from storage.pipeline import put as pipeline
 
 from storage.repo import readstage
 from storage.repo.childreads import ChildReads
@@ -37,7 +37,7 @@ from storage.codecs.registry import CodecError, decode_host, decode_host_into
 from storage.fs.directio import AlignedBuffer, BufferPool, Recycler, address_of, copy_into
 from storage.base.errors import GpusnapError
 from storage.format.manifest import ChunkRef, Manifest, Stream
-from storage.pipeline import Stages
+from storage.pipeline.put import Stages
 from storage.repo.readstage import Want, plan_runs, read_ahead, read_runs
 from storage.repo.store import SnapshotStore, StoreError
 

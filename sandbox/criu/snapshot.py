@@ -37,7 +37,7 @@ from contextlib import ExitStack, contextmanager
 from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 from storage.base.progress import Progress
-from storage import encodeprocs
+from storage.pipeline import encodeprocs
 from storage.fs import fdread
 from storage.base import waits
 from storage.base.limits import DEFAULT_JOBS

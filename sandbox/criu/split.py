@@ -45,7 +45,7 @@ from sandbox.host.processes import memory_identity
 from storage.fs.directio import AlignedBuffer, copy_into
 from storage.base.errors import GpusnapError
 from storage.format.manifest import ChunkRef, Stream
-from storage.pipeline import Stages
+from storage.pipeline.put import Stages
 from storage.repo.readstage import Want
 
 PAGE = 4096

@@ -239,7 +239,7 @@ class AgentFrames:
             self._open = None
 
     def streams(self) -> Iterator[Any]:
-        from storage.pipeline import StreamSpec
+        from storage.pipeline.put import StreamSpec
         while True:
             h = read_header(self.f)
             self._close_open()
@@ -273,7 +273,7 @@ class AgentFrames:
 def receive(frames: AgentFrames, writer: Any, progress: Progress | None = None) -> None:
     """Read the agent's checkpoint FRAMES into WRITER (chunked, hashed, written; the caller commits)
     until its report (frames.report; frames.complete: the processes whose memory fully arrived)."""
-    from storage import pipeline
+    from storage.pipeline import put as pipeline
     pipeline.put(writer, frames, progress=progress)
 
 

@@ -39,7 +39,7 @@ class PoolServer:
 
     def __init__(self, socket_path: str, capacity: int, *, driver: Any = None, features: Any = None,
                  device: Any = None) -> None:
-        from storage.gpu_engine import GpuEngine
+        from storage.pipeline.gpu_engine import GpuEngine
         from storage.memtier import PinnedPool
         from sandbox.gpu.driver import CudaDriver, probe
         self.driver = driver or CudaDriver()

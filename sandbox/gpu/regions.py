@@ -27,7 +27,7 @@ def stream_name(pid: int, index: int) -> str:
 
 
 class EngineRegions:
-    """RegionStore through a storage.gpu_engine.GpuEngine (the writer and/or the chunk source)."""
+    """RegionStore through a storage.pipeline.gpu_engine.GpuEngine (the writer and/or the chunk source)."""
 
     def __init__(self, engine: Any, *, source: Any, name: str, streams: list[Stream], writer: Any = None,
                  progress: Progress | None = None, log: Any = None) -> None:
@@ -47,7 +47,7 @@ class EngineRegions:
         return cls(engine, source=source, name=manifest.name, streams=manifest.streams, progress=progress)
 
     def save(self, pid: int, regions: list[DeviceRegion]) -> None:
-        from storage.gpu_engine import Region
+        from storage.pipeline.gpu_engine import Region
         if self.writer is None:
             raise ValueError("EngineRegions.of() only loads")
         targets = [Region(stream_name(pid, r.index), r.dev_ptr, r.size) for r in regions]
@@ -70,7 +70,7 @@ class EngineRegions:
             journal.pause("gpu-chunk")  # test hook: a region's first chunk recorded, the rest not yet
 
     def load(self, pid: int, regions: list[DeviceRegion]) -> None:
-        from storage.gpu_engine import Region
+        from storage.pipeline.gpu_engine import Region
         from storage.format.manifest import Manifest
         targets = {stream_name(pid, r.index): Region(stream_name(pid, r.index), r.dev_ptr, r.size) for r in regions}
         self.engine.restore(self.source, Manifest(self.name, [s for s in self.streams if s.name in targets]),

@@ -1,7 +1,7 @@
 """GPU state alone into the store and back (model swap-out / swap-in), by the fastest path the driver offers.
 
 custom-storage (driver with cuCheckpointOperationComplete): the driver maps each process's GPU memory
-into this process and storage.gpu_engine streams it, compressed on the GPU, into the snapshot.
+into this process and storage.pipeline.gpu_engine streams it, compressed on the GPU, into the snapshot.
 host-staged (drivers 550..580): the driver copies GPU memory into the process's own host memory; the
 snapshot then records which processes hold their state and how to bring it back (the bytes stay in
 the process until CRIU or runsc dumps it). Every snapshot's meta says which path made it.
@@ -153,7 +153,7 @@ def _engine(path: GpuPath, device: Any) -> Iterator[Any]:
     if path != GpuPath.CUSTOM_STORAGE:
         yield None
         return
-    from storage.gpu_engine import GpuEngine
+    from storage.pipeline.gpu_engine import GpuEngine
     with GpuEngine(0 if device is None else device) as eng:
         yield eng
 

@@ -56,7 +56,7 @@ class Recovered:
 
 def _new_engine(device: Callable[[], Any]) -> Callable[[int], ContextManager[Any]]:
     def make(chunk_size: int) -> ContextManager[Any]:
-        from storage.gpu_engine import GpuEngine
+        from storage.pipeline.gpu_engine import GpuEngine
         return GpuEngine(device(), chunk_size=chunk_size, lanes=2)
     return make
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from storage.base.progress import Progress
-from storage import pipeline
+from storage.pipeline import put as pipeline
 from sandbox.host.dumpwrites import dump_packs_direct
 from storage.filetree import FileTreeSink, FileTreeSource
 from storage.repo.store import SnapshotStore

@@ -22,7 +22,7 @@ from scripts.helpers import drop_caches
 from scripts.workloads.workload_control import Workload, ipc_region
 from storage.fs.directio import AlignedBuffer, open_for_read, open_for_write, read_into, write_all
 from storage.gpu.device import PinnedBuffer, check_cuda, cuda_driver
-from storage.gpu_engine import GpuEngine, Region
+from storage.pipeline.gpu_engine import GpuEngine, Region
 from storage.memtier import PinnedPool
 from storage.repo.store import SnapshotStore
 

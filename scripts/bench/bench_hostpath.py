@@ -33,11 +33,11 @@ from typing import Any, Iterator
 import numpy as np
 
 from scripts.helpers import child_env, disk_floor, drop_caches, report_json
-from storage import pipeline
+from storage.pipeline import put as pipeline
 from storage.codecs import registry as codecs
 from storage.codecs import zstdlib
 from storage.fs.directio import AlignedBuffer, BufferPool
-from storage.pipeline import StreamSpec
+from storage.pipeline.put import StreamSpec
 from storage.repo.readstage import Want, read_chunks
 from storage.repo.store import SnapshotStore
 

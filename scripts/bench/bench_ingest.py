@@ -4,7 +4,7 @@ file on /dev/shm into a store on disk with the page chunker, per stage (thread-s
 thread) and wall time, against the disk floor for the bytes stored. The file: the realistic mix in
 64 MiB runs (40% bf16 N(0, 0.02), 55% zeros, 5% random), every page made distinct so nothing dedups.
 --procs 0,12 compares the put's chunk work in its own threads (0) with encoder processes
-(storage/encodeprocs.py) on the same image, in the same run.
+(storage/pipeline/encodeprocs.py) on the same image, in the same run.
 Usage: python3 -m scripts.bench.bench_ingest [--gb 24] [--workers N] [--procs 0,12] [--dir /var/tmp] [--json OUT]"""
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 
-from storage import pipeline
+from storage.pipeline import put as pipeline
 from storage.filetree import FileTreeSource
 from storage.repo.store import SnapshotStore
 

@@ -26,7 +26,7 @@ import numpy as np
 from scripts.bench.bench_e2e import SCRIPTS, gpusnap, verify
 from scripts.helpers import REPO, child_env, drop_caches
 from scripts.workloads.workload_control import Workload
-from storage.pipeline import page_keys
+from storage.pipeline.put import page_keys
 
 PAGE = 4096
 

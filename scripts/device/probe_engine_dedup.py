@@ -2,7 +2,7 @@
 """Does a second engine checkpoint of unchanged GPU memory deduplicate? Per lane count and codec."""
 import os, tempfile, shutil
 from scripts.workloads.workload_control import Workload, ipc_region
-from storage.gpu_engine import GpuEngine, Region
+from storage.pipeline.gpu_engine import GpuEngine, Region
 from storage.repo.store import SnapshotStore
 
 with Workload(1, mix="realistic", seed=2) as w, GpuEngine(lanes=1) as _ctx, ipc_region(w.info["ipc"]) as ptr:

@@ -5,7 +5,7 @@ table and the encoding (one zstd frame, or since store version 5 a shuffle2-zstd
 table's byte 2 says) of exactly raw-length bytes: the chunk's raw bytes XOR its reference. The
 reference is the concatenation of the table's segments (each a byte range of one base chunk's raw
 bytes, or zeros), zero-extended to the raw length: for a new chunk of a dump, the bytes the parent
-snapshot had where the chunk's bytes were (storage/pipeline.py places them). The chunk's id is still the raw id of its own
+snapshot had where the chunk's bytes were (storage/pipeline/put.py places them). The chunk's id is still the raw id of its own
 raw bytes, so the full check binds what a delta decodes to, whatever its bases said.
 
 Guarantees kept here: a delta is decoded only against bases its reader verified (the BaseReader:

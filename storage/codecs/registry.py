@@ -73,11 +73,11 @@ SHUFFLE4_PROBE_ABOVE = 0.8   # shuffle4-zstd is probed only where the best so fa
                              # (+4-7% of the encode's time on bf16 data, dev VM)
 PLANE_PAYS_OFF = PAYS_OFF_RATIO  # a byte plane is stored as it is when zstd does not beat this
 ZSTD_LEVEL = 1               # the host path's zstd level (put, CRIU images, repair)
-GPU_PAYS_OFF_RATIO = PAYS_OFF_RATIO  # storage/gpu_engine.py: a GPU chunk above this is stored raw
+GPU_PAYS_OFF_RATIO = PAYS_OFF_RATIO  # storage/pipeline/gpu_engine.py: a GPU chunk above this is stored raw
 DELTA_PAYS_OFF = 0.5         # a delta entry (xor-zstd) is stored only if its payload is at most this
                              # fraction of the chunk's plain encoding (else the plain entry is stored)
 DELTA_MATCH = 0.9            # a delta reference holding this fraction of a chunk's bytes is taken at once
-                             # (the first of a dump's candidate places that does: storage/pipeline.py);
+                             # (the first of a dump's candidate places that does: storage/pipeline/put.py);
                              # below it the candidates are mixed page by page where that holds more
 
 
@@ -859,7 +859,7 @@ def decode_host_into(codec: str, payload: memoryview, raw_len: int, out: memoryv
 
 
 def decode_host(codec: str, payload: memoryview, raw_len: int) -> bytes | memoryview:
-    """Decode a chunk payload on the CPU (exactly RAW_LEN bytes); GPU codecs are decoded by storage.gpu_engine."""
+    """Decode a chunk payload on the CPU (exactly RAW_LEN bytes); GPU codecs are decoded by storage.pipeline.gpu_engine."""
     e = entry(codec)
     if e.where != "host" or e.decode is None:
         raise CodecError(f"chunk codec {codec!r} needs the GPU path (nvCOMP) to decode")

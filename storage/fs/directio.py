@@ -348,7 +348,7 @@ def fsync_dir(path: str) -> None:
 
 class Arena:
     """One shared mapping of a memfd, carved into page-aligned buffers: the memory a process started
-    with the descriptor (storage/encodeprocs.py) sees as the same bytes. Carving only moves forward;
+    with the descriptor (storage/pipeline/encodeprocs.py) sees as the same bytes. Carving only moves forward;
     the whole mapping goes at close."""
 
     def __init__(self, size: int, name: str = "gpusnap-arena") -> None:

@@ -1,6 +1,6 @@
 """Open pack files shared by a store's threads: each pack opened (and checked) once, not once per read.
 
-Why: every header look-up and base read of a put with a parent (storage/pipeline.py: `present`,
+Why: every header look-up and base read of a put with a parent (storage/pipeline/put.py: `present`,
 `entry_kind`, `delta_base`) opened the store's root, its packs/ directory and the pack, each checked,
 read a few bytes and closed all three: some ten system calls around one pread, each giving the GIL up
 and taking it back. A profile of a second dump on the H200 found ~12% of the put threads' time there

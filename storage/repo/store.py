@@ -1866,7 +1866,7 @@ class SnapshotWriter:
         (GSNPCHK1): the caller has just hashed exactly this header and payload to that id (a chunk
         fetched from a remote), so it is not hashed again. CHECKSUM (with RAW_ID): the stored checksum
         of this header and payload, computed by gpusnap's own encoder process over these same bytes
-        (storage/encodeprocs.py), so it is not computed again.
+        (storage/pipeline/encodeprocs.py), so it is not computed again.
 
         FRAME must have room up to the next 4096-byte boundary after the payload (see
         packs.PackWriter.append); the header is written into its first HEADER_SIZE bytes. The

@@ -12,7 +12,7 @@ saves (FORMAT.md, "Delta entries"; put's `parent`).
 One reader feeds N workers through a fixed pool of page-aligned staging buffers (allocated once,
 reused); a full pool blocks the reader, so memory stays bounded whatever the input size. Sources and
 sinks are small protocols: files (storage/filetree.py), CRIU/runsc image streams and pipes, and the
-GPU region engine (storage/gpu_engine.py) use the same store underneath.
+GPU region engine (storage/pipeline/gpu_engine.py) use the same store underneath.
 """
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ from storage.codecs import delta
 from storage.codecs import pagekeys
 from storage.codecs.registry import DELTA, DELTA_MATCH, DELTA_PAYS_OFF, HostCodecChooser, CodecError
 from storage.fs.directio import AlignedBuffer, Arena, BufferPool, align_up, copy_into, is_zero
-from storage.encodeprocs import EncodeProcs, Encoder, Prepared, encode_procs
+from storage.pipeline.encodeprocs import EncodeProcs, Encoder, Prepared, encode_procs
 from storage.format.manifest import ChunkRef, Manifest, Stream
 from storage.repo.readstage import Want, read_chunks
 from storage.repo.store import SnapshotDamaged, SnapshotStore, SnapshotWriter, StoreError, base_cache_bytes
@@ -348,7 +348,7 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
     only when no delta pays: stage "compress"; the estimates are "compress:estimate"); the base is
     read in the workers (stage "delta-base"), the XOR and its compression are stage "delta"; what
     the new chunks took is "delta:stored as deltas" and "delta:stored plain" (payload bytes).
-    procs: encoder processes (storage/encodeprocs.py) that take each new chunk's CPU work off this
+    procs: encoder processes (storage/pipeline/encodeprocs.py) that take each new chunk's CPU work off this
     process's GIL (default encodeprocs.encode_procs(); page images only): without a parent all of
     it, with one the work every chunk costs (zero test, raw id, page keys; a changed chunk's delta
     and encoding stay in the threads); the threads then drive them, one each.

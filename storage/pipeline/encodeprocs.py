@@ -255,7 +255,7 @@ class EncodeProcs:
         req_r, req_w = os.pipe2(os.O_CLOEXEC)
         ans_r, ans_w = os.pipe2(os.O_CLOEXEC)
         try:
-            args = isolated.python_argv("storage.encodeprocs", str(self.arena.fd), str(self.arena.size), str(req_r),
+            args = isolated.python_argv("storage.pipeline.encodeprocs", str(self.arena.fd), str(self.arena.size), str(req_r),
                                         str(ans_w), str(self._level), "1" if self._compress else "0", str(os.getpid()))
             # a session of its own: a ^C at the terminal is the put's to handle (it then ends them)
             proc = subprocess.Popen(args, pass_fds=(self.arena.fd, req_r, ans_w), cwd="/",

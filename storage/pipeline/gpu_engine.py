@@ -36,7 +36,7 @@ from storage.base.limits import MAX_RAW_CHUNK
 from storage.gpu.device import CudaDevice, Device, DeviceError, HostBuffer
 from storage.fs.directio import ALIGN
 from storage.format.manifest import ChunkRef, Manifest, Stream
-from storage.pipeline import Result, Stages, _Failure, is_zero, writer_result
+from storage.pipeline.put import Result, Stages, _Failure, is_zero, writer_result
 from storage.repo.tier import ChunkTier, TierWriter
 
 GpuEngineError = DeviceError  # one exception type for the GPU data path (device.py raises it)
