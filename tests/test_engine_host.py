@@ -17,7 +17,7 @@ import pytest
 from support.entries import chunk_entries, entry_of
 from storage.gpu.device import HostDevice, HostMemory, host_view
 from storage.pipeline.gpu_engine import GpuEngine, GpuEngineError, Region
-from storage.memtier import Extents, MemoryTierError, PinnedPool
+from storage.tiers.memory import Extents, MemoryTierError, PinnedPool
 from storage.repo.store import SnapshotStore, StoreError
 
 CHUNK = 1 << 20

@@ -189,7 +189,7 @@ def test_thp_always_vs_madvise_on_the_drivers_host_copy(drv) -> None:
 @pytest.mark.parametrize("mix", ["realistic", "pessimistic", "random", "zeros"])
 def test_engine_round_trip(tmp_path: Path, tier: str, mix: str) -> None:
     from storage.pipeline.gpu_engine import GpuEngine, Region
-    from storage.memtier import PinnedPool
+    from storage.tiers.memory import PinnedPool
     from storage.repo.store import SnapshotStore
     from scripts.workloads.workload_control import Workload, ipc_region
     root = Path("/dev/shm") if tier == "shm" else tmp_path

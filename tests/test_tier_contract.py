@@ -27,7 +27,7 @@ from storage.gpu.device import HostDevice
 from storage.fs.directio import align_up
 from storage.base.errors import EXIT_DAMAGED, DamageError
 from storage.format.manifest import ChunkRef, Stream
-from storage.memtier import PinnedPool
+from storage.tiers.memory import PinnedPool
 from storage.format.packs import decode_index
 from storage.repo.store import SnapshotStore
 from storage.repo.tier import ChunkTier, TierWriter

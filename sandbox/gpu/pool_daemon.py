@@ -1,4 +1,4 @@
-"""The memory tier's resident process: `gpusnap pool serve` holds a pinned pool (storage/memtier.py)
+"""The memory tier's resident process: `gpusnap pool serve` holds a pinned pool (storage/tiers/memory.py)
 and the GPU engine, and swaps CUDA processes' GPU memory out into the pool and back on request.
 
 Why a resident process: the pool must outlive the processes it swaps (model swapping: put one model's
@@ -40,7 +40,7 @@ class PoolServer:
     def __init__(self, socket_path: str, capacity: int, *, driver: Any = None, features: Any = None,
                  device: Any = None) -> None:
         from storage.pipeline.gpu_engine import GpuEngine
-        from storage.memtier import PinnedPool
+        from storage.tiers.memory import PinnedPool
         from sandbox.gpu.driver import CudaDriver, probe
         self.driver = driver or CudaDriver()
         self.features = features or probe(self.driver)

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Benchmark of the GPU data path (issue 4): another process's GPU memory, mapped the way custom storage
 maps it (CUDA IPC stand-in), into the memory tier (a directory store on /dev/shm, and the resident
-pinned pool of storage/memtier.py) and a directory store on disk, and back.
+pinned pool of storage/tiers/memory.py) and a directory store on disk, and back.
 
 Prints per stage seconds and GB/s, and each total against its floor measured in the same run:
 PCIe (pinned D2H/H2D of the same bytes, same lanes) and the disk (O_DIRECT write/read of the bytes
@@ -23,7 +23,7 @@ from scripts.workloads.workload_control import Workload, ipc_region
 from storage.fs.directio import AlignedBuffer, open_for_read, open_for_write, read_into, write_all
 from storage.gpu.device import PinnedBuffer, check_cuda, cuda_driver
 from storage.pipeline.gpu_engine import GpuEngine, Region
-from storage.memtier import PinnedPool
+from storage.tiers.memory import PinnedPool
 from storage.repo.store import SnapshotStore
 
 

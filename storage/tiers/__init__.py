@@ -1,0 +1,1 @@
+"""Where a store's bytes may live besides its directory: the pinned memory tier."""
