@@ -164,7 +164,7 @@ def stats(ctx: click.Context, names: tuple[str, ...], as_json: bool) -> None:
 @one_line_errors
 def cat_cmd(ctx: click.Context, name: str, stream: str) -> None:
     """Write one file stream of NAME to stdout, every chunk verified before its bytes go out."""
-    from storage.portable import cat
+    from storage.archive.portable import cat
     st = open_store(ctx, create=False)
     with st.shared():
         m = st.load(validate_snapshot_name(name))
@@ -207,7 +207,7 @@ def export_cmd(ctx: click.Context, name: str, archive: str, as_json: bool) -> No
     """Write snapshot NAME as one archive (zstd-compressed tar of its manifest and chunks) to
     ARCHIVE (a new file; default stdout), for `store import` into another store."""
     import os
-    from storage.portable import export
+    from storage.archive.portable import export
     if archive == "-" and sys.stdout.isatty():
         raise click.UsageError("stdout is a terminal: give an ARCHIVE file, or redirect (`> NAME.gpusnap`, "
                                "`| ssh host gpusnap store import`)")
@@ -238,7 +238,7 @@ def export_cmd(ctx: click.Context, name: str, archive: str, as_json: bool) -> No
 def import_cmd(ctx: click.Context, archive: str, name: str | None, replace: bool, as_json: bool) -> None:
     """Take in an archive made by `store export` (file or - for stdin); every chunk verified, the
     snapshot visible only once complete."""
-    from storage.portable import import_
+    from storage.archive.portable import import_
     st = open_store(ctx)
     if archive == "-":
         rep = import_(st, sys.stdin.buffer, name, replace=replace)

@@ -21,8 +21,8 @@ from cli.lazy import LazyGroup
 from cli.progress import Progress
 
 if TYPE_CHECKING:  # imported where used: `store ls` and `--help` need none of them (numpy, zstandard)
-    from storage.files_cache import FilesCache
-    from storage.filetree import FileTreeSource
+    from storage.archive.files_cache import FilesCache
+    from storage.archive.filetree import FileTreeSource
     from storage.format.manifest import Manifest, Stream
     from storage.repo.store import DamagedCopy
 
@@ -90,7 +90,7 @@ def store_put(ctx: click.Context, name: str, paths: tuple[str, ...], replace: bo
     from sandbox.ops import journal
     from sandbox.ops.snapshot_meta import FilesMeta
     from storage.pipeline import put as pipeline
-    from storage.filetree import FileTreeSource
+    from storage.archive.filetree import FileTreeSource
     validate_snapshot_name(name)
     size = parse_chunk_size(chunk_size)
     patterns = list(exclude) + [p for f in exclude_files for p in _read_patterns(f)]
@@ -100,7 +100,7 @@ def store_put(ctx: click.Context, name: str, paths: tuple[str, ...], replace: bo
             click.echo(f"gpusnap: note: skipped {note}", err=True)
         st = open_store(ctx)
         journal.require_clean(st.path)  # an interrupted dump's workload comes first: `gpusnap recover`
-        from storage.files_cache import FilesCache
+        from storage.archive.files_cache import FilesCache
         cache = FilesCache() if no_cache or force else FilesCache.load(st)
         base = st.load(parent) if parent is not None else None
         with st.writer(name, replace=replace, meta=meta, tags=tags, direct_packs=pipeline.put_direct()) as w, \
@@ -135,7 +135,7 @@ def _lookup(source: FileTreeSource, cache: "FilesCache") -> Any:
 def _update_cache(st: Any, source: FileTreeSource, manifest: Manifest, force: bool) -> None:
     """Record MANIFEST's files in the store's files cache (entries under this put's inputs that it no
     longer saw are dropped); a cache that cannot be written is only a slower next put."""
-    from storage.files_cache import FilesCache
+    from storage.archive.files_cache import FilesCache
     cache = FilesCache.load(st)
     roots = [p for p, _ in source.roots]
     for path in [p for p in cache.entries if any(p == r or p.startswith(r.rstrip("/") + "/") for r in roots)]:
@@ -197,7 +197,7 @@ def store_get(ctx: click.Context, name: str, dest: str, include: tuple[str, ...]
     While it runs, a record in the store's tmp/ names DEST: if the get is killed, `store gc` removes
     the partial hidden tree it left beside DEST; a SIGTERM'd get removes it and the record itself."""
     from storage.pipeline import put as pipeline
-    from storage.filetree import FileTreeSink
+    from storage.archive.filetree import FileTreeSink
     st = open_store(ctx, create=False)
     with terminate_cleanly(), st.shared():
         m = st.load(validate_snapshot_name(name))

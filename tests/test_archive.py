@@ -24,7 +24,7 @@ def _snap(store: Path, name: str, created: str, data: bytes = b"x", kind: str = 
           tags: tuple[str, ...] = ()) -> None:
     """A one-file snapshot committed with a chosen creation time."""
     from storage.pipeline import put as pipeline
-    from storage.filetree import FileTreeSource
+    from storage.archive.filetree import FileTreeSource
     src = store.parent / f"src-{name}"
     src.mkdir()
     (src / "f").write_bytes(data)

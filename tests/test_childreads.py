@@ -96,7 +96,7 @@ def test_scattered_entries_beside_pure_python_planning(tmp_path: Path) -> None:
     GIL handoffs); the child ~340-440 MB, 115 MB on a CI machine also running benchmarks. Held to
     64 MB: that the reads go on while the parent computes, not how fast this machine's disk is."""
     from storage.pipeline import put as pipeline
-    from storage.filetree import FileTreeSource
+    from storage.archive.filetree import FileTreeSource
     from storage.repo.store import SnapshotStore
     from support.pagecache import resident_bytes
     src = tmp_path / "src"

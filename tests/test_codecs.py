@@ -270,7 +270,7 @@ def test_a_version_5_store_of_layout_1_chunks_is_read_and_becomes_version_7(
     version byte for byte, verified with its data, and becomes version 7 (WRITE_VERSION) with the first chunk written
     to it; the chunks it already held stay layout 1 and are still read."""
     from storage.pipeline import put as pipeline
-    from storage.filetree import FileTreeSource
+    from storage.archive.filetree import FileTreeSource
     from storage.repo.store import SnapshotStore
     from support.entries import chunk_entries
     src = tmp_path / "model"

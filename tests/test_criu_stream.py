@@ -1245,7 +1245,7 @@ def test_read_ahead_opens_each_pack_once_and_bounds_the_fds_it_holds(tmp_path: P
     import random
     from storage.pipeline import put as pipeline
     from storage.repo import readstage
-    from storage.filetree import FileTreeSource
+    from storage.archive.filetree import FileTreeSource
     from storage.repo.store import SnapshotStore
     from support.pagecache import resident_bytes
     st = SnapshotStore(str(tmp_path / "store"))

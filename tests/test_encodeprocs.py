@@ -17,7 +17,7 @@ from storage.pipeline import put as pipeline
 from storage.codecs.registry import DELTA
 from storage.fs.directio import Arena
 from storage.pipeline.encodeprocs import EncodeProcs, EncodeProcsError
-from storage.filetree import FileTreeSink, FileTreeSource
+from storage.archive.filetree import FileTreeSink, FileTreeSource
 from storage.repo.store import SnapshotStore
 
 PAGE = 4096

@@ -1,6 +1,6 @@
 """A large file that is not in the page cache is read past it (O_DIRECT) by `store put`, with the same
 bytes as a buffered read; a cached one, an unaligned read and a file system without direct I/O keep
-buffered reads (storage/filetree.py, _FdReader)."""
+buffered reads (storage/archive/filetree.py, _FdReader)."""
 from __future__ import annotations
 
 import fcntl
@@ -14,7 +14,7 @@ import pytest
 
 from conftest import Cli
 from storage.fs.directio import AlignedBuffer
-from storage.filetree import DIRECT_MIN, _FdReader
+from storage.archive.filetree import DIRECT_MIN, _FdReader
 
 SIZE = DIRECT_MIN + 3 * 4096 + 1234  # not a multiple of the alignment: the last read ends inside a block
 

@@ -1,4 +1,4 @@
-"""storage.follow: a directory read while another thread writes it, against a real writer on a real disk."""
+"""storage.archive.follow: a directory read while another thread writes it, against a real writer on a real disk."""
 from __future__ import annotations
 
 import os
@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from storage.pipeline import put as pipeline
-from storage.filetree import FileTreeSink
-from storage.follow import FollowedDirSource
+from storage.archive.filetree import FileTreeSink
+from storage.archive.follow import FollowedDirSource
 from storage.pipeline.put import PipelineError
 from storage.repo.store import SnapshotStore
 

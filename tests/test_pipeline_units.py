@@ -98,7 +98,7 @@ def test_large_page_images_read_by_several_producers(tmp_path, monkeypatch) -> N
     a cut at every segment boundary, and a second put after pages were inserted near the start still
     dedups (the forced cuts cost at most a chunk or two per segment)."""
     from storage.pipeline import put as pipeline
-    from storage.filetree import FileTreeSink, FileTreeSource
+    from storage.archive.filetree import FileTreeSink, FileTreeSource
     from storage.repo.store import SnapshotStore
     monkeypatch.setattr(pipeline, "SEGMENT", 16 << 20)
     rng = np.random.default_rng(9)

@@ -842,7 +842,7 @@ def test_a_candidate_failing_half_way_never_leaves_its_xor_for_another(tmp_path:
     decodes to other bytes, which a later put of the same bytes would have deduplicated onto)."""
     from storage.pipeline import put as pipeline
     from storage.fs.directio import AlignedBuffer
-    from storage.filetree import FileTreeSource
+    from storage.archive.filetree import FileTreeSource
     from storage.format.manifest import ChunkRef, Manifest
     cs = 256 << 10
     rng = np.random.default_rng(1)

@@ -603,7 +603,7 @@ def test_the_read_stage_in_pack_order_reads_a_lower_group_first(tmp_path: Path) 
     chunk of group 0 is delivered before any of group 1, each group in pack order, whatever the
     order of the wants; every chunk checked and delivered once."""
     from storage.pipeline import put as pipeline
-    from storage.filetree import FileTreeSource
+    from storage.archive.filetree import FileTreeSource
     from storage.repo.readstage import Want, read_chunks
     from storage.repo.store import SnapshotStore
     src = tmp_path / "src"
@@ -635,7 +635,7 @@ def test_the_read_stage_enters_its_gate_around_every_pack_read(tmp_path: Path) -
     import threading
     from contextlib import contextmanager
     from storage.pipeline import put as pipeline
-    from storage.filetree import FileTreeSource
+    from storage.archive.filetree import FileTreeSource
     from storage.repo.readstage import RUN_MAX, Want, read_chunks
     from storage.repo.store import SnapshotStore
     src = tmp_path / "src"

@@ -19,7 +19,7 @@ from support.entries import Entry, chunk_entries, to_chunk_files
 from storage.pipeline import put as pipeline
 from storage.format.chunkfile import HEADER_SIZE, MAGIC, MAGIC_RAW, ChunkHeader, chunk_id, raw_chunk_id
 from storage.codecs.registry import Shuffle2Codec, decode_host
-from storage.filetree import FileTreeSource
+from storage.archive.filetree import FileTreeSource
 from storage.repo.store import SnapshotStore
 
 

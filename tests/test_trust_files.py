@@ -72,7 +72,7 @@ def test_link_through_manifest_is_damage_and_get_writes_nothing(cli: Cli, store_
 def test_sink_itself_never_writes_through_a_link(cli: Cli, store_dir: Path, tmp_path: Path) -> None:
     """Defence in depth: a Manifest built in memory (no load-time check) still cannot escape DEST."""
     from storage.pipeline import put as pipeline
-    from storage.filetree import FileTreeError, FileTreeSink
+    from storage.archive.filetree import FileTreeError, FileTreeSink
     from storage.format.manifest import Manifest, Stream
     from storage.repo.store import SnapshotStore
     outside, before = _outside(tmp_path)

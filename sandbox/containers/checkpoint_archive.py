@@ -26,7 +26,7 @@ from storage.base.progress import Progress
 from storage.pipeline import put as pipeline
 from sandbox.host.dumpwrites import dump_packs_direct
 from storage.base.errors import GpusnapError
-from storage.filetree import FileTreeSink, FileTreeSource
+from storage.archive.filetree import FileTreeSink, FileTreeSource
 from storage.base.names import validate_snapshot_name
 from storage.repo.store import SnapshotStore
 

@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from typing import BinaryIO, Iterator
 
 from storage.base.errors import GpusnapError
-from storage.filetree import RangeReader
+from storage.archive.filetree import RangeReader
 from storage.format.manifest import Stream, check_tree
 from storage.base.names import InvalidNameError, validate_stream_name
 from storage.pipeline.put import StreamSpec, StreamWriter

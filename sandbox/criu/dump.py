@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from storage.pipeline import put as pipeline
-from storage.follow import FollowedDirSource
+from storage.archive.follow import FollowedDirSource
 from storage.base.progress import Progress
 from storage.repo.store import SnapshotStore
 
@@ -156,7 +156,7 @@ def streamed(ctx: DumpContext) -> None:
 
 def staged(ctx: DumpContext) -> None:
     """`criu dump` into ctx.images while the pipeline ingests its page images as they grow
-    (storage.follow), the rest of the images after CRIU exits (the staging path: sandbox.criu.images
+    (storage.archive.follow), the rest of the images after CRIU exits (the staging path: sandbox.criu.images
     says why it stays). report.seconds["criu_dump"] is set as soon as CRIU has dumped, also when the
     ingest then fails; CRIU's failure is raised in preference to the ingest's (the ingest failed
     because CRIU did)."""

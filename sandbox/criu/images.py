@@ -7,7 +7,7 @@ A CRIU snapshot holds the images as the directory stream `images` and one file s
   and out of the store into CRIU's pipe on a restore; nothing is staged;
 - staging (GPUSNAP_CRIU_IMAGES=staging): CRIU writes the images as files into the operation's
   private directory (tmpfs when it fits), whose page images are ingested as they grow
-  (storage.follow); a restore materializes the verified images there first.
+  (storage.archive.follow); a restore materializes the verified images there first.
 
 Why the staging path stays: it is the fallback a user switches to without a new gpusnap where the
 streamer cannot be used (a CRIU built without `--stream`, or a CRIU release whose streamer

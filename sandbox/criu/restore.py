@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from storage.pipeline import put as pipeline
-from storage.filetree import FileTreeSink
+from storage.archive.filetree import FileTreeSink
 from storage.format.manifest import Manifest
 from storage.base.progress import Progress
 from storage.repo.store import SnapshotStore

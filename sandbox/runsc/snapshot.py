@@ -22,7 +22,7 @@ from typing import Any, Sequence
 from storage.base.progress import Progress
 from storage.pipeline import put as pipeline
 from sandbox.host.dumpwrites import dump_packs_direct
-from storage.filetree import FileTreeSink, FileTreeSource
+from storage.archive.filetree import FileTreeSink, FileTreeSource
 from storage.repo.store import SnapshotStore
 from storage.format.storedir import LOGS, path_in
 

@@ -18,7 +18,7 @@ import time
 import numpy as np
 
 from storage.pipeline import put as pipeline
-from storage.filetree import FileTreeSource
+from storage.archive.filetree import FileTreeSource
 from storage.repo.store import SnapshotStore
 
 

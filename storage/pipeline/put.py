@@ -11,7 +11,7 @@ saves (FORMAT.md, "Delta entries"; put's `parent`).
 
 One reader feeds N workers through a fixed pool of page-aligned staging buffers (allocated once,
 reused); a full pool blocks the reader, so memory stays bounded whatever the input size. Sources and
-sinks are small protocols: files (storage/filetree.py), CRIU/runsc image streams and pipes, and the
+sinks are small protocols: files (storage/archive/filetree.py), CRIU/runsc image streams and pipes, and the
 GPU region engine (storage/pipeline/gpu_engine.py) use the same store underneath.
 """
 from __future__ import annotations
@@ -337,7 +337,7 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
 
     chunker: "fixed" (chunk_size pieces) or "pages" (content-defined cuts on page boundaries, at most
     chunk_size; see page_cuts). readers: producer threads for page images larger than two SEGMENTs
-    (default: one per four workers, at most four). known: a files cache's lookup (storage/files_cache.py):
+    (default: one per four workers, at most four). known: a files cache's lookup (storage/archive/files_cache.py):
     given a stream and the chunker record, the references it remembers; used only if every one names a
     sound chunk present now (SnapshotWriter.reuse_ref), else the stream is read.
     parent: a committed snapshot of the same store the new one follows (FORMAT.md, "Delta entries"):

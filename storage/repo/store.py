@@ -129,7 +129,7 @@ def default_store_path() -> str:
 
 
 def get_staging_name(dest: str, pid: int) -> str:
-    """The hidden sibling of DEST that `get` process PID materializes into (storage/filetree.py)."""
+    """The hidden sibling of DEST that `get` process PID materializes into (storage/archive/filetree.py)."""
     return f".{os.path.basename(os.path.abspath(dest))}.gpusnap-{pid}"
 
 

@@ -35,7 +35,7 @@ def cold_store(tmp_path: Path, nbytes: int) -> tuple[Any, list[Any]]:
     """A store of one snapshot `a` of NBYTES random bytes (in packs), its non-zero chunk refs, and the
     page cache dropped: the packs are on disk only."""
     from storage.pipeline import put as pipeline
-    from storage.filetree import FileTreeSource
+    from storage.archive.filetree import FileTreeSource
     from storage.repo.store import SnapshotStore
     src = tmp_path / "src"
     src.mkdir()

@@ -25,7 +25,7 @@ import threading
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
-from storage.filetree import RangeReader, read_fd
+from storage.archive.filetree import RangeReader, read_fd
 from storage.pipeline.put import PipelineError, StreamSpec
 
 class FollowError(PipelineError):

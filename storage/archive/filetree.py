@@ -28,7 +28,7 @@ from storage.fs.getmark import remove_marker, write_marker
 from storage.fs.treewalk import remove_tree
 from storage.base.names import InvalidNameError, validate_stream_name
 from storage.pipeline.put import PipelineError, StreamSpec, StreamWriter
-from storage.files_cache import stat_key
+from storage.archive.files_cache import stat_key
 from storage.fs.xattrs import read_xattrs, restore_xattrs
 
 
