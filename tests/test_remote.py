@@ -655,13 +655,13 @@ def test_gpu_restore_from_remote_on_another_store(tmp_path: Path, endpoint: str,
     from sandbox.gpu.driver import ProcessState as S
     from sandbox.gpu.snapshot import gpu_checkpoint, gpu_restore
     from storage.gpu.device import HostDevice
-    from storage.remote import Remote, RemoteConfig, add_remote
-    from storage.remote_fill import ensure_local
+    from storage.remote.client import Remote, RemoteConfig, add_remote
+    from storage.remote.fill import ensure_local
     from storage.repo.store import SnapshotStore
     for k, v in CREDS.items():
         monkeypatch.setenv(k, v)
-    import storage.remote
-    monkeypatch.setattr(storage.remote, "REMOTE_PACK_TARGET", 1)  # ONE_ENTRY_PACKS, in this process
+    import storage.remote.client
+    monkeypatch.setattr(storage.remote.client, "REMOTE_PACK_TARGET", 1)  # ONE_ENTRY_PACKS, in this process
     bucket, prefix = url_for("gpu")[5:].split("/", 1)
     cfg = RemoteConfig("r", bucket, prefix, endpoint)
     a, b = SnapshotStore(str(tmp_path / "A")), SnapshotStore(str(tmp_path / "B"))

@@ -165,7 +165,7 @@ class ArrivalsCase(Case):
     RemoteFill brings it (the tier: ArrivingSource)."""
 
     def __init__(self, tmp: Path, endpoint: str, bucket: str) -> None:
-        from storage.remote import Credentials, Remote, RemoteConfig
+        from storage.remote.client import Credentials, Remote, RemoteConfig
         a = StoreCase(tmp / "A")
         self.datas, self.refs = a.datas, a.refs
         prefix = f"contract-{uuid.uuid4().hex[:8]}"
@@ -190,7 +190,7 @@ class ArrivalsCase(Case):
         s3.put(self.remote.pack_key(pack), bytes(body))
 
     def open(self) -> ChunkTier:
-        from storage.remote_fill import ArrivingSource, RemoteFill
+        from storage.remote.fill import ArrivingSource, RemoteFill
         self.fill = RemoteFill(self.remote, self.b, "t").__enter__()
         self.fill.start()
         self.tier = ArrivingSource(self.b, self.fill)

@@ -3,7 +3,7 @@
 For each image CRIU asks for, its chunks are read, verified and decoded by a pool of threads a
 window ahead of CRIU and written into CRIU's pipe in order; no image is materialized. With a split
 (sandbox.criu.split) the large page runs are left out of what CRIU gets and written into the
-stopped tree afterwards (fill()). A restore from a remote (storage.remote_fill) starts before the
+stopped tree afterwards (fill()). A restore from a remote (storage.remote.fill) starts before the
 snapshot is local: the chunks still on their way are asked for in the order CRIU reads them
 (read_order), and a chunk is waited for only when CRIU needs it before it has arrived.
 sandbox.criu.restore runs CRIU against it.
@@ -50,7 +50,7 @@ from sandbox.criu.protocol import SERVE_SOCKET, Listener, StreamerError, read_re
 
 
 class Arrivals(Protocol):
-    """Chunks still on their way into the store while it serves (storage.remote_fill.RemoteFill)."""
+    """Chunks still on their way into the store while it serves (storage.remote.fill.RemoteFill)."""
 
     def wait(self, cid: str) -> None: ...
 
@@ -739,6 +739,6 @@ def split_shared_min() -> int:
 
 
 if TYPE_CHECKING:  # the remote fill is the Arrivals a restore --from a remote passes: checked here, not at run time
-    from storage.remote_fill import RemoteFill
+    from storage.remote.fill import RemoteFill
 
     _ARRIVALS_OF_A_REMOTE: type[Arrivals] = RemoteFill

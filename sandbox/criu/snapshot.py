@@ -66,7 +66,7 @@ import sandbox.criu.operations  # noqa: F401 - registers CriuDump and CriuRestor
 
 if TYPE_CHECKING:  # imported where used: a restore needs neither the dump side nor the remote's client
     from sandbox.criu.dump import DumpContext
-    from storage.remote_fill import RemoteFill
+    from storage.remote.fill import RemoteFill
     from sandbox.gpu.state import EarlyRestore
 
 __all__ = ["CriuReport", "CriuSnapshotError", "criu_dump", "criu_restore", "describe_pids", "kill_tree", "new_staging"]
@@ -212,8 +212,8 @@ def _from_remote(store: SnapshotStore, name: str, remote: str | None, jobs: int,
     if remote is None or store.exists(name):
         yield None
         return
-    from storage.remote import Remote
-    from storage.remote_fill import RemoteFill, ensure_local
+    from storage.remote.client import Remote
+    from storage.remote.fill import RemoteFill, ensure_local
     if images_path() != "stream":
         ensure_local(store, name, remote, progress=progress, jobs=jobs)
         yield None

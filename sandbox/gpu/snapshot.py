@@ -176,8 +176,8 @@ def gpu_restore(store: SnapshotStore, name: str, root_pid: int, *, device_map: l
     with ExitStack() as stack:
         fill = None
         if from_remote is not None and not store.exists(name):
-            from storage.remote import DEFAULT_JOBS, Remote
-            from storage.remote_fill import RemoteFill
+            from storage.remote.client import DEFAULT_JOBS, Remote
+            from storage.remote.fill import RemoteFill
             fill = stack.enter_context(RemoteFill(Remote.open(store, from_remote, jobs or DEFAULT_JOBS), store, name,
                                                   progress=progress))
         m = fill.manifest if fill is not None else store.load(name)
@@ -200,7 +200,7 @@ def gpu_restore(store: SnapshotStore, name: str, root_pid: int, *, device_map: l
                                               what="GPU restore"))
         source: Any = store
         if fill is not None:
-            from storage.remote_fill import ArrivingSource
+            from storage.remote.fill import ArrivingSource
             source = ArrivingSource(store, fill)
             fill.first([c for s in m.streams for c in s.chunks])  # in the order the engine restores them
             fill.start()

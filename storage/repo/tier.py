@@ -4,7 +4,7 @@ Three tiers implement it, and every caller (the GPU engine's checkpoint and rest
 serve a restore) uses only what is declared here, never asking which tier it holds:
 - the directory store: storage/repo/store.py, SnapshotStore (ChunkTier) and SnapshotWriter (TierWriter);
 - the memory tier: storage/tiers/memory.py, PinnedPool and PoolWriter;
-- chunks arriving from a remote: storage/remote_fill.py, ArrivingSource (a ChunkTier over a local
+- chunks arriving from a remote: storage/remote/fill.py, ArrivingSource (a ChunkTier over a local
   store while a RemoteFill brings the snapshot's chunks; what arrives is written through the local
   store's SnapshotWriter, after the remote check).
 

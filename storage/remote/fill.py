@@ -11,7 +11,7 @@ writer, whose pack is closed and indexed after each range. A reader (the CRIU im
 it returns as soon as that chunk is local (a chunk not yet fetched is moved to the front).
 
 Guarantees kept here:
-- nothing unverified enters the local store (storage.remote's check; a bad chunk is fetched once
+- nothing unverified enters the local store (storage.remote.client's check; a bad chunk is fetched once
   more, then reported as damage);
 - the local manifest is committed only by `finish`, once every chunk is local and verified; leaving
   the context without it (a failure, a signal, a failed restore) stops the fetches and commits
@@ -39,7 +39,7 @@ from storage.format.manifest import ChunkRef, Manifest
 from storage.format.chunkfile import ChunkHeader
 from storage.fs.directio import AlignedBuffer
 from storage.format.packs import Loc
-from storage.remote import (
+from storage.remote.client import (
     DEFAULT_JOBS,
     RANGE_MAX,
     Remote,
