@@ -14,8 +14,8 @@ from storage.base.errors import GpusnapError
 from storage.repo.locks import break_locks, lock_status
 from storage.format.manifest import Manifest, validate_tag
 from storage.base.names import validate_snapshot_name
-from storage.retention import Entry, Policy, companion_parent, decide, parse_created
-from storage.stats import compute, diff
+from storage.maintenance.retention import Entry, Policy, companion_parent, decide, parse_created
+from storage.maintenance.stats import compute, diff
 from storage.repo.store import SnapshotStore
 
 from cli.common import emit, human, json_option, one_line_errors, open_store
@@ -115,7 +115,7 @@ def forget(ctx: click.Context, keep_last: int, keep_hourly: int, keep_daily: int
     lines += [f"NOT removed {b}" for b in busy]
     lines += [f"unreadable (left alone) {b}" for b in bad]
     if prune and not dry_run:
-        from storage.gc import collect
+        from storage.maintenance.gc import collect
         rep = collect(st)
         report["prune"] = {"chunks_removed": rep.chunks_removed, "bytes_freed": rep.bytes_freed}
         lines.append(f"prune: removed {rep.chunks_removed} chunks ({human(rep.bytes_freed)})")

@@ -242,7 +242,7 @@ def store_ls(ctx: click.Context, name: str | None, prefix: str | None, tags: tup
         return
     from cli.archive_cmd import matches, parse_since
     from storage.repo.damage import DamageMarks
-    from storage.summary import read_summary
+    from storage.maintenance.summary import read_summary
     since_t = parse_since(since)
     st = open_store(ctx, create=False)
     names, strays = st.scan()
@@ -251,7 +251,7 @@ def store_ls(ctx: click.Context, name: str | None, prefix: str | None, tags: tup
     for n in names:
         try:
             with st.subdir(SNAPSHOTS) as snaps:
-                summ = read_summary(snaps, n)  # a big manifest: its head only (storage/summary.py)
+                summ = read_summary(snaps, n)  # a big manifest: its head only (storage/maintenance/summary.py)
             m = summ if summ is not None else st.load(n)
             if not matches(m, tags, kind, since_t):  # type: ignore[arg-type]
                 continue
@@ -503,7 +503,7 @@ def store_repair(ctx: click.Context, sources: tuple[str, ...], wait: float, as_j
     still are (a quarantined copy that is fine after all, or --from PATH); report what is lost.
 
     Exit 0 when every snapshot is whole again, 3 when something is lost (the report names it)."""
-    from storage.repair import repair as repair_store
+    from storage.maintenance.repair import repair as repair_store
     st = open_store(ctx, create=False)
     with Progress("repair", ctx.obj["progress"]) as prog:
         rep = repair_store(st, list(sources), timeout=wait, progress=prog)
@@ -528,7 +528,7 @@ def store_migrate(ctx: click.Context, wait: float, as_json: bool) -> None:
 
     Not needed to use an old store (its chunk files are read as they are); it makes reads sequential.
     A chunk file that fails its check is left in place and named (exit 3)."""
-    from storage.migrate import migrate
+    from storage.maintenance.migrate import migrate
     from sandbox.ops import journal
     st = open_store(ctx, create=False)
     journal.require_clean(st.path)
@@ -580,7 +580,7 @@ def store_gc(ctx: click.Context, wait: float, as_json: bool) -> None:
 
     Anything else found in the store is reported and left alone; damage found exits 3."""
     from sandbox.ops import journal
-    from storage.gc import collect
+    from storage.maintenance.gc import collect
     st = open_store(ctx, create=False)
     journal.require_clean(st.path)
     rep = collect(st, wait)

@@ -231,8 +231,8 @@ def _recover(store: Path, w: GpuWorkload):  # noqa: ANN202 - sandbox.recover.Rec
                    thp_record_dir=str(store.parent / "run"))
 
 
-def _gc(store: Path):  # noqa: ANN202 - storage.gc.GcReport
-    from storage.gc import collect
+def _gc(store: Path):  # noqa: ANN202 - storage.maintenance.gc.GcReport
+    from storage.maintenance.gc import collect
     from storage.repo.store import SnapshotStore
     return collect(SnapshotStore(str(store), create=False))
 

@@ -775,7 +775,7 @@ def test_gc_deletes_nothing_when_it_cannot_tell_whether_an_entry_is_a_delta(
     import errno
     import sys
     import storage.repo.store as store_mod
-    from storage import gc as gc_mod
+    from storage.maintenance import gc as gc_mod
     _, b, _ = images
     _two(cli, tmp_path, images)
     cli.run("store", "rm", "a")

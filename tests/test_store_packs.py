@@ -207,7 +207,7 @@ def test_gc_keeps_chunks_a_journaled_operation_names(cli: Cli, store_dir: Path, 
     line = json.dumps({"k": "chunk", "stream": "gpu/1/0", "i": 0, "ref": ref.to_json()}, separators=(",", ":"))
     import zlib
     (jdir / f"{op}.refs").write_text(f"{zlib.crc32(line.encode()):08x} {line}\n")
-    from storage.gc import collect
+    from storage.maintenance.gc import collect
     g = collect(SnapshotStore(str(store_dir)))
     assert g.packs_removed == 0 and ref.id in chunk_ids(store_dir), g
     (jdir / f"{op}.json").unlink()

@@ -169,7 +169,7 @@ class Manifest:
 
     def dumps(self) -> bytes:
         """The file: every field but `streams` first (sorted), then `streams` last, so that a reader of the
-        summary (storage/summary.py) stops before them; the checksum does not depend on the layout."""
+        summary (storage/maintenance/summary.py) stops before them; the checksum does not depend on the layout."""
         body = self._body()
         body["checksum"] = _checksum(body)
         streams = body.pop("streams")

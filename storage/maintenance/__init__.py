@@ -1,0 +1,1 @@
+"""Keeping a store healthy: gc, repair, migrate, retention, statistics and listings."""
