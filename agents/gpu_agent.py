@@ -93,7 +93,7 @@ def run(action: str, *, out: BinaryIO, inp: BinaryIO | None = None, path: str | 
     regions = spill = None
     if plan.streams:
         from sandbox.gpu.regions import EngineSpill
-        from storage.gpu.device import CudaDevice
+        from storage.api import CudaDevice
         dev = device if device is not None else CudaDevice(0)
         # a checkpoint only sends: a process already streamed comes back through a later restore
         regions, spill = PipeRegions(dev, out, inp if action == "restore" else None), EngineSpill(dev)

@@ -17,7 +17,7 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import click  # noqa: E402 - after the setting above
 
-from storage.base.errors import (EXIT_DAMAGED, EXIT_FAILED, EXIT_OK, EXIT_RECOVER, EXIT_UNAVAILABLE,
+from storage.api import (EXIT_DAMAGED, EXIT_FAILED, EXIT_OK, EXIT_RECOVER, EXIT_UNAVAILABLE,
                             EXIT_USAGE)
 
 from cli.lazy import LazyGroup
@@ -65,7 +65,7 @@ Environment:
 def _print_version(ctx: click.Context, param: click.Parameter, value: bool) -> None:
     if not value or ctx.resilient_parsing:
         return
-    from storage.format.manifest import tool_version
+    from storage.api import tool_version
     click.echo(f"gpusnap {tool_version()}")
     ctx.exit(0)
 
@@ -88,5 +88,5 @@ def main(ctx: click.Context, store_path: str | None, progress: bool | None) -> N
     Snapshots live in a content-addressed store: chunks are deduplicated across snapshots,
     compressed where it pays, checksummed, and committed atomically.
     """
-    from storage.repo.store import default_store_path
+    from storage.api import default_store_path
     ctx.obj = {"store": store_path or default_store_path(), "progress": progress}

@@ -10,13 +10,13 @@ from typing import IO, Any
 
 import click
 
-from storage.base.errors import GpusnapError
-from storage.repo.locks import break_locks, lock_status
-from storage.format.manifest import Manifest, validate_tag
-from storage.base.names import validate_snapshot_name
-from storage.maintenance.retention import Entry, Policy, companion_parent, decide, parse_created
-from storage.maintenance.stats import compute, diff
-from storage.repo.store import SnapshotStore
+from storage.api import GpusnapError
+from storage.api import break_locks, lock_status
+from storage.api import Manifest, validate_tag
+from storage.api import validate_snapshot_name
+from storage.api import Entry, Policy, companion_parent, decide, parse_created
+from storage.api import compute, diff
+from storage.api import SnapshotStore
 
 from cli.common import emit, human, json_option, one_line_errors, open_store
 
@@ -115,7 +115,7 @@ def forget(ctx: click.Context, keep_last: int, keep_hourly: int, keep_daily: int
     lines += [f"NOT removed {b}" for b in busy]
     lines += [f"unreadable (left alone) {b}" for b in bad]
     if prune and not dry_run:
-        from storage.maintenance.gc import collect
+        from storage.api import collect
         rep = collect(st)
         report["prune"] = {"chunks_removed": rep.chunks_removed, "bytes_freed": rep.bytes_freed}
         lines.append(f"prune: removed {rep.chunks_removed} chunks ({human(rep.bytes_freed)})")
@@ -164,7 +164,7 @@ def stats(ctx: click.Context, names: tuple[str, ...], as_json: bool) -> None:
 @one_line_errors
 def cat_cmd(ctx: click.Context, name: str, stream: str) -> None:
     """Write one file stream of NAME to stdout, every chunk verified before its bytes go out."""
-    from storage.archive.portable import cat
+    from storage.api import cat
     st = open_store(ctx, create=False)
     with st.shared():
         m = st.load(validate_snapshot_name(name))
@@ -207,7 +207,7 @@ def export_cmd(ctx: click.Context, name: str, archive: str, as_json: bool) -> No
     """Write snapshot NAME as one archive (zstd-compressed tar of its manifest and chunks) to
     ARCHIVE (a new file; default stdout), for `store import` into another store."""
     import os
-    from storage.archive.portable import export
+    from storage.api import export
     if archive == "-" and sys.stdout.isatty():
         raise click.UsageError("stdout is a terminal: give an ARCHIVE file, or redirect (`> NAME.gpusnap`, "
                                "`| ssh host gpusnap store import`)")
@@ -238,7 +238,7 @@ def export_cmd(ctx: click.Context, name: str, archive: str, as_json: bool) -> No
 def import_cmd(ctx: click.Context, archive: str, name: str | None, replace: bool, as_json: bool) -> None:
     """Take in an archive made by `store export` (file or - for stdin); every chunk verified, the
     snapshot visible only once complete."""
-    from storage.archive.portable import import_
+    from storage.api import import_
     st = open_store(ctx)
     if archive == "-":
         rep = import_(st, sys.stdin.buffer, name, replace=replace)

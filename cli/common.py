@@ -12,10 +12,10 @@ from typing import Any, Callable, Iterator
 
 import click
 
-from storage.base.errors import EXIT_FAILED, GpusnapError
-from storage.base.limits import DEFAULT_JOBS
-from storage.base.settings import apply_switch_interval
-from storage.repo.store import SnapshotStore
+from storage.api import EXIT_FAILED, GpusnapError
+from storage.api import DEFAULT_JOBS
+from storage.api import apply_switch_interval
+from storage.api import SnapshotStore
 
 def human(n: float) -> str:
     for unit in ("B", "KB", "MB", "GB", "TB"):
@@ -132,7 +132,7 @@ def wall(data: dict[str, Any]) -> dict[str, Any]:
     """The whole command's wall time and what it was: start-up (the interpreter and the imports),
     the stages the report already times, waits (locks, the fsyncs of a commit, a tree's death;
     storage/base/waits.py) and the rest (scanning, loading, journaling, cleaning up)."""
-    from storage.base import waits
+    from storage.api import waits
     now = _since_boot()
     started = _process_started()
     total = now - started if started is not None else now - COMMAND_STARTED

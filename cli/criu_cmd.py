@@ -6,7 +6,7 @@ import os
 import click
 
 from cli.progress import Progress
-from storage.base.errors import UnavailableError
+from storage.api import UnavailableError
 
 from cli.common import (emit, from_jobs_option, from_remote_option, human, json_option, one_line_errors, open_store,
                         split_map, tag_option)

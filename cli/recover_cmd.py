@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import click
 
-from storage.base.errors import EXIT_FAILED
+from storage.api import EXIT_FAILED
 
 from cli.common import emit, fail, json_option, one_line_errors, open_store
 from sandbox.recover import recover

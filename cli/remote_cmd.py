@@ -12,9 +12,9 @@ from typing import Any
 import click
 
 from cli.progress import Progress
-from storage.remote.client import (DEFAULT_JOBS, Remote, RemoteConfig, RemoteDamageError, add_remote,
+from storage.api import (DEFAULT_JOBS, Remote, RemoteConfig, RemoteDamageError, add_remote,
                             load_credentials)
-from storage.remote.fill import pull as pull_snapshot
+from storage.api import pull as pull_snapshot
 
 from cli.common import emit, human, json_option, one_line_errors, open_store
 
@@ -51,7 +51,7 @@ def remote() -> None:
 def remote_add(ctx: click.Context, name: str, url: str, endpoint: str, region: str,
                credentials_file: str | None, replace: bool, as_json: bool) -> None:
     """Add remote NAME at URL (the bucket is created if missing) and check that it answers."""
-    from storage.remote.client import RemoteError, remote_exists, validate_remote_name
+    from storage.api import RemoteError, remote_exists, validate_remote_name
     st = open_store(ctx)
     if remote_exists(st, validate_remote_name(name)) and not replace:
         raise RemoteError(f"remote {name!r} already exists (use --replace to change it; `gpusnap remote list` "
@@ -70,7 +70,7 @@ def remote_add(ctx: click.Context, name: str, url: str, endpoint: str, region: s
 @one_line_errors
 def remote_list(ctx: click.Context, as_json: bool) -> None:
     """The remotes this store has configured (as `git remote -v`); `remote ls` lists a remote's snapshots."""
-    from storage.remote.client import list_remotes
+    from storage.api import list_remotes
     cfgs = list_remotes(open_store(ctx, create=False))
     rows = [c.to_json() for c in cfgs]
     lines = [f"{'NAME':20} {'URL':40} ENDPOINT"] + [f"{c.name:20} {c.url:40} {c.endpoint}" for c in cfgs]
@@ -86,7 +86,7 @@ def remote_list(ctx: click.Context, as_json: bool) -> None:
 def remote_remove(ctx: click.Context, name: str, as_json: bool) -> None:
     """Remove remote NAME's configuration from this store (as `git remote remove`); nothing on the
     remote is deleted (`remote forget` deletes a snapshot there)."""
-    from storage.remote.client import remove_remote
+    from storage.api import remove_remote
     remove_remote(open_store(ctx, create=False), name)
     emit(as_json, {"removed": name}, f"remote {name}: configuration removed (nothing on it was deleted)")
 

@@ -6,8 +6,8 @@ from typing import Any
 
 import click
 
-from storage.base.errors import UnavailableError
-from storage.format.storedir import LOGS, path_in
+from storage.api import UnavailableError
+from storage.api import LOGS, path_in
 from cli.progress import Progress
 
 from sandbox.ops import journal

@@ -11,20 +11,20 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from storage.base.errors import EXIT_DAMAGED, EXIT_FAILED, GpusnapError
-from storage.base.names import validate_snapshot_name
-from storage.repo.store import StoreError
-from storage.format.storedir import MARKER, SNAPSHOTS, path_in
+from storage.api import EXIT_DAMAGED, EXIT_FAILED, GpusnapError
+from storage.api import validate_snapshot_name
+from storage.api import StoreError
+from storage.api import MARKER, SNAPSHOTS, path_in
 
 from cli.common import emit, human, json_option, one_line_errors, open_store, parse_chunk_size, tag_option, terminate_cleanly
 from cli.lazy import LazyGroup
 from cli.progress import Progress
 
 if TYPE_CHECKING:  # imported where used: `store ls` and `--help` need none of them (numpy, zstandard)
-    from storage.archive.files_cache import FilesCache
-    from storage.archive.filetree import FileTreeSource
-    from storage.format.manifest import Manifest, Stream
-    from storage.repo.store import DamagedCopy
+    from storage.api import FilesCache
+    from storage.api import FileTreeSource
+    from storage.api import Manifest, Stream
+    from storage.api import DamagedCopy
 
 # the store subcommands of cli/archive_cmd.py, imported only when one runs
 ARCHIVE_COMMANDS = {
@@ -89,8 +89,8 @@ def store_put(ctx: click.Context, name: str, paths: tuple[str, ...], replace: bo
     to be present and sound (borg's files cache; --force or --no-cache read everything)."""
     from sandbox.ops import journal
     from sandbox.ops.snapshot_meta import FilesMeta
-    from storage.pipeline import put as pipeline
-    from storage.archive.filetree import FileTreeSource
+    from storage.api import put as pipeline
+    from storage.api import FileTreeSource
     validate_snapshot_name(name)
     size = parse_chunk_size(chunk_size)
     patterns = list(exclude) + [p for f in exclude_files for p in _read_patterns(f)]
@@ -100,7 +100,7 @@ def store_put(ctx: click.Context, name: str, paths: tuple[str, ...], replace: bo
             click.echo(f"gpusnap: note: skipped {note}", err=True)
         st = open_store(ctx)
         journal.require_clean(st.path)  # an interrupted dump's workload comes first: `gpusnap recover`
-        from storage.archive.files_cache import FilesCache
+        from storage.api import FilesCache
         cache = FilesCache() if no_cache or force else FilesCache.load(st)
         base = st.load(parent) if parent is not None else None
         with st.writer(name, replace=replace, meta=meta, tags=tags, direct_packs=pipeline.put_direct()) as w, \
@@ -135,7 +135,7 @@ def _lookup(source: FileTreeSource, cache: "FilesCache") -> Any:
 def _update_cache(st: Any, source: FileTreeSource, manifest: Manifest, force: bool) -> None:
     """Record MANIFEST's files in the store's files cache (entries under this put's inputs that it no
     longer saw are dropped); a cache that cannot be written is only a slower next put."""
-    from storage.archive.files_cache import FilesCache
+    from storage.api import FilesCache
     cache = FilesCache.load(st)
     roots = [p for p, _ in source.roots]
     for path in [p for p in cache.entries if any(p == r or p.startswith(r.rstrip("/") + "/") for r in roots)]:
@@ -196,8 +196,8 @@ def store_get(ctx: click.Context, name: str, dest: str, include: tuple[str, ...]
 
     While it runs, a record in the store's tmp/ names DEST: if the get is killed, `store gc` removes
     the partial hidden tree it left beside DEST; a SIGTERM'd get removes it and the record itself."""
-    from storage.pipeline import put as pipeline
-    from storage.archive.filetree import FileTreeSink
+    from storage.api import put as pipeline
+    from storage.api import FileTreeSink
     st = open_store(ctx, create=False)
     with terminate_cleanly(), st.shared():
         m = st.load(validate_snapshot_name(name))
@@ -241,8 +241,8 @@ def store_ls(ctx: click.Context, name: str | None, prefix: str | None, tags: tup
         _list_files(ctx, validate_snapshot_name(name), prefix, as_json)
         return
     from cli.archive_cmd import matches, parse_since
-    from storage.repo.damage import DamageMarks
-    from storage.maintenance.summary import read_summary
+    from storage.api import DamageMarks
+    from storage.api import read_summary
     since_t = parse_since(since)
     st = open_store(ctx, create=False)
     names, strays = st.scan()
@@ -327,7 +327,7 @@ def store_tag(ctx: click.Context, names: tuple[str, ...], add: tuple[str, ...], 
     gpusnap store tag model-v3 --set prod --set llama
 
     The manifest is rewritten atomically (FORMAT.md, "Changing tags"); its streams are untouched."""
-    from storage.repo.tagging import retag
+    from storage.api import retag
     if not (add or remove or set_to):
         raise click.UsageError("give --add, --remove or --set")
     if set_to and (add or remove):
@@ -443,7 +443,7 @@ def store_verify(ctx: click.Context, name: str | None, repair: bool, read_data: 
     Damaged chunk files are moved to the store's quarantine/ so that the next put of the same data
     writes them again (which heals every snapshot that names them); --repair rewrites them now."""
     from sandbox.ops.snapshot_meta import meta_problems
-    from storage.repo.store import Problem
+    from storage.api import Problem
     if repair or sources:
         ctx.invoke(store_repair, sources=sources, wait=30.0, as_json=as_json)
         return
@@ -503,7 +503,7 @@ def store_repair(ctx: click.Context, sources: tuple[str, ...], wait: float, as_j
     still are (a quarantined copy that is fine after all, or --from PATH); report what is lost.
 
     Exit 0 when every snapshot is whole again, 3 when something is lost (the report names it)."""
-    from storage.maintenance.repair import repair as repair_store
+    from storage.api import repair as repair_store
     st = open_store(ctx, create=False)
     with Progress("repair", ctx.obj["progress"]) as prog:
         rep = repair_store(st, list(sources), timeout=wait, progress=prog)
@@ -528,7 +528,7 @@ def store_migrate(ctx: click.Context, wait: float, as_json: bool) -> None:
 
     Not needed to use an old store (its chunk files are read as they are); it makes reads sequential.
     A chunk file that fails its check is left in place and named (exit 3)."""
-    from storage.maintenance.migrate import migrate
+    from storage.api import migrate
     from sandbox.ops import journal
     st = open_store(ctx, create=False)
     journal.require_clean(st.path)
@@ -580,7 +580,7 @@ def store_gc(ctx: click.Context, wait: float, as_json: bool) -> None:
 
     Anything else found in the store is reported and left alone; damage found exits 3."""
     from sandbox.ops import journal
-    from storage.maintenance.gc import collect
+    from storage.api import collect
     st = open_store(ctx, create=False)
     journal.require_clean(st.path)
     rep = collect(st, wait)
@@ -609,7 +609,7 @@ def select_streams(m: Manifest, patterns: tuple[str, ...]) -> Manifest:
     picked = {s.name for s in m.streams if any(fnmatch.fnmatchcase(s.name, p) for p in patterns)}
     if not picked:
         raise StoreError(f"no stream of {m.name!r} matches {', '.join(patterns)} (`gpusnap store ls {m.name}` lists them)")
-    from storage.format.manifest import Manifest, Stream
+    from storage.api import Manifest, Stream
     parents = {"/".join(n.split("/")[:i]) for n in picked for i in range(1, n.count("/") + 1)}
     keep = picked | parents
     by_name = {s.name: s for s in m.streams}

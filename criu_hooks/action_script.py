@@ -151,7 +151,7 @@ def _safe_dir(path: str) -> int:
     """An fd of directory PATH (the log's or the records'), made 0700 where missing, its parents too;
     reached from / without following a link anywhere, each parent root's or ours and writable by no
     one else (unless sticky, as /tmp), PATH our own: OSError otherwise (storage.fs.owndir)."""
-    from storage.fs.owndir import own_dir
+    from storage.api import own_dir
     try:
         return own_dir(os.path.abspath(path))
     except OSError as e:
@@ -287,7 +287,7 @@ def _custom_target() -> tuple[str, str] | None:
     name = os.environ.get("GPUSNAP_GPU_SNAPSHOT")
     if not name:
         return None
-    from storage.repo.store import default_store_path
+    from storage.api import default_store_path
     return os.environ.get("GPUSNAP_STORE") or default_store_path(), name
 
 
@@ -297,8 +297,8 @@ def _thaw(drv: Any, pids: list[int], path: str, target: tuple[str, str] | None, 
     if target is None or not plan.streams:
         return state.thaw(drv, pids, plan.backend())
     from sandbox.gpu.regions import EngineRegions
-    from storage.pipeline.gpu_engine import GpuEngine
-    from storage.repo.store import SnapshotStore
+    from storage.api import GpuEngine
+    from storage.api import SnapshotStore
     store = SnapshotStore(target[0], create=False)
     m = store.load(target[1])
     with GpuEngine(0 if device is None else device) as eng:
@@ -320,8 +320,8 @@ def _freeze(drv: Any, pids: list[int], features: Any, device: Any) -> tuple[Any,
     if target is None or not plan.streams:
         return state.checkpoint(drv, pids, plan.backend(), limits), plan.path.value, None
     from sandbox.gpu.regions import EngineRegions
-    from storage.pipeline.gpu_engine import GpuEngine
-    from storage.repo.store import SnapshotStore
+    from storage.api import GpuEngine
+    from storage.api import SnapshotStore
     store = SnapshotStore(target[0])
     from sandbox.ops.gpu_path import GpuPath
     from sandbox.ops.snapshot_meta import GpuMeta
@@ -393,7 +393,7 @@ def run(action: str, init_pid: int | None, *, driver: Any = None, features: Any 
 
 def _in_snapshot(target: tuple[str, str], pids: list[int]) -> bool:
     """Whether snapshot TARGET holds custom-storage GPU memory for PIDS."""
-    from storage.repo.store import SnapshotStore
+    from storage.api import SnapshotStore
     try:
         m = SnapshotStore(target[0], create=False).load(target[1])
     except Exception:  # noqa: BLE001 - no such store or snapshot: the driver's host copy

@@ -8,8 +8,8 @@ import subprocess
 from dataclasses import asdict
 from typing import Any
 
-from storage.gpu.device import numa_nodes
-from storage.pipeline.encodeprocs import EncodeProcsError, encode_procs
+from storage.api import numa_nodes
+from storage.api import EncodeProcsError, encode_procs
 
 from sandbox.criu.protocol import CRIU_PAGE_PIPE, pipe_limits
 from sandbox.criu.runner import cuda_plugin
@@ -170,10 +170,10 @@ def report(criu: str = "criu", runsc: str = "runsc") -> dict[str, Any]:
 def _host_codec() -> dict[str, Any]:
     """What the CPU codecs run on: the system's libzstd or python-zstandard, the byte planes in C or numpy;
     and how the dump reads CRIU's pipes (storage.fs.fdread: C, or Python's loop)."""
-    from storage.codecs import delta
-    from storage.codecs import shufflelib
-    from storage.codecs import zstdlib
-    from storage.fs import fdread
+    from storage.api import delta
+    from storage.api import shufflelib
+    from storage.api import zstdlib
+    from storage.api import fdread
     try:
         reads = fdread.describe()
     except fdread.FdReadError as e:
@@ -185,7 +185,7 @@ def _host_codec() -> dict[str, Any]:
 def _dump_writes() -> str:
     """How a dump writes its packs on this host (sandbox.host.dumpwrites), or why it cannot."""
     from sandbox.host import dumpwrites
-    from storage.base.settings import SettingError
+    from storage.api import SettingError
     try:
         return dumpwrites.describe()
     except SettingError as e:

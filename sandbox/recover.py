@@ -44,7 +44,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
-from storage.repo.store import SnapshotStore
+from storage.api import SnapshotStore
 
 from sandbox.ops import journal
 from sandbox.host import hugepages
@@ -157,7 +157,7 @@ def _remove_staging(rec: OpRecord, done: Recovered) -> None:
 def _remove_owner_temps(store: SnapshotStore, rec: OpRecord, done: Recovered) -> None:
     """Temporary store files of the dead owner: tmp/KIND.PID-START-BOOT.... (storage.fs.owner names them),
     this owner's pid and start time, and no longer alive."""
-    from storage.fs.owner import ProcessOwner
+    from storage.api import ProcessOwner
     n = 0
     for e in os.scandir(store.tmp_dir):
         parts = e.name.split(".")

@@ -44,6 +44,58 @@ def test_imports_point_down_only() -> None:
     assert not wrong, "\n".join(wrong)
 
 
+# storage/'s packages along the data's way, from the bottom: a module imports only from its own package and
+# the packages below it. storage/api.py, the public face, sits on top of them all.
+STORAGE_FLOORS = ["base", "fs", "codecs", "format", "gpu", "repo", "pipeline", "tiers", "archive", "remote",
+                  "maintenance"]
+FACE = "storage.api"
+
+
+def _storage_modules_imported(path: Path) -> set[str]:
+    """The dotted storage modules (or packages) PATH imports, lazily or not."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names if a.name.split(".")[0] == "storage")
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module \
+                and node.module.split(".")[0] == "storage":
+            out.update([node.module] if node.module != "storage" else [f"storage.{a.name}" for a in node.names])
+    return out
+
+
+def test_storage_is_packages_and_one_face() -> None:
+    top = {p.name for p in (REPO / "storage").iterdir() if p.suffix == ".py"}
+    assert top == {"__init__.py", "api.py"}, sorted(top)
+    packages = {p.name for p in (REPO / "storage").iterdir() if (p / "__init__.py").is_file()}
+    assert packages == set(STORAGE_FLOORS) | {"native"}
+
+
+def test_code_outside_storage_imports_only_its_face() -> None:
+    wrong = []
+    for pkg in ALLOWED:
+        if pkg == "storage":
+            continue
+        for path in sorted((REPO / pkg).rglob("*.py")):
+            for mod in sorted(_storage_modules_imported(path) - {FACE}):
+                wrong.append(f"{path.relative_to(REPO)} imports {mod} (only {FACE} is public)")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_storage_packages_point_down_only() -> None:
+    wrong = []
+    for path in sorted((REPO / "storage").rglob("*.py")):
+        rel = path.relative_to(REPO / "storage")
+        if len(rel.parts) == 1:
+            continue  # __init__ (imports nothing) and api (the face, on top)
+        mine = rel.parts[0]
+        below = {"native"} | (set(STORAGE_FLOORS[:STORAGE_FLOORS.index(mine)]) if mine in STORAGE_FLOORS else set())
+        for mod in sorted(_storage_modules_imported(path)):
+            pkg = mod.split(".")[1] if mod.count(".") else ""
+            if pkg != mine and pkg not in below:
+                wrong.append(f"storage/{rel} ({mine}) imports up or sideways: {mod}")
+    assert not wrong, "\n".join(wrong)
+
+
 # inside sandbox/, floors from the bottom: a module imports only from its own package and the floors
 # below it. The top floor is sandbox/'s own modules (doctor.py, recover.py: recover undoes every kind,
 # so it sits above every flow that registers one).

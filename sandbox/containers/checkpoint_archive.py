@@ -22,13 +22,13 @@ from contextlib import contextmanager
 
 import zstandard
 
-from storage.base.progress import Progress
-from storage.pipeline import put as pipeline
+from storage.api import Progress
+from storage.api import put as pipeline
 from sandbox.host.dumpwrites import dump_packs_direct
-from storage.base.errors import GpusnapError
-from storage.archive.filetree import FileTreeSink, FileTreeSource
-from storage.base.names import validate_snapshot_name
-from storage.repo.store import SnapshotStore
+from storage.api import GpusnapError
+from storage.api import FileTreeSink, FileTreeSource
+from storage.api import validate_snapshot_name
+from storage.api import SnapshotStore
 
 from sandbox.containers.tar_streams import TarSink, TarSource
 

@@ -27,7 +27,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
-from storage.base.errors import GpusnapError
+from storage.api import GpusnapError
 
 PACKAGES = ("criu_hooks", "sandbox", "storage")   # what the hook imports (layers: criu_hooks -> sandbox -> storage)
 ALL_PACKAGES = ("criu_hooks", "sandbox", "storage", "agents", "cli")   # never copied from a dependency's RECORD

@@ -35,7 +35,7 @@ import subprocess
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
-from storage.base.errors import GpusnapError, UnavailableError
+from storage.api import GpusnapError, UnavailableError
 
 from sandbox.containers import config_block, hook_bundle
 from sandbox.containers.hook_bundle import BundleError

@@ -13,7 +13,7 @@ import stat
 from contextlib import contextmanager
 from typing import Iterator
 
-from storage.base.errors import GpusnapError
+from storage.api import GpusnapError
 
 
 class PinnedDirError(GpusnapError):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import re
 
-from storage.base.errors import GpusnapError
+from storage.api import GpusnapError
 
 _RUNTIME_CGROUP = re.compile(r"(libpod|docker|crio|cri-containerd)[-_:]?([0-9a-f]{12,64})")
 

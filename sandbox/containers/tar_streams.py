@@ -14,11 +14,11 @@ import tarfile
 from contextlib import contextmanager
 from typing import BinaryIO, Iterator
 
-from storage.base.errors import GpusnapError
-from storage.archive.filetree import RangeReader
-from storage.format.manifest import Stream, check_tree
-from storage.base.names import InvalidNameError, validate_stream_name
-from storage.pipeline.put import StreamSpec, StreamWriter
+from storage.api import GpusnapError
+from storage.api import RangeReader
+from storage.api import Stream, check_tree
+from storage.api import InvalidNameError, validate_stream_name
+from storage.api import StreamSpec, StreamWriter
 
 BLOCK = 512
 

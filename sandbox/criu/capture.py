@@ -20,8 +20,8 @@ import time
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
-from storage.fs import fdread
-from storage.pipeline.put import PipelineError, StreamSpec
+from storage.api import fdread
+from storage.api import PipelineError, StreamSpec
 
 from sandbox.criu.images import IMAGES, is_page_image
 from sandbox.criu.protocol import BIG_PIPE, CAPTURE_SOCKET, PIPE_SIZE, Listener, StreamerError, dump_pipe_size, read_request, recv_pipe

@@ -20,10 +20,10 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from storage.pipeline import put as pipeline
-from storage.archive.follow import FollowedDirSource
-from storage.base.progress import Progress
-from storage.repo.store import SnapshotStore
+from storage.api import put as pipeline
+from storage.api import FollowedDirSource
+from storage.api import Progress
+from storage.api import SnapshotStore
 
 from sandbox.criu.capture import CaptureSource
 from sandbox.criu.gpu_side import GpuSide

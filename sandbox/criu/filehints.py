@@ -50,7 +50,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
-from storage.base.errors import GpusnapError
+from storage.api import GpusnapError
 
 from sandbox.criu.split import (PAGE, VMA_FILE_PRIVATE, VMA_FILE_SHARED, VMA_REGULAR, Pagemap, SplitError, _LEN,
                                 _MAGICS, _skip_field, _varint, vma_fields)
@@ -471,5 +471,5 @@ def warm_within(hints: Sequence[Hint], deadline_s: float = DEADLINE_S) -> dict[s
 def hints_on() -> bool:
     """$GPUSNAP_CRIU_FILE_HINTS: 1 (default) warms the mapped files before the fill's reads, 0 does not
     (for measuring)."""
-    from storage.base import settings
+    from storage.api import settings
     return bool(settings.switch("GPUSNAP_CRIU_FILE_HINTS", True, FileHintError))

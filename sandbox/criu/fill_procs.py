@@ -46,24 +46,24 @@ import time
 from contextlib import contextmanager
 from typing import IO, TYPE_CHECKING, Any, Callable, Iterator, TypeVar
 
-from storage.fs import isolated
+from storage.api import isolated
 
-from storage.base import settings
-from storage.format.chunkfile import ChunkError, ChunkHeader
-from storage.codecs.registry import CodecError
-from storage.base.errors import DamageError, GpusnapError
-from storage.format.manifest import ChunkRef
-from storage.format.packs import Loc
-from storage.pipeline.put import Stages
-from storage.repo.readstage import READERS, PackSource, Want, read_chunks
-from storage.repo.store import SnapshotStore, StoreError
+from storage.api import settings
+from storage.api import ChunkError, ChunkHeader
+from storage.api import CodecError
+from storage.api import DamageError, GpusnapError
+from storage.api import ChunkRef
+from storage.api import Loc
+from storage.api import Stages
+from storage.api import READERS, PackSource, Want, read_chunks
+from storage.api import SnapshotStore, StoreError
 
 from sandbox.criu.split import Filler, Job, Key, SplitError, check_pids
 
 if TYPE_CHECKING:
     from contextlib import AbstractContextManager
 
-    from storage.fs.directio import AlignedBuffer
+    from storage.api import AlignedBuffer
 
 MIN_SHARE = 256 << 20  # a worker process is worth its start-up only for this many stored bytes
 FILL_GAP = 1 << 20     # the split fill's reads bridge this many unwanted bytes of a pack

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from storage.base.progress import Progress
-from storage.repo.store import SnapshotStore
+from storage.api import Progress
+from storage.api import SnapshotStore
 
 from sandbox.gpu.processes import uses_gpu
 from sandbox.gpu.state import Plan as GpuPlan, plan as gpu_plan
@@ -57,7 +57,7 @@ class GpuSide:
 
     def __enter__(self) -> "GpuSide":
         if self.custom:
-            from storage.pipeline.gpu_engine import GpuEngine
+            from storage.api import GpuEngine
             self.engine = GpuEngine(0 if self.device is None else self.device)
         return self
 

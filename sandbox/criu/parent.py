@@ -13,9 +13,9 @@ manifest is; one that does not load fails the dump before anything starts.
 """
 from __future__ import annotations
 
-from storage.base.errors import GpusnapError
-from storage.format.manifest import Manifest
-from storage.repo.store import SnapshotStore
+from storage.api import GpusnapError
+from storage.api import Manifest
+from storage.api import SnapshotStore
 
 from sandbox.criu.images import IMAGES
 

@@ -23,8 +23,8 @@ import struct
 from typing import Any, Callable
 
 from sandbox.criu import split
-from storage.base.errors import GpusnapError
-from storage.base.settings import setting
+from storage.api import GpusnapError
+from storage.api import setting
 
 CAPTURE_SOCKET = "streamer-capture.sock"
 SERVE_SOCKET = "streamer-serve.sock"

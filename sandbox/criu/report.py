@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from storage.base.errors import GpusnapError
+from storage.api import GpusnapError
 
 
 class CriuSnapshotError(GpusnapError):

@@ -28,12 +28,12 @@ from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from storage.pipeline import put as pipeline
-from storage.archive.filetree import FileTreeSink
-from storage.format.manifest import Manifest
-from storage.base.progress import Progress
-from storage.repo.store import SnapshotStore
-from storage.base.wakeprobe import WakeProbe, wanted as wake_probe_wanted
+from storage.api import put as pipeline
+from storage.api import FileTreeSink
+from storage.api import Manifest
+from storage.api import Progress
+from storage.api import SnapshotStore
+from storage.api import WakeProbe, wanted as wake_probe_wanted
 
 from sandbox.criu.restored import (adopting_orphans, boot_ticks, in_restored_tree, kill_half_restored, restored_procs,
                                    wait_stopped)

@@ -21,8 +21,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
-from storage.base.errors import EXIT_UNAVAILABLE, GpusnapError
-from storage.fs.owndir import own_dir
+from storage.api import EXIT_UNAVAILABLE, GpusnapError
+from storage.api import own_dir
 
 from sandbox.host.procgroup import run_group
 

@@ -28,18 +28,18 @@ from contextlib import contextmanager
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Protocol
 
-from storage.pipeline import put as pipeline
+from storage.api import put as pipeline
 
-from storage.repo import readstage
-from storage.repo.childreads import ChildReads
-from storage.format.chunkfile import ChunkError
-from storage.codecs.registry import CodecError, decode_host, decode_host_into
-from storage.fs.directio import AlignedBuffer, BufferPool, Recycler, address_of, copy_into
-from storage.base.errors import GpusnapError
-from storage.format.manifest import ChunkRef, Manifest, Stream
-from storage.pipeline.put import Stages
-from storage.repo.readstage import Want, plan_runs, read_ahead, read_runs
-from storage.repo.store import SnapshotStore, StoreError
+from storage.api import readstage
+from storage.api import ChildReads
+from storage.api import ChunkError
+from storage.api import CodecError, decode_host, decode_host_into
+from storage.api import AlignedBuffer, BufferPool, Recycler, address_of, copy_into
+from storage.api import GpusnapError
+from storage.api import ChunkRef, Manifest, Stream
+from storage.api import Stages
+from storage.api import Want, plan_runs, read_ahead, read_runs
+from storage.api import SnapshotStore, StoreError
 
 from sandbox.criu import filehints, fill_procs, split
 from sandbox.criu.fill_procs import FILL_GAP, FillProcs, read_moved, setting
@@ -739,6 +739,6 @@ def split_shared_min() -> int:
 
 
 if TYPE_CHECKING:  # the remote fill is the Arrivals a restore --from a remote passes: checked here, not at run time
-    from storage.remote.fill import RemoteFill
+    from storage.api import RemoteFill
 
     _ARRIVALS_OF_A_REMOTE: type[Arrivals] = RemoteFill

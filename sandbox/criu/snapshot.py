@@ -36,12 +36,12 @@ import time
 from contextlib import ExitStack, contextmanager
 from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
-from storage.base.progress import Progress
-from storage.pipeline import encodeprocs
-from storage.fs import fdread
-from storage.base import waits
-from storage.base.limits import DEFAULT_JOBS
-from storage.repo.store import SnapshotStore
+from storage.api import Progress
+from storage.api import encodeprocs
+from storage.api import fdread
+from storage.api import waits
+from storage.api import DEFAULT_JOBS
+from storage.api import SnapshotStore
 
 from sandbox.ops import journal
 from sandbox.criu import restore
@@ -66,7 +66,7 @@ import sandbox.criu.operations  # noqa: F401 - registers CriuDump and CriuRestor
 
 if TYPE_CHECKING:  # imported where used: a restore needs neither the dump side nor the remote's client
     from sandbox.criu.dump import DumpContext
-    from storage.remote.fill import RemoteFill
+    from storage.api import RemoteFill
     from sandbox.gpu.state import EarlyRestore
 
 __all__ = ["CriuReport", "CriuSnapshotError", "criu_dump", "criu_restore", "describe_pids", "kill_tree", "new_staging"]
@@ -212,8 +212,8 @@ def _from_remote(store: SnapshotStore, name: str, remote: str | None, jobs: int,
     if remote is None or store.exists(name):
         yield None
         return
-    from storage.remote.client import Remote
-    from storage.remote.fill import RemoteFill, ensure_local
+    from storage.api import Remote
+    from storage.api import RemoteFill, ensure_local
     if images_path() != "stream":
         ensure_local(store, name, remote, progress=progress, jobs=jobs)
         yield None
@@ -297,7 +297,7 @@ def _restore_run(criu: Criu, store: SnapshotStore, m: Any, meta: CriuMeta, stage
                  fill: RemoteFill | None, tcp: tuple[str, ...], early: Any = None) -> restore.RestoreRun:
     """The `criu restore` of M's CRIU images (its gpu/ streams left out) in STAGE: the dump's options
     that CRIU needs again, and TCP (asked for even when the dump did not record it)."""
-    from storage.format.manifest import Manifest
+    from storage.api import Manifest
     files = Manifest(m.name, [s for s in m.streams if not is_gpu_stream(s)], m.meta)
     extra = tuple(o for o in meta.options if o in RESTORE_TOO) + tuple(o for o in tcp if o not in meta.options)
     return restore.RestoreRun(criu, store, files, stage, list(meta.pids), meta.shell_job, extra, progress=progress,

@@ -42,11 +42,11 @@ from typing import Any, Callable, Iterator, Sequence, Union
 
 from sandbox.criu.restored import boot_ticks
 from sandbox.host.processes import memory_identity
-from storage.fs.directio import AlignedBuffer, copy_into
-from storage.base.errors import GpusnapError
-from storage.format.manifest import ChunkRef, Stream
-from storage.pipeline.put import Stages
-from storage.repo.readstage import Want
+from storage.api import AlignedBuffer, copy_into
+from storage.api import GpusnapError
+from storage.api import ChunkRef, Stream
+from storage.api import Stages
+from storage.api import Want
 
 PAGE = 4096
 PE_PARENT, PE_LAZY, PE_PRESENT = 1, 2, 4

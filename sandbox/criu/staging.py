@@ -12,8 +12,8 @@ import os
 import shutil
 import time
 
-from storage.repo.store import SnapshotStore
-from storage.format.storedir import LOGS, path_in
+from storage.api import SnapshotStore
+from storage.api import LOGS, path_in
 
 from sandbox.criu.runner import CriuError
 from sandbox.ops import journal

@@ -27,8 +27,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO, Iterator, cast
 
-from storage.base.progress import Progress
-from storage.base.errors import GpusnapError
+from storage.api import Progress
+from storage.api import GpusnapError
 
 from sandbox.gpu.driver import DeviceRegion, ProcessState
 from sandbox.gpu.regions import stream_name
@@ -239,7 +239,7 @@ class AgentFrames:
             self._open = None
 
     def streams(self) -> Iterator[Any]:
-        from storage.pipeline.put import StreamSpec
+        from storage.api import StreamSpec
         while True:
             h = read_header(self.f)
             self._close_open()
@@ -273,7 +273,7 @@ class AgentFrames:
 def receive(frames: AgentFrames, writer: Any, progress: Progress | None = None) -> None:
     """Read the agent's checkpoint FRAMES into WRITER (chunked, hashed, written; the caller commits)
     until its report (frames.report; frames.complete: the processes whose memory fully arrived)."""
-    from storage.pipeline import put as pipeline
+    from storage.api import put as pipeline
     pipeline.put(writer, frames, progress=progress)
 
 
@@ -283,7 +283,7 @@ def send(inp: BinaryIO, out: BinaryIO, source: Any, streams: list[Any], have: di
     each process it needs, from STREAMS (gpu/PID/INDEX) read verified from SOURCE. HAVE: the processes
     (and their GPU indexes) the host may give back (default: every process in STREAMS). Returns the
     pids sent. Refuses a process it has no complete memory for."""
-    from storage.fs.directio import AlignedBuffer
+    from storage.api import AlignedBuffer
     by_pid: dict[int, list[Any]] = {}
     for s in streams:
         parts = s.name.split("/")

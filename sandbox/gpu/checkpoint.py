@@ -23,7 +23,7 @@ from typing import Callable, Iterator, Protocol
 from sandbox.gpu.driver import CheckpointDriver, CudaDriverError, CustomOperation, DeviceRegion, ProcessState
 
 
-from storage.base.errors import GpusnapError
+from storage.api import GpusnapError
 
 class GpuCheckpointError(GpusnapError):
     """A multi-process checkpoint or restore that failed; says what was rolled back."""

@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
-from storage.base.errors import EXIT_UNAVAILABLE, EXIT_USAGE, GpusnapError
+from storage.api import EXIT_UNAVAILABLE, EXIT_USAGE, GpusnapError
 
 from sandbox.gpu.driver import Features, GpuInfo
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 
-from storage.base.errors import EXIT_UNAVAILABLE, GpusnapError
+from storage.api import EXIT_UNAVAILABLE, GpusnapError
 
 class CudaDriverError(GpusnapError):
     """A driver checkpoint call that failed, with the pid, the call and the CUresult name; MISSING:

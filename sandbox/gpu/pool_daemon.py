@@ -24,7 +24,7 @@ import threading
 import time
 from typing import Any
 
-from storage.base.errors import GpusnapError
+from storage.api import GpusnapError
 
 DEFAULT_SOCKET = "/run/gpusnap/pool.sock"
 IDLE_S = 60.0
@@ -39,8 +39,8 @@ class PoolServer:
 
     def __init__(self, socket_path: str, capacity: int, *, driver: Any = None, features: Any = None,
                  device: Any = None) -> None:
-        from storage.pipeline.gpu_engine import GpuEngine
-        from storage.tiers.memory import PinnedPool
+        from storage.api import GpuEngine
+        from storage.api import PinnedPool
         from sandbox.gpu.driver import CudaDriver, probe
         self.driver = driver or CudaDriver()
         self.features = features or probe(self.driver)

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from storage.base.progress import Progress
+from storage.api import Progress
 from sandbox.ops import journal
 from sandbox.gpu.driver import DeviceRegion
 
 if TYPE_CHECKING:  # storage.format.manifest needs blake3, which the in-sandbox agent (importing this) may lack
-    from storage.format.manifest import Manifest, Stream
+    from storage.api import Manifest, Stream
 
 
 def stream_name(pid: int, index: int) -> str:
@@ -47,7 +47,7 @@ class EngineRegions:
         return cls(engine, source=source, name=manifest.name, streams=manifest.streams, progress=progress)
 
     def save(self, pid: int, regions: list[DeviceRegion]) -> None:
-        from storage.pipeline.gpu_engine import Region
+        from storage.api import Region
         if self.writer is None:
             raise ValueError("EngineRegions.of() only loads")
         targets = [Region(stream_name(pid, r.index), r.dev_ptr, r.size) for r in regions]
@@ -70,8 +70,8 @@ class EngineRegions:
             journal.pause("gpu-chunk")  # test hook: a region's first chunk recorded, the rest not yet
 
     def load(self, pid: int, regions: list[DeviceRegion]) -> None:
-        from storage.pipeline.gpu_engine import Region
-        from storage.format.manifest import Manifest
+        from storage.api import Region
+        from storage.api import Manifest
         targets = {stream_name(pid, r.index): Region(stream_name(pid, r.index), r.dev_ptr, r.size) for r in regions}
         self.engine.restore(self.source, Manifest(self.name, [s for s in self.streams if s.name in targets]),
                             targets, progress=self.progress)

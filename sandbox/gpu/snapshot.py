@@ -20,8 +20,8 @@ from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
-from storage.base.progress import Progress
-from storage.repo.store import SnapshotStore
+from storage.api import Progress
+from storage.api import SnapshotStore
 
 from sandbox.ops import journal
 from sandbox.host.dumpwrites import dump_packs_direct
@@ -38,7 +38,7 @@ import sandbox.gpu.operations  # noqa: F401 - registers GpuCheckpoint and GpuRes
 from sandbox.ops.snapshot_meta import GpuInfo, GpuMeta
 
 
-from storage.base.errors import GpusnapError
+from storage.api import GpusnapError
 
 class GpuSnapshotError(GpusnapError):
     """A GPU swap-out/in request that cannot be done as asked (bad pid, bad map, wrong snapshot)."""
@@ -153,7 +153,7 @@ def _engine(path: GpuPath, device: Any) -> Iterator[Any]:
     if path != GpuPath.CUSTOM_STORAGE:
         yield None
         return
-    from storage.pipeline.gpu_engine import GpuEngine
+    from storage.api import GpuEngine
     with GpuEngine(0 if device is None else device) as eng:
         yield eng
 
@@ -176,8 +176,8 @@ def gpu_restore(store: SnapshotStore, name: str, root_pid: int, *, device_map: l
     with ExitStack() as stack:
         fill = None
         if from_remote is not None and not store.exists(name):
-            from storage.remote.client import DEFAULT_JOBS, Remote
-            from storage.remote.fill import RemoteFill
+            from storage.api import DEFAULT_JOBS, Remote
+            from storage.api import RemoteFill
             fill = stack.enter_context(RemoteFill(Remote.open(store, from_remote, jobs or DEFAULT_JOBS), store, name,
                                                   progress=progress))
         m = fill.manifest if fill is not None else store.load(name)
@@ -200,7 +200,7 @@ def gpu_restore(store: SnapshotStore, name: str, root_pid: int, *, device_map: l
                                               what="GPU restore"))
         source: Any = store
         if fill is not None:
-            from storage.remote.fill import ArrivingSource
+            from storage.api import ArrivingSource
             source = ArrivingSource(store, fill)
             fill.first([c for s in m.streams for c in s.chunks])  # in the order the engine restores them
             fill.start()

@@ -41,7 +41,7 @@ from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from typing import Iterator, Protocol
 
-from storage.base.errors import GpusnapError
+from storage.api import GpusnapError
 
 from sandbox.ops import journal
 from sandbox.ops.gpu_path import GpuPath

@@ -13,7 +13,7 @@ $GPUSNAP_DUMP_DIRECT=0 or 1 decides instead (dump_direct).
 from __future__ import annotations
 
 from sandbox.host.hugepages import free_page_reporting
-from storage.base.settings import switch
+from storage.api import switch
 
 
 def dump_direct() -> bool | None:

@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator
 
-from storage.base.errors import GpusnapError
+from storage.api import GpusnapError
 
 from sandbox.host.meminfo import meminfo
 from sandbox.host.processes import Proc

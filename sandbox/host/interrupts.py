@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from types import FrameType
 from typing import Iterator
 
-from storage.base.errors import GpusnapError
+from storage.api import GpusnapError
 
 SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
 

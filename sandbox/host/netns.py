@@ -20,7 +20,7 @@ from typing import Any, Iterator
 
 
 
-from storage.base.errors import GpusnapError
+from storage.api import GpusnapError
 
 class NetnsError(GpusnapError):
     """A namespace or link that cannot be created, found or removed."""

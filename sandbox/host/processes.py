@@ -10,7 +10,7 @@ import signal
 import time
 from dataclasses import dataclass
 
-from storage.base.errors import GpusnapError
+from storage.api import GpusnapError
 
 
 class DiscoveryError(GpusnapError):

@@ -35,9 +35,9 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Iterator, Sequence
 
-from storage.base.errors import EXIT_RECOVER, GpusnapError
-from storage.base.pausepoint import pause_at
-from storage.format.storedir import JOURNAL, path_in
+from storage.api import EXIT_RECOVER, GpusnapError
+from storage.api import pause_at
+from storage.api import JOURNAL, path_in
 
 from sandbox.host import procgroup
 # Proc and the helpers below are named through the journal by the flows and recovery (journal.Proc, ...)
@@ -185,7 +185,7 @@ class Journal:
 
     def remove(self, op: str) -> None:
         """OP's record, then its reference log (gc honours a log only while its record exists)."""
-        from storage.repo import reflog  # lazily: the in-sandbox agent imports this module without blake3
+        from storage.api import reflog  # lazily: the in-sandbox agent imports this module without blake3
         for path in (self._path(op), os.path.join(self.dir, op + reflog.SUFFIX)):
             try:
                 os.unlink(path)
@@ -195,7 +195,7 @@ class Journal:
 
     def ref_log(self, op: str) -> Any:
         """The chunk references OP's gpu/ streams recorded, a storage.repo.reflog.RefLog (None if it kept no log)."""
-        from storage.repo import reflog
+        from storage.api import reflog
         return reflog.read(self.dir, op)
 
     def records(self) -> list[OpRecord]:
@@ -232,7 +232,7 @@ class Journal:
     def stale_temps(self) -> list[str]:
         """Half-written record files of owners that died (the record they were replacing is intact),
         and reference logs whose record is gone (removed between the two unlinks of remove())."""
-        from storage.repo import reflog
+        from storage.api import reflog
         out = []
         try:
             names = os.listdir(self.dir)
@@ -271,7 +271,7 @@ class Op:
     def ref_log(self, durable: Any) -> Any:
         """The storage.repo.reflog.RefLogWriter of this operation's chunk-reference log (DURABLE(refs) makes
         the chunks durable before their references are written: the store writer's sync_chunks)."""
-        from storage.repo import reflog
+        from storage.api import reflog
         return reflog.RefLogWriter(self.journal.dir, self.id, durable)
 
     def helper_started(self, pid: int) -> None:

@@ -27,7 +27,7 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, ContextManager, Iterator
 
-from storage.repo.store import SnapshotStore
+from storage.api import SnapshotStore
 
 from sandbox.ops import journal
 from sandbox.ops.journal import OpKind, OpRecord, Stage
@@ -56,7 +56,7 @@ class Recovered:
 
 def _new_engine(device: Callable[[], Any]) -> Callable[[int], ContextManager[Any]]:
     def make(chunk_size: int) -> ContextManager[Any]:
-        from storage.pipeline.gpu_engine import GpuEngine
+        from storage.api import GpuEngine
         return GpuEngine(device(), chunk_size=chunk_size, lanes=2)
     return make
 

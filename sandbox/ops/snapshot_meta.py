@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, ClassVar, Mapping
 
-from storage.base.errors import DamageError, GpusnapError
-from storage.format.manifest import Manifest
+from storage.api import DamageError, GpusnapError
+from storage.api import Manifest
 
 from sandbox.ops.gpu_path import GpuPath
 from sandbox.host.netns import NetConfig

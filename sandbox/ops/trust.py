@@ -20,7 +20,7 @@ import os
 import stat
 from typing import Any
 
-from storage.base.errors import GpusnapError
+from storage.api import GpusnapError
 
 KEY_NAME = "key"
 KEY_BYTES = 32

@@ -2,7 +2,7 @@
 that raises it."""
 from __future__ import annotations
 
-from storage.base.errors import GpusnapError
+from storage.api import GpusnapError
 
 
 class RunscSnapshotError(GpusnapError):

@@ -10,7 +10,7 @@ import tempfile
 import threading
 from typing import Any, BinaryIO, Sequence, cast
 
-from storage.repo.store import SnapshotStore
+from storage.api import SnapshotStore
 
 from sandbox.gpu.channel import AgentFrames, AgentReport, ChannelError, ChannelLimits, read_report, receive, send
 from sandbox.runsc.oci_bundle import add_bind, add_gpus, load_spec, save_spec

@@ -6,7 +6,7 @@ import os
 import stat
 from typing import Any, Sequence
 
-from storage.base.errors import GpusnapError
+from storage.api import GpusnapError
 
 NVIDIA_CONTROL = ("nvidiactl", "nvidia-uvm", "nvidia-uvm-tools")
 

@@ -21,7 +21,7 @@ from sandbox.ops.journal import OpKind, OpRecord, Stage
 from sandbox.ops.operations import Operation, Recovered, kind
 from sandbox.runsc.gpu_agent import gpu_back
 from sandbox.runsc.runner import Runsc, restart
-from storage.format.storedir import LOGS, path_in
+from storage.api import LOGS, path_in
 
 
 @dataclass(frozen=True)

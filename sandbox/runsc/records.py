@@ -14,7 +14,7 @@ import shutil
 from enum import Enum
 from typing import Any
 
-from storage.base.errors import GpusnapError
+from storage.api import GpusnapError
 
 RECORDS_DIR = "/run/gpusnap/runsc"
 # runsc's own rule for container ids; "." and ".." are refused as well

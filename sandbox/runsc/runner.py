@@ -27,7 +27,7 @@ from sandbox.runsc import records
 from sandbox.runsc.records import Kind
 
 
-from storage.base.errors import EXIT_UNAVAILABLE, GpusnapError
+from storage.api import EXIT_UNAVAILABLE, GpusnapError
 
 DEFAULT_ROOT = "/var/run/runsc"
 

@@ -19,12 +19,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from storage.base.progress import Progress
-from storage.pipeline import put as pipeline
+from storage.api import Progress
+from storage.api import put as pipeline
 from sandbox.host.dumpwrites import dump_packs_direct
-from storage.archive.filetree import FileTreeSink, FileTreeSource
-from storage.repo.store import SnapshotStore
-from storage.format.storedir import LOGS, path_in
+from storage.api import FileTreeSink, FileTreeSource
+from storage.api import SnapshotStore
+from storage.api import LOGS, path_in
 
 from sandbox.ops import journal
 from sandbox.host import netns as nets
