@@ -18,6 +18,8 @@ itself when it fails):
   GPU state is resumed;
 - gpu-restore: processes whose GPU memory is back (LOCKED) are unlocked; CHECKPOINTED ones stay so
   (`gpu restore` again brings them back); one the driver holds mid-restore is named as lost;
+- workload-prepared (after every other kind): the recorded resume step runs if a process the record
+  names still lives and runs (sandbox.ops.prepared);
 and always the staging directory and the dead owner's temporary store files are removed and the
 record deleted (then its reference log). Finally THP values left switched by dead processes are put back.
 
@@ -54,6 +56,7 @@ from sandbox.ops.operations import GpuAccess, Recovered, Undo, operation_for
 import sandbox.criu.operations  # noqa: F401
 from sandbox.gpu.operations import real_driver
 import sandbox.runsc.operations  # noqa: F401
+import sandbox.ops.prepared  # noqa: F401
 
 
 @dataclass
@@ -99,7 +102,8 @@ def _recover_lock(j: Journal) -> Iterator[None]:
 
 def _recover_all(store: SnapshotStore, j: Journal, report: RecoverReport, gpu: GpuAccess,
                  helper_wait_s: float) -> None:
-    for rec in j.unfinished():
+    # a workload left prepared is told to resume last: its dump's undo resumes the tree first
+    for rec in sorted(j.unfinished(), key=lambda r: r.kind == journal.OpKind.WORKLOAD_PREPARED):
         done = Recovered.of(rec)
         report.operations.append(done)
         if rec.untrusted is not None:
