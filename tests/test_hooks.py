@@ -234,3 +234,84 @@ def test_a_hook_url_off_the_loopback_is_refused_before_anything(url: str, tmp_pa
         assert tree.running()
     finally:
         tree.close()
+
+
+def test_sigterm_during_the_prepare_step_resumes_the_workload(tmp_path: Path) -> None:
+    store, log, pidfile = tmp_path / "store", tmp_path / "log", tmp_path / "prepare.pid"
+    tree = Tree(mb=4, detached=True)
+    try:
+        env = {**os.environ, "PYTHONPATH": pythonpath()}
+        prepare = f"/bin/sh -c 'echo $$ > {pidfile}.tmp; mv {pidfile}.tmp {pidfile}; exec sleep 60'"
+        p = subprocess.Popen([*GPUSNAP, "--store", str(store), "criu", "dump", str(tree.pid), "snap", "--prepare",
+                              prepare, "--resume", step(log, "r")], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, env=env, cwd=REPO, start_new_session=True)
+        deadline = time.monotonic() + 60
+        while not pidfile.exists():
+            assert p.poll() is None and time.monotonic() < deadline, p.communicate()
+            time.sleep(0.02)
+        p.send_signal(signal.SIGTERM)
+        _, err = p.communicate(timeout=60)
+        assert p.returncode == 128 + signal.SIGTERM and "SIGTERM" in err, (p.returncode, err)
+        assert not os.path.exists(f"/proc/{int(pidfile.read_text())}"), "the step's process group was not killed"
+        assert lines(log) == [f"r resume snap {tree.pid}"], "the workload was not told to resume"
+        assert records(store) == [] and Cli(store).json("store", "ls") == []
+        assert healthy(tree.report())
+    finally:
+        tree.close()
+
+
+# -- gpu checkpoint / restore: the same steps around the GPU flow (the driver's stand-in; CI has no GPU) ----
+@pytest.mark.parametrize("fail", [False, True])
+def test_gpu_checkpoint_prepares_records_the_resume_and_gpu_restore_runs_it(fail: bool, tmp_path: Path,
+                                                                           child: int) -> None:
+    """Prepare before the GPU is locked; no resume while the processes stay checkpointed (the snapshot
+    records it); `gpu restore` runs the recorded step once they run. A checkpoint the driver fails:
+    the processes run on with their memory and the resume step ran."""
+    from support.driver_standin import StandInDriver
+    from test_custom_storage_flow import FEATS, gpu_bytes
+    from sandbox.gpu.driver import ProcessState
+    from sandbox.gpu.snapshot import gpu_checkpoint, gpu_restore
+    from sandbox.ops.hooks import HookError, WorkloadHooks
+    from sandbox.ops.prepared import HookReport, prepared, restore_resume, resumed, tree_of
+    from storage.device import HostDevice
+    from storage.store import SnapshotStore
+
+    log = tmp_path / "log"
+    d = StandInDriver()
+    d.add(child, gpu_bytes(5, 2))
+    before = bytes(d.procs[child].gpu)
+    seen: list[str] = []
+    real_lock = d.lock
+
+    def lock(pid: int, timeout_ms: int = 0) -> None:  # what the workload was told when its GPU got locked
+        seen.append(log.read_text() if log.exists() else "")
+        real_lock(pid, timeout_ms)
+    d.lock = lock  # type: ignore[method-assign]
+    if fail:
+        d.fail[(child, "lock")] = "CUDA_ERROR_NOT_SUPPORTED"
+    st = SnapshotStore(str(tmp_path / "store"))
+    wh = WorkloadHooks.parse(step(log, "p"), step(log, "r"), 10)
+    ran = HookReport()
+    try:
+        with prepared(st.path, wh, "g", child, resume_after=False, report=ran):
+            gpu_checkpoint(st, child, "g", driver=d, features=FEATS, device=HostDevice(), thp_mode=None,
+                           pids=[child], resume=wh.resume)
+    except Exception as e:  # noqa: BLE001
+        assert fail and "CUDA_ERROR_NOT_SUPPORTED" in str(e), e
+        assert d.get_state(child) == ProcessState.RUNNING and bytes(d.procs[child].gpu) == before
+        assert lines(log) == [f"p prepare g {child}", f"r resume g {child}"] and st.names() == []
+        return
+    assert not fail
+    assert seen == [f"p prepare g {child}\n"], "the prepare step must run before the GPU is locked"
+    assert d.get_state(child) == ProcessState.CHECKPOINTED and lines(log) == [f"p prepare g {child}"]
+    step_ = restore_resume(st, "g", WorkloadHooks(), no_resume=False)
+    assert step_ is not None and step_.spec == wh.resume.spec  # type: ignore[union-attr]
+    gpu_restore(st, "g", child, driver=d, features=FEATS, device=HostDevice(), thp_mode=None)
+    resumed(st.path, step_, 10, "g", child, tree_of(child), ran)
+    assert d.get_state(child) == ProcessState.RUNNING and bytes(d.procs[child].gpu) == before
+    assert lines(log) == [f"p prepare g {child}", f"r resume g {child}"] and records(tmp_path / "store") == []
+    # the same record under another store's key is not trusted
+    other = SnapshotStore(str(tmp_path / "other"))
+    with pytest.raises(HookError, match="cannot verify"):
+        from sandbox.ops import hooks, journal
+        hooks.recorded(journal.Journal(other.path).key, "g", st.load("g").meta)

@@ -80,6 +80,9 @@ def prepared(store_path: str, h: WorkloadHooks, snapshot: str, pid: int, *,
                 _resume_after_failure(h, op, report, snapshot, pid, e)
                 raise HookError(f"{e}; no snapshot was taken"
                                 + ("; the workload was resumed" if h.resume is not None else "")) from None
+            except BaseException as e:  # a signal (Interrupted) while the step ran: it may be half prepared
+                _resume_after_failure(h, op, report, snapshot, pid, e)
+                raise
         journal.pause("after-prepare")
         try:
             yield
@@ -94,6 +97,9 @@ def prepared(store_path: str, h: WorkloadHooks, snapshot: str, pid: int, *,
                 op.keep = True
                 raise HookError(f"snapshot {snapshot!r} is committed, but {e}: the workload may still be prepared; "
                                 "`gpusnap recover` tries the resume step again") from None
+            except BaseException:  # a signal cut the step short: recover runs it again
+                op.keep = True
+                raise
 
 
 def tree_of(pid: int) -> list[int]:
@@ -117,6 +123,9 @@ def resumed(store_path: str, resume: hooks.Hook, timeout_s: float, snapshot: str
             op.keep = True
             raise HookError(f"snapshot {snapshot!r} was restored, but {e}: `gpusnap recover` tries the resume "
                             "step again") from None
+        except BaseException:  # a signal cut the step short: recover runs it again
+            op.keep = True
+            raise
 
 
 @kind
