@@ -273,8 +273,8 @@ def test_gpu_checkpoint_prepares_records_the_resume_and_gpu_restore_runs_it(fail
     from sandbox.gpu.snapshot import gpu_checkpoint, gpu_restore
     from sandbox.ops.hooks import HookError, WorkloadHooks
     from sandbox.ops.prepared import HookReport, prepared, restore_resume, resumed, tree_of
-    from storage.device import HostDevice
-    from storage.store import SnapshotStore
+    from storage.gpu.device import HostDevice
+    from storage.repo.store import SnapshotStore
 
     log = tmp_path / "log"
     d = StandInDriver()
