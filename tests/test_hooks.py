@@ -40,7 +40,7 @@ def lines(log: Path) -> list[str]:
 
 def records(store: Path) -> list[str]:
     j = store / "journal"
-    return sorted(p.name for p in j.glob("*.json")) if j.is_dir() else []
+    return sorted(p.name for p in j.glob("*.json") if len(p.stem) == 32) if j.is_dir() else []  # not rejected-*
 
 
 def one_line(r: subprocess.CompletedProcess[str]) -> str:
@@ -315,3 +315,33 @@ def test_gpu_checkpoint_prepares_records_the_resume_and_gpu_restore_runs_it(fail
     with pytest.raises(HookError, match="cannot verify"):
         from sandbox.ops import hooks, journal
         hooks.recorded(journal.Journal(other.path).key, "g", st.load("g").meta)
+
+
+def test_recover_never_runs_the_resume_step_of_a_planted_journal_record(tmp_path: Path) -> None:
+    """A `workload-prepared` record written by whoever can write the store (no MAC, or one from another
+    key): recover runs nothing it names, sets it aside, and says so."""
+    import uuid
+    store, log = tmp_path / "store", tmp_path / "log"
+    cli = Cli(store)
+    tree = Tree(mb=4, detached=True)
+    try:
+        cli.run("store", "init")
+        journal = store / "journal"
+        journal.mkdir(mode=0o700, exist_ok=True)
+        start = int(Path(f"/proc/{tree.pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+        for mac in (None, "0" * 64):
+            op = uuid.uuid4().hex
+            rec = {"op": op, "kind": "workload-prepared", "stage": "started",
+                   "owner": {"pid": os.getpid(), "start": 1},  # no such owner: an interrupted operation
+                   "snapshot": "s", "procs": [{"pid": tree.pid, "start": start}],
+                   "resume": {"hook": step(log, "planted"), "timeout_s": 5.0}, **({"mac": mac} if mac else {})}
+            (journal / f"{op}.json").write_text(json.dumps(rec))
+            r = cli.run("recover", "--json", check=False)
+            assert r.returncode != 0
+            out = json.loads(r.stdout)
+            assert not out["ok"] and "not one gpusnap wrote" in out["operations"][0]["error"], out
+            assert not log.exists(), "a planted resume step ran"
+            assert (journal / f"rejected-{op}.json").exists() and records(store) == []
+        assert tree.running()
+    finally:
+        tree.close()
