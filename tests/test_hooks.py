@@ -34,6 +34,14 @@ def step(log: Path, word: str, fail: str = "") -> str:
     return f"/bin/sh -c 'echo {word} $GPUSNAP_HOOK_STEP $GPUSNAP_SNAPSHOT $GPUSNAP_PID >> {log}{fail}'"
 
 
+def proc_state(pid: int) -> str:
+    """PID's state letter, "gone" if there is none (a killed process init has not reaped yet is "Z")."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"
+
+
 def lines(log: Path) -> list[str]:
     return log.read_text().splitlines() if log.exists() else []
 
@@ -343,5 +351,39 @@ def test_recover_never_runs_the_resume_step_of_a_planted_journal_record(tmp_path
             assert not log.exists(), "a planted resume step ran"
             assert (journal / f"rejected-{op}.json").exists() and records(store) == []
         assert tree.running()
+    finally:
+        tree.close()
+
+
+def test_recover_ends_a_prepare_step_left_running_by_a_killed_gpusnap(tmp_path: Path) -> None:
+    """gpusnap SIGKILLed while its prepare step runs: the step (its own session) outlives it; recover
+    kills its process group once the step's deadline has passed, then runs the resume step."""
+    store, log, pidfile = tmp_path / "store", tmp_path / "log", tmp_path / "prepare.pid"
+    cli = Cli(store)
+    tree = Tree(mb=4, detached=True)
+    try:
+        env = {**os.environ, "PYTHONPATH": pythonpath()}
+        prepare = f"/bin/sh -c 'echo $$ > {pidfile}.tmp; mv {pidfile}.tmp {pidfile}; exec sleep 300'"
+        p = subprocess.Popen([*GPUSNAP, "--store", str(store), "criu", "dump", str(tree.pid), "snap", "--prepare",
+                              prepare, "--resume", step(log, "r"), "--hook-timeout", "3"], stdin=subprocess.DEVNULL,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO,
+                             start_new_session=True)
+        deadline = time.monotonic() + 60
+        while not pidfile.exists():
+            assert p.poll() is None and time.monotonic() < deadline, p.communicate()
+            time.sleep(0.02)
+        os.kill(p.pid, signal.SIGKILL)
+        p.wait()
+        sleeper = int(pidfile.read_text())
+        assert os.path.exists(f"/proc/{sleeper}"), "the step runs on without gpusnap"
+        t0 = time.monotonic()
+        rec = cli.json("recover")
+        assert time.monotonic() - t0 < 60, "recover waited past the step's deadline"
+        assert rec["ok"], rec
+        acts = rec["operations"][0]["actions"]
+        assert any("killed helper" in a for a in acts) and any("ran the resume step" in a for a in acts), acts
+        assert proc_state(sleeper) in ("gone", "Z"), "the step's process group was not killed"
+        assert lines(log) == [f"r resume snap {tree.pid}"] and records(store) == []
+        assert healthy(tree.report())
     finally:
         tree.close()
