@@ -19,7 +19,7 @@ itself when it fails):
 - gpu-restore: processes whose GPU memory is back (LOCKED) are unlocked; CHECKPOINTED ones stay so
   (`gpu restore` again brings them back); one the driver holds mid-restore is named as lost;
 - workload-prepared (after every other kind): a hook step the dead gpusnap left running is waited for
-  no longer than the step's own deadline, then killed as a group; the recorded resume step runs if a
+  at most the step's own timeout, then killed as a group; the recorded resume step runs if a
   process the record names still lives and runs (sandbox.ops.prepared);
 and always the staging directory and the dead owner's temporary store files are removed and the
 record deleted (then its reference log). Finally THP values left switched by dead processes are put back.
