@@ -777,7 +777,7 @@ def choosable() -> tuple[tuple[str, Choosable], ...]:
 
 def entry(name: str) -> CodecEntry:
     """The registered codec NAME; CodecError if the format has no such codec or this build lacks it."""
-    cid = FORMAT_IDS.get(name)
+    cid = CODEC_IDS.get(name)
     if cid is None:
         raise CodecError(f"unknown chunk codec {name!r}")
     e = CODECS.get(cid)
