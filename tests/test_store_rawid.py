@@ -39,7 +39,7 @@ def test_second_put_of_unchanged_data_compresses_and_writes_nothing(cli: Cli, st
     first = cli.json("store", "put", "a", str(src), "--chunk-size", "1M")
     assert first["chunks_compressed"] == first["chunks_new"] > 0, first
     assert {_magic(e) for e in chunk_entries(store_dir)} == {MAGIC_RAW}
-    assert _marker_version(store_dir) == 7  # a store written by this version (FORMAT.md, "Store versions")
+    assert _marker_version(store_dir) == 8  # a store written by this version (FORMAT.md, "Store versions")
     second = cli.json("store", "put", "b", str(src), "--chunk-size", "1M")
     assert second["chunks_compressed"] == 0 and second["chunks_new"] == 0 and second["new_bytes"] == 0, second
     assert second["chunks_dedup"] == first["chunks_new"] and second["chunks_zero"] == first["chunks_zero"]
