@@ -93,7 +93,8 @@ _WHERE: dict[str, tuple[str, str | None]] = {
     "import_": ("storage.archive.portable", 'import_'),
     "isolated": ("storage.fs.isolated", None),
     "list_remotes": ("storage.remote.client", 'list_remotes'),
-    "load_credentials": ("storage.remote.client", 'load_credentials'),
+    "remote_config": ("storage.remote.client", 'remote_config'),
+    "DEFAULT_DEADLINE_S": ("storage.remote.backend", 'DEFAULT_DEADLINE_S'),
     "lock_status": ("storage.repo.locks", 'lock_status'),
     "migrate": ("storage.maintenance.migrate", 'migrate'),
     "numa_nodes": ("storage.gpu.device", 'numa_nodes'),
@@ -213,7 +214,8 @@ if TYPE_CHECKING:
     from storage.archive.portable import import_ as import_
     from storage.fs import isolated as isolated
     from storage.remote.client import list_remotes as list_remotes
-    from storage.remote.client import load_credentials as load_credentials
+    from storage.remote.client import remote_config as remote_config
+    from storage.remote.backend import DEFAULT_DEADLINE_S as DEFAULT_DEADLINE_S
     from storage.repo.locks import lock_status as lock_status
     from storage.maintenance.migrate import migrate as migrate
     from storage.gpu.device import numa_nodes as numa_nodes
