@@ -39,6 +39,8 @@ LIST_MAX_PAGES = 10_000
 # a call is retried at most this many times in all, and not once it has failed for this long
 DEFAULT_ATTEMPTS = 5
 RETRY_BUDGET_S = 60.0
+# what a clean-up (a lock object's removal) may take, also once the command's deadline has passed
+CLEANUP_S = 10.0
 # a request that waits this long for the next byte fails (and is retried): a silent server
 READ_TIMEOUT_S = 30.0
 
@@ -251,7 +253,8 @@ class Retrying(_Wrapper):
     """INNER with each call retried on BackendUnavailable (exponential backoff with jitter): at most
     ATTEMPTS tries, none started once the call has failed for RETRY_BUDGET_S or DEADLINE has passed.
     DEADLINE (the command's) also bounds every call made without one. Damage and refusals are never
-    retried; nor is a streamed read that has handed over bytes already."""
+    retried; nor is a streamed read that has handed over bytes already. A call given its own deadline
+    (a clean-up after the command's passed: a lock's release) keeps to that one."""
 
     def __init__(self, inner: Backend, deadline: Deadline, attempts: int | None = None,
                  budget_s: float | None = None) -> None:
@@ -263,7 +266,7 @@ class Retrying(_Wrapper):
 
     def _call(self, doing: str, fn: Callable[[], T], deadline: Deadline | None, cost: int = 0,
               restartable: bool = True) -> T:
-        dl = deadline if deadline is not None and deadline.at < self.deadline.at else self.deadline
+        dl = deadline if deadline is not None else self.deadline
         first = time.monotonic()
         for attempt in range(1, self.attempts + 1):
             dl.check(doing, self.who)

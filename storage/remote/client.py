@@ -47,7 +47,7 @@ from storage.format.manifest import ChunkRef, Manifest, ManifestError
 from storage.base.names import validate_snapshot_name
 from storage.format.packs import INDEX_MAX, PACK_NAME, IndexDamage, IndexStream, Loc, PackIndex, coalesce, encode_index
 from storage.repo.store import Problem, SnapshotStore, StoreError, VerifyReport
-from storage.remote.backend import (Backend, BackendDamage, BackendError, BackendUnavailable, Deadline,
+from storage.remote.backend import (CLEANUP_S, Backend, BackendDamage, BackendError, BackendUnavailable, Deadline,
                                     list_keys, open_backend)
 from storage.remote.config import (Credentials, RemoteConfig, add_remote, list_remotes, load_credentials,
                                    load_remote, read_credentials_file, remote_exists, remove_remote,
@@ -698,9 +698,9 @@ class _Lock:
         if self._thread is not None:
             self._thread.join()
         try:
-            self.remote.backend.delete(self.key)
+            self.remote.backend.delete(self.key, Deadline(CLEANUP_S))  # also once the command's deadline passed
         except GpusnapError:
-            pass  # a lock left behind goes stale by itself
+            pass  # a lock left behind goes stale by itself (FORMAT.md, "Remote locks")
 
 
 def _stored_id(r: ChunkRef) -> str:

@@ -95,12 +95,8 @@ class FileBackend:
             if self._root_fd is not None:
                 return self._root_fd
             fd = os.open("/", _DIR)
-            try:
-                for part in self.root.strip("/").split("/"):
-                    fd = self._step(fd, part, create)
-            except BaseException:
-                os.close(fd)
-                raise
+            for part in self.root.strip("/").split("/"):
+                fd = self._step(fd, part, create)  # closes the fd it is given, also when it raises
             self._root_fd = fd
             return fd
 
@@ -308,7 +304,7 @@ class FileBackend:
 
     def _walk(self, prefix: str, dl: Deadline) -> list[ObjectInfo]:
         most = int(_env_float("GPUSNAP_REMOTE_LIST_MAX_KEYS", LIST_MAX_KEYS))
-        base, _, lead = prefix.rpartition("/")
+        base = prefix.rpartition("/")[0]
         out: list[ObjectInfo] = []
 
         def walk(fd: int, rel: str, depth: int) -> None:
@@ -346,7 +342,6 @@ class FileBackend:
                 walk(d, base, 0)
             finally:
                 os.close(d)
-        del lead
         out.sort(key=lambda o: o.key)
         return out
 
