@@ -17,8 +17,9 @@ import pytest
 
 from conftest import REPO
 from storage.remote.backend import (Backend, BackendDamage, BackendError, BackendSpec, BackendUnavailable, Deadline,
-                                    ObjectInfo, Page, RateLimited, Retrying, list_keys, open_backend)
-from storage.remote.config import Credentials
+                                    ObjectInfo, Page, RateLimited, Retrying, list_keys)
+from storage.remote.registry import open_backend
+from storage.remote.credentials import Credentials
 
 SWIFT_CREDS = Credentials("test:tester", "testing")
 
@@ -130,7 +131,7 @@ def test_a_passed_deadline_makes_no_request(backend: Backend) -> None:
 
 
 def test_bad_urls_are_refused() -> None:
-    from storage.remote.backend import check_url
+    from storage.remote.registry import check_url
     for url in ("s3://", "file://relative/x", "file:///a/../b", "ftp://x/y", "file:///"):
         with pytest.raises(BackendError):
             check_url(url)

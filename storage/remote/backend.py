@@ -3,7 +3,7 @@
 A backend stores named objects ("keys": `/`-separated names under the remote's root, FORMAT.md,
 "Remote stores") and knows nothing of snapshots. `storage.remote.client.Remote` uses only this
 protocol, so a snapshot pushed to `s3://...` and one pushed to `file:///...` are laid out and checked
-alike. Backends are found by URL scheme (`open_backend`); retries, rate limits and the command's
+alike. Backends are found by URL scheme (storage/remote/registry.py); retries, rate limits and the command's
 deadline are wrappers around any backend (`Retrying`, `RateLimited`), and `list_keys` bounds every
 listing in pages, keys and time, whatever the backend answers.
 
@@ -332,7 +332,6 @@ class RateLimited(_Wrapper):
         return fn()
 
 
-# ---- the registry --------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class BackendSpec:
     """What a registry entry needs to open one remote's backend."""
@@ -342,46 +341,3 @@ class BackendSpec:
     region: str = "us-east-1"
     credentials_file: str | None = None
     pool: int = 16            # connections the command may use at once
-
-
-Factory = Callable[[BackendSpec, Deadline], Backend]
-Checker = Callable[[str], str]
-_REGISTRY: dict[str, tuple[Factory, Checker]] = {}
-
-
-def register(scheme: str, factory: Factory, check_url: Checker) -> None:
-    """Backends for SCHEME:// URLs: FACTORY opens one, CHECK_URL validates a URL (and returns its
-    canonical form) or raises BackendError."""
-    _REGISTRY[scheme] = (factory, check_url)
-
-
-def _builtin() -> None:
-    if "s3" not in _REGISTRY:
-        from storage.remote import filebackend, s3backend
-        register("s3", s3backend.open_s3, s3backend.check_url)
-        register("file", filebackend.open_file, filebackend.check_url)
-
-
-def scheme_of(url: str) -> str:
-    _builtin()
-    scheme, sep, _ = (url or "").partition("://")
-    if not sep or scheme not in _REGISTRY:
-        raise BackendError(f"{url!r} is not a remote URL: " + " or ".join(f"{s}://..." for s in sorted(_REGISTRY)))
-    return scheme
-
-
-def check_url(url: str) -> str:
-    """URL validated by its scheme's backend, in canonical form."""
-    return _REGISTRY[scheme_of(url)][1](url)
-
-
-def open_backend(spec: BackendSpec, deadline: Deadline, *, rps: float | None = None,
-                 bps: float | None = None) -> Backend:
-    """The backend for SPEC.url, wrapped: rate-limited (GPUSNAP_REMOTE_MAX_RPS and _MAX_BPS where set),
-    then retried within DEADLINE."""
-    b = _REGISTRY[scheme_of(spec.url)][0](spec, deadline)
-    rps = _env_float("GPUSNAP_REMOTE_MAX_RPS", 0.0) if rps is None else rps
-    bps = _env_float("GPUSNAP_REMOTE_MAX_BPS", 0.0) if bps is None else bps
-    if rps > 0 or bps > 0:
-        b = RateLimited(b, rps, bps)
-    return Retrying(b, deadline)

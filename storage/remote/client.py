@@ -28,19 +28,18 @@ import os
 import re
 import secrets
 import socket
-import stat
 import threading
 import time
 import uuid
 from concurrent.futures import FIRST_COMPLETED, FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
-from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Iterator
 
 from storage.base.progress import Progress
 from storage.format.chunkfile import HEADER_SIZE, ChunkError, ChunkHeader, check_received, max_stored_len
 from storage.fs.directio import AlignedBuffer, BufferPool
-from storage.base.errors import DamageError, GpusnapError, UnavailableError
+from storage.base.errors import GpusnapError
 from storage.fs.directio import align_up
 from storage.base.limits import DEFAULT_JOBS, MAX_MANIFEST, MAX_RECORD
 from storage.format.manifest import ChunkRef, Manifest, ManifestError
@@ -48,10 +47,12 @@ from storage.base.names import validate_snapshot_name
 from storage.format.packs import INDEX_MAX, PACK_NAME, IndexDamage, IndexStream, Loc, PackIndex, coalesce, encode_index
 from storage.repo.store import Problem, SnapshotStore, StoreError, VerifyReport
 from storage.remote.backend import (CLEANUP_S, Backend, BackendDamage, BackendError, BackendUnavailable, Deadline,
-                                    list_keys, open_backend)
-from storage.remote.config import (Credentials, RemoteConfig, add_remote, list_remotes, load_credentials,
-                                   load_remote, read_credentials_file, remote_exists, remove_remote,
+                                    list_keys)
+# the configuration's names, re-exported for the callers of this module
+from storage.remote.config import (RemoteConfig, add_remote, list_remotes, load_remote, remote_exists, remove_remote,
                                    validate_remote_name)
+from storage.remote.credentials import Credentials
+from storage.remote.registry import open_backend
 from storage.remote.filebackend import canonical_url
 
 REMOTE_FORMAT = "gpusnap-remote"

@@ -1,23 +1,19 @@
-"""Configured remotes (`STORE/remotes/NAME.json`, 0600, no secret in it) and S3 credentials.
-
-Every file read here can be planted by someone else (a writer of the store, a path an operator was
-handed): each is checked with lstat before it is opened (a link, FIFO, device or directory is never
-opened), opened with O_NOFOLLOW | O_NONBLOCK, checked again on the open fd, and read to a bound.
-"""
+"""Configured remotes (`STORE/remotes/NAME.json`, 0600, no secret in it): read as
+storage/remote/credentials.py reads every file someone else may plant (read_checked)."""
 from __future__ import annotations
 
-import errno
 import json
 import os
 import re
-import stat
 import uuid
-from dataclasses import dataclass, field
-from typing import Any, Mapping
+from dataclasses import dataclass
+from typing import Any
 
 from storage.base.limits import MAX_RECORD
 from storage.format.storedir import REMOTES, path_in
-from storage.remote.backend import BackendError, BackendSpec, check_url, scheme_of
+from storage.remote.backend import BackendError, BackendSpec
+from storage.remote.credentials import read_checked
+from storage.remote.registry import check_url, scheme_of
 from storage.repo.store import SnapshotStore
 
 _REMOTE_NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")
@@ -72,12 +68,6 @@ class RemoteConfig:
             raise BackendError(f"remote config is malformed ({e})") from None
 
 
-@dataclass(frozen=True)
-class Credentials:
-    access_key: str
-    secret_key: str = field(repr=False)
-
-
 def validate_remote_name(name: str) -> str:
     if not isinstance(name, str) or not _REMOTE_NAME_RE.fullmatch(name):
         raise BackendError(f"remote name {name!r} is invalid: letters, digits, _ . -, at most 64")
@@ -88,38 +78,6 @@ def _endpoint(url: str) -> str:
     if not isinstance(url, str) or not re.fullmatch(r"https?://[^\s/@]+(/[^\s@]*)?", url):
         raise BackendError(f"endpoint {url!r} is not an http(s):// URL (without credentials in it)")
     return url.rstrip("/")
-
-
-def read_checked(path: str, limit: int, what: str, *, dir_fd: int | None = None) -> tuple[bytes, os.stat_result]:
-    """The regular file PATH (relative to DIR_FD where given), at most LIMIT bytes, and its stat: never
-    blocks on a FIFO, never follows a link, never opens anything but a regular file. BackendError
-    (naming WHAT) otherwise; FileNotFoundError where it is not there."""
-    st = os.stat(path, dir_fd=dir_fd, follow_symlinks=False)
-    if not stat.S_ISREG(st.st_mode):
-        raise BackendError(f"{what} {path} is not a regular file")
-    try:
-        fd = os.open(path, _READ, dir_fd=dir_fd)
-    except OSError as e:
-        if e.errno == errno.ENOENT:
-            raise
-        raise BackendError(f"{what} {path}: {e.strerror}") from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise BackendError(f"{what} {path} is not a regular file")
-        if st.st_size > limit:
-            raise BackendError(f"{what} {path} is {st.st_size} bytes, more than it may be ({limit})")
-        data = b""
-        while len(data) <= limit:
-            piece = os.read(fd, limit + 1 - len(data))
-            if not piece:
-                break
-            data += piece
-        if len(data) > limit:
-            raise BackendError(f"{what} {path} grew past {limit} bytes while being read")
-        return data, st
-    finally:
-        os.close(fd)
 
 
 # ---- STORE/remotes/ ------------------------------------------------------------------------------
@@ -187,42 +145,3 @@ def load_remote(store: SnapshotStore, name: str | None) -> RemoteConfig:
         return RemoteConfig.from_json(json.loads(data))
     except (ValueError, RecursionError) as e:
         raise BackendError(f"remote {name!r}: unreadable config ({e})") from None
-
-
-# ---- credentials ---------------------------------------------------------------------------------
-def load_credentials(name: str, credentials_file: str | None, env: Mapping[str, str] | None = None) -> Credentials:
-    """From GPUSNAP_S3_ACCESS_KEY_ID/GPUSNAP_S3_SECRET_ACCESS_KEY (or the AWS_ names), else from the
-    remote's credentials file, which must be a regular file of ours that nobody else can read."""
-    environ: Mapping[str, str] = os.environ if env is None else env
-    for a, s in (("GPUSNAP_S3_ACCESS_KEY_ID", "GPUSNAP_S3_SECRET_ACCESS_KEY"),
-                 ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")):
-        if environ.get(a) and environ.get(s):
-            return Credentials(environ[a], environ[s])
-    if credentials_file is None:
-        raise BackendError(f"remote {name!r}: no credentials (set GPUSNAP_S3_ACCESS_KEY_ID and "
-                           "GPUSNAP_S3_SECRET_ACCESS_KEY, or `remote add --credentials-file`)")
-    return read_credentials_file(credentials_file)
-
-
-def read_credentials_file(path: str) -> Credentials:
-    """`access_key_id = ...` and `secret_access_key = ...` lines; the file must be a regular file of
-    ours, mode 0600 or stricter (checked before it is opened: a FIFO there never blocks)."""
-    try:
-        data, st = read_checked(path, CREDENTIALS_MAX, "credentials file")
-    except FileNotFoundError:
-        raise BackendError(f"credentials file {path}: No such file or directory") from None
-    except OSError as e:
-        raise BackendError(f"credentials file {path}: {e.strerror}") from None
-    if st.st_mode & 0o077:
-        raise BackendError(f"credentials file {path} is readable by others (mode "
-                           f"{stat.S_IMODE(st.st_mode):04o}); `chmod 600` it")
-    if st.st_uid != os.geteuid():
-        raise BackendError(f"credentials file {path} belongs to another user")
-    values: dict[str, str] = {}
-    for line in data.decode("utf-8", "replace").splitlines():
-        k, sep, v = line.partition("=")
-        if sep and not line.lstrip().startswith("#"):
-            values[k.strip()] = v.strip()
-    if not values.get("access_key_id") or not values.get("secret_access_key"):
-        raise BackendError(f"credentials file {path} needs access_key_id = ... and secret_access_key = ...")
-    return Credentials(values["access_key_id"], values["secret_access_key"])

@@ -15,7 +15,7 @@ from typing import Any, Iterator
 
 from storage.remote.backend import (READ_TIMEOUT_S, BackendDamage, BackendError, BackendSpec, BackendStats,
                                     BackendUnavailable, Deadline, ObjectInfo, Page, Sink, _env_float)
-from storage.remote.config import Credentials, load_credentials
+from storage.remote.credentials import Credentials, load_credentials
 
 MULTIPART_THRESHOLD = 64 << 20  # objects larger than this go up in parts
 PART_SIZE = 16 << 20            # S3 wants parts of at least 5 MiB, at most 10000 of them
