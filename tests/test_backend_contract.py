@@ -177,6 +177,10 @@ def test_retrying_retries_unavailable_within_its_attempts_and_deadline(tmp_path:
     with pytest.raises(BackendUnavailable):
         Retrying(Flaky(inner, 10 ** 6), Deadline(1.0), attempts=10 ** 6).get("a.json", 10)  # type: ignore[arg-type]
     assert time.monotonic() - t0 < 3
+    t0 = time.monotonic()  # and none once the call has failed for its retry budget
+    with pytest.raises(BackendUnavailable):
+        Retrying(Flaky(inner, 10 ** 6), Deadline(60), attempts=10 ** 6, budget_s=0.5).get("a.json", 10)  # type: ignore[arg-type]
+    assert time.monotonic() - t0 < 6
     damage = Flaky(inner, 0)
     inner.put("b.json", b"12345")
     with pytest.raises(BackendDamage):
