@@ -270,3 +270,21 @@ def test_file_backend_root_behind_a_planted_link_is_refused(tmp_path: Path) -> N
     with pytest.raises(BackendDamage):
         b.ensure()
     assert not list((tmp_path / "real").iterdir())
+
+
+def test_remote_add_resolves_a_file_path_once(tmp_path: Path) -> None:
+    """`remote add` records a file:// path with its links resolved (the operator's choice, followed
+    once); the backend then walks that real path without following anything."""
+    from storage.remote.client import remote_config
+    (tmp_path / "real").mkdir()
+    (tmp_path / "via").symlink_to(tmp_path / "real")
+    cfg = remote_config("r", f"file://{tmp_path / 'via'}/x")
+    assert cfg.url == f"file://{tmp_path.resolve() / 'real' / 'x'}" and cfg.endpoint is None
+    b = open_backend(cfg.spec(), Deadline(10))
+    b.ensure()
+    b.put("gpusnap-remote.json", b"{}")
+    assert (tmp_path / "real" / "x" / "gpusnap-remote.json").read_bytes() == b"{}"
+    with pytest.raises(BackendError, match="endpoint"):
+        remote_config("r", "s3://bkt/p")
+    with pytest.raises(BackendError, match="no --endpoint"):
+        remote_config("r", f"file://{tmp_path}/y", endpoint="http://127.0.0.1:1")

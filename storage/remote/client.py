@@ -1,4 +1,6 @@
-"""The remote tier: a store's snapshots pushed to and pulled from an S3-compatible object store.
+"""The remote tier: a store's snapshots pushed to and pulled from a remote, through the Backend protocol
+only (storage/remote/backend.py: an S3-compatible object store, `s3://`, or a shared directory,
+`file://`; registry.py picks one by the URL's scheme). Nothing here knows which.
 
 Guarantees kept here (FORMAT.md, "Remote stores", has the layout and the protocol):
 - a remote snapshot is visible only once its manifest object exists, and a push writes that object
@@ -17,8 +19,11 @@ Guarantees kept here (FORMAT.md, "Remote stores", has the layout and the protoco
   Manifest.loads like a local one; a pulled snapshot is committed through the local store's writer;
 - remote gc deletes only chunks no remote manifest names, never while a fresh push or pull lock
   exists, and a push whose lock was removed as stale re-checks every chunk before it commits;
-- credentials come from the environment or a 0600 file; they are never in an argument, a message or
-  a remote's config.
+- credentials (S3) come from the environment or a 0600 file; they are never in an argument, a message
+  or a remote's config;
+- every call ends by the command's deadline, every listing is bounded (backend.list_keys), and index
+  objects are streamed, only the entries a command needs held (FORMAT.md, "Bounds on every remote
+  command").
 Nothing here knows CRIU or runsc: a snapshot is a manifest and chunks.
 """
 from __future__ import annotations
@@ -52,8 +57,7 @@ from storage.remote.backend import (CLEANUP_S, Backend, BackendDamage, BackendEr
 from storage.remote.config import (RemoteConfig, add_remote, list_remotes, load_remote, remote_exists, remove_remote,
                                    validate_remote_name)
 from storage.remote.credentials import Credentials
-from storage.remote.registry import open_backend
-from storage.remote.filebackend import canonical_url
+from storage.remote.registry import open_backend, resolve_url
 
 REMOTE_FORMAT = "gpusnap-remote"
 REMOTE_VERSION = 2              # packs and index objects; 1: one object per chunk (read, FORMAT.md)
@@ -78,11 +82,9 @@ RemoteDamageError = BackendDamage
 
 def remote_config(name: str, url: str, endpoint: str | None = None, region: str = "us-east-1",
                   credentials_file: str | None = None) -> RemoteConfig:
-    """A new remote's config as `remote add` records it: a file:// path resolved once, here (links in
-    it followed by the operator who adds it; never afterwards: storage/remote/filebackend.py)."""
-    if url.startswith("file://"):
-        url = canonical_url(url)
-    return RemoteConfig.make(name, url, endpoint, region, credentials_file)
+    """A new remote's config as `remote add` records it: the URL as its backend resolves it (a file://
+    path with its links followed once, here, by the operator who adds it; never afterwards)."""
+    return RemoteConfig.make(name, resolve_url(url), endpoint, region, credentials_file)
 
 
 # ---- reports -------------------------------------------------------------------------------------
@@ -154,7 +156,7 @@ def _run_bounded(fn: Callable[[Any], None], items: Iterable[Any], jobs: int) -> 
 
 
 class Remote:
-    """A gpusnap remote: `PREFIX/` in a bucket laid out as FORMAT.md, "Remote stores", says."""
+    """A gpusnap remote: a backend's root laid out as FORMAT.md, "Remote stores", says."""
 
     def __init__(self, cfg: RemoteConfig, backend: Backend | None = None, jobs: int = DEFAULT_JOBS,
                  deadline: Deadline | float | None = None) -> None:

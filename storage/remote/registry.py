@@ -8,16 +8,16 @@ from typing import Callable
 from storage.remote import filebackend, s3backend
 from storage.remote.backend import Backend, BackendError, BackendSpec, Deadline, RateLimited, Retrying, _env_float
 
-# ---- the registry --------------------------------------------------------------------------------
 Factory = Callable[[BackendSpec, Deadline], Backend]
 Checker = Callable[[str], str]
-_REGISTRY: dict[str, tuple[Factory, Checker]] = {}
+_REGISTRY: dict[str, tuple[Factory, Checker, Checker]] = {}
 
 
-def register(scheme: str, factory: Factory, check_url: Checker) -> None:
+def register(scheme: str, factory: Factory, check_url: Checker, resolve: Checker | None = None) -> None:
     """Backends for SCHEME:// URLs: FACTORY opens one, CHECK_URL validates a URL (and returns its
-    canonical form) or raises BackendError."""
-    _REGISTRY[scheme] = (factory, check_url)
+    canonical form) or raises BackendError; RESOLVE (CHECK_URL where None) is what `remote add` records
+    (a file:// path with its links resolved, once)."""
+    _REGISTRY[scheme] = (factory, check_url, resolve or check_url)
 
 
 def scheme_of(url: str) -> str:
@@ -30,6 +30,11 @@ def scheme_of(url: str) -> str:
 def check_url(url: str) -> str:
     """URL validated by its scheme's backend, in canonical form."""
     return _REGISTRY[scheme_of(url)][1](url)
+
+
+def resolve_url(url: str) -> str:
+    """URL as `remote add` records it (its scheme's RESOLVE)."""
+    return _REGISTRY[scheme_of(url)][2](url)
 
 
 def open_backend(spec: BackendSpec, deadline: Deadline, *, rps: float | None = None,
@@ -45,4 +50,4 @@ def open_backend(spec: BackendSpec, deadline: Deadline, *, rps: float | None = N
 
 
 register("s3", s3backend.open_s3, s3backend.check_url)
-register("file", filebackend.open_file, filebackend.check_url)
+register("file", filebackend.open_file, filebackend.check_url, filebackend.canonical_url)
