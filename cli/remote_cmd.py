@@ -1,8 +1,10 @@
 """`gpusnap remote add|list|remove` (configured remotes, as `git remote`), `remote ls|verify|forget|gc` (what
-is on one) and `gpusnap push|pull`: the store's snapshots in an S3 object store.
+is on one) and `gpusnap push|pull`: the store's snapshots in an S3 object store (`s3://`) or a shared
+directory (`file://`).
 
-Credentials are never options: GPUSNAP_S3_ACCESS_KEY_ID / GPUSNAP_S3_SECRET_ACCESS_KEY (or the AWS_
-names) in the environment, or a 0600 file named with `remote add --credentials-file`.
+Credentials (S3 only) are never options: GPUSNAP_S3_ACCESS_KEY_ID / GPUSNAP_S3_SECRET_ACCESS_KEY (or the
+AWS_ names) in the environment, or a 0600 file named with `remote add --credentials-file`. Every command
+that talks to a remote ends by its deadline (`--deadline`, GPUSNAP_REMOTE_DEADLINE_S, default an hour).
 """
 from __future__ import annotations
 
@@ -12,14 +14,17 @@ from typing import Any
 import click
 
 from cli.progress import Progress
-from storage.api import (DEFAULT_JOBS, Remote, RemoteConfig, RemoteDamageError, add_remote,
-                            load_credentials)
+from storage.api import DEFAULT_DEADLINE_S, DEFAULT_JOBS, Remote, RemoteDamageError, add_remote, remote_config
 from storage.api import pull as pull_snapshot
 
-from cli.common import emit, human, json_option, one_line_errors, open_store
+from cli.common import emit, human, json_option, one_line_errors, open_store, terminate_cleanly
 
 jobs_option = click.option("--jobs", "-j", default=DEFAULT_JOBS, show_default=True,
                            help="Requests in flight at once.")
+deadline_option = click.option(
+    "--deadline", type=click.FloatRange(min=0.001), default=None, metavar="SECONDS",
+    help=f"End the command (exit 4, nothing committed) if it has not finished after SECONDS; default "
+         f"GPUSNAP_REMOTE_DEADLINE_S or {DEFAULT_DEADLINE_S:.0f}.")
 
 
 def _transfer_line(r: dict) -> str:
@@ -32,36 +37,39 @@ def _transfer_line(r: dict) -> str:
 
 @click.group()
 def remote() -> None:
-    """Remotes: S3-compatible object stores this store pushes snapshots to and pulls them from."""
+    """Remotes: S3-compatible object stores (s3://) or shared directories (file://, e.g. on NFS) this store
+    pushes snapshots to and pulls them from."""
 
 
 @remote.command("add")
 @click.argument("name")
-@click.argument("url", metavar="s3://BUCKET/PREFIX")
-@click.option("--endpoint", required=True, metavar="URL", help="The S3 endpoint, e.g. http://127.0.0.1:18480.")
+@click.argument("url", metavar="s3://BUCKET/PREFIX|file:///PATH")
+@click.option("--endpoint", default=None, metavar="URL",
+              help="The S3 endpoint, e.g. http://127.0.0.1:18480 (s3:// remotes only; required there).")
 @click.option("--region", default="us-east-1", show_default=True,
               help="The S3 region the requests are signed for (Swift and MinIO take us-east-1).")
 @click.option("--credentials-file", default=None, metavar="PATH",
               help="A 0600 file with `access_key_id = ...` and `secret_access_key = ...` lines "
                    "(used when the environment has no GPUSNAP_S3_ACCESS_KEY_ID).")
 @click.option("--replace", is_flag=True, help="Replace the configuration of an existing remote of that name.")
+@deadline_option
 @json_option
 @click.pass_context
 @one_line_errors
-def remote_add(ctx: click.Context, name: str, url: str, endpoint: str, region: str,
-               credentials_file: str | None, replace: bool, as_json: bool) -> None:
-    """Add remote NAME at URL (the bucket is created if missing) and check that it answers."""
+def remote_add(ctx: click.Context, name: str, url: str, endpoint: str | None, region: str,
+               credentials_file: str | None, replace: bool, deadline: float | None, as_json: bool) -> None:
+    """Add remote NAME at URL (the bucket, or the directory, is created if missing) and check that it
+    answers. A file:// path is resolved now (links in it followed once); later no link in it is."""
     from storage.api import RemoteError, remote_exists, validate_remote_name
     st = open_store(ctx)
     if remote_exists(st, validate_remote_name(name)) and not replace:
         raise RemoteError(f"remote {name!r} already exists (use --replace to change it; `gpusnap remote list` "
                           "shows it)")
     cf = os.path.abspath(credentials_file) if credentials_file else None
-    cfg = RemoteConfig.from_json({"name": name, "url": url, "endpoint": endpoint, "region": region,
-                                  "credentials_file": cf})
-    Remote(cfg, load_credentials(cfg)).init()
+    cfg = remote_config(name, url, endpoint, region, cf)
+    Remote(cfg, deadline=deadline).init()
     add_remote(st, cfg)
-    emit(as_json, cfg.to_json(), f"remote {name}: {cfg.url} at {cfg.endpoint}")
+    emit(as_json, cfg.to_json(), f"remote {name}: {cfg.url}" + (f" at {cfg.endpoint}" if cfg.endpoint else ""))
 
 
 @remote.command("list")
@@ -73,9 +81,9 @@ def remote_list(ctx: click.Context, as_json: bool) -> None:
     from storage.api import list_remotes
     cfgs = list_remotes(open_store(ctx, create=False))
     rows = [c.to_json() for c in cfgs]
-    lines = [f"{'NAME':20} {'URL':40} ENDPOINT"] + [f"{c.name:20} {c.url:40} {c.endpoint}" for c in cfgs]
+    lines = [f"{'NAME':20} {'URL':40} ENDPOINT"] + [f"{c.name:20} {c.url:40} {c.endpoint or '-'}" for c in cfgs]
     emit(as_json, rows, "\n".join(lines) if cfgs else "(no remotes: `gpusnap remote add NAME s3://BUCKET/PREFIX "
-         "--endpoint URL`)")
+         "--endpoint URL` or `gpusnap remote add NAME file:///PATH`)")
 
 
 @remote.command("remove")
@@ -93,12 +101,13 @@ def remote_remove(ctx: click.Context, name: str, as_json: bool) -> None:
 
 @remote.command("ls")
 @click.argument("name", required=False)
+@deadline_option
 @json_option
 @click.pass_context
 @one_line_errors
-def remote_ls(ctx: click.Context, name: str | None, as_json: bool) -> None:
+def remote_ls(ctx: click.Context, name: str | None, deadline: float | None, as_json: bool) -> None:
     """The snapshots on remote NAME (the only remote when there is one); `remote list` lists the remotes."""
-    r = Remote.open(open_store(ctx), name)
+    r = Remote.open(open_store(ctx), name, deadline=deadline)
     r.check()
     rows: list[dict[str, Any]] = []
     for n in r.names():
@@ -118,14 +127,15 @@ def remote_ls(ctx: click.Context, name: str | None, as_json: bool) -> None:
 @click.option("--read-data", is_flag=True, help="Fetch and hash every chunk (else: presence and size).")
 @click.option("--snapshot", "snapshots", multiple=True, help="Only these snapshots (repeatable).")
 @jobs_option
+@deadline_option
 @json_option
 @click.pass_context
 @one_line_errors
 def remote_verify(ctx: click.Context, name: str | None, read_data: bool, snapshots: tuple[str, ...],
-                  jobs: int, as_json: bool) -> None:
+                  jobs: int, deadline: float | None, as_json: bool) -> None:
     """Check remote NAME's manifests and chunks; exit 3 when anything is damaged or missing."""
-    r = Remote.open(open_store(ctx), name, jobs)
-    with Progress(f"remote verify {r.cfg.name}", ctx.obj["progress"]) as prog:
+    r = Remote.open(open_store(ctx), name, jobs, deadline=deadline)
+    with terminate_cleanly(), Progress(f"remote verify {r.cfg.name}", ctx.obj["progress"]) as prog:
         rep = r.verify(list(snapshots) or None, read_data=read_data, progress=prog)
     d = {"ok": rep.ok, "snapshots": rep.snapshots, "chunks_checked": rep.chunks_checked,
          "bytes_checked": rep.bytes_checked, "read_data": read_data, "problems": [str(p) for p in rep.problems]}
@@ -148,12 +158,13 @@ def remote_rm_gone(args: tuple[str, ...]) -> None:
 @remote.command("forget")
 @click.argument("snapshot")
 @click.argument("name", required=False)
+@deadline_option
 @json_option
 @click.pass_context
 @one_line_errors
-def remote_forget(ctx: click.Context, snapshot: str, name: str | None, as_json: bool) -> None:
+def remote_forget(ctx: click.Context, snapshot: str, name: str | None, deadline: float | None, as_json: bool) -> None:
     """Delete SNAPSHOT on remote NAME (as `restic forget`; its chunks stay until `remote gc`)."""
-    r = Remote.open(open_store(ctx), name)
+    r = Remote.open(open_store(ctx), name, deadline=deadline)
     r.check()
     r.remove(snapshot)
     emit(as_json, {"removed": snapshot, "remote": r.cfg.name}, f"{snapshot}: removed from {r.cfg.name}")
@@ -162,13 +173,15 @@ def remote_forget(ctx: click.Context, snapshot: str, name: str | None, as_json: 
 @remote.command("gc")
 @click.argument("name", required=False)
 @jobs_option
+@deadline_option
 @json_option
 @click.pass_context
 @one_line_errors
-def remote_gc(ctx: click.Context, name: str | None, jobs: int, as_json: bool) -> None:
+def remote_gc(ctx: click.Context, name: str | None, jobs: int, deadline: float | None, as_json: bool) -> None:
     """Delete the packs (and old chunk objects) on remote NAME that no remote snapshot needs (refused while a push runs)."""
-    r = Remote.open(open_store(ctx), name, jobs)
-    rep = r.gc()
+    r = Remote.open(open_store(ctx), name, jobs, deadline=deadline)
+    with terminate_cleanly():  # SIGTERM unwinds: the gc lock object is removed
+        rep = r.gc()
     emit(as_json, dict(rep.__dict__), f"{r.cfg.name}: {rep.chunks_removed} chunk(s) removed "
          f"({rep.packs_removed} pack(s)), "
          f"{human(rep.bytes_freed)} freed, {rep.stale_locks_removed} stale lock(s) removed")
@@ -179,14 +192,16 @@ def remote_gc(ctx: click.Context, name: str | None, jobs: int, as_json: bool) ->
 @click.argument("name", required=False)
 @click.option("--replace", is_flag=True, help="Overwrite a different remote snapshot of the same name.")
 @jobs_option
+@deadline_option
 @json_option
 @click.pass_context
 @one_line_errors
-def push(ctx: click.Context, snapshot: str, name: str | None, replace: bool, jobs: int, as_json: bool) -> None:
+def push(ctx: click.Context, snapshot: str, name: str | None, replace: bool, jobs: int, deadline: float | None,
+         as_json: bool) -> None:
     """Send SNAPSHOT to remote NAME: only the chunks it lacks, then the manifest."""
     st = open_store(ctx, create=False)
-    r = Remote.open(st, name, jobs)
-    with Progress(f"push {snapshot}", ctx.obj["progress"]) as prog:
+    r = Remote.open(st, name, jobs, deadline=deadline)
+    with terminate_cleanly(), Progress(f"push {snapshot}", ctx.obj["progress"]) as prog:
         rep = r.push(st, snapshot, replace=replace, progress=prog).as_dict()
     emit(as_json, rep, _transfer_line(rep))
 
@@ -196,14 +211,16 @@ def push(ctx: click.Context, snapshot: str, name: str | None, replace: bool, job
 @click.argument("name", required=False)
 @click.option("--replace", is_flag=True, help="Overwrite a different local snapshot of the same name.")
 @jobs_option
+@deadline_option
 @json_option
 @click.pass_context
 @one_line_errors
-def pull(ctx: click.Context, snapshot: str, name: str | None, replace: bool, jobs: int, as_json: bool) -> None:
+def pull(ctx: click.Context, snapshot: str, name: str | None, replace: bool, jobs: int, deadline: float | None,
+         as_json: bool) -> None:
     """Fetch SNAPSHOT from remote NAME: only the chunks this store lacks, each verified on arrival."""
     st = open_store(ctx)
-    r = Remote.open(st, name, jobs)
-    with Progress(f"pull {snapshot}", ctx.obj["progress"]) as prog:
+    r = Remote.open(st, name, jobs, deadline=deadline)
+    with terminate_cleanly(), Progress(f"pull {snapshot}", ctx.obj["progress"]) as prog:
         rep = pull_snapshot(r, st, snapshot, replace=replace, progress=prog).as_dict()
     emit(as_json, rep, _transfer_line(rep))
 

@@ -54,7 +54,7 @@ _WHERE: dict[str, tuple[str, str | None]] = {
     "Recycler": ("storage.fs.directio", 'Recycler'),
     "Region": ("storage.pipeline.gpu_engine", 'Region'),
     "Remote": ("storage.remote.client", 'Remote'),
-    "RemoteConfig": ("storage.remote.client", 'RemoteConfig'),
+    "RemoteConfig": ("storage.remote.config", 'RemoteConfig'),
     "RemoteDamageError": ("storage.remote.client", 'RemoteDamageError'),
     "RemoteError": ("storage.remote.client", 'RemoteError'),
     "RemoteFill": ("storage.remote.fill", 'RemoteFill'),
@@ -69,7 +69,7 @@ _WHERE: dict[str, tuple[str, str | None]] = {
     "UnavailableError": ("storage.base.errors", 'UnavailableError'),
     "WakeProbe": ("storage.base.wakeprobe", 'WakeProbe'),
     "Want": ("storage.repo.readstage", 'Want'),
-    "add_remote": ("storage.remote.client", 'add_remote'),
+    "add_remote": ("storage.remote.config", 'add_remote'),
     "address_of": ("storage.fs.directio", 'address_of'),
     "apply_switch_interval": ("storage.base.settings", 'apply_switch_interval'),
     "break_locks": ("storage.repo.locks", 'break_locks'),
@@ -92,8 +92,9 @@ _WHERE: dict[str, tuple[str, str | None]] = {
     "fdread": ("storage.fs.fdread", None),
     "import_": ("storage.archive.portable", 'import_'),
     "isolated": ("storage.fs.isolated", None),
-    "list_remotes": ("storage.remote.client", 'list_remotes'),
-    "load_credentials": ("storage.remote.client", 'load_credentials'),
+    "list_remotes": ("storage.remote.config", 'list_remotes'),
+    "remote_config": ("storage.remote.client", 'remote_config'),
+    "DEFAULT_DEADLINE_S": ("storage.remote.backend", 'DEFAULT_DEADLINE_S'),
     "lock_status": ("storage.repo.locks", 'lock_status'),
     "migrate": ("storage.maintenance.migrate", 'migrate'),
     "numa_nodes": ("storage.gpu.device", 'numa_nodes'),
@@ -110,8 +111,8 @@ _WHERE: dict[str, tuple[str, str | None]] = {
     "read_summary": ("storage.maintenance.summary", 'read_summary'),
     "readstage": ("storage.repo.readstage", None),
     "reflog": ("storage.repo.reflog", None),
-    "remote_exists": ("storage.remote.client", 'remote_exists'),
-    "remove_remote": ("storage.remote.client", 'remove_remote'),
+    "remote_exists": ("storage.remote.config", 'remote_exists'),
+    "remove_remote": ("storage.remote.config", 'remove_remote'),
     "repair": ("storage.maintenance.repair", 'repair'),
     "retag": ("storage.repo.tagging", 'retag'),
     "setting": ("storage.base.settings", 'setting'),
@@ -119,7 +120,7 @@ _WHERE: dict[str, tuple[str, str | None]] = {
     "shufflelib": ("storage.codecs.shufflelib", None),
     "switch": ("storage.base.settings", 'switch'),
     "tool_version": ("storage.format.manifest", 'tool_version'),
-    "validate_remote_name": ("storage.remote.client", 'validate_remote_name'),
+    "validate_remote_name": ("storage.remote.config", 'validate_remote_name'),
     "validate_snapshot_name": ("storage.base.names", 'validate_snapshot_name'),
     "validate_stream_name": ("storage.base.names", 'validate_stream_name'),
     "validate_tag": ("storage.format.manifest", 'validate_tag'),
@@ -174,7 +175,7 @@ if TYPE_CHECKING:
     from storage.fs.directio import Recycler as Recycler
     from storage.pipeline.gpu_engine import Region as Region
     from storage.remote.client import Remote as Remote
-    from storage.remote.client import RemoteConfig as RemoteConfig
+    from storage.remote.config import RemoteConfig as RemoteConfig
     from storage.remote.client import RemoteDamageError as RemoteDamageError
     from storage.remote.client import RemoteError as RemoteError
     from storage.remote.fill import RemoteFill as RemoteFill
@@ -189,7 +190,7 @@ if TYPE_CHECKING:
     from storage.base.errors import UnavailableError as UnavailableError
     from storage.base.wakeprobe import WakeProbe as WakeProbe
     from storage.repo.readstage import Want as Want
-    from storage.remote.client import add_remote as add_remote
+    from storage.remote.config import add_remote as add_remote
     from storage.fs.directio import address_of as address_of
     from storage.base.settings import apply_switch_interval as apply_switch_interval
     from storage.repo.locks import break_locks as break_locks
@@ -212,8 +213,9 @@ if TYPE_CHECKING:
     from storage.fs import fdread as fdread
     from storage.archive.portable import import_ as import_
     from storage.fs import isolated as isolated
-    from storage.remote.client import list_remotes as list_remotes
-    from storage.remote.client import load_credentials as load_credentials
+    from storage.remote.config import list_remotes as list_remotes
+    from storage.remote.client import remote_config as remote_config
+    from storage.remote.backend import DEFAULT_DEADLINE_S as DEFAULT_DEADLINE_S
     from storage.repo.locks import lock_status as lock_status
     from storage.maintenance.migrate import migrate as migrate
     from storage.gpu.device import numa_nodes as numa_nodes
@@ -230,8 +232,8 @@ if TYPE_CHECKING:
     from storage.maintenance.summary import read_summary as read_summary
     from storage.repo import readstage as readstage
     from storage.repo import reflog as reflog
-    from storage.remote.client import remote_exists as remote_exists
-    from storage.remote.client import remove_remote as remove_remote
+    from storage.remote.config import remote_exists as remote_exists
+    from storage.remote.config import remove_remote as remove_remote
     from storage.maintenance.repair import repair as repair
     from storage.repo.tagging import retag as retag
     from storage.base.settings import setting as setting
@@ -239,7 +241,7 @@ if TYPE_CHECKING:
     from storage.codecs import shufflelib as shufflelib
     from storage.base.settings import switch as switch
     from storage.format.manifest import tool_version as tool_version
-    from storage.remote.client import validate_remote_name as validate_remote_name
+    from storage.remote.config import validate_remote_name as validate_remote_name
     from storage.base.names import validate_snapshot_name as validate_snapshot_name
     from storage.base.names import validate_stream_name as validate_stream_name
     from storage.format.manifest import validate_tag as validate_tag

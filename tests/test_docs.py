@@ -143,3 +143,19 @@ def test_readme_remote_example_runs(tmp_path: Path) -> None:
         assert (tmp_path / "payload-on-B" / "payload" / "blob").read_bytes() == (tmp_path / "payload" / "blob").read_bytes()
     finally:
         drop_bucket(endpoint, bucket)
+
+
+def test_readme_remote_example_runs_with_a_file_remote(tmp_path: Path) -> None:
+    """The README's file:// block, and its S3 block with the remote swapped for a file:// one."""
+    p = _run_block("remote_file", tmp_path)
+    assert p.returncode == 0, p.stderr
+    assert (tmp_path / "payload-on-B" / "payload" / "blob").read_bytes() == (tmp_path / "payload" / "blob").read_bytes()
+    assert (tmp_path / "shared" / "fleet" / "gpusnap-remote.json").exists()
+    other = tmp_path / "s3-block"
+    other.mkdir()
+    p = _run_block("remote", other, replace={"s3://gpusnap-demo/fleet --endpoint http://127.0.0.1:18480":
+                                             f"file://{other}/shared/fleet",
+                                             "scripts/setup/swift-setup.sh start": "true"})
+    assert p.returncode == 0, p.stderr
+    assert (other / "payload-on-B" / "payload" / "blob").read_bytes() == (other / "payload" / "blob").read_bytes()
+    assert (other / "shared" / "fleet" / "snapshots" / "payload.json").exists()

@@ -51,11 +51,11 @@ class Node:
     """One node: its own store, the remote `r` at s3://BUCKET/PREFIX configured in it; ENV is added to
     every command it runs."""
 
-    def __init__(self, store: Path, endpoint: str, url: str) -> None:
+    def __init__(self, store: Path, endpoint: str | None, url: str) -> None:
         self.cli = Cli(store)
         self.store = store
         self.env: dict[str, str] = {}
-        self.cli.run("remote", "add", "r", url, "--endpoint", endpoint, env=CREDS)
+        self.cli.run("remote", "add", "r", url, *(["--endpoint", endpoint] if endpoint else []), env=CREDS)
 
     def run(self, *args: str, check: bool = True, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
         return self.cli.run(*args, check=check, env={**CREDS, **self.env, **(env or {})})
@@ -77,6 +77,17 @@ def url_for(test: str) -> str:
 def nodes(tmp_path: Path, endpoint: str, request: pytest.FixtureRequest) -> tuple[Node, Node]:
     url = url_for(request.node.name.replace("[", "-").replace("]", ""))
     return Node(tmp_path / "A", endpoint, url), Node(tmp_path / "B", endpoint, url)
+
+
+@pytest.fixture(params=["s3", "file"])
+def any_nodes(tmp_path: Path, request: pytest.FixtureRequest) -> tuple[Node, Node]:
+    """As `nodes`, over each backend: the local Swift (s3://) and a shared directory (file://)."""
+    if request.param == "s3":
+        ep: str | None = request.getfixturevalue("endpoint")
+        url = url_for(request.node.name.replace("[", "-").replace("]", ""))
+    else:
+        ep, url = None, f"file://{tmp_path / 'share'}"
+    return Node(tmp_path / "A", ep, url), Node(tmp_path / "B", ep, url)
 
 
 def make_data(d: Path, mb: int = 24, seed: int = 1) -> Path:
@@ -110,7 +121,8 @@ def one_line(p: subprocess.CompletedProcess[str] | tuple[str, str]) -> str:
     return lines[0]
 
 
-def test_push_pull_restore_byte_identical(nodes: tuple[Node, Node], tmp_path: Path) -> None:
+def test_push_pull_restore_byte_identical(any_nodes: tuple[Node, Node], tmp_path: Path) -> None:
+    nodes = any_nodes
     a, b = nodes
     data = make_data(tmp_path / "data")
     a.run("store", "put", "s1", str(data))
@@ -526,11 +538,13 @@ def _gone(pid: int, timeout: float = 10) -> bool:
     return True
 
 
-def test_criu_restore_from_remote_on_another_store(nodes: tuple[Node, Node], tmp_path: Path) -> None:
+def test_criu_restore_from_remote_on_another_store(any_nodes: tuple[Node, Node], tmp_path: Path) -> None:
     """`criu restore --from` on an empty store: CRIU starts while the pull runs. The one fetch thread
     is held before the snapshot's last chunk; CRIU must already have recreated the tree's processes
-    then (a restore that waited for the whole pull could not), and nothing is visible locally yet."""
+    then (a restore that waited for the whole pull could not), and nothing is visible locally yet.
+    Over both backends (a file:// remote as a shared volume would be)."""
     _need_criu()
+    nodes = any_nodes
     from test_criu import Tree, healthy
     a, b = nodes
     a.env.update(ONE_ENTRY_PACKS)
@@ -662,8 +676,7 @@ def test_gpu_restore_from_remote_on_another_store(tmp_path: Path, endpoint: str,
         monkeypatch.setenv(k, v)
     import storage.remote.client
     monkeypatch.setattr(storage.remote.client, "REMOTE_PACK_TARGET", 1)  # ONE_ENTRY_PACKS, in this process
-    bucket, prefix = url_for("gpu")[5:].split("/", 1)
-    cfg = RemoteConfig("r", bucket, prefix, endpoint)
+    cfg = RemoteConfig.make("r", url_for("gpu"), endpoint)
     a, b = SnapshotStore(str(tmp_path / "A")), SnapshotStore(str(tmp_path / "B"))
     add_remote(a, cfg)
     add_remote(b, cfg)

@@ -165,11 +165,13 @@ class ArrivalsCase(Case):
     RemoteFill brings it (the tier: ArrivingSource)."""
 
     def __init__(self, tmp: Path, endpoint: str, bucket: str) -> None:
+        from storage.remote.backend import Deadline
         from storage.remote.client import Credentials, Remote, RemoteConfig
+        from storage.remote.s3backend import S3Backend
         a = StoreCase(tmp / "A")
         self.datas, self.refs = a.datas, a.refs
-        prefix = f"contract-{uuid.uuid4().hex[:8]}"
-        self.remote = Remote(RemoteConfig("r", bucket, prefix, endpoint), Credentials("test:tester", "testing"))
+        cfg = RemoteConfig.make("r", f"s3://{bucket}/contract-{uuid.uuid4().hex[:8]}", endpoint)
+        self.remote = Remote(cfg, S3Backend(cfg.spec(), Credentials("test:tester", "testing"), Deadline()))
         self.remote.init()
         rep = self.remote.push(a.store, "t")
         assert rep.packs_sent == 1 and rep.chunks_sent == len(set(r.id for r in self.refs))
@@ -177,7 +179,7 @@ class ArrivalsCase(Case):
         self.fill: Any = None
 
     def damage(self, i: int, how: str) -> None:
-        s3 = self.remote.s3
+        s3 = self.remote.backend
         [(pack, (_, ents))] = [(p, decode_index(p, s3.get(self.remote.index_key(p), 1 << 20) or b""))
                                for p in self.remote.pack_sizes()]
         [(off, length)] = [(o, n) for cid, o, n in ents if cid == self.refs[i].id]

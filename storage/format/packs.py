@@ -106,6 +106,70 @@ def decode_index(name: str, data: bytes) -> tuple[int, list[tuple[str, int, int]
     return pack_len, out
 
 
+class IndexStream:
+    """An index file decoded as it arrives, in pieces (a remote's index object): every check of
+    decode_index, with only the entries KEEP accepts held (by chunk id); the rest are validated and
+    dropped, so memory stays at one piece plus what is kept. `feed` the pieces, then `finish`."""
+
+    def __init__(self, name: str, keep: Callable[[str], bool], limit: int = INDEX_MAX) -> None:
+        self.name, self.keep, self.limit = name, keep, limit
+        self.where = f"index/{name}"
+        self._hash = blake3.blake3()
+        self._buf = bytearray()   # bytes not yet parsed (always ends with up to _SUM bytes held back)
+        self._size = 0
+        self.count = -1
+        self.pack_len = 0
+        self._i = 0
+        self._end = 0
+        self.kept: list[tuple[str, int, int]] = []
+
+    def feed(self, piece: bytes) -> None:
+        self._size += len(piece)
+        if self._size > self.limit:
+            raise IndexDamage(f"{self.where}: more than {self.limit} bytes, more than an index file may be")
+        self._buf += piece
+        if self.count < 0:
+            if len(self._buf) < _IDX_HEAD.size + _SUM:
+                return
+            magic, pid, count, pack_len = _IDX_HEAD.unpack_from(self._buf)
+            if magic != _IDX_MAGIC:
+                raise IndexDamage(f"{self.where}: bad magic (not a gpusnap index)")
+            if pid.hex() != self.name:
+                raise IndexDamage(f"{self.where}: names pack {pid.hex()}, not {self.name}")
+            if _IDX_HEAD.size + count * _IDX_REC.size + _SUM > self.limit or pack_len > PACK_MAX:
+                raise IndexDamage(f"{self.where}: entry count {count} or pack length {pack_len} out of bounds")
+            self.count, self.pack_len = count, pack_len
+            self._hash.update(self._buf[:_IDX_HEAD.size])
+            del self._buf[:_IDX_HEAD.size]
+        n = (len(self._buf) - _SUM) // _IDX_REC.size
+        if n <= 0:
+            return
+        if self._i + n > self.count:
+            raise IndexDamage(f"{self.where}: {self._size} bytes or more is not the size of an index file "
+                              f"of {self.count} entries")
+        for j in range(n):
+            raw, off, length = _IDX_REC.unpack_from(self._buf, j * _IDX_REC.size)
+            if (off % ALIGN or length % ALIGN or not ENTRY_MIN <= length <= ENTRY_MAX or off < self._end
+                    or off + length > self.pack_len):
+                raise IndexDamage(f"{self.where}: entry {self._i + j} (offset {off}, length {length}) is not a "
+                                  f"valid entry of a pack of {self.pack_len} bytes")
+            self._end = off + length
+            cid = raw.hex()
+            if self.keep(cid):
+                self.kept.append((cid, off, length))
+        self._i += n
+        self._hash.update(self._buf[:n * _IDX_REC.size])
+        del self._buf[:n * _IDX_REC.size]
+
+    def finish(self) -> tuple[int, int, list[tuple[str, int, int]]]:
+        """(pack length, entry count, the kept entries); IndexDamage unless the whole file was sound."""
+        if self.count < 0 or self._i != self.count or len(self._buf) != _SUM:
+            raise IndexDamage(f"{self.where}: {self._size} bytes is not the size of an index file")
+        if self._hash.digest() != bytes(self._buf):
+            raise IndexDamage(f"{self.where}: content does not match its checksum (corrupted)")
+        return self.pack_len, self.count, self.kept
+
+
 def read_small(dir_fd: int, name: str, limit: int, where: str) -> bytes:
     """The regular file NAME in DIR_FD, at most LIMIT bytes (IndexDamage otherwise: a link or
     anything else in its place included; FileNotFoundError where it is gone)."""

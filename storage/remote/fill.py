@@ -127,7 +127,7 @@ class RemoteFill:
         self._w = self._stack.enter_context(self.store.writer(
             self.name, replace=self.replace, meta=m.meta, tags=m.tags, created=m.created, host=m.host))
         missing = set(self.store.missing(m))
-        index = r.read_index() if missing else None
+        index = r.read_index(missing) if missing else None
         sizes = r.pack_sizes() if missing else {}
         for c in refs:
             if c.id in missing:
@@ -266,7 +266,7 @@ class RemoteFill:
         r, rep = self.remote, self.report
         assert ref.id is not None
         for attempt in (1, 2):
-            n = r.s3.get_into(r.chunk_key(ref.id), buf.view)
+            n = r.backend.get_into(r.chunk_key(ref.id), buf.view)
             with self._lock:
                 rep.bytes_sent += n or 0
             why, header = check_fetched(ref, buf, n)

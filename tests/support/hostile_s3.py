@@ -10,11 +10,14 @@ PORTFILE, and re-reads BEHAVIOURS.json on every request, a JSON object mapping a
   "rangelong" a range read answered with 4096 bytes more than asked (Content-Length saying so);
   "rangeshort" a range read answered with 4096 bytes fewer than asked (Content-Length saying so);
   "norange"   a range read answered with the whole object (200, as a server that ignores Range);
+  "silent"    a GET (or HEAD) read and never answered (a server that hangs: the client's timeouts and
+              deadline are all that end it);
 A suffix starting with "~" matches every key that contains the rest (e.g. "~/packs/").
 Range reads (`Range: bytes=A-B`) are otherwise answered as S3 does (206, Content-Range).
 plus the keys "clock_offset_s": seconds added to every Date and LastModified the server reports (a
 clock far off), and "date_offset_s": seconds added to the Date header alone (a Date that disagrees
-with the object times, as behind a proxy with another clock).
+with the object times, as behind a proxy with another clock), and "list_forever": a substring; every
+ListObjectsV2 of a prefix containing it answers IsTruncated with 1000 new keys (a listing that never ends).
 Objects are kept in memory (PUT, GET, HEAD, DELETE, ListObjectsV2, multipart uploads).
 """
 from __future__ import annotations
@@ -84,15 +87,20 @@ class Handler(BaseHTTPRequestHandler):
 
     def _behaviour(self, key: str) -> str | None:
         for suffix, what in _behaviours().items():
-            if suffix in ("clock_offset_s", "date_offset_s"):
+            if suffix in ("clock_offset_s", "date_offset_s", "list_forever"):
                 continue
             if key.endswith(suffix) or (suffix.startswith("~") and suffix[1:] in key):
                 return str(what)
         return None
 
     # ---- verbs ----
+    def _hang(self) -> None:
+        time.sleep(3600)  # a daemon thread: the server's exit ends it
+
     def do_HEAD(self) -> None:
         bucket, key, _ = self._split()
+        if key and self._behaviour(key) == "silent":
+            self._hang()
         if not key:
             self._reply(200)
             return
@@ -118,6 +126,8 @@ class Handler(BaseHTTPRequestHandler):
             self._list(bucket, q)
             return
         what = self._behaviour(key)
+        if what == "silent":
+            self._hang()
         if what == "endless":
             self.send_response(200)
             self.send_header("Connection", "close")
@@ -179,6 +189,19 @@ class Handler(BaseHTTPRequestHandler):
 
     def _list(self, bucket: str, q: dict[str, list[str]]) -> None:
         prefix = q.get("prefix", [""])[0]
+        forever = _behaviours().get("list_forever")
+        if isinstance(forever, str) and forever in prefix:
+            page = int(q.get("continuation-token", ["0"])[0] or 0)
+            t = datetime.fromtimestamp(time.time(), timezone.utc).strftime('%Y-%m-%dT%H:%M:%S.000Z')
+            rows = "".join(f"<Contents><Key>{escape(prefix)}{page:012d}{i:04d}{'0' * 16}</Key><LastModified>{t}"
+                           f"</LastModified><ETag>\"x\"</ETag><Size>1</Size><StorageClass>STANDARD</StorageClass>"
+                           "</Contents>" for i in range(1000))
+            xml = (f"<?xml version='1.0' encoding='UTF-8'?><ListBucketResult xmlns='http://s3.amazonaws.com/doc/2006-03-01/'>"
+                   f"<Name>{escape(bucket)}</Name><Prefix>{escape(prefix)}</Prefix><KeyCount>1000</KeyCount>"
+                   f"<MaxKeys>1000</MaxKeys><IsTruncated>true</IsTruncated>"
+                   f"<NextContinuationToken>{page + 1}</NextContinuationToken>{rows}</ListBucketResult>")
+            self._reply(200, xml.encode(), {"Content-Type": "application/xml"})
+            return
         with _lock:
             items = sorted((k.split("/", 1)[1], v) for k, v in _objects.items()
                            if k.startswith(bucket + "/") and k.split("/", 1)[1].startswith(prefix))
