@@ -61,8 +61,9 @@ def store() -> None:
 @click.option("--force", is_flag=True, help="Read every file, even those the files cache says are unchanged "
                                              "(the cache is then rewritten from what was read).")
 @click.option("--no-cache", is_flag=True, help="Neither use nor update the files cache: read every file.")
-@click.option("--no-xattrs", is_flag=True, help="Do not store extended attributes (stored by default: user.*, "
-                                                "and security.*/trusted.* where readable).")
+@click.option("--no-xattrs", is_flag=True, help="Do not store extended attributes or ACLs (stored by default: user.*, "
+                                                "security.*/trusted.* where readable, and POSIX ACLs: "
+                                                "system.posix_acl_access/_default).")
 @click.option("--parent", default=None, metavar="SNAP",
               help="Store each changed chunk as a delta against the bytes SNAP held where it was (in the same-named "
                    "file, or wherever its unchanged neighbours were found), where that saves (an earlier snapshot "
@@ -81,7 +82,7 @@ def store_put(ctx: click.Context, name: str, paths: tuple[str, ...], replace: bo
     """Store PATHS (files or directories, each under its base name) as snapshot NAME.
 
     Regular files, directories, symlinks and FIFOs (as entries: a FIFO is never opened) are stored
-    with their modes, owners, times, extended attributes and hard links; sockets are skipped with a
+    with their modes, owners, times, extended attributes, POSIX ACLs and hard links; sockets are skipped with a
     note on stderr (as tar does); devices are refused (--exclude them).
 
     A file whose path, size, mtime, ctime and inode are what the files cache recorded when it was

@@ -1,0 +1,126 @@
+"""What a restic or borg user expects when switching (issue 60), through the real CLI: POSIX ACLs kept,
+global --json, hard-link names, name templates and `latest`, retention by age and tag, an automatic
+parent, --skip-damaged, verify --quick, exit codes, aligned listings."""
+from __future__ import annotations
+
+import base64
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from conftest import GPUSNAP, Cli
+
+root_only = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (setpriv to another user)")
+have_acl = pytest.mark.skipif(shutil.which("setfacl") is None, reason="setfacl (Debian's acl package) missing")
+NOBODY = 65534
+
+
+def _getfacl(path: Path) -> list[str]:
+    """The ACL entries of PATH as getfacl prints them (without the comment header)."""
+    out = subprocess.run(["getfacl", "--omit-header", "--absolute-names", "--numeric", str(path)],
+                         capture_output=True, text=True, check=True).stdout
+    return [ln for ln in out.splitlines() if ln]
+
+
+def _acl_tree(root: Path) -> Path:
+    src = root / "data"
+    (src / "sub").mkdir(parents=True)
+    (src / "f").write_text("secret\n")
+    (src / "plain").write_text("no acl\n")
+    subprocess.run(["setfacl", "-m", f"u:{NOBODY}:r,g:{NOBODY}:rw", str(src / "f")], check=True)
+    subprocess.run(["setfacl", "-d", "-m", f"u:{NOBODY}:rx", str(src / "sub")], check=True)
+    subprocess.run(["setfacl", "-m", f"g:{NOBODY}:rx", str(src / "sub")], check=True)
+    return src
+
+
+def _check_acls(src: Path, out: Path) -> None:
+    for rel in ("f", "plain", "sub"):
+        assert _getfacl(out / rel) == _getfacl(src / rel), rel
+    assert f"user:{NOBODY}:r--" in _getfacl(out / "f")
+    assert f"default:user:{NOBODY}:r-x" in _getfacl(out / "sub")
+    assert not any(ln.startswith("user:") and ln != "user::rw-" for ln in _getfacl(out / "plain"))
+
+
+@have_acl
+def test_acls_access_and_default_round_trip(cli: Cli, store_dir: Path, tmp_path: Path) -> None:
+    src = _acl_tree(tmp_path)
+    cli.run("store", "put", "s", str(src))
+    body = json.loads((store_dir / "snapshots" / "s.json").read_text())
+    assert body["version"] == 4  # ACLs: version 4, older readers refuse it by its version
+    xa = {s["name"]: s["attrs"].get("xattrs", {}) for s in body["streams"]}
+    assert "system.posix_acl_access" in xa["data/f"] and "system.posix_acl_default" in xa["data/sub"]
+    assert not any(n.startswith("system.") for n in xa["data/plain"])
+    cli.run("store", "get", "s", str(tmp_path / "out"))
+    _check_acls(src, tmp_path / "out" / "data")
+    # a file made later under the restored directory inherits its default ACL, as under the original
+    (tmp_path / "out" / "data" / "sub" / "new").write_text("x")
+    assert f"user:{NOBODY}:r-x" in " ".join(_getfacl(tmp_path / "out" / "data" / "sub" / "new"))
+    # --no-xattrs keeps none (and the manifest stays version 2)
+    cli.run("store", "put", "bare", str(src), "--no-xattrs")
+    assert json.loads((store_dir / "snapshots" / "bare.json").read_text())["version"] == 2
+
+
+_GOOD_ACL = b"\x02\x00\x00\x00" + b"".join(  # user::rw- group::r-- other::r--
+    t.to_bytes(2, "little") + p.to_bytes(2, "little") + b"\xff\xff\xff\xff" for t, p in ((1, 6), (4, 4), (0x20, 4)))
+
+
+@have_acl
+@pytest.mark.parametrize("stream,name,value,why", [
+    ("data/f", "system.posix_acl_access", b"\x02\x00\x00\x00\x40\x00\x07\x00\xff\xff\xff\xff", "unknown tag"),
+    ("data/f", "system.posix_acl_access", _GOOD_ACL[:-3], "bad length"),
+    ("data/plain", "system.posix_acl_default", _GOOD_ACL, "on a file"),
+    ("data/plain", "system.nfs4_acl", _GOOD_ACL, "bad xattr"),
+])
+def test_a_malformed_acl_is_damage(cli: Cli, store_dir: Path, tmp_path: Path, stream: str, name: str,
+                                   value: bytes, why: str) -> None:
+    from support.crafted import rewrite_manifest
+    src = _acl_tree(tmp_path)
+    cli.run("store", "put", "s", str(src))
+
+    def spoil(body: dict) -> None:
+        for s in body["streams"]:
+            if s["name"] == stream:
+                s["attrs"].setdefault("xattrs", {})[name] = base64.b64encode(value).decode()
+    rewrite_manifest(store_dir / "snapshots" / "s.json", spoil)
+    p = cli.run("store", "get", "s", str(tmp_path / "out"), check=False)
+    assert p.returncode == 3 and why in p.stderr, p.stderr
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.fixture
+def user_top() -> Iterator[Path]:
+    top = Path(tempfile.mkdtemp(prefix="gpusnap-switch-"))
+    top.chmod(0o755)
+    try:
+        yield top
+    finally:
+        shutil.rmtree(top, ignore_errors=True)
+
+
+@root_only
+@have_acl
+def test_acls_round_trip_as_a_user(user_top: Path, nobody_pythonpath: str) -> None:
+    """Put and get run as an unprivileged user (setpriv to nobody) on that user's own files."""
+    src = _acl_tree(user_top)
+    subprocess.run(["chown", "-R", f"{NOBODY}:{NOBODY}", str(src)], check=True)
+    (user_top / "work").mkdir()
+    os.chown(user_top / "work", NOBODY, NOBODY)
+    env = {**os.environ, "PYTHONPATH": nobody_pythonpath, "PYTHONDONTWRITEBYTECODE": "1"}
+    store = user_top / "work" / "store"
+
+    def as_nobody(*args: str) -> None:
+        p = subprocess.run(["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", "--",
+                            *GPUSNAP, "--store", str(store), *args], cwd="/", env=env,
+                           capture_output=True, text=True, timeout=120)
+        assert p.returncode == 0, p.stderr
+    as_nobody("store", "put", "s", str(src))
+    as_nobody("store", "get", "s", str(user_top / "work" / "out"))
+    out = user_top / "work" / "out" / "data"
+    assert (out / "f").stat().st_uid == NOBODY
+    _check_acls(src, out)
