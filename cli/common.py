@@ -160,7 +160,15 @@ def emit(ctx_json: bool, data: Any, text: str) -> None:
     click.echo(json.dumps(data, indent=2, sort_keys=True) if ctx_json else text)
 
 
-json_option = click.option("--json", "as_json", is_flag=True, help="Print a JSON report instead of text.")
+def _json_anywhere(ctx: click.Context, param: click.Parameter, value: bool) -> bool:
+    """--json given after the command, or before it as a global option (`gpusnap --json store ls`)."""
+    root = ctx.find_root().obj
+    return bool(value or (isinstance(root, dict) and root.get("json")))
+
+
+json_option = click.option("--json", "as_json", is_flag=True, callback=_json_anywhere,
+                           help="Print a JSON report instead of text (also accepted before the command: "
+                                "`gpusnap --json store ls`).")
 
 tag_option = click.option("--tag", "tags", multiple=True, metavar="TAG",
                           help="Tag the snapshot (repeatable; `store ls --tag`, `store forget --tag` select by it).")
