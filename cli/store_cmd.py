@@ -296,17 +296,22 @@ def _list_files(ctx: click.Context, name: str, prefix: str | None, as_json: bool
     streams = [s for s in m.streams if not want or s.name == want or s.name.startswith(want + "/")]
     if want and not streams:
         raise StoreError(f"snapshot {name!r} has no path {want!r} (`gpusnap store ls {name}` lists them all)")
-    rows = []
+    by_name = {s.name: s for s in m.streams}
+    rows, shown = [], []
     for s in streams:
         a = s.attrs
-        rows.append({"path": s.name, "type": a.get("type"), "mode": a.get("mode"), "size": s.size,
-                     "uid": a.get("uid"), "gid": a.get("gid"), "mtime_ns": a.get("mtime_ns"),
+        # another name of a hard-linked file shows the file's mode, owner, time and size (as `ls -l`
+        # does); its type stays `hardlink` and `target` names the first name, where the bytes are
+        f = by_name.get(a["target"], s) if a.get("type") == "hardlink" else s
+        rows.append({"path": s.name, "type": a.get("type"), "mode": f.attrs.get("mode"), "size": f.size,
+                     "uid": f.attrs.get("uid"), "gid": f.attrs.get("gid"), "mtime_ns": f.attrs.get("mtime_ns"),
                      **({"target": a["target"]} if "target" in a else {})})
+        shown.append(f)
     lines = [f"{'MODE':10} {'OWNER':>11} {'SIZE':>10}  PATH"]
-    for r, s in zip(rows, streams):
+    for r, f in zip(rows, shown):
         owner = f"{r['uid']}:{r['gid']}" if r["uid"] is not None else "-"
-        link = f" -> {r['target']}" if r["type"] == "symlink" else (f" => {r['target']}" if r["type"] == "hardlink" else "")
-        lines.append(f"{_mode_text(s.attrs)} {owner:>11} {r['size']:>10}  {r['path']}{link}")
+        link = f" -> {r['target']}" if r["type"] == "symlink" else (f" (hard link of {r['target']})" if r["type"] == "hardlink" else "")
+        lines.append(f"{_mode_text(f.attrs)} {owner:>11} {r['size']:>10}  {r['path']}{link}")
     emit(as_json, rows, "\n".join(lines))
 
 

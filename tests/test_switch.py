@@ -124,3 +124,35 @@ def test_acls_round_trip_as_a_user(user_top: Path, nobody_pythonpath: str) -> No
     out = user_top / "work" / "out" / "data"
     assert (out / "f").stat().st_uid == NOBODY
     _check_acls(src, out)
+
+
+def test_json_is_accepted_before_the_command(cli: Cli, tmp_path: Path) -> None:
+    src = tmp_path / "data"
+    src.mkdir()
+    (src / "f").write_text("x")
+    cli.run("store", "put", "s", str(src))
+    rows = json.loads(cli.run("--json", "store", "ls").stdout)
+    assert [r["name"] for r in rows] == ["s"]
+    assert json.loads(cli.run("--json", "store", "ls", "s").stdout)[1]["path"] == "data/f"
+    p = cli.run("--json", "store", "inspect", "missing", check=False)  # errors too, as JSON on stdout
+    assert p.returncode == 1 and json.loads(p.stdout)["exit_code"] == 1
+    assert "s" in cli.run("store", "ls").stdout and not cli.run("store", "ls").stdout.startswith("[")
+
+
+def test_cat_and_ls_of_every_name_of_a_hard_linked_file(cli: Cli, tmp_path: Path) -> None:
+    src = tmp_path / "data"
+    (src / "d").mkdir(parents=True)
+    (src / "a").write_bytes(b"linked bytes\n" * 1000)
+    os.chmod(src / "a", 0o640)
+    os.link(src / "a", src / "d" / "b")
+    cli.run("store", "put", "s", str(src))
+    for name in ("data/a", "data/d/b"):
+        p = subprocess.run([*GPUSNAP, "--store", str(cli.store), "store", "cat", "s", name], capture_output=True,
+                           env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
+                           cwd=Path(__file__).resolve().parents[1])
+        assert p.returncode == 0 and p.stdout == b"linked bytes\n" * 1000, p.stderr
+    rows = {r["path"]: r for r in cli.json("store", "ls", "s")}
+    assert rows["data/d/b"]["type"] == "hardlink" and rows["data/d/b"]["target"] == "data/a"
+    assert (rows["data/d/b"]["mode"], rows["data/d/b"]["size"]) == (0o640, 13000)
+    line = next(ln for ln in cli.run("store", "ls", "s").stdout.splitlines() if "data/d/b" in ln)
+    assert line.startswith("-rw-r-----") and "13000" in line and "hard link of data/a" in line and "?" not in line
