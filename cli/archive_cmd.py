@@ -18,7 +18,7 @@ from storage.api import Entry, Policy, companion_parent, decide, parse_created
 from storage.api import compute, diff
 from storage.api import SnapshotStore
 
-from cli.common import emit, human, json_option, one_line_errors, open_store
+from cli.common import emit, human, json_option, latest_options, one_line_errors, open_store, resolve_name
 
 
 def load_all(st: SnapshotStore) -> tuple[list[Manifest], list[str]]:
@@ -160,14 +160,18 @@ def stats(ctx: click.Context, names: tuple[str, ...], as_json: bool) -> None:
 @click.command("cat")
 @click.argument("name")
 @click.argument("stream")
+@latest_options()
 @click.pass_context
 @one_line_errors
-def cat_cmd(ctx: click.Context, name: str, stream: str) -> None:
-    """Write one file stream of NAME to stdout, every chunk verified before its bytes go out."""
+def cat_cmd(ctx: click.Context, name: str, stream: str, tags: tuple[str, ...], latest_paths: tuple[str, ...],
+            latest_host: str | None) -> None:
+    """Write one file stream of NAME to stdout, every chunk verified before its bytes go out (any
+    name of a hard-linked file). NAME `latest`: the newest files snapshot of this machine (--path,
+    --tag, --host narrow it)."""
     from storage.api import cat
     st = open_store(ctx, create=False)
     with st.shared():
-        m = st.load(validate_snapshot_name(name))
+        m = st.load(resolve_name(st, name, tags, latest_paths, latest_host))
         cat(st, m, stream, sys.stdout.buffer)
 
 

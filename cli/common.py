@@ -206,3 +206,74 @@ def parse_chunk_size(text: str) -> int:
 def split_map(items: tuple[str, ...]) -> list[str]:
     """--device-map values, each OLD=NEW or several comma-separated (`0=1,1=0`), as one list."""
     return [part for item in items for part in item.split(",")]
+
+
+LATEST = "latest"  # the alias of get/cat/ls/inspect: the newest matching snapshot (never a new name)
+_TEMPLATE_RE = re.compile(r"\{(now|utcnow|hostname)(?::([^{}]*))?\}")
+NOW_FORMAT = "%Y-%m-%dT%H-%M-%S"
+
+
+def expand_name(template: str) -> str:
+    """A snapshot name from TEMPLATE (borg's placeholders): {now} (local time, 2026-12-07T17-32-37),
+    {utcnow}, {now:STRFTIME} / {utcnow:STRFTIME}, {hostname} (characters a name cannot hold become
+    -). Any other brace, or a result that is no valid name (or is `latest`), is a usage error (2)."""
+    import socket
+    from datetime import datetime, timezone
+    from storage.api import InvalidNameError, validate_snapshot_name
+
+    def one(m: re.Match[str]) -> str:
+        key, fmt = m.group(1), m.group(2)
+        if key == "hostname":
+            if fmt is not None:
+                raise click.BadParameter(f"{m.group(0)!r}: {{hostname}} takes no format")
+            return re.sub(r"[^A-Za-z0-9_.+=@-]", "-", socket.gethostname()) or "host"
+        now = datetime.now(timezone.utc) if key == "utcnow" else datetime.now()
+        return now.strftime(fmt or NOW_FORMAT)
+    name = _TEMPLATE_RE.sub(one, template)
+    if "{" in name or "}" in name:
+        raise click.BadParameter(f"{template!r}: the placeholders are {{now}}, {{utcnow}}, {{now:FORMAT}}, "
+                                 "{hostname}", param_hint="NAME")
+    if name == LATEST:
+        raise click.BadParameter(f"{LATEST!r} names the newest snapshot in get/cat/ls/inspect; choose "
+                                 "another name", param_hint="NAME")
+    try:
+        return validate_snapshot_name(name)
+    except InvalidNameError as e:
+        raise click.BadParameter(f"{template!r} gives {e}" if name != template else str(e), param_hint="NAME") from None
+
+
+def latest_options(with_tag: bool = True) -> Callable[[Any], Any]:
+    """--path/--host (and --tag) that narrow what NAME `latest` resolves to."""
+    def deco(fn: Any) -> Any:
+        fn = click.option("--host", "latest_host", default=None, metavar="HOST",
+                          help="With NAME latest: snapshots written on HOST (default: this machine; "
+                               "'*' for any).")(fn)
+        fn = click.option("--path", "latest_paths", multiple=True, metavar="PATH",
+                          help="With NAME latest: only snapshots of exactly these input paths (repeatable; "
+                               "as given to `store put`).")(fn)
+        if with_tag:
+            fn = click.option("--tag", "tags", multiple=True, metavar="TAG",
+                              help="With NAME latest: only snapshots carrying this tag (repeatable).")(fn)
+        return fn
+    return deco
+
+
+def resolve_name(st: SnapshotStore, name: str, tags: tuple[str, ...] = (), paths: tuple[str, ...] = (),
+                 host: str | None = None) -> str:
+    """NAME, checked; or for `latest` the newest `files` snapshot of HOST (default this machine's; '*'
+    any) with exactly PATHS (when given) and every tag in TAGS (restic's `latest`)."""
+    from storage.api import StoreError, find_latest, validate_snapshot_name
+    if name != LATEST:
+        if tags or paths or host is not None:
+            raise click.UsageError("--tag/--path/--host choose what `latest` is; give them with NAME latest")
+        return validate_snapshot_name(name)
+    import socket
+    want_host = None if host == "*" else (host or socket.gethostname())
+    want_paths = tuple(os.path.abspath(p) for p in paths) or None
+    found = find_latest(st, host=want_host, paths=want_paths, tags=tags)
+    if found is None:
+        what = [f"host {want_host}" if want_host else "any host"]
+        what += [f"paths {', '.join(want_paths)}"] if want_paths else []
+        what += [f"tags {', '.join(tags)}"] if tags else []
+        raise StoreError(f"no files snapshot for `latest` ({'; '.join(what)}) in {st.path}")
+    return found

@@ -16,7 +16,9 @@ from storage.api import validate_snapshot_name
 from storage.api import StoreError
 from storage.api import MARKER, SNAPSHOTS, path_in
 
-from cli.common import emit, human, json_option, one_line_errors, open_store, parse_chunk_size, tag_option, terminate_cleanly
+from cli.common import (emit, expand_name, human, json_option, latest_options, one_line_errors, open_store,
+                        parse_chunk_size, resolve_name, tag_option, terminate_cleanly)
+from cli.common import LATEST
 from cli.lazy import LazyGroup
 from cli.progress import Progress
 
@@ -81,6 +83,10 @@ def store_put(ctx: click.Context, name: str, paths: tuple[str, ...], replace: bo
               as_json: bool) -> None:
     """Store PATHS (files or directories, each under its base name) as snapshot NAME.
 
+    NAME may hold placeholders, filled in when the put starts: {now} (local time,
+    2026-12-07T17-32-37), {utcnow}, {now:STRFTIME}, {hostname}: `store put 'data-{now}' /srv/data`
+    from cron makes a new snapshot each run; `store get latest DEST` restores the newest.
+
     Regular files, directories, symlinks and FIFOs (as entries: a FIFO is never opened) are stored
     with their modes, owners, times, extended attributes, POSIX ACLs and hard links; sockets are skipped with a
     note on stderr (as tar does); devices are refused (--exclude them).
@@ -92,7 +98,7 @@ def store_put(ctx: click.Context, name: str, paths: tuple[str, ...], replace: bo
     from sandbox.ops.snapshot_meta import FilesMeta
     from storage.api import put as pipeline
     from storage.api import FileTreeSource
-    validate_snapshot_name(name)
+    name = expand_name(name)
     size = parse_chunk_size(chunk_size)
     patterns = list(exclude) + [p for f in exclude_files for p in _read_patterns(f)]
     meta = FilesMeta(tuple(os.path.abspath(p) for p in paths)).to_json()
@@ -188,12 +194,15 @@ def store_init(ctx: click.Context, as_json: bool) -> None:
 @click.option("--no-same-owner", is_flag=True,
               help="Do not restore recorded owners (the default as root restores them); setuid/setgid bits "
                    "are then dropped, as they are whenever an owner is not restored.")
+@latest_options()
 @json_option
 @click.pass_context
 @one_line_errors
 def store_get(ctx: click.Context, name: str, dest: str, include: tuple[str, ...], workers: int | None,
-              no_same_owner: bool, as_json: bool) -> None:
+              no_same_owner: bool, tags: tuple[str, ...], latest_paths: tuple[str, ...], latest_host: str | None,
+              as_json: bool) -> None:
     """Materialize snapshot NAME into DEST (a new directory), every chunk verified; all or nothing.
+    NAME `latest`: the newest files snapshot of this machine (--path, --tag, --host narrow it).
 
     While it runs, a record in the store's tmp/ names DEST: if the get is killed, `store gc` removes
     the partial hidden tree it left beside DEST; a SIGTERM'd get removes it and the record itself."""
@@ -201,7 +210,8 @@ def store_get(ctx: click.Context, name: str, dest: str, include: tuple[str, ...]
     from storage.api import FileTreeSink
     st = open_store(ctx, create=False)
     with terminate_cleanly(), st.shared():
-        m = st.load(validate_snapshot_name(name))
+        name = resolve_name(st, name, tags, latest_paths, latest_host)
+        m = st.load(name)
         if include:
             m = select_streams(m, include)
         with st.inflight_get(dest) as nonce:
@@ -220,27 +230,32 @@ def store_get(ctx: click.Context, name: str, dest: str, include: tuple[str, ...]
 @click.option("--tag", "tags", multiple=True, metavar="TAG", help="Only snapshots carrying this tag (repeatable).")
 @click.option("--kind", default=None, type=click.Choice(["files", "gpu", "criu", "runsc"]), help="Only this kind.")
 @click.option("--since", default=None, metavar="WHEN", help="Only snapshots created since WHEN (ISO time, or an age: 36h, 7d).")
+@latest_options(with_tag=False)
 @json_option
 @click.pass_context
 @one_line_errors
 def store_ls(ctx: click.Context, name: str | None, prefix: str | None, tags: tuple[str, ...], kind: str | None,
-             since: str | None, as_json: bool) -> None:
+             since: str | None, latest_paths: tuple[str, ...], latest_host: str | None, as_json: bool) -> None:
     """List snapshots, or with NAME the files of snapshot NAME (as `restic ls`, `borg list ARCHIVE`).
 
     \b
     gpusnap store ls                      the snapshots (--tag/--kind/--since: those that match)
     gpusnap store ls NAME                 every file, directory and link of NAME
     gpusnap store ls NAME data/sub        only data/sub and what lies under it
+    gpusnap store ls latest               the files of the newest snapshot of this machine
 
     Snapshots that do not load, entries of snapshots/ that are not snapshots, and snapshots naming a
     chunk that the last `store verify` found damaged are marked DAMAGED. Paths start at the top
     directory that was stored (`store put NAME /srv/data` stores data/...): the same paths that
     `store get --include` and `store cat` take."""
     if name is not None:
-        if tags or kind or since:
-            raise click.UsageError("--tag/--kind/--since select snapshots; give them without NAME")
-        _list_files(ctx, validate_snapshot_name(name), prefix, as_json)
+        if kind or since or (tags and name != LATEST):
+            raise click.UsageError("--tag/--kind/--since select snapshots; give them without NAME "
+                                   "(--tag also with NAME latest)")
+        _list_files(ctx, name, prefix, as_json, (tags, latest_paths, latest_host))
         return
+    if latest_paths or latest_host is not None:
+        raise click.UsageError("--path/--host choose what `latest` is; give them with NAME latest")
     from cli.archive_cmd import matches, parse_since
     from storage.api import DamageMarks
     from storage.api import read_summary
@@ -289,8 +304,10 @@ def _mode_text(attrs: dict[str, object]) -> str:
     return _TYPE_CHARS.get(t, "?") + bits
 
 
-def _list_files(ctx: click.Context, name: str, prefix: str | None, as_json: bool) -> None:
+def _list_files(ctx: click.Context, name: str, prefix: str | None, as_json: bool,
+                latest: tuple[tuple[str, ...], tuple[str, ...], str | None]) -> None:
     st = open_store(ctx, create=False)
+    name = resolve_name(st, name, *latest)
     m = st.load(name)
     want = (prefix or "").strip("/")
     streams = [s for s in m.streams if not want or s.name == want or s.name.startswith(want + "/")]
@@ -349,17 +366,20 @@ def store_tag(ctx: click.Context, names: tuple[str, ...], add: tuple[str, ...], 
 
 @store.command("inspect")
 @click.argument("name")
+@latest_options()
 @json_option
 @click.pass_context
 @one_line_errors
-def store_inspect(ctx: click.Context, name: str, as_json: bool) -> None:
+def store_inspect(ctx: click.Context, name: str, tags: tuple[str, ...], latest_paths: tuple[str, ...],
+                  latest_host: str | None, as_json: bool) -> None:
     """Show a snapshot's metadata (kind, tags, host, the gpusnap version that wrote it), codecs, sizes
     and stream names.
 
     Per codec: chunk references, their raw bytes, and the bytes stored for its distinct chunks (a
-    chunk named twice is stored once). `store ls NAME` lists the files with modes and owners."""
+    chunk named twice is stored once). `store ls NAME` lists the files with modes and owners.
+    NAME `latest`: the newest files snapshot of this machine (--path, --tag, --host narrow it)."""
     st = open_store(ctx, create=False)
-    m = st.load(validate_snapshot_name(name))
+    m = st.load(resolve_name(st, name, tags, latest_paths, latest_host))
     codecs: dict[str, dict[str, int]] = {}
     unique: dict[str, int] = {}
     for s in m.streams:

@@ -108,6 +108,7 @@ _WHERE: dict[str, tuple[str, str | None]] = {
     "read_chunks": ("storage.repo.readstage", 'read_chunks'),
     "read_runs": ("storage.repo.readstage", 'read_runs'),
     "read_summary": ("storage.maintenance.summary", 'read_summary'),
+    "find_latest": ("storage.maintenance.summary", 'find_latest'),
     "readstage": ("storage.repo.readstage", None),
     "reflog": ("storage.repo.reflog", None),
     "remote_exists": ("storage.remote.client", 'remote_exists'),
@@ -228,6 +229,7 @@ if TYPE_CHECKING:
     from storage.repo.readstage import read_chunks as read_chunks
     from storage.repo.readstage import read_runs as read_runs
     from storage.maintenance.summary import read_summary as read_summary
+    from storage.maintenance.summary import find_latest as find_latest
     from storage.repo import readstage as readstage
     from storage.repo import reflog as reflog
     from storage.remote.client import remote_exists as remote_exists

@@ -156,3 +156,35 @@ def test_cat_and_ls_of_every_name_of_a_hard_linked_file(cli: Cli, tmp_path: Path
     assert (rows["data/d/b"]["mode"], rows["data/d/b"]["size"]) == (0o640, 13000)
     line = next(ln for ln in cli.run("store", "ls", "s").stdout.splitlines() if "data/d/b" in ln)
     assert line.startswith("-rw-r-----") and "13000" in line and "hard link of data/a" in line and "?" not in line
+
+
+def test_name_templates_and_latest(cli: Cli, tmp_path: Path) -> None:
+    import re
+    import socket
+    a, b = tmp_path / "a", tmp_path / "b"
+    for d in (a, b):
+        d.mkdir()
+        (d / "f").write_text(d.name)
+    r = cli.json("store", "put", "n-{now}-{hostname}", str(a), "--tag", "nightly")
+    host = re.sub(r"[^A-Za-z0-9_.+=@-]", "-", socket.gethostname())
+    assert re.fullmatch(rf"n-\d{{4}}-\d\d-\d\dT\d\d-\d\d-\d\d-{re.escape(host)}", r["name"]), r["name"]
+    assert re.fullmatch(r"u-\d{8}", cli.json("store", "put", "u-{utcnow:%Y%m%d}", str(a))["name"])
+    cli.run("store", "put", "second", str(b))
+    # latest: the newest of this host; --path and --tag narrow it
+    assert cli.run("store", "cat", "latest", "b/f").stdout == "b"
+    assert cli.json("store", "inspect", "latest")["name"] == "second"
+    assert cli.json("store", "inspect", "latest", "--path", str(a))["name"].startswith("u-")
+    assert cli.json("store", "inspect", "latest", "--tag", "nightly")["name"] == r["name"]
+    assert [x["path"] for x in cli.json("store", "ls", "latest", "--tag", "nightly")] == ["a", "a/f"]
+    assert cli.json("store", "inspect", "latest", "--host", "*")["name"] == "second"
+    cli.run("store", "get", "latest", str(tmp_path / "out"), "--path", str(a), "--tag", "nightly")
+    assert (tmp_path / "out" / "a" / "f").read_text() == "a"
+    p = cli.run("store", "get", "latest", str(tmp_path / "none"), "--host", "elsewhere", check=False)
+    assert p.returncode == 1 and "no files snapshot for `latest`" in p.stderr
+    p = cli.run("store", "inspect", "second", "--tag", "nightly", check=False)
+    assert p.returncode == 2  # --tag with a plain name: a usage error
+    # bad templates and names: usage errors (2), nothing made
+    for bad in ("x-{nope}", "latest", "{now:%H:%M}", "../x"):
+        p = cli.run("store", "put", bad, str(a), check=False)
+        assert p.returncode == 2, (bad, p.stderr)
+    assert len(cli.json("store", "ls")) == 3
