@@ -14,7 +14,7 @@ from storage.api import GpusnapError
 from storage.api import break_locks, lock_status
 from storage.api import Manifest, validate_tag
 from storage.api import validate_snapshot_name
-from storage.api import Entry, Policy, companion_parent, decide, parse_created
+from storage.api import Duration, Entry, Policy, companion_parent, decide, parse_created
 from storage.api import compute, diff
 from storage.api import SnapshotStore
 
@@ -70,6 +70,11 @@ kind_option = click.option("--kind", default=None, type=click.Choice(["files", "
 @click.option("--keep-weekly", default=0, type=click.IntRange(0), help="... of each of the N latest ISO weeks.")
 @click.option("--keep-monthly", default=0, type=click.IntRange(0), help="... of each of the N latest months.")
 @click.option("--keep-yearly", default=0, type=click.IntRange(0), help="... of each of the N latest years.")
+@click.option("--keep-within", default=None, metavar="DURATION",
+              help="Keep every snapshot created within DURATION before the newest of its group (restic's: "
+                   "years, months, days, hours, e.g. 1y5m7d2h, 30d, 36h; m is months).")
+@click.option("--keep-tag", "keep_tags", multiple=True, metavar="TAG[,TAG...]",
+              help="Keep every snapshot carrying this tag (with commas: all of these tags; repeatable).")
 @tag_option
 @kind_option
 @click.option("--dry-run", is_flag=True, help="Say what would be removed; remove nothing.")
@@ -78,19 +83,25 @@ kind_option = click.option("--kind", default=None, type=click.Choice(["files", "
 @click.pass_context
 @one_line_errors
 def forget(ctx: click.Context, keep_last: int, keep_hourly: int, keep_daily: int, keep_weekly: int,
-           keep_monthly: int, keep_yearly: int, tags: tuple[str, ...], kind: str | None, dry_run: bool,
-           prune: bool, as_json: bool) -> None:
+           keep_monthly: int, keep_yearly: int, keep_within: str | None, keep_tags: tuple[str, ...],
+           tags: tuple[str, ...], kind: str | None, dry_run: bool, prune: bool, as_json: bool) -> None:
     """Remove snapshots a retention policy does not keep (restic's `forget` rules).
 
     Per group of snapshots of the same kind and host, a snapshot is kept when it is one of the
     --keep-last most recent, or the most recent of one of the last N hours/days/weeks/months/years
-    that have snapshots. Only snapshots matching --tag/--kind are considered. A snapshot being
+    that have snapshots, or created within --keep-within of the group's newest, or carrying a
+    --keep-tag. Only snapshots matching --tag/--kind are considered. A snapshot being
     written or removed by another process is kept; a NAME.gpu companion follows NAME. Chunks are
     freed by --prune (or a later `store gc`).
     """
     for t in tags:
         validate_tag(t)
-    policy = Policy(keep_last, keep_hourly, keep_daily, keep_weekly, keep_monthly, keep_yearly)
+    try:
+        within = Duration.parse(keep_within) if keep_within is not None else None
+        keep = tuple(tuple(validate_tag(t) for t in group.split(",")) for group in keep_tags)
+    except GpusnapError as e:
+        raise click.BadParameter(str(e)) from None
+    policy = Policy(keep_last, keep_hourly, keep_daily, keep_weekly, keep_monthly, keep_yearly, within, keep)
     st = open_store(ctx, create=False)
     manifests, bad = load_all(st)
     chosen = [m for m in manifests if matches(m, tags, kind)]

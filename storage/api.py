@@ -80,6 +80,7 @@ _WHERE: dict[str, tuple[str, str | None]] = {
     "compute": ("storage.maintenance.stats", 'compute'),
     "copy_into": ("storage.fs.directio", 'copy_into'),
     "decide": ("storage.maintenance.retention", 'decide'),
+    "Duration": ("storage.maintenance.retention", 'Duration'),
     "decode_host": ("storage.codecs.registry", 'decode_host'),
     "decode_host_into": ("storage.codecs.registry", 'decode_host_into'),
     "default_store_path": ("storage.repo.store", 'default_store_path'),
@@ -220,6 +221,7 @@ if TYPE_CHECKING:
     from storage.gpu.device import numa_nodes as numa_nodes
     from storage.fs.owndir import own_dir as own_dir
     from storage.maintenance.retention import parse_created as parse_created
+    from storage.maintenance.retention import Duration as Duration
     from storage.format.storedir import path_in as path_in
     from storage.base.pausepoint import pause_at as pause_at
     from storage.repo.readstage import plan_runs as plan_runs

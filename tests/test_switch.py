@@ -188,3 +188,31 @@ def test_name_templates_and_latest(cli: Cli, tmp_path: Path) -> None:
         p = cli.run("store", "put", bad, str(a), check=False)
         assert p.returncode == 2, (bad, p.stderr)
     assert len(cli.json("store", "ls")) == 3
+
+
+def test_forget_keep_within_and_keep_tag(cli: Cli, store_dir: Path) -> None:
+    from test_archive import _snap
+    times = {"a": "2026-11-30T10:00:00+00:00", "b": "2026-11-29T11:00:00+00:00", "c": "2026-11-29T09:00:00+00:00",
+             "d": "2026-10-15T12:00:00+00:00", "e": "2026-09-01T12:00:00+00:00"}
+    for n, t in times.items():
+        _snap(store_dir, n, t, n.encode(), tags=("release", "llama") if n == "d" else ("llama",) if n == "e" else ())
+    # within 1d of the newest (a, 11-30 10:00): a and b (11-29 11:00), not c (11-29 09:00)
+    plan = cli.json("store", "forget", "--keep-within", "1d", "--dry-run")
+    assert sorted(k["name"] for k in plan["keep"]) == ["a", "b"] and sorted(plan["remove"]) == ["c", "d", "e"]
+    assert dict((k["name"], k["reasons"]) for k in plan["keep"])["b"] == ["within 1d"]
+    # months by the calendar: 2m before 11-30 is 09-30, so d (10-15) is in, e (09-01) out
+    plan = cli.json("store", "forget", "--keep-within", "2m", "--dry-run")
+    assert sorted(plan["remove"]) == ["e"]
+    # --keep-tag: every snapshot carrying the tag (with commas: all of them)
+    plan = cli.json("store", "forget", "--keep-last", "1", "--keep-tag", "release,llama", "--dry-run")
+    assert sorted(k["name"] for k in plan["keep"]) == ["a", "d"]
+    plan = cli.json("store", "forget", "--keep-tag", "llama", "--keep-within", "1h", "--dry-run")
+    assert sorted(k["name"] for k in plan["keep"]) == ["a", "d", "e"]
+    out = cli.run("store", "forget", "--keep-within", "1d", "--keep-tag", "llama")
+    assert "remove c" in out.stdout
+    assert sorted(r["name"] for r in cli.json("store", "ls")) == ["a", "b", "d", "e"]
+    for bad in ("1x", "", "5", "1d2y"):
+        p = cli.run("store", "forget", "--keep-within", bad, check=False)
+        assert p.returncode == 2 and "duration" in p.stderr, (bad, p.stderr)
+    p = cli.run("store", "forget", "--keep-tag", "bad tag", check=False)
+    assert p.returncode == 2
