@@ -10,7 +10,7 @@ from typing import IO, Any
 
 import click
 
-from storage.api import GpusnapError
+from storage.api import EXIT_USAGE, GpusnapError
 from storage.api import break_locks, lock_status
 from storage.api import Manifest, validate_tag
 from storage.api import validate_snapshot_name
@@ -18,7 +18,7 @@ from storage.api import Duration, Entry, Policy, companion_parent, decide, parse
 from storage.api import compute, diff
 from storage.api import SnapshotStore
 
-from cli.common import emit, human, json_option, latest_options, one_line_errors, open_store, resolve_name
+from cli.common import emit, fail, human, json_option, latest_options, one_line_errors, open_store, resolve_name
 
 
 def load_all(st: SnapshotStore) -> tuple[list[Manifest], list[str]]:
@@ -96,11 +96,11 @@ def forget(ctx: click.Context, keep_last: int, keep_hourly: int, keep_daily: int
     """
     for t in tags:
         validate_tag(t)
+    within = Duration.parse(keep_within) if keep_within is not None else None  # RetentionError: exit 2
     try:
-        within = Duration.parse(keep_within) if keep_within is not None else None
         keep = tuple(tuple(validate_tag(t) for t in group.split(",")) for group in keep_tags)
     except GpusnapError as e:
-        raise click.BadParameter(str(e)) from None
+        fail(f"--keep-tag: {e}", EXIT_USAGE, as_json)
     policy = Policy(keep_last, keep_hourly, keep_daily, keep_weekly, keep_monthly, keep_yearly, within, keep)
     st = open_store(ctx, create=False)
     manifests, bad = load_all(st)

@@ -216,7 +216,7 @@ NOW_FORMAT = "%Y-%m-%dT%H-%M-%S"
 def expand_name(template: str) -> str:
     """A snapshot name from TEMPLATE (borg's placeholders): {now} (local time, 2026-12-07T17-32-37),
     {utcnow}, {now:STRFTIME} / {utcnow:STRFTIME}, {hostname} (characters a name cannot hold become
-    -). Any other brace, or a result that is no valid name (or is `latest`), is a usage error (2)."""
+    -). Any other brace, or a result that is no valid name (or is `latest`), is InvalidNameError (exit 2)."""
     import socket
     from datetime import datetime, timezone
     from storage.api import InvalidNameError, validate_snapshot_name
@@ -225,21 +225,23 @@ def expand_name(template: str) -> str:
         key, fmt = m.group(1), m.group(2)
         if key == "hostname":
             if fmt is not None:
-                raise click.BadParameter(f"{m.group(0)!r}: {{hostname}} takes no format")
+                raise InvalidNameError(f"{m.group(0)!r}: {{hostname}} takes no format")
             return re.sub(r"[^A-Za-z0-9_.+=@-]", "-", socket.gethostname()) or "host"
         now = datetime.now(timezone.utc) if key == "utcnow" else datetime.now()
         return now.strftime(fmt or NOW_FORMAT)
     name = _TEMPLATE_RE.sub(one, template)
     if "{" in name or "}" in name:
-        raise click.BadParameter(f"{template!r}: the placeholders are {{now}}, {{utcnow}}, {{now:FORMAT}}, "
-                                 "{hostname}", param_hint="NAME")
+        raise InvalidNameError(f"snapshot name {template!r}: the placeholders are {{now}}, {{utcnow}}, "
+                               "{now:FORMAT}, {hostname}")
     if name == LATEST:
-        raise click.BadParameter(f"{LATEST!r} names the newest snapshot in get/cat/ls/inspect; choose "
-                                 "another name", param_hint="NAME")
+        raise InvalidNameError(f"snapshot name {LATEST!r} means the newest snapshot in get/cat/ls/inspect; "
+                               "choose another name")
     try:
         return validate_snapshot_name(name)
     except InvalidNameError as e:
-        raise click.BadParameter(f"{template!r} gives {e}" if name != template else str(e), param_hint="NAME") from None
+        if name == template:
+            raise
+        raise InvalidNameError(f"{template!r} gives {e}") from None
 
 
 def latest_options(with_tag: bool = True) -> Callable[[Any], Any]:

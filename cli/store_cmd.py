@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import socket
 import sys
 from typing import Any
 
@@ -68,8 +69,9 @@ def store() -> None:
                                                 "system.posix_acl_access/_default).")
 @click.option("--parent", default=None, metavar="SNAP",
               help="Store each changed chunk as a delta against the bytes SNAP held where it was (in the same-named "
-                   "file, or wherever its unchanged neighbours were found), where that saves (an earlier snapshot "
-                   "of the same files).")
+                   "file, or wherever its unchanged neighbours were found), where that saves. Default: the newest "
+                   "snapshot of the same PATHS written on this host (restic's choice); `latest` as in `store get`.")
+@click.option("--no-parent", is_flag=True, help="Choose no parent: every changed chunk is stored whole.")
 @tag_option
 @click.option("--chunker", type=click.Choice(["fixed", "pages"]), default="fixed", show_default=True,
               help="fixed: CHUNK_SIZE pieces; pages: content-defined cuts on 4 KiB pages (dedups data that "
@@ -79,8 +81,8 @@ def store() -> None:
 @one_line_errors
 def store_put(ctx: click.Context, name: str, paths: tuple[str, ...], replace: bool, chunk_size: str,
               workers: int | None, no_compress: bool, exclude: tuple[str, ...], exclude_files: tuple[str, ...],
-              force: bool, no_cache: bool, no_xattrs: bool, parent: str | None, tags: tuple[str, ...], chunker: str,
-              as_json: bool) -> None:
+              force: bool, no_cache: bool, no_xattrs: bool, parent: str | None, no_parent: bool, tags: tuple[str, ...],
+              chunker: str, as_json: bool) -> None:
     """Store PATHS (files or directories, each under its base name) as snapshot NAME.
 
     NAME may hold placeholders, filled in when the put starts: {now} (local time,
@@ -109,6 +111,13 @@ def store_put(ctx: click.Context, name: str, paths: tuple[str, ...], replace: bo
         journal.require_clean(st.path)  # an interrupted dump's workload comes first: `gpusnap recover`
         from storage.api import FilesCache
         cache = FilesCache() if no_cache or force else FilesCache.load(st)
+        if parent is not None and no_parent:
+            raise click.UsageError("--parent and --no-parent: give one")
+        if parent is None and not no_parent:  # restic's: the newest snapshot of the same paths and host
+            from storage.api import find_latest
+            parent = find_latest(st, host=socket.gethostname(), paths=tuple(meta["paths"]))
+        elif parent is not None:
+            parent = resolve_name(st, parent, paths=tuple(meta["paths"]) if parent == LATEST else ())
         base = st.load(parent) if parent is not None else None
         with st.writer(name, replace=replace, meta=meta, tags=tags, direct_packs=pipeline.put_direct()) as w, \
                 Progress(f"put {name}", ctx.obj["progress"]) as prog:
@@ -120,7 +129,7 @@ def store_put(ctx: click.Context, name: str, paths: tuple[str, ...], replace: bo
             pack_writes = w.pack_writes
         if not no_cache:
             _update_cache(st, source, manifest, force)
-    report = {"name": name, "raw_bytes": res.raw_bytes, "new_bytes": res.stored_bytes,
+    report = {"name": name, "parent": parent, "raw_bytes": res.raw_bytes, "new_bytes": res.stored_bytes,
               "seconds": round(res.seconds, 3), "GBps": round(res.gbps, 3), **res.extra,
               "stages": res.stages.table(), "direct_io": st.direct, "pack_writes": pack_writes, "skipped": source.skipped,
               "excluded": source.excluded}
@@ -128,7 +137,8 @@ def store_put(ctx: click.Context, name: str, paths: tuple[str, ...], replace: bo
          f"{human(res.stored_bytes)} written, {human(res.extra['bytes_dedup'])} deduplicated, "
          f"{human(res.extra['zero_bytes'])} zeros elided"
          + (f", {res.extra['files_unchanged']} unchanged files not read (files cache)"
-            if res.extra.get("files_unchanged") else ""))
+            if res.extra.get("files_unchanged") else "")
+         + (f"; parent {parent}" if parent else ""))
 
 
 def _lookup(source: FileTreeSource, cache: "FilesCache") -> Any:

@@ -216,3 +216,41 @@ def test_forget_keep_within_and_keep_tag(cli: Cli, store_dir: Path) -> None:
         assert p.returncode == 2 and "duration" in p.stderr, (bad, p.stderr)
     p = cli.run("store", "forget", "--keep-tag", "bad tag", check=False)
     assert p.returncode == 2
+
+
+def test_put_chooses_its_parent_and_skips_unchanged_files(cli: Cli, store_dir: Path, tmp_path: Path) -> None:
+    import random
+    src, other = tmp_path / "data", tmp_path / "other"
+    src.mkdir()
+    other.mkdir()
+    rnd = random.Random(5)
+    for i in range(4):
+        (src / f"f{i}").write_bytes(rnd.randbytes(3 << 20))
+    (other / "x").write_bytes(b"x")
+    import time
+    time.sleep(2.2)  # a file changed within 2 s of its scan is not cached (files_cache.RACY_NS)
+    first = cli.json("store", "put", "b1", str(src))
+    assert first["parent"] is None
+    cli.run("store", "put", "o1", str(other))  # newer, but of other paths: not b1's successor's parent
+    with open(src / "f2", "r+b") as f:  # a small write in one file
+        f.seek(1 << 20)
+        f.write(b"changed" * 100)
+    time.sleep(2.2)
+    r = cli.json("store", "put", "b2", str(src))
+    assert r["parent"] == "b1" and r["files_unchanged"] == 3
+    assert r["new_bytes"] < 64 << 10, r["new_bytes"]  # a delta of the changed chunk, not the 3 MB file
+    assert "parent b2" in cli.run("store", "put", "b2x", str(src)).stdout  # the newest of the same paths
+    # an identical re-backup reads no file (the files cache) and writes nothing
+    same = cli.json("store", "put", "b3", str(src))
+    assert same["files_unchanged"] == 4 and same["new_bytes"] == 0 and same["stages"].get("read", {}).get("bytes", 0) == 0
+    # --no-parent: every changed chunk whole; --parent latest: the newest of the same paths
+    with open(src / "f1", "r+b") as f:
+        f.write(b"again" * 100)
+    whole = cli.json("store", "put", "b4", str(src), "--no-parent")
+    assert whole["parent"] is None and whole["new_bytes"] > 1 << 20
+    assert cli.json("store", "put", "b5", str(src), "--parent", "latest")["parent"] == "b4"
+    p = cli.run("store", "put", "b6", str(src), "--parent", "b1", "--no-parent", check=False)
+    assert p.returncode == 2
+    cli.run("store", "get", "b4", str(tmp_path / "out"))
+    assert (tmp_path / "out" / "data" / "f1").read_bytes() == (src / "f1").read_bytes()
+    assert cli.run("store", "verify").returncode == 0

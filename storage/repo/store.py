@@ -756,6 +756,22 @@ class SnapshotStore:
         parent looks up headers and reads bases many times per pack); all closed when it ends."""
         return self._pack_fds.held()
 
+    def prefetch(self, cid: str) -> None:
+        """Ask the kernel to read CID's first pack entry into the page cache (posix_fadvise WILLNEED,
+        through the packs held open): a hint, nothing checked, every error ignored. A put with a parent
+        reads ahead the bases its next changed chunks will take, so their reads overlap the work."""
+        from storage.repo.readstage import willneed
+        with self._bases_lock:
+            if cid in self._bases:
+                return
+        try:
+            locs = self.locate(cid)
+            if locs:
+                with self._pack_fds.borrowed(locs[0].pack, cid) as fd:
+                    willneed(fd, locs[0].offset, locs[0].length)
+        except (OSError, GpusnapError):
+            pass
+
     def _open_pack_checked(self, pack: str, cid: str) -> int:
         """PACK opened read-only through the checked packs/ directory (ChunkError naming CID otherwise)."""
         try:
