@@ -204,13 +204,17 @@ def store_init(ctx: click.Context, as_json: bool) -> None:
 @click.option("--no-same-owner", is_flag=True,
               help="Do not restore recorded owners (the default as root restores them); setuid/setgid bits "
                    "are then dropped, as they are whenever an owner is not restored.")
+@click.option("--skip-damaged", is_flag=True,
+              help="Restore every file whose chunks are sound and leave out those with a damaged or missing "
+                   "chunk (each named on stderr; exit 3), as `restic restore` can. The snapshot is checked "
+                   "first (every chunk read once more). Without it a get is all or nothing.")
 @latest_options()
 @json_option
 @click.pass_context
 @one_line_errors
 def store_get(ctx: click.Context, name: str, dest: str, include: tuple[str, ...], workers: int | None,
-              no_same_owner: bool, tags: tuple[str, ...], latest_paths: tuple[str, ...], latest_host: str | None,
-              as_json: bool) -> None:
+              no_same_owner: bool, skip_damaged: bool, tags: tuple[str, ...], latest_paths: tuple[str, ...],
+              latest_host: str | None, as_json: bool) -> None:
     """Materialize snapshot NAME into DEST (a new directory), every chunk verified; all or nothing.
     NAME `latest`: the newest files snapshot of this machine (--path, --tag, --host narrow it).
 
@@ -219,19 +223,46 @@ def store_get(ctx: click.Context, name: str, dest: str, include: tuple[str, ...]
     from storage.api import put as pipeline
     from storage.api import FileTreeSink
     st = open_store(ctx, create=False)
-    with terminate_cleanly(), st.shared():
+    damaged: list[str] = []
+    with terminate_cleanly():
         name = resolve_name(st, name, tags, latest_paths, latest_host)
+        if skip_damaged:
+            with Progress(f"check {name}", ctx.obj["progress"]) as prog:
+                rep = st.verify([name], progress=prog, quarantine=False, read_data=True)
+            bad_at = {(p.stream, p.chunk) for p in rep.problems if p.snapshot == name and p.stream is not None}
+            if any(p.stream is None and p.snapshot == name for p in rep.problems):
+                raise StoreError(f"snapshot {name!r} cannot be read at all: {rep.problems[0]}")
+    with terminate_cleanly(), st.shared():
         m = st.load(name)
+        if skip_damaged:  # the chunks verify named, then every stream that names one of them
+            bad = {s.chunks[i].id for s in m.streams for i in range(len(s.chunks)) if (s.name, i) in bad_at}
         if include:
             m = select_streams(m, include)
+        if skip_damaged and bad:
+            m, damaged = _without(m, bad)
         with st.inflight_get(dest) as nonce:
             sink = FileTreeSink(dest, same_owner=False if no_same_owner else None, marker=nonce)
             with Progress(f"get {name}", ctx.obj["progress"]) as prog:
                 prog.start(m.size)
                 res = pipeline.get(st, m, sink, workers=workers, progress=prog)
     emit(as_json, {"name": name, "dest": os.path.abspath(dest), "raw_bytes": res.raw_bytes,
-                   "seconds": round(res.seconds, 3), "GBps": round(res.gbps, 3), "stages": res.stages.table()},
-         f"{name} -> {dest}: {human(res.raw_bytes)} in {res.seconds:.2f} s ({res.gbps:.2f} GB/s), verified")
+                   "seconds": round(res.seconds, 3), "GBps": round(res.gbps, 3), "stages": res.stages.table(),
+                   **({"damaged_not_restored": damaged} if skip_damaged else {})},
+         f"{name} -> {dest}: {human(res.raw_bytes)} in {res.seconds:.2f} s ({res.gbps:.2f} GB/s), verified"
+         + (f"; {len(damaged)} damaged file(s) left out" if damaged else ""))
+    for d in damaged:
+        click.echo(f"gpusnap: damaged, not restored: {d}", err=True)
+    if damaged:
+        sys.exit(EXIT_DAMAGED)
+
+
+def _without(m: Manifest, bad: set[str | None]) -> tuple[Manifest, list[str]]:
+    """M without the streams that name a chunk of BAD and the hard links to them; the names left out."""
+    from storage.api import Manifest as _Manifest
+    hit = {s.name for s in m.streams if any(c.id in bad for c in s.chunks)}
+    gone = hit | {s.name for s in m.streams if s.attrs.get("type") == "hardlink" and s.attrs.get("target") in hit}
+    kept = [s for s in m.streams if s.name not in gone]
+    return _Manifest(m.name, kept, m.meta, m.created, m.tags, m.host, m.tool), sorted(gone)
 
 
 @store.command("ls")
@@ -467,19 +498,24 @@ def _duration(ctx: click.Context, param: click.Parameter, value: str | None) -> 
                    "or n/t (restic's): the n-th of t fixed groups, so that 1/t .. t/t read every chunk once.")
 @click.option("--max-duration", "max_duration", default=None, metavar="TIME", callback=_duration,
               help="Stop reading chunks after TIME (seconds, or 90s/10m/2h); what was not read is reported.")
+@click.option("--quick", is_flag=True,
+              help="Only the structure (restic's `check`): every manifest loaded and checked, the index "
+                   "loaded, every chunk a snapshot names present; no chunk read (rot is found without it).")
 @_from_option
 @json_option
 @click.pass_context
 @one_line_errors
 def store_verify(ctx: click.Context, name: str | None, repair: bool, read_data: bool,
                  subset: float | tuple[int, int] | None,
-                 max_duration: float | None, sources: tuple[str, ...], as_json: bool) -> None:
+                 max_duration: float | None, quick: bool, sources: tuple[str, ...], as_json: bool) -> None:
     """Read and check every chunk of NAME (or of every snapshot); exit 3 and name what is damaged.
 
     Damaged chunk files are moved to the store's quarantine/ so that the next put of the same data
     writes them again (which heals every snapshot that names them); --repair rewrites them now."""
     from sandbox.ops.snapshot_meta import meta_problems
     from storage.api import Problem
+    if quick and (repair or sources or read_data or subset is not None or max_duration is not None):
+        raise click.UsageError("--quick reads no chunk: give it without --repair/--from/--read-data*/--max-duration")
     if repair or sources:
         ctx.invoke(store_repair, sources=sources, wait=30.0, as_json=as_json)
         return
@@ -487,8 +523,11 @@ def store_verify(ctx: click.Context, name: str | None, repair: bool, read_data: 
     names = [validate_snapshot_name(name)] if name else None
     if name and not st.exists(name):
         raise StoreError(f"no snapshot named {name!r} in {st.path}")
-    with Progress("verify", ctx.obj["progress"]) as prog:
-        rep = st.verify(names, progress=prog, sample=subset, max_seconds=max_duration, read_data=read_data)
+    if quick:
+        rep = st.verify_quick(names)
+    else:
+        with Progress("verify", ctx.obj["progress"]) as prog:
+            rep = st.verify(names, progress=prog, sample=subset, max_seconds=max_duration, read_data=read_data)
     for n in rep.snapshots:  # what each sandbox kind's metadata must be (storage does not know it)
         with contextlib.suppress(GpusnapError):  # an unreadable manifest is already a problem
             rep.problems += [Problem(n, None, None, p) for p in meta_problems(st.load(n))]
@@ -499,7 +538,9 @@ def store_verify(ctx: click.Context, name: str | None, repair: bool, read_data: 
             "chunks_unchecked": rep.chunks_unchecked,
             "damaged_copies": [{"id": c.cid, "pack": c.pack, "offset": c.offset, "why": c.what,
                                 "set_aside": c.set_aside} for c in rep.damaged_copies]}
-    text = [f"{len(rep.snapshots)} snapshot(s), {rep.chunks_checked} chunks, {human(rep.bytes_checked)} checked: "
+    data["quick"] = quick
+    text = [(f"{len(rep.snapshots)} snapshot(s), {rep.chunks_total} chunks present (--quick: none read): " if quick
+             else f"{len(rep.snapshots)} snapshot(s), {rep.chunks_checked} chunks, {human(rep.bytes_checked)} checked: ")
             + ("OK" if rep.ok else f"{len(problems)} problem(s)") + _damaged_copies_note(rep.damaged_copies)]
     if rep.chunks_unchecked:
         text.append(f"{rep.chunks_unchecked} of {rep.chunks_total} chunks not read this run "

@@ -254,3 +254,64 @@ def test_put_chooses_its_parent_and_skips_unchanged_files(cli: Cli, store_dir: P
     cli.run("store", "get", "b4", str(tmp_path / "out"))
     assert (tmp_path / "out" / "data" / "f1").read_bytes() == (src / "f1").read_bytes()
     assert cli.run("store", "verify").returncode == 0
+
+
+def _damaged_store(cli: Cli, store_dir: Path, tmp_path: Path) -> tuple[Path, str]:
+    """A snapshot of four files and a hard link to one of them, one pack entry of that file flipped;
+    returns the source tree and the damaged file's stream name."""
+    import random
+    from support.entries import chunk_entries
+    src = tmp_path / "data"
+    src.mkdir()
+    rnd = random.Random(7)
+    for i in range(4):
+        (src / f"f{i}").write_bytes(rnd.randbytes(200_000 + i))
+    os.link(src / "f2", src / "f2-link")
+    cli.run("store", "put", "s", str(src))
+    ids = {s["name"]: s for s in cli.json("store", "inspect", "s")["streams"]}
+    assert ids["data/f2"]["chunks"] == 1
+    body = json.loads((store_dir / "snapshots" / "s.json").read_text())
+    cid = next(x for x in body["streams"] if x["name"] == "data/f2")["chunks"][0][0]
+    next(e for e in chunk_entries(store_dir) if e.cid == cid).flip_payload(0.5)
+    return src, "data/f2"
+
+
+def test_get_skip_damaged_salvages_the_sound_files(cli: Cli, store_dir: Path, tmp_path: Path) -> None:
+    src, bad = _damaged_store(cli, store_dir, tmp_path)
+    p = cli.run("store", "get", "s", str(tmp_path / "all"), check=False)
+    assert p.returncode == 3 and not (tmp_path / "all").exists()  # all or nothing by default
+    p = cli.run("store", "get", "s", str(tmp_path / "out"), "--skip-damaged", check=False)
+    assert p.returncode == 3, p.stderr
+    err = p.stderr.splitlines()
+    assert "gpusnap: damaged, not restored: data/f2" in err and "gpusnap: damaged, not restored: data/f2-link" in err
+    out = tmp_path / "out" / "data"
+    assert sorted(x.name for x in out.iterdir()) == ["f0", "f1", "f3"]
+    for n in ("f0", "f1", "f3"):
+        assert (out / n).read_bytes() == (src / n).read_bytes()
+    rep = json.loads(cli.run("store", "get", "s", str(tmp_path / "out2"), "--skip-damaged", "--json",
+                             check=False).stdout)
+    assert rep["damaged_not_restored"] == ["data/f2", "data/f2-link"]
+    # a sound snapshot: --skip-damaged restores all and exits 0
+    cli.run("store", "put", "t", str(tmp_path / "out"))
+    assert cli.json("store", "get", "t", str(tmp_path / "t"), "--skip-damaged")["damaged_not_restored"] == []
+
+
+def test_verify_quick_checks_structure_without_reading_chunks(cli: Cli, store_dir: Path, tmp_path: Path) -> None:
+    from support.entries import chunk_entries
+    _damaged_store(cli, store_dir, tmp_path)
+    q = cli.json("store", "verify", "--quick")
+    assert q["ok"] and q["quick"] and q["chunks_checked"] == 0 and q["bytes_checked"] == 0  # rot is not its job
+    assert "none read" in cli.run("store", "verify", "--quick").stdout
+    full = cli.run("store", "verify", check=False)
+    assert full.returncode == 3
+    # a missing chunk and a damaged manifest are structure: found
+    body = json.loads((store_dir / "snapshots" / "s.json").read_text())
+    cid = next(x for x in body["streams"] if x["name"] == "data/f0")["chunks"][0][0]
+    next(e for e in chunk_entries(store_dir) if e.cid == cid).remove()
+    p = cli.run("store", "verify", "--quick", check=False)
+    assert p.returncode == 3 and "data/f0" in p.stdout and "missing" in p.stdout, p.stdout
+    (store_dir / "snapshots" / "s.json").write_text("{")
+    p = cli.run("store", "verify", "--quick", check=False)
+    assert p.returncode == 3 and "does not parse" in p.stdout, p.stdout
+    p = cli.run("store", "verify", "--quick", "--read-data", check=False)
+    assert p.returncode == 2

@@ -1597,6 +1597,30 @@ class SnapshotStore:
                             quarantine_wait)
         return report
 
+    def verify_quick(self, names: list[str] | None = None) -> VerifyReport:
+        """The structural check (restic's `check` without --read-data): every manifest of NAMES
+        (default: every snapshot, and the strays of snapshots/) loaded and checked whole, the index
+        loaded (an index file that does not parse is a problem), and every chunk a snapshot names
+        present, in the index (not quarantined) or as a chunk file. No chunk is read: a chunk whose
+        bytes rotted is found by `verify` without --quick. Nothing is quarantined or marked."""
+        report = VerifyReport()
+        with self.shared():
+            if names is None:
+                names, report.strays = self.scan()
+            report.snapshots = list(names)
+            manifests = self.load_all(names, report.problems)
+            report.problems += [Problem("(store)", None, None, why + " (the chunks it names read as missing)")
+                                for why in self.refresh_index().damage.values()]
+            refs = chunk_refs(manifests)
+            report.chunks_total = len(refs)
+            absent = {cid: self.absence(cid) for cid in refs if not self.has(cid)}
+            for m in manifests:
+                for s in m.streams:
+                    for i, c in enumerate(s.chunks):
+                        if c.id in absent:
+                            report.problems.append(Problem(m.name, s.name, i, f"chunk {c.id[:16]}… {absent[c.id]}"))
+        return report
+
     def _record_damage(self, whole: list[str], bad: dict[str, str], wait: float) -> None:
         """Note BAD in damaged.json and clear WHOLE there (storage/repo/damage.py), for `store ls`; a busy or
         read-only store keeps the old record (it is only a listing's hint)."""
