@@ -18,7 +18,7 @@ from storage.api import Duration, Entry, Policy, companion_parent, decide, parse
 from storage.api import compute, diff
 from storage.api import SnapshotStore
 
-from cli.common import emit, fail, human, json_option, latest_options, one_line_errors, open_store, resolve_name
+from cli.common import SNAPSHOT_KINDS, emit, fail, human, json_option, latest_options, one_line_errors, open_store, resolve_name
 
 
 def load_all(st: SnapshotStore) -> tuple[list[Manifest], list[str]]:
@@ -59,7 +59,7 @@ def tag_option(fn: Any) -> Any:
                         help="Only snapshots carrying this tag (repeatable: all must match).")(fn)
 
 
-kind_option = click.option("--kind", default=None, type=click.Choice(["files", "gpu", "criu", "runsc"]),
+kind_option = click.option("--kind", default=None, type=click.Choice(SNAPSHOT_KINDS),
                            help="Only snapshots of this kind.")
 
 

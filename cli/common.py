@@ -208,6 +208,11 @@ def split_map(items: tuple[str, ...]) -> list[str]:
     return [part for item in items for part in item.split(",")]
 
 
+# every kind `store ls` can show: sandbox/ops/snapshot_meta.py's SnapshotKind and the container
+# runtimes' checkpoints (sandbox/containers/checkpoint_archive.py), named here so that `--help` imports
+# neither (tests/test_switch.py checks the two lists agree)
+SNAPSHOT_KINDS = ("files", "gpu", "criu", "runsc", "podman-checkpoint", "runc-checkpoint")
+
 LATEST = "latest"  # the alias of get/cat/ls/inspect: the newest matching snapshot (never a new name)
 _TEMPLATE_RE = re.compile(r"\{(now|utcnow|hostname)(?::([^{}]*))?\}")
 NOW_FORMAT = "%Y-%m-%dT%H-%M-%S"

@@ -19,7 +19,7 @@ from storage.api import MARKER, SNAPSHOTS, path_in
 
 from cli.common import (emit, expand_name, human, json_option, latest_options, one_line_errors, open_store,
                         parse_chunk_size, resolve_name, tag_option, terminate_cleanly)
-from cli.common import LATEST
+from cli.common import LATEST, SNAPSHOT_KINDS
 from cli.lazy import LazyGroup
 from cli.progress import Progress
 
@@ -269,7 +269,7 @@ def _without(m: Manifest, bad: set[str | None]) -> tuple[Manifest, list[str]]:
 @click.argument("name", required=False)
 @click.argument("prefix", required=False)
 @click.option("--tag", "tags", multiple=True, metavar="TAG", help="Only snapshots carrying this tag (repeatable).")
-@click.option("--kind", default=None, type=click.Choice(["files", "gpu", "criu", "runsc"]), help="Only this kind.")
+@click.option("--kind", default=None, type=click.Choice(SNAPSHOT_KINDS), help="Only this kind.")
 @click.option("--since", default=None, metavar="WHEN", help="Only snapshots created since WHEN (ISO time, or an age: 36h, 7d).")
 @latest_options(with_tag=False)
 @json_option
@@ -314,23 +314,48 @@ def store_ls(ctx: click.Context, name: str | None, prefix: str | None, tags: tup
                 continue
             # a big manifest read by its summary has no chunk list: loaded whole only where marks exist
             bad = marks.damaged_in(st.load(n) if summ is not None and marks.chunks else m)  # type: ignore[arg-type]
+            paths = m.meta.get("paths") if m.meta.get("kind") == "files" else None
             rows.append({"name": n, "created": m.created, "size": m.size,
                          "streams": summ.stream_count if summ is not None else len(m.streams),  # type: ignore[union-attr]
                          "kind": m.meta.get("kind", ""), "tags": list(m.tags), "host": m.host,
+                         "paths": [str(p) for p in paths] if isinstance(paths, list) else [],
                          "damaged_chunks": len(bad)})
         except GpusnapError as e:
             rows.append({"name": n, "error": str(e)})
     rows += [{"name": s.entry, "error": str(s), "stray": True} for s in strays]
-    lines = [f"{'NAME':32} {'KIND':8} {'SIZE':>12} {'STREAMS':>8}  CREATED"]
+    emit(as_json, rows, "\n".join(_snapshot_lines(rows)))
+
+
+def _local_time(created: str) -> str:
+    """A manifest's creation time as restic shows it: local time to the second (2026-12-07 17:32:37)."""
+    from storage.api import parse_created
+    try:
+        return parse_created(created).astimezone().strftime("%Y-%m-%d %H:%M:%S")
+    except GpusnapError:
+        return created
+
+
+def _snapshot_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """`store ls`: one line per snapshot, every column as wide as its widest value."""
+    heads = ("NAME", "KIND", "SIZE", "STREAMS", "CREATED", "HOST", "PATHS")
+    table = [[r["name"], r["kind"] or "-", human(r["size"]), str(r["streams"]), _local_time(r["created"]),
+              r["host"] or "-", ",".join(r["paths"]) or "-"] for r in rows if "error" not in r]
+    width = [max([len(h)] + [len(t[i]) for t in table]) for i, h in enumerate(heads)]
+    right = (2, 3)  # SIZE and STREAMS align right
+
+    def line(cells: list[str]) -> str:
+        return "  ".join(c.rjust(width[i]) if i in right else c.ljust(width[i]) for i, c in enumerate(cells)).rstrip()
+    lines = [line(list(heads))]
+    it = iter(table)
     for r in rows:
         if "error" in r:
-            lines.append(f"{r['name']:32} DAMAGED: {r['error']}")
-        else:
-            lines.append(f"{r['name']:32} {r['kind']:8} {human(r['size']):>12} {r['streams']:>8}  {r['created']}"
-                         + (f"  [{','.join(r['tags'])}]" if r["tags"] else "")
-                         + (f"  DAMAGED: {r['damaged_chunks']} damaged chunk(s) found by verify; "
-                            "`store repair` rewrites them" if r["damaged_chunks"] else ""))
-    emit(as_json, rows, "\n".join(lines))
+            lines.append(f"{r['name'].ljust(width[0])}  DAMAGED: {r['error']}")
+            continue
+        lines.append(line(next(it))
+                     + (f"  [{','.join(r['tags'])}]" if r["tags"] else "")
+                     + (f"  DAMAGED: {r['damaged_chunks']} damaged chunk(s) found by verify; "
+                        "`store repair` rewrites them" if r["damaged_chunks"] else ""))
+    return lines
 
 
 _TYPE_CHARS = {"file": "-", "dir": "d", "symlink": "l", "hardlink": "h", "blob": "b", "fifo": "p"}

@@ -315,3 +315,28 @@ def test_verify_quick_checks_structure_without_reading_chunks(cli: Cli, store_di
     assert p.returncode == 3 and "does not parse" in p.stdout, p.stdout
     p = cli.run("store", "verify", "--quick", "--read-data", check=False)
     assert p.returncode == 2
+
+
+def test_ls_columns_align_and_every_kind_is_accepted(cli: Cli, tmp_path: Path) -> None:
+    import re
+    from cli.common import SNAPSHOT_KINDS
+    from sandbox.containers.checkpoint_archive import CheckpointKind
+    from sandbox.ops.snapshot_meta import SnapshotKind
+    assert set(SNAPSHOT_KINDS) == {k.value for k in SnapshotKind} | {k.value for k in CheckpointKind}
+    src = tmp_path / "data"
+    src.mkdir()
+    (src / "f").write_text("x")
+    cli.run("store", "put", "a-rather-long-snapshot-name-for-the-columns", str(src))
+    cli.run("store", "put", "s", str(src))
+    lines = cli.run("store", "ls").stdout.splitlines()
+    assert lines[0].split() == ["NAME", "KIND", "SIZE", "STREAMS", "CREATED", "HOST", "PATHS"]
+    starts = [ln.index("files") for ln in lines[1:]]
+    assert starts == [lines[0].index("KIND")] * 2  # aligned however long the names
+    for ln in lines[1:]:
+        assert re.search(r"  \d{4}-\d\d-\d\d \d\d:\d\d:\d\d  ", ln) and ln.endswith(str(src)), ln
+    assert all(r["paths"] == [str(src)] for r in cli.json("store", "ls"))
+    for kind in SNAPSHOT_KINDS:
+        p = cli.run("store", "ls", "--kind", kind)
+        assert p.returncode == 0
+        cli.run("store", "forget", "--kind", kind, "--keep-last", "1", "--dry-run")
+    assert [r["name"] for r in cli.json("store", "ls", "--kind", "podman-checkpoint")] == []
