@@ -59,6 +59,7 @@ Environment:
                   `gpusnap doctor` says which one is used and why
   GPUSNAP_DEBUG   set to 1 to print the traceback instead of the one-line error
   GPUSNAP_POOL_SOCKET  the memory tier's socket (`gpusnap pool`)
+  Every other GPUSNAP_* setting (tuning, CRIU, remotes): docs/GUIDE.md, "Environment variables".
 """
 
 

@@ -193,14 +193,18 @@ def cat_cmd(ctx: click.Context, name: str, stream: str, tags: tuple[str, ...], l
 @click.pass_context
 @one_line_errors
 def diff_cmd(ctx: click.Context, a: str, b: str, as_json: bool) -> None:
-    """Streams added (+), removed (-), changed (M) or with changed attributes (U) from A to B."""
+    """Streams added (+), removed (-), changed (M) or with changed attributes (U) from A to B.
+
+    The bytes shown are those of the chunks that differ (read from the manifests, no data read): a
+    chunk in which one byte changed counts whole (`changed_bytes` in --json)."""
     st = open_store(ctx, create=False)
     with st.shared():
         d = diff(st.load(validate_snapshot_name(a)), st.load(validate_snapshot_name(b)))
     marks = {"added": "+", "removed": "-", "changed": "M", "attrs": "U"}
-    lines = [f"{marks[c.change]} {c.name}" + (f"  ({human(c.changed_bytes)} changed)" if c.change == "changed" else "")
+    lines = [f"{marks[c.change]} {c.name}" + (f"  ({human(c.changed_bytes)} in changed chunks)" if c.change == "changed" else "")
              for c in d.changes]
-    lines.append(f"{len(d.changes)} stream(s) differ, {d.unchanged} unchanged, {human(d.changed_bytes)} changed")
+    lines.append(f"{len(d.changes)} stream(s) differ, {d.unchanged} unchanged, {human(d.changed_bytes)} in changed "
+                 "chunks (a chunk with one byte changed counts whole)")
     emit(as_json, d.to_json(), "\n".join(lines))
 
 
