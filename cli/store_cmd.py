@@ -33,7 +33,7 @@ if TYPE_CHECKING:  # imported where used: `store ls` and `--help` need none of t
 ARCHIVE_COMMANDS = {
     "forget": ("cli.archive_cmd", "forget", "Remove snapshots a retention policy does not keep (restic's `forget` rules)."),
     "stats": ("cli.archive_cmd", "stats", "Raw, zero, deduplicated, stored, unique (\"freed by rm\") and shared bytes per snapshot, and totals."),
-    "cat": ("cli.archive_cmd", "cat_cmd", "Write one file stream of NAME to stdout, every chunk verified before its bytes go out."),
+    "cat": ("cli.archive_cmd", "cat_cmd", "Write one file stream of NAME to stdout, every chunk verified before its bytes go out (any name of a hard-linked file)."),
     "diff": ("cli.archive_cmd", "diff_cmd", "Streams added (+), removed (-), changed (M) or with changed attributes (U) from A to B."),
     "export": ("cli.archive_cmd", "export_cmd", "Write snapshot NAME as one archive (zstd-compressed tar of its manifest and chunks) to..."),
     "import": ("cli.archive_cmd", "import_cmd", "Take in an archive made by `store export` (file or - for stdin); every chunk verified, the..."),
