@@ -51,14 +51,17 @@ def remote() -> None:
 def remote_add(ctx: click.Context, name: str, url: str, endpoint: str, region: str,
                credentials_file: str | None, replace: bool, as_json: bool) -> None:
     """Add remote NAME at URL (the bucket is created if missing) and check that it answers."""
-    from storage.api import RemoteError, remote_exists, validate_remote_name
+    from storage.api import RemoteError, list_remotes, remote_exists, validate_remote_name
     st = open_store(ctx)
-    if remote_exists(st, validate_remote_name(name)) and not replace:
-        raise RemoteError(f"remote {name!r} already exists (use --replace to change it; `gpusnap remote list` "
-                          "shows it)")
     cf = os.path.abspath(credentials_file) if credentials_file else None
     cfg = RemoteConfig.from_json({"name": name, "url": url, "endpoint": endpoint, "region": region,
                                   "credentials_file": cf})
+    if remote_exists(st, validate_remote_name(name)) and not replace:
+        if any(c.to_json() == cfg.to_json() for c in list_remotes(st) if c.name == name):  # the same again: done
+            emit(as_json, cfg.to_json(), f"remote {name}: {cfg.url} at {cfg.endpoint} (already so)")
+            return
+        raise RemoteError(f"remote {name!r} already exists with another configuration (use --replace to change "
+                          "it; `gpusnap remote list` shows it)")
     Remote(cfg, load_credentials(cfg)).init()
     add_remote(st, cfg)
     emit(as_json, cfg.to_json(), f"remote {name}: {cfg.url} at {cfg.endpoint}")

@@ -340,3 +340,19 @@ def test_ls_columns_align_and_every_kind_is_accepted(cli: Cli, tmp_path: Path) -
         assert p.returncode == 0
         cli.run("store", "forget", "--kind", kind, "--keep-last", "1", "--dry-run")
     assert [r["name"] for r in cli.json("store", "ls", "--kind", "podman-checkpoint")] == []
+
+
+def test_adding_the_same_remote_twice_is_no_error(cli: Cli, tmp_path: Path) -> None:
+    from test_hostile_remote import CREDS, Hostile
+    server = Hostile(tmp_path)
+    try:
+        cli.run("store", "init")
+        args = ("remote", "add", "r", "s3://bkt/p", "--endpoint", server.endpoint)
+        cli.run(*args, env=CREDS)
+        p = cli.run(*args, env=CREDS)  # as written again, e.g. a re-run of the README's remote block
+        assert "(already so)" in p.stdout
+        p = cli.run("remote", "add", "r", "s3://bkt/other", "--endpoint", server.endpoint, env=CREDS, check=False)
+        assert p.returncode == 1 and "another configuration" in p.stderr
+        assert [r["url"] for r in cli.json("remote", "list")] == ["s3://bkt/p"]
+    finally:
+        server.close()
