@@ -129,7 +129,8 @@ def forget(ctx: click.Context, keep_last: int, keep_hourly: int, keep_daily: int
         from storage.api import collect
         rep = collect(st)
         report["prune"] = {"chunks_removed": rep.chunks_removed, "bytes_freed": rep.bytes_freed}
-        lines.append(f"prune: removed {rep.chunks_removed} chunks ({human(rep.bytes_freed)})")
+        lines.append(f"prune: removed {rep.chunks_removed} unreferenced chunks and {rep.packs_removed} packs, "
+                     f"freed {human(rep.bytes_freed)} on disk")
     emit(as_json, report, "\n".join(lines) or "no snapshots matched")
     if busy:
         sys.exit(1)
@@ -144,7 +145,10 @@ def stats(ctx: click.Context, names: tuple[str, ...], as_json: bool) -> None:
     """Raw, zero, deduplicated, stored, unique ("freed by rm") and shared bytes per snapshot, and totals.
 
     ZEROS are all-zero chunks, elided (nothing stored); DEDUP are bytes named more than once but stored
-    once (within the snapshot; the totals across snapshots); compression is reported apart from both."""
+    once (within the snapshot; the totals across snapshots); compression is reported apart from both.
+    STORED and UNIQUE are payload bytes: what `store rm` then `store gc` frees on disk differs by each
+    entry's 4 KiB header and padding (more) and by the entries left in packs that gc does not repack
+    because most of the pack is still needed (less)."""
     st = open_store(ctx, create=False)
     for n in names:
         validate_snapshot_name(n)

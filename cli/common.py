@@ -25,6 +25,12 @@ def human(n: float) -> str:
     return str(n)
 
 
+def rate(nbytes: int, seconds: float) -> str:
+    """' (N.NN GB/s)' for a report line, or nothing where the figure would say nothing (under 10 MB,
+    or under 50 ms: a tiny put is all start-up, and `(0.00 GB/s)` read as a fault)."""
+    return f" ({nbytes / seconds / 1e9:.2f} GB/s)" if nbytes >= 10_000_000 and seconds >= 0.05 else ""
+
+
 def fail(message: str, code: int = EXIT_FAILED, as_json: bool = False) -> None:
     """Exit CODE with `gpusnap: MESSAGE` on stderr (and, under --json, {"error", "exit_code"} on stdout)."""
     if as_json:

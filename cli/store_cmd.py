@@ -18,7 +18,7 @@ from storage.api import StoreError
 from storage.api import MARKER, SNAPSHOTS, path_in
 
 from cli.common import (emit, expand_name, human, json_option, latest_options, one_line_errors, open_store,
-                        parse_chunk_size, resolve_name, tag_option, terminate_cleanly)
+                        parse_chunk_size, rate, resolve_name, tag_option, terminate_cleanly)
 from cli.common import LATEST, SNAPSHOT_KINDS
 from cli.lazy import LazyGroup
 from cli.progress import Progress
@@ -133,7 +133,7 @@ def store_put(ctx: click.Context, name: str, paths: tuple[str, ...], replace: bo
               "seconds": round(res.seconds, 3), "GBps": round(res.gbps, 3), **res.extra,
               "stages": res.stages.table(), "direct_io": st.direct, "pack_writes": pack_writes, "skipped": source.skipped,
               "excluded": source.excluded}
-    emit(as_json, report, f"{name}: {human(res.raw_bytes)} in {res.seconds:.2f} s ({res.gbps:.2f} GB/s), "
+    emit(as_json, report, f"{name}: {human(res.raw_bytes)} in {res.seconds:.2f} s{rate(res.raw_bytes, res.seconds)}, "
          f"{human(res.stored_bytes)} written, {human(res.extra['bytes_dedup'])} deduplicated, "
          f"{human(res.extra['zero_bytes'])} zeros elided"
          + (f", {res.extra['files_unchanged']} unchanged files not read (files cache)"
@@ -248,7 +248,7 @@ def store_get(ctx: click.Context, name: str, dest: str, include: tuple[str, ...]
     emit(as_json, {"name": name, "dest": os.path.abspath(dest), "raw_bytes": res.raw_bytes,
                    "seconds": round(res.seconds, 3), "GBps": round(res.gbps, 3), "stages": res.stages.table(),
                    **({"damaged_not_restored": damaged} if skip_damaged else {})},
-         f"{name} -> {dest}: {human(res.raw_bytes)} in {res.seconds:.2f} s ({res.gbps:.2f} GB/s), verified"
+         f"{name} -> {dest}: {human(res.raw_bytes)} in {res.seconds:.2f} s{rate(res.raw_bytes, res.seconds)}, verified"
          + (f"; {len(damaged)} damaged file(s) left out" if damaged else ""))
     for d in damaged:
         click.echo(f"gpusnap: damaged, not restored: {d}", err=True)
@@ -689,11 +689,13 @@ def store_gc(ctx: click.Context, wait: float, as_json: bool) -> None:
     data = {"chunks_removed": rep.chunks_removed, "bytes_freed": rep.bytes_freed, "tmp_removed": rep.tmp_removed,
             "gets_cleaned": rep.gets_cleaned, "locks_removed": rep.locks_removed,
             "quarantine_removed": rep.quarantine_removed, "packs_removed": rep.packs_removed,
-            "packs_repacked": rep.packs_repacked, "in_use": rep.in_use, "left": rep.left, "damage": rep.damage}
-    text = [f"removed {rep.chunks_removed} chunks ({human(rep.bytes_freed)}), {rep.tmp_removed} temporary entries "
-            f"({rep.gets_cleaned} partial get trees), {rep.locks_removed} stale lock files, "
-            f"{rep.quarantine_removed} quarantined chunks; {rep.packs_removed} packs removed "
-            f"({rep.packs_repacked} of them repacked)"]
+            "packs_repacked": rep.packs_repacked, "packs_unindexed": rep.packs_unindexed, "in_use": rep.in_use,
+            "left": rep.left, "damage": rep.damage}
+    text = [f"freed {human(rep.bytes_freed)}: {rep.chunks_removed} unreferenced chunks removed, "
+            f"{rep.packs_removed} packs removed ({rep.packs_repacked} of them repacked, {rep.packs_unindexed} "
+            f"never indexed: left by a killed put), {rep.quarantine_removed} quarantined chunks, "
+            f"{rep.tmp_removed} temporary entries ({rep.gets_cleaned} partial get trees), "
+            f"{rep.locks_removed} stale lock files"]
     if rep.in_use:
         text.append(f"kept {rep.in_use} temporary entries of processes still running")
     text += [f"LEFT {x}" for x in rep.left] + [f"DAMAGED {x}" for x in rep.damage]

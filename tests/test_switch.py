@@ -356,3 +356,18 @@ def test_adding_the_same_remote_twice_is_no_error(cli: Cli, tmp_path: Path) -> N
         assert [r["url"] for r in cli.json("remote", "list")] == ["s3://bkt/p"]
     finally:
         server.close()
+
+
+def test_exit_codes_and_report_figures(cli: Cli, tmp_path: Path) -> None:
+    src = tmp_path / "data"
+    src.mkdir()
+    (src / "f").write_text("tiny")
+    out = cli.run("store", "put", "s", str(src)).stdout
+    assert "GB/s" not in out.splitlines()[0]  # no `(0.00 GB/s)` for a put that is all start-up
+    for args in (("store", "get", "../x", str(tmp_path / "o")), ("store", "inspect", "a/b"), ("store", "cat", ".x", "f"),
+                 ("store", "forget"), ("store", "forget", "--keep-within", "3x"), ("store", "ls", "s", "--kind", "gpu")):
+        p = cli.run(*args, check=False)
+        assert p.returncode == 2, (args, p.returncode, p.stderr)
+    cli.run("store", "rm", "s")
+    gc = cli.run("store", "gc").stdout
+    assert gc.startswith("freed ") and "unreferenced chunks removed" in gc and "never indexed" in gc
