@@ -327,6 +327,7 @@ class SnapshotStore:
                                        # processes each have a store object of their own: not there
         self._bases_loading: dict[str, threading.Event] = {}  # bases one thread is reading for all who ask
         self._bases_lock = threading.Lock()
+        self._base_reads = threading.local()  # each thread's buffer for the entries of bases it reads
         # packs opened once for the header look-ups and base reads of a put's threads (storage/fs/packfds.py:
         # while holding_packs() runs), closed when it ends, when the index is loaded again or with this object
         # (the opener holds this object weakly: a bound method would keep it, and its finalizer, alive)
@@ -943,14 +944,19 @@ class SnapshotStore:
                 if loc.length > cap:
                     first = first or ChunkError(bid, f"is an entry of {loc.length} bytes, more than a delta's base may hold")
                     continue
-                buf = AlignedBuffer(loc.length)
+                # one buffer per thread, kept: the base's bytes are decoded or copied out of it into a
+                # mapping of their own, so it is free again on return (a new mapping per base cost
+                # its page faults every time: a second put's base reads were mostly system time)
+                buf = getattr(self._base_reads, "buf", None)
+                if buf is None or buf.size < loc.length:
+                    if buf is not None:
+                        buf.close()
+                    buf = self._base_reads.buf = AlignedBuffer(max(loc.length, HEADER_SIZE + align_up(DEFAULT_BASE_READ)))
                 try:
                     header, payload = self.read_entry(bid, loc, buf, False)
                     return _base_bytes(bid, header, payload, most)
                 except ChunkError as e:
                     first = first or e
-                finally:
-                    buf.close()
             try:
                 with self.chunk_dir(bid) as d:
                     st = lstat_at(d, bid)
@@ -1683,6 +1689,9 @@ def _live(ref: "weakref.ref[SnapshotStore]") -> "SnapshotStore":
     return store
 
 
+DEFAULT_BASE_READ = 4 << 20  # the size each thread's base-read buffer starts at (store put's chunk size)
+
+
 def _base_bytes(bid: str, header: ChunkHeader, payload: memoryview, most: int) -> memoryview:
     """The raw bytes of the entry BID (HEADER, PAYLOAD) as a delta's base: raw-addressed, not a delta,
     at most MOST raw bytes, full-checked; ChunkError otherwise. Read-only, in a mapping of their own
@@ -1695,7 +1704,10 @@ def _base_bytes(bid: str, header: ChunkHeader, payload: memoryview, most: int) -
         raise ChunkError(bid, "is itself a delta entry (a base must be a full entry: depth 1 only)")
     if header.raw_len > most:
         raise ChunkError(bid, f"holds {header.raw_len} raw bytes, more than a delta's base may ({most})")
-    view = memoryview(mmap.mmap(-1, max(header.raw_len, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS))[:header.raw_len]
+    # populated at once (one fault-in pass in the kernel, not a fault per page as the decoder writes)
+    populate = getattr(mmap, "MAP_POPULATE", 0)
+    view = memoryview(mmap.mmap(-1, max(header.raw_len, 1),
+                                flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | populate))[:header.raw_len]
     data = full_check(header, payload, bid, view)
     if len(data) and address_of(data) != address_of(view):
         copy_into(view, data)  # a `raw` payload, where it was read (its buffer is closed after this)
