@@ -15,6 +15,7 @@ the other's for `change`. restic and borg run with their defaults (restic: repos
 auto; borg: lz4, no encryption); tools that are not installed are left out (Debian: apt-get install
 restic borgbackup). The page cache is not dropped (--drop-caches drops it before each step, as root).
 
+--tools gpusnap,gpusnap-noparent adds gpusnap with every put told --no-parent (what the parent costs).
 Usage: python3 -m scripts.bench.bench_archive [--mb 256] [--dir /var/tmp] [--tools gpusnap,restic,borg]
        [--drop-caches] [--json FILE]
 """
@@ -145,6 +146,14 @@ class Gpusnap(Tool):
         self._g("store", "verify")
 
 
+class GpusnapNoParent(Gpusnap):
+    """gpusnap with every put told --no-parent: what the automatic parent costs or saves."""
+    name = "gpusnap-noparent"
+
+    def backup(self, n: int) -> None:
+        self._g("store", "put", f"b{n}", self.src, "--no-parent")
+
+
 class Restic(Tool):
     name = "restic"
 
@@ -185,7 +194,7 @@ class Borg(Tool):
         self.run("borg", "check", "--verify-data", self.repo)
 
 
-TOOLS = {"gpusnap": Gpusnap, "restic": Restic, "borg": Borg}
+TOOLS = {"gpusnap": Gpusnap, "gpusnap-noparent": GpusnapNoParent, "restic": Restic, "borg": Borg}
 
 
 def bench(work: str, mb: int, names: list[str], drop: bool) -> dict[str, Any]:
@@ -219,15 +228,15 @@ def bench(work: str, mb: int, names: list[str], drop: bool) -> dict[str, Any]:
 
 def table(res: dict[str, Any], names: list[str]) -> str:
     others = [n for n in names if n != "gpusnap"]
-    head = f"{'step':8}" + "".join(f"{n + ' s':>11}" for n in names) + "".join(f"{'vs ' + o:>11}" for o in others)
+    head = f"{'step':8}" + "".join(f"{' ' + n + ' s':>19}" for n in names) + "".join(f"{' vs ' + o:>19}" for o in others)
     lines = [head]
     for step in STEPS:
-        row = f"{step:8}" + "".join(f"{res[n][step]['s']:>11.2f}" for n in names)
+        row = f"{step:8}" + "".join(f"{res[n][step]['s']:>19.2f}" for n in names)
         if "gpusnap" in names:
-            row += "".join(f"{res['gpusnap'][step]['s'] / max(res[o][step]['s'], 1e-9):>11.2f}" for o in others)
+            row += "".join(f"{res['gpusnap'][step]['s'] / max(res[o][step]['s'], 1e-9):>19.2f}" for o in others)
         lines.append(row)
-    mbs = "".join(f"{res[n]['change']['new_bytes'] / 1e6:>11.1f}" for n in names)
-    ratio = ("".join(f"{res['gpusnap']['change']['new_bytes'] / max(res[o]['change']['new_bytes'], 1):>11.2f}"
+    mbs = "".join(f"{res[n]['change']['new_bytes'] / 1e6:>19.1f}" for n in names)
+    ratio = ("".join(f"{res['gpusnap']['change']['new_bytes'] / max(res[o]['change']['new_bytes'], 1):>19.2f}"
                      for o in others) if "gpusnap" in names else "")
     lines.append(f"{'MB new':8}{mbs}{ratio}   (after the change of {res['changed_bytes'] / 1e6:.1f} MB)")
     return "\n".join(lines)
@@ -241,7 +250,7 @@ def main() -> None:
     ap.add_argument("--drop-caches", action="store_true", help="drop the page cache before each step (root)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
-    names = [n for n in a.tools.split(",") if n == "gpusnap" or shutil.which(n)]
+    names = [n for n in a.tools.split(",") if n.startswith("gpusnap") or shutil.which(n)]
     for n in set(a.tools.split(",")) - set(names):
         print(f"note: {n} is not installed; left out", file=sys.stderr)
     work = tempfile.mkdtemp(prefix="gpusnap-bench-archive-", dir=a.dir)
@@ -250,7 +259,8 @@ def main() -> None:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print(table(res, names))
-    report_json({"mb": a.mb, "tools": names, "results": res}, a.json)
+    if a.json:
+        report_json({"mb": a.mb, "tools": names, "results": res}, a.json)
 
 
 if __name__ == "__main__":
