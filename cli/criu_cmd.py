@@ -14,6 +14,9 @@ from sandbox.criu.runner import DumpOptions
 from sandbox.criu.snapshot import criu_dump, criu_restore
 from sandbox.containers.process_check import refuse_container_process
 from sandbox.host.interrupts import undo_on_signals
+from sandbox.ops import hooks
+from sandbox.ops.prepared import HookReport, prepared, restore_resume, resumed, tree_of
+from cli.hook_options import hook_options, workload_hooks
 
 
 
@@ -52,6 +55,7 @@ def criu() -> None:
               help="Store changed chunks as deltas against SNAP, an earlier criu snapshot of the same workload "
                    "(it writes about the changed bytes). Never chosen for you: the bytes of SNAP that the deltas "
                    "use stay stored while this snapshot lives, even after SNAP is removed.")
+@hook_options(restore=False)
 @tag_option
 @json_option
 @click.pass_context
@@ -59,21 +63,29 @@ def criu() -> None:
 def criu_dump_cmd(ctx: click.Context, pid: int, name: str, leave_running: bool, shell_job: bool,
                   ext_unix_sk: bool, file_locks: bool, link_remap: bool, tcp_established: bool,
                   skip_in_flight: bool, staging: str | None, replace: bool, parent: str | None,
+                  prepare: str | None, resume: str | None, hook_timeout: float,
                   tags: tuple[str, ...], as_json: bool) -> None:
     """Dump PID and its descendants into snapshot NAME. On any failure the tree keeps running.
 
     The page images stream from CRIU into the store as CRIU writes them (no copy on disk first);
-    the tree is killed only once the snapshot is committed (unless --leave-running). Needs root."""
+    the tree is killed only once the snapshot is committed (unless --leave-running). Needs root.
+
+    With --prepare, the workload is told to prepare first (a failure: no snapshot, the workload resumed);
+    --resume tells it to go on after a failure or --leave-running, and is recorded in the snapshot
+    (MACed) for a plain `criu restore NAME`."""
+    wh = workload_hooks(prepare, resume, hook_timeout)
     need_root("criu dump")
     refuse_container_process(pid)
     st = open_store(ctx)
     opts = DumpOptions(shell_job=shell_job, ext_unix_sk=ext_unix_sk, file_locks=file_locks,
                        link_remap=link_remap, tcp_established=tcp_established,
                        skip_in_flight=skip_in_flight)
+    ran = HookReport()
     with undo_on_signals(), Progress(f"criu dump {pid}", ctx.obj["progress"]) as prog:
-        r = criu_dump(st, pid, name, leave_running=leave_running, options=opts, replace=replace,
-                      staging=staging, progress=prog, tags=tags, parent=parent)
-    emit(as_json, r.as_dict(), f"{name}: {len(r.pids)} process(es), {len(r.cuda_pids)} with CUDA; "
+        with prepared(st.path, wh, name, pid, resume_after=leave_running, report=ran):
+            r = criu_dump(st, pid, name, leave_running=leave_running, options=opts, replace=replace,
+                          staging=staging, progress=prog, tags=tags, parent=parent, resume=wh.resume)
+    emit(as_json, {**r.as_dict(), **({"hooks": ran.as_list()} if ran.runs else {})}, f"{name}: {len(r.pids)} process(es), {len(r.cuda_pids)} with CUDA; "
          f"{human(r.raw_bytes)} of images, {human(r.new_bytes)} written, {human(r.dedup_bytes)} deduplicated "
          f"({', '.join(f'{k} {v:.2f} s' for k, v in r.seconds.items())})")
 
@@ -90,24 +102,38 @@ def criu_dump_cmd(ctx: click.Context, pid: int, name: str, leave_running: bool, 
                    "list every checkpointed GPU. Checked before any process is restored.")
 @click.option("--tcp-established", is_flag=True, help="Restore established TCP connections (CRIU "
               "--tcp-established; given anyway when the dump used it).")
+@hook_options(restore=True)
 @from_remote_option
 @from_jobs_option
 @json_option
 @click.pass_context
 @one_line_errors
 def criu_restore_cmd(ctx: click.Context, name: str, staging: str | None, device_map: tuple[str, ...],
-                     tcp_established: bool,
-                     from_remote: str | None, jobs: int, as_json: bool) -> None:
+                     tcp_established: bool, prepare: str | None, resume: str | None, no_resume: bool,
+                     hook_timeout: float, from_remote: str | None, jobs: int, as_json: bool) -> None:
     """Restore snapshot NAME (every chunk verified before its bytes reach CRIU); GPU state is restored
     and unlocked. With --from REMOTE, a snapshot this store lacks is fetched while CRIU restores (the
-    images CRIU reads first, first), and committed locally once all of it is here. Needs root."""
+    images CRIU reads first, first), and committed locally once all of it is here. Needs root.
+
+    Then the resume step runs: --resume's, or the one the snapshot recorded when this store's gpusnap
+    recorded it (a step it cannot verify is refused before anything is restored)."""
+    wh = workload_hooks(prepare, resume, hook_timeout, no_resume)
     need_root("criu restore")
     st = open_store(ctx, create=False)
+    local = st.exists(name)
+    step = restore_resume(st, name, wh, no_resume)  # refused here, before anything is restored
+    ran = HookReport()
     with undo_on_signals(), Progress(f"criu restore {name}", ctx.obj["progress"]) as prog:
+        if wh.prepare is not None:
+            ran.runs.append(hooks.run(wh.prepare, hooks.Step.PREPARE, wh.timeout_s, snapshot=name))
         r = criu_restore(st, name, staging=staging, progress=prog, from_remote=from_remote, jobs=jobs,
                          device_map=split_map(device_map), tcp_established=tcp_established)
+        if not local:  # fetched from a remote: its record is checked now that it is here
+            step = restore_resume(st, name, wh, no_resume)
+        if step is not None and r.restored_pid is not None:
+            resumed(st.path, step, wh.timeout_s, name, r.restored_pid, tree_of(r.restored_pid), ran)
     skipped = r.stages.get("served", {}).get("split_skipped_because")
-    emit(as_json, r.as_dict(), f"{name}: restored, root pid {r.restored_pid} "
+    emit(as_json, {**r.as_dict(), **({"hooks": ran.as_list()} if ran.runs else {})}, f"{name}: restored, root pid {r.restored_pid} "
          f"({', '.join(f'{k} {v:.2f} s' for k, v in r.seconds.items())})"
          + (f"; no split restore: {skipped}" if skipped else ""))
 

@@ -14,6 +14,9 @@ from sandbox.doctor import render, report
 from sandbox.gpu.snapshot import gpu_checkpoint, gpu_restore
 from sandbox.gpu.pool_daemon import request
 from sandbox.host.interrupts import undo_on_signals
+from sandbox.ops import hooks
+from sandbox.ops.prepared import HookReport, prepared, restore_resume, resumed, tree_of
+from cli.hook_options import hook_options, workload_hooks
 
 
 THP_CHOICE = click.Choice(["always", "keep"])
@@ -58,13 +61,15 @@ def gpu() -> None:
               help="Transparent huge pages during the driver's host copy ('always' is measured faster; "
                    "the previous setting is put back; 'keep' leaves the setting alone).")
 @click.option("--replace", is_flag=True, help="Replace an existing snapshot of the same name.")
+@hook_options(restore=False)
 @tag_option
 @tier_options
 @json_option
 @click.pass_context
 @one_line_errors
 def gpu_checkpoint_cmd(ctx: click.Context, pid: int, name: str, lock_timeout: float,
-                       thp: str, replace: bool, tags: tuple[str, ...], tier: str, pool_socket: str | None,
+                       thp: str, replace: bool, prepare: str | None, resume: str | None, hook_timeout: float,
+                       tags: tuple[str, ...], tier: str, pool_socket: str | None,
                        as_json: bool) -> None:
     """Swap out the GPU state of PID and its CUDA children into snapshot NAME.
 
@@ -73,7 +78,14 @@ def gpu_checkpoint_cmd(ctx: click.Context, pid: int, name: str, lock_timeout: fl
     snapshot records that. The processes are left locked and CHECKPOINTED (their GPU memory
     released) until `gpu restore`. On failure, SIGTERM, SIGHUP or Ctrl-C every process is left running
     with its memory intact; if gpusnap is killed, `gpusnap recover` gives it back.
+
+    With --prepare, the workload is told to prepare before its GPU is locked (a failure: no snapshot,
+    the workload resumed); --resume runs after a failure and is recorded in the snapshot (MACed) for
+    `gpu restore`.
     """
+    wh = workload_hooks(prepare, resume, hook_timeout)
+    if tier == "memory" and wh:
+        raise click.UsageError("--prepare/--resume are not supported with --tier memory")
     if tier == "memory":
         r = request(_socket(pool_socket), {"op": "swap_out", "pid": pid, "name": name})
         emit(as_json, r, f"{name}: {len(r['pids'])} CUDA process(es) {r['pids']} swapped out to the memory tier "
@@ -81,10 +93,12 @@ def gpu_checkpoint_cmd(ctx: click.Context, pid: int, name: str, lock_timeout: fl
         return
     st = open_store(ctx)
     journal.require_clean(st.path)
+    ran = HookReport()
     with undo_on_signals(), Progress(f"gpu checkpoint {pid}", ctx.obj["progress"]) as prog:
-        rep = gpu_checkpoint(st, pid, name, lock_timeout_s=lock_timeout, replace=replace, tags=tags,
-                             thp_mode=None if thp == "keep" else thp, progress=prog)
-    d = rep.as_dict()
+        with prepared(st.path, wh, name, pid, resume_after=False, report=ran):
+            rep = gpu_checkpoint(st, pid, name, lock_timeout_s=lock_timeout, replace=replace, tags=tags,
+                                 thp_mode=None if thp == "keep" else thp, progress=prog, resume=wh.resume)
+    d = {**rep.as_dict(), **({"hooks": ran.as_list()} if ran.runs else {})}
     emit(as_json, d, f"{name}: {len(rep.pids)} CUDA process(es) {rep.pids} checkpointed via {rep.path} "
          f"({', '.join(f'{k} {v:.2f} s' for k, v in rep.seconds.items())}); they stay locked until "
          f"`gpusnap gpu restore {name} {pid}`")
@@ -99,18 +113,25 @@ def gpu_checkpoint_cmd(ctx: click.Context, pid: int, name: str, lock_timeout: fl
 @click.option("--thp", type=THP_CHOICE, default="always", show_default=True,
               help="Transparent huge pages while the driver copies the state back ('always' is measured "
                    "faster; the previous setting is put back; 'keep' leaves the setting alone).")
+@hook_options(restore=True)
 @tier_options
 @from_remote_option
 @json_option
 @click.pass_context
 @one_line_errors
 def gpu_restore_cmd(ctx: click.Context, name: str, pid: int, device_map: tuple[str, ...], thp: str,
+                    prepare: str | None, resume: str | None, no_resume: bool, hook_timeout: float,
                     tier: str, pool_socket: str | None, from_remote: str | None, as_json: bool) -> None:
     """Swap the GPU state of snapshot NAME back into PID's processes and unlock them.
 
     On failure, SIGTERM, SIGHUP or Ctrl-C every process whose memory is back is unlocked and the
     others stay CHECKPOINTED (run this again); if gpusnap is killed, `gpusnap recover` does the same.
+    Then the resume step runs: --resume's, or the one the snapshot recorded when this store's gpusnap
+    recorded it (one it cannot verify is refused before anything is restored).
     """
+    wh = workload_hooks(prepare, resume, hook_timeout, no_resume)
+    if tier == "memory" and (wh or no_resume):
+        raise click.UsageError("--prepare/--resume are not supported with --tier memory")
     if tier == "memory":
         if device_map:
             raise click.UsageError("--device-map is not supported with --tier memory")
@@ -119,10 +140,19 @@ def gpu_restore_cmd(ctx: click.Context, name: str, pid: int, device_map: tuple[s
         return
     st = open_store(ctx, create=False)
     journal.require_clean(st.path)
+    local = st.exists(name)
+    step = restore_resume(st, name, wh, no_resume)  # refused here, before anything is restored
+    ran = HookReport()
     with undo_on_signals(), Progress(f"gpu restore {name}", ctx.obj["progress"]) as prog:
+        if wh.prepare is not None:
+            ran.runs.append(hooks.run(wh.prepare, hooks.Step.PREPARE, wh.timeout_s, snapshot=name))
         rep = gpu_restore(st, name, pid, device_map=split_map(device_map), thp_mode=None if thp == "keep" else thp,
                           progress=prog, from_remote=from_remote)
-    emit(as_json, rep.as_dict(), f"{name}: {len(rep.pids)} process(es) restored via {rep.path} and running "
+        if not local:
+            step = restore_resume(st, name, wh, no_resume)
+        if step is not None:
+            resumed(st.path, step, wh.timeout_s, name, pid, tree_of(pid), ran)
+    emit(as_json, {**rep.as_dict(), **({"hooks": ran.as_list()} if ran.runs else {})}, f"{name}: {len(rep.pids)} process(es) restored via {rep.path} and running "
          f"({', '.join(f'{k} {v:.2f} s' for k, v in rep.seconds.items())})")
 
 

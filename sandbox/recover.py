@@ -18,6 +18,9 @@ itself when it fails):
   GPU state is resumed;
 - gpu-restore: processes whose GPU memory is back (LOCKED) are unlocked; CHECKPOINTED ones stay so
   (`gpu restore` again brings them back); one the driver holds mid-restore is named as lost;
+- workload-prepared (after every other kind): a hook step the dead gpusnap left running is waited for
+  at most the step's own timeout, then killed as a group; the recorded resume step runs if a
+  process the record names still lives and runs (sandbox.ops.prepared);
 and always the staging directory and the dead owner's temporary store files are removed and the
 record deleted (then its reference log). Finally THP values left switched by dead processes are put back.
 
@@ -54,6 +57,7 @@ from sandbox.ops.operations import GpuAccess, Recovered, Undo, operation_for
 import sandbox.criu.operations  # noqa: F401
 from sandbox.gpu.operations import real_driver
 import sandbox.runsc.operations  # noqa: F401
+import sandbox.ops.prepared  # noqa: F401
 
 
 @dataclass
@@ -99,14 +103,18 @@ def _recover_lock(j: Journal) -> Iterator[None]:
 
 def _recover_all(store: SnapshotStore, j: Journal, report: RecoverReport, gpu: GpuAccess,
                  helper_wait_s: float) -> None:
-    for rec in j.unfinished():
+    # a workload left prepared is told to resume last: its dump's undo resumes the tree first
+    for rec in sorted(j.unfinished(), key=lambda r: r.kind == journal.OpKind.WORKLOAD_PREPARED):
         done = Recovered.of(rec)
         report.operations.append(done)
         if rec.untrusted is not None:
             _refuse(j, rec, done)
             continue
         try:
-            _wait_for_helpers(rec, helper_wait_s, done)
+            # a hook step left running by the dead gpusnap gets no longer than the deadline it was given
+            wait = (min(helper_wait_s, float(rec.resume["timeout_s"]))
+                    if rec.kind == journal.OpKind.WORKLOAD_PREPARED and rec.resume else helper_wait_s)
+            _wait_for_helpers(rec, wait, done)
             operation_for(rec, Undo(store, gpu)).undo(done)
             _remove_staging(rec, done)
             _remove_owner_temps(store, rec, done)

@@ -20,7 +20,7 @@ import zstandard
 from conftest import Cli, chunk_files, tree_digest
 from scripts.bench import bench_codecs
 from storage.codecs import registry as C
-from storage.format.chunkfile import HEADER_SIZE, RAW_CODECS
+from storage.format.chunkfile import HEADER_SIZE
 
 KINDS = ("weights", "fp32", "kv30", "random", "text")
 N = 4 << 20
@@ -192,7 +192,7 @@ def test_one_registry_with_the_format_ids() -> None:
     assert table == C.FORMAT_IDS
     assert {0: "raw", 1: "zstd", 16: "nvcomp-ans", 17: "nvcomp-bitcomp", 18: "nvcomp-lz4"}.items() <= C.CODEC_NAMES.items()
     assert {"raw", "zstd", "shuffle2-zstd", "shuffle4-zstd"} == {e.name for e in C.CODECS.values() if e.where == "host"}
-    assert set(RAW_CODECS) == {"raw", "zstd", "shuffle2-zstd", "shuffle4-zstd", C.DELTA}  # the delta decodes only against its bases
+    assert set(C.raw_entry_codecs()) == {"raw", "zstd", "shuffle2-zstd", "shuffle4-zstd", C.DELTA}  # the delta decodes only against its bases
     with pytest.raises(C.CodecError, match="delta"):
         C.decode_host(C.DELTA, memoryview(b"x"), 1)
     gpu = {e.name for e in C.CODECS.values() if e.where == "gpu"}
@@ -245,7 +245,8 @@ def test_a_put_of_fp32_weights_stores_shuffle4_chunks_and_checks_them(cli: Cli, 
     codecs = {c[2] for s in man["streams"] for c in s.get("chunks", [])}
     assert codecs == {"shuffle4-zstd"}, codecs
     assert sum(p.stat().st_size for p in chunk_files(store_dir)) < 0.87 * (8 << 20), put
-    assert json.loads((store_dir / "gpusnap-store.json").read_text())["version"] == 7
+    info = json.loads((store_dir / "gpusnap-store.json").read_text())
+    assert info["version"] == 8 and info["requires"] == ["codec:shuffle4-zstd"], info
     g = _got_then_damaged(cli, store_dir, tmp_path, src)
     assert g.returncode == 3 and not (tmp_path / "out2").exists(), g.stderr
 
@@ -264,10 +265,10 @@ def test_bench_codecs_runs_on_the_cpu(tmp_path: Path) -> None:
     assert f["auto"]["ratio"] == f["shuffle4-zstd"]["ratio"]
 
 
-def test_a_version_5_store_of_layout_1_chunks_is_read_and_becomes_version_7(
+def test_a_version_5_store_of_layout_1_chunks_is_read_and_becomes_version_8(
         cli: Cli, store_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A store written before layout 2 (version 5, every byte-plane chunk layout 1) is read by this
-    version byte for byte, verified with its data, and becomes version 7 (WRITE_VERSION) with the first chunk written
+    version byte for byte, verified with its data, and becomes version 8 (WRITE_VERSION) with the first chunk written
     to it; the chunks it already held stay layout 1 and are still read."""
     from storage.pipeline import put as pipeline
     from storage.archive.filetree import FileTreeSource
@@ -292,7 +293,7 @@ def test_a_version_5_store_of_layout_1_chunks_is_read_and_becomes_version_7(
     assert json.loads(marker.read_text())["version"] == 5  # reading changes nothing
     (src / "w2.bin").write_bytes(bench_codecs.make_data("weights", 4 << 20, seed=9).tobytes())
     cli.run("store", "put", "new", str(src))
-    assert json.loads(marker.read_text())["version"] == 7
+    assert json.loads(marker.read_text())["version"] == 8
     assert {e.read()[HEADER_SIZE] for e in chunk_entries(store_dir)} == {1, 2}
     for name in ("old", "new"):
         cli.run("store", "get", name, str(tmp_path / f"o-{name}"))

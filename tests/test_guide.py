@@ -206,6 +206,8 @@ _NO_GPU = ("needs an NVIDIA GPU whose driver has the custom-storage API (CUDA 13
            "and these commands run in CI against the driver stand-in: tests/test_pool_daemon.py")
 _NO_DAEMON = ("talks to the pool daemon, which needs that GPU (`gpusnap pool serve` above); run in CI against "
               "the driver stand-in: tests/test_pool_daemon.py")
+_NO_VLLM = ("needs a vLLM server with sleep mode, which the CPU machine does not have; the same hooks run "
+            "with real CRIU in tests/test_hooks.py and, against a transformers server, in tests/test_workload_helper.py")
 NOT_RUN: dict[str, str] = {
     "gpusnap pool serve --size 64G &": _NO_GPU,
     'gpusnap gpu checkpoint "$(cat /tmp/llama.pid)" llama --tier memory': _NO_GPU + " (and a CUDA process)",
@@ -214,6 +216,14 @@ NOT_RUN: dict[str, str] = {
     "gpusnap pool usage": _NO_DAEMON,
     "gpusnap pool rm llama": _NO_DAEMON,
     "gpusnap pool stop": _NO_DAEMON,
+    # the hooks section: its steps are tested with real CRIU in tests/test_hooks.py and
+    # tests/test_workload_helper.py
+    "gpusnap criu dump \"$(cat /tmp/vllm.pid)\" llm --prepare 'http://127.0.0.1:8000/sleep?level=1' "
+    "--resume http://127.0.0.1:8000/wake_up": _NO_VLLM,
+    "gpusnap criu restore llm": _NO_VLLM,
+    "gpusnap gpu checkpoint \"$(cat /tmp/vllm.pid)\" llm-gpu --prepare 'http://127.0.0.1:8000/sleep?level=1' "
+    "--resume http://127.0.0.1:8000/wake_up": _NO_VLLM + " (and a GPU)",
+    'gpusnap gpu restore llm-gpu "$(cat /tmp/vllm.pid)"': _NO_VLLM + " (and a GPU)",
 }
 
 

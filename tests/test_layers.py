@@ -165,3 +165,22 @@ def test_no_two_modules_import_each_other() -> None:
     graph = {m: _module_imports(m, p, set(paths)) for m, p in paths.items()}
     mutual = {(a, b) for a in graph for b in graph[a] if a < b and a in graph[b]}
     assert mutual <= KNOWN_MUTUAL, sorted(mutual - KNOWN_MUTUAL)
+
+
+# files a user copies next to their own program: the standard library (and the named third-party
+# packages) only, never a package of the project
+STANDALONE = {"criu_hooks/workload_helper.py": {"torch"}}
+
+
+def test_standalone_files_import_no_project_package() -> None:
+    import sys
+    wrong = []
+    for rel, third_party in STANDALONE.items():
+        path = REPO / rel
+        for top in sorted(_imports(path)):
+            if top not in sys.stdlib_module_names and top not in third_party:
+                wrong.append(f"{rel} imports {top}: it must run copied away from gpusnap (stdlib + {third_party})")
+        tree = ast.parse(path.read_text())
+        if any(isinstance(n, ast.ImportFrom) and n.level for n in ast.walk(tree)):
+            wrong.append(f"{rel} has a relative import")
+    assert not wrong, "\n".join(wrong)

@@ -97,7 +97,8 @@ def test_second_snapshot_with_a_parent_stores_about_the_changed_bytes(cli: Cli, 
     # on disk: plus each entry's 4096-byte header and its padding to 4096 (< 8 KiB an entry)
     assert grown <= 1.1 * changed + 8192 * rep["chunks_new"], (grown, changed, rep["chunks_new"])
     assert "delta-base" in rep["stages"] and "delta" in rep["stages"], rep["stages"]
-    assert json.loads((store_dir / "gpusnap-store.json").read_text()).items() >= {"version": 7, "deltas": True}.items()
+    info = json.loads((store_dir / "gpusnap-store.json").read_text())
+    assert info["version"] == 8 and "codec:xor-zstd" in info["requires"], info
     # bf16 weights XOR bf16 weights: the high bytes (sign, exponent) mostly agree, so the XOR is
     # stored as byte planes (the table's byte 2), every one of these deltas
     assert all(e.read()[HEADER_SIZE + 2] == 1 for e in deltas), [e.read()[HEADER_SIZE + 2] for e in deltas]
@@ -106,13 +107,13 @@ def test_second_snapshot_with_a_parent_stores_about_the_changed_bytes(cli: Cli, 
     plain = _two(other, tmp_path / "o", images, parent=False)
     assert plain["new_bytes"] >= 4 * changed, (plain["new_bytes"], changed)
     assert not delta_entries(tmp_path / "other")
-    # no delta, but its byte-plane chunks are layout 2: the marker says 7 all the same, without deltas
+    # no delta: the marker is version 8 all the same, its requires without the delta codec
     other_marker = json.loads((tmp_path / "other" / "gpusnap-store.json").read_text())
-    assert other_marker["version"] == 7 and "deltas" not in other_marker, other_marker
+    assert other_marker["version"] == 8 and "codec:xor-zstd" not in other_marker["requires"], other_marker
     assert not SnapshotStore(str(tmp_path / "other")).may_hold_deltas()
     assert SnapshotStore(str(store_dir)).may_hold_deltas()
-    # a marker whose deltas is anything but true or false is damage: one line, exit 3
-    (tmp_path / "other" / "gpusnap-store.json").write_text(json.dumps({**other_marker, "deltas": "yes"}))
+    # a version 6/7 marker whose deltas is anything but true or false is damage: one line, exit 3
+    (tmp_path / "other" / "gpusnap-store.json").write_text(json.dumps({**other_marker, "version": 7, "deltas": "yes"}))
     r = other.run("store", "ls", check=False)
     assert r.returncode == 3 and "deltas is 'yes'" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
 
@@ -287,10 +288,11 @@ def _zstd(data: bytes) -> bytes:
     return zstandard.ZstdCompressor(level=1, write_content_size=True).compress(data)
 
 
-def test_a_version_4_store_is_read_and_becomes_version_7_with_its_next_write(
+def test_a_version_4_store_is_read_and_becomes_version_8_with_its_next_write(
         cli: Cli, store_dir: Path, tmp_path: Path, images: tuple[bytes, bytes, int]) -> None:
     """A store whose marker says 4 (deltas whose XOR is one zstd frame) is read as it is; the first
-    chunk written to it now makes it 7 first (a gpusnap that knows only 4 to 6 then refuses it)."""
+    chunk written to it now makes it 8 first, the delta codec in its requires (a gpusnap that knows only
+    4 to 7 then refuses it)."""
     a, b, _ = images
     _two(cli, tmp_path, images)
     marker = store_dir / "gpusnap-store.json"
@@ -302,34 +304,40 @@ def test_a_version_4_store_is_read_and_becomes_version_7_with_its_next_write(
     c, _ = change_5_percent(b, 12)
     _write(tmp_path / "img", c)
     rep = cli.json("store", "put", "c", str(tmp_path / "img"), "--chunker", "pages", "--no-cache", "--parent", "b")
-    # a version 4 or 5 store may hold deltas: version 7 keeps saying so
-    assert rep["chunks_new"] and json.loads(marker.read_text()).items() >= {"version": 7, "deltas": True}.items(), rep
+    # a version 4 or 5 store may hold deltas: version 8 keeps saying so
+    now = json.loads(marker.read_text())
+    assert rep["chunks_new"] and now["version"] == 8 and "codec:xor-zstd" in now["requires"], (rep, now)
     cli.run("store", "get", "c", str(tmp_path / "out2"))
     assert (tmp_path / "out2" / "img" / "pages-1.img").read_bytes() == c
-    marker.write_text(json.dumps({**info, "version": 8}))  # a version from the future is refused, one line
+    marker.write_text(json.dumps({**info, "version": 9}))  # a version from the future is refused, one line
     r = cli.run("store", "get", "c", str(tmp_path / "out3"), check=False)
-    assert r.returncode != 0 and "v8 is not gpusnap-store v7 or older" in r.stderr, r.stderr
+    assert r.returncode != 0 and "v9 is not gpusnap-store v8 or older" in r.stderr, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
 
 
 def test_the_marker_never_goes_down(tmp_path: Path) -> None:
-    """A writer that opened the store at version 3 and needs 4 later never writes over a 5 another
-    writer made meanwhile (the marker is read again under a flock of the store directory), and one
-    that finds a version it does not know refuses in one line instead of writing to it."""
+    """A writer that opened the store at version 3 and needs the delta codec listed later never writes
+    over what another writer listed meanwhile (the marker is read again under a flock of the store
+    directory and the union written), and one that finds a version it does not know refuses in one
+    line instead of writing to it."""
     from storage.repo.store import StoreError
     SnapshotStore(str(tmp_path / "s"), create=True)
     a = SnapshotStore(str(tmp_path / "s"))
     b = SnapshotStore(str(tmp_path / "s"))
     marker = tmp_path / "s" / "gpusnap-store.json"
     assert a.version == b.version == 3
-    b.upgrade(5)
-    a.upgrade(4)
-    assert json.loads(marker.read_text())["version"] == 5 and a.version == 5
+    b.upgrade(needs=("codec:zstd",))
+    a.upgrade(deltas=True)
+    info = json.loads(marker.read_text())
+    assert info["version"] == 8 and info["requires"] == ["codec:xor-zstd", "codec:zstd"], info
+    assert a.version == 8 and a.deltas and a.requires == {"codec:xor-zstd", "codec:zstd"}
+    b.upgrade(needs=("codec:raw",))  # b's view was stale: it keeps what a listed
+    assert json.loads(marker.read_text())["requires"] == ["codec:raw", "codec:xor-zstd", "codec:zstd"]
     c = SnapshotStore(str(tmp_path / "s"))
     c.version = 3  # as if opened before the next line
     marker.write_text(json.dumps({**json.loads(marker.read_text()), "version": 9}))
-    with pytest.raises(StoreError, match="v9 .* is not gpusnap-store v7 or older"):
-        c.upgrade(5)
+    with pytest.raises(StoreError, match="v9 .* is not gpusnap-store v8 or older"):
+        c.upgrade(deltas=True)
     assert json.loads(marker.read_text())["version"] == 9
 
 
@@ -928,7 +936,7 @@ def test_a_marker_that_hides_deltas_does_not_cost_a_delta_its_bases(cli: Cli, st
     cli.run("store", "rm", "a")  # b's delta bases are now named only through b's deltas
     marker = store_dir / "gpusnap-store.json"
     info = json.loads(marker.read_text())
-    assert info.pop("deltas") is True
+    info["requires"].remove("codec:xor-zstd")  # the one entry that says deltas may be there
     marker.write_text(json.dumps(info))
     cli.run("store", "gc")
     cli.run("store", "get", "b", str(tmp_path / "out"))

@@ -135,7 +135,7 @@ def _run_get_killed_at_commit(cli: Cli, name: str, dest: Path, sig: int) -> subp
     """`store get`, with the signal SIG delivered by the get itself at the exact point where every
     byte is written into the hidden staging tree and nothing is renamed yet."""
     prog = ("import os, signal, sys\n"
-            "from storage import filetree\n"
+            "from storage.archive import filetree\n"
             f"filetree.FileTreeSink.commit = lambda self: os.kill(os.getpid(), {int(sig)})\n"
             "from cli import main\n"
             "main()\n")

@@ -237,7 +237,9 @@ def test_a_version_2_store_is_read_then_migrated_into_packs(cli: Cli, store_dir:
     assert r.returncode == 3, r.stderr
     rep = json.loads(r.stdout)
     assert rep["moved"] == len(ids) - 1 and len(rep["left"]) == 1 and victim.cid in rep["left"][0], rep
-    assert json.loads((store_dir / "gpusnap-store.json").read_text())["version"] == 7
+    info = json.loads((store_dir / "gpusnap-store.json").read_text())
+    # version 8, requires computed from what it holds: its codecs, and chunk files still there (the victim)
+    assert info["version"] == 8 and "feature:chunk-files" in info["requires"], info
     assert [p for p in chunk_files(store_dir) if p.parent.parent.name == "chunks"] == [victim.path]
     assert chunk_ids(store_dir) == ids
     # repair from the source puts the damaged one into a pack too
@@ -245,6 +247,7 @@ def test_a_version_2_store_is_read_then_migrated_into_packs(cli: Cli, store_dir:
     cli.run("store", "gc")
     assert cli.json("store", "migrate")["moved"] == 0
     assert all(p.parent.name == "packs" for p in chunk_files(store_dir)) and chunk_ids(store_dir) == ids
+    assert "feature:chunk-files" not in json.loads((store_dir / "gpusnap-store.json").read_text())["requires"]
     assert cli.json("store", "verify", "--read-data")["ok"]
     cli.run("store", "get", "old", str(tmp_path / "o2"))
     assert tree_digest(tmp_path / "o2" / "m") == tree_digest(src)

@@ -6,6 +6,7 @@ disk, the real CLI."""
 from __future__ import annotations
 
 import json
+import struct
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ import zstandard
 from conftest import Cli, chunk_files, make_mixed_tree, tree_digest
 from support.entries import Entry, chunk_entries, to_chunk_files
 from storage.pipeline import put as pipeline
+from storage.codecs.registry import CODEC_NAMES
 from storage.format.chunkfile import HEADER_SIZE, MAGIC, MAGIC_RAW, ChunkHeader, chunk_id, raw_chunk_id
 from storage.codecs.registry import Shuffle2Codec, decode_host
 from storage.archive.filetree import FileTreeSource
@@ -37,7 +39,7 @@ def test_second_put_of_unchanged_data_compresses_and_writes_nothing(cli: Cli, st
     first = cli.json("store", "put", "a", str(src), "--chunk-size", "1M")
     assert first["chunks_compressed"] == first["chunks_new"] > 0, first
     assert {_magic(e) for e in chunk_entries(store_dir)} == {MAGIC_RAW}
-    assert _marker_version(store_dir) == 7  # a store written by this version (FORMAT.md, "Store versions")
+    assert _marker_version(store_dir) == 8  # a store written by this version (FORMAT.md, "Store versions")
     second = cli.json("store", "put", "b", str(src), "--chunk-size", "1M")
     assert second["chunks_compressed"] == 0 and second["chunks_new"] == 0 and second["new_bytes"] == 0, second
     assert second["chunks_dedup"] == first["chunks_new"] and second["chunks_zero"] == first["chunks_zero"]
@@ -94,7 +96,10 @@ def test_a_version_1_store_reads_verifies_restores_then_is_upgraded_and_mixed(cl
     # a put finds only raw-addressed chunks: the same data is stored once more, raw-addressed
     put = cli.json("store", "put", "new", str(src), "--chunk-size", "1M")
     assert put["chunks_new"] == len(old_chunks) and put["chunks_compressed"] == put["chunks_new"], put
-    assert _marker_version(store_dir) == 7  # upgraded by its first pack; the old chunk files stay and are read
+    assert _marker_version(store_dir) == 8  # upgraded by its first pack; the old chunk files stay and are read
+    req = json.loads((store_dir / "gpusnap-store.json").read_text())["requires"]
+    held = {"codec:" + CODEC_NAMES[struct.unpack_from("<H", e.read()[:10], 8)[0]] for e in chunk_entries(store_dir)}
+    assert set(req) == held | {"feature:chunk-files"}, req  # what it held and what the put added
     assert {_magic(e) for e in chunk_entries(store_dir)} == {MAGIC, MAGIC_RAW}
     assert set(old_chunks) <= set(chunk_files(store_dir))
     assert cli.json("store", "verify", "--read-data")["ok"]
@@ -110,9 +115,9 @@ def test_a_version_1_store_reads_verifies_restores_then_is_upgraded_and_mixed(cl
 def test_a_store_of_an_unknown_version_is_refused(cli: Cli, store_dir: Path, tmp_path: Path) -> None:
     cli.run("store", "init")
     marker = json.loads((store_dir / "gpusnap-store.json").read_text())
-    (store_dir / "gpusnap-store.json").write_text(json.dumps({**marker, "version": 8}))
+    (store_dir / "gpusnap-store.json").write_text(json.dumps({**marker, "version": 9}))
     r = cli.run("store", "ls", check=False)
-    assert r.returncode != 0 and "v8 is not gpusnap-store v7 or older" in r.stderr, r.stderr
+    assert r.returncode != 0 and "v9 is not gpusnap-store v8 or older" in r.stderr, r.stderr
 
 
 def _forge(victim: Entry, codec: str) -> None:

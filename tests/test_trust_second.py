@@ -32,7 +32,7 @@ def _gpusnap(cli: Cli, *args: str, patch: str = "", timeout: float = 120) -> sub
 
 def _get_killed_at_commit(cli: Cli, name: str, dest: Path) -> None:
     p = _gpusnap(cli, "store", "get", name, str(dest), patch=(
-        "from storage import filetree\n"
+        "from storage.archive import filetree\n"
         "filetree.FileTreeSink.commit = lambda self: os.kill(os.getpid(), signal.SIGKILL)\n"))
     p.communicate(timeout=120)
     assert p.returncode == -signal.SIGKILL
@@ -168,7 +168,7 @@ def test_sigtermed_get_removes_its_hidden_tree_and_record(cli: Cli, store_dir: P
     # the get stops (in the main thread, as a slow disk would) once its first file is open
     p = subprocess.Popen(
         [sys.executable, "-c",
-         "import os, time\nfrom storage import filetree\norig = filetree.FileTreeSink.open\n"
+         "import os, time\nfrom storage.archive import filetree\norig = filetree.FileTreeSink.open\n"
          "def slow(self, spec):\n    w = orig(self, spec)\n    if w is not None:\n"
          "        open(os.environ['MARK'], 'w').close()\n        time.sleep(60)\n    return w\n"
          "filetree.FileTreeSink.open = slow\nfrom cli import main\nmain()\n",

@@ -58,6 +58,7 @@ from sandbox.host import hugepages
 from sandbox.host.dumpwrites import dump_packs_direct
 from sandbox.host.processes import process_tree
 from sandbox.gpu.state import GpuPath, plan as gpu_plan
+from sandbox.ops.hooks import Hook, resume_meta
 from sandbox.ops.snapshot_meta import CriuMeta, GpuInfo
 from sandbox.host.interrupts import Interrupted
 from sandbox.ops.journal import OpKind, Stage
@@ -75,14 +76,16 @@ __all__ = ["CriuReport", "CriuSnapshotError", "criu_dump", "criu_restore", "desc
 def criu_dump(store: SnapshotStore, pid: int, name: str, *, leave_running: bool = False,
               options: DumpOptions | None = None, replace: bool = False, staging: str | None = None,
               lock_timeout_s: float = 10.0, progress: Progress | None = None, criu: Criu | None = None, tags: Sequence[str] = (),
-              gpu_driver: Any = None, features: Any = None, device: Any = None, parent: str | None = None) -> CriuReport:
+              gpu_driver: Any = None, features: Any = None, device: Any = None, parent: str | None = None,
+              resume: Hook | None = None) -> CriuReport:
     """The tree at PID into snapshot NAME: GPU state first (custom storage or the driver's host copy,
     as the probe says), then CRIU (the tree left stopped), its page images ingested as they are
     written, the commit, and only then the kill (unless leave_running).
 
     gpu_driver/features/device: the CheckpointDriver, its Features and the engine's Device (default:
     the real driver, probed, and GPU 0); tests pass stand-ins. PARENT: the snapshot whose chunks the
-    changed ones are stored as deltas against (sandbox.criu.parent; None: every chunk whole)."""
+    changed ones are stored as deltas against (sandbox.criu.parent; None: every chunk whole). RESUME:
+    the workload's resume step, recorded (MACed) in the snapshot for its restore (sandbox.ops.hooks)."""
     from sandbox.criu.dump import DumpContext  # the dump side: imported by dumps only
     criu = criu or Criu()
     journal.require_clean(store.path)
@@ -114,7 +117,8 @@ def criu_dump(store: SnapshotStore, pid: int, name: str, *, leave_running: bool 
         meta = CriuMeta(pid, tuple(pids), tuple(gpu.cuda_pids), ".".join(map(str, criu.version or ())),
                         tuple(opts.argv()), GpuPath(gpu.path) if gpu.path else None,
                         gpus=tuple(GpuInfo(g["index"], g["uuid"], g["name"]) for g in gpu.gpus), gpu_bytes=usage,
-                        extra={"op": op.id, "op_mac": op.commit_mac(pids)}).to_json()
+                        extra={"op": op.id, "op_mac": op.commit_mac(pids),
+                               **resume_meta(op, name, resume)}).to_json()
         with store.writer(name, replace=replace, meta=meta, tags=tuple(tags), direct_packs=direct_packs) as w, gpu:
             _dump_in(DumpContext(store, name, op, w, criu, pid, pids, opts, gpu, report, leave_running, progress,
                                  parent=base), staging, lock_timeout_s)

@@ -35,6 +35,7 @@ from sandbox.gpu.state import GpuPath, Limits, Plan, freeze, plan, thaw
 from sandbox.ops.journal import OpKind, Stage
 from sandbox.ops.operations import GpuAccess, Undo, undone_on_failure
 import sandbox.gpu.operations  # noqa: F401 - registers GpuCheckpoint and GpuRestore, the undos this flow runs
+from sandbox.ops.hooks import Hook, resume_meta
 from sandbox.ops.snapshot_meta import GpuInfo, GpuMeta
 
 
@@ -74,13 +75,14 @@ def gpu_checkpoint(store: SnapshotStore, root_pid: int, name: str, *, driver: Cu
                    lock_timeout_s: float = 10.0, thp_mode: str | None = "always", replace: bool = False,
                    progress: Progress | None = None, features: Features | None = None, device: Any = None,
                    tags: Sequence[str] = (),
-                   pids: list[int] | None = None) -> GpuReport:
+                   pids: list[int] | None = None, resume: Hook | None = None) -> GpuReport:
     """Swap out the GPU state of ROOT_PID's CUDA processes into snapshot NAME.
 
     They are left CHECKPOINTED (GPU memory released) until gpu_restore. On any failure they are
     put back to RUNNING with their memory intact and no snapshot is left. device: the engine's
     storage.gpu.device.Device for the custom-storage path (default: GPU 0). pids: the CUDA processes when
-    the caller has found them already.
+    the caller has found them already. resume: the workload's resume step, recorded (MACed) in the
+    snapshot for `gpu restore` (sandbox.ops.hooks).
     """
     hugepages.policy()  # a bad GPUSNAP_THP fails here, before a process is touched
     direct_packs = dump_packs_direct()  # and a bad GPUSNAP_DUMP_DIRECT
@@ -100,7 +102,7 @@ def gpu_checkpoint(store: SnapshotStore, root_pid: int, name: str, *, driver: Cu
         # op and op_mac: how recovery tells this operation's commit from any other manifest of the name
         meta = GpuMeta(path, root_pid, tuple(pids), tuple(GpuInfo(g.index, g.uuid, g.name) for g in feats.gpus),
                        feats.driver_version, {int(p): u for p, u in usage.items()},
-                       extra={"op": op.id, "op_mac": op.commit_mac(pids)}).to_json()
+                       extra={"op": op.id, "op_mac": op.commit_mac(pids), **resume_meta(op, name, resume)}).to_json()
         with store.writer(name, replace=replace, meta=meta, tags=tuple(tags), direct_packs=direct_packs) as w, \
                 _engine(path, device) as eng, \
                 (op.ref_log(w.sync_chunks) if eng is not None else nullcontext()) as log:

@@ -65,6 +65,7 @@ class OpKind(str, enum.Enum):
     RUNSC_RESTORE = "runsc-restore"
     GPU_CHECKPOINT = "gpu-checkpoint"
     GPU_RESTORE = "gpu-restore"
+    WORKLOAD_PREPARED = "workload-prepared"   # a --prepare/--resume step's workload (sandbox.ops.prepared)
 
 
 class Stage(str, enum.Enum):
@@ -100,6 +101,7 @@ class OpRecord:
     runsc: dict[str, Any] | None = None     # container, runsc_args, bundle, net (runsc kinds)
     started: float = 0.0
     helpers: tuple[Proc, ...] = ()           # CRIU / runsc processes it started, each leading its group
+    resume: dict[str, Any] | None = None     # workload-prepared: {"hook", "timeout_s"}, what recover runs
     untrusted: str | None = field(default=None, compare=False)  # why this record is not one we wrote (read side)
 
     def as_dict(self) -> dict[str, Any]:
@@ -128,6 +130,7 @@ class OpRecord:
                        leave_running=bool(d.get("leave_running")), runsc=d.get("runsc"),
                        started=float(d.get("started", 0.0)),
                        helpers=tuple(Proc(int(p["pid"]), int(p["start"])) for p in d.get("helpers", ())),
+                       resume=_resume_field(d.get("resume")),
                        untrusted=None if key is not None and key.check("journal-record", d, mac) else
                        "it carries no valid MAC under this journal's key: gpusnap did not write it")
         except (KeyError, TypeError, ValueError, AttributeError) as e:
@@ -135,6 +138,16 @@ class OpRecord:
 
     def describe(self) -> str:
         return f"{self.kind.value} of snapshot {self.snapshot!r} (pid {self.owner.pid}, stage {self.stage.value})"
+
+
+def _resume_field(v: Any) -> dict[str, Any] | None:
+    """A record's `resume` ({"hook": str, "timeout_s": number}) or None; anything else is unreadable."""
+    if v is None:
+        return None
+    if (not isinstance(v, dict) or set(v) != {"hook", "timeout_s"} or not isinstance(v["hook"], str)
+            or not isinstance(v["timeout_s"], (int, float)) or isinstance(v["timeout_s"], bool)):
+        raise ValueError("bad resume step")
+    return {"hook": v["hook"], "timeout_s": float(v["timeout_s"])}
 
 
 def _fsync_dir(path: str) -> None:

@@ -194,16 +194,36 @@ def checkpoint(store: SnapshotStore, cid: str, name: str, runsc_args: Sequence[s
                          extra={"output": (records.read(r.root, cid, Kind.RUN) or {}).get("output"),
                                 "op": op.id, "op_mac": op.commit_mac([])})
         with store.writer(name, replace=replace, meta=meta.to_json(), tags=tuple(tags), direct_packs=direct_packs) as w:
-            _checkpoint_in(op, w, meta, r, cid, bundle, net, gpu, leave_running, report, store, name, progress)
+            _checkpoint_in(CheckpointContext(store, name, op, w, meta, r, cid, bundle, net, gpu, leave_running, report,
+                                             progress))
     report.raw_bytes, report.new_bytes, report.dedup_bytes = w.stats.raw_bytes, w.stats.bytes_new, w.stats.bytes_dedup
     return report
 
 
-def _checkpoint_in(op: journal.Op, w: Any, meta: RunscMeta, r: Runsc, cid: str, bundle: str, net: nets.NetConfig | None,
-                   gpu: dict[str, Any] | None, leave_running: bool, report: RunscReport, store: SnapshotStore, name: str,
-                   progress: Progress | None) -> None:
+@dataclass(frozen=True)
+class CheckpointContext:
+    """One `runsc checkpoint` into a snapshot, inside its journal record and writer."""
+
+    store: SnapshotStore
+    name: str                        # the snapshot
+    op: journal.Op                   # its journal record
+    w: Any                           # its storage writer (SnapshotWriter)
+    meta: RunscMeta                  # what the snapshot records of the sandbox
+    runsc: Runsc
+    cid: str                         # the sandbox
+    bundle: str                      # its OCI bundle
+    net: nets.NetConfig | None       # the network gpusnap made for it
+    gpu: dict[str, Any] | None       # its GPU record (records.Kind.GPU), if a GPU sandbox
+    leave_running: bool
+    report: RunscReport
+    progress: Progress | None = None
+
+
+def _checkpoint_in(ctx: CheckpointContext) -> None:
     """The checkpoint's stages inside its journal record and writer; on a failure, the operation's undo
     (sandbox.runsc.operations.RunscCheckpoint) from the stage the record reached."""
+    op, w, meta, r, cid, bundle, gpu = ctx.op, ctx.w, ctx.meta, ctx.runsc, ctx.cid, ctx.bundle, ctx.gpu
+    store, name, report, progress = ctx.store, ctx.name, ctx.report, ctx.progress
     stage = new_staging(store, 1 << 30, None, op)
     images = os.path.join(stage, "images")
     os.mkdir(images, 0o700)
@@ -238,7 +258,7 @@ def _checkpoint_in(op: journal.Op, w: Any, meta: RunscMeta, r: Runsc, cid: str, 
                 raise
             report.seconds["runsc_checkpoint"] = time.perf_counter() - t0
             op.advance(Stage.DUMPED)
-            if leave_running:
+            if ctx.leave_running:
                 t0 = time.perf_counter()
                 restart(r, cid, bundle, images)
                 sb = SandboxRecord.of(op.rec)

@@ -5,12 +5,12 @@
 #   3.   bench_gpu_engine.py: the custom-storage engine (CUDA IPC stand-in), 24 GB, realistic and
 #        pessimistic, to the memory tier (/dev/shm store and the resident pinned pool) and to disk,
 #        with the PCIe and disk floors measured in the same run.
-# Results: $OUT (or results/<date>-h200/) engine.json/.log, e2e.json/.log, wall.txt.
+# Results: $OUT (or device-out/<date>-h200/) engine.json/.log, e2e.json/.log, wall.txt.
 # Usage (on the GPU machine, wheels carried): bash scripts/device/device-run.sh bench
 set -uo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$root"
-out=${OUT:-$root/results/$(date +%F)-h200}
+out=${OUT:-$root/device-out/$(date +%F)-h200}
 mkdir -p "$out"
 t0=$(date +%s)
 timeout 280 python3 -m scripts.bench.bench_gpu_engine --gb "${BENCH_GB:-24}" --mix realistic,pessimistic \

@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # One batch on the lent GPU machine (the `device` tool): GPU tests, then the benchmarks named in $1
-# ("tests", "engine", "e2e", "speed", "moe", "fillvariants", "criutree", "codecs", "startup", "probe-delta", "pipes", "queue", "fillreads", "gilprof", "deltaprof", "knobs", "bench" = scripts/bench/bench_h200.sh, "hostpath", "pinned", "ingest", "pool", "storeput", or several, comma-separated). Results land in $OUT (or ./device-out).
+# ("tests", "engine", "e2e", "speed", "moe", "fillvariants", "criutree", "codecs", "startup", "bench" = scripts/bench/bench_h200.sh,
+# "pool", "storeput", or several, comma-separated). Results land in $OUT (or ./device-out). The one-off probes and their
+# modes (probe-delta, pipes, queue, fillreads, gilprof, deltaprof, knobs, hostpath, pinned, ingest, readers) went with the
+# history on 2026-12-07: docs/history/README.md names the commit that still has them.
 # The GPU machine has no network: carry .whl/ and .carry/ (both git-ignored, ~58 MiB together):
 #   .whl/: pip download --only-binary=:all: --python-version 3.12 --no-deps --platform manylinux2014_x86_64
 #          --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 --platform any -d .whl \
@@ -71,23 +74,10 @@ for what in ${1//,/ }; do
     tests)  GPUSNAP_RESULTS="$out/gpu-results.jsonl" timeout ${TESTS_TIMEOUT:-560} python3 -m pytest -p no:cacheprovider -m gpu -v -s --durations=20 ${PYTEST_K:+-k "$PYTEST_K"} tests 2>&1 | tee "$out/gpu-tests.log" | grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|^E |s call" ;;
     engine) timeout 560 python3 -m scripts.bench.bench_gpu_engine --json "$out/engine.json" ${BENCH_ARGS:-} 2>&1 | tee "$out/engine.log" ;;
     bench)  OUT="$out" bash scripts/bench/bench_h200.sh ;;
-    readers) timeout 100 python3 -m scripts.bench.bench_ingest --gb ${INGEST_GB:-8} --readers 1,4 --json "$out/ingest-readers.json" 2>&1 | tee "$out/ingest-readers.log" ;;
-    hostpath) for mix in ${HOSTPATH_MIX:-weights serving weights-pyzstd}; do  # issue 21: codecs, ingest, reads apart, floors in the same run
-              env $( [ "${mix#*-}" = pyzstd ] && echo GPUSNAP_NO_LIBZSTD=1 ) timeout 280 python3 -m scripts.bench.bench_hostpath \
-                --gb ${HOSTPATH_GB:-8} --mix ${mix%-*} --json "$out/hostpath-$mix.json" 2>&1 | tee "$out/hostpath-$mix.log" | grep -v '^ '; done ;;
-    ingest) timeout 300 python3 -m scripts.bench.bench_ingest --json "$out/ingest.json" ${INGEST_ARGS:-} 2>&1 | tee "$out/ingest.log" ;;
     pool)   for l in ${POOL_LANES:-16 24}; do timeout 200 python3 -m scripts.bench.bench_gpu_engine --mix realistic --tiers shm,pool --repeat 5 --lanes $l --json "$out/pool-lanes$l.json" 2>&1 | tee "$out/pool-lanes$l.log"; done ;;
-    probe-delta) timeout ${PROBE_TIMEOUT:-300} python3 -m scripts.device.probe_delta --gb ${PROBE_GB:-4} 2>&1 | tee "$out/probe-delta.jsonl" ;;
-    pipes)  # does pipe-max-size (1 MiB by default; CRIU grows its page pipes only to it without CAP_SYS_RESOURCE) bound the page dump?
-            timeout ${PIPES_TIMEOUT:-300} python3 -m scripts.device.probe_pipes --gb ${PIPES_GB:-12} --rounds ${PIPES_ROUNDS:-3} 2>&1 | tee "$out/pipes.jsonl" ;;
-    fillreads) # why the split fill reads below the disk's rate: its I/O pattern taken apart (BENCHMARKS.md section 37)
-            timeout ${FILLREADS_TIMEOUT:-200} python3 -m scripts.device.probe_fillreads --gb ${FILLREADS_GB:-4} 2>&1 | tee "$out/fillreads.jsonl" ;;
-    queue)  # how long a small cold read (CRIU opening a library) waits behind the fill's 16 MiB reads in flight
-            timeout ${QUEUE_TIMEOUT:-200} python3 -m scripts.device.probe_queue --gb ${QUEUE_GB:-4} 2>&1 | tee "$out/queue.jsonl" ;;
     storeput) # `store put`/`get` against cp on this host, packs written direct and buffered (BENCHMARKS.md section 39)
             for d in 1 0; do GPUSNAP_PUT_DIRECT=$d timeout ${STORE_TIMEOUT:-150} python3 -m scripts.bench.bench_store --gb ${STORE_GB:-4} \
               --mix weights --rounds ${STORE_ROUNDS:-3} --json "$out/store-direct$d.json" 2>&1 | tee "$out/store-direct$d.log" | tail -3; done ;;
-    pinned) timeout 120 python3 -m scripts.device.probe_pinned_alloc 16 2>&1 | tee "$out/pinned-alloc.json" ;;
     speed)  # issue 17: the serving workload smoke-tested at 1 GB, then baseline vs gpusnap (stream, staging) at $BENCH_GB
             python3 -X importtime -m cli --help 2> "$out/importtime.txt" > /dev/null
             wl=serving
@@ -109,33 +99,6 @@ for what in ${1//,/ }; do
             for i in cold warm; do [ $i = cold ] && { sync; echo 3 > /proc/sys/vm/drop_caches; }
               /usr/bin/time -f "$i import of cli.criu_cmd: %e s" python3 -X importtime -c "import cli.criu_cmd" 2> "$out/importtime-$i.txt"
               tail -1 "$out/importtime-$i.txt"; sort -t'|' -k2 -n "$out/importtime-$i.txt" | tail -6; done ;;
-    gilprof) # where the ingest's threads hold the GIL on 16 cores: py-spy (carried xz-packed in .tools/: carry [".whl-lite", ".carry", ".tools"]) on one
-            # 16-worker ingest of bench_hostpath, then the ingest at 16 / 8 workers without the profiler
-            python3 -c "import lzma,shutil,os; shutil.copyfileobj(lzma.open('.tools/py-spy.xz'), open('/tmp/py-spy','wb')); os.chmod('/tmp/py-spy',0o755)"
-            timeout 200 /tmp/py-spy record --gil -r 250 -f raw -o "$out/gil-w16.txt" -- python3 -m scripts.bench.bench_hostpath \
-              --gb ${HOSTPATH_GB:-6} --mix weights --ingest-variants w16 --json "$out/gilprof-spy.json" 2>&1 | tail -3
-            timeout 200 /tmp/py-spy record -r 250 -f raw -o "$out/all-w16.txt" -- python3 -m scripts.bench.bench_hostpath \
-              --gb ${HOSTPATH_GB:-6} --mix weights --ingest-variants w16 --json "$out/gilprof-spy-all.json" 2>&1 | tail -3
-            timeout 200 python3 -m scripts.bench.bench_hostpath --gb ${HOSTPATH_GB:-6} --mix weights \
-              --ingest-variants ${GIL_VARIANTS:-w16,w8,w16} --json "$out/gilprof.json" 2>&1 | tee "$out/gilprof.log" | grep -v '^ ' ;;
-    deltaprof) # the MoE-like tree's second dump on 16 cores, CPU only (scripts/bench/bench_moe_delta.py): once plain,
-            # then under py-spy (carried xz-packed: carry [".whl-lite", ".carry-xz", ".tools"]) sampling the threads holding
-            # the GIL, then every thread, waiting ones included: is the second dump bound by the GIL or by its bases' reads?
-            [ -f .tools/py-spy.xz ] && python3 -c "import lzma,shutil,os; shutil.copyfileobj(lzma.open('.tools/py-spy.xz'), open('/tmp/py-spy','wb')); os.chmod('/tmp/py-spy',0o755)"
-            # DELTA_PROFS="plain-numpy plain": a run with $GPUSNAP_NO_NATIVE set (the byte planes in numpy), then one
-            # with them in C (storage/codecs/shufflelib.py, delta.page_differences; carry storage/native's two .so files built here);
-            # "plain-switch": with GPUSNAP_SWITCH_INTERVAL=${SWITCH_S:-0.0005} (the GIL's hand-over, storage/base/settings.py)
-            for prof in ${DELTA_PROFS:-plain gil idle}; do
-              wrap=""; [ ${prof%%-*} != plain ] && wrap="/tmp/py-spy record --${prof%%-*} --threads -r 200 -f raw -o $out/deltaprof-$prof.txt --"
-              case "$prof" in *-numpy) penv=GPUSNAP_NO_NATIVE=1 ;; *-switch) penv=GPUSNAP_SWITCH_INTERVAL=${SWITCH_S:-0.0005} ;; *) penv= ;; esac
-              env $penv timeout ${DELTA_TIMEOUT:-170} python3 -m scripts.bench.bench_moe_delta \
-                --gb ${DELTA_GB:-4} --workers ${DELTA_WORKERS:-16} --profile-second "$wrap" --json "$out/deltaprof-$prof.json" 2>&1 | tail -2 | cut -c1-600; done ;;
-    knobs)  # the ingest's knobs on this machine (workers; run29 also had O_DIRECT pack entries, since removed), weights then the serving mix
-            lscpu > "$out/lscpu.txt" 2>&1
-            for mix in weights serving; do
-              timeout 250 python3 -m scripts.bench.bench_hostpath --gb ${HOSTPATH_GB:-6} --mix $mix \
-                --ingest-variants ${KNOBS:-w16,w8,w12,w10,w6,w16} --json "$out/knobs-$mix.json" 2>&1 \
-                | tee "$out/knobs-$mix.log" | grep -o '"[^"]*": {"wall_s": [0-9.]*, "GBps": [0-9.]*'; done ;;
     fillvariants) # the fill's processes against its reads in flight (BENCHMARKS.md section 27): serving and MoE at $BENCH_GB,
             # gpusnap only, each snapshot restored cold with the defaults, then 8 decoding workers sharing 4 reads, then
             # the defaults again (the spread), then 8 workers holding nothing while CRIU runs, then the host's THP

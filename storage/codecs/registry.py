@@ -2,10 +2,18 @@
 
 One table, CODECS, maps a codec id (FORMAT.md, "Codec ids"; part of the on-disk format, never reused)
 to a CodecEntry: its name, where it runs (`host`: the CPU, in this process; `gpu`: nvCOMP on a
-device), and for host codecs the encode and decode functions. Every id the format has ever assigned
-is known (FORMAT_IDS) so that a header naming a GPU codec parses on a machine without one; a GPU
-codec's entry is registered only when nvCOMP is importable here (its device-side codec objects are
-made per stream by storage/gpu/device.py, which looks the nvCOMP algorithm up in this table).
+device), for host codecs the encode and decode functions, and for a codec the per-chunk choice may
+pick, its Choosable object (probe a sample, encode into a buffer). Every id the format has ever
+assigned is known (FORMAT_IDS) so that a header naming a GPU codec parses on a machine without one;
+a GPU codec's entry is registered only when nvCOMP is importable here (its device-side codec objects
+are made per stream by storage/gpu/device.py, which looks the nvCOMP algorithm up in this table).
+
+Adding a codec is one `register` call: its id and name join CODEC_IDS / CODEC_NAMES (what headers
+and manifests may name), the chooser probes it if it is Choosable, and a store lists it in its
+marker's `requires` once it holds an entry of it (FORMAT.md, "The marker's `requires`"): no store
+version changes, and a gpusnap without the codec refuses only the stores that use it. Nothing
+outside this module keeps a list of codec names (storage/pipeline/encodeprocs.py and
+storage/maintenance/repair.py ask host_codecs()).
 Every threshold of the choice lives in the "Thresholds" block below, and only there.
 
 Guarantees kept here: a decoder never produces, nor allocates for its output, more than the raw
@@ -45,7 +53,8 @@ import struct
 import threading
 from dataclasses import dataclass
 from functools import partial
-from typing import Callable, Protocol
+from types import MappingProxyType
+from typing import Callable, Collection, Mapping, Protocol
 
 from types import ModuleType
 from typing import TYPE_CHECKING
@@ -94,9 +103,12 @@ PLANE_ZSTD = dict(window_log=17, hash_log=6, chain_log=6, search_log=1, min_matc
                   strategy="fast")  # zstandard.STRATEGY_FAST, resolved where the compressor is made
 
 # Every codec id the on-disk format has assigned (FORMAT.md, "Codec ids"). Never reuse an id.
-FORMAT_IDS: dict[str, int] = {"raw": 0, "zstd": 1, "shuffle2-zstd": 2, "xor-zstd": 3, "shuffle4-zstd": 4,
-                              "nvcomp-ans": 16, "nvcomp-bitcomp": 17, "nvcomp-lz4": 18, "nvcomp-gdeflate": 19}
-CODEC_IDS = FORMAT_IDS  # the names manifests may use
+FORMAT_IDS: Mapping[str, int] = MappingProxyType({
+    "raw": 0, "zstd": 1, "shuffle2-zstd": 2, "xor-zstd": 3, "shuffle4-zstd": 4,
+    "nvcomp-ans": 16, "nvcomp-bitcomp": 17, "nvcomp-lz4": 18, "nvcomp-gdeflate": 19})
+# Every codec id this gpusnap knows: the format's, and any registered since (register adds to both).
+# Headers (chunkfile) and manifests may name exactly these; a store's `requires` may list exactly these.
+CODEC_IDS: dict[str, int] = dict(FORMAT_IDS)
 CODEC_NAMES: dict[int, str] = {v: k for k, v in FORMAT_IDS.items()}
 ZERO = "zero"  # not a codec id: a chunk reference with no file
 DELTA = "xor-zstd"  # a delta entry against a base chunk (FORMAT.md, "Delta entries"): decoded by
@@ -132,6 +144,24 @@ class Codec(Protocol):
 Decoder = Callable[[memoryview, int, "memoryview | None"], "bytes | memoryview"]
 
 
+class Choosable(Protocol):
+    """A host codec the per-chunk choice (HostCodecChooser) may pick besides zstd and raw.
+
+    WIDTH: the chunk's length must be a multiple of it (the element size). PROBE_ABOVE: it is probed
+    only where the best encoding so far keeps more than this fraction of the sample (None: always).
+    probe(sample) -> (which of its parts pay zstd: a tuple with at least one True if it is worth
+    anything, the sample's payload size so). encode_into(data, dst, parts) -> the payload's length in
+    DST, or None when it does not fit (DATA and DST never overlap)."""
+
+    name: str
+    width: int
+    probe_above: float | None
+
+    def probe(self, data: memoryview) -> tuple[tuple[bool, ...], int]: ...
+
+    def encode_into(self, data: memoryview, dst: memoryview, which: tuple[bool, ...]) -> int | None: ...
+
+
 @dataclass(frozen=True)
 class CodecEntry:
     """One registered codec. Host codecs: encode(data) -> payload; decode(payload, raw_len, out) ->
@@ -144,6 +174,7 @@ class CodecEntry:
     encode: Callable[[memoryview], "bytes | memoryview"] | None = None
     decode: Decoder | None = None
     algorithm: str | None = None                 # nvCOMP's algorithm name (GPU codecs)
+    choosable: Choosable | None = None           # host codecs the per-chunk choice may pick (besides zstd)
 
 
 # ------------------------------------------------------------------------------------ host codecs
@@ -337,6 +368,8 @@ class Shuffle2Codec(_PlaneScratch):
     """
 
     name = "shuffle2-zstd"
+    width = 2
+    probe_above: float | None = None
     _HEAD = struct.Struct("<BBB5xQ")
     LAYOUT = 2  # what this writer writes
     _BLOCK = 1 << 18  # elements per step of a layout 2 split or merge (its temporaries stay in cache)
@@ -378,7 +411,7 @@ class Shuffle2Codec(_PlaneScratch):
             size += z if z is not None else h
         return (pays[0], pays[1]), size
 
-    def encode(self, data: memoryview, which: tuple[bool, bool] = (True, True)) -> bytes:
+    def encode(self, data: memoryview, which: tuple[bool, ...] = (True, True)) -> bytes:
         """DATA (even length) as planes; WHICH says which planes to try zstd on (a plane that does not
         shrink below PLANE_PAYS_OFF is stored as it is)."""
         out = memoryview(bytearray(self._HEAD.size + len(data)))
@@ -386,7 +419,7 @@ class Shuffle2Codec(_PlaneScratch):
         assert m is not None  # both planes stored as they are always fit
         return bytes(out[:m])
 
-    def encode_into(self, data: memoryview, dst: memoryview, which: tuple[bool, bool] = (True, True)) -> int | None:
+    def encode_into(self, data: memoryview, dst: memoryview, which: tuple[bool, ...] = (True, True)) -> int | None:
         """DATA (even length) as planes into DST: the payload's length, or None when it does not fit in
         len(DST) bytes. WHICH: the planes to try zstd on; a plane whose frame would not shrink it below
         PLANE_PAYS_OFF is stored as it is. Nothing is allocated (this thread's plane buffer is reused);
@@ -521,6 +554,8 @@ class Shuffle4Codec(_PlaneScratch):
     """
 
     name = "shuffle4-zstd"
+    width = 4
+    probe_above: float | None = SHUFFLE4_PROBE_ABOVE
     _HEAD = struct.Struct("<BBBBB3x3Q")
     LAYOUT = 1
 
@@ -656,19 +691,49 @@ def _zstd_decode(payload: memoryview, raw_len: int, out: memoryview | None) -> b
 
 
 CODECS: dict[int, CodecEntry] = {}
+_cached: dict[str, tuple] = {}  # what host_codecs(), raw_entry_codecs() and choosable() answer (cleared by register)
+
+
+_NAME_OK = frozenset("abcdefghijklmnopqrstuvwxyz0123456789.+-")
 
 
 def register(entry: CodecEntry) -> None:
-    """Add ENTRY to the registry; its id and name must be the format's (FORMAT_IDS)."""
-    if FORMAT_IDS.get(entry.name) != entry.id:
+    """Add ENTRY to the registry. An id the format assigned keeps its name (FORMAT_IDS); a new id (a
+    codec added since: FORMAT.md, "Codec ids") must be free, in 0..65535, and its name new and
+    spelled as a `requires` entry allows (lowercase letters, digits, `.+-`, at most 64)."""
+    fmt = FORMAT_IDS.get(entry.name)
+    if fmt is not None and fmt != entry.id:
         raise CodecError(f"codec {entry.name!r} is not id {entry.id} in the format")
+    if fmt is None:
+        if entry.id in FORMAT_IDS.values():
+            raise CodecError(f"codec id {entry.id} is {CODEC_NAMES[entry.id]!r} in the format, not {entry.name!r}")
+        if not 0 <= entry.id <= 0xFFFF or not entry.name or len(entry.name) > 64 or \
+                not set(entry.name) <= _NAME_OK or not entry.name[0].isalnum():
+            raise CodecError(f"codec {entry.name!r} (id {entry.id}): not a codec id and name the format can hold")
+        if CODEC_NAMES.get(entry.id, entry.name) != entry.name or CODEC_IDS.get(entry.name, entry.id) != entry.id:
+            raise CodecError(f"codec {entry.name!r} (id {entry.id}) clashes with one registered already")
+    if entry.where == "host" and entry.decode is None:
+        raise CodecError(f"host codec {entry.name!r} without a decoder")
     CODECS[entry.id] = entry
+    CODEC_IDS[entry.name] = entry.id
+    CODEC_NAMES[entry.id] = entry.name
+    _cached.clear()
+
+
+def unregister(name: str) -> None:
+    """Remove the codec NAME registered by `register` beyond the format's table (a test's toy codec, a
+    plug-in unloaded); the format's own ids stay known."""
+    cid = CODEC_IDS.get(name)
+    if cid is None or name in FORMAT_IDS:
+        raise CodecError(f"codec {name!r} is not a registered codec beyond the format's")
+    del CODECS[cid], CODEC_IDS[name], CODEC_NAMES[cid]
+    _cached.clear()
 
 
 register(CodecEntry(0, "raw", "host", _RAW.encode, _raw_decode))
 register(CodecEntry(1, "zstd", "host", _ZSTD.encode, _zstd_decode))
-register(CodecEntry(2, "shuffle2-zstd", "host", _SHUFFLE2.encode, _SHUFFLE2.decode))
-register(CodecEntry(4, "shuffle4-zstd", "host", _SHUFFLE4.encode, _SHUFFLE4.decode))
+register(CodecEntry(2, "shuffle2-zstd", "host", _SHUFFLE2.encode, _SHUFFLE2.decode, choosable=_SHUFFLE2))
+register(CodecEntry(4, "shuffle4-zstd", "host", _SHUFFLE4.encode, _SHUFFLE4.decode, choosable=_SHUFFLE4))
 
 
 def nvcomp_importable() -> bool:
@@ -683,14 +748,36 @@ if nvcomp_importable():
     for _name, _algo in NVCOMP_ALGORITHMS.items():
         register(CodecEntry(FORMAT_IDS[_name], _name, "gpu", algorithm=_algo))
 
-HOST_CODECS: tuple[str, ...] = tuple(e.name for e in CODECS.values() if e.where == "host")
-# what a raw-addressed (GSNPCHK2) entry may be stored as: the host codecs, and a delta against a base
-RAW_ENTRY_CODECS: tuple[str, ...] = HOST_CODECS + (DELTA,)
+
+def host_codecs() -> tuple[str, ...]:
+    """The host (CPU) codecs registered now, in id order: what a put, a repair or an encoder process
+    may store a raw-addressed chunk as."""
+    got = _cached.get("host")
+    if got is None:
+        got = _cached["host"] = tuple(e.name for _, e in sorted(CODECS.items()) if e.where == "host")
+    return got
+
+
+def raw_entry_codecs() -> tuple[str, ...]:
+    """What a raw-addressed (GSNPCHK2) entry may be stored as: the host codecs, and a delta against a base."""
+    got = _cached.get("raw")
+    if got is None:
+        got = _cached["raw"] = host_codecs() + (DELTA,)
+    return got
+
+
+def choosable() -> tuple[tuple[str, Choosable], ...]:
+    """The codecs the per-chunk choice probes besides zstd, in id order."""
+    got = _cached.get("choosable")
+    if got is None:
+        got = _cached["choosable"] = tuple((e.name, e.choosable) for _, e in sorted(CODECS.items())
+                                           if e.choosable is not None)
+    return got
 
 
 def entry(name: str) -> CodecEntry:
     """The registered codec NAME; CodecError if the format has no such codec or this build lacks it."""
-    cid = FORMAT_IDS.get(name)
+    cid = CODEC_IDS.get(name)
     if cid is None:
         raise CodecError(f"unknown chunk codec {name!r}")
     e = CODECS.get(cid)
@@ -740,12 +827,12 @@ class _Probe:
 
 
 class HostCodecChooser:
-    """Picks the codec for each host chunk: raw, zstd, shuffle2-zstd or shuffle4-zstd, by what each saves
-    on a sample.
+    """Picks the codec for each host chunk: raw, zstd, or one of the registered Choosable codecs
+    (shuffle2-zstd, shuffle4-zstd), by what each saves on a sample.
 
     The sample (SAMPLE_PIECES x SAMPLE_PIECE bytes, or the whole chunk when it is small) is
-    compressed with zstd and, for an even length, with shuffle2-zstd, and for a multiple of 4 with
-    shuffle4-zstd; incompressible data (random,
+    compressed with zstd and probed with each Choosable codec whose width divides the length (an
+    even length: shuffle2-zstd; a multiple of 4: shuffle4-zstd too); incompressible data (random,
     encrypted, already compressed) thus costs small probes instead of a full compression pass. The
     winner encodes the whole chunk, which is stored raw after all if it still does not pay: the
     output room is what would pay off (PAYS_OFF_RATIO), so a frame that would not fit stops there.
@@ -768,12 +855,13 @@ class HostCodecChooser:
         return b
 
     def _probe(self, data: memoryview, sample: memoryview | None = None, loose: bool = False,
-               four: bool = True) -> _Probe:
+               only: Collection[str] | None = None) -> _Probe:
         """What SAMPLE (by default DATA's: spread over it, or all of a chunk of up to 4 x
         SAMPLE_PIECES x SAMPLE_PIECE bytes) favours for DATA: zstd's probe (with room for what pays
-        off, PAYS_OFF_RATIO of the sample, or LOOSE: for all of it), then shuffle2-zstd's for an even
-        length and (FOUR) shuffle4-zstd's for a multiple of 4 where the best so far keeps more than
-        SHUFFLE4_PROBE_ABOVE of the sample; the smaller of the two is taken if it is at most
+        off, PAYS_OFF_RATIO of the sample, or LOOSE: for all of it), then each registered Choosable
+        codec's (ONLY: those named) in id order, for a length that is a multiple of its width and
+        where the best so far keeps more than its probe_above of the sample (shuffle2-zstd always,
+        shuffle4-zstd above SHUFFLE4_PROBE_ABOVE); the smallest is taken if it is at most
         SHUFFLE_MIN_GAIN of zstd's; raw when none pays."""
         n = len(data)
         sbuf, room = self._buffers()
@@ -784,13 +872,14 @@ class HostCodecChooser:
         best = _Probe("raw", s, s) if z is None else _Probe("zstd", z, s)
         if self.shuffle and s > 0:
             bar = SHUFFLE_MIN_GAIN * best.size
-            for codec, width, on in ((_SHUFFLE2, 2, True), (_SHUFFLE4, 4, four)):
-                if codec is _SHUFFLE4 and best.size <= SHUFFLE4_PROBE_ABOVE * s:
-                    break
-                if on and n % width == 0 and s % width == 0:
+            for name, codec in choosable():
+                if (only is not None and name not in only) or \
+                        (codec.probe_above is not None and best.size <= codec.probe_above * s):
+                    continue
+                if n % codec.width == 0 and s % codec.width == 0:
                     planes, size = codec.probe(sample)
                     if any(planes) and size <= bar and (best.codec in ("raw", "zstd") or size < best.size):
-                        best = _Probe(codec.name, size, s, planes)
+                        best = _Probe(name, size, s, planes)
         return best
 
     def encode_into(self, data: memoryview, dst: memoryview) -> tuple[str, int]:
@@ -804,14 +893,12 @@ class HostCodecChooser:
             raise CodecError(f"encode buffer of {len(dst)} bytes for {n}")
         p = self._probe(data)
         limit = dst[:int(PAYS_OFF_RATIO * n)]
-        if p.codec == "shuffle2-zstd":
-            m = _SHUFFLE2.encode_into(data, limit, (p.planes[0], p.planes[1]))
-            return ("raw", n) if m is None else ("shuffle2-zstd", m)
-        if p.codec == "shuffle4-zstd":
-            m = _SHUFFLE4.encode_into(data, limit, p.planes)
-            return ("raw", n) if m is None else ("shuffle4-zstd", m)
         if p.codec == "raw":
             return "raw", n
+        chosen = CODECS[CODEC_IDS[p.codec]].choosable
+        if chosen is not None:
+            m = chosen.encode_into(data, limit, p.planes)
+            return ("raw", n) if m is None else (p.codec, m)
         m = self.zstd.encode_into(data, limit)
         return ("raw", n) if m is None else ("zstd", m)
 
@@ -832,7 +919,7 @@ class HostCodecChooser:
         encode_into) favours, as encode_into chooses; None when the payload does not fit in DST, whose
         length is the most it may take (a delta's XOR: storage/codecs/delta.py, its room what pays off; a
         delta's XOR is never shuffle4-zstd, FORMAT.md "Delta entries")."""
-        p = self._probe(data, sample, loose=True, four=False)
+        p = self._probe(data, sample, loose=True, only=("shuffle2-zstd",))
         if p.codec == "shuffle2-zstd" and p.length <= SAMPLE_PIECES * SAMPLE_PIECE:
             # both planes tried: a sample of some pages says nothing of the rest (a delta's XOR
             # is zeros outside its changed pages, and zeros compress in either plane)

@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 import blake3
 
 from storage.codecs import delta
-from storage.codecs.registry import CODEC_IDS, CODEC_NAMES, DELTA, RAW_ENTRY_CODECS, CodecError, decode_host, decode_host_into
+from storage.codecs.registry import CODEC_IDS, CODEC_NAMES, DELTA, CodecError, decode_host, decode_host_into, raw_entry_codecs
 from storage.fs.directio import ALIGN, AlignedBuffer, align_up, read_into
 
 from storage.base.errors import DamageError, GpusnapError
@@ -30,7 +30,6 @@ from storage.base.limits import MAX_RAW_CHUNK, MAX_STORED_CHUNK
 MAGIC = b"GSNPCHK1"      # stored-addressed
 MAGIC_RAW = b"GSNPCHK2"  # raw-addressed
 RAW_ID_CONTEXT = "gpusnap 2026-11-30 chunk id v2: raw bytes"  # BLAKE3 key derivation: its own id space
-RAW_CODECS = RAW_ENTRY_CODECS  # the codecs a GSNPCHK2 file may use: the host codecs and the delta
 HEADER_SIZE = ALIGN
 _HDR = struct.Struct("<8sH6xQQ")  # magic, codec id, reserved, raw length, stored length
 _BOUND = 32  # bytes of the header bound into the id (GSNPCHK1) or the stored checksum (GSNPCHK2)
@@ -89,8 +88,9 @@ class ChunkHeader:
             if codec == DELTA:
                 raise ChunkError(chunk_id, "stored-addressed chunk with the delta codec (deltas are raw-addressed)")
             return cls(codec, raw_len, stored_len)
-        if codec not in RAW_CODECS:
-            raise ChunkError(chunk_id, f"raw-addressed chunk with codec {codec!r} (only {', '.join(RAW_CODECS)})")
+        raw_codecs = raw_entry_codecs()  # the codecs a GSNPCHK2 file may use: the host codecs and the delta
+        if codec not in raw_codecs:
+            raise ChunkError(chunk_id, f"raw-addressed chunk with codec {codec!r} (only {', '.join(raw_codecs)})")
         if (stored_len > raw_len or (codec == "raw" and stored_len != raw_len) or raw_len > MAX_RAW_CHUNK
                 or (codec == DELTA and stored_len < delta.MIN_PAYLOAD)):
             raise ChunkError(chunk_id, f"raw-addressed chunk of {stored_len} stored bytes for {raw_len} raw bytes")
@@ -181,7 +181,7 @@ def check_received(cid: str, ref_codec: str, ref_raw_len: int, ref_stored_len: i
 def max_stored_len(codec: str, raw_len: int, stored_len: int) -> int:
     """The most payload bytes a file named by the reference (CODEC, RAW_LEN, STORED_LEN) may hold:
     a GSNPCHK2 file may encode the raw bytes otherwise, never in more than RAW_LEN bytes."""
-    return max(stored_len, raw_len) if codec in RAW_CODECS else stored_len
+    return max(stored_len, raw_len) if codec in raw_entry_codecs() else stored_len
 
 
 _READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC

@@ -302,7 +302,8 @@ class PackWriter:
     ON_INDEXED(pack, pack_len, entries) is called once a pack's index is durable (the store adds it to
     its in-memory index); ON_APPENDED(cid, loc) once an entry's bytes are in its pack (readers of this
     process may read it from there before it is indexed: a pull that serves arriving chunks);
-    ON_DROPPED(pack) when an open pack is removed.
+    ON_DROPPED(pack) when an open pack is removed. BEFORE_APPEND(header) before each entry is written (the
+    store lists the entry's codec in its marker first: FORMAT.md, "The marker's `requires`").
 
     DIRECT: every pack of this writer is opened with O_DIRECT and every entry written through it (an
     entry whose frame is not page-aligned, which no caller in the tree makes today, is copied into an
@@ -317,13 +318,14 @@ class PackWriter:
                  on_indexed: Callable[[str, int, list[tuple[str, int, int]]], None],
                  on_appended: Callable[[str, Loc], None] | None = None,
                  on_dropped: Callable[[str], None] | None = None, target: int = PACK_TARGET,
-                 direct: bool = False) -> None:
+                 direct: bool = False, before_append: Callable[[ChunkHeader], None] | None = None) -> None:
         self.direct = direct and hasattr(os, "O_DIRECT")
         self.packs_fd, self.index_fd, self.tmp_fd = packs_fd, index_fd, tmp_fd
         self.tmp_name = tmp_name
         self.on_indexed = on_indexed
         self.on_appended = on_appended
         self.on_dropped = on_dropped
+        self.before_append = before_append
         self.target = target
         self._lock = threading.Lock()
         self._open: _OpenPack | None = None
@@ -353,6 +355,8 @@ class PackWriter:
         """Append chunk CID (HEADER, its payload at FRAME[HEADER_SIZE:]) to the open pack; FRAME must
         have room to the next 4096-byte boundary after the payload (the header and the zero padding are
         filled in place, so the entry is one write of bytes already in memory)."""
+        if self.before_append is not None:
+            self.before_append(header)  # the store's marker lists the entry's codec before its bytes land
         n = header.stored_len
         total = HEADER_SIZE + align_up(n)
         hdr = header.pack()

@@ -7,6 +7,8 @@ FORMAT.md, "Chunk files"), and only then appended to a pack as it is (its bytes 
 chunk file is deleted only after the pack holding its copy is fsynced and indexed; a chunk file that
 fails either check, or is not a regular file, is left where it is and reported (evidence for
 `repair`). A killed migration leaves chunks in both places, which readers accept and gc resolves.
+The store itself becomes version 8 first (its marker's `requires` computed from what it holds:
+SnapshotStore.upgrade), and its marker drops `feature:chunk-files` once no chunk file is left.
 """
 from __future__ import annotations
 
@@ -84,6 +86,8 @@ def migrate(store: "SnapshotStore", timeout: float = 30.0) -> MigrateReport:
                         os.fsync(xy)
         finally:
             buf.close()
+        if not report.left:  # no chunk file is left in chunks/XY/ (nothing writes one since version 3)
+            store.chunk_files_gone()
     return report
 
 

@@ -6,8 +6,9 @@ for, so a source can heal a store but never change what any snapshot means. Sour
 store (its chunk of the same id, bound to it by chunkfile.id_check), or files and directories, re-read
 at the offsets and lengths the snapshots record for each chunk: raw bytes that derive the id are
 written raw-addressed (GSNPCHK2, encoded as put encodes); else they are re-encoded with the chunk's
-codec and must hash to its stored-addressed id (CPU codecs only: raw and zstd; a chunk encoded on the
-GPU can come back only from a store that has it). Files are
+codec (the registry's encoder of that host codec: storage/codecs/registry.py) and must hash to its
+stored-addressed id (host codecs only; a chunk encoded on the GPU can come back only from a store
+that has it). Files are
 opened without following links and only if regular: a FIFO or device among the sources is skipped.
 """
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Sequence
 from storage.base.progress import Progress
 from storage.format.chunkfile import HEADER_SIZE, ChunkHeader, chunk_id, id_check, raw_chunk_id
 from storage.codecs.delta import BASE_WHY
-from storage.codecs.registry import HOST_CODECS, HostCodecChooser, ZstdCodec
+from storage.codecs.registry import HostCodecChooser, entry, host_codecs
 from storage.fs.directio import AlignedBuffer, BufferPool, copy_into
 from storage.base.errors import GpusnapError
 from storage.format.manifest import ChunkRef, Manifest
@@ -31,7 +32,6 @@ if TYPE_CHECKING:
     from storage.format.packs import PackWriter
     from storage.repo.store import SnapshotStore
 
-_ENCODERS = {"zstd": ZstdCodec(level=1)}  # stored-addressed (GSNPCHK1) host chunks are re-encoded with these
 
 
 class RepairError(GpusnapError):
@@ -146,9 +146,12 @@ def _keep_raw(store: "SnapshotStore", pw: "PackWriter", chunks_fd: int, ref: Chu
         n = len(enc.payload)
         return _keep(store, pw, chunks_fd, ref, ChunkHeader(enc.codec, len(raw), n, raw_id=True),
                      enc.payload, buf)
-    if ref.codec not in ("raw", *_ENCODERS):
+    if ref.codec not in host_codecs():
         return False
-    payload = raw if ref.codec == "raw" else _ENCODERS[ref.codec].encode(memoryview(raw))
+    encode = entry(ref.codec).encode  # the registry's encoder: zstd at level 1, as version 1 wrote it
+    if encode is None:
+        return False
+    payload = encode(memoryview(raw))
     return _keep(store, pw, chunks_fd, ref, ChunkHeader(ref.codec, ref.raw_len, ref.stored_len), payload, buf)
 
 
@@ -215,7 +218,7 @@ def _from_files(store: "SnapshotStore", pw: "PackWriter", chunks_fd: int, top: s
             streams = [n for n in wanted if n == name] + [n for n in wanted if n != name and sizes[n] == st.st_size]
             for sname in streams:
                 for off, ref in list(wanted.get(sname, [])):
-                    if ref.id in got or ref.codec not in HOST_CODECS or off + ref.raw_len > st.st_size:
+                    if ref.id in got or ref.codec not in host_codecs() or off + ref.raw_len > st.st_size:
                         continue
                     raw = os.pread(fd, ref.raw_len, off)
                     if _keep_raw(store, pw, chunks_fd, ref, raw, buf):

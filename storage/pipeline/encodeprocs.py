@@ -39,6 +39,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterator
 
+from storage.codecs.registry import host_codecs
 from storage.fs import isolated
 from storage.format.chunkfile import HEADER_SIZE
 from storage.base.settings import setting
@@ -56,7 +57,6 @@ READY = b"R"  # the process's first byte, once its imports are done
 ANSWER_MOST = 1 << 20  # a chunk's page keys are a few KiB; anything larger is not an answer of ours
 STOP_WAIT_S = 5.0
 ANSWER_TIMEOUT_S = 120.0
-_CODECS = ("raw", "zstd", "shuffle2-zstd", "shuffle4-zstd")  # what a plain encoding may be (codecs.HostCodecChooser)
 
 
 class EncodeProcsError(GpusnapError):
@@ -217,7 +217,7 @@ class Encoder:
             raise EncodeProcsError(f"encoder process {self.proc.pid}: encode answer of {len(body)} bytes")
         name, m, checksum, es, cs = ENC.unpack(body)
         codec = name.rstrip(b"\0").decode("ascii", "replace")
-        if codec not in _CODECS or (codec == "raw" and m != len(data)) or \
+        if codec not in host_codecs() or (codec == "raw" and m != len(data)) or \
                 (codec != "raw" and not 0 < m <= len(frame) - HEADER_SIZE):
             raise EncodeProcsError(f"encoder process {self.proc.pid}: encoding {codec!r} of {m} bytes "
                                    f"for {len(data)}")

@@ -69,7 +69,7 @@ class _Lane:
         # buffers held before (an earlier chunk, another snapshot's or tenant's data), and equal input
         # would not give equal bytes (no dedup, no zero signature). So every encode runs on zeroed
         # buffers: the output buffer here (memset on the lane's stream, _encode) and nvCOMP's scratch
-        # (device._ScratchBuffer). scripts/device/probe_nvcomp_determinism.py; BENCHMARKS.md.
+        # (device._ScratchBuffer). scripts/device/probe_nvcomp_determinism.py (docs/history/README.md); BENCHMARKS.md.
         self.out_cap = codecs.nvcomp_out_bound(engine.chunk_size)
         self.out = dev.alloc(self.out_cap)
         self.codec = None if engine.codec == "raw" else dev.codec(engine.codec, self.stream, engine.nvcomp_chunk)

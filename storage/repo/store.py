@@ -65,6 +65,8 @@ from storage.fs.packfds import PackFds
 from storage.format.packs import Loc, PackIndex, PackWriter, open_pack, read_entry
 from storage.format.packs import pause as pause_pack
 from storage.repo.tier import Landing, Verified
+from storage.format import marker as requires_list
+from storage.format.marker import CHUNK_FILES, DELTAS, REQUIRES_VERSION, codec_requirement
 from storage.format.storedir import (CHUNKS, INDEX, LOCK, MARKER, NAMES, PACK_DIRS, PACKS, QUARANTINE, SNAPSHOTS, SUBDIRS, TMP,
                        StoreAccessError, StoreDamage, chunk_dir_name, entries, lstat_at, manifest_entry,
                        name_lock_entry, opened_child, quarantine_record, opened_dir, opened_root)
@@ -77,10 +79,11 @@ STORE_VERSION = 3  # what a new store's marker says
 DELTA_VERSION = 4  # the marker once a delta entry may be in the store (FORMAT.md, "Store versions")
 PLANES_VERSION = 5  # the marker once a delta's XOR may be byte planes
 FLAGGED_VERSION = 6  # from here on the marker says whether deltas may be in the store ("deltas": true)
-WRITE_VERSION = 7  # the marker before this gpusnap's first pack entry (a chunk may be shuffle4-zstd)
-READ_VERSIONS = (1, 2, 3, 4, 5, 6, 7)  # 1: GSNPCHK1 chunk files only; 2: chunk files of both kinds; 3: packs;
-                                       # 4: deltas; 5: deltas whose XOR may be byte planes; 6: shuffle2 layout 2;
-                                       # 7: shuffle4-zstd chunks
+WRITE_VERSION = REQUIRES_VERSION  # 8: the marker before this gpusnap's first pack entry: `requires` lists
+                                 # the codecs and features the store uses (storage/format/marker.py)
+READ_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8)  # 1: GSNPCHK1 chunk files only; 2: chunk files of both kinds; 3: packs;
+                                          # 4: deltas; 5: deltas whose XOR may be byte planes; 6: shuffle2 layout 2;
+                                          # 7: shuffle4-zstd chunks; 8: `requires` (no more bumps per codec)
 BASE_CACHE = 256 << 20  # raw bytes of delta bases kept in memory per store object (a restore's deltas; a
                          # dump's candidates: neighbouring new chunks share their parent chunks, and the
                          # producers work at several places of an image at once) ...
@@ -427,30 +430,52 @@ class SnapshotStore:
             raise StoreError(f"{self.path}: store format {got} is not {STORE_FORMAT} v{READ_VERSIONS[-1]} "
                              "or older")
         self.version: int = info["version"]
+        self.requires: frozenset[str] | None = None  # version 8: what the marker lists
+        if self.version >= REQUIRES_VERSION:
+            self.requires = self._requires_of(info)
         try:
             self.deltas: bool = self._says_deltas(info)
         except StoreDamage as e:
             raise StoreDamage(f"{self.path}/{e}") from None
         self._created = info.get("created")
 
+    def _requires_of(self, info: dict) -> frozenset[str]:
+        """The `requires` of the version 8 marker INFO; StoreError (one line, as for every format
+        refusal) when it is not a list of entries or names one this gpusnap does not know."""
+        try:
+            got = requires_list.parse_requires(info.get("requires"))
+        except ValueError as e:
+            raise StoreError(f"{self.path}: unreadable store marker: {e}") from None
+        lacking = requires_list.missing(got)
+        if lacking:
+            raise StoreError(requires_list.refusal(self.path, lacking))
+        return got
+
     @staticmethod
     def _says_deltas(info: dict) -> bool:
         """Whether the marker INFO says a delta entry may be in the store: versions 4 and 5 always, 6 and 7
-        with `"deltas": true` (FORMAT.md, "Store versions"). Anything but true or absent there is damage."""
+        with `"deltas": true`, 8 with `codec:xor-zstd` in `requires` (FORMAT.md, "Store versions").
+        Anything but true or absent for `deltas` is damage."""
+        if info.get("version") == REQUIRES_VERSION:
+            r = info.get("requires")
+            return isinstance(r, list) and DELTAS in r
         d = info.get("deltas", False)
         if not isinstance(d, bool):
             raise StoreDamage(f"{MARKER}: deltas is {d!r}, not true or false")
         return info.get("version") in (DELTA_VERSION, PLANES_VERSION) or d
 
-    def _write_marker(self, created: str | None, version: int = STORE_VERSION, deltas: bool = False) -> None:
-        """Write the store marker (VERSION; DELTAS: a delta may be in the store, said from version 6 on:
-        FLAGGED_VERSION)
-        through tmp/: fsynced, renamed, the store fsynced."""
+    def _write_marker(self, created: str | None, version: int = STORE_VERSION, deltas: bool = False,
+                      requires: Iterable[str] = ()) -> str:
+        """Write the store marker (VERSION; DELTAS: a delta may be in the store, said in versions 6 and 7:
+        FLAGGED_VERSION; REQUIRES: version 8's list) through tmp/: fsynced, renamed, the store fsynced.
+        Returns its `created` (CREATED, or now for a new store)."""
         with self.root() as (root, uid), opened_dir(root, TMP, uid, TMP) as tmp:
             name = owned_name("marker")
             info: dict = {"format": STORE_FORMAT, "version": version,
                           "created": created or datetime.now(timezone.utc).isoformat()}
-            if deltas and version >= FLAGGED_VERSION:
+            if version >= REQUIRES_VERSION:
+                info["requires"] = sorted(requires)
+            elif deltas and version >= FLAGGED_VERSION:
                 info["deltas"] = True
             data = json.dumps(info).encode()
             _write_file(tmp, name, data)
@@ -460,46 +485,75 @@ class SnapshotStore:
                 _unlink_quietly(tmp, name)
                 raise
             os.fsync(root)
+            return str(info["created"])
 
-    def upgrade(self, to: int = WRITE_VERSION, deltas: bool = False) -> None:
-        """Make a store version 7 (WRITE_VERSION) before this gpusnap writes its first pack entry there,
-        and say so in its marker before its first delta entry (DELTAS; FORMAT.md, "Store versions"): packs/ and index/
-        are made, then the marker says the version, so a gpusnap that reads only older versions refuses
-        the store instead of misreading it. Idempotent; several writers may race to do it (each renames
-        a complete marker)."""
+    def upgrade(self, deltas: bool = False, needs: Iterable[str] = ()) -> None:
+        """Make the store version 8 (WRITE_VERSION) before this gpusnap writes its first pack entry there,
+        and make its marker's `requires` list NEEDS (and, DELTAS, `codec:xor-zstd`) before an entry that
+        needs them is appended (FORMAT.md, "The marker's `requires`", "Store versions"): a store of an
+        older version gets packs/ and index/, and a marker whose `requires` is what it holds
+        (storage/format/marker.py held_requirements). Idempotent; several writers may race to do it:
+        each takes an exclusive flock of the store directory, reads the marker again and writes the
+        union of what is there and what it needs (the list never loses an entry), as one renamed file."""
+        need = set(needs) | ({DELTAS} if deltas else set())
+        have = self.requires
+        if self.version >= WRITE_VERSION and have is not None and need <= have:
+            return  # the common case, every entry after the first of its codec: no lock taken
         with self._upgrade_lock:
-            if self.version >= to and (self.deltas or not deltas):
-                return
-            try:
-                with self.root() as (root, _):
-                    # the marker never goes down: read again under an exclusive flock of the store
-                    # directory (every upgrader of this version takes it), so a writer that opened
-                    # the store at 3 and now needs 4 or 5 never writes over a 5 another one wrote
-                    fcntl.flock(root, fcntl.LOCK_EX)
-                    on_disk, had_deltas = self._marker_on_disk(root)
-                    if on_disk is not None and on_disk not in READ_VERSIONS:
-                        raise StoreError(f"{self.path}: store format {STORE_FORMAT} v{on_disk} (written since this "
-                                         f"store was opened) is not {STORE_FORMAT} v{READ_VERSIONS[-1]} or older")
-                    deltas = deltas or had_deltas or self.deltas
-                    if on_disk is not None and on_disk >= to and (had_deltas or not deltas):
-                        self.version, self.deltas = on_disk, had_deltas
-                        return
-                    to = max(to, on_disk or 0)
-                    for d in PACK_DIRS:
-                        try:
-                            os.mkdir(d, 0o700, dir_fd=root)
-                        except FileExistsError:
-                            pass
-                    os.fsync(root)
-                    self._write_marker(self._created, to, deltas)
-            except OSError as e:
-                raise StoreError(_io_message(f"upgrading the store marker to version {to}", e, self.path)) from None
-            self.version, self.deltas = to, deltas
+            self._rewrite_requires(lambda held: held | need)
+
+    def _rewrite_requires(self, change: Callable[[frozenset[str]], set[str] | frozenset[str]]) -> None:
+        """Under the store directory's exclusive flock: the marker read again (a store of an older
+        version: its holdings computed), CHANGE applied to its `requires`, and the marker written
+        (version 8) if that changed anything or the store was older."""
+        try:
+            with self.root() as (root, _):
+                fcntl.flock(root, fcntl.LOCK_EX)
+                on_disk, had_deltas, on_req = self._marker_on_disk(root)
+                if on_disk is not None and on_disk not in READ_VERSIONS:
+                    raise StoreError(f"{self.path}: store format {STORE_FORMAT} v{on_disk} (written since this "
+                                     f"store was opened) is not {STORE_FORMAT} v{READ_VERSIONS[-1]} or older")
+                if on_disk == REQUIRES_VERSION and on_req is None:
+                    raise StoreError(f"{self.path}: unreadable store marker (its requires list)")
+                if on_req is not None:
+                    lacking = requires_list.missing(on_req)
+                    if lacking:
+                        raise StoreError(requires_list.refusal(self.path, lacking))
+                    held = on_req
+                else:  # version 1 to 7 (or a marker lost: what the store holds is the truth)
+                    held = frozenset(requires_list.held_requirements(root) |
+                                     ({DELTAS} if had_deltas or self.deltas else set()))
+                want = frozenset(change(held))
+                if on_disk == WRITE_VERSION and want == held:
+                    self.version, self.requires, self.deltas = WRITE_VERSION, held, DELTAS in held
+                    return
+                for d in PACK_DIRS:
+                    try:
+                        os.mkdir(d, 0o700, dir_fd=root)
+                    except FileExistsError:
+                        pass
+                os.fsync(root)
+                self._write_marker(self._created, WRITE_VERSION, requires=want)
+        except OSError as e:
+            raise StoreError(_io_message(f"upgrading the store marker to version {WRITE_VERSION}", e,
+                                         self.path)) from None
+        self.version, self.requires, self.deltas = WRITE_VERSION, want, DELTAS in want
+
+    def entry_codec(self, header: ChunkHeader) -> None:
+        """Before an entry of HEADER's codec is appended to a pack (PackWriter's before_append): the
+        marker lists that codec (FORMAT.md, "The marker's `requires`")."""
+        self.upgrade(needs=(codec_requirement(header.codec),))
+
+    def chunk_files_gone(self) -> None:
+        """`store migrate` left no chunk file in chunks/XY/: the marker stops saying there may be some."""
+        with self._upgrade_lock:
+            self._rewrite_requires(lambda held: held - {CHUNK_FILES})
 
     @classmethod
-    def _marker_on_disk(cls, root: int) -> tuple[int | None, bool]:
-        """The version the marker in the store directory ROOT says now, and whether it says a delta may
-        be in the store; (None, True) when it cannot be read (so: unknown, deltas included)."""
+    def _marker_on_disk(cls, root: int) -> tuple[int | None, bool, frozenset[str] | None]:
+        """The version the marker in the store directory ROOT says now, whether it says a delta may be
+        in the store, and its `requires` (version 8, a well-formed list; else None); (None, True, None)
+        when it cannot be read (so: unknown, deltas included)."""
         try:
             fd = os.open(MARKER, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=root)
             try:
@@ -508,13 +562,19 @@ class SnapshotStore:
                 os.close(fd)
             v = info.get("version") if isinstance(info, dict) else None
             if not isinstance(v, int) or isinstance(v, bool):
-                return None, True
-            return v, cls._says_deltas(info)
+                return None, True, None
+            req = None
+            if v == REQUIRES_VERSION:
+                try:
+                    req = requires_list.parse_requires(info.get("requires"))
+                except ValueError:
+                    req = None
+            return v, cls._says_deltas(info), req
         except (OSError, ValueError, RecursionError, GpusnapError):
-            return None, True
+            return None, True, None
 
     def _create(self) -> None:
-        self.version, self.deltas = STORE_VERSION, False
+        self.version, self.deltas, self.requires = STORE_VERSION, False, None
         self._created = None
         try:
             os.makedirs(self.path, mode=0o700, exist_ok=True)
@@ -531,7 +591,7 @@ class SnapshotStore:
                             os.mkdir(f"{i:02x}", 0o700, dir_fd=chunks)
                         except FileExistsError:
                             pass
-            self._write_marker(None)
+            self._created = self._write_marker(None)
         except OSError as e:
             raise StoreError(f"cannot create store at {self.path}: {e.strerror or e}") from None
 
@@ -1022,7 +1082,7 @@ class SnapshotStore:
             return True
         try:
             with self.root() as (root, _):
-                version, deltas = self._marker_on_disk(root)
+                version, deltas, _ = self._marker_on_disk(root)
                 return deltas or version not in READ_VERSIONS  # unreadable or unknown: look at the entries
         except (OSError, GpusnapError):
             return True  # unknown: look at the entries
@@ -1201,7 +1261,7 @@ class SnapshotStore:
         self.upgrade()
         with self.subdir(PACKS) as packs, self.subdir(INDEX) as idx:
             pw = PackWriter(packs, idx, tmp_fd, lambda: owned_name("index"), self.index_added,
-                            self.entry_appended, self.pack_dropped)
+                            self.entry_appended, self.pack_dropped, before_append=self.entry_codec)
             try:
                 yield pw
             except BaseException:
@@ -1840,7 +1900,8 @@ class SnapshotWriter:
                 idx = self._stack.enter_context(self.store.subdir(INDEX))
                 self._pw = PackWriter(packs, idx, self._tmp, lambda: owned_name("index"), self.store.index_added,
                                       self.store.entry_appended, self.store.pack_dropped,
-                                      direct=self.direct_packs and self.store.direct)
+                                      direct=self.direct_packs and self.store.direct,
+                                      before_append=self.store.entry_codec)
             return self._pw
 
     @property
@@ -1939,13 +2000,13 @@ class SnapshotWriter:
         """Store chunk CID (the raw id of its RAW_LEN raw bytes) as the delta entry whose payload
         (storage/codecs/delta.py: its segment table, then the XOR's encoding) sits at FRAME[HEADER_SIZE:]. The
         base is a full entry of a committed snapshot (the parent's, or its base), so it is durable
-        before this entry is written; the store's marker says version 6 before the first delta (its
-        XOR may be a layout 2 shuffle2-zstd payload)."""
+        before this entry is written; the store's marker lists `codec:xor-zstd` before the first delta
+        (FORMAT.md, "The marker's `requires`")."""
         try:
-            self.store.upgrade(WRITE_VERSION, deltas=True)
+            self.store.upgrade(deltas=True)
         except OSError as e:
             raise StoreError(_io_message("upgrading the store marker", e, self.store.path)) from None
-        pause_pack("delta-marker")  # test hook: the marker says 6, no delta appended yet
+        pause_pack("delta-marker")  # test hook: the marker lists the delta codec, no delta appended yet
         return self.put_chunk(DELTA, raw_len, frame, stored_len, raw_id=cid)
 
     # ---- as a TierWriter (storage/repo/tier.py): the GPU path's stored-addressed chunks ----

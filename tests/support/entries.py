@@ -104,6 +104,7 @@ def to_chunk_files(store: Path, version: int) -> None:
             p.unlink()
         (store / sub).rmdir()
     marker = json.loads((store / "gpusnap-store.json").read_text())
+    marker.pop("requires", None)  # a version 1/2 marker has no requires list (version 8's)
     (store / "gpusnap-store.json").write_text(json.dumps({**marker, "version": version}))
 
 
