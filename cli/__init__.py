@@ -59,6 +59,7 @@ Environment:
                   `gpusnap doctor` says which one is used and why
   GPUSNAP_DEBUG   set to 1 to print the traceback instead of the one-line error
   GPUSNAP_POOL_SOCKET  the memory tier's socket (`gpusnap pool`)
+  Every other GPUSNAP_* setting (tuning, CRIU, remotes): docs/GUIDE.md, "Environment variables".
 """
 
 
@@ -81,12 +82,14 @@ def _print_version(ctx: click.Context, param: click.Parameter, value: bool) -> N
                    "otherwise. --progress where stderr is not a terminal (CI, journald, a log): one plain "
                    "line every 5 s (stage, bytes done of total, GB/s) and one when done. --no-progress: "
                    "nothing.")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print JSON reports (as --json after the command; every command that reports takes it).")
 @click.pass_context
-def main(ctx: click.Context, store_path: str | None, progress: bool | None) -> None:
+def main(ctx: click.Context, store_path: str | None, progress: bool | None, as_json: bool) -> None:
     """gpusnap: fast, safe snapshots of GPU processes and sandboxes.
 
     Snapshots live in a content-addressed store: chunks are deduplicated across snapshots,
     compressed where it pays, checksummed, and committed atomically.
     """
     from storage.api import default_store_path
-    ctx.obj = {"store": store_path or default_store_path(), "progress": progress}
+    ctx.obj = {"store": store_path or default_store_path(), "progress": progress, "json": as_json}

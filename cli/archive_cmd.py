@@ -10,15 +10,15 @@ from typing import IO, Any
 
 import click
 
-from storage.api import GpusnapError
+from storage.api import EXIT_USAGE, GpusnapError
 from storage.api import break_locks, lock_status
 from storage.api import Manifest, validate_tag
 from storage.api import validate_snapshot_name
-from storage.api import Entry, Policy, companion_parent, decide, parse_created
+from storage.api import Duration, Entry, Policy, companion_parent, decide, parse_created
 from storage.api import compute, diff
 from storage.api import SnapshotStore
 
-from cli.common import emit, human, json_option, one_line_errors, open_store
+from cli.common import SNAPSHOT_KINDS, emit, fail, human, json_option, latest_options, one_line_errors, open_store, resolve_name
 
 
 def load_all(st: SnapshotStore) -> tuple[list[Manifest], list[str]]:
@@ -59,7 +59,7 @@ def tag_option(fn: Any) -> Any:
                         help="Only snapshots carrying this tag (repeatable: all must match).")(fn)
 
 
-kind_option = click.option("--kind", default=None, type=click.Choice(["files", "gpu", "criu", "runsc"]),
+kind_option = click.option("--kind", default=None, type=click.Choice(SNAPSHOT_KINDS),
                            help="Only snapshots of this kind.")
 
 
@@ -70,6 +70,11 @@ kind_option = click.option("--kind", default=None, type=click.Choice(["files", "
 @click.option("--keep-weekly", default=0, type=click.IntRange(0), help="... of each of the N latest ISO weeks.")
 @click.option("--keep-monthly", default=0, type=click.IntRange(0), help="... of each of the N latest months.")
 @click.option("--keep-yearly", default=0, type=click.IntRange(0), help="... of each of the N latest years.")
+@click.option("--keep-within", default=None, metavar="DURATION",
+              help="Keep every snapshot created within DURATION before the newest of its group (restic's: "
+                   "years, months, days, hours, e.g. 1y5m7d2h, 30d, 36h; m is months).")
+@click.option("--keep-tag", "keep_tags", multiple=True, metavar="TAG[,TAG...]",
+              help="Keep every snapshot carrying this tag (with commas: all of these tags; repeatable).")
 @tag_option
 @kind_option
 @click.option("--dry-run", is_flag=True, help="Say what would be removed; remove nothing.")
@@ -78,19 +83,25 @@ kind_option = click.option("--kind", default=None, type=click.Choice(["files", "
 @click.pass_context
 @one_line_errors
 def forget(ctx: click.Context, keep_last: int, keep_hourly: int, keep_daily: int, keep_weekly: int,
-           keep_monthly: int, keep_yearly: int, tags: tuple[str, ...], kind: str | None, dry_run: bool,
-           prune: bool, as_json: bool) -> None:
+           keep_monthly: int, keep_yearly: int, keep_within: str | None, keep_tags: tuple[str, ...],
+           tags: tuple[str, ...], kind: str | None, dry_run: bool, prune: bool, as_json: bool) -> None:
     """Remove snapshots a retention policy does not keep (restic's `forget` rules).
 
     Per group of snapshots of the same kind and host, a snapshot is kept when it is one of the
     --keep-last most recent, or the most recent of one of the last N hours/days/weeks/months/years
-    that have snapshots. Only snapshots matching --tag/--kind are considered. A snapshot being
+    that have snapshots, or created within --keep-within of the group's newest, or carrying a
+    --keep-tag. Only snapshots matching --tag/--kind are considered. A snapshot being
     written or removed by another process is kept; a NAME.gpu companion follows NAME. Chunks are
     freed by --prune (or a later `store gc`).
     """
     for t in tags:
         validate_tag(t)
-    policy = Policy(keep_last, keep_hourly, keep_daily, keep_weekly, keep_monthly, keep_yearly)
+    within = Duration.parse(keep_within) if keep_within is not None else None  # RetentionError: exit 2
+    try:
+        keep = tuple(tuple(validate_tag(t) for t in group.split(",")) for group in keep_tags)
+    except GpusnapError as e:
+        fail(f"--keep-tag: {e}", EXIT_USAGE, as_json)
+    policy = Policy(keep_last, keep_hourly, keep_daily, keep_weekly, keep_monthly, keep_yearly, within, keep)
     st = open_store(ctx, create=False)
     manifests, bad = load_all(st)
     chosen = [m for m in manifests if matches(m, tags, kind)]
@@ -118,7 +129,8 @@ def forget(ctx: click.Context, keep_last: int, keep_hourly: int, keep_daily: int
         from storage.api import collect
         rep = collect(st)
         report["prune"] = {"chunks_removed": rep.chunks_removed, "bytes_freed": rep.bytes_freed}
-        lines.append(f"prune: removed {rep.chunks_removed} chunks ({human(rep.bytes_freed)})")
+        lines.append(f"prune: removed {rep.chunks_removed} unreferenced chunks and {rep.packs_removed} packs, "
+                     f"freed {human(rep.bytes_freed)} on disk")
     emit(as_json, report, "\n".join(lines) or "no snapshots matched")
     if busy:
         sys.exit(1)
@@ -133,7 +145,10 @@ def stats(ctx: click.Context, names: tuple[str, ...], as_json: bool) -> None:
     """Raw, zero, deduplicated, stored, unique ("freed by rm") and shared bytes per snapshot, and totals.
 
     ZEROS are all-zero chunks, elided (nothing stored); DEDUP are bytes named more than once but stored
-    once (within the snapshot; the totals across snapshots); compression is reported apart from both."""
+    once (within the snapshot; the totals across snapshots); compression is reported apart from both.
+    STORED and UNIQUE are payload bytes: what `store rm` then `store gc` frees on disk differs by each
+    entry's 4 KiB header and padding (more) and by the entries left in packs that gc does not repack
+    because most of the pack is still needed (less)."""
     st = open_store(ctx, create=False)
     for n in names:
         validate_snapshot_name(n)
@@ -160,14 +175,18 @@ def stats(ctx: click.Context, names: tuple[str, ...], as_json: bool) -> None:
 @click.command("cat")
 @click.argument("name")
 @click.argument("stream")
+@latest_options()
 @click.pass_context
 @one_line_errors
-def cat_cmd(ctx: click.Context, name: str, stream: str) -> None:
-    """Write one file stream of NAME to stdout, every chunk verified before its bytes go out."""
+def cat_cmd(ctx: click.Context, name: str, stream: str, tags: tuple[str, ...], latest_paths: tuple[str, ...],
+            latest_host: str | None) -> None:
+    """Write one file stream of NAME to stdout, every chunk verified before its bytes go out (any
+    name of a hard-linked file). NAME `latest`: the newest files snapshot of this machine (--path,
+    --tag, --host narrow it)."""
     from storage.api import cat
     st = open_store(ctx, create=False)
     with st.shared():
-        m = st.load(validate_snapshot_name(name))
+        m = st.load(resolve_name(st, name, tags, latest_paths, latest_host))
         cat(st, m, stream, sys.stdout.buffer)
 
 
@@ -178,14 +197,18 @@ def cat_cmd(ctx: click.Context, name: str, stream: str) -> None:
 @click.pass_context
 @one_line_errors
 def diff_cmd(ctx: click.Context, a: str, b: str, as_json: bool) -> None:
-    """Streams added (+), removed (-), changed (M) or with changed attributes (U) from A to B."""
+    """Streams added (+), removed (-), changed (M) or with changed attributes (U) from A to B.
+
+    The bytes shown are those of the chunks that differ (read from the manifests, no data read): a
+    chunk in which one byte changed counts whole (`changed_bytes` in --json)."""
     st = open_store(ctx, create=False)
     with st.shared():
         d = diff(st.load(validate_snapshot_name(a)), st.load(validate_snapshot_name(b)))
     marks = {"added": "+", "removed": "-", "changed": "M", "attrs": "U"}
-    lines = [f"{marks[c.change]} {c.name}" + (f"  ({human(c.changed_bytes)} changed)" if c.change == "changed" else "")
+    lines = [f"{marks[c.change]} {c.name}" + (f"  ({human(c.changed_bytes)} in changed chunks)" if c.change == "changed" else "")
              for c in d.changes]
-    lines.append(f"{len(d.changes)} stream(s) differ, {d.unchanged} unchanged, {human(d.changed_bytes)} changed")
+    lines.append(f"{len(d.changes)} stream(s) differ, {d.unchanged} unchanged, {human(d.changed_bytes)} in changed "
+                 "chunks (a chunk with one byte changed counts whole)")
     emit(as_json, d.to_json(), "\n".join(lines))
 
 

@@ -25,6 +25,12 @@ def human(n: float) -> str:
     return str(n)
 
 
+def rate(nbytes: int, seconds: float) -> str:
+    """' (N.NN GB/s)' for a report line, or nothing where the figure would say nothing (under 10 MB,
+    or under 50 ms: a tiny put is all start-up, and `(0.00 GB/s)` read as a fault)."""
+    return f" ({nbytes / seconds / 1e9:.2f} GB/s)" if nbytes >= 10_000_000 and seconds >= 0.05 else ""
+
+
 def fail(message: str, code: int = EXIT_FAILED, as_json: bool = False) -> None:
     """Exit CODE with `gpusnap: MESSAGE` on stderr (and, under --json, {"error", "exit_code"} on stdout)."""
     if as_json:
@@ -160,7 +166,15 @@ def emit(ctx_json: bool, data: Any, text: str) -> None:
     click.echo(json.dumps(data, indent=2, sort_keys=True) if ctx_json else text)
 
 
-json_option = click.option("--json", "as_json", is_flag=True, help="Print a JSON report instead of text.")
+def _json_anywhere(ctx: click.Context, param: click.Parameter, value: bool) -> bool:
+    """--json given after the command, or before it as a global option (`gpusnap --json store ls`)."""
+    root = ctx.find_root().obj
+    return bool(value or (isinstance(root, dict) and root.get("json")))
+
+
+json_option = click.option("--json", "as_json", is_flag=True, callback=_json_anywhere,
+                           help="Print a JSON report instead of text (also accepted before the command: "
+                                "`gpusnap --json store ls`).")
 
 tag_option = click.option("--tag", "tags", multiple=True, metavar="TAG",
                           help="Tag the snapshot (repeatable; `store ls --tag`, `store forget --tag` select by it).")
@@ -198,3 +212,81 @@ def parse_chunk_size(text: str) -> int:
 def split_map(items: tuple[str, ...]) -> list[str]:
     """--device-map values, each OLD=NEW or several comma-separated (`0=1,1=0`), as one list."""
     return [part for item in items for part in item.split(",")]
+
+
+# every kind `store ls` can show: sandbox/ops/snapshot_meta.py's SnapshotKind and the container
+# runtimes' checkpoints (sandbox/containers/checkpoint_archive.py), named here so that `--help` imports
+# neither (tests/test_switch.py checks the two lists agree)
+SNAPSHOT_KINDS = ("files", "gpu", "criu", "runsc", "podman-checkpoint", "runc-checkpoint")
+
+LATEST = "latest"  # the alias of get/cat/ls/inspect: the newest matching snapshot (never a new name)
+_TEMPLATE_RE = re.compile(r"\{(now|utcnow|hostname)(?::([^{}]*))?\}")
+NOW_FORMAT = "%Y-%m-%dT%H-%M-%S"
+
+
+def expand_name(template: str) -> str:
+    """A snapshot name from TEMPLATE (borg's placeholders): {now} (local time, 2026-12-07T17-32-37),
+    {utcnow}, {now:STRFTIME} / {utcnow:STRFTIME}, {hostname} (characters a name cannot hold become
+    -). Any other brace, or a result that is no valid name (or is `latest`), is InvalidNameError (exit 2)."""
+    import socket
+    from datetime import datetime, timezone
+    from storage.api import InvalidNameError, validate_snapshot_name
+
+    def one(m: re.Match[str]) -> str:
+        key, fmt = m.group(1), m.group(2)
+        if key == "hostname":
+            if fmt is not None:
+                raise InvalidNameError(f"{m.group(0)!r}: {{hostname}} takes no format")
+            return re.sub(r"[^A-Za-z0-9_.+=@-]", "-", socket.gethostname()) or "host"
+        now = datetime.now(timezone.utc) if key == "utcnow" else datetime.now()
+        return now.strftime(fmt or NOW_FORMAT)
+    name = _TEMPLATE_RE.sub(one, template)
+    if "{" in name or "}" in name:
+        raise InvalidNameError(f"snapshot name {template!r}: the placeholders are {{now}}, {{utcnow}}, "
+                               "{now:FORMAT}, {hostname}")
+    if name == LATEST:
+        raise InvalidNameError(f"snapshot name {LATEST!r} means the newest snapshot in get/cat/ls/inspect; "
+                               "choose another name")
+    try:
+        return validate_snapshot_name(name)
+    except InvalidNameError as e:
+        if name == template:
+            raise
+        raise InvalidNameError(f"{template!r} gives {e}") from None
+
+
+def latest_options(with_tag: bool = True) -> Callable[[Any], Any]:
+    """--path/--host (and --tag) that narrow what NAME `latest` resolves to."""
+    def deco(fn: Any) -> Any:
+        fn = click.option("--host", "latest_host", default=None, metavar="HOST",
+                          help="With NAME latest: snapshots written on HOST (default: this machine; "
+                               "'*' for any).")(fn)
+        fn = click.option("--path", "latest_paths", multiple=True, metavar="PATH",
+                          help="With NAME latest: only snapshots of exactly these input paths (repeatable; "
+                               "as given to `store put`).")(fn)
+        if with_tag:
+            fn = click.option("--tag", "tags", multiple=True, metavar="TAG",
+                              help="With NAME latest: only snapshots carrying this tag (repeatable).")(fn)
+        return fn
+    return deco
+
+
+def resolve_name(st: SnapshotStore, name: str, tags: tuple[str, ...] = (), paths: tuple[str, ...] = (),
+                 host: str | None = None) -> str:
+    """NAME, checked; or for `latest` the newest `files` snapshot of HOST (default this machine's; '*'
+    any) with exactly PATHS (when given) and every tag in TAGS (restic's `latest`)."""
+    from storage.api import StoreError, find_latest, validate_snapshot_name
+    if name != LATEST:
+        if tags or paths or host is not None:
+            raise click.UsageError("--tag/--path/--host choose what `latest` is; give them with NAME latest")
+        return validate_snapshot_name(name)
+    import socket
+    want_host = None if host == "*" else (host or socket.gethostname())
+    want_paths = tuple(os.path.abspath(p) for p in paths) or None
+    found = find_latest(st, host=want_host, paths=want_paths, tags=tags)
+    if found is None:
+        what = [f"host {want_host}" if want_host else "any host"]
+        what += [f"paths {', '.join(want_paths)}"] if want_paths else []
+        what += [f"tags {', '.join(tags)}"] if tags else []
+        raise StoreError(f"no files snapshot for `latest` ({'; '.join(what)}) in {st.path}")
+    return found

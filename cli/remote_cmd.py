@@ -59,14 +59,18 @@ def remote() -> None:
 def remote_add(ctx: click.Context, name: str, url: str, endpoint: str | None, region: str,
                credentials_file: str | None, replace: bool, deadline: float | None, as_json: bool) -> None:
     """Add remote NAME at URL (the bucket, or the directory, is created if missing) and check that it
-    answers. A file:// path is resolved now (links in it followed once); later no link in it is."""
-    from storage.api import RemoteError, remote_exists, validate_remote_name
+    answers. A file:// path is resolved now (links in it followed once); later no link in it is. Adding
+    the same remote again is a no-op."""
+    from storage.api import RemoteError, list_remotes, remote_exists, validate_remote_name
     st = open_store(ctx)
-    if remote_exists(st, validate_remote_name(name)) and not replace:
-        raise RemoteError(f"remote {name!r} already exists (use --replace to change it; `gpusnap remote list` "
-                          "shows it)")
     cf = os.path.abspath(credentials_file) if credentials_file else None
     cfg = remote_config(name, url, endpoint, region, cf)
+    if remote_exists(st, validate_remote_name(name)) and not replace:
+        if any(c.to_json() == cfg.to_json() for c in list_remotes(st) if c.name == name):  # the same again: done
+            emit(as_json, cfg.to_json(), f"remote {name}: {cfg.url} (already so)")
+            return
+        raise RemoteError(f"remote {name!r} already exists with another configuration (use --replace to change "
+                          "it; `gpusnap remote list` shows it)")
     Remote(cfg, deadline=deadline).init()
     add_remote(st, cfg)
     emit(as_json, cfg.to_json(), f"remote {name}: {cfg.url}" + (f" at {cfg.endpoint}" if cfg.endpoint else ""))

@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import socket
 import sys
 from typing import Any
 
@@ -16,7 +17,9 @@ from storage.api import validate_snapshot_name
 from storage.api import StoreError
 from storage.api import MARKER, SNAPSHOTS, path_in
 
-from cli.common import emit, human, json_option, one_line_errors, open_store, parse_chunk_size, tag_option, terminate_cleanly
+from cli.common import (emit, expand_name, human, json_option, latest_options, one_line_errors, open_store,
+                        parse_chunk_size, rate, resolve_name, tag_option, terminate_cleanly)
+from cli.common import LATEST, SNAPSHOT_KINDS
 from cli.lazy import LazyGroup
 from cli.progress import Progress
 
@@ -30,7 +33,7 @@ if TYPE_CHECKING:  # imported where used: `store ls` and `--help` need none of t
 ARCHIVE_COMMANDS = {
     "forget": ("cli.archive_cmd", "forget", "Remove snapshots a retention policy does not keep (restic's `forget` rules)."),
     "stats": ("cli.archive_cmd", "stats", "Raw, zero, deduplicated, stored, unique (\"freed by rm\") and shared bytes per snapshot, and totals."),
-    "cat": ("cli.archive_cmd", "cat_cmd", "Write one file stream of NAME to stdout, every chunk verified before its bytes go out."),
+    "cat": ("cli.archive_cmd", "cat_cmd", "Write one file stream of NAME to stdout, every chunk verified before its bytes go out (any name of a hard-linked file)."),
     "diff": ("cli.archive_cmd", "diff_cmd", "Streams added (+), removed (-), changed (M) or with changed attributes (U) from A to B."),
     "export": ("cli.archive_cmd", "export_cmd", "Write snapshot NAME as one archive (zstd-compressed tar of its manifest and chunks) to..."),
     "import": ("cli.archive_cmd", "import_cmd", "Take in an archive made by `store export` (file or - for stdin); every chunk verified, the..."),
@@ -61,12 +64,14 @@ def store() -> None:
 @click.option("--force", is_flag=True, help="Read every file, even those the files cache says are unchanged "
                                              "(the cache is then rewritten from what was read).")
 @click.option("--no-cache", is_flag=True, help="Neither use nor update the files cache: read every file.")
-@click.option("--no-xattrs", is_flag=True, help="Do not store extended attributes (stored by default: user.*, "
-                                                "and security.*/trusted.* where readable).")
+@click.option("--no-xattrs", is_flag=True, help="Do not store extended attributes or ACLs (stored by default: user.*, "
+                                                "security.*/trusted.* where readable, and POSIX ACLs: "
+                                                "system.posix_acl_access/_default).")
 @click.option("--parent", default=None, metavar="SNAP",
               help="Store each changed chunk as a delta against the bytes SNAP held where it was (in the same-named "
-                   "file, or wherever its unchanged neighbours were found), where that saves (an earlier snapshot "
-                   "of the same files).")
+                   "file, or wherever its unchanged neighbours were found), where that saves. Default: the newest "
+                   "snapshot of the same PATHS written on this host (restic's choice); `latest` as in `store get`.")
+@click.option("--no-parent", is_flag=True, help="Choose no parent: every changed chunk is stored whole.")
 @tag_option
 @click.option("--chunker", type=click.Choice(["fixed", "pages"]), default="fixed", show_default=True,
               help="fixed: CHUNK_SIZE pieces; pages: content-defined cuts on 4 KiB pages (dedups data that "
@@ -76,12 +81,16 @@ def store() -> None:
 @one_line_errors
 def store_put(ctx: click.Context, name: str, paths: tuple[str, ...], replace: bool, chunk_size: str,
               workers: int | None, no_compress: bool, exclude: tuple[str, ...], exclude_files: tuple[str, ...],
-              force: bool, no_cache: bool, no_xattrs: bool, parent: str | None, tags: tuple[str, ...], chunker: str,
-              as_json: bool) -> None:
+              force: bool, no_cache: bool, no_xattrs: bool, parent: str | None, no_parent: bool, tags: tuple[str, ...],
+              chunker: str, as_json: bool) -> None:
     """Store PATHS (files or directories, each under its base name) as snapshot NAME.
 
+    NAME may hold placeholders, filled in when the put starts: {now} (local time,
+    2026-12-07T17-32-37), {utcnow}, {now:STRFTIME}, {hostname}: `store put 'data-{now}' /srv/data`
+    from cron makes a new snapshot each run; `store get latest DEST` restores the newest.
+
     Regular files, directories, symlinks and FIFOs (as entries: a FIFO is never opened) are stored
-    with their modes, owners, times, extended attributes and hard links; sockets are skipped with a
+    with their modes, owners, times, extended attributes, POSIX ACLs and hard links; sockets are skipped with a
     note on stderr (as tar does); devices are refused (--exclude them).
 
     A file whose path, size, mtime, ctime and inode are what the files cache recorded when it was
@@ -91,7 +100,7 @@ def store_put(ctx: click.Context, name: str, paths: tuple[str, ...], replace: bo
     from sandbox.ops.snapshot_meta import FilesMeta
     from storage.api import put as pipeline
     from storage.api import FileTreeSource
-    validate_snapshot_name(name)
+    name = expand_name(name)
     size = parse_chunk_size(chunk_size)
     patterns = list(exclude) + [p for f in exclude_files for p in _read_patterns(f)]
     meta = FilesMeta(tuple(os.path.abspath(p) for p in paths)).to_json()
@@ -102,6 +111,13 @@ def store_put(ctx: click.Context, name: str, paths: tuple[str, ...], replace: bo
         journal.require_clean(st.path)  # an interrupted dump's workload comes first: `gpusnap recover`
         from storage.api import FilesCache
         cache = FilesCache() if no_cache or force else FilesCache.load(st)
+        if parent is not None and no_parent:
+            raise click.UsageError("--parent and --no-parent: give one")
+        if parent is None and not no_parent:  # restic's: the newest snapshot of the same paths and host
+            from storage.api import find_latest
+            parent = find_latest(st, host=socket.gethostname(), paths=tuple(meta["paths"]))
+        elif parent is not None:
+            parent = resolve_name(st, parent, paths=tuple(meta["paths"]) if parent == LATEST else ())
         base = st.load(parent) if parent is not None else None
         with st.writer(name, replace=replace, meta=meta, tags=tags, direct_packs=pipeline.put_direct()) as w, \
                 Progress(f"put {name}", ctx.obj["progress"]) as prog:
@@ -113,15 +129,16 @@ def store_put(ctx: click.Context, name: str, paths: tuple[str, ...], replace: bo
             pack_writes = w.pack_writes
         if not no_cache:
             _update_cache(st, source, manifest, force)
-    report = {"name": name, "raw_bytes": res.raw_bytes, "new_bytes": res.stored_bytes,
+    report = {"name": name, "parent": parent, "raw_bytes": res.raw_bytes, "new_bytes": res.stored_bytes,
               "seconds": round(res.seconds, 3), "GBps": round(res.gbps, 3), **res.extra,
               "stages": res.stages.table(), "direct_io": st.direct, "pack_writes": pack_writes, "skipped": source.skipped,
               "excluded": source.excluded}
-    emit(as_json, report, f"{name}: {human(res.raw_bytes)} in {res.seconds:.2f} s ({res.gbps:.2f} GB/s), "
+    emit(as_json, report, f"{name}: {human(res.raw_bytes)} in {res.seconds:.2f} s{rate(res.raw_bytes, res.seconds)}, "
          f"{human(res.stored_bytes)} written, {human(res.extra['bytes_dedup'])} deduplicated, "
          f"{human(res.extra['zero_bytes'])} zeros elided"
          + (f", {res.extra['files_unchanged']} unchanged files not read (files cache)"
-            if res.extra.get("files_unchanged") else ""))
+            if res.extra.get("files_unchanged") else "")
+         + (f"; parent {parent}" if parent else ""))
 
 
 def _lookup(source: FileTreeSource, cache: "FilesCache") -> Any:
@@ -187,59 +204,99 @@ def store_init(ctx: click.Context, as_json: bool) -> None:
 @click.option("--no-same-owner", is_flag=True,
               help="Do not restore recorded owners (the default as root restores them); setuid/setgid bits "
                    "are then dropped, as they are whenever an owner is not restored.")
+@click.option("--skip-damaged", is_flag=True,
+              help="Restore every file whose chunks are sound and leave out those with a damaged or missing "
+                   "chunk (each named on stderr; exit 3), as `restic restore` can. The snapshot is checked "
+                   "first (every chunk read once more). Without it a get is all or nothing.")
+@latest_options()
 @json_option
 @click.pass_context
 @one_line_errors
 def store_get(ctx: click.Context, name: str, dest: str, include: tuple[str, ...], workers: int | None,
-              no_same_owner: bool, as_json: bool) -> None:
+              no_same_owner: bool, skip_damaged: bool, tags: tuple[str, ...], latest_paths: tuple[str, ...],
+              latest_host: str | None, as_json: bool) -> None:
     """Materialize snapshot NAME into DEST (a new directory), every chunk verified; all or nothing.
+    NAME `latest`: the newest files snapshot of this machine (--path, --tag, --host narrow it).
 
     While it runs, a record in the store's tmp/ names DEST: if the get is killed, `store gc` removes
     the partial hidden tree it left beside DEST; a SIGTERM'd get removes it and the record itself."""
     from storage.api import put as pipeline
     from storage.api import FileTreeSink
     st = open_store(ctx, create=False)
+    damaged: list[str] = []
+    with terminate_cleanly():
+        name = resolve_name(st, name, tags, latest_paths, latest_host)
+        if skip_damaged:
+            with Progress(f"check {name}", ctx.obj["progress"]) as prog:
+                rep = st.verify([name], progress=prog, quarantine=False, read_data=True)
+            bad_at = {(p.stream, p.chunk) for p in rep.problems if p.snapshot == name and p.stream is not None}
+            if any(p.stream is None and p.snapshot == name for p in rep.problems):
+                raise StoreError(f"snapshot {name!r} cannot be read at all: {rep.problems[0]}")
     with terminate_cleanly(), st.shared():
-        m = st.load(validate_snapshot_name(name))
+        m = st.load(name)
+        if skip_damaged:  # the chunks verify named, then every stream that names one of them
+            bad = {s.chunks[i].id for s in m.streams for i in range(len(s.chunks)) if (s.name, i) in bad_at}
         if include:
             m = select_streams(m, include)
+        if skip_damaged and bad:
+            m, damaged = _without(m, bad)
         with st.inflight_get(dest) as nonce:
             sink = FileTreeSink(dest, same_owner=False if no_same_owner else None, marker=nonce)
             with Progress(f"get {name}", ctx.obj["progress"]) as prog:
                 prog.start(m.size)
                 res = pipeline.get(st, m, sink, workers=workers, progress=prog)
     emit(as_json, {"name": name, "dest": os.path.abspath(dest), "raw_bytes": res.raw_bytes,
-                   "seconds": round(res.seconds, 3), "GBps": round(res.gbps, 3), "stages": res.stages.table()},
-         f"{name} -> {dest}: {human(res.raw_bytes)} in {res.seconds:.2f} s ({res.gbps:.2f} GB/s), verified")
+                   "seconds": round(res.seconds, 3), "GBps": round(res.gbps, 3), "stages": res.stages.table(),
+                   **({"damaged_not_restored": damaged} if skip_damaged else {})},
+         f"{name} -> {dest}: {human(res.raw_bytes)} in {res.seconds:.2f} s{rate(res.raw_bytes, res.seconds)}, verified"
+         + (f"; {len(damaged)} damaged file(s) left out" if damaged else ""))
+    for d in damaged:
+        click.echo(f"gpusnap: damaged, not restored: {d}", err=True)
+    if damaged:
+        sys.exit(EXIT_DAMAGED)
+
+
+def _without(m: Manifest, bad: set[str | None]) -> tuple[Manifest, list[str]]:
+    """M without the streams that name a chunk of BAD and the hard links to them; the names left out."""
+    from storage.api import Manifest as _Manifest
+    hit = {s.name for s in m.streams if any(c.id in bad for c in s.chunks)}
+    gone = hit | {s.name for s in m.streams if s.attrs.get("type") == "hardlink" and s.attrs.get("target") in hit}
+    kept = [s for s in m.streams if s.name not in gone]
+    return _Manifest(m.name, kept, m.meta, m.created, m.tags, m.host, m.tool), sorted(gone)
 
 
 @store.command("ls")
 @click.argument("name", required=False)
 @click.argument("prefix", required=False)
 @click.option("--tag", "tags", multiple=True, metavar="TAG", help="Only snapshots carrying this tag (repeatable).")
-@click.option("--kind", default=None, type=click.Choice(["files", "gpu", "criu", "runsc"]), help="Only this kind.")
+@click.option("--kind", default=None, type=click.Choice(SNAPSHOT_KINDS), help="Only this kind.")
 @click.option("--since", default=None, metavar="WHEN", help="Only snapshots created since WHEN (ISO time, or an age: 36h, 7d).")
+@latest_options(with_tag=False)
 @json_option
 @click.pass_context
 @one_line_errors
 def store_ls(ctx: click.Context, name: str | None, prefix: str | None, tags: tuple[str, ...], kind: str | None,
-             since: str | None, as_json: bool) -> None:
+             since: str | None, latest_paths: tuple[str, ...], latest_host: str | None, as_json: bool) -> None:
     """List snapshots, or with NAME the files of snapshot NAME (as `restic ls`, `borg list ARCHIVE`).
 
     \b
     gpusnap store ls                      the snapshots (--tag/--kind/--since: those that match)
     gpusnap store ls NAME                 every file, directory and link of NAME
     gpusnap store ls NAME data/sub        only data/sub and what lies under it
+    gpusnap store ls latest               the files of the newest snapshot of this machine
 
     Snapshots that do not load, entries of snapshots/ that are not snapshots, and snapshots naming a
     chunk that the last `store verify` found damaged are marked DAMAGED. Paths start at the top
     directory that was stored (`store put NAME /srv/data` stores data/...): the same paths that
     `store get --include` and `store cat` take."""
     if name is not None:
-        if tags or kind or since:
-            raise click.UsageError("--tag/--kind/--since select snapshots; give them without NAME")
-        _list_files(ctx, validate_snapshot_name(name), prefix, as_json)
+        if kind or since or (tags and name != LATEST):
+            raise click.UsageError("--tag/--kind/--since select snapshots; give them without NAME "
+                                   "(--tag also with NAME latest)")
+        _list_files(ctx, name, prefix, as_json, (tags, latest_paths, latest_host))
         return
+    if latest_paths or latest_host is not None:
+        raise click.UsageError("--path/--host choose what `latest` is; give them with NAME latest")
     from cli.archive_cmd import matches, parse_since
     from storage.api import DamageMarks
     from storage.api import read_summary
@@ -257,23 +314,48 @@ def store_ls(ctx: click.Context, name: str | None, prefix: str | None, tags: tup
                 continue
             # a big manifest read by its summary has no chunk list: loaded whole only where marks exist
             bad = marks.damaged_in(st.load(n) if summ is not None and marks.chunks else m)  # type: ignore[arg-type]
+            paths = m.meta.get("paths") if m.meta.get("kind") == "files" else None
             rows.append({"name": n, "created": m.created, "size": m.size,
                          "streams": summ.stream_count if summ is not None else len(m.streams),  # type: ignore[union-attr]
                          "kind": m.meta.get("kind", ""), "tags": list(m.tags), "host": m.host,
+                         "paths": [str(p) for p in paths] if isinstance(paths, list) else [],
                          "damaged_chunks": len(bad)})
         except GpusnapError as e:
             rows.append({"name": n, "error": str(e)})
     rows += [{"name": s.entry, "error": str(s), "stray": True} for s in strays]
-    lines = [f"{'NAME':32} {'KIND':8} {'SIZE':>12} {'STREAMS':>8}  CREATED"]
+    emit(as_json, rows, "\n".join(_snapshot_lines(rows)))
+
+
+def _local_time(created: str) -> str:
+    """A manifest's creation time as restic shows it: local time to the second (2026-12-07 17:32:37)."""
+    from storage.api import parse_created
+    try:
+        return parse_created(created).astimezone().strftime("%Y-%m-%d %H:%M:%S")
+    except GpusnapError:
+        return created
+
+
+def _snapshot_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """`store ls`: one line per snapshot, every column as wide as its widest value."""
+    heads = ("NAME", "KIND", "SIZE", "STREAMS", "CREATED", "HOST", "PATHS")
+    table = [[r["name"], r["kind"] or "-", human(r["size"]), str(r["streams"]), _local_time(r["created"]),
+              r["host"] or "-", ",".join(r["paths"]) or "-"] for r in rows if "error" not in r]
+    width = [max([len(h)] + [len(t[i]) for t in table]) for i, h in enumerate(heads)]
+    right = (2, 3)  # SIZE and STREAMS align right
+
+    def line(cells: list[str]) -> str:
+        return "  ".join(c.rjust(width[i]) if i in right else c.ljust(width[i]) for i, c in enumerate(cells)).rstrip()
+    lines = [line(list(heads))]
+    it = iter(table)
     for r in rows:
         if "error" in r:
-            lines.append(f"{r['name']:32} DAMAGED: {r['error']}")
-        else:
-            lines.append(f"{r['name']:32} {r['kind']:8} {human(r['size']):>12} {r['streams']:>8}  {r['created']}"
-                         + (f"  [{','.join(r['tags'])}]" if r["tags"] else "")
-                         + (f"  DAMAGED: {r['damaged_chunks']} damaged chunk(s) found by verify; "
-                            "`store repair` rewrites them" if r["damaged_chunks"] else ""))
-    emit(as_json, rows, "\n".join(lines))
+            lines.append(f"{r['name'].ljust(width[0])}  DAMAGED: {r['error']}")
+            continue
+        lines.append(line(next(it))
+                     + (f"  [{','.join(r['tags'])}]" if r["tags"] else "")
+                     + (f"  DAMAGED: {r['damaged_chunks']} damaged chunk(s) found by verify; "
+                        "`store repair` rewrites them" if r["damaged_chunks"] else ""))
+    return lines
 
 
 _TYPE_CHARS = {"file": "-", "dir": "d", "symlink": "l", "hardlink": "h", "blob": "b", "fifo": "p"}
@@ -288,24 +370,31 @@ def _mode_text(attrs: dict[str, object]) -> str:
     return _TYPE_CHARS.get(t, "?") + bits
 
 
-def _list_files(ctx: click.Context, name: str, prefix: str | None, as_json: bool) -> None:
+def _list_files(ctx: click.Context, name: str, prefix: str | None, as_json: bool,
+                latest: tuple[tuple[str, ...], tuple[str, ...], str | None]) -> None:
     st = open_store(ctx, create=False)
+    name = resolve_name(st, name, *latest)
     m = st.load(name)
     want = (prefix or "").strip("/")
     streams = [s for s in m.streams if not want or s.name == want or s.name.startswith(want + "/")]
     if want and not streams:
         raise StoreError(f"snapshot {name!r} has no path {want!r} (`gpusnap store ls {name}` lists them all)")
-    rows = []
+    by_name = {s.name: s for s in m.streams}
+    rows, shown = [], []
     for s in streams:
         a = s.attrs
-        rows.append({"path": s.name, "type": a.get("type"), "mode": a.get("mode"), "size": s.size,
-                     "uid": a.get("uid"), "gid": a.get("gid"), "mtime_ns": a.get("mtime_ns"),
+        # another name of a hard-linked file shows the file's mode, owner, time and size (as `ls -l`
+        # does); its type stays `hardlink` and `target` names the first name, where the bytes are
+        f = by_name.get(a["target"], s) if a.get("type") == "hardlink" else s
+        rows.append({"path": s.name, "type": a.get("type"), "mode": f.attrs.get("mode"), "size": f.size,
+                     "uid": f.attrs.get("uid"), "gid": f.attrs.get("gid"), "mtime_ns": f.attrs.get("mtime_ns"),
                      **({"target": a["target"]} if "target" in a else {})})
+        shown.append(f)
     lines = [f"{'MODE':10} {'OWNER':>11} {'SIZE':>10}  PATH"]
-    for r, s in zip(rows, streams):
+    for r, f in zip(rows, shown):
         owner = f"{r['uid']}:{r['gid']}" if r["uid"] is not None else "-"
-        link = f" -> {r['target']}" if r["type"] == "symlink" else (f" => {r['target']}" if r["type"] == "hardlink" else "")
-        lines.append(f"{_mode_text(s.attrs)} {owner:>11} {r['size']:>10}  {r['path']}{link}")
+        link = f" -> {r['target']}" if r["type"] == "symlink" else (f" (hard link of {r['target']})" if r["type"] == "hardlink" else "")
+        lines.append(f"{_mode_text(f.attrs)} {owner:>11} {r['size']:>10}  {r['path']}{link}")
     emit(as_json, rows, "\n".join(lines))
 
 
@@ -343,17 +432,20 @@ def store_tag(ctx: click.Context, names: tuple[str, ...], add: tuple[str, ...], 
 
 @store.command("inspect")
 @click.argument("name")
+@latest_options()
 @json_option
 @click.pass_context
 @one_line_errors
-def store_inspect(ctx: click.Context, name: str, as_json: bool) -> None:
+def store_inspect(ctx: click.Context, name: str, tags: tuple[str, ...], latest_paths: tuple[str, ...],
+                  latest_host: str | None, as_json: bool) -> None:
     """Show a snapshot's metadata (kind, tags, host, the gpusnap version that wrote it), codecs, sizes
     and stream names.
 
     Per codec: chunk references, their raw bytes, and the bytes stored for its distinct chunks (a
-    chunk named twice is stored once). `store ls NAME` lists the files with modes and owners."""
+    chunk named twice is stored once). `store ls NAME` lists the files with modes and owners.
+    NAME `latest`: the newest files snapshot of this machine (--path, --tag, --host narrow it)."""
     st = open_store(ctx, create=False)
-    m = st.load(validate_snapshot_name(name))
+    m = st.load(resolve_name(st, name, tags, latest_paths, latest_host))
     codecs: dict[str, dict[str, int]] = {}
     unique: dict[str, int] = {}
     for s in m.streams:
@@ -431,19 +523,24 @@ def _duration(ctx: click.Context, param: click.Parameter, value: str | None) -> 
                    "or n/t (restic's): the n-th of t fixed groups, so that 1/t .. t/t read every chunk once.")
 @click.option("--max-duration", "max_duration", default=None, metavar="TIME", callback=_duration,
               help="Stop reading chunks after TIME (seconds, or 90s/10m/2h); what was not read is reported.")
+@click.option("--quick", is_flag=True,
+              help="Only the structure (restic's `check`): every manifest loaded and checked, the index "
+                   "loaded, every chunk a snapshot names present; no chunk read (rot is found without it).")
 @_from_option
 @json_option
 @click.pass_context
 @one_line_errors
 def store_verify(ctx: click.Context, name: str | None, repair: bool, read_data: bool,
                  subset: float | tuple[int, int] | None,
-                 max_duration: float | None, sources: tuple[str, ...], as_json: bool) -> None:
+                 max_duration: float | None, quick: bool, sources: tuple[str, ...], as_json: bool) -> None:
     """Read and check every chunk of NAME (or of every snapshot); exit 3 and name what is damaged.
 
     Damaged chunk files are moved to the store's quarantine/ so that the next put of the same data
     writes them again (which heals every snapshot that names them); --repair rewrites them now."""
     from sandbox.ops.snapshot_meta import meta_problems
     from storage.api import Problem
+    if quick and (repair or sources or read_data or subset is not None or max_duration is not None):
+        raise click.UsageError("--quick reads no chunk: give it without --repair/--from/--read-data*/--max-duration")
     if repair or sources:
         ctx.invoke(store_repair, sources=sources, wait=30.0, as_json=as_json)
         return
@@ -451,8 +548,11 @@ def store_verify(ctx: click.Context, name: str | None, repair: bool, read_data: 
     names = [validate_snapshot_name(name)] if name else None
     if name and not st.exists(name):
         raise StoreError(f"no snapshot named {name!r} in {st.path}")
-    with Progress("verify", ctx.obj["progress"]) as prog:
-        rep = st.verify(names, progress=prog, sample=subset, max_seconds=max_duration, read_data=read_data)
+    if quick:
+        rep = st.verify_quick(names)
+    else:
+        with Progress("verify", ctx.obj["progress"]) as prog:
+            rep = st.verify(names, progress=prog, sample=subset, max_seconds=max_duration, read_data=read_data)
     for n in rep.snapshots:  # what each sandbox kind's metadata must be (storage does not know it)
         with contextlib.suppress(GpusnapError):  # an unreadable manifest is already a problem
             rep.problems += [Problem(n, None, None, p) for p in meta_problems(st.load(n))]
@@ -463,7 +563,9 @@ def store_verify(ctx: click.Context, name: str | None, repair: bool, read_data: 
             "chunks_unchecked": rep.chunks_unchecked,
             "damaged_copies": [{"id": c.cid, "pack": c.pack, "offset": c.offset, "why": c.what,
                                 "set_aside": c.set_aside} for c in rep.damaged_copies]}
-    text = [f"{len(rep.snapshots)} snapshot(s), {rep.chunks_checked} chunks, {human(rep.bytes_checked)} checked: "
+    data["quick"] = quick
+    text = [(f"{len(rep.snapshots)} snapshot(s), {rep.chunks_total} chunks present (--quick: none read): " if quick
+             else f"{len(rep.snapshots)} snapshot(s), {rep.chunks_checked} chunks, {human(rep.bytes_checked)} checked: ")
             + ("OK" if rep.ok else f"{len(problems)} problem(s)") + _damaged_copies_note(rep.damaged_copies)]
     if rep.chunks_unchecked:
         text.append(f"{rep.chunks_unchecked} of {rep.chunks_total} chunks not read this run "
@@ -587,11 +689,13 @@ def store_gc(ctx: click.Context, wait: float, as_json: bool) -> None:
     data = {"chunks_removed": rep.chunks_removed, "bytes_freed": rep.bytes_freed, "tmp_removed": rep.tmp_removed,
             "gets_cleaned": rep.gets_cleaned, "locks_removed": rep.locks_removed,
             "quarantine_removed": rep.quarantine_removed, "packs_removed": rep.packs_removed,
-            "packs_repacked": rep.packs_repacked, "in_use": rep.in_use, "left": rep.left, "damage": rep.damage}
-    text = [f"removed {rep.chunks_removed} chunks ({human(rep.bytes_freed)}), {rep.tmp_removed} temporary entries "
-            f"({rep.gets_cleaned} partial get trees), {rep.locks_removed} stale lock files, "
-            f"{rep.quarantine_removed} quarantined chunks; {rep.packs_removed} packs removed "
-            f"({rep.packs_repacked} of them repacked)"]
+            "packs_repacked": rep.packs_repacked, "packs_unindexed": rep.packs_unindexed, "in_use": rep.in_use,
+            "left": rep.left, "damage": rep.damage}
+    text = [f"freed {human(rep.bytes_freed)}: {rep.chunks_removed} unreferenced chunks removed, "
+            f"{rep.packs_removed} packs removed ({rep.packs_repacked} of them repacked, {rep.packs_unindexed} "
+            f"never indexed: left by a killed put), {rep.quarantine_removed} quarantined chunks, "
+            f"{rep.tmp_removed} temporary entries ({rep.gets_cleaned} partial get trees), "
+            f"{rep.locks_removed} stale lock files"]
     if rep.in_use:
         text.append(f"kept {rep.in_use} temporary entries of processes still running")
     text += [f"LEFT {x}" for x in rep.left] + [f"DAMAGED {x}" for x in rep.damage]

@@ -80,6 +80,7 @@ _WHERE: dict[str, tuple[str, str | None]] = {
     "compute": ("storage.maintenance.stats", 'compute'),
     "copy_into": ("storage.fs.directio", 'copy_into'),
     "decide": ("storage.maintenance.retention", 'decide'),
+    "Duration": ("storage.maintenance.retention", 'Duration'),
     "decode_host": ("storage.codecs.registry", 'decode_host'),
     "decode_host_into": ("storage.codecs.registry", 'decode_host_into'),
     "default_store_path": ("storage.repo.store", 'default_store_path'),
@@ -109,6 +110,7 @@ _WHERE: dict[str, tuple[str, str | None]] = {
     "read_chunks": ("storage.repo.readstage", 'read_chunks'),
     "read_runs": ("storage.repo.readstage", 'read_runs'),
     "read_summary": ("storage.maintenance.summary", 'read_summary'),
+    "find_latest": ("storage.maintenance.summary", 'find_latest'),
     "readstage": ("storage.repo.readstage", None),
     "reflog": ("storage.repo.reflog", None),
     "remote_exists": ("storage.remote.config", 'remote_exists'),
@@ -221,6 +223,7 @@ if TYPE_CHECKING:
     from storage.gpu.device import numa_nodes as numa_nodes
     from storage.fs.owndir import own_dir as own_dir
     from storage.maintenance.retention import parse_created as parse_created
+    from storage.maintenance.retention import Duration as Duration
     from storage.format.storedir import path_in as path_in
     from storage.base.pausepoint import pause_at as pause_at
     from storage.repo.readstage import plan_runs as plan_runs
@@ -230,6 +233,7 @@ if TYPE_CHECKING:
     from storage.repo.readstage import read_chunks as read_chunks
     from storage.repo.readstage import read_runs as read_runs
     from storage.maintenance.summary import read_summary as read_summary
+    from storage.maintenance.summary import find_latest as find_latest
     from storage.repo import readstage as readstage
     from storage.repo import reflog as reflog
     from storage.remote.config import remote_exists as remote_exists

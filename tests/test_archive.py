@@ -56,7 +56,7 @@ def test_forget_follows_restic_rules(cli: Cli, store_dir: Path) -> None:
     assert cli.run("store", "verify").returncode == 0
     # no rule: refuse rather than forget everything
     p = cli.run("store", "forget", check=False)
-    assert p.returncode == 1 and "no --keep-" in p.stderr
+    assert p.returncode == 2 and "no --keep-" in p.stderr
 
 
 def test_forget_filters_by_tag_and_keeps_a_snapshot_in_use(cli: Cli, store_dir: Path) -> None:

@@ -94,10 +94,13 @@ def _run_block(name: str, tmp: Path, extra_env: dict[str, str] | None = None,
 
 
 def test_readme_archive_example_runs(tmp_path: Path) -> None:
-    p = _run_block("archive", tmp_path)
-    assert p.returncode == 0, p.stderr
-    assert '{"layers": 32}' in p.stdout and "data/models/weights.bin" in p.stdout
-    assert (tmp_path / "restored" / "data" / "models" / "config.json").exists()
+    for _ in range(2):  # and runs again as it is (the README says so): new names, `latest`, a new restore
+        p = _run_block("archive", tmp_path)
+        assert p.returncode == 0, p.stderr
+        assert '{"layers": 32}' in p.stdout and "data/models/weights.bin" in p.stdout
+        assert (tmp_path / "restored" / "data" / "models" / "config.json").exists()
+        names = [ln.split()[0] for ln in p.stdout.splitlines() if ln.startswith("data-")]
+        assert names and all(n.startswith("data-20") for n in names), p.stdout
 
 
 def test_readme_process_example_runs(tmp_path: Path) -> None:

@@ -286,7 +286,7 @@ def store_rm(c: Ctx, r: Ran) -> None:
 def store_gc(c: Ctx, r: Ran) -> None:
     from support.entries import chunk_ids
     ok(r, "removed")
-    assert re.search(r"removed [1-9]\d* chunks", r.out), str(r)
+    assert re.search(r"[1-9]\d* unreferenced chunks removed", r.out), str(r)
     assert chunk_ids(c.store) == set()   # nothing named them any more
 
 
@@ -310,25 +310,32 @@ def store_migrate(c: Ctx, r: Ran) -> None:
 
 
 # ---------------------------------------------------------------------------------------- Archives
-def make_models(c: Ctx) -> None:
-    d = c.path("/tmp/models/llama")
-    d.mkdir(parents=True)
-    (d / "weights.bin").write_bytes(os.urandom(8 << 20))
-    (d / "config.json").write_text('{"layers": 32}\n')
+@runs("mkdir -p /tmp/models/llama && head -c 8388608 /dev/urandom > /tmp/models/llama/weights.bin")
+def make_models(c: Ctx, r: Ran) -> None:
+    ok(r)
+    assert c.path("/tmp/models/llama/weights.bin").stat().st_size == 8 << 20
 
 
-def next_night(c: Ctx) -> None:
+@runs("""echo '{"layers": 32}' > /tmp/models/llama/config.json""")
+def make_config(c: Ctx, r: Ran) -> None:
+    ok(r)
+    assert c.path("/tmp/models/llama/config.json").read_text() == '{"layers": 32}\n'
+
+
+@runs("""echo '{"layers": 40}' > /tmp/models/llama/config.json""")
+def next_night(c: Ctx, r: Ran) -> None:
     """The model's configuration changed since last night; its weights did not."""
-    c.path("/tmp/models/llama/config.json").write_text('{"layers": 40}\n')
+    ok(r)
+    assert c.path("/tmp/models/llama/config.json").read_text() == '{"layers": 40}\n'
 
 
-@runs("gpusnap store put llama-2026-11-29 /tmp/models/llama --tag model=llama --tag nightly", before=make_models)
+@runs("gpusnap store put llama-2026-11-29 /tmp/models/llama --tag model=llama --tag nightly --replace")
 def put_first_night(c: Ctx, r: Ran) -> None:
     ok(r, "llama-2026-11-29:")
     assert sorted(c.snapshots()["llama-2026-11-29"]["tags"]) == ["model=llama", "nightly"]
 
 
-@runs("gpusnap store put llama-2026-11-30 /tmp/models/llama --tag model=llama --tag nightly", before=next_night)
+@runs("gpusnap store put llama-2026-11-30 /tmp/models/llama --tag model=llama --tag nightly --replace")
 def put_second_night(c: Ctx, r: Ran) -> None:
     ok(r, "llama-2026-11-30:")
     written = re.search(r"([\d.]+) (B|kB|MB|GB) written", r.out)
@@ -360,7 +367,7 @@ def diff(c: Ctx, r: Ran) -> None:
     assert "weights.bin" not in r.out
 
 
-@runs("gpusnap store get llama-2026-11-30 /tmp/part --include 'llama/config*'")
+@runs("rm -rf /tmp/part && gpusnap store get llama-2026-11-30 /tmp/part --include 'llama/config*'")
 def get_part(c: Ctx, r: Ran) -> None:
     ok(r, "verified")
     assert tree_digest(c.path("/tmp/part")) == {"llama/config.json": hashlib.sha256(b'{"layers": 40}\n').hexdigest()}
@@ -372,7 +379,7 @@ def cat_json(c: Ctx, r: Ran) -> None:
     assert json.loads(r.out) == {"layers": 40}
 
 
-@runs("gpusnap store export llama-2026-11-30 - | gpusnap --store /tmp/other store import -")
+@runs("gpusnap store export llama-2026-11-30 - | gpusnap --store /tmp/other store import - --replace")
 def export_import(c: Ctx, r: Ran) -> None:
     ok(r, "imported llama-2026-11-30")
     other = c.path("/tmp/other")

@@ -72,7 +72,7 @@ def test_invalid_names_rejected(cli: Cli, tmp_path: Path, bad: str) -> None:
     f = tmp_path / "f"
     f.write_bytes(b"x")
     p = cli.run("store", "put", "--", bad, str(f), check=False)
-    assert p.returncode == 1
+    assert p.returncode == 2  # a bad argument
     assert p.stderr.startswith("gpusnap: ") and len(p.stderr.strip().splitlines()) == 1
     assert "name" in p.stderr
     assert cli.json("store", "ls") == []

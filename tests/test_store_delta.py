@@ -78,7 +78,7 @@ def _two(cli: Cli, tmp: Path, images: tuple[bytes, bytes, int], parent: bool = T
     cli.run("store", "put", "a", str(src), "--chunker", "pages")
     _write(src, b)
     return cli.json("store", "put", "b", str(src), "--chunker", "pages", "--no-cache",
-                    *(("--parent", "a") if parent else ()))
+                    *(("--parent", "a") if parent else ("--no-parent",)))
 
 
 def test_second_snapshot_with_a_parent_stores_about_the_changed_bytes(cli: Cli, store_dir: Path, tmp_path: Path,

@@ -170,9 +170,14 @@ class InstallReport:
     warnings: tuple[str, ...] = field(default=())
 
 
+class HookNeedsRoot(HookInstallError, UnavailableError):
+    """Install/uninstall run by another user: what this command needs is missing here (exit 4, as a
+    non-root `criu dump`)."""
+
+
 def require_root() -> None:
     if os.geteuid() != 0:
-        raise HookInstallError("must run as root: it writes CRIU's configuration and a program CRIU runs as root")
+        raise HookNeedsRoot("must run as root: it writes CRIU's configuration and a program CRIU runs as root")
 
 
 def criu_on_path(path_env: str | None = None) -> CriuOnPath:

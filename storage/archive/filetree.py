@@ -29,7 +29,7 @@ from storage.fs.treewalk import remove_tree
 from storage.base.names import InvalidNameError, validate_stream_name
 from storage.pipeline.put import PipelineError, StreamSpec, StreamWriter
 from storage.archive.files_cache import stat_key
-from storage.fs.xattrs import read_xattrs, restore_xattrs
+from storage.fs.xattrs import acls_for, read_xattrs, restore_xattrs
 
 
 from storage.base.errors import GpusnapError
@@ -200,8 +200,8 @@ class FileTreeSource:
     as is an unreadable or missing path. EXCLUDE: glob patterns (fnmatch, `*` matches `/` too); a
     pattern without `/` matches an entry's base name anywhere, one with `/` its whole stream path
     (top directory first: `data/cache/*`); an excluded directory is left out with all below it.
-    Extended attributes (user.*, and security.*/trusted.* where this user can read them) are kept
-    in `xattrs` (storage/fs/xattrs.py), unless not XATTRS. The directory
+    Extended attributes (user.*, security.*/trusted.* where this user can read them, and POSIX
+    ACLs) are kept in `xattrs` (storage/fs/xattrs.py), unless not XATTRS. The directory
     holding each named path is opened once and kept open (close() or the context manager releases it):
     every later access goes down from it by directory fds, and must find what the scan found.
     """
@@ -268,7 +268,7 @@ class FileTreeSource:
         if self.xattrs and not (stat.S_ISREG(st.st_mode) and st.st_nlink > 1
                                 and (st.st_dev, st.st_ino) in self._links):
             try:
-                xa = read_xattrs(dfd, entry)
+                xa = read_xattrs(dfd, entry, acls_for(st.st_mode))
             except OSError as e:
                 raise FileTreeError(f"{self._display(name)}: reading extended attributes: {_reason(e)}") from None
             if xa:

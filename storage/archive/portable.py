@@ -43,9 +43,12 @@ class PortableError(GpusnapError):
 def cat(store: SnapshotStore, manifest: Manifest, stream: str, out: IO[bytes]) -> int:
     """Write STREAM of MANIFEST to OUT in order, each chunk verified before its bytes go out; returns
     the bytes written. A damaged chunk stops the output with DamageError (what was written is a prefix)."""
-    s = next((x for x in manifest.streams if x.name == stream), None)
+    by_name = {x.name: x for x in manifest.streams}
+    s = by_name.get(stream.strip("/"))
     if s is None:
         raise PortableError(f"snapshot {manifest.name!r} has no stream {stream!r} (`gpusnap store ls {manifest.name}` lists them)")
+    if s.attrs.get("type") == "hardlink":  # another name of a file stored once: its bytes (check_tree
+        s = by_name[s.attrs["target"]]     # made sure the target is an earlier file stream)
     if s.attrs.get("type") not in (None, "file", "blob"):
         raise PortableError(f"stream {stream!r} is a {s.attrs.get('type')}, not a file")
     buf = AlignedBuffer(store.chunk_buffer_size([manifest]))

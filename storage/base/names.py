@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import re
 
-from storage.base.errors import GpusnapError
+from storage.base.errors import EXIT_USAGE, GpusnapError
 
 NAME_MAX = 128
 # Stream names (paths inside a snapshot), bounded at load so no manifest can make a walk deep or long:
@@ -16,7 +16,11 @@ _NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+=@-]{0,%d}" % (NAME_MAX - 1))
 
 
 class InvalidNameError(GpusnapError, ValueError):
-    """A snapshot or stream name that could escape the store or is otherwise unusable."""
+    """A snapshot or stream name that could escape the store or is otherwise unusable. Given on the
+    command line it is a bad argument (exit 2); read from a manifest it is damage (the loader turns it
+    into a ManifestError)."""
+
+    exit_code = EXIT_USAGE
 
 
 def validate_snapshot_name(name: str) -> str:

@@ -28,11 +28,12 @@ from storage.base.limits import MAX_RAW_CHUNK, MAX_STORED_CHUNK
 _SURROGATE_ESCAPE = re.compile(rb"\\[uU][dD][89a-fA-F]")  # a JSON escape of a UTF-16 surrogate
 
 FORMAT = "gpusnap-manifest"
-VERSION = 3               # the newest this code writes: v2 added owners (uid/gid) and `hardlink`
-                          # streams, v3 `fifo` streams and `xattrs`; a manifest that uses neither is
-                          # written as version 2 (BASE_VERSION), which older readers take
+VERSION = 4               # the newest this code writes: v2 added owners (uid/gid) and `hardlink`
+                          # streams, v3 `fifo` streams and `xattrs`, v4 POSIX ACLs in `xattrs`; a
+                          # manifest is written as the lowest version that expresses it (2:
+                          # BASE_VERSION when it uses none of them), which older readers take
 BASE_VERSION = 2
-READABLE = (1, 2, 3)      # what it reads
+READABLE = (1, 2, 3, 4)   # what it reads
 STREAM_TYPES = ("file", "dir", "symlink", "blob", "hardlink", "fifo")
 _NO_DATA = ("dir", "symlink", "hardlink", "fifo")
 _KIND_RE = re.compile(r"[a-z][a-z0-9_-]{0,31}")
@@ -142,9 +143,12 @@ class Manifest:
         return {c.id for s in self.streams for c in s.chunks if c.id is not None}
 
     def version_needed(self) -> int:
-        """The lowest format version that expresses this manifest (3 only for FIFOs or xattrs)."""
+        """The lowest format version that expresses this manifest (3 for FIFOs or xattrs, 4 for ACLs)."""
+        from storage.fs.xattrs import has_acl
+        if any(has_acl(s.attrs.get("xattrs")) for s in self.streams):
+            return VERSION
         v3 = any(s.attrs.get("type") == "fifo" or "xattrs" in s.attrs for s in self.streams)
-        return VERSION if v3 else BASE_VERSION
+        return 3 if v3 else BASE_VERSION
 
     def _body(self) -> dict[str, Any]:
         return {"format": FORMAT, "version": self.version_needed(), "name": self.name, "created": self.created,
@@ -272,7 +276,7 @@ def check_tree(streams: list[Stream], version: int = VERSION) -> list[str]:
                 problems.append(f"stream {s.name!r} has a bad {key} {a[key]!r}")
         if "xattrs" in a:
             from storage.fs.xattrs import check as check_xattrs
-            why = check_xattrs(a["xattrs"]) if version >= 3 else "xattrs in a manifest before version 3"
+            why = check_xattrs(a["xattrs"], version, t) if version >= 3 else "xattrs in a manifest before version 3"
             if why:
                 problems.append(f"stream {s.name!r} has {why}")
         if "pagekeys" in a:

@@ -66,6 +66,7 @@ class GcReport:
     quarantine_removed: int = 0
     packs_removed: int = 0       # packs deleted (no index, or no live entry, or repacked)
     packs_repacked: int = 0      # packs whose live entries were copied into new packs
+    packs_unindexed: int = 0     # of packs_removed: never indexed (what a killed writer left; no chunk counted)
     in_use: int = 0              # tmp/ entries whose owner still runs
     left: list[str] = field(default_factory=list)     # entries gpusnap did not make: reported, kept
     damage: list[str] = field(default_factory=list)   # store entries that are not what they should be
@@ -205,6 +206,7 @@ def _packs(store: "SnapshotStore", root: int, uid: int, report: GcReport, live: 
                         continue
                     os.unlink(ent.name, dir_fd=packs_fd)
                     report.packs_removed += 1
+                    report.packs_unindexed += 1
                     report.bytes_freed += st.st_size if stat.S_ISREG(st.st_mode) else 0
                     continue
                 ents = index.entries[ent.name]

@@ -93,3 +93,34 @@ def _ws(text: str, i: int) -> int:
     while i < len(text) and text[i] in " \t\r\n":
         i += 1
     return i
+
+
+def find_latest(st: Any, *, kind: str = "files", host: str | None = None, paths: tuple[str, ...] | None = None,
+                tags: tuple[str, ...] = ()) -> str | None:
+    """The name of the newest snapshot (by `created`) of KIND in store ST written on HOST (None: any
+    host; a manifest without a host matches none but None), whose meta `paths` are exactly PATHS (as
+    a set; None: any), carrying every tag in TAGS; None when no snapshot matches. A manifest that does
+    not load is passed over (`store ls` and `verify` name it). What `latest` means (restic's), and
+    the parent a `store put` chooses for itself."""
+    from storage.base.errors import GpusnapError
+    from storage.format.storedir import SNAPSHOTS
+    from storage.maintenance.retention import parse_created
+    best: tuple[Any, str] | None = None
+    want = None if paths is None else sorted(set(paths))
+    for n in st.names():
+        try:
+            with st.subdir(SNAPSHOTS) as snaps:
+                m = read_summary(snaps, n) or st.load(n)
+            if m.meta.get("kind", "files") != kind or (host is not None and m.host != host):
+                continue
+            if any(t not in m.tags for t in tags):
+                continue
+            got = m.meta.get("paths")
+            if want is not None and not (isinstance(got, list) and sorted(set(map(str, got))) == want):
+                continue
+            when = parse_created(m.created)
+        except GpusnapError:
+            continue
+        if best is None or when > best[0]:
+            best = (when, n)
+    return best[1] if best else None

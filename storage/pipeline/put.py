@@ -389,6 +389,7 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
             BufferPool(workers if at else 0, HEADER_SIZE + chunk_size) as dscratch, \
             BufferPool(workers if at else 0, chunk_size) as xscratch, \
             BufferPool(nblocks, _READ_BLOCK + chunk_size, arena) as blocks, \
+            _prefetching(writer.store, at) as prefetch, \
             ThreadPoolExecutor(workers, thread_name_prefix="gpusnap-put") as ex, \
             (encs.killed_on_error() if encs is not None else contextlib.nullcontext()):
         futures: list[Future[None]] = []
@@ -561,6 +562,8 @@ def put(writer: SnapshotWriter, source: Source, *, chunk_size: int = DEFAULT_CHU
                             # a chunk set aside as damaged comes back whole, never as a delta: deltas
                             # may name it as their base, and a base is a full entry
                             tries = bool(at) and effort is not None and writer.store.quarantined(cid) is None
+                            if tries and prefetch is not None:
+                                prefetch.changed(name, off)
                             plain = _Once(lambda: encode_plain(view, s.view))
                             if tries:
                                 assert effort is not None
@@ -847,6 +850,57 @@ def _encoders(nprocs: int, size: int, level: int, compress: bool) -> Iterator[tu
         return
     with Arena(size, "gpusnap-put") as arena, EncodeProcs(nprocs, arena, level, compress) as encs:
         yield arena, encs
+
+
+class _Prefetch:
+    """Reads ahead, in a thread of its own, the parent chunks that a changed stream's next chunks will
+    take as delta bases: once a chunk is found new, the parent's chunks at its offset and the AHEAD
+    after it in the same-named stream (where a file's bases lie), each asked once. Without it every
+    base was read when its chunk needed it, by the worker that then waited: a put with a parent of a
+    store that is not in the page cache took twice the time of a put without one (issue 60). A
+    stream found unchanged asks nothing, so an unchanged stretch of a file costs no base read."""
+
+    AHEAD = 8
+
+    def __init__(self, store: SnapshotStore, at: dict[str, tuple[list[int], list[ChunkRef]]]) -> None:
+        import queue
+        self.store, self.at = store, at
+        self.asked: set[str] = set()
+        self.q: "queue.SimpleQueue[str | None]" = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._run, name="gpusnap-prefetch", daemon=True)
+        self.thread.start()
+
+    def changed(self, name: str, off: int) -> None:
+        got = self.at.get(name)
+        if got is None:
+            return
+        starts, refs = got
+        i = max(0, bisect.bisect_right(starts, off) - 1)
+        for ref in refs[i:i + self.AHEAD + 1]:
+            if ref.id is not None and ref.id not in self.asked:
+                self.asked.add(ref.id)
+                self.q.put(ref.id)
+
+    def _run(self) -> None:
+        while (cid := self.q.get()) is not None:
+            self.store.prefetch(cid)
+
+    def close(self) -> None:
+        self.q.put(None)
+        self.thread.join()
+
+
+@contextlib.contextmanager
+def _prefetching(store: SnapshotStore, at: dict[str, tuple[list[int], list[ChunkRef]]] | None
+                 ) -> Iterator[_Prefetch | None]:
+    if not at or os.environ.get("GPUSNAP_PUT_PREFETCH", "1") == "0":
+        yield None
+        return
+    p = _Prefetch(store, at)
+    try:
+        yield p
+    finally:
+        p.close()
 
 
 def _parent_chunks(parent: Manifest) -> dict[str, tuple[list[int], list[ChunkRef]]]:
