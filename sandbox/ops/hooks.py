@@ -28,8 +28,10 @@ import ipaddress
 import os
 import re
 import shlex
+import socket
 import subprocess
 import tempfile
+import threading
 import time
 import urllib.parse
 from dataclasses import dataclass
@@ -158,6 +160,15 @@ def _post(hook: Hook, step: Step, timeout_s: float) -> str:
     deadline = time.monotonic() + timeout_s
     path = (u.path or "/") + (f"?{u.query}" if u.query else "")
     conn = http.client.HTTPConnection(u.hostname or "", u.port or 80, timeout=timeout_s)
+    # a socket timeout bounds each read, not the answer: an endpoint that trickles a byte at a time (or
+    # sends `100 Continue` for ever) would hold gpusnap without end. At the deadline the socket is shut
+    # down, which ends any read in progress; `cut` tells that from the endpoint closing.
+    cut = threading.Event()
+    watchdog = threading.Timer(timeout_s, _cut, args=(conn, cut))
+    watchdog.daemon = True
+    watchdog.start()
+    late = HookError(f"the {step.value} step {hook.describe()} got no complete answer within {timeout_s:g} s "
+                     "(--hook-timeout)")
     try:
         conn.request("POST", path, body=b"", headers={"Content-Length": "0", "User-Agent": "gpusnap-hook"})
         _set_deadline(conn, deadline)
@@ -165,23 +176,38 @@ def _post(hook: Hook, step: Step, timeout_s: float) -> str:
         body = b""
         while len(body) < RESPONSE_LIMIT:
             _set_deadline(conn, deadline)
-            part = resp.read1(RESPONSE_LIMIT - len(body)) if hasattr(resp, "read1") else resp.read(RESPONSE_LIMIT)
+            part = resp.read1(RESPONSE_LIMIT - len(body))
             if not part:
                 break
             body += part
+        if cut.is_set():
+            raise late
     except TimeoutError:
-        raise HookError(f"the {step.value} step {hook.describe()} got no complete answer within {timeout_s:g} s "
-                        "(--hook-timeout)") from None
+        raise late from None
     except (OSError, http.client.HTTPException) as e:
+        if cut.is_set():
+            raise late from None
         raise HookError(f"the {step.value} step {hook.describe()} failed: "
                         f"{getattr(e, 'strerror', None) or e or type(e).__name__}") from None
     finally:
+        watchdog.cancel()
         conn.close()
     text = " ".join(body[:OUTPUT_TAIL].decode(errors="replace").split())
     if not 200 <= resp.status < 300:
         raise HookError(f"the {step.value} step {hook.describe()} answered HTTP {resp.status}"
                         + (f": {text}" if text else ""))
     return f"HTTP {resp.status}" + (f": {text}" if text else "")
+
+
+def _cut(conn: http.client.HTTPConnection, cut: threading.Event) -> None:
+    """The deadline of CONN's step: shut its socket down (a read in progress returns)."""
+    cut.set()
+    sock = conn.sock
+    if sock is not None:
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
 
 
 def _set_deadline(conn: http.client.HTTPConnection, deadline: float) -> None:

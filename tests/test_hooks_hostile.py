@@ -1,0 +1,136 @@
+"""Workload hooks against a hostile workload, tenant or store writer, through the real CLI and real CRIU:
+a hook URL whose endpoint trickles its answer (or sends `100 Continue` forever) cannot hold gpusnap
+past --hook-timeout; a timed-out command step that leaves its process group (setsid) is killed all
+the same; the helper's endpoint refuses what a web browser on the host could send it."""
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Callable, Iterator
+
+import pytest
+
+from conftest import Cli
+from support.criu import Tree, healthy
+
+pytestmark = pytest.mark.root
+
+
+@pytest.fixture(scope="module", autouse=True)
+def need_root() -> None:
+    if os.geteuid() != 0:
+        pytest.skip("CRIU needs root")
+
+
+def proc_state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"
+
+
+class Hostile:
+    """A loopback HTTP endpoint that answers every connection with TALK(conn, stop) on its own thread."""
+
+    def __init__(self, talk: Callable[[socket.socket, threading.Event], None]) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(8)
+        self.port = self.sock.getsockname()[1]
+        self.stop = threading.Event()
+        self.talk = talk
+        self.conns: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self.stop.is_set():
+            try:
+                c, _ = self.sock.accept()
+            except OSError:
+                return
+            self.conns.append(c)
+            threading.Thread(target=self._serve, args=(c,), daemon=True).start()
+
+    def _serve(self, c: socket.socket) -> None:
+        try:
+            c.recv(65536)
+            self.talk(c, self.stop)
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        self.stop.set()
+        self.sock.close()
+        for c in self.conns:
+            c.close()
+
+
+def _continue_forever(c: socket.socket, stop: threading.Event) -> None:
+    while not stop.wait(0.2):
+        c.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")
+
+
+def _trickle_headers(c: socket.socket, stop: threading.Event) -> None:
+    c.sendall(b"HTTP/1.1 200 OK\r\nX-Slow: ")
+    while not stop.wait(0.2):
+        c.sendall(b"a")
+
+
+def _trickle_chunked_body(c: socket.socket, stop: threading.Event) -> None:
+    c.sendall(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n1")
+    while not stop.wait(0.2):
+        c.sendall(b"0")
+
+
+@pytest.fixture
+def tree() -> Iterator[Tree]:
+    t = Tree(mb=4, detached=True)
+    try:
+        yield t
+    finally:
+        t.close()
+
+
+@pytest.mark.parametrize("talk", [_continue_forever, _trickle_headers, _trickle_chunked_body],
+                         ids=["100-continue-forever", "trickled-headers", "trickled-chunk-size"])
+def test_a_url_step_that_trickles_its_answer_cannot_outlast_the_deadline(
+        talk: Callable[[socket.socket, threading.Event], None], tmp_path: Path, tree: Tree) -> None:
+    """Every read of the answer was bounded, not the answer: an endpoint sending a byte every 0.2 s
+    (or interim `100 Continue` answers forever) held gpusnap for ever."""
+    srv = Hostile(talk)
+    try:
+        t0 = time.monotonic()
+        r = Cli(tmp_path / "store").run("criu", "dump", str(tree.pid), "s", "--prepare",
+                                        f"http://127.0.0.1:{srv.port}/prepare", "--hook-timeout", "2",
+                                        check=False, timeout=60)
+        took = time.monotonic() - t0
+        assert r.returncode == 1, (r.returncode, r.stderr)
+        assert "got no complete answer within 2 s" in r.stderr and "no snapshot was taken" in r.stderr, r.stderr
+        assert took < 20, f"gpusnap took {took:.1f} s on a 2 s deadline"
+        assert healthy(tree.report()) and tree.running()
+    finally:
+        srv.close()
+
+
+def test_a_timed_out_step_that_left_its_process_group_is_killed(tmp_path: Path, tree: Tree) -> None:
+    """A step that calls setsid() (a daemonizing tool) is no longer in the group gpusnap kills at the
+    deadline: it ran on, as root, after gpusnap said the step was killed."""
+    pidfile = tmp_path / "escaped.pid"
+    prepare = (f"/bin/sh -c 'setsid /bin/sh -c \"echo \\$\\$ > {pidfile}.tmp; mv {pidfile}.tmp {pidfile}; "
+               f"exec sleep 300\" & exec sleep 300'")
+    r = Cli(tmp_path / "store").run("criu", "dump", str(tree.pid), "s", "--prepare", prepare,
+                                    "--hook-timeout", "2", check=False, timeout=120)
+    assert r.returncode == 1 and "did not finish within 2 s" in r.stderr, (r.returncode, r.stderr)
+    escaped = int(pidfile.read_text())
+    try:
+        deadline = time.monotonic() + 5
+        while proc_state(escaped) not in ("gone", "Z") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert proc_state(escaped) in ("gone", "Z"), "a process the timed-out step started in its own session runs on"
+    finally:
+        if proc_state(escaped) not in ("gone", "Z"):
+            os.kill(escaped, 9)
+    assert healthy(tree.report()) and tree.running()
