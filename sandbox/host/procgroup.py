@@ -10,6 +10,7 @@ its command line.
 """
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import subprocess
@@ -81,3 +82,74 @@ def end_group(p: subprocess.Popen[str]) -> None:
         for f in (p.stdout, p.stderr):
             if f is not None:
                 f.close()
+
+
+# -- processes that left the group ---------------------------------------------------------------------
+_PR_SET_CHILD_SUBREAPER = 36
+_PR_GET_CHILD_SUBREAPER = 37
+
+
+def _prctl(option: int, arg: int) -> int:
+    libc = ctypes.CDLL(None, use_errno=True)
+    if option == _PR_GET_CHILD_SUBREAPER:
+        out = ctypes.c_int(0)
+        rc = libc.prctl(option, ctypes.byref(out), 0, 0, 0)
+        arg = out.value
+    else:
+        rc = libc.prctl(option, ctypes.c_ulong(arg), 0, 0, 0)
+    if rc != 0:
+        e = ctypes.get_errno()
+        raise OSError(e, os.strerror(e))
+    return arg
+
+
+def children() -> set[int]:
+    """The pids whose parent is this process now (zombies included)."""
+    me, out = os.getpid(), set()
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        if int(stat.rsplit(b")", 1)[1].split()[1]) == me:
+            out.add(int(name))
+    return out
+
+
+@contextmanager
+def adopting_escapees() -> Iterator[Callable[[], list[int]]]:
+    """While open, this process is a child subreaper: a process a helper left behind in a session of
+    its own (setsid, a double fork) becomes our child when its parent dies, instead of init's. Yields
+    SWEEP(): SIGKILL and reap every child we did not have when the block began, and the children
+    their deaths hand to us, until none is left; the pids it ended. Call it once the helper's own group
+    was ended (no other thread of this process may start children meanwhile: they would be swept too)."""
+    was = _prctl(_PR_GET_CHILD_SUBREAPER, 0)
+    before = children()
+    _prctl(_PR_SET_CHILD_SUBREAPER, 1)
+
+    def sweep() -> list[int]:
+        ended: list[int] = []
+        for _ in range(10000):  # each round ends one generation: a runaway cannot fork faster than SIGKILL
+            new = sorted(children() - before)
+            if not new:
+                break
+            for pid in new:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            for pid in new:
+                try:
+                    os.waitpid(pid, 0)
+                except ChildProcessError:
+                    pass
+            ended += new
+        return ended
+    try:
+        yield sweep
+    finally:
+        if not was:
+            _prctl(_PR_SET_CHILD_SUBREAPER, 0)

@@ -138,14 +138,20 @@ def _command(hook: Hook, step: Step, timeout_s: float, snapshot: str, pid: int |
     env = {"PATH": CLEAN_PATH, "LANG": "C.UTF-8", "GPUSNAP_HOOK_STEP": step.value, "GPUSNAP_SNAPSHOT": snapshot}
     if pid is not None:
         env["GPUSNAP_PID"] = str(pid)
-    with tempfile.TemporaryFile() as out:
+    # a step that left its process group (setsid, a daemonizing tool) is ended with it: it comes to
+    # gpusnap (a child subreaper while the step runs) when its parent dies, and is swept then
+    with tempfile.TemporaryFile() as out, procgroup.adopting_escapees() as sweep:
         try:
             p = procgroup.run_group(hook.argv, timeout_s, stdout=out, stderr=subprocess.STDOUT, env=env, cwd="/")
         except subprocess.TimeoutExpired:
+            sweep()
             raise HookError(f"the {step.value} step {hook.describe()} did not finish within {timeout_s:g} s "
                             "(--hook-timeout); its process group was killed") from None
         except OSError as e:
             raise HookError(f"the {step.value} step {hook.describe()} cannot run: {e.strerror or e}") from None
+        except BaseException:  # a signal: the group was ended, and so is what left it
+            sweep()
+            raise
         if p.returncode == 0:
             return "exit 0"
         out.seek(max(0, os.fstat(out.fileno()).st_size - OUTPUT_TAIL))
