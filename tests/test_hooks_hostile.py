@@ -134,3 +134,40 @@ def test_a_timed_out_step_that_left_its_process_group_is_killed(tmp_path: Path, 
         if proc_state(escaped) not in ("gone", "Z"):
             os.kill(escaped, 9)
     assert healthy(tree.report()) and tree.running()
+
+
+# -- the helper's endpoint: what a web page on this host could send it --------------------------------
+def _raw(port: int, request: bytes) -> int:
+    """The status line's code of REQUEST sent as it is to 127.0.0.1:PORT."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(request)
+        data = b""
+        while b"\r\n" not in data:
+            part = s.recv(4096)
+            if not part:
+                break
+            data += part
+    return int(data.split(b" ", 2)[1])
+
+
+@pytest.mark.parametrize("extra,code", [
+    (b"Host: 127.0.0.1\r\nOrigin: http://evil.example\r\n", 403),      # a cross-site form or fetch()
+    (b"Host: rebound.example:1\r\n", 403),                              # DNS rebinding: a name, not loopback
+    (b"Host: 127.0.0.1.rebound.example\r\n", 403),
+    (b"Host: 127.0.0.1\r\nSec-Fetch-Site: cross-site\r\n", 403),
+    (b"Host: 127.0.0.1\r\nContent-Length: -1\r\n", 400),                # read to the end of the stream: a hung thread
+    (b"Host: [::1]:80\r\n", 200),                                       # what tools send
+    (b"Host: localhost:80\r\n", 200),
+], ids=["origin", "rebound-name", "rebound-127-prefix", "sec-fetch", "negative-length", "v6", "localhost"])
+def test_the_helper_refuses_what_a_web_page_could_send(extra: bytes, code: int) -> None:
+    import sys
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "criu_hooks"))
+    import workload_helper
+    gate = workload_helper.Gate(drain_timeout_s=0.5)
+    _, port = gate.serve("127.0.0.1", 0)
+    try:
+        got = _raw(port, b"POST /prepare HTTP/1.1\r\n" + extra + b"Connection: close\r\n\r\n")
+        assert got == code
+        assert gate.prepared == (code == 200), "a refused request prepared the server"
+    finally:
+        gate.close()
