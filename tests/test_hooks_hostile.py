@@ -171,3 +171,31 @@ def test_the_helper_refuses_what_a_web_page_could_send(extra: bytes, code: int) 
         assert gate.prepared == (code == 200), "a refused request prepared the server"
     finally:
         gate.close()
+
+
+def test_a_resume_step_after_sigterm_does_not_inherit_ignored_signals(tmp_path: Path, tree: Tree) -> None:
+    """gpusnap ignores SIGTERM/SIGHUP/SIGINT while it undoes a dump it was told to stop; an ignored
+    disposition survives exec, so the resume step it then runs (and a daemon that step starts) could not
+    be stopped by SIGTERM or Ctrl-C."""
+    import signal
+    import subprocess
+
+    from conftest import GPUSNAP, REPO, pythonpath
+    store, pidfile, log = tmp_path / "store", tmp_path / "prepare.pid", tmp_path / "log"
+    prepare = f"/bin/sh -c 'echo $$ > {pidfile}.tmp; mv {pidfile}.tmp {pidfile}; exec sleep 60'"
+    resume = f"/bin/sh -c 'grep ^SigIgn: /proc/$$/status >> {log}'"
+    p = subprocess.Popen([*GPUSNAP, "--store", str(store), "criu", "dump", str(tree.pid), "s", "--prepare", prepare,
+                          "--resume", resume], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": pythonpath()},
+                         cwd=REPO, start_new_session=True)
+    deadline = time.monotonic() + 60
+    while not pidfile.exists():
+        assert p.poll() is None and time.monotonic() < deadline, p.communicate()
+        time.sleep(0.02)
+    p.send_signal(signal.SIGTERM)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 128 + signal.SIGTERM, (p.returncode, err)
+    ignored = int(log.read_text().split()[1], 16)
+    for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+        assert not ignored & (1 << (s - 1)), f"the resume step ran with {s.name} ignored (SigIgn {ignored:#x})"
+    assert healthy(tree.report()) and tree.running()

@@ -10,11 +10,13 @@ Guarantees kept here:
 - a URL names a loopback host (127.0.0.0/8, ::1, localhost) and the http scheme, checked when the step
   is parsed (the command line, a journal record, a snapshot's record): nothing else is ever contacted;
 - a command runs without a shell, from /, with a clean environment (PATH, LANG and the GPUSNAP_HOOK_*
-  variables only), stdin /dev/null, in its own session (sandbox.host.procgroup: recorded by the
-  journal's operation as it starts); at its deadline its whole process group is killed. What it
-  prints goes to an unlinked temporary file, of which only the tail is read;
+  variables only), stdin /dev/null, every signal's default action, in its own session
+  (sandbox.host.procgroup: recorded by the journal's operation as it starts); at its deadline (or a
+  signal to gpusnap) its whole process group is killed, and with it what the step left in sessions of
+  its own (gpusnap adopts them as a child subreaper while the step runs). What it prints goes to an
+  unlinked temporary file, of which only the tail is read;
 - a URL gets one POST with an empty body; the answer is read up to RESPONSE_LIMIT bytes; connect,
-  send and every read stop at the step's deadline; a 2xx status is success, anything else a failure;
+  send and the whole answer stop at the step's deadline (the socket is shut down then); a 2xx status is success, anything else a failure;
 - every failure is one HookError naming the step and why (exit 1);
 - a snapshot's recorded resume step is trusted only with a valid MAC under the journal's key over the
   step, the snapshot's name and the operation that committed it (sandbox.ops.trust): a step a store
@@ -28,6 +30,7 @@ import ipaddress
 import os
 import re
 import shlex
+import signal
 import socket
 import subprocess
 import tempfile
@@ -142,7 +145,8 @@ def _command(hook: Hook, step: Step, timeout_s: float, snapshot: str, pid: int |
     # gpusnap (a child subreaper while the step runs) when its parent dies, and is swept then
     with tempfile.TemporaryFile() as out, procgroup.adopting_escapees() as sweep:
         try:
-            p = procgroup.run_group(hook.argv, timeout_s, stdout=out, stderr=subprocess.STDOUT, env=env, cwd="/")
+            p = procgroup.run_group(hook.argv, timeout_s, stdout=out, stderr=subprocess.STDOUT, env=env, cwd="/",
+                                    preexec_fn=_default_signals)
         except subprocess.TimeoutExpired:
             sweep()
             raise HookError(f"the {step.value} step {hook.describe()} did not finish within {timeout_s:g} s "
@@ -158,6 +162,20 @@ def _command(hook: Hook, step: Step, timeout_s: float, snapshot: str, pid: int |
         tail = " ".join(out.read().decode(errors="replace").split())
     how = f"was killed by signal {-p.returncode}" if p.returncode < 0 else f"exited {p.returncode}"
     raise HookError(f"the {step.value} step {hook.describe()} {how}" + (f": {tail}" if tail else ""))
+
+
+def _default_signals() -> None:
+    """In the step's process before exec: every signal's default action and none blocked. An ignored
+    signal stays ignored across exec, and gpusnap ignores SIGTERM/SIGHUP/SIGINT while it undoes what a
+    signal stopped (sandbox.host.interrupts): the resume step it runs then, and whatever that starts,
+    could otherwise not be stopped by them."""
+    for s in signal.valid_signals():
+        if s not in (signal.SIGKILL, signal.SIGSTOP):
+            try:
+                signal.signal(s, signal.SIG_DFL)
+            except (OSError, ValueError):
+                pass
+    signal.pthread_sigmask(signal.SIG_SETMASK, [])
 
 
 def _post(hook: Hook, step: Step, timeout_s: float) -> str:
