@@ -129,7 +129,8 @@ def criu_restore_cmd(ctx: click.Context, name: str, staging: str | None, device_
         r = criu_restore(st, name, staging=staging, progress=prog, from_remote=from_remote, jobs=jobs,
                          device_map=split_map(device_map), tcp_established=tcp_established)
         if not local:  # fetched from a remote: its record is checked now that it is here
-            step = restore_resume(st, name, wh, no_resume)
+            step = restore_resume(st, name, wh, no_resume,
+                                  restored=f"snapshot {name!r} was restored (root pid {r.restored_pid})")
         if step is not None and r.restored_pid is not None:
             resumed(st.path, step, wh.timeout_s, name, r.restored_pid, tree_of(r.restored_pid), ran)
     skipped = r.stages.get("served", {}).get("split_skipped_because")

@@ -199,3 +199,27 @@ def test_a_resume_step_after_sigterm_does_not_inherit_ignored_signals(tmp_path: 
     for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
         assert not ignored & (1 << (s - 1)), f"the resume step ran with {s.name} ignored (SigIgn {ignored:#x})"
     assert healthy(tree.report()) and tree.running()
+
+
+def test_a_restore_from_another_store_says_truly_that_it_restored_and_did_not_resume(tmp_path: Path,
+                                                                                   tree: Tree) -> None:
+    """`criu restore NAME --from REMOTE` on another node: the recorded step is checked only once the
+    snapshot is here, after CRIU restored it. Its MAC is the other store's, so it is not run; the error
+    said "nothing was restored" of a workload that was running (a retry then collides with it)."""
+    from support.crash import wait_dead
+    from test_remote import Node, swift_start, url_for
+    log = tmp_path / "log"
+    endpoint = swift_start()
+    url = url_for(f"hookreview-{os.getpid()}-{time.monotonic_ns()}")
+    a, b = Node(tmp_path / "a", endpoint, url), Node(tmp_path / "b", endpoint, url)
+    a.json("criu", "dump", str(tree.pid), "snap", "--resume", f"/bin/sh -c 'echo r >> {log}'")
+    a.json("push", "snap")
+    wait_dead(tree)
+    r = b.run("criu", "restore", "snap", "--from", "r", check=False)
+    assert r.returncode == 1, (r.returncode, r.stderr)
+    line = r.stderr.strip()
+    assert len(line.splitlines()) == 1, line
+    assert tree.alive() and healthy(tree.report()), "the restore itself succeeded"
+    assert "nothing was restored" not in line, line
+    assert f"restored (root pid {tree.pid})" in line and "was not run" in line, line
+    assert not log.exists(), "a step that does not verify ran"

@@ -279,19 +279,26 @@ def resume_meta(op: Any, snapshot: str, hook: Hook | None) -> dict[str, Any]:
     return {RECORD_KEY: snapshot_record(op.journal.key, snapshot, op.id, hook)} if hook is not None else {}
 
 
-def recorded(key: JournalKey, snapshot: str, meta: Mapping[str, Any]) -> Hook | None:
+def recorded(key: JournalKey, snapshot: str, meta: Mapping[str, Any], restored: str | None = None) -> Hook | None:
     """The resume step SNAPSHOT's META records (None if it records none); HookError if it is not one
-    this store's gpusnap recorded for this snapshot: it is then never run."""
+    this store's gpusnap recorded for this snapshot: it is then never run. RESTORED: what was restored
+    already (a restore --from a remote checks the record only once the snapshot is here), for the error."""
     rec = meta.get(RECORD_KEY)
     if rec is None:
         return None
     hook, op = (rec.get("hook"), meta.get("op")) if isinstance(rec, dict) else (None, None)
     if not (isinstance(hook, str) and isinstance(op, str)
             and key.check("snapshot-resume", _signed(snapshot, op, hook), rec.get("mac"))):
+        if restored is not None:
+            raise HookError(f"{restored}, but the resume step it records cannot be verified (no valid MAC under "
+                            "this store's journal key: another store's gpusnap recorded it, or someone planted it); "
+                            "it was not run: tell the workload to resume yourself (name the step with --resume "
+                            "STEP, or --no-resume, on a restore from a remote)")
         raise HookError(f"snapshot {snapshot!r} records a resume step that gpusnap cannot verify (no valid MAC "
                         "under this store's journal key: it may have been planted by whoever can write the store); "
                         "nothing was restored: pass --resume STEP to name the step yourself, or --no-resume")
     try:
         return Hook.parse(hook)
     except HookSpecError as e:
-        raise HookError(f"snapshot {snapshot!r} records a resume step gpusnap will not run: {e}") from None
+        raise HookError((f"{restored}, but " if restored is not None else "")
+                        + f"snapshot {snapshot!r} records a resume step gpusnap will not run: {e}") from None
