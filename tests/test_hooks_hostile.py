@@ -223,3 +223,26 @@ def test_a_restore_from_another_store_says_truly_that_it_restored_and_did_not_re
     assert "nothing was restored" not in line, line
     assert f"restored (root pid {tree.pid})" in line and "was not run" in line, line
     assert not log.exists(), "a step that does not verify ran"
+
+
+@pytest.mark.parametrize("cmd", ["dump", "restore"])
+def test_a_prepare_step_does_not_run_for_a_command_that_will_refuse(cmd: str, tmp_path: Path, tree: Tree) -> None:
+    """A journal waiting for `gpusnap recover` makes `criu dump` and `criu restore` refuse (exit 5), but
+    only after the --prepare step had run: a server was put to sleep (its cache dropped) for nothing."""
+    import signal
+
+    from test_hooks import _paused, records
+    store, log = tmp_path / "store", tmp_path / "log"
+    cli = Cli(store)
+    cli.json("criu", "dump", "--leave-running", str(tree.pid), "snap")
+    p = _paused(store, ["criu", "dump", "--leave-running", str(tree.pid), "other", "--prepare", "/bin/true",
+                        "--resume", "/bin/true"], "after-prepare", tmp_path)
+    os.killpg(p.pid, signal.SIGKILL)
+    p.wait()
+    (tmp_path / "pause-after-prepare").unlink()
+    assert records(store), "an interrupted operation waits for recover"
+    args = (["criu", "dump", str(tree.pid), "x"] if cmd == "dump" else ["criu", "restore", "snap"])
+    r = cli.run(*args, "--prepare", f"/bin/sh -c 'echo p >> {log}'", check=False)
+    assert r.returncode == 5 and "gpusnap recover" in r.stderr, (r.returncode, r.stderr)
+    assert not log.exists(), "the prepare step ran for a command that refused"
+    assert tree.running()
