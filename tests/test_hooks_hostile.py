@@ -246,3 +246,42 @@ def test_a_prepare_step_does_not_run_for_a_command_that_will_refuse(cmd: str, tm
     assert r.returncode == 5 and "gpusnap recover" in r.stderr, (r.returncode, r.stderr)
     assert not log.exists(), "the prepare step ran for a command that refused"
     assert tree.running()
+
+
+def _escape_answer(c: socket.socket, stop: threading.Event) -> None:
+    body = b"\x1b]2;owned\x07\x1b[2J\x1b[31mfine\x9b1m"
+    c.sendall(b"HTTP/1.1 500 Oops\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+
+
+@pytest.mark.parametrize("kind", ["url", "command"])
+def test_a_steps_answer_cannot_write_terminal_controls_to_the_operator(kind: str, tmp_path: Path, tree: Tree) -> None:
+    """What the step (the workload's endpoint, or a tool relaying it) answers is quoted in gpusnap's
+    error line: escape sequences in it reached the operator's terminal (retitle, clear, recolour it)."""
+    srv = Hostile(_escape_answer)
+    try:
+        step = (f"http://127.0.0.1:{srv.port}/prepare" if kind == "url"
+                else "/usr/bin/printf '\\033]2;owned\\007\\033[2Jfine\\302\\2331m'")
+        if kind == "command":
+            step = f"/bin/sh -c \"{step}; exit 3\""
+        r = Cli(tmp_path / "store").run("criu", "dump", str(tree.pid), "s", "--prepare", step, check=False,
+                                        timeout=60)
+        assert r.returncode == 1, (r.returncode, r.stderr)
+        assert "fine" in r.stderr, r.stderr
+        assert not any(not c.isprintable() for c in r.stderr.rstrip("\n")), repr(r.stderr)
+    finally:
+        srv.close()
+
+
+def _escape_status_line(c: socket.socket, stop: threading.Event) -> None:
+    c.sendall(b"\x1b]2;owned\x07 nonsense\r\n\r\n")
+
+
+def test_a_bad_status_line_is_not_echoed_raw(tmp_path: Path, tree: Tree) -> None:
+    srv = Hostile(_escape_status_line)
+    try:
+        r = Cli(tmp_path / "store").run("criu", "dump", str(tree.pid), "s", "--prepare",
+                                        f"http://127.0.0.1:{srv.port}/prepare", check=False, timeout=60)
+        assert r.returncode == 1 and "owned" in r.stderr, (r.returncode, r.stderr)
+        assert not any(not c.isprintable() for c in r.stderr.rstrip("\n")), repr(r.stderr)
+    finally:
+        srv.close()

@@ -159,9 +159,17 @@ def _command(hook: Hook, step: Step, timeout_s: float, snapshot: str, pid: int |
         if p.returncode == 0:
             return "exit 0"
         out.seek(max(0, os.fstat(out.fileno()).st_size - OUTPUT_TAIL))
-        tail = " ".join(out.read().decode(errors="replace").split())
+        tail = _quoted(out.read())
     how = f"was killed by signal {-p.returncode}" if p.returncode < 0 else f"exited {p.returncode}"
     raise HookError(f"the {step.value} step {hook.describe()} {how}" + (f": {tail}" if tail else ""))
+
+
+def _quoted(data: bytes) -> str:
+    """DATA (what a step printed or answered: the workload's words) as one line fit to quote on the
+    operator's terminal: runs of white space made one space, every other control character (an escape
+    sequence's ESC, C1's CSI) a '?'."""
+    text = " ".join(data.decode(errors="replace").split())
+    return "".join(c if c.isprintable() else "?" for c in text)
 
 
 def _default_signals() -> None:
@@ -211,12 +219,12 @@ def _post(hook: Hook, step: Step, timeout_s: float) -> str:
     except (OSError, http.client.HTTPException) as e:
         if cut.is_set():
             raise late from None
-        raise HookError(f"the {step.value} step {hook.describe()} failed: "
-                        f"{getattr(e, 'strerror', None) or e or type(e).__name__}") from None
+        why = _quoted(str(getattr(e, "strerror", None) or e).encode()) or type(e).__name__  # BadStatusLine: its words
+        raise HookError(f"the {step.value} step {hook.describe()} failed: {why}") from None
     finally:
         watchdog.cancel()
         conn.close()
-    text = " ".join(body[:OUTPUT_TAIL].decode(errors="replace").split())
+    text = _quoted(body[:OUTPUT_TAIL])
     if not 200 <= resp.status < 300:
         raise HookError(f"the {step.value} step {hook.describe()} answered HTTP {resp.status}"
                         + (f": {text}" if text else ""))
