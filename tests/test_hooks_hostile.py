@@ -285,3 +285,17 @@ def test_a_bad_status_line_is_not_echoed_raw(tmp_path: Path, tree: Tree) -> None
         assert not any(not c.isprintable() for c in r.stderr.rstrip("\n")), repr(r.stderr)
     finally:
         srv.close()
+
+
+def test_a_step_that_floods_its_output_does_not_fill_the_disk(tmp_path: Path, tree: Tree) -> None:
+    """A command step's output went whole to a temporary file (only its tail is ever read): a step
+    relaying a workload's endless answer (curl on its endpoint) filled /tmp at disk speed until its
+    deadline. The step reports the size its output file has after 64 MiB."""
+    flood = (f"/bin/sh -c 'yes | head -c 67108864; sleep 0.5; "
+             f"echo size=$(stat -L -c %s /proc/$$/fd/1) blocks=$(stat -L -c %b /proc/$$/fd/1); exit 3'")
+    r = Cli(tmp_path / "store").run("criu", "dump", str(tree.pid), "s", "--prepare", flood, check=False,
+                                    timeout=120)
+    assert r.returncode == 1 and "exited 3" in r.stderr, (r.returncode, r.stderr)
+    words = dict(w.rstrip(";").split("=") for w in r.stderr.split() if w.startswith(("size=", "blocks=")))
+    assert int(words["blocks"]) * 512 <= 8 << 20, f"the step's output holds {int(words['blocks']) * 512} bytes on disk"
+    assert r.stderr.rstrip().endswith("; no snapshot was taken") and "y y y" in r.stderr, r.stderr

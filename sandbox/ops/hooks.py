@@ -25,6 +25,7 @@ Guarantees kept here:
 from __future__ import annotations
 
 import enum
+import fcntl
 import http.client
 import ipaddress
 import os
@@ -49,6 +50,8 @@ DEFAULT_TIMEOUT_S = 60.0
 MAX_TIMEOUT_S = 3600.0
 RESPONSE_LIMIT = 64 << 10     # bytes of a URL step's answer read (the rest is not)
 OUTPUT_TAIL = 400             # characters of a command's output an error quotes
+OUTPUT_KEEP = 1 << 20         # bytes of a command's output kept on disk at most (about) before it is emptied
+OUTPUT_POLL_S = 0.02          # how often it is looked at
 SPEC_LIMIT = 4096             # characters of a step as given
 CLEAN_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 _SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
@@ -143,7 +146,7 @@ def _command(hook: Hook, step: Step, timeout_s: float, snapshot: str, pid: int |
         env["GPUSNAP_PID"] = str(pid)
     # a step that left its process group (setsid, a daemonizing tool) is ended with it: it comes to
     # gpusnap (a child subreaper while the step runs) when its parent dies, and is swept then
-    with tempfile.TemporaryFile() as out, procgroup.adopting_escapees() as sweep:
+    with _Output() as out, procgroup.adopting_escapees() as sweep:
         try:
             p = procgroup.run_group(hook.argv, timeout_s, stdout=out, stderr=subprocess.STDOUT, env=env, cwd="/",
                                     preexec_fn=_default_signals)
@@ -158,10 +161,57 @@ def _command(hook: Hook, step: Step, timeout_s: float, snapshot: str, pid: int |
             raise
         if p.returncode == 0:
             return "exit 0"
-        out.seek(max(0, os.fstat(out.fileno()).st_size - OUTPUT_TAIL))
-        tail = _quoted(out.read())
+        tail = _quoted(out.tail())
     how = f"was killed by signal {-p.returncode}" if p.returncode < 0 else f"exited {p.returncode}"
     raise HookError(f"the {step.value} step {hook.describe()} {how}" + (f": {tail}" if tail else ""))
+
+
+class _Output:
+    """A command step's stdout and stderr: an unlinked temporary file, opened O_APPEND (the step's
+    descriptor too), that a thread empties whenever it holds more than OUTPUT_KEEP bytes, keeping its
+    last OUTPUT_TAIL: a step that prints without end costs at most about that much disk, not what it
+    wrote (a step relaying a workload's endless answer filled /tmp). A process the step leaves
+    running may go on writing to it after gpusnap is gone, as to any file it was given."""
+
+    def __init__(self) -> None:
+        self.file = tempfile.TemporaryFile()
+        fd = self.file.fileno()
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_APPEND)
+        self._carried = b""
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._trim_until_stopped, name="hook-output", daemon=True)
+
+    def __enter__(self) -> "_Output":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.file.close()
+
+    def fileno(self) -> int:
+        return self.file.fileno()
+
+    def _trim_until_stopped(self) -> None:
+        while not self._stop.wait(OUTPUT_POLL_S):
+            self._trim()
+
+    def _trim(self) -> None:
+        fd = self.file.fileno()
+        size = os.fstat(fd).st_size
+        if size > OUTPUT_KEEP:
+            self._carried = os.pread(fd, OUTPUT_TAIL, size - OUTPUT_TAIL)
+            os.ftruncate(fd, 0)  # the step's next write lands at 0 (O_APPEND)
+
+    def tail(self) -> bytes:
+        """The last OUTPUT_TAIL bytes the step wrote (about: what was written while a trim ran is lost)."""
+        self._stop.set()
+        self._thread.join()
+        fd = self.file.fileno()
+        size = os.fstat(fd).st_size
+        last = os.pread(fd, OUTPUT_TAIL, max(0, size - OUTPUT_TAIL))
+        return (self._carried + last)[-OUTPUT_TAIL:] if size < OUTPUT_TAIL else last
 
 
 def _quoted(data: bytes) -> str:
