@@ -299,3 +299,12 @@ def test_a_step_that_floods_its_output_does_not_fill_the_disk(tmp_path: Path, tr
     words = dict(w.rstrip(";").split("=") for w in r.stderr.split() if w.startswith(("size=", "blocks=")))
     assert int(words["blocks"]) * 512 <= 8 << 20, f"the step's output holds {int(words['blocks']) * 512} bytes on disk"
     assert r.stderr.rstrip().endswith("; no snapshot was taken") and "y y y" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("url", ["http://[::1]x/prepare", "http://[::1/prepare"])
+def test_a_malformed_hook_url_is_a_one_line_usage_error(url: str, tmp_path: Path, tree: Tree) -> None:
+    """urlsplit's own ValueError escaped as a traceback (exit 1)."""
+    r = Cli(tmp_path / "store").run("criu", "dump", str(tree.pid), "s", "--prepare", url, check=False)
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    assert r.stderr.count("\n") == 1 and "hook URL" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert tree.running()

@@ -101,7 +101,10 @@ class Hook:
 
 
 def _loopback_url(spec: str) -> str:
-    u = urllib.parse.urlsplit(spec)
+    try:
+        u = urllib.parse.urlsplit(spec)
+    except ValueError as e:  # "Invalid IPv6 URL": a bracket left open, or text after it
+        raise HookSpecError(f"hook URL {spec!r}: {e}") from None
     if u.scheme != "http":
         raise HookSpecError(f"hook URL {spec!r}: only http:// on this host is supported")
     if u.username is not None or u.password is not None:
