@@ -308,3 +308,53 @@ def test_a_malformed_hook_url_is_a_one_line_usage_error(url: str, tmp_path: Path
     assert r.returncode == 2, (r.returncode, r.stderr)
     assert r.stderr.count("\n") == 1 and "hook URL" in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert tree.running()
+
+
+def test_localhost_is_loopback_whatever_the_resolver_says(tmp_path: Path, tree: Tree) -> None:
+    """`http://localhost/...` passed the check as a name, then was resolved by the system's resolver
+    (/etc/hosts, then DNS where it lacks the name): the resolver, not gpusnap, chose the address. Here a
+    private /etc/hosts (a mount namespace of this test's own) names 127.0.0.2 as localhost: gpusnap must
+    still contact 127.0.0.1."""
+    import shutil
+    import subprocess
+
+    from conftest import GPUSNAP, REPO, pythonpath
+    if shutil.which("unshare") is None:
+        pytest.skip("no unshare(1)")
+    hits: dict[str, int] = {"127.0.0.1": 0, "127.0.0.2": 0}
+
+    def ok(addr: str) -> Callable[[socket.socket, threading.Event], None]:
+        def talk(c: socket.socket, stop: threading.Event) -> None:
+            hits[addr] += 1
+            c.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok")
+        return talk
+    good = Hostile(ok("127.0.0.1"))
+    other = socket.socket()
+    other.bind(("127.0.0.2", good.port))
+    other.listen(8)
+    got: list[int] = []
+
+    def record() -> None:
+        try:
+            c, _ = other.accept()
+        except OSError:
+            return
+        got.append(1)
+        c.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok")
+        c.close()
+    threading.Thread(target=record, daemon=True).start()
+    hosts = tmp_path / "hosts"
+    hosts.write_text("127.0.0.2 localhost\n")
+    try:
+        script = (f"mount --bind {hosts} /etc/hosts && exec \"$@\"")
+        r = subprocess.run(["unshare", "-m", "--propagation", "private", "/bin/sh", "-c", script, "sh", *GPUSNAP,
+                            "--store", str(tmp_path / "store"), "criu", "dump", "--leave-running", str(tree.pid), "s",
+                            "--prepare", f"http://localhost:{good.port}/prepare", "--json"],
+                           capture_output=True, text=True, cwd=REPO, timeout=120,
+                           env={**os.environ, "PYTHONPATH": pythonpath()})
+        assert r.returncode == 0, (r.returncode, r.stderr)
+        assert not got, "gpusnap contacted the address the resolver gave for localhost"
+        assert hits["127.0.0.1"] == 1
+    finally:
+        good.close()
+        other.close()

@@ -8,7 +8,8 @@ sandbox.ops.prepared's.
 
 Guarantees kept here:
 - a URL names a loopback host (127.0.0.0/8, ::1, localhost) and the http scheme, checked when the step
-  is parsed (the command line, a journal record, a snapshot's record): nothing else is ever contacted;
+  is parsed (the command line, a journal record, a snapshot's record): nothing else is ever contacted
+  (`localhost` is connected to as 127.0.0.1, else ::1, never looked up);
 - a command runs without a shell, from /, with a clean environment (PATH, LANG and the GPUSNAP_HOOK_*
   variables only), stdin /dev/null, every signal's default action, in its own session
   (sandbox.host.procgroup: recorded by the journal's operation as it starts); at its deadline (or a
@@ -245,6 +246,11 @@ def _post(hook: Hook, step: Step, timeout_s: float) -> str:
     deadline = time.monotonic() + timeout_s
     path = (u.path or "/") + (f"?{u.query}" if u.query else "")
     conn = http.client.HTTPConnection(u.hostname or "", u.port or 80, timeout=timeout_s)
+    if u.hostname == "localhost":  # the name is checked, not the resolver: connect to loopback ourselves
+        try:
+            conn.sock = _connect_localhost(u.port or 80, timeout_s)
+        except OSError as e:
+            raise HookError(f"the {step.value} step {hook.describe()} failed: {e.strerror or e}") from None
     # a socket timeout bounds each read, not the answer: an endpoint that trickles a byte at a time (or
     # sends `100 Continue` for ever) would hold gpusnap without end. At the deadline the socket is shut
     # down, which ends any read in progress; `cut` tells that from the endpoint closing.
@@ -282,6 +288,18 @@ def _post(hook: Hook, step: Step, timeout_s: float) -> str:
         raise HookError(f"the {step.value} step {hook.describe()} answered HTTP {resp.status}"
                         + (f": {text}" if text else ""))
     return f"HTTP {resp.status}" + (f": {text}" if text else "")
+
+
+def _connect_localhost(port: int, timeout_s: float) -> socket.socket:
+    """A connection to PORT on 127.0.0.1, else on ::1: what `localhost` names, whatever /etc/hosts or
+    DNS would answer for it."""
+    err: OSError = OSError("no loopback address answered")
+    for addr in ("127.0.0.1", "::1"):
+        try:
+            return socket.create_connection((addr, port), timeout=timeout_s)
+        except OSError as e:
+            err = e
+    raise err
 
 
 def _cut(conn: http.client.HTTPConnection, cut: threading.Event) -> None:
