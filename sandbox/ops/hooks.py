@@ -255,7 +255,7 @@ def _post(hook: Hook, step: Step, timeout_s: float) -> str:
     # sends `100 Continue` for ever) would hold gpusnap without end. At the deadline the socket is shut
     # down, which ends any read in progress; `cut` tells that from the endpoint closing.
     cut = threading.Event()
-    watchdog = threading.Timer(timeout_s, _cut, args=(conn, cut))
+    watchdog = threading.Timer(max(0.0, deadline - time.monotonic()), _cut, args=(conn, cut))
     watchdog.daemon = True
     watchdog.start()
     late = HookError(f"the {step.value} step {hook.describe()} got no complete answer within {timeout_s:g} s "
