@@ -15,9 +15,11 @@ Guarantees kept here:
   (sandbox.host.procgroup: recorded by the journal's operation as it starts); at its deadline (or a
   signal to gpusnap) its whole process group is killed, and with it what the step left in sessions of
   its own (gpusnap adopts them as a child subreaper while the step runs). What it prints goes to an
-  unlinked temporary file, of which only the tail is read;
+  unlinked temporary file kept under about OUTPUT_KEEP bytes (_Output), of which only the tail is
+  read, quoted with its control characters made '?' (_quoted);
 - a URL gets one POST with an empty body; the answer is read up to RESPONSE_LIMIT bytes; connect,
-  send and the whole answer stop at the step's deadline (the socket is shut down then); a 2xx status is success, anything else a failure;
+  send and the whole answer stop at the step's deadline (the socket is shut down then); a 2xx
+  status is success, anything else a failure;
 - every failure is one HookError naming the step and why (exit 1);
 - a snapshot's recorded resume step is trusted only with a valid MAC under the journal's key over the
   step, the snapshot's name and the operation that committed it (sandbox.ops.trust): a step a store
