@@ -1,7 +1,11 @@
 """Workload hooks against a hostile workload, tenant or store writer, through the real CLI and real CRIU:
-a hook URL whose endpoint trickles its answer (or sends `100 Continue` forever) cannot hold gpusnap
-past --hook-timeout; a timed-out command step that leaves its process group (setsid) is killed all
-the same; the helper's endpoint refuses what a web browser on the host could send it."""
+a hook URL whose endpoint trickles its answer (or sends `100 Continue` for ever) cannot hold gpusnap
+past --hook-timeout; `localhost` is never looked up; a malformed URL is a usage error; a timed-out
+command step that leaves its process group (setsid) is killed all the same; a resume step run after a
+SIGTERM does not inherit ignored signals; a step's output cannot fill the disk nor write terminal
+controls to the operator; a restore --from a remote tells truly what it did with a record it cannot
+verify; a restore that will refuse runs no prepare step; the helper's endpoint refuses what a web page
+could send it."""
 from __future__ import annotations
 
 import os
