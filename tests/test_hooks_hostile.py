@@ -365,3 +365,43 @@ def test_localhost_is_loopback_whatever_the_resolver_says(tmp_path: Path, tree: 
     finally:
         good.close()
         other.close()
+
+
+def test_the_sweep_of_a_timed_out_step_spares_a_workload_below_gpusnap(tmp_path: Path) -> None:
+    """After `criu restore` the restored tree is gpusnap's child while its resume step runs, so a process
+    the workload orphans then comes to gpusnap (the child subreaper) too: the sweep after a timeout
+    must end only what the step left, never the workload's. This process plays gpusnap (hooks.run, as
+    the restore's resume runs it); its child in a session of its own plays the restored tree, which
+    orphans a process while the step runs."""
+    import subprocess
+
+    from sandbox.ops import hooks
+    mark, escaped = tmp_path / "orphaned.pid", tmp_path / "escaped.pid"
+    workload = subprocess.Popen(["/bin/sh", "-c", f"sleep 1; /bin/sh -c 'echo $$ > {mark}.tmp; mv {mark}.tmp {mark}; "
+                                 "exec sleep 300' & exec sleep 300"], start_new_session=True)
+    orphan = None
+    try:
+        step = hooks.Hook.parse(f"/bin/sh -c 'setsid /bin/sh -c \"echo \\$\\$ > {escaped}; exec sleep 300\" & "
+                                "exec sleep 300'")
+        # the workload's orphan: its parent (the workload's root) is killed while the step runs
+        killer = threading.Timer(1.5, lambda: os.kill(workload.pid, 9))
+        killer.start()
+        with pytest.raises(hooks.HookError, match="did not finish within 4 s"):
+            hooks.run(step, hooks.Step.RESUME, 4)
+        killer.join()
+        workload.wait()
+        orphan = int(mark.read_text())
+        assert proc_state(orphan) not in ("gone", "Z"), "the sweep killed the workload's own process"
+        assert proc_state(int(escaped.read_text())) in ("gone", "Z"), "what the step left in its own session runs on"
+    finally:
+        for pid in (orphan, int(escaped.read_text()) if escaped.exists() else None):
+            if pid is not None and proc_state(pid) not in ("gone", "Z"):
+                os.kill(pid, 9)
+        if orphan is not None:  # adopted by this process while the step ran: ours to reap
+            try:
+                os.waitpid(orphan, 0)
+            except ChildProcessError:
+                pass
+        if workload.poll() is None:
+            workload.kill()
+            workload.wait()
