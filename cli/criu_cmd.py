@@ -14,7 +14,7 @@ from sandbox.criu.runner import DumpOptions
 from sandbox.criu.snapshot import criu_dump, criu_restore
 from sandbox.containers.process_check import refuse_container_process
 from sandbox.host.interrupts import undo_on_signals
-from sandbox.ops import hooks
+from sandbox.ops import hooks, journal
 from sandbox.ops.prepared import HookReport, prepared, restore_resume, resumed, tree_of
 from cli.hook_options import hook_options, workload_hooks
 
@@ -120,6 +120,7 @@ def criu_restore_cmd(ctx: click.Context, name: str, staging: str | None, device_
     wh = workload_hooks(prepare, resume, hook_timeout, no_resume)
     need_root("criu restore")
     st = open_store(ctx, create=False)
+    journal.require_clean(st.path)  # before the prepare step: a restore that will refuse prepares nothing
     local = st.exists(name)
     step = restore_resume(st, name, wh, no_resume)  # refused here, before anything is restored
     ran = HookReport()
@@ -129,7 +130,8 @@ def criu_restore_cmd(ctx: click.Context, name: str, staging: str | None, device_
         r = criu_restore(st, name, staging=staging, progress=prog, from_remote=from_remote, jobs=jobs,
                          device_map=split_map(device_map), tcp_established=tcp_established)
         if not local:  # fetched from a remote: its record is checked now that it is here
-            step = restore_resume(st, name, wh, no_resume)
+            step = restore_resume(st, name, wh, no_resume,
+                                  restored=f"snapshot {name!r} was restored (root pid {r.restored_pid})")
         if step is not None and r.restored_pid is not None:
             resumed(st.path, step, wh.timeout_s, name, r.restored_pid, tree_of(r.restored_pid), ran)
     skipped = r.stages.get("served", {}).get("split_skipped_because")

@@ -149,7 +149,8 @@ def gpu_restore_cmd(ctx: click.Context, name: str, pid: int, device_map: tuple[s
         rep = gpu_restore(st, name, pid, device_map=split_map(device_map), thp_mode=None if thp == "keep" else thp,
                           progress=prog, from_remote=from_remote)
         if not local:
-            step = restore_resume(st, name, wh, no_resume)
+            step = restore_resume(st, name, wh, no_resume,
+                                  restored=f"snapshot {name!r} was restored into pid {pid}'s processes")
         if step is not None:
             resumed(st.path, step, wh.timeout_s, name, pid, tree_of(pid), ran)
     emit(as_json, {**rep.as_dict(), **({"hooks": ran.as_list()} if ran.runs else {})}, f"{name}: {len(rep.pids)} process(es) restored via {rep.path} and running "

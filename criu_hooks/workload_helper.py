@@ -20,7 +20,10 @@ back as zeros of the same shape, dtype and device, and requests flow again.
 Endpoints (loopback only): POST /prepare (alias /sleep), POST /resume (alias /wake_up), GET /state.
 Each answers 200 with a JSON summary (/prepare: bytes released per tensor), 503 if requests in flight
 did not finish within the drain deadline (the gate is open again then: nothing was released).
-Both are idempotent: a second prepare, or a resume without a prepare, changes nothing.
+Both are idempotent: a second prepare, or a resume without a prepare, changes nothing. A request a web
+page could have made (an Origin or Sec-Fetch-Site header, a Host that is not a loopback address, as
+DNS rebinding sends) is refused with 403; the endpoint has no other authentication: any local process
+can reach it.
 
 Guarantees: a discardable tensor is dropped only when no request is in flight and none can start; a
 request that arrives while prepared waits (up to admit_timeout_s, then RuntimeError) and never runs
@@ -32,6 +35,7 @@ import asyncio
 import functools
 import gc
 import inspect
+import ipaddress
 import json
 import threading
 import time
@@ -212,14 +216,37 @@ class Gate:
                 self.end_headers()
                 self.wfile.write(data)
 
+            def _refused(self) -> bool:
+                """A request a web page could have made (a browser on this host visiting a hostile
+                site: an Origin header, or a Host that is not a loopback name, as DNS rebinding sends):
+                403. gpusnap, curl and other tools send neither."""
+                host = (self.headers.get("Host") or "").strip().lower()
+                name = host[1:host.find("]")] if host.startswith("[") else host.rsplit(":", 1)[0]
+                if self.headers.get("Origin") is None and self.headers.get("Sec-Fetch-Site") is None \
+                        and (name == "localhost" or _loopback_ip(name)):
+                    return False
+                self._answer(403, {"error": "refused: the helper answers tools on this host, not web pages "
+                                            "(an Origin header, or a Host that is not a loopback address)"})
+                return True
+
             def do_GET(self) -> None:
+                if self._refused():
+                    return
                 if self.path.split("?")[0] == "/state":
                     self._answer(200, gate.state())
                 else:
                     self._answer(404, {"error": "not found"})
 
             def do_POST(self) -> None:
-                n = min(int(self.headers.get("Content-Length") or 0), 1 << 16)
+                if self._refused():
+                    return
+                try:
+                    n = int(self.headers.get("Content-Length") or 0)
+                except ValueError:
+                    n = -1
+                if not 0 <= n <= 1 << 16:  # a negative length read to the end of the stream: held the thread
+                    self._answer(400, {"error": "bad Content-Length"})
+                    return
                 if n:
                     self.rfile.read(n)
                 step = {"/prepare": gate.prepare, "/sleep": gate.prepare,
@@ -253,6 +280,13 @@ class Gate:
             self._server.shutdown()
             self._server.server_close()
             self._server = None
+
+
+def _loopback_ip(name: str) -> bool:
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
 
 
 def _empty_cuda_cache() -> None:

@@ -369,7 +369,9 @@ def test_recover_ends_a_prepare_step_left_running_by_a_killed_gpusnap(tmp_path: 
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO,
                              start_new_session=True)
         deadline = time.monotonic() + 60
-        while not pidfile.exists():
+        # the step started and gpusnap recorded it (the step may write its pid before the record is written)
+        while not (pidfile.exists() and any(json.loads((store / "journal" / n).read_text()).get("helpers")
+                                            for n in records(store))):
             assert p.poll() is None and time.monotonic() < deadline, p.communicate()
             time.sleep(0.02)
         os.kill(p.pid, signal.SIGKILL)

@@ -154,13 +154,14 @@ class WorkloadPrepared(Operation):
         done.actions.append(f"ran the resume step {hook.describe()} ({run.detail})")
 
 
-def restore_resume(store: SnapshotStore, name: str, h: WorkloadHooks, no_resume: bool) -> hooks.Hook | None:
+def restore_resume(store: SnapshotStore, name: str, h: WorkloadHooks, no_resume: bool,
+                   restored: str | None = None) -> hooks.Hook | None:
     """The resume step a restore of NAME runs: --resume's, none with --no-resume, else the one the
     snapshot records if its MAC checks under this store's journal key (HookError otherwise, before
     anything is restored). None too while NAME is not in the store yet (a restore --from a remote:
-    called again once it is)."""
+    called again once it is, with RESTORED saying what was restored, for the error)."""
     if h.resume is not None or no_resume:
         return h.resume
     if not store.exists(name):
         return None
-    return hooks.recorded(journal.Journal(store.path).key, name, store.load(name).meta)
+    return hooks.recorded(journal.Journal(store.path).key, name, store.load(name).meta, restored)
