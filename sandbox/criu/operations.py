@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import signal
+import stat
 
 from sandbox.gpu.operations import resume_gpu
 from sandbox.host.processes import Proc, kill_with_descendants, process_tree, state_of, wait_gone, with_descendants
@@ -101,8 +102,11 @@ class CriuRestore(Operation):
         if not rec.staging or os.path.basename(rec.staging) != f"gpusnap-op-{rec.op}":
             return []
         try:
-            fd = os.open(os.path.join(rec.staging, "restored.pid"), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            fd = os.open(os.path.join(rec.staging, "restored.pid"),
+                         os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
             try:
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    return []
                 root = int(os.read(fd, 32).strip())
             finally:
                 os.close(fd)
