@@ -41,6 +41,7 @@ from sandbox.criu.runner import Criu, CriuError
 from sandbox.criu.serve import Arrivals, ServeSource, split_min
 from sandbox.host.processes import Proc, children_of, kill_with_descendants, state_of
 from sandbox.gpu.state import restore_huge_pages
+from sandbox.ops import journal
 
 
 @dataclass(frozen=True)
@@ -156,6 +157,7 @@ def streamed(run: RestoreRun, *, thp_mode: str | None = "always",
                         run.on_fill_done()  # from here on, no undo kills this tree: it is whole
                     for p in procs.values():
                         p.signal(signal.SIGCONT)
+                    journal.pause("fill-done")  # test hook: the tree runs whole, the record still says FILLING
                     seconds["split_fill"] = time.perf_counter() - t1
                     marks["fill_done"] = time.monotonic()
             finally:

@@ -206,7 +206,7 @@ def _packs(store: "SnapshotStore", root: int, uid: int, report: GcReport, live: 
                         continue
                     os.unlink(ent.name, dir_fd=packs_fd)
                     report.packs_removed += 1
-                    report.bytes_freed += st.st_size if stat.S_ISREG(st.st_mode) else 0
+                    report.bytes_freed += _held(st)
                     continue
                 ents = index.entries[ent.name]
                 mine = keep.get(ent.name, set())
@@ -228,12 +228,20 @@ def _packs(store: "SnapshotStore", root: int, uid: int, report: GcReport, live: 
                     report.packs_repacked += 1
                 report.packs_removed += 1
                 report.chunks_removed += dead
-                report.bytes_freed += size - (live_bytes if mine else 0)
+                # what the pack really held on disk, not what its index claims (an index may say 1 GiB of an
+                # 8 KiB pack), less what its live entries now take in the new packs
+                report.bytes_freed += max(0, _held(st) - (live_bytes if mine else 0))
             store.refresh_index()
     except FileNotFoundError:
         report.damage.append(f"{INDEX}/ is missing")
     finally:
         os.close(packs_fd)
+
+
+def _held(st: os.stat_result) -> int:
+    """The bytes a file of ST really takes (its length, but never more than its allocated blocks: a sparse
+    file frees only what it holds); 0 for anything but a regular file."""
+    return min(st.st_size, st.st_blocks * 512) if stat.S_ISREG(st.st_mode) else 0
 
 
 def _drop_pack(idx_fd: int, packs_fd: int, name: str) -> None:
@@ -412,7 +420,7 @@ def _chunks(chunks: int, uid: int, report: GcReport, live: set[str]) -> None:
                     continue
                 os.unlink(ent.name, dir_fd=xy)  # a link or FIFO under a chunk's name goes too, unopened
                 report.chunks_removed += 1
-                report.bytes_freed += st.st_size if stat.S_ISREG(st.st_mode) else 0
+                report.bytes_freed += _held(st)
                 removed = True
             if removed:
                 os.fsync(xy)
