@@ -38,11 +38,10 @@ fi
 # no user site-packages, neither the current directory nor the script's on sys.path) and -S (no site
 # module: no sitecustomize/usercustomize or .pth file runs); sys.path gets the env's own site-packages,
 # named here. pip's launchers honoured PYTHONPATH: a sitecustomize.py planted there ran as root.
-"$prefix/bin/python" -I -S - "$prefix" <<'PY'
-import os, sys, sysconfig
+"$prefix/bin/python" -I - "$prefix" <<'PY'
+import os, site as _site, sys
 prefix = sys.argv[1]
-paths = sysconfig.get_paths(vars={"base": prefix, "platbase": prefix})
-site = list(dict.fromkeys([paths["purelib"], paths["platlib"]]))
+site = [p for p in _site.getsitepackages() if p.startswith(os.path.realpath(prefix) + "/") or p.startswith(prefix + "/")]
 for name, mod, fn in (("gpusnap", "cli", "main"), ("gpusnap-criu-hook", "criu_hooks.action_script", "main")):
     text = (f"#!{prefix}/bin/python -IS\n# gpusnap's {name}, isolated (scripts/setup/install-system.sh)\n"
             f"import sys\nsys.path[:0] = {site!r}\nfrom {mod} import {fn}\nsys.exit({fn}())\n")
