@@ -1,8 +1,11 @@
 """`gpusnap recover`: finish or undo every operation whose gpusnap process died, as its journal says.
 
-For each journal record whose owner is gone (sandbox.ops.journal), in this order: check that gpusnap
-wrote it (its MAC under the journal's key, sandbox.ops.trust; a record that fails is set aside,
-nothing it names is signalled, and the report is not ok); wait for the helpers it recorded as they
+For each journal record whose owner is gone (sandbox.ops.journal), in this order: check that it is one
+to act on (its MAC under the host key, sandbox.ops.trust, for this store directory, and the current
+record of its operation as the host-local state says, or of an earlier boot; a record that fails,
+or a file that is no record, is set aside, nothing it names is signalled, and the report is not ok);
+a record of an earlier boot (a power loss) signals nothing: only its staging, temporary files and
+record are removed; otherwise wait for the helpers it recorded as they
 started (CRIU or runsc still finishing; killed as a group after a grace period); then the undo of its
 kind (sandbox.ops.operations; each kind's module beside its flow: the same undo the operation runs
 itself when it fails):
@@ -32,9 +35,10 @@ incomplete, or that the driver still holds mid-operation, cannot get its memory 
 each lost region and the state the process stays in (Recovered.lost, and `ok` is false), and takes
 that as the final outcome: the record goes, and its chunks are gc's to reclaim.
 
-Guarantees kept here: only processes named in a record gpusnap wrote (valid MAC) with the same pid
+Guarantees kept here: only processes named in a record to act on, of this boot, with the same pid
 AND start time are signalled, helpers only through the process group they were recorded leading (never
-found by command line); only the staging directory named after the record's operation is removed; a record whose
+found by command line); only the staging directory named after the record's operation, a directory of
+gpusnap's user, is removed; a record whose
 recovery failed stays (the next `gpusnap recover` tries again) and the failure is reported.
 """
 from __future__ import annotations

@@ -13,9 +13,15 @@ Guarantees kept here:
   log goes after it (a log without a record names nothing gc keeps, and recover removes it);
 - processes are named by pid AND start time (Proc, sandbox.host.processes), so a pid reused by an
   unrelated process is never taken for the owner or the workload, and is never signalled;
-- every record carries an HMAC under the journal's key (sandbox.ops.trust) over all it says, its
-  owner (pid and start time) included; a record read without a valid one is marked untrusted
-  (OpRecord.untrusted) and recovery signals nothing it names;
+- every record carries an HMAC under the host key (sandbox.ops.trust: outside the store, root-only)
+  over all it says, its owner (pid and start time), its boot and its store directory included; its
+  operation's host-local state (sandbox.ops.opstate, on tmpfs) names the MAC of the current record,
+  written before the record and removed after it. A record read without a valid MAC, written for
+  another store directory, or of this boot but not the current one (replayed) is marked untrusted
+  (OpRecord.untrusted): recovery signals nothing it names, and it blocks no command (require_clean
+  sets it aside). A record of an earlier boot (a power loss) is recovered without signalling anything;
+- every file of the journal is opened O_NOFOLLOW | O_NONBLOCK and checked (a regular file, at most
+  MAX_RECORD bytes) before it is read: a FIFO planted there blocks nothing;
 - the helpers an operation starts (CRIU, runsc: sandbox.host.procgroup) are recorded by pid, start
   time and process group as they start, never looked up by command line;
 - the test hook (pause, env GPUSNAP_TEST_PAUSE=STAGE:FILE) does nothing unless that variable names
