@@ -158,8 +158,8 @@ def _refuse(j: Journal, rec: OpRecord, done: Recovered) -> None:
         where = j.set_aside(rec.op)
     except OSError as e:
         where = f"left in place ({e.strerror or e})"
-    done.error = (f"journal record {rec.op} is not one gpusnap wrote (or not one in force) ({rec.untrusted}): nothing it names was "
-                  f"signalled or removed; the record was set aside as {where}")
+    done.error = (f"journal record {rec.op} is not one gpusnap wrote (or not one in force) ({rec.untrusted}): "
+                  f"nothing it names was signalled or removed; the record was set aside as {where}")
 
 
 def _wait_for_helpers(rec: OpRecord, wait_s: float, done: Recovered) -> None:
