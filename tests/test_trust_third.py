@@ -345,3 +345,22 @@ def test_n8_a_record_without_a_mac_blocks_no_command(tmp_path: Path) -> None:
         assert healthy(tree.report())
     finally:
         tree.kill()
+
+
+# ---- gc reports what it really freed -------------------------------------------------------------
+
+def test_gc_reports_the_bytes_a_pack_held_not_what_its_index_claims(tmp_path: Path) -> None:
+    """An 8 KiB pack whose index says the pack is 1 GiB long: gc removes it and reports 8 KiB freed (before:
+    "1.07 GB freed", the index's claim)."""
+    from storage.format.packs import encode_index
+    store = tmp_path / "store"
+    cli = Cli(store)
+    cli.json("store", "init")
+    pack = uuid.uuid4().hex
+    (store / "packs").mkdir(exist_ok=True)
+    (store / "index").mkdir(exist_ok=True)
+    (store / "packs" / pack).write_bytes(os.urandom(8192))
+    (store / "index" / pack).write_bytes(encode_index(pack, 1 << 30, [(os.urandom(32).hex(), 0, 8192)]))
+    gc = cli.json("store", "gc")
+    assert gc["packs_removed"] == 1 and not (store / "packs" / pack).exists(), gc
+    assert gc["bytes_freed"] == 8192, gc
