@@ -364,3 +364,43 @@ def test_gc_reports_the_bytes_a_pack_held_not_what_its_index_claims(tmp_path: Pa
     gc = cli.json("store", "gc")
     assert gc["packs_removed"] == 1 and not (store / "packs" / pack).exists(), gc
     assert gc["bytes_freed"] == 8192, gc
+
+
+# ---- a power loss: records of an earlier boot are recovered, and signal nothing -------------------
+
+def test_a_record_of_an_earlier_boot_is_cleaned_up_and_signals_nothing(tmp_path: Path) -> None:
+    """After a power loss /run is empty but the host key is not: a genuine `filling` record of the earlier
+    boot is recovered (its staging removed, the record cleared, ok), and the process of this boot whose
+    pid and start time it happens to name is somebody else's: never signalled."""
+    from dataclasses import replace
+    from sandbox.ops.journal import Journal, OpKind, OpRecord, Proc, Stage, boot_id
+    store = tmp_path / "store"
+    cli = Cli(store)
+    cli.json("store", "init")
+    victim = _victim()
+    try:
+        j = Journal(str(store))
+        op = uuid.uuid4().hex
+        staging = tmp_path / f"gpusnap-op-{op}"
+        staging.mkdir(mode=0o700)
+        (staging / "images").mkdir()
+        rec = OpRecord(op, OpKind.CRIU_RESTORE, Stage.FILLING, Proc(4194301, 1), "r", staging=str(staging),
+                       procs=(Proc(victim.pid, _start(victim.pid)),), boot=str(uuid.uuid4()), store=j.store_id)
+        assert rec.boot != boot_id()
+        j.write(rec)
+        from sandbox.ops import opstate
+        opstate.remove(op)  # what the reboot did to /run
+        rep = cli.json("recover")
+        time.sleep(0.3)
+        assert rep["ok"], rep
+        acts = rep["operations"][0]["actions"]
+        assert any("before this boot" in a for a in acts) and not any("killed" in a for a in acts), acts
+        assert victim.poll() is None and _running(victim.pid)
+        assert not staging.exists() and not (store / "journal" / f"{op}.json").exists()
+        # the same record replayed later (kept by a store writer) does no more: nothing left to remove
+        j.write(replace(rec, staging=None))
+        opstate.remove(op)
+        assert cli.json("recover")["ok"] and victim.poll() is None
+    finally:
+        victim.kill()
+        victim.wait()
