@@ -325,7 +325,7 @@ def test_n8_a_record_without_a_mac_blocks_no_command(tmp_path: Path) -> None:
     cli.json("store", "init")
     (tmp_path / "src").mkdir()
     (tmp_path / "src" / "f").write_bytes(os.urandom(4096))
-    rec = {"op": uuid.uuid4().hex, "kind": "criu-dump", "stage": "dumping", "owner": {"pid": 4194301, "start": 1},
+    rec: dict[str, object] = {"op": uuid.uuid4().hex, "kind": "criu-dump", "stage": "dumping", "owner": {"pid": 4194301, "start": 1},
            "snapshot": "x", "staging": None, "procs": [], "cuda_pids": [], "gpu_path": None,
            "leave_running": False, "runsc": None, "started": time.time(), "helpers": []}
     path = store / "journal" / f"{rec['op']}.json"
