@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import threading
+from typing import Any
 
 import pytest
 import zstandard
@@ -137,7 +138,7 @@ def _both(payload: bytes, n: int) -> tuple[object, object]:
     PAYLOAD: the bytes, or the error class."""
     from unittest import mock
     from storage.codecs.registry import CodecError, ZstdCodec
-    out = []
+    out: list[object] = []
     for lib in (True, False):
         with mock.patch.object(zstdlib, "available", lambda: lib):
             try:
@@ -179,7 +180,9 @@ def test_frame_layout_reads_what_libzstd_reads() -> None:
     import ctypes
     for n in (0, 1, 255, 256, 65791, 65792, 200000):
         raw = bytes(range(256)) * (n // 256) + bytes(n % 256)
-        for params in ({}, {"write_checksum": True}, {"write_content_size": False}, {"write_dict_id": False}):
+        variants: list[dict[str, Any]] = [{}, {"write_checksum": True}, {"write_content_size": False},
+                                          {"write_dict_id": False}]
+        for params in variants:
             frame = zstandard.ZstdCompressor(level=1, **params).compress(raw)
             buf = ctypes.create_string_buffer(frame, len(frame))
             declared = zstdlib._Q.ZSTD_getFrameContentSize(ctypes.addressof(buf), len(frame))
