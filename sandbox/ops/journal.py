@@ -20,8 +20,8 @@ Guarantees kept here:
   another store directory, or of this boot but not the current one (replayed) is marked untrusted
   (OpRecord.untrusted): recovery signals nothing it names, and it blocks no command (require_clean
   sets it aside). A record of an earlier boot (a power loss) is recovered without signalling anything;
-- every file of the journal is opened O_NOFOLLOW | O_NONBLOCK and checked (a regular file, at most
-  MAX_RECORD bytes) before it is read: a FIFO planted there blocks nothing;
+- every file of the journal is opened O_NOFOLLOW | O_NONBLOCK and checked (a regular file of gpusnap's
+  user, at most MAX_RECORD bytes) before it is read: a FIFO planted there blocks nothing;
 - the helpers an operation starts (CRIU, runsc: sandbox.host.procgroup) are recorded by pid, start
   time and process group as they start, never looked up by command line;
 - the test hook (pause, env GPUSNAP_TEST_PAUSE=STAGE:FILE) does nothing unless that variable names
@@ -288,6 +288,8 @@ class Journal:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
                 raise ValueError("not a regular file")
+            if st.st_uid != os.geteuid():
+                raise ValueError(f"owned by uid {st.st_uid}, not gpusnap's uid {os.geteuid()}")
             if st.st_size > MAX_RECORD:
                 raise ValueError(f"{st.st_size} bytes, more than a record ever holds")
             return json.loads(os.read(fd, MAX_RECORD + 1))
