@@ -211,11 +211,13 @@ class Journal:
 
     @property
     def store_id(self) -> str:
-        """This store directory on this host: device, inode and real path. A copy of the store (a backup put
-        back, another directory, another host) or the store moved is another store: its records are set aside."""
+        """This store directory on this host: its inode and real path. A copy of the store (a backup put back,
+        another directory) or the store moved is another store: its records are set aside. (Not the device
+        number: some file systems number their devices anew at boot, and a record left by a power loss must
+        still be this store's.)"""
         if self._store_id is None:
             st = os.stat(self.store_path)
-            self._store_id = f"{st.st_dev}:{st.st_ino}:{os.path.realpath(self.store_path)}"
+            self._store_id = f"{st.st_ino}:{os.path.realpath(self.store_path)}"
         return self._store_id
 
     def _path(self, op: str) -> str:
