@@ -247,10 +247,11 @@ def test_n3_fifos_at_the_key_and_a_record_block_no_command(tmp_path: Path) -> No
         host.mkdir(mode=0o700)
         _fifo(host / "key")
         env = {"GPUSNAP_HOST_DIR": str(host)}
+        from sandbox.ops.journal import Journal
         op = uuid.uuid4().hex  # a record whose MAC must be checked: the key is read
         (store / "journal" / f"{op}.json").write_text(json.dumps({
             "op": op, "kind": "criu-dump", "stage": "dumping", "owner": {"pid": 4194301, "start": 1}, "snapshot": "x",
-            "boot": "b", "store": "s", "mac": "0" * 64}))
+            "boot": "b", "store": Journal(str(store)).store_id, "mac": "0" * 64}))
         for args in (["recover"], ["criu", "dump", "--leave-running", str(tree.pid), "d2"]):
             r = cli.run(*args, check=False, timeout=60, env=env)
             assert r.returncode != 0 and "host key" in r.stderr and "regular file" in r.stderr, (args, r.stderr)

@@ -16,7 +16,7 @@ Guarantees kept here:
 - a URL gets one POST with an empty body; the answer is read up to RESPONSE_LIMIT bytes; connect,
   send and every read stop at the step's deadline; a 2xx status is success, anything else a failure;
 - every failure is one HookError naming the step and why (exit 1);
-- a snapshot's recorded resume step is trusted only with a valid MAC under the journal's key over the
+- a snapshot's recorded resume step is trusted only with a valid MAC under the host key over the
   step, the snapshot's name and the operation that committed it (sandbox.ops.trust): a step a store
   writer planted, or copied from another snapshot, is never run.
 """

@@ -204,9 +204,10 @@ class Journal:
 
     @property
     def key(self) -> JournalKey:
-        """The key of every record and commit MAC here: the host's (sandbox.ops.trust), never one in the store."""
+        """The key of every record and commit MAC here: derived from the host's for this store (sandbox.ops.trust),
+        never one in the store."""
         if self._key is None:
-            self._key = journal_key()
+            self._key = journal_key(self.store_id)
         return self._key
 
     @property
@@ -346,10 +347,10 @@ class Journal:
                         "store; if this store was never copied from elsewhere, `gpusnap recover --trust-old-key` "
                         "acts on it once"), False
             return None, True
-        if not self.key.check("journal-record", d, mac):
-            return "it carries no valid MAC under this host's key: gpusnap did not write it here", False
-        if rec.store != self.store_id:
+        if rec.store != self.store_id:  # (its MAC, under that store's key, could not check here either)
             return "it was written for another store directory (this store, or the record, was copied or moved)", False
+        if not self.key.check("journal-record", d, mac):
+            return "it carries no valid MAC under this store's journal key: gpusnap did not write it here", False
         if rec.other_boot:
             return None, False
         state = opstate.load(rec.op)

@@ -1,10 +1,12 @@
 """The journal's secret: what lets `gpusnap recover` tell a record gpusnap wrote, for this store, from a forged or copied one.
 
-The key is the host's (storage.fs.hostkey: /var/lib/gpusnap-host/key for root, outside every store,
-root-only): a copy of a store carries records but never the power to make or check them. Every journal
-record carries an HMAC-SHA256 under it over all it says, including the boot it was written in and the
-identity of the store directory it was written for (sandbox.ops.journal); a dump's manifest carries
-one over the operation id, the snapshot's name and the pids it names (`meta.op_mac`). Whoever can
+The key of a store's journal is derived from the host's (storage.fs.hostkey: /var/lib/gpusnap-host/key
+for root, outside every store, root-only) and the store directory's identity: a copy of a store carries
+records but never the power to make or check them, and a MAC made for one store never checks in
+another. Every journal record carries an HMAC-SHA256 under it over all it says, including the boot it
+was written in and the identity of the store directory it was written for (sandbox.ops.journal); a
+dump's manifest carries one over the operation id, the snapshot's name and the pids it names
+(`meta.op_mac`), and one over a recorded resume step (sandbox.ops.hooks). Whoever can
 write a store (a tenant, another user, a backup restored from elsewhere) but cannot read the host key
 cannot make a record or a commit that recovery acts on.
 
@@ -31,10 +33,11 @@ class TrustError(GpusnapError):
     """A journal key cannot be read safely."""
 
 
-def journal_key() -> JournalKey:
-    """The key every journal record and commit MAC on this host is made with (the host key)."""
+def journal_key(store_id: str) -> JournalKey:
+    """The key of the journal of the store directory STORE_ID (sandbox.ops.journal.Journal.store_id): derived
+    from the host key, so that it never lives in the store and a MAC made for one store never checks in another."""
     try:
-        return hostkey.host_key()
+        return hostkey.host_key().derive("journal-key", store_id)
     except hostkey.HostStateError as e:
         raise TrustError(str(e)) from None
 

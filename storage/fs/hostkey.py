@@ -162,6 +162,10 @@ class HostKey:
     def check(self, what: str, value: Any, mac: Any) -> bool:
         return isinstance(mac, str) and hmac.compare_digest(self.mac(what, value), mac)
 
+    def derive(self, what: str, value: Any) -> "HostKey":
+        """A key of its own for WHAT and VALUE (one store's journal: sandbox.ops.trust), made from this one."""
+        return HostKey(bytes.fromhex(self.mac(what, value)))
+
 
 _cache: dict[tuple[str, int], HostKey] = {}
 _lock = threading.Lock()
