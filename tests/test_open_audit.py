@@ -47,8 +47,7 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("sandbox/runsc/snapshot.py", "open(spec_path)"): "the operator's OCI spec",
     ("storage/archive/filetree.py", "open(os.path.join(d, 'scanned'), 'w')"): "test hook (GPUSNAP_TEST_PAUSE_AFTER_SCAN only)",
     ("storage/base/pausepoint.py", "open(path + '.tmp', 'w')"): "test hook (GPUSNAP_TEST_PAUSE only)",
-    ("storage/remote/client.py", "os.open(path"): "remote config and credentials: storage/remote's own checks (issue 58 N7)",
-    ("storage/remote/client.py", "open(path, 'w')"): "remote config written by `remote add` (storage/remote, issue 58 N7)",
+    ("storage/remote/client.py", "open(path, 'w')"): "test hook (GPUSNAP_TEST_PAUSE_TRANSFER only)",
 }
 
 
