@@ -56,7 +56,8 @@ from storage.api import SnapshotStore
 
 from sandbox.ops import journal
 from sandbox.host import hugepages
-from sandbox.ops.journal import Journal, OpRecord
+from sandbox.ops import opstate
+from sandbox.ops.journal import Journal, OpRecord, Proc
 from sandbox.ops.operations import GpuAccess, Recovered, Undo, operation_for
 # every kind registers its Operation on import: recover undoes every kind, so it sits above every flow
 import sandbox.criu.operations  # noqa: F401
@@ -149,6 +150,17 @@ def _recover_all(store: SnapshotStore, j: Journal, report: RecoverReport, gpu: G
             done.error = str(e) or type(e).__name__
     for tmp in j.stale_temps():
         os.unlink(tmp)
+    _forget_orphan_states(j)
+
+
+def _forget_orphan_states(j: Journal) -> None:
+    """This store's host-local operation states whose owner died and whose record is gone (gpusnap killed
+    between removing the record and its state, or the record removed by someone else): forgotten, so
+    that no record put back later is ever taken for current."""
+    for st in opstate.every():
+        if (st.store == j.store_id and not Proc(*st.owner).alive()
+                and not os.path.lexists(os.path.join(j.dir, f"{st.op}.json"))):
+            opstate.remove(st.op)
 
 
 def _refuse(j: Journal, rec: OpRecord, done: Recovered) -> None:

@@ -405,3 +405,24 @@ def test_a_record_of_an_earlier_boot_is_cleaned_up_and_signals_nothing(tmp_path:
     finally:
         victim.kill()
         victim.wait()
+
+
+def test_recover_forgets_the_state_of_an_operation_whose_record_is_gone(tmp_path: Path) -> None:
+    """gpusnap killed between removing its record and its host-local state (or the record taken away):
+    recover forgets that state, so that the record put back later is never taken for current."""
+    from sandbox.ops import opstate
+    from sandbox.ops.journal import Journal, OpKind, OpRecord, Proc, Stage
+    store = tmp_path / "store"
+    cli = Cli(store)
+    cli.json("store", "init")
+    j = Journal(str(store))
+    op = uuid.uuid4().hex
+    j.write(OpRecord(op, OpKind.CRIU_DUMP, Stage.DUMPING, Proc(4194301, 1), "x"))
+    kept = (store / "journal" / f"{op}.json").read_bytes()
+    (store / "journal" / f"{op}.json").unlink()
+    assert opstate.load(op) is not None
+    assert cli.json("recover")["operations"] == []
+    assert opstate.load(op) is None, "the orphan state was forgotten"
+    (store / "journal" / f"{op}.json").write_bytes(kept)
+    r = cli.run("recover", "--json", check=False)
+    assert r.returncode != 0 and "not the current record" in json.loads(r.stdout)["operations"][0]["error"]
