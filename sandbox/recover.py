@@ -1,8 +1,11 @@
 """`gpusnap recover`: finish or undo every operation whose gpusnap process died, as its journal says.
 
-For each journal record whose owner is gone (sandbox.ops.journal), in this order: check that gpusnap
-wrote it (its MAC under the journal's key, sandbox.ops.trust; a record that fails is set aside,
-nothing it names is signalled, and the report is not ok); wait for the helpers it recorded as they
+For each journal record whose owner is gone (sandbox.ops.journal), in this order: check that it is one
+to act on (its MAC under the host key, sandbox.ops.trust, for this store directory, and the current
+record of its operation as the host-local state says, or of an earlier boot; a record that fails,
+or a file that is no record, is set aside, nothing it names is signalled, and the report is not ok);
+a record of an earlier boot (a power loss) signals nothing: only its staging, temporary files and
+record are removed; otherwise wait for the helpers it recorded as they
 started (CRIU or runsc still finishing; killed as a group after a grace period); then the undo of its
 kind (sandbox.ops.operations; each kind's module beside its flow: the same undo the operation runs
 itself when it fails):
@@ -32,9 +35,10 @@ incomplete, or that the driver still holds mid-operation, cannot get its memory 
 each lost region and the state the process stays in (Recovered.lost, and `ok` is false), and takes
 that as the final outcome: the record goes, and its chunks are gc's to reclaim.
 
-Guarantees kept here: only processes named in a record gpusnap wrote (valid MAC) with the same pid
+Guarantees kept here: only processes named in a record to act on, of this boot, with the same pid
 AND start time are signalled, helpers only through the process group they were recorded leading (never
-found by command line); only the staging directory named after the record's operation is removed; a record whose
+found by command line); only the staging directory named after the record's operation, a directory of
+gpusnap's user, is removed; a record whose
 recovery failed stays (the next `gpusnap recover` tries again) and the failure is reported.
 """
 from __future__ import annotations
@@ -43,6 +47,7 @@ import fcntl
 import os
 import shutil
 import signal
+import stat
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
@@ -51,7 +56,8 @@ from storage.api import SnapshotStore
 
 from sandbox.ops import journal
 from sandbox.host import hugepages
-from sandbox.ops.journal import Journal, OpRecord
+from sandbox.ops import opstate
+from sandbox.ops.journal import Journal, OpRecord, Proc
 from sandbox.ops.operations import GpuAccess, Recovered, Undo, operation_for
 # every kind registers its Operation on import: recover undoes every kind, so it sits above every flow
 import sandbox.criu.operations  # noqa: F401
@@ -77,11 +83,13 @@ DriverFactory = Callable[[], Any]
 
 
 def recover(store: SnapshotStore, *, gpu_driver: DriverFactory = real_driver, gpu_device: Callable[[], Any] = lambda: 0,
-            helper_wait_s: float = 600.0, thp_record_dir: str = hugepages.RECORD_DIR) -> RecoverReport:
+            helper_wait_s: float = 600.0, thp_record_dir: str = hugepages.RECORD_DIR,
+            trust_old_key: bool = False) -> RecoverReport:
     """Finish or undo every interrupted operation in STORE's journal; put THP back. GPU_DRIVER makes the
     CheckpointDriver when a record names CUDA processes, GPU_DEVICE the engine's device for a
-    custom-storage restore (tests pass a stand-in's factory and HostDevice)."""
-    j = Journal(store.path)
+    custom-storage restore (tests pass a stand-in's factory and HostDevice). TRUST_OLD_KEY: act on records
+    an older gpusnap made under the key it kept inside the store (once, to migrate; never for a copied store)."""
+    j = Journal(store.path, trust_old_key=trust_old_key)
     report = RecoverReport()
     with _recover_lock(j):
         _recover_all(store, j, report, GpuAccess(driver=gpu_driver, device=gpu_device), helper_wait_s)
@@ -93,8 +101,11 @@ def recover(store: SnapshotStore, *, gpu_driver: DriverFactory = real_driver, gp
 def _recover_lock(j: Journal) -> Iterator[None]:
     """One recovery at a time per store (a second waits): no record is handled twice."""
     os.makedirs(j.dir, mode=0o700, exist_ok=True)
-    fd = os.open(os.path.join(j.dir, "recover.lock"), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    fd = os.open(os.path.join(j.dir, "recover.lock"),
+                 os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o600)
     try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise journal.JournalError(f"{j.dir}/recover.lock is not a regular file; remove it")
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield
     finally:
@@ -103,19 +114,35 @@ def _recover_lock(j: Journal) -> Iterator[None]:
 
 def _recover_all(store: SnapshotStore, j: Journal, report: RecoverReport, gpu: GpuAccess,
                  helper_wait_s: float) -> None:
+    recs, bad = j.scan()
+    for b in bad:
+        done = Recovered(b.op, "unknown", "", "unknown")
+        report.operations.append(done)
+        try:
+            where = j.set_aside(b.op)
+        except OSError as e:
+            where = f"left in place ({e.strerror or e})"
+        done.error = f"journal record {b.op}: {b.why}: nothing was done for it; set aside as {where}"
     # a workload left prepared is told to resume last: its dump's undo resumes the tree first
-    for rec in sorted(j.unfinished(), key=lambda r: r.kind == journal.OpKind.WORKLOAD_PREPARED):
+    for rec in sorted(recs, key=lambda r: r.kind == journal.OpKind.WORKLOAD_PREPARED):
+        if not (rec.other_boot or not rec.owner.alive()):
+            continue  # its gpusnap still runs it
         done = Recovered.of(rec)
         report.operations.append(done)
         if rec.untrusted is not None:
             _refuse(j, rec, done)
             continue
         try:
-            # a hook step left running by the dead gpusnap gets no longer than the deadline it was given
-            wait = (min(helper_wait_s, float(rec.resume["timeout_s"]))
-                    if rec.kind == journal.OpKind.WORKLOAD_PREPARED and rec.resume else helper_wait_s)
-            _wait_for_helpers(rec, wait, done)
-            operation_for(rec, Undo(store, gpu)).undo(done)
+            if rec.other_boot:
+                # written before a reboot (a power loss): every process it names went with that boot, and a
+                # pid and start time of this boot that match one are somebody else's: nothing is signalled
+                done.actions.append("written before this boot: the processes it names are gone, nothing signalled")
+            else:
+                # a hook step left running by the dead gpusnap gets no longer than the deadline it was given
+                wait = (min(helper_wait_s, float(rec.resume["timeout_s"]))
+                        if rec.kind == journal.OpKind.WORKLOAD_PREPARED and rec.resume else helper_wait_s)
+                _wait_for_helpers(rec, wait, done)
+                operation_for(rec, Undo(store, gpu)).undo(done)
             _remove_staging(rec, done)
             _remove_owner_temps(store, rec, done)
             j.remove(rec.op)
@@ -123,6 +150,17 @@ def _recover_all(store: SnapshotStore, j: Journal, report: RecoverReport, gpu: G
             done.error = str(e) or type(e).__name__
     for tmp in j.stale_temps():
         os.unlink(tmp)
+    _forget_orphan_states(j)
+
+
+def _forget_orphan_states(j: Journal) -> None:
+    """This store's host-local operation states whose owner died and whose record is gone (gpusnap killed
+    between removing the record and its state, or the record removed by someone else): forgotten, so
+    that no record put back later is ever taken for current."""
+    for st in opstate.every():
+        if (st.store == j.store_id and not Proc(*st.owner).alive()
+                and not os.path.lexists(os.path.join(j.dir, f"{st.op}.json"))):
+            opstate.remove(st.op)
 
 
 def _refuse(j: Journal, rec: OpRecord, done: Recovered) -> None:
@@ -132,8 +170,8 @@ def _refuse(j: Journal, rec: OpRecord, done: Recovered) -> None:
         where = j.set_aside(rec.op)
     except OSError as e:
         where = f"left in place ({e.strerror or e})"
-    done.error = (f"journal record {rec.op} is not one gpusnap wrote ({rec.untrusted}): nothing it names was "
-                  f"signalled or removed; the record was set aside as {where}")
+    done.error = (f"journal record {rec.op} is not one gpusnap wrote (or not one in force) ({rec.untrusted}): "
+                  f"nothing it names was signalled or removed; the record was set aside as {where}")
 
 
 def _wait_for_helpers(rec: OpRecord, wait_s: float, done: Recovered) -> None:
@@ -156,8 +194,12 @@ def _remove_staging(rec: OpRecord, done: Recovered) -> None:
     """The record's staging directory, only if it is the one named after this operation."""
     if not rec.staging or os.path.basename(rec.staging) != f"gpusnap-op-{rec.op}":
         return
-    if os.path.islink(rec.staging) or not os.path.isdir(rec.staging):
+    try:
+        st = os.lstat(rec.staging)
+    except OSError:
         return
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+        return  # not the private directory gpusnap made for it
     shutil.rmtree(rec.staging)
     done.actions.append(f"removed staging {rec.staging}")
 

@@ -91,6 +91,7 @@ _WHERE: dict[str, tuple[str, str | None]] = {
     "ensure_local": ("storage.remote.fill", 'ensure_local'),
     "export": ("storage.archive.portable", 'export'),
     "fdread": ("storage.fs.fdread", None),
+    "hostkey": ("storage.fs.hostkey", None),
     "import_": ("storage.archive.portable", 'import_'),
     "isolated": ("storage.fs.isolated", None),
     "list_remotes": ("storage.remote.config", 'list_remotes'),
@@ -170,6 +171,7 @@ if TYPE_CHECKING:
     from storage.pipeline.put import PipelineError as PipelineError
     from storage.maintenance.retention import Policy as Policy
     from storage.repo.store import Problem as Problem
+    from storage.fs import hostkey as hostkey
     from storage.fs.owner import ProcessOwner as ProcessOwner
     from storage.base.progress import Progress as Progress
     from storage.repo.readstage import READERS as READERS

@@ -23,6 +23,13 @@ from support.criu import Tree, healthy
 
 pytestmark = pytest.mark.root
 
+
+@pytest.fixture(autouse=True)
+def same_run_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The run directory the gpusnap children here are given (GPUSNAP_RUN_DIR: THP records, and each
+    operation's host-local state) is this process's too, so that its in-process recover finds that state."""
+    monkeypatch.setenv("GPUSNAP_RUN_DIR", str(tmp_path / "run"))
+
 @pytest.fixture(scope="module", autouse=True)
 def need_root() -> None:
     if os.geteuid() != 0:
@@ -128,7 +135,7 @@ def test_real_gpu_restore_interrupted(stage: str, sig: int, tmp_path: Path) -> N
         if stage == "before-restore":  # nothing was touched: it is still CHECKPOINTED, restorable
             cli.json("gpu", "restore", "g", str(w.pid))
         assert w.verify(), "the GPU memory must be intact"
-        assert sorted(n.name for n in (store / "journal").iterdir()) == ["key", "recover.lock"]
+        assert sorted(n.name for n in (store / "journal").iterdir()) == ["recover.lock"]  # the key is the host's, never in the store
 
 
 GPU_CLI = """
@@ -282,7 +289,7 @@ def test_custom_storage_gpu_checkpoint_interrupted(stage: str, sig: int, tmp_pat
         assert w.states() == {x: "RUNNING" for x in w.pids}
         assert w.memory() == w.before, "GPU memory must come back byte-identical"
         assert list((store / "tmp").iterdir()) == []
-        assert sorted(n.name for n in (store / "journal").iterdir()) == ["key", "recover.lock"]
+        assert sorted(n.name for n in (store / "journal").iterdir()) == ["recover.lock"]  # the key is the host's, never in the store
         assert cli.json("store", "ls") == []
         left = _chunk_files(store)
         assert left, "the killed checkpoint's chunks are still there before gc"
@@ -308,7 +315,7 @@ def test_host_staged_gpu_checkpoint_killed_before_commit(tmp_path: Path) -> None
         rep = _recover(store, w)
         assert rep.ok and "GPU state resumed" in rep.operations[0].actions[0], rep.as_dict()
         assert w.states() == {x: "RUNNING" for x in w.pids} and w.memory() == w.before
-        assert sorted(n.name for n in (store / "journal").iterdir()) == ["key", "recover.lock"]
+        assert sorted(n.name for n in (store / "journal").iterdir()) == ["recover.lock"]  # the key is the host's, never in the store
         assert list((store / "tmp").iterdir()) == []
     finally:
         w.close()
@@ -333,7 +340,7 @@ def test_custom_storage_gpu_checkpoint_killed_mid_region_says_what_is_lost(tmp_p
         assert len(op.lost) == 1 and f"pid {w.pids[0]}" in op.lost[0] and "CHECKPOINTING" in op.lost[0], op.lost
         assert w.states() == {w.pids[0]: "CHECKPOINTING", w.pids[1]: "RUNNING"}
         assert w.memory()[w.pids[1]] == w.before[w.pids[1]]
-        assert sorted(n.name for n in (store / "journal").iterdir()) == ["key", "recover.lock"]
+        assert sorted(n.name for n in (store / "journal").iterdir()) == ["recover.lock"]  # the key is the host's, never in the store
         assert list((store / "tmp").iterdir()) == []
         assert _chunk_files(store), "the partial region's chunk was stored"
         _gc(store)
@@ -366,7 +373,7 @@ def test_custom_storage_torn_reference_log_is_known_incomplete(tmp_path: Path) -
         assert "CHECKPOINTED" in op.lost[0]
         assert w.states() == {w.pids[0]: "RUNNING", w.pids[1]: "CHECKPOINTED"}
         assert w.memory()[w.pids[0]] == w.before[w.pids[0]]
-        assert sorted(n.name for n in (store / "journal").iterdir()) == ["key", "recover.lock"]
+        assert sorted(n.name for n in (store / "journal").iterdir()) == ["recover.lock"]  # the key is the host's, never in the store
     finally:
         w.close()
 
@@ -501,7 +508,7 @@ def test_gpu_restore_interrupted(custom: bool, stage: str, held: list[str], sig:
             if stage == "gpu-restored":
                 assert after == {x: "RUNNING" for x in w.pids}, after
         assert w.states() == after
-        assert sorted(n.name for n in (store / "journal").iterdir()) == ["key", "recover.lock"]
+        assert sorted(n.name for n in (store / "journal").iterdir()) == ["recover.lock"]  # the key is the host's, never in the store
         assert list((store / "tmp").iterdir()) == []
         running = [x for x in w.pids if after[x] == "RUNNING"]
         assert {x: w.memory()[x] for x in running} == {x: w.before[x] for x in running}
@@ -510,6 +517,6 @@ def test_gpu_restore_interrupted(custom: bool, stage: str, held: list[str], sig:
         assert p.returncode == 0, err
         assert w.states() == {x: "RUNNING" for x in w.pids}
         assert w.memory() == w.before, "GPU memory must come back byte-identical"
-        assert sorted(n.name for n in (store / "journal").iterdir()) == ["key", "recover.lock"]
+        assert sorted(n.name for n in (store / "journal").iterdir()) == ["recover.lock"]  # the key is the host's, never in the store
     finally:
         w.close()

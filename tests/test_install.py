@@ -113,6 +113,24 @@ def test_install_system_script_links_gpusnap_and_second_run_is_quick(tmp_path: P
     world_readable(tmp_path)
     h = as_nobody([str(bindir / "gpusnap"), "--help"])
     assert h.returncode == 0 and "Usage: gpusnap" in h.stdout, h.stderr
+    # the installed commands run isolated: a sitecustomize.py on PYTHONPATH, or in the current directory,
+    # never runs (it did as root with pip's launchers, issue 58)
+    planted = tmp_path / "planted"
+    planted.mkdir()
+    ran = tmp_path / "sitecustomize-ran"
+    (planted / "sitecustomize.py").write_text(f"open({str(ran)!r}, 'w').write('ran')\n")
+    (planted / "cli.py").write_text(f"open({str(ran)!r}, 'w').write('shadowed')\n")
+    for cmd in ("gpusnap", "gpusnap-criu-hook"):
+        r = subprocess.run([str(bindir / cmd), "--help"], capture_output=True, text=True, cwd=planted, timeout=60,
+                           env={**os.environ, "PYTHONPATH": str(planted), "PYTHONSTARTUP": str(planted / "cli.py")})
+        assert r.returncode == 0 and ("Usage: gpusnap" in r.stdout or "CRIU action script" in r.stdout), (cmd, r.stderr)
+        assert not ran.exists(), f"{cmd} ran {ran.read_text()!r} code from PYTHONPATH or the current directory"
+    head = (prefix / "bin" / "gpusnap").read_text().splitlines()[0]
+    assert head == f"#!{prefix}/bin/python -IS", head
+    # the control: the same planted file does run in a python that is not isolated
+    subprocess.run([str(prefix / "bin" / "python"), "-c", "pass"], env={**os.environ, "PYTHONPATH": str(planted)},
+                   timeout=60, check=True)
+    assert ran.exists(), "the planted sitecustomize.py is one Python runs when not isolated"
     # the byte planes' C helper built in the tree (scripts/setup.sh) is installed with it, and loads
     if (REPO / "storage" / "native" / "libgpusnap_shuffle2.so").is_file():
         d = as_nobody([str(bindir / "gpusnap"), "doctor"])

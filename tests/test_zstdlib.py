@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import threading
+from typing import Any
 
 import pytest
 import zstandard
@@ -130,3 +131,61 @@ def test_a_frame_of_countless_empty_blocks_is_walked_without_the_gil(monkeypatch
     assert zstdlib.decompress_into(frame, out) == len(content) and bytes(out) == content
     with pytest.raises(zstdlib.ZstdLibError, match="exactly one frame"):
         zstdlib.check_frame(memoryview(bytearray(bytes(frame) + b"\0")), len(content))  # a byte after it
+
+
+def _both(payload: bytes, n: int) -> tuple[object, object]:
+    """What the libzstd path and the path without it (python-zstandard behind check_frame_py) make of
+    PAYLOAD: the bytes, or the error class."""
+    from unittest import mock
+    from storage.codecs.registry import CodecError, ZstdCodec
+    out: list[object] = []
+    for lib in (True, False):
+        with mock.patch.object(zstdlib, "available", lambda: lib):
+            try:
+                out.append(bytes(ZstdCodec().decode_into(memoryview(payload), n, memoryview(bytearray(n)))))
+            except CodecError:
+                out.append(CodecError)
+    return out[0], out[1]
+
+
+def test_both_decode_paths_take_exactly_the_same_frame_shapes() -> None:
+    """Issue 58: one rule for what a zstd payload must be, on both paths: exactly one zstd frame (never a
+    skippable one), declaring exactly the expected size, nothing before or after it. Before, the path
+    without libzstd took frames without a declared size, trailing bytes, a second frame, and ran out of
+    memory on some malformed ones."""
+    raw = os.urandom(3000) + bytes(60000)
+    good = zstandard.ZstdCompressor(level=3, write_content_size=True).compress(raw)
+    no_size = zstandard.ZstdCompressor(level=3, write_content_size=False).compress(raw)
+    with_sum = zstandard.ZstdCompressor(level=3, write_content_size=True, write_checksum=True).compress(raw)
+    skippable = (0x184D2A50).to_bytes(4, "little") + (0).to_bytes(4, "little")
+    reserved = bytearray(good)
+    reserved[4] |= 0x08
+    cases = {
+        "good": (good, len(raw), raw), "checksummed": (with_sum, len(raw), raw),
+        "no declared size": (no_size, len(raw), None), "trailing byte": (good + b"\0", len(raw), None),
+        "two frames": (good + good, len(raw), None), "cut short": (good[:-3], len(raw), None),
+        "skippable first": (skippable + good, len(raw), None), "only skippable, n=0": (skippable, 0, None),
+        "reserved header bit": (bytes(reserved), len(raw), None), "wrong size": (good, len(raw) - 1, None),
+        "bad checksum": (with_sum[:-1] + bytes([with_sum[-1] ^ 1]), len(raw), None),
+    }
+    for what, (payload, n, want) in cases.items():
+        lib, py = _both(payload, n)
+        assert lib == py, what
+        assert (lib == want) if want is not None else not isinstance(lib, bytes), what
+
+
+def test_frame_layout_reads_what_libzstd_reads() -> None:
+    """zstdlib.frame_layout (pure Python) gives the declared size and frame length libzstd gives, over
+    frames of every header shape (single segment or not, 1/2/4/8-byte sizes, checksums, dictionary ids)."""
+    import ctypes
+    for n in (0, 1, 255, 256, 65791, 65792, 200000):
+        raw = bytes(range(256)) * (n // 256) + bytes(n % 256)
+        variants: list[dict[str, Any]] = [{}, {"write_checksum": True}, {"write_content_size": False},
+                                          {"write_dict_id": False}]
+        for params in variants:
+            frame = zstandard.ZstdCompressor(level=1, **params).compress(raw)
+            buf = ctypes.create_string_buffer(frame, len(frame))
+            declared = zstdlib._Q.ZSTD_getFrameContentSize(ctypes.addressof(buf), len(frame))
+            span = zstdlib._Q.ZSTD_findFrameCompressedSize(ctypes.addressof(buf), len(frame))
+            want = None if declared in (zstdlib._UNKNOWN, zstdlib._ERROR) else declared
+            assert zstdlib.frame_layout(memoryview(frame)) == (want, span), (n, params)

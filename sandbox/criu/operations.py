@@ -5,17 +5,21 @@ Guarantees kept here: only processes a trusted record names (pid AND start time)
 tree of a committed dump is killed only when the snapshot's manifest names this operation and carries
 its commit MAC (sandbox.ops.journal.committed_by), and only the pids that manifest names (with the
 descendants they have now: what CRIU froze); a restored tree is killed only while its split fill did
-not finish (no process of it ran with its memory incomplete; one the fill had completed may have been
-continued early, and is killed with every descendant it has) and only if it is provably this operation's.
+not finish (the fill's marker in the operation's host-local state, sandbox.ops.opstate, is absent)
+and some process of it is still stopped (/proc state T): a running, fully restored tree is never
+signalled (no process of a killed tree ran with its memory incomplete; one the fill had completed
+may have been continued early, and is killed with every descendant it has), and only if it is
+provably this operation's.
 """
 from __future__ import annotations
 
 import os
 import signal
+import stat
 
 from sandbox.gpu.operations import resume_gpu
 from sandbox.host.processes import Proc, kill_with_descendants, process_tree, state_of, wait_gone, with_descendants
-from sandbox.ops.journal import OpKind, Stage
+from sandbox.ops.journal import Journal, OpKind, Stage
 from sandbox.ops.operations import Operation, Recovered, kind
 
 
@@ -60,14 +64,25 @@ class CriuRestore(Operation):
     def undo(self, done: Recovered) -> None:
         rec = self.rec
         if rec.stage == Stage.FILLING:
-            # its memory partly written: it must not run; the pids must be freed. A process of it the fill
-            # had completed and continued early (its GPU copy started) may have forked: all descendants too
-            killed = kill_with_descendants(rec.procs)
-            if killed:
-                wait_gone(killed, 10)
-            done.actions.append(f"killed the half-filled restored tree {killed} (no process of it ran with its "
-                                "memory incomplete; the snapshot restores again)")
-            return
+            # checked first: what it would undo must still be there. A fill that finished (its own marker, in
+            # the operation's host-local state) left a whole tree that runs; a tree none of whose processes is
+            # stopped any more is not the one the fill held: neither is ever signalled
+            stopped = [p for p in rec.procs if p.alive() and state_of(p.pid) in ("T", "t")]
+            if Journal(self.ctx.store.path).filled(rec.op):
+                done.actions.append("the split fill had finished: the restored tree is whole and runs; nothing signalled")
+            elif not stopped:
+                done.actions.append("no process of the restored tree is stopped any more (it runs, or is gone): "
+                                    "nothing signalled")
+                return
+            else:
+                # its memory partly written: it must not run; the pids must be freed. A process of it the fill
+                # had completed and continued early (its GPU copy started) may have forked: all descendants too
+                killed = kill_with_descendants(rec.procs)
+                if killed:
+                    wait_gone(killed, 10)
+                done.actions.append(f"killed the half-filled restored tree {killed} (no process of it ran with its "
+                                    "memory incomplete; the snapshot restores again)")
+                return
         if rec.stage == Stage.DUMPING:
             tree = self._left_stopped()
             if tree:
@@ -87,8 +102,11 @@ class CriuRestore(Operation):
         if not rec.staging or os.path.basename(rec.staging) != f"gpusnap-op-{rec.op}":
             return []
         try:
-            fd = os.open(os.path.join(rec.staging, "restored.pid"), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            fd = os.open(os.path.join(rec.staging, "restored.pid"),
+                         os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
             try:
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    return []
                 root = int(os.read(fd, 32).strip())
             finally:
                 os.close(fd)

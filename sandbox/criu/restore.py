@@ -41,6 +41,7 @@ from sandbox.criu.runner import Criu, CriuError
 from sandbox.criu.serve import Arrivals, ServeSource, split_min
 from sandbox.host.processes import Proc, children_of, kill_with_descendants, state_of
 from sandbox.gpu.state import restore_huge_pages
+from sandbox.ops import journal
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,7 @@ class RestoreRun:
     on_stopped: Callable[[list[int]], None] | None = None  # CRIU done, the tree (its pids) stopped for the split fill
     fill_first: tuple[int, ...] = ()  # processes the fill completes first, in this order (their GPU state comes back early)
     on_filled: Callable[[int], None] | None = None  # a pid of fill_first is complete and running (from a fill thread)
+    on_fill_done: Callable[[], None] | None = None  # the split fill finished, before the tree continues (journaled)
     early: Any = None                # serve.EarlyReads started since the manifest loaded (the streamed path stops it)
 
     @property
@@ -151,8 +153,11 @@ def streamed(run: RestoreRun, *, thp_mode: str | None = "always",
                             kill_restored(tuple(procs.values()), born_after,
                                           keep=(ours | srv.helper_pids()) if run.fill_first else None)
                             raise
+                    if run.on_fill_done is not None:
+                        run.on_fill_done()  # from here on, no undo kills this tree: it is whole
                     for p in procs.values():
                         p.signal(signal.SIGCONT)
+                    journal.pause("fill-done")  # test hook: the tree runs whole, the record still says FILLING
                     seconds["split_fill"] = time.perf_counter() - t1
                     marks["fill_done"] = time.monotonic()
             finally:

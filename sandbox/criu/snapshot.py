@@ -325,7 +325,7 @@ def _restore_from(run: restore.RestoreRun, m: Any, meta: CriuMeta, report: CriuR
         op.advance(Stage.FILLING, procs=restored_procs(tree, born_after))
         journal.pause("split-fill")
 
-    run = dataclasses.replace(run, on_stopped=restored_stopped)
+    run = dataclasses.replace(run, on_stopped=restored_stopped, on_fill_done=lambda: op.journal.mark_filled(op.id))
     with ExitStack() as held:
         gpu_side = {"gpu_side_begin": time.monotonic()}  # the driver loaded, THP set: the report's marks
         early = _early_gpu(held, run, report, meta, fill, gpu_driver, device, gpu_map)

@@ -21,7 +21,7 @@ Guarantees kept here:
   send and the whole answer stop at the step's deadline (the socket is shut down then); a 2xx
   status is success, anything else a failure;
 - every failure is one HookError naming the step and why (exit 1);
-- a snapshot's recorded resume step is trusted only with a valid MAC under the journal's key over the
+- a snapshot's recorded resume step is trusted only with a valid MAC under the host key over the
   step, the snapshot's name and the operation that committed it (sandbox.ops.trust): a step a store
   writer planted, or copied from another snapshot, is never run.
 """

@@ -13,9 +13,15 @@ Guarantees kept here:
   log goes after it (a log without a record names nothing gc keeps, and recover removes it);
 - processes are named by pid AND start time (Proc, sandbox.host.processes), so a pid reused by an
   unrelated process is never taken for the owner or the workload, and is never signalled;
-- every record carries an HMAC under the journal's key (sandbox.ops.trust) over all it says, its
-  owner (pid and start time) included; a record read without a valid one is marked untrusted
-  (OpRecord.untrusted) and recovery signals nothing it names;
+- every record carries an HMAC under the host key (sandbox.ops.trust: outside the store, root-only)
+  over all it says, its owner (pid and start time), its boot and its store directory included; its
+  operation's host-local state (sandbox.ops.opstate, on tmpfs) names the MAC of the current record,
+  written before the record and removed after it. A record read without a valid MAC, written for
+  another store directory, or of this boot but not the current one (replayed) is marked untrusted
+  (OpRecord.untrusted): recovery signals nothing it names, and it blocks no command (require_clean
+  sets it aside). A record of an earlier boot (a power loss) is recovered without signalling anything;
+- every file of the journal is opened O_NOFOLLOW | O_NONBLOCK and checked (a regular file of gpusnap's
+  user, at most MAX_RECORD bytes) before it is read: a FIFO planted there blocks nothing;
 - the helpers an operation starts (CRIU, runsc: sandbox.host.procgroup) are recorded by pid, start
   time and process group as they start, never looked up by command line;
 - the test hook (pause, env GPUSNAP_TEST_PAUSE=STAGE:FILE) does nothing unless that variable names
@@ -24,10 +30,13 @@ Guarantees kept here:
 from __future__ import annotations
 
 import enum
+import errno
 import json
 import os
 import re
 import signal
+import stat
+import sys
 import threading
 import time
 import uuid
@@ -38,13 +47,16 @@ from typing import Any, Iterator, Sequence
 from storage.api import EXIT_RECOVER, GpusnapError
 from storage.api import pause_at
 from storage.api import JOURNAL, path_in
+from storage.api import hostkey
 
 from sandbox.host import procgroup
 # Proc and the helpers below are named through the journal by the flows and recovery (journal.Proc, ...)
 from sandbox.host.processes import Proc, start_time, state_of, wait_gone, with_descendants
-from sandbox.ops.trust import JournalKey
+from sandbox.ops import opstate
+from sandbox.ops.trust import JournalKey, journal_key, legacy_key
 
 PAUSE_ENV = "GPUSNAP_TEST_PAUSE"
+boot_id = hostkey.boot_id
 _OP_RE = re.compile(r"[0-9a-f]{32}")
 
 
@@ -102,22 +114,33 @@ class OpRecord:
     started: float = 0.0
     helpers: tuple[Proc, ...] = ()           # CRIU / runsc processes it started, each leading its group
     resume: dict[str, Any] | None = None     # workload-prepared: {"hook", "timeout_s"}, what recover runs
+    boot: str = ""                           # the boot it was written in (boot_id); "" in records of old versions
+    store: str = ""                          # the store directory it was written for (Journal.store_id)
     untrusted: str | None = field(default=None, compare=False)  # why this record is not one we wrote (read side)
+    legacy: bool = field(default=False, compare=False)  # honoured under the old in-store key (--trust-old-key)
+
+    @property
+    def other_boot(self) -> bool:
+        """Written in an earlier boot (a power loss, a reboot): every process it names is gone with that
+        boot, and a pid and start time of this boot that match it are somebody else's."""
+        return bool(self.boot) and self.boot != boot_id()
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d.pop("untrusted")
+        d.pop("legacy")
+        if not self.boot:  # the dict an older gpusnap made its MAC over
+            d.pop("boot")
+            d.pop("store")
         d["kind"], d["stage"] = self.kind.value, self.stage.value
         return d
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any], key: JournalKey | None = None) -> "OpRecord":
-        """The record D, checked against its MAC under KEY (untrusted when it has none or a wrong one)."""
+    def from_dict(cls, d: dict[str, Any], untrusted: str | None = None) -> "OpRecord":
+        """The record D (without its MAC; Journal.records checks that), UNTRUSTED saying why it is not one to act on."""
         try:
             if not isinstance(d, dict):
                 raise TypeError("not an object")
-            d = dict(d)
-            mac = d.pop("mac", None)
             if not _OP_RE.fullmatch(d["op"]):
                 raise ValueError("bad op id")
             staging = d.get("staging")
@@ -131,8 +154,7 @@ class OpRecord:
                        started=float(d.get("started", 0.0)),
                        helpers=tuple(Proc(int(p["pid"]), int(p["start"])) for p in d.get("helpers", ())),
                        resume=_resume_field(d.get("resume")),
-                       untrusted=None if key is not None and key.check("journal-record", d, mac) else
-                       "it carries no valid MAC under this journal's key: gpusnap did not write it")
+                       boot=str(d.get("boot", "")), store=str(d.get("store", "")), untrusted=untrusted)
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise JournalError(f"unreadable journal record: {e}") from None
 
@@ -158,33 +180,70 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+MAX_RECORD = 1 << 20   # a journal record is read only up to this size (a bigger one is not gpusnap's)
+_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+
+
+@dataclass(frozen=True)
+class Unreadable:
+    """A file in the journal named like a record that is not one (not a regular file, too big, not JSON)."""
+
+    op: str
+    why: str
+
+
 class Journal:
     """STORE/journal/: one file per operation in flight."""
 
-    def __init__(self, store_path: str) -> None:
+    def __init__(self, store_path: str, *, trust_old_key: bool = False) -> None:
+        self.store_path = store_path
         self.dir = path_in(store_path, JOURNAL)
+        self.trust_old_key = trust_old_key   # honour records under the old in-store key (once, to migrate)
         self._key: JournalKey | None = None
+        self._store_id: str | None = None
 
     @property
     def key(self) -> JournalKey:
-        """This journal's HMAC key (created on first use)."""
+        """The key of every record and commit MAC here: derived from the host's for this store (sandbox.ops.trust),
+        never one in the store."""
         if self._key is None:
-            self._key = JournalKey.of(self.dir)
+            self._key = journal_key(self.store_id)
         return self._key
+
+    @property
+    def store_id(self) -> str:
+        """This store directory on this host: its inode and real path. A copy of the store (a backup put back,
+        another directory) or the store moved is another store: its records are set aside. (Not the device
+        number: some file systems number their devices anew at boot, and a record left by a power loss must
+        still be this store's.)"""
+        if self._store_id is None:
+            st = os.stat(self.store_path)
+            self._store_id = f"{st.st_ino}:{os.path.realpath(self.store_path)}"
+        return self._store_id
 
     def _path(self, op: str) -> str:
         return os.path.join(self.dir, f"{op}.json")
 
     def write(self, rec: OpRecord) -> None:
-        """REC on disk, atomically and durably, before the caller goes on."""
+        """REC on disk, atomically and durably, before the caller goes on; its operation's state (sandbox.ops.opstate)
+        names it as the current record first, so that no record but this one (or, until the rename, the one before)
+        is ever acted on for this operation."""
+        if not rec.boot:
+            rec = replace(rec, boot=boot_id(), store=self.store_id)
         os.makedirs(self.dir, mode=0o700, exist_ok=True)
         tmp = os.path.join(self.dir, f".{rec.op}.{os.getpid()}.tmp")
         d = rec.as_dict()
-        d["mac"] = self.key.mac("journal-record", d)
+        mac = d["mac"] = self.key.mac("journal-record", d)
         data = json.dumps(d, sort_keys=True).encode()
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            before = opstate.load(rec.op)
+            state = opstate.OpState(rec.op, rec.store, (rec.owner.pid, rec.owner.start),
+                                    [*(before.macs[-1:] if before else []), mac], before.filled if before else False)
+            state.save()
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o600)
             try:
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    raise OSError(errno.EINVAL, "a temporary record path is not a regular file")
                 view = memoryview(data)
                 while view:
                     view = view[os.write(fd, view):]
@@ -193,11 +252,24 @@ class Journal:
                 os.close(fd)
             os.rename(tmp, self._path(rec.op))
             _fsync_dir(self.dir)
+            state.macs = [mac]
+            state.save()
         except OSError as e:
             raise JournalError(f"cannot write the operation journal in {self.dir}: {e.strerror or e}") from None
 
+    def mark_filled(self, op: str) -> None:
+        """OP's split fill finished (before its tree continues): its undo never kills that tree."""
+        state = opstate.load(op)
+        if state is not None:
+            state.filled = True
+            state.save()
+
+    def filled(self, op: str) -> bool:
+        state = opstate.load(op)
+        return state is not None and state.filled
+
     def remove(self, op: str) -> None:
-        """OP's record, then its reference log (gc honours a log only while its record exists)."""
+        """OP's record, then its reference log (gc honours a log only while its record exists), then its state."""
         from storage.api import reflog  # lazily: the in-sandbox agent imports this module without blake3
         for path in (self._path(op), os.path.join(self.dir, op + reflog.SUFFIX)):
             try:
@@ -205,30 +277,87 @@ class Journal:
                 _fsync_dir(self.dir)
             except FileNotFoundError:
                 pass
+        opstate.remove(op)
 
     def ref_log(self, op: str) -> Any:
         """The chunk references OP's gpu/ streams recorded, a storage.repo.reflog.RefLog (None if it kept no log)."""
         from storage.api import reflog
         return reflog.read(self.dir, op)
 
-    def records(self) -> list[OpRecord]:
-        """Every readable record (unreadable ones raise JournalError naming the file)."""
+    def _read(self, name: str) -> Any:
+        """The JSON of record file NAME, opened without following a link or blocking, checked before it is read."""
+        fd = os.open(os.path.join(self.dir, name), _READ)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise ValueError("not a regular file")
+            if st.st_uid != os.geteuid():
+                raise ValueError(f"owned by uid {st.st_uid}, not gpusnap's uid {os.geteuid()}")
+            if st.st_size > MAX_RECORD:
+                raise ValueError(f"{st.st_size} bytes, more than a record ever holds")
+            return json.loads(os.read(fd, MAX_RECORD + 1))
+        finally:
+            os.close(fd)
+
+    def scan(self) -> tuple[list[OpRecord], list[Unreadable]]:
+        """Every record, each marked untrusted unless it is one to act on (_trust), and the files named like
+        records that cannot be read as one."""
         try:
             names = sorted(os.listdir(self.dir))
         except FileNotFoundError:
-            return []
-        out = []
+            return [], []
+        out, bad = [], []
         for n in names:
             if not (n.endswith(".json") and _OP_RE.fullmatch(n[:-5])):
                 continue
             try:
-                fd = os.open(os.path.join(self.dir, n), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-                with os.fdopen(fd, "rb") as f:
-                    d = json.loads(f.read(1 << 20))
-            except (OSError, ValueError, RecursionError) as e:
-                raise JournalError(f"{os.path.join(self.dir, n)}: unreadable journal record: {e}") from None
-            out.append(OpRecord.from_dict(d, self.key))
-        return out
+                d = self._read(n)
+                if not isinstance(d, dict):
+                    raise ValueError("not an object")
+                d = dict(d)
+                mac = d.pop("mac", None)
+                rec = OpRecord.from_dict(d)
+                if rec.op != n[:-5]:
+                    raise ValueError("its op id is not its file's name")
+            except (OSError, ValueError, RecursionError, JournalError) as e:
+                bad.append(Unreadable(n[:-5], f"unreadable journal record: {getattr(e, 'strerror', None) or e}"))
+                continue
+            why, legacy = self._trust(d, rec, mac)
+            out.append(replace(rec, untrusted=why, legacy=legacy))
+        return out, bad
+
+    def records(self) -> list[OpRecord]:
+        """Every readable record (scan)."""
+        return self.scan()[0]
+
+    def _trust(self, d: dict[str, Any], rec: OpRecord, mac: Any) -> tuple[str | None, bool]:
+        """Why REC (D as read, MAC its MAC) is not one to act on (None: it is), and whether it is trusted under
+        the old in-store key only. One to act on: a valid MAC under the host key over all it says, written for
+        this very store directory, and either of another boot (nothing it names runs: recovery signals nothing)
+        or the current record of its operation as that operation's host-local state names it."""
+        if not rec.boot:  # written by a gpusnap that kept its key in the store
+            try:
+                old = legacy_key(self.dir)
+            except GpusnapError as e:
+                return f"written under the old in-store journal key, which cannot be read safely ({e})", False
+            if old is None or not old.check("journal-record", d, mac):
+                return "it carries no valid MAC: gpusnap did not write it", False
+            if not self.trust_old_key:
+                return ("it was written under the old in-store journal key, which travels with every copy of the "
+                        "store; if this store was never copied from elsewhere, `gpusnap recover --trust-old-key` "
+                        "acts on it once"), False
+            return None, True
+        if rec.store != self.store_id:  # (its MAC, under that store's key, could not check here either)
+            return "it was written for another store directory (this store, or the record, was copied or moved)", False
+        if not self.key.check("journal-record", d, mac):
+            return "it carries no valid MAC under this store's journal key: gpusnap did not write it here", False
+        if rec.other_boot:
+            return None, False
+        state = opstate.load(rec.op)
+        if state is None or state.store != rec.store or mac not in state.macs:
+            return ("it is not the current record of its operation (replayed: kept and put back, or copied, after "
+                    "the operation went on or finished)"), False
+        return None, False
 
     def set_aside(self, op: str) -> str:
         """Move OP's record out of the way (journal/rejected-OP.json), so that it blocks nothing and is kept
@@ -239,8 +368,8 @@ class Journal:
         return dst
 
     def unfinished(self) -> list[OpRecord]:
-        """Records whose owner died: interrupted operations `gpusnap recover` must finish or undo."""
-        return [r for r in self.records() if not r.owner.alive()]
+        """Records whose owner died: interrupted operations `gpusnap recover` must finish or undo (or set aside)."""
+        return [r for r in self.records() if r.other_boot or not r.owner.alive()]
 
     def stale_temps(self) -> list[str]:
         """Half-written record files of owners that died (the record they were replacing is intact),
@@ -262,11 +391,32 @@ class Journal:
 
 
 def require_clean(store_path: str) -> None:
-    """Refuse (exit 5) while an interrupted operation waits for `gpusnap recover`."""
-    left = Journal(store_path).unfinished()
+    """Refuse (exit 5) while an interrupted operation waits for `gpusnap recover`. Only records recovery would
+    act on block: one it would set aside (no valid MAC, another store's, replayed, unreadable) is set aside here
+    and now, with a warning, and blocks nothing."""
+    j = Journal(store_path)
+    recs, bad = j.scan()
+    left = []
+    for r in recs:
+        if not (r.other_boot or not r.owner.alive()):
+            continue
+        if r.untrusted is None:
+            left.append(r)
+            continue
+        _set_aside_quietly(j, r.op, r.untrusted)
+    for b in bad:
+        _set_aside_quietly(j, b.op, b.why)
     if left:
         raise RecoveryNeeded(f"an interrupted {left[0].describe()} must be finished first: run `gpusnap recover`"
                              + (f" ({len(left)} operations)" if len(left) > 1 else ""))
+
+
+def _set_aside_quietly(j: Journal, op: str, why: str) -> None:
+    try:
+        where = j.set_aside(op)
+    except OSError as e:
+        where = f"left in place ({e.strerror or e})"
+    print(f"gpusnap: journal record {op} ignored ({why}); set aside as {where}", file=sys.stderr)
 
 
 class Op:
@@ -317,8 +467,9 @@ def operation(store_path: str, kind: OpKind, snapshot: str, *, pids: Sequence[in
     owner = Proc.of(os.getpid())
     assert owner is not None
     procs = tuple(p for p in (Proc.of(x) for x in pids) if p is not None)
-    op = Op(Journal(store_path), OpRecord(uuid.uuid4().hex, kind, Stage.STARTED, owner, snapshot, procs=procs,
-                                          started=time.time(), **fields))
+    j = Journal(store_path)
+    op = Op(j, OpRecord(uuid.uuid4().hex, kind, Stage.STARTED, owner, snapshot, procs=procs, started=time.time(),
+                        boot=boot_id(), store=j.store_id, **fields))
     op.journal.write(op.rec)
     try:
         with procgroup.recording_helpers(op.helper_started):

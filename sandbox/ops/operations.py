@@ -31,6 +31,7 @@ from storage.api import SnapshotStore
 
 from sandbox.ops import journal
 from sandbox.ops.journal import OpKind, OpRecord, Stage
+from sandbox.ops.trust import legacy_key
 
 
 @dataclass
@@ -99,7 +100,8 @@ class Undo:
             if not self.store.exists(rec.snapshot):
                 return None
             meta = self.store.load(rec.snapshot).meta
-            key = journal.Journal(self.store.path).key
+            j = journal.Journal(self.store.path)
+            key = (legacy_key(j.dir) or j.key) if rec.legacy else j.key
             return meta if journal.committed_by(key, rec, meta) else None
         except Exception:  # noqa: BLE001 - unreadable: not ours to trust
             return None

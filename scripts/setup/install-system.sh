@@ -34,6 +34,30 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ] || [ ! -x "$prefix/bin/gpusnap" 
     chmod -R go-w "$prefix"
     echo "$want" > "$stamp"
 fi
+# the commands run isolated, as the CRIU hook that `hook install` writes does: -I (no PYTHON* variables,
+# no user site-packages, neither the current directory nor the script's on sys.path) and -S (no site
+# module: no sitecustomize/usercustomize or .pth file runs); sys.path gets the env's own site-packages,
+# named here. pip's launchers honoured PYTHONPATH: a sitecustomize.py planted there ran as root.
+"$prefix/bin/python" -I - "$prefix" <<'PY'
+import os, site as _site, sys
+prefix = sys.argv[1]
+site = [p for p in _site.getsitepackages() if p.startswith(os.path.realpath(prefix) + "/") or p.startswith(prefix + "/")]
+for name, mod, fn in (("gpusnap", "cli", "main"), ("gpusnap-criu-hook", "criu_hooks.action_script", "main")):
+    text = (f"#!{prefix}/bin/python -IS\n# gpusnap's {name}, isolated (scripts/setup/install-system.sh)\n"
+            f"import sys\nsys.path[:0] = {site!r}\nfrom {mod} import {fn}\nsys.exit({fn}())\n")
+    path = os.path.join(prefix, "bin", name)
+    try:
+        with open(path) as f:
+            if f.read() == text:
+                continue
+    except OSError:
+        pass
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.chmod(tmp, 0o755)
+    os.replace(tmp, path)
+PY
 mkdir -p "$bindir"
 for c in gpusnap gpusnap-criu-hook; do ln -sfn "$prefix/bin/$c" "$bindir/$c"; done
 if [ -n "$criu" ]; then

@@ -127,7 +127,7 @@ class _FdReader:
 def read_fd(path: str, error: type[Exception] = PipelineError) -> Iterator[int]:
     """PATH opened read-only (no symlink followed) for the block; ERROR with the reason if it cannot be."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)  # a FIFO swapped in never blocks
     except OSError as e:
         raise error(f"{path}: {e.strerror or errno.errorcode.get(e.errno or 0, e)}") from None
     try:

@@ -242,9 +242,17 @@ class ZstdCodec:
     def decode(self, payload: memoryview, raw_len: int) -> bytes | memoryview:
         if zstdlib.available():
             return self.decode_into(payload, raw_len, memoryview(bytearray(raw_len)))
+        return self._decode_py(payload, raw_len)
+
+    def _decode_py(self, payload: memoryview, raw_len: int) -> bytes:
+        """Without libzstd: python-zstandard, given only the frames the libzstd path takes (one frame
+        declaring RAW_LEN bytes, spanning PAYLOAD: zstdlib.check_frame_py), its output exactly RAW_LEN bytes."""
         try:
+            zstdlib.check_frame_py(payload, raw_len)
             out = self._dctx().decompress(payload, max_output_size=raw_len)
-        except _zstd().ZstdError as e:
+        except zstdlib.ZstdLibError as e:
+            raise CodecError(str(e)) from None
+        except (_zstd().ZstdError, MemoryError) as e:
             raise CodecError(f"zstd payload does not decode: {e}") from None
         if len(out) != raw_len:
             raise CodecError(f"zstd payload decoded to {len(out)} bytes, expected {raw_len}")
@@ -261,22 +269,7 @@ class ZstdCodec:
             except zstdlib.ZstdLibError as e:
                 raise CodecError(str(e)) from None
             return dst
-        try:
-            # the calling thread's own decompressor (they are not thread-safe)
-            reader = self._dctx().stream_reader(payload, read_size=max(1, len(payload)), read_across_frames=False)
-            done = 0
-            while done < raw_len:
-                n = reader.readinto(dst[done:])
-                if n == 0:
-                    break
-                done += n
-            extra = reader.read(1)
-        except _zstd().ZstdError as e:
-            raise CodecError(f"zstd payload does not decode: {e}") from None
-        if extra:
-            raise CodecError(f"zstd payload decodes to more than the {raw_len} bytes expected")
-        if done != raw_len:
-            raise CodecError(f"zstd payload decoded to {done} bytes, expected {raw_len}")
+        copy_into(dst, memoryview(self._decode_py(payload, raw_len)))
         return dst
 
 

@@ -203,21 +203,81 @@ def frame_content_size(payload: memoryview) -> int | None:
 QUICK_SPAN_MOST = 64 << 10  # check_frame walks a frame of at most this many bytes with the GIL kept
 
 
-def check_frame(payload: memoryview, n: int) -> int:
-    """PAYLOAD's address once it is exactly one zstd frame that declares N bytes; ZstdLibError otherwise."""
-    if _Q is None:
-        raise ZstdLibError("libzstd is not available here")
-    m = len(payload)
-    if m == 0:
-        raise ZstdLibError("empty zstd payload")
-    src = address_of(payload)
-    declared = _Q.ZSTD_getFrameContentSize(src, m)
-    if declared in (_UNKNOWN, _ERROR):
+ZSTD_MAGIC = 0xFD2FB528
+
+
+def _declared_check(declared: int | None, n: int) -> None:
+    if declared is None:
         raise ZstdLibError("zstd payload is not a frame that declares its size")
     if declared > n:
         raise ZstdLibError(f"zstd payload decodes to more than the {n} bytes expected (its frame declares {declared})")
     if declared < n:
         raise ZstdLibError(f"zstd payload decoded to {declared} bytes, expected {n} (as its frame declares)")
+
+
+def frame_layout(payload: memoryview) -> tuple[int | None, int]:
+    """The content size PAYLOAD's frame header declares (None: none) and the length of that frame, read
+    from its header and block headers as libzstd's ZSTD_getFrameContentSize and ZSTD_findFrameCompressedSize
+    read them (RFC 8878, section 3.1.1); ZstdLibError for anything but a zstd frame (a skippable frame,
+    another magic, reserved bits set, a reserved block type, a frame cut short). Pure Python: the
+    decode path without libzstd accepts exactly the frames the libzstd path does (check_frame)."""
+    m = len(payload)
+    if m < 6 or int.from_bytes(payload[0:4], "little") != ZSTD_MAGIC:
+        raise ZstdLibError("zstd payload is not a zstd frame")
+    fhd = payload[4]
+    if fhd & 0x08:
+        raise ZstdLibError("zstd frame is malformed: reserved bit set in its header")
+    single, checksum, did = (fhd >> 5) & 1, (fhd >> 2) & 1, fhd & 3
+    fcs_len = (1 if single else 0, 2, 4, 8)[fhd >> 6]
+    pos = 5 + (0 if single else 1) + (0, 1, 2, 4)[did]
+    if m < pos + fcs_len:
+        raise ZstdLibError("zstd frame is malformed: its header is cut short")
+    declared = None
+    if fcs_len:
+        declared = int.from_bytes(payload[pos:pos + fcs_len], "little") + (256 if fcs_len == 2 else 0)
+    pos += fcs_len
+    while True:
+        if pos + 3 > m:
+            raise ZstdLibError("zstd frame is malformed: a block header is cut short")
+        h = int.from_bytes(payload[pos:pos + 3], "little")
+        pos += 3
+        kind = (h >> 1) & 3
+        if kind == 3:
+            raise ZstdLibError("zstd frame is malformed: reserved block type")
+        pos += 1 if kind == 1 else h >> 3
+        if pos > m:
+            raise ZstdLibError("zstd frame is malformed: a block is cut short")
+        if h & 1:
+            break
+    pos += 4 if checksum else 0
+    if pos > m:
+        raise ZstdLibError("zstd frame is malformed: its checksum is cut short")
+    return declared, pos
+
+
+def check_frame_py(payload: memoryview, n: int) -> None:
+    """check_frame's rules, without libzstd (frame_layout): exactly one zstd frame declaring N bytes."""
+    if len(payload) == 0:
+        raise ZstdLibError("empty zstd payload")
+    declared, span = frame_layout(payload)
+    _declared_check(declared, n)
+    if span != len(payload):
+        raise ZstdLibError("zstd payload is not exactly one frame")
+
+
+def check_frame(payload: memoryview, n: int) -> int:
+    """PAYLOAD's address once it is exactly one zstd frame (never a skippable one) that declares N bytes;
+    ZstdLibError otherwise. The same frames pass check_frame_py."""
+    if _Q is None:
+        raise ZstdLibError("libzstd is not available here")
+    m = len(payload)
+    if m == 0:
+        raise ZstdLibError("empty zstd payload")
+    if m < 6 or int.from_bytes(payload[0:4], "little") != ZSTD_MAGIC or payload[4] & 0x08:
+        raise ZstdLibError("zstd payload is not a zstd frame")  # (libzstd takes a skippable frame as one)
+    src = address_of(payload)
+    declared = _Q.ZSTD_getFrameContentSize(src, m)
+    _declared_check(None if declared in (_UNKNOWN, _ERROR) else int(declared), n)
     # the walk over the frame's block headers costs what the payload's bytes say (a crafted frame of
     # millions of empty blocks: ~1 ns a byte): past a small payload, the GIL is given up for it
     span = (_Q if m <= QUICK_SPAN_MOST else _LIB).ZSTD_findFrameCompressedSize(src, m)

@@ -331,11 +331,11 @@ def open_for_read(path: str, direct: bool) -> tuple[int, bool]:
     """Open PATH read-only, with O_DIRECT when asked and allowed; returns (fd, is_direct)."""
     if direct and hasattr(os, "O_DIRECT"):
         try:
-            return os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_DIRECT), True
+            return os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_DIRECT), True
         except OSError as e:
             if e.errno != errno.EINVAL:
                 raise
-    return os.open(path, os.O_RDONLY | os.O_CLOEXEC), False
+    return os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK), False
 
 
 def fsync_dir(path: str) -> None:

@@ -42,15 +42,17 @@ def remove_tree(parent_fd: int, name: str, where: str, *, uid: int | None = None
     os.rmdir(name, dir_fd=parent_fd)
 
 
-def empty_tree(top: int, where: str) -> None:
-    """Remove everything in the open directory TOP (kept open, left empty), iteratively."""
+def empty_tree(top: int, where: str, uid: int | None = None) -> None:
+    """Remove everything in the open directory TOP (kept open, left empty), iteratively. With UID: every
+    directory descended into must be that user's (checked on the fd it is emptied through; TreeError
+    otherwise), so what is removed is only what UID could have removed itself."""
     dev = os.fstat(top).st_dev
     stack: list[tuple[int, str]] = [(top, "")]   # (fd, its name in the directory below it on the stack)
     moved = 0
     try:
         while stack:
             fd = stack[-1][0]
-            child = _first_subdir(fd, dev, where)
+            child = _first_subdir(fd, dev, where, uid)
             if child is not None:
                 cname, cfd = child
                 if len(stack) < MAX_OPEN_DIRS:
@@ -82,7 +84,7 @@ def empty_tree(top: int, where: str) -> None:
             os.close(fd)
 
 
-def _first_subdir(fd: int, dev: int, where: str) -> tuple[str, int] | None:
+def _first_subdir(fd: int, dev: int, where: str, uid: int | None = None) -> tuple[str, int] | None:
     """Unlink every non-directory in FD; return the first subdirectory found (its name and an fd of it),
     or None when FD holds nothing any more."""
     with os.scandir(fd) as it:
@@ -105,8 +107,50 @@ def _first_subdir(fd: int, dev: int, where: str) -> tuple[str, int] | None:
                 os.unlink(name, dir_fd=fd)
                 continue
             raise
-        if os.fstat(cfd).st_dev != dev:
+        st = os.fstat(cfd)
+        if st.st_dev != dev:
             os.close(cfd)
             raise TreeError(f"{where}: another file system is mounted inside it; left alone")
+        if uid is not None and st.st_uid != uid:
+            os.close(cfd)
+            raise TreeError(f"{where}: holds a directory {name!r} of uid {st.st_uid}, not uid {uid}; left alone")
         return name, cfd
     return None
+
+
+def foreign_entry(top: int, uid: int, where: str, *, dirs_only: bool = False) -> str | None:
+    """The first entry under the open directory TOP (no link followed, not past a mount) that is not UID's
+    (with DIRS_ONLY: the first such directory), described; None when there is none. Holds at most one
+    directory fd besides TOP."""
+    dev = os.fstat(top).st_dev
+    stack: list[tuple[str, ...]] = [()]
+    while stack:
+        rel = stack.pop()
+        fd = _open_rel(top, rel)
+        try:
+            with os.scandir(fd) as it:
+                ents = list(it)
+            for e in ents:
+                st = e.stat(follow_symlinks=False)
+                path = "/".join((where, *rel, e.name))
+                is_dir = e.is_dir(follow_symlinks=False)
+                if st.st_uid != uid and (is_dir or not dirs_only):
+                    return f"{path} (uid {st.st_uid})"
+                if is_dir:
+                    if st.st_dev != dev:
+                        return f"{path} (another file system)"
+                    stack.append((*rel, e.name))
+        finally:
+            if fd != top:
+                os.close(fd)
+    return None
+
+
+def _open_rel(top: int, rel: tuple[str, ...]) -> int:
+    fd = top
+    for comp in rel:
+        nfd = os.open(comp, _DIR, dir_fd=fd)
+        if fd != top:
+            os.close(fd)
+        fd = nfd
+    return fd

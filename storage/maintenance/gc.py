@@ -5,7 +5,8 @@ the store lock exclusively; a manifest that does not load keeps every chunk id i
 (reported as damage), and one whose bytes cannot be read stops gc before anything is deleted; it
 deletes only chunk files no manifest names, tmp/ entries whose owner process is gone (and the staging
 tree of a killed `get` its record names, if that is a real directory of the get's user carrying the
-marker whose nonce the record holds: storage/fs/getmark.py), lock files
+marker of the nonce the record holds, keyed with the host key for a root get: storage/fs/getmark.py,
+and every entry in it is that user's), lock files
 of names without a snapshot, and quarantined chunks no longer needed. Packs: a pack without an index is
 deleted (a killed writer's), an indexed one whose entries nothing names is deleted index first, one
 whose live fraction is below packs.REPACK_BELOW is repacked, its live entries durable and indexed in
@@ -40,7 +41,7 @@ from storage.repo.reflog import RefLogError, pinned
 from storage.repo.store import CHUNK_ID, EntryUnknown, get_staging_name, read_record
 from storage.format.storedir import (CHUNKS, INDEX, JOURNAL, NAMES, PACKS, QUARANTINE, SNAPSHOTS, TMP, StoreDamage, entries, lstat_at,
                        manifest_entry, open_dir, opened_dir, remove_tree)
-from storage.fs.treewalk import empty_tree
+from storage.fs.treewalk import empty_tree, foreign_entry
 
 if TYPE_CHECKING:
     from storage.repo.store import SnapshotStore
@@ -207,7 +208,7 @@ def _packs(store: "SnapshotStore", root: int, uid: int, report: GcReport, live: 
                     os.unlink(ent.name, dir_fd=packs_fd)
                     report.packs_removed += 1
                     report.packs_unindexed += 1
-                    report.bytes_freed += st.st_size if stat.S_ISREG(st.st_mode) else 0
+                    report.bytes_freed += _held(st)
                     continue
                 ents = index.entries[ent.name]
                 mine = keep.get(ent.name, set())
@@ -229,12 +230,20 @@ def _packs(store: "SnapshotStore", root: int, uid: int, report: GcReport, live: 
                     report.packs_repacked += 1
                 report.packs_removed += 1
                 report.chunks_removed += dead
-                report.bytes_freed += size - (live_bytes if mine else 0)
+                # what the pack really held on disk, not what its index claims (an index may say 1 GiB of an
+                # 8 KiB pack), less what its live entries now take in the new packs
+                report.bytes_freed += max(0, _held(st) - (live_bytes if mine else 0))
             store.refresh_index()
     except FileNotFoundError:
         report.damage.append(f"{INDEX}/ is missing")
     finally:
         os.close(packs_fd)
+
+
+def _held(st: os.stat_result) -> int:
+    """The bytes a file of ST really takes (its length, but never more than its allocated blocks: a sparse
+    file frees only what it holds); 0 for anything but a regular file."""
+    return min(st.st_size, st.st_blocks * 512) if stat.S_ISREG(st.st_mode) else 0
 
 
 def _drop_pack(idx_fd: int, packs_fd: int, name: str) -> None:
@@ -349,7 +358,14 @@ def _get(tmp: int, name: str, report: GcReport) -> int:
                 report.damage.append(f"{where}: not the directory the killed get (pid {pid}) made (no marker "
                                      "matching its record); left alone, record removed")
                 return 0
-            empty_tree(sfd, where)
+            # every entry the user's (a root get gives files their recorded owners as it writes them: there,
+            # every directory root's, so that nothing another user put there is removed)
+            foreign = foreign_entry(sfd, uid, where, dirs_only=uid == 0)
+            if foreign is not None:  # the get's user put there what it could not remove itself
+                report.damage.append(f"{where}: holds {foreign}, not an entry of uid {uid} that the killed get "
+                                     f"(pid {pid}) made; left alone, record removed")
+                return 0
+            empty_tree(sfd, where, uid)
         finally:
             os.close(sfd)
         os.rmdir(staging, dir_fd=parent)
@@ -406,7 +422,7 @@ def _chunks(chunks: int, uid: int, report: GcReport, live: set[str]) -> None:
                     continue
                 os.unlink(ent.name, dir_fd=xy)  # a link or FIFO under a chunk's name goes too, unopened
                 report.chunks_removed += 1
-                report.bytes_freed += st.st_size if stat.S_ISREG(st.st_mode) else 0
+                report.bytes_freed += _held(st)
                 removed = True
             if removed:
                 os.fsync(xy)

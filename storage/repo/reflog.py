@@ -19,6 +19,7 @@ Guarantees kept here:
 from __future__ import annotations
 
 import json
+import errno
 import os
 import stat
 import threading
@@ -70,7 +71,11 @@ class RefLogWriter:
         self._lines: list[bytes] = []
         self._refs: list[ChunkRef] = []
         try:
-            self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_NONBLOCK
+                               | os.O_CLOEXEC, 0o600)
+            if not stat.S_ISREG(os.fstat(self._fd).st_mode):
+                os.close(self._fd)
+                raise OSError(errno.EINVAL, "not a regular file (planted)")
             dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
             try:
                 os.fsync(dfd)
