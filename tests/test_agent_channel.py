@@ -18,7 +18,7 @@ from sandbox.gpu.channel import (AgentFrames, ChannelError, ChannelLimits, read_
 from sandbox.gpu.driver import ProcessState as S
 from storage.gpu.device import HostDevice
 from storage.repo.store import SnapshotStore
-from test_custom_storage_flow import FEATS, gpu_bytes
+from support.custom_storage import FEATS, gpu_bytes
 
 
 class Agent:

@@ -201,7 +201,7 @@ def test_export_import_round_trip_and_forgery_refused(cli: Cli, store_dir: Path,
 def test_diff_of_two_criu_snapshots_names_changed_page_images(cli: Cli) -> None:
     if os.geteuid() != 0:
         pytest.skip("CRIU needs root")
-    from test_criu import Tree
+    from support.criu import Tree
     t = Tree(mb=16)
     try:
         cli.run("criu", "dump", str(t.pid), "c1", "--leave-running")

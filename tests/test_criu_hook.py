@@ -360,7 +360,7 @@ def test_custom_storage_hook_double_pre_dump_keeps_the_snapshot(tmp_path: Path, 
     from support.driver_standin import StandInDriver
     from storage.gpu.device import HostDevice
     from storage.repo.store import SnapshotStore
-    from test_custom_storage_flow import FEATS, gpu_bytes
+    from support.custom_storage import FEATS, gpu_bytes
     d = StandInDriver()
     d.add(child, gpu_bytes(8, 2))
     before = bytes(d.procs[child].gpu)

@@ -14,7 +14,7 @@ from typing import Callable
 
 import pytest
 from conftest import GPUSNAP, REPO, Cli, chunk_files, pythonpath
-from support.criu import Tree, _state, healthy, pids_with, require_criu
+from support.criu import Tree, _state, children_of as _children, criu_of as _criu_of, healthy, pids_with, require_criu
 from support.criu_records import MAGICS, msg, rec, varint
 
 pytestmark = pytest.mark.root
@@ -816,39 +816,10 @@ def test_either_path_restores_what_the_other_dumped(cli: Cli, dump_env: dict, re
         tree.kill()
 
 
-def _children(pid: int) -> list[int]:
-    out = []
-    for p in os.listdir("/proc"):
-        if p.isdigit():
-            try:
-                with open(f"/proc/{p}/stat") as f:
-                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
-                        out.append(int(p))
-            except OSError:
-                pass
-    return out
-
-
 def _start(cli: Cli, env: dict[str, str], *args: str) -> subprocess.Popen:
     e = {**os.environ, "PYTHONPATH": pythonpath(), **env}
     return subprocess.Popen([*GPUSNAP, "--store", str(cli.store), *args], cwd=REPO, env=e,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def _criu_of(proc: subprocess.Popen, timeout: float = 30) -> int:
-    """The `criu dump|restore` that PROC runs (not its `criu --version` probe)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for c in _children(proc.pid):
-            try:
-                argv = Path(f"/proc/{c}/cmdline").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if Path(argv[0].decode()).name == "criu" and argv[1:2] in ([b"dump"], [b"restore"]):
-                return c
-        assert proc.poll() is None, proc.communicate()
-        time.sleep(0.01)
-    raise AssertionError("CRIU did not start")
 
 
 def _wait_gone(pid: int, timeout: float = 30) -> None:

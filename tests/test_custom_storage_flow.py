@@ -14,21 +14,12 @@ import numpy as np
 import pytest
 
 from conftest import small_tmpfs
+from support.custom_storage import FEATS, gpu_bytes
 from support.driver_standin import StandInDriver
-from sandbox.gpu.driver import Features, GpuInfo, ProcessState as S
+from sandbox.gpu.driver import ProcessState as S
 from sandbox.gpu.snapshot import gpu_checkpoint, gpu_restore
 from storage.gpu.device import HostDevice
 from storage.repo.store import SnapshotStore
-
-FEATS = Features(bindings="stand-in", driver_version="stand-in", checkpoint_api=True, custom_storage=True,
-                 gpus=[GpuInfo(0, "Stand-in GPU", "GPU-00000000-0000-0000-0000-000000000000", 1 << 30, (9, 0), None, False)])
-
-
-def gpu_bytes(seed: int, mb: int) -> bytes:
-    rng = np.random.default_rng(seed)
-    n = mb << 20
-    w = (rng.normal(0, 0.02, n // 5).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16).tobytes()
-    return w + bytes(n // 2) + rng.bytes(n - len(w) - n // 2)
 
 
 def test_gpu_swap_out_and_in_through_custom_storage(tmp_path: Path, child: int) -> None:
@@ -76,7 +67,7 @@ def test_criu_dump_and_restore_with_custom_storage(tmp_path: Path) -> None:
     CHECKPOINTED, and restore brings back the tree (real CRIU) and then the GPU memory, byte-exact."""
     from sandbox.criu.runner import find_criu
     from sandbox.criu.snapshot import criu_dump, criu_restore
-    from test_criu import Tree, healthy
+    from support.criu import Tree, healthy
     if os.geteuid() != 0 or not find_criu():
         pytest.skip("CRIU needs root and scripts/setup.sh")
     tree = Tree(mb=16, detached=True)

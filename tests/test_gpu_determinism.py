@@ -15,7 +15,7 @@ import pytest
 
 from support.entries import entry_of
 from support.stale_bytes import leaked_runs, word_index
-from test_gpu_real import GB, record
+from support.gpu_results import GB, record
 
 pytestmark = pytest.mark.gpu
 

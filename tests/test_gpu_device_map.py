@@ -13,19 +13,9 @@ from typing import Any
 import pytest
 
 from conftest import Cli
+from support.gpu_results import GB, record
 
 pytestmark = pytest.mark.gpu
-
-GB = float(os.environ.get("GPUSNAP_TEST_GB", "2"))
-
-
-def record(name: str, data: dict[str, Any]) -> None:
-    line = json.dumps({"test": name, **data})
-    print(line)
-    out = os.environ.get("GPUSNAP_RESULTS")
-    if out:
-        with open(out, "a") as f:
-            f.write(line + "\n")
 
 
 @pytest.fixture(scope="module")

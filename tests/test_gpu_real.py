@@ -14,26 +14,15 @@ from typing import Any
 import pytest
 
 from conftest import Cli
+from support.gpu_results import GB, record
 
 pytestmark = pytest.mark.gpu
-
-GB = float(os.environ.get("GPUSNAP_TEST_GB", "2"))
 
 
 @pytest.fixture(scope="module")
 def drv():
     from sandbox.gpu.driver import CudaDriver
     return CudaDriver()
-
-
-def record(name: str, data: dict) -> None:
-    """Measurements go to $GPUSNAP_RESULTS (a JSON-lines file) as well as the test output."""
-    line = json.dumps({"test": name, **data})
-    print(line)
-    out = os.environ.get("GPUSNAP_RESULTS")
-    if out:
-        with open(out, "a") as f:
-            f.write(line + "\n")
 
 
 def test_probe_on_the_real_driver(drv) -> None:

@@ -447,14 +447,14 @@ def real_machine_for_the_hook(c: Ctx) -> None:
     """The block installs the hook into the real /etc/criu and /usr/local: refuse where one is
     installed already (its uninstall would remove that), and put /etc/criu back byte for byte and
     uninstall whatever the block left, even if it fails."""
-    from test_containers import real_etc_criu
+    from support.containers import real_etc_criu
     from support.containers import need, runtime_env
     need("podman", "runc", "/bin/busybox")
     runtime_env()   # skips without CRIU >= 4; the shell has the project's CRIU first on PATH already
     if HOOK_RECORD.exists():
         pytest.fail(f"a gpusnap hook is installed here already ({HOOK_RECORD}); the guide's block would remove it")
     etc = c.cleanup.enter_context(real_etc_criu())
-    from test_containers import snapshot_dir
+    from support.containers import snapshot_dir
     c.seen["etc_before"] = snapshot_dir(etc)
     c.cleanup.callback(lambda: HOOK_RECORD.exists() and c.cli("hook", "uninstall", check=False))
     name = unique("counter")
@@ -536,7 +536,7 @@ def podman_counts_on(c: Ctx, r: Ran) -> None:
 
 @runs("gpusnap hook uninstall")
 def hook_uninstall(c: Ctx, r: Ran) -> None:
-    from test_containers import snapshot_dir
+    from support.containers import snapshot_dir
     ok(r)
     assert snapshot_dir(Path("/etc/criu")) == c.seen["etc_before"], "the configs are not back as they were"
     assert not HOOK_RECORD.exists() and not os.path.exists("/usr/local/lib/gpusnap/gpusnap-criu-hook")
@@ -645,7 +645,7 @@ def recover(c: Ctx, r: Ran) -> None:
 def swift(c: Ctx) -> None:
     need_root()
     from support.criu import require_criu
-    from test_remote import drop_bucket, swift_start
+    from support.swift import drop_bucket, swift_start
     require_criu()
     endpoint = swift_start()
     c.cleanup.callback(drop_bucket, endpoint, unique("gpusnap-demo"))

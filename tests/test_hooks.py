@@ -276,7 +276,7 @@ def test_gpu_checkpoint_prepares_records_the_resume_and_gpu_restore_runs_it(fail
     records it); `gpu restore` runs the recorded step once they run. A checkpoint the driver fails:
     the processes run on with their memory and the resume step ran."""
     from support.driver_standin import StandInDriver
-    from test_custom_storage_flow import FEATS, gpu_bytes
+    from support.custom_storage import FEATS, gpu_bytes
     from sandbox.gpu.driver import ProcessState
     from sandbox.gpu.snapshot import gpu_checkpoint, gpu_restore
     from sandbox.ops.hooks import HookError, WorkloadHooks

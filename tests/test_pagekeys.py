@@ -15,7 +15,7 @@ import pytest
 from conftest import Cli
 from storage.codecs import pagekeys
 from support.crafted import rewrite_manifest
-from test_store_delta import BLOCK, _kv_pool, weights
+from support.model_bytes import BLOCK, kv_pool as _kv_pool, weights
 
 PAGE = 4096
 

@@ -9,29 +9,16 @@ import socket
 import subprocess
 import threading
 import time
-import uuid
 from pathlib import Path
 from typing import Any, Iterator
 
 import numpy as np
 import pytest
 
-from conftest import GPUSNAP, REPO, Cli, pythonpath
-from scripts.bench.bench_remote import CREDS, drop_bucket  # the same Swift account and clean-up as the benchmark
+from conftest import REPO, Cli
+from support.swift import CREDS, RUN, Node, drop_bucket, swift_start, url_for
 
 pytestmark = pytest.mark.root
-
-RUN = uuid.uuid4().hex[:8]
-
-
-def swift_start(env: dict[str, str] | None = None) -> str:
-    if os.geteuid() != 0:
-        pytest.skip("starting Swift needs root")
-    p = subprocess.run([str(REPO / "scripts" / "setup" / "swift-setup.sh"), "start"], capture_output=True, text=True,
-                       env={**os.environ, **(env or {})}, timeout=600)
-    if p.returncode != 0:
-        pytest.fail(f"Swift did not start: {p.stderr[-2000:]}")
-    return p.stdout.strip().splitlines()[-1]
 
 
 @pytest.fixture(scope="module")
@@ -45,32 +32,6 @@ def endpoint() -> Iterator[str]:
 # "after N chunks" of a push, and of a pull of what it pushed, falls between two packs (between two
 # range reads), as the protocol tests below need
 ONE_ENTRY_PACKS = {"GPUSNAP_REMOTE_PACK_TARGET": "1"}
-
-
-class Node:
-    """One node: its own store, the remote `r` at s3://BUCKET/PREFIX configured in it; ENV is added to
-    every command it runs."""
-
-    def __init__(self, store: Path, endpoint: str | None, url: str) -> None:
-        self.cli = Cli(store)
-        self.store = store
-        self.env: dict[str, str] = {}
-        self.cli.run("remote", "add", "r", url, *(["--endpoint", endpoint] if endpoint else []), env=CREDS)
-
-    def run(self, *args: str, check: bool = True, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-        return self.cli.run(*args, check=check, env={**CREDS, **self.env, **(env or {})})
-
-    def json(self, *args: str, env: dict[str, str] | None = None) -> dict:
-        return json.loads(self.run(*args, "--json", env=env).stdout)
-
-    def popen(self, *args: str, env: dict[str, str]) -> subprocess.Popen[str]:
-        e = {**os.environ, "PYTHONPATH": pythonpath(), **CREDS, **self.env, **env}
-        return subprocess.Popen([*GPUSNAP, "--store", str(self.store), *args, "--json"], cwd=REPO, env=e,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def url_for(test: str) -> str:
-    return f"s3://gpusnap-test-{RUN}/{test}"
 
 
 @pytest.fixture
@@ -529,7 +490,7 @@ def _chunk_count(node: Node, name: str) -> int:
 
 
 def _gone(pid: int, timeout: float = 10) -> bool:
-    from test_criu import _state
+    from support.criu import _state
     deadline = time.monotonic() + timeout
     while os.path.exists(f"/proc/{pid}") and _state(pid) != "Z":
         if time.monotonic() > deadline:
@@ -545,7 +506,7 @@ def test_criu_restore_from_remote_on_another_store(any_nodes: tuple[Node, Node],
     Over both backends (a file:// remote as a shared volume would be)."""
     _need_criu()
     nodes = any_nodes
-    from test_criu import Tree, healthy
+    from support.criu import Tree, healthy
     a, b = nodes
     a.env.update(ONE_ENTRY_PACKS)
     tree = Tree()
@@ -586,7 +547,7 @@ def test_swift_stopped_mid_restore_fails_cleanly_and_a_retry_completes(private_s
     """The object store stops while CRIU restores from it: one line, no process of the snapshot left,
     no snapshot visible in B; once it is back the same command completes, reusing what was fetched."""
     _need_criu()
-    from test_criu import Tree, healthy
+    from support.criu import Tree, healthy
     ep, senv = private_swift
     url = url_for("down-restore")
     a, b = Node(tmp_path / "A", ep, url), Node(tmp_path / "B", ep, url)
@@ -636,8 +597,8 @@ def _restore_from_remote_paused(a: "Node", b: "Node", tree: Any, pause: Path, ke
 def test_kill_9_mid_restore_from_remote_leaves_nothing_visible_and_a_retry_reuses_the_chunks(
         nodes: tuple[Node, Node], tmp_path: Path) -> None:
     _need_criu()
-    from test_criu import Tree, healthy
-    from test_criu_stream import _criu_of
+    from support.criu import Tree, healthy
+    from support.criu import criu_of as _criu_of
     a, b = nodes
     a.env.update(ONE_ENTRY_PACKS)
     tree = Tree()
@@ -665,7 +626,7 @@ def test_gpu_restore_from_remote_on_another_store(tmp_path: Path, endpoint: str,
     """The GPU path of `gpu restore --from`: the driver stand-in's processes swapped out into store A,
     pushed, pulled by ensure_local into empty store B, swapped back in from B with the bytes intact."""
     from support.driver_standin import StandInDriver
-    from test_custom_storage_flow import FEATS, gpu_bytes
+    from support.custom_storage import FEATS, gpu_bytes
     from sandbox.gpu.driver import ProcessState as S
     from sandbox.gpu.snapshot import gpu_checkpoint, gpu_restore
     from storage.gpu.device import HostDevice

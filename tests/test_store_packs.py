@@ -7,19 +7,18 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import struct
-import subprocess
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from conftest import GPUSNAP, REPO, Cli, chunk_files, make_mixed_tree, pythonpath, tree_digest
-from storage.format.packs import PAUSE_ENV, decode_index, encode_index
+from conftest import Cli, chunk_files, make_mixed_tree, tree_digest
+from storage.format.packs import decode_index, encode_index
 from support.entries import chunk_entries, chunk_ids, to_chunk_files
 from support.pagecache import cold_store, resident_bytes, resident_in
+from support.store_faults import killed_at
 
 
 def _distinct(path: Path, chunks: int, seed: int) -> Path:
@@ -30,24 +29,6 @@ def _distinct(path: Path, chunks: int, seed: int) -> Path:
             block[:8] = (seed * 1000 + i).to_bytes(8, "little")
             f.write(block)
     return path
-
-
-def killed_at(store: Path, args: list[str], stage: str, tmp: Path) -> None:
-    """Start `gpusnap ARGS` on STORE, wait until it reaches STAGE of the pack write order (the pause
-    storage/format/packs.py makes under PAUSE_ENV), kill -9 it."""
-    flag = tmp / f"paused-{stage}"
-    env = dict(os.environ, PYTHONPATH=pythonpath(), **{PAUSE_ENV: f"{stage}:{flag}"})
-    p = subprocess.Popen([*GPUSNAP, "--store", str(store), *args], env=env, cwd=REPO,
-                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 120
-    while not flag.exists():
-        assert p.poll() is None, p.communicate()[1]
-        assert time.monotonic() < deadline, "the put never reached " + stage
-        time.sleep(0.01)
-    assert int(flag.read_text()) == p.pid
-    p.send_signal(signal.SIGKILL)
-    p.wait()
-    flag.unlink()
 
 
 @pytest.mark.parametrize("stage", ["pack-partial", "pack-synced", "indexed"])

@@ -1,9 +1,11 @@
 """CRIU test support: the criu_workload.py tree as the tests start it, its health check and a
 process's state (both from scripts/workloads/criu_tree.py), and the CRIU requirement every CRIU test
-module checks first (shared by the CRIU, crash and trust tests)."""
+module checks first (shared by the CRIU, crash and trust tests), and the CRIU a `gpusnap` process runs."""
 from __future__ import annotations
 
 import os
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -41,3 +43,33 @@ def pids_with(needle: bytes) -> list[int]:
             except OSError:
                 pass
     return out
+
+
+def children_of(pid: int) -> list[int]:
+    """The pids whose parent is PID."""
+    out: list[int] = []
+    for p in os.listdir("/proc"):
+        if p.isdigit():
+            try:
+                with open(f"/proc/{p}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        out.append(int(p))
+            except OSError:
+                pass
+    return out
+
+
+def criu_of(proc: subprocess.Popen, timeout: float = 30) -> int:
+    """The `criu dump|restore` that PROC runs (not its `criu --version` probe)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for c in children_of(proc.pid):
+            try:
+                argv = Path(f"/proc/{c}/cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if Path(argv[0].decode()).name == "criu" and argv[1:2] in ([b"dump"], [b"restore"]):
+                return c
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.01)
+    raise AssertionError("CRIU did not start")
