@@ -19,13 +19,7 @@ from conftest import GPUSNAP, REPO, Cli, pythonpath
 from support.crash import SIGNALS, STAGES, Paused, assert_nothing_left, expect_exit, processes_mentioning, wait_dead
 from support.criu import Tree, healthy
 
-pytestmark = pytest.mark.root
-
-@pytest.fixture(scope="module", autouse=True)
-def need_root() -> None:
-    if os.geteuid() != 0:
-        pytest.skip("CRIU and runsc need root")
-
+pytestmark = [pytest.mark.root, pytest.mark.usefixtures("need_root")]
 
 @pytest.mark.parametrize("sig", SIGNALS, ids=["kill9", "term"])
 @pytest.mark.parametrize("stage", STAGES)

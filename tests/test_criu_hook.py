@@ -17,10 +17,9 @@ import pytest
 
 from conftest import REPO
 from support.driver_standin import SharedStandIn
-from support.criu import require_criu
 from sandbox.gpu.driver import Features, GpuInfo, ProcessState as S
 
-pytestmark = pytest.mark.root
+pytestmark = [pytest.mark.root, pytest.mark.usefixtures("need_criu")]
 
 HOST_FEATS = Features(bindings="stand-in", driver_version="stand-in", checkpoint_api=True, custom_storage=False,
                       gpus=[GpuInfo(0, "Stand-in GPU", "GPU-00000000-0000-0000-0000-000000000000", 1 << 30, (9, 0), None, False)])
@@ -29,11 +28,6 @@ TREE = ("import os,sys,time\n"
         "if pid==0:\n    time.sleep(600)\n    os._exit(0)\n"
         "open(sys.argv[1]+'.tmp','w').write('%d %d'%(os.getpid(),pid)); os.rename(sys.argv[1]+'.tmp',sys.argv[1])\n"
         "time.sleep(600)\n")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def need_criu() -> None:
-    require_criu()
 
 
 class NetnsTree:

@@ -14,10 +14,10 @@ from typing import Callable
 
 import pytest
 from conftest import GPUSNAP, REPO, Cli, chunk_files, pythonpath
-from support.criu import Tree, _state, children_of as _children, criu_of as _criu_of, healthy, pids_with, require_criu
+from support.criu import Tree, _state, children_of as _children, criu_of as _criu_of, healthy, pids_with
 from support.criu_records import MAGICS, msg, rec, varint
 
-pytestmark = pytest.mark.root
+pytestmark = [pytest.mark.root, pytest.mark.usefixtures("need_criu")]
 
 STREAM = {"GPUSNAP_CRIU_IMAGES": "stream"}
 STAGING = {"GPUSNAP_CRIU_IMAGES": "staging"}
@@ -26,11 +26,6 @@ SPLIT = {**STREAM, "GPUSNAP_CRIU_SPLIT_MIN": str(8 << 20),  # the 24-48 MiB area
 NO_SPLIT = {**STREAM, "GPUSNAP_CRIU_SPLIT_MIN": "0"}
 SPLIT_PROCS = {**SPLIT, "GPUSNAP_FILL_PROCS": "3"}  # the fill in worker processes (sandbox/criu/fill_procs.py)
 ENCODERS = {**STREAM, "GPUSNAP_ENCODE_PROCS": "2"}  # the dump's chunk work in processes (storage/pipeline/encodeprocs.py)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def need_criu() -> None:
-    require_criu()
 
 
 def cli_json(cli: Cli, env: dict[str, str], *args: str) -> dict:

@@ -30,7 +30,7 @@ from typing import Any, Callable
 
 import pytest
 
-from conftest import REPO, Cli
+from conftest import REPO, Cli, require_root
 from support.docs import GPUSNAP_FUNCTION, command_lines, fenced_blocks, shell_env
 
 GUIDE = REPO / "docs" / "GUIDE.md"
@@ -193,11 +193,6 @@ def proc_state(pid: int) -> str:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except OSError:
         return "gone"
-
-
-def need_root() -> None:
-    if os.geteuid() != 0:
-        pytest.skip("this block of the guide runs as root (CRIU, containers, sandboxes); CI runs as root")
 
 
 # ------------------------------------------------------------------ lines that cannot run here
@@ -643,7 +638,7 @@ def recover(c: Ctx, r: Ran) -> None:
 
 # --------------------------------------------------------------------------------------- Remotes
 def swift(c: Ctx) -> None:
-    need_root()
+    require_root("this block of the guide runs as root (CRIU, containers, sandboxes); CI runs as root")
     from support.criu import require_criu
     from support.swift import drop_bucket, swift_start
     require_criu()

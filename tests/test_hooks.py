@@ -20,13 +20,7 @@ from support.crash import wait_dead
 from support.criu import Tree, healthy
 from support.servers import HttpConn, python_workload
 
-pytestmark = pytest.mark.root
-
-
-@pytest.fixture(scope="module", autouse=True)
-def need_root() -> None:
-    if os.geteuid() != 0:
-        pytest.skip("CRIU needs root")
+pytestmark = [pytest.mark.root, pytest.mark.usefixtures("need_root")]
 
 
 def step(log: Path, word: str, fail: str = "") -> str:

@@ -20,15 +20,9 @@ from conftest import Cli
 from support.criu import Tree, _state, healthy, pids_with
 from support.crash import Paused, assert_nothing_left, wait_dead
 
-pytestmark = pytest.mark.root
+pytestmark = [pytest.mark.root, pytest.mark.usefixtures("need_root")]
 SPLIT = {"GPUSNAP_CRIU_IMAGES": "stream", "GPUSNAP_CRIU_SPLIT_MIN": str(4 << 20),
          "GPUSNAP_CRIU_SPLIT_SHARED_MIN": str(4 << 20)}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def need_root() -> None:
-    if os.geteuid() != 0:
-        pytest.skip("CRIU needs root")
 
 
 def _start(pid: int) -> int:

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from conftest import REPO, Cli
+from support.criu import require_criu
 from support.swift import CREDS, RUN, Node, drop_bucket, swift_start, url_for
 
 pytestmark = pytest.mark.root
@@ -478,12 +479,6 @@ def test_swift_stopped_mid_transfer_gives_one_line_and_loses_nothing(private_swi
 
 
 # ---- CRIU restore on node B, straight from the object store ------------------------------------------
-def _need_criu() -> None:
-    from sandbox.criu.runner import find_criu
-    if not find_criu():
-        pytest.fail("CRIU >= 4 not installed: run scripts/setup.sh (CI must not skip these)")
-
-
 def _chunk_count(node: Node, name: str) -> int:
     from storage.repo.store import SnapshotStore
     return len(SnapshotStore(str(node.store)).load(name).chunk_ids())
@@ -504,7 +499,7 @@ def test_criu_restore_from_remote_on_another_store(any_nodes: tuple[Node, Node],
     is held before the snapshot's last chunk; CRIU must already have recreated the tree's processes
     then (a restore that waited for the whole pull could not), and nothing is visible locally yet.
     Over both backends (a file:// remote as a shared volume would be)."""
-    _need_criu()
+    require_criu()
     nodes = any_nodes
     from support.criu import Tree, healthy
     a, b = nodes
@@ -546,7 +541,7 @@ def test_swift_stopped_mid_restore_fails_cleanly_and_a_retry_completes(private_s
                                                                        tmp_path: Path) -> None:
     """The object store stops while CRIU restores from it: one line, no process of the snapshot left,
     no snapshot visible in B; once it is back the same command completes, reusing what was fetched."""
-    _need_criu()
+    require_criu()
     from support.criu import Tree, healthy
     ep, senv = private_swift
     url = url_for("down-restore")
@@ -596,7 +591,7 @@ def _restore_from_remote_paused(a: "Node", b: "Node", tree: Any, pause: Path, ke
 
 def test_kill_9_mid_restore_from_remote_leaves_nothing_visible_and_a_retry_reuses_the_chunks(
         nodes: tuple[Node, Node], tmp_path: Path) -> None:
-    _need_criu()
+    require_criu()
     from support.criu import Tree, healthy
     from support.criu import criu_of as _criu_of
     a, b = nodes
@@ -680,7 +675,7 @@ def test_criu_restore_from_remote_with_the_split_fill(nodes: tuple[Node, Node]) 
     """`criu restore --from` on an empty store with the split engaged: the runs the fill writes into
     the stopped tree come from the pull's arrivals (each verified on arrival), not from the store;
     the tree's memory checks out and the snapshot is whole locally afterwards."""
-    _need_criu()
+    require_criu()
     from support.criu import Tree, healthy
     a, b = nodes
     split_env = {"GPUSNAP_CRIU_IMAGES": "stream", "GPUSNAP_CRIU_SPLIT_MIN": str(8 << 20),

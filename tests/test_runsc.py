@@ -16,15 +16,10 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, Cli, chunk_files
-from support.runsc import (COUNTER, PY, SERVER, SUBNET, U, env, lines, require_runsc, start_counter,  # noqa: F401
+from support.runsc import (COUNTER, PY, SERVER, SUBNET, U, env, lines, start_counter,  # noqa: F401
                            wait_lines)  # env is a fixture
 
-pytestmark = pytest.mark.root
-
-
-@pytest.fixture(scope="module", autouse=True)
-def need_runsc() -> None:
-    require_runsc()
+pytestmark = [pytest.mark.root, pytest.mark.usefixtures("need_runsc")]
 
 
 def test_counter_continues_after_restore_under_a_new_id(cli: Cli, env: dict) -> None:
