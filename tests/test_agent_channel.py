@@ -146,7 +146,7 @@ def test_host_failure_mid_checkpoint_gives_every_process_its_memory_back(tmp_pat
 
 
 def hostile(*frames: bytes) -> io.BufferedReader:
-    return io.BufferedReader(io.BytesIO(b"".join(frames)))  # type: ignore[arg-type]
+    return io.BufferedReader(io.BytesIO(b"".join(frames)))
 
 
 def hdr(**h: Any) -> bytes:

@@ -76,7 +76,9 @@ def test_criu_without_privilege_says_so_and_keeps_its_log(tmp_path: Path) -> Non
             criu_dump(SnapshotStore(str(tmp_path / "store")), tree.pid, "np", criu=Criu(str(wrapper)))
         msg = str(ei.value)
         assert "needs root or the CAP_CHECKPOINT_RESTORE capability" in msg, msg
-        log = re.search(r"\(log: (\S+)\)$", msg).group(1)
+        m = re.search(r"\(log: (\S+)\)$", msg)
+        assert m, msg
+        log = m.group(1)
         assert os.path.exists(log) and "CAP_CHECKPOINT_RESTORE" in Path(log).read_text()
         assert healthy(tree.report())
     finally:

@@ -11,11 +11,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import pytest
 
 from conftest import REPO
+from support.criu import criu_path
 from support.driver_standin import SharedStandIn
 from sandbox.gpu.driver import Features, GpuInfo, ProcessState as S
 
@@ -96,8 +97,7 @@ def hook(tmp_path: Path) -> dict:
 
 
 def criu(*args: str, env: dict, check: bool = True) -> subprocess.CompletedProcess[str]:
-    from sandbox.criu.runner import find_criu
-    p = subprocess.run([find_criu(), *args, "--no-default-config", "-v4"], env=env, capture_output=True, text=True,
+    p = subprocess.run([criu_path(), *args, "--no-default-config", "-v4"], env=env, capture_output=True, text=True,
                        timeout=120)
     if check:
         assert p.returncode == 0, p.stderr[-2000:]
@@ -223,7 +223,6 @@ def test_gpusnap_criu_dump_never_runs_a_configured_hook(tree: NetnsTree, hook: d
     """The hook configured where CRIU reads configuration (a private $HOME/.criu/default.conf, read
     like /etc/criu/default.conf, and CRIU_CONFIG_FILE, read even with --no-default-config): a plain
     `criu dump` runs it, `gpusnap criu dump` does not: it checkpoints the GPU once, itself."""
-    from sandbox.criu.runner import find_criu
     from sandbox.criu.snapshot import criu_dump
     from storage.repo.store import SnapshotStore
     home = tmp_path / "home"
@@ -235,7 +234,7 @@ def test_gpusnap_criu_dump_never_runs_a_configured_hook(tree: NetnsTree, hook: d
     monkeypatch.setenv("HOME", str(home))
     control = SharedStandIn.create(str(tmp_path / "control"), {p: b"x" * 100 for p in tree.pids})
     (tmp_path / "img").mkdir()
-    p = subprocess.run([find_criu(), "dump", "-t", str(tree.pid), "-D", str(tmp_path / "img"), "-R"],
+    p = subprocess.run([criu_path(), "dump", "-t", str(tree.pid), "-D", str(tmp_path / "img"), "-R"],
                        env={**os.environ, "STANDIN": control.path}, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr[-2000:]
     assert calls(control, "checkpoint") == sorted(tree.pids), "the configured hook runs in a plain criu dump"
@@ -362,7 +361,7 @@ def test_custom_storage_hook_double_pre_dump_keeps_the_snapshot(tmp_path: Path, 
                  ("GPUSNAP_HOOK_STATE", str(tmp_path / "state")), ("CRIU_LIBS_DIR", str(tmp_path / "none"))):
         monkeypatch.setenv(k, v)
     monkeypatch.delenv("GPUSNAP_OWN_CRIU_CALL", raising=False)
-    kw = dict(driver=d, features=FEATS, device=HostDevice(), pids=[child])
+    kw: dict[str, Any] = dict(driver=d, features=FEATS, device=HostDevice(), pids=[child])
     assert run("pre-dump", child, **kw).startswith("checkpointed 1 CUDA process(es) via custom-storage")
     assert run("pre-dump", child, **kw).startswith("checkpointed 0 ")
     st = SnapshotStore(str(tmp_path / "store"))

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import time
+from typing import cast
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +17,7 @@ import pytest
 from conftest import small_tmpfs
 from support.custom_storage import FEATS, gpu_bytes
 from support.driver_standin import StandInDriver
-from sandbox.gpu.driver import ProcessState as S
+from sandbox.gpu.driver import CudaDriver, ProcessState as S  # the stand-in, cast: FEATS given, probe() never runs
 from sandbox.gpu.snapshot import gpu_checkpoint, gpu_restore
 from storage.gpu.device import HostDevice
 from storage.repo.store import SnapshotStore
@@ -29,7 +30,7 @@ def test_gpu_swap_out_and_in_through_custom_storage(tmp_path: Path, child: int) 
     d.add(child, gpu_bytes(2, 3))
     before = {p: bytes(d.procs[p].gpu) for p in (me, child)}
     st = SnapshotStore(str(tmp_path / "store"))
-    rep = gpu_checkpoint(st, me, "swap", driver=d, features=FEATS, device=HostDevice(), thp_mode=None)
+    rep = gpu_checkpoint(st, me, "swap", driver=cast(CudaDriver, d), features=FEATS, device=HostDevice(), thp_mode=None)
     assert sorted(rep.pids) == sorted([me, child]) and rep.path == "custom-storage"
     assert all(d.get_state(p) == S.CHECKPOINTED for p in (me, child))
     assert all(len(d.procs[p].gpu) == 0 for p in (me, child)), "GPU memory released"
@@ -37,7 +38,7 @@ def test_gpu_swap_out_and_in_through_custom_storage(tmp_path: Path, child: int) 
     assert {s.name for s in m.streams} == {f"gpu/{me}/0", f"gpu/{child}/0"}
     assert m.meta["gpu_path"] == "custom-storage" and 0 < rep.stored_bytes < rep.raw_bytes
     assert st.verify(["swap"]).ok
-    gpu_restore(st, "swap", me, driver=d, features=FEATS, device=HostDevice(), thp_mode=None)
+    gpu_restore(st, "swap", me, driver=cast(CudaDriver, d), features=FEATS, device=HostDevice(), thp_mode=None)
     assert all(d.get_state(p) == S.RUNNING for p in (me, child))
     assert {p: bytes(d.procs[p].gpu) for p in (me, child)} == before
 
@@ -54,7 +55,7 @@ def test_store_full_mid_swap_out_rolls_everything_back(tmp_path: Path, child: in
         before = {p: bytes(d.procs[p].gpu) for p in (me, child)}
         st = SnapshotStore(str(mnt / "store"))
         with pytest.raises(Exception, match="(?i)space|full"):
-            gpu_checkpoint(st, me, "full", driver=d, features=FEATS, device=HostDevice(), thp_mode=None)
+            gpu_checkpoint(st, me, "full", driver=cast(CudaDriver, d), features=FEATS, device=HostDevice(), thp_mode=None)
         assert all(d.get_state(p) == S.RUNNING for p in (me, child))
         assert {p: bytes(d.procs[p].gpu) for p in (me, child)} == before
         assert st.names() == []

@@ -47,7 +47,7 @@ def _commands_shown() -> list[tuple[Path, str]]:
 def _resolve(tokens: list[str]) -> tuple[click.Command, list[click.Command], list[str]]:
     from cli import main
     cmd: click.Command = main
-    chain = [main]
+    chain: list[click.Command] = [main]
     i = 0
     rest: list[str] = []
     while i < len(tokens):

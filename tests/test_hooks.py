@@ -271,7 +271,8 @@ def test_gpu_checkpoint_prepares_records_the_resume_and_gpu_restore_runs_it(fail
     the processes run on with their memory and the resume step ran."""
     from support.driver_standin import StandInDriver
     from support.custom_storage import FEATS, gpu_bytes
-    from sandbox.gpu.driver import ProcessState
+    from typing import cast
+    from sandbox.gpu.driver import CudaDriver, ProcessState  # the stand-in, cast: FEATS given, probe() never runs
     from sandbox.gpu.snapshot import gpu_checkpoint, gpu_restore
     from sandbox.ops.hooks import HookError, WorkloadHooks
     from sandbox.ops.prepared import HookReport, prepared, restore_resume, resumed, tree_of
@@ -296,7 +297,7 @@ def test_gpu_checkpoint_prepares_records_the_resume_and_gpu_restore_runs_it(fail
     ran = HookReport()
     try:
         with prepared(st.path, wh, "g", child, resume_after=False, report=ran):
-            gpu_checkpoint(st, child, "g", driver=d, features=FEATS, device=HostDevice(), thp_mode=None,
+            gpu_checkpoint(st, child, "g", driver=cast(CudaDriver, d), features=FEATS, device=HostDevice(), thp_mode=None,
                            pids=[child], resume=wh.resume)
     except Exception as e:  # noqa: BLE001
         assert fail and "CUDA_ERROR_NOT_SUPPORTED" in str(e), e
@@ -308,7 +309,7 @@ def test_gpu_checkpoint_prepares_records_the_resume_and_gpu_restore_runs_it(fail
     assert d.get_state(child) == ProcessState.CHECKPOINTED and lines(log) == [f"p prepare g {child}"]
     step_ = restore_resume(st, "g", WorkloadHooks(), no_resume=False)
     assert step_ is not None and step_.spec == wh.resume.spec  # type: ignore[union-attr]
-    gpu_restore(st, "g", child, driver=d, features=FEATS, device=HostDevice(), thp_mode=None)
+    gpu_restore(st, "g", child, driver=cast(CudaDriver, d), features=FEATS, device=HostDevice(), thp_mode=None)
     resumed(st.path, step_, 10, "g", child, tree_of(child), ran)
     assert d.get_state(child) == ProcessState.RUNNING and bytes(d.procs[child].gpu) == before
     assert lines(log) == [f"p prepare g {child}", f"r resume g {child}"] and records(tmp_path / "store") == []

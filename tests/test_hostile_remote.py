@@ -15,7 +15,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping
 
 import pytest
 
@@ -43,7 +43,7 @@ class Hostile:
         self.endpoint = f"http://127.0.0.1:{portfile.read_text()}"
         self.remote_args = ["s3://bkt/p", "--endpoint", self.endpoint]
 
-    def set(self, behaviours: dict[str, object]) -> None:
+    def set(self, behaviours: Mapping[str, object]) -> None:
         self.behaviours.write_text(json.dumps(behaviours))
 
     def _s3(self) -> Any:

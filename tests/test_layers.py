@@ -19,7 +19,7 @@ ALLOWED = {
 
 
 def _imports(path: Path) -> set[str]:
-    tops = set()
+    tops: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             tops.update(a.name.split(".")[0] for a in node.names)
@@ -53,7 +53,7 @@ FACE = "storage.api"
 
 def _storage_modules_imported(path: Path) -> set[str]:
     """The dotted storage modules (or packages) PATH imports, lazily or not."""
-    out = set()
+    out: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             out.update(a.name for a in node.names if a.name.split(".")[0] == "storage")
@@ -105,7 +105,7 @@ SANDBOX_FLOORS = ["host", "ops", "gpu", "criu", "runsc", "containers", ""]
 def _sandbox_imports(path: Path) -> set[str]:
     """The sandbox packages PATH imports (sandbox.X.y -> X; `from sandbox import X` -> X; a module of
     sandbox/ itself -> "")."""
-    out = set()
+    out: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         names: list[str] = []
         if isinstance(node, ast.Import):

@@ -38,7 +38,7 @@ def _victim(marker: str) -> subprocess.Popen[bytes]:
 def _forge(store: Path, **fields: object) -> Path:
     """A journal record written by hand (no MAC: not gpusnap's), its owner a dead process."""
     (store / "journal").mkdir(mode=0o700, parents=True, exist_ok=True)
-    rec = {"op": uuid.uuid4().hex, "kind": "criu-dump", "stage": "dumping", "owner": {"pid": 1, "start": 1},
+    rec: dict[str, object] = {"op": uuid.uuid4().hex, "kind": "criu-dump", "stage": "dumping", "owner": {"pid": 1, "start": 1},
            "snapshot": "forged", "staging": None, "procs": [], "cuda_pids": [], "gpu_path": None,
            "leave_running": False, "runsc": None, "started": time.time(), "helpers": []}
     rec.update(fields)

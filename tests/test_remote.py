@@ -10,7 +10,7 @@ import subprocess
 import threading
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, cast
 
 import numpy as np
 import pytest
@@ -622,7 +622,7 @@ def test_gpu_restore_from_remote_on_another_store(tmp_path: Path, endpoint: str,
     pushed, pulled by ensure_local into empty store B, swapped back in from B with the bytes intact."""
     from support.driver_standin import StandInDriver
     from support.custom_storage import FEATS, gpu_bytes
-    from sandbox.gpu.driver import ProcessState as S
+    from sandbox.gpu.driver import CudaDriver, ProcessState as S  # the stand-in, cast: FEATS given, probe() never runs
     from sandbox.gpu.snapshot import gpu_checkpoint, gpu_restore
     from storage.gpu.device import HostDevice
     from storage.remote.client import Remote, RemoteConfig, add_remote
@@ -642,7 +642,7 @@ def test_gpu_restore_from_remote_on_another_store(tmp_path: Path, endpoint: str,
     d.add(me, gpu_bytes(1, 6))
     d.add(child, gpu_bytes(2, 3))
     before = {p: bytes(d.procs[p].gpu) for p in (me, child)}
-    gpu_checkpoint(a, me, "swap", driver=d, features=FEATS, device=HostDevice(), thp_mode=None)
+    gpu_checkpoint(a, me, "swap", driver=cast(CudaDriver, d), features=FEATS, device=HostDevice(), thp_mode=None)
     assert all(d.get_state(p) == S.CHECKPOINTED for p in (me, child))
     assert Remote.open(a, "r").push(a, "swap").chunks_sent > 0
     # B restores while it pulls: one fetch at a time, held for a second before the last chunk
@@ -661,7 +661,7 @@ def test_gpu_restore_from_remote_on_another_store(tmp_path: Path, endpoint: str,
 
     t = threading.Thread(target=release)
     t.start()
-    rep = gpu_restore(b, "swap", me, driver=d, features=FEATS, device=HostDevice(), thp_mode=None,
+    rep = gpu_restore(b, "swap", me, driver=cast(CudaDriver, d), features=FEATS, device=HostDevice(), thp_mode=None,
                       from_remote="r", jobs=1)
     t.join()
     assert all(d.get_state(p) == S.RUNNING for p in (me, child))

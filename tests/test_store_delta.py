@@ -730,7 +730,7 @@ def test_xored_refuses_a_reference_no_reader_would_take() -> None:
     data = memoryview(bytes(4096))
     with pytest.raises(ValueError, match="past its base"):
         delta.xored(data, [delta.Segment("ab" * 32, 8192, 4096)], {"ab" * 32: base}, memoryview(bytearray(4096)))
-    big = {c * 32: bytes(delta.base_limit(4096)) for c in ("a1", "b2", "c3")}
+    big: dict[str, bytes | memoryview] = {c * 32: bytes(delta.base_limit(4096)) for c in ("a1", "b2", "c3")}
     segs = [delta.Segment(k, 0, 1024) for k in big] + [delta.Segment(None, 0, 1024)]
     with pytest.raises(ValueError, match="more than"):
         delta.xored(data, segs, big, memoryview(bytearray(4096)))
@@ -877,12 +877,12 @@ def test_a_base_asked_for_by_many_threads_at_once_is_read_once(tmp_path: Path) -
     reads: list[str] = []
     fail = {"bad"}
 
-    def slow_read(bid: str, most: int) -> bytes:
+    def slow_read(bid: str, most: int) -> memoryview:
         reads.append(bid)
         _time.sleep(0.2)
         if bid in fail:
             raise ChunkError(bid, "unreadable")
-        return bid.encode() * 10
+        return memoryview(bid.encode() * 10)
 
     st._read_base = slow_read  # type: ignore[method-assign]
     got: list[object] = []

@@ -16,7 +16,7 @@ import pytest
 
 from conftest import Cli, chunk_files, make_mixed_tree, tree_digest
 from storage.format.packs import decode_index, encode_index
-from support.entries import chunk_entries, chunk_ids, to_chunk_files
+from support.entries import chunk_entries, chunk_ids, ref_id, to_chunk_files
 from support.pagecache import cold_store, resident_bytes, resident_in
 from support.store_faults import killed_at
 
@@ -599,7 +599,7 @@ def test_the_read_stage_in_pack_order_reads_a_lower_group_first(tmp_path: Path) 
         w.commit()
     refs = [c for s in st.load("a").streams for c in s.chunks if not c.is_zero]
     assert len(refs) >= 8
-    at = {c.id: (st.locate(c.id)[0].pack, st.locate(c.id)[0].offset) for c in refs}
+    at = {c.id: (st.locate(ref_id(c))[0].pack, st.locate(ref_id(c))[0].offset) for c in refs}
     wants = [Want(i, c, group=0 if i % 3 else 1) for i, c in enumerate(refs)]
     got: list[int] = []
     read_chunks(st, list(reversed(wants)), lambda w, data: got.append(w.key), stages=pipeline.Stages(),

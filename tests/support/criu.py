@@ -28,6 +28,14 @@ def require_criu(missing: Literal["fail", "skip"] = "fail") -> None:
         pytest.fail("CRIU >= 4 not installed: run scripts/setup.sh (CI must not skip these)")
 
 
+def criu_path() -> str:
+    """The CRIU the tests run (need_criu has made sure there is one)."""
+    from sandbox.criu.runner import find_criu
+    criu = find_criu()
+    assert criu is not None, "no CRIU >= 4: run scripts/setup.sh"
+    return criu
+
+
 class Tree(CriuTree):
     """The criu_workload.py tree (scripts/workloads/criu_tree.py), random bytes by default, as the tests start it."""
 
