@@ -15,25 +15,10 @@ import pytest
 import zstandard
 
 from conftest import REPO, Cli, chunk_files, make_mixed_tree, pythonpath, tree_digest
+from support.archive import committed_snapshot as _snap
 from support.entries import chunk_entries, chunk_ids
 
 from storage.repo.store import SnapshotStore
-
-
-def _snap(store: Path, name: str, created: str, data: bytes = b"x", kind: str = "files",
-          tags: tuple[str, ...] = ()) -> None:
-    """A one-file snapshot committed with a chosen creation time."""
-    from storage.pipeline import put as pipeline
-    from storage.archive.filetree import FileTreeSource
-    src = store.parent / f"src-{name}"
-    src.mkdir()
-    (src / "f").write_bytes(data)
-    from sandbox.ops.snapshot_meta import FilesMeta, GpuMeta
-    meta = (GpuMeta(root_pid=1, pids=(1,)) if kind == "gpu" else FilesMeta((str(src),))).to_json()
-    st = SnapshotStore(str(store))
-    with st.writer(name, meta=meta, tags=tags, created=created) as w:
-        pipeline.put(w, FileTreeSource([str(src)]))
-        w.commit()
 
 
 def test_forget_follows_restic_rules(cli: Cli, store_dir: Path) -> None:
