@@ -21,6 +21,7 @@ from support.criu import Tree, healthy
 
 pytestmark = [pytest.mark.root, pytest.mark.usefixtures("need_root")]
 
+
 @pytest.mark.parametrize("sig", SIGNALS, ids=["kill9", "term"])
 @pytest.mark.parametrize("stage", STAGES)
 def test_criu_dump_interrupted(stage: str, sig: int, tmp_path: Path) -> None:

@@ -18,6 +18,7 @@ from support.crash import SIGNALS, STAGES, Paused, assert_nothing_left, expect_e
 
 pytestmark = [pytest.mark.root, pytest.mark.usefixtures("need_root")]
 
+
 def test_thp_put_back_after_kill(tmp_path: Path) -> None:
     """thp() records the value before switching; a kill -9 inside the block leaves the record, and
     `gpusnap recover` puts the value back and removes it (a file stands in for the sysfs setting)."""

@@ -18,6 +18,7 @@ from conftest import GPUSNAP, REPO, Cli, pythonpath
 from support.crafted import rewrite_manifest
 from support.crash import wait_dead
 from support.criu import Tree, healthy
+from support.journal import paused as _paused, records
 from support.servers import HttpConn, python_workload
 
 pytestmark = [pytest.mark.root, pytest.mark.usefixtures("need_root")]
@@ -38,11 +39,6 @@ def proc_state(pid: int) -> str:
 
 def lines(log: Path) -> list[str]:
     return log.read_text().splitlines() if log.exists() else []
-
-
-def records(store: Path) -> list[str]:
-    j = store / "journal"
-    return sorted(p.name for p in j.glob("*.json") if len(p.stem) == 32) if j.is_dir() else []  # not rejected-*
 
 
 def one_line(r: subprocess.CompletedProcess[str]) -> str:
@@ -164,20 +160,6 @@ def test_a_planted_resume_record_is_refused(plant: str, tmp_path: Path) -> None:
         assert lines(log) == [*before, f"mine resume snap {tree.pid}"] and healthy(tree.report())
     finally:
         tree.close()
-
-
-def _paused(store: Path, args: list[str], stage: str, tmp: Path) -> subprocess.Popen[str]:
-    """gpusnap ARGS held at STAGE by the pause hook (any number of journal records)."""
-    flag = tmp / f"pause-{stage}"
-    env = {**os.environ, "PYTHONPATH": pythonpath(), "GPUSNAP_TEST_PAUSE": f"{stage}:{flag}"}
-    p = subprocess.Popen([*GPUSNAP, "--store", str(store), *args], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True, env=env, cwd=REPO, start_new_session=True)
-    deadline = time.monotonic() + 120
-    while not flag.exists():
-        assert p.poll() is None, p.communicate()
-        assert time.monotonic() < deadline, f"never reached {stage}"
-        time.sleep(0.02)
-    return p
 
 
 @pytest.mark.parametrize("stage,leave", [("after-prepare", False), ("before-dump", False),
