@@ -30,6 +30,7 @@ def same_run_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     operation's host-local state) is this process's too, so that its in-process recover finds that state."""
     monkeypatch.setenv("GPUSNAP_RUN_DIR", str(tmp_path / "run"))
 
+
 GPU_DUMP = """
 import sys
 sys.path.insert(0, {tests!r})
