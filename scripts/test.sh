@@ -8,7 +8,7 @@ cd "$root"
 scripts/setup.sh
 export PATH="$root/.cache/criu/bin:$PATH"
 scripts/setup/swift-setup.sh start >/dev/null  # one-node Swift with its S3 API on 127.0.0.1 (tests/test_remote.py)
-# types first: mypy over the packages ([tool.mypy] in pyproject.toml); any error fails the run
+# types first: mypy over the packages and tests/ ([tool.mypy] in pyproject.toml); any error fails the run
 .venv/bin/python -m mypy
 set +e
 .venv/bin/python -m pytest -m "not gpu" "$@" tests

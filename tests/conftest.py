@@ -73,6 +73,34 @@ def small_tmpfs(where: Path, size: str) -> Iterator[Path]:
         pytest.fail(f"the tmpfs at {where} did not unmount: {r.stderr.strip()}")
 
 
+def require_root(why: str = "needs root (CRIU, runsc, namespaces, mounts); CI runs as root") -> None:
+    """Skip the calling test without root."""
+    if os.geteuid() != 0:
+        pytest.skip(why)
+
+
+# The requirements a whole test module has, defined once: a module names them with
+# `pytestmark = [..., pytest.mark.usefixtures("need_criu")]`, a test as an argument.
+@pytest.fixture(scope="module")
+def need_root() -> None:
+    """Root (CRIU, runsc, namespaces, mounts): skip without it."""
+    require_root()
+
+
+@pytest.fixture(scope="module")
+def need_criu() -> None:
+    """Root and CRIU >= 4: skip without root, fail without CRIU (CI must not skip these)."""
+    from support.criu import require_criu
+    require_criu()
+
+
+@pytest.fixture(scope="module")
+def need_runsc() -> None:
+    """Root and runsc: skip without root, fail without runsc (CI must not skip these)."""
+    from support.runsc import require_runsc
+    require_runsc()
+
+
 def have_gpu() -> bool:
     if not (os.path.exists("/dev/nvidiactl") or shutil.which("nvidia-smi")):
         return False

@@ -18,7 +18,7 @@ from sandbox.gpu.channel import (AgentFrames, ChannelError, ChannelLimits, read_
 from sandbox.gpu.driver import ProcessState as S
 from storage.gpu.device import HostDevice
 from storage.repo.store import SnapshotStore
-from test_custom_storage_flow import FEATS, gpu_bytes
+from support.custom_storage import FEATS, gpu_bytes
 
 
 class Agent:
@@ -146,7 +146,7 @@ def test_host_failure_mid_checkpoint_gives_every_process_its_memory_back(tmp_pat
 
 
 def hostile(*frames: bytes) -> io.BufferedReader:
-    return io.BufferedReader(io.BytesIO(b"".join(frames)))  # type: ignore[arg-type]
+    return io.BufferedReader(io.BytesIO(b"".join(frames)))
 
 
 def hdr(**h: Any) -> bytes:

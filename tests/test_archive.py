@@ -15,25 +15,10 @@ import pytest
 import zstandard
 
 from conftest import REPO, Cli, chunk_files, make_mixed_tree, pythonpath, tree_digest
+from support.archive import committed_snapshot as _snap
 from support.entries import chunk_entries, chunk_ids
 
 from storage.repo.store import SnapshotStore
-
-
-def _snap(store: Path, name: str, created: str, data: bytes = b"x", kind: str = "files",
-          tags: tuple[str, ...] = ()) -> None:
-    """A one-file snapshot committed with a chosen creation time."""
-    from storage.pipeline import put as pipeline
-    from storage.archive.filetree import FileTreeSource
-    src = store.parent / f"src-{name}"
-    src.mkdir()
-    (src / "f").write_bytes(data)
-    from sandbox.ops.snapshot_meta import FilesMeta, GpuMeta
-    meta = (GpuMeta(root_pid=1, pids=(1,)) if kind == "gpu" else FilesMeta((str(src),))).to_json()
-    st = SnapshotStore(str(store))
-    with st.writer(name, meta=meta, tags=tags, created=created) as w:
-        pipeline.put(w, FileTreeSource([str(src)]))
-        w.commit()
 
 
 def test_forget_follows_restic_rules(cli: Cli, store_dir: Path) -> None:
@@ -201,7 +186,7 @@ def test_export_import_round_trip_and_forgery_refused(cli: Cli, store_dir: Path,
 def test_diff_of_two_criu_snapshots_names_changed_page_images(cli: Cli) -> None:
     if os.geteuid() != 0:
         pytest.skip("CRIU needs root")
-    from test_criu import Tree
+    from support.criu import Tree
     t = Tree(mb=16)
     try:
         cli.run("criu", "dump", str(t.pid), "c1", "--leave-running")

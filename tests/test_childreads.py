@@ -9,10 +9,19 @@ from pathlib import Path
 
 import pytest
 
+from storage.format.manifest import ChunkRef
 from storage.repo.childreads import ChildReads
-from storage.repo.readstage import plan_runs
+from storage.repo.readstage import Run, plan_runs
+from storage.repo.store import SnapshotStore
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="dropping the page cache needs root")
+
+
+def _runs(st: SnapshotStore, refs: list[ChunkRef]) -> list[Run]:
+    """plan_runs of REFS, which no stop interrupts."""
+    runs = plan_runs(st, refs)
+    assert runs is not None
+    return runs
 
 
 def _fds(pid: int) -> dict[int, str]:
@@ -40,7 +49,7 @@ def test_the_child_reads_every_range_holding_only_the_packs(tmp_path: Path) -> N
     st, refs = cold_store(tmp_path, 96 << 20)
     packs = tmp_path / "store" / "packs"
     want = sum(c.stored_len for c in refs)
-    child = ChildReads.started(st, plan_runs(st, refs), step=1 << 20)
+    child = ChildReads.started(st, _runs(st, refs), step=1 << 20)
     assert child is not None
     held = _fds(child.pid)
     assert {n for n in held if n > 2}, held
@@ -66,7 +75,7 @@ def test_the_child_stops_when_its_stdin_closes_and_reads_nothing_more(tmp_path: 
     from support.pagecache import cold_store, resident_bytes
     st, refs = cold_store(tmp_path, 384 << 20)
     packs = tmp_path / "store" / "packs"
-    child = ChildReads.started(st, plan_runs(st, refs), step=4 << 20)
+    child = ChildReads.started(st, _runs(st, refs), step=4 << 20)
     assert child is not None
     deadline = time.monotonic() + 10
     while resident_bytes(packs) < 8 << 20 and time.monotonic() < deadline:
@@ -110,7 +119,7 @@ def test_scattered_entries_beside_pure_python_planning(tmp_path: Path) -> None:
     random.Random(1).shuffle(refs)
     os.sync()
     Path("/proc/sys/vm/drop_caches").write_text("3")
-    child = ChildReads.started(st, plan_runs(st, refs), step=16 << 20)
+    child = ChildReads.started(st, _runs(st, refs), step=16 << 20)
     assert child is not None
     t0, x = time.monotonic(), 0
     while time.monotonic() - t0 < 0.4:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from test_gpu_real import record
+from support.gpu_results import record
 
 pytestmark = pytest.mark.gpu
 

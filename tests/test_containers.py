@@ -21,8 +21,8 @@ from typing import Iterator
 import pytest
 
 from conftest import GPUSNAP, Cli, pythonpath
-from support.containers import (BUSYBOX, RuncContainer, assert_continues, need, podman, read_count, runc_container,
-                        runtime_env, wait_count)
+from support.containers import (BUSYBOX, RuncContainer, assert_continues, need, podman, read_count, real_etc_criu,
+                                runc_container, runtime_env, snapshot_dir, wait_count)
 from sandbox.containers import config_block
 from sandbox.containers.hook_install import HOOK_NAME
 
@@ -42,30 +42,6 @@ def layout(tmp: Path, config_dir: str | None = None) -> Iterator[list[str]]:
         yield opts
     finally:
         gpusnap("hook", "uninstall", *opts, check=False)
-
-
-def snapshot_dir(d: Path) -> dict[str, bytes] | None:
-    if not d.exists():
-        return None
-    return {p.name: (p.read_bytes() if not p.is_symlink() else b"->" + os.readlink(p).encode())
-            for p in sorted(d.iterdir())}
-
-
-@contextmanager
-def real_etc_criu() -> Iterator[Path]:
-    """The real /etc/criu, put back exactly as it was after the block even if the test failed."""
-    d = Path("/etc/criu")
-    before = snapshot_dir(d)
-    try:
-        yield d
-    finally:
-        if snapshot_dir(d) != before:
-            shutil.rmtree(d, ignore_errors=True)
-            if before is not None:
-                d.mkdir(mode=0o755)
-                for name, data in before.items():
-                    (d / name).write_bytes(data)
-            pytest.fail("/etc/criu was not left as it was; restored it")
 
 
 def record_hook_runs(lib: Path, log: Path) -> None:

@@ -19,12 +19,7 @@ from conftest import GPUSNAP, REPO, Cli, pythonpath
 from support.crash import SIGNALS, STAGES, Paused, assert_nothing_left, expect_exit, processes_mentioning, wait_dead
 from support.criu import Tree, healthy
 
-pytestmark = pytest.mark.root
-
-@pytest.fixture(scope="module", autouse=True)
-def need_root() -> None:
-    if os.geteuid() != 0:
-        pytest.skip("CRIU and runsc need root")
+pytestmark = [pytest.mark.root, pytest.mark.usefixtures("need_root")]
 
 
 @pytest.mark.parametrize("sig", SIGNALS, ids=["kill9", "term"])
@@ -82,7 +77,9 @@ def test_criu_without_privilege_says_so_and_keeps_its_log(tmp_path: Path) -> Non
             criu_dump(SnapshotStore(str(tmp_path / "store")), tree.pid, "np", criu=Criu(str(wrapper)))
         msg = str(ei.value)
         assert "needs root or the CAP_CHECKPOINT_RESTORE capability" in msg, msg
-        log = re.search(r"\(log: (\S+)\)$", msg).group(1)
+        m = re.search(r"\(log: (\S+)\)$", msg)
+        assert m, msg
+        log = m.group(1)
         assert os.path.exists(log) and "CAP_CHECKPOINT_RESTORE" in Path(log).read_text()
         assert healthy(tree.report())
     finally:

@@ -21,7 +21,7 @@ from support.entries import chunk_ids
 from support.crash import SIGNALS, STAGES, Paused, assert_nothing_left, expect_exit, processes_mentioning, wait_dead
 from support.criu import Tree, healthy
 
-pytestmark = pytest.mark.root
+pytestmark = [pytest.mark.root, pytest.mark.usefixtures("need_root")]
 
 
 @pytest.fixture(autouse=True)
@@ -29,11 +29,6 @@ def same_run_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The run directory the gpusnap children here are given (GPUSNAP_RUN_DIR: THP records, and each
     operation's host-local state) is this process's too, so that its in-process recover finds that state."""
     monkeypatch.setenv("GPUSNAP_RUN_DIR", str(tmp_path / "run"))
-
-@pytest.fixture(scope="module", autouse=True)
-def need_root() -> None:
-    if os.geteuid() != 0:
-        pytest.skip("CRIU and runsc need root")
 
 
 GPU_DUMP = """

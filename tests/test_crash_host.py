@@ -16,12 +16,7 @@ import pytest
 from conftest import GPUSNAP, REPO, Cli, pythonpath
 from support.crash import SIGNALS, STAGES, Paused, assert_nothing_left, expect_exit, processes_mentioning, wait_dead
 
-pytestmark = pytest.mark.root
-
-@pytest.fixture(scope="module", autouse=True)
-def need_root() -> None:
-    if os.geteuid() != 0:
-        pytest.skip("CRIU and runsc need root")
+pytestmark = [pytest.mark.root, pytest.mark.usefixtures("need_root")]
 
 
 def test_thp_put_back_after_kill(tmp_path: Path) -> None:

@@ -19,13 +19,7 @@ from conftest import GPUSNAP, REPO, Cli, pythonpath
 from support.crash import SIGNALS, STAGES, Paused, assert_nothing_left, expect_exit, processes_mentioning, wait_dead
 from support.runsc import U, env, lines, start_counter, wait_lines  # noqa: F401 - env is a fixture
 
-pytestmark = pytest.mark.root
-
-@pytest.fixture(scope="module", autouse=True)
-def need_root() -> None:
-    if os.geteuid() != 0:
-        pytest.skip("CRIU and runsc need root")
-
+pytestmark = [pytest.mark.root, pytest.mark.usefixtures("need_root")]
 
 RUNSC_WRAPPER = """\
 #!/bin/sh

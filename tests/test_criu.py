@@ -16,14 +16,9 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, Cli, chunk_files, small_tmpfs
-from support.criu import Tree, _state, healthy, require_criu  # noqa: F401 - re-exported for older imports
+from support.criu import Tree, healthy
 
-pytestmark = pytest.mark.root
-
-
-@pytest.fixture(scope="module", autouse=True)
-def need_criu() -> None:
-    require_criu()
+pytestmark = [pytest.mark.root, pytest.mark.usefixtures("need_criu")]
 
 
 @pytest.fixture

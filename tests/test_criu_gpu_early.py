@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, pythonpath
-from support.criu import Tree, healthy, require_criu
+from support.criu import Tree, healthy
 from support.driver_standin import SharedStandIn, standin_gpus
 from sandbox.gpu.driver import Features, ProcessState as S
 
-pytestmark = pytest.mark.root
+pytestmark = [pytest.mark.root, pytest.mark.usefixtures("need_criu")]
 GIB = 1 << 30
 GPUS = standin_gpus(1, total=8 * GIB)
 SPLIT = {"GPUSNAP_CRIU_IMAGES": "stream", "GPUSNAP_CRIU_SPLIT_MIN": str(8 << 20),
@@ -31,11 +31,6 @@ from cli import criu_cmd, main
 criu_cmd.criu_restore = functools.partial(criu_cmd.criu_restore, gpu_driver=SharedStandIn({state!r}))
 main(["--store", {store!r}, *sys.argv[1:]], prog_name="gpusnap")
 """
-
-
-@pytest.fixture(scope="module", autouse=True)
-def need_criu() -> None:
-    require_criu()
 
 
 def _dumped(tmp_path: Path) -> tuple[Tree, SharedStandIn, dict[int, bytes], Path]:

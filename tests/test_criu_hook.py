@@ -11,16 +11,16 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import pytest
 
 from conftest import REPO
+from support.criu import criu_path
 from support.driver_standin import SharedStandIn
-from support.criu import require_criu
 from sandbox.gpu.driver import Features, GpuInfo, ProcessState as S
 
-pytestmark = pytest.mark.root
+pytestmark = [pytest.mark.root, pytest.mark.usefixtures("need_criu")]
 
 HOST_FEATS = Features(bindings="stand-in", driver_version="stand-in", checkpoint_api=True, custom_storage=False,
                       gpus=[GpuInfo(0, "Stand-in GPU", "GPU-00000000-0000-0000-0000-000000000000", 1 << 30, (9, 0), None, False)])
@@ -29,11 +29,6 @@ TREE = ("import os,sys,time\n"
         "if pid==0:\n    time.sleep(600)\n    os._exit(0)\n"
         "open(sys.argv[1]+'.tmp','w').write('%d %d'%(os.getpid(),pid)); os.rename(sys.argv[1]+'.tmp',sys.argv[1])\n"
         "time.sleep(600)\n")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def need_criu() -> None:
-    require_criu()
 
 
 class NetnsTree:
@@ -102,8 +97,7 @@ def hook(tmp_path: Path) -> dict:
 
 
 def criu(*args: str, env: dict, check: bool = True) -> subprocess.CompletedProcess[str]:
-    from sandbox.criu.runner import find_criu
-    p = subprocess.run([find_criu(), *args, "--no-default-config", "-v4"], env=env, capture_output=True, text=True,
+    p = subprocess.run([criu_path(), *args, "--no-default-config", "-v4"], env=env, capture_output=True, text=True,
                        timeout=120)
     if check:
         assert p.returncode == 0, p.stderr[-2000:]
@@ -229,7 +223,6 @@ def test_gpusnap_criu_dump_never_runs_a_configured_hook(tree: NetnsTree, hook: d
     """The hook configured where CRIU reads configuration (a private $HOME/.criu/default.conf, read
     like /etc/criu/default.conf, and CRIU_CONFIG_FILE, read even with --no-default-config): a plain
     `criu dump` runs it, `gpusnap criu dump` does not: it checkpoints the GPU once, itself."""
-    from sandbox.criu.runner import find_criu
     from sandbox.criu.snapshot import criu_dump
     from storage.repo.store import SnapshotStore
     home = tmp_path / "home"
@@ -241,7 +234,7 @@ def test_gpusnap_criu_dump_never_runs_a_configured_hook(tree: NetnsTree, hook: d
     monkeypatch.setenv("HOME", str(home))
     control = SharedStandIn.create(str(tmp_path / "control"), {p: b"x" * 100 for p in tree.pids})
     (tmp_path / "img").mkdir()
-    p = subprocess.run([find_criu(), "dump", "-t", str(tree.pid), "-D", str(tmp_path / "img"), "-R"],
+    p = subprocess.run([criu_path(), "dump", "-t", str(tree.pid), "-D", str(tmp_path / "img"), "-R"],
                        env={**os.environ, "STANDIN": control.path}, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr[-2000:]
     assert calls(control, "checkpoint") == sorted(tree.pids), "the configured hook runs in a plain criu dump"
@@ -360,7 +353,7 @@ def test_custom_storage_hook_double_pre_dump_keeps_the_snapshot(tmp_path: Path, 
     from support.driver_standin import StandInDriver
     from storage.gpu.device import HostDevice
     from storage.repo.store import SnapshotStore
-    from test_custom_storage_flow import FEATS, gpu_bytes
+    from support.custom_storage import FEATS, gpu_bytes
     d = StandInDriver()
     d.add(child, gpu_bytes(8, 2))
     before = bytes(d.procs[child].gpu)
@@ -368,7 +361,7 @@ def test_custom_storage_hook_double_pre_dump_keeps_the_snapshot(tmp_path: Path, 
                  ("GPUSNAP_HOOK_STATE", str(tmp_path / "state")), ("CRIU_LIBS_DIR", str(tmp_path / "none"))):
         monkeypatch.setenv(k, v)
     monkeypatch.delenv("GPUSNAP_OWN_CRIU_CALL", raising=False)
-    kw = dict(driver=d, features=FEATS, device=HostDevice(), pids=[child])
+    kw: dict[str, Any] = dict(driver=d, features=FEATS, device=HostDevice(), pids=[child])
     assert run("pre-dump", child, **kw).startswith("checkpointed 1 CUDA process(es) via custom-storage")
     assert run("pre-dump", child, **kw).startswith("checkpointed 0 ")
     st = SnapshotStore(str(tmp_path / "store"))

@@ -10,14 +10,15 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, cast
 
 import pytest
 from conftest import GPUSNAP, REPO, Cli, chunk_files, pythonpath
-from support.criu import Tree, _state, healthy, pids_with, require_criu
+from support.criu import Tree, _state, children_of as _children, criu_of as _criu_of, healthy, pids_with
 from support.criu_records import MAGICS, msg, rec, varint
+from support.entries import ref_id
 
-pytestmark = pytest.mark.root
+pytestmark = [pytest.mark.root, pytest.mark.usefixtures("need_criu")]
 
 STREAM = {"GPUSNAP_CRIU_IMAGES": "stream"}
 STAGING = {"GPUSNAP_CRIU_IMAGES": "staging"}
@@ -26,11 +27,6 @@ SPLIT = {**STREAM, "GPUSNAP_CRIU_SPLIT_MIN": str(8 << 20),  # the 24-48 MiB area
 NO_SPLIT = {**STREAM, "GPUSNAP_CRIU_SPLIT_MIN": "0"}
 SPLIT_PROCS = {**SPLIT, "GPUSNAP_FILL_PROCS": "3"}  # the fill in worker processes (sandbox/criu/fill_procs.py)
 ENCODERS = {**STREAM, "GPUSNAP_ENCODE_PROCS": "2"}  # the dump's chunk work in processes (storage/pipeline/encodeprocs.py)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def need_criu() -> None:
-    require_criu()
 
 
 def cli_json(cli: Cli, env: dict[str, str], *args: str) -> dict:
@@ -198,9 +194,9 @@ def test_pagemap_of_criu_4_2_counts_pages_in_field_5_and_a_mismatch_skips_the_sp
     plans, why = split.choose({"pagemap-9.img": data}, {"pages-1.img": (2 + 512) * 4096}, 2 << 20)
     assert why is None and plans["pages-1.img"].moved_bytes == 512 * 4096
     plans, why = split.choose({"pagemap-9.img": data}, {"pages-1.img": 99 << 20}, 2 << 20)
-    assert plans == {} and "format gpusnap does not know" in why, why
+    assert plans == {} and why is not None and "format gpusnap does not know" in why, why
     plans, why = split.choose({"pagemap-9.img": data}, {"pages-1.img": (2 + 512) * 4096}, 4 << 20)
-    assert plans == {} and "the largest is 2097152" in why, why
+    assert plans == {} and why is not None and "the largest is 2097152" in why, why
     assert split.choose({"pagemap-9.img": data}, {}, 0) == ({}, "the split is off (GPUSNAP_CRIU_SPLIT_MIN=0)")
 
 
@@ -208,12 +204,12 @@ def _mm(areas: list[tuple[int, ...]], extra: bytes = b"") -> bytes:
     """An mm image: an MmEntry whose field 14 lists (start, end, status[, prot[, flags]]) areas (prot
     read+write and flags MAP_PRIVATE|MAP_ANONYMOUS unless given), after a few other fields as CRIU
     writes them (start code, saved auxv), and EXTRA inside the first area."""
-    def area(a: int, b: int, st: int, prot: int = 3, flags: int = 0x22, more: bytes = b"") -> bytes:
+    def area(a: int, b: int, st: int, prot: int = 3, flags: int = 0x22, *, more: bytes = b"") -> bytes:
         body = (b"\x08" + _varint(a) + b"\x10" + _varint(b) + b"\x18\x00\x20\x00\x28" + _varint(prot) + b"\x30"
                 + _varint(flags) + b"\x38" + _varint(st) + b"\x40\x01" + more)
         return b"\x72" + _varint(len(body)) + body
     body = b"\x08" + _varint(0x400000) + b"\x68\x21\x68\x06" + b"".join(
-        area(*a, more=extra if k == 0 else b"") for k, a in enumerate(areas))  # type: ignore[misc]
+        area(*a, more=extra if k == 0 else b"") for k, a in enumerate(areas))
     return _PAGEMAP_MAGICS + _rec(body)
 
 
@@ -282,12 +278,12 @@ def test_the_areas_where_a_thread_takes_a_signal_stay_with_criu() -> None:
     assert split.thread_stacks(_core(0x80100, sas=(0x50000, 0x8000, split.SS_DISABLE))) == [(0x80100 - below, 0x80101)]
     twice = _core(0x1000)
     twice = twice[:8] + _rec(twice[12:] + _msg(5, b"\x08\x00"))  # a second thread_core hiding the first's
-    for bad, why in ((_core(0x1000, march=5), "architecture 5"), (_core(0x1000)[:20], "truncated"),
-                     (_PAGEMAP_MAGICS + _rec(b"\x08\x01"), "no stack pointer"),
-                     (_core((1 << 64) + 0x7ffe0001f888), "more than 64 bits"),  # CRIU would read the low 64
-                     (twice, "field 5 more than once"),
-                     (_PAGEMAP_MAGICS + b"\x00" * (split.MAX_CORE_BYTES), "more than")):
-        with pytest.raises(split.SplitError, match=why):
+    for bad, expected in ((_core(0x1000, march=5), "architecture 5"), (_core(0x1000)[:20], "truncated"),
+                          (_PAGEMAP_MAGICS + _rec(b"\x08\x01"), "no stack pointer"),
+                          (_core((1 << 64) + 0x7ffe0001f888), "more than 64 bits"),  # CRIU would read the low 64
+                          (twice, "field 5 more than once"),
+                          (_PAGEMAP_MAGICS + b"\x00" * (split.MAX_CORE_BYTES), "more than")):
+        with pytest.raises(split.SplitError, match=expected):
             split.thread_stacks(bad)
     mm = _mm([(0x10000, 0x20000, ANON), (0x20000, 0x30000, ANON | 0x20), (0x40000, 0x48000, ANON),
               (0x50000, 0x58000, ANON), (0x60000, 0x70000, ANON)])
@@ -324,12 +320,12 @@ def test_the_areas_where_a_thread_takes_a_signal_stay_with_criu() -> None:
     stacks, why = split.process_stacks([9], threads, {"core-9.img": cores["core-9.img"]}.get)
     assert stacks == {} and why == "the snapshot lacks core-11.img; CRIU restored every page"
     stacks, why = split.process_stacks([9], threads, {**cores, "core-11.img": _core(1, march=4)}.get)
-    assert stacks == {} and "core-11.img is not understood (core: architecture 4" in why, why
+    assert stacks == {} and why is not None and "core-11.img is not understood (core: architecture 4" in why, why
     plans, why = split.choose({"pagemap-9.img": pmap}, sizes, 4096, mms={"mm-9.img": mm}, stacks={})
-    assert plans == {} and "where the threads of process 9 have their stacks is not known" in why, why
+    assert plans == {} and why is not None and "where the threads of process 9 have their stacks is not known" in why, why
     # a pstree listing more threads than any tree has: not read one by one, the split is off
     stacks, why = split.process_stacks([9], {9: list(range(1, split.MAX_THREADS + 2))}, cores.get)
-    assert stacks == {} and f"more than {split.MAX_THREADS} threads" in why, why
+    assert stacks == {} and why is not None and f"more than {split.MAX_THREADS} threads" in why, why
 
 
 def test_the_split_moves_no_page_outside_a_process_s_ordinary_private_areas() -> None:
@@ -348,9 +344,9 @@ def test_the_split_moves_no_page_outside_a_process_s_ordinary_private_areas() ->
     plans, why = split.choose({"pagemap-9.img": pmap}, sizes, 4096)  # no mm images given: sizes alone
     assert plans["pages-1.img"].moved_bytes == 18 * 4096
     plans, why = split.choose({"pagemap-9.img": pmap}, sizes, 4096, mms={"mm-8.img": mm})
-    assert plans == {} and "no run of pages" in why, why
+    assert plans == {} and why is not None and "no run of pages" in why, why
     plans, why = split.choose({"pagemap-9.img": pmap}, sizes, 4096, mms={"mm-9.img": mm[:-3]})
-    assert plans == {} and "mm-9.img is not understood" in why, why
+    assert plans == {} and why is not None and "mm-9.img is not understood" in why, why
     everything = _mm([(0x10000, 0x20000, ANON), (0x40000, 0x42000, ANON)])
     plans, why = split.choose({"pagemap-9.img": pmap}, sizes, 4096,
                               mms={"mm-9.img": mm, "mm-\u0669.img": everything, "mm-09.img": everything})
@@ -540,11 +536,11 @@ def test_fill_phases_rank_a_shared_chunk_by_its_first_process_and_shares_keep_th
         return ChunkRef(f"{i:064x}", mib, "raw", mib)
 
     # chunk i: in pid 10 for i < 12, in pid 20 for 8 <= i < 20 (8..11 shared), in pid 30 for i >= 20
-    jobs = {ref(i).id: (ref(i), [(p, 0, 0, mib) for p, lo, hi in ((10, 0, 12), (20, 8, 20), (30, 20, 24)) if lo <= i < hi])
+    jobs: dict[split.Key, split.Job] = {ref_id(ref(i)): (ref(i), [(p, 0, 0, mib) for p, lo, hi in ((10, 0, 12), (20, 8, 20), (30, 20, 24)) if lo <= i < hi])
             for i in range(24)}
     ph = split.fill_phases(jobs, (20, 10))
-    assert [ph[ref(i).id] for i in range(24)] == [1] * 8 + [0] * 12 + [2] * 4
-    where = {ref(i).id: ("p", (23 - i) * mib) for i in range(24)}  # on disk in reverse
+    assert [ph[ref_id(ref(i))] for i in range(24)] == [1] * 8 + [0] * 12 + [2] * 4
+    where: dict[split.Key, tuple[str, int]] = {ref_id(ref(i)): ("p", (23 - i) * mib) for i in range(24)}  # on disk in reverse
     parts = fill_procs.shares(jobs, where.__getitem__, 3, mib, ph)
     assert len(parts) == 3
     for part in parts:
@@ -592,9 +588,9 @@ def test_read_order_is_what_criu_reads_first_then_what_the_split_fills() -> None
               "inventory.img": img(ref("a", 300)),
               "pages-2.img": img(ref("e")), "pages-1.img": img(ref("1"), ref("2", 8192), ref("3", 8192), ref("4"))}
     plan = split.Plan(1, "pages-1.img", b"", kept=((0, 4096), (20480, 4096)), moved=(split.Run(0x7000, 4096, 16384),))
-    assert [c.id[0] for c in read_order(images, None)] == list("abdc")
-    assert [c.id[0] for c in read_order(images, {"pages-1.img": plan})] == list("abdc14e23")
-    assert [c.id[0] for c in read_order(images, {})] == list("abdc1234e")
+    assert [ref_id(c)[0] for c in read_order(images, None)] == list("abdc")
+    assert [ref_id(c)[0] for c in read_order(images, {"pages-1.img": plan})] == list("abdc14e23")
+    assert [ref_id(c)[0] for c in read_order(images, {})] == list("abdc1234e")
 
 
 @pytest.mark.parametrize("dump_env,restore_env", [(STREAM, SPLIT), (STREAM, SPLIT_PROCS), (STREAM, NO_SPLIT), (ENCODERS, SPLIT),
@@ -816,39 +812,10 @@ def test_either_path_restores_what_the_other_dumped(cli: Cli, dump_env: dict, re
         tree.kill()
 
 
-def _children(pid: int) -> list[int]:
-    out = []
-    for p in os.listdir("/proc"):
-        if p.isdigit():
-            try:
-                with open(f"/proc/{p}/stat") as f:
-                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
-                        out.append(int(p))
-            except OSError:
-                pass
-    return out
-
-
 def _start(cli: Cli, env: dict[str, str], *args: str) -> subprocess.Popen:
     e = {**os.environ, "PYTHONPATH": pythonpath(), **env}
     return subprocess.Popen([*GPUSNAP, "--store", str(cli.store), *args], cwd=REPO, env=e,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def _criu_of(proc: subprocess.Popen, timeout: float = 30) -> int:
-    """The `criu dump|restore` that PROC runs (not its `criu --version` probe)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for c in _children(proc.pid):
-            try:
-                argv = Path(f"/proc/{c}/cmdline").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if Path(argv[0].decode()).name == "criu" and argv[1:2] in ([b"dump"], [b"restore"]):
-                return c
-        assert proc.poll() is None, proc.communicate()
-        time.sleep(0.01)
-    raise AssertionError("CRIU did not start")
 
 
 def _wait_gone(pid: int, timeout: float = 30) -> None:
@@ -1020,7 +987,10 @@ def test_only_the_tree_criu_restored_counts_as_this_restores_processes() -> None
     root = subprocess.Popen(["sh", "-c", "sleep 60 & wait"], start_new_session=True)
     other = subprocess.Popen(["sleep", "60"])  # started after too, but no part of the tree
     seen: list[int] = []
-    t = threading.Thread(target=lambda: (seen.append(threading.get_native_id()), time.sleep(1)))
+    def note_and_wait() -> None:
+        seen.append(threading.get_native_id())
+        time.sleep(1)
+    t = threading.Thread(target=note_and_wait)
     t.start()
     kids: list[int] = []
     try:
@@ -1048,9 +1018,9 @@ def test_only_the_tree_criu_restored_counts_as_this_restores_processes() -> None
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-        for p in (root, other):
-            p.kill()
-            p.wait()
+        for proc in (root, other):
+            proc.kill()
+            proc.wait()
 
 
 @pytest.mark.parametrize("name,value", [("GPUSNAP_FILL_PROCS", "many"), ("GPUSNAP_FILL_READERS", "0"),
@@ -1108,11 +1078,11 @@ def test_early_reads_are_the_small_images_then_the_page_images_in_criu_order_wit
     assert zero.is_zero
     images = {"pstree.img": img(ref("b", 200)), "inventory.img": img(ref("a", 300)),
               "pages-2.img": img(ref("e"), ref("f")), "pages-1.img": img(ref("1"), zero, ref("2"), ref("3"))}
-    assert [c.id[0] for c in early_reads(images, 1 << 30)] == list("ab123ef")
-    assert [c.id[0] for c in early_reads(images, 3 * 4096)] == list("ab123")
-    assert [c.id[0] for c in early_reads(images, 4096 + 4095)] == list("ab1")
-    assert [c.id[0] for c in early_reads(images, 0)] == list("ab")  # planning reads the small images anyway
-    assert [c.id[0] for c in early_reads(images, 1 << 30, refs_most=4)] == list("ab12")  # a count bound too
+    assert [ref_id(c)[0] for c in early_reads(images, 1 << 30)] == list("ab123ef")
+    assert [ref_id(c)[0] for c in early_reads(images, 3 * 4096)] == list("ab123")
+    assert [ref_id(c)[0] for c in early_reads(images, 4096 + 4095)] == list("ab1")
+    assert [ref_id(c)[0] for c in early_reads(images, 0)] == list("ab")  # planning reads the small images anyway
+    assert [ref_id(c)[0] for c in early_reads(images, 1 << 30, refs_most=4)] == list("ab12")  # a count bound too
     tiny = {"pages-1.img": img(*[ref(str(i % 10), 0) for i in range(100)])}  # lengths that claim nothing
     assert len(early_reads(tiny, 10 * 4096)) == 10  # each counted as a page at least
 
@@ -1257,10 +1227,10 @@ def test_read_ahead_opens_each_pack_once_and_bounds_the_fds_it_holds(tmp_path: P
             pipeline.put(w, FileTreeSource([str(src)]), workers=2, chunk_size=1 << 20)
             w.commit()
     refs = [c for k in range(3) for s in st.load(f"s{k}").streams for c in s.chunks if not c.is_zero]
-    assert len({st.locate(c.id)[0].pack for c in refs}) == 3
+    assert len({st.locate(ref_id(c))[0].pack for c in refs}) == 3
     os.sync()
     Path("/proc/sys/vm/drop_caches").write_text("3")
-    order = sorted(refs, key=lambda c: st.locate(c.id)[0].pack)  # pack by pack: each opened once
+    order = sorted(refs, key=lambda c: st.locate(ref_id(c))[0].pack)  # pack by pack: each opened once
     mixed = list(refs)
     random.Random(3).shuffle(mixed)  # scattered over the packs, as a restore's may be
     opened: list[str] = []
@@ -1314,6 +1284,7 @@ def test_a_process_that_runs_another_program_mid_fill_gets_none_of_the_later_byt
     src = _VICTIM.replace("__VICTIM__", repr(_VICTIM))
     proc = subprocess.Popen([sys.executable, "-c", src, "restored", str(n * chunk)], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True)
+    assert proc.stdin is not None and proc.stdout is not None
     try:
         addr = int(proc.stdout.readline())
         mine = ctypes.create_string_buffer(n * chunk)
@@ -1328,6 +1299,7 @@ def test_a_process_that_runs_another_program_mid_fill_gets_none_of_the_later_byt
         execd = threading.Event()
 
         def on_phase(p: int) -> None:
+            assert proc.stdin is not None and proc.stdout is not None
             if p == 0:  # phase 0 (this process) written: the other one runs another program in its place
                 proc.stdin.write("exec\n")
                 proc.stdin.flush()
@@ -1355,6 +1327,7 @@ def test_a_process_that_runs_another_program_mid_fill_gets_none_of_the_later_byt
 def _fake_workers(scripts: list[str], nphases: int):
     """FillProcs over workers that print what SCRIPTS say (the protocol's other side, hostile or broken)."""
     from sandbox.criu.fill_procs import FillProcs
+    from storage.repo.store import SnapshotStore
 
     class _Store:
         @staticmethod
@@ -1364,7 +1337,7 @@ def _fake_workers(scripts: list[str], nphases: int):
     fp = FillProcs.__new__(FillProcs)
     fp.procs = [subprocess.Popen([sys.executable, "-c", s], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True)
                 for s in scripts]
-    fp.phases, fp.nphases, fp.timeout, fp.store, fp._closed = {}, nphases, 20.0, _Store(), False
+    fp.phases, fp.nphases, fp.timeout, fp.store, fp._closed = {}, nphases, 20.0, cast("SnapshotStore", _Store()), False
     return fp
 
 

@@ -8,27 +8,19 @@ import os
 import subprocess
 import sys
 import time
+from typing import cast
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from conftest import small_tmpfs
+from support.custom_storage import FEATS, gpu_bytes
 from support.driver_standin import StandInDriver
-from sandbox.gpu.driver import Features, GpuInfo, ProcessState as S
+from sandbox.gpu.driver import CudaDriver, ProcessState as S  # the stand-in, cast: FEATS given, probe() never runs
 from sandbox.gpu.snapshot import gpu_checkpoint, gpu_restore
 from storage.gpu.device import HostDevice
 from storage.repo.store import SnapshotStore
-
-FEATS = Features(bindings="stand-in", driver_version="stand-in", checkpoint_api=True, custom_storage=True,
-                 gpus=[GpuInfo(0, "Stand-in GPU", "GPU-00000000-0000-0000-0000-000000000000", 1 << 30, (9, 0), None, False)])
-
-
-def gpu_bytes(seed: int, mb: int) -> bytes:
-    rng = np.random.default_rng(seed)
-    n = mb << 20
-    w = (rng.normal(0, 0.02, n // 5).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16).tobytes()
-    return w + bytes(n // 2) + rng.bytes(n - len(w) - n // 2)
 
 
 def test_gpu_swap_out_and_in_through_custom_storage(tmp_path: Path, child: int) -> None:
@@ -38,7 +30,7 @@ def test_gpu_swap_out_and_in_through_custom_storage(tmp_path: Path, child: int) 
     d.add(child, gpu_bytes(2, 3))
     before = {p: bytes(d.procs[p].gpu) for p in (me, child)}
     st = SnapshotStore(str(tmp_path / "store"))
-    rep = gpu_checkpoint(st, me, "swap", driver=d, features=FEATS, device=HostDevice(), thp_mode=None)
+    rep = gpu_checkpoint(st, me, "swap", driver=cast(CudaDriver, d), features=FEATS, device=HostDevice(), thp_mode=None)
     assert sorted(rep.pids) == sorted([me, child]) and rep.path == "custom-storage"
     assert all(d.get_state(p) == S.CHECKPOINTED for p in (me, child))
     assert all(len(d.procs[p].gpu) == 0 for p in (me, child)), "GPU memory released"
@@ -46,7 +38,7 @@ def test_gpu_swap_out_and_in_through_custom_storage(tmp_path: Path, child: int) 
     assert {s.name for s in m.streams} == {f"gpu/{me}/0", f"gpu/{child}/0"}
     assert m.meta["gpu_path"] == "custom-storage" and 0 < rep.stored_bytes < rep.raw_bytes
     assert st.verify(["swap"]).ok
-    gpu_restore(st, "swap", me, driver=d, features=FEATS, device=HostDevice(), thp_mode=None)
+    gpu_restore(st, "swap", me, driver=cast(CudaDriver, d), features=FEATS, device=HostDevice(), thp_mode=None)
     assert all(d.get_state(p) == S.RUNNING for p in (me, child))
     assert {p: bytes(d.procs[p].gpu) for p in (me, child)} == before
 
@@ -63,7 +55,7 @@ def test_store_full_mid_swap_out_rolls_everything_back(tmp_path: Path, child: in
         before = {p: bytes(d.procs[p].gpu) for p in (me, child)}
         st = SnapshotStore(str(mnt / "store"))
         with pytest.raises(Exception, match="(?i)space|full"):
-            gpu_checkpoint(st, me, "full", driver=d, features=FEATS, device=HostDevice(), thp_mode=None)
+            gpu_checkpoint(st, me, "full", driver=cast(CudaDriver, d), features=FEATS, device=HostDevice(), thp_mode=None)
         assert all(d.get_state(p) == S.RUNNING for p in (me, child))
         assert {p: bytes(d.procs[p].gpu) for p in (me, child)} == before
         assert st.names() == []
@@ -76,7 +68,7 @@ def test_criu_dump_and_restore_with_custom_storage(tmp_path: Path) -> None:
     CHECKPOINTED, and restore brings back the tree (real CRIU) and then the GPU memory, byte-exact."""
     from sandbox.criu.runner import find_criu
     from sandbox.criu.snapshot import criu_dump, criu_restore
-    from test_criu import Tree, healthy
+    from support.criu import Tree, healthy
     if os.geteuid() != 0 or not find_criu():
         pytest.skip("CRIU needs root and scripts/setup.sh")
     tree = Tree(mb=16, detached=True)

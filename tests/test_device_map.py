@@ -249,7 +249,7 @@ def test_criu_restore_checks_and_applies_the_map(tmp_path: Path) -> None:
     from sandbox.criu.runner import find_criu
     if not find_criu():
         pytest.fail("CRIU >= 4 not installed: run scripts/setup.sh")
-    from test_criu import Tree, healthy
+    from support.criu import Tree, healthy
     from sandbox.criu.snapshot import criu_dump
     from storage.repo.store import SnapshotStore
     tree = Tree(mb=4, detached=True)

@@ -47,7 +47,7 @@ def _commands_shown() -> list[tuple[Path, str]]:
 def _resolve(tokens: list[str]) -> tuple[click.Command, list[click.Command], list[str]]:
     from cli import main
     cmd: click.Command = main
-    chain = [main]
+    chain: list[click.Command] = [main]
     i = 0
     rest: list[str] = []
     while i < len(tokens):
@@ -137,7 +137,7 @@ def test_readme_container_example_runs(tmp_path: Path) -> None:
 def test_readme_remote_example_runs(tmp_path: Path) -> None:
     if os.geteuid() != 0:
         pytest.skip("starting Swift needs root")
-    from test_remote import drop_bucket, swift_start
+    from support.swift import drop_bucket, swift_start
     endpoint = swift_start()
     bucket = f"gpusnap-demo-{os.getpid()}"
     try:

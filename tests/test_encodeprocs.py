@@ -100,7 +100,7 @@ def test_a_put_with_a_parent_has_its_per_chunk_work_done_by_the_processes(tmp_pa
     calls = {"prepare": 0}
     real_prepare = encodeprocs.Encoder.prepare
 
-    def counted(self, view, keyed):  # type: ignore[no-untyped-def]
+    def counted(self, view, keyed):
         calls["prepare"] += 1
         return real_prepare(self, view, keyed)
 
@@ -135,12 +135,12 @@ def test_a_put_with_a_parent_has_its_per_chunk_work_done_by_the_processes(tmp_pa
 _real_borrowed = encodeprocs.EncodeProcs.borrowed
 
 
-def _blocking_borrow(self):  # type: ignore[no-untyped-def]
+def _blocking_borrow(self):
     """borrowed, waiting for a started process instead of letting the thread do the work."""
     import contextlib
 
     @contextlib.contextmanager
-    def cm():  # type: ignore[no-untyped-def]
+    def cm():
         enc = _ready(self._free.get(timeout=30))
         try:
             yield enc
@@ -158,7 +158,7 @@ def test_a_killed_encoder_fails_the_put_and_commits_nothing(tmp_path, monkeypatc
     real_encode = encodeprocs.Encoder.encode
     killed: list[int] = []
 
-    def encode(self, data, frame):  # type: ignore[no-untyped-def]
+    def encode(self, data, frame):
         if not killed:
             killed.append(self.proc.pid)
             os.kill(self.proc.pid, signal.SIGKILL)
@@ -270,7 +270,7 @@ def test_a_stopped_encoder_fails_the_put_after_the_answer_timeout(tmp_path, monk
     real_prepare = encodeprocs.Encoder.prepare
     stopped: list[int] = []
 
-    def prepare(self, data, keys):  # type: ignore[no-untyped-def]
+    def prepare(self, data, keys):
         if not stopped:
             stopped.append(self.proc.pid)
             os.kill(self.proc.pid, signal.SIGSTOP)
@@ -308,6 +308,7 @@ def test_a_stopped_encoder_dies_with_the_put_process(tmp_path) -> None:
     parent = subprocess.Popen([sys.executable, "-c", code, str(Path(__file__).resolve().parents[1])],
                               stdout=subprocess.PIPE, text=True)
     try:
+        assert parent.stdout is not None
         pid = int(parent.stdout.readline())
         os.kill(pid, signal.SIGSTOP)
         parent.kill()

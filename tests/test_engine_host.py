@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import ctypes
 import random
+from typing import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from support.entries import chunk_entries, entry_of
+from support.entries import chunk_entries, entry_of, ref_id
 from storage.gpu.device import HostDevice, HostMemory, host_view
 from storage.pipeline.gpu_engine import GpuEngine, GpuEngineError, Region
 from storage.tiers.memory import Extents, MemoryTierError, PinnedPool
@@ -46,7 +47,7 @@ def dev() -> HostDevice:
 
 
 @pytest.fixture()
-def region_mem() -> HostMemory:
+def region_mem() -> Iterator[HostMemory]:
     mem = HostMemory(8 * CHUNK + 100 * 4096)
     yield mem
     mem.close()
@@ -201,6 +202,7 @@ def test_extents_against_a_model() -> None:
     rnd = random.Random(5)
     ext = Extents(1000 * 4096)
     live: dict[int, int] = {}
+    off: int | None
     for _ in range(3000):
         if live and (rnd.random() < 0.45 or len(live) > 60):
             off = rnd.choice(list(live))
@@ -296,7 +298,7 @@ def test_no_byte_of_an_earlier_chunk_in_a_later_chunk_file(tmp_path: Path, dev: 
                     w.commit()
         (a,), (b,) = st.load("a").streams[0].chunks, st.load("b").streams[0].chunks
         assert a.codec == "raw" and b.codec == "zstd" and b.stored_len < CHUNK // 3
-        data = entry_of(tmp_path / "s", b.id).read()  # its entry in a pack: always padded to 4096
+        data = entry_of(tmp_path / "s", ref_id(b)).read()  # its entry in a pack: always padded to 4096
         assert len(data) == 4096 + -(-b.stored_len // 4096) * 4096
         assert data[4096 + b.stored_len:] == bytes(len(data) - 4096 - b.stored_len)  # padding: zeros only
         assert leaked_runs(word_index(a_mem.view), data) == []

@@ -80,7 +80,7 @@ def test_the_plan_is_bounded_in_files_and_bytes(monkeypatch: pytest.MonkeyPatch)
     areas = [(0x100000 * (k + 1), 0x100000 * (k + 1) + 0x10000, 0x100000, k + 1, FILE_PRIV) for k in range(10)]
     mm = _mm(areas)
     pm = _pagemap([(a, 16) for a, *_ in areas])
-    paths = {k + 1: (f"/lib/{k}.so", None) for k in range(10)}
+    paths: dict[int, tuple[str, int | None]] = {k + 1: (f"/lib/{k}.so", None) for k in range(10)}
     monkeypatch.setattr(filehints, "MAX_FILES", 4)
     hints = filehints.plan(paths, [(filehints.file_areas(mm), pm)])
     assert [h.path for h in hints] == [f"/lib/{k}.so" for k in range(4)], "the first files met, at most MAX_FILES"

@@ -310,9 +310,9 @@ def test_scripts_are_modules_without_path_patches() -> None:
         assert (REPO / "scripts" / sub).is_dir(), sub
     for kept in ("test.sh", "demo.sh", "setup.sh", "gpu-tests.sh"):
         assert os.access(REPO / "scripts" / kept, os.X_OK), kept
-    p = subprocess.run([sys.executable, "-m", "scripts.bench.bench_store", "--help"], cwd=REPO,
+    proc = subprocess.run([sys.executable, "-m", "scripts.bench.bench_store", "--help"], cwd=REPO,
                        capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=pythonpath()))
-    assert p.returncode == 0 and "--gb" in p.stdout, p.stderr
+    assert proc.returncode == 0 and "--gb" in proc.stdout, proc.stderr
 
 
 def test_workload_command_protocol_round_trip(tmp_path: Path) -> None:

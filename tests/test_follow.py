@@ -131,8 +131,9 @@ def test_a_finished_file_with_much_left_is_read_by_several_readers(tmp_path: Pat
                 return s.r
 
             def __exit__(s, *e):
-                if getattr(s.r, "handoff", None):
-                    handoffs.append(s.r.handoff)
+                handoff = getattr(s.r, "handoff", None)
+                if handoff:
+                    handoffs.append(handoff)
                 return cm.__exit__(*e)
         return Wrap()
     monkeypatch.setattr(FollowedDirSource, "open", spy_open)

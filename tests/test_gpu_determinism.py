@@ -13,9 +13,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from support.entries import entry_of
+from support.entries import entry_of, ref_id
 from support.stale_bytes import leaked_runs, word_index
-from test_gpu_real import GB, record
+from support.gpu_results import GB, record
 
 pytestmark = pytest.mark.gpu
 
@@ -126,11 +126,11 @@ def test_no_byte_of_an_earlier_snapshot_in_a_later_snapshots_chunk_files(tmp_pat
     assert refs and all(c.codec == "nvcomp-ans" for c in refs)
     found = {}
     for c in refs:
-        data = entry_of(tmp_path / "s", c.id).read()
+        data = entry_of(tmp_path / "s", ref_id(c)).read()
         assert not any(data[4096 + c.stored_len:]), "padding past the payload must be zeros"
         runs = leaked_runs(words, data)
         if runs:
-            found[c.id[:16]] = runs[:4]
+            found[ref_id(c)[:16]] = runs[:4]
     record("stale_bytes", {"chunks_b": len(refs), "leaks": found, "direct": st.direct})
     assert found == {}
     assert leaked_runs(words, a_bytes[4096:4196].tobytes())  # the search does find a real run

@@ -6,26 +6,16 @@ GPUs). scripts/device/two_gpu.sh runs these and more on the two-GPU machine."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from conftest import Cli
+from support.criu import require_criu
+from support.gpu_results import GB, record
 
 pytestmark = pytest.mark.gpu
-
-GB = float(os.environ.get("GPUSNAP_TEST_GB", "2"))
-
-
-def record(name: str, data: dict[str, Any]) -> None:
-    line = json.dumps({"test": name, **data})
-    print(line)
-    out = os.environ.get("GPUSNAP_RESULTS")
-    if out:
-        with open(out, "a") as f:
-            f.write(line + "\n")
 
 
 @pytest.fixture(scope="module")
@@ -42,12 +32,6 @@ def gpus(drv: Any) -> list[Any]:
 def two_gpus(gpus: list[Any]) -> None:
     if len(gpus) < 2:
         pytest.skip(f"needs two GPUs ({len(gpus)} here)")
-
-
-def need_criu() -> None:
-    from sandbox.criu.runner import find_criu
-    if os.geteuid() != 0 or not find_criu():
-        pytest.skip("needs root and CRIU >= 4 (GPUSNAP_CRIU)")
 
 
 def test_identity_map_is_a_no_op_and_a_missing_gpu_is_refused(tmp_path: Path, drv: Any, gpus: list[Any]) -> None:
@@ -90,7 +74,7 @@ def test_process_on_two_gpus_checkpoint_restore_in_place(tmp_path: Path, drv: An
 
 def test_process_on_two_gpus_criu_dump_restore(tmp_path: Path, gpus: list[Any]) -> None:
     two_gpus(gpus)
-    need_criu()
+    require_criu(missing="skip")
     from scripts.workloads.workload_control import Workload
     cli = Cli(tmp_path / "store")
     with Workload(GB, script="multi_gpu_workload.py", detached=True) as w:
@@ -134,7 +118,7 @@ def test_restore_onto_the_other_gpu(tmp_path: Path, drv: Any, gpus: list[Any]) -
 
 def test_criu_restore_onto_the_other_gpu(tmp_path: Path, drv: Any, gpus: list[Any]) -> None:
     two_gpus(gpus)
-    need_criu()
+    require_criu(missing="skip")
     from scripts.workloads.workload_control import Workload
     cli = Cli(tmp_path / "store")
     with Workload(GB, detached=True) as w:

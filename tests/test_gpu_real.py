@@ -14,10 +14,9 @@ from typing import Any
 import pytest
 
 from conftest import Cli
+from support.gpu_results import GB, record
 
 pytestmark = pytest.mark.gpu
-
-GB = float(os.environ.get("GPUSNAP_TEST_GB", "2"))
 
 
 @pytest.fixture(scope="module")
@@ -26,21 +25,12 @@ def drv():
     return CudaDriver()
 
 
-def record(name: str, data: dict) -> None:
-    """Measurements go to $GPUSNAP_RESULTS (a JSON-lines file) as well as the test output."""
-    line = json.dumps({"test": name, **data})
-    print(line)
-    out = os.environ.get("GPUSNAP_RESULTS")
-    if out:
-        with open(out, "a") as f:
-            f.write(line + "\n")
-
-
 def test_probe_on_the_real_driver(drv) -> None:
     from sandbox.gpu.driver import probe
     f = probe(drv)
     assert f.checkpoint_api, f.reason
     assert f.gpus and f.gpus[0].uuid.startswith("GPU-")
+    assert f.driver_version is not None
     major, minor = (int(x) for x in f.driver_version.split("."))
     from cuda.bindings import driver as cu
     has_complete = hasattr(cu, "cuCheckpointOperationComplete")  # bindings older than 13.4 lack it
@@ -205,7 +195,7 @@ def test_engine_round_trip(tmp_path: Path, tier: str, mix: str) -> None:
             back = eng.restore(st, st.load("e1"), {"gpu/0": region})
             assert w.verify()
             assert eng.lanes_free == eng.nlanes
-            if tier == "pool":
+            if isinstance(st, PinnedPool):
                 assert st.usage()["used"] >= res.stored_bytes
                 st.close()
             record("engine", {"mix": mix, "tier": tier, "gb": w.size / 1e9, "stored": res.stored_bytes,

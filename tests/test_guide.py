@@ -30,7 +30,7 @@ from typing import Any, Callable
 
 import pytest
 
-from conftest import REPO, Cli
+from conftest import REPO, Cli, require_root
 from support.docs import GPUSNAP_FUNCTION, command_lines, fenced_blocks, shell_env
 
 GUIDE = REPO / "docs" / "GUIDE.md"
@@ -193,11 +193,6 @@ def proc_state(pid: int) -> str:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except OSError:
         return "gone"
-
-
-def need_root() -> None:
-    if os.geteuid() != 0:
-        pytest.skip("this block of the guide runs as root (CRIU, containers, sandboxes); CI runs as root")
 
 
 # ------------------------------------------------------------------ lines that cannot run here
@@ -447,14 +442,14 @@ def real_machine_for_the_hook(c: Ctx) -> None:
     """The block installs the hook into the real /etc/criu and /usr/local: refuse where one is
     installed already (its uninstall would remove that), and put /etc/criu back byte for byte and
     uninstall whatever the block left, even if it fails."""
-    from test_containers import real_etc_criu
+    from support.containers import real_etc_criu
     from support.containers import need, runtime_env
     need("podman", "runc", "/bin/busybox")
     runtime_env()   # skips without CRIU >= 4; the shell has the project's CRIU first on PATH already
     if HOOK_RECORD.exists():
         pytest.fail(f"a gpusnap hook is installed here already ({HOOK_RECORD}); the guide's block would remove it")
     etc = c.cleanup.enter_context(real_etc_criu())
-    from test_containers import snapshot_dir
+    from support.containers import snapshot_dir
     c.seen["etc_before"] = snapshot_dir(etc)
     c.cleanup.callback(lambda: HOOK_RECORD.exists() and c.cli("hook", "uninstall", check=False))
     name = unique("counter")
@@ -536,7 +531,7 @@ def podman_counts_on(c: Ctx, r: Ran) -> None:
 
 @runs("gpusnap hook uninstall")
 def hook_uninstall(c: Ctx, r: Ran) -> None:
-    from test_containers import snapshot_dir
+    from support.containers import snapshot_dir
     ok(r)
     assert snapshot_dir(Path("/etc/criu")) == c.seen["etc_before"], "the configs are not back as they were"
     assert not HOOK_RECORD.exists() and not os.path.exists("/usr/local/lib/gpusnap/gpusnap-criu-hook")
@@ -643,9 +638,9 @@ def recover(c: Ctx, r: Ran) -> None:
 
 # --------------------------------------------------------------------------------------- Remotes
 def swift(c: Ctx) -> None:
-    need_root()
+    require_root("this block of the guide runs as root (CRIU, containers, sandboxes); CI runs as root")
     from support.criu import require_criu
-    from test_remote import drop_bucket, swift_start
+    from support.swift import drop_bucket, swift_start
     require_criu()
     endpoint = swift_start()
     c.cleanup.callback(drop_bucket, endpoint, unique("gpusnap-demo"))

@@ -18,15 +18,10 @@ from conftest import GPUSNAP, REPO, Cli, pythonpath
 from support.crafted import rewrite_manifest
 from support.crash import wait_dead
 from support.criu import Tree, healthy
+from support.journal import paused as _paused, records
 from support.servers import HttpConn, python_workload
 
-pytestmark = pytest.mark.root
-
-
-@pytest.fixture(scope="module", autouse=True)
-def need_root() -> None:
-    if os.geteuid() != 0:
-        pytest.skip("CRIU needs root")
+pytestmark = [pytest.mark.root, pytest.mark.usefixtures("need_root")]
 
 
 def step(log: Path, word: str, fail: str = "") -> str:
@@ -44,11 +39,6 @@ def proc_state(pid: int) -> str:
 
 def lines(log: Path) -> list[str]:
     return log.read_text().splitlines() if log.exists() else []
-
-
-def records(store: Path) -> list[str]:
-    j = store / "journal"
-    return sorted(p.name for p in j.glob("*.json") if len(p.stem) == 32) if j.is_dir() else []  # not rejected-*
 
 
 def one_line(r: subprocess.CompletedProcess[str]) -> str:
@@ -172,20 +162,6 @@ def test_a_planted_resume_record_is_refused(plant: str, tmp_path: Path) -> None:
         tree.close()
 
 
-def _paused(store: Path, args: list[str], stage: str, tmp: Path) -> subprocess.Popen[str]:
-    """gpusnap ARGS held at STAGE by the pause hook (any number of journal records)."""
-    flag = tmp / f"pause-{stage}"
-    env = {**os.environ, "PYTHONPATH": pythonpath(), "GPUSNAP_TEST_PAUSE": f"{stage}:{flag}"}
-    p = subprocess.Popen([*GPUSNAP, "--store", str(store), *args], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True, env=env, cwd=REPO, start_new_session=True)
-    deadline = time.monotonic() + 120
-    while not flag.exists():
-        assert p.poll() is None, p.communicate()
-        assert time.monotonic() < deadline, f"never reached {stage}"
-        time.sleep(0.02)
-    return p
-
-
 @pytest.mark.parametrize("stage,leave", [("after-prepare", False), ("before-dump", False),
                                          ("before-commit", False), ("before-resume", True)])
 def test_recover_resumes_a_workload_left_prepared_by_a_killed_gpusnap(stage: str, leave: bool, tmp_path: Path) -> None:
@@ -276,8 +252,9 @@ def test_gpu_checkpoint_prepares_records_the_resume_and_gpu_restore_runs_it(fail
     records it); `gpu restore` runs the recorded step once they run. A checkpoint the driver fails:
     the processes run on with their memory and the resume step ran."""
     from support.driver_standin import StandInDriver
-    from test_custom_storage_flow import FEATS, gpu_bytes
-    from sandbox.gpu.driver import ProcessState
+    from support.custom_storage import FEATS, gpu_bytes
+    from typing import cast
+    from sandbox.gpu.driver import CudaDriver, ProcessState  # the stand-in, cast: FEATS given, probe() never runs
     from sandbox.gpu.snapshot import gpu_checkpoint, gpu_restore
     from sandbox.ops.hooks import HookError, WorkloadHooks
     from sandbox.ops.prepared import HookReport, prepared, restore_resume, resumed, tree_of
@@ -302,7 +279,7 @@ def test_gpu_checkpoint_prepares_records_the_resume_and_gpu_restore_runs_it(fail
     ran = HookReport()
     try:
         with prepared(st.path, wh, "g", child, resume_after=False, report=ran):
-            gpu_checkpoint(st, child, "g", driver=d, features=FEATS, device=HostDevice(), thp_mode=None,
+            gpu_checkpoint(st, child, "g", driver=cast(CudaDriver, d), features=FEATS, device=HostDevice(), thp_mode=None,
                            pids=[child], resume=wh.resume)
     except Exception as e:  # noqa: BLE001
         assert fail and "CUDA_ERROR_NOT_SUPPORTED" in str(e), e
@@ -314,7 +291,7 @@ def test_gpu_checkpoint_prepares_records_the_resume_and_gpu_restore_runs_it(fail
     assert d.get_state(child) == ProcessState.CHECKPOINTED and lines(log) == [f"p prepare g {child}"]
     step_ = restore_resume(st, "g", WorkloadHooks(), no_resume=False)
     assert step_ is not None and step_.spec == wh.resume.spec  # type: ignore[union-attr]
-    gpu_restore(st, "g", child, driver=d, features=FEATS, device=HostDevice(), thp_mode=None)
+    gpu_restore(st, "g", child, driver=cast(CudaDriver, d), features=FEATS, device=HostDevice(), thp_mode=None)
     resumed(st.path, step_, 10, "g", child, tree_of(child), ran)
     assert d.get_state(child) == ProcessState.RUNNING and bytes(d.procs[child].gpu) == before
     assert lines(log) == [f"p prepare g {child}", f"r resume g {child}"] and records(tmp_path / "store") == []

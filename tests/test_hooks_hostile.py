@@ -13,20 +13,14 @@ import socket
 import threading
 import time
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import pytest
 
 from conftest import Cli
 from support.criu import Tree, healthy
 
-pytestmark = pytest.mark.root
-
-
-@pytest.fixture(scope="module", autouse=True)
-def need_root() -> None:
-    if os.geteuid() != 0:
-        pytest.skip("CRIU needs root")
+pytestmark = [pytest.mark.root, pytest.mark.usefixtures("need_root")]
 
 
 def proc_state(pid: int) -> str:
@@ -166,7 +160,10 @@ def _raw(port: int, request: bytes) -> int:
 def test_the_helper_refuses_what_a_web_page_could_send(extra: bytes, code: int) -> None:
     import sys
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "criu_hooks"))
-    import workload_helper
+    if TYPE_CHECKING:  # the same file, found by its package
+        from criu_hooks import workload_helper
+    else:
+        import workload_helper
     gate = workload_helper.Gate(drain_timeout_s=0.5)
     _, port = gate.serve("127.0.0.1", 0)
     try:
@@ -211,7 +208,7 @@ def test_a_restore_from_another_store_says_truly_that_it_restored_and_did_not_re
     snapshot is here, after CRIU restored it. Its MAC is the other store's, so it is not run; the error
     said "nothing was restored" of a workload that was running (a retry then collides with it)."""
     from support.crash import wait_dead
-    from test_remote import Node, swift_start, url_for
+    from support.swift import Node, swift_start, url_for
     log = tmp_path / "log"
     endpoint = swift_start()
     url = url_for(f"hookreview-{os.getpid()}-{time.monotonic_ns()}")
@@ -235,7 +232,7 @@ def test_a_prepare_step_does_not_run_for_a_command_that_will_refuse(cmd: str, tm
     only after the --prepare step had run: a server was put to sleep (its cache dropped) for nothing."""
     import signal
 
-    from test_hooks import _paused, records
+    from support.journal import paused as _paused, records
     store, log = tmp_path / "store", tmp_path / "log"
     cli = Cli(store)
     cli.json("criu", "dump", "--leave-running", str(tree.pid), "snap")

@@ -19,7 +19,7 @@ ALLOWED = {
 
 
 def _imports(path: Path) -> set[str]:
-    tops = set()
+    tops: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             tops.update(a.name.split(".")[0] for a in node.names)
@@ -53,7 +53,7 @@ FACE = "storage.api"
 
 def _storage_modules_imported(path: Path) -> set[str]:
     """The dotted storage modules (or packages) PATH imports, lazily or not."""
-    out = set()
+    out: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             out.update(a.name for a in node.names if a.name.split(".")[0] == "storage")
@@ -105,7 +105,7 @@ SANDBOX_FLOORS = ["host", "ops", "gpu", "criu", "runsc", "containers", ""]
 def _sandbox_imports(path: Path) -> set[str]:
     """The sandbox packages PATH imports (sandbox.X.y -> X; `from sandbox import X` -> X; a module of
     sandbox/ itself -> "")."""
-    out = set()
+    out: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         names: list[str] = []
         if isinstance(node, ast.Import):
@@ -184,3 +184,52 @@ def test_standalone_files_import_no_project_package() -> None:
         if any(isinstance(n, ast.ImportFrom) and n.level for n in ast.walk(tree)):
             wrong.append(f"{rel} has a relative import")
     assert not wrong, "\n".join(wrong)
+
+
+# ------------------------------------------------------------------ tests/
+TESTS = REPO / "tests"
+
+
+def _test_files() -> list[Path]:
+    return sorted(p for p in TESTS.rglob("*.py") if "data" not in p.relative_to(TESTS).parts[:-1])
+
+
+def test_no_test_file_imports_another() -> None:
+    """What test modules share lives in tests/conftest.py or tests/support/: a test module that imports
+    another runs (and collects) that module's tests' module-level code and ties the two files' layout."""
+    test_modules = {p.stem for p in TESTS.rglob("test_*.py")}
+    assert "test_layers" in test_modules, "the test modules were not found"
+    bad = []
+    for path in _test_files():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [f"{node.module or ''}.{a.name}" for a in node.names]
+            else:
+                continue
+            for name in names:
+                if test_modules & set(name.split(".")):
+                    bad.append(f"{path.relative_to(REPO)}:{node.lineno}: imports {name}")
+    assert bad == [], "\n".join(bad)
+
+
+def test_requirements_and_markers_are_defined_once() -> None:
+    """need_root/need_criu/need_runsc are tests/conftest.py's fixtures (tests/support/ holds the functions they
+    call); no test module defines its own, and pytest markers are declared only in pyproject.toml."""
+    bad = []
+    for path in _test_files():
+        if path.name == "conftest.py" and path.parent == TESTS:
+            continue
+        text = path.read_text()
+        for node in ast.walk(ast.parse(text, str(path))):
+            if isinstance(node, ast.FunctionDef) and node.name.lstrip("_") in ("need_root", "need_criu", "need_runsc"):
+                bad.append(f"{path.relative_to(REPO)}:{node.lineno}: defines {node.name}")
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.func.attr == "addinivalue_line" and node.args
+                    and isinstance(node.args[0], ast.Constant) and node.args[0].value == "markers"):
+                bad.append(f"{path.relative_to(REPO)}:{node.lineno}: declares a marker")
+    for name in ("pytest.ini", "tox.ini", "setup.cfg", "tests/pytest.ini"):
+        if (REPO / name).exists():
+            bad.append(f"{name}: pytest configuration outside pyproject.toml")
+    assert bad == [], "\n".join(bad)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from test_gpu_real import GB, record
+from support.gpu_results import GB, record
 
 pytestmark = pytest.mark.gpu
 

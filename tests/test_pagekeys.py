@@ -15,7 +15,7 @@ import pytest
 from conftest import Cli
 from storage.codecs import pagekeys
 from support.crafted import rewrite_manifest
-from test_store_delta import BLOCK, _kv_pool, weights
+from support.model_bytes import BLOCK, kv_pool as _kv_pool, weights
 
 PAGE = 4096
 
@@ -247,7 +247,7 @@ def test_a_stream_crafted_so_every_page_is_sampled_keeps_a_bounded_record() -> N
     assert at[0] == 0 and at[-1] == 4095  # spread over the whole stream
     same = np.frombuffer(data[:PAGE] * 1024, dtype=np.uint8)  # one sampled page repeated: one entry per chunk
     c2 = pagekeys.Collector()
-    c2.add("r", 0, memoryview(same))
+    c2.add("r", 0, same.data)
     assert len(pagekeys.load(c2.record("r"), len(same))[0]) == 1
 
 

@@ -13,7 +13,7 @@ from support.driver_standin import StandInDriver
 from sandbox.gpu.driver import Features, ProcessState as S
 from sandbox.gpu.pool_daemon import PoolDaemonError, PoolServer, request
 from storage.gpu.device import HostDevice
-from test_custom_storage_flow import FEATS, gpu_bytes
+from support.custom_storage import FEATS, gpu_bytes
 
 
 class Running:

@@ -20,15 +20,9 @@ from conftest import Cli
 from support.criu import Tree, _state, healthy, pids_with
 from support.crash import Paused, assert_nothing_left, wait_dead
 
-pytestmark = pytest.mark.root
+pytestmark = [pytest.mark.root, pytest.mark.usefixtures("need_root")]
 SPLIT = {"GPUSNAP_CRIU_IMAGES": "stream", "GPUSNAP_CRIU_SPLIT_MIN": str(4 << 20),
          "GPUSNAP_CRIU_SPLIT_SHARED_MIN": str(4 << 20)}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def need_root() -> None:
-    if os.geteuid() != 0:
-        pytest.skip("CRIU needs root")
 
 
 def _start(pid: int) -> int:
@@ -44,7 +38,7 @@ def _victim(marker: str) -> subprocess.Popen[bytes]:
 def _forge(store: Path, **fields: object) -> Path:
     """A journal record written by hand (no MAC: not gpusnap's), its owner a dead process."""
     (store / "journal").mkdir(mode=0o700, parents=True, exist_ok=True)
-    rec = {"op": uuid.uuid4().hex, "kind": "criu-dump", "stage": "dumping", "owner": {"pid": 1, "start": 1},
+    rec: dict[str, object] = {"op": uuid.uuid4().hex, "kind": "criu-dump", "stage": "dumping", "owner": {"pid": 1, "start": 1},
            "snapshot": "forged", "staging": None, "procs": [], "cuda_pids": [], "gpu_path": None,
            "leave_running": False, "runsc": None, "started": time.time(), "helpers": []}
     rec.update(fields)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from storage.repo import reflog
 from storage.format.manifest import ChunkRef
+from support.entries import ref_id
 
 A = ChunkRef("a" * 64, 100, "zstd", 40)
 B = ChunkRef("b" * 64, 50, "raw", 50)
@@ -16,7 +17,7 @@ Z = ChunkRef(None, 100, "zero", 0)
 
 def write(tmp: Path, durable: list[list[str]] | None = None) -> bytes:
     seen = durable if durable is not None else []
-    with reflog.RefLogWriter(str(tmp), "0" * 32, lambda refs: seen.append([r.id for r in refs]), batch=2) as w:
+    with reflog.RefLogWriter(str(tmp), "0" * 32, lambda refs: seen.append([ref_id(r) for r in refs]), batch=2) as w:
         w.region("gpu/7/0", 250, 3, 100)
         w.chunk("gpu/7/0", 2, B)          # lanes finish in any order
         w.chunk("gpu/7/0", 0, A)

@@ -9,29 +9,17 @@ import socket
 import subprocess
 import threading
 import time
-import uuid
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, cast
 
 import numpy as np
 import pytest
 
-from conftest import GPUSNAP, REPO, Cli, pythonpath
-from scripts.bench.bench_remote import CREDS, drop_bucket  # the same Swift account and clean-up as the benchmark
+from conftest import REPO, Cli
+from support.criu import require_criu
+from support.swift import CREDS, RUN, Node, drop_bucket, swift_start, url_for
 
 pytestmark = pytest.mark.root
-
-RUN = uuid.uuid4().hex[:8]
-
-
-def swift_start(env: dict[str, str] | None = None) -> str:
-    if os.geteuid() != 0:
-        pytest.skip("starting Swift needs root")
-    p = subprocess.run([str(REPO / "scripts" / "setup" / "swift-setup.sh"), "start"], capture_output=True, text=True,
-                       env={**os.environ, **(env or {})}, timeout=600)
-    if p.returncode != 0:
-        pytest.fail(f"Swift did not start: {p.stderr[-2000:]}")
-    return p.stdout.strip().splitlines()[-1]
 
 
 @pytest.fixture(scope="module")
@@ -45,32 +33,6 @@ def endpoint() -> Iterator[str]:
 # "after N chunks" of a push, and of a pull of what it pushed, falls between two packs (between two
 # range reads), as the protocol tests below need
 ONE_ENTRY_PACKS = {"GPUSNAP_REMOTE_PACK_TARGET": "1"}
-
-
-class Node:
-    """One node: its own store, the remote `r` at s3://BUCKET/PREFIX configured in it; ENV is added to
-    every command it runs."""
-
-    def __init__(self, store: Path, endpoint: str | None, url: str) -> None:
-        self.cli = Cli(store)
-        self.store = store
-        self.env: dict[str, str] = {}
-        self.cli.run("remote", "add", "r", url, *(["--endpoint", endpoint] if endpoint else []), env=CREDS)
-
-    def run(self, *args: str, check: bool = True, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-        return self.cli.run(*args, check=check, env={**CREDS, **self.env, **(env or {})})
-
-    def json(self, *args: str, env: dict[str, str] | None = None) -> dict:
-        return json.loads(self.run(*args, "--json", env=env).stdout)
-
-    def popen(self, *args: str, env: dict[str, str]) -> subprocess.Popen[str]:
-        e = {**os.environ, "PYTHONPATH": pythonpath(), **CREDS, **self.env, **env}
-        return subprocess.Popen([*GPUSNAP, "--store", str(self.store), *args, "--json"], cwd=REPO, env=e,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def url_for(test: str) -> str:
-    return f"s3://gpusnap-test-{RUN}/{test}"
 
 
 @pytest.fixture
@@ -517,19 +479,13 @@ def test_swift_stopped_mid_transfer_gives_one_line_and_loses_nothing(private_swi
 
 
 # ---- CRIU restore on node B, straight from the object store ------------------------------------------
-def _need_criu() -> None:
-    from sandbox.criu.runner import find_criu
-    if not find_criu():
-        pytest.fail("CRIU >= 4 not installed: run scripts/setup.sh (CI must not skip these)")
-
-
 def _chunk_count(node: Node, name: str) -> int:
     from storage.repo.store import SnapshotStore
     return len(SnapshotStore(str(node.store)).load(name).chunk_ids())
 
 
 def _gone(pid: int, timeout: float = 10) -> bool:
-    from test_criu import _state
+    from support.criu import _state
     deadline = time.monotonic() + timeout
     while os.path.exists(f"/proc/{pid}") and _state(pid) != "Z":
         if time.monotonic() > deadline:
@@ -543,9 +499,9 @@ def test_criu_restore_from_remote_on_another_store(any_nodes: tuple[Node, Node],
     is held before the snapshot's last chunk; CRIU must already have recreated the tree's processes
     then (a restore that waited for the whole pull could not), and nothing is visible locally yet.
     Over both backends (a file:// remote as a shared volume would be)."""
-    _need_criu()
+    require_criu()
     nodes = any_nodes
-    from test_criu import Tree, healthy
+    from support.criu import Tree, healthy
     a, b = nodes
     a.env.update(ONE_ENTRY_PACKS)
     tree = Tree()
@@ -585,8 +541,8 @@ def test_swift_stopped_mid_restore_fails_cleanly_and_a_retry_completes(private_s
                                                                        tmp_path: Path) -> None:
     """The object store stops while CRIU restores from it: one line, no process of the snapshot left,
     no snapshot visible in B; once it is back the same command completes, reusing what was fetched."""
-    _need_criu()
-    from test_criu import Tree, healthy
+    require_criu()
+    from support.criu import Tree, healthy
     ep, senv = private_swift
     url = url_for("down-restore")
     a, b = Node(tmp_path / "A", ep, url), Node(tmp_path / "B", ep, url)
@@ -635,9 +591,9 @@ def _restore_from_remote_paused(a: "Node", b: "Node", tree: Any, pause: Path, ke
 
 def test_kill_9_mid_restore_from_remote_leaves_nothing_visible_and_a_retry_reuses_the_chunks(
         nodes: tuple[Node, Node], tmp_path: Path) -> None:
-    _need_criu()
-    from test_criu import Tree, healthy
-    from test_criu_stream import _criu_of
+    require_criu()
+    from support.criu import Tree, healthy
+    from support.criu import criu_of as _criu_of
     a, b = nodes
     a.env.update(ONE_ENTRY_PACKS)
     tree = Tree()
@@ -665,8 +621,8 @@ def test_gpu_restore_from_remote_on_another_store(tmp_path: Path, endpoint: str,
     """The GPU path of `gpu restore --from`: the driver stand-in's processes swapped out into store A,
     pushed, pulled by ensure_local into empty store B, swapped back in from B with the bytes intact."""
     from support.driver_standin import StandInDriver
-    from test_custom_storage_flow import FEATS, gpu_bytes
-    from sandbox.gpu.driver import ProcessState as S
+    from support.custom_storage import FEATS, gpu_bytes
+    from sandbox.gpu.driver import CudaDriver, ProcessState as S  # the stand-in, cast: FEATS given, probe() never runs
     from sandbox.gpu.snapshot import gpu_checkpoint, gpu_restore
     from storage.gpu.device import HostDevice
     from storage.remote.client import Remote, RemoteConfig, add_remote
@@ -686,7 +642,7 @@ def test_gpu_restore_from_remote_on_another_store(tmp_path: Path, endpoint: str,
     d.add(me, gpu_bytes(1, 6))
     d.add(child, gpu_bytes(2, 3))
     before = {p: bytes(d.procs[p].gpu) for p in (me, child)}
-    gpu_checkpoint(a, me, "swap", driver=d, features=FEATS, device=HostDevice(), thp_mode=None)
+    gpu_checkpoint(a, me, "swap", driver=cast(CudaDriver, d), features=FEATS, device=HostDevice(), thp_mode=None)
     assert all(d.get_state(p) == S.CHECKPOINTED for p in (me, child))
     assert Remote.open(a, "r").push(a, "swap").chunks_sent > 0
     # B restores while it pulls: one fetch at a time, held for a second before the last chunk
@@ -705,7 +661,7 @@ def test_gpu_restore_from_remote_on_another_store(tmp_path: Path, endpoint: str,
 
     t = threading.Thread(target=release)
     t.start()
-    rep = gpu_restore(b, "swap", me, driver=d, features=FEATS, device=HostDevice(), thp_mode=None,
+    rep = gpu_restore(b, "swap", me, driver=cast(CudaDriver, d), features=FEATS, device=HostDevice(), thp_mode=None,
                       from_remote="r", jobs=1)
     t.join()
     assert all(d.get_state(p) == S.RUNNING for p in (me, child))
@@ -719,7 +675,7 @@ def test_criu_restore_from_remote_with_the_split_fill(nodes: tuple[Node, Node]) 
     """`criu restore --from` on an empty store with the split engaged: the runs the fill writes into
     the stopped tree come from the pull's arrivals (each verified on arrival), not from the store;
     the tree's memory checks out and the snapshot is whole locally afterwards."""
-    _need_criu()
+    require_criu()
     from support.criu import Tree, healthy
     a, b = nodes
     split_env = {"GPUSNAP_CRIU_IMAGES": "stream", "GPUSNAP_CRIU_SPLIT_MIN": str(8 << 20),

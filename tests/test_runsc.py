@@ -12,19 +12,15 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import BinaryIO, cast
 
 import pytest
 
 from conftest import REPO, Cli, chunk_files
-from support.runsc import (COUNTER, PY, SERVER, SUBNET, U, env, lines, require_runsc, start_counter,  # noqa: F401
+from support.runsc import (COUNTER, PY, SERVER, SUBNET, U, env, lines, start_counter,  # noqa: F401
                            wait_lines)  # env is a fixture
 
-pytestmark = pytest.mark.root
-
-
-@pytest.fixture(scope="module", autouse=True)
-def need_runsc() -> None:
-    require_runsc()
+pytestmark = [pytest.mark.root, pytest.mark.usefixtures("need_runsc")]
 
 
 def test_counter_continues_after_restore_under_a_new_id(cli: Cli, env: dict) -> None:
@@ -281,19 +277,21 @@ def test_agent_channel_through_a_real_sandbox(cli: Cli, env: dict) -> None:
     r = Runsc([a.split("=", 1)[1] for a in env["args"]])
     p = r.exec_piped(U("gc"), [PY, "-c", CHANNEL_AGENT], env={"PYTHONPATH": "/run/gpusnap/code"},
                      stderr=subprocess.PIPE)
+    assert p.stdin is not None and p.stdout is not None and p.stderr is not None
+    stdin, stdout = cast(BinaryIO, p.stdin), cast(BinaryIO, p.stdout)  # binary pipes, as sandbox/runsc/gpu_agent.py has them
     st = SnapshotStore(str(cli.store))
     try:
         with st.writer("sb.gpu", meta={"kind": "gpu", "path": "custom-storage"}) as w:
-            frames = AgentFrames(p.stdout, "checkpoint")
+            frames = AgentFrames(stdout, "checkpoint")
             receive(frames, w)
             w.commit()
         assert frames.report is not None and frames.report.states == {str(frames.report.cuda_pids[0]): "CHECKPOINTED"}
         pid = frames.report.cuda_pids[0]
         m = st.load("sb.gpu")
         assert [(s.name, s.size) for s in m.streams] == [(f"gpu/{pid}/0", 5 << 20)]
-        assert send(p.stdin, p.stdout, st, m.streams) == [pid]
+        assert send(stdin, stdout, st, m.streams) == [pid]
         p.stdin.close()
-        assert read_report(p.stdout, "restore").states == {str(pid): "RUNNING"}
+        assert read_report(stdout, "restore").states == {str(pid): "RUNNING"}
         assert p.wait(timeout=60) == 0
         err = p.stderr.read().decode()
     finally:

@@ -366,7 +366,7 @@ def test_criu_reports_and_the_pid_in_use_message(cli: Cli, store_dir: Path) -> N
     from sandbox.criu.runner import find_criu
     if not find_criu():
         pytest.fail("CRIU >= 4 not installed: run scripts/setup.sh")
-    from test_criu import Tree
+    from support.criu import Tree
     t = Tree()
     try:
         t.report()
@@ -389,7 +389,7 @@ def test_criu_reports_and_the_pid_in_use_message(cli: Cli, store_dir: Path) -> N
 
 # ------------------------------------------------------------------------------------------ item 16
 def test_remote_words_as_git_and_restic_read_them(tmp_path: Path) -> None:
-    from test_remote import CREDS, Node, drop_bucket, swift_start
+    from support.swift import CREDS, Node, drop_bucket, swift_start
     endpoint = swift_start()
     bucket = f"gpusnap-test-h2-{os.getpid()}"
     url = f"s3://{bucket}/words"

@@ -17,7 +17,7 @@ SIZES = [0, 1, 7, (1 << 18) - 1, (1 << 18) + 3, 1 << 21]  # elements: empty, odd
 
 
 def _numpy_plane(a: np.ndarray, which: int, layout: int) -> np.ndarray:
-    x = a.astype(np.uint32)
+    x: np.ndarray = a.astype(np.uint32)
     if layout == 2:
         x = ((x << 1) | (x >> 15)) & 0xFFFF
     return ((x >> 8) if which else (x & 0xFF)).astype(np.uint8)

@@ -28,15 +28,10 @@ from storage.pipeline.put import page_keys
 from storage.repo.readstage import Want, read_chunks
 from storage.repo.store import SnapshotStore
 from support.entries import Entry, chunk_entries
-from test_store_packs import killed_at
+from support.model_bytes import BLOCK, kv_pool as _kv_pool, weights
+from support.store_faults import killed_at
 
-BLOCK = 64 << 10
 MB = 80  # the image: 80 MiB of bf16-like weights (1280 blocks; 64 of them change)
-
-
-def weights(rng: np.random.Generator, n: int) -> bytes:
-    """N bytes of bf16 N(0, 0.02): what model weights look like (few zeros, ~1.5x compressible)."""
-    return (rng.normal(0, 0.02, n // 2).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16).tobytes()
 
 
 def change_5_percent(data: bytes, seed: int) -> tuple[bytes, int]:
@@ -439,7 +434,7 @@ def test_a_chunk_stored_as_a_delta_of_a_delta_is_based_on_the_full_chunk(cli: Cl
 @pytest.fixture(scope="module")
 def endpoint() -> Iterator[str]:
     from scripts.bench.bench_remote import drop_bucket
-    from test_remote import RUN, swift_start
+    from support.swift import RUN, swift_start
     ep = swift_start()
     yield ep
     drop_bucket(ep, f"gpusnap-test-{RUN}")
@@ -447,7 +442,7 @@ def endpoint() -> Iterator[str]:
 
 def test_push_sends_deltas_whole_and_a_pull_reads_them_back(tmp_path: Path, endpoint: str,
                                                             images: tuple[bytes, bytes, int]) -> None:
-    from test_remote import Node, url_for
+    from support.swift import Node, url_for
     url = url_for("delta-push-pull")
     a, b = Node(tmp_path / "A", endpoint, url), Node(tmp_path / "B", endpoint, url)
     _two(a.cli, tmp_path, images)
@@ -588,15 +583,6 @@ def test_pages_mapped_before_the_changes_move_the_bases_with_them(cli: Cli, stor
     assert rep["new_bytes"] <= 1.1 * (changed + len(inserted)), (rep["new_bytes"], changed, len(inserted))
     cli.run("store", "get", "b", str(tmp_path / "out"))
     assert (tmp_path / "out" / "img" / "pages-1.img").read_bytes() == moved
-
-
-def _kv_pool(rng: np.random.Generator, n: int, filled: float) -> bytearray:
-    """N bytes of a paged KV pool: FILLED of its 64 KiB blocks hold bf16 values, at random places."""
-    pool = bytearray(n)
-    blocks = n // BLOCK
-    for b in rng.choice(blocks, int(blocks * filled), replace=False):
-        pool[b * BLOCK:(b + 1) * BLOCK] = weights(rng, BLOCK)
-    return pool
 
 
 def test_a_kv_pool_moved_by_pages_mapped_before_it_finds_its_parent(cli: Cli, store_dir: Path,
@@ -744,7 +730,7 @@ def test_xored_refuses_a_reference_no_reader_would_take() -> None:
     data = memoryview(bytes(4096))
     with pytest.raises(ValueError, match="past its base"):
         delta.xored(data, [delta.Segment("ab" * 32, 8192, 4096)], {"ab" * 32: base}, memoryview(bytearray(4096)))
-    big = {c * 32: bytes(delta.base_limit(4096)) for c in ("a1", "b2", "c3")}
+    big: dict[str, bytes | memoryview] = {c * 32: bytes(delta.base_limit(4096)) for c in ("a1", "b2", "c3")}
     segs = [delta.Segment(k, 0, 1024) for k in big] + [delta.Segment(None, 0, 1024)]
     with pytest.raises(ValueError, match="more than"):
         delta.xored(data, segs, big, memoryview(bytearray(4096)))
@@ -891,12 +877,12 @@ def test_a_base_asked_for_by_many_threads_at_once_is_read_once(tmp_path: Path) -
     reads: list[str] = []
     fail = {"bad"}
 
-    def slow_read(bid: str, most: int) -> bytes:
+    def slow_read(bid: str, most: int) -> memoryview:
         reads.append(bid)
         _time.sleep(0.2)
         if bid in fail:
             raise ChunkError(bid, "unreadable")
-        return bid.encode() * 10
+        return memoryview(bid.encode() * 10)
 
     st._read_base = slow_read  # type: ignore[method-assign]
     got: list[object] = []

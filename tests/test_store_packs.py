@@ -7,19 +7,18 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import struct
-import subprocess
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from conftest import GPUSNAP, REPO, Cli, chunk_files, make_mixed_tree, pythonpath, tree_digest
-from storage.format.packs import PAUSE_ENV, decode_index, encode_index
-from support.entries import chunk_entries, chunk_ids, to_chunk_files
+from conftest import Cli, chunk_files, make_mixed_tree, tree_digest
+from storage.format.packs import decode_index, encode_index
+from support.entries import chunk_entries, chunk_ids, ref_id, to_chunk_files
 from support.pagecache import cold_store, resident_bytes, resident_in
+from support.store_faults import killed_at
 
 
 def _distinct(path: Path, chunks: int, seed: int) -> Path:
@@ -30,24 +29,6 @@ def _distinct(path: Path, chunks: int, seed: int) -> Path:
             block[:8] = (seed * 1000 + i).to_bytes(8, "little")
             f.write(block)
     return path
-
-
-def killed_at(store: Path, args: list[str], stage: str, tmp: Path) -> None:
-    """Start `gpusnap ARGS` on STORE, wait until it reaches STAGE of the pack write order (the pause
-    storage/format/packs.py makes under PAUSE_ENV), kill -9 it."""
-    flag = tmp / f"paused-{stage}"
-    env = dict(os.environ, PYTHONPATH=pythonpath(), **{PAUSE_ENV: f"{stage}:{flag}"})
-    p = subprocess.Popen([*GPUSNAP, "--store", str(store), *args], env=env, cwd=REPO,
-                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 120
-    while not flag.exists():
-        assert p.poll() is None, p.communicate()[1]
-        assert time.monotonic() < deadline, "the put never reached " + stage
-        time.sleep(0.01)
-    assert int(flag.read_text()) == p.pid
-    p.send_signal(signal.SIGKILL)
-    p.wait()
-    flag.unlink()
 
 
 @pytest.mark.parametrize("stage", ["pack-partial", "pack-synced", "indexed"])
@@ -618,7 +599,7 @@ def test_the_read_stage_in_pack_order_reads_a_lower_group_first(tmp_path: Path) 
         w.commit()
     refs = [c for s in st.load("a").streams for c in s.chunks if not c.is_zero]
     assert len(refs) >= 8
-    at = {c.id: (st.locate(c.id)[0].pack, st.locate(c.id)[0].offset) for c in refs}
+    at = {c.id: (st.locate(ref_id(c))[0].pack, st.locate(ref_id(c))[0].offset) for c in refs}
     wants = [Want(i, c, group=0 if i % 3 else 1) for i, c in enumerate(refs)]
     got: list[int] = []
     read_chunks(st, list(reversed(wants)), lambda w, data: got.append(w.key), stages=pipeline.Stages(),

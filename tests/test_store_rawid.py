@@ -217,5 +217,5 @@ def test_a_raw_addressed_chunk_encoded_otherwise_than_the_manifest_says_still_re
     # but a raw length other than the reference's is damage
     wrong = ChunkHeader("zstd", hdr.raw_len + 1, len(payload), raw_id=True).with_checksum(payload)
     victim.write(wrong.pack().ljust(HEADER_SIZE, b"\0") + payload)
-    r = cli.run("store", "verify", "--json", check=False)
-    assert r.returncode == 3 and "disagrees with the manifest" in r.stdout, r.stdout
+    v = cli.run("store", "verify", "--json", check=False)
+    assert v.returncode == 3 and "disagrees with the manifest" in v.stdout, v.stdout

@@ -191,7 +191,7 @@ def test_name_templates_and_latest(cli: Cli, tmp_path: Path) -> None:
 
 
 def test_forget_keep_within_and_keep_tag(cli: Cli, store_dir: Path) -> None:
-    from test_archive import _snap
+    from support.archive import committed_snapshot as _snap
     times = {"a": "2026-11-30T10:00:00+00:00", "b": "2026-11-29T11:00:00+00:00", "c": "2026-11-29T09:00:00+00:00",
              "d": "2026-10-15T12:00:00+00:00", "e": "2026-09-01T12:00:00+00:00"}
     for n, t in times.items():
@@ -343,7 +343,7 @@ def test_ls_columns_align_and_every_kind_is_accepted(cli: Cli, tmp_path: Path) -
 
 
 def test_adding_the_same_remote_twice_is_no_error(cli: Cli, tmp_path: Path) -> None:
-    from test_hostile_remote import CREDS, Hostile
+    from support.hostile_remote import CREDS, Hostile
     server = Hostile(tmp_path)
     try:
         cli.run("store", "init")

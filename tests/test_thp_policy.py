@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import Cli
 from sandbox.host.hugepages import HugePagesError, free_page_reporting, policy, thp_mode, wanted
 
 
@@ -57,7 +58,7 @@ def test_free_page_reporting_is_read_off_the_balloon_device(tmp_path: Path) -> N
     assert free_page_reporting(*_balloon(tmp_path / "d", "011", "9")) is None  # too short to say
 
 
-def test_a_bad_setting_fails_dump_and_restore_before_anything_is_touched(cli, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_a_bad_setting_fails_dump_and_restore_before_anything_is_touched(cli: Cli, tmp_path: Path) -> None:
     p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         r = cli.run("criu", "dump", str(p.pid), "s1", check=False, env={"GPUSNAP_THP": "sometimes"})

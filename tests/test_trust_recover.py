@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from conftest import GPUSNAP, REPO, Cli, pythonpath
-from test_criu import Tree, healthy
+from support.criu import Tree, healthy
 from support.crash import Paused, assert_nothing_left
 
 pytestmark = pytest.mark.root

@@ -148,7 +148,7 @@ def _server(path: Path):  # noqa: ANN202
     from support.driver_standin import StandInDriver
     from sandbox.gpu.pool_daemon import PoolServer
     from storage.gpu.device import HostDevice
-    from test_custom_storage_flow import FEATS
+    from support.custom_storage import FEATS
     return PoolServer(str(path), 16 << 20, driver=StandInDriver(), features=FEATS, device=HostDevice())
 
 
@@ -192,7 +192,7 @@ def test_runsc_restore_refuses_flags_and_networks_outside_what_gpusnap_records(c
     from pyroute2 import IPRoute
 
     from sandbox.runsc.oci_bundle import build_bundle
-    from test_runsc import PY, COUNTER, wait_lines
+    from support.runsc import PY, COUNTER, wait_lines
     if not shutil.which("runsc"):
         pytest.fail("runsc not installed: run scripts/setup.sh (CI must not skip these)")
     tag = uuid.uuid4().hex[:6]

@@ -15,7 +15,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -28,7 +28,10 @@ pytest.importorskip("transformers", reason="transformers is not installed (scrip
 pytest.importorskip("safetensors", reason="safetensors is not installed (scripts/setup.sh installs it)")
 
 sys.path.insert(0, str(REPO / "criu_hooks"))
-import workload_helper  # noqa: E402 - the standalone file, imported as a user's server imports it
+if TYPE_CHECKING:  # the same file, found by its package
+    from criu_hooks import workload_helper
+else:
+    import workload_helper  # the standalone file, imported as a user's server imports it
 
 SERVER = REPO / "tests" / "support" / "llama_server.py"
 PROMPTS = ["1,2,3", "7,7,7,7", "200,13,55,9,1"]
@@ -145,7 +148,7 @@ def test_endpoint_is_idempotent_and_a_request_that_does_not_drain_is_a_503() -> 
         assert code == 200 and body["released_bytes"] == 2048 and h.pool is None
         assert post(port, "/prepare")[1]["already"] is True
         assert get(port, "/state")["state"] == "prepared"
-        assert post(port, "/wake_up")[1]["recreated_bytes"] == 2048 and h.pool.shape == (32, 32)
+        assert post(port, "/wake_up")[1]["recreated_bytes"] == 2048 and h.pool is not None and h.pool.shape == (32, 32)
         assert post(port, "/nope")[0] == 404
         with pytest.raises(ValueError):
             workload_helper.Gate().serve("0.0.0.0", 0)

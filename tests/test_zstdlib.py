@@ -119,7 +119,10 @@ def test_a_frame_of_countless_empty_blocks_is_walked_without_the_gil(monkeypatch
             f = getattr(quick, name)
             if name != "ZSTD_findFrameCompressedSize":
                 return f
-            return lambda src, m: walked.append(m) or f(src, m)
+            def walk(src: Any, m: Any) -> Any:
+                walked.append(m)
+                return f(src, m)
+            return walk
     quick = zstdlib._Q
     monkeypatch.setattr(zstdlib, "_Q", Quick())
     zstdlib.check_frame(frame, len(content))

@@ -510,7 +510,7 @@ class HostDevice:
     """Host memory standing in for device memory (CI and CPU-only machines); codec zstd."""
 
     name = "host"
-    codecs = ("zstd",)
+    codecs: tuple[str, ...] = ("zstd",)
 
     def __init__(self) -> None:
         self._allocs: dict[int, HostMemory] = {}

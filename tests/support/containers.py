@@ -244,3 +244,27 @@ def podman(base: Path, env: dict[str, str]) -> Iterator[Podman]:
         yield p
     finally:
         p.cleanup()
+
+
+def snapshot_dir(d: Path) -> dict[str, bytes] | None:
+    if not d.exists():
+        return None
+    return {p.name: (p.read_bytes() if not p.is_symlink() else b"->" + os.readlink(p).encode())
+            for p in sorted(d.iterdir())}
+
+
+@contextmanager
+def real_etc_criu() -> Iterator[Path]:
+    """The real /etc/criu, put back exactly as it was after the block even if the test failed."""
+    d = Path("/etc/criu")
+    before = snapshot_dir(d)
+    try:
+        yield d
+    finally:
+        if snapshot_dir(d) != before:
+            shutil.rmtree(d, ignore_errors=True)
+            if before is not None:
+                d.mkdir(mode=0o755)
+                for name, data in before.items():
+                    (d / name).write_bytes(data)
+            pytest.fail("/etc/criu was not left as it was; restored it")

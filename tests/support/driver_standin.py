@@ -163,6 +163,7 @@ class StandInDriver:
         if owner != pid:
             raise driver_error(pid, "complete", "CUDA_ERROR_INVALID_HANDLE")
         p = self.procs[pid]
+        assert p.external is not None, "completing an operation that mapped no memory"
         if kind == "checkpoint":
             p.ckpt_size = len(p.external)
             p.external, p.state = None, S.CHECKPOINTED

@@ -119,7 +119,7 @@ def main(when: str) -> None:
     else:
         held: list[split.Filler] = []
 
-        def read(wants, deliver, stop):  # type: ignore[no-untyped-def]
+        def read(wants, deliver, stop):
             # the victim ends once the fill has checked the pids and pinned their memory, before a byte
             deadline = time.monotonic() + 20
             while not (held and held[0]._mem):

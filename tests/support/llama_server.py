@@ -20,7 +20,7 @@ import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, urlsplit
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -78,7 +78,10 @@ def main() -> None:
     device = sys.argv[2] if len(sys.argv) > 3 else "cpu"
     torch.set_num_threads(1)
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "criu_hooks"))  # the file, as a user copies it
-    import workload_helper
+    if TYPE_CHECKING:  # the same file, found by its package
+        from criu_hooks import workload_helper
+    else:
+        import workload_helper
     srv = Server(model_dir, device)
     gate = workload_helper.Gate(drain_timeout_s=20)
     gate.discardable("kv_pool", lambda: srv.kv_pool, lambda t: setattr(srv, "kv_pool", t))

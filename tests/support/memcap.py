@@ -46,7 +46,7 @@ def memory_cgroup(limit: int) -> Iterator[MemCap]:
         pytest.skip("needs root for a memory cgroup")
     name = f"gpusnap-test-{uuid.uuid4().hex[:12]}"
     if Path("/sys/fs/cgroup/cgroup.controllers").exists():
-        here = _mine("") or Path("/")
+        here: Path | None = _mine("") or Path("/")
         path, v2 = Path("/sys/fs/cgroup") / str(here).lstrip("/") / name, True
     else:
         here = _mine("memory")

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Sequence
 
 import pytest
 
@@ -78,7 +79,7 @@ def wait_lines(path: Path, n: int, timeout: float = 30) -> list[list[str]]:
     return lines(path)
 
 
-def start_counter(cli: Cli, env: dict, cid: str, extra: list[str] = ()) -> tuple[Path, Path]:
+def start_counter(cli: Cli, env: dict, cid: str, extra: Sequence[str] = ()) -> tuple[Path, Path]:
     bundle = env["tmp"] / f"bundle-{cid}"
     env["build"](str(bundle), [PY, "-c", COUNTER])
     out = env["tmp"] / f"{cid}.out"

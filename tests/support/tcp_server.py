@@ -57,7 +57,7 @@ while True:
         conn.close()
     while True:
         try:
-            pid, _ = os.waitpid(-1, os.WNOHANG)
+            pid, _status = os.waitpid(-1, os.WNOHANG)
         except ChildProcessError:
             break
         if pid == 0:
