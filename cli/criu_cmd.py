@@ -75,7 +75,8 @@ def criu_dump_cmd(ctx: click.Context, pid: int, name: str, leave_running: bool, 
                       staging=staging, progress=prog, tags=tags, parent=parent)
     emit(as_json, r.as_dict(), f"{name}: {len(r.pids)} process(es), {len(r.cuda_pids)} with CUDA; "
          f"{human(r.raw_bytes)} of images, {human(r.new_bytes)} written, {human(r.dedup_bytes)} deduplicated "
-         f"({', '.join(f'{k} {v:.2f} s' for k, v in r.seconds.items())})")
+         f"({', '.join(f'{k} {v:.2f} s' for k, v in r.seconds.items())})"
+         + (f"; its restore stages the images ({r.staged_restore})" if r.staged_restore else ""))
 
 
 @criu.command("restore")

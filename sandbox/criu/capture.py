@@ -134,6 +134,11 @@ class CaptureSource:
             os.close(fd)
         self._small[name] = b"".join(parts)
 
+    @property
+    def small_images(self) -> dict[str, bytes]:
+        """The small images CRIU streamed (complete once CRIU has exited), by name."""
+        return self._small
+
     def _check(self) -> bool:
         """False once CRIU has failed (the streams end there: the put reports its own failure first,
         if it had one, else the caller reports CRIU's); raises on a protocol failure."""

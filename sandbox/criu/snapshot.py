@@ -46,7 +46,7 @@ from storage.api import SnapshotStore
 from sandbox.ops import journal
 from sandbox.criu import restore
 from sandbox.criu.gpu_side import GpuSide, is_gpu_stream
-from sandbox.criu.images import images_path
+from sandbox.criu.images import images_path, restore_path
 from sandbox.criu.parent import choose_parent
 from sandbox.criu.protocol import dump_pipe_size
 from sandbox.criu.report import CriuReport, CriuSnapshotError
@@ -240,6 +240,10 @@ def criu_restore(store: SnapshotStore, name: str, *, staging: str | None = None,
         m = (fill.manifest if fill is not None else None) or store.load(name)
         loaded = time.monotonic()  # the store's lock, its journal and the manifest since `entered`
         meta = CriuMeta.of(m)
+        path = restore_path(meta.staged_restore)  # stream, unless CRIU reads some of its images late
+        pulled = None
+        if fill is not None and path != "stream":  # the staged path reads every image first: all of it here
+            pulled, fill = fill.finish(), None
         with waits.waiting(waits.TREE_DEATH):
             taken = _pids_in_use(list(meta.pids))
         if taken:
@@ -257,9 +261,11 @@ def criu_restore(store: SnapshotStore, name: str, *, staging: str | None = None,
             gpu_map = dmap.plan(device_map, meta.gpus_json, dmap.gpus_here(gpu_driver, features), meta.gpu_bytes).gpu_map
         # the restore is accepted (its pids free, its map checked): a local streamed restore's disk starts
         # on what it reads first now, while the journal, the CUDA driver and THP get ready
-        early = held.enter_context(early_reads_of(store, m)) if fill is None and images_path() == "stream" else None
+        early = held.enter_context(early_reads_of(store, m)) if fill is None and path == "stream" else None
         early_begin = time.monotonic()
-        report = CriuReport(name, list(meta.pids), list(meta.cuda_pids))
+        report = CriuReport(name, list(meta.pids), list(meta.cuda_pids), images_path=path)
+        if pulled is not None:
+            report.stages["pull"] = pulled.as_dict()
         with journal.operation(store.path, OpKind.CRIU_RESTORE, name, cuda_pids=tuple(report.cuda_pids),
                                gpu_path=meta.gpu_path.value if meta.gpu_path else None) as op:
             stage = new_staging(store, m.size, staging, op)
@@ -312,7 +318,6 @@ def _restore_from(run: restore.RestoreRun, m: Any, meta: CriuMeta, report: CriuR
     store, name = run.store, m.name
     if run.progress is not None:
         run.progress.start(run.files.size)
-    report.images_path = images_path()
     journal.pause("before-restore")
     op.advance(Stage.DUMPING)
     born_after = boot_ticks()  # what this restore makes starts after this
