@@ -130,3 +130,107 @@ def test_private_hugetlb_memory_is_restored_by_the_default_restore(cli: Cli, tmp
         if p.poll() is None:
             p.wait(10)
         log.close()
+
+
+# ---- a failed dump leaves the tree as found --------------------------------------------------------
+
+HELD_TREE = r'''
+import ctypes, os, signal, sys, time
+out = sys.argv[1]
+libc = ctypes.CDLL(None, use_errno=True)
+def beat(path, text):
+    with open(path + ".tmp", "w") as f:
+        f.write(text)
+    os.replace(path + ".tmp", path)
+stopped = os.fork()
+if stopped == 0:
+    while True:
+        time.sleep(0.1)
+tracer = os.fork()
+if tracer == 0:
+    tracee = os.fork()
+    if tracee == 0:
+        libc.ptrace(0, 0, None, None)  # PTRACE_TRACEME
+        os.kill(os.getpid(), signal.SIGSTOP)  # a signal-delivery stop: state t, until the tracer continues it
+        beat(out + ".tracee", "continued")
+        os._exit(0)
+    os.waitpid(tracee, os.WUNTRACED)  # that stop
+    events = []
+    go = out + ".go"
+    while not os.path.exists(go):  # the tracer waits for more stops of its tracee (none is expected)
+        pid, status = os.waitpid(tracee, os.WNOHANG | os.WUNTRACED | 0x40000000)  # __WALL
+        if pid:
+            events.append(os.WSTOPSIG(status) if os.WIFSTOPPED(status) else -1)
+        beat(out + ".tracer", f"{time.monotonic_ns()} {events}")
+        time.sleep(0.05)
+    libc.ptrace(7, tracee, None, None)  # PTRACE_CONT, no signal: the tracee goes on
+    os.waitpid(tracee, 0)
+    beat(out + ".tracer", f"done {events}")
+    os._exit(0)
+os.kill(stopped, signal.SIGSTOP)
+beat(out, f"{stopped} {tracer}")
+while True:
+    time.sleep(0.1)
+'''
+
+
+def _state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
+def _status(pid: int, key: str) -> str:
+    with open(f"/proc/{pid}/status") as f:
+        return next(l.split(":", 1)[1].strip() for l in f if l.startswith(key + ":"))
+
+
+def test_a_failed_dump_leaves_a_stopped_and_a_traced_process_exactly_as_they_were(cli: Cli, tmp_path: Path) -> None:
+    out = tmp_path / "tree"
+    script = tmp_path / "held.py"
+    script.write_text(HELD_TREE)
+    root = subprocess.Popen([sys.executable, str(script), str(out)], stdin=subprocess.DEVNULL,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        _until(lambda: out.exists() and Path(f"{out}.tracer").exists(), "the tree")
+        stopped, tracer = map(int, out.read_text().split())
+        tracee = int(open(f"/proc/{tracer}/task/{tracer}/children").read().split()[0])
+        _until(lambda: _state(stopped) == "T" and _state(tracee) == "t", "the stopped and the traced process")
+        before = {p: (_state(p), _status(p, "TracerPid"), _status(p, "SigPnd"), _status(p, "ShdPnd"))
+                  for p in (root.pid, stopped, tracer, tracee)}
+        assert before[tracee][1] == str(tracer)
+        r = cli.run("criu", "dump", str(root.pid), "held", check=False)
+        assert r.returncode != 0, "CRIU cannot seize a process another tracer holds: the dump must fail"
+        assert "seize" in r.stderr.lower() or "ptrace" in r.stderr.lower() or "state t" in r.stderr, r.stderr
+        time.sleep(0.5)  # a signal sent would have been delivered by now
+        after = {p: (_state(p), _status(p, "TracerPid"), _status(p, "SigPnd"), _status(p, "ShdPnd"))
+                 for p in (root.pid, stopped, tracer, tracee)}
+        sigcont = 1 << (signal.SIGCONT - 1)
+        for p in (stopped, tracee):  # exactly as they were: state, tracer, no SIGCONT pending
+            assert after[p][:2] == before[p][:2], (p, before[p], after[p])
+            # (CRIU itself re-sends SIGSTOP to a stopped task it lets go, as plain CRIU does: that one may be pending)
+            assert not (int(after[p][2], 16) | int(after[p][3], 16)) & sigcont, (p, after[p])
+        assert after[root.pid][0] in "RS" and after[tracer][0] in "RS", after
+        # the tracer is not hung: it saw no new stop of its tracee, still runs, and can let it go on
+        beat = Path(f"{out}.tracer").read_text()
+        assert beat.split(" ", 1)[1] == "[]", beat
+        Path(f"{out}.go").write_text("")
+        _until(lambda: Path(f"{out}.tracer").read_text().startswith("done"), "the tracer to finish")
+        assert Path(f"{out}.tracer").read_text() == "done []"
+        assert Path(f"{out}.tracee").read_text() == "continued"
+        assert _state(stopped) == "T"
+    finally:
+        for p in _tree_pids(root.pid):
+            _kill(p)
+        root.wait(10)
+
+
+def _tree_pids(root: int) -> list[int]:
+    out, todo = [], [root]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        try:
+            todo += [int(x) for x in open(f"/proc/{p}/task/{p}/children").read().split()]
+        except OSError:
+            pass
+    return out

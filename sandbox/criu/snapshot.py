@@ -56,7 +56,7 @@ from sandbox.criu.serve import early_reads_of
 from sandbox.criu.staging import keep_log, new_staging, rss_bytes
 from sandbox.host import hugepages
 from sandbox.host.dumpwrites import dump_packs_direct
-from sandbox.host.processes import process_tree
+from sandbox.host.processes import Proc, held_state, process_tree
 from sandbox.gpu.state import GpuPath, plan as gpu_plan
 from sandbox.ops.snapshot_meta import CriuMeta, GpuInfo
 from sandbox.host.interrupts import Interrupted
@@ -108,8 +108,9 @@ def criu_dump(store: SnapshotStore, pid: int, name: str, *, leave_running: bool 
         known = {g["uuid"] for g in gpu.gpus}
         usage = {int(p): {u: n for u, n in per.items() if u in known}
                  for p, per in usage_of(gpu.driver, gpu.cuda_pids).items() if any(u in known for u in per)}
+    held = tuple(p for p in (Proc.of(x) for x in pids if held_state(x)) if p is not None)  # before CRIU seizes any
     with journal.operation(store.path, OpKind.CRIU_DUMP, name, pids=pids, cuda_pids=tuple(gpu.cuda_pids),
-                           gpu_path=gpu.path, leave_running=leave_running) as op:
+                           gpu_path=gpu.path, leave_running=leave_running, held=held) as op:
         # op and op_mac: how recovery tells this operation's commit from any other manifest of the name
         meta = CriuMeta(pid, tuple(pids), tuple(gpu.cuda_pids), ".".join(map(str, criu.version or ())),
                         tuple(opts.argv()), GpuPath(gpu.path) if gpu.path else None,

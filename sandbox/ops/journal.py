@@ -100,6 +100,7 @@ class OpRecord:
     runsc: dict[str, Any] | None = None     # container, runsc_args, bundle, net (runsc kinds)
     started: float = 0.0
     helpers: tuple[Proc, ...] = ()           # CRIU / runsc processes it started, each leading its group
+    held: tuple[Proc, ...] = ()              # of procs, those stopped or traced before it began: never signalled but to kill
     untrusted: str | None = field(default=None, compare=False)  # why this record is not one we wrote (read side)
 
     def as_dict(self) -> dict[str, Any]:
@@ -128,6 +129,7 @@ class OpRecord:
                        leave_running=bool(d.get("leave_running")), runsc=d.get("runsc"),
                        started=float(d.get("started", 0.0)),
                        helpers=tuple(Proc(int(p["pid"]), int(p["start"])) for p in d.get("helpers", ())),
+                       held=tuple(Proc(int(p["pid"]), int(p["start"])) for p in d.get("held", ())),
                        untrusted=None if key is not None and key.check("journal-record", d, mac) else
                        "it carries no valid MAC under this journal's key: gpusnap did not write it")
         except (KeyError, TypeError, ValueError, AttributeError) as e:
