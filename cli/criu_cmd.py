@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import click
 
@@ -10,6 +11,8 @@ from storage.api import UnavailableError
 
 from cli.common import (emit, from_jobs_option, from_remote_option, human, json_option, one_line_errors, open_store,
                         split_map, tag_option)
+from cli.criu_options import dump_criu_options, restore_criu_options
+from sandbox.criu.criu_options import RestoreOptions
 from sandbox.criu.runner import DumpOptions
 from sandbox.criu.snapshot import criu_dump, criu_restore
 from sandbox.containers.process_check import refuse_container_process
@@ -52,6 +55,7 @@ def criu() -> None:
               help="Store changed chunks as deltas against SNAP, an earlier criu snapshot of the same workload "
                    "(it writes about the changed bytes). Never chosen for you: the bytes of SNAP that the deltas "
                    "use stay stored while this snapshot lives, even after SNAP is removed.")
+@dump_criu_options
 @tag_option
 @json_option
 @click.pass_context
@@ -59,7 +63,7 @@ def criu() -> None:
 def criu_dump_cmd(ctx: click.Context, pid: int, name: str, leave_running: bool, shell_job: bool,
                   ext_unix_sk: bool, file_locks: bool, link_remap: bool, tcp_established: bool,
                   skip_in_flight: bool, staging: str | None, replace: bool, parent: str | None,
-                  tags: tuple[str, ...], as_json: bool) -> None:
+                  tags: tuple[str, ...], as_json: bool, criu_opts: dict[str, Any]) -> None:
     """Dump PID and its descendants into snapshot NAME. On any failure the tree keeps running.
 
     The page images stream from CRIU into the store as CRIU writes them (no copy on disk first);
@@ -69,7 +73,7 @@ def criu_dump_cmd(ctx: click.Context, pid: int, name: str, leave_running: bool, 
     st = open_store(ctx)
     opts = DumpOptions(shell_job=shell_job, ext_unix_sk=ext_unix_sk, file_locks=file_locks,
                        link_remap=link_remap, tcp_established=tcp_established,
-                       skip_in_flight=skip_in_flight)
+                       skip_in_flight=skip_in_flight, **criu_opts)
     with undo_on_signals(), Progress(f"criu dump {pid}", ctx.obj["progress"]) as prog:
         r = criu_dump(st, pid, name, leave_running=leave_running, options=opts, replace=replace,
                       staging=staging, progress=prog, tags=tags, parent=parent)
@@ -91,6 +95,7 @@ def criu_dump_cmd(ctx: click.Context, pid: int, name: str, leave_running: bool, 
                    "list every checkpointed GPU. Checked before any process is restored.")
 @click.option("--tcp-established", is_flag=True, help="Restore established TCP connections (CRIU "
               "--tcp-established; given anyway when the dump used it).")
+@restore_criu_options
 @from_remote_option
 @from_jobs_option
 @json_option
@@ -98,7 +103,7 @@ def criu_dump_cmd(ctx: click.Context, pid: int, name: str, leave_running: bool, 
 @one_line_errors
 def criu_restore_cmd(ctx: click.Context, name: str, staging: str | None, device_map: tuple[str, ...],
                      tcp_established: bool,
-                     from_remote: str | None, jobs: int, as_json: bool) -> None:
+                     from_remote: str | None, jobs: int, as_json: bool, criu_opts: RestoreOptions) -> None:
     """Restore snapshot NAME (every chunk verified before its bytes reach CRIU); GPU state is restored
     and unlocked. With --from REMOTE, a snapshot this store lacks is fetched while CRIU restores (the
     images CRIU reads first, first), and committed locally once all of it is here. Needs root."""
@@ -106,7 +111,7 @@ def criu_restore_cmd(ctx: click.Context, name: str, staging: str | None, device_
     st = open_store(ctx, create=False)
     with undo_on_signals(), Progress(f"criu restore {name}", ctx.obj["progress"]) as prog:
         r = criu_restore(st, name, staging=staging, progress=prog, from_remote=from_remote, jobs=jobs,
-                         device_map=split_map(device_map), tcp_established=tcp_established)
+                         device_map=split_map(device_map), tcp_established=tcp_established, options=criu_opts)
     skipped = r.stages.get("served", {}).get("split_skipped_because")
     emit(as_json, r.as_dict(), f"{name}: restored, root pid {r.restored_pid} "
          f"({', '.join(f'{k} {v:.2f} s' for k, v in r.seconds.items())})"

@@ -234,3 +234,101 @@ def _tree_pids(root: int) -> list[int]:
         except OSError:
             pass
     return out
+
+
+# ---- TCP: the network lock, --tcp-close ------------------------------------------------------------
+
+ECHO = r'''
+import os, socket, sys, time
+s = socket.create_connection(("127.0.0.1", int(sys.argv[1])))
+def put(text):
+    with open(sys.argv[2] + ".tmp", "w") as f:
+        f.write(text)
+    os.replace(sys.argv[2] + ".tmp", sys.argv[2])
+put("connected")
+while True:
+    try:
+        d = s.recv(100)
+    except OSError as e:
+        d = None
+        put(f"closed {e.errno}")
+    if not d:
+        if d is not None:
+            put("closed eof")
+        while True:
+            time.sleep(1)
+    s.sendall(d)
+    put("echoed " + d.decode())
+'''
+
+NO_IPTABLES = "/usr/bin:/bin"  # iptables-restore lives in /usr/sbin (Debian): a machine without it, to CRIU and gpusnap
+
+
+class Peer:
+    """A loopback listener (outside the tree) and the workload connected to it."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        import socket
+        self.srv = socket.socket()
+        self.srv.bind(("127.0.0.1", 0))
+        self.srv.listen(1)
+        self.state = tmp_path / "echo"
+        script = tmp_path / "echo.py"
+        script.write_text(ECHO)
+        self.p = subprocess.Popen([sys.executable, str(script), str(self.srv.getsockname()[1]), str(self.state)],
+                                  stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                  start_new_session=True)
+        self.conn, _ = self.srv.accept()
+        self.conn.settimeout(10)
+        _until(lambda: self.state.exists(), "the workload's connection")
+
+    def echo(self, word: str) -> str:
+        self.conn.sendall(word.encode())
+        return self.conn.recv(100).decode()
+
+    def close(self) -> None:
+        _kill(self.p.pid)
+        if self.p.poll() is None:
+            self.p.wait(10)
+        self.conn.close()
+        self.srv.close()
+
+
+@pytest.fixture
+def peer(tmp_path: Path) -> Iterator[Peer]:
+    p = Peer(tmp_path)
+    yield p
+    p.close()
+
+
+def test_without_iptables_a_tcp_dump_names_the_cause_and_network_lock_skip_dumps_and_restores(
+        cli: Cli, peer: Peer) -> None:
+    env = {"PATH": NO_IPTABLES}
+    r = cli.run("criu", "dump", "--tcp-established", str(peer.p.pid), "tcp", check=False, env=env)
+    assert r.returncode == 4, (r.returncode, r.stderr)
+    line = r.stderr.strip()
+    assert "\n" not in line and "iptables-restore" in line and "--network-lock skip" in line \
+        and "--network-lock nftables" in line, line
+    assert peer.echo("a") == "a", "nothing was frozen: the connection still works"
+    doc = json.loads(cli.run("doctor", "--json", env=env).stdout)
+    assert "iptables-restore" in doc["criu_network_lock"]["problem"]
+    assert "warning: criu dump --tcp-established" in cli.run("doctor", env=env).stdout
+    assert json.loads(cli.run("doctor", "--json").stdout)["criu_network_lock"]["problem"] is None
+    bad = cli.run("criu", "dump", "--tcp-established", "--network-lock", "iptables;true", str(peer.p.pid), "x",
+                  check=False)
+    assert bad.returncode == 2 and "--network-lock" in bad.stderr
+    cli.run("criu", "dump", "--tcp-established", "--network-lock", "skip", str(peer.p.pid), "tcp", env=env)
+    peer.p.wait(10)
+    assert "--network-lock" in json.loads(cli.run("store", "inspect", "tcp", "--json").stdout)["meta"]["options"]
+    cli.run("criu", "restore", "tcp", env=env)  # the dump's method (skip) again: no iptables needed
+    assert peer.echo("b") == "b", "the connection came back established"
+    _until(lambda: peer.state.read_text() == "echoed b", "the restored workload's echo")
+
+
+def test_tcp_close_restores_the_connections_closed(cli: Cli, peer: Peer) -> None:
+    assert peer.echo("a") == "a"
+    cli.run("criu", "dump", "--tcp-established", "--network-lock", "skip", str(peer.p.pid), "tcpc")
+    peer.p.wait(10)
+    cli.run("criu", "restore", "--tcp-close", "tcpc")
+    _until(lambda: peer.state.read_text().startswith("closed"), "the restored workload to see its connection closed")
+    assert not _gone(peer.p.pid), "the restored process runs on"

@@ -194,6 +194,14 @@ class DumpOptions:
     skip_in_flight: bool = False  # connections not yet accepted are dropped (their clients retry)
     action_script: str | None = None
     extra: tuple[str, ...] = ()
+    # each checked before it gets here (sandbox.criu.criu_options, sandbox.criu.netlock)
+    network_lock: str | None = None       # iptables, nftables or skip (None: CRIU's default, iptables)
+    ghost_limit: int | None = None        # bytes of a deleted file's contents CRIU keeps in the images
+    no_ghost_fiemap: bool = False
+    force_irmap: bool = False
+    irmap_scan_paths: tuple[str, ...] = ()
+    root: str | None = None
+    external: tuple[str, ...] = ()
 
     def argv(self) -> list[str]:
         a = []
@@ -206,6 +214,18 @@ class DumpOptions:
                 a.append(flag)
         if self.action_script:
             a += ["--action-script", self.action_script]
+        if self.network_lock:
+            a += ["--network-lock", self.network_lock]
+        if self.ghost_limit is not None:
+            a += ["--ghost-limit", str(self.ghost_limit)]
+        a += ["--no-ghost-fiemap"] if self.no_ghost_fiemap else []
+        a += ["--force-irmap"] if self.force_irmap else []
+        for d in self.irmap_scan_paths:
+            a += ["--irmap-scan-path", d]
+        if self.root:
+            a += ["--root", self.root]
+        for e in self.external:
+            a += ["--external", e]
         return a + list(self.extra)
 
 

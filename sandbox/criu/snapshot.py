@@ -46,6 +46,8 @@ from storage.api import SnapshotStore
 from sandbox.ops import journal
 from sandbox.criu import restore
 from sandbox.criu.gpu_side import GpuSide, is_gpu_stream
+from sandbox.criu import netlock
+from sandbox.criu.criu_options import RestoreOptions
 from sandbox.criu.images import images_path, restore_path
 from sandbox.criu.parent import choose_parent
 from sandbox.criu.protocol import dump_pipe_size
@@ -93,6 +95,8 @@ def criu_dump(store: SnapshotStore, pid: int, name: str, *, leave_running: bool 
     hugepages.policy()
     opts = options or DumpOptions()
     opts = DumpOptions(**{**opts.__dict__, "leave_running": leave_running, "leave_stopped": not leave_running})
+    if opts.tcp_established:  # CRIU's network lock can work here (else the cause and the choices, nothing frozen)
+        netlock.require("criu dump", opts.network_lock, criu.binary)
     try:
         pids = process_tree(pid)
     except Exception as e:  # noqa: BLE001 - DiscoveryError
@@ -226,13 +230,15 @@ def _from_remote(store: SnapshotStore, name: str, remote: str | None, jobs: int,
 def criu_restore(store: SnapshotStore, name: str, *, staging: str | None = None, progress: Progress | None = None,
                  criu: Criu | None = None, gpu_driver: Any = None, device: Any = None,
                  from_remote: str | None = None, jobs: int = DEFAULT_JOBS, device_map: Sequence[str] = (),
-                 features: Any = None, tcp_established: bool = False) -> CriuReport:
+                 features: Any = None, tcp_established: bool = False,
+                 options: RestoreOptions | None = None) -> CriuReport:
     """Snapshot NAME back: images served (verified) to `criu restore`, then the GPU state by the path
     that took it (the driver's host copy, or custom storage from the gpu/ streams). FROM_REMOTE: a
     store that lacks NAME gets it from that remote (JOBS requests at once) while CRIU restores.
     DEVICE_MAP (OLD=NEW items): the GPU state onto other GPUs, the map checked before CRIU starts.
     The dump's --tcp-established/--ext-unix-sk/--file-locks are given to CRIU again;
-    TCP_ESTABLISHED asks for the first even when the dump did not record it."""
+    TCP_ESTABLISHED asks for the first even when the dump did not record it. OPTIONS: what the user adds
+    (checked: sandbox.criu.criu_options); --tcp-close restores the connections closed instead."""
     entered = time.monotonic()  # the interpreter and the imports before it (the report's marks)
     criu = criu or Criu()
     journal.require_clean(store.path)
@@ -277,7 +283,7 @@ def criu_restore(store: SnapshotStore, name: str, *, staging: str | None = None,
                         if fill is not None:
                             fill.start()
                         run = _restore_run(criu, store, m, meta, stage, None if fill else progress, fill,
-                                           ("--tcp-established",) if tcp_established else (), early)
+                                           ("--tcp-established",) if tcp_established else (), early, options)
                         _restore_from(run, m, meta, report, op, fill, gpu_driver, device, gpu_map)
                     except BaseException:
                         if early is not None:
@@ -301,12 +307,21 @@ def _cuda_driver() -> Any:
 
 
 def _restore_run(criu: Criu, store: SnapshotStore, m: Any, meta: CriuMeta, stage: str, progress: Progress | None,
-                 fill: RemoteFill | None, tcp: tuple[str, ...], early: Any = None) -> restore.RestoreRun:
+                 fill: RemoteFill | None, tcp: tuple[str, ...], early: Any = None,
+                 options: RestoreOptions | None = None) -> restore.RestoreRun:
     """The `criu restore` of M's CRIU images (its gpu/ streams left out) in STAGE: the dump's options
-    that CRIU needs again, and TCP (asked for even when the dump did not record it)."""
+    that CRIU needs again (its network lock method included), TCP (asked for even when the dump did not
+    record it), and the user's OPTIONS (with --tcp-close, no --tcp-established)."""
     from storage.api import Manifest
     files = Manifest(m.name, [s for s in m.streams if not is_gpu_stream(s)], m.meta)
+    options = options or RestoreOptions()
     extra = tuple(o for o in meta.options if o in RESTORE_TOO) + tuple(o for o in tcp if o not in meta.options)
+    if options.tcp_close:
+        extra = tuple(o for o in extra if o != "--tcp-established")
+    lock = options.network_lock or netlock.method_of(meta.options)
+    if "--tcp-established" in extra:  # CRIU unlocks the connections the dump locked: the same method
+        netlock.require("criu restore", lock, criu.binary)
+    extra += dataclasses.replace(options, network_lock=lock).argv()
     return restore.RestoreRun(criu, store, files, stage, list(meta.pids), meta.shell_job, extra, progress=progress,
                               arrivals=fill, early=early)
 
