@@ -332,3 +332,146 @@ def test_tcp_close_restores_the_connections_closed(cli: Cli, peer: Peer) -> None
     cli.run("criu", "restore", "--tcp-close", "tcpc")
     _until(lambda: peer.state.read_text().startswith("closed"), "the restored workload to see its connection closed")
     assert not _gone(peer.p.pid), "the restored process runs on"
+
+
+# ---- a process in its own mount namespace: --root, --external ------------------------------------
+
+READER = r'''
+import os, sys, time
+while True:
+    try:
+        with open(sys.argv[1]) as f:
+            text = f.read()
+    except OSError as e:
+        text = f"error {e.errno}"
+    with open(sys.argv[2] + ".tmp", "w") as f:
+        f.write(f"{os.getpid()} {text}")
+    os.replace(sys.argv[2] + ".tmp", sys.argv[2])
+    time.sleep(0.05)
+'''
+
+
+def test_a_process_in_its_own_mount_namespace_restores_with_root_and_an_external_mount(cli: Cli, tmp_path: Path) -> None:
+    dst, host, state = tmp_path / "dst", tmp_path / "host", tmp_path / "state"
+    dst.mkdir()
+    host.mkdir()
+    (host / "f").write_text("from the host")
+    script = tmp_path / "reader.py"
+    script.write_text(READER)
+    inner = (f"mount -t tmpfs gpusnap-test {dst} && echo -n inside > {dst}/f && "
+             f"exec {sys.executable} {script} {dst}/f {state} </dev/null >/dev/null 2>&1")
+    p = subprocess.Popen(["unshare", "-m", "--propagation", "private", "sh", "-c", inner], stdin=subprocess.DEVNULL,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        _until(lambda: state.exists(), "the workload in its mount namespace")
+        assert state.read_text().split(" ", 1) == [str(p.pid), "inside"]
+        assert os.readlink(f"/proc/{p.pid}/ns/mnt") != os.readlink("/proc/self/ns/mnt")
+        for bad in ("mnt[relative]:c", "mnt[/a/../b]:c", "mnt[/x]:c;rm", "bogus[1]:x", "veth[a]:b", f"mnt[{dst}]"):
+            r = cli.run("criu", "dump", "--external", bad, str(p.pid), "ns", check=False)
+            assert r.returncode == 2 and "--external" in r.stderr, (bad, r.returncode, r.stderr)
+        r = cli.run("criu", "dump", "--root", "relative/dir", str(p.pid), "ns", check=False)
+        assert r.returncode == 2 and "--root" in r.stderr
+        assert state.read_text().endswith("inside"), "nothing was frozen by a refused option"
+        cli.run("criu", "dump", "--external", f"mnt[{dst}]:data", str(p.pid), "ns")
+        p.wait(10)
+        r = cli.run("criu", "restore", "--external", f"mnt[data]:{tmp_path}/missing", "ns", check=False)
+        assert r.returncode == 2 and "does not exist" in r.stderr
+        state.unlink()
+        cli.run("criu", "restore", "--root", "/", "--external", f"mnt[data]:{host}", "ns")
+        _until(lambda: state.exists(), "the restored workload")
+        assert state.read_text().split(" ", 1) == [str(p.pid), "from the host"], "the external mount is the host's dir"
+        assert os.readlink(f"/proc/{p.pid}/ns/mnt") != os.readlink("/proc/self/ns/mnt")
+    finally:
+        _kill(p.pid)
+        if p.poll() is None:
+            p.wait(10)
+
+
+# ---- deleted files (--ghost-limit, --no-ghost-fiemap), inotify (--force-irmap, --irmap-scan-path) -----
+
+GHOST = r'''
+import os, sys, time
+path = sys.argv[1]
+with open(path, "wb") as f:
+    f.write(bytes(range(256)) * (3 << 12))  # 3 MiB: over CRIU's default ghost limit (1 MiB)
+fd = os.open(path, os.O_RDONLY)
+os.unlink(path)
+while True:
+    data = os.pread(fd, 3 << 20, 0)
+    with open(sys.argv[2] + ".tmp", "w") as f:
+        f.write("ok" if data == bytes(range(256)) * (3 << 12) else f"bad {len(data)}")
+    os.replace(sys.argv[2] + ".tmp", sys.argv[2])
+    time.sleep(0.05)
+'''
+
+
+def test_a_deleted_file_over_the_default_ghost_limit_dumps_with_ghost_limit(cli: Cli, tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    script = tmp_path / "ghost.py"
+    script.write_text(GHOST)
+    p = subprocess.Popen([sys.executable, str(script), str(tmp_path / "gone"), str(state)], stdin=subprocess.DEVNULL,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        _until(lambda: state.exists(), "the workload")
+        r = cli.run("criu", "dump", str(p.pid), "g", check=False)
+        assert r.returncode != 0 and "ghost" in r.stderr.lower(), r.stderr
+        assert not _gone(p.pid) and _state(p.pid) in "RS"
+        for bad in ("12Q", "-1", "2T", "1M;x"):
+            r = cli.run("criu", "dump", "--ghost-limit", bad, str(p.pid), "g", check=False)
+            assert r.returncode == 2 and "--ghost-limit" in r.stderr, (bad, r.stderr)
+        rep = cli.json("criu", "dump", "--ghost-limit", "4M", "--no-ghost-fiemap", str(p.pid), "g")
+        p.wait(10)
+        opts = json.loads(cli.run("store", "inspect", "g", "--json").stdout)["meta"]["options"]
+        assert "--no-ghost-fiemap" in opts and opts[opts.index("--ghost-limit") + 1] == str(4 << 20), opts
+        assert rep["pids"] == [p.pid]
+        state.unlink()
+        cli.run("criu", "restore", "g")
+        _until(lambda: state.exists(), "the restored workload")
+        assert state.read_text() == "ok", "the deleted file's 3 MiB came back"
+    finally:
+        _kill(p.pid)
+        if p.poll() is None:
+            p.wait(10)
+
+
+WATCH = r'''
+import ctypes, os, struct, sys, time
+libc = ctypes.CDLL(None, use_errno=True)
+fd = libc.inotify_init()
+assert libc.inotify_add_watch(fd, sys.argv[1].encode(), 0x100) >= 0  # IN_CREATE
+with open(sys.argv[2], "w") as f:
+    f.write("watching")
+while True:
+    buf = os.read(fd, 4096)
+    wd, mask, cookie, n = struct.unpack_from("iIII", buf)
+    name = buf[16:16 + n].rstrip(b"\0").decode()
+    with open(sys.argv[2] + ".tmp", "w") as f:
+        f.write(f"created {name}")
+    os.replace(sys.argv[2] + ".tmp", sys.argv[2])
+'''
+
+
+def test_an_inotify_watch_is_dumped_with_force_irmap_and_an_irmap_scan_path(cli: Cli, tmp_path: Path) -> None:
+    watched, state = tmp_path / "watched", tmp_path / "state"
+    watched.mkdir()
+    script = tmp_path / "watch.py"
+    script.write_text(WATCH)
+    p = subprocess.Popen([sys.executable, str(script), str(watched), str(state)], stdin=subprocess.DEVNULL,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        _until(lambda: state.exists(), "the watcher")
+        for bad in ("relative", str(tmp_path / "missing"), f"{tmp_path}/../{tmp_path.name}"):
+            r = cli.run("criu", "dump", "--irmap-scan-path", bad, str(p.pid), "w", check=False)
+            assert r.returncode == 2 and "--irmap-scan-path" in r.stderr, (bad, r.stderr)
+        cli.run("criu", "dump", "--force-irmap", "--irmap-scan-path", str(tmp_path), str(p.pid), "w")
+        p.wait(10)
+        opts = json.loads(cli.run("store", "inspect", "w", "--json").stdout)["meta"]["options"]
+        assert "--force-irmap" in opts and ["--irmap-scan-path", str(tmp_path)] == opts[opts.index("--irmap-scan-path"):][:2]
+        cli.run("criu", "restore", "w")
+        time.sleep(0.3)
+        (watched / "new-file").write_text("")
+        _until(lambda: state.read_text() == "created new-file", "the restored watch to see a new file")
+    finally:
+        _kill(p.pid)
+        if p.poll() is None:
+            p.wait(10)
