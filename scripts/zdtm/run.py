@@ -30,11 +30,12 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 WRAPPER = os.path.join(REPO, "scripts", "zdtm", "criu-via-gpusnap")
 
 # one or two tests per area, each a few seconds: memory maps (hugetlb included), files, pipes and
-# sockets, TCP, signals, timers, threads and trees, a failed dump (ptrace_sig must leave its tracer
-# unhung), deleted files, inotify
-CI_SET = ("env00", "maps00", "maps04", "maps09", "maps10", "file_read", "deleted_unix_sock", "pipe00", "unix_sock",
-          "socket-tcp", "sigaltstack", "sigpending", "posix_timers", "itimer", "pthread00", "zombie00", "session00",
-          "ptrace_sig", "unlink_largefile", "inotify00", "file_locks00", "shm")
+# sockets, TCP, signals, timers, threads and trees, a stopped tree, a failed dump (ptrace_sig must
+# leave its tracer unhung), deleted files, inotify, file locks
+CI_SET = ("env00", "maps00", "maps04", "maps09", "maps10", "memfd02-hugetlb", "write_read00", "fifo", "pipe00",
+          "deleted_unix_sock", "sockets00", "socket-tcp", "sigaltstack", "sigpending", "posix_timers", "timers",
+          "pthread00", "zombie00", "stopped", "ptrace_sig", "unlink_largefile", "ghost_holes00", "inotify00",
+          "file_locks00")
 
 
 @dataclass
