@@ -71,7 +71,23 @@ class CriuMissing(CriuError):
     exit_code = EXIT_UNAVAILABLE
 
 
+_VERSIONS: dict[tuple[str, int, int, int], tuple[int, int, int] | None] = {}
+
+
 def criu_version(binary: str) -> tuple[int, int, int] | None:
+    """BINARY's CRIU version (`criu --version`), asked once per process for each file (path, inode,
+    mtime, size: a binary replaced meanwhile is asked again); None where it is not a CRIU."""
+    try:
+        st = os.stat(binary)
+    except OSError:
+        return None
+    key = (binary, st.st_ino, st.st_mtime_ns, st.st_size)
+    if key not in _VERSIONS:
+        _VERSIONS[key] = _ask_version(binary)
+    return _VERSIONS[key]
+
+
+def _ask_version(binary: str) -> tuple[int, int, int] | None:
     try:
         out = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=10).stdout
     except (OSError, subprocess.TimeoutExpired):

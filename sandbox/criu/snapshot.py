@@ -44,7 +44,6 @@ from storage.api import DEFAULT_JOBS
 from storage.api import SnapshotStore
 
 from sandbox.ops import journal
-from sandbox.criu import restore
 from sandbox.criu.gpu_side import GpuSide, is_gpu_stream
 from sandbox.criu import netlock
 from sandbox.criu.criu_options import RestoreOptions
@@ -54,7 +53,6 @@ from sandbox.criu.protocol import dump_pipe_size
 from sandbox.criu.report import CriuReport, CriuSnapshotError
 from sandbox.criu.restored import boot_ticks, restored_procs
 from sandbox.criu.runner import Criu, CriuError, DumpOptions
-from sandbox.criu.serve import early_reads_of
 from sandbox.criu.staging import keep_log, new_staging, rss_bytes
 from sandbox.host import hugepages
 from sandbox.host.dumpwrites import dump_packs_direct
@@ -66,7 +64,9 @@ from sandbox.ops.journal import OpKind, Stage
 from sandbox.ops.operations import GpuAccess, Undo, undone_on_failure
 import sandbox.criu.operations  # noqa: F401 - registers CriuDump and CriuRestore, the undos this flow runs
 
-if TYPE_CHECKING:  # imported where used: a restore needs neither the dump side nor the remote's client
+if TYPE_CHECKING:  # imported where used: a restore needs neither the dump side nor the remote's client, a dump
+    # not the restore side (each import is start-up time of every call: issue 61's fixed cost)
+    from sandbox.criu import restore
     from sandbox.criu.dump import DumpContext
     from storage.api import RemoteFill
     from sandbox.gpu.state import EarlyRestore
@@ -268,6 +268,7 @@ def criu_restore(store: SnapshotStore, name: str, *, staging: str | None = None,
             gpu_map = dmap.plan(device_map, meta.gpus_json, dmap.gpus_here(gpu_driver, features), meta.gpu_bytes).gpu_map
         # the restore is accepted (its pids free, its map checked): a local streamed restore's disk starts
         # on what it reads first now, while the journal, the CUDA driver and THP get ready
+        from sandbox.criu.serve import early_reads_of  # the restore side: imported by restores only
         early = held.enter_context(early_reads_of(store, m)) if fill is None and path == "stream" else None
         early_begin = time.monotonic()
         report = CriuReport(name, list(meta.pids), list(meta.cuda_pids), images_path=path)
@@ -313,6 +314,7 @@ def _restore_run(criu: Criu, store: SnapshotStore, m: Any, meta: CriuMeta, stage
     that CRIU needs again (its network lock method included), TCP (asked for even when the dump did not
     record it), and the user's OPTIONS (with --tcp-close, no --tcp-established)."""
     from storage.api import Manifest
+    from sandbox.criu import restore
     files = Manifest(m.name, [s for s in m.streams if not is_gpu_stream(s)], m.meta)
     options = options or RestoreOptions()
     extra = tuple(o for o in meta.options if o in RESTORE_TOO) + tuple(o for o in tcp if o not in meta.options)
@@ -409,6 +411,7 @@ def _early_gpu(held: ExitStack, run: restore.RestoreRun, report: CriuReport, met
 def _restore_tree(run: restore.RestoreRun, m: Any, meta: CriuMeta, report: CriuReport, op: journal.Op,
                   fill: RemoteFill | None, born_after: int) -> None:
     """`criu restore` of RUN (streamed or staged), the restored tree journaled; FILL's pull finished."""
+    from sandbox.criu import restore
     store, name = run.store, m.name
     try:
         if report.images_path == "stream":  # chunks decoded straight into CRIU's pipes: no materialize step
