@@ -19,6 +19,8 @@ _EXTERNAL_HELP = ("An external resource, as `criu --help` documents it (repeatab
                   "file[MNT_ID:INODE], dev[MAJOR/MINOR]:NAME, unix[INODE], mnt[MOUNTPOINT]:COOKIE, mnt[], "
                   "net[INODE]:KEY, pid[INODE]:KEY; on restore dev[NAME]:DEVPATH, veth[IFNAME]:OUTNAME[@BRIDGE], "
                   "macvlan[IFNAME]:OUTNAME, mnt[COOKIE]:ROOT, netdev[IFNAME]:ORIGNAME. Paths absolute.")
+_CGROUPS_HELP = ("How CRIU dumps and restores the tree's cgroups (CRIU --manage-cgroups MODE): none, props, soft "
+                 "(CRIU's default), full, strict or ignore.")
 _ROOT_HELP = ("The root directory of the tree's mount namespace (CRIU --root): needed for a process in its own "
               "mount namespace, with --external mnt[...] for the mounts that come from outside it.")
 
@@ -36,7 +38,8 @@ def _checked(fn: Callable[..., Any], what: str) -> Callable[[click.Context, clic
 
 def dump_criu_options(f: Callable[..., Any]) -> Callable[..., Any]:
     """The dump's CRIU options; the command gets them as `criu_opts` (DumpOptions fields)."""
-    names = ("network_lock", "ghost_limit", "no_ghost_fiemap", "force_irmap", "irmap_scan_paths", "root", "external")
+    names = ("network_lock", "ghost_limit", "no_ghost_fiemap", "force_irmap", "irmap_scan_paths", "root", "external",
+             "manage_cgroups", "tcp_close")
 
     @functools.wraps(f)
     def wrapped(*args: Any, **kw: Any) -> Any:
@@ -55,12 +58,15 @@ def dump_criu_options(f: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--force-irmap", is_flag=True, help="Resolve the paths of inotify/fanotify watches even "
                      "where the kernel could give handles (CRIU --force-irmap)."),
         click.option("--irmap-scan-path", "irmap_scan_paths", multiple=True, metavar="DIR",
-                     callback=_checked(lambda d: co.plain_path(d, "--irmap-scan-path"), "--irmap-scan-path"),
+                     callback=_checked(lambda d: co.plain_path(d, "--irmap-scan-path", links=True), "--irmap-scan-path"),
                      help="A directory CRIU scans to name inotify watches (CRIU --irmap-scan-path; repeatable)."),
         click.option("--root", default=None, metavar="DIR", callback=_checked(lambda d: co.plain_path(d, "--root"), "--root"),
                      help=_ROOT_HELP),
         click.option("--external", multiple=True, metavar="KIND[ID]:VALUE",
                      callback=_checked(lambda e: co.external(e, "dump"), "--external"), help=_EXTERNAL_HELP),
+        click.option("--manage-cgroups", type=click.Choice(co.MANAGE_CGROUPS), default=None, help=_CGROUPS_HELP),
+        click.option("--tcp-close", is_flag=True, help="Neither dump nor lock established TCP connections (CRIU "
+                     "--tcp-close): the restore brings them back closed."),
     ]):
         wrapped = opt(wrapped)
     return wrapped
@@ -72,7 +78,8 @@ def restore_criu_options(f: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(f)
     def wrapped(*args: Any, **kw: Any) -> Any:
         kw["criu_opts"] = co.RestoreOptions(tcp_close=kw.pop("tcp_close"), root=kw.pop("root"),
-                                            external=tuple(kw.pop("external")), network_lock=kw.pop("network_lock"))
+                                            external=tuple(kw.pop("external")), network_lock=kw.pop("network_lock"),
+                                            manage_cgroups=kw.pop("manage_cgroups"))
         return f(*args, **kw)
 
     for opt in reversed([
@@ -83,6 +90,7 @@ def restore_criu_options(f: Callable[..., Any]) -> Callable[..., Any]:
                      help=_ROOT_HELP),
         click.option("--external", multiple=True, metavar="KIND[ID]:VALUE",
                      callback=_checked(lambda e: co.external(e, "restore"), "--external"), help=_EXTERNAL_HELP),
+        click.option("--manage-cgroups", type=click.Choice(co.MANAGE_CGROUPS), default=None, help=_CGROUPS_HELP),
     ]):
         wrapped = opt(wrapped)
     return wrapped

@@ -475,3 +475,16 @@ def test_an_inotify_watch_is_dumped_with_force_irmap_and_an_irmap_scan_path(cli:
         _kill(p.pid)
         if p.poll() is None:
             p.wait(10)
+
+
+def test_a_dump_with_tcp_close_restores_the_connection_closed_and_cgroups_are_a_checked_choice(
+        cli: Cli, peer: Peer) -> None:
+    assert peer.echo("a") == "a"
+    bad = cli.run("criu", "dump", "--manage-cgroups", "all;x", str(peer.p.pid), "c", check=False)
+    assert bad.returncode == 2 and "--manage-cgroups" in bad.stderr
+    cli.run("criu", "dump", "--tcp-close", "--manage-cgroups", "soft", str(peer.p.pid), "c", env={"PATH": NO_IPTABLES})
+    peer.p.wait(10)
+    opts = json.loads(cli.run("store", "inspect", "c", "--json").stdout)["meta"]["options"]
+    assert "--tcp-close" in opts and "--manage-cgroups=soft" in opts, opts
+    cli.run("criu", "restore", "--tcp-close", "--manage-cgroups", "ignore", "c")
+    _until(lambda: peer.state.read_text().startswith("closed"), "the restored workload to see its connection closed")

@@ -19,6 +19,7 @@ class CriuOptionError(GpusnapError):
 
 _SIZE = re.compile(r"([0-9]{1,15})\s*([KMGT]?)(i?B)?", re.IGNORECASE)
 MAX_GHOST = 1 << 40
+MANAGE_CGROUPS = ("none", "props", "soft", "full", "strict", "ignore")  # CRIU --manage-cgroups MODE
 _NAME = r"[A-Za-z0-9_][A-Za-z0-9_.@+=-]{0,63}"          # a device NAME, a net/pid KEY
 _COOKIE = r"[A-Za-z0-9_./@+=-]{1,255}"                  # a mount's cookie (runc uses the mount point)
 _IF = r"[A-Za-z0-9_.-]{1,15}"                           # an interface name (IFNAMSIZ)
@@ -48,17 +49,17 @@ def ghost_limit(text: str) -> int:
     return n
 
 
-def plain_path(text: str, what: str, *, directory: bool = True) -> str:
+def plain_path(text: str, what: str, *, directory: bool = True, links: bool = False) -> str:
     """TEXT as an absolute path without '.', '..', doubled slashes, or control characters (what CRIU
     will resolve is what the user named); with DIRECTORY, an existing directory reached without a
-    symbolic link."""
+    symbolic link (unless LINKS: a directory CRIU only reads names in, e.g. --irmap-scan-path)."""
     if (not text.startswith("/") or any(ord(c) < 32 or c == "\x7f" for c in text) or len(text) > 4095
             or os.path.normpath(text) != text.rstrip("/") and text != "/"):
         raise CriuOptionError(f"{what} {text!r}: expected an absolute path without '.', '..' or '//'")
     if directory:
         if not os.path.isdir(text):
             raise CriuOptionError(f"{what} {text!r}: no such directory")
-        if os.path.realpath(text) != os.path.normpath(text):
+        if not links and os.path.realpath(text) != os.path.normpath(text):
             raise CriuOptionError(f"{what} {text!r}: reached through a symbolic link "
                                   f"({os.path.realpath(text)}): name the directory itself")
     return text
@@ -92,12 +93,14 @@ def external(text: str, on: str) -> str:
 
 @dataclass(frozen=True)
 class RestoreOptions:
-    """What a user may add to `criu restore` (checked): --tcp-close, --root, --external, --network-lock."""
+    """What a user may add to `criu restore` (checked): --tcp-close, --root, --external, --network-lock,
+    --manage-cgroups."""
 
     tcp_close: bool = False
     root: str | None = None
     external: tuple[str, ...] = ()
     network_lock: str | None = None
+    manage_cgroups: str | None = None
 
     def argv(self) -> tuple[str, ...]:
         a: list[str] = ["--tcp-close"] if self.tcp_close else []
@@ -107,4 +110,6 @@ class RestoreOptions:
             a += ["--external", e]
         if self.network_lock:
             a += ["--network-lock", self.network_lock]
+        if self.manage_cgroups:
+            a += [f"--manage-cgroups={self.manage_cgroups}"]
         return tuple(a)

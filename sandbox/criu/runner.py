@@ -218,6 +218,8 @@ class DumpOptions:
     irmap_scan_paths: tuple[str, ...] = ()
     root: str | None = None
     external: tuple[str, ...] = ()
+    manage_cgroups: str | None = None     # none, props, soft, full, strict or ignore
+    tcp_close: bool = False               # established connections neither dumped nor locked
 
     def argv(self) -> list[str]:
         a = []
@@ -242,6 +244,9 @@ class DumpOptions:
             a += ["--root", self.root]
         for e in self.external:
             a += ["--external", e]
+        if self.manage_cgroups:
+            a += [f"--manage-cgroups={self.manage_cgroups}"]
+        a += ["--tcp-close"] if self.tcp_close else []
         return a + list(self.extra)
 
 

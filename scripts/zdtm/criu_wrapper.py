@@ -24,8 +24,8 @@ import tempfile
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-# CRIU option -> (gpusnap option or None to drop it, takes a value)
-_DUMP = {
+# CRIU option -> (gpusnap option or None to drop it, takes a value: True, False or "optional")
+_DUMP: dict[str, tuple[str | None, bool | str]] = {
     "--tree": ("PID", True), "-t": ("PID", True),
     "--shell-job": ("--shell-job", False), "-j": ("--shell-job", False),
     "--ext-unix-sk": ("--ext-unix-sk", False), "--file-locks": ("--file-locks", False), "-l": ("--file-locks", False),
@@ -38,8 +38,9 @@ _DUMP = {
     "--network-lock": ("--network-lock", True), "--timeout": (None, True),
     "--pidfile": (None, True),  # a dump writes none
     "--pre-dump-mode": (None, True),  # zdtm gives it to every dump; it concerns pre-dumps only
+    "--manage-cgroups": ("--manage-cgroups", "optional"), "--tcp-close": ("--tcp-close", False),
 }
-_RESTORE = {
+_RESTORE: dict[str, tuple[str | None, bool | str]] = {
     "--restore-detached": (None, False), "-d": (None, False),
     "--shell-job": (None, False), "-j": (None, False),  # the dump's, recorded in the snapshot
     "--ext-unix-sk": (None, False), "--file-locks": (None, False), "-l": (None, False),
@@ -47,8 +48,10 @@ _RESTORE = {
     "--tcp-close": ("--tcp-close", False), "--root": ("--root", True), "-r": ("--root", True),
     "--external": ("--external", True), "--network-lock": ("--network-lock", True),
     "--pidfile": ("PIDFILE", True),  # written from gpusnap's report: the restored root's pid
+    "--manage-cgroups": ("--manage-cgroups", "optional"),
+    "--skip-in-flight": (None, False),  # a dump option (zdtm gives a test's options to both)
 }
-_COMMON = {"--no-default-config": (None, False), "--images-dir": ("DIR", True), "-D": ("DIR", True),
+_COMMON: dict[str, tuple[str | None, bool | str]] = {"--no-default-config": (None, False), "--images-dir": ("DIR", True), "-D": ("DIR", True),
            "--log-file": ("LOG", True), "-o": ("LOG", True)}
 
 
@@ -72,6 +75,10 @@ def translate(action: str, argv: list[str]) -> tuple[str, str, str | None, list[
         if name not in table:
             raise Unexpressed(f"criu {action} {a}")
         to, takes = table[name]
+        if takes == "optional":  # CRIU's optional argument: only as --opt=VALUE (alone: its default, soft)
+            out += [str(to), val if eq else "soft"]
+            i += 1
+            continue
         if takes and not eq:
             i += 1
             if i >= len(argv):

@@ -119,8 +119,9 @@ def run_one(src: str, test: str, criu_bin: str, flavor: str, env: dict[str, str]
         return Outcome("skip", secs, next((l for l in out.splitlines() if re.search(r"[Ss]kip|not supported", l)), ""))
     if p.returncode == 0:
         return Outcome("pass", secs)
-    lines = [l for l in out.splitlines() if re.search(r"Error|FAIL|gpusnap|fail", l)]
-    return Outcome("fail", secs, (lines[0] if lines else out.strip().splitlines()[-1:] or [""])[0][:160])
+    ours = [l for l in out.splitlines() if l.startswith("gpusnap")]  # gpusnap's one-line error, if it said one
+    lines = ours or [l for l in out.splitlines() if re.search(r"Error \(|FAIL at|fail", l)] or out.strip().splitlines()[-1:]
+    return Outcome("fail", secs, (lines[0] if lines else "")[:200])
 
 
 def all_static(src: str) -> list[str]:
@@ -133,13 +134,14 @@ class HugePages:
     """vm.nr_hugepages at least N while it lasts (maps09/maps10 need private huge pages)."""
 
     def __init__(self, n: int = 16) -> None:
-        self.n, self.old = n, None
+        self.n = n
+        self.old: int | None = None
 
     def __enter__(self) -> "HugePages":
         with open("/proc/sys/vm/nr_hugepages") as f:
-            self.old = int(f.read())
+            old = self.old = int(f.read())
         with open("/proc/sys/vm/nr_hugepages", "w") as f:
-            f.write(str(max(self.n, self.old)))
+            f.write(str(max(self.n, old)))
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -187,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     bad = [t for t, p, o in rows if p is not None and p.result == "pass" and o.result != "pass"]
-    count = lambda col, r: sum(1 for row in rows if row[col] is not None and row[col].result == r)  # type: ignore[union-attr]  # noqa: E731
+    def count(col: int, r: str) -> int:
+        return sum(1 for row in rows if (o := row[col]) is not None and isinstance(o, Outcome) and o.result == r)
     print(f"\n{len(rows)} tests, flavor {a.flavor}: plain CRIU {count(1, 'pass')} pass, {count(1, 'fail')} fail, "
           f"{count(1, 'skip')} skip; through gpusnap {count(2, 'pass')} pass, {count(2, 'fail')} fail, "
           f"{count(2, 'skip')} skip, {count(2, 'unexpressed')} cannot be expressed")
