@@ -58,7 +58,8 @@ def dump_criu_options(f: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--force-irmap", is_flag=True, help="Resolve the paths of inotify/fanotify watches even "
                      "where the kernel could give handles (CRIU --force-irmap)."),
         click.option("--irmap-scan-path", "irmap_scan_paths", multiple=True, metavar="DIR",
-                     callback=_checked(lambda d: co.plain_path(d, "--irmap-scan-path", links=True), "--irmap-scan-path"),
+                     callback=_checked(lambda d: co.plain_path(d, "--irmap-scan-path", directory=False),
+                                       "--irmap-scan-path"),
                      help="A directory CRIU scans to name inotify watches (CRIU --irmap-scan-path; repeatable)."),
         click.option("--root", default=None, metavar="DIR", callback=_checked(lambda d: co.plain_path(d, "--root"), "--root"),
                      help=_ROOT_HELP),

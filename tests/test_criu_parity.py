@@ -460,7 +460,7 @@ def test_an_inotify_watch_is_dumped_with_force_irmap_and_an_irmap_scan_path(cli:
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         _until(lambda: state.exists(), "the watcher")
-        for bad in ("relative", str(tmp_path / "missing"), f"{tmp_path}/../{tmp_path.name}"):
+        for bad in ("relative", f"{tmp_path}/../{tmp_path.name}", f"{tmp_path}//x"):
             r = cli.run("criu", "dump", "--irmap-scan-path", bad, str(p.pid), "w", check=False)
             assert r.returncode == 2 and "--irmap-scan-path" in r.stderr, (bad, r.stderr)
         cli.run("criu", "dump", "--force-irmap", "--irmap-scan-path", str(tmp_path), str(p.pid), "w")

@@ -49,17 +49,18 @@ def ghost_limit(text: str) -> int:
     return n
 
 
-def plain_path(text: str, what: str, *, directory: bool = True, links: bool = False) -> str:
+def plain_path(text: str, what: str, *, directory: bool = True) -> str:
     """TEXT as an absolute path without '.', '..', doubled slashes, or control characters (what CRIU
     will resolve is what the user named); with DIRECTORY, an existing directory reached without a
-    symbolic link (unless LINKS: a directory CRIU only reads names in, e.g. --irmap-scan-path)."""
+    symbolic link. (--irmap-scan-path is only a hint where CRIU looks for watched names: any plain
+    absolute path, as CRIU takes it.)"""
     if (not text.startswith("/") or any(ord(c) < 32 or c == "\x7f" for c in text) or len(text) > 4095
             or os.path.normpath(text) != text.rstrip("/") and text != "/"):
         raise CriuOptionError(f"{what} {text!r}: expected an absolute path without '.', '..' or '//'")
     if directory:
         if not os.path.isdir(text):
             raise CriuOptionError(f"{what} {text!r}: no such directory")
-        if not links and os.path.realpath(text) != os.path.normpath(text):
+        if os.path.realpath(text) != os.path.normpath(text):
             raise CriuOptionError(f"{what} {text!r}: reached through a symbolic link "
                                   f"({os.path.realpath(text)}): name the directory itself")
     return text

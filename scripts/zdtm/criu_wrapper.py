@@ -49,7 +49,9 @@ _RESTORE: dict[str, tuple[str | None, bool | str]] = {
     "--external": ("--external", True), "--network-lock": ("--network-lock", True),
     "--pidfile": ("PIDFILE", True),  # written from gpusnap's report: the restored root's pid
     "--manage-cgroups": ("--manage-cgroups", "optional"),
-    "--skip-in-flight": (None, False),  # a dump option (zdtm gives a test's options to both)
+    # dump options (zdtm gives a test's options to both; CRIU's restore does not read them)
+    "--skip-in-flight": (None, False), "--force-irmap": (None, False), "--irmap-scan-path": (None, True),
+    "--ghost-limit": (None, True), "--no-ghost-fiemap": (None, False), "--ghost-fiemap": (None, False),
 }
 _COMMON: dict[str, tuple[str | None, bool | str]] = {"--no-default-config": (None, False), "--images-dir": ("DIR", True), "-D": ("DIR", True),
            "--log-file": ("LOG", True), "-o": ("LOG", True)}
