@@ -69,7 +69,8 @@ def criu_dump_cmd(ctx: click.Context, pid: int, name: str, leave_running: bool, 
     The page images stream from CRIU into the store as CRIU writes them (no copy on disk first);
     the tree is killed only once the snapshot is committed (unless --leave-running). Needs root."""
     need_root("criu dump")
-    refuse_container_process(pid)
+    if not criu_opts.get("root"):  # with --root the caller gives CRIU the tree's root (and its --external mounts)
+        refuse_container_process(pid)
     st = open_store(ctx)
     opts = DumpOptions(shell_job=shell_job, ext_unix_sk=ext_unix_sk, file_locks=file_locks,
                        link_remap=link_remap, tcp_established=tcp_established,
