@@ -31,7 +31,9 @@ _EXTERNAL: dict[str, tuple[str | None, str | None]] = {
     "net": (rf"net\[[0-9]{{1,20}}\]:{_NAME}", None),
     "pid": (rf"pid\[[0-9]{{1,20}}\]:{_NAME}", None),
     "dev": (rf"dev\[[0-9]{{1,10}}/[0-9]{{1,10}}\]:{_NAME}", rf"dev\[{_NAME}\]:(?P<path>/.*)"),
-    "mnt": (rf"mnt\[(?P<path>/.*)\]:{_COOKIE}|mnt\[\](?::[a-z]{{1,8}})?", rf"mnt\[{_COOKIE}\]:(?P<path>/.*)"),
+    # mnt[]{:FLAGS} (external mounts found automatically) on both: CRIU takes it on restore too
+    "mnt": (rf"mnt\[(?P<path>/.*)\]:{_COOKIE}|mnt\[\](?::[a-z]{{1,8}})?",
+            rf"mnt\[{_COOKIE}\]:(?P<path>/.*)|mnt\[\](?::[a-z]{{1,8}})?"),
     "veth": (None, rf"veth\[{_IF}\]:{_IF}(?:@{_IF})?"),
     "macvlan": (None, rf"macvlan\[{_IF}\]:{_IF}"),
     "netdev": (None, rf"netdev\[{_IF}\]:{_IF}"),
