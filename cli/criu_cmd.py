@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import click
 
@@ -10,6 +11,8 @@ from storage.api import UnavailableError
 
 from cli.common import (emit, from_jobs_option, from_remote_option, human, json_option, one_line_errors, open_store,
                         split_map, tag_option)
+from cli.criu_options import dump_criu_options, restore_criu_options
+from sandbox.criu.criu_options import RestoreOptions
 from sandbox.criu.runner import DumpOptions
 from sandbox.criu.snapshot import criu_dump, criu_restore
 from sandbox.containers.process_check import refuse_container_process
@@ -56,6 +59,7 @@ def criu() -> None:
                    "(it writes about the changed bytes). Never chosen for you: the bytes of SNAP that the deltas "
                    "use stay stored while this snapshot lives, even after SNAP is removed.")
 @hook_options(restore=False)
+@dump_criu_options
 @tag_option
 @json_option
 @click.pass_context
@@ -64,7 +68,7 @@ def criu_dump_cmd(ctx: click.Context, pid: int, name: str, leave_running: bool, 
                   ext_unix_sk: bool, file_locks: bool, link_remap: bool, tcp_established: bool,
                   skip_in_flight: bool, staging: str | None, replace: bool, parent: str | None,
                   prepare: str | None, resume: str | None, hook_timeout: float,
-                  tags: tuple[str, ...], as_json: bool) -> None:
+                  tags: tuple[str, ...], as_json: bool, criu_opts: dict[str, Any]) -> None:
     """Dump PID and its descendants into snapshot NAME. On any failure the tree keeps running.
 
     The page images stream from CRIU into the store as CRIU writes them (no copy on disk first);
@@ -75,11 +79,12 @@ def criu_dump_cmd(ctx: click.Context, pid: int, name: str, leave_running: bool, 
     (MACed) for a plain `criu restore NAME`."""
     wh = workload_hooks(prepare, resume, hook_timeout)
     need_root("criu dump")
-    refuse_container_process(pid)
+    if not criu_opts.get("root"):  # with --root the caller gives CRIU the tree's root (and its --external mounts)
+        refuse_container_process(pid)
     st = open_store(ctx)
     opts = DumpOptions(shell_job=shell_job, ext_unix_sk=ext_unix_sk, file_locks=file_locks,
                        link_remap=link_remap, tcp_established=tcp_established,
-                       skip_in_flight=skip_in_flight)
+                       skip_in_flight=skip_in_flight, **criu_opts)
     ran = HookReport()
     with undo_on_signals(), Progress(f"criu dump {pid}", ctx.obj["progress"]) as prog:
         with prepared(st.path, wh, name, pid, resume_after=leave_running, report=ran):
@@ -87,7 +92,8 @@ def criu_dump_cmd(ctx: click.Context, pid: int, name: str, leave_running: bool, 
                           staging=staging, progress=prog, tags=tags, parent=parent, resume=wh.resume)
     emit(as_json, {**r.as_dict(), **({"hooks": ran.as_list()} if ran.runs else {})}, f"{name}: {len(r.pids)} process(es), {len(r.cuda_pids)} with CUDA; "
          f"{human(r.raw_bytes)} of images, {human(r.new_bytes)} written, {human(r.dedup_bytes)} deduplicated "
-         f"({', '.join(f'{k} {v:.2f} s' for k, v in r.seconds.items())})")
+         f"({', '.join(f'{k} {v:.2f} s' for k, v in r.seconds.items())})"
+         + (f"; its restore stages the images ({r.staged_restore})" if r.staged_restore else ""))
 
 
 @criu.command("restore")
@@ -103,6 +109,7 @@ def criu_dump_cmd(ctx: click.Context, pid: int, name: str, leave_running: bool, 
 @click.option("--tcp-established", is_flag=True, help="Restore established TCP connections (CRIU "
               "--tcp-established; given anyway when the dump used it).")
 @hook_options(restore=True)
+@restore_criu_options
 @from_remote_option
 @from_jobs_option
 @json_option
@@ -110,7 +117,8 @@ def criu_dump_cmd(ctx: click.Context, pid: int, name: str, leave_running: bool, 
 @one_line_errors
 def criu_restore_cmd(ctx: click.Context, name: str, staging: str | None, device_map: tuple[str, ...],
                      tcp_established: bool, prepare: str | None, resume: str | None, no_resume: bool,
-                     hook_timeout: float, from_remote: str | None, jobs: int, as_json: bool) -> None:
+                     hook_timeout: float, from_remote: str | None, jobs: int, as_json: bool,
+                     criu_opts: RestoreOptions) -> None:
     """Restore snapshot NAME (every chunk verified before its bytes reach CRIU); GPU state is restored
     and unlocked. With --from REMOTE, a snapshot this store lacks is fetched while CRIU restores (the
     images CRIU reads first, first), and committed locally once all of it is here. Needs root.
@@ -128,7 +136,8 @@ def criu_restore_cmd(ctx: click.Context, name: str, staging: str | None, device_
         if wh.prepare is not None:
             ran.runs.append(hooks.run(wh.prepare, hooks.Step.PREPARE, wh.timeout_s, snapshot=name))
         r = criu_restore(st, name, staging=staging, progress=prog, from_remote=from_remote, jobs=jobs,
-                         device_map=split_map(device_map), tcp_established=tcp_established)
+                         device_map=split_map(device_map), tcp_established=tcp_established,
+                         options=criu_opts)
         if not local:  # fetched from a remote: its record is checked now that it is here
             step = restore_resume(st, name, wh, no_resume,
                                   restored=f"snapshot {name!r} was restored (root pid {r.restored_pid})")

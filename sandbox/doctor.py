@@ -68,6 +68,21 @@ def criu_choice() -> dict[str, Any]:
             "known_failures": list(c.known_failures)}
 
 
+def criu_network_lock() -> dict[str, Any]:
+    """Whether CRIU's network lock (`criu dump --tcp-established`) can work here, and by which method."""
+    from sandbox.criu import netlock  # noqa: PLC0415
+    from sandbox.criu.runner import locate_criu  # noqa: PLC0415
+    return netlock.describe(locate_criu().path)
+
+
+def render_network_lock(n: dict[str, Any]) -> str:
+    nft = {True: "built into this CRIU", False: "not built into this CRIU", None: "unknown"}[n["nftables_built_in"]]
+    if n["problem"] is None:
+        return f"TCP network lock     iptables (CRIU's default); nftables {nft}"
+    return (f"TCP network lock     none by default (nftables {nft})\n  warning: criu dump --tcp-established: "
+            f"{n['problem']}")
+
+
 def runtime_criu_failures() -> list[str]:
     """What the `criu` runc and Podman run (the first on PATH) is known to fail at on this kernel."""
     from sandbox.criu.runner import criu_version, known_failures  # noqa: PLC0415
@@ -154,6 +169,7 @@ def report(criu: str = "criu", runsc: str = "runsc") -> dict[str, Any]:
         "criu": _version([criu, "--version"], r"Version:\s*(\S+)"),
         "criu_gpu_handler": gpu_handler(),
         "criu_binary": criu_choice(),
+        "criu_network_lock": criu_network_lock(),
         "criu_for_runtimes_known_failures": runtime_criu_failures(),
         "runsc": _version([runsc, "--version"], r"runsc version\s*(\S+)"),
         "runsc_features": _runsc_features(runsc),
@@ -250,6 +266,7 @@ def render(r: dict[str, Any]) -> str:
               f"CRIU                 {r['criu'] or 'not found'}",
               f"GPUs in CRIU dumps   {r['criu_gpu_handler']}",
               render_criu_binary(r["criu_binary"]),
+              render_network_lock(r["criu_network_lock"]),
               f"runsc                {r['runsc'] or 'not found'}"]
     lines += _render_container_hook(r["container_hook"])
     lines += [f"  warning: runc/Podman run {f}" for f in r.get("criu_for_runtimes_known_failures", [])]

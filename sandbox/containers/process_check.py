@@ -52,4 +52,5 @@ def refuse_container_process(pid: int) -> None:
     raise ContainerProcessError(
         f"process {pid} runs in {where}: CRIU needs the container's root, mounts and cgroups, which its "
         f"runtime passes; checkpoint it through the runtime (`runc checkpoint`, `podman container checkpoint "
-        f"--export FILE`) with `gpusnap hook install` done, then store it with `gpusnap import podman|runc`")
+        f"--export FILE`) with `gpusnap hook install` done, then store it with `gpusnap import podman|runc`; "
+        f"or, knowing its root and mounts, give them: `gpusnap criu dump --root DIR [--external mnt[...]:...]`")

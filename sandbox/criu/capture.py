@@ -27,6 +27,10 @@ from sandbox.criu.images import IMAGES, is_page_image
 from sandbox.criu.protocol import BIG_PIPE, CAPTURE_SOCKET, PIPE_SIZE, Listener, StreamerError, dump_pipe_size, read_request, recv_pipe
 
 
+STATS = "stats-dump"
+MAX_STATS = 1 << 16  # a real one is ~100 bytes
+
+
 class _PipeReader:
     """A pipe read to EOF; readinto fills VIEW unless the writer closed first (storage.fs.fdread: in C,
     without taking the GIL back after every pipeful, where NATIVE)."""
@@ -134,6 +138,24 @@ class CaptureSource:
             os.close(fd)
         self._small[name] = b"".join(parts)
 
+    def _stats(self) -> None:
+        """CRIU's own statistics (stats-dump: the pages it wrote, its timings), which it writes as a file
+        into its directory rather than through the streamer, kept with the images as the staging path
+        keeps them (`crit show`, zdtm's page-count check)."""
+        try:
+            fd = os.open(os.path.join(os.path.dirname(self._listener.path), STATS), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError:
+            return
+        with os.fdopen(fd, "rb") as f:
+            data = f.read(MAX_STATS + 1)
+        if len(data) <= MAX_STATS and STATS not in self._small:
+            self._small[STATS] = data
+
+    @property
+    def small_images(self) -> dict[str, bytes]:
+        """The small images CRIU streamed (complete once CRIU has exited), by name."""
+        return self._small
+
     def _check(self) -> bool:
         """False once CRIU has failed (the streams end there: the put reports its own failure first,
         if it had one, else the caller reports CRIU's); raises on a protocol failure."""
@@ -165,6 +187,7 @@ class CaptureSource:
         self._done.wait()
         if not self._check():
             return
+        self._stats()
         for name in sorted(self._small):
             yield self._spec(name, len(self._small[name]))
 

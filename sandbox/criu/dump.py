@@ -27,7 +27,7 @@ from storage.api import SnapshotStore
 
 from sandbox.criu.capture import CaptureSource
 from sandbox.criu.gpu_side import GpuSide
-from sandbox.criu.images import is_page_image
+from sandbox.criu.images import is_page_image, late_reads, late_reads_in
 from sandbox.criu.report import CriuReport
 from sandbox.criu.runner import Criu, CriuError, DumpOptions
 from sandbox.criu.staging import keep_log, rss_bytes
@@ -116,8 +116,11 @@ def _dumped(ctx: DumpContext) -> None:
         ctx.report.seconds["gpu_resume"] = time.perf_counter() - t1
 
 
-def _ingested(ctx: DumpContext, res: pipeline.Result, followed: list[str], t0: float, criu_s: float) -> None:
+def _ingested(ctx: DumpContext, res: pipeline.Result, followed: list[str], t0: float, criu_s: float,
+              late: str | None = None) -> None:
     r = ctx.report
+    if late:  # CRIU reads some images late on a restore: the default restore stages this snapshot's images
+        ctx.w.meta["staged_restore"] = r.staged_restore = late
     r.seconds["criu_dump"] = criu_s
     r.seconds["dump+ingest"] = time.perf_counter() - t0
     r.seconds["ingest_after_dump"] = r.seconds["dump+ingest"] - criu_s
@@ -151,7 +154,7 @@ def streamed(ctx: DumpContext) -> None:
         raise interrupted
     criu.raise_failure(ctx)
     assert criu.seconds is not None
-    _ingested(ctx, res, src.page_images, t0, criu.seconds)
+    _ingested(ctx, res, src.page_images, t0, criu.seconds, late_reads(src.small_images))
 
 
 def staged(ctx: DumpContext) -> None:
@@ -178,4 +181,4 @@ def staged(ctx: DumpContext) -> None:
                 raise interrupted
             criu.raise_failure(ctx)
     assert criu.seconds is not None
-    _ingested(ctx, res, src.followed, t0, criu.seconds)
+    _ingested(ctx, res, src.followed, t0, criu.seconds, late_reads_in(ctx.images))

@@ -20,6 +20,8 @@ materialize step; nothing else depends on it.
 from __future__ import annotations
 
 import os
+import re
+from typing import Mapping
 
 from sandbox.criu.protocol import StreamerError
 
@@ -37,3 +39,56 @@ def images_path() -> str:
 def is_page_image(name: str) -> bool:
     """NAME is a page image (pages-N.img: the bytes of a process's memory), not a small one."""
     return name.startswith("pages-") and name.endswith(".img")
+
+
+# images CRIU reads whole by their size (img_raw_size: fstat), so that a pipe gives it nothing: a
+# network namespace's nftables rules (criu/net.c, do_restore_nftables)
+SIZED_NAME = re.compile(r"nftables-[0-9]{1,10}\.img")
+
+
+def late_reads(small: Mapping[str, bytes]) -> str | None:
+    """Why a restore of these images (SMALL: image name -> bytes, the mm-PID.img among them) needs them
+    as files, or None: CRIU premaps and reads most memory in order from its image, but the pages of a
+    MAP_HUGETLB area it reads later, with preadv() at an offset, which a streamed pipe cannot serve
+    (`restorer.c: Can't read pages data (-29)`); and a non-empty image of SIZED_NAME it reads by its
+    file size, which a pipe lacks. Found at dump time, recorded in the snapshot
+    (`staged_restore`), so that the default restore stages such a snapshot's images."""
+    from sandbox.criu.split import MAP_HUGETLB, MM_NAME, SplitError, vma_fields
+    found: list[str] = []
+    sized = [n for n in sorted(small) if SIZED_NAME.fullmatch(n) and small[n]]
+    if sized:  # CRIU reads these by their file size (fstat), which a pipe does not have: it would read nothing
+        return ("images CRIU reads by their file size, which a streamed pipe does not have: "
+                + ", ".join(sized))[:512]
+    for name in sorted(small):
+        if not MM_NAME.fullmatch(name):
+            continue
+        try:
+            huge = sum(f.get(2, 0) - f.get(1, 0) for f in vma_fields(small[name]) if f.get(6, 0) & MAP_HUGETLB)
+        except SplitError as e:
+            return f"{name} is not understood ({e}): its pages may be read late"
+        if huge > 0:
+            found.append(f"{name} ({huge >> 20} MiB)")
+    if not found:
+        return None
+    return ("MAP_HUGETLB memory, whose pages CRIU reads late with preadv(): " + ", ".join(found))[:512]
+
+
+def late_reads_in(directory: str) -> str | None:
+    """late_reads of the mm images (and the images read by size) CRIU wrote as files into DIRECTORY
+    (the staging path)."""
+    from sandbox.criu.split import MAX_MM_BYTES, MM_NAME
+    small: dict[str, bytes] = {}
+    for name in os.listdir(directory):
+        if MM_NAME.fullmatch(name) or SIZED_NAME.fullmatch(name):
+            fd = os.open(os.path.join(directory, name), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+            with os.fdopen(fd, "rb") as f:
+                small[name] = f.read(MAX_MM_BYTES + 1)
+    return late_reads(small)
+
+
+def restore_path(staged_restore: str | None) -> str:
+    """The path a restore takes: $GPUSNAP_CRIU_IMAGES when set, else 'staging' for a snapshot whose
+    images CRIU reads late (STAGED_RESTORE: the snapshot's reason), else 'stream'."""
+    if os.environ.get("GPUSNAP_CRIU_IMAGES", "").strip():
+        return images_path()
+    return "staging" if staged_restore else "stream"

@@ -47,8 +47,12 @@ class CriuDump(Operation):
                     resume_gpu(rec, self.ctx, done)
             return
         if rec.stage.at_least(Stage.DUMPING):
-            resumed = [p.pid for p in with_descendants(rec.procs) if p.signal(signal.SIGCONT)]
-            done.actions.append(f"no snapshot was committed: resumed the tree {resumed}")
+            # each process back as it was found: one stopped or traced before the dump gets no signal (CRIU
+            # leaves it so; a SIGCONT would resume a stopped one, and stop a traced one again for its tracer)
+            held = set(rec.held)
+            resumed = [p.pid for p in with_descendants(rec.procs) if p not in held and p.signal(signal.SIGCONT)]
+            done.actions.append(f"no snapshot was committed: resumed the tree {resumed}"
+                                + (f", left {[p.pid for p in rec.held]} stopped or traced as they were" if held else ""))
         if rec.stage.at_least(Stage.GPU_FROZEN):
             resume_gpu(rec, self.ctx, done)
 

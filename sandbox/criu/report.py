@@ -26,6 +26,7 @@ class CriuReport:
     parent: str | None = None     # a dump's parent snapshot (its changed chunks are deltas against it)
     pipe_reads: str | None = None  # a streamed dump's: how CRIU's pipes were read (storage.fs.fdread.describe)
     pack_writes: str | None = None  # a dump's: "direct", "buffered" or "none" (SnapshotWriter.pack_writes)
+    staged_restore: str | None = None  # a dump's: why its restore stages the images (sandbox.criu.images.late_reads)
 
     def as_dict(self) -> dict[str, Any]:
         """A dump's report (bytes of images, written, deduplicated) or a restore's (the restored pid):
@@ -36,4 +37,5 @@ class CriuReport:
             return {**d, "restored_pid": self.restored_pid}
         return {**d, "raw_bytes": self.raw_bytes, "new_bytes": self.new_bytes, "dedup_bytes": self.dedup_bytes,
                 "parent": self.parent, **({"pipe_reads": self.pipe_reads} if self.pipe_reads else {}),
-                **({"pack_writes": self.pack_writes} if self.pack_writes else {})}
+                **({"pack_writes": self.pack_writes} if self.pack_writes else {}),
+                **({"staged_restore": self.staged_restore} if self.staged_restore else {})}

@@ -71,7 +71,23 @@ class CriuMissing(CriuError):
     exit_code = EXIT_UNAVAILABLE
 
 
+_VERSIONS: dict[tuple[str, int, int, int], tuple[int, int, int] | None] = {}
+
+
 def criu_version(binary: str) -> tuple[int, int, int] | None:
+    """BINARY's CRIU version (`criu --version`), asked once per process for each file (path, inode,
+    mtime, size: a binary replaced meanwhile is asked again); None where it is not a CRIU."""
+    try:
+        st = os.stat(binary)
+    except OSError:
+        return None
+    key = (binary, st.st_ino, st.st_mtime_ns, st.st_size)
+    if key not in _VERSIONS:
+        _VERSIONS[key] = _ask_version(binary)
+    return _VERSIONS[key]
+
+
+def _ask_version(binary: str) -> tuple[int, int, int] | None:
     try:
         out = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=10).stdout
     except (OSError, subprocess.TimeoutExpired):
@@ -194,6 +210,16 @@ class DumpOptions:
     skip_in_flight: bool = False  # connections not yet accepted are dropped (their clients retry)
     action_script: str | None = None
     extra: tuple[str, ...] = ()
+    # each checked before it gets here (sandbox.criu.criu_options, sandbox.criu.netlock)
+    network_lock: str | None = None       # iptables, nftables or skip (None: CRIU's default, iptables)
+    ghost_limit: int | None = None        # bytes of a deleted file's contents CRIU keeps in the images
+    no_ghost_fiemap: bool = False
+    force_irmap: bool = False
+    irmap_scan_paths: tuple[str, ...] = ()
+    root: str | None = None
+    external: tuple[str, ...] = ()
+    manage_cgroups: str | None = None     # none, props, soft, full, strict or ignore
+    tcp_close: bool = False               # established connections neither dumped nor locked
 
     def argv(self) -> list[str]:
         a = []
@@ -206,6 +232,21 @@ class DumpOptions:
                 a.append(flag)
         if self.action_script:
             a += ["--action-script", self.action_script]
+        if self.network_lock:
+            a += ["--network-lock", self.network_lock]
+        if self.ghost_limit is not None:
+            a += ["--ghost-limit", str(self.ghost_limit)]
+        a += ["--no-ghost-fiemap"] if self.no_ghost_fiemap else []
+        a += ["--force-irmap"] if self.force_irmap else []
+        for d in self.irmap_scan_paths:
+            a += ["--irmap-scan-path", d]
+        if self.root:
+            a += ["--root", self.root]
+        for e in self.external:
+            a += ["--external", e]
+        if self.manage_cgroups:
+            a += [f"--manage-cgroups={self.manage_cgroups}"]
+        a += ["--tcp-close"] if self.tcp_close else []
         return a + list(self.extra)
 
 

@@ -44,19 +44,19 @@ from storage.api import DEFAULT_JOBS
 from storage.api import SnapshotStore
 
 from sandbox.ops import journal
-from sandbox.criu import restore
 from sandbox.criu.gpu_side import GpuSide, is_gpu_stream
-from sandbox.criu.images import images_path
+from sandbox.criu import netlock
+from sandbox.criu.criu_options import RestoreOptions
+from sandbox.criu.images import images_path, restore_path
 from sandbox.criu.parent import choose_parent
 from sandbox.criu.protocol import dump_pipe_size
 from sandbox.criu.report import CriuReport, CriuSnapshotError
 from sandbox.criu.restored import boot_ticks, restored_procs
 from sandbox.criu.runner import Criu, CriuError, DumpOptions
-from sandbox.criu.serve import early_reads_of
 from sandbox.criu.staging import keep_log, new_staging, rss_bytes
 from sandbox.host import hugepages
 from sandbox.host.dumpwrites import dump_packs_direct
-from sandbox.host.processes import process_tree
+from sandbox.host.processes import Proc, held_state, process_tree
 from sandbox.gpu.state import GpuPath, plan as gpu_plan
 from sandbox.ops.hooks import Hook, resume_meta
 from sandbox.ops.snapshot_meta import CriuMeta, GpuInfo
@@ -65,7 +65,9 @@ from sandbox.ops.journal import OpKind, Stage
 from sandbox.ops.operations import GpuAccess, Undo, undone_on_failure
 import sandbox.criu.operations  # noqa: F401 - registers CriuDump and CriuRestore, the undos this flow runs
 
-if TYPE_CHECKING:  # imported where used: a restore needs neither the dump side nor the remote's client
+if TYPE_CHECKING:  # imported where used: a restore needs neither the dump side nor the remote's client, a dump
+    # not the restore side (each import is start-up time of every call: issue 61's fixed cost)
+    from sandbox.criu import restore
     from sandbox.criu.dump import DumpContext
     from storage.api import RemoteFill
     from sandbox.gpu.state import EarlyRestore
@@ -96,6 +98,8 @@ def criu_dump(store: SnapshotStore, pid: int, name: str, *, leave_running: bool 
     hugepages.policy()
     opts = options or DumpOptions()
     opts = DumpOptions(**{**opts.__dict__, "leave_running": leave_running, "leave_stopped": not leave_running})
+    if opts.tcp_established:  # CRIU's network lock can work here (else the cause and the choices, nothing frozen)
+        netlock.require("criu dump", opts.network_lock, criu.binary)
     try:
         pids = process_tree(pid)
     except Exception as e:  # noqa: BLE001 - DiscoveryError
@@ -111,8 +115,9 @@ def criu_dump(store: SnapshotStore, pid: int, name: str, *, leave_running: bool 
         known = {g["uuid"] for g in gpu.gpus}
         usage = {int(p): {u: n for u, n in per.items() if u in known}
                  for p, per in usage_of(gpu.driver, gpu.cuda_pids).items() if any(u in known for u in per)}
+    held = tuple(p for p in (Proc.of(x) for x in pids if held_state(x)) if p is not None)  # before CRIU seizes any
     with journal.operation(store.path, OpKind.CRIU_DUMP, name, pids=pids, cuda_pids=tuple(gpu.cuda_pids),
-                           gpu_path=gpu.path, leave_running=leave_running) as op:
+                           gpu_path=gpu.path, leave_running=leave_running, held=held) as op:
         # op and op_mac: how recovery tells this operation's commit from any other manifest of the name
         meta = CriuMeta(pid, tuple(pids), tuple(gpu.cuda_pids), ".".join(map(str, criu.version or ())),
                         tuple(opts.argv()), GpuPath(gpu.path) if gpu.path else None,
@@ -229,13 +234,15 @@ def _from_remote(store: SnapshotStore, name: str, remote: str | None, jobs: int,
 def criu_restore(store: SnapshotStore, name: str, *, staging: str | None = None, progress: Progress | None = None,
                  criu: Criu | None = None, gpu_driver: Any = None, device: Any = None,
                  from_remote: str | None = None, jobs: int = DEFAULT_JOBS, device_map: Sequence[str] = (),
-                 features: Any = None, tcp_established: bool = False) -> CriuReport:
+                 features: Any = None, tcp_established: bool = False,
+                 options: RestoreOptions | None = None) -> CriuReport:
     """Snapshot NAME back: images served (verified) to `criu restore`, then the GPU state by the path
     that took it (the driver's host copy, or custom storage from the gpu/ streams). FROM_REMOTE: a
     store that lacks NAME gets it from that remote (JOBS requests at once) while CRIU restores.
     DEVICE_MAP (OLD=NEW items): the GPU state onto other GPUs, the map checked before CRIU starts.
     The dump's --tcp-established/--ext-unix-sk/--file-locks are given to CRIU again;
-    TCP_ESTABLISHED asks for the first even when the dump did not record it."""
+    TCP_ESTABLISHED asks for the first even when the dump did not record it. OPTIONS: what the user adds
+    (checked: sandbox.criu.criu_options); --tcp-close restores the connections closed instead."""
     entered = time.monotonic()  # the interpreter and the imports before it (the report's marks)
     criu = criu or Criu()
     journal.require_clean(store.path)
@@ -244,6 +251,10 @@ def criu_restore(store: SnapshotStore, name: str, *, staging: str | None = None,
         m = (fill.manifest if fill is not None else None) or store.load(name)
         loaded = time.monotonic()  # the store's lock, its journal and the manifest since `entered`
         meta = CriuMeta.of(m)
+        path = restore_path(meta.staged_restore)  # stream, unless CRIU reads some of its images late
+        pulled = None
+        if fill is not None and path != "stream":  # the staged path reads every image first: all of it here
+            pulled, fill = fill.finish(), None
         with waits.waiting(waits.TREE_DEATH):
             taken = _pids_in_use(list(meta.pids))
         if taken:
@@ -261,9 +272,12 @@ def criu_restore(store: SnapshotStore, name: str, *, staging: str | None = None,
             gpu_map = dmap.plan(device_map, meta.gpus_json, dmap.gpus_here(gpu_driver, features), meta.gpu_bytes).gpu_map
         # the restore is accepted (its pids free, its map checked): a local streamed restore's disk starts
         # on what it reads first now, while the journal, the CUDA driver and THP get ready
-        early = held.enter_context(early_reads_of(store, m)) if fill is None and images_path() == "stream" else None
+        from sandbox.criu.serve import early_reads_of  # the restore side: imported by restores only
+        early = held.enter_context(early_reads_of(store, m)) if fill is None and path == "stream" else None
         early_begin = time.monotonic()
-        report = CriuReport(name, list(meta.pids), list(meta.cuda_pids))
+        report = CriuReport(name, list(meta.pids), list(meta.cuda_pids), images_path=path)
+        if pulled is not None:
+            report.stages["pull"] = pulled.as_dict()
         with journal.operation(store.path, OpKind.CRIU_RESTORE, name, cuda_pids=tuple(report.cuda_pids),
                                gpu_path=meta.gpu_path.value if meta.gpu_path else None) as op:
             stage = new_staging(store, m.size, staging, op)
@@ -274,7 +288,7 @@ def criu_restore(store: SnapshotStore, name: str, *, staging: str | None = None,
                         if fill is not None:
                             fill.start()
                         run = _restore_run(criu, store, m, meta, stage, None if fill else progress, fill,
-                                           ("--tcp-established",) if tcp_established else (), early)
+                                           ("--tcp-established",) if tcp_established else (), early, options)
                         _restore_from(run, m, meta, report, op, fill, gpu_driver, device, gpu_map)
                     except BaseException:
                         if early is not None:
@@ -298,12 +312,22 @@ def _cuda_driver() -> Any:
 
 
 def _restore_run(criu: Criu, store: SnapshotStore, m: Any, meta: CriuMeta, stage: str, progress: Progress | None,
-                 fill: RemoteFill | None, tcp: tuple[str, ...], early: Any = None) -> restore.RestoreRun:
+                 fill: RemoteFill | None, tcp: tuple[str, ...], early: Any = None,
+                 options: RestoreOptions | None = None) -> restore.RestoreRun:
     """The `criu restore` of M's CRIU images (its gpu/ streams left out) in STAGE: the dump's options
-    that CRIU needs again, and TCP (asked for even when the dump did not record it)."""
+    that CRIU needs again (its network lock method included), TCP (asked for even when the dump did not
+    record it), and the user's OPTIONS (with --tcp-close, no --tcp-established)."""
     from storage.api import Manifest
+    from sandbox.criu import restore
     files = Manifest(m.name, [s for s in m.streams if not is_gpu_stream(s)], m.meta)
+    options = options or RestoreOptions()
     extra = tuple(o for o in meta.options if o in RESTORE_TOO) + tuple(o for o in tcp if o not in meta.options)
+    if options.tcp_close:
+        extra = tuple(o for o in extra if o != "--tcp-established")
+    lock = options.network_lock or netlock.method_of(meta.options)
+    if "--tcp-established" in extra:  # CRIU unlocks the connections the dump locked: the same method
+        netlock.require("criu restore", lock, criu.binary)
+    extra += dataclasses.replace(options, network_lock=lock).argv()
     return restore.RestoreRun(criu, store, files, stage, list(meta.pids), meta.shell_job, extra, progress=progress,
                               arrivals=fill, early=early)
 
@@ -316,7 +340,6 @@ def _restore_from(run: restore.RestoreRun, m: Any, meta: CriuMeta, report: CriuR
     store, name = run.store, m.name
     if run.progress is not None:
         run.progress.start(run.files.size)
-    report.images_path = images_path()
     journal.pause("before-restore")
     op.advance(Stage.DUMPING)
     born_after = boot_ticks()  # what this restore makes starts after this
@@ -392,6 +415,7 @@ def _early_gpu(held: ExitStack, run: restore.RestoreRun, report: CriuReport, met
 def _restore_tree(run: restore.RestoreRun, m: Any, meta: CriuMeta, report: CriuReport, op: journal.Op,
                   fill: RemoteFill | None, born_after: int) -> None:
     """`criu restore` of RUN (streamed or staged), the restored tree journaled; FILL's pull finished."""
+    from sandbox.criu import restore
     store, name = run.store, m.name
     try:
         if report.images_path == "stream":  # chunks decoded straight into CRIU's pipes: no materialize step

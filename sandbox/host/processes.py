@@ -54,6 +54,22 @@ def state_of(pid: int) -> str:
         return "gone"
 
 
+def held_state(pid: int) -> str | None:
+    """How PID is held by someone else, or None (running, or gone): "stopped" (job control: state T),
+    "traced" (a tracer is attached: TracerPid in /proc/PID/status, whatever its state, t included).
+    A process so held before a dump is left so: no signal of gpusnap's may resume it or reach its tracer."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("TracerPid:"):
+                    if int(line.split()[1]) != 0:
+                        return "traced"
+                    break
+    except (OSError, ValueError, IndexError):
+        return None
+    return "stopped" if state_of(pid) in ("T", "t") else None
+
+
 @dataclass(frozen=True)
 class Proc:
     """One process, by pid and start time."""

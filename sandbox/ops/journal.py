@@ -116,6 +116,7 @@ class OpRecord:
     resume: dict[str, Any] | None = None     # workload-prepared: {"hook", "timeout_s"}, what recover runs
     boot: str = ""                           # the boot it was written in (boot_id); "" in records of old versions
     store: str = ""                          # the store directory it was written for (Journal.store_id)
+    held: tuple[Proc, ...] = ()              # of procs, those stopped or traced before it began: never signalled but to kill
     untrusted: str | None = field(default=None, compare=False)  # why this record is not one we wrote (read side)
     legacy: bool = field(default=False, compare=False)  # honoured under the old in-store key (--trust-old-key)
 
@@ -154,6 +155,7 @@ class OpRecord:
                        started=float(d.get("started", 0.0)),
                        helpers=tuple(Proc(int(p["pid"]), int(p["start"])) for p in d.get("helpers", ())),
                        resume=_resume_field(d.get("resume")),
+                       held=tuple(Proc(int(p["pid"]), int(p["start"])) for p in d.get("held", ())),
                        boot=str(d.get("boot", "")), store=str(d.get("store", "")), untrusted=untrusted)
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise JournalError(f"unreadable journal record: {e}") from None

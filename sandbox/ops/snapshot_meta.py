@@ -284,7 +284,7 @@ class GpuMeta(SnapshotMeta):
 class CriuMeta(SnapshotMeta):
     """`criu` snapshots: CRIU images under images/, GPU state by gpu_path."""
     KIND = SnapshotKind.CRIU
-    FIELDS = ("root_pid", "pids", "cuda_pids", "criu", "options", "gpu_path", "gpus", "gpu_bytes")
+    FIELDS = ("root_pid", "pids", "cuda_pids", "criu", "options", "gpu_path", "gpus", "gpu_bytes", "staged_restore")
     root_pid: int = 1
     pids: tuple[int, ...] = ()
     cuda_pids: tuple[int, ...] = ()
@@ -293,10 +293,12 @@ class CriuMeta(SnapshotMeta):
     gpu_path: GpuPath | None = None
     gpus: tuple[GpuInfo, ...] = ()
     gpu_bytes: Mapping[int, Mapping[str, int]] = field(default_factory=dict)
+    staged_restore: str | None = None  # why the images must be files on a restore (CRIU reads some late)
 
     def _fields(self) -> dict[str, Any]:
         return {"root_pid": self.root_pid, "pids": list(self.pids), "cuda_pids": list(self.cuda_pids),
                 "criu": self.criu, "options": list(self.options),
+                **({"staged_restore": self.staged_restore} if self.staged_restore else {}),
                 "gpu_path": self.gpu_path.value if self.gpu_path else None,
                 **({"gpus": [g.to_json() for g in self.gpus]} if self.gpus else {}),
                 **({"gpu_bytes": {str(p): dict(u) for p, u in self.gpu_bytes.items()}} if self.gpu_bytes else {})}
@@ -325,8 +327,12 @@ class CriuMeta(SnapshotMeta):
         if bool(cuda) != (gpu_path is not None):
             raise _fail(where, f"gpu_path {meta.get('gpu_path')!r} does not match cuda_pids {list(cuda)}")
         gpus = _gpus(meta.get("gpus"), where)
+        staged = meta.get("staged_restore")
+        if staged is not None and (not isinstance(staged, str) or not 0 < len(staged) <= 512):
+            raise _fail(where, "staged_restore is not a string of 1 to 512 characters")
         return cls(root, pids, cuda, _str(meta.get("criu", ""), where, "CRIU version", r"[0-9.]{0,32}"),
-                   tuple(options), gpu_path, gpus, _gpu_bytes(meta.get("gpu_bytes"), where, cuda, gpus), extra=extra)
+                   tuple(options), gpu_path, gpus, _gpu_bytes(meta.get("gpu_bytes"), where, cuda, gpus),
+                   staged_restore=staged, extra=extra)
 
 
 @dataclass(frozen=True)
