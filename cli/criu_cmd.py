@@ -14,6 +14,7 @@ from sandbox.criu.runner import DumpOptions
 from sandbox.criu.snapshot import criu_dump, criu_restore
 from sandbox.containers.process_check import refuse_container_process
 from sandbox.host.interrupts import undo_on_signals
+from cli.warm_opts import keep_warm as _keep_warm, keep_warm_option, read_warm, warm_used
 
 
 
@@ -53,13 +54,14 @@ def criu() -> None:
                    "(it writes about the changed bytes). Never chosen for you: the bytes of SNAP that the deltas "
                    "use stay stored while this snapshot lives, even after SNAP is removed.")
 @tag_option
+@keep_warm_option
 @json_option
 @click.pass_context
 @one_line_errors
 def criu_dump_cmd(ctx: click.Context, pid: int, name: str, leave_running: bool, shell_job: bool,
                   ext_unix_sk: bool, file_locks: bool, link_remap: bool, tcp_established: bool,
                   skip_in_flight: bool, staging: str | None, replace: bool, parent: str | None,
-                  tags: tuple[str, ...], as_json: bool) -> None:
+                  tags: tuple[str, ...], keep_warm: bool, as_json: bool) -> None:
     """Dump PID and its descendants into snapshot NAME. On any failure the tree keeps running.
 
     The page images stream from CRIU into the store as CRIU writes them (no copy on disk first);
@@ -73,7 +75,10 @@ def criu_dump_cmd(ctx: click.Context, pid: int, name: str, leave_running: bool, 
     with undo_on_signals(), Progress(f"criu dump {pid}", ctx.obj["progress"]) as prog:
         r = criu_dump(st, pid, name, leave_running=leave_running, options=opts, replace=replace,
                       staging=staging, progress=prog, tags=tags, parent=parent)
-    emit(as_json, r.as_dict(), f"{name}: {len(r.pids)} process(es), {len(r.cuda_pids)} with CUDA; "
+    d = r.as_dict()
+    if keep_warm:
+        d["warm"] = _keep_warm(st, name)
+    emit(as_json, d, f"{name}: {len(r.pids)} process(es), {len(r.cuda_pids)} with CUDA; "
          f"{human(r.raw_bytes)} of images, {human(r.new_bytes)} written, {human(r.dedup_bytes)} deduplicated "
          f"({', '.join(f'{k} {v:.2f} s' for k, v in r.seconds.items())})")
 
@@ -103,11 +108,12 @@ def criu_restore_cmd(ctx: click.Context, name: str, staging: str | None, device_
     images CRIU reads first, first), and committed locally once all of it is here. Needs root."""
     need_root("criu restore")
     st = open_store(ctx, create=False)
+    read_warm(st)
     with undo_on_signals(), Progress(f"criu restore {name}", ctx.obj["progress"]) as prog:
         r = criu_restore(st, name, staging=staging, progress=prog, from_remote=from_remote, jobs=jobs,
                          device_map=split_map(device_map), tcp_established=tcp_established)
     skipped = r.stages.get("served", {}).get("split_skipped_because")
-    emit(as_json, r.as_dict(), f"{name}: restored, root pid {r.restored_pid} "
+    emit(as_json, {**r.as_dict(), "warm": warm_used(st, name)}, f"{name}: restored, root pid {r.restored_pid} "
          f"({', '.join(f'{k} {v:.2f} s' for k, v in r.seconds.items())})"
          + (f"; no split restore: {skipped}" if skipped else ""))
 

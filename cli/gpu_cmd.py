@@ -9,6 +9,7 @@ from cli.progress import Progress
 
 
 from sandbox.ops import journal
+from cli.warm_opts import keep_warm as _keep_warm, keep_warm_option, read_warm, warm_used
 from cli.common import emit, from_remote_option, json_option, one_line_errors, open_store, split_map, tag_option
 from sandbox.doctor import render, report
 from sandbox.gpu.snapshot import gpu_checkpoint, gpu_restore
@@ -60,12 +61,13 @@ def gpu() -> None:
 @click.option("--replace", is_flag=True, help="Replace an existing snapshot of the same name.")
 @tag_option
 @tier_options
+@keep_warm_option
 @json_option
 @click.pass_context
 @one_line_errors
 def gpu_checkpoint_cmd(ctx: click.Context, pid: int, name: str, lock_timeout: float,
                        thp: str, replace: bool, tags: tuple[str, ...], tier: str, pool_socket: str | None,
-                       as_json: bool) -> None:
+                       keep_warm: bool, as_json: bool) -> None:
     """Swap out the GPU state of PID and its CUDA children into snapshot NAME.
 
     With a driver that has custom storage (CUDA 13.4+), the GPU memory streams into the store,
@@ -85,6 +87,8 @@ def gpu_checkpoint_cmd(ctx: click.Context, pid: int, name: str, lock_timeout: fl
         rep = gpu_checkpoint(st, pid, name, lock_timeout_s=lock_timeout, replace=replace, tags=tags,
                              thp_mode=None if thp == "keep" else thp, progress=prog)
     d = rep.as_dict()
+    if keep_warm:
+        d["warm"] = _keep_warm(st, name)
     emit(as_json, d, f"{name}: {len(rep.pids)} CUDA process(es) {rep.pids} checkpointed via {rep.path} "
          f"({', '.join(f'{k} {v:.2f} s' for k, v in rep.seconds.items())}); they stay locked until "
          f"`gpusnap gpu restore {name} {pid}`")
@@ -119,10 +123,11 @@ def gpu_restore_cmd(ctx: click.Context, name: str, pid: int, device_map: tuple[s
         return
     st = open_store(ctx, create=False)
     journal.require_clean(st.path)
+    read_warm(st)
     with undo_on_signals(), Progress(f"gpu restore {name}", ctx.obj["progress"]) as prog:
         rep = gpu_restore(st, name, pid, device_map=split_map(device_map), thp_mode=None if thp == "keep" else thp,
                           progress=prog, from_remote=from_remote)
-    emit(as_json, rep.as_dict(), f"{name}: {len(rep.pids)} process(es) restored via {rep.path} and running "
+    emit(as_json, {**rep.as_dict(), "warm": warm_used(st, name)}, f"{name}: {len(rep.pids)} process(es) restored via {rep.path} and running "
          f"({', '.join(f'{k} {v:.2f} s' for k, v in rep.seconds.items())})")
 
 
