@@ -391,8 +391,13 @@ def read_runs(store: PackSource, runs: list[Run], stop: Callable[[], bool] = lam
 
 def open_pack_quietly(store: PackSource, pack: str) -> int | None:
     """PACK opened as every pack open is checked; None when it cannot be (for read-aheads, which are
-    hints: the reads that follow meet and report it)."""
+    hints: the reads that follow meet and report it). The warm tier's copy where a restore reads from it
+    (a read-ahead of memory costs nothing, and it is what the reads that follow read)."""
+    warm = getattr(store, "open_warm", None)
     try:
+        fd = warm(pack) if warm is not None else None
+        if fd is not None:
+            return int(fd)
         with store.subdir("packs") as packs:
             return open_pack(packs, pack, "")
     except (OSError, ChunkError, GpusnapError):
