@@ -46,6 +46,8 @@ from typing import Any, Callable
 from scripts.helpers import REPO, child_env, disk_floor, drop_caches
 
 SERVER = os.path.join(REPO, "scripts", "workloads", "transformers_server.py")
+DROP = {"nvme": ("nvme",), "second": ("first", "second"), "warm": ("warmsnap",), "hooks": ("hooked",),
+        "inplace": ("inplace",)}
 STEPS = ["cold", "baseline", "nvme", "second", "warm", "hooks", "inplace"]
 
 
@@ -66,7 +68,8 @@ class Bench:
         self.pid = 0
         self.tokens: list[int] | None = None
         self.digest: dict[str, Any] | None = None
-        self.env = child_env(GPUSNAP_WARM_DIR=self.warm_dir, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "4"))
+        self.env = child_env(GPUSNAP_WARM_DIR=self.warm_dir, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "4"),
+                             HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
         from sandbox.criu.runner import Criu
         self.criu = Criu()
         self.env["GPUSNAP_CRIU"] = self.criu.binary  # the baseline's CRIU is gpusnap's too
@@ -357,12 +360,24 @@ class Bench:
                         self.result["errors"][name] = "skipped: the server is not running"
                         continue
                     self.step(name, fn)
+                    self.drop(*DROP.get(name, ()))
         finally:
             self.cleanup()
             self.result["ratios"] = ratios(self.result)
             self.result["finished"] = time.time()
             self.save()
             table(self.result)
+
+    def drop(self, *names: str) -> None:
+        """Snapshots no later step needs: out of the warm tier, removed, their packs reclaimed (a 64 GiB disk
+        holds the model, the baseline's images and one or two snapshots of 30 GB of GPU state, not all)."""
+        if self.a.keep:
+            return
+        for args in (["store", "cool", *names], ["store", "rm", *names], ["store", "gc"]):
+            try:
+                self.gpusnap(*args)
+            except (StepError, subprocess.TimeoutExpired, ValueError) as e:
+                self.result["errors"].setdefault("cleanup", str(e))
 
     def alive(self) -> bool:
         try:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batch on the lent GPU machine (the `device` tool): GPU tests, then the benchmarks named in $1
-# ("tests", "engine", "e2e", "speed", "moe", "fillvariants", "criutree", "codecs", "startup", "probe-delta", "pipes", "queue", "fillreads", "gilprof", "deltaprof", "knobs", "bench" = scripts/bench/bench_h200.sh, "hostpath", "pinned", "ingest", "pool", "storeput", or several, comma-separated). Results land in $OUT (or ./device-out).
+# ("tests", "engine", "e2e", "speed", "moe", "fillvariants", "criutree", "codecs", "startup", "probe-delta", "pipes", "queue", "fillreads", "gilprof", "deltaprof", "knobs", "bench" = scripts/bench/bench_h200.sh, "server" = scripts/bench/bench_server.py (SERVER_ARGS; WHEELS=.whl-serve), "hostpath", "pinned", "ingest", "pool", "storeput", or several, comma-separated). Results land in $OUT (or ./device-out).
 # The GPU machine has no network: carry .whl/ and .carry/ (both git-ignored, ~58 MiB together):
 #   .whl/: pip download --only-binary=:all: --python-version 3.12 --no-deps --platform manylinux2014_x86_64
 #          --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 --platform any -d .whl \
@@ -151,6 +151,7 @@ for what in ${1//,/ }; do
             for sh in ${TREE_SHARING:-cow private}; do
               timeout ${TREE_TIMEOUT:-280} python3 -m scripts.bench.bench_criu --mb ${TREE_MB:-4096} --data weights --sharing $sh \
                 --rounds ${TREE_ROUNDS:-2} --json "$out/criutree-$sh.json" 2>&1 | tee "$out/criutree-$sh.txt" | tail -6; done ;;
+    server) timeout ${SERVER_TIMEOUT:-580} python3 -m scripts.bench.bench_server --out "$out/server.json" ${SERVER_ARGS:-} 2>&1 | tee "$out/server.log" ;;  # WHEELS=.whl-serve (make-carry.sh)
     e2e)    timeout 560 python3 -m scripts.bench.bench_e2e --json "$out/e2e.json" ${BENCH_ARGS:-} 2>&1 | tee "$out/e2e.log" ;;
   esac
 done
