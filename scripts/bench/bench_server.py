@@ -277,6 +277,7 @@ class Bench:
             self.http("POST", "/resume", timeout=self.a.step_timeout)
             r["resume_emulated_s"] = time.perf_counter() - t
         r["answer_s"] = self.first_answer(t0)
+        r["answer_after_restore_s"] = r["answer_s"] - r["restore_cmd_s"] - r.get("resume_emulated_s", 0.0)
         r["digest"] = self.check_digest(kv_kept)
         return r
 
