@@ -65,6 +65,7 @@ class Bench:
         self.pids: set[int] = set()        # every server pid ever seen (killed at the end)
         self.procs: list[subprocess.Popen[bytes]] = []
         self.port = 0
+        self.hook_port = 0  # the server's /prepare and /resume (criu_hooks.workload_helper's own port where used)
         self.pid = 0
         self.tokens: list[int] | None = None
         self.digest: dict[str, Any] | None = None
@@ -222,9 +223,10 @@ class Bench:
         answer = self.first_answer(t0)
         self.tokens = self.http("POST", "/generate")["tokens"]
         health = self.http("GET", "/health")
+        self.hook_port = int(health.get("hook_port") or self.port)
         self.digest = self.http("GET", "/digest", timeout=self.a.step_timeout)
         return {"answer_s": answer, "server_times": health.get("times"), "loaded_with": health.get("loaded_with"),
-                "digest": self.digest, "tokens": self.tokens, "pid": self.pid}
+                "digest": self.digest, "tokens": self.tokens, "pid": self.pid, "helper": health.get("helper")}
 
     def baseline(self) -> dict[str, Any]:
         from sandbox.criu.runner import DumpOptions
@@ -267,7 +269,7 @@ class Bench:
             drop_caches(required=os.geteuid() == 0)
         args = ["criu", "restore", name]
         if resume and self.has_hooks:
-            args += ["--resume", f"http://127.0.0.1:{self.port}/resume"]
+            args += ["--resume", f"http://127.0.0.1:{self.hook_port}/resume"]
         t0 = time.perf_counter()
         rep = self.gpusnap(*args)
         r: dict[str, Any] = {"restore_cmd_s": time.perf_counter() - t0, "stages": rep.get("seconds"),
@@ -285,8 +287,8 @@ class Bench:
         args = ["criu", "dump", "--skip-in-flight", *extra]
         emulated = 0.0
         if prepare and self.has_hooks:
-            args += ["--prepare", f"http://127.0.0.1:{self.port}/prepare",
-                     "--resume", f"http://127.0.0.1:{self.port}/resume"]
+            args += ["--prepare", f"http://127.0.0.1:{self.hook_port}/prepare",
+                     "--resume", f"http://127.0.0.1:{self.hook_port}/resume"]
         t0 = time.perf_counter()
         if prepare and not self.has_hooks:
             self.http("POST", "/prepare", timeout=self.a.step_timeout)

@@ -14,8 +14,9 @@ kept on the device). Served over HTTP by aiohttp on 127.0.0.1:
                           (bit-exactness is checked by the process itself): {"weights", "kv", "prefix", ...}
   POST /kv/dirty?pct=P    rewrites P% of the KV pool's blocks (new values): {"bytes": changed bytes}
   POST /prepare, /resume  with --helper: the workload side of gpusnap's hooks (`--prepare URL`). Through
-                          criu_hooks.workload_helper where that module exists, else the same semantics
-                          here: wait until no request is in flight and hold new ones, free the KV pool,
+                          criu_hooks.workload_helper's Gate where that module exists (which also serves
+                          them on its own port: /health's "hook_port"), else the same semantics here:
+                          wait until no request is in flight and hold new ones, free the KV pool,
                           empty the caching allocator; resume re-creates the KV pool as zeros of its shape
                           and lets requests through.
 
@@ -125,6 +126,7 @@ class State:
         with torch.no_grad():
             self.prefix = self.model(prefix_ids, use_cache=True).past_key_values
         self.helper: Any = None
+        self.hook_port = 0  # where POST /prepare and /resume are served (the helper's port, or ours)
         self.gate = threading.Condition()
         self.in_flight = 0
         self.held = False
@@ -160,6 +162,9 @@ class State:
 
     def prepare(self) -> dict[str, Any]:
         """Hold new requests, wait for those in flight, free the KV pool, empty the caching allocator."""
+        if self.helper is not None:  # criu_hooks.workload_helper's Gate does all of it
+            freed = self.kv.numel() * 2 if self.kv is not None else 0
+            return {"freed": freed, "helper": self.helper.prepare()}
         with self.gate:
             self.held = True
             while self.in_flight:
@@ -172,6 +177,9 @@ class State:
         return {"freed": freed}
 
     def resume(self) -> dict[str, Any]:
+        if self.helper is not None:
+            self.helper.resume()
+            return {"ok": True}
         if self.kv is None:
             self.kv = self.torch.zeros(self.kv_shape, dtype=self.torch.bfloat16, device=self.device)
         self._sync()
@@ -263,7 +271,9 @@ def main() -> int:
 
     async def health(_: web.Request) -> web.Response:
         return web.json_response({"ok": True, "pid": os.getpid(), "times": state.times,
-                                  "loaded_with": state.loaded_with})
+                                  "loaded_with": state.loaded_with, "hook_port": state.hook_port,
+                                  "helper": "criu_hooks.workload_helper" if state.helper is not None else
+                                  ("built in" if args.helper else None)})
 
     async def generate(req: web.Request) -> web.Response:
         body = await req.json() if req.can_read_body else {}
@@ -291,7 +301,7 @@ def main() -> int:
     app.router.add_post("/generate", generate)
     app.router.add_get("/digest", digest)
     app.router.add_post("/kv/dirty", dirty)
-    if args.helper and state.helper is None:
+    if args.helper:  # also where the helper serves its own port: the same steps, one answer shape
         app.router.add_post("/prepare", prepare)
         app.router.add_post("/resume", resume)
 
@@ -301,6 +311,7 @@ def main() -> int:
         site = web.TCPSite(runner, "127.0.0.1", args.port, reuse_address=True)
         await site.start()
         port = runner.addresses[0][1]
+        state.hook_port = state.hook_port or port
         state.generate(1)  # the first request's one-time costs (kernels, caches) before "ready"
         if args.ready_file:
             tmp = f"{args.ready_file}.tmp"
@@ -316,19 +327,16 @@ def main() -> int:
 
 
 def load_helper(state: State) -> Any:
-    """criu_hooks.workload_helper where it exists (branch `hooks`), else None (this module's own gate)."""
+    """criu_hooks.workload_helper's Gate where that module exists (the KV pool registered as discardable,
+    its loopback endpoint started), else None: this module's own gate serves /prepare and /resume."""
     try:
-        from criu_hooks import workload_helper  # type: ignore[attr-defined]
+        from criu_hooks import workload_helper  # type: ignore[attr-defined,unused-ignore]
     except ImportError:
         return None
-    if not all(hasattr(workload_helper, n) for n in ("Helper",)):
-        return None  # not the API this server was written against: its own gate serves the hooks
-    helper = workload_helper.Helper()
-    if not all(hasattr(helper, n) for n in ("register_discardable", "request", "serve")):
-        return None
-    helper.register_discardable(lambda: state.kv, lambda t: setattr(state, "kv", t))
-    helper.serve()
-    return helper
+    gate = workload_helper.Gate()
+    gate.discardable("kv_pool", lambda: state.kv, lambda t: setattr(state, "kv", t))
+    _, state.hook_port = gate.serve(port=0)
+    return gate
 
 
 if __name__ == "__main__":
