@@ -20,6 +20,7 @@ from sandbox.host.interrupts import undo_on_signals
 from sandbox.ops import hooks, journal
 from sandbox.ops.prepared import HookReport, prepared, restore_resume, resumed, tree_of
 from cli.hook_options import hook_options, workload_hooks
+from cli.warm_opts import keep_warm as _keep_warm, keep_warm_option, read_warm, warm_used
 
 
 
@@ -61,6 +62,7 @@ def criu() -> None:
 @hook_options(restore=False)
 @dump_criu_options
 @tag_option
+@keep_warm_option
 @json_option
 @click.pass_context
 @one_line_errors
@@ -68,7 +70,7 @@ def criu_dump_cmd(ctx: click.Context, pid: int, name: str, leave_running: bool, 
                   ext_unix_sk: bool, file_locks: bool, link_remap: bool, tcp_established: bool,
                   skip_in_flight: bool, staging: str | None, replace: bool, parent: str | None,
                   prepare: str | None, resume: str | None, hook_timeout: float,
-                  tags: tuple[str, ...], as_json: bool, criu_opts: dict[str, Any]) -> None:
+                  tags: tuple[str, ...], keep_warm: bool, as_json: bool, criu_opts: dict[str, Any]) -> None:
     """Dump PID and its descendants into snapshot NAME. On any failure the tree keeps running.
 
     The page images stream from CRIU into the store as CRIU writes them (no copy on disk first);
@@ -90,7 +92,10 @@ def criu_dump_cmd(ctx: click.Context, pid: int, name: str, leave_running: bool, 
         with prepared(st.path, wh, name, pid, resume_after=leave_running, report=ran):
             r = criu_dump(st, pid, name, leave_running=leave_running, options=opts, replace=replace,
                           staging=staging, progress=prog, tags=tags, parent=parent, resume=wh.resume)
-    emit(as_json, {**r.as_dict(), **({"hooks": ran.as_list()} if ran.runs else {})}, f"{name}: {len(r.pids)} process(es), {len(r.cuda_pids)} with CUDA; "
+    d = {**r.as_dict(), **({"hooks": ran.as_list()} if ran.runs else {})}
+    if keep_warm:
+        d["warm"] = _keep_warm(st, name)
+    emit(as_json, d, f"{name}: {len(r.pids)} process(es), {len(r.cuda_pids)} with CUDA; "
          f"{human(r.raw_bytes)} of images, {human(r.new_bytes)} written, {human(r.dedup_bytes)} deduplicated "
          f"({', '.join(f'{k} {v:.2f} s' for k, v in r.seconds.items())})"
          + (f"; its restore stages the images ({r.staged_restore})" if r.staged_restore else ""))
@@ -132,6 +137,7 @@ def criu_restore_cmd(ctx: click.Context, name: str, staging: str | None, device_
     local = st.exists(name)
     step = restore_resume(st, name, wh, no_resume)  # refused here, before anything is restored
     ran = HookReport()
+    read_warm(st)
     with undo_on_signals(), Progress(f"criu restore {name}", ctx.obj["progress"]) as prog:
         if wh.prepare is not None:
             ran.runs.append(hooks.run(wh.prepare, hooks.Step.PREPARE, wh.timeout_s, snapshot=name))
@@ -144,7 +150,8 @@ def criu_restore_cmd(ctx: click.Context, name: str, staging: str | None, device_
         if step is not None and r.restored_pid is not None:
             resumed(st.path, step, wh.timeout_s, name, r.restored_pid, tree_of(r.restored_pid), ran)
     skipped = r.stages.get("served", {}).get("split_skipped_because")
-    emit(as_json, {**r.as_dict(), **({"hooks": ran.as_list()} if ran.runs else {})}, f"{name}: restored, root pid {r.restored_pid} "
+    emit(as_json, {**r.as_dict(), "warm": warm_used(st, name), **({"hooks": ran.as_list()} if ran.runs else {})},
+         f"{name}: restored, root pid {r.restored_pid} "
          f"({', '.join(f'{k} {v:.2f} s' for k, v in r.seconds.items())})"
          + (f"; no split restore: {skipped}" if skipped else ""))
 

@@ -9,6 +9,7 @@ from cli.progress import Progress
 
 
 from sandbox.ops import journal
+from cli.warm_opts import keep_warm as _keep_warm, keep_warm_option, read_warm, warm_used
 from cli.common import emit, from_remote_option, json_option, one_line_errors, open_store, split_map, tag_option
 from sandbox.doctor import render, report
 from sandbox.gpu.snapshot import gpu_checkpoint, gpu_restore
@@ -64,13 +65,14 @@ def gpu() -> None:
 @hook_options(restore=False)
 @tag_option
 @tier_options
+@keep_warm_option
 @json_option
 @click.pass_context
 @one_line_errors
 def gpu_checkpoint_cmd(ctx: click.Context, pid: int, name: str, lock_timeout: float,
                        thp: str, replace: bool, prepare: str | None, resume: str | None, hook_timeout: float,
                        tags: tuple[str, ...], tier: str, pool_socket: str | None,
-                       as_json: bool) -> None:
+                       keep_warm: bool, as_json: bool) -> None:
     """Swap out the GPU state of PID and its CUDA children into snapshot NAME.
 
     With a driver that has custom storage (CUDA 13.4+), the GPU memory streams into the store,
@@ -99,6 +101,8 @@ def gpu_checkpoint_cmd(ctx: click.Context, pid: int, name: str, lock_timeout: fl
             rep = gpu_checkpoint(st, pid, name, lock_timeout_s=lock_timeout, replace=replace, tags=tags,
                                  thp_mode=None if thp == "keep" else thp, progress=prog, resume=wh.resume)
     d = {**rep.as_dict(), **({"hooks": ran.as_list()} if ran.runs else {})}
+    if keep_warm:
+        d["warm"] = _keep_warm(st, name)
     emit(as_json, d, f"{name}: {len(rep.pids)} CUDA process(es) {rep.pids} checkpointed via {rep.path} "
          f"({', '.join(f'{k} {v:.2f} s' for k, v in rep.seconds.items())}); they stay locked until "
          f"`gpusnap gpu restore {name} {pid}`")
@@ -143,6 +147,7 @@ def gpu_restore_cmd(ctx: click.Context, name: str, pid: int, device_map: tuple[s
     local = st.exists(name)
     step = restore_resume(st, name, wh, no_resume)  # refused here, before anything is restored
     ran = HookReport()
+    read_warm(st)
     with undo_on_signals(), Progress(f"gpu restore {name}", ctx.obj["progress"]) as prog:
         if wh.prepare is not None:
             ran.runs.append(hooks.run(wh.prepare, hooks.Step.PREPARE, wh.timeout_s, snapshot=name))
@@ -153,7 +158,7 @@ def gpu_restore_cmd(ctx: click.Context, name: str, pid: int, device_map: tuple[s
                                   restored=f"snapshot {name!r} was restored into pid {pid}'s processes")
         if step is not None:
             resumed(st.path, step, wh.timeout_s, name, pid, tree_of(pid), ran)
-    emit(as_json, {**rep.as_dict(), **({"hooks": ran.as_list()} if ran.runs else {})}, f"{name}: {len(rep.pids)} process(es) restored via {rep.path} and running "
+    emit(as_json, {**rep.as_dict(), "warm": warm_used(st, name), **({"hooks": ran.as_list()} if ran.runs else {})}, f"{name}: {len(rep.pids)} process(es) restored via {rep.path} and running "
          f"({', '.join(f'{k} {v:.2f} s' for k, v in rep.seconds.items())})")
 
 

@@ -18,7 +18,7 @@ from storage.api import StoreError
 from storage.api import MARKER, SNAPSHOTS, path_in
 
 from cli.common import (emit, expand_name, human, json_option, latest_options, one_line_errors, open_store,
-                        parse_chunk_size, rate, resolve_name, tag_option, terminate_cleanly)
+                        parse_chunk_size, parse_size, rate, resolve_name, tag_option, terminate_cleanly)
 from cli.common import LATEST, SNAPSHOT_KINDS
 from cli.lazy import LazyGroup
 from cli.progress import Progress
@@ -304,6 +304,7 @@ def store_ls(ctx: click.Context, name: str | None, prefix: str | None, tags: tup
     st = open_store(ctx, create=False)
     names, strays = st.scan()
     marks = DamageMarks.load(st)
+    warm = _warm_names(st)
     rows = []
     for n in names:
         try:
@@ -315,7 +316,7 @@ def store_ls(ctx: click.Context, name: str | None, prefix: str | None, tags: tup
             # a big manifest read by its summary has no chunk list: loaded whole only where marks exist
             bad = marks.damaged_in(st.load(n) if summ is not None and marks.chunks else m)  # type: ignore[arg-type]
             paths = m.meta.get("paths") if m.meta.get("kind") == "files" else None
-            rows.append({"name": n, "created": m.created, "size": m.size,
+            rows.append({"name": n, "created": m.created, "size": m.size, "warm": n in warm,
                          "streams": summ.stream_count if summ is not None else len(m.streams),  # type: ignore[union-attr]
                          "kind": m.meta.get("kind", ""), "tags": list(m.tags), "host": m.host,
                          "paths": [str(p) for p in paths] if isinstance(paths, list) else [],
@@ -352,10 +353,78 @@ def _snapshot_lines(rows: list[dict[str, Any]]) -> list[str]:
             lines.append(f"{r['name'].ljust(width[0])}  DAMAGED: {r['error']}")
             continue
         lines.append(line(next(it))
-                     + (f"  [{','.join(r['tags'])}]" if r["tags"] else "")
+                     + (f"  [{','.join(r['tags'])}]" if r["tags"] else "") + ("  WARM" if r["warm"] else "")
                      + (f"  DAMAGED: {r['damaged_chunks']} damaged chunk(s) found by verify; "
                         "`store repair` rewrites them" if r["damaged_chunks"] else ""))
     return lines
+
+
+def _warm_names(st: Any) -> set[str]:
+    """Snapshots of ST whose packs the warm tier holds (none where the tier cannot be read)."""
+    from storage.api import WarmTier
+    try:
+        return set(WarmTier(st).status()["snapshots"])
+    except (GpusnapError, OSError):
+        return set()
+
+
+@store.command("warm")
+@click.argument("names", nargs=-1)
+@click.option("--budget", default=None, metavar="SIZE", help="The warm tier's budget for all stores "
+              "together (e.g. 64G; remembered; $GPUSNAP_WARM_BUDGET overrides it). Default: a quarter of "
+              "the machine's memory.")
+@json_option
+@click.pass_context
+@one_line_errors
+def store_warm(ctx: click.Context, names: tuple[str, ...], budget: str | None, as_json: bool) -> None:
+    """Hold the packs of snapshots NAMES in host memory (the warm tier), so that a restore reads them at
+    memory speed; without NAMES, show what is warm.
+
+    \b
+    The tier is a cache beside the store (a private tmpfs with huge pages at /run/gpusnap/warm for root,
+    $GPUSNAP_WARM_DIR to move it): the store keeps every byte, and every byte read from the tier is
+    checked as any read. Past the budget, the least recently used warm snapshots (a restore is a use)
+    are evicted first. `store cool NAME` gives the memory back."""
+    from storage.api import WarmTier
+    st = open_store(ctx, create=False)
+    tier = WarmTier(st)
+    size = parse_size(budget) if budget is not None else None
+    if not names:
+        s = tier.status()
+        lines = [f"warm tier {s['dir']} ({s['memory'] or 'not made yet'}): {human(s['used'])} of "
+                 f"{human(s['budget'])} used"] + [f"  {n:32} {human(v['bytes']):>12} {v['packs']:>5} pack(s)"
+                                                 for n, v in sorted(s["snapshots"].items())]
+        emit(as_json, s, "\n".join(lines))
+        return
+    reps = []
+    for n in names:
+        validate_snapshot_name(n)
+        r = tier.warm(n, size)
+        reps.append(r.as_dict())
+        if not as_json:
+            click.echo(f"{n}: warm, {human(r.held)} in {r.packs} pack(s) ({human(r.copied)} copied in "
+                       f"{r.seconds:.2f} s; tier {human(r.used)} of {human(r.budget)}, {r.memory})"
+                       + (f"; evicted {', '.join(r.evicted)}" if r.evicted else ""))
+    if as_json:
+        emit(True, reps, "")
+
+
+@store.command("cool")
+@click.argument("names", nargs=-1)
+@click.option("--all", "everything", is_flag=True, help="Every warm snapshot of this store.")
+@json_option
+@click.pass_context
+@one_line_errors
+def store_cool(ctx: click.Context, names: tuple[str, ...], everything: bool, as_json: bool) -> None:
+    """Take snapshots NAMES out of the warm tier (their memory given back; the store keeps them)."""
+    from storage.api import WarmTier
+    if not names and not everything:
+        raise click.UsageError("name the snapshots to cool, or give --all")
+    for n in names:
+        validate_snapshot_name(n)
+    st = open_store(ctx, create=False)
+    gone = WarmTier(st).cool(None if everything else list(names))
+    emit(as_json, {"cooled": gone}, f"cooled: {', '.join(gone)}" if gone else "nothing was warm")
 
 
 _TYPE_CHARS = {"file": "-", "dir": "d", "symlink": "l", "hardlink": "h", "blob": "b", "fifo": "p"}

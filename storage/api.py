@@ -44,6 +44,8 @@ _WHERE: dict[str, tuple[str, str | None]] = {
     "Manifest": ("storage.format.manifest", 'Manifest'),
     "PackSource": ("storage.repo.readstage", 'PackSource'),
     "PinnedPool": ("storage.tiers.memory", 'PinnedPool'),
+    "WarmTier": ("storage.tiers.warm", 'WarmTier'),
+    "WarmError": ("storage.repo.warmread", 'WarmError'),
     "PipelineError": ("storage.pipeline.put", 'PipelineError'),
     "Policy": ("storage.maintenance.retention", 'Policy'),
     "Problem": ("storage.repo.store", 'Problem'),
@@ -168,6 +170,8 @@ if TYPE_CHECKING:
     from storage.format.manifest import Manifest as Manifest
     from storage.repo.readstage import PackSource as PackSource
     from storage.tiers.memory import PinnedPool as PinnedPool
+    from storage.tiers.warm import WarmTier as WarmTier
+    from storage.repo.warmread import WarmError as WarmError
     from storage.pipeline.put import PipelineError as PipelineError
     from storage.maintenance.retention import Policy as Policy
     from storage.repo.store import Problem as Problem

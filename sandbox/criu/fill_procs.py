@@ -258,6 +258,9 @@ class _Located:
     def subdir(self, name: str) -> "AbstractContextManager[int]":
         return self.store.subdir(name)
 
+    def open_warm(self, pack: str) -> int | None:
+        return self.store.open_warm(pack)
+
     def delta_base(self, bid: str, most: int) -> "bytes | memoryview":
         return self.store.delta_base(bid, most)
 
@@ -353,7 +356,7 @@ class FillProcs:
         start.wait()
         for p, share in zip(self.procs, self.shares):
             t0 = time.perf_counter()
-            job = {"store": self.store.path, "name": self.name, "decoders": decoders, "budget": budget, "prefetch": prefetch,
+            job = {"store": self.store.path, "name": self.name, "warm": self.store.warm_in_use, "decoders": decoders, "budget": budget, "prefetch": prefetch,
                    "prefetch_early": self.prefetch_early, "readers": readers, "tokens": self.tokens, "nphases": self.nphases,
                    "chunks": _job_json(share, self.store.locate, self.phases)}
             text = json.dumps(job)
@@ -569,6 +572,8 @@ def _serve_job(inp: IO[str], out: IO[str]) -> int:
         job = json.loads(line)
         jobs, locs, phases = _parse_job(job["chunks"])
         store = SnapshotStore(job["store"], create=False)
+        if job.get("warm"):
+            store.use_warm()  # the parent reads from the warm tier: so do its workers
         located = _Located(store, locs)
         go = threading.Event()
         stages = Stages()

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One batch on the lent GPU machine (the `device` tool): GPU tests, then the benchmarks named in $1
 # ("tests", "engine", "e2e", "speed", "moe", "fillvariants", "criutree", "codecs", "startup", "bench" = scripts/bench/bench_h200.sh,
-# "pool", "storeput", or several, comma-separated). Results land in $OUT (or ./device-out). The one-off probes and their
+# "pool", "storeput", "server" = scripts/bench/bench_server.py (SERVER_ARGS; WHEELS=.whl-serve), or several, comma-separated). Results land in $OUT (or ./device-out). The one-off probes and their
 # modes (probe-delta, pipes, queue, fillreads, gilprof, deltaprof, knobs, hostpath, pinned, ingest, readers) went with the
 # history on 2026-12-07: docs/history/README.md names the commit that still has them.
 # The GPU machine has no network: carry .whl/ and .carry/ (both git-ignored, ~58 MiB together):
@@ -114,6 +114,7 @@ for what in ${1//,/ }; do
             for sh in ${TREE_SHARING:-cow private}; do
               timeout ${TREE_TIMEOUT:-280} python3 -m scripts.bench.bench_criu --mb ${TREE_MB:-4096} --data weights --sharing $sh \
                 --rounds ${TREE_ROUNDS:-2} --json "$out/criutree-$sh.json" 2>&1 | tee "$out/criutree-$sh.txt" | tail -6; done ;;
+    server) timeout ${SERVER_TIMEOUT:-580} python3 -m scripts.bench.bench_server --out "$out/server.json" ${SERVER_ARGS:-} 2>&1 | tee "$out/server.log" ;;  # WHEELS=.whl-serve (make-carry.sh)
     e2e)    timeout 560 python3 -m scripts.bench.bench_e2e --json "$out/e2e.json" ${BENCH_ARGS:-} 2>&1 | tee "$out/e2e.log" ;;
   esac
 done

@@ -62,4 +62,17 @@ with zipfile.ZipFile(whl) as z:
 P
   rm -rf "$tmp"
 fi
-du -sh .whl .whl-lite .whl-dev .carry .carry-xz .tools >&2
+# .whl-serve/: what scripts/bench/bench_server.py's transformers server needs beside torch (there already):
+# transformers and its own (no hf_xet: nothing is downloaded), aiohttp and its own, plus .whl-lite without
+# rich and its three; with the tree and .carry-xz it fits the 64 MiB carry:
+#   carry [".whl-serve", ".carry-xz"], WHEELS=.whl-serve device-run.sh server
+if [ ! -d .whl-serve ]; then
+  mkdir -p .whl-serve
+  ${PYTHON:-python3} -m pip download -q --only-binary=:all: --python-version 3.12 --no-deps \
+    --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 --platform any \
+    -d .whl-serve transformers==4.57.6 tokenizers==0.22.2 huggingface_hub==0.36.2 safetensors regex pyyaml requests \
+    urllib3 idna certifi charset_normalizer tqdm packaging filelock fsspec typing_extensions \
+    aiohttp multidict yarl frozenlist aiosignal attrs propcache aiohappyeyeballs
+  cp .whl-lite/*.whl .whl-serve/ && rm -f .whl-serve/{rich,pygments,markdown_it_py,mdurl}-*.whl
+fi
+du -sh .whl .whl-lite .whl-dev .whl-serve .carry .carry-xz .tools >&2

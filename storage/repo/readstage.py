@@ -230,6 +230,8 @@ def read_chunks(store: PackSource, wants: list[Want], deliver: Callable[[Want, A
                 stages.add("read:wait-gate", time.perf_counter() - t0, 0)
                 yield
 
+        warm = getattr(store, "open_warm", None)  # SnapshotStore.open_warm: None unless a restore opted in
+
         def reader() -> None:
             while not halted():
                 with it_lock:
@@ -255,15 +257,18 @@ def read_chunks(store: PackSource, wants: list[Want], deliver: Callable[[Want, A
                             pool.release(buf)
                             return
                         t0 = time.perf_counter()
-                        with store.subdir("packs") as packs:
-                            fd = open_pack(packs, first.pack, wants[run[0][0]].ref.id or "", direct=direct)
+                        fd = warm(first.pack) if warm is not None else None  # the warm tier's copy (a cache)
+                        from_warm = fd is not None
+                        if fd is None:
+                            with store.subdir("packs") as packs:
+                                fd = open_pack(packs, first.pack, wants[run[0][0]].ref.id or "", direct=direct)
                         try:
                             n = align_up(base + length, ALIGN) if direct else length
                             got = max(0, (read_into_direct if direct else read_into)(fd, buf.view[:n], first.offset - base)
                                       - base)
                         finally:
                             os.close(fd)
-                        stages.add("read", time.perf_counter() - t0, got)
+                        stages.add("read:warm" if from_warm else "read", time.perf_counter() - t0, got)
                 except BaseException as e:  # noqa: BLE001
                     pool.release(buf)
                     if isinstance(e, ChunkError):
@@ -386,8 +391,13 @@ def read_runs(store: PackSource, runs: list[Run], stop: Callable[[], bool] = lam
 
 def open_pack_quietly(store: PackSource, pack: str) -> int | None:
     """PACK opened as every pack open is checked; None when it cannot be (for read-aheads, which are
-    hints: the reads that follow meet and report it)."""
+    hints: the reads that follow meet and report it). The warm tier's copy where a restore reads from it
+    (a read-ahead of memory costs nothing, and it is what the reads that follow read)."""
+    warm = getattr(store, "open_warm", None)
     try:
+        fd = warm(pack) if warm is not None else None
+        if fd is not None:
+            return int(fd)
         with store.subdir("packs") as packs:
             return open_pack(packs, pack, "")
     except (OSError, ChunkError, GpusnapError):

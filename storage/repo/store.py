@@ -44,7 +44,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, TypeVar, cast
 
 from storage.base.progress import Progress
 from storage.format.chunkfile import (HEADER_SIZE, ChunkError, ChunkHeader, chunk_id, file_kind, full_check, max_stored_len,
@@ -73,6 +73,7 @@ from storage.format.storedir import (CHUNKS, INDEX, LOCK, MARKER, NAMES, PACK_DI
 
 if TYPE_CHECKING:
     from storage.gpu.device import HostBuffer
+    from storage.repo.warmread import WarmPacks
 
 STORE_FORMAT = "gpusnap-store"
 STORE_VERSION = 3  # what a new store's marker says
@@ -318,6 +319,7 @@ class SnapshotStore:
         self._index_lock = threading.Lock()
         self._index_loaded = False
         self._pending: dict[str, Loc] = {}  # entries this process's writers appended, not yet indexed
+        self._warm: "WarmPacks | None" = None  # use_warm: the warm tier's copies of packs, for a restore
         # chunks/XY directories found empty, which a writer's dedup lookup then skips (present: two
         # opens and a stat per new chunk, GIL held). Version 3 writes no chunk files (only version 1/2
         # stores have them, and migration takes them away); a file that appears later (unquarantine
@@ -833,6 +835,59 @@ class SnapshotStore:
         except (OSError, GpusnapError):
             pass
 
+    def use_warm(self) -> bool:
+        """From now on, read the packs the warm tier holds a copy of from there (storage/repo/warmread.py):
+        for a restore only (verify, repair and gc read the store's own packs). Whether there are any."""
+        from storage.repo.warmread import WarmPacks
+        with self.root() as (root, _):
+            self._warm = WarmPacks.find(root)
+        return self._warm is not None
+
+    def open_warm(self, pack: str) -> int | None:
+        """An fd of the warm copy of PACK (the caller closes it) where use_warm found the tier, else None."""
+        w = self._warm
+        return w.open(pack) if w is not None else None
+
+    def warm_read(self, n: int) -> None:
+        w = self._warm
+        if w is not None:
+            w.counted(n)
+
+    @property
+    def warm_in_use(self) -> bool:
+        return self._warm is not None
+
+    @property
+    def warm_bytes(self) -> int:
+        """Bytes this object read from the warm tier (entries that passed their check)."""
+        w = self._warm
+        return w.bytes_read if w is not None else 0
+
+    def _first_warm(self, ref: ChunkRef, buf: AlignedBuffer, accept: Callable[[ChunkHeader, memoryview], _T],
+                    check: bool) -> tuple[bool, Any]:
+        """(True, ACCEPT's answer) for a warm copy of REF that reads, fits and is taken; (False, None)
+        otherwise (then the store's own copies are read: a warm copy is a cache)."""
+        assert ref.id is not None
+        for loc in self.locate(ref.id):
+            fd = self.open_warm(loc.pack)
+            if fd is None:
+                continue
+            try:
+                header, payload = read_entry(fd, loc, self.pack_length(loc.pack), ref.id, buf)
+                if not header.fits(ref.codec, ref.raw_len, ref.stored_len):
+                    continue
+                if check:
+                    stored_check(header, payload, ref.id)
+                got = accept(header, payload)
+                self.warm_read(loc.length)
+                return True, got
+            except ChunkError as e:
+                if e.chunk_id != ref.id:
+                    raise
+            finally:
+                os.close(fd)
+        return False, None
+
     def _open_pack_checked(self, pack: str, cid: str) -> int:
         """PACK opened read-only through the checked packs/ directory (ChunkError naming CID otherwise)."""
         try:
@@ -890,6 +945,10 @@ class SnapshotStore:
         ChunkError when none is taken. BUF holds the copy ACCEPT is given."""
         assert ref.id is not None
         cid = ref.id
+        if self._warm is not None:
+            took, got = self._first_warm(ref, buf, accept, check)
+            if took:
+                return cast(_T, got)
         direct = self.direct and not cached
         first: ChunkError | None = None
         for refresh in (False, True):
