@@ -236,7 +236,8 @@ class Daemon:
             steps.append(swapper.Step("health", {"health": h}))
         except Exception as e:  # noqa: BLE001 - the server failed: its requests get the reason
             s.state, s.error = State.FAILED, str(e).splitlines()[0] if str(e) else type(e).__name__
-            if s.proc is not None and s.model.mode == Mode.CRIU and s.proc.alive():
+            if s.proc is not None and (s.model.mode == Mode.CRIU or (steps and steps[-1].what == "start")) \
+                    and s.proc.alive():   # a gpu-mode process that failed its restore stays, restorable
                 await asyncio.to_thread(swapper.stop, s.proc)
                 s.proc = None
             self.log(f"swap: {''.join(x.line() + '; ' for x in outs)}{s.name} FAILED to come up: {s.error}")
@@ -284,6 +285,9 @@ class Daemon:
                     swapper.reap(s.proc.pid)
                 raise swapper.SwapError(f"its server exited before {s.model.health} answered "
                                         f"(see {self.cfg.run_dir}/{s.name}.log)")
+            if not self.waiters[s.name] and s.name not in self.restart:
+                raise swapper.SwapError(f"given up: every request for it passed its deadline before {s.model.health} "
+                                        "answered (the next request tries again)")
             if time.monotonic() - since > self.cfg.start_timeout:
                 raise swapper.SwapError(f"{s.model.health} did not answer 2xx within start_timeout "
                                         f"{self.cfg.start_timeout:g} s")
@@ -368,9 +372,12 @@ class Daemon:
                 if s.model.mode == Mode.GPU and _checkpointed(proc.pid):
                     s.state = State.SWAPPED_OUT
                 self.log(f"{s.name}: adopted its running server (pid {proc.pid}, {s.state.value})")
-            elif s.model.mode == Mode.CRIU and snap == s.model.snapshot and self.store.exists(snap):
-                s.snapshot, s.state = snap, State.SWAPPED_OUT
-                self.log(f"{s.name}: adopted its snapshot {snap!r} (swapped out)")
+            elif (s.model.mode == Mode.CRIU and (snap == s.model.snapshot or e["state"] == State.SWAPPING_OUT.value)
+                  and self.store.exists(s.model.snapshot)):
+                # a dump kills the tree only once its snapshot is committed: a dead server that was being
+                # swapped out is in it
+                s.snapshot, s.state = s.model.snapshot, State.SWAPPED_OUT
+                self.log(f"{s.name}: adopted its snapshot {s.snapshot!r} (swapped out)")
 
     async def run(self, ready: Callable[[], None] | None = None) -> None:
         loop = asyncio.get_running_loop()

@@ -138,6 +138,7 @@ class Proxy:
                     return False
         upload: asyncio.Task[None] | None = None
         keep = head.keep_alive(head.start[2])
+        answered = False
         try:
             bw.write(raw + sent_body)
             await bw.drain()
@@ -148,6 +149,7 @@ class Proxy:
                 if rh is None:
                     raise HttpError(f"the server of {name} closed the connection without an answer")
                 w.write(rh.raw)
+                answered = True
                 try:
                     status = int(rh.start[1])
                 except ValueError:
@@ -177,6 +179,11 @@ class Proxy:
                 else:
                     upload.result()
             return keep
+        except (HttpError, ConnectionError, asyncio.IncompleteReadError) as e:
+            if answered:
+                return False   # the answer broke off: the client sees its connection end
+            await _answer(w, 502, "Bad Gateway", f"gpusnap swap: {name}: {e or type(e).__name__}\n")
+            return False
         finally:
             if upload is not None and not upload.done():
                 upload.cancel()
