@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import click
 
@@ -52,18 +53,45 @@ def serve_cmd(ctx: click.Context, config_path: str) -> None:
     serve(cfg, open_store(ctx))
 
 
+def socket_options(fn: Any) -> Any:
+    fn = click.option("--socket", "socket_path", default=None, metavar="PATH",
+                      help="The daemon's control socket (default: CONFIG's `control`, else "
+                           f"{swap_config.DEFAULT_CONTROL}).")(fn)
+    return click.argument("config_path", metavar="[CONFIG]", required=False, type=click.Path(dir_okay=False))(fn)
+
+
+def _socket(config_path: str | None, socket_path: str | None) -> str:
+    return socket_path or (swap_config.load(config_path).control if config_path else swap_config.DEFAULT_CONTROL)
+
+
 @swap.command("status")
-@click.argument("config_path", metavar="[CONFIG]", required=False, type=click.Path(dir_okay=False))
-@click.option("--socket", "socket_path", default=None, metavar="PATH",
-              help=f"The daemon's control socket (default: CONFIG's `control`, else {swap_config.DEFAULT_CONTROL}).")
+@socket_options
 @json_option
 @one_line_errors
 def status_cmd(config_path: str | None, socket_path: str | None, as_json: bool) -> None:
     """Who is resident, GPU memory each, requests in flight and queued, swaps and their durations
     (p50/p99 per server), from a running `swap serve` (its root-only control socket)."""
-    path = socket_path or (swap_config.load(config_path).control if config_path else swap_config.DEFAULT_CONTROL)
-    st = control.ask(path, {"op": "status"})
+    st = control.ask(_socket(config_path, socket_path), {"op": "status"})
     emit(as_json, st, control.render(st))
+
+
+@swap.command("stop")
+@socket_options
+@click.option("--timeout", "timeout_s", default=120.0, show_default=True, metavar="SECONDS",
+              help="How long to wait for the daemon to finish a swap in progress and stop its servers.")
+@one_line_errors
+def stop_cmd(config_path: str | None, socket_path: str | None, timeout_s: float) -> None:
+    """Stop a running `swap serve` as SIGTERM does: the swap in progress finishes, the servers it runs
+    are stopped (their snapshots stay in the store); returns once it is gone."""
+    import time
+    path = _socket(config_path, socket_path)
+    r = control.ask(path, {"op": "stop"})
+    end = time.monotonic() + timeout_s
+    while os.path.exists(f"/proc/{r['pid']}") and time.monotonic() < end:
+        time.sleep(0.05)
+    if os.path.exists(f"/proc/{r['pid']}"):
+        raise control.ControlError(f"the daemon (pid {r['pid']}) did not stop within {timeout_s:g} s")
+    click.echo(f"stopped (pid {r['pid']})")
 
 
 COMMANDS = [swap]

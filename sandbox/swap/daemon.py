@@ -347,6 +347,11 @@ class Daemon:
     async def _control(self, req: dict[str, Any]) -> dict[str, Any]:
         if req.get("op") == "status":
             return self.status()
+        if req.get("op") == "stop":
+            assert self._stop is not None
+            self.log("asked to stop (control socket)")
+            self._stop.set()
+            return {"stopping": True, "pid": os.getpid()}
         return {"error": f"unknown op {req.get('op')!r}"}
 
     def _save(self) -> None:
