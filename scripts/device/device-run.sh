@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batch on the lent GPU machine (the `device` tool): GPU tests, then the benchmarks named in $1
-# ("tests", "engine", "e2e", "speed", "moe", "fillvariants", "criutree", "codecs", "startup", "probe-delta", "pipes", "queue", "fillreads", "gilprof", "deltaprof", "knobs", "bench" = scripts/bench/bench_h200.sh, "hostpath", "pinned", "ingest", "pool", "storeput", or several, comma-separated). Results land in $OUT (or ./device-out).
+# ("tests", "swap", "engine", "e2e", "speed", "moe", "fillvariants", "criutree", "codecs", "startup", "probe-delta", "pipes", "queue", "fillreads", "gilprof", "deltaprof", "knobs", "bench" = scripts/bench/bench_h200.sh, "hostpath", "pinned", "ingest", "pool", "storeput", or several, comma-separated). Results land in $OUT (or ./device-out).
 # The GPU machine has no network: carry .whl/ and .carry/ (both git-ignored, ~58 MiB together):
 #   .whl/: pip download --only-binary=:all: --python-version 3.12 --no-deps --platform manylinux2014_x86_64
 #          --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 --platform any -d .whl \
@@ -71,6 +71,8 @@ for what in ${1//,/ }; do
     tests)  GPUSNAP_RESULTS="$out/gpu-results.jsonl" timeout ${TESTS_TIMEOUT:-560} python3 -m pytest -p no:cacheprovider -m gpu -v -s --durations=20 ${PYTEST_K:+-k "$PYTEST_K"} tests 2>&1 | tee "$out/gpu-tests.log" | grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|^E |s call" ;;
     engine) timeout 560 python3 -m scripts.bench.bench_gpu_engine --json "$out/engine.json" ${BENCH_ARGS:-} 2>&1 | tee "$out/engine.log" ;;
     bench)  OUT="$out" bash scripts/bench/bench_h200.sh ;;
+    swap)   # issue 57: `gpusnap swap` with two transformers servers over the budget (gpu mode, then criu)
+            timeout ${SWAP_TIMEOUT:-540} python3 -m scripts.bench.bench_swap --out "$out/swap.json" ${SWAP_ARGS:-} 2>&1 | tee "$out/swap.log" ;;
     readers) timeout 100 python3 -m scripts.bench.bench_ingest --gb ${INGEST_GB:-8} --readers 1,4 --json "$out/ingest-readers.json" 2>&1 | tee "$out/ingest-readers.log" ;;
     hostpath) for mix in ${HOSTPATH_MIX:-weights serving weights-pyzstd}; do  # issue 21: codecs, ingest, reads apart, floors in the same run
               env $( [ "${mix#*-}" = pyzstd ] && echo GPUSNAP_NO_LIBZSTD=1 ) timeout 280 python3 -m scripts.bench.bench_hostpath \
