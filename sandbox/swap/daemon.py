@@ -155,6 +155,7 @@ class Daemon:
             if s.state == State.RESIDENT or (not self.waiters[name] and name not in self.restart):
                 self.demands.popleft()
                 self._release(name)
+                self.busy = None
                 continue
             p = plan([x.slot() for x in self.servers.values()], name, budget=self.budget,
                      max_resident=self.cfg.max_resident)
