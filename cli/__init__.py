@@ -27,6 +27,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "store": ("cli.store_cmd", "store", "Store files and directories as snapshots, and manage the store."),
     "doctor": ("cli.gpu_cmd", "doctor", "What this machine can do: driver, checkpoint API, custom storage, GPUs, nvCOMP, CRIU, runsc."),
     "gpu": ("cli.gpu_cmd", "gpu", "Swap a process's GPU state out to the store and back in (model swapping)."),
+    "swap": ("cli.swap_cmd", "swap", "Front several model servers sharing a GPU; swap them out and in as requests come."),
     "pool": ("cli.pool_cmd", "pool", "The memory tier: a resident pool of pinned host memory for swapping GPU state out and in."),
     "criu": ("cli.criu_cmd", "criu", "Checkpoint a process tree (CPU through CRIU 4.x, GPU through the driver) into the store."),
     "runsc": ("cli.runsc_cmd", "runsc", "Run gVisor sandboxes and checkpoint/restore them through the store."),

@@ -162,3 +162,31 @@ def test_readme_remote_example_runs_with_a_file_remote(tmp_path: Path) -> None:
     assert p.returncode == 0, p.stderr
     assert (other / "payload-on-B" / "payload" / "blob").read_bytes() == (other / "payload" / "blob").read_bytes()
     assert (other / "shared" / "fleet" / "snapshots" / "payload.json").exists()
+
+
+def test_readme_swap_example_runs(tmp_path: Path) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("swap serve with mode = \"criu\" needs root")
+    import socket
+    ports = {}
+    for port in ("8400", "8401", "8402"):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports[port] = str(s.getsockname()[1])
+    try:
+        p = _run_block("swap", tmp_path, replace=ports, timeout=300)
+        assert p.returncode == 0, p.stderr + (tmp_path / "swap" / "daemon.log").read_text()
+        assert p.stdout.splitlines()[:3] == ["model a", "model b", "model a"], p.stdout
+        assert "resident 1/1" in p.stdout and "swapped-out" in p.stdout, p.stdout
+        log = (tmp_path / "swap" / "daemon.log").read_text()
+        assert "out a (criu dump)" in log and "in a (criu restore)" in log and "stopped" in log, log
+    finally:
+        left = []
+        for n in os.listdir("/proc"):
+            try:
+                if n.isdigit() and str(tmp_path).encode() in Path(f"/proc/{n}/cmdline").read_bytes():
+                    left.append(int(n))
+                    os.kill(int(n), 9)
+            except OSError:
+                pass
+    assert not left, f"processes the example started outlived it: {left}"

@@ -1,6 +1,6 @@
 """The layers of the code point down only: cli -> (agents, criu_hooks) -> sandbox -> storage; inside
 sandbox/ each floor imports only the floors below it (from the bottom: host, ops, gpu, criu, runsc,
-containers, then sandbox/'s own modules). Read from the code's own imports (ast), so a new upward import fails here, not in review."""
+containers, swap, then sandbox/'s own modules). Read from the code's own imports (ast), so a new upward import fails here, not in review."""
 from __future__ import annotations
 
 import ast
@@ -99,7 +99,7 @@ def test_storage_packages_point_down_only() -> None:
 # inside sandbox/, floors from the bottom: a module imports only from its own package and the floors
 # below it. The top floor is sandbox/'s own modules (doctor.py, recover.py: recover undoes every kind,
 # so it sits above every flow that registers one).
-SANDBOX_FLOORS = ["host", "ops", "gpu", "criu", "runsc", "containers", ""]
+SANDBOX_FLOORS = ["host", "ops", "gpu", "criu", "runsc", "containers", "swap", ""]
 
 
 def _sandbox_imports(path: Path) -> set[str]:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batch on the lent GPU machine (the `device` tool): GPU tests, then the benchmarks named in $1
-# ("tests", "engine", "e2e", "speed", "moe", "fillvariants", "criutree", "codecs", "startup", "bench" = scripts/bench/bench_h200.sh,
+# ("tests", "swap", "engine", "e2e", "speed", "moe", "fillvariants", "criutree", "codecs", "startup", "bench" = scripts/bench/bench_h200.sh,
 # "pool", "storeput", "server" = scripts/bench/bench_server.py (SERVER_ARGS; WHEELS=.whl-serve), or several, comma-separated). Results land in $OUT (or ./device-out). The one-off probes and their
 # modes (probe-delta, pipes, queue, fillreads, gilprof, deltaprof, knobs, hostpath, pinned, ingest, readers) went with the
 # history on 2026-12-07: docs/history/README.md names the commit that still has them.
@@ -74,6 +74,8 @@ for what in ${1//,/ }; do
     tests)  GPUSNAP_RESULTS="$out/gpu-results.jsonl" timeout ${TESTS_TIMEOUT:-560} python3 -m pytest -p no:cacheprovider -m gpu -v -s --durations=20 ${PYTEST_K:+-k "$PYTEST_K"} tests 2>&1 | tee "$out/gpu-tests.log" | grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|^E |s call" ;;
     engine) timeout 560 python3 -m scripts.bench.bench_gpu_engine --json "$out/engine.json" ${BENCH_ARGS:-} 2>&1 | tee "$out/engine.log" ;;
     bench)  OUT="$out" bash scripts/bench/bench_h200.sh ;;
+    swap)   # issue 57: `gpusnap swap` with two transformers servers over the budget (gpu mode, then criu)
+            timeout ${SWAP_TIMEOUT:-540} python3 -m scripts.bench.bench_swap --out "$out/swap.json" ${SWAP_ARGS:-} 2>&1 | tee "$out/swap.log" ;;
     pool)   for l in ${POOL_LANES:-16 24}; do timeout 200 python3 -m scripts.bench.bench_gpu_engine --mix realistic --tiers shm,pool --repeat 5 --lanes $l --json "$out/pool-lanes$l.json" 2>&1 | tee "$out/pool-lanes$l.log"; done ;;
     storeput) # `store put`/`get` against cp on this host, packs written direct and buffered (BENCHMARKS.md section 39)
             for d in 1 0; do GPUSNAP_PUT_DIRECT=$d timeout ${STORE_TIMEOUT:-150} python3 -m scripts.bench.bench_store --gb ${STORE_GB:-4} \
