@@ -16,14 +16,8 @@ from typing import Iterator
 import pytest
 
 from conftest import Cli
-from support.criu import require_criu
 
-pytestmark = pytest.mark.root
-
-
-@pytest.fixture(scope="module", autouse=True)
-def need_criu() -> None:
-    require_criu()
+pytestmark = [pytest.mark.root, pytest.mark.usefixtures("need_criu")]
 
 
 def _until(done, why: str, within: float = 15.0) -> None:

@@ -25,15 +25,9 @@ import pytest
 from conftest import GPUSNAP, REPO, pythonpath
 from support.servers import until
 
-pytestmark = pytest.mark.root
+pytestmark = [pytest.mark.root, pytest.mark.usefixtures("need_root")]
 SERVER = REPO / "tests" / "support" / "swap_server.py"
 CRIU_BIN = REPO / ".cache" / "criu" / "bin"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def need_root() -> None:
-    if os.geteuid() != 0:
-        pytest.skip("swap serve runs CRIU: needs root")
 
 
 def free_port() -> int:
