@@ -25,6 +25,8 @@ ALLOWED: dict[tuple[str, str], str] = {
         "own staging directory (0700, made by gpusnap, named after the operation)",
     ("sandbox/criu/restore.py", "open(pidfile)"): "CRIU's pid file in the operation's own 0700 staging directory",
     ("sandbox/criu/snapshot.py", "open(run.pidfile)"): "CRIU's pid file in the operation's own 0700 staging directory",
+    ("sandbox/criu/netlock.py", "open(binary, 'rb')"): "the CRIU binary gpusnap runs (the operator's, found as "
+        "the runner finds it), read to see whether it links libnftables",
     ("sandbox/criu/runner.py", "open(log_path"): "CRIU's log in the operation's own 0700 staging directory",
     ("sandbox/host/hugepages.py", "open(tmp, 'w')"): "THP record in the run directory (root-only tmpfs)",
     ("sandbox/host/hugepages.py", "open(path)"): "sysfs THP setting (/sys/kernel/mm/transparent_hugepage)",

@@ -109,7 +109,11 @@ def save(run_dir: str, servers: list[Server]) -> None:
     d = {s.name: {"pid": s.proc.pid if s.proc else None, "start": s.proc.start if s.proc else None,
                   "snapshot": s.snapshot, "state": s.state.value} for s in servers}
     tmp = os.path.join(run_dir, f".{STATE_FILE}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:  # a leftover of a killed daemon (or anything planted there) goes; the new file is made fresh
+        os.unlink(tmp)
+    except FileNotFoundError:
+        pass
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     with os.fdopen(fd, "w") as f:
         json.dump(d, f)
         f.flush()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import stat
 import subprocess
 import time
 from dataclasses import dataclass, field
@@ -67,7 +68,10 @@ def start(model: Model, run_dir: str) -> Step:
     """MODEL's command, in its own session, output appended to RUN_DIR/NAME.log (never a shell)."""
     t = time.monotonic()
     log = os.open(os.path.join(run_dir, f"{model.name}.log"),
-                  os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+                  os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, 0o600)
+    if not stat.S_ISREG(os.fstat(log).st_mode):
+        os.close(log)
+        raise SwapError(f"{model.name}: {run_dir}/{model.name}.log is not a regular file")
     try:
         p = subprocess.Popen(list(model.command), stdin=subprocess.DEVNULL, stdout=log, stderr=log,
                              cwd=model.cwd, env={**os.environ, **dict(model.env)}, start_new_session=True)

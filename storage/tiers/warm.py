@@ -389,7 +389,11 @@ class WarmTier:
     @staticmethod
     def _save(base: int, state: dict[str, Any]) -> None:
         tmp = f".state.{os.getpid()}"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=base)
+        try:  # a leftover of a killed run (or anything planted there) goes; the new file is made fresh
+            os.unlink(tmp, dir_fd=base)
+        except FileNotFoundError:
+            pass
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=base)
         try:
             os.write(fd, json.dumps(state).encode())
         finally:
