@@ -44,7 +44,7 @@ class Swap:
     """A `gpusnap swap serve` of models NAMES (criu mode) under TMP, its ports and its log."""
 
     def __init__(self, tmp: Path, names: list[str], *, extra: str = "", per_model: dict[str, str] | None = None,
-                 pause: str | None = None) -> None:
+                 pause: str | None = None, model_lines: dict[str, list[str]] | None = None) -> None:
         self.tmp, self.names = tmp, names
         self.store, self.run_dir = tmp / "store", tmp / "run"
         self.port = {n: free_port() for n in names}
@@ -59,6 +59,7 @@ class Swap:
                 lines.append(f'listen = "127.0.0.1:{self.own}"')
             if n.startswith("pinned"):
                 lines.append("pinned = true")
+            lines += (model_lines or {}).get(n, [])
         self.config = tmp / "swap.toml"
         self.config.write_text("\n".join(lines) + "\n")
         self.log = tmp / "daemon.log"
@@ -157,6 +158,35 @@ def swap(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Swap]:
         yield sw.start()
     finally:
         sw.cleanup()
+
+
+def test_prepare_and_resume_hooks_run_around_each_swap(tmp_path: Path) -> None:
+    """A model's prepare step runs before it is dumped, its resume step after it is restored, as the
+    commands' --prepare/--resume do; each step sees the snapshot it is for."""
+    said = tmp_path / "said"
+    hooks = {n: [f"prepare = {json.dumps(['/bin/sh', '-c', f'echo prepare {n} $GPUSNAP_SNAPSHOT >> {said}'])}",
+                 f"resume = {json.dumps(['/bin/sh', '-c', f'echo resume {n} $GPUSNAP_SNAPSHOT >> {said}'])}",
+                 "hook_timeout = 20"] for n in ("a", "b")}
+    sw = Swap(tmp_path, ["a", "b"], extra="max_resident = 1", model_lines=hooks)
+    try:
+        sw.start()
+        assert hello(sw.listen, "/a/hello")["name"] == "a"
+        assert hello(sw.listen, "/b/hello")["name"] == "b"     # a out: its prepare step
+        assert hello(sw.listen, "/a/hello")["name"] == "a"     # b out, a in: b's prepare, a's resume
+        lines = said.read_text().splitlines()
+        assert lines == ["prepare a swap.a", "prepare b swap.b", "resume a swap.a"], lines
+    finally:
+        sw.cleanup()
+
+
+def test_a_non_loopback_hook_url_is_refused_at_load(tmp_path: Path) -> None:
+    cfg = tmp_path / "swap.toml"
+    cfg.write_text('[[model]]\nname = "a"\ncommand = ["true"]\nport = 8000\nhealth = "/"\nmode = "criu"\n'
+                   'prepare = ["http://10.0.0.1:8000/sleep"]\n')
+    r = subprocess.run([*GPUSNAP, "--store", str(tmp_path / "store"), "swap", "serve", str(cfg)], cwd=REPO,
+                       env=env(), capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "prepare/resume" in r.stderr and "loopback" in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 
 def test_routes_by_own_port_by_path_prefix_and_by_json_model(swap: Swap) -> None:

@@ -29,12 +29,15 @@ import enum
 import ipaddress
 import os
 import re
+import shlex
 import stat
 import tomllib
 from dataclasses import dataclass, field
 from typing import Any
 
 from storage.api import EXIT_USAGE, GpusnapError
+
+from sandbox.ops.hooks import WorkloadHooks
 
 MAX_CONFIG_BYTES = 1 << 20
 MAX_MODELS = 64
@@ -84,8 +87,8 @@ class Budget:
 
 @dataclass(frozen=True)
 class Model:
-    """One server. PREPARE/RESUME: argv hooks for the swap operations' --prepare/--resume (they take
-    effect when the operations accept them; sandbox.swap.swapper says which)."""
+    """One server. PREPARE/RESUME: argv hooks (or one loopback http:// URL) run as the operations'
+    --prepare/--resume, each within HOOK_TIMEOUT seconds (sandbox.swap.swapper)."""
 
     name: str
     command: tuple[str, ...]
@@ -99,6 +102,7 @@ class Model:
     env: tuple[tuple[str, str], ...] = ()
     prepare: tuple[str, ...] = ()
     resume: tuple[str, ...] = ()
+    hook_timeout: float = 60.0
 
     @property
     def snapshot(self) -> str:
@@ -195,7 +199,7 @@ def _number(v: Any, key: str, lo: float, hi: float) -> float:
 
 
 _MODEL_KEYS = {"name", "command", "port", "listen", "health", "mode", "pinned", "gpu_memory", "cwd", "env",
-               "prepare", "resume"}
+               "prepare", "resume", "hook_timeout"}
 _TOP_KEYS = {"listen", "metrics", "control", "gpu_memory", "max_resident", "request_timeout", "start_timeout",
              "model"}
 
@@ -231,12 +235,27 @@ def _model(d: Any, i: int) -> Model:
     if not isinstance(env, dict) or not all(isinstance(k, str) and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k)
                                             and isinstance(v, str) and "\0" not in v for k, v in env.items()):
         raise _err(f"{where}.env", "a table of NAME = \"value\" strings")
-    return Model(name=name, command=_argv(d.get("command"), f"{where}.command", True),
-                 port=_port(d["port"], f"{where}.port"), health=health, mode=mode,
-                 listen=parse_address(d["listen"], f"{where}.listen") if "listen" in d else None, pinned=pinned,
-                 gpu_memory=parse_size(d["gpu_memory"], f"{where}.gpu_memory") if "gpu_memory" in d else None,
-                 cwd=cwd, env=tuple(sorted(env.items())), prepare=_argv(d.get("prepare"), f"{where}.prepare", False),
-                 resume=_argv(d.get("resume"), f"{where}.resume", False))
+    m = Model(name=name, command=_argv(d.get("command"), f"{where}.command", True),
+              port=_port(d["port"], f"{where}.port"), health=health, mode=mode,
+              listen=parse_address(d["listen"], f"{where}.listen") if "listen" in d else None, pinned=pinned,
+              gpu_memory=parse_size(d["gpu_memory"], f"{where}.gpu_memory") if "gpu_memory" in d else None,
+              cwd=cwd, env=tuple(sorted(env.items())), prepare=_argv(d.get("prepare"), f"{where}.prepare", False),
+              resume=_argv(d.get("resume"), f"{where}.resume", False),
+              hook_timeout=_number(d.get("hook_timeout", 60.0), f"{where}.hook_timeout", 0, 3600))
+    try:  # the hooks checked as the commands check them
+        workload_hooks(m)
+    except GpusnapError as e:
+        raise ConfigError(f"{where}.prepare/resume: {e}") from None
+    return m
+
+
+def workload_hooks(model: "Model") -> WorkloadHooks:
+    """MODEL's prepare/resume hooks as the operations take them (an argv list, or one http:// URL)."""
+    def spec(argv: tuple[str, ...]) -> str | None:
+        if not argv:
+            return None
+        return argv[0] if len(argv) == 1 and argv[0].startswith("http://") else shlex.join(argv)
+    return WorkloadHooks.parse(spec(model.prepare), spec(model.resume), model.hook_timeout)
 
 
 def parse(d: dict[str, Any]) -> Config:

@@ -460,9 +460,4 @@ def serve(cfg: Config, store: SnapshotStore, log: Callable[[str], None] = stderr
     d.budget = cfg.budget.resolve(swapper.gpu_total() if cfg.budget.fraction is not None else None)
     control.prepare_dir(cfg.control)
     d.adopt()
-    if any(m.prepare or m.resume for m in cfg.models):
-        off = [k for k, v in swapper.hooks_accepted().items() if not v]
-        if off:
-            log(f"prepare/resume hooks are not run by {', '.join(off)} in this gpusnap yet: they take effect "
-                "once those operations accept them")
     asyncio.run(d.run())

@@ -7,12 +7,13 @@ the server running or in a committed snapshot, and `gpusnap recover` finishes wh
 - mode gpu: out = `gpu checkpoint` (the process stays, CHECKPOINTED, its GPU memory in the store);
   in = `gpu restore` into the same process.
 
-Each returns its stages' seconds for the daemon's one log line per swap. prepare/resume hooks are
-passed to an operation only where its function takes them (HOOKS_ACCEPTED says which do).
+Each returns its stages' seconds for the daemon's one log line per swap. A model's prepare/resume
+hooks run as `--prepare`/`--resume` do on the commands (sandbox.ops.prepared): prepare before the tree
+is seized or its GPU locked, resume after a failed swap-out and after every swap-in, each journaled
+first so that `gpusnap recover` finishes a step a killed daemon left.
 """
 from __future__ import annotations
 
-import inspect
 import os
 import stat
 import subprocess
@@ -24,7 +25,8 @@ from storage.api import GpusnapError
 from storage.api import SnapshotStore
 
 from sandbox.host.processes import Proc, process_tree
-from sandbox.swap.config import Mode, Model
+from sandbox.ops.prepared import HookReport, prepared, resumed, tree_of
+from sandbox.swap.config import Mode, Model, workload_hooks
 
 
 class SwapError(GpusnapError):
@@ -43,22 +45,6 @@ class Step:
         total = sum(v for k, v in self.seconds.items() if k == "total") or sum(self.seconds.values())
         parts = ", ".join(f"{k} {v:.3f}" for k, v in self.seconds.items() if k != "total")
         return f"{self.what} {total:.3f} s ({parts})"
-
-
-def _accepts(fn: Callable[..., Any], *names: str) -> bool:
-    return all(n in inspect.signature(fn).parameters for n in names)
-
-
-def hooks_accepted() -> dict[str, bool]:
-    """Whether each operation's function takes prepare/resume hooks (else the config's are not run yet)."""
-    from sandbox.criu.snapshot import criu_dump, criu_restore
-    from sandbox.gpu.snapshot import gpu_checkpoint, gpu_restore
-    return {"criu dump": _accepts(criu_dump, "prepare"), "criu restore": _accepts(criu_restore, "resume"),
-            "gpu checkpoint": _accepts(gpu_checkpoint, "prepare"), "gpu restore": _accepts(gpu_restore, "resume")}
-
-
-def _hooks(fn: Callable[..., Any], key: str, argv: tuple[str, ...]) -> dict[str, Any]:
-    return {key: list(argv)} if argv and _accepts(fn, key) else {}
 
 
 _children: dict[int, subprocess.Popen[bytes]] = {}
@@ -148,8 +134,10 @@ def swap_out(store: SnapshotStore, model: Model, proc: Proc) -> Step:
         from sandbox.criu.snapshot import criu_dump
         wait_quiet(proc)
         quiet = time.monotonic() - t
-        r = criu_dump(store, proc.pid, model.snapshot, replace=True, options=DumpOptions(skip_in_flight=True),
-                      **_hooks(criu_dump, "prepare", model.prepare))
+        wh = workload_hooks(model)
+        with prepared(store.path, wh, model.snapshot, proc.pid, resume_after=False, report=HookReport()):
+            r = criu_dump(store, proc.pid, model.snapshot, replace=True, options=DumpOptions(skip_in_flight=True),
+                          resume=wh.resume)
         for p in r.pids:   # the dumped tree was killed once the snapshot committed: free its pids
             deadline = time.monotonic() + 5
             while reap(p) is None and Proc.of(p) is not None and time.monotonic() < deadline:
@@ -157,7 +145,9 @@ def swap_out(store: SnapshotStore, model: Model, proc: Proc) -> Step:
         return Step(f"out {model.name} (criu dump)", {"quiet": quiet, **r.seconds,
                                                       "total": time.monotonic() - t}, None)
     from sandbox.gpu.snapshot import gpu_checkpoint
-    g = gpu_checkpoint(store, proc.pid, model.snapshot, replace=True, **_hooks(gpu_checkpoint, "prepare", model.prepare))
+    wh = workload_hooks(model)
+    with prepared(store.path, wh, model.snapshot, proc.pid, resume_after=False, report=HookReport()):
+        g = gpu_checkpoint(store, proc.pid, model.snapshot, replace=True, resume=wh.resume)
     return Step(f"out {model.name} (gpu checkpoint)", {**g.seconds, "total": time.monotonic() - t}, proc)
 
 
@@ -166,16 +156,29 @@ def swap_in(store: SnapshotStore, model: Model, proc: Proc | None) -> Step:
     t = time.monotonic()
     if model.mode == Mode.CRIU:
         from sandbox.criu.snapshot import criu_restore
-        r = criu_restore(store, model.snapshot, **_hooks(criu_restore, "resume", model.resume))
+        r = criu_restore(store, model.snapshot)
         new = Proc.of(r.restored_pid) if r.restored_pid else None
         if new is None:
             raise SwapError(f"{model.name}: restored, but its process {r.restored_pid} is gone")
+        _resume(store, model, new.pid, r.seconds)
         return Step(f"in {model.name} (criu restore)", {**r.seconds, "total": time.monotonic() - t}, new)
     if proc is None:
         raise SwapError(f"{model.name}: no process to give its GPU memory back to")
     from sandbox.gpu.snapshot import gpu_restore
-    g = gpu_restore(store, model.snapshot, proc.pid, **_hooks(gpu_restore, "resume", model.resume))
+    g = gpu_restore(store, model.snapshot, proc.pid)
+    _resume(store, model, proc.pid, g.seconds)
     return Step(f"in {model.name} (gpu restore)", {**g.seconds, "total": time.monotonic() - t}, proc)
+
+
+def _resume(store: SnapshotStore, model: Model, pid: int, seconds: dict[str, float]) -> None:
+    """MODEL's resume step for its restored tree (PID), journaled first (the config's own step: the
+    operator's, not one read back from the snapshot)."""
+    wh = workload_hooks(model)
+    if wh.resume is None:
+        return
+    t = time.monotonic()
+    resumed(store.path, wh.resume, wh.timeout_s, model.snapshot, pid, tree_of(pid), HookReport())
+    seconds["resume"] = time.monotonic() - t
 
 
 def gpu_bytes(proc: Proc) -> int | None:
