@@ -16,7 +16,7 @@ Requests go A, A, B, B, ...: the first of each pair is a switch, the second a re
 --dry-cpu runs the same flow with tiny models on the CPU (mode "criu" only: no GPU), or writes a
 skipped result where torch, transformers or aiohttp are missing. Needs root (CRIU, the CUDA driver's
 checkpoint API). Usage:
-  python3 -m scripts.bench.bench_swap --out results/swap.json [--gb-each 8] [--requests 100]
+  python3 -m scripts.bench.bench_swap --out swap.json [--gb-each 8] [--requests 100]
       [--criu-requests 20] [--dry-cpu] [--keep]
 """
 from __future__ import annotations
