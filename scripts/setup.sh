@@ -32,9 +32,9 @@ step() {  # step WHAT CMD...: run CMD with its output in the log; on failure sho
 apt=(apt-get -q -o DPkg::Lock::Timeout=300)
 # runc and Podman (with runc as its runtime: crun is not installed, Debian 12's has no CRIU support) and
 # busybox-static (the containers' root filesystem: no image registry is needed) for the container tests.
-# acl: setfacl/getfacl, for the tests that store and restore POSIX ACLs.
+# acl: setfacl/getfacl, for the tests that store and restore POSIX ACLs. python3-yaml: CRIU's zdtm (scripts/zdtm/).
 apt_pkgs=(python3-venv runsc iproute2 zstd tar procps util-linux runc podman conmon
-          golang-github-containers-common containernetworking-plugins busybox-static strace acl)
+          golang-github-containers-common containernetworking-plugins busybox-static strace acl python3-yaml)
 missing=()
 for p in "${apt_pkgs[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
 if [ ${#missing[@]} -gt 0 ]; then
