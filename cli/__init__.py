@@ -35,7 +35,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "import": ("cli.container_cmd", "import_group", "Store a container runtime's checkpoint (chunked and deduplicated) as a snapshot."),
     "export": ("cli.container_cmd", "export_cmd", "Write runtime checkpoint NAME to DEST (new): a Podman archive for `podman container restore --import DEST`, or a runc image directory for `runc..."),
     "recover": ("cli.recover_cmd", "recover_cmd", "Finish or undo every interrupted dump, checkpoint or restore (its gpusnap process died)."),
-    "remote": ("cli.remote_cmd", "remote", "Remotes: S3-compatible object stores this store pushes snapshots to and pulls them from."),
+    "remote": ("cli.remote_cmd", "remote", "Remotes: S3-compatible object stores (s3://) or shared directories (file://, e.g. on NFS) this store pushes snapshots to and pulls them from."),
     "push": ("cli.remote_cmd", "push", "Send SNAPSHOT to remote NAME: only the chunks it lacks, then the manifest."),
     "pull": ("cli.remote_cmd", "pull", "Fetch SNAPSHOT from remote NAME: only the chunks this store lacks, each verified on arrival."),
 }

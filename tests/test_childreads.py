@@ -3,6 +3,7 @@ pack descriptors it reads, stopped by closing its stdin (the parent's stop or it
 from __future__ import annotations
 
 import os
+import re
 import random
 import time
 from pathlib import Path
@@ -53,7 +54,10 @@ def test_the_child_reads_every_range_holding_only_the_packs(tmp_path: Path) -> N
     assert child is not None
     held = _fds(child.pid)
     assert {n for n in held if n > 2}, held
-    extra = {n: t for n, t in held.items() if n > 2 and not t.startswith(str(packs) + "/")}
+    # a shared library the child's loader has open for a moment while it starts (seen: libc.so.6 as fd 3
+    # on a loaded CI machine) is the interpreter's own, not something of gpusnap's it inherited
+    extra = {n: t for n, t in held.items() if n > 2 and not t.startswith(str(packs) + "/")
+             and not re.search(r"\.so(\.[0-9]+)*$", t)}
     assert not extra, extra  # only packs beyond stdin, stdout, stderr
     assert held[0].startswith("pipe:") and held[1].startswith("pipe:") and held[2] == "/dev/null", held
     # the child ends by itself once it has read every range (stopping it as soon as the packs were

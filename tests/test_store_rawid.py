@@ -40,7 +40,8 @@ def test_second_put_of_unchanged_data_compresses_and_writes_nothing(cli: Cli, st
     assert first["chunks_compressed"] == first["chunks_new"] > 0, first
     assert {_magic(e) for e in chunk_entries(store_dir)} == {MAGIC_RAW}
     assert _marker_version(store_dir) == 8  # a store written by this version (FORMAT.md, "Store versions")
-    second = cli.json("store", "put", "b", str(src), "--chunk-size", "1M")
+    # --no-parent: this is about raw-addressed ids alone (a parent would store the changed chunk as a delta)
+    second = cli.json("store", "put", "b", str(src), "--chunk-size", "1M", "--no-parent")
     assert second["chunks_compressed"] == 0 and second["chunks_new"] == 0 and second["new_bytes"] == 0, second
     assert second["chunks_dedup"] == first["chunks_new"] and second["chunks_zero"] == first["chunks_zero"]
     # one chunk's worth of bytes changed: that chunk alone is compressed and written
@@ -48,7 +49,7 @@ def test_second_put_of_unchanged_data_compresses_and_writes_nothing(cli: Cli, st
     data = bytearray(w.read_bytes())
     data[100:200] = bytes(range(100))
     w.write_bytes(bytes(data))
-    third = cli.json("store", "put", "c", str(src), "--chunk-size", "1M")
+    third = cli.json("store", "put", "c", str(src), "--chunk-size", "1M", "--no-parent")
     assert third["chunks_compressed"] == third["chunks_new"] == 1, third
     for name in ("a", "b", "c"):
         cli.run("store", "get", name, str(tmp_path / f"out-{name}"))

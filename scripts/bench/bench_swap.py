@@ -126,7 +126,6 @@ class MemoryPoll:
     """NVML's used memory of every GPU together, every 20 ms, in a thread (nothing where NVML is missing)."""
 
     def __init__(self) -> None:
-        sys.path.insert(0, str(REPO))
         from sandbox.gpu import nvml
         self.nvml = nvml
         self.samples: list[tuple[float, int]] = []
