@@ -69,12 +69,13 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     echo "$want" > "$stamp"
 fi
 
-# torch, transformers and safetensors for the workload-helper tests (tests/test_workload_helper.py: a small
+# torch, transformers, safetensors and aiohttp for the workload tests (tests/test_workload_helper.py,
+# tests/test_transformers_server.py, tests/test_swap_gpu.py: a small
 # real transformers model served on the CPU). torch==2.13.0 is pinned because pip takes its CPU build
 # (about 190 MB, no CUDA libraries) from this machine kind's local wheel directory; a newer release
 # would pull a CUDA build of several GB. Measured here on a fresh venv: 37 s, 1.1 GB (torch alone 0.75 GB).
 # GPUSNAP_NO_TORCH=1 skips it (those tests then skip, saying why). Stamped: once per pin.
-torch_pins="torch==2.13.0 transformers==4.57.6 safetensors==0.8.0"
+torch_pins="torch==2.13.0 transformers==4.57.6 safetensors==0.8.0 aiohttp==3.14.5"
 if [ "${GPUSNAP_NO_TORCH:-0}" != 1 ] && [ "$(cat .cache/torch.stamp 2>/dev/null)" != "$torch_pins" ]; then
     echo "setup: installing $torch_pins into .venv (once; log: $log)" >&2
     # shellcheck disable=SC2086 - the pins are words
