@@ -201,6 +201,26 @@ def list_keys(backend: Backend, prefix: str, deadline: Deadline, *, max_keys: in
 
 
 # ---- wrappers ------------------------------------------------------------------------------------
+class StreamedGets:
+    """`get` and `get_into` of a backend, both through its own `get_stream` (one read path per backend)."""
+
+    def get_stream(self, key: str, limit: int, sink: Sink, deadline: Deadline | None = None) -> bool:
+        raise NotImplementedError
+
+    def get(self, key: str, limit: int, deadline: Deadline | None = None) -> bytes | None:
+        pieces: list[bytes] = []
+        return b"".join(pieces) if self.get_stream(key, limit, pieces.append, deadline) else None
+
+    def get_into(self, key: str, buf: memoryview, deadline: Deadline | None = None) -> int | None:
+        got = 0
+
+        def into(piece: bytes) -> None:
+            nonlocal got
+            buf[got:got + len(piece)] = piece
+            got += len(piece)
+        return got if self.get_stream(key, len(buf), into, deadline) else None
+
+
 class _Wrapper:
     """Passes every call to INNER (a Backend), through `_call`."""
 

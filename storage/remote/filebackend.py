@@ -24,7 +24,7 @@ import threading
 from contextlib import contextmanager
 from typing import Iterator
 
-from storage.remote.backend import (LIST_MAX_KEYS, BackendDamage, BackendError, BackendSpec, BackendStats,
+from storage.remote.backend import (LIST_MAX_KEYS, BackendDamage, BackendError, BackendSpec, BackendStats, StreamedGets,
                                     BackendUnavailable, Deadline, ObjectInfo, Page, Sink, _env_float)
 
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -63,7 +63,7 @@ def _kind(mode: int) -> str:
             "a socket" if stat.S_ISSOCK(mode) else "not a regular file")
 
 
-class FileBackend:
+class FileBackend(StreamedGets):
     """The Backend protocol over a directory tree."""
 
     def __init__(self, spec: BackendSpec, deadline: Deadline) -> None:
@@ -224,19 +224,6 @@ class FileBackend:
                 os.close(fd)
         self.stats.count(received=got)
         return True
-
-    def get(self, key: str, limit: int, deadline: Deadline | None = None) -> bytes | None:
-        pieces: list[bytes] = []
-        return b"".join(pieces) if self.get_stream(key, limit, pieces.append, deadline) else None
-
-    def get_into(self, key: str, buf: memoryview, deadline: Deadline | None = None) -> int | None:
-        got = 0
-
-        def into(piece: bytes) -> None:
-            nonlocal got
-            buf[got:got + len(piece)] = piece
-            got += len(piece)
-        return got if self.get_stream(key, len(buf), into, deadline) else None
 
     def get_range_into(self, key: str, offset: int, length: int, buf: memoryview,
                        deadline: Deadline | None = None) -> int | None:

@@ -13,7 +13,7 @@ import re
 from contextlib import contextmanager
 from typing import Any, Iterator
 
-from storage.remote.backend import (READ_TIMEOUT_S, BackendDamage, BackendError, BackendSpec, BackendStats,
+from storage.remote.backend import (READ_TIMEOUT_S, BackendDamage, BackendError, BackendSpec, BackendStats, StreamedGets,
                                     BackendUnavailable, Deadline, ObjectInfo, Page, Sink, _env_float)
 from storage.remote.credentials import Credentials, load_credentials
 
@@ -45,7 +45,7 @@ def open_s3(spec: BackendSpec, deadline: Deadline) -> "S3Backend":
     return S3Backend(spec, load_credentials(spec.name, spec.credentials_file), deadline)
 
 
-class S3Backend:
+class S3Backend(StreamedGets):
     """The Backend protocol over boto3; errors turned into one line each."""
 
     def __init__(self, spec: BackendSpec, creds: Credentials, deadline: Deadline) -> None:
@@ -201,19 +201,6 @@ class S3Backend:
                 sink(piece)
             self.stats.count(received=got)
             return True
-
-    def get(self, key: str, limit: int, deadline: Deadline | None = None) -> bytes | None:
-        pieces: list[bytes] = []
-        return b"".join(pieces) if self.get_stream(key, limit, pieces.append, deadline) else None
-
-    def get_into(self, key: str, buf: memoryview, deadline: Deadline | None = None) -> int | None:
-        got = 0
-
-        def into(piece: bytes) -> None:
-            nonlocal got
-            buf[got:got + len(piece)] = piece
-            got += len(piece)
-        return got if self.get_stream(key, len(buf), into, deadline) else None
 
     def get_range_into(self, key: str, offset: int, length: int, buf: memoryview,
                        deadline: Deadline | None = None) -> int | None:
