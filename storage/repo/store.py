@@ -1633,14 +1633,7 @@ class SnapshotStore:
         (a damaged manifest, chunk or index file, a stray entry of snapshots/)."""
         report = VerifyReport()
         with self.shared():
-            if names is None:
-                names, report.strays = self.scan()
-            report.snapshots = list(names)
-            manifests = self.load_all(names, report.problems)
-            report.problems += [Problem("(store)", None, None, why + " (the chunks it names read as missing)")
-                                for why in self.refresh_index().damage.values()]
-            refs = chunk_refs(manifests)
-            report.chunks_total = len(refs)
+            manifests, refs = self._verify_scope(names, report)
             if isinstance(sample, tuple):  # restic's n/t: the n-th of t fixed groups, by chunk id
                 n, t = sample
                 picked = [cid for cid in sorted(refs) if int(cid[:8], 16) % t == n - 1]
@@ -1722,6 +1715,21 @@ class SnapshotStore:
                             quarantine_wait)
         return report
 
+    def _verify_scope(self, names: list[str] | None,
+                      report: "VerifyReport") -> tuple[list[Manifest], dict[str, ChunkRef]]:
+        """What verify and verify_quick both check first, under the caller's shared lock: the manifests of
+        NAMES (default: every snapshot; the strays of snapshots/ into REPORT), each loaded and checked,
+        the index's own damage, and the chunk references they name (REPORT.chunks_total)."""
+        if names is None:
+            names, report.strays = self.scan()
+        report.snapshots = list(names)
+        manifests = self.load_all(names, report.problems)
+        report.problems += [Problem("(store)", None, None, why + " (the chunks it names read as missing)")
+                            for why in self.refresh_index().damage.values()]
+        refs = chunk_refs(manifests)
+        report.chunks_total = len(refs)
+        return manifests, refs
+
     def verify_quick(self, names: list[str] | None = None) -> VerifyReport:
         """The structural check (restic's `check` without --read-data): every manifest of NAMES
         (default: every snapshot, and the strays of snapshots/) loaded and checked whole, the index
@@ -1730,14 +1738,7 @@ class SnapshotStore:
         bytes rotted is found by `verify` without --quick. Nothing is quarantined or marked."""
         report = VerifyReport()
         with self.shared():
-            if names is None:
-                names, report.strays = self.scan()
-            report.snapshots = list(names)
-            manifests = self.load_all(names, report.problems)
-            report.problems += [Problem("(store)", None, None, why + " (the chunks it names read as missing)")
-                                for why in self.refresh_index().damage.values()]
-            refs = chunk_refs(manifests)
-            report.chunks_total = len(refs)
+            manifests, refs = self._verify_scope(names, report)
             absent = {cid: self.absence(cid) for cid in refs if not self.has(cid)}
             for m in manifests:
                 for s in m.streams:
