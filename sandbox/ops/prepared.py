@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 from storage.api import SnapshotStore
 
@@ -90,16 +90,24 @@ def prepared(store_path: str, h: WorkloadHooks, snapshot: str, pid: int, *,
             _resume_after_failure(h, op, report, snapshot, pid, e)
             raise
         if resume_after and h.resume is not None:
-            journal.pause("before-resume")
-            try:
-                report.runs.append(hooks.run(h.resume, Step.RESUME, h.timeout_s, snapshot=snapshot, pid=pid))
-            except HookError as e:
-                op.keep = True
-                raise HookError(f"snapshot {snapshot!r} is committed, but {e}: the workload may still be prepared; "
-                                "`gpusnap recover` tries the resume step again") from None
-            except BaseException:  # a signal cut the step short: recover runs it again
-                op.keep = True
-                raise
+            _resume_or_keep(op, h.resume, h.timeout_s, snapshot, pid, report,
+                            lambda e: f"snapshot {snapshot!r} is committed, but {e}: the workload may still be "
+                                      "prepared; `gpusnap recover` tries the resume step again")
+
+
+def _resume_or_keep(op: journal.Op, resume: hooks.Hook, timeout_s: float, snapshot: str, pid: int,
+                    report: HookReport, failed: Callable[[HookError], str]) -> None:
+    """RESUME run for PID inside OP's record; a failure keeps the record for `gpusnap recover` (a
+    HookError saying FAILED(e)), and so does a signal that cuts the step short."""
+    journal.pause("before-resume")
+    try:
+        report.runs.append(hooks.run(resume, Step.RESUME, timeout_s, snapshot=snapshot, pid=pid))
+    except HookError as e:
+        op.keep = True
+        raise HookError(failed(e)) from None
+    except BaseException:  # a signal cut the step short: recover runs it again
+        op.keep = True
+        raise
 
 
 def tree_of(pid: int) -> list[int]:
@@ -116,16 +124,9 @@ def resumed(store_path: str, resume: hooks.Hook, timeout_s: float, snapshot: str
     meanwhile leaves a record `gpusnap recover` finishes. HookError if it fails (the record stays)."""
     with journal.operation(store_path, OpKind.WORKLOAD_PREPARED, snapshot, pids=pids,
                            resume={"hook": resume.spec, "timeout_s": timeout_s}) as op:
-        journal.pause("before-resume")
-        try:
-            report.runs.append(hooks.run(resume, Step.RESUME, timeout_s, snapshot=snapshot, pid=pid))
-        except HookError as e:
-            op.keep = True
-            raise HookError(f"snapshot {snapshot!r} was restored, but {e}: `gpusnap recover` tries the resume "
-                            "step again") from None
-        except BaseException:  # a signal cut the step short: recover runs it again
-            op.keep = True
-            raise
+        _resume_or_keep(op, resume, timeout_s, snapshot, pid, report,
+                        lambda e: f"snapshot {snapshot!r} was restored, but {e}: `gpusnap recover` tries the "
+                                  "resume step again")
 
 
 @kind
